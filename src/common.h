@@ -1,0 +1,63 @@
+/*
+ * common.h - small helpers shared by every internal module: alignment, sizes, logging,
+ * the monotonic clock. Not a place for policy; nothing here allocates or locks.
+ */
+#ifndef ZINF_COMMON_H
+#define ZINF_COMMON_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <time.h>
+
+#include "config.h"
+#include "zinf.h"
+
+#define ZINF_ALIGN 4096u /* O_DIRECT alignment of buffers, offsets and lengths */
+#define KiB ((size_t)1 << 10)
+#define MiB ((size_t)1 << 20)
+#define GiB ((size_t)1 << 30)
+
+#define ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+
+static inline bool is_aligned(uint64_t v, uint64_t a)
+{
+    return (v & (a - 1)) == 0;
+}
+static inline uint64_t align_up(uint64_t v, uint64_t a)
+{
+    return (v + a - 1) & ~(a - 1);
+}
+static inline uint64_t align_down(uint64_t v, uint64_t a)
+{
+    return v & ~(a - 1);
+}
+static inline uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Logging. Messages go to the sink (stderr by default) prefixed with "zinf: ". */
+enum log_level { LOG_ERROR, LOG_WARN, LOG_NOTICE, LOG_DEBUG };
+typedef void (*log_sink_fn)(enum log_level level, const char *msg, void *data);
+
+void log_msg(enum log_level level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+#define log_error(...) log_msg(LOG_ERROR, __VA_ARGS__)
+#define log_warn(...) log_msg(LOG_WARN, __VA_ARGS__)
+#define log_notice(...) log_msg(LOG_NOTICE, __VA_ARGS__)
+#define log_debug(...) log_msg(LOG_DEBUG, __VA_ARGS__)
+/* Replace the sink (NULL restores stderr); returns the previous one. Tests capture with it. */
+log_sink_fn log_set_sink(log_sink_fn fn, void *data, void **old_data);
+void log_set_level(enum log_level max_level);
+
+/* Parse "4G", "512M", "64k", "1048576", "1e8" into bytes (binary units). -EINVAL on junk,
+ * -ERANGE on overflow. */
+int parse_size(const char *s, uint64_t *out);
+/* Format bytes as "1.5 GiB" into buf. */
+const char *format_size(uint64_t bytes, char *buf, size_t len);
+
+#endif

@@ -1,0 +1,112 @@
+/*
+ * log.c - the library's one logging channel and the size parser shared by the config
+ * reader and the CLI. Logging is for people (notices, the reason behind an error code);
+ * programs get the error code.
+ */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+static log_sink_fn log_sink;
+static void *log_sink_data;
+static enum log_level log_max = LOG_NOTICE;
+
+log_sink_fn log_set_sink(log_sink_fn fn, void *data, void **old_data)
+{
+    pthread_mutex_lock(&log_lock);
+    log_sink_fn old = log_sink;
+    if (old_data)
+        *old_data = log_sink_data;
+    log_sink = fn;
+    log_sink_data = data;
+    pthread_mutex_unlock(&log_lock);
+    return old;
+}
+
+void log_set_level(enum log_level max_level)
+{
+    log_max = max_level;
+}
+
+void log_msg(enum log_level level, const char *fmt, ...)
+{
+    static const char *const names[] = {"error: ", "warning: ", "", "debug: "};
+    char msg[1024];
+    va_list ap;
+
+    if (level > log_max && !getenv("ZINF_DEBUG"))
+        return;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&log_lock);
+    if (log_sink)
+        log_sink(level, msg, log_sink_data);
+    else
+        fprintf(stderr, "zinf: %s%s\n", names[level], msg);
+    pthread_mutex_unlock(&log_lock);
+}
+
+int parse_size(const char *s, uint64_t *out)
+{
+    char *end;
+    double v;
+    uint64_t mult = 1;
+
+    if (!s || !*s)
+        return -EINVAL;
+    while (*s == ' ')
+        s++;
+    if (*s == '-' || *s == '+')
+        return -EINVAL;
+    errno = 0;
+    v = strtod(s, &end);
+    if (end == s || errno == ERANGE || !isfinite(v) || v < 0)
+        return end == s ? -EINVAL : -ERANGE;
+    switch (*end) {
+    case 'k': case 'K': mult = KiB; end++; break;
+    case 'm': case 'M': mult = MiB; end++; break;
+    case 'g': case 'G': mult = GiB; end++; break;
+    case 't': case 'T': mult = GiB * 1024; end++; break;
+    default: break;
+    }
+    if (mult > 1 && (*end == 'i' || *end == 'I'))
+        end++;
+    if (mult > 1 && (*end == 'b' || *end == 'B'))
+        end++;
+    if (*end != '\0')
+        return -EINVAL;
+    v *= (double)mult;
+    if (v >= 18446744073709551616.0)
+        return -ERANGE;
+    if (v != floor(v))
+        return -EINVAL; /* a fraction of a byte */
+    *out = (uint64_t)v;
+    return 0;
+}
+
+const char *format_size(uint64_t bytes, char *buf, size_t len)
+{
+    static const char *const units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = (double)bytes;
+    unsigned u = 0;
+
+    while (v >= 1024 && u + 1 < ARRAY_SIZE(units)) {
+        v /= 1024;
+        u++;
+    }
+    if (u == 0)
+        snprintf(buf, len, "%llu B", (unsigned long long)bytes);
+    else if (v == floor(v))
+        snprintf(buf, len, "%.0f %s", v, units[u]);
+    else
+        snprintf(buf, len, "%.2f %s", v, units[u]);
+    return buf;
+}

@@ -1,0 +1,35 @@
+/*
+ * zinf.c - the library-wide public functions that belong to no layer: version and
+ * error strings.
+ */
+#include <errno.h>
+#include <string.h>
+
+#include "common.h"
+
+ZINF_API const char *zinf_version(void)
+{
+    return ZINF_VERSION;
+}
+
+ZINF_API const char *zinf_strerror(int err)
+{
+    if (err > 0)
+        err = -err;
+    switch (err) {
+    case 0: return "success";
+    case -EINVAL: return "invalid argument (bad handle, unaligned or out-of-range request)";
+    case -ENOMEM: return "out of memory in the tier (every unpinned copy evicted, still no room)";
+    case -ENOSPC: return "no space left (tier capacity or swap directory full)";
+    case -EEXIST: return "a tensor with this name is already registered";
+    case -ENOENT: return "no such tensor or file";
+    case -EBUSY: return "busy: the tensor is pinned or writable in another tier";
+    case -EIO: return "input/output error on the swap device";
+    case -EBADMSG: return "corrupted data: checksum mismatch in a swap file";
+    case -ENODATA: return "read past the end of the file";
+    case -ESHUTDOWN: return "the engine is closing";
+    case -ENOSYS: return "not supported by this kernel";
+    case -ENOTSUP: return "not supported by this backend";
+    default: return strerror(-err);
+    }
+}

@@ -1,0 +1,25 @@
+/* helpers.h - what several test programs need: scratch directories, random bytes,
+ * capturing log messages. */
+#ifndef ZINF_TESTS_HELPERS_H
+#define ZINF_TESTS_HELPERS_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* A fresh, empty directory for this test (under $ZINF_TEST_TMPDIR or /tmp). Free with
+ * test_rmtree(), which removes it and everything below it. */
+char *test_tmpdir(const char *tag);
+void test_rmtree(char *path);
+/* A fresh directory on tmpfs (/dev/shm), or NULL when there is none. */
+char *test_shmdir(const char *tag);
+
+/* 4 KiB aligned allocation; free with free(). */
+void *test_aligned_alloc(size_t bytes);
+/* Deterministic pseudo-random bytes from a seed. */
+void test_fill_random(void *buf, size_t bytes, uint64_t seed);
+uint64_t test_rand(uint64_t *state);
+
+/* Collect log messages in memory; test_log_text() returns all of them joined by '\n'. */
+void test_log_capture_start(void);
+const char *test_log_text(void);
+void test_log_capture_stop(void);
+#endif

@@ -1,0 +1,9 @@
+/* cmd.h - the subcommands of the zinf CLI. Each returns the process exit status:
+ * 0 success, 1 failure at run time, 2 bad usage or bad input. */
+#ifndef ZINF_TOOLS_CMD_H
+#define ZINF_TOOLS_CMD_H
+
+int cmd_bench(int argc, char **argv);
+int cmd_config(int argc, char **argv);
+
+#endif

@@ -1,0 +1,57 @@
+/*
+ * zinf.c - the zinf command line: one binary, one subcommand per job.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "common.h"
+#include "cmd.h"
+#include "tiers/cuda_probe.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: zinf <command> [options]\n"
+            "\n"
+            "commands:\n"
+            "  bench     measure the NVMe swap path (io_uring, O_DIRECT), optionally vs pread/pwrite\n"
+            "  config    check a DeepSpeed-style JSON config: zinf config check FILE\n"
+            "  version   print the version and what this build supports\n"
+            "  help      this text; 'zinf <command> --help' for a command's options\n");
+}
+
+static int cmd_version(void)
+{
+    struct cuda_probe_info ci;
+
+    printf("zinf %s\n", zinf_version());
+    printf("cuda: %s", ZINF_HAVE_CUDA ? "built" : "not built");
+    if (cuda_probe(&ci) > 0)
+        printf(", %d device(s), device 0: %s\n", ci.device_count, ci.name);
+    else
+        printf(" (%s)\n", ci.reason);
+    printf("nccl: %s\n", ZINF_HAVE_NCCL ? "built" : "not built");
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *c = argv[1];
+    if (!strcmp(c, "help") || !strcmp(c, "--help") || !strcmp(c, "-h")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(c, "version") || !strcmp(c, "--version"))
+        return cmd_version();
+    if (!strcmp(c, "bench"))
+        return cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(c, "config"))
+        return cmd_config(argc - 1, argv + 1);
+    fprintf(stderr, "zinf: unknown command '%s'\n", c);
+    usage(stderr);
+    return 2;
+}
