@@ -64,7 +64,8 @@ int parse_size(const char *s, uint64_t *out)
         return -EINVAL;
     while (*s == ' ')
         s++;
-    if (*s == '-' || *s == '+')
+    /* Decimal only: strtod would also take "0x10", "inf" and "nan". */
+    if (!((*s >= '0' && *s <= '9') || *s == '.') || strpbrk(s, "xXpP"))
         return -EINVAL;
     errno = 0;
     v = strtod(s, &end);

@@ -1,0 +1,148 @@
+/*
+ * test_cli.c - the zinf command line as a user runs it: exit codes, the bench rows and
+ * their verification, JSON output, and the error messages for bad arguments. The binary
+ * comes from $ZINF_BIN (set by meson).
+ */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "helpers.h"
+
+static char *dir;
+
+static void setup(void)
+{
+    dir = test_tmpdir("cli");
+    cr_assert_not_null(dir);
+}
+
+static void teardown(void)
+{
+    test_rmtree(dir);
+}
+
+TestSuite(cli, .init = setup, .fini = teardown, .timeout = 120);
+
+/* Run `zinf ARGS` through the shell, capture stdout+stderr; returns the exit status. */
+static int run(char **out, const char *fmt, ...)
+{
+    char args[2048], cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof(args), fmt, ap);
+    va_end(ap);
+    const char *bin = getenv("ZINF_BIN");
+    cr_assert_not_null(bin, "ZINF_BIN is not set");
+    snprintf(cmd, sizeof(cmd), "%s %s 2>&1", bin, args);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    size_t n;
+    while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
+        len += n;
+        if (cap - len < 1024)
+            buf = realloc(buf, cap *= 2);
+    }
+    buf[len] = '\0';
+    int st = pclose(p);
+    *out = buf;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+Test(cli, help_version_unknown)
+{
+    char *o;
+    cr_assert_eq(run(&o, "help"), 0);
+    cr_assert(strstr(o, "bench") && strstr(o, "config"));
+    free(o);
+    cr_assert_eq(run(&o, "version"), 0);
+    cr_assert(strstr(o, "zinf 0."), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "frobnicate"), 2);
+    cr_assert(strstr(o, "unknown command 'frobnicate'"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, ""), 2);
+    free(o);
+}
+
+Test(cli, bench_rows_are_verified)
+{
+    char *o;
+    cr_assert_eq(run(&o, "bench --path %s --size 8M --block-size 256K --queue-depth 4 --baseline",
+                     dir), 0, "%s", o);
+    cr_assert(strstr(o, "# backend "), "%s", o);
+    /* Four rows (zinf write/read, pread write/read), each verified. */
+    int rows = 0;
+    for (char *l = strtok(o, "\n"); l; l = strtok(NULL, "\n")) {
+        if (l[0] == '#')
+            continue;
+        rows++;
+        cr_assert(strstr(l, " 8388608 ") && strstr(l, " ok"), "row: %s", l);
+    }
+    cr_assert_eq(rows, 4);
+    free(o);
+    /* The file is removed afterwards unless --keep. */
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/zinf-bench.dat", dir);
+    cr_assert_neq(access(path, F_OK), 0);
+}
+
+Test(cli, bench_json_and_read_alone)
+{
+    char *o;
+    /* --read alone writes the file it needs first, and reports only the read. */
+    cr_assert_eq(run(&o, "bench --path %s --size 4M --block-size 128K --read --json --keep",
+                     dir), 0, "%s", o);
+    cr_assert(strstr(o, "\"op\": \"read\"") && strstr(o, "\"verified\": true"), "%s", o);
+    cr_assert_null(strstr(o, "\"op\": \"write\""), "%s", o);
+    cr_assert(strstr(o, "\"block_size\": 131072") && strstr(o, "\"queue_depth\": 32"), "%s", o);
+    cr_assert(strstr(o, "\"GBps\": ") && strstr(o, "\"bytes\": 4194304"), "%s", o);
+    free(o);
+    /* A file that holds something else fails verification instead of passing silently. */
+    char cmd[4096];
+    snprintf(cmd, sizeof(cmd), "dd if=/dev/urandom of=%s/zinf-bench.dat bs=1M count=1 seek=1 "
+             "conv=notrunc status=none", dir);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert_eq(run(&o, "bench --path %s --size 4M --block-size 128K --read --json --keep",
+                     dir), 1, "%s", o);
+    cr_assert(strstr(o, "\"verified\": false") && strstr(o, "\"bad_blocks\": 8"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "bench --path %s --size 4M --block-size 128K --read", dir), 1, "%s", o);
+    cr_assert(strstr(o, "FAIL"), "%s", o);
+    free(o);
+}
+
+Test(cli, bench_threads_backend)
+{
+    char *o;
+    cr_assert_eq(run(&o, "bench --path %s --size 4M --backend threads", dir), 0, "%s", o);
+    cr_assert(strstr(o, "backend threads"), "%s", o);
+    free(o);
+}
+
+Test(cli, bench_bad_arguments)
+{
+    static const struct { const char *args; const char *msg; } bad[] = {
+        {"bench", "--path DIR is required"},
+        {"bench --path /nonexistent/zinf", "--path /nonexistent/zinf: No such file"},
+        {"bench --path %s --size lots", "--size: expected a size like 4G, got 'lots'"},
+        {"bench --path %s --block-size 1000", "--block-size: must be a multiple of 4096"},
+        {"bench --path %s --queue-depth 0", "--queue-depth: must be 1..4096"},
+        {"bench --path %s --backend spdk", "--backend: must be io_uring or threads"},
+        {"bench --path %s --frob", "unknown or incomplete option '--frob'"},
+        {"bench --path %s --size 1000T", "the test needs"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char *o, args[1024];
+        snprintf(args, sizeof(args), bad[i].args, dir);
+        cr_assert_eq(run(&o, "%s", args), 2, "zinf %s: %s", args, o);
+        cr_assert(strstr(o, bad[i].msg), "zinf %s said: %s", args, o);
+        free(o);
+    }
+}
