@@ -541,7 +541,9 @@ int cmd_bench(int argc, char **argv)
             goto out;
         }
     }
-    c.mem_bytes = max_bs * max_qd;
+    /* A slot is used only while its offset is inside the file: never more than
+     * size + one block of buffers, however deep the queue. */
+    c.mem_bytes = (size_t)MIN((uint64_t)max_bs * max_qd, c.o.size + max_bs);
     if (posix_memalign((void **)&c.mem, ZINF_ALIGN, c.mem_bytes)) {
         fprintf(stderr, "zinf bench: cannot allocate %zu bytes of buffers\n", c.mem_bytes);
         fails++;
