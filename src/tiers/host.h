@@ -1,0 +1,53 @@
+/*
+ * host.h - the pinned host tier: one arena, allocated on the NUMA node chosen by topo
+ * (nearest the GPU, else the NVMe drive, else the caller), locked (mlock, plus
+ * cudaHostRegister through the device tier when CUDA is in use), registered once with
+ * io_uring as fixed buffers, and sub-allocated (4 KiB aligned, best fit, coalescing)
+ * under the host_bytes budget. A staging area for transfers that do not stay in the host
+ * tier is carved from the same arena, outside the budget.
+ *
+ * Not here: what is cached, eviction, or the staging ring's policy (the engine's job).
+ */
+#ifndef ZINF_TIERS_HOST_H
+#define ZINF_TIERS_HOST_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct host;
+struct uring;
+struct device;
+
+struct host_opts {
+    size_t capacity_bytes;   /* the budget handed out by host_alloc(); 0: 1 GiB */
+    size_t staging_bytes;    /* extra, for host_staging(); may be 0 */
+    bool pin;                /* mlock (+ cudaHostRegister); false: unpinned, said once */
+    int numa_node;           /* -1: no placement (the caller's policy) */
+    struct uring *io;        /* register the arena as fixed buffers; may be NULL */
+    struct device *dev;      /* cudaHostRegister through it when CUDA; may be NULL */
+};
+
+struct host_stats {
+    size_t capacity_bytes, used_bytes, staging_bytes;
+    bool pinned;             /* mlock succeeded */
+    bool cuda_registered;
+    bool io_registered;
+    int numa_node;           /* where the arena lives, -1 unknown */
+};
+
+/* -ENOMEM with one error line naming RLIMIT_MEMLOCK (current value and how to raise it)
+ * when the arena cannot be locked; with pin=false it runs unpinned and says so. */
+int host_open(const struct host_opts *o, struct host **out);
+void host_close(struct host *h);
+
+int host_alloc(struct host *h, size_t bytes, uint64_t *off); /* -ENOSPC when nothing fits */
+int host_free(struct host *h, uint64_t off);
+void *host_ptr(struct host *h, uint64_t off);
+/* The staging area: staging_bytes at a 4 KiB aligned address, inside the registered
+ * arena; NULL when staging_bytes was 0. */
+void *host_staging(struct host *h);
+
+void host_get_stats(struct host *h, struct host_stats *out);
+
+#endif

@@ -1,0 +1,41 @@
+/*
+ * topo.h - where zinf puts its memory and IO thread: the NUMA node nearest the GPU
+ * (hwloc: the GPU's PCI locality), else nearest the NVMe drive behind the swap path,
+ * else the caller's node. Decisions are testable without the hardware: a topology can be
+ * loaded from hwloc XML.
+ *
+ * Not here: allocation (host.c uses the answer with libnuma) or GPU discovery (the PCI
+ * bus id is passed in).
+ */
+#ifndef ZINF_TOPO_TOPO_H
+#define ZINF_TOPO_TOPO_H
+
+#include <stdio.h>
+
+struct topo;
+
+enum topo_reason { TOPO_NONE, TOPO_NEAR_GPU, TOPO_NEAR_NVME, TOPO_CALLER };
+
+struct topo_choice {
+    int numa_node;               /* -1 when the machine has no NUMA information */
+    enum topo_reason reason;
+    char detail[256];            /* e.g. "GPU 0000:17:00.0 is local to NUMA node 1" */
+};
+
+/* xml_path: an hwloc XML file to load instead of this machine (tests), or NULL. */
+int topo_open(const char *xml_path, struct topo **out);
+void topo_close(struct topo *t);
+int topo_numa_nodes(struct topo *t);
+/* NUMA node local to a PCI device "DDDD:BB:DD.F" (or "BB:DD.F"); -ENOENT if unknown. */
+int topo_pci_node(struct topo *t, const char *busid);
+/* NUMA node local to the block device holding path (sysfs -> PCI -> hwloc); -ENOENT. */
+int topo_path_node(struct topo *t, const char *path);
+/* The placement rule above. gpu_busid and nvme_path may be NULL. */
+void topo_choose(struct topo *t, const char *gpu_busid, const char *nvme_path,
+                 struct topo_choice *out);
+/* Bind the calling thread's CPUs to a NUMA node (no-op for -1). */
+int topo_bind_thread(struct topo *t, int numa_node);
+/* Human-readable summary: nodes, GPUs and NVMe/storage PCI devices with their nodes. */
+void topo_print(struct topo *t, FILE *f);
+
+#endif
