@@ -1,1 +1,509 @@
+/*
+ * test_extent.c - the extent allocator, alone and against a reference model: a map of
+ * granules that records which allocation owns each, where best fit is a plain scan.
+ */
 #include <criterion/criterion.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "helpers.h"
+#include "tiers/extent.h"
+
+#define G 4096u
+
+static void stats(const struct extent_alloc *a, struct extent_stats *s)
+{
+    extent_get_stats(a, s);
+}
+
+Test(extent, init_and_fini)
+{
+    struct extent_alloc a;
+    struct extent_stats s;
+
+    cr_assert_eq(extent_init(&a, 64 * G, G), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.capacity_bytes, 64 * G);
+    cr_expect_eq(s.free_bytes, 64 * G);
+    cr_expect_eq(s.used_bytes, 0);
+    cr_expect_eq(s.largest_free_bytes, 64 * G);
+    cr_expect_eq(s.tail_free_bytes, 64 * G);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.used_extents, 0);
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+    extent_fini(&a); /* twice is harmless */
+
+    struct extent_alloc z = {0};
+    extent_fini(&z);
+    extent_fini(NULL);
+}
+
+Test(extent, init_bad_args)
+{
+    struct extent_alloc a;
+
+    cr_expect_eq(extent_init(NULL, G, G), -EINVAL);
+    cr_expect_eq(extent_init(&a, G, 0), -EINVAL);
+    extent_fini(&a);
+    cr_expect_eq(extent_init(&a, 3 * G, 3 * G), -EINVAL); /* not a power of two */
+    extent_fini(&a);
+    cr_expect_eq(extent_init(&a, G + 512, G), -EINVAL); /* capacity not a multiple */
+    extent_fini(&a);
+}
+
+Test(extent, empty_then_grow)
+{
+    struct extent_alloc a;
+    struct extent_stats s;
+    uint64_t off;
+
+    cr_assert_eq(extent_init(&a, 0, G), 0);
+    cr_expect_eq(extent_alloc(&a, G, &off), -ENOSPC);
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 0);
+    cr_expect_eq(s.largest_free_bytes, 0);
+    cr_assert_eq(extent_grow(&a, 4 * G), 0);
+    cr_expect_eq(extent_alloc(&a, 4 * G, &off), 0);
+    cr_expect_eq(off, 0);
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}
+
+Test(extent, alloc_rounds_up_to_granularity)
+{
+    struct extent_alloc a;
+    uint64_t off, start, len;
+
+    cr_assert_eq(extent_init(&a, 16 * G, G), 0);
+    cr_assert_eq(extent_alloc(&a, 1, &off), 0);
+    cr_expect_eq(off, 0);
+    cr_assert_eq(extent_alloc(&a, G + 1, &off), 0);
+    cr_expect_eq(off, G);
+    cr_assert_eq(extent_find(&a, off + G + 17, &start, &len), 0);
+    cr_expect_eq(start, G);
+    cr_expect_eq(len, 2 * G);
+    struct extent_stats s;
+    stats(&a, &s);
+    cr_expect_eq(s.used_bytes, 3 * G);
+    cr_expect_eq(s.free_bytes, 13 * G);
+    extent_fini(&a);
+}
+
+Test(extent, alloc_bad_args)
+{
+    struct extent_alloc a;
+    uint64_t off;
+
+    cr_assert_eq(extent_init(&a, 16 * G, G), 0);
+    cr_expect_eq(extent_alloc(&a, 0, &off), -EINVAL);
+    cr_expect_eq(extent_alloc(&a, G, NULL), -EINVAL);
+    cr_expect_eq(extent_alloc(NULL, G, &off), -EINVAL);
+    cr_expect_eq(extent_alloc(&a, 17 * G, &off), -ENOSPC);
+    cr_expect_eq(extent_alloc(&a, UINT64_MAX, &off), -ENOSPC); /* no overflow in rounding */
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}
+
+Test(extent, best_fit_picks_smallest_then_lowest)
+{
+    struct extent_alloc a;
+    uint64_t o[8], off;
+
+    /* Lay out [A:1][B:4][C:1][D:2][E:1][F:2][G:1][tail:4] in granules, then free B, D, F:
+     * holes of 4 at 1, 2 at 6, 2 at 9, and the tail of 4 at 12. */
+    static const unsigned sizes[] = {1, 4, 1, 2, 1, 2, 1};
+    cr_assert_eq(extent_init(&a, 16 * G, G), 0);
+    for (unsigned i = 0; i < ARRAY_SIZE(sizes); i++)
+        cr_assert_eq(extent_alloc(&a, sizes[i] * G, &o[i]), 0);
+    cr_assert_eq(extent_free(&a, o[1]), 0);
+    cr_assert_eq(extent_free(&a, o[3]), 0);
+    cr_assert_eq(extent_free(&a, o[5]), 0);
+    cr_assert_eq(extent_validate(&a), 0);
+
+    cr_assert_eq(extent_alloc(&a, 2 * G, &off), 0); /* a 2-hole, the lower one */
+    cr_expect_eq(off, 6 * G);
+    cr_assert_eq(extent_alloc(&a, 1 * G, &off), 0); /* the other 2-hole beats the 4s */
+    cr_expect_eq(off, 9 * G);
+    cr_assert_eq(extent_alloc(&a, 3 * G, &off), 0); /* two 4s: the lower one */
+    cr_expect_eq(off, 1 * G);
+    cr_assert_eq(extent_alloc(&a, 2 * G, &off), 0); /* 1 left at 4 is too small: tail */
+    cr_expect_eq(off, 12 * G);
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}
+
+Test(extent, frees_coalesce_to_one_extent)
+{
+    struct extent_alloc a;
+    struct extent_stats s;
+    enum { N = 512 };
+    uint64_t off[N], seed = 7;
+    unsigned order[N];
+
+    cr_assert_eq(extent_init(&a, N * 3 * G, G), 0);
+    for (unsigned i = 0; i < N; i++) {
+        cr_assert_eq(extent_alloc(&a, (1 + i % 3) * G, &off[i]), 0);
+        order[i] = i;
+    }
+    for (unsigned i = N - 1; i > 0; i--) {
+        unsigned j = test_rand(&seed) % (i + 1), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    for (unsigned i = 0; i < N; i++) {
+        cr_assert_eq(extent_free(&a, off[order[i]]), 0);
+        if (i % 64 == 0) cr_assert_eq(extent_validate(&a), 0);
+    }
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.used_extents, 0);
+    cr_expect_eq(s.largest_free_bytes, N * 3 * G);
+    cr_expect_eq(s.free_bytes, N * 3 * G);
+    cr_expect_eq(s.used_bytes, 0);
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}
+
+Test(extent, coalesce_each_neighbour_case)
+{
+    struct extent_alloc a;
+    struct extent_stats s;
+    uint64_t o[5];
+
+    cr_assert_eq(extent_init(&a, 5 * G, G), 0);
+    for (int i = 0; i < 5; i++)
+        cr_assert_eq(extent_alloc(&a, G, &o[i]), 0);
+    cr_assert_eq(extent_free(&a, o[1]), 0); /* no free neighbour */
+    cr_assert_eq(extent_free(&a, o[3]), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 2);
+    cr_assert_eq(extent_free(&a, o[2]), 0); /* both neighbours free */
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.largest_free_bytes, 3 * G);
+    cr_assert_eq(extent_free(&a, o[0]), 0); /* only the next one free */
+    cr_assert_eq(extent_free(&a, o[4]), 0); /* only the previous one free */
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.largest_free_bytes, 5 * G);
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}
+
+Test(extent, enospc_when_fragmented)
+{
+    struct extent_alloc a;
+    struct extent_stats before, after;
+    uint64_t o[8], off;
+
+    cr_assert_eq(extent_init(&a, 8 * G, G), 0);
+    for (int i = 0; i < 8; i++)
+        cr_assert_eq(extent_alloc(&a, G, &o[i]), 0);
+    for (int i = 0; i < 8; i += 2)
+        cr_assert_eq(extent_free(&a, o[i]), 0);
+    stats(&a, &before);
+    cr_expect_eq(before.free_bytes, 4 * G);
+    cr_expect_eq(before.largest_free_bytes, G);
+    cr_expect_eq(extent_alloc(&a, 2 * G, &off), -ENOSPC);
+    stats(&a, &after);
+    cr_expect_eq(memcmp(&before, &after, sizeof(before)), 0);
+    cr_expect_eq(extent_validate(&a), 0);
+    cr_expect_eq(extent_alloc(&a, G, &off), 0);
+    extent_fini(&a);
+}
+
+Test(extent, double_free_and_stray_offsets_are_einval)
+{
+    struct extent_alloc a;
+    struct extent_stats before, after;
+    uint64_t x, y;
+
+    cr_assert_eq(extent_init(&a, 16 * G, G), 0);
+    cr_assert_eq(extent_alloc(&a, 2 * G, &x), 0);
+    cr_assert_eq(extent_alloc(&a, 2 * G, &y), 0);
+    cr_assert_eq(extent_free(&a, x), 0);
+    stats(&a, &before);
+    cr_expect_eq(extent_free(&a, x), -EINVAL);        /* double free */
+    cr_expect_eq(extent_free(&a, y + G), -EINVAL);    /* inside a live extent */
+    cr_expect_eq(extent_free(&a, 8 * G), -EINVAL);    /* inside free space */
+    cr_expect_eq(extent_free(&a, 1000 * G), -EINVAL); /* beyond capacity */
+    cr_expect_eq(extent_free(&a, y + 1), -EINVAL);    /* unaligned */
+    cr_expect_eq(extent_free(NULL, y), -EINVAL);
+    stats(&a, &after);
+    cr_expect_eq(memcmp(&before, &after, sizeof(before)), 0);
+    cr_expect_eq(extent_validate(&a), 0);
+    cr_expect_eq(extent_free(&a, y), 0);
+    cr_expect_eq(extent_free(&a, y), -EINVAL);
+    extent_fini(&a);
+}
+
+Test(extent, find)
+{
+    struct extent_alloc a;
+    uint64_t x, start = 0, len = 0;
+
+    cr_assert_eq(extent_init(&a, 16 * G, G), 0);
+    cr_assert_eq(extent_alloc(&a, G, &x), 0);
+    cr_assert_eq(extent_alloc(&a, 3 * G, &x), 0);
+    cr_expect_eq(extent_find(&a, x, &start, &len), 0);
+    cr_expect_eq(start, x);
+    cr_expect_eq(len, 3 * G);
+    cr_expect_eq(extent_find(&a, x + 3 * G - 1, &start, NULL), 0);
+    cr_expect_eq(start, x);
+    cr_expect_eq(extent_find(&a, x + 3 * G, NULL, NULL), -ENOENT);
+    cr_expect_eq(extent_find(&a, 100 * G, NULL, NULL), -ENOENT);
+    cr_expect_eq(extent_free(&a, x), 0);
+    cr_expect_eq(extent_find(&a, x, NULL, NULL), -ENOENT);
+    extent_fini(&a);
+}
+
+Test(extent, grow)
+{
+    struct extent_alloc a;
+    struct extent_stats s;
+    uint64_t x, y;
+
+    cr_assert_eq(extent_init(&a, 4 * G, G), 0);
+    cr_assert_eq(extent_alloc(&a, 2 * G, &x), 0);
+    /* Free tail [2, 4): growing extends it. */
+    cr_assert_eq(extent_grow(&a, 8 * G), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.capacity_bytes, 8 * G);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.largest_free_bytes, 6 * G);
+    cr_expect_eq(s.tail_free_bytes, 6 * G);
+    /* Used tail: growing adds a new extent. */
+    cr_assert_eq(extent_alloc(&a, 6 * G, &y), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.tail_free_bytes, 0);
+    cr_assert_eq(extent_grow(&a, 10 * G), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.free_bytes, 2 * G);
+    cr_expect_eq(s.tail_free_bytes, 2 * G);
+    /* Freeing the last allocation merges it with the grown tail. */
+    cr_assert_eq(extent_free(&a, y), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.largest_free_bytes, 8 * G);
+
+    cr_expect_eq(extent_grow(&a, 10 * G), 0);      /* same size: nothing to do */
+    cr_expect_eq(extent_grow(&a, 9 * G), -EINVAL); /* shrinking */
+    cr_expect_eq(extent_grow(&a, 11 * G + 1), -EINVAL);
+    cr_expect_eq(extent_grow(NULL, 11 * G), -EINVAL);
+    stats(&a, &s);
+    cr_expect_eq(s.capacity_bytes, 10 * G);
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}
+
+/* The reference model: owner[i] is 0 for a free granule, else the allocation's id. */
+struct model {
+    uint32_t *owner;
+    uint64_t granules;
+};
+
+/* Best fit by scanning: the shortest free run that holds need granules, lowest first. */
+static int64_t model_best_fit(const struct model *m, uint64_t need)
+{
+    int64_t best = -1;
+    uint64_t best_len = UINT64_MAX;
+    for (uint64_t i = 0; i < m->granules;) {
+        if (m->owner[i]) {
+            i++;
+            continue;
+        }
+        uint64_t j = i;
+        while (j < m->granules && !m->owner[j])
+            j++;
+        if (j - i >= need && j - i < best_len) {
+            best = (int64_t)i;
+            best_len = j - i;
+        }
+        i = j;
+    }
+    return best;
+}
+
+static void model_expect_stats(const struct model *m, const struct extent_alloc *a, uint64_t g)
+{
+    struct extent_stats s;
+    uint64_t free_g = 0, runs = 0, largest = 0, used_ext = 0, tail = 0;
+    for (uint64_t i = 0; i < m->granules;) {
+        uint64_t j = i;
+        while (j < m->granules && m->owner[j] == m->owner[i])
+            j++;
+        if (!m->owner[i]) {
+            free_g += j - i;
+            runs++;
+            largest = MAX(largest, j - i);
+            if (j == m->granules) tail = j - i;
+        } else {
+            /* Adjacent allocations have different ids, so each run is one extent. */
+            used_ext++;
+        }
+        i = j;
+    }
+    extent_get_stats(a, &s);
+    cr_assert_eq(s.capacity_bytes, m->granules * g);
+    cr_assert_eq(s.free_bytes, free_g * g);
+    cr_assert_eq(s.used_bytes, (m->granules - free_g) * g);
+    cr_assert_eq(s.largest_free_bytes, largest * g);
+    cr_assert_eq(s.tail_free_bytes, tail * g);
+    cr_assert_eq(s.free_extents, runs);
+    cr_assert_eq(s.used_extents, used_ext);
+}
+
+struct live {
+    uint64_t off, granules;
+    uint32_t id;
+};
+
+static void run_model(uint64_t seed, uint64_t g, uint64_t granules, unsigned ops)
+{
+    struct extent_alloc a;
+    struct model m = {.granules = granules};
+    struct live *lv = calloc(granules * 2 + 1, sizeof(*lv));
+    size_t nlive = 0;
+    uint32_t next_id = 1;
+    uint64_t s = seed;
+
+    cr_assert_not_null(lv);
+    m.owner = calloc(granules * 2, sizeof(*m.owner)); /* room to grow to twice */
+    cr_assert_not_null(m.owner);
+    cr_assert_eq(extent_init(&a, granules * g, g), 0);
+
+    for (unsigned op = 0; op < ops; op++) {
+        uint64_t r = test_rand(&s) % 100;
+        if (r < 55 || nlive == 0) {
+            /* Mostly small requests, sometimes large ones; sizes in bytes, not always
+             * multiples of the granularity. */
+            uint64_t span = test_rand(&s) % 10 == 0 ? 64 : 8;
+            uint64_t bytes = 1 + test_rand(&s) % (span * g);
+            uint64_t need = (bytes + g - 1) / g, off = 0;
+            int64_t expect = model_best_fit(&m, need);
+            int ret = extent_alloc(&a, bytes, &off);
+            if (expect < 0) {
+                cr_assert_eq(ret, -ENOSPC, "op %u: alloc %llu gave %d, model says ENOSPC", op,
+                             (unsigned long long)bytes, ret);
+                continue;
+            }
+            cr_assert_eq(ret, 0, "op %u: alloc %llu failed (%d)", op, (unsigned long long)bytes,
+                         ret);
+            cr_assert_eq(off, (uint64_t)expect * g, "op %u: best fit at %llu, model says %lld", op,
+                         (unsigned long long)(off / g), (long long)expect);
+            for (uint64_t i = 0; i < need; i++) {
+                cr_assert_eq(m.owner[off / g + i], 0, "overlap at granule %llu",
+                             (unsigned long long)(off / g + i));
+                m.owner[off / g + i] = next_id;
+            }
+            lv[nlive++] = (struct live){off, need, next_id++};
+        } else if (r < 95) {
+            size_t k = test_rand(&s) % nlive;
+            cr_assert_eq(extent_free(&a, lv[k].off), 0);
+            cr_assert_eq(extent_free(&a, lv[k].off), -EINVAL); /* at once a double free */
+            for (uint64_t i = 0; i < lv[k].granules; i++)
+                m.owner[lv[k].off / g + i] = 0;
+            lv[k] = lv[--nlive];
+        } else if (r < 97 && m.granules < granules * 2) {
+            uint64_t more = 1 + test_rand(&s) % 16;
+            more = MIN(more, granules * 2 - m.granules);
+            cr_assert_eq(extent_grow(&a, (m.granules + more) * g), 0);
+            m.granules += more;
+        } else {
+            /* Look up a random granule: find() must name the owner's extent. */
+            uint64_t i = test_rand(&s) % m.granules, start, len;
+            int ret = extent_find(&a, i * g + test_rand(&s) % g, &start, &len);
+            if (!m.owner[i]) {
+                cr_assert_eq(ret, -ENOENT);
+            } else {
+                cr_assert_eq(ret, 0);
+                cr_assert_eq(m.owner[start / g], m.owner[i]);
+                cr_assert(start / g <= i && i < (start + len) / g);
+            }
+        }
+        model_expect_stats(&m, &a, g);
+        if (op % 256 == 0) cr_assert_eq(extent_validate(&a), 0);
+    }
+    cr_assert_eq(extent_validate(&a), 0);
+    /* Free everything: one free extent of the whole capacity remains. */
+    while (nlive)
+        cr_assert_eq(extent_free(&a, lv[--nlive].off), 0);
+    struct extent_stats st;
+    extent_get_stats(&a, &st);
+    cr_expect_eq(st.free_extents, 1);
+    cr_expect_eq(st.largest_free_bytes, m.granules * g);
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+    free(m.owner);
+    free(lv);
+}
+
+Test(extent, random_ops_match_model_4k)
+{
+    run_model(1, 4096, 2048, 6000);
+}
+
+Test(extent, random_ops_match_model_other_granularities)
+{
+    run_model(2, 512, 1024, 3000);
+    run_model(3, 64 * KiB, 1024, 3000);
+    run_model(4, 1, 256, 3000); /* granularity 1: byte-exact */
+}
+
+Test(extent, random_ops_match_model_tight)
+{
+    /* A small space keeps the allocator near full, where ENOSPC and best fit matter. */
+    run_model(5, 4096, 200, 8000);
+}
+
+/* Tens of thousands of live extents: must stay fast (a linear scan per call would make
+ * this take minutes under the sanitizers) and consistent. */
+Test(extent, many_extents)
+{
+    enum { N = 40000 };
+    struct extent_alloc a;
+    struct extent_stats st;
+    uint64_t *off = calloc(N, sizeof(*off)), s = 11;
+
+    cr_assert_not_null(off);
+    cr_assert_eq(extent_init(&a, (uint64_t)N * 8 * G, G), 0);
+    for (unsigned i = 0; i < N; i++)
+        cr_assert_eq(extent_alloc(&a, (1 + test_rand(&s) % 8) * G, &off[i]), 0);
+    /* Free every other one: N/2 holes of mixed sizes, then churn through them. */
+    for (unsigned i = 0; i < N; i += 2)
+        cr_assert_eq(extent_free(&a, off[i]), 0);
+    extent_get_stats(&a, &st);
+    cr_expect_geq(st.free_extents, N / 2);
+    for (unsigned round = 0; round < 4; round++) {
+        for (unsigned i = 0; i < N; i += 2)
+            cr_assert_eq(extent_alloc(&a, (1 + test_rand(&s) % 4) * G, &off[i]), 0);
+        for (unsigned i = 0; i < N; i += 2)
+            cr_assert_eq(extent_free(&a, off[i]), 0);
+    }
+    cr_assert_eq(extent_validate(&a), 0);
+    for (unsigned i = 1; i < N; i += 2)
+        cr_assert_eq(extent_free(&a, off[i]), 0);
+    extent_get_stats(&a, &st);
+    cr_expect_eq(st.free_extents, 1);
+    cr_expect_eq(st.used_bytes, 0);
+    cr_assert_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+    free(off);
+}
+
+/* Tearing down with live allocations frees every node (checked by the sanitizers). */
+Test(extent, fini_with_live_allocations)
+{
+    struct extent_alloc a;
+    uint64_t off;
+
+    cr_assert_eq(extent_init(&a, 64 * G, G), 0);
+    for (int i = 0; i < 20; i++)
+        cr_assert_eq(extent_alloc(&a, (1 + i % 3) * G, &off), 0);
+    cr_assert_eq(extent_free(&a, 0), 0);
+    extent_fini(&a);
+}

@@ -1,1 +1,468 @@
-/* placeholder */
+/*
+ * nvme.c - the NVMe swap space behind nvme.h: swap files striped into one logical space,
+ * extents from the extent allocator, IO through the IO engine.
+ *
+ * A striped request is handed to the engine whole, with stripe_map() as its map: the
+ * engine cuts it at stripe boundaries itself, so one request keeps every drive busy
+ * without this layer tracking sub-requests. The map reads only what nvme_open() fixed
+ * (files, slots, stripe unit), so it needs no lock, which matters because the engine
+ * calls it under its own.
+ *
+ * Not here: persistence, caching, or any knowledge of what an extent holds.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "tiers/extent.h"
+#include "tiers/nvme.h"
+
+#define NVME_MAX_BYTES ((uint64_t)1 << 60) /* keeps size arithmetic far from overflow */
+
+struct nvme_file {
+    char *dir;
+    char *path;
+    int slot;   /* the IO engine's file slot, -1 when not open */
+    bool owned; /* we hold its lock: it is ours to truncate, cut back and unlink */
+};
+
+struct nvme {
+    struct uring *io;
+    unsigned nfiles;
+    uint64_t stripe_bytes;
+    bool growable;
+    bool remove_on_close;
+    bool failed_open; /* nvme_close() from nvme_open()'s error path: remove our files */
+    uint64_t max_bytes;
+
+    pthread_mutex_t lock; /* guards everything below */
+    bool lock_ready;
+    struct extent_alloc ext;
+    uint64_t file_bytes; /* every file has this size */
+    uint64_t grows;
+    unsigned fault_nth; /* nvme_fault_fallocate() */
+    int fault_err;
+    bool fallocate_missing_noted;
+
+    struct nvme_file files[NVME_MAX_DIRS];
+};
+
+static const char *size_str(uint64_t bytes, char *buf, size_t len)
+{
+    return format_size(bytes, buf, len);
+}
+
+/* Extend (or preallocate) one file to [from, from + bytes). Returns 0 or -errno. */
+static int file_extend(struct nvme *n, struct nvme_file *f, uint64_t from, uint64_t bytes)
+{
+    int fd = uring_file_fd(n->io, f->slot);
+
+    if (fd < 0) return fd;
+    if (n->fault_nth && --n->fault_nth == 0) return -n->fault_err;
+    if (fallocate(fd, 0, (off_t)from, (off_t)bytes) == 0) return 0;
+    if (errno != EOPNOTSUPP) return -errno;
+    /* A filesystem without fallocate: extend sparsely. Space is then not reserved, and a
+     * full disk shows up later as a write error instead of here. */
+    if (!n->fallocate_missing_noted) {
+        n->fallocate_missing_noted = true;
+        log_notice("nvme: %s: no fallocate on this filesystem; swap space is not reserved "
+                   "ahead",
+                   f->dir);
+    }
+    return ftruncate(fd, (off_t)(from + bytes)) == 0 ? 0 : -errno;
+}
+
+/* Cut a file back to bytes after a failed growth step. */
+static void file_cut(struct nvme *n, struct nvme_file *f, uint64_t bytes)
+{
+    int fd = uring_file_fd(n->io, f->slot);
+    if (fd >= 0 && ftruncate(fd, (off_t)bytes) != 0)
+        log_warn("nvme: %s: could not cut back to %llu bytes after a failed growth: %s", f->path,
+                 (unsigned long long)bytes, strerror(errno));
+}
+
+static bool is_no_space(int err)
+{
+    return err == -ENOSPC || err == -EFBIG || err == -EDQUOT;
+}
+
+/* "dirA, dirB" for a log line. */
+static const char *dir_list(const struct nvme *n, char *buf, size_t len)
+{
+    size_t used = 0;
+    buf[0] = '\0';
+    for (unsigned i = 0; i < n->nfiles && used < len; i++) {
+        bool seen = false;
+        for (unsigned j = 0; j < i; j++)
+            seen |= strcmp(n->files[j].dir, n->files[i].dir) == 0;
+        if (!seen)
+            used +=
+                (size_t)snprintf(buf + used, len - used, "%s%s", used ? ", " : "", n->files[i].dir);
+    }
+    return buf;
+}
+
+static int open_file(struct nvme *n, unsigned i, const char *dir)
+{
+    struct nvme_file *f = &n->files[i];
+    struct stat st;
+    int fd, r;
+
+    f->dir = strdup(dir);
+    if (!f->dir || asprintf(&f->path, "%s/%s.%u", dir, NVME_SWAP_NAME, i) < 0) {
+        f->path = NULL;
+        return -ENOMEM;
+    }
+    f->slot = uring_file_open(n->io, f->path, O_RDWR | O_CREAT, 0600);
+    if (f->slot < 0) {
+        r = f->slot;
+        f->slot = -1;
+        log_error("nvme: %s: cannot open swap file %s: %s", dir, f->path, strerror(-r));
+        return r;
+    }
+    fd = uring_file_fd(n->io, f->slot);
+    if (fd < 0) return fd;
+    if (fstat(fd, &st) != 0) return -errno;
+    if (!S_ISREG(st.st_mode)) {
+        log_error("nvme: %s: %s is not a regular file", dir, f->path);
+        return -EINVAL;
+    }
+    /* The lock keeps a second swap space (this process or another) off the file; it is
+     * released when the engine closes the fd. */
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        if (errno != EWOULDBLOCK) {
+            r = -errno;
+            log_error("nvme: %s: cannot lock %s: %s", dir, f->path, strerror(-r));
+            return r;
+        }
+        log_error("nvme: %s: swap file %s is in use by another swap space", dir, f->path);
+        return -EBUSY;
+    }
+    f->owned = true;
+    if (ftruncate(fd, 0) != 0) {
+        r = -errno;
+        log_error("nvme: %s: cannot truncate %s: %s", dir, f->path, strerror(-r));
+        return r;
+    }
+    return 0;
+}
+
+int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
+{
+    struct nvme *n;
+    char a[32], b[32];
+    int r;
+
+    if (!o || !io || !out || !o->dirs || o->ndirs == 0 || o->ndirs > NVME_MAX_DIRS ||
+        o->capacity_bytes > NVME_MAX_BYTES || o->max_bytes > NVME_MAX_BYTES)
+        return -EINVAL;
+    for (unsigned i = 0; i < o->ndirs; i++)
+        if (!o->dirs[i] || !o->dirs[i][0]) return -EINVAL;
+    uint64_t stripe = o->block_size ? o->block_size : uring_block_size(io);
+    if (!stripe || !is_aligned(stripe, ZINF_ALIGN) || stripe > GiB) return -EINVAL;
+
+    n = calloc(1, sizeof(*n));
+    if (!n) return -ENOMEM;
+    n->io = io;
+    n->stripe_bytes = stripe;
+    n->growable = o->capacity_bytes == 0;
+    n->max_bytes = n->growable ? o->max_bytes : 0;
+    n->remove_on_close = o->remove_on_close;
+    for (unsigned i = 0; i < NVME_MAX_DIRS; i++)
+        n->files[i].slot = -1;
+    if (pthread_mutex_init(&n->lock, NULL) != 0) {
+        r = -ENOMEM;
+        goto err;
+    }
+    n->lock_ready = true;
+
+    for (unsigned i = 0; i < o->ndirs; i++) {
+        n->nfiles = i + 1; /* so the error path sees this file too */
+        r = open_file(n, i, o->dirs[i]);
+        if (r < 0) goto err;
+    }
+
+    /* A fixed capacity is split evenly, each share rounded up to whole stripes. */
+    if (!n->growable)
+        n->file_bytes = align_up((o->capacity_bytes + n->nfiles - 1) / n->nfiles, n->stripe_bytes);
+    for (unsigned i = 0; i < n->nfiles && n->file_bytes; i++) {
+        r = file_extend(n, &n->files[i], 0, n->file_bytes);
+        if (r < 0) {
+            log_error("nvme: %s: no space for %s of swap (preallocating %s: %s)", n->files[i].dir,
+                      size_str(n->file_bytes, a, sizeof(a)), n->files[i].path, strerror(-r));
+            if (is_no_space(r)) r = -ENOSPC;
+            goto err;
+        }
+    }
+    r = extent_init(&n->ext, n->file_bytes * n->nfiles, ZINF_ALIGN);
+    if (r < 0) goto err;
+
+    log_debug("nvme: %u swap file(s), stripe %s, capacity %s%s", n->nfiles,
+              size_str(n->stripe_bytes, a, sizeof(a)),
+              size_str(n->file_bytes * n->nfiles, b, sizeof(b)),
+              n->growable ? " (grows on demand)" : "");
+    *out = n;
+    return 0;
+
+err:
+    n->failed_open = true;
+    nvme_close(n);
+    return r;
+}
+
+void nvme_close(struct nvme *n)
+{
+    if (!n) return;
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        struct nvme_file *f = &n->files[i];
+        /* Unlink while the lock is still held, so no other swap space has adopted the
+         * file in between. */
+        if (f->owned && (n->remove_on_close || n->failed_open) && unlink(f->path) != 0)
+            log_warn("nvme: cannot remove %s: %s", f->path, strerror(errno));
+        if (f->slot >= 0) uring_file_close(n->io, f->slot);
+        free(f->path);
+        free(f->dir);
+    }
+    extent_fini(&n->ext);
+    if (n->lock_ready) pthread_mutex_destroy(&n->lock);
+    free(n);
+}
+
+/* Grow every file so that an allocation of need bytes fits. Lock held. Returns 0 or
+ * -errno, with state (and, as far as ftruncate allows, the files) unchanged on error. */
+static int grow(struct nvme *n, uint64_t need)
+{
+    char a[32], b[32], c[32], e[32], d[256];
+    struct extent_stats es;
+    uint64_t step, min_step, new_bytes;
+    int r;
+
+    /* The new space joins a free tail, so only the part the tail lacks is missing. */
+    extent_get_stats(&n->ext, &es);
+    uint64_t missing = need - MIN(need, es.tail_free_bytes);
+    min_step = align_up((missing + n->nfiles - 1) / n->nfiles, n->stripe_bytes);
+    step = MAX(min_step, align_up(NVME_GROW_MIN_BYTES, n->stripe_bytes));
+    if (n->max_bytes) {
+        uint64_t cap = align_down(n->max_bytes / n->nfiles, n->stripe_bytes);
+        step = n->file_bytes + step <= cap ? step : cap - MIN(cap, n->file_bytes);
+        if (step < min_step) {
+            log_error("nvme: %s: no space for %s of swap (capped at %s; %s in use, largest "
+                      "free extent %s)",
+                      dir_list(n, d, sizeof(d)), size_str(need, a, sizeof(a)),
+                      size_str(n->max_bytes, b, sizeof(b)), size_str(es.used_bytes, c, sizeof(c)),
+                      size_str(es.largest_free_bytes, e, sizeof(e)));
+            return -ENOSPC;
+        }
+    }
+    new_bytes = n->file_bytes + step;
+    if (new_bytes > NVME_MAX_BYTES / n->nfiles) {
+        log_error("nvme: %s: no space for %s of swap (files would pass %s each)",
+                  dir_list(n, d, sizeof(d)), size_str(need, a, sizeof(a)),
+                  size_str(NVME_MAX_BYTES / n->nfiles, b, sizeof(b)));
+        return -ENOSPC;
+    }
+
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        r = file_extend(n, &n->files[i], n->file_bytes, step);
+        if (r < 0) {
+            log_error("nvme: %s: %s %s of swap (growing %s from %s to %s for an "
+                      "allocation of %s: %s)",
+                      n->files[i].dir, is_no_space(r) ? "no space for" : "cannot add",
+                      size_str(step, a, sizeof(a)), n->files[i].path,
+                      size_str(n->file_bytes, b, sizeof(b)), size_str(new_bytes, c, sizeof(c)),
+                      size_str(need, d, sizeof(d)), strerror(-r));
+            /* The file that failed may have been partly extended too. */
+            file_cut(n, &n->files[i], n->file_bytes);
+            while (i--)
+                file_cut(n, &n->files[i], n->file_bytes);
+            return is_no_space(r) ? -ENOSPC : r;
+        }
+    }
+    r = extent_grow(&n->ext, new_bytes * n->nfiles);
+    if (r < 0) {
+        for (unsigned i = 0; i < n->nfiles; i++)
+            file_cut(n, &n->files[i], n->file_bytes);
+        return r;
+    }
+    n->file_bytes = new_bytes;
+    n->grows++;
+    return 0;
+}
+
+int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off)
+{
+    char a[32], b[32], c[32], e[32], d[256];
+    int r;
+
+    if (!n || !off || !bytes || bytes > NVME_MAX_BYTES) return -EINVAL;
+    pthread_mutex_lock(&n->lock);
+    r = extent_alloc(&n->ext, bytes, off);
+    if (r == -ENOSPC && n->growable) {
+        r = grow(n, align_up(bytes, ZINF_ALIGN));
+        if (r == 0) r = extent_alloc(&n->ext, bytes, off);
+    } else if (r == -ENOSPC) {
+        struct extent_stats es;
+        extent_get_stats(&n->ext, &es);
+        log_error("nvme: %s: no space for %s of swap (fixed capacity %s; %s in use, largest "
+                  "free extent %s)",
+                  dir_list(n, d, sizeof(d)), size_str(bytes, a, sizeof(a)),
+                  size_str(es.capacity_bytes, b, sizeof(b)), size_str(es.used_bytes, c, sizeof(c)),
+                  size_str(es.largest_free_bytes, e, sizeof(e)));
+    }
+    pthread_mutex_unlock(&n->lock);
+    return r;
+}
+
+int nvme_free(struct nvme *n, uint64_t off)
+{
+    if (!n) return -EINVAL;
+    pthread_mutex_lock(&n->lock);
+    int r = extent_free(&n->ext, off);
+    pthread_mutex_unlock(&n->lock);
+    return r;
+}
+
+/* Logical offset -> (file slot, physical offset), contiguous to the end of the stripe. */
+static int stripe_map(void *data, uint64_t off, int *file, uint64_t *phys, uint64_t *contig_bytes)
+{
+    const struct nvme *n = data;
+    uint64_t stripe = off / n->stripe_bytes, within = off % n->stripe_bytes;
+
+    *file = n->files[stripe % n->nfiles].slot;
+    *phys = (stripe / n->nfiles) * n->stripe_bytes + within;
+    *contig_bytes = n->stripe_bytes - within;
+    return 0;
+}
+
+/* Alignment, and [off, off + len) inside one live allocation. */
+static int check_io(struct nvme *n, uint64_t off, const void *buf, size_t len)
+{
+    uint64_t start, elen;
+    int r;
+
+    if (!n || !buf || !len || !is_aligned((uintptr_t)buf, ZINF_ALIGN) ||
+        !is_aligned(len, ZINF_ALIGN) || !is_aligned(off, ZINF_ALIGN) || off + len < off)
+        return -EINVAL;
+    pthread_mutex_lock(&n->lock);
+    r = extent_find(&n->ext, off, &start, &elen);
+    pthread_mutex_unlock(&n->lock);
+    if (r < 0 || off + len > start + elen) return -EINVAL;
+    return 0;
+}
+
+int nvme_submit(struct nvme *n, struct uring_req *req)
+{
+    if (!req) return -EINVAL;
+    int r = check_io(n, req->off, req->buf, req->len);
+    if (r < 0) return r;
+    if (n->nfiles == 1) {
+        req->file = n->files[0].slot;
+        req->map = NULL;
+        req->map_data = NULL;
+    } else {
+        req->file = -1;
+        req->map = stripe_map;
+        req->map_data = n;
+    }
+    return uring_submit(n->io, req);
+}
+
+struct sync_wait {
+    pthread_mutex_t lock;
+    pthread_cond_t cv;
+    bool done;
+    int res;
+};
+
+static void sync_cb(struct uring_req *req, int res)
+{
+    struct sync_wait *w = req->data;
+    pthread_mutex_lock(&w->lock);
+    w->res = res;
+    w->done = true;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->lock);
+}
+
+static int sync_io(struct nvme *n, enum uring_op op, uint64_t off, void *buf, size_t len)
+{
+    struct sync_wait w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, 0};
+    struct uring_req req = {
+        .op = op, .buf = buf, .len = len, .off = off, .cb = sync_cb, .data = &w};
+    int r = nvme_submit(n, &req);
+    if (r < 0) return r;
+    pthread_mutex_lock(&w.lock);
+    while (!w.done)
+        pthread_cond_wait(&w.cv, &w.lock);
+    pthread_mutex_unlock(&w.lock);
+    return w.res;
+}
+
+int nvme_read(struct nvme *n, uint64_t off, void *buf, size_t len)
+{
+    return sync_io(n, URING_READ, off, buf, len);
+}
+
+int nvme_write(struct nvme *n, uint64_t off, const void *buf, size_t len)
+{
+    /* The engine only reads from buf for a write; its request type is not const. */
+    return sync_io(n, URING_WRITE, off, (void *)buf, len);
+}
+
+int nvme_sync(struct nvme *n)
+{
+    int ret = 0;
+
+    if (!n) return -EINVAL;
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        int fd = uring_file_fd(n->io, n->files[i].slot);
+        int r = fd < 0 ? fd : fdatasync(fd) == 0 ? 0 : -errno;
+        if (r < 0 && ret == 0) {
+            log_error("nvme: %s: fdatasync failed: %s", n->files[i].path, strerror(-r));
+            ret = r;
+        }
+    }
+    return ret;
+}
+
+void nvme_get_stats(struct nvme *n, struct nvme_stats *out)
+{
+    struct extent_stats es;
+
+    *out = (struct nvme_stats){0};
+    if (!n) return;
+    pthread_mutex_lock(&n->lock);
+    extent_get_stats(&n->ext, &es);
+    out->capacity_bytes = es.capacity_bytes;
+    out->used_bytes = es.used_bytes;
+    out->free_bytes = es.free_bytes;
+    out->largest_free_bytes = es.largest_free_bytes;
+    out->used_extents = es.used_extents;
+    out->free_extents = es.free_extents;
+    out->file_bytes = n->file_bytes;
+    out->grows = n->grows;
+    pthread_mutex_unlock(&n->lock);
+    out->block_size = n->stripe_bytes;
+    out->files = n->nfiles;
+    out->growable = n->growable;
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        out->paths[i] = n->files[i].path;
+        if (!uring_file_direct(n->io, n->files[i].slot)) out->buffered_files++;
+    }
+}
+
+void nvme_fault_fallocate(struct nvme *n, unsigned nth, int err)
+{
+    if (!n) return;
+    pthread_mutex_lock(&n->lock);
+    n->fault_nth = err ? nth : 0;
+    n->fault_err = err;
+    pthread_mutex_unlock(&n->lock);
+}

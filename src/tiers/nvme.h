@@ -1,0 +1,106 @@
+/*
+ * nvme.h - the NVMe swap space: one swap file per directory (one directory per drive),
+ * seen by callers as a single logical address space in which extents are allocated.
+ *
+ * Files. Directory i of opts->dirs holds "zinf-swap.<i>" (mode 0600). nvme_open() creates
+ * it, or truncates an existing one (its content is not kept: see below), takes an
+ * exclusive flock() on it so that a second swap space cannot use it at the same time, and
+ * preallocates it with fallocate(). Files are opened through uring_file_open(), so with
+ * O_DIRECT where the filesystem allows it and buffered where it refuses.
+ *
+ * Layout. The logical space is striped over the files in block_size units so that the
+ * drives serve one large request in parallel: logical offset L lives in file
+ * (L / block_size) % nfiles at offset (L / (block_size * nfiles)) * block_size +
+ * L % block_size. With one directory the mapping is the identity. Every file has the same
+ * size, so the logical capacity is nfiles times the file size.
+ *
+ * Capacity. A nonzero capacity_bytes is split over the files (rounded up to block_size
+ * each) and preallocated; an allocation that does not fit fails with -ENOSPC. With
+ * capacity_bytes 0 the files start empty and grow on demand: an allocation that does not
+ * fit extends every file by the larger of what it needs and 256 MiB, up to max_bytes when
+ * that is set. Growth is all or nothing: if any file cannot grow, those that did are cut
+ * back and the capacity is unchanged. Every -ENOSPC is logged as one error line naming
+ * the directory (or directories) and the sizes.
+ *
+ * IO. Buffers, offsets and lengths are 4 KiB aligned (the O_DIRECT rule), and a transfer
+ * must lie inside one live allocation: anything else is -EINVAL, before any IO.
+ *
+ * Thread safety: every function may be called from any thread; a mutex serialises
+ * allocation and growth. IO does not take it beyond the bounds check.
+ *
+ * What it deliberately is not: persistent (there is no manifest; files are truncated at
+ * open and their content means nothing after close; the engine will own persistence),
+ * a cache (every read and write goes to the files), or a scheduler (queue depth and
+ * chunking are the IO engine's).
+ */
+#ifndef ZINF_TIERS_NVME_H
+#define ZINF_TIERS_NVME_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "io/uring.h"
+
+#define NVME_MAX_DIRS 16
+#define NVME_SWAP_NAME "zinf-swap"                /* file i is DIR/zinf-swap.<i> */
+#define NVME_GROW_MIN_BYTES ((uint64_t)256 << 20) /* per file, per growth step */
+
+struct nvme;
+
+struct nvme_opts {
+    const char *const *dirs; /* 1..NVME_MAX_DIRS directories, one per drive; may repeat */
+    unsigned ndirs;
+    uint64_t capacity_bytes; /* fixed, preallocated capacity; 0: grow on demand */
+    uint64_t max_bytes;      /* with capacity_bytes 0: growth cap; 0: until a disk is full */
+    size_t block_size;       /* stripe unit, multiple of 4 KiB; 0: uring_block_size(io) */
+    bool remove_on_close;    /* unlink the swap files at nvme_close() */
+};
+
+struct nvme_stats {
+    uint64_t capacity_bytes; /* logical: file_bytes * files */
+    uint64_t used_bytes, free_bytes;
+    uint64_t largest_free_bytes; /* the largest allocation that fits without growing */
+    uint64_t file_bytes;         /* size of each swap file */
+    uint64_t block_size;         /* stripe unit */
+    uint64_t used_extents, free_extents;
+    uint64_t grows; /* successful growth steps */
+    unsigned files;
+    unsigned buffered_files; /* files the filesystem would not open with O_DIRECT */
+    bool growable;
+    const char *paths[NVME_MAX_DIRS]; /* the swap files; valid until nvme_close() */
+};
+
+/* Create the swap files and the logical space. io must outlive the swap space. Returns 0,
+ * -EINVAL (bad options), -ENOENT/-EACCES/... (a directory or file that cannot be used;
+ * the path is logged), -EBUSY (a swap file is locked by another swap space), -ENOSPC
+ * (preallocation failed), -ENOMEM. On error nothing is left behind. */
+int nvme_open(const struct nvme_opts *opts, struct uring *io, struct nvme **out);
+/* Close (and with remove_on_close unlink) the files. No IO may be in flight on this swap
+ * space. NULL is a no-op. */
+void nvme_close(struct nvme *n);
+
+/* Allocate bytes (rounded up to 4 KiB) of logical space; *off receives its start. Returns
+ * 0, -EINVAL, -ENOSPC (logged once per failure; state unchanged) or another -errno from
+ * growing the files. */
+int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off);
+/* Free the allocation that starts at off. -EINVAL when there is none. */
+int nvme_free(struct nvme *n, uint64_t off);
+
+/* Synchronous IO inside one allocation. Returns 0 or -errno. */
+int nvme_read(struct nvme *n, uint64_t off, void *buf, size_t len);
+int nvme_write(struct nvme *n, uint64_t off, const void *buf, size_t len);
+/* Asynchronous IO: req->op, buf, len, off (logical), cb and data are the caller's;
+ * file, map and map_data are filled here. Returns 0 (the callback will run once) or
+ * -errno (it never runs). */
+int nvme_submit(struct nvme *n, struct uring_req *req);
+/* fdatasync() every swap file. Returns 0 or the first -errno. */
+int nvme_sync(struct nvme *n);
+
+void nvme_get_stats(struct nvme *n, struct nvme_stats *out);
+
+/* Test-only fault hook, compiled in and off by default: the nth fallocate() from now
+ * (1 = the next one) fails with err (a positive errno, e.g. ENOSPC); 0 disarms it. */
+void nvme_fault_fallocate(struct nvme *n, unsigned nth, int err);
+
+#endif
