@@ -8,9 +8,10 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <time.h>
 
-#include "config.h"
+#include "zinf_build.h"
 #include "zinf.h"
 
 #define ZINF_ALIGN 4096u /* O_DIRECT alignment of buffers, offsets and lengths */

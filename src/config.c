@@ -1,1 +1,1004 @@
-/* placeholder */
+/*
+ * config.c - reads a DeepSpeed-style JSON config (jansson) into struct zinf_config.
+ *
+ * One table, fields[], says for every setting where it lives, its type, its range and
+ * where it is stored; parsing, "given" bookkeeping and config_print all walk that table,
+ * so a setting added there is read, checked and printed at once. Sections are walked key
+ * by key: a key is a setting, a subsection, a DeepSpeed key zinf does not use (accepted
+ * without looking at its value) or unknown (collected and warned about). The first bad
+ * value stops the parse with one line, "json.path: what is wrong".
+ *
+ * What it is not: a DeepSpeed validator for the keys zinf ignores, nor an hjson reader
+ * (DeepSpeed reads hjson; comments in a config are a syntax error here).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <jansson.h>
+
+#include "common.h"
+#include "config.h"
+
+#define MAX_FILE_BYTES (64 * MiB) /* a config larger than this is a mistake, not a config */
+#define MAX_PATH_BYTES 4095       /* longest directory name accepted (PATH_MAX less NUL) */
+#define KEY_SHOWN_BYTES 128       /* longer keys are cut in messages */
+#define JSON_PATH_CHARS 512       /* room for section.path + one shown key + "[index]" */
+
+enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_COUNT };
+
+/* DeepSpeed keys zinf has no use for. Their values are not looked at: they are
+ * DeepSpeed's business, and a config DeepSpeed accepts must be accepted here. */
+static const char *const top_ignored[] = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", "torch_autocast",
+    "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
+    "sparse_gradients", "steps_per_print", "wall_clock_breakdown", "memory_breakdown",
+    "dump_state", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+    "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
+    "comet", "comms_logger", "autotuning", "elasticity", "communication_data_type",
+    "seq_parallel_communication_data_type", "data_types", "disable_allgather",
+    "sparse_attention", "pipeline", "progressive_layer_drop", "curriculum_learning",
+    "data_efficiency", "compression_training", "checkpoint", "eigenvalue",
+    "quantize_training", "nebula", "hybrid_engine", "weight_quantization", "compile",
+    "timers", "graph_harvesting", "dataloader_drop_last",
+    "use_data_before_expert_parallelism", "tensor_parallel", NULL};
+static const char *const zero_ignored[] = {
+    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+    "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
+    "allgather_size", "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload",
+    "cpu_offload_param", "cpu_offload_use_pin_memory", "round_robin_gradients",
+    "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_model_persistence_threshold",
+    "model_persistence_threshold", "stage3_module_granularity_threshold",
+    "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
+    "use_all_reduce_for_fetch_params", "ignore_unused_parameters", "legacy_stage1",
+    "memory_efficient_linear", "zero_hpz_partition_size", "zero_quantized_weights",
+    "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
+    "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
+    "override_module_apply", "log_trace_cache_warnings", NULL};
+static const char *const offload_ignored[] = {"ratio", "pipeline", NULL};
+
+static const struct sectdef {
+    const char *key;  /* name inside the parent section */
+    const char *path; /* full JSON path */
+    int parent;
+    const char *const *ignored;
+} sects[S_COUNT] = {
+    [S_TOP] = {NULL, NULL, -1, top_ignored},
+    [S_ZERO] = {"zero_optimization", "zero_optimization", S_TOP, zero_ignored},
+    [S_PARAM] = {"offload_param", "zero_optimization.offload_param", S_ZERO, offload_ignored},
+    [S_OPTIM] = {"offload_optimizer", "zero_optimization.offload_optimizer", S_ZERO,
+                 offload_ignored},
+    [S_AIO] = {"aio", "aio", S_TOP, NULL},
+    [S_ZINF] = {"zinf", "zinf", S_TOP, NULL},
+};
+
+enum ftype {
+    F_INT,   /* int, non-negative integer */
+    F_UINT,  /* unsigned, non-negative integer */
+    F_U64,   /* uint64_t, non-negative integer */
+    F_SIZE,  /* uint64_t bytes: an integer or a size string ("4G") */
+    F_BOOL,  /* bool */
+    F_ENUM,  /* an enum stored as int, from one of names[] */
+    F_PATHS, /* struct config_paths: a string or a list of strings */
+};
+
+static const char *const offload_devices[] = {"none", "cpu", "nvme", NULL};
+static const char *const device_kinds[] = {"auto", "cuda", "emulated", NULL};
+static const char *const io_backends[] = {"auto", "io_uring", "threads", NULL};
+
+struct field {
+    int sect;
+    const char *key;
+    const char *alias; /* another name for the same setting, or NULL */
+    enum ftype type;
+    size_t off;        /* where it is stored in struct zinf_config */
+    uint64_t min, max; /* max 0: the storage type's own limit */
+    uint64_t multiple; /* 0, or the value must be a multiple of this */
+    const char *const *names;
+};
+
+#define OFF(m) offsetof(struct zinf_config, m)
+/* Table order is print order. */
+static const struct field fields[] = {
+    {S_ZERO, "stage", NULL, F_INT, OFF(zero.stage), 0, 3, 0, NULL},
+    {S_ZERO, "sub_group_size", NULL, F_U64, OFF(zero.sub_group_size), 0, 0, 0, NULL},
+    {S_PARAM, "device", NULL, F_ENUM, OFF(zero.offload_param.device), 0, 0, 0, offload_devices},
+    {S_PARAM, "nvme_path", NULL, F_PATHS, OFF(zero.offload_param.nvme_path), 0, 0, 0, NULL},
+    {S_PARAM, "pin_memory", NULL, F_BOOL, OFF(zero.offload_param.pin_memory), 0, 0, 0, NULL},
+    {S_PARAM, "buffer_count", NULL, F_U64, OFF(zero.offload_param.buffer_count), 0, 0, 0, NULL},
+    {S_PARAM, "buffer_size", NULL, F_U64, OFF(zero.offload_param.buffer_size), 0, 0, 0, NULL},
+    {S_PARAM, "max_in_cpu", NULL, F_U64, OFF(zero.offload_param.max_in_cpu), 0, 0, 0, NULL},
+    {S_OPTIM, "device", NULL, F_ENUM, OFF(zero.offload_optimizer.device), 0, 0, 0,
+     offload_devices},
+    {S_OPTIM, "nvme_path", NULL, F_PATHS, OFF(zero.offload_optimizer.nvme_path), 0, 0, 0, NULL},
+    {S_OPTIM, "pin_memory", NULL, F_BOOL, OFF(zero.offload_optimizer.pin_memory), 0, 0, 0, NULL},
+    {S_OPTIM, "buffer_count", NULL, F_U64, OFF(zero.offload_optimizer.buffer_count), 0, 0, 0,
+     NULL},
+    {S_OPTIM, "pipeline_read", NULL, F_BOOL, OFF(zero.offload_optimizer.pipeline_read), 0, 0, 0,
+     NULL},
+    {S_OPTIM, "pipeline_write", NULL, F_BOOL, OFF(zero.offload_optimizer.pipeline_write), 0, 0,
+     0, NULL},
+    {S_OPTIM, "fast_init", NULL, F_BOOL, OFF(zero.offload_optimizer.fast_init), 0, 0, 0, NULL},
+    /* DeepSpeed names these prefetch_bucket_size etc. and reads the stage3_ names as
+     * aliases; configs in the wild use the stage3_ names, so those are printed. */
+    {S_ZERO, "stage3_prefetch_bucket_size", "prefetch_bucket_size", F_U64,
+     OFF(zero.stage3_prefetch_bucket_size), 0, 0, 0, NULL},
+    {S_ZERO, "stage3_max_live_parameters", "max_live_parameters", F_U64,
+     OFF(zero.stage3_max_live_parameters), 0, 0, 0, NULL},
+    {S_ZERO, "stage3_max_reuse_distance", "max_reuse_distance", F_U64,
+     OFF(zero.stage3_max_reuse_distance), 0, 0, 0, NULL},
+    {S_ZERO, "stage3_param_persistence_threshold", "param_persistence_threshold", F_U64,
+     OFF(zero.stage3_param_persistence_threshold), 0, 0, 0, NULL},
+    {S_AIO, "block_size", NULL, F_U64, OFF(aio.block_size), ZINF_ALIGN, 64 * MiB, ZINF_ALIGN,
+     NULL},
+    {S_AIO, "queue_depth", NULL, F_UINT, OFF(aio.queue_depth), 1, 1024, 0, NULL},
+    {S_AIO, "intra_op_parallelism", "thread_count", F_UINT, OFF(aio.intra_op_parallelism), 1, 0,
+     0, NULL},
+    {S_AIO, "single_submit", NULL, F_BOOL, OFF(aio.single_submit), 0, 0, 0, NULL},
+    {S_AIO, "overlap_events", NULL, F_BOOL, OFF(aio.overlap_events), 0, 0, 0, NULL},
+    {S_AIO, "use_gds", NULL, F_BOOL, OFF(aio.use_gds), 0, 0, 0, NULL},
+    {S_ZINF, "device_bytes", NULL, F_SIZE, OFF(zinf.device_bytes), 0, SIZE_MAX, 0, NULL},
+    {S_ZINF, "host_bytes", NULL, F_SIZE, OFF(zinf.host_bytes), 0, SIZE_MAX, 0, NULL},
+    {S_ZINF, "nvme_paths", NULL, F_PATHS, OFF(zinf.nvme_paths), 0, 0, 0, NULL},
+    {S_ZINF, "device", NULL, F_ENUM, OFF(zinf.device), 0, 0, 0, device_kinds},
+    {S_ZINF, "cuda_device", NULL, F_INT, OFF(zinf.cuda_device), 0, 0, 0, NULL},
+    {S_ZINF, "sqpoll", NULL, F_BOOL, OFF(zinf.sqpoll), 0, 0, 0, NULL},
+    {S_ZINF, "io_backend", NULL, F_ENUM, OFF(zinf.io_backend), 0, 0, 0, io_backends},
+};
+_Static_assert(ARRAY_SIZE(fields) <= 64, "struct zinf_config.given has one bit per field");
+
+#define FIELD_STAGE 0 /* fields[0]: set by the deprecated "zero_optimization": true|false */
+
+struct parser {
+    struct zinf_config *c;
+    const char *name; /* the file or buffer name, for warnings */
+    char *err;
+    size_t errlen;
+};
+
+/* ---- small helpers ---------------------------------------------------------------- */
+
+static void *field_ptr(struct zinf_config *c, const struct field *f)
+{
+    return (char *)c + f->off;
+}
+
+static const void *field_cptr(const struct zinf_config *c, const struct field *f)
+{
+    return (const char *)c + f->off;
+}
+
+static uint64_t field_bit(const struct field *f)
+{
+    return 1ull << (f - fields);
+}
+
+static uint64_t type_max(const struct field *f)
+{
+    if (f->max)
+        return f->max;
+    switch (f->type) {
+    case F_INT: return INT_MAX;
+    case F_UINT: return UINT_MAX;
+    case F_U64: return INT64_MAX; /* what a JSON integer can say; 1e19 says more */
+    default: return UINT64_MAX;
+    }
+}
+
+/* Append s to dst (size n, NUL-terminated, length *len), escaping control bytes, quotes
+ * and backslashes as \xNN so that whatever the input, a message stays one line. At most
+ * max bytes of s are shown; a longer s ends in "...". */
+static void append_escaped(char *dst, size_t n, size_t *len, const char *s, size_t slen,
+                           size_t max)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t shown = slen > max ? max : slen;
+
+    for (size_t i = 0; i < shown && *len + 5 < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        if (ch < 0x20 || ch == 0x7f || ch == '"' || ch == '\\') {
+            dst[(*len)++] = '\\';
+            dst[(*len)++] = 'x';
+            dst[(*len)++] = hex[ch >> 4];
+            dst[(*len)++] = hex[ch & 15];
+        } else {
+            dst[(*len)++] = (char)ch;
+        }
+    }
+    if (shown < slen && *len + 4 < n) {
+        memcpy(dst + *len, "...", 3);
+        *len += 3;
+    }
+    dst[*len] = '\0';
+}
+
+/* dst = parent "." key (or key alone at the top), with the key escaped and cut short. */
+static void join_path(char *dst, size_t n, const char *parent, const char *key)
+{
+    size_t len = 0;
+
+    dst[0] = '\0';
+    if (parent) {
+        len = strlen(parent);
+        if (len + 2 > n)
+            len = n - 2;
+        memcpy(dst, parent, len);
+        dst[len++] = '.';
+        dst[len] = '\0';
+    }
+    append_escaped(dst, n, &len, key, strlen(key), KEY_SHOWN_BYTES);
+}
+
+static const char *type_name(const json_t *v)
+{
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: return "an object";
+    case JSON_ARRAY: return "a list";
+    case JSON_STRING: return "a string";
+    case JSON_INTEGER: return "an integer";
+    case JSON_REAL: return "a number";
+    case JSON_TRUE:
+    case JSON_FALSE: return "a boolean";
+    default: return "null";
+    }
+}
+
+/* A JSON string for a message: quoted, escaped, at most 64 bytes shown. */
+static const char *quoted(const json_t *v, char *buf, size_t n)
+{
+    size_t len = 1;
+
+    buf[0] = '"';
+    buf[1] = '\0';
+    append_escaped(buf, n - 1, &len, json_string_value(v), json_string_length(v), 64);
+    buf[len++] = '"';
+    buf[len] = '\0';
+    return buf;
+}
+
+/* Make every byte of a message printable, so that it is one line whatever produced it. */
+static void one_line(char *s)
+{
+    for (; s && *s; s++)
+        if ((unsigned char)*s < 0x20 || *s == 0x7f)
+            *s = '?';
+}
+
+__attribute__((format(printf, 3, 4))) static int fail(struct parser *p, const char *path,
+                                                      const char *fmt, ...)
+{
+    va_list ap;
+    int n = 0;
+
+    if (!p->err || !p->errlen)
+        return -EINVAL;
+    if (path)
+        n = snprintf(p->err, p->errlen, "%s: ", path);
+    if (n >= 0 && (size_t)n < p->errlen) {
+        va_start(ap, fmt);
+        vsnprintf(p->err + n, p->errlen - (size_t)n, fmt, ap);
+        va_end(ap);
+    }
+    return -EINVAL;
+}
+
+static int fail_nomem(struct parser *p)
+{
+    if (p->err && p->errlen)
+        snprintf(p->err, p->errlen, "%s: out of memory", p->name ? p->name : "config");
+    return -ENOMEM;
+}
+
+/* Append an owned copy of s to a growing list (capacity doubles at powers of two). */
+static int list_push(char ***list, size_t *n, const char *s)
+{
+    if ((*n & (*n - 1)) == 0) {
+        size_t cap = *n < 4 ? 4 : *n * 2;
+        char **l = realloc(*list, cap * sizeof(*l));
+        if (!l)
+            return -ENOMEM;
+        *list = l;
+    }
+    char *d = strdup(s);
+    if (!d)
+        return -ENOMEM;
+    (*list)[(*n)++] = d;
+    return 0;
+}
+
+static void list_free(char ***list, size_t *n)
+{
+    for (size_t i = 0; i < *n; i++)
+        free((*list)[i]);
+    free(*list);
+    *list = NULL;
+    *n = 0;
+}
+
+static void paths_free(struct config_paths *ps)
+{
+    for (unsigned i = 0; i < ps->count; i++)
+        free(ps->path[i]);
+    memset(ps, 0, sizeof(*ps));
+}
+
+static bool in_list(const char *const *list, const char *s)
+{
+    for (; list && *list; list++)
+        if (!strcmp(*list, s))
+            return true;
+    return false;
+}
+
+/* ---- numbers ------------------------------------------------------------------------ */
+
+static int range_error(struct parser *p, const char *path, const struct field *f,
+                       const char *got, bool negative, bool too_big)
+{
+    bool bounded = f->max != 0 && !(f->type == F_SIZE && f->max == SIZE_MAX);
+
+    if (bounded)
+        return fail(p, path, "must be between %llu and %llu, got %s",
+                    (unsigned long long)f->min, (unsigned long long)f->max, got);
+    if (too_big)
+        return fail(p, path, "is too large, got %s", got);
+    if (negative && f->min == 0)
+        return fail(p, path, "must be non-negative, got %s", got);
+    return fail(p, path, "must be at least %llu, got %s", (unsigned long long)f->min, got);
+}
+
+/* Read a non-negative integer setting: a JSON integer, an integral real (1e8), or for
+ * F_SIZE a size string ("4G"); then its range and multiple. */
+static int read_uint(struct parser *p, const char *path, const struct field *f, json_t *v,
+                     uint64_t *out)
+{
+    char got[96];
+    uint64_t u;
+    bool negative = false;
+
+    if (json_is_integer(v)) {
+        json_int_t i = json_integer_value(v);
+        snprintf(got, sizeof(got), "%" JSON_INTEGER_FORMAT, i);
+        negative = i < 0;
+        u = negative ? 0 : (uint64_t)i;
+    } else if (json_is_real(v)) {
+        double d = json_real_value(v);
+        snprintf(got, sizeof(got), "%g", d);
+        if (d != floor(d))
+            return fail(p, path, "must be an integer, got %s", got);
+        negative = d < 0;
+        if (d >= 18446744073709551616.0)
+            return range_error(p, path, f, got, false, true);
+        u = negative ? 0 : (uint64_t)d;
+    } else if (json_is_string(v) && f->type == F_SIZE) {
+        quoted(v, got, sizeof(got));
+        int ret = strlen(json_string_value(v)) == json_string_length(v)
+                      ? parse_size(json_string_value(v), &u)
+                      : -EINVAL;
+        if (ret == -ERANGE)
+            return range_error(p, path, f, got, false, true);
+        if (ret < 0)
+            return fail(p, path, "must be a size like \"4G\", \"512M\" or a number of bytes, got %s",
+                        got);
+    } else if (f->type == F_SIZE) {
+        return fail(p, path, "must be an integer or a size string like \"4G\", got %s",
+                    type_name(v));
+    } else {
+        return fail(p, path, "must be an integer, got %s", type_name(v));
+    }
+    if (!negative && f->multiple && u % f->multiple)
+        return fail(p, path, "must be a multiple of %llu, got %s",
+                    (unsigned long long)f->multiple, got);
+    if (negative || u < f->min || u > type_max(f))
+        return range_error(p, path, f, got, negative, !negative && u > type_max(f));
+    *out = u;
+    return 0;
+}
+
+/* ---- paths -------------------------------------------------------------------------- */
+
+static int add_path(struct parser *p, const char *path, json_t *v, struct config_paths *dst)
+{
+    size_t len = json_string_length(v);
+    const char *s = json_string_value(v);
+
+    if (len == 0)
+        return fail(p, path, "must not be empty");
+    if (strlen(s) != len)
+        return fail(p, path, "must not contain a NUL byte");
+    if (len > MAX_PATH_BYTES)
+        return fail(p, path, "is too long, %zu bytes (at most %d)", len, MAX_PATH_BYTES);
+    if (dst->count >= CONFIG_MAX_NVME_PATHS)
+        return fail(p, path, "too many paths (at most %d)", CONFIG_MAX_NVME_PATHS);
+    char *d = strdup(s);
+    if (!d)
+        return fail_nomem(p);
+    dst->path[dst->count++] = d;
+    return 0;
+}
+
+static int read_paths(struct parser *p, const char *path, json_t *v, struct config_paths *dst)
+{
+    char elem[JSON_PATH_CHARS + 32];
+    size_t i;
+    json_t *e;
+
+    if (json_is_string(v))
+        return add_path(p, path, v, dst);
+    if (!json_is_array(v))
+        return fail(p, path, "must be a string or a list of strings, got %s", type_name(v));
+    if (json_array_size(v) > CONFIG_MAX_NVME_PATHS)
+        return fail(p, path, "too many paths, got %zu (at most %d)", json_array_size(v),
+                    CONFIG_MAX_NVME_PATHS);
+    json_array_foreach(v, i, e) {
+        snprintf(elem, sizeof(elem), "%s[%zu]", path, i);
+        if (!json_is_string(e))
+            return fail(p, elem, "must be a string, got %s", type_name(e));
+        int ret = add_path(p, elem, e, dst);
+        if (ret)
+            return ret;
+    }
+    return 0;
+}
+
+/* ---- settings and sections ---------------------------------------------------------- */
+
+static int read_field(struct parser *p, const struct field *f, const char *path,
+                      const char *key, json_t *v)
+{
+    struct zinf_config *c = p->c;
+    void *dst = field_ptr(c, f);
+    uint64_t u = 0;
+    int ret;
+
+    if (c->given & field_bit(f)) {
+        /* Only an alias can get here: jansson refuses a key given twice. */
+        const char *other = strcmp(key, f->key) ? f->key : f->alias;
+        return fail(p, path, "given twice, also as %s", other);
+    }
+    switch (f->type) {
+    case F_INT:
+    case F_UINT:
+    case F_U64:
+    case F_SIZE:
+        ret = read_uint(p, path, f, v, &u);
+        if (ret)
+            return ret;
+        if (f->type == F_INT)
+            *(int *)dst = (int)u;
+        else if (f->type == F_UINT)
+            *(unsigned *)dst = (unsigned)u;
+        else
+            *(uint64_t *)dst = u;
+        break;
+    case F_BOOL:
+        if (!json_is_boolean(v))
+            return fail(p, path, "must be true or false, got %s", type_name(v));
+        *(bool *)dst = json_is_true(v);
+        break;
+    case F_ENUM: {
+        char list[128], got[96];
+        size_t len = 0;
+        int i;
+
+        list[0] = '\0';
+        for (i = 0; f->names[i]; i++)
+            len += (size_t)snprintf(list + len, sizeof(list) - len, "%s\"%s\"", i ? ", " : "",
+                                    f->names[i]);
+        if (!json_is_string(v))
+            return fail(p, path, "must be one of %s, got %s", list, type_name(v));
+        for (i = 0; f->names[i]; i++)
+            if (!strcmp(json_string_value(v), f->names[i]) &&
+                strlen(f->names[i]) == json_string_length(v))
+                break;
+        if (!f->names[i])
+            return fail(p, path, "must be one of %s, got %s", list, quoted(v, got, sizeof(got)));
+        /* Each enum here is int-sized and its values are 0..n-1. */
+        *(int *)dst = i;
+        break;
+    }
+    case F_PATHS:
+        if (json_is_null(v))
+            return 0; /* DeepSpeed's "nvme_path": null, the same as leaving it out */
+        ret = read_paths(p, path, v, dst);
+        if (ret)
+            return ret;
+        break;
+    }
+    c->given |= field_bit(f);
+    return 0;
+}
+
+static const struct field *find_field(int s, const char *key)
+{
+    for (size_t i = 0; i < ARRAY_SIZE(fields); i++)
+        if (fields[i].sect == s &&
+            (!strcmp(fields[i].key, key) || (fields[i].alias && !strcmp(fields[i].alias, key))))
+            return &fields[i];
+    return NULL;
+}
+
+static int find_sub(int s, const char *key)
+{
+    for (int i = 0; i < S_COUNT; i++)
+        if (sects[i].parent == s && !strcmp(sects[i].key, key))
+            return i;
+    return -1;
+}
+
+/* Edit distance of two short strings, capped: anything over 3 reads as 3. */
+static unsigned edit_distance(const char *a, const char *b)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    unsigned row[65];
+
+    if (la > 64 || lb > 64 || (la > lb ? la - lb : lb - la) > 2)
+        return 3;
+    for (size_t j = 0; j <= lb; j++)
+        row[j] = (unsigned)j;
+    for (size_t i = 1; i <= la; i++) {
+        unsigned diag = row[0];
+        row[0] = (unsigned)i;
+        for (size_t j = 1; j <= lb; j++) {
+            unsigned up = row[j];
+            unsigned best = diag + (a[i - 1] != b[j - 1]);
+            best = MIN(best, up + 1);
+            best = MIN(best, row[j - 1] + 1);
+            row[j] = best;
+            diag = up;
+        }
+    }
+    return MIN(row[lb], 3u);
+}
+
+/* A likely meant name for an unknown key: the same name in another section (written as a
+ * full path), else a close spelling of a name this section knows. NULL when none. */
+static const char *suggest(int s, const char *key, char *buf, size_t n)
+{
+    const char *best = NULL;
+    unsigned best_d = 3;
+
+    for (size_t i = 0; i < ARRAY_SIZE(fields); i++) {
+        const struct field *f = &fields[i];
+        if (f->sect != s && (!strcmp(f->key, key) || (f->alias && !strcmp(f->alias, key)))) {
+            snprintf(buf, n, "%s.%s", sects[f->sect].path, f->key);
+            return buf;
+        }
+    }
+    for (int i = 1; i < S_COUNT; i++) {
+        if (sects[i].parent != s && !strcmp(sects[i].key, key)) {
+            snprintf(buf, n, "%s", sects[i].path);
+            return buf;
+        }
+    }
+    if (strlen(key) < 4)
+        return NULL;
+    for (size_t i = 0; i < ARRAY_SIZE(fields); i++) {
+        if (fields[i].sect != s)
+            continue;
+        unsigned d = edit_distance(key, fields[i].key);
+        if (d < best_d) {
+            best_d = d;
+            best = fields[i].key;
+        }
+    }
+    for (int i = 1; i < S_COUNT; i++) {
+        if (sects[i].parent == s) {
+            unsigned d = edit_distance(key, sects[i].key);
+            if (d < best_d) {
+                best_d = d;
+                best = sects[i].key;
+            }
+        }
+    }
+    if (!best)
+        return NULL;
+    snprintf(buf, n, "%s", best);
+    return buf;
+}
+
+static int parse_section(struct parser *p, int s, json_t *obj);
+
+static int parse_subsection(struct parser *p, int sub, const char *path, json_t *v)
+{
+    if (json_is_null(v))
+        return 0; /* "offload_param": null is DeepSpeed's way of saying "none" */
+    if (sub == S_ZERO && json_is_boolean(v)) {
+        /* DeepSpeed's deprecated form: true is stage 1, false is stage 0. */
+        p->c->zero.stage = json_is_true(v) ? 1 : 0;
+        p->c->given |= field_bit(&fields[FIELD_STAGE]);
+        return 0;
+    }
+    if (!json_is_object(v))
+        return fail(p, path, "must be an object, got %s", type_name(v));
+    return parse_section(p, sub, v);
+}
+
+static int note_unknown(struct parser *p, int s, const char *path, const char *key)
+{
+    struct zinf_config *c = p->c;
+    char hint[JSON_PATH_CHARS];
+
+    if (list_push(&c->unknown, &c->n_unknown, path))
+        return fail_nomem(p);
+    const char *sug = suggest(s, key, hint, sizeof(hint));
+    log_warn("%s%s%s: unknown key, ignored%s%s%s", p->name ? p->name : "", p->name ? ": " : "",
+             path, sug ? " (did you mean \"" : "", sug ? sug : "", sug ? "\"?)" : "");
+    return 0;
+}
+
+static int parse_section(struct parser *p, int s, json_t *obj)
+{
+    struct zinf_config *c = p->c;
+    const char *key;
+    json_t *v;
+    int ret = 0;
+
+    json_object_foreach(obj, key, v) {
+        char path[JSON_PATH_CHARS];
+        const struct field *f;
+        int sub;
+
+        join_path(path, sizeof(path), sects[s].path, key);
+        if ((f = find_field(s, key)))
+            ret = read_field(p, f, path, key, v);
+        else if ((sub = find_sub(s, key)) >= 0)
+            ret = parse_subsection(p, sub, path, v);
+        else if (in_list(sects[s].ignored, key))
+            ret = list_push(&c->ignored, &c->n_ignored, path) ? fail_nomem(p) : 0;
+        else
+            ret = note_unknown(p, s, path, key);
+        if (ret)
+            return ret;
+    }
+    return 0;
+}
+
+/* ---- what the settings imply -------------------------------------------------------- */
+
+/* A directory without its trailing slashes, so "/mnt/a/" and "/mnt/a" are one drive. */
+static size_t trimmed_len(const char *s)
+{
+    size_t len = strlen(s);
+    while (len > 1 && s[len - 1] == '/')
+        len--;
+    return len;
+}
+
+static int merge_paths(struct parser *p, const char *path, const struct config_paths *src)
+{
+    struct config_paths *all = &p->c->nvme_paths;
+
+    for (unsigned i = 0; i < src->count; i++) {
+        size_t len = trimmed_len(src->path[i]);
+        bool dup = false;
+        for (unsigned j = 0; j < all->count && !dup; j++)
+            dup = strlen(all->path[j]) == len && !memcmp(all->path[j], src->path[i], len);
+        if (dup)
+            continue;
+        if (all->count >= CONFIG_MAX_NVME_PATHS)
+            return fail(p, path,
+                        "too many NVMe paths: more than %d distinct directories over "
+                        "zinf.nvme_paths and the offload sections",
+                        CONFIG_MAX_NVME_PATHS);
+        char *d = strndup(src->path[i], len);
+        if (!d)
+            return fail_nomem(p);
+        all->path[all->count++] = d;
+    }
+    return 0;
+}
+
+static int finish(struct parser *p)
+{
+    struct zinf_config *c = p->c;
+    const struct {
+        int sect;
+        enum config_offload_device device;
+        const struct config_paths *paths;
+    } offload[] = {
+        {S_PARAM, c->zero.offload_param.device, &c->zero.offload_param.nvme_path},
+        {S_OPTIM, c->zero.offload_optimizer.device, &c->zero.offload_optimizer.nvme_path},
+    };
+    char path[JSON_PATH_CHARS];
+    int ret;
+
+    /* DeepSpeed needs nvme_path with device "nvme"; zinf.nvme_paths can stand in for it. */
+    for (size_t i = 0; i < ARRAY_SIZE(offload); i++) {
+        snprintf(path, sizeof(path), "%s.nvme_path", sects[offload[i].sect].path);
+        if (offload[i].device == CONFIG_OFFLOAD_NVME && !offload[i].paths->count &&
+            !c->zinf.nvme_paths.count)
+            return fail(p, path, "required when device is \"nvme\"");
+    }
+    ret = merge_paths(p, "zinf.nvme_paths", &c->zinf.nvme_paths);
+    /* An offload section's directories are used only when it offloads to NVMe, as in
+     * DeepSpeed, which ignores nvme_path for the other devices. */
+    for (size_t i = 0; i < ARRAY_SIZE(offload) && !ret; i++) {
+        snprintf(path, sizeof(path), "%s.nvme_path", sects[offload[i].sect].path);
+        if (offload[i].device == CONFIG_OFFLOAD_NVME)
+            ret = merge_paths(p, path, offload[i].paths);
+    }
+    if (ret)
+        return ret;
+    for (unsigned i = 1; i < c->nvme_paths.count; i++)
+        c->nvme_paths_extra[i - 1] = c->nvme_paths.path[i];
+    return 0;
+}
+
+/* ---- the interface ------------------------------------------------------------------ */
+
+void config_defaults(struct zinf_config *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->zero.stage = 0;
+    c->zero.sub_group_size = 1000000000;
+    c->zero.offload_param.device = CONFIG_OFFLOAD_NONE;
+    c->zero.offload_param.buffer_count = 5;
+    c->zero.offload_param.buffer_size = 100000000;
+    c->zero.offload_param.max_in_cpu = 1000000000;
+    c->zero.offload_optimizer.device = CONFIG_OFFLOAD_NONE;
+    c->zero.offload_optimizer.buffer_count = 4;
+    c->zero.stage3_prefetch_bucket_size = 50000000;
+    c->zero.stage3_max_live_parameters = 1000000000;
+    c->zero.stage3_max_reuse_distance = 1000000000;
+    c->zero.stage3_param_persistence_threshold = 100000;
+    c->aio.block_size = 1048576;
+    c->aio.queue_depth = 8;
+    c->aio.intra_op_parallelism = 1;
+    c->aio.single_submit = false;
+    c->aio.overlap_events = true;
+    c->aio.use_gds = false;
+    c->zinf.device = ZINF_DEVICE_AUTO;
+    c->zinf.io_backend = CONFIG_IO_AUTO;
+}
+
+void config_free(struct zinf_config *c)
+{
+    if (!c)
+        return;
+    paths_free(&c->zero.offload_param.nvme_path);
+    paths_free(&c->zero.offload_optimizer.nvme_path);
+    paths_free(&c->zinf.nvme_paths);
+    paths_free(&c->nvme_paths);
+    list_free(&c->unknown, &c->n_unknown);
+    list_free(&c->ignored, &c->n_ignored);
+    config_defaults(c);
+}
+
+int config_parse_buffer(const char *buf, size_t len, const char *name, struct zinf_config *c,
+                        char *err, size_t errlen)
+{
+    struct parser p = {.c = c, .name = name, .err = err, .errlen = errlen};
+    json_error_t je;
+    json_t *root;
+    int ret;
+
+    if (err && errlen)
+        err[0] = '\0';
+    if (!c)
+        return -EINVAL;
+    config_defaults(c);
+    if (!buf && len)
+        return fail(&p, name ? name : "config", "no buffer");
+    root = json_loadb(buf ? buf : "", len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) {
+        if (err && errlen) {
+            if (je.line > 0)
+                snprintf(err, errlen, "%s:%d:%d: %s", name ? name : "config", je.line, je.column,
+                         je.text);
+            else
+                snprintf(err, errlen, "%s: %s", name ? name : "config", je.text);
+            one_line(err);
+        }
+        return -EINVAL;
+    }
+    if (!json_is_object(root))
+        ret = fail(&p, "top level", "must be an object, got %s", type_name(root));
+    else
+        ret = parse_section(&p, S_TOP, root);
+    if (!ret)
+        ret = finish(&p);
+    json_decref(root);
+    if (ret) {
+        config_free(c);
+        if (err && errlen)
+            one_line(err);
+    }
+    return ret;
+}
+
+int config_parse_file(const char *path, struct zinf_config *c, char *err, size_t errlen)
+{
+    struct stat st;
+    char *buf = NULL;
+    size_t len = 0, cap = 0;
+    int fd, ret;
+
+    if (err && errlen)
+        err[0] = '\0';
+    if (!c)
+        return -EINVAL;
+    config_defaults(c);
+    if (!path) {
+        ret = -EINVAL;
+        goto err;
+    }
+    fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        ret = -errno;
+        goto err;
+    }
+    if (fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+        ret = -EISDIR;
+        goto err_close;
+    }
+    /* Read to the end rather than trust st_size, so that pipes (/dev/stdin) work too. */
+    for (;;) {
+        if (len == cap) {
+            if (cap >= MAX_FILE_BYTES) {
+                ret = -EFBIG;
+                goto err_close;
+            }
+            size_t ncap = cap ? cap * 2 : 64 * KiB;
+            char *nbuf = realloc(buf, ncap);
+            if (!nbuf) {
+                ret = -ENOMEM;
+                goto err_close;
+            }
+            buf = nbuf;
+            cap = ncap;
+        }
+        ssize_t n = read(fd, buf + len, cap - len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0) {
+            ret = -errno;
+            goto err_close;
+        }
+        if (n == 0)
+            break;
+        len += (size_t)n;
+    }
+    close(fd);
+    ret = config_parse_buffer(buf, len, path, c, err, errlen);
+    free(buf);
+    return ret;
+
+err_close:
+    close(fd);
+    free(buf);
+err:
+    if (err && errlen) {
+        snprintf(err, errlen, "%s: %s", path ? path : "(null)",
+                 ret == -EFBIG ? "file too large for a config (more than 64 MiB)" : strerror(-ret));
+        one_line(err);
+    }
+    return ret;
+}
+
+void config_to_options(const struct zinf_config *c, struct zinf_options *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->nvme_path = c->nvme_paths.count ? c->nvme_paths.path[0] : NULL;
+    o->nvme_paths_extra = c->nvme_paths.count > 1 ? c->nvme_paths_extra : NULL;
+    o->device_bytes = (size_t)c->zinf.device_bytes;
+    o->host_bytes = (size_t)c->zinf.host_bytes;
+    o->block_size = (size_t)c->aio.block_size;
+    o->queue_depth = c->aio.queue_depth;
+    o->device_kind = c->zinf.device;
+    o->cuda_device = c->zinf.cuda_device;
+}
+
+/* Print s as a JSON string, escaping what JSON requires. */
+static void print_string(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\')
+            fprintf(f, "\\%c", ch);
+        else if (ch < 0x20 || ch == 0x7f)
+            fprintf(f, "\\u%04x", ch);
+        else
+            fputc(ch, f);
+    }
+    fputc('"', f);
+}
+
+static void print_paths(FILE *f, const struct config_paths *ps)
+{
+    fputc('[', f);
+    for (unsigned i = 0; i < ps->count; i++) {
+        if (i)
+            fputs(", ", f);
+        print_string(f, ps->path[i]);
+    }
+    fputc(']', f);
+}
+
+static void print_bytes(FILE *f, uint64_t bytes, const char *zero_means)
+{
+    char h[32];
+
+    fprintf(f, "%llu", (unsigned long long)bytes);
+    if (bytes)
+        fprintf(f, "  # %s", format_size(bytes, h, sizeof(h)));
+    else if (zero_means)
+        fprintf(f, "  # %s", zero_means);
+}
+
+/* The name of an enum value, or "?" for one no config file could have produced. */
+static const char *enum_name(const char *const *names, int v)
+{
+    for (int i = 0; names[i]; i++)
+        if (i == v)
+            return names[i];
+    return "?";
+}
+
+int config_print(const struct zinf_config *c, FILE *f)
+{
+    struct zinf_options o;
+
+    for (size_t i = 0; i < ARRAY_SIZE(fields); i++) {
+        const struct field *fd = &fields[i];
+        const void *v = field_cptr(c, fd);
+        bool dflt = !(c->given & field_bit(fd));
+
+        fprintf(f, "%s.%s = ", sects[fd->sect].path, fd->key);
+        switch (fd->type) {
+        case F_INT: fprintf(f, "%d", *(const int *)v); break;
+        case F_UINT: fprintf(f, "%u", *(const unsigned *)v); break;
+        case F_U64: fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)v); break;
+        case F_SIZE: fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)v); break;
+        case F_BOOL: fputs(*(const bool *)v ? "true" : "false", f); break;
+        case F_ENUM: fprintf(f, "\"%s\"", enum_name(fd->names, *(const int *)v)); break;
+        case F_PATHS: print_paths(f, v); break;
+        }
+        fputs(dflt ? "  # default\n" : "\n", f);
+    }
+
+    config_to_options(c, &o);
+    fputs("# engine options\n", f);
+    fputs("engine.nvme_path = ", f);
+    if (o.nvme_path)
+        print_string(f, o.nvme_path);
+    else
+        fputs("none  # no NVMe tier", f);
+    fputs("\nengine.nvme_paths_extra = [", f);
+    for (unsigned i = 0; o.nvme_paths_extra && o.nvme_paths_extra[i]; i++) {
+        if (i)
+            fputs(", ", f);
+        print_string(f, o.nvme_paths_extra[i]);
+    }
+    fputs("]\nengine.block_size = ", f);
+    print_bytes(f, o.block_size, NULL);
+    fprintf(f, "\nengine.queue_depth = %u\n", o.queue_depth);
+    fputs("engine.device_bytes = ", f);
+    print_bytes(f, o.device_bytes, "engine default");
+    fputs("\nengine.host_bytes = ", f);
+    print_bytes(f, o.host_bytes, "engine default");
+    fprintf(f, "\nengine.device_kind = %s\n", enum_name(device_kinds, (int)o.device_kind));
+    fprintf(f, "engine.cuda_device = %d\n", o.cuda_device);
+
+    if (c->n_ignored) {
+        fputs("# ignored by zinf (DeepSpeed keys zinf does not use):\n", f);
+        for (size_t i = 0; i < c->n_ignored; i++)
+            fprintf(f, "#   %s\n", c->ignored[i]);
+    }
+    if (c->n_unknown) {
+        fputs("# unknown keys (ignored):\n", f);
+        for (size_t i = 0; i < c->n_unknown; i++)
+            fprintf(f, "#   %s\n", c->unknown[i]);
+    }
+    fflush(f);
+    return ferror(f) ? -EIO : 0;
+}

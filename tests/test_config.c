@@ -1,1 +1,1028 @@
+/*
+ * test_config.c - the DeepSpeed-style config reader: every key read back, DeepSpeed's
+ * defaults, reals, path lists, aliases, ignored and unknown keys, and one test per class
+ * of bad input with the exact message a user sees.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include <criterion/criterion.h>
+
+#include "common.h"
+#include "config.h"
+#include "helpers.h"
+
+#define ERRLEN 512
+
+static int parse(const char *json, struct zinf_config *c, char *err)
+{
+    return config_parse_buffer(json, strlen(json), "t.json", c, err, ERRLEN);
+}
+
+/* Parse json, which must fail with -EINVAL and exactly msg, leaving c at the defaults. */
+static void expect_error(const char *json, const char *msg)
+{
+    struct zinf_config c, d;
+    char err[ERRLEN];
+
+    int ret = parse(json, &c, err);
+    cr_expect_eq(ret, -EINVAL, "%s: returned %d", json, ret);
+    cr_expect_str_eq(err, msg, "%s\n  got: %s", json, err);
+    config_defaults(&d);
+    cr_expect_eq(memcmp(&c, &d, sizeof(c)), 0, "%s: config not reset to the defaults", json);
+    config_free(&c);
+}
+
+static void expect_ok(const char *json, struct zinf_config *c)
+{
+    char err[ERRLEN];
+    int ret = parse(json, c, err);
+    cr_assert_eq(ret, 0, "%s: %d %s", json, ret, err);
+}
+
+static bool listed(char **list, size_t n, const char *s)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!strcmp(list[i], s))
+            return true;
+    return false;
+}
+
+static char *write_file(const char *dir, const char *name, const char *text)
+{
+    char *path;
+    cr_assert(asprintf(&path, "%s/%s", dir, name) > 0);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    fputs(text, f);
+    fclose(f);
+    return path;
+}
+
+/* ---- defaults ---------------------------------------------------------------------- */
+
+static void check_defaults(const struct zinf_config *c)
+{
+    cr_expect_eq(c->zero.stage, 0);
+    cr_expect_eq(c->zero.sub_group_size, 1000000000);
+    cr_expect_eq(c->zero.offload_param.device, CONFIG_OFFLOAD_NONE);
+    cr_expect_eq(c->zero.offload_param.nvme_path.count, 0);
+    cr_expect_eq(c->zero.offload_param.pin_memory, false);
+    cr_expect_eq(c->zero.offload_param.buffer_count, 5);
+    cr_expect_eq(c->zero.offload_param.buffer_size, 100000000);
+    cr_expect_eq(c->zero.offload_param.max_in_cpu, 1000000000);
+    cr_expect_eq(c->zero.offload_optimizer.device, CONFIG_OFFLOAD_NONE);
+    cr_expect_eq(c->zero.offload_optimizer.nvme_path.count, 0);
+    cr_expect_eq(c->zero.offload_optimizer.pin_memory, false);
+    cr_expect_eq(c->zero.offload_optimizer.buffer_count, 4);
+    cr_expect_eq(c->zero.offload_optimizer.pipeline_read, false);
+    cr_expect_eq(c->zero.offload_optimizer.pipeline_write, false);
+    cr_expect_eq(c->zero.offload_optimizer.fast_init, false);
+    cr_expect_eq(c->zero.stage3_prefetch_bucket_size, 50000000);
+    cr_expect_eq(c->zero.stage3_max_live_parameters, 1000000000);
+    cr_expect_eq(c->zero.stage3_max_reuse_distance, 1000000000);
+    cr_expect_eq(c->zero.stage3_param_persistence_threshold, 100000);
+    cr_expect_eq(c->aio.block_size, 1048576);
+    cr_expect_eq(c->aio.queue_depth, 8);
+    cr_expect_eq(c->aio.intra_op_parallelism, 1);
+    cr_expect_eq(c->aio.single_submit, false);
+    cr_expect_eq(c->aio.overlap_events, true);
+    cr_expect_eq(c->aio.use_gds, false);
+    cr_expect_eq(c->zinf.device_bytes, 0);
+    cr_expect_eq(c->zinf.host_bytes, 0);
+    cr_expect_eq(c->zinf.nvme_paths.count, 0);
+    cr_expect_eq(c->zinf.device, ZINF_DEVICE_AUTO);
+    cr_expect_eq(c->zinf.cuda_device, 0);
+    cr_expect_eq(c->zinf.sqpoll, false);
+    cr_expect_eq(c->zinf.io_backend, CONFIG_IO_AUTO);
+    cr_expect_eq(c->nvme_paths.count, 0);
+    cr_expect_eq(c->n_unknown, 0);
+    cr_expect_eq(c->n_ignored, 0);
+}
+
+Test(config, defaults_are_deepspeeds)
+{
+    struct zinf_config c;
+    config_defaults(&c);
+    check_defaults(&c);
+    cr_expect_eq(c.given, 0);
+    config_free(&c);
+}
+
+Test(config, empty_object_gives_the_defaults)
+{
+    struct zinf_config c;
+    struct zinf_options o;
+
+    expect_ok("{}", &c);
+    check_defaults(&c);
+    cr_expect_eq(c.given, 0);
+    config_to_options(&c, &o);
+    cr_expect_null(o.nvme_path);
+    cr_expect_null(o.nvme_paths_extra);
+    cr_expect_eq(o.block_size, 1048576);
+    cr_expect_eq(o.queue_depth, 8);
+    cr_expect_eq(o.device_bytes, 0);
+    cr_expect_eq(o.host_bytes, 0);
+    cr_expect_eq(o.device_kind, ZINF_DEVICE_AUTO);
+    cr_expect_eq(o.cuda_device, 0);
+    cr_expect_eq(o.flags, 0);
+    config_free(&c);
+}
+
+Test(config, empty_sections_and_nulls_give_the_defaults)
+{
+    struct zinf_config c;
+
+    expect_ok("{\"zero_optimization\": {\"offload_param\": null, \"offload_optimizer\": {}},"
+              " \"aio\": {}, \"zinf\": null}",
+              &c);
+    check_defaults(&c);
+    config_free(&c);
+    expect_ok("{\"zero_optimization\": {\"offload_param\": {\"nvme_path\": null}}}", &c);
+    check_defaults(&c);
+    config_free(&c);
+}
+
+/* ---- every key read back ------------------------------------------------------------ */
+
+static const char full_config[] =
+    "{\n"
+    "  \"zero_optimization\": {\n"
+    "    \"stage\": 3,\n"
+    "    \"sub_group_size\": 2000000,\n"
+    "    \"offload_param\": {\n"
+    "      \"device\": \"nvme\", \"nvme_path\": \"/mnt/nvme0\", \"pin_memory\": true,\n"
+    "      \"buffer_count\": 7, \"buffer_size\": 3000000, \"max_in_cpu\": 4000000\n"
+    "    },\n"
+    "    \"offload_optimizer\": {\n"
+    "      \"device\": \"nvme\", \"nvme_path\": [\"/mnt/nvme1\", \"/mnt/nvme2\"],\n"
+    "      \"pin_memory\": true, \"buffer_count\": 9, \"pipeline_read\": true,\n"
+    "      \"pipeline_write\": true, \"fast_init\": true\n"
+    "    },\n"
+    "    \"stage3_prefetch_bucket_size\": 11,\n"
+    "    \"stage3_max_live_parameters\": 12,\n"
+    "    \"stage3_max_reuse_distance\": 13,\n"
+    "    \"stage3_param_persistence_threshold\": 14\n"
+    "  },\n"
+    "  \"aio\": {\n"
+    "    \"block_size\": 2097152, \"queue_depth\": 64, \"intra_op_parallelism\": 4,\n"
+    "    \"single_submit\": true, \"overlap_events\": false, \"use_gds\": true\n"
+    "  },\n"
+    "  \"zinf\": {\n"
+    "    \"device_bytes\": \"2G\", \"host_bytes\": 268435456,\n"
+    "    \"nvme_paths\": [\"/mnt/nvme3\"], \"device\": \"emulated\", \"cuda_device\": 2,\n"
+    "    \"sqpoll\": true, \"io_backend\": \"threads\"\n"
+    "  }\n"
+    "}\n";
+
+Test(config, every_key_read_back_from_a_file)
+{
+    char *dir = test_tmpdir("config");
+    char *path = write_file(dir, "ds.json", full_config);
+    struct zinf_config c;
+    char err[ERRLEN];
+
+    int ret = config_parse_file(path, &c, err, sizeof(err));
+    cr_assert_eq(ret, 0, "%s", err);
+    cr_expect_eq(c.zero.stage, 3);
+    cr_expect_eq(c.zero.sub_group_size, 2000000);
+    cr_expect_eq(c.zero.offload_param.device, CONFIG_OFFLOAD_NVME);
+    cr_assert_eq(c.zero.offload_param.nvme_path.count, 1);
+    cr_expect_str_eq(c.zero.offload_param.nvme_path.path[0], "/mnt/nvme0");
+    cr_expect_eq(c.zero.offload_param.pin_memory, true);
+    cr_expect_eq(c.zero.offload_param.buffer_count, 7);
+    cr_expect_eq(c.zero.offload_param.buffer_size, 3000000);
+    cr_expect_eq(c.zero.offload_param.max_in_cpu, 4000000);
+    cr_expect_eq(c.zero.offload_optimizer.device, CONFIG_OFFLOAD_NVME);
+    cr_assert_eq(c.zero.offload_optimizer.nvme_path.count, 2);
+    cr_expect_str_eq(c.zero.offload_optimizer.nvme_path.path[0], "/mnt/nvme1");
+    cr_expect_str_eq(c.zero.offload_optimizer.nvme_path.path[1], "/mnt/nvme2");
+    cr_expect_eq(c.zero.offload_optimizer.pin_memory, true);
+    cr_expect_eq(c.zero.offload_optimizer.buffer_count, 9);
+    cr_expect_eq(c.zero.offload_optimizer.pipeline_read, true);
+    cr_expect_eq(c.zero.offload_optimizer.pipeline_write, true);
+    cr_expect_eq(c.zero.offload_optimizer.fast_init, true);
+    cr_expect_eq(c.zero.stage3_prefetch_bucket_size, 11);
+    cr_expect_eq(c.zero.stage3_max_live_parameters, 12);
+    cr_expect_eq(c.zero.stage3_max_reuse_distance, 13);
+    cr_expect_eq(c.zero.stage3_param_persistence_threshold, 14);
+    cr_expect_eq(c.aio.block_size, 2097152);
+    cr_expect_eq(c.aio.queue_depth, 64);
+    cr_expect_eq(c.aio.intra_op_parallelism, 4);
+    cr_expect_eq(c.aio.single_submit, true);
+    cr_expect_eq(c.aio.overlap_events, false);
+    cr_expect_eq(c.aio.use_gds, true);
+    cr_expect_eq(c.zinf.device_bytes, 2 * GiB);
+    cr_expect_eq(c.zinf.host_bytes, 256 * MiB);
+    cr_assert_eq(c.zinf.nvme_paths.count, 1);
+    cr_expect_str_eq(c.zinf.nvme_paths.path[0], "/mnt/nvme3");
+    cr_expect_eq(c.zinf.device, ZINF_DEVICE_EMULATED);
+    cr_expect_eq(c.zinf.cuda_device, 2);
+    cr_expect_eq(c.zinf.sqpoll, true);
+    cr_expect_eq(c.zinf.io_backend, CONFIG_IO_THREADS);
+    cr_expect_eq(c.n_unknown, 0);
+    cr_expect_eq(c.n_ignored, 0);
+    /* 32 settings, every one given. */
+    cr_expect_eq(c.given, 0xffffffffull);
+
+    /* The engine options: zinf.nvme_paths first, then offload_param, offload_optimizer. */
+    struct zinf_options o;
+    config_to_options(&c, &o);
+    cr_expect_str_eq(o.nvme_path, "/mnt/nvme3");
+    cr_assert_not_null(o.nvme_paths_extra);
+    cr_expect_str_eq(o.nvme_paths_extra[0], "/mnt/nvme0");
+    cr_expect_str_eq(o.nvme_paths_extra[1], "/mnt/nvme1");
+    cr_expect_str_eq(o.nvme_paths_extra[2], "/mnt/nvme2");
+    cr_expect_null(o.nvme_paths_extra[3]);
+    cr_expect_eq(o.block_size, 2097152);
+    cr_expect_eq(o.queue_depth, 64);
+    cr_expect_eq(o.device_bytes, 2 * GiB);
+    cr_expect_eq(o.host_bytes, 256 * MiB);
+    cr_expect_eq(o.device_kind, ZINF_DEVICE_EMULATED);
+    cr_expect_eq(o.cuda_device, 2);
+    cr_expect_eq(o.flags, 0);
+    cr_expect_eq(o.reserved[0], 0);
+
+    config_free(&c);
+    free(path);
+    test_rmtree(dir);
+}
+
+Test(config, each_enum_value)
+{
+    static const struct {
+        const char *json;
+        size_t off;
+        int want;
+    } cases[] = {
+        {"{\"zero_optimization\": {\"offload_param\": {\"device\": \"none\"}}}",
+         offsetof(struct zinf_config, zero.offload_param.device), CONFIG_OFFLOAD_NONE},
+        {"{\"zero_optimization\": {\"offload_param\": {\"device\": \"cpu\"}}}",
+         offsetof(struct zinf_config, zero.offload_param.device), CONFIG_OFFLOAD_CPU},
+        {"{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"cpu\"}}}",
+         offsetof(struct zinf_config, zero.offload_optimizer.device), CONFIG_OFFLOAD_CPU},
+        {"{\"zinf\": {\"device\": \"auto\"}}", offsetof(struct zinf_config, zinf.device),
+         ZINF_DEVICE_AUTO},
+        {"{\"zinf\": {\"device\": \"cuda\"}}", offsetof(struct zinf_config, zinf.device),
+         ZINF_DEVICE_CUDA},
+        {"{\"zinf\": {\"io_backend\": \"io_uring\"}}",
+         offsetof(struct zinf_config, zinf.io_backend), CONFIG_IO_URING},
+        {"{\"zinf\": {\"io_backend\": \"auto\"}}",
+         offsetof(struct zinf_config, zinf.io_backend), CONFIG_IO_AUTO},
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {
+        struct zinf_config c;
+        expect_ok(cases[i].json, &c);
+        int got;
+        memcpy(&got, (char *)&c + cases[i].off, sizeof(got));
+        cr_expect_eq(got, cases[i].want, "%s", cases[i].json);
+        config_free(&c);
+    }
+}
+
+/* ---- numbers ------------------------------------------------------------------------ */
+
+Test(config, integral_reals_are_integers)
+{
+    struct zinf_config c;
+
+    expect_ok("{\"zero_optimization\": {\"stage\": 2.0, \"sub_group_size\": 1e9,"
+              " \"stage3_prefetch_bucket_size\": 5e7, \"stage3_param_persistence_threshold\": 1e5,"
+              " \"offload_param\": {\"buffer_size\": 1e8, \"max_in_cpu\": 1.5e9}},"
+              " \"aio\": {\"block_size\": 1.048576e6, \"queue_depth\": 3.2e1},"
+              " \"zinf\": {\"host_bytes\": 4e9, \"cuda_device\": 1e0}}",
+              &c);
+    cr_expect_eq(c.zero.stage, 2);
+    cr_expect_eq(c.zero.sub_group_size, 1000000000);
+    cr_expect_eq(c.zero.stage3_prefetch_bucket_size, 50000000);
+    cr_expect_eq(c.zero.stage3_param_persistence_threshold, 100000);
+    cr_expect_eq(c.zero.offload_param.buffer_size, 100000000);
+    cr_expect_eq(c.zero.offload_param.max_in_cpu, 1500000000);
+    cr_expect_eq(c.aio.block_size, 1048576);
+    cr_expect_eq(c.aio.queue_depth, 32);
+    cr_expect_eq(c.zinf.host_bytes, 4000000000ull);
+    cr_expect_eq(c.zinf.cuda_device, 1);
+    config_free(&c);
+}
+
+Test(config, size_strings_in_the_zinf_section)
+{
+    static const struct {
+        const char *text;
+        uint64_t bytes;
+    } cases[] = {
+        {"4G", 4 * GiB}, {"512M", 512 * MiB}, {"64k", 64 * KiB}, {"1e8", 100000000},
+        {"1048576", 1048576}, {"2GiB", 2 * GiB}, {"0", 0},
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {
+        char json[128];
+        struct zinf_config c;
+        snprintf(json, sizeof(json), "{\"zinf\": {\"device_bytes\": \"%s\", \"host_bytes\": \"%s\"}}",
+                 cases[i].text, cases[i].text);
+        expect_ok(json, &c);
+        cr_expect_eq(c.zinf.device_bytes, cases[i].bytes, "%s", cases[i].text);
+        cr_expect_eq(c.zinf.host_bytes, cases[i].bytes, "%s", cases[i].text);
+        config_free(&c);
+    }
+}
+
+Test(config, the_bench_tuners_aio_snippet_is_accepted_as_is)
+{
+    struct zinf_config c;
+    struct zinf_options o;
+
+    expect_ok("{\"aio\": {\"block_size\": 1048576, \"queue_depth\": 32, "
+              "\"intra_op_parallelism\": 1, \"single_submit\": false, \"overlap_events\": true}}",
+              &c);
+    cr_expect_eq(c.aio.block_size, 1048576);
+    cr_expect_eq(c.aio.queue_depth, 32);
+    cr_expect_eq(c.n_unknown, 0);
+    config_to_options(&c, &o);
+    cr_expect_eq(o.block_size, 1048576);
+    cr_expect_eq(o.queue_depth, 32);
+    config_free(&c);
+}
+
+Test(config, limits_are_inclusive)
+{
+    struct zinf_config c;
+
+    expect_ok("{\"aio\": {\"block_size\": 4096, \"queue_depth\": 1}}", &c);
+    cr_expect_eq(c.aio.block_size, 4096);
+    cr_expect_eq(c.aio.queue_depth, 1);
+    config_free(&c);
+    expect_ok("{\"aio\": {\"block_size\": 67108864, \"queue_depth\": 1024},"
+              " \"zero_optimization\": {\"sub_group_size\": 9223372036854775807,"
+              " \"offload_param\": {\"buffer_count\": 0}}}",
+              &c);
+    cr_expect_eq(c.aio.block_size, 64 * MiB);
+    cr_expect_eq(c.aio.queue_depth, 1024);
+    cr_expect_eq(c.zero.offload_param.buffer_count, 0);
+    config_free(&c);
+}
+
+/* ---- paths -------------------------------------------------------------------------- */
+
+Test(config, nvme_path_as_a_string)
+{
+    struct zinf_config c;
+    struct zinf_options o;
+
+    expect_ok("{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\","
+              " \"nvme_path\": \"/local_nvme\"}}}",
+              &c);
+    cr_assert_eq(c.nvme_paths.count, 1);
+    cr_expect_str_eq(c.nvme_paths.path[0], "/local_nvme");
+    config_to_options(&c, &o);
+    cr_expect_str_eq(o.nvme_path, "/local_nvme");
+    cr_expect_null(o.nvme_paths_extra);
+    config_free(&c);
+}
+
+Test(config, nvme_path_as_a_list)
+{
+    struct zinf_config c;
+    struct zinf_options o;
+
+    expect_ok("{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"nvme\","
+              " \"nvme_path\": [\"/nvme0\", \"/nvme1\", \"/nvme2\"]}}}",
+              &c);
+    cr_assert_eq(c.nvme_paths.count, 3);
+    config_to_options(&c, &o);
+    cr_expect_str_eq(o.nvme_path, "/nvme0");
+    cr_expect_str_eq(o.nvme_paths_extra[0], "/nvme1");
+    cr_expect_str_eq(o.nvme_paths_extra[1], "/nvme2");
+    cr_expect_null(o.nvme_paths_extra[2]);
+    config_free(&c);
+}
+
+Test(config, nvme_paths_are_deduplicated_in_order)
+{
+    struct zinf_config c;
+
+    /* The usual DeepSpeed config names one drive twice; "/a/" and "/a" are one drive. */
+    expect_ok("{\"zinf\": {\"nvme_paths\": [\"/z\", \"/a/\"]},"
+              " \"zero_optimization\": {"
+              "  \"offload_param\": {\"device\": \"nvme\", \"nvme_path\": [\"/a\", \"/b//\"]},"
+              "  \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": [\"/b\", \"/z\", \"/\"]}}}",
+              &c);
+    cr_assert_eq(c.nvme_paths.count, 4);
+    cr_expect_str_eq(c.nvme_paths.path[0], "/z");
+    cr_expect_str_eq(c.nvme_paths.path[1], "/a");
+    cr_expect_str_eq(c.nvme_paths.path[2], "/b");
+    cr_expect_str_eq(c.nvme_paths.path[3], "/");
+    /* The sections keep what was written. */
+    cr_expect_str_eq(c.zinf.nvme_paths.path[1], "/a/");
+    cr_expect_str_eq(c.zero.offload_param.nvme_path.path[1], "/b//");
+    config_free(&c);
+}
+
+Test(config, offload_paths_count_only_with_the_nvme_device)
+{
+    struct zinf_config c;
+    struct zinf_options o;
+
+    expect_ok("{\"zero_optimization\": {"
+              " \"offload_param\": {\"device\": \"cpu\", \"nvme_path\": \"/unused\"},"
+              " \"offload_optimizer\": {\"device\": \"none\", \"nvme_path\": \"/unused2\"}}}",
+              &c);
+    cr_expect_eq(c.zero.offload_param.nvme_path.count, 1);
+    cr_expect_eq(c.nvme_paths.count, 0);
+    config_to_options(&c, &o);
+    cr_expect_null(o.nvme_path);
+    config_free(&c);
+}
+
+Test(config, zinf_nvme_paths_stand_in_for_a_missing_nvme_path)
+{
+    struct zinf_config c;
+
+    expect_ok("{\"zinf\": {\"nvme_paths\": \"/fast\"},"
+              " \"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\"}}}",
+              &c);
+    cr_assert_eq(c.nvme_paths.count, 1);
+    cr_expect_str_eq(c.nvme_paths.path[0], "/fast");
+    config_free(&c);
+}
+
+Test(config, sixteen_paths_are_allowed)
+{
+    char json[2048];
+    size_t len = 0;
+    struct zinf_config c;
+    struct zinf_options o;
+
+    len += (size_t)snprintf(json + len, sizeof(json) - len, "{\"zinf\": {\"nvme_paths\": [");
+    for (int i = 0; i < 16; i++)
+        len += (size_t)snprintf(json + len, sizeof(json) - len, "%s\"/n%d\"", i ? "," : "", i);
+    snprintf(json + len, sizeof(json) - len, "]}}");
+    expect_ok(json, &c);
+    cr_expect_eq(c.nvme_paths.count, 16);
+    config_to_options(&c, &o);
+    cr_expect_str_eq(o.nvme_path, "/n0");
+    cr_expect_str_eq(o.nvme_paths_extra[14], "/n15");
+    cr_expect_null(o.nvme_paths_extra[15]);
+    config_free(&c);
+}
+
+/* ---- aliases and DeepSpeed's older forms -------------------------------------------- */
+
+Test(config, aliases)
+{
+    struct zinf_config c;
+
+    expect_ok("{\"aio\": {\"thread_count\": 6},"
+              " \"zero_optimization\": {\"prefetch_bucket_size\": 21, \"max_live_parameters\": 22,"
+              " \"max_reuse_distance\": 23, \"param_persistence_threshold\": 24}}",
+              &c);
+    cr_expect_eq(c.aio.intra_op_parallelism, 6);
+    cr_expect_eq(c.zero.stage3_prefetch_bucket_size, 21);
+    cr_expect_eq(c.zero.stage3_max_live_parameters, 22);
+    cr_expect_eq(c.zero.stage3_max_reuse_distance, 23);
+    cr_expect_eq(c.zero.stage3_param_persistence_threshold, 24);
+    cr_expect_eq(c.n_unknown, 0);
+    config_free(&c);
+}
+
+Test(config, a_setting_and_its_alias_together_is_an_error)
+{
+    expect_error("{\"aio\": {\"intra_op_parallelism\": 2, \"thread_count\": 3}}",
+                 "aio.thread_count: given twice, also as intra_op_parallelism");
+    expect_error("{\"zero_optimization\": {\"prefetch_bucket_size\": 1,"
+                 " \"stage3_prefetch_bucket_size\": 2}}",
+                 "zero_optimization.stage3_prefetch_bucket_size: given twice, also as "
+                 "prefetch_bucket_size");
+}
+
+Test(config, zero_optimization_as_a_boolean_is_the_old_stage_1)
+{
+    struct zinf_config c;
+
+    expect_ok("{\"zero_optimization\": true}", &c);
+    cr_expect_eq(c.zero.stage, 1);
+    config_free(&c);
+    expect_ok("{\"zero_optimization\": false}", &c);
+    cr_expect_eq(c.zero.stage, 0);
+    config_free(&c);
+}
+
+/* ---- ignored and unknown keys ------------------------------------------------------- */
+
+static const char deepspeed_config[] =
+    "{\n"
+    "  \"train_batch_size\": 32, \"train_micro_batch_size_per_gpu\": 4,\n"
+    "  \"gradient_accumulation_steps\": 8,\n"
+    "  \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-5, \"betas\": [0.9, 0.999]}},\n"
+    "  \"scheduler\": {\"type\": \"WarmupLR\", \"params\": {\"warmup_num_steps\": 100}},\n"
+    "  \"fp16\": {\"enabled\": \"auto\", \"loss_scale\": 0}, \"bf16\": {\"enabled\": false},\n"
+    "  \"amp\": {\"enabled\": false}, \"gradient_clipping\": 1.0, \"steps_per_print\": 2000,\n"
+    "  \"wall_clock_breakdown\": false, \"zero_allow_untested_optimizer\": true,\n"
+    "  \"activation_checkpointing\": {\"partition_activations\": true},\n"
+    "  \"flops_profiler\": {\"enabled\": false}, \"tensorboard\": {\"enabled\": false},\n"
+    "  \"wandb\": {\"enabled\": false}, \"comms_logger\": {\"enabled\": false},\n"
+    "  \"zero_optimization\": {\n"
+    "    \"stage\": 3, \"contiguous_gradients\": true, \"overlap_comm\": true,\n"
+    "    \"reduce_scatter\": true, \"reduce_bucket_size\": 5e8, \"allgather_partitions\": true,\n"
+    "    \"allgather_bucket_size\": 5e8, \"round_robin_gradients\": true,\n"
+    "    \"stage3_gather_16bit_weights_on_model_save\": true,\n"
+    "    \"stage3_gather_fp16_weights_on_model_save\": false, \"elastic_checkpoint\": false,\n"
+    "    \"ignore_unused_parameters\": true, \"cpu_offload\": false,\n"
+    "    \"memory_efficient_linear\": true, \"zero_hpz_partition_size\": 1,\n"
+    "    \"zero_quantized_weights\": false, \"zero_quantized_gradients\": false,\n"
+    "    \"mics_shard_size\": -1,\n"
+    "    \"offload_param\": {\"device\": \"cpu\", \"pin_memory\": true, \"ratio\": 1.0},\n"
+    "    \"offload_optimizer\": {\"device\": \"cpu\", \"pin_memory\": true, \"pipeline\": false,\n"
+    "                          \"ratio\": 0.3}\n"
+    "  }\n"
+    "}\n";
+
+Test(config, deepspeed_keys_zinf_does_not_use_are_not_warned)
+{
+    struct zinf_config c;
+
+    test_log_capture_start();
+    expect_ok(deepspeed_config, &c);
+    cr_expect_str_eq(test_log_text(), "");
+    test_log_capture_stop();
+    cr_expect_eq(c.n_unknown, 0);
+    cr_expect_eq(c.n_ignored, 37, "%zu ignored", c.n_ignored);
+    cr_expect(listed(c.ignored, c.n_ignored, "optimizer"));
+    cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.overlap_comm"));
+    cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.offload_optimizer.ratio"));
+    cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.offload_optimizer.pipeline"));
+    cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.offload_param.ratio"));
+    cr_expect_eq(c.zero.stage, 3);
+    cr_expect_eq(c.zero.offload_param.device, CONFIG_OFFLOAD_CPU);
+    config_free(&c);
+}
+
+Test(config, unknown_keys_are_warned_with_their_full_path)
+{
+    struct zinf_config c;
+
+    test_log_capture_start();
+    expect_ok("{\"trian_batch_size\": 1,"
+              " \"zero_optimization\": {\"offload_parm\": {\"device\": \"nvme\"},"
+              "   \"offload_param\": {\"devcie\": \"cpu\"}, \"offload_optimizer\": {\"x\": 1}},"
+              " \"aio\": {\"blocksize\": 4096}, \"zinf\": {\"hostbytes\": 1},"
+              " \"offload_param\": {}}",
+              &c);
+    const char *log = test_log_text();
+    static const char *const want[] = {
+        "trian_batch_size",
+        "zero_optimization.offload_parm",
+        "zero_optimization.offload_param.devcie",
+        "zero_optimization.offload_optimizer.x",
+        "aio.blocksize",
+        "zinf.hostbytes",
+        "offload_param",
+    };
+    cr_expect_eq(c.n_unknown, ARRAY_SIZE(want));
+    for (size_t i = 0; i < ARRAY_SIZE(want); i++) {
+        char line[256];
+        cr_expect(listed(c.unknown, c.n_unknown, want[i]), "%s not listed", want[i]);
+        snprintf(line, sizeof(line), "t.json: %s: unknown key, ignored", want[i]);
+        cr_expect(strstr(log, line), "no warning for %s in:\n%s", want[i], log);
+    }
+    cr_expect(strstr(log, "zero_optimization.offload_parm: unknown key, ignored (did you mean "
+                          "\"offload_param\"?)"),
+              "%s", log);
+    cr_expect(strstr(log, "aio.blocksize: unknown key, ignored (did you mean \"block_size\"?)"),
+              "%s", log);
+    cr_expect(strstr(log, "t.json: offload_param: unknown key, ignored (did you mean "
+                          "\"zero_optimization.offload_param\"?)"),
+              "%s", log);
+    /* The unknown keys did not stop the known ones. */
+    cr_expect_eq(c.zero.offload_param.device, CONFIG_OFFLOAD_NONE);
+    test_log_capture_stop();
+    config_free(&c);
+}
+
+Test(config, odd_unknown_keys_stay_on_one_line)
+{
+    struct zinf_config c;
+    char json[512], longkey[301];
+
+    memset(longkey, 'k', 300);
+    longkey[300] = '\0';
+    snprintf(json, sizeof(json), "{\"a\\nb\\\"c\": 1, \"zinf\": {\"%s\": 2}}", longkey);
+    test_log_capture_start();
+    expect_ok(json, &c);
+    cr_assert_eq(c.n_unknown, 2);
+    cr_expect_str_eq(c.unknown[0], "a\\x0ab\\x22c");
+    cr_expect_eq(strlen(c.unknown[1]), strlen("zinf.") + 128 + 3);
+    cr_expect_eq(strncmp(c.unknown[1] + strlen(c.unknown[1]) - 3, "...", 3), 0);
+    const char *log = test_log_text();
+    size_t lines = 0;
+    for (const char *s = log; *s; s++)
+        lines += *s == '\n';
+    cr_expect_eq(lines, 2, "%s", log);
+    test_log_capture_stop();
+    config_free(&c);
+}
+
+/* ---- bad input: one class per test, the exact message ------------------------------- */
+
+Test(config, wrong_types)
+{
+    expect_error("{\"aio\": {\"queue_depth\": \"32\"}}",
+                 "aio.queue_depth: must be an integer, got a string");
+    expect_error("{\"aio\": {\"block_size\": [4096]}}",
+                 "aio.block_size: must be an integer, got a list");
+    expect_error("{\"zero_optimization\": {\"stage\": true}}",
+                 "zero_optimization.stage: must be an integer, got a boolean");
+    expect_error("{\"zero_optimization\": {\"sub_group_size\": null}}",
+                 "zero_optimization.sub_group_size: must be an integer, got null");
+    expect_error("{\"zero_optimization\": {\"offload_param\": {\"buffer_size\": \"1e8\"}}}",
+                 "zero_optimization.offload_param.buffer_size: must be an integer, got a string");
+    expect_error("{\"aio\": {\"single_submit\": 1}}",
+                 "aio.single_submit: must be true or false, got an integer");
+    expect_error("{\"zero_optimization\": {\"offload_optimizer\": {\"pin_memory\": \"true\"}}}",
+                 "zero_optimization.offload_optimizer.pin_memory: must be true or false, got a "
+                 "string");
+    expect_error("{\"zinf\": {\"sqpoll\": {}}}", "zinf.sqpoll: must be true or false, got an object");
+    expect_error("{\"zinf\": {\"host_bytes\": true}}",
+                 "zinf.host_bytes: must be an integer or a size string like \"4G\", got a boolean");
+    expect_error("{\"zinf\": {\"cuda_device\": \"1\"}}",
+                 "zinf.cuda_device: must be an integer, got a string");
+}
+
+Test(config, wrong_types_for_sections)
+{
+    expect_error("[]", "top level: must be an object, got a list");
+    expect_error("{\"aio\": []}", "aio: must be an object, got a list");
+    expect_error("{\"aio\": 1}", "aio: must be an object, got an integer");
+    expect_error("{\"zinf\": \"fast\"}", "zinf: must be an object, got a string");
+    expect_error("{\"zero_optimization\": 3}",
+                 "zero_optimization: must be an object, got an integer");
+    expect_error("{\"zero_optimization\": {\"offload_param\": \"cpu\"}}",
+                 "zero_optimization.offload_param: must be an object, got a string");
+    expect_error("{\"zero_optimization\": {\"offload_optimizer\": [1]}}",
+                 "zero_optimization.offload_optimizer: must be an object, got a list");
+}
+
+Test(config, out_of_range)
+{
+    expect_error("{\"zero_optimization\": {\"stage\": 4}}",
+                 "zero_optimization.stage: must be between 0 and 3, got 4");
+    expect_error("{\"zero_optimization\": {\"stage\": -1}}",
+                 "zero_optimization.stage: must be between 0 and 3, got -1");
+    expect_error("{\"aio\": {\"queue_depth\": 0}}",
+                 "aio.queue_depth: must be between 1 and 1024, got 0");
+    expect_error("{\"aio\": {\"queue_depth\": 1025}}",
+                 "aio.queue_depth: must be between 1 and 1024, got 1025");
+    expect_error("{\"aio\": {\"block_size\": 0}}",
+                 "aio.block_size: must be between 4096 and 67108864, got 0");
+    expect_error("{\"aio\": {\"block_size\": 134217728}}",
+                 "aio.block_size: must be between 4096 and 67108864, got 134217728");
+    expect_error("{\"aio\": {\"intra_op_parallelism\": 0}}",
+                 "aio.intra_op_parallelism: must be at least 1, got 0");
+    expect_error("{\"aio\": {\"thread_count\": -2}}",
+                 "aio.thread_count: must be at least 1, got -2");
+}
+
+Test(config, negative_numbers)
+{
+    expect_error("{\"zero_optimization\": {\"offload_param\": {\"buffer_count\": -1}}}",
+                 "zero_optimization.offload_param.buffer_count: must be non-negative, got -1");
+    expect_error("{\"zero_optimization\": {\"sub_group_size\": -1e3}}",
+                 "zero_optimization.sub_group_size: must be non-negative, got -1000");
+    expect_error("{\"zinf\": {\"cuda_device\": -1}}",
+                 "zinf.cuda_device: must be non-negative, got -1");
+    expect_error("{\"zinf\": {\"device_bytes\": -4096}}",
+                 "zinf.device_bytes: must be non-negative, got -4096");
+    expect_error("{\"zinf\": {\"host_bytes\": \"-4G\"}}",
+                 "zinf.host_bytes: must be a size like \"4G\", \"512M\" or a number of bytes, "
+                 "got \"-4G\"");
+}
+
+Test(config, numbers_that_overflow)
+{
+    expect_error("{\"zero_optimization\": {\"sub_group_size\": 1e30}}",
+                 "zero_optimization.sub_group_size: is too large, got 1e+30");
+    expect_error("{\"zero_optimization\": {\"sub_group_size\": 18446744073709551616.0}}",
+                 "zero_optimization.sub_group_size: is too large, got 1.84467e+19");
+    expect_error("{\"zero_optimization\": {\"sub_group_size\": 1e19}}",
+                 "zero_optimization.sub_group_size: is too large, got 1e+19");
+    expect_error("{\"zinf\": {\"cuda_device\": 2147483648}}",
+                 "zinf.cuda_device: is too large, got 2147483648");
+    expect_error("{\"aio\": {\"intra_op_parallelism\": 4294967296}}",
+                 "aio.intra_op_parallelism: is too large, got 4294967296");
+    expect_error("{\"zinf\": {\"host_bytes\": \"99999999T\"}}",
+                 "zinf.host_bytes: is too large, got \"99999999T\"");
+    /* Integers past int64 and reals past double are refused by the JSON reader itself. */
+    expect_error("{\"zero_optimization\": {\"sub_group_size\": 99999999999999999999}}",
+                 "t.json:1:61: too big integer near '99999999999999999999'");
+    expect_error("{\"aio\": {\"queue_depth\": 1e999}}",
+                 "t.json:1:29: real number overflow near '1e999'");
+}
+
+Test(config, fractions)
+{
+    expect_error("{\"aio\": {\"queue_depth\": 3.5}}", "aio.queue_depth: must be an integer, got 3.5");
+    expect_error("{\"zero_optimization\": {\"stage\": 0.5}}",
+                 "zero_optimization.stage: must be an integer, got 0.5");
+    expect_error("{\"zinf\": {\"host_bytes\": \"1.5\"}}",
+                 "zinf.host_bytes: must be a size like \"4G\", \"512M\" or a number of bytes, "
+                 "got \"1.5\"");
+    expect_error("{\"zinf\": {\"device_bytes\": \"4Q\"}}",
+                 "zinf.device_bytes: must be a size like \"4G\", \"512M\" or a number of bytes, "
+                 "got \"4Q\"");
+}
+
+Test(config, unaligned_block_size)
+{
+    expect_error("{\"aio\": {\"block_size\": 1000}}",
+                 "aio.block_size: must be a multiple of 4096, got 1000");
+    expect_error("{\"aio\": {\"block_size\": 1048577}}",
+                 "aio.block_size: must be a multiple of 4096, got 1048577");
+    expect_error("{\"aio\": {\"block_size\": 1e6}}",
+                 "aio.block_size: must be a multiple of 4096, got 1e+06");
+}
+
+Test(config, bad_enums)
+{
+    expect_error("{\"zero_optimization\": {\"offload_param\": {\"device\": \"gpu\"}}}",
+                 "zero_optimization.offload_param.device: must be one of \"none\", \"cpu\", "
+                 "\"nvme\", got \"gpu\"");
+    expect_error("{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"NVME\"}}}",
+                 "zero_optimization.offload_optimizer.device: must be one of \"none\", \"cpu\", "
+                 "\"nvme\", got \"NVME\"");
+    expect_error("{\"zero_optimization\": {\"offload_param\": {\"device\": 2}}}",
+                 "zero_optimization.offload_param.device: must be one of \"none\", \"cpu\", "
+                 "\"nvme\", got an integer");
+    expect_error("{\"zinf\": {\"device\": \"tpu\"}}",
+                 "zinf.device: must be one of \"auto\", \"cuda\", \"emulated\", got \"tpu\"");
+    expect_error("{\"zinf\": {\"io_backend\": \"aio\"}}",
+                 "zinf.io_backend: must be one of \"auto\", \"io_uring\", \"threads\", got \"aio\"");
+    /* A value with odd bytes is escaped and cut short, so the message stays one line. */
+    expect_error("{\"zinf\": {\"device\": \"a\\nb\"}}",
+                 "zinf.device: must be one of \"auto\", \"cuda\", \"emulated\", got \"a\\x0ab\"");
+    expect_error("{\"zinf\": {\"device\": \"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx"
+                 "xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}}",
+                 "zinf.device: must be one of \"auto\", \"cuda\", \"emulated\", got "
+                 "\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...\"");
+}
+
+Test(config, syntax_errors_name_line_and_column)
+{
+    expect_error("{\n  \"aio\": {,}\n}", "t.json:2:11: string or '}' expected near ','");
+    expect_error("", "t.json:1:0: '[' or '{' expected near end of file");
+    expect_error("{} x", "t.json:1:4: end of file expected near 'x'");
+    expect_error("{\"aio\": {\"block_size\": 4096,}}", "t.json:1:29: string or '}' expected near '}'");
+    expect_error("{\"zero_optimization\": {\"stage\": 1, \"stage\": 2}}",
+                 "t.json:1:42: duplicate object key near '\"stage\"'");
+    expect_error("{\"a\": \"x\x01\"}", "t.json:1:8: control character 0x1 near '\"x'");
+    /* A comment (DeepSpeed reads hjson) is a syntax error here. */
+    expect_error("{\n// zero\n}", "t.json:2:1: string or '}' expected near '/'");
+}
+
+Test(config, missing_and_unreadable_files)
+{
+    struct zinf_config c;
+    char err[ERRLEN];
+    char *dir = test_tmpdir("config");
+    char *missing;
+
+    cr_assert(asprintf(&missing, "%s/nope.json", dir) > 0);
+    cr_expect_eq(config_parse_file(missing, &c, err, sizeof(err)), -ENOENT);
+    char want[ERRLEN];
+    snprintf(want, sizeof(want), "%s: No such file or directory", missing);
+    cr_expect_str_eq(err, want);
+    config_free(&c);
+
+    cr_expect_eq(config_parse_file(dir, &c, err, sizeof(err)), -EISDIR);
+    snprintf(want, sizeof(want), "%s: Is a directory", dir);
+    cr_expect_str_eq(err, want);
+    config_free(&c);
+
+    /* A syntax error in a file names the file. */
+    char *bad = write_file(dir, "bad.json", "{\n  \"aio\": {\"queue_depth\": 8\n}\n");
+    cr_expect_eq(config_parse_file(bad, &c, err, sizeof(err)), -EINVAL);
+    snprintf(want, sizeof(want), "%s:4:0: '}' expected near end of file", bad);
+    cr_expect_str_eq(err, want);
+    config_free(&c);
+
+    free(bad);
+    free(missing);
+    test_rmtree(dir);
+}
+
+Test(config, nvme_without_a_path)
+{
+    expect_error("{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\"}}}",
+                 "zero_optimization.offload_param.nvme_path: required when device is \"nvme\"");
+    expect_error("{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"nvme\","
+                 " \"nvme_path\": null}}}",
+                 "zero_optimization.offload_optimizer.nvme_path: required when device is "
+                 "\"nvme\"");
+    expect_error("{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"nvme\","
+                 " \"nvme_path\": []}}}",
+                 "zero_optimization.offload_optimizer.nvme_path: required when device is "
+                 "\"nvme\"");
+}
+
+Test(config, bad_paths)
+{
+    expect_error("{\"zero_optimization\": {\"offload_param\": {\"nvme_path\": \"\"}}}",
+                 "zero_optimization.offload_param.nvme_path: must not be empty");
+    expect_error("{\"zinf\": {\"nvme_paths\": [\"/a\", \"\"]}}",
+                 "zinf.nvme_paths[1]: must not be empty");
+    expect_error("{\"zinf\": {\"nvme_paths\": [\"/a\", 7]}}",
+                 "zinf.nvme_paths[1]: must be a string, got an integer");
+    expect_error("{\"zero_optimization\": {\"offload_param\": {\"nvme_path\": 5}}}",
+                 "zero_optimization.offload_param.nvme_path: must be a string or a list of "
+                 "strings, got an integer");
+    expect_error("{\"zinf\": {\"nvme_paths\": {}}}",
+                 "zinf.nvme_paths: must be a string or a list of strings, got an object");
+
+    char *json = malloc(8192);
+    cr_assert(json);
+    int n = snprintf(json, 8192, "{\"zinf\": {\"nvme_paths\": \"/");
+    memset(json + n, 'p', 4095);
+    snprintf(json + n + 4095, 8192 - (size_t)n - 4095, "\"}}");
+    expect_error(json, "zinf.nvme_paths: is too long, 4096 bytes (at most 4095)");
+    free(json);
+}
+
+Test(config, too_many_paths)
+{
+    char json[4096];
+    size_t len = 0;
+
+    len += (size_t)snprintf(json + len, sizeof(json) - len, "{\"zinf\": {\"nvme_paths\": [");
+    for (int i = 0; i < 17; i++)
+        len += (size_t)snprintf(json + len, sizeof(json) - len, "%s\"/n%d\"", i ? "," : "", i);
+    snprintf(json + len, sizeof(json) - len, "]}}");
+    expect_error(json, "zinf.nvme_paths: too many paths, got 17 (at most 16)");
+
+    /* 10 + 10 distinct over two sections is too many in all. */
+    len = (size_t)snprintf(json, sizeof(json), "{\"zinf\": {\"nvme_paths\": [");
+    for (int i = 0; i < 10; i++)
+        len += (size_t)snprintf(json + len, sizeof(json) - len, "%s\"/z%d\"", i ? "," : "", i);
+    len += (size_t)snprintf(json + len, sizeof(json) - len,
+                            "]}, \"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\","
+                            " \"nvme_path\": [");
+    for (int i = 0; i < 10; i++)
+        len += (size_t)snprintf(json + len, sizeof(json) - len, "%s\"/p%d\"", i ? "," : "", i);
+    snprintf(json + len, sizeof(json) - len, "]}}}");
+    expect_error(json, "zero_optimization.offload_param.nvme_path: too many NVMe paths: more than "
+                       "16 distinct directories over zinf.nvme_paths and the offload sections");
+}
+
+Test(config, unknown_keys_before_an_error_are_not_kept)
+{
+    struct zinf_config c;
+    char err[ERRLEN];
+
+    test_log_capture_start();
+    cr_expect_eq(parse("{\"foo\": 1, \"aio\": {\"queue_depth\": -1}}", &c, err), -EINVAL);
+    cr_expect_eq(c.n_unknown, 0);
+    cr_expect_null(c.unknown);
+    test_log_capture_stop();
+    config_free(&c);
+}
+
+/* ---- the interface itself ----------------------------------------------------------- */
+
+Test(config, free_is_safe_on_defaults_and_twice)
+{
+    struct zinf_config c;
+
+    config_defaults(&c);
+    config_free(&c);
+    config_free(&c);
+    expect_ok(full_config, &c);
+    config_free(&c);
+    check_defaults(&c);
+    config_free(&c);
+    config_free(NULL);
+}
+
+Test(config, bad_arguments)
+{
+    struct zinf_config c;
+    char err[ERRLEN];
+
+    cr_expect_eq(config_parse_buffer("{}", 2, "x", NULL, err, sizeof(err)), -EINVAL);
+    cr_expect_eq(config_parse_buffer(NULL, 5, "x", &c, err, sizeof(err)), -EINVAL);
+    cr_expect_str_eq(err, "x: no buffer");
+    config_free(&c);
+    cr_expect_eq(config_parse_file(NULL, &c, err, sizeof(err)), -EINVAL);
+    config_free(&c);
+    /* No error buffer, or a tiny one: still the right code, never an overflow. */
+    cr_expect_eq(config_parse_buffer("{\"aio\": 1}", 10, "x", &c, NULL, 0), -EINVAL);
+    config_free(&c);
+    char tiny[8];
+    cr_expect_eq(config_parse_buffer("{\"aio\": 1}", 10, "x", &c, tiny, sizeof(tiny)), -EINVAL);
+    cr_expect_str_eq(tiny, "aio: mu");
+    config_free(&c);
+    /* The buffer need not be NUL-terminated: only len bytes are read. */
+    cr_expect_eq(config_parse_buffer("{}garbage", 2, "x", &c, err, sizeof(err)), 0);
+    config_free(&c);
+}
+
+Test(config, a_second_parse_starts_from_the_defaults)
+{
+    struct zinf_config c;
+
+    expect_ok("{\"aio\": {\"queue_depth\": 16}}", &c);
+    config_free(&c);
+    expect_ok("{}", &c);
+    cr_expect_eq(c.aio.queue_depth, 8);
+    config_free(&c);
+}
+
+static char *print_to_string(const struct zinf_config *c)
+{
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    cr_assert(f);
+    cr_expect_eq(config_print(c, f), 0);
+    fclose(f);
+    return text;
+}
+
+Test(config, print_lists_every_setting_and_the_engine_options)
+{
+    struct zinf_config c;
+
+    config_defaults(&c);
+    char *text = print_to_string(&c);
+    static const char *const want[] = {
+        "zero_optimization.stage = 0  # default\n",
+        "zero_optimization.sub_group_size = 1000000000  # default\n",
+        "zero_optimization.offload_param.device = \"none\"  # default\n",
+        "zero_optimization.offload_param.nvme_path = []  # default\n",
+        "zero_optimization.offload_param.buffer_size = 100000000  # default\n",
+        "zero_optimization.offload_optimizer.buffer_count = 4  # default\n",
+        "zero_optimization.offload_optimizer.fast_init = false  # default\n",
+        "zero_optimization.stage3_param_persistence_threshold = 100000  # default\n",
+        "aio.block_size = 1048576  # default\n",
+        "aio.queue_depth = 8  # default\n",
+        "aio.intra_op_parallelism = 1  # default\n",
+        "aio.overlap_events = true  # default\n",
+        "zinf.host_bytes = 0  # default\n",
+        "zinf.device = \"auto\"  # default\n",
+        "zinf.io_backend = \"auto\"  # default\n",
+        "engine.nvme_path = none  # no NVMe tier\n",
+        "engine.nvme_paths_extra = []\n",
+        "engine.block_size = 1048576  # 1 MiB\n",
+        "engine.queue_depth = 8\n",
+        "engine.host_bytes = 0  # engine default\n",
+        "engine.device_kind = auto\n",
+        "engine.cuda_device = 0\n",
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(want); i++)
+        cr_expect(strstr(text, want[i]), "missing %s in:\n%s", want[i], text);
+    size_t lines = 0;
+    for (const char *s = text; *s; s++)
+        lines += *s == '\n';
+    cr_expect_eq(lines, 32 + 1 + 8, "%s", text);
+    free(text);
+    config_free(&c);
+}
+
+Test(config, print_shows_given_values_and_ignored_and_unknown_keys)
+{
+    struct zinf_config c;
+
+    test_log_capture_start();
+    expect_ok("{\"fp16\": {}, \"zinf\": {\"host_bytes\": \"4G\", \"nvme_paths\": [\"/a\", \"/b\\\"\"],"
+              " \"bogus\": 1}, \"aio\": {\"queue_depth\": 32}}",
+              &c);
+    test_log_capture_stop();
+    char *text = print_to_string(&c);
+    static const char *const want[] = {
+        "zinf.host_bytes = 4294967296\n",
+        "zinf.nvme_paths = [\"/a\", \"/b\\\"\"]\n",
+        "aio.queue_depth = 32\n",
+        "engine.nvme_path = \"/a\"\n",
+        "engine.nvme_paths_extra = [\"/b\\\"\"]\n",
+        "engine.queue_depth = 32\n",
+        "engine.host_bytes = 4294967296  # 4 GiB\n",
+        "# ignored by zinf (DeepSpeed keys zinf does not use):\n#   fp16\n",
+        "# unknown keys (ignored):\n#   zinf.bogus\n",
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(want); i++)
+        cr_expect(strstr(text, want[i]), "missing %s in:\n%s", want[i], text);
+    free(text);
+    config_free(&c);
+}
+
+Test(config, print_reports_a_failed_write)
+{
+    struct zinf_config c;
+    FILE *f = fopen("/dev/full", "w");
+
+    if (!f)
+        cr_skip_test("no /dev/full");
+    config_defaults(&c);
+    cr_expect_eq(config_print(&c, f), -EIO);
+    fclose(f);
+    config_free(&c);
+}

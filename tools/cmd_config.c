@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "config.h"
 #include "cmd.h"
 
 static void usage(FILE *f)
