@@ -33,7 +33,12 @@ enum zinf_tier { ZINF_TIER_DEVICE, ZINF_TIER_HOST, ZINF_TIER_NVME };
 enum zinf_device_kind { ZINF_DEVICE_AUTO, ZINF_DEVICE_CUDA, ZINF_DEVICE_EMULATED };
 
 /* zinf_options.flags */
-#define ZINF_OPEN_RESUME (1u << 0) /* reopen tensors persisted in nvme_path */
+#define ZINF_OPEN_RESUME (1u << 0)  /* reopen tensors persisted in nvme_path */
+#define ZINF_OPEN_NO_PIN (1u << 1)  /* do not lock the host tier in memory (pin_memory: false) */
+
+/* zinf_release() flags */
+#define ZINF_RELEASE_CLEAN 0u
+#define ZINF_RELEASE_DIRTY (1u << 0) /* the caller wrote through the pointer: this copy is newest */
 
 struct zinf_options {        /* zero-initialised = defaults */
     const char *nvme_path;   /* directory for swap files; NULL: no NVMe tier */
@@ -49,6 +54,71 @@ struct zinf_options {        /* zero-initialised = defaults */
     const char *const *nvme_paths_extra;
     uint64_t reserved[8];    /* must be zero */
 };
+
+struct zinf_tier_stats {
+    uint64_t capacity_bytes;  /* the tier's budget */
+    uint64_t used_bytes;      /* allocated to copies now */
+    uint64_t pinned_bytes;    /* held by callers between fetch and release */
+    uint64_t fetches;         /* zinf_fetch/zinf_fetch_async calls for this tier */
+    uint64_t hits;            /* ... that found a resident copy */
+    uint64_t evictions;       /* copies dropped to make room */
+    uint64_t writebacks;      /* dirty copies written to their home first */
+};
+
+struct zinf_stats {
+    struct zinf_tier_stats tier[3];  /* indexed by enum zinf_tier; NVMe: the swap space */
+    uint64_t tensors;                /* registered now */
+    uint64_t nvme_bytes_read, nvme_bytes_written;
+    uint64_t prefetches;             /* loads started ahead of use (schedule or zinf_prefetch) */
+    uint64_t prefetch_in_time;       /* ... whose copy was resident when fetched */
+    uint64_t prefetch_late;          /* ... still arriving when fetched (the fetch joined it) */
+    uint64_t prefetch_wasted;        /* ... evicted or dropped before any fetch used them */
+    uint64_t blocked_ns;             /* total time callers spent blocked in fetch/wait */
+    uint64_t steps;                  /* zinf_step() calls */
+    uint64_t schedule_length;        /* fetches in the learned step; 0 while learning */
+    uint64_t schedule_resets;        /* steps that diverged from the schedule */
+    uint64_t flushes;
+    unsigned io_buffered;            /* swap files opened without O_DIRECT */
+    unsigned device_is_cuda;         /* 1: CUDA device tier, 0: emulated */
+    uint64_t reserved[8];
+};
+
+/* Open an engine. opt may be NULL (all defaults). */
+ZINF_API int zinf_open(const struct zinf_options *opt, zinf_engine **out);
+/* Open an engine from a DeepSpeed-style JSON config (see `zinf config check`). */
+ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out);
+/* Flush (when there is an NVMe tier), wait for everything in flight, free. NULL: no-op. */
+ZINF_API void zinf_close(zinf_engine *e);
+
+/* Register a tensor of nbytes whose permanent copy lives in home. Content starts as
+ * zeros. -EEXIST for a name in use, -ENOSPC when larger than the home tier. */
+ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes,
+                           enum zinf_tier home, zinf_tensor *out);
+ZINF_API int zinf_lookup(zinf_engine *e, const char *name, zinf_tensor *out);
+/* -EBUSY while any copy is pinned. */
+ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor t);
+
+/* Make the tensor resident in tier (DEVICE or HOST) and pin it; *ptr stays valid and
+ * unmoved until the matching zinf_release(). Blocks until the copy is there. */
+ZINF_API int zinf_fetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, void **ptr);
+/* The same without blocking: the pin is taken now, the pointer comes from zinf_wait(). */
+ZINF_API int zinf_fetch_async(zinf_engine *e, zinf_tensor t, enum zinf_tier tier,
+                              uint64_t *ticket);
+ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr);
+/* Drop one pin. ZINF_RELEASE_DIRTY: the caller wrote through the pointer. */
+ZINF_API int zinf_release(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, unsigned flags);
+/* A hint: start bringing the tensor to tier; no pin, never blocks, never fails for lack
+ * of room (the hint is dropped instead). */
+ZINF_API int zinf_prefetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier);
+/* Mark the end of one training step (the schedule is learned between two marks). */
+ZINF_API int zinf_step(zinf_engine *e);
+
+/* Copy bytes into / out of a tensor's content, wherever its newest copy is. */
+ZINF_API int zinf_write(zinf_engine *e, zinf_tensor t, size_t off, const void *src, size_t n);
+ZINF_API int zinf_read(zinf_engine *e, zinf_tensor t, size_t off, void *dst, size_t n);
+/* Make every tensor's content durable in nvme_path (fsync, manifest replaced atomically). */
+ZINF_API int zinf_flush(zinf_engine *e);
+ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out);
 
 /* The library's version as "MAJOR.MINOR.PATCH". */
 ZINF_API const char *zinf_version(void);

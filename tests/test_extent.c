@@ -300,6 +300,155 @@ Test(extent, grow)
     extent_fini(&a);
 }
 
+/* Reserve the start, the middle, the end and then the whole of a free extent: each split
+ * leaves the expected remainders, and a reserved range frees like an allocation. */
+Test(extent, reserve_splits_free_extent)
+{
+    struct extent_alloc a;
+    struct extent_stats s;
+    uint64_t x, off, start, len;
+
+    /* [x:2][free:14]: the free extent is [2, 16). */
+    cr_assert_eq(extent_init(&a, 16 * G, G), 0);
+    cr_assert_eq(extent_alloc(&a, 2 * G, &x), 0);
+
+    cr_assert_eq(extent_reserve(&a, 2 * G, G), 0); /* start: one remainder after */
+    cr_assert_eq(extent_validate(&a), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.largest_free_bytes, 13 * G);
+    cr_expect_eq(s.used_extents, 2);
+
+    cr_assert_eq(extent_reserve(&a, 15 * G, 1), 0); /* end, rounded up: one remainder before */
+    cr_assert_eq(extent_validate(&a), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.tail_free_bytes, 0);
+    cr_expect_eq(s.largest_free_bytes, 12 * G);
+
+    cr_assert_eq(extent_reserve(&a, 6 * G, 3 * G - 100), 0); /* middle: two remainders */
+    cr_assert_eq(extent_validate(&a), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 2); /* [3, 6) and [9, 15) */
+    cr_expect_eq(s.largest_free_bytes, 6 * G);
+    cr_expect_eq(s.used_bytes, 2 * G + G + G + 3 * G);
+    cr_expect_eq(s.free_bytes, 9 * G);
+    cr_assert_eq(extent_find(&a, 8 * G + 5, &start, &len), 0);
+    cr_expect_eq(start, 6 * G);
+    cr_expect_eq(len, 3 * G);
+
+    cr_assert_eq(extent_reserve(&a, 3 * G, 3 * G), 0); /* the whole extent: none left */
+    cr_assert_eq(extent_validate(&a), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.largest_free_bytes, 6 * G);
+
+    /* Best fit now sees only [9, 15). */
+    cr_assert_eq(extent_alloc(&a, G, &off), 0);
+    cr_expect_eq(off, 9 * G);
+
+    /* Reserved ranges free like allocations and coalesce with their neighbours. */
+    cr_assert_eq(extent_free(&a, 6 * G), 0);
+    cr_expect_eq(extent_free(&a, 6 * G), -EINVAL);
+    cr_assert_eq(extent_free(&a, 3 * G), 0);
+    cr_assert_eq(extent_free(&a, 2 * G), 0);
+    cr_assert_eq(extent_free(&a, 15 * G), 0);
+    cr_assert_eq(extent_free(&a, off), 0);
+    cr_assert_eq(extent_free(&a, x), 0);
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 1);
+    cr_expect_eq(s.used_extents, 0);
+    cr_expect_eq(s.largest_free_bytes, 16 * G);
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}
+
+/* Rebuilding a full layout by reserving every range, in any order, before any alloc. */
+Test(extent, reserve_rebuilds_layout_in_any_order)
+{
+    static const unsigned at[] = {9, 0, 14, 3, 6}; /* granule offsets */
+    static const unsigned len[] = {2, 1, 2, 3, 2}; /* granules */
+    struct extent_alloc a;
+    struct extent_stats s;
+    uint64_t off;
+
+    cr_assert_eq(extent_init(&a, 16 * G, G), 0);
+    for (unsigned i = 0; i < ARRAY_SIZE(at); i++) {
+        cr_assert_eq(extent_reserve(&a, at[i] * G, len[i] * G), 0, "range %u", i);
+        cr_assert_eq(extent_validate(&a), 0);
+    }
+    /* Free: [1, 3), [8, 9), [11, 14). */
+    stats(&a, &s);
+    cr_expect_eq(s.free_extents, 3);
+    cr_expect_eq(s.free_bytes, 6 * G);
+    cr_expect_eq(s.used_extents, 5);
+    cr_expect_eq(s.tail_free_bytes, 0);
+    cr_assert_eq(extent_alloc(&a, 3 * G, &off), 0);
+    cr_expect_eq(off, 11 * G);
+    cr_assert_eq(extent_alloc(&a, G, &off), 0);
+    cr_expect_eq(off, 8 * G);
+    cr_expect_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}
+
+Test(extent, reserve_bad_args_and_overlap)
+{
+    struct extent_alloc a;
+    struct extent_stats before, after;
+    uint64_t x, y;
+
+    /* [x:2 at 4][free][y:2 at 10][free]: x and y are reserved, the rest is free. */
+    cr_assert_eq(extent_init(&a, 16 * G, G), 0);
+    cr_assert_eq(extent_reserve(&a, 4 * G, 2 * G), 0);
+    cr_assert_eq(extent_reserve(&a, 10 * G, 2 * G), 0);
+    x = 4 * G;
+    y = 10 * G;
+    stats(&a, &before);
+
+    cr_expect_eq(extent_reserve(&a, 0, 0), -EINVAL);
+    cr_expect_eq(extent_reserve(NULL, 0, G), -EINVAL);
+    cr_expect_eq(extent_reserve(&a, 512, G), -EINVAL);        /* unaligned */
+    cr_expect_eq(extent_reserve(&a, 16 * G, G), -EINVAL);     /* at the capacity */
+    cr_expect_eq(extent_reserve(&a, 15 * G, G + 1), -EINVAL); /* runs past it */
+    cr_expect_eq(extent_reserve(&a, 100 * G, G), -EINVAL);    /* far beyond */
+    cr_expect_eq(extent_reserve(&a, 0, UINT64_MAX), -EINVAL); /* no overflow in rounding */
+    cr_expect_eq(extent_reserve(&a, 14 * G, UINT64_MAX), -EINVAL);
+    cr_expect_eq(extent_reserve(&a, UINT64_MAX & ~(uint64_t)(G - 1), G), -EINVAL);
+
+    cr_expect_eq(extent_reserve(&a, x, 2 * G), -EEXIST);      /* exactly an allocation */
+    cr_expect_eq(extent_reserve(&a, x + G, G), -EEXIST);      /* inside one */
+    cr_expect_eq(extent_reserve(&a, 3 * G, 2 * G), -EEXIST);  /* free, then into x */
+    cr_expect_eq(extent_reserve(&a, 3 * G, G + 1), -EEXIST);  /* rounding reaches x */
+    cr_expect_eq(extent_reserve(&a, x + G, 2 * G), -EEXIST);  /* out of x into free */
+    cr_expect_eq(extent_reserve(&a, 2 * G, 10 * G), -EEXIST); /* across x and y */
+    cr_expect_eq(extent_reserve(&a, y + G, G), -EEXIST);      /* inside y */
+    cr_expect_eq(extent_reserve(&a, 6 * G, 6 * G), -EEXIST);  /* a whole gap and into y */
+    cr_expect_eq(extent_reserve(&a, y + G, 4 * G), -EEXIST);  /* out of y to the end */
+    cr_expect_eq(extent_reserve(&a, 0, 16 * G), -EEXIST);     /* everything */
+    stats(&a, &after);
+    cr_expect_eq(memcmp(&before, &after, sizeof(before)), 0);
+    cr_expect_eq(extent_validate(&a), 0);
+
+    /* The gaps themselves can be taken exactly. */
+    cr_expect_eq(extent_reserve(&a, 6 * G, 4 * G), 0);
+    cr_expect_eq(extent_reserve(&a, 0, 4 * G), 0);
+    cr_expect_eq(extent_reserve(&a, 12 * G, 4 * G), 0);
+    stats(&a, &after);
+    cr_expect_eq(after.free_extents, 0);
+    cr_expect_eq(after.used_bytes, 16 * G);
+    cr_expect_eq(extent_validate(&a), 0);
+
+    /* With no capacity at all (grow later) every reserve is out of range. */
+    struct extent_alloc z;
+    cr_assert_eq(extent_init(&z, 0, G), 0);
+    cr_expect_eq(extent_reserve(&z, 0, G), -EINVAL);
+    cr_assert_eq(extent_grow(&z, 2 * G), 0);
+    cr_expect_eq(extent_reserve(&z, G, G), 0);
+    cr_expect_eq(extent_validate(&z), 0);
+    extent_fini(&z);
+    extent_fini(&a);
+}
+
 /* The reference model: owner[i] is 0 for a free granule, else the allocation's id. */
 struct model {
     uint32_t *owner;
@@ -362,7 +511,67 @@ struct live {
     uint32_t id;
 };
 
-static void run_model(uint64_t seed, uint64_t g, uint64_t granules, unsigned ops)
+/* One random extent_reserve() against the model. Most requests aim at the start, the
+ * middle or the end of a free run, so that they succeed and split it; the rest go
+ * anywhere, so that they overlap allocations, pass the capacity or (with a granularity
+ * above 1) start unaligned. */
+static void model_reserve(struct extent_alloc *a, struct model *m, uint64_t g, uint64_t *s,
+                          struct live *lv, size_t *nlive, uint32_t *next_id, unsigned op)
+{
+    uint64_t runs = 0, pick, first = 0, end = 0;
+
+    for (uint64_t i = 0; i < m->granules; i++)
+        runs += !m->owner[i] && (i == 0 || m->owner[i - 1]);
+    uint64_t kind = test_rand(s) % 4;
+    if (kind && runs) {
+        pick = test_rand(s) % runs;
+        for (uint64_t i = 0, k = 0; i < m->granules; i++) {
+            if (m->owner[i] || (i && !m->owner[i - 1])) continue;
+            if (k++ != pick) continue;
+            first = i;
+            for (end = i; end < m->granules && !m->owner[end];)
+                end++;
+            break;
+        }
+    }
+
+    uint64_t at, need;
+    if (kind && runs) {
+        need = 1 + test_rand(s) % (end - first);
+        if (kind == 1)
+            at = first;
+        else if (kind == 2)
+            at = end - need;
+        else
+            at = first + test_rand(s) % (end - first - need + 1);
+    } else {
+        at = test_rand(s) % (m->granules + 4);
+        need = 1 + test_rand(s) % 8;
+    }
+    /* Bytes that round up to need granules, not always a multiple of g. */
+    uint64_t bytes = (need - 1) * g + 1 + test_rand(s) % g, off = at * g;
+    bool unaligned = g > 1 && test_rand(s) % 8 == 0;
+    if (unaligned) off += 1 + test_rand(s) % (g - 1);
+
+    int expect = 0;
+    if (unaligned || at > m->granules || need > m->granules - at) {
+        expect = -EINVAL;
+    } else {
+        for (uint64_t i = at; i < at + need; i++)
+            if (m->owner[i]) expect = -EEXIST;
+    }
+    int ret = extent_reserve(a, off, bytes);
+    cr_assert_eq(ret, expect, "op %u: reserve %llu+%llu gave %d, model says %d", op,
+                 (unsigned long long)off, (unsigned long long)bytes, ret, expect);
+    cr_assert_eq(extent_validate(a), 0, "op %u: after reserve", op);
+    if (ret < 0) return;
+    for (uint64_t i = at; i < at + need; i++)
+        m->owner[i] = *next_id;
+    lv[(*nlive)++] = (struct live){off, need, (*next_id)++};
+}
+
+/* With reserves, a quarter of the operations are extent_reserve(). */
+static void run_model(uint64_t seed, uint64_t g, uint64_t granules, unsigned ops, bool reserves)
 {
     struct extent_alloc a;
     struct model m = {.granules = granules};
@@ -377,6 +586,11 @@ static void run_model(uint64_t seed, uint64_t g, uint64_t granules, unsigned ops
     cr_assert_eq(extent_init(&a, granules * g, g), 0);
 
     for (unsigned op = 0; op < ops; op++) {
+        if (reserves && test_rand(&s) % 4 == 0) {
+            model_reserve(&a, &m, g, &s, lv, &nlive, &next_id, op);
+            model_expect_stats(&m, &a, g);
+            continue;
+        }
         uint64_t r = test_rand(&s) % 100;
         if (r < 55 || nlive == 0) {
             /* Mostly small requests, sometimes large ones; sizes in bytes, not always
@@ -444,20 +658,28 @@ static void run_model(uint64_t seed, uint64_t g, uint64_t granules, unsigned ops
 
 Test(extent, random_ops_match_model_4k)
 {
-    run_model(1, 4096, 2048, 6000);
+    run_model(1, 4096, 2048, 6000, false);
 }
 
 Test(extent, random_ops_match_model_other_granularities)
 {
-    run_model(2, 512, 1024, 3000);
-    run_model(3, 64 * KiB, 1024, 3000);
-    run_model(4, 1, 256, 3000); /* granularity 1: byte-exact */
+    run_model(2, 512, 1024, 3000, false);
+    run_model(3, 64 * KiB, 1024, 3000, false);
+    run_model(4, 1, 256, 3000, false); /* granularity 1: byte-exact */
 }
 
 Test(extent, random_ops_match_model_tight)
 {
     /* A small space keeps the allocator near full, where ENOSPC and best fit matter. */
-    run_model(5, 4096, 200, 8000);
+    run_model(5, 4096, 200, 8000, false);
+}
+
+Test(extent, random_ops_with_reserves_match_model)
+{
+    run_model(6, 4096, 2048, 6000, true);
+    run_model(7, 512, 512, 3000, true);
+    run_model(8, 1, 256, 3000, true);
+    run_model(9, 4096, 200, 8000, true); /* near full: most stray reserves overlap */
 }
 
 /* Tens of thousands of live extents: must stay fast (a linear scan per call would make

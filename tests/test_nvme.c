@@ -1,9 +1,10 @@
 /*
  * test_nvme.c - the NVMe swap space (src/tiers/nvme.c) over a real IO engine: read after
  * write through many extents, striping over two directories checked against the files'
- * bytes, fixed and capped capacities, growth and its all-or-nothing failure, tmpfs, the
- * buffered fallback, bad input, and every failure path of nvme_open(). The io_uring and
- * thread-pool backends run the data tests.
+ * bytes, fixed and capped capacities, growth and its all-or-nothing failure, reopening
+ * kept files and reserving their extents, tmpfs, the buffered fallback, bad input, and
+ * every failure path of nvme_open(). The io_uring and thread-pool backends run the data
+ * tests.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -740,6 +741,370 @@ Test(nvme, kernel_refuses_growth)
     uring_close(u);
 }
 
+/* ---- reopening: keep and reserve ------------------------------------------------------ */
+
+static int open_kept(struct uring *u, const char *const *dirs, unsigned ndirs, uint64_t capacity,
+                     struct nvme **n)
+{
+    struct nvme_opts o = {.dirs = dirs, .ndirs = ndirs, .capacity_bytes = capacity, .keep = true};
+    return nvme_open(&o, u, n);
+}
+
+/* Whether [a, a + alen) and [b, b + blen) share a byte. */
+static bool overlaps(uint64_t a, uint64_t alen, uint64_t b, uint64_t blen)
+{
+    return a < b + blen && b < a + alen;
+}
+
+/* Two extents written, the swap space closed and reopened with keep: once reserved at
+ * their offsets they read back byte for byte, and new allocations go around them. */
+static void keep_reopens_data(unsigned ndirs)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    const char *dirs[] = {dir, dir2};
+    const uint64_t cap = 4 * MiB;
+    struct nvme *n = NULL;
+    struct nvme_stats st, st0;
+    struct ext a = {.len = 3 * BLOCK + 8 * KiB, .seed = 21}, c = {.len = 5 * PAGE, .seed = 22};
+    uint64_t gap, off;
+    void *buf = test_aligned_alloc(PAGE);
+
+    /* [a][gap][c][free]: freeing the gap leaves c away from a, and mid-stripe. */
+    struct nvme_opts o = {.dirs = dirs, .ndirs = ndirs, .capacity_bytes = cap};
+    cr_assert_eq(nvme_open(&o, u, &n), 0);
+    cr_assert_eq(nvme_alloc(n, a.len, &a.off), 0);
+    cr_assert_eq(nvme_alloc(n, 7 * PAGE, &gap), 0);
+    cr_assert_eq(nvme_alloc(n, c.len, &c.off), 0);
+    write_ext(n, &a);
+    write_ext(n, &c);
+    cr_assert_eq(nvme_free(n, gap), 0);
+    cr_assert_eq(nvme_sync(n), 0);
+    nvme_get_stats(n, &st0);
+    nvme_close(n);
+    for (unsigned i = 0; i < ndirs; i++)
+        cr_assert_eq(file_size(dirs[i], i), (int64_t)(cap / ndirs));
+
+    n = NULL;
+    cr_assert_eq(open_kept(u, dirs, ndirs, cap, &n), 0);
+    nvme_get_stats(n, &st);
+    cr_expect_eq(st.capacity_bytes, cap);
+    cr_expect_eq(st.file_bytes, st0.file_bytes);
+    cr_expect_eq(st.used_bytes, 0, "a kept swap space starts with nothing allocated");
+    cr_expect_eq(st.free_extents, 1);
+    cr_expect_not(st.growable);
+    for (unsigned i = 0; i < ndirs; i++)
+        cr_expect_eq(file_size(dirs[i], i), (int64_t)(cap / ndirs), "reopening changed a size");
+    cr_expect_eq(nvme_read(n, a.off, buf, PAGE), -EINVAL, "readable before it was reserved");
+
+    cr_assert_eq(nvme_reserve(n, c.off, c.len), 0);
+    cr_assert_eq(nvme_reserve(n, a.off, a.len), 0);
+    expect_ext(n, &a);
+    expect_ext(n, &c);
+    nvme_get_stats(n, &st);
+    cr_expect_eq(st.used_bytes, a.len + c.len);
+    cr_expect_eq(st.used_extents, 2);
+
+    /* Reserving any part of them again is refused and changes nothing. */
+    cr_expect_eq(nvme_reserve(n, a.off, a.len), -EEXIST);
+    cr_expect_eq(nvme_reserve(n, a.off + BLOCK, PAGE), -EEXIST);
+    cr_expect_eq(nvme_reserve(n, c.off - PAGE, 2 * PAGE), -EEXIST);
+    cr_expect_eq(nvme_reserve(n, a.off, cap), -EEXIST);
+    struct nvme_stats again;
+    nvme_get_stats(n, &again);
+    cr_expect_eq(memcmp(&st, &again, sizeof(st)), 0);
+
+    /* Fill every byte that is left: nothing handed out touches a or c, and both survive
+     * the new data written around them. */
+    enum { MAX = 256 };
+    struct ext fresh[MAX];
+    unsigned cnt = 0;
+    uint64_t s = 23 + ndirs;
+    while (cnt < MAX) {
+        struct ext e = {.len = odd_size(&s, 24), .seed = test_rand(&s)};
+        int r = nvme_alloc(n, e.len, &e.off);
+        if (r == -ENOSPC) {
+            nvme_get_stats(n, &st);
+            if (st.largest_free_bytes == 0) break;
+            e.len = st.largest_free_bytes;
+            r = nvme_alloc(n, e.len, &e.off);
+        }
+        cr_assert_eq(r, 0, "alloc %llu: %s", (unsigned long long)e.len, strerror(-r));
+        cr_assert_not(overlaps(e.off, e.len, a.off, a.len), "new extent at %llu overlaps a",
+                      (unsigned long long)e.off);
+        cr_assert_not(overlaps(e.off, e.len, c.off, c.len), "new extent at %llu overlaps c",
+                      (unsigned long long)e.off);
+        write_ext(n, &e);
+        fresh[cnt++] = e;
+    }
+    nvme_get_stats(n, &st);
+    cr_expect_eq(st.free_bytes, 0, "the space was not filled (%u extents)", cnt);
+    cr_expect_eq(nvme_alloc(n, PAGE, &off), -ENOSPC);
+    expect_ext(n, &a);
+    expect_ext(n, &c);
+    for (unsigned i = 0; i < cnt; i++)
+        expect_ext(n, &fresh[i]);
+
+    /* A reserved extent frees like an allocated one. */
+    cr_assert_eq(nvme_free(n, a.off), 0);
+    cr_expect_eq(nvme_free(n, a.off), -EINVAL);
+    cr_expect_eq(nvme_read(n, a.off, buf, PAGE), -EINVAL);
+    free(buf);
+    nvme_close(n);
+    uring_close(u);
+}
+
+Test(nvme, keep_reopens_data_one_dir)
+{
+    keep_reopens_data(1);
+}
+Test(nvme, keep_reopens_data_two_dirs)
+{
+    keep_reopens_data(2);
+}
+
+/* A swap space that grew on demand reopens at its grown size and keeps growing. */
+Test(nvme, keep_then_grow_on_demand)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    const char *dirs[] = {dir, dir2};
+    struct nvme *n = NULL;
+    struct nvme_stats st;
+    struct nvme_opts o = {.dirs = dirs, .ndirs = 2};
+    struct ext a = {.len = MiB + PAGE, .seed = 31}, b = {.len = 3 * PAGE, .seed = 32};
+    uint64_t big;
+
+    cr_assert_eq(nvme_open(&o, u, &n), 0);
+    cr_assert_eq(nvme_alloc(n, a.len, &a.off), 0);
+    cr_assert_eq(nvme_alloc(n, b.len, &b.off), 0);
+    write_ext(n, &a);
+    write_ext(n, &b);
+    nvme_close(n);
+
+    cr_assert_eq(open_kept(u, dirs, 2, 0, &n), 0);
+    nvme_get_stats(n, &st);
+    cr_expect(st.growable);
+    cr_expect_eq(st.capacity_bytes, 2 * NVME_GROW_MIN_BYTES);
+    cr_expect_eq(st.grows, 0);
+    cr_assert_eq(nvme_reserve(n, b.off, b.len), 0);
+    cr_assert_eq(nvme_reserve(n, a.off, a.len), 0);
+    /* Reserving never grows the space. */
+    cr_expect_eq(nvme_reserve(n, st.capacity_bytes, PAGE), -EINVAL);
+    cr_expect_eq(nvme_reserve(n, st.capacity_bytes - PAGE, 2 * PAGE), -EINVAL);
+    /* More than is free: the files grow, from their kept size. */
+    nvme_get_stats(n, &st);
+    uint64_t want = st.free_bytes + MiB;
+    cr_assert_eq(nvme_alloc(n, want, &big), 0);
+    cr_expect_not(overlaps(big, want, a.off, a.len));
+    cr_expect_not(overlaps(big, want, b.off, b.len));
+    nvme_get_stats(n, &st);
+    cr_expect_eq(st.grows, 1);
+    cr_expect_eq(st.file_bytes, 2 * NVME_GROW_MIN_BYTES);
+    cr_expect_eq(file_size(dir, 0), (int64_t)(2 * NVME_GROW_MIN_BYTES));
+    cr_expect_eq(file_size(dir2, 1), (int64_t)(2 * NVME_GROW_MIN_BYTES));
+    expect_ext(n, &a);
+    expect_ext(n, &b);
+    nvme_close(n);
+    uring_close(u);
+}
+
+/* Where no swap file exists yet, keep creates them as a plain open does. */
+Test(nvme, keep_in_fresh_directories_creates_files)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    const char *dirs[] = {dir, dir2};
+    struct nvme *n = NULL;
+    struct nvme_stats st;
+    struct ext e = {.len = 2 * BLOCK, .seed = 41};
+
+    cr_assert_eq(open_kept(u, dirs, 2, MiB, &n), 0);
+    nvme_get_stats(n, &st);
+    cr_expect_eq(st.capacity_bytes, MiB);
+    cr_expect_eq(st.used_bytes, 0);
+    cr_expect_eq(file_size(dir, 0), (int64_t)(MiB / 2));
+    cr_expect_eq(file_size(dir2, 1), (int64_t)(MiB / 2));
+    cr_assert_eq(nvme_alloc(n, e.len, &e.off), 0);
+    write_ext(n, &e);
+    nvme_close(n);
+
+    /* A second keep open with the same options finds them and keeps the data. */
+    cr_assert_eq(open_kept(u, dirs, 2, MiB, &n), 0);
+    cr_assert_eq(nvme_reserve(n, e.off, e.len), 0);
+    expect_ext(n, &e);
+    nvme_close(n);
+    uring_close(u);
+}
+
+/* A failed keep open in fresh directories removes the files it created: they hold nothing,
+ * and left behind they would make the next keep open find a partial set. */
+Test(nvme, keep_failed_fresh_open_removes_what_it_created)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    char *missing;
+    struct nvme *n = NULL;
+
+    cr_assert_geq(asprintf(&missing, "%s/does/not/exist", dir2), 0);
+    const char *dirs[] = {dir, missing};
+    test_log_capture_start();
+    cr_expect_eq(open_kept(u, dirs, 2, MiB, &n), -ENOENT);
+    cr_expect_null(n);
+    cr_expect_eq(file_size(dir, 0), -1, "a failed fresh keep open left a swap file behind");
+    free(missing);
+    uring_close(u);
+}
+
+/* Make a two-file swap space with data in it and close it, keeping the files. */
+static struct ext make_kept_pair(struct uring *u, const char *const *dirs, uint64_t cap)
+{
+    struct nvme *n = NULL;
+    struct ext e = {.len = 3 * BLOCK, .seed = 51};
+    struct nvme_opts o = {.dirs = dirs, .ndirs = 2, .capacity_bytes = cap};
+
+    cr_assert_eq(nvme_open(&o, u, &n), 0);
+    cr_assert_eq(nvme_alloc(n, e.len, &e.off), 0);
+    write_ext(n, &e);
+    nvme_close(n);
+    return e;
+}
+
+Test(nvme, keep_mismatched_sizes_is_einval)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    const char *dirs[] = {dir, dir2};
+    struct nvme *n = NULL;
+    struct ext e = make_kept_pair(u, dirs, 2 * MiB);
+    char *p1 = swap_path(dir2, 1);
+
+    cr_assert_eq(truncate(p1, (off_t)(2 * MiB)), 0); /* file 1 now 2 MiB, file 0 1 MiB */
+    /* Refused whatever remove_on_close says, and the user's files stay as they were. */
+    struct nvme_opts o = {
+        .dirs = dirs, .ndirs = 2, .capacity_bytes = 2 * MiB, .keep = true, .remove_on_close = true};
+    test_log_capture_start();
+    cr_expect_eq(nvme_open(&o, u, &n), -EINVAL);
+    cr_expect_null(n);
+    cr_expect_eq(log_lines_with(p1), 1, "the error names the file: %s", test_log_text());
+    cr_expect_eq(log_lines_with("2097152"), 1, "the error gives the sizes: %s", test_log_text());
+    cr_expect_eq(log_lines_with("1048576"), 1, "the error gives the sizes: %s", test_log_text());
+    cr_expect_eq(file_size(dir, 0), (int64_t)MiB);
+    cr_expect_eq(file_size(dir2, 1), (int64_t)(2 * MiB));
+
+    /* Equal sizes that are not whole stripes: written with another stripe unit. */
+    cr_assert_eq(truncate(p1, (off_t)(MiB + PAGE)), 0);
+    char *p0 = swap_path(dir, 0);
+    cr_assert_eq(truncate(p0, (off_t)(MiB + PAGE)), 0);
+    test_log_capture_start();
+    cr_expect_eq(nvme_open(&o, u, &n), -EINVAL);
+    cr_expect_eq(log_lines_with("stripe"), 1, "log: %s", test_log_text());
+    cr_expect_eq(file_size(dir, 0), (int64_t)(MiB + PAGE));
+    cr_expect_eq(file_size(dir2, 1), (int64_t)(MiB + PAGE));
+
+    /* Put right, the data is still there. */
+    cr_assert_eq(truncate(p0, (off_t)MiB), 0);
+    cr_assert_eq(truncate(p1, (off_t)MiB), 0);
+    cr_assert_eq(open_kept(u, dirs, 2, 2 * MiB, &n), 0);
+    cr_assert_eq(nvme_reserve(n, e.off, e.len), 0);
+    expect_ext(n, &e);
+    nvme_close(n);
+    free(p0);
+    free(p1);
+    uring_close(u);
+}
+
+Test(nvme, keep_missing_file_is_enoent)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    const char *dirs[] = {dir, dir2};
+    struct nvme *n = NULL;
+    struct ext e = make_kept_pair(u, dirs, 2 * MiB);
+    char *p0 = swap_path(dir, 0), *p1 = swap_path(dir2, 1), *moved;
+
+    /* The second file missing. */
+    cr_assert_geq(asprintf(&moved, "%s/moved", dir2), 0);
+    cr_assert_eq(rename(p1, moved), 0);
+    test_log_capture_start();
+    cr_expect_eq(open_kept(u, dirs, 2, 2 * MiB, &n), -ENOENT);
+    cr_expect_null(n);
+    cr_expect_eq(log_lines_with(p1), 1, "the error names the missing file: %s", test_log_text());
+    cr_expect_eq(file_size(dir, 0), (int64_t)MiB, "the remaining file was touched");
+    cr_expect_eq(file_size(dir2, 1), -1, "the missing file was created");
+    cr_assert_eq(rename(moved, p1), 0);
+
+    /* The first file missing. */
+    cr_assert_eq(rename(p0, moved), 0);
+    test_log_capture_start();
+    cr_expect_eq(open_kept(u, dirs, 2, 2 * MiB, &n), -ENOENT);
+    cr_expect_eq(log_lines_with(p0), 1, "the error names the missing file: %s", test_log_text());
+    cr_expect_eq(file_size(dir, 0), -1);
+    cr_expect_eq(file_size(dir2, 1), (int64_t)MiB);
+    cr_assert_eq(rename(moved, p0), 0);
+
+    /* Both back: nothing was lost. */
+    cr_assert_eq(open_kept(u, dirs, 2, 2 * MiB, &n), 0);
+    cr_assert_eq(nvme_reserve(n, e.off, e.len), 0);
+    expect_ext(n, &e);
+    nvme_close(n);
+    free(moved);
+    free(p0);
+    free(p1);
+    uring_close(u);
+}
+
+/* keep on files another swap space holds: -EBUSY, and the holder's data is untouched. */
+Test(nvme, keep_on_locked_files_is_ebusy)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    const char *dirs[] = {dir};
+    struct nvme *a = open_swap(u, dirs, 1, MiB, 0), *b = NULL;
+    struct ext e = {.len = 64 * KiB, .seed = 61};
+
+    cr_assert_eq(nvme_alloc(a, e.len, &e.off), 0);
+    write_ext(a, &e);
+    test_log_capture_start();
+    cr_expect_eq(open_kept(u, dirs, 1, MiB, &b), -EBUSY);
+    cr_expect_null(b);
+    cr_expect_eq(file_size(dir, 0), (int64_t)MiB);
+    expect_ext(a, &e);
+    nvme_close(a);
+    uring_close(u);
+}
+
+Test(nvme, reserve_bad_arguments)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    const char *dirs[] = {dir};
+    struct nvme *n = open_swap(u, dirs, 1, MiB, 0), *g = NULL;
+    struct nvme_stats before, after;
+    uint64_t off;
+
+    cr_assert_eq(nvme_alloc(n, 2 * PAGE, &off), 0);
+    nvme_get_stats(n, &before);
+    cr_expect_eq(nvme_reserve(NULL, 64 * PAGE, PAGE), -EINVAL);
+    cr_expect_eq(nvme_reserve(n, 64 * PAGE, 0), -EINVAL);
+    cr_expect_eq(nvme_reserve(n, 64 * PAGE + 512, PAGE), -EINVAL); /* unaligned */
+    cr_expect_eq(nvme_reserve(n, MiB, PAGE), -EINVAL);             /* beyond the capacity */
+    cr_expect_eq(nvme_reserve(n, MiB - PAGE, 2 * PAGE), -EINVAL);  /* runs past it */
+    cr_expect_eq(nvme_reserve(n, 0, UINT64_MAX), -EINVAL);
+    cr_expect_eq(nvme_reserve(n, off, PAGE), -EEXIST);            /* a live allocation */
+    cr_expect_eq(nvme_reserve(n, off + PAGE, 4 * PAGE), -EEXIST); /* runs into free space */
+    nvme_get_stats(n, &after);
+    cr_expect_eq(memcmp(&before, &after, sizeof(before)), 0);
+
+    /* Rounded up to 4 KiB, like an allocation. */
+    cr_assert_eq(nvme_reserve(n, 64 * PAGE, 1), 0);
+    cr_expect_eq(nvme_reserve(n, 65 * PAGE, PAGE), 0);
+    nvme_get_stats(n, &after);
+    cr_expect_eq(after.used_bytes, before.used_bytes + 2 * PAGE);
+    cr_expect_eq(nvme_free(n, 64 * PAGE), 0);
+    cr_expect_eq(nvme_free(n, 65 * PAGE), 0);
+
+    /* A growable space that has not grown has nothing to reserve yet. */
+    const char *dirs2[] = {dir2};
+    g = open_swap(u, dirs2, 1, 0, 0);
+    cr_expect_eq(nvme_reserve(g, 0, PAGE), -EINVAL);
+    nvme_close(g);
+    nvme_close(n);
+    uring_close(u);
+}
+
 /* ---- filesystems and fallbacks ------------------------------------------------------- */
 
 Test(nvme, tmpfs)
@@ -841,4 +1206,23 @@ Test(nvme, concurrent_callers)
     cr_expect_eq(st.used_extents, T * 15);
     nvme_close(n);
     uring_close(u);
+}
+
+Test(nvme, stripe_unit_must_be_a_power_of_two)
+{
+    char *d = test_tmpdir("nvme-pow2");
+    struct uring *u = NULL;
+    struct uring_opts uo = {.block_size = 64 * 1024, .queue_depth = 4};
+    struct nvme *n = NULL;
+    const char *dirs[] = {d};
+    struct nvme_opts o = {.dirs = dirs, .ndirs = 1, .block_size = 12 * 1024};
+
+    cr_assert_eq(uring_open(&uo, &u), 0);
+    test_log_capture_start();
+    cr_assert_eq(nvme_open(&o, u, &n), -EINVAL);
+    cr_assert(strstr(test_log_text(), "power of two") != NULL, "%s", test_log_text());
+    test_log_capture_stop();
+    cr_assert_null(n);
+    uring_close(u);
+    test_rmtree(d);
 }

@@ -1,2 +1,124 @@
+/*
+ * cmd_topo.c - `zinf topo [--xml FILE] [--nvme-path DIR] [--gpu BUSID]`: print the NUMA
+ * nodes, GPUs and storage controllers hwloc sees, then where zinf would put its host
+ * memory and IO thread, and why.
+ *
+ * Without --gpu, the bus id of CUDA device 0 is asked from the CUDA runtime when one is
+ * usable on this machine (never for an --xml topology, which describes another machine).
+ * It only reports: nothing is allocated or bound.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "common.h"
 #include "cmd.h"
-int cmd_topo(int argc, char **argv) { return 2; }
+#include "tiers/cuda_probe.h"
+#include "topo/topo.h"
+
+#if ZINF_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: zinf topo [--xml FILE] [--nvme-path DIR] [--gpu BUSID]\n"
+               "\n"
+               "Show the NUMA nodes, GPUs and storage controllers of this machine (or of an\n"
+               "hwloc XML topology), and the NUMA node zinf would use for its host memory\n"
+               "and IO thread: the GPU's, else the node of the drive holding DIR, else the\n"
+               "node of the CPU it runs on.\n"
+               "\n"
+               "  --xml FILE       read the topology from an hwloc XML file\n"
+               "  --nvme-path DIR  the swap directory whose drive to locate\n"
+               "  --gpu BUSID      the GPU's PCI bus id (DDDD:BB:DD.F); default: CUDA\n"
+               "                   device 0 when CUDA is usable here\n"
+               "\n"
+               "Exit status: 0 success, 1 the topology could not be read, 2 bad usage.\n");
+}
+
+/* The PCI bus id of CUDA device 0, when a usable GPU is present. */
+static bool cuda_busid(char *buf, size_t len)
+{
+    struct cuda_probe_info ci;
+
+    if (cuda_probe(&ci) <= 0) return false;
+#if ZINF_HAVE_CUDA
+    if (cudaDeviceGetPCIBusId(buf, (int)len, 0) == cudaSuccess) return true;
+    cudaGetLastError();
+#endif
+    return false;
+}
+
+static const char *reason_name(enum topo_reason r)
+{
+    switch (r) {
+    case TOPO_NEAR_GPU:
+        return "near the GPU";
+    case TOPO_NEAR_NVME:
+        return "near the swap drive";
+    case TOPO_CALLER:
+        return "the calling thread's node";
+    default:
+        return "no placement";
+    }
+}
+
+int cmd_topo(int argc, char **argv)
+{
+    const char *xml = NULL, *nvme = NULL, *gpu = NULL;
+    char busid[64];
+    struct topo *t;
+    struct topo_choice c;
+    int r;
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char **dst = NULL;
+
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        if (!strcmp(a, "--xml"))
+            dst = &xml;
+        else if (!strcmp(a, "--nvme-path"))
+            dst = &nvme;
+        else if (!strcmp(a, "--gpu"))
+            dst = &gpu;
+        if (!dst) {
+            fprintf(stderr, "zinf: topo: unknown option '%s'\n", a);
+            usage(stderr);
+            return 2;
+        }
+        if (i + 1 >= argc || !argv[i + 1][0]) {
+            fprintf(stderr, "zinf: topo: %s needs a value\n", a);
+            usage(stderr);
+            return 2;
+        }
+        *dst = argv[++i];
+    }
+
+    r = topo_open(xml, &t);
+    if (r < 0) {
+        if (xml)
+            fprintf(stderr, "zinf: topo: %s: %s\n", xml,
+                    r == -EINVAL ? "not an hwloc XML topology" : strerror(-r));
+        else
+            fprintf(stderr, "zinf: topo: cannot read this machine's topology: %s\n", strerror(-r));
+        return xml ? 2 : 1;
+    }
+    if (!gpu && !xml && cuda_busid(busid, sizeof(busid))) gpu = busid;
+
+    topo_print(t, stdout);
+    topo_choose(t, gpu, nvme, &c);
+    printf("placement:\n");
+    if (c.numa_node >= 0)
+        printf("  NUMA node %d (%s)\n", c.numa_node, reason_name(c.reason));
+    else
+        printf("  none (%s)\n", reason_name(c.reason));
+    printf("  %s\n", c.detail);
+    if (gpu == busid) printf("  (GPU: CUDA device 0, %s)\n", busid);
+    topo_close(t);
+    return 0;
+}

@@ -258,6 +258,55 @@ int extent_alloc(struct extent_alloc *a, uint64_t bytes, uint64_t *off)
     return 0;
 }
 
+int extent_reserve(struct extent_alloc *a, uint64_t off, uint64_t bytes)
+{
+    if (!a || !bytes || !is_aligned(off, a->granularity) || off > a->capacity_bytes ||
+        bytes > a->capacity_bytes - off) /* also keeps align_up() below from overflowing */
+        return -EINVAL;
+    uint64_t need = align_up(bytes, a->granularity);
+
+    /* Free extents are maximal runs, so a range that is not inside the one free extent
+     * where it starts overlaps an allocation. */
+    struct extent *f = find_le(a->free_by_off, off, 0);
+    if (!f || off + need > f->off + f->len) return -EEXIST;
+    uint64_t before = off - f->off, after = f->off + f->len - (off + need);
+
+    /* Every node this needs is allocated before anything is changed. */
+    struct extent *u = f, *rest = NULL;
+    if (before || after) {
+        u = new_extent(a, off, need);
+        if (!u) return -ENOMEM;
+    }
+    if (before && after) {
+        rest = new_extent(a, off + need, after);
+        if (!rest) {
+            free(u);
+            return -ENOMEM;
+        }
+    }
+
+    if (!before && !after) {
+        free_remove(a, f);
+    } else {
+        /* f keeps the part before the range, or else the part after it: either way its
+         * place in offset order is unchanged, but its size key is not. */
+        a->free_by_size = treap_remove(a->free_by_size, &f->by_size, size_cmp);
+        if (before) {
+            f->len = before;
+        } else {
+            f->off += need;
+            f->len = after;
+        }
+        a->free_by_size = treap_insert(a->free_by_size, &f->by_size, size_cmp);
+        if (rest) free_insert(a, rest);
+    }
+    a->used_by_off = treap_insert(a->used_by_off, &u->by_off, off_cmp);
+    a->used_extents++;
+    a->free_bytes -= need;
+    a->used_bytes += need;
+    return 0;
+}
+
 int extent_free(struct extent_alloc *a, uint64_t off)
 {
     if (!a) return -EINVAL;

@@ -5,9 +5,10 @@
  * NVMe swap space). Allocation is best fit: the smallest free extent that holds the
  * request, the lowest offset among equals, carved from its start. A free coalesces with
  * both neighbours, so free space is always a set of maximal runs; extent_grow() appends
- * free space at the end. Free extents are kept in two treaps (by offset, and by size then
- * offset) and allocated ones in a third (by offset), so alloc, free and find cost
- * O(log n) expected, whatever the number of extents.
+ * free space at the end, and extent_reserve() allocates at an offset the caller names.
+ * Free extents are kept in two treaps (by offset, and by size then offset) and allocated
+ * ones in a third (by offset), so alloc, reserve, free and find cost O(log n) expected,
+ * whatever the number of extents.
  *
  * It is not thread-safe (callers lock), it owns no memory at the offsets it hands out
  * (they are numbers: a file offset, an index into a pool), and it knows nothing of
@@ -50,6 +51,14 @@ void extent_fini(struct extent_alloc *a);
  * -EINVAL for 0 bytes, -ENOSPC when no free extent is large enough (even if the free total
  * is), -ENOMEM when bookkeeping cannot be allocated. State is unchanged on error. */
 int extent_alloc(struct extent_alloc *a, uint64_t bytes, uint64_t *off);
+/* Allocate [off, off + bytes rounded up to the granularity) at exactly that offset, for a
+ * caller that rebuilds the allocations it recorded (a swap space reopened after a
+ * restart). The range must lie inside one free extent, which leaves up to two free
+ * remainders, one on each side. Returns 0, -EINVAL for 0 bytes, an off that is not a
+ * multiple of the granularity or a range that passes the capacity, -EEXIST when any part
+ * of the range is allocated already, -ENOMEM. State is unchanged on error. The result is
+ * an ordinary allocation: extent_free(a, off) releases it. */
+int extent_reserve(struct extent_alloc *a, uint64_t off, uint64_t bytes);
 /* Free the allocation that starts at off. -EINVAL when off is not the start of a live
  * allocation (a double free, a stray offset); state is unchanged then. Never allocates. */
 int extent_free(struct extent_alloc *a, uint64_t off);

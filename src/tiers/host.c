@@ -1,1 +1,299 @@
-/* placeholder */
+/*
+ * host.c - the pinned host tier behind host.h.
+ *
+ * One anonymous mapping holds the budget [0, capacity) and, right after it, the staging
+ * area. It is built in this order, and host_close() undoes it in reverse, from whatever
+ * point a failed host_open() reached:
+ *   1. mmap (page aligned, so 4 KiB aligned);
+ *   2. NUMA placement: mbind(MPOL_PREFERRED) before the first touch, so pages come from
+ *      the chosen node while it has free memory and from another one after that, rather
+ *      than waking the OOM killer for a placement that is only a speed-up;
+ *   3. mlock (pin=true), which also faults every page in, on the node chosen above;
+ *   4. cudaHostRegister through the device tier, when that tier is CUDA;
+ *   5. io_uring fixed-buffer registration of the whole mapping, staging included.
+ * Only mlock is allowed to fail the open (that is what pinning promises); a placement,
+ * CUDA or io_uring registration that does not work costs speed, not correctness, so it is
+ * said once and the tier runs without it.
+ *
+ * The budget is handed out by the extent allocator at 4 KiB granularity under one mutex.
+ *
+ * Not here: what lives in the tier, eviction, or how the staging area is shared out.
+ */
+#include <errno.h>
+#include <numa.h>
+#include <numaif.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+
+#include "common.h"
+#include "io/uring.h"
+#include "tiers/device.h"
+#include "tiers/extent.h"
+#include "tiers/host.h"
+
+#define PLACE_SAMPLES 64 /* pages checked after locking to see where the arena landed */
+
+struct host {
+    struct uring *io;
+    struct device *dev;
+    char *base; /* NULL until mapped */
+    size_t capacity_bytes, staging_bytes, total_bytes;
+    int numa_node; /* where the arena lives, -1 unknown */
+    bool locked, cuda_registered;
+    int io_region; /* -1: not registered */
+
+    pthread_mutex_t lock; /* ext */
+    struct extent_alloc ext;
+};
+
+static const char *limit_str(rlim_t v, char *buf, size_t len)
+{
+    if (v == RLIM_INFINITY) return "unlimited";
+    return format_size((uint64_t)v, buf, len);
+}
+
+/* Step 2: ask for pages from node; say so and carry on when that cannot be done. */
+static void place(struct host *h, int node)
+{
+    struct bitmask *bm;
+
+    if (numa_available() < 0) {
+        log_notice("no NUMA support here: the host arena is not placed on node %d", node);
+        return;
+    }
+    if (node > numa_max_node() || !numa_bitmask_isbitset(numa_all_nodes_ptr, (unsigned)node)) {
+        log_notice("NUMA node %d has no memory usable here (nodes 0-%d): the host arena "
+                   "is not placed",
+                   node, numa_max_node());
+        return;
+    }
+    bm = numa_allocate_nodemask();
+    if (!bm) {
+        log_notice("cannot place the host arena on NUMA node %d: out of memory", node);
+        return;
+    }
+    numa_bitmask_setbit(bm, (unsigned)node);
+    /* The kernel wants one more than the number of bits (libnuma passes size + 1 too). */
+    if (mbind(h->base, h->total_bytes, MPOL_PREFERRED, bm->maskp, bm->size + 1, 0) != 0)
+        log_notice("cannot place the host arena on NUMA node %d (mbind: %s): it stays "
+                   "where the kernel puts it",
+                   node, strerror(errno));
+    else
+        h->numa_node = node;
+    numa_free_nodemask(bm);
+}
+
+/* After locking, every page exists: check a sample of them against the preferred node,
+ * since a node short of free memory gives pages from elsewhere. Pages not present (a
+ * sanitizer's mlock does not fault them in) say nothing and are left out. */
+static void check_placement(struct host *h)
+{
+    void *pages[PLACE_SAMPLES];
+    int status[PLACE_SAMPLES];
+    size_t npages = h->total_bytes / ZINF_ALIGN;
+    unsigned n = (unsigned)MIN((size_t)PLACE_SAMPLES, npages), present = 0, here = 0;
+    int other = -1;
+
+    for (unsigned i = 0; i < n; i++)
+        pages[i] = h->base + (npages * i / n) * ZINF_ALIGN;
+    if (move_pages(0, n, pages, NULL, status, 0) != 0) return;
+    for (unsigned i = 0; i < n; i++) {
+        if (status[i] < 0) continue;
+        present++;
+        if (status[i] == h->numa_node)
+            here++;
+        else if (other == -1 || other == status[i])
+            other = status[i];
+        else
+            other = -2; /* on more than one other node */
+    }
+    if (here == present) return;
+    log_notice("only %u of %u sampled host arena pages are on NUMA node %d (the node is "
+               "short of free memory)",
+               here, present, h->numa_node);
+    /* All elsewhere, on one node: that is where it lives; a mix has no one node. */
+    h->numa_node = here == 0 && other >= 0 ? other : -1;
+}
+
+/* Step 3. Returns 0 or -errno after one error line. */
+static int lock_arena(struct host *h)
+{
+    char sz[32], soft[32], hard[32];
+    struct rlimit rl = {0, 0};
+    int e;
+
+    if (mlock(h->base, h->total_bytes) == 0) {
+        h->locked = true;
+        return 0;
+    }
+    e = errno;
+    format_size(h->total_bytes, sz, sizeof(sz));
+    if (e != ENOMEM && e != EPERM) {
+        log_error("cannot lock the %s host arena in memory (mlock: %s)", sz, strerror(e));
+        return -e;
+    }
+    getrlimit(RLIMIT_MEMLOCK, &rl);
+    log_error("cannot lock the %s host arena in memory (mlock: %s): RLIMIT_MEMLOCK is %s "
+              "(hard limit %s); raise it with 'ulimit -l unlimited' (in a container: "
+              "--ulimit memlock=-1) or a 'memlock' line in /etc/security/limits.conf, or "
+              "set \"pin_memory\": false to run unpinned",
+              sz, strerror(e), limit_str(rl.rlim_cur, soft, sizeof(soft)),
+              limit_str(rl.rlim_max, hard, sizeof(hard)));
+    return -ENOMEM;
+}
+
+/* Step 4: only a CUDA device tier page-locks for the driver. */
+static void cuda_register(struct host *h)
+{
+    struct device_stats ds;
+    int r;
+
+    device_get_stats(h->dev, &ds);
+    if (!ds.cuda) return;
+    r = device_host_register(h->dev, h->base, h->total_bytes);
+    if (r == 0)
+        h->cuda_registered = true;
+    else
+        log_warn("cudaHostRegister of the host arena failed (%s): host<->device copies "
+                 "will be slower",
+                 strerror(-r));
+}
+
+/* Step 5. -ENOTSUP (a backend without fixed buffers) is expected and left to stats. */
+static void io_register(struct host *h)
+{
+    int r = uring_buf_register(h->io, h->base, h->total_bytes);
+
+    if (r >= 0)
+        h->io_region = r;
+    else if (r != -ENOTSUP)
+        log_notice("cannot register the host arena as io_uring fixed buffers (%s): IO "
+                   "runs without them",
+                   strerror(-r));
+}
+
+int host_open(const struct host_opts *o, struct host **out)
+{
+    struct host *h;
+    size_t cap, stg;
+    void *p;
+    int ret;
+
+    if (!out) return -EINVAL;
+    *out = NULL;
+    if (!o || o->numa_node < -1) return -EINVAL;
+    cap = o->capacity_bytes ? o->capacity_bytes : GiB;
+    stg = o->staging_bytes;
+    if (cap > SIZE_MAX / 2 || stg > SIZE_MAX / 2) return -EINVAL;
+    cap = align_up(cap, ZINF_ALIGN);
+    stg = align_up(stg, ZINF_ALIGN);
+
+    h = calloc(1, sizeof(*h));
+    if (!h) return -ENOMEM;
+    h->io = o->io;
+    h->dev = o->dev;
+    h->capacity_bytes = cap;
+    h->staging_bytes = stg;
+    h->total_bytes = cap + stg;
+    h->numa_node = -1;
+    h->io_region = -1;
+    pthread_mutex_init(&h->lock, NULL);
+    ret = extent_init(&h->ext, cap, ZINF_ALIGN);
+    if (ret) goto err;
+
+    p = mmap(NULL, h->total_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        char sz[32];
+        ret = -errno;
+        log_error("cannot map the %s host arena: %s", format_size(h->total_bytes, sz, sizeof(sz)),
+                  strerror(-ret));
+        goto err;
+    }
+    h->base = p;
+    if (o->numa_node >= 0) place(h, o->numa_node);
+
+    if (o->pin) {
+        ret = lock_arena(h);
+        if (ret) goto err;
+        if (h->numa_node >= 0) check_placement(h);
+        if (h->dev) cuda_register(h);
+    } else {
+        log_notice("the host tier runs unpinned (pin_memory is false): its memory is not "
+                   "locked, so transfers are slower and pages may be swapped out");
+    }
+    if (h->io) io_register(h);
+    *out = h;
+    return 0;
+
+err:
+    host_close(h);
+    return ret;
+}
+
+void host_close(struct host *h)
+{
+    if (!h) return;
+    if (h->io_region >= 0) uring_buf_unregister(h->io, h->io_region);
+    if (h->cuda_registered) device_host_unregister(h->dev, h->base);
+    if (h->locked) munlock(h->base, h->total_bytes);
+    if (h->base) munmap(h->base, h->total_bytes);
+    extent_fini(&h->ext);
+    pthread_mutex_destroy(&h->lock);
+    free(h);
+}
+
+int host_alloc(struct host *h, size_t bytes, uint64_t *off)
+{
+    int ret;
+
+    if (!h || !off || bytes == 0) return -EINVAL;
+    pthread_mutex_lock(&h->lock);
+    ret = extent_alloc(&h->ext, bytes, off);
+    pthread_mutex_unlock(&h->lock);
+    return ret;
+}
+
+int host_free(struct host *h, uint64_t off)
+{
+    int ret;
+
+    if (!h) return -EINVAL;
+    pthread_mutex_lock(&h->lock);
+    ret = extent_free(&h->ext, off);
+    pthread_mutex_unlock(&h->lock);
+    return ret;
+}
+
+void *host_ptr(struct host *h, uint64_t off)
+{
+    if (!h || off >= h->capacity_bytes) return NULL;
+    return h->base + off;
+}
+
+void *host_staging(struct host *h)
+{
+    if (!h || !h->staging_bytes) return NULL;
+    return h->base + h->capacity_bytes;
+}
+
+void host_get_stats(struct host *h, struct host_stats *out)
+{
+    struct extent_stats es;
+
+    *out = (struct host_stats){.numa_node = -1};
+    if (!h) return;
+    pthread_mutex_lock(&h->lock);
+    extent_get_stats(&h->ext, &es);
+    pthread_mutex_unlock(&h->lock);
+    out->capacity_bytes = h->capacity_bytes;
+    out->used_bytes = es.used_bytes;
+    out->staging_bytes = h->staging_bytes;
+    out->pinned = h->locked;
+    out->cuda_registered = h->cuda_registered;
+    out->io_registered = h->io_region >= 0;
+    out->numa_node = h->numa_node;
+}

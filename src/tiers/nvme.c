@@ -8,7 +8,8 @@
  * (files, slots, stripe unit), so it needs no lock, which matters because the engine
  * calls it under its own.
  *
- * Not here: persistence, caching, or any knowledge of what an extent holds.
+ * Not here: a manifest (after a keep open the caller reserves what it recorded), caching,
+ * or any knowledge of what an extent holds.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -29,8 +30,9 @@
 struct nvme_file {
     char *dir;
     char *path;
-    int slot;   /* the IO engine's file slot, -1 when not open */
-    bool owned; /* we hold its lock: it is ours to truncate, cut back and unlink */
+    int slot;     /* the IO engine's file slot, -1 when not open */
+    bool owned;   /* we hold its lock: it is ours to truncate, cut back and unlink */
+    bool scratch; /* owned, and holds nothing of the user's: a failed open removes it */
 };
 
 struct nvme {
@@ -109,18 +111,48 @@ static const char *dir_list(const struct nvme *n, char *buf, size_t len)
     return buf;
 }
 
-static int open_file(struct nvme *n, unsigned i, const char *dir)
+static int name_file(struct nvme_file *f, unsigned i, const char *dir)
 {
-    struct nvme_file *f = &n->files[i];
-    struct stat st;
-    int fd, r;
-
     f->dir = strdup(dir);
     if (!f->dir || asprintf(&f->path, "%s/%s.%u", dir, NVME_SWAP_NAME, i) < 0) {
         f->path = NULL;
         return -ENOMEM;
     }
-    f->slot = uring_file_open(n->io, f->path, O_RDWR | O_CREAT, 0600);
+    return 0;
+}
+
+/* With keep: whether to reopen the swap files (every one exists) or to create them (none
+ * does). Any other mix is -ENOENT, decided before anything is opened. A path that cannot
+ * be examined for another reason counts as present, so that opening it says why. */
+static int find_kept(const struct nvme *n, bool *reopen)
+{
+    const struct nvme_file *gone = NULL;
+    unsigned present = 0;
+    struct stat st;
+
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        if (stat(n->files[i].path, &st) == 0 || errno != ENOENT)
+            present++;
+        else if (!gone)
+            gone = &n->files[i];
+    }
+    *reopen = present == n->nfiles;
+    if (present == 0 || *reopen) return 0;
+    log_error("nvme: %s: cannot reopen the swap space: %s is missing while %u of its %u "
+              "swap files exist",
+              gone->dir, gone->path, present, n->nfiles);
+    return -ENOENT;
+}
+
+/* Open, lock and (without keep) truncate file i. With reopen the file must exist. */
+static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
+{
+    struct nvme_file *f = &n->files[i];
+    const char *dir = f->dir;
+    struct stat st;
+    int fd, r;
+
+    f->slot = uring_file_open(n->io, f->path, O_RDWR | (reopen ? 0 : O_CREAT), 0600);
     if (f->slot < 0) {
         r = f->slot;
         f->slot = -1;
@@ -146,6 +178,10 @@ static int open_file(struct nvme *n, unsigned i, const char *dir)
         return -EBUSY;
     }
     f->owned = true;
+    /* A kept file is the user's; one that keep found absent a moment ago and created is
+     * empty, unless another process wrote to it in between. */
+    f->scratch = !keep || (!reopen && st.st_size == 0);
+    if (keep) return 0;
     if (ftruncate(fd, 0) != 0) {
         r = -errno;
         log_error("nvme: %s: cannot truncate %s: %s", dir, f->path, strerror(-r));
@@ -154,10 +190,53 @@ static int open_file(struct nvme *n, unsigned i, const char *dir)
     return 0;
 }
 
+/* After a keep reopen: the files have one size, a whole number of stripes, and the
+ * logical space is within bounds. Sets file_bytes. */
+static int kept_size(struct nvme *n)
+{
+    uint64_t bytes[NVME_MAX_DIRS] = {0};
+    struct stat st;
+    char a[32];
+
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        int fd = uring_file_fd(n->io, n->files[i].slot);
+        if (fd < 0) return fd;
+        if (fstat(fd, &st) != 0) return -errno;
+        bytes[i] = (uint64_t)st.st_size;
+    }
+    for (unsigned i = 1; i < n->nfiles; i++) {
+        if (bytes[i] != bytes[0]) {
+            log_error("nvme: %s: cannot reopen the swap space: %s has %llu bytes but %s has "
+                      "%llu; its files must have one size",
+                      n->files[i].dir, n->files[i].path, (unsigned long long)bytes[i],
+                      n->files[0].path, (unsigned long long)bytes[0]);
+            return -EINVAL;
+        }
+    }
+    /* nvme_open() and growth only ever make whole stripes; anything else was written with
+     * another stripe unit or by someone else, and would be read back scrambled. */
+    if (bytes[0] % n->stripe_bytes) {
+        log_error("nvme: %s: cannot reopen the swap space: %s has %llu bytes, not a whole "
+                  "number of %s stripes",
+                  n->files[0].dir, n->files[0].path, (unsigned long long)bytes[0],
+                  size_str(n->stripe_bytes, a, sizeof(a)));
+        return -EINVAL;
+    }
+    if (bytes[0] > NVME_MAX_BYTES / n->nfiles) {
+        log_error("nvme: %s: cannot reopen the swap space: %s has %llu bytes, more than a "
+                  "swap file may hold",
+                  n->files[0].dir, n->files[0].path, (unsigned long long)bytes[0]);
+        return -EINVAL;
+    }
+    n->file_bytes = bytes[0];
+    return 0;
+}
+
 int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
 {
     struct nvme *n;
     char a[32], b[32];
+    bool reopen = false;
     int r;
 
     if (!o || !io || !out || !o->dirs || o->ndirs == 0 || o->ndirs > NVME_MAX_DIRS ||
@@ -166,7 +245,12 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
     for (unsigned i = 0; i < o->ndirs; i++)
         if (!o->dirs[i] || !o->dirs[i][0]) return -EINVAL;
     uint64_t stripe = o->block_size ? o->block_size : uring_block_size(io);
-    if (!stripe || !is_aligned(stripe, ZINF_ALIGN) || stripe > GiB) return -EINVAL;
+    /* A power of two: the stripe arithmetic rounds with masks. */
+    if (!stripe || !is_aligned(stripe, ZINF_ALIGN) || stripe > GiB || (stripe & (stripe - 1))) {
+        log_error("nvme: the stripe unit (block size) must be a power of two from 4 KiB to "
+                  "1 GiB, got %llu", (unsigned long long)stripe);
+        return -EINVAL;
+    }
 
     n = calloc(1, sizeof(*n));
     if (!n) return -ENOMEM;
@@ -185,14 +269,26 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
 
     for (unsigned i = 0; i < o->ndirs; i++) {
         n->nfiles = i + 1; /* so the error path sees this file too */
-        r = open_file(n, i, o->dirs[i]);
+        r = name_file(&n->files[i], i, o->dirs[i]);
+        if (r < 0) goto err;
+    }
+    if (o->keep) {
+        r = find_kept(n, &reopen);
+        if (r < 0) goto err;
+    }
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        r = open_file(n, i, o->keep, reopen);
         if (r < 0) goto err;
     }
 
-    /* A fixed capacity is split evenly, each share rounded up to whole stripes. */
-    if (!n->growable)
+    if (reopen) {
+        r = kept_size(n);
+        if (r < 0) goto err;
+    } else if (!n->growable) {
+        /* A fixed capacity is split evenly, each share rounded up to whole stripes. */
         n->file_bytes = align_up((o->capacity_bytes + n->nfiles - 1) / n->nfiles, n->stripe_bytes);
-    for (unsigned i = 0; i < n->nfiles && n->file_bytes; i++) {
+    }
+    for (unsigned i = 0; i < n->nfiles && n->file_bytes && !reopen; i++) {
         r = file_extend(n, &n->files[i], 0, n->file_bytes);
         if (r < 0) {
             log_error("nvme: %s: no space for %s of swap (preallocating %s: %s)", n->files[i].dir,
@@ -204,8 +300,8 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
     r = extent_init(&n->ext, n->file_bytes * n->nfiles, ZINF_ALIGN);
     if (r < 0) goto err;
 
-    log_debug("nvme: %u swap file(s), stripe %s, capacity %s%s", n->nfiles,
-              size_str(n->stripe_bytes, a, sizeof(a)),
+    log_debug("nvme: %u swap file(s)%s, stripe %s, capacity %s%s", n->nfiles,
+              reopen ? " reopened" : "", size_str(n->stripe_bytes, a, sizeof(a)),
               size_str(n->file_bytes * n->nfiles, b, sizeof(b)),
               n->growable ? " (grows on demand)" : "");
     *out = n;
@@ -223,8 +319,9 @@ void nvme_close(struct nvme *n)
     for (unsigned i = 0; i < n->nfiles; i++) {
         struct nvme_file *f = &n->files[i];
         /* Unlink while the lock is still held, so no other swap space has adopted the
-         * file in between. */
-        if (f->owned && (n->remove_on_close || n->failed_open) && unlink(f->path) != 0)
+         * file in between. A failed open removes only what holds nothing of the user's. */
+        bool remove = n->failed_open ? f->scratch : n->remove_on_close;
+        if (f->owned && remove && unlink(f->path) != 0)
             log_warn("nvme: cannot remove %s: %s", f->path, strerror(errno));
         if (f->slot >= 0) uring_file_close(n->io, f->slot);
         free(f->path);
@@ -316,6 +413,15 @@ int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off)
                   size_str(es.capacity_bytes, b, sizeof(b)), size_str(es.used_bytes, c, sizeof(c)),
                   size_str(es.largest_free_bytes, e, sizeof(e)));
     }
+    pthread_mutex_unlock(&n->lock);
+    return r;
+}
+
+int nvme_reserve(struct nvme *n, uint64_t off, uint64_t bytes)
+{
+    if (!n || !bytes || bytes > NVME_MAX_BYTES) return -EINVAL;
+    pthread_mutex_lock(&n->lock);
+    int r = extent_reserve(&n->ext, off, bytes);
     pthread_mutex_unlock(&n->lock);
     return r;
 }

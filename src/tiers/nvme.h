@@ -3,8 +3,8 @@
  * seen by callers as a single logical address space in which extents are allocated.
  *
  * Files. Directory i of opts->dirs holds "zinf-swap.<i>" (mode 0600). nvme_open() creates
- * it, or truncates an existing one (its content is not kept: see below), takes an
- * exclusive flock() on it so that a second swap space cannot use it at the same time, and
+ * it, or truncates an existing one (unless opts->keep: see Reopening), takes an exclusive
+ * flock() on it so that a second swap space cannot use it at the same time, and
  * preallocates it with fallocate(). Files are opened through uring_file_open(), so with
  * O_DIRECT where the filesystem allows it and buffered where it refuses.
  *
@@ -22,16 +22,30 @@
  * back and the capacity is unchanged. Every -ENOSPC is logged as one error line naming
  * the directory (or directories) and the sizes.
  *
+ * Reopening. With opts->keep, existing swap files are opened as they are: nothing is
+ * truncated or preallocated, the logical capacity is what the files hold (so a nonzero
+ * capacity_bytes only says that the space does not grow), and nothing is allocated. The
+ * caller, which recorded what it had written, nvme_reserve()s those extents at their
+ * offsets and reads them back; everything else is free, and with capacity_bytes 0 the
+ * space grows on demand as usual. The layout depends only on the directories, their order
+ * and the stripe unit, so all three must be what they were. The files must all be there
+ * with one size, a whole number of stripes: a missing file is -ENOENT and files of
+ * different sizes (or of a size that no stripe unit of this one produced) are -EINVAL,
+ * each logged with the file and the sizes. Where none of the files exists yet (a fresh
+ * directory) keep creates them as a plain open does, so a first start and a restart can
+ * use the same options. A failed keep open leaves existing files alone, whatever
+ * remove_on_close says; it removes only the files it created.
+ *
  * IO. Buffers, offsets and lengths are 4 KiB aligned (the O_DIRECT rule), and a transfer
  * must lie inside one live allocation: anything else is -EINVAL, before any IO.
  *
  * Thread safety: every function may be called from any thread; a mutex serialises
  * allocation and growth. IO does not take it beyond the bounds check.
  *
- * What it deliberately is not: persistent (there is no manifest; files are truncated at
- * open and their content means nothing after close; the engine will own persistence),
- * a cache (every read and write goes to the files), or a scheduler (queue depth and
- * chunking are the IO engine's).
+ * What it deliberately is not: persistent by itself (there is no manifest here: which
+ * extents hold what is the engine's to record, and without keep files are truncated at
+ * open), a cache (every read and write goes to the files), or a scheduler (queue depth
+ * and chunking are the IO engine's).
  */
 #ifndef ZINF_TIERS_NVME_H
 #define ZINF_TIERS_NVME_H
@@ -55,6 +69,7 @@ struct nvme_opts {
     uint64_t max_bytes;      /* with capacity_bytes 0: growth cap; 0: until a disk is full */
     size_t block_size;       /* stripe unit, multiple of 4 KiB; 0: uring_block_size(io) */
     bool remove_on_close;    /* unlink the swap files at nvme_close() */
+    bool keep;               /* reopen existing swap files with their content (see above) */
 };
 
 struct nvme_stats {
@@ -71,10 +86,12 @@ struct nvme_stats {
     const char *paths[NVME_MAX_DIRS]; /* the swap files; valid until nvme_close() */
 };
 
-/* Create the swap files and the logical space. io must outlive the swap space. Returns 0,
- * -EINVAL (bad options), -ENOENT/-EACCES/... (a directory or file that cannot be used;
- * the path is logged), -EBUSY (a swap file is locked by another swap space), -ENOSPC
- * (preallocation failed), -ENOMEM. On error nothing is left behind. */
+/* Create (or with keep, reopen) the swap files and the logical space. io must outlive the
+ * swap space. Returns 0, -EINVAL (bad options; with keep, files of different sizes),
+ * -ENOENT/-EACCES/... (a directory or file that cannot be used, or with keep one swap file
+ * of several missing; the path is logged), -EBUSY (a swap file is locked by another swap
+ * space), -ENOSPC (preallocation failed), -ENOMEM. On error no file this call created is
+ * left behind, and files it found (with keep) are as they were. */
 int nvme_open(const struct nvme_opts *opts, struct uring *io, struct nvme **out);
 /* Close (and with remove_on_close unlink) the files. No IO may be in flight on this swap
  * space. NULL is a no-op. */
@@ -84,6 +101,12 @@ void nvme_close(struct nvme *n);
  * 0, -EINVAL, -ENOSPC (logged once per failure; state unchanged) or another -errno from
  * growing the files. */
 int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off);
+/* Allocate [off, off + bytes rounded up to 4 KiB) at exactly that offset: after a keep
+ * open, for each extent the caller knows to be in use. Returns 0, -EINVAL (0 bytes, off
+ * not 4 KiB aligned, or the range passes the current capacity; it never grows the
+ * space), -EEXIST when any part of the range is allocated already, -ENOMEM. nvme_free()
+ * releases it like any allocation. */
+int nvme_reserve(struct nvme *n, uint64_t off, uint64_t bytes);
 /* Free the allocation that starts at off. -EINVAL when there is none. */
 int nvme_free(struct nvme *n, uint64_t off);
 

@@ -1,0 +1,726 @@
+/*
+ * engine.c - the engine's life cycle and registry: open/close, register/lookup/
+ * unregister, zinf_read/zinf_write, zinf_step, zinf_stats.
+ *
+ * Handles carry the tensor's slot index (low 32 bits, plus one so that 0 is never valid)
+ * and the slot's generation (high 32 bits), so a handle of an unregistered tensor is
+ * refused even after its slot is reused.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "engine/engine.h"
+#include "topo/topo.h"
+
+#define DEFAULT_HOST_BYTES GiB
+#define NAME_MAX_BYTES 1024
+
+/* ---- registry --------------------------------------------------------------------- */
+
+static uint64_t name_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    while (*s)
+        h = (h ^ (unsigned char)*s++) * 1099511628211ull;
+    return h;
+}
+
+static struct tensor *name_find(struct zinf_engine *e, const char *name)
+{
+    for (struct tensor *t = e->names[name_hash(name) % e->nbuckets]; t; t = t->hnext)
+        if (!strcmp(t->name, name))
+            return t;
+    return NULL;
+}
+
+static int names_grow(struct zinf_engine *e)
+{
+    size_t nb = e->nbuckets * 2;
+    struct tensor **n = calloc(nb, sizeof(*n));
+    if (!n)
+        return -ENOMEM;
+    for (size_t i = 0; i < e->nbuckets; i++) {
+        struct tensor *t = e->names[i];
+        while (t) {
+            struct tensor *next = t->hnext;
+            size_t b = name_hash(t->name) % nb;
+            t->hnext = n[b];
+            n[b] = t;
+            t = next;
+        }
+    }
+    free(e->names);
+    e->names = n;
+    e->nbuckets = nb;
+    return 0;
+}
+
+static void name_remove(struct zinf_engine *e, struct tensor *t)
+{
+    struct tensor **pp = &e->names[name_hash(t->name) % e->nbuckets];
+    while (*pp && *pp != t)
+        pp = &(*pp)->hnext;
+    if (*pp)
+        *pp = t->hnext;
+}
+
+struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h)
+{
+    uint32_t idx = (uint32_t)(h & 0xffffffffu), gen = (uint32_t)(h >> 32);
+    if (idx == 0 || idx > e->ntensors)
+        return NULL;
+    struct tensor *t = e->tensors[idx - 1];
+    return t && e->gens[idx - 1] == gen ? t : NULL;
+}
+
+bool engine_home_valid(const struct tensor *t)
+{
+    if (t->home == ZINF_TIER_NVME)
+        return t->zero || (t->has_swap && t->swap_version == t->version);
+    return t->c[t->home].state == COPY_READY && t->c[t->home].version == t->version;
+}
+
+static int slot_take(struct zinf_engine *e, uint32_t *idx)
+{
+    for (uint32_t i = 0; i < e->ntensors; i++) {
+        if (!e->tensors[i]) {
+            *idx = i;
+            return 0;
+        }
+    }
+    if (e->ntensors == e->captensors) {
+        uint32_t cap = e->captensors ? e->captensors * 2 : 64;
+        struct tensor **t = realloc(e->tensors, cap * sizeof(*t));
+        if (!t)
+            return -ENOMEM;
+        e->tensors = t;
+        uint32_t *g = realloc(e->gens, cap * sizeof(*g));
+        if (!g)
+            return -ENOMEM;
+        e->gens = g;
+        e->captensors = cap;
+    }
+    e->tensors[e->ntensors] = NULL;
+    e->gens[e->ntensors] = 0;
+    *idx = e->ntensors++;
+    return 0;
+}
+
+/* Put a new tensor in the registry (lock held). */
+int engine_add_tensor(struct zinf_engine *e, struct tensor *t)
+{
+    uint32_t idx;
+    int r;
+
+    if (e->live + 1 > e->nbuckets && (r = names_grow(e)) < 0)
+        return r;
+    if ((r = slot_take(e, &idx)) < 0)
+        return r;
+    e->gens[idx]++;
+    t->index = idx;
+    t->handle = ((uint64_t)e->gens[idx] << 32) | (idx + 1);
+    for (int i = 0; i < MEM_TIERS; i++)
+        t->c[i].t = t;
+    e->tensors[idx] = t;
+    size_t b = name_hash(t->name) % e->nbuckets;
+    t->hnext = e->names[b];
+    e->names[b] = t;
+    e->live++;
+    return 0;
+}
+
+static void tensor_free(struct tensor *t)
+{
+    if (t) {
+        free(t->name);
+        free(t);
+    }
+}
+
+void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted)
+{
+    if (!persisted) {
+        nvme_free(e->nvme, off);
+        return;
+    }
+    /* The committed manifest still names it: keep it until the next one does not. */
+    if (e->ndeferred == e->capdeferred) {
+        size_t cap = e->capdeferred ? e->capdeferred * 2 : 16;
+        uint64_t *n = realloc(e->deferred_free, cap * sizeof(*n));
+        if (!n) {
+            log_warn("engine: out of memory: swap extent at %llu stays allocated",
+                     (unsigned long long)off);
+            return;
+        }
+        e->deferred_free = n;
+        e->capdeferred = cap;
+    }
+    e->deferred_free[e->ndeferred++] = off;
+}
+
+/* Wait until nothing is moving in or out of t and no other exclusive user holds it, then
+ * take it exclusively. Lock held. */
+void engine_tensor_lock(struct zinf_engine *e, struct tensor *t)
+{
+    for (;;) {
+        bool moving = t->exclusive;
+        for (int i = 0; i < MEM_TIERS; i++) {
+            struct copy *c = &t->c[i];
+            moving |= c->state == COPY_LOADING || c->readers || c->wb_inflight;
+        }
+        if (!moving)
+            break;
+        engine_wait(e);
+    }
+    t->exclusive = true;
+}
+
+void engine_tensor_unlock(struct zinf_engine *e, struct tensor *t)
+{
+    t->exclusive = false;
+    pthread_cond_broadcast(&e->changed);
+}
+
+ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum zinf_tier home,
+                           zinf_tensor *out)
+{
+    struct tensor *t;
+    int r;
+
+    if (!e || !name || !*name || strlen(name) >= NAME_MAX_BYTES || nbytes == 0 || !out ||
+        (home != ZINF_TIER_DEVICE && home != ZINF_TIER_HOST && home != ZINF_TIER_NVME))
+        return -EINVAL;
+    if (home == ZINF_TIER_NVME && !e->nvme)
+        return -EINVAL; /* no NVMe tier was configured */
+    if (nbytes > SIZE_MAX - ZINF_ALIGN)
+        return -ENOSPC;
+    t = calloc(1, sizeof(*t));
+    if (!t || !(t->name = strdup(name))) {
+        free(t);
+        return -ENOMEM;
+    }
+    t->nbytes = nbytes;
+    t->alloc_bytes = align_up(nbytes, ZINF_ALIGN);
+    t->home = home;
+    t->version = 1;
+
+    pthread_mutex_lock(&e->lock);
+    if (name_find(e, name)) {
+        r = -EEXIST;
+        goto err;
+    }
+    if (home == ZINF_TIER_NVME) {
+        r = nvme_alloc(e->nvme, t->alloc_bytes, &t->swap_off);
+        if (r < 0)
+            goto err;
+        t->has_swap = true;
+        t->zero = true; /* the extent's old bytes are nobody's: read as zeros */
+    } else {
+        if (t->alloc_bytes > e->st.tier[home].capacity_bytes) {
+            r = -ENOSPC;
+            goto err;
+        }
+        struct copy *c = &t->c[home];
+        do
+            r = tier_reserve(e, home, t->alloc_bytes, false, 0, &c->off, &c->ptr);
+        while (r == -EAGAIN);
+        if (r < 0) {
+            r = r == -ENOMEM ? -ENOSPC : r; /* the home tier is full of pinned or home data */
+            goto err;
+        }
+        if (home == ZINF_TIER_DEVICE)
+            r = device_zero(e->dev, c->off, t->alloc_bytes);
+        else
+            memset(c->ptr, 0, t->alloc_bytes);
+        if (r < 0) {
+            tier_free(e, home, c->off);
+            goto err;
+        }
+        c->state = COPY_READY;
+        c->version = t->version;
+    }
+    r = engine_add_tensor(e, t);
+    if (r < 0) {
+        if (home == ZINF_TIER_NVME)
+            nvme_free(e->nvme, t->swap_off);
+        else
+            tier_free(e, home, t->c[home].off);
+        goto err;
+    }
+    *out = t->handle;
+    pthread_mutex_unlock(&e->lock);
+    return 0;
+err:
+    pthread_mutex_unlock(&e->lock);
+    tensor_free(t);
+    return r;
+}
+
+ZINF_API int zinf_lookup(zinf_engine *e, const char *name, zinf_tensor *out)
+{
+    if (!e || !name || !out)
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    struct tensor *t = name_find(e, name);
+    if (t)
+        *out = t->handle;
+    pthread_mutex_unlock(&e->lock);
+    return t ? 0 : -ENOENT;
+}
+
+ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor h)
+{
+    struct tensor *t;
+
+    if (!e)
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    /* A flush in progress may be writing a manifest that names this tensor's extents. */
+    while (e->flushing)
+        engine_wait(e);
+    t = engine_tensor(e, h);
+    if (!t) {
+        pthread_mutex_unlock(&e->lock);
+        return -EINVAL;
+    }
+    engine_tensor_lock(e, t);
+    if (t->c[0].pins || t->c[1].pins) {
+        engine_tensor_unlock(e, t);
+        pthread_mutex_unlock(&e->lock);
+        return -EBUSY;
+    }
+    for (int i = 0; i < MEM_TIERS; i++) {
+        if (i == (int)t->home)
+            tier_free(e, i, t->c[i].off);
+        else
+            copy_drop(e, t, i);
+    }
+    if (t->has_swap)
+        engine_free_swap(e, t->swap_off, t->persisted && t->persisted_off == t->swap_off);
+    if (t->persisted && (!t->has_swap || t->persisted_off != t->swap_off))
+        engine_free_swap(e, t->persisted_off, true);
+    name_remove(e, t);
+    e->tensors[t->index] = NULL;
+    e->live--;
+    sched_forget_tensor(e, t->index);
+    pthread_cond_broadcast(&e->changed);
+    pthread_mutex_unlock(&e->lock);
+    tensor_free(t);
+    return 0;
+}
+
+/* ---- content access ------------------------------------------------------------------ */
+
+static int range_ok(struct tensor *t, size_t off, size_t n)
+{
+    return off <= t->nbytes && n <= t->nbytes - off;
+}
+
+ZINF_API int zinf_read(zinf_engine *e, zinf_tensor h, size_t off, void *dst, size_t n)
+{
+    struct tensor *t;
+    int r = 0;
+
+    if (!e || (!dst && n))
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    t = engine_tensor(e, h);
+    if (!t || !range_ok(t, off, n)) {
+        pthread_mutex_unlock(&e->lock);
+        return -EINVAL;
+    }
+    if (n == 0)
+        goto out;
+    engine_tensor_lock(e, t);
+    /* The newest content: host memory, then device memory, then the swap extent. */
+    int src = -1;
+    for (int i = ZINF_TIER_HOST; i >= ZINF_TIER_DEVICE; i--)
+        if (t->c[i].state == COPY_READY && t->c[i].version == t->version)
+            src = i;
+    pthread_mutex_unlock(&e->lock);
+    if (src == ZINF_TIER_HOST)
+        memcpy(dst, (char *)t->c[src].ptr + off, n);
+    else if (src == ZINF_TIER_DEVICE)
+        r = device_copy_sync(e->dev, DEVICE_D2H, t->c[src].off + off, dst, n);
+    else if (t->zero)
+        memset(dst, 0, n);
+    else if (t->has_swap && t->swap_version == t->version)
+        r = swap_read_range(e, t, t->swap_off, off, dst, n);
+    else
+        r = -EIO;
+    pthread_mutex_lock(&e->lock);
+    engine_tensor_unlock(e, t);
+out:
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *src, size_t n)
+{
+    struct tensor *t;
+    bool dev = false, host = false, swap = false;
+    void *undo = NULL;
+    size_t undo_off = 0, undo_len = 0;
+    int r = 0;
+
+    if (!e || (!src && n))
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    t = engine_tensor(e, h);
+    if (!t || !range_ok(t, off, n)) {
+        pthread_mutex_unlock(&e->lock);
+        return -EINVAL;
+    }
+    if (n == 0)
+        goto out;
+    engine_tensor_lock(e, t);
+    /* Every valid copy in memory takes the bytes; the swap extent only when nothing in
+     * memory holds the content (otherwise the home goes stale and is written back later,
+     * as after a DIRTY release). */
+    dev = t->c[ZINF_TIER_DEVICE].state == COPY_READY &&
+          t->c[ZINF_TIER_DEVICE].version == t->version;
+    host = t->c[ZINF_TIER_HOST].state == COPY_READY && t->c[ZINF_TIER_HOST].version == t->version;
+    swap = !dev && !host;
+    if (swap && !engine_home_valid(t)) {
+        r = -EIO; /* no valid copy anywhere: cannot happen */
+        goto unlock;
+    }
+    bool zero = t->zero;
+    uint64_t target = t->swap_off, cow_from = 0;
+    bool cow = false;
+    if (swap && t->persisted && t->swap_off == t->persisted_off) {
+        /* The committed manifest names this extent: never write it, write a copy. */
+        r = nvme_alloc(e->nvme, t->alloc_bytes, &target);
+        if (r < 0)
+            goto unlock;
+        cow = true;
+        cow_from = t->swap_off;
+    }
+    pthread_mutex_unlock(&e->lock);
+
+    if (cow && !zero)
+        r = swap_copy(e, cow_from, target, t->alloc_bytes);
+
+    /* Order: the swap extent first (undoable), then the device, then host memory (which
+     * cannot fail), so a failure leaves every copy as it was. */
+    if (swap && r == 0)
+        r = swap_write_range(e, target, off, src, n, t->alloc_bytes, zero, &undo, &undo_off,
+                             &undo_len);
+    if (r == 0 && dev) {
+        r = device_copy_sync(e->dev, DEVICE_H2D, t->c[ZINF_TIER_DEVICE].off + off, (void *)src, n);
+        if (r < 0 && swap && undo && nvme_write(e->nvme, target + undo_off, undo, undo_len))
+            log_error("engine: tensor '%s': rolling back a failed write also failed", t->name);
+    }
+    if (r == 0 && host)
+        memcpy((char *)t->c[ZINF_TIER_HOST].ptr + off, src, n);
+    free(undo);
+
+    pthread_mutex_lock(&e->lock);
+    if (r == 0) {
+        t->version++;
+        t->zero = false;
+        if (dev)
+            t->c[ZINF_TIER_DEVICE].version = t->version;
+        if (host)
+            t->c[ZINF_TIER_HOST].version = t->version;
+        if (swap)
+            t->swap_version = t->version;
+        if (cow)
+            t->swap_off = target; /* the old extent stays until the next manifest */
+        t->swap_crc_valid = false;
+    } else if (cow) {
+        nvme_free(e->nvme, target);
+    }
+unlock:
+    engine_tensor_unlock(e, t);
+out:
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+ZINF_API int zinf_step(zinf_engine *e)
+{
+    if (!e)
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    e->st.steps++;
+    sched_on_step(e);
+    pthread_mutex_unlock(&e->lock);
+    return 0;
+}
+
+ZINF_API int zinf_flush(zinf_engine *e)
+{
+    if (!e)
+        return -EINVAL;
+    if (!e->nvme)
+        return 0; /* nothing to be durable on */
+    pthread_mutex_lock(&e->lock);
+    int r = persist_flush(e);
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out)
+{
+    struct device_stats ds;
+    struct host_stats hs;
+
+    if (!e || !out)
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    *out = e->st;
+    device_get_stats(e->dev, &ds);
+    host_get_stats(e->host, &hs);
+    out->tier[ZINF_TIER_DEVICE].used_bytes = ds.used_bytes;
+    out->tier[ZINF_TIER_HOST].used_bytes = hs.used_bytes;
+    out->device_is_cuda = ds.cuda;
+    if (e->nvme) {
+        struct nvme_stats ns;
+        nvme_get_stats(e->nvme, &ns);
+        out->tier[ZINF_TIER_NVME].capacity_bytes = ns.capacity_bytes;
+        out->tier[ZINF_TIER_NVME].used_bytes = ns.used_bytes;
+        out->io_buffered = ns.buffered_files;
+    }
+    for (uint32_t i = 0; i < e->ntensors; i++) {
+        struct tensor *t = e->tensors[i];
+        for (int k = 0; t && k < MEM_TIERS; k++)
+            if (t->c[k].pins)
+                out->tier[k].pinned_bytes += t->alloc_bytes;
+    }
+    out->tensors = e->live;
+    pthread_mutex_unlock(&e->lock);
+    return 0;
+}
+
+/* ---- open / close ------------------------------------------------------------------------ */
+
+static void engine_free(struct zinf_engine *e)
+{
+    if (!e)
+        return;
+    for (uint32_t i = 0; i < e->ntensors; i++)
+        tensor_free(e->tensors[i]);
+    free(e->tensors);
+    free(e->gens);
+    free(e->names);
+    sched_free(&e->sched);
+    while (e->tickets) {
+        struct ticket *k = e->tickets;
+        e->tickets = k->next;
+        free(k);
+    }
+    staging_fini(e);
+    nvme_close(e->nvme);
+    host_close(e->host);
+    device_close(e->dev);
+    uring_close(e->io);
+    for (unsigned i = 0; i < e->nvme_ndirs; i++)
+        free(e->nvme_dirs[i]);
+    free(e->nvme_dirs);
+    free(e->deferred_free);
+    pthread_cond_destroy(&e->changed);
+    pthread_mutex_destroy(&e->lock);
+    free(e);
+}
+
+static int choose_numa_node(const struct zinf_options *o)
+{
+    struct topo *tp = NULL;
+    struct topo_choice ch = {.numa_node = -1};
+    if (topo_open(NULL, &tp) < 0)
+        return -1;
+    topo_choose(tp, NULL, o->nvme_path, &ch);
+    if (ch.numa_node >= 0)
+        log_debug("engine: host tier on NUMA node %d (%s)", ch.numa_node, ch.detail);
+    topo_close(tp);
+    return ch.numa_node;
+}
+
+int engine_open(const struct zinf_options *opt, const struct engine_params *p, zinf_engine **out)
+{
+    struct zinf_options o = opt ? *opt : (struct zinf_options){0};
+    struct engine_params params = p ? *p : (struct engine_params){.pin = true};
+    struct zinf_engine *e;
+    int r;
+
+    if (!out)
+        return -EINVAL;
+    *out = NULL;
+    for (size_t i = 0; i < ARRAY_SIZE(o.reserved); i++)
+        if (o.reserved[i])
+            return -EINVAL;
+    if (o.block_size == 0)
+        o.block_size = MiB;
+    if (o.queue_depth == 0)
+        o.queue_depth = 32;
+    if (!is_aligned(o.block_size, ZINF_ALIGN) || o.block_size > 64 * MiB || o.queue_depth > 4096 ||
+        o.device_kind > ZINF_DEVICE_EMULATED || o.cuda_device < 0 ||
+        (o.flags & ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN)))
+        return -EINVAL;
+    if ((o.flags & ZINF_OPEN_RESUME) && !o.nvme_path)
+        return -EINVAL;
+    if (o.flags & ZINF_OPEN_NO_PIN)
+        params.pin = false;
+    if (o.host_bytes == 0)
+        o.host_bytes = DEFAULT_HOST_BYTES;
+    o.host_bytes = align_up(o.host_bytes, ZINF_ALIGN);
+
+    e = calloc(1, sizeof(*e));
+    if (!e)
+        return -ENOMEM;
+    pthread_mutex_init(&e->lock, NULL);
+    pthread_cond_init(&e->changed, NULL);
+    for (int i = 0; i < MEM_TIERS; i++)
+        e->res[i].res_next = e->res[i].res_prev = &e->res[i];
+    e->opt = o;
+    e->opt.nvme_path = NULL; /* the caller's strings are not kept: see nvme_dirs */
+    e->opt.nvme_paths_extra = NULL;
+    e->block_size = o.block_size;
+    e->queue_depth = o.queue_depth;
+    e->nbuckets = 64;
+    e->names = calloc(e->nbuckets, sizeof(*e->names));
+    if (!e->names) {
+        r = -ENOMEM;
+        goto err;
+    }
+
+    struct uring_opts uo = {.block_size = o.block_size, .queue_depth = o.queue_depth,
+                            .backend = params.io_backend, .sqpoll = params.sqpoll};
+    if ((r = uring_open(&uo, &e->io)) < 0) {
+        log_error("engine: cannot set up the IO engine: %s", zinf_strerror(r));
+        goto err;
+    }
+    struct device_opts dop = {.kind = o.device_kind, .cuda_device = o.cuda_device,
+                              .capacity_bytes = o.device_bytes};
+    if ((r = device_open(&dop, &e->dev)) < 0)
+        goto err;
+
+    unsigned nslots = params.staging_slots ? params.staging_slots : MAX(4u, o.queue_depth);
+    struct host_opts hop = {.capacity_bytes = o.host_bytes,
+                            .staging_bytes = (size_t)nslots * o.block_size,
+                            .pin = params.pin,
+                            .numa_node = choose_numa_node(&o),
+                            .io = e->io,
+                            .dev = e->dev};
+    if ((r = host_open(&hop, &e->host)) < 0)
+        goto err;
+    if ((r = staging_init(e, nslots)) < 0)
+        goto err;
+
+    if (o.nvme_path) {
+        unsigned n = 1;
+        for (const char *const *x = o.nvme_paths_extra; x && *x; x++)
+            n++;
+        if (n > NVME_MAX_DIRS) {
+            r = -EINVAL;
+            goto err;
+        }
+        e->nvme_dirs = calloc(n, sizeof(char *));
+        if (!e->nvme_dirs) {
+            r = -ENOMEM;
+            goto err;
+        }
+        for (unsigned i = 0; i < n; i++) {
+            const char *d = i == 0 ? o.nvme_path : o.nvme_paths_extra[i - 1];
+            if (!(e->nvme_dirs[i] = strdup(d))) {
+                r = -ENOMEM;
+                goto err;
+            }
+            e->nvme_ndirs++;
+        }
+        struct nvme_opts nop = {.dirs = (const char *const *)e->nvme_dirs, .ndirs = n,
+                                .block_size = o.block_size,
+                                .keep = (o.flags & ZINF_OPEN_RESUME) != 0};
+        if ((r = nvme_open(&nop, e->io, &e->nvme)) < 0)
+            goto err;
+    }
+
+    struct device_stats ds;
+    struct host_stats hs;
+    device_get_stats(e->dev, &ds);
+    host_get_stats(e->host, &hs);
+    e->st.tier[ZINF_TIER_DEVICE].capacity_bytes = ds.capacity_bytes;
+    e->st.tier[ZINF_TIER_HOST].capacity_bytes = hs.capacity_bytes;
+    e->prefetch_budget_bytes = params.prefetch_budget_bytes
+                                   ? params.prefetch_budget_bytes
+                                   : MAX((uint64_t)ds.capacity_bytes / 2, (uint64_t)o.block_size);
+    e->sched.rec_from_start = true; /* opening is a step boundary */
+
+    if (e->nvme) {
+        r = (o.flags & ZINF_OPEN_RESUME) ? persist_resume(e) : persist_remove_manifest(e);
+        if (r < 0)
+            goto err;
+    }
+    *out = e;
+    return 0;
+err:
+    engine_free(e);
+    return r;
+}
+
+ZINF_API int zinf_open(const struct zinf_options *opt, zinf_engine **out)
+{
+    return engine_open(opt, NULL, out);
+}
+
+/* What a DeepSpeed config says beyond zinf_options. DeepSpeed counts buffers and
+ * buckets in parameter elements; zinf takes them as 2-byte (fp16/bf16) elements. */
+static struct engine_params config_engine_params(const struct zinf_config *c, size_t block_size)
+{
+    const struct config_offload_param *op = &c->zero.offload_param;
+    struct engine_params p = {
+        .pin = op->pin_memory || c->zero.offload_optimizer.pin_memory,
+        .prefetch_budget_bytes = c->zero.stage3_prefetch_bucket_size * 2,
+        .sqpoll = c->zinf.sqpoll,
+        .io_backend = c->zinf.io_backend == CONFIG_IO_URING     ? URING_BACKEND_IO_URING
+                      : c->zinf.io_backend == CONFIG_IO_THREADS ? URING_BACKEND_THREADS
+                                                                : URING_BACKEND_AUTO,
+    };
+    if (op->device == CONFIG_OFFLOAD_NVME) {
+        uint64_t bytes = MIN(op->buffer_count * op->buffer_size * 2, (uint64_t)GiB);
+        p.staging_slots = (unsigned)MAX(4u, bytes / block_size);
+    }
+    return p;
+}
+
+ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out)
+{
+    struct zinf_config c;
+    struct zinf_options o;
+    char err[512];
+    int r;
+
+    if (!json_path || !out)
+        return -EINVAL;
+    r = config_parse_file(json_path, &c, err, sizeof(err));
+    if (r < 0) {
+        log_error("%s", err);
+        config_free(&c);
+        return r;
+    }
+    config_to_options(&c, &o);
+    struct engine_params p = config_engine_params(&c, o.block_size ? o.block_size : MiB);
+    r = engine_open(&o, &p, out);
+    config_free(&c);
+    return r;
+}
+
+ZINF_API void zinf_close(zinf_engine *e)
+{
+    if (!e)
+        return;
+    pthread_mutex_lock(&e->lock);
+    e->closing = true;
+    if (e->nvme) {
+        int r = persist_flush(e);
+        if (r < 0)
+            log_error("engine: flush at close failed: %s", zinf_strerror(r));
+    }
+    while (e->xfers_inflight)
+        engine_wait(e);
+    pthread_mutex_unlock(&e->lock);
+    engine_free(e);
+}

@@ -1,0 +1,252 @@
+/*
+ * engine.h - the swap manager's internal state, shared by the files of src/engine/.
+ *
+ * One mutex (e->lock) guards every tensor, copy, schedule and staging slot; IO and copies
+ * run outside it and report back through callbacks that take it briefly. One condition
+ * variable (e->changed) is broadcast whenever a copy changes state, so waiters re-check.
+ *
+ * A tensor has a permanent home and up to two cached copies (device, host). Contents are
+ * versioned: a copy is valid when its version equals the tensor's; a DIRTY release or a
+ * zinf_write makes a new version. The home (NVMe extent, or the home tier's copy) is
+ * "stale" while a newer version exists only in caches; such a copy is written back to the
+ * home before it is dropped.
+ */
+#ifndef ZINF_ENGINE_ENGINE_H
+#define ZINF_ENGINE_ENGINE_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common.h"
+#include "io/uring.h"
+#include "tiers/device.h"
+#include "tiers/host.h"
+#include "tiers/nvme.h"
+
+#define MEM_TIERS 2 /* ZINF_TIER_DEVICE and ZINF_TIER_HOST hold copies in memory */
+#define SRC_ZERO 3  /* transfer source: the content is all zeros */
+#define DST_NONE 3  /* transfer destination: read and checksum only */
+
+enum copy_state { COPY_NONE, COPY_LOADING, COPY_READY };
+
+struct tensor;
+
+struct copy {
+    uint8_t state;
+    bool prefetched;    /* loaded ahead of use; cleared by the first fetch */
+    bool evicting;      /* a write-back runs so that this copy can be dropped */
+    bool wb_inflight;   /* a write-back reads from this copy */
+    int err;            /* result of the last load, for its waiters */
+    unsigned pins;      /* callers holding the pointer (and pending fetches) */
+    unsigned readers;   /* transfers reading from this copy */
+    uint64_t version;   /* content held; valid iff == tensor.version */
+    uint64_t off;       /* offset in the tier's arena */
+    void *ptr;
+    uint64_t last_use;  /* LRU clock */
+    struct copy *res_prev, *res_next; /* the tier's list of allocated copies */
+    struct tensor *t;
+};
+
+struct tensor {
+    zinf_tensor handle;
+    uint32_t index;
+    char *name;
+    size_t nbytes, alloc_bytes;  /* alloc_bytes: nbytes rounded up to 4 KiB */
+    enum zinf_tier home;
+    uint64_t version;
+    bool zero;                   /* content is all zeros (NVMe home never written) */
+    bool exclusive;              /* zinf_write/zinf_read/flush/unregister owns it */
+    struct copy c[MEM_TIERS];
+    /* The swap extent: the home of an NVMe tensor, the persisted copy of the others. */
+    bool has_swap;
+    uint64_t swap_off;
+    uint64_t swap_version;       /* content version held there; 0: none */
+    uint32_t swap_crc;           /* crc32c of swap_version's content, when known */
+    bool swap_crc_valid;
+    /* The extent the last committed manifest names, if any (never overwritten). */
+    bool persisted;
+    uint64_t persisted_off;
+    uint32_t persisted_crc;
+    bool persisted_zero;
+    uint64_t persisted_version;
+    struct tensor *hnext;        /* name hash chain */
+};
+
+/* A move of one tensor's content between two places; see xfer.c. */
+struct xfer;
+typedef void (*xfer_done_fn)(struct xfer *x, int err); /* engine lock held */
+
+struct xfer {
+    struct zinf_engine *e;
+    struct tensor *t;
+    int src, dst;               /* ZINF_TIER_*, SRC_ZERO, DST_NONE */
+    uint64_t src_off, dst_off;  /* arena offsets, or swap offsets for NVMe */
+    void *src_ptr, *dst_ptr;    /* host-side pointers when the side is host memory */
+    size_t len;
+    uint64_t version;           /* the content version being moved */
+    void *arg;                  /* for done */
+    xfer_done_fn done;
+    /* chunked (staged) transfers */
+    size_t next;                /* bytes handed to chunks so far */
+    unsigned inflight;
+    int err;
+    bool queued;                /* waiting in e->stage_waitq */
+    bool want_crc;
+    uint32_t *chunk_crc;
+    unsigned nchunks;
+    uint32_t crc;               /* result when want_crc */
+    struct xfer *wait_next;
+    /* unstaged transfers */
+    struct uring_req req;
+    struct device_copy dc;
+};
+
+struct slot {
+    struct zinf_engine *e;
+    struct xfer *x;
+    char *buf;
+    size_t off, len;            /* the chunk of x it carries */
+    unsigned chunk;
+    struct uring_req req;
+    struct device_copy dc;
+    struct slot *next;
+};
+
+struct sched_entry {
+    uint32_t tidx;
+    uint8_t tier;
+};
+
+struct sched {
+    bool replaying;
+    bool rec_from_start;        /* the recording began at a step boundary */
+    struct sched_entry *rec;    /* this step's fetches, while learning */
+    size_t nrec, caprec;
+    struct sched_entry *sch;    /* the learned step */
+    size_t len, pos;            /* pos: index of the next expected fetch */
+    size_t ahead;               /* entries from pos on already considered for prefetch */
+    /* occurrences per (tensor index, tier): occ[occ_start[k] .. occ_start[k+1]) */
+    uint32_t *occ, *occ_start;
+    size_t nkeys;
+};
+
+struct zinf_engine {
+    pthread_mutex_t lock;
+    pthread_cond_t changed;
+
+    struct zinf_options opt;
+    size_t block_size;
+    unsigned queue_depth;
+    uint64_t prefetch_budget_bytes;
+    char **nvme_dirs;
+    unsigned nvme_ndirs;
+
+    struct uring *io;
+    struct device *dev;
+    struct host *host;
+    struct nvme *nvme;
+
+    struct tensor **tensors;    /* by index; NULL: free slot */
+    uint32_t *gens;             /* generation of each slot, for stale handles */
+    uint32_t ntensors, captensors, live;
+    struct tensor **names;      /* hash buckets */
+    size_t nbuckets;
+
+    struct copy res[MEM_TIERS]; /* list heads of allocated copies per tier */
+    uint64_t clock;
+
+    struct slot *slots, *free_slots;
+    unsigned nslots;
+    struct xfer *stage_waitq, *stage_waitq_tail;
+    unsigned xfers_inflight;
+
+    uint64_t prefetch_outstanding_bytes;
+    struct sched sched;
+
+    /* async fetch tickets */
+    struct ticket *tickets;
+    uint64_t next_ticket;
+
+    bool closing;
+    bool flushing;              /* persist_flush() runs; unregister waits */
+    struct zinf_stats st;
+    /* Extents the committed manifest still names although no tensor uses them now; freed
+     * once the next manifest no longer names them. */
+    uint64_t *deferred_free;
+    size_t ndeferred, capdeferred;
+};
+
+struct ticket {
+    uint64_t id;
+    zinf_tensor t;
+    enum zinf_tier tier;
+    bool deferred; /* the load could not start without waiting: zinf_wait() fetches */
+    struct ticket *next;
+};
+
+/* Settings zinf_options has no field for (they come from a config file). */
+struct engine_params {
+    bool pin;                      /* lock the host tier (pin_memory) */
+    uint64_t prefetch_budget_bytes;/* 0: default */
+    unsigned staging_slots;        /* block_size slots in the staging ring; 0: default */
+    bool sqpoll;
+    enum uring_backend io_backend;
+};
+
+int engine_open(const struct zinf_options *opt, const struct engine_params *p,
+                zinf_engine **out);
+
+/* engine.c */
+struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h);
+int engine_add_tensor(struct zinf_engine *e, struct tensor *t);
+/* Wait until nothing moves in or out of t, then own it (fetches of it wait). Lock held. */
+void engine_tensor_lock(struct zinf_engine *e, struct tensor *t);
+void engine_tensor_unlock(struct zinf_engine *e, struct tensor *t);
+bool engine_home_valid(const struct tensor *t);
+void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted);
+
+/* fetch.c */
+int fetch_locked(struct zinf_engine *e, struct tensor *t, int tier, bool prefetch, void **ptr);
+void copy_drop(struct zinf_engine *e, struct tensor *t, int tier);
+void copy_link(struct zinf_engine *e, struct copy *c, int tier);
+void engine_wait(struct zinf_engine *e);
+int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evict);
+/* Allocate in a memory tier, evicting as needed: 0, -EAGAIN (waited; re-check), -ENOMEM. */
+int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, bool prefetch, uint64_t need_dist,
+                 uint64_t *off, void **ptr);
+
+/* xfer.c */
+int xfer_start(struct xfer *x);
+int staging_init(struct zinf_engine *e, unsigned nslots);
+void staging_fini(struct zinf_engine *e);
+int tier_alloc(struct zinf_engine *e, int tier, size_t bytes, uint64_t *off, void **ptr);
+void tier_free(struct zinf_engine *e, int tier, uint64_t off);
+/* Synchronous helpers that run without the engine lock (the caller holds the tensor
+ * exclusively or as a reader). */
+int swap_read_range(struct zinf_engine *e, struct tensor *t, uint64_t swap_off, size_t off,
+                    void *dst, size_t n);
+int swap_write_range(struct zinf_engine *e, uint64_t swap_off, size_t off, const void *src,
+                     size_t n, size_t extent_bytes, bool zero_first, void **undo,
+                     size_t *undo_off, size_t *undo_len);
+int xfer_run_sync(struct zinf_engine *e, struct xfer *x);
+/* Copy bytes from one swap extent to another (no lock held). */
+int swap_copy(struct zinf_engine *e, uint64_t from, uint64_t to, size_t bytes);
+
+/* sched.c */
+void sched_on_fetch(struct zinf_engine *e, struct tensor *t, int tier);
+void sched_on_step(struct zinf_engine *e);
+void sched_forget_tensor(struct zinf_engine *e, uint32_t tidx);
+void sched_free(struct sched *s);
+/* Fetches until (t, tier) is next needed; UINT64_MAX when the schedule does not say. */
+uint64_t sched_distance(struct zinf_engine *e, uint32_t tidx, int tier);
+void sched_prefetch(struct zinf_engine *e);
+
+/* persist.c */
+uint32_t crc32c(uint32_t crc, const void *buf, size_t len);
+uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2);
+int persist_flush(struct zinf_engine *e);
+int persist_resume(struct zinf_engine *e);
+int persist_remove_manifest(struct zinf_engine *e);
+
+#endif

@@ -1,0 +1,752 @@
+/*
+ * fetch.c - residency: bringing a copy into a tier (fetch, prefetch), making room for it
+ * (eviction by next use, LRU without a schedule), writing dirty copies back to their home,
+ * and the state changes of release.
+ *
+ * All of it runs with the engine lock held; loads and write-backs are started here and
+ * finish in xfer.c's callbacks, which end in load_done()/wb_done() below.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine.h"
+
+void engine_wait(struct zinf_engine *e)
+{
+    pthread_cond_wait(&e->changed, &e->lock);
+}
+
+void copy_link(struct zinf_engine *e, struct copy *c, int tier)
+{
+    struct copy *h = &e->res[tier];
+    c->res_next = h->res_next;
+    c->res_prev = h;
+    h->res_next->res_prev = c;
+    h->res_next = c;
+}
+
+static void copy_unlink(struct copy *c)
+{
+    if (!c->res_next)
+        return;
+    c->res_prev->res_next = c->res_next;
+    c->res_next->res_prev = c->res_prev;
+    c->res_next = c->res_prev = NULL;
+}
+
+static void prefetch_consumed(struct zinf_engine *e, struct tensor *t, struct copy *c)
+{
+    if (!c->prefetched)
+        return;
+    c->prefetched = false;
+    e->prefetch_outstanding_bytes -= t->alloc_bytes;
+}
+
+/* Drop a cached copy (never a home copy). The caller checked it is unpinned and unread. */
+void copy_drop(struct zinf_engine *e, struct tensor *t, int tier)
+{
+    struct copy *c = &t->c[tier];
+    if (tier == (int)t->home || c->state == COPY_NONE)
+        return;
+    if (c->prefetched) {
+        e->st.prefetch_wasted++;
+        prefetch_consumed(e, t, c);
+    }
+    copy_unlink(c);
+    tier_free(e, tier, c->off);
+    c->state = COPY_NONE;
+    c->ptr = NULL;
+    c->version = 0;
+    pthread_cond_broadcast(&e->changed);
+}
+
+static bool copy_valid(const struct tensor *t, int tier)
+{
+    const struct copy *c = &t->c[tier];
+    return c->state == COPY_READY && c->version == t->version;
+}
+
+/* Must this copy reach the home before it is dropped? Only when it holds the newest
+ * content and nothing else durable or cached does. */
+static bool needs_writeback(const struct tensor *t, int tier)
+{
+    int other = 1 - tier;
+    if (!copy_valid(t, tier) || engine_home_valid(t))
+        return false;
+    if (other != (int)t->home && copy_valid(t, other) && !t->c[other].evicting)
+        return false;
+    return true;
+}
+
+/* ---- write-back ------------------------------------------------------------------- */
+
+struct wb_arg {
+    int tier;
+    bool new_extent;
+    uint64_t new_off;
+    uint64_t home_old_version;
+};
+
+static void wb_done(struct xfer *x, int err)
+{
+    struct zinf_engine *e = x->e;
+    struct tensor *t = x->t;
+    struct wb_arg *a = x->arg;
+    struct copy *c = &t->c[a->tier];
+
+    c->readers--;
+    c->wb_inflight = false;
+    if (err) {
+        log_error("engine: writing tensor '%s' back to its home failed: %s", t->name,
+                  zinf_strerror(err));
+        if (a->new_extent)
+            nvme_free(e->nvme, a->new_off);
+        if (t->home != ZINF_TIER_NVME) {
+            t->c[t->home].state = COPY_READY;
+            t->c[t->home].version = a->home_old_version;
+        }
+        c->evicting = false;
+        c->err = err;
+    } else {
+        if (t->home == ZINF_TIER_NVME) {
+            if (a->new_extent) {
+                bool was_persisted = t->persisted && t->persisted_off == t->swap_off;
+                if (t->has_swap && !was_persisted)
+                    nvme_free(e->nvme, t->swap_off);
+                t->swap_off = a->new_off;
+                t->has_swap = true;
+            }
+            t->swap_version = x->version;
+            t->swap_crc_valid = false;
+        } else {
+            t->c[t->home].state = COPY_READY;
+            t->c[t->home].version = x->version;
+        }
+        e->st.tier[a->tier].writebacks++;
+        if (c->evicting) {
+            c->evicting = false;
+            if (c->pins == 0 && c->readers == 0 && !needs_writeback(t, a->tier)) {
+                copy_drop(e, t, a->tier);
+                e->st.tier[a->tier].evictions++;
+            }
+        }
+    }
+    free(a);
+    free(x);
+}
+
+/* Start writing the copy in tier back to the tensor's home. With evict, the copy is
+ * dropped when that is done (unless someone pinned it meanwhile). */
+int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evict)
+{
+    struct copy *c = &t->c[tier];
+    struct xfer *x = calloc(1, sizeof(*x));
+    struct wb_arg *a = calloc(1, sizeof(*a));
+    int r;
+
+    if (!x || !a) {
+        r = -ENOMEM;
+        goto err;
+    }
+    a->tier = tier;
+    *x = (struct xfer){.e = e, .t = t, .src = tier, .src_off = c->off, .src_ptr = c->ptr,
+                       .len = t->alloc_bytes, .version = t->version, .arg = a, .done = wb_done};
+    if (t->home == ZINF_TIER_NVME) {
+        /* Never overwrite the extent the committed manifest names: write elsewhere and
+         * switch over when done (a crash mid-write then leaves the old content whole). */
+        if (!t->has_swap || (t->persisted && t->persisted_off == t->swap_off)) {
+            r = nvme_alloc(e->nvme, t->alloc_bytes, &a->new_off);
+            if (r < 0)
+                goto err;
+            a->new_extent = true;
+            x->dst_off = a->new_off;
+        } else {
+            x->dst_off = t->swap_off;
+        }
+        x->dst = ZINF_TIER_NVME;
+    } else {
+        struct copy *h = &t->c[t->home];
+        if (h->state != COPY_READY || h->pins || h->readers) {
+            r = -EAGAIN;
+            goto err;
+        }
+        x->dst = t->home;
+        x->dst_off = h->off;
+        x->dst_ptr = h->ptr;
+        a->home_old_version = h->version;
+        h->state = COPY_LOADING; /* its content is being replaced */
+    }
+    c->readers++;
+    c->wb_inflight = true;
+    if (evict)
+        c->evicting = true;
+    r = xfer_start(x);
+    if (r < 0) {
+        c->readers--;
+        c->wb_inflight = false;
+        c->evicting = false;
+        if (t->home != ZINF_TIER_NVME)
+            t->c[t->home].state = COPY_READY;
+        if (a->new_extent)
+            nvme_free(e->nvme, a->new_off);
+        goto err;
+    }
+    return 0;
+err:
+    free(a);
+    free(x);
+    return r;
+}
+
+/* ---- making room -------------------------------------------------------------------- */
+
+static struct copy *pick_victim(struct zinf_engine *e, int tier, bool prefetch, uint64_t need_dist)
+{
+    struct copy *best = NULL;
+    uint64_t best_d = 0;
+
+    for (struct copy *c = e->res[tier].res_next; c != &e->res[tier]; c = c->res_next) {
+        struct tensor *t = c->t;
+        if (c->state != COPY_READY || c->pins || c->readers || c->evicting || t->exclusive)
+            continue;
+        uint64_t d = c->version != t->version ? UINT64_MAX : sched_distance(e, t->index, tier);
+        /* A prefetch never evicts what is needed as soon as or sooner than what it brings,
+         * nor another prefetch that has not been used yet. */
+        if (prefetch && (c->prefetched || (d <= need_dist && d != UINT64_MAX)))
+            continue;
+        if (prefetch && need_dist == UINT64_MAX && d != UINT64_MAX)
+            continue;
+        if (!best || d > best_d || (d == best_d && c->last_use < best->last_use)) {
+            best = c;
+            best_d = d;
+        }
+    }
+    return best;
+}
+
+static bool tier_has_transients(struct zinf_engine *e, int tier)
+{
+    for (struct copy *c = e->res[tier].res_next; c != &e->res[tier]; c = c->res_next)
+        if (c->state == COPY_LOADING || c->readers || c->evicting || c->t->exclusive)
+            return true;
+    return false;
+}
+
+static uint64_t tier_capacity(struct zinf_engine *e, int tier)
+{
+    return e->st.tier[tier].capacity_bytes;
+}
+
+/* Allocate bytes in tier, evicting as needed. Returns 0, -EAGAIN when it had to wait
+ * (the caller re-checks everything), -ENOMEM when even evicting every unpinned copy would
+ * not make room, or another -errno (a failed write-back). */
+int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, bool prefetch, uint64_t need_dist,
+                   uint64_t *off, void **ptr)
+{
+    if (bytes > tier_capacity(e, tier))
+        return -ENOMEM;
+    for (;;) {
+        int r = tier_alloc(e, tier, bytes, off, ptr);
+        if (r != -ENOSPC)
+            return r;
+        struct copy *v = pick_victim(e, tier, prefetch, need_dist);
+        if (!v) {
+            if (prefetch)
+                return -ENOSPC;
+            if (tier_has_transients(e, tier)) {
+                engine_wait(e);
+                return -EAGAIN;
+            }
+            return -ENOMEM;
+        }
+        struct tensor *vt = v->t;
+        if (v->version != vt->version) {
+            copy_drop(e, vt, tier); /* stale: nothing to keep */
+            continue;
+        }
+        if (needs_writeback(vt, tier)) {
+            if (prefetch)
+                return -ENOSPC; /* a hint never waits for a write-back */
+            r = writeback_start(e, vt, tier, true);
+            if (r < 0 && r != -EAGAIN)
+                return r;
+            engine_wait(e);
+            return -EAGAIN;
+        }
+        copy_drop(e, vt, tier);
+        e->st.tier[tier].evictions++;
+    }
+}
+
+/* ---- loading ---------------------------------------------------------------------- */
+
+struct load_arg {
+    int tier, src;
+    uint64_t old_version;
+};
+
+static void load_done(struct xfer *x, int err)
+{
+    struct zinf_engine *e = x->e;
+    struct tensor *t = x->t;
+    struct load_arg *a = x->arg;
+    struct copy *c = &t->c[a->tier];
+
+    if (a->src < MEM_TIERS)
+        t->c[a->src].readers--;
+    if (err) {
+        c->err = err;
+        prefetch_consumed(e, t, c);
+        if (a->tier == (int)t->home) {
+            c->state = COPY_READY;
+            c->version = a->old_version;
+        } else {
+            c->state = COPY_NONE;
+            copy_unlink(c);
+            tier_free(e, a->tier, c->off);
+            c->ptr = NULL;
+        }
+    } else {
+        c->state = COPY_READY;
+        c->err = 0;
+        c->version = x->version;
+        if (x->version != t->version && c->pins == 0)
+            copy_drop(e, t, a->tier); /* overtaken by a newer version while loading */
+    }
+    free(a);
+    free(x);
+}
+
+/* Where can tier's copy be loaded from? A tier number, SRC_ZERO, ZINF_TIER_NVME, -EAGAIN
+ * (a source is still arriving: wait) or -EIO (no valid copy anywhere: a bug). */
+static int pick_source(struct tensor *t, int tier)
+{
+    int other = 1 - tier;
+    if (copy_valid(t, other) && !(other == (int)t->home && t->c[other].state != COPY_READY))
+        return other;
+    if (t->home == ZINF_TIER_NVME) {
+        if (t->zero)
+            return SRC_ZERO;
+        if (t->has_swap && t->swap_version == t->version)
+            return ZINF_TIER_NVME;
+    }
+    if (t->c[other].state == COPY_LOADING || t->c[other].wb_inflight)
+        return -EAGAIN;
+    return -EIO;
+}
+
+static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src, uint64_t old_version)
+{
+    struct copy *c = &t->c[tier];
+    struct xfer *x;
+    struct load_arg *a;
+    int r;
+
+    if (src == SRC_ZERO) {
+        /* Zeros come from nowhere: fill in place, now. */
+        if (tier == ZINF_TIER_DEVICE)
+            r = device_zero(e->dev, c->off, t->alloc_bytes);
+        else
+            r = (memset(c->ptr, 0, t->alloc_bytes), 0);
+        if (r == 0) {
+            c->state = COPY_READY;
+            c->version = t->version;
+            pthread_cond_broadcast(&e->changed);
+        }
+        return r;
+    }
+    x = calloc(1, sizeof(*x));
+    a = calloc(1, sizeof(*a));
+    if (!x || !a) {
+        free(x);
+        free(a);
+        return -ENOMEM;
+    }
+    *a = (struct load_arg){.tier = tier, .src = src, .old_version = old_version};
+    *x = (struct xfer){.e = e, .t = t, .src = src, .dst = tier, .dst_off = c->off,
+                       .dst_ptr = c->ptr, .len = t->alloc_bytes, .version = t->version,
+                       .arg = a, .done = load_done};
+    if (src == ZINF_TIER_NVME) {
+        x->src_off = t->swap_off;
+    } else {
+        x->src_off = t->c[src].off;
+        x->src_ptr = t->c[src].ptr;
+        t->c[src].readers++;
+    }
+    r = xfer_start(x);
+    if (r < 0) {
+        if (src < MEM_TIERS)
+            t->c[src].readers--;
+        free(a);
+        free(x);
+    }
+    return r;
+}
+
+enum fetch_mode { FETCH_BLOCK, FETCH_ASYNC, FETCH_PREFETCH };
+
+/* Bring t into tier. FETCH_BLOCK pins and waits; FETCH_ASYNC pins and returns once the
+ * load has started (-EWOULDBLOCK if it cannot start without waiting); FETCH_PREFETCH
+ * starts a load without a pin and gives up quietly rather than wait or evict something
+ * needed sooner. */
+static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fetch_mode mode,
+                      uint64_t need_dist, void **ptr)
+{
+    bool pinned = false, waited = false, started = false;
+    uint64_t t0 = 0;
+    int r = 0;
+
+    for (;;) {
+        struct copy *c = &t->c[tier];
+        bool stale_home = false;
+
+        if (c->state == COPY_READY && c->version == t->version) {
+            if (mode == FETCH_PREFETCH)
+                return 0;
+            if (!pinned)
+                c->pins++;
+            c->last_use = ++e->clock;
+            if (c->prefetched) {
+                e->st.prefetch_in_time++;
+                prefetch_consumed(e, t, c);
+            }
+            if (!waited && !started)
+                e->st.tier[tier].hits++;
+            if (ptr)
+                *ptr = c->ptr;
+            break;
+        }
+        if (c->state == COPY_LOADING) {
+            if (mode == FETCH_PREFETCH)
+                return 0;
+            if (!pinned) {
+                c->pins++;
+                pinned = true;
+                if (c->prefetched) {
+                    e->st.prefetch_late++;
+                    prefetch_consumed(e, t, c);
+                }
+            }
+            if (mode == FETCH_ASYNC)
+                return 0;
+            if (!waited) {
+                waited = true;
+                t0 = now_ns();
+            }
+            while (c->state == COPY_LOADING)
+                engine_wait(e);
+            if (c->state == COPY_READY && c->version == t->version)
+                continue;
+            c->pins--;
+            pinned = false;
+            if (c->state == COPY_NONE || c->err) { /* the load failed */
+                r = c->err ? c->err : -EIO;
+                pthread_cond_broadcast(&e->changed);
+                goto out;
+            }
+            continue; /* it brought a version already overtaken: load again */
+        }
+        if (t->exclusive) {
+            if (mode != FETCH_BLOCK) {
+                r = mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
+                goto out;
+            }
+            if (!waited) {
+                waited = true;
+                t0 = now_ns();
+            }
+            engine_wait(e);
+            continue;
+        }
+        if (c->state == COPY_READY) { /* holds an older version */
+            if (tier != (int)t->home) {
+                if (c->pins || c->readers || c->wb_inflight) {
+                    if (mode != FETCH_BLOCK) {
+                        r = mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
+                        goto out;
+                    }
+                    engine_wait(e);
+                    continue;
+                }
+                copy_drop(e, t, tier);
+                continue;
+            }
+            if (c->pins || c->readers) { /* cannot happen: a DIRTY release refuses then */
+                r = -EBUSY;
+                goto out;
+            }
+            stale_home = true;
+        }
+
+        int src = pick_source(t, tier);
+        if (src == -EAGAIN) {
+            if (mode != FETCH_BLOCK) {
+                r = mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
+                goto out;
+            }
+            if (!waited) {
+                waited = true;
+                t0 = now_ns();
+            }
+            engine_wait(e);
+            continue;
+        }
+        if (src < 0) {
+            log_error("engine: tensor '%s' has no valid copy to load from", t->name);
+            r = src;
+            goto out;
+        }
+        uint64_t old_version = c->version;
+        if (!stale_home && tier != (int)t->home) {
+            uint64_t off;
+            void *p;
+            r = tier_reserve(e, tier, t->alloc_bytes, mode == FETCH_PREFETCH, need_dist, &off, &p);
+            if (r == -EAGAIN) {
+                if (mode == FETCH_ASYNC) {
+                    r = -EWOULDBLOCK;
+                    goto out;
+                }
+                if (!waited) {
+                    waited = true;
+                    t0 = now_ns();
+                }
+                continue;
+            }
+            if (r < 0) {
+                if (mode == FETCH_PREFETCH)
+                    r = 0; /* a hint that does not fit is dropped */
+                goto out;
+            }
+            c->off = off;
+            c->ptr = p;
+            c->t = t;
+            copy_link(e, c, tier);
+        }
+        c->state = COPY_LOADING;
+        c->err = 0;
+        c->version = t->version;
+        if (mode == FETCH_PREFETCH) {
+            c->prefetched = true;
+            e->prefetch_outstanding_bytes += t->alloc_bytes;
+            e->st.prefetches++;
+        } else if (!pinned) {
+            c->pins++;
+            pinned = true;
+        }
+        r = load_start(e, t, tier, src, old_version);
+        if (r < 0) {
+            prefetch_consumed(e, t, c);
+            if (stale_home || tier == (int)t->home) {
+                c->state = COPY_READY;
+                c->version = old_version;
+            } else {
+                c->state = COPY_NONE;
+                copy_unlink(c);
+                tier_free(e, tier, c->off);
+                c->ptr = NULL;
+            }
+            if (pinned) {
+                c->pins--;
+                pinned = false;
+            }
+            goto out;
+        }
+        started = true;
+        if (mode == FETCH_PREFETCH)
+            return 0;
+        if (mode == FETCH_ASYNC)
+            return 0;
+        /* Start what the schedule says comes next while this one loads. */
+        sched_prefetch(e);
+        if (!waited) {
+            waited = true;
+            t0 = now_ns();
+        }
+    }
+out:
+    if (waited)
+        e->st.blocked_ns += now_ns() - t0;
+    return r;
+}
+
+int fetch_locked(struct zinf_engine *e, struct tensor *t, int tier, bool prefetch, void **ptr)
+{
+    if (prefetch) {
+        if (e->prefetch_outstanding_bytes + t->alloc_bytes > e->prefetch_budget_bytes)
+            return 0;
+        return fetch_mode(e, t, tier, FETCH_PREFETCH, sched_distance(e, t->index, tier), NULL);
+    }
+    return fetch_mode(e, t, tier, FETCH_BLOCK, 0, ptr);
+}
+
+/* ---- the public calls ------------------------------------------------------------------ */
+
+static int check_tier(enum zinf_tier tier)
+{
+    return tier == ZINF_TIER_DEVICE || tier == ZINF_TIER_HOST ? 0 : -EINVAL;
+}
+
+ZINF_API int zinf_fetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, void **ptr)
+{
+    struct tensor *t;
+    int r;
+
+    if (!e || !ptr || check_tier(tier))
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    t = engine_tensor(e, h);
+    if (!t) {
+        pthread_mutex_unlock(&e->lock);
+        return -EINVAL;
+    }
+    e->st.tier[tier].fetches++;
+    sched_on_fetch(e, t, tier);
+    r = fetch_mode(e, t, tier, FETCH_BLOCK, 0, ptr);
+    if (r == 0)
+        sched_prefetch(e);
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+ZINF_API int zinf_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier,
+                              uint64_t *ticket)
+{
+    struct tensor *t;
+    struct ticket *k;
+    int r;
+
+    if (!e || !ticket || check_tier(tier))
+        return -EINVAL;
+    k = calloc(1, sizeof(*k));
+    if (!k)
+        return -ENOMEM;
+    pthread_mutex_lock(&e->lock);
+    t = engine_tensor(e, h);
+    if (!t) {
+        pthread_mutex_unlock(&e->lock);
+        free(k);
+        return -EINVAL;
+    }
+    e->st.tier[tier].fetches++;
+    sched_on_fetch(e, t, tier);
+    r = fetch_mode(e, t, tier, FETCH_ASYNC, 0, NULL);
+    if (r == -EWOULDBLOCK) {
+        k->deferred = true; /* zinf_wait() fetches */
+        r = 0;
+    }
+    if (r == 0) {
+        k->id = ++e->next_ticket;
+        k->t = h;
+        k->tier = tier;
+        k->next = e->tickets;
+        e->tickets = k;
+        *ticket = k->id;
+        sched_prefetch(e);
+    } else {
+        free(k);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr)
+{
+    struct ticket **pp, *k;
+    struct tensor *t;
+    int r;
+
+    if (!e || !ptr)
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    for (pp = &e->tickets; *pp && (*pp)->id != ticket; pp = &(*pp)->next)
+        ;
+    k = *pp;
+    if (!k) {
+        pthread_mutex_unlock(&e->lock);
+        return -EINVAL;
+    }
+    *pp = k->next;
+    t = engine_tensor(e, k->t);
+    if (!t) {
+        r = -EINVAL;
+    } else if (k->deferred) {
+        r = fetch_mode(e, t, k->tier, FETCH_BLOCK, 0, ptr);
+    } else {
+        /* The pin was taken at zinf_fetch_async(); wait for the copy under it. */
+        struct copy *c = &t->c[k->tier];
+        uint64_t t0 = now_ns();
+        bool waited = c->state == COPY_LOADING;
+        while (c->state == COPY_LOADING)
+            engine_wait(e);
+        if (waited)
+            e->st.blocked_ns += now_ns() - t0;
+        if (c->state == COPY_READY && c->version == t->version) {
+            *ptr = c->ptr;
+            r = 0;
+        } else {
+            r = c->err ? c->err : -EIO;
+            c->pins--;
+            pthread_cond_broadcast(&e->changed);
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    free(k);
+    return r;
+}
+
+ZINF_API int zinf_prefetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
+{
+    struct tensor *t;
+    int r;
+
+    if (!e || check_tier(tier))
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    t = engine_tensor(e, h);
+    r = t ? fetch_locked(e, t, tier, true, NULL) : -EINVAL;
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, unsigned flags)
+{
+    struct tensor *t;
+    struct copy *c;
+    int r = 0;
+
+    if (!e || check_tier(tier) || (flags & ~ZINF_RELEASE_DIRTY))
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    t = engine_tensor(e, h);
+    if (!t) {
+        r = -EINVAL;
+        goto out;
+    }
+    c = &t->c[tier];
+    if (c->pins == 0 || c->state != COPY_READY || c->version != t->version) {
+        r = -EINVAL;
+        goto out;
+    }
+    if (flags & ZINF_RELEASE_DIRTY) {
+        int other = 1 - tier;
+        struct copy *oc = &t->c[other];
+        if (oc->pins) {
+            r = -EBUSY; /* another tier holds a view: the pin stays */
+            goto out;
+        }
+        t->version++;
+        c->version = t->version;
+        t->zero = false;
+        if (other != (int)t->home && oc->state == COPY_READY && !oc->readers &&
+            !oc->wb_inflight)
+            copy_drop(e, t, other);
+    }
+    c->pins--;
+    c->last_use = ++e->clock;
+    if (c->pins == 0)
+        pthread_cond_broadcast(&e->changed);
+out:
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}

@@ -1,0 +1,600 @@
+/*
+ * persist.c - durability: zinf_flush writes every tensor's newest content to the swap
+ * space, fsyncs the swap files and replaces a manifest (name, size, home, extent,
+ * crc32c per tensor) atomically; ZINF_OPEN_RESUME reads it back and checks every
+ * checksum.
+ *
+ * Crash safety rests on one rule: an extent named by the committed manifest is never
+ * written. New content goes to another extent (copy on write, here and in write-backs);
+ * the old one is freed only once a newer manifest no longer names it. A crash at any
+ * moment therefore leaves the old manifest with the old bytes, or the new one with the
+ * new bytes: each tensor is whole, old or new.
+ *
+ * Not here: the swap layout (nvme.c) or when to write back (fetch.c).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "engine/engine.h"
+
+#define MANIFEST_NAME "zinf-manifest.json"
+#define MANIFEST_FORMAT "zinf-manifest"
+#define MANIFEST_VERSION 1
+
+/* ---- crc32c (Castagnoli) ------------------------------------------------------------ */
+
+static uint32_t crc_table[8][256];
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? (c >> 1) ^ 0x82f63b78u : c >> 1;
+        crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int k = 1; k < 8; k++)
+            crc_table[k][i] = (crc_table[k - 1][i] >> 8) ^ crc_table[0][crc_table[k - 1][i] & 0xff];
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const unsigned char *p,
+                                                         size_t n)
+{
+    uint64_t c = crc;
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = __builtin_ia32_crc32di(c, v);
+    }
+    uint32_t c32 = (uint32_t)c;
+    for (; n; n--)
+        c32 = __builtin_ia32_crc32qi(c32, *p++);
+    return c32;
+}
+#endif
+
+static uint32_t crc_sw(uint32_t c, const unsigned char *p, size_t n)
+{
+    for (; n >= 8; n -= 8, p += 8) {
+        uint32_t lo, hi;
+        memcpy(&lo, p, 4);
+        memcpy(&hi, p + 4, 4);
+        lo ^= c;
+        c = crc_table[7][lo & 0xff] ^ crc_table[6][(lo >> 8) & 0xff] ^
+            crc_table[5][(lo >> 16) & 0xff] ^ crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xff] ^
+            crc_table[2][(hi >> 8) & 0xff] ^ crc_table[1][(hi >> 16) & 0xff] ^ crc_table[0][hi >> 24];
+    }
+    for (; n; n--)
+        c = (c >> 8) ^ crc_table[0][(c ^ *p++) & 0xff];
+    return c;
+}
+
+uint32_t crc32c(uint32_t crc, const void *buf, size_t len)
+{
+    pthread_once(&crc_once, crc_init);
+    crc = ~crc;
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("sse4.2"))
+        return ~crc_hw(crc, buf, len);
+#endif
+    return ~crc_sw(crc, buf, len);
+}
+
+/* crc32c(A || B) from crc32c(A), crc32c(B) and |B|: multiply crc1 by x^(8|B|) in GF(2). */
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec)
+{
+    uint32_t sum = 0;
+    for (int i = 0; vec; i++, vec >>= 1)
+        if (vec & 1)
+            sum ^= mat[i];
+    return sum;
+}
+
+static void gf2_square(uint32_t *sq, const uint32_t *mat)
+{
+    for (int n = 0; n < 32; n++)
+        sq[n] = gf2_times(mat, mat[n]);
+}
+
+uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2)
+{
+    uint32_t even[32], odd[32];
+
+    if (len2 == 0)
+        return crc1;
+    odd[0] = 0x82f63b78u; /* the operator for one zero bit */
+    for (int n = 1; n < 32; n++)
+        odd[n] = 1u << (n - 1);
+    gf2_square(even, odd); /* two zero bits */
+    gf2_square(odd, even); /* four */
+    do {
+        gf2_square(even, odd);
+        if (len2 & 1)
+            crc1 = gf2_times(even, crc1);
+        len2 >>= 1;
+        if (!len2)
+            break;
+        gf2_square(odd, even);
+        if (len2 & 1)
+            crc1 = gf2_times(odd, crc1);
+        len2 >>= 1;
+    } while (len2);
+    return crc1 ^ crc2;
+}
+
+/* ---- the manifest file ------------------------------------------------------------------ */
+
+static void manifest_path(struct zinf_engine *e, char *buf, size_t len, const char *suffix)
+{
+    snprintf(buf, len, "%s/%s%s", e->nvme_dirs[0], MANIFEST_NAME, suffix);
+}
+
+int persist_remove_manifest(struct zinf_engine *e)
+{
+    char path[4096];
+    manifest_path(e, path, sizeof(path), "");
+    /* The swap files were just emptied: a manifest left from before names nothing now. */
+    if (unlink(path) < 0 && errno != ENOENT)
+        return -errno;
+    return 0;
+}
+
+static const char *tier_name(enum zinf_tier t)
+{
+    return t == ZINF_TIER_DEVICE ? "device" : t == ZINF_TIER_HOST ? "host" : "nvme";
+}
+
+static int write_all(int fd, const char *buf, size_t n)
+{
+    while (n) {
+        ssize_t w = write(fd, buf, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0)
+            return -errno;
+        buf += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+/* Write text as the manifest: temp file, fsync, rename over, fsync the directory. */
+static int manifest_commit(struct zinf_engine *e, const char *text)
+{
+    char path[4096], tmp[4200];
+    int fd, r, dfd;
+
+    manifest_path(e, path, sizeof(path), "");
+    manifest_path(e, tmp, sizeof(tmp), ".tmp");
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        r = -errno;
+        log_error("engine: %s: %s", tmp, strerror(-r));
+        return r;
+    }
+    r = write_all(fd, text, strlen(text));
+    if (r == 0 && fsync(fd) < 0)
+        r = -errno;
+    close(fd);
+    if (r == 0 && rename(tmp, path) < 0)
+        r = -errno;
+    if (r < 0) {
+        log_error("engine: writing the manifest %s failed: %s", path, strerror(-r));
+        unlink(tmp);
+        return r;
+    }
+    dfd = open(e->nvme_dirs[0], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        if (fsync(dfd) < 0)
+            r = -errno;
+        close(dfd);
+    }
+    return r;
+}
+
+/* ---- flush ------------------------------------------------------------------------------ */
+
+struct entry {
+    zinf_tensor handle;
+    uint64_t off, version;
+    uint32_t crc;
+    bool zero;
+};
+
+/* Checksum of what the swap extent holds, by reading it through the staging ring. */
+static int swap_checksum(struct zinf_engine *e, struct tensor *t, uint64_t off, uint32_t *crc)
+{
+    struct xfer x = {.e = e, .t = t, .src = ZINF_TIER_NVME, .dst = DST_NONE, .src_off = off,
+                     .len = t->alloc_bytes, .want_crc = true};
+    int r = xfer_run_sync(e, &x);
+    if (r == 0)
+        *crc = x.crc;
+    return r;
+}
+
+/* Make t's swap extent hold its newest content, on an extent the manifest does not name.
+ * Lock held; t held exclusively. */
+static int flush_tensor(struct zinf_engine *e, struct tensor *t, struct entry *en)
+{
+    int r;
+
+    en->handle = t->handle;
+    en->version = t->version;
+    if (t->zero) {
+        en->zero = true;
+        en->off = t->has_swap ? t->swap_off : 0;
+        return 0;
+    }
+    if (t->persisted && t->persisted_version == t->version && !t->persisted_zero) {
+        en->off = t->persisted_off; /* unchanged since the last manifest */
+        en->crc = t->persisted_crc;
+        return 0;
+    }
+    if (t->has_swap && t->swap_version == t->version) {
+        if (!t->swap_crc_valid) {
+            r = swap_checksum(e, t, t->swap_off, &t->swap_crc);
+            if (r < 0)
+                return r;
+            t->swap_crc_valid = true;
+        }
+        en->off = t->swap_off;
+        en->crc = t->swap_crc;
+        return 0;
+    }
+    /* The newest content is in memory: write it out. */
+    int src = -1;
+    for (int i = ZINF_TIER_HOST; i >= ZINF_TIER_DEVICE; i--)
+        if (t->c[i].state == COPY_READY && t->c[i].version == t->version)
+            src = i;
+    if (src < 0) {
+        log_error("engine: tensor '%s' has no valid copy to flush", t->name);
+        return -EIO;
+    }
+    bool in_place = t->has_swap && !(t->persisted && t->persisted_off == t->swap_off);
+    uint64_t off = t->swap_off;
+    if (!in_place && (r = nvme_alloc(e->nvme, t->alloc_bytes, &off)) < 0)
+        return r;
+    struct xfer x = {.e = e, .t = t, .src = src, .dst = ZINF_TIER_NVME,
+                     .src_off = t->c[src].off, .src_ptr = t->c[src].ptr, .dst_off = off,
+                     .len = t->alloc_bytes, .version = t->version, .want_crc = true};
+    t->c[src].readers++;
+    r = xfer_run_sync(e, &x);
+    t->c[src].readers--;
+    if (r < 0) {
+        if (!in_place)
+            nvme_free(e->nvme, off);
+        log_error("engine: flushing tensor '%s' failed: %s", t->name, zinf_strerror(r));
+        return r;
+    }
+    if (!in_place && t->has_swap && !(t->persisted && t->persisted_off == t->swap_off))
+        nvme_free(e->nvme, t->swap_off);
+    t->swap_off = off;
+    t->has_swap = true;
+    t->swap_version = t->version;
+    t->swap_crc = x.crc;
+    t->swap_crc_valid = true;
+    en->off = off;
+    en->crc = x.crc;
+    return 0;
+}
+
+static char *manifest_text(struct zinf_engine *e, struct entry *ents, size_t n)
+{
+    json_t *root = json_object(), *arr = json_array();
+    char *text = NULL;
+
+    if (!root || !arr)
+        goto out;
+    json_object_set_new(root, "format", json_string(MANIFEST_FORMAT));
+    json_object_set_new(root, "version", json_integer(MANIFEST_VERSION));
+    json_object_set_new(root, "block_size", json_integer((json_int_t)e->block_size));
+    json_object_set_new(root, "dirs", json_integer(e->nvme_ndirs));
+    for (size_t i = 0; i < n; i++) {
+        struct tensor *t = engine_tensor(e, ents[i].handle);
+        json_t *o = json_object();
+        if (!t || !o) {
+            json_decref(o);
+            continue;
+        }
+        json_t *name = json_string(t->name);
+        if (name) {
+            json_object_set_new(o, "name", name);
+        } else { /* not UTF-8: keep the bytes as hex */
+            size_t len = strlen(t->name);
+            char *hex = malloc(len * 2 + 1);
+            for (size_t k = 0; hex && k < len; k++)
+                sprintf(hex + 2 * k, "%02x", (unsigned char)t->name[k]);
+            json_object_set_new(o, "name_hex", json_string(hex ? hex : ""));
+            free(hex);
+        }
+        json_object_set_new(o, "nbytes", json_integer((json_int_t)t->nbytes));
+        json_object_set_new(o, "home", json_string(tier_name(t->home)));
+        json_object_set_new(o, "zero", json_boolean(ents[i].zero));
+        json_object_set_new(o, "offset", json_integer((json_int_t)ents[i].off));
+        json_object_set_new(o, "crc32c", json_integer(ents[i].crc));
+        json_array_append_new(arr, o);
+    }
+    json_object_set_new(root, "tensors", arr);
+    arr = NULL;
+    text = json_dumps(root, JSON_INDENT(1));
+out:
+    json_decref(arr);
+    json_decref(root);
+    return text;
+}
+
+int persist_flush(struct zinf_engine *e)
+{
+    struct entry *ents = NULL;
+    size_t n = 0;
+    int r = 0;
+
+    while (e->flushing)
+        engine_wait(e);
+    e->flushing = true;
+
+    /* Handles first: tensors registered while this runs are not part of it. */
+    zinf_tensor *hs = calloc(e->ntensors + 1, sizeof(*hs));
+    ents = calloc(e->ntensors + 1, sizeof(*ents));
+    if (!hs || !ents) {
+        r = -ENOMEM;
+        goto out;
+    }
+    size_t nh = 0;
+    for (uint32_t i = 0; i < e->ntensors; i++)
+        if (e->tensors[i])
+            hs[nh++] = e->tensors[i]->handle;
+
+    for (size_t i = 0; i < nh; i++) {
+        struct tensor *t = engine_tensor(e, hs[i]);
+        if (!t)
+            continue;
+        engine_tensor_lock(e, t);
+        r = flush_tensor(e, t, &ents[n]);
+        engine_tensor_unlock(e, t);
+        if (r < 0)
+            goto out;
+        n++;
+    }
+
+    pthread_mutex_unlock(&e->lock);
+    r = nvme_sync(e->nvme);
+    pthread_mutex_lock(&e->lock);
+    if (r < 0) {
+        log_error("engine: syncing the swap files failed: %s", zinf_strerror(r));
+        goto out;
+    }
+    char *text = manifest_text(e, ents, n);
+    if (!text) {
+        r = -ENOMEM;
+        goto out;
+    }
+    pthread_mutex_unlock(&e->lock);
+    r = manifest_commit(e, text);
+    pthread_mutex_lock(&e->lock);
+    free(text);
+    if (r < 0)
+        goto out;
+
+    /* Committed: what the manifest names is now the persisted state; what the old one
+     * named and this one does not is free. */
+    for (size_t i = 0; i < n; i++) {
+        struct tensor *t = engine_tensor(e, ents[i].handle);
+        if (!t)
+            continue;
+        if (t->persisted && !t->persisted_zero && t->persisted_off != ents[i].off &&
+            !(t->has_swap && t->swap_off == t->persisted_off))
+            nvme_free(e->nvme, t->persisted_off);
+        t->persisted = true;
+        t->persisted_off = ents[i].off;
+        t->persisted_crc = ents[i].crc;
+        t->persisted_zero = ents[i].zero;
+        t->persisted_version = ents[i].version;
+    }
+    for (size_t i = 0; i < e->ndeferred; i++)
+        nvme_free(e->nvme, e->deferred_free[i]);
+    e->ndeferred = 0;
+    e->st.flushes++;
+out:
+    free(hs);
+    free(ents);
+    e->flushing = false;
+    pthread_cond_broadcast(&e->changed);
+    return r;
+}
+
+/* ---- resume ------------------------------------------------------------------------------ */
+
+static int parse_home(const char *s, enum zinf_tier *out)
+{
+    if (!strcmp(s, "device"))
+        *out = ZINF_TIER_DEVICE;
+    else if (!strcmp(s, "host"))
+        *out = ZINF_TIER_HOST;
+    else if (!strcmp(s, "nvme"))
+        *out = ZINF_TIER_NVME;
+    else
+        return -EINVAL;
+    return 0;
+}
+
+static char *entry_name(json_t *o)
+{
+    const char *s = json_string_value(json_object_get(o, "name"));
+    if (s)
+        return strdup(s);
+    const char *hex = json_string_value(json_object_get(o, "name_hex"));
+    if (!hex || strlen(hex) % 2)
+        return NULL;
+    size_t n = strlen(hex) / 2;
+    char *out = malloc(n + 1);
+    for (size_t i = 0; out && i < n; i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1) {
+            free(out);
+            return NULL;
+        }
+        out[i] = (char)v;
+    }
+    if (out)
+        out[n] = '\0';
+    return out;
+}
+
+/* Bring one persisted tensor back: reserve its extent, load a home copy in memory, check
+ * the checksum. Lock held. */
+static int resume_tensor(struct zinf_engine *e, const char *mpath, size_t idx, json_t *o)
+{
+    json_t *jn = json_object_get(o, "nbytes"), *jo = json_object_get(o, "offset"),
+           *jc = json_object_get(o, "crc32c"), *jz = json_object_get(o, "zero");
+    const char *home_s = json_string_value(json_object_get(o, "home"));
+    struct tensor *t = calloc(1, sizeof(*t));
+    enum zinf_tier home;
+    int r;
+
+    if (!t)
+        return -ENOMEM;
+    t->name = entry_name(o);
+    if (!t->name || !json_is_integer(jn) || json_integer_value(jn) <= 0 || !json_is_integer(jo) ||
+        json_integer_value(jo) < 0 || !json_is_integer(jc) || !home_s ||
+        parse_home(home_s, &home) < 0 || !json_is_boolean(jz)) {
+        log_error("engine: %s: tensors[%zu]: malformed entry", mpath, idx);
+        r = -EBADMSG;
+        goto err;
+    }
+    t->nbytes = (size_t)json_integer_value(jn);
+    t->alloc_bytes = align_up(t->nbytes, ZINF_ALIGN);
+    t->home = home;
+    t->version = 1;
+    t->zero = json_is_true(jz);
+    uint64_t off = (uint64_t)json_integer_value(jo);
+    uint32_t want = (uint32_t)json_integer_value(jc);
+    if (!t->zero || home == ZINF_TIER_NVME) {
+        r = nvme_reserve(e->nvme, off, t->alloc_bytes);
+        if (r < 0) {
+            log_error("engine: %s: tensor '%s': its extent at %llu (%zu bytes) is not in the swap "
+                      "files or overlaps another (%s)", mpath, t->name, (unsigned long long)off,
+                      t->alloc_bytes, zinf_strerror(r));
+            r = -EBADMSG;
+            goto err;
+        }
+        t->has_swap = true;
+        t->swap_off = off;
+        t->swap_version = t->version;
+        t->persisted = true;
+        t->persisted_off = off;
+        t->persisted_version = t->version;
+    }
+    t->persisted_zero = t->zero;
+    t->persisted_crc = want;
+    if (home != ZINF_TIER_NVME) {
+        struct copy *c = &t->c[home];
+        if (t->alloc_bytes > e->st.tier[home].capacity_bytes ||
+            (r = tier_alloc(e, home, t->alloc_bytes, &c->off, &c->ptr)) < 0) {
+            log_error("engine: %s: tensor '%s' (%zu bytes) no longer fits its home tier (%s)",
+                      mpath, t->name, t->nbytes, tier_name(home));
+            r = -ENOSPC;
+            goto err_swap;
+        }
+        c->t = t;
+        c->state = COPY_READY;
+        c->version = t->version;
+    }
+    r = engine_add_tensor(e, t);
+    if (r < 0)
+        goto err_home;
+
+    /* Load and verify. */
+    uint32_t got = 0;
+    if (t->zero) {
+        if (home == ZINF_TIER_DEVICE)
+            r = device_zero(e->dev, t->c[home].off, t->alloc_bytes);
+        else if (home == ZINF_TIER_HOST)
+            memset(t->c[home].ptr, 0, t->alloc_bytes);
+        got = want;
+    } else {
+        struct xfer x = {.e = e, .t = t, .src = ZINF_TIER_NVME, .src_off = off,
+                         .len = t->alloc_bytes, .version = t->version, .want_crc = true};
+        x.dst = home == ZINF_TIER_NVME ? DST_NONE : (int)home;
+        if (home != ZINF_TIER_NVME) {
+            x.dst_off = t->c[home].off;
+            x.dst_ptr = t->c[home].ptr;
+        }
+        r = xfer_run_sync(e, &x);
+        got = home == ZINF_TIER_HOST && r == 0 ? crc32c(0, t->c[home].ptr, t->alloc_bytes) : x.crc;
+    }
+    if (r < 0) {
+        log_error("engine: %s: reading tensor '%s' failed: %s", mpath, t->name, zinf_strerror(r));
+        return r; /* registered: freed with the engine */
+    }
+    if (got != want) {
+        log_error("engine: tensor '%s': checksum mismatch in the swap files under %s (manifest "
+                  "crc32c %08x, data %08x): corrupted or torn, not loaded", t->name,
+                  e->nvme_dirs[0], want, got);
+        return -EBADMSG;
+    }
+    t->swap_crc = want;
+    t->swap_crc_valid = true;
+    return 0;
+err_home:
+    if (home != ZINF_TIER_NVME)
+        tier_free(e, home, t->c[home].off);
+err_swap:
+    if (t->has_swap)
+        nvme_free(e->nvme, off);
+err:
+    free(t->name);
+    free(t);
+    return r;
+}
+
+int persist_resume(struct zinf_engine *e)
+{
+    char path[4096];
+    json_error_t jerr;
+    json_t *root, *arr;
+    int r = 0;
+
+    manifest_path(e, path, sizeof(path), "");
+    if (access(path, F_OK) != 0) {
+        log_notice("engine: %s: no manifest: nothing to resume", path);
+        return 0;
+    }
+    root = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root) {
+        log_error("engine: %s:%d:%d: %s", path, jerr.line, jerr.column, jerr.text);
+        return -EBADMSG;
+    }
+    arr = json_object_get(root, "tensors");
+    const char *fmt = json_string_value(json_object_get(root, "format"));
+    json_int_t ver = json_integer_value(json_object_get(root, "version"));
+    json_int_t bs = json_integer_value(json_object_get(root, "block_size"));
+    json_int_t nd = json_integer_value(json_object_get(root, "dirs"));
+    if (!fmt || strcmp(fmt, MANIFEST_FORMAT) || ver != MANIFEST_VERSION || !json_is_array(arr)) {
+        log_error("engine: %s: not a zinf manifest of version %d", path, MANIFEST_VERSION);
+        r = -EBADMSG;
+        goto out;
+    }
+    if ((size_t)bs != e->block_size || (unsigned)nd != e->nvme_ndirs) {
+        log_error("engine: %s: written with block_size %lld over %lld directories; now %zu over "
+                  "%u: the striping differs, open with the same settings", path, (long long)bs,
+                  (long long)nd, e->block_size, e->nvme_ndirs);
+        r = -EINVAL;
+        goto out;
+    }
+    pthread_mutex_lock(&e->lock);
+    for (size_t i = 0; i < json_array_size(arr) && r == 0; i++)
+        r = resume_tensor(e, path, i, json_array_get(arr, i));
+    pthread_mutex_unlock(&e->lock);
+out:
+    json_decref(root);
+    return r;
+}

@@ -1,0 +1,438 @@
+/*
+ * xfer.c - moving one tensor's content between two places, asynchronously.
+ *
+ * Host <-> device is one device copy; NVMe <-> host is one swap-space request (the IO
+ * engine cuts it into block_size chunks). NVMe <-> device goes through the staging ring:
+ * block_size slots of pinned, registered host memory. Each chunk takes a slot, is read
+ * into it (NVMe read, or device->host copy) and, as soon as that lands, written out of it
+ * (host->device copy, or NVMe write): disk reads and device copies overlap, and a tensor
+ * of any size streams through a ring of any size. Transfers waiting for a slot queue in
+ * FIFO order; a full ring makes them wait, never fail.
+ *
+ * Every function here runs with the engine lock held, callbacks included (they take it).
+ * Not here: deciding what to move (fetch.c) or where things are (engine.c).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine.h"
+
+/* ---- tier memory ------------------------------------------------------------------ */
+
+int tier_alloc(struct zinf_engine *e, int tier, size_t bytes, uint64_t *off, void **ptr)
+{
+    int r;
+    if (tier == ZINF_TIER_DEVICE) {
+        r = device_alloc(e->dev, bytes, off);
+        if (r == 0)
+            *ptr = device_ptr(e->dev, *off);
+    } else {
+        r = host_alloc(e->host, bytes, off);
+        if (r == 0)
+            *ptr = host_ptr(e->host, *off);
+    }
+    return r;
+}
+
+void tier_free(struct zinf_engine *e, int tier, uint64_t off)
+{
+    if (tier == ZINF_TIER_DEVICE)
+        device_free(e->dev, off);
+    else
+        host_free(e->host, off);
+}
+
+/* ---- completion ------------------------------------------------------------------- */
+
+static void xfer_finish(struct xfer *x, int err)
+{
+    struct zinf_engine *e = x->e;
+    if (x->want_crc && !err && x->chunk_crc) {
+        size_t chunk = e->block_size;
+        uint32_t crc = x->chunk_crc[0];
+        for (unsigned i = 1; i < x->nchunks; i++) {
+            size_t n = MIN(chunk, x->len - (size_t)i * chunk);
+            crc = crc32c_combine(crc, x->chunk_crc[i], n);
+        }
+        x->crc = crc;
+    }
+    free(x->chunk_crc);
+    x->chunk_crc = NULL;
+    if (x->src == ZINF_TIER_NVME || x->dst == ZINF_TIER_NVME) {
+        if (!err && x->src == ZINF_TIER_NVME)
+            e->st.nvme_bytes_read += x->len;
+        if (!err && x->dst == ZINF_TIER_NVME)
+            e->st.nvme_bytes_written += x->len;
+    }
+    e->xfers_inflight--;
+    x->done(x, err);
+    pthread_cond_broadcast(&e->changed);
+}
+
+/* x may be freed by its done callback: keep the engine pointer apart. */
+static void req_cb(struct uring_req *req, int res)
+{
+    struct xfer *x = req->data;
+    struct zinf_engine *e = x->e;
+    pthread_mutex_lock(&e->lock);
+    xfer_finish(x, res);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void dc_cb(struct device_copy *c, int res)
+{
+    struct xfer *x = c->data;
+    struct zinf_engine *e = x->e;
+    pthread_mutex_lock(&e->lock);
+    xfer_finish(x, res);
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* ---- the staging ring --------------------------------------------------------------- */
+
+static void stage_pump(struct zinf_engine *e);
+
+static void waitq_remove(struct zinf_engine *e, struct xfer *x)
+{
+    struct xfer **pp = &e->stage_waitq, *prev = NULL;
+    while (*pp && *pp != x) {
+        prev = *pp;
+        pp = &(*pp)->wait_next;
+    }
+    if (!*pp)
+        return;
+    *pp = x->wait_next;
+    if (e->stage_waitq_tail == x)
+        e->stage_waitq_tail = prev;
+    x->wait_next = NULL;
+    x->queued = false;
+}
+
+static void chunk_done(struct slot *s, int res)
+{
+    struct zinf_engine *e = s->e;
+    struct xfer *x = s->x;
+
+    if (res < 0 && !x->err)
+        x->err = res;
+    x->inflight--;
+    s->x = NULL;
+    s->next = e->free_slots;
+    e->free_slots = s;
+    if (x->inflight == 0 && (x->err || x->next >= x->len)) {
+        if (x->queued)
+            waitq_remove(e, x);
+        xfer_finish(x, x->err);
+    }
+    stage_pump(e);
+}
+
+static void leg2_req_cb(struct uring_req *req, int res)
+{
+    struct slot *s = req->data;
+    pthread_mutex_lock(&s->e->lock);
+    chunk_done(s, res);
+    pthread_mutex_unlock(&s->e->lock);
+}
+
+static void leg2_dc_cb(struct device_copy *c, int res)
+{
+    struct slot *s = c->data;
+    pthread_mutex_lock(&s->e->lock);
+    chunk_done(s, res);
+    pthread_mutex_unlock(&s->e->lock);
+}
+
+/* The first leg landed in the slot: checksum it if asked, then send it on. */
+static void leg1_landed(struct slot *s, int res)
+{
+    struct zinf_engine *e = s->e;
+    struct xfer *x = s->x;
+    int r;
+
+    if (res < 0 || x->err) {
+        chunk_done(s, res < 0 ? res : 0);
+        return;
+    }
+    if (x->want_crc)
+        x->chunk_crc[s->chunk] = crc32c(0, s->buf, s->len);
+    switch (x->dst) {
+    case ZINF_TIER_DEVICE:
+        s->dc = (struct device_copy){.dir = DEVICE_H2D, .dev_off = x->dst_off + s->off,
+                                     .host = s->buf, .len = s->len, .cb = leg2_dc_cb, .data = s};
+        r = device_copy_async(e->dev, &s->dc);
+        break;
+    case ZINF_TIER_NVME:
+        s->req = (struct uring_req){.op = URING_WRITE, .buf = s->buf, .len = s->len,
+                                    .off = x->dst_off + s->off, .cb = leg2_req_cb, .data = s};
+        r = nvme_submit(e->nvme, &s->req);
+        break;
+    default: /* DST_NONE: read and checksum only */
+        r = 0;
+        chunk_done(s, 0);
+        return;
+    }
+    if (r < 0)
+        chunk_done(s, r);
+}
+
+static void leg1_req_cb(struct uring_req *req, int res)
+{
+    struct slot *s = req->data;
+    pthread_mutex_lock(&s->e->lock);
+    leg1_landed(s, res);
+    pthread_mutex_unlock(&s->e->lock);
+}
+
+static void leg1_dc_cb(struct device_copy *c, int res)
+{
+    struct slot *s = c->data;
+    pthread_mutex_lock(&s->e->lock);
+    leg1_landed(s, res);
+    pthread_mutex_unlock(&s->e->lock);
+}
+
+static void stage_issue(struct zinf_engine *e, struct slot *s)
+{
+    struct xfer *x = s->x;
+    int r;
+
+    if (x->src == ZINF_TIER_NVME) {
+        s->req = (struct uring_req){.op = URING_READ, .buf = s->buf, .len = s->len,
+                                    .off = x->src_off + s->off, .cb = leg1_req_cb, .data = s};
+        r = nvme_submit(e->nvme, &s->req);
+    } else if (x->src == ZINF_TIER_DEVICE) {
+        s->dc = (struct device_copy){.dir = DEVICE_D2H, .dev_off = x->src_off + s->off,
+                                     .host = s->buf, .len = s->len, .cb = leg1_dc_cb, .data = s};
+        r = device_copy_async(e->dev, &s->dc);
+    } else { /* zeros */
+        memset(s->buf, 0, s->len);
+        leg1_landed(s, 0);
+        return;
+    }
+    if (r < 0)
+        chunk_done(s, r);
+}
+
+static void stage_pump(struct zinf_engine *e)
+{
+    while (e->free_slots && e->stage_waitq) {
+        struct xfer *x = e->stage_waitq;
+        if (x->err || x->next >= x->len) {
+            waitq_remove(e, x);
+            continue;
+        }
+        struct slot *s = e->free_slots;
+        e->free_slots = s->next;
+        s->x = x;
+        s->off = x->next;
+        s->len = MIN(e->block_size, x->len - x->next);
+        s->chunk = (unsigned)(x->next / e->block_size);
+        x->next += s->len;
+        x->inflight++;
+        if (x->next >= x->len)
+            waitq_remove(e, x);
+        stage_issue(e, s);
+    }
+}
+
+int staging_init(struct zinf_engine *e, unsigned nslots)
+{
+    char *base = host_staging(e->host);
+    if (!base || nslots == 0)
+        return -EINVAL;
+    e->slots = calloc(nslots, sizeof(*e->slots));
+    if (!e->slots)
+        return -ENOMEM;
+    e->nslots = nslots;
+    for (unsigned i = 0; i < nslots; i++) {
+        e->slots[i].e = e;
+        e->slots[i].buf = base + (size_t)i * e->block_size;
+        e->slots[i].next = e->free_slots;
+        e->free_slots = &e->slots[i];
+    }
+    return 0;
+}
+
+void staging_fini(struct zinf_engine *e)
+{
+    free(e->slots);
+    e->slots = NULL;
+    e->free_slots = NULL;
+    e->nslots = 0;
+}
+
+/* ---- starting a transfer ------------------------------------------------------------- */
+
+int xfer_start(struct xfer *x)
+{
+    struct zinf_engine *e = x->e;
+    int r;
+
+    if (x->len == 0 || !x->done)
+        return -EINVAL;
+    bool staged = (x->src == ZINF_TIER_NVME && (x->dst == ZINF_TIER_DEVICE || x->dst == DST_NONE)) ||
+                  (x->src == ZINF_TIER_DEVICE && x->dst == ZINF_TIER_NVME) ||
+                  (x->src == SRC_ZERO && x->dst == ZINF_TIER_NVME);
+    if (staged) {
+        x->nchunks = (unsigned)((x->len + e->block_size - 1) / e->block_size);
+        if (x->want_crc) {
+            x->chunk_crc = calloc(x->nchunks, sizeof(uint32_t));
+            if (!x->chunk_crc)
+                return -ENOMEM;
+        }
+        x->next = 0;
+        x->inflight = 0;
+        x->err = 0;
+        x->queued = true;
+        x->wait_next = NULL;
+        if (e->stage_waitq_tail)
+            e->stage_waitq_tail->wait_next = x;
+        else
+            e->stage_waitq = x;
+        e->stage_waitq_tail = x;
+        e->xfers_inflight++;
+        stage_pump(e);
+        return 0;
+    }
+
+    if (x->want_crc) {
+        /* Unstaged sources are host memory here (host -> NVMe); checksum before it goes. */
+        x->crc = x->src_ptr ? crc32c(0, x->src_ptr, x->len) : 0;
+    }
+    if (x->src == ZINF_TIER_HOST && x->dst == ZINF_TIER_DEVICE) {
+        x->dc = (struct device_copy){.dir = DEVICE_H2D, .dev_off = x->dst_off, .host = x->src_ptr,
+                                     .len = x->len, .cb = dc_cb, .data = x};
+        r = device_copy_async(e->dev, &x->dc);
+    } else if (x->src == ZINF_TIER_DEVICE && x->dst == ZINF_TIER_HOST) {
+        x->dc = (struct device_copy){.dir = DEVICE_D2H, .dev_off = x->src_off, .host = x->dst_ptr,
+                                     .len = x->len, .cb = dc_cb, .data = x};
+        r = device_copy_async(e->dev, &x->dc);
+    } else if (x->src == ZINF_TIER_NVME && x->dst == ZINF_TIER_HOST) {
+        x->req = (struct uring_req){.op = URING_READ, .buf = x->dst_ptr, .len = x->len,
+                                    .off = x->src_off, .cb = req_cb, .data = x};
+        r = nvme_submit(e->nvme, &x->req);
+    } else if (x->src == ZINF_TIER_HOST && x->dst == ZINF_TIER_NVME) {
+        x->req = (struct uring_req){.op = URING_WRITE, .buf = x->src_ptr, .len = x->len,
+                                    .off = x->dst_off, .cb = req_cb, .data = x};
+        r = nvme_submit(e->nvme, &x->req);
+    } else {
+        return -EINVAL;
+    }
+    if (r == 0)
+        e->xfers_inflight++;
+    return r;
+}
+
+struct sync_arg {
+    bool done;
+    int err;
+};
+
+static void sync_done(struct xfer *x, int err)
+{
+    struct sync_arg *a = x->arg;
+    a->err = err;
+    a->done = true;
+}
+
+/* Run a transfer and wait for it; the engine lock is held on entry and on return (it is
+ * released while waiting). x->done and x->arg are taken over. */
+int xfer_run_sync(struct zinf_engine *e, struct xfer *x)
+{
+    struct sync_arg a = {false, 0};
+    x->done = sync_done;
+    x->arg = &a;
+    int r = xfer_start(x);
+    if (r < 0)
+        return r;
+    while (!a.done)
+        engine_wait(e);
+    return a.err;
+}
+
+/* ---- byte ranges of a swap extent (zinf_read/zinf_write) -------------------------------- */
+
+/* The engine lock is NOT held here: the caller owns the tensor exclusively. */
+int swap_read_range(struct zinf_engine *e, struct tensor *t, uint64_t swap_off, size_t off,
+                    void *dst, size_t n)
+{
+    size_t a0 = align_down(off, ZINF_ALIGN), a1 = align_up(off + n, ZINF_ALIGN);
+    char *tmp = NULL;
+    if (posix_memalign((void **)&tmp, ZINF_ALIGN, a1 - a0))
+        return -ENOMEM;
+    int r = nvme_read(e->nvme, swap_off + a0, tmp, a1 - a0);
+    if (r == 0)
+        memcpy(dst, tmp + (off - a0), n);
+    free(tmp);
+    return r;
+}
+
+/* Read-modify-write [off, off+n) of the extent at swap_off. With zero_first, the whole
+ * extent (extent_bytes) is first written with zeros (its old bytes belong to nobody). On
+ * success *undo holds the aligned range as it was (for rolling back), to be freed by the
+ * caller. */
+int swap_write_range(struct zinf_engine *e, uint64_t swap_off, size_t off, const void *src,
+                     size_t n, size_t extent_bytes, bool zero_first, void **undo,
+                     size_t *undo_off, size_t *undo_len)
+{
+    size_t a0 = align_down(off, ZINF_ALIGN), a1 = align_up(off + n, ZINF_ALIGN);
+    char *tmp = NULL, *old = NULL;
+    int r = 0;
+
+    *undo = NULL;
+    if (posix_memalign((void **)&tmp, ZINF_ALIGN, a1 - a0) ||
+        posix_memalign((void **)&old, ZINF_ALIGN, a1 - a0)) {
+        free(tmp);
+        return -ENOMEM;
+    }
+    if (zero_first) {
+        size_t zb = MIN(extent_bytes, (size_t)8 * MiB);
+        char *z = NULL;
+        if (posix_memalign((void **)&z, ZINF_ALIGN, zb)) {
+            r = -ENOMEM;
+            goto out;
+        }
+        memset(z, 0, zb);
+        for (size_t p = 0; p < extent_bytes && r == 0; p += zb)
+            r = nvme_write(e->nvme, swap_off + p, z, MIN(zb, extent_bytes - p));
+        free(z);
+        memset(old, 0, a1 - a0);
+    } else {
+        r = nvme_read(e->nvme, swap_off + a0, old, a1 - a0);
+    }
+    if (r < 0)
+        goto out;
+    memcpy(tmp, old, a1 - a0);
+    memcpy(tmp + (off - a0), src, n);
+    r = nvme_write(e->nvme, swap_off + a0, tmp, a1 - a0);
+    if (r == 0) {
+        *undo = old;
+        *undo_off = a0;
+        *undo_len = a1 - a0;
+        old = NULL;
+    }
+out:
+    free(old);
+    free(tmp);
+    return r;
+}
+
+int swap_copy(struct zinf_engine *e, uint64_t from, uint64_t to, size_t bytes)
+{
+    size_t chunk = MIN(bytes, (size_t)8 * MiB);
+    char *buf = NULL;
+    int r = 0;
+
+    if (posix_memalign((void **)&buf, ZINF_ALIGN, chunk))
+        return -ENOMEM;
+    for (size_t p = 0; p < bytes && r == 0; p += chunk) {
+        size_t n = MIN(chunk, bytes - p);
+        r = nvme_read(e->nvme, from + p, buf, n);
+        if (r == 0)
+            r = nvme_write(e->nvme, to + p, buf, n);
+    }
+    free(buf);
+    return r;
+}
