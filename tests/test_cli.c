@@ -146,3 +146,72 @@ Test(cli, bench_bad_arguments)
         free(o);
     }
 }
+
+static void write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+Test(cli, config_check)
+{
+    char *o, path[4096];
+    snprintf(path, sizeof(path), "%s/ds.json", dir);
+    write_file(path, "{\"train_batch_size\": 8, \"zero_optimization\": {\"stage\": 3, "
+                     "\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"/local_nvme\"}}, "
+                     "\"aio\": {\"block_size\": 4194304, \"queue_depth\": 16}}");
+    cr_assert_eq(run(&o, "config check %s", path), 0, "%s", o);
+    cr_assert(strstr(o, "4194304") && strstr(o, "/local_nvme"), "%s", o);
+    free(o);
+
+    write_file(path, "{\"aio\": {\"block_size\": 1000}}");
+    cr_assert_eq(run(&o, "config check %s", path), 2, "%s", o);
+    cr_assert(strstr(o, "aio.block_size: must be a multiple of 4096, got 1000"), "%s", o);
+    free(o);
+
+    write_file(path, "{\"aio\": {\"queue_depht\": 8}}");
+    cr_assert_eq(run(&o, "config check %s", path), 0, "%s", o);
+    cr_assert(strstr(o, "aio.queue_depht"), "an unknown key is named: %s", o);
+    free(o);
+    cr_assert_eq(run(&o, "config check --strict %s", path), 2, "%s", o);
+    free(o);
+
+    cr_assert_eq(run(&o, "config check %s/missing.json", dir), 2, "%s", o);
+    cr_assert(strstr(o, "missing.json"), "%s", o);
+    free(o);
+}
+
+/* The sweep's closing snippet is a config that `zinf config check` takes as it is. */
+Test(cli, sweep_snippet_is_a_valid_config)
+{
+    char *o, path[4096];
+    cr_assert_eq(run(&o, "bench --path %s --size 8M --sweep", dir), 0, "%s", o);
+    char *snip = strstr(o, "{\"aio\":");
+    cr_assert_not_null(snip, "%s", o);
+    char *end = strchr(snip, '\n');
+    if (end)
+        *end = '\0';
+    snprintf(path, sizeof(path), "%s/tuned.json", dir);
+    write_file(path, snip);
+    free(o);
+    cr_assert_eq(run(&o, "config check --strict %s", path), 0, "%s", o);
+    free(o);
+}
+
+Test(cli, topo_and_stat)
+{
+    char *o;
+    cr_assert_eq(run(&o, "topo"), 0, "%s", o);
+    cr_assert(strstr(o, "NUMA") || strstr(o, "node"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "stat --path %s --json", dir), 0, "%s", o);
+    cr_assert(strstr(o, "\"tensors\": 0") && strstr(o, "\"nvme\""), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "stat"), 2, "%s", o);
+    cr_assert(strstr(o, "exactly one of --config FILE or --path DIR"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "stat --config %s/nope.json", dir), 2, "%s", o);
+    free(o);
+}

@@ -16,6 +16,7 @@ static void usage(FILE *f)
             "commands:\n"
             "  bench     measure the NVMe swap path (io_uring, O_DIRECT), optionally vs pread/pwrite\n"
             "  config    check a DeepSpeed-style JSON config: zinf config check FILE\n"
+            "  stat      open an engine (from a config, or a swap directory) and print its stats\n"
             "  topo      show the NUMA nodes, GPUs and drives, and where zinf puts its memory\n"
             "  version   print the version and what this build supports\n"
             "  help      this text; 'zinf <command> --help' for a command's options\n");
@@ -52,6 +53,8 @@ int main(int argc, char **argv)
         return cmd_bench(argc - 1, argv + 1);
     if (!strcmp(c, "config"))
         return cmd_config(argc - 1, argv + 1);
+    if (!strcmp(c, "stat"))
+        return cmd_stat(argc - 1, argv + 1);
     if (!strcmp(c, "topo"))
         return cmd_topo(argc - 1, argv + 1);
     fprintf(stderr, "zinf: unknown command '%s'\n", c);

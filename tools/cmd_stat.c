@@ -1,0 +1,140 @@
+/*
+ * cmd_stat.c - `zinf stat`: open an engine the way a trainer would (from a DeepSpeed-style
+ * config, or from a swap directory with what it holds resumed) and print what zinf_stats
+ * reports: capacity and use per tier, the tensors, NVMe traffic, fetches and hits.
+ *
+ * It is an inspection tool for the state on disk and the settings, not a monitor of
+ * another running process.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "cmd.h"
+#include "common.h"
+
+static const char *const tier_names[] = {"device", "host", "nvme"};
+
+static void print_json(const struct zinf_stats *s)
+{
+    printf("{\"tiers\": {");
+    for (int i = 0; i < 3; i++) {
+        const struct zinf_tier_stats *t = &s->tier[i];
+        printf("%s\"%s\": {\"capacity_bytes\": %llu, \"used_bytes\": %llu, \"pinned_bytes\": %llu, "
+               "\"fetches\": %llu, \"hits\": %llu, \"evictions\": %llu, \"writebacks\": %llu}",
+               i ? ", " : "", tier_names[i], (unsigned long long)t->capacity_bytes,
+               (unsigned long long)t->used_bytes, (unsigned long long)t->pinned_bytes,
+               (unsigned long long)t->fetches, (unsigned long long)t->hits,
+               (unsigned long long)t->evictions, (unsigned long long)t->writebacks);
+    }
+    printf("}, \"tensors\": %llu, \"nvme_bytes_read\": %llu, \"nvme_bytes_written\": %llu, "
+           "\"prefetches\": %llu, \"prefetch_in_time\": %llu, \"prefetch_late\": %llu, "
+           "\"prefetch_wasted\": %llu, \"blocked_ns\": %llu, \"steps\": %llu, "
+           "\"schedule_length\": %llu, \"schedule_resets\": %llu, \"flushes\": %llu, "
+           "\"io_buffered\": %u, \"device_is_cuda\": %s}\n",
+           (unsigned long long)s->tensors, (unsigned long long)s->nvme_bytes_read,
+           (unsigned long long)s->nvme_bytes_written, (unsigned long long)s->prefetches,
+           (unsigned long long)s->prefetch_in_time, (unsigned long long)s->prefetch_late,
+           (unsigned long long)s->prefetch_wasted, (unsigned long long)s->blocked_ns,
+           (unsigned long long)s->steps, (unsigned long long)s->schedule_length,
+           (unsigned long long)s->schedule_resets, (unsigned long long)s->flushes,
+           s->io_buffered, s->device_is_cuda ? "true" : "false");
+}
+
+static void print_table(const struct zinf_stats *s)
+{
+    char a[32], b[32], c[32];
+    printf("# zinf %s: device tier %s\n", zinf_version(), s->device_is_cuda ? "CUDA" : "emulated");
+    printf("# %7s %12s %12s %12s %9s %9s %9s %10s\n", "tier", "capacity", "used", "pinned",
+           "fetches", "hits", "evicted", "written");
+    for (int i = 0; i < 3; i++) {
+        const struct zinf_tier_stats *t = &s->tier[i];
+        printf("  %7s %12s %12s %12s %9llu %9llu %9llu %10llu\n", tier_names[i],
+               format_size(t->capacity_bytes, a, sizeof(a)), format_size(t->used_bytes, b, sizeof(b)),
+               format_size(t->pinned_bytes, c, sizeof(c)), (unsigned long long)t->fetches,
+               (unsigned long long)t->hits, (unsigned long long)t->evictions,
+               (unsigned long long)t->writebacks);
+    }
+    printf("# tensors %llu; nvme read %s, written %s; prefetches %llu (in time %llu, late %llu); "
+           "blocked %.3f s\n",
+           (unsigned long long)s->tensors, format_size(s->nvme_bytes_read, a, sizeof(a)),
+           format_size(s->nvme_bytes_written, b, sizeof(b)), (unsigned long long)s->prefetches,
+           (unsigned long long)s->prefetch_in_time, (unsigned long long)s->prefetch_late,
+           (double)s->blocked_ns / 1e9);
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: zinf stat (--config FILE | --path DIR) [--json]\n"
+               "  --config FILE   open the engine a DeepSpeed-style config describes\n"
+               "  --path DIR      open the swap directory DIR, resuming the tensors persisted there\n"
+               "  --json          one JSON object instead of the table\n");
+}
+
+int cmd_stat(int argc, char **argv)
+{
+    static const struct option longopts[] = {
+        {"config", required_argument, NULL, 'c'},
+        {"path", required_argument, NULL, 'p'},
+        {"json", no_argument, NULL, 'j'},
+        {"help", no_argument, NULL, 'h'},
+        {0},
+    };
+    const char *config = NULL, *path = NULL;
+    bool json = false;
+    zinf_engine *e = NULL;
+    struct zinf_stats st;
+    int ch, r;
+
+    optind = 1;
+    opterr = 0;
+    while ((ch = getopt_long(argc, argv, "c:p:jh", longopts, NULL)) != -1) {
+        switch (ch) {
+        case 'c': config = optarg; break;
+        case 'p': path = optarg; break;
+        case 'j': json = true; break;
+        case 'h': usage(stdout); return 0;
+        default:
+            fprintf(stderr, "zinf stat: unknown or incomplete option '%s'\n", argv[optind - 1]);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind < argc || !config == !path) {
+        fprintf(stderr, "zinf stat: give exactly one of --config FILE or --path DIR\n");
+        usage(stderr);
+        return 2;
+    }
+    if (config) {
+        r = zinf_open_config(config, &e);
+    } else {
+        /* The stripe layout on disk depends on the block size it was written with: take
+         * it from the manifest when there is one. */
+        char mpath[4096];
+        struct zinf_options o = {.nvme_path = path, .flags = ZINF_OPEN_RESUME};
+        snprintf(mpath, sizeof(mpath), "%s/zinf-manifest.json", path);
+        json_t *m = json_load_file(mpath, 0, NULL);
+        if (m) {
+            json_int_t bs = json_integer_value(json_object_get(m, "block_size"));
+            if (bs > 0)
+                o.block_size = (size_t)bs;
+            json_decref(m);
+        }
+        r = zinf_open(&o, &e);
+    }
+    if (r < 0) {
+        fprintf(stderr, "zinf stat: cannot open the engine (%s): %s\n", config ? config : path,
+                zinf_strerror(r));
+        return r == -EINVAL || r == -ENOENT ? 2 : 1;
+    }
+    zinf_stats(e, &st);
+    if (json)
+        print_json(&st);
+    else
+        print_table(&st);
+    zinf_close(e);
+    return 0;
+}
