@@ -11,6 +11,28 @@
 #include "common.h"
 #include "helpers.h"
 
+#include <criterion/criterion.h>
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define ZINF_TEST_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+#define ZINF_TEST_ASAN 1
+#endif
+#ifdef ZINF_TEST_ASAN
+#include <sanitizer/lsan_interface.h>
+void test_leak_check(void)
+{
+    cr_assert_eq(__lsan_do_recoverable_leak_check(), 0, "memory leaked (report above)");
+}
+#else
+void test_leak_check(void)
+{
+}
+#endif
+
 static char *make_dir(const char *base, const char *tag)
 {
     char path[4096];

@@ -18,6 +18,10 @@ void *test_aligned_alloc(size_t bytes);
 void test_fill_random(void *buf, size_t bytes, uint64_t seed);
 uint64_t test_rand(uint64_t *state);
 
+/* Under LeakSanitizer, fail the current test if memory leaked so far (Criterion's
+ * workers leave without the exit-time leak check failing the test). No-op otherwise. */
+void test_leak_check(void);
+
 /* Collect log messages in memory; test_log_text() returns all of them joined by '\n'. */
 void test_log_capture_start(void);
 const char *test_log_text(void);

@@ -8,6 +8,8 @@
 #include "common.h"
 #include "helpers.h"
 
+TestSuite(common, .fini = test_leak_check);
+
 Test(common, parse_size_accepts_units_and_exponents)
 {
     static const struct { const char *s; uint64_t v; } ok[] = {

@@ -102,6 +102,8 @@ static void check_defaults(const struct zinf_config *c)
     cr_expect_eq(c->n_ignored, 0);
 }
 
+TestSuite(config, .fini = test_leak_check);
+
 Test(config, defaults_are_deepspeeds)
 {
     struct zinf_config c;

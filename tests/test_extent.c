@@ -18,6 +18,8 @@ static void stats(const struct extent_alloc *a, struct extent_stats *s)
     extent_get_stats(a, s);
 }
 
+TestSuite(extent, .fini = test_leak_check);
+
 Test(extent, init_and_fini)
 {
     struct extent_alloc a;

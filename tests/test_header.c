@@ -8,6 +8,9 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include "helpers.h"
+
+TestSuite(header, .fini = test_leak_check);
 
 Test(header, version_matches_macros)
 {

@@ -80,6 +80,8 @@ static size_t vm_locked(void)
     return kb * KiB;
 }
 
+TestSuite(host, .fini = test_leak_check);
+
 Test(host, alloc_free_and_pointers)
 {
     struct host *h = open_host(CAP, 0, false);

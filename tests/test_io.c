@@ -31,6 +31,7 @@ static void setup(void)
 
 static void teardown(void)
 {
+    test_leak_check();
     test_rmtree(dir);
     dir = NULL;
 }

@@ -38,6 +38,7 @@ static void setup(void)
 
 static void teardown(void)
 {
+    test_leak_check();
     test_log_capture_stop();
     test_rmtree(dir);
     test_rmtree(dir2);

@@ -111,6 +111,8 @@ static char *fake_sysfs(void)
     return root;
 }
 
+TestSuite(topo, .fini = test_leak_check);
+
 Test(topo, xml_counts_nodes)
 {
     struct topo *t = open_xml();
