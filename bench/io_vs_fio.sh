@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # io_vs_fio.sh - zinf bench against fio (io_uring, O_DIRECT) on the same file, with the
-# same block size and queue depth, alternating, ROUNDS rounds each; prints the mean GB/s
-# of each and the ratio zinf/fio for read and for write.
+# same block size and queue depth, alternating, ROUNDS rounds each; prints the median GB/s
+# of each (robust to the odd round disturbed by a neighbour on a shared machine) and the
+# ratio zinf/fio of the medians for read and for write.
 #
 # usage: bench/io_vs_fio.sh [DIR] [SIZE] [ROUNDS]   (defaults: ./swap 2G 3)
 #   ZINF=path/to/zinf   the binary (default: build/tools/zinf)
@@ -55,7 +56,7 @@ PY
 echo "# io_vs_fio: $file, size $size, $rounds rounds, alternating zinf and fio"
 echo "# $(uname -sr), $(nproc) cpus, fio $(fio --version)"
 echo "# filesystem: $(df -T "$dir" | awk 'NR==2 {print $1, $2}')"
-printf "# %6s %4s %6s %10s %10s %8s\n" block qd op zinf_GB/s fio_GB/s zinf/fio
+printf "# %6s %4s %6s %10s %10s %8s   (medians)\n" block qd op zinf_GB/s fio_GB/s zinf/fio
 status=0
 for c in $configs; do
   bs=${c%%:*} qd=${c##*:}
@@ -73,12 +74,15 @@ for c in $configs; do
 import sys
 bs, qd = sys.argv[1], sys.argv[2]
 zw, fw, zr, fr = ([float(x) for x in a.split()] for a in sys.argv[3:7])
-mean = lambda v: sum(v) / len(v)
+def median(v):
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 bad = False
 for op, z, f in (('write', zw, fw), ('read', zr, fr)):
-    ratio = mean(z) / mean(f)
+    ratio = median(z) / median(f)
     print("  %6s %4s %6s %10.3f %10.3f %8.3f   rounds zinf %s fio %s" % (
-        bs, qd, op, mean(z), mean(f), ratio,
+        bs, qd, op, median(z), median(f), ratio,
         ' '.join('%.2f' % x for x in z), ' '.join('%.2f' % x for x in f)))
     bad |= ratio < 0.95
 sys.exit(1 if bad else 0)
