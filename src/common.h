@@ -5,6 +5,7 @@
 #ifndef ZINF_COMMON_H
 #define ZINF_COMMON_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -40,6 +41,34 @@ static inline uint64_t now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* A one-shot completion: a thread waits for a result that a callback on another thread
+ * posts. Used by the synchronous wrappers around asynchronous requests. */
+struct completion {
+    pthread_mutex_t lock;
+    pthread_cond_t cv;
+    bool done;
+    int res;
+};
+#define COMPLETION_INIT {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, 0}
+
+static inline void completion_post(struct completion *c, int res)
+{
+    pthread_mutex_lock(&c->lock);
+    c->res = res;
+    c->done = true;
+    pthread_cond_signal(&c->cv);
+    pthread_mutex_unlock(&c->lock);
+}
+
+static inline int completion_wait(struct completion *c)
+{
+    pthread_mutex_lock(&c->lock);
+    while (!c->done)
+        pthread_cond_wait(&c->cv, &c->lock);
+    pthread_mutex_unlock(&c->lock);
+    return c->res;
 }
 
 /* Logging. Messages go to the sink (stderr by default) prefixed with "zinf: ". */

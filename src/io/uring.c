@@ -812,36 +812,20 @@ int uring_submit(struct uring *u, struct uring_req *req)
     return 0;
 }
 
-struct sync_wait {
-    pthread_mutex_t lock;
-    pthread_cond_t cv;
-    bool done;
-    int res;
-};
-
 static void sync_cb(struct uring_req *req, int res)
 {
-    struct sync_wait *w = req->data;
-    pthread_mutex_lock(&w->lock);
-    w->res = res;
-    w->done = true;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->lock);
+    completion_post(req->data, res);
 }
 
 int uring_rw(struct uring *u, enum uring_op op, int file, void *buf, size_t len, uint64_t off)
 {
-    struct sync_wait w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, 0};
+    struct completion w = COMPLETION_INIT;
     struct uring_req req = {.op = op, .file = file, .buf = buf, .len = len, .off = off,
                             .cb = sync_cb, .data = &w};
     int r = uring_submit(u, &req);
     if (r < 0)
         return r;
-    pthread_mutex_lock(&w.lock);
-    while (!w.done)
-        pthread_cond_wait(&w.cv, &w.lock);
-    pthread_mutex_unlock(&w.lock);
-    return w.res;
+    return completion_wait(&w);
 }
 
 void uring_get_stats(struct uring *u, struct uring_stats *out)

@@ -646,40 +646,21 @@ int device_copy_async(struct device *d, struct device_copy *c)
     return 0;
 }
 
-struct sync_wait {
-    pthread_mutex_t lock;
-    pthread_cond_t cv;
-    bool done;
-    int res;
-};
-
 static void sync_cb(struct device_copy *c, int res)
 {
-    struct sync_wait *w = c->data;
-
-    pthread_mutex_lock(&w->lock);
-    w->res = res;
-    w->done = true;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->lock);
+    completion_post(c->data, res);
 }
 
 int device_copy_sync(struct device *d, enum device_dir dir, uint64_t dev_off, void *host,
                      size_t len)
 {
-    struct sync_wait w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, 0};
+    struct completion w = COMPLETION_INIT;
     struct device_copy c = {
         .dir = dir, .dev_off = dev_off, .host = host, .len = len, .cb = sync_cb, .data = &w};
     int r = device_copy_async(d, &c);
 
     if (r < 0) return r;
-    pthread_mutex_lock(&w.lock);
-    while (!w.done)
-        pthread_cond_wait(&w.cv, &w.lock);
-    pthread_mutex_unlock(&w.lock);
-    pthread_cond_destroy(&w.cv);
-    pthread_mutex_destroy(&w.lock);
-    return w.res;
+    return completion_wait(&w);
 }
 
 int device_zero(struct device *d, uint64_t off, size_t len)

@@ -480,35 +480,19 @@ int nvme_submit(struct nvme *n, struct uring_req *req)
     return uring_submit(n->io, req);
 }
 
-struct sync_wait {
-    pthread_mutex_t lock;
-    pthread_cond_t cv;
-    bool done;
-    int res;
-};
-
 static void sync_cb(struct uring_req *req, int res)
 {
-    struct sync_wait *w = req->data;
-    pthread_mutex_lock(&w->lock);
-    w->res = res;
-    w->done = true;
-    pthread_cond_signal(&w->cv);
-    pthread_mutex_unlock(&w->lock);
+    completion_post(req->data, res);
 }
 
 static int sync_io(struct nvme *n, enum uring_op op, uint64_t off, void *buf, size_t len)
 {
-    struct sync_wait w = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, false, 0};
+    struct completion w = COMPLETION_INIT;
     struct uring_req req = {
         .op = op, .buf = buf, .len = len, .off = off, .cb = sync_cb, .data = &w};
     int r = nvme_submit(n, &req);
     if (r < 0) return r;
-    pthread_mutex_lock(&w.lock);
-    while (!w.done)
-        pthread_cond_wait(&w.cv, &w.lock);
-    pthread_mutex_unlock(&w.lock);
-    return w.res;
+    return completion_wait(&w);
 }
 
 int nvme_read(struct nvme *n, uint64_t off, void *buf, size_t len)
