@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 build_dir=${BUILD_DIR:-build}
 pkgs=(gcc pkg-config meson ninja-build liburing-dev libnuma-dev libhwloc-dev
-      libcriterion-dev libjansson-dev fio python3)
+      libcriterion-dev libjansson-dev libopenblas-dev fio python3)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
