@@ -1,0 +1,1011 @@
+/*
+ * gpt.c - the CPU reference of gpt.h: embedding, transformer block, head and loss, each
+ * forward and backward, in fp32.
+ *
+ * Layers are plain loops (OpenMP over rows, heads or column blocks) and cblas_sgemm for the
+ * four linear layers and the LM head, in the manner of llm.c's train_gpt2.c. Every
+ * reduction has a fixed order: sums over rows (bias, LayerNorm and embedding gradients) are
+ * split across threads by column, each column summed by one thread from row 0 up, so the
+ * bits do not depend on which thread ran what.
+ *
+ * A block's forward writes its internals (struct block_acts) into scratch. The public
+ * backward recomputes them from the block's input and then runs the backward from them;
+ * gpt_model_backward() instead keeps one struct block_acts per block from its forward. Both
+ * run the same two functions, so recompute and keep-everything agree exactly.
+ *
+ * Not here: where parameters live, the optimizer, any GPU code, mixed precision.
+ */
+#include <cblas.h>
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "train/gpt.h"
+
+#define LN_EPS 1e-5f
+#define COL_BLOCK 64    /* columns per thread task in the sums over rows */
+#define ALIGN_FLOATS 16 /* sub-buffers of scratch start on 64-byte boundaries */
+#define SCRATCH_ALIGN_BYTES 64
+#define MAX_DIM (1 << 20) /* any one dimension; keeps every product well inside size_t */
+
+/* ---- config, layout, init ------------------------------------------------------------- */
+
+void gpt_config_defaults(struct gpt_config *cfg)
+{
+    *cfg = (struct gpt_config){.V = 256, .maxT = 1024, .L = 12, .C = 768, .NH = 12};
+}
+
+int gpt_config_validate(const struct gpt_config *cfg, char *msg, size_t msg_len)
+{
+    char tmp[128];
+    if (!msg || !msg_len) {
+        msg = tmp;
+        msg_len = sizeof(tmp);
+    }
+    if (!cfg) {
+        snprintf(msg, msg_len, "no config");
+        return -EINVAL;
+    }
+    const struct {
+        const char *name;
+        int v, max;
+    } dims[] = {{"V", cfg->V, MAX_DIM},
+                {"maxT", cfg->maxT, MAX_DIM},
+                {"L", cfg->L, 1 << 16},
+                {"C", cfg->C, 1 << 16},
+                {"NH", cfg->NH, 1 << 16}};
+    for (size_t i = 0; i < sizeof(dims) / sizeof(dims[0]); i++) {
+        if (dims[i].v < 1 || dims[i].v > dims[i].max) {
+            snprintf(msg, msg_len, "%s=%d is out of range: it must be in [1, %d]", dims[i].name,
+                     dims[i].v, dims[i].max);
+            return -EINVAL;
+        }
+    }
+    if (cfg->C % cfg->NH != 0) {
+        snprintf(msg, msg_len,
+                 "C=%d is not a multiple of NH=%d: every head needs the same size C/NH", cfg->C,
+                 cfg->NH);
+        return -EINVAL;
+    }
+    msg[0] = '\0';
+    return 0;
+}
+
+static const char *const slot_names[GPT_BLOCK_NSLOTS] = {
+    [GPT_LN1_W] = "ln1.w",
+    [GPT_LN1_B] = "ln1.b",
+    [GPT_QKV_W] = "attn.qkv.w",
+    [GPT_QKV_B] = "attn.qkv.b",
+    [GPT_ATTN_PROJ_W] = "attn.proj.w",
+    [GPT_ATTN_PROJ_B] = "attn.proj.b",
+    [GPT_LN2_W] = "ln2.w",
+    [GPT_LN2_B] = "ln2.b",
+    [GPT_FC_W] = "mlp.fc.w",
+    [GPT_FC_B] = "mlp.fc.b",
+    [GPT_MLP_PROJ_W] = "mlp.proj.w",
+    [GPT_MLP_PROJ_B] = "mlp.proj.b",
+};
+
+const char *gpt_block_slot_name(int slot)
+{
+    return slot >= 0 && slot < GPT_BLOCK_NSLOTS ? slot_names[slot] : NULL;
+}
+
+/* (rows, cols) of a block slot; cols is 1 for vectors. */
+static void slot_shape(size_t C, int slot, size_t *rows, size_t *cols)
+{
+    static const unsigned char r[GPT_BLOCK_NSLOTS] = {1, 1, 3, 3, 1, 1, 1, 1, 4, 4, 1, 1};
+    static const unsigned char c[GPT_BLOCK_NSLOTS] = {0, 0, 1, 0, 1, 0, 0, 0, 1, 0, 4, 0};
+    *rows = r[slot] * C;
+    *cols = c[slot] ? c[slot] * C : 1;
+}
+
+size_t gpt_block_num_params(const struct gpt_config *cfg)
+{
+    size_t C = (size_t)cfg->C;
+    return 12 * C * C + 13 * C; /* weights 3CC + CC + 4CC + 4CC; vectors 2C+3C+C+2C+4C+C */
+}
+
+size_t gpt_num_params(const struct gpt_config *cfg)
+{
+    size_t C = (size_t)cfg->C;
+    return ((size_t)cfg->V + (size_t)cfg->maxT) * C + (size_t)cfg->L * gpt_block_num_params(cfg) +
+           2 * C;
+}
+
+int gpt_layout(const struct gpt_config *cfg, struct gpt_tensor_desc *out, size_t cap)
+{
+    int r = gpt_config_validate(cfg, NULL, 0);
+    if (r < 0) return r;
+    if (!out && cap) return -EINVAL;
+    size_t C = (size_t)cfg->C, count = 4 + (size_t)GPT_BLOCK_NSLOTS * (size_t)cfg->L;
+    size_t off = 0, i = 0;
+    struct gpt_tensor_desc d;
+
+#define EMIT()                                                                                     \
+    do {                                                                                           \
+        d.numel = d.shape[0] * d.shape[1];                                                         \
+        d.offset = off;                                                                            \
+        off += d.numel;                                                                            \
+        if (i < cap) out[i] = d;                                                                   \
+        i++;                                                                                       \
+    } while (0)
+
+    d = (struct gpt_tensor_desc){
+        .name = "wte", .block = -1, .slot = GPT_WTE, .ndim = 2, .shape = {(size_t)cfg->V, C}};
+    EMIT();
+    d = (struct gpt_tensor_desc){
+        .name = "wpe", .block = -1, .slot = GPT_WPE, .ndim = 2, .shape = {(size_t)cfg->maxT, C}};
+    EMIT();
+    for (int l = 0; l < cfg->L; l++) {
+        for (int s = 0; s < GPT_BLOCK_NSLOTS; s++) {
+            memset(&d, 0, sizeof(d));
+            snprintf(d.name, sizeof(d.name), "h%d.%s", l, slot_names[s]);
+            d.block = l;
+            d.slot = s;
+            slot_shape(C, s, &d.shape[0], &d.shape[1]);
+            d.ndim = d.shape[1] == 1 ? 1 : 2;
+            EMIT();
+        }
+    }
+    d = (struct gpt_tensor_desc){
+        .name = "lnf.w", .block = -1, .slot = GPT_LNF_W, .ndim = 1, .shape = {C, 1}};
+    EMIT();
+    d = (struct gpt_tensor_desc){
+        .name = "lnf.b", .block = -1, .slot = GPT_LNF_B, .ndim = 1, .shape = {C, 1}};
+    EMIT();
+#undef EMIT
+    return (int)count;
+}
+
+static void block_pointers(size_t C, const float *block, const float *t[GPT_BLOCK_NSLOTS])
+{
+    size_t off = 0;
+    for (int s = 0; s < GPT_BLOCK_NSLOTS; s++) {
+        size_t rows, cols;
+        slot_shape(C, s, &rows, &cols);
+        t[s] = block + off;
+        off += rows * cols;
+    }
+}
+
+void gpt_block_params_at(const struct gpt_config *cfg, const float *block,
+                         struct gpt_block_params *p)
+{
+    block_pointers((size_t)cfg->C, block, p->t);
+}
+
+void gpt_block_grads_at(const struct gpt_config *cfg, float *block, struct gpt_block_grads *g)
+{
+    const float *t[GPT_BLOCK_NSLOTS];
+    block_pointers((size_t)cfg->C, block, t);
+    for (int s = 0; s < GPT_BLOCK_NSLOTS; s++)
+        g->t[s] = block + (t[s] - block);
+}
+
+static uint64_t splitmix64(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in (0, 1]: never 0, so log() below stays finite. */
+static double uniform01(uint64_t *state)
+{
+    return ((splitmix64(state) >> 11) + 1) * (1.0 / 9007199254740992.0);
+}
+
+int gpt_init_tensor(const struct gpt_config *cfg, const struct gpt_tensor_desc *d, float *data,
+                    uint64_t seed)
+{
+    int r = gpt_config_validate(cfg, NULL, 0);
+    if (r < 0) return r;
+    if (!d || (!data && d->numel)) return -EINVAL;
+    int is_vector = d->ndim == 1;
+    int is_ln_w = (d->block < 0 && d->slot == GPT_LNF_W) ||
+                  (d->block >= 0 && (d->slot == GPT_LN1_W || d->slot == GPT_LN2_W));
+    if (is_ln_w) {
+        for (size_t i = 0; i < d->numel; i++)
+            data[i] = 1.0f;
+        return 0;
+    }
+    if (is_vector) { /* biases and LayerNorm biases */
+        memset(data, 0, d->numel * sizeof(float));
+        return 0;
+    }
+    double std = 0.02;
+    if (d->block >= 0 && (d->slot == GPT_ATTN_PROJ_W || d->slot == GPT_MLP_PROJ_W))
+        std /= sqrt(2.0 * cfg->L);
+    /* The stream depends on the seed and the name only (FNV-1a of the name). */
+    uint64_t state = seed ^ 0xcbf29ce484222325ull;
+    for (const char *c = d->name; *c; c++)
+        state = (state ^ (unsigned char)*c) * 0x100000001b3ull;
+    for (size_t i = 0; i < d->numel; i += 2) {
+        /* Box-Muller: two normals per pair of uniforms. */
+        double u1 = uniform01(&state), u2 = uniform01(&state);
+        double rad = sqrt(-2.0 * log(u1)), ang = 2.0 * M_PI * u2;
+        data[i] = (float)(std * rad * cos(ang));
+        if (i + 1 < d->numel) data[i + 1] = (float)(std * rad * sin(ang));
+    }
+    return 0;
+}
+
+/* ---- layers ---------------------------------------------------------------------------- */
+
+/* out (N,C) = (inp (N,C) - mean) * rstd * w (C) + b (C); mean and rstd (N) are kept for
+ * the backward. */
+static void layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                              const float *w, const float *b, size_t N, size_t C)
+{
+#pragma omp parallel for schedule(static)
+    for (size_t n = 0; n < N; n++) {
+        const float *x = inp + n * C;
+        float *o = out + n * C;
+        float m = 0.0f, var = 0.0f;
+        for (size_t i = 0; i < C; i++)
+            m += x[i];
+        m /= (float)C;
+        for (size_t i = 0; i < C; i++) {
+            float d = x[i] - m;
+            var += d * d;
+        }
+        var /= (float)C;
+        float s = 1.0f / sqrtf(var + LN_EPS);
+        for (size_t i = 0; i < C; i++)
+            o[i] = (x[i] - m) * s * w[i] + b[i];
+        mean[n] = m;
+        rstd[n] = s;
+    }
+}
+
+/* dw, db (C) += the LayerNorm's parameter gradients; d_inp (N,C) = (or += when accumulate)
+ * the gradient of its input. d_inp may be inp: the parameter gradients, which read inp for
+ * every row, are done first, and the input gradient of a row reads inp[i] before it writes
+ * d_inp[i]. */
+static void layernorm_backward(float *d_inp, int accumulate, float *dw, float *db,
+                               const float *d_out, const float *inp, const float *w,
+                               const float *mean, const float *rstd, size_t N, size_t C)
+{
+    size_t nblk = (C + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (size_t blk = 0; blk < nblk; blk++) {
+        size_t c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
+        for (size_t n = 0; n < N; n++) {
+            const float *x = inp + n * C, *d = d_out + n * C;
+            float m = mean[n], s = rstd[n];
+            for (size_t c = c0; c < c1; c++) {
+                dw[c] += d[c] * ((x[c] - m) * s);
+                db[c] += d[c];
+            }
+        }
+    }
+#pragma omp parallel for schedule(static)
+    for (size_t n = 0; n < N; n++) {
+        const float *x = inp + n * C, *d = d_out + n * C;
+        float *dx = d_inp + n * C;
+        float m = mean[n], s = rstd[n];
+        float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+        for (size_t i = 0; i < C; i++) {
+            float dnorm = w[i] * d[i];
+            dnorm_mean += dnorm;
+            dnorm_norm_mean += dnorm * ((x[i] - m) * s);
+        }
+        dnorm_mean /= (float)C;
+        dnorm_norm_mean /= (float)C;
+        for (size_t i = 0; i < C; i++) {
+            float norm = (x[i] - m) * s;
+            float v = s * (w[i] * d[i] - dnorm_mean - norm * dnorm_norm_mean);
+            dx[i] = accumulate ? dx[i] + v : v;
+        }
+    }
+}
+
+/* out (N,OC) = [residual (N,OC) +] b (OC) + inp (N,IC) @ W^T, W being (OC,IC). Folding the
+ * residual add into the GEMM's accumulate saves a pass and a buffer. */
+static void linear_forward(float *out, const float *inp, const float *W, const float *b,
+                           const float *residual, size_t N, size_t IC, size_t OC)
+{
+#pragma omp parallel for schedule(static)
+    for (size_t n = 0; n < N; n++) {
+        float *o = out + n * OC;
+        const float *r = residual ? residual + n * OC : NULL;
+        for (size_t j = 0; j < OC; j++)
+            o[j] = (r ? r[j] : 0.0f) + b[j];
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)OC, (int)IC, 1.0f, inp,
+                (int)IC, W, (int)IC, 1.0f, out, (int)OC);
+}
+
+/* acc (OC) += the sum over the N rows of x (N,OC), each column in row order. */
+static void colsum_acc(float *acc, const float *x, size_t N, size_t OC)
+{
+    size_t nblk = (OC + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (size_t blk = 0; blk < nblk; blk++) {
+        size_t c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < OC ? c0 + COL_BLOCK : OC;
+        for (size_t n = 0; n < N; n++)
+            for (size_t c = c0; c < c1; c++)
+                acc[c] += x[n * OC + c];
+    }
+}
+
+/* d_inp (N,IC) = d_out (N,OC) @ W (OC,IC); dW (OC,IC) += d_out^T @ inp (N,IC);
+ * db (OC) += the column sums of d_out. */
+static void linear_backward(float *d_inp, float *dW, float *db, const float *d_out,
+                            const float *inp, const float *W, size_t N, size_t IC, size_t OC)
+{
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)IC, (int)OC, 1.0f, d_out,
+                (int)OC, W, (int)IC, 0.0f, d_inp, (int)IC);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)OC, (int)IC, (int)N, 1.0f, d_out,
+                (int)OC, inp, (int)IC, 1.0f, dW, (int)IC);
+    colsum_acc(db, d_out, N, OC);
+}
+
+#define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
+
+/* out (n) = GELU(inp (n)), the tanh approximation GPT-2 uses. */
+static void gelu_forward(float *out, const float *inp, size_t n)
+{
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float x = inp[i];
+        float u = GELU_SCALE * (x + 0.044715f * x * x * x);
+        out[i] = 0.5f * x * (1.0f + tanhf(u));
+    }
+}
+
+/* d (n) *= GELU'(inp (n)), in place: d enters as dloss/dout and leaves as dloss/dinp. */
+static void gelu_backward(float *d, const float *inp, size_t n)
+{
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) {
+        float x = inp[i];
+        float u = GELU_SCALE * (x + 0.044715f * x * x * x);
+        float th = tanhf(u);
+        float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+        d[i] *= 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
+    }
+}
+
+/* Causal self-attention. qkv (B,T,3C) holds q, k and v side by side, head h at columns
+ * h*hs of each. att (B,NH,T,T) receives the softmax probabilities (zero above the
+ * diagonal); y (B,T,C) the heads' outputs side by side. One (b,h) per thread task. */
+static void attention_forward(float *y, float *att, const float *qkv, size_t B, size_t T, size_t C,
+                              size_t NH)
+{
+    size_t hs = C / NH, C3 = 3 * C;
+    float scale = 1.0f / sqrtf((float)hs);
+#pragma omp parallel for collapse(2) schedule(static)
+    for (size_t b = 0; b < B; b++) {
+        for (size_t h = 0; h < NH; h++) {
+            const float *base = qkv + b * T * C3 + h * hs;
+            float *att_bh = att + (b * NH + h) * T * T;
+            for (size_t i = 0; i < T; i++) {
+                const float *q = base + i * C3;
+                float *row = att_bh + i * T;
+                float mx = -INFINITY;
+                for (size_t j = 0; j <= i; j++) {
+                    const float *k = base + j * C3 + C;
+                    float dot = 0.0f;
+                    for (size_t e = 0; e < hs; e++)
+                        dot += q[e] * k[e];
+                    dot *= scale;
+                    row[j] = dot;
+                    if (dot > mx) mx = dot;
+                }
+                float sum = 0.0f;
+                for (size_t j = 0; j <= i; j++) {
+                    row[j] = expf(row[j] - mx);
+                    sum += row[j];
+                }
+                float inv = 1.0f / sum;
+                for (size_t j = 0; j <= i; j++)
+                    row[j] *= inv;
+                for (size_t j = i + 1; j < T; j++)
+                    row[j] = 0.0f;
+                float *out = y + (b * T + i) * C + h * hs;
+                for (size_t e = 0; e < hs; e++)
+                    out[e] = 0.0f;
+                for (size_t j = 0; j <= i; j++) {
+                    const float *v = base + j * C3 + 2 * C;
+                    float a = row[j];
+                    for (size_t e = 0; e < hs; e++)
+                        out[e] += a * v[e];
+                }
+            }
+        }
+    }
+}
+
+/* d_qkv (B,T,3C) = the gradient of attention_forward's input, given d_y (B,T,C), the
+ * input qkv and the probabilities att (B,NH,T,T). d_row (B,NH,T) is room for one row of
+ * dloss/datt per (b,h). Each (b,h) writes only its own columns of d_qkv. */
+static void attention_backward(float *d_qkv, float *d_row, const float *d_y, const float *qkv,
+                               const float *att, size_t B, size_t T, size_t C, size_t NH)
+{
+    size_t hs = C / NH, C3 = 3 * C;
+    float scale = 1.0f / sqrtf((float)hs);
+    memset(d_qkv, 0, B * T * C3 * sizeof(float));
+#pragma omp parallel for collapse(2) schedule(static)
+    for (size_t b = 0; b < B; b++) {
+        for (size_t h = 0; h < NH; h++) {
+            const float *base = qkv + b * T * C3 + h * hs;
+            float *dbase = d_qkv + b * T * C3 + h * hs;
+            const float *att_bh = att + (b * NH + h) * T * T;
+            float *datt = d_row + (b * NH + h) * T;
+            for (size_t i = 0; i < T; i++) {
+                const float *dy = d_y + (b * T + i) * C + h * hs;
+                const float *row = att_bh + i * T;
+                float dot_sum = 0.0f; /* sum_j att[i][j] * datt[j] */
+                for (size_t j = 0; j <= i; j++) {
+                    const float *v = base + j * C3 + 2 * C;
+                    float *dv = dbase + j * C3 + 2 * C;
+                    float d = 0.0f;
+                    for (size_t e = 0; e < hs; e++) {
+                        d += dy[e] * v[e];
+                        dv[e] += row[j] * dy[e];
+                    }
+                    datt[j] = d;
+                    dot_sum += row[j] * d;
+                }
+                const float *q = base + i * C3;
+                float *dq = dbase + i * C3;
+                for (size_t j = 0; j <= i; j++) {
+                    const float *k = base + j * C3 + C;
+                    float *dk = dbase + j * C3 + C;
+                    float dpre = row[j] * (datt[j] - dot_sum) * scale;
+                    for (size_t e = 0; e < hs; e++) {
+                        dq[e] += dpre * k[e];
+                        dk[e] += dpre * q[e];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* ---- scratch ----------------------------------------------------------------------------- */
+
+struct dims {
+    size_t B, T, C, NH, V, N; /* N = B*T rows */
+};
+
+static struct dims dims_of(const struct gpt_config *cfg, int B, int T)
+{
+    return (struct dims){.B = (size_t)B,
+                         .T = (size_t)T,
+                         .C = (size_t)cfg->C,
+                         .NH = (size_t)cfg->NH,
+                         .V = (size_t)cfg->V,
+                         .N = (size_t)B * T};
+}
+
+/* The next n floats at *off from base (NULL while only sizing), rounded up so every
+ * sub-buffer starts 64-byte aligned. */
+static float *take(float *base, size_t *off, size_t n)
+{
+    float *p = base ? base + *off : NULL;
+    *off += (n + ALIGN_FLOATS - 1) / ALIGN_FLOATS * ALIGN_FLOATS;
+    return p;
+}
+
+/* One block's internals, written by its forward and read by its backward. */
+struct block_acts {
+    float *ln1, *ln1_mean, *ln1_rstd; /* (B,T,C), (B,T), (B,T) */
+    float *qkv;                       /* (B,T,3C) */
+    float *att;                       /* (B,NH,T,T) softmax probabilities */
+    float *atty;                      /* (B,T,C) attention output before its projection */
+    float *x2;                        /* (B,T,C) residual stream after the attention */
+    float *ln2, *ln2_mean, *ln2_rstd; /* (B,T,C), (B,T), (B,T) */
+    float *fch;                       /* (B,T,4C) before the GELU */
+    float *fch_gelu;                  /* (B,T,4C) */
+};
+
+/* The gradients of a block's internals. Buffers are reused once what they held is dead:
+ *   d_big   (B,T,4C): dloss/dfch_gelu, then dloss/dfch in place, then dloss/dqkv (B,T,3C);
+ *   d_small (B,T,C):  dloss/dln2, then dloss/datty, then dloss/dln1. */
+struct block_dacts {
+    float *d_x2;    /* (B,T,C) */
+    float *d_big;   /* (B,T,4C) */
+    float *d_small; /* (B,T,C) */
+    float *d_row;   /* (B,NH,T) */
+};
+
+/* The head's internals: final LayerNorm and logits. */
+struct head_acts {
+    float *lnf, *mean, *rstd; /* (B,T,C), (B,T), (B,T) */
+    float *logits;            /* (B,T,V); turned into dloss/dlogits in place by the backward */
+    float *losses;            /* (B,T) per-position loss, summed in a fixed order */
+    float *d_lnf;             /* (B,T,C) */
+};
+
+static void carve_acts(struct block_acts *a, float *base, size_t *off, const struct dims *d)
+{
+    size_t NC = d->N * d->C;
+    a->ln1 = take(base, off, NC);
+    a->ln1_mean = take(base, off, d->N);
+    a->ln1_rstd = take(base, off, d->N);
+    a->qkv = take(base, off, 3 * NC);
+    a->att = take(base, off, d->B * d->NH * d->T * d->T);
+    a->atty = take(base, off, NC);
+    a->x2 = take(base, off, NC);
+    a->ln2 = take(base, off, NC);
+    a->ln2_mean = take(base, off, d->N);
+    a->ln2_rstd = take(base, off, d->N);
+    a->fch = take(base, off, 4 * NC);
+    a->fch_gelu = take(base, off, 4 * NC);
+}
+
+static void carve_dacts(struct block_dacts *a, float *base, size_t *off, const struct dims *d)
+{
+    size_t NC = d->N * d->C;
+    a->d_x2 = take(base, off, NC);
+    a->d_big = take(base, off, 4 * NC);
+    a->d_small = take(base, off, NC);
+    a->d_row = take(base, off, d->B * d->NH * d->T);
+}
+
+static void carve_head(struct head_acts *h, float *base, size_t *off, const struct dims *d)
+{
+    h->lnf = take(base, off, d->N * d->C);
+    h->mean = take(base, off, d->N);
+    h->rstd = take(base, off, d->N);
+    h->logits = take(base, off, d->N * d->V);
+    h->losses = take(base, off, d->N);
+    h->d_lnf = take(base, off, d->N * d->C);
+}
+
+/* Floats of scratch: a block's acts and dacts, or the head's, whichever is larger. */
+static size_t scratch_floats(const struct dims *d)
+{
+    struct block_acts a;
+    struct block_dacts da;
+    struct head_acts h;
+    size_t block = 0, head = 0;
+    carve_acts(&a, NULL, &block, d);
+    carve_dacts(&da, NULL, &block, d);
+    carve_head(&h, NULL, &head, d);
+    return block > head ? block : head;
+}
+
+/* 0 when (cfg, B, T) can be run, else -EINVAL. */
+static int check_bt(const struct gpt_config *cfg, int B, int T)
+{
+    int r = gpt_config_validate(cfg, NULL, 0);
+    if (r < 0) return r;
+    /* B*T rows and the widest GEMM dimension go to BLAS as int. */
+    if (B < 1 || T < 1 || T > cfg->maxT || (long long)B * T > INT_MAX / 4) return -EINVAL;
+    return 0;
+}
+
+size_t gpt_scratch_bytes(const struct gpt_config *cfg, int B, int T)
+{
+    if (check_bt(cfg, B, T) < 0) return 0;
+    struct dims d = dims_of(cfg, B, T);
+    return scratch_floats(&d) * sizeof(float) + SCRATCH_ALIGN_BYTES;
+}
+
+/* The 64-byte aligned start of s, or NULL when s is missing or too small. */
+static float *scratch_base(const struct dims *d, struct gpt_scratch *s)
+{
+    if (!s || !s->mem) return NULL;
+    if (s->bytes < scratch_floats(d) * sizeof(float) + SCRATCH_ALIGN_BYTES) return NULL;
+    uintptr_t a =
+        ((uintptr_t)s->mem + SCRATCH_ALIGN_BYTES - 1) & ~(uintptr_t)(SCRATCH_ALIGN_BYTES - 1);
+    return (float *)a;
+}
+
+static int check_tokens(const int *tok, size_t N, int V)
+{
+    if (!tok) return -EINVAL;
+    for (size_t i = 0; i < N; i++)
+        if (tok[i] < 0 || tok[i] >= V) return -EINVAL;
+    return 0;
+}
+
+static int check_block_params(const struct gpt_block_params *p)
+{
+    if (!p) return -EINVAL;
+    for (int s = 0; s < GPT_BLOCK_NSLOTS; s++)
+        if (!p->t[s]) return -EINVAL;
+    return 0;
+}
+
+static int check_block_grads(const struct gpt_block_grads *g)
+{
+    if (!g) return -EINVAL;
+    for (int s = 0; s < GPT_BLOCK_NSLOTS; s++)
+        if (!g->t[s]) return -EINVAL;
+    return 0;
+}
+
+/* ---- the pieces: embedding, block, head ---------------------------------------------------- */
+
+static void embed_forward(const struct dims *d, const float *wte, const float *wpe,
+                          const int *tokens, float *x)
+{
+    size_t C = d->C;
+#pragma omp parallel for schedule(static)
+    for (size_t n = 0; n < d->N; n++) {
+        const float *te = wte + (size_t)tokens[n] * C, *pe = wpe + (n % d->T) * C;
+        float *o = x + n * C;
+        for (size_t c = 0; c < C; c++)
+            o[c] = te[c] + pe[c];
+    }
+}
+
+/* Rows that share a token (or a position) add into the same row of d_wte (d_wpe), so the
+ * work is split by columns and each column is summed over (b,t) in order. */
+static void embed_backward(const struct dims *d, const int *tokens, const float *d_x, float *d_wte,
+                           float *d_wpe)
+{
+    size_t C = d->C, nblk = (C + COL_BLOCK - 1) / COL_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (size_t blk = 0; blk < nblk; blk++) {
+        size_t c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
+        for (size_t n = 0; n < d->N; n++) {
+            const float *g = d_x + n * C;
+            float *te = d_wte + (size_t)tokens[n] * C, *pe = d_wpe + (n % d->T) * C;
+            for (size_t c = c0; c < c1; c++) {
+                te[c] += g[c];
+                pe[c] += g[c];
+            }
+        }
+    }
+}
+
+/* x_out (B,T,C) = block(x_in); x_out NULL: fill a up to the last LayerNorm-MLP input only
+ * (what the backward needs). x_out may be x_in: x_in is last read before x_out is written. */
+static void block_forward_acts(const struct dims *d, const struct gpt_block_params *p,
+                               const float *x_in, float *x_out, struct block_acts *a)
+{
+    size_t N = d->N, C = d->C;
+    const float *const *t = p->t;
+    layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x_in, t[GPT_LN1_W], t[GPT_LN1_B], N, C);
+    linear_forward(a->qkv, a->ln1, t[GPT_QKV_W], t[GPT_QKV_B], NULL, N, C, 3 * C);
+    attention_forward(a->atty, a->att, a->qkv, d->B, d->T, C, d->NH);
+    linear_forward(a->x2, a->atty, t[GPT_ATTN_PROJ_W], t[GPT_ATTN_PROJ_B], x_in, N, C, C);
+    layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->x2, t[GPT_LN2_W], t[GPT_LN2_B], N, C);
+    linear_forward(a->fch, a->ln2, t[GPT_FC_W], t[GPT_FC_B], NULL, N, C, 4 * C);
+    gelu_forward(a->fch_gelu, a->fch, N * 4 * C);
+    if (x_out)
+        linear_forward(x_out, a->fch_gelu, t[GPT_MLP_PROJ_W], t[GPT_MLP_PROJ_B], a->x2, N, 4 * C,
+                       C);
+}
+
+/* d_in (B,T,C) = d_out (B,T,C) pulled back through the block whose internals are in a;
+ * g += the parameter gradients. d_in may be d_out: d_out is last read (step 2) long before
+ * d_in is written (step 9). */
+static void block_backward_acts(const struct dims *d, const struct gpt_block_params *p,
+                                const float *x_in, const struct block_acts *a,
+                                const struct block_dacts *da, const float *d_out, float *d_in,
+                                struct gpt_block_grads *g)
+{
+    size_t N = d->N, C = d->C;
+    const float *const *t = p->t;
+    float *const *gt = g->t;
+    /* 1. The residual path carries d_out straight to the middle of the block. */
+    memcpy(da->d_x2, d_out, N * C * sizeof(float));
+    /* 2-4. MLP: projection, GELU, fc. */
+    linear_backward(da->d_big, gt[GPT_MLP_PROJ_W], gt[GPT_MLP_PROJ_B], d_out, a->fch_gelu,
+                    t[GPT_MLP_PROJ_W], N, 4 * C, C);
+    gelu_backward(da->d_big, a->fch, N * 4 * C);
+    linear_backward(da->d_small, gt[GPT_FC_W], gt[GPT_FC_B], da->d_big, a->ln2, t[GPT_FC_W], N, C,
+                    4 * C);
+    /* 5. ln2 adds its input gradient to the residual stream's. */
+    layernorm_backward(da->d_x2, 1, gt[GPT_LN2_W], gt[GPT_LN2_B], da->d_small, a->x2, t[GPT_LN2_W],
+                       a->ln2_mean, a->ln2_rstd, N, C);
+    /* 6-8. Attention: projection, attention itself, qkv. */
+    linear_backward(da->d_small, gt[GPT_ATTN_PROJ_W], gt[GPT_ATTN_PROJ_B], da->d_x2, a->atty,
+                    t[GPT_ATTN_PROJ_W], N, C, C);
+    attention_backward(da->d_big, da->d_row, da->d_small, a->qkv, a->att, d->B, d->T, C, d->NH);
+    linear_backward(da->d_small, gt[GPT_QKV_W], gt[GPT_QKV_B], da->d_big, a->ln1, t[GPT_QKV_W], N,
+                    C, 3 * C);
+    /* 9. d_in = residual path + ln1's input gradient. */
+    memcpy(d_in, da->d_x2, N * C * sizeof(float));
+    layernorm_backward(d_in, 1, gt[GPT_LN1_W], gt[GPT_LN1_B], da->d_small, x_in, t[GPT_LN1_W],
+                       a->ln1_mean, a->ln1_rstd, N, C);
+}
+
+/* lnf and logits of x (B,T,C) into h. */
+static void head_logits(const struct dims *d, const float *lnf_w, const float *lnf_b,
+                        const float *wte, const float *x, struct head_acts *h)
+{
+    layernorm_forward(h->lnf, h->mean, h->rstd, x, lnf_w, lnf_b, d->N, d->C);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)d->N, (int)d->V, (int)d->C, 1.0f,
+                h->lnf, (int)d->C, wte, (int)d->C, 0.0f, h->logits, (int)d->V);
+}
+
+/* The mean cross-entropy of h->logits against targets. With want_grad, h->logits becomes
+ * dloss/dlogits = (softmax - onehot) / N in place. Each row's normaliser and the mean are
+ * summed in double, in a fixed order. */
+static float head_loss(const struct dims *d, const int *targets, struct head_acts *h, int want_grad)
+{
+    size_t V = d->V, N = d->N;
+#pragma omp parallel for schedule(static)
+    for (size_t n = 0; n < N; n++) {
+        float *l = h->logits + n * V;
+        float mx = -INFINITY;
+        for (size_t j = 0; j < V; j++)
+            if (l[j] > mx) mx = l[j];
+        double sum = 0.0;
+        for (size_t j = 0; j < V; j++)
+            sum += (double)expf(l[j] - mx);
+        int tgt = targets[n];
+        h->losses[n] = (float)(log(sum) - (double)(l[tgt] - mx));
+        if (want_grad) {
+            float inv = (float)(1.0 / sum), invN = 1.0f / (float)N;
+            for (size_t j = 0; j < V; j++) {
+                float prob = expf(l[j] - mx) * inv;
+                l[j] = (prob - (j == (size_t)tgt ? 1.0f : 0.0f)) * invN;
+            }
+        }
+    }
+    double total = 0.0;
+    for (size_t n = 0; n < N; n++)
+        total += h->losses[n];
+    return (float)(total / (double)N);
+}
+
+/* d_x (B,T,C) may be x: only the last step reads x, and layernorm_backward allows it. */
+static float head_backward(const struct dims *d, const float *lnf_w, const float *lnf_b,
+                           const float *wte, const float *x, const int *targets, float *d_x,
+                           float *d_lnf_w, float *d_lnf_b, float *d_wte, struct head_acts *h)
+{
+    size_t N = d->N, C = d->C, V = d->V;
+    head_logits(d, lnf_w, lnf_b, wte, x, h);
+    float loss = head_loss(d, targets, h, 1);
+    /* d_lnf (N,C) = dlogits (N,V) @ wte (V,C); d_wte (V,C) += dlogits^T @ lnf (N,C). */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)C, (int)V, 1.0f, h->logits,
+                (int)V, wte, (int)C, 0.0f, h->d_lnf, (int)C);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)V, (int)C, (int)N, 1.0f, h->logits,
+                (int)V, h->lnf, (int)C, 1.0f, d_wte, (int)C);
+    layernorm_backward(d_x, 0, d_lnf_w, d_lnf_b, h->d_lnf, x, lnf_w, h->mean, h->rstd, N, C);
+    return loss;
+}
+
+/* ---- public per-piece API ------------------------------------------------------------------ */
+
+int gpt_embed_forward(const struct gpt_config *cfg, int B, int T, const float *wte,
+                      const float *wpe, const int *tokens, float *x)
+{
+    int r = check_bt(cfg, B, T);
+    if (r < 0) return r;
+    if (!wte || !wpe || !x) return -EINVAL;
+    struct dims d = dims_of(cfg, B, T);
+    if ((r = check_tokens(tokens, d.N, cfg->V)) < 0) return r;
+    embed_forward(&d, wte, wpe, tokens, x);
+    return 0;
+}
+
+int gpt_embed_backward(const struct gpt_config *cfg, int B, int T, const int *tokens,
+                       const float *d_x, float *d_wte, float *d_wpe)
+{
+    int r = check_bt(cfg, B, T);
+    if (r < 0) return r;
+    if (!d_x || !d_wte || !d_wpe) return -EINVAL;
+    struct dims d = dims_of(cfg, B, T);
+    if ((r = check_tokens(tokens, d.N, cfg->V)) < 0) return r;
+    embed_backward(&d, tokens, d_x, d_wte, d_wpe);
+    return 0;
+}
+
+int gpt_block_forward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                      const float *x_in, float *x_out, struct gpt_scratch *s)
+{
+    int r = check_bt(cfg, B, T);
+    if (r < 0) return r;
+    if (check_block_params(p) < 0 || !x_in || !x_out) return -EINVAL;
+    struct dims d = dims_of(cfg, B, T);
+    float *base = scratch_base(&d, s);
+    if (!base) return -EINVAL;
+    struct block_acts a;
+    size_t off = 0;
+    carve_acts(&a, base, &off, &d);
+    block_forward_acts(&d, p, x_in, x_out, &a);
+    return 0;
+}
+
+int gpt_block_backward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                       const float *x_in, const float *d_out, float *d_in,
+                       struct gpt_block_grads *g, struct gpt_scratch *s)
+{
+    int r = check_bt(cfg, B, T);
+    if (r < 0) return r;
+    if (check_block_params(p) < 0 || check_block_grads(g) < 0 || !x_in || !d_out || !d_in ||
+        d_in == x_in)
+        return -EINVAL;
+    struct dims d = dims_of(cfg, B, T);
+    float *base = scratch_base(&d, s);
+    if (!base) return -EINVAL;
+    struct block_acts a;
+    struct block_dacts da;
+    size_t off = 0;
+    carve_acts(&a, base, &off, &d);
+    carve_dacts(&da, base, &off, &d);
+    block_forward_acts(&d, p, x_in, NULL, &a);
+    block_backward_acts(&d, p, x_in, &a, &da, d_out, d_in, g);
+    return 0;
+}
+
+int gpt_head_forward(const struct gpt_config *cfg, int B, int T, const float *lnf_w,
+                     const float *lnf_b, const float *wte, const float *x, const int *targets,
+                     float *loss, float *logits, struct gpt_scratch *s)
+{
+    int r = check_bt(cfg, B, T);
+    if (r < 0) return r;
+    if (!lnf_w || !lnf_b || !wte || !x) return -EINVAL;
+    struct dims d = dims_of(cfg, B, T);
+    if (loss && (r = check_tokens(targets, d.N, cfg->V)) < 0) return r;
+    float *base = scratch_base(&d, s);
+    if (!base) return -EINVAL;
+    struct head_acts h;
+    size_t off = 0;
+    carve_head(&h, base, &off, &d);
+    head_logits(&d, lnf_w, lnf_b, wte, x, &h);
+    if (logits) memcpy(logits, h.logits, d.N * d.V * sizeof(float));
+    if (loss) *loss = head_loss(&d, targets, &h, 0);
+    return 0;
+}
+
+int gpt_head_backward(const struct gpt_config *cfg, int B, int T, const float *lnf_w,
+                      const float *lnf_b, const float *wte, const float *x, const int *targets,
+                      float *d_x, float *d_lnf_w, float *d_lnf_b, float *d_wte, float *loss,
+                      struct gpt_scratch *s)
+{
+    int r = check_bt(cfg, B, T);
+    if (r < 0) return r;
+    if (!lnf_w || !lnf_b || !wte || !x || !d_x || !d_lnf_w || !d_lnf_b || !d_wte) return -EINVAL;
+    struct dims d = dims_of(cfg, B, T);
+    if ((r = check_tokens(targets, d.N, cfg->V)) < 0) return r;
+    float *base = scratch_base(&d, s);
+    if (!base) return -EINVAL;
+    struct head_acts h;
+    size_t off = 0;
+    carve_head(&h, base, &off, &d);
+    float l = head_backward(&d, lnf_w, lnf_b, wte, x, targets, d_x, d_lnf_w, d_lnf_b, d_wte, &h);
+    if (loss) *loss = l;
+    return 0;
+}
+
+/* ---- whole model over one contiguous buffer --------------------------------------------- */
+
+/* Where each part of the model lives in a contiguous buffer (of parameters or gradients). */
+struct model_view {
+    float *wte, *wpe, *blocks, *lnf_w, *lnf_b;
+    size_t block_floats;
+};
+
+static struct model_view model_view(const struct gpt_config *cfg, const float *buf)
+{
+    struct model_view v;
+    size_t C = (size_t)cfg->C;
+    v.wte = (float *)buf; /* const again at every use that reads parameters */
+    v.wpe = v.wte + (size_t)cfg->V * C;
+    v.blocks = v.wpe + (size_t)cfg->maxT * C;
+    v.block_floats = gpt_block_num_params(cfg);
+    v.lnf_w = v.blocks + (size_t)cfg->L * v.block_floats;
+    v.lnf_b = v.lnf_w + C;
+    return v;
+}
+
+int gpt_model_init(const struct gpt_config *cfg, float *params, uint64_t seed)
+{
+    int n = gpt_layout(cfg, NULL, 0);
+    if (n < 0) return n;
+    if (!params) return -EINVAL;
+    struct gpt_tensor_desc *desc = malloc((size_t)n * sizeof(*desc));
+    if (!desc) return -ENOMEM;
+    gpt_layout(cfg, desc, (size_t)n);
+    int r = 0;
+    for (int i = 0; i < n && r == 0; i++)
+        r = gpt_init_tensor(cfg, &desc[i], params + desc[i].offset, seed);
+    free(desc);
+    return r;
+}
+
+static int check_model_call(const struct gpt_config *cfg, int B, int T, const float *params,
+                            const int *tokens, const int *targets)
+{
+    int r = check_bt(cfg, B, T);
+    if (r < 0) return r;
+    if (!params) return -EINVAL;
+    size_t N = (size_t)B * T;
+    if ((r = check_tokens(tokens, N, cfg->V)) < 0) return r;
+    return check_tokens(targets, N, cfg->V);
+}
+
+int gpt_model_forward(const struct gpt_config *cfg, int B, int T, const float *params,
+                      const int *tokens, const int *targets, float *loss)
+{
+    int r = check_model_call(cfg, B, T, params, tokens, targets);
+    if (r < 0) return r;
+    if (!loss) return -EINVAL;
+    struct dims d = dims_of(cfg, B, T);
+    struct gpt_scratch s = {.bytes = gpt_scratch_bytes(cfg, B, T)};
+    float *x = malloc(d.N * d.C * sizeof(float)); /* (B,T,C), updated in place by each block */
+    s.mem = malloc(s.bytes);
+    if (!x || !s.mem) {
+        r = -ENOMEM;
+        goto err;
+    }
+    struct model_view pv = model_view(cfg, params);
+    embed_forward(&d, pv.wte, pv.wpe, tokens, x);
+    for (int l = 0; l < cfg->L; l++) {
+        struct gpt_block_params bp;
+        gpt_block_params_at(cfg, pv.blocks + (size_t)l * pv.block_floats, &bp);
+        r = gpt_block_forward(cfg, B, T, &bp, x, x, &s);
+        if (r < 0) goto err;
+    }
+    r = gpt_head_forward(cfg, B, T, pv.lnf_w, pv.lnf_b, pv.wte, x, targets, loss, NULL, &s);
+err:
+    free(s.mem);
+    free(x);
+    return r;
+}
+
+int gpt_model_backward(const struct gpt_config *cfg, int B, int T, const float *params,
+                       const int *tokens, const int *targets, float *grads, float *loss)
+{
+    int r = check_model_call(cfg, B, T, params, tokens, targets);
+    if (r < 0) return r;
+    if (!grads) return -EINVAL;
+    struct dims d = dims_of(cfg, B, T);
+    size_t L = (size_t)cfg->L, NC = d.N * d.C;
+
+    /* One allocation: the L+1 residual-stream states, every block's internals, one set of
+     * gradient buffers shared by the blocks, and the head's internals. */
+    struct block_acts *acts = malloc(L * sizeof(*acts));
+    float *xs = NULL, *mem = NULL;
+    size_t floats = 0;
+    struct block_dacts da;
+    struct head_acts h;
+    take(NULL, &floats, (L + 1) * NC);
+    for (size_t l = 0; l < L && acts; l++)
+        carve_acts(&acts[l], NULL, &floats, &d);
+    carve_dacts(&da, NULL, &floats, &d);
+    carve_head(&h, NULL, &floats, &d);
+    if (acts) mem = malloc(floats * sizeof(float));
+    if (!acts || !mem) {
+        r = -ENOMEM;
+        goto err;
+    }
+    size_t off = 0;
+    xs = take(mem, &off, (L + 1) * NC); /* xs + l*NC is block l's input (B,T,C) */
+    for (size_t l = 0; l < L; l++)
+        carve_acts(&acts[l], mem, &off, &d);
+    carve_dacts(&da, mem, &off, &d);
+    carve_head(&h, mem, &off, &d);
+
+    struct model_view pv = model_view(cfg, params), gv = model_view(cfg, grads);
+    embed_forward(&d, pv.wte, pv.wpe, tokens, xs);
+    for (size_t l = 0; l < L; l++) {
+        struct gpt_block_params bp;
+        gpt_block_params_at(cfg, pv.blocks + l * pv.block_floats, &bp);
+        block_forward_acts(&d, &bp, xs + l * NC, xs + (l + 1) * NC, &acts[l]);
+    }
+    /* The gradient of the residual stream replaces the last state in place. */
+    float *dx = xs + L * NC;
+    float lv = head_backward(&d, pv.lnf_w, pv.lnf_b, pv.wte, dx, targets, dx, gv.lnf_w, gv.lnf_b,
+                             gv.wte, &h);
+    for (size_t l = L; l-- > 0;) {
+        struct gpt_block_params bp;
+        struct gpt_block_grads bg;
+        gpt_block_params_at(cfg, pv.blocks + l * pv.block_floats, &bp);
+        gpt_block_grads_at(cfg, gv.blocks + l * gv.block_floats, &bg);
+        block_backward_acts(&d, &bp, xs + l * NC, &acts[l], &da, dx, dx, &bg);
+    }
+    embed_backward(&d, tokens, dx, gv.wte, gv.wpe);
+    if (loss) *loss = lv;
+    r = 0;
+err:
+    free(mem);
+    free(acts);
+    return r;
+}

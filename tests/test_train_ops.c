@@ -1,0 +1,964 @@
+/*
+ * test_train_ops.c - src/train: the GPT math of gpt.h and the AdamW step of adamw.h.
+ *
+ * The model is checked three ways on a tiny configuration (L=2, C=16, NH=4, T=8, B=2):
+ * its forward against a plain double-precision reference written here from the model's
+ * definition (which also reads the parameters through the layout description); its
+ * backward against central finite differences for every parameter tensor; and the
+ * block-by-block path with recompute (what a trainer runs) against the whole-model
+ * backward that keeps every activation. AdamW's vector and threaded kernels are compared
+ * with its scalar reference (checkasm style), and its arithmetic with hand-computed values.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "helpers.h"
+#include "train/adamw.h"
+#include "train/gpt.h"
+
+#define TB 2 /* batch */
+#define TT 8 /* sequence length */
+static const struct gpt_config tiny = {.V = 256, .maxT = TT, .L = 2, .C = 16, .NH = 4};
+
+TestSuite(gpt, .fini = test_leak_check);
+TestSuite(adamw, .fini = test_leak_check);
+
+/* ---- helpers --------------------------------------------------------------------------- */
+
+static float urand(uint64_t *s) /* uniform in [-1, 1) */
+{
+    return (float)((double)(test_rand(s) >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+}
+
+static float *falloc(size_t n)
+{
+    float *p = calloc(n ? n : 1, sizeof(float));
+    cr_assert_not_null(p);
+    return p;
+}
+
+/* The layout of a config, allocated; *count receives the tensor count. */
+static struct gpt_tensor_desc *layout(const struct gpt_config *cfg, int *count)
+{
+    int n = gpt_layout(cfg, NULL, 0);
+    cr_assert_gt(n, 0);
+    struct gpt_tensor_desc *d = calloc((size_t)n, sizeof(*d));
+    cr_assert_not_null(d);
+    cr_assert_eq(gpt_layout(cfg, d, (size_t)n), n);
+    *count = n;
+    return d;
+}
+
+static const float *tensor(const float *params, const struct gpt_tensor_desc *d, int n,
+                           const char *name)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(d[i].name, name)) return params + d[i].offset;
+    cr_assert_fail("no tensor named %s in the layout", name);
+    return NULL;
+}
+
+/* GPT-2 initialisation, then every value moved by up to +-0.3 (LayerNorm weights and all
+ * biases included), so that no gradient is zero by symmetry and the logits are far from
+ * uniform: gradients of 1e-2..1e-1, well above the finite differences' noise. */
+static float *tiny_params(uint64_t seed)
+{
+    size_t n = gpt_num_params(&tiny);
+    float *p = falloc(n);
+    cr_assert_eq(gpt_model_init(&tiny, p, seed), 0);
+    uint64_t s = seed * 7 + 1;
+    for (size_t i = 0; i < n; i++)
+        p[i] += 0.3f * urand(&s);
+    return p;
+}
+
+static void tiny_tokens(int *tok, int *tgt, uint64_t seed)
+{
+    uint64_t s = seed;
+    for (int i = 0; i < TB * TT; i++) {
+        tok[i] = (int)(test_rand(&s) % 256);
+        tgt[i] = (int)(test_rand(&s) % 256);
+    }
+}
+
+static struct gpt_scratch scratch_for(const struct gpt_config *cfg, int B, int T)
+{
+    struct gpt_scratch s = {.bytes = gpt_scratch_bytes(cfg, B, T)};
+    cr_assert_gt(s.bytes, 0);
+    s.mem = malloc(s.bytes);
+    cr_assert_not_null(s.mem);
+    return s;
+}
+
+/* max |a - b| and max |b| over n. */
+static void max_diff(const float *a, const float *b, size_t n, double *diff, double *mag)
+{
+    *diff = 0;
+    *mag = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        if (d > *diff || isnan(d)) *diff = d;
+        if (fabs((double)b[i]) > *mag) *mag = fabs((double)b[i]);
+    }
+}
+
+/* ---- a plain double-precision reference of the forward -------------------------------- */
+
+static void ref_layernorm(double *out, const double *in, const float *w, const float *b, int N,
+                          int C)
+{
+    for (int n = 0; n < N; n++) {
+        double m = 0, var = 0;
+        for (int c = 0; c < C; c++)
+            m += in[n * C + c];
+        m /= C;
+        for (int c = 0; c < C; c++)
+            var += (in[n * C + c] - m) * (in[n * C + c] - m);
+        var /= C;
+        for (int c = 0; c < C; c++)
+            out[n * C + c] = (in[n * C + c] - m) / sqrt(var + 1e-5) * w[c] + b[c];
+    }
+}
+
+/* out (N,OC) = in (N,IC) @ W^T + b, W (OC,IC) as PyTorch's nn.Linear stores it. */
+static void ref_linear(double *out, const double *in, const float *W, const float *b, int N, int IC,
+                       int OC)
+{
+    for (int n = 0; n < N; n++)
+        for (int o = 0; o < OC; o++) {
+            double acc = b[o];
+            for (int i = 0; i < IC; i++)
+                acc += in[n * IC + i] * W[o * IC + i];
+            out[n * OC + o] = acc;
+        }
+}
+
+/* Causal attention: y (B,T,C) from qkv (B,T,3C) = [q | k | v], head h at columns h*hs. */
+static void ref_attention(double *y, const double *qkv, int B, int T, int C, int NH)
+{
+    int hs = C / NH;
+    double w[TT];
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < NH; h++)
+            for (int i = 0; i < T; i++) {
+                const double *q = qkv + (b * T + i) * 3 * C + h * hs;
+                double mx = -INFINITY, sum = 0;
+                for (int j = 0; j <= i; j++) {
+                    const double *k = qkv + (b * T + j) * 3 * C + C + h * hs;
+                    double dot = 0;
+                    for (int e = 0; e < hs; e++)
+                        dot += q[e] * k[e];
+                    w[j] = dot / sqrt((double)hs);
+                    mx = fmax(mx, w[j]);
+                }
+                for (int j = 0; j <= i; j++)
+                    sum += (w[j] = exp(w[j] - mx));
+                for (int e = 0; e < hs; e++) {
+                    double acc = 0;
+                    for (int j = 0; j <= i; j++)
+                        acc += w[j] / sum * qkv[(b * T + j) * 3 * C + 2 * C + h * hs + e];
+                    y[(b * T + i) * C + h * hs + e] = acc;
+                }
+            }
+}
+
+/* The mean cross-entropy of the tiny model in double; logits (B,T,V) written when given. */
+static double ref_loss(const float *params, const int *tok, const int *tgt, double *logits)
+{
+    const int B = TB, T = TT, C = tiny.C, V = tiny.V, N = B * T;
+    int nt;
+    struct gpt_tensor_desc *d = layout(&tiny, &nt);
+    double *x = calloc(N * C, sizeof(double)), *a = calloc(N * C, sizeof(double));
+    double *big = calloc(N * 4 * C, sizeof(double)), *big2 = calloc(N * 4 * C, sizeof(double));
+    double *lg = calloc(N * V, sizeof(double));
+    cr_assert(x && a && big && big2 && lg);
+    const float *wte = tensor(params, d, nt, "wte"), *wpe = tensor(params, d, nt, "wpe");
+    for (int n = 0; n < N; n++)
+        for (int c = 0; c < C; c++)
+            x[n * C + c] = (double)wte[tok[n] * C + c] + wpe[(n % T) * C + c];
+    for (int l = 0; l < tiny.L; l++) {
+        char nm[12][32];
+        const float *t[12];
+        const char *sfx[12] = {"ln1.w",       "ln1.b",       "attn.qkv.w", "attn.qkv.b",
+                               "attn.proj.w", "attn.proj.b", "ln2.w",      "ln2.b",
+                               "mlp.fc.w",    "mlp.fc.b",    "mlp.proj.w", "mlp.proj.b"};
+        for (int i = 0; i < 12; i++) {
+            snprintf(nm[i], sizeof(nm[i]), "h%d.%s", l, sfx[i]);
+            t[i] = tensor(params, d, nt, nm[i]);
+        }
+        ref_layernorm(a, x, t[0], t[1], N, C);
+        ref_linear(big, a, t[2], t[3], N, C, 3 * C);
+        ref_attention(a, big, B, T, C, tiny.NH);
+        ref_linear(big2, a, t[4], t[5], N, C, C);
+        for (int i = 0; i < N * C; i++)
+            x[i] += big2[i];
+        ref_layernorm(a, x, t[6], t[7], N, C);
+        ref_linear(big, a, t[8], t[9], N, C, 4 * C);
+        for (int i = 0; i < N * 4 * C; i++) {
+            double u = big[i];
+            big[i] = 0.5 * u * (1 + tanh(sqrt(2 / M_PI) * (u + 0.044715 * u * u * u)));
+        }
+        ref_linear(big2, big, t[10], t[11], N, 4 * C, C);
+        for (int i = 0; i < N * C; i++)
+            x[i] += big2[i];
+    }
+    ref_layernorm(a, x, tensor(params, d, nt, "lnf.w"), tensor(params, d, nt, "lnf.b"), N, C);
+    double loss = 0;
+    for (int n = 0; n < N; n++) {
+        double mx = -INFINITY, sum = 0;
+        for (int v = 0; v < V; v++) {
+            double acc = 0;
+            for (int c = 0; c < C; c++)
+                acc += a[n * C + c] * wte[v * C + c];
+            lg[n * V + v] = acc;
+            mx = fmax(mx, acc);
+        }
+        for (int v = 0; v < V; v++)
+            sum += exp(lg[n * V + v] - mx);
+        loss += log(sum) - (lg[n * V + tgt[n]] - mx);
+    }
+    if (logits) memcpy(logits, lg, sizeof(double) * N * V);
+    free(x);
+    free(a);
+    free(big);
+    free(big2);
+    free(lg);
+    free(d);
+    return loss / N;
+}
+
+/* ---- config and layout ------------------------------------------------------------------- */
+
+Test(gpt, config_validate_accepts_good_shapes)
+{
+    struct gpt_config c;
+    char msg[160] = "x";
+    gpt_config_defaults(&c);
+    cr_expect_eq(gpt_config_validate(&c, msg, sizeof(msg)), 0);
+    cr_expect_str_empty(msg);
+    cr_expect_eq(c.V, 256);
+    cr_expect_eq(gpt_config_validate(&tiny, NULL, 0), 0);
+}
+
+Test(gpt, config_validate_rejects_bad_shapes)
+{
+    struct {
+        struct gpt_config c;
+        const char *says;
+    } bad[] = {
+        {{256, 8, 2, 18, 4}, "not a multiple of NH=4"},
+        {{0, 8, 2, 16, 4}, "V=0"},
+        {{256, 0, 2, 16, 4}, "maxT=0"},
+        {{256, 8, 0, 16, 4}, "L=0"},
+        {{256, 8, 2, 0, 4}, "C=0"},
+        {{256, 8, 2, 16, 0}, "NH=0"},
+        {{256, 8, -1, 16, 4}, "L=-1"},
+        {{256, 8, 2, 16, 32}, "not a multiple"},
+        {{256, 1 << 21, 2, 16, 4}, "out of range"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char msg[160] = "";
+        cr_expect_eq(gpt_config_validate(&bad[i].c, msg, sizeof(msg)), -EINVAL, "case %zu", i);
+        cr_expect(strstr(msg, bad[i].says), "case %zu: message '%s' lacks '%s'", i, msg,
+                  bad[i].says);
+        /* Every entry point refuses the same config. */
+        cr_expect_eq(gpt_layout(&bad[i].c, NULL, 0), -EINVAL);
+        cr_expect_eq(gpt_scratch_bytes(&bad[i].c, 1, 1), 0);
+    }
+    cr_expect_eq(gpt_config_validate(NULL, NULL, 0), -EINVAL);
+}
+
+Test(gpt, layout_names_shapes_offsets)
+{
+    int n;
+    struct gpt_tensor_desc *d = layout(&tiny, &n);
+    cr_assert_eq(n, 2 + 12 * tiny.L + 2);
+    cr_expect_str_eq(d[0].name, "wte");
+    cr_expect_eq(d[0].shape[0], 256);
+    cr_expect_eq(d[0].shape[1], 16);
+    cr_expect_str_eq(d[1].name, "wpe");
+    cr_expect_eq(d[1].shape[0], TT);
+    cr_expect_str_eq(d[n - 2].name, "lnf.w");
+    cr_expect_str_eq(d[n - 1].name, "lnf.b");
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        cr_expect_eq(d[i].offset, off, "%s", d[i].name);
+        cr_expect_eq(d[i].numel, d[i].shape[0] * d[i].shape[1], "%s", d[i].name);
+        cr_expect_eq(d[i].ndim, d[i].shape[1] == 1 ? 1 : 2, "%s", d[i].name);
+        off += d[i].numel;
+        for (int j = 0; j < i; j++)
+            cr_expect_str_neq(d[i].name, d[j].name);
+    }
+    cr_expect_eq(off, gpt_num_params(&tiny));
+    /* A block's tensors are contiguous, in slot order. */
+    const struct gpt_tensor_desc *q = &d[2 + 12 + GPT_QKV_W];
+    cr_expect_str_eq(q->name, "h1.attn.qkv.w");
+    cr_expect_eq(q->block, 1);
+    cr_expect_eq(q->slot, GPT_QKV_W);
+    cr_expect_eq(q->shape[0], 48);
+    cr_expect_eq(q->shape[1], 16);
+    cr_expect_str_eq(d[2 + GPT_MLP_PROJ_W].name, "h0.mlp.proj.w");
+    cr_expect_eq(d[2 + GPT_MLP_PROJ_W].shape[0], 16);
+    cr_expect_eq(d[2 + GPT_MLP_PROJ_W].shape[1], 64);
+    cr_expect_eq(d[2 + 12].offset - d[2].offset, gpt_block_num_params(&tiny));
+    cr_expect_str_eq(gpt_block_slot_name(GPT_FC_B), "mlp.fc.b");
+    cr_expect_null(gpt_block_slot_name(GPT_BLOCK_NSLOTS));
+    /* gpt_block_params_at agrees with the offsets. */
+    float *params = falloc(gpt_num_params(&tiny));
+    struct gpt_block_params bp;
+    gpt_block_params_at(&tiny, params + d[2 + 12].offset, &bp);
+    for (int s = 0; s < GPT_BLOCK_NSLOTS; s++)
+        cr_expect_eq(bp.t[s], params + d[2 + 12 + s].offset, "slot %d", s);
+    /* A short array gets the first entries and the full count. */
+    struct gpt_tensor_desc two[2];
+    cr_expect_eq(gpt_layout(&tiny, two, 2), n);
+    cr_expect_str_eq(two[1].name, "wpe");
+    cr_expect_eq(gpt_layout(&tiny, NULL, 3), -EINVAL);
+    free(params);
+    free(d);
+}
+
+Test(gpt, init_is_gpt2_and_depends_on_name_only)
+{
+    struct gpt_config c = {.V = 256, .maxT = 64, .L = 8, .C = 128, .NH = 4};
+    int n;
+    struct gpt_tensor_desc *d = layout(&c, &n);
+    float *p = falloc(gpt_num_params(&c));
+    cr_assert_eq(gpt_model_init(&c, p, 42), 0);
+    for (int i = 0; i < n; i++) {
+        const float *t = p + d[i].offset;
+        double s = 0, s2 = 0;
+        for (size_t j = 0; j < d[i].numel; j++) {
+            s += t[j];
+            s2 += (double)t[j] * t[j];
+        }
+        double mean = s / d[i].numel, std = sqrt(s2 / d[i].numel - mean * mean);
+        int proj = d[i].block >= 0 && (d[i].slot == GPT_ATTN_PROJ_W || d[i].slot == GPT_MLP_PROJ_W);
+        if (strstr(d[i].name, "ln") && strstr(d[i].name, ".w")) {
+            cr_expect(mean == 1.0 && std < 1e-6, "%s", d[i].name);
+        } else if (d[i].ndim == 1) {
+            cr_expect(mean == 0.0 && std == 0.0, "%s", d[i].name);
+        } else {
+            double want = proj ? 0.02 / sqrt(2.0 * c.L) : 0.02;
+            cr_expect(fabs(std - want) < 0.1 * want, "%s: std %g, want %g", d[i].name, std, want);
+            cr_expect(fabs(mean) < 0.1 * want, "%s: mean %g", d[i].name, mean);
+        }
+    }
+    /* One tensor on its own gets the same values as in the whole-model pass. */
+    const struct gpt_tensor_desc *q = &d[2 + 12 * 3 + GPT_QKV_W];
+    float *one = falloc(q->numel);
+    cr_assert_eq(gpt_init_tensor(&c, q, one, 42), 0);
+    cr_expect_eq(memcmp(one, p + q->offset, q->numel * sizeof(float)), 0);
+    cr_assert_eq(gpt_init_tensor(&c, q, one, 43), 0);
+    cr_expect_neq(memcmp(one, p + q->offset, q->numel * sizeof(float)), 0);
+    cr_expect_eq(gpt_init_tensor(&c, q, NULL, 42), -EINVAL);
+    free(one);
+    free(p);
+    free(d);
+}
+
+/* ---- forward against the reference ---------------------------------------------------------- */
+
+Test(gpt, forward_matches_double_reference)
+{
+    float *params = tiny_params(1);
+    int tok[TB * TT], tgt[TB * TT];
+    tiny_tokens(tok, tgt, 2);
+    const size_t N = TB * TT, C = tiny.C, V = tiny.V;
+
+    double *want_logits = calloc(N * V, sizeof(double));
+    cr_assert_not_null(want_logits);
+    double want = ref_loss(params, tok, tgt, want_logits);
+
+    float loss;
+    cr_assert_eq(gpt_model_forward(&tiny, TB, TT, params, tok, tgt, &loss), 0);
+    cr_expect(fabs(loss - want) < 1e-5 * fabs(want), "loss %.8f, reference %.8f", loss, want);
+
+    /* The same through the per-piece API, with the logits. */
+    struct gpt_scratch s = scratch_for(&tiny, TB, TT);
+    float *x = falloc(N * C), *logits = falloc(N * V);
+    const float *wte = params, *wpe = params + V * C;
+    const float *blocks = wpe + TT * C, *lnf = blocks + tiny.L * gpt_block_num_params(&tiny);
+    cr_assert_eq(gpt_embed_forward(&tiny, TB, TT, wte, wpe, tok, x), 0);
+    for (int l = 0; l < tiny.L; l++) {
+        struct gpt_block_params bp;
+        gpt_block_params_at(&tiny, blocks + l * gpt_block_num_params(&tiny), &bp);
+        cr_assert_eq(gpt_block_forward(&tiny, TB, TT, &bp, x, x, &s), 0);
+    }
+    float loss2;
+    cr_assert_eq(gpt_head_forward(&tiny, TB, TT, lnf, lnf + C, wte, x, tgt, &loss2, logits, &s), 0);
+    cr_expect_eq(loss2, loss);
+    double worst = 0;
+    for (size_t i = 0; i < N * V; i++)
+        worst = fmax(worst, fabs(logits[i] - want_logits[i]));
+    cr_expect(worst < 1e-5, "logits differ from the reference by up to %g (tolerance 1e-5)", worst);
+    free(x);
+    free(logits);
+    free(s.mem);
+    free(want_logits);
+    free(params);
+}
+
+Test(gpt, fresh_model_loss_is_near_uniform)
+{
+    float *params = falloc(gpt_num_params(&tiny));
+    cr_assert_eq(gpt_model_init(&tiny, params, 7), 0);
+    int tok[TB * TT], tgt[TB * TT];
+    tiny_tokens(tok, tgt, 3);
+    float loss;
+    cr_assert_eq(gpt_model_forward(&tiny, TB, TT, params, tok, tgt, &loss), 0);
+    cr_expect(fabs(loss - logf(256.0f)) < 0.05f, "loss %f, ln(256) = %f", loss, logf(256.0f));
+    free(params);
+}
+
+Test(gpt, attention_is_causal)
+{
+    float *params = tiny_params(4);
+    int tok[TB * TT], tgt[TB * TT];
+    tiny_tokens(tok, tgt, 5);
+    const size_t N = TB * TT, C = tiny.C, V = tiny.V;
+    struct gpt_scratch s = scratch_for(&tiny, TB, TT);
+    float *x = falloc(N * C), *a = falloc(N * V), *b = falloc(N * V);
+    const float *wte = params, *wpe = params + V * C;
+    const float *blocks = wpe + TT * C, *lnf = blocks + tiny.L * gpt_block_num_params(&tiny);
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass) tok[5] = (tok[5] + 1) % 256; /* batch 0, position 5 */
+        cr_assert_eq(gpt_embed_forward(&tiny, TB, TT, wte, wpe, tok, x), 0);
+        for (int l = 0; l < tiny.L; l++) {
+            struct gpt_block_params bp;
+            gpt_block_params_at(&tiny, blocks + l * gpt_block_num_params(&tiny), &bp);
+            cr_assert_eq(gpt_block_forward(&tiny, TB, TT, &bp, x, x, &s), 0);
+        }
+        cr_assert_eq(
+            gpt_head_forward(&tiny, TB, TT, lnf, lnf + C, wte, x, NULL, NULL, pass ? b : a, &s), 0);
+    }
+    for (size_t n = 0; n < N; n++) {
+        int same = !memcmp(a + n * V, b + n * V, V * sizeof(float));
+        int t = (int)(n % TT), bi = (int)(n / TT);
+        if (bi == 0 && t >= 5)
+            cr_expect(!same, "position %d after the change must see it", t);
+        else
+            cr_expect(same, "batch %d position %d must not see position 5 of batch 0", bi, t);
+    }
+    free(x);
+    free(a);
+    free(b);
+    free(s.mem);
+    free(params);
+}
+
+/* ---- backward -------------------------------------------------------------------------------- */
+
+/* Finite differences of an fp32 loss (about 6, one ulp 5e-7) over 2 eps = 0.02 carry noise
+ * of about 2.5e-5 per ulp, so gradients are compared relatively down to GC_FLOOR and
+ * absolutely (GC_TOL * GC_FLOOR = 1e-4) below it. Each tensor's sample is its GC_TOP largest
+ * analytic gradients (where a wrong factor shows) and GC_RANDOM random elements (where a
+ * gradient wrongly zero shows). Measured worst over all tensors: 2.6e-3. */
+#define GC_TOP 4
+#define GC_RANDOM 4
+#define GC_EPS 1e-2f /* central-difference step */
+#define GC_TOL 1e-2  /* largest relative error allowed */
+#define GC_FLOOR 1e-2
+
+/* The indices of the k largest |g| over n, into idx (k <= n). */
+static void top_k(const float *g, size_t n, size_t *idx, int k)
+{
+    for (int j = 0; j < k; j++) {
+        size_t best = SIZE_MAX;
+        for (size_t i = 0; i < n; i++) {
+            int taken = 0;
+            for (int q = 0; q < j; q++)
+                taken |= idx[q] == i;
+            if (!taken && (best == SIZE_MAX || fabsf(g[i]) > fabsf(g[best]))) best = i;
+        }
+        idx[j] = best;
+    }
+}
+
+Test(gpt, gradient_check_every_tensor, .timeout = 60)
+{
+    float *params = tiny_params(11);
+    float *grads = falloc(gpt_num_params(&tiny));
+    int tok[TB * TT], tgt[TB * TT];
+    tiny_tokens(tok, tgt, 12);
+    float loss;
+    cr_assert_eq(gpt_model_backward(&tiny, TB, TT, params, tok, tgt, grads, &loss), 0);
+
+    int n;
+    struct gpt_tensor_desc *d = layout(&tiny, &n);
+    uint64_t rs = 99;
+    char report[4096] = "";
+    size_t used = 0;
+    int failed = 0;
+    for (int t = 0; t < n; t++) {
+        double worst = 0, w_ana = 0, w_num = 0;
+        size_t w_idx = 0;
+        size_t sample[GC_TOP + GC_RANDOM];
+        top_k(grads + d[t].offset, d[t].numel, sample, GC_TOP);
+        for (int k = GC_TOP; k < GC_TOP + GC_RANDOM; k++)
+            sample[k] = test_rand(&rs) % d[t].numel;
+        for (int k = 0; k < GC_TOP + GC_RANDOM; k++) {
+            size_t i = d[t].offset + sample[k];
+            float orig = params[i], lp, lm;
+            params[i] = orig + GC_EPS;
+            cr_assert_eq(gpt_model_forward(&tiny, TB, TT, params, tok, tgt, &lp), 0);
+            params[i] = orig - GC_EPS;
+            cr_assert_eq(gpt_model_forward(&tiny, TB, TT, params, tok, tgt, &lm), 0);
+            params[i] = orig;
+            /* The step actually taken, (orig+eps) - (orig-eps) in float, not 2 eps. */
+            double h = (double)(orig + GC_EPS) - (double)(orig - GC_EPS);
+            double num = ((double)lp - (double)lm) / h, ana = grads[i];
+            double err = fabs(num - ana) / fmax(fmax(fabs(num), fabs(ana)), GC_FLOOR);
+            if (err >= worst) {
+                worst = err;
+                w_ana = ana;
+                w_num = num;
+                w_idx = i - d[t].offset;
+            }
+        }
+        if (worst > GC_TOL) {
+            failed++;
+            used +=
+                (size_t)snprintf(report + used, used < sizeof(report) ? sizeof(report) - used : 0,
+                                 " %s[%zu]: analytic %.6g numeric %.6g rel %.3g;", d[t].name, w_idx,
+                                 w_ana, w_num, worst);
+        }
+        cr_log_info("gradcheck %-16s worst rel err %.3g", d[t].name, worst);
+    }
+    cr_expect_eq(failed, 0, "%d tensors over relative error %g:%s", failed, GC_TOL, report);
+    free(d);
+    free(grads);
+    free(params);
+}
+
+/* The trainer's path: keep each block's input only, recompute inside each block's backward. */
+static float blockwise_backward(const float *params, const int *tok, const int *tgt, float *grads)
+{
+    const size_t N = TB * TT, C = tiny.C, V = tiny.V, L = tiny.L, bf = gpt_block_num_params(&tiny);
+    struct gpt_scratch s = scratch_for(&tiny, TB, TT);
+    float *xs = falloc((L + 1) * N * C), *dx = falloc(N * C);
+    const float *wte = params, *wpe = params + V * C, *blocks = wpe + TT * C;
+    const float *lnf = blocks + L * bf;
+    float *gwte = grads, *gwpe = grads + V * C, *gblocks = gwpe + TT * C, *glnf = gblocks + L * bf;
+    cr_assert_eq(gpt_embed_forward(&tiny, TB, TT, wte, wpe, tok, xs), 0);
+    for (size_t l = 0; l < L; l++) {
+        struct gpt_block_params bp;
+        gpt_block_params_at(&tiny, blocks + l * bf, &bp);
+        cr_assert_eq(
+            gpt_block_forward(&tiny, TB, TT, &bp, xs + l * N * C, xs + (l + 1) * N * C, &s), 0);
+    }
+    float loss;
+    cr_assert_eq(gpt_head_backward(&tiny, TB, TT, lnf, lnf + C, wte, xs + L * N * C, tgt, dx, glnf,
+                                   glnf + C, gwte, &loss, &s),
+                 0);
+    for (size_t l = L; l-- > 0;) {
+        struct gpt_block_params bp;
+        struct gpt_block_grads bg;
+        gpt_block_params_at(&tiny, blocks + l * bf, &bp);
+        gpt_block_grads_at(&tiny, gblocks + l * bf, &bg);
+        cr_assert_eq(gpt_block_backward(&tiny, TB, TT, &bp, xs + l * N * C, dx, dx, &bg, &s), 0);
+    }
+    cr_assert_eq(gpt_embed_backward(&tiny, TB, TT, tok, dx, gwte, gwpe), 0);
+    free(xs);
+    free(dx);
+    free(s.mem);
+    return loss;
+}
+
+Test(gpt, block_backward_with_recompute_equals_whole_model_backward)
+{
+    float *params = tiny_params(21);
+    size_t np = gpt_num_params(&tiny);
+    float *g_model = falloc(np), *g_block = falloc(np);
+    int tok[TB * TT], tgt[TB * TT];
+    tiny_tokens(tok, tgt, 22);
+    float l_model, l_block, l_fwd;
+    cr_assert_eq(gpt_model_backward(&tiny, TB, TT, params, tok, tgt, g_model, &l_model), 0);
+    l_block = blockwise_backward(params, tok, tgt, g_block);
+    cr_assert_eq(gpt_model_forward(&tiny, TB, TT, params, tok, tgt, &l_fwd), 0);
+    cr_expect_eq(l_model, l_fwd);
+    cr_expect_eq(l_block, l_fwd);
+
+    int n;
+    struct gpt_tensor_desc *d = layout(&tiny, &n);
+    for (int t = 0; t < n; t++) {
+        double diff, mag;
+        max_diff(g_block + d[t].offset, g_model + d[t].offset, d[t].numel, &diff, &mag);
+        cr_expect(mag > 0, "%s: gradient is all zero", d[t].name);
+        /* The same functions run on the same inputs: the bits agree. */
+        cr_expect(diff == 0, "%s: recompute differs from kept activations by %g (max |g| %g)",
+                  d[t].name, diff, mag);
+    }
+    /* Gradients accumulate: a second backward doubles them (to rounding: wte sums the head's
+     * and the embedding's parts, in a different grouping the second time). */
+    cr_assert_eq(gpt_model_backward(&tiny, TB, TT, params, tok, tgt, g_model, NULL), 0);
+    double worst = 0, mag = 0;
+    for (size_t i = 0; i < np; i++) {
+        worst = fmax(worst, fabs((double)g_model[i] - 2.0 * g_block[i]));
+        mag = fmax(mag, fabs(2.0 * g_block[i]));
+    }
+    cr_expect(worst <= 1e-6 * mag, "two backwards differ from twice one by %g (max |g| %g)", worst,
+              mag);
+    free(d);
+    free(g_model);
+    free(g_block);
+    free(params);
+}
+
+Test(gpt, backward_is_deterministic)
+{
+    float *params = tiny_params(31);
+    size_t np = gpt_num_params(&tiny);
+    float *g1 = falloc(np), *g2 = falloc(np), *g3 = falloc(np);
+    int tok[TB * TT], tgt[TB * TT];
+    tiny_tokens(tok, tgt, 32);
+    float l1, l2, l3;
+    cr_assert_eq(gpt_model_backward(&tiny, TB, TT, params, tok, tgt, g1, &l1), 0);
+    cr_assert_eq(gpt_model_backward(&tiny, TB, TT, params, tok, tgt, g2, &l2), 0);
+    cr_expect_eq(memcmp(g1, g2, np * sizeof(float)), 0, "two runs gave different gradients");
+    cr_expect_eq(memcmp(&l1, &l2, sizeof(float)), 0);
+    /* The OpenMP loops split work by rows, heads or columns, never a sum: the bits do not
+     * depend on the OpenMP thread count either. */
+    int old = omp_get_max_threads();
+    omp_set_num_threads(old == 1 ? 3 : 1);
+    cr_assert_eq(gpt_model_backward(&tiny, TB, TT, params, tok, tgt, g3, &l3), 0);
+    omp_set_num_threads(old);
+    cr_expect_eq(memcmp(g1, g3, np * sizeof(float)), 0, "thread count changed the gradients");
+    cr_expect_eq(memcmp(&l1, &l3, sizeof(float)), 0);
+    free(g1);
+    free(g2);
+    free(g3);
+    free(params);
+}
+
+Test(gpt, bad_arguments_are_einval)
+{
+    float *params = tiny_params(41);
+    const size_t N = TB * TT, C = tiny.C, V = tiny.V;
+    float *grads = falloc(gpt_num_params(&tiny)), *x = falloc(N * C), *dx = falloc(N * C);
+    int tok[TB * TT], tgt[TB * TT];
+    tiny_tokens(tok, tgt, 42);
+    struct gpt_scratch s = scratch_for(&tiny, TB, TT);
+    struct gpt_block_params bp;
+    struct gpt_block_grads bg;
+    const float *wte = params, *wpe = params + V * C, *blocks = wpe + TT * C;
+    const float *lnf = blocks + tiny.L * gpt_block_num_params(&tiny);
+    gpt_block_params_at(&tiny, blocks, &bp);
+    gpt_block_grads_at(&tiny, grads + (blocks - params), &bg);
+    float loss;
+
+    /* Shapes of the call. */
+    cr_expect_eq(gpt_scratch_bytes(&tiny, 0, TT), 0);
+    cr_expect_eq(gpt_scratch_bytes(&tiny, TB, TT + 1), 0);
+    cr_expect_eq(gpt_embed_forward(&tiny, 0, TT, wte, wpe, tok, x), -EINVAL);
+    cr_expect_eq(gpt_embed_forward(&tiny, TB, TT + 1, wte, wpe, tok, x), -EINVAL);
+    cr_expect_eq(gpt_block_forward(&tiny, TB, 0, &bp, x, x, &s), -EINVAL);
+    cr_expect_eq(gpt_model_forward(&tiny, -1, TT, params, tok, tgt, &loss), -EINVAL);
+    /* Tokens out of range, in tokens and in targets. */
+    tok[3] = 256;
+    cr_expect_eq(gpt_embed_forward(&tiny, TB, TT, wte, wpe, tok, x), -EINVAL);
+    cr_expect_eq(gpt_embed_backward(&tiny, TB, TT, tok, dx, grads, grads + V * C), -EINVAL);
+    cr_expect_eq(gpt_model_forward(&tiny, TB, TT, params, tok, tgt, &loss), -EINVAL);
+    tok[3] = 0;
+    tgt[7] = -1;
+    cr_expect_eq(gpt_head_forward(&tiny, TB, TT, lnf, lnf + C, wte, x, tgt, &loss, NULL, &s),
+                 -EINVAL);
+    cr_expect_eq(gpt_head_backward(&tiny, TB, TT, lnf, lnf + C, wte, x, tgt, dx, grads, grads,
+                                   grads, NULL, &s),
+                 -EINVAL);
+    cr_expect_eq(gpt_model_backward(&tiny, TB, TT, params, tok, tgt, grads, NULL), -EINVAL);
+    tgt[7] = 0;
+    /* Scratch too small or missing. */
+    struct gpt_scratch small = {.mem = s.mem, .bytes = s.bytes - 1};
+    cr_expect_eq(gpt_block_forward(&tiny, TB, TT, &bp, x, x, &small), -EINVAL);
+    cr_expect_eq(gpt_block_backward(&tiny, TB, TT, &bp, x, dx, dx, &bg, &small), -EINVAL);
+    cr_expect_eq(gpt_head_forward(&tiny, TB, TT, lnf, lnf + C, wte, x, tgt, &loss, NULL, &small),
+                 -EINVAL);
+    cr_expect_eq(gpt_block_forward(&tiny, TB, TT, &bp, x, x, NULL), -EINVAL);
+    /* Missing tensors and pointers. */
+    struct gpt_block_params bp_hole = bp;
+    bp_hole.t[GPT_FC_B] = NULL;
+    cr_expect_eq(gpt_block_forward(&tiny, TB, TT, &bp_hole, x, x, &s), -EINVAL);
+    struct gpt_block_grads bg_hole = bg;
+    bg_hole.t[GPT_LN2_W] = NULL;
+    cr_expect_eq(gpt_block_backward(&tiny, TB, TT, &bp, x, dx, dx, &bg_hole, &s), -EINVAL);
+    cr_expect_eq(gpt_block_backward(&tiny, TB, TT, &bp, x, dx, x, &bg, &s),
+                 -EINVAL); /* d_in == x_in */
+    cr_expect_eq(gpt_model_backward(&tiny, TB, TT, params, tok, tgt, NULL, NULL), -EINVAL);
+    cr_expect_eq(gpt_model_forward(&tiny, TB, TT, NULL, tok, tgt, &loss), -EINVAL);
+    cr_expect_eq(gpt_model_init(&tiny, NULL, 1), -EINVAL);
+    /* A bad config at every entry point. */
+    struct gpt_config bad = tiny;
+    bad.NH = 3;
+    cr_expect_eq(gpt_block_forward(&bad, TB, TT, &bp, x, x, &s), -EINVAL);
+    cr_expect_eq(gpt_model_forward(&bad, TB, TT, params, tok, tgt, &loss), -EINVAL);
+    /* Nothing above touched the gradients. */
+    for (size_t i = 0; i < gpt_num_params(&tiny); i++)
+        cr_assert_eq(grads[i], 0.0f, "element %zu written by a refused call", i);
+    /* The good call works with the very same arguments. */
+    cr_expect_eq(gpt_block_forward(&tiny, TB, TT, &bp, x, x, &s), 0);
+    free(s.mem);
+    free(grads);
+    free(x);
+    free(dx);
+    free(params);
+}
+
+/* ---- AdamW ------------------------------------------------------------------------------------
+ */
+
+struct adam_bufs {
+    size_t n;
+    float *p, *g, *m, *v;
+};
+
+static struct adam_bufs adam_random(size_t n, uint64_t seed)
+{
+    struct adam_bufs b = {n, falloc(n), falloc(n), falloc(n), falloc(n)};
+    uint64_t s = seed;
+    for (size_t i = 0; i < n; i++) {
+        b.p[i] = urand(&s);
+        b.g[i] = 0.1f * urand(&s);
+        b.m[i] = 0.01f * urand(&s);
+        b.v[i] = 1e-4f * fabsf(urand(&s));
+    }
+    return b;
+}
+
+static struct adam_bufs adam_copy(const struct adam_bufs *a)
+{
+    struct adam_bufs b = {a->n, falloc(a->n), falloc(a->n), falloc(a->n), falloc(a->n)};
+    memcpy(b.p, a->p, a->n * sizeof(float));
+    memcpy(b.g, a->g, a->n * sizeof(float));
+    memcpy(b.m, a->m, a->n * sizeof(float));
+    memcpy(b.v, a->v, a->n * sizeof(float));
+    return b;
+}
+
+static void adam_free(struct adam_bufs *b)
+{
+    free(b->p);
+    free(b->g);
+    free(b->m);
+    free(b->v);
+}
+
+static int adam_same_bits(const struct adam_bufs *a, const struct adam_bufs *b)
+{
+    size_t s = a->n * sizeof(float);
+    return !memcmp(a->p, b->p, s) && !memcmp(a->m, b->m, s) && !memcmp(a->v, b->v, s);
+}
+
+static const struct adamw_hparams hp = {
+    .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
+
+/* Each vector kernel against the scalar reference: odd lengths (every tail size, and one
+ * large enough to be split over threads), three steps with a grad scale. */
+static void compare_isa(enum adamw_isa isa)
+{
+    if (adamw_update_isa(isa, NULL, NULL, NULL, NULL, 0, &hp, 1, 1.0f) == -ENOTSUP)
+        cr_skip_test("this CPU has no %s", adamw_isa_name(isa));
+    const size_t lens[] = {1, 3, 7, 9, 15, 17, 31, 33, 65537, 1000003};
+    for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+        struct adam_bufs ref = adam_random(lens[li], 1000 + li), got = adam_copy(&ref);
+        for (int step = 1; step <= 3; step++) {
+            cr_assert_eq(adamw_update_isa(ADAMW_ISA_SCALAR, ref.p, ref.g, ref.m, ref.v, ref.n, &hp,
+                                          step, 0.7f),
+                         0);
+            cr_assert_eq(adamw_update_isa(isa, got.p, got.g, got.m, got.v, got.n, &hp, step, 0.7f),
+                         0);
+        }
+        const char *what[] = {"param", "m", "v"};
+        float *r[] = {ref.p, ref.m, ref.v}, *o[] = {got.p, got.m, got.v};
+        for (int k = 0; k < 3; k++) {
+            double diff, mag;
+            max_diff(o[k], r[k], ref.n, &diff, &mag);
+            cr_expect(diff <= 1e-6 * mag,
+                      "%s n=%zu %s: max diff %g, max |ref| %g (tolerance 1e-6 relative)",
+                      adamw_isa_name(isa), ref.n, what[k], diff, mag);
+        }
+        adam_free(&ref);
+        adam_free(&got);
+    }
+}
+
+Test(adamw, avx2_matches_scalar_reference)
+{
+    compare_isa(ADAMW_ISA_AVX2);
+}
+
+Test(adamw, avx512_matches_scalar_reference)
+{
+    compare_isa(ADAMW_ISA_AVX512);
+}
+
+Test(adamw, best_is_what_the_cpu_runs)
+{
+    enum adamw_isa b = adamw_best_isa();
+    cr_expect_neq(b, ADAMW_ISA_BEST);
+    cr_expect_eq(adamw_update_isa(b, NULL, NULL, NULL, NULL, 0, &hp, 1, 1.0f), 0);
+    cr_log_info("adamw kernel: %s", adamw_isa_name(ADAMW_ISA_BEST));
+}
+
+Test(adamw, same_bits_for_any_thread_count)
+{
+    struct adam_bufs one = adam_random(3000017, 5), two = adam_copy(&one), three = adam_copy(&one);
+    omp_set_num_threads(1);
+    cr_assert_eq(adamw_update(one.p, one.g, one.m, one.v, one.n, &hp, 4, 1.0f), 0);
+    omp_set_num_threads(2);
+    cr_assert_eq(adamw_update(two.p, two.g, two.m, two.v, two.n, &hp, 4, 1.0f), 0);
+    omp_set_num_threads(3);
+    cr_assert_eq(adamw_update(three.p, three.g, three.m, three.v, three.n, &hp, 4, 1.0f), 0);
+    cr_expect(adam_same_bits(&one, &two), "1 and 2 threads differ");
+    cr_expect(adam_same_bits(&one, &three), "1 and 3 threads differ");
+    /* And run to run. */
+    struct adam_bufs again = adam_random(3000017, 5);
+    cr_assert_eq(adamw_update(again.p, again.g, again.m, again.v, again.n, &hp, 4, 1.0f), 0);
+    cr_expect(adam_same_bits(&three, &again));
+    adam_free(&one);
+    adam_free(&two);
+    adam_free(&three);
+    adam_free(&again);
+}
+
+/* At step 1 from zero moments the bias corrections undo (1 - beta): m_hat = g and
+ * v_hat = g^2, so the step is lr * g / (|g| + eps), about lr in the gradient's sign. Without
+ * the corrections it would be lr * 0.1 g / (sqrt(0.05) |g|) = 0.447 lr. */
+Test(adamw, bias_correction_at_step_1)
+{
+    const struct adamw_hparams h = {.lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f};
+    for (int isa = ADAMW_ISA_SCALAR; isa <= ADAMW_ISA_BEST; isa++) {
+        float p[3] = {1.0f, 1.0f, -2.0f}, g[3] = {0.5f, -2.0f, 1e-3f}, m[3] = {0}, v[3] = {0};
+        int r = adamw_update_isa((enum adamw_isa)isa, p, g, m, v, 3, &h, 1, 1.0f);
+        if (r == -ENOTSUP) continue;
+        cr_assert_eq(r, 0);
+        /* By hand: 1 - 0.1 * 0.5 / (0.5 + 1e-8) = 0.900000002; 1 + 0.1 = 1.1;
+         * -2 - 0.1 * 1e-3 / (1e-3 + 1e-8) = -2.09999900001. */
+        cr_expect(fabsf(p[0] - 0.9f) < 1e-6f, "%s: %.9g", adamw_isa_name(isa), p[0]);
+        cr_expect(fabsf(p[1] - 1.1f) < 1e-6f, "%s: %.9g", adamw_isa_name(isa), p[1]);
+        cr_expect(fabsf(p[2] - -2.099999f) < 1e-6f, "%s: %.9g", adamw_isa_name(isa), p[2]);
+        /* 1 - 0.9f is 0.100000024 in float, hence relative tolerances. */
+        cr_expect(fabsf(m[0] - 0.05f) < 1e-6f * 0.05f && fabsf(v[0] - 0.0125f) < 1e-6f * 0.0125f,
+                  "%s: m %.9g v %.9g", adamw_isa_name(isa), m[0], v[0]);
+        /* Step 2 with the same gradient: m = 0.095 (m_hat = 0.5), v = 0.024375 (v_hat =
+         * 0.25), so the step is again lr * 0.5 / 0.5. */
+        r = adamw_update_isa((enum adamw_isa)isa, p, g, m, v, 1, &h, 2, 1.0f);
+        cr_assert_eq(r, 0);
+        cr_expect(fabsf(p[0] - 0.8f) < 1e-6f, "%s step 2: %.9g", adamw_isa_name(isa), p[0]);
+    }
+}
+
+/* Decoupled decay is lr * wd * param, added outside the adaptive scaling: it acts with a
+ * zero gradient, leaves m and v alone, and is the exact difference between a step with and
+ * without it. (L2 decay folded into the gradient would be rescaled by 1/sqrt(v).) */
+Test(adamw, weight_decay_is_decoupled)
+{
+    struct adamw_hparams h = {
+        .lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.5f};
+    for (int isa = ADAMW_ISA_SCALAR; isa <= ADAMW_ISA_BEST; isa++) {
+        float p[17], g[17] = {0}, m[17] = {0}, v[17] = {0};
+        for (int i = 0; i < 17; i++)
+            p[i] = (float)(i - 8);
+        int r = adamw_update_isa((enum adamw_isa)isa, p, g, m, v, 17, &h, 3, 1.0f);
+        if (r == -ENOTSUP) continue;
+        cr_assert_eq(r, 0);
+        for (int i = 0; i < 17; i++) {
+            float want = (float)(i - 8) * 0.95f;
+            cr_expect(fabsf(p[i] - want) <= 1e-6f * fabsf(want), "%s: p[%d] = %.9g",
+                      adamw_isa_name(isa), i, p[i]);
+            cr_expect(m[i] == 0.0f && v[i] == 0.0f);
+        }
+    }
+    struct adam_bufs a = adam_random(1001, 77), b = adam_copy(&a);
+    float *p0 = falloc(a.n);
+    memcpy(p0, a.p, a.n * sizeof(float));
+    cr_assert_eq(adamw_update_isa(ADAMW_ISA_SCALAR, a.p, a.g, a.m, a.v, a.n, &h, 5, 1.0f), 0);
+    h.weight_decay = 0.0f;
+    cr_assert_eq(adamw_update_isa(ADAMW_ISA_SCALAR, b.p, b.g, b.m, b.v, b.n, &h, 5, 1.0f), 0);
+    double worst = 0;
+    for (size_t i = 0; i < a.n; i++)
+        worst = fmax(worst, fabs(((double)b.p[i] - a.p[i]) - 0.1 * 0.5 * p0[i]));
+    cr_expect(worst < 1e-6, "with - without decay differs from lr*wd*p by %g", worst);
+    cr_expect(!memcmp(a.m, b.m, a.n * sizeof(float)) && !memcmp(a.v, b.v, a.n * sizeof(float)));
+    free(p0);
+    adam_free(&a);
+    adam_free(&b);
+}
+
+Test(adamw, clipping_sum_squares_and_scale)
+{
+    float g34[2] = {3.0f, -4.0f};
+    double ss;
+    cr_assert_eq(adamw_sum_squares(g34, 2, &ss), 0);
+    cr_expect_eq(ss, 25.0);
+    cr_expect_float_eq(adamw_clip_scale(ss, 1.0f), 0.2f, 1e-7);
+    cr_expect_eq(adamw_clip_scale(ss, 5.0f), 1.0f);
+    cr_expect_eq(adamw_clip_scale(ss, 10.0f), 1.0f);
+    cr_expect_eq(adamw_clip_scale(ss, 0.0f), 1.0f); /* no clipping */
+    cr_assert_eq(adamw_sum_squares(NULL, 0, &ss), 0);
+    cr_expect_eq(ss, 0.0);
+
+    /* A large buffer: against a plain double loop, and the same bits for any thread count. */
+    struct adam_bufs a = adam_random(2000003, 9);
+    double want = 0, s1, s3;
+    for (size_t i = 0; i < a.n; i++)
+        want += (double)a.g[i] * a.g[i];
+    omp_set_num_threads(1);
+    cr_assert_eq(adamw_sum_squares(a.g, a.n, &s1), 0);
+    omp_set_num_threads(3);
+    cr_assert_eq(adamw_sum_squares(a.g, a.n, &s3), 0);
+    cr_expect(fabs(s1 - want) < 1e-12 * want, "sum %.17g, plain loop %.17g", s1, want);
+    cr_expect(!memcmp(&s1, &s3, sizeof(double)), "1 and 3 threads: %.17g vs %.17g", s1, s3);
+
+    /* A grad_scale is the same as scaling the gradient first. */
+    float scale = adamw_clip_scale(s1, 1.0f);
+    cr_expect(scale < 1.0f);
+    struct adam_bufs b = adam_copy(&a);
+    for (size_t i = 0; i < b.n; i++)
+        b.g[i] *= scale;
+    cr_assert_eq(adamw_update(a.p, a.g, a.m, a.v, a.n, &hp, 2, scale), 0);
+    cr_assert_eq(adamw_update(b.p, b.g, b.m, b.v, b.n, &hp, 2, 1.0f), 0);
+    cr_expect(adam_same_bits(&a, &b));
+    double check;
+    cr_assert_eq(adamw_sum_squares(b.g, b.n, &check), 0);
+    cr_expect(fabs(sqrt(check) - 1.0) < 1e-6, "clipped norm %.9g", sqrt(check));
+    adam_free(&a);
+    adam_free(&b);
+}
+
+Test(adamw, bad_arguments_are_einval)
+{
+    float p[4] = {0}, g[4] = {0}, m[4] = {0}, v[4] = {0};
+    struct adamw_hparams h;
+    adamw_hparams_defaults(&h);
+    cr_expect_eq(adamw_update(p, g, m, v, 4, &h, 1, 1.0f), 0);
+    cr_expect_eq(adamw_update(p, g, m, v, 4, &h, 0, 1.0f), -EINVAL);
+    cr_expect_eq(adamw_update(p, g, m, v, 4, NULL, 1, 1.0f), -EINVAL);
+    cr_expect_eq(adamw_update(NULL, g, m, v, 4, &h, 1, 1.0f), -EINVAL);
+    cr_expect_eq(adamw_update(p, g, m, NULL, 4, &h, 1, 1.0f), -EINVAL);
+    cr_expect_eq(adamw_update(NULL, NULL, NULL, NULL, 0, &h, 1, 1.0f), 0);
+    cr_expect_eq(adamw_update(p, g, m, v, 4, &h, 1, NAN), -EINVAL);
+    cr_expect_eq(adamw_update(p, g, m, v, 4, &h, 1, INFINITY), -EINVAL);
+    cr_expect_eq(adamw_update_isa((enum adamw_isa)17, p, g, m, v, 4, &h, 1, 1.0f), -EINVAL);
+    struct adamw_hparams bad[] = {h, h, h, h, h, h};
+    bad[0].beta1 = 1.0f;
+    bad[1].beta2 = -0.1f;
+    bad[2].eps = 0.0f;
+    bad[3].lr = -1e-3f;
+    bad[4].weight_decay = NAN;
+    bad[5].lr = INFINITY;
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        cr_expect_eq(adamw_update(p, g, m, v, 4, &bad[i], 1, 1.0f), -EINVAL, "case %zu", i);
+    cr_expect_eq(adamw_sum_squares(NULL, 4, NULL), -EINVAL);
+    double ss;
+    cr_expect_eq(adamw_sum_squares(NULL, 4, &ss), -EINVAL);
+    /* Refused calls wrote nothing. */
+    for (int i = 0; i < 4; i++)
+        cr_expect(p[i] == 0.0f && m[i] == 0.0f && v[i] == 0.0f);
+}
