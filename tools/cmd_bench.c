@@ -117,9 +117,14 @@ static void slot_cb(struct uring_req *req, int res)
     pthread_mutex_unlock(&q->lock);
 }
 
+/* nslots requests are kept outstanding, twice the engine's queue depth where memory
+ * allows: the engine keeps queue_depth of them at the device and starts the next one from
+ * its own thread as each completes, so filling and checking here never leave the device
+ * idle. */
 static int engine_run(struct uring *u, int file, enum uring_op op, uint64_t size, size_t bs,
-                      unsigned qd, char *mem, struct row *row)
+                      unsigned nslots, char *mem, struct row *row)
 {
+    unsigned qd = nslots;
     struct uring_req *reqs = calloc(qd, sizeof(*reqs));
     struct slot_queue q = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
                            calloc(qd, sizeof(unsigned)), calloc(qd, sizeof(int)), 0, 0, qd};
@@ -319,15 +324,28 @@ struct bench_ctx {
     int region;
 };
 
+/* One (block size, queue depth) pair through an engine opened for exactly that pair. */
 static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, double *rd,
                     double *wr)
 {
+    struct uring_opts uo = {.block_size = bs, .queue_depth = qd, .backend = c->o.backend,
+                            .sqpoll = c->o.sqpoll};
+    struct uring *u = NULL;
     struct row row;
-    int err = 0, fails = 0;
+    int err, fails = 0, file, region = -1;
+    unsigned nslots = (unsigned)MIN((uint64_t)2 * qd, c->mem_bytes / bs);
 
+    if ((err = uring_open(&uo, &u)) < 0 ||
+        (file = err = uring_file_open(u, c->path, O_RDWR, 0)) < 0) {
+        fprintf(stderr, "zinf bench: %s: %s\n", c->path, zinf_strerror(err));
+        uring_close(u);
+        return 1;
+    }
+    if (!c->o.no_fixed)
+        region = uring_buf_register(u, c->mem, c->mem_bytes);
     if (c->o.do_write) {
         row = (struct row){.engine = "zinf", .op = "write", .block_size = bs, .queue_depth = qd};
-        err = engine_run(c->u, c->file, URING_WRITE, c->o.size, bs, qd, c->mem, &row);
+        err = engine_run(u, file, URING_WRITE, c->o.size, bs, nslots, c->mem, &row);
         if (report)
             print_row(&c->o, &row, err);
         fails += err != 0;
@@ -335,15 +353,18 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
             *wr = err ? 0 : gbps(&row);
     }
     if (c->o.do_read) {
-        drop_cache(uring_file_fd(c->u, c->file));
+        drop_cache(uring_file_fd(u, file));
         row = (struct row){.engine = "zinf", .op = "read", .block_size = bs, .queue_depth = qd};
-        err = engine_run(c->u, c->file, URING_READ, c->o.size, bs, qd, c->mem, &row);
+        err = engine_run(u, file, URING_READ, c->o.size, bs, nslots, c->mem, &row);
         if (report)
             print_row(&c->o, &row, err);
         fails += err != 0 || !row.verified;
         if (rd)
             *rd = err || !row.verified ? 0 : gbps(&row);
     }
+    if (region >= 0)
+        uring_buf_unregister(u, region);
+    uring_close(u);
     return fails;
 }
 
@@ -362,7 +383,8 @@ static int ensure_file(struct bench_ctx *c)
             pattern_check(c->mem, n, align_down(c->o.size - 1, n)))
             return 0;
     }
-    return engine_run(c->u, c->file, URING_WRITE, c->o.size, c->o.block_size, c->o.queue_depth,
+    return engine_run(c->u, c->file, URING_WRITE, c->o.size, c->o.block_size,
+                      (unsigned)MIN((uint64_t)c->o.queue_depth, c->mem_bytes / c->o.block_size),
                       c->mem, &row);
 }
 
@@ -541,9 +563,9 @@ int cmd_bench(int argc, char **argv)
             goto out;
         }
     }
-    /* A slot is used only while its offset is inside the file: never more than
-     * size + one block of buffers, however deep the queue. */
-    c.mem_bytes = (size_t)MIN((uint64_t)max_bs * max_qd, c.o.size + max_bs);
+    /* Two requests per queue slot (see engine_run), and a slot is used only while its
+     * offset is inside the file: never more than size + one block of buffers. */
+    c.mem_bytes = (size_t)MIN((uint64_t)max_bs * max_qd * 2, c.o.size + max_bs);
     if (posix_memalign((void **)&c.mem, ZINF_ALIGN, c.mem_bytes)) {
         fprintf(stderr, "zinf bench: cannot allocate %zu bytes of buffers\n", c.mem_bytes);
         fails++;

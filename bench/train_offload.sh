@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# train_offload.sh - step time of `zinf train` with everything offloaded to NVMe (budgets
+# far below the model's state) against everything in device memory, same model, same
+# data, alternating, in one run. The model is chosen so that compute dominates IO: each
+# step does about 6 x params x tokens flops, and moves about 3 x 16 bytes per parameter.
+#
+# usage: bench/train_offload.sh [SWAPDIR] [ROUNDS]   (defaults: ./swap-train 2)
+#   ZINF=build/tools/zinf  LAYERS=4 DIM=256 HEADS=8 SEQ=128 BATCH=8 STEPS=6
+#   DEVICE_BYTES / HOST_BYTES: the offloaded run's budgets (default 8M / 6M)
+set -euo pipefail
+
+swap=${1:-swap-train}
+rounds=${2:-2}
+zinf=${ZINF:-build/tools/zinf}
+L=${LAYERS:-4} C=${DIM:-256} H=${HEADS:-8} T=${SEQ:-128} B=${BATCH:-8} S=${STEPS:-6}
+dev=${DEVICE_BYTES:-8M} host=${HOST_BYTES:-6M}
+data=${DATA:-/usr/share/common-licenses/GPL-3}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp" "$swap"' EXIT
+mkdir -p "$swap"
+
+cat > "$tmp/mem.json" <<JSON
+{"zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
+ "offload_optimizer": {"device": "none"}},
+ "zinf": {"device": "emulated", "device_bytes": "4G", "host_bytes": "1G"}}
+JSON
+cat > "$tmp/nvme.json" <<JSON
+{"zero_optimization": {"stage": 3,
+ "offload_param": {"device": "nvme", "nvme_path": "$swap", "pin_memory": true},
+ "offload_optimizer": {"device": "nvme", "nvme_path": "$swap", "pin_memory": true}},
+ "aio": {"block_size": 262144, "queue_depth": 16},
+ "zinf": {"device": "emulated", "device_bytes": "$dev", "host_bytes": "$host"}}
+JSON
+
+run() { # config log -> prints mean ms of steps 2..S
+  "$zinf" train --config "$1" --data "$data" --layers "$L" --dim "$C" --heads "$H" \
+      --seq "$T" --batch "$B" --steps "$S" --log "$2" > "$2.out"
+  python3 - "$2" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+steps = [r for r in rows if 'step' in r]
+summ = [r['summary'] for r in rows if 'summary' in r][0]
+ms = [r['ms'] for r in steps[1:]]
+print(sum(ms) / len(ms), ' '.join('%.6f' % r['loss'] for r in steps), summ['model_state_bytes'],
+      summ['device']['peak_bytes'], summ['device']['budget_bytes'], summ['host']['peak_bytes'],
+      summ['host']['budget_bytes'])
+PY
+}
+
+echo "# train_offload: layers $L dim $C heads $H seq $T batch $B, $S steps, $rounds rounds"
+echo "# data $data; offloaded budgets device $dev host $host; swap $swap"
+echo "# $(uname -sr), $(nproc) cpus"
+printf "# %5s %12s %12s %8s %s\n" round mem_ms nvme_ms ratio "losses equal"
+ratios=()
+for ((i = 1; i <= rounds; i++)); do
+  read -r mms mloss_rest < <(run "$tmp/mem.json" "$tmp/mem.$i.jsonl")
+  read -r nms nloss_rest < <(run "$tmp/nvme.json" "$tmp/nvme.$i.jsonl")
+  mloss=$(python3 -c "import sys; print(' '.join(sys.argv[1].split()[:$S]))" "$mloss_rest")
+  nloss=$(python3 -c "import sys; print(' '.join(sys.argv[1].split()[:$S]))" "$nloss_rest")
+  ratio=$(python3 -c "print('%.3f' % ($nms / $mms))")
+  ratios+=("$ratio")
+  printf "  %5d %12.1f %12.1f %8s %s\n" "$i" "$mms" "$nms" "$ratio" \
+    "$([ "$mloss" = "$nloss" ] && echo yes || echo NO)"
+  rm -rf "$swap"/*
+done
+read -r _ _ state dpeak dbud hpeak hbud < <(echo "$nloss_rest" | awk -v S="$S" '{printf "x x"; for (i = S + 1; i <= NF; i++) printf " %s", $i; print ""}')
+echo "# model state $state B; offloaded run: device peak $dpeak of $dbud B, host peak $hpeak of $hbud B"
+python3 - "${ratios[@]}" <<'PY'
+import sys
+r = sorted(float(x) for x in sys.argv[1:])
+med = r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+print("# median step-time ratio offloaded / in memory: %.3f (target <= 1.15: %s)" % (med, "met" if med <= 1.15 else "NOT met"))
+PY
