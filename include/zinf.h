@@ -58,9 +58,11 @@ struct zinf_options {        /* zero-initialised = defaults */
 struct zinf_tier_stats {
     uint64_t capacity_bytes;  /* the tier's budget */
     uint64_t used_bytes;      /* allocated to copies now */
+    uint64_t peak_bytes;      /* the most ever allocated at once */
     uint64_t pinned_bytes;    /* held by callers between fetch and release */
     uint64_t fetches;         /* zinf_fetch/zinf_fetch_async calls for this tier */
-    uint64_t hits;            /* ... that found a resident copy */
+    uint64_t hits;            /* ... that found a resident copy (prefetched ones included:
+                                 zinf_stats.prefetch_in_time counts those again) */
     uint64_t evictions;       /* copies dropped to make room */
     uint64_t writebacks;      /* dirty copies written to their home first */
 };

@@ -82,6 +82,16 @@ bool engine_home_valid(const struct tensor *t)
     return t->c[t->home].state == COPY_READY && t->c[t->home].version == t->version;
 }
 
+static bool extent_named(const struct tensor *t, uint64_t off)
+{
+    return (t->persisted && t->persisted_off == off) || (t->flush_named && t->flush_off == off);
+}
+
+bool engine_swap_named(const struct tensor *t)
+{
+    return t->has_swap && extent_named(t, t->swap_off);
+}
+
 static int slot_take(struct zinf_engine *e, uint32_t *idx)
 {
     for (uint32_t i = 0; i < e->ntensors; i++) {
@@ -114,6 +124,8 @@ int engine_add_tensor(struct zinf_engine *e, struct tensor *t)
     uint32_t idx;
     int r;
 
+    if (name_find(e, t->name))
+        return -EEXIST; /* a manifest that names a tensor twice */
     if (e->live + 1 > e->nbuckets && (r = names_grow(e)) < 0)
         return r;
     if ((r = slot_take(e, &idx)) < 0)
@@ -160,21 +172,26 @@ void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted)
     e->deferred_free[e->ndeferred++] = off;
 }
 
-/* Wait until nothing is moving in or out of t and no other exclusive user holds it, then
- * take it exclusively. Lock held. */
-void engine_tensor_lock(struct zinf_engine *e, struct tensor *t)
+/* Wait until nothing is moving in or out of the tensor and no other exclusive user holds
+ * it, then take it exclusively. Lock held. The tensor is looked up again after every wait:
+ * another thread may have unregistered it meanwhile (then NULL). */
+struct tensor *engine_tensor_lock(struct zinf_engine *e, zinf_tensor h)
 {
     for (;;) {
+        struct tensor *t = engine_tensor(e, h);
+        if (!t)
+            return NULL;
         bool moving = t->exclusive;
         for (int i = 0; i < MEM_TIERS; i++) {
             struct copy *c = &t->c[i];
             moving |= c->state == COPY_LOADING || c->readers || c->wb_inflight;
         }
-        if (!moving)
-            break;
+        if (!moving) {
+            t->exclusive = true;
+            return t;
+        }
         engine_wait(e);
     }
-    t->exclusive = true;
 }
 
 void engine_tensor_unlock(struct zinf_engine *e, struct tensor *t)
@@ -277,16 +294,21 @@ ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor h)
     if (!e)
         return -EINVAL;
     pthread_mutex_lock(&e->lock);
-    /* A flush in progress may be writing a manifest that names this tensor's extents. */
-    while (e->flushing)
-        engine_wait(e);
-    t = engine_tensor(e, h);
-    if (!t) {
-        pthread_mutex_unlock(&e->lock);
-        return -EINVAL;
+    for (;;) {
+        /* A flush in progress may be writing a manifest that names this tensor's extents;
+         * one may also start while this waits for the tensor. */
+        while (e->flushing)
+            engine_wait(e);
+        t = engine_tensor_lock(e, h);
+        if (!t) {
+            pthread_mutex_unlock(&e->lock);
+            return -EINVAL;
+        }
+        if (!e->flushing)
+            break;
+        engine_tensor_unlock(e, t);
     }
-    engine_tensor_lock(e, t);
-    if (t->c[0].pins || t->c[1].pins) {
+    if (t->c[0].pins || t->c[1].pins || t->c[0].deferred || t->c[1].deferred) {
         engine_tensor_unlock(e, t);
         pthread_mutex_unlock(&e->lock);
         return -EBUSY;
@@ -333,7 +355,11 @@ ZINF_API int zinf_read(zinf_engine *e, zinf_tensor h, size_t off, void *dst, siz
     }
     if (n == 0)
         goto out;
-    engine_tensor_lock(e, t);
+    t = engine_tensor_lock(e, h);
+    if (!t) {
+        r = -EINVAL; /* unregistered while this waited */
+        goto out;
+    }
     /* The newest content: host memory, then device memory, then the swap extent. */
     int src = -1;
     for (int i = ZINF_TIER_HOST; i >= ZINF_TIER_DEVICE; i--)
@@ -375,7 +401,11 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
     }
     if (n == 0)
         goto out;
-    engine_tensor_lock(e, t);
+    t = engine_tensor_lock(e, h);
+    if (!t) {
+        r = -EINVAL; /* unregistered while this waited */
+        goto out;
+    }
     /* Every valid copy in memory takes the bytes; the swap extent only when nothing in
      * memory holds the content (otherwise the home goes stale and is written back later,
      * as after a DIRTY release). */
@@ -390,8 +420,8 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
     bool zero = t->zero;
     uint64_t target = t->swap_off, cow_from = 0;
     bool cow = false;
-    if (swap && t->persisted && t->swap_off == t->persisted_off) {
-        /* The committed manifest names this extent: never write it, write a copy. */
+    if (swap && engine_swap_named(t)) {
+        /* A manifest names this extent: never write it, write a copy. */
         r = nvme_alloc(e->nvme, t->alloc_bytes, &target);
         if (r < 0)
             goto unlock;
@@ -427,8 +457,14 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
             t->c[ZINF_TIER_HOST].version = t->version;
         if (swap)
             t->swap_version = t->version;
-        if (cow)
-            t->swap_off = target; /* the old extent stays until the next manifest */
+        if (cow) {
+            /* The old extent stays while a manifest names it (the flush that stops naming
+             * it frees it); if the flush that named it failed meanwhile, nobody will. */
+            uint64_t old = t->swap_off;
+            t->swap_off = target;
+            if (!extent_named(t, old))
+                nvme_free(e->nvme, old);
+        }
         t->swap_crc_valid = false;
     } else if (cow) {
         nvme_free(e->nvme, target);

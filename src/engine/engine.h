@@ -39,6 +39,8 @@ struct copy {
     bool wb_inflight;   /* a write-back reads from this copy */
     int err;            /* result of the last load, for its waiters */
     unsigned pins;      /* callers holding the pointer (and pending fetches) */
+    unsigned deferred;  /* zinf_fetch_async tickets whose load could not start yet: pins
+                           the callers hold already, taken for real by zinf_wait */
     unsigned readers;   /* transfers reading from this copy */
     uint64_t version;   /* content held; valid iff == tensor.version */
     uint64_t off;       /* offset in the tier's arena */
@@ -70,6 +72,11 @@ struct tensor {
     uint32_t persisted_crc;
     bool persisted_zero;
     uint64_t persisted_version;
+    /* The extent the manifest a flush is writing names, from the moment the flush has
+     * checksummed it until that manifest is committed or abandoned (never overwritten
+     * either: a crash may leave that manifest the committed one). */
+    bool flush_named;
+    uint64_t flush_off;
     struct tensor *hnext;        /* name hash chain */
 };
 
@@ -200,10 +207,14 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p,
 /* engine.c */
 struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h);
 int engine_add_tensor(struct zinf_engine *e, struct tensor *t);
-/* Wait until nothing moves in or out of t, then own it (fetches of it wait). Lock held. */
-void engine_tensor_lock(struct zinf_engine *e, struct tensor *t);
+/* Wait until nothing moves in or out of the tensor, then own it (fetches of it wait); NULL
+ * when it was unregistered meanwhile. Lock held. */
+struct tensor *engine_tensor_lock(struct zinf_engine *e, zinf_tensor h);
 void engine_tensor_unlock(struct zinf_engine *e, struct tensor *t);
 bool engine_home_valid(const struct tensor *t);
+/* Does a manifest, committed or being written, name t's swap extent? Then new content
+ * must go to another extent (copy on write). */
+bool engine_swap_named(const struct tensor *t);
 void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted);
 
 /* fetch.c */

@@ -111,8 +111,8 @@ static void wb_done(struct xfer *x, int err)
     } else {
         if (t->home == ZINF_TIER_NVME) {
             if (a->new_extent) {
-                bool was_persisted = t->persisted && t->persisted_off == t->swap_off;
-                if (t->has_swap && !was_persisted)
+                /* An extent a manifest names is freed by the flush that stops naming it. */
+                if (t->has_swap && !engine_swap_named(t))
                     nvme_free(e->nvme, t->swap_off);
                 t->swap_off = a->new_off;
                 t->has_swap = true;
@@ -149,13 +149,23 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
         r = -ENOMEM;
         goto err;
     }
+    /* One write-back per tensor at a time: two (of different versions, from the two
+     * tiers) into the same extent could land in either order, and the later completion
+     * would label the extent with its version whatever bytes won. */
+    for (int i = 0; i < MEM_TIERS; i++) {
+        if (t->c[i].wb_inflight) {
+            r = -EAGAIN;
+            goto err;
+        }
+    }
     a->tier = tier;
     *x = (struct xfer){.e = e, .t = t, .src = tier, .src_off = c->off, .src_ptr = c->ptr,
                        .len = t->alloc_bytes, .version = t->version, .arg = a, .done = wb_done};
     if (t->home == ZINF_TIER_NVME) {
-        /* Never overwrite the extent the committed manifest names: write elsewhere and
-         * switch over when done (a crash mid-write then leaves the old content whole). */
-        if (!t->has_swap || (t->persisted && t->persisted_off == t->swap_off)) {
+        /* Never overwrite an extent a manifest (committed or being written) names: write
+         * elsewhere and switch over when done (a crash mid-write then leaves the old
+         * content whole). */
+        if (!t->has_swap || engine_swap_named(t)) {
             r = nvme_alloc(e->nvme, t->alloc_bytes, &a->new_off);
             if (r < 0)
                 goto err;
@@ -394,10 +404,17 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                       uint64_t need_dist, void **ptr)
 {
     bool pinned = false, waited = false, started = false;
+    zinf_tensor h = t->handle;
     uint64_t t0 = 0;
     int r = 0;
 
     for (;;) {
+        /* Every wait comes back here: without a pin, another thread may have unregistered
+         * the tensor meanwhile (t must not be touched then). */
+        if (!pinned && engine_tensor(e, h) != t) {
+            r = -EINVAL;
+            goto out;
+        }
         struct copy *c = &t->c[tier];
         bool stale_home = false;
 
@@ -415,6 +432,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                 e->st.tier[tier].hits++;
             if (ptr)
                 *ptr = c->ptr;
+            r = 0; /* an earlier round may have left -EAGAIN from tier_reserve() */
             break;
         }
         if (c->state == COPY_LOADING) {
@@ -633,6 +651,7 @@ ZINF_API int zinf_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier
     r = fetch_mode(e, t, tier, FETCH_ASYNC, 0, NULL);
     if (r == -EWOULDBLOCK) {
         k->deferred = true; /* zinf_wait() fetches */
+        t->c[tier].deferred++;
         r = 0;
     }
     if (r == 0) {
@@ -671,6 +690,7 @@ ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr)
     if (!t) {
         r = -EINVAL;
     } else if (k->deferred) {
+        t->c[k->tier].deferred--;
         r = fetch_mode(e, t, k->tier, FETCH_BLOCK, 0, ptr);
     } else {
         /* The pin was taken at zinf_fetch_async(); wait for the copy under it. */
@@ -685,9 +705,12 @@ ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr)
             *ptr = c->ptr;
             r = 0;
         } else {
-            r = c->err ? c->err : -EIO;
             c->pins--;
             pthread_cond_broadcast(&e->changed);
+            if (c->state == COPY_NONE || c->err)
+                r = c->err ? c->err : -EIO;
+            else /* the load it joined brought a version overtaken meanwhile: load again */
+                r = fetch_mode(e, t, k->tier, FETCH_BLOCK, 0, ptr);
         }
     }
     pthread_mutex_unlock(&e->lock);
@@ -731,7 +754,7 @@ ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, un
     if (flags & ZINF_RELEASE_DIRTY) {
         int other = 1 - tier;
         struct copy *oc = &t->c[other];
-        if (oc->pins) {
+        if (oc->pins || oc->deferred) {
             r = -EBUSY; /* another tier holds a view: the pin stays */
             goto out;
         }

@@ -4,9 +4,10 @@
  * crc32c per tensor) atomically; ZINF_OPEN_RESUME reads it back and checks every
  * checksum.
  *
- * Crash safety rests on one rule: an extent named by the committed manifest is never
- * written. New content goes to another extent (copy on write, here and in write-backs);
- * the old one is freed only once a newer manifest no longer names it. A crash at any
+ * Crash safety rests on one rule: an extent named by the committed manifest (or by the
+ * one a flush is writing, which a crash may leave committed) is never written. New content
+ * goes to another extent (copy on write, here, in zinf_write and in write-backs); the old
+ * one is freed only once a newer manifest no longer names it. A crash at any
  * moment therefore leaves the old manifest with the old bytes, or the new one with the
  * new bytes: each tensor is whole, old or new.
  *
@@ -258,7 +259,7 @@ static int flush_tensor(struct zinf_engine *e, struct tensor *t, struct entry *e
         log_error("engine: tensor '%s' has no valid copy to flush", t->name);
         return -EIO;
     }
-    bool in_place = t->has_swap && !(t->persisted && t->persisted_off == t->swap_off);
+    bool in_place = t->has_swap && !engine_swap_named(t);
     uint64_t off = t->swap_off;
     if (!in_place && (r = nvme_alloc(e->nvme, t->alloc_bytes, &off)) < 0)
         return r;
@@ -274,11 +275,13 @@ static int flush_tensor(struct zinf_engine *e, struct tensor *t, struct entry *e
         log_error("engine: flushing tensor '%s' failed: %s", t->name, zinf_strerror(r));
         return r;
     }
-    if (!in_place && t->has_swap && !(t->persisted && t->persisted_off == t->swap_off))
+    if (!in_place && t->has_swap && !engine_swap_named(t))
         nvme_free(e->nvme, t->swap_off);
     t->swap_off = off;
     t->has_swap = true;
-    t->swap_version = t->version;
+    /* The version that was copied: a pinned copy may have been released DIRTY while the
+     * lock was dropped, and the extent does not hold that newer content. */
+    t->swap_version = x.version;
     t->swap_crc = x.crc;
     t->swap_crc_valid = true;
     en->off = off;
@@ -354,11 +357,16 @@ int persist_flush(struct zinf_engine *e)
             hs[nh++] = e->tensors[i]->handle;
 
     for (size_t i = 0; i < nh; i++) {
-        struct tensor *t = engine_tensor(e, hs[i]);
+        struct tensor *t = engine_tensor_lock(e, hs[i]);
         if (!t)
             continue;
-        engine_tensor_lock(e, t);
         r = flush_tensor(e, t, &ents[n]);
+        if (r == 0 && t->has_swap) {
+            /* From here until the manifest is committed or abandoned, writes to t must not
+             * land in the extent it names (the lock is dropped while it is written). */
+            t->flush_named = true;
+            t->flush_off = ents[n].off;
+        }
         engine_tensor_unlock(e, t);
         if (r < 0)
             goto out;
@@ -390,7 +398,10 @@ int persist_flush(struct zinf_engine *e)
         struct tensor *t = engine_tensor(e, ents[i].handle);
         if (!t)
             continue;
-        if (t->persisted && !t->persisted_zero && t->persisted_off != ents[i].off &&
+        /* A zero NVMe tensor's manifest entry names its (unread) extent too; other homes
+         * have none while zero. */
+        bool owned = !t->persisted_zero || t->home == ZINF_TIER_NVME;
+        if (t->persisted && owned && t->persisted_off != ents[i].off &&
             !(t->has_swap && t->swap_off == t->persisted_off))
             nvme_free(e->nvme, t->persisted_off);
         t->persisted = true;
@@ -404,6 +415,17 @@ int persist_flush(struct zinf_engine *e)
     e->ndeferred = 0;
     e->st.flushes++;
 out:
+    for (size_t i = 0; ents && i < n; i++) {
+        struct tensor *t = engine_tensor(e, ents[i].handle);
+        if (!t || !t->flush_named)
+            continue;
+        t->flush_named = false;
+        /* Abandoned: an extent only this manifest named, and that writes moved away from
+         * meanwhile, belongs to nobody now. */
+        if (r < 0 && t->flush_off != t->swap_off &&
+            !(t->persisted && t->persisted_off == t->flush_off))
+            nvme_free(e->nvme, t->flush_off);
+    }
     free(hs);
     free(ents);
     e->flushing = false;
@@ -509,6 +531,10 @@ static int resume_tensor(struct zinf_engine *e, const char *mpath, size_t idx, j
         c->version = t->version;
     }
     r = engine_add_tensor(e, t);
+    if (r == -EEXIST) {
+        log_error("engine: %s: tensors[%zu]: the name '%s' is there twice", mpath, idx, t->name);
+        r = -EBADMSG;
+    }
     if (r < 0)
         goto err_home;
 

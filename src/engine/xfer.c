@@ -407,6 +407,12 @@ int swap_write_range(struct zinf_engine *e, uint64_t swap_off, size_t off, const
     memcpy(tmp, old, a1 - a0);
     memcpy(tmp + (off - a0), src, n);
     r = nvme_write(e->nvme, swap_off + a0, tmp, a1 - a0);
+    if (r < 0 && !zero_first && nvme_write(e->nvme, swap_off + a0, old, a1 - a0) < 0) {
+        /* A write that reports an error may still have landed, whole or in part: put the
+         * old bytes back, since the caller keeps the extent as the tensor's content. */
+        log_error("engine: swap extent at %llu: restoring bytes after a failed write also "
+                  "failed; they may be torn", (unsigned long long)swap_off);
+    }
     if (r == 0) {
         *undo = old;
         *undo_off = a0;

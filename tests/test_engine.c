@@ -1,0 +1,2072 @@
+/*
+ * test_engine.c - the swap manager (src/engine/) through the public API: a randomized
+ * model-based test (several threads fetching, releasing clean and dirty, writing, reading
+ * and prefetching tensors of odd sizes on all three homes under tiny budgets, every byte
+ * compared with a reference copy, a watchdog against deadlocks), its deterministic
+ * single-thread twin and a repeated-step run for the schedule; every error of the
+ * contract beside its success twin, -EIO from injected faults included; pointer
+ * semantics (repeated pins, pinned copies never evicted, async fetches, joined
+ * transfers); tensors larger than the host tier; zeros at register; and at the end one
+ * regression test per engine bug, named after what broke (a few reach into engine.h to
+ * hold the engine in the state the bug needed).
+ *
+ * The device tier is emulated here, so device pointers are host memory the test reads.
+ * Durability (flush, close, resume, crashes) is test_persist.c's.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "engine/engine.h"
+#include "helpers.h"
+#include "zinf.h"
+
+#define BLOCK (64 * KiB)
+#define QD 8
+
+static char *dir;
+
+static void setup(void)
+{
+    dir = test_tmpdir("engine");
+    cr_assert_not_null(dir);
+}
+
+static void teardown(void)
+{
+    test_log_capture_stop();
+    test_rmtree(dir);
+    dir = NULL;
+}
+
+TestSuite(engine, .init = setup, .fini = teardown, .timeout = 120);
+
+static zinf_engine *open_eng(size_t dev_bytes, size_t host_bytes, size_t block)
+{
+    struct zinf_options o = {.nvme_path = dir,
+                             .device_bytes = dev_bytes,
+                             .host_bytes = host_bytes,
+                             .block_size = block,
+                             .queue_depth = QD,
+                             .device_kind = ZINF_DEVICE_EMULATED};
+    zinf_engine *e = NULL;
+    int r = zinf_open(&o, &e);
+    cr_assert_eq(r, 0, "zinf_open: %s", zinf_strerror(r));
+    cr_assert_not_null(e);
+    return e;
+}
+
+static zinf_tensor reg(zinf_engine *e, const char *name, size_t n, enum zinf_tier home)
+{
+    zinf_tensor t = 0;
+    int r = zinf_register(e, name, n, home, &t);
+    cr_assert_eq(r, 0, "register %s (%zu bytes): %s", name, n, zinf_strerror(r));
+    cr_assert_neq(t, 0);
+    return t;
+}
+
+static unsigned char *rand_buf(size_t n, uint64_t seed)
+{
+    unsigned char *b = malloc(n ? n : 1);
+    cr_assert_not_null(b);
+    test_fill_random(b, n, seed);
+    return b;
+}
+
+static void put(zinf_engine *e, zinf_tensor t, const void *src, size_t n)
+{
+    int r = zinf_write(e, t, 0, src, n);
+    cr_assert_eq(r, 0, "zinf_write: %s", zinf_strerror(r));
+}
+
+/* Read the whole tensor with zinf_read and compare it with want. */
+static void expect_content(zinf_engine *e, zinf_tensor t, const unsigned char *want, size_t n,
+                           const char *what)
+{
+    unsigned char *got = malloc(n);
+    cr_assert_not_null(got);
+    int r = zinf_read(e, t, 0, got, n);
+    cr_assert_eq(r, 0, "%s: zinf_read: %s", what, zinf_strerror(r));
+    for (size_t i = 0; i < n; i++)
+        if (got[i] != want[i])
+            cr_assert_fail("%s: byte %zu of %zu is %02x, want %02x", what, i, n, got[i], want[i]);
+    free(got);
+}
+
+static bool all_zero(const unsigned char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i]) return false;
+    return true;
+}
+
+static void expect_zero(zinf_engine *e, zinf_tensor t, size_t n, const char *what)
+{
+    unsigned char *z = calloc(1, n);
+    cr_assert_not_null(z);
+    expect_content(e, t, z, n, what);
+    free(z);
+}
+
+static struct zinf_stats stats(zinf_engine *e)
+{
+    struct zinf_stats st;
+    int r = zinf_stats(e, &st);
+    cr_assert_eq(r, 0);
+    return st;
+}
+
+static void check_budgets(zinf_engine *e)
+{
+    struct zinf_stats st = stats(e);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_leq(st.tier[k].used_bytes, st.tier[k].capacity_bytes,
+                      "tier %d: %llu bytes used of %llu", k,
+                      (unsigned long long)st.tier[k].used_bytes,
+                      (unsigned long long)st.tier[k].capacity_bytes);
+        cr_assert_leq(st.tier[k].pinned_bytes, st.tier[k].used_bytes);
+    }
+}
+
+/* ==== the randomized model-based test ================================================= */
+
+#define MODEL_MAX_TENSORS 32
+#define WATCHDOG_STALL_S 20
+
+struct mtensor {
+    char name[32];
+    zinf_tensor h;
+    size_t n;
+    enum zinf_tier home;
+    unsigned char *ref;  /* the reference content */
+    pthread_rwlock_t lk; /* writers: content changes; readers: clean pins and reads */
+};
+
+struct model {
+    zinf_engine *e;
+    unsigned nthreads, ops;
+    uint64_t seed;
+    bool allow_enomem; /* several threads pin at once: a full tier is possible */
+    unsigned nt;
+    struct mtensor t[MODEL_MAX_TENSORS];
+    atomic_uint_fast64_t progress[16]; /* operations finished, per thread */
+    atomic_bool running[16];
+    atomic_bool stop, done;
+    atomic_uint_fast64_t enomem, fetches, dirty, writes, reads, prefetches, steps, flushes,
+        reregisters;
+    pthread_mutex_t fail_lock;
+    char fail[1024]; /* the first failure seen by a worker */
+};
+
+#define MCHECK(m, cond, ...)                                                                       \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            model_fail(m, __LINE__, __VA_ARGS__);                                                  \
+            return;                                                                                \
+        }                                                                                          \
+    } while (0)
+
+__attribute__((format(printf, 3, 4))) static void model_fail(struct model *m, int line,
+                                                             const char *fmt, ...)
+{
+    pthread_mutex_lock(&m->fail_lock);
+    if (!m->fail[0]) {
+        int k = snprintf(m->fail, sizeof(m->fail), "line %d: ", line);
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(m->fail + k, sizeof(m->fail) - (size_t)k, fmt, ap);
+        va_end(ap);
+    }
+    pthread_mutex_unlock(&m->fail_lock);
+    atomic_store(&m->stop, true);
+}
+
+/* The engine's view of one tensor, for failure messages. */
+static const char *describe(struct model *m, struct mtensor *mt, char *buf, size_t len)
+{
+    zinf_engine *e = m->e;
+    pthread_mutex_lock(&e->lock);
+    struct tensor *t = engine_tensor(e, mt->h);
+    if (!t) {
+        snprintf(buf, len, "%s: not registered", mt->name);
+    } else {
+        snprintf(buf, len,
+                 "%s: %zu bytes, home %d, version %llu, zero %d; device: state %d "
+                 "version %llu pins %u; host: state %d version %llu pins %u; swap %d at %llu "
+                 "version %llu; persisted %d at %llu",
+                 mt->name, t->nbytes, t->home, (unsigned long long)t->version, t->zero,
+                 t->c[0].state, (unsigned long long)t->c[0].version, t->c[0].pins, t->c[1].state,
+                 (unsigned long long)t->c[1].version, t->c[1].pins, t->has_swap,
+                 (unsigned long long)t->swap_off, (unsigned long long)t->swap_version, t->persisted,
+                 (unsigned long long)t->persisted_off);
+    }
+    pthread_mutex_unlock(&e->lock);
+    return buf;
+}
+
+static size_t first_diff(const unsigned char *a, const unsigned char *b, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (a[i] != b[i]) return i;
+    return n;
+}
+
+static void model_stats_ok(struct model *m)
+{
+    struct zinf_stats st;
+    int r = zinf_stats(m->e, &st);
+    MCHECK(m, r == 0, "zinf_stats: %d", r);
+    for (int k = 0; k < 2; k++)
+        MCHECK(m, st.tier[k].used_bytes <= st.tier[k].capacity_bytes,
+               "tier %d holds %llu bytes over its budget of %llu", k,
+               (unsigned long long)st.tier[k].used_bytes,
+               (unsigned long long)st.tier[k].capacity_bytes);
+}
+
+static void rand_range(uint64_t *rs, size_t n, size_t *off, size_t *len)
+{
+    switch (test_rand(rs) % 4) {
+    case 0: /* all of it */
+        *off = 0;
+        *len = n;
+        break;
+    case 1: { /* a few bytes */
+        size_t few = 1 + test_rand(rs) % 7;
+        *off = test_rand(rs) % n;
+        *len = MIN(n - *off, few);
+        break;
+    }
+    default:
+        *off = test_rand(rs) % n;
+        *len = 1 + test_rand(rs) % (n - *off);
+        break;
+    }
+}
+
+/* Fetch, compare with the reference, optionally write through the pointer and release
+ * DIRTY. A fetch may find the tier full of other threads' pins: -ENOMEM. */
+static void op_fetch(struct model *m, uint64_t *rs, struct mtensor *mt, int tier, bool dirty)
+{
+    void *p = NULL, *p2 = NULL;
+    int r;
+
+    if (dirty)
+        pthread_rwlock_wrlock(&mt->lk);
+    else
+        pthread_rwlock_rdlock(&mt->lk);
+    r = zinf_fetch(m->e, mt->h, tier, &p);
+    atomic_fetch_add(&m->fetches, 1);
+    if (r == -ENOMEM && m->allow_enomem) {
+        atomic_fetch_add(&m->enomem, 1);
+        goto out;
+    }
+    if (r != 0) {
+        char desc[512];
+        model_fail(m, __LINE__, "fetch to tier %d: %s (%s)", tier, zinf_strerror(r),
+                   describe(m, mt, desc, sizeof(desc)));
+        goto out;
+    }
+    size_t d = first_diff(p, mt->ref, mt->n);
+    if (d != mt->n) {
+        char desc[512];
+        model_fail(m, __LINE__, "fetched in tier %d: byte %zu is %02x, want %02x (%s)", tier, d,
+                   ((unsigned char *)p)[d], mt->ref[d], describe(m, mt, desc, sizeof(desc)));
+        zinf_release(m->e, mt->h, tier, 0);
+        goto out;
+    }
+    if (test_rand(rs) % 4 == 0) {
+        /* A second pin of the same copy: the same pointer. */
+        r = zinf_fetch(m->e, mt->h, tier, &p2);
+        if (r != 0 || p2 != p) {
+            model_fail(m, __LINE__, "second fetch: %s, %p vs %p", zinf_strerror(r), p2, p);
+            zinf_release(m->e, mt->h, tier, 0);
+            goto out;
+        }
+        r = zinf_release(m->e, mt->h, tier, 0);
+        if (r != 0) {
+            model_fail(m, __LINE__, "release of the second pin: %s", zinf_strerror(r));
+            goto out;
+        }
+    }
+    unsigned flags = 0;
+    if (dirty) {
+        size_t off, len;
+        rand_range(rs, mt->n, &off, &len);
+        test_fill_random((char *)p + off, len, test_rand(rs));
+        memcpy(mt->ref + off, (char *)p + off, len);
+        flags = ZINF_RELEASE_DIRTY;
+        atomic_fetch_add(&m->dirty, 1);
+    }
+    r = zinf_release(m->e, mt->h, tier, flags);
+    if (r != 0)
+        model_fail(m, __LINE__, "release (flags %u) in tier %d: %s", flags, tier, zinf_strerror(r));
+out:
+    pthread_rwlock_unlock(&mt->lk);
+}
+
+/* Pin one tensor in both memory tiers at once (clean). */
+static void op_fetch_both(struct model *m, struct mtensor *mt)
+{
+    void *pd = NULL, *ph = NULL;
+    int rd, rh;
+
+    pthread_rwlock_rdlock(&mt->lk);
+    rd = zinf_fetch(m->e, mt->h, ZINF_TIER_DEVICE, &pd);
+    rh = zinf_fetch(m->e, mt->h, ZINF_TIER_HOST, &ph);
+    atomic_fetch_add(&m->fetches, 2);
+    if ((rd != 0 && !(rd == -ENOMEM && m->allow_enomem)) ||
+        (rh != 0 && !(rh == -ENOMEM && m->allow_enomem)))
+        model_fail(m, __LINE__, "fetch to both tiers: device %s, host %s", zinf_strerror(rd),
+                   zinf_strerror(rh));
+    if (rd == -ENOMEM || rh == -ENOMEM) atomic_fetch_add(&m->enomem, 1);
+    char desc[512];
+    if (rd == 0 && first_diff(pd, mt->ref, mt->n) != mt->n)
+        model_fail(m, __LINE__, "device copy differs at byte %zu (both pinned; %s)",
+                   first_diff(pd, mt->ref, mt->n), describe(m, mt, desc, sizeof(desc)));
+    if (rh == 0 && first_diff(ph, mt->ref, mt->n) != mt->n)
+        model_fail(m, __LINE__, "host copy differs at byte %zu (both pinned; %s)",
+                   first_diff(ph, mt->ref, mt->n), describe(m, mt, desc, sizeof(desc)));
+    if (rd == 0 && rh == 0) {
+        /* The other tier holds a pin: a DIRTY release is refused and keeps the pin. */
+        int r = zinf_release(m->e, mt->h, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY);
+        if (r != -EBUSY)
+            model_fail(m, __LINE__, "DIRTY release while pinned in the other tier: %s",
+                       zinf_strerror(r));
+    }
+    if (rd == 0 && (rd = zinf_release(m->e, mt->h, ZINF_TIER_DEVICE, 0)) != 0)
+        model_fail(m, __LINE__, "release device: %s", zinf_strerror(rd));
+    if (rh == 0 && (rh = zinf_release(m->e, mt->h, ZINF_TIER_HOST, 0)) != 0)
+        model_fail(m, __LINE__, "release host: %s", zinf_strerror(rh));
+    pthread_rwlock_unlock(&mt->lk);
+}
+
+static void op_write(struct model *m, uint64_t *rs, struct mtensor *mt)
+{
+    size_t off, len;
+    rand_range(rs, mt->n, &off, &len);
+    unsigned char *src = malloc(len);
+    if (!src) {
+        model_fail(m, __LINE__, "out of memory");
+        return;
+    }
+    test_fill_random(src, len, test_rand(rs));
+    pthread_rwlock_wrlock(&mt->lk);
+    int r = zinf_write(m->e, mt->h, off, src, len);
+    if (r == 0)
+        memcpy(mt->ref + off, src, len);
+    else
+        model_fail(m, __LINE__, "zinf_write [%zu, +%zu) of %zu: %s", off, len, mt->n,
+                   zinf_strerror(r));
+    pthread_rwlock_unlock(&mt->lk);
+    atomic_fetch_add(&m->writes, 1);
+    free(src);
+}
+
+static void op_read(struct model *m, uint64_t *rs, struct mtensor *mt)
+{
+    size_t off, len;
+    rand_range(rs, mt->n, &off, &len);
+    unsigned char *dst = malloc(len);
+    if (!dst) {
+        model_fail(m, __LINE__, "out of memory");
+        return;
+    }
+    pthread_rwlock_rdlock(&mt->lk);
+    int r = zinf_read(m->e, mt->h, off, dst, len);
+    if (r != 0)
+        model_fail(m, __LINE__, "zinf_read [%zu, +%zu) of %zu: %s", off, len, mt->n,
+                   zinf_strerror(r));
+    else if (first_diff(dst, mt->ref + off, len) != len) {
+        char desc[512];
+        model_fail(m, __LINE__, "zinf_read [%zu, +%zu): byte %zu differs (%s)", off, len,
+                   off + first_diff(dst, mt->ref + off, len), describe(m, mt, desc, sizeof(desc)));
+    }
+    pthread_rwlock_unlock(&mt->lk);
+    atomic_fetch_add(&m->reads, 1);
+    free(dst);
+}
+
+static void op_async(struct model *m, struct mtensor *mt, int tier)
+{
+    uint64_t ticket = 0;
+    void *p = NULL;
+
+    pthread_rwlock_rdlock(&mt->lk);
+    int r = zinf_fetch_async(m->e, mt->h, tier, &ticket);
+    atomic_fetch_add(&m->fetches, 1);
+    if (r == 0) {
+        r = zinf_wait(m->e, ticket, &p);
+        if (r == 0) {
+            if (first_diff(p, mt->ref, mt->n) != mt->n) {
+                char desc[512];
+                model_fail(m, __LINE__, "async fetch to tier %d: byte %zu differs (%s)", tier,
+                           first_diff(p, mt->ref, mt->n), describe(m, mt, desc, sizeof(desc)));
+            }
+            if ((r = zinf_release(m->e, mt->h, tier, 0)) != 0)
+                model_fail(m, __LINE__, "release after wait: %s", zinf_strerror(r));
+            r = 0;
+        }
+    }
+    if (r == -ENOMEM && m->allow_enomem)
+        atomic_fetch_add(&m->enomem, 1);
+    else if (r != 0)
+        model_fail(m, __LINE__, "fetch_async/wait to tier %d: %s", tier, zinf_strerror(r));
+    pthread_rwlock_unlock(&mt->lk);
+}
+
+/* Unregister the tensor and register it again under its name: it starts over as zeros.
+ * Its home tier may be full of other threads' pins for a moment: -ENOSPC, try again. */
+static void op_reregister(struct model *m, struct mtensor *mt)
+{
+    zinf_tensor h = 0;
+    int r;
+
+    pthread_rwlock_wrlock(&mt->lk);
+    r = zinf_unregister(m->e, mt->h);
+    if (r != 0) {
+        model_fail(m, __LINE__, "unregister: %s", zinf_strerror(r));
+        goto out;
+    }
+    r = zinf_lookup(m->e, mt->name, &h);
+    if (r != -ENOENT) {
+        model_fail(m, __LINE__, "lookup after unregister: %s", zinf_strerror(r));
+        goto out;
+    }
+    for (int tries = 0; tries < 2000; tries++) {
+        r = zinf_register(m->e, mt->name, mt->n, mt->home, &h);
+        if (r != -ENOSPC || !m->allow_enomem) break;
+        usleep(1000);
+    }
+    if (r != 0) {
+        model_fail(m, __LINE__, "register again: %s", zinf_strerror(r));
+        goto out;
+    }
+    mt->h = h;
+    memset(mt->ref, 0, mt->n);
+    atomic_fetch_add(&m->reregisters, 1);
+out:
+    pthread_rwlock_unlock(&mt->lk);
+}
+
+struct worker {
+    struct model *m;
+    unsigned id;
+};
+
+static void *model_worker(void *arg)
+{
+    struct worker *w = arg;
+    struct model *m = w->m;
+    uint64_t rs = m->seed * 1000003u + w->id;
+
+    for (unsigned i = 0; i < m->ops && !atomic_load(&m->stop); i++) {
+        struct mtensor *mt = &m->t[test_rand(&rs) % m->nt];
+        int tier = (int)(test_rand(&rs) % 2);
+        unsigned op = (unsigned)(test_rand(&rs) % 100);
+        if (op < 20) {
+            op_fetch(m, &rs, mt, tier, false);
+        } else if (op < 38) {
+            op_fetch(m, &rs, mt, tier, true);
+        } else if (op < 45) {
+            op_fetch_both(m, mt);
+        } else if (op < 57) {
+            op_write(m, &rs, mt);
+        } else if (op < 70) {
+            op_read(m, &rs, mt);
+        } else if (op < 80) {
+            pthread_rwlock_rdlock(&mt->lk); /* for the handle, which re-registering changes */
+            int r = zinf_prefetch(m->e, mt->h, tier);
+            pthread_rwlock_unlock(&mt->lk);
+            if (r != 0) model_fail(m, __LINE__, "zinf_prefetch: %s", zinf_strerror(r));
+            atomic_fetch_add(&m->prefetches, 1);
+        } else if (op < 88) {
+            op_async(m, mt, tier);
+        } else if (op < 93) {
+            int r = zinf_step(m->e);
+            if (r != 0) model_fail(m, __LINE__, "zinf_step: %s", zinf_strerror(r));
+            atomic_fetch_add(&m->steps, 1);
+        } else if (op < 95) {
+            int r = zinf_flush(m->e);
+            if (r != 0) model_fail(m, __LINE__, "zinf_flush: %s", zinf_strerror(r));
+            atomic_fetch_add(&m->flushes, 1);
+        } else if (op < 97) {
+            op_reregister(m, mt);
+        } else {
+            model_stats_ok(m);
+        }
+        atomic_fetch_add(&m->progress[w->id], 1);
+    }
+    atomic_store(&m->running[w->id], false);
+    return NULL;
+}
+
+/* What the engine holds, for a deadlock report. Best effort: the lock may be the one that
+ * is stuck. */
+static void model_dump(struct model *m)
+{
+    zinf_engine *e = m->e;
+    if (pthread_mutex_trylock(&e->lock) != 0) {
+        fprintf(stderr, "  (the engine lock is held)\n");
+        return;
+    }
+    fprintf(stderr, "  flushing %d, transfers in flight %u, staging queue %s\n", e->flushing,
+            e->xfers_inflight, e->stage_waitq ? "waiting" : "empty");
+    for (uint32_t i = 0; i < e->ntensors; i++) {
+        struct tensor *t = e->tensors[i];
+        if (!t) continue;
+        fprintf(stderr,
+                "  %s: version %llu, exclusive %d; device: state %d version %llu pins %u "
+                "deferred %u readers %u wb %d evicting %d; host: state %d version %llu pins %u "
+                "deferred %u readers %u wb %d evicting %d\n",
+                t->name, (unsigned long long)t->version, t->exclusive, t->c[0].state,
+                (unsigned long long)t->c[0].version, t->c[0].pins, t->c[0].deferred,
+                t->c[0].readers, t->c[0].wb_inflight, t->c[0].evicting, t->c[1].state,
+                (unsigned long long)t->c[1].version, t->c[1].pins, t->c[1].deferred,
+                t->c[1].readers, t->c[1].wb_inflight, t->c[1].evicting);
+    }
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* A thread that finishes no operation for WATCHDOG_STALL_S seconds is stuck: fail loudly
+ * instead of hanging. */
+static void *watchdog(void *arg)
+{
+    struct model *m = arg;
+    uint64_t last[16] = {0};
+    unsigned still[16] = {0};
+
+    while (!atomic_load(&m->done)) {
+        usleep(100 * 1000);
+        for (unsigned i = 0; i < m->nthreads; i++) {
+            uint64_t now = atomic_load(&m->progress[i]);
+            if (now != last[i] || !atomic_load(&m->running[i])) {
+                last[i] = now;
+                still[i] = 0;
+            } else if (++still[i] >= WATCHDOG_STALL_S * 10) {
+                fprintf(stderr,
+                        "engine model test: thread %u finished no operation for %d s "
+                        "(after %llu): deadlock\n",
+                        i, WATCHDOG_STALL_S, (unsigned long long)now);
+                model_dump(m);
+                fflush(stderr);
+                abort();
+            }
+        }
+    }
+    return NULL;
+}
+
+/* Register the model's tensors: odd sizes, every home, a few sizes that are exact pages. */
+static void model_setup(struct model *m, unsigned nt, unsigned ndev, unsigned nhost,
+                        size_t max_bytes, size_t home_max_bytes)
+{
+    uint64_t rs = m->seed;
+    m->nt = nt;
+    pthread_mutex_init(&m->fail_lock, NULL);
+    for (unsigned i = 0; i < nt; i++) {
+        struct mtensor *mt = &m->t[i];
+        char *name = mt->name;
+        snprintf(name, sizeof(mt->name), "model.%u", i);
+        mt->home = i < ndev ? ZINF_TIER_DEVICE : i < ndev + nhost ? ZINF_TIER_HOST : ZINF_TIER_NVME;
+        size_t cap = mt->home == ZINF_TIER_NVME ? max_bytes : home_max_bytes;
+        switch (i % 5) {
+        case 0:
+            mt->n = 1 + test_rand(&rs) % 64; /* a few bytes */
+            break;
+        case 1:
+            mt->n = align_down(cap, ZINF_ALIGN); /* whole pages */
+            break;
+        default:
+            mt->n = 1 + test_rand(&rs) % cap;
+            if (mt->n % ZINF_ALIGN == 0) mt->n--;
+            break;
+        }
+        mt->ref = calloc(1, mt->n);
+        cr_assert_not_null(mt->ref);
+        pthread_rwlock_init(&mt->lk, NULL);
+        mt->h = reg(m->e, name, mt->n, mt->home);
+    }
+}
+
+static void model_run(struct model *m)
+{
+    pthread_t th[16], wd;
+    struct worker w[16];
+
+    cr_assert_leq(m->nthreads, 16);
+    cr_assert_eq(pthread_create(&wd, NULL, watchdog, m), 0);
+    for (unsigned i = 0; i < m->nthreads; i++)
+        atomic_store(&m->running[i], true);
+    for (unsigned i = 0; i < m->nthreads; i++) {
+        w[i] = (struct worker){m, i};
+        cr_assert_eq(pthread_create(&th[i], NULL, model_worker, &w[i]), 0);
+    }
+    for (unsigned i = 0; i < m->nthreads; i++)
+        pthread_join(th[i], NULL);
+    atomic_store(&m->done, true);
+    pthread_join(wd, NULL);
+    cr_assert(!m->fail[0], "%s", m->fail);
+
+    /* Every tensor, once more, through every path. */
+    for (unsigned i = 0; i < m->nt; i++) {
+        struct mtensor *mt = &m->t[i];
+        char what[64];
+        snprintf(what, sizeof(what), "tensor %u (home %d, %zu bytes)", i, mt->home, mt->n);
+        expect_content(m->e, mt->h, mt->ref, mt->n, what);
+        for (int tier = 0; tier < 2; tier++) {
+            void *p;
+            int r = zinf_fetch(m->e, mt->h, tier, &p);
+            cr_assert_eq(r, 0, "%s: final fetch to %d: %s", what, tier, zinf_strerror(r));
+            cr_assert_eq(first_diff(p, mt->ref, mt->n), mt->n, "%s in tier %d", what, tier);
+            cr_assert_eq(zinf_release(m->e, mt->h, tier, 0), 0);
+        }
+    }
+    check_budgets(m->e);
+    struct zinf_stats st = stats(m->e);
+    cr_assert_eq(st.tier[0].pinned_bytes, 0);
+    cr_assert_eq(st.tier[1].pinned_bytes, 0);
+    cr_log_info("model: %u threads, %llu fetches (%llu -ENOMEM), %llu dirty, %llu writes, %llu "
+                "reads, %llu prefetch hints, %llu steps, %llu flushes, %llu re-registers; "
+                "evictions %llu/%llu, "
+                "write-backs %llu/%llu, prefetches %llu (in time %llu)",
+                m->nthreads, (unsigned long long)m->fetches, (unsigned long long)m->enomem,
+                (unsigned long long)m->dirty, (unsigned long long)m->writes,
+                (unsigned long long)m->reads, (unsigned long long)m->prefetches,
+                (unsigned long long)m->steps, (unsigned long long)m->flushes,
+                (unsigned long long)m->reregisters, (unsigned long long)st.tier[0].evictions,
+                (unsigned long long)st.tier[1].evictions, (unsigned long long)st.tier[0].writebacks,
+                (unsigned long long)st.tier[1].writebacks, (unsigned long long)st.prefetches,
+                (unsigned long long)st.prefetch_in_time);
+}
+
+static void model_free(struct model *m)
+{
+    for (unsigned i = 0; i < m->nt; i++) {
+        cr_assert_eq(zinf_unregister(m->e, m->t[i].h), 0);
+        free(m->t[i].ref);
+        pthread_rwlock_destroy(&m->t[i].lk);
+    }
+    pthread_mutex_destroy(&m->fail_lock);
+    zinf_close(m->e);
+    free(m);
+}
+
+Test(engine, model_threads)
+{
+    struct model *m = calloc(1, sizeof(*m));
+    cr_assert_not_null(m);
+    m->e = open_eng(2 * MiB, 2 * MiB, BLOCK);
+    m->nthreads = 4;
+    m->ops = 5000;
+    m->seed = 0x5eed0001;
+    m->allow_enomem = true;
+    model_setup(m, 24, 3, 3, 256 * KiB, 96 * KiB);
+    model_run(m);
+    struct zinf_stats st = stats(m->e);
+    cr_assert_gt(st.tier[0].evictions + st.tier[1].evictions, 0, "the budgets were not tight");
+    cr_assert_lt(m->enomem * 20, m->fetches, "too many -ENOMEM: %llu of %llu fetches",
+                 (unsigned long long)m->enomem, (unsigned long long)m->fetches);
+    model_free(m);
+}
+
+/* Larger blocks and tensors of many blocks: device loads and write-backs stream through a
+ * ring of few slots. */
+Test(engine, model_threads_large_blocks)
+{
+    struct model *m = calloc(1, sizeof(*m));
+    cr_assert_not_null(m);
+    m->e = open_eng(3 * MiB, 2 * MiB, 256 * KiB);
+    m->nthreads = 4;
+    m->ops = 2500;
+    m->seed = 0x5eed0002;
+    m->allow_enomem = true;
+    model_setup(m, 16, 2, 2, 600 * KiB, 128 * KiB);
+    model_run(m);
+    model_free(m);
+}
+
+Test(engine, model_single_thread_fixed_seed)
+{
+    struct model *m = calloc(1, sizeof(*m));
+    cr_assert_not_null(m);
+    m->e = open_eng(1 * MiB, 1 * MiB, BLOCK);
+    m->nthreads = 1;
+    m->ops = 6000;
+    m->seed = 42;
+    m->allow_enomem = false; /* one pin per tier at a time always fits */
+    model_setup(m, 20, 2, 2, 200 * KiB, 64 * KiB);
+    model_run(m);
+    struct zinf_stats st = stats(m->e);
+    cr_assert_gt(st.tier[0].evictions, 0);
+    cr_assert_gt(st.tier[1].evictions, 0);
+    cr_assert_gt(st.tier[0].writebacks + st.tier[1].writebacks, 0);
+    model_free(m);
+}
+
+/* The same fetch order step after step: the schedule is learned, then replayed with
+ * prefetches and eviction by next use, while some steps write. */
+Test(engine, model_repeated_steps_use_the_schedule)
+{
+    enum { NL = 8, STEPS = 24 };
+    zinf_engine *e = open_eng(1 * MiB, 1 * MiB, BLOCK);
+    zinf_tensor h[NL];
+    size_t n[NL];
+    unsigned char *ref[NL];
+    uint64_t rs = 7;
+
+    for (int i = 0; i < NL; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "layer.%d", i);
+        n[i] = 150 * KiB + 1 + test_rand(&rs) % (40 * KiB);
+        ref[i] = rand_buf(n[i], 100 + i);
+        h[i] = reg(e, name, n[i], ZINF_TIER_NVME);
+        put(e, h[i], ref[i], n[i]);
+    }
+    cr_assert_eq(zinf_step(e), 0);
+    for (int s = 0; s < STEPS; s++) {
+        /* forward on the device, then backward in reverse order, gradients on the host */
+        for (int k = 0; k < 2 * NL; k++) {
+            int i = k < NL ? k : 2 * NL - 1 - k;
+            int tier = k < NL ? ZINF_TIER_DEVICE : ZINF_TIER_HOST;
+            void *p;
+            int r = zinf_fetch(e, h[i], tier, &p);
+            cr_assert_eq(r, 0, "step %d, fetch %d: %s", s, k, zinf_strerror(r));
+            cr_assert_eq(first_diff(p, ref[i], n[i]), n[i], "step %d, layer %d, tier %d", s, i,
+                         tier);
+            unsigned flags = 0;
+            if (s % 3 == 2 && k >= NL) {
+                size_t off = test_rand(&rs) % n[i];
+                size_t len = 1 + test_rand(&rs) % (n[i] - off);
+                test_fill_random((char *)p + off, len, test_rand(&rs));
+                memcpy(ref[i] + off, (char *)p + off, len);
+                flags = ZINF_RELEASE_DIRTY;
+            }
+            cr_assert_eq(zinf_release(e, h[i], tier, flags), 0);
+        }
+        cr_assert_eq(zinf_step(e), 0);
+        check_budgets(e);
+    }
+    struct zinf_stats st = stats(e);
+    cr_assert_gt(st.schedule_length, 0, "the schedule was not learned");
+    cr_assert_eq(st.schedule_length, 2 * NL);
+    cr_assert_gt(st.prefetches, 0, "nothing was prefetched from the schedule");
+    cr_assert_gt(st.prefetch_in_time + st.prefetch_late, 0);
+    cr_assert_gt(st.tier[0].evictions, 0);
+    for (int i = 0; i < NL; i++) {
+        expect_content(e, h[i], ref[i], n[i], "after the steps");
+        free(ref[i]);
+    }
+    zinf_close(e);
+}
+
+/* ==== errors, each beside its success ======================================================== */
+
+Test(engine, open_bad_options)
+{
+    zinf_engine *e = (zinf_engine *)1;
+    struct zinf_options o = {.device_kind = ZINF_DEVICE_EMULATED,
+                             .device_bytes = MiB,
+                             .host_bytes = MiB,
+                             .block_size = BLOCK};
+
+    cr_assert_eq(zinf_open(&o, NULL), -EINVAL);
+    o.flags = 1u << 7;
+    cr_assert_eq(zinf_open(&o, &e), -EINVAL, "unknown flag");
+    cr_assert_null(e);
+    o.flags = ZINF_OPEN_RESUME;
+    cr_assert_eq(zinf_open(&o, &e), -EINVAL, "resume without an NVMe path");
+    o.flags = 0;
+    o.reserved[3] = 1;
+    cr_assert_eq(zinf_open(&o, &e), -EINVAL, "reserved must be zero");
+    o.reserved[3] = 0;
+    o.block_size = 5000;
+    cr_assert_eq(zinf_open(&o, &e), -EINVAL, "block size not a multiple of 4 KiB");
+    o.block_size = BLOCK;
+    o.device_kind = (enum zinf_device_kind)9;
+    cr_assert_eq(zinf_open(&o, &e), -EINVAL);
+    o.device_kind = ZINF_DEVICE_EMULATED;
+    /* The success twin, without an NVMe tier. */
+    cr_assert_eq(zinf_open(&o, &e), 0);
+    cr_assert_not_null(e);
+    zinf_tensor t;
+    cr_assert_eq(zinf_register(e, "x", 10, ZINF_TIER_NVME, &t), -EINVAL, "no NVMe tier");
+    cr_assert_eq(zinf_register(e, "x", 10, ZINF_TIER_HOST, &t), 0);
+    cr_assert_eq(zinf_flush(e), 0, "nothing to be durable on");
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    zinf_close(e);
+    zinf_close(NULL);
+}
+
+Test(engine, null_arguments)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    zinf_tensor t = reg(e, "t", 100, ZINF_TIER_NVME);
+    void *p;
+    uint64_t k;
+    char buf[16] = {0};
+    struct zinf_stats st;
+
+    cr_assert_eq(zinf_register(NULL, "a", 1, ZINF_TIER_HOST, &t), -EINVAL);
+    cr_assert_eq(zinf_register(e, NULL, 1, ZINF_TIER_HOST, &t), -EINVAL);
+    cr_assert_eq(zinf_register(e, "", 1, ZINF_TIER_HOST, &t), -EINVAL);
+    cr_assert_eq(zinf_register(e, "a", 1, ZINF_TIER_HOST, NULL), -EINVAL);
+    cr_assert_eq(zinf_register(e, "a", 0, ZINF_TIER_HOST, &t), -EINVAL);
+    cr_assert_eq(zinf_lookup(NULL, "t", &t), -EINVAL);
+    cr_assert_eq(zinf_lookup(e, NULL, &t), -EINVAL);
+    cr_assert_eq(zinf_lookup(e, "t", NULL), -EINVAL);
+    cr_assert_eq(zinf_unregister(NULL, t), -EINVAL);
+    cr_assert_eq(zinf_fetch(NULL, t, ZINF_TIER_HOST, &p), -EINVAL);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, NULL), -EINVAL);
+    cr_assert_eq(zinf_fetch_async(NULL, t, ZINF_TIER_HOST, &k), -EINVAL);
+    cr_assert_eq(zinf_fetch_async(e, t, ZINF_TIER_HOST, NULL), -EINVAL);
+    cr_assert_eq(zinf_wait(NULL, 1, &p), -EINVAL);
+    cr_assert_eq(zinf_release(NULL, t, ZINF_TIER_HOST, 0), -EINVAL);
+    cr_assert_eq(zinf_prefetch(NULL, t, ZINF_TIER_HOST), -EINVAL);
+    cr_assert_eq(zinf_step(NULL), -EINVAL);
+    cr_assert_eq(zinf_write(NULL, t, 0, buf, 1), -EINVAL);
+    cr_assert_eq(zinf_write(e, t, 0, NULL, 1), -EINVAL);
+    cr_assert_eq(zinf_read(NULL, t, 0, buf, 1), -EINVAL);
+    cr_assert_eq(zinf_read(e, t, 0, NULL, 1), -EINVAL);
+    cr_assert_eq(zinf_flush(NULL), -EINVAL);
+    cr_assert_eq(zinf_stats(NULL, &st), -EINVAL);
+    cr_assert_eq(zinf_stats(e, NULL), -EINVAL);
+    cr_assert_not_null(zinf_strerror(-EINVAL));
+    cr_assert_not_null(zinf_strerror(-123456));
+    cr_assert_not_null(zinf_strerror(0));
+
+    /* The success twins. */
+    cr_assert_eq(zinf_lookup(e, "t", &k), 0);
+    cr_assert_eq(k, t);
+    cr_assert_eq(zinf_write(e, t, 0, NULL, 0), 0, "an empty write needs no buffer");
+    cr_assert_eq(zinf_read(e, t, 0, NULL, 0), 0);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_fetch_async(e, t, ZINF_TIER_DEVICE, &k), 0);
+    cr_assert_eq(zinf_wait(e, k, NULL), -EINVAL);
+    cr_assert_eq(zinf_wait(e, k, &p), 0, "a refused wait keeps the ticket");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_prefetch(e, t, ZINF_TIER_HOST), 0);
+    cr_assert_eq(zinf_step(e), 0);
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tensors, 1);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    zinf_close(e);
+}
+
+/* Every call that takes a handle refuses one that was never returned or whose tensor is
+ * gone, even once its slot has been reused. */
+Test(engine, einval_bad_handles)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    zinf_tensor good = reg(e, "good", 5000, ZINF_TIER_NVME);
+    zinf_tensor gone = reg(e, "gone", 5000, ZINF_TIER_HOST);
+    cr_assert_eq(zinf_unregister(e, gone), 0);
+    zinf_tensor reused = reg(e, "reused", 5000, ZINF_TIER_HOST); /* likely gone's slot */
+    zinf_tensor bad[] = {0, 12345, good + (1ull << 32), good + 1, ~0ull, gone};
+    char buf[8] = {0};
+    void *p;
+    uint64_t k;
+
+    for (size_t i = 0; i < ARRAY_SIZE(bad); i++) {
+        zinf_tensor h = bad[i];
+        if (h == reused) continue;
+        cr_assert_eq(zinf_fetch(e, h, ZINF_TIER_HOST, &p), -EINVAL, "handle %#llx",
+                     (unsigned long long)h);
+        cr_assert_eq(zinf_fetch_async(e, h, ZINF_TIER_HOST, &k), -EINVAL);
+        cr_assert_eq(zinf_release(e, h, ZINF_TIER_HOST, 0), -EINVAL);
+        cr_assert_eq(zinf_prefetch(e, h, ZINF_TIER_HOST), -EINVAL);
+        cr_assert_eq(zinf_write(e, h, 0, buf, 1), -EINVAL);
+        cr_assert_eq(zinf_read(e, h, 0, buf, 1), -EINVAL);
+        cr_assert_eq(zinf_unregister(e, h), -EINVAL);
+    }
+    cr_assert_eq(zinf_wait(e, 999, &p), -EINVAL, "a ticket never returned");
+    /* Success twins. */
+    cr_assert_eq(zinf_write(e, good, 0, buf, 1), 0);
+    cr_assert_eq(zinf_read(e, reused, 0, buf, 1), 0);
+    cr_assert_eq(zinf_unregister(e, good), 0);
+    cr_assert_eq(zinf_unregister(e, good), -EINVAL, "twice");
+    cr_assert_eq(zinf_unregister(e, reused), 0);
+    zinf_close(e);
+}
+
+Test(engine, einval_release_without_pin_bad_tier_bad_flags)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    zinf_tensor t = reg(e, "t", 3000, ZINF_TIER_NVME);
+    void *p;
+    uint64_t k;
+
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), -EINVAL, "never pinned");
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_NVME, &p), -EINVAL, "NVMe is not a fetch target");
+    cr_assert_eq(zinf_fetch(e, t, (enum zinf_tier)7, &p), -EINVAL);
+    cr_assert_eq(zinf_fetch(e, t, (enum zinf_tier) - 1, &p), -EINVAL);
+    cr_assert_eq(zinf_fetch_async(e, t, ZINF_TIER_NVME, &k), -EINVAL);
+    cr_assert_eq(zinf_prefetch(e, t, ZINF_TIER_NVME), -EINVAL);
+    cr_assert_eq(zinf_prefetch(e, t, (enum zinf_tier)3), -EINVAL);
+    cr_assert_eq(zinf_register(e, "bad", 10, (enum zinf_tier)3, &k), -EINVAL);
+
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), -EINVAL, "pinned in the other tier");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_NVME, 0), -EINVAL);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 2u), -EINVAL, "unknown flag");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ~0u), -EINVAL);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_CLEAN), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), -EINVAL, "one pin, two releases");
+    cr_assert_eq(stats(e).tier[ZINF_TIER_HOST].pinned_bytes, 0);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    zinf_close(e);
+}
+
+Test(engine, einval_out_of_range)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 10001;
+    zinf_tensor t = reg(e, "t", n, ZINF_TIER_NVME);
+    unsigned char *buf = rand_buf(n + 10, 3);
+
+    cr_assert_eq(zinf_write(e, t, 0, buf, n + 1), -EINVAL);
+    cr_assert_eq(zinf_write(e, t, n, buf, 1), -EINVAL);
+    cr_assert_eq(zinf_write(e, t, n + 1, buf, 0), -EINVAL);
+    cr_assert_eq(zinf_write(e, t, 1, buf, SIZE_MAX), -EINVAL, "wraps around");
+    cr_assert_eq(zinf_write(e, t, SIZE_MAX, buf, 2), -EINVAL);
+    cr_assert_eq(zinf_read(e, t, 0, buf, n + 1), -EINVAL);
+    cr_assert_eq(zinf_read(e, t, n - 1, buf, 2), -EINVAL);
+    cr_assert_eq(zinf_read(e, t, 1, buf, SIZE_MAX), -EINVAL);
+    expect_zero(e, t, n, "refused writes change nothing");
+    /* Success twins: the last byte, and everything. */
+    cr_assert_eq(zinf_write(e, t, n - 1, buf, 1), 0);
+    cr_assert_eq(zinf_write(e, t, n, buf, 0), 0, "an empty write at the end");
+    cr_assert_eq(zinf_write(e, t, 0, buf, n), 0);
+    expect_content(e, t, buf, n, "whole write");
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    free(buf);
+    zinf_close(e);
+}
+
+Test(engine, enoent_and_eexist)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    zinf_tensor t, u = 77;
+
+    cr_assert_eq(zinf_lookup(e, "w", &u), -ENOENT);
+    cr_assert_eq(u, 77, "untouched on error");
+    t = reg(e, "w", 100, ZINF_TIER_HOST);
+    cr_assert_eq(zinf_lookup(e, "w", &u), 0);
+    cr_assert_eq(u, t);
+    cr_assert_eq(zinf_register(e, "w", 100, ZINF_TIER_HOST, &u), -EEXIST);
+    cr_assert_eq(zinf_register(e, "w", 999, ZINF_TIER_NVME, &u), -EEXIST, "whatever home");
+    cr_assert_eq(zinf_lookup(e, "W", &u), -ENOENT, "names are exact");
+    cr_assert_eq(stats(e).tensors, 1);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    cr_assert_eq(zinf_lookup(e, "w", &u), -ENOENT, "gone with unregister");
+    cr_assert_eq(zinf_register(e, "w", 100, ZINF_TIER_HOST, &u), 0, "the name is free again");
+    cr_assert_neq(u, t, "a new handle");
+    cr_assert_eq(zinf_unregister(e, u), 0);
+    /* Many names: the name table grows and still finds each one. */
+    zinf_tensor hs[300];
+    for (int i = 0; i < 300; i++) {
+        char name[32];
+        snprintf(name, sizeof(name), "many/%d", i);
+        hs[i] = reg(e, name, 1 + i, ZINF_TIER_NVME);
+    }
+    for (int i = 0; i < 300; i++) {
+        char name[32];
+        snprintf(name, sizeof(name), "many/%d", i);
+        cr_assert_eq(zinf_lookup(e, name, &u), 0, "%s", name);
+        cr_assert_eq(u, hs[i]);
+    }
+    for (int i = 0; i < 300; i++)
+        cr_assert_eq(zinf_unregister(e, hs[i]), 0);
+    zinf_close(e);
+}
+
+Test(engine, enospc_larger_than_home_tier)
+{
+    zinf_engine *e = open_eng(MiB, 2 * MiB, BLOCK);
+    zinf_tensor t;
+
+    cr_assert_eq(zinf_register(e, "d", MiB + 1, ZINF_TIER_DEVICE, &t), -ENOSPC);
+    cr_assert_eq(zinf_register(e, "h", 2 * MiB + 1, ZINF_TIER_HOST, &t), -ENOSPC);
+    cr_assert_eq(zinf_lookup(e, "d", &t), -ENOENT, "a refused register leaves nothing");
+    cr_assert_eq(stats(e).tensors, 0);
+    cr_assert_eq(stats(e).tier[0].used_bytes, 0);
+    /* Exactly the capacity fits. */
+    zinf_tensor d = reg(e, "d", MiB, ZINF_TIER_DEVICE);
+    zinf_tensor h = reg(e, "h", 2 * MiB, ZINF_TIER_HOST);
+    zinf_tensor n = reg(e, "n", 5 * MiB, ZINF_TIER_NVME); /* NVMe grows */
+    expect_zero(e, d, MiB, "device home");
+    expect_zero(e, h, 2 * MiB, "host home");
+    check_budgets(e);
+    cr_assert_eq(zinf_unregister(e, d), 0);
+    cr_assert_eq(zinf_unregister(e, h), 0);
+    cr_assert_eq(zinf_unregister(e, n), 0);
+    zinf_close(e);
+}
+
+Test(engine, enomem_when_pins_fill_the_tier)
+{
+    enum { N = 4 };
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    zinf_tensor t[N + 1];
+    void *p[N + 1];
+    unsigned char *ref[N + 1];
+
+    for (int i = 0; i <= N; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "t%d", i);
+        t[i] = reg(e, name, 256 * KiB, ZINF_TIER_NVME);
+        ref[i] = rand_buf(256 * KiB, 20 + i);
+        put(e, t[i], ref[i], 256 * KiB);
+    }
+    for (int tier = 0; tier < 2; tier++) {
+        for (int i = 0; i < N; i++)
+            cr_assert_eq(zinf_fetch(e, t[i], tier, &p[i]), 0);
+        struct zinf_stats st = stats(e);
+        cr_assert_eq(st.tier[tier].pinned_bytes, MiB);
+        void *q = (void *)1;
+        cr_assert_eq(zinf_fetch(e, t[N], tier, &q), -ENOMEM, "tier %d", tier);
+        /* The async twin reports it at once or from zinf_wait. */
+        uint64_t tk;
+        int r = zinf_fetch_async(e, t[N], tier, &tk);
+        if (r == 0) r = zinf_wait(e, tk, &q);
+        cr_assert_eq(r, -ENOMEM, "async: %s", zinf_strerror(r));
+        cr_assert_eq(zinf_prefetch(e, t[N], tier), 0, "a hint that does not fit is dropped");
+        for (int i = 0; i < N; i++)
+            cr_assert_eq(memcmp(p[i], ref[i], 256 * KiB), 0, "pinned copies untouched");
+        /* Free one pin: the same fetch now succeeds. */
+        cr_assert_eq(zinf_release(e, t[0], tier, 0), 0);
+        cr_assert_eq(zinf_fetch(e, t[N], tier, &q), 0);
+        cr_assert_eq(memcmp(q, ref[N], 256 * KiB), 0);
+        cr_assert_eq(zinf_release(e, t[N], tier, 0), 0);
+        for (int i = 1; i < N; i++)
+            cr_assert_eq(zinf_release(e, t[i], tier, 0), 0);
+        check_budgets(e);
+    }
+    /* Larger than the whole tier: -ENOMEM at once. */
+    zinf_tensor big = reg(e, "big", MiB + 1, ZINF_TIER_NVME);
+    void *q;
+    cr_assert_eq(zinf_fetch(e, big, ZINF_TIER_HOST, &q), -ENOMEM);
+    cr_assert_eq(zinf_unregister(e, big), 0);
+    for (int i = 0; i <= N; i++) {
+        expect_content(e, t[i], ref[i], 256 * KiB, "after -ENOMEM");
+        cr_assert_eq(zinf_unregister(e, t[i]), 0);
+        free(ref[i]);
+    }
+    zinf_close(e);
+}
+
+Test(engine, ebusy_dirty_release_pinned_in_other_tier)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 70000;
+    zinf_tensor t = reg(e, "t", n, ZINF_TIER_NVME);
+    unsigned char *a = rand_buf(n, 1), *b = rand_buf(n, 2);
+    void *pd, *ph;
+
+    put(e, t, a, n);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &pd), 0);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &ph), 0);
+    cr_assert_neq(pd, ph);
+    memcpy(pd, b, n); /* a caller that wrote anyway */
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), -EBUSY);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), -EBUSY);
+    struct zinf_stats st = stats(e);
+    cr_assert_gt(st.tier[0].pinned_bytes, 0, "the pin is kept");
+    cr_assert_gt(st.tier[1].pinned_bytes, 0);
+    cr_assert_eq(memcmp(ph, a, n), 0, "the host view is unchanged");
+    /* The kept pins release clean; the refused DIRTY made no new version. */
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), -EINVAL);
+    /* Success twin: one tier pinned, DIRTY is accepted and wins everywhere. */
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &pd), 0);
+    memcpy(pd, b, n);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    expect_content(e, t, b, n, "after the DIRTY release");
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &ph), 0);
+    cr_assert_eq(memcmp(ph, b, n), 0, "the host copy follows the device's newest");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    free(a);
+    free(b);
+    zinf_close(e);
+}
+
+Test(engine, ebusy_unregister_while_pinned)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    zinf_tensor t = reg(e, "t", 9000, ZINF_TIER_DEVICE);
+    void *p;
+    uint64_t k;
+
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(zinf_unregister(e, t), -EBUSY);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_fetch_async(e, t, ZINF_TIER_DEVICE, &k), 0);
+    cr_assert_eq(zinf_unregister(e, t), -EBUSY, "an async fetch holds a pin");
+    cr_assert_eq(zinf_wait(e, k, &p), 0);
+    cr_assert_eq(zinf_unregister(e, t), -EBUSY);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    cr_assert_eq(stats(e).tier[0].used_bytes, 0);
+    cr_assert_eq(stats(e).tier[1].used_bytes, 0);
+    zinf_close(e);
+}
+
+/* ---- -EIO from injected faults: the data stays as it was and the engine keeps working ---- */
+
+static zinf_tensor nvme_tensor_with(zinf_engine *e, const char *name, const unsigned char *c,
+                                    size_t n)
+{
+    zinf_tensor t = reg(e, name, n, ZINF_TIER_NVME);
+    put(e, t, c, n);
+    return t;
+}
+
+Test(engine, eio_fetch_from_nvme)
+{
+    zinf_engine *e = open_eng(2 * MiB, MiB, BLOCK);
+    const size_t n = 300 * KiB + 5; /* several chunks */
+    unsigned char *a = rand_buf(n, 11);
+    void *p;
+
+    for (int tier = 0; tier < 2; tier++) {
+        for (unsigned nth = 1; nth <= 3; nth += 2) {
+            /* A fresh tensor: no copy in memory, the load reads NVMe. */
+            zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+            uring_fault_set(e->io, URING_FAULT_EIO, nth);
+            int r = zinf_fetch(e, t, tier, &p);
+            cr_assert_eq(r, -EIO, "tier %d, chunk %u fails: %s", tier, nth, zinf_strerror(r));
+            struct zinf_stats st = stats(e);
+            cr_assert_eq(st.tier[tier].pinned_bytes, 0, "a failed fetch holds no pin");
+            cr_assert_eq(zinf_release(e, t, tier, 0), -EINVAL);
+            expect_content(e, t, a, n, "after a failed fetch");
+            /* The same fetch again. */
+            cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+            cr_assert_eq(memcmp(p, a, n), 0);
+            cr_assert_eq(zinf_release(e, t, tier, 0), 0);
+            cr_assert_eq(zinf_unregister(e, t), 0);
+        }
+    }
+    /* Async: the error comes from zinf_wait. */
+    zinf_tensor u = nvme_tensor_with(e, "u", a, n);
+    uring_fault_set(e->io, URING_FAULT_EIO, 1);
+    uint64_t k;
+    int r = zinf_fetch_async(e, u, ZINF_TIER_HOST, &k);
+    cr_assert_eq(r, 0);
+    cr_assert_eq(zinf_wait(e, k, &p), -EIO);
+    cr_assert_eq(stats(e).tier[ZINF_TIER_HOST].pinned_bytes, 0);
+    cr_assert_eq(zinf_fetch(e, u, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(memcmp(p, a, n), 0);
+    cr_assert_eq(zinf_release(e, u, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_unregister(e, u), 0);
+    free(a);
+    zinf_close(e);
+}
+
+Test(engine, eio_device_copy_of_a_host_tensor)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 50000;
+    unsigned char *a = rand_buf(n, 12);
+    zinf_tensor t = reg(e, "t", n, ZINF_TIER_HOST);
+    void *p;
+
+    put(e, t, a, n);
+    device_fault_set(e->dev, 1, -EIO);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), -EIO);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(memcmp(p, a, n), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    expect_content(e, t, a, n, "host home");
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    free(a);
+    zinf_close(e);
+}
+
+/* A dirty copy must be written back to make room; the write-back fails once. The copy
+ * and its content survive, and the tensor still reads its newest bytes. */
+static void eio_writeback(int tier, enum zinf_tier home, bool device_fault)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 400 * KiB + 77;
+    unsigned char *a = rand_buf(n, 13), *b = rand_buf(n, 14), *f = rand_buf(700 * KiB, 15);
+    zinf_tensor t = reg(e, "t", n, home);
+    zinf_tensor filler = nvme_tensor_with(e, "filler", f, 700 * KiB);
+    void *p;
+
+    put(e, t, a, n);
+    cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+    memcpy(p, b, n);
+    cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+    if (device_fault)
+        device_fault_set(e->dev, 1, -EIO);
+    else
+        uring_fault_set(e->io, URING_FAULT_EIO, 1);
+    test_log_capture_start();
+    int r = zinf_fetch(e, filler, tier, &p);
+    /* The fetch may retry the write-back and succeed, or report the error; either way
+     * nothing is lost. */
+    cr_assert(r == 0 || r == -EIO, "fetch that needs the write-back: %s", zinf_strerror(r));
+    if (r == 0) {
+        cr_assert_eq(memcmp(p, f, 700 * KiB), 0);
+        cr_assert_eq(zinf_release(e, filler, tier, 0), 0);
+    }
+    cr_assert(strstr(test_log_text(), "'t'"), "the failed write-back is logged: %s",
+              test_log_text());
+    test_log_capture_stop();
+    expect_content(e, t, b, n, "dirty tensor after a failed write-back");
+    cr_assert_eq(zinf_fetch(e, filler, tier, &p), 0);
+    cr_assert_eq(memcmp(p, f, 700 * KiB), 0);
+    cr_assert_eq(zinf_release(e, filler, tier, 0), 0);
+    expect_content(e, t, b, n, "dirty tensor once evicted");
+    cr_assert_eq(zinf_fetch(e, t, 1 - tier, &p), 0);
+    cr_assert_eq(memcmp(p, b, n), 0);
+    cr_assert_eq(zinf_release(e, t, 1 - tier, 0), 0);
+    check_budgets(e);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    cr_assert_eq(zinf_unregister(e, filler), 0);
+    free(a);
+    free(b);
+    free(f);
+    zinf_close(e);
+}
+
+Test(engine, eio_writeback_host_to_nvme)
+{
+    eio_writeback(ZINF_TIER_HOST, ZINF_TIER_NVME, false);
+}
+
+Test(engine, eio_writeback_device_to_nvme)
+{
+    eio_writeback(ZINF_TIER_DEVICE, ZINF_TIER_NVME, false);
+}
+
+Test(engine, eio_writeback_device_to_host_home)
+{
+    eio_writeback(ZINF_TIER_DEVICE, ZINF_TIER_HOST, true);
+}
+
+Test(engine, eio_flush)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 200 * KiB + 3;
+    unsigned char *a = rand_buf(n, 16), *b = rand_buf(n, 17);
+    zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+    zinf_tensor d = reg(e, "d", n, ZINF_TIER_DEVICE);
+    void *p;
+
+    put(e, d, a, n);
+    cr_assert_eq(zinf_flush(e), 0);
+    for (int tier = 0; tier < 2; tier++) {
+        cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+        memcpy(p, b, n);
+        cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+        put(e, d, b, n);
+        uring_fault_set(e->io, URING_FAULT_EIO, 2);
+        int r = zinf_flush(e);
+        cr_assert_eq(r, -EIO, "tier %d: %s", tier, zinf_strerror(r));
+        expect_content(e, t, b, n, "after a failed flush");
+        expect_content(e, d, b, n, "device home after a failed flush");
+        cr_assert_eq(zinf_flush(e), 0, "the same flush again");
+        expect_content(e, t, b, n, "after the flush");
+        expect_content(e, d, b, n, "device home after the flush");
+        memcpy(a, b, n);
+        test_fill_random(b, n, 100 + tier);
+    }
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    cr_assert_eq(zinf_unregister(e, d), 0);
+    free(a);
+    free(b);
+    zinf_close(e);
+}
+
+Test(engine, eio_write)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 100 * KiB + 9;
+    unsigned char *a = rand_buf(n, 18), *b = rand_buf(n, 19);
+    zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+    void *p;
+
+    /* Only the swap extent holds it: the read or the write of the swap range fails. */
+    for (unsigned nth = 1; nth <= 2; nth++) {
+        uring_fault_set(e->io, URING_FAULT_EIO, nth);
+        int r = zinf_write(e, t, 5000, b, 20000);
+        cr_assert_eq(r, -EIO, "fault on IO %u: %s", nth, zinf_strerror(r));
+        expect_content(e, t, a, n, "swap-only tensor after a failed write");
+    }
+    /* After a flush the extent is the persisted one: the write goes to a copy. */
+    cr_assert_eq(zinf_flush(e), 0);
+    for (unsigned nth = 1; nth <= 6; nth++) {
+        uring_fault_set(e->io, URING_FAULT_EIO, nth);
+        int r = zinf_write(e, t, 5000, b, 20000);
+        cr_assert_eq(r, -EIO, "fault on IO %u: %s", nth, zinf_strerror(r));
+        expect_content(e, t, a, n, "persisted tensor after a failed write");
+    }
+    /* A device copy takes the write: the device copy fails. */
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    device_fault_set(e->dev, 1, -EIO);
+    cr_assert_eq(zinf_write(e, t, 0, b, n), -EIO);
+    expect_content(e, t, a, n, "device-cached tensor after a failed write");
+    /* Success twin. */
+    cr_assert_eq(zinf_write(e, t, 0, b, n), 0);
+    expect_content(e, t, b, n, "after the write");
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(memcmp(p, b, n), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    free(a);
+    free(b);
+    zinf_close(e);
+}
+
+/* ==== pointer semantics ======================================================================= */
+
+Test(engine, same_tier_fetch_same_pointer_two_releases)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 12345;
+    unsigned char *a = rand_buf(n, 21);
+    zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+    void *p1, *p2, *p3;
+
+    for (int tier = 0; tier < 2; tier++) {
+        cr_assert_eq(zinf_fetch(e, t, tier, &p1), 0);
+        cr_assert_eq(zinf_fetch(e, t, tier, &p2), 0);
+        cr_assert_eq(p1, p2);
+        uint64_t k;
+        cr_assert_eq(zinf_fetch_async(e, t, tier, &k), 0);
+        cr_assert_eq(zinf_wait(e, k, &p3), 0);
+        cr_assert_eq(p3, p1);
+        cr_assert_eq(memcmp(p1, a, n), 0);
+        struct zinf_stats st = stats(e);
+        cr_assert_eq(st.tier[tier].pinned_bytes, align_up(n, ZINF_ALIGN));
+        cr_assert_geq(st.tier[tier].hits, 2);
+        cr_assert_eq(zinf_release(e, t, tier, 0), 0);
+        cr_assert_eq(zinf_release(e, t, tier, 0), 0);
+        cr_assert_eq(stats(e).tier[tier].pinned_bytes, align_up(n, ZINF_ALIGN), "one pin left");
+        cr_assert_eq(zinf_release(e, t, tier, 0), 0);
+        cr_assert_eq(stats(e).tier[tier].pinned_bytes, 0);
+        cr_assert_eq(zinf_release(e, t, tier, 0), -EINVAL);
+    }
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    free(a);
+    zinf_close(e);
+}
+
+Test(engine, pinned_copies_are_never_evicted)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 200 * KiB + 1;
+    unsigned char *a = rand_buf(n, 22), *f[10];
+    zinf_tensor t = nvme_tensor_with(e, "pinned", a, n);
+    zinf_tensor fill[10];
+    void *pd, *ph, *q;
+
+    for (int i = 0; i < 10; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "fill%d", i);
+        f[i] = rand_buf(n, 23 + i);
+        fill[i] = nvme_tensor_with(e, name, f[i], n);
+    }
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &pd), 0);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &ph), 0);
+    for (int round = 0; round < 3; round++) {
+        for (int tier = 0; tier < 2; tier++) {
+            for (int i = 0; i < 10; i++) {
+                cr_assert_eq(zinf_fetch(e, fill[i], tier, &q), 0);
+                cr_assert_eq(memcmp(q, f[i], n), 0, "filler %d, tier %d, round %d", i, tier, round);
+                memset(q, round + tier, 100);
+                cr_assert_eq(zinf_release(e, fill[i], tier, ZINF_RELEASE_DIRTY), 0);
+                memset(f[i], round + tier, 100);
+            }
+        }
+        cr_assert_eq(memcmp(pd, a, n), 0, "the pinned device copy is intact");
+        cr_assert_eq(memcmp(ph, a, n), 0, "the pinned host copy is intact");
+    }
+    struct zinf_stats st = stats(e);
+    cr_assert_gt(st.tier[0].evictions, 10);
+    cr_assert_gt(st.tier[1].evictions, 10);
+    void *again;
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &again), 0);
+    cr_assert_eq(again, pd, "unmoved");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    for (int i = 0; i < 10; i++) {
+        expect_content(e, fill[i], f[i], n, "filler");
+        cr_assert_eq(zinf_unregister(e, fill[i]), 0);
+        free(f[i]);
+    }
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    free(a);
+    zinf_close(e);
+}
+
+Test(engine, fetch_async_and_wait)
+{
+    zinf_engine *e = open_eng(2 * MiB, 2 * MiB, BLOCK);
+    enum { N = 5 };
+    const size_t n = 150 * KiB + 11;
+    zinf_tensor t[N];
+    unsigned char *a[N];
+    uint64_t k[N][2];
+    void *p;
+
+    for (int i = 0; i < N; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "a%d", i);
+        a[i] = rand_buf(n, 30 + i);
+        t[i] = nvme_tensor_with(e, name, a[i], n);
+    }
+    /* Start all the loads, then wait for them in reverse order. */
+    for (int i = 0; i < N; i++)
+        for (int tier = 0; tier < 2; tier++)
+            cr_assert_eq(zinf_fetch_async(e, t[i], tier, &k[i][tier]), 0);
+    for (int i = N - 1; i >= 0; i--) {
+        for (int tier = 1; tier >= 0; tier--) {
+            cr_assert_eq(zinf_wait(e, k[i][tier], &p), 0);
+            cr_assert_eq(memcmp(p, a[i], n), 0, "tensor %d tier %d", i, tier);
+            cr_assert_eq(zinf_wait(e, k[i][tier], &p), -EINVAL, "a ticket is used once");
+        }
+    }
+    for (int i = 0; i < N; i++)
+        for (int tier = 0; tier < 2; tier++)
+            cr_assert_eq(zinf_release(e, t[i], tier, 0), 0);
+    cr_assert_eq(stats(e).tier[0].pinned_bytes + stats(e).tier[1].pinned_bytes, 0);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(zinf_unregister(e, t[i]), 0);
+        free(a[i]);
+    }
+    zinf_close(e);
+}
+
+struct joiner {
+    zinf_engine *e;
+    zinf_tensor t;
+    int tier;
+    pthread_barrier_t *bar;
+    void *p;
+    int r;
+};
+
+static void *join_fetch(void *arg)
+{
+    struct joiner *j = arg;
+    pthread_barrier_wait(j->bar);
+    j->r = zinf_fetch(j->e, j->t, j->tier, &j->p);
+    return NULL;
+}
+
+Test(engine, concurrent_fetches_join_one_transfer)
+{
+    enum { T = 4 };
+    zinf_engine *e = open_eng(4 * MiB, 4 * MiB, BLOCK);
+    const size_t n = 2 * MiB + 99;
+    unsigned char *a = rand_buf(n, 40);
+    pthread_barrier_t bar;
+    pthread_t th[T];
+    struct joiner j[T];
+
+    for (int tier = 0; tier < 2; tier++) {
+        char name[16];
+        snprintf(name, sizeof(name), "shared%d", tier);
+        zinf_tensor t = nvme_tensor_with(e, name, a, n);
+        struct zinf_stats before = stats(e);
+        pthread_barrier_init(&bar, NULL, T);
+        for (int i = 0; i < T; i++) {
+            j[i] = (struct joiner){.e = e, .t = t, .tier = tier, .bar = &bar};
+            cr_assert_eq(pthread_create(&th[i], NULL, join_fetch, &j[i]), 0);
+        }
+        for (int i = 0; i < T; i++)
+            pthread_join(th[i], NULL);
+        pthread_barrier_destroy(&bar);
+        for (int i = 0; i < T; i++) {
+            cr_assert_eq(j[i].r, 0, "thread %d: %s", i, zinf_strerror(j[i].r));
+            cr_assert_eq(j[i].p, j[0].p, "one copy for everyone");
+        }
+        cr_assert_eq(memcmp(j[0].p, a, n), 0);
+        struct zinf_stats after = stats(e);
+        cr_assert_eq(after.nvme_bytes_read - before.nvme_bytes_read, align_up(n, ZINF_ALIGN),
+                     "tier %d: one load's worth read, not %llu", tier,
+                     (unsigned long long)(after.nvme_bytes_read - before.nvme_bytes_read));
+        cr_assert_eq(after.tier[tier].fetches - before.tier[tier].fetches, T);
+        for (int i = 0; i < T; i++)
+            cr_assert_eq(zinf_release(e, t, tier, 0), 0);
+        cr_assert_eq(zinf_release(e, t, tier, 0), -EINVAL, "exactly T pins");
+        cr_assert_eq(zinf_unregister(e, t), 0);
+    }
+    free(a);
+    zinf_close(e);
+}
+
+/* ==== sizes and homes ========================================================================= */
+
+Test(engine, tensor_larger_than_host_streams_to_device)
+{
+    zinf_engine *e = open_eng(8 * MiB, MiB, BLOCK);
+    const size_t n = 5 * MiB + 123;
+    unsigned char *a = rand_buf(n, 50), *b = rand_buf(n, 51);
+    zinf_tensor t = nvme_tensor_with(e, "big", a, n);
+    zinf_tensor u = nvme_tensor_with(e, "big2", b, n);
+    void *p;
+
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), -ENOMEM, "larger than the host tier");
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(memcmp(p, a, n), 0);
+    /* Change it on the device; pushing it out writes it back through the staging ring. */
+    test_fill_random((char *)p + MiB, 2 * MiB + 7, 52);
+    memcpy(a + MiB, (char *)p + MiB, 2 * MiB + 7);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    cr_assert_eq(zinf_fetch(e, u, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(memcmp(p, b, n), 0);
+    cr_assert_eq(zinf_release(e, u, ZINF_TIER_DEVICE, 0), 0);
+    struct zinf_stats st = stats(e);
+    cr_assert_geq(st.tier[0].writebacks, 1);
+    cr_assert_geq(st.tier[0].evictions, 1);
+    expect_content(e, t, a, n, "written back");
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(memcmp(p, a, n), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    /* A device-home tensor larger than the host tier: zeros, then a write and a flush. */
+    zinf_tensor d = reg(e, "dhome", 2 * MiB + 1, ZINF_TIER_DEVICE);
+    expect_zero(e, d, 2 * MiB + 1, "device home");
+    cr_assert_eq(zinf_write(e, d, 0, b, 2 * MiB + 1), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    expect_content(e, d, b, 2 * MiB + 1, "device home after flush");
+    check_budgets(e);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    cr_assert_eq(zinf_unregister(e, u), 0);
+    cr_assert_eq(zinf_unregister(e, d), 0);
+    free(a);
+    free(b);
+    zinf_close(e);
+}
+
+Test(engine, every_home_round_trip)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 77777;
+    enum zinf_tier homes[] = {ZINF_TIER_DEVICE, ZINF_TIER_HOST, ZINF_TIER_NVME};
+
+    for (size_t i = 0; i < ARRAY_SIZE(homes); i++) {
+        unsigned char *a = rand_buf(n, 60 + i), *b = rand_buf(n, 70 + i);
+        char name[16];
+        snprintf(name, sizeof(name), "home%zu", i);
+        zinf_tensor t = reg(e, name, n, homes[i]);
+        void *p, *q;
+        /* zeros in both tiers */
+        for (int tier = 0; tier < 2; tier++) {
+            cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+            cr_assert(all_zero(p, n), "home %d, tier %d", homes[i], tier);
+            cr_assert_eq(zinf_release(e, t, tier, 0), 0);
+        }
+        put(e, t, a, n);
+        /* the write is seen from both tiers; a DIRTY release on one is seen from the other */
+        for (int tier = 0; tier < 2; tier++) {
+            cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+            cr_assert_eq(memcmp(p, a, n), 0, "home %d tier %d", homes[i], tier);
+            memcpy(p, b, n / 2);
+            memcpy(a, b, n / 2);
+            cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+            cr_assert_eq(zinf_fetch(e, t, 1 - tier, &q), 0);
+            cr_assert_eq(memcmp(q, a, n), 0, "home %d, dirty in %d, seen in %d", homes[i], tier,
+                         1 - tier);
+            cr_assert_eq(zinf_release(e, t, 1 - tier, 0), 0);
+            test_fill_random(b, n, 80 + tier);
+        }
+        expect_content(e, t, a, n, "zinf_read");
+        /* partial writes and reads at odd offsets */
+        cr_assert_eq(zinf_write(e, t, 4095, b, 3), 0);
+        memcpy(a + 4095, b, 3);
+        unsigned char small[5];
+        cr_assert_eq(zinf_read(e, t, 4094, small, 5), 0);
+        cr_assert_eq(memcmp(small, a + 4094, 5), 0);
+        expect_content(e, t, a, n, "after a partial write");
+        cr_assert_eq(zinf_unregister(e, t), 0);
+        free(a);
+        free(b);
+    }
+    check_budgets(e);
+    zinf_close(e);
+}
+
+/* A new tensor reads as zeros, even where the tier or swap space it lands on held another
+ * tensor's bytes a moment ago. */
+Test(engine, zero_content_at_register_every_home)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    enum zinf_tier homes[] = {ZINF_TIER_DEVICE, ZINF_TIER_HOST, ZINF_TIER_NVME};
+    const size_t n = 300 * KiB + 1;
+    unsigned char *junk = malloc(n);
+    memset(junk, 0xa5, n);
+
+    for (size_t i = 0; i < ARRAY_SIZE(homes); i++) {
+        for (int round = 0; round < 2; round++) {
+            zinf_tensor t = reg(e, "z", n, homes[i]);
+            expect_zero(e, t, n, "fresh");
+            for (int tier = 0; tier < 2; tier++) {
+                void *p;
+                cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+                cr_assert(all_zero(p, n), "home %d round %d tier %d", homes[i], round, tier);
+                cr_assert_eq(zinf_release(e, t, tier, 0), 0);
+            }
+            for (int tier = 0; tier < 2; tier++) {
+                void *p;
+                cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+                memset(p, 0xa5, n);
+                cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+            }
+            cr_assert_eq(zinf_write(e, t, 0, junk, n), 0);
+            if (round == 1) cr_assert_eq(zinf_flush(e), 0); /* its bytes reach the swap space */
+            cr_assert_eq(zinf_unregister(e, t), 0);
+        }
+    }
+    free(junk);
+    zinf_close(e);
+}
+
+/* ==== regressions ============================================================================= */
+
+/* A fetch that had to wait for room (a write-back) and then found the copy loaded by
+ * another caller returned the -EAGAIN of the wait instead of 0. */
+Test(engine, fetches_that_waited_for_room_then_joined_return_zero)
+{
+    enum { T = 4, D = 4 };
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 256 * KiB;
+    unsigned char *a = rand_buf(n, 90);
+
+    for (int round = 0; round < 10; round++) {
+        zinf_tensor d[D];
+        for (int i = 0; i < D; i++) {
+            char name[16];
+            snprintf(name, sizeof(name), "dirty%d", i);
+            d[i] = reg(e, name, n, ZINF_TIER_NVME);
+            void *p;
+            cr_assert_eq(zinf_fetch(e, d[i], ZINF_TIER_HOST, &p), 0);
+            memset(p, i + 1, n);
+            cr_assert_eq(zinf_release(e, d[i], ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+        }
+        zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+        pthread_barrier_t bar;
+        pthread_t th[T];
+        struct joiner j[T];
+        pthread_barrier_init(&bar, NULL, T);
+        for (int i = 0; i < T; i++) {
+            j[i] = (struct joiner){.e = e, .t = t, .tier = ZINF_TIER_HOST, .bar = &bar};
+            cr_assert_eq(pthread_create(&th[i], NULL, join_fetch, &j[i]), 0);
+        }
+        for (int i = 0; i < T; i++)
+            pthread_join(th[i], NULL);
+        pthread_barrier_destroy(&bar);
+        for (int i = 0; i < T; i++) {
+            cr_assert_eq(j[i].r, 0, "round %d, thread %d: %s", round, i, zinf_strerror(j[i].r));
+            cr_assert_eq(j[i].p, j[0].p);
+        }
+        cr_assert_eq(memcmp(j[0].p, a, n), 0);
+        for (int i = 0; i < T; i++)
+            cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+        cr_assert_eq(zinf_unregister(e, t), 0);
+        for (int i = 0; i < D; i++) {
+            unsigned char *want = malloc(n);
+            memset(want, i + 1, n);
+            expect_content(e, d[i], want, n, "written back");
+            free(want);
+            cr_assert_eq(zinf_unregister(e, d[i]), 0);
+        }
+    }
+    free(a);
+    zinf_close(e);
+}
+
+struct flusher {
+    zinf_engine *e;
+    int r;
+};
+
+static void *run_flush(void *arg)
+{
+    struct flusher *f = arg;
+    f->r = zinf_flush(f->e);
+    return NULL;
+}
+
+/* A flush copying a pinned dirty copy labelled the swap extent with the tensor's version
+ * at the end of the copy; a DIRTY release during the copy made that a newer version than
+ * the bytes, so the copy was later dropped without a write-back and the update was lost. */
+Test(engine, flush_during_a_dirty_release_keeps_the_update)
+{
+    zinf_engine *e = open_eng(16 * MiB, MiB, BLOCK);
+    const size_t n = 6 * MiB + 3;
+    unsigned char *a = rand_buf(n, 91), *b = rand_buf(n, 92), *c = rand_buf(n, 93);
+    zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+    zinf_tensor u = nvme_tensor_with(e, "u", a, n);
+    zinf_tensor w = nvme_tensor_with(e, "w", a, n);
+    void *p;
+
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    memcpy(p, b, n);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+
+    struct flusher f = {.e = e};
+    pthread_t th;
+    uint64_t flushes0 = stats(e).flushes;
+    cr_assert_eq(pthread_create(&th, NULL, run_flush, &f), 0);
+    /* Wait until the flush owns t (it is copying it), then write and release DIRTY. */
+    struct tensor *ti;
+    for (;;) {
+        pthread_mutex_lock(&e->lock);
+        ti = engine_tensor(e, t);
+        bool copying = ti->exclusive, done = e->st.flushes != flushes0;
+        pthread_mutex_unlock(&e->lock);
+        if (copying || done) break;
+        sched_yield();
+    }
+    memcpy(p, c, n);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    pthread_join(th, NULL);
+    cr_assert_eq(f.r, 0, "flush: %s", zinf_strerror(f.r));
+    /* Push t's device copy out. */
+    cr_assert_eq(zinf_fetch(e, u, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(zinf_fetch(e, w, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(zinf_release(e, u, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_release(e, w, ZINF_TIER_DEVICE, 0), 0);
+    expect_content(e, t, c, n, "the update released during the flush");
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    cr_assert_eq(zinf_unregister(e, u), 0);
+    cr_assert_eq(zinf_unregister(e, w), 0);
+    free(a);
+    free(b);
+    free(c);
+    zinf_close(e);
+}
+
+/* Two write-backs of one tensor (an older version from the device, a newer one from the
+ * host) ran at once into the same extent; the older one finished last and labelled the
+ * extent with its version, so the newest content was lost. The engine's completions take
+ * its lock, so holding it keeps the first write-back from finishing while the second is
+ * asked for. */
+Test(engine, writebacks_of_one_tensor_never_overlap)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 5000;
+    unsigned char *a = rand_buf(n, 94), *b = rand_buf(n, 95), *c = rand_buf(n, 96);
+
+    for (int round = 0; round < 20; round++) {
+        zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+        void *pd, *ph;
+        cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &pd), 0);
+        memcpy(pd, b, n);
+        cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+        cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &ph), 0);
+        cr_assert_eq(memcmp(ph, b, n), 0);
+        memcpy(ph, c, n);
+
+        pthread_mutex_lock(&e->lock);
+        struct tensor *ti = engine_tensor(e, t);
+        int r1 = writeback_start(e, ti, ZINF_TIER_DEVICE, true);
+        /* What zinf_release(ZINF_RELEASE_DIRTY) of the host pin does, done here so that
+         * the device write-back cannot complete in between. */
+        ti->version++;
+        ti->c[ZINF_TIER_HOST].version = ti->version;
+        ti->c[ZINF_TIER_HOST].pins--;
+        int r2 = writeback_start(e, ti, ZINF_TIER_HOST, true);
+        pthread_mutex_unlock(&e->lock);
+        cr_assert_eq(r1, 0, "%s", zinf_strerror(r1));
+        cr_assert(r2 == 0 || r2 == -EAGAIN, "%s", zinf_strerror(r2));
+
+        /* Wait for the write-backs, then push whatever is left out of both tiers. */
+        pthread_mutex_lock(&e->lock);
+        while (ti->c[0].wb_inflight || ti->c[1].wb_inflight)
+            engine_wait(e);
+        pthread_mutex_unlock(&e->lock);
+        zinf_tensor f = reg(e, "fill", MiB, ZINF_TIER_NVME);
+        for (int tier = 0; tier < 2; tier++) {
+            void *q;
+            cr_assert_eq(zinf_fetch(e, f, tier, &q), 0);
+            cr_assert_eq(zinf_release(e, f, tier, 0), 0);
+        }
+        expect_content(e, t, c, n, "the newest version");
+        cr_assert_eq(zinf_unregister(e, f), 0);
+        cr_assert_eq(zinf_unregister(e, t), 0);
+    }
+    free(a);
+    free(b);
+    free(c);
+    zinf_close(e);
+}
+
+/* An async fetch that could not start its load at once (room had to be made by a
+ * write-back) held no pin until zinf_wait: the tensor could be unregistered, or released
+ * DIRTY from the other tier, in between. */
+Test(engine, fetch_async_pins_even_when_its_load_waits)
+{
+    enum { D = 4 };
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 256 * KiB;
+    unsigned char *a = rand_buf(n, 97);
+    zinf_tensor d[D];
+
+    for (int i = 0; i < D; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "dirty%d", i);
+        d[i] = reg(e, name, n, ZINF_TIER_NVME);
+        void *p;
+        cr_assert_eq(zinf_fetch(e, d[i], ZINF_TIER_HOST, &p), 0);
+        memset(p, i + 1, n);
+        cr_assert_eq(zinf_release(e, d[i], ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+    }
+    zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+    uint64_t k;
+    void *p, *q;
+    cr_assert_eq(zinf_fetch_async(e, t, ZINF_TIER_HOST, &k), 0);
+    cr_assert_eq(zinf_unregister(e, t), -EBUSY, "the async fetch holds a pin");
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &q), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), -EBUSY,
+                 "pinned in the host tier by the async fetch");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_wait(e, k, &p), 0);
+    cr_assert_eq(memcmp(p, a, n), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    for (int i = 0; i < D; i++)
+        cr_assert_eq(zinf_unregister(e, d[i]), 0);
+    free(a);
+    zinf_close(e);
+}
+
+/* An async fetch that joined a prefetch still loading an older version (the other tier
+ * was released DIRTY meanwhile) made zinf_wait fail with -EIO instead of loading the
+ * newest content. */
+Test(engine, wait_after_joining_an_overtaken_prefetch_loads_the_newest)
+{
+    zinf_engine *e = open_eng(16 * MiB, 5 * MiB, BLOCK); /* prefetch budget: 8 MiB */
+    const size_t n = 4 * MiB + 5;
+    unsigned char *a = rand_buf(n, 98);
+    zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+    unsigned joined = 0;
+
+    for (int round = 0; round < 10; round++) {
+        void *ph, *pd;
+        uint64_t k;
+        cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &ph), 0);
+        test_fill_random(a, n, 200 + round);
+        memcpy(ph, a, n);
+        cr_assert_eq(zinf_prefetch(e, t, ZINF_TIER_DEVICE), 0); /* loads from the host copy */
+        cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+        cr_assert_eq(zinf_fetch_async(e, t, ZINF_TIER_DEVICE, &k), 0);
+        pthread_mutex_lock(&e->lock);
+        struct tensor *ti = engine_tensor(e, t);
+        joined += ti->c[ZINF_TIER_DEVICE].state == COPY_LOADING &&
+                  ti->c[ZINF_TIER_DEVICE].version != ti->version;
+        pthread_mutex_unlock(&e->lock);
+        int r = zinf_wait(e, k, &pd);
+        cr_assert_eq(r, 0, "round %d: %s", round, zinf_strerror(r));
+        cr_assert_eq(memcmp(pd, a, n), 0);
+        cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+        /* Drop the device copy for the next round. */
+        cr_assert_eq(zinf_write(e, t, 0, a, 1), 0);
+        cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &ph), 0);
+        cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+    }
+    cr_log_info("the async fetch joined an overtaken load in %u of 10 rounds", joined);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    free(a);
+    zinf_close(e);
+}
+
+#define CHURN_SLOTS 4
+
+struct churn {
+    zinf_engine *e;
+    _Atomic zinf_tensor h[CHURN_SLOTS];
+    atomic_bool stop;
+    atomic_uint done; /* threads finished */
+    atomic_uint_fast64_t progress[3];
+    char fail[256];
+};
+
+static void *churn_flusher(void *arg)
+{
+    struct churn *c = arg;
+    while (!atomic_load(&c->stop)) {
+        int r = zinf_flush(c->e);
+        if (r != 0 && !c->fail[0])
+            snprintf(c->fail, sizeof(c->fail), "flush: %s", zinf_strerror(r));
+        atomic_fetch_add(&c->progress[0], 1);
+    }
+    atomic_fetch_add(&c->done, 1);
+    return NULL;
+}
+
+static void *churn_registrar(void *arg)
+{
+    struct churn *c = arg;
+    unsigned char buf[9000];
+    memset(buf, 0x5a, sizeof(buf));
+    for (unsigned i = 0; !atomic_load(&c->stop); i++) {
+        unsigned s = i % CHURN_SLOTS;
+        char name[16];
+        snprintf(name, sizeof(name), "churn%u", s);
+        zinf_tensor old = atomic_load(&c->h[s]), h;
+        int r = zinf_unregister(c->e, old);
+        if (r == -EBUSY) /* the reader holds a pin */
+            continue;
+        if (r == 0) r = zinf_register(c->e, name, sizeof(buf), (enum zinf_tier)(i % 3), &h);
+        if (r == 0) r = zinf_write(c->e, h, 0, buf, sizeof(buf));
+        if (r != 0 && !c->fail[0])
+            snprintf(c->fail, sizeof(c->fail), "unregister/register/write: %s", zinf_strerror(r));
+        if (r == 0) atomic_store(&c->h[s], h);
+        atomic_fetch_add(&c->progress[1], 1);
+    }
+    atomic_fetch_add(&c->done, 1);
+    return NULL;
+}
+
+/* Uses handles that the registrar may unregister at any moment: each call either works
+ * on the tensor or answers -EINVAL. */
+static void *churn_user(void *arg)
+{
+    struct churn *c = arg;
+    unsigned char buf[9000];
+    for (unsigned i = 0; !atomic_load(&c->stop); i++) {
+        zinf_tensor h = atomic_load(&c->h[i % CHURN_SLOTS]);
+        int tier = (int)(i / CHURN_SLOTS % 2);
+        void *p;
+        int r;
+        switch (i % 3) {
+        case 0:
+            r = zinf_fetch(c->e, h, tier, &p);
+            if (r == 0) {
+                if (((unsigned char *)p)[8999] != 0x5a && ((unsigned char *)p)[8999] != 0)
+                    snprintf(c->fail, sizeof(c->fail), "fetched bytes are neither old nor new");
+                r = zinf_release(c->e, h, tier, 0);
+            }
+            break;
+        case 1:
+            r = zinf_read(c->e, h, 0, buf, sizeof(buf));
+            break;
+        default:
+            r = zinf_prefetch(c->e, h, tier);
+            break;
+        }
+        if (r != 0 && r != -EINVAL && !c->fail[0])
+            snprintf(c->fail, sizeof(c->fail), "use of a churned handle: %s", zinf_strerror(r));
+        atomic_fetch_add(&c->progress[2], 1);
+    }
+    atomic_fetch_add(&c->done, 1);
+    return NULL;
+}
+
+/* An unregister that waited for its tensor while a flush started went on to free the
+ * tensor the flush was waiting for (a use after free, then a deadlock); a fetch waiting
+ * for a tensor another thread unregistered touched freed memory the same way. */
+Test(engine, unregister_racing_flush_and_fetch)
+{
+    struct churn *c = calloc(1, sizeof(*c));
+    cr_assert_not_null(c);
+    c->e = open_eng(MiB, MiB, BLOCK);
+    for (unsigned s = 0; s < CHURN_SLOTS; s++) {
+        char name[16];
+        snprintf(name, sizeof(name), "churn%u", s);
+        atomic_store(&c->h[s], reg(c->e, name, 9000, ZINF_TIER_NVME));
+    }
+    pthread_t th[3];
+    void *(*fn[3])(void *) = {churn_flusher, churn_registrar, churn_user};
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, fn[i], c), 0);
+    /* Run 3 s, then stop; no progress for 20 s on the way is a deadlock. */
+    uint64_t last = 0;
+    unsigned still = 0;
+    for (int tick = 0; atomic_load(&c->done) < 3; tick++) {
+        usleep(100 * 1000);
+        if (tick == 30) atomic_store(&c->stop, true);
+        uint64_t now = atomic_load(&c->progress[0]) + atomic_load(&c->progress[1]) +
+                       atomic_load(&c->progress[2]);
+        still = now != last ? 0 : still + 1;
+        last = now;
+        if (still >= 200) {
+            fprintf(stderr, "unregister_racing_flush_and_fetch: no progress for 20 s: "
+                            "deadlock\n");
+            abort();
+        }
+    }
+    for (int i = 0; i < 3; i++)
+        pthread_join(th[i], NULL);
+    cr_assert(!c->fail[0], "%s", c->fail);
+    cr_assert_gt(atomic_load(&c->progress[1]), 10);
+    for (unsigned s = 0; s < CHURN_SLOTS; s++)
+        cr_assert_eq(zinf_unregister(c->e, atomic_load(&c->h[s])), 0);
+    zinf_close(c->e);
+    free(c);
+}
+
+struct unreg_arg {
+    zinf_engine *e;
+    zinf_tensor t;
+    int r;
+};
+
+static void *run_unregister(void *arg)
+{
+    struct unreg_arg *u = arg;
+    u->r = zinf_unregister(u->e, u->t);
+    return NULL;
+}
+
+/* The same race, made likely: the unregister and the flush both wait for a tensor that a
+ * transfer reads (the test holds a reader count on it); when the reader goes, both wake in
+ * either order. An unregister that won used to free the tensor under the flush. */
+Test(engine, unregister_waiting_when_a_flush_starts)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    unsigned char buf[5000];
+    memset(buf, 7, sizeof(buf));
+
+    for (int round = 0; round < 20; round++) {
+        zinf_tensor t = reg(e, "t", sizeof(buf), ZINF_TIER_NVME);
+        put(e, t, buf, sizeof(buf));
+        pthread_mutex_lock(&e->lock);
+        engine_tensor(e, t)->c[ZINF_TIER_HOST].readers++;
+        pthread_mutex_unlock(&e->lock);
+
+        struct unreg_arg u = {.e = e, .t = t};
+        struct flusher f = {.e = e};
+        pthread_t tu, tf;
+        cr_assert_eq(pthread_create(&tu, NULL, run_unregister, &u), 0);
+        usleep(5000); /* it waits for the tensor */
+        cr_assert_eq(pthread_create(&tf, NULL, run_flush, &f), 0);
+        usleep(5000); /* it waits for the tensor too */
+        pthread_mutex_lock(&e->lock);
+        engine_tensor(e, t)->c[ZINF_TIER_HOST].readers--;
+        pthread_cond_broadcast(&e->changed);
+        pthread_mutex_unlock(&e->lock);
+
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 20;
+        cr_assert_eq(pthread_timedjoin_np(tf, NULL, &until), 0, "round %d: the flush hangs", round);
+        cr_assert_eq(pthread_timedjoin_np(tu, NULL, &until), 0, "round %d: unregister hangs",
+                     round);
+        cr_assert_eq(f.r, 0, "flush: %s", zinf_strerror(f.r));
+        cr_assert_eq(u.r, 0, "unregister: %s", zinf_strerror(u.r));
+        zinf_tensor x;
+        cr_assert_eq(zinf_lookup(e, "t", &x), -ENOENT);
+    }
+    cr_assert_eq(zinf_flush(e), 0);
+    cr_assert_eq(stats(e).tier[ZINF_TIER_NVME].used_bytes, 0);
+    zinf_close(e);
+}

@@ -1,0 +1,873 @@
+/*
+ * test_persist.c - durability (src/engine/persist.c) through the public API: zinf_flush,
+ * zinf_close and a reopen with ZINF_OPEN_RESUME bring back every byte of every tensor,
+ * whatever its home and wherever its newest copy was; swap space striped over two
+ * directories; a flipped byte in a swap file and a corrupt or truncated manifest are
+ * refused, never loaded or crashed on; a reopen without RESUME starts empty; and a process
+ * killed with SIGKILL at a random moment while it writes and flushes leaves each tensor
+ * holding exactly one complete version.
+ *
+ * The device tier is emulated. What happens between two flushes in memory is
+ * test_engine.c's.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "engine/engine.h"
+#include "helpers.h"
+#include "zinf.h"
+
+#define BLOCK (64 * KiB)
+#define QD 8
+#define MANIFEST "zinf-manifest.json"
+
+static char *dir, *dir2;
+
+static void setup(void)
+{
+    dir = test_tmpdir("persist");
+    dir2 = test_tmpdir("persist2");
+    cr_assert(dir && dir2);
+}
+
+static void teardown(void)
+{
+    test_log_capture_stop();
+    test_rmtree(dir);
+    test_rmtree(dir2);
+    dir = dir2 = NULL;
+}
+
+TestSuite(persist, .init = setup, .fini = teardown, .timeout = 120);
+
+static const char *extra_dirs[2];
+
+static int open_at(unsigned flags, bool two_dirs, zinf_engine **e)
+{
+    extra_dirs[0] = dir2;
+    extra_dirs[1] = NULL;
+    struct zinf_options o = {.nvme_path = dir,
+                             .nvme_paths_extra = two_dirs ? extra_dirs : NULL,
+                             .device_bytes = 8 * MiB,
+                             .host_bytes = 4 * MiB,
+                             .block_size = BLOCK,
+                             .queue_depth = QD,
+                             .device_kind = ZINF_DEVICE_EMULATED,
+                             .flags = flags};
+    *e = NULL;
+    return zinf_open(&o, e);
+}
+
+static zinf_engine *open_eng(unsigned flags, bool two_dirs)
+{
+    zinf_engine *e;
+    int r = open_at(flags, two_dirs, &e);
+    cr_assert_eq(r, 0, "zinf_open: %s", zinf_strerror(r));
+    return e;
+}
+
+static zinf_tensor reg(zinf_engine *e, const char *name, size_t n, enum zinf_tier home)
+{
+    zinf_tensor t = 0;
+    int r = zinf_register(e, name, n, home, &t);
+    cr_assert_eq(r, 0, "register %s: %s", name, zinf_strerror(r));
+    return t;
+}
+
+static zinf_tensor look(zinf_engine *e, const char *name)
+{
+    zinf_tensor t = 0;
+    int r = zinf_lookup(e, name, &t);
+    cr_assert_eq(r, 0, "lookup %s: %s", name, zinf_strerror(r));
+    return t;
+}
+
+static unsigned char *rand_buf(size_t n, uint64_t seed)
+{
+    unsigned char *b = malloc(n);
+    cr_assert_not_null(b);
+    test_fill_random(b, n, seed);
+    return b;
+}
+
+static void expect_content(zinf_engine *e, zinf_tensor t, const unsigned char *want, size_t n,
+                           const char *what)
+{
+    unsigned char *got = malloc(n);
+    cr_assert_not_null(got);
+    int r = zinf_read(e, t, 0, got, n);
+    cr_assert_eq(r, 0, "%s: zinf_read: %s", what, zinf_strerror(r));
+    for (size_t i = 0; i < n; i++)
+        if (got[i] != want[i])
+            cr_assert_fail("%s: byte %zu of %zu is %02x, want %02x", what, i, n, got[i], want[i]);
+    free(got);
+}
+
+/* Both memory tiers see the same bytes too. */
+static void expect_everywhere(zinf_engine *e, zinf_tensor t, const unsigned char *want, size_t n,
+                              const char *what)
+{
+    expect_content(e, t, want, n, what);
+    for (int tier = 0; tier < 2; tier++) {
+        void *p;
+        int r = zinf_fetch(e, t, tier, &p);
+        cr_assert_eq(r, 0, "%s: fetch to %d: %s", what, tier, zinf_strerror(r));
+        cr_assert_eq(memcmp(p, want, n), 0, "%s: tier %d", what, tier);
+        cr_assert_eq(zinf_release(e, t, tier, 0), 0);
+    }
+}
+
+static char *path_in(const char *d, const char *name)
+{
+    char *p;
+    cr_assert_geq(asprintf(&p, "%s/%s", d, name), 0);
+    return p;
+}
+
+static char *slurp(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    cr_assert_not_null(buf);
+    cr_assert_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
+    buf[n] = '\0';
+    fclose(f);
+    *len = (size_t)n;
+    return buf;
+}
+
+static void spill(const char *path, const char *buf, size_t len)
+{
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(buf, 1, len, f), len);
+    fclose(f);
+}
+
+/* ==== flush, close, resume ================================================================== */
+
+struct spec {
+    const char *name;
+    size_t n;
+    enum zinf_tier home;
+    enum { NEVER_WRITTEN, BY_WRITE, DIRTY_DEVICE, DIRTY_HOST, DIRTY_DEVICE_PINNED_AT_FLUSH } how;
+};
+
+static const struct spec specs[] = {
+    {"dev.zero", 10000, ZINF_TIER_DEVICE, NEVER_WRITTEN},
+    {"dev.write", 70001, ZINF_TIER_DEVICE, BY_WRITE},
+    {"dev.dirty_host", 4096, ZINF_TIER_DEVICE, DIRTY_HOST},
+    {"host.zero", 1, ZINF_TIER_HOST, NEVER_WRITTEN},
+    {"host.write", 5555, ZINF_TIER_HOST, BY_WRITE},
+    {"host.dirty_device", 300 * KiB + 3, ZINF_TIER_HOST, DIRTY_DEVICE},
+    {"nvme.zero", 200 * KiB + 1, ZINF_TIER_NVME, NEVER_WRITTEN},
+    {"nvme.write", 1 * MiB + 7, ZINF_TIER_NVME, BY_WRITE},
+    {"nvme.dirty_device", 3 * MiB + 11, ZINF_TIER_NVME, DIRTY_DEVICE},
+    {"nvme.dirty_host", 123457, ZINF_TIER_NVME, DIRTY_HOST},
+    {"nvme.dirty_pinned", 65536, ZINF_TIER_NVME, DIRTY_DEVICE_PINNED_AT_FLUSH},
+};
+
+static void fill_specs(zinf_engine *e, unsigned char **ref, uint64_t seed, zinf_tensor *pinned)
+{
+    for (size_t i = 0; i < ARRAY_SIZE(specs); i++) {
+        const struct spec *s = &specs[i];
+        zinf_tensor t = look(e, s->name);
+        void *p;
+        int tier = s->how == DIRTY_HOST ? ZINF_TIER_HOST : ZINF_TIER_DEVICE;
+        test_fill_random(ref[i], s->n, seed + i);
+        switch (s->how) {
+        case NEVER_WRITTEN:
+            memset(ref[i], 0, s->n);
+            break;
+        case BY_WRITE:
+            cr_assert_eq(zinf_write(e, t, 0, ref[i], s->n), 0);
+            break;
+        case DIRTY_DEVICE:
+        case DIRTY_HOST:
+        case DIRTY_DEVICE_PINNED_AT_FLUSH:
+            cr_assert_eq(zinf_fetch(e, t, tier, &p), 0, "%s", s->name);
+            memcpy(p, ref[i], s->n);
+            cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+            if (s->how == DIRTY_DEVICE_PINNED_AT_FLUSH) {
+                cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+                *pinned = t;
+            }
+            break;
+        }
+    }
+}
+
+static void resume_round_trip(bool two_dirs)
+{
+    unsigned char *ref[ARRAY_SIZE(specs)];
+    zinf_engine *e = open_eng(0, two_dirs);
+    zinf_tensor pinned = 0;
+
+    for (size_t i = 0; i < ARRAY_SIZE(specs); i++) {
+        reg(e, specs[i].name, specs[i].n, specs[i].home);
+        ref[i] = malloc(specs[i].n);
+    }
+    /* Twice: the second flush replaces what the first one wrote. */
+    for (int round = 0; round < 2; round++) {
+        fill_specs(e, ref, 100 * (uint64_t)round, &pinned);
+        int r = zinf_flush(e);
+        cr_assert_eq(r, 0, "flush: %s", zinf_strerror(r));
+        cr_assert_eq(zinf_release(e, pinned, ZINF_TIER_DEVICE, 0), 0);
+    }
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.flushes, 2);
+    /* The newest copy of some is still a dirty device copy: close writes it out. */
+    fill_specs(e, ref, 1000, &pinned);
+    cr_assert_eq(zinf_release(e, pinned, ZINF_TIER_DEVICE, 0), 0);
+    zinf_close(e);
+
+    for (int reopen = 0; reopen < 2; reopen++) {
+        e = open_eng(ZINF_OPEN_RESUME, two_dirs);
+        cr_assert_eq(zinf_stats(e, &st), 0);
+        cr_assert_eq(st.tensors, ARRAY_SIZE(specs));
+        for (size_t i = 0; i < ARRAY_SIZE(specs); i++)
+            expect_everywhere(e, look(e, specs[i].name), ref[i], specs[i].n, specs[i].name);
+        /* A resumed tensor keeps its home and size. */
+        zinf_tensor x;
+        cr_assert_eq(zinf_register(e, "dev.zero", 10, ZINF_TIER_HOST, &x), -EEXIST);
+        cr_assert_eq(zinf_write(e, look(e, "host.zero"), 1, "x", 1), -EINVAL);
+        zinf_close(e); /* a close without changes keeps everything as it was */
+    }
+    for (size_t i = 0; i < ARRAY_SIZE(specs); i++)
+        free(ref[i]);
+}
+
+Test(persist, flush_close_resume_every_home)
+{
+    resume_round_trip(false);
+}
+
+Test(persist, flush_close_resume_two_directories)
+{
+    resume_round_trip(true);
+    /* Both directories hold a swap file with data in it. */
+    for (int i = 0; i < 2; i++) {
+        char name[32];
+        snprintf(name, sizeof(name), "zinf-swap.%d", i);
+        char *p = path_in(i ? dir2 : dir, name);
+        struct stat st;
+        cr_assert_eq(stat(p, &st), 0, "%s", p);
+        cr_assert_gt(st.st_size, 0);
+        free(p);
+    }
+    /* The same directories in one: the striping differs, the resume is refused. */
+    zinf_engine *e;
+    test_log_capture_start();
+    int r = open_at(ZINF_OPEN_RESUME, false, &e);
+    cr_assert_lt(r, 0, "resume over a different set of directories");
+    cr_assert_null(e);
+    test_log_capture_stop();
+}
+
+Test(persist, resume_then_change_then_resume)
+{
+    const size_t n = 100 * KiB + 1;
+    unsigned char *a = rand_buf(n, 1), *b = rand_buf(n, 2);
+    zinf_engine *e = open_eng(0, false);
+    zinf_tensor t = reg(e, "t", n, ZINF_TIER_NVME), u = reg(e, "u", n, ZINF_TIER_HOST);
+
+    cr_assert_eq(zinf_write(e, t, 0, a, n), 0);
+    cr_assert_eq(zinf_write(e, u, 0, a, n), 0);
+    zinf_close(e);
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    t = look(e, "t");
+    u = look(e, "u");
+    expect_everywhere(e, t, a, n, "t once");
+    cr_assert_eq(zinf_write(e, t, 7, b, 1000), 0);
+    memcpy(a + 7, b, 1000);
+    void *p;
+    cr_assert_eq(zinf_fetch(e, u, ZINF_TIER_DEVICE, &p), 0);
+    memcpy(p, b, n);
+    cr_assert_eq(zinf_release(e, u, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    zinf_tensor v = reg(e, "v", 33, ZINF_TIER_DEVICE);
+    cr_assert_eq(zinf_write(e, v, 0, b, 33), 0);
+    zinf_close(e);
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    expect_everywhere(e, look(e, "t"), a, n, "t twice");
+    expect_everywhere(e, look(e, "u"), b, n, "u twice");
+    expect_everywhere(e, look(e, "v"), b, 33, "v");
+    cr_assert_eq(zinf_unregister(e, look(e, "v")), 0);
+    zinf_close(e);
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    zinf_tensor x;
+    cr_assert_eq(zinf_lookup(e, "v", &x), -ENOENT, "unregistered before the last close");
+    expect_content(e, look(e, "t"), a, n, "t thrice");
+    zinf_close(e);
+    free(a);
+    free(b);
+}
+
+Test(persist, reopen_without_resume_starts_empty)
+{
+    zinf_engine *e = open_eng(0, false);
+    zinf_tensor t = reg(e, "t", 5000, ZINF_TIER_NVME);
+    cr_assert_eq(zinf_write(e, t, 0, "abc", 3), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    zinf_close(e);
+    e = open_eng(0, false);
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tensors, 0);
+    cr_assert_eq(zinf_lookup(e, "t", &t), -ENOENT);
+    /* The old name is free, and its content is gone: zeros. */
+    t = reg(e, "t", 5000, ZINF_TIER_NVME);
+    unsigned char got[3];
+    cr_assert_eq(zinf_read(e, t, 0, got, 3), 0);
+    cr_assert(got[0] == 0 && got[1] == 0 && got[2] == 0);
+    zinf_close(e);
+    /* ... and that empty start is what a later resume finds (close flushed it). */
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tensors, 1);
+    zinf_close(e);
+    /* Resume with no manifest at all: empty. */
+    test_rmtree(dir);
+    dir = test_tmpdir("persist");
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tensors, 0);
+    zinf_close(e);
+}
+
+/* The swap space does not grow with every flush: what an old manifest named is freed once
+ * a newer one no longer names it. */
+Test(persist, swap_space_reused_across_flushes)
+{
+    enum { N = 6 };
+    const size_t n = 256 * KiB;
+    unsigned char *a = rand_buf(n, 3);
+    zinf_engine *e = open_eng(0, false);
+    zinf_tensor t[N];
+    struct zinf_stats st;
+
+    for (int i = 0; i < N; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "t%d", i);
+        t[i] = reg(e, name, n,
+                   i % 3 == 0   ? ZINF_TIER_NVME
+                   : i % 3 == 1 ? ZINF_TIER_HOST
+                                : ZINF_TIER_DEVICE);
+    }
+    cr_assert_eq(zinf_flush(e), 0); /* zeros */
+    for (int round = 0; round < 8; round++) {
+        for (int i = 0; i < N; i++) {
+            a[round] = (unsigned char)(round + i);
+            if (round % 2) {
+                cr_assert_eq(zinf_write(e, t[i], 0, a, n), 0);
+            } else {
+                void *p;
+                cr_assert_eq(zinf_fetch(e, t[i], ZINF_TIER_DEVICE, &p), 0);
+                memcpy(p, a, n);
+                cr_assert_eq(zinf_release(e, t[i], ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+            }
+        }
+        cr_assert_eq(zinf_flush(e), 0);
+        cr_assert_eq(zinf_flush(e), 0, "a flush with nothing new");
+        cr_assert_eq(zinf_stats(e, &st), 0);
+        /* One extent per tensor, plus at most one more each while a write is pending. */
+        cr_assert_leq(st.tier[ZINF_TIER_NVME].used_bytes, (uint64_t)N * n,
+                      "round %d: %llu bytes of swap in use for %d tensors of %zu", round,
+                      (unsigned long long)st.tier[ZINF_TIER_NVME].used_bytes, N, n);
+    }
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(zinf_unregister(e, t[i]), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tier[ZINF_TIER_NVME].used_bytes, 0, "unregistered and flushed: all free");
+    zinf_close(e);
+    free(a);
+}
+
+/* Put version seed of the three tensors "t" (NVMe), "u" (host) and "d" (device) in place by
+ * three different paths. */
+static void write_tud(zinf_engine *e, unsigned char **ref, const size_t *n, uint64_t seed)
+{
+    void *p;
+    for (int i = 0; i < 3; i++)
+        test_fill_random(ref[i], n[i], seed + i);
+    cr_assert_eq(zinf_fetch(e, look(e, "t"), ZINF_TIER_DEVICE, &p), 0);
+    memcpy(p, ref[0], n[0]);
+    cr_assert_eq(zinf_release(e, look(e, "t"), ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    cr_assert_eq(zinf_write(e, look(e, "u"), 0, ref[1], n[1]), 0);
+    cr_assert_eq(zinf_fetch(e, look(e, "d"), ZINF_TIER_HOST, &p), 0);
+    memcpy(p, ref[2], n[2]);
+    cr_assert_eq(zinf_release(e, look(e, "d"), ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+}
+
+/* A flush that fails leaves the previous manifest committed and whole: a crash right after
+ * it resumes the previous content; a later flush succeeds and frees what the failed one
+ * wrote. */
+Test(persist, failed_flush_keeps_the_previous_manifest)
+{
+    const size_t n[3] = {300 * KiB + 1, 70001, 5000};
+    unsigned char *a[3], *b[3];
+    for (int i = 0; i < 3; i++) {
+        a[i] = malloc(n[i]);
+        b[i] = malloc(n[i]);
+    }
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        zinf_engine *e;
+        if (open_at(0, false, &e) < 0) _exit(2);
+        zinf_tensor x;
+        if (zinf_register(e, "t", n[0], ZINF_TIER_NVME, &x) ||
+            zinf_register(e, "u", n[1], ZINF_TIER_HOST, &x) ||
+            zinf_register(e, "d", n[2], ZINF_TIER_DEVICE, &x))
+            _exit(3);
+        write_tud(e, a, n, 10);
+        if (zinf_flush(e) != 0) _exit(4);
+        write_tud(e, b, n, 20);
+        for (unsigned nth = 1; nth <= 3; nth++) {
+            uring_fault_set(e->io, URING_FAULT_EIO, nth);
+            if (zinf_flush(e) != -EIO) _exit(5);
+        }
+        _exit(0); /* a crash: no close */
+    }
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status %#x", status);
+    for (int i = 0; i < 3; i++) /* what the child wrote: same seeds */
+        test_fill_random(a[i], n[i], 10 + i);
+
+    zinf_engine *e;
+    int r, busy_ms = 0;
+    while ((r = open_at(ZINF_OPEN_RESUME, false, &e)) == -EBUSY && busy_ms++ < 5000)
+        usleep(1000);
+    cr_assert_eq(r, 0, "resume: %s", zinf_strerror(r));
+    const char *names[3] = {"t", "u", "d"};
+    for (int i = 0; i < 3; i++)
+        expect_everywhere(e, look(e, names[i]), a[i], n[i], names[i]);
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    uint64_t used0 = st.tier[ZINF_TIER_NVME].used_bytes;
+
+    /* The same in one process: failed flushes, then one that works. */
+    write_tud(e, b, n, 30);
+    for (unsigned nth = 1; nth <= 3; nth++) {
+        uring_fault_set(e->io, URING_FAULT_EIO, nth);
+        cr_assert_eq(zinf_flush(e), -EIO);
+        for (int i = 0; i < 3; i++)
+            expect_content(e, look(e, names[i]), b[i], n[i], names[i]);
+    }
+    cr_assert_eq(zinf_flush(e), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tier[ZINF_TIER_NVME].used_bytes, used0,
+                 "the failed flushes' extents are free again: %llu bytes used, %llu before",
+                 (unsigned long long)st.tier[ZINF_TIER_NVME].used_bytes, (unsigned long long)used0);
+    zinf_close(e);
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    for (int i = 0; i < 3; i++) {
+        expect_everywhere(e, look(e, names[i]), b[i], n[i], names[i]);
+        free(a[i]);
+        free(b[i]);
+    }
+    zinf_close(e);
+}
+
+/* ==== corruption ============================================================================== */
+
+/* Find needle in the swap file and flip one byte of it there. */
+static void flip_byte_in_swap(const char *d, const unsigned char *needle, size_t len, size_t at)
+{
+    char *p = path_in(d, "zinf-swap.0");
+    size_t n;
+    char *buf = slurp(p, &n);
+    char *hit = memmem(buf, n, needle, len);
+    cr_assert_not_null(hit, "the pattern is in %s", p);
+    cr_assert_null(memmem(hit + 1, n - (size_t)(hit + 1 - buf), needle, len),
+                   "and only once (an old copy would make this test ambiguous)");
+    int fd = open(p, O_WRONLY);
+    cr_assert_geq(fd, 0);
+    char c = (char)(hit[at] ^ 0x40);
+    cr_assert_eq(pwrite(fd, &c, 1, (off_t)(hit - buf) + (off_t)at), 1);
+    close(fd);
+    free(buf);
+    free(p);
+}
+
+static void flipped_byte_is_caught(enum zinf_tier home)
+{
+    const size_t n = 150 * KiB + 9;
+    unsigned char *a = rand_buf(n, 7 + home), *b = rand_buf(n, 17);
+    zinf_engine *e = open_eng(0, false);
+    zinf_tensor ok = reg(e, "fine", n, ZINF_TIER_NVME);
+    zinf_tensor t = reg(e, "victim", n, home);
+
+    cr_assert_eq(zinf_write(e, ok, 0, b, n), 0);
+    cr_assert_eq(zinf_write(e, t, 0, a, n), 0);
+    zinf_close(e);
+    flip_byte_in_swap(dir, a + 1000, 64, 31);
+
+    test_log_capture_start();
+    int r = open_at(ZINF_OPEN_RESUME, false, &e);
+    cr_assert_eq(r, -EBADMSG, "home %d: %s", home, zinf_strerror(r));
+    cr_assert_null(e);
+    const char *log = test_log_text();
+    cr_assert(strstr(log, "'victim'") && strstr(log, "checksum"), "the log names the tensor: %s",
+              log);
+    cr_assert_null(strstr(log, "'fine'"), "and only it: %s", log);
+    test_log_capture_stop();
+    /* Refusing changed nothing: still refused, and a fresh start works. */
+    cr_assert_eq(open_at(ZINF_OPEN_RESUME, false, &e), -EBADMSG);
+    e = open_eng(0, false);
+    zinf_close(e);
+    free(a);
+    free(b);
+}
+
+Test(persist, flipped_byte_nvme_home_is_ebadmsg)
+{
+    flipped_byte_is_caught(ZINF_TIER_NVME);
+}
+
+Test(persist, flipped_byte_host_home_is_ebadmsg)
+{
+    flipped_byte_is_caught(ZINF_TIER_HOST);
+}
+
+Test(persist, flipped_byte_device_home_is_ebadmsg)
+{
+    flipped_byte_is_caught(ZINF_TIER_DEVICE);
+}
+
+/* Write a manifest from a good one with one change, and check the resume refuses it. */
+static void expect_refused(const char *text, size_t len, const char *what)
+{
+    char *p = path_in(dir, MANIFEST);
+    spill(p, text, len);
+    free(p);
+    zinf_engine *e = (zinf_engine *)1;
+    test_log_capture_start();
+    int r = open_at(ZINF_OPEN_RESUME, false, &e);
+    cr_assert_lt(r, 0, "%s: resume accepted it", what);
+    cr_assert_null(e, "%s", what);
+    cr_assert_neq(test_log_text()[0], '\0', "%s: nothing logged", what);
+    test_log_capture_stop();
+}
+
+static char *replace(const char *s, const char *from, const char *to)
+{
+    const char *hit = strstr(s, from);
+    cr_assert_not_null(hit, "'%s' in the manifest", from);
+    char *out;
+    cr_assert_geq(asprintf(&out, "%.*s%s%s", (int)(hit - s), s, to, hit + strlen(from)), 0);
+    return out;
+}
+
+Test(persist, corrupt_or_truncated_manifest_is_refused)
+{
+    const size_t n = 20000;
+    unsigned char *a = rand_buf(n, 9);
+    zinf_engine *e = open_eng(0, false);
+    reg(e, "a", n, ZINF_TIER_NVME);
+    reg(e, "b", n, ZINF_TIER_HOST);
+    cr_assert_eq(zinf_write(e, look(e, "a"), 0, a, n), 0);
+    cr_assert_eq(zinf_write(e, look(e, "b"), 0, a, n), 0);
+    zinf_close(e);
+
+    char *mp = path_in(dir, MANIFEST);
+    size_t len;
+    char *good = slurp(mp, &len);
+
+    /* Truncated at many points, including empty. */
+    for (size_t cut = 0; cut < len; cut += 1 + len / 23)
+        expect_refused(good, cut, "truncated");
+    expect_refused("garbage\n", 8, "not JSON");
+    expect_refused("[]", 2, "not an object");
+    expect_refused("{}", 2, "no fields");
+    struct {
+        const char *from, *to, *what;
+    } edits[] = {
+        {"\"zinf-manifest\"", "\"other\"", "format"},
+        {"\"version\": 1", "\"version\": 99", "version"},
+        {"\"block_size\": 65536", "\"block_size\": 131072", "block size"},
+        {"\"dirs\": 1", "\"dirs\": 2", "directory count"},
+        {"\"nbytes\": 20000", "\"nbytes\": -5", "negative size"},
+        {"\"nbytes\": 20000", "\"nbytes\": \"big\"", "size not a number"},
+        {"\"nbytes\": 20000", "\"nbytes\": 4611686018427387904", "huge size"},
+        {"\"home\": \"nvme\"", "\"home\": \"gpu\"", "unknown home"},
+        {"\"offset\": ", "\"offset\": 1234567890123, \"x\": ", "offset past the files"},
+        {"\"offset\": ", "\"offset\": 100, \"x\": ", "unaligned offset"},
+        {"\"tensors\": [", "\"tensors\": [7, ", "an entry that is not an object"},
+        {"\"name\": \"a\"", "\"nom\": \"a\"", "no name"},
+        {"\"name\": \"b\"", "\"name\": \"a\"", "a name twice"},
+        {"\"zero\": false", "\"zero\": 3", "zero not a boolean"},
+        {"\"crc32c\": ", "\"crc32c\": 1, \"y\": ", "wrong checksum"},
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(edits); i++) {
+        char *bad = replace(good, edits[i].from, edits[i].to);
+        expect_refused(bad, strlen(bad), edits[i].what);
+        free(bad);
+    }
+    /* The good manifest still works after all that. */
+    spill(mp, good, len);
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    expect_content(e, look(e, "a"), a, n, "a");
+    expect_content(e, look(e, "b"), a, n, "b");
+    zinf_close(e);
+    free(good);
+    free(mp);
+    free(a);
+}
+
+Test(persist, missing_swap_file_is_refused)
+{
+    zinf_engine *e = open_eng(0, true);
+    reg(e, "a", 300 * KiB, ZINF_TIER_NVME);
+    cr_assert_eq(zinf_write(e, look(e, "a"), 0, "x", 1), 0);
+    zinf_close(e);
+    char *p = path_in(dir2, "zinf-swap.1");
+    cr_assert_eq(unlink(p), 0, "%s", p);
+    free(p);
+    test_log_capture_start();
+    int r = open_at(ZINF_OPEN_RESUME, true, &e);
+    cr_assert_lt(r, 0);
+    cr_assert_null(e);
+    test_log_capture_stop();
+}
+
+/* ==== killed at a random moment ================================================================
+ */
+
+#define CRASH_TENSORS 8
+
+struct crash_tensor {
+    const char *name;
+    size_t n;
+    enum zinf_tier home;
+};
+
+static const struct crash_tensor crash_set[CRASH_TENSORS] = {
+    {"c.dev", 70001, ZINF_TIER_DEVICE},         {"c.host", 5000, ZINF_TIER_HOST},
+    {"c.host2", 200 * KiB + 1, ZINF_TIER_HOST}, {"c.nvme.small", 13, ZINF_TIER_NVME},
+    {"c.nvme", 300 * KiB + 7, ZINF_TIER_NVME},  {"c.nvme.big", 1 * MiB + 3, ZINF_TIER_NVME},
+    {"c.nvme.page", 4096, ZINF_TIER_NVME},      {"c.dev2", 8192 + 1, ZINF_TIER_DEVICE},
+};
+
+/* Version v of tensor i: v == 0 is zeros, else pseudo-random bytes from (i, v). */
+static void version_bytes(unsigned i, uint64_t v, unsigned char *buf, size_t n)
+{
+    if (v == 0)
+        memset(buf, 0, n);
+    else
+        test_fill_random(buf, n, (uint64_t)i * 1000003u + v * 7919u);
+}
+
+struct crash_shared {
+    atomic_uint_fast64_t written; /* the highest version the child started writing */
+};
+
+/* Write version v of tensor i, by one of several paths; with swap_only, NVMe tensors are
+ * only written with zinf_write, so that they have no copy in memory and the bytes go to
+ * their swap extent. */
+static int child_write(zinf_engine *e, zinf_tensor t, unsigned i, uint64_t v, unsigned char *buf,
+                       bool swap_only)
+{
+    size_t n = crash_set[i].n;
+    version_bytes(i, v, buf, n);
+    switch (swap_only && crash_set[i].home == ZINF_TIER_NVME ? 0 : (v + i) % 3) {
+    case 0:
+        return zinf_write(e, t, 0, buf, n);
+    default: {
+        int tier = (v + i) % 3 == 1 ? ZINF_TIER_DEVICE : ZINF_TIER_HOST;
+        void *p;
+        int r = zinf_fetch(e, t, tier, &p);
+        if (r < 0) return r;
+        memcpy(p, buf, n);
+        return zinf_release(e, t, tier, ZINF_RELEASE_DIRTY);
+    }
+    }
+}
+
+struct crash_child {
+    zinf_engine *e;
+    zinf_tensor t[CRASH_TENSORS];
+    struct crash_shared *sh;
+    unsigned char *buf;
+};
+
+static void *child_flusher(void *arg)
+{
+    struct crash_child *c = arg;
+    for (;;)
+        if (zinf_flush(c->e) < 0) _exit(5);
+    return NULL;
+}
+
+/* The child: version 1 of everything flushed, then versions 2, 3, ... each written whole
+ * and flushed, until it is killed. With concurrent, a second thread flushes all the time
+ * while the versions are written, so flushes catch tensors mid-step. */
+static void crash_child(int fd, struct crash_shared *sh, bool concurrent)
+{
+    struct crash_child c = {.sh = sh};
+    if (open_at(0, false, &c.e) < 0) _exit(2);
+    c.buf = malloc(2 * MiB);
+    for (unsigned i = 0; i < CRASH_TENSORS; i++)
+        if (!c.buf ||
+            zinf_register(c.e, crash_set[i].name, crash_set[i].n, crash_set[i].home, &c.t[i]) < 0)
+            _exit(3);
+    atomic_store(&sh->written, 1);
+    for (unsigned i = 0; i < CRASH_TENSORS; i++)
+        if (child_write(c.e, c.t[i], i, 1, c.buf, concurrent) < 0) _exit(4);
+    if (zinf_flush(c.e) < 0) _exit(5);
+    if (write(fd, "A", 1) != 1) _exit(6);
+    pthread_t th;
+    if (concurrent && pthread_create(&th, NULL, child_flusher, &c) != 0) _exit(7);
+    for (uint64_t v = 2;; v++) {
+        atomic_store(&sh->written, v);
+        for (unsigned i = 0; i < CRASH_TENSORS; i++)
+            if (child_write(c.e, c.t[i], i, v, c.buf, concurrent) < 0) _exit(8);
+        if (!concurrent && zinf_flush(c.e) < 0) _exit(5);
+    }
+}
+
+/* Which version does tensor i hold? Every byte must come from the same one. */
+static uint64_t whole_version(unsigned i, const unsigned char *got, uint64_t maxv)
+{
+    size_t n = crash_set[i].n;
+    unsigned char *want = malloc(n);
+    cr_assert_not_null(want);
+    for (uint64_t v = 0; v <= maxv; v++) {
+        version_bytes(i, v, want, n);
+        if (!memcmp(got, want, MIN(n, 16))) {
+            for (size_t k = 0; k < n; k++)
+                if (got[k] != want[k]) {
+                    /* Which version is this byte from? */
+                    uint64_t other = UINT64_MAX;
+                    for (uint64_t w = 0; w <= maxv && other == UINT64_MAX; w++) {
+                        version_bytes(i, w, want, n);
+                        if (got[k] == want[k] && w != v) other = w;
+                    }
+                    free(want);
+                    cr_assert_fail("tensor %s: starts as version %llu, byte %zu of %zu differs "
+                                   "(it matches version %lld): a torn tensor",
+                                   crash_set[i].name, (unsigned long long)v, k, n,
+                                   other == UINT64_MAX ? -1ll : (long long)other);
+                }
+            free(want);
+            return v;
+        }
+    }
+    free(want);
+    cr_assert_fail("tensor %s holds no version from 0 to %llu", crash_set[i].name,
+                   (unsigned long long)maxv);
+    return 0;
+}
+
+static void crash_rounds(bool concurrent, unsigned rounds)
+{
+    struct crash_shared *sh =
+        mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(sh, MAP_FAILED);
+    uint64_t seed = (uint64_t)time(NULL);
+    cr_log_info("crash rounds: seed %llu", (unsigned long long)seed);
+    unsigned char *buf = malloc(2 * MiB);
+
+    for (unsigned round = 0; round < rounds; round++) {
+        /* Delays spread over 0-200 ms, in a different order each run. */
+        unsigned delay_us =
+            (unsigned)((round * 200000u / rounds + test_rand(&seed) % (200000u / rounds)));
+        int fds[2];
+        cr_assert_eq(pipe(fds), 0);
+        atomic_store(&sh->written, 0);
+        fflush(NULL);
+        pid_t pid = fork();
+        cr_assert_geq(pid, 0);
+        if (pid == 0) {
+            close(fds[0]);
+            crash_child(fds[1], sh, concurrent);
+            _exit(0);
+        }
+        close(fds[1]);
+        char c;
+        ssize_t got = read(fds[0], &c, 1);
+        close(fds[0]);
+        if (got != 1) {
+            int status;
+            waitpid(pid, &status, 0);
+            cr_assert_fail("round %u: the child died before its first flush (status %#x)", round,
+                           status);
+        }
+        usleep(delay_us);
+        kill(pid, SIGKILL);
+        int status;
+        cr_assert_eq(waitpid(pid, &status, 0), pid);
+        cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
+                  "round %u: the child exited by itself (status %#x)", round, status);
+        uint64_t maxv = atomic_load(&sh->written);
+
+        zinf_engine *e;
+        test_log_capture_start();
+        /* The killed process's io_uring is torn down after it is reaped, and holds the swap
+         * files (and their lock) until then: -EBUSY for a moment. */
+        int r, busy_ms = 0;
+        while ((r = open_at(ZINF_OPEN_RESUME, false, &e)) == -EBUSY && busy_ms < 5000) {
+            usleep(1000);
+            busy_ms++;
+        }
+        if (busy_ms)
+            cr_log_info("round %u: the swap file stayed locked %d ms after the kill", round,
+                        busy_ms);
+        cr_assert_eq(r, 0, "round %u (killed after %u us, version %llu): resume: %s\n%s", round,
+                     delay_us, (unsigned long long)maxv, zinf_strerror(r), test_log_text());
+        test_log_capture_stop();
+        uint64_t first = 0;
+        for (unsigned i = 0; i < CRASH_TENSORS; i++) {
+            zinf_tensor t = look(e, crash_set[i].name);
+            r = zinf_read(e, t, 0, buf, crash_set[i].n);
+            cr_assert_eq(r, 0, "%s", zinf_strerror(r));
+            uint64_t v = whole_version(i, buf, maxv);
+            cr_assert_geq(v, 1, "round %u: %s lost the flushed version 1", round,
+                          crash_set[i].name);
+            if (i == 0)
+                first = v;
+            else if (!concurrent)
+                cr_assert_eq(v, first,
+                             "round %u: one manifest holds one step: %s at %llu, "
+                             "%s at %llu",
+                             round, crash_set[0].name, (unsigned long long)first, crash_set[i].name,
+                             (unsigned long long)v);
+        }
+        cr_log_info("round %u: killed after %u us while writing version %llu; resumed at %llu",
+                    round, delay_us, (unsigned long long)maxv, (unsigned long long)first);
+        zinf_close(e);
+    }
+    free(buf);
+    munmap(sh, sizeof(*sh));
+}
+
+Test(persist, sigkill_at_a_random_moment_leaves_whole_versions)
+{
+    crash_rounds(false, 8);
+}
+
+Test(persist, sigkill_while_flushing_concurrently_leaves_whole_versions)
+{
+    crash_rounds(true, 8);
+}
