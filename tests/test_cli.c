@@ -216,3 +216,82 @@ Test(cli, topo_and_stat)
     cr_assert_eq(run(&o, "stat --config %s/nope.json", dir), 2, "%s", o);
     free(o);
 }
+
+Test(cli, train_runs_and_resumes_after_sigint)
+{
+    char *o, cfg[4096], data[4096], log[4096];
+    snprintf(cfg, sizeof(cfg), "%s/t.json", dir);
+    snprintf(data, sizeof(data), "%s/data.txt", dir);
+    snprintf(log, sizeof(log), "%s/log.jsonl", dir);
+    FILE *f = fopen(cfg, "w");
+    fprintf(f, "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+               "\"%s/swap\"}, \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": "
+               "\"%s/swap\"}}, \"aio\": {\"block_size\": 65536},"
+               " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"2M\", \"host_bytes\": "
+               "\"2M\"}}", dir, dir);
+    fclose(f);
+    f = fopen(data, "w");
+    for (int i = 0; i < 300; i++)
+        fprintf(f, "a line of text number %d for the byte model.\n", i);
+    fclose(f);
+    const char *model = "--layers 2 --dim 32 --heads 2 --seq 16 --batch 2";
+
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 3 --log %s", cfg, data, model,
+                     log), 0, "%s", o);
+    cr_assert(strstr(o, "       3 ") && strstr(o, "# summary: 3 steps"), "%s", o);
+    free(o);
+    /* The log: one line per step, then the summary. */
+    f = fopen(log, "r");
+    char line[4096];
+    int steps = 0, summary = 0;
+    while (fgets(line, sizeof(line), f)) {
+        steps += strncmp(line, "{\"step\":", 8) == 0;
+        summary += strstr(line, "\"summary\"") && strstr(line, "\"model_state_bytes\"") &&
+                   strstr(line, "\"peak_bytes\"") && strstr(line, "\"budget_bytes\"");
+    }
+    fclose(f);
+    cr_assert_eq(steps, 3);
+    cr_assert_eq(summary, 1);
+
+    /* Continue to step 5 from the saved state. */
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 5 --resume", cfg, data, model),
+                 0, "%s", o);
+    cr_assert(strstr(o, "resumed") && strstr(o, "       4 ") && !strstr(o, "       1 "), "%s", o);
+    free(o);
+
+    /* SIGINT finishes the step and flushes: exit 0, and --resume goes on from there. */
+    char cmd[16384];
+    snprintf(cmd, sizeof(cmd), "timeout --preserve-status -s INT 1 %s train --config %s --data %s %s --steps 100000 "
+             "--resume > %s/int.out 2>&1", getenv("ZINF_BIN"), cfg, data, model, dir);
+    int st = system(cmd);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
+    snprintf(cmd, sizeof(cmd), "grep -q 'SIGINT: finishing here' %s/int.out", dir);
+    cr_assert_eq(system(cmd), 0, "the run says it stopped on SIGINT");
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 6 --resume", cfg, data, model),
+                 0, "%s", o);
+    free(o);
+}
+
+Test(cli, train_bad_arguments)
+{
+    char *o, cfg[4096];
+    snprintf(cfg, sizeof(cfg), "%s/t.json", dir);
+    FILE *f = fopen(cfg, "w");
+    fprintf(f, "{\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"64K\"}}");
+    fclose(f);
+    static const struct { const char *args; const char *msg; } bad[] = {
+        {"train --config %s", "--config FILE and --data FILE are required"},
+        {"train --config %s --data /nonexistent/data", "/nonexistent/data"},
+        {"train --config %s --data /etc/hostname --dim 30 --heads 4", "--heads 4 does not divide --dim 30"},
+        {"train --config %s --data /usr/share/common-licenses/GPL-3", "zinf.device_bytes"},
+        {"train --config %s --data /usr/share/common-licenses/GPL-3 --layers x", "--layers: expected an integer"},
+        {"train --config /nonexistent.json --data /usr/share/common-licenses/GPL-3%s", "/nonexistent.json"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        char args[1024];
+        snprintf(args, sizeof(args), bad[i].args, strstr(bad[i].args, "%s") ? cfg : "");
+        cr_assert_eq(run(&o, "%s", args), 2, "zinf %s: %s", args, o);
+        cr_assert(strstr(o, bad[i].msg), "zinf %s said: %s", args, o);
+        free(o);
+    }
+}

@@ -14,6 +14,7 @@ static void usage(FILE *f)
             "usage: zinf <command> [options]\n"
             "\n"
             "commands:\n"
+            "  train     train a byte-level GPT-style model whose state lives in zinf\n"
             "  bench     measure the NVMe swap path (io_uring, O_DIRECT), optionally vs pread/pwrite\n"
             "  config    check a DeepSpeed-style JSON config: zinf config check FILE\n"
             "  stat      open an engine (from a config, or a swap directory) and print its stats\n"
@@ -53,6 +54,8 @@ int main(int argc, char **argv)
         return cmd_bench(argc - 1, argv + 1);
     if (!strcmp(c, "config"))
         return cmd_config(argc - 1, argv + 1);
+    if (!strcmp(c, "train"))
+        return cmd_train(argc - 1, argv + 1);
     if (!strcmp(c, "stat"))
         return cmd_stat(argc - 1, argv + 1);
     if (!strcmp(c, "topo"))

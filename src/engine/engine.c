@@ -518,6 +518,9 @@ ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out)
         nvme_get_stats(e->nvme, &ns);
         out->tier[ZINF_TIER_NVME].capacity_bytes = ns.capacity_bytes;
         out->tier[ZINF_TIER_NVME].used_bytes = ns.used_bytes;
+        e->st.tier[ZINF_TIER_NVME].peak_bytes =
+            MAX(e->st.tier[ZINF_TIER_NVME].peak_bytes, ns.used_bytes);
+        out->tier[ZINF_TIER_NVME].peak_bytes = e->st.tier[ZINF_TIER_NVME].peak_bytes;
         out->io_buffered = ns.buffered_files;
     }
     for (uint32_t i = 0; i < e->ntensors; i++) {
@@ -680,9 +683,14 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
     host_get_stats(e->host, &hs);
     e->st.tier[ZINF_TIER_DEVICE].capacity_bytes = ds.capacity_bytes;
     e->st.tier[ZINF_TIER_HOST].capacity_bytes = hs.capacity_bytes;
+    /* Prefetched copies take room that eviction by next use would give to copies used
+     * again: by default an eighth of the device tier runs ahead (enough to keep the drive
+     * busy), and never more than half, whatever the config asks. */
+    uint64_t pf_cap = MAX((uint64_t)ds.capacity_bytes / 2, (uint64_t)o.block_size);
     e->prefetch_budget_bytes = params.prefetch_budget_bytes
-                                   ? params.prefetch_budget_bytes
-                                   : MAX((uint64_t)ds.capacity_bytes / 2, (uint64_t)o.block_size);
+                                   ? MIN(params.prefetch_budget_bytes, pf_cap)
+                                   : MAX((uint64_t)ds.capacity_bytes / 8, (uint64_t)o.block_size);
+    e->prefetch_one_ahead = params.prefetch_budget_bytes == 0;
     e->sched.rec_from_start = true; /* opening is a step boundary */
 
     if (e->nvme) {
@@ -722,10 +730,18 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
     return p;
 }
 
+int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine **out)
+{
+    struct zinf_options o;
+    config_to_options(c, &o);
+    o.flags |= flags;
+    struct engine_params p = config_engine_params(c, o.block_size ? o.block_size : MiB);
+    return engine_open(&o, &p, out);
+}
+
 ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out)
 {
     struct zinf_config c;
-    struct zinf_options o;
     char err[512];
     int r;
 
@@ -737,9 +753,7 @@ ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out)
         config_free(&c);
         return r;
     }
-    config_to_options(&c, &o);
-    struct engine_params p = config_engine_params(&c, o.block_size ? o.block_size : MiB);
-    r = engine_open(&o, &p, out);
+    r = engine_open_config(&c, 0, out);
     config_free(&c);
     return r;
 }

@@ -146,6 +146,7 @@ struct zinf_engine {
     size_t block_size;
     unsigned queue_depth;
     uint64_t prefetch_budget_bytes;
+    bool prefetch_one_ahead;    /* default budget: one tensor may always run ahead */
     char **nvme_dirs;
     unsigned nvme_ndirs;
 
@@ -203,6 +204,9 @@ struct engine_params {
 
 int engine_open(const struct zinf_options *opt, const struct engine_params *p,
                 zinf_engine **out);
+struct zinf_config;
+/* Open from a parsed config (what zinf_open_config does), with extra ZINF_OPEN_* flags. */
+int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine **out);
 
 /* engine.c */
 struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h);
@@ -249,6 +253,8 @@ void sched_on_fetch(struct zinf_engine *e, struct tensor *t, int tier);
 void sched_on_step(struct zinf_engine *e);
 void sched_forget_tensor(struct zinf_engine *e, uint32_t tidx);
 void sched_free(struct sched *s);
+/* May a prefetch of bytes start now, within the prefetch budget? */
+bool prefetch_fits(struct zinf_engine *e, size_t bytes);
 /* Fetches until (t, tier) is next needed; UINT64_MAX when the schedule does not say. */
 uint64_t sched_distance(struct zinf_engine *e, uint32_t tidx, int tier);
 void sched_prefetch(struct zinf_engine *e);

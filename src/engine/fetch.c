@@ -588,10 +588,17 @@ out:
     return r;
 }
 
+bool prefetch_fits(struct zinf_engine *e, size_t bytes)
+{
+    if (e->prefetch_outstanding_bytes == 0 && e->prefetch_one_ahead)
+        return true; /* a tensor larger than the default budget still runs one ahead */
+    return e->prefetch_outstanding_bytes + bytes <= e->prefetch_budget_bytes;
+}
+
 int fetch_locked(struct zinf_engine *e, struct tensor *t, int tier, bool prefetch, void **ptr)
 {
     if (prefetch) {
-        if (e->prefetch_outstanding_bytes + t->alloc_bytes > e->prefetch_budget_bytes)
+        if (!prefetch_fits(e, t->alloc_bytes))
             return 0;
         return fetch_mode(e, t, tier, FETCH_PREFETCH, sched_distance(e, t->index, tier), NULL);
     }

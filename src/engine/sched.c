@@ -193,7 +193,7 @@ void sched_prefetch(struct zinf_engine *e)
             s->ahead = i + 1;
             continue;
         }
-        if (e->prefetch_outstanding_bytes + t->alloc_bytes > e->prefetch_budget_bytes)
+        if (!prefetch_fits(e, t->alloc_bytes))
             return; /* budget spent: resume here later */
         fetch_locked(e, t, en->tier, true, NULL);
         if (c->state != COPY_LOADING && !(c->state == COPY_READY && c->version == t->version))

@@ -22,17 +22,27 @@
 
 int tier_alloc(struct zinf_engine *e, int tier, size_t bytes, uint64_t *off, void **ptr)
 {
+    uint64_t used;
     int r;
     if (tier == ZINF_TIER_DEVICE) {
+        struct device_stats ds;
         r = device_alloc(e->dev, bytes, off);
-        if (r == 0)
-            *ptr = device_ptr(e->dev, *off);
+        if (r < 0)
+            return r;
+        *ptr = device_ptr(e->dev, *off);
+        device_get_stats(e->dev, &ds);
+        used = ds.used_bytes;
     } else {
+        struct host_stats hs;
         r = host_alloc(e->host, bytes, off);
-        if (r == 0)
-            *ptr = host_ptr(e->host, *off);
+        if (r < 0)
+            return r;
+        *ptr = host_ptr(e->host, *off);
+        host_get_stats(e->host, &hs);
+        used = hs.used_bytes;
     }
-    return r;
+    e->st.tier[tier].peak_bytes = MAX(e->st.tier[tier].peak_bytes, used);
+    return 0;
 }
 
 void tier_free(struct zinf_engine *e, int tier, uint64_t off)

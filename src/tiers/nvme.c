@@ -168,7 +168,14 @@ static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
     }
     /* The lock keeps a second swap space (this process or another) off the file; it is
      * released when the engine closes the fd. */
-    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    /* A process that held the file and was just killed keeps it (and the lock) until the
+     * kernel has torn down its io_uring: reopening after a crash waits up to a second. */
+    int locked = flock(fd, LOCK_EX | LOCK_NB);
+    for (int tries = 0; locked != 0 && errno == EWOULDBLOCK && keep && tries < 100; tries++) {
+        usleep(10000);
+        locked = flock(fd, LOCK_EX | LOCK_NB);
+    }
+    if (locked != 0) {
         if (errno != EWOULDBLOCK) {
             r = -errno;
             log_error("nvme: %s: cannot lock %s: %s", dir, f->path, strerror(-r));

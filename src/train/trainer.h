@@ -1,0 +1,73 @@
+/*
+ * trainer.h - a GPT-style trainer whose parameters, gradients, Adam states and activation
+ * checkpoints all live in a zinf engine: block by block, the forward and backward fetch
+ * what they need to the device tier and release it; the optimizer streams each tensor's
+ * parameter, gradient, m and v through the host tier. With zinf_step() marks the engine
+ * learns the step's order, prefetches ahead and evicts by next use, so the model's state
+ * may be many times the device and host budgets.
+ *
+ * This is the CPU reference path (the device tier is emulated where there is no GPU; the
+ * math runs on the CPU through gpt.h and adamw.h). Not here: the command line (tools/),
+ * GPU kernels.
+ */
+#ifndef ZINF_TRAIN_TRAINER_H
+#define ZINF_TRAIN_TRAINER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "train/gpt.h"
+#include "zinf.h"
+
+struct zinf_config;
+
+struct trainer_opts {
+    const char *config_path; /* DeepSpeed-style JSON: budgets, offload devices, nvme paths */
+    const char *data_path;   /* any file: its bytes are the tokens */
+    struct gpt_config model; /* V must be 256 */
+    int batch, seq;          /* B and T */
+    int steps;               /* total steps (a resumed run continues up to this) */
+    float lr, weight_decay, grad_clip;
+    uint64_t seed;
+    bool resume;             /* continue from the state persisted in the swap directory */
+};
+
+struct trainer_step_stats {
+    int step;                /* 1-based */
+    float loss;
+    double seconds;
+    double tokens_per_s;
+    double nvme_read_GBps, nvme_write_GBps;
+    double blocked_fraction; /* of the step's time spent blocked in fetch */
+};
+
+struct trainer_tier_summary {
+    uint64_t budget_bytes, peak_bytes;
+};
+
+struct trainer_summary {
+    uint64_t model_state_bytes; /* parameters + gradients + Adam m and v */
+    uint64_t param_count;
+    struct trainer_tier_summary tier[3];
+    int steps_done;
+};
+
+struct trainer;
+
+void trainer_opts_defaults(struct trainer_opts *o);
+/* Opens the engine from the config, registers (or, resuming, finds) every tensor and
+ * initialises the parameters. Bad input: -EINVAL (or -ENOENT for a missing file) with
+ * one line in err naming what is wrong. */
+int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen);
+/* The step that comes next (1-based); trainer_step() runs it. */
+int trainer_next_step(const struct trainer *t);
+int trainer_step(struct trainer *t, struct trainer_step_stats *st);
+/* Make everything durable (parameters, Adam states, the step count) so that
+ * trainer_open(resume) continues exactly here. */
+int trainer_checkpoint(struct trainer *t);
+void trainer_get_summary(struct trainer *t, struct trainer_summary *out);
+zinf_engine *trainer_engine(struct trainer *t);
+void trainer_close(struct trainer *t);
+
+#endif

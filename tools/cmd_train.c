@@ -1,0 +1,223 @@
+/*
+ * cmd_train.c - `zinf train`: train a byte-level GPT-style model whose state lives in zinf.
+ *
+ * One line per step (loss, tokens/s, NVMe traffic, time blocked on fetch), a summary with
+ * each tier's peak next to its budget, the same as JSON lines with --log. SIGINT/SIGTERM
+ * finish the step, flush, and leave a state that --resume continues exactly.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cmd.h"
+#include "common.h"
+#include "train/trainer.h"
+
+static volatile sig_atomic_t stop_requested;
+
+static void on_signal(int sig)
+{
+    stop_requested = sig;
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: zinf train --config FILE --data FILE [options]\n"
+            "  --config FILE     DeepSpeed-style JSON: offload devices, nvme_path, aio, and the\n"
+            "                    zinf section's device_bytes / host_bytes budgets\n"
+            "  --data FILE       training text; its bytes are the tokens (vocabulary 256)\n"
+            "  --layers N        transformer blocks (default 4)\n"
+            "  --dim N           model width (default 128)\n"
+            "  --heads N         attention heads, dividing --dim (default 4)\n"
+            "  --seq N           tokens per sequence (default 64)\n"
+            "  --batch N         sequences per step (default 4)\n"
+            "  --steps N         total steps (default 100; a resumed run continues up to N)\n"
+            "  --lr X            AdamW learning rate (default 1e-3)\n"
+            "  --weight-decay X  decoupled weight decay of the matrices (default 0)\n"
+            "  --clip X          global gradient-norm clip, 0 = off (default 1)\n"
+            "  --seed N          initialisation and batch order (default 1337)\n"
+            "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
+            "  --resume          continue the run persisted in the config's nvme_path\n");
+}
+
+static int parse_int(const char *opt, const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || end == s || v < lo || v > hi) {
+        fprintf(stderr, "zinf train: %s: expected an integer in %ld..%ld, got '%s'\n", opt, lo,
+                hi, s);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int parse_float(const char *opt, const char *s, float *out)
+{
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || *end || end == s || !(v >= 0)) {
+        fprintf(stderr, "zinf train: %s: expected a number >= 0, got '%s'\n", opt, s);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static const char *const tier_names[] = {"device", "host", "nvme"};
+
+int cmd_train(int argc, char **argv)
+{
+    enum { O_LAYERS = 256, O_DIM, O_HEADS, O_SEQ, O_BATCH, O_STEPS, O_LR, O_WD, O_CLIP, O_SEED,
+           O_LOG, O_RESUME };
+    static const struct option longopts[] = {
+        {"config", required_argument, NULL, 'c'}, {"data", required_argument, NULL, 'd'},
+        {"layers", required_argument, NULL, O_LAYERS}, {"dim", required_argument, NULL, O_DIM},
+        {"heads", required_argument, NULL, O_HEADS}, {"seq", required_argument, NULL, O_SEQ},
+        {"batch", required_argument, NULL, O_BATCH}, {"steps", required_argument, NULL, O_STEPS},
+        {"lr", required_argument, NULL, O_LR}, {"weight-decay", required_argument, NULL, O_WD},
+        {"clip", required_argument, NULL, O_CLIP}, {"seed", required_argument, NULL, O_SEED},
+        {"log", required_argument, NULL, O_LOG}, {"resume", no_argument, NULL, O_RESUME},
+        {"help", no_argument, NULL, 'h'}, {0},
+    };
+    struct trainer_opts o;
+    struct trainer *t = NULL;
+    const char *log_path = NULL;
+    FILE *log = NULL;
+    char err[512];
+    long v;
+    int ch, r, status = 0;
+
+    trainer_opts_defaults(&o);
+    optind = 1;
+    opterr = 0;
+    while ((ch = getopt_long(argc, argv, "c:d:h", longopts, NULL)) != -1) {
+        int bad = 0;
+        switch (ch) {
+        case 'c': o.config_path = optarg; break;
+        case 'd': o.data_path = optarg; break;
+        case O_LAYERS: bad = parse_int("--layers", optarg, 1, 1024, &v); o.model.L = (int)v; break;
+        case O_DIM: bad = parse_int("--dim", optarg, 1, 65536, &v); o.model.C = (int)v; break;
+        case O_HEADS: bad = parse_int("--heads", optarg, 1, 1024, &v); o.model.NH = (int)v; break;
+        case O_SEQ: bad = parse_int("--seq", optarg, 1, 65536, &v); o.seq = (int)v; break;
+        case O_BATCH: bad = parse_int("--batch", optarg, 1, 65536, &v); o.batch = (int)v; break;
+        case O_STEPS: bad = parse_int("--steps", optarg, 0, 100000000, &v); o.steps = (int)v; break;
+        case O_SEED: bad = parse_int("--seed", optarg, 0, 0x7fffffffL, &v); o.seed = (uint64_t)v; break;
+        case O_LR: bad = parse_float("--lr", optarg, &o.lr); break;
+        case O_WD: bad = parse_float("--weight-decay", optarg, &o.weight_decay); break;
+        case O_CLIP: bad = parse_float("--clip", optarg, &o.grad_clip); break;
+        case O_LOG: log_path = optarg; break;
+        case O_RESUME: o.resume = true; break;
+        case 'h': usage(stdout); return 0;
+        default:
+            fprintf(stderr, "zinf train: unknown or incomplete option '%s'\n", argv[optind - 1]);
+            bad = 1;
+        }
+        if (bad) {
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "zinf train: unexpected argument '%s'\n", argv[optind]);
+        return 2;
+    }
+    if (!o.config_path || !o.data_path) {
+        fprintf(stderr, "zinf train: --config FILE and --data FILE are required\n");
+        usage(stderr);
+        return 2;
+    }
+    if (o.model.C % o.model.NH) {
+        fprintf(stderr, "zinf train: --heads %d does not divide --dim %d\n", o.model.NH,
+                o.model.C);
+        return 2;
+    }
+    if (log_path && !(log = fopen(log_path, o.resume ? "a" : "w"))) {
+        fprintf(stderr, "zinf train: --log %s: %s\n", log_path, strerror(errno));
+        return 2;
+    }
+
+    /* From here a signal only asks the loop to stop: even during set-up. */
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+
+    r = trainer_open(&o, &t, err, sizeof(err));
+    if (r < 0) {
+        fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
+        if (log)
+            fclose(log);
+        return r == -EINVAL || r == -ENOENT || r == -EISDIR || r == -EACCES ? 2 : 1;
+    }
+
+    struct trainer_summary sum;
+    trainer_get_summary(t, &sum);
+    char a[32], b[32], c[32];
+    printf("# zinf train: %d layers, dim %d, %d heads, seq %d, batch %d: %llu parameters, "
+           "model state %s\n", o.model.L, o.model.C, o.model.NH, o.seq, o.batch,
+           (unsigned long long)sum.param_count, format_size(sum.model_state_bytes, a, sizeof(a)));
+    printf("# budgets: device %s, host %s%s\n", format_size(sum.tier[0].budget_bytes, b, sizeof(b)),
+           format_size(sum.tier[1].budget_bytes, c, sizeof(c)),
+           o.resume ? "; resumed" : "");
+    printf("# %6s %9s %10s %9s %9s %9s %8s\n", "step", "loss", "tokens/s", "ms", "rd GB/s",
+           "wr GB/s", "blocked");
+    fflush(stdout);
+
+    while (trainer_next_step(t) <= o.steps && !stop_requested) {
+        struct trainer_step_stats st;
+        r = trainer_step(t, &st);
+        if (r < 0) {
+            fprintf(stderr, "zinf train: step %d failed: %s\n", trainer_next_step(t),
+                    zinf_strerror(r));
+            status = 1;
+            break;
+        }
+        printf("  %6d %9.4f %10.0f %9.1f %9.3f %9.3f %7.1f%%\n", st.step, st.loss,
+               st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps, st.nvme_write_GBps,
+               st.blocked_fraction * 100);
+        fflush(stdout);
+        if (log) {
+            fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
+                    "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f}\n",
+                    st.step, st.loss, st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps,
+                    st.nvme_write_GBps, st.blocked_fraction);
+            fflush(log);
+        }
+    }
+    if (stop_requested)
+        printf("# %s: finishing here, the state is flushed (continue with --resume)\n",
+               stop_requested == SIGINT ? "SIGINT" : "SIGTERM");
+    r = trainer_checkpoint(t);
+    if (r < 0) {
+        fprintf(stderr, "zinf train: flushing the state failed: %s\n", zinf_strerror(r));
+        status = 1;
+    }
+    trainer_get_summary(t, &sum);
+    printf("# summary: %d steps, model state %s\n", sum.steps_done,
+           format_size(sum.model_state_bytes, a, sizeof(a)));
+    for (int i = 0; i < 3; i++)
+        printf("#   %-6s peak %12s of budget %12s\n", tier_names[i],
+               format_size(sum.tier[i].peak_bytes, a, sizeof(a)),
+               format_size(sum.tier[i].budget_bytes, b, sizeof(b)));
+    if (log) {
+        fprintf(log, "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu",
+                sum.steps_done, (unsigned long long)sum.model_state_bytes,
+                (unsigned long long)sum.param_count);
+        for (int i = 0; i < 3; i++)
+            fprintf(log, ",\"%s\":{\"peak_bytes\":%llu,\"budget_bytes\":%llu}", tier_names[i],
+                    (unsigned long long)sum.tier[i].peak_bytes,
+                    (unsigned long long)sum.tier[i].budget_bytes);
+        fprintf(log, "}}\n");
+        fclose(log);
+    }
+    trainer_close(t);
+    return status;
+}
