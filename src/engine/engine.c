@@ -724,7 +724,9 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
                                                                 : URING_BACKEND_AUTO,
     };
     if (op->device == CONFIG_OFFLOAD_NVME) {
-        uint64_t bytes = MIN(op->buffer_count * op->buffer_size * 2, (uint64_t)GiB);
+        /* DeepSpeed's defaults (5 buffers of 1e8 elements) would pin a gigabyte: the ring
+         * streams any tensor through any size, so it is capped at 64 MiB. */
+        uint64_t bytes = MIN(op->buffer_count * op->buffer_size * 2, (uint64_t)64 * MiB);
         p.staging_slots = (unsigned)MAX(4u, bytes / block_size);
     }
     return p;
