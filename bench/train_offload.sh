@@ -5,15 +5,15 @@
 # step does about 6 x params x tokens flops, and moves about 3 x 16 bytes per parameter.
 #
 # usage: bench/train_offload.sh [SWAPDIR] [ROUNDS]   (defaults: ./swap-train 2)
-#   ZINF=build/tools/zinf  LAYERS=4 DIM=256 HEADS=8 SEQ=128 BATCH=8 STEPS=6
-#   DEVICE_BYTES / HOST_BYTES: the offloaded run's budgets (default 8M / 6M)
+#   ZINF=build/tools/zinf  LAYERS=4 DIM=256 HEADS=8 SEQ=128 BATCH=16 STEPS=6
+#   DEVICE_BYTES / HOST_BYTES: the offloaded run's budgets (default 16M / 20M)
 set -euo pipefail
 
 swap=${1:-swap-train}
 rounds=${2:-2}
 zinf=${ZINF:-build/tools/zinf}
-L=${LAYERS:-4} C=${DIM:-256} H=${HEADS:-8} T=${SEQ:-128} B=${BATCH:-8} S=${STEPS:-6}
-dev=${DEVICE_BYTES:-8M} host=${HOST_BYTES:-6M}
+L=${LAYERS:-4} C=${DIM:-256} H=${HEADS:-8} T=${SEQ:-128} B=${BATCH:-16} S=${STEPS:-6}
+dev=${DEVICE_BYTES:-16M} host=${HOST_BYTES:-20M}
 data=${DATA:-/usr/share/common-licenses/GPL-3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp" "$swap"' EXIT
@@ -33,8 +33,12 @@ cat > "$tmp/nvme.json" <<JSON
 JSON
 
 run() { # config log -> prints mean ms of steps 2..S
-  "$zinf" train --config "$1" --data "$data" --layers "$L" --dim "$C" --heads "$H" \
-      --seq "$T" --batch "$B" --steps "$S" --log "$2" > "$2.out"
+  if ! "$zinf" train --config "$1" --data "$data" --layers "$L" --dim "$C" --heads "$H" \
+      --seq "$T" --batch "$B" --steps "$S" --log "$2" > "$2.out" 2> "$2.err"; then
+    echo "train_offload: zinf train failed ($1):" >&2
+    grep -v 'runs unpinned' "$2.err" >&2
+    return 1
+  fi
   python3 - "$2" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
@@ -53,8 +57,10 @@ echo "# $(uname -sr), $(nproc) cpus"
 printf "# %5s %12s %12s %8s %s\n" round mem_ms nvme_ms ratio "losses equal"
 ratios=()
 for ((i = 1; i <= rounds; i++)); do
-  read -r mms mloss_rest < <(run "$tmp/mem.json" "$tmp/mem.$i.jsonl")
-  read -r nms nloss_rest < <(run "$tmp/nvme.json" "$tmp/nvme.$i.jsonl")
+  out=$(run "$tmp/mem.json" "$tmp/mem.$i.jsonl") || exit 1
+  read -r mms mloss_rest <<< "$out"
+  out=$(run "$tmp/nvme.json" "$tmp/nvme.$i.jsonl") || exit 1
+  read -r nms nloss_rest <<< "$out"
   mloss=$(python3 -c "import sys; print(' '.join(sys.argv[1].split()[:$S]))" "$mloss_rest")
   nloss=$(python3 -c "import sys; print(' '.join(sys.argv[1].split()[:$S]))" "$nloss_rest")
   ratio=$(python3 -c "print('%.3f' % ($nms / $mms))")

@@ -175,8 +175,12 @@ int cmd_train(int argc, char **argv)
         struct trainer_step_stats st;
         r = trainer_step(t, &st);
         if (r < 0) {
-            fprintf(stderr, "zinf train: step %d failed: %s\n", trainer_next_step(t),
-                    zinf_strerror(r));
+            fprintf(stderr, "zinf train: step %d failed: %s%s\n", trainer_next_step(t),
+                    zinf_strerror(r),
+                    r == -ENOMEM ? " (what one block pins at once does not fit in the budgets "
+                                   "as the tiers are laid out: raise zinf.device_bytes and "
+                                   "zinf.host_bytes by a quarter)"
+                                 : "");
             status = 1;
             break;
         }
