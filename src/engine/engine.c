@@ -340,6 +340,25 @@ static int range_ok(struct tensor *t, size_t off, size_t n)
     return off <= t->nbytes && n <= t->nbytes - off;
 }
 
+/* Check a content access and take the tensor exclusively. Returns NULL, with *r 0 for an
+ * empty range or -EINVAL, when there is nothing to do. The engine lock is held on return
+ * either way. */
+static struct tensor *content_begin(struct zinf_engine *e, zinf_tensor h, size_t off, size_t n,
+                                    int *r)
+{
+    struct tensor *t;
+
+    pthread_mutex_lock(&e->lock);
+    t = engine_tensor(e, h);
+    *r = !t || !range_ok(t, off, n) ? -EINVAL : 0;
+    if (*r || n == 0)
+        return NULL;
+    t = engine_tensor_lock(e, h);
+    if (!t)
+        *r = -EINVAL; /* unregistered while this waited */
+    return t;
+}
+
 ZINF_API int zinf_read(zinf_engine *e, zinf_tensor h, size_t off, void *dst, size_t n)
 {
     struct tensor *t;
@@ -347,19 +366,9 @@ ZINF_API int zinf_read(zinf_engine *e, zinf_tensor h, size_t off, void *dst, siz
 
     if (!e || (!dst && n))
         return -EINVAL;
-    pthread_mutex_lock(&e->lock);
-    t = engine_tensor(e, h);
-    if (!t || !range_ok(t, off, n)) {
-        pthread_mutex_unlock(&e->lock);
-        return -EINVAL;
-    }
-    if (n == 0)
+    t = content_begin(e, h, off, n, &r);
+    if (!t)
         goto out;
-    t = engine_tensor_lock(e, h);
-    if (!t) {
-        r = -EINVAL; /* unregistered while this waited */
-        goto out;
-    }
     /* The newest content: host memory, then device memory, then the swap extent. */
     int src = -1;
     for (int i = ZINF_TIER_HOST; i >= ZINF_TIER_DEVICE; i--)
@@ -393,19 +402,9 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
 
     if (!e || (!src && n))
         return -EINVAL;
-    pthread_mutex_lock(&e->lock);
-    t = engine_tensor(e, h);
-    if (!t || !range_ok(t, off, n)) {
-        pthread_mutex_unlock(&e->lock);
-        return -EINVAL;
-    }
-    if (n == 0)
+    t = content_begin(e, h, off, n, &r);
+    if (!t)
         goto out;
-    t = engine_tensor_lock(e, h);
-    if (!t) {
-        r = -EINVAL; /* unregistered while this waited */
-        goto out;
-    }
     /* Every valid copy in memory takes the bytes; the swap extent only when nothing in
      * memory holds the content (otherwise the home goes stale and is written back later,
      * as after a DIRTY release). */

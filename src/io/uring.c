@@ -433,8 +433,10 @@ static int setup_io_uring(struct uring *u)
     while (entries < u->o.queue_depth + 1)
         entries <<= 1;
     if (fault_no_uring) {
+        /* What a kernel built without io_uring answers at setup. */
         fault_no_uring = false;
-        return -ENOSYS;
+        r = -ENOSYS;
+        return r;
     }
     if (u->o.sqpoll) {
         p.flags |= IORING_SETUP_SQPOLL;
