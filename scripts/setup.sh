@@ -22,6 +22,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
+# nvcc compiles kernels/ when the CUDA toolkit is installed; meson looks for it on PATH.
+if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null; then
+  export PATH="$PATH:/usr/local/cuda/bin"
+fi
+
 if [ ! -f "$build_dir/build.ninja" ]; then
   meson setup "$build_dir" "$@"
 elif [ $# -gt 0 ]; then

@@ -636,7 +636,9 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
     if ((r = device_open(&dop, &e->dev)) < 0)
         goto err;
 
-    unsigned nslots = params.staging_slots ? params.staging_slots : MAX(4u, o.queue_depth);
+    /* Twice the queue depth: a slot stays taken while its chunk is copied to the device,
+     * and the drive should still see queue_depth reads meanwhile. */
+    unsigned nslots = params.staging_slots ? params.staging_slots : MAX(4u, 2 * o.queue_depth);
     struct host_opts hop = {.capacity_bytes = o.host_bytes,
                             .staging_bytes = (size_t)nslots * o.block_size,
                             .pin = params.pin,

@@ -333,6 +333,15 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     config_defaults(&t->zc);
     if ((r = config_parse_file(o->config_path, &t->zc, err, errlen)) < 0)
         goto fail;
+    /* This trainer computes on the CPU, through the pointers the device tier hands out:
+     * they must be host memory, so the device tier is the emulated one. */
+    if (t->zc.zinf.device == ZINF_DEVICE_CUDA) {
+        snprintf(err, errlen, "zinf.device: \"cuda\" is not supported by the CPU trainer; use "
+                 "\"auto\" or \"emulated\" (the device budget is then held in host memory)");
+        r = -EINVAL;
+        goto fail;
+    }
+    t->zc.zinf.device = ZINF_DEVICE_EMULATED;
     if (o->resume && !t->zc.nvme_paths.count) {
         snprintf(err, errlen, "--resume needs an NVMe swap directory in the config "
                  "(zero_optimization.offload_param.nvme_path or zinf.nvme_paths)");
