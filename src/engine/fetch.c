@@ -451,6 +451,10 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
             if (!waited) {
                 waited = true;
                 t0 = now_ns();
+                /* Joining a load still arriving: start what comes next before waiting, or
+                 * the drive idles between this tensor's last chunk and the next one's
+                 * first. */
+                sched_prefetch(e);
             }
             while (c->state == COPY_LOADING)
                 engine_wait(e);
