@@ -31,7 +31,7 @@
 #define KEY_SHOWN_BYTES 128       /* longer keys are cut in messages */
 #define JSON_PATH_CHARS 512       /* room for section.path + one shown key + "[index]" */
 
-enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_COUNT };
+enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_TRAIN, S_COUNT };
 
 /* DeepSpeed keys zinf has no use for. Their values are not looked at: they are
  * DeepSpeed's business, and a config DeepSpeed accepts must be accepted here. */
@@ -78,6 +78,7 @@ static const struct sectdef {
                  offload_ignored},
     [S_AIO] = {"aio", "aio", S_TOP, NULL},
     [S_ZINF] = {"zinf", "zinf", S_TOP, NULL},
+    [S_TRAIN] = {"train", "zinf.train", S_ZINF, NULL},
 };
 
 enum ftype {
@@ -152,6 +153,14 @@ static const struct field fields[] = {
     {S_ZINF, "cuda_device", NULL, F_INT, OFF(zinf.cuda_device), 0, 0, 0, NULL},
     {S_ZINF, "sqpoll", NULL, F_BOOL, OFF(zinf.sqpoll), 0, 0, 0, NULL},
     {S_ZINF, "io_backend", NULL, F_ENUM, OFF(zinf.io_backend), 0, 0, 0, io_backends},
+    /* `zinf train`'s model and run; its command-line options take precedence. */
+    {S_TRAIN, "layers", NULL, F_INT, OFF(zinf.train.layers), 1, 1024, 0, NULL},
+    {S_TRAIN, "dim", NULL, F_INT, OFF(zinf.train.dim), 1, 65536, 0, NULL},
+    {S_TRAIN, "heads", NULL, F_INT, OFF(zinf.train.heads), 1, 1024, 0, NULL},
+    {S_TRAIN, "seq", NULL, F_INT, OFF(zinf.train.seq), 1, 65536, 0, NULL},
+    {S_TRAIN, "batch", NULL, F_INT, OFF(zinf.train.batch), 1, 65536, 0, NULL},
+    {S_TRAIN, "steps", NULL, F_INT, OFF(zinf.train.steps), 0, 100000000, 0, NULL},
+    {S_TRAIN, "seed", NULL, F_U64, OFF(zinf.train.seed), 0, 0x7fffffff, 0, NULL},
 };
 _Static_assert(ARRAY_SIZE(fields) <= 64, "struct zinf_config.given has one bit per field");
 

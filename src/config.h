@@ -78,6 +78,10 @@ struct zinf_config {
         int cuda_device;                  /* 0 */
         bool sqpoll;                      /* false */
         enum config_io_backend io_backend; /* "auto" */
+        struct {                           /* zinf.train: `zinf train`'s model and run */
+            int layers, dim, heads, seq, batch, steps; /* 0: the command's default */
+            uint64_t seed;                             /* given when bit set in `given` */
+        } train;
     } zinf;
 
     /* Derived when a parse succeeds: the distinct NVMe directories in the order

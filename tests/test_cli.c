@@ -295,3 +295,33 @@ Test(cli, train_bad_arguments)
         free(o);
     }
 }
+
+Test(cli, train_takes_the_model_from_the_config)
+{
+    char *o, cfg[4096], data[4096];
+    snprintf(cfg, sizeof(cfg), "%s/m.json", dir);
+    snprintf(data, sizeof(data), "%s/d.txt", dir);
+    FILE *f = fopen(data, "w");
+    for (int i = 0; i < 100; i++)
+        fprintf(f, "some text %d\n", i);
+    fclose(f);
+    f = fopen(cfg, "w");
+    fprintf(f, "{\"zinf\": {\"device\": \"emulated\", \"train\": {\"layers\": 2, \"dim\": 24, "
+               "\"heads\": 3, \"seq\": 16, \"batch\": 2, \"steps\": 2}}}");
+    fclose(f);
+    cr_assert_eq(run(&o, "train --config %s --data %s", cfg, data), 0, "%s", o);
+    cr_assert(strstr(o, "2 layers, dim 24, 3 heads, seq 16, batch 2"), "%s", o);
+    cr_assert(strstr(o, "# summary: 2 steps"), "%s", o);
+    free(o);
+    /* The command line wins. */
+    cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --steps 1", cfg, data), 0, "%s",
+                 o);
+    cr_assert(strstr(o, "1 layers, dim 24") && strstr(o, "# summary: 1 steps"), "%s", o);
+    free(o);
+    f = fopen(cfg, "w");
+    fprintf(f, "{\"zinf\": {\"train\": {\"heads\": 0}}}");
+    fclose(f);
+    cr_assert_eq(run(&o, "train --config %s --data %s", cfg, data), 2, "%s", o);
+    cr_assert(strstr(o, "zinf.train.heads: must be between 1 and 1024, got 0"), "%s", o);
+    free(o);
+}

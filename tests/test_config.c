@@ -984,7 +984,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     size_t lines = 0;
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
-    cr_expect_eq(lines, 32 + 1 + 8, "%s", text);
+    cr_expect_eq(lines, 32 + 7 + 1 + 8, "%s", text); /* settings, zinf.train, header, engine */
     free(text);
     config_free(&c);
 }
@@ -1026,5 +1026,27 @@ Test(config, print_reports_a_failed_write)
     config_defaults(&c);
     cr_expect_eq(config_print(&c, f), -EIO);
     fclose(f);
+    config_free(&c);
+}
+
+Test(config, zinf_train_section)
+{
+    struct zinf_config c;
+    char err[256];
+    const char *ok = "{\"zinf\": {\"train\": {\"layers\": 6, \"dim\": 96, \"heads\": 6, \"seq\": 128,"
+                     " \"batch\": 8, \"steps\": 1e3, \"seed\": 42}}}";
+    cr_assert_eq(config_parse_buffer(ok, strlen(ok), "t.json", &c, err, sizeof(err)), 0, "%s", err);
+    cr_expect_eq(c.zinf.train.layers, 6);
+    cr_expect_eq(c.zinf.train.dim, 96);
+    cr_expect_eq(c.zinf.train.heads, 6);
+    cr_expect_eq(c.zinf.train.seq, 128);
+    cr_expect_eq(c.zinf.train.batch, 8);
+    cr_expect_eq(c.zinf.train.steps, 1000);
+    cr_expect_eq(c.zinf.train.seed, 42);
+    config_free(&c);
+
+    const char *bad = "{\"zinf\": {\"train\": {\"dim\": \"wide\"}}}";
+    cr_assert_eq(config_parse_buffer(bad, strlen(bad), "t.json", &c, err, sizeof(err)), -EINVAL);
+    cr_expect(strstr(err, "zinf.train.dim"), "%s", err);
     config_free(&c);
 }

@@ -14,6 +14,7 @@
 
 #include "cmd.h"
 #include "common.h"
+#include "config.h"
 #include "train/trainer.h"
 
 static volatile sig_atomic_t stop_requested;
@@ -41,7 +42,9 @@ static void usage(FILE *f)
             "  --clip X          global gradient-norm clip, 0 = off (default 1)\n"
             "  --seed N          initialisation and batch order (default 1337)\n"
             "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
-            "  --resume          continue the run persisted in the config's nvme_path\n");
+            "  --resume          continue the run persisted in the config's nvme_path\n"
+            "The config's zinf.train section may set layers, dim, heads, seq, batch, steps and\n"
+            "seed; the options above take precedence.\n");
 }
 
 static int parse_int(const char *opt, const char *s, long lo, long hi, long *out)
@@ -94,12 +97,15 @@ int cmd_train(int argc, char **argv)
     char err[512];
     long v;
     int ch, r, status = 0;
+    unsigned given = 0; /* bit (option - O_LAYERS) for each model/run option given */
 
     trainer_opts_defaults(&o);
     optind = 1;
     opterr = 0;
     while ((ch = getopt_long(argc, argv, "c:d:h", longopts, NULL)) != -1) {
         int bad = 0;
+        if (ch >= O_LAYERS && ch <= O_SEED)
+            given |= 1u << (ch - O_LAYERS);
         switch (ch) {
         case 'c': o.config_path = optarg; break;
         case 'd': o.data_path = optarg; break;
@@ -134,6 +140,25 @@ int cmd_train(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    /* The config's zinf.train section fills what the command line left out. */
+    struct zinf_config zc;
+    if (config_parse_file(o.config_path, &zc, err, sizeof(err)) < 0) {
+        fprintf(stderr, "zinf train: %s\n", err);
+        config_free(&zc);
+        return 2;
+    }
+#define FROM_CONFIG(opt, field, dst)                                                            \
+    if (zc.zinf.train.field && !(given & (1u << ((opt) - O_LAYERS))))                          \
+        dst = zc.zinf.train.field;
+    FROM_CONFIG(O_LAYERS, layers, o.model.L)
+    FROM_CONFIG(O_DIM, dim, o.model.C)
+    FROM_CONFIG(O_HEADS, heads, o.model.NH)
+    FROM_CONFIG(O_SEQ, seq, o.seq)
+    FROM_CONFIG(O_BATCH, batch, o.batch)
+    FROM_CONFIG(O_STEPS, steps, o.steps)
+    FROM_CONFIG(O_SEED, seed, o.seed)
+#undef FROM_CONFIG
+    config_free(&zc);
     if (o.model.C % o.model.NH) {
         fprintf(stderr, "zinf train: --heads %d does not divide --dim %d\n", o.model.NH,
                 o.model.C);
