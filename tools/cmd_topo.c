@@ -16,10 +16,6 @@
 #include "tiers/cuda_probe.h"
 #include "topo/topo.h"
 
-#if ZINF_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
-
 static void usage(FILE *f)
 {
     fprintf(f, "usage: zinf topo [--xml FILE] [--nvme-path DIR] [--gpu BUSID]\n"
@@ -37,18 +33,6 @@ static void usage(FILE *f)
                "Exit status: 0 success, 1 the topology could not be read, 2 bad usage.\n");
 }
 
-/* The PCI bus id of CUDA device 0, when a usable GPU is present. */
-static bool cuda_busid(char *buf, size_t len)
-{
-    struct cuda_probe_info ci;
-
-    if (cuda_probe(&ci) <= 0) return false;
-#if ZINF_HAVE_CUDA
-    if (cudaDeviceGetPCIBusId(buf, (int)len, 0) == cudaSuccess) return true;
-    cudaGetLastError();
-#endif
-    return false;
-}
 
 static const char *reason_name(enum topo_reason r)
 {
@@ -108,7 +92,7 @@ int cmd_topo(int argc, char **argv)
             fprintf(stderr, "zinf: topo: cannot read this machine's topology: %s\n", strerror(-r));
         return xml ? 2 : 1;
     }
-    if (!gpu && !xml && cuda_busid(busid, sizeof(busid))) gpu = busid;
+    if (!gpu && !xml && cuda_pci_busid(0, busid, sizeof(busid)) == 0) gpu = busid;
 
     topo_print(t, stdout);
     topo_choose(t, gpu, nvme, &c);

@@ -12,6 +12,7 @@
 
 #include "config.h"
 #include "engine/engine.h"
+#include "tiers/cuda_probe.h"
 #include "topo/topo.h"
 
 #define DEFAULT_HOST_BYTES GiB
@@ -568,11 +569,16 @@ static int choose_numa_node(const struct zinf_options *o)
 {
     struct topo *tp = NULL;
     struct topo_choice ch = {.numa_node = -1};
+    char busid[64];
+    bool gpu = o->device_kind != ZINF_DEVICE_EMULATED &&
+               cuda_pci_busid(o->cuda_device, busid, sizeof(busid)) == 0;
+
     if (topo_open(NULL, &tp) < 0)
         return -1;
-    topo_choose(tp, NULL, o->nvme_path, &ch);
+    topo_choose(tp, gpu ? busid : NULL, o->nvme_path, &ch);
     if (ch.numa_node >= 0)
-        log_debug("engine: host tier on NUMA node %d (%s)", ch.numa_node, ch.detail);
+        log_debug("engine: host tier and IO thread on NUMA node %d (%s)", ch.numa_node,
+                  ch.detail);
     topo_close(tp);
     return ch.numa_node;
 }
@@ -625,7 +631,9 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
         goto err;
     }
 
+    int node = choose_numa_node(&o);
     struct uring_opts uo = {.block_size = o.block_size, .queue_depth = o.queue_depth,
+                            .bind_numa = node >= 0, .numa_node = node,
                             .backend = params.io_backend, .sqpoll = params.sqpoll};
     if ((r = uring_open(&uo, &e->io)) < 0) {
         log_error("engine: cannot set up the IO engine: %s", zinf_strerror(r));
@@ -642,7 +650,7 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
     struct host_opts hop = {.capacity_bytes = o.host_bytes,
                             .staging_bytes = (size_t)nslots * o.block_size,
                             .pin = params.pin,
-                            .numa_node = choose_numa_node(&o),
+                            .numa_node = node,
                             .io = e->io,
                             .dev = e->dev};
     if ((r = host_open(&hop, &e->host)) < 0)

@@ -18,6 +18,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <liburing.h>
+#include <numa.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
@@ -347,10 +348,20 @@ static void run_callbacks(struct uring *u, struct uring_req *done)
     }
 }
 
+/* Completions are handled next to the memory they land in (the host tier's node). */
+static void bind_thread(struct uring *u)
+{
+    if (u->o.bind_numa && numa_available() >= 0 && numa_run_on_node(u->o.numa_node) < 0)
+        log_notice("io: cannot run the IO thread on NUMA node %d: %s", u->o.numa_node,
+                   strerror(errno));
+}
+
 static void *reaper_main(void *arg)
 {
     struct uring *u = arg;
     bool stop = false;
+
+    bind_thread(u);
 
     while (!stop) {
         struct io_uring_cqe *cqe;
@@ -384,6 +395,8 @@ static void *reaper_main(void *arg)
 static void *worker_main(void *arg)
 {
     struct uring *u = arg;
+
+    bind_thread(u);
 
     pthread_mutex_lock(&u->lock);
     for (;;) {

@@ -35,6 +35,8 @@ struct uring_opts {
     enum uring_backend backend; /* AUTO: io_uring, threads if it cannot be set up */
     bool sqpoll;              /* ask for a kernel submission-polling thread */
     unsigned max_files;       /* registered file slots; 0: 64 */
+    bool bind_numa;           /* run the engine's threads on the CPUs of numa_node */
+    int numa_node;
 };
 
 /* Map a byte offset of a request onto (file slot, physical offset) and say how many bytes

@@ -40,7 +40,24 @@ int cuda_probe(struct cuda_probe_info *out)
     }
     return n;
 }
+
+int cuda_pci_busid(int ordinal, char *buf, size_t len)
+{
+    struct cuda_probe_info ci;
+    if (ordinal < 0 || ordinal >= cuda_probe(&ci))
+        return -ENODEV;
+    if (cudaDeviceGetPCIBusId(buf, (int)len, ordinal) != cudaSuccess) {
+        cudaGetLastError();
+        return -ENODEV;
+    }
+    return 0;
+}
 #else
+int cuda_pci_busid(int ordinal, char *buf, size_t len)
+{
+    return -ENODEV;
+}
+
 int cuda_probe(struct cuda_probe_info *out)
 {
     *out = (struct cuda_probe_info){0};

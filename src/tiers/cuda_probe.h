@@ -13,4 +13,7 @@ struct cuda_probe_info {
 
 /* Returns the number of usable devices (0 when none, for whatever reason). */
 int cuda_probe(struct cuda_probe_info *out);
+/* The PCI bus id ("0000:17:00.0") of CUDA device ordinal: 0, or -ENODEV when there is no
+ * such usable device (or no CUDA in this build). */
+int cuda_pci_busid(int ordinal, char *buf, size_t len);
 #endif
