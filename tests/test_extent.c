@@ -731,3 +731,34 @@ Test(extent, fini_with_live_allocations)
     cr_assert_eq(extent_free(&a, 0), 0);
     extent_fini(&a);
 }
+
+Test(extent, next_fit_allocates_side_by_side_and_wraps)
+{
+    struct extent_alloc a;
+    uint64_t x, y, z, w;
+
+    cr_assert_eq(extent_init(&a, 16 * 4096, 4096), 0);
+    /* Holes at [0,2) and [6,16) pages: next fit from page 1 skips the small hole. */
+    cr_assert_eq(extent_reserve(&a, 2 * 4096, 4 * 4096), 0);
+    cr_assert_eq(extent_alloc_from(&a, 3 * 4096, 4096, &x), 0);
+    cr_assert_eq(x, 6 * 4096, "the first hole at or after the hint that fits");
+    cr_assert_eq(extent_alloc_from(&a, 4096, x + 3 * 4096, &y), 0);
+    cr_assert_eq(y, 9 * 4096, "right after the previous allocation");
+    /* From inside a free extent: start at the hint itself. */
+    cr_assert_eq(extent_alloc_from(&a, 4096, 12 * 4096, &z), 0);
+    cr_assert_eq(z, 12 * 4096);
+    /* Nothing fits after the hint: wrap to the start. */
+    cr_assert_eq(extent_alloc_from(&a, 2 * 4096, 15 * 4096, &w), 0);
+    cr_assert_eq(w, 0);
+    cr_assert_eq(extent_validate(&a), 0);
+    /* Too big for any hole: -ENOSPC, state unchanged. */
+    struct extent_stats before, after;
+    extent_get_stats(&a, &before);
+    cr_assert_eq(extent_alloc_from(&a, 5 * 4096, 0, &w), -ENOSPC);
+    extent_get_stats(&a, &after);
+    cr_assert_eq(before.free_bytes, after.free_bytes);
+    cr_assert_eq(extent_alloc_from(&a, 0, 0, &w), -EINVAL);
+    cr_assert_eq(extent_alloc_from(&a, 4096, 1ull << 40, &w), 0, "a hint past the end wraps");
+    cr_assert_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}

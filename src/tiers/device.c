@@ -67,6 +67,7 @@ struct device {
     pthread_cond_t idle_cv; /* inflight dropped to zero */
     bool sync_up;
     struct extent_alloc ext;
+    uint64_t next_fit; /* where the next allocation starts looking (next fit) */
     struct device_copy *pend_head, *pend_tail;
     unsigned inflight;              /* accepted copies whose callback has not returned */
     bool closing;                   /* refuse new copies */
@@ -594,7 +595,9 @@ int device_alloc(struct device *d, size_t bytes, uint64_t *off)
 
     if (!d || !off || bytes == 0) return -EINVAL;
     pthread_mutex_lock(&d->lock);
-    r = extent_alloc(&d->ext, bytes, off);
+    r = extent_alloc_from(&d->ext, bytes, d->next_fit, off);
+    if (r == 0)
+        d->next_fit = *off + bytes;
     pthread_mutex_unlock(&d->lock);
     return r;
 }

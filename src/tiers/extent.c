@@ -258,6 +258,42 @@ int extent_alloc(struct extent_alloc *a, uint64_t bytes, uint64_t *off)
     return 0;
 }
 
+/* The free extent that contains x, else the first one after it. */
+static struct extent *free_at_or_after(const struct extent_alloc *a, uint64_t x)
+{
+    struct extent *e = find_le(a->free_by_off, x, 0);
+    if (e && e->off + e->len > x) return e;
+    return find_gt(a->free_by_off, x);
+}
+
+int extent_alloc_from(struct extent_alloc *a, uint64_t bytes, uint64_t from, uint64_t *off)
+{
+    if (!a || !off || !bytes) return -EINVAL;
+    if (bytes > a->capacity_bytes) return -ENOSPC;
+    uint64_t need = align_up(bytes, a->granularity);
+    if (from >= a->capacity_bytes) from = 0;
+    from = align_down(from, a->granularity);
+
+    for (struct extent *e = free_at_or_after(a, from); e; e = find_gt(a->free_by_off, e->off)) {
+        uint64_t start = MAX(e->off, from);
+        if (e->off + e->len - start >= need) {
+            int r = extent_reserve(a, start, need);
+            if (r == 0) *off = start;
+            return r;
+        }
+    }
+    for (struct extent *e = free_at_or_after(a, 0); e && e->off < from;
+         e = find_gt(a->free_by_off, e->off)) {
+        if (e->len >= need) {
+            uint64_t start = e->off; /* e itself may shrink from the front */
+            int r = extent_reserve(a, start, need);
+            if (r == 0) *off = start;
+            return r;
+        }
+    }
+    return -ENOSPC;
+}
+
 int extent_reserve(struct extent_alloc *a, uint64_t off, uint64_t bytes)
 {
     if (!a || !bytes || !is_aligned(off, a->granularity) || off > a->capacity_bytes ||

@@ -59,6 +59,12 @@ int extent_alloc(struct extent_alloc *a, uint64_t bytes, uint64_t *off);
  * of the range is allocated already, -ENOMEM. State is unchanged on error. The result is
  * an ordinary allocation: extent_free(a, off) releases it. */
 int extent_reserve(struct extent_alloc *a, uint64_t off, uint64_t bytes);
+/* Next fit: the first free extent at or after `from` that holds the request (taken from
+ * `from` itself when that is free), else the first one from the start. Consecutive
+ * allocations then lie side by side, and a cache evicted in allocation order behaves like
+ * a ring: what is pinned together stays together instead of being scattered over the
+ * holes best fit would pick. O(free extents) at worst. Same returns as extent_alloc(). */
+int extent_alloc_from(struct extent_alloc *a, uint64_t bytes, uint64_t from, uint64_t *off);
 /* Free the allocation that starts at off. -EINVAL when off is not the start of a live
  * allocation (a double free, a stray offset); state is unchanged then. Never allocates. */
 int extent_free(struct extent_alloc *a, uint64_t off);

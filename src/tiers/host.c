@@ -48,6 +48,7 @@ struct host {
 
     pthread_mutex_t lock; /* ext */
     struct extent_alloc ext;
+    uint64_t next_fit; /* where the next allocation starts looking (next fit) */
 };
 
 static const char *limit_str(rlim_t v, char *buf, size_t len)
@@ -252,7 +253,9 @@ int host_alloc(struct host *h, size_t bytes, uint64_t *off)
 
     if (!h || !off || bytes == 0) return -EINVAL;
     pthread_mutex_lock(&h->lock);
-    ret = extent_alloc(&h->ext, bytes, off);
+    ret = extent_alloc_from(&h->ext, bytes, h->next_fit, off);
+    if (ret == 0)
+        h->next_fit = *off + bytes;
     pthread_mutex_unlock(&h->lock);
     return ret;
 }

@@ -172,10 +172,8 @@ static int check_budgets(struct trainer *t, char *err, size_t errlen)
      * time (the head: wte and its gradient). Rounded per tensor, as the tiers allocate. */
     size_t dev_need = MAX(2 * (blk + GPT_BLOCK_NSLOTS * ZINF_ALIGN) + 2 * align_up(act, ZINF_ALIGN),
                           2 * align_up(wte, ZINF_ALIGN) + 2 * align_up(act, ZINF_ALIGN));
-    /* The host holds the activation checkpoints (their home) and one tensor's p, g, m, v,
-     * pinned together wherever the cached copies around them left room: twice that, so
-     * that fragmentation never leaves four equal pieces without a hole to go in. */
-    size_t host_need = (size_t)(t->cfg.L + 1) * align_up(act, ZINF_ALIGN) + 8 * largest;
+    /* The host holds the activation checkpoints (their home) and one tensor's p, g, m, v. */
+    size_t host_need = (size_t)(t->cfg.L + 1) * align_up(act, ZINF_ALIGN) + 4 * largest;
 
     zinf_stats(t->e, &st);
     if (st.tier[ZINF_TIER_DEVICE].capacity_bytes < dev_need) {
