@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 build_dir=${BUILD_DIR:-build}
-pkgs=(gcc pkg-config meson ninja-build liburing-dev libnuma-dev libhwloc-dev
+pkgs=(gcc g++ pkg-config meson ninja-build liburing-dev libnuma-dev libhwloc-dev
       libcriterion-dev libjansson-dev libopenblas-dev fio python3)
 missing=()
 for p in "${pkgs[@]}"; do
