@@ -53,11 +53,9 @@ enum config { CFG_LRU, CFG_BELADY, CFG_BELADY_NP, NCFG };
 static const char *const cfg_names[NCFG] = {"lru", "belady", "belady-np"};
 
 struct opts {
-    const char *path;
-    enum zinf_device_kind kind;
-    uint64_t device_bytes, host_bytes, tensor_bytes, block_size;
-    unsigned tensors, passes, queue_depth;
-    bool json, run[NCFG];
+    struct bench_opts com; /* the options the bench programs share */
+    unsigned passes;
+    bool run[NCFG];
 };
 
 struct pass_row {
@@ -130,69 +128,70 @@ static double opt_misses_per_pass(unsigned n, unsigned cap, unsigned passes)
  * 2 bytes; staging sized to queue_depth blocks, as zinf_open() sizes it. */
 static int write_np_config(const struct opts *o, char *path, size_t len)
 {
-    snprintf(path, len, "%s/eviction-bench-np.json", o->path);
+    snprintf(path, len, "%s/eviction-bench-np.json", o->com.path);
     FILE *f = fopen(path, "w");
     if (!f) return -errno;
     fprintf(f, "{\"zero_optimization\": {\"stage\": 3, \"stage3_prefetch_bucket_size\": 1,\n"
                "  \"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"");
-    for (const char *c = o->path; *c; c++)
+    for (const char *c = o->com.path; *c; c++)
         fprintf(f, *c == '"' || *c == '\\' ? "\\%c" : "%c", *c);
     fprintf(f, "\", \"pin_memory\": true,\n    \"buffer_count\": 1, \"buffer_size\": %llu}},\n",
-            (unsigned long long)(o->block_size * o->queue_depth / 2));
+            (unsigned long long)(o->com.block_size * o->com.queue_depth / 2));
     fprintf(f, " \"aio\": {\"block_size\": %llu, \"queue_depth\": %u},\n",
-            (unsigned long long)o->block_size, o->queue_depth);
+            (unsigned long long)o->com.block_size, o->com.queue_depth);
     fprintf(f, " \"zinf\": {\"device_bytes\": %llu, \"host_bytes\": %llu, \"device\": \"%s\"}}\n",
-            (unsigned long long)o->device_bytes, (unsigned long long)o->host_bytes,
-            o->kind == ZINF_DEVICE_EMULATED ? "emulated"
-            : o->kind == ZINF_DEVICE_CUDA   ? "cuda"
-                                            : "auto");
+            (unsigned long long)o->com.device_bytes, (unsigned long long)o->com.host_bytes,
+            o->com.kind == ZINF_DEVICE_EMULATED ? "emulated"
+            : o->com.kind == ZINF_DEVICE_CUDA   ? "cuda"
+                                                : "auto");
     return fclose(f) == 0 ? 0 : -errno;
 }
 
 static void print_row(const struct opts *o, const struct pass_row *r)
 {
-    if (o->json) {
+    if (o->com.json) {
         printf("{\"bench\": \"eviction\", \"config\": \"%s\", \"pass\": %u, \"seconds\": %.6f, "
                "\"nvme_bytes_read\": %llu, \"tensors_read\": %.2f, \"fetches\": %llu, \"hits\": "
                "%llu, \"prefetch_late\": %llu, \"evictions\": %llu, \"prefetches\": %llu, "
                "\"prefetch_wasted\": %llu, \"blocked_ns\": %llu, \"verify\": \"sample\", "
                "\"bad_pages\": %llu, \"verified\": %s}\n",
                cfg_names[r->cfg], r->pass, r->seconds, (unsigned long long)r->nvme_read_bytes,
-               (double)r->nvme_read_bytes / (double)o->tensor_bytes, (unsigned long long)r->fetches,
-               (unsigned long long)r->hits, (unsigned long long)r->late,
-               (unsigned long long)r->evictions, (unsigned long long)r->prefetches,
-               (unsigned long long)r->wasted, (unsigned long long)r->blocked_ns,
-               (unsigned long long)r->bad_pages, r->bad_pages ? "false" : "true");
+               (double)r->nvme_read_bytes / (double)o->com.tensor_bytes,
+               (unsigned long long)r->fetches, (unsigned long long)r->hits,
+               (unsigned long long)r->late, (unsigned long long)r->evictions,
+               (unsigned long long)r->prefetches, (unsigned long long)r->wasted,
+               (unsigned long long)r->blocked_ns, (unsigned long long)r->bad_pages,
+               r->bad_pages ? "false" : "true");
     } else {
         printf("  %9s %4u %12llu %7.2f %7llu %6llu %5llu %9llu %8llu %6llu %8.3f %9.1f %8s\n",
                cfg_names[r->cfg], r->pass, (unsigned long long)r->nvme_read_bytes,
-               (double)r->nvme_read_bytes / (double)o->tensor_bytes, (unsigned long long)r->fetches,
-               (unsigned long long)r->hits, (unsigned long long)r->late,
-               (unsigned long long)r->evictions, (unsigned long long)r->prefetches,
-               (unsigned long long)r->wasted, r->seconds, (double)r->blocked_ns / 1e6,
-               r->bad_pages ? "FAIL" : "ok");
+               (double)r->nvme_read_bytes / (double)o->com.tensor_bytes,
+               (unsigned long long)r->fetches, (unsigned long long)r->hits,
+               (unsigned long long)r->late, (unsigned long long)r->evictions,
+               (unsigned long long)r->prefetches, (unsigned long long)r->wasted, r->seconds,
+               (double)r->blocked_ns / 1e6, r->bad_pages ? "FAIL" : "ok");
     }
     fflush(stdout);
 }
 
 static void print_header(const struct opts *o, const struct zinf_stats *st)
 {
-    uint64_t total = (uint64_t)o->tensors * o->tensor_bytes;
+    uint64_t total = (uint64_t)o->com.tensors * o->com.tensor_bytes;
     printf("# zinf eviction %s: %u tensors x %llu B = %llu B, home NVMe (%s), %.2fx the "
            "device tier\n",
-           zinf_version(), o->tensors, (unsigned long long)o->tensor_bytes,
-           (unsigned long long)total, o->path, (double)total / (double)o->device_bytes);
+           zinf_version(), o->com.tensors, (unsigned long long)o->com.tensor_bytes,
+           (unsigned long long)total, o->com.path, (double)total / (double)o->com.device_bytes);
     printf("# device tier %llu B (%s), host tier %llu B, block %llu B, queue depth %u, %u passes "
            "per configuration, one engine each\n",
            (unsigned long long)st->tier[ZINF_TIER_DEVICE].capacity_bytes,
            st->device_is_cuda ? "CUDA" : "emulated in host memory",
            (unsigned long long)st->tier[ZINF_TIER_HOST].capacity_bytes,
-           (unsigned long long)o->block_size, o->queue_depth, o->passes);
+           (unsigned long long)o->com.block_size, o->com.queue_depth, o->passes);
     printf("# lru: no zinf_step; belady: zinf_step after each pass (pass 1 is learned); "
            "belady-np: the same with a 2-byte prefetch budget (no prefetch)\n");
     printf("# a pass fetches every tensor to the device tier in order 0..%u, checks 3 pages of "
            "4 KiB (first, last, one that moves), releases it clean\n",
-           o->tensors - 1);
+           o->com.tensors - 1);
     printf("# nvme_read: zinf_stats.nvme_bytes_read delta (prefetches included), tensors: the "
            "same in tensors; late: fetches that joined a prefetch still arriving\n");
     printf("# evictions: device tier; prefetch / wasted: prefetches started / dropped before "
@@ -220,42 +219,42 @@ static int run_config(const struct opts *o, enum config cfg, struct pass_row *ro
         unlink(cfg_path);
         ZINF_CHECK(r);
     } else {
-        struct zinf_options zo = {.nvme_path = o->path,
-                                  .device_bytes = o->device_bytes,
-                                  .host_bytes = o->host_bytes,
-                                  .block_size = o->block_size,
-                                  .queue_depth = o->queue_depth,
-                                  .device_kind = o->kind};
+        struct zinf_options zo = {.nvme_path = o->com.path,
+                                  .device_bytes = o->com.device_bytes,
+                                  .host_bytes = o->com.host_bytes,
+                                  .block_size = o->com.block_size,
+                                  .queue_depth = o->com.queue_depth,
+                                  .device_kind = o->com.kind};
         ZINF_CHECK(zinf_open(&zo, &e));
     }
     ZINF_CHECK(zinf_stats(e, &opened));
     bool direct = !opened.device_is_cuda;
 
-    zinf_tensor *t = calloc(o->tensors, sizeof(*t));
-    void *buf = aligned_alloc(PAGE_BYTES, o->tensor_bytes);
+    zinf_tensor *t = calloc(o->com.tensors, sizeof(*t));
+    void *buf = aligned_alloc(PAGE_BYTES, o->com.tensor_bytes);
     if (!t || !buf) {
         fprintf(stderr, "eviction: out of memory\n");
         exit(1);
     }
-    for (unsigned i = 0; i < o->tensors; i++) {
+    for (unsigned i = 0; i < o->com.tensors; i++) {
         char name[64];
         snprintf(name, sizeof(name), "eviction.%u", i);
-        ZINF_CHECK(zinf_register(e, name, o->tensor_bytes, ZINF_TIER_NVME, &t[i]));
-        pattern_fill(buf, o->tensor_bytes, i, 0);
-        ZINF_CHECK(zinf_write(e, t[i], 0, buf, o->tensor_bytes));
+        ZINF_CHECK(zinf_register(e, name, o->com.tensor_bytes, ZINF_TIER_NVME, &t[i]));
+        pattern_fill(buf, o->com.tensor_bytes, i, 0);
+        ZINF_CHECK(zinf_write(e, t[i], 0, buf, o->com.tensor_bytes));
     }
 
     if (!*header_done) {
         print_header(o, &opened);
         *header_done = true;
     }
-    uint64_t npages = o->tensor_bytes / PAGE_BYTES;
+    uint64_t npages = o->com.tensor_bytes / PAGE_BYTES;
     ZINF_CHECK(zinf_stats(e, &s0));
     for (unsigned p = 0; p < o->passes; p++) {
         struct pass_row *row = &rows[p];
         *row = (struct pass_row){.cfg = cfg, .pass = p + 1};
         uint64_t t0 = now_ns();
-        for (unsigned i = 0; i < o->tensors; i++) {
+        for (unsigned i = 0; i < o->com.tensors; i++) {
             void *ptr;
             ZINF_CHECK(zinf_fetch(e, t[i], ZINF_TIER_DEVICE, &ptr));
             uint64_t pick[3] = {0, npages - 1, page_key(p, i) % npages};
@@ -278,7 +277,7 @@ static int run_config(const struct opts *o, enum config cfg, struct pass_row *ro
         fails += row->bad_pages != 0;
         print_row(o, row);
     }
-    for (unsigned i = 0; i < o->tensors; i++)
+    for (unsigned i = 0; i < o->com.tensors; i++)
         ZINF_CHECK(zinf_unregister(e, t[i]));
     zinf_close(e);
     free(buf);
@@ -306,54 +305,38 @@ static void usage(FILE *f)
 
 static int parse_args(int argc, char **argv, struct opts *o)
 {
-    enum { O_PATH = 256, O_KIND, O_DEV, O_HOST, O_NT, O_TS, O_PASSES, O_BS, O_QD, O_CFG, O_JSON };
+    enum { O_PASSES = BENCH_O_OWN, O_CFG };
     static const struct option longopts[] = {
-        {"path", required_argument, NULL, O_PATH},
-        {"device-kind", required_argument, NULL, O_KIND},
-        {"device-bytes", required_argument, NULL, O_DEV},
-        {"host-bytes", required_argument, NULL, O_HOST},
-        {"tensors", required_argument, NULL, O_NT},
-        {"tensor-size", required_argument, NULL, O_TS},
+        {"path", required_argument, NULL, BENCH_O_PATH},
+        {"device-kind", required_argument, NULL, BENCH_O_KIND},
+        {"device-bytes", required_argument, NULL, BENCH_O_DEV},
+        {"host-bytes", required_argument, NULL, BENCH_O_HOST},
+        {"tensors", required_argument, NULL, BENCH_O_NT},
+        {"tensor-size", required_argument, NULL, BENCH_O_TS},
         {"passes", required_argument, NULL, O_PASSES},
-        {"block-size", required_argument, NULL, O_BS},
-        {"queue-depth", required_argument, NULL, O_QD},
+        {"block-size", required_argument, NULL, BENCH_O_BS},
+        {"queue-depth", required_argument, NULL, BENCH_O_QD},
         {"configs", required_argument, NULL, O_CFG},
-        {"json", no_argument, NULL, O_JSON},
+        {"json", no_argument, NULL, BENCH_O_JSON},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
     uint64_t v;
     int ch;
 
-    *o = (struct opts){.path = "./swap",
-                       .kind = ZINF_DEVICE_AUTO,
-                       .device_bytes = 256 * MiB,
-                       .host_bytes = 64 * MiB,
-                       .tensor_bytes = 16 * MiB,
-                       .block_size = MiB,
-                       .tensors = 24,
+    *o = (struct opts){.com = {.path = "./swap",
+                               .kind = ZINF_DEVICE_AUTO,
+                               .device_bytes = 256 * MiB,
+                               .host_bytes = 64 * MiB,
+                               .tensor_bytes = 16 * MiB,
+                               .block_size = MiB,
+                               .tensors = 24,
+                               .queue_depth = 32},
                        .passes = 6,
-                       .queue_depth = 32,
                        .run = {true, true, true}};
     while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
         bool bad = false;
         switch (ch) {
-        case O_PATH:
-            o->path = optarg;
-            break;
-        case O_JSON:
-            o->json = true;
-            break;
-        case O_KIND:
-            if (!strcmp(optarg, "emulated"))
-                o->kind = ZINF_DEVICE_EMULATED;
-            else if (!strcmp(optarg, "auto"))
-                o->kind = ZINF_DEVICE_AUTO;
-            else if (!strcmp(optarg, "cuda"))
-                o->kind = ZINF_DEVICE_CUDA;
-            else
-                bad = true;
-            break;
         case O_CFG: {
             char list[256];
             snprintf(list, sizeof(list), "%s", optarg);
@@ -376,50 +359,21 @@ static int parse_args(int argc, char **argv, struct opts *o)
             usage(stderr);
             return -1;
         default:
+            if (bench_common_opt(&o->com, ch, optarg, &bad)) break;
             if (parse_size(optarg, &v) < 0 || v == 0) {
                 bad = true;
                 break;
             }
             switch (ch) {
-            case O_DEV:
-                o->device_bytes = v;
-                break;
-            case O_HOST:
-                o->host_bytes = v;
-                break;
-            case O_NT:
-                bad = v > 1000000;
-                o->tensors = (unsigned)v;
-                break;
-            case O_TS:
-                bad = v % PAGE_BYTES != 0;
-                o->tensor_bytes = v;
-                break;
             case O_PASSES:
                 bad = v > MAX_PASSES;
                 o->passes = (unsigned)v;
                 break;
-            case O_BS:
-                bad = v % PAGE_BYTES != 0;
-                o->block_size = v;
-                break;
-            case O_QD:
-                bad = v > 4096;
-                o->queue_depth = (unsigned)v;
-                break;
             }
         }
-        if (bad) {
-            fprintf(stderr, "eviction: bad value '%s' for --%s\n", optarg,
-                    longopts[ch - O_PATH].name);
-            return -1;
-        }
+        if (bad) return bench_bad_value("eviction", longopts, ch, optarg);
     }
-    if (optind < argc) {
-        fprintf(stderr, "eviction: unexpected argument '%s'\n", argv[optind]);
-        return -1;
-    }
-    return 0;
+    return bench_no_operands("eviction", argc, argv);
 }
 
 int main(int argc, char **argv)
@@ -427,13 +381,13 @@ int main(int argc, char **argv)
     struct opts o;
     int r = parse_args(argc, argv, &o);
     if (r) return r > 0 ? 0 : 2;
-    if (mkdir(o.path, 0755) < 0 && errno != EEXIST) {
-        fprintf(stderr, "eviction: --path %s: %s\n", o.path, strerror(errno));
+    if (mkdir(o.com.path, 0755) < 0 && errno != EEXIST) {
+        fprintf(stderr, "eviction: --path %s: %s\n", o.com.path, strerror(errno));
         return 2;
     }
     struct pass_row *rows = calloc((size_t)NCFG * o.passes, sizeof(*rows));
     double later[NCFG] = {0}; /* mean bytes read per pass after the first */
-    bool header = o.json;
+    bool header = o.com.json;
     int fails = 0;
 
     for (int c = 0; c < NCFG; c++) {
@@ -443,14 +397,14 @@ int main(int argc, char **argv)
             later[c] += (double)rows[(size_t)c * o.passes + p].nvme_read_bytes / (o.passes - 1);
     }
 
-    unsigned cap = (unsigned)(o.device_bytes / o.tensor_bytes);
-    double opt = opt_misses_per_pass(o.tensors, cap, o.passes) * (double)o.tensor_bytes;
-    double every = (double)o.tensors * o.tensor_bytes; /* a pass that misses every access */
+    unsigned cap = (unsigned)(o.com.device_bytes / o.com.tensor_bytes);
+    double opt = opt_misses_per_pass(o.com.tensors, cap, o.passes) * (double)o.com.tensor_bytes;
+    double every = (double)o.com.tensors * o.com.tensor_bytes; /* a pass that misses every access */
     double lru = later[CFG_LRU], bel = later[CFG_BELADY], np = later[CFG_BELADY_NP];
     /* Without an lru run, compare with what lru reads by construction on this trace. */
     double lru_ref = o.run[CFG_LRU] ? lru : every;
     bool lru_all = lru >= every;
-    if (o.json) {
+    if (o.com.json) {
         printf("{\"bench\": \"eviction\", \"summary\": true, \"lru_bytes_per_pass\": %.0f, "
                "\"belady_bytes_per_pass\": %.0f, \"belady_np_bytes_per_pass\": %.0f, "
                "\"optimum_bytes_per_pass\": %.0f, \"belady_over_lru\": %.4f, "
@@ -462,15 +416,15 @@ int main(int argc, char **argv)
         printf("# bytes read from NVMe per pass, passes 2..%u (mean):\n", o.passes);
         if (o.run[CFG_LRU])
             printf("#   lru        %12.0f B (%5.2f tensors; every access a miss: %s)\n", lru,
-                   lru / o.tensor_bytes, lru_all ? "yes, as expected" : "no");
+                   lru / o.com.tensor_bytes, lru_all ? "yes, as expected" : "no");
         printf("#   optimum    %12.0f B (%5.2f tensors: Belady's MIN on this trace after an LRU "
                "pass 1, %u of %u tensors fit)\n",
-               opt, opt / o.tensor_bytes, cap, o.tensors);
+               opt, opt / o.com.tensor_bytes, cap, o.com.tensors);
         for (int c = CFG_BELADY; c < NCFG; c++) {
             double v = later[c];
             if (!o.run[c]) continue;
             printf("#   %-10s %12.0f B (%5.2f tensors; %.3f of %s, %.3f of the optimum)\n",
-                   cfg_names[c], v, v / o.tensor_bytes, v / lru_ref,
+                   cfg_names[c], v, v / o.com.tensor_bytes, v / lru_ref,
                    o.run[CFG_LRU] ? "lru" : "reading all", opt > 0 ? v / opt : 0);
         }
         for (int c = CFG_BELADY; c < NCFG; c++) {
@@ -480,11 +434,12 @@ int main(int argc, char **argv)
             printf("# target %s reads less than lru per pass: %s (ratio %.3f); within one "
                    "tensor of the optimum: %s (%.3fx)\n",
                    cfg_names[c], later[c] < lru_ref ? "met" : "NOT met", later[c] / lru_ref,
-                   later[c] <= opt + (double)o.tensor_bytes ? "yes" : "no",
+                   later[c] <= opt + (double)o.com.tensor_bytes ? "yes" : "no",
                    opt > 0 ? later[c] / opt : 0);
         }
     }
-    if (!o.json) printf("# %s\n", fails ? "FAILED: see the rows marked FAIL" : "all rows verified");
+    if (!o.com.json)
+        printf("# %s\n", fails ? "FAILED: see the rows marked FAIL" : "all rows verified");
     free(rows);
     return fails ? 1 : 0;
 }

@@ -44,11 +44,9 @@
     } while (0)
 
 struct opts {
-    const char *path;
-    enum zinf_device_kind kind;
-    uint64_t device_bytes, host_bytes, tensor_bytes, iters;
+    struct bench_opts com; /* the options the bench programs share */
+    uint64_t iters;
     unsigned batch, k;
-    bool json;
 };
 
 struct row {
@@ -167,7 +165,7 @@ static bool row_ok(const struct row *r)
 
 static void print_header(const struct opts *o, const struct zinf_stats *st, double clock_ns)
 {
-    if (o->json) return;
+    if (o->com.json) return;
     printf("# zinf hit path %s: fetch + release of a resident tensor, %llu pairs per row in "
            "batches of %u, one thread\n",
            zinf_version(), (unsigned long long)o->iters, o->batch);
@@ -176,7 +174,7 @@ static void print_header(const struct opts *o, const struct zinf_stats *st, doub
            (unsigned long long)st->tier[ZINF_TIER_DEVICE].capacity_bytes,
            st->device_is_cuda ? "CUDA" : "emulated in host memory",
            (unsigned long long)st->tier[ZINF_TIER_HOST].capacity_bytes,
-           (unsigned long long)o->tensor_bytes, o->path);
+           (unsigned long long)o->com.tensor_bytes, o->com.path);
     printf("# plain: one tensor, no zinf_step (no schedule); sched: %u tensors cyclically, "
            "zinf_step after each round, the learned schedule active\n",
            o->k);
@@ -198,7 +196,7 @@ static void print_header(const struct opts *o, const struct zinf_stats *st, doub
 static void print_row(const struct opts *o, const struct row *r)
 {
     double hit = r->fetches ? 100.0 * (double)r->hits / (double)r->fetches : 0;
-    if (o->json) {
+    if (o->com.json) {
         printf("{\"bench\": \"hitpath\", \"tier\": \"%s\", \"mode\": \"%s\", \"pairs\": %llu, "
                "\"batch\": %u, \"batch_p50_ns\": %.1f, \"batch_p90_ns\": %.1f, "
                "\"batch_p99_ns\": %.1f, \"call_p50_ns\": %.1f, \"call_p90_ns\": %.1f, "
@@ -250,50 +248,34 @@ static void usage(FILE *f)
 
 static int parse_args(int argc, char **argv, struct opts *o)
 {
-    enum { O_PATH = 256, O_KIND, O_DEV, O_HOST, O_TS, O_ITERS, O_BATCH, O_K, O_JSON };
+    enum { O_ITERS = BENCH_O_OWN, O_BATCH, O_K };
     static const struct option longopts[] = {
-        {"path", required_argument, NULL, O_PATH},
-        {"device-kind", required_argument, NULL, O_KIND},
-        {"device-bytes", required_argument, NULL, O_DEV},
-        {"host-bytes", required_argument, NULL, O_HOST},
-        {"tensor-size", required_argument, NULL, O_TS},
+        {"path", required_argument, NULL, BENCH_O_PATH},
+        {"device-kind", required_argument, NULL, BENCH_O_KIND},
+        {"device-bytes", required_argument, NULL, BENCH_O_DEV},
+        {"host-bytes", required_argument, NULL, BENCH_O_HOST},
+        {"tensor-size", required_argument, NULL, BENCH_O_TS},
         {"iters", required_argument, NULL, O_ITERS},
         {"batch", required_argument, NULL, O_BATCH},
         {"k", required_argument, NULL, O_K},
-        {"json", no_argument, NULL, O_JSON},
+        {"json", no_argument, NULL, BENCH_O_JSON},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
     uint64_t v;
     int ch;
 
-    *o = (struct opts){.path = "./swap",
-                       .kind = ZINF_DEVICE_AUTO,
-                       .device_bytes = 64 * MiB,
-                       .host_bytes = 64 * MiB,
-                       .tensor_bytes = MiB,
+    *o = (struct opts){.com = {.path = "./swap",
+                               .kind = ZINF_DEVICE_AUTO,
+                               .device_bytes = 64 * MiB,
+                               .host_bytes = 64 * MiB,
+                               .tensor_bytes = MiB},
                        .iters = 1000000,
                        .batch = 1000,
                        .k = 8};
     while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
         bool bad = false;
         switch (ch) {
-        case O_PATH:
-            o->path = optarg;
-            break;
-        case O_JSON:
-            o->json = true;
-            break;
-        case O_KIND:
-            if (!strcmp(optarg, "emulated"))
-                o->kind = ZINF_DEVICE_EMULATED;
-            else if (!strcmp(optarg, "auto"))
-                o->kind = ZINF_DEVICE_AUTO;
-            else if (!strcmp(optarg, "cuda"))
-                o->kind = ZINF_DEVICE_CUDA;
-            else
-                bad = true;
-            break;
         case 'h':
             usage(stdout);
             return 1;
@@ -301,21 +283,12 @@ static int parse_args(int argc, char **argv, struct opts *o)
             usage(stderr);
             return -1;
         default:
+            if (bench_common_opt(&o->com, ch, optarg, &bad)) break;
             if (parse_size(optarg, &v) < 0 || v == 0) {
                 bad = true;
                 break;
             }
             switch (ch) {
-            case O_DEV:
-                o->device_bytes = v;
-                break;
-            case O_HOST:
-                o->host_bytes = v;
-                break;
-            case O_TS:
-                bad = v % PAGE_BYTES != 0;
-                o->tensor_bytes = v;
-                break;
             case O_ITERS:
                 o->iters = v;
                 break;
@@ -329,17 +302,9 @@ static int parse_args(int argc, char **argv, struct opts *o)
                 break;
             }
         }
-        if (bad) {
-            fprintf(stderr, "hitpath: bad value '%s' for --%s\n", optarg,
-                    longopts[ch - O_PATH].name);
-            return -1;
-        }
+        if (bad) return bench_bad_value("hitpath", longopts, ch, optarg);
     }
-    if (optind < argc) {
-        fprintf(stderr, "hitpath: unexpected argument '%s'\n", argv[optind]);
-        return -1;
-    }
-    return 0;
+    return bench_no_operands("hitpath", argc, argv);
 }
 
 /* Median cost of one clock read, as the per-call samples see it. */
@@ -364,27 +329,28 @@ int main(int argc, char **argv)
     struct zinf_stats st;
     int r = parse_args(argc, argv, &o);
     if (r) return r > 0 ? 0 : 2;
-    if (mkdir(o.path, 0755) < 0 && errno != EEXIST) {
-        fprintf(stderr, "hitpath: --path %s: %s\n", o.path, strerror(errno));
+    if (mkdir(o.com.path, 0755) < 0 && errno != EEXIST) {
+        fprintf(stderr, "hitpath: --path %s: %s\n", o.com.path, strerror(errno));
         return 2;
     }
-    if ((1 + o.k) * o.tensor_bytes > o.device_bytes || (1 + o.k) * o.tensor_bytes > o.host_bytes) {
+    if ((1 + o.k) * o.com.tensor_bytes > o.com.device_bytes ||
+        (1 + o.k) * o.com.tensor_bytes > o.com.host_bytes) {
         fprintf(stderr, "hitpath: %u tensors of %llu B must fit in each tier at once\n", 1 + o.k,
-                (unsigned long long)o.tensor_bytes);
+                (unsigned long long)o.com.tensor_bytes);
         return 2;
     }
     unsigned ntensors = 2 * (1 + o.k); /* per tier: one plain, k scheduled */
-    struct zinf_options zo = {.nvme_path = o.path,
-                              .device_bytes = o.device_bytes,
-                              .host_bytes = o.host_bytes,
-                              .device_kind = o.kind};
+    struct zinf_options zo = {.nvme_path = o.com.path,
+                              .device_bytes = o.com.device_bytes,
+                              .host_bytes = o.com.host_bytes,
+                              .device_kind = o.com.kind};
     ZINF_CHECK(zinf_open(&zo, &e));
     ZINF_CHECK(zinf_stats(e, &st));
     bool dev_direct = !st.device_is_cuda;
 
     zinf_tensor *t = calloc(ntensors, sizeof(*t));
     void **ptr = calloc(ntensors, sizeof(*ptr));
-    void *buf = aligned_alloc(PAGE_BYTES, o.tensor_bytes);
+    void *buf = aligned_alloc(PAGE_BYTES, o.com.tensor_bytes);
     if (!t || !ptr || !buf) {
         fprintf(stderr, "hitpath: out of memory\n");
         return 1;
@@ -392,9 +358,9 @@ int main(int argc, char **argv)
     for (unsigned i = 0; i < ntensors; i++) {
         char name[64];
         snprintf(name, sizeof(name), "hitpath.%u", i);
-        ZINF_CHECK(zinf_register(e, name, o.tensor_bytes, ZINF_TIER_NVME, &t[i]));
-        pattern_fill(buf, o.tensor_bytes, i, 0);
-        ZINF_CHECK(zinf_write(e, t[i], 0, buf, o.tensor_bytes));
+        ZINF_CHECK(zinf_register(e, name, o.com.tensor_bytes, ZINF_TIER_NVME, &t[i]));
+        pattern_fill(buf, o.com.tensor_bytes, i, 0);
+        ZINF_CHECK(zinf_write(e, t[i], 0, buf, o.com.tensor_bytes));
     }
     print_header(&o, &st, clock_cost_ns());
 
@@ -416,8 +382,8 @@ int main(int argc, char **argv)
                     ZINF_CHECK(zinf_fetch(e, t[first + i], tier, &p));
                     if (round == 0) {
                         ptr[first + i] = p;
-                        row->bad_pages +=
-                            check_all(e, t[first + i], first + i, p, direct, o.tensor_bytes, buf);
+                        row->bad_pages += check_all(e, t[first + i], first + i, p, direct,
+                                                    o.com.tensor_bytes, buf);
                     }
                     row->moved_ptrs += p != ptr[first + i];
                     ZINF_CHECK(zinf_release(e, t[first + i], tier, ZINF_RELEASE_CLEAN));
@@ -434,7 +400,7 @@ int main(int argc, char **argv)
                 ZINF_CHECK(zinf_fetch(e, t[first + i], tier, &p));
                 row->moved_ptrs += p != ptr[first + i];
                 row->bad_pages +=
-                    check_all(e, t[first + i], first + i, p, direct, o.tensor_bytes, buf);
+                    check_all(e, t[first + i], first + i, p, direct, o.com.tensor_bytes, buf);
                 ZINF_CHECK(zinf_release(e, t[first + i], tier, ZINF_RELEASE_CLEAN));
             }
             if (sched && (row->sched_len != o.k || row->sched_resets)) {
@@ -448,7 +414,7 @@ int main(int argc, char **argv)
             print_row(&o, row);
         }
     }
-    if (!o.json) {
+    if (!o.com.json) {
         for (int i = 0; i < 4; i++)
             print_hist(&rows[i]);
         double worst = 0;

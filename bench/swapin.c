@@ -50,12 +50,11 @@ extern char **environ;
 enum verify_mode { VERIFY_SAMPLE, VERIFY_ALL };
 
 struct opts {
-    const char *path, *zinf_bin;
-    enum zinf_device_kind kind;
-    uint64_t device_bytes, host_bytes, tensor_bytes, block_size;
-    unsigned tensors, steps, queue_depth;
+    struct bench_opts com; /* the options the bench programs share */
+    const char *zinf_bin;
+    unsigned steps;
     enum verify_mode verify;
-    bool json, no_raw;
+    bool no_raw;
 };
 
 struct step_row {
@@ -90,11 +89,11 @@ static int raw_read(const struct opts *o, uint64_t size, double *gbps, bool *ver
     pid_t pid;
 
     snprintf(sz, sizeof(sz), "%llu", (unsigned long long)size);
-    snprintf(bs, sizeof(bs), "%llu", (unsigned long long)o->block_size);
-    snprintf(qd, sizeof(qd), "%u", o->queue_depth);
+    snprintf(bs, sizeof(bs), "%llu", (unsigned long long)o->com.block_size);
+    snprintf(qd, sizeof(qd), "%u", o->com.queue_depth);
     /* --keep: the file is written once, by the first run, and read by every run. */
-    const char *argv[] = {o->zinf_bin,    "bench", "--path",        o->path, "--size", sz,
-                          "--block-size", bs,      "--queue-depth", qd,      "--read", "--keep",
+    const char *argv[] = {o->zinf_bin,    "bench", "--path",        o->com.path, "--size", sz,
+                          "--block-size", bs,      "--queue-depth", qd,          "--read", "--keep",
                           "--json",       NULL};
     fflush(stdout);
     if (pipe(fd) < 0) return -errno;
@@ -145,17 +144,17 @@ static double gbps(uint64_t bytes, double seconds)
 
 static void print_header(const struct opts *o, uint64_t total, const struct zinf_stats *st)
 {
-    if (o->json) return;
+    if (o->com.json) return;
     printf("# zinf swap-in %s: %u tensors x %llu B = %llu B, home NVMe (%s), %.1fx the device "
            "tier\n",
-           zinf_version(), o->tensors, (unsigned long long)o->tensor_bytes,
-           (unsigned long long)total, o->path, (double)total / (double)o->device_bytes);
+           zinf_version(), o->com.tensors, (unsigned long long)o->com.tensor_bytes,
+           (unsigned long long)total, o->com.path, (double)total / (double)o->com.device_bytes);
     printf("# device tier %llu B (%s), host tier %llu B, block %llu B, queue depth %u, %u "
            "steps, swap files %s\n",
            (unsigned long long)st->tier[ZINF_TIER_DEVICE].capacity_bytes,
            st->device_is_cuda ? "CUDA" : "emulated in host memory",
            (unsigned long long)st->tier[ZINF_TIER_HOST].capacity_bytes,
-           (unsigned long long)o->block_size, o->queue_depth, o->steps,
+           (unsigned long long)o->com.block_size, o->com.queue_depth, o->steps,
            st->io_buffered ? "buffered (O_DIRECT refused)" : "O_DIRECT");
     printf("# each step fetches every tensor to the device tier in the same order, checks it, "
            "releases it clean, then calls zinf_step(); step 1 is the one the engine learns\n");
@@ -189,7 +188,7 @@ static void print_header(const struct opts *o, uint64_t total, const struct zinf
 static void print_row(const struct opts *o, const struct step_row *r)
 {
     double g = gbps(r->bytes, r->seconds), ratio = r->raw_gbps > 0 ? g / r->raw_gbps : 0;
-    if (o->json) {
+    if (o->com.json) {
         printf("{\"bench\": \"swapin\", \"step\": %u, \"bytes\": %llu, \"seconds\": %.6f, "
                "\"GBps\": %.4f, \"nvme_bytes_read\": %llu, \"nvme_GBps\": %.4f, \"fetches\": "
                "%llu, \"hits\": %llu, \"prefetch_in_time\": %llu, \"prefetch_late\": %llu, "
@@ -242,75 +241,45 @@ static void usage(FILE *f)
 
 static int parse_args(int argc, char **argv, struct opts *o)
 {
-    enum {
-        O_PATH = 256,
-        O_KIND,
-        O_DEV,
-        O_HOST,
-        O_NT,
-        O_TS,
-        O_STEPS,
-        O_BS,
-        O_QD,
-        O_VERIFY,
-        O_ZINF,
-        O_NORAW,
-        O_JSON
-    };
+    enum { O_STEPS = BENCH_O_OWN, O_VERIFY, O_ZINF, O_NORAW };
     static const struct option longopts[] = {
-        {"path", required_argument, NULL, O_PATH},
-        {"device-kind", required_argument, NULL, O_KIND},
-        {"device-bytes", required_argument, NULL, O_DEV},
-        {"host-bytes", required_argument, NULL, O_HOST},
-        {"tensors", required_argument, NULL, O_NT},
-        {"tensor-size", required_argument, NULL, O_TS},
+        {"path", required_argument, NULL, BENCH_O_PATH},
+        {"device-kind", required_argument, NULL, BENCH_O_KIND},
+        {"device-bytes", required_argument, NULL, BENCH_O_DEV},
+        {"host-bytes", required_argument, NULL, BENCH_O_HOST},
+        {"tensors", required_argument, NULL, BENCH_O_NT},
+        {"tensor-size", required_argument, NULL, BENCH_O_TS},
         {"steps", required_argument, NULL, O_STEPS},
-        {"block-size", required_argument, NULL, O_BS},
-        {"queue-depth", required_argument, NULL, O_QD},
+        {"block-size", required_argument, NULL, BENCH_O_BS},
+        {"queue-depth", required_argument, NULL, BENCH_O_QD},
         {"verify", required_argument, NULL, O_VERIFY},
         {"zinf", required_argument, NULL, O_ZINF},
         {"no-raw", no_argument, NULL, O_NORAW},
-        {"json", no_argument, NULL, O_JSON},
+        {"json", no_argument, NULL, BENCH_O_JSON},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
     uint64_t v;
     int ch;
 
-    *o = (struct opts){.path = "./swap",
+    *o = (struct opts){.com = {.path = "./swap",
+                               .kind = ZINF_DEVICE_AUTO,
+                               .device_bytes = 256 * MiB,
+                               .host_bytes = 64 * MiB,
+                               .tensor_bytes = 32 * MiB,
+                               .block_size = MiB,
+                               .tensors = 64,
+                               .queue_depth = 32},
                        .zinf_bin = "build/tools/zinf",
-                       .kind = ZINF_DEVICE_AUTO,
-                       .device_bytes = 256 * MiB,
-                       .host_bytes = 64 * MiB,
-                       .tensor_bytes = 32 * MiB,
-                       .block_size = MiB,
-                       .tensors = 64,
-                       .steps = 5,
-                       .queue_depth = 32};
+                       .steps = 5};
     while ((ch = getopt_long(argc, argv, "h", longopts, NULL)) != -1) {
         bool bad = false;
         switch (ch) {
-        case O_PATH:
-            o->path = optarg;
-            break;
         case O_ZINF:
             o->zinf_bin = optarg;
             break;
         case O_NORAW:
             o->no_raw = true;
-            break;
-        case O_JSON:
-            o->json = true;
-            break;
-        case O_KIND:
-            if (!strcmp(optarg, "emulated"))
-                o->kind = ZINF_DEVICE_EMULATED;
-            else if (!strcmp(optarg, "auto"))
-                o->kind = ZINF_DEVICE_AUTO;
-            else if (!strcmp(optarg, "cuda"))
-                o->kind = ZINF_DEVICE_CUDA;
-            else
-                bad = true;
             break;
         case O_VERIFY:
             if (!strcmp(optarg, "sample"))
@@ -327,50 +296,21 @@ static int parse_args(int argc, char **argv, struct opts *o)
             usage(stderr);
             return -1;
         default:
+            if (bench_common_opt(&o->com, ch, optarg, &bad)) break;
             if (parse_size(optarg, &v) < 0 || v == 0) {
                 bad = true;
                 break;
             }
             switch (ch) {
-            case O_DEV:
-                o->device_bytes = v;
-                break;
-            case O_HOST:
-                o->host_bytes = v;
-                break;
-            case O_NT:
-                bad = v > 1000000;
-                o->tensors = (unsigned)v;
-                break;
-            case O_TS:
-                bad = v % PAGE_BYTES != 0;
-                o->tensor_bytes = v;
-                break;
             case O_STEPS:
                 bad = v > 1000000;
                 o->steps = (unsigned)v;
                 break;
-            case O_BS:
-                bad = v % PAGE_BYTES != 0;
-                o->block_size = v;
-                break;
-            case O_QD:
-                bad = v > 4096;
-                o->queue_depth = (unsigned)v;
-                break;
             }
         }
-        if (bad) {
-            fprintf(stderr, "swapin: bad value '%s' for --%s\n", optarg,
-                    longopts[ch - O_PATH].name);
-            return -1;
-        }
+        if (bad) return bench_bad_value("swapin", longopts, ch, optarg);
     }
-    if (optind < argc) {
-        fprintf(stderr, "swapin: unexpected argument '%s'\n", argv[optind]);
-        return -1;
-    }
-    return 0;
+    return bench_no_operands("swapin", argc, argv);
 }
 
 /* ---- the run ------------------------------------------------------------------------- */
@@ -382,39 +322,39 @@ int main(int argc, char **argv)
     zinf_engine *e = NULL;
     int r = parse_args(argc, argv, &o);
     if (r) return r > 0 ? 0 : 2;
-    if (mkdir(o.path, 0755) < 0 && errno != EEXIST) {
-        fprintf(stderr, "swapin: --path %s: %s\n", o.path, strerror(errno));
+    if (mkdir(o.com.path, 0755) < 0 && errno != EEXIST) {
+        fprintf(stderr, "swapin: --path %s: %s\n", o.com.path, strerror(errno));
         return 2;
     }
     if (!o.no_raw && access(o.zinf_bin, X_OK) != 0) {
         fprintf(stderr, "swapin: %s is not an executable (--zinf BIN, or --no-raw)\n", o.zinf_bin);
         return 2;
     }
-    uint64_t total = (uint64_t)o.tensors * o.tensor_bytes;
+    uint64_t total = (uint64_t)o.com.tensors * o.com.tensor_bytes;
 
-    struct zinf_options zo = {.nvme_path = o.path,
-                              .device_bytes = o.device_bytes,
-                              .host_bytes = o.host_bytes,
-                              .block_size = o.block_size,
-                              .queue_depth = o.queue_depth,
-                              .device_kind = o.kind};
+    struct zinf_options zo = {.nvme_path = o.com.path,
+                              .device_bytes = o.com.device_bytes,
+                              .host_bytes = o.com.host_bytes,
+                              .block_size = o.com.block_size,
+                              .queue_depth = o.com.queue_depth,
+                              .device_kind = o.com.kind};
     ZINF_CHECK(zinf_open(&zo, &e));
     ZINF_CHECK(zinf_stats(e, &st0));
     bool direct = !st0.device_is_cuda;
 
     /* Setup, untimed: register and write each tensor's pattern to its NVMe home. */
-    zinf_tensor *t = calloc(o.tensors, sizeof(*t));
-    void *buf = aligned_alloc(PAGE_BYTES, o.tensor_bytes);
+    zinf_tensor *t = calloc(o.com.tensors, sizeof(*t));
+    void *buf = aligned_alloc(PAGE_BYTES, o.com.tensor_bytes);
     if (!t || !buf) {
         fprintf(stderr, "swapin: out of memory\n");
         return 1;
     }
-    for (unsigned i = 0; i < o.tensors; i++) {
+    for (unsigned i = 0; i < o.com.tensors; i++) {
         char name[64];
         snprintf(name, sizeof(name), "swapin.%u", i);
-        ZINF_CHECK(zinf_register(e, name, o.tensor_bytes, ZINF_TIER_NVME, &t[i]));
-        pattern_fill(buf, o.tensor_bytes, i, 0);
-        ZINF_CHECK(zinf_write(e, t[i], 0, buf, o.tensor_bytes));
+        ZINF_CHECK(zinf_register(e, name, o.com.tensor_bytes, ZINF_TIER_NVME, &t[i]));
+        pattern_fill(buf, o.com.tensor_bytes, i, 0);
+        ZINF_CHECK(zinf_write(e, t[i], 0, buf, o.com.tensor_bytes));
     }
     print_header(&o, total, &st0);
 
@@ -422,7 +362,7 @@ int main(int argc, char **argv)
      * between two runs of it: the drive's speed drifts, and a ratio to runs seconds away is
      * fairer than one to runs minutes away. With --keep the file is written once. */
     char raw_file[4096];
-    snprintf(raw_file, sizeof(raw_file), "%s/%s", o.path, RAW_FILE);
+    snprintf(raw_file, sizeof(raw_file), "%s/%s", o.com.path, RAW_FILE);
     bool raw_file_was_there = access(raw_file, F_OK) == 0, raw_ok = true;
     double *raw = calloc(o.steps + 1, sizeof(double));
     struct step_row *rows = calloc(o.steps, sizeof(*rows));
@@ -431,7 +371,7 @@ int main(int argc, char **argv)
         return 1;
     }
 
-    uint64_t npages = o.tensor_bytes / PAGE_BYTES;
+    uint64_t npages = o.com.tensor_bytes / PAGE_BYTES;
     int fails = 0;
     for (unsigned s = 0; s < o.steps; s++) {
         struct step_row *row = &rows[s];
@@ -441,12 +381,12 @@ int main(int argc, char **argv)
         ZINF_CHECK(zinf_stats(e, &st0));
         row->step = s + 1;
         uint64_t t0 = now_ns();
-        for (unsigned i = 0; i < o.tensors; i++) {
+        for (unsigned i = 0; i < o.com.tensors; i++) {
             void *p;
             ZINF_CHECK(zinf_fetch(e, t[i], ZINF_TIER_DEVICE, &p));
             if (o.verify == VERIFY_ALL) {
-                row->bad_pages += check_range(e, t[i], i, p, direct, 0, o.tensor_bytes, buf);
-                row->checked_bytes += o.tensor_bytes;
+                row->bad_pages += check_range(e, t[i], i, p, direct, 0, o.com.tensor_bytes, buf);
+                row->checked_bytes += o.com.tensor_bytes;
             } else {
                 uint64_t pick[3] = {0, npages - 1, (page_key(s, i) % npages)};
                 for (int k = 0; k < 3; k++)
@@ -493,7 +433,7 @@ int main(int argc, char **argv)
     double ratio = raw_mean > 0 ? later_gbps / raw_mean : 0;
     double nvme_ratio = raw_mean > 0 ? later_nvme_gbps / raw_mean : 0;
     bool ratio_met = ratio >= 0.9, res_met = min_res >= 95.0;
-    if (o.json) {
+    if (o.com.json) {
         printf("{\"bench\": \"swapin\", \"summary\": true, \"steps_after_first_GBps\": %.4f, "
                "\"steps_after_first_nvme_GBps\": %.4f, ",
                later_gbps, later_nvme_gbps);
@@ -523,11 +463,11 @@ int main(int argc, char **argv)
         printf("# resident or arriving, steps 2..%u: min %.1f%% (target >= 95%%: %s)\n", o.steps,
                min_res, res_met ? "met" : "NOT met");
     }
-    if (!o.json)
+    if (!o.com.json)
         printf("# %s\n",
                fails || !raw_ok ? "FAILED: see the rows marked FAIL" : "all rows verified");
 
-    for (unsigned i = 0; i < o.tensors; i++)
+    for (unsigned i = 0; i < o.com.tensors; i++)
         ZINF_CHECK(zinf_unregister(e, t[i]));
     zinf_close(e);
     free(rows);
