@@ -102,6 +102,36 @@ void test_fill_random(void *buf, size_t bytes, uint64_t seed)
     }
 }
 
+zinf_tensor test_register(zinf_engine *e, const char *name, size_t n, enum zinf_tier home)
+{
+    zinf_tensor t = 0;
+    int r = zinf_register(e, name, n, home, &t);
+    cr_assert_eq(r, 0, "register %s (%zu bytes): %s", name, n, zinf_strerror(r));
+    cr_assert_neq(t, 0);
+    return t;
+}
+
+unsigned char *test_rand_buf(size_t n, uint64_t seed)
+{
+    unsigned char *b = malloc(n ? n : 1);
+    cr_assert_not_null(b);
+    test_fill_random(b, n, seed);
+    return b;
+}
+
+void test_expect_content(zinf_engine *e, zinf_tensor t, const unsigned char *want, size_t n,
+                         const char *what)
+{
+    unsigned char *got = malloc(n ? n : 1);
+    cr_assert_not_null(got);
+    int r = zinf_read(e, t, 0, got, n);
+    cr_assert_eq(r, 0, "%s: zinf_read: %s", what, zinf_strerror(r));
+    for (size_t i = 0; i < n; i++)
+        if (got[i] != want[i])
+            cr_assert_fail("%s: byte %zu of %zu is %02x, want %02x", what, i, n, got[i], want[i]);
+    free(got);
+}
+
 static pthread_mutex_t cap_lock = PTHREAD_MUTEX_INITIALIZER;
 static char *cap_text;
 static size_t cap_len;

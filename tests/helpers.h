@@ -5,6 +5,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "zinf.h"
+
 /* A fresh, empty directory for this test (under $ZINF_TEST_TMPDIR or /tmp). Free with
  * test_rmtree(), which removes it and everything below it. */
 char *test_tmpdir(const char *tag);
@@ -21,6 +23,13 @@ uint64_t test_rand(uint64_t *state);
 /* Under LeakSanitizer, fail the current test if memory leaked so far (Criterion's
  * workers leave without the exit-time leak check failing the test). No-op otherwise. */
 void test_leak_check(void);
+
+/* Engine helpers that assert as they go: register a tensor, a buffer of random bytes
+ * (free with free()), and a check that zinf_read returns exactly want. */
+zinf_tensor test_register(zinf_engine *e, const char *name, size_t n, enum zinf_tier home);
+unsigned char *test_rand_buf(size_t n, uint64_t seed);
+void test_expect_content(zinf_engine *e, zinf_tensor t, const unsigned char *want, size_t n,
+                         const char *what);
 
 /* Collect log messages in memory; test_log_text() returns all of them joined by '\n'. */
 void test_log_capture_start(void);

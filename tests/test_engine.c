@@ -65,41 +65,10 @@ static zinf_engine *open_eng(size_t dev_bytes, size_t host_bytes, size_t block)
     return e;
 }
 
-static zinf_tensor reg(zinf_engine *e, const char *name, size_t n, enum zinf_tier home)
-{
-    zinf_tensor t = 0;
-    int r = zinf_register(e, name, n, home, &t);
-    cr_assert_eq(r, 0, "register %s (%zu bytes): %s", name, n, zinf_strerror(r));
-    cr_assert_neq(t, 0);
-    return t;
-}
-
-static unsigned char *rand_buf(size_t n, uint64_t seed)
-{
-    unsigned char *b = malloc(n ? n : 1);
-    cr_assert_not_null(b);
-    test_fill_random(b, n, seed);
-    return b;
-}
-
 static void put(zinf_engine *e, zinf_tensor t, const void *src, size_t n)
 {
     int r = zinf_write(e, t, 0, src, n);
     cr_assert_eq(r, 0, "zinf_write: %s", zinf_strerror(r));
-}
-
-/* Read the whole tensor with zinf_read and compare it with want. */
-static void expect_content(zinf_engine *e, zinf_tensor t, const unsigned char *want, size_t n,
-                           const char *what)
-{
-    unsigned char *got = malloc(n);
-    cr_assert_not_null(got);
-    int r = zinf_read(e, t, 0, got, n);
-    cr_assert_eq(r, 0, "%s: zinf_read: %s", what, zinf_strerror(r));
-    for (size_t i = 0; i < n; i++)
-        if (got[i] != want[i])
-            cr_assert_fail("%s: byte %zu of %zu is %02x, want %02x", what, i, n, got[i], want[i]);
-    free(got);
 }
 
 static bool all_zero(const unsigned char *p, size_t n)
@@ -113,7 +82,7 @@ static void expect_zero(zinf_engine *e, zinf_tensor t, size_t n, const char *wha
 {
     unsigned char *z = calloc(1, n);
     cr_assert_not_null(z);
-    expect_content(e, t, z, n, what);
+    test_expect_content(e, t, z, n, what);
     free(z);
 }
 
@@ -593,7 +562,7 @@ static void model_setup(struct model *m, unsigned nt, unsigned ndev, unsigned nh
         mt->ref = calloc(1, mt->n);
         cr_assert_not_null(mt->ref);
         pthread_rwlock_init(&mt->lk, NULL);
-        mt->h = reg(m->e, name, mt->n, mt->home);
+        mt->h = test_register(m->e, name, mt->n, mt->home);
     }
 }
 
@@ -621,7 +590,7 @@ static void model_run(struct model *m)
         struct mtensor *mt = &m->t[i];
         char what[64];
         snprintf(what, sizeof(what), "tensor %u (home %d, %zu bytes)", i, mt->home, mt->n);
-        expect_content(m->e, mt->h, mt->ref, mt->n, what);
+        test_expect_content(m->e, mt->h, mt->ref, mt->n, what);
         for (int tier = 0; tier < 2; tier++) {
             void *p;
             int r = zinf_fetch(m->e, mt->h, tier, &p);
@@ -727,8 +696,8 @@ Test(engine, model_repeated_steps_use_the_schedule)
         char name[16];
         snprintf(name, sizeof(name), "layer.%d", i);
         n[i] = 150 * KiB + 1 + test_rand(&rs) % (40 * KiB);
-        ref[i] = rand_buf(n[i], 100 + i);
-        h[i] = reg(e, name, n[i], ZINF_TIER_NVME);
+        ref[i] = test_rand_buf(n[i], 100 + i);
+        h[i] = test_register(e, name, n[i], ZINF_TIER_NVME);
         put(e, h[i], ref[i], n[i]);
     }
     cr_assert_eq(zinf_step(e), 0);
@@ -762,7 +731,7 @@ Test(engine, model_repeated_steps_use_the_schedule)
     cr_assert_gt(st.prefetch_in_time + st.prefetch_late, 0);
     cr_assert_gt(st.tier[0].evictions, 0);
     for (int i = 0; i < NL; i++) {
-        expect_content(e, h[i], ref[i], n[i], "after the steps");
+        test_expect_content(e, h[i], ref[i], n[i], "after the steps");
         free(ref[i]);
     }
     zinf_close(e);
@@ -809,7 +778,7 @@ Test(engine, open_bad_options)
 Test(engine, null_arguments)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
-    zinf_tensor t = reg(e, "t", 100, ZINF_TIER_NVME);
+    zinf_tensor t = test_register(e, "t", 100, ZINF_TIER_NVME);
     void *p;
     uint64_t k;
     char buf[16] = {0};
@@ -867,10 +836,10 @@ Test(engine, null_arguments)
 Test(engine, einval_bad_handles)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
-    zinf_tensor good = reg(e, "good", 5000, ZINF_TIER_NVME);
-    zinf_tensor gone = reg(e, "gone", 5000, ZINF_TIER_HOST);
+    zinf_tensor good = test_register(e, "good", 5000, ZINF_TIER_NVME);
+    zinf_tensor gone = test_register(e, "gone", 5000, ZINF_TIER_HOST);
     cr_assert_eq(zinf_unregister(e, gone), 0);
-    zinf_tensor reused = reg(e, "reused", 5000, ZINF_TIER_HOST); /* likely gone's slot */
+    zinf_tensor reused = test_register(e, "reused", 5000, ZINF_TIER_HOST); /* likely gone's slot */
     zinf_tensor bad[] = {0, 12345, good + (1ull << 32), good + 1, ~0ull, gone};
     char buf[8] = {0};
     void *p;
@@ -901,7 +870,7 @@ Test(engine, einval_bad_handles)
 Test(engine, einval_release_without_pin_bad_tier_bad_flags)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
-    zinf_tensor t = reg(e, "t", 3000, ZINF_TIER_NVME);
+    zinf_tensor t = test_register(e, "t", 3000, ZINF_TIER_NVME);
     void *p;
     uint64_t k;
 
@@ -930,8 +899,8 @@ Test(engine, einval_out_of_range)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 10001;
-    zinf_tensor t = reg(e, "t", n, ZINF_TIER_NVME);
-    unsigned char *buf = rand_buf(n + 10, 3);
+    zinf_tensor t = test_register(e, "t", n, ZINF_TIER_NVME);
+    unsigned char *buf = test_rand_buf(n + 10, 3);
 
     cr_assert_eq(zinf_write(e, t, 0, buf, n + 1), -EINVAL);
     cr_assert_eq(zinf_write(e, t, n, buf, 1), -EINVAL);
@@ -946,7 +915,7 @@ Test(engine, einval_out_of_range)
     cr_assert_eq(zinf_write(e, t, n - 1, buf, 1), 0);
     cr_assert_eq(zinf_write(e, t, n, buf, 0), 0, "an empty write at the end");
     cr_assert_eq(zinf_write(e, t, 0, buf, n), 0);
-    expect_content(e, t, buf, n, "whole write");
+    test_expect_content(e, t, buf, n, "whole write");
     cr_assert_eq(zinf_unregister(e, t), 0);
     free(buf);
     zinf_close(e);
@@ -959,7 +928,7 @@ Test(engine, enoent_and_eexist)
 
     cr_assert_eq(zinf_lookup(e, "w", &u), -ENOENT);
     cr_assert_eq(u, 77, "untouched on error");
-    t = reg(e, "w", 100, ZINF_TIER_HOST);
+    t = test_register(e, "w", 100, ZINF_TIER_HOST);
     cr_assert_eq(zinf_lookup(e, "w", &u), 0);
     cr_assert_eq(u, t);
     cr_assert_eq(zinf_register(e, "w", 100, ZINF_TIER_HOST, &u), -EEXIST);
@@ -976,7 +945,7 @@ Test(engine, enoent_and_eexist)
     for (int i = 0; i < 300; i++) {
         char name[32];
         snprintf(name, sizeof(name), "many/%d", i);
-        hs[i] = reg(e, name, 1 + i, ZINF_TIER_NVME);
+        hs[i] = test_register(e, name, 1 + i, ZINF_TIER_NVME);
     }
     for (int i = 0; i < 300; i++) {
         char name[32];
@@ -1000,9 +969,9 @@ Test(engine, enospc_larger_than_home_tier)
     cr_assert_eq(stats(e).tensors, 0);
     cr_assert_eq(stats(e).tier[0].used_bytes, 0);
     /* Exactly the capacity fits. */
-    zinf_tensor d = reg(e, "d", MiB, ZINF_TIER_DEVICE);
-    zinf_tensor h = reg(e, "h", 2 * MiB, ZINF_TIER_HOST);
-    zinf_tensor n = reg(e, "n", 5 * MiB, ZINF_TIER_NVME); /* NVMe grows */
+    zinf_tensor d = test_register(e, "d", MiB, ZINF_TIER_DEVICE);
+    zinf_tensor h = test_register(e, "h", 2 * MiB, ZINF_TIER_HOST);
+    zinf_tensor n = test_register(e, "n", 5 * MiB, ZINF_TIER_NVME); /* NVMe grows */
     expect_zero(e, d, MiB, "device home");
     expect_zero(e, h, 2 * MiB, "host home");
     check_budgets(e);
@@ -1023,8 +992,8 @@ Test(engine, enomem_when_pins_fill_the_tier)
     for (int i = 0; i <= N; i++) {
         char name[16];
         snprintf(name, sizeof(name), "t%d", i);
-        t[i] = reg(e, name, 256 * KiB, ZINF_TIER_NVME);
-        ref[i] = rand_buf(256 * KiB, 20 + i);
+        t[i] = test_register(e, name, 256 * KiB, ZINF_TIER_NVME);
+        ref[i] = test_rand_buf(256 * KiB, 20 + i);
         put(e, t[i], ref[i], 256 * KiB);
     }
     for (int tier = 0; tier < 2; tier++) {
@@ -1052,12 +1021,12 @@ Test(engine, enomem_when_pins_fill_the_tier)
         check_budgets(e);
     }
     /* Larger than the whole tier: -ENOMEM at once. */
-    zinf_tensor big = reg(e, "big", MiB + 1, ZINF_TIER_NVME);
+    zinf_tensor big = test_register(e, "big", MiB + 1, ZINF_TIER_NVME);
     void *q;
     cr_assert_eq(zinf_fetch(e, big, ZINF_TIER_HOST, &q), -ENOMEM);
     cr_assert_eq(zinf_unregister(e, big), 0);
     for (int i = 0; i <= N; i++) {
-        expect_content(e, t[i], ref[i], 256 * KiB, "after -ENOMEM");
+        test_expect_content(e, t[i], ref[i], 256 * KiB, "after -ENOMEM");
         cr_assert_eq(zinf_unregister(e, t[i]), 0);
         free(ref[i]);
     }
@@ -1068,8 +1037,8 @@ Test(engine, ebusy_dirty_release_pinned_in_other_tier)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 70000;
-    zinf_tensor t = reg(e, "t", n, ZINF_TIER_NVME);
-    unsigned char *a = rand_buf(n, 1), *b = rand_buf(n, 2);
+    zinf_tensor t = test_register(e, "t", n, ZINF_TIER_NVME);
+    unsigned char *a = test_rand_buf(n, 1), *b = test_rand_buf(n, 2);
     void *pd, *ph;
 
     put(e, t, a, n);
@@ -1091,7 +1060,7 @@ Test(engine, ebusy_dirty_release_pinned_in_other_tier)
     cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &pd), 0);
     memcpy(pd, b, n);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
-    expect_content(e, t, b, n, "after the DIRTY release");
+    test_expect_content(e, t, b, n, "after the DIRTY release");
     cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &ph), 0);
     cr_assert_eq(memcmp(ph, b, n), 0, "the host copy follows the device's newest");
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
@@ -1104,7 +1073,7 @@ Test(engine, ebusy_dirty_release_pinned_in_other_tier)
 Test(engine, ebusy_unregister_while_pinned)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
-    zinf_tensor t = reg(e, "t", 9000, ZINF_TIER_DEVICE);
+    zinf_tensor t = test_register(e, "t", 9000, ZINF_TIER_DEVICE);
     void *p;
     uint64_t k;
 
@@ -1127,7 +1096,7 @@ Test(engine, ebusy_unregister_while_pinned)
 static zinf_tensor nvme_tensor_with(zinf_engine *e, const char *name, const unsigned char *c,
                                     size_t n)
 {
-    zinf_tensor t = reg(e, name, n, ZINF_TIER_NVME);
+    zinf_tensor t = test_register(e, name, n, ZINF_TIER_NVME);
     put(e, t, c, n);
     return t;
 }
@@ -1136,7 +1105,7 @@ Test(engine, eio_fetch_from_nvme)
 {
     zinf_engine *e = open_eng(2 * MiB, MiB, BLOCK);
     const size_t n = 300 * KiB + 5; /* several chunks */
-    unsigned char *a = rand_buf(n, 11);
+    unsigned char *a = test_rand_buf(n, 11);
     void *p;
 
     for (int tier = 0; tier < 2; tier++) {
@@ -1149,7 +1118,7 @@ Test(engine, eio_fetch_from_nvme)
             struct zinf_stats st = stats(e);
             cr_assert_eq(st.tier[tier].pinned_bytes, 0, "a failed fetch holds no pin");
             cr_assert_eq(zinf_release(e, t, tier, 0), -EINVAL);
-            expect_content(e, t, a, n, "after a failed fetch");
+            test_expect_content(e, t, a, n, "after a failed fetch");
             /* The same fetch again. */
             cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
             cr_assert_eq(memcmp(p, a, n), 0);
@@ -1177,8 +1146,8 @@ Test(engine, eio_device_copy_of_a_host_tensor)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 50000;
-    unsigned char *a = rand_buf(n, 12);
-    zinf_tensor t = reg(e, "t", n, ZINF_TIER_HOST);
+    unsigned char *a = test_rand_buf(n, 12);
+    zinf_tensor t = test_register(e, "t", n, ZINF_TIER_HOST);
     void *p;
 
     put(e, t, a, n);
@@ -1187,7 +1156,7 @@ Test(engine, eio_device_copy_of_a_host_tensor)
     cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
     cr_assert_eq(memcmp(p, a, n), 0);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
-    expect_content(e, t, a, n, "host home");
+    test_expect_content(e, t, a, n, "host home");
     cr_assert_eq(zinf_unregister(e, t), 0);
     free(a);
     zinf_close(e);
@@ -1199,8 +1168,8 @@ static void eio_writeback(int tier, enum zinf_tier home, bool device_fault)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 400 * KiB + 77;
-    unsigned char *a = rand_buf(n, 13), *b = rand_buf(n, 14), *f = rand_buf(700 * KiB, 15);
-    zinf_tensor t = reg(e, "t", n, home);
+    unsigned char *a = test_rand_buf(n, 13), *b = test_rand_buf(n, 14), *f = test_rand_buf(700 * KiB, 15);
+    zinf_tensor t = test_register(e, "t", n, home);
     zinf_tensor filler = nvme_tensor_with(e, "filler", f, 700 * KiB);
     void *p;
 
@@ -1224,11 +1193,11 @@ static void eio_writeback(int tier, enum zinf_tier home, bool device_fault)
     cr_assert(strstr(test_log_text(), "'t'"), "the failed write-back is logged: %s",
               test_log_text());
     test_log_capture_stop();
-    expect_content(e, t, b, n, "dirty tensor after a failed write-back");
+    test_expect_content(e, t, b, n, "dirty tensor after a failed write-back");
     cr_assert_eq(zinf_fetch(e, filler, tier, &p), 0);
     cr_assert_eq(memcmp(p, f, 700 * KiB), 0);
     cr_assert_eq(zinf_release(e, filler, tier, 0), 0);
-    expect_content(e, t, b, n, "dirty tensor once evicted");
+    test_expect_content(e, t, b, n, "dirty tensor once evicted");
     cr_assert_eq(zinf_fetch(e, t, 1 - tier, &p), 0);
     cr_assert_eq(memcmp(p, b, n), 0);
     cr_assert_eq(zinf_release(e, t, 1 - tier, 0), 0);
@@ -1260,9 +1229,9 @@ Test(engine, eio_flush)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 200 * KiB + 3;
-    unsigned char *a = rand_buf(n, 16), *b = rand_buf(n, 17);
+    unsigned char *a = test_rand_buf(n, 16), *b = test_rand_buf(n, 17);
     zinf_tensor t = nvme_tensor_with(e, "t", a, n);
-    zinf_tensor d = reg(e, "d", n, ZINF_TIER_DEVICE);
+    zinf_tensor d = test_register(e, "d", n, ZINF_TIER_DEVICE);
     void *p;
 
     put(e, d, a, n);
@@ -1275,11 +1244,11 @@ Test(engine, eio_flush)
         uring_fault_set(e->io, URING_FAULT_EIO, 2);
         int r = zinf_flush(e);
         cr_assert_eq(r, -EIO, "tier %d: %s", tier, zinf_strerror(r));
-        expect_content(e, t, b, n, "after a failed flush");
-        expect_content(e, d, b, n, "device home after a failed flush");
+        test_expect_content(e, t, b, n, "after a failed flush");
+        test_expect_content(e, d, b, n, "device home after a failed flush");
         cr_assert_eq(zinf_flush(e), 0, "the same flush again");
-        expect_content(e, t, b, n, "after the flush");
-        expect_content(e, d, b, n, "device home after the flush");
+        test_expect_content(e, t, b, n, "after the flush");
+        test_expect_content(e, d, b, n, "device home after the flush");
         memcpy(a, b, n);
         test_fill_random(b, n, 100 + tier);
     }
@@ -1294,7 +1263,7 @@ Test(engine, eio_write)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 100 * KiB + 9;
-    unsigned char *a = rand_buf(n, 18), *b = rand_buf(n, 19);
+    unsigned char *a = test_rand_buf(n, 18), *b = test_rand_buf(n, 19);
     zinf_tensor t = nvme_tensor_with(e, "t", a, n);
     void *p;
 
@@ -1303,7 +1272,7 @@ Test(engine, eio_write)
         uring_fault_set(e->io, URING_FAULT_EIO, nth);
         int r = zinf_write(e, t, 5000, b, 20000);
         cr_assert_eq(r, -EIO, "fault on IO %u: %s", nth, zinf_strerror(r));
-        expect_content(e, t, a, n, "swap-only tensor after a failed write");
+        test_expect_content(e, t, a, n, "swap-only tensor after a failed write");
     }
     /* After a flush the extent is the persisted one: the write goes to a copy. */
     cr_assert_eq(zinf_flush(e), 0);
@@ -1311,17 +1280,17 @@ Test(engine, eio_write)
         uring_fault_set(e->io, URING_FAULT_EIO, nth);
         int r = zinf_write(e, t, 5000, b, 20000);
         cr_assert_eq(r, -EIO, "fault on IO %u: %s", nth, zinf_strerror(r));
-        expect_content(e, t, a, n, "persisted tensor after a failed write");
+        test_expect_content(e, t, a, n, "persisted tensor after a failed write");
     }
     /* A device copy takes the write: the device copy fails. */
     cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
     device_fault_set(e->dev, 1, -EIO);
     cr_assert_eq(zinf_write(e, t, 0, b, n), -EIO);
-    expect_content(e, t, a, n, "device-cached tensor after a failed write");
+    test_expect_content(e, t, a, n, "device-cached tensor after a failed write");
     /* Success twin. */
     cr_assert_eq(zinf_write(e, t, 0, b, n), 0);
-    expect_content(e, t, b, n, "after the write");
+    test_expect_content(e, t, b, n, "after the write");
     cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
     cr_assert_eq(memcmp(p, b, n), 0);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
@@ -1337,7 +1306,7 @@ Test(engine, same_tier_fetch_same_pointer_two_releases)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 12345;
-    unsigned char *a = rand_buf(n, 21);
+    unsigned char *a = test_rand_buf(n, 21);
     zinf_tensor t = nvme_tensor_with(e, "t", a, n);
     void *p1, *p2, *p3;
 
@@ -1369,7 +1338,7 @@ Test(engine, pinned_copies_are_never_evicted)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 200 * KiB + 1;
-    unsigned char *a = rand_buf(n, 22), *f[10];
+    unsigned char *a = test_rand_buf(n, 22), *f[10];
     zinf_tensor t = nvme_tensor_with(e, "pinned", a, n);
     zinf_tensor fill[10];
     void *pd, *ph, *q;
@@ -1377,7 +1346,7 @@ Test(engine, pinned_copies_are_never_evicted)
     for (int i = 0; i < 10; i++) {
         char name[16];
         snprintf(name, sizeof(name), "fill%d", i);
-        f[i] = rand_buf(n, 23 + i);
+        f[i] = test_rand_buf(n, 23 + i);
         fill[i] = nvme_tensor_with(e, name, f[i], n);
     }
     cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &pd), 0);
@@ -1405,7 +1374,7 @@ Test(engine, pinned_copies_are_never_evicted)
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
     for (int i = 0; i < 10; i++) {
-        expect_content(e, fill[i], f[i], n, "filler");
+        test_expect_content(e, fill[i], f[i], n, "filler");
         cr_assert_eq(zinf_unregister(e, fill[i]), 0);
         free(f[i]);
     }
@@ -1427,7 +1396,7 @@ Test(engine, fetch_async_and_wait)
     for (int i = 0; i < N; i++) {
         char name[16];
         snprintf(name, sizeof(name), "a%d", i);
-        a[i] = rand_buf(n, 30 + i);
+        a[i] = test_rand_buf(n, 30 + i);
         t[i] = nvme_tensor_with(e, name, a[i], n);
     }
     /* Start all the loads, then wait for them in reverse order. */
@@ -1474,7 +1443,7 @@ Test(engine, concurrent_fetches_join_one_transfer)
     enum { T = 4 };
     zinf_engine *e = open_eng(4 * MiB, 4 * MiB, BLOCK);
     const size_t n = 2 * MiB + 99;
-    unsigned char *a = rand_buf(n, 40);
+    unsigned char *a = test_rand_buf(n, 40);
     pthread_barrier_t bar;
     pthread_t th[T];
     struct joiner j[T];
@@ -1517,7 +1486,7 @@ Test(engine, tensor_larger_than_host_streams_to_device)
 {
     zinf_engine *e = open_eng(8 * MiB, MiB, BLOCK);
     const size_t n = 5 * MiB + 123;
-    unsigned char *a = rand_buf(n, 50), *b = rand_buf(n, 51);
+    unsigned char *a = test_rand_buf(n, 50), *b = test_rand_buf(n, 51);
     zinf_tensor t = nvme_tensor_with(e, "big", a, n);
     zinf_tensor u = nvme_tensor_with(e, "big2", b, n);
     void *p;
@@ -1535,16 +1504,16 @@ Test(engine, tensor_larger_than_host_streams_to_device)
     struct zinf_stats st = stats(e);
     cr_assert_geq(st.tier[0].writebacks, 1);
     cr_assert_geq(st.tier[0].evictions, 1);
-    expect_content(e, t, a, n, "written back");
+    test_expect_content(e, t, a, n, "written back");
     cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
     cr_assert_eq(memcmp(p, a, n), 0);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
     /* A device-home tensor larger than the host tier: zeros, then a write and a flush. */
-    zinf_tensor d = reg(e, "dhome", 2 * MiB + 1, ZINF_TIER_DEVICE);
+    zinf_tensor d = test_register(e, "dhome", 2 * MiB + 1, ZINF_TIER_DEVICE);
     expect_zero(e, d, 2 * MiB + 1, "device home");
     cr_assert_eq(zinf_write(e, d, 0, b, 2 * MiB + 1), 0);
     cr_assert_eq(zinf_flush(e), 0);
-    expect_content(e, d, b, 2 * MiB + 1, "device home after flush");
+    test_expect_content(e, d, b, 2 * MiB + 1, "device home after flush");
     check_budgets(e);
     cr_assert_eq(zinf_unregister(e, t), 0);
     cr_assert_eq(zinf_unregister(e, u), 0);
@@ -1561,10 +1530,10 @@ Test(engine, every_home_round_trip)
     enum zinf_tier homes[] = {ZINF_TIER_DEVICE, ZINF_TIER_HOST, ZINF_TIER_NVME};
 
     for (size_t i = 0; i < ARRAY_SIZE(homes); i++) {
-        unsigned char *a = rand_buf(n, 60 + i), *b = rand_buf(n, 70 + i);
+        unsigned char *a = test_rand_buf(n, 60 + i), *b = test_rand_buf(n, 70 + i);
         char name[16];
         snprintf(name, sizeof(name), "home%zu", i);
-        zinf_tensor t = reg(e, name, n, homes[i]);
+        zinf_tensor t = test_register(e, name, n, homes[i]);
         void *p, *q;
         /* zeros in both tiers */
         for (int tier = 0; tier < 2; tier++) {
@@ -1586,14 +1555,14 @@ Test(engine, every_home_round_trip)
             cr_assert_eq(zinf_release(e, t, 1 - tier, 0), 0);
             test_fill_random(b, n, 80 + tier);
         }
-        expect_content(e, t, a, n, "zinf_read");
+        test_expect_content(e, t, a, n, "zinf_read");
         /* partial writes and reads at odd offsets */
         cr_assert_eq(zinf_write(e, t, 4095, b, 3), 0);
         memcpy(a + 4095, b, 3);
         unsigned char small[5];
         cr_assert_eq(zinf_read(e, t, 4094, small, 5), 0);
         cr_assert_eq(memcmp(small, a + 4094, 5), 0);
-        expect_content(e, t, a, n, "after a partial write");
+        test_expect_content(e, t, a, n, "after a partial write");
         cr_assert_eq(zinf_unregister(e, t), 0);
         free(a);
         free(b);
@@ -1614,7 +1583,7 @@ Test(engine, zero_content_at_register_every_home)
 
     for (size_t i = 0; i < ARRAY_SIZE(homes); i++) {
         for (int round = 0; round < 2; round++) {
-            zinf_tensor t = reg(e, "z", n, homes[i]);
+            zinf_tensor t = test_register(e, "z", n, homes[i]);
             expect_zero(e, t, n, "fresh");
             for (int tier = 0; tier < 2; tier++) {
                 void *p;
@@ -1646,14 +1615,14 @@ Test(engine, fetches_that_waited_for_room_then_joined_return_zero)
     enum { T = 4, D = 4 };
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 256 * KiB;
-    unsigned char *a = rand_buf(n, 90);
+    unsigned char *a = test_rand_buf(n, 90);
 
     for (int round = 0; round < 10; round++) {
         zinf_tensor d[D];
         for (int i = 0; i < D; i++) {
             char name[16];
             snprintf(name, sizeof(name), "dirty%d", i);
-            d[i] = reg(e, name, n, ZINF_TIER_NVME);
+            d[i] = test_register(e, name, n, ZINF_TIER_NVME);
             void *p;
             cr_assert_eq(zinf_fetch(e, d[i], ZINF_TIER_HOST, &p), 0);
             memset(p, i + 1, n);
@@ -1682,7 +1651,7 @@ Test(engine, fetches_that_waited_for_room_then_joined_return_zero)
         for (int i = 0; i < D; i++) {
             unsigned char *want = malloc(n);
             memset(want, i + 1, n);
-            expect_content(e, d[i], want, n, "written back");
+            test_expect_content(e, d[i], want, n, "written back");
             free(want);
             cr_assert_eq(zinf_unregister(e, d[i]), 0);
         }
@@ -1710,7 +1679,7 @@ Test(engine, flush_during_a_dirty_release_keeps_the_update)
 {
     zinf_engine *e = open_eng(16 * MiB, MiB, BLOCK);
     const size_t n = 6 * MiB + 3;
-    unsigned char *a = rand_buf(n, 91), *b = rand_buf(n, 92), *c = rand_buf(n, 93);
+    unsigned char *a = test_rand_buf(n, 91), *b = test_rand_buf(n, 92), *c = test_rand_buf(n, 93);
     zinf_tensor t = nvme_tensor_with(e, "t", a, n);
     zinf_tensor u = nvme_tensor_with(e, "u", a, n);
     zinf_tensor w = nvme_tensor_with(e, "w", a, n);
@@ -1744,7 +1713,7 @@ Test(engine, flush_during_a_dirty_release_keeps_the_update)
     cr_assert_eq(zinf_fetch(e, w, ZINF_TIER_DEVICE, &p), 0);
     cr_assert_eq(zinf_release(e, u, ZINF_TIER_DEVICE, 0), 0);
     cr_assert_eq(zinf_release(e, w, ZINF_TIER_DEVICE, 0), 0);
-    expect_content(e, t, c, n, "the update released during the flush");
+    test_expect_content(e, t, c, n, "the update released during the flush");
     cr_assert_eq(zinf_unregister(e, t), 0);
     cr_assert_eq(zinf_unregister(e, u), 0);
     cr_assert_eq(zinf_unregister(e, w), 0);
@@ -1763,7 +1732,7 @@ Test(engine, writebacks_of_one_tensor_never_overlap)
 {
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 5000;
-    unsigned char *a = rand_buf(n, 94), *b = rand_buf(n, 95), *c = rand_buf(n, 96);
+    unsigned char *a = test_rand_buf(n, 94), *b = test_rand_buf(n, 95), *c = test_rand_buf(n, 96);
 
     for (int round = 0; round < 20; round++) {
         zinf_tensor t = nvme_tensor_with(e, "t", a, n);
@@ -1793,13 +1762,13 @@ Test(engine, writebacks_of_one_tensor_never_overlap)
         while (ti->c[0].wb_inflight || ti->c[1].wb_inflight)
             engine_wait(e);
         pthread_mutex_unlock(&e->lock);
-        zinf_tensor f = reg(e, "fill", MiB, ZINF_TIER_NVME);
+        zinf_tensor f = test_register(e, "fill", MiB, ZINF_TIER_NVME);
         for (int tier = 0; tier < 2; tier++) {
             void *q;
             cr_assert_eq(zinf_fetch(e, f, tier, &q), 0);
             cr_assert_eq(zinf_release(e, f, tier, 0), 0);
         }
-        expect_content(e, t, c, n, "the newest version");
+        test_expect_content(e, t, c, n, "the newest version");
         cr_assert_eq(zinf_unregister(e, f), 0);
         cr_assert_eq(zinf_unregister(e, t), 0);
     }
@@ -1817,13 +1786,13 @@ Test(engine, fetch_async_pins_even_when_its_load_waits)
     enum { D = 4 };
     zinf_engine *e = open_eng(MiB, MiB, BLOCK);
     const size_t n = 256 * KiB;
-    unsigned char *a = rand_buf(n, 97);
+    unsigned char *a = test_rand_buf(n, 97);
     zinf_tensor d[D];
 
     for (int i = 0; i < D; i++) {
         char name[16];
         snprintf(name, sizeof(name), "dirty%d", i);
-        d[i] = reg(e, name, n, ZINF_TIER_NVME);
+        d[i] = test_register(e, name, n, ZINF_TIER_NVME);
         void *p;
         cr_assert_eq(zinf_fetch(e, d[i], ZINF_TIER_HOST, &p), 0);
         memset(p, i + 1, n);
@@ -1855,7 +1824,7 @@ Test(engine, wait_after_joining_an_overtaken_prefetch_loads_the_newest)
 {
     zinf_engine *e = open_eng(16 * MiB, 5 * MiB, BLOCK); /* prefetch budget: 8 MiB */
     const size_t n = 4 * MiB + 5;
-    unsigned char *a = rand_buf(n, 98);
+    unsigned char *a = test_rand_buf(n, 98);
     zinf_tensor t = nvme_tensor_with(e, "t", a, n);
     unsigned joined = 0;
 
@@ -1982,7 +1951,7 @@ Test(engine, unregister_racing_flush_and_fetch)
     for (unsigned s = 0; s < CHURN_SLOTS; s++) {
         char name[16];
         snprintf(name, sizeof(name), "churn%u", s);
-        atomic_store(&c->h[s], reg(c->e, name, 9000, ZINF_TIER_NVME));
+        atomic_store(&c->h[s], test_register(c->e, name, 9000, ZINF_TIER_NVME));
     }
     pthread_t th[3];
     void *(*fn[3])(void *) = {churn_flusher, churn_registrar, churn_user};
@@ -2037,7 +2006,7 @@ Test(engine, unregister_waiting_when_a_flush_starts)
     memset(buf, 7, sizeof(buf));
 
     for (int round = 0; round < 20; round++) {
-        zinf_tensor t = reg(e, "t", sizeof(buf), ZINF_TIER_NVME);
+        zinf_tensor t = test_register(e, "t", sizeof(buf), ZINF_TIER_NVME);
         put(e, t, buf, sizeof(buf));
         pthread_mutex_lock(&e->lock);
         engine_tensor(e, t)->c[ZINF_TIER_HOST].readers++;

@@ -79,14 +79,6 @@ static zinf_engine *open_eng(unsigned flags, bool two_dirs)
     return e;
 }
 
-static zinf_tensor reg(zinf_engine *e, const char *name, size_t n, enum zinf_tier home)
-{
-    zinf_tensor t = 0;
-    int r = zinf_register(e, name, n, home, &t);
-    cr_assert_eq(r, 0, "register %s: %s", name, zinf_strerror(r));
-    return t;
-}
-
 static zinf_tensor look(zinf_engine *e, const char *name)
 {
     zinf_tensor t = 0;
@@ -95,32 +87,11 @@ static zinf_tensor look(zinf_engine *e, const char *name)
     return t;
 }
 
-static unsigned char *rand_buf(size_t n, uint64_t seed)
-{
-    unsigned char *b = malloc(n);
-    cr_assert_not_null(b);
-    test_fill_random(b, n, seed);
-    return b;
-}
-
-static void expect_content(zinf_engine *e, zinf_tensor t, const unsigned char *want, size_t n,
-                           const char *what)
-{
-    unsigned char *got = malloc(n);
-    cr_assert_not_null(got);
-    int r = zinf_read(e, t, 0, got, n);
-    cr_assert_eq(r, 0, "%s: zinf_read: %s", what, zinf_strerror(r));
-    for (size_t i = 0; i < n; i++)
-        if (got[i] != want[i])
-            cr_assert_fail("%s: byte %zu of %zu is %02x, want %02x", what, i, n, got[i], want[i]);
-    free(got);
-}
-
 /* Both memory tiers see the same bytes too. */
 static void expect_everywhere(zinf_engine *e, zinf_tensor t, const unsigned char *want, size_t n,
                               const char *what)
 {
-    expect_content(e, t, want, n, what);
+    test_expect_content(e, t, want, n, what);
     for (int tier = 0; tier < 2; tier++) {
         void *p;
         int r = zinf_fetch(e, t, tier, &p);
@@ -221,7 +192,7 @@ static void resume_round_trip(bool two_dirs)
     zinf_tensor pinned = 0;
 
     for (size_t i = 0; i < ARRAY_SIZE(specs); i++) {
-        reg(e, specs[i].name, specs[i].n, specs[i].home);
+        test_register(e, specs[i].name, specs[i].n, specs[i].home);
         ref[i] = malloc(specs[i].n);
     }
     /* Twice: the second flush replaces what the first one wrote. */
@@ -285,9 +256,9 @@ Test(persist, flush_close_resume_two_directories)
 Test(persist, resume_then_change_then_resume)
 {
     const size_t n = 100 * KiB + 1;
-    unsigned char *a = rand_buf(n, 1), *b = rand_buf(n, 2);
+    unsigned char *a = test_rand_buf(n, 1), *b = test_rand_buf(n, 2);
     zinf_engine *e = open_eng(0, false);
-    zinf_tensor t = reg(e, "t", n, ZINF_TIER_NVME), u = reg(e, "u", n, ZINF_TIER_HOST);
+    zinf_tensor t = test_register(e, "t", n, ZINF_TIER_NVME), u = test_register(e, "u", n, ZINF_TIER_HOST);
 
     cr_assert_eq(zinf_write(e, t, 0, a, n), 0);
     cr_assert_eq(zinf_write(e, u, 0, a, n), 0);
@@ -302,7 +273,7 @@ Test(persist, resume_then_change_then_resume)
     cr_assert_eq(zinf_fetch(e, u, ZINF_TIER_DEVICE, &p), 0);
     memcpy(p, b, n);
     cr_assert_eq(zinf_release(e, u, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
-    zinf_tensor v = reg(e, "v", 33, ZINF_TIER_DEVICE);
+    zinf_tensor v = test_register(e, "v", 33, ZINF_TIER_DEVICE);
     cr_assert_eq(zinf_write(e, v, 0, b, 33), 0);
     zinf_close(e);
     e = open_eng(ZINF_OPEN_RESUME, false);
@@ -314,7 +285,7 @@ Test(persist, resume_then_change_then_resume)
     e = open_eng(ZINF_OPEN_RESUME, false);
     zinf_tensor x;
     cr_assert_eq(zinf_lookup(e, "v", &x), -ENOENT, "unregistered before the last close");
-    expect_content(e, look(e, "t"), a, n, "t thrice");
+    test_expect_content(e, look(e, "t"), a, n, "t thrice");
     zinf_close(e);
     free(a);
     free(b);
@@ -323,7 +294,7 @@ Test(persist, resume_then_change_then_resume)
 Test(persist, reopen_without_resume_starts_empty)
 {
     zinf_engine *e = open_eng(0, false);
-    zinf_tensor t = reg(e, "t", 5000, ZINF_TIER_NVME);
+    zinf_tensor t = test_register(e, "t", 5000, ZINF_TIER_NVME);
     cr_assert_eq(zinf_write(e, t, 0, "abc", 3), 0);
     cr_assert_eq(zinf_flush(e), 0);
     zinf_close(e);
@@ -333,7 +304,7 @@ Test(persist, reopen_without_resume_starts_empty)
     cr_assert_eq(st.tensors, 0);
     cr_assert_eq(zinf_lookup(e, "t", &t), -ENOENT);
     /* The old name is free, and its content is gone: zeros. */
-    t = reg(e, "t", 5000, ZINF_TIER_NVME);
+    t = test_register(e, "t", 5000, ZINF_TIER_NVME);
     unsigned char got[3];
     cr_assert_eq(zinf_read(e, t, 0, got, 3), 0);
     cr_assert(got[0] == 0 && got[1] == 0 && got[2] == 0);
@@ -358,7 +329,7 @@ Test(persist, swap_space_reused_across_flushes)
 {
     enum { N = 6 };
     const size_t n = 256 * KiB;
-    unsigned char *a = rand_buf(n, 3);
+    unsigned char *a = test_rand_buf(n, 3);
     zinf_engine *e = open_eng(0, false);
     zinf_tensor t[N];
     struct zinf_stats st;
@@ -366,7 +337,7 @@ Test(persist, swap_space_reused_across_flushes)
     for (int i = 0; i < N; i++) {
         char name[16];
         snprintf(name, sizeof(name), "t%d", i);
-        t[i] = reg(e, name, n,
+        t[i] = test_register(e, name, n,
                    i % 3 == 0   ? ZINF_TIER_NVME
                    : i % 3 == 1 ? ZINF_TIER_HOST
                                 : ZINF_TIER_DEVICE);
@@ -472,7 +443,7 @@ Test(persist, failed_flush_keeps_the_previous_manifest)
         uring_fault_set(e->io, URING_FAULT_EIO, nth);
         cr_assert_eq(zinf_flush(e), -EIO);
         for (int i = 0; i < 3; i++)
-            expect_content(e, look(e, names[i]), b[i], n[i], names[i]);
+            test_expect_content(e, look(e, names[i]), b[i], n[i], names[i]);
     }
     cr_assert_eq(zinf_flush(e), 0);
     cr_assert_eq(zinf_flush(e), 0);
@@ -514,10 +485,10 @@ static void flip_byte_in_swap(const char *d, const unsigned char *needle, size_t
 static void flipped_byte_is_caught(enum zinf_tier home)
 {
     const size_t n = 150 * KiB + 9;
-    unsigned char *a = rand_buf(n, 7 + home), *b = rand_buf(n, 17);
+    unsigned char *a = test_rand_buf(n, 7 + home), *b = test_rand_buf(n, 17);
     zinf_engine *e = open_eng(0, false);
-    zinf_tensor ok = reg(e, "fine", n, ZINF_TIER_NVME);
-    zinf_tensor t = reg(e, "victim", n, home);
+    zinf_tensor ok = test_register(e, "fine", n, ZINF_TIER_NVME);
+    zinf_tensor t = test_register(e, "victim", n, home);
 
     cr_assert_eq(zinf_write(e, ok, 0, b, n), 0);
     cr_assert_eq(zinf_write(e, t, 0, a, n), 0);
@@ -583,10 +554,10 @@ static char *replace(const char *s, const char *from, const char *to)
 Test(persist, corrupt_or_truncated_manifest_is_refused)
 {
     const size_t n = 20000;
-    unsigned char *a = rand_buf(n, 9);
+    unsigned char *a = test_rand_buf(n, 9);
     zinf_engine *e = open_eng(0, false);
-    reg(e, "a", n, ZINF_TIER_NVME);
-    reg(e, "b", n, ZINF_TIER_HOST);
+    test_register(e, "a", n, ZINF_TIER_NVME);
+    test_register(e, "b", n, ZINF_TIER_HOST);
     cr_assert_eq(zinf_write(e, look(e, "a"), 0, a, n), 0);
     cr_assert_eq(zinf_write(e, look(e, "b"), 0, a, n), 0);
     zinf_close(e);
@@ -628,8 +599,8 @@ Test(persist, corrupt_or_truncated_manifest_is_refused)
     /* The good manifest still works after all that. */
     spill(mp, good, len);
     e = open_eng(ZINF_OPEN_RESUME, false);
-    expect_content(e, look(e, "a"), a, n, "a");
-    expect_content(e, look(e, "b"), a, n, "b");
+    test_expect_content(e, look(e, "a"), a, n, "a");
+    test_expect_content(e, look(e, "b"), a, n, "b");
     zinf_close(e);
     free(good);
     free(mp);
@@ -639,7 +610,7 @@ Test(persist, corrupt_or_truncated_manifest_is_refused)
 Test(persist, missing_swap_file_is_refused)
 {
     zinf_engine *e = open_eng(0, true);
-    reg(e, "a", 300 * KiB, ZINF_TIER_NVME);
+    test_register(e, "a", 300 * KiB, ZINF_TIER_NVME);
     cr_assert_eq(zinf_write(e, look(e, "a"), 0, "x", 1), 0);
     zinf_close(e);
     char *p = path_in(dir2, "zinf-swap.1");
