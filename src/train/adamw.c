@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "train/adamw.h"
+#include "train/ops.h"
 
 #define CHUNK_ELEMS ((size_t)1 << 16)        /* elements per thread task: 256 KiB of each array */
 #define PARALLEL_MIN_ELEMS ((size_t)1 << 17) /* below this, threads cost more than they save */
@@ -206,8 +207,19 @@ static int check_hparams(const struct adamw_hparams *h, int step, float grad_sca
     return 0;
 }
 
-int adamw_update_isa(enum adamw_isa isa, float *param, const float *grad, float *m, float *v,
-                     size_t n, const struct adamw_hparams *h, int step, float grad_scale)
+/* The update over one chunk, then the bf16 cast of the chunk while it is still in cache. */
+static void update_chunk(kernel_fn fn, float *p, const float *g, float *m, float *v,
+                         uint16_t *p16, size_t n, const struct coeffs *c)
+{
+    fn(p, g, m, v, n, c);
+    if (p16)
+        for (size_t i = 0; i < n; i++)
+            p16[i] = ops_f32_to_bf16(p[i]);
+}
+
+static int update(enum adamw_isa isa, float *param, const float *grad, float *m, float *v,
+                  uint16_t *param_bf16, size_t n, const struct adamw_hparams *h, int step,
+                  float grad_scale)
 {
     int r = check_hparams(h, step, grad_scale);
     if (r < 0) return r;
@@ -230,7 +242,7 @@ int adamw_update_isa(enum adamw_isa isa, float *param, const float *grad, float 
         .lr = h->lr,
     };
     if (isa == ADAMW_ISA_SCALAR) {
-        update_scalar(param, grad, m, v, n, &c);
+        update_chunk(update_scalar, param, grad, m, v, param_bf16, n, &c);
         return 0;
     }
     kernel_fn fn = isa == ADAMW_ISA_AVX512 ? update_avx512 : update_avx2;
@@ -238,15 +250,29 @@ int adamw_update_isa(enum adamw_isa isa, float *param, const float *grad, float 
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ELEMS)
     for (size_t k = 0; k < nchunks; k++) {
         size_t i0 = k * CHUNK_ELEMS, len = n - i0 < CHUNK_ELEMS ? n - i0 : CHUNK_ELEMS;
-        fn(param + i0, grad + i0, m + i0, v + i0, len, &c);
+        update_chunk(fn, param + i0, grad + i0, m + i0, v + i0, param_bf16 ? param_bf16 + i0 : NULL,
+                     len, &c);
     }
     return 0;
+}
+
+int adamw_update_isa(enum adamw_isa isa, float *param, const float *grad, float *m, float *v,
+                     size_t n, const struct adamw_hparams *h, int step, float grad_scale)
+{
+    return update(isa, param, grad, m, v, NULL, n, h, step, grad_scale);
 }
 
 int adamw_update(float *param, const float *grad, float *m, float *v, size_t n,
                  const struct adamw_hparams *h, int step, float grad_scale)
 {
-    return adamw_update_isa(ADAMW_ISA_BEST, param, grad, m, v, n, h, step, grad_scale);
+    return update(ADAMW_ISA_BEST, param, grad, m, v, NULL, n, h, step, grad_scale);
+}
+
+int adamw_update_bf16(float *param, const float *grad, float *m, float *v, uint16_t *param_bf16,
+                      size_t n, const struct adamw_hparams *h, int step, float grad_scale)
+{
+    if (n && !param_bf16) return -EINVAL;
+    return update(ADAMW_ISA_BEST, param, grad, m, v, param_bf16, n, h, step, grad_scale);
 }
 
 /* ---- clipping ----------------------------------------------------------------------------- */

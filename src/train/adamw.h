@@ -22,6 +22,7 @@
 #define ZINF_TRAIN_ADAMW_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 struct adamw_hparams {
     float lr;           /* learning rate, >= 0 */
@@ -48,6 +49,12 @@ int adamw_update(float *param, const float *grad, float *m, float *v, size_t n,
  * -ENOTSUP when this CPU cannot run the one asked for. Tests and benchmarks compare them. */
 int adamw_update_isa(enum adamw_isa isa, float *param, const float *grad, float *m, float *v,
                      size_t n, const struct adamw_hparams *h, int step, float grad_scale);
+
+/* adamw_update() fused with the cast of each new parameter to bf16 into param_bf16 (n
+ * elements, rounded to nearest even): the fp32 master is updated where the optimizer runs
+ * and the bf16 copy the device computes with is written in the same pass. */
+int adamw_update_bf16(float *param, const float *grad, float *m, float *v, uint16_t *param_bf16,
+                      size_t n, const struct adamw_hparams *h, int step, float grad_scale);
 
 /* *out = sum of x[i]^2 over n elements, accumulated in double in a fixed order that does
  * not depend on the thread count. Clipping sums this over every gradient buffer. */

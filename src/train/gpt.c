@@ -2,11 +2,8 @@
  * gpt.c - the CPU reference of gpt.h: embedding, transformer block, head and loss, each
  * forward and backward, in fp32.
  *
- * Layers are plain loops (OpenMP over rows, heads or column blocks) and cblas_sgemm for the
- * four linear layers and the LM head, in the manner of llm.c's train_gpt2.c. Every
- * reduction has a fixed order: sums over rows (bias, LayerNorm and embedding gradients) are
- * split across threads by column, each column summed by one thread from row 0 up, so the
- * bits do not depend on which thread ran what.
+ * The layers themselves are in ops.c (shared with the tests of the CUDA kernels, which
+ * are their twins); this file puts them together, carves the scratch and checks input.
  *
  * A block's forward writes its internals (struct block_acts) into scratch. The public
  * backward recomputes them from the block's input and then runs the backward from them;
@@ -25,9 +22,8 @@
 #include <string.h>
 
 #include "train/gpt.h"
+#include "train/ops.h"
 
-#define LN_EPS 1e-5f
-#define COL_BLOCK 64    /* columns per thread task in the sums over rows */
 #define ALIGN_FLOATS 16 /* sub-buffers of scratch start on 64-byte boundaries */
 #define SCRATCH_ALIGN_BYTES 64
 #define MAX_DIM (1 << 20) /* any one dimension; keeps every product well inside size_t */
@@ -236,240 +232,6 @@ int gpt_init_tensor(const struct gpt_config *cfg, const struct gpt_tensor_desc *
     return 0;
 }
 
-/* ---- layers ---------------------------------------------------------------------------- */
-
-/* out (N,C) = (inp (N,C) - mean) * rstd * w (C) + b (C); mean and rstd (N) are kept for
- * the backward. */
-static void layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                              const float *w, const float *b, size_t N, size_t C)
-{
-#pragma omp parallel for schedule(static)
-    for (size_t n = 0; n < N; n++) {
-        const float *x = inp + n * C;
-        float *o = out + n * C;
-        float m = 0.0f, var = 0.0f;
-        for (size_t i = 0; i < C; i++)
-            m += x[i];
-        m /= (float)C;
-        for (size_t i = 0; i < C; i++) {
-            float d = x[i] - m;
-            var += d * d;
-        }
-        var /= (float)C;
-        float s = 1.0f / sqrtf(var + LN_EPS);
-        for (size_t i = 0; i < C; i++)
-            o[i] = (x[i] - m) * s * w[i] + b[i];
-        mean[n] = m;
-        rstd[n] = s;
-    }
-}
-
-/* dw, db (C) += the LayerNorm's parameter gradients; d_inp (N,C) = (or += when accumulate)
- * the gradient of its input. d_inp may be inp: the parameter gradients, which read inp for
- * every row, are done first, and the input gradient of a row reads inp[i] before it writes
- * d_inp[i]. */
-static void layernorm_backward(float *d_inp, int accumulate, float *dw, float *db,
-                               const float *d_out, const float *inp, const float *w,
-                               const float *mean, const float *rstd, size_t N, size_t C)
-{
-    size_t nblk = (C + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (size_t blk = 0; blk < nblk; blk++) {
-        size_t c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
-        for (size_t n = 0; n < N; n++) {
-            const float *x = inp + n * C, *d = d_out + n * C;
-            float m = mean[n], s = rstd[n];
-            for (size_t c = c0; c < c1; c++) {
-                dw[c] += d[c] * ((x[c] - m) * s);
-                db[c] += d[c];
-            }
-        }
-    }
-#pragma omp parallel for schedule(static)
-    for (size_t n = 0; n < N; n++) {
-        const float *x = inp + n * C, *d = d_out + n * C;
-        float *dx = d_inp + n * C;
-        float m = mean[n], s = rstd[n];
-        float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
-        for (size_t i = 0; i < C; i++) {
-            float dnorm = w[i] * d[i];
-            dnorm_mean += dnorm;
-            dnorm_norm_mean += dnorm * ((x[i] - m) * s);
-        }
-        dnorm_mean /= (float)C;
-        dnorm_norm_mean /= (float)C;
-        for (size_t i = 0; i < C; i++) {
-            float norm = (x[i] - m) * s;
-            float v = s * (w[i] * d[i] - dnorm_mean - norm * dnorm_norm_mean);
-            dx[i] = accumulate ? dx[i] + v : v;
-        }
-    }
-}
-
-/* out (N,OC) = [residual (N,OC) +] b (OC) + inp (N,IC) @ W^T, W being (OC,IC). Folding the
- * residual add into the GEMM's accumulate saves a pass and a buffer. */
-static void linear_forward(float *out, const float *inp, const float *W, const float *b,
-                           const float *residual, size_t N, size_t IC, size_t OC)
-{
-#pragma omp parallel for schedule(static)
-    for (size_t n = 0; n < N; n++) {
-        float *o = out + n * OC;
-        const float *r = residual ? residual + n * OC : NULL;
-        for (size_t j = 0; j < OC; j++)
-            o[j] = (r ? r[j] : 0.0f) + b[j];
-    }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)OC, (int)IC, 1.0f, inp,
-                (int)IC, W, (int)IC, 1.0f, out, (int)OC);
-}
-
-/* acc (OC) += the sum over the N rows of x (N,OC), each column in row order. */
-static void colsum_acc(float *acc, const float *x, size_t N, size_t OC)
-{
-    size_t nblk = (OC + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (size_t blk = 0; blk < nblk; blk++) {
-        size_t c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < OC ? c0 + COL_BLOCK : OC;
-        for (size_t n = 0; n < N; n++)
-            for (size_t c = c0; c < c1; c++)
-                acc[c] += x[n * OC + c];
-    }
-}
-
-/* d_inp (N,IC) = d_out (N,OC) @ W (OC,IC); dW (OC,IC) += d_out^T @ inp (N,IC);
- * db (OC) += the column sums of d_out. */
-static void linear_backward(float *d_inp, float *dW, float *db, const float *d_out,
-                            const float *inp, const float *W, size_t N, size_t IC, size_t OC)
-{
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)IC, (int)OC, 1.0f, d_out,
-                (int)OC, W, (int)IC, 0.0f, d_inp, (int)IC);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)OC, (int)IC, (int)N, 1.0f, d_out,
-                (int)OC, inp, (int)IC, 1.0f, dW, (int)IC);
-    colsum_acc(db, d_out, N, OC);
-}
-
-#define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
-
-/* out (n) = GELU(inp (n)), the tanh approximation GPT-2 uses. */
-static void gelu_forward(float *out, const float *inp, size_t n)
-{
-#pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        float x = inp[i];
-        float u = GELU_SCALE * (x + 0.044715f * x * x * x);
-        out[i] = 0.5f * x * (1.0f + tanhf(u));
-    }
-}
-
-/* d (n) *= GELU'(inp (n)), in place: d enters as dloss/dout and leaves as dloss/dinp. */
-static void gelu_backward(float *d, const float *inp, size_t n)
-{
-#pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < n; i++) {
-        float x = inp[i];
-        float u = GELU_SCALE * (x + 0.044715f * x * x * x);
-        float th = tanhf(u);
-        float du = GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
-        d[i] *= 0.5f * (1.0f + th) + 0.5f * x * (1.0f - th * th) * du;
-    }
-}
-
-/* Causal self-attention. qkv (B,T,3C) holds q, k and v side by side, head h at columns
- * h*hs of each. att (B,NH,T,T) receives the softmax probabilities (zero above the
- * diagonal); y (B,T,C) the heads' outputs side by side. One (b,h) per thread task. */
-static void attention_forward(float *y, float *att, const float *qkv, size_t B, size_t T, size_t C,
-                              size_t NH)
-{
-    size_t hs = C / NH, C3 = 3 * C;
-    float scale = 1.0f / sqrtf((float)hs);
-#pragma omp parallel for collapse(2) schedule(static)
-    for (size_t b = 0; b < B; b++) {
-        for (size_t h = 0; h < NH; h++) {
-            const float *base = qkv + b * T * C3 + h * hs;
-            float *att_bh = att + (b * NH + h) * T * T;
-            for (size_t i = 0; i < T; i++) {
-                const float *q = base + i * C3;
-                float *row = att_bh + i * T;
-                float mx = -INFINITY;
-                for (size_t j = 0; j <= i; j++) {
-                    const float *k = base + j * C3 + C;
-                    float dot = 0.0f;
-                    for (size_t e = 0; e < hs; e++)
-                        dot += q[e] * k[e];
-                    dot *= scale;
-                    row[j] = dot;
-                    if (dot > mx) mx = dot;
-                }
-                float sum = 0.0f;
-                for (size_t j = 0; j <= i; j++) {
-                    row[j] = expf(row[j] - mx);
-                    sum += row[j];
-                }
-                float inv = 1.0f / sum;
-                for (size_t j = 0; j <= i; j++)
-                    row[j] *= inv;
-                for (size_t j = i + 1; j < T; j++)
-                    row[j] = 0.0f;
-                float *out = y + (b * T + i) * C + h * hs;
-                for (size_t e = 0; e < hs; e++)
-                    out[e] = 0.0f;
-                for (size_t j = 0; j <= i; j++) {
-                    const float *v = base + j * C3 + 2 * C;
-                    float a = row[j];
-                    for (size_t e = 0; e < hs; e++)
-                        out[e] += a * v[e];
-                }
-            }
-        }
-    }
-}
-
-/* d_qkv (B,T,3C) = the gradient of attention_forward's input, given d_y (B,T,C), the
- * input qkv and the probabilities att (B,NH,T,T). d_row (B,NH,T) is room for one row of
- * dloss/datt per (b,h). Each (b,h) writes only its own columns of d_qkv. */
-static void attention_backward(float *d_qkv, float *d_row, const float *d_y, const float *qkv,
-                               const float *att, size_t B, size_t T, size_t C, size_t NH)
-{
-    size_t hs = C / NH, C3 = 3 * C;
-    float scale = 1.0f / sqrtf((float)hs);
-    memset(d_qkv, 0, B * T * C3 * sizeof(float));
-#pragma omp parallel for collapse(2) schedule(static)
-    for (size_t b = 0; b < B; b++) {
-        for (size_t h = 0; h < NH; h++) {
-            const float *base = qkv + b * T * C3 + h * hs;
-            float *dbase = d_qkv + b * T * C3 + h * hs;
-            const float *att_bh = att + (b * NH + h) * T * T;
-            float *datt = d_row + (b * NH + h) * T;
-            for (size_t i = 0; i < T; i++) {
-                const float *dy = d_y + (b * T + i) * C + h * hs;
-                const float *row = att_bh + i * T;
-                float dot_sum = 0.0f; /* sum_j att[i][j] * datt[j] */
-                for (size_t j = 0; j <= i; j++) {
-                    const float *v = base + j * C3 + 2 * C;
-                    float *dv = dbase + j * C3 + 2 * C;
-                    float d = 0.0f;
-                    for (size_t e = 0; e < hs; e++) {
-                        d += dy[e] * v[e];
-                        dv[e] += row[j] * dy[e];
-                    }
-                    datt[j] = d;
-                    dot_sum += row[j] * d;
-                }
-                const float *q = base + i * C3;
-                float *dq = dbase + i * C3;
-                for (size_t j = 0; j <= i; j++) {
-                    const float *k = base + j * C3 + C;
-                    float *dk = dbase + j * C3 + C;
-                    float dpre = row[j] * (datt[j] - dot_sum) * scale;
-                    for (size_t e = 0; e < hs; e++) {
-                        dq[e] += dpre * k[e];
-                        dk[e] += dpre * q[e];
-                    }
-                }
-            }
-        }
-    }
-}
-
 /* ---- scratch ----------------------------------------------------------------------------- */
 
 struct dims {
@@ -627,39 +389,6 @@ static int check_block_grads(const struct gpt_block_grads *g)
 
 /* ---- the pieces: embedding, block, head ---------------------------------------------------- */
 
-static void embed_forward(const struct dims *d, const float *wte, const float *wpe,
-                          const int *tokens, float *x)
-{
-    size_t C = d->C;
-#pragma omp parallel for schedule(static)
-    for (size_t n = 0; n < d->N; n++) {
-        const float *te = wte + (size_t)tokens[n] * C, *pe = wpe + (n % d->T) * C;
-        float *o = x + n * C;
-        for (size_t c = 0; c < C; c++)
-            o[c] = te[c] + pe[c];
-    }
-}
-
-/* Rows that share a token (or a position) add into the same row of d_wte (d_wpe), so the
- * work is split by columns and each column is summed over (b,t) in order. */
-static void embed_backward(const struct dims *d, const int *tokens, const float *d_x, float *d_wte,
-                           float *d_wpe)
-{
-    size_t C = d->C, nblk = (C + COL_BLOCK - 1) / COL_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (size_t blk = 0; blk < nblk; blk++) {
-        size_t c0 = blk * COL_BLOCK, c1 = c0 + COL_BLOCK < C ? c0 + COL_BLOCK : C;
-        for (size_t n = 0; n < d->N; n++) {
-            const float *g = d_x + n * C;
-            float *te = d_wte + (size_t)tokens[n] * C, *pe = d_wpe + (n % d->T) * C;
-            for (size_t c = c0; c < c1; c++) {
-                te[c] += g[c];
-                pe[c] += g[c];
-            }
-        }
-    }
-}
-
 /* x_out (B,T,C) = block(x_in); x_out NULL: fill a up to the last LayerNorm-MLP input only
  * (what the backward needs). x_out may be x_in: x_in is last read before x_out is written. */
 static void block_forward_acts(const struct dims *d, const struct gpt_block_params *p,
@@ -667,15 +396,15 @@ static void block_forward_acts(const struct dims *d, const struct gpt_block_para
 {
     size_t N = d->N, C = d->C;
     const float *const *t = p->t;
-    layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x_in, t[GPT_LN1_W], t[GPT_LN1_B], N, C);
-    linear_forward(a->qkv, a->ln1, t[GPT_QKV_W], t[GPT_QKV_B], NULL, N, C, 3 * C);
-    attention_forward(a->atty, a->att, a->qkv, d->B, d->T, C, d->NH);
-    linear_forward(a->x2, a->atty, t[GPT_ATTN_PROJ_W], t[GPT_ATTN_PROJ_B], x_in, N, C, C);
-    layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->x2, t[GPT_LN2_W], t[GPT_LN2_B], N, C);
-    linear_forward(a->fch, a->ln2, t[GPT_FC_W], t[GPT_FC_B], NULL, N, C, 4 * C);
-    gelu_forward(a->fch_gelu, a->fch, N * 4 * C);
+    ops_layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x_in, t[GPT_LN1_W], t[GPT_LN1_B], N, C);
+    ops_linear_forward(a->qkv, a->ln1, t[GPT_QKV_W], t[GPT_QKV_B], NULL, N, C, 3 * C);
+    ops_attention_forward(a->atty, a->att, a->qkv, d->B, d->T, C, d->NH);
+    ops_linear_forward(a->x2, a->atty, t[GPT_ATTN_PROJ_W], t[GPT_ATTN_PROJ_B], x_in, N, C, C);
+    ops_layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->x2, t[GPT_LN2_W], t[GPT_LN2_B], N, C);
+    ops_linear_forward(a->fch, a->ln2, t[GPT_FC_W], t[GPT_FC_B], NULL, N, C, 4 * C);
+    ops_gelu_forward(a->fch_gelu, a->fch, N * 4 * C);
     if (x_out)
-        linear_forward(x_out, a->fch_gelu, t[GPT_MLP_PROJ_W], t[GPT_MLP_PROJ_B], a->x2, N, 4 * C,
+        ops_linear_forward(x_out, a->fch_gelu, t[GPT_MLP_PROJ_W], t[GPT_MLP_PROJ_B], a->x2, N, 4 * C,
                        C);
 }
 
@@ -693,23 +422,23 @@ static void block_backward_acts(const struct dims *d, const struct gpt_block_par
     /* 1. The residual path carries d_out straight to the middle of the block. */
     memcpy(da->d_x2, d_out, N * C * sizeof(float));
     /* 2-4. MLP: projection, GELU, fc. */
-    linear_backward(da->d_big, gt[GPT_MLP_PROJ_W], gt[GPT_MLP_PROJ_B], d_out, a->fch_gelu,
+    ops_linear_backward(da->d_big, gt[GPT_MLP_PROJ_W], gt[GPT_MLP_PROJ_B], d_out, a->fch_gelu,
                     t[GPT_MLP_PROJ_W], N, 4 * C, C);
-    gelu_backward(da->d_big, a->fch, N * 4 * C);
-    linear_backward(da->d_small, gt[GPT_FC_W], gt[GPT_FC_B], da->d_big, a->ln2, t[GPT_FC_W], N, C,
+    ops_gelu_backward(da->d_big, a->fch, N * 4 * C);
+    ops_linear_backward(da->d_small, gt[GPT_FC_W], gt[GPT_FC_B], da->d_big, a->ln2, t[GPT_FC_W], N, C,
                     4 * C);
     /* 5. ln2 adds its input gradient to the residual stream's. */
-    layernorm_backward(da->d_x2, 1, gt[GPT_LN2_W], gt[GPT_LN2_B], da->d_small, a->x2, t[GPT_LN2_W],
+    ops_layernorm_backward(da->d_x2, 1, gt[GPT_LN2_W], gt[GPT_LN2_B], da->d_small, a->x2, t[GPT_LN2_W],
                        a->ln2_mean, a->ln2_rstd, N, C);
     /* 6-8. Attention: projection, attention itself, qkv. */
-    linear_backward(da->d_small, gt[GPT_ATTN_PROJ_W], gt[GPT_ATTN_PROJ_B], da->d_x2, a->atty,
+    ops_linear_backward(da->d_small, gt[GPT_ATTN_PROJ_W], gt[GPT_ATTN_PROJ_B], da->d_x2, a->atty,
                     t[GPT_ATTN_PROJ_W], N, C, C);
-    attention_backward(da->d_big, da->d_row, da->d_small, a->qkv, a->att, d->B, d->T, C, d->NH);
-    linear_backward(da->d_small, gt[GPT_QKV_W], gt[GPT_QKV_B], da->d_big, a->ln1, t[GPT_QKV_W], N,
+    ops_attention_backward(da->d_big, da->d_row, da->d_small, a->qkv, a->att, d->B, d->T, C, d->NH);
+    ops_linear_backward(da->d_small, gt[GPT_QKV_W], gt[GPT_QKV_B], da->d_big, a->ln1, t[GPT_QKV_W], N,
                     C, 3 * C);
     /* 9. d_in = residual path + ln1's input gradient. */
     memcpy(d_in, da->d_x2, N * C * sizeof(float));
-    layernorm_backward(d_in, 1, gt[GPT_LN1_W], gt[GPT_LN1_B], da->d_small, x_in, t[GPT_LN1_W],
+    ops_layernorm_backward(d_in, 1, gt[GPT_LN1_W], gt[GPT_LN1_B], da->d_small, x_in, t[GPT_LN1_W],
                        a->ln1_mean, a->ln1_rstd, N, C);
 }
 
@@ -717,40 +446,9 @@ static void block_backward_acts(const struct dims *d, const struct gpt_block_par
 static void head_logits(const struct dims *d, const float *lnf_w, const float *lnf_b,
                         const float *wte, const float *x, struct head_acts *h)
 {
-    layernorm_forward(h->lnf, h->mean, h->rstd, x, lnf_w, lnf_b, d->N, d->C);
+    ops_layernorm_forward(h->lnf, h->mean, h->rstd, x, lnf_w, lnf_b, d->N, d->C);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)d->N, (int)d->V, (int)d->C, 1.0f,
                 h->lnf, (int)d->C, wte, (int)d->C, 0.0f, h->logits, (int)d->V);
-}
-
-/* The mean cross-entropy of h->logits against targets. With want_grad, h->logits becomes
- * dloss/dlogits = (softmax - onehot) / N in place. Each row's normaliser and the mean are
- * summed in double, in a fixed order. */
-static float head_loss(const struct dims *d, const int *targets, struct head_acts *h, int want_grad)
-{
-    size_t V = d->V, N = d->N;
-#pragma omp parallel for schedule(static)
-    for (size_t n = 0; n < N; n++) {
-        float *l = h->logits + n * V;
-        float mx = -INFINITY;
-        for (size_t j = 0; j < V; j++)
-            if (l[j] > mx) mx = l[j];
-        double sum = 0.0;
-        for (size_t j = 0; j < V; j++)
-            sum += (double)expf(l[j] - mx);
-        int tgt = targets[n];
-        h->losses[n] = (float)(log(sum) - (double)(l[tgt] - mx));
-        if (want_grad) {
-            float inv = (float)(1.0 / sum), invN = 1.0f / (float)N;
-            for (size_t j = 0; j < V; j++) {
-                float prob = expf(l[j] - mx) * inv;
-                l[j] = (prob - (j == (size_t)tgt ? 1.0f : 0.0f)) * invN;
-            }
-        }
-    }
-    double total = 0.0;
-    for (size_t n = 0; n < N; n++)
-        total += h->losses[n];
-    return (float)(total / (double)N);
 }
 
 /* d_x (B,T,C) may be x: only the last step reads x, and layernorm_backward allows it. */
@@ -760,13 +458,13 @@ static float head_backward(const struct dims *d, const float *lnf_w, const float
 {
     size_t N = d->N, C = d->C, V = d->V;
     head_logits(d, lnf_w, lnf_b, wte, x, h);
-    float loss = head_loss(d, targets, h, 1);
+    float loss = ops_crossentropy(h->logits, h->losses, targets, d->N, d->V, 1);
     /* d_lnf (N,C) = dlogits (N,V) @ wte (V,C); d_wte (V,C) += dlogits^T @ lnf (N,C). */
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)C, (int)V, 1.0f, h->logits,
                 (int)V, wte, (int)C, 0.0f, h->d_lnf, (int)C);
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)V, (int)C, (int)N, 1.0f, h->logits,
                 (int)V, h->lnf, (int)C, 1.0f, d_wte, (int)C);
-    layernorm_backward(d_x, 0, d_lnf_w, d_lnf_b, h->d_lnf, x, lnf_w, h->mean, h->rstd, N, C);
+    ops_layernorm_backward(d_x, 0, d_lnf_w, d_lnf_b, h->d_lnf, x, lnf_w, h->mean, h->rstd, N, C);
     return loss;
 }
 
@@ -780,7 +478,7 @@ int gpt_embed_forward(const struct gpt_config *cfg, int B, int T, const float *w
     if (!wte || !wpe || !x) return -EINVAL;
     struct dims d = dims_of(cfg, B, T);
     if ((r = check_tokens(tokens, d.N, cfg->V)) < 0) return r;
-    embed_forward(&d, wte, wpe, tokens, x);
+    ops_embed_forward(x, wte, wpe, tokens, d.B, d.T, d.C);
     return 0;
 }
 
@@ -792,7 +490,7 @@ int gpt_embed_backward(const struct gpt_config *cfg, int B, int T, const int *to
     if (!d_x || !d_wte || !d_wpe) return -EINVAL;
     struct dims d = dims_of(cfg, B, T);
     if ((r = check_tokens(tokens, d.N, cfg->V)) < 0) return r;
-    embed_backward(&d, tokens, d_x, d_wte, d_wpe);
+    ops_embed_backward(d_wte, d_wpe, d_x, tokens, d.B, d.T, d.C);
     return 0;
 }
 
@@ -850,7 +548,7 @@ int gpt_head_forward(const struct gpt_config *cfg, int B, int T, const float *ln
     carve_head(&h, base, &off, &d);
     head_logits(&d, lnf_w, lnf_b, wte, x, &h);
     if (logits) memcpy(logits, h.logits, d.N * d.V * sizeof(float));
-    if (loss) *loss = head_loss(&d, targets, &h, 0);
+    if (loss) *loss = ops_crossentropy(h.logits, h.losses, targets, d.N, d.V, 0);
     return 0;
 }
 
@@ -936,7 +634,7 @@ int gpt_model_forward(const struct gpt_config *cfg, int B, int T, const float *p
         goto err;
     }
     struct model_view pv = model_view(cfg, params);
-    embed_forward(&d, pv.wte, pv.wpe, tokens, x);
+    ops_embed_forward(x, pv.wte, pv.wpe, tokens, d.B, d.T, d.C);
     for (int l = 0; l < cfg->L; l++) {
         struct gpt_block_params bp;
         gpt_block_params_at(cfg, pv.blocks + (size_t)l * pv.block_floats, &bp);
@@ -984,7 +682,7 @@ int gpt_model_backward(const struct gpt_config *cfg, int B, int T, const float *
     carve_head(&h, mem, &off, &d);
 
     struct model_view pv = model_view(cfg, params), gv = model_view(cfg, grads);
-    embed_forward(&d, pv.wte, pv.wpe, tokens, xs);
+    ops_embed_forward(xs, pv.wte, pv.wpe, tokens, d.B, d.T, d.C);
     for (size_t l = 0; l < L; l++) {
         struct gpt_block_params bp;
         gpt_block_params_at(cfg, pv.blocks + l * pv.block_floats, &bp);
@@ -1001,7 +699,7 @@ int gpt_model_backward(const struct gpt_config *cfg, int B, int T, const float *
         gpt_block_grads_at(cfg, gv.blocks + l * gv.block_floats, &bg);
         block_backward_acts(&d, &bp, xs + l * NC, &acts[l], &da, dx, dx, &bg);
     }
-    embed_backward(&d, tokens, dx, gv.wte, gv.wpe);
+    ops_embed_backward(gv.wte, gv.wpe, dx, tokens, d.B, d.T, d.C);
     if (loss) *loss = lv;
     r = 0;
 err:
