@@ -1,15 +1,19 @@
 /*
  * trainer.c - one training step through the engine (see trainer.h).
  *
- * A step, for a model of L blocks and a batch (B,T):
- *   forward   a0 = embed(wte, wpe); a[k+1] = block_k(a[k])      params fetched to DEVICE
+ * A step, for a model of L blocks and a batch (B,T), w being what the device computes with
+ * (the fp32 parameters p, or their bf16 copies in mixed precision):
+ *   forward   a0 = embed(wte, wpe); a[k+1] = block_k(a[k])      w fetched to DEVICE
  *   head      loss, d = head_backward(a[L], lnf, wte)             grads zeroed on first touch
  *   backward  d = block_k^T(a[k], d), g_k += ...  for k = L-1..0  (block internals recomputed)
  *   embed     g_wte, g_wpe += ...
- *   optimizer for every tensor: p, g, m, v fetched to HOST, AdamW, p m v released dirty
+ *   optimizer for every tensor: p, g, m, v (and w) fetched to where the optimizer states
+ *             live (HOST, or DEVICE when they are homed there), AdamW, all but g released
+ *             dirty; the engine carries a refreshed w to the device on its next fetch.
  * Only the block inputs a[0..L] are kept between forward and backward (activation
  * checkpointing); they are zinf tensors whose home is the host tier. Gradient norms are
- * summed as each gradient is finished, so clipping needs no extra pass.
+ * summed as each gradient is finished, so clipping needs no extra pass. The math runs in a
+ * backend (backend.h): every call goes through it, whatever it computes on.
  *
  * The batch of step s is drawn from the data with a generator seeded by (seed, s), and the
  * step count is itself a zinf tensor flushed with everything else: a resumed run sees the
@@ -27,17 +31,22 @@
 #include "common.h"
 #include "config.h"
 #include "engine/engine.h"
+#include "tiers/cuda_probe.h"
 #include "train/adamw.h"
+#include "train/backend.h"
+#include "train/ops.h"
 #include "train/trainer.h"
 
 #define STATE_NAME "train.state"
-#define STATE_MAGIC 0x7a696e6674726e31ull /* "zinftrn1" */
+#define STATE_MAGIC 0x7a696e6674726e32ull /* "zinftrn2" */
 
 /* What the state tensor holds: enough to refuse a resume with another model or data. */
 struct train_state {
     uint64_t magic;
     int32_t step_done; /* steps completed */
     int32_t L, C, NH, maxT, B, T;
+    int32_t wdt; /* enum backend_dtype of the device's weights */
+    int32_t pad_;
     uint64_t seed;
     uint64_t data_bytes;
 };
@@ -50,7 +59,9 @@ struct trainer {
 
     int ntensors;
     struct gpt_tensor_desc *desc;
-    zinf_tensor *p, *g, *m, *v; /* by layout index */
+    zinf_tensor *p, *g, *m, *v; /* by layout index: fp32 master, gradient, Adam m and v */
+    zinf_tensor *w;             /* what the device computes with: p itself in fp32, else a
+                                   bf16 copy that the optimizer refreshes */
     int *block_first;           /* layout index of block k's first tensor */
     int wte, wpe, lnfw, lnfb;   /* layout indices */
     zinf_tensor *act;           /* a[0..L], (B,T,C) each */
@@ -59,9 +70,8 @@ struct trainer {
     unsigned char *data;
     size_t data_bytes;
     int *tokens, *targets;      /* (B,T) */
-    float *dx;                  /* (B,T,C): the gradient flowing back through the blocks */
-    struct gpt_scratch scratch;
-    double sumsq;               /* of this step's gradients */
+    struct backend *be;         /* where the math runs */
+    enum zinf_tier opt_tier;    /* where the optimizer runs: DEVICE or HOST */
     int step_done;
     uint64_t peak[3];
 };
@@ -157,23 +167,32 @@ static void note_peaks(struct trainer *t)
         t->peak[i] = MAX(t->peak[i], st.tier[i].peak_bytes);
 }
 
-/* How much each tier must hold at once, for a clear error before anything runs. */
+/* How much each tier must hold at once, for a clear error before anything runs. Sizes are
+ * rounded per tensor, as the tiers allocate. */
 static int check_budgets(struct trainer *t, char *err, size_t errlen)
 {
     struct zinf_stats st;
-    size_t f = sizeof(float);
-    size_t act = (size_t)t->o.batch * t->o.seq * t->cfg.C * f;
-    size_t blk = gpt_block_num_params(&t->cfg) * f;
-    size_t wte = (size_t)t->cfg.V * t->cfg.C * f;
+    size_t f = sizeof(float), wsz = backend_dtype_bytes(t->be->wdt);
+    size_t act = align_up((size_t)t->o.batch * t->o.seq * t->cfg.C *
+                          backend_dtype_bytes(t->be->adt), ZINF_ALIGN);
+    size_t blk_n = gpt_block_num_params(&t->cfg), slack = GPT_BLOCK_NSLOTS * ZINF_ALIGN;
+    size_t wte_n = (size_t)t->cfg.V * t->cfg.C;
     size_t largest = 0;
     for (int i = 0; i < t->ntensors; i++)
-        largest = MAX(largest, align_up(t->desc[i].numel * f, ZINF_ALIGN));
-    /* The device holds one block's parameters and gradients and two activations at a
-     * time (the head: wte and its gradient). Rounded per tensor, as the tiers allocate. */
-    size_t dev_need = MAX(2 * (blk + GPT_BLOCK_NSLOTS * ZINF_ALIGN) + 2 * align_up(act, ZINF_ALIGN),
-                          2 * align_up(wte, ZINF_ALIGN) + 2 * align_up(act, ZINF_ALIGN));
-    /* The host holds the activation checkpoints (their home) and one tensor's p, g, m, v. */
-    size_t host_need = (size_t)(t->cfg.L + 1) * align_up(act, ZINF_ALIGN) + 4 * largest;
+        largest = MAX(largest, t->desc[i].numel);
+    /* One tensor's optimizer working set: p, g, m, v in fp32 and the bf16 copy. */
+    size_t opt = 4 * align_up(largest * f, ZINF_ALIGN) +
+                 (t->w != t->p ? align_up(largest * 2, ZINF_ALIGN) : 0);
+    /* The device holds one block's weights and gradients and two activations at a time (the
+     * head: wte and its gradient), and the optimizer's set when it runs there. */
+    size_t dev_need = MAX(blk_n * wsz + blk_n * f + 2 * slack + 2 * act,
+                          align_up(wte_n * wsz, ZINF_ALIGN) + align_up(wte_n * f, ZINF_ALIGN) +
+                              2 * act);
+    if (t->opt_tier == ZINF_TIER_DEVICE)
+        dev_need = MAX(dev_need, opt);
+    /* The host holds the activation checkpoints (their home) and, when the optimizer runs
+     * there, one tensor's set. */
+    size_t host_need = (size_t)(t->cfg.L + 1) * act + (t->opt_tier == ZINF_TIER_HOST ? opt : 0);
 
     zinf_stats(t->e, &st);
     if (st.tier[ZINF_TIER_DEVICE].capacity_bytes < dev_need) {
@@ -209,17 +228,21 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
 {
     enum zinf_tier ph = home_of(t->zc.zero.offload_param.device);
     enum zinf_tier oh = home_of(t->zc.zero.offload_optimizer.device);
-    size_t act = (size_t)t->o.batch * t->o.seq * t->cfg.C * sizeof(float);
+    size_t act = (size_t)t->o.batch * t->o.seq * t->cfg.C * backend_dtype_bytes(t->be->adt);
+    bool mixed = t->w != t->p;
     char name[32];
     int r = 0;
 
+    /* In fp32 the parameters the device computes with are the master weights, homed with
+     * the parameters; in bf16 the bf16 copies are, and the fp32 masters are optimizer state. */
     for (int i = 0; i < t->ntensors && r == 0; i++) {
         size_t bytes = t->desc[i].numel * sizeof(float);
         const char *n = t->desc[i].name;
-        if ((r = reg(t, "p.", n, bytes, ph, &t->p[i])) == 0 &&
+        if ((r = reg(t, "p.", n, bytes, mixed ? oh : ph, &t->p[i])) == 0 &&
             (r = reg(t, "g.", n, bytes, oh, &t->g[i])) == 0 &&
-            (r = reg(t, "m.", n, bytes, oh, &t->m[i])) == 0)
-            r = reg(t, "v.", n, bytes, oh, &t->v[i]);
+            (r = reg(t, "m.", n, bytes, oh, &t->m[i])) == 0 &&
+            (r = reg(t, "v.", n, bytes, oh, &t->v[i])) == 0 && mixed)
+            r = reg(t, "w.", n, t->desc[i].numel * 2, ph, &t->w[i]);
         if (r < 0 && t->o.resume)
             snprintf(err, errlen, "--resume: tensor '%s' is not in the swap directory: is it the "
                      "saved run's, with the same model?", n);
@@ -252,22 +275,32 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
 static int init_params(struct trainer *t)
 {
     float *buf = NULL;
+    uint16_t *b16 = NULL;
     size_t cap = 0;
     int r = 0;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
-        size_t bytes = t->desc[i].numel * sizeof(float);
-        if (bytes > cap) {
+        size_t n = t->desc[i].numel;
+        if (n > cap) {
             free(buf);
-            buf = malloc(bytes);
-            cap = bytes;
-            if (!buf)
-                return -ENOMEM;
+            free(b16);
+            buf = malloc(n * sizeof(float));
+            b16 = malloc(n * sizeof(uint16_t));
+            cap = n;
+            if (!buf || !b16) {
+                r = -ENOMEM;
+                break;
+            }
         }
         r = gpt_init_tensor(&t->cfg, &t->desc[i], buf, t->o.seed);
         if (r == 0)
-            r = zinf_write(t->e, t->p[i], 0, buf, bytes);
+            r = zinf_write(t->e, t->p[i], 0, buf, n * sizeof(float));
+        if (r == 0 && t->w != t->p) {
+            ops_cast_f32_to_bf16(b16, buf, n);
+            r = zinf_write(t->e, t->w[i], 0, b16, n * sizeof(uint16_t));
+        }
     }
     free(buf);
+    free(b16);
     return r;
 }
 
@@ -277,13 +310,18 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
     int r = zinf_read(t->e, t->state, 0, &s, sizeof(s));
     if (r < 0)
         return r;
-    if (s.magic != STATE_MAGIC || s.L != t->cfg.L || s.C != t->cfg.C || s.NH != t->cfg.NH ||
+    if (s.magic != STATE_MAGIC) {
+        snprintf(err, errlen, "--resume: the state in the swap directory was written by another "
+                 "version of zinf train; start a new run");
+        return -EINVAL;
+    }
+    if (s.L != t->cfg.L || s.C != t->cfg.C || s.NH != t->cfg.NH ||
         s.maxT != t->cfg.maxT || s.B != t->o.batch || s.T != t->o.seq || s.seed != t->o.seed ||
-        s.data_bytes != t->data_bytes) {
+        s.data_bytes != t->data_bytes || s.wdt != (int32_t)t->be->wdt) {
         snprintf(err, errlen, "--resume: the saved run used --layers %d --dim %d --heads %d "
-                 "--seq %d --batch %d --seed %llu on %llu bytes of data; give the same",
-                 s.L, s.C, s.NH, s.T, s.B, (unsigned long long)s.seed,
-                 (unsigned long long)s.data_bytes);
+                 "--seq %d --batch %d --seed %llu --precision %s on %llu bytes of data; give "
+                 "the same", s.L, s.C, s.NH, s.T, s.B, (unsigned long long)s.seed,
+                 s.wdt == BACKEND_BF16 ? "bf16" : "fp32", (unsigned long long)s.data_bytes);
         return -EINVAL;
     }
     t->step_done = s.step_done;
@@ -295,7 +333,7 @@ static int state_save(struct trainer *t)
     struct train_state s = {.magic = STATE_MAGIC, .step_done = t->step_done, .L = t->cfg.L,
                             .C = t->cfg.C, .NH = t->cfg.NH, .maxT = t->cfg.maxT,
                             .B = t->o.batch, .T = t->o.seq, .seed = t->o.seed,
-                            .data_bytes = t->data_bytes};
+                            .data_bytes = t->data_bytes, .wdt = (int32_t)t->be->wdt};
     return zinf_write(t->e, t->state, 0, &s, sizeof(s));
 }
 
@@ -331,15 +369,41 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     config_defaults(&t->zc);
     if ((r = config_parse_file(o->config_path, &t->zc, err, errlen)) < 0)
         goto fail;
-    /* This trainer computes on the CPU, through the pointers the device tier hands out:
-     * they must be host memory, so the device tier is the emulated one. */
-    if (t->zc.zinf.device == ZINF_DEVICE_CUDA) {
-        snprintf(err, errlen, "zinf.device: \"cuda\" is not supported by the CPU trainer; use "
-                 "\"auto\" or \"emulated\" (the device budget is then held in host memory)");
-        r = -EINVAL;
-        goto fail;
+    /* The device tier and the backend go together: the CUDA kernels where the tier is a
+     * GPU, the CPU over the emulated tier otherwise. */
+    bool cuda = false;
+    if (t->zc.zinf.device != ZINF_DEVICE_EMULATED) {
+        struct cuda_probe_info ci = {0};
+        bool built = backend_cuda_built(), usable = built && cuda_probe(&ci) > 0;
+        if (t->zc.zinf.device == ZINF_DEVICE_CUDA && !usable) {
+            snprintf(err, errlen, "zinf.device is \"cuda\" but %s; use \"auto\" or \"emulated\"",
+                     !built ? "this build has no CUDA kernels (no CUDA toolkit when it was built)"
+                            : ci.reason[0] ? ci.reason : "no GPU is usable");
+            r = -ENODEV;
+            goto fail;
+        }
+        cuda = usable;
     }
-    t->zc.zinf.device = ZINF_DEVICE_EMULATED;
+    t->zc.zinf.device = cuda ? ZINF_DEVICE_CUDA : ZINF_DEVICE_EMULATED;
+    /* The backend's working memory is taken before the engine sizes the device tier from
+     * what is free. */
+    struct backend_params bp = {
+        .cfg = cfg,
+        .B = o->batch,
+        .T = o->seq,
+        .wdt = o->precision == TRAINER_PRECISION_BF16   ? BACKEND_BF16
+               : o->precision == TRAINER_PRECISION_FP32 ? BACKEND_F32
+               : cuda                                   ? BACKEND_BF16
+                                                        : BACKEND_F32,
+        .cuda_device = t->zc.zinf.cuda_device,
+    };
+    r = cuda ? backend_cuda_open(&bp, &t->be, err, errlen)
+             : backend_cpu_open(&bp, &t->be, err, errlen);
+    if (r < 0)
+        goto fail;
+    t->opt_tier = home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_DEVICE
+                      ? ZINF_TIER_DEVICE
+                      : ZINF_TIER_HOST;
     if (o->resume && !t->zc.nvme_paths.count) {
         snprintf(err, errlen, "--resume needs an NVMe swap directory in the config "
                  "(zero_optimization.offload_param.nvme_path or zinf.nvme_paths)");
@@ -375,16 +439,14 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     t->g = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
     t->m = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
     t->v = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
+    t->w = t->be->wdt == BACKEND_F32 ? t->p : calloc((size_t)t->ntensors, sizeof(zinf_tensor));
     t->block_first = calloc((size_t)cfg.L, sizeof(int));
     t->act = calloc((size_t)cfg.L + 1, sizeof(zinf_tensor));
     size_t bt = (size_t)o->batch * o->seq;
     t->tokens = malloc(bt * sizeof(int));
     t->targets = malloc(bt * sizeof(int));
-    t->dx = malloc(bt * cfg.C * sizeof(float));
-    t->scratch.bytes = gpt_scratch_bytes(&cfg, o->batch, o->seq);
-    t->scratch.mem = malloc(t->scratch.bytes);
-    if (!t->desc || !t->p || !t->g || !t->m || !t->v || !t->block_first || !t->act ||
-        !t->tokens || !t->targets || !t->dx || !t->scratch.mem) {
+    if (!t->desc || !t->p || !t->g || !t->m || !t->v || !t->w || !t->block_first || !t->act ||
+        !t->tokens || !t->targets) {
         snprintf(err, errlen, "out of memory");
         r = -ENOMEM;
         goto fail;
@@ -406,6 +468,11 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         }
     }
     if ((r = check_budgets(t, err, errlen)) < 0)
+        goto fail;
+    /* Resuming, the saved run's shape and precision are checked before its tensors are
+     * looked up, so a mismatch is named as such. */
+    if (o->resume && zinf_lookup(t->e, STATE_NAME, &t->state) == 0 &&
+        (r = state_check(t, err, errlen)) < 0)
         goto fail;
     if ((r = register_all(t, err, errlen)) < 0)
         goto fail;
@@ -434,12 +501,13 @@ void trainer_close(struct trainer *t)
     free(t->g);
     free(t->m);
     free(t->v);
+    if (t->w != t->p)
+        free(t->w);
     free(t->block_first);
     free(t->act);
     free(t->tokens);
     free(t->targets);
-    free(t->dx);
-    free(t->scratch.mem);
+    backend_close(t->be);
     free(t->data);
     free(t);
 }
@@ -452,15 +520,15 @@ void trainer_close(struct trainer *t)
             goto out;                                                                          \
     } while (0)
 
-static int fetch(struct trainer *t, zinf_tensor h, enum zinf_tier tier, float **p)
+static int fetch(struct trainer *t, zinf_tensor h, enum zinf_tier tier, void **p)
 {
-    return zinf_fetch(t->e, h, tier, (void **)p);
+    return zinf_fetch(t->e, h, tier, p);
 }
 
-/* Fetch one block's 12 parameter tensors (or gradient tensors) to tier. On failure the
- * ones already fetched are released. */
+/* Fetch one block's 12 tensors of hs to tier. On failure the ones already fetched are
+ * released. */
 static int fetch_block(struct trainer *t, const zinf_tensor *hs, int k, enum zinf_tier tier,
-                       float **ptrs)
+                       void **ptrs)
 {
     int first = t->block_first[k], r = 0, i;
     for (i = 0; i < GPT_BLOCK_NSLOTS; i++)
@@ -484,49 +552,47 @@ static int release_block(struct trainer *t, const zinf_tensor *hs, int k, enum z
     return r;
 }
 
-static int add_sumsq(struct trainer *t, const float *g, size_t n)
+/* The backend's queued work that reads or writes what is about to be released must be
+ * done first; when it failed, r keeps the first error. */
+static int settle(struct trainer *t, int r)
 {
-    double s;
-    int r = adamw_sum_squares(g, n, &s);
-    if (r == 0)
-        t->sumsq += s;
-    return r;
+    int x = t->be->ops->sync(t->be);
+    return r < 0 ? r : x;
 }
 
 static int forward(struct trainer *t)
 {
-    const struct gpt_config *c = &t->cfg;
-    int B = t->o.batch, T = t->o.seq, r;
-    float *wte, *wpe, *a, *b, *w[GPT_BLOCK_NSLOTS];
+    const struct backend_ops *be = t->be->ops;
+    int r;
+    void *wte, *wpe, *a, *b, *w[GPT_BLOCK_NSLOTS];
 
-    TRY(fetch(t, t->p[t->wte], ZINF_TIER_DEVICE, &wte));
-    if ((r = fetch(t, t->p[t->wpe], ZINF_TIER_DEVICE, &wpe)) < 0) {
-        zinf_release(t->e, t->p[t->wte], ZINF_TIER_DEVICE, 0);
+    TRY(fetch(t, t->w[t->wte], ZINF_TIER_DEVICE, &wte));
+    if ((r = fetch(t, t->w[t->wpe], ZINF_TIER_DEVICE, &wpe)) < 0) {
+        zinf_release(t->e, t->w[t->wte], ZINF_TIER_DEVICE, 0);
         goto out;
     }
     if ((r = fetch(t, t->act[0], ZINF_TIER_DEVICE, &a)) == 0) {
-        r = gpt_embed_forward(c, B, T, wte, wpe, t->tokens, a);
+        r = settle(t, be->embed_forward(t->be, wte, wpe, a));
         zinf_release(t->e, t->act[0], ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
     }
-    zinf_release(t->e, t->p[t->wpe], ZINF_TIER_DEVICE, 0);
-    zinf_release(t->e, t->p[t->wte], ZINF_TIER_DEVICE, 0);
+    zinf_release(t->e, t->w[t->wpe], ZINF_TIER_DEVICE, 0);
+    zinf_release(t->e, t->w[t->wte], ZINF_TIER_DEVICE, 0);
     if (r < 0)
         goto out;
 
-    for (int k = 0; k < c->L; k++) {
-        struct gpt_block_params bp;
-        TRY(fetch_block(t, t->p, k, ZINF_TIER_DEVICE, w));
-        for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
-            bp.t[i] = w[i];
+    for (int k = 0; k < t->cfg.L; k++) {
+        TRY(fetch_block(t, t->w, k, ZINF_TIER_DEVICE, w));
         if ((r = fetch(t, t->act[k], ZINF_TIER_DEVICE, &a)) == 0) {
             if ((r = fetch(t, t->act[k + 1], ZINF_TIER_DEVICE, &b)) == 0) {
-                r = gpt_block_forward(c, B, T, &bp, a, b, &t->scratch);
+                r = settle(t, be->block_forward(t->be, (const void *const *)w, a, b));
                 zinf_release(t->e, t->act[k + 1], ZINF_TIER_DEVICE,
                              r == 0 ? ZINF_RELEASE_DIRTY : 0);
+            } else {
+                settle(t, 0);
             }
             zinf_release(t->e, t->act[k], ZINF_TIER_DEVICE, 0);
         }
-        release_block(t, t->p, k, ZINF_TIER_DEVICE, 0);
+        release_block(t, t->w, k, ZINF_TIER_DEVICE, 0);
         if (r < 0)
             goto out;
         note_peaks(t);
@@ -537,29 +603,28 @@ out:
 
 /* The head's backward gives the loss and the first gradient; gradients are zeroed on
  * their first touch of the step. */
-static int head(struct trainer *t, float *loss)
+static int head(struct trainer *t)
 {
     const struct gpt_config *c = &t->cfg;
-    int B = t->o.batch, T = t->o.seq, r;
-    zinf_tensor hs[7] = {t->act[c->L], t->p[t->lnfw], t->p[t->lnfb], t->p[t->wte],
+    const struct backend_ops *be = t->be->ops;
+    int r = 0;
+    zinf_tensor hs[7] = {t->act[c->L], t->w[t->lnfw], t->w[t->lnfb], t->w[t->wte],
                          t->g[t->lnfw], t->g[t->lnfb], t->g[t->wte]};
-    float *p[7];
+    void *p[7];
     int n;
 
     for (n = 0; n < 7; n++)
         if ((r = fetch(t, hs[n], ZINF_TIER_DEVICE, &p[n])) < 0)
             break;
     if (r == 0) {
-        memset(p[4], 0, (size_t)c->C * sizeof(float));
-        memset(p[5], 0, (size_t)c->C * sizeof(float));
-        memset(p[6], 0, (size_t)c->V * c->C * sizeof(float));
-        r = gpt_head_backward(c, B, T, p[1], p[2], p[3], p[0], t->targets, t->dx, p[4], p[5],
-                              p[6], loss, &t->scratch);
-        if (r == 0)
-            r = add_sumsq(t, p[4], (size_t)c->C);
-        if (r == 0)
-            r = add_sumsq(t, p[5], (size_t)c->C);
+        size_t C = (size_t)c->C * sizeof(float);
+        if ((r = be->zero(t->be, p[4], C)) == 0 && (r = be->zero(t->be, p[5], C)) == 0 &&
+            (r = be->zero(t->be, p[6], (size_t)c->V * C)) == 0 &&
+            (r = be->head_backward(t->be, p[1], p[2], p[3], p[0], p[4], p[5], p[6])) == 0 &&
+            (r = be->sumsq(t->be, p[4], (size_t)c->C)) == 0)
+            r = be->sumsq(t->be, p[5], (size_t)c->C);
     }
+    r = settle(t, r);
     while (n-- > 0)
         zinf_release(t->e, hs[n], ZINF_TIER_DEVICE, n >= 4 && r == 0 ? ZINF_RELEASE_DIRTY : 0);
     return r;
@@ -567,77 +632,88 @@ static int head(struct trainer *t, float *loss)
 
 static int backward(struct trainer *t)
 {
-    const struct gpt_config *c = &t->cfg;
-    int B = t->o.batch, T = t->o.seq, r = 0;
-    float *w[GPT_BLOCK_NSLOTS], *gw[GPT_BLOCK_NSLOTS], *a;
+    const struct backend_ops *be = t->be->ops;
+    int r = 0;
+    void *w[GPT_BLOCK_NSLOTS], *gw[GPT_BLOCK_NSLOTS], *a;
 
-    for (int k = c->L - 1; k >= 0; k--) {
-        struct gpt_block_params bp;
-        struct gpt_block_grads bg;
-        TRY(fetch_block(t, t->p, k, ZINF_TIER_DEVICE, w));
+    for (int k = t->cfg.L - 1; k >= 0; k--) {
+        TRY(fetch_block(t, t->w, k, ZINF_TIER_DEVICE, w));
         if ((r = fetch_block(t, t->g, k, ZINF_TIER_DEVICE, gw)) < 0) {
-            release_block(t, t->p, k, ZINF_TIER_DEVICE, 0);
+            release_block(t, t->w, k, ZINF_TIER_DEVICE, 0);
             goto out;
         }
-        for (int i = 0; i < GPT_BLOCK_NSLOTS; i++) {
-            bp.t[i] = w[i];
-            bg.t[i] = gw[i];
-            memset(gw[i], 0, t->desc[t->block_first[k] + i].numel * sizeof(float));
-        }
-        if ((r = fetch(t, t->act[k], ZINF_TIER_DEVICE, &a)) == 0) {
-            r = gpt_block_backward(c, B, T, &bp, a, t->dx, t->dx, &bg, &t->scratch);
-            zinf_release(t->e, t->act[k], ZINF_TIER_DEVICE, 0);
-        }
         for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0; i++)
-            r = add_sumsq(t, gw[i], t->desc[t->block_first[k] + i].numel);
+            r = be->zero(t->be, gw[i], t->desc[t->block_first[k] + i].numel * sizeof(float));
+        if (r == 0 && (r = fetch(t, t->act[k], ZINF_TIER_DEVICE, &a)) == 0) {
+            r = be->block_backward(t->be, (const void *const *)w, a, (float *const *)gw);
+            for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0; i++)
+                r = be->sumsq(t->be, gw[i], t->desc[t->block_first[k] + i].numel);
+            r = settle(t, r);
+            zinf_release(t->e, t->act[k], ZINF_TIER_DEVICE, 0);
+        } else {
+            r = settle(t, r);
+        }
         release_block(t, t->g, k, ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
-        release_block(t, t->p, k, ZINF_TIER_DEVICE, 0);
+        release_block(t, t->w, k, ZINF_TIER_DEVICE, 0);
         if (r < 0)
             goto out;
         note_peaks(t);
     }
 
     /* The embeddings: g_wte already holds the head's share. */
-    float *gwte, *gwpe;
+    void *gwte, *gwpe;
     TRY(fetch(t, t->g[t->wte], ZINF_TIER_DEVICE, &gwte));
     if ((r = fetch(t, t->g[t->wpe], ZINF_TIER_DEVICE, &gwpe)) == 0) {
-        memset(gwpe, 0, t->desc[t->wpe].numel * sizeof(float));
-        r = gpt_embed_backward(c, B, T, t->tokens, t->dx, gwte, gwpe);
-        if (r == 0)
-            r = add_sumsq(t, gwte, t->desc[t->wte].numel);
-        if (r == 0)
-            r = add_sumsq(t, gwpe, t->desc[t->wpe].numel);
+        if ((r = be->zero(t->be, gwpe, t->desc[t->wpe].numel * sizeof(float))) == 0 &&
+            (r = be->embed_backward(t->be, gwte, gwpe)) == 0 &&
+            (r = be->sumsq(t->be, gwte, t->desc[t->wte].numel)) == 0)
+            r = be->sumsq(t->be, gwpe, t->desc[t->wpe].numel);
+        r = settle(t, r);
         zinf_release(t->e, t->g[t->wpe], ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
+    } else {
+        r = settle(t, r);
     }
     zinf_release(t->e, t->g[t->wte], ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
 out:
     return r;
 }
 
-/* AdamW over every tensor, in the host tier. The learned schedule prefetches the next
- * tensor's four parts while this one is updated. */
-static int optimize(struct trainer *t, int step)
+/* AdamW over every tensor where the optimizer's states live: on the device with the
+ * backend's fused kernel when they are homed there, else on the host. With bf16 weights the
+ * update writes the bf16 copy too (released dirty: the engine carries it to the device on
+ * its next fetch there). The learned schedule prefetches the next tensor's parts while this
+ * one is updated. */
+static int optimize(struct trainer *t, int step, double sumsq)
 {
     struct adamw_hparams h;
-    float scale = adamw_clip_scale(t->sumsq, t->o.grad_clip);
+    float scale = adamw_clip_scale(sumsq, t->o.grad_clip);
+    enum zinf_tier tier = t->opt_tier;
+    bool mixed = t->w != t->p;
     int r = 0;
 
     adamw_hparams_defaults(&h);
     h.lr = t->o.lr;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
-        zinf_tensor hs[4] = {t->p[i], t->g[i], t->m[i], t->v[i]};
-        float *p[4];
-        int n;
-        for (n = 0; n < 4; n++)
-            if ((r = fetch(t, hs[n], ZINF_TIER_HOST, &p[n])) < 0)
+        zinf_tensor hs[5] = {t->p[i], t->g[i], t->m[i], t->v[i], t->w[i]};
+        int parts = mixed ? 5 : 4, n;
+        void *p[5] = {NULL};
+        for (n = 0; n < parts; n++)
+            if ((r = fetch(t, hs[n], tier, &p[n])) < 0)
                 break;
         if (r == 0) {
             /* Decay the matrices only, as GPT-2 trainers do (not biases, norms). */
             h.weight_decay = t->desc[i].ndim == 2 ? t->o.weight_decay : 0.0f;
-            r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step, scale);
+            if (tier == ZINF_TIER_DEVICE)
+                r = settle(t, t->be->ops->adamw(t->be, p[0], p[1], p[2], p[3], p[4],
+                                                t->desc[i].numel, &h, step, scale));
+            else if (mixed)
+                r = adamw_update_bf16(p[0], p[1], p[2], p[3], p[4], t->desc[i].numel, &h, step,
+                                      scale);
+            else
+                r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step, scale);
         }
         while (n-- > 0)
-            zinf_release(t->e, hs[n], ZINF_TIER_HOST, n != 1 && r == 0 ? ZINF_RELEASE_DIRTY : 0);
+            zinf_release(t->e, hs[n], tier, n != 1 && r == 0 ? ZINF_RELEASE_DIRTY : 0);
         note_peaks(t);
     }
     return r;
@@ -648,15 +724,17 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     struct zinf_stats s0, s1;
     int step = t->step_done + 1, r;
     float loss = 0;
+    double sumsq = 0;
 
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
     load_batch(t, step);
-    t->sumsq = 0;
+    TRY(t->be->ops->set_batch(t->be, t->tokens, t->targets));
     TRY(forward(t));
-    TRY(head(t, &loss));
+    TRY(head(t));
     TRY(backward(t));
-    TRY(optimize(t, step));
+    TRY(t->be->ops->collect(t->be, &loss, &sumsq));
+    TRY(optimize(t, step, sumsq));
     t->step_done = step;
     TRY(state_save(t));
     TRY(zinf_step(t->e));
@@ -672,6 +750,12 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .blocked_fraction = (double)(s1.blocked_ns - s0.blocked_ns) / 1e9 / sec,
     };
 out:
+    if (r < 0) {
+        /* A failed step leaves no half-summed norm behind for the next one. */
+        float l;
+        double d;
+        t->be->ops->collect(t->be, &l, &d);
+    }
     return r;
 }
 
@@ -689,7 +773,10 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     zinf_stats(t->e, &st);
     for (int i = 0; i < t->ntensors; i++)
         out->param_count += t->desc[i].numel;
-    out->model_state_bytes = out->param_count * sizeof(float) * 4;
+    out->model_state_bytes = out->param_count * (sizeof(float) * 4 + (t->w != t->p ? 2 : 0));
+    out->backend = t->be->name;
+    out->precision = t->be->wdt == BACKEND_BF16 ? "bf16" : "fp32";
+    out->backend_work_bytes = t->be->work_bytes;
     for (int i = 0; i < 3; i++) {
         out->tier[i].budget_bytes = st.tier[i].capacity_bytes;
         out->tier[i].peak_bytes = t->peak[i];

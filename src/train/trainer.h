@@ -6,9 +6,11 @@
  * learns the step's order, prefetches ahead and evicts by next use, so the model's state
  * may be many times the device and host budgets.
  *
- * This is the CPU reference path (the device tier is emulated where there is no GPU; the
- * math runs on the CPU through gpt.h and adamw.h). Not here: the command line (tools/),
- * GPU kernels.
+ * The math runs in a backend (backend.h) chosen by the device tier: the CUDA kernels on a
+ * GPU, gpt.c on the CPU over the emulated tier. With bf16 weights (mixed precision, the
+ * default on a GPU) the device computes with bf16 copies of the parameters while the fp32
+ * masters and Adam states stay with the optimizer, which refreshes both. Not here: the
+ * command line (tools/), the math itself.
  */
 #ifndef ZINF_TRAIN_TRAINER_H
 #define ZINF_TRAIN_TRAINER_H
@@ -22,6 +24,12 @@
 
 struct zinf_config;
 
+enum trainer_precision {
+    TRAINER_PRECISION_AUTO, /* bf16 on a GPU, fp32 on the CPU */
+    TRAINER_PRECISION_FP32,
+    TRAINER_PRECISION_BF16, /* bf16 weights and activations on the device, fp32 masters */
+};
+
 struct trainer_opts {
     const char *config_path; /* DeepSpeed-style JSON: budgets, offload devices, nvme paths */
     const char *data_path;   /* any file: its bytes are the tokens */
@@ -31,6 +39,7 @@ struct trainer_opts {
     float lr, weight_decay, grad_clip;
     uint64_t seed;
     bool resume;             /* continue from the state persisted in the swap directory */
+    enum trainer_precision precision;
 };
 
 struct trainer_step_stats {
@@ -47,10 +56,13 @@ struct trainer_tier_summary {
 };
 
 struct trainer_summary {
-    uint64_t model_state_bytes; /* parameters + gradients + Adam m and v */
+    uint64_t model_state_bytes; /* parameters + gradients + Adam m and v (+ bf16 copies) */
     uint64_t param_count;
     struct trainer_tier_summary tier[3];
     int steps_done;
+    const char *backend;        /* "cpu" or "cuda" */
+    const char *precision;      /* "fp32" or "bf16": the weights the device computes with */
+    uint64_t backend_work_bytes; /* device memory of the backend, outside the budgets */
 };
 
 struct trainer;

@@ -1,0 +1,103 @@
+/*
+ * backend.h - where the trainer's math runs. The trainer fetches tensors to the device
+ * tier and hands their pointers to a backend; the backend is chosen at run time by what
+ * the device tier is: CUDA kernels and cuBLAS over GPU memory when the tier is CUDA
+ * (backend_cuda.c), gpt.c and ops.c over host memory when it is emulated (backend_cpu.c).
+ * The trainer's own logic is the same for both: no #ifdef.
+ *
+ * The element type of the weights the device computes with (wdt) is fp32 or bf16. In bf16
+ * the trainer keeps a bf16 copy of every parameter as its own tensor next to the fp32
+ * master; the optimizer writes both, and the engine carries the bf16 copy to the device on
+ * its next fetch. Activation checkpoints are in adt: bf16 on a GPU in bf16, fp32 otherwise
+ * (the CPU backend computes in fp32 from bf16 weights widened on the fly).
+ *
+ * Calls are queued in order on the backend's compute stream and may return before the
+ * work is done: backend_sync() waits for it, and the trainer calls it before it releases
+ * a pointer the queued work uses, so the engine never moves or evicts memory a kernel
+ * still reads. The gradient flowing back through the blocks (B,T,C), the batch, the loss
+ * and the sum of squared gradients live in the backend.
+ *
+ * Not here: which tensors exist or where they live (trainer.c), the math (gpt.c, ops.c,
+ * kernels/).
+ */
+#ifndef ZINF_TRAIN_BACKEND_H
+#define ZINF_TRAIN_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "train/adamw.h"
+#include "train/gpt.h"
+
+enum backend_dtype { BACKEND_F32, BACKEND_BF16 };
+
+static inline size_t backend_dtype_bytes(enum backend_dtype d)
+{
+    return d == BACKEND_BF16 ? 2 : 4;
+}
+
+struct backend_params {
+    struct gpt_config cfg;
+    int B, T;
+    enum backend_dtype wdt; /* weights on the device */
+    int cuda_device;        /* the ordinal the engine's device tier uses */
+};
+
+struct backend;
+
+struct backend_ops {
+    void (*close)(struct backend *b);
+    /* This step's batch: tokens and targets (B,T) in host memory, copied. */
+    int (*set_batch)(struct backend *b, const int *tokens, const int *targets);
+    /* bytes of device memory at p set to 0. */
+    int (*zero)(struct backend *b, void *p, size_t bytes);
+    /* x (B,T,C) in adt = wte[tokens] + wpe. */
+    int (*embed_forward)(struct backend *b, const void *wte, const void *wpe, void *x);
+    /* x_out = block(x_in), both (B,T,C) in adt; w: the block's 12 weights in wdt. */
+    int (*block_forward)(struct backend *b, const void *const *w, const void *x_in, void *x_out);
+    /* The loss of x (B,T,C), the last block's output, and the first gradient: sets the
+     * backend's gradient d (B,T,C); d_lnf_w, d_lnf_b (C) and d_wte (V,C) fp32 +=. */
+    int (*head_backward)(struct backend *b, const void *lnf_w, const void *lnf_b, const void *wte,
+                         const void *x, float *d_lnf_w, float *d_lnf_b, float *d_wte);
+    /* d = d pulled back through the block whose input was x_in; g (12, fp32) +=. */
+    int (*block_backward)(struct backend *b, const void *const *w, const void *x_in,
+                          float *const *g);
+    /* d_wte (V,C) and d_wpe (T,C) fp32 += the embedding's share of d. */
+    int (*embed_backward)(struct backend *b, float *d_wte, float *d_wpe);
+    /* The step's sum of squared gradients += sum of g[i]^2 (n fp32). */
+    int (*sumsq)(struct backend *b, const float *g, size_t n);
+    /* AdamW in device memory (the optimizer's states live on the device); w_bf16 (n), may
+     * be NULL, receives the bf16 cast of the new parameter. */
+    int (*adamw)(struct backend *b, float *p, const float *g, float *m, float *v,
+                 uint16_t *w_bf16, size_t n, const struct adamw_hparams *h, int step,
+                 float grad_scale);
+    /* Waits until everything queued has finished. */
+    int (*sync)(struct backend *b);
+    /* Waits, then hands out the step's loss and sum of squares and resets the sum. */
+    int (*collect)(struct backend *b, float *loss, double *sumsq);
+};
+
+struct backend {
+    const struct backend_ops *ops;
+    const char *name;          /* "cpu", "cuda" */
+    enum backend_dtype wdt;    /* weights the device computes with */
+    enum backend_dtype adt;    /* activation checkpoints */
+    uint64_t work_bytes;       /* device memory the backend holds outside the engine's budget */
+};
+
+/* 0 and *out, or -errno with one line in err. backend_cuda_open answers -ENODEV in builds
+ * without the CUDA kernels. */
+int backend_cpu_open(const struct backend_params *p, struct backend **out, char *err,
+                     size_t errlen);
+int backend_cuda_open(const struct backend_params *p, struct backend **out, char *err,
+                      size_t errlen);
+/* Whether this build has the CUDA backend. */
+int backend_cuda_built(void);
+
+static inline void backend_close(struct backend *b)
+{
+    if (b)
+        b->ops->close(b);
+}
+
+#endif

@@ -1,0 +1,237 @@
+/*
+ * backend_cpu.c - the trainer's math on the CPU (see backend.h): gpt.c's block, head and
+ * embedding functions over the host-memory pointers the emulated device tier hands out.
+ * Work runs when it is called, so sync has nothing to wait for.
+ *
+ * With bf16 weights the tensors the device tier holds are bf16; each is widened to fp32
+ * into the backend's buffers before use, so the arithmetic is the fp32 reference's on the
+ * bf16-rounded weights: the data path of mixed precision (bf16 copies refreshed by the
+ * optimizer, carried by the engine) runs and is tested on machines without a GPU.
+ *
+ * Not here: bf16 activations (adt is always fp32 here), any GPU code.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "train/backend.h"
+#include "train/ops.h"
+
+struct cpu_backend {
+    struct backend b;
+    struct gpt_config cfg;
+    int B, T;
+    int *tokens, *targets; /* (B,T) */
+    float *d;              /* (B,T,C): the gradient flowing back */
+    struct gpt_scratch scratch;
+    float loss;
+    double sumsq;
+    /* bf16 only: fp32 widenings of one block's weights and of wte, wpe, lnf.w, lnf.b. */
+    float *wblock, *wte, *wpe, *lnfw, *lnfb;
+    size_t slot_numel[GPT_BLOCK_NSLOTS];
+};
+
+static struct cpu_backend *cpu(struct backend *b)
+{
+    return (struct cpu_backend *)b;
+}
+
+static void cpu_close(struct backend *b)
+{
+    struct cpu_backend *c = cpu(b);
+    free(c->tokens);
+    free(c->targets);
+    free(c->d);
+    free(c->scratch.mem);
+    free(c->wblock);
+    free(c->wte);
+    free(c->wpe);
+    free(c->lnfw);
+    free(c->lnfb);
+    free(c);
+}
+
+static int cpu_set_batch(struct backend *b, const int *tokens, const int *targets)
+{
+    struct cpu_backend *c = cpu(b);
+    size_t n = (size_t)c->B * c->T;
+    memcpy(c->tokens, tokens, n * sizeof(int));
+    memcpy(c->targets, targets, n * sizeof(int));
+    return 0;
+}
+
+static int cpu_zero(struct backend *b, void *p, size_t bytes)
+{
+    (void)b;
+    memset(p, 0, bytes);
+    return 0;
+}
+
+/* The fp32 view of a weight: itself, or its widening into buf. */
+static const float *widen(struct cpu_backend *c, const void *w, float *buf, size_t n)
+{
+    if (c->b.wdt == BACKEND_F32)
+        return w;
+    ops_cast_bf16_to_f32(buf, w, n);
+    return buf;
+}
+
+static void block_view(struct cpu_backend *c, const void *const *w, struct gpt_block_params *p)
+{
+    if (c->b.wdt == BACKEND_F32) {
+        for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
+            p->t[i] = w[i];
+        return;
+    }
+    gpt_block_params_at(&c->cfg, c->wblock, p);
+    for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
+        ops_cast_bf16_to_f32((float *)p->t[i], w[i], c->slot_numel[i]);
+}
+
+static int cpu_embed_forward(struct backend *b, const void *wte, const void *wpe, void *x)
+{
+    struct cpu_backend *c = cpu(b);
+    size_t C = (size_t)c->cfg.C;
+    return gpt_embed_forward(&c->cfg, c->B, c->T, widen(c, wte, c->wte, (size_t)c->cfg.V * C),
+                             widen(c, wpe, c->wpe, (size_t)c->T * C), c->tokens, x);
+}
+
+static int cpu_block_forward(struct backend *b, const void *const *w, const void *x_in,
+                             void *x_out)
+{
+    struct cpu_backend *c = cpu(b);
+    struct gpt_block_params p;
+    block_view(c, w, &p);
+    return gpt_block_forward(&c->cfg, c->B, c->T, &p, x_in, x_out, &c->scratch);
+}
+
+static int cpu_head_backward(struct backend *b, const void *lnf_w, const void *lnf_b,
+                             const void *wte, const void *x, float *d_lnf_w, float *d_lnf_b,
+                             float *d_wte)
+{
+    struct cpu_backend *c = cpu(b);
+    size_t C = (size_t)c->cfg.C;
+    return gpt_head_backward(&c->cfg, c->B, c->T, widen(c, lnf_w, c->lnfw, C),
+                             widen(c, lnf_b, c->lnfb, C), widen(c, wte, c->wte, c->cfg.V * C), x,
+                             c->targets, c->d, d_lnf_w, d_lnf_b, d_wte, &c->loss, &c->scratch);
+}
+
+static int cpu_block_backward(struct backend *b, const void *const *w, const void *x_in,
+                              float *const *g)
+{
+    struct cpu_backend *c = cpu(b);
+    struct gpt_block_params p;
+    struct gpt_block_grads gr;
+    block_view(c, w, &p);
+    for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
+        gr.t[i] = g[i];
+    return gpt_block_backward(&c->cfg, c->B, c->T, &p, x_in, c->d, c->d, &gr, &c->scratch);
+}
+
+static int cpu_embed_backward(struct backend *b, float *d_wte, float *d_wpe)
+{
+    struct cpu_backend *c = cpu(b);
+    return gpt_embed_backward(&c->cfg, c->B, c->T, c->tokens, c->d, d_wte, d_wpe);
+}
+
+static int cpu_sumsq(struct backend *b, const float *g, size_t n)
+{
+    double s;
+    int r = adamw_sum_squares(g, n, &s);
+    if (r == 0)
+        cpu(b)->sumsq += s;
+    return r;
+}
+
+static int cpu_adamw(struct backend *b, float *p, const float *g, float *m, float *v,
+                     uint16_t *w_bf16, size_t n, const struct adamw_hparams *h, int step,
+                     float grad_scale)
+{
+    (void)b;
+    if (w_bf16)
+        return adamw_update_bf16(p, g, m, v, w_bf16, n, h, step, grad_scale);
+    return adamw_update(p, g, m, v, n, h, step, grad_scale);
+}
+
+static int cpu_sync(struct backend *b)
+{
+    (void)b;
+    return 0;
+}
+
+static int cpu_collect(struct backend *b, float *loss, double *sumsq)
+{
+    struct cpu_backend *c = cpu(b);
+    *loss = c->loss;
+    *sumsq = c->sumsq;
+    c->sumsq = 0;
+    return 0;
+}
+
+static const struct backend_ops cpu_ops = {
+    .close = cpu_close,
+    .set_batch = cpu_set_batch,
+    .zero = cpu_zero,
+    .embed_forward = cpu_embed_forward,
+    .block_forward = cpu_block_forward,
+    .head_backward = cpu_head_backward,
+    .block_backward = cpu_block_backward,
+    .embed_backward = cpu_embed_backward,
+    .sumsq = cpu_sumsq,
+    .adamw = cpu_adamw,
+    .sync = cpu_sync,
+    .collect = cpu_collect,
+};
+
+int backend_cpu_open(const struct backend_params *p, struct backend **out, char *err,
+                     size_t errlen)
+{
+    *out = NULL;
+    if (gpt_config_validate(&p->cfg, err, errlen) < 0 || p->B < 1 || p->T < 1 ||
+        p->T > p->cfg.maxT || (p->wdt != BACKEND_F32 && p->wdt != BACKEND_BF16)) {
+        if (p->B < 1 || p->T < 1 || p->T > p->cfg.maxT)
+            snprintf(err, errlen, "batch %d x seq %d does not fit the model", p->B, p->T);
+        return -EINVAL;
+    }
+    struct cpu_backend *c = calloc(1, sizeof(*c));
+    if (!c)
+        return -ENOMEM;
+    c->b = (struct backend){.ops = &cpu_ops, .name = "cpu", .wdt = p->wdt, .adt = BACKEND_F32};
+    c->cfg = p->cfg;
+    c->B = p->B;
+    c->T = p->T;
+    size_t N = (size_t)p->B * p->T, C = (size_t)p->cfg.C;
+    c->tokens = malloc(N * sizeof(int));
+    c->targets = malloc(N * sizeof(int));
+    c->d = malloc(N * C * sizeof(float));
+    c->scratch.bytes = gpt_scratch_bytes(&p->cfg, p->B, p->T);
+    c->scratch.mem = malloc(c->scratch.bytes);
+    int ok = c->tokens && c->targets && c->d && c->scratch.mem;
+    if (ok && p->wdt == BACKEND_BF16) {
+        size_t nb = gpt_block_num_params(&p->cfg);
+        c->wblock = malloc(nb * sizeof(float));
+        c->wte = malloc((size_t)p->cfg.V * C * sizeof(float));
+        c->wpe = malloc((size_t)p->cfg.maxT * C * sizeof(float));
+        c->lnfw = malloc(C * sizeof(float));
+        c->lnfb = malloc(C * sizeof(float));
+        ok = c->wblock && c->wte && c->wpe && c->lnfw && c->lnfb;
+        if (ok) {
+            /* The slots lie in order in a contiguous block: each one's size is the distance
+             * to the next. */
+            struct gpt_block_params bp;
+            gpt_block_params_at(&p->cfg, c->wblock, &bp);
+            for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
+                c->slot_numel[i] = (size_t)((i + 1 < GPT_BLOCK_NSLOTS ? bp.t[i + 1]
+                                                                      : c->wblock + nb) -
+                                            bp.t[i]);
+        }
+    }
+    if (!ok) {
+        snprintf(err, errlen, "out of memory for the CPU backend's working buffers");
+        cpu_close(&c->b);
+        return -ENOMEM;
+    }
+    *out = &c->b;
+    return 0;
+}
