@@ -94,6 +94,7 @@ enum ftype {
 static const char *const offload_devices[] = {"none", "cpu", "nvme", NULL};
 static const char *const device_kinds[] = {"auto", "cuda", "emulated", NULL};
 static const char *const io_backends[] = {"auto", "io_uring", "threads", NULL};
+static const char *const precisions[] = {"auto", "fp32", "bf16", NULL};
 
 struct field {
     int sect;
@@ -161,6 +162,7 @@ static const struct field fields[] = {
     {S_TRAIN, "batch", NULL, F_INT, OFF(zinf.train.batch), 1, 65536, 0, NULL},
     {S_TRAIN, "steps", NULL, F_INT, OFF(zinf.train.steps), 0, 100000000, 0, NULL},
     {S_TRAIN, "seed", NULL, F_U64, OFF(zinf.train.seed), 0, 0x7fffffff, 0, NULL},
+    {S_TRAIN, "precision", NULL, F_ENUM, OFF(zinf.train.precision), 0, 0, 0, precisions},
 };
 _Static_assert(ARRAY_SIZE(fields) <= 64, "struct zinf_config.given has one bit per field");
 

@@ -286,6 +286,7 @@ Test(cli, train_bad_arguments)
         {"train --config %s --data /usr/share/common-licenses/GPL-3", "zinf.device_bytes"},
         {"train --config %s --data /usr/share/common-licenses/GPL-3 --layers x", "--layers: expected an integer"},
         {"train --config /nonexistent.json --data /usr/share/common-licenses/GPL-3%s", "/nonexistent.json"},
+        {"train --config %s --data /usr/share/common-licenses/GPL-3 --precision fp16", "--precision: expected auto, fp32 or bf16, got 'fp16'"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         char args[1024];

@@ -984,7 +984,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     size_t lines = 0;
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
-    cr_expect_eq(lines, 32 + 7 + 1 + 8, "%s", text); /* settings, zinf.train, header, engine */
+    cr_expect_eq(lines, 32 + 8 + 1 + 8, "%s", text); /* settings, zinf.train, header, engine */
     free(text);
     config_free(&c);
 }

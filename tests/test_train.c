@@ -2,10 +2,13 @@
  * test_train.c - the trainer through the engine: losses bitwise equal whatever the tiers
  * (everything in device memory vs budgets that force NVMe offload), a model whose state is
  * many times the budgets trains within them, and an interrupted run resumed gives the same
- * losses as an uninterrupted one.
+ * losses as an uninterrupted one. The same with bf16 weights on the device (mixed
+ * precision on the CPU backend): the bf16 copies the optimizer refreshes are exactly the
+ * fp32 masters rounded, whatever tier they went through.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +16,8 @@
 
 #include "common.h"
 #include "helpers.h"
+#include "tiers/cuda_probe.h"
+#include "train/ops.h"
 #include "train/trainer.h"
 
 #define STEPS 6
@@ -194,5 +199,145 @@ Test(train, bad_input_is_refused_with_a_message)
     o.resume = true;
     cr_assert_lt(trainer_open(&o, &t, err, sizeof(err)), 0);
     cr_assert(strstr(err, "resume") || strstr(err, "train.state"), "%s", err);
+    cr_assert_null(t);
+}
+
+/* Every bf16 copy equals its fp32 master rounded to nearest even: the optimizer wrote both
+ * and the engine lost neither, whichever tiers they crossed. */
+static void expect_bf16_copies_match(struct trainer_opts *o)
+{
+    struct trainer *t = NULL;
+    char err[512];
+    int r = trainer_open(o, &t, err, sizeof(err));
+    cr_assert_eq(r, 0, "trainer_open: %s", err);
+    zinf_engine *e = trainer_engine(t);
+    const char *names[] = {"wte", "wpe", "h0.attn.qkv.w", "h5.mlp.proj.b", "lnf.w"};
+    size_t C = (size_t)o->model.C, numel[] = {256 * C, (size_t)o->seq * C, 3 * C * C, C, C};
+    for (size_t k = 0; k < sizeof(names) / sizeof(names[0]); k++) {
+        char pn[64], wn[64];
+        zinf_tensor hp, hw;
+        snprintf(pn, sizeof(pn), "p.%s", names[k]);
+        snprintf(wn, sizeof(wn), "w.%s", names[k]);
+        cr_assert_eq(zinf_lookup(e, pn, &hp), 0, "%s", pn);
+        cr_assert_eq(zinf_lookup(e, wn, &hw), 0, "%s", wn);
+        size_t n = numel[k];
+        float *pf = malloc(n * sizeof(float));
+        uint16_t *wf = malloc(n * sizeof(uint16_t));
+        cr_assert_eq(zinf_read(e, hp, 0, pf, n * sizeof(float)), 0);
+        cr_assert_eq(zinf_read(e, hw, 0, wf, n * sizeof(uint16_t)), 0);
+        for (size_t i = 0; i < n; i++)
+            cr_assert_eq(wf[i], ops_f32_to_bf16(pf[i]), "%s[%zu]: bf16 %#x, master %.9g", names[k],
+                         i, wf[i], pf[i]);
+        free(pf);
+        free(wf);
+    }
+    trainer_close(t);
+}
+
+Test(train, bf16_weights_bitwise_equal_in_memory_and_offloaded)
+{
+    char cfg_mem[4096], cfg_nvme[4096], swap[4096], swap_mem[4096];
+    float fp32[STEPS], a[STEPS], b[STEPS];
+    struct trainer_summary sum;
+
+    snprintf(cfg_mem, sizeof(cfg_mem), "%s/mem.json", dir);
+    snprintf(cfg_nvme, sizeof(cfg_nvme), "%s/nvme.json", dir);
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    snprintf(swap_mem, sizeof(swap_mem), "%s/swap_mem", dir);
+    cr_assert_eq(mkdir(swap, 0755), 0);
+    cr_assert_eq(mkdir(swap_mem, 0755), 0);
+
+    /* Everything resident, the optimizer on the device tier's memory. */
+    write_config(cfg_mem, "none", "none", swap_mem, "256M", "64M");
+    struct trainer_opts o = small_model(cfg_mem);
+    o.precision = TRAINER_PRECISION_FP32;
+    run_steps(&o, STEPS, fp32, NULL);
+    /* A fresh swap directory for the bf16 run. */
+    snprintf(swap_mem, sizeof(swap_mem), "%s/swap_mem2", dir);
+    cr_assert_eq(mkdir(swap_mem, 0755), 0);
+    write_config(cfg_mem, "none", "none", swap_mem, "256M", "64M");
+    o = small_model(cfg_mem);
+    o.precision = TRAINER_PRECISION_BF16;
+    run_steps(&o, STEPS, a, &sum);
+    cr_assert_str_eq(sum.precision, "bf16");
+    cr_assert_str_eq(sum.backend, "cpu");
+
+    /* Budgets far below the state: bf16 copies, masters and Adam states through NVMe. */
+    write_config(cfg_nvme, "nvme", "nvme", swap, "800K", "1536K");
+    o = small_model(cfg_nvme);
+    o.precision = TRAINER_PRECISION_BF16;
+    run_steps(&o, STEPS, b, &sum);
+
+    for (int i = 0; i < STEPS; i++) {
+        cr_assert(memcmp(&a[i], &b[i], sizeof(float)) == 0,
+                  "step %d: loss %.9g in memory, %.9g offloaded", i + 1, a[i], b[i]);
+        /* bf16 weights round each parameter to 8 bits of mantissa: the losses stay within a
+         * few parts in a thousand of fp32's over these steps. */
+        cr_assert_lt(fabsf(a[i] - fp32[i]), 0.01f * fp32[i], "step %d: bf16 %.6g, fp32 %.6g",
+                     i + 1, a[i], fp32[i]);
+    }
+    cr_assert_lt(a[STEPS - 1], a[0], "the loss falls: %g -> %g", a[0], a[STEPS - 1]);
+    cr_assert_geq(sum.model_state_bytes, 6 * sum.tier[ZINF_TIER_DEVICE].budget_bytes);
+    cr_assert_geq(sum.model_state_bytes, 3 * sum.tier[ZINF_TIER_HOST].budget_bytes);
+    for (int i = 0; i < 2; i++)
+        cr_assert_leq(sum.tier[i].peak_bytes, sum.tier[i].budget_bytes);
+    o.resume = true;
+    expect_bf16_copies_match(&o);
+}
+
+Test(train, bf16_resume_gives_the_same_losses_and_another_precision_is_refused)
+{
+    char cfg[4096], swap1[4096], swap2[4096], err[512];
+    float full[STEPS], parts[STEPS];
+    struct trainer *t = NULL;
+
+    snprintf(swap1, sizeof(swap1), "%s/s1", dir);
+    snprintf(swap2, sizeof(swap2), "%s/s2", dir);
+    cr_assert_eq(mkdir(swap1, 0755), 0);
+    cr_assert_eq(mkdir(swap2, 0755), 0);
+    snprintf(cfg, sizeof(cfg), "%s/c1.json", dir);
+    write_config(cfg, "nvme", "cpu", swap1, "2M", "8M");
+    struct trainer_opts o = small_model(cfg);
+    o.precision = TRAINER_PRECISION_BF16;
+    run_steps(&o, STEPS, full, NULL);
+
+    snprintf(cfg, sizeof(cfg), "%s/c2.json", dir);
+    write_config(cfg, "nvme", "cpu", swap2, "2M", "8M");
+    o = small_model(cfg);
+    o.precision = TRAINER_PRECISION_BF16;
+    run_steps(&o, STEPS / 2, parts, NULL);
+
+    /* The saved run is bf16: resuming it in fp32 is refused, saying so, and changes nothing. */
+    o.resume = true;
+    o.precision = TRAINER_PRECISION_FP32;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "--precision bf16"), "%s", err);
+    cr_assert_null(t);
+
+    o.precision = TRAINER_PRECISION_BF16;
+    run_steps(&o, STEPS - STEPS / 2, parts, NULL);
+    for (int i = 0; i < STEPS; i++)
+        cr_assert(memcmp(&full[i], &parts[i], sizeof(float)) == 0,
+                  "step %d: %.9g uninterrupted, %.9g resumed", i + 1, full[i], parts[i]);
+}
+
+Test(train, cuda_device_without_a_gpu_is_refused_with_a_message)
+{
+    struct cuda_probe_info ci;
+    if (cuda_probe(&ci) > 0)
+        cr_skip_test("a GPU is usable here: the CUDA trainer is tested in the gpu suite");
+    char cfg[4096], swap[4096], err[512];
+    struct trainer *t = NULL;
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    cr_assert_eq(mkdir(swap, 0755), 0);
+    snprintf(cfg, sizeof(cfg), "%s/cuda.json", dir);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
+               "\"nvme_path\": \"%s\"}}, \"zinf\": {\"device\": \"cuda\"}}", swap);
+    fclose(f);
+    struct trainer_opts o = small_model(cfg);
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -ENODEV);
+    cr_assert(strstr(err, "zinf.device") && strstr(err, "cuda"), "%s", err);
     cr_assert_null(t);
 }

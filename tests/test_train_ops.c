@@ -20,6 +20,7 @@
 
 #include "helpers.h"
 #include "train/adamw.h"
+#include "train/ops.h"
 #include "train/gpt.h"
 
 #define TB 2 /* batch */
@@ -961,4 +962,49 @@ Test(adamw, bad_arguments_are_einval)
     /* Refused calls wrote nothing. */
     for (int i = 0; i < 4; i++)
         cr_expect(p[i] == 0.0f && m[i] == 0.0f && v[i] == 0.0f);
+}
+
+/* ---- mixed precision ----------------------------------------------------------------------- */
+
+Test(adamw, bf16_cast_rounds_to_nearest_even)
+{
+    /* 1 + 2^-8 lies halfway between two bf16 neighbours of 1: the even one (1.0) wins;
+     * 1 + 3*2^-8 is halfway too and rounds up to the even 1 + 2^-6. */
+    cr_assert_eq(ops_f32_to_bf16(1.0f), 0x3f80);
+    cr_assert_eq(ops_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80);
+    cr_assert_eq(ops_f32_to_bf16(1.0f + 3 * 0x1p-8f), 0x3f82);
+    cr_assert_eq(ops_f32_to_bf16(1.0f + 0x1p-8f + 0x1p-20f), 0x3f81);
+    cr_assert_eq(ops_f32_to_bf16(-2.0f), 0xc000);
+    cr_assert_eq(ops_f32_to_bf16(INFINITY), 0x7f80);
+    cr_assert(isnan(ops_bf16_to_f32(ops_f32_to_bf16(NAN))), "NaN stays NaN");
+    /* The largest finite float rounds up to infinity, as the IEEE cast does. */
+    cr_assert_eq(ops_f32_to_bf16(3.4028235e38f), 0x7f80);
+    for (uint32_t h = 0; h < 0x7f80; h += 7)
+        cr_assert_eq(ops_f32_to_bf16(ops_bf16_to_f32((uint16_t)h)), h, "%#x round trip", h);
+}
+
+Test(adamw, update_bf16_is_the_update_then_the_cast)
+{
+    const size_t lens[] = {1, 17, 65537, 1000003};
+    for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
+        struct adam_bufs ref = adam_random(lens[li], 77 + li), got = adam_copy(&ref);
+        uint16_t *w = calloc(ref.n, sizeof(uint16_t));
+        for (int step = 1; step <= 2; step++) {
+            cr_assert_eq(adamw_update(ref.p, ref.g, ref.m, ref.v, ref.n, &hp, step, 0.5f), 0);
+            cr_assert_eq(adamw_update_bf16(got.p, got.g, got.m, got.v, w, got.n, &hp, step, 0.5f),
+                         0);
+        }
+        cr_assert(adam_same_bits(&ref, &got), "n=%zu: the fp32 update changed", ref.n);
+        for (size_t i = 0; i < ref.n; i++)
+            cr_assert_eq(w[i], ops_f32_to_bf16(ref.p[i]), "n=%zu [%zu]", ref.n, i);
+        /* Refused without the bf16 buffer, before anything is written. */
+        cr_assert_eq(adamw_update_bf16(got.p, got.g, got.m, got.v, NULL, got.n, &hp, 3, 1.0f),
+                     -EINVAL);
+        cr_assert_eq(adamw_update_bf16(got.p, got.g, got.m, got.v, w, got.n, &hp, 0, 1.0f),
+                     -EINVAL);
+        cr_assert(adam_same_bits(&ref, &got), "n=%zu: a refused call wrote", ref.n);
+        free(w);
+        adam_free(&ref);
+        adam_free(&got);
+    }
 }

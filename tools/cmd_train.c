@@ -43,8 +43,12 @@ static void usage(FILE *f)
             "  --seed N          initialisation and batch order (default 1337)\n"
             "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
             "  --resume          continue the run persisted in the config's nvme_path\n"
-            "The config's zinf.train section may set layers, dim, heads, seq, batch, steps and\n"
-            "seed; the options above take precedence.\n");
+            "  --precision P     auto | fp32 | bf16: the weights and activations the device\n"
+            "                    computes with; masters and Adam states stay fp32 (default\n"
+            "                    auto: bf16 on a GPU, fp32 on the CPU)\n"
+            "The config's zinf.train section may set layers, dim, heads, seq, batch, steps,\n"
+            "seed and precision; the options above take precedence. zinf.device picks the\n"
+            "compute: a GPU (\"cuda\", or \"auto\" when one is usable) or the CPU (\"emulated\").\n");
 }
 
 static int parse_int(const char *opt, const char *s, long lo, long hi, long *out)
@@ -79,7 +83,7 @@ static const char *const tier_names[] = {"device", "host", "nvme"};
 int cmd_train(int argc, char **argv)
 {
     enum { O_LAYERS = 256, O_DIM, O_HEADS, O_SEQ, O_BATCH, O_STEPS, O_LR, O_WD, O_CLIP, O_SEED,
-           O_LOG, O_RESUME };
+           O_LOG, O_RESUME, O_PRECISION };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, 'c'}, {"data", required_argument, NULL, 'd'},
         {"layers", required_argument, NULL, O_LAYERS}, {"dim", required_argument, NULL, O_DIM},
@@ -88,6 +92,7 @@ int cmd_train(int argc, char **argv)
         {"lr", required_argument, NULL, O_LR}, {"weight-decay", required_argument, NULL, O_WD},
         {"clip", required_argument, NULL, O_CLIP}, {"seed", required_argument, NULL, O_SEED},
         {"log", required_argument, NULL, O_LOG}, {"resume", no_argument, NULL, O_RESUME},
+        {"precision", required_argument, NULL, O_PRECISION},
         {"help", no_argument, NULL, 'h'}, {0},
     };
     struct trainer_opts o;
@@ -104,7 +109,7 @@ int cmd_train(int argc, char **argv)
     opterr = 0;
     while ((ch = getopt_long(argc, argv, "c:d:h", longopts, NULL)) != -1) {
         int bad = 0;
-        if (ch >= O_LAYERS && ch <= O_SEED)
+        if ((ch >= O_LAYERS && ch <= O_SEED) || ch == O_PRECISION)
             given |= 1u << (ch - O_LAYERS);
         switch (ch) {
         case 'c': o.config_path = optarg; break;
@@ -121,6 +126,19 @@ int cmd_train(int argc, char **argv)
         case O_CLIP: bad = parse_float("--clip", optarg, &o.grad_clip); break;
         case O_LOG: log_path = optarg; break;
         case O_RESUME: o.resume = true; break;
+        case O_PRECISION:
+            if (!strcmp(optarg, "auto"))
+                o.precision = TRAINER_PRECISION_AUTO;
+            else if (!strcmp(optarg, "fp32"))
+                o.precision = TRAINER_PRECISION_FP32;
+            else if (!strcmp(optarg, "bf16"))
+                o.precision = TRAINER_PRECISION_BF16;
+            else {
+                fprintf(stderr, "zinf train: --precision: expected auto, fp32 or bf16, got '%s'\n",
+                        optarg);
+                bad = 1;
+            }
+            break;
         case 'h': usage(stdout); return 0;
         default:
             fprintf(stderr, "zinf train: unknown or incomplete option '%s'\n", argv[optind - 1]);
@@ -157,6 +175,7 @@ int cmd_train(int argc, char **argv)
     FROM_CONFIG(O_BATCH, batch, o.batch)
     FROM_CONFIG(O_STEPS, steps, o.steps)
     FROM_CONFIG(O_SEED, seed, o.seed)
+    FROM_CONFIG(O_PRECISION, precision, o.precision)
 #undef FROM_CONFIG
     config_free(&zc);
     if (o.model.C % o.model.NH) {
@@ -180,7 +199,8 @@ int cmd_train(int argc, char **argv)
         fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
         if (log)
             fclose(log);
-        return r == -EINVAL || r == -ENOENT || r == -EISDIR || r == -EACCES ? 2 : 1;
+        return r == -EINVAL || r == -ENOENT || r == -EISDIR || r == -EACCES || r == -ENODEV ? 2
+                                                                                          : 1;
     }
 
     struct trainer_summary sum;
@@ -192,6 +212,9 @@ int cmd_train(int argc, char **argv)
     printf("# budgets: device %s, host %s%s\n", format_size(sum.tier[0].budget_bytes, b, sizeof(b)),
            format_size(sum.tier[1].budget_bytes, c, sizeof(c)),
            o.resume ? "; resumed" : "");
+    printf("# compute: %s, %s weights on the device%s%s\n", sum.backend, sum.precision,
+           sum.backend_work_bytes ? "; backend working memory " : "",
+           sum.backend_work_bytes ? format_size(sum.backend_work_bytes, a, sizeof(a)) : "");
     printf("# %6s %9s %10s %9s %9s %9s %8s\n", "step", "loss", "tokens/s", "ms", "rd GB/s",
            "wr GB/s", "blocked");
     fflush(stdout);
@@ -237,9 +260,11 @@ int cmd_train(int argc, char **argv)
                format_size(sum.tier[i].peak_bytes, a, sizeof(a)),
                format_size(sum.tier[i].budget_bytes, b, sizeof(b)));
     if (log) {
-        fprintf(log, "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu",
+        fprintf(log, "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
+                "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu",
                 sum.steps_done, (unsigned long long)sum.model_state_bytes,
-                (unsigned long long)sum.param_count);
+                (unsigned long long)sum.param_count, sum.backend, sum.precision,
+                (unsigned long long)sum.backend_work_bytes);
         for (int i = 0; i < 3; i++)
             fprintf(log, ",\"%s\":{\"peak_bytes\":%llu,\"budget_bytes\":%llu}", tier_names[i],
                     (unsigned long long)sum.tier[i].peak_bytes,
