@@ -68,9 +68,8 @@ struct backend_ops {
     int (*sumsq)(struct backend *b, const float *g, size_t n);
     /* AdamW in device memory (the optimizer's states live on the device); w_bf16 (n), may
      * be NULL, receives the bf16 cast of the new parameter. */
-    int (*adamw)(struct backend *b, float *p, const float *g, float *m, float *v,
-                 uint16_t *w_bf16, size_t n, const struct adamw_hparams *h, int step,
-                 float grad_scale);
+    int (*adamw)(struct backend *b, float *p, const float *g, float *m, float *v, uint16_t *w_bf16,
+                 size_t n, const struct adamw_hparams *h, int step, float grad_scale);
     /* Waits until everything queued has finished. */
     int (*sync)(struct backend *b);
     /* Waits, then hands out the step's loss and sum of squares and resets the sum. */
@@ -79,10 +78,10 @@ struct backend_ops {
 
 struct backend {
     const struct backend_ops *ops;
-    const char *name;          /* "cpu", "cuda" */
-    enum backend_dtype wdt;    /* weights the device computes with */
-    enum backend_dtype adt;    /* activation checkpoints */
-    uint64_t work_bytes;       /* device memory the backend holds outside the engine's budget */
+    const char *name;       /* "cpu", "cuda" */
+    enum backend_dtype wdt; /* weights the device computes with */
+    enum backend_dtype adt; /* activation checkpoints */
+    uint64_t work_bytes;    /* device memory the backend holds outside the engine's budget */
 };
 
 /* 0 and *out, or -errno with one line in err. backend_cuda_open answers -ENODEV in builds
@@ -96,8 +95,7 @@ int backend_cuda_built(void);
 
 static inline void backend_close(struct backend *b)
 {
-    if (b)
-        b->ops->close(b);
+    if (b) b->ops->close(b);
 }
 
 #endif

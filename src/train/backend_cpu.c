@@ -71,8 +71,7 @@ static int cpu_zero(struct backend *b, void *p, size_t bytes)
 /* The fp32 view of a weight: itself, or its widening into buf. */
 static const float *widen(struct cpu_backend *c, const void *w, float *buf, size_t n)
 {
-    if (c->b.wdt == BACKEND_F32)
-        return w;
+    if (c->b.wdt == BACKEND_F32) return w;
     ops_cast_bf16_to_f32(buf, w, n);
     return buf;
 }
@@ -97,8 +96,7 @@ static int cpu_embed_forward(struct backend *b, const void *wte, const void *wpe
                              widen(c, wpe, c->wpe, (size_t)c->T * C), c->tokens, x);
 }
 
-static int cpu_block_forward(struct backend *b, const void *const *w, const void *x_in,
-                             void *x_out)
+static int cpu_block_forward(struct backend *b, const void *const *w, const void *x_in, void *x_out)
 {
     struct cpu_backend *c = cpu(b);
     struct gpt_block_params p;
@@ -139,8 +137,7 @@ static int cpu_sumsq(struct backend *b, const float *g, size_t n)
 {
     double s;
     int r = adamw_sum_squares(g, n, &s);
-    if (r == 0)
-        cpu(b)->sumsq += s;
+    if (r == 0) cpu(b)->sumsq += s;
     return r;
 }
 
@@ -149,8 +146,7 @@ static int cpu_adamw(struct backend *b, float *p, const float *g, float *m, floa
                      float grad_scale)
 {
     (void)b;
-    if (w_bf16)
-        return adamw_update_bf16(p, g, m, v, w_bf16, n, h, step, grad_scale);
+    if (w_bf16) return adamw_update_bf16(p, g, m, v, w_bf16, n, h, step, grad_scale);
     return adamw_update(p, g, m, v, n, h, step, grad_scale);
 }
 
@@ -184,8 +180,7 @@ static const struct backend_ops cpu_ops = {
     .collect = cpu_collect,
 };
 
-int backend_cpu_open(const struct backend_params *p, struct backend **out, char *err,
-                     size_t errlen)
+int backend_cpu_open(const struct backend_params *p, struct backend **out, char *err, size_t errlen)
 {
     *out = NULL;
     if (gpt_config_validate(&p->cfg, err, errlen) < 0 || p->B < 1 || p->T < 1 ||
@@ -195,8 +190,7 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
         return -EINVAL;
     }
     struct cpu_backend *c = calloc(1, sizeof(*c));
-    if (!c)
-        return -ENOMEM;
+    if (!c) return -ENOMEM;
     c->b = (struct backend){.ops = &cpu_ops, .name = "cpu", .wdt = p->wdt, .adt = BACKEND_F32};
     c->cfg = p->cfg;
     c->B = p->B;
@@ -222,9 +216,8 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
             struct gpt_block_params bp;
             gpt_block_params_at(&p->cfg, c->wblock, &bp);
             for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
-                c->slot_numel[i] = (size_t)((i + 1 < GPT_BLOCK_NSLOTS ? bp.t[i + 1]
-                                                                      : c->wblock + nb) -
-                                            bp.t[i]);
+                c->slot_numel[i] =
+                    (size_t)((i + 1 < GPT_BLOCK_NSLOTS ? bp.t[i + 1] : c->wblock + nb) - bp.t[i]);
         }
     }
     if (!ok) {

@@ -40,17 +40,17 @@ struct cuda_backend {
     float loss;      /* the head's, once collected */
     int have_loss;
 
-    int *tokens, *targets;           /* (N) */
-    void *d;                         /* (N,C) dt: the gradient flowing back */
+    int *tokens, *targets;                              /* (N) */
+    void *d;                                            /* (N,C) dt: the gradient flowing back */
     void *ln1, *qkv, *atty, *x2, *ln2, *fch, *fch_gelu; /* (N,C) (N,3C) (N,C) x3 (N,4C) x2 */
     float *ln1_mean, *ln1_rstd, *ln2_mean, *ln2_rstd;   /* (N) */
-    float *att, *d_att;              /* (B,NH,T,T) */
-    void *d_x2, *d_big, *d_small;    /* (N,C) (N,4C) (N,C) */
-    void *lnf, *d_lnf, *dlogits;     /* (N,C) (N,C) (N,V) */
-    float *lnf_mean, *lnf_rstd;      /* (N) */
-    float *logits, *losses;          /* (N,V) (N) */
-    double *sumsq;                   /* (1) */
-    void *scratch;                   /* reductions */
+    float *att, *d_att;                                 /* (B,NH,T,T) */
+    void *d_x2, *d_big, *d_small;                       /* (N,C) (N,4C) (N,C) */
+    void *lnf, *d_lnf, *dlogits;                        /* (N,C) (N,C) (N,V) */
+    float *lnf_mean, *lnf_rstd;                         /* (N) */
+    float *logits, *losses;                             /* (N,V) (N) */
+    double *sumsq;                                      /* (1) */
+    void *scratch;                                      /* reductions */
 };
 
 static struct cuda_backend *cub(struct backend *b)
@@ -60,7 +60,7 @@ static struct cuda_backend *cub(struct backend *b)
 
 static int cuerr(cudaError_t e)
 {
-    return e == cudaSuccess                  ? 0
+    return e == cudaSuccess                 ? 0
            : e == cudaErrorMemoryAllocation ? -ENOMEM
            : e == cudaErrorInvalidValue     ? -EINVAL
                                             : -EIO;
@@ -69,16 +69,13 @@ static int cuerr(cudaError_t e)
 static void cuda_close(struct backend *b)
 {
     struct cuda_backend *c = cub(b);
-    if (c->s)
-        cudaStreamSynchronize(c->s);
-    if (c->blas)
-        cublasDestroy(c->blas);
+    if (c->s) cudaStreamSynchronize(c->s);
+    if (c->blas) cublasDestroy(c->blas);
     cudaFree(c->mem);
     cudaFreeHost(c->tokens_h);
     cudaFreeHost(c->losses_h);
     cudaFreeHost(c->sumsq_h);
-    if (c->s)
-        cudaStreamDestroy(c->s);
+    if (c->s) cudaStreamDestroy(c->s);
     free(c);
 }
 
@@ -88,13 +85,12 @@ static int cuda_set_batch(struct backend *b, const int *tokens, const int *targe
     size_t n = (size_t)c->N;
     /* The staging copy of the last batch may still be on its way. */
     int r = cuerr(cudaStreamSynchronize(c->s));
-    if (r < 0)
-        return r;
+    if (r < 0) return r;
     memcpy(c->tokens_h, tokens, n * sizeof(int));
     memcpy(c->tokens_h + n, targets, n * sizeof(int));
     /* tokens and targets lie next to each other on the device: one copy. */
-    return cuerr(cudaMemcpyAsync(c->tokens, c->tokens_h, 2 * n * sizeof(int),
-                                 cudaMemcpyHostToDevice, c->s));
+    return cuerr(
+        cudaMemcpyAsync(c->tokens, c->tokens_h, 2 * n * sizeof(int), cudaMemcpyHostToDevice, c->s));
 }
 
 static int cuda_zero(struct backend *b, void *p, size_t bytes)
@@ -116,8 +112,8 @@ static int block_acts(struct cuda_backend *c, const void *const *w, const void *
     enum kdtype dt = c->dt;
     if ((r = kernel_layernorm_forward(c->ln1, c->ln1_mean, c->ln1_rstd, x_in, w[GPT_LN1_W],
                                       w[GPT_LN1_B], N, C, dt, c->s)) < 0 ||
-        (r = kernel_matmul_forward(c->blas, c->qkv, dt, c->ln1, w[GPT_QKV_W], w[GPT_QKV_B], NULL,
-                                   N, C, 3 * C, dt, c->scratch, c->s)) < 0 ||
+        (r = kernel_matmul_forward(c->blas, c->qkv, dt, c->ln1, w[GPT_QKV_W], w[GPT_QKV_B], NULL, N,
+                                   C, 3 * C, dt, c->scratch, c->s)) < 0 ||
         (r = kernel_attention_forward(c->atty, c->att, c->qkv, c->B, c->T, C, c->NH, dt, c->s)) <
             0 ||
         (r = kernel_matmul_forward(c->blas, c->x2, dt, c->atty, w[GPT_ATTN_PROJ_W],
@@ -180,19 +176,18 @@ static int cuda_block_backward(struct backend *b, const void *const *w, const vo
     int N = c->N, C = c->C, r;
     enum kdtype dt = c->dt;
     size_t NC = (size_t)N * C;
-    if ((r = block_acts(c, w, x_in, NULL)) < 0)
-        return r;
+    if ((r = block_acts(c, w, x_in, NULL)) < 0) return r;
     if ((r = cuerr(cudaMemcpyAsync(c->d_x2, c->d, act_bytes(c, NC), cudaMemcpyDeviceToDevice,
                                    c->s))) < 0 ||
         (r = kernel_matmul_backward(c->blas, c->d_big, g[GPT_MLP_PROJ_W], g[GPT_MLP_PROJ_B], c->d,
                                     c->fch_gelu, w[GPT_MLP_PROJ_W], N, 4 * C, C, dt, c->scratch,
                                     c->s)) < 0 ||
         (r = kernel_gelu_backward(c->d_big, c->fch, 4 * NC, dt, c->s)) < 0 ||
-        (r = kernel_matmul_backward(c->blas, c->d_small, g[GPT_FC_W], g[GPT_FC_B], c->d_big,
-                                    c->ln2, w[GPT_FC_W], N, C, 4 * C, dt, c->scratch, c->s)) < 0 ||
+        (r = kernel_matmul_backward(c->blas, c->d_small, g[GPT_FC_W], g[GPT_FC_B], c->d_big, c->ln2,
+                                    w[GPT_FC_W], N, C, 4 * C, dt, c->scratch, c->s)) < 0 ||
         (r = kernel_layernorm_backward(c->d_x2, 1, g[GPT_LN2_W], g[GPT_LN2_B], c->d_small, c->x2,
-                                       w[GPT_LN2_W], c->ln2_mean, c->ln2_rstd, N, C, dt,
-                                       c->scratch, c->s)) < 0 ||
+                                       w[GPT_LN2_W], c->ln2_mean, c->ln2_rstd, N, C, dt, c->scratch,
+                                       c->s)) < 0 ||
         (r = kernel_matmul_backward(c->blas, c->d_small, g[GPT_ATTN_PROJ_W], g[GPT_ATTN_PROJ_B],
                                     c->d_x2, c->atty, w[GPT_ATTN_PROJ_W], N, C, C, dt, c->scratch,
                                     c->s)) < 0 ||
@@ -200,8 +195,8 @@ static int cuda_block_backward(struct backend *b, const void *const *w, const vo
                                        C, c->NH, dt, c->s)) < 0 ||
         (r = kernel_matmul_backward(c->blas, c->d_small, g[GPT_QKV_W], g[GPT_QKV_B], c->d_big,
                                     c->ln1, w[GPT_QKV_W], N, C, 3 * C, dt, c->scratch, c->s)) < 0 ||
-        (r = cuerr(cudaMemcpyAsync(c->d, c->d_x2, act_bytes(c, NC), cudaMemcpyDeviceToDevice,
-                                   c->s))) < 0)
+        (r = cuerr(
+             cudaMemcpyAsync(c->d, c->d_x2, act_bytes(c, NC), cudaMemcpyDeviceToDevice, c->s))) < 0)
         return r;
     return kernel_layernorm_backward(c->d, 1, g[GPT_LN1_W], g[GPT_LN1_B], c->d_small, x_in,
                                      w[GPT_LN1_W], c->ln1_mean, c->ln1_rstd, N, C, dt, c->scratch,
@@ -236,14 +231,11 @@ static int cuda_sync(struct backend *b)
 static int cuda_collect(struct backend *b, float *loss, double *sumsq)
 {
     struct cuda_backend *c = cub(b);
-    int r = cuerr(cudaMemcpyAsync(c->sumsq_h, c->sumsq, sizeof(double), cudaMemcpyDeviceToHost,
-                                  c->s));
-    if (r == 0)
-        r = cuerr(cudaMemsetAsync(c->sumsq, 0, sizeof(double), c->s));
-    if (r == 0)
-        r = cuerr(cudaStreamSynchronize(c->s));
-    if (r < 0)
-        return r;
+    int r =
+        cuerr(cudaMemcpyAsync(c->sumsq_h, c->sumsq, sizeof(double), cudaMemcpyDeviceToHost, c->s));
+    if (r == 0) r = cuerr(cudaMemsetAsync(c->sumsq, 0, sizeof(double), c->s));
+    if (r == 0) r = cuerr(cudaStreamSynchronize(c->s));
+    if (r < 0) return r;
     if (c->have_loss) {
         /* The mean over rows in double and in order, as ops_crossentropy sums it. */
         double total = 0.0;
@@ -278,10 +270,10 @@ static size_t carve(struct cuda_backend *c, char *base, size_t max_tensor)
 {
     size_t off = 0, N = (size_t)c->N, C = (size_t)c->C, V = (size_t)c->V;
     size_t att = (size_t)c->B * c->NH * c->T * c->T, a = backend_dtype_bytes(c->b.adt);
-#define TAKE(ptr, bytes)                                                                       \
-    do {                                                                                       \
-        *(void **)&(ptr) = base ? base + off : NULL;                                           \
-        off += ((bytes) + 255) / 256 * 256;                                                    \
+#define TAKE(ptr, bytes)                                                                           \
+    do {                                                                                           \
+        *(void **)&(ptr) = base ? base + off : NULL;                                               \
+        off += ((bytes) + 255) / 256 * 256;                                                        \
     } while (0)
     TAKE(c->tokens, 2 * N * sizeof(int));
     c->targets = base ? c->tokens + N : NULL;
@@ -314,8 +306,7 @@ static size_t carve(struct cuda_backend *c, char *base, size_t max_tensor)
     size_t cand[] = {kernel_scratch_bytes(N, V), kernel_scratch_bytes(N, 2 * C),
                      kernel_scratch_bytes(max_tensor, 1)};
     for (size_t i = 0; i < sizeof(cand) / sizeof(cand[0]); i++)
-        if (cand[i] > s)
-            s = cand[i];
+        if (cand[i] > s) s = cand[i];
     TAKE(c->scratch, s);
 #undef TAKE
     return off;
@@ -325,16 +316,14 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
                       size_t errlen)
 {
     *out = NULL;
-    if (gpt_config_validate(&p->cfg, err, errlen) < 0)
-        return -EINVAL;
+    if (gpt_config_validate(&p->cfg, err, errlen) < 0) return -EINVAL;
     if (p->B < 1 || p->T < 1 || p->T > p->cfg.maxT ||
         (p->wdt != BACKEND_F32 && p->wdt != BACKEND_BF16)) {
         snprintf(err, errlen, "batch %d x seq %d does not fit the model", p->B, p->T);
         return -EINVAL;
     }
     struct cuda_backend *c = calloc(1, sizeof(*c));
-    if (!c)
-        return -ENOMEM;
+    if (!c) return -ENOMEM;
     c->b = (struct backend){.ops = &cuda_ops, .name = "cuda", .wdt = p->wdt, .adt = p->wdt};
     c->cfg = p->cfg;
     c->B = p->B;
@@ -347,18 +336,14 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
 
     size_t C = (size_t)p->cfg.C;
     size_t max_tensor = (size_t)p->cfg.V * C;
-    if (4 * C * C > max_tensor)
-        max_tensor = 4 * C * C;
-    if ((size_t)p->cfg.maxT * C > max_tensor)
-        max_tensor = (size_t)p->cfg.maxT * C;
+    if (4 * C * C > max_tensor) max_tensor = 4 * C * C;
+    if ((size_t)p->cfg.maxT * C > max_tensor) max_tensor = (size_t)p->cfg.maxT * C;
     size_t bytes = carve(c, NULL, max_tensor);
     int r;
     const char *what = "cudaSetDevice";
-    if ((r = cuerr(cudaSetDevice(p->cuda_device))) < 0)
-        goto fail;
+    if ((r = cuerr(cudaSetDevice(p->cuda_device))) < 0) goto fail;
     what = "cudaStreamCreate";
-    if ((r = cuerr(cudaStreamCreateWithFlags(&c->s, cudaStreamNonBlocking))) < 0)
-        goto fail;
+    if ((r = cuerr(cudaStreamCreateWithFlags(&c->s, cudaStreamNonBlocking))) < 0) goto fail;
     what = "cublasCreate";
     if (cublasCreate(&c->blas) != CUBLAS_STATUS_SUCCESS) {
         c->blas = NULL;
@@ -366,8 +351,7 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
         goto fail;
     }
     what = "cudaMalloc of the working buffers";
-    if ((r = cuerr(cudaMalloc(&c->mem, bytes))) < 0)
-        goto fail;
+    if ((r = cuerr(cudaMalloc(&c->mem, bytes))) < 0) goto fail;
     carve(c, c->mem, max_tensor);
     what = "cudaMallocHost";
     if ((r = cuerr(cudaMallocHost((void **)&c->tokens_h, 2 * (size_t)c->N * sizeof(int)))) < 0 ||
@@ -375,8 +359,7 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
         (r = cuerr(cudaMallocHost((void **)&c->sumsq_h, sizeof(double)))) < 0)
         goto fail;
     what = "cudaMemsetAsync";
-    if ((r = cuerr(cudaMemsetAsync(c->sumsq, 0, sizeof(double), c->s))) < 0)
-        goto fail;
+    if ((r = cuerr(cudaMemsetAsync(c->sumsq, 0, sizeof(double), c->s))) < 0) goto fail;
     c->b.work_bytes = bytes;
     *out = &c->b;
     return 0;
@@ -399,7 +382,8 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
 {
     (void)p;
     *out = NULL;
-    snprintf(err, errlen, "this build of zinf has no CUDA kernels (built without the CUDA "
+    snprintf(err, errlen,
+             "this build of zinf has no CUDA kernels (built without the CUDA "
              "toolkit); use zinf.device \"emulated\" or \"auto\"");
     return -ENODEV;
 }

@@ -17,8 +17,8 @@
 
 /* out (N,C) = (inp (N,C) - mean) * rstd * w (C) + b (C); mean and rstd (N) are kept for
  * the backward. */
-void ops_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
-                              const float *w, const float *b, size_t N, size_t C)
+void ops_layernorm_forward(float *out, float *mean, float *rstd, const float *inp, const float *w,
+                           const float *b, size_t N, size_t C)
 {
 #pragma omp parallel for schedule(static)
     for (size_t n = 0; n < N; n++) {
@@ -45,9 +45,9 @@ void ops_layernorm_forward(float *out, float *mean, float *rstd, const float *in
  * the gradient of its input. d_inp may be inp: the parameter gradients, which read inp for
  * every row, are done first, and the input gradient of a row reads inp[i] before it writes
  * d_inp[i]. */
-void ops_layernorm_backward(float *d_inp, int accumulate, float *dw, float *db,
-                               const float *d_out, const float *inp, const float *w,
-                               const float *mean, const float *rstd, size_t N, size_t C)
+void ops_layernorm_backward(float *d_inp, int accumulate, float *dw, float *db, const float *d_out,
+                            const float *inp, const float *w, const float *mean, const float *rstd,
+                            size_t N, size_t C)
 {
     size_t nblk = (C + COL_BLOCK - 1) / COL_BLOCK;
 #pragma omp parallel for schedule(static)
@@ -86,7 +86,7 @@ void ops_layernorm_backward(float *d_inp, int accumulate, float *dw, float *db,
 /* out (N,OC) = [residual (N,OC) +] b (OC) + inp (N,IC) @ W^T, W being (OC,IC). Folding the
  * residual add into the GEMM's accumulate saves a pass and a buffer. */
 void ops_linear_forward(float *out, const float *inp, const float *W, const float *b,
-                           const float *residual, size_t N, size_t IC, size_t OC)
+                        const float *residual, size_t N, size_t IC, size_t OC)
 {
 #pragma omp parallel for schedule(static)
     for (size_t n = 0; n < N; n++) {
@@ -114,8 +114,8 @@ void ops_colsum_acc(float *acc, const float *x, size_t N, size_t OC)
 
 /* d_inp (N,IC) = d_out (N,OC) @ W (OC,IC); dW (OC,IC) += d_out^T @ inp (N,IC);
  * db (OC) += the column sums of d_out. */
-void ops_linear_backward(float *d_inp, float *dW, float *db, const float *d_out,
-                            const float *inp, const float *W, size_t N, size_t IC, size_t OC)
+void ops_linear_backward(float *d_inp, float *dW, float *db, const float *d_out, const float *inp,
+                         const float *W, size_t N, size_t IC, size_t OC)
 {
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)IC, (int)OC, 1.0f, d_out,
                 (int)OC, W, (int)IC, 0.0f, d_inp, (int)IC);
@@ -154,7 +154,7 @@ void ops_gelu_backward(float *d, const float *inp, size_t n)
  * h*hs of each. att (B,NH,T,T) receives the softmax probabilities (zero above the
  * diagonal); y (B,T,C) the heads' outputs side by side. One (b,h) per thread task. */
 void ops_attention_forward(float *y, float *att, const float *qkv, size_t B, size_t T, size_t C,
-                              size_t NH)
+                           size_t NH)
 {
     size_t hs = C / NH, C3 = 3 * C;
     float scale = 1.0f / sqrtf((float)hs);
@@ -204,7 +204,7 @@ void ops_attention_forward(float *y, float *att, const float *qkv, size_t B, siz
  * input qkv and the probabilities att (B,NH,T,T). d_row (B,NH,T) is room for one row of
  * dloss/datt per (b,h). Each (b,h) writes only its own columns of d_qkv. */
 void ops_attention_backward(float *d_qkv, float *d_row, const float *d_y, const float *qkv,
-                               const float *att, size_t B, size_t T, size_t C, size_t NH)
+                            const float *att, size_t B, size_t T, size_t C, size_t NH)
 {
     size_t hs = C / NH, C3 = 3 * C;
     float scale = 1.0f / sqrtf((float)hs);
