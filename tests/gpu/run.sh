@@ -1,36 +1,100 @@
 #!/usr/bin/env bash
-# run.sh - the GPU check, on a machine with a GPU, from what tests/gpu/prepare.sh put in
-# .gpu/: the CUDA kernels against their CPU twins, the CUDA device tier (arena, streams,
-# events, pinned host registration), and the engine's swap-in and hit path with the device
-# tier on the GPU. Every log and a summary land in $OUT (or ./gpu-out).
+# run.sh - the GPU check, about 5 minutes on one GPU. It builds when this machine can (the
+# project's own packages installed) and otherwise runs what tests/gpu/prepare.sh put in
+# .gpu/. In order:
+#   - the gpu suite: every CUDA kernel against its CPU twin, the trainer on the GPU against
+#     the CPU (fp32 and bf16, offloaded and resident), the CUDA device tier and host pool;
+#   - the swap-in benchmark NVMe -> pinned host -> device, next to a plain pinned cudaMemcpy
+#     H2D figure from the same run;
+#   - a short `zinf train` on the GPU with a device budget below the model's state, its
+#     loss curve printed;
+#   - the step time with weights streamed from host memory against resident weights.
+# Every log, summary.txt and figures.json land in $OUT (or ./gpu-out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
-export LD_LIBRARY_PATH="$PWD/.gpu/lib:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
-bin=.gpu/bin
+out=$(cd "$out" && pwd)
+
+if [ ! -x .gpu/bin/zinf ] && command -v meson > /dev/null; then
+  echo "== building (.gpu/ is missing)" | tee -a "$out/summary.txt"
+  tests/gpu/prepare.sh > "$out/build.log" 2>&1 || { echo "build failed" | tee -a "$out/summary.txt"; exit 1; }
+fi
+# CUDA's libraries come from this machine: its toolkit, or the Python wheels of its image.
+cudalibs=/usr/local/cuda/lib64
+for d in /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib \
+         /opt/torch/.venv/lib/python3*/site-packages/nvidia/*/lib; do
+  [ -d "$d" ] && cudalibs="$cudalibs:$d"
+done
+export LD_LIBRARY_PATH="$PWD/.gpu/lib:$cudalibs:${LD_LIBRARY_PATH:-}"
+bin=$PWD/.gpu/bin
 swap=$(mktemp -d /tmp/zinf-gpu.XXXXXX)
 status=0
+# Training text: the project's own sources and docs.
+cat README.md docs/*.md src/*/*.c src/*/*.h > "$swap/data.txt"
 
 step() { # name timeout command...
   local name=$1 t=$2
   shift 2
   echo "== $name: $*" | tee -a "$out/summary.txt"
+  local t0=$SECONDS
   timeout "$t" "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  tail -5 "$out/$name.log" | sed 's/^/   /' | tee -a "$out/summary.txt"
-  echo "   rc=$rc" | tee -a "$out/summary.txt"
+  tail -8 "$out/$name.log" | sed 's/^/   /' | tee -a "$out/summary.txt"
+  echo "   rc=$rc ($((SECONDS - t0)) s)" | tee -a "$out/summary.txt"
   [ $rc = 0 ] || status=1
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
-step version 30 $bin/zinf version
-step topo 30 $bin/zinf topo
-step kernels 120 $bin/test_kernels --verbose
-step device_gpu 180 $bin/test_device --filter 'device_gpu/*' --verbose
-step host 120 $bin/test_host --verbose
-step swapin 240 $bin/swapin --path "$swap" --device-kind auto --zinf $bin/zinf --json
-step hitpath 120 $bin/hitpath --path "$swap" --device-kind auto
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+  --format=csv > "$out/gpu.txt" 2>&1
+cat "$out/gpu.txt" | tee -a "$out/summary.txt"
+step version 20 "$bin/zinf" version
+step topo 20 "$bin/zinf" topo
+step kernels 60 "$bin/test_kernels" --verbose
+step train_gpu 90 "$bin/test_train_gpu" --verbose
+step device_gpu 30 "$bin/test_device" --filter 'device_gpu/*' --verbose
+step host 30 "$bin/test_host" --verbose
+step swapin 70 "$bin/swapin" --path "$swap/swapin" --device-kind auto --device-bytes 1G \
+  --tensors 48 --tensor-size 64M --steps 4 --zinf "$bin/zinf" --json
+
+# A short run on the GPU, the model's state several times the device budget.
+mkdir -p "$swap/train"
+cat > "$swap/train.json" <<JSON
+{"zero_optimization": {"stage": 3,
+ "offload_param": {"device": "nvme", "nvme_path": "$swap/train", "pin_memory": true},
+ "offload_optimizer": {"device": "nvme", "nvme_path": "$swap/train", "pin_memory": true}},
+ "aio": {"block_size": 1048576, "queue_depth": 32},
+ "zinf": {"device": "cuda", "device_bytes": "160M", "host_bytes": "1G"}}
+JSON
+step train 60 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data.txt" --layers 8 \
+  --dim 512 --heads 8 --seq 256 --batch 8 --steps 30 --log "$out/train.jsonl"
+# Weights streamed from host memory against resident ones (the optimizer on the host in both).
+step stream 90 env ZINF="$bin/zinf" MODE=host DEVICE=cuda LAYERS=6 DIM=1024 HEADS=16 SEQ=512 \
+  BATCH=8 STEPS=4 DEVICE_BYTES=256M HOST_BYTES=4G RES_DEVICE_BYTES=4G RES_HOST_BYTES=4G \
+  DATA="$swap/data.txt" bash "$bin/train_offload.sh" "$swap/stream" 2
 rm -rf "$swap"
+
+python3 - "$out" <<'PY' || status=1
+import json, os, re, sys
+out = sys.argv[1]
+fig = {}
+def lines(name):
+    p = os.path.join(out, name)
+    return open(p, errors="replace").read().splitlines() if os.path.exists(p) else []
+for l in lines("swapin.log"):
+    if l.startswith("{") and '"summary": true' in l:
+        fig["swapin"] = json.loads(l)
+curve = [json.loads(l) for l in lines("train.jsonl") if l.startswith("{")]
+fig["train_losses"] = [r["loss"] for r in curve if "step" in r]
+fig["train_summary"] = next((r["summary"] for r in curve if "summary" in r), None)
+for l in lines("stream.log"):
+    m = re.search(r"median step-time ratio offloaded / resident: ([0-9.]+)", l)
+    if m:
+        fig["stream_ratio"] = float(m.group(1))
+fig["kernels"] = [l for l in lines("kernels.log") if "largest" in l]
+fig["train_gpu"] = [l for l in lines("train_gpu.log") if "largest" in l or "step" in l]
+json.dump(fig, open(os.path.join(out, "figures.json"), "w"), indent=1)
+print("loss curve:", " ".join("%.3f" % x for x in fig["train_losses"]))
+PY
 echo "status $status" | tee -a "$out/summary.txt"
 exit $status
