@@ -1,49 +1,66 @@
 /*
  * adamw.cu - the AdamW step on the GPU: the CUDA twin of src/train/adamw.c's scalar
  * reference (same arithmetic, same order of operations per element; one thread per
- * element, grid-stride). tests/test_kernels.c runs both on the same input and reports the
- * largest difference against the fp32 tolerance.
+ * element, grid-stride), fused with the cast of the new parameter to bf16 (the twin of
+ * adamw_update_bf16: round to nearest even). tests/test_kernels.c runs both on the same
+ * input and reports the largest difference against the fp32 tolerance.
  *
- * Not here: mixed precision, fused clipping (the scale comes in, as on the CPU).
+ * Not here: bf16 optimizer states, fused clipping (the scale comes in, as on the CPU; the
+ * sum of squares it is computed from is kernel_sumsq in reduce.cu).
  */
-#include <errno.h>
 #include <math.h>
 
-#include "kernels/kernels.h"
+#include "kernels/common.cuh"
 
-__global__ static void adamw_kernel(float *p, const float *g, float *m, float *v, size_t n,
-                                    float gs, float b1, float omb1, float b2, float omb2,
-                                    float bc1, float bc2, float eps, float wd, float lr)
+/* One element per thread: p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), in adamw.c's
+ * order. The _rn intrinsics are the plain IEEE operations that nvcc may not fuse into
+ * multiply-adds, so each element comes out as the scalar reference's bits (which has no
+ * FMAs either). pb is NULL when no bf16 copy is wanted (a uniform branch). */
+__global__ static void adamw_kernel(float *__restrict__ p, const float *__restrict__ g,
+                                    float *__restrict__ m, float *__restrict__ v,
+                                    bf16 *__restrict__ pb, size_t n, float gs, float b1, float omb1,
+                                    float b2, float omb2, float bc1, float bc2, float eps, float wd,
+                                    float lr)
 {
     size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float gi = g[i] * gs;
-        float mi = b1 * m[i] + omb1 * gi;
-        float vi = b2 * v[i] + omb2 * (gi * gi);
-        float mhat = mi * bc1, vhat = vi * bc2;
-        p[i] -= lr * (mhat / (sqrtf(vhat) + eps) + wd * p[i]);
+        float gi = __fmul_rn(g[i], gs);
+        float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(omb1, gi));
+        float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(omb2, __fmul_rn(gi, gi)));
+        float mhat = __fmul_rn(mi, bc1), vhat = __fmul_rn(vi, bc2);
+        float pi = p[i];
+        float u = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps)), __fmul_rn(wd, pi));
+        pi = __fsub_rn(pi, __fmul_rn(lr, u));
+        p[i] = pi;
         m[i] = mi;
         v[i] = vi;
+        if (pb) pb[i] = __float2bfloat16(pi);
     }
 }
 
-extern "C" int kernel_adamw(float *param, const float *grad, float *m, float *v, size_t n,
-                            const struct adamw_hparams *h, int step, float grad_scale,
-                            cudaStream_t stream)
+/* The checks of adamw.c's check_hparams, so both refuse the same input. */
+static bool hparams_ok(const struct adamw_hparams *h, int step, float grad_scale)
 {
-    if (!h || step < 1 || (n && (!param || !grad || !m || !v)))
-        return -EINVAL;
-    if (n == 0)
-        return 0;
+    if (!h || step < 1 || !isfinite(grad_scale)) return false;
+    if (!(h->lr >= 0.0f) || !isfinite(h->lr)) return false;
+    if (!(h->beta1 >= 0.0f && h->beta1 < 1.0f) || !(h->beta2 >= 0.0f && h->beta2 < 1.0f))
+        return false;
+    if (!(h->eps > 0.0f) || !isfinite(h->eps)) return false;
+    if (!(h->weight_decay >= 0.0f) || !isfinite(h->weight_decay)) return false;
+    return true;
+}
+
+extern "C" int kernel_adamw(float *param, const float *grad, float *m, float *v,
+                            uint16_t *param_bf16, size_t n, const struct adamw_hparams *h, int step,
+                            float grad_scale, cudaStream_t stream)
+{
+    if (!hparams_ok(h, step, grad_scale) || (n && (!param || !grad || !m || !v))) return -EINVAL;
+    if (n == 0) return 0;
     /* Bias corrections in double on the host, as the CPU path computes them. */
     float bc1 = (float)(1.0 / (1.0 - pow(h->beta1, step)));
     float bc2 = (float)(1.0 / (1.0 - pow(h->beta2, step)));
-    unsigned threads = 256;
-    size_t want = (n + threads - 1) / threads;
-    unsigned blocks = (unsigned)(want < 65535 * 8 ? want : 65535 * 8);
-    adamw_kernel<<<blocks, threads, 0, stream>>>(param, grad, m, v, n, grad_scale, h->beta1,
-                                                 1.0f - h->beta1, h->beta2, 1.0f - h->beta2,
-                                                 bc1, bc2, h->eps, h->weight_decay, h->lr);
-    cudaError_t e = cudaGetLastError();
-    return e == cudaSuccess ? 0 : e == cudaErrorInvalidValue ? -EINVAL : -EIO;
+    adamw_kernel<<<grid_for(n, KTHREADS), KTHREADS, 0, stream>>>(
+        param, grad, m, v, (bf16 *)param_bf16, n, grad_scale, h->beta1, 1.0f - h->beta1, h->beta2,
+        1.0f - h->beta2, bc1, bc2, h->eps, h->weight_decay, h->lr);
+    return launch_result();
 }

@@ -1,12 +1,31 @@
 /*
- * kernels.h - launchers of the CUDA kernels. Each takes a cudaStream_t, checks its launch
- * and returns 0 or -errno; each kernel has a CPU reference twin elsewhere in the tree and a
- * test comparing them (tests/test_kernels.c). Declared only in builds with CUDA.
+ * kernels.h - launchers of the CUDA kernels of the trainer. Each takes a cudaStream_t,
+ * checks its arguments and its launch, and returns 0 or -errno (-EINVAL for bad input,
+ * -EIO for a launch or cuBLAS failure); nothing here synchronises. Each kernel has a CPU
+ * reference twin in src/train/ops.h or src/train/adamw.h, and tests/test_kernels.c runs
+ * both on the same input and reports the largest difference against a stated tolerance
+ * (fp32 1e-5 relative or 1e-4 absolute for long sums, bf16 ~1e-2).
+ *
+ * Activations and weights come in one of two element types, named by enum kdtype for each
+ * call: fp32, or bf16 (__nv_bfloat16, stored as 16 bits). Gradients of parameters,
+ * LayerNorm statistics, attention probabilities, logits and everything the optimizer
+ * touches are fp32. Pointers are device memory unless a comment says otherwise.
+ *
+ * Reductions (column sums, LayerNorm and embedding parameter gradients, sums of squares)
+ * are deterministic: they run in a fixed order with no floating-point atomics, so a step
+ * computes the same bits every time. Those that need room take a scratch buffer of
+ * kernel_scratch_bytes(rows, cols) bytes.
+ *
+ * Declared only in builds with CUDA (ZINF_HAVE_KERNELS).
  */
 #ifndef ZINF_KERNELS_KERNELS_H
 #define ZINF_KERNELS_KERNELS_H
 
 #include <stddef.h>
+#include <stdint.h>
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
 
 #include "train/adamw.h"
 
@@ -14,11 +33,80 @@
 extern "C" {
 #endif
 
-#include <cuda_runtime_api.h>
+enum kdtype { KDT_F32 = 0, KDT_BF16 = 1 };
 
-/* AdamW over n elements of device memory, in place; the twin of adamw_update_isa(SCALAR). */
-int kernel_adamw(float *param, const float *grad, float *m, float *v, size_t n,
-                 const struct adamw_hparams *h, int step, float grad_scale, cudaStream_t stream);
+/* Bytes of scratch that any reduction below needs over a (rows, cols) input. */
+size_t kernel_scratch_bytes(size_t rows, size_t cols);
+
+/* x (B,T,C) = wte[tokens] (V,C) + wpe[t] (T,C); tokens (B,T) int in device memory. */
+int kernel_embed_forward(void *x, const void *wte, const void *wpe, const int *tokens, int B, int T,
+                         int C, enum kdtype dt, cudaStream_t s);
+/* d_wte (V,C) += d_x (B,T,C) scattered by token; d_wpe (T,C) += d_x summed over b.
+ * scratch: kernel_scratch_bytes(B*T, C). Twin: ops_embed_backward. */
+int kernel_embed_backward(float *d_wte, float *d_wpe, const void *d_x, const int *tokens, int B,
+                          int T, int C, int V, enum kdtype dt, void *scratch, cudaStream_t s);
+
+/* out (N,C) = LayerNorm(inp (N,C)) * w (C) + b (C); mean, rstd (N) fp32. out, inp, w, b in dt. */
+int kernel_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
+                             const void *b, int N, int C, enum kdtype dt, cudaStream_t s);
+/* dw, db (C) += parameter gradients; d_inp (N,C) = (or += when accumulate) input gradient.
+ * d_inp, d_out, inp, w in dt. d_inp may be d_out (not inp). scratch: kernel_scratch_bytes(N, 2*C). */
+int kernel_layernorm_backward(void *d_inp, int accumulate, float *dw, float *db, const void *d_out,
+                              const void *inp, const void *w, const float *mean, const float *rstd,
+                              int N, int C, enum kdtype dt, void *scratch, cudaStream_t s);
+
+/* out (N,OC) in out_dt = [residual (N,OC) in out_dt +] [bias (OC) in dt +] inp (N,IC) @ W^T,
+ * W (OC,IC); inp and W in dt. bias and residual may be NULL; out may be residual. A cuBLAS
+ * GEMM with fp32 accumulation; the handle is set to stream s. Twin: ops_linear_forward. */
+int kernel_matmul_forward(cublasHandle_t h, void *out, enum kdtype out_dt, const void *inp,
+                          const void *W, const void *bias, const void *residual, int N, int IC,
+                          int OC, enum kdtype dt, void *scratch, cudaStream_t s);
+/* d_inp (N,IC) = d_out (N,OC) @ W (OC,IC), overwritten, in dt; dW (OC,IC) fp32 +=
+ * d_out^T @ inp (N,IC); db (OC) fp32 += column sums of d_out (skipped when NULL). d_out,
+ * inp, W in dt. scratch: kernel_scratch_bytes(N, OC). Twin: ops_linear_backward. */
+int kernel_matmul_backward(cublasHandle_t h, void *d_inp, float *dW, float *db, const void *d_out,
+                           const void *inp, const void *W, int N, int IC, int OC, enum kdtype dt,
+                           void *scratch, cudaStream_t s);
+/* acc (OC) fp32 += the column sums of x (N,OC) in dt. scratch: kernel_scratch_bytes(N, OC). */
+int kernel_colsum(float *acc, const void *x, int N, int OC, enum kdtype dt, void *scratch,
+                  cudaStream_t s);
+/* out (n) = a (n) + b (n), the residual add; out may be a or b. */
+int kernel_add(void *out, const void *a, const void *b, size_t n, enum kdtype dt, cudaStream_t s);
+
+/* out (n) = GELU(inp (n)), tanh approximation; d (n) *= GELU'(inp (n)) in place. */
+int kernel_gelu_forward(void *out, const void *inp, size_t n, enum kdtype dt, cudaStream_t s);
+int kernel_gelu_backward(void *d, const void *inp, size_t n, enum kdtype dt, cudaStream_t s);
+
+/* Causal self-attention with the softmax fused: qkv (B,T,3C) in dt, att (B,NH,T,T) fp32
+ * probabilities (0 above the diagonal), y (B,T,C) in dt. Twin: ops_attention_forward. */
+int kernel_attention_forward(void *y, float *att, const void *qkv, int B, int T, int C, int NH,
+                             enum kdtype dt, cudaStream_t s);
+/* d_qkv (B,T,3C) in dt, overwritten, from d_y (B,T,C) in dt, qkv and att; d_att
+ * (B,NH,T,T) fp32 is scratch. Twin: ops_attention_backward. */
+int kernel_attention_backward(void *d_qkv, float *d_att, const void *d_y, const void *qkv,
+                              const float *att, int B, int T, int C, int NH, enum kdtype dt,
+                              cudaStream_t s);
+
+/* Cross-entropy with the softmax fused over logits (N,V) fp32: losses (N) fp32; when
+ * dlogits (N,V) in dt is not NULL it receives (softmax - onehot) / N. targets (N) int.
+ * dlogits may alias logits when dt is fp32. Twin: ops_crossentropy. */
+int kernel_crossentropy(float *losses, void *dlogits, const float *logits, const int *targets,
+                        int N, int V, enum kdtype dt, cudaStream_t s);
+
+/* AdamW over n fp32 elements in place, fused with the cast of the new parameter to bf16
+ * into param_bf16 (n, may be NULL). Twins: adamw_update_isa(ADAMW_ISA_SCALAR) and
+ * adamw_update_bf16(). */
+int kernel_adamw(float *param, const float *grad, float *m, float *v, uint16_t *param_bf16,
+                 size_t n, const struct adamw_hparams *h, int step, float grad_scale,
+                 cudaStream_t s);
+/* *acc (one double in device memory) += sum of x[i]^2 over n fp32 elements, in a fixed
+ * order: the global gradient norm, one tensor at a time. scratch: kernel_scratch_bytes(n, 1).
+ * Twin: adamw_sum_squares (equal to within double rounding of differently ordered sums). */
+int kernel_sumsq(double *acc, const float *x, size_t n, void *scratch, cudaStream_t s);
+/* dst (n) in dst_dt = src (n) in src_dt; fp32 -> bf16 rounds to nearest even.
+ * Twins: ops_cast_f32_to_bf16, ops_cast_bf16_to_f32. */
+int kernel_cast(void *dst, enum kdtype dst_dt, const void *src, enum kdtype src_dt, size_t n,
+                cudaStream_t s);
 
 #ifdef __cplusplus
 }

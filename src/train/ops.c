@@ -121,7 +121,8 @@ void ops_linear_backward(float *d_inp, float *dW, float *db, const float *d_out,
                 (int)OC, W, (int)IC, 0.0f, d_inp, (int)IC);
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)OC, (int)IC, (int)N, 1.0f, d_out,
                 (int)OC, inp, (int)IC, 1.0f, dW, (int)IC);
-    ops_colsum_acc(db, d_out, N, OC);
+    if (db)
+        ops_colsum_acc(db, d_out, N, OC);
 }
 
 #define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
