@@ -171,3 +171,13 @@ void test_log_capture_stop(void)
     cap_len = 0;
     pthread_mutex_unlock(&cap_lock);
 }
+
+void test_write_training_text(const char *dir, char *path, size_t len)
+{
+    snprintf(path, len, "%s/data.txt", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f, "%s", path);
+    for (int i = 0; i < 400; i++)
+        fprintf(f, "the quick brown fox %d jumps over the lazy dog %d times.\n", i % 17, i % 5);
+    fclose(f);
+}

@@ -11,6 +11,9 @@
  * test_rmtree(), which removes it and everything below it. */
 char *test_tmpdir(const char *tag);
 void test_rmtree(char *path);
+/* Writes dir/data.txt, text with structure for the trainer tests to learn, and its path
+ * into path (len bytes). */
+void test_write_training_text(const char *dir, char *path, size_t len);
 /* A fresh directory on tmpfs (/dev/shm), or NULL when there is none. */
 char *test_shmdir(const char *tag);
 

@@ -29,13 +29,7 @@ static void setup(void)
 {
     dir = test_tmpdir("train");
     cr_assert_not_null(dir);
-    /* Text with structure, so the loss has something to learn. */
-    snprintf(data_path, sizeof(data_path), "%s/data.txt", dir);
-    FILE *f = fopen(data_path, "w");
-    cr_assert_not_null(f);
-    for (int i = 0; i < 400; i++)
-        fprintf(f, "the quick brown fox %d jumps over the lazy dog %d times.\n", i % 17, i % 5);
-    fclose(f);
+    test_write_training_text(dir, data_path, sizeof(data_path));
 }
 
 static void teardown(void)
