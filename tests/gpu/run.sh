@@ -9,7 +9,8 @@
 #   - a short `zinf train` on the GPU with a device budget below the model's state, its
 #     loss curve printed;
 #   - the step time with weights streamed from host memory against resident weights.
-# Every log, summary.txt and figures.json land in $OUT (or ./gpu-out).
+# Every log, summary.txt and figures.json land in $OUT (or ./gpu-out). DEVICE=emulated runs
+# the same steps without a GPU (the gpu suite skips), to try the script itself.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -28,6 +29,7 @@ for d in /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib \
 done
 export LD_LIBRARY_PATH="$PWD/.gpu/lib:$cudalibs:${LD_LIBRARY_PATH:-}"
 bin=$PWD/.gpu/bin
+device=${DEVICE:-cuda}
 swap=$(mktemp -d /tmp/zinf-gpu.XXXXXX)
 status=0
 # Training text: the project's own sources and docs.
@@ -54,7 +56,7 @@ step kernels 60 "$bin/test_kernels" --verbose
 step train_gpu 90 "$bin/test_train_gpu" --verbose
 step device_gpu 30 "$bin/test_device" --filter 'device_gpu/*' --verbose
 step host 30 "$bin/test_host" --verbose
-step swapin 70 "$bin/swapin" --path "$swap/swapin" --device-kind auto --device-bytes 1G \
+step swapin 70 "$bin/swapin" --path "$swap/swapin" --device-kind "${device/cuda/auto}" --device-bytes 1G \
   --tensors 48 --tensor-size 64M --steps 4 --zinf "$bin/zinf" --json
 
 # A short run on the GPU, the model's state several times the device budget.
@@ -64,12 +66,12 @@ cat > "$swap/train.json" <<JSON
  "offload_param": {"device": "nvme", "nvme_path": "$swap/train", "pin_memory": true},
  "offload_optimizer": {"device": "nvme", "nvme_path": "$swap/train", "pin_memory": true}},
  "aio": {"block_size": 1048576, "queue_depth": 32},
- "zinf": {"device": "cuda", "device_bytes": "160M", "host_bytes": "1G"}}
+ "zinf": {"device": "$device", "device_bytes": "160M", "host_bytes": "1G"}}
 JSON
 step train 60 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data.txt" --layers 8 \
   --dim 512 --heads 8 --seq 256 --batch 8 --steps 30 --log "$out/train.jsonl"
 # Weights streamed from host memory against resident ones (the optimizer on the host in both).
-step stream 90 env ZINF="$bin/zinf" MODE=host DEVICE=cuda LAYERS=6 DIM=1024 HEADS=16 SEQ=512 \
+step stream 90 env ZINF="$bin/zinf" MODE=host DEVICE="$device" LAYERS=6 DIM=1024 HEADS=16 SEQ=512 \
   BATCH=8 STEPS=4 DEVICE_BYTES=256M HOST_BYTES=4G RES_DEVICE_BYTES=4G RES_HOST_BYTES=4G \
   DATA="$swap/data.txt" bash "$bin/train_offload.sh" "$swap/stream" 2
 rm -rf "$swap"
