@@ -69,7 +69,7 @@ cat > "$swap/train.json" <<JSON
  "zinf": {"device": "$device", "device_bytes": "160M", "host_bytes": "1G"}}
 JSON
 step train 60 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data.txt" --layers 8 \
-  --dim 512 --heads 8 --seq 256 --batch 8 --steps 30 --log "$out/train.jsonl"
+  --dim 512 --heads 8 --seq 256 --batch 8 --steps 30 --lr 5e-4 --log "$out/train.jsonl"
 # Weights streamed from host memory against resident ones (the optimizer on the host in both).
 step stream 90 env ZINF="$bin/zinf" MODE=host DEVICE="$device" LAYERS=6 DIM=1024 HEADS=16 SEQ=512 \
   BATCH=8 STEPS=4 DEVICE_BYTES=256M HOST_BYTES=4G RES_DEVICE_BYTES=4G RES_HOST_BYTES=4G \
