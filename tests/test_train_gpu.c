@@ -46,7 +46,8 @@ static void need_gpu(void)
     if (cuda_probe(&ci) <= 0) cr_skip_test("no usable GPU: %s", ci.reason);
 }
 
-/* A config with the given device kind and offload; swap may be NULL (no NVMe). */
+/* A config with the given device kind and offload; swap may be NULL (no NVMe). The host
+ * tier is pinned (and registered with CUDA), so the engine's copies are asynchronous. */
 static void write_config(const char *path, const char *device, const char *param, const char *optim,
                          const char *swap, const char *device_bytes, const char *host_bytes)
 {
@@ -54,8 +55,8 @@ static void write_config(const char *path, const char *device, const char *param
     cr_assert_not_null(f);
     fprintf(f,
             "{\"zero_optimization\": {\"stage\": 3,"
-            " \"offload_param\": {\"device\": \"%s\"%s%s%s},"
-            " \"offload_optimizer\": {\"device\": \"%s\"%s%s%s}},"
+            " \"offload_param\": {\"device\": \"%s\", \"pin_memory\": true%s%s%s},"
+            " \"offload_optimizer\": {\"device\": \"%s\", \"pin_memory\": true%s%s%s}},"
             " \"aio\": {\"block_size\": 262144, \"queue_depth\": 16},"
             " \"zinf\": {\"device\": \"%s\", \"device_bytes\": \"%s\", \"host_bytes\": \"%s\"}}",
             param, swap ? ", \"nvme_path\": \"" : "", swap ? swap : "", swap ? "\"" : "", optim,
