@@ -47,6 +47,10 @@ step() { # name timeout command...
   [ $rc = 0 ] || status=1
 }
 
+# The pinned host tier is mlocked: lift the limit where allowed, and say what it is.
+ulimit -l unlimited 2> /dev/null || true
+echo "memlock limit: $(ulimit -l) (KiB; pinned runs need more than their host budget)" |
+  tee -a "$out/summary.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
   --format=csv > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt" | tee -a "$out/summary.txt"
