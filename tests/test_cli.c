@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "helpers.h"
+#include "zinf_build.h"
 
 static char *dir;
 
@@ -64,6 +65,7 @@ Test(cli, help_version_unknown)
     free(o);
     cr_assert_eq(run(&o, "version"), 0);
     cr_assert(strstr(o, "zinf 0."), "%s", o);
+    cr_assert(strstr(o, ZINF_HAVE_KERNELS ? "kernels: built" : "kernels: not built"), "%s", o);
     free(o);
     cr_assert_eq(run(&o, "frobnicate"), 2);
     cr_assert(strstr(o, "unknown command 'frobnicate'"), "%s", o);

@@ -33,6 +33,9 @@ static int cmd_version(void)
         printf(", %d device(s), device 0: %s\n", ci.device_count, ci.name);
     else
         printf(" (%s)\n", ci.reason);
+    printf("kernels: %s\n", ZINF_HAVE_KERNELS ? "built (sm_80, sm_90): zinf train computes on a "
+                                               "GPU when the device tier is CUDA"
+                                             : "not built: zinf train computes on the CPU");
     printf("nccl: %s\n", ZINF_HAVE_NCCL ? "built" : "not built");
     return 0;
 }
