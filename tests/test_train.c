@@ -17,6 +17,7 @@
 #include "common.h"
 #include "helpers.h"
 #include "tiers/cuda_probe.h"
+#include "train/backend.h"
 #include "train/ops.h"
 #include "train/trainer.h"
 
@@ -89,8 +90,7 @@ static void run_steps(struct trainer_opts *o, int n, float *losses, struct train
         losses[step - 1] = st.loss;
     }
     cr_assert_eq(trainer_checkpoint(t), 0);
-    if (sum)
-        trainer_get_summary(t, sum);
+    if (sum) trainer_get_summary(t, sum);
     trainer_close(t);
 }
 
@@ -130,7 +130,11 @@ Test(train, losses_bitwise_equal_in_memory_and_offloaded)
                       (unsigned long long)sum.tier[i].budget_bytes);
 }
 
-Test(train, resumed_run_gives_the_same_losses)
+/* Runs STEPS steps in one go and in two halves with a resume between, in precision p, and
+ * asserts the losses are the same bits. Between the halves refuse(o) may try resumes that
+ * must fail and change nothing. */
+static void resume_equals_uninterrupted(enum trainer_precision p,
+                                        void (*refuse)(const struct trainer_opts *o))
 {
     char cfg[4096], swap1[4096], swap2[4096];
     float full[STEPS], parts[STEPS];
@@ -142,18 +146,26 @@ Test(train, resumed_run_gives_the_same_losses)
     snprintf(cfg, sizeof(cfg), "%s/c1.json", dir);
     write_config(cfg, "nvme", "cpu", swap1, "2M", "8M");
     struct trainer_opts o = small_model(cfg);
+    o.precision = p;
     run_steps(&o, STEPS, full, NULL);
 
     snprintf(cfg, sizeof(cfg), "%s/c2.json", dir);
     write_config(cfg, "nvme", "cpu", swap2, "2M", "8M");
     o = small_model(cfg);
+    o.precision = p;
     run_steps(&o, STEPS / 2, parts, NULL);
     o.resume = true;
+    if (refuse) refuse(&o);
     run_steps(&o, STEPS - STEPS / 2, parts, NULL);
 
     for (int i = 0; i < STEPS; i++)
         cr_assert(memcmp(&full[i], &parts[i], sizeof(float)) == 0,
                   "step %d: %.9g uninterrupted, %.9g resumed", i + 1, full[i], parts[i]);
+}
+
+Test(train, resumed_run_gives_the_same_losses)
+{
+    resume_equals_uninterrupted(TRAINER_PRECISION_FP32, NULL);
 }
 
 Test(train, bad_input_is_refused_with_a_message)
@@ -267,8 +279,8 @@ Test(train, bf16_weights_bitwise_equal_in_memory_and_offloaded)
                   "step %d: loss %.9g in memory, %.9g offloaded", i + 1, a[i], b[i]);
         /* bf16 weights round each parameter to 8 bits of mantissa: the losses stay within a
          * few parts in a thousand of fp32's over these steps. */
-        cr_assert_lt(fabsf(a[i] - fp32[i]), 0.01f * fp32[i], "step %d: bf16 %.6g, fp32 %.6g",
-                     i + 1, a[i], fp32[i]);
+        cr_assert_lt(fabsf(a[i] - fp32[i]), 0.01f * fp32[i], "step %d: bf16 %.6g, fp32 %.6g", i + 1,
+                     a[i], fp32[i]);
     }
     cr_assert_lt(a[STEPS - 1], a[0], "the loss falls: %g -> %g", a[0], a[STEPS - 1]);
     cr_assert_geq(sum.model_state_bytes, 6 * sum.tier[ZINF_TIER_DEVICE].budget_bytes);
@@ -279,40 +291,89 @@ Test(train, bf16_weights_bitwise_equal_in_memory_and_offloaded)
     expect_bf16_copies_match(&o);
 }
 
-Test(train, bf16_resume_gives_the_same_losses_and_another_precision_is_refused)
+/* The saved run is bf16: resuming it in fp32 is refused, saying so, and changes nothing. */
+static void refuse_fp32(const struct trainer_opts *saved)
 {
-    char cfg[4096], swap1[4096], swap2[4096], err[512];
-    float full[STEPS], parts[STEPS];
+    struct trainer_opts o = *saved;
     struct trainer *t = NULL;
-
-    snprintf(swap1, sizeof(swap1), "%s/s1", dir);
-    snprintf(swap2, sizeof(swap2), "%s/s2", dir);
-    cr_assert_eq(mkdir(swap1, 0755), 0);
-    cr_assert_eq(mkdir(swap2, 0755), 0);
-    snprintf(cfg, sizeof(cfg), "%s/c1.json", dir);
-    write_config(cfg, "nvme", "cpu", swap1, "2M", "8M");
-    struct trainer_opts o = small_model(cfg);
-    o.precision = TRAINER_PRECISION_BF16;
-    run_steps(&o, STEPS, full, NULL);
-
-    snprintf(cfg, sizeof(cfg), "%s/c2.json", dir);
-    write_config(cfg, "nvme", "cpu", swap2, "2M", "8M");
-    o = small_model(cfg);
-    o.precision = TRAINER_PRECISION_BF16;
-    run_steps(&o, STEPS / 2, parts, NULL);
-
-    /* The saved run is bf16: resuming it in fp32 is refused, saying so, and changes nothing. */
-    o.resume = true;
+    char err[512];
     o.precision = TRAINER_PRECISION_FP32;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
     cr_assert(strstr(err, "--precision bf16"), "%s", err);
     cr_assert_null(t);
+}
 
-    o.precision = TRAINER_PRECISION_BF16;
-    run_steps(&o, STEPS - STEPS / 2, parts, NULL);
-    for (int i = 0; i < STEPS; i++)
-        cr_assert(memcmp(&full[i], &parts[i], sizeof(float)) == 0,
-                  "step %d: %.9g uninterrupted, %.9g resumed", i + 1, full[i], parts[i]);
+Test(train, bf16_resume_gives_the_same_losses_and_another_precision_is_refused)
+{
+    resume_equals_uninterrupted(TRAINER_PRECISION_BF16, refuse_fp32);
+}
+
+/* A training state written by another version (its magic differs) is refused with a
+ * sentence saying so, and the tensors beside it are left as they were. */
+Test(train, state_of_another_version_is_refused)
+{
+    char cfg[4096], swap[4096], err[512];
+    float losses[STEPS];
+    struct trainer *t = NULL;
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    cr_assert_eq(mkdir(swap, 0755), 0);
+    snprintf(cfg, sizeof(cfg), "%s/c.json", dir);
+    write_config(cfg, "nvme", "cpu", swap, "2M", "8M");
+    struct trainer_opts o = small_model(cfg);
+    run_steps(&o, 1, losses, NULL);
+
+    o.resume = true;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    zinf_engine *e = trainer_engine(t);
+    zinf_tensor st;
+    uint64_t other = 0x7a696e6674726e31ull; /* "zinftrn1": the layout before precision */
+    cr_assert_eq(zinf_lookup(e, "train.state", &st), 0);
+    cr_assert_eq(zinf_write(e, st, 0, &other, sizeof(other)), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    trainer_close(t);
+
+    t = NULL;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "another version of zinf train"), "%s", err);
+    cr_assert_null(t);
+}
+
+/* The backends refuse parameters the trainer would never pass, naming what is wrong. */
+Test(train, backend_refuses_bad_parameters)
+{
+    struct backend_params p = {.cfg = {.V = 256, .maxT = 32, .L = 2, .C = 64, .NH = 4},
+                               .B = 2,
+                               .T = 32,
+                               .wdt = BACKEND_BF16};
+    struct backend *b = NULL;
+    char err[256];
+    cr_assert_eq(backend_cpu_open(&p, &b, err, sizeof(err)), 0, "%s", err);
+    cr_assert_str_eq(b->name, "cpu");
+    cr_assert_eq(b->wdt, BACKEND_BF16);
+    cr_assert_eq(b->adt, BACKEND_F32);
+    backend_close(b);
+
+    struct backend_params bad = p;
+    bad.T = 33;
+    cr_assert_eq(backend_cpu_open(&bad, &b, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "seq 33") && strstr(err, "longest sequence 32"), "%s", err);
+    cr_assert_null(b);
+    bad = p;
+    bad.B = 0;
+    cr_assert_eq(backend_cpu_open(&bad, &b, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "batch 0"), "%s", err);
+    bad = p;
+    bad.wdt = (enum backend_dtype)7;
+    cr_assert_eq(backend_cpu_open(&bad, &b, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "element type 7"), "%s", err);
+    bad = p;
+    bad.cfg.NH = 5;
+    cr_assert_eq(backend_cpu_open(&bad, &b, err, sizeof(err)), -EINVAL);
+    cr_assert(err[0], "a message for a head count that does not divide the width");
+    /* The CUDA backend checks the same before touching a GPU, or says it was not built. */
+    int r = backend_cuda_open(&bad, &b, err, sizeof(err));
+    cr_assert(r == (backend_cuda_built() ? -EINVAL : -ENODEV), "%d", r);
+    cr_assert_null(b);
 }
 
 Test(train, cuda_device_without_a_gpu_is_refused_with_a_message)
@@ -327,8 +388,10 @@ Test(train, cuda_device_without_a_gpu_is_refused_with_a_message)
     snprintf(cfg, sizeof(cfg), "%s/cuda.json", dir);
     FILE *f = fopen(cfg, "w");
     cr_assert_not_null(f);
-    fprintf(f, "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
-               "\"nvme_path\": \"%s\"}}, \"zinf\": {\"device\": \"cuda\"}}", swap);
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
+            "\"nvme_path\": \"%s\"}}, \"zinf\": {\"device\": \"cuda\"}}",
+            swap);
     fclose(f);
     struct trainer_opts o = small_model(cfg);
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -ENODEV);

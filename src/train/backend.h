@@ -84,6 +84,8 @@ struct backend {
     uint64_t work_bytes;    /* device memory the backend holds outside the engine's budget */
 };
 
+/* 0, or -EINVAL with one line in err naming what is wrong with p: the model, (B,T) or wdt. */
+int backend_params_check(const struct backend_params *p, char *err, size_t errlen);
 /* 0 and *out, or -errno with one line in err. backend_cuda_open answers -ENODEV in builds
  * without the CUDA kernels. */
 int backend_cpu_open(const struct backend_params *p, struct backend **out, char *err,

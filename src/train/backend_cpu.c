@@ -183,12 +183,8 @@ static const struct backend_ops cpu_ops = {
 int backend_cpu_open(const struct backend_params *p, struct backend **out, char *err, size_t errlen)
 {
     *out = NULL;
-    if (gpt_config_validate(&p->cfg, err, errlen) < 0 || p->B < 1 || p->T < 1 ||
-        p->T > p->cfg.maxT || (p->wdt != BACKEND_F32 && p->wdt != BACKEND_BF16)) {
-        if (p->B < 1 || p->T < 1 || p->T > p->cfg.maxT)
-            snprintf(err, errlen, "batch %d x seq %d does not fit the model", p->B, p->T);
-        return -EINVAL;
-    }
+    int r = backend_params_check(p, err, errlen);
+    if (r < 0) return r;
     struct cpu_backend *c = calloc(1, sizeof(*c));
     if (!c) return -ENOMEM;
     c->b = (struct backend){.ops = &cpu_ops, .name = "cpu", .wdt = p->wdt, .adt = BACKEND_F32};

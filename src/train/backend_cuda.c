@@ -316,12 +316,8 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
                       size_t errlen)
 {
     *out = NULL;
-    if (gpt_config_validate(&p->cfg, err, errlen) < 0) return -EINVAL;
-    if (p->B < 1 || p->T < 1 || p->T > p->cfg.maxT ||
-        (p->wdt != BACKEND_F32 && p->wdt != BACKEND_BF16)) {
-        snprintf(err, errlen, "batch %d x seq %d does not fit the model", p->B, p->T);
-        return -EINVAL;
-    }
+    int r = backend_params_check(p, err, errlen);
+    if (r < 0) return r;
     struct cuda_backend *c = calloc(1, sizeof(*c));
     if (!c) return -ENOMEM;
     c->b = (struct backend){.ops = &cuda_ops, .name = "cuda", .wdt = p->wdt, .adt = p->wdt};
@@ -339,7 +335,6 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     if (4 * C * C > max_tensor) max_tensor = 4 * C * C;
     if ((size_t)p->cfg.maxT * C > max_tensor) max_tensor = (size_t)p->cfg.maxT * C;
     size_t bytes = carve(c, NULL, max_tensor);
-    int r;
     const char *what = "cudaSetDevice";
     if ((r = cuerr(cudaSetDevice(p->cuda_device))) < 0) goto fail;
     what = "cudaStreamCreate";

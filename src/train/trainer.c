@@ -470,16 +470,14 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     if ((r = check_budgets(t, err, errlen)) < 0)
         goto fail;
     /* Resuming, the saved run's shape and precision are checked before its tensors are
-     * looked up, so a mismatch is named as such. */
+     * looked up, so a mismatch is named as such; without a saved state, register_all()
+     * says so. */
     if (o->resume && zinf_lookup(t->e, STATE_NAME, &t->state) == 0 &&
         (r = state_check(t, err, errlen)) < 0)
         goto fail;
     if ((r = register_all(t, err, errlen)) < 0)
         goto fail;
-    if (o->resume) {
-        if ((r = state_check(t, err, errlen)) < 0)
-            goto fail;
-    } else if ((r = init_params(t)) < 0 || (r = state_save(t)) < 0) {
+    if (!o->resume && ((r = init_params(t)) < 0 || (r = state_save(t)) < 0)) {
         snprintf(err, errlen, "initialising the parameters failed: %s", zinf_strerror(r));
         goto fail;
     }
@@ -587,8 +585,6 @@ static int forward(struct trainer *t)
                 r = settle(t, be->block_forward(t->be, (const void *const *)w, a, b));
                 zinf_release(t->e, t->act[k + 1], ZINF_TIER_DEVICE,
                              r == 0 ? ZINF_RELEASE_DIRTY : 0);
-            } else {
-                settle(t, 0);
             }
             zinf_release(t->e, t->act[k], ZINF_TIER_DEVICE, 0);
         }
@@ -670,8 +666,6 @@ static int backward(struct trainer *t)
             r = be->sumsq(t->be, gwpe, t->desc[t->wpe].numel);
         r = settle(t, r);
         zinf_release(t->e, t->g[t->wpe], ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
-    } else {
-        r = settle(t, r);
     }
     zinf_release(t->e, t->g[t->wte], ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
 out:
