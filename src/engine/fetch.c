@@ -400,6 +400,28 @@ enum fetch_mode { FETCH_BLOCK, FETCH_ASYNC, FETCH_PREFETCH };
  * load has started (-EWOULDBLOCK if it cannot start without waiting); FETCH_PREFETCH
  * starts a load without a pin and gives up quietly rather than wait or evict something
  * needed sooner. */
+/* Time spent blocked in a fetch counts from its first wait. */
+static void clock_start(bool *waited, uint64_t *t0)
+{
+    if (!*waited) {
+        *waited = true;
+        *t0 = now_ns();
+    }
+}
+
+/* A fetch that has to wait for another thread's work: the non-blocking modes give up (a
+ * prefetch quietly, an async fetch with -EWOULDBLOCK); a blocking one starts its clock,
+ * waits for a change and answers 1: look again. */
+static int wait_for_change(struct zinf_engine *e, enum fetch_mode mode, bool *waited,
+                           uint64_t *t0)
+{
+    if (mode != FETCH_BLOCK)
+        return mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
+    clock_start(waited, t0);
+    engine_wait(e);
+    return 1;
+}
+
 static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fetch_mode mode,
                       uint64_t need_dist, void **ptr)
 {
@@ -470,25 +492,15 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
             continue; /* it brought a version already overtaken: load again */
         }
         if (t->exclusive) {
-            if (mode != FETCH_BLOCK) {
-                r = mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
+            if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0)
                 goto out;
-            }
-            if (!waited) {
-                waited = true;
-                t0 = now_ns();
-            }
-            engine_wait(e);
             continue;
         }
         if (c->state == COPY_READY) { /* holds an older version */
             if (tier != (int)t->home) {
                 if (c->pins || c->readers || c->wb_inflight) {
-                    if (mode != FETCH_BLOCK) {
-                        r = mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
+                    if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0)
                         goto out;
-                    }
-                    engine_wait(e);
                     continue;
                 }
                 copy_drop(e, t, tier);
@@ -503,15 +515,8 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
 
         int src = pick_source(t, tier);
         if (src == -EAGAIN) {
-            if (mode != FETCH_BLOCK) {
-                r = mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
+            if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0)
                 goto out;
-            }
-            if (!waited) {
-                waited = true;
-                t0 = now_ns();
-            }
-            engine_wait(e);
             continue;
         }
         if (src < 0) {
@@ -529,10 +534,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                     r = -EWOULDBLOCK;
                     goto out;
                 }
-                if (!waited) {
-                    waited = true;
-                    t0 = now_ns();
-                }
+                clock_start(&waited, &t0);
                 continue;
             }
             if (r < 0) {
@@ -581,10 +583,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
             return 0;
         /* Start what the schedule says comes next while this one loads. */
         sched_prefetch(e);
-        if (!waited) {
-            waited = true;
-            t0 = now_ns();
-        }
+        clock_start(&waited, &t0);
     }
 out:
     if (waited)
