@@ -16,6 +16,8 @@
 
 #include "common.h"
 #include "helpers.h"
+#include "engine/engine.h"
+#include "io/uring.h"
 #include "tiers/cuda_probe.h"
 #include "train/backend.h"
 #include "train/ops.h"
@@ -397,4 +399,43 @@ Test(train, cuda_device_without_a_gpu_is_refused_with_a_message)
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -ENODEV);
     cr_assert(strstr(err, "zinf.device") && strstr(err, "cuda"), "%s", err);
     cr_assert_null(t);
+}
+
+/* A step whose IO fails returns the error and leaves the trainer usable. The failure comes
+ * at the step's first NVMe request, before anything is written, so the steps that follow
+ * give the same losses as a run that never failed. */
+Test(train, failed_step_leaves_the_trainer_usable)
+{
+    char cfg[4096], swap[4096], err[512];
+    float ref[STEPS], got[STEPS];
+    struct trainer *t = NULL;
+    struct trainer_step_stats st;
+
+    snprintf(swap, sizeof(swap), "%s/ref", dir);
+    cr_assert_eq(mkdir(swap, 0755), 0);
+    snprintf(cfg, sizeof(cfg), "%s/ref.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "600K", "1M");
+    struct trainer_opts o = small_model(cfg);
+    run_steps(&o, 4, ref, NULL);
+
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    cr_assert_eq(mkdir(swap, 0755), 0);
+    snprintf(cfg, sizeof(cfg), "%s/c.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "600K", "1M");
+    o = small_model(cfg);
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(trainer_step(t, &st), 0);
+    got[0] = st.loss;
+    uring_fault_set(trainer_engine(t)->io, URING_FAULT_EIO, 1);
+    cr_assert_eq(trainer_step(t, &st), -EIO);
+    cr_assert_eq(trainer_next_step(t), 2, "a failed step is not counted");
+    for (int i = 1; i < 4; i++) {
+        cr_assert_eq(trainer_step(t, &st), 0, "step %d after the failure", i + 1);
+        got[i] = st.loss;
+    }
+    cr_assert_eq(trainer_checkpoint(t), 0);
+    trainer_close(t);
+    for (int i = 0; i < 4; i++)
+        cr_assert(memcmp(&ref[i], &got[i], sizeof(float)) == 0,
+                  "step %d: %.9g never failed, %.9g after a failed step", i + 1, ref[i], got[i]);
 }
