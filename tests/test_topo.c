@@ -1,19 +1,23 @@
 /*
  * test_topo.c - topo.h: PCI locality and the placement rule on a synthetic two-node
- * machine (tests/data/two_nodes.xml), the sysfs walk from a path to its drive on fake
- * sysfs trees (ZINF_TEST_SYSFS_ROOT), and the same calls on this machine, where only
- * sanity can be asserted.
+ * machine (tests/data/two_nodes.xml, read with each of hwloc's XML parsers), the errors
+ * for XML files hwloc cannot read, the sysfs walk from a path to its drive on fake sysfs
+ * trees (ZINF_TEST_SYSFS_ROOT), and the same calls on this machine, where only sanity can
+ * be asserted, and which is loaded once per process with hwloc's Linux component alone.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <numa.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -406,23 +410,240 @@ Test(topo, bind_on_xml_is_refused)
     topo_close(t);
 }
 
-Test(topo, open_bad_xml)
+static void write_text(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert(f, "%s: %s", path, strerror(errno));
+    fputs(text, f);
+    fclose(f);
+}
+
+/* two_nodes.xml's text with an XML comment after its header lines, into dir/name. */
+static void write_commented_copy(const char *dir, const char *name, char *path, size_t len)
+{
+    char src[PATH_MAX], line[4096];
+    FILE *in, *out;
+    int n = 0;
+
+    snprintf(src, sizeof(src), "%s/two_nodes.xml", getenv("ZINF_TEST_DATA"));
+    snprintf(path, len, "%s/%s", dir, name);
+    in = fopen(src, "r");
+    out = fopen(path, "w");
+    cr_assert(in && out);
+    while (fgets(line, sizeof(line), in)) {
+        if (n++ == 2) fputs("<!-- a comment, as people write them -->\n", out);
+        fputs(line, out);
+    }
+    fclose(in);
+    fclose(out);
+}
+
+static const char *open_error(const char *path, int err)
+{
+    static char why[PATH_MAX + 512];
+    topo_open_error(path, err, why, sizeof(why));
+    return why;
+}
+
+Test(topo, open_bad_xml_says_what_is_wrong)
 {
     struct topo *t = (struct topo *)1;
     char *dir = test_tmpdir("badxml");
     char path[PATH_MAX];
+    const char *why;
 
     cr_assert_eq(topo_open("/no/such/file.xml", &t), -ENOENT);
     cr_assert_null(t);
+    cr_assert(strstr(open_error("/no/such/file.xml", -ENOENT), "/no/such/file.xml: no such file"));
+
+    cr_assert_eq(topo_open(dir, &t), -EISDIR);
+    cr_assert(strstr(open_error(dir, -EISDIR), "is a directory"), "%s", open_error(dir, -EISDIR));
+
+    /* Unreadable: only where permissions apply (root reads anything). */
+    snprintf(path, sizeof(path), "%s/secret.xml", dir);
+    write_text(path, "<?xml version=\"1.0\"?>\n");
+    cr_assert_eq(chmod(path, 0), 0);
+    if (geteuid() != 0) {
+        cr_assert_eq(topo_open(path, &t), -EACCES);
+        cr_assert(strstr(open_error(path, -EACCES), "cannot read it"), "%s",
+                  open_error(path, -EACCES));
+    }
+
+    /* Well-formed XML that is no topology: refused by whichever parser hwloc has. */
     snprintf(path, sizeof(path), "%s/bad.xml", dir);
-    FILE *f = fopen(path, "w");
-    fputs("<?xml version=\"1.0\"?>\n<not-a-topology/>\n", f);
-    fclose(f);
+    write_text(path, "<?xml version=\"1.0\"?>\n<not-a-topology/>\n");
     test_log_capture_start();
     cr_assert_eq(topo_open(path, &t), -EINVAL);
-    cr_assert(strstr(test_log_text(), "not a valid hwloc XML topology"), "%s", test_log_text());
+    cr_assert_null(t);
+    cr_assert_eq(test_log_text()[0], '\0', "topo_open logs nothing: %s", test_log_text());
     test_log_capture_stop();
+    why = open_error(path, -EINVAL);
+    cr_assert(strstr(why, path) && strstr(why, "XML parser") && strstr(why, "HWLOC_XML_VERBOSE=1"),
+              "%s", why);
+
     cr_assert_eq(topo_open(NULL, NULL), -EINVAL);
+    cr_assert(strstr(open_error(NULL, -EIO), "this machine's topology"));
+    topo_open_error(path, -EINVAL, NULL, 0);
+    test_rmtree(dir);
+}
+
+/* Regression: two_nodes.xml once began with an XML comment, which hwloc's minimal parser
+ * (all there is without Debian's libhwloc-plugins) refuses. HWLOC_LIBXML=0 forces that
+ * parser; hwloc reads it once per process, and each Criterion test is a process. */
+Test(topo, xml_loads_with_the_minimal_parser)
+{
+    struct topo *t;
+
+    cr_assert_eq(setenv("HWLOC_LIBXML", "0", 1), 0);
+    t = open_xml();
+    cr_assert_eq(topo_numa_nodes(t), 2);
+    cr_assert_eq(topo_pci_node(t, GPU), 1);
+    cr_assert_eq(topo_pci_node(t, NVME), 0);
+    topo_close(t);
+}
+
+Test(topo, minimal_parser_error_names_libhwloc_plugins)
+{
+    char *dir = test_tmpdir("minxml");
+    char path[PATH_MAX];
+    struct topo *t;
+
+    cr_assert_eq(setenv("HWLOC_LIBXML", "0", 1), 0);
+    write_commented_copy(dir, "commented.xml", path, sizeof(path));
+    cr_assert_eq(topo_open(path, &t), -EINVAL);
+    cr_assert(strstr(open_error(path, -EINVAL), "minimal XML parser") &&
+                  strstr(open_error(path, -EINVAL), "no comments") &&
+                  strstr(open_error(path, -EINVAL), "libhwloc-plugins"),
+              "%s", open_error(path, -EINVAL));
+    test_rmtree(dir);
+}
+
+/* The same file with libxml2, and a file only libxml2 reads (a comment): where hwloc has
+ * the libxml2 parser, which Debian packages in libhwloc-plugins. */
+Test(topo, xml_loads_with_libxml2)
+{
+    char *dir = test_tmpdir("libxml");
+    char path[PATH_MAX];
+    struct topo *t;
+    int r;
+
+    cr_assert_eq(setenv("HWLOC_LIBXML", "1", 1), 0);
+    write_commented_copy(dir, "commented.xml", path, sizeof(path));
+    r = topo_open(path, &t);
+    if (r == -EINVAL) {
+        cr_assert(strstr(open_error(path, r), "minimal XML parser"), "%s", open_error(path, r));
+        test_rmtree(dir);
+        cr_skip_test("hwloc has no libxml2 parser here (Debian: libhwloc-plugins)");
+    }
+    cr_assert_eq(r, 0, "%s", open_error(path, r));
+    cr_assert_eq(topo_numa_nodes(t), 2);
+    cr_assert_eq(topo_pci_node(t, GPU), 1);
+    topo_close(t);
+
+    t = open_xml();
+    cr_assert_eq(topo_numa_nodes(t), 2);
+    topo_close(t);
+
+    snprintf(path, sizeof(path), "%s/bad.xml", dir);
+    write_text(path, "<?xml version=\"1.0\"?>\n<not-a-topology/>\n");
+    cr_assert_eq(topo_open(path, &t), -EINVAL);
+    cr_assert(strstr(open_error(path, -EINVAL), "(libxml2)"), "%s", open_error(path, -EINVAL));
+    test_rmtree(dir);
+}
+
+/* A thread's open of this machine; *(int *)res gets topo_open's result (Criterion's
+ * asserts belong to the test's own thread). */
+static void *open_this_machine(void *res)
+{
+    struct topo *t = NULL;
+    struct topo_choice c;
+
+    *(int *)res = topo_open(NULL, &t);
+    topo_choose(t, NULL, NULL, &c);
+    topo_close(t);
+    return NULL;
+}
+
+/* How many times what occurs in text. */
+static int count_of(const char *text, const char *what)
+{
+    int n = 0;
+    for (const char *p = text; (p = strstr(p, what)); p += strlen(what))
+        n++;
+    return n;
+}
+
+/* Regression: every engine open loaded this machine's topology again, with every hwloc
+ * component there is; where Debian's hwloc plugins are installed, "gl" opened X11
+ * displays :0 to :9 and resolved names for each (a minute on a machine whose name
+ * resolution was slow). Now only the Linux component runs, once per process, however
+ * many threads open at once. hwloc tells which components it enables when
+ * HWLOC_COMPONENTS_VERBOSE is set before its first use in the process. */
+Test(topo, this_machine_is_loaded_once_without_extra_components)
+{
+    static const char *const unwanted[] = {"gl",   "opencl",    "cuda", "nvml",
+                                           "rsmi", "levelzero", "pci",  "x86"};
+    char *dir = test_tmpdir("verbose"), log[PATH_MAX], *text;
+    pthread_t th[4];
+    int res[ARRAY_SIZE(th) + 1];
+    struct timespec t0, t1;
+    int fd, saved;
+    FILE *f;
+    long n;
+
+    cr_assert_eq(setenv("HWLOC_COMPONENTS_VERBOSE", "1", 1), 0);
+    snprintf(log, sizeof(log), "%s/hwloc.log", dir);
+    fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    cr_assert_geq(fd, 0);
+    fflush(stderr);
+    saved = dup(STDERR_FILENO);
+    cr_assert_eq(dup2(fd, STDERR_FILENO), STDERR_FILENO);
+    close(fd);
+    for (size_t i = 0; i < ARRAY_SIZE(th); i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, open_this_machine, &res[i]), 0);
+    for (size_t i = 0; i < ARRAY_SIZE(th); i++)
+        pthread_join(th[i], NULL);
+    open_this_machine(&res[ARRAY_SIZE(th)]);
+    fflush(stderr);
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    for (size_t i = 0; i < ARRAY_SIZE(res); i++)
+        cr_assert_eq(res[i], 0, "open %zu: %s", i, strerror(-res[i]));
+
+    f = fopen(log, "r");
+    cr_assert(f);
+    fseek(f, 0, SEEK_END);
+    n = ftell(f);
+    rewind(f);
+    text = calloc(1, (size_t)n + 1);
+    cr_assert_eq(fread(text, 1, (size_t)n, f), (size_t)n);
+    fclose(f);
+    if (!strstr(text, "Final list of enabled discovery components")) {
+        free(text);
+        test_rmtree(dir);
+        cr_skip_test("this hwloc does not list the components it enables");
+    }
+    cr_assert_eq(count_of(text, "Final list of enabled discovery components"), 1,
+                 "this machine was loaded more than once:\n%s", text);
+    cr_assert_eq(count_of(text, "Enabling discovery component `linux'"), 1, "%s", text);
+    for (size_t i = 0; i < ARRAY_SIZE(unwanted); i++) {
+        char what[64];
+        snprintf(what, sizeof(what), "Enabling discovery component `%s'", unwanted[i]);
+        cr_assert(!strstr(text, what), "%s was enabled:\n%s", unwanted[i], text);
+    }
+    free(text);
+
+    /* And so an open after the first costs next to nothing: a thousand in well under a
+     * second, where each load of the machine took milliseconds or, probing X11, seconds. */
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 0; i < 1000; i++) {
+        struct topo *t;
+        cr_assert_eq(topo_open(NULL, &t), 0);
+        topo_close(t);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
+    cr_assert_lt(ms, 1000.0, "1000 opens took %.0f ms", ms);
     test_rmtree(dir);
 }
 

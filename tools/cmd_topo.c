@@ -7,7 +7,7 @@
  * usable on this machine (never for an --xml topology, which describes another machine).
  * It only reports: nothing is allocated or bound.
  */
-#include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -85,11 +85,9 @@ int cmd_topo(int argc, char **argv)
 
     r = topo_open(xml, &t);
     if (r < 0) {
-        if (xml)
-            fprintf(stderr, "zinf: topo: %s: %s\n", xml,
-                    r == -EINVAL ? "not an hwloc XML topology" : strerror(-r));
-        else
-            fprintf(stderr, "zinf: topo: cannot read this machine's topology: %s\n", strerror(-r));
+        char why[PATH_MAX + 512];
+        topo_open_error(xml, r, why, sizeof(why));
+        fprintf(stderr, "zinf: topo: %s\n", why);
         return xml ? 2 : 1;
     }
     if (!gpu && !xml && cuda_pci_busid(0, busid, sizeof(busid)) == 0) gpu = busid;

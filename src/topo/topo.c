@@ -13,16 +13,25 @@
  * Tests point the sysfs lookups at a fake tree with ZINF_TEST_SYSFS_ROOT (read at
  * topo_open), the same way they load an XML topology instead of this machine.
  *
+ * hwloc runs only the discovery components that give what is used here: the Linux one
+ * (CPUs, NUMA nodes, PCI devices and their block devices, from sysfs). The others are
+ * left out (BLACKLIST below): with Debian's libhwloc-plugins installed, "gl" alone opens
+ * X11 displays :0 to :9, resolving names for each, on every load. This machine's
+ * topology is loaded once per process, on the first topo_open(NULL), and shared
+ * read-only by every handle after it (hwloc allows concurrent reads of a loaded
+ * topology), so an engine open costs an allocation. An XML topology is loaded per call.
+ *
  * Not here: allocation (host.c), GPU discovery (callers pass a PCI bus id), or any
- * caching of answers: every call asks hwloc and sysfs afresh, which is cheap next to the
- * engine's start-up.
+ * caching of answers: every call asks the loaded topology and sysfs afresh.
  */
 #include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <hwloc.h>
 #include <limits.h>
 #include <numa.h>
+#include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -40,6 +49,7 @@
 
 struct topo {
     hwloc_topology_t h;
+    bool shared;          /* h is this_machine, loaded once and never destroyed */
     bool thissystem;      /* false: loaded from XML, not this machine */
     bool numa_ok;         /* libnuma works here (always true for XML) */
     char source[256];     /* "this machine" or the XML file's path */
@@ -53,6 +63,74 @@ struct drive {
     char name[64];
 };
 
+/* Discovery components zinf has no use for; hwloc ignores names it does not have. "pci"
+ * (libpciaccess) leaks its device list and adds nothing that the Linux component's own
+ * sysfs discovery does not give. "x86" binds to every CPU in turn to run cpuid for
+ * vendor and model strings. The rest probe other software stacks for GPUs and
+ * accelerators: X11 displays (gl), OpenCL ICDs, the CUDA runtime, NVML, ROCm SMI, oneAPI
+ * Level Zero; zinf learns its GPU from CUDA by itself. */
+static const char *const BLACKLIST[] = {"gl",   "opencl",    "cuda", "nvml",
+                                        "rsmi", "levelzero", "pci",  "x86"};
+
+/* A loaded hwloc topology: this machine (xml_path NULL) or an XML file. Returns 0 or
+ * -errno: -EINVAL when hwloc cannot parse the XML file. */
+static int load(const char *xml_path, hwloc_topology_t *out)
+{
+    hwloc_topology_t h;
+    int ret;
+
+    if (hwloc_topology_init(&h) != 0) return errno ? -errno : -ENOMEM;
+    /* Keep every PCI device and OS device: bus id lookups must find whatever the caller
+     * names, not only what hwloc calls important. */
+    hwloc_topology_set_io_types_filter(h, HWLOC_TYPE_FILTER_KEEP_ALL);
+#if HWLOC_API_VERSION >= 0x00020100
+    for (size_t i = 0; i < ARRAY_SIZE(BLACKLIST); i++)
+        hwloc_topology_set_components(h, HWLOC_TOPOLOGY_COMPONENTS_FLAG_BLACKLIST, BLACKLIST[i]);
+#endif
+    if (xml_path && hwloc_topology_set_xml(h, xml_path) != 0) {
+        ret = -EINVAL;
+        goto err;
+    }
+    if (hwloc_topology_load(h) != 0) {
+        ret = xml_path ? -EINVAL : (errno ? -errno : -EIO);
+        goto err;
+    }
+    *out = h;
+    return 0;
+
+err:
+    hwloc_topology_destroy(h);
+    return ret;
+}
+
+/* This machine's topology, loaded on first use and kept for the life of the process. */
+static pthread_once_t this_machine_once = PTHREAD_ONCE_INIT;
+static hwloc_topology_t this_machine;
+static int this_machine_err;
+
+static void load_this_machine(void)
+{
+    this_machine_err = load(NULL, &this_machine);
+    if (this_machine_err)
+        log_error("hwloc cannot load this machine's topology: %s", strerror(-this_machine_err));
+}
+
+/* Can hwloc read path at all: -ENOENT, -EACCES, -EISDIR before hwloc is asked to parse. */
+static int check_readable(const char *path)
+{
+    struct stat st;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int ret = 0;
+
+    if (fd < 0) return -errno;
+    if (fstat(fd, &st) != 0)
+        ret = -errno;
+    else if (S_ISDIR(st.st_mode))
+        ret = -EISDIR;
+    close(fd);
+    return ret;
+}
+
 int topo_open(const char *xml_path, struct topo **out)
 {
     struct topo *t;
@@ -61,36 +139,23 @@ int topo_open(const char *xml_path, struct topo **out)
 
     if (!out) return -EINVAL;
     *out = NULL;
-    if (xml_path && access(xml_path, R_OK) != 0) return -errno;
+    if (xml_path && (ret = check_readable(xml_path)) != 0) return ret;
     t = calloc(1, sizeof(*t));
     if (!t) return -ENOMEM;
-    if (hwloc_topology_init(&t->h) != 0) {
-        ret = errno ? -errno : -ENOMEM;
-        free(t);
-        return ret;
-    }
-    /* Keep every PCI device and OS device: bus id lookups must find whatever the caller
-     * names, not only what hwloc calls important. */
-    hwloc_topology_set_io_types_filter(t->h, HWLOC_TYPE_FILTER_KEEP_ALL);
-    /* hwloc's "pci" component (libpciaccess) leaks its device list and adds nothing that
-     * the Linux component's own sysfs discovery does not give: leave it out, so that
-     * sanitizer builds stay clean. A hwloc without it ignores the request. */
-#if HWLOC_API_VERSION >= 0x00020100
-    if (!xml_path)
-        hwloc_topology_set_components(t->h, HWLOC_TOPOLOGY_COMPONENTS_FLAG_BLACKLIST, "pci");
-#endif
-    if (xml_path && hwloc_topology_set_xml(t->h, xml_path) != 0) {
-        log_error("%s: cannot use as an hwloc XML topology", xml_path);
-        ret = -EINVAL;
-        goto err;
-    }
-    if (hwloc_topology_load(t->h) != 0) {
-        if (xml_path)
-            log_error("%s: not a valid hwloc XML topology", xml_path);
-        else
-            log_error("hwloc cannot load this machine's topology: %s", strerror(errno));
-        ret = xml_path ? -EINVAL : (errno ? -errno : -EIO);
-        goto err;
+    if (xml_path) {
+        ret = load(xml_path, &t->h);
+        if (ret) {
+            free(t);
+            return ret;
+        }
+    } else {
+        pthread_once(&this_machine_once, load_this_machine);
+        if (this_machine_err) {
+            free(t);
+            return this_machine_err;
+        }
+        t->h = this_machine;
+        t->shared = true;
     }
     t->thissystem = hwloc_topology_is_thissystem(t->h);
     t->numa_ok = !t->thissystem || numa_available() >= 0;
@@ -99,18 +164,73 @@ int topo_open(const char *xml_path, struct topo **out)
     snprintf(t->sysfs, sizeof(t->sysfs), "%s", root && *root ? root : "/sys");
     *out = t;
     return 0;
-
-err:
-    hwloc_topology_destroy(t->h);
-    free(t);
-    return ret;
 }
 
 void topo_close(struct topo *t)
 {
     if (!t) return;
-    hwloc_topology_destroy(t->h);
+    if (!t->shared) hwloc_topology_destroy(t->h);
     free(t);
+}
+
+/* Does hwloc parse XML with libxml2 here (Debian: libhwloc-plugins), or only with its
+ * minimal built-in parser? Asked by loading a tiny topology with an XML comment, which
+ * only libxml2 accepts; HWLOC_LIBXML=0 makes the answer "minimal", as it makes hwloc. */
+static bool xml_has_libxml2(void)
+{
+    static const char probe[] =
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<!-- probe -->\n"
+        "<topology version=\"2.0\"><object type=\"Machine\" os_index=\"0\" cpuset=\"0x1\" "
+        "complete_cpuset=\"0x1\" allowed_cpuset=\"0x1\" nodeset=\"0x1\" complete_nodeset=\"0x1\" "
+        "allowed_nodeset=\"0x1\"><object type=\"NUMANode\" os_index=\"0\" cpuset=\"0x1\" "
+        "complete_cpuset=\"0x1\" nodeset=\"0x1\" complete_nodeset=\"0x1\"/><object type=\"PU\" "
+        "os_index=\"0\" cpuset=\"0x1\" complete_cpuset=\"0x1\" nodeset=\"0x1\" "
+        "complete_nodeset=\"0x1\"/></object></topology>\n";
+    hwloc_topology_t h;
+    bool ok;
+
+    if (hwloc_topology_init(&h) != 0) return false;
+    ok = hwloc_topology_set_xmlbuffer(h, probe, (int)sizeof(probe)) == 0 &&
+         hwloc_topology_load(h) == 0;
+    hwloc_topology_destroy(h);
+    return ok;
+}
+
+void topo_open_error(const char *xml_path, int err, char *buf, size_t len)
+{
+    if (!buf || !len) return;
+    if (!xml_path) {
+        snprintf(buf, len, "cannot read this machine's topology: %s", strerror(-err));
+        return;
+    }
+    switch (err) {
+    case -ENOENT:
+        snprintf(buf, len, "%s: no such file", xml_path);
+        break;
+    case -EACCES:
+        snprintf(buf, len, "%s: cannot read it: %s", xml_path, strerror(-err));
+        break;
+    case -EISDIR:
+        snprintf(buf, len, "%s: is a directory, not an hwloc XML file", xml_path);
+        break;
+    case -EINVAL:
+        if (xml_has_libxml2())
+            snprintf(buf, len,
+                     "%s: hwloc's XML parser (libxml2) cannot read it as a topology; "
+                     "HWLOC_XML_VERBOSE=1 says why",
+                     xml_path);
+        else
+            snprintf(buf, len,
+                     "%s: hwloc's minimal XML parser cannot read it as a topology: that "
+                     "parser takes only XML laid out exactly as hwloc writes it (no comments, "
+                     "for one). For other XML, install hwloc's libxml2 parser (Debian/Ubuntu: "
+                     "libhwloc-plugins); HWLOC_XML_VERBOSE=1 says why",
+                     xml_path);
+        break;
+    default:
+        snprintf(buf, len, "%s: %s", xml_path, strerror(-err));
+        break;
+    }
 }
 
 int topo_numa_nodes(struct topo *t)

@@ -22,9 +22,15 @@ struct topo_choice {
     char detail[256];            /* e.g. "GPU 0000:17:00.0 is local to NUMA node 1" */
 };
 
-/* xml_path: an hwloc XML file to load instead of this machine (tests), or NULL. */
+/* xml_path: an hwloc XML file to load instead of this machine (tests), or NULL: this
+ * machine, whose topology is loaded once per process and shared by every handle.
+ * Returns 0, or for an XML file -ENOENT, -EACCES, -EISDIR, -EINVAL (hwloc cannot parse it)
+ * and nothing is logged: topo_open_error() says why. */
 int topo_open(const char *xml_path, struct topo **out);
 void topo_close(struct topo *t);
+/* The reason topo_open(xml_path) failed with err, as one line for people: for a file
+ * hwloc cannot parse, which of hwloc's XML parsers refused it and what would help. */
+void topo_open_error(const char *xml_path, int err, char *buf, size_t len);
 int topo_numa_nodes(struct topo *t);
 /* NUMA node local to a PCI device "DDDD:BB:DD.F" (or "BB:DD.F"); -ENOENT if unknown. */
 int topo_pci_node(struct topo *t, const char *busid);
