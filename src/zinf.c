@@ -3,6 +3,7 @@
  * error strings.
  */
 #include <errno.h>
+#include <limits.h>
 #include <string.h>
 
 #include "common.h"
@@ -14,6 +15,9 @@ ZINF_API const char *zinf_version(void)
 
 ZINF_API const char *zinf_strerror(int err)
 {
+    /* -INT_MIN does not exist: no errno is that large, so it is simply unknown. */
+    if (err == INT_MIN)
+        return "unknown error";
     if (err > 0)
         err = -err;
     switch (err) {
@@ -21,7 +25,9 @@ ZINF_API const char *zinf_strerror(int err)
     case -EINVAL: return "invalid argument (bad handle, unaligned or out-of-range request)";
     case -ENOMEM: return "out of memory in the tier (every unpinned copy evicted, still no room)";
     case -ENOSPC: return "no space left (tier capacity or swap directory full)";
-    case -EEXIST: return "a tensor with this name is already registered";
+    case -EEXIST: return "already exists (a tensor of this name, or a saved state in the swap "
+                         "directory: resume it, open it read-only, or overwrite it)";
+    case -EROFS: return "the engine was opened read-only";
     case -ENOENT: return "no such tensor or file";
     case -EBUSY: return "busy: the tensor is pinned or writable in another tier";
     case -EIO: return "input/output error on the swap device";

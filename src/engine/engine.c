@@ -76,6 +76,11 @@ struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h)
     return t && e->gens[idx - 1] == gen ? t : NULL;
 }
 
+bool engine_revalidate(struct zinf_engine *e, zinf_tensor h, const struct tensor *t)
+{
+    return engine_tensor(e, h) == t;
+}
+
 bool engine_home_valid(const struct tensor *t)
 {
     if (t->home == ZINF_TIER_NVME)
@@ -230,6 +235,12 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
         goto err;
     }
     if (home == ZINF_TIER_NVME) {
+        /* Larger than the swap space can ever be: the home tier's capacity, as for the
+         * memory homes. */
+        if (t->alloc_bytes > NVME_MAX_BYTES) {
+            r = -ENOSPC;
+            goto err;
+        }
         r = nvme_alloc(e->nvme, t->alloc_bytes, &t->swap_off);
         if (r < 0)
             goto err;
@@ -241,8 +252,9 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
             goto err;
         }
         struct copy *c = &t->c[home];
+        e->reserve_epoch++; /* a new call: write-backs that failed earlier may be retried */
         do
-            r = tier_reserve(e, home, t->alloc_bytes, false, 0, &c->off, &c->ptr);
+            r = tier_reserve(e, home, t->alloc_bytes, RESERVE_WAIT, 0, &c->off, &c->ptr);
         while (r == -EAGAIN);
         if (r < 0) {
             r = r == -ENOMEM ? -ENOSPC : r; /* the home tier is full of pinned or home data */
@@ -315,10 +327,12 @@ ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor h)
         return -EBUSY;
     }
     for (int i = 0; i < MEM_TIERS; i++) {
-        if (i == (int)t->home)
+        if (i == (int)t->home) {
+            prefetch_wasted(e, t, &t->c[i]); /* a stale home copy may have been prefetched */
             tier_free(e, i, t->c[i].off);
-        else
+        } else {
             copy_drop(e, t, i);
+        }
     }
     if (t->has_swap)
         engine_free_swap(e, t->swap_off, t->persisted && t->persisted_off == t->swap_off);
@@ -351,7 +365,7 @@ static struct tensor *content_begin(struct zinf_engine *e, zinf_tensor h, size_t
 
     pthread_mutex_lock(&e->lock);
     t = engine_tensor(e, h);
-    *r = !t || !range_ok(t, off, n) ? -EINVAL : 0;
+    *r = !t || !range_ok(t, off, n) ? -EINVAL : t->damaged ? -EBADMSG : 0;
     if (*r || n == 0)
         return NULL;
     t = engine_tensor_lock(e, h);
@@ -602,15 +616,24 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
         o.queue_depth = 32;
     if (!is_aligned(o.block_size, ZINF_ALIGN) || o.block_size > 64 * MiB || o.queue_depth > 4096 ||
         o.device_kind > ZINF_DEVICE_EMULATED || o.cuda_device < 0 ||
-        (o.flags & ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN)))
+        (o.flags & ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN | ZINF_OPEN_OVERWRITE |
+                     ZINF_OPEN_READONLY)))
         return -EINVAL;
-    if ((o.flags & ZINF_OPEN_RESUME) && !o.nvme_path)
+    if ((o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)) && !o.nvme_path)
         return -EINVAL;
+    if ((o.flags & ZINF_OPEN_OVERWRITE) && (o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)))
+        return -EINVAL; /* start over and keep: one or the other */
     if (o.flags & ZINF_OPEN_NO_PIN)
         params.pin = false;
     if (o.host_bytes == 0)
         o.host_bytes = DEFAULT_HOST_BYTES;
+    if (o.host_bytes > SIZE_MAX - ZINF_ALIGN) {
+        log_error("engine: host_bytes %zu is larger than any address space", o.host_bytes);
+        return -EINVAL; /* rounding up would wrap to 0 and silently mean the default */
+    }
     o.host_bytes = align_up(o.host_bytes, ZINF_ALIGN);
+    if (o.nvme_path && (r = swapdir_check(&o, id)) < 0)
+        return r;
 
     e = calloc(1, sizeof(*e));
     if (!e)

@@ -37,7 +37,12 @@ struct copy {
     bool prefetched;    /* loaded ahead of use; cleared by the first fetch */
     bool evicting;      /* a write-back runs so that this copy can be dropped */
     bool wb_inflight;   /* a write-back reads from this copy */
-    int err;            /* result of the last load, for its waiters */
+    int err;            /* result of the last load (or write-back into this home copy), for
+                           its waiters */
+    uint64_t wb_failed_version; /* the content version whose write-back from this copy
+                                   failed; 0: none */
+    uint64_t wb_failed_epoch;   /* ... during this call that made room (e->reserve_epoch):
+                                   eviction passes over it until the next such call */
     unsigned pins;      /* callers holding the pointer (and pending fetches) */
     unsigned deferred;  /* zinf_fetch_async tickets whose load could not start yet: pins
                            the callers hold already, taken for real by zinf_wait */
@@ -59,6 +64,8 @@ struct tensor {
     uint64_t version;
     bool zero;                   /* content is all zeros (NVMe home never written) */
     bool exclusive;              /* zinf_write/zinf_read/flush/unregister owns it */
+    bool damaged;                /* its saved content failed its checksum at resume:
+                                    fetch and read answer -EBADMSG, unregister frees it */
     struct copy c[MEM_TIERS];
     /* The swap extent: the home of an NVMe tensor, the persisted copy of the others. */
     bool has_swap;
@@ -169,6 +176,7 @@ struct zinf_engine {
     struct xfer *stage_waitq, *stage_waitq_tail;
     unsigned xfers_inflight;
 
+    uint64_t reserve_epoch;     /* counts the calls that make room (fetch, register) */
     uint64_t prefetch_outstanding_bytes;
     struct sched sched;
 
@@ -210,6 +218,9 @@ int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine 
 
 /* engine.c */
 struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h);
+/* After any wait that dropped the lock: is h still the tensor t? (Lock held.) A caller
+ * without a pin must not touch t when this says no: it may have been freed. */
+bool engine_revalidate(struct zinf_engine *e, zinf_tensor h, const struct tensor *t);
 int engine_add_tensor(struct zinf_engine *e, struct tensor *t);
 /* Wait until nothing moves in or out of the tensor, then own it (fetches of it wait); NULL
  * when it was unregistered meanwhile. Lock held. */
@@ -222,14 +233,22 @@ bool engine_swap_named(const struct tensor *t);
 void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted);
 
 /* fetch.c */
+enum reserve_mode {
+    RESERVE_WAIT,     /* a blocking fetch or a register: may wait for room */
+    RESERVE_NOWAIT,   /* an asynchronous fetch: starts what is needed, never waits */
+    RESERVE_PREFETCH, /* a hint: never waits, never evicts what is needed sooner */
+};
 int fetch_locked(struct zinf_engine *e, struct tensor *t, int tier, bool prefetch, void **ptr);
 void copy_drop(struct zinf_engine *e, struct tensor *t, int tier);
 void copy_link(struct zinf_engine *e, struct copy *c, int tier);
 void engine_wait(struct zinf_engine *e);
 int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evict);
-/* Allocate in a memory tier, evicting as needed: 0, -EAGAIN (waited; re-check), -ENOMEM. */
-int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, bool prefetch, uint64_t need_dist,
-                 uint64_t *off, void **ptr);
+/* Allocate in a memory tier, evicting as needed: 0, -EAGAIN (waited; re-check), -EINPROGRESS
+ * (RESERVE_NOWAIT: would wait), -ENOSPC (a prefetch), -ENOMEM, -EIO; see fetch.c. */
+int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, enum reserve_mode mode,
+                 uint64_t need_dist, uint64_t *off, void **ptr);
+void prefetch_consumed(struct zinf_engine *e, struct tensor *t, struct copy *c);
+void prefetch_wasted(struct zinf_engine *e, struct tensor *t, struct copy *c);
 
 /* xfer.c */
 int xfer_start(struct xfer *x);
@@ -265,5 +284,11 @@ uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2);
 int persist_flush(struct zinf_engine *e);
 int persist_resume(struct zinf_engine *e);
 int persist_remove_manifest(struct zinf_engine *e);
+/* Is there a saved state in swap directory dir? 0 with *ntensors the tensors its manifest
+ * names (SIZE_MAX when it cannot be read: a state all the same) and, when id is not NULL,
+ * the manifest's stat (it is replaced, never rewritten, so a new inode means a new state);
+ * -ENOENT where there is no manifest (or no dir); another -errno when it cannot tell. */
+struct stat;
+int persist_probe(const char *dir, size_t *ntensors, struct stat *id);
 
 #endif

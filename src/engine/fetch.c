@@ -35,12 +35,32 @@ static void copy_unlink(struct copy *c)
     c->res_next = c->res_prev = NULL;
 }
 
-static void prefetch_consumed(struct zinf_engine *e, struct tensor *t, struct copy *c)
+void prefetch_consumed(struct zinf_engine *e, struct tensor *t, struct copy *c)
 {
     if (!c->prefetched)
         return;
     c->prefetched = false;
     e->prefetch_outstanding_bytes -= t->alloc_bytes;
+}
+
+/* A load started ahead of use is charged to the prefetch budget once, however often the
+ * copy is prefetched again before a fetch consumes it. */
+static void prefetch_charge(struct zinf_engine *e, struct tensor *t, struct copy *c)
+{
+    e->st.prefetches++;
+    if (c->prefetched)
+        return;
+    c->prefetched = true;
+    e->prefetch_outstanding_bytes += t->alloc_bytes;
+}
+
+/* A prefetched copy that will never be used as it is (dropped, overtaken, unregistered). */
+void prefetch_wasted(struct zinf_engine *e, struct tensor *t, struct copy *c)
+{
+    if (!c->prefetched)
+        return;
+    e->st.prefetch_wasted++;
+    prefetch_consumed(e, t, c);
 }
 
 /* Drop a cached copy (never a home copy). The caller checked it is unpinned and unread. */
@@ -49,10 +69,7 @@ void copy_drop(struct zinf_engine *e, struct tensor *t, int tier)
     struct copy *c = &t->c[tier];
     if (tier == (int)t->home || c->state == COPY_NONE)
         return;
-    if (c->prefetched) {
-        e->st.prefetch_wasted++;
-        prefetch_consumed(e, t, c);
-    }
+    prefetch_wasted(e, t, c);
     copy_unlink(c);
     tier_free(e, tier, c->off);
     c->state = COPY_NONE;
@@ -98,16 +115,22 @@ static void wb_done(struct xfer *x, int err)
     c->readers--;
     c->wb_inflight = false;
     if (err) {
-        log_error("engine: writing tensor '%s' back to its home failed: %s", t->name,
-                  zinf_strerror(err));
+        log_error("engine: writing tensor '%s' back to its home failed: %s; its newest "
+                  "content stays in memory (a flush tries again)", t->name, zinf_strerror(err));
         if (a->new_extent)
             nvme_free(e->nvme, a->new_off);
         if (t->home != ZINF_TIER_NVME) {
-            t->c[t->home].state = COPY_READY;
-            t->c[t->home].version = a->home_old_version;
+            struct copy *h = &t->c[t->home];
+            h->state = COPY_READY;
+            h->version = a->home_old_version;
+            h->err = err; /* for fetches of the home that joined the write-back */
         }
         c->evicting = false;
-        c->err = err;
+        /* Eviction passes over this content from now on rather than retry it for ever;
+         * a new version or a flush clears the mark. The load result (c->err) is not
+         * touched: it belongs to this copy's loads and their waiters. */
+        c->wb_failed_version = x->version;
+        c->wb_failed_epoch = e->reserve_epoch;
     } else {
         if (t->home == ZINF_TIER_NVME) {
             if (a->new_extent) {
@@ -186,6 +209,7 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
         x->dst_ptr = h->ptr;
         a->home_old_version = h->version;
         h->state = COPY_LOADING; /* its content is being replaced */
+        h->err = 0;
     }
     c->readers++;
     c->wb_inflight = true;
@@ -211,7 +235,19 @@ err:
 
 /* ---- making room -------------------------------------------------------------------- */
 
-static struct copy *pick_victim(struct zinf_engine *e, int tier, bool prefetch, uint64_t need_dist)
+/* Has the write-back of exactly this copy's content failed during the current call that
+ * makes room, so that evicting it again would only fail again? Each later call (another
+ * fetch, a register) tries it once more, so a passing fault costs one call an -EIO and a
+ * drive gone bad costs each call one attempt, never a loop. */
+static bool writeback_failed(const struct zinf_engine *e, const struct tensor *t, int tier)
+{
+    const struct copy *c = &t->c[tier];
+    return c->wb_failed_version && c->wb_failed_version == c->version &&
+           c->wb_failed_epoch == e->reserve_epoch && needs_writeback(t, tier);
+}
+
+static struct copy *pick_victim(struct zinf_engine *e, int tier, bool prefetch, uint64_t need_dist,
+                                bool *skipped_failed)
 {
     struct copy *best = NULL;
     uint64_t best_d = 0;
@@ -220,6 +256,10 @@ static struct copy *pick_victim(struct zinf_engine *e, int tier, bool prefetch, 
         struct tensor *t = c->t;
         if (c->state != COPY_READY || c->pins || c->readers || c->evicting || t->exclusive)
             continue;
+        if (writeback_failed(e, t, tier)) {
+            *skipped_failed = true;
+            continue;
+        }
         uint64_t d = c->version != t->version ? UINT64_MAX : sched_distance(e, t->index, tier);
         /* A prefetch never evicts what is needed as soon as or sooner than what it brings,
          * nor another prefetch that has not been used yet. */
@@ -248,27 +288,42 @@ static uint64_t tier_capacity(struct zinf_engine *e, int tier)
     return e->st.tier[tier].capacity_bytes;
 }
 
-/* Allocate bytes in tier, evicting as needed. Returns 0, -EAGAIN when it had to wait
- * (the caller re-checks everything), -ENOMEM when even evicting every unpinned copy would
- * not make room, or another -errno (a failed write-back). */
-int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, bool prefetch, uint64_t need_dist,
-                   uint64_t *off, void **ptr)
+/* Room must come from another thread's work (a write-back, a load, a pin going): wait
+ * for a change and answer -EAGAIN (the caller looks at everything again, the lock having
+ * been dropped), or answer -EINPROGRESS at once when the caller may not wait. (Not
+ * -EWOULDBLOCK: on Linux that is -EAGAIN, which means "waited, look again".) */
+static int reserve_wait(struct zinf_engine *e, enum reserve_mode mode)
 {
+    if (mode == RESERVE_NOWAIT)
+        return -EINPROGRESS;
+    engine_wait(e);
+    return -EAGAIN;
+}
+
+/* Allocate bytes in tier, evicting as needed. Returns 0; -EAGAIN when it waited (the
+ * caller re-checks everything: the lock was dropped); -EINPROGRESS when it would have
+ * waited in RESERVE_NOWAIT (a write-back it needs was started); -ENOSPC for a prefetch
+ * that does not fit; -ENOMEM when even evicting every unpinned copy would not make room;
+ * -EIO when only copies whose write-back failed stand in the way; or another -errno. */
+int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, enum reserve_mode mode,
+                 uint64_t need_dist, uint64_t *off, void **ptr)
+{
+    bool prefetch = mode == RESERVE_PREFETCH;
+
     if (bytes > tier_capacity(e, tier))
         return -ENOMEM;
     for (;;) {
         int r = tier_alloc(e, tier, bytes, off, ptr);
         if (r != -ENOSPC)
             return r;
-        struct copy *v = pick_victim(e, tier, prefetch, need_dist);
+        bool skipped_failed = false;
+        struct copy *v = pick_victim(e, tier, prefetch, need_dist, &skipped_failed);
         if (!v) {
             if (prefetch)
                 return -ENOSPC;
-            if (tier_has_transients(e, tier)) {
-                engine_wait(e);
-                return -EAGAIN;
-            }
-            return -ENOMEM;
+            if (tier_has_transients(e, tier))
+                return reserve_wait(e, mode);
+            return skipped_failed ? -EIO : -ENOMEM;
         }
         struct tensor *vt = v->t;
         if (v->version != vt->version) {
@@ -281,8 +336,11 @@ int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, bool prefetch, u
             r = writeback_start(e, vt, tier, true);
             if (r < 0 && r != -EAGAIN)
                 return r;
-            engine_wait(e);
-            return -EAGAIN;
+            /* A write-back whose submission failed at once has finished already (and
+             * marked its content failed): nothing will broadcast, so look again now. */
+            if (r == 0 && !v->wb_inflight)
+                continue;
+            return reserve_wait(e, mode);
         }
         copy_drop(e, vt, tier);
         e->st.tier[tier].evictions++;
@@ -430,15 +488,35 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
     uint64_t t0 = 0;
     int r = 0;
 
+    if (mode != FETCH_PREFETCH)
+        e->reserve_epoch++; /* a new call: write-backs that failed earlier may be retried */
+
     for (;;) {
         /* Every wait comes back here: without a pin, another thread may have unregistered
          * the tensor meanwhile (t must not be touched then). */
-        if (!pinned && engine_tensor(e, h) != t) {
+        if (!pinned && !engine_revalidate(e, h, t)) {
             r = -EINVAL;
             goto out;
         }
         struct copy *c = &t->c[tier];
         bool stale_home = false;
+
+        if (started && c->state != COPY_LOADING &&
+            !(c->state == COPY_READY && c->version == t->version) && c->err) {
+            /* The load this call started failed before it could be waited for (its
+             * submission was refused): report it rather than start it again for ever. */
+            r = c->err;
+            if (pinned) {
+                c->pins--;
+                pinned = false;
+                pthread_cond_broadcast(&e->changed);
+            }
+            goto out;
+        }
+        if (t->damaged) {
+            r = -EBADMSG; /* its saved content failed its checksum at resume */
+            goto out;
+        }
 
         if (c->state == COPY_READY && c->version == t->version) {
             if (mode == FETCH_PREFETCH)
@@ -506,9 +584,13 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                 copy_drop(e, t, tier);
                 continue;
             }
-            if (c->pins || c->readers) { /* cannot happen: a DIRTY release refuses then */
-                r = -EBUSY;
-                goto out;
+            if (c->pins || c->readers) {
+                /* Pins on a stale home copy are fetches that joined a write-back or a load
+                 * whose content was overtaken meanwhile: they let go and load again (a
+                 * DIRTY release refuses while a caller holds a real view here). */
+                if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0)
+                    goto out;
+                continue;
             }
             stale_home = true;
         }
@@ -528,14 +610,19 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
         if (!stale_home && tier != (int)t->home) {
             uint64_t off;
             void *p;
-            r = tier_reserve(e, tier, t->alloc_bytes, mode == FETCH_PREFETCH, need_dist, &off, &p);
+            enum reserve_mode rm = mode == FETCH_PREFETCH ? RESERVE_PREFETCH
+                                   : mode == FETCH_ASYNC  ? RESERVE_NOWAIT
+                                                          : RESERVE_WAIT;
+            /* An asynchronous fetch never waits here (a write-back it needs is started and
+             * zinf_wait() fetches); a blocking one looks at everything again after a wait. */
+            r = tier_reserve(e, tier, t->alloc_bytes, rm, need_dist, &off, &p);
             if (r == -EAGAIN) {
-                if (mode == FETCH_ASYNC) {
-                    r = -EWOULDBLOCK;
-                    goto out;
-                }
                 clock_start(&waited, &t0);
                 continue;
+            }
+            if (r == -EINPROGRESS) {
+                r = -EWOULDBLOCK; /* zinf_wait() fetches */
+                goto out;
             }
             if (r < 0) {
                 if (mode == FETCH_PREFETCH)
@@ -551,9 +638,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
         c->err = 0;
         c->version = t->version;
         if (mode == FETCH_PREFETCH) {
-            c->prefetched = true;
-            e->prefetch_outstanding_bytes += t->alloc_bytes;
-            e->st.prefetches++;
+            prefetch_charge(e, t, c);
         } else if (!pinned) {
             c->pins++;
             pinned = true;
@@ -660,9 +745,15 @@ ZINF_API int zinf_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier
     sched_on_fetch(e, t, tier);
     r = fetch_mode(e, t, tier, FETCH_ASYNC, 0, NULL);
     if (r == -EWOULDBLOCK) {
-        k->deferred = true; /* zinf_wait() fetches */
-        t->c[tier].deferred++;
-        r = 0;
+        /* fetch_mode() does not wait in this mode, but whatever it did, a ticket is only
+         * handed out for a tensor that is still there. */
+        if (!engine_revalidate(e, h, t)) {
+            r = -EINVAL;
+        } else {
+            k->deferred = true; /* zinf_wait() fetches */
+            t->c[tier].deferred++;
+            r = 0;
+        }
     }
     if (r == 0) {
         k->id = ++e->next_ticket;
@@ -750,16 +841,27 @@ ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, un
 
     if (!e || check_tier(tier) || (flags & ~ZINF_RELEASE_DIRTY))
         return -EINVAL;
+    if ((flags & ZINF_RELEASE_DIRTY) && (e->opt.flags & ZINF_OPEN_READONLY))
+        return -EROFS; /* the pin stays: release it clean */
     pthread_mutex_lock(&e->lock);
-    t = engine_tensor(e, h);
-    if (!t) {
-        r = -EINVAL;
-        goto out;
-    }
-    c = &t->c[tier];
-    if (c->pins == 0 || c->state != COPY_READY || c->version != t->version) {
-        r = -EINVAL;
-        goto out;
+    for (;;) {
+        t = engine_tensor(e, h);
+        if (!t) {
+            r = -EINVAL;
+            goto out;
+        }
+        c = &t->c[tier];
+        if (c->pins == 0 || c->state != COPY_READY || c->version != t->version) {
+            r = -EINVAL;
+            goto out;
+        }
+        /* zinf_read/zinf_write/flush use the copies with the lock dropped while they own
+         * the tensor: a DIRTY release, which makes the other copy stale and may free it,
+         * waits for them (they never wait for pins, so this cannot deadlock). The caller's
+         * pin keeps the tensor registered, but it is looked up again all the same. */
+        if (!(flags & ZINF_RELEASE_DIRTY) || !t->exclusive)
+            break;
+        engine_wait(e);
     }
     if (flags & ZINF_RELEASE_DIRTY) {
         int other = 1 - tier;
@@ -770,7 +872,9 @@ ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, un
         }
         t->version++;
         c->version = t->version;
+        c->wb_failed_version = 0;
         t->zero = false;
+        prefetch_wasted(e, t, oc); /* whatever was prefetched there is stale now */
         if (other != (int)t->home && oc->state == COPY_READY && !oc->readers &&
             !oc->wb_inflight)
             copy_drop(e, t, other);

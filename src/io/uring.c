@@ -249,6 +249,8 @@ static int apply_fault(struct uring *u, struct chunk *c, int res)
 {
     if (u->fault == URING_FAULT_NONE || u->fault_countdown == 0 || c->forced_res)
         return res;
+    if (u->fault == URING_FAULT_EIO_STICKY)
+        return -EIO; /* a drive gone bad: every completion fails until the hook is reset */
     if (--u->fault_countdown > 0)
         return res;
     enum uring_fault f = u->fault;

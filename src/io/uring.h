@@ -118,9 +118,11 @@ unsigned uring_queue_depth(struct uring *u);
  * (1 = the next one) is made to fail with -EIO, come back short, or report -EAGAIN.
  * URING_FAULT_NO_DIRECT makes the next uring_file_open() behave as if the filesystem
  * refused O_DIRECT. URING_FAULT_NO_URING makes the next uring_open() in this process
- * behave as if io_uring_queue_init() returned -ENOSYS (pass u = NULL). */
+ * behave as if io_uring_queue_init() returned -ENOSYS (pass u = NULL).
+ * URING_FAULT_EIO_STICKY fails every completion from now on with -EIO, until the hook is
+ * set to URING_FAULT_NONE. */
 enum uring_fault { URING_FAULT_NONE, URING_FAULT_EIO, URING_FAULT_SHORT, URING_FAULT_EAGAIN,
-                   URING_FAULT_NO_DIRECT, URING_FAULT_NO_URING };
+                   URING_FAULT_NO_DIRECT, URING_FAULT_NO_URING, URING_FAULT_EIO_STICKY };
 void uring_fault_set(struct uring *u, enum uring_fault kind, unsigned nth);
 
 #endif

@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "tiers/cuda_probe.h"
@@ -189,7 +190,11 @@ static int emu_open(struct device *d, const struct device_opts *o)
 static void emu_zero(struct device *d, uint64_t off, size_t len)
 {
     uint64_t end = off + len;
-    uint64_t a = align_up(off, ARENA_GRANULE_BYTES), b = align_down(end, ARENA_GRANULE_BYTES);
+    /* madvise works on whole pages: only the pages that lie entirely inside the range may
+     * be dropped, whatever the page size (4, 16 or 64 KiB), or a neighbour is zeroed. */
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t a = align_up((uint64_t)(uintptr_t)d->base + off, page) - (uint64_t)(uintptr_t)d->base;
+    uint64_t b = align_down((uint64_t)(uintptr_t)d->base + end, page) - (uint64_t)(uintptr_t)d->base;
 
     /* MADV_DONTNEED on a private anonymous mapping drops the pages; they read back as
      * zeros and cost no memory until written again. */

@@ -19,13 +19,13 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "common.h"
 #include "tiers/extent.h"
 #include "tiers/nvme.h"
 
-#define NVME_MAX_BYTES ((uint64_t)1 << 60) /* keeps size arithmetic far from overflow */
 
 struct nvme_file {
     char *dir;

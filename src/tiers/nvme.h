@@ -57,6 +57,9 @@
 #include "io/uring.h"
 
 #define NVME_MAX_DIRS 16
+/* The largest swap space (and so the largest NVMe-home tensor): keeps size arithmetic far
+ * from overflow. */
+#define NVME_MAX_BYTES ((uint64_t)1 << 60)
 #define NVME_SWAP_NAME "zinf-swap"                /* file i is DIR/zinf-swap.<i> */
 #define NVME_GROW_MIN_BYTES ((uint64_t)256 << 20) /* per file, per growth step */
 
