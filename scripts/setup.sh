@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # setup.sh - install what the build needs (Debian/Ubuntu, apt-get) when it is missing,
 # then configure and build zinf in ./build (or $BUILD_DIR). Extra arguments go to
-# `meson setup`. The CUDA toolkit is used when present (/usr/local/cuda); it is not
-# installed from here.
+# `meson setup`. The CUDA toolkit is used when present (/usr/local/cuda, or
+# -Dcudatoolkit_dir=DIR); without it the device tier is emulated. It is not installed
+# from here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 build_dir=${BUILD_DIR:-build}
+# libhwloc-plugins: hwloc's libxml2 XML parser for `zinf topo --xml` (without it hwloc has
+# only a minimal one that reads nothing but its own layout), with the discovery plugins
+# (gl, opencl, pci) that most installs have and that zinf leaves out of its loads.
 pkgs=(gcc g++ pkg-config meson ninja-build liburing-dev libnuma-dev libhwloc-dev
-      libcriterion-dev libjansson-dev libopenblas-dev fio python3)
+      libhwloc-plugins libcriterion-dev libjansson-dev libopenblas-dev fio python3)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -22,10 +26,8 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-# nvcc compiles kernels/ when the CUDA toolkit is installed; meson looks for it on PATH.
-if [ -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc >/dev/null; then
-  export PATH="$PATH:/usr/local/cuda/bin"
-fi
+# nvcc compiles kernels/ when the CUDA toolkit is installed: meson looks for it in
+# cudatoolkit_dir/bin, then on PATH.
 
 if [ ! -f "$build_dir/build.ninja" ]; then
   meson setup "$build_dir" "$@"

@@ -1,13 +1,47 @@
 #!/usr/bin/env bash
-# test.sh - install what is missing, build, and run every test: the normal build, then
-# the same suite under AddressSanitizer + UndefinedBehaviorSanitizer. GPU tests skip where
-# no GPU is usable.
+# test.sh - install what is missing, build, and run every test: the normal build, the unit
+# suite of a build that finds no CUDA toolkit, then the whole suite under AddressSanitizer +
+# UndefinedBehaviorSanitizer. GPU tests skip where no GPU is usable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 jobs=${TEST_JOBS:-$(nproc)}
+
+# PATH with every directory that holds program $1 replaced by one, under $2, of links to
+# all else in it: $1 is not found, everything else is.
+path_without() {
+  local prog=$1 tmp=$2 d out= i=0
+  local -a dirs
+  IFS=: read -ra dirs <<<"$PATH"
+  for d in "${dirs[@]}"; do
+    if [ -e "$d/$prog" ]; then
+      mkdir "$tmp/$i"
+      ln -s "$d"/* "$tmp/$i/"
+      rm "$tmp/$i/$prog"
+      d=$tmp/$i
+    fi
+    out=${out:+$out:}$d
+    i=$((i + 1))
+  done
+  printf '%s\n' "$out"
+}
+
 BUILD_DIR=build scripts/setup.sh
 meson test -C build --print-errorlogs --num-processes "$jobs"
+
+# No CUDA toolkit: what a machine without one builds, found by autodetection and not by
+# -Dcuda=disabled. cudatoolkit_dir points nowhere and no nvcc is on PATH, so the build
+# must come out with the device tier emulated and no kernels, and the unit suite pass.
+nonvcc=$(mktemp -d)
+trap 'rm -rf "$nonvcc"' EXIT
+nocuda_path=$(path_without nvcc "$nonvcc")
+PATH=$nocuda_path BUILD_DIR=build-nocuda env -u CUDA_HOME -u CUDA_PATH scripts/setup.sh \
+  -Dcudatoolkit_dir=/nonexistent
+grep -q '^#define ZINF_HAVE_CUDA 0' build-nocuda/zinf_build.h &&
+  grep -q '^#define ZINF_HAVE_KERNELS 0' build-nocuda/zinf_build.h ||
+  { echo "test.sh: the build without a CUDA toolkit found CUDA" >&2; exit 1; }
+PATH=$nocuda_path env -u CUDA_HOME -u CUDA_PATH \
+  meson test -C build-nocuda --suite unit --print-errorlogs --num-processes "$jobs"
 
 # Sanitizers. CUDA's runtime maps memory where ASan keeps its shadow gap, hence
 # protect_shadow_gap=0 (set in tests/meson.build's environment).
