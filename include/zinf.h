@@ -82,7 +82,10 @@ struct zinf_stats {
     uint64_t flushes;
     unsigned io_buffered;            /* swap files opened without O_DIRECT */
     unsigned device_is_cuda;         /* 1: CUDA device tier, 0: emulated */
-    uint64_t reserved[8];
+    uint64_t tensors_damaged;        /* resumed tensors whose saved content failed its
+                                        checksum or could not be read: fetch and read of
+                                        them answer -EBADMSG; their saved bytes are kept */
+    uint64_t reserved[7];
 };
 
 /* Open an engine. opt may be NULL (all defaults). */

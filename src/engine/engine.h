@@ -191,6 +191,8 @@ struct zinf_engine {
      * once the next manifest no longer names them. */
     uint64_t *deferred_free;
     size_t ndeferred, capdeferred;
+    /* Test-only fault hook: the next fsync of the manifest's directory fails with this. */
+    int fault_dir_fsync;
 };
 
 struct ticket {

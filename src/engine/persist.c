@@ -167,12 +167,16 @@ static int write_all(int fd, const char *buf, size_t n)
     return 0;
 }
 
-/* Write text as the manifest: temp file, fsync, rename over, fsync the directory. */
-static int manifest_commit(struct zinf_engine *e, const char *text)
+/* Write text as the manifest: temp file, fsync, rename over, fsync the directory.
+ * *renamed says whether the new manifest took the old one's place: from then on a crash
+ * may leave either of them, so even when the directory's fsync fails (the error is
+ * returned) both must stay readable. */
+static int manifest_commit(struct zinf_engine *e, const char *text, bool *renamed)
 {
     char path[4096], tmp[4200];
     int fd, r, dfd;
 
+    *renamed = false;
     manifest_path(e, path, sizeof(path), "");
     manifest_path(e, tmp, sizeof(tmp), ".tmp");
     fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -192,12 +196,20 @@ static int manifest_commit(struct zinf_engine *e, const char *text)
         unlink(tmp);
         return r;
     }
+    *renamed = true;
     dfd = open(e->nvme_dirs[0], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-        if (fsync(dfd) < 0)
-            r = -errno;
+    if (dfd < 0 || fsync(dfd) < 0)
+        r = -errno;
+    if (dfd >= 0)
         close(dfd);
+    if (r == 0 && e->fault_dir_fsync) {
+        r = e->fault_dir_fsync;
+        e->fault_dir_fsync = 0;
     }
+    if (r < 0)
+        log_error("engine: %s: the new manifest is in place but syncing its directory failed "
+                  "(%s): a crash may bring back the previous one, whose data is kept until "
+                  "a flush completes", path, strerror(-r));
     return r;
 }
 
@@ -337,6 +349,7 @@ out:
 int persist_flush(struct zinf_engine *e)
 {
     struct entry *ents = NULL;
+    bool renamed = false;
     size_t n = 0;
     int r = 0;
 
@@ -386,14 +399,17 @@ int persist_flush(struct zinf_engine *e)
         goto out;
     }
     pthread_mutex_unlock(&e->lock);
-    r = manifest_commit(e, text);
+    r = manifest_commit(e, text, &renamed);
     pthread_mutex_lock(&e->lock);
     free(text);
-    if (r < 0)
+    if (r < 0 && !renamed)
         goto out;
 
-    /* Committed: what the manifest names is now the persisted state; what the old one
-     * named and this one does not is free. */
+    /* The new manifest is in place: what it names is now the persisted state. What the old
+     * one named and this one does not is free once the new one is durable; when the
+     * directory's fsync failed, the old manifest may come back after a crash, so those
+     * extents wait (deferred) for a flush that completes. */
+    bool durable = r == 0;
     for (size_t i = 0; i < n; i++) {
         struct tensor *t = engine_tensor(e, ents[i].handle);
         if (!t)
@@ -403,13 +419,15 @@ int persist_flush(struct zinf_engine *e)
         bool owned = !t->persisted_zero || t->home == ZINF_TIER_NVME;
         if (t->persisted && owned && t->persisted_off != ents[i].off &&
             !(t->has_swap && t->swap_off == t->persisted_off))
-            nvme_free(e->nvme, t->persisted_off);
+            engine_free_swap(e, t->persisted_off, !durable);
         t->persisted = true;
         t->persisted_off = ents[i].off;
         t->persisted_crc = ents[i].crc;
         t->persisted_zero = ents[i].zero;
         t->persisted_version = ents[i].version;
     }
+    if (!durable)
+        goto out;
     for (size_t i = 0; i < e->ndeferred; i++)
         nvme_free(e->nvme, e->deferred_free[i]);
     e->ndeferred = 0;
@@ -421,8 +439,9 @@ out:
             continue;
         t->flush_named = false;
         /* Abandoned: an extent only this manifest named, and that writes moved away from
-         * meanwhile, belongs to nobody now. */
-        if (r < 0 && t->flush_off != t->swap_off &&
+         * meanwhile, belongs to nobody now. (Once the manifest was renamed into place it
+         * is not abandoned: it is the persisted state, durable or not.) */
+        if (r < 0 && !renamed && t->flush_off != t->swap_off &&
             !(t->persisted && t->persisted_off == t->flush_off))
             nvme_free(e->nvme, t->flush_off);
     }
@@ -547,8 +566,11 @@ static int resume_tensor(struct zinf_engine *e, const char *mpath, size_t idx, j
             memset(t->c[home].ptr, 0, t->alloc_bytes);
         got = want;
     } else {
+        /* Into host memory the read is direct and the checksum is taken there after it;
+         * the other reads go through the staging ring, which checksums each chunk. */
         struct xfer x = {.e = e, .t = t, .src = ZINF_TIER_NVME, .src_off = off,
-                         .len = t->alloc_bytes, .version = t->version, .want_crc = true};
+                         .len = t->alloc_bytes, .version = t->version,
+                         .want_crc = home != ZINF_TIER_HOST};
         x.dst = home == ZINF_TIER_NVME ? DST_NONE : (int)home;
         if (home != ZINF_TIER_NVME) {
             x.dst_off = t->c[home].off;
@@ -557,15 +579,23 @@ static int resume_tensor(struct zinf_engine *e, const char *mpath, size_t idx, j
         r = xfer_run_sync(e, &x);
         got = home == ZINF_TIER_HOST && r == 0 ? crc32c(0, t->c[home].ptr, t->alloc_bytes) : x.crc;
     }
+    /* One tensor that cannot be brought back must not take the others with it: it stays
+     * registered as damaged (fetch and read answer -EBADMSG), and its manifest entry and
+     * extent are kept as they are, so that nothing on disk is lost. */
     if (r < 0) {
-        log_error("engine: %s: reading tensor '%s' failed: %s", mpath, t->name, zinf_strerror(r));
-        return r; /* registered: freed with the engine */
+        log_error("engine: %s: reading tensor '%s' failed: %s; it is marked damaged, the other "
+                  "tensors are resumed", mpath, t->name, zinf_strerror(r));
+        t->damaged = true;
+        e->st.tensors_damaged++;
+        return 0;
     }
     if (got != want) {
         log_error("engine: tensor '%s': checksum mismatch in the swap files under %s (manifest "
-                  "crc32c %08x, data %08x): corrupted or torn, not loaded", t->name,
-                  e->nvme_dirs[0], want, got);
-        return -EBADMSG;
+                  "crc32c %08x, data %08x): corrupted or torn, not loaded; it is marked damaged, "
+                  "the other tensors are resumed", t->name, e->nvme_dirs[0], want, got);
+        t->damaged = true;
+        e->st.tensors_damaged++;
+        return 0;
     }
     t->swap_crc = want;
     t->swap_crc_valid = true;

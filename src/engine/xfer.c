@@ -216,6 +216,12 @@ static void stage_issue(struct zinf_engine *e, struct slot *s)
         s->dc = (struct device_copy){.dir = DEVICE_D2H, .dev_off = x->src_off + s->off,
                                      .host = s->buf, .len = s->len, .cb = leg1_dc_cb, .data = s};
         r = device_copy_async(e->dev, &s->dc);
+    } else if (x->src == ZINF_TIER_HOST) {
+        /* A checksummed write of host memory: the slot holds the bytes that are both
+         * checksummed and written, whatever a caller holding a pin writes meanwhile. */
+        memcpy(s->buf, (const char *)x->src_ptr + s->off, s->len);
+        leg1_landed(s, 0);
+        return;
     } else { /* zeros */
         memset(s->buf, 0, s->len);
         leg1_landed(s, 0);
@@ -284,7 +290,8 @@ int xfer_start(struct xfer *x)
         return -EINVAL;
     bool staged = (x->src == ZINF_TIER_NVME && (x->dst == ZINF_TIER_DEVICE || x->dst == DST_NONE)) ||
                   (x->src == ZINF_TIER_DEVICE && x->dst == ZINF_TIER_NVME) ||
-                  (x->src == SRC_ZERO && x->dst == ZINF_TIER_NVME);
+                  (x->src == SRC_ZERO && x->dst == ZINF_TIER_NVME) ||
+                  (x->src == ZINF_TIER_HOST && x->dst == ZINF_TIER_NVME && x->want_crc);
     if (staged) {
         x->nchunks = (unsigned)((x->len + e->block_size - 1) / e->block_size);
         if (x->want_crc) {
@@ -307,10 +314,8 @@ int xfer_start(struct xfer *x)
         return 0;
     }
 
-    if (x->want_crc) {
-        /* Unstaged sources are host memory here (host -> NVMe); checksum before it goes. */
-        x->crc = x->src_ptr ? crc32c(0, x->src_ptr, x->len) : 0;
-    }
+    if (x->want_crc)
+        return -EINVAL; /* checksums are taken in the staging ring, of the bytes moved */
     if (x->src == ZINF_TIER_HOST && x->dst == ZINF_TIER_DEVICE) {
         x->dc = (struct device_copy){.dir = DEVICE_H2D, .dev_off = x->dst_off, .host = x->src_ptr,
                                      .len = x->len, .cb = dc_cb, .data = x};
