@@ -15,6 +15,7 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdarg.h>
@@ -2038,4 +2039,497 @@ Test(engine, unregister_waiting_when_a_flush_starts)
     cr_assert_eq(zinf_flush(e), 0);
     cr_assert_eq(stats(e).tier[ZINF_TIER_NVME].used_bytes, 0);
     zinf_close(e);
+}
+
+/* ---- regression tests for the defects a review reproduced against zinf.h ---------------- */
+
+/* A call of the public API run on a thread of its own, so that a test can hold the engine
+ * in a state and check that the call waits (or does not) for it. */
+struct call {
+    zinf_engine *e;
+    zinf_tensor t;
+    enum zinf_tier tier;
+    unsigned flags;
+    int kind; /* CALL_* */
+    uint64_t ticket;
+    void *p;
+    int r;
+    atomic_bool done;
+    pthread_t th;
+};
+
+enum { CALL_RELEASE, CALL_FETCH, CALL_FETCH_ASYNC };
+
+static void *call_main(void *arg)
+{
+    struct call *c = arg;
+    switch (c->kind) {
+    case CALL_RELEASE: c->r = zinf_release(c->e, c->t, c->tier, c->flags); break;
+    case CALL_FETCH: c->r = zinf_fetch(c->e, c->t, c->tier, &c->p); break;
+    default: c->r = zinf_fetch_async(c->e, c->t, c->tier, &c->ticket); break;
+    }
+    atomic_store(&c->done, true);
+    return NULL;
+}
+
+static void call_start(struct call *c, zinf_engine *e, int kind, zinf_tensor t,
+                       enum zinf_tier tier, unsigned flags)
+{
+    *c = (struct call){.e = e, .t = t, .tier = tier, .flags = flags, .kind = kind};
+    cr_assert_eq(pthread_create(&c->th, NULL, call_main, c), 0);
+}
+
+/* Wait up to ms for the call to return; true if it did (and is joined). */
+static bool call_join(struct call *c, unsigned ms)
+{
+    for (unsigned i = 0; i < ms && !atomic_load(&c->done); i++)
+        usleep(1000);
+    if (!atomic_load(&c->done))
+        return false;
+    pthread_join(c->th, NULL);
+    return true;
+}
+
+/* Poll (lock held while looking) until cond(t) holds, up to 10 s. */
+static bool engine_until(zinf_engine *e, zinf_tensor h, bool (*cond)(struct tensor *t))
+{
+    for (int i = 0; i < 10000; i++) {
+        pthread_mutex_lock(&e->lock);
+        struct tensor *t = engine_tensor(e, h);
+        bool ok = t && cond(t);
+        pthread_mutex_unlock(&e->lock);
+        if (ok)
+            return true;
+        usleep(1000);
+    }
+    return false;
+}
+
+/* zinf_release(DIRTY) dropped the other tier's copy without honouring t->exclusive, while
+ * zinf_write/zinf_read were using that copy with the lock dropped: the write landed in
+ * memory already handed to another tensor, or crashed. The release must wait for them. */
+Test(engine, dirty_release_waits_for_a_read_or_write_that_owns_the_tensor)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 100 * KiB + 3;
+    unsigned char *a = test_rand_buf(n, 201);
+    zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+    void *p, *q;
+
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &q), 0); /* both copies valid now */
+
+    /* Hold the tensor as zinf_write does while it copies into both copies unlocked. */
+    pthread_mutex_lock(&e->lock);
+    engine_tensor(e, t)->exclusive = true;
+    pthread_mutex_unlock(&e->lock);
+    struct call c;
+    call_start(&c, e, CALL_RELEASE, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY);
+    bool returned = call_join(&c, 100);
+    pthread_mutex_lock(&e->lock);
+    struct tensor *T = engine_tensor(e, t);
+    bool host_kept = T->c[ZINF_TIER_HOST].state == COPY_READY;
+    T->exclusive = false;
+    pthread_cond_broadcast(&e->changed);
+    pthread_mutex_unlock(&e->lock);
+    cr_assert(!returned, "the DIRTY release did not wait for the owner of the tensor");
+    cr_assert(host_kept, "the copy the owner uses was dropped under it");
+
+    cr_assert(call_join(&c, 10000), "the release hangs once the tensor is let go");
+    cr_assert_eq(c.r, 0, "%s", zinf_strerror(c.r));
+    test_expect_content(e, t, a, n, "after the release");
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    free(a);
+    zinf_close(e);
+}
+
+/* The same race for real: one thread writes the whole tensor over and over, another
+ * fetches it to the device, writes through the pointer and releases DIRTY, a third keeps a
+ * neighbour moving through the host tier and checks its bytes, which the writer used to
+ * scribble on once the region it copied into was handed over. */
+struct dirty_race {
+    zinf_engine *e;
+    zinf_tensor t, o;
+    size_t n;
+    unsigned char *o_ref;
+    atomic_bool stop;
+    atomic_int bad;
+    char why[256];
+};
+
+static void *race_writer(void *arg)
+{
+    struct dirty_race *d = arg;
+    unsigned char *buf = malloc(d->n);
+    for (unsigned k = 0; buf && !atomic_load(&d->stop); k++) {
+        memset(buf, (int)(k & 0x7f), d->n);
+        int r = zinf_write(d->e, d->t, 0, buf, d->n);
+        if (r != 0 && !atomic_exchange(&d->bad, 1))
+            snprintf(d->why, sizeof(d->why), "zinf_write: %s", zinf_strerror(r));
+    }
+    free(buf);
+    return NULL;
+}
+
+static void *race_releaser(void *arg)
+{
+    struct dirty_race *d = arg;
+    for (unsigned k = 0; !atomic_load(&d->stop); k++) {
+        void *p;
+        int r = zinf_fetch(d->e, d->t, k & 1 ? ZINF_TIER_HOST : ZINF_TIER_DEVICE, &p);
+        if (r == -ENOMEM)
+            continue;
+        if (r == 0) {
+            memset(p, 0x80 | (int)(k & 0x7f), d->n);
+            r = zinf_release(d->e, d->t, k & 1 ? ZINF_TIER_HOST : ZINF_TIER_DEVICE,
+                             ZINF_RELEASE_DIRTY);
+            if (r == -EBUSY)
+                r = zinf_release(d->e, d->t, k & 1 ? ZINF_TIER_HOST : ZINF_TIER_DEVICE, 0);
+        }
+        if (r != 0 && !atomic_exchange(&d->bad, 1))
+            snprintf(d->why, sizeof(d->why), "fetch/release: %s", zinf_strerror(r));
+    }
+    return NULL;
+}
+
+static void *race_neighbour(void *arg)
+{
+    struct dirty_race *d = arg;
+    while (!atomic_load(&d->stop)) {
+        void *p;
+        int r = zinf_fetch(d->e, d->o, ZINF_TIER_HOST, &p);
+        if (r == -ENOMEM)
+            continue;
+        if (r == 0) {
+            if (memcmp(p, d->o_ref, d->n) && !atomic_exchange(&d->bad, 1))
+                snprintf(d->why, sizeof(d->why), "the neighbour's bytes changed");
+            r = zinf_release(d->e, d->o, ZINF_TIER_HOST, 0);
+        }
+        if (r != 0 && !atomic_exchange(&d->bad, 1))
+            snprintf(d->why, sizeof(d->why), "neighbour: %s", zinf_strerror(r));
+    }
+    return NULL;
+}
+
+Test(engine, dirty_release_racing_writes_never_touches_another_tensor)
+{
+    struct dirty_race d = {.n = 96 * KiB};
+    /* Room in the host tier for about two of them: the neighbour takes what is freed. */
+    d.e = open_eng(MiB, 256 * KiB, BLOCK);
+    d.o_ref = test_rand_buf(d.n, 202);
+    d.t = test_register(d.e, "t", d.n, ZINF_TIER_NVME);
+    d.o = nvme_tensor_with(d.e, "o", d.o_ref, d.n);
+    pthread_t th[3];
+    void *(*fn[3])(void *) = {race_writer, race_releaser, race_neighbour};
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, fn[i], &d), 0);
+    usleep(1500 * 1000);
+    atomic_store(&d.stop, true);
+    for (int i = 0; i < 3; i++)
+        pthread_join(th[i], NULL);
+    cr_assert(!atomic_load(&d.bad), "%s", d.why);
+    test_expect_content(d.e, d.o, d.o_ref, d.n, "the neighbour");
+    cr_assert_eq(zinf_unregister(d.e, d.t), 0);
+    cr_assert_eq(zinf_unregister(d.e, d.o), 0);
+    free(d.o_ref);
+    zinf_close(d.e);
+}
+
+static bool home_loading(struct tensor *t)
+{
+    return t->c[t->home].state == COPY_LOADING;
+}
+
+static bool home_pinned_twice(struct tensor *t)
+{
+    return t->c[t->home].pins == 2;
+}
+
+/* A fetch_async that needed a write-back to make room waited for the whole write-back in
+ * tier_reserve (553 ms for a 256 MiB one), with the lock dropped and no pin: a tensor
+ * unregistered meanwhile was then used after it was freed. It must return at once with a
+ * ticket, whatever the write-back takes; zinf_wait() does the waiting. */
+Test(engine, fetch_async_needing_a_writeback_returns_at_once)
+{
+    zinf_engine *e = open_eng(MiB, 4 * MiB, BLOCK);
+    const size_t n = 600 * KiB;
+    unsigned char *a = test_rand_buf(n, 203), *b = test_rand_buf(n, 204);
+    zinf_tensor d = test_register(e, "dirty", n, ZINF_TIER_NVME);
+    zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+    void *p;
+
+    cr_assert_eq(zinf_fetch(e, d, ZINF_TIER_DEVICE, &p), 0);
+    memcpy(p, b, n);
+    cr_assert_eq(zinf_release(e, d, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+
+    device_hold(e->dev, true); /* the write-back of "dirty" cannot move until released */
+    struct call c;
+    call_start(&c, e, CALL_FETCH_ASYNC, t, ZINF_TIER_DEVICE, 0);
+    bool returned = call_join(&c, 2000);
+    if (!returned)
+        device_hold(e->dev, false);
+    cr_assert(returned, "zinf_fetch_async waited for the write-back");
+    cr_assert_eq(c.r, 0, "%s", zinf_strerror(c.r));
+    /* The ticket holds the tensor: it cannot go while the write-back runs. */
+    cr_assert_eq(zinf_unregister(e, t), -EBUSY);
+    device_hold(e->dev, false);
+    cr_assert_eq(zinf_wait(e, c.ticket, &p), 0);
+    cr_assert_eq(memcmp(p, a, n), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    test_expect_content(e, d, b, n, "the written-back tensor");
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    cr_assert_eq(zinf_unregister(e, d), 0);
+    free(a);
+    free(b);
+    zinf_close(e);
+}
+
+/* Unregistering while an async fetch of the same tensor is being made, under memory
+ * pressure from dirty copies: never a ticket for a dead handle, never a crash (ASan). */
+struct async_churn {
+    zinf_engine *e;
+    _Atomic zinf_tensor t;
+    atomic_bool stop;
+    atomic_int bad;
+    char why[256];
+};
+
+static void *async_churn_fetcher(void *arg)
+{
+    struct async_churn *a = arg;
+    while (!atomic_load(&a->stop)) {
+        zinf_tensor t = atomic_load(&a->t);
+        uint64_t k;
+        void *p;
+        int r = zinf_fetch_async(a->e, t, ZINF_TIER_DEVICE, &k);
+        if (r == 0) {
+            r = zinf_wait(a->e, k, &p);
+            if (r == 0) {
+                memset(p, 3, 1000);
+                r = zinf_release(a->e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY);
+            }
+        }
+        if (r != 0 && r != -EINVAL && r != -ENOMEM && !atomic_exchange(&a->bad, 1))
+            snprintf(a->why, sizeof(a->why), "fetch_async/wait/release: %s", zinf_strerror(r));
+    }
+    return NULL;
+}
+
+static void *async_churn_registrar(void *arg)
+{
+    struct async_churn *a = arg;
+    while (!atomic_load(&a->stop)) {
+        zinf_tensor t = atomic_load(&a->t), n;
+        if (zinf_unregister(a->e, t) != 0)
+            continue; /* pinned or waited on: try again */
+        int r = zinf_register(a->e, "churn", 300 * KiB, ZINF_TIER_NVME, &n);
+        if (r != 0) {
+            if (!atomic_exchange(&a->bad, 1))
+                snprintf(a->why, sizeof(a->why), "register: %s", zinf_strerror(r));
+            break;
+        }
+        atomic_store(&a->t, n);
+    }
+    return NULL;
+}
+
+Test(engine, unregister_racing_async_fetches_that_need_writebacks)
+{
+    struct async_churn a = {0};
+    a.e = open_eng(MiB, 4 * MiB, BLOCK);
+    zinf_tensor d[2], t;
+    for (int i = 0; i < 2; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "dirty%d", i);
+        d[i] = test_register(a.e, name, 300 * KiB, ZINF_TIER_NVME);
+    }
+    cr_assert_eq(zinf_register(a.e, "churn", 300 * KiB, ZINF_TIER_NVME, &t), 0);
+    atomic_store(&a.t, t);
+    pthread_t th[2];
+    cr_assert_eq(pthread_create(&th[0], NULL, async_churn_fetcher, &a), 0);
+    cr_assert_eq(pthread_create(&th[1], NULL, async_churn_registrar, &a), 0);
+    /* Keep dirty copies filling the device, so that the async fetches need write-backs. */
+    for (int k = 0; k < 300; k++) {
+        void *p;
+        int r = zinf_fetch(a.e, d[k & 1], ZINF_TIER_DEVICE, &p);
+        if (r == -ENOMEM)
+            continue;
+        cr_assert_eq(r, 0, "%s", zinf_strerror(r));
+        memset(p, k, 300 * KiB);
+        cr_assert_eq(zinf_release(a.e, d[k & 1], ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    }
+    atomic_store(&a.stop, true);
+    pthread_join(th[0], NULL);
+    pthread_join(th[1], NULL);
+    cr_assert(!atomic_load(&a.bad), "%s", a.why);
+    zinf_close(a.e);
+}
+
+/* A write-back that kept failing made zinf_fetch retry the same victim for ever, logging
+ * a line per attempt. Now the fetch gives -EIO after one attempt, the dirty content stays
+ * in memory, a later fetch tries once more, and a flush writes it once the drive works. */
+Test(engine, writeback_that_keeps_failing_gives_eio_and_keeps_the_data)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 400 * KiB + 77;
+    unsigned char *b = test_rand_buf(n, 205), *f = test_rand_buf(700 * KiB, 206);
+    zinf_tensor t = test_register(e, "t", n, ZINF_TIER_NVME);
+    zinf_tensor filler = nvme_tensor_with(e, "filler", f, 700 * KiB);
+    void *p;
+
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+    memcpy(p, b, n);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+    uring_fault_set(e->io, URING_FAULT_EIO_STICKY, 1);
+    test_log_capture_start();
+    for (int attempt = 1; attempt <= 2; attempt++) {
+        struct call c;
+        call_start(&c, e, CALL_FETCH, filler, ZINF_TIER_HOST, 0);
+        bool returned = call_join(&c, 10000);
+        if (!returned)
+            uring_fault_set(e->io, URING_FAULT_NONE, 0); /* let it out */
+        cr_assert(returned, "attempt %d: the fetch keeps retrying the failing write-back",
+                  attempt);
+        cr_assert_eq(c.r, -EIO, "attempt %d: %s", attempt, zinf_strerror(c.r));
+        /* One logged attempt per fetch. */
+        unsigned lines = 0;
+        for (const char *s = test_log_text(); (s = strstr(s, "writing tensor 't'")); s++)
+            lines++;
+        cr_assert_eq(lines, (unsigned)attempt, "%s", test_log_text());
+    }
+    test_log_capture_stop();
+    test_expect_content(e, t, b, n, "the dirty tensor, kept in memory");
+    cr_assert_eq(zinf_flush(e), -EIO, "the drive still fails");
+    uring_fault_set(e->io, URING_FAULT_NONE, 0);
+    cr_assert_eq(zinf_flush(e), 0, "a later flush retries and succeeds");
+    cr_assert_eq(zinf_fetch(e, filler, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(memcmp(p, f, 700 * KiB), 0);
+    cr_assert_eq(zinf_release(e, filler, ZINF_TIER_HOST, 0), 0);
+    zinf_close(e);
+    e = NULL;
+    struct zinf_options o = {.nvme_path = dir, .device_bytes = MiB, .host_bytes = MiB,
+                             .block_size = BLOCK, .queue_depth = QD,
+                             .device_kind = ZINF_DEVICE_EMULATED, .flags = ZINF_OPEN_RESUME};
+    cr_assert_eq(zinf_open(&o, &e), 0);
+    cr_assert_eq(zinf_lookup(e, "t", &t), 0);
+    test_expect_content(e, t, b, n, "after the resume");
+    zinf_close(e);
+    free(b);
+    free(f);
+}
+
+/* Two fetches of a home tier that joined a write-back into it, whose content a DIRTY
+ * release overtook meanwhile: the first to wake saw the other's pin on the stale home and
+ * returned a spurious -EBUSY. Both must get the newest content. */
+Test(engine, two_fetches_joining_an_overtaken_writeback_of_the_home_both_succeed)
+{
+    zinf_engine *e = open_eng(MiB, 4 * MiB, BLOCK);
+    const size_t n = 300 * KiB;
+    unsigned char *b = test_rand_buf(n, 207), *c2 = test_rand_buf(n, 208),
+                  *f = test_rand_buf(800 * KiB, 209);
+    zinf_tensor t = test_register(e, "t", n, ZINF_TIER_HOST);
+    zinf_tensor filler = nvme_tensor_with(e, "filler", f, 800 * KiB);
+    void *p, *q;
+
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    memcpy(p, b, n);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+
+    device_hold(e->dev, true);
+    struct call fa, fb, fc;
+    call_start(&fa, e, CALL_FETCH, filler, ZINF_TIER_DEVICE, 0); /* evicts t: write-back */
+    cr_assert(engine_until(e, t, home_loading), "the write-back into the home started");
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &q), 0); /* still resident */
+    memcpy(q, c2, n);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0); /* overtakes */
+    call_start(&fb, e, CALL_FETCH, t, ZINF_TIER_HOST, 0);
+    call_start(&fc, e, CALL_FETCH, t, ZINF_TIER_HOST, 0);
+    cr_assert(engine_until(e, t, home_pinned_twice), "both fetches joined");
+    device_hold(e->dev, false);
+    cr_assert(call_join(&fb, 10000) && call_join(&fc, 10000), "the home fetches hang");
+    cr_assert_eq(fb.r, 0, "first: %s", zinf_strerror(fb.r));
+    cr_assert_eq(fc.r, 0, "second: %s", zinf_strerror(fc.r));
+    cr_assert_eq(memcmp(fb.p, c2, n), 0, "the newest content");
+    cr_assert_eq(fb.p, fc.p);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert(call_join(&fa, 10000), "the filler's fetch hangs");
+    cr_assert_eq(fa.r, 0, "%s", zinf_strerror(fa.r));
+    cr_assert_eq(memcmp(fa.p, f, 800 * KiB), 0);
+    cr_assert_eq(zinf_release(e, filler, ZINF_TIER_DEVICE, 0), 0);
+    test_expect_content(e, t, c2, n, "t at the end");
+    zinf_close(e);
+    free(b);
+    free(c2);
+    free(f);
+}
+
+static bool home_ready_valid(struct tensor *t)
+{
+    return t->c[t->home].state == COPY_READY && t->c[t->home].version == t->version;
+}
+
+/* Prefetching a stale home copy charged the prefetch budget, and nothing gave it back:
+ * unregister freed the home without it, so prefetching silently stopped for good. */
+Test(engine, prefetch_of_a_stale_home_copy_gives_its_budget_back)
+{
+    zinf_engine *e = open_eng(MiB, 4 * MiB, BLOCK);
+    const size_t n = 100 * KiB;
+    void *p;
+
+    for (int round = 0; round < 3; round++) {
+        zinf_tensor t = test_register(e, "t", n, ZINF_TIER_HOST);
+        cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+        memset(p, round + 1, n);
+        cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+        cr_assert_eq(zinf_prefetch(e, t, ZINF_TIER_HOST), 0);
+        cr_assert_eq(zinf_prefetch(e, t, ZINF_TIER_HOST), 0, "twice: charged once");
+        cr_assert(engine_until(e, t, home_ready_valid));
+        if (round == 1) { /* overtaken before use: wasted, and given back */
+            cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+            cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+        }
+        cr_assert_eq(zinf_unregister(e, t), 0);
+        pthread_mutex_lock(&e->lock);
+        uint64_t left = e->prefetch_outstanding_bytes;
+        pthread_mutex_unlock(&e->lock);
+        cr_assert_eq(left, 0, "round %d: %llu bytes of prefetch budget never given back", round,
+                     (unsigned long long)left);
+    }
+    zinf_close(e);
+}
+
+/* A 2^61-byte NVMe-home register returned -EINVAL; the contract says -ENOSPC (larger than
+ * its home tier), as for the memory homes. */
+Test(engine, nvme_tensor_larger_than_any_swap_space_is_enospc)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    zinf_tensor t;
+    cr_assert_eq(zinf_register(e, "huge", (size_t)1 << 61, ZINF_TIER_NVME, &t), -ENOSPC);
+    cr_assert_eq(zinf_register(e, "huge", SIZE_MAX, ZINF_TIER_NVME, &t), -ENOSPC);
+    t = test_register(e, "huge", 4096, ZINF_TIER_NVME); /* the name was not taken */
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    zinf_close(e);
+}
+
+/* host_bytes near SIZE_MAX wrapped to 0 when rounded up and silently meant the 1 GiB
+ * default. */
+Test(engine, host_bytes_that_would_wrap_is_refused)
+{
+    zinf_engine *e = NULL;
+    struct zinf_options o = {.host_bytes = SIZE_MAX - 100, .device_kind = ZINF_DEVICE_EMULATED};
+    test_log_capture_start();
+    cr_assert_eq(zinf_open(&o, &e), -EINVAL);
+    cr_assert_null(e);
+    cr_assert(strstr(test_log_text(), "host_bytes"), "%s", test_log_text());
+    test_log_capture_stop();
+}
+
+/* zinf_strerror(INT_MIN) negated INT_MIN (undefined behaviour, caught by UBSan). */
+Test(engine, strerror_of_int_min)
+{
+    cr_assert_not_null(zinf_strerror(INT_MIN));
+    cr_assert_not_null(zinf_strerror(INT_MAX));
+    cr_assert_not_null(zinf_strerror(-INT_MAX));
 }

@@ -76,6 +76,7 @@ struct device {
     struct device_copy *fault_copy; /* the copy picked by device_fault_set() */
     int fault_err;
     unsigned fault_countdown;
+    bool hold; /* device_hold(): the emulated copy thread starts no copy */
     uint64_t bytes_h2d, bytes_d2h, copies;
 
     pthread_t threads[3];
@@ -141,7 +142,7 @@ static void *emu_copy_thread(void *arg)
 
     pthread_mutex_lock(&d->lock);
     for (;;) {
-        while (!d->pend_head && !d->stop)
+        while ((!d->pend_head || d->hold) && !d->stop)
             pthread_cond_wait(&d->work_cv, &d->lock);
         if (!d->pend_head) break;
         int res;
@@ -747,6 +748,15 @@ void device_get_stats(struct device *d, struct device_stats *out)
     out->bytes_h2d = d->bytes_h2d;
     out->bytes_d2h = d->bytes_d2h;
     out->copies = d->copies;
+    pthread_mutex_unlock(&d->lock);
+}
+
+void device_hold(struct device *d, bool hold)
+{
+    if (!d) return;
+    pthread_mutex_lock(&d->lock);
+    d->hold = hold;
+    pthread_cond_broadcast(&d->work_cv);
     pthread_mutex_unlock(&d->lock);
 }
 

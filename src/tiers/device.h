@@ -82,5 +82,8 @@ void device_get_stats(struct device *d, struct device_stats *out);
 
 /* Test-only: the nth copy from now completes with err instead of copying. */
 void device_fault_set(struct device *d, unsigned nth, int err);
+/* Test-only, emulated backend: while held, queued copies wait (they start, in order, when
+ * released), so a test can keep a transfer in flight as long as it needs. */
+void device_hold(struct device *d, bool hold);
 
 #endif
