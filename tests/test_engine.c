@@ -18,6 +18,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -2532,4 +2533,24 @@ Test(engine, strerror_of_int_min)
     cr_assert_not_null(zinf_strerror(INT_MIN));
     cr_assert_not_null(zinf_strerror(INT_MAX));
     cr_assert_not_null(zinf_strerror(-INT_MAX));
+}
+
+/* The copy states drawn in engine.h are checked after every transition in builds with
+ * assertions: a broken one stops the process at once, naming what broke, rather than
+ * corrupting data later. */
+Test(engine, a_broken_copy_state_is_caught_at_the_next_transition, .signal = SIGABRT)
+{
+#ifdef NDEBUG
+    cr_skip_test("built without assertions: the state checks are compiled out");
+#endif
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    zinf_tensor t = test_register(e, "t", 8192, ZINF_TIER_NVME);
+    void *p;
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+    pthread_mutex_lock(&e->lock);
+    engine_tensor(e, t)->c[ZINF_TIER_HOST].evicting = true; /* with no write-back */
+    pthread_mutex_unlock(&e->lock);
+    test_log_capture_start();
+    zinf_release(e, t, ZINF_TIER_HOST, 0);
+    cr_assert_fail("not caught");
 }

@@ -81,6 +81,44 @@ bool engine_revalidate(struct zinf_engine *e, zinf_tensor h, const struct tensor
     return engine_tensor(e, h) == t;
 }
 
+#ifndef NDEBUG
+static void check_failed(const struct tensor *t, int tier, const char *what)
+{
+    log_error("engine: internal state broken: tensor '%s', tier %d: %s", t->name, tier, what);
+    abort();
+}
+
+void engine_check_tensor(const struct tensor *t)
+{
+    unsigned writebacks = 0;
+    for (int i = 0; i < MEM_TIERS; i++) {
+        const struct copy *c = &t->c[i];
+        bool home = i == (int)t->home;
+        if (c->state > COPY_READY)
+            check_failed(t, i, "unknown state");
+        if (c->state != COPY_READY && (c->readers || c->wb_inflight || c->evicting))
+            check_failed(t, i, "read or written back while not READY");
+        if (c->evicting && !c->wb_inflight)
+            check_failed(t, i, "evicting without a write-back");
+        if (c->wb_inflight && c->readers == 0)
+            check_failed(t, i, "a write-back that is not counted as a reader");
+        if (c->prefetched && (c->pins || c->state == COPY_NONE))
+            check_failed(t, i, "prefetched and pinned, or prefetched and gone");
+        if (c->version > t->version)
+            check_failed(t, i, "a copy newer than its tensor");
+        if (home && c->state == COPY_NONE)
+            check_failed(t, i, "the home copy is gone");
+        if (!home && (c->state != COPY_NONE) != (c->res_next != NULL))
+            check_failed(t, i, "a cached copy off its tier's list, or a dropped one on it");
+        if (t->exclusive && (c->state == COPY_LOADING || c->wb_inflight))
+            check_failed(t, i, "moving while owned exclusively");
+        writebacks += c->wb_inflight;
+    }
+    if (writebacks > 1)
+        check_failed(t, -1, "two write-backs at once");
+}
+#endif
+
 bool engine_home_valid(const struct tensor *t)
 {
     if (t->home == ZINF_TIER_NVME)

@@ -28,6 +28,42 @@
 #define SRC_ZERO 3  /* transfer source: the content is all zeros */
 #define DST_NONE 3  /* transfer destination: read and checksum only */
 
+/*
+ * The states of a copy (one per tensor and memory tier), written once. `state` is the
+ * coarse state; the counters and flags refine it.
+ *
+ *            load_begin                load_ok
+ *   NONE ─────────────────▶ LOADING ─────────────▶ READY (valid: version == tensor's)
+ *    ▲                        │  ▲                   │   │
+ *    │           load_failed  │  │ load_begin        │   │ a newer version is made
+ *    │  (a cache; the home    │  │ (stale only)      │   ▼ elsewhere (DIRTY release,
+ *    │   goes back to READY   │  └──────────────── READY (stale)      zinf_write)
+ *    │   with its old label)  ▼                      │
+ *    └──────────── copy_drop ◀── (cache copies only, unpinned, unread)
+ *
+ * Refinements of READY:
+ *   pinned (pins > 0): a caller holds the pointer; never dropped, never loaded into.
+ *   read (readers > 0): a transfer reads from it (a load of the other tier, a write-back,
+ *     a flush); never dropped, never loaded into.
+ *   written back (wb_inflight): one of those readers is its write-back to the home; at most
+ *     one per tensor. evicting: it is dropped when that write-back lands, if still unpinned.
+ *   wb_failed_version/epoch: that write-back failed; eviction passes over it until the
+ *     next call that makes room (or a new version).
+ * Refinements of LOADING and READY:
+ *   prefetched: loaded ahead of use, charged to the prefetch budget until a fetch uses it
+ *     (prefetch_consumed) or it is wasted (prefetch_wasted: dropped, overtaken,
+ *     unregistered); never pinned.
+ * The home copy of a DEVICE- or HOST-home tensor is never NONE: it is LOADING while a load
+ * or a write-back replaces its content (that write-back is the home's "load": its error
+ * goes to the home's err, for the fetches that joined it).
+ * Cache copies that are not NONE are on their tier's list (res_*), for eviction.
+ * On the tensor: exclusive means zinf_read/zinf_write/flush/unregister own it with the lock
+ * dropped: no copy is LOADING or written back, and no copy is dropped meanwhile (eviction
+ * passes over it, a DIRTY release waits). damaged: it failed its checksum at resume.
+ *
+ * engine_check_tensor() asserts all of this in builds with assertions (the default and
+ * debug builds), after every transition.
+ */
 enum copy_state { COPY_NONE, COPY_LOADING, COPY_READY };
 
 struct tensor;
@@ -229,6 +265,13 @@ int engine_add_tensor(struct zinf_engine *e, struct tensor *t);
 struct tensor *engine_tensor_lock(struct zinf_engine *e, zinf_tensor h);
 void engine_tensor_unlock(struct zinf_engine *e, struct tensor *t);
 bool engine_home_valid(const struct tensor *t);
+/* The invariants drawn above, for one tensor (lock held); aborts naming the broken one. */
+#ifndef NDEBUG
+void engine_check_tensor(const struct tensor *t);
+#define ENGINE_CHECK(t) engine_check_tensor(t)
+#else
+#define ENGINE_CHECK(t) ((void)0)
+#endif
 /* Does a manifest, committed or being written, name t's swap extent? Then new content
  * must go to another extent (copy on write). */
 bool engine_swap_named(const struct tensor *t);

@@ -76,6 +76,7 @@ void copy_drop(struct zinf_engine *e, struct tensor *t, int tier)
     c->ptr = NULL;
     c->version = 0;
     pthread_cond_broadcast(&e->changed);
+    ENGINE_CHECK(t);
 }
 
 static bool copy_valid(const struct tensor *t, int tier)
@@ -155,6 +156,7 @@ static void wb_done(struct xfer *x, int err)
             }
         }
     }
+    ENGINE_CHECK(t);
     free(a);
     free(x);
 }
@@ -226,6 +228,7 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
             nvme_free(e->nvme, a->new_off);
         goto err;
     }
+    ENGINE_CHECK(t);
     return 0;
 err:
     free(a);
@@ -354,34 +357,73 @@ struct load_arg {
     uint64_t old_version;
 };
 
+/* The transitions of a load (see the drawing in engine.h). */
+
+/* NONE, or READY and stale -> LOADING, for the tensor's current version. A cache copy
+ * that was NONE has had its room reserved and is put on its tier's list. */
+static void copy_load_begin(struct zinf_engine *e, struct tensor *t, int tier, bool fresh,
+                            uint64_t off, void *ptr)
+{
+    struct copy *c = &t->c[tier];
+    if (fresh) {
+        c->off = off;
+        c->ptr = ptr;
+        c->t = t;
+        copy_link(e, c, tier);
+    }
+    c->state = COPY_LOADING;
+    c->err = 0;
+    c->version = t->version;
+}
+
+/* LOADING -> READY with the version the load brought; a cache copy overtaken meanwhile
+ * by a newer version, and not pinned, is dropped at once. */
+static void copy_load_ok(struct zinf_engine *e, struct tensor *t, int tier, uint64_t version)
+{
+    struct copy *c = &t->c[tier];
+    c->state = COPY_READY;
+    c->err = 0;
+    c->version = version;
+    if (version != t->version && c->pins == 0)
+        copy_drop(e, t, tier);
+    pthread_cond_broadcast(&e->changed);
+}
+
+/* LOADING -> NONE for a cache copy (its room is freed), -> READY with its old label for
+ * the home copy (whose bytes were stale anyway). err (0 when the load never started) is
+ * kept for the fetches that joined it. */
+static void copy_load_failed(struct zinf_engine *e, struct tensor *t, int tier,
+                             uint64_t old_version, int err)
+{
+    struct copy *c = &t->c[tier];
+    c->err = err;
+    prefetch_consumed(e, t, c);
+    if (tier == (int)t->home) {
+        c->state = COPY_READY;
+        c->version = old_version;
+    } else {
+        c->state = COPY_NONE;
+        copy_unlink(c);
+        tier_free(e, tier, c->off);
+        c->ptr = NULL;
+        c->version = 0;
+    }
+    pthread_cond_broadcast(&e->changed);
+}
+
 static void load_done(struct xfer *x, int err)
 {
     struct zinf_engine *e = x->e;
     struct tensor *t = x->t;
     struct load_arg *a = x->arg;
-    struct copy *c = &t->c[a->tier];
 
     if (a->src < MEM_TIERS)
         t->c[a->src].readers--;
-    if (err) {
-        c->err = err;
-        prefetch_consumed(e, t, c);
-        if (a->tier == (int)t->home) {
-            c->state = COPY_READY;
-            c->version = a->old_version;
-        } else {
-            c->state = COPY_NONE;
-            copy_unlink(c);
-            tier_free(e, a->tier, c->off);
-            c->ptr = NULL;
-        }
-    } else {
-        c->state = COPY_READY;
-        c->err = 0;
-        c->version = x->version;
-        if (x->version != t->version && c->pins == 0)
-            copy_drop(e, t, a->tier); /* overtaken by a newer version while loading */
-    }
+    if (err)
+        copy_load_failed(e, t, a->tier, a->old_version, err);
+    else
+        copy_load_ok(e, t, a->tier, x->version);
+    ENGINE_CHECK(t);
     free(a);
     free(x);
 }
@@ -417,11 +459,8 @@ static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src
             r = device_zero(e->dev, c->off, t->alloc_bytes);
         else
             r = (memset(c->ptr, 0, t->alloc_bytes), 0);
-        if (r == 0) {
-            c->state = COPY_READY;
-            c->version = t->version;
-            pthread_cond_broadcast(&e->changed);
-        }
+        if (r == 0)
+            copy_load_ok(e, t, tier, t->version);
         return r;
     }
     x = calloc(1, sizeof(*x));
@@ -629,14 +668,10 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                     r = 0; /* a hint that does not fit is dropped */
                 goto out;
             }
-            c->off = off;
-            c->ptr = p;
-            c->t = t;
-            copy_link(e, c, tier);
+            copy_load_begin(e, t, tier, true, off, p);
+        } else {
+            copy_load_begin(e, t, tier, false, 0, NULL);
         }
-        c->state = COPY_LOADING;
-        c->err = 0;
-        c->version = t->version;
         if (mode == FETCH_PREFETCH) {
             prefetch_charge(e, t, c);
         } else if (!pinned) {
@@ -645,20 +680,11 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
         }
         r = load_start(e, t, tier, src, old_version);
         if (r < 0) {
-            prefetch_consumed(e, t, c);
-            if (stale_home || tier == (int)t->home) {
-                c->state = COPY_READY;
-                c->version = old_version;
-            } else {
-                c->state = COPY_NONE;
-                copy_unlink(c);
-                tier_free(e, tier, c->off);
-                c->ptr = NULL;
-            }
             if (pinned) {
                 c->pins--;
                 pinned = false;
             }
+            copy_load_failed(e, t, tier, old_version, 0);
             goto out;
         }
         started = true;
@@ -673,6 +699,8 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
 out:
     if (waited)
         e->st.blocked_ns += now_ns() - t0;
+    if (r == 0 || pinned || engine_revalidate(e, h, t))
+        ENGINE_CHECK(t);
     return r;
 }
 
@@ -883,6 +911,7 @@ ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, un
     c->last_use = ++e->clock;
     if (c->pins == 0)
         pthread_cond_broadcast(&e->changed);
+    ENGINE_CHECK(t);
 out:
     pthread_mutex_unlock(&e->lock);
     return r;
