@@ -1,0 +1,326 @@
+/*
+ * stress_api.c - the public API from many threads at once, as a plain program (no
+ * Criterion), so that it also runs under ThreadSanitizer, whose runtime Criterion's forking
+ * runner cannot start under.
+ *
+ * Worker threads fetch to either tier and release clean or DIRTY, write and read byte
+ * ranges, fetch asynchronously, prefetch and mark steps, on tensors of odd sizes on all
+ * three homes under budgets far below their total; one thread flushes, one unregisters and
+ * registers a tensor again and again. Every byte is compared with a reference copy (a
+ * per-tensor rwlock orders writers against readers, as a trainer would), and at the end
+ * the state is closed, resumed and compared once more.
+ *
+ * Not here: what each call answers to bad input (test_engine.c), crashes (test_persist.c).
+ *
+ *   stress_api [SECONDS]    (default 3; ZINF_TEST_TMPDIR for the swap directory)
+ * Exit status 0 when every check passed; 1 with a message otherwise.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "zinf.h"
+
+#define KiB ((size_t)1024)
+#define MiB (1024 * KiB)
+#define NT 12
+#define WORKERS 4
+
+struct st_tensor {
+    char name[32];
+    _Atomic zinf_tensor h;
+    size_t n;
+    enum zinf_tier home;
+    unsigned char *ref;
+    pthread_rwlock_t lk; /* writers change the content (and re-register); readers pin clean */
+};
+
+static zinf_engine *eng;
+static struct st_tensor tens[NT];
+static atomic_bool stop_all;
+static atomic_ulong ops;
+static pthread_mutex_t fail_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void fail(const char *fmt, ...)
+{
+    va_list ap;
+    pthread_mutex_lock(&fail_lock);
+    fprintf(stderr, "stress_api: FAILED: ");
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(1);
+}
+
+static uint64_t rnd(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+static void fill(unsigned char *p, size_t n, uint64_t *s)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = (unsigned char)rnd(s);
+}
+
+/* Budgets with pins everywhere may leave no room for a moment: that is the contract. */
+static bool transient(int r)
+{
+    return r == -ENOMEM;
+}
+
+static void check_bytes(const unsigned char *got, const unsigned char *want, size_t n,
+                        const struct st_tensor *t, const char *what)
+{
+    if (memcmp(got, want, n) == 0)
+        return;
+    size_t i = 0;
+    while (got[i] == want[i])
+        i++;
+    fail("%s of '%s' (%zu bytes, home %d): byte %zu differs", what, t->name, t->n, t->home, i);
+}
+
+/* The one access here that races with the engine by contract: a flush, or a load of the
+ * other tier, may read a copy while the caller who pinned it writes through the pointer
+ * (what it reads is then overtaken by the DIRTY release). tests/tsan.supp names this
+ * function, and nothing else. */
+__attribute__((noinline)) static void write_through_pin(void *p, const void *src, size_t n)
+{
+    memcpy(p, src, n);
+}
+
+static void op_fetch(struct st_tensor *t, uint64_t *s)
+{
+    enum zinf_tier tier = rnd(s) & 1 ? ZINF_TIER_HOST : ZINF_TIER_DEVICE;
+    bool dirty = rnd(s) % 3 == 0;
+    void *p;
+
+    dirty ? pthread_rwlock_wrlock(&t->lk) : pthread_rwlock_rdlock(&t->lk);
+    zinf_tensor h = atomic_load(&t->h);
+    int r = zinf_fetch(eng, h, tier, &p);
+    if (r == 0) {
+        check_bytes(p, t->ref, t->n, t, "fetch");
+        if (dirty) {
+            size_t off = rnd(s) % t->n, len = 1 + rnd(s) % (t->n - off);
+            fill(t->ref + off, len, s);
+            write_through_pin((char *)p + off, t->ref + off, len);
+        }
+        r = zinf_release(eng, h, tier, dirty ? ZINF_RELEASE_DIRTY : 0);
+        if (r)
+            fail("release of '%s': %s", t->name, zinf_strerror(r));
+    } else if (!transient(r)) {
+        fail("fetch of '%s' to tier %d: %s", t->name, tier, zinf_strerror(r));
+    }
+    pthread_rwlock_unlock(&t->lk);
+}
+
+static void op_async(struct st_tensor *t, uint64_t *s)
+{
+    enum zinf_tier tier = rnd(s) & 1 ? ZINF_TIER_HOST : ZINF_TIER_DEVICE;
+    uint64_t k;
+    void *p;
+
+    pthread_rwlock_rdlock(&t->lk);
+    zinf_tensor h = atomic_load(&t->h);
+    int r = zinf_fetch_async(eng, h, tier, &k);
+    if (r == 0)
+        r = zinf_wait(eng, k, &p);
+    if (r == 0) {
+        check_bytes(p, t->ref, t->n, t, "async fetch");
+        if ((r = zinf_release(eng, h, tier, 0)))
+            fail("release of '%s' after wait: %s", t->name, zinf_strerror(r));
+    } else if (!transient(r)) {
+        fail("async fetch of '%s': %s", t->name, zinf_strerror(r));
+    }
+    pthread_rwlock_unlock(&t->lk);
+}
+
+static void op_write_read(struct st_tensor *t, uint64_t *s)
+{
+    size_t off = rnd(s) % t->n, len = 1 + rnd(s) % (t->n - off);
+    unsigned char *buf = malloc(len);
+    if (!buf)
+        fail("out of memory");
+    if (rnd(s) & 1) {
+        pthread_rwlock_wrlock(&t->lk);
+        fill(buf, len, s);
+        int r = zinf_write(eng, atomic_load(&t->h), off, buf, len);
+        if (r)
+            fail("write of '%s' [%zu, +%zu): %s", t->name, off, len, zinf_strerror(r));
+        memcpy(t->ref + off, buf, len);
+    } else {
+        pthread_rwlock_rdlock(&t->lk);
+        int r = zinf_read(eng, atomic_load(&t->h), off, buf, len);
+        if (r)
+            fail("read of '%s': %s", t->name, zinf_strerror(r));
+        check_bytes(buf, t->ref + off, len, t, "read");
+    }
+    pthread_rwlock_unlock(&t->lk);
+    free(buf);
+}
+
+static void *worker(void *arg)
+{
+    uint64_t s = 0x9e3779b97f4a7c15ull * (uintptr_t)arg + 1;
+    while (!atomic_load(&stop_all)) {
+        struct st_tensor *t = &tens[rnd(&s) % NT];
+        unsigned op = rnd(&s) % 10;
+        if (op < 5)
+            op_fetch(t, &s);
+        else if (op < 7)
+            op_async(t, &s);
+        else if (op < 9)
+            op_write_read(t, &s);
+        else if (rnd(&s) & 1)
+            zinf_prefetch(eng, atomic_load(&t->h), rnd(&s) & 1 ? ZINF_TIER_HOST : ZINF_TIER_DEVICE);
+        else
+            zinf_step(eng);
+        atomic_fetch_add(&ops, 1);
+    }
+    return NULL;
+}
+
+static void *flusher(void *arg)
+{
+    while (!atomic_load(&stop_all)) {
+        int r = zinf_flush(eng);
+        if (r)
+            fail("flush: %s", zinf_strerror(r));
+        usleep(10000);
+    }
+    return NULL;
+}
+
+/* Unregister tensor 0 and register it again: it starts over as zeros. */
+static void *reregistrar(void *arg)
+{
+    struct st_tensor *t = &tens[0];
+    while (!atomic_load(&stop_all)) {
+        pthread_rwlock_wrlock(&t->lk);
+        int r = zinf_unregister(eng, atomic_load(&t->h));
+        if (r)
+            fail("unregister: %s", zinf_strerror(r));
+        zinf_tensor h;
+        while ((r = zinf_register(eng, t->name, t->n, t->home, &h)) == -ENOSPC)
+            usleep(100); /* its home tier is full of other threads' pins for a moment */
+        if (r)
+            fail("register again: %s", zinf_strerror(r));
+        atomic_store(&t->h, h);
+        memset(t->ref, 0, t->n);
+        pthread_rwlock_unlock(&t->lk);
+        usleep(3000);
+    }
+    return NULL;
+}
+
+static void check_all(const char *when)
+{
+    for (int i = 0; i < NT; i++) {
+        struct st_tensor *t = &tens[i];
+        unsigned char *buf = malloc(t->n);
+        int r = buf ? zinf_read(eng, atomic_load(&t->h), 0, buf, t->n) : -ENOMEM;
+        if (r)
+            fail("%s: read of '%s': %s", when, t->name, zinf_strerror(r));
+        check_bytes(buf, t->ref, t->n, t, when);
+        free(buf);
+    }
+}
+
+static int open_engine(const char *dir, unsigned flags)
+{
+    struct zinf_options o = {.nvme_path = dir,
+                             .device_bytes = 2 * MiB,
+                             .host_bytes = 2 * MiB,
+                             .block_size = 64 * KiB,
+                             .queue_depth = 8,
+                             .device_kind = ZINF_DEVICE_EMULATED,
+                             .flags = flags | ZINF_OPEN_NO_PIN};
+    return zinf_open(&o, &eng);
+}
+
+int main(int argc, char **argv)
+{
+    double seconds = argc > 1 ? atof(argv[1]) : 3.0;
+    const char *base = getenv("ZINF_TEST_TMPDIR") ? getenv("ZINF_TEST_TMPDIR") : "/tmp";
+    char dir[4096];
+    uint64_t s = 12345;
+    int r;
+
+    snprintf(dir, sizeof(dir), "%s/zinf-stress-XXXXXX", base);
+    if (!mkdtemp(dir)) {
+        perror(dir);
+        return 1;
+    }
+    if ((r = open_engine(dir, 0)) < 0)
+        fail("open: %s", zinf_strerror(r));
+    for (int i = 0; i < NT; i++) {
+        struct st_tensor *t = &tens[i];
+        snprintf(t->name, sizeof(t->name), "t%d", i);
+        t->n = 4 * KiB + (size_t)(rnd(&s) % (300 * KiB)) + (size_t)i;
+        t->home = (enum zinf_tier)(i % 3 == 0 ? ZINF_TIER_NVME : i % 3 == 1 ? ZINF_TIER_HOST
+                                                                            : ZINF_TIER_DEVICE);
+        if (i >= 6)
+            t->home = ZINF_TIER_NVME; /* most of the state lives on the drive */
+        t->ref = calloc(1, t->n);
+        pthread_rwlock_init(&t->lk, NULL);
+        zinf_tensor h;
+        if (!t->ref || (r = zinf_register(eng, t->name, t->n, t->home, &h)) < 0)
+            fail("register '%s': %s", t->name, zinf_strerror(r));
+        atomic_store(&t->h, h);
+        fill(t->ref, t->n, &s);
+        if ((r = zinf_write(eng, h, 0, t->ref, t->n)) < 0)
+            fail("first write of '%s': %s", t->name, zinf_strerror(r));
+    }
+
+    pthread_t th[WORKERS + 2];
+    for (uintptr_t i = 0; i < WORKERS; i++)
+        pthread_create(&th[i], NULL, worker, (void *)(i + 1));
+    pthread_create(&th[WORKERS], NULL, flusher, NULL);
+    pthread_create(&th[WORKERS + 1], NULL, reregistrar, NULL);
+    struct timespec ts = {.tv_sec = (time_t)seconds,
+                          .tv_nsec = (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    nanosleep(&ts, NULL);
+    atomic_store(&stop_all, true);
+    for (int i = 0; i < WORKERS + 2; i++)
+        pthread_join(th[i], NULL);
+
+    check_all("at the end");
+    struct zinf_stats st;
+    zinf_stats(eng, &st);
+    zinf_close(eng);
+    eng = NULL;
+    if ((r = open_engine(dir, ZINF_OPEN_RESUME)) < 0)
+        fail("resume: %s", zinf_strerror(r));
+    for (int i = 0; i < NT; i++) {
+        zinf_tensor h;
+        if ((r = zinf_lookup(eng, tens[i].name, &h)) < 0)
+            fail("lookup '%s' after the resume: %s", tens[i].name, zinf_strerror(r));
+        atomic_store(&tens[i].h, h);
+    }
+    check_all("after the resume");
+    zinf_close(eng);
+    for (int i = 0; i < NT; i++) {
+        free(tens[i].ref);
+        pthread_rwlock_destroy(&tens[i].lk);
+    }
+    char cmd[4200];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "stress_api: could not remove %s\n", dir);
+    printf("# %lu operations in %.1f s, %llu flushes, %llu evictions, every byte checked\n"
+           "stress_api: 1 passed, 0 failed\n",
+           (unsigned long)atomic_load(&ops), seconds, (unsigned long long)st.flushes,
+           (unsigned long long)(st.tier[0].evictions + st.tier[1].evictions));
+    return 0;
+}
