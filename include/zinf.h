@@ -32,9 +32,30 @@ typedef uint64_t zinf_tensor; /* 0 is never a valid handle */
 enum zinf_tier { ZINF_TIER_DEVICE, ZINF_TIER_HOST, ZINF_TIER_NVME };
 enum zinf_device_kind { ZINF_DEVICE_AUTO, ZINF_DEVICE_CUDA, ZINF_DEVICE_EMULATED };
 
-/* zinf_options.flags */
-#define ZINF_OPEN_RESUME (1u << 0)  /* reopen tensors persisted in nvme_path */
-#define ZINF_OPEN_NO_PIN (1u << 1)  /* do not lock the host tier in memory (pin_memory: false) */
+/* zinf_options.flags.
+ *
+ * A swap directory that holds a saved state (the manifest zinf_flush and zinf_close write
+ * there, naming at least one tensor, or one that cannot be read) is the caller's data: it
+ * is never emptied by accident. Without RESUME, READONLY or OVERWRITE, zinf_open refuses
+ * it with -EEXIST and logs one line naming the directory and these flags; where there is
+ * no saved state it starts empty, creating nvme_path (and its parents) when missing.
+ *
+ * RESUME and READONLY want a saved state: where nvme_path does not exist or holds no
+ * manifest they return -ENOENT ("no saved run in DIR") and create nothing.
+ *
+ * READONLY changes no byte in the swap directories: the swap files are opened read-only
+ * and not locked, so it works next to a process that has them open, and sees the state
+ * that process last flushed (read again if it is replaced during the open). Tensors homed
+ * on NVMe are read when fetched: once that process has flushed a newer state, they may
+ * read stale. Nothing is created, truncated or flushed, zinf_close included. Calls that
+ * would change the state return -EROFS: zinf_register, zinf_unregister, zinf_write,
+ * zinf_flush, and a ZINF_RELEASE_DIRTY zinf_release (which keeps its pin: release it
+ * clean). RESUME may be given with it; OVERWRITE may not (-EINVAL), nor RESUME with
+ * OVERWRITE. */
+#define ZINF_OPEN_RESUME (1u << 0)    /* reopen the tensors persisted in nvme_path */
+#define ZINF_OPEN_NO_PIN (1u << 1)    /* do not lock the host tier in memory (pin_memory: false) */
+#define ZINF_OPEN_OVERWRITE (1u << 2) /* start over: a saved state in nvme_path is deleted */
+#define ZINF_OPEN_READONLY (1u << 3)  /* inspect the saved state in nvme_path; change nothing */
 
 /* zinf_release() flags */
 #define ZINF_RELEASE_CLEAN 0u
@@ -48,7 +69,7 @@ struct zinf_options {        /* zero-initialised = defaults */
     unsigned queue_depth;    /* IO requests in flight; 0: 32 */
     enum zinf_device_kind device_kind; /* AUTO: CUDA if a GPU is usable, else emulated */
     int cuda_device;         /* CUDA ordinal when CUDA is used */
-    unsigned flags;          /* ZINF_OPEN_RESUME */
+    unsigned flags;          /* ZINF_OPEN_* */
     /* Extra swap directories (one per drive); extents are striped over nvme_path and
      * these in block_size units. NULL-terminated; NULL: nvme_path alone. */
     const char *const *nvme_paths_extra;

@@ -163,6 +163,9 @@ static const struct field fields[] = {
     {S_TRAIN, "steps", NULL, F_INT, OFF(zinf.train.steps), 0, 100000000, 0, NULL},
     {S_TRAIN, "seed", NULL, F_U64, OFF(zinf.train.seed), 0, 0x7fffffff, 0, NULL},
     {S_TRAIN, "precision", NULL, F_ENUM, OFF(zinf.train.precision), 0, 0, 0, precisions},
+    /* Make the state durable every this many steps (0: only at the end). */
+    {S_TRAIN, "checkpoint_every", NULL, F_INT, OFF(zinf.train.checkpoint_every), 0, 100000000,
+     0, NULL},
 };
 _Static_assert(ARRAY_SIZE(fields) <= 64, "struct zinf_config.given has one bit per field");
 

@@ -81,6 +81,7 @@ struct zinf_config {
         struct {                           /* zinf.train: `zinf train`'s model and run */
             int layers, dim, heads, seq, batch, steps; /* 0: the command's default */
             int precision; /* "auto" 0, "fp32" 1, "bf16" 2: as enum trainer_precision */
+            int checkpoint_every; /* steps between checkpoints; 0: only at the end */
             uint64_t seed;                             /* given when bit set in `given` */
         } train;
     } zinf;

@@ -12,6 +12,8 @@
 #include <unistd.h>
 
 #include "helpers.h"
+#include "common.h"
+#include "zinf.h"
 #include "zinf_build.h"
 
 static char *dir;
@@ -209,9 +211,22 @@ Test(cli, topo_and_stat)
     cr_assert_eq(run(&o, "topo"), 0, "%s", o);
     cr_assert(strstr(o, "NUMA") || strstr(o, "node"), "%s", o);
     free(o);
-    cr_assert_eq(run(&o, "stat --path %s --json", dir), 0, "%s", o);
-    cr_assert(strstr(o, "\"tensors\": 0") && strstr(o, "\"nvme\""), "%s", o);
+    /* A directory without a saved run: nothing to inspect, and nothing created there. */
+    cr_assert_eq(run(&o, "stat --path %s --json", dir), 1, "%s", o);
+    cr_assert(strstr(o, "no saved run in "), "%s", o);
     free(o);
+    char cfg[4096];
+    snprintf(cfg, sizeof(cfg), "%s/s.json", dir);
+    FILE *f = fopen(cfg, "w");
+    fprintf(f, "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+               "\"%s/swap\"}}, \"zinf\": {\"device\": \"emulated\", \"host_bytes\": \"4M\"}}", dir);
+    fclose(f);
+    cr_assert_eq(run(&o, "stat --config %s --json", cfg), 0, "%s", o);
+    cr_assert(strstr(o, "\"saved_state\": false") && strstr(o, "\"tensors\": 0"), "%s", o);
+    free(o);
+    char swap[4096];
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    cr_assert_neq(access(swap, F_OK), 0, "zinf stat created the swap directory");
     cr_assert_eq(run(&o, "stat"), 2, "%s", o);
     cr_assert(strstr(o, "exactly one of --config FILE or --path DIR"), "%s", o);
     free(o);
@@ -261,17 +276,28 @@ Test(cli, train_runs_and_resumes_after_sigint)
     cr_assert(strstr(o, "resumed") && strstr(o, "       4 ") && !strstr(o, "       1 "), "%s", o);
     free(o);
 
-    /* SIGINT finishes the step and flushes: exit 0, and --resume goes on from there. */
+    /* SIGINT finishes the step and flushes: exit 130 (SIGTERM: 143), the summary says it
+     * was interrupted, and --resume goes on from there. */
     char cmd[16384];
-    snprintf(cmd, sizeof(cmd), "timeout --preserve-status -s INT 1 %s train --config %s --data %s %s --steps 100000 "
-             "--resume > %s/int.out 2>&1", getenv("ZINF_BIN"), cfg, data, model, dir);
-    int st = system(cmd);
-    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %d", st);
-    snprintf(cmd, sizeof(cmd), "grep -q 'SIGINT: finishing here' %s/int.out", dir);
-    cr_assert_eq(system(cmd), 0, "the run says it stopped on SIGINT");
-    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 6 --resume", cfg, data, model),
-                 0, "%s", o);
+    static const struct { const char *sig, *name; int status; } sigs[] = {
+        {"INT", "SIGINT", 130}, {"TERM", "SIGTERM", 143}};
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof(cmd), "timeout --preserve-status -s %s 1 %s train --config %s "
+                 "--data %s %s --steps 100000 --resume --log %s > %s/int.out 2>&1", sigs[i].sig,
+                 getenv("ZINF_BIN"), cfg, data, model, log, dir);
+        int st = system(cmd);
+        cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == sigs[i].status, "%s: status %#x",
+                  sigs[i].name, st);
+        snprintf(cmd, sizeof(cmd), "grep -q '%s: finishing here' %s/int.out", sigs[i].name, dir);
+        cr_assert_eq(system(cmd), 0, "the run says it stopped on %s", sigs[i].name);
+        snprintf(cmd, sizeof(cmd), "tail -n 1 %s | grep -q '\"interrupted\":true'", log);
+        cr_assert_eq(system(cmd), 0, "the summary says the run was interrupted");
+    }
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 6 --resume --log %s", cfg, data,
+                     model, log), 0, "%s", o);
     free(o);
+    snprintf(cmd, sizeof(cmd), "tail -n 1 %s | grep -q '\"interrupted\":false'", log);
+    cr_assert_eq(system(cmd), 0, "a run that finished says so");
 }
 
 Test(cli, train_bad_arguments)
@@ -327,4 +353,159 @@ Test(cli, train_takes_the_model_from_the_config)
     cr_assert_eq(run(&o, "train --config %s --data %s", cfg, data), 2, "%s", o);
     cr_assert(strstr(o, "zinf.train.heads: must be between 1 and 1024, got 0"), "%s", o);
     free(o);
+}
+
+/* ---- the swap directory is the user's data ---------------------------------------------- */
+
+/* A config whose parameters and optimizer states live in swap (under dir), and the text. */
+static void train_files(const char *swap, char *cfg, size_t cfglen, char *data, size_t datalen)
+{
+    static int n;
+    snprintf(cfg, cfglen, "%s/c%d.json", dir, n++);
+    snprintf(data, datalen, "%s/data.txt", dir);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+               "\"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}, "
+               "\"aio\": {\"block_size\": 65536, \"queue_depth\": 4}, \"zinf\": {\"device\": "
+               "\"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": \"1M\"}}",
+            swap, swap);
+    fclose(f);
+    if (access(data, F_OK) != 0) {
+        f = fopen(data, "w");
+        cr_assert_not_null(f);
+        for (int i = 0; i < 300; i++)
+            fprintf(f, "line %d of the text the byte model learns from.\n", i);
+        fclose(f);
+    }
+}
+
+#define TINY "--layers 1 --dim 16 --heads 2 --seq 8 --batch 1"
+
+/* CRC and size of every file under d, sorted by name: equal text, equal bytes. */
+static char *digest(const char *d)
+{
+    char *o;
+    char cmd[8192];
+    snprintf(cmd, sizeof(cmd), "cd '%s' && find . -type f -print0 | sort -z | xargs -0 -r "
+             "cksum", d);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t cap = 1 << 16, len = 0, n;
+    o = malloc(cap);
+    while ((n = fread(o + len, 1, cap - len - 1, p)) > 0)
+        len += n;
+    o[len] = '\0';
+    cr_assert_eq(pclose(p), 0, "%s", cmd);
+    cr_assert_gt(len, 0, "no files under %s", d);
+    return o;
+}
+
+/* It used to start over, deleting the saved run without a word. */
+Test(cli, train_refuses_to_start_over_a_saved_run)
+{
+    char *o, cfg[4096], data[4096], swap[4096], log[4096];
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    snprintf(log, sizeof(log), "%s/log.jsonl", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 2 --log %s", cfg, data,
+                     log), 0, "%s", o);
+    free(o);
+    char *before = digest(dir); /* the swap directory, the config, the data and the log */
+
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s", cfg, data,
+                     log), 2, "%s", o);
+    cr_assert(strstr(o, swap) && strstr(o, "holds a saved run") && strstr(o, "--resume") &&
+                  strstr(o, "--overwrite"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --resume --overwrite", cfg, data),
+                 2, "%s", o);
+    free(o);
+    char *after = digest(dir);
+    cr_assert_str_eq(before, after, "a refused run changed a file");
+
+    /* --overwrite starts over (step 1), --resume continues (step 3). */
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1 --overwrite", cfg, data),
+                 0, "%s", o);
+    cr_assert(strstr(o, "\n       1 "), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 3 --resume", cfg, data), 0,
+                 "%s", o);
+    cr_assert(strstr(o, "\n       2 ") && strstr(o, "\n       3 ") && !strstr(o, "\n       1 "),
+              "%s", o);
+    free(o);
+    free(before);
+    free(after);
+}
+
+/* It used to create an empty swap directory and fail later with a puzzling message. */
+Test(cli, train_resume_without_a_saved_run_says_so)
+{
+    char *o, cfg[4096], data[4096], swap[4096];
+    snprintf(swap, sizeof(swap), "%s/not/there", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --resume", cfg, data), 2, "%s", o);
+    char want[4200];
+    snprintf(want, sizeof(want), "no saved run in %s", swap);
+    cr_assert(strstr(o, want), "%s", o);
+    free(o);
+    cr_assert_neq(access(swap, F_OK), 0, "--resume created %s", swap);
+    /* An existing directory without a saved run: the same. */
+    snprintf(swap, sizeof(swap), "%s/empty", dir);
+    cr_assert_eq(mkdir(swap, 0755), 0);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --resume", cfg, data), 2, "%s", o);
+    snprintf(want, sizeof(want), "no saved run in %s", swap);
+    cr_assert(strstr(o, want), "%s", o);
+    free(o);
+    /* A new run creates a missing nvme_path, parents included. */
+    snprintf(swap, sizeof(swap), "%s/a/b/c", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1", cfg, data), 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 2 --resume", cfg, data), 0,
+                 "%s", o);
+    free(o);
+}
+
+/* `zinf stat --config` used to truncate the swap files and empty the manifest; `--path`
+ * could not open a directory an engine held. */
+Test(cli, stat_changes_no_byte_even_next_to_an_engine_that_holds_the_directory)
+{
+    char *o, cfg[4096], data[4096], swap[4096];
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 2", cfg, data), 0, "%s", o);
+    free(o);
+    char *before = digest(swap);
+
+    for (int holder = 0; holder < 2; holder++) {
+        zinf_engine *e = NULL;
+        if (holder) {
+            /* An engine that holds the swap files open and locked, as a running job. */
+            struct zinf_options zo = {.nvme_path = swap, .block_size = 65536, .queue_depth = 4,
+                                      .host_bytes = 4 * MiB, .device_kind = ZINF_DEVICE_EMULATED,
+                                      .flags = ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN};
+            int r = zinf_open(&zo, &e);
+            cr_assert_eq(r, 0, "%s", zinf_strerror(r));
+        }
+        cr_assert_eq(run(&o, "stat --config %s --json", cfg), 0, "%s", o);
+        cr_assert(strstr(o, "\"saved_state\": true") && strstr(o, "\"tensors\": 67") &&
+                      strstr(o, "\"nvme_bytes_written\": 0"), "%s", o);
+        free(o);
+        cr_assert_eq(run(&o, "stat --path %s", swap), 0, "%s", o);
+        cr_assert(strstr(o, "# tensors 67") && strstr(o, "saved state opened read-only"), "%s", o);
+        free(o);
+        char *after = digest(swap);
+        cr_assert_str_eq(before, after, "zinf stat changed the swap directory (holder %d)",
+                         holder);
+        free(after);
+        zinf_close(e);
+    }
+    /* The run goes on from its state. */
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 3 --resume", cfg, data), 0,
+                 "%s", o);
+    cr_assert(strstr(o, "\n       3 "), "%s", o);
+    free(o);
+    free(before);
 }

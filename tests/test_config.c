@@ -971,6 +971,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         "zinf.host_bytes = 0  # default\n",
         "zinf.device = \"auto\"  # default\n",
         "zinf.io_backend = \"auto\"  # default\n",
+        "zinf.train.checkpoint_every = 0  # default\n",
         "engine.nvme_path = none  # no NVMe tier\n",
         "engine.nvme_paths_extra = []\n",
         "engine.block_size = 1048576  # 1 MiB\n",
@@ -984,7 +985,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     size_t lines = 0;
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
-    cr_expect_eq(lines, 32 + 8 + 1 + 8, "%s", text); /* settings, zinf.train, header, engine */
+    cr_expect_eq(lines, 32 + 9 + 1 + 8, "%s", text); /* settings, zinf.train, header, engine */
     free(text);
     config_free(&c);
 }

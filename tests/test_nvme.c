@@ -687,7 +687,8 @@ Test(nvme, partial_growth_is_rolled_back)
     nvme_get_stats(n, &before);
     nvme_fault_fallocate(n, 2, ENOSPC);
     test_log_capture_start();
-    cr_expect_eq(nvme_alloc(n, 1000 * MiB, &off), -ENOSPC);
+    /* 1100 MiB lacks more than the usual step per file: one try, no smaller retry. */
+    cr_expect_eq(nvme_alloc(n, 1100 * MiB, &off), -ENOSPC);
     cr_expect_eq(log_lines_with("no space"), 1, "log: %s", test_log_text());
     cr_expect_eq(log_lines_with(dir2), 1, "the error names the full directory: %s",
                  test_log_text());
@@ -728,15 +729,53 @@ Test(nvme, kernel_refuses_growth)
     cr_assert_eq(nvme_alloc(n, a.len, &a.off), 0);
     write_ext(n, &a);
     test_log_capture_start();
-    cr_expect_eq(nvme_alloc(n, 256 * MiB, &off), -ENOSPC);
+    /* 300 MiB lacks 45 MiB beyond the free tail: even that passes the limit. */
+    cr_expect_eq(nvme_alloc(n, 300 * MiB, &off), -ENOSPC);
     cr_expect_eq(log_lines_with("no space"), 1, "log: %s", test_log_text());
     cr_expect_eq(log_lines_with(dir), 1);
+    cr_expect_eq(log_lines_with("47185920 bytes"), 1, "the bytes it lacked: %s", test_log_text());
     struct nvme_stats st;
     nvme_get_stats(n, &st);
     cr_expect_eq(st.capacity_bytes, NVME_GROW_MIN_BYTES);
     cr_expect_eq(file_size(dir, 0), (int64_t)NVME_GROW_MIN_BYTES);
     expect_ext(n, &a);
     cr_expect_eq(nvme_alloc(n, 128 * MiB, &off), 0);
+    nvme_close(n);
+    setrlimit(RLIMIT_FSIZE, &old);
+    uring_close(u);
+}
+
+/* A filesystem with room for what an allocation lacks but not for the usual 256 MiB step
+ * (here RLIMIT_FSIZE, as a nearly full drive) still serves it: growth falls back to what
+ * is needed. It used to fail with -ENOSPC while the space was there. */
+Test(nvme, growth_takes_what_is_needed_when_the_full_step_does_not_fit)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    const char *dirs[] = {dir};
+    struct rlimit old, lim;
+    struct ext a = {.len = MiB, .seed = 9}, b = {.len = 256 * MiB};
+
+    signal(SIGXFSZ, SIG_IGN);
+    cr_assert_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+    lim = old;
+    lim.rlim_cur = 300 * MiB;
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    struct nvme *n = open_swap(u, dirs, 1, 0, 0);
+    cr_assert_eq(nvme_alloc(n, a.len, &a.off), 0);
+    write_ext(n, &a);
+    int r = nvme_alloc(n, b.len, &b.off);
+    cr_assert_eq(r, 0, "256 MiB more fits under the 300 MiB limit: %s", strerror(-r));
+    struct nvme_stats st;
+    nvme_get_stats(n, &st);
+    cr_expect_eq(st.file_bytes, 257 * MiB, "grown by what was missing: %llu",
+                 (unsigned long long)st.file_bytes);
+    cr_expect_eq(st.grows, 2);
+    cr_expect_eq(file_size(dir, 0), (int64_t)(257 * MiB));
+    /* The last MiB of the new extent lies in what the fallback added. */
+    struct ext tail = {.off = b.off + b.len - MiB, .len = MiB, .seed = 10};
+    write_ext(n, &tail);
+    expect_ext(n, &a);
+    expect_ext(n, &tail);
     nvme_close(n);
     setrlimit(RLIMIT_FSIZE, &old);
     uring_close(u);

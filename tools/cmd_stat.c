@@ -1,10 +1,12 @@
 /*
  * cmd_stat.c - `zinf stat`: open an engine the way a trainer would (from a DeepSpeed-style
- * config, or from a swap directory with what it holds resumed) and print what zinf_stats
- * reports: capacity and use per tier, the tensors, NVMe traffic, fetches and hits.
+ * config, or from a swap directory) with the saved state there opened read-only, and print
+ * what zinf_stats reports: capacity and use per tier, the tensors, NVMe traffic, fetches
+ * and hits.
  *
- * It is an inspection tool for the state on disk and the settings, not a monitor of
- * another running process.
+ * It never changes a byte of the swap directory (ZINF_OPEN_READONLY: no lock, no write,
+ * no flush), so it may look at the state a running job last flushed. It is an inspection
+ * tool for the state on disk and the settings, not a monitor of that job's memory.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -15,12 +17,14 @@
 
 #include "cmd.h"
 #include "common.h"
+#include "config.h"
+#include "engine/engine.h"
 
 static const char *const tier_names[] = {"device", "host", "nvme"};
 
-static void print_json(const struct zinf_stats *s)
+static void print_json(const struct zinf_stats *s, bool saved)
 {
-    printf("{\"tiers\": {");
+    printf("{\"saved_state\": %s, \"tiers\": {", saved ? "true" : "false");
     for (int i = 0; i < 3; i++) {
         const struct zinf_tier_stats *t = &s->tier[i];
         printf("%s\"%s\": {\"capacity_bytes\": %llu, \"used_bytes\": %llu, \"pinned_bytes\": %llu, "
@@ -69,9 +73,11 @@ static void print_table(const struct zinf_stats *s)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: zinf stat (--config FILE | --path DIR) [--json]\n"
-               "  --config FILE   open the engine a DeepSpeed-style config describes\n"
-               "  --path DIR      open the swap directory DIR, resuming the tensors persisted there\n"
-               "  --json          one JSON object instead of the table\n");
+               "  --config FILE   open the engine a DeepSpeed-style config describes, with the\n"
+               "                  state saved in its nvme_path (if any) opened read-only\n"
+               "  --path DIR      open the state saved in the swap directory DIR, read-only\n"
+               "  --json          one JSON object instead of the table\n"
+               "Nothing in the swap directory is changed, even next to a job that uses it.\n");
 }
 
 int cmd_stat(int argc, char **argv)
@@ -108,13 +114,36 @@ int cmd_stat(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    bool saved = true;
+    char swapbuf[4096];
+    const char *swap = path;
     if (config) {
-        r = zinf_open_config(config, &e);
+        struct zinf_config c;
+        char err[512];
+        if (config_parse_file(config, &c, err, sizeof(err)) < 0) {
+            fprintf(stderr, "zinf stat: %s\n", err);
+            config_free(&c);
+            return 2;
+        }
+        swap = NULL;
+        if (c.nvme_paths.count) {
+            snprintf(swapbuf, sizeof(swapbuf), "%s", c.nvme_paths.path[0]);
+            swap = swapbuf;
+        }
+        size_t n;
+        if (!swap || persist_probe(swap, &n, NULL) == -ENOENT) {
+            /* No saved state: the tiers as configured, without opening the swap space
+             * (which would create its files). */
+            saved = false;
+            c.nvme_paths.count = 0;
+        }
+        r = engine_open_config(&c, saved ? ZINF_OPEN_READONLY : 0, &e);
+        config_free(&c);
     } else {
         /* The stripe layout on disk depends on the block size it was written with: take
          * it from the manifest when there is one. */
         char mpath[4096];
-        struct zinf_options o = {.nvme_path = path, .flags = ZINF_OPEN_RESUME};
+        struct zinf_options o = {.nvme_path = path, .flags = ZINF_OPEN_READONLY};
         snprintf(mpath, sizeof(mpath), "%s/zinf-manifest.json", path);
         json_t *m = json_load_file(mpath, 0, NULL);
         if (m) {
@@ -124,6 +153,10 @@ int cmd_stat(int argc, char **argv)
             json_decref(m);
         }
         r = zinf_open(&o, &e);
+        if (r == -ENOENT) {
+            fprintf(stderr, "zinf stat: no saved run in %s\n", path);
+            return 1;
+        }
     }
     if (r < 0) {
         fprintf(stderr, "zinf stat: cannot open the engine (%s): %s\n", config ? config : path,
@@ -131,10 +164,13 @@ int cmd_stat(int argc, char **argv)
         return r == -EINVAL || r == -ENOENT ? 2 : 1;
     }
     zinf_stats(e, &st);
-    if (json)
-        print_json(&st);
-    else
+    if (json) {
+        print_json(&st, saved);
+    } else {
         print_table(&st);
+        if (swap)
+            printf("# %s: %s\n", swap, saved ? "saved state opened read-only" : "no saved state");
+    }
     zinf_close(e);
     return 0;
 }

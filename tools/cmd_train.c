@@ -1,9 +1,12 @@
 /*
  * cmd_train.c - `zinf train`: train a byte-level GPT-style model whose state lives in zinf.
  *
- * One line per step (loss, tokens/s, NVMe traffic, time blocked on fetch), a summary with
- * each tier's peak next to its budget, the same as JSON lines with --log. SIGINT/SIGTERM
- * finish the step, flush, and leave a state that --resume continues exactly.
+ * One line per step (loss, tokens/s, NVMe traffic, time blocked on fetch), one per
+ * checkpoint (its time and the bytes it wrote), a summary with each tier's peak next to
+ * its budget, the same as JSON lines with --log. The state is checkpointed at the start,
+ * every --checkpoint-every steps and at the end, so that a crash loses at most the steps
+ * since the last checkpoint. SIGINT/SIGTERM finish the step, flush, and exit with 130/143
+ * (the JSON summary says "interrupted": true): --resume continues exactly from there.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -11,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "cmd.h"
 #include "common.h"
@@ -43,11 +47,17 @@ static void usage(FILE *f)
             "  --seed N          initialisation and batch order (default 1337)\n"
             "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
             "  --resume          continue the run persisted in the config's nvme_path\n"
+            "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
+            "                    (without it, zinf train refuses to start over a saved run)\n"
+            "  --checkpoint-every N  make the state durable every N steps, so that a crash\n"
+            "                    loses at most N - 1 steps (default 0: at the end only)\n"
             "  --precision P     auto | fp32 | bf16: the weights and activations the device\n"
             "                    computes with; masters and Adam states stay fp32 (default\n"
             "                    auto: bf16 on a GPU, fp32 on the CPU)\n"
             "The config's zinf.train section may set layers, dim, heads, seq, batch, steps,\n"
-            "seed and precision; the options above take precedence. zinf.device picks the\n"
+            "seed, precision and checkpoint_every; the options above take precedence.\n"
+            "Exit status: 0 done, 1 failed (the last checkpoint is kept), 2 bad input,\n"
+            "130/143 stopped by SIGINT/SIGTERM after flushing. zinf.device picks the\n"
             "compute: a GPU (\"cuda\", or \"auto\" when one is usable) or the CPU (\"emulated\").\n");
 }
 
@@ -80,10 +90,39 @@ static int parse_float(const char *opt, const char *s, float *out)
 
 static const char *const tier_names[] = {"device", "host", "nvme"};
 
+/* Make the state durable and say what it cost: one line, and one JSON line with --log. */
+static int checkpoint(struct trainer *t, FILE *log)
+{
+    struct trainer_summary sum;
+    char a[32];
+    int r = trainer_checkpoint(t);
+    if (r < 0) {
+        fprintf(stderr, "zinf train: the checkpoint of step %d failed: %s%s\n",
+                trainer_next_step(t) - 1, zinf_strerror(r),
+                r == -ENOSPC ? " (the swap directory's filesystem is full: see the line above)"
+                             : "");
+        trainer_get_summary(t, &sum);
+        fprintf(stderr, "zinf train: the state of step %d (the last checkpoint) is kept; "
+                        "--resume continues from there\n", sum.checkpoint_step);
+        return r;
+    }
+    trainer_get_summary(t, &sum);
+    printf("# checkpoint: step %d, %.1f ms, %s written\n", sum.checkpoint_step,
+           sum.checkpoint_seconds * 1e3, format_size(sum.checkpoint_bytes, a, sizeof(a)));
+    fflush(stdout);
+    if (log) {
+        fprintf(log, "{\"checkpoint\":%d,\"ms\":%.3f,\"bytes_written\":%llu}\n",
+                sum.checkpoint_step, sum.checkpoint_seconds * 1e3,
+                (unsigned long long)sum.checkpoint_bytes);
+        fflush(log);
+    }
+    return 0;
+}
+
 int cmd_train(int argc, char **argv)
 {
     enum { O_LAYERS = 256, O_DIM, O_HEADS, O_SEQ, O_BATCH, O_STEPS, O_LR, O_WD, O_CLIP, O_SEED,
-           O_LOG, O_RESUME, O_PRECISION };
+           O_LOG, O_RESUME, O_PRECISION, O_OVERWRITE, O_CKPT };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, 'c'}, {"data", required_argument, NULL, 'd'},
         {"layers", required_argument, NULL, O_LAYERS}, {"dim", required_argument, NULL, O_DIM},
@@ -93,6 +132,8 @@ int cmd_train(int argc, char **argv)
         {"clip", required_argument, NULL, O_CLIP}, {"seed", required_argument, NULL, O_SEED},
         {"log", required_argument, NULL, O_LOG}, {"resume", no_argument, NULL, O_RESUME},
         {"precision", required_argument, NULL, O_PRECISION},
+        {"overwrite", no_argument, NULL, O_OVERWRITE},
+        {"checkpoint-every", required_argument, NULL, O_CKPT},
         {"help", no_argument, NULL, 'h'}, {0},
     };
     struct trainer_opts o;
@@ -103,6 +144,8 @@ int cmd_train(int argc, char **argv)
     long v;
     int ch, r, status = 0;
     unsigned given = 0; /* bit (option - O_LAYERS) for each model/run option given */
+    long ckpt_every = -1; /* -1: not given */
+    bool ckpt_failed = false;
 
     trainer_opts_defaults(&o);
     optind = 1;
@@ -126,6 +169,8 @@ int cmd_train(int argc, char **argv)
         case O_CLIP: bad = parse_float("--clip", optarg, &o.grad_clip); break;
         case O_LOG: log_path = optarg; break;
         case O_RESUME: o.resume = true; break;
+        case O_OVERWRITE: o.overwrite = true; break;
+        case O_CKPT: bad = parse_int("--checkpoint-every", optarg, 0, 100000000, &ckpt_every); break;
         case O_PRECISION:
             if (!strcmp(optarg, "auto"))
                 o.precision = TRAINER_PRECISION_AUTO;
@@ -153,6 +198,11 @@ int cmd_train(int argc, char **argv)
         fprintf(stderr, "zinf train: unexpected argument '%s'\n", argv[optind]);
         return 2;
     }
+    if (o.resume && o.overwrite) {
+        fprintf(stderr, "zinf train: --resume and --overwrite: continue the saved run, or delete "
+                        "it; not both\n");
+        return 2;
+    }
     if (!o.config_path || !o.data_path) {
         fprintf(stderr, "zinf train: --config FILE and --data FILE are required\n");
         usage(stderr);
@@ -177,13 +227,16 @@ int cmd_train(int argc, char **argv)
     FROM_CONFIG(O_SEED, seed, o.seed)
     FROM_CONFIG(O_PRECISION, precision, o.precision)
 #undef FROM_CONFIG
+    if (ckpt_every < 0)
+        ckpt_every = zc.zinf.train.checkpoint_every;
     config_free(&zc);
     if (o.model.C % o.model.NH) {
         fprintf(stderr, "zinf train: --heads %d does not divide --dim %d\n", o.model.NH,
                 o.model.C);
         return 2;
     }
-    if (log_path && !(log = fopen(log_path, o.resume ? "a" : "w"))) {
+    /* Appending, so that a run refused below leaves an old log as it was. */
+    if (log_path && !(log = fopen(log_path, "a"))) {
         fprintf(stderr, "zinf train: --log %s: %s\n", log_path, strerror(errno));
         return 2;
     }
@@ -199,10 +252,19 @@ int cmd_train(int argc, char **argv)
         fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
         if (log)
             fclose(log);
-        return r == -EINVAL || r == -ENOENT || r == -EISDIR || r == -EACCES || r == -ENODEV ? 2
-                                                                                          : 1;
+        return r == -EINVAL || r == -ENOENT || r == -EISDIR || r == -EACCES || r == -ENODEV ||
+                       r == -EEXIST || r == -ENOTDIR
+                   ? 2
+                   : 1;
     }
 
+    /* A new run's log starts empty, once the run is known to start. */
+    if (log && !o.resume && ftruncate(fileno(log), 0) != 0) {
+        fprintf(stderr, "zinf train: --log %s: %s\n", log_path, strerror(errno));
+        fclose(log);
+        trainer_close(t);
+        return 2;
+    }
     struct trainer_summary sum;
     trainer_get_summary(t, &sum);
     char a[32], b[32], c[32];
@@ -228,7 +290,9 @@ int cmd_train(int argc, char **argv)
                     r == -ENOMEM ? " (what one block pins at once does not fit in the budgets "
                                    "as the tiers are laid out: raise zinf.device_bytes and "
                                    "zinf.host_bytes by a quarter)"
-                                 : "");
+                    : r == -ENOSPC ? " (the swap directory's filesystem is full: see the line "
+                                     "above for what is needed)"
+                                   : "");
             status = 1;
             break;
         }
@@ -237,21 +301,42 @@ int cmd_train(int argc, char **argv)
                st.blocked_fraction * 100);
         fflush(stdout);
         if (log) {
-            fprintf(log, "{\"step\":%d,\"loss\":%.6f,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
+            /* %.9g: the loss's float bits survive the round trip, so runs can be compared
+             * exactly. */
+            fprintf(log, "{\"step\":%d,\"loss\":%.9g,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
                     "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f}\n",
                     st.step, st.loss, st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps,
                     st.nvme_write_GBps, st.blocked_fraction);
             fflush(log);
         }
+        if (ckpt_every > 0 && st.step % ckpt_every == 0 && st.step < o.steps) {
+            r = checkpoint(t, log);
+            if (r < 0) {
+                status = 1;
+                ckpt_failed = true;
+                break;
+            }
+        }
     }
+    trainer_get_summary(t, &sum);
     if (stop_requested)
         printf("# %s: finishing here, the state is flushed (continue with --resume)\n",
                stop_requested == SIGINT ? "SIGINT" : "SIGTERM");
-    r = trainer_checkpoint(t);
-    if (r < 0) {
-        fprintf(stderr, "zinf train: flushing the state failed: %s\n", zinf_strerror(r));
-        status = 1;
+    if (sum.torn) {
+        /* Half of the failed step's updates are in memory: the last checkpoint stays. */
+        fprintf(stderr, "zinf train: the state of step %d (the last checkpoint) is kept; "
+                        "--resume continues from there once the cause is fixed\n",
+                sum.checkpoint_step);
+    } else if (!ckpt_failed) {
+        r = checkpoint(t, log);
+        if (r < 0)
+            status = 1;
+        else if (status)
+            fprintf(stderr, "zinf train: the state of step %d is saved; --resume continues "
+                            "from there once the cause is fixed\n", sum.steps_done);
     }
+    if (status == 0 && stop_requested)
+        status = 128 + stop_requested;
     trainer_get_summary(t, &sum);
     printf("# summary: %d steps, model state %s\n", sum.steps_done,
            format_size(sum.model_state_bytes, a, sizeof(a)));
@@ -261,10 +346,13 @@ int cmd_train(int argc, char **argv)
                format_size(sum.tier[i].budget_bytes, b, sizeof(b)));
     if (log) {
         fprintf(log, "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
-                "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu",
+                "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu,"
+                "\"checkpoint_step\":%d,\"interrupted\":%s,\"failed\":%s",
                 sum.steps_done, (unsigned long long)sum.model_state_bytes,
                 (unsigned long long)sum.param_count, sum.backend, sum.precision,
-                (unsigned long long)sum.backend_work_bytes);
+                (unsigned long long)sum.backend_work_bytes, sum.checkpoint_step,
+                stop_requested ? "true" : "false",
+                status != 0 && status < 128 ? "true" : "false");
         for (int i = 0; i < 3; i++)
             fprintf(log, ",\"%s\":{\"peak_bytes\":%llu,\"budget_bytes\":%llu}", tier_names[i],
                     (unsigned long long)sum.tier[i].peak_bytes,

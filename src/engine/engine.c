@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "config.h"
 #include "engine/engine.h"
@@ -255,6 +256,8 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
         return -EINVAL;
     if (home == ZINF_TIER_NVME && !e->nvme)
         return -EINVAL; /* no NVMe tier was configured */
+    if (e->opt.flags & ZINF_OPEN_READONLY)
+        return -EROFS;
     if (nbytes > SIZE_MAX - ZINF_ALIGN)
         return -ENOSPC;
     t = calloc(1, sizeof(*t));
@@ -344,6 +347,8 @@ ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor h)
 
     if (!e)
         return -EINVAL;
+    if (e->opt.flags & ZINF_OPEN_READONLY)
+        return -EROFS;
     pthread_mutex_lock(&e->lock);
     for (;;) {
         /* A flush in progress may be writing a manifest that names this tensor's extents;
@@ -455,6 +460,8 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
 
     if (!e || (!src && n))
         return -EINVAL;
+    if (e->opt.flags & ZINF_OPEN_READONLY)
+        return -EROFS;
     t = content_begin(e, h, off, n, &r);
     if (!t)
         goto out;
@@ -545,6 +552,8 @@ ZINF_API int zinf_flush(zinf_engine *e)
         return -EINVAL;
     if (!e->nvme)
         return 0; /* nothing to be durable on */
+    if (e->opt.flags & ZINF_OPEN_READONLY)
+        return -EROFS;
     pthread_mutex_lock(&e->lock);
     int r = persist_flush(e);
     pthread_mutex_unlock(&e->lock);
@@ -635,7 +644,82 @@ static int choose_numa_node(const struct zinf_options *o)
     return ch.numa_node;
 }
 
-int engine_open(const struct zinf_options *opt, const struct engine_params *p, zinf_engine **out)
+/* mkdir -p: path and its missing parents, as DeepSpeed does with nvme_path. */
+static int make_dirs(const char *path)
+{
+    char buf[4096];
+    struct stat st;
+
+    if (strlen(path) >= sizeof(buf))
+        return -ENAMETOOLONG;
+    strcpy(buf, path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/')
+            continue;
+        *p = '\0';
+        if (mkdir(buf, 0755) < 0 && errno != EEXIST)
+            return -errno;
+        *p = '/';
+    }
+    if (mkdir(buf, 0755) < 0 && errno != EEXIST)
+        return -errno;
+    if (stat(buf, &st) < 0)
+        return -errno;
+    return S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
+}
+
+/* Before anything is opened: the swap directory is the caller's data. A saved state there
+ * is refused without a flag that says what to do with it (zinf.h); RESUME and READONLY
+ * need one; the directories of a fresh start are created. *id: the manifest's identity. */
+static int swapdir_check(const struct zinf_options *o, struct stat *id)
+{
+    bool want = (o->flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)) != 0;
+    const char *dir = o->nvme_path;
+    struct stat st;
+    size_t n = 0;
+    int r;
+
+    if (want && stat(dir, &st) < 0 && errno == ENOENT) {
+        log_error("engine: no saved run in %s: the directory does not exist", dir);
+        return -ENOENT;
+    }
+    for (unsigned i = 0; !want; i++) {
+        const char *d = i == 0                 ? dir
+                        : o->nvme_paths_extra ? o->nvme_paths_extra[i - 1]
+                                              : NULL;
+        if (!d)
+            break;
+        if ((r = make_dirs(d)) < 0) {
+            log_error("engine: cannot create the swap directory %s: %s", d, strerror(-r));
+            return r;
+        }
+    }
+    r = persist_probe(dir, &n, id);
+    if (r == -ENOENT && want) {
+        log_error("engine: no saved run in %s: it holds no manifest (nothing was flushed there)",
+                  dir);
+        return -ENOENT;
+    }
+    if (r == -ENOENT)
+        return 0;
+    if (r < 0) {
+        log_error("engine: %s: cannot tell whether it holds a saved state: %s", dir, strerror(-r));
+        return r;
+    }
+    if (!want && !(o->flags & ZINF_OPEN_OVERWRITE) && n > 0) {
+        char count[32] = "an unreadable manifest";
+        if (n != SIZE_MAX)
+            snprintf(count, sizeof(count), "%zu tensors", n);
+        log_error("engine: %s holds a saved state (%s): open it with ZINF_OPEN_RESUME to continue "
+                  "it or ZINF_OPEN_READONLY to inspect it; ZINF_OPEN_OVERWRITE deletes it and "
+                  "starts over", dir, count);
+        return -EEXIST;
+    }
+    return 0;
+}
+
+static int open_once(const struct zinf_options *opt, const struct engine_params *p,
+                     struct stat *id, zinf_engine **out)
 {
     struct zinf_options o = opt ? *opt : (struct zinf_options){0};
     struct engine_params params = p ? *p : (struct engine_params){.pin = true};
@@ -742,7 +826,8 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
         }
         struct nvme_opts nop = {.dirs = (const char *const *)e->nvme_dirs, .ndirs = n,
                                 .block_size = o.block_size,
-                                .keep = (o.flags & ZINF_OPEN_RESUME) != 0};
+                                .keep = (o.flags & ZINF_OPEN_RESUME) != 0,
+                                .readonly = (o.flags & ZINF_OPEN_READONLY) != 0};
         if ((r = nvme_open(&nop, e->io, &e->nvme)) < 0)
             goto err;
     }
@@ -764,7 +849,8 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
     e->sched.rec_from_start = true; /* opening is a step boundary */
 
     if (e->nvme) {
-        r = (o.flags & ZINF_OPEN_RESUME) ? persist_resume(e) : persist_remove_manifest(e);
+        r = (o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)) ? persist_resume(e)
+                                                                 : persist_remove_manifest(e);
         if (r < 0)
             goto err;
     }
@@ -773,6 +859,34 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
 err:
     engine_free(e);
     return r;
+}
+
+int engine_open(const struct zinf_options *opt, const struct engine_params *p, zinf_engine **out)
+{
+    struct stat id0 = {0}, id1;
+    size_t n;
+    int r;
+
+    for (int tries = 0;; tries++) {
+        r = open_once(opt, p, &id0, out);
+        /* A reader next to a running job may read extents that job reused after replacing
+         * the manifest: their checksums then fail (and those tensors are marked damaged).
+         * When the manifest did change meanwhile, the new state is read again; a mismatch
+         * under an unchanged manifest is real damage, reported as such. */
+        bool damaged = r == -EBADMSG || (r == 0 && (*out)->st.tensors_damaged);
+        if (!damaged || !opt || !(opt->flags & ZINF_OPEN_READONLY) || tries == 4 ||
+            persist_probe(opt->nvme_path, &n, &id1) < 0 ||
+            (id1.st_ino == id0.st_ino && id1.st_dev == id0.st_dev &&
+             id1.st_mtim.tv_sec == id0.st_mtim.tv_sec &&
+             id1.st_mtim.tv_nsec == id0.st_mtim.tv_nsec))
+            return r;
+        if (r == 0) {
+            zinf_close(*out); /* read-only: nothing is flushed */
+            *out = NULL;
+        }
+        log_notice("engine: %s: the saved state was replaced while it was read; reading the "
+                   "new one", opt->nvme_path);
+    }
 }
 
 ZINF_API int zinf_open(const struct zinf_options *opt, zinf_engine **out)
@@ -830,13 +944,13 @@ ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out)
     return r;
 }
 
-ZINF_API void zinf_close(zinf_engine *e)
+static void close_engine(zinf_engine *e, bool flush)
 {
     if (!e)
         return;
     pthread_mutex_lock(&e->lock);
     e->closing = true;
-    if (e->nvme) {
+    if (e->nvme && flush) {
         int r = persist_flush(e);
         if (r < 0)
             log_error("engine: flush at close failed: %s", zinf_strerror(r));
@@ -845,4 +959,15 @@ ZINF_API void zinf_close(zinf_engine *e)
         engine_wait(e);
     pthread_mutex_unlock(&e->lock);
     engine_free(e);
+}
+
+ZINF_API void zinf_close(zinf_engine *e)
+{
+    /* A read-only engine has nothing to flush, and must not write a manifest. */
+    close_engine(e, e && !(e->opt.flags & ZINF_OPEN_READONLY));
+}
+
+void engine_close_unflushed(zinf_engine *e)
+{
+    close_engine(e, false);
 }

@@ -253,6 +253,9 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p,
 struct zinf_config;
 /* Open from a parsed config (what zinf_open_config does), with extra ZINF_OPEN_* flags. */
 int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine **out);
+/* zinf_close without the flush: what the last flush committed stays the saved state, as
+ * after a crash (for a caller whose state in memory is known to be inconsistent). */
+void engine_close_unflushed(zinf_engine *e);
 
 /* engine.c */
 struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h);

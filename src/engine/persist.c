@@ -148,6 +148,27 @@ int persist_remove_manifest(struct zinf_engine *e)
     return 0;
 }
 
+int persist_probe(const char *dir, size_t *ntensors, struct stat *id)
+{
+    char path[4096];
+    struct stat st;
+    json_t *root;
+
+    snprintf(path, sizeof(path), "%s/%s", dir, MANIFEST_NAME);
+    if (stat(path, &st) < 0)
+        return -errno;
+    if (id)
+        *id = st;
+    /* A manifest that cannot be read or parsed may still be someone's only record of
+     * what the swap files hold: it counts as a saved state, of unknown size. */
+    *ntensors = SIZE_MAX;
+    root = json_load_file(path, 0, NULL);
+    if (root && json_is_array(json_object_get(root, "tensors")))
+        *ntensors = json_array_size(json_object_get(root, "tensors"));
+    json_decref(root);
+    return 0;
+}
+
 static const char *tier_name(enum zinf_tier t)
 {
     return t == ZINF_TIER_DEVICE ? "device" : t == ZINF_TIER_HOST ? "host" : "nvme";

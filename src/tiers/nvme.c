@@ -41,6 +41,7 @@ struct nvme {
     uint64_t stripe_bytes;
     bool growable;
     bool remove_on_close;
+    bool readonly;    /* opened with opts->readonly: no lock, no write, no growth */
     bool failed_open; /* nvme_close() from nvme_open()'s error path: remove our files */
     uint64_t max_bytes;
 
@@ -137,10 +138,14 @@ static int find_kept(const struct nvme *n, bool *reopen)
             gone = &n->files[i];
     }
     *reopen = present == n->nfiles;
-    if (present == 0 || *reopen) return 0;
-    log_error("nvme: %s: cannot reopen the swap space: %s is missing while %u of its %u "
-              "swap files exist",
-              gone->dir, gone->path, present, n->nfiles);
+    if (*reopen || (present == 0 && !n->readonly)) return 0;
+    if (present == 0)
+        log_error("nvme: %s: cannot open the swap space read-only: %s does not exist", gone->dir,
+                  gone->path);
+    else
+        log_error("nvme: %s: cannot reopen the swap space: %s is missing while %u of its %u "
+                  "swap files exist",
+                  gone->dir, gone->path, present, n->nfiles);
     return -ENOENT;
 }
 
@@ -152,7 +157,8 @@ static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
     struct stat st;
     int fd, r;
 
-    f->slot = uring_file_open(n->io, f->path, O_RDWR | (reopen ? 0 : O_CREAT), 0600);
+    f->slot = uring_file_open(n->io, f->path,
+                              n->readonly ? O_RDONLY : O_RDWR | (reopen ? 0 : O_CREAT), 0600);
     if (f->slot < 0) {
         r = f->slot;
         f->slot = -1;
@@ -166,6 +172,9 @@ static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
         log_error("nvme: %s: %s is not a regular file", dir, f->path);
         return -EINVAL;
     }
+    /* A reader takes no lock: it must work next to the process that holds the files, and
+     * it neither writes nor truncates, so it cannot disturb that process. */
+    if (n->readonly) return 0;
     /* The lock keeps a second swap space (this process or another) off the file; it is
      * released when the engine closes the fd. */
     /* A process that held the file and was just killed keeps it (and the lock) until the
@@ -265,7 +274,8 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
     n->stripe_bytes = stripe;
     n->growable = o->capacity_bytes == 0;
     n->max_bytes = n->growable ? o->max_bytes : 0;
-    n->remove_on_close = o->remove_on_close;
+    n->remove_on_close = o->remove_on_close && !o->readonly;
+    n->readonly = o->readonly;
     for (unsigned i = 0; i < NVME_MAX_DIRS; i++)
         n->files[i].slot = -1;
     if (pthread_mutex_init(&n->lock, NULL) != 0) {
@@ -279,12 +289,12 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
         r = name_file(&n->files[i], i, o->dirs[i]);
         if (r < 0) goto err;
     }
-    if (o->keep) {
+    if (o->keep || o->readonly) {
         r = find_kept(n, &reopen);
         if (r < 0) goto err;
     }
     for (unsigned i = 0; i < n->nfiles; i++) {
-        r = open_file(n, i, o->keep, reopen);
+        r = open_file(n, i, o->keep || o->readonly, reopen);
         if (r < 0) goto err;
     }
 
@@ -308,7 +318,10 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
     if (r < 0) goto err;
 
     log_debug("nvme: %u swap file(s)%s, stripe %s, capacity %s%s", n->nfiles,
-              reopen ? " reopened" : "", size_str(n->stripe_bytes, a, sizeof(a)),
+              n->readonly ? " opened read-only"
+              : reopen    ? " reopened"
+                          : "",
+              size_str(n->stripe_bytes, a, sizeof(a)),
               size_str(n->file_bytes * n->nfiles, b, sizeof(b)),
               n->growable ? " (grows on demand)" : "");
     *out = n;
@@ -337,6 +350,24 @@ void nvme_close(struct nvme *n)
     extent_fini(&n->ext);
     if (n->lock_ready) pthread_mutex_destroy(&n->lock);
     free(n);
+}
+
+/* Extend every file by step bytes; all or nothing: on failure the files that grew are
+ * cut back and *bad names the one that failed. Lock held. */
+static int extend_all(struct nvme *n, uint64_t step, unsigned *bad)
+{
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        int r = file_extend(n, &n->files[i], n->file_bytes, step);
+        if (r < 0) {
+            *bad = i;
+            /* The file that failed may have been partly extended too. */
+            file_cut(n, &n->files[i], n->file_bytes);
+            while (i--)
+                file_cut(n, &n->files[i], n->file_bytes);
+            return r;
+        }
+    }
+    return 0;
 }
 
 /* Grow every file so that an allocation of need bytes fits. Lock held. Returns 0 or
@@ -373,21 +404,35 @@ static int grow(struct nvme *n, uint64_t need)
         return -ENOSPC;
     }
 
-    for (unsigned i = 0; i < n->nfiles; i++) {
-        r = file_extend(n, &n->files[i], n->file_bytes, step);
-        if (r < 0) {
-            log_error("nvme: %s: %s %s of swap (growing %s from %s to %s for an "
-                      "allocation of %s: %s)",
-                      n->files[i].dir, is_no_space(r) ? "no space for" : "cannot add",
-                      size_str(step, a, sizeof(a)), n->files[i].path,
+    unsigned bad;
+    r = extend_all(n, step, &bad);
+    if (is_no_space(r) && step > min_step) {
+        /* The usual step does not fit on the filesystem; what this allocation lacks may,
+         * and a nearly full drive should still serve it. */
+        step = min_step;
+        new_bytes = n->file_bytes + step;
+        r = extend_all(n, step, &bad);
+    }
+    if (r < 0) {
+        struct nvme_file *f = &n->files[bad];
+        struct statvfs vfs;
+        char avail[48] = "unknown";
+        if (statvfs(f->dir, &vfs) == 0)
+            size_str((uint64_t)vfs.f_bavail * vfs.f_frsize, avail, sizeof(avail));
+        if (is_no_space(r))
+            log_error("nvme: %s: no space for %s (%llu bytes) more of swap: growing %s from %s "
+                      "to %s for an allocation of %s failed (%s); %s free there. Free space "
+                      "in %s or give a directory on a larger drive",
+                      f->dir, size_str(step, a, sizeof(a)), (unsigned long long)step, f->path,
                       size_str(n->file_bytes, b, sizeof(b)), size_str(new_bytes, c, sizeof(c)),
-                      size_str(need, d, sizeof(d)), strerror(-r));
-            /* The file that failed may have been partly extended too. */
-            file_cut(n, &n->files[i], n->file_bytes);
-            while (i--)
-                file_cut(n, &n->files[i], n->file_bytes);
-            return is_no_space(r) ? -ENOSPC : r;
-        }
+                      size_str(need, e, sizeof(e)), strerror(-r), avail, f->dir);
+        else
+            log_error("nvme: %s: cannot add %s of swap (growing %s from %s to %s for an "
+                      "allocation of %s: %s)",
+                      f->dir, size_str(step, a, sizeof(a)), f->path,
+                      size_str(n->file_bytes, b, sizeof(b)), size_str(new_bytes, c, sizeof(c)),
+                      size_str(need, e, sizeof(e)), strerror(-r));
+        return is_no_space(r) ? -ENOSPC : r;
     }
     r = extent_grow(&n->ext, new_bytes * n->nfiles);
     if (r < 0) {
@@ -406,6 +451,7 @@ int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off)
     int r;
 
     if (!n || !off || !bytes || bytes > NVME_MAX_BYTES) return -EINVAL;
+    if (n->readonly) return -EROFS;
     pthread_mutex_lock(&n->lock);
     r = extent_alloc(&n->ext, bytes, off);
     if (r == -ENOSPC && n->growable) {
@@ -475,6 +521,7 @@ int nvme_submit(struct nvme *n, struct uring_req *req)
     if (!req) return -EINVAL;
     int r = check_io(n, req->off, req->buf, req->len);
     if (r < 0) return r;
+    if (n->readonly && req->op != URING_READ) return -EROFS;
     if (n->nfiles == 1) {
         req->file = n->files[0].slot;
         req->map = NULL;
@@ -518,6 +565,7 @@ int nvme_sync(struct nvme *n)
     int ret = 0;
 
     if (!n) return -EINVAL;
+    if (n->readonly) return 0; /* nothing was written */
     for (unsigned i = 0; i < n->nfiles; i++) {
         int fd = uring_file_fd(n->io, n->files[i].slot);
         int r = fd < 0 ? fd : fdatasync(fd) == 0 ? 0 : -errno;

@@ -18,9 +18,11 @@
  * each) and preallocated; an allocation that does not fit fails with -ENOSPC. With
  * capacity_bytes 0 the files start empty and grow on demand: an allocation that does not
  * fit extends every file by the larger of what it needs and 256 MiB, up to max_bytes when
- * that is set. Growth is all or nothing: if any file cannot grow, those that did are cut
- * back and the capacity is unchanged. Every -ENOSPC is logged as one error line naming
- * the directory (or directories) and the sizes.
+ * that is set; where the filesystem has no room for 256 MiB more, by just what it needs.
+ * Growth is all or nothing: if any file cannot grow, those that did are cut back and the
+ * capacity is unchanged. Every -ENOSPC is logged as one error line naming the directory
+ * (or directories), the swap file, the bytes needed and, for a full filesystem, what is
+ * free on it.
  *
  * Reopening. With opts->keep, existing swap files are opened as they are: nothing is
  * truncated or preallocated, the logical capacity is what the files hold (so a nonzero
@@ -35,6 +37,12 @@
  * directory) keep creates them as a plain open does, so a first start and a restart can
  * use the same options. A failed keep open leaves existing files alone, whatever
  * remove_on_close says; it removes only the files it created.
+ *
+ * Read-only. With opts->readonly (which implies keep) the files are opened O_RDONLY and
+ * not locked, so a reader works next to the swap space that holds them; every file must
+ * exist (-ENOENT otherwise: nothing is created). Reads and nvme_reserve() work;
+ * nvme_alloc() and writes return -EROFS, nvme_sync() has nothing to do, and no byte of
+ * the files changes, remove_on_close notwithstanding.
  *
  * IO. Buffers, offsets and lengths are 4 KiB aligned (the O_DIRECT rule), and a transfer
  * must lie inside one live allocation: anything else is -EINVAL, before any IO.
@@ -73,6 +81,7 @@ struct nvme_opts {
     size_t block_size;       /* stripe unit, multiple of 4 KiB; 0: uring_block_size(io) */
     bool remove_on_close;    /* unlink the swap files at nvme_close() */
     bool keep;               /* reopen existing swap files with their content (see above) */
+    bool readonly;           /* open existing files read-only, unlocked (see above) */
 };
 
 struct nvme_stats {
@@ -101,8 +110,8 @@ int nvme_open(const struct nvme_opts *opts, struct uring *io, struct nvme **out)
 void nvme_close(struct nvme *n);
 
 /* Allocate bytes (rounded up to 4 KiB) of logical space; *off receives its start. Returns
- * 0, -EINVAL, -ENOSPC (logged once per failure; state unchanged) or another -errno from
- * growing the files. */
+ * 0, -EINVAL, -ENOSPC (logged once per failure; state unchanged), -EROFS (read-only) or
+ * another -errno from growing the files. */
 int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off);
 /* Allocate [off, off + bytes rounded up to 4 KiB) at exactly that offset: after a keep
  * open, for each extent the caller knows to be in use. Returns 0, -EINVAL (0 bytes, off
@@ -113,7 +122,8 @@ int nvme_reserve(struct nvme *n, uint64_t off, uint64_t bytes);
 /* Free the allocation that starts at off. -EINVAL when there is none. */
 int nvme_free(struct nvme *n, uint64_t off);
 
-/* Synchronous IO inside one allocation. Returns 0 or -errno. */
+/* Synchronous IO inside one allocation. Returns 0 or -errno (-EROFS: a write to a
+ * read-only swap space). */
 int nvme_read(struct nvme *n, uint64_t off, void *buf, size_t len);
 int nvme_write(struct nvme *n, uint64_t off, const void *buf, size_t len);
 /* Asynchronous IO: req->op, buf, len, off (logical), cb and data are the caller's;

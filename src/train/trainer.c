@@ -73,6 +73,12 @@ struct trainer {
     struct backend *be;         /* where the math runs */
     enum zinf_tier opt_tier;    /* where the optimizer runs: DEVICE or HOST */
     int step_done;
+    /* A step failed while the optimizer updated the state (its -errno; 0: never): the
+     * state in memory is half one step, half the next, and must never be flushed. */
+    int torn;
+    int checkpoints, checkpoint_step;
+    double checkpoint_seconds;
+    uint64_t checkpoint_bytes;
     uint64_t peak[3];
 };
 
@@ -328,13 +334,18 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
     return 0;
 }
 
-static int state_save(struct trainer *t)
+static int state_save_step(struct trainer *t, int step_done)
 {
-    struct train_state s = {.magic = STATE_MAGIC, .step_done = t->step_done, .L = t->cfg.L,
+    struct train_state s = {.magic = STATE_MAGIC, .step_done = step_done, .L = t->cfg.L,
                             .C = t->cfg.C, .NH = t->cfg.NH, .maxT = t->cfg.maxT,
                             .B = t->o.batch, .T = t->o.seq, .seed = t->o.seed,
                             .data_bytes = t->data_bytes, .wdt = (int32_t)t->be->wdt};
     return zinf_write(t->e, t->state, 0, &s, sizeof(s));
+}
+
+static int state_save(struct trainer *t)
+{
+    return state_save_step(t, t->step_done);
 }
 
 int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen)
@@ -419,16 +430,31 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     }
     if ((r = load_data(t, err, errlen)) < 0)
         goto fail;
-    /* A swap directory named in the config is created when missing (its parent must exist). */
-    for (unsigned i = 0; i < t->zc.nvme_paths.count; i++) {
-        if (mkdir(t->zc.nvme_paths.path[i], 0755) < 0 && errno != EEXIST) {
-            r = -errno;
-            snprintf(err, errlen, "nvme_path %s: %s", t->zc.nvme_paths.path[i], strerror(errno));
+    /* The swap directory is the user's: a saved run there is continued (--resume) or
+     * deleted on request (--overwrite), never by default. The engine refuses the same, in
+     * the library's words; this says it in the command's. (The engine creates a missing
+     * directory, with its parents, for a new run.) */
+    if (t->zc.nvme_paths.count) {
+        const char *sd = t->zc.nvme_paths.path[0];
+        size_t n = 0;
+        int pr = persist_probe(sd, &n, NULL);
+        if (o->resume && pr == -ENOENT) {
+            snprintf(err, errlen, "--resume: no saved run in %s", sd);
+            r = -ENOENT;
+            goto fail;
+        }
+        if (!o->resume && !o->overwrite && pr == 0 && n > 0) {
+            snprintf(err, errlen, "%s holds a saved run: continue it with --resume, or start "
+                     "over with --overwrite (which deletes it)", sd);
+            r = -EEXIST;
             goto fail;
         }
     }
 
-    r = engine_open_config(&t->zc, o->resume ? ZINF_OPEN_RESUME : 0, &t->e);
+    r = engine_open_config(&t->zc, o->resume      ? ZINF_OPEN_RESUME
+                                   : o->overwrite ? ZINF_OPEN_OVERWRITE
+                                                  : 0,
+                           &t->e);
     if (r < 0) {
         snprintf(err, errlen, "%s: cannot open the engine: %s", o->config_path, zinf_strerror(r));
         goto fail;
@@ -477,10 +503,11 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         goto fail;
     if ((r = register_all(t, err, errlen)) < 0)
         goto fail;
-    if (!o->resume && ((r = init_params(t)) < 0 || (r = state_save(t)) < 0)) {
+    if (!o->resume && ((r = init_params(t)) < 0 || (r = trainer_checkpoint(t)) < 0)) {
         snprintf(err, errlen, "initialising the parameters failed: %s", zinf_strerror(r));
         goto fail;
     }
+    t->checkpoint_step = t->step_done;
     *out = t;
     return 0;
 fail:
@@ -492,7 +519,11 @@ void trainer_close(struct trainer *t)
 {
     if (!t)
         return;
-    zinf_close(t->e);
+    /* A torn state is dropped: the last checkpoint stays the saved one, as after a crash. */
+    if (t->torn)
+        engine_close_unflushed(t->e);
+    else
+        zinf_close(t->e);
     config_free(&t->zc);
     free(t->desc);
     free(t->p);
@@ -720,6 +751,8 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     float loss = 0;
     double sumsq = 0;
 
+    if (t->torn)
+        return t->torn;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
     load_batch(t, step);
@@ -728,9 +761,14 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     TRY(head(t));
     TRY(backward(t));
     TRY(t->be->ops->collect(t->be, &loss, &sumsq));
-    TRY(optimize(t, step, sumsq));
+    /* Up to here only gradients and activations changed, which the next step rebuilds;
+     * from here the parameters and Adam states change, tensor by tensor, until the step
+     * count says they belong to this step. */
+    if ((r = optimize(t, step, sumsq)) < 0 || (r = state_save_step(t, step)) < 0) {
+        t->torn = r;
+        goto out;
+    }
     t->step_done = step;
-    TRY(state_save(t));
     TRY(zinf_step(t->e));
     double sec = (double)(now_ns() - t0) / 1e9;
     zinf_stats(t->e, &s1);
@@ -755,14 +793,33 @@ out:
 
 int trainer_checkpoint(struct trainer *t)
 {
+    struct zinf_stats s0, s1;
+    if (t->torn)
+        return t->torn;
+    zinf_stats(t->e, &s0);
+    uint64_t t0 = now_ns();
     int r = state_save(t);
-    return r < 0 ? r : zinf_flush(t->e);
+    if (r == 0)
+        r = zinf_flush(t->e);
+    if (r < 0)
+        return r;
+    zinf_stats(t->e, &s1);
+    t->checkpoints++;
+    t->checkpoint_step = t->step_done;
+    t->checkpoint_seconds = (double)(now_ns() - t0) / 1e9;
+    t->checkpoint_bytes = s1.nvme_bytes_written - s0.nvme_bytes_written;
+    return 0;
 }
 
 void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
 {
     struct zinf_stats st;
-    *out = (struct trainer_summary){.steps_done = t->step_done};
+    *out = (struct trainer_summary){.steps_done = t->step_done,
+                                    .checkpoints = t->checkpoints,
+                                    .checkpoint_step = t->checkpoint_step,
+                                    .checkpoint_seconds = t->checkpoint_seconds,
+                                    .checkpoint_bytes = t->checkpoint_bytes,
+                                    .torn = t->torn != 0};
     note_peaks(t);
     zinf_stats(t->e, &st);
     for (int i = 0; i < t->ntensors; i++)

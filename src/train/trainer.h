@@ -39,6 +39,7 @@ struct trainer_opts {
     float lr, weight_decay, grad_clip;
     uint64_t seed;
     bool resume;             /* continue from the state persisted in the swap directory */
+    bool overwrite;          /* without resume: delete a saved run there and start over */
     enum trainer_precision precision;
 };
 
@@ -60,6 +61,14 @@ struct trainer_summary {
     uint64_t param_count;
     struct trainer_tier_summary tier[3];
     int steps_done;
+    /* Checkpoints (trainer_checkpoint, and trainer_open's of step 0): how many this
+     * trainer made, the step the last one saved (what a crash would resume from), its
+     * time and the bytes it wrote to the swap files (unchanged tensors are not written). */
+    int checkpoints;
+    int checkpoint_step;
+    bool torn;                  /* a step failed halfway through the optimizer (trainer_step) */
+    double checkpoint_seconds;
+    uint64_t checkpoint_bytes;
     const char *backend;        /* "cpu" or "cuda" */
     const char *precision;      /* "fp32" or "bf16": the weights the device computes with */
     uint64_t backend_work_bytes; /* device memory of the backend, outside the budgets */
@@ -69,14 +78,23 @@ struct trainer;
 
 void trainer_opts_defaults(struct trainer_opts *o);
 /* Opens the engine from the config, registers (or, resuming, finds) every tensor and
- * initialises the parameters. Bad input: -EINVAL (or -ENOENT for a missing file) with
- * one line in err naming what is wrong. */
+ * initialises the parameters; a new run is checkpointed at once (step 0), so that from
+ * here a crash at any moment leaves a run to resume. Bad input: -EINVAL (or -ENOENT for a
+ * missing file) with one line in err naming what is wrong. A swap directory that holds a
+ * saved run is refused with -EEXIST unless resume or overwrite says what to do with it;
+ * resume where there is none is -ENOENT ("no saved run in DIR"). */
 int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen);
 /* The step that comes next (1-based); trainer_step() runs it. */
 int trainer_next_step(const struct trainer *t);
+/* Run one step. A step that fails before the optimizer changed anything is not counted
+ * and leaves the trainer usable. One that fails while the optimizer updates the state
+ * leaves it half updated: from then on trainer_step and trainer_checkpoint return that
+ * error, and trainer_close keeps the last checkpoint as the saved state (it does not
+ * flush), so that --resume continues exactly from there. */
 int trainer_step(struct trainer *t, struct trainer_step_stats *st);
 /* Make everything durable (parameters, Adam states, the step count) so that
- * trainer_open(resume) continues exactly here. */
+ * trainer_open(resume) continues exactly here. Only what changed since the last one is
+ * written (trainer_get_summary says how much). */
 int trainer_checkpoint(struct trainer *t);
 void trainer_get_summary(struct trainer *t, struct trainer_summary *out);
 zinf_engine *trainer_engine(struct trainer *t);
