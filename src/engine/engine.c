@@ -477,24 +477,24 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
         goto unlock;
     }
     bool zero = t->zero;
-    uint64_t target = t->swap_off, cow_from = 0;
+    uint64_t target = t->swap_off, cow_from = t->swap_off;
     bool cow = false;
-    if (swap && engine_swap_named(t)) {
-        /* A manifest names this extent: never write it, write a copy. */
+    if (swap && (engine_swap_named(t) || n > RANGE_CHUNK_BYTES)) {
+        /* A manifest names this extent: never write it, write a new one. A large write
+         * does the same, so that it streams in bounded pieces and a failure half-way
+         * leaves the old extent whole (no undo buffer of the whole range). */
         r = nvme_alloc(e->nvme, t->alloc_bytes, &target);
         if (r < 0)
             goto unlock;
         cow = true;
-        cow_from = t->swap_off;
     }
     pthread_mutex_unlock(&e->lock);
 
-    if (cow && !zero)
-        r = swap_copy(e, cow_from, target, t->alloc_bytes);
-
     /* Order: the swap extent first (undoable), then the device, then host memory (which
      * cannot fail), so a failure leaves every copy as it was. */
-    if (swap && r == 0)
+    if (cow)
+        r = swap_write_merged(e, cow_from, zero, target, t->alloc_bytes, off, src, n);
+    else if (swap)
         r = swap_write_range(e, target, off, src, n, t->alloc_bytes, zero, &undo, &undo_off,
                              &undo_len);
     if (r == 0 && dev) {

@@ -308,12 +308,14 @@ void tier_free(struct zinf_engine *e, int tier, uint64_t off);
  * exclusively or as a reader). */
 int swap_read_range(struct zinf_engine *e, struct tensor *t, uint64_t swap_off, size_t off,
                     void *dst, size_t n);
+/* zinf_read/zinf_write of swap extents move at most this much through one buffer. */
+#define RANGE_CHUNK_BYTES ((size_t)8 << 20)
+int swap_write_merged(struct zinf_engine *e, uint64_t from, bool from_zero, uint64_t to,
+                      size_t extent_bytes, size_t off, const void *src, size_t n);
 int swap_write_range(struct zinf_engine *e, uint64_t swap_off, size_t off, const void *src,
                      size_t n, size_t extent_bytes, bool zero_first, void **undo,
                      size_t *undo_off, size_t *undo_len);
 int xfer_run_sync(struct zinf_engine *e, struct xfer *x);
-/* Copy bytes from one swap extent to another (no lock held). */
-int swap_copy(struct zinf_engine *e, uint64_t from, uint64_t to, size_t bytes);
 
 /* sched.c */
 void sched_on_fetch(struct zinf_engine *e, struct tensor *t, int tier);

@@ -369,18 +369,60 @@ int xfer_run_sync(struct zinf_engine *e, struct xfer *x)
 
 /* ---- byte ranges of a swap extent (zinf_read/zinf_write) -------------------------------- */
 
-/* The engine lock is NOT held here: the caller owns the tensor exclusively. */
+/* The engine lock is NOT held here: the caller owns the tensor exclusively. The range
+ * streams through one aligned buffer of at most RANGE_CHUNK_BYTES, whatever its size. */
 int swap_read_range(struct zinf_engine *e, struct tensor *t, uint64_t swap_off, size_t off,
                     void *dst, size_t n)
 {
-    size_t a0 = align_down(off, ZINF_ALIGN), a1 = align_up(off + n, ZINF_ALIGN);
+    size_t end = off + n;
+    size_t cap = MIN(align_up(end, ZINF_ALIGN) - align_down(off, ZINF_ALIGN), RANGE_CHUNK_BYTES);
     char *tmp = NULL;
-    if (posix_memalign((void **)&tmp, ZINF_ALIGN, a1 - a0))
+    int r = 0;
+
+    if (posix_memalign((void **)&tmp, ZINF_ALIGN, cap))
         return -ENOMEM;
-    int r = nvme_read(e->nvme, swap_off + a0, tmp, a1 - a0);
-    if (r == 0)
-        memcpy(dst, tmp + (off - a0), n);
+    for (size_t pos = off; pos < end && r == 0;) {
+        size_t a0 = align_down(pos, ZINF_ALIGN);
+        size_t a1 = MIN(align_up(end, ZINF_ALIGN), a0 + cap);
+        size_t upto = MIN(a1, end);
+        r = nvme_read(e->nvme, swap_off + a0, tmp, a1 - a0);
+        if (r == 0)
+            memcpy((char *)dst + (pos - off), tmp + (pos - a0), upto - pos);
+        pos = upto;
+    }
     free(tmp);
+    return r;
+}
+
+/* Write the whole extent at to: the bytes of the extent at from (zeros when from_zero),
+ * with [off, off+n) replaced by src, streamed through one buffer of at most
+ * RANGE_CHUNK_BYTES. The extent at from is only read, so a failure leaves the tensor's
+ * content as it was (the caller frees to). No lock held: the caller owns the tensor. */
+int swap_write_merged(struct zinf_engine *e, uint64_t from, bool from_zero, uint64_t to,
+                      size_t extent_bytes, size_t off, const void *src, size_t n)
+{
+    size_t cap = MIN(extent_bytes, RANGE_CHUNK_BYTES);
+    char *buf = NULL;
+    int r = 0;
+
+    if (posix_memalign((void **)&buf, ZINF_ALIGN, cap))
+        return -ENOMEM;
+    for (size_t p = 0; p < extent_bytes && r == 0; p += cap) {
+        size_t len = MIN(cap, extent_bytes - p);
+        size_t lo = MAX(p, off), hi = MIN(p + len, off + n); /* the new bytes in it */
+        bool all_new = lo == p && hi == p + len;
+        if (!all_new) {
+            if (from_zero)
+                memset(buf, 0, len);
+            else
+                r = nvme_read(e->nvme, from + p, buf, len);
+        }
+        if (r == 0 && lo < hi)
+            memcpy(buf + (lo - p), (const char *)src + (lo - off), hi - lo);
+        if (r == 0)
+            r = nvme_write(e->nvme, to + p, buf, len);
+    }
+    free(buf);
     return r;
 }
 
@@ -437,23 +479,5 @@ int swap_write_range(struct zinf_engine *e, uint64_t swap_off, size_t off, const
 out:
     free(old);
     free(tmp);
-    return r;
-}
-
-int swap_copy(struct zinf_engine *e, uint64_t from, uint64_t to, size_t bytes)
-{
-    size_t chunk = MIN(bytes, (size_t)8 * MiB);
-    char *buf = NULL;
-    int r = 0;
-
-    if (posix_memalign((void **)&buf, ZINF_ALIGN, chunk))
-        return -ENOMEM;
-    for (size_t p = 0; p < bytes && r == 0; p += chunk) {
-        size_t n = MIN(chunk, bytes - p);
-        r = nvme_read(e->nvme, from + p, buf, n);
-        if (r == 0)
-            r = nvme_write(e->nvme, to + p, buf, n);
-    }
-    free(buf);
     return r;
 }
