@@ -4,11 +4,18 @@
  * comes from $ZINF_BIN (set by meson).
  */
 #include <criterion/criterion.h>
+#include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "helpers.h"
@@ -24,9 +31,14 @@ static void setup(void)
     cr_assert_not_null(dir);
 }
 
+static char mounted[4096]; /* a tmpfs a test mounted under dir, to unmount */
+
 static void teardown(void)
 {
     test_leak_check();
+    if (mounted[0] && umount2(mounted, MNT_DETACH) != 0)
+        cr_log_warn("umount %s: %s", mounted, strerror(errno));
+    mounted[0] = '\0';
     test_rmtree(dir);
 }
 
@@ -508,4 +520,294 @@ Test(cli, stat_changes_no_byte_even_next_to_an_engine_that_holds_the_directory)
     cr_assert(strstr(o, "\n       3 "), "%s", o);
     free(o);
     free(before);
+}
+
+/* ---- a crash loses at most the steps since the last checkpoint --------------------------- */
+
+/* Start `zinf ARGS` with stdout and stderr to out_path; returns its pid (the shell execs). */
+static pid_t spawn(const char *out_path, const char *fmt, ...)
+{
+    char args[2048], cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof(args), fmt, ap);
+    va_end(ap);
+    snprintf(cmd, sizeof(cmd), "exec %s %s > '%s' 2>&1", getenv("ZINF_BIN"), args, out_path);
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+#define MAX_STEPS 400
+
+/* Complete lines of path that start with prefix. */
+static int count_lines(const char *path, const char *prefix)
+{
+    FILE *f = fopen(path, "r");
+    char line[1024];
+    int n = 0;
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof(line), f))
+        n += strchr(line, '\n') && !strncmp(line, prefix, strlen(prefix));
+    fclose(f);
+    return n;
+}
+
+/* The losses a JSONL log holds, as printed (%.9g: the float's bits), by step, and the last
+ * checkpoint it logged (the state of that step was durable by then). A line cut short by a
+ * kill is ignored. Returns the highest step seen, or 0. */
+static int read_losses(const char *path, char (*loss)[32], int *summary_steps, int *ckpt)
+{
+    FILE *f = fopen(path, "r");
+    char line[1024];
+    int last = 0;
+    if (!f)
+        return 0;
+    while (fgets(line, sizeof(line), f)) {
+        int step, n = 0;
+        char val[32];
+        if (!strchr(line, '\n'))
+            continue;
+        if (sscanf(line, "{\"step\":%d,\"loss\":%31[^,],%n", &step, val, &n) == 2 && n > 0 &&
+            step >= 1 && step <= MAX_STEPS) {
+            if (loss[step][0])
+                cr_assert_str_eq(loss[step], val, "%s: step %d logged twice, differently", path,
+                                 step);
+            snprintf(loss[step], sizeof(loss[step]), "%s", val);
+            last = MAX(last, step);
+        }
+        if (summary_steps && sscanf(line, "{\"summary\":{\"steps\":%d", &step) == 1)
+            *summary_steps = step;
+        if (ckpt && sscanf(line, "{\"checkpoint\":%d", &step) == 1)
+            *ckpt = MAX(*ckpt, step);
+    }
+    fclose(f);
+    return last;
+}
+
+/* kill -9 at >= 20 random moments of one run (during start-up, steps and checkpoints, with
+ * checkpoints every 1, 2 or 3 steps): each restart resumes from the last checkpoint, and
+ * every loss any attempt logged is bitwise the one of a run that never died. */
+Test(cli, train_killed_at_random_moments_resumes_with_the_same_losses, .timeout = 300)
+{
+    enum { STEPS = 60, KILLS = 20 };
+    static char ref[MAX_STEPS + 1][32], seen[MAX_STEPS + 1][32];
+    char *o, cfg[4096], data[4096], swap[4096], out[4096], log[4096], manifest[4200];
+    memset(ref, 0, sizeof(ref));
+    memset(seen, 0, sizeof(seen));
+
+    /* The run that never dies, timed to aim the kills. */
+    snprintf(swap, sizeof(swap), "%s/ref", dir);
+    snprintf(log, sizeof(log), "%s/ref.jsonl", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    double t0 = now_s();
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 0", cfg, data), 0, "%s",
+                 o);
+    free(o);
+    double start_s = now_s() - t0;
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --log %s --overwrite",
+                     cfg, data, STEPS, log), 0, "%s", o);
+    free(o);
+    double step_s = (now_s() - t0 - 2 * start_s) / STEPS;
+    int ref_summary = 0;
+    cr_assert_eq(read_losses(log, ref, &ref_summary, NULL), STEPS);
+    cr_assert_eq(ref_summary, STEPS);
+
+    snprintf(swap, sizeof(swap), "%s/crash", dir);
+    snprintf(manifest, sizeof(manifest), "%s/zinf-manifest.json", swap);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    uint64_t seed = (uint64_t)time(NULL);
+    cr_log_info("seed %llu; start-up %.0f ms, a step %.1f ms", (unsigned long long)seed,
+                start_s * 1e3, step_s * 1e3);
+    int kills = 0, attempts = 0, done = 0, resumed_at_zero = 0, ckpt = 0, last = 0, mid_run = 0;
+    bool done_once = false; /* a run finished before the kills were all made: start another */
+    for (; !done; attempts++) {
+        cr_assert_lt(attempts, 200, "the run never finished");
+        bool resume = access(manifest, F_OK) == 0 && !done_once;
+        int every = 1 + attempts % 3;
+        snprintf(out, sizeof(out), "%s/a%d.out", dir, attempts);
+        snprintf(log, sizeof(log), "%s/a%d.jsonl", dir, attempts);
+        pid_t pid = spawn(out, "train --config %s --data %s " TINY " --steps %d --log %s "
+                          "--checkpoint-every %d%s", cfg, data, STEPS, log, every,
+                          resume ? " --resume" : done_once ? " --overwrite" : "");
+        done_once = false;
+        int status;
+        if (kills < KILLS) {
+            /* One kill in four anywhere in the start-up; the others once the attempt has
+             * logged 1 to 6 steps, and then up to two steps' time later, so that they land
+             * in steps and checkpoints whatever the machine's load. */
+            if (test_rand(&seed) % 4 == 0) {
+                usleep((useconds_t)((double)(test_rand(&seed) % 1000) / 1000.0 * start_s * 1e6));
+            } else {
+                int want = 1 + (int)(test_rand(&seed) % 6);
+                while (count_lines(log, "{\"step\":") < want && waitpid(pid, &status, WNOHANG) == 0)
+                    usleep(1000);
+                usleep((useconds_t)(test_rand(&seed) % (uint64_t)(2 * step_s * 1e6 + 1)));
+            }
+            kill(pid, SIGKILL);
+            cr_assert_eq(waitpid(pid, &status, 0), pid);
+            if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) {
+                kills++;
+            } else {
+                cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                          "attempt %d: status %#x (see %s)", attempts, status, out);
+                done_once = true;
+            }
+        } else {
+            cr_assert_eq(waitpid(pid, &status, 0), pid);
+            cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                      "attempt %d: status %#x (see %s)", attempts, status, out);
+            done = 1;
+        }
+        /* Whatever it logged is what a run that never died logs. */
+        static char mine[MAX_STEPS + 1][32];
+        memset(mine, 0, sizeof(mine));
+        int summary = 0, ckpt_before = ckpt;
+        int last_now = read_losses(log, mine, &summary, &ckpt);
+        int first = 0;
+        for (int s = 1; s <= STEPS; s++) {
+            if (!mine[s][0])
+                continue;
+            first = first ? first : s;
+            cr_assert_str_eq(mine[s], ref[s], "attempt %d (after %d kills): step %d", attempts,
+                             kills, s);
+            memcpy(seen[s], mine[s], sizeof(seen[s]));
+        }
+        /* A restart goes on from the last durable checkpoint: not before one that was
+         * logged, not after the last step done. */
+        if (first && resume)
+            cr_assert(first >= ckpt_before + 1 && first <= last + 1,
+                      "attempt %d resumed at step %d; checkpoint %d was logged, step %d done",
+                      attempts, first, ckpt_before, last);
+        last = MAX(last, last_now);
+        mid_run += !done && first;
+        resumed_at_zero += resume && first == 1;
+        if (done || done_once) {
+            cr_assert_eq(summary, STEPS, "attempt %d finished the run", attempts);
+            for (int s = 1; s <= STEPS; s++)
+                cr_assert(seen[s][0], "step %d was never logged", s);
+            memset(seen, 0, sizeof(seen));
+            ckpt = last = 0;
+        }
+    }
+    cr_log_info("%d kills over %d attempts, %d of them after the run had stepped (%d resumed from "
+                "step 0)", kills, attempts, mid_run, resumed_at_zero);
+    cr_assert_gt(mid_run, KILLS / 4, "too few kills landed in the steps and checkpoints");
+    cr_assert_geq(kills, KILLS);
+}
+
+static int64_t swap_file_bytes(const char *swap)
+{
+    char p[4200];
+    struct stat st;
+    snprintf(p, sizeof(p), "%s/zinf-swap.0", swap);
+    cr_assert_eq(stat(p, &st), 0, "%s", p);
+    return (int64_t)st.st_size;
+}
+
+/* The swap filesystem fills up mid-run (a small tmpfs, mounted here when running as root):
+ * the run stops with an error naming the swap file and the bytes it lacked, keeps the last
+ * checkpoint, and once space is freed --resume finishes it with the losses of a run that
+ * never stopped. */
+Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_freed)
+{
+    enum { STEPS = 6 };
+    static char ref[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
+    char *o, cfg[4096], data[4096], swap[4200], log[4096], filler[4200];
+    if (geteuid() != 0)
+        cr_skip_test("mounting a small tmpfs needs root");
+    snprintf(mounted, sizeof(mounted), "%s/mnt", dir);
+    cr_assert_eq(mkdir(mounted, 0755), 0);
+    if (mount("tmpfs", mounted, "tmpfs", 0, "size=16m") != 0) {
+        int err = errno;
+        mounted[0] = '\0';
+        cr_skip_test("cannot mount a tmpfs: %s", strerror(err));
+    }
+
+    /* The losses of a run that never stopped. */
+    snprintf(swap, sizeof(swap), "%s/ref", dir);
+    snprintf(log, sizeof(log), "%s/ref.jsonl", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --log %s", cfg, data,
+                     STEPS, log), 0, "%s", o);
+    free(o);
+    memset(ref, 0, sizeof(ref));
+    cr_assert_eq(read_losses(log, ref, NULL, NULL), STEPS);
+
+    /* How large the swap file grows on this filesystem (where the usual 256 MiB step does
+     * not fit, by what each allocation lacks): at the start, and over the run. */
+    int64_t start_bytes, run_bytes;
+    snprintf(swap, sizeof(swap), "%s/cal0", mounted);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 0", cfg, data), 0, "%s", o);
+    free(o);
+    start_bytes = swap_file_bytes(swap);
+    snprintf(swap, sizeof(swap), "%s/cal1", mounted);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --checkpoint-every 1",
+                     cfg, data, STEPS), 0, "%s", o);
+    free(o);
+    run_bytes = swap_file_bytes(swap);
+    cr_log_info("swap file: %lld bytes at the start, %lld over the run", (long long)start_bytes,
+                (long long)run_bytes);
+    cr_assert_gt(run_bytes, start_bytes, "the swap space grows during the run");
+    char cmd[8400];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s/cal0' '%s/cal1'", mounted, mounted);
+    cr_assert_eq(system(cmd), 0);
+
+    /* Leave room for the start (and two manifests) but not for the whole run. */
+    snprintf(swap, sizeof(swap), "%s/swap", mounted);
+    snprintf(filler, sizeof(filler), "%s/filler", mounted);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    struct statvfs vfs;
+    cr_assert_eq(statvfs(mounted, &vfs), 0);
+    int64_t avail = (int64_t)vfs.f_bavail * (int64_t)vfs.f_frsize;
+    int64_t room = align_up((uint64_t)(start_bytes + (run_bytes - start_bytes) / 2), 4096) + 64 * 1024;
+    int fd = open(filler, O_CREAT | O_WRONLY, 0600);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(posix_fallocate(fd, 0, avail - room), 0);
+    close(fd);
+
+    snprintf(log, sizeof(log), "%s/a.jsonl", dir);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --checkpoint-every 1 "
+                     "--log %s", cfg, data, STEPS, log), 1, "%s", o);
+    cr_assert(strstr(o, "# zinf train:"), "the run started before the disk filled: %s", o);
+    cr_assert(strstr(o, "no space for") && strstr(o, "bytes) more of swap") &&
+                  strstr(o, swap) && strstr(o, "zinf-swap.0"),
+              "the error names the swap file and the bytes it lacked: %s", o);
+    cr_assert(strstr(o, "(the last checkpoint) is kept") && strstr(o, "--resume"), "%s", o);
+    free(o);
+    memset(got, 0, sizeof(got));
+    int last = read_losses(log, got, NULL, NULL);
+
+    /* Space freed: the run resumes from its last checkpoint and finishes. */
+    cr_assert_eq(unlink(filler), 0);
+    snprintf(log, sizeof(log), "%s/b.jsonl", dir);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --checkpoint-every 1 "
+                     "--log %s --resume", cfg, data, STEPS, log), 0, "%s", o);
+    free(o);
+    int first = 0;
+    static char more[MAX_STEPS + 1][32];
+    memset(more, 0, sizeof(more));
+    cr_assert_eq(read_losses(log, more, NULL, NULL), STEPS);
+    for (int s = 1; s <= STEPS; s++) {
+        first = first ? first : more[s][0] ? s : 0;
+        if (more[s][0])
+            memcpy(got[s], more[s], sizeof(got[s]));
+        cr_assert_str_eq(got[s], ref[s], "step %d", s);
+    }
+    cr_assert(first >= 1 && first <= last + 1, "resumed at step %d after %d", first, last);
 }

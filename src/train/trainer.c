@@ -77,6 +77,8 @@ struct trainer {
      * state in memory is half one step, half the next, and must never be flushed. */
     int torn;
     int checkpoints, checkpoint_step;
+    bool checkpoint_failed;     /* the last trainer_checkpoint() failed */
+    int fault_tensor, fault_err; /* trainer_fault_optimizer() */
     double checkpoint_seconds;
     uint64_t checkpoint_bytes;
     uint64_t peak[3];
@@ -504,7 +506,9 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     if ((r = register_all(t, err, errlen)) < 0)
         goto fail;
     if (!o->resume && ((r = init_params(t)) < 0 || (r = trainer_checkpoint(t)) < 0)) {
-        snprintf(err, errlen, "initialising the parameters failed: %s", zinf_strerror(r));
+        snprintf(err, errlen, "initialising the parameters failed: %s%s", zinf_strerror(r),
+                 r == -ENOSPC ? " (the swap directory's filesystem is full: see the line above)"
+                              : "");
         goto fail;
     }
     t->checkpoint_step = t->step_done;
@@ -519,8 +523,9 @@ void trainer_close(struct trainer *t)
 {
     if (!t)
         return;
-    /* A torn state is dropped: the last checkpoint stays the saved one, as after a crash. */
-    if (t->torn)
+    /* A torn state is dropped: the last checkpoint stays the saved one, as after a crash.
+     * So it does after a failed checkpoint, as the caller was told. */
+    if (t->torn || t->checkpoint_failed)
         engine_close_unflushed(t->e);
     else
         zinf_close(t->e);
@@ -725,6 +730,10 @@ static int optimize(struct trainer *t, int step, double sumsq)
         for (n = 0; n < parts; n++)
             if ((r = fetch(t, hs[n], tier, &p[n])) < 0)
                 break;
+        if (r == 0 && t->fault_err && i == t->fault_tensor) {
+            r = -t->fault_err; /* as if the last fetch had failed */
+            t->fault_err = 0;
+        }
         if (r == 0) {
             /* Decay the matrices only, as GPT-2 trainers do (not biases, norms). */
             h.weight_decay = t->desc[i].ndim == 2 ? t->o.weight_decay : 0.0f;
@@ -801,6 +810,7 @@ int trainer_checkpoint(struct trainer *t)
     int r = state_save(t);
     if (r == 0)
         r = zinf_flush(t->e);
+    t->checkpoint_failed = r < 0;
     if (r < 0)
         return r;
     zinf_stats(t->e, &s1);
@@ -809,6 +819,12 @@ int trainer_checkpoint(struct trainer *t)
     t->checkpoint_seconds = (double)(now_ns() - t0) / 1e9;
     t->checkpoint_bytes = s1.nvme_bytes_written - s0.nvme_bytes_written;
     return 0;
+}
+
+void trainer_fault_optimizer(struct trainer *t, int tensor, int err)
+{
+    t->fault_tensor = tensor;
+    t->fault_err = err;
 }
 
 void trainer_get_summary(struct trainer *t, struct trainer_summary *out)

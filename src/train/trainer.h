@@ -94,9 +94,14 @@ int trainer_next_step(const struct trainer *t);
 int trainer_step(struct trainer *t, struct trainer_step_stats *st);
 /* Make everything durable (parameters, Adam states, the step count) so that
  * trainer_open(resume) continues exactly here. Only what changed since the last one is
- * written (trainer_get_summary says how much). */
+ * written (trainer_get_summary says how much). When it fails, the previous checkpoint
+ * stays the saved state, and trainer_close keeps it so unless a later one succeeds. */
 int trainer_checkpoint(struct trainer *t);
 void trainer_get_summary(struct trainer *t, struct trainer_summary *out);
+/* Test-only fault hook, off by default: in the next step, the optimizer's update of the
+ * tensor with layout index `tensor` fails with -err (a positive errno) as if fetching it
+ * had, after the tensors before it were updated. */
+void trainer_fault_optimizer(struct trainer *t, int tensor, int err);
 zinf_engine *trainer_engine(struct trainer *t);
 void trainer_close(struct trainer *t);
 
