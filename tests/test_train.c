@@ -557,3 +557,37 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
     cr_log_info("IO faults over %u chunks: %d missed, %d before the optimizer, %d torn", chunks,
                 outcome[0], outcome[1], outcome[2]);
 }
+
+/* A checkpoint writes only what changed since the last one: one right after another writes
+ * the step count's page alone, and each says what it wrote. */
+Test(train, checkpoint_writes_only_what_changed)
+{
+    char cfg[4096], swap[4096], err[512];
+    struct trainer *t = NULL;
+    struct trainer_step_stats st;
+    struct trainer_summary sum;
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    snprintf(cfg, sizeof(cfg), "%s/c.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "600K", "1M");
+    struct trainer_opts o = small_model(cfg);
+    o.model.L = 2;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    trainer_get_summary(t, &sum);
+    cr_assert_eq(sum.checkpoints, 1, "a new run is checkpointed at step 0");
+    cr_assert_eq(sum.checkpoint_step, 0);
+    cr_assert_gt(sum.checkpoint_bytes, 0, "the initial parameters were written");
+    cr_assert_eq(trainer_step(t, &st), 0);
+    cr_assert_eq(trainer_checkpoint(t), 0);
+    trainer_get_summary(t, &sum);
+    uint64_t full = sum.checkpoint_bytes;
+    cr_assert_eq(sum.checkpoint_step, 1);
+    cr_assert_geq(full, sum.param_count * sizeof(float), "a step changes every parameter");
+    cr_assert_eq(trainer_checkpoint(t), 0);
+    trainer_get_summary(t, &sum);
+    cr_assert_eq(sum.checkpoints, 3);
+    cr_assert_leq(sum.checkpoint_bytes, 4096, "nothing changed but the step count's page: %llu "
+                  "bytes (a full checkpoint wrote %llu)", (unsigned long long)sum.checkpoint_bytes,
+                  (unsigned long long)full);
+    cr_assert_geq(sum.checkpoint_seconds, 0);
+    trainer_close(t);
+}
