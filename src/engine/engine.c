@@ -196,6 +196,22 @@ static void tensor_free(struct tensor *t)
     }
 }
 
+int engine_swap_alloc(struct zinf_engine *e, size_t bytes, uint64_t *off)
+{
+    for (;;) {
+        int r = nvme_alloc_nogrow(e->nvme, bytes, off);
+        if (r != -EAGAIN)
+            return r;
+        /* The files must grow first: never with the engine lock held (fallocate may take
+         * seconds while every other call waits). */
+        pthread_mutex_unlock(&e->lock);
+        r = nvme_grow_for(e->nvme, bytes);
+        pthread_mutex_lock(&e->lock);
+        if (r < 0)
+            return r;
+    }
+}
+
 void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted)
 {
     if (!persisted) {
@@ -270,24 +286,30 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
     t->home = home;
     t->version = 1;
 
+    if (home == ZINF_TIER_NVME) {
+        /* Larger than the swap space can ever be: the home tier's capacity, as for the
+         * memory homes. */
+        if (t->alloc_bytes > NVME_MAX_BYTES) {
+            tensor_free(t);
+            return -ENOSPC;
+        }
+        /* Before the engine lock: growing the swap files (fallocate) may take a while,
+         * and the tensor is nobody else's yet. */
+        r = nvme_alloc(e->nvme, t->alloc_bytes, &t->swap_off);
+        if (r < 0) {
+            tensor_free(t);
+            return r;
+        }
+        t->has_swap = true;
+        t->zero = true; /* the extent's old bytes are nobody's: read as zeros */
+    }
+
     pthread_mutex_lock(&e->lock);
     if (name_find(e, name)) {
         r = -EEXIST;
         goto err;
     }
-    if (home == ZINF_TIER_NVME) {
-        /* Larger than the swap space can ever be: the home tier's capacity, as for the
-         * memory homes. */
-        if (t->alloc_bytes > NVME_MAX_BYTES) {
-            r = -ENOSPC;
-            goto err;
-        }
-        r = nvme_alloc(e->nvme, t->alloc_bytes, &t->swap_off);
-        if (r < 0)
-            goto err;
-        t->has_swap = true;
-        t->zero = true; /* the extent's old bytes are nobody's: read as zeros */
-    } else {
+    if (home != ZINF_TIER_NVME) {
         if (t->alloc_bytes > e->st.tier[home].capacity_bytes) {
             r = -ENOSPC;
             goto err;
@@ -301,10 +323,14 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
             r = r == -ENOMEM ? -ENOSPC : r; /* the home tier is full of pinned or home data */
             goto err;
         }
+        /* The room is reserved and nobody sees the tensor yet: zero it with the lock
+         * dropped (on a GPU that waits for the copies in flight on its stream). */
+        pthread_mutex_unlock(&e->lock);
         if (home == ZINF_TIER_DEVICE)
             r = device_zero(e->dev, c->off, t->alloc_bytes);
         else
             memset(c->ptr, 0, t->alloc_bytes);
+        pthread_mutex_lock(&e->lock);
         if (r < 0) {
             tier_free(e, home, c->off);
             goto err;
@@ -312,11 +338,9 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
         c->state = COPY_READY;
         c->version = t->version;
     }
-    r = engine_add_tensor(e, t);
+    r = engine_add_tensor(e, t); /* -EEXIST when the name was taken meanwhile */
     if (r < 0) {
-        if (home == ZINF_TIER_NVME)
-            nvme_free(e->nvme, t->swap_off);
-        else
+        if (home != ZINF_TIER_NVME)
             tier_free(e, home, t->c[home].off);
         goto err;
     }
@@ -325,6 +349,8 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
     return 0;
 err:
     pthread_mutex_unlock(&e->lock);
+    if (home == ZINF_TIER_NVME)
+        nvme_free(e->nvme, t->swap_off);
     tensor_free(t);
     return r;
 }
@@ -483,7 +509,7 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
         /* A manifest names this extent: never write it, write a new one. A large write
          * does the same, so that it streams in bounded pieces and a failure half-way
          * leaves the old extent whole (no undo buffer of the whole range). */
-        r = nvme_alloc(e->nvme, t->alloc_bytes, &target);
+        r = engine_swap_alloc(e, t->alloc_bytes, &target); /* t is ours: may drop the lock */
         if (r < 0)
             goto unlock;
         cow = true;

@@ -279,6 +279,9 @@ void engine_check_tensor(const struct tensor *t);
  * must go to another extent (copy on write). */
 bool engine_swap_named(const struct tensor *t);
 void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted);
+/* Allocate a swap extent; when the files must grow, the lock is dropped meanwhile, so the
+ * caller must hold what it works on exclusively (engine_tensor_lock). Lock held. */
+int engine_swap_alloc(struct zinf_engine *e, size_t bytes, uint64_t *off);
 
 /* fetch.c */
 enum reserve_mode {

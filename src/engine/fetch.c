@@ -191,7 +191,11 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
          * elsewhere and switch over when done (a crash mid-write then leaves the old
          * content whole). */
         if (!t->has_swap || engine_swap_named(t)) {
-            r = nvme_alloc(e->nvme, t->alloc_bytes, &a->new_off);
+            /* Never grows the files here (-EAGAIN then: tier_reserve() grows them with the
+             * lock dropped and looks again). */
+            r = nvme_alloc_nogrow(e->nvme, t->alloc_bytes, &a->new_off);
+            if (r == -EAGAIN)
+                r = -ENOBUFS;
             if (r < 0)
                 goto err;
             a->new_extent = true;
@@ -337,6 +341,18 @@ int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, enum reserve_mod
             if (prefetch)
                 return -ENOSPC; /* a hint never waits for a write-back */
             r = writeback_start(e, vt, tier, true);
+            if (r == -ENOBUFS) {
+                /* Its new extent needs the swap files to grow: never under the engine
+                 * lock. A blocking caller grows them with the lock dropped and looks
+                 * again; the others leave it to a blocking call. */
+                if (mode != RESERVE_WAIT)
+                    return -EINPROGRESS;
+                size_t need = vt->alloc_bytes;
+                pthread_mutex_unlock(&e->lock);
+                r = nvme_grow_for(e->nvme, need);
+                pthread_mutex_lock(&e->lock);
+                return r < 0 ? r : -EAGAIN;
+            }
             if (r < 0 && r != -EAGAIN)
                 return r;
             /* A write-back whose submission failed at once has finished already (and
@@ -453,15 +469,13 @@ static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src
     struct load_arg *a;
     int r;
 
-    if (src == SRC_ZERO) {
-        /* Zeros come from nowhere: fill in place, now. */
-        if (tier == ZINF_TIER_DEVICE)
-            r = device_zero(e->dev, c->off, t->alloc_bytes);
-        else
-            r = (memset(c->ptr, 0, t->alloc_bytes), 0);
-        if (r == 0)
-            copy_load_ok(e, t, tier, t->version);
-        return r;
+    if (src == SRC_ZERO && tier == ZINF_TIER_HOST) {
+        /* Zeros come from nowhere: fill in place, now. (In device memory they are queued
+         * on the copy stream like a load, below: a synchronous memset there would wait
+         * for every copy in flight with the engine lock held.) */
+        memset(c->ptr, 0, t->alloc_bytes);
+        copy_load_ok(e, t, tier, t->version);
+        return 0;
     }
     x = calloc(1, sizeof(*x));
     a = calloc(1, sizeof(*a));
@@ -476,7 +490,7 @@ static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src
                        .arg = a, .done = load_done};
     if (src == ZINF_TIER_NVME) {
         x->src_off = t->swap_off;
-    } else {
+    } else if (src < MEM_TIERS) {
         x->src_off = t->c[src].off;
         x->src_ptr = t->c[src].ptr;
         t->c[src].readers++;

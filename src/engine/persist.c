@@ -294,7 +294,7 @@ static int flush_tensor(struct zinf_engine *e, struct tensor *t, struct entry *e
     }
     bool in_place = t->has_swap && !engine_swap_named(t);
     uint64_t off = t->swap_off;
-    if (!in_place && (r = nvme_alloc(e->nvme, t->alloc_bytes, &off)) < 0)
+    if (!in_place && (r = engine_swap_alloc(e, t->alloc_bytes, &off)) < 0) /* t is ours */
         return r;
     struct xfer x = {.e = e, .t = t, .src = src, .dst = ZINF_TIER_NVME,
                      .src_off = t->c[src].off, .src_ptr = t->c[src].ptr, .dst_off = off,

@@ -316,7 +316,11 @@ int xfer_start(struct xfer *x)
 
     if (x->want_crc)
         return -EINVAL; /* checksums are taken in the staging ring, of the bytes moved */
-    if (x->src == ZINF_TIER_HOST && x->dst == ZINF_TIER_DEVICE) {
+    if (x->src == SRC_ZERO && x->dst == ZINF_TIER_DEVICE) {
+        x->dc = (struct device_copy){.dir = DEVICE_H2D, .dev_off = x->dst_off, .zero = true,
+                                     .len = x->len, .cb = dc_cb, .data = x};
+        r = device_copy_async(e->dev, &x->dc);
+    } else if (x->src == ZINF_TIER_HOST && x->dst == ZINF_TIER_DEVICE) {
         x->dc = (struct device_copy){.dir = DEVICE_H2D, .dev_off = x->dst_off, .host = x->src_ptr,
                                      .len = x->len, .cb = dc_cb, .data = x};
         r = device_copy_async(e->dev, &x->dc);

@@ -136,6 +136,8 @@ static void run_callback(struct device *d, struct device_copy *c, int res)
 
 /* ---- emulated backend ------------------------------------------------------------- */
 
+static void emu_zero(struct device *d, uint64_t off, size_t len);
+
 static void *emu_copy_thread(void *arg)
 {
     struct device *d = arg;
@@ -150,7 +152,9 @@ static void *emu_copy_thread(void *arg)
         pthread_mutex_unlock(&d->lock);
         if (res == 0) {
             char *dev = d->base + c->dev_off;
-            if (c->dir == DEVICE_H2D)
+            if (c->zero)
+                emu_zero(d, c->dev_off, c->len);
+            else if (c->dir == DEVICE_H2D)
                 memcpy(dev, c->host, c->len);
             else
                 memcpy(c->host, dev, c->len);
@@ -280,11 +284,12 @@ static void *cuda_issue_thread(void *arg)
         cudaStream_t s = d->streams[c->dir];
         if (t->res == 0) {
             char *dev = d->base + c->dev_off;
-            cudaError_t e = c->dir == DEVICE_H2D
+            cudaError_t e = c->zero ? cudaMemsetAsync(dev, 0, c->len, s)
+                            : c->dir == DEVICE_H2D
                                 ? cudaMemcpyAsync(dev, c->host, c->len, cudaMemcpyHostToDevice, s)
                                 : cudaMemcpyAsync(c->host, dev, c->len, cudaMemcpyDeviceToHost, s);
             if (e != cudaSuccess) {
-                t->res = cuda_errno(e, "cudaMemcpyAsync");
+                t->res = cuda_errno(e, c->zero ? "cudaMemsetAsync" : "cudaMemcpyAsync");
             } else {
                 /* The event completes when this copy has, and (a stream runs in order)
                  * after every copy launched before it in the same direction; the
@@ -634,7 +639,8 @@ static bool range_ok(const struct device *d, uint64_t off, size_t len)
 
 int device_copy_async(struct device *d, struct device_copy *c)
 {
-    if (!d || !c || !c->host || !c->cb || (c->dir != DEVICE_H2D && c->dir != DEVICE_D2H) ||
+    if (!d || !c || (!c->host && !c->zero) || !c->cb ||
+        (c->dir != DEVICE_H2D && c->dir != DEVICE_D2H) || (c->zero && c->dir != DEVICE_H2D) ||
         !range_ok(d, c->dev_off, c->len))
         return -EINVAL;
     pthread_mutex_lock(&d->lock);

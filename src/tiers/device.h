@@ -42,6 +42,8 @@ struct device_copy {
     uint64_t dev_off;           /* offset in the device arena */
     void *host;                 /* host memory (pinned for full speed with CUDA) */
     size_t len;
+    bool zero;                  /* DEVICE_H2D only: write zeros (host unused), in order
+                                   with the copies into the arena queued before it */
     device_copy_cb cb;          /* runs on the device's completion thread; may call
                                    device_copy_async() and uring_submit(), never blocks */
     void *data;

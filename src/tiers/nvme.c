@@ -47,6 +47,8 @@ struct nvme {
 
     pthread_mutex_t lock; /* guards everything below */
     bool lock_ready;
+    pthread_cond_t grown; /* broadcast when a growth ends */
+    bool growing;         /* one growth at a time; it runs with the lock dropped */
     struct extent_alloc ext;
     uint64_t file_bytes; /* every file has this size */
     uint64_t grows;
@@ -282,6 +284,11 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
         r = -ENOMEM;
         goto err;
     }
+    if (pthread_cond_init(&n->grown, NULL) != 0) {
+        pthread_mutex_destroy(&n->lock);
+        r = -ENOMEM;
+        goto err;
+    }
     n->lock_ready = true;
 
     for (unsigned i = 0; i < o->ndirs; i++) {
@@ -348,12 +355,17 @@ void nvme_close(struct nvme *n)
         free(f->dir);
     }
     extent_fini(&n->ext);
-    if (n->lock_ready) pthread_mutex_destroy(&n->lock);
+    if (n->lock_ready) {
+        pthread_mutex_destroy(&n->lock);
+        pthread_cond_destroy(&n->grown);
+    }
     free(n);
 }
 
 /* Extend every file by step bytes; all or nothing: on failure the files that grew are
- * cut back and *bad names the one that failed. Lock held. */
+ * cut back and *bad names the one that failed. Called by the one growth in progress, with
+ * the lock dropped: file_bytes changes only at the end of a growth, and no IO reaches
+ * past it, so nothing else touches what this changes. */
 static int extend_all(struct nvme *n, uint64_t step, unsigned *bad)
 {
     for (unsigned i = 0; i < n->nfiles; i++) {
@@ -405,6 +417,10 @@ static int grow(struct nvme *n, uint64_t need)
     }
 
     unsigned bad;
+    /* fallocate can take long (seconds on a slow drive): allocations from the space there
+     * is, frees and IO go on meanwhile; a second growth waits for this one. */
+    n->growing = true;
+    pthread_mutex_unlock(&n->lock);
     r = extend_all(n, step, &bad);
     if (is_no_space(r) && step > min_step) {
         /* The usual step does not fit on the filesystem; what this allocation lacks may,
@@ -413,6 +429,9 @@ static int grow(struct nvme *n, uint64_t need)
         new_bytes = n->file_bytes + step;
         r = extend_all(n, step, &bad);
     }
+    pthread_mutex_lock(&n->lock);
+    n->growing = false;
+    pthread_cond_broadcast(&n->grown);
     if (r < 0) {
         struct nvme_file *f = &n->files[bad];
         struct statvfs vfs;
@@ -445,19 +464,28 @@ static int grow(struct nvme *n, uint64_t need)
     return 0;
 }
 
-int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off)
+/* Allocate, growing the files when may_grow (then waiting for a growth in progress);
+ * without it, -EAGAIN where only a growth would make room. Lock held. */
+static int alloc_locked(struct nvme *n, uint64_t bytes, uint64_t *off, bool may_grow)
 {
     char a[32], b[32], c[32], e[32], d[256];
     int r;
 
-    if (!n || !off || !bytes || bytes > NVME_MAX_BYTES) return -EINVAL;
-    if (n->readonly) return -EROFS;
-    pthread_mutex_lock(&n->lock);
-    r = extent_alloc(&n->ext, bytes, off);
-    if (r == -ENOSPC && n->growable) {
+    for (;;) {
+        r = extent_alloc(&n->ext, bytes, off);
+        if (r != -ENOSPC || !n->growable)
+            break;
+        if (!may_grow)
+            return -EAGAIN;
+        if (n->growing) { /* the growth in progress may make room: look again after it */
+            pthread_cond_wait(&n->grown, &n->lock);
+            continue;
+        }
         r = grow(n, align_up(bytes, ZINF_ALIGN));
-        if (r == 0) r = extent_alloc(&n->ext, bytes, off);
-    } else if (r == -ENOSPC) {
+        if (r < 0)
+            return r;
+    }
+    if (r == -ENOSPC) {
         struct extent_stats es;
         extent_get_stats(&n->ext, &es);
         log_error("nvme: %s: no space for %s of swap (fixed capacity %s; %s in use, largest "
@@ -466,6 +494,39 @@ int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off)
                   size_str(es.capacity_bytes, b, sizeof(b)), size_str(es.used_bytes, c, sizeof(c)),
                   size_str(es.largest_free_bytes, e, sizeof(e)));
     }
+    return r;
+}
+
+int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off)
+{
+    if (!n || !off || !bytes || bytes > NVME_MAX_BYTES) return -EINVAL;
+    if (n->readonly) return -EROFS;
+    pthread_mutex_lock(&n->lock);
+    int r = alloc_locked(n, bytes, off, true);
+    pthread_mutex_unlock(&n->lock);
+    return r;
+}
+
+int nvme_alloc_nogrow(struct nvme *n, uint64_t bytes, uint64_t *off)
+{
+    if (!n || !off || !bytes || bytes > NVME_MAX_BYTES) return -EINVAL;
+    if (n->readonly) return -EROFS;
+    pthread_mutex_lock(&n->lock);
+    int r = alloc_locked(n, bytes, off, false);
+    pthread_mutex_unlock(&n->lock);
+    return r;
+}
+
+int nvme_grow_for(struct nvme *n, uint64_t bytes)
+{
+    uint64_t off;
+    if (!n || !bytes || bytes > NVME_MAX_BYTES) return -EINVAL;
+    if (n->readonly) return -EROFS;
+    pthread_mutex_lock(&n->lock);
+    /* Allocate and give it back: the simplest proof that an allocation of bytes fits. */
+    int r = alloc_locked(n, bytes, &off, true);
+    if (r == 0)
+        extent_free(&n->ext, off);
     pthread_mutex_unlock(&n->lock);
     return r;
 }

@@ -113,6 +113,13 @@ void nvme_close(struct nvme *n);
  * 0, -EINVAL, -ENOSPC (logged once per failure; state unchanged), -EROFS (read-only) or
  * another -errno from growing the files. */
 int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off);
+/* The same where the caller holds a lock others wait on: it never grows the files (nor
+ * waits for a growth) and answers -EAGAIN where only a growth would make room; the caller
+ * drops its lock, calls nvme_grow_for() and tries again. */
+int nvme_alloc_nogrow(struct nvme *n, uint64_t bytes, uint64_t *off);
+/* Grow the files (if needed) until an allocation of bytes fits; 0 or nvme_alloc()'s
+ * errors. fallocate runs with no lock held: allocations, frees and IO go on. */
+int nvme_grow_for(struct nvme *n, uint64_t bytes);
 /* Allocate [off, off + bytes rounded up to 4 KiB) at exactly that offset: after a keep
  * open, for each extent the caller knows to be in use. Returns 0, -EINVAL (0 bytes, off
  * not 4 KiB aligned, or the range passes the current capacity; it never grows the
