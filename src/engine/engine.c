@@ -697,7 +697,7 @@ static int make_dirs(const char *path)
 /* Before anything is opened: the swap directory is the caller's data. A saved state there
  * is refused without a flag that says what to do with it (zinf.h); RESUME and READONLY
  * need one; the directories of a fresh start are created. *id: the manifest's identity. */
-static int swapdir_check(const struct zinf_options *o, struct stat *id)
+static int swapdir_check(const struct zinf_options *o, uint32_t *id)
 {
     bool want = (o->flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)) != 0;
     const char *dir = o->nvme_path;
@@ -745,7 +745,7 @@ static int swapdir_check(const struct zinf_options *o, struct stat *id)
 }
 
 static int open_once(const struct zinf_options *opt, const struct engine_params *p,
-                     struct stat *id, zinf_engine **out)
+                     uint32_t *id, zinf_engine **out)
 {
     struct zinf_options o = opt ? *opt : (struct zinf_options){0};
     struct engine_params params = p ? *p : (struct engine_params){.pin = true};
@@ -889,7 +889,7 @@ err:
 
 int engine_open(const struct zinf_options *opt, const struct engine_params *p, zinf_engine **out)
 {
-    struct stat id0 = {0}, id1;
+    uint32_t id0 = 0, id1;
     size_t n;
     int r;
 
@@ -900,11 +900,8 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
          * When the manifest did change meanwhile, the new state is read again; a mismatch
          * under an unchanged manifest is real damage, reported as such. */
         bool damaged = r == -EBADMSG || (r == 0 && (*out)->st.tensors_damaged);
-        if (!damaged || !opt || !(opt->flags & ZINF_OPEN_READONLY) || tries == 4 ||
-            persist_probe(opt->nvme_path, &n, &id1) < 0 ||
-            (id1.st_ino == id0.st_ino && id1.st_dev == id0.st_dev &&
-             id1.st_mtim.tv_sec == id0.st_mtim.tv_sec &&
-             id1.st_mtim.tv_nsec == id0.st_mtim.tv_nsec))
+        if (!damaged || !opt || !(opt->flags & ZINF_OPEN_READONLY) || tries == 16 ||
+            persist_probe(opt->nvme_path, &n, &id1) < 0 || id1 == id0)
             return r;
         if (r == 0) {
             zinf_close(*out); /* read-only: nothing is flushed */

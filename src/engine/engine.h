@@ -339,9 +339,8 @@ int persist_resume(struct zinf_engine *e);
 int persist_remove_manifest(struct zinf_engine *e);
 /* Is there a saved state in swap directory dir? 0 with *ntensors the tensors its manifest
  * names (SIZE_MAX when it cannot be read: a state all the same) and, when id is not NULL,
- * the manifest's stat (it is replaced, never rewritten, so a new inode means a new state);
+ * a checksum of the manifest's bytes (a different value means a different state);
  * -ENOENT where there is no manifest (or no dir); another -errno when it cannot tell. */
-struct stat;
-int persist_probe(const char *dir, size_t *ntensors, struct stat *id);
+int persist_probe(const char *dir, size_t *ntensors, uint32_t *id);
 
 #endif

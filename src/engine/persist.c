@@ -148,21 +148,45 @@ int persist_remove_manifest(struct zinf_engine *e)
     return 0;
 }
 
-int persist_probe(const char *dir, size_t *ntensors, struct stat *id)
+int persist_probe(const char *dir, size_t *ntensors, uint32_t *id)
 {
     char path[4096];
     struct stat st;
-    json_t *root;
+    json_t *root = NULL;
 
     snprintf(path, sizeof(path), "%s/%s", dir, MANIFEST_NAME);
     if (stat(path, &st) < 0)
         return -errno;
-    if (id)
-        *id = st;
     /* A manifest that cannot be read or parsed may still be someone's only record of
      * what the swap files hold: it counts as a saved state, of unknown size. */
     *ntensors = SIZE_MAX;
-    root = json_load_file(path, 0, NULL);
+    if (id)
+        *id = 0;
+    /* Its identity is a checksum of its bytes: a manifest is replaced by rename, and a
+     * new one may get the old one's inode number and (on a coarse clock) its mtime; two
+     * manifests with the same bytes describe the same state. */
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        char *buf = NULL;
+        size_t cap = 0, len = 0, got;
+        do {
+            if (len == cap) {
+                char *nb = realloc(buf, cap = cap ? 2 * cap : 64 * 1024);
+                if (!nb)
+                    break;
+                buf = nb;
+            }
+            got = fread(buf + len, 1, cap - len, f);
+            len += got;
+        } while (got > 0);
+        fclose(f);
+        if (buf) {
+            if (id)
+                *id = crc32c(0, buf, len) ^ (uint32_t)len;
+            root = json_loadb(buf, len, 0, NULL);
+        }
+        free(buf);
+    }
     if (root && json_is_array(json_object_get(root, "tensors")))
         *ntensors = json_array_size(json_object_get(root, "tensors"));
     json_decref(root);
