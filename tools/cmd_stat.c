@@ -130,7 +130,7 @@ int cmd_stat(int argc, char **argv)
             snprintf(swapbuf, sizeof(swapbuf), "%s", c.nvme_paths.path[0]);
             swap = swapbuf;
         }
-        size_t n;
+        size_t n, npaths = c.nvme_paths.count;
         if (!swap || persist_probe(swap, &n, NULL) == -ENOENT) {
             /* No saved state: the tiers as configured, without opening the swap space
              * (which would create its files). */
@@ -138,6 +138,7 @@ int cmd_stat(int argc, char **argv)
             c.nvme_paths.count = 0;
         }
         r = engine_open_config(&c, saved ? ZINF_OPEN_READONLY : 0, &e);
+        c.nvme_paths.count = npaths; /* so that config_free() frees every path */
         config_free(&c);
     } else {
         /* The stripe layout on disk depends on the block size it was written with: take
