@@ -2596,3 +2596,32 @@ Test(engine, large_reads_and_writes_of_a_swap_only_tensor_stream_in_pieces)
     free(b);
     zinf_close(e);
 }
+
+/* A chunk whose submission was refused at once inside the staging ring finished its
+ * transfer with an error before the fetch that started it could wait: the fetch saw no
+ * load, started another, and spun for ever with the engine lock held. It must report the
+ * error; the next fetch works. */
+Test(engine, fetch_whose_submission_is_refused_reports_it)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 200 * KiB + 1;
+    unsigned char *a = test_rand_buf(n, 212);
+    zinf_tensor t = nvme_tensor_with(e, "t", a, n);
+    for (unsigned nth = 1; nth <= 2; nth++) {
+        uring_fault_set(e->io, URING_FAULT_SUBMIT, nth);
+        struct call c;
+        call_start(&c, e, CALL_FETCH, t, ZINF_TIER_DEVICE, 0); /* NVMe -> staging -> device */
+        bool returned = call_join(&c, 10000);
+        cr_assert(returned, "chunk %u refused: the fetch spins", nth);
+        cr_assert_eq(c.r, -EIO, "chunk %u refused: %s", nth, zinf_strerror(c.r));
+        uring_fault_set(e->io, URING_FAULT_NONE, 0);
+    }
+    void *p;
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(memcmp(p, a, n), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    check_budgets(e);
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    free(a);
+    zinf_close(e);
+}

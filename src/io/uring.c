@@ -247,7 +247,8 @@ static void pump(struct uring *u)
 
 static int apply_fault(struct uring *u, struct chunk *c, int res)
 {
-    if (u->fault == URING_FAULT_NONE || u->fault_countdown == 0 || c->forced_res)
+    if (u->fault == URING_FAULT_NONE || u->fault == URING_FAULT_SUBMIT ||
+        u->fault_countdown == 0 || c->forced_res)
         return res;
     if (u->fault == URING_FAULT_EIO_STICKY)
         return -EIO; /* a drive gone bad: every completion fails until the hook is reset */
@@ -808,6 +809,11 @@ int uring_submit(struct uring *u, struct uring_req *req)
     if (u->closing) {
         pthread_mutex_unlock(&u->lock);
         return -ESHUTDOWN;
+    }
+    if (u->fault == URING_FAULT_SUBMIT && u->fault_countdown && --u->fault_countdown == 0) {
+        u->fault = URING_FAULT_NONE;
+        pthread_mutex_unlock(&u->lock);
+        return -EIO; /* as if the request were refused before it was queued */
     }
     if (!req->map && !file_ok(u, req->file)) {
         pthread_mutex_unlock(&u->lock);

@@ -120,9 +120,11 @@ unsigned uring_queue_depth(struct uring *u);
  * refused O_DIRECT. URING_FAULT_NO_URING makes the next uring_open() in this process
  * behave as if io_uring_queue_init() returned -ENOSYS (pass u = NULL).
  * URING_FAULT_EIO_STICKY fails every completion from now on with -EIO, until the hook is
- * set to URING_FAULT_NONE. */
+ * set to URING_FAULT_NONE. URING_FAULT_SUBMIT makes the nth uring_submit() from now return
+ * -EIO at once (the request is never queued, its callback never runs). */
 enum uring_fault { URING_FAULT_NONE, URING_FAULT_EIO, URING_FAULT_SHORT, URING_FAULT_EAGAIN,
-                   URING_FAULT_NO_DIRECT, URING_FAULT_NO_URING, URING_FAULT_EIO_STICKY };
+                   URING_FAULT_NO_DIRECT, URING_FAULT_NO_URING, URING_FAULT_EIO_STICKY,
+                   URING_FAULT_SUBMIT };
 void uring_fault_set(struct uring *u, enum uring_fault kind, unsigned nth);
 
 #endif
