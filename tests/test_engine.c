@@ -2424,7 +2424,8 @@ Test(engine, writeback_that_keeps_failing_gives_eio_and_keeps_the_data)
 
 /* Two fetches of a home tier that joined a write-back into it, whose content a DIRTY
  * release overtook meanwhile: the first to wake saw the other's pin on the stale home and
- * returned a spurious -EBUSY. Both must get the newest content. */
+ * returned a spurious -EBUSY, or the error of an earlier failed load of the home that the
+ * write-back never cleared. Both must get the newest content. */
 Test(engine, two_fetches_joining_an_overtaken_writeback_of_the_home_both_succeed)
 {
     zinf_engine *e = open_eng(MiB, 4 * MiB, BLOCK);
@@ -2438,6 +2439,10 @@ Test(engine, two_fetches_joining_an_overtaken_writeback_of_the_home_both_succeed
     cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
     memcpy(p, b, n);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    /* An earlier load of the stale home from the device copy fails: its error stays on
+     * the home copy for whoever joined that load. */
+    device_fault_set(e->dev, 1, -EIO);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &q), -EIO);
 
     device_hold(e->dev, true);
     struct call fa, fb, fc;
