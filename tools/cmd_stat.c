@@ -144,7 +144,10 @@ int cmd_stat(int argc, char **argv)
         /* The stripe layout on disk depends on the block size it was written with: take
          * it from the manifest when there is one. */
         char mpath[4096];
-        struct zinf_options o = {.nvme_path = path, .flags = ZINF_OPEN_READONLY};
+        /* Unpinned: an inspection has no transfers to speed up, and should not lock a
+         * default-sized host tier in memory next to a job that needs it. */
+        struct zinf_options o = {.nvme_path = path,
+                                 .flags = ZINF_OPEN_READONLY | ZINF_OPEN_NO_PIN};
         snprintf(mpath, sizeof(mpath), "%s/zinf-manifest.json", path);
         json_t *m = json_load_file(mpath, 0, NULL);
         if (m) {
