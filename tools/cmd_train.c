@@ -319,9 +319,6 @@ int cmd_train(int argc, char **argv)
         }
     }
     trainer_get_summary(t, &sum);
-    if (stop_requested)
-        printf("# %s: finishing here, the state is flushed (continue with --resume)\n",
-               stop_requested == SIGINT ? "SIGINT" : "SIGTERM");
     if (sum.torn) {
         /* Half of the failed step's updates are in memory: the last checkpoint stays. */
         fprintf(stderr, "zinf train: the state of step %d (the last checkpoint) is kept; "
@@ -335,8 +332,11 @@ int cmd_train(int argc, char **argv)
             fprintf(stderr, "zinf train: the state of step %d is saved; --resume continues "
                             "from there once the cause is fixed\n", sum.steps_done);
     }
-    if (status == 0 && stop_requested)
+    if (status == 0 && stop_requested) {
+        printf("# %s: finishing here, the state is flushed (continue with --resume)\n",
+               stop_requested == SIGINT ? "SIGINT" : "SIGTERM");
         status = 128 + stop_requested;
+    }
     trainer_get_summary(t, &sum);
     printf("# summary: %d steps, model state %s\n", sum.steps_done,
            format_size(sum.model_state_bytes, a, sizeof(a)));
