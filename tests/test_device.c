@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "helpers.h"
@@ -603,6 +604,58 @@ Test(device, zero)
     device_close(d);
 }
 
+/* Zeros queued like a copy (device_copy.zero): they land after the copies into the arena
+ * queued before them and before those queued after, and their callback says so. */
+static void zero_copies_in_order(struct device *d)
+{
+    const size_t n = 512 * KiB;
+    char *a = test_aligned_alloc(n), *b = test_aligned_alloc(n), *back = test_aligned_alloc(n);
+    struct tally t;
+    struct tcopy tc[3];
+    uint64_t off;
+
+    cr_assert(a && b && back);
+    tally_init(&t);
+    test_fill_random(a, n, 31);
+    test_fill_random(b, n, 32);
+    cr_assert_eq(device_alloc(d, n, &off), 0);
+    tcopy_set(&tc[0], &t, 0, DEVICE_H2D, off, a, n);                   /* all of a */
+    tcopy_set(&tc[1], &t, 1, DEVICE_H2D, off + 4096, NULL, 300 * KiB); /* zeros over it */
+    tc[1].c.zero = true;
+    tcopy_set(&tc[2], &t, 2, DEVICE_H2D, off + 200 * KiB, b, 8192);    /* then b, inside */
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(device_copy_async(d, &tc[i].c), 0);
+    for (int i = 0; i < 20000 && atomic_load(&t.calls) < 3; i++)
+        usleep(500);
+    cr_assert_eq(atomic_load(&t.calls), 3);
+    cr_assert_eq(atomic_load(&t.bad_res), 0);
+    cr_assert_eq(t.order[DEVICE_H2D][0], 0);
+    cr_assert_eq(t.order[DEVICE_H2D][1], 1);
+    cr_assert_eq(t.order[DEVICE_H2D][2], 2);
+    memset(a + 4096, 0, 300 * KiB);
+    memcpy(a + 200 * KiB, b, 8192);
+    cr_assert_eq(device_copy_sync(d, DEVICE_D2H, off, back, n), 0);
+    cr_assert(memcmp(back, a, n) == 0, "the zeros did not land in queue order");
+
+    /* Zeros only go to the device; a zero copy out of it is refused. */
+    struct tcopy bad;
+    tcopy_set(&bad, &t, 3, DEVICE_D2H, off, NULL, 4096);
+    bad.c.zero = true;
+    cr_assert_eq(device_copy_async(d, &bad.c), -EINVAL);
+    cr_assert_eq(device_free(d, off), 0);
+    tally_fini(&t);
+    free(back);
+    free(b);
+    free(a);
+}
+
+Test(device, zero_copies_run_in_queue_order)
+{
+    struct device *d = open_emu(MiB);
+    zero_copies_in_order(d);
+    device_close(d);
+}
+
 Test(device, zero_bad_input)
 {
     struct device *d = open_emu(MiB);
@@ -868,4 +921,11 @@ Test(device_gpu, close_refuses_new_copies_with_eshutdown)
     cr_assert_eq(atomic_load(&ch.shutdowns), 1);
     cr_assert_eq(atomic_load(&ch.errors), 0);
     free(ch.host);
+}
+
+Test(device_gpu, zero_copies_run_in_queue_order)
+{
+    struct device *d = open_cuda(MiB);
+    zero_copies_in_order(d);
+    device_close(d);
 }
