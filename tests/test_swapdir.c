@@ -461,6 +461,10 @@ static void *flush_loop(void *arg)
             if (zinf_write(f->e, t[i], 0, buf, N_F) < 0) abort();
         if (zinf_flush(f->e) < 0) abort();
         f->flushes++;
+        /* A job checkpoints now and then, not without a pause: the reader must get a
+         * chance (it tries again while the state keeps being replaced, a bounded number
+         * of times). */
+        usleep(2000);
     }
     free(buf);
     return NULL;
