@@ -497,24 +497,24 @@ static int alloc_locked(struct nvme *n, uint64_t bytes, uint64_t *off, bool may_
     return r;
 }
 
-int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off)
+static int alloc_checked(struct nvme *n, uint64_t bytes, uint64_t *off, bool may_grow)
 {
     if (!n || !off || !bytes || bytes > NVME_MAX_BYTES) return -EINVAL;
     if (n->readonly) return -EROFS;
     pthread_mutex_lock(&n->lock);
-    int r = alloc_locked(n, bytes, off, true);
+    int r = alloc_locked(n, bytes, off, may_grow);
     pthread_mutex_unlock(&n->lock);
     return r;
 }
 
+int nvme_alloc(struct nvme *n, uint64_t bytes, uint64_t *off)
+{
+    return alloc_checked(n, bytes, off, true);
+}
+
 int nvme_alloc_nogrow(struct nvme *n, uint64_t bytes, uint64_t *off)
 {
-    if (!n || !off || !bytes || bytes > NVME_MAX_BYTES) return -EINVAL;
-    if (n->readonly) return -EROFS;
-    pthread_mutex_lock(&n->lock);
-    int r = alloc_locked(n, bytes, off, false);
-    pthread_mutex_unlock(&n->lock);
-    return r;
+    return alloc_checked(n, bytes, off, false);
 }
 
 int nvme_grow_for(struct nvme *n, uint64_t bytes)
