@@ -1266,3 +1266,67 @@ Test(nvme, stripe_unit_must_be_a_power_of_two)
     uring_close(u);
     test_rmtree(d);
 }
+
+/* Starting over on swap files a manifest names: the manifest must go before their bytes
+ * do. The files used to be truncated first, so a crash in between left a manifest naming
+ * bytes that were gone. Here its removal fails (it is a directory), and the files must
+ * still hold what they held; when it can be removed, it is gone and the files are empty. */
+Test(nvme, start_over_removes_the_manifest_before_emptying_the_files)
+{
+    struct uring *u = open_engine(URING_BACKEND_AUTO);
+    const char *dirs[] = {dir};
+    struct nvme_opts ko = {.dirs = dirs, .ndirs = 1, .capacity_bytes = 256 * KiB};
+    struct nvme *n = NULL;
+    cr_assert_eq(nvme_open(&ko, u, &n), 0); /* files kept at close */
+    char *buf = test_aligned_alloc(64 * KiB);
+    uint64_t off;
+    cr_assert_eq(nvme_alloc(n, 64 * KiB, &off), 0);
+    memset(buf, 0x5a, 64 * KiB);
+    cr_assert_eq(nvme_write(n, off, buf, 64 * KiB), 0);
+    cr_assert_eq(nvme_sync(n), 0);
+    nvme_close(n);
+    int64_t size = file_size(dir, 0);
+    cr_assert_gt(size, 0);
+
+    char *manifest;
+    cr_assert_geq(asprintf(&manifest, "%s/manifest", dir), 0);
+    cr_assert_eq(mkdir(manifest, 0700), 0);
+    char *inside;
+    cr_assert_geq(asprintf(&inside, "%s/x", manifest), 0);
+    FILE *f = fopen(inside, "w");
+    cr_assert_not_null(f);
+    fclose(f);
+    ko.remove_before_truncate = manifest;
+    test_log_capture_start();
+    int r = nvme_open(&ko, u, &n);
+    cr_assert_lt(r, 0, "the manifest could not be removed: the open fails");
+    cr_assert(log_lines_with("left as they were") == 1, "%s", test_log_text());
+    test_log_capture_stop();
+    cr_assert_eq(file_size(dir, 0), size, "the swap file was emptied anyway");
+    cr_assert_eq(nvme_open(&(struct nvme_opts){.dirs = dirs, .ndirs = 1, .keep = true}, u, &n),
+                 0);
+    char *back = test_aligned_alloc(64 * KiB);
+    cr_assert_eq(nvme_reserve(n, off, 64 * KiB), 0); /* what the manifest would name */
+    cr_assert_eq(nvme_read(n, off, back, 64 * KiB), 0);
+    cr_assert_eq(memcmp(back, buf, 64 * KiB), 0, "the bytes the manifest named are gone");
+    nvme_close(n);
+
+    /* Removable: gone, and the files start empty (preallocated anew). */
+    cr_assert_eq(unlink(inside), 0);
+    cr_assert_eq(rmdir(manifest), 0);
+    f = fopen(manifest, "w");
+    cr_assert_not_null(f);
+    fclose(f);
+    ko.remove_on_close = true;
+    cr_assert_eq(nvme_open(&ko, u, &n), 0);
+    cr_assert_eq(access(manifest, F_OK), -1, "the manifest is still there");
+    cr_assert_eq(nvme_reserve(n, off, 64 * KiB), 0);
+    cr_assert_eq(nvme_read(n, off, back, 64 * KiB), 0);
+    cr_assert_eq(memchr(back, 0x5a, 64 * KiB), NULL, "old bytes survived the start over");
+    nvme_close(n);
+    free(inside);
+    free(manifest);
+    free(back);
+    free(buf);
+    uring_close(u);
+}

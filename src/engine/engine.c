@@ -850,10 +850,16 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
             }
             e->nvme_ndirs++;
         }
+        /* Starting over: the manifest goes (durably) before the files it names are
+         * emptied, once they are locked, so a crash in between leaves nothing to resume
+         * rather than a manifest naming bytes that are gone. */
+        char mpath[4096];
+        persist_manifest_path(e->nvme_dirs[0], mpath, sizeof(mpath));
         struct nvme_opts nop = {.dirs = (const char *const *)e->nvme_dirs, .ndirs = n,
                                 .block_size = o.block_size,
                                 .keep = (o.flags & ZINF_OPEN_RESUME) != 0,
-                                .readonly = (o.flags & ZINF_OPEN_READONLY) != 0};
+                                .readonly = (o.flags & ZINF_OPEN_READONLY) != 0,
+                                .remove_before_truncate = mpath};
         if ((r = nvme_open(&nop, e->io, &e->nvme)) < 0)
             goto err;
     }

@@ -337,6 +337,8 @@ uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2);
 int persist_flush(struct zinf_engine *e);
 int persist_resume(struct zinf_engine *e);
 int persist_remove_manifest(struct zinf_engine *e);
+/* Where the manifest of swap directory dir lives. */
+void persist_manifest_path(const char *dir, char *buf, size_t len);
 /* Is there a saved state in swap directory dir? 0 with *ntensors the tensors its manifest
  * names (SIZE_MAX when it cannot be read: a state all the same) and, when id is not NULL,
  * a checksum of the manifest's bytes (a different value means a different state);

@@ -138,6 +138,11 @@ static void manifest_path(struct zinf_engine *e, char *buf, size_t len, const ch
     snprintf(buf, len, "%s/%s%s", e->nvme_dirs[0], MANIFEST_NAME, suffix);
 }
 
+void persist_manifest_path(const char *dir, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s/%s", dir, MANIFEST_NAME);
+}
+
 int persist_remove_manifest(struct zinf_engine *e)
 {
     char path[4096];

@@ -151,7 +151,8 @@ static int find_kept(const struct nvme *n, bool *reopen)
     return -ENOENT;
 }
 
-/* Open, lock and (without keep) truncate file i. With reopen the file must exist. */
+/* Open and lock file i (nvme_open() truncates it after, without keep). With reopen the
+ * file must exist. */
 static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
 {
     struct nvme_file *f = &n->files[i];
@@ -199,11 +200,47 @@ static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
     /* A kept file is the user's; one that keep found absent a moment ago and created is
      * empty, unless another process wrote to it in between. */
     f->scratch = !keep || (!reopen && st.st_size == 0);
-    if (keep) return 0;
-    if (ftruncate(fd, 0) != 0) {
-        r = -errno;
-        log_error("nvme: %s: cannot truncate %s: %s", dir, f->path, strerror(-r));
-        return r;
+    return 0;
+}
+
+/* Without keep, once every file is locked: delete what names the old content, then empty
+ * the files. */
+static int start_over(struct nvme *n, const char *remove_first)
+{
+    if (remove_first) {
+        /* Until the manifest is gone the files are the user's: a failure here keeps them. */
+        for (unsigned i = 0; i < n->nfiles; i++)
+            n->files[i].scratch = false;
+        if (unlink(remove_first) == 0) {
+            char dir[4096];
+            snprintf(dir, sizeof(dir), "%s", remove_first);
+            char *slash = strrchr(dir, '/');
+            if (slash)
+                *slash = '\0';
+            int dfd = open(slash ? dir : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+            int r = dfd < 0 || fsync(dfd) < 0 ? -errno : 0;
+            if (dfd >= 0) close(dfd);
+            if (r < 0) {
+                log_error("nvme: %s: syncing the directory after removing %s failed: %s; the "
+                          "swap files are left as they were", dir, remove_first, strerror(-r));
+                return r;
+            }
+        } else if (errno != ENOENT) {
+            int r = -errno;
+            log_error("nvme: cannot remove %s: %s; the swap files are left as they were",
+                      remove_first, strerror(-r));
+            return r;
+        }
+        for (unsigned i = 0; i < n->nfiles; i++)
+            n->files[i].scratch = true;
+    }
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        struct nvme_file *f = &n->files[i];
+        if (ftruncate(uring_file_fd(n->io, f->slot), 0) != 0) {
+            int r = -errno;
+            log_error("nvme: %s: cannot truncate %s: %s", f->dir, f->path, strerror(-r));
+            return r;
+        }
     }
     return 0;
 }
@@ -304,6 +341,8 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
         r = open_file(n, i, o->keep || o->readonly, reopen);
         if (r < 0) goto err;
     }
+    if (!o->keep && !o->readonly && (r = start_over(n, o->remove_before_truncate)) < 0)
+        goto err;
 
     if (reopen) {
         r = kept_size(n);

@@ -82,6 +82,11 @@ struct nvme_opts {
     bool remove_on_close;    /* unlink the swap files at nvme_close() */
     bool keep;               /* reopen existing swap files with their content (see above) */
     bool readonly;           /* open existing files read-only, unlocked (see above) */
+    /* Without keep: a file to delete (durably: its directory is fsynced) once every swap
+     * file is locked and before any is truncated, such as the manifest that names their
+     * old content; NULL: none. A crash in between then leaves no manifest naming bytes
+     * that are gone. */
+    const char *remove_before_truncate;
 };
 
 struct nvme_stats {
