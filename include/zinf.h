@@ -113,6 +113,10 @@ struct zinf_stats {
 ZINF_API int zinf_open(const struct zinf_options *opt, zinf_engine **out);
 /* Open an engine from a DeepSpeed-style JSON config (see `zinf config check`). */
 ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out);
+/* The same with ZINF_OPEN_* flags (RESUME, OVERWRITE, READONLY, NO_PIN), as zinf_open
+ * takes them in zinf_options.flags: how a config's swap directory with a saved state is
+ * resumed, inspected or started over. -EINVAL for an unknown flag. */
+ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_engine **out);
 /* Flush (when there is an NVMe tier), wait for everything in flight, free. NULL: no-op. */
 ZINF_API void zinf_close(zinf_engine *e);
 

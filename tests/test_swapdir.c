@@ -515,3 +515,50 @@ Test(swapdir, readonly_next_to_a_job_that_flushes_all_the_time_always_opens)
     zinf_close(w);
     free(got);
 }
+
+/* ---- the same through a config file ----------------------------------------------------- */
+
+static char *write_config(void)
+{
+    char *path;
+    cr_assert_geq(asprintf(&path, "%s.json", dir), 0);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"nvme\", "
+            "\"nvme_path\": \"%s\", \"pin_memory\": false}},\n"
+            " \"aio\": {\"block_size\": %zu, \"queue_depth\": 8},\n"
+            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": %zu, \"host_bytes\": %zu}}\n",
+            dir, (size_t)BLOCK, (size_t)4 * MiB, (size_t)4 * MiB);
+    fclose(f);
+    return path;
+}
+
+/* zinf_open_config takes no flags, so a caller with only a config could neither resume
+ * nor start over a saved state, which a plain open now refuses: zinf_open_config_flags. */
+Test(swapdir, config_open_takes_the_same_flags)
+{
+    unsigned char *a, *b;
+    make_saved_state(&a, &b);
+    char *cfg = write_config();
+    zinf_engine *e = (zinf_engine *)1;
+
+    cr_assert_eq(zinf_open_config(cfg, &e), -EEXIST);
+    cr_assert_null(e);
+    cr_assert_eq(zinf_open_config_flags(cfg, 1u << 30, &e), -EINVAL);
+    cr_assert_eq(zinf_open_config_flags(cfg, ZINF_OPEN_READONLY, &e), 0);
+    expect_saved_state(e, a, b);
+    zinf_close(e);
+    cr_assert_eq(zinf_open_config_flags(cfg, ZINF_OPEN_RESUME, &e), 0);
+    expect_saved_state(e, a, b);
+    zinf_close(e);
+    cr_assert_eq(zinf_open_config_flags(cfg, ZINF_OPEN_OVERWRITE, &e), 0);
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tensors, 0);
+    zinf_close(e);
+    unlink(cfg);
+    free(cfg);
+    free(a);
+    free(b);
+}

@@ -956,11 +956,19 @@ int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine 
 
 ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out)
 {
+    return zinf_open_config_flags(json_path, 0, out);
+}
+
+ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_engine **out)
+{
     struct zinf_config c;
     char err[512];
     int r;
 
     if (!json_path || !out)
+        return -EINVAL;
+    *out = NULL;
+    if (flags & ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN | ZINF_OPEN_OVERWRITE | ZINF_OPEN_READONLY))
         return -EINVAL;
     r = config_parse_file(json_path, &c, err, sizeof(err));
     if (r < 0) {
@@ -968,7 +976,7 @@ ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out)
         config_free(&c);
         return r;
     }
-    r = engine_open_config(&c, 0, out);
+    r = engine_open_config(&c, flags, out);
     config_free(&c);
     return r;
 }
