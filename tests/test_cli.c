@@ -104,6 +104,11 @@ Test(cli, bench_rows_are_verified)
     }
     cr_assert_eq(rows, 4);
     free(o);
+    /* The buffers use huge pages unless asked not to, and the header says which. */
+    cr_assert_eq(run(&o, "bench --path %s --size 4M --block-size 256K --no-huge-pages", dir), 0,
+                 "%s", o);
+    cr_assert(strstr(o, "huge pages no (--no-huge-pages)"), "%s", o);
+    free(o);
     /* The file is removed afterwards unless --keep. */
     char path[4096];
     snprintf(path, sizeof(path), "%s/zinf-bench.dat", dir);

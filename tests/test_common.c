@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "hugemem.h"
 #include "helpers.h"
 
 TestSuite(common, .fini = test_leak_check);
@@ -61,4 +62,31 @@ Test(common, alignment)
     cr_assert_eq(align_down(8191, 4096), 4096);
     cr_assert(is_aligned(8192, 4096));
     cr_assert(!is_aligned(8193, 4096));
+}
+
+/* IO buffers: 2 MiB aligned when huge pages are asked for, zero-filled, usable to the last
+ * byte; 0 bytes (or absurd sizes) refused with -EINVAL. */
+Test(common, hugemem_map_is_aligned_zeroed_and_refuses_nonsense)
+{
+    for (int huge = 0; huge < 2; huge++) {
+        bool ok;
+        int err = 0;
+        size_t n = 5 * HUGEMEM_PAGE_BYTES + 12345;
+        unsigned char *p = hugemem_map(n, huge, &ok, &err);
+        cr_assert_not_null(p, "huge %d: %s", huge, strerror(-err));
+        cr_assert_eq((uintptr_t)p % (huge ? HUGEMEM_PAGE_BYTES : 4096), 0);
+        for (size_t i = 0; i < n; i += 4096)
+            cr_assert_eq(p[i], 0);
+        cr_assert_eq(p[n - 1], 0);
+        memset(p, 0xab, n);
+        if (!huge)
+            cr_assert(!ok, "no advice was asked for");
+        hugemem_unmap(p, n);
+    }
+    int err = 0;
+    cr_assert_null(hugemem_map(0, true, NULL, &err));
+    cr_assert_eq(err, -EINVAL);
+    cr_assert_null(hugemem_map(SIZE_MAX, true, NULL, &err));
+    cr_assert_eq(err, -EINVAL);
+    hugemem_unmap(NULL, 0);
 }

@@ -29,6 +29,7 @@
 
 #include "cmd.h"
 #include "common.h"
+#include "hugemem.h"
 #include "io/uring.h"
 
 #define PATTERN_SEED 0x7a696e66ull /* "zinf" */
@@ -39,7 +40,7 @@ struct bench_opts {
     uint64_t size;
     size_t block_size;
     unsigned queue_depth;
-    bool do_read, do_write, sweep, json, baseline, keep, sqpoll, no_fixed;
+    bool do_read, do_write, sweep, json, baseline, keep, sqpoll, no_fixed, no_huge;
     enum uring_backend backend;
 };
 
@@ -262,16 +263,18 @@ static double gbps(const struct row *r)
 }
 
 static void print_header(const struct bench_opts *o, const char *path, struct uring_stats *st,
-                         bool direct)
+                         bool direct, bool huge)
 {
     char sz[32];
     if (o->json)
         return;
     printf("# zinf bench %s: %s, %s\n", zinf_version(), path, format_size(o->size, sz, sizeof(sz)));
-    printf("# backend %s, O_DIRECT %s, fixed buffers %s, fixed files %s, sqpoll %s\n",
+    printf("# backend %s, O_DIRECT %s, fixed buffers %s, fixed files %s, sqpoll %s, huge pages "
+           "%s\n",
            uring_backend_name(st->backend), direct ? "yes" : "no (filesystem refused it)",
            st->fixed_buffers && !o->no_fixed ? "yes" : "no", st->fixed_files ? "yes" : "no",
-           st->sqpoll ? "yes" : "no");
+           st->sqpoll ? "yes" : "no",
+           huge ? "yes" : o->no_huge ? "no (--no-huge-pages)" : "no (the kernel refused them)");
     printf("# GB/s is 10^9 bytes per second; cpu is this process's user+system time per GB\n");
     printf("#\n");
     printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s\n", "engine", "op", "size", "block", "qd",
@@ -322,6 +325,7 @@ struct bench_ctx {
     char *mem;       /* queue_depth x block_size for the largest pair of the run */
     size_t mem_bytes;
     int region;
+    bool huge; /* the kernel took MADV_HUGEPAGE for mem */
 };
 
 /* One (block size, queue depth) pair through an engine opened for exactly that pair. */
@@ -405,6 +409,8 @@ static void usage(FILE *f)
             "  --backend B         io_uring | threads (default: io_uring, threads if unavailable)\n"
             "  --sqpoll            use a kernel submission-polling thread\n"
             "  --no-fixed-buffers  do not register the buffers with io_uring\n"
+            "  --no-huge-pages     4 KiB pages for the buffers (default: transparent huge\n"
+            "                      pages, as the engine's host arena uses)\n"
             "  --keep              keep the test file afterwards\n",
             BENCH_FILE);
 }
@@ -412,7 +418,7 @@ static void usage(FILE *f)
 static int parse_args(int argc, char **argv, struct bench_opts *o)
 {
     enum { O_READ = 256, O_WRITE, O_BOTH, O_SWEEP, O_JSON, O_BASE, O_KEEP, O_BACKEND, O_SQPOLL,
-           O_NOFIXED };
+           O_NOFIXED, O_NOHUGE };
     static const struct option longopts[] = {
         {"path", required_argument, NULL, 'p'},
         {"size", required_argument, NULL, 's'},
@@ -428,6 +434,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
         {"backend", required_argument, NULL, O_BACKEND},
         {"sqpoll", no_argument, NULL, O_SQPOLL},
         {"no-fixed-buffers", no_argument, NULL, O_NOFIXED},
+        {"no-huge-pages", no_argument, NULL, O_NOHUGE},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -472,6 +479,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
         case O_KEEP: o->keep = true; break;
         case O_SQPOLL: o->sqpoll = true; break;
         case O_NOFIXED: o->no_fixed = true; break;
+        case O_NOHUGE: o->no_huge = true; break;
         case O_BACKEND:
             if (!strcmp(optarg, "io_uring"))
                 o->backend = URING_BACKEND_IO_URING;
@@ -566,8 +574,13 @@ int cmd_bench(int argc, char **argv)
     /* Two requests per queue slot (see engine_run), and a slot is used only while its
      * offset is inside the file: never more than size + one block of buffers. */
     c.mem_bytes = (size_t)MIN((uint64_t)max_bs * max_qd * 2, c.o.size + max_bs);
-    if (posix_memalign((void **)&c.mem, ZINF_ALIGN, c.mem_bytes)) {
-        fprintf(stderr, "zinf bench: cannot allocate %zu bytes of buffers\n", c.mem_bytes);
+    /* The buffers are what the engine's host arena is: huge pages, so that a request is one
+     * or two segments for the device (hugemem.h); --no-huge-pages measures without. */
+    int merr = 0;
+    c.mem = hugemem_map(c.mem_bytes, !c.o.no_huge, &c.huge, &merr);
+    if (!c.mem) {
+        fprintf(stderr, "zinf bench: cannot allocate %zu bytes of buffers: %s\n", c.mem_bytes,
+                strerror(-merr));
         fails++;
         goto out;
     }
@@ -577,7 +590,7 @@ int cmd_bench(int argc, char **argv)
     uring_get_stats(c.u, &st);
     if (c.region < 0)
         st.fixed_buffers = false;
-    print_header(&c.o, c.path, &st, uring_file_direct(c.u, c.file));
+    print_header(&c.o, c.path, &st, uring_file_direct(c.u, c.file), c.huge);
 
     if (!c.o.do_write && (r = ensure_file(&c)) < 0) {
         fprintf(stderr, "zinf bench: writing %s for the read test failed: %s\n", c.path,
@@ -656,7 +669,7 @@ out:
     if (c.region >= 0)
         uring_buf_unregister(c.u, c.region);
     uring_close(c.u);
-    free(c.mem);
+    hugemem_unmap(c.mem, c.mem_bytes);
     if (created && !c.o.keep) /* a file that was there before is the user's */
         unlink(c.path);
     return fails ? 1 : 0;

@@ -4,7 +4,8 @@
  * One anonymous mapping holds the budget [0, capacity) and, right after it, the staging
  * area. It is built in this order, and host_close() undoes it in reverse, from whatever
  * point a failed host_open() reached:
- *   1. mmap (page aligned, so 4 KiB aligned);
+ *   1. mmap, 2 MiB aligned and advised to use transparent huge pages (hugemem.h: whole
+ *      IO requests then reach the drive as one or two segments and merge);
  *   2. NUMA placement: mbind(MPOL_PREFERRED) before the first touch, so pages come from
  *      the chosen node while it has free memory and from another one after that, rather
  *      than waking the OOM killer for a placement that is only a speed-up;
@@ -30,6 +31,7 @@
 #include <sys/resource.h>
 
 #include "common.h"
+#include "hugemem.h"
 #include "io/uring.h"
 #include "tiers/device.h"
 #include "tiers/extent.h"
@@ -44,6 +46,7 @@ struct host {
     size_t capacity_bytes, staging_bytes, total_bytes;
     int numa_node; /* where the arena lives, -1 unknown */
     bool locked, cuda_registered;
+    bool huge_pages; /* the kernel took MADV_HUGEPAGE for the arena */
     int io_region; /* -1: not registered */
 
     pthread_mutex_t lock; /* ext */
@@ -206,10 +209,9 @@ int host_open(const struct host_opts *o, struct host **out)
     ret = extent_init(&h->ext, cap, ZINF_ALIGN);
     if (ret) goto err;
 
-    p = mmap(NULL, h->total_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
+    p = hugemem_map(h->total_bytes, true, &h->huge_pages, &ret);
+    if (!p) {
         char sz[32];
-        ret = -errno;
         log_error("cannot map the %s host arena: %s", format_size(h->total_bytes, sz, sizeof(sz)),
                   strerror(-ret));
         goto err;
@@ -241,7 +243,7 @@ void host_close(struct host *h)
     if (h->io_region >= 0) uring_buf_unregister(h->io, h->io_region);
     if (h->cuda_registered) device_host_unregister(h->dev, h->base);
     if (h->locked) munlock(h->base, h->total_bytes);
-    if (h->base) munmap(h->base, h->total_bytes);
+    hugemem_unmap(h->base, h->total_bytes);
     extent_fini(&h->ext);
     pthread_mutex_destroy(&h->lock);
     free(h);
@@ -298,5 +300,6 @@ void host_get_stats(struct host *h, struct host_stats *out)
     out->pinned = h->locked;
     out->cuda_registered = h->cuda_registered;
     out->io_registered = h->io_region >= 0;
+    out->huge_pages = h->huge_pages;
     out->numa_node = h->numa_node;
 }

@@ -33,6 +33,7 @@ struct host_stats {
     bool pinned;             /* mlock succeeded */
     bool cuda_registered;
     bool io_registered;
+    bool huge_pages;         /* transparent huge pages asked for and accepted (hugemem.h) */
     int numa_node;           /* where the arena lives, -1 unknown */
 };
 

@@ -1,0 +1,47 @@
+/*
+ * hugemem.c - see hugemem.h.
+ */
+#include <errno.h>
+#include <stdint.h>
+#include <sys/mman.h>
+
+#include "common.h"
+#include "hugemem.h"
+
+void *hugemem_map(size_t bytes, bool huge, bool *huge_ok, int *err)
+{
+    size_t len = align_up(bytes, ZINF_ALIGN);
+    size_t span = len + (huge ? HUGEMEM_PAGE_BYTES : 0);
+    char *p, *base;
+
+    if (huge_ok)
+        *huge_ok = false;
+    if (bytes == 0 || bytes > SIZE_MAX / 2) {
+        *err = -EINVAL;
+        return NULL;
+    }
+    p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        *err = -errno;
+        return NULL;
+    }
+    if (!huge)
+        return p;
+    /* Keep the 2 MiB aligned part of a mapping one huge page larger, and give back the
+     * rest: huge pages only back aligned 2 MiB ranges. */
+    base = (char *)align_up((uint64_t)(uintptr_t)p, HUGEMEM_PAGE_BYTES);
+    if (base > p)
+        munmap(p, (size_t)(base - p));
+    if (p + span > base + len)
+        munmap(base + len, (size_t)(p + span - (base + len)));
+    int r = madvise(base, len, MADV_HUGEPAGE);
+    if (huge_ok)
+        *huge_ok = r == 0;
+    return base;
+}
+
+void hugemem_unmap(void *p, size_t bytes)
+{
+    if (p)
+        munmap(p, align_up(bytes, ZINF_ALIGN));
+}
