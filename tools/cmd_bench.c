@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/sysmacros.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -53,7 +54,54 @@ struct row {
     double seconds, cpu_seconds;
     bool verified;
     uint64_t bad_blocks;
+    /* What the block device under the file saw during the pass (the whole device: other
+     * IO on it counts too); dev_ok false where there is none (tmpfs) or no stat file. */
+    bool dev_ok;
+    uint64_t dev_requests, dev_merges, dev_bytes;
 };
+
+/* ---- what reached the device -------------------------------------------------------- */
+
+struct devsnap {
+    bool ok;
+    uint64_t reqs[2], merges[2], sectors[2]; /* [0] reads, [1] writes */
+};
+
+/* /sys/dev/block/MAJ:MIN/stat of the device (or partition) that holds path. */
+static struct devsnap dev_snap(const char *path)
+{
+    struct devsnap d = {0};
+    struct stat st;
+    char sys[128];
+    unsigned long long f[7];
+
+    if (stat(path, &st) != 0 || major(st.st_dev) == 0)
+        return d; /* no block device: tmpfs, overlay and the like */
+    snprintf(sys, sizeof(sys), "/sys/dev/block/%u:%u/stat", major(st.st_dev), minor(st.st_dev));
+    FILE *fp = fopen(sys, "r");
+    if (!fp)
+        return d;
+    /* reads completed, reads merged, sectors read, ms reading, writes completed, writes
+     * merged, sectors written, ... */
+    d.ok = fscanf(fp, "%llu %llu %llu %llu %llu %llu %llu", &f[0], &f[1], &f[2], &f[3], &f[4],
+                  &f[5], &f[6]) == 7;
+    fclose(fp);
+    d.reqs[0] = f[0], d.merges[0] = f[1], d.sectors[0] = f[2];
+    d.reqs[1] = f[4], d.merges[1] = f[5], d.sectors[1] = f[6];
+    return d;
+}
+
+static void dev_account(struct row *r, const struct devsnap *a, const struct devsnap *b,
+                        enum uring_op op)
+{
+    int k = op == URING_WRITE;
+    r->dev_ok = a->ok && b->ok;
+    if (!r->dev_ok)
+        return;
+    r->dev_requests = b->reqs[k] - a->reqs[k];
+    r->dev_merges = b->merges[k] - a->merges[k];
+    r->dev_bytes = (b->sectors[k] - a->sectors[k]) * 512;
+}
 
 /* ---- the pattern ------------------------------------------------------------------ */
 
@@ -276,29 +324,45 @@ static void print_header(const struct bench_opts *o, const char *path, struct ur
            st->sqpoll ? "yes" : "no",
            huge ? "yes" : o->no_huge ? "no (--no-huge-pages)" : "no (the kernel refused them)");
     printf("# GB/s is 10^9 bytes per second; cpu is this process's user+system time per GB\n");
+    printf("# dev_reqs, merges, dev_avg: requests the block device under the path completed in\n"
+           "#   the pass, how many it merged into others, their average size (the whole device:\n"
+           "#   other IO on it counts too; '-' where there is no block device)\n");
     printf("#\n");
-    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s\n", "engine", "op", "size", "block", "qd",
-           "time", "GB/s", "cpu_s/GB", "verified");
-    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s\n", "", "", "(B)", "(B)", "", "(s)", "", "",
-           "");
+    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s %8s %9s %9s\n", "engine", "op", "size",
+           "block", "qd", "time", "GB/s", "cpu_s/GB", "dev_reqs", "merges", "dev_avg",
+           "verified");
+    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s %8s %9s %9s\n", "", "", "(B)", "(B)", "",
+           "(s)", "", "", "", "", "(B)", "");
 }
 
 static void print_row(const struct bench_opts *o, const struct row *r, int err)
 {
     double gb = (double)r->bytes / 1e9;
     const char *v = err ? "error" : r->verified ? "ok" : "FAIL";
+    char reqs[24] = "-", merges[24] = "-", avg[24] = "-";
+    if (r->dev_ok) {
+        snprintf(reqs, sizeof(reqs), "%llu", (unsigned long long)r->dev_requests);
+        snprintf(merges, sizeof(merges), "%llu", (unsigned long long)r->dev_merges);
+        snprintf(avg, sizeof(avg), "%llu",
+                 (unsigned long long)(r->dev_requests ? r->dev_bytes / r->dev_requests : 0));
+    }
     if (o->json) {
+        char dev[160] = "null";
+        if (r->dev_ok)
+            snprintf(dev, sizeof(dev),
+                     "{\"requests\": %s, \"merges\": %s, \"avg_request_bytes\": %s}", reqs,
+                     merges, avg);
         printf("{\"engine\": \"%s\", \"op\": \"%s\", \"bytes\": %llu, \"block_size\": %zu, "
                "\"queue_depth\": %u, \"seconds\": %.6f, \"GBps\": %.4f, \"cpu_s_per_GB\": %.4f, "
-               "\"verified\": %s, \"bad_blocks\": %llu, \"error\": %s%s%s}\n",
+               "\"device\": %s, \"verified\": %s, \"bad_blocks\": %llu, \"error\": %s%s%s}\n",
                r->engine, r->op, (unsigned long long)r->bytes, r->block_size, r->queue_depth,
-               r->seconds, gbps(r), gb > 0 ? r->cpu_seconds / gb : 0,
+               r->seconds, gbps(r), gb > 0 ? r->cpu_seconds / gb : 0, dev,
                !err && r->verified ? "true" : "false", (unsigned long long)r->bad_blocks,
                err ? "\"" : "", err ? zinf_strerror(err) : "null", err ? "\"" : "");
     } else {
-        printf("  %7s %6s %14llu %9zu %5u %9.3f %8.3f %9.3f %9s\n", r->engine, r->op,
+        printf("  %7s %6s %14llu %9zu %5u %9.3f %8.3f %9.3f %9s %8s %9s %9s\n", r->engine, r->op,
                (unsigned long long)r->bytes, r->block_size, r->queue_depth, r->seconds, gbps(r),
-               gb > 0 ? r->cpu_seconds / gb : 0, v);
+               gb > 0 ? r->cpu_seconds / gb : 0, reqs, merges, avg, v);
         if (err)
             printf("# %s %s failed: %s\n", r->engine, r->op, zinf_strerror(err));
     }
@@ -349,7 +413,10 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
         region = uring_buf_register(u, c->mem, c->mem_bytes);
     if (c->o.do_write) {
         row = (struct row){.engine = "zinf", .op = "write", .block_size = bs, .queue_depth = qd};
+        struct devsnap d0 = dev_snap(c->path);
         err = engine_run(u, file, URING_WRITE, c->o.size, bs, nslots, c->mem, &row);
+        struct devsnap d1 = dev_snap(c->path);
+        dev_account(&row, &d0, &d1, URING_WRITE);
         if (report)
             print_row(&c->o, &row, err);
         fails += err != 0;
@@ -359,7 +426,10 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
     if (c->o.do_read) {
         drop_cache(uring_file_fd(u, file));
         row = (struct row){.engine = "zinf", .op = "read", .block_size = bs, .queue_depth = qd};
+        struct devsnap d0 = dev_snap(c->path);
         err = engine_run(u, file, URING_READ, c->o.size, bs, nslots, c->mem, &row);
+        struct devsnap d1 = dev_snap(c->path);
+        dev_account(&row, &d0, &d1, URING_READ);
         if (report)
             print_row(&c->o, &row, err);
         fails += err != 0 || !row.verified;
@@ -649,7 +719,10 @@ int cmd_bench(int argc, char **argv)
         if (c.o.do_write) {
             row = (struct row){.engine = "pread", .op = "write", .block_size = c.o.block_size,
                                .queue_depth = 1};
+            struct devsnap d0 = dev_snap(c.path);
             r = baseline_run(c.path, URING_WRITE, c.o.size, c.o.block_size, buf, &row);
+            struct devsnap d1 = dev_snap(c.path);
+            dev_account(&row, &d0, &d1, URING_WRITE);
             print_row(&c.o, &row, r);
             fails += r != 0;
         }
@@ -657,7 +730,10 @@ int cmd_bench(int argc, char **argv)
             drop_cache(uring_file_fd(c.u, c.file));
             row = (struct row){.engine = "pread", .op = "read", .block_size = c.o.block_size,
                                .queue_depth = 1};
+            struct devsnap d0 = dev_snap(c.path);
             r = baseline_run(c.path, URING_READ, c.o.size, c.o.block_size, buf, &row);
+            struct devsnap d1 = dev_snap(c.path);
+            dev_account(&row, &d0, &d1, URING_READ);
             print_row(&c.o, &row, r);
             fails += r != 0 || !row.verified;
         }
