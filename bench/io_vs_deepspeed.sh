@@ -29,7 +29,7 @@ if ! dpkg-query -W -f='${Status}' libaio-dev 2>/dev/null | grep -q 'install ok i
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q libaio-dev ||
     { $sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q libaio-dev; }
 fi
-if ! "$venv/bin/python" -c 'import deepspeed, torch' 2>/dev/null; then
+if ! "$venv/bin/python" -c 'import deepspeed, torch' >/dev/null 2>&1; then
   echo "# setting up $venv (torch, deepspeed from PyPI)"
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q torch deepspeed
@@ -42,7 +42,7 @@ zfile="$dir/zinf-bench.dat"
 dsfile="$dir/ds-aio-write.dat"
 trap 'rm -f "$dsfile"' EXIT
 
-echo "# zinf $("$zinf" version | head -n 1) against deepspeed $("$py" -c 'import deepspeed; print(deepspeed.__version__)' 2>/dev/null)"
+echo "# $("$zinf" version | head -n 1) against deepspeed $("$py" -c 'import importlib.metadata as m; print(m.version("deepspeed"))')"
 echo "# $dir on $(df --output=source "$dir" | tail -n 1), $size, $rounds rounds, blocks $blocks, depths $depths"
 echo "# the pattern file for the reads:"
 "$zinf" bench --path "$dir" --size "$size" --write --keep --json | sed 's/^/#   /'
