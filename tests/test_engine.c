@@ -2630,3 +2630,41 @@ Test(engine, fetch_whose_submission_is_refused_reports_it)
     free(a);
     zinf_close(e);
 }
+
+/* A write-back that needs a new extent when the swap files are full must grow them, and
+ * never with the engine lock held: an asynchronous fetch leaves the growth to zinf_wait()
+ * (its ticket comes back at once, the files as they were), whose blocking fetch grows them
+ * with the lock dropped, writes the dirty copy back and loads. */
+Test(engine, writeback_that_needs_the_swap_files_to_grow)
+{
+    zinf_engine *e = open_eng(MiB, 48 * MiB, MiB);
+    const size_t n = 30 * MiB;
+    zinf_tensor big = test_register(e, "big", 190 * MiB, ZINF_TIER_NVME); /* 256 MiB files */
+    zinf_tensor t = test_register(e, "t", n, ZINF_TIER_NVME);
+    zinf_tensor f = test_register(e, "f", n, ZINF_TIER_NVME);
+    uint64_t cap0 = stats(e).tier[ZINF_TIER_NVME].capacity_bytes;
+    cr_assert_lt(cap0 - stats(e).tier[ZINF_TIER_NVME].used_bytes, n, "the files are nearly full");
+    cr_assert_eq(zinf_flush(e), 0); /* the manifest names t's extent: its write-back moves */
+
+    unsigned char *b = test_rand_buf(n, 213);
+    void *p;
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+    memcpy(p, b, n);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+
+    uint64_t k;
+    cr_assert_eq(zinf_fetch_async(e, f, ZINF_TIER_HOST, &k), 0); /* evicts t: no room */
+    cr_assert_eq(stats(e).tier[ZINF_TIER_NVME].capacity_bytes, cap0,
+                 "the asynchronous fetch grew the files under the lock");
+    cr_assert_eq(zinf_wait(e, k, &p), 0);
+    cr_assert(all_zero(p, n));
+    cr_assert_eq(zinf_release(e, f, ZINF_TIER_HOST, 0), 0);
+    cr_assert_gt(stats(e).tier[ZINF_TIER_NVME].capacity_bytes, cap0, "the files grew");
+    cr_assert_gt(stats(e).tier[ZINF_TIER_HOST].writebacks, 0);
+    test_expect_content(e, t, b, n, "the written-back tensor");
+
+    for (zinf_tensor *x = (zinf_tensor[]){big, t, f, 0}; *x; x++)
+        cr_assert_eq(zinf_unregister(e, *x), 0);
+    free(b);
+    zinf_close(e);
+}

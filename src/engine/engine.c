@@ -196,18 +196,23 @@ static void tensor_free(struct tensor *t)
     }
 }
 
+int engine_grow_swap(struct zinf_engine *e, size_t bytes)
+{
+    /* Never with the engine lock held: fallocate may take seconds while every other call
+     * waits. */
+    pthread_mutex_unlock(&e->lock);
+    int r = nvme_grow_for(e->nvme, bytes);
+    pthread_mutex_lock(&e->lock);
+    return r;
+}
+
 int engine_swap_alloc(struct zinf_engine *e, size_t bytes, uint64_t *off)
 {
     for (;;) {
         int r = nvme_alloc_nogrow(e->nvme, bytes, off);
         if (r != -EAGAIN)
             return r;
-        /* The files must grow first: never with the engine lock held (fallocate may take
-         * seconds while every other call waits). */
-        pthread_mutex_unlock(&e->lock);
-        r = nvme_grow_for(e->nvme, bytes);
-        pthread_mutex_lock(&e->lock);
-        if (r < 0)
+        if ((r = engine_grow_swap(e, bytes)) < 0)
             return r;
     }
 }

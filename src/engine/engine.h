@@ -282,6 +282,9 @@ void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted);
 /* Allocate a swap extent; when the files must grow, the lock is dropped meanwhile, so the
  * caller must hold what it works on exclusively (engine_tensor_lock). Lock held. */
 int engine_swap_alloc(struct zinf_engine *e, size_t bytes, uint64_t *off);
+/* Grow the swap files until bytes fit, with the engine lock dropped meanwhile (held on
+ * entry and return): the caller looks at everything again afterwards. */
+int engine_grow_swap(struct zinf_engine *e, size_t bytes);
 
 /* fetch.c */
 enum reserve_mode {

@@ -347,10 +347,7 @@ int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, enum reserve_mod
                  * again; the others leave it to a blocking call. */
                 if (mode != RESERVE_WAIT)
                     return -EINPROGRESS;
-                size_t need = vt->alloc_bytes;
-                pthread_mutex_unlock(&e->lock);
-                r = nvme_grow_for(e->nvme, need);
-                pthread_mutex_lock(&e->lock);
+                r = engine_grow_swap(e, vt->alloc_bytes);
                 return r < 0 ? r : -EAGAIN;
             }
             if (r < 0 && r != -EAGAIN)
