@@ -2,9 +2,9 @@
 # huge_pages.sh - what huge pages for the IO buffers do to raw reads and writes: `zinf bench`
 # with its default buffers (transparent huge pages, as the engine's host arena) and with
 # --no-huge-pages, alternating, ROUNDS times for each block size x queue depth, every byte
-# verified. For each run it also reads what reached the block device from
-# /sys/class/block/DEV/stat (requests, merges, average request size), so the cause is seen
-# next to the speed.
+# verified. Each run's line also shows what reached the block device (requests, merges,
+# average request size, as `zinf bench --json` reports them), so the cause is seen next to
+# the speed.
 #
 #   bench/huge_pages.sh DIR [SIZE] [ROUNDS]     (defaults: 2G, 3)
 #   ZINF=build/tools/zinf  BLOCKS="1M 4M"  DEPTHS="8 32"
@@ -20,17 +20,10 @@ blocks=${BLOCKS:-1M 4M}
 depths=${DEPTHS:-8 32}
 mkdir -p "$dir"
 
-# The block device under dir (a partition has its own stat file).
-src=$(df --output=source "$dir" | tail -n 1)
-dev=$(basename "$(readlink -f "$src")")
-stat=/sys/class/block/$dev/stat
-[ -r "$stat" ] || { echo "huge_pages.sh: no $stat for $src; block-layer columns are blank" >&2; stat=; }
-
-# fields: reads, read merges, read sectors, ..., writes (5), write merges (6), write sectors (7)
-snap() { [ -n "$stat" ] && awk '{print $1, $2, $3, $5, $6, $7}' "$stat" || echo "0 0 0 0 0 0"; }
+field() { sed -n "s/.*\"$1\": \([0-9.a-z]*\).*/\1/p" | tail -n 1; }
 
 declare -A runs
-echo "# zinf bench on $dir ($dev), $size, rounds $rounds, blocks $blocks, depths $depths"
+echo "# zinf bench on $dir ($(df --output=source "$dir" | tail -n 1)), $size, rounds $rounds, blocks $blocks, depths $depths"
 echo "# pages  op     block  qd  round   GB/s  dev_reqs  merges  avg_req_KiB  verified"
 for bs in $blocks; do
   for qd in $depths; do
@@ -39,17 +32,14 @@ for bs in $blocks; do
         extra=
         [ "$mode" = small ] && extra=--no-huge-pages
         for op in read write; do
-          s0=$(snap)
           out=$("$zinf" bench --path "$dir" --size "$size" --block-size "$bs" --queue-depth "$qd" \
-                --"$op" --keep $extra --json)
-          s1=$(snap)
-          gbps=$(printf '%s\n' "$out" | sed -n 's/.*"GBps": \([0-9.]*\).*/\1/p' | tail -n 1)
-          ok=$(printf '%s\n' "$out" | sed -n 's/.*"verified": \([a-z]*\).*/\1/p' | tail -n 1)
-          read -r a0 b0 c0 d0 e0 f0 <<<"$s0"
-          read -r a1 b1 c1 d1 e1 f1 <<<"$s1"
-          if [ "$op" = read ]; then n=$((a1 - a0)); m=$((b1 - b0)); sec=$((c1 - c0));
-          else n=$((d1 - d0)); m=$((e1 - e0)); sec=$((f1 - f0)); fi
-          avg=$(awk -v s="$sec" -v n="$n" 'BEGIN { printf "%.0f", n ? s * 512 / 1024 / n : 0 }')
+                --"$op" --keep $extra --json | tail -n 1)
+          gbps=$(printf '%s\n' "$out" | field GBps)
+          ok=$(printf '%s\n' "$out" | field verified)
+          n=$(printf '%s\n' "$out" | field requests)
+          m=$(printf '%s\n' "$out" | field merges)
+          avg=$(printf '%s\n' "$out" | field avg_request_bytes)
+          avg=$([ -n "$avg" ] && echo $((avg / 1024)) || echo -)
           printf '# %-5s %-5s %6s %3s %6s %7s %9s %7s %12s %9s\n' "$mode" "$op" "$bs" "$qd" "$r" \
             "$gbps" "$n" "$m" "$avg" "$ok"
           runs["$mode $op $bs $qd"]+="$gbps "

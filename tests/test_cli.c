@@ -457,26 +457,28 @@ Test(cli, train_refuses_to_start_over_a_saved_run)
     free(after);
 }
 
+/* `zinf train --resume` on swap, where nothing is saved: exit 2, naming the directory. */
+static void expect_no_saved_run(const char *swap)
+{
+    char *o, cfg[4096], data[4096], want[4200];
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --resume", cfg, data), 2, "%s", o);
+    snprintf(want, sizeof(want), "no saved run in %s", swap);
+    cr_assert(strstr(o, want), "%s", o);
+    free(o);
+}
+
 /* It used to create an empty swap directory and fail later with a puzzling message. */
 Test(cli, train_resume_without_a_saved_run_says_so)
 {
     char *o, cfg[4096], data[4096], swap[4096];
     snprintf(swap, sizeof(swap), "%s/not/there", dir);
-    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --resume", cfg, data), 2, "%s", o);
-    char want[4200];
-    snprintf(want, sizeof(want), "no saved run in %s", swap);
-    cr_assert(strstr(o, want), "%s", o);
-    free(o);
+    expect_no_saved_run(swap);
     cr_assert_neq(access(swap, F_OK), 0, "--resume created %s", swap);
     /* An existing directory without a saved run: the same. */
     snprintf(swap, sizeof(swap), "%s/empty", dir);
     cr_assert_eq(mkdir(swap, 0755), 0);
-    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --resume", cfg, data), 2, "%s", o);
-    snprintf(want, sizeof(want), "no saved run in %s", swap);
-    cr_assert(strstr(o, want), "%s", o);
-    free(o);
+    expect_no_saved_run(swap);
     /* A new run creates a missing nvme_path, parents included. */
     snprintf(swap, sizeof(swap), "%s/a/b/c", dir);
     train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
