@@ -154,6 +154,9 @@ static const struct field fields[] = {
     {S_ZINF, "cuda_device", NULL, F_INT, OFF(zinf.cuda_device), 0, 0, 0, NULL},
     {S_ZINF, "sqpoll", NULL, F_BOOL, OFF(zinf.sqpoll), 0, 0, 0, NULL},
     {S_ZINF, "io_backend", NULL, F_ENUM, OFF(zinf.io_backend), 0, 0, 0, io_backends},
+    {S_ZINF, "submit_batch", NULL, F_UINT, OFF(zinf.submit_batch), 0, 1024, 0, NULL},
+    {S_ZINF, "staging_bytes", NULL, F_SIZE, OFF(zinf.staging_bytes), 0, 4 * GiB, 0, NULL},
+    {S_ZINF, "huge_pages", NULL, F_BOOL, OFF(zinf.huge_pages), 0, 0, 0, NULL},
     /* `zinf train`'s model and run; its command-line options take precedence. */
     {S_TRAIN, "layers", NULL, F_INT, OFF(zinf.train.layers), 1, 1024, 0, NULL},
     {S_TRAIN, "dim", NULL, F_INT, OFF(zinf.train.dim), 1, 65536, 0, NULL},
@@ -772,6 +775,7 @@ void config_defaults(struct zinf_config *c)
     c->aio.use_gds = false;
     c->zinf.device = ZINF_DEVICE_AUTO;
     c->zinf.io_backend = CONFIG_IO_AUTO;
+    c->zinf.huge_pages = true;
 }
 
 void config_free(struct zinf_config *c)

@@ -78,6 +78,10 @@ struct zinf_config {
         int cuda_device;                  /* 0 */
         bool sqpoll;                      /* false */
         enum config_io_backend io_backend; /* "auto" */
+        unsigned submit_batch;   /* refill the IO queue once this many slots are free; 0 */
+        uint64_t staging_bytes;  /* the staging ring (NVMe <-> device); 0: from offload_param
+                                  * buffers, or 2 x queue_depth blocks */
+        bool huge_pages;         /* transparent huge pages for the host arena; true */
         struct {                           /* zinf.train: `zinf train`'s model and run */
             int layers, dim, heads, seq, batch, steps; /* 0: the command's default */
             int precision; /* "auto" 0, "fp32" 1, "bf16" 2: as enum trainer_precision */

@@ -12,6 +12,9 @@
 
 #include "common.h"
 #include "config.h"
+#include "engine/engine.h"
+#include "io/uring.h"
+#include "tiers/host.h"
 #include "helpers.h"
 
 #define ERRLEN 512
@@ -971,6 +974,9 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         "zinf.host_bytes = 0  # default\n",
         "zinf.device = \"auto\"  # default\n",
         "zinf.io_backend = \"auto\"  # default\n",
+        "zinf.submit_batch = 0  # default\n",
+        "zinf.staging_bytes = 0  # default\n",
+        "zinf.huge_pages = true  # default\n",
         "zinf.train.checkpoint_every = 0  # default\n",
         "engine.nvme_path = none  # no NVMe tier\n",
         "engine.nvme_paths_extra = []\n",
@@ -985,7 +991,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     size_t lines = 0;
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
-    cr_expect_eq(lines, 32 + 9 + 1 + 8, "%s", text); /* settings, zinf.train, header, engine */
+    cr_expect_eq(lines, 35 + 9 + 1 + 8, "%s", text); /* settings, zinf.train, header, engine */
     free(text);
     config_free(&c);
 }
@@ -1050,4 +1056,58 @@ Test(config, zinf_train_section)
     cr_assert_eq(config_parse_buffer(bad, strlen(bad), "t.json", &c, err, sizeof(err)), -EINVAL);
     cr_expect(strstr(err, "zinf.train.dim"), "%s", err);
     config_free(&c);
+}
+
+/* zinf.submit_batch, zinf.staging_bytes and zinf.huge_pages (what `zinf tune` writes):
+ * their defaults, their limits, and that an engine opened from them uses them. */
+Test(config, io_settings_of_the_zinf_section_reach_the_engine)
+{
+    struct zinf_config c;
+    char err[ERRLEN];
+    cr_assert_eq(parse("{}", &c, err), 0, "%s", err);
+    cr_expect_eq(c.zinf.submit_batch, 0);
+    cr_expect_eq(c.zinf.staging_bytes, 0);
+    cr_expect(c.zinf.huge_pages);
+    config_free(&c);
+    expect_error("{\"zinf\": {\"submit_batch\": 1025}}",
+                 "zinf.submit_batch: must be between 0 and 1024, got 1025");
+    expect_error("{\"zinf\": {\"staging_bytes\": \"5G\"}}",
+                 "zinf.staging_bytes: must be between 0 and 4294967296, got \"5G\"");
+    expect_error("{\"zinf\": {\"huge_pages\": 1}}",
+                 "zinf.huge_pages: must be true or false, got an integer");
+
+    char *dir = test_tmpdir("config");
+    char json[1024];
+    snprintf(json, sizeof(json),
+             "{\"aio\": {\"block_size\": 262144, \"queue_depth\": 16}, \"zinf\": {\"nvme_paths\": "
+             "[\"%s\"], \"device\": \"emulated\", \"host_bytes\": \"8M\", \"device_bytes\": \"8M\", "
+             "\"submit_batch\": 4, \"staging_bytes\": \"3M\", \"huge_pages\": false}}", dir);
+    cr_assert_eq(parse(json, &c, err), 0, "%s", err);
+    zinf_engine *e = NULL;
+    int r = engine_open_config(&c, 0, &e);
+    cr_assert_eq(r, 0, "%s", zinf_strerror(r));
+    struct host_stats hs;
+    host_get_stats(e->host, &hs);
+    cr_expect_eq(hs.staging_bytes, 12 * 256 * KiB, "3M of 256K blocks: 12 slots, got %zu",
+                 hs.staging_bytes);
+    cr_expect(!hs.huge_pages, "huge_pages false: the arena was advised to use them");
+    struct uring_stats us;
+    uring_get_stats(e->io, &us);
+    cr_expect_eq(us.submit_batch, 4);
+    zinf_close(e);
+    config_free(&c);
+    /* The defaults: huge pages on, the ring 2 x queue depth blocks, one chunk a completion. */
+    snprintf(json, sizeof(json),
+             "{\"aio\": {\"block_size\": 262144, \"queue_depth\": 16}, \"zinf\": {\"nvme_paths\": "
+             "[\"%s\"], \"device\": \"emulated\", \"host_bytes\": \"8M\", \"device_bytes\": \"8M\"}}",
+             dir);
+    cr_assert_eq(parse(json, &c, err), 0, "%s", err);
+    cr_assert_eq(engine_open_config(&c, ZINF_OPEN_OVERWRITE, &e), 0);
+    host_get_stats(e->host, &hs);
+    cr_expect_eq(hs.staging_bytes, 32 * 256 * KiB);
+    uring_get_stats(e->io, &us);
+    cr_expect_eq(us.submit_batch, 1);
+    zinf_close(e);
+    config_free(&c);
+    test_rmtree(dir);
 }

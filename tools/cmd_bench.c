@@ -41,6 +41,7 @@ struct bench_opts {
     uint64_t size;
     size_t block_size;
     unsigned queue_depth;
+    unsigned submit_batch;
     bool do_read, do_write, sweep, json, baseline, keep, sqpoll, no_fixed, no_huge;
     enum uring_backend backend;
 };
@@ -52,7 +53,7 @@ struct row {
     size_t block_size;
     unsigned queue_depth;
     double seconds, cpu_seconds;
-    bool verified;
+    bool verified, huge;
     uint64_t bad_blocks;
     /* What the block device under the file saw during the pass (the whole device: other
      * IO on it counts too); dev_ok false where there is none (tmpfs) or no stat file. */
@@ -317,11 +318,11 @@ static void print_header(const struct bench_opts *o, const char *path, struct ur
     if (o->json)
         return;
     printf("# zinf bench %s: %s, %s\n", zinf_version(), path, format_size(o->size, sz, sizeof(sz)));
-    printf("# backend %s, O_DIRECT %s, fixed buffers %s, fixed files %s, sqpoll %s, huge pages "
-           "%s\n",
+    printf("# backend %s, O_DIRECT %s, fixed buffers %s, fixed files %s, sqpoll %s, submit batch "
+           "%u, huge pages %s\n",
            uring_backend_name(st->backend), direct ? "yes" : "no (filesystem refused it)",
            st->fixed_buffers && !o->no_fixed ? "yes" : "no", st->fixed_files ? "yes" : "no",
-           st->sqpoll ? "yes" : "no",
+           st->sqpoll ? "yes" : "no", MAX(o->submit_batch, 1u),
            huge ? "yes" : o->no_huge ? "no (--no-huge-pages)" : "no (the kernel refused them)");
     printf("# GB/s is 10^9 bytes per second; cpu is this process's user+system time per GB\n");
     printf("# dev_reqs, merges, dev_avg: requests the block device under the path completed in\n"
@@ -353,10 +354,10 @@ static void print_row(const struct bench_opts *o, const struct row *r, int err)
                      "{\"requests\": %s, \"merges\": %s, \"avg_request_bytes\": %s}", reqs,
                      merges, avg);
         printf("{\"engine\": \"%s\", \"op\": \"%s\", \"bytes\": %llu, \"block_size\": %zu, "
-               "\"queue_depth\": %u, \"seconds\": %.6f, \"GBps\": %.4f, \"cpu_s_per_GB\": %.4f, "
+               "\"queue_depth\": %u, \"submit_batch\": %u, \"huge_pages\": %s, \"seconds\": %.6f, \"GBps\": %.4f, \"cpu_s_per_GB\": %.4f, "
                "\"device\": %s, \"verified\": %s, \"bad_blocks\": %llu, \"error\": %s%s%s}\n",
                r->engine, r->op, (unsigned long long)r->bytes, r->block_size, r->queue_depth,
-               r->seconds, gbps(r), gb > 0 ? r->cpu_seconds / gb : 0, dev,
+               MAX(o->submit_batch, 1u), r->huge ? "true" : "false", r->seconds, gbps(r), gb > 0 ? r->cpu_seconds / gb : 0, dev,
                !err && r->verified ? "true" : "false", (unsigned long long)r->bad_blocks,
                err ? "\"" : "", err ? zinf_strerror(err) : "null", err ? "\"" : "");
     } else {
@@ -397,7 +398,7 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
                     double *wr)
 {
     struct uring_opts uo = {.block_size = bs, .queue_depth = qd, .backend = c->o.backend,
-                            .sqpoll = c->o.sqpoll};
+                            .sqpoll = c->o.sqpoll, .submit_batch = c->o.submit_batch};
     struct uring *u = NULL;
     struct row row;
     int err, fails = 0, file, region = -1;
@@ -412,7 +413,8 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
     if (!c->o.no_fixed)
         region = uring_buf_register(u, c->mem, c->mem_bytes);
     if (c->o.do_write) {
-        row = (struct row){.engine = "zinf", .op = "write", .block_size = bs, .queue_depth = qd};
+        row = (struct row){.engine = "zinf", .op = "write", .block_size = bs, .queue_depth = qd,
+                           .huge = c->huge};
         struct devsnap d0 = dev_snap(c->path);
         err = engine_run(u, file, URING_WRITE, c->o.size, bs, nslots, c->mem, &row);
         struct devsnap d1 = dev_snap(c->path);
@@ -425,7 +427,8 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
     }
     if (c->o.do_read) {
         drop_cache(uring_file_fd(u, file));
-        row = (struct row){.engine = "zinf", .op = "read", .block_size = bs, .queue_depth = qd};
+        row = (struct row){.engine = "zinf", .op = "read", .block_size = bs, .queue_depth = qd,
+                           .huge = c->huge};
         struct devsnap d0 = dev_snap(c->path);
         err = engine_run(u, file, URING_READ, c->o.size, bs, nslots, c->mem, &row);
         struct devsnap d1 = dev_snap(c->path);
@@ -478,6 +481,8 @@ static void usage(FILE *f)
             "  --json              one JSON object per row on stdout\n"
             "  --backend B         io_uring | threads (default: io_uring, threads if unavailable)\n"
             "  --sqpoll            use a kernel submission-polling thread\n"
+            "  --submit-batch N    refill the queue only once N slots are free (default 1:\n"
+            "                      one request per completion; zinf.submit_batch)\n"
             "  --no-fixed-buffers  do not register the buffers with io_uring\n"
             "  --no-huge-pages     4 KiB pages for the buffers (default: transparent huge\n"
             "                      pages, as the engine's host arena uses)\n"
@@ -488,7 +493,7 @@ static void usage(FILE *f)
 static int parse_args(int argc, char **argv, struct bench_opts *o)
 {
     enum { O_READ = 256, O_WRITE, O_BOTH, O_SWEEP, O_JSON, O_BASE, O_KEEP, O_BACKEND, O_SQPOLL,
-           O_NOFIXED, O_NOHUGE };
+           O_NOFIXED, O_NOHUGE, O_BATCH };
     static const struct option longopts[] = {
         {"path", required_argument, NULL, 'p'},
         {"size", required_argument, NULL, 's'},
@@ -505,6 +510,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
         {"sqpoll", no_argument, NULL, O_SQPOLL},
         {"no-fixed-buffers", no_argument, NULL, O_NOFIXED},
         {"no-huge-pages", no_argument, NULL, O_NOHUGE},
+        {"submit-batch", required_argument, NULL, O_BATCH},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -550,6 +556,13 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
         case O_SQPOLL: o->sqpoll = true; break;
         case O_NOFIXED: o->no_fixed = true; break;
         case O_NOHUGE: o->no_huge = true; break;
+        case O_BATCH:
+            if (parse_size(optarg, &v) < 0 || v > 1024) {
+                fprintf(stderr, "zinf bench: --submit-batch: must be 0..1024, got '%s'\n", optarg);
+                return -1;
+            }
+            o->submit_batch = (unsigned)v;
+            break;
         case O_BACKEND:
             if (!strcmp(optarg, "io_uring"))
                 o->backend = URING_BACKEND_IO_URING;
@@ -718,7 +731,7 @@ int cmd_bench(int argc, char **argv)
         char *buf = c.mem;
         if (c.o.do_write) {
             row = (struct row){.engine = "pread", .op = "write", .block_size = c.o.block_size,
-                               .queue_depth = 1};
+                               .queue_depth = 1, .huge = c.huge};
             struct devsnap d0 = dev_snap(c.path);
             r = baseline_run(c.path, URING_WRITE, c.o.size, c.o.block_size, buf, &row);
             struct devsnap d1 = dev_snap(c.path);
@@ -729,7 +742,7 @@ int cmd_bench(int argc, char **argv)
         if (c.o.do_read) {
             drop_cache(uring_file_fd(c.u, c.file));
             row = (struct row){.engine = "pread", .op = "read", .block_size = c.o.block_size,
-                               .queue_depth = 1};
+                               .queue_depth = 1, .huge = c.huge};
             struct devsnap d0 = dev_snap(c.path);
             r = baseline_run(c.path, URING_READ, c.o.size, c.o.block_size, buf, &row);
             struct devsnap d1 = dev_snap(c.path);

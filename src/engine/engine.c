@@ -810,7 +810,8 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     int node = choose_numa_node(&o);
     struct uring_opts uo = {.block_size = o.block_size, .queue_depth = o.queue_depth,
                             .bind_numa = node >= 0, .numa_node = node,
-                            .backend = params.io_backend, .sqpoll = params.sqpoll};
+                            .backend = params.io_backend, .sqpoll = params.sqpoll,
+                            .submit_batch = params.submit_batch};
     if ((r = uring_open(&uo, &e->io)) < 0) {
         log_error("engine: cannot set up the IO engine: %s", zinf_strerror(r));
         goto err;
@@ -826,6 +827,7 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     struct host_opts hop = {.capacity_bytes = o.host_bytes,
                             .staging_bytes = (size_t)nslots * o.block_size,
                             .pin = params.pin,
+                            .no_huge_pages = params.no_huge_pages,
                             .numa_node = node,
                             .io = e->io,
                             .dev = e->dev};
@@ -940,7 +942,14 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
         .io_backend = c->zinf.io_backend == CONFIG_IO_URING     ? URING_BACKEND_IO_URING
                       : c->zinf.io_backend == CONFIG_IO_THREADS ? URING_BACKEND_THREADS
                                                                 : URING_BACKEND_AUTO,
+        .submit_batch = c->zinf.submit_batch,
+        .no_huge_pages = !c->zinf.huge_pages,
     };
+    if (c->zinf.staging_bytes) {
+        /* Said in bytes: whole blocks, at least four (two in flight, two being copied). */
+        p.staging_slots = (unsigned)MAX(4u, c->zinf.staging_bytes / block_size);
+        return p;
+    }
     if (op->device == CONFIG_OFFLOAD_NVME) {
         /* DeepSpeed's defaults (5 buffers of 1e8 elements) would pin a gigabyte: the ring
          * streams any tensor through any size, so it is capped at 64 MiB. */

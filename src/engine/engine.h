@@ -246,6 +246,8 @@ struct engine_params {
     unsigned staging_slots;        /* block_size slots in the staging ring; 0: default */
     bool sqpoll;
     enum uring_backend io_backend;
+    unsigned submit_batch;         /* uring_opts.submit_batch; 0: one chunk per completion */
+    bool no_huge_pages;            /* 4 KiB pages for the host arena and staging ring */
 };
 
 int engine_open(const struct zinf_options *opt, const struct engine_params *p,

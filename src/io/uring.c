@@ -201,6 +201,14 @@ static void flush_sqes(struct uring *u)
 /* Cut chunks from the pending requests while there is room in the queue. */
 static void pump(struct uring *u)
 {
+    /* With a submit batch, refill only once that many slots are free (or the queue has run
+     * dry): the chunks then reach the block layer together, where it can plug and merge
+     * them, rather than one per completion. */
+    if (u->o.submit_batch > 1 && u->chunks_inflight > 0 &&
+        u->o.queue_depth - u->chunks_inflight < u->o.submit_batch) {
+        flush_sqes(u);
+        return;
+    }
     while (u->chunks_inflight < u->o.queue_depth && u->pend_head && u->free_chunks) {
         struct uring_req *req = u->pend_head;
         struct chunk *c = u->free_chunks;
@@ -528,6 +536,8 @@ int uring_open(const struct uring_opts *opts, struct uring **out)
         o.queue_depth = 32;
     if (o.max_files == 0)
         o.max_files = 64;
+    if (o.submit_batch > o.queue_depth)
+        o.submit_batch = o.queue_depth;
     if (!is_aligned(o.block_size, ZINF_ALIGN) || o.block_size > 64 * MiB ||
         o.queue_depth > 4096 || o.max_files > 4096)
         return -EINVAL;
@@ -575,6 +585,7 @@ int uring_open(const struct uring_opts *opts, struct uring **out)
             goto err;
     }
     u->st.backend = u->backend;
+    u->st.submit_batch = MAX(o.submit_batch, 1u);
     *out = u;
     return 0;
 err:

@@ -34,6 +34,9 @@ struct uring_opts {
     unsigned queue_depth;     /* chunks in flight; 0: 32 */
     enum uring_backend backend; /* AUTO: io_uring, threads if it cannot be set up */
     bool sqpoll;              /* ask for a kernel submission-polling thread */
+    unsigned submit_batch;    /* refill the queue only once this many slots are free (or
+                               * it is empty); 0 or 1: one chunk per completion. At most
+                               * queue_depth */
     unsigned max_files;       /* registered file slots; 0: 64 */
     bool bind_numa;           /* run the engine's threads on the CPUs of numa_node */
     int numa_node;
@@ -78,6 +81,7 @@ struct uring_stats {
     bool sqpoll;              /* SQPOLL in use */
     bool fixed_buffers;       /* registered buffers available */
     bool fixed_files;         /* registered files available */
+    unsigned submit_batch;    /* in use: uring_opts.submit_batch clamped to the depth */
 };
 
 int uring_open(const struct uring_opts *opts, struct uring **out);

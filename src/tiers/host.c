@@ -209,7 +209,7 @@ int host_open(const struct host_opts *o, struct host **out)
     ret = extent_init(&h->ext, cap, ZINF_ALIGN);
     if (ret) goto err;
 
-    p = hugemem_map(h->total_bytes, true, &h->huge_pages, &ret);
+    p = hugemem_map(h->total_bytes, !o->no_huge_pages, &h->huge_pages, &ret);
     if (!p) {
         char sz[32];
         log_error("cannot map the %s host arena: %s", format_size(h->total_bytes, sz, sizeof(sz)),
