@@ -4,6 +4,7 @@
  * comes from $ZINF_BIN (set by meson).
  */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -222,6 +223,194 @@ Test(cli, sweep_snippet_is_a_valid_config)
     free(o);
     cr_assert_eq(run(&o, "config check --strict %s", path), 0, "%s", o);
     free(o);
+}
+
+/* ---- zinf tune ------------------------------------------------------------------------ */
+
+static char *read_text(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+    char *buf = calloc(1, 1 << 16);
+    fread(buf, 1, (1 << 16) - 1, f);
+    fclose(f);
+    return buf;
+}
+
+/* Pinned buffer bytes of a point, as zinf tune counts them (its tie-break). */
+static uint64_t tune_cost(json_t *p)
+{
+    uint64_t bs = json_integer_value(json_object_get(p, "block_size"));
+    uint64_t qd = json_integer_value(json_object_get(p, "queue_depth"));
+    uint64_t st = json_integer_value(json_object_get(p, "staging_bytes"));
+    uint64_t slots = st ? MAX(4, st / bs) : MAX(4, 2 * qd);
+    return slots * bs;
+}
+
+/* Runs `zinf tune ... --json`, checks the pick follows the stated rule, and returns the
+ * fragment (owned) as the last line printed it. */
+static json_t *tune_json(const char *args, const char *sub)
+{
+    char *o, path[4096];
+    snprintf(path, sizeof(path), "%s/%s", dir, sub);
+    cr_assert_eq(mkdir(path, 0755), 0);
+    /* --json: results on stdout, one object a line; progress lines ("tune: ...") on
+     * stderr, which run() mixes in. */
+    cr_assert_eq(run(&o, "tune --path %s %s --json", path, args), 0, "%s", o);
+    json_t *best = NULL, *picked = NULL, *last = NULL, *pts = json_array();
+    for (char *save = NULL, *l = strtok_r(o, "\n", &save); l; l = strtok_r(NULL, "\n", &save)) {
+        json_error_t je;
+        if (l[0] != '{')
+            continue; /* progress, and the engine's notices */
+        json_t *j = json_loads(l, 0, &je);
+        cr_assert_not_null(j, "not JSON: %s", l);
+        if (json_object_get(j, "fragment")) {
+            last = j;
+            continue;
+        }
+        cr_assert(json_is_array(json_object_get(j, "scores_GBps")), "%s", l);
+        cr_assert_eq(json_array_size(json_object_get(j, "scores_GBps")), 3, "%s", l);
+        json_array_append_new(pts, j);
+        double med = json_real_value(json_object_get(j, "median_GBps"));
+        if (!best || med > json_real_value(json_object_get(best, "median_GBps")))
+            best = j;
+        if (json_is_true(json_object_get(j, "picked"))) {
+            cr_assert_null(picked, "two points picked");
+            picked = j;
+        }
+    }
+    free(o);
+    cr_assert_not_null(last);
+    cr_assert_not_null(picked);
+    cr_assert_geq(json_array_size(pts), 2);
+    /* The rule: a tie is a point whose max reaches the best's min; the pick is a tie and
+     * no tie is cheaper. */
+    double best_lo = json_real_value(json_object_get(best, "min_GBps"));
+    size_t i;
+    json_t *p;
+    json_array_foreach(pts, i, p) {
+        bool tie = json_real_value(json_object_get(p, "max_GBps")) >= best_lo;
+        cr_assert_eq(json_is_true(json_object_get(p, "tie")), tie);
+        if (tie)
+            cr_assert_geq(tune_cost(p), tune_cost(picked));
+    }
+    cr_assert(json_is_true(json_object_get(picked, "tie")));
+    json_t *frag = json_incref(json_object_get(last, "fragment"));
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(frag, "aio"), "block_size")),
+                 json_integer_value(json_object_get(picked, "block_size")));
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(frag, "zinf"),
+                                                    "submit_batch")),
+                 json_integer_value(json_object_get(picked, "submit_batch")));
+    json_decref(last);
+    json_decref(pts);
+    return frag;
+}
+
+Test(cli, tune_writes_a_fragment_that_config_check_and_train_load_as_is)
+{
+    char *o, frag[4096], data[4096], a[4096], scratch[4200];
+    snprintf(frag, sizeof(frag), "%s/tuned.json", dir);
+    snprintf(data, sizeof(data), "%s/d.txt", dir);
+    snprintf(a, sizeof(a), "%s/a", dir);
+    cr_assert_eq(mkdir(a, 0755), 0);
+    FILE *f = fopen(data, "w");
+    for (int i = 0; i < 100; i++)
+        fprintf(f, "some text %d\n", i);
+    fclose(f);
+
+    cr_assert_eq(run(&o, "tune --path %s --quick --size 8M --out %s", a, frag), 0, "%s", o);
+    cr_assert(strstr(o, "# rule: best = highest median"), "%s", o);
+    cr_assert(strstr(o, "<- picked") && strstr(o, "# picked: "), "%s", o);
+    cr_assert(strstr(o, "tune: 24/24 round 3"), "progress lines off a tty: %s", o);
+    free(o);
+    snprintf(scratch, sizeof(scratch), "%s/zinf-bench.dat", a);
+    cr_assert_neq(access(scratch, F_OK), 0, "the sweep's file is left behind");
+
+    /* As it is: config check (strict: no unknown key), zinf stat and zinf train. */
+    cr_assert_eq(run(&o, "config check --strict %s", frag), 0, "%s", o);
+    cr_assert(strstr(o, "zinf.submit_batch") && strstr(o, "zinf.huge_pages"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                         "--batch 2 --steps 2", frag, data), 0, "%s", o);
+    cr_assert(strstr(o, "# summary: 2 steps"), "%s", o);
+    free(o);
+
+    /* Not over an existing file without --force; the file is unchanged. */
+    char *before = read_text(frag);
+    cr_assert_eq(run(&o, "tune --path %s --quick --size 8M --out %s", a, frag), 2, "%s", o);
+    cr_assert(strstr(o, "exists; --force to replace it"), "%s", o);
+    free(o);
+    char *after = read_text(frag);
+    cr_assert_str_eq(before, after);
+    free(before);
+    free(after);
+}
+
+Test(cli, tune_picks_by_its_rule_in_both_modes)
+{
+    json_t *frag = tune_json("--quick --size 8M", "io");
+    cr_assert_null(json_object_get(json_object_get(frag, "zinf"), "staging_bytes"));
+    json_decref(frag);
+
+    frag = tune_json("--mode swapin --quick --size 8M --tensor-size 512K --staging 2M,4M", "sw");
+    json_t *z = json_object_get(frag, "zinf");
+    uint64_t st = json_integer_value(json_object_get(z, "staging_bytes"));
+    cr_assert(st == 2 * MiB || st == 4 * MiB);
+    /* The swap space is the path itself, and the sweep's own directory is gone. */
+    char sw[4096], scratch[4200];
+    snprintf(sw, sizeof(sw), "%s/sw", dir);
+    cr_assert_str_eq(json_string_value(json_array_get(json_object_get(z, "nvme_paths"), 0)), sw);
+    snprintf(scratch, sizeof(scratch), "%s/zinf-tune.swap", sw);
+    cr_assert_neq(access(scratch, F_OK), 0);
+    char path[4096], *o;
+    snprintf(path, sizeof(path), "%s/sw.json", dir);
+    char *text = json_dumps(frag, JSON_INDENT(2));
+    write_file(path, text);
+    free(text);
+    json_decref(frag);
+    cr_assert_eq(run(&o, "config check --strict %s", path), 0, "%s", o);
+    free(o);
+}
+
+Test(cli, tune_bad_arguments)
+{
+    char *o, out[4096];
+    snprintf(out, sizeof(out), "%s/never.json", dir);
+    static const struct {
+        const char *args, *says;
+    } cases[] = {
+        {"--reps 2", "--reps: must be 3..100 (a spread needs three rounds), got '2'"},
+        {"--mode fast", "--mode: must be io or swapin, got 'fast'"},
+        {"--block-sizes 1M,3000", "--block-sizes: '3000' is not a size that is a multiple of 4K"},
+        {"--block-sizes 128M", "--block-sizes: at most 64M"},
+        {"--queue-depths 0", "--queue-depths: '0' is not a positive number"},
+        {"--queue-depths 2000", "--queue-depths: at most 1024"},
+        {"--staging 4M", "--staging is for --mode swapin"},
+        {"--mode swapin --staging 8G", "--staging: at most 4G"},
+        {"--queue-depths 2 --submit-batches 4", "no point left in the grid"},
+        {"--mode swapin --size 4M --tensor-size 1M", "swap-in needs at least 8"},
+        {"--huge-pages maybe", "--huge-pages: must be on, off or both, got 'maybe'"},
+        {"--bogus", "unknown or incomplete option '--bogus'"},
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {
+        cr_assert_eq(run(&o, "tune --path %s --quick --size 8M --out %s %s", dir, out,
+                         cases[i].args), 2, "%s: %s", cases[i].args, o);
+        cr_assert(strstr(o, cases[i].says), "%s: %s", cases[i].args, o);
+        free(o);
+    }
+    cr_assert_eq(run(&o, "tune --quick"), 2, "%s", o);
+    cr_assert(strstr(o, "--path DIR is required"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "tune --path %s/nowhere --quick", dir), 2, "%s", o);
+    cr_assert(strstr(o, "nowhere: No such file or directory"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "tune --path %s --path %s --quick", dir, dir), 2, "%s", o);
+    cr_assert(strstr(o, "is given twice"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "tune --path %s --quick --out %s/nodir/f.json", dir, dir), 2, "%s", o);
+    cr_assert(strstr(o, "cannot write there"), "%s", o);
+    free(o);
+    cr_assert_neq(access(out, F_OK), 0, "a refused run wrote its --out");
 }
 
 Test(cli, topo_and_stat)

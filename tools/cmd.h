@@ -8,5 +8,6 @@ int cmd_config(int argc, char **argv);
 int cmd_topo(int argc, char **argv);
 int cmd_stat(int argc, char **argv);
 int cmd_train(int argc, char **argv);
+int cmd_tune(int argc, char **argv);
 
 #endif

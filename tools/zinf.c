@@ -16,6 +16,7 @@ static void usage(FILE *f)
             "commands:\n"
             "  train     train a byte-level GPT-style model whose state lives in zinf\n"
             "  bench     measure the NVMe swap path (io_uring, O_DIRECT), optionally vs pread/pwrite\n"
+            "  tune      sweep the IO settings on the drives to use, write the best as a config\n"
             "  config    check a DeepSpeed-style JSON config: zinf config check FILE\n"
             "  stat      open an engine (from a config, or a swap directory) and print its stats\n"
             "  topo      show the NUMA nodes, GPUs and drives, and where zinf puts its memory\n"
@@ -55,6 +56,8 @@ int main(int argc, char **argv)
         return cmd_version();
     if (!strcmp(c, "bench"))
         return cmd_bench(argc - 1, argv + 1);
+    if (!strcmp(c, "tune"))
+        return cmd_tune(argc - 1, argv + 1);
     if (!strcmp(c, "config"))
         return cmd_config(argc - 1, argv + 1);
     if (!strcmp(c, "train"))
