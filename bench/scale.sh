@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# scale.sh - what offloading costs as the model grows: `zinf train` with everything on NVMe
+# under fixed small budgets against the same model in memory, for model states from about
+# 64 MiB to 4 GiB, with the tokens per step fixed, so compute grows with the parameters and
+# the bytes moved grow with the state. Per size: step time offloaded and in memory (median
+# of steps 2..STEPS), their ratio, the NVMe GB/s the offloaded step reached (read + write)
+# next to `zinf bench` on the same path, and the share of the step blocked on fetch.
+# Losses of the two runs must be bitwise equal; a size where they are not is marked.
+#
+# usage: bench/scale.sh DIR [STEPS]   (default 3)
+#   ZINF=build/tools/zinf  SHAPES="6x256 6x512 12x768 24x960" (layers x dim; heads = dim/64)
+#   SEQ=128 BATCH=16  DEVICE_BYTES=64M HOST_BYTES=256M (the offloaded run's budgets)
+#   BLOCK=1M QD=32
+set -euo pipefail
+
+dir=${1:?usage: bench/scale.sh DIR [STEPS]}
+steps=${2:-3}
+zinf=${ZINF:-build/tools/zinf}
+shapes=${SHAPES:-"6x256 6x512 12x768 24x960"}
+T=${SEQ:-128} B=${BATCH:-16}
+dev=${DEVICE_BYTES:-64M} host=${HOST_BYTES:-256M}
+block=${BLOCK:-1M} qd=${QD:-32}
+data=${DATA:-/usr/share/common-licenses/GPL-3}
+swap=$dir/scale-swap
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp" "$swap"' EXIT
+mkdir -p "$swap"
+
+cat > "$tmp/mem.json" <<JSON
+{"zero_optimization": {"stage": 3, "offload_param": {"device": "none"},
+ "offload_optimizer": {"device": "none"}},
+ "zinf": {"device": "emulated", "device_bytes": "12G", "host_bytes": "2G"}}
+JSON
+cat > "$tmp/nvme.json" <<JSON
+{"zero_optimization": {"stage": 3,
+ "offload_param": {"device": "nvme", "nvme_path": "$swap", "pin_memory": true},
+ "offload_optimizer": {"device": "nvme", "nvme_path": "$swap", "pin_memory": true}},
+ "aio": {"block_size": $(numfmt --from=iec "$block"), "queue_depth": $qd},
+ "zinf": {"device": "emulated", "device_bytes": "$dev", "host_bytes": "$host"}}
+JSON
+
+run() { # config layers dim log -> "ms_median rd_GBps wr_GBps blocked losses... state"
+  local heads=$(( $3 / 64 ))
+  if ! "$zinf" train --config "$1" --data "$data" --layers "$2" --dim "$3" --heads "$heads" \
+      --seq "$T" --batch "$B" --steps "$steps" --precision fp32 --log "$4" --overwrite \
+      > "$4.out" 2> "$4.err"; then
+    echo "scale: zinf train failed ($1, ${2}x$3):" >&2
+    grep -v 'runs unpinned' "$4.err" >&2
+    return 1
+  fi
+  python3 - "$4" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+st = [r for r in rows if 'step' in r][1:]
+summ = [r['summary'] for r in rows if 'summary' in r][0]
+def med(v):
+    v = sorted(v); n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+print('%.1f %.4f %.4f %.4f %d %s' % (med([r['ms'] for r in st]),
+      med([r['nvme_read_GBps'] for r in st]), med([r['nvme_write_GBps'] for r in st]),
+      med([r['blocked'] for r in st]), summ['model_state_bytes'],
+      ','.join('%.9g' % r['loss'] for r in rows if 'step' in r)))
+PY
+}
+
+raw=$("$zinf" bench --path "$dir" --size 2G --block-size "$block" --queue-depth "$qd" --json)
+read -r braw wraw < <(printf '%s\n' "$raw" | python3 -c 'import json,sys
+rows={r["op"]: r for r in map(json.loads, sys.stdin)}
+assert all(r["verified"] for r in rows.values())
+print(rows["read"]["GBps"], rows["write"]["GBps"])')
+echo "# scale: seq $T x batch $B tokens a step, $steps steps (medians of 2..$steps), fp32, device emulated"
+echo "# offloaded: params and optimizer states on NVMe (DIR), device budget $dev, host $host; in memory: no offload"
+echo "# zinf bench on DIR, 2 GiB, block $block, qd $qd: read $braw GB/s, write $wraw GB/s"
+echo "# $(uname -sr), $(nproc) cpus; $(df --output=source,fstype "$dir" | tail -1)"
+printf "# %7s %10s %10s %10s %6s %8s %8s %9s %8s %s\n" shape state_MiB mem_ms offl_ms ratio \
+  "rd GB/s" "wr GB/s" "rd+wr/bench" blocked "losses equal"
+for s in $shapes; do
+  L=${s%x*} C=${s#*x}
+  read -r mms _ _ _ state mloss <<< "$(run "$tmp/mem.json" "$L" "$C" "$tmp/mem.$s.jsonl")"
+  rm -rf "${swap:?}"/*
+  read -r nms rd wr bl _ nloss <<< "$(run "$tmp/nvme.json" "$L" "$C" "$tmp/nvme.$s.jsonl")"
+  rm -rf "${swap:?}"/*
+  python3 - "$s" "$state" "$mms" "$nms" "$rd" "$wr" "$bl" "$braw" "$wraw" "$mloss" "$nloss" <<'PY'
+import sys
+s, state, mms, nms, rd, wr, bl, braw, wraw, ml, nl = sys.argv[1:]
+state, mms, nms, rd, wr, bl, braw, wraw = map(float, (state, mms, nms, rd, wr, bl, braw, wraw))
+# What the step's traffic reached against what the drive does at that read/write mix.
+share = (rd / braw + wr / wraw)
+print("  %7s %10.1f %10.1f %10.1f %6.3f %8.3f %8.3f %9.3f %7.0f%% %s" % (s, state / 2**20, mms,
+      nms, nms / mms, rd, wr, share, bl * 100, "yes" if ml == nl else "NO"))
+PY
+done
+echo "# rd+wr/bench: the step's read GB/s over zinf bench's read plus its write GB/s over zinf"
+echo "#   bench's write: 1.0 is the drive kept as busy as zinf bench keeps it"
