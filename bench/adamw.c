@@ -15,7 +15,7 @@
  * costs the hardware an extra read per written line that STREAM's count does not show;
  * AdamW writes in place and does not pay it, so copy and triad alone would understate the
  * bound. Each row is run for all cores and for one thread; the table says, per thread
- * count, which fraction of the bound AdamW reaches (target >= 0.8).
+ * count, which fraction of the bound AdamW reaches (target >= 0.95).
  *
  * Before a kernel is timed its output is checked: each AdamW kernel against the scalar
  * reference on the same input (max relative difference), each bandwidth kernel on a sample
@@ -28,10 +28,9 @@
  * any of the bandwidth kernels did (its loads and stores, spread out by the arithmetic
  * between them, suit the memory system a little better than back-to-back ones).
  *
- * Not registered with meson; build it by hand from the repository root:
- *   cc -O3 -fopenmp -D_GNU_SOURCE -Isrc bench/adamw.c src/train/adamw.c -lm \
- *      -o build-train/bench-adamw
- *   build-train/bench-adamw [--elems 64M] [--reps 10] [--threads N] [--json]
+ * Built with the other benchmarks (bench/meson.build), not part of the test suite:
+ *   build/bench/adamw [--elems 64M] [--reps 10] [--threads N] [--json]
+ * bench/adamw_vs_deepspeed.sh runs it next to DeepSpeed's cpu_adam.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -52,7 +51,7 @@
 #define SAMPLE 4096          /* elements checked after each timed row */
 #define VERIFY_ELEMS 1000003 /* elements of the kernel-vs-reference check (odd on purpose) */
 #define ADAM_BYTES_PER_ELEM 28.0
-#define TARGET_RATIO 0.8
+#define TARGET_RATIO 0.95
 
 struct opts {
     uint64_t elems;
@@ -457,7 +456,7 @@ static void print_row(const struct opts *o, const struct row *r, size_t n, doubl
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: bench-adamw [--elems N] [--reps N] [--threads N] [--json]\n"
+    fprintf(f, "usage: adamw [--elems N] [--reps N] [--threads N] [--json]\n"
                "  --elems N     elements per array, 4 arrays (default 64M = 256 MiB each)\n"
                "  --reps N      timed runs per row, the best is reported (default 10)\n"
                "  --threads N   the 'all cores' thread count (default: online CPUs)\n"
@@ -504,11 +503,11 @@ static int parse_args(int argc, char **argv, struct opts *o)
         }
         continue;
     bad:
-        fprintf(stderr, "bench-adamw: bad value '%s'\n", optarg);
+        fprintf(stderr, "adamw: bad value '%s'\n", optarg);
         return -1;
     }
     if (optind < argc) {
-        fprintf(stderr, "bench-adamw: unexpected argument '%s'\n", argv[optind]);
+        fprintf(stderr, "adamw: unexpected argument '%s'\n", argv[optind]);
         return -1;
     }
     return 0;
@@ -541,7 +540,7 @@ int main(int argc, char **argv)
     struct arrays *A = calloc(1, sizeof(*A)), *B = calloc(1, sizeof(*B));
     if (!A || !B || arrays_alloc(A, (size_t)o.elems, 12345) ||
         arrays_alloc(B, (size_t)o.elems, 54321)) {
-        fprintf(stderr, "bench-adamw: cannot allocate 8 x %llu floats\n",
+        fprintf(stderr, "adamw: cannot allocate 8 x %llu floats\n",
                 (unsigned long long)o.elems);
         return 1;
     }
