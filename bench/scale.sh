@@ -9,7 +9,7 @@
 #
 # usage: bench/scale.sh DIR [STEPS]   (default 3)
 #   ZINF=build/tools/zinf  SHAPES="6x256 6x512 12x768 24x960" (layers x dim; heads = dim/64)
-#   SEQ=128 BATCH=16  DEVICE_BYTES=64M HOST_BYTES=256M (the offloaded run's budgets)
+#   SEQ=128 BATCH=16  DEVICE_BYTES=32M HOST_BYTES=128M (the offloaded run's budgets)
 #   BLOCK=1M QD=32
 set -euo pipefail
 
@@ -18,7 +18,7 @@ steps=${2:-3}
 zinf=${ZINF:-build/tools/zinf}
 shapes=${SHAPES:-"6x256 6x512 12x768 24x960"}
 T=${SEQ:-128} B=${BATCH:-16}
-dev=${DEVICE_BYTES:-64M} host=${HOST_BYTES:-256M}
+dev=${DEVICE_BYTES:-32M} host=${HOST_BYTES:-128M}
 block=${BLOCK:-1M} qd=${QD:-32}
 data=${DATA:-/usr/share/common-licenses/GPL-3}
 swap=$dir/scale-swap
