@@ -65,7 +65,8 @@ struct zinf_config {
     struct {
         uint64_t block_size;           /* bytes; 1 MiB; multiple of 4096, at most 64 MiB */
         unsigned queue_depth;          /* 8; 1..1024 */
-        unsigned intra_op_parallelism; /* 1; alias thread_count */
+        unsigned intra_op_parallelism; /* 1; alias thread_count: io_uring rings, each with
+                                        * its completion thread (at most 8 are used) */
         bool single_submit;            /* false */
         bool overlap_events;           /* true */
         bool use_gds;                  /* false */

@@ -1079,7 +1079,8 @@ Test(config, io_settings_of_the_zinf_section_reach_the_engine)
     char *dir = test_tmpdir("config");
     char json[1024];
     snprintf(json, sizeof(json),
-             "{\"aio\": {\"block_size\": 262144, \"queue_depth\": 16}, \"zinf\": {\"nvme_paths\": "
+             "{\"aio\": {\"block_size\": 262144, \"queue_depth\": 16, \"intra_op_parallelism\": 2}, "
+             "\"zinf\": {\"nvme_paths\": "
              "[\"%s\"], \"device\": \"emulated\", \"host_bytes\": \"8M\", \"device_bytes\": \"8M\", "
              "\"submit_batch\": 4, \"staging_bytes\": \"3M\", \"huge_pages\": false}}", dir);
     cr_assert_eq(parse(json, &c, err), 0, "%s", err);
@@ -1094,6 +1095,8 @@ Test(config, io_settings_of_the_zinf_section_reach_the_engine)
     struct uring_stats us;
     uring_get_stats(e->io, &us);
     cr_expect_eq(us.submit_batch, 4);
+    if (us.backend == URING_BACKEND_IO_URING) /* aio.intra_op_parallelism: rings */
+        cr_expect_eq(us.rings, 2);
     zinf_close(e);
     config_free(&c);
     /* The defaults: huge pages on, the ring 2 x queue depth blocks, one chunk a completion. */

@@ -41,7 +41,7 @@ struct bench_opts {
     uint64_t size;
     size_t block_size;
     unsigned queue_depth;
-    unsigned submit_batch;
+    unsigned submit_batch, rings;
     bool do_read, do_write, sweep, json, baseline, keep, sqpoll, no_fixed, no_huge;
     enum uring_backend backend;
 };
@@ -318,9 +318,9 @@ static void print_header(const struct bench_opts *o, const char *path, struct ur
     if (o->json)
         return;
     printf("# zinf bench %s: %s, %s\n", zinf_version(), path, format_size(o->size, sz, sizeof(sz)));
-    printf("# backend %s, O_DIRECT %s, fixed buffers %s, fixed files %s, sqpoll %s, submit batch "
-           "%u, huge pages %s\n",
-           uring_backend_name(st->backend), direct ? "yes" : "no (filesystem refused it)",
+    printf("# backend %s (%u ring%s), O_DIRECT %s, fixed buffers %s, fixed files %s, sqpoll %s, "
+           "submit batch %u, huge pages %s\n",
+           uring_backend_name(st->backend), st->rings, st->rings == 1 ? "" : "s", direct ? "yes" : "no (filesystem refused it)",
            st->fixed_buffers && !o->no_fixed ? "yes" : "no", st->fixed_files ? "yes" : "no",
            st->sqpoll ? "yes" : "no", MAX(o->submit_batch, 1u),
            huge ? "yes" : o->no_huge ? "no (--no-huge-pages)" : "no (the kernel refused them)");
@@ -354,10 +354,12 @@ static void print_row(const struct bench_opts *o, const struct row *r, int err)
                      "{\"requests\": %s, \"merges\": %s, \"avg_request_bytes\": %s}", reqs,
                      merges, avg);
         printf("{\"engine\": \"%s\", \"op\": \"%s\", \"bytes\": %llu, \"block_size\": %zu, "
-               "\"queue_depth\": %u, \"submit_batch\": %u, \"huge_pages\": %s, \"seconds\": %.6f, \"GBps\": %.4f, \"cpu_s_per_GB\": %.4f, "
+               "\"queue_depth\": %u, \"submit_batch\": %u, \"rings\": %u, \"huge_pages\": %s, "
+               "\"seconds\": %.6f, \"GBps\": %.4f, \"cpu_s_per_GB\": %.4f, "
                "\"device\": %s, \"verified\": %s, \"bad_blocks\": %llu, \"error\": %s%s%s}\n",
                r->engine, r->op, (unsigned long long)r->bytes, r->block_size, r->queue_depth,
-               MAX(o->submit_batch, 1u), r->huge ? "true" : "false", r->seconds, gbps(r), gb > 0 ? r->cpu_seconds / gb : 0, dev,
+               MAX(o->submit_batch, 1u), MAX(o->rings, 1u), r->huge ? "true" : "false", r->seconds,
+               gbps(r), gb > 0 ? r->cpu_seconds / gb : 0, dev,
                !err && r->verified ? "true" : "false", (unsigned long long)r->bad_blocks,
                err ? "\"" : "", err ? zinf_strerror(err) : "null", err ? "\"" : "");
     } else {
@@ -398,7 +400,8 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
                     double *wr)
 {
     struct uring_opts uo = {.block_size = bs, .queue_depth = qd, .backend = c->o.backend,
-                            .sqpoll = c->o.sqpoll, .submit_batch = c->o.submit_batch};
+                            .sqpoll = c->o.sqpoll, .submit_batch = c->o.submit_batch,
+                            .rings = c->o.rings};
     struct uring *u = NULL;
     struct row row;
     int err, fails = 0, file, region = -1;
@@ -483,6 +486,8 @@ static void usage(FILE *f)
             "  --sqpoll            use a kernel submission-polling thread\n"
             "  --submit-batch N    refill the queue only once N slots are free (default 1:\n"
             "                      one request per completion; zinf.submit_batch)\n"
+            "  --rings N           io_uring rings, each with its own completion thread\n"
+            "                      (default 1, at most 8; aio.intra_op_parallelism)\n"
             "  --no-fixed-buffers  do not register the buffers with io_uring\n"
             "  --no-huge-pages     4 KiB pages for the buffers (default: transparent huge\n"
             "                      pages, as the engine's host arena uses)\n"
@@ -493,7 +498,7 @@ static void usage(FILE *f)
 static int parse_args(int argc, char **argv, struct bench_opts *o)
 {
     enum { O_READ = 256, O_WRITE, O_BOTH, O_SWEEP, O_JSON, O_BASE, O_KEEP, O_BACKEND, O_SQPOLL,
-           O_NOFIXED, O_NOHUGE, O_BATCH };
+           O_NOFIXED, O_NOHUGE, O_BATCH, O_RINGS };
     static const struct option longopts[] = {
         {"path", required_argument, NULL, 'p'},
         {"size", required_argument, NULL, 's'},
@@ -511,6 +516,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
         {"no-fixed-buffers", no_argument, NULL, O_NOFIXED},
         {"no-huge-pages", no_argument, NULL, O_NOHUGE},
         {"submit-batch", required_argument, NULL, O_BATCH},
+        {"rings", required_argument, NULL, O_RINGS},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -562,6 +568,14 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
                 return -1;
             }
             o->submit_batch = (unsigned)v;
+            break;
+        case O_RINGS:
+            if (parse_size(optarg, &v) < 0 || v < 1 || v > URING_MAX_RINGS) {
+                fprintf(stderr, "zinf bench: --rings: must be 1..%d, got '%s'\n", URING_MAX_RINGS,
+                        optarg);
+                return -1;
+            }
+            o->rings = (unsigned)v;
             break;
         case O_BACKEND:
             if (!strcmp(optarg, "io_uring"))
@@ -631,7 +645,7 @@ int cmd_bench(int argc, char **argv)
         max_qd = MAX(max_qd, sweep_qd[ARRAY_SIZE(sweep_qd) - 1]);
     }
     struct uring_opts uo = {.block_size = max_bs, .queue_depth = max_qd, .backend = c.o.backend,
-                            .sqpoll = c.o.sqpoll};
+                            .sqpoll = c.o.sqpoll, .rings = c.o.rings};
     if ((r = uring_open(&uo, &c.u)) < 0) {
         fprintf(stderr, "zinf bench: cannot set up the IO engine: %s\n", zinf_strerror(r));
         return 1;

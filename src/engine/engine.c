@@ -811,7 +811,7 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     struct uring_opts uo = {.block_size = o.block_size, .queue_depth = o.queue_depth,
                             .bind_numa = node >= 0, .numa_node = node,
                             .backend = params.io_backend, .sqpoll = params.sqpoll,
-                            .submit_batch = params.submit_batch};
+                            .submit_batch = params.submit_batch, .rings = params.rings};
     if ((r = uring_open(&uo, &e->io)) < 0) {
         log_error("engine: cannot set up the IO engine: %s", zinf_strerror(r));
         goto err;
@@ -944,7 +944,11 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
                                                                 : URING_BACKEND_AUTO,
         .submit_batch = c->zinf.submit_batch,
         .no_huge_pages = !c->zinf.huge_pages,
+        .rings = MIN(c->aio.intra_op_parallelism, (unsigned)URING_MAX_RINGS),
     };
+    if (c->aio.intra_op_parallelism > URING_MAX_RINGS)
+        log_notice("aio.intra_op_parallelism %u: zinf drives at most %d io_uring rings; using "
+                   "%d", c->aio.intra_op_parallelism, URING_MAX_RINGS, URING_MAX_RINGS);
     if (c->zinf.staging_bytes) {
         /* Said in bytes: whole blocks, at least four (two in flight, two being copied). */
         p.staging_slots = (unsigned)MAX(4u, c->zinf.staging_bytes / block_size);

@@ -247,6 +247,7 @@ struct engine_params {
     bool sqpoll;
     enum uring_backend io_backend;
     unsigned submit_batch;         /* uring_opts.submit_batch; 0: one chunk per completion */
+    unsigned rings;                /* uring_opts.rings (aio.intra_op_parallelism); 0: one */
     bool no_huge_pages;            /* 4 KiB pages for the host arena and staging ring */
 };
 

@@ -6,7 +6,10 @@
  * queue_depth chunks are in flight, and hands them to the backend:
  *   - io_uring: SQEs are prepared under the lock and pushed with one io_uring_submit()
  *     per pump, so a burst of chunks costs one syscall; a reaper thread waits for CQEs,
- *     handles every CQE available in one pass, then refills.
+ *     handles every CQE available in one pass, then refills. With uring_opts.rings > 1
+ *     there are that many rings, each with its own reaper, and chunks are dealt to them
+ *     in turn (what DeepSpeed's aio.intra_op_parallelism asks for): the queue depth,
+ *     the pending list and the lock stay shared.
  *   - threads: a pool of workers doing pread/pwrite, for kernels and sandboxes without
  *     io_uring.
  * Every completion, in either backend, goes through chunk_done(): short transfers are
@@ -34,6 +37,17 @@
 #define BUF_SLOTS 64            /* registered buffer table size */
 #define SLICE_BYTES GiB         /* one registered buffer covers at most this */
 #define MAX_EAGAIN 1000
+
+struct uring;
+
+/* One io_uring and the thread that reaps it. */
+struct ring {
+    struct io_uring ring;
+    struct uring *u;
+    bool up, reaper_up;
+    pthread_t reaper;
+    unsigned prepared;          /* SQEs prepared since the last io_uring_submit() */
+};
 
 struct chunk {
     struct uring_req *req;
@@ -69,7 +83,6 @@ struct uring {
     unsigned reqs_active;       /* submitted and whose callback has not returned */
     bool closing;
     struct chunk *chunk_mem, *free_chunks;
-    unsigned prepared;          /* SQEs prepared since the last io_uring_submit() */
 
     struct ufile *files;
     unsigned nfiles;
@@ -77,10 +90,9 @@ struct uring {
     bool slot_used[BUF_SLOTS];
 
     /* io_uring backend */
-    struct io_uring ring;
-    bool ring_up;
-    pthread_t reaper;
-    bool reaper_up;
+    struct ring rings[URING_MAX_RINGS];
+    unsigned nrings;            /* set up; 0 with the threads backend */
+    unsigned next_ring;         /* the ring the next chunk goes to */
 
     /* threads backend */
     pthread_cond_t work_cv;
@@ -144,14 +156,16 @@ static void issue_chunk(struct uring *u, struct chunk *c)
         return;
     }
 
-    /* At most queue_depth chunks are in flight and the SQ has more entries than that,
+    /* At most queue_depth chunks are in flight and every SQ has more entries than that,
      * so an SQE is always free here. */
-    struct io_uring_sqe *sqe = io_uring_get_sqe(&u->ring);
+    struct ring *rg = &u->rings[u->next_ring];
+    u->next_ring = (u->next_ring + 1) % u->nrings;
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&rg->ring);
     if (!sqe) {
-        io_uring_submit(&u->ring);
+        io_uring_submit(&rg->ring);
         u->st.submit_calls++;
-        u->prepared = 0;
-        sqe = io_uring_get_sqe(&u->ring);
+        rg->prepared = 0;
+        sqe = io_uring_get_sqe(&rg->ring);
     }
     if (c->forced_res) {
         io_uring_prep_nop(sqe);
@@ -175,18 +189,16 @@ static void issue_chunk(struct uring *u, struct chunk *c)
             sqe->flags |= IOSQE_FIXED_FILE;
     }
     io_uring_sqe_set_data(sqe, c);
-    u->prepared++;
+    rg->prepared++;
 }
 
-static void flush_sqes(struct uring *u)
+static void flush_ring(struct uring *u, struct ring *rg)
 {
-    if (u->backend != URING_BACKEND_IO_URING || u->prepared == 0)
-        return;
     for (int tries = 0; tries < 1000; tries++) {
-        int r = io_uring_submit(&u->ring);
+        int r = io_uring_submit(&rg->ring);
         u->st.submit_calls++;
         if (r >= 0) {
-            u->prepared = 0;
+            rg->prepared = 0;
             return;
         }
         if (r != -EAGAIN && r != -EBUSY && r != -EINTR) {
@@ -196,6 +208,15 @@ static void flush_sqes(struct uring *u)
         }
         sched_yield();
     }
+}
+
+static void flush_sqes(struct uring *u)
+{
+    if (u->backend != URING_BACKEND_IO_URING)
+        return;
+    for (unsigned i = 0; i < u->nrings; i++)
+        if (u->rings[i].prepared)
+            flush_ring(u, &u->rings[i]);
 }
 
 /* Cut chunks from the pending requests while there is room in the queue. */
@@ -369,7 +390,8 @@ static void bind_thread(struct uring *u)
 
 static void *reaper_main(void *arg)
 {
-    struct uring *u = arg;
+    struct ring *rg = arg;
+    struct uring *u = rg->u;
     bool stop = false;
 
     bind_thread(u);
@@ -378,7 +400,7 @@ static void *reaper_main(void *arg)
         struct io_uring_cqe *cqe;
         struct uring_req *done = NULL;
         unsigned head, n = 0;
-        int r = io_uring_wait_cqe(&u->ring, &cqe);
+        int r = io_uring_wait_cqe(&rg->ring, &cqe);
         if (r == -EINTR || r == -EAGAIN)
             continue;
         if (r < 0) {
@@ -386,7 +408,7 @@ static void *reaper_main(void *arg)
             break;
         }
         pthread_mutex_lock(&u->lock);
-        io_uring_for_each_cqe(&u->ring, head, cqe)
+        io_uring_for_each_cqe(&rg->ring, head, cqe)
         {
             n++;
             if (cqe->user_data == STOP_TAG) {
@@ -395,7 +417,7 @@ static void *reaper_main(void *arg)
             }
             chunk_done(u, io_uring_cqe_get_data(cqe), cqe->res, &done);
         }
-        io_uring_cq_advance(&u->ring, n);
+        io_uring_cq_advance(&rg->ring, n);
         pump(u);
         pthread_mutex_unlock(&u->lock);
         run_callbacks(u, done);
@@ -448,48 +470,70 @@ static void *worker_main(void *arg)
 
 /* ---- setup ---------------------------------------------------------------------- */
 
-static int setup_io_uring(struct uring *u)
+static int setup_ring(struct uring *u, struct ring *rg, unsigned entries)
 {
     struct io_uring_params p = {0};
-    unsigned entries = 1;
     int r;
+
+    rg->u = u;
+    if (u->o.sqpoll) {
+        p.flags |= IORING_SETUP_SQPOLL;
+        p.sq_thread_idle = 100; /* ms the kernel thread spins before it sleeps */
+    }
+    r = io_uring_queue_init_params(entries, &rg->ring, &p);
+    if (r < 0 && u->o.sqpoll) {
+        if (u->st.sqpoll) /* said once, not once per ring */
+            log_notice("io: SQPOLL refused (%s); using plain io_uring submission",
+                       strerror(-r));
+        u->st.sqpoll = false;
+        memset(&p, 0, sizeof(p));
+        r = io_uring_queue_init_params(entries, &rg->ring, &p);
+    }
+    if (r < 0)
+        return r;
+    rg->up = true;
+    /* Files and buffers are registered on every ring alike; where one ring cannot, no
+     * ring uses them. */
+    if (io_uring_register_files_sparse(&rg->ring, u->o.max_files) != 0)
+        u->st.fixed_files = false;
+    if (io_uring_register_buffers_sparse(&rg->ring, BUF_SLOTS) != 0)
+        u->st.fixed_buffers = false;
+    return 0;
+}
+
+static int setup_io_uring(struct uring *u)
+{
+    unsigned entries = 1, want = MAX(u->o.rings, 1u);
+    int r = 0;
 
     while (entries < u->o.queue_depth + 1)
         entries <<= 1;
     if (fault_no_uring) {
         /* What a kernel built without io_uring answers at setup. */
         fault_no_uring = false;
-        r = -ENOSYS;
+        return -ENOSYS;
+    }
+    /* Each ring clears what it cannot do. */
+    u->st.fixed_files = u->st.fixed_buffers = true;
+    u->st.sqpoll = u->o.sqpoll;
+    for (; u->nrings < want; u->nrings++)
+        if ((r = setup_ring(u, &u->rings[u->nrings], entries)) < 0)
+            break;
+    if (r < 0 && u->nrings == 0) {
+        u->st.fixed_files = u->st.fixed_buffers = u->st.sqpoll = false;
         return r;
     }
-    if (u->o.sqpoll) {
-        p.flags |= IORING_SETUP_SQPOLL;
-        p.sq_thread_idle = 100; /* ms the kernel thread spins before it sleeps */
+    if (r < 0) /* fewer rings than asked for: go on with those, and say so */
+        log_notice("io: %u of %u io_uring rings set up (%s)", u->nrings, want, strerror(-r));
+    for (unsigned i = 0; i < u->nrings; i++) {
+        struct ring *rg = &u->rings[i];
+        r = pthread_create(&rg->reaper, NULL, reaper_main, rg);
+        if (r) {
+            /* uring_close() stops the reapers that started and frees every ring. */
+            return -r;
+        }
+        rg->reaper_up = true;
     }
-    r = io_uring_queue_init_params(entries, &u->ring, &p);
-    if (r < 0 && u->o.sqpoll) {
-        log_notice("io: SQPOLL refused (%s); using plain io_uring submission", strerror(-r));
-        memset(&p, 0, sizeof(p));
-        r = io_uring_queue_init_params(entries, &u->ring, &p);
-    } else if (r == 0 && u->o.sqpoll) {
-        u->st.sqpoll = true;
-    }
-    if (r < 0)
-        return r;
-    u->ring_up = true;
-
-    if (io_uring_register_files_sparse(&u->ring, u->o.max_files) == 0)
-        u->st.fixed_files = true;
-    if (io_uring_register_buffers_sparse(&u->ring, BUF_SLOTS) == 0)
-        u->st.fixed_buffers = true;
-
-    r = pthread_create(&u->reaper, NULL, reaper_main, u);
-    if (r) {
-        io_uring_queue_exit(&u->ring);
-        u->ring_up = false;
-        return -r;
-    }
-    u->reaper_up = true;
     return 0;
 }
 
@@ -538,6 +582,8 @@ int uring_open(const struct uring_opts *opts, struct uring **out)
         o.max_files = 64;
     if (o.submit_batch > o.queue_depth)
         o.submit_batch = o.queue_depth;
+    if (o.rings > URING_MAX_RINGS)
+        return -EINVAL;
     if (!is_aligned(o.block_size, ZINF_ALIGN) || o.block_size > 64 * MiB ||
         o.queue_depth > 4096 || o.max_files > 4096)
         return -EINVAL;
@@ -578,7 +624,7 @@ int uring_open(const struct uring_opts *opts, struct uring **out)
             goto err;
         }
     }
-    if (!u->ring_up) {
+    if (u->nrings == 0) {
         u->backend = URING_BACKEND_THREADS;
         r = setup_threads(u);
         if (r < 0)
@@ -586,6 +632,7 @@ int uring_open(const struct uring_opts *opts, struct uring **out)
     }
     u->st.backend = u->backend;
     u->st.submit_batch = MAX(o.submit_batch, 1u);
+    u->st.rings = u->nrings;
     *out = u;
     return 0;
 err:
@@ -609,23 +656,28 @@ void uring_close(struct uring *u)
     u->closing = true;
     while (u->reqs_active)
         pthread_cond_wait(&u->idle_cv, &u->lock);
-    if (u->reaper_up) {
-        struct io_uring_sqe *sqe = io_uring_get_sqe(&u->ring);
+    for (unsigned i = 0; i < u->nrings; i++) {
+        struct ring *rg = &u->rings[i];
+        if (!rg->reaper_up)
+            continue;
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&rg->ring);
         if (!sqe) {
-            io_uring_submit(&u->ring);
-            sqe = io_uring_get_sqe(&u->ring);
+            io_uring_submit(&rg->ring);
+            sqe = io_uring_get_sqe(&rg->ring);
         }
         io_uring_prep_nop(sqe);
         io_uring_sqe_set_data64(sqe, STOP_TAG);
-        io_uring_submit(&u->ring);
+        io_uring_submit(&rg->ring);
     }
     pthread_mutex_unlock(&u->lock);
-    if (u->reaper_up)
-        pthread_join(u->reaper, NULL);
+    for (unsigned i = 0; i < u->nrings; i++)
+        if (u->rings[i].reaper_up)
+            pthread_join(u->rings[i].reaper, NULL);
     if (u->workers)
         stop_threads(u);
-    if (u->ring_up)
-        io_uring_queue_exit(&u->ring); /* drops registered files and buffers too */
+    for (unsigned i = 0; i < u->nrings; i++)
+        if (u->rings[i].up) /* drops registered files and buffers too */
+            io_uring_queue_exit(&u->rings[i].ring);
     for (unsigned i = 0; u->files && i < u->nfiles; i++)
         if (u->files[i].fd >= 0)
             close(u->files[i].fd);
@@ -656,9 +708,12 @@ int uring_file_adopt(struct uring *u, int fd, bool direct)
         pthread_mutex_unlock(&u->lock);
         return -EMFILE;
     }
-    if (u->st.fixed_files) {
-        int r = io_uring_register_files_update(&u->ring, (unsigned)slot, &fd, 1);
+    for (unsigned i = 0; u->st.fixed_files && i < u->nrings; i++) {
+        int r = io_uring_register_files_update(&u->rings[i].ring, (unsigned)slot, &fd, 1);
         if (r < 0) {
+            int minus1 = -1;
+            while (i--)
+                io_uring_register_files_update(&u->rings[i].ring, (unsigned)slot, &minus1, 1);
             pthread_mutex_unlock(&u->lock);
             return r;
         }
@@ -727,8 +782,8 @@ int uring_file_close(struct uring *u, int file)
         return -EINVAL;
     }
     fd = u->files[file].fd;
-    if (u->st.fixed_files)
-        io_uring_register_files_update(&u->ring, (unsigned)file, &minus1, 1);
+    for (unsigned i = 0; u->st.fixed_files && i < u->nrings; i++)
+        io_uring_register_files_update(&u->rings[i].ring, (unsigned)file, &minus1, 1);
     if (!u->files[file].direct)
         u->st.buffered_files--;
     u->files[file].fd = -1;
@@ -770,10 +825,15 @@ int uring_buf_register(struct uring *u, void *base, size_t len)
         size_t off = (size_t)k * SLICE_BYTES;
         iov[k] = (struct iovec){(char *)base + off, MIN(SLICE_BYTES, len - off)};
     }
-    r = io_uring_register_buffers_update_tag(&u->ring, first, iov, NULL, n);
-    if (r < 0) {
-        pthread_mutex_unlock(&u->lock);
-        return r;
+    for (unsigned i = 0; i < u->nrings; i++) {
+        r = io_uring_register_buffers_update_tag(&u->rings[i].ring, first, iov, NULL, n);
+        if (r < 0) {
+            struct iovec none[BUF_SLOTS] = {{0}};
+            while (i--)
+                io_uring_register_buffers_update_tag(&u->rings[i].ring, first, none, NULL, n);
+            pthread_mutex_unlock(&u->lock);
+            return r;
+        }
     }
     for (unsigned k = 0; k < n; k++)
         u->slot_used[first + k] = true;
@@ -801,7 +861,9 @@ int uring_buf_unregister(struct uring *u, int region)
         iov[k] = (struct iovec){NULL, 0};
         u->slot_used[r->first_slot + k] = false;
     }
-    io_uring_register_buffers_update_tag(&u->ring, r->first_slot, iov, NULL, r->nslots);
+    for (unsigned i = 0; i < u->nrings; i++)
+        io_uring_register_buffers_update_tag(&u->rings[i].ring, r->first_slot, iov, NULL,
+                                             r->nslots);
     r->used = false;
     pthread_mutex_unlock(&u->lock);
     return 0;

@@ -29,11 +29,16 @@ enum uring_op { URING_READ, URING_WRITE };
 
 enum uring_backend { URING_BACKEND_AUTO, URING_BACKEND_IO_URING, URING_BACKEND_THREADS };
 
+#define URING_MAX_RINGS 8
+
 struct uring_opts {
     size_t block_size;        /* largest chunk per IO; 0: 1 MiB; multiple of 4 KiB */
     unsigned queue_depth;     /* chunks in flight; 0: 32 */
     enum uring_backend backend; /* AUTO: io_uring, threads if it cannot be set up */
     bool sqpoll;              /* ask for a kernel submission-polling thread */
+    unsigned rings;           /* io_uring rings, each with its own completion thread;
+                               * chunks are dealt to them in turn; 0 or 1: one; at most
+                               * URING_MAX_RINGS */
     unsigned submit_batch;    /* refill the queue only once this many slots are free (or
                                * it is empty); 0 or 1: one chunk per completion. At most
                                * queue_depth */
@@ -82,6 +87,7 @@ struct uring_stats {
     bool fixed_buffers;       /* registered buffers available */
     bool fixed_files;         /* registered files available */
     unsigned submit_batch;    /* in use: uring_opts.submit_batch clamped to the depth */
+    unsigned rings;           /* io_uring rings in use; 0 with the threads backend */
 };
 
 int uring_open(const struct uring_opts *opts, struct uring **out);
