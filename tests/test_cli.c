@@ -301,6 +301,9 @@ static json_t *tune_json(const char *args, const char *sub)
     cr_assert_eq(json_integer_value(json_object_get(json_object_get(frag, "zinf"),
                                                     "submit_batch")),
                  json_integer_value(json_object_get(picked, "submit_batch")));
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(frag, "aio"),
+                                                    "intra_op_parallelism")),
+                 json_integer_value(json_object_get(picked, "rings")));
     json_decref(last);
     json_decref(pts);
     return frag;
@@ -348,7 +351,7 @@ Test(cli, tune_writes_a_fragment_that_config_check_and_train_load_as_is)
 
 Test(cli, tune_picks_by_its_rule_in_both_modes)
 {
-    json_t *frag = tune_json("--quick --size 8M", "io");
+    json_t *frag = tune_json("--quick --size 8M --rings 1,2 --submit-batches 1", "io");
     cr_assert_null(json_object_get(json_object_get(frag, "zinf"), "staging_bytes"));
     json_decref(frag);
 
@@ -390,6 +393,7 @@ Test(cli, tune_bad_arguments)
         {"--queue-depths 2 --submit-batches 4", "no point left in the grid"},
         {"--mode swapin --size 4M --tensor-size 1M", "swap-in needs at least 8"},
         {"--huge-pages maybe", "--huge-pages: must be on, off or both, got 'maybe'"},
+        {"--rings 1,9", "--rings: at most 8, got 9"},
         {"--bogus", "unknown or incomplete option '--bogus'"},
     };
     for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {

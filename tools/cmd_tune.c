@@ -3,8 +3,8 @@
  * measured, and written as a config fragment that `zinf config check` and `zinf train`
  * load as they are.
  *
- * A sweep is a grid of points (block size x queue depth x submit batch x huge pages, and in
- * swap-in mode x staging ring size). Every point is measured --reps times (at least 3); the
+ * A sweep is a grid of points (block size x queue depth x submit batch x io_uring rings x
+ * huge pages, and in swap-in mode x staging ring size). Every point is measured --reps times (at least 3); the
  * rounds take the points in turn, so load that comes and goes on a shared machine falls on
  * every point alike. Two modes:
  *   io      `zinf bench` (this binary, --json) on each path: write then read, every byte
@@ -19,10 +19,11 @@
  * The pick: the best is the point with the highest median score. A point whose range over
  * the rounds (min..max) reaches the best's min cannot be told from it: it ties, and among
  * the ties the cheapest wins: fewer bytes of pinned buffers, then fewer requests in flight,
- * then the smaller submit batch, then huge pages on (the default), then the smaller block.
- * So a sweep on a noisy machine picks a modest setting rather than a lucky one.
+ * then fewer rings (a thread each), then the smaller submit batch, then huge pages on (the
+ * default), then the smaller block. So a sweep on a noisy machine picks a modest setting
+ * rather than a lucky one.
  *
- * Not swept: rings per path (the engine drives one io_uring) and SQPOLL (it costs a core).
+ * Not swept: SQPOLL (a kernel thread spinning on a core per ring).
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -45,6 +46,7 @@
 #include "common.h"
 #include "config.h"
 #include "engine/engine.h"
+#include "io/uring.h"
 
 extern char **environ;
 
@@ -66,14 +68,14 @@ struct tune_opts {
     enum tune_mode mode;
     uint64_t size, tensor_bytes;
     unsigned reps;
-    struct axis bs, qd, batch, staging, huge; /* huge: 1 on, 0 off */
+    struct axis bs, qd, batch, rings, staging, huge; /* huge: 1 on, 0 off */
     const char *out;
     bool force, json, quick;
 };
 
 struct point {
     size_t bs;
-    unsigned qd, batch;
+    unsigned qd, batch, rings;
     uint64_t staging; /* swap-in mode only; 0 in io mode */
     bool huge;
     double *score, *rd, *wr; /* one per round */
@@ -140,6 +142,7 @@ static void usage(FILE *f)
             "  --block-sizes LIST    default 256K,1M,4M (swapin: 1M,4M)\n"
             "  --queue-depths LIST   default 8,32,64 (swapin: 8,32)\n"
             "  --submit-batches LIST default 1,8 (points with a batch over the depth are left out)\n"
+            "  --rings LIST          io_uring rings, each with its completion thread: default 1,2\n"
             "  --staging LIST        swapin: staging ring bytes, default 16M,64M\n"
             "  --huge-pages on|off|both   default both\n"
             "  --quick               a small grid at a small size: a smoke run, not a tuning\n"
@@ -154,7 +157,7 @@ static void usage(FILE *f)
 
 static int parse_args(int argc, char **argv, struct tune_opts *o)
 {
-    enum { O_MODE = 256, O_SIZE, O_TSIZE, O_REPS, O_BS, O_QD, O_BATCH, O_STAGING, O_HUGE,
+    enum { O_MODE = 256, O_SIZE, O_TSIZE, O_REPS, O_BS, O_QD, O_BATCH, O_RINGS, O_STAGING, O_HUGE,
            O_QUICK, O_OUT, O_FORCE, O_JSON };
     static const struct option longopts[] = {
         {"path", required_argument, NULL, 'p'},
@@ -165,6 +168,7 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
         {"block-sizes", required_argument, NULL, O_BS},
         {"queue-depths", required_argument, NULL, O_QD},
         {"submit-batches", required_argument, NULL, O_BATCH},
+        {"rings", required_argument, NULL, O_RINGS},
         {"staging", required_argument, NULL, O_STAGING},
         {"huge-pages", required_argument, NULL, O_HUGE},
         {"quick", no_argument, NULL, O_QUICK},
@@ -175,7 +179,7 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
         {0},
     };
     bool given_bs = false, given_qd = false, given_batch = false, given_staging = false,
-         given_huge = false;
+         given_huge = false, given_rings = false;
     uint64_t v;
     int ch;
 
@@ -245,6 +249,17 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
                 return -1;
             given_batch = true;
             break;
+        case O_RINGS:
+            if (parse_axis("--rings", optarg, &o->rings, false) < 0)
+                return -1;
+            for (unsigned i = 0; i < o->rings.n; i++)
+                if (o->rings.v[i] > URING_MAX_RINGS) {
+                    fprintf(stderr, "zinf tune: --rings: at most %d, got %llu\n", URING_MAX_RINGS,
+                            (unsigned long long)o->rings.v[i]);
+                    return -1;
+                }
+            given_rings = true;
+            break;
         case O_STAGING:
             if (parse_axis("--staging", optarg, &o->staging, true) < 0)
                 return -1;
@@ -305,6 +320,8 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
     if (!given_batch)
         o->quick ? axis_set(&o->batch, 2, (uint64_t[]){1, 4})
                  : axis_set(&o->batch, 2, (uint64_t[]){1, 8});
+    if (!given_rings)
+        o->quick ? axis_set(&o->rings, 1, (uint64_t[]){1}) : axis_set(&o->rings, 2, (uint64_t[]){1, 2});
     if (!given_staging)
         o->quick ? axis_set(&o->staging, 1, (uint64_t[]){4 * MiB})
                  : axis_set(&o->staging, 2, (uint64_t[]){16 * MiB, 64 * MiB});
@@ -341,6 +358,8 @@ static bool cheaper(const struct point *a, const struct point *b)
         return point_cost(a) < point_cost(b);
     if (a->qd != b->qd)
         return a->qd < b->qd;
+    if (a->rings != b->rings)
+        return a->rings < b->rings;
     if (a->batch != b->batch)
         return a->batch < b->batch;
     if (a->huge != b->huge)
@@ -350,7 +369,7 @@ static bool cheaper(const struct point *a, const struct point *b)
 
 static int build_grid(const struct tune_opts *o, struct point **out, unsigned *n)
 {
-    unsigned cap = o->bs.n * o->qd.n * o->batch.n * o->huge.n *
+    unsigned cap = o->bs.n * o->qd.n * o->batch.n * o->rings.n * o->huge.n *
                    (o->mode == MODE_SWAPIN ? o->staging.n : 1);
     if (cap > MAX_POINTS) {
         fprintf(stderr, "zinf tune: %u points is too many (at most %d)\n", cap, MAX_POINTS);
@@ -363,6 +382,7 @@ static int build_grid(const struct tune_opts *o, struct point **out, unsigned *n
     for (unsigned a = 0; a < o->bs.n; a++)
         for (unsigned b = 0; b < o->qd.n; b++)
             for (unsigned c = 0; c < o->batch.n; c++)
+              for (unsigned ri = 0; ri < o->rings.n; ri++)
                 for (unsigned s = 0; s < (o->mode == MODE_SWAPIN ? o->staging.n : 1); s++)
                     for (unsigned h = 0; h < o->huge.n; h++) {
                         if (o->batch.v[c] > o->qd.v[b])
@@ -371,6 +391,7 @@ static int build_grid(const struct tune_opts *o, struct point **out, unsigned *n
                         p->bs = o->bs.v[a];
                         p->qd = (unsigned)o->qd.v[b];
                         p->batch = (unsigned)o->batch.v[c];
+                        p->rings = (unsigned)o->rings.v[ri];
                         p->staging = o->mode == MODE_SWAPIN ? o->staging.v[s] : 0;
                         p->huge = o->huge.v[h];
                         if (p->staging && p->staging < 4 * p->bs)
@@ -401,7 +422,7 @@ static json_t *fragment(const struct tune_opts *o, const struct point *p, const 
                         uint64_t device_bytes, uint64_t host_bytes)
 {
     json_t *aio = json_pack("{s:I, s:i, s:i, s:b, s:b}", "block_size", (json_int_t)p->bs,
-                            "queue_depth", (int)p->qd, "intra_op_parallelism", 1,
+                            "queue_depth", (int)p->qd, "intra_op_parallelism", (int)p->rings,
                             "single_submit", 0, "overlap_events", 1);
     json_t *paths = json_array();
     for (unsigned i = 0; i < o->npaths; i++) {
@@ -429,13 +450,14 @@ static char self_exe[PATH_MAX];
 static int bench_once(const struct tune_opts *o, const char *dir, const struct point *p,
                       double *rd, double *wr, char *err, size_t errlen)
 {
-    char size[32], bs[32], qd[16], batch[16];
+    char size[32], bs[32], qd[16], batch[16], rings[16];
     snprintf(size, sizeof(size), "%llu", (unsigned long long)o->size);
     snprintf(bs, sizeof(bs), "%zu", p->bs);
     snprintf(qd, sizeof(qd), "%u", p->qd);
     snprintf(batch, sizeof(batch), "%u", p->batch);
+    snprintf(rings, sizeof(rings), "%u", p->rings);
     char *argv[] = {self_exe, "bench", "--path", (char *)dir, "--size", size, "--block-size", bs,
-                    "--queue-depth", qd, "--submit-batch", batch, "--json", "--keep",
+                    "--queue-depth", qd, "--submit-batch", batch, "--rings", rings, "--json", "--keep",
                     p->huge ? NULL : "--no-huge-pages", NULL};
     int pfd[2];
     if (pipe(pfd) < 0)
@@ -621,8 +643,8 @@ static void describe(const struct point *p, char *buf, size_t len)
     format_size(p->bs, bs, sizeof(bs));
     if (p->staging)
         snprintf(st, sizeof(st), ", staging %s", format_size(p->staging, sz, sizeof(sz)));
-    snprintf(buf, len, "block %s, qd %u, batch %u, huge pages %s%s", bs, p->qd, p->batch,
-             p->huge ? "on" : "off", st);
+    snprintf(buf, len, "block %s, qd %u, batch %u, %u ring%s, huge pages %s%s", bs, p->qd,
+             p->batch, p->rings, p->rings == 1 ? "" : "s", p->huge ? "on" : "off", st);
 }
 
 static void progress(bool tty, unsigned done, unsigned total, uint64_t t0, const struct point *p,
@@ -737,8 +759,8 @@ static void print_table(const struct tune_opts *o, struct point *g, unsigned n,
                         const struct point *best, const struct point *win)
 {
     bool io = o->mode == MODE_IO;
-    printf("# %7s %4s %5s %4s %8s %8s %8s %8s %8s %8s  %s\n", "block", "qd", "batch", "huge",
-           "staging", io ? "write" : "", io ? "read" : "", io ? "score" : "swapin", "min", "max",
+    printf("# %7s %4s %5s %5s %4s %8s %8s %8s %8s %8s %8s  %s\n", "block", "qd", "batch", "rings",
+           "huge", "staging", io ? "write" : "", io ? "read" : "", io ? "score" : "swapin", "min", "max",
            "");
     for (unsigned i = 0; i < n; i++) {
         struct point *p = &g[i];
@@ -747,7 +769,7 @@ static void print_table(const struct tune_opts *o, struct point *g, unsigned n,
         if (p->staging)
             format_size(p->staging, st, sizeof(st));
         if (p->fails) {
-            printf("  %7s %4u %5u %4s %8s  failed: %s\n", bs, p->qd, p->batch,
+            printf("  %7s %4u %5u %5u %4s %8s  failed: %s\n", bs, p->qd, p->batch, p->rings,
                    p->huge ? "on" : "off", st, p->err);
             continue;
         }
@@ -756,17 +778,17 @@ static void print_table(const struct tune_opts *o, struct point *g, unsigned n,
             snprintf(w, sizeof(w), "%.3f", p->med_wr);
             snprintf(r, sizeof(r), "%.3f", p->med_rd);
         }
-        printf("  %7s %4u %5u %4s %8s %8s %8s %8.3f %8.3f %8.3f  %s\n", bs, p->qd, p->batch,
-               p->huge ? "on" : "off", st, w, r, p->med, p->lo, p->hi,
+        printf("  %7s %4u %5u %5u %4s %8s %8s %8s %8.3f %8.3f %8.3f  %s\n", bs, p->qd, p->batch,
+               p->rings, p->huge ? "on" : "off", st, w, r, p->med, p->lo, p->hi,
                p == win ? "<- picked" : p == best ? "best median" : p->tie ? "tie" : "");
     }
 }
 
 static void json_point(const struct tune_opts *o, const struct point *p, const struct point *win)
 {
-    json_t *j = json_pack("{s:I, s:i, s:i, s:b}", "block_size", (json_int_t)p->bs,
-                          "queue_depth", (int)p->qd, "submit_batch", (int)p->batch,
-                          "huge_pages", p->huge);
+    json_t *j = json_pack("{s:I, s:i, s:i, s:i, s:b}", "block_size", (json_int_t)p->bs,
+                          "queue_depth", (int)p->qd, "submit_batch", (int)p->batch, "rings",
+                          (int)p->rings, "huge_pages", p->huge);
     if (p->staging)
         json_object_set_new(j, "staging_bytes", json_integer((json_int_t)p->staging));
     json_t *rounds = json_array();
@@ -915,9 +937,9 @@ int cmd_tune(int argc, char **argv)
                    (unsigned long long)o.tensor_bytes);
         printf("# rule: best = highest median over the rounds; a point whose min..max reaches "
                "the best's min ties\n#   with it; of the ties the cheapest wins: fewer pinned "
-               "buffer bytes, then fewer requests in\n#   flight, then the smaller submit "
-               "batch, then huge pages on, then the smaller block\n");
-        printf("# not swept: rings per path (the engine drives one io_uring), sqpoll\n");
+               "buffer bytes, then fewer requests in\n#   flight, then fewer rings, then the "
+               "smaller submit batch, then huge pages on, then the smaller block\n");
+        printf("# not swept: sqpoll (a kernel thread spinning on a core per ring)\n");
         fflush(stdout);
     }
 
