@@ -6,6 +6,7 @@
 #
 #   bench/io_vs_deepspeed.sh DIR [SIZE] [ROUNDS]      (defaults: 2G, 5)
 #   ZINF=build/tools/zinf  BLOCKS="1M 4M"  DEPTHS="8 32"  VENV=/var/tmp/zinf-ds-venv
+#   ZINF_ARGS="--submit-batch 8" (more options for every zinf bench run)
 #
 # Sets up what it needs when missing: libaio-dev (apt-get, which DeepSpeed's aio op builds
 # against) and a venv with torch and deepspeed from PyPI (several GB, once). DeepSpeed builds
@@ -20,6 +21,7 @@ rounds=${3:-5}
 zinf=${ZINF:-build/tools/zinf}
 blocks=${BLOCKS:-1M 4M}
 depths=${DEPTHS:-8 32}
+zargs=${ZINF_ARGS:-} # more options for zinf bench, e.g. "--submit-batch 8"
 venv=${VENV:-/var/tmp/zinf-ds-venv}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$dir"
@@ -44,6 +46,7 @@ trap 'rm -f "$dsfile"' EXIT
 
 echo "# $("$zinf" version | head -n 1) against deepspeed $("$py" -c 'import importlib.metadata as m; print(m.version("deepspeed"))')"
 echo "# $dir on $(df --output=source "$dir" | tail -n 1), $size, $rounds rounds, blocks $blocks, depths $depths"
+echo "# zinf bench options: ${zargs:-(defaults)}"
 echo "# the pattern file for the reads:"
 "$zinf" bench --path "$dir" --size "$size" --write --keep --json | sed 's/^/#   /'
 
@@ -57,7 +60,7 @@ for bs in $blocks; do
     for r in $(seq 1 "$rounds"); do
       for op in read write; do
         zout=$("$zinf" bench --path "$dir" --size "$size" --block-size "$bs" --queue-depth "$qd" \
-               --"$op" --keep --json)
+               --"$op" --keep --json $zargs)
         printf '%s\n' "$zout" | ok || { echo "zinf $op not verified: $zout" >&2; exit 1; }
         if [ "$op" = read ]; then
           dout=$("$py" "$here/ds_aio_bench.py" --file "$zfile" --op read --block-size "$b" \

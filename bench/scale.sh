@@ -8,17 +8,18 @@
 # Losses of the two runs must be bitwise equal; a size where they are not is marked.
 #
 # usage: bench/scale.sh DIR [STEPS]   (default 3)
-#   ZINF=build/tools/zinf  SHAPES="6x256 6x512 12x768 24x960" (layers x dim; heads = dim/64)
-#   SEQ=128 BATCH=16  DEVICE_BYTES=32M HOST_BYTES=128M (the offloaded run's budgets)
+#   ZINF=build/tools/zinf  SHAPES="6x256 8x640 12x768 24x960" (layers x dim; heads = dim/64)
+#   SEQ=128 BATCH=16  DEVICE_BYTES=160M HOST_BYTES=320M (the offloaded run's budgets; the
+#   device budget must hold one block's working set at the largest dim)
 #   BLOCK=1M QD=32
 set -euo pipefail
 
 dir=${1:?usage: bench/scale.sh DIR [STEPS]}
 steps=${2:-3}
 zinf=${ZINF:-build/tools/zinf}
-shapes=${SHAPES:-"6x256 6x512 12x768 24x960"}
+shapes=${SHAPES:-"6x256 8x640 12x768 24x960"}
 T=${SEQ:-128} B=${BATCH:-16}
-dev=${DEVICE_BYTES:-32M} host=${HOST_BYTES:-128M}
+dev=${DEVICE_BYTES:-160M} host=${HOST_BYTES:-320M}
 block=${BLOCK:-1M} qd=${QD:-32}
 data=${DATA:-/usr/share/common-licenses/GPL-3}
 swap=$dir/scale-swap
@@ -76,9 +77,11 @@ printf "# %7s %10s %10s %10s %6s %8s %8s %9s %8s %s\n" shape state_MiB mem_ms of
   "rd GB/s" "wr GB/s" "rd+wr/bench" blocked "losses equal"
 for s in $shapes; do
   L=${s%x*} C=${s#*x}
-  read -r mms _ _ _ state mloss <<< "$(run "$tmp/mem.json" "$L" "$C" "$tmp/mem.$s.jsonl")"
+  out=$(run "$tmp/mem.json" "$L" "$C" "$tmp/mem.$s.jsonl") || exit 1
+  read -r mms _ _ _ state mloss <<< "$out"
   rm -rf "${swap:?}"/*
-  read -r nms rd wr bl _ nloss <<< "$(run "$tmp/nvme.json" "$L" "$C" "$tmp/nvme.$s.jsonl")"
+  out=$(run "$tmp/nvme.json" "$L" "$C" "$tmp/nvme.$s.jsonl") || exit 1
+  read -r nms rd wr bl _ nloss <<< "$out"
   rm -rf "${swap:?}"/*
   python3 - "$s" "$state" "$mms" "$nms" "$rd" "$wr" "$bl" "$braw" "$wraw" "$mloss" "$nloss" <<'PY'
 import sys
