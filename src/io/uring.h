@@ -1,6 +1,6 @@
 /*
- * uring.h - the IO engine: one io_uring per engine, a completion thread, batched
- * submission and reaping, requests split into block_size chunks with at most queue_depth
+ * uring.h - the IO engine: one io_uring per engine (or uring_opts.rings of them), a
+ * completion thread per ring, batched submission and reaping, requests split into block_size chunks with at most queue_depth
  * chunks in flight, registered (fixed) buffers and files, O_DIRECT.
  *
  * Where io_uring cannot be set up (-ENOSYS/-EPERM: an old kernel, a seccomp sandbox) the
