@@ -16,12 +16,13 @@
  *           schedule learned in a first step; the score is the tensor bytes per second of
  *           the steps after it. Bytes are checked after the timing, through zinf_read.
  *
- * The pick: the best is the point with the highest median score. A point whose range over
- * the rounds (min..max) reaches the best's min cannot be told from it: it ties, and among
- * the ties the cheapest wins: fewer bytes of pinned buffers, then fewer requests in flight,
+ * The pick: the best is the point with the highest median score. A point whose median falls
+ * inside the best's range over the rounds (min..max) cannot be told from it: it ties, and
+ * among the ties the cheapest wins: fewer bytes of pinned buffers, then fewer requests in flight,
  * then fewer rings (a thread each), then the smaller submit batch, then huge pages on (the
  * default), then the smaller block. So a sweep on a noisy machine picks a modest setting
- * rather than a lucky one.
+ * rather than a lucky one; and since a tie is judged by its median, one lucky round does not
+ * make a slow point tie.
  *
  * Not swept: SQPOLL (a kernel thread spinning on a core per ring).
  */
@@ -720,7 +721,7 @@ static struct point *pick(struct point *g, unsigned n, struct point **best_out, 
     if (!best)
         return NULL;
     for (unsigned i = 0; i < n; i++) {
-        g[i].tie = !g[i].fails && g[i].hi >= best->lo;
+        g[i].tie = !g[i].fails && g[i].med >= best->lo;
         if (!g[i].tie)
             continue;
         ++*nties;
@@ -935,8 +936,8 @@ int cmd_tune(int argc, char **argv)
                    "GB/s; bytes checked after\n",
                    (unsigned long long)(o.size / o.tensor_bytes),
                    (unsigned long long)o.tensor_bytes);
-        printf("# rule: best = highest median over the rounds; a point whose min..max reaches "
-               "the best's min ties\n#   with it; of the ties the cheapest wins: fewer pinned "
+        printf("# rule: best = highest median over the rounds; a point whose median is within "
+               "the best's min..max\n#   ties with it; of the ties the cheapest wins: fewer pinned "
                "buffer bytes, then fewer requests in\n#   flight, then fewer rings, then the "
                "smaller submit batch, then huge pages on, then the smaller block\n");
         printf("# not swept: sqpoll (a kernel thread spinning on a core per ring)\n");
@@ -1019,8 +1020,8 @@ int cmd_tune(int argc, char **argv)
         describe(best, bd, sizeof(bd));
         printf("# best median: %s: %.3f GB/s\n", bd, best->med);
         if (win != best)
-            printf("# picked: %s: %.3f GB/s; %u points tie with the best (their spread reaches "
-                   "its min), this is the cheapest\n", d, win->med, nties);
+            printf("# picked: %s: %.3f GB/s; %u points tie with the best (their median is within "
+                   "its spread), this is the cheapest\n", d, win->med, nties);
         else
             printf("# picked: %s (%s)\n", d,
                    nties > 1 ? "the cheapest of the points that tie" : "no other point ties");
