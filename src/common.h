@@ -71,6 +71,12 @@ static inline int completion_wait(struct completion *c)
     return c->res;
 }
 
+/* libnuma fills its cache of each node's CPU mask on first use without a lock, so two
+ * threads asking at once (engines opening, IO threads starting) can leak or corrupt it:
+ * every call that maps nodes to CPUs (numa_node_of_cpu, numa_run_on_node, ...) is made
+ * holding this lock. */
+extern pthread_mutex_t numa_call_lock;
+
 /* Logging. Messages go to the sink (stderr by default) prefixed with "zinf: ". */
 enum log_level { LOG_ERROR, LOG_WARN, LOG_NOTICE, LOG_DEBUG };
 typedef void (*log_sink_fn)(enum log_level level, const char *msg, void *data);

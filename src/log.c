@@ -13,6 +13,8 @@
 
 #include "common.h"
 
+pthread_mutex_t numa_call_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
 static log_sink_fn log_sink;
 static void *log_sink_data;

@@ -383,9 +383,14 @@ static void run_callbacks(struct uring *u, struct uring_req *done)
 /* Completions are handled next to the memory they land in (the host tier's node). */
 static void bind_thread(struct uring *u)
 {
-    if (u->o.bind_numa && numa_available() >= 0 && numa_run_on_node(u->o.numa_node) < 0)
+    if (!u->o.bind_numa || numa_available() < 0)
+        return;
+    pthread_mutex_lock(&numa_call_lock);
+    int r = numa_run_on_node(u->o.numa_node), err = errno;
+    pthread_mutex_unlock(&numa_call_lock);
+    if (r < 0)
         log_notice("io: cannot run the IO thread on NUMA node %d: %s", u->o.numa_node,
-                   strerror(errno));
+                   strerror(err));
 }
 
 static void *reaper_main(void *arg)

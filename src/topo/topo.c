@@ -479,7 +479,12 @@ static int caller_node(struct topo *t, int *cpu)
 
     *cpu = sched_getcpu();
     if (*cpu < 0 || !t->numa_ok) return -1;
-    if (t->thissystem) return numa_node_of_cpu(*cpu);
+    if (t->thissystem) {
+        pthread_mutex_lock(&numa_call_lock);
+        node = numa_node_of_cpu(*cpu);
+        pthread_mutex_unlock(&numa_call_lock);
+        return node;
+    }
     /* A topology from XML is another machine: read the CPU's node from it, so tests get
      * the answer the XML describes. */
     pu = hwloc_get_pu_obj_by_os_index(t->h, (unsigned)*cpu);
