@@ -30,12 +30,7 @@ venv=${VENV:-/var/tmp/zinf-ds-venv}
 reps=${REPS:-10}
 here=$(cd "$(dirname "$0")" && pwd)
 
-if ! "$venv/bin/python" -c 'import deepspeed, torch' >/dev/null 2>&1; then
-  echo "# setting up $venv (torch, deepspeed from PyPI)"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch deepspeed
-fi
-py="$venv/bin/python"
+NEED_AIO=0 . "$here/ds_env.sh"
 # The op is built (or found built) before anything is timed.
 "$py" -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)' \
   >/dev/null 2>&1

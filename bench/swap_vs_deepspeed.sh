@@ -40,17 +40,7 @@ batch=${BATCH:-4}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$dir"
 
-if ! dpkg-query -W -f='${Status}' libaio-dev 2>/dev/null | grep -q 'install ok installed'; then
-  sudo=; [ "$(id -u)" = 0 ] || sudo=sudo
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q libaio-dev ||
-    { $sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q libaio-dev; }
-fi
-if ! "$venv/bin/python" -c 'import deepspeed, torch' >/dev/null 2>&1; then
-  echo "# setting up $venv (torch, deepspeed from PyPI)"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch deepspeed
-fi
-py="$venv/bin/python"
+. "$here/ds_env.sh"
 
 bytes() { numfmt --from=iec "$1"; }
 tbytes=$(bytes "$tsize")
