@@ -375,6 +375,35 @@ Test(cli, tune_picks_by_its_rule_in_both_modes)
     free(o);
 }
 
+/* SIGINT or SIGTERM in the middle of a sweep: it stops after the measurement in hand,
+ * writes no fragment, removes what the sweep wrote in the path, and exits 130 or 143. */
+Test(cli, tune_interrupted_writes_nothing_and_cleans_up)
+{
+    static const struct { const char *sig; int status; } sigs[] = {{"INT", 130}, {"TERM", 143}};
+    char cmd[16384], out[4096], scratch[4200], text[8192];
+    snprintf(out, sizeof(out), "%s/frag.json", dir);
+    for (int i = 0; i < 2; i++) {
+        /* A sweep of a few hundred measurements: far longer than the second it is given. */
+        snprintf(cmd, sizeof(cmd), "timeout --preserve-status -s %s 1 %s tune --path %s --mode "
+                 "swapin --size 16M --tensor-size 1M --block-sizes 256K,1M --queue-depths 4,8,16 "
+                 "--staging 4M,8M --reps 5 --out %s > %s/int.out 2>&1", sigs[i].sig,
+                 getenv("ZINF_BIN"), dir, out, dir);
+        int st = system(cmd);
+        snprintf(scratch, sizeof(scratch), "%s/int.out", dir);
+        FILE *f = fopen(scratch, "r");
+        size_t n = f ? fread(text, 1, sizeof(text) - 1, f) : 0;
+        text[n] = '\0';
+        if (f)
+            fclose(f);
+        cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == sigs[i].status, "SIG%s: status %d: %s",
+                  sigs[i].sig, WIFEXITED(st) ? WEXITSTATUS(st) : -1, text);
+        cr_assert(strstr(text, "interrupted; no fragment written"), "%s", text);
+        cr_assert_neq(access(out, F_OK), 0, "a fragment was written");
+        snprintf(scratch, sizeof(scratch), "%s/zinf-tune.swap", dir);
+        cr_assert_neq(access(scratch, F_OK), 0, "the sweep's swap directory is left behind");
+    }
+}
+
 Test(cli, tune_bad_arguments)
 {
     char *o, out[4096];
