@@ -73,19 +73,14 @@ for r in $(seq 1 "$rounds"); do
   else first=ds; run_ds; run_zinf; fi
   zs+="$z "; ds+="$d "; bs+="$zb "; fs+="$zf "
   printf '# %5s %6s %13.4f %11.4f %13s %8.3f %14.4f %11.3f\n' "$r" "$first" "$z" "$d" "($dmed)" \
-    "$(awk -v a="$z" -v b="$d" 'BEGIN { print a / b }')" "$zb" "$zf"
+    "$(ratio "$z" "$d")" "$zb" "$zf"
 done
 
-stats() { # median min max of the numbers on stdin
-  tr ' ' '\n' | grep -v '^$' | sort -g |
-    awk '{a[NR] = $1} END { printf "%s %s %s", a[int((NR + 1) / 2)], a[1], a[NR] }'
-}
 read -r zm zlo zhi <<<"$(echo "$zs" | stats)"
 read -r dm dlo dhi <<<"$(echo "$ds" | stats)"
 read -r bm blo bhi <<<"$(echo "$bs" | stats)"
 read -r fm flo fhi <<<"$(echo "$fs" | stats)"
-rd=$(awk -v a="$zm" -v b="$dm" 'BEGIN { printf "%.3f", a / b }')
-met() { awk -v x="$1" -v t="$2" 'BEGIN { print (x >= t ? "met" : "NOT met") }'; }
+rd=$(ratio "$zm" "$dm")
 echo
 printf '%-30s %8s %17s\n' side Gelem/s "min-max"
 printf '%-30s %8.4f %17s\n' "zinf adamw/$kern" "$zm" "$zlo-$zhi"

@@ -71,10 +71,6 @@ for bs in $blocks; do
   done
 done
 
-stats() { # median min max of the numbers on stdin
-  tr ' ' '\n' | grep -v '^$' | sort -g |
-    awk '{a[NR] = $1} END { printf "%s %s %s", a[int((NR + 1) / 2)], a[1], a[NR] }'
-}
 echo
 printf '%-5s %6s %3s %10s %15s %10s %15s %7s\n' op block qd zinf_GBps zinf_range ds_GBps \
   ds_range ratio

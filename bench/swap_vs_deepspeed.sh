@@ -132,20 +132,15 @@ for r in $(seq 1 "$rounds"); do
   else first=ds; run_ds; run_raw; run_zinf; fi
   zs+="$z "; zns+="$zn "; ds+="$d "; ws+="$w "
   printf '# %5s %6s %11.3f %10.3f %15.3f %9.3f %8.3f %9.3f\n' "$r" "$first" "$z" "$zn" "$d" "$w" \
-    "$(awk -v a="$z" -v b="$d" 'BEGIN { print a / b }')" "$(awk -v a="$z" -v b="$w" 'BEGIN { print a / b }')"
+    "$(ratio "$z" "$d")" "$(ratio "$z" "$w")"
 done
 
-stats() { # median min max of the numbers on stdin
-  tr ' ' '\n' | grep -v '^$' | sort -g |
-    awk '{a[NR] = $1} END { printf "%s %s %s", a[int((NR + 1) / 2)], a[1], a[NR] }'
-}
 read -r zm zlo zhi <<<"$(echo "$zs" | stats)"
 read -r nm nlo nhi <<<"$(echo "$zns" | stats)"
 read -r dm dlo dhi <<<"$(echo "$ds" | stats)"
 read -r wm wlo whi <<<"$(echo "$ws" | stats)"
-rd=$(awk -v a="$zm" -v b="$dm" 'BEGIN { printf "%.3f", a / b }')
-rw=$(awk -v a="$zm" -v b="$wm" 'BEGIN { printf "%.3f", a / b }')
-met() { awk -v x="$1" -v t="$2" 'BEGIN { print (x >= t ? "met" : "NOT met") }'; }
+rd=$(ratio "$zm" "$dm")
+rw=$(ratio "$zm" "$wm")
 echo
 printf '%-22s %8s %15s\n' side GB/s "min-max"
 printf '%-22s %8.3f %15s\n' "zinf swap-in" "$zm" "$zlo-$zhi"
@@ -153,5 +148,5 @@ printf '%-22s %8.3f %15s\n' "zinf swap-in, NVMe" "$nm" "$nlo-$nhi"
 printf '%-22s %8.3f %15s\n' "deepspeed swapper" "$dm" "$dlo-$dhi"
 printf '%-22s %8.3f %15s\n' "zinf bench --read" "$wm" "$wlo-$whi"
 echo "ratio zinf/deepspeed (medians): $rd (target >= 1.0: $(met "$rd" 1.0))"
-echo "ratio zinf/raw read  (medians): $rw (target >= 0.9: $(met "$rw" 0.9)); NVMe bytes: zinf/deepspeed $(awk -v a="$nm" -v b="$dm" 'BEGIN { printf "%.3f", a / b }'), zinf/raw $(awk -v a="$nm" -v b="$wm" 'BEGIN { printf "%.3f", a / b }')"
+echo "ratio zinf/raw read  (medians): $rw (target >= 0.9: $(met "$rw" 0.9)); NVMe bytes: zinf/deepspeed $(ratio "$nm" "$dm"), zinf/raw $(ratio "$nm" "$wm")"
 echo "every step and read verified"

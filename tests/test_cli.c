@@ -423,6 +423,7 @@ Test(cli, tune_bad_arguments)
         {"--mode swapin --size 4M --tensor-size 1M", "swap-in needs at least 8"},
         {"--huge-pages maybe", "--huge-pages: must be on, off or both, got 'maybe'"},
         {"--rings 1,9", "--rings: at most 8, got 9"},
+        {"--submit-batches 1,2000", "--submit-batches: at most 1024 (zinf.submit_batch), got 2000"},
         {"--bogus", "unknown or incomplete option '--bogus'"},
     };
     for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {

@@ -1112,5 +1112,18 @@ Test(config, io_settings_of_the_zinf_section_reach_the_engine)
     cr_expect_eq(us.submit_batch, 1);
     zinf_close(e);
     config_free(&c);
+    /* DeepSpeed configs may ask for more threads than zinf drives rings: the most it
+     * drives, not an error. */
+    snprintf(json, sizeof(json),
+             "{\"aio\": {\"thread_count\": 16}, \"zinf\": {\"nvme_paths\": [\"%s\"], "
+             "\"device\": \"emulated\", \"host_bytes\": \"8M\", \"device_bytes\": \"8M\"}}",
+             dir);
+    cr_assert_eq(parse(json, &c, err), 0, "%s", err);
+    cr_assert_eq(engine_open_config(&c, ZINF_OPEN_OVERWRITE, &e), 0);
+    uring_get_stats(e->io, &us);
+    if (us.backend == URING_BACKEND_IO_URING)
+        cr_expect_eq(us.rings, URING_MAX_RINGS);
+    zinf_close(e);
+    config_free(&c);
     test_rmtree(dir);
 }

@@ -54,6 +54,7 @@ struct row {
     unsigned queue_depth;
     double seconds, cpu_seconds;
     bool verified, huge;
+    unsigned submit_batch, rings; /* in use (uring_stats); 1 and 0 for pread rows */
     uint64_t bad_blocks;
     /* What the block device under the file saw during the pass (the whole device: other
      * IO on it counts too); dev_ok false where there is none (tmpfs) or no stat file. */
@@ -318,12 +319,17 @@ static void print_header(const struct bench_opts *o, const char *path, struct ur
     if (o->json)
         return;
     printf("# zinf bench %s: %s, %s\n", zinf_version(), path, format_size(o->size, sz, sizeof(sz)));
-    printf("# backend %s (%u ring%s), O_DIRECT %s, fixed buffers %s, fixed files %s, sqpoll %s, "
+    char rings[32] = "";
+    if (st->rings) /* the threads backend has none */
+        snprintf(rings, sizeof(rings), " (%u ring%s)", st->rings, st->rings == 1 ? "" : "s");
+    printf("# backend %s%s, O_DIRECT %s, fixed buffers %s, fixed files %s, sqpoll %s, "
            "submit batch %u, huge pages %s\n",
-           uring_backend_name(st->backend), st->rings, st->rings == 1 ? "" : "s", direct ? "yes" : "no (filesystem refused it)",
+           uring_backend_name(st->backend), rings, direct ? "yes" : "no (filesystem refused it)",
            st->fixed_buffers && !o->no_fixed ? "yes" : "no", st->fixed_files ? "yes" : "no",
-           st->sqpoll ? "yes" : "no", MAX(o->submit_batch, 1u),
-           huge ? "yes" : o->no_huge ? "no (--no-huge-pages)" : "no (the kernel refused them)");
+           st->sqpoll ? "yes" : "no", st->submit_batch,
+           huge         ? "yes"
+           : o->no_huge ? "no (--no-huge-pages)"
+                        : "no (the kernel refused them)");
     printf("# GB/s is 10^9 bytes per second; cpu is this process's user+system time per GB\n");
     printf("# dev_reqs, merges, dev_avg: requests the block device under the path completed in\n"
            "#   the pass, how many it merged into others, their average size (the whole device:\n"
@@ -358,10 +364,10 @@ static void print_row(const struct bench_opts *o, const struct row *r, int err)
                "\"seconds\": %.6f, \"GBps\": %.4f, \"cpu_s_per_GB\": %.4f, "
                "\"device\": %s, \"verified\": %s, \"bad_blocks\": %llu, \"error\": %s%s%s}\n",
                r->engine, r->op, (unsigned long long)r->bytes, r->block_size, r->queue_depth,
-               MAX(o->submit_batch, 1u), MAX(o->rings, 1u), r->huge ? "true" : "false", r->seconds,
-               gbps(r), gb > 0 ? r->cpu_seconds / gb : 0, dev,
-               !err && r->verified ? "true" : "false", (unsigned long long)r->bad_blocks,
-               err ? "\"" : "", err ? zinf_strerror(err) : "null", err ? "\"" : "");
+               r->submit_batch, r->rings, r->huge ? "true" : "false", r->seconds, gbps(r),
+               gb > 0 ? r->cpu_seconds / gb : 0, dev, !err && r->verified ? "true" : "false",
+               (unsigned long long)r->bad_blocks, err ? "\"" : "",
+               err ? zinf_strerror(err) : "null", err ? "\"" : "");
     } else {
         printf("  %7s %6s %14llu %9zu %5u %9.3f %8.3f %9.3f %9s %8s %9s %9s\n", r->engine, r->op,
                (unsigned long long)r->bytes, r->block_size, r->queue_depth, r->seconds, gbps(r),
@@ -415,9 +421,16 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
     }
     if (!c->o.no_fixed)
         region = uring_buf_register(u, c->mem, c->mem_bytes);
+    struct uring_stats ps;
+    uring_get_stats(u, &ps);
     if (c->o.do_write) {
-        row = (struct row){.engine = "zinf", .op = "write", .block_size = bs, .queue_depth = qd,
-                           .huge = c->huge};
+        row = (struct row){.engine = "zinf",
+                           .op = "write",
+                           .block_size = bs,
+                           .queue_depth = qd,
+                           .huge = c->huge,
+                           .submit_batch = ps.submit_batch,
+                           .rings = ps.rings};
         struct devsnap d0 = dev_snap(c->path);
         err = engine_run(u, file, URING_WRITE, c->o.size, bs, nslots, c->mem, &row);
         struct devsnap d1 = dev_snap(c->path);
@@ -430,8 +443,13 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
     }
     if (c->o.do_read) {
         drop_cache(uring_file_fd(u, file));
-        row = (struct row){.engine = "zinf", .op = "read", .block_size = bs, .queue_depth = qd,
-                           .huge = c->huge};
+        row = (struct row){.engine = "zinf",
+                           .op = "read",
+                           .block_size = bs,
+                           .queue_depth = qd,
+                           .huge = c->huge,
+                           .submit_batch = ps.submit_batch,
+                           .rings = ps.rings};
         struct devsnap d0 = dev_snap(c->path);
         err = engine_run(u, file, URING_READ, c->o.size, bs, nslots, c->mem, &row);
         struct devsnap d1 = dev_snap(c->path);
@@ -644,8 +662,12 @@ int cmd_bench(int argc, char **argv)
         max_bs = MAX(max_bs, sweep_bs[ARRAY_SIZE(sweep_bs) - 1]);
         max_qd = MAX(max_qd, sweep_qd[ARRAY_SIZE(sweep_qd) - 1]);
     }
-    struct uring_opts uo = {.block_size = max_bs, .queue_depth = max_qd, .backend = c.o.backend,
-                            .sqpoll = c.o.sqpoll, .rings = c.o.rings};
+    struct uring_opts uo = {.block_size = max_bs,
+                            .queue_depth = max_qd,
+                            .backend = c.o.backend,
+                            .sqpoll = c.o.sqpoll,
+                            .submit_batch = c.o.submit_batch,
+                            .rings = c.o.rings};
     if ((r = uring_open(&uo, &c.u)) < 0) {
         fprintf(stderr, "zinf bench: cannot set up the IO engine: %s\n", zinf_strerror(r));
         return 1;
@@ -744,8 +766,12 @@ int cmd_bench(int argc, char **argv)
         struct row row;
         char *buf = c.mem;
         if (c.o.do_write) {
-            row = (struct row){.engine = "pread", .op = "write", .block_size = c.o.block_size,
-                               .queue_depth = 1, .huge = c.huge};
+            row = (struct row){.engine = "pread",
+                               .op = "write",
+                               .block_size = c.o.block_size,
+                               .queue_depth = 1,
+                               .huge = c.huge,
+                               .submit_batch = 1};
             struct devsnap d0 = dev_snap(c.path);
             r = baseline_run(c.path, URING_WRITE, c.o.size, c.o.block_size, buf, &row);
             struct devsnap d1 = dev_snap(c.path);
@@ -755,8 +781,12 @@ int cmd_bench(int argc, char **argv)
         }
         if (c.o.do_read) {
             drop_cache(uring_file_fd(c.u, c.file));
-            row = (struct row){.engine = "pread", .op = "read", .block_size = c.o.block_size,
-                               .queue_depth = 1, .huge = c.huge};
+            row = (struct row){.engine = "pread",
+                               .op = "read",
+                               .block_size = c.o.block_size,
+                               .queue_depth = 1,
+                               .huge = c.huge,
+                               .submit_batch = 1};
             struct devsnap d0 = dev_snap(c.path);
             r = baseline_run(c.path, URING_READ, c.o.size, c.o.block_size, buf, &row);
             struct devsnap d1 = dev_snap(c.path);

@@ -4,9 +4,9 @@
  * load as they are.
  *
  * A sweep is a grid of points (block size x queue depth x submit batch x io_uring rings x
- * huge pages, and in swap-in mode x staging ring size). Every point is measured --reps times (at least 3); the
- * rounds take the points in turn, so load that comes and goes on a shared machine falls on
- * every point alike. Two modes:
+ * huge pages, and in swap-in mode x staging ring size). Every point is measured --reps times
+ * (at least 3); the rounds take the points in turn, so load that comes and goes on a shared
+ * machine falls on every point alike. Two modes:
  *   io      `zinf bench` (this binary, --json) on each path: write then read, every byte
  *           checked; a round's score is the geometric mean of the write and read GB/s, and
  *           with several paths the slowest path's (the swap space is striped over them in
@@ -52,6 +52,8 @@
 extern char **environ;
 
 #define MAX_AXIS 16
+#define STR_(x) #x
+#define STR(x) STR_(x) /* a number macro as a string */
 #define MAX_POINTS 4096
 #define BENCH_FILE "zinf-bench.dat" /* what `zinf bench` writes in its --path */
 #define SWAP_SUBDIR "zinf-tune.swap" /* swap-in mode's own swap directory in each path */
@@ -96,7 +98,10 @@ static void on_signal(int sig)
 
 /* ---- options ------------------------------------------------------------------------ */
 
-static int parse_axis(const char *opt, const char *arg, struct axis *a, bool sizes)
+/* A comma-separated list of positive values (sizes: multiples of 4 KiB) of at most max;
+ * limit says max as the error names it ("64M", "1024 (aio.queue_depth)"). */
+static int parse_axis(const char *opt, const char *arg, struct axis *a, bool sizes, uint64_t max,
+                      const char *limit)
 {
     char buf[512];
     snprintf(buf, sizeof(buf), "%s", arg);
@@ -112,6 +117,11 @@ static int parse_axis(const char *opt, const char *arg, struct axis *a, bool siz
             fprintf(stderr, "zinf tune: %s: '%s' is not %s\n", opt, tok,
                     sizes ? "a size that is a multiple of 4K (256K, 1M, ...)"
                           : "a positive number");
+            return -1;
+        }
+        if (v > max) {
+            fprintf(stderr, "zinf tune: %s: at most %s, got %llu\n", opt, limit,
+                    (unsigned long long)v);
             return -1;
         }
         a->v[a->n++] = v;
@@ -142,7 +152,7 @@ static void usage(FILE *f)
             "  --reps N              rounds over the grid, at least 3 (default 3)\n"
             "  --block-sizes LIST    default 256K,1M,4M (swapin: 1M,4M)\n"
             "  --queue-depths LIST   default 8,32,64 (swapin: 8,32)\n"
-            "  --submit-batches LIST default 1,8 (points with a batch over the depth are left out)\n"
+            "  --submit-batches LIST default 1,8 (a batch over the depth is left out)\n"
             "  --rings LIST          io_uring rings, each with its completion thread: default 1,2\n"
             "  --staging LIST        swapin: staging ring bytes, default 16M,64M\n"
             "  --huge-pages on|off|both   default both\n"
@@ -224,52 +234,32 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
             o->reps = (unsigned)v;
             break;
         case O_BS:
-            if (parse_axis("--block-sizes", optarg, &o->bs, true) < 0)
+            if (parse_axis("--block-sizes", optarg, &o->bs, true, 64 * MiB, "64M") < 0)
                 return -1;
-            for (unsigned i = 0; i < o->bs.n; i++)
-                if (o->bs.v[i] > 64 * MiB) {
-                    fprintf(stderr, "zinf tune: --block-sizes: at most 64M, got %llu\n",
-                            (unsigned long long)o->bs.v[i]);
-                    return -1;
-                }
             given_bs = true;
             break;
         case O_QD:
-            if (parse_axis("--queue-depths", optarg, &o->qd, false) < 0)
+            if (parse_axis("--queue-depths", optarg, &o->qd, false, 1024,
+                           "1024 (aio.queue_depth)") < 0)
                 return -1;
-            for (unsigned i = 0; i < o->qd.n; i++)
-                if (o->qd.v[i] > 1024) {
-                    fprintf(stderr, "zinf tune: --queue-depths: at most 1024 (aio.queue_depth), "
-                                    "got %llu\n", (unsigned long long)o->qd.v[i]);
-                    return -1;
-                }
             given_qd = true;
             break;
         case O_BATCH:
-            if (parse_axis("--submit-batches", optarg, &o->batch, false) < 0)
+            if (parse_axis("--submit-batches", optarg, &o->batch, false, 1024,
+                           "1024 (zinf.submit_batch)") < 0)
                 return -1;
             given_batch = true;
             break;
         case O_RINGS:
-            if (parse_axis("--rings", optarg, &o->rings, false) < 0)
+            if (parse_axis("--rings", optarg, &o->rings, false, URING_MAX_RINGS,
+                           STR(URING_MAX_RINGS)) < 0)
                 return -1;
-            for (unsigned i = 0; i < o->rings.n; i++)
-                if (o->rings.v[i] > URING_MAX_RINGS) {
-                    fprintf(stderr, "zinf tune: --rings: at most %d, got %llu\n", URING_MAX_RINGS,
-                            (unsigned long long)o->rings.v[i]);
-                    return -1;
-                }
             given_rings = true;
             break;
         case O_STAGING:
-            if (parse_axis("--staging", optarg, &o->staging, true) < 0)
+            if (parse_axis("--staging", optarg, &o->staging, true, 4 * GiB,
+                           "4G (zinf.staging_bytes)") < 0)
                 return -1;
-            for (unsigned i = 0; i < o->staging.n; i++)
-                if (o->staging.v[i] > 4 * GiB) {
-                    fprintf(stderr, "zinf tune: --staging: at most 4G (zinf.staging_bytes), got "
-                                    "%llu\n", (unsigned long long)o->staging.v[i]);
-                    return -1;
-                }
             given_staging = true;
             break;
         case O_HUGE:
@@ -322,12 +312,14 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
         o->quick ? axis_set(&o->batch, 2, (uint64_t[]){1, 4})
                  : axis_set(&o->batch, 2, (uint64_t[]){1, 8});
     if (!given_rings)
-        o->quick ? axis_set(&o->rings, 1, (uint64_t[]){1}) : axis_set(&o->rings, 2, (uint64_t[]){1, 2});
+        o->quick ? axis_set(&o->rings, 1, (uint64_t[]){1})
+                 : axis_set(&o->rings, 2, (uint64_t[]){1, 2});
     if (!given_staging)
         o->quick ? axis_set(&o->staging, 1, (uint64_t[]){4 * MiB})
                  : axis_set(&o->staging, 2, (uint64_t[]){16 * MiB, 64 * MiB});
     if (!given_huge)
-        o->quick ? axis_set(&o->huge, 1, (uint64_t[]){1}) : axis_set(&o->huge, 2, (uint64_t[]){1, 0});
+        o->quick ? axis_set(&o->huge, 1, (uint64_t[]){1})
+                 : axis_set(&o->huge, 2, (uint64_t[]){1, 0});
     if (!o->size)
         o->size = o->quick ? 32 * MiB : 512 * MiB;
     if (!o->tensor_bytes)
@@ -458,7 +450,8 @@ static int bench_once(const struct tune_opts *o, const char *dir, const struct p
     snprintf(batch, sizeof(batch), "%u", p->batch);
     snprintf(rings, sizeof(rings), "%u", p->rings);
     char *argv[] = {self_exe, "bench", "--path", (char *)dir, "--size", size, "--block-size", bs,
-                    "--queue-depth", qd, "--submit-batch", batch, "--rings", rings, "--json", "--keep",
+                    "--queue-depth", qd, "--submit-batch", batch, "--rings", rings, "--json",
+                    "--keep",
                     p->huge ? NULL : "--no-huge-pages", NULL};
     int pfd[2];
     if (pipe(pfd) < 0)
@@ -761,8 +754,8 @@ static void print_table(const struct tune_opts *o, struct point *g, unsigned n,
 {
     bool io = o->mode == MODE_IO;
     printf("# %7s %4s %5s %5s %4s %8s %8s %8s %8s %8s %8s  %s\n", "block", "qd", "batch", "rings",
-           "huge", "staging", io ? "write" : "", io ? "read" : "", io ? "score" : "swapin", "min", "max",
-           "");
+           "huge", "staging", io ? "write" : "", io ? "read" : "", io ? "score" : "swapin", "min",
+           "max", "");
     for (unsigned i = 0; i < n; i++) {
         struct point *p = &g[i];
         char bs[32], st[32] = "-";

@@ -485,8 +485,12 @@ static int setup_ring(struct uring *u, struct ring *rg, unsigned entries)
         p.flags |= IORING_SETUP_SQPOLL;
         p.sq_thread_idle = 100; /* ms the kernel thread spins before it sleeps */
     }
-    r = io_uring_queue_init_params(entries, &rg->ring, &p);
-    if (r < 0 && u->o.sqpoll) {
+    /* URING_FAULT_NO_URING stands in for a kernel built without io_uring: its answer to
+     * setup replaces the real one, and takes the same path. */
+    bool no_uring = fault_no_uring;
+    fault_no_uring = false;
+    r = no_uring ? -ENOSYS : io_uring_queue_init_params(entries, &rg->ring, &p);
+    if (r < 0 && u->o.sqpoll && !no_uring) {
         if (u->st.sqpoll) /* said once, not once per ring */
             log_notice("io: SQPOLL refused (%s); using plain io_uring submission",
                        strerror(-r));
@@ -513,11 +517,6 @@ static int setup_io_uring(struct uring *u)
 
     while (entries < u->o.queue_depth + 1)
         entries <<= 1;
-    if (fault_no_uring) {
-        /* What a kernel built without io_uring answers at setup. */
-        fault_no_uring = false;
-        return -ENOSYS;
-    }
     /* Each ring clears what it cannot do. */
     u->st.fixed_files = u->st.fixed_buffers = true;
     u->st.sqpoll = u->o.sqpoll;
