@@ -106,7 +106,9 @@ struct zinf_stats {
     uint64_t tensors_damaged;        /* resumed tensors whose saved content failed its
                                         checksum or could not be read: fetch and read of
                                         them answer -EBADMSG; their saved bytes are kept */
-    uint64_t reserved[7];
+    uint64_t compactions;            /* zinf_fetch_all() calls that emptied a fragmented
+                                        tier to lay their set out in one run */
+    uint64_t reserved[6];
 };
 
 /* Open an engine. opt may be NULL (all defaults). */
@@ -135,6 +137,17 @@ ZINF_API int zinf_fetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, void
 ZINF_API int zinf_fetch_async(zinf_engine *e, zinf_tensor t, enum zinf_tier tier,
                               uint64_t *ticket);
 ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr);
+/* Fetch a set of n tensors to tier and pin them all (ptrs[i] for ts[i]), or none: on error
+ * every pin it took is dropped again. Where the set fits in the tier but the tier is too
+ * fragmented to place it (-ENOMEM from the member-by-member fetches), it evicts every
+ * unpinned copy of the tier (writing dirty ones back), and lays the set out again from the
+ * start of the arena, with no prefetch in between. So when the caller and no other thread
+ * holds any pin in the tier, a set whose sizes (each rounded up to 4 KiB, those homed in
+ * the tier not counted) add up to at most the tier's capacity less its homes always fits:
+ * a trainer that fetches each phase as one set needs exactly its largest set, never more.
+ * zinf_stats.compactions counts the calls that had to empty the tier. */
+ZINF_API int zinf_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
+                            void **ptrs);
 /* Drop one pin. ZINF_RELEASE_DIRTY: the caller wrote through the pointer. */
 ZINF_API int zinf_release(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, unsigned flags);
 /* A hint: start bringing the tensor to tier; no pin, never blocks, never fails for lack

@@ -2668,3 +2668,193 @@ Test(engine, writeback_that_needs_the_swap_files_to_grow)
     free(b);
     zinf_close(e);
 }
+
+/* ---- zinf_fetch_all: a set that fits is placed, however fragmented the tier ----------- */
+
+/* A tier of 256 pages laid out as [f0: 80 pages][s0][f1: 89 pages][s1][f2: 85 pages]: once
+ * s0 and s1 are pinned, no free run is longer than 89 pages, whatever is evicted. s0 and s1
+ * are left dirty in the tier (their home is NVMe), so emptying the tier must write them
+ * back. */
+struct frag {
+    zinf_engine *e;
+    zinf_tensor f[3], s[2], big;
+    unsigned char *s_new[2], *big_ref;
+};
+
+#define PAGE (4 * KiB)
+#define BIG_BYTES (200 * PAGE)
+
+static void frag_setup(struct frag *fr, int tier)
+{
+    static const size_t fill[3] = {80 * PAGE, 89 * PAGE, 85 * PAGE};
+    struct zinf_options o = {.nvme_path = dir, .device_bytes = tier ? 2 * MiB : MiB,
+                             .host_bytes = tier ? MiB : 2 * MiB, .block_size = BLOCK,
+                             .queue_depth = QD, .device_kind = ZINF_DEVICE_EMULATED,
+                             .flags = ZINF_OPEN_OVERWRITE};
+    void *p;
+    fr->e = NULL;
+    cr_assert_eq(zinf_open(&o, &fr->e), 0);
+    for (int i = 0; i < 3; i++) {
+        char name[8];
+        snprintf(name, sizeof(name), "f%d", i);
+        fr->f[i] = test_register(fr->e, name, fill[i], ZINF_TIER_NVME);
+        cr_assert_eq(zinf_fetch(fr->e, fr->f[i], tier, &p), 0);
+        cr_assert_eq(zinf_release(fr->e, fr->f[i], tier, 0), 0);
+        if (i == 2)
+            break;
+        snprintf(name, sizeof(name), "s%d", i);
+        fr->s[i] = test_register(fr->e, name, PAGE, ZINF_TIER_NVME);
+        fr->s_new[i] = test_rand_buf(PAGE, 300 + i);
+        cr_assert_eq(zinf_fetch(fr->e, fr->s[i], tier, &p), 0);
+        memcpy(p, fr->s_new[i], PAGE);
+        cr_assert_eq(zinf_release(fr->e, fr->s[i], tier, ZINF_RELEASE_DIRTY), 0);
+    }
+    fr->big_ref = test_rand_buf(BIG_BYTES, 310);
+    fr->big = test_register(fr->e, "big", BIG_BYTES, ZINF_TIER_NVME);
+    put(fr->e, fr->big, fr->big_ref, BIG_BYTES);
+}
+
+static void frag_free(struct frag *fr)
+{
+    zinf_close(fr->e);
+    free(fr->s_new[0]);
+    free(fr->s_new[1]);
+    free(fr->big_ref);
+}
+
+Test(engine, fetch_all_lays_out_a_set_in_a_fragmented_tier)
+{
+    for (int tier = 0; tier < 2; tier++) {
+        struct frag fr;
+        void *p[3];
+        frag_setup(&fr, tier);
+        /* Member by member, the set does not fit: s0 and s1 split the tier. */
+        cr_assert_eq(zinf_fetch(fr.e, fr.s[0], tier, &p[0]), 0);
+        cr_assert_eq(zinf_fetch(fr.e, fr.s[1], tier, &p[1]), 0);
+        cr_assert_eq(zinf_fetch(fr.e, fr.big, tier, &p[2]), -ENOMEM, "tier %d", tier);
+        cr_assert_eq(zinf_release(fr.e, fr.s[0], tier, 0), 0);
+        cr_assert_eq(zinf_release(fr.e, fr.s[1], tier, 0), 0);
+
+        zinf_tensor set[3] = {fr.s[0], fr.s[1], fr.big};
+        int r = zinf_fetch_all(fr.e, set, 3, tier, p);
+        cr_assert_eq(r, 0, "tier %d: %s", tier, zinf_strerror(r));
+        struct zinf_stats st = stats(fr.e);
+        cr_assert_eq(st.compactions, 1);
+        cr_assert_eq(st.tier[tier].pinned_bytes, 2 * PAGE + BIG_BYTES);
+        cr_assert_eq(memcmp(p[0], fr.s_new[0], PAGE), 0, "s0's update survived the move");
+        cr_assert_eq(memcmp(p[1], fr.s_new[1], PAGE), 0, "s1's update survived the move");
+        cr_assert_eq(memcmp(p[2], fr.big_ref, BIG_BYTES), 0);
+        for (int i = 0; i < 3; i++)
+            cr_assert_eq(zinf_release(fr.e, set[i], tier, 0), 0);
+        /* Now laid out in one run: the same set fits member by member, without emptying. */
+        r = zinf_fetch_all(fr.e, set, 3, tier, p);
+        cr_assert_eq(r, 0, "%s", zinf_strerror(r));
+        cr_assert_eq(stats(fr.e).compactions, 1);
+        for (int i = 0; i < 3; i++)
+            cr_assert_eq(zinf_release(fr.e, set[i], tier, 0), 0);
+        check_budgets(fr.e);
+        test_expect_content(fr.e, fr.s[0], fr.s_new[0], PAGE, "s0");
+        test_expect_content(fr.e, fr.s[1], fr.s_new[1], PAGE, "s1");
+        frag_free(&fr);
+    }
+}
+
+Test(engine, fetch_all_that_fails_pins_nothing)
+{
+    struct frag fr;
+    void *p[3];
+    frag_setup(&fr, ZINF_TIER_DEVICE);
+    zinf_engine *e = fr.e;
+    zinf_tensor set[3] = {fr.s[0], fr.s[1], fr.big};
+
+    cr_assert_eq(zinf_fetch_all(e, set, 0, ZINF_TIER_DEVICE, p), 0, "an empty set");
+    cr_assert_eq(zinf_fetch_all(NULL, set, 3, ZINF_TIER_DEVICE, p), -EINVAL);
+    cr_assert_eq(zinf_fetch_all(e, NULL, 3, ZINF_TIER_DEVICE, p), -EINVAL);
+    cr_assert_eq(zinf_fetch_all(e, set, 3, ZINF_TIER_DEVICE, NULL), -EINVAL);
+    cr_assert_eq(zinf_fetch_all(e, set, 3, ZINF_TIER_NVME, p), -EINVAL);
+    zinf_tensor bad[3] = {fr.s[0], fr.big + 12345, fr.s[1]};
+    cr_assert_eq(zinf_fetch_all(e, bad, 3, ZINF_TIER_DEVICE, p), -EINVAL);
+    cr_assert_eq(stats(e).tier[ZINF_TIER_DEVICE].pinned_bytes, 0);
+
+    /* Another pin in the middle of the tier: once emptied, the tier still has no 200-page
+     * run (s0 holds page 80 of 256), so the set cannot be placed; s0 keeps its pin. */
+    void *q;
+    cr_assert_eq(zinf_fetch(e, fr.s[0], ZINF_TIER_DEVICE, &q), 0);
+    zinf_tensor set2[2] = {fr.s[1], fr.big};
+    int r = zinf_fetch_all(e, set2, 2, ZINF_TIER_DEVICE, p);
+    cr_assert_eq(r, -ENOMEM, "%s", zinf_strerror(r));
+    struct zinf_stats st = stats(e);
+    cr_assert_eq(st.tier[ZINF_TIER_DEVICE].pinned_bytes, PAGE, "only s0's pin is left");
+    cr_assert_eq(memcmp(q, fr.s_new[0], PAGE), 0);
+    cr_assert_eq(zinf_release(e, fr.s[0], ZINF_TIER_DEVICE, 0), 0);
+
+    /* More than the tier holds. */
+    zinf_tensor huge = test_register(e, "huge", 60 * PAGE, ZINF_TIER_NVME);
+    zinf_tensor too_much[3] = {fr.big, fr.s[0], huge};
+    cr_assert_eq(zinf_fetch_all(e, too_much, 3, ZINF_TIER_DEVICE, p), -ENOMEM);
+    cr_assert_eq(stats(e).tier[ZINF_TIER_DEVICE].pinned_bytes, 0);
+
+    /* The engine goes on: the set fits now, every byte where it was. */
+    cr_assert_eq(zinf_fetch_all(e, set, 3, ZINF_TIER_DEVICE, p), 0);
+    cr_assert_eq(memcmp(p[0], fr.s_new[0], PAGE), 0);
+    cr_assert_eq(memcmp(p[1], fr.s_new[1], PAGE), 0);
+    cr_assert_eq(memcmp(p[2], fr.big_ref, BIG_BYTES), 0);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(zinf_release(e, set[i], ZINF_TIER_DEVICE, 0), 0);
+    check_budgets(e);
+    frag_free(&fr);
+}
+
+struct fetch_all_call {
+    zinf_engine *e;
+    const zinf_tensor *set;
+    size_t n;
+    void *p[3];
+    int r;
+    atomic_bool done;
+};
+
+static void *fetch_all_main(void *arg)
+{
+    struct fetch_all_call *c = arg;
+    c->r = zinf_fetch_all(c->e, c->set, c->n, ZINF_TIER_DEVICE, c->p);
+    atomic_store(&c->done, true);
+    return NULL;
+}
+
+/* While zinf_fetch_all waits for the write-backs that empty the tier, it holds no pin:
+ * another thread may unregister a member. It finds it gone and fails with -EINVAL, pinning
+ * nothing; the write-backs land and lose nothing. */
+Test(engine, fetch_all_racing_unregister_of_a_member)
+{
+    struct frag fr;
+    frag_setup(&fr, ZINF_TIER_DEVICE);
+    zinf_engine *e = fr.e;
+    zinf_tensor set[3] = {fr.s[0], fr.s[1], fr.big};
+    struct fetch_all_call c = {.e = e, .set = set, .n = 3};
+    pthread_t th;
+
+    device_hold(e->dev, true); /* the write-backs of s0 and s1 wait until released */
+    cr_assert_eq(pthread_create(&th, NULL, fetch_all_main, &c), 0);
+    bool compacting = false;
+    for (int i = 0; i < 10000 && !compacting; i++) {
+        pthread_mutex_lock(&e->lock);
+        compacting = e->compacting[ZINF_TIER_DEVICE] > 0;
+        pthread_mutex_unlock(&e->lock);
+        if (!compacting)
+            usleep(1000);
+    }
+    if (!compacting)
+        device_hold(e->dev, false);
+    cr_assert(compacting, "zinf_fetch_all never emptied the tier");
+    cr_assert_eq(zinf_unregister(e, fr.big), 0, "a member is not pinned meanwhile");
+    cr_assert_not(atomic_load(&c.done), "it waits for the write-backs");
+    device_hold(e->dev, false);
+    pthread_join(th, NULL);
+    cr_assert_eq(c.r, -EINVAL, "%s", zinf_strerror(c.r));
+    cr_assert_eq(stats(e).tier[ZINF_TIER_DEVICE].pinned_bytes, 0);
+    test_expect_content(e, fr.s[0], fr.s_new[0], PAGE, "s0 after the race");
+    test_expect_content(e, fr.s[1], fr.s_new[1], PAGE, "s1 after the race");
+    check_budgets(e);
+    frag_free(&fr);
+}

@@ -214,6 +214,9 @@ struct zinf_engine {
 
     uint64_t reserve_epoch;     /* counts the calls that make room (fetch, register) */
     uint64_t prefetch_outstanding_bytes;
+    /* zinf_fetch_all() calls emptying the tier to lay their set out: no prefetch goes in
+     * meanwhile. */
+    unsigned compacting[MEM_TIERS];
     struct sched sched;
 
     /* async fetch tickets */
@@ -313,6 +316,8 @@ int staging_init(struct zinf_engine *e, unsigned nslots);
 void staging_fini(struct zinf_engine *e);
 int tier_alloc(struct zinf_engine *e, int tier, size_t bytes, uint64_t *off, void **ptr);
 void tier_free(struct zinf_engine *e, int tier, uint64_t off);
+/* The next allocation in tier looks from the arena's start (after tier_compact). */
+void tier_rewind(struct zinf_engine *e, int tier);
 /* Synchronous helpers that run without the engine lock (the caller holds the tensor
  * exclusively or as a reader). */
 int swap_read_range(struct zinf_engine *e, struct tensor *t, uint64_t swap_off, size_t off,

@@ -307,11 +307,51 @@ static int reserve_wait(struct zinf_engine *e, enum reserve_mode mode)
     return -EAGAIN;
 }
 
+/* Make v's room free: 0 when it was dropped (look again at once); -EAGAIN when it waited
+ * for its write-back (the lock was dropped: the caller looks at everything again);
+ * -EINPROGRESS when it would have waited in RESERVE_NOWAIT; -ENOSPC for a prefetch that
+ * would need a write-back; or another -errno. */
+static int evict_victim(struct zinf_engine *e, int tier, struct copy *v, enum reserve_mode mode)
+{
+    struct tensor *vt = v->t;
+    int r;
+
+    if (v->version != vt->version) {
+        copy_drop(e, vt, tier); /* stale: nothing to keep */
+        return 0;
+    }
+    if (needs_writeback(vt, tier)) {
+        if (mode == RESERVE_PREFETCH)
+            return -ENOSPC; /* a hint never waits for a write-back */
+        r = writeback_start(e, vt, tier, true);
+        if (r == -ENOBUFS) {
+            /* Its new extent needs the swap files to grow: never under the engine lock. A
+             * blocking caller grows them with the lock dropped and looks again; the others
+             * leave it to a blocking call. */
+            if (mode != RESERVE_WAIT)
+                return -EINPROGRESS;
+            r = engine_grow_swap(e, vt->alloc_bytes);
+            return r < 0 ? r : -EAGAIN;
+        }
+        if (r < 0 && r != -EAGAIN)
+            return r;
+        /* A write-back whose submission failed at once has finished already (and marked its
+         * content failed): nothing will broadcast, so look again now. */
+        if (r == 0 && !v->wb_inflight)
+            return 0;
+        return reserve_wait(e, mode);
+    }
+    copy_drop(e, vt, tier);
+    e->st.tier[tier].evictions++;
+    return 0;
+}
+
 /* Allocate bytes in tier, evicting as needed. Returns 0; -EAGAIN when it waited (the
  * caller re-checks everything: the lock was dropped); -EINPROGRESS when it would have
  * waited in RESERVE_NOWAIT (a write-back it needs was started); -ENOSPC for a prefetch
- * that does not fit; -ENOMEM when even evicting every unpinned copy would not make room;
- * -EIO when only copies whose write-back failed stand in the way; or another -errno. */
+ * that does not fit (or into a tier being compacted); -ENOMEM when even evicting every
+ * unpinned copy would not make room; -EIO when only copies whose write-back failed stand in
+ * the way; or another -errno. */
 int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, enum reserve_mode mode,
                  uint64_t need_dist, uint64_t *off, void **ptr)
 {
@@ -319,6 +359,8 @@ int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, enum reserve_mod
 
     if (bytes > tier_capacity(e, tier))
         return -ENOMEM;
+    if (prefetch && e->compacting[tier])
+        return -ENOSPC; /* zinf_fetch_all() is laying a set out in it */
     for (;;) {
         int r = tier_alloc(e, tier, bytes, off, ptr);
         if (r != -ENOSPC)
@@ -332,35 +374,35 @@ int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, enum reserve_mod
                 return reserve_wait(e, mode);
             return skipped_failed ? -EIO : -ENOMEM;
         }
-        struct tensor *vt = v->t;
-        if (v->version != vt->version) {
-            copy_drop(e, vt, tier); /* stale: nothing to keep */
+        if ((r = evict_victim(e, tier, v, mode)) < 0)
+            return r;
+    }
+}
+
+/* Empty tier of every copy nobody holds: evict them all (dirty ones written back first),
+ * waiting for loads, write-backs and other threads' zinf_read/zinf_write to end, then let
+ * the next allocation look from the arena's start. What stays is pinned or a home, so the
+ * free space is as few runs as those allow: one, after the homes, when nothing is pinned.
+ * The lock is dropped while it waits. Returns 0 or the -errno of a write-back that could
+ * not start. */
+static int tier_compact(struct zinf_engine *e, int tier)
+{
+    for (;;) {
+        bool skipped_failed = false;
+        struct copy *v = pick_victim(e, tier, false, 0, &skipped_failed);
+        if (!v) {
+            if (!tier_has_transients(e, tier))
+                break;
+            engine_wait(e);
             continue;
         }
-        if (needs_writeback(vt, tier)) {
-            if (prefetch)
-                return -ENOSPC; /* a hint never waits for a write-back */
-            r = writeback_start(e, vt, tier, true);
-            if (r == -ENOBUFS) {
-                /* Its new extent needs the swap files to grow: never under the engine
-                 * lock. A blocking caller grows them with the lock dropped and looks
-                 * again; the others leave it to a blocking call. */
-                if (mode != RESERVE_WAIT)
-                    return -EINPROGRESS;
-                r = engine_grow_swap(e, vt->alloc_bytes);
-                return r < 0 ? r : -EAGAIN;
-            }
-            if (r < 0 && r != -EAGAIN)
-                return r;
-            /* A write-back whose submission failed at once has finished already (and
-             * marked its content failed): nothing will broadcast, so look again now. */
-            if (r == 0 && !v->wb_inflight)
-                continue;
-            return reserve_wait(e, mode);
-        }
-        copy_drop(e, vt, tier);
-        e->st.tier[tier].evictions++;
+        int r = evict_victim(e, tier, v, RESERVE_WAIT);
+        if (r < 0 && r != -EAGAIN)
+            return r;
     }
+    tier_rewind(e, tier);
+    e->st.compactions++;
+    return 0;
 }
 
 /* ---- loading ---------------------------------------------------------------------- */
@@ -756,6 +798,78 @@ ZINF_API int zinf_fetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, void
     sched_on_fetch(e, t, tier);
     r = fetch_mode(e, t, tier, FETCH_BLOCK, 0, ptr);
     if (r == 0)
+        sched_prefetch(e);
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+/* Drop the pins fetch_set() took on ts[0..n) (clean releases: nothing was written). */
+static void unpin_set(struct zinf_engine *e, const zinf_tensor *ts, size_t n, int tier)
+{
+    for (size_t i = 0; i < n; i++) {
+        struct tensor *t = engine_tensor(e, ts[i]);
+        struct copy *c = t ? &t->c[tier] : NULL;
+        if (!c || !c->pins)
+            continue; /* cannot happen: a pinned tensor is never unregistered */
+        c->pins--;
+        c->last_use = ++e->clock;
+        ENGINE_CHECK(t);
+    }
+    pthread_cond_broadcast(&e->changed);
+}
+
+/* Fetch and pin ts[0..n) in order; *done says how many were pinned when it stopped. Every
+ * handle is looked up again (the lock may have been dropped since the caller did). */
+static int fetch_set(struct zinf_engine *e, const zinf_tensor *ts, size_t n, int tier,
+                     bool first_pass, void **ptrs, size_t *done)
+{
+    int r = 0;
+    for (*done = 0; *done < n; ++*done) {
+        struct tensor *t = engine_tensor(e, ts[*done]);
+        if (!t)
+            return -EINVAL;
+        if (first_pass) {
+            e->st.tier[tier].fetches++;
+            sched_on_fetch(e, t, tier);
+        }
+        if ((r = fetch_mode(e, t, tier, FETCH_BLOCK, 0, &ptrs[*done])) < 0)
+            return r;
+    }
+    return 0;
+}
+
+ZINF_API int zinf_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
+                            void **ptrs)
+{
+    size_t done = 0;
+    int r;
+
+    if (!e || (n && (!ts || !ptrs)) || check_tier(tier))
+        return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    for (size_t i = 0; i < n; i++) {
+        if (!engine_tensor(e, ts[i])) {
+            pthread_mutex_unlock(&e->lock);
+            return -EINVAL;
+        }
+    }
+    r = fetch_set(e, ts, n, tier, true, ptrs, &done);
+    if (r == -ENOMEM) {
+        /* Room enough, perhaps, but not in one place: let go of the set, empty the tier of
+         * what nobody holds and lay the set out again from the start of the arena. The
+         * lock is dropped while write-backs land: another thread may unregister a member
+         * meanwhile (fetch_set() finds it gone: -EINVAL), or pin what it likes (then the
+         * set may still not fit: -ENOMEM). */
+        unpin_set(e, ts, done, tier);
+        e->compacting[tier]++;
+        r = tier_compact(e, tier);
+        if (r == 0)
+            r = fetch_set(e, ts, n, tier, false, ptrs, &done);
+        e->compacting[tier]--;
+    }
+    if (r < 0)
+        unpin_set(e, ts, done, tier);
+    else
         sched_prefetch(e);
     pthread_mutex_unlock(&e->lock);
     return r;

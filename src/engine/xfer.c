@@ -53,6 +53,14 @@ void tier_free(struct zinf_engine *e, int tier, uint64_t off)
         host_free(e->host, off);
 }
 
+void tier_rewind(struct zinf_engine *e, int tier)
+{
+    if (tier == ZINF_TIER_DEVICE)
+        device_alloc_rewind(e->dev);
+    else
+        host_alloc_rewind(e->host);
+}
+
 /* ---- completion ------------------------------------------------------------------- */
 
 static void xfer_finish(struct xfer *x, int err)

@@ -613,6 +613,14 @@ int device_alloc(struct device *d, size_t bytes, uint64_t *off)
     return r;
 }
 
+void device_alloc_rewind(struct device *d)
+{
+    if (!d) return;
+    pthread_mutex_lock(&d->lock);
+    d->next_fit = 0;
+    pthread_mutex_unlock(&d->lock);
+}
+
 int device_free(struct device *d, uint64_t off)
 {
     int r;

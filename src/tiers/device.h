@@ -64,6 +64,8 @@ void device_close(struct device *d);
 /* Sub-allocation in the arena, 4 KiB granularity, best fit. -ENOSPC when nothing fits. */
 int device_alloc(struct device *d, size_t bytes, uint64_t *off);
 int device_free(struct device *d, uint64_t off);
+/* device_alloc() is next fit; the next one looks from the arena's start. */
+void device_alloc_rewind(struct device *d);
 /* The pointer for an arena offset: device memory with CUDA, host memory when emulated. */
 void *device_ptr(struct device *d, uint64_t off);
 

@@ -273,6 +273,14 @@ int host_free(struct host *h, uint64_t off)
     return ret;
 }
 
+void host_alloc_rewind(struct host *h)
+{
+    if (!h) return;
+    pthread_mutex_lock(&h->lock);
+    h->next_fit = 0;
+    pthread_mutex_unlock(&h->lock);
+}
+
 void *host_ptr(struct host *h, uint64_t off)
 {
     if (!h || off >= h->capacity_bytes) return NULL;

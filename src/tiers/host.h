@@ -45,6 +45,8 @@ void host_close(struct host *h);
 
 int host_alloc(struct host *h, size_t bytes, uint64_t *off); /* -ENOSPC when nothing fits */
 int host_free(struct host *h, uint64_t off);
+/* host_alloc() is next fit; the next one looks from the arena's start. */
+void host_alloc_rewind(struct host *h);
 void *host_ptr(struct host *h, uint64_t off);
 /* The staging area: staging_bytes at a 4 KiB aligned address, inside the registered
  * arena; NULL when staging_bytes was 0. */

@@ -82,6 +82,7 @@ struct trainer {
     double checkpoint_seconds;
     uint64_t checkpoint_bytes;
     uint64_t peak[3];
+    uint64_t min_budget[MEM_TIERS]; /* the smallest device and host budgets that run */
 };
 
 void trainer_opts_defaults(struct trainer_opts *o)
@@ -175,51 +176,255 @@ static void note_peaks(struct trainer *t)
         t->peak[i] = MAX(t->peak[i], st.tier[i].peak_bytes);
 }
 
-/* How much each tier must hold at once, for a clear error before anything runs. Sizes are
- * rounded per tensor, as the tiers allocate. */
+/* ---- the sets a step pins ---------------------------------------------------------- */
+
+/* A step is a sequence of phases, and each phase fetches what it works on as one set
+ * (zinf_fetch_all) and releases all of it before the next: nothing is pinned across
+ * phases. The engine lays a set out in one run when the tier is fragmented, so a tier that
+ * holds its homes plus the largest set a step fetches to it runs every step; one smaller
+ * cannot (the set is pinned at once). The same descriptions drive the fetches and the
+ * budget check at open, so the check is exact. */
+enum role { R_P, R_G, R_M, R_V, R_W, R_ACT };
+
+#define WAVE_MAX (2 * GPT_BLOCK_NSLOTS + 1)
+
+struct wave {
+    const char *what; /* for the budget error: what the phase pins at once */
+    int n;
+    uint8_t role[WAVE_MAX];
+    int idx[WAVE_MAX];   /* layout index (an activation's number for R_ACT) */
+    bool dirty[WAVE_MAX]; /* released dirty when the phase succeeded */
+};
+
+static void wave_add(struct wave *w, enum role role, int idx, bool dirty)
+{
+    w->role[w->n] = (uint8_t)role;
+    w->idx[w->n] = idx;
+    w->dirty[w->n] = dirty;
+    w->n++;
+}
+
+static void wave_add_block(struct trainer *t, struct wave *w, enum role role, int k, bool dirty)
+{
+    for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
+        wave_add(w, role, t->block_first[k] + i, dirty);
+}
+
+/* The embeddings' forward: wte, wpe -> a[0]. */
+static void wave_embed_forward(struct trainer *t, struct wave *w)
+{
+    *w = (struct wave){.what = "the embeddings' forward (wte, wpe and the first activation)"};
+    wave_add(w, R_W, t->wte, false);
+    wave_add(w, R_W, t->wpe, false);
+    wave_add(w, R_ACT, 0, true);
+}
+
+/* Block k's forward: its 12 weights, a[k] -> a[k+1]. */
+static void wave_block_forward(struct trainer *t, int k, struct wave *w)
+{
+    *w = (struct wave){.what = "a block's forward (its weights, input and output)"};
+    wave_add_block(t, w, R_W, k, false);
+    wave_add(w, R_ACT, k, false);
+    wave_add(w, R_ACT, k + 1, true);
+}
+
+/* The head: a[L], lnf, wte and the gradients of lnf and wte. */
+static void wave_head(struct trainer *t, struct wave *w)
+{
+    *w = (struct wave){.what = "the head (the last activation, the final norm, wte and their "
+                               "gradients)"};
+    wave_add(w, R_ACT, t->cfg.L, false);
+    wave_add(w, R_W, t->lnfw, false);
+    wave_add(w, R_W, t->lnfb, false);
+    wave_add(w, R_W, t->wte, false);
+    wave_add(w, R_G, t->lnfw, true);
+    wave_add(w, R_G, t->lnfb, true);
+    wave_add(w, R_G, t->wte, true);
+}
+
+/* Block k's backward: its weights, gradients and input (the block is recomputed). */
+static void wave_block_backward(struct trainer *t, int k, struct wave *w)
+{
+    *w = (struct wave){.what = "a block's backward (its weights, gradients and input)"};
+    wave_add_block(t, w, R_W, k, false);
+    wave_add_block(t, w, R_G, k, true);
+    wave_add(w, R_ACT, k, false);
+}
+
+static void wave_embed_backward(struct trainer *t, struct wave *w)
+{
+    *w = (struct wave){.what = "the embeddings' backward (the gradients of wte and wpe)"};
+    wave_add(w, R_G, t->wte, true);
+    wave_add(w, R_G, t->wpe, true);
+}
+
+/* The optimizer's update of tensor i: p, g, m, v (and the bf16 copy). */
+static void wave_optimizer(struct trainer *t, int i, struct wave *w)
+{
+    *w = (struct wave){.what = "the optimizer's update of one tensor (its parameters, "
+                               "gradient, m and v)"};
+    wave_add(w, R_P, i, true);
+    wave_add(w, R_G, i, false);
+    wave_add(w, R_M, i, true);
+    wave_add(w, R_V, i, true);
+    if (t->w != t->p)
+        wave_add(w, R_W, i, true);
+}
+
+static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
+{
+    switch (role) {
+    case R_P: return t->p[idx];
+    case R_G: return t->g[idx];
+    case R_M: return t->m[idx];
+    case R_V: return t->v[idx];
+    case R_W: return t->w[idx];
+    default: return t->act[idx];
+    }
+}
+
+static int wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier tier, void **ptrs)
+{
+    zinf_tensor hs[WAVE_MAX];
+    for (int i = 0; i < w->n; i++)
+        hs[i] = wave_handle(t, (enum role)w->role[i], w->idx[i]);
+    return zinf_fetch_all(t->e, hs, (size_t)w->n, tier, ptrs);
+}
+
+/* Release the whole set: the members it wrote dirty when the phase succeeded (ok). */
+static int wave_release(struct trainer *t, const struct wave *w, enum zinf_tier tier, bool ok)
+{
+    int r = 0;
+    for (int i = 0; i < w->n; i++) {
+        int x = zinf_release(t->e, wave_handle(t, (enum role)w->role[i], w->idx[i]), tier,
+                             ok && w->dirty[i] ? ZINF_RELEASE_DIRTY : 0);
+        if (x < 0 && r == 0)
+            r = x;
+    }
+    return r;
+}
+
+/* Where each kind of tensor lives (as register_all() registers them) and its bytes. */
+static enum zinf_tier role_home(const struct trainer *t, enum role role)
+{
+    enum zinf_tier ph = home_of(t->zc.zero.offload_param.device);
+    enum zinf_tier oh = home_of(t->zc.zero.offload_optimizer.device);
+    switch (role) {
+    case R_P: return t->w != t->p ? oh : ph; /* fp32: p is what the device computes with */
+    case R_W: return ph;
+    case R_ACT: return ZINF_TIER_HOST;
+    default: return oh;
+    }
+}
+
+static size_t role_bytes(const struct trainer *t, enum role role, int idx)
+{
+    if (role == R_ACT)
+        return (size_t)t->o.batch * t->o.seq * t->cfg.C * backend_dtype_bytes(t->be->adt);
+    return t->desc[idx].numel * (role == R_W ? backend_dtype_bytes(t->be->wdt) : sizeof(float));
+}
+
+/* What fetching w to tier allocates there: every member not homed there, rounded as the
+ * tiers allocate. */
+static uint64_t wave_need(const struct trainer *t, const struct wave *w, enum zinf_tier tier)
+{
+    uint64_t need = 0;
+    for (int i = 0; i < w->n; i++)
+        if (role_home(t, (enum role)w->role[i]) != tier)
+            need += align_up(role_bytes(t, (enum role)w->role[i], w->idx[i]), ZINF_ALIGN);
+    return need;
+}
+
+/* The smallest capacity of each memory tier with which every step runs: the homes it
+ * keeps for good plus the largest set a step fetches to it; *what[tier] names that set. */
+static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
+                        const char *what[MEM_TIERS])
+{
+    static const enum role kinds[] = {R_P, R_G, R_M, R_V, R_W};
+    struct wave w;
+    for (int k = 0; k < MEM_TIERS; k++) {
+        need[k] = homes[k] = 0;
+        what[k] = NULL;
+    }
+    for (int i = 0; i < t->ntensors; i++)
+        for (size_t j = 0; j < sizeof(kinds) / sizeof(kinds[0]); j++) {
+            if (kinds[j] == R_W && t->w == t->p)
+                continue;
+            enum zinf_tier h = role_home(t, kinds[j]);
+            if (h < MEM_TIERS)
+                homes[h] += align_up(role_bytes(t, kinds[j], i), ZINF_ALIGN);
+        }
+    homes[ZINF_TIER_HOST] += (uint64_t)(t->cfg.L + 1) * align_up(role_bytes(t, R_ACT, 0),
+                                                                 ZINF_ALIGN);
+    enum zinf_tier sh = home_of(t->zc.zero.offload_param.device);
+    if (sh < MEM_TIERS)
+        homes[sh] += align_up(sizeof(struct train_state), ZINF_ALIGN);
+
+#define CONSIDER(tier)                                                                             do {                                                                                               uint64_t n_ = wave_need(t, &w, (tier));                                                        if (n_ > need[(tier)]) {                                                                           need[(tier)] = n_;                                                                             what[(tier)] = w.what;                                                                     }                                                                                          } while (0)
+    wave_embed_forward(t, &w);
+    CONSIDER(ZINF_TIER_DEVICE);
+    for (int k = 0; k < t->cfg.L; k++) {
+        wave_block_forward(t, k, &w);
+        CONSIDER(ZINF_TIER_DEVICE);
+        wave_block_backward(t, k, &w);
+        CONSIDER(ZINF_TIER_DEVICE);
+    }
+    wave_head(t, &w);
+    CONSIDER(ZINF_TIER_DEVICE);
+    wave_embed_backward(t, &w);
+    CONSIDER(ZINF_TIER_DEVICE);
+    for (int i = 0; i < t->ntensors; i++) {
+        wave_optimizer(t, i, &w);
+        CONSIDER(t->opt_tier);
+    }
+#undef CONSIDER
+    for (int k = 0; k < MEM_TIERS; k++)
+        need[k] += homes[k];
+}
+
+/* Refuse, before anything runs, budgets with which a step could not run, naming the
+ * smallest ones that would (zinf.device_bytes and zinf.host_bytes take them as they are). */
 static int check_budgets(struct trainer *t, char *err, size_t errlen)
 {
+    static const char *const key[MEM_TIERS] = {"zinf.device_bytes", "zinf.host_bytes"};
+    static const char *const where[MEM_TIERS] = {"the device", "the host tier"};
+    uint64_t need[MEM_TIERS], homes[MEM_TIERS];
+    const char *what[MEM_TIERS];
     struct zinf_stats st;
-    size_t f = sizeof(float), wsz = backend_dtype_bytes(t->be->wdt);
-    size_t act = align_up((size_t)t->o.batch * t->o.seq * t->cfg.C *
-                          backend_dtype_bytes(t->be->adt), ZINF_ALIGN);
-    size_t blk_n = gpt_block_num_params(&t->cfg), slack = GPT_BLOCK_NSLOTS * ZINF_ALIGN;
-    size_t wte_n = (size_t)t->cfg.V * t->cfg.C;
-    size_t largest = 0;
-    for (int i = 0; i < t->ntensors; i++)
-        largest = MAX(largest, t->desc[i].numel);
-    /* One tensor's optimizer working set: p, g, m, v in fp32 and the bf16 copy. */
-    size_t opt = 4 * align_up(largest * f, ZINF_ALIGN) +
-                 (t->w != t->p ? align_up(largest * 2, ZINF_ALIGN) : 0);
-    /* The device holds one block's weights and gradients and two activations at a time (the
-     * head: wte and its gradient), and the optimizer's set when it runs there. */
-    size_t dev_need = MAX(blk_n * wsz + blk_n * f + 2 * slack + 2 * act,
-                          align_up(wte_n * wsz, ZINF_ALIGN) + align_up(wte_n * f, ZINF_ALIGN) +
-                              2 * act);
-    if (t->opt_tier == ZINF_TIER_DEVICE)
-        dev_need = MAX(dev_need, opt);
-    /* The host holds the activation checkpoints (their home) and, when the optimizer runs
-     * there, one tensor's set. */
-    size_t host_need = (size_t)(t->cfg.L + 1) * act + (t->opt_tier == ZINF_TIER_HOST ? opt : 0);
+    size_t len = 0;
 
+    min_budgets(t, need, homes, what);
+    t->min_budget[ZINF_TIER_DEVICE] = need[ZINF_TIER_DEVICE];
+    t->min_budget[ZINF_TIER_HOST] = need[ZINF_TIER_HOST];
     zinf_stats(t->e, &st);
-    if (st.tier[ZINF_TIER_DEVICE].capacity_bytes < dev_need) {
-        char a[32], b[32];
-        snprintf(err, errlen, "zinf.device_bytes: %s cannot hold one block's working set (%s: "
-                 "parameters, gradients, input and output); raise it or shrink --dim/--batch/--seq",
-                 format_size(st.tier[ZINF_TIER_DEVICE].capacity_bytes, a, sizeof(a)),
-                 format_size(dev_need, b, sizeof(b)));
-        return -EINVAL;
+    err[0] = '\0';
+    for (int k = 0; k < MEM_TIERS; k++) {
+        uint64_t cap = st.tier[k].capacity_bytes;
+        char a[32], b[32], c[32], d[32];
+        if (cap >= need[k] || len >= errlen)
+            continue;
+        char pins[160] = "", homed[96] = "";
+        if (what[k])
+            snprintf(pins, sizeof(pins), "%s pins %s on %s at once", what[k],
+                     format_size(need[k] - homes[k], c, sizeof(c)), where[k]);
+        if (homes[k])
+            snprintf(homed, sizeof(homed), "%s%s of tensors are homed there", what[k] ? ", " : "",
+                     format_size(homes[k], d, sizeof(d)));
+        len += (size_t)snprintf(err + len, errlen - len,
+                                "%s%s: %s is too small: %s%s; %s (%llu bytes) runs", len ? "; " : "",
+                                key[k], format_size(cap, a, sizeof(a)), pins, homed,
+                                format_size(need[k], b, sizeof(b)), (unsigned long long)need[k]);
     }
-    if (st.tier[ZINF_TIER_HOST].capacity_bytes < host_need) {
-        char a[32], b[32];
-        snprintf(err, errlen, "zinf.host_bytes: %s cannot hold the %d activation checkpoints "
-                 "and room for one tensor's optimizer working set (%s); raise it or shrink the model/batch",
-                 format_size(st.tier[ZINF_TIER_HOST].capacity_bytes, a, sizeof(a)), t->cfg.L + 1,
-                 format_size(host_need, b, sizeof(b)));
-        return -EINVAL;
-    }
-    return 0;
+    if (!len)
+        return 0;
+    if (len < errlen)
+        snprintf(err + len, errlen - len,
+                 ". The smallest budgets that run this model and batch: \"zinf\": "
+                 "{\"device_bytes\": %llu, \"host_bytes\": %llu} (or shrink --dim, --batch or "
+                 "--seq)",
+                 (unsigned long long)need[ZINF_TIER_DEVICE],
+                 (unsigned long long)need[ZINF_TIER_HOST]);
+    return -EINVAL;
 }
 
 static int reg(struct trainer *t, const char *prefix, const char *name, size_t bytes,
@@ -554,38 +759,6 @@ void trainer_close(struct trainer *t)
             goto out;                                                                          \
     } while (0)
 
-static int fetch(struct trainer *t, zinf_tensor h, enum zinf_tier tier, void **p)
-{
-    return zinf_fetch(t->e, h, tier, p);
-}
-
-/* Fetch one block's 12 tensors of hs to tier. On failure the ones already fetched are
- * released. */
-static int fetch_block(struct trainer *t, const zinf_tensor *hs, int k, enum zinf_tier tier,
-                       void **ptrs)
-{
-    int first = t->block_first[k], r = 0, i;
-    for (i = 0; i < GPT_BLOCK_NSLOTS; i++)
-        if ((r = fetch(t, hs[first + i], tier, &ptrs[i])) < 0)
-            break;
-    if (r < 0)
-        while (i-- > 0)
-            zinf_release(t->e, hs[first + i], tier, 0);
-    return r;
-}
-
-static int release_block(struct trainer *t, const zinf_tensor *hs, int k, enum zinf_tier tier,
-                         unsigned flags)
-{
-    int first = t->block_first[k], r = 0;
-    for (int i = 0; i < GPT_BLOCK_NSLOTS; i++) {
-        int x = zinf_release(t->e, hs[first + i], tier, flags);
-        if (x < 0 && r == 0)
-            r = x;
-    }
-    return r;
-}
-
 /* The backend's queued work that reads or writes what is about to be released must be
  * done first; when it failed, r keeps the first error. */
 static int settle(struct trainer *t, int r)
@@ -597,34 +770,23 @@ static int settle(struct trainer *t, int r)
 static int forward(struct trainer *t)
 {
     const struct backend_ops *be = t->be->ops;
+    struct wave w;
+    void *p[WAVE_MAX];
     int r;
-    void *wte, *wpe, *a, *b, *w[GPT_BLOCK_NSLOTS];
 
-    TRY(fetch(t, t->w[t->wte], ZINF_TIER_DEVICE, &wte));
-    if ((r = fetch(t, t->w[t->wpe], ZINF_TIER_DEVICE, &wpe)) < 0) {
-        zinf_release(t->e, t->w[t->wte], ZINF_TIER_DEVICE, 0);
-        goto out;
-    }
-    if ((r = fetch(t, t->act[0], ZINF_TIER_DEVICE, &a)) == 0) {
-        r = settle(t, be->embed_forward(t->be, wte, wpe, a));
-        zinf_release(t->e, t->act[0], ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
-    }
-    zinf_release(t->e, t->w[t->wpe], ZINF_TIER_DEVICE, 0);
-    zinf_release(t->e, t->w[t->wte], ZINF_TIER_DEVICE, 0);
+    wave_embed_forward(t, &w);
+    TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
+    r = settle(t, be->embed_forward(t->be, p[0], p[1], p[2]));
+    wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (r < 0)
         goto out;
 
     for (int k = 0; k < t->cfg.L; k++) {
-        TRY(fetch_block(t, t->w, k, ZINF_TIER_DEVICE, w));
-        if ((r = fetch(t, t->act[k], ZINF_TIER_DEVICE, &a)) == 0) {
-            if ((r = fetch(t, t->act[k + 1], ZINF_TIER_DEVICE, &b)) == 0) {
-                r = settle(t, be->block_forward(t->be, (const void *const *)w, a, b));
-                zinf_release(t->e, t->act[k + 1], ZINF_TIER_DEVICE,
-                             r == 0 ? ZINF_RELEASE_DIRTY : 0);
-            }
-            zinf_release(t->e, t->act[k], ZINF_TIER_DEVICE, 0);
-        }
-        release_block(t, t->w, k, ZINF_TIER_DEVICE, 0);
+        wave_block_forward(t, k, &w);
+        TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
+        r = settle(t, be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
+                                        p[GPT_BLOCK_NSLOTS + 1]));
+        wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
         if (r < 0)
             goto out;
         note_peaks(t);
@@ -639,71 +801,58 @@ static int head(struct trainer *t)
 {
     const struct gpt_config *c = &t->cfg;
     const struct backend_ops *be = t->be->ops;
-    int r = 0;
-    zinf_tensor hs[7] = {t->act[c->L], t->w[t->lnfw], t->w[t->lnfb], t->w[t->wte],
-                         t->g[t->lnfw], t->g[t->lnfb], t->g[t->wte]};
-    void *p[7];
-    int n;
+    struct wave w;
+    void *p[WAVE_MAX];
+    int r;
 
-    for (n = 0; n < 7; n++)
-        if ((r = fetch(t, hs[n], ZINF_TIER_DEVICE, &p[n])) < 0)
-            break;
-    if (r == 0) {
-        size_t C = (size_t)c->C * sizeof(float);
-        if ((r = be->zero(t->be, p[4], C)) == 0 && (r = be->zero(t->be, p[5], C)) == 0 &&
-            (r = be->zero(t->be, p[6], (size_t)c->V * C)) == 0 &&
-            (r = be->head_backward(t->be, p[1], p[2], p[3], p[0], p[4], p[5], p[6])) == 0 &&
-            (r = be->sumsq(t->be, p[4], (size_t)c->C)) == 0)
-            r = be->sumsq(t->be, p[5], (size_t)c->C);
-    }
+    wave_head(t, &w);
+    if ((r = wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0)
+        return r;
+    size_t C = (size_t)c->C * sizeof(float);
+    if ((r = be->zero(t->be, p[4], C)) == 0 && (r = be->zero(t->be, p[5], C)) == 0 &&
+        (r = be->zero(t->be, p[6], (size_t)c->V * C)) == 0 &&
+        (r = be->head_backward(t->be, p[1], p[2], p[3], p[0], p[4], p[5], p[6])) == 0 &&
+        (r = be->sumsq(t->be, p[4], (size_t)c->C)) == 0)
+        r = be->sumsq(t->be, p[5], (size_t)c->C);
     r = settle(t, r);
-    while (n-- > 0)
-        zinf_release(t->e, hs[n], ZINF_TIER_DEVICE, n >= 4 && r == 0 ? ZINF_RELEASE_DIRTY : 0);
+    wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     return r;
 }
 
 static int backward(struct trainer *t)
 {
     const struct backend_ops *be = t->be->ops;
+    struct wave w;
+    void *p[WAVE_MAX];
     int r = 0;
-    void *w[GPT_BLOCK_NSLOTS], *gw[GPT_BLOCK_NSLOTS], *a;
 
     for (int k = t->cfg.L - 1; k >= 0; k--) {
-        TRY(fetch_block(t, t->w, k, ZINF_TIER_DEVICE, w));
-        if ((r = fetch_block(t, t->g, k, ZINF_TIER_DEVICE, gw)) < 0) {
-            release_block(t, t->w, k, ZINF_TIER_DEVICE, 0);
-            goto out;
-        }
+        wave_block_backward(t, k, &w);
+        TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
+        void **gw = p + GPT_BLOCK_NSLOTS, *a = p[2 * GPT_BLOCK_NSLOTS];
+        size_t first = (size_t)t->block_first[k];
         for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0; i++)
-            r = be->zero(t->be, gw[i], t->desc[t->block_first[k] + i].numel * sizeof(float));
-        if (r == 0 && (r = fetch(t, t->act[k], ZINF_TIER_DEVICE, &a)) == 0) {
-            r = be->block_backward(t->be, (const void *const *)w, a, (float *const *)gw);
-            for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0; i++)
-                r = be->sumsq(t->be, gw[i], t->desc[t->block_first[k] + i].numel);
-            r = settle(t, r);
-            zinf_release(t->e, t->act[k], ZINF_TIER_DEVICE, 0);
-        } else {
-            r = settle(t, r);
-        }
-        release_block(t, t->g, k, ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
-        release_block(t, t->w, k, ZINF_TIER_DEVICE, 0);
+            r = be->zero(t->be, gw[i], t->desc[first + i].numel * sizeof(float));
+        if (r == 0)
+            r = be->block_backward(t->be, (const void *const *)p, a, (float *const *)gw);
+        for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0; i++)
+            r = be->sumsq(t->be, gw[i], t->desc[first + i].numel);
+        r = settle(t, r);
+        wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
         if (r < 0)
             goto out;
         note_peaks(t);
     }
 
     /* The embeddings: g_wte already holds the head's share. */
-    void *gwte, *gwpe;
-    TRY(fetch(t, t->g[t->wte], ZINF_TIER_DEVICE, &gwte));
-    if ((r = fetch(t, t->g[t->wpe], ZINF_TIER_DEVICE, &gwpe)) == 0) {
-        if ((r = be->zero(t->be, gwpe, t->desc[t->wpe].numel * sizeof(float))) == 0 &&
-            (r = be->embed_backward(t->be, gwte, gwpe)) == 0 &&
-            (r = be->sumsq(t->be, gwte, t->desc[t->wte].numel)) == 0)
-            r = be->sumsq(t->be, gwpe, t->desc[t->wpe].numel);
-        r = settle(t, r);
-        zinf_release(t->e, t->g[t->wpe], ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
-    }
-    zinf_release(t->e, t->g[t->wte], ZINF_TIER_DEVICE, r == 0 ? ZINF_RELEASE_DIRTY : 0);
+    wave_embed_backward(t, &w);
+    TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
+    if ((r = be->zero(t->be, p[1], t->desc[t->wpe].numel * sizeof(float))) == 0 &&
+        (r = be->embed_backward(t->be, p[0], p[1])) == 0 &&
+        (r = be->sumsq(t->be, p[0], t->desc[t->wte].numel)) == 0)
+        r = be->sumsq(t->be, p[1], t->desc[t->wpe].numel);
+    r = settle(t, r);
+    wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
 out:
     return r;
 }
@@ -724,30 +873,29 @@ static int optimize(struct trainer *t, int step, double sumsq)
     adamw_hparams_defaults(&h);
     h.lr = t->o.lr;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
-        zinf_tensor hs[5] = {t->p[i], t->g[i], t->m[i], t->v[i], t->w[i]};
-        int parts = mixed ? 5 : 4, n;
-        void *p[5] = {NULL};
-        for (n = 0; n < parts; n++)
-            if ((r = fetch(t, hs[n], tier, &p[n])) < 0)
-                break;
-        if (r == 0 && t->fault_err && i == t->fault_tensor) {
-            r = -t->fault_err; /* as if the last fetch had failed */
+        struct wave w;
+        void *p[WAVE_MAX];
+        wave_optimizer(t, i, &w);
+        if ((r = wave_fetch(t, &w, tier, p)) < 0)
+            break;
+        if (t->fault_err && i == t->fault_tensor) {
+            r = -t->fault_err; /* as if fetching had failed */
             t->fault_err = 0;
         }
         if (r == 0) {
             /* Decay the matrices only, as GPT-2 trainers do (not biases, norms). */
             h.weight_decay = t->desc[i].ndim == 2 ? t->o.weight_decay : 0.0f;
             if (tier == ZINF_TIER_DEVICE)
-                r = settle(t, t->be->ops->adamw(t->be, p[0], p[1], p[2], p[3], p[4],
-                                                t->desc[i].numel, &h, step, scale));
+                r = settle(t, t->be->ops->adamw(t->be, p[0], p[1], p[2], p[3],
+                                                mixed ? p[4] : NULL, t->desc[i].numel, &h,
+                                                step, scale));
             else if (mixed)
                 r = adamw_update_bf16(p[0], p[1], p[2], p[3], p[4], t->desc[i].numel, &h, step,
                                       scale);
             else
                 r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step, scale);
         }
-        while (n-- > 0)
-            zinf_release(t->e, hs[n], tier, n != 1 && r == 0 ? ZINF_RELEASE_DIRTY : 0);
+        wave_release(t, &w, tier, r == 0);
         note_peaks(t);
     }
     return r;
