@@ -591,3 +591,115 @@ Test(train, checkpoint_writes_only_what_changed)
     cr_assert_geq(sum.checkpoint_seconds, 0);
     trainer_close(t);
 }
+
+/* ---- budgets: every one runs all its steps or is refused before step 1 ------------------- */
+
+#define GRID_STEPS 3
+
+/* Open with these budgets and run GRID_STEPS steps. Returns 0 when every step ran, or the
+ * refusal of trainer_open (err says why); a step that fails is a test failure. */
+static int grid_point(const char *tag, int L, int C, enum trainer_precision prec,
+                      const char *dev, const char *host, char *err, size_t errlen,
+                      struct trainer_summary *sum)
+{
+    char cfg[4096], swap[4096];
+    struct trainer *t = NULL;
+    snprintf(swap, sizeof(swap), "%s/%s", dir, tag);
+    snprintf(cfg, sizeof(cfg), "%s/%s.json", dir, tag);
+    write_config(cfg, "nvme", "nvme", swap, dev, host);
+    struct trainer_opts o = small_model(cfg);
+    o.model.L = L;
+    o.model.C = C;
+    o.precision = prec;
+    o.steps = GRID_STEPS;
+    int r = trainer_open(&o, &t, err, errlen);
+    if (r < 0) {
+        cr_assert_null(t);
+        test_rmtree(strdup(swap)); /* it frees what it is given */
+        return r;
+    }
+    for (int s = 1; s <= GRID_STEPS; s++) {
+        struct trainer_step_stats st;
+        r = trainer_step(t, &st);
+        cr_assert_eq(r, 0, "%dx%d %s, device %s, host %s: the budgets were taken at open but "
+                     "step %d failed: %s", L, C, prec == TRAINER_PRECISION_BF16 ? "bf16" : "fp32",
+                     dev, host, s, zinf_strerror(r));
+        cr_assert(isfinite(st.loss));
+    }
+    if (sum)
+        trainer_get_summary(t, sum);
+    trainer_close(t);
+    test_rmtree(strdup(swap));
+    return 0;
+}
+
+/* The refusal names both smallest budgets as the numbers the config takes. */
+static void expect_refusal_names(const char *err, uint64_t dev, uint64_t host)
+{
+    char want[128];
+    snprintf(want, sizeof(want), "\"device_bytes\": %llu, \"host_bytes\": %llu",
+             (unsigned long long)dev, (unsigned long long)host);
+    cr_assert(strstr(err, want), "the refusal should name %s: %s", want, err);
+}
+
+/* On a grid of device and host budgets around what two shapes need (where the tiers used
+ * to fragment: a point passed the check at open, then failed at step 1 or 2 with -ENOMEM),
+ * each point runs all its steps or is refused at open; the smallest budgets the trainer
+ * computes run, and 4 KiB less of either is refused, naming them. bf16 too (mixed
+ * precision, the default on a GPU). */
+Test(train, every_budget_runs_all_its_steps_or_is_refused_before_step_one, .timeout = 600)
+{
+    static const int shapes[2][2] = {{6, 128}, {3, 192}};
+    static const char *const devs[] = {"1536K", "2M", "2560K", "3M", "4M"};
+    static const char *const hosts[] = {"2M", "4M", "8M"};
+    char err[1024], dev[32], host[32];
+    int ran = 0, refused = 0;
+
+    for (int s = 0; s < 2; s++) {
+        int L = shapes[s][0], C = shapes[s][1];
+        for (int p = 0; p < 2; p++) {
+            enum trainer_precision prec = p ? TRAINER_PRECISION_BF16 : TRAINER_PRECISION_FP32;
+            struct trainer_summary sum;
+            /* What the trainer says it needs, from a run with room to spare. */
+            cr_assert_eq(grid_point("roomy", L, C, prec, "64M", "64M", err, sizeof(err), &sum),
+                         0, "%s", err);
+            uint64_t md = sum.min_budget[0], mh = sum.min_budget[1];
+            cr_assert_gt(md, 0);
+            cr_assert_gt(mh, 0);
+            cr_assert_eq(md % 4096, 0);
+            snprintf(dev, sizeof(dev), "%llu", (unsigned long long)md);
+            snprintf(host, sizeof(host), "%llu", (unsigned long long)mh);
+            cr_assert_eq(grid_point("least", L, C, prec, dev, host, err, sizeof(err), NULL), 0,
+                         "%dx%d at the least budgets it names: %s", L, C, err);
+            snprintf(dev, sizeof(dev), "%llu", (unsigned long long)md - 4096);
+            cr_assert_eq(grid_point("dev-4K", L, C, prec, dev, host, err, sizeof(err), NULL),
+                         -EINVAL);
+            cr_assert(strstr(err, "zinf.device_bytes") && !strstr(err, "zinf.host_bytes"), "%s",
+                      err);
+            expect_refusal_names(err, md, mh);
+            snprintf(dev, sizeof(dev), "%llu", (unsigned long long)md);
+            snprintf(host, sizeof(host), "%llu", (unsigned long long)mh - 4096);
+            cr_assert_eq(grid_point("host-4K", L, C, prec, dev, host, err, sizeof(err), NULL),
+                         -EINVAL);
+            cr_assert(strstr(err, "zinf.host_bytes") && !strstr(err, "zinf.device_bytes"), "%s",
+                      err);
+            expect_refusal_names(err, md, mh);
+            if (p)
+                continue; /* the grid in fp32; bf16's boundary above */
+            for (size_t d = 0; d < sizeof(devs) / sizeof(devs[0]); d++)
+                for (size_t h = 0; h < sizeof(hosts) / sizeof(hosts[0]); h++) {
+                    int r = grid_point("grid", L, C, prec, devs[d], hosts[h], err, sizeof(err),
+                                       NULL);
+                    if (r == 0) {
+                        ran++;
+                        continue;
+                    }
+                    cr_assert_eq(r, -EINVAL, "%s", err);
+                    expect_refusal_names(err, md, mh);
+                    refused++;
+                }
+        }
+    }
+    cr_assert_gt(ran, 0);
+    cr_assert_gt(refused, 0);
+}

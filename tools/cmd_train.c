@@ -271,8 +271,11 @@ int cmd_train(int argc, char **argv)
     printf("# zinf train: %d layers, dim %d, %d heads, seq %d, batch %d: %llu parameters, "
            "model state %s\n", o.model.L, o.model.C, o.model.NH, o.seq, o.batch,
            (unsigned long long)sum.param_count, format_size(sum.model_state_bytes, a, sizeof(a)));
-    printf("# budgets: device %s, host %s%s\n", format_size(sum.tier[0].budget_bytes, b, sizeof(b)),
+    char d[32], f[32];
+    printf("# budgets: device %s, host %s (the least that runs: %s, %s)%s\n",
+           format_size(sum.tier[0].budget_bytes, b, sizeof(b)),
            format_size(sum.tier[1].budget_bytes, c, sizeof(c)),
+           format_size(sum.min_budget[0], d, sizeof(d)), format_size(sum.min_budget[1], f, sizeof(f)),
            o.resume ? "; resumed" : "");
     printf("# compute: %s, %s weights on the device%s%s\n", sum.backend, sum.precision,
            sum.backend_work_bytes ? "; backend working memory " : "",
@@ -287,9 +290,9 @@ int cmd_train(int argc, char **argv)
         if (r < 0) {
             fprintf(stderr, "zinf train: step %d failed: %s%s\n", trainer_next_step(t),
                     zinf_strerror(r),
-                    r == -ENOMEM ? " (what one block pins at once does not fit in the budgets "
-                                   "as the tiers are laid out: raise zinf.device_bytes and "
-                                   "zinf.host_bytes by a quarter)"
+                    r == -ENOMEM ? " (a set the step pins did not fit, although the budgets "
+                                   "were checked at open against the largest one: a bug; "
+                                   "please report it with this command line)"
                     : r == -ENOSPC ? " (the swap directory's filesystem is full: see the line "
                                      "above for what is needed)"
                                    : "");
@@ -338,8 +341,9 @@ int cmd_train(int argc, char **argv)
         status = 128 + stop_requested;
     }
     trainer_get_summary(t, &sum);
-    printf("# summary: %d steps, model state %s\n", sum.steps_done,
-           format_size(sum.model_state_bytes, a, sizeof(a)));
+    printf("# summary: %d steps, model state %s; a tier was emptied %llu times to place a set "
+           "it held room for\n", sum.steps_done, format_size(sum.model_state_bytes, a, sizeof(a)),
+           (unsigned long long)sum.compactions);
     for (int i = 0; i < 3; i++)
         printf("#   %-6s peak %12s of budget %12s\n", tier_names[i],
                format_size(sum.tier[i].peak_bytes, a, sizeof(a)),
@@ -347,12 +351,15 @@ int cmd_train(int argc, char **argv)
     if (log) {
         fprintf(log, "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
                 "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu,"
-                "\"checkpoint_step\":%d,\"interrupted\":%s,\"failed\":%s",
+                "\"checkpoint_step\":%d,\"interrupted\":%s,\"failed\":%s,\"compactions\":%llu,"
+                "\"min_device_bytes\":%llu,\"min_host_bytes\":%llu",
                 sum.steps_done, (unsigned long long)sum.model_state_bytes,
                 (unsigned long long)sum.param_count, sum.backend, sum.precision,
                 (unsigned long long)sum.backend_work_bytes, sum.checkpoint_step,
                 stop_requested ? "true" : "false",
-                status != 0 && status < 128 ? "true" : "false");
+                status != 0 && status < 128 ? "true" : "false",
+                (unsigned long long)sum.compactions, (unsigned long long)sum.min_budget[0],
+                (unsigned long long)sum.min_budget[1]);
         for (int i = 0; i < 3; i++)
             fprintf(log, ",\"%s\":{\"peak_bytes\":%llu,\"budget_bytes\":%llu}", tier_names[i],
                     (unsigned long long)sum.tier[i].peak_bytes,

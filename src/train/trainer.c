@@ -992,6 +992,9 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     out->backend = t->be->name;
     out->precision = t->be->wdt == BACKEND_BF16 ? "bf16" : "fp32";
     out->backend_work_bytes = t->be->work_bytes;
+    out->min_budget[0] = t->min_budget[0];
+    out->min_budget[1] = t->min_budget[1];
+    out->compactions = st.compactions;
     for (int i = 0; i < 3; i++) {
         out->tier[i].budget_bytes = st.tier[i].capacity_bytes;
         out->tier[i].peak_bytes = t->peak[i];

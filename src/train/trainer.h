@@ -72,6 +72,11 @@ struct trainer_summary {
     const char *backend;        /* "cpu" or "cuda" */
     const char *precision;      /* "fp32" or "bf16": the weights the device computes with */
     uint64_t backend_work_bytes; /* device memory of the backend, outside the budgets */
+    /* The smallest device and host budgets with which every step runs (the homes each
+     * tier keeps plus the largest set a step pins there), and how often a set found its
+     * tier too fragmented and had it emptied (zinf_stats.compactions). */
+    uint64_t min_budget[2];
+    uint64_t compactions;
 };
 
 struct trainer;
