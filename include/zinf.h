@@ -164,6 +164,19 @@ ZINF_API int zinf_flush(zinf_engine *e);
 ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out);
 
 /* The library's version as "MAJOR.MINOR.PATCH". */
+/* Where the library's messages go (notices such as "the host tier runs unpinned", and the
+ * reason behind an error code: the file, the limit). Default: stderr, "zinf: " first, at
+ * the level ZINF_LOG names in the environment (error, warn, notice or debug, or 0-3;
+ * default notice). Once fn is set the library prints nothing itself: each message at or
+ * below level is handed to fn(level, msg, user), one line without its newline, from
+ * whichever thread logs it (never two at once, so fn must not call the library). fn NULL:
+ * back to stderr. level < 0: keep the level as it is. */
+#define ZINF_LOG_ERROR 0
+#define ZINF_LOG_WARN 1
+#define ZINF_LOG_NOTICE 2
+#define ZINF_LOG_DEBUG 3
+ZINF_API void zinf_set_log(void (*fn)(int level, const char *msg, void *user), void *user,
+                           int level);
 ZINF_API const char *zinf_version(void);
 
 /* A message for a negative errno returned by zinf (or any errno); never NULL. */

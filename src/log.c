@@ -10,15 +10,50 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "common.h"
+#include "zinf.h"
 
 pthread_mutex_t numa_call_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
 static log_sink_fn log_sink;
 static void *log_sink_data;
-static enum log_level log_max = LOG_NOTICE;
+static void (*user_log)(int level, const char *msg, void *user); /* zinf_set_log() */
+static void *user_log_data;
+static int log_max = -1; /* -1: not read from ZINF_LOG yet */
+
+_Static_assert(LOG_ERROR == ZINF_LOG_ERROR && LOG_WARN == ZINF_LOG_WARN &&
+                   LOG_NOTICE == ZINF_LOG_NOTICE && LOG_DEBUG == ZINF_LOG_DEBUG,
+               "the public log levels are the internal ones");
+
+/* ZINF_LOG: a level's name or number; anything else is the default, said once. */
+static int level_from_env(void)
+{
+    static const char *const names[] = {"error", "warn", "notice", "debug"};
+    const char *v = getenv("ZINF_LOG");
+    if (getenv("ZINF_DEBUG"))
+        return LOG_DEBUG;
+    if (!v || !*v)
+        return LOG_NOTICE;
+    for (int i = 0; i < 4; i++)
+        if (!strcasecmp(v, names[i]) || (v[0] == '0' + i && !v[1]))
+            return i;
+    if (!strcasecmp(v, "warning"))
+        return LOG_WARN;
+    fprintf(stderr, "zinf: warning: ZINF_LOG=%s: expected error, warn, notice or debug (or "
+                    "0-3); notice is used\n", v);
+    return LOG_NOTICE;
+}
+
+/* Lock held. */
+static int current_level(void)
+{
+    if (log_max < 0)
+        log_max = level_from_env();
+    return log_max;
+}
 
 log_sink_fn log_set_sink(log_sink_fn fn, void *data, void **old_data)
 {
@@ -34,7 +69,20 @@ log_sink_fn log_set_sink(log_sink_fn fn, void *data, void **old_data)
 
 void log_set_level(enum log_level max_level)
 {
-    log_max = max_level;
+    pthread_mutex_lock(&log_lock);
+    log_max = (int)max_level;
+    pthread_mutex_unlock(&log_lock);
+}
+
+ZINF_API void zinf_set_log(void (*fn)(int level, const char *msg, void *user), void *user,
+                           int level)
+{
+    pthread_mutex_lock(&log_lock);
+    user_log = fn;
+    user_log_data = user;
+    if (level >= 0)
+        log_max = MIN(level, (int)LOG_DEBUG);
+    pthread_mutex_unlock(&log_lock);
 }
 
 void log_msg(enum log_level level, const char *fmt, ...)
@@ -43,14 +91,18 @@ void log_msg(enum log_level level, const char *fmt, ...)
     char msg[1024];
     va_list ap;
 
-    if (level > log_max && !getenv("ZINF_DEBUG"))
+    pthread_mutex_lock(&log_lock);
+    if ((int)level > current_level()) {
+        pthread_mutex_unlock(&log_lock);
         return;
+    }
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    pthread_mutex_lock(&log_lock);
     if (log_sink)
-        log_sink(level, msg, log_sink_data);
+        log_sink(level, msg, log_sink_data); /* the tests' capture */
+    else if (user_log)
+        user_log((int)level, msg, user_log_data);
     else
         fprintf(stderr, "zinf: %s%s\n", names[level], msg);
     pthread_mutex_unlock(&log_lock);

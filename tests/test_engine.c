@@ -2858,3 +2858,59 @@ Test(engine, fetch_all_racing_unregister_of_a_member)
     check_budgets(e);
     frag_free(&fr);
 }
+
+/* ---- zinf_set_log: an embedding program owns the library's output ----------------------- */
+
+struct log_capture {
+    int n, level;
+    char last[256];
+};
+
+static void capture_log(int level, const char *msg, void *user)
+{
+    struct log_capture *c = user;
+    c->n++;
+    c->level = level;
+    snprintf(c->last, sizeof(c->last), "%s", msg);
+}
+
+static void open_unpinned_and_close(void)
+{
+    struct zinf_options o = {.device_bytes = MiB, .host_bytes = MiB,
+                             .device_kind = ZINF_DEVICE_EMULATED, .flags = ZINF_OPEN_NO_PIN};
+    zinf_engine *e = NULL;
+    cr_assert_eq(zinf_open(&o, &e), 0);
+    zinf_close(e);
+}
+
+Test(engine, set_log_routes_every_message_to_the_caller)
+{
+    struct log_capture c = {0};
+    zinf_set_log(capture_log, &c, ZINF_LOG_NOTICE);
+    open_unpinned_and_close(); /* says once that the host tier runs unpinned */
+    cr_assert_geq(c.n, 1, "the notice reached the function");
+    cr_assert_eq(c.level, ZINF_LOG_NOTICE);
+    cr_assert(strstr(c.last, "unpinned"), "%s", c.last);
+    cr_assert_null(strchr(c.last, '\n'), "one line, without its newline");
+
+    /* Below the level: nothing. */
+    c.n = 0;
+    zinf_set_log(capture_log, &c, ZINF_LOG_ERROR);
+    open_unpinned_and_close();
+    cr_assert_eq(c.n, 0, "a notice under ZINF_LOG_ERROR: %s", c.last);
+
+    /* An error still comes through at that level, with what it is about. */
+    struct zinf_options bad = {.nvme_path = "/proc/version/swap", .device_bytes = MiB,
+                               .host_bytes = MiB, .device_kind = ZINF_DEVICE_EMULATED};
+    zinf_engine *e = NULL;
+    cr_assert_lt(zinf_open(&bad, &e), 0);
+    cr_assert_geq(c.n, 1);
+    cr_assert_eq(c.level, ZINF_LOG_ERROR);
+    cr_assert(strstr(c.last, "/proc/version"), "%s", c.last);
+
+    /* Back to stderr; the function is not called any more. */
+    c.n = 0;
+    zinf_set_log(NULL, NULL, ZINF_LOG_NOTICE);
+    open_unpinned_and_close();
+    cr_assert_eq(c.n, 0);
+}
