@@ -89,6 +89,8 @@ void log_msg(enum log_level level, const char *fmt, ...) __attribute__((format(p
 /* Replace the sink (NULL restores stderr); returns the previous one. Tests capture with it. */
 log_sink_fn log_set_sink(log_sink_fn fn, void *data, void **old_data);
 void log_set_level(enum log_level max_level);
+/* s as a JSON string, escaped as JSON requires; NULL as null. */
+void json_print_string(FILE *f, const char *s);
 
 /* Parse "4G", "512M", "64k", "1048576", "1e8" into bytes (binary units). -EINVAL on junk,
  * -ERANGE on overflow. */

@@ -915,29 +915,13 @@ void config_to_options(const struct zinf_config *c, struct zinf_options *o)
     o->cuda_device = c->zinf.cuda_device;
 }
 
-/* Print s as a JSON string, escaping what JSON requires. */
-static void print_string(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\')
-            fprintf(f, "\\%c", ch);
-        else if (ch < 0x20 || ch == 0x7f)
-            fprintf(f, "\\u%04x", ch);
-        else
-            fputc(ch, f);
-    }
-    fputc('"', f);
-}
-
 static void print_paths(FILE *f, const struct config_paths *ps)
 {
     fputc('[', f);
     for (unsigned i = 0; i < ps->count; i++) {
         if (i)
             fputs(", ", f);
-        print_string(f, ps->path[i]);
+        json_print_string(f, ps->path[i]);
     }
     fputc(']', f);
 }
@@ -988,14 +972,14 @@ int config_print(const struct zinf_config *c, FILE *f)
     fputs("# engine options\n", f);
     fputs("engine.nvme_path = ", f);
     if (o.nvme_path)
-        print_string(f, o.nvme_path);
+        json_print_string(f, o.nvme_path);
     else
         fputs("none  # no NVMe tier", f);
     fputs("\nengine.nvme_paths_extra = [", f);
     for (unsigned i = 0; o.nvme_paths_extra && o.nvme_paths_extra[i]; i++) {
         if (i)
             fputs(", ", f);
-        print_string(f, o.nvme_paths_extra[i]);
+        json_print_string(f, o.nvme_paths_extra[i]);
     }
     fputs("]\nengine.block_size = ", f);
     print_bytes(f, o.block_size, NULL);

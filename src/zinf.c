@@ -29,13 +29,16 @@ ZINF_API const char *zinf_strerror(int err)
                          "directory: resume it, open it read-only, or overwrite it)";
     case -EROFS: return "the engine was opened read-only";
     case -ENOENT: return "no such tensor or file";
-    case -EBUSY: return "busy: the tensor is pinned or writable in another tier";
+    case -EBUSY: return "busy: the tensor is pinned or writable in another tier, or (opening "
+                        "an engine) the swap directory is in use by another one";
     case -EIO: return "input/output error on the swap device";
     case -EBADMSG: return "corrupted data: checksum mismatch in a swap file";
     case -ENODATA: return "read past the end of the file";
     case -ESHUTDOWN: return "the engine is closing";
     case -ENOSYS: return "not supported by this kernel";
     case -ENOTSUP: return "not supported by this backend";
+    case -EPERM: return "not permitted (opening an engine: the host tier could not be locked "
+                        "in memory, RLIMIT_MEMLOCK is below it; see the line logged above)";
     default: return strerror(-err);
     }
 }

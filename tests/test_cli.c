@@ -1058,3 +1058,120 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
     }
     cr_assert(first >= 1 && first <= last + 1, "resumed at step %d after %d", first, last);
 }
+
+/* ---- the conventions every command keeps ------------------------------------------------- */
+
+/* zinf help CMD prints what zinf CMD --help prints, which lists the exit statuses; bad usage
+ * is 2 everywhere, bad input 2, a runtime failure 1. */
+Test(cli, every_command_lists_its_exit_statuses_and_keeps_them)
+{
+    static const char *const cmds[] = {"train", "bench", "tune", "config", "stat", "topo",
+                                       "version"};
+    char *o, *h;
+    for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
+        cr_assert_eq(run(&o, "%s --help", cmds[i]), 0, "%s --help: %s", cmds[i], o);
+        cr_assert(strstr(o, "Exit status"), "zinf %s --help lists no exit status: %s", cmds[i], o);
+        cr_assert_eq(run(&h, "help %s", cmds[i]), 0);
+        cr_assert_str_eq(h, o, "zinf help %s is not zinf %s --help", cmds[i], cmds[i]);
+        free(o);
+        free(h);
+        cr_assert_eq(run(&o, "%s --no-such-option", cmds[i]), 2, "zinf %s: %s", cmds[i], o);
+        free(o);
+    }
+    cr_assert_eq(run(&o, "help no-such-command"), 2);
+    cr_assert(strstr(o, "unknown command 'no-such-command'"), "%s", o);
+    free(o);
+
+    /* topo: a --gpu that is no bus id, an --xml that is missing: bad input. */
+    cr_assert_eq(run(&o, "topo --gpu foo"), 2, "%s", o);
+    cr_assert(strstr(o, "--gpu foo") && strstr(o, "PCI bus id"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "topo --gpu 0000:17:00.0"), 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "topo --xml %s/missing.xml", dir), 2, "%s", o);
+    free(o);
+    /* bench: a --path that is not a directory. */
+    cr_assert_eq(run(&o, "bench --path %s/missing", dir), 2, "%s", o);
+    free(o);
+    /* stat: nothing saved to inspect is a runtime failure, a bad config bad input. */
+    cr_assert_eq(run(&o, "stat --path %s", dir), 1, "%s", o);
+    free(o);
+    char cfg[4096], data[4096], swap[4096];
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    /* train: --data that is a directory says so. */
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1", cfg, dir), 2, "%s", o);
+    cr_assert(strstr(o, "is a directory"), "%s", o);
+    free(o);
+}
+
+/* --steps N --resume on a run at step N says there is nothing to do (0), past N that it
+ * cannot go back (2): never a silent exit. */
+Test(cli, train_resume_at_or_past_its_steps_says_so)
+{
+    char cfg[4096], data[4096], swap[4096], *o;
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 3", cfg, data), 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 3 --resume", cfg, data), 0,
+                 "%s", o);
+    cr_assert(strstr(o, "done its 3 steps already: nothing to do"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 2 --resume", cfg, data), 2,
+                 "%s", o);
+    cr_assert(strstr(o, "at step 3 already, past 2"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --resume", cfg, data), 0,
+                 "%s", o);
+    cr_assert(strstr(o, "# summary: 4 steps"), "%s", o);
+    cr_assert(strstr(o, "in swap files of"), "the NVMe line is the swap files' size: %s", o);
+    free(o);
+}
+
+/* --json: topo and version give one JSON object. ZINF_LOG=error keeps the library's
+ * notices off stderr. */
+Test(cli, topo_and_version_json_and_zinf_log)
+{
+    char *o;
+    json_error_t je;
+    cr_assert_eq(run(&o, "topo --json"), 0, "%s", o);
+    json_t *j = json_loads(o, 0, &je);
+    cr_assert_not_null(j, "%s: %s", je.text, o);
+    cr_assert(json_is_array(json_object_get(j, "numa_nodes")));
+    cr_assert(json_is_array(json_object_get(j, "storage")));
+    cr_assert(json_is_object(json_object_get(j, "placement")));
+    json_decref(j);
+    free(o);
+    cr_assert_eq(run(&o, "version --json"), 0, "%s", o);
+    j = json_loads(o, 0, &je);
+    cr_assert_not_null(j, "%s: %s", je.text, o);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "version")), zinf_version());
+    cr_assert(json_is_boolean(json_object_get(j, "cuda_built")));
+    cr_assert(json_is_boolean(json_object_get(j, "gpu_usable")));
+    if (!json_is_true(json_object_get(j, "gpu_usable")))
+        cr_assert(json_string_value(json_object_get(j, "gpu_unusable_reason")), "%s", o);
+    json_decref(j);
+    free(o);
+    cr_assert_eq(run(&o, "version"), 0);
+    cr_assert(strstr(o, ZINF_HAVE_CUDA ? "cuda: built; GPU: " : "cuda: not built"), "%s", o);
+    free(o);
+
+    /* An unpinned host tier: the library says so, unless ZINF_LOG=error. */
+    char cfg[4096];
+    snprintf(cfg, sizeof(cfg), "%s/unpinned.json", dir);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"zero_optimization\": {\"offload_param\": {\"device\": \"cpu\", "
+               "\"pin_memory\": false}}, \"zinf\": {\"device\": \"emulated\", "
+               "\"device_bytes\": \"1M\", \"host_bytes\": \"1M\"}}");
+    fclose(f);
+    cr_assert_eq(run(&o, "stat --config %s", cfg), 0, "%s", o);
+    cr_assert(strstr(o, "zinf: the host tier runs unpinned"), "%s", o);
+    free(o);
+    setenv("ZINF_LOG", "error", 1);
+    cr_assert_eq(run(&o, "stat --config %s", cfg), 0, "%s", o);
+    unsetenv("ZINF_LOG");
+    cr_assert_null(strstr(o, "zinf: "), "ZINF_LOG=error: %s", o);
+    free(o);
+}

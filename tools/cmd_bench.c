@@ -509,7 +509,10 @@ static void usage(FILE *f)
             "  --no-fixed-buffers  do not register the buffers with io_uring\n"
             "  --no-huge-pages     4 KiB pages for the buffers (default: transparent huge\n"
             "                      pages, as the engine's host arena uses)\n"
-            "  --keep              keep the test file afterwards\n",
+            "  --keep              keep the test file afterwards\n"
+            "Exit status: 0 done, every byte read back as written; 1 an IO error or a byte\n"
+            "that read back wrong; 2 bad usage, or a --path that is not a directory or lacks\n"
+            "room for --size.\n",
             BENCH_FILE);
 }
 

@@ -22,7 +22,9 @@ static void usage(FILE *f)
                "\n"
                "  --strict   treat unknown keys as errors (exit 2)\n"
                "\n"
-               "Exit status: 0 valid, 2 bad file or bad usage.\n");
+               "Exit status: 0 valid; 1 the settings could not be written out; 2 a bad file\n"
+               "(it names the JSON path and what is wrong), unknown keys with --strict, or\n"
+               "bad usage.\n");
 }
 
 static int check(const char *file, bool strict)

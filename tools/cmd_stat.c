@@ -77,7 +77,9 @@ static void usage(FILE *f)
                "                  state saved in its nvme_path (if any) opened read-only\n"
                "  --path DIR      open the state saved in the swap directory DIR, read-only\n"
                "  --json          one JSON object instead of the table\n"
-               "Nothing in the swap directory is changed, even next to a job that uses it.\n");
+               "Nothing in the swap directory is changed, even next to a job that uses it.\n"
+               "Exit status: 0 printed; 1 the engine could not be opened, or --path holds no\n"
+               "saved state; 2 bad usage or a bad config file.\n");
 }
 
 int cmd_stat(int argc, char **argv)
@@ -161,6 +163,13 @@ int cmd_stat(int argc, char **argv)
             fprintf(stderr, "zinf stat: no saved run in %s\n", path);
             return 1;
         }
+    }
+    if (r == -EBUSY) {
+        fprintf(stderr, "zinf stat: %s is in use by another engine, and holds no saved state "
+                        "to inspect yet (read-only inspection needs one: after that engine's "
+                        "first flush, or zinf train's first checkpoint)\n",
+                swap ? swap : path);
+        return 1;
     }
     if (r < 0) {
         fprintf(stderr, "zinf stat: cannot open the engine (%s): %s\n", config ? config : path,

@@ -271,12 +271,31 @@ int cmd_train(int argc, char **argv)
     printf("# zinf train: %d layers, dim %d, %d heads, seq %d, batch %d: %llu parameters, "
            "model state %s\n", o.model.L, o.model.C, o.model.NH, o.seq, o.batch,
            (unsigned long long)sum.param_count, format_size(sum.model_state_bytes, a, sizeof(a)));
-    char d[32], f[32];
-    printf("# budgets: device %s, host %s (the least that runs: %s, %s)%s\n",
+    char d[32], f[32], g[32];
+    printf("# budgets: device %s, host %s (the least that runs: %s, %s); beside the host "
+           "budget, %s of staging buffers%s%s\n",
            format_size(sum.tier[0].budget_bytes, b, sizeof(b)),
            format_size(sum.tier[1].budget_bytes, c, sizeof(c)),
            format_size(sum.min_budget[0], d, sizeof(d)), format_size(sum.min_budget[1], f, sizeof(f)),
+           format_size(sum.staging_bytes, g, sizeof(g)), sum.host_pinned ? ", pinned too" : "",
            o.resume ? "; resumed" : "");
+    if (o.resume && trainer_next_step(t) > o.steps) {
+        /* Nothing to run: say so rather than exit 0 having done nothing. */
+        int done = trainer_next_step(t) - 1;
+        if (done == o.steps) {
+            printf("# the saved run has done its %d steps already: nothing to do (a larger "
+                   "--steps continues it)\n", done);
+        } else {
+            fprintf(stderr, "zinf train: --steps %d --resume: the saved run is at step %d "
+                            "already, past %d; give --steps above %d to continue it\n",
+                    o.steps, done, o.steps, done);
+            status = 2;
+        }
+        if (log)
+            fclose(log);
+        trainer_close(t);
+        return status;
+    }
     printf("# compute: %s, %s weights on the device%s%s\n", sum.backend, sum.precision,
            sum.backend_work_bytes ? "; backend working memory " : "",
            sum.backend_work_bytes ? format_size(sum.backend_work_bytes, a, sizeof(a)) : "");
@@ -344,10 +363,13 @@ int cmd_train(int argc, char **argv)
     printf("# summary: %d steps, model state %s; a tier was emptied %llu times to place a set "
            "it held room for\n", sum.steps_done, format_size(sum.model_state_bytes, a, sizeof(a)),
            (unsigned long long)sum.compactions);
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 2; i++)
         printf("#   %-6s peak %12s of budget %12s\n", tier_names[i],
                format_size(sum.tier[i].peak_bytes, a, sizeof(a)),
                format_size(sum.tier[i].budget_bytes, b, sizeof(b)));
+    printf("#   %-6s peak %12s in swap files of %12s\n", tier_names[2],
+           format_size(sum.tier[2].peak_bytes, a, sizeof(a)),
+           format_size(sum.tier[2].budget_bytes, b, sizeof(b)));
     if (log) {
         fprintf(log, "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
                 "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu,"
@@ -361,9 +383,11 @@ int cmd_train(int argc, char **argv)
                 (unsigned long long)sum.compactions, (unsigned long long)sum.min_budget[0],
                 (unsigned long long)sum.min_budget[1]);
         for (int i = 0; i < 3; i++)
-            fprintf(log, ",\"%s\":{\"peak_bytes\":%llu,\"budget_bytes\":%llu}", tier_names[i],
+            fprintf(log, ",\"%s\":{\"peak_bytes\":%llu,\"%s\":%llu}", tier_names[i],
                     (unsigned long long)sum.tier[i].peak_bytes,
+                    i == 2 ? "swap_file_bytes" : "budget_bytes",
                     (unsigned long long)sum.tier[i].budget_bytes);
+        fprintf(log, ",\"staging_bytes\":%llu", (unsigned long long)sum.staging_bytes);
         fprintf(log, "}}\n");
         fclose(log);
     }

@@ -163,7 +163,10 @@ static void usage(FILE *f)
             "                        pick with its fragment)\n"
             "Progress goes to stderr: a bar with an ETA on a terminal, a line per measurement\n"
             "otherwise. The fragment has an \"aio\" and a \"zinf\" section: merge it into a\n"
-            "config, or pass it to --config as it is.\n");
+            "config, or pass it to --config as it is.\n"
+            "Exit status: 0 a pick was made; 1 no point could be measured (IO errors);\n"
+            "2 bad usage, a bad --path or an --out that exists; 130/143 stopped by\n"
+            "SIGINT/SIGTERM (no fragment is written, the scratch files are removed).\n");
 }
 
 static int parse_args(int argc, char **argv, struct tune_opts *o)

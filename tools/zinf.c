@@ -21,24 +21,87 @@ static void usage(FILE *f)
             "  stat      open an engine (from a config, or a swap directory) and print its stats\n"
             "  topo      show the NUMA nodes, GPUs and drives, and where zinf puts its memory\n"
             "  version   print the version and what this build supports\n"
-            "  help      this text; 'zinf <command> --help' for a command's options\n");
+            "  help      this text; 'zinf help <command>' (or 'zinf <command> --help') for a\n"
+            "            command's options and exit statuses\n"
+            "\n"
+            "Exit status, every command: 0 success, 1 a runtime failure, 2 bad usage or bad\n"
+            "input; train and tune also 130/143 when stopped by SIGINT/SIGTERM.\n"
+            "ZINF_LOG=error|warn|notice|debug sets how much the library says on stderr.\n");
 }
 
-static int cmd_version(void)
+static void version_usage(FILE *f)
+{
+    fprintf(f, "usage: zinf version [--json]\n"
+               "The version, and what this build supports: CUDA (and whether a GPU is usable\n"
+               "here, or why not), the GPU kernels, NCCL.\n"
+               "  --json   one JSON object instead of the text\n"
+               "Exit status: 0 printed, 2 bad usage.\n");
+}
+
+static int cmd_version(int argc, char **argv)
 {
     struct cuda_probe_info ci;
+    bool json = false;
 
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--json")) {
+            json = true;
+        } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            version_usage(stdout);
+            return 0;
+        } else {
+            fprintf(stderr, "zinf: version: unknown option '%s'\n", argv[i]);
+            version_usage(stderr);
+            return 2;
+        }
+    }
+    int gpus = cuda_probe(&ci);
+    if (json) {
+        printf("{\"version\": \"%s\", \"cuda_built\": %s, \"gpu_usable\": %s, \"gpus\": %d, "
+               "\"gpu0\": ", zinf_version(), ZINF_HAVE_CUDA ? "true" : "false",
+               gpus > 0 ? "true" : "false", gpus > 0 ? gpus : 0);
+        json_print_string(stdout, gpus > 0 ? ci.name : NULL);
+        printf(", \"gpu_unusable_reason\": ");
+        json_print_string(stdout, gpus > 0 ? NULL : ci.reason);
+        printf(", \"cuda_runtime_version\": %d, \"cuda_driver_version\": %d, "
+               "\"kernels_built\": %s, \"nccl_built\": %s}\n", ci.runtime_version,
+               ci.driver_version, ZINF_HAVE_KERNELS ? "true" : "false",
+               ZINF_HAVE_NCCL ? "true" : "false");
+        return 0;
+    }
     printf("zinf %s\n", zinf_version());
-    printf("cuda: %s", ZINF_HAVE_CUDA ? "built" : "not built");
-    if (cuda_probe(&ci) > 0)
-        printf(", %d device(s), device 0: %s\n", ci.device_count, ci.name);
+    if (!ZINF_HAVE_CUDA)
+        printf("cuda: not built (no CUDA toolkit when this was built)\n");
+    else if (gpus > 0)
+        printf("cuda: built; GPU: %d usable, device 0: %s\n", gpus, ci.name);
     else
-        printf(" (%s)\n", ci.reason);
+        printf("cuda: built; GPU: not usable (%s)\n", ci.reason);
     printf("kernels: %s\n", ZINF_HAVE_KERNELS ? "built (sm_80, sm_90): zinf train computes on a "
                                                "GPU when the device tier is CUDA"
                                              : "not built: zinf train computes on the CPU");
     printf("nccl: %s\n", ZINF_HAVE_NCCL ? "built" : "not built");
     return 0;
+}
+
+/* argv[0] is the command's name. Returns the exit status, or -1 for an unknown command. */
+static int run(int argc, char **argv)
+{
+    const char *c = argv[0];
+    if (!strcmp(c, "version") || !strcmp(c, "--version"))
+        return cmd_version(argc, argv);
+    if (!strcmp(c, "bench"))
+        return cmd_bench(argc, argv);
+    if (!strcmp(c, "tune"))
+        return cmd_tune(argc, argv);
+    if (!strcmp(c, "config"))
+        return cmd_config(argc, argv);
+    if (!strcmp(c, "train"))
+        return cmd_train(argc, argv);
+    if (!strcmp(c, "stat"))
+        return cmd_stat(argc, argv);
+    if (!strcmp(c, "topo"))
+        return cmd_topo(argc, argv);
+    return -1;
 }
 
 int main(int argc, char **argv)
@@ -48,24 +111,23 @@ int main(int argc, char **argv)
         return 2;
     }
     const char *c = argv[1];
+    if (!strcmp(c, "help") && argc >= 3 && strcmp(argv[2], "help")) {
+        /* zinf help CMD: what zinf CMD --help prints. */
+        char *hargv[] = {argv[2], "--help", NULL};
+        int r = run(2, hargv);
+        if (r >= 0)
+            return r;
+        fprintf(stderr, "zinf: help: unknown command '%s'\n", argv[2]);
+        usage(stderr);
+        return 2;
+    }
     if (!strcmp(c, "help") || !strcmp(c, "--help") || !strcmp(c, "-h")) {
         usage(stdout);
         return 0;
     }
-    if (!strcmp(c, "version") || !strcmp(c, "--version"))
-        return cmd_version();
-    if (!strcmp(c, "bench"))
-        return cmd_bench(argc - 1, argv + 1);
-    if (!strcmp(c, "tune"))
-        return cmd_tune(argc - 1, argv + 1);
-    if (!strcmp(c, "config"))
-        return cmd_config(argc - 1, argv + 1);
-    if (!strcmp(c, "train"))
-        return cmd_train(argc - 1, argv + 1);
-    if (!strcmp(c, "stat"))
-        return cmd_stat(argc - 1, argv + 1);
-    if (!strcmp(c, "topo"))
-        return cmd_topo(argc - 1, argv + 1);
+    int r = run(argc - 1, argv + 1);
+    if (r >= 0)
+        return r;
     fprintf(stderr, "zinf: unknown command '%s'\n", c);
     usage(stderr);
     return 2;

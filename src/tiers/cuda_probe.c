@@ -24,7 +24,17 @@ int cuda_probe(struct cuda_probe_info *out)
     out->driver_version = e == cudaSuccess ? drv : 0;
     e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
-        snprintf(out->reason, sizeof(out->reason), "%s", cudaGetErrorString(e));
+        /* In words a user can act on; the runtime's own string otherwise. */
+        if (e == cudaErrorInsufficientDriver && drv == 0)
+            snprintf(out->reason, sizeof(out->reason), "no NVIDIA driver is installed");
+        else if (e == cudaErrorInsufficientDriver)
+            snprintf(out->reason, sizeof(out->reason),
+                     "driver older than the CUDA runtime (driver CUDA %d.%d, runtime %d.%d)",
+                     drv / 1000, drv % 1000 / 10, rt / 1000, rt % 1000 / 10);
+        else if (e == cudaErrorNoDevice)
+            snprintf(out->reason, sizeof(out->reason), "no CUDA device");
+        else
+            snprintf(out->reason, sizeof(out->reason), "%s", cudaGetErrorString(e));
         cudaGetLastError(); /* clear the sticky-free error so later calls start clean */
         return 0;
     }

@@ -147,7 +147,7 @@ static int lock_arena(struct host *h)
               "set \"pin_memory\": false to run unpinned",
               sz, strerror(e), limit_str(rl.rlim_cur, soft, sizeof(soft)),
               limit_str(rl.rlim_max, hard, sizeof(hard)));
-    return -ENOMEM;
+    return -EPERM; /* its own error: the limit, not the tier, is too small */
 }
 
 /* Step 4: only a CUDA device tier page-locks for the driver. */

@@ -38,7 +38,7 @@ struct host_stats {
     int numa_node;           /* where the arena lives, -1 unknown */
 };
 
-/* -ENOMEM with one error line naming RLIMIT_MEMLOCK (current value and how to raise it)
+/* -EPERM with one error line naming RLIMIT_MEMLOCK (current value and how to raise it)
  * when the arena cannot be locked; with pin=false it runs unpinned and says so. */
 int host_open(const struct host_opts *o, struct host **out);
 void host_close(struct host *h);

@@ -29,6 +29,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <hwloc.h>
+#include <jansson.h>
 #include <limits.h>
 #include <numa.h>
 #include <pthread.h>
@@ -705,4 +706,61 @@ void topo_print(struct topo *t, FILE *f)
             count++;
         }
     if (!count) fprintf(f, "  none\n");
+}
+
+static json_t *pci_json(struct topo *t, hwloc_obj_t o, const char *kind)
+{
+    const struct hwloc_pcidev_attr_s *p = &o->attr->pcidev;
+    const char *vname = hwloc_obj_get_info_by_name(o, "PCIVendor");
+    const char *dname = hwloc_obj_get_info_by_name(o, "PCIDevice");
+    char busid[32];
+    int node = obj_node(t, o);
+    json_t *devs = json_array();
+
+    snprintf(busid, sizeof(busid), "%04x:%02x:%02x.%x", p->domain, p->bus, p->dev, p->func);
+    for (hwloc_obj_t c = o->io_first_child; c && devs; c = c->next_sibling)
+        if (c->type == HWLOC_OBJ_OS_DEVICE && c->name)
+            json_array_append_new(devs, json_string(c->name));
+    return json_pack("{s:s, s:s, s:i, s:i, s:i, s:o, s:o, s:o, s:o}", "busid", busid, "kind",
+                     kind, "vendor_id", (int)p->vendor_id, "device_id", (int)p->device_id,
+                     "class_id", (int)p->class_id, "numa_node",
+                     node >= 0 ? json_integer(node) : json_null(), "os_devices",
+                     devs ? devs : json_array(), "vendor",
+                     vname ? json_string(vname) : json_null(), "device",
+                     dname ? json_string(dname) : json_null());
+}
+
+json_t *topo_to_json(struct topo *t)
+{
+    hwloc_obj_t o = NULL;
+    if (!t)
+        return NULL;
+    json_t *nodes = json_array(), *gpus = json_array(), *storage = json_array();
+    int n = topo_numa_nodes(t);
+    for (int i = 0; i < n && nodes; i++) {
+        hwloc_obj_t nd = hwloc_get_obj_by_type(t->h, HWLOC_OBJ_NUMANODE, (unsigned)i);
+        char cpus[128] = "";
+        int ncpu = nd->cpuset ? hwloc_bitmap_weight(nd->cpuset) : 0;
+        if (ncpu > 0)
+            hwloc_bitmap_list_snprintf(cpus, sizeof(cpus), nd->cpuset);
+        json_array_append_new(nodes, json_pack("{s:i, s:i, s:s, s:I}", "os_index",
+                                               (int)nd->os_index, "cpus", MAX(ncpu, 0),
+                                               "cpuset", cpus, "memory_bytes",
+                                               (json_int_t)nd->attr->numanode.local_memory));
+    }
+    while ((o = hwloc_get_next_pcidev(t->h, o))) {
+        const struct hwloc_pcidev_attr_s *p = &o->attr->pcidev;
+        if (is_gpu(p) && gpus)
+            json_array_append_new(gpus, pci_json(t, o, p->vendor_id == 0x10de ? "NVIDIA" : "GPU"));
+        else if ((p->class_id >> 8) == 0x01 && storage)
+            json_array_append_new(storage, pci_json(t, o, storage_kind(p->class_id, p->vendor_id)));
+    }
+    if (!nodes || !gpus || !storage) {
+        json_decref(nodes);
+        json_decref(gpus);
+        json_decref(storage);
+        return NULL;
+    }
+    return json_pack("{s:s, s:b, s:o, s:o, s:o}", "topology", t->source, "numa_support",
+                     t->numa_ok, "numa_nodes", nodes, "gpus", gpus, "storage", storage);
 }

@@ -43,5 +43,11 @@ void topo_choose(struct topo *t, const char *gpu_busid, const char *nvme_path,
 int topo_bind_thread(struct topo *t, int numa_node);
 /* Human-readable summary: nodes, GPUs and NVMe/storage PCI devices with their nodes. */
 void topo_print(struct topo *t, FILE *f);
+/* The same as a jansson object (the caller owns it): "topology", "numa_nodes" [{"os_index",
+ * "cpus", "cpuset", "memory_bytes"}], "gpus" and "storage" [{"busid", "kind", "vendor_id",
+ * "device_id", "class_id", "numa_node" (null when unknown), "os_devices", "vendor",
+ * "device"}]. NULL when out of memory. */
+struct json_t;
+struct json_t *topo_to_json(struct topo *t);
 
 #endif

@@ -122,6 +122,12 @@ static int load_data(struct trainer *t, char *err, size_t errlen)
             close(fd);
         return r;
     }
+    if (S_ISDIR(st.st_mode)) {
+        snprintf(err, errlen, "--data %s is a directory: give a file, whose bytes are the tokens",
+                 t->o.data_path);
+        close(fd);
+        return -EISDIR;
+    }
     if (!S_ISREG(st.st_mode) || (size_t)st.st_size < (size_t)t->o.seq + 1) {
         snprintf(err, errlen, "%s: the data file must hold at least --seq + 1 = %d bytes",
                  t->o.data_path, t->o.seq + 1);
@@ -663,7 +669,13 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
                                                   : 0,
                            &t->e);
     if (r < 0) {
-        snprintf(err, errlen, "%s: cannot open the engine: %s", o->config_path, zinf_strerror(r));
+        if (r == -EBUSY)
+            snprintf(err, errlen, "%s: the swap directory %s is in use by another engine (its "
+                     "swap files are locked): one job per swap directory", o->config_path,
+                     t->zc.nvme_paths.count ? t->zc.nvme_paths.path[0] : "");
+        else
+            snprintf(err, errlen, "%s: cannot open the engine: %s", o->config_path,
+                     zinf_strerror(r));
         goto fail;
     }
     t->ntensors = gpt_layout(&cfg, NULL, 0);
@@ -995,6 +1007,10 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     out->min_budget[0] = t->min_budget[0];
     out->min_budget[1] = t->min_budget[1];
     out->compactions = st.compactions;
+    struct host_stats hs;
+    host_get_stats(t->e->host, &hs);
+    out->staging_bytes = hs.staging_bytes;
+    out->host_pinned = hs.pinned;
     for (int i = 0; i < 3; i++) {
         out->tier[i].budget_bytes = st.tier[i].capacity_bytes;
         out->tier[i].peak_bytes = t->peak[i];

@@ -77,6 +77,10 @@ struct trainer_summary {
      * tier too fragmented and had it emptied (zinf_stats.compactions). */
     uint64_t min_budget[2];
     uint64_t compactions;
+    /* Pinned host memory beside the host budget: the staging ring that NVMe <-> device
+     * transfers go through. */
+    uint64_t staging_bytes;
+    bool host_pinned;           /* the host tier and staging are locked in memory */
 };
 
 struct trainer;
