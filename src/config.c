@@ -31,15 +31,14 @@
 #define KEY_SHOWN_BYTES 128       /* longer keys are cut in messages */
 #define JSON_PATH_CHARS 512       /* room for section.path + one shown key + "[index]" */
 
-enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_TRAIN, S_COUNT };
+enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_TRAIN, S_OPT, S_OPT_PARAMS,
+            S_SCHED, S_SCHED_PARAMS, S_FP16, S_BF16, S_COUNT };
 
 /* DeepSpeed keys zinf has no use for. Their values are not looked at: they are
  * DeepSpeed's business, and a config DeepSpeed accepts must be accepted here. */
 static const char *const top_ignored[] = {
-    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-    "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "amp", "torch_autocast",
-    "gradient_clipping", "prescale_gradients", "gradient_predivide_factor",
-    "sparse_gradients", "steps_per_print", "wall_clock_breakdown", "memory_breakdown",
+    "bfloat16", "amp", "torch_autocast", "prescale_gradients", "gradient_predivide_factor",
+    "sparse_gradients", "wall_clock_breakdown", "memory_breakdown",
     "dump_state", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
     "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
     "comet", "comms_logger", "autotuning", "elasticity", "communication_data_type",
@@ -64,6 +63,16 @@ static const char *const zero_ignored[] = {
     "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
     "override_module_apply", "log_trace_cache_warnings", NULL};
 static const char *const offload_ignored[] = {"ratio", "pipeline", NULL};
+static const char *const opt_ignored[] = {"legacy_fusion", NULL};
+static const char *const opt_params_ignored[] = {
+    "torch_adam", "amsgrad", "bias_correction", "fused", "freeze_step", "cuda_aware",
+    "comm_backend_name", "max_coeff", "min_coeff", "momentum", "nesterov", "dampening",
+    "lr_decay", "initial_accumulator_value", NULL};
+static const char *const sched_params_ignored[] = {"last_batch_iteration", NULL};
+static const char *const fp16_ignored[] = {"consecutive_hysteresis", "auto_cast",
+                                           "fp16_master_weights_and_grads", NULL};
+static const char *const bf16_ignored[] = {"immediate_grad_update", "check_grad_overflow",
+                                           "check_overflow", NULL};
 
 static const struct sectdef {
     const char *key;  /* name inside the parent section */
@@ -79,6 +88,12 @@ static const struct sectdef {
     [S_AIO] = {"aio", "aio", S_TOP, NULL},
     [S_ZINF] = {"zinf", "zinf", S_TOP, NULL},
     [S_TRAIN] = {"train", "zinf.train", S_ZINF, NULL},
+    [S_OPT] = {"optimizer", "optimizer", S_TOP, opt_ignored},
+    [S_OPT_PARAMS] = {"params", "optimizer.params", S_OPT, opt_params_ignored},
+    [S_SCHED] = {"scheduler", "scheduler", S_TOP, NULL},
+    [S_SCHED_PARAMS] = {"params", "scheduler.params", S_SCHED, sched_params_ignored},
+    [S_FP16] = {"fp16", "fp16", S_TOP, fp16_ignored},
+    [S_BF16] = {"bf16", "bf16", S_TOP, bf16_ignored},
 };
 
 enum ftype {
@@ -89,12 +104,20 @@ enum ftype {
     F_BOOL,  /* bool */
     F_ENUM,  /* an enum stored as int, from one of names[] */
     F_PATHS, /* struct config_paths: a string or a list of strings */
+    F_FLOAT, /* double, a finite number >= 0 (max, when set, bounds it) */
+    F_PAIR,  /* double[2], a list of two numbers in [0, 1) (Adam's betas) */
+    F_STR,   /* char[32], a short string */
 };
+
+/* field.flags */
+#define FL_AUTO 1u /* "auto" is accepted, as Hugging Face's Trainer writes it */
+#define FL_CMD 2u  /* not given: the command's own default applies (no DeepSpeed default) */
 
 static const char *const offload_devices[] = {"none", "cpu", "nvme", NULL};
 static const char *const device_kinds[] = {"auto", "cuda", "emulated", NULL};
 static const char *const io_backends[] = {"auto", "io_uring", "threads", NULL};
 static const char *const precisions[] = {"auto", "fp32", "bf16", NULL};
+static const char *const warmup_types[] = {"log", "linear", NULL};
 
 struct field {
     int sect;
@@ -105,48 +128,62 @@ struct field {
     uint64_t min, max; /* max 0: the storage type's own limit */
     uint64_t multiple; /* 0, or the value must be a multiple of this */
     const char *const *names;
+    unsigned flags;    /* FL_* */
+    const char *ignored; /* NULL: it acts; else why zinf does not act on it (it is read,
+                          * checked and named as ignored, with this) */
 };
 
 #define OFF(m) offsetof(struct zinf_config, m)
-/* Table order is print order. */
+/* Table order is print order. A row leaves out flags and ignored when they are 0. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 static const struct field fields[] = {
     {S_ZERO, "stage", NULL, F_INT, OFF(zero.stage), 0, 3, 0, NULL},
-    {S_ZERO, "sub_group_size", NULL, F_U64, OFF(zero.sub_group_size), 0, 0, 0, NULL},
+    {S_ZERO, "sub_group_size", NULL, F_U64, OFF(zero.sub_group_size), 0, 0, 0, NULL, 0,
+     "the optimizer updates one tensor at a time, whatever the sub-group size"},
     {S_PARAM, "device", NULL, F_ENUM, OFF(zero.offload_param.device), 0, 0, 0, offload_devices},
     {S_PARAM, "nvme_path", NULL, F_PATHS, OFF(zero.offload_param.nvme_path), 0, 0, 0, NULL},
     {S_PARAM, "pin_memory", NULL, F_BOOL, OFF(zero.offload_param.pin_memory), 0, 0, 0, NULL},
     {S_PARAM, "buffer_count", NULL, F_U64, OFF(zero.offload_param.buffer_count), 0, 0, 0, NULL},
     {S_PARAM, "buffer_size", NULL, F_U64, OFF(zero.offload_param.buffer_size), 0, 0, 0, NULL},
-    {S_PARAM, "max_in_cpu", NULL, F_U64, OFF(zero.offload_param.max_in_cpu), 0, 0, 0, NULL},
+    {S_PARAM, "max_in_cpu", NULL, F_U64, OFF(zero.offload_param.max_in_cpu), 0, 0, 0, NULL, 0,
+     "what the host tier holds is bounded by zinf.host_bytes"},
     {S_OPTIM, "device", NULL, F_ENUM, OFF(zero.offload_optimizer.device), 0, 0, 0,
      offload_devices},
     {S_OPTIM, "nvme_path", NULL, F_PATHS, OFF(zero.offload_optimizer.nvme_path), 0, 0, 0, NULL},
     {S_OPTIM, "pin_memory", NULL, F_BOOL, OFF(zero.offload_optimizer.pin_memory), 0, 0, 0, NULL},
     {S_OPTIM, "buffer_count", NULL, F_U64, OFF(zero.offload_optimizer.buffer_count), 0, 0, 0,
-     NULL},
+     NULL, 0, "the staging ring is sized from offload_param's buffers or zinf.staging_bytes"},
     {S_OPTIM, "pipeline_read", NULL, F_BOOL, OFF(zero.offload_optimizer.pipeline_read), 0, 0, 0,
-     NULL},
+     NULL, 0, "the learned schedule always prefetches the optimizer's next tensor"},
     {S_OPTIM, "pipeline_write", NULL, F_BOOL, OFF(zero.offload_optimizer.pipeline_write), 0, 0,
-     0, NULL},
-    {S_OPTIM, "fast_init", NULL, F_BOOL, OFF(zero.offload_optimizer.fast_init), 0, 0, 0, NULL},
+     0, NULL, 0, "updated tensors are always written back behind the optimizer"},
+    {S_OPTIM, "fast_init", NULL, F_BOOL, OFF(zero.offload_optimizer.fast_init), 0, 0, 0, NULL, 0,
+     "the swap files are not filled at start: zeros are never written"},
     /* DeepSpeed names these prefetch_bucket_size etc. and reads the stage3_ names as
      * aliases; configs in the wild use the stage3_ names, so those are printed. */
     {S_ZERO, "stage3_prefetch_bucket_size", "prefetch_bucket_size", F_U64,
-     OFF(zero.stage3_prefetch_bucket_size), 0, 0, 0, NULL},
+     OFF(zero.stage3_prefetch_bucket_size), 0, 0, 0, NULL, FL_AUTO, NULL},
     {S_ZERO, "stage3_max_live_parameters", "max_live_parameters", F_U64,
-     OFF(zero.stage3_max_live_parameters), 0, 0, 0, NULL},
+     OFF(zero.stage3_max_live_parameters), 0, 0, 0, NULL, 0,
+     "what stays on the device is bounded by zinf.device_bytes"},
     {S_ZERO, "stage3_max_reuse_distance", "max_reuse_distance", F_U64,
-     OFF(zero.stage3_max_reuse_distance), 0, 0, 0, NULL},
+     OFF(zero.stage3_max_reuse_distance), 0, 0, 0, NULL, 0,
+     "eviction is by next use in the learned schedule, whatever the distance"},
     {S_ZERO, "stage3_param_persistence_threshold", "param_persistence_threshold", F_U64,
-     OFF(zero.stage3_param_persistence_threshold), 0, 0, 0, NULL},
+     OFF(zero.stage3_param_persistence_threshold), 0, 0, 0, NULL, FL_AUTO,
+     "no tensor stays on the device for being small: each is fetched and released"},
     {S_AIO, "block_size", NULL, F_U64, OFF(aio.block_size), ZINF_ALIGN, 64 * MiB, ZINF_ALIGN,
      NULL},
     {S_AIO, "queue_depth", NULL, F_UINT, OFF(aio.queue_depth), 1, 1024, 0, NULL},
     {S_AIO, "intra_op_parallelism", "thread_count", F_UINT, OFF(aio.intra_op_parallelism), 1, 0,
      0, NULL},
-    {S_AIO, "single_submit", NULL, F_BOOL, OFF(aio.single_submit), 0, 0, 0, NULL},
-    {S_AIO, "overlap_events", NULL, F_BOOL, OFF(aio.overlap_events), 0, 0, 0, NULL},
-    {S_AIO, "use_gds", NULL, F_BOOL, OFF(aio.use_gds), 0, 0, 0, NULL},
+    {S_AIO, "single_submit", NULL, F_BOOL, OFF(aio.single_submit), 0, 0, 0, NULL, 0,
+     "zinf.submit_batch says how requests are submitted"},
+    {S_AIO, "overlap_events", NULL, F_BOOL, OFF(aio.overlap_events), 0, 0, 0, NULL, 0,
+     "submission and completion always overlap: a completion thread per ring"},
+    {S_AIO, "use_gds", NULL, F_BOOL, OFF(aio.use_gds), 0, 0, 0, NULL, 0,
+     "GPUDirect Storage is not used: NVMe data goes through pinned host buffers"},
     {S_ZINF, "device_bytes", NULL, F_SIZE, OFF(zinf.device_bytes), 0, SIZE_MAX, 0, NULL},
     {S_ZINF, "host_bytes", NULL, F_SIZE, OFF(zinf.host_bytes), 0, SIZE_MAX, 0, NULL},
     {S_ZINF, "nvme_paths", NULL, F_PATHS, OFF(zinf.nvme_paths), 0, 0, 0, NULL},
@@ -169,8 +206,47 @@ static const struct field fields[] = {
     /* Make the state durable every this many steps (0: only at the end). */
     {S_TRAIN, "checkpoint_every", NULL, F_INT, OFF(zinf.train.checkpoint_every), 0, 100000000,
      0, NULL},
+    /* DeepSpeed's training keys, which `zinf train` honours. */
+    {S_TOP, "train_batch_size", NULL, F_U64, OFF(train.train_batch_size), 1, 0, 0, NULL, FL_AUTO | FL_CMD},
+    {S_TOP, "train_micro_batch_size_per_gpu", NULL, F_INT, OFF(train.micro_batch), 1, 65536, 0,
+     NULL, FL_AUTO | FL_CMD},
+    {S_TOP, "gradient_accumulation_steps", NULL, F_INT, OFF(train.grad_accum), 1, 65536, 0, NULL,
+     FL_AUTO | FL_CMD},
+    {S_TOP, "gradient_clipping", NULL, F_FLOAT, OFF(train.grad_clip), 0, 0, 0, NULL, FL_AUTO | FL_CMD},
+    {S_TOP, "steps_per_print", NULL, F_INT, OFF(train.steps_per_print), 1, 0, 0, NULL, FL_CMD},
+    {S_OPT, "type", NULL, F_STR, OFF(train.optimizer.type), 0, 0, 0, NULL, FL_CMD},
+    {S_OPT_PARAMS, "lr", NULL, F_FLOAT, OFF(train.optimizer.lr), 0, 0, 0, NULL, FL_AUTO | FL_CMD},
+    {S_OPT_PARAMS, "betas", NULL, F_PAIR, OFF(train.optimizer.betas), 0, 0, 0, NULL, FL_AUTO},
+    {S_OPT_PARAMS, "eps", NULL, F_FLOAT, OFF(train.optimizer.eps), 0, 0, 0, NULL, FL_AUTO},
+    {S_OPT_PARAMS, "weight_decay", NULL, F_FLOAT, OFF(train.optimizer.weight_decay), 0, 0, 0,
+     NULL, FL_AUTO},
+    {S_OPT_PARAMS, "adam_w_mode", NULL, F_BOOL, OFF(train.optimizer.adam_w_mode), 0, 0, 0, NULL},
+    {S_SCHED, "type", NULL, F_STR, OFF(train.scheduler.type), 0, 0, 0, NULL, FL_CMD},
+    {S_SCHED_PARAMS, "warmup_min_lr", NULL, F_FLOAT, OFF(train.scheduler.warmup_min_lr), 0, 0, 0,
+     NULL, FL_AUTO},
+    {S_SCHED_PARAMS, "warmup_max_lr", NULL, F_FLOAT, OFF(train.scheduler.warmup_max_lr), 0, 0, 0,
+     NULL, FL_AUTO},
+    {S_SCHED_PARAMS, "warmup_num_steps", NULL, F_INT, OFF(train.scheduler.warmup_num_steps), 0,
+     0, 0, NULL, FL_AUTO},
+    {S_SCHED_PARAMS, "total_num_steps", NULL, F_INT, OFF(train.scheduler.total_num_steps), 1, 0,
+     0, NULL, FL_AUTO | FL_CMD},
+    {S_SCHED_PARAMS, "warmup_type", NULL, F_ENUM, OFF(train.scheduler.warmup_type), 0, 0, 0,
+     warmup_types},
+    {S_SCHED_PARAMS, "warmup_min_ratio", NULL, F_FLOAT, OFF(train.scheduler.warmup_min_ratio), 0,
+     0, 0, NULL},
+    {S_SCHED_PARAMS, "cos_min_ratio", NULL, F_FLOAT, OFF(train.scheduler.cos_min_ratio), 0, 0, 0,
+     NULL},
+    {S_FP16, "enabled", NULL, F_BOOL, OFF(train.fp16.enabled), 0, 0, 0, NULL, FL_AUTO},
+    {S_FP16, "loss_scale", NULL, F_FLOAT, OFF(train.fp16.loss_scale), 0, 0, 0, NULL},
+    {S_FP16, "initial_scale_power", NULL, F_INT, OFF(train.fp16.initial_scale_power), 0, 64, 0,
+     NULL},
+    {S_FP16, "loss_scale_window", NULL, F_INT, OFF(train.fp16.loss_scale_window), 1, 0, 0, NULL},
+    {S_FP16, "hysteresis", NULL, F_INT, OFF(train.fp16.hysteresis), 1, 0, 0, NULL},
+    {S_FP16, "min_loss_scale", NULL, F_FLOAT, OFF(train.fp16.min_loss_scale), 0, 0, 0, NULL},
+    {S_BF16, "enabled", NULL, F_BOOL, OFF(train.bf16.enabled), 0, 0, 0, NULL, FL_AUTO},
 };
-_Static_assert(ARRAY_SIZE(fields) <= 64, "struct zinf_config.given has one bit per field");
+#pragma GCC diagnostic pop
+_Static_assert(ARRAY_SIZE(fields) <= 128, "struct zinf_config.given has one bit per field");
 
 #define FIELD_STAGE 0 /* fields[0]: set by the deprecated "zero_optimization": true|false */
 
@@ -193,9 +269,19 @@ static const void *field_cptr(const struct zinf_config *c, const struct field *f
     return (const char *)c + f->off;
 }
 
-static uint64_t field_bit(const struct field *f)
+static size_t field_index(const struct field *f)
 {
-    return 1ull << (f - fields);
+    return (size_t)(f - fields);
+}
+
+static bool bit_get(const uint64_t *mask, const struct field *f)
+{
+    return mask[field_index(f) / 64] >> (field_index(f) % 64) & 1;
+}
+
+static void bit_set(uint64_t *mask, const struct field *f)
+{
+    mask[field_index(f) / 64] |= 1ull << (field_index(f) % 64);
 }
 
 static uint64_t type_max(const struct field *f)
@@ -408,6 +494,9 @@ static int read_uint(struct parser *p, const char *path, const struct field *f, 
     } else if (f->type == F_SIZE) {
         return fail(p, path, "must be an integer or a size string like \"4G\", got %s",
                     type_name(v));
+    } else if (json_is_string(v) && !strcmp(json_string_value(v), "auto")) {
+        return fail(p, path, "must be an integer, got \"auto\" (taken only where Hugging Face's "
+                    "DeepSpeed integration fills the value in)");
     } else {
         return fail(p, path, "must be an integer, got %s", type_name(v));
     }
@@ -417,6 +506,22 @@ static int read_uint(struct parser *p, const char *path, const struct field *f, 
     if (negative || u < f->min || u > type_max(f))
         return range_error(p, path, f, got, negative, !negative && u > type_max(f));
     *out = u;
+    return 0;
+}
+
+/* A finite number >= 0 (and at most max, when it has one). */
+static int read_float(struct parser *p, const char *path, const struct field *f, json_t *v,
+                      double *out)
+{
+    if (!json_is_number(v))
+        return fail(p, path, "must be a number%s, got %s",
+                    f->flags & FL_AUTO ? " (or \"auto\")" : "", type_name(v));
+    double d = json_number_value(v);
+    if (!isfinite(d) || d < 0)
+        return fail(p, path, "must be a number >= 0, got %g", d);
+    if (f->max && d > (double)f->max)
+        return fail(p, path, "must be at most %llu, got %g", (unsigned long long)f->max, d);
+    *out = d;
     return 0;
 }
 
@@ -476,10 +581,15 @@ static int read_field(struct parser *p, const struct field *f, const char *path,
     uint64_t u = 0;
     int ret;
 
-    if (c->given & field_bit(f)) {
+    if (bit_get(c->given, f)) {
         /* Only an alias can get here: jansson refuses a key given twice. */
         const char *other = strcmp(key, f->key) ? f->key : f->alias;
         return fail(p, path, "given twice, also as %s", other);
+    }
+    if ((f->flags & FL_AUTO) && json_is_string(v) && !strcmp(json_string_value(v), "auto")) {
+        /* Hugging Face's Trainer fills these in; config_resolve_auto() does here. */
+        bit_set(c->autos, f);
+        goto given;
     }
     switch (f->type) {
     case F_INT:
@@ -529,8 +639,50 @@ static int read_field(struct parser *p, const struct field *f, const char *path,
         if (ret)
             return ret;
         break;
+    case F_FLOAT:
+        if ((ret = read_float(p, path, f, v, dst)) != 0)
+            return ret;
+        break;
+    case F_PAIR: {
+        double pair[2];
+        char elem[JSON_PATH_CHARS + 8];
+        if (!json_is_array(v) || json_array_size(v) != 2)
+            return fail(p, path, "must be a list of two numbers%s, got %s",
+                        f->flags & FL_AUTO ? " (or \"auto\")" : "",
+                        json_is_array(v) ? "a list of another length" : type_name(v));
+        for (size_t i = 0; i < 2; i++) {
+            snprintf(elem, sizeof(elem), "%s[%zu]", path, i);
+            json_t *e = json_array_get(v, i);
+            if (!json_is_number(e))
+                return fail(p, elem, "must be a number, got %s", type_name(e));
+            pair[i] = json_number_value(e);
+            if (!(pair[i] >= 0 && pair[i] < 1))
+                return fail(p, elem, "must be in [0, 1), got %g", pair[i]);
+        }
+        memcpy(dst, pair, sizeof(pair));
+        break;
     }
-    c->given |= field_bit(f);
+    case F_STR: {
+        char got[96];
+        if (!json_is_string(v))
+            return fail(p, path, "must be a string, got %s", type_name(v));
+        size_t len = json_string_length(v);
+        if (len == 0 || len >= 32 || strlen(json_string_value(v)) != len)
+            return fail(p, path, "must be a name of 1 to 31 characters, got %s",
+                        quoted(v, got, sizeof(got)));
+        memcpy(dst, json_string_value(v), len + 1);
+        break;
+    }
+    }
+given:
+    bit_set(c->given, f);
+    if (f->ignored) {
+        /* Read and checked, but zinf does not act on it: named, with why. */
+        char line[JSON_PATH_CHARS + 160];
+        snprintf(line, sizeof(line), "%s (%s)", path, f->ignored);
+        if (list_push(&c->ignored, &c->n_ignored, line))
+            return fail_nomem(p);
+    }
     return 0;
 }
 
@@ -631,7 +783,7 @@ static int parse_subsection(struct parser *p, int sub, const char *path, json_t 
     if (sub == S_ZERO && json_is_boolean(v)) {
         /* DeepSpeed's deprecated form: true is stage 1, false is stage 0. */
         p->c->zero.stage = json_is_true(v) ? 1 : 0;
-        p->c->given |= field_bit(&fields[FIELD_STAGE]);
+        bit_set(p->c->given, &fields[FIELD_STAGE]);
         return 0;
     }
     if (!json_is_object(v))
@@ -776,6 +928,105 @@ void config_defaults(struct zinf_config *c)
     c->zinf.device = ZINF_DEVICE_AUTO;
     c->zinf.io_backend = CONFIG_IO_AUTO;
     c->zinf.huge_pages = true;
+    /* DeepSpeed's (FusedAdam's, its schedulers', its fp16 loss scaler's) defaults. */
+    c->train.optimizer.betas[0] = 0.9;
+    c->train.optimizer.betas[1] = 0.999;
+    c->train.optimizer.eps = 1e-8;
+    c->train.optimizer.adam_w_mode = true;
+    c->train.scheduler.warmup_max_lr = 0.001;
+    c->train.scheduler.warmup_num_steps = 1000;
+    c->train.scheduler.cos_min_ratio = 0.0001;
+    c->train.fp16.initial_scale_power = 16;
+    c->train.fp16.loss_scale_window = 1000;
+    c->train.fp16.hysteresis = 2;
+    c->train.fp16.min_loss_scale = 1;
+}
+
+static const struct field *field_by_path(const char *json_path)
+{
+    for (size_t i = 0; i < ARRAY_SIZE(fields); i++) {
+        const char *sp = sects[fields[i].sect].path;
+        size_t n = sp ? strlen(sp) : 0;
+        if (sp && (strncmp(json_path, sp, n) || json_path[n] != '.'))
+            continue;
+        if (!strcmp(json_path + (sp ? n + 1 : 0), fields[i].key))
+            return &fields[i];
+    }
+    return NULL;
+}
+
+bool config_given(const struct zinf_config *c, const char *json_path)
+{
+    const struct field *f = field_by_path(json_path);
+    return f && bit_get(c->given, f);
+}
+
+bool config_is_auto(const struct zinf_config *c, const char *json_path)
+{
+    const struct field *f = field_by_path(json_path);
+    return f && bit_get(c->autos, f);
+}
+
+/* Set an "auto" field to v and say so: "path = v" on a line of its own. */
+static void resolve(struct zinf_config *c, const char *json_path, double v, char *out,
+                    size_t outlen, size_t *len)
+{
+    const struct field *f = field_by_path(json_path);
+    if (!f || !bit_get(c->autos, f))
+        return;
+    void *dst = (char *)c + f->off;
+    switch (f->type) {
+    case F_INT: *(int *)dst = (int)v; break;
+    case F_U64: *(uint64_t *)dst = (uint64_t)v; break;
+    case F_BOOL: *(bool *)dst = v != 0; break;
+    case F_FLOAT: *(double *)dst = v; break;
+    default: return; /* F_PAIR is set by the caller */
+    }
+    c->autos[field_index(f) / 64] &= ~(1ull << (field_index(f) % 64));
+    if (*len < outlen) {
+        if (f->type == F_BOOL)
+            *len += (size_t)snprintf(out + *len, outlen - *len, "%s%s = %s", *len ? "\n" : "",
+                                     json_path, v != 0 ? "true" : "false");
+        else
+            *len += (size_t)snprintf(out + *len, outlen - *len, "%s%s = %.7g", *len ? "\n" : "",
+                                     json_path, v);
+    }
+}
+
+void config_resolve_auto(struct zinf_config *c, const struct config_auto_inputs *in, char *out,
+                         size_t outlen)
+{
+    size_t len = 0;
+    double d = in->hidden_size;
+    if (outlen)
+        out[0] = '\0';
+    /* As transformers' integrations/deepspeed.py fills them in. */
+    resolve(c, "train_micro_batch_size_per_gpu", in->micro_batch, out, outlen, &len);
+    resolve(c, "gradient_accumulation_steps", in->grad_accum, out, outlen, &len);
+    resolve(c, "train_batch_size", (double)in->micro_batch * in->grad_accum, out, outlen, &len);
+    resolve(c, "gradient_clipping", in->grad_clip, out, outlen, &len);
+    resolve(c, "optimizer.params.lr", in->lr, out, outlen, &len);
+    resolve(c, "optimizer.params.eps", 1e-8, out, outlen, &len);
+    resolve(c, "optimizer.params.weight_decay", in->weight_decay, out, outlen, &len);
+    const struct field *b = field_by_path("optimizer.params.betas");
+    if (bit_get(c->autos, b)) {
+        c->train.optimizer.betas[0] = 0.9;
+        c->train.optimizer.betas[1] = 0.999;
+        c->autos[field_index(b) / 64] &= ~(1ull << (field_index(b) % 64));
+        if (len < outlen)
+            len += (size_t)snprintf(out + len, outlen - len, "%soptimizer.params.betas = [0.9, "
+                                    "0.999]", len ? "\n" : "");
+    }
+    resolve(c, "scheduler.params.warmup_min_lr", 0, out, outlen, &len);
+    resolve(c, "scheduler.params.warmup_max_lr", in->lr, out, outlen, &len);
+    resolve(c, "scheduler.params.warmup_num_steps", 0, out, outlen, &len);
+    resolve(c, "scheduler.params.total_num_steps", in->steps, out, outlen, &len);
+    resolve(c, "fp16.enabled", 0, out, outlen, &len);
+    if (in->bf16 >= 0)
+        resolve(c, "bf16.enabled", in->bf16, out, outlen, &len);
+    resolve(c, "zero_optimization.stage3_prefetch_bucket_size", floor(0.9 * d * d), out, outlen,
+            &len);
+    resolve(c, "zero_optimization.stage3_param_persistence_threshold", 10 * d, out, outlen, &len);
 }
 
 void config_free(struct zinf_config *c)
@@ -953,9 +1204,22 @@ int config_print(const struct zinf_config *c, FILE *f)
     for (size_t i = 0; i < ARRAY_SIZE(fields); i++) {
         const struct field *fd = &fields[i];
         const void *v = field_cptr(c, fd);
-        bool dflt = !(c->given & field_bit(fd));
+        bool dflt = !bit_get(c->given, fd);
 
-        fprintf(f, "%s.%s = ", sects[fd->sect].path, fd->key);
+        if (fd->ignored)
+            continue; /* not a setting that acts: listed with the ignored keys below */
+        if (sects[fd->sect].path)
+            fprintf(f, "%s.%s = ", sects[fd->sect].path, fd->key);
+        else
+            fprintf(f, "%s = ", fd->key);
+        if (bit_get(c->autos, fd)) {
+            fputs("\"auto\"  # resolved by zinf train from its model and options\n", f);
+            continue;
+        }
+        if (dflt && (fd->flags & FL_CMD)) {
+            fputs("none  # not set: the command's own default\n", f);
+            continue;
+        }
         switch (fd->type) {
         case F_INT: fprintf(f, "%d", *(const int *)v); break;
         case F_UINT: fprintf(f, "%u", *(const unsigned *)v); break;
@@ -964,6 +1228,11 @@ int config_print(const struct zinf_config *c, FILE *f)
         case F_BOOL: fputs(*(const bool *)v ? "true" : "false", f); break;
         case F_ENUM: fprintf(f, "\"%s\"", enum_name(fd->names, *(const int *)v)); break;
         case F_PATHS: print_paths(f, v); break;
+        case F_FLOAT: fprintf(f, "%.9g", *(const double *)v); break;
+        case F_PAIR:
+            fprintf(f, "[%.9g, %.9g]", ((const double *)v)[0], ((const double *)v)[1]);
+            break;
+        case F_STR: json_print_string(f, v); break;
         }
         fputs(dflt ? "  # default\n" : "\n", f);
     }
@@ -992,7 +1261,7 @@ int config_print(const struct zinf_config *c, FILE *f)
     fprintf(f, "engine.cuda_device = %d\n", o.cuda_device);
 
     if (c->n_ignored) {
-        fputs("# ignored by zinf (DeepSpeed keys zinf does not use):\n", f);
+        fputs("# ignored by zinf (DeepSpeed keys zinf does not act on):\n", f);
         for (size_t i = 0; i < c->n_ignored; i++)
             fprintf(f, "#   %s\n", c->ignored[i]);
     }

@@ -3,10 +3,14 @@
  * DeepSpeed config (zero_optimization, offload_param, offload_optimizer, aio) with
  * DeepSpeed's meaning and defaults, plus a "zinf" section for what DeepSpeed has no key for.
  *
- * It is not a general DeepSpeed validator: the many DeepSpeed keys zinf does not use
- * (optimizer, fp16, train_batch_size, ...) are accepted without looking at their values.
- * Keys nobody knows are collected and warned about, never an error. Parsing stops at the
- * first bad value with one line naming its JSON path.
+ * The training keys (train_micro_batch_size_per_gpu, gradient_accumulation_steps,
+ * gradient_clipping, optimizer, scheduler, fp16, bf16, steps_per_print) are read too:
+ * `zinf train` honours them. Every key is either a setting that acts or is named as
+ * ignored (with why) in c->ignored: DeepSpeed keys zinf has no use for are accepted without
+ * looking at their values. "auto", as Hugging Face's Trainer writes it, is taken where its
+ * DeepSpeed integration takes it; config_resolve_auto() resolves it. Keys nobody knows are
+ * collected and warned about, never an error. Parsing stops at the first bad value with
+ * one line naming its JSON path.
  */
 #ifndef ZINF_CONFIG_H
 #define ZINF_CONFIG_H
@@ -51,7 +55,39 @@ struct config_offload_optimizer {
     bool fast_init;                    /* false */
 };
 
+/* DeepSpeed's training keys, as `zinf train` honours them. 0 (or "") where unset: the
+ * command's own defaults apply then. */
+struct config_train_keys {
+    uint64_t train_batch_size;     /* micro batch x accumulation steps (x ranks: 1) */
+    int micro_batch;               /* train_micro_batch_size_per_gpu */
+    int grad_accum;                /* gradient_accumulation_steps */
+    double grad_clip;              /* gradient_clipping (0: off) */
+    int steps_per_print;           /* print a step line every this many steps */
+    struct {
+        char type[32];             /* "Adam" or "AdamW" (any case); others are refused by
+                                      zinf train */
+        double lr, betas[2], eps, weight_decay;
+        bool adam_w_mode;          /* true: decoupled decay (AdamW); false: L2 in the grad */
+    } optimizer;
+    struct {
+        char type[32];             /* "WarmupLR", "WarmupDecayLR", "WarmupCosineLR" */
+        double warmup_min_lr, warmup_max_lr, warmup_min_ratio, cos_min_ratio;
+        int warmup_num_steps, total_num_steps;
+        int warmup_type;           /* 0 "log", 1 "linear" */
+    } scheduler;
+    struct {
+        bool enabled;
+        double loss_scale;         /* 0: dynamic */
+        int initial_scale_power, loss_scale_window, hysteresis;
+        double min_loss_scale;
+    } fp16;
+    struct {
+        bool enabled;
+    } bf16;
+};
+
 struct zinf_config {
+    struct config_train_keys train;
     struct {
         int stage;                                   /* 0..3, default 0 */
         uint64_t sub_group_size;                     /* 1e9 elements */
@@ -105,8 +141,29 @@ struct zinf_config {
     char **ignored;
     size_t n_ignored;
 
-    uint64_t given; /* which settings the file set (bit per setting), for config_print */
+    uint64_t given[2]; /* which settings the file set (bit per setting), for config_print */
+    uint64_t autos[2]; /* ... and which of them it set to "auto" */
 };
+
+/* Settings a file may set to "auto" (as Hugging Face's Trainer writes them), resolved
+ * from what only the caller knows. */
+struct config_auto_inputs {
+    int hidden_size;          /* the model's width: bucket sizes and thresholds */
+    int micro_batch, grad_accum, steps;
+    double lr, weight_decay, grad_clip;
+    int bf16;                 /* bf16.enabled: 1 or 0; -1: leave it "auto" (the caller
+                                 decides where it runs) */
+};
+
+/* Replace every "auto" in c by its value from in, as the Hugging Face integration of
+ * DeepSpeed does, and say what each became: one "json.path = value" line per setting into
+ * out (at most outlen bytes; "" when nothing was auto). */
+void config_resolve_auto(struct zinf_config *c, const struct config_auto_inputs *in, char *out,
+                         size_t outlen);
+/* Was this setting (its JSON path, e.g. "optimizer.params.lr") given in the file, or set to
+ * "auto"? */
+bool config_given(const struct zinf_config *c, const char *json_path);
+bool config_is_auto(const struct zinf_config *c, const char *json_path);
 
 /* Fill c with DeepSpeed's defaults; c owns nothing afterwards. */
 void config_defaults(struct zinf_config *c);

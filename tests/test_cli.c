@@ -535,8 +535,23 @@ Test(cli, train_runs_and_resumes_after_sigint)
         snprintf(cmd, sizeof(cmd), "tail -n 1 %s | grep -q '\"interrupted\":true'", log);
         cr_assert_eq(system(cmd), 0, "the summary says the run was interrupted");
     }
+    /* Past that step already: said, exit 2, nothing run. */
     cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 6 --resume --log %s", cfg, data,
-                     model, log), 0, "%s", o);
+                     model, log), 2, "%s", o);
+    cr_assert(strstr(o, "past 6"), "%s", o);
+    free(o);
+    /* One more step from where the signals left it. */
+    snprintf(cmd, sizeof(cmd), "tail -n 1 %s", log);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    cr_assert_not_null(fgets(line, sizeof(line), p));
+    pclose(p);
+    const char *at = strstr(line, "\"steps\":");
+    cr_assert_not_null(at, "%s", line);
+    int done = atoi(at + 8);
+    cr_assert_gt(done, 5);
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps %d --resume --log %s", cfg, data,
+                     model, done + 1, log), 0, "%s", o);
     free(o);
     snprintf(cmd, sizeof(cmd), "tail -n 1 %s | grep -q '\"interrupted\":false'", log);
     cr_assert_eq(system(cmd), 0, "a run that finished says so");
@@ -1174,4 +1189,132 @@ Test(cli, topo_and_version_json_and_zinf_log)
     unsetenv("ZINF_LOG");
     cr_assert_null(strstr(o, "zinf: "), "ZINF_LOG=error: %s", o);
     free(o);
+}
+
+/* ---- DeepSpeed's keys: every one acts or is named as ignored ------------------------------ */
+
+/* Hugging Face's ZeRO-3 NVMe config: accepted with its "auto"s, each resolved as zinf train
+ * would and said; every key zinf does not act on named once, with why, and none of them
+ * printed as an effective setting. */
+Test(cli, config_check_of_a_hugging_face_zero3_nvme_config)
+{
+    char *o;
+    cr_assert_eq(run(&o, "config check %s/hf_zero3_nvme.json", getenv("ZINF_TEST_DATA")), 0, "%s",
+                 o);
+    static const char *const autos[] = {
+        "stage3_prefetch_bucket_size = \"auto\"", "#   zero_optimization.stage3_prefetch_bucket_"
+        "size = 14745", "#   optimizer.params.lr = 0.001", "#   train_micro_batch_size_per_gpu = 4",
+        "#   gradient_accumulation_steps = 1", "#   bf16.enabled = as --precision auto"};
+    for (size_t i = 0; i < ARRAY_SIZE(autos); i++)
+        cr_expect(strstr(o, autos[i]), "missing '%s':\n%s", autos[i], o);
+    static const char *const ignored[] = {
+        "zero_optimization.sub_group_size (", "zero_optimization.stage3_max_live_parameters (",
+        "zero_optimization.stage3_max_reuse_distance (",
+        "zero_optimization.stage3_param_persistence_threshold (",
+        "zero_optimization.offload_param.max_in_cpu (", "aio.single_submit (",
+        "aio.overlap_events (", "zero_optimization.overlap_comm\n"};
+    for (size_t i = 0; i < ARRAY_SIZE(ignored); i++) {
+        char *at = strstr(o, ignored[i]);
+        cr_expect(at, "not named as ignored: %s\n%s", ignored[i], o);
+        if (at)
+            cr_expect_null(strstr(at + 1, ignored[i]), "named twice: %s", ignored[i]);
+        char setting[128];
+        snprintf(setting, sizeof(setting), "\n%.*s = ", (int)strcspn(ignored[i], " \n"),
+                 ignored[i]);
+        cr_expect_null(strstr(o, setting), "printed as a setting: %s", setting);
+    }
+    cr_expect_null(strstr(o, "unknown key"), "%s", o);
+    free(o);
+}
+
+static void ds_config(char *cfg, size_t len, const char *swap, const char *keys)
+{
+    static int n;
+    snprintf(cfg, len, "%s/ds%d.json", dir, n++);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{%s%s\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
+               "\"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", "
+               "\"nvme_path\": \"%s\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 4}, "
+               "\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": "
+               "\"1M\"}}", keys, keys[0] ? ", " : "", swap, swap);
+    fclose(f);
+}
+
+/* zinf train honours DeepSpeed's training keys: the micro batch, accumulation, clipping,
+ * the optimizer's and scheduler's parameters; the command line overrides them; the
+ * effective settings are said at the start and are the log's first line. What it cannot
+ * do is refused before anything runs. */
+Test(cli, train_honours_deepspeeds_training_keys)
+{
+    char cfg[4096], data[4096], swap[4096], log[4096], *o;
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    snprintf(log, sizeof(log), "%s/ds.jsonl", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    ds_config(cfg, sizeof(cfg), swap,
+              "\"train_micro_batch_size_per_gpu\": 1, \"gradient_accumulation_steps\": 3, "
+              "\"gradient_clipping\": 0.25, \"steps_per_print\": 2, "
+              "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 0.004, \"betas\": [0.8, "
+              "0.99], \"eps\": 1e-6, \"weight_decay\": 0.1}}, "
+              "\"scheduler\": {\"type\": \"WarmupDecayLR\", \"params\": {\"total_num_steps\": 4, "
+              "\"warmup_num_steps\": 2, \"warmup_max_lr\": 0.004}}");
+    cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--steps 4 --log %s", cfg, data, log), 0, "%s", o);
+    cr_assert(strstr(o, "# settings: 3 micro-batches of 1 x 8 tokens per step"), "%s", o);
+    cr_assert(strstr(o, "AdamW lr 0.004 (WarmupDecayLR schedule), betas 0.8 0.99, eps 1e-06, "
+                        "weight decay 0.1, clip 0.25"), "%s", o);
+    cr_assert(strstr(o, "print every 2"), "%s", o);
+    cr_assert(strstr(o, "\n       2 ") && strstr(o, "\n       4 ") && !strstr(o, "\n       1 ") &&
+              !strstr(o, "\n       3 "), "steps_per_print 2: %s", o);
+    free(o);
+    FILE *f = fopen(log, "r");
+    char line[8192];
+    cr_assert_not_null(fgets(line, sizeof(line), f));
+    fclose(f);
+    json_error_t je;
+    json_t *j = json_loads(line, 0, &je), *s = json_object_get(j, "settings");
+    cr_assert(json_is_object(s), "the log's first line: %s", line);
+    cr_expect_eq(json_integer_value(json_object_get(s, "batch")), 1);
+    cr_expect_eq(json_integer_value(json_object_get(s, "grad_accum")), 3);
+    cr_expect_str_eq(json_string_value(json_object_get(s, "scheduler")), "WarmupDecayLR");
+    cr_expect_eq(json_integer_value(json_object_get(s, "total_steps")), 4);
+    json_decref(j);
+
+    /* The command line wins over the file. */
+    snprintf(swap, sizeof(swap), "%s/swap2", dir);
+    ds_config(cfg, sizeof(cfg), swap, "\"train_micro_batch_size_per_gpu\": 1, "
+              "\"gradient_accumulation_steps\": 3");
+    cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--steps 1 --batch 2 --accumulate 1", cfg, data), 0, "%s", o);
+    cr_assert(strstr(o, "# settings: 1 micro-batch of 2 x 8 tokens"), "%s", o);
+    free(o);
+
+    /* Refused before anything runs: exit 2, the key named. */
+    static const struct { const char *keys, *says; } bad[] = {
+        {"\"fp16\": {\"enabled\": true}", "fp16.enabled"},
+        {"\"optimizer\": {\"type\": \"Lamb\"}", "optimizer.type \"Lamb\""},
+        {"\"scheduler\": {\"type\": \"OneCycle\"}", "scheduler.type \"OneCycle\""},
+        {"\"scheduler\": {\"type\": \"WarmupCosineLR\"}", "total_num_steps"},
+        {"\"train_batch_size\": 5, \"train_micro_batch_size_per_gpu\": 2",
+         "train_batch_size 5"},
+        {"\"optimizer\": {\"type\": \"Adam\", \"params\": {\"adam_w_mode\": false}}",
+         "adam_w_mode"},
+        {"\"aio\": {\"block_size\": \"auto\"}", "aio.block_size"},
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(bad); i++) {
+        snprintf(swap, sizeof(swap), "%s/bad%zu", dir, i);
+        if (strstr(bad[i].keys, "\"aio\"")) {
+            snprintf(cfg, sizeof(cfg), "%s/bad%zu.json", dir, i);
+            f = fopen(cfg, "w");
+            fprintf(f, "{%s}", bad[i].keys);
+            fclose(f);
+        } else {
+            ds_config(cfg, sizeof(cfg), swap, bad[i].keys);
+        }
+        cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                         "--steps 1", cfg, data), 2, "%s: %s", bad[i].keys, o);
+        cr_expect(strstr(o, bad[i].says), "%s: should name %s: %s", bad[i].keys, bad[i].says, o);
+        cr_expect(access(swap, F_OK) != 0, "%s: the run started", bad[i].keys);
+        free(o);
+    }
 }

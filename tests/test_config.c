@@ -112,7 +112,7 @@ Test(config, defaults_are_deepspeeds)
     struct zinf_config c;
     config_defaults(&c);
     check_defaults(&c);
-    cr_expect_eq(c.given, 0);
+    cr_expect_eq(c.given[0] | c.given[1], 0);
     config_free(&c);
 }
 
@@ -123,7 +123,7 @@ Test(config, empty_object_gives_the_defaults)
 
     expect_ok("{}", &c);
     check_defaults(&c);
-    cr_expect_eq(c.given, 0);
+    cr_expect_eq(c.given[0] | c.given[1], 0);
     config_to_options(&c, &o);
     cr_expect_null(o.nvme_path);
     cr_expect_null(o.nvme_paths_extra);
@@ -229,9 +229,26 @@ Test(config, every_key_read_back_from_a_file)
     cr_expect_eq(c.zinf.sqpoll, true);
     cr_expect_eq(c.zinf.io_backend, CONFIG_IO_THREADS);
     cr_expect_eq(c.n_unknown, 0);
-    cr_expect_eq(c.n_ignored, 0);
-    /* 32 settings, every one given. */
-    cr_expect_eq(c.given, 0xffffffffull);
+    /* 32 settings, every one given; those zinf does not act on are named, with why. */
+    cr_expect_eq(c.given[0], 0xffffffffull);
+    static const char *const named[] = {
+        "zero_optimization.sub_group_size", "zero_optimization.offload_param.max_in_cpu",
+        "zero_optimization.offload_optimizer.buffer_count",
+        "zero_optimization.offload_optimizer.pipeline_read",
+        "zero_optimization.offload_optimizer.pipeline_write",
+        "zero_optimization.offload_optimizer.fast_init",
+        "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
+        "zero_optimization.stage3_param_persistence_threshold", "aio.single_submit",
+        "aio.overlap_events", "aio.use_gds"};
+    cr_expect_eq(c.n_ignored, ARRAY_SIZE(named), "%zu ignored", c.n_ignored);
+    for (size_t i = 0; i < ARRAY_SIZE(named); i++) {
+        bool found = false;
+        for (size_t j = 0; j < c.n_ignored; j++)
+            found |= !strncmp(c.ignored[j], named[i], strlen(named[i])) &&
+                     !strncmp(c.ignored[j] + strlen(named[i]), " (", 2) &&
+                     c.ignored[j][strlen(c.ignored[j]) - 1] == ')';
+        cr_expect(found, "%s is not named as ignored, with why", named[i]);
+    }
 
     /* The engine options: zinf.nvme_paths first, then offload_param, offload_optimizer. */
     struct zinf_options o;
@@ -553,8 +570,18 @@ Test(config, deepspeed_keys_zinf_does_not_use_are_not_warned)
     cr_expect_str_eq(test_log_text(), "");
     test_log_capture_stop();
     cr_expect_eq(c.n_unknown, 0);
-    cr_expect_eq(c.n_ignored, 37, "%zu ignored", c.n_ignored);
-    cr_expect(listed(c.ignored, c.n_ignored, "optimizer"));
+    /* The training keys are read now (zinf train honours them): not ignored. */
+    cr_expect_eq(c.n_ignored, 28, "%zu ignored", c.n_ignored);
+    cr_expect_not(listed(c.ignored, c.n_ignored, "optimizer"));
+    cr_expect_eq(c.train.train_batch_size, 32);
+    cr_expect_eq(c.train.micro_batch, 4);
+    cr_expect_eq(c.train.grad_accum, 8);
+    cr_expect_str_eq(c.train.optimizer.type, "AdamW");
+    cr_expect_eq(c.train.optimizer.lr, 3e-5);
+    cr_expect_eq(c.train.scheduler.warmup_num_steps, 100);
+    cr_expect(config_is_auto(&c, "fp16.enabled"));
+    cr_expect_eq(c.train.grad_clip, 1.0);
+    cr_expect_eq(c.train.steps_per_print, 2000);
     cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.overlap_comm"));
     cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.offload_optimizer.ratio"));
     cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.offload_optimizer.pipeline"));
@@ -960,17 +987,17 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     char *text = print_to_string(&c);
     static const char *const want[] = {
         "zero_optimization.stage = 0  # default\n",
-        "zero_optimization.sub_group_size = 1000000000  # default\n",
         "zero_optimization.offload_param.device = \"none\"  # default\n",
         "zero_optimization.offload_param.nvme_path = []  # default\n",
         "zero_optimization.offload_param.buffer_size = 100000000  # default\n",
-        "zero_optimization.offload_optimizer.buffer_count = 4  # default\n",
-        "zero_optimization.offload_optimizer.fast_init = false  # default\n",
-        "zero_optimization.stage3_param_persistence_threshold = 100000  # default\n",
         "aio.block_size = 1048576  # default\n",
         "aio.queue_depth = 8  # default\n",
         "aio.intra_op_parallelism = 1  # default\n",
-        "aio.overlap_events = true  # default\n",
+        "train_micro_batch_size_per_gpu = none  # not set: the command's own default\n",
+        "optimizer.params.betas = [0.9, 0.999]  # default\n",
+        "scheduler.params.warmup_type = \"log\"  # default\n",
+        "fp16.initial_scale_power = 16  # default\n",
+        "bf16.enabled = false  # default\n",
         "zinf.host_bytes = 0  # default\n",
         "zinf.device = \"auto\"  # default\n",
         "zinf.io_backend = \"auto\"  # default\n",
@@ -988,10 +1015,19 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     };
     for (size_t i = 0; i < ARRAY_SIZE(want); i++)
         cr_expect(strstr(text, want[i]), "missing %s in:\n%s", want[i], text);
+    /* What zinf does not act on is not an effective setting: not printed as one. */
+    static const char *const not_settings[] = {
+        "sub_group_size", "max_in_cpu", "offload_optimizer.buffer_count", "pipeline_read",
+        "fast_init", "max_live_parameters", "max_reuse_distance", "persistence_threshold",
+        "single_submit", "overlap_events", "use_gds"};
+    for (size_t i = 0; i < ARRAY_SIZE(not_settings); i++)
+        cr_expect_null(strstr(text, not_settings[i]), "%s printed as a setting:\n%s",
+                       not_settings[i], text);
     size_t lines = 0;
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
-    cr_expect_eq(lines, 35 + 9 + 1 + 8, "%s", text); /* settings, zinf.train, header, engine */
+    /* settings, zinf.train, the training keys, header, engine */
+    cr_expect_eq(lines, 22 + 9 + 27 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }
@@ -1001,7 +1037,7 @@ Test(config, print_shows_given_values_and_ignored_and_unknown_keys)
     struct zinf_config c;
 
     test_log_capture_start();
-    expect_ok("{\"fp16\": {}, \"zinf\": {\"host_bytes\": \"4G\", \"nvme_paths\": [\"/a\", \"/b\\\"\"],"
+    expect_ok("{\"amp\": {}, \"zinf\": {\"host_bytes\": \"4G\", \"nvme_paths\": [\"/a\", \"/b\\\"\"],"
               " \"bogus\": 1}, \"aio\": {\"queue_depth\": 32}}",
               &c);
     test_log_capture_stop();
@@ -1014,7 +1050,7 @@ Test(config, print_shows_given_values_and_ignored_and_unknown_keys)
         "engine.nvme_paths_extra = [\"/b\\\"\"]\n",
         "engine.queue_depth = 32\n",
         "engine.host_bytes = 4294967296  # 4 GiB\n",
-        "# ignored by zinf (DeepSpeed keys zinf does not use):\n#   fp16\n",
+        "# ignored by zinf (DeepSpeed keys zinf does not act on):\n#   amp\n",
         "# unknown keys (ignored):\n#   zinf.bogus\n",
     };
     for (size_t i = 0; i < ARRAY_SIZE(want); i++)
@@ -1126,4 +1162,66 @@ Test(config, io_settings_of_the_zinf_section_reach_the_engine)
     zinf_close(e);
     config_free(&c);
     test_rmtree(dir);
+}
+
+/* "auto", as Hugging Face's Trainer writes it: taken where its DeepSpeed integration fills
+ * the value in, resolved as it does (from the model's width for the bucket sizes), and
+ * refused elsewhere with the JSON path. */
+Test(config, auto_is_taken_where_hugging_face_fills_it_in)
+{
+    struct zinf_config c;
+    expect_ok("{\"train_micro_batch_size_per_gpu\": \"auto\", \"train_batch_size\": \"auto\","
+              " \"gradient_accumulation_steps\": \"auto\", \"gradient_clipping\": \"auto\","
+              " \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\", \"betas\":"
+              " \"auto\", \"eps\": \"auto\", \"weight_decay\": \"auto\"}},"
+              " \"scheduler\": {\"type\": \"WarmupDecayLR\", \"params\": {\"warmup_min_lr\":"
+              " \"auto\", \"warmup_max_lr\": \"auto\", \"warmup_num_steps\": \"auto\","
+              " \"total_num_steps\": \"auto\"}}, \"fp16\": {\"enabled\": \"auto\"},"
+              " \"bf16\": {\"enabled\": \"auto\"}, \"zero_optimization\": {\"stage\": 3,"
+              " \"stage3_prefetch_bucket_size\": \"auto\", \"stage3_param_persistence_threshold\":"
+              " \"auto\", \"reduce_bucket_size\": \"auto\"}}",
+              &c);
+    cr_expect(config_is_auto(&c, "optimizer.params.lr"));
+    cr_expect(config_is_auto(&c, "zero_optimization.stage3_prefetch_bucket_size"));
+    cr_expect(config_given(&c, "optimizer.type"));
+    cr_expect_not(config_given(&c, "scheduler.params.cos_min_ratio"));
+    struct config_auto_inputs in = {.hidden_size = 1024, .micro_batch = 8, .grad_accum = 4,
+                                    .steps = 500, .lr = 3e-4, .weight_decay = 0.01,
+                                    .grad_clip = 1.0, .bf16 = 1};
+    char said[1024];
+    config_resolve_auto(&c, &in, said, sizeof(said));
+    cr_expect_eq(c.zero.stage3_prefetch_bucket_size, 943718); /* 0.9 x 1024^2, rounded down */
+    cr_expect_eq(c.zero.stage3_param_persistence_threshold, 10240);
+    cr_expect_eq(c.train.micro_batch, 8);
+    cr_expect_eq(c.train.grad_accum, 4);
+    cr_expect_eq(c.train.train_batch_size, 32);
+    cr_expect_eq(c.train.grad_clip, 1.0);
+    cr_expect_eq(c.train.optimizer.lr, 3e-4);
+    cr_expect_eq(c.train.optimizer.betas[0], 0.9);
+    cr_expect_eq(c.train.optimizer.betas[1], 0.999);
+    cr_expect_eq(c.train.optimizer.eps, 1e-8);
+    cr_expect_eq(c.train.optimizer.weight_decay, 0.01);
+    cr_expect_eq(c.train.scheduler.warmup_max_lr, 3e-4);
+    cr_expect_eq(c.train.scheduler.total_num_steps, 500);
+    cr_expect_eq(c.train.fp16.enabled, false);
+    cr_expect_eq(c.train.bf16.enabled, true);
+    cr_expect_not(config_is_auto(&c, "optimizer.params.lr"), "resolved");
+    cr_expect(strstr(said, "zero_optimization.stage3_prefetch_bucket_size = 943718"), "%s", said);
+    cr_expect(strstr(said, "optimizer.params.lr = 0.0003"), "%s", said);
+    cr_expect(strstr(said, "train_batch_size = 32"), "%s", said);
+    config_free(&c);
+
+    /* Where "auto" means nothing, the path says where. */
+    expect_error("{\"aio\": {\"queue_depth\": \"auto\"}}",
+                "aio.queue_depth: must be an integer, got \"auto\" (taken only where Hugging "
+                "Face's DeepSpeed integration fills the value in)");
+    expect_error("{\"optimizer\": {\"params\": {\"betas\": [0.9]}}}",
+                "optimizer.params.betas: must be a list of two numbers (or \"auto\"), got a list "
+                "of another length");
+    expect_error("{\"optimizer\": {\"params\": {\"betas\": [0.9, 1.5]}}}",
+                "optimizer.params.betas[1]: must be in [0, 1), got 1.5");
+    expect_error("{\"optimizer\": {\"params\": {\"lr\": -1}}}",
+                "optimizer.params.lr: must be a number >= 0, got -1");
+    expect_error("{\"scheduler\": {\"params\": {\"warmup_type\": \"cubic\"}}}",
+                "scheduler.params.warmup_type: must be one of \"log\", \"linear\", got \"cubic\"");
 }

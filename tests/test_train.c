@@ -703,3 +703,91 @@ Test(train, every_budget_runs_all_its_steps_or_is_refused_before_step_one, .time
     cr_assert_gt(ran, 0);
     cr_assert_gt(refused, 0);
 }
+
+/* ---- DeepSpeed's training keys ------------------------------------------------------------ */
+
+/* The learning rate of each step as DeepSpeed's schedulers give it: these are the lr its
+ * optimizer used at steps 1..14 (DeepSpeed 0.19.8, torch SGD underneath, scheduler.step()
+ * after each optimizer step, as its engine does). */
+Test(train, lr_schedules_are_deepspeeds)
+{
+    static const double warmup[14] = {
+        0.0001, 0.0001, 0.00048760890226605375, 0.00071434557503738687, 0.00087521780453210757,
+        0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001, 0.001};
+    static const double decay[14] = {
+        0, 0, 0.00025, 0.0005, 0.00075, 0.001, 0.000875, 0.00075, 0.000625, 0.0005, 0.000375,
+        0.00025, 0.000125, 0};
+    static const double cosine[14] = {
+        0, 0.0002, 0.0011, 0.0016264662506490406, 0.002, 0.0019246407371861739,
+        0.001710035713374682, 0.001388856598041439, 0.00101, 0.00063114340195856119,
+        0.00030996428662531807, 9.5359262813826128e-05, 2e-05, 2e-05};
+    struct trainer_lr_schedule w = {.type = TRAINER_SCHED_WARMUP, .min_lr = 0.0001,
+                                    .max_lr = 0.001, .warmup_steps = 5};
+    struct trainer_lr_schedule d = {.type = TRAINER_SCHED_WARMUP_DECAY, .min_lr = 0,
+                                    .max_lr = 0.001, .warmup_steps = 4, .total_steps = 12,
+                                    .linear = true};
+    struct trainer_lr_schedule c = {.type = TRAINER_SCHED_WARMUP_COSINE, .min_ratio = 0.1,
+                                    .cos_min_ratio = 0.01, .warmup_steps = 4, .total_steps = 12};
+    struct trainer_lr_schedule k = {.type = TRAINER_SCHED_CONSTANT};
+    for (int s = 1; s <= 14; s++) {
+        cr_expect(fabs(trainer_lr_at(&w, 0.002, s) - warmup[s - 1]) <= 1e-15, "WarmupLR step %d: "
+                  "%.17g, DeepSpeed %.17g", s, trainer_lr_at(&w, 0.002, s), warmup[s - 1]);
+        cr_expect(fabs(trainer_lr_at(&d, 0.002, s) - decay[s - 1]) <= 1e-15, "WarmupDecayLR step "
+                  "%d: %.17g, DeepSpeed %.17g", s, trainer_lr_at(&d, 0.002, s), decay[s - 1]);
+        cr_expect(fabs(trainer_lr_at(&c, 0.002, s) - cosine[s - 1]) <= 1e-15, "WarmupCosineLR "
+                  "step %d: %.17g, DeepSpeed %.17g", s, trainer_lr_at(&c, 0.002, s),
+                  cosine[s - 1]);
+        cr_expect_eq(trainer_lr_at(&k, 0.002, s), 0.002);
+    }
+}
+
+/* Two micro-batches of 2 sequences accumulated are one batch of 4: the same sequences (micro
+ * m of step s draws what sequences 2m, 2m + 1 of the batch of 4 would), the mean of the
+ * gradients, the same clipping; the losses agree to rounding. A run with accumulation resumes
+ * bitwise, and a resume that changes it is refused. */
+Test(train, gradient_accumulation_equals_the_larger_batch)
+{
+    char cfg[4096], swap[4096], err[512];
+    float big[STEPS], acc[STEPS], resumed[STEPS];
+
+    snprintf(swap, sizeof(swap), "%s/a", dir);
+    snprintf(cfg, sizeof(cfg), "%s/a.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "1M", "1M");
+    struct trainer_opts o = small_model(cfg);
+    o.batch = 4;
+    o.grad_clip = 0.5f; /* so that clipping acts on the accumulated norm too */
+    run_steps(&o, STEPS, big, NULL);
+
+    snprintf(swap, sizeof(swap), "%s/b", dir);
+    snprintf(cfg, sizeof(cfg), "%s/b.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "1M", "1M");
+    o = small_model(cfg);
+    o.batch = 2;
+    o.grad_accum = 2;
+    o.grad_clip = 0.5f;
+    run_steps(&o, STEPS, acc, NULL);
+    for (int i = 0; i < STEPS; i++)
+        cr_expect(fabsf(acc[i] - big[i]) <= 2e-5f * fabsf(big[i]),
+                  "step %d: batch 4 %.9g, 2 x 2 accumulated %.9g", i + 1, big[i], acc[i]);
+
+    /* Interrupted after 3 steps and resumed: bitwise the same. */
+    snprintf(swap, sizeof(swap), "%s/c", dir);
+    snprintf(cfg, sizeof(cfg), "%s/c.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "1M", "1M");
+    o = small_model(cfg);
+    o.batch = 2;
+    o.grad_accum = 2;
+    o.grad_clip = 0.5f;
+    o.steps = 3;
+    run_steps(&o, 3, resumed, NULL);
+    o.steps = STEPS;
+    o.resume = true;
+    run_steps(&o, STEPS - 3, resumed, NULL);
+    for (int i = 0; i < STEPS; i++)
+        cr_expect(memcmp(&resumed[i], &acc[i], sizeof(float)) == 0, "step %d: %.9g resumed, %.9g",
+                  i + 1, resumed[i], acc[i]);
+    o.grad_accum = 3;
+    struct trainer *t = NULL;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "--accumulate 2"), "%s", err);
+}

@@ -12,6 +12,7 @@
 #include "common.h"
 #include "config.h"
 #include "cmd.h"
+#include "train/trainer.h"
 
 static void usage(FILE *f)
 {
@@ -46,7 +47,34 @@ static int check(const char *file, bool strict)
         return 2;
     }
     printf("# zinf config check %s\n", file);
-    if (config_print(&c, stdout) < 0) {
+    int pr = config_print(&c, stdout);
+    /* "auto" as zinf train resolves it: from the model of zinf.train, else its defaults. */
+    struct trainer_opts o;
+    trainer_opts_defaults(&o);
+    struct config_auto_inputs in = {
+        .hidden_size = c.zinf.train.dim ? c.zinf.train.dim : o.model.C,
+        .micro_batch = c.zinf.train.batch ? c.zinf.train.batch : o.batch, .grad_accum = 1,
+        .steps = c.zinf.train.steps ? c.zinf.train.steps : o.steps, .lr = o.lr,
+        .weight_decay = o.weight_decay, .grad_clip = o.grad_clip, .bf16 = -1};
+    char autos[1024];
+    config_resolve_auto(&c, &in, autos, sizeof(autos));
+    if (config_is_auto(&c, "bf16.enabled")) {
+        size_t n = strlen(autos);
+        snprintf(autos + n, sizeof(autos) - n, "%sbf16.enabled = as --precision auto (bf16 on "
+                 "a GPU, fp32 on the CPU)", n ? "\n" : "");
+    }
+    if (autos[0]) {
+        printf("# \"auto\" as zinf train resolves it with dim %d, batch %d, %d steps (from "
+               "zinf.train or its defaults; its options change them):\n", in.hidden_size,
+               in.micro_batch, in.steps);
+        for (char *p = autos, *nl; p; p = nl ? nl + 1 : NULL) {
+            nl = strchr(p, '\n');
+            if (nl)
+                *nl = '\0';
+            printf("#   %s\n", p);
+        }
+    }
+    if (pr < 0 || fflush(stdout) != 0) {
         fprintf(stderr, "zinf: config check: could not write the settings\n");
         config_free(&c);
         return 1;

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "cmd.h"
@@ -44,6 +45,7 @@ static void usage(FILE *f)
             "  --lr X            AdamW learning rate (default 1e-3)\n"
             "  --weight-decay X  decoupled weight decay of the matrices (default 0)\n"
             "  --clip X          global gradient-norm clip, 0 = off (default 1)\n"
+            "  --accumulate N    micro-batches of --batch per optimizer step (default 1)\n"
             "  --seed N          initialisation and batch order (default 1337)\n"
             "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
             "  --resume          continue the run persisted in the config's nvme_path\n"
@@ -55,7 +57,14 @@ static void usage(FILE *f)
             "                    computes with; masters and Adam states stay fp32 (default\n"
             "                    auto: bf16 on a GPU, fp32 on the CPU)\n"
             "The config's zinf.train section may set layers, dim, heads, seq, batch, steps,\n"
-            "seed, precision and checkpoint_every; the options above take precedence.\n"
+            "seed, precision and checkpoint_every; so may DeepSpeed's keys:\n"
+            "train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size,\n"
+            "gradient_clipping, optimizer (Adam/AdamW: lr, betas, eps, weight_decay),\n"
+            "scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR), bf16.enabled and\n"
+            "steps_per_print, \"auto\" included (resolved from the options, as Hugging Face's\n"
+            "Trainer does). The options above take precedence. The effective settings are\n"
+            "printed at the start and are the first line of --log; keys zinf does not act\n"
+            "on are named there.\n"
             "Exit status: 0 done, 1 failed (the last checkpoint is kept), 2 bad input,\n"
             "130/143 stopped by SIGINT/SIGTERM after flushing. zinf.device picks the\n"
             "compute: a GPU (\"cuda\", or \"auto\" when one is usable) or the CPU (\"emulated\").\n");
@@ -90,6 +99,159 @@ static int parse_float(const char *opt, const char *s, float *out)
 
 static const char *const tier_names[] = {"device", "host", "nvme"};
 
+enum { O_LAYERS = 256, O_DIM, O_HEADS, O_SEQ, O_BATCH, O_STEPS, O_LR, O_WD, O_CLIP, O_SEED,
+       O_LOG, O_RESUME, O_PRECISION, O_OVERWRITE, O_CKPT, O_ACCUM };
+#define GIVEN(opt) (given & (1u << ((opt) - O_LAYERS)))
+
+/* What the DeepSpeed keys of the config did, for the start of the run. */
+struct ds_applied {
+    char autos[1024];   /* "json.path = value" lines: what each "auto" became */
+    char ignored[4096]; /* the keys named as ignored, one per line */
+    char optimizer[32], scheduler[32];
+};
+
+static bool same_name(const char *a, const char *b)
+{
+    return strcasecmp(a, b) == 0;
+}
+
+/* DeepSpeed's training keys into o, under the options given on the command line (they take
+ * precedence) and the zinf.train section (a disagreement with it is refused). "auto" is
+ * resolved from the options, as Hugging Face's DeepSpeed integration does. */
+static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsigned given,
+                           struct ds_applied *ds, char *err, size_t errlen)
+{
+    const struct config_train_keys *k = &zc->train;
+    bool micro = config_given(zc, "train_micro_batch_size_per_gpu") &&
+                 !config_is_auto(zc, "train_micro_batch_size_per_gpu");
+    bool accum = config_given(zc, "gradient_accumulation_steps") &&
+                 !config_is_auto(zc, "gradient_accumulation_steps");
+
+    if (micro && !GIVEN(O_BATCH)) {
+        if (zc->zinf.train.batch && zc->zinf.train.batch != k->micro_batch) {
+            snprintf(err, errlen, "train_micro_batch_size_per_gpu %d and zinf.train.batch %d "
+                     "disagree: give one", k->micro_batch, zc->zinf.train.batch);
+            return -EINVAL;
+        }
+        o->batch = k->micro_batch;
+    }
+    if (accum && !GIVEN(O_ACCUM))
+        o->grad_accum = k->grad_accum;
+
+    /* "auto": what the options say (bf16 "auto" is --precision auto: bf16 on a GPU). */
+    struct config_auto_inputs in = {.hidden_size = o->model.C, .micro_batch = o->batch,
+                                    .grad_accum = o->grad_accum, .steps = o->steps,
+                                    .lr = o->lr, .weight_decay = o->weight_decay,
+                                    .grad_clip = o->grad_clip,
+                                    .bf16 = o->precision == TRAINER_PRECISION_AUTO ? -1
+                                            : o->precision == TRAINER_PRECISION_BF16};
+    bool bf16_auto = config_is_auto(zc, "bf16.enabled") && o->precision == TRAINER_PRECISION_AUTO;
+    config_resolve_auto(zc, &in, ds->autos, sizeof(ds->autos));
+    if (bf16_auto) {
+        size_t n = strlen(ds->autos);
+        snprintf(ds->autos + n, sizeof(ds->autos) - n, "%sbf16.enabled = as --precision auto "
+                 "(bf16 on a GPU, fp32 on the CPU)", n ? "\n" : "");
+    }
+
+    uint64_t tbs = k->train_batch_size;
+    if (config_given(zc, "train_batch_size") && tbs) {
+        /* DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks (1). */
+        if (!micro && !GIVEN(O_BATCH) && !zc->zinf.train.batch && tbs % (uint64_t)o->grad_accum == 0)
+            o->batch = (int)(tbs / (uint64_t)o->grad_accum);
+        else if (!accum && !GIVEN(O_ACCUM) && tbs % (uint64_t)o->batch == 0)
+            o->grad_accum = (int)(tbs / (uint64_t)o->batch);
+        if (tbs != (uint64_t)o->batch * (uint64_t)o->grad_accum) {
+            snprintf(err, errlen, "train_batch_size %llu is not the micro batch %d x %d "
+                     "gradient accumulation steps x 1 rank", (unsigned long long)tbs, o->batch,
+                     o->grad_accum);
+            return -EINVAL;
+        }
+    }
+    if (config_given(zc, "gradient_clipping") && !GIVEN(O_CLIP))
+        o->grad_clip = (float)k->grad_clip;
+
+    snprintf(ds->optimizer, sizeof(ds->optimizer), "AdamW");
+    if (k->optimizer.type[0]) {
+        if (!same_name(k->optimizer.type, "AdamW") && !same_name(k->optimizer.type, "Adam")) {
+            snprintf(err, errlen, "optimizer.type \"%s\": zinf train's optimizer is Adam with "
+                     "decoupled weight decay: give \"AdamW\" or \"Adam\"", k->optimizer.type);
+            return -EINVAL;
+        }
+        snprintf(ds->optimizer, sizeof(ds->optimizer), "%s", k->optimizer.type);
+    }
+    if (!k->optimizer.adam_w_mode) {
+        snprintf(err, errlen, "optimizer.params.adam_w_mode false (L2 regularisation in the "
+                 "gradient) is not supported: zinf train's Adam decouples the weight decay");
+        return -EINVAL;
+    }
+    if (config_given(zc, "optimizer.params.lr") && !GIVEN(O_LR))
+        o->lr = (float)k->optimizer.lr;
+    if (config_given(zc, "optimizer.params.weight_decay") && !GIVEN(O_WD))
+        o->weight_decay = (float)k->optimizer.weight_decay;
+    o->beta1 = (float)k->optimizer.betas[0];
+    o->beta2 = (float)k->optimizer.betas[1];
+    o->eps = (float)k->optimizer.eps;
+    if (!(o->eps > 0)) {
+        snprintf(err, errlen, "optimizer.params.eps must be > 0, got %g", k->optimizer.eps);
+        return -EINVAL;
+    }
+
+    snprintf(ds->scheduler, sizeof(ds->scheduler), "constant");
+    if (k->scheduler.type[0]) {
+        struct trainer_lr_schedule *s = &o->sched;
+        const char *ty = k->scheduler.type;
+        if (same_name(ty, "WarmupLR"))
+            s->type = TRAINER_SCHED_WARMUP;
+        else if (same_name(ty, "WarmupDecayLR"))
+            s->type = TRAINER_SCHED_WARMUP_DECAY;
+        else if (same_name(ty, "WarmupCosineLR"))
+            s->type = TRAINER_SCHED_WARMUP_COSINE;
+        else {
+            snprintf(err, errlen, "scheduler.type \"%s\": zinf train runs \"WarmupLR\", "
+                     "\"WarmupDecayLR\" and \"WarmupCosineLR\"", ty);
+            return -EINVAL;
+        }
+        snprintf(ds->scheduler, sizeof(ds->scheduler), "%s", ty);
+        s->min_lr = k->scheduler.warmup_min_lr;
+        /* WarmupLR's warmup_max_lr defaults to the optimizer's lr; WarmupDecayLR's to 0.001. */
+        s->max_lr = config_given(zc, "scheduler.params.warmup_max_lr") ? k->scheduler.warmup_max_lr
+                    : s->type == TRAINER_SCHED_WARMUP                 ? o->lr
+                                                                      : 0.001;
+        s->min_ratio = k->scheduler.warmup_min_ratio;
+        s->cos_min_ratio = k->scheduler.cos_min_ratio;
+        s->warmup_steps = k->scheduler.warmup_num_steps;
+        s->total_steps = k->scheduler.total_num_steps;
+        s->linear = k->scheduler.warmup_type == 1;
+        if (s->type != TRAINER_SCHED_WARMUP && s->total_steps < 1) {
+            snprintf(err, errlen, "scheduler.params.total_num_steps: %s needs it", ty);
+            return -EINVAL;
+        }
+    }
+
+    if (k->fp16.enabled) {
+        snprintf(err, errlen, "fp16.enabled: zinf train has no fp16 path (its mixed precision "
+                 "is bf16: \"bf16\": {\"enabled\": true}, or --precision bf16)");
+        return -EINVAL;
+    }
+    if (config_given(zc, "bf16.enabled") && !config_is_auto(zc, "bf16.enabled") &&
+        !GIVEN(O_PRECISION)) {
+        enum trainer_precision p = k->bf16.enabled ? TRAINER_PRECISION_BF16 : TRAINER_PRECISION_FP32;
+        if (zc->zinf.train.precision && zc->zinf.train.precision != (int)p) {
+            snprintf(err, errlen, "bf16.enabled %s and zinf.train.precision disagree: give one",
+                     k->bf16.enabled ? "true" : "false");
+            return -EINVAL;
+        }
+        o->precision = p;
+    }
+
+    size_t n = 0;
+    ds->ignored[0] = '\0';
+    for (size_t i = 0; i < zc->n_ignored && n < sizeof(ds->ignored); i++)
+        n += (size_t)snprintf(ds->ignored + n, sizeof(ds->ignored) - n, "%s%s", n ? "\n" : "",
+                              zc->ignored[i]);
+    return 0;
+}
+
 /* Make the state durable and say what it cost: one line, and one JSON line with --log. */
 static int checkpoint(struct trainer *t, FILE *log)
 {
@@ -119,10 +281,86 @@ static int checkpoint(struct trainer *t, FILE *log)
     return 0;
 }
 
+/* Each line of text ("a\nb") as a JSON list of strings; with split, "path = value" lines as
+ * an object. */
+static void json_lines(FILE *f, const char *text, bool split)
+{
+    fputc(split ? '{' : '[', f);
+    for (const char *p = text, *nl; p && *p; p = nl ? nl + 1 : NULL) {
+        char line[512];
+        nl = strchr(p, '\n');
+        size_t n = nl ? (size_t)(nl - p) : strlen(p);
+        snprintf(line, sizeof(line), "%.*s", (int)n, p);
+        if (p != text)
+            fputc(',', f);
+        char *eq = split ? strstr(line, " = ") : NULL;
+        if (eq) {
+            *eq = '\0';
+            json_print_string(f, line);
+            fputc(':', f);
+            json_print_string(f, eq + 3);
+        } else {
+            json_print_string(f, line);
+        }
+    }
+    fputc(split ? '}' : ']', f);
+}
+
+/* The effective settings, once: a few lines here, the first JSON line of the log. */
+static void print_settings(const struct trainer_opts *o, const struct ds_applied *ds,
+                           const struct trainer_summary *sum, long ckpt_every, int every,
+                           FILE *log)
+{
+    printf("# settings: %d micro-batch%s of %d x %d tokens per step, %d steps, %s lr %g (%s "
+           "schedule), betas %g %g, eps %g, weight decay %g, clip %g, seed %llu, checkpoint "
+           "every %ld, print every %d\n",
+           o->grad_accum, o->grad_accum == 1 ? "" : "es", o->batch, o->seq, o->steps,
+           ds->optimizer, o->lr, ds->scheduler, o->beta1, o->beta2, o->eps, o->weight_decay,
+           o->grad_clip, (unsigned long long)o->seed, ckpt_every, every);
+    for (const char *p = ds->autos, *nl; *p; p = nl + 1) {
+        nl = strchr(p, '\n');
+        printf("# \"auto\": %.*s\n", nl ? (int)(nl - p) : (int)strlen(p), p);
+        if (!nl)
+            break;
+    }
+    if (ds->ignored[0]) {
+        printf("# ignored (in the config, but zinf does not act on these):\n");
+        for (const char *p = ds->ignored, *nl; *p; p = nl + 1) {
+            nl = strchr(p, '\n');
+            printf("#   %.*s\n", nl ? (int)(nl - p) : (int)strlen(p), p);
+            if (!nl)
+                break;
+        }
+    }
+    if (!log)
+        return;
+    fprintf(log, "{\"settings\":{\"layers\":%d,\"dim\":%d,\"heads\":%d,\"seq\":%d,"
+            "\"batch\":%d,\"grad_accum\":%d,\"steps\":%d,\"optimizer\":",
+            o->model.L, o->model.C, o->model.NH, o->seq, o->batch, o->grad_accum, o->steps);
+    json_print_string(log, ds->optimizer);
+    fprintf(log, ",\"lr\":%.9g,\"scheduler\":", o->lr);
+    json_print_string(log, ds->scheduler);
+    fprintf(log, ",\"warmup_min_lr\":%.9g,\"warmup_max_lr\":%.9g,\"warmup_steps\":%d,"
+            "\"total_steps\":%d,\"warmup_type\":\"%s\",\"betas\":[%.9g,%.9g],\"eps\":%.9g,"
+            "\"weight_decay\":%.9g,\"clip\":%.9g,\"seed\":%llu,\"precision\":\"%s\","
+            "\"backend\":\"%s\",\"checkpoint_every\":%ld,\"steps_per_print\":%d,"
+            "\"device_bytes\":%llu,\"host_bytes\":%llu,\"min_device_bytes\":%llu,"
+            "\"min_host_bytes\":%llu,\"staging_bytes\":%llu,\"auto\":",
+            o->sched.min_lr, o->sched.max_lr, o->sched.warmup_steps, o->sched.total_steps,
+            o->sched.linear ? "linear" : "log", o->beta1, o->beta2, o->eps, o->weight_decay,
+            o->grad_clip, (unsigned long long)o->seed, sum->precision, sum->backend, ckpt_every,
+            every, (unsigned long long)sum->tier[0].budget_bytes,
+            (unsigned long long)sum->tier[1].budget_bytes, (unsigned long long)sum->min_budget[0],
+            (unsigned long long)sum->min_budget[1], (unsigned long long)sum->staging_bytes);
+    json_lines(log, ds->autos, true);
+    fprintf(log, ",\"ignored\":");
+    json_lines(log, ds->ignored, false);
+    fprintf(log, "}}\n");
+    fflush(log);
+}
+
 int cmd_train(int argc, char **argv)
 {
-    enum { O_LAYERS = 256, O_DIM, O_HEADS, O_SEQ, O_BATCH, O_STEPS, O_LR, O_WD, O_CLIP, O_SEED,
-           O_LOG, O_RESUME, O_PRECISION, O_OVERWRITE, O_CKPT };
     static const struct option longopts[] = {
         {"config", required_argument, NULL, 'c'}, {"data", required_argument, NULL, 'd'},
         {"layers", required_argument, NULL, O_LAYERS}, {"dim", required_argument, NULL, O_DIM},
@@ -134,10 +372,12 @@ int cmd_train(int argc, char **argv)
         {"precision", required_argument, NULL, O_PRECISION},
         {"overwrite", no_argument, NULL, O_OVERWRITE},
         {"checkpoint-every", required_argument, NULL, O_CKPT},
+        {"accumulate", required_argument, NULL, O_ACCUM},
         {"help", no_argument, NULL, 'h'}, {0},
     };
     struct trainer_opts o;
     struct trainer *t = NULL;
+    int steps_per_print = 1;
     const char *log_path = NULL;
     FILE *log = NULL;
     char err[512];
@@ -152,7 +392,7 @@ int cmd_train(int argc, char **argv)
     opterr = 0;
     while ((ch = getopt_long(argc, argv, "c:d:h", longopts, NULL)) != -1) {
         int bad = 0;
-        if ((ch >= O_LAYERS && ch <= O_SEED) || ch == O_PRECISION)
+        if ((ch >= O_LAYERS && ch <= O_SEED) || ch == O_PRECISION || ch == O_ACCUM)
             given |= 1u << (ch - O_LAYERS);
         switch (ch) {
         case 'c': o.config_path = optarg; break;
@@ -171,6 +411,7 @@ int cmd_train(int argc, char **argv)
         case O_RESUME: o.resume = true; break;
         case O_OVERWRITE: o.overwrite = true; break;
         case O_CKPT: bad = parse_int("--checkpoint-every", optarg, 0, 100000000, &ckpt_every); break;
+        case O_ACCUM: bad = parse_int("--accumulate", optarg, 1, 65536, &v); o.grad_accum = (int)v; break;
         case O_PRECISION:
             if (!strcmp(optarg, "auto"))
                 o.precision = TRAINER_PRECISION_AUTO;
@@ -229,6 +470,13 @@ int cmd_train(int argc, char **argv)
 #undef FROM_CONFIG
     if (ckpt_every < 0)
         ckpt_every = zc.zinf.train.checkpoint_every;
+    struct ds_applied ds = {0};
+    if (apply_deepspeed(&zc, &o, given, &ds, err, sizeof(err)) < 0) {
+        fprintf(stderr, "zinf train: %s: %s\n", o.config_path, err);
+        config_free(&zc);
+        return 2;
+    }
+    steps_per_print = zc.train.steps_per_print ? zc.train.steps_per_print : 1;
     config_free(&zc);
     if (o.model.C % o.model.NH) {
         fprintf(stderr, "zinf train: --heads %d does not divide --dim %d\n", o.model.NH,
@@ -299,6 +547,7 @@ int cmd_train(int argc, char **argv)
     printf("# compute: %s, %s weights on the device%s%s\n", sum.backend, sum.precision,
            sum.backend_work_bytes ? "; backend working memory " : "",
            sum.backend_work_bytes ? format_size(sum.backend_work_bytes, a, sizeof(a)) : "");
+    print_settings(&o, &ds, &sum, ckpt_every, steps_per_print, log);
     printf("# %6s %9s %10s %9s %9s %9s %8s\n", "step", "loss", "tokens/s", "ms", "rd GB/s",
            "wr GB/s", "blocked");
     fflush(stdout);
@@ -318,10 +567,12 @@ int cmd_train(int argc, char **argv)
             status = 1;
             break;
         }
-        printf("  %6d %9.4f %10.0f %9.1f %9.3f %9.3f %7.1f%%\n", st.step, st.loss,
-               st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps, st.nvme_write_GBps,
-               st.blocked_fraction * 100);
-        fflush(stdout);
+        if (st.step % steps_per_print == 0 || st.step == o.steps) {
+            printf("  %6d %9.4f %10.0f %9.1f %9.3f %9.3f %7.1f%%\n", st.step, st.loss,
+                   st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps, st.nvme_write_GBps,
+                   st.blocked_fraction * 100);
+            fflush(stdout);
+        }
         if (log) {
             /* %.9g: the loss's float bits survive the round trip, so runs can be compared
              * exactly. */

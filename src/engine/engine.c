@@ -946,6 +946,10 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
         .no_huge_pages = !c->zinf.huge_pages,
         .rings = MIN(c->aio.intra_op_parallelism, (unsigned)URING_MAX_RINGS),
     };
+    if (config_is_auto(c, "zero_optimization.stage3_prefetch_bucket_size"))
+        log_notice("zero_optimization.stage3_prefetch_bucket_size is \"auto\" and no model is "
+                   "known here: DeepSpeed's default, %llu elements, is used",
+                   (unsigned long long)c->zero.stage3_prefetch_bucket_size);
     if (c->aio.intra_op_parallelism > URING_MAX_RINGS)
         log_notice("aio.intra_op_parallelism %u: zinf drives at most %d io_uring rings; using "
                    "%d", c->aio.intra_op_parallelism, URING_MAX_RINGS, URING_MAX_RINGS);

@@ -46,7 +46,7 @@ struct train_state {
     int32_t step_done; /* steps completed */
     int32_t L, C, NH, maxT, B, T;
     int32_t wdt; /* enum backend_dtype of the device's weights */
-    int32_t pad_;
+    int32_t accum; /* micro-batches per step; 0 in states saved before it was kept: 1 */
     uint64_t seed;
     uint64_t data_bytes;
 };
@@ -88,7 +88,8 @@ struct trainer {
 void trainer_opts_defaults(struct trainer_opts *o)
 {
     *o = (struct trainer_opts){.batch = 4, .seq = 64, .steps = 100, .lr = 1e-3f,
-                               .weight_decay = 0.0f, .grad_clip = 1.0f, .seed = 1337};
+                               .weight_decay = 0.0f, .grad_clip = 1.0f, .seed = 1337,
+                               .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .grad_accum = 1};
     o->model = (struct gpt_config){.V = 256, .maxT = 64, .L = 4, .C = 128, .NH = 4};
 }
 
@@ -151,6 +152,37 @@ static int load_data(struct trainer *t, char *err, size_t errlen)
     return 0;
 }
 
+double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step)
+{
+    int it = step - 2; /* DeepSpeed's last_batch_iteration when step runs */
+    int W = MAX(2, s->warmup_steps);
+    double warm = it < 0 ? 0 : s->linear ? (double)it / W : log(it + 1.0) / log((double)W);
+    switch (s->type) {
+    case TRAINER_SCHED_WARMUP:
+    case TRAINER_SCHED_WARMUP_DECAY: {
+        if (it < 0)
+            return s->min_lr;
+        double gamma = it < W ? warm
+                       : s->type == TRAINER_SCHED_WARMUP
+                           ? 1.0
+                           : MAX(0.0, (double)(s->total_steps - it) /
+                                          MAX(1.0, (double)(s->total_steps - W)));
+        return s->min_lr + (s->max_lr - s->min_lr) * gamma;
+    }
+    case TRAINER_SCHED_WARMUP_COSINE: {
+        if (it < 0)
+            return 0;
+        if (it < W)
+            return lr * (s->min_ratio + warm * (1 - s->min_ratio));
+        double progress = MIN(1.0, (double)(it - W + 1) / MAX(1, s->total_steps - W));
+        double ratio = (1 + cos(M_PI * progress)) / 2;
+        return lr * MAX(0.0, s->cos_min_ratio + (1 - s->cos_min_ratio) * ratio);
+    }
+    default:
+        return lr;
+    }
+}
+
 static uint64_t mix64(uint64_t z)
 {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -158,14 +190,14 @@ static uint64_t mix64(uint64_t z)
     return z ^ (z >> 31);
 }
 
-/* The batch of step s: B windows of T+1 bytes at offsets drawn from (seed, s). */
-static void load_batch(struct trainer *t, int s)
+/* Micro-batch m of step s: B windows of T+1 bytes at offsets drawn from (seed, s, m). */
+static void load_batch(struct trainer *t, int s, int m)
 {
     int B = t->o.batch, T = t->o.seq;
     uint64_t span = t->data_bytes - (size_t)T;
     for (int b = 0; b < B; b++) {
         uint64_t off = mix64(t->o.seed * 0x9e3779b97f4a7c15ull + (uint64_t)s * 1000003u +
-                             (uint64_t)b) % span;
+                             (uint64_t)m * (uint64_t)B + (uint64_t)b) % span;
         for (int i = 0; i < T; i++) {
             t->tokens[b * T + i] = t->data[off + (size_t)i];
             t->targets[b * T + i] = t->data[off + (size_t)i + 1];
@@ -536,11 +568,13 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
     }
     if (s.L != t->cfg.L || s.C != t->cfg.C || s.NH != t->cfg.NH ||
         s.maxT != t->cfg.maxT || s.B != t->o.batch || s.T != t->o.seq || s.seed != t->o.seed ||
-        s.data_bytes != t->data_bytes || s.wdt != (int32_t)t->be->wdt) {
+        s.data_bytes != t->data_bytes || s.wdt != (int32_t)t->be->wdt ||
+        (s.accum ? s.accum : 1) != t->o.grad_accum) {
         snprintf(err, errlen, "--resume: the saved run used --layers %d --dim %d --heads %d "
-                 "--seq %d --batch %d --seed %llu --precision %s on %llu bytes of data; give "
-                 "the same", s.L, s.C, s.NH, s.T, s.B, (unsigned long long)s.seed,
-                 s.wdt == BACKEND_BF16 ? "bf16" : "fp32", (unsigned long long)s.data_bytes);
+                 "--seq %d --batch %d --accumulate %d --seed %llu --precision %s on %llu bytes "
+                 "of data; give the same", s.L, s.C, s.NH, s.T, s.B, s.accum ? s.accum : 1,
+                 (unsigned long long)s.seed, s.wdt == BACKEND_BF16 ? "bf16" : "fp32",
+                 (unsigned long long)s.data_bytes);
         return -EINVAL;
     }
     t->step_done = s.step_done;
@@ -552,7 +586,8 @@ static int state_save_step(struct trainer *t, int step_done)
     struct train_state s = {.magic = STATE_MAGIC, .step_done = step_done, .L = t->cfg.L,
                             .C = t->cfg.C, .NH = t->cfg.NH, .maxT = t->cfg.maxT,
                             .B = t->o.batch, .T = t->o.seq, .seed = t->o.seed,
-                            .data_bytes = t->data_bytes, .wdt = (int32_t)t->be->wdt};
+                            .data_bytes = t->data_bytes, .wdt = (int32_t)t->be->wdt,
+                            .accum = t->o.grad_accum};
     return zinf_write(t->e, t->state, 0, &s, sizeof(s));
 }
 
@@ -576,6 +611,18 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         snprintf(err, errlen, "--batch and --seq must be >= 1, --steps >= 0, --lr >= 0");
         return -EINVAL;
     }
+    if (o->grad_accum < 1 || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
+        !(o->eps > 0) || !(o->weight_decay >= 0)) {
+        snprintf(err, errlen, "the gradient accumulation steps must be >= 1, Adam's betas in "
+                 "[0, 1), eps > 0 and the weight decay >= 0");
+        return -EINVAL;
+    }
+    if ((o->sched.type == TRAINER_SCHED_WARMUP_DECAY ||
+         o->sched.type == TRAINER_SCHED_WARMUP_COSINE) && o->sched.total_steps < 1) {
+        snprintf(err, errlen, "scheduler.params.total_num_steps: %s needs it (>= 1)",
+                 o->sched.type == TRAINER_SCHED_WARMUP_DECAY ? "WarmupDecayLR" : "WarmupCosineLR");
+        return -EINVAL;
+    }
     struct gpt_config cfg = o->model;
     cfg.maxT = o->seq;
     if (gpt_config_validate(&cfg, err, errlen) < 0)
@@ -593,6 +640,14 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     config_defaults(&t->zc);
     if ((r = config_parse_file(o->config_path, &t->zc, err, errlen)) < 0)
         goto fail;
+    /* "auto" (Hugging Face's configs) as the command resolved it: the engine's prefetch
+     * budget comes from the model's width. */
+    struct config_auto_inputs ai = {.hidden_size = o->model.C, .micro_batch = o->batch,
+                                    .grad_accum = o->grad_accum, .steps = o->steps,
+                                    .lr = o->lr, .weight_decay = o->weight_decay,
+                                    .grad_clip = o->grad_clip, .bf16 = -1};
+    char resolved[1024];
+    config_resolve_auto(&t->zc, &ai, resolved, sizeof(resolved));
     /* The device tier and the backend go together: the CUDA kernels where the tier is a
      * GPU, the CPU over the emulated tier otherwise. */
     bool cuda = false;
@@ -807,9 +862,10 @@ out:
     return r;
 }
 
-/* The head's backward gives the loss and the first gradient; gradients are zeroed on
- * their first touch of the step. */
-static int head(struct trainer *t)
+/* The head's backward gives the loss and the first gradient. Gradients are zeroed on their
+ * first touch of the step (the first micro-batch: the others add to them), and their squares
+ * summed for the clipping norm on the last micro-batch, once they are whole. */
+static int head(struct trainer *t, bool zero, bool norm)
 {
     const struct gpt_config *c = &t->cfg;
     const struct backend_ops *be = t->be->ops;
@@ -821,17 +877,17 @@ static int head(struct trainer *t)
     if ((r = wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0)
         return r;
     size_t C = (size_t)c->C * sizeof(float);
-    if ((r = be->zero(t->be, p[4], C)) == 0 && (r = be->zero(t->be, p[5], C)) == 0 &&
-        (r = be->zero(t->be, p[6], (size_t)c->V * C)) == 0 &&
-        (r = be->head_backward(t->be, p[1], p[2], p[3], p[0], p[4], p[5], p[6])) == 0 &&
-        (r = be->sumsq(t->be, p[4], (size_t)c->C)) == 0)
+    if (zero && (r = be->zero(t->be, p[4], C)) == 0 && (r = be->zero(t->be, p[5], C)) == 0)
+        r = be->zero(t->be, p[6], (size_t)c->V * C);
+    if (r == 0 && (r = be->head_backward(t->be, p[1], p[2], p[3], p[0], p[4], p[5], p[6])) == 0 &&
+        norm && (r = be->sumsq(t->be, p[4], (size_t)c->C)) == 0)
         r = be->sumsq(t->be, p[5], (size_t)c->C);
     r = settle(t, r);
     wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     return r;
 }
 
-static int backward(struct trainer *t)
+static int backward(struct trainer *t, bool zero, bool norm)
 {
     const struct backend_ops *be = t->be->ops;
     struct wave w;
@@ -843,11 +899,11 @@ static int backward(struct trainer *t)
         TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
         void **gw = p + GPT_BLOCK_NSLOTS, *a = p[2 * GPT_BLOCK_NSLOTS];
         size_t first = (size_t)t->block_first[k];
-        for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0; i++)
+        for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && zero; i++)
             r = be->zero(t->be, gw[i], t->desc[first + i].numel * sizeof(float));
         if (r == 0)
             r = be->block_backward(t->be, (const void *const *)p, a, (float *const *)gw);
-        for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0; i++)
+        for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && norm; i++)
             r = be->sumsq(t->be, gw[i], t->desc[first + i].numel);
         r = settle(t, r);
         wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
@@ -859,8 +915,9 @@ static int backward(struct trainer *t)
     /* The embeddings: g_wte already holds the head's share. */
     wave_embed_backward(t, &w);
     TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
-    if ((r = be->zero(t->be, p[1], t->desc[t->wpe].numel * sizeof(float))) == 0 &&
-        (r = be->embed_backward(t->be, p[0], p[1])) == 0 &&
+    if (zero)
+        r = be->zero(t->be, p[1], t->desc[t->wpe].numel * sizeof(float));
+    if (r == 0 && (r = be->embed_backward(t->be, p[0], p[1])) == 0 && norm &&
         (r = be->sumsq(t->be, p[0], t->desc[t->wte].numel)) == 0)
         r = be->sumsq(t->be, p[1], t->desc[t->wpe].numel);
     r = settle(t, r);
@@ -877,13 +934,20 @@ out:
 static int optimize(struct trainer *t, int step, double sumsq)
 {
     struct adamw_hparams h;
-    float scale = adamw_clip_scale(sumsq, t->o.grad_clip);
+    /* The gradients are sums over grad_accum micro-batches: their mean is what is clipped
+     * and applied. (With one micro-batch, exactly the scale it always was.) */
+    int K = t->o.grad_accum;
+    float scale = K == 1 ? adamw_clip_scale(sumsq, t->o.grad_clip)
+                         : adamw_clip_scale(sumsq / ((double)K * K), t->o.grad_clip) / (float)K;
     enum zinf_tier tier = t->opt_tier;
     bool mixed = t->w != t->p;
     int r = 0;
 
     adamw_hparams_defaults(&h);
-    h.lr = t->o.lr;
+    h.lr = (float)trainer_lr_at(&t->o.sched, t->o.lr, step);
+    h.beta1 = t->o.beta1;
+    h.beta2 = t->o.beta2;
+    h.eps = t->o.eps;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
         struct wave w;
         void *p[WAVE_MAX];
@@ -924,12 +988,21 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         return t->torn;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
-    load_batch(t, step);
-    TRY(t->be->ops->set_batch(t->be, t->tokens, t->targets));
-    TRY(forward(t));
-    TRY(head(t));
-    TRY(backward(t));
-    TRY(t->be->ops->collect(t->be, &loss, &sumsq));
+    double loss_sum = 0;
+    for (int m = 0; m < t->o.grad_accum; m++) {
+        bool first = m == 0, last = m == t->o.grad_accum - 1;
+        float l;
+        double ss;
+        load_batch(t, step, m);
+        TRY(t->be->ops->set_batch(t->be, t->tokens, t->targets));
+        TRY(forward(t));
+        TRY(head(t, first, last));
+        TRY(backward(t, first, last));
+        TRY(t->be->ops->collect(t->be, &l, &ss));
+        loss_sum += l;
+        sumsq += ss;
+    }
+    loss = t->o.grad_accum == 1 ? (float)loss_sum : (float)(loss_sum / t->o.grad_accum);
     /* Up to here only gradients and activations changed, which the next step rebuilds;
      * from here the parameters and Adam states change, tensor by tensor, until the step
      * count says they belong to this step. */
@@ -945,7 +1018,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .step = step,
         .loss = loss,
         .seconds = sec,
-        .tokens_per_s = (double)t->o.batch * t->o.seq / sec,
+        .tokens_per_s = (double)t->o.batch * t->o.seq * t->o.grad_accum / sec,
         .nvme_read_GBps = (double)(s1.nvme_bytes_read - s0.nvme_bytes_read) / sec / 1e9,
         .nvme_write_GBps = (double)(s1.nvme_bytes_written - s0.nvme_bytes_written) / sec / 1e9,
         .blocked_fraction = (double)(s1.blocked_ns - s0.blocked_ns) / 1e9 / sec,

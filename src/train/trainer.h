@@ -30,6 +30,24 @@ enum trainer_precision {
     TRAINER_PRECISION_BF16, /* bf16 weights and activations on the device, fp32 masters */
 };
 
+/* The learning rate over the steps: DeepSpeed's schedulers, with their meaning exactly. */
+enum trainer_sched { TRAINER_SCHED_CONSTANT, TRAINER_SCHED_WARMUP, TRAINER_SCHED_WARMUP_DECAY,
+                     TRAINER_SCHED_WARMUP_COSINE };
+
+struct trainer_lr_schedule {
+    enum trainer_sched type;    /* CONSTANT: lr every step */
+    double min_lr, max_lr;      /* WarmupLR, WarmupDecayLR: warmup_min_lr, warmup_max_lr */
+    double min_ratio, cos_min_ratio; /* WarmupCosineLR: of lr */
+    int warmup_steps;           /* warmup_num_steps (taken as at least 2, as DeepSpeed does) */
+    int total_steps;            /* total_num_steps: WarmupDecayLR, WarmupCosineLR */
+    bool linear;                /* warmup_type "linear"; else "log" */
+};
+
+/* The learning rate of optimizer step `step` (1-based), as DeepSpeed's scheduler gives it:
+ * the scheduler starts at iteration -1 and steps after each optimizer step, so step s
+ * runs at iteration s - 2 (the first at the warm-up's start value). */
+double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step);
+
 struct trainer_opts {
     const char *config_path; /* DeepSpeed-style JSON: budgets, offload devices, nvme paths */
     const char *data_path;   /* any file: its bytes are the tokens */
@@ -37,6 +55,9 @@ struct trainer_opts {
     int batch, seq;          /* B and T */
     int steps;               /* total steps (a resumed run continues up to this) */
     float lr, weight_decay, grad_clip;
+    float beta1, beta2, eps;          /* Adam's: 0.9, 0.999, 1e-8 */
+    int grad_accum;                   /* micro-batches of `batch` per optimizer step: 1 */
+    struct trainer_lr_schedule sched; /* constant lr by default */
     uint64_t seed;
     bool resume;             /* continue from the state persisted in the swap directory */
     bool overwrite;          /* without resume: delete a saved run there and start over */
