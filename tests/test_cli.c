@@ -1318,3 +1318,62 @@ Test(cli, train_honours_deepspeeds_training_keys)
         free(o);
     }
 }
+
+/* llm.c's habits: validation loss every --eval-every steps, sampled text every
+ * --sample-every, an ETA on each step, the run's time and mean tokens/s at the end; all of
+ * it in the log too. */
+Test(cli, train_evaluates_samples_and_says_how_long)
+{
+    char cfg[4096], data[4096], swap[4096], log[4096], *o;
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    snprintf(log, sizeof(log), "%s/ev.jsonl", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --eval-every 2 "
+                     "--eval-batches 3 --sample-every 3 --sample-bytes 5 --log %s", cfg, data,
+                     log), 0, "%s", o);
+    cr_assert(strstr(o, "# eval: step 2, val loss ") && strstr(o, "# eval: step 4, val loss "),
+              "%s", o);
+    cr_assert(strstr(o, "# sample: step 3: \"") && strstr(o, "# sample: step 4: \""), "%s", o);
+    cr_assert(strstr(o, " eta\n"), "%s", o);
+    cr_assert(strstr(o, "#   ran 4 steps in ") && strstr(o, " tokens/s on average"), "%s", o);
+    free(o);
+    FILE *f = fopen(log, "r");
+    char line[8192];
+    int evals = 0, samples = 0, steps = 0;
+    bool summary = false;
+    while (fgets(line, sizeof(line), f)) {
+        json_error_t je;
+        json_t *j = json_loads(line, 0, &je);
+        cr_assert_not_null(j, "not JSON: %s", line);
+        if (json_object_get(j, "eval")) {
+            evals++;
+            cr_assert(json_real_value(json_object_get(j, "val_loss")) > 0, "%s", line);
+        }
+        if (json_object_get(j, "sample")) {
+            samples++;
+            cr_assert_eq(json_integer_value(json_object_get(j, "bytes")), 5, "%s", line);
+            cr_assert(json_string_value(json_object_get(j, "text")), "%s", line);
+        }
+        if (json_object_get(j, "step")) {
+            steps++;
+            cr_assert(json_is_number(json_object_get(j, "eta_s")), "%s", line);
+        }
+        json_t *s = json_object_get(j, "summary");
+        if (s) {
+            summary = true;
+            cr_assert(json_real_value(json_object_get(s, "mean_tokens_per_s")) > 0, "%s", line);
+            cr_assert_eq(json_integer_value(json_object_get(s, "steps_run")), 4, "%s", line);
+        }
+        json_decref(j);
+    }
+    fclose(f);
+    cr_assert_eq(evals, 2);
+    cr_assert_eq(samples, 2);
+    cr_assert_eq(steps, 4);
+    cr_assert(summary);
+    /* --sample-bytes is bounded by the context. */
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1 --sample-every 1 "
+                     "--sample-bytes 8", cfg, data), 2, "%s", o);
+    cr_assert(strstr(o, "--sample-bytes 8: at most --seq - 1 = 7"), "%s", o);
+    free(o);
+}

@@ -791,3 +791,80 @@ Test(train, gradient_accumulation_equals_the_larger_batch)
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
     cr_assert(strstr(err, "--accumulate 2"), "%s", err);
 }
+
+/* ---- validation and sampling -------------------------------------------------------------- */
+
+/* Validation and sampling between steps change nothing a step depends on: the losses are
+ * bitwise those of a run without them. The validation loss is the same when asked twice,
+ * a sample with the same seed the same bytes; both are refused where they cannot work. */
+Test(train, eval_and_sample_leave_the_training_exactly_as_it_was)
+{
+    char cfg[4096], swap[4096], err[512];
+    float ref[STEPS], got[STEPS];
+    struct trainer *t = NULL;
+    struct trainer_step_stats st;
+
+    snprintf(swap, sizeof(swap), "%s/ref", dir);
+    snprintf(cfg, sizeof(cfg), "%s/ref.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "1M", "2M");
+    struct trainer_opts o = small_model(cfg);
+    o.sample = true;
+    run_steps(&o, STEPS, ref, NULL);
+
+    snprintf(swap, sizeof(swap), "%s/ev", dir);
+    snprintf(cfg, sizeof(cfg), "%s/ev.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "1M", "2M");
+    o = small_model(cfg);
+    o.sample = true;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    unsigned char a[16], b[16];
+    for (int s = 0; s < STEPS; s++) {
+        float v1, v2;
+        cr_assert_eq(trainer_eval(t, 3, &v1), 0);
+        cr_assert_eq(trainer_eval(t, 3, &v2), 0);
+        cr_assert(isfinite(v1) && v1 > 0, "%g", v1);
+        cr_assert(memcmp(&v1, &v2, sizeof(v1)) == 0, "the same tail twice: %.9g, %.9g", v1, v2);
+        cr_assert_eq(trainer_sample(t, 42, (const unsigned char *)"\n", 1, a, sizeof(a)), 16);
+        cr_assert_eq(trainer_sample(t, 42, (const unsigned char *)"\n", 1, b, sizeof(b)), 16);
+        cr_assert_eq(memcmp(a, b, sizeof(a)), 0, "the same seed, the same bytes");
+        cr_assert_eq(trainer_step(t, &st), 0);
+        got[s] = st.loss;
+    }
+    /* The context is one sequence (32 bytes here): a prompt and what follows fit in it. */
+    unsigned char big[64];
+    cr_assert_eq(trainer_sample(t, 1, (const unsigned char *)"\n", 1, big, 32), -EINVAL);
+    cr_assert_eq(trainer_sample(t, 1, (const unsigned char *)"\n", 0, big, 8), -EINVAL);
+    cr_assert_eq(trainer_checkpoint(t), 0);
+    trainer_close(t);
+    for (int i = 0; i < STEPS; i++)
+        cr_assert(memcmp(&ref[i], &got[i], sizeof(float)) == 0,
+                  "step %d: %.9g without, %.9g with validation and sampling", i + 1, ref[i],
+                  got[i]);
+
+    /* Sampling was not announced (its host-tier set was not in the budget check). */
+    snprintf(swap, sizeof(swap), "%s/ns", dir);
+    snprintf(cfg, sizeof(cfg), "%s/ns.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "1M", "2M");
+    o = small_model(cfg);
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(trainer_sample(t, 1, (const unsigned char *)"\n", 1, big, 8), -EINVAL);
+    trainer_close(t);
+
+    /* Data too short to hold a tail out: nothing to validate on. */
+    char shortdata[4096];
+    snprintf(shortdata, sizeof(shortdata), "%s/short.txt", dir);
+    FILE *f = fopen(shortdata, "w");
+    for (int i = 0; i < 100; i++)
+        fputc('a' + i % 26, f);
+    fclose(f);
+    snprintf(swap, sizeof(swap), "%s/sh", dir);
+    snprintf(cfg, sizeof(cfg), "%s/sh.json", dir);
+    write_config(cfg, "nvme", "nvme", swap, "1M", "2M");
+    o = small_model(cfg);
+    o.data_path = shortdata;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    float v;
+    cr_assert_eq(trainer_eval(t, 1, &v), -ENODATA);
+    cr_assert_eq(trainer_step(t, &st), 0, "the trainer goes on");
+    trainer_close(t);
+}

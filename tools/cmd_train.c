@@ -51,6 +51,11 @@ static void usage(FILE *f)
             "  --resume          continue the run persisted in the config's nvme_path\n"
             "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
             "                    (without it, zinf train refuses to start over a saved run)\n"
+            "  --eval-every N    the loss on the held-out tail of --data (its last tenth,\n"
+            "                    never trained on) every N steps and at the end (0: never)\n"
+            "  --eval-batches N  batches of the tail that loss is the mean of (default 8)\n"
+            "  --sample-every N  generate text every N steps and at the end (0: never)\n"
+            "  --sample-bytes N  bytes to generate after a newline (default 64, < --seq)\n"
             "  --checkpoint-every N  make the state durable every N steps, so that a crash\n"
             "                    loses at most N - 1 steps (default 0: at the end only)\n"
             "  --precision P     auto | fp32 | bf16: the weights and activations the device\n"
@@ -100,7 +105,8 @@ static int parse_float(const char *opt, const char *s, float *out)
 static const char *const tier_names[] = {"device", "host", "nvme"};
 
 enum { O_LAYERS = 256, O_DIM, O_HEADS, O_SEQ, O_BATCH, O_STEPS, O_LR, O_WD, O_CLIP, O_SEED,
-       O_LOG, O_RESUME, O_PRECISION, O_OVERWRITE, O_CKPT, O_ACCUM };
+       O_LOG, O_RESUME, O_PRECISION, O_OVERWRITE, O_CKPT, O_ACCUM, O_EVAL, O_EVAL_BATCHES,
+       O_SAMPLE, O_SAMPLE_BYTES };
 #define GIVEN(opt) (given & (1u << ((opt) - O_LAYERS)))
 
 /* What the DeepSpeed keys of the config did, for the start of the run. */
@@ -359,6 +365,81 @@ static void print_settings(const struct trainer_opts *o, const struct ds_applied
     fflush(log);
 }
 
+static const char *format_eta(double s, char *buf, size_t len)
+{
+    long n = (long)(s + 0.5);
+    if (n < 60)
+        snprintf(buf, len, "%lds", n);
+    else if (n < 3600)
+        snprintf(buf, len, "%ldm%02lds", n / 60, n % 60);
+    else
+        snprintf(buf, len, "%ldh%02ldm", n / 3600, n % 3600 / 60);
+    return buf;
+}
+
+/* The held-out loss: a line, and a JSON line with --log. */
+static int evaluate(struct trainer *t, int step, int batches, FILE *log)
+{
+    float loss;
+    int r = trainer_eval(t, batches, &loss);
+    if (r < 0) {
+        fprintf(stderr, "zinf train: the validation at step %d failed: %s\n", step,
+                r == -ENODATA ? "the data holds no tail to validate on" : zinf_strerror(r));
+        return r;
+    }
+    printf("# eval: step %d, val loss %.4f (%d batches of the held-out tail)\n", step, loss,
+           batches);
+    fflush(stdout);
+    if (log) {
+        fprintf(log, "{\"eval\":%d,\"val_loss\":%.9g,\"batches\":%d}\n", step, loss, batches);
+        fflush(log);
+    }
+    return 0;
+}
+
+/* Text generated after a newline: a line (bytes shown as C escapes where they are not
+ * printable), and a JSON line with --log. */
+static int sample(struct trainer *t, int step, uint64_t seed, long bytes, FILE *log)
+{
+    unsigned char out[65536];
+    static const unsigned char prompt[] = "\n";
+    int n = trainer_sample(t, seed ^ (uint64_t)step, prompt, 1, out, (size_t)bytes);
+    if (n < 0) {
+        fprintf(stderr, "zinf train: sampling at step %d failed: %s\n", step, zinf_strerror(n));
+        return n;
+    }
+    printf("# sample: step %d: \"", step);
+    for (int i = 0; i < n; i++) {
+        unsigned char c = out[i];
+        if (c == '\n')
+            fputs("\\n", stdout);
+        else if (c == '"' || c == '\\')
+            printf("\\%c", c);
+        else if (c >= 0x20 && c < 0x7f)
+            putchar(c);
+        else
+            printf("\\x%02x", c);
+    }
+    printf("\"\n");
+    fflush(stdout);
+    if (log) {
+        /* JSON strings are UTF-8: bytes past ASCII are written as \u00XX, one per byte. */
+        fprintf(log, "{\"sample\":%d,\"bytes\":%d,\"text\":\"", step, n);
+        for (int i = 0; i < n; i++) {
+            unsigned char c = out[i];
+            if (c == '"' || c == '\\')
+                fprintf(log, "\\%c", c);
+            else if (c < 0x20 || c >= 0x7f)
+                fprintf(log, "\\u%04x", c);
+            else
+                fputc(c, log);
+        }
+        fprintf(log, "\"}\n");
+        fflush(log);
+    }
+    return 0;
+}
+
 int cmd_train(int argc, char **argv)
 {
     static const struct option longopts[] = {
@@ -373,11 +454,16 @@ int cmd_train(int argc, char **argv)
         {"overwrite", no_argument, NULL, O_OVERWRITE},
         {"checkpoint-every", required_argument, NULL, O_CKPT},
         {"accumulate", required_argument, NULL, O_ACCUM},
+        {"eval-every", required_argument, NULL, O_EVAL},
+        {"eval-batches", required_argument, NULL, O_EVAL_BATCHES},
+        {"sample-every", required_argument, NULL, O_SAMPLE},
+        {"sample-bytes", required_argument, NULL, O_SAMPLE_BYTES},
         {"help", no_argument, NULL, 'h'}, {0},
     };
     struct trainer_opts o;
     struct trainer *t = NULL;
     int steps_per_print = 1;
+    long eval_every = 0, eval_batches = 8, sample_every = 0, sample_bytes = 0;
     const char *log_path = NULL;
     FILE *log = NULL;
     char err[512];
@@ -412,6 +498,10 @@ int cmd_train(int argc, char **argv)
         case O_OVERWRITE: o.overwrite = true; break;
         case O_CKPT: bad = parse_int("--checkpoint-every", optarg, 0, 100000000, &ckpt_every); break;
         case O_ACCUM: bad = parse_int("--accumulate", optarg, 1, 65536, &v); o.grad_accum = (int)v; break;
+        case O_EVAL: bad = parse_int("--eval-every", optarg, 0, 100000000, &eval_every); break;
+        case O_EVAL_BATCHES: bad = parse_int("--eval-batches", optarg, 1, 100000, &eval_batches); break;
+        case O_SAMPLE: bad = parse_int("--sample-every", optarg, 0, 100000000, &sample_every); break;
+        case O_SAMPLE_BYTES: bad = parse_int("--sample-bytes", optarg, 1, 65535, &sample_bytes); break;
         case O_PRECISION:
             if (!strcmp(optarg, "auto"))
                 o.precision = TRAINER_PRECISION_AUTO;
@@ -478,6 +568,14 @@ int cmd_train(int argc, char **argv)
     }
     steps_per_print = zc.train.steps_per_print ? zc.train.steps_per_print : 1;
     config_free(&zc);
+    o.sample = sample_every > 0;
+    if (sample_bytes == 0)
+        sample_bytes = MIN(64, o.seq - 1);
+    if (o.sample && sample_bytes > o.seq - 1) {
+        fprintf(stderr, "zinf train: --sample-bytes %ld: at most --seq - 1 = %d (the context "
+                        "is one sequence)\n", sample_bytes, o.seq - 1);
+        return 2;
+    }
     if (o.model.C % o.model.NH) {
         fprintf(stderr, "zinf train: --heads %d does not divide --dim %d\n", o.model.NH,
                 o.model.C);
@@ -548,10 +646,12 @@ int cmd_train(int argc, char **argv)
            sum.backend_work_bytes ? "; backend working memory " : "",
            sum.backend_work_bytes ? format_size(sum.backend_work_bytes, a, sizeof(a)) : "");
     print_settings(&o, &ds, &sum, ckpt_every, steps_per_print, log);
-    printf("# %6s %9s %10s %9s %9s %9s %8s\n", "step", "loss", "tokens/s", "ms", "rd GB/s",
-           "wr GB/s", "blocked");
+    printf("# %6s %9s %10s %9s %9s %9s %8s %8s\n", "step", "loss", "tokens/s", "ms", "rd GB/s",
+           "wr GB/s", "blocked", "eta");
     fflush(stdout);
 
+    int ran = 0;
+    double ran_seconds = 0;
     while (trainer_next_step(t) <= o.steps && !stop_requested) {
         struct trainer_step_stats st;
         r = trainer_step(t, &st);
@@ -567,20 +667,36 @@ int cmd_train(int argc, char **argv)
             status = 1;
             break;
         }
+        ran++;
+        ran_seconds += st.seconds;
+        double eta = ran_seconds / ran * (o.steps - st.step);
         if (st.step % steps_per_print == 0 || st.step == o.steps) {
-            printf("  %6d %9.4f %10.0f %9.1f %9.3f %9.3f %7.1f%%\n", st.step, st.loss,
+            char e[32];
+            printf("  %6d %9.4f %10.0f %9.1f %9.3f %9.3f %7.1f%% %8s\n", st.step, st.loss,
                    st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps, st.nvme_write_GBps,
-                   st.blocked_fraction * 100);
+                   st.blocked_fraction * 100, format_eta(eta, e, sizeof(e)));
             fflush(stdout);
         }
         if (log) {
             /* %.9g: the loss's float bits survive the round trip, so runs can be compared
              * exactly. */
             fprintf(log, "{\"step\":%d,\"loss\":%.9g,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
-                    "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f}\n",
+                    "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f,"
+                    "\"eta_s\":%.1f}\n",
                     st.step, st.loss, st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps,
-                    st.nvme_write_GBps, st.blocked_fraction);
+                    st.nvme_write_GBps, st.blocked_fraction, eta);
             fflush(log);
+        }
+        bool end = st.step == o.steps;
+        if (eval_every > 0 && (st.step % eval_every == 0 || end) &&
+            evaluate(t, st.step, (int)eval_batches, log) < 0) {
+            status = 1;
+            break;
+        }
+        if (sample_every > 0 && (st.step % sample_every == 0 || end) &&
+            sample(t, st.step, o.seed, sample_bytes, log) < 0) {
+            status = 1;
+            break;
         }
         if (ckpt_every > 0 && st.step % ckpt_every == 0 && st.step < o.steps) {
             r = checkpoint(t, log);
@@ -611,9 +727,13 @@ int cmd_train(int argc, char **argv)
         status = 128 + stop_requested;
     }
     trainer_get_summary(t, &sum);
+    double mean_tps = ran_seconds > 0 ? (double)ran * o.batch * o.seq * o.grad_accum / ran_seconds
+                                      : 0;
     printf("# summary: %d steps, model state %s; a tier was emptied %llu times to place a set "
            "it held room for\n", sum.steps_done, format_size(sum.model_state_bytes, a, sizeof(a)),
            (unsigned long long)sum.compactions);
+    if (ran)
+        printf("#   ran %d steps in %.1f s: %.0f tokens/s on average\n", ran, ran_seconds, mean_tps);
     for (int i = 0; i < 2; i++)
         printf("#   %-6s peak %12s of budget %12s\n", tier_names[i],
                format_size(sum.tier[i].peak_bytes, a, sizeof(a)),
@@ -625,14 +745,15 @@ int cmd_train(int argc, char **argv)
         fprintf(log, "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
                 "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu,"
                 "\"checkpoint_step\":%d,\"interrupted\":%s,\"failed\":%s,\"compactions\":%llu,"
-                "\"min_device_bytes\":%llu,\"min_host_bytes\":%llu",
+                "\"min_device_bytes\":%llu,\"min_host_bytes\":%llu,\"steps_run\":%d,"
+                "\"train_seconds\":%.3f,\"mean_tokens_per_s\":%.1f",
                 sum.steps_done, (unsigned long long)sum.model_state_bytes,
                 (unsigned long long)sum.param_count, sum.backend, sum.precision,
                 (unsigned long long)sum.backend_work_bytes, sum.checkpoint_step,
                 stop_requested ? "true" : "false",
                 status != 0 && status < 128 ? "true" : "false",
                 (unsigned long long)sum.compactions, (unsigned long long)sum.min_budget[0],
-                (unsigned long long)sum.min_budget[1]);
+                (unsigned long long)sum.min_budget[1], ran, ran_seconds, mean_tps);
         for (int i = 0; i < 3; i++)
             fprintf(log, ",\"%s\":{\"peak_bytes\":%llu,\"%s\":%llu}", tier_names[i],
                     (unsigned long long)sum.tier[i].peak_bytes,

@@ -38,7 +38,9 @@
 #include "train/trainer.h"
 
 #define STATE_NAME "train.state"
-#define STATE_MAGIC 0x7a696e6674726e32ull /* "zinftrn2" */
+#define STATE_MAGIC 0x7a696e6674726e33ull    /* "zinftrn3": the tail of the data held out */
+#define STATE_MAGIC_V2 0x7a696e6674726e32ull /* "zinftrn2": trained on all of it */
+#define HELD_OUT_DIVISOR 10                  /* the last tenth of the data is for validation */
 
 /* What the state tensor holds: enough to refuse a resume with another model or data. */
 struct train_state {
@@ -47,6 +49,7 @@ struct train_state {
     int32_t L, C, NH, maxT, B, T;
     int32_t wdt; /* enum backend_dtype of the device's weights */
     int32_t accum; /* micro-batches per step; 0 in states saved before it was kept: 1 */
+    int32_t held_out; /* 1: the last tenth of the data is held out for validation (v3) */
     uint64_t seed;
     uint64_t data_bytes;
 };
@@ -69,6 +72,7 @@ struct trainer {
 
     unsigned char *data;
     size_t data_bytes;
+    size_t train_bytes;         /* batches come from [0, train_bytes); the rest is held out */
     int *tokens, *targets;      /* (B,T) */
     struct backend *be;         /* where the math runs */
     enum zinf_tier opt_tier;    /* where the optimizer runs: DEVICE or HOST */
@@ -83,6 +87,7 @@ struct trainer {
     uint64_t checkpoint_bytes;
     uint64_t peak[3];
     uint64_t min_budget[MEM_TIERS]; /* the smallest device and host budgets that run */
+    bool state_v2;              /* resumed from a state saved before the held-out tail */
 };
 
 void trainer_opts_defaults(struct trainer_opts *o)
@@ -194,7 +199,7 @@ static uint64_t mix64(uint64_t z)
 static void load_batch(struct trainer *t, int s, int m)
 {
     int B = t->o.batch, T = t->o.seq;
-    uint64_t span = t->data_bytes - (size_t)T;
+    uint64_t span = t->train_bytes - (size_t)T;
     for (int b = 0; b < B; b++) {
         uint64_t off = mix64(t->o.seed * 0x9e3779b97f4a7c15ull + (uint64_t)s * 1000003u +
                              (uint64_t)m * (uint64_t)B + (uint64_t)b) % span;
@@ -309,6 +314,16 @@ static void wave_optimizer(struct trainer *t, int i, struct wave *w)
         wave_add(w, R_W, i, true);
 }
 
+/* Sampling's logits, on the CPU: the last activation, the final norm and wte in fp32. */
+static void wave_sample(struct trainer *t, struct wave *w)
+{
+    *w = (struct wave){.what = "sampling (the last activation, the final norm and wte in fp32)"};
+    wave_add(w, R_ACT, t->cfg.L, false);
+    wave_add(w, R_P, t->lnfw, false);
+    wave_add(w, R_P, t->lnfb, false);
+    wave_add(w, R_P, t->wte, false);
+}
+
 static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
 {
     switch (role) {
@@ -414,6 +429,10 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
     for (int i = 0; i < t->ntensors; i++) {
         wave_optimizer(t, i, &w);
         CONSIDER(t->opt_tier);
+    }
+    if (t->o.sample) {
+        wave_sample(t, &w);
+        CONSIDER(ZINF_TIER_HOST);
     }
 #undef CONSIDER
     for (int k = 0; k < MEM_TIERS; k++)
@@ -561,7 +580,10 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
     int r = zinf_read(t->e, t->state, 0, &s, sizeof(s));
     if (r < 0)
         return r;
-    if (s.magic != STATE_MAGIC) {
+    if (s.magic == STATE_MAGIC_V2) {
+        s.held_out = 0; /* that version trained on the whole file: so does its resume */
+        t->train_bytes = t->data_bytes;
+    } else if (s.magic != STATE_MAGIC) {
         snprintf(err, errlen, "--resume: the state in the swap directory was written by another "
                  "version of zinf train; start a new run");
         return -EINVAL;
@@ -577,6 +599,13 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
                  (unsigned long long)s.data_bytes);
         return -EINVAL;
     }
+    if (s.magic == STATE_MAGIC && (s.held_out != 0) != (t->train_bytes < t->data_bytes)) {
+        snprintf(err, errlen, "--resume: the saved run %s the last tenth of the data for "
+                 "validation, this one would not: give the same data", s.held_out ? "held out"
+                                                                                : "did not hold out");
+        return -EINVAL;
+    }
+    t->state_v2 = s.magic == STATE_MAGIC_V2;
     t->step_done = s.step_done;
     return 0;
 }
@@ -587,7 +616,13 @@ static int state_save_step(struct trainer *t, int step_done)
                             .C = t->cfg.C, .NH = t->cfg.NH, .maxT = t->cfg.maxT,
                             .B = t->o.batch, .T = t->o.seq, .seed = t->o.seed,
                             .data_bytes = t->data_bytes, .wdt = (int32_t)t->be->wdt,
-                            .accum = t->o.grad_accum};
+                            .accum = t->o.grad_accum,
+                            .held_out = t->train_bytes < t->data_bytes};
+    if (t->state_v2) {
+        /* A run resumed from the earlier layout keeps it, so that a later resume agrees. */
+        s.magic = STATE_MAGIC_V2;
+        s.held_out = 0;
+    }
     return zinf_write(t->e, t->state, 0, &s, sizeof(s));
 }
 
@@ -698,6 +733,11 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     }
     if ((r = load_data(t, err, errlen)) < 0)
         goto fail;
+    /* The last tenth is held out for validation when it holds a whole sequence, and the
+     * rest too: batches never come from it, whether or not anything evaluates on it. */
+    t->train_bytes = t->data_bytes;
+    if (t->data_bytes / HELD_OUT_DIVISOR >= (size_t)o->seq + 1)
+        t->train_bytes = t->data_bytes - t->data_bytes / HELD_OUT_DIVISOR;
     /* The swap directory is the user's: a saved run there is continued (--resume) or
      * deleted on request (--overwrite), never by default. The engine refuses the same, in
      * the library's words; this says it in the command's. (The engine creates a missing
@@ -1088,4 +1128,116 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         out->tier[i].budget_bytes = st.tier[i].capacity_bytes;
         out->tier[i].peak_bytes = t->peak[i];
     }
+}
+
+/* ---- validation and sampling ------------------------------------------------------------ */
+
+int trainer_eval(struct trainer *t, int n_batches, float *loss)
+{
+    int B = t->o.batch, T = t->o.seq, r = 0;
+    if (t->torn)
+        return t->torn;
+    if (n_batches < 1 || !loss)
+        return -EINVAL;
+    if (t->train_bytes == t->data_bytes)
+        return -ENODATA;
+    /* Window starts spread evenly over the tail, the last one ending at the data's end. */
+    size_t first = t->train_bytes, span = t->data_bytes - t->train_bytes - (size_t)T - 1;
+    size_t windows = (size_t)n_batches * (size_t)B;
+    double sum = 0;
+    for (int j = 0; j < n_batches && r == 0; j++) {
+        for (int b = 0; b < B; b++) {
+            size_t k = (size_t)j * (size_t)B + (size_t)b;
+            size_t off = first + (windows > 1 ? span * k / (windows - 1) : 0);
+            for (int i = 0; i < T; i++) {
+                t->tokens[b * T + i] = t->data[off + (size_t)i];
+                t->targets[b * T + i] = t->data[off + (size_t)i + 1];
+            }
+        }
+        float l = 0;
+        double ss;
+        if ((r = t->be->ops->set_batch(t->be, t->tokens, t->targets)) == 0 &&
+            (r = forward(t)) == 0 && (r = head(t, true, false)) == 0 &&
+            (r = t->be->ops->collect(t->be, &l, &ss)) == 0)
+            sum += l;
+    }
+    if (r < 0) {
+        float l;
+        double d;
+        t->be->ops->collect(t->be, &l, &d);
+        return r;
+    }
+    *loss = (float)(sum / n_batches);
+    return 0;
+}
+
+int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt, size_t plen,
+                   unsigned char *out, size_t n)
+{
+    int B = t->o.batch, T = t->o.seq, C = t->cfg.C, V = t->cfg.V, r = 0;
+    unsigned char ctx[65536];
+    float xn[65536 / 4 + 1], logits[256], mean, rstd;
+    size_t done = 0;
+
+    if (t->torn)
+        return t->torn;
+    if (!t->o.sample || !prompt || plen < 1 || !out || plen + n > (size_t)T || C > 16384)
+        return -EINVAL;
+    memcpy(ctx, prompt, plen);
+    for (size_t pos = plen - 1; done < n && r == 0; pos++) {
+        for (int b = 0; b < B; b++)
+            for (int i = 0; i < T; i++) {
+                t->tokens[b * T + i] = i <= (int)pos ? ctx[i] : 0;
+                t->targets[b * T + i] = 0;
+            }
+        if ((r = t->be->ops->set_batch(t->be, t->tokens, t->targets)) < 0 ||
+            (r = forward(t)) < 0)
+            break;
+        struct wave w;
+        void *p[WAVE_MAX];
+        wave_sample(t, &w);
+        if ((r = wave_fetch(t, &w, ZINF_TIER_HOST, p)) < 0)
+            break;
+        /* Row 0's activation at pos, through the final norm, against each byte's embedding. */
+        float x[16384];
+        size_t at = pos * (size_t)C;
+        if (t->be->adt == BACKEND_BF16)
+            ops_cast_bf16_to_f32(x, (const uint16_t *)p[0] + at, (size_t)C);
+        else
+            memcpy(x, (const float *)p[0] + at, (size_t)C * sizeof(float));
+        ops_layernorm_forward(xn, &mean, &rstd, x, p[1], p[2], 1, (size_t)C);
+        const float *wte = p[3];
+        float mx = -INFINITY;
+        for (int v = 0; v < V; v++) {
+            double dot = 0;
+            for (int c = 0; c < C; c++)
+                dot += (double)wte[(size_t)v * C + c] * xn[c];
+            logits[v] = (float)dot;
+            mx = MAX(mx, logits[v]);
+        }
+        wave_release(t, &w, ZINF_TIER_HOST, false);
+        double z = 0;
+        for (int v = 0; v < V; v++)
+            z += exp((double)logits[v] - mx);
+        double u = (double)(mix64(seed * 0x9e3779b97f4a7c15ull + pos) >> 11) * 0x1p-53 * z;
+        int tok = V - 1;
+        for (int v = 0; v < V; v++) {
+            u -= exp((double)logits[v] - mx);
+            if (u <= 0) {
+                tok = v;
+                break;
+            }
+        }
+        ctx[pos + 1] = (unsigned char)tok;
+        out[done++] = (unsigned char)tok;
+        if (pos + 2 >= (size_t)T)
+            break;
+    }
+    if (r < 0) {
+        float l;
+        double d;
+        t->be->ops->collect(t->be, &l, &d);
+        return r;
+    }
+    return (int)done;
 }

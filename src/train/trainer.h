@@ -57,6 +57,8 @@ struct trainer_opts {
     float lr, weight_decay, grad_clip;
     float beta1, beta2, eps;          /* Adam's: 0.9, 0.999, 1e-8 */
     int grad_accum;                   /* micro-batches of `batch` per optimizer step: 1 */
+    bool sample;                      /* trainer_sample() will be called: its host-tier set
+                                         counts in the budget check */
     struct trainer_lr_schedule sched; /* constant lr by default */
     uint64_t seed;
     bool resume;             /* continue from the state persisted in the swap directory */
@@ -128,6 +130,18 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st);
  * stays the saved state, and trainer_close keeps it so unless a later one succeeds. */
 int trainer_checkpoint(struct trainer *t);
 void trainer_get_summary(struct trainer *t, struct trainer_summary *out);
+/* The mean loss over n_batches batches of the held-out tail (the last tenth of the data,
+ * never trained on): windows spread evenly over it, the same every time, so that values
+ * compare across steps. Only gradients and activations change (as in a step's first half):
+ * a failure leaves the trainer usable. -ENODATA when the data is too short to hold a tail
+ * out (less than 10 x (seq + 1) bytes), or a run resumed from before the tail was held. */
+int trainer_eval(struct trainer *t, int n_batches, float *loss);
+/* Generate up to n bytes after prompt (plen >= 1 bytes, plen + n <= seq), one forward pass
+ * per byte, sampling the softmax of the logits at the last position with a generator seeded
+ * by seed. Returns the number of bytes written to out. Needs opts.sample for the budget
+ * check to count its host-tier set (-EINVAL without it). */
+int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt, size_t plen,
+                   unsigned char *out, size_t n);
 /* Test-only fault hook, off by default: in the next step, the optimizer's update of the
  * tensor with layout index `tensor` fails with -err (a positive errno) as if fetching it
  * had, after the tensors before it were updated. */
