@@ -78,6 +78,18 @@ static struct trainer_opts small_model(const char *config)
     return o;
 }
 
+/* small_model() over a config of its own (cfg, of n bytes) whose swap directory is
+ * dir/tag, with both offloads on NVMe. */
+static struct trainer_opts nvme_model(char *cfg, size_t n, const char *tag, const char *dev,
+                                      const char *host)
+{
+    char swap[4096];
+    snprintf(swap, sizeof(swap), "%s/%s", dir, tag);
+    snprintf(cfg, n, "%s/%s.json", dir, tag);
+    write_config(cfg, "nvme", "nvme", swap, dev, host);
+    return small_model(cfg);
+}
+
 static void run_steps(struct trainer_opts *o, int n, float *losses, struct trainer_summary *sum)
 {
     struct trainer *t = NULL;
@@ -747,21 +759,15 @@ Test(train, lr_schedules_are_deepspeeds)
  * bitwise, and a resume that changes it is refused. */
 Test(train, gradient_accumulation_equals_the_larger_batch)
 {
-    char cfg[4096], swap[4096], err[512];
+    char cfg[4096], err[512];
     float big[STEPS], acc[STEPS], resumed[STEPS];
 
-    snprintf(swap, sizeof(swap), "%s/a", dir);
-    snprintf(cfg, sizeof(cfg), "%s/a.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, "1M", "1M");
-    struct trainer_opts o = small_model(cfg);
+    struct trainer_opts o = nvme_model(cfg, sizeof(cfg), "a", "1M", "1M");
     o.batch = 4;
     o.grad_clip = 0.5f; /* so that clipping acts on the accumulated norm too */
     run_steps(&o, STEPS, big, NULL);
 
-    snprintf(swap, sizeof(swap), "%s/b", dir);
-    snprintf(cfg, sizeof(cfg), "%s/b.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, "1M", "1M");
-    o = small_model(cfg);
+    o = nvme_model(cfg, sizeof(cfg), "b", "1M", "1M");
     o.batch = 2;
     o.grad_accum = 2;
     o.grad_clip = 0.5f;
@@ -771,10 +777,7 @@ Test(train, gradient_accumulation_equals_the_larger_batch)
                   "step %d: batch 4 %.9g, 2 x 2 accumulated %.9g", i + 1, big[i], acc[i]);
 
     /* Interrupted after 3 steps and resumed: bitwise the same. */
-    snprintf(swap, sizeof(swap), "%s/c", dir);
-    snprintf(cfg, sizeof(cfg), "%s/c.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, "1M", "1M");
-    o = small_model(cfg);
+    o = nvme_model(cfg, sizeof(cfg), "c", "1M", "1M");
     o.batch = 2;
     o.grad_accum = 2;
     o.grad_clip = 0.5f;
@@ -799,22 +802,16 @@ Test(train, gradient_accumulation_equals_the_larger_batch)
  * a sample with the same seed the same bytes; both are refused where they cannot work. */
 Test(train, eval_and_sample_leave_the_training_exactly_as_it_was)
 {
-    char cfg[4096], swap[4096], err[512];
+    char cfg[4096], err[512];
     float ref[STEPS], got[STEPS];
     struct trainer *t = NULL;
     struct trainer_step_stats st;
 
-    snprintf(swap, sizeof(swap), "%s/ref", dir);
-    snprintf(cfg, sizeof(cfg), "%s/ref.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, "1M", "2M");
-    struct trainer_opts o = small_model(cfg);
+    struct trainer_opts o = nvme_model(cfg, sizeof(cfg), "ref", "1M", "2M");
     o.sample = true;
     run_steps(&o, STEPS, ref, NULL);
 
-    snprintf(swap, sizeof(swap), "%s/ev", dir);
-    snprintf(cfg, sizeof(cfg), "%s/ev.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, "1M", "2M");
-    o = small_model(cfg);
+    o = nvme_model(cfg, sizeof(cfg), "ev", "1M", "2M");
     o.sample = true;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
     unsigned char a[16], b[16];
@@ -842,10 +839,7 @@ Test(train, eval_and_sample_leave_the_training_exactly_as_it_was)
                   got[i]);
 
     /* Sampling was not announced (its host-tier set was not in the budget check). */
-    snprintf(swap, sizeof(swap), "%s/ns", dir);
-    snprintf(cfg, sizeof(cfg), "%s/ns.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, "1M", "2M");
-    o = small_model(cfg);
+    o = nvme_model(cfg, sizeof(cfg), "ns", "1M", "2M");
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
     cr_assert_eq(trainer_sample(t, 1, (const unsigned char *)"\n", 1, big, 8), -EINVAL);
     trainer_close(t);
@@ -857,10 +851,7 @@ Test(train, eval_and_sample_leave_the_training_exactly_as_it_was)
     for (int i = 0; i < 100; i++)
         fputc('a' + i % 26, f);
     fclose(f);
-    snprintf(swap, sizeof(swap), "%s/sh", dir);
-    snprintf(cfg, sizeof(cfg), "%s/sh.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, "1M", "2M");
-    o = small_model(cfg);
+    o = nvme_model(cfg, sizeof(cfg), "sh", "1M", "2M");
     o.data_path = shortdata;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
     float v;
