@@ -1,9 +1,11 @@
 /*
  * cmd_train.c - `zinf train`: train a byte-level GPT-style model whose state lives in zinf.
  *
- * One line per step (loss, tokens/s, NVMe traffic, time blocked on fetch), one per
- * checkpoint (its time and the bytes it wrote), a summary with each tier's peak next to
- * its budget, the same as JSON lines with --log. The state is checkpointed at the start,
+ * The effective settings first (the options over DeepSpeed's keys over the zinf.train
+ * section, "auto" resolved, the keys zinf does not act on named), then one line per step
+ * (loss, tokens/s, NVMe traffic, time blocked on fetch, ETA), one per checkpoint (its time
+ * and the bytes it wrote), the held-out loss and sampled text when asked, a summary with
+ * the run's time and each tier's peak next to its budget; the same as JSON lines with --log. The state is checkpointed at the start,
  * every --checkpoint-every steps and at the end, so that a crash loses at most the steps
  * since the last checkpoint. SIGINT/SIGTERM finish the step, flush, and exit with 130/143
  * (the JSON summary says "interrupted": true): --resume continues exactly from there.
