@@ -1377,3 +1377,19 @@ Test(cli, train_evaluates_samples_and_says_how_long)
     cr_assert(strstr(o, "--sample-bytes 8: at most --seq - 1 = 7"), "%s", o);
     free(o);
 }
+
+/* zinf stat next to an engine that has saved nothing yet: it says the directory is in use,
+ * not that the tensor is busy, nor that nothing was ever there. */
+Test(cli, stat_on_a_directory_in_use_says_so)
+{
+    char swap[4096], *o;
+    snprintf(swap, sizeof(swap), "%s/busy", dir);
+    struct zinf_options opt = {.nvme_path = swap, .device_bytes = MiB, .host_bytes = MiB,
+                               .device_kind = ZINF_DEVICE_EMULATED, .flags = ZINF_OPEN_NO_PIN};
+    zinf_engine *e = NULL;
+    cr_assert_eq(zinf_open(&opt, &e), 0);
+    cr_assert_eq(run(&o, "stat --path %s", swap), 1, "%s", o);
+    cr_assert(strstr(o, "is in use by another engine"), "%s", o);
+    free(o);
+    zinf_close(e);
+}

@@ -9,16 +9,20 @@
  * tool for the state on disk and the settings, not a monitor of that job's memory.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
+#include <jansson.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
-
-#include <jansson.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include "cmd.h"
 #include "common.h"
 #include "config.h"
 #include "engine/engine.h"
+#include "tiers/nvme.h"
 
 static const char *const tier_names[] = {"device", "host", "nvme"};
 
@@ -68,6 +72,19 @@ static void print_table(const struct zinf_stats *s)
            format_size(s->nvme_bytes_written, b, sizeof(b)), (unsigned long long)s->prefetches,
            (unsigned long long)s->prefetch_in_time, (unsigned long long)s->prefetch_late,
            (double)s->blocked_ns / 1e9);
+}
+
+/* Does an engine hold DIR's swap files (a lock on the first one)? */
+static bool in_use(const char *dir)
+{
+    char p[4096];
+    snprintf(p, sizeof(p), "%s/%s.0", dir, NVME_SWAP_NAME);
+    int fd = open(p, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return false;
+    bool held = flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+    close(fd);
+    return held;
 }
 
 static void usage(FILE *f)
@@ -159,10 +176,12 @@ int cmd_stat(int argc, char **argv)
             json_decref(m);
         }
         r = zinf_open(&o, &e);
-        if (r == -ENOENT) {
+        if (r == -ENOENT && !in_use(path)) {
             fprintf(stderr, "zinf stat: no saved run in %s\n", path);
             return 1;
         }
+        if (r == -ENOENT)
+            r = -EBUSY; /* an engine works there but has saved nothing yet: said below */
     }
     if (r == -EBUSY) {
         fprintf(stderr, "zinf stat: %s is in use by another engine, and holds no saved state "
