@@ -37,7 +37,7 @@ enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_TRAIN, S_OPT, S_OP
 /* DeepSpeed keys zinf has no use for. Their values are not looked at: they are
  * DeepSpeed's business, and a config DeepSpeed accepts must be accepted here. */
 static const char *const top_ignored[] = {
-    "bfloat16", "amp", "torch_autocast", "prescale_gradients", "gradient_predivide_factor",
+    "amp", "torch_autocast", "prescale_gradients", "gradient_predivide_factor",
     "sparse_gradients", "wall_clock_breakdown", "memory_breakdown",
     "dump_state", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
     "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
@@ -138,7 +138,9 @@ struct field {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 static const struct field fields[] = {
-    {S_ZERO, "stage", NULL, F_INT, OFF(zero.stage), 0, 3, 0, NULL},
+    {S_ZERO, "stage", NULL, F_INT, OFF(zero.stage), 0, 3, 0, NULL, 0,
+     "one rank holds every tensor, whatever the stage: offload_param and offload_optimizer "
+     "say where each lives"},
     {S_ZERO, "sub_group_size", NULL, F_U64, OFF(zero.sub_group_size), 0, 0, 0, NULL, 0,
      "the optimizer updates one tensor at a time, whatever the sub-group size"},
     {S_PARAM, "device", NULL, F_ENUM, OFF(zero.offload_param.device), 0, 0, 0, offload_devices},
@@ -584,6 +586,8 @@ static int read_field(struct parser *p, const struct field *f, const char *path,
     if (bit_get(c->given, f)) {
         /* Only an alias can get here: jansson refuses a key given twice. */
         const char *other = strcmp(key, f->key) ? f->key : f->alias;
+        if (!other) /* the same key in a section given under two names */
+            return fail(p, path, "given twice: \"bf16\" and \"bfloat16\" are one section");
         return fail(p, path, "given twice, also as %s", other);
     }
     if ((f->flags & FL_AUTO) && json_is_string(v) && !strcmp(json_string_value(v), "auto")) {
@@ -700,6 +704,9 @@ static int find_sub(int s, const char *key)
     for (int i = 0; i < S_COUNT; i++)
         if (sects[i].parent == s && !strcmp(sects[i].key, key))
             return i;
+    /* DeepSpeed's older name for its bf16 section. */
+    if (s == S_TOP && !strcmp(key, "bfloat16"))
+        return S_BF16;
     return -1;
 }
 

@@ -232,7 +232,7 @@ Test(config, every_key_read_back_from_a_file)
     /* 32 settings, every one given; those zinf does not act on are named, with why. */
     cr_expect_eq(c.given[0], 0xffffffffull);
     static const char *const named[] = {
-        "zero_optimization.sub_group_size", "zero_optimization.offload_param.max_in_cpu",
+        "zero_optimization.stage", "zero_optimization.sub_group_size", "zero_optimization.offload_param.max_in_cpu",
         "zero_optimization.offload_optimizer.buffer_count",
         "zero_optimization.offload_optimizer.pipeline_read",
         "zero_optimization.offload_optimizer.pipeline_write",
@@ -571,7 +571,7 @@ Test(config, deepspeed_keys_zinf_does_not_use_are_not_warned)
     test_log_capture_stop();
     cr_expect_eq(c.n_unknown, 0);
     /* The training keys are read now (zinf train honours them): not ignored. */
-    cr_expect_eq(c.n_ignored, 28, "%zu ignored", c.n_ignored);
+    cr_expect_eq(c.n_ignored, 29, "%zu ignored", c.n_ignored); /* stage among them */
     cr_expect_not(listed(c.ignored, c.n_ignored, "optimizer"));
     cr_expect_eq(c.train.train_batch_size, 32);
     cr_expect_eq(c.train.micro_batch, 4);
@@ -986,7 +986,6 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     config_defaults(&c);
     char *text = print_to_string(&c);
     static const char *const want[] = {
-        "zero_optimization.stage = 0  # default\n",
         "zero_optimization.offload_param.device = \"none\"  # default\n",
         "zero_optimization.offload_param.nvme_path = []  # default\n",
         "zero_optimization.offload_param.buffer_size = 100000000  # default\n",
@@ -1017,7 +1016,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         cr_expect(strstr(text, want[i]), "missing %s in:\n%s", want[i], text);
     /* What zinf does not act on is not an effective setting: not printed as one. */
     static const char *const not_settings[] = {
-        "sub_group_size", "max_in_cpu", "offload_optimizer.buffer_count", "pipeline_read",
+        "zero_optimization.stage =", "sub_group_size", "max_in_cpu", "offload_optimizer.buffer_count", "pipeline_read",
         "fast_init", "max_live_parameters", "max_reuse_distance", "persistence_threshold",
         "single_submit", "overlap_events", "use_gds"};
     for (size_t i = 0; i < ARRAY_SIZE(not_settings); i++)
@@ -1027,7 +1026,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
     /* settings, zinf.train, the training keys, header, engine */
-    cr_expect_eq(lines, 22 + 9 + 27 + 1 + 8, "%s", text);
+    cr_expect_eq(lines, 21 + 9 + 27 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }
@@ -1224,4 +1223,10 @@ Test(config, auto_is_taken_where_hugging_face_fills_it_in)
                 "optimizer.params.lr: must be a number >= 0, got -1");
     expect_error("{\"scheduler\": {\"params\": {\"warmup_type\": \"cubic\"}}}",
                 "scheduler.params.warmup_type: must be one of \"log\", \"linear\", got \"cubic\"");
+    /* DeepSpeed's older name of the bf16 section is the same section. */
+    expect_ok("{\"bfloat16\": {\"enabled\": true}}", &c);
+    cr_expect(c.train.bf16.enabled);
+    config_free(&c);
+    expect_error("{\"bfloat16\": {\"enabled\": true}, \"bf16\": {\"enabled\": false}}",
+                "bf16.enabled: given twice: \"bf16\" and \"bfloat16\" are one section");
 }
