@@ -3,8 +3,9 @@
  * Criterion), so that it also runs under ThreadSanitizer, whose runtime Criterion's forking
  * runner cannot start under.
  *
- * Worker threads fetch to either tier and release clean or DIRTY, write and read byte
- * ranges, fetch asynchronously, prefetch and mark steps, on tensors of odd sizes on all
+ * Worker threads fetch to either tier and release clean or DIRTY, fetch sets of tensors at
+ * once (zinf_fetch_all), write and read byte ranges, fetch asynchronously, prefetch and
+ * mark steps, on tensors of odd sizes on all
  * three homes under budgets far below their total; one thread flushes, one unregisters and
  * registers a tensor again and again. Every byte is compared with a reference copy (a
  * per-tensor rwlock orders writers against readers, as a trainer would), and at the end
@@ -146,6 +147,49 @@ static void op_async(struct st_tensor *t, uint64_t *s)
     pthread_rwlock_unlock(&t->lk);
 }
 
+/* A set of two or three tensors pinned at once with zinf_fetch_all, which may empty the
+ * tier (with the lock dropped) to lay them out: all pinned with their bytes, or none. Read
+ * locks are taken in index order, so that sets never wait on each other in a circle. */
+static void op_fetch_all(uint64_t *s)
+{
+    enum zinf_tier tier = rnd(s) & 1 ? ZINF_TIER_HOST : ZINF_TIER_DEVICE;
+    int idx[3], n = 2 + (int)(rnd(s) % 2);
+    for (int i = 0; i < n; i++) {
+        int k;
+        bool dup;
+        do {
+            k = 1 + (int)(rnd(s) % (NT - 1)); /* not tensor 0: it is registered again and again */
+            dup = false;
+            for (int j = 0; j < i; j++)
+                dup |= idx[j] == k;
+        } while (dup);
+        int j = i;
+        while (j > 0 && idx[j - 1] > k) {
+            idx[j] = idx[j - 1];
+            j--;
+        }
+        idx[j] = k;
+    }
+    zinf_tensor hs[3];
+    void *p[3];
+    for (int i = 0; i < n; i++) {
+        pthread_rwlock_rdlock(&tens[idx[i]].lk);
+        hs[i] = atomic_load(&tens[idx[i]].h);
+    }
+    int r = zinf_fetch_all(eng, hs, (size_t)n, tier, p);
+    if (r == 0) {
+        for (int i = 0; i < n; i++)
+            check_bytes(p[i], tens[idx[i]].ref, tens[idx[i]].n, &tens[idx[i]], "fetch_all");
+        for (int i = 0; i < n; i++)
+            if ((r = zinf_release(eng, hs[i], tier, 0)))
+                fail("release of '%s' after fetch_all: %s", tens[idx[i]].name, zinf_strerror(r));
+    } else if (!transient(r)) {
+        fail("fetch_all of %d tensors to tier %d: %s", n, tier, zinf_strerror(r));
+    }
+    for (int i = n - 1; i >= 0; i--)
+        pthread_rwlock_unlock(&tens[idx[i]].lk);
+}
+
 static void op_write_read(struct st_tensor *t, uint64_t *s)
 {
     size_t off = rnd(s) % t->n, len = 1 + rnd(s) % (t->n - off);
@@ -175,9 +219,11 @@ static void *worker(void *arg)
     uint64_t s = 0x9e3779b97f4a7c15ull * (uintptr_t)arg + 1;
     while (!atomic_load(&stop_all)) {
         struct st_tensor *t = &tens[rnd(&s) % NT];
-        unsigned op = rnd(&s) % 10;
+        unsigned op = rnd(&s) % 11;
         if (op < 5)
             op_fetch(t, &s);
+        else if (op == 10)
+            op_fetch_all(&s);
         else if (op < 7)
             op_async(t, &s);
         else if (op < 9)
@@ -318,9 +364,11 @@ int main(int argc, char **argv)
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
     if (system(cmd) != 0)
         fprintf(stderr, "stress_api: could not remove %s\n", dir);
-    printf("# %lu operations in %.1f s, %llu flushes, %llu evictions, every byte checked\n"
+    printf("# %lu operations in %.1f s, %llu flushes, %llu evictions, %llu tiers emptied for "
+           "a set, every byte checked\n"
            "stress_api: 1 passed, 0 failed\n",
            (unsigned long)atomic_load(&ops), seconds, (unsigned long long)st.flushes,
-           (unsigned long long)(st.tier[0].evictions + st.tier[1].evictions));
+           (unsigned long long)(st.tier[0].evictions + st.tier[1].evictions),
+           (unsigned long long)st.compactions);
     return 0;
 }
