@@ -659,7 +659,7 @@ static void expect_refusal_names(const char *err, uint64_t dev, uint64_t host)
  * each point runs all its steps or is refused at open; the smallest budgets the trainer
  * computes run, and 4 KiB less of either is refused, naming them. bf16 too (mixed
  * precision, the default on a GPU). */
-Test(train, every_budget_runs_all_its_steps_or_is_refused_before_step_one, .timeout = 600)
+Test(train, every_budget_runs_all_its_steps_or_is_refused_before_step_one)
 {
     static const int shapes[2][2] = {{6, 128}, {3, 192}};
     static const char *const devs[] = {"1536K", "2M", "2560K", "3M", "4M"};
