@@ -41,17 +41,17 @@ JSON
         --seq "$T" --batch "$B" --steps "$steps" --precision "$prec" --log "$tmp/l.jsonl" \
         >"$tmp/out" 2>&1 || rc=$?
       least=$(grep -o '"device_bytes": [0-9]*, "host_bytes": [0-9]*' "$tmp/out" | head -n 1 |
-              sed 's/"device_bytes": \([0-9]*\), "host_bytes": \([0-9]*\)/device \1, host \2/')
+              sed 's/"device_bytes": \([0-9]*\), "host_bytes": \([0-9]*\)/device \1, host \2/' || true)
       if [ "$rc" = 0 ] && grep -q "^# summary: $steps steps" "$tmp/out"; then
         result=ran
         least=$(grep -o '"min_device_bytes":[0-9]*,"min_host_bytes":[0-9]*' "$tmp/l.jsonl" |
-                tail -n 1 | sed 's/"min_device_bytes":\([0-9]*\),"min_host_bytes":\([0-9]*\)/device \1, host \2/')
+                tail -n 1 | sed 's/"min_device_bytes":\([0-9]*\),"min_host_bytes":\([0-9]*\)/device \1, host \2/' || true)
       elif [ "$rc" = 2 ] && [ -n "$least" ]; then
         result=refused
       else
         result=FAILED
         failed=1
-        least="exit $rc: $(grep -m1 'failed' "$tmp/out" || tail -n 1 "$tmp/out")"
+        least="exit $rc: $(grep -m1 'failed' "$tmp/out" || tail -n 1 "$tmp/out" || true)"
       fi
       printf '  %-7s %-6s %-6s %-8s %s\n' "$shape" "$d" "$h" "$result" "$least"
     done
