@@ -403,10 +403,11 @@ static int evaluate(struct trainer *t, int step, int batches, FILE *log)
  * printable), and a JSON line with --log. */
 static int sample(struct trainer *t, int step, uint64_t seed, long bytes, FILE *log)
 {
-    unsigned char out[65536];
     static const unsigned char prompt[] = "\n";
-    int n = trainer_sample(t, seed ^ (uint64_t)step, prompt, 1, out, (size_t)bytes);
+    unsigned char *out = malloc((size_t)bytes);
+    int n = out ? trainer_sample(t, seed ^ (uint64_t)step, prompt, 1, out, (size_t)bytes) : -ENOMEM;
     if (n < 0) {
+        free(out);
         fprintf(stderr, "zinf train: sampling at step %d failed: %s\n", step, zinf_strerror(n));
         return n;
     }
@@ -439,6 +440,7 @@ static int sample(struct trainer *t, int step, uint64_t seed, long bytes, FILE *
         fprintf(log, "\"}\n");
         fflush(log);
     }
+    free(out);
     return 0;
 }
 

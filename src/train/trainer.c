@@ -1175,14 +1175,21 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
                    unsigned char *out, size_t n)
 {
     int B = t->o.batch, T = t->o.seq, C = t->cfg.C, V = t->cfg.V, r = 0;
-    unsigned char ctx[65536];
-    float xn[65536 / 4 + 1], logits[256], mean, rstd;
+    float logits[256], mean, rstd;
     size_t done = 0;
 
     if (t->torn)
         return t->torn;
-    if (!t->o.sample || !prompt || plen < 1 || !out || plen + n > (size_t)T || C > 16384)
+    if (!t->o.sample || !prompt || plen < 1 || !out || plen + n > (size_t)T)
         return -EINVAL;
+    unsigned char *ctx = malloc((size_t)T);
+    float *x = malloc((size_t)C * sizeof(float)), *xn = malloc((size_t)C * sizeof(float));
+    if (!ctx || !x || !xn) {
+        free(ctx);
+        free(x);
+        free(xn);
+        return -ENOMEM;
+    }
     memcpy(ctx, prompt, plen);
     for (size_t pos = plen - 1; done < n && r == 0; pos++) {
         for (int b = 0; b < B; b++)
@@ -1199,7 +1206,6 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
         if ((r = wave_fetch(t, &w, ZINF_TIER_HOST, p)) < 0)
             break;
         /* Row 0's activation at pos, through the final norm, against each byte's embedding. */
-        float x[16384];
         size_t at = pos * (size_t)C;
         if (t->be->adt == BACKEND_BF16)
             ops_cast_bf16_to_f32(x, (const uint16_t *)p[0] + at, (size_t)C);
@@ -1233,6 +1239,9 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
         if (pos + 2 >= (size_t)T)
             break;
     }
+    free(ctx);
+    free(x);
+    free(xn);
     if (r < 0) {
         float l;
         double d;
