@@ -172,9 +172,10 @@ static const struct field fields[] = {
     {S_ZERO, "stage3_max_reuse_distance", "max_reuse_distance", F_U64,
      OFF(zero.stage3_max_reuse_distance), 0, 0, 0, NULL, 0,
      "eviction is by next use in the learned schedule, whatever the distance"},
+    /* Given (or "auto"), zinf train homes the weights with fewer elements on the device;
+     * not given, none (DeepSpeed's 1e5 would home most of a small model there). */
     {S_ZERO, "stage3_param_persistence_threshold", "param_persistence_threshold", F_U64,
-     OFF(zero.stage3_param_persistence_threshold), 0, 0, 0, NULL, FL_AUTO,
-     "no tensor stays on the device for being small: each is fetched and released"},
+     OFF(zero.stage3_param_persistence_threshold), 0, 0, 0, NULL, FL_AUTO | FL_CMD},
     {S_AIO, "block_size", NULL, F_U64, OFF(aio.block_size), ZINF_ALIGN, 64 * MiB, ZINF_ALIGN,
      NULL},
     {S_AIO, "queue_depth", NULL, F_UINT, OFF(aio.queue_depth), 1, 1024, 0, NULL},

@@ -1204,13 +1204,13 @@ Test(cli, config_check_of_a_hugging_face_zero3_nvme_config)
     static const char *const autos[] = {
         "stage3_prefetch_bucket_size = \"auto\"", "#   zero_optimization.stage3_prefetch_bucket_"
         "size = 14745", "#   optimizer.params.lr = 0.001", "#   train_micro_batch_size_per_gpu = 4",
-        "#   gradient_accumulation_steps = 1", "#   bf16.enabled = as --precision auto"};
+        "#   gradient_accumulation_steps = 1", "#   bf16.enabled = as --precision auto",
+        "#   zero_optimization.stage3_param_persistence_threshold = 1280"};
     for (size_t i = 0; i < ARRAY_SIZE(autos); i++)
         cr_expect(strstr(o, autos[i]), "missing '%s':\n%s", autos[i], o);
     static const char *const ignored[] = {
         "zero_optimization.sub_group_size (", "zero_optimization.stage3_max_live_parameters (",
         "zero_optimization.stage3_max_reuse_distance (",
-        "zero_optimization.stage3_param_persistence_threshold (",
         "zero_optimization.offload_param.max_in_cpu (", "aio.single_submit (",
         "aio.overlap_events (", "zero_optimization.overlap_comm\n"};
     for (size_t i = 0; i < ARRAY_SIZE(ignored); i++) {

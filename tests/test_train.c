@@ -859,3 +859,75 @@ Test(train, eval_and_sample_leave_the_training_exactly_as_it_was)
     cr_assert_eq(trainer_step(t, &st), 0, "the trainer goes on");
     trainer_close(t);
 }
+
+/* stage3_param_persistence_threshold acts: the weights of fewer elements are homed on the
+ * device (DeepSpeed's persistent parameters), which the least device budget counts; the
+ * losses are bitwise those of the run without it; a resume under another threshold is
+ * refused, naming it. */
+Test(train, small_weights_persist_on_the_device_below_the_threshold)
+{
+    char cfg[4096], swap[4096], err[512];
+    float ref[STEPS], got[STEPS];
+    struct trainer_summary s0, s1;
+
+    struct trainer_opts o = nvme_model(cfg, sizeof(cfg), "plain", "1M", "2M");
+    run_steps(&o, STEPS, ref, &s0);
+
+    snprintf(swap, sizeof(swap), "%s/persist", dir);
+    snprintf(cfg, sizeof(cfg), "%s/persist.json", dir);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    /* dim 64: the biases and norms (64 to 256 elements) persist, the matrices do not. */
+    fprintf(f, "{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"nvme\", "
+               "\"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", "
+               "\"nvme_path\": \"%s\"}, \"stage3_param_persistence_threshold\": 1000}, "
+               "\"aio\": {\"block_size\": 65536, \"queue_depth\": 8}, \"zinf\": {\"device\": "
+               "\"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": \"2M\"}}", swap, swap);
+    fclose(f);
+    o = small_model(cfg);
+    o.steps = 3;
+    run_steps(&o, 3, got, &s1);
+    cr_assert_gt(s1.min_budget[0], s0.min_budget[0], "the persistent weights are device homes");
+    struct trainer *t = NULL;
+    o.steps = STEPS;
+    o.resume = true;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    /* Every small weight is homed on the device, every matrix on NVMe. */
+    zinf_engine *e = trainer_engine(t);
+    int small = 0;
+    for (int k = 0; k < 2; k++) {
+        zinf_tensor h;
+        const char *name = k ? "p.h0.attn.qkv.w" : "p.h0.ln1.w";
+        cr_assert_eq(zinf_lookup(e, name, &h), 0, "%s", name);
+        pthread_mutex_lock(&e->lock);
+        enum zinf_tier home = engine_tensor(e, h)->home;
+        pthread_mutex_unlock(&e->lock);
+        cr_expect_eq(home, k ? ZINF_TIER_NVME : ZINF_TIER_DEVICE, "%s", name);
+        small += home == ZINF_TIER_DEVICE;
+    }
+    cr_assert_eq(small, 1);
+    for (int i = 3; i < STEPS; i++) {
+        struct trainer_step_stats st;
+        cr_assert_eq(trainer_step(t, &st), 0);
+        got[i] = st.loss;
+    }
+    cr_assert_eq(trainer_checkpoint(t), 0);
+    trainer_close(t);
+    for (int i = 0; i < STEPS; i++)
+        cr_assert(memcmp(&ref[i], &got[i], sizeof(float)) == 0, "step %d: %.9g without, %.9g "
+                  "with persistent weights", i + 1, ref[i], got[i]);
+
+    /* The saved run under another threshold: refused, naming the key. */
+    f = fopen(cfg, "w");
+    fprintf(f, "{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"nvme\", "
+               "\"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", "
+               "\"nvme_path\": \"%s\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 8}, "
+               "\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": "
+               "\"2M\"}}", swap, swap);
+    fclose(f);
+    o.steps = STEPS + 1;
+    t = NULL;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
+    cr_assert(strstr(err, "stage3_param_persistence_threshold"), "%s", err);
+    cr_assert_null(t);
+}

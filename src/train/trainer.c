@@ -87,6 +87,8 @@ struct trainer {
     uint64_t checkpoint_bytes;
     uint64_t peak[3];
     uint64_t min_budget[MEM_TIERS]; /* the smallest device and host budgets that run */
+    uint64_t persist_below;     /* stage3_param_persistence_threshold when set: the weights
+                                   of fewer elements are homed on the device; 0: none */
     bool state_v2;              /* resumed from a state saved before the held-out tail */
 };
 
@@ -357,14 +359,22 @@ static int wave_release(struct trainer *t, const struct wave *w, enum zinf_tier 
     return r;
 }
 
-/* Where each kind of tensor lives (as register_all() registers them) and its bytes. */
-static enum zinf_tier role_home(const struct trainer *t, enum role role)
+/* Where each tensor lives (as register_all() registers them). What the device computes
+ * with (w; p in fp32, where they are one) is homed with the parameters, or on the device
+ * itself when it has fewer elements than stage3_param_persistence_threshold (DeepSpeed's
+ * persistent parameters: small tensors are not worth a transfer each time). */
+static enum zinf_tier role_home(const struct trainer *t, enum role role, int idx)
 {
     enum zinf_tier ph = home_of(t->zc.zero.offload_param.device);
     enum zinf_tier oh = home_of(t->zc.zero.offload_optimizer.device);
+    bool persist = role != R_ACT && t->persist_below &&
+                   t->desc[idx].numel < (size_t)t->persist_below;
     switch (role) {
-    case R_P: return t->w != t->p ? oh : ph; /* fp32: p is what the device computes with */
-    case R_W: return ph;
+    case R_P:
+        if (t->w != t->p)
+            return oh; /* the fp32 master is optimizer state */
+        return persist ? ZINF_TIER_DEVICE : ph;
+    case R_W: return persist ? ZINF_TIER_DEVICE : ph;
     case R_ACT: return ZINF_TIER_HOST;
     default: return oh;
     }
@@ -383,7 +393,7 @@ static uint64_t wave_need(const struct trainer *t, const struct wave *w, enum zi
 {
     uint64_t need = 0;
     for (int i = 0; i < w->n; i++)
-        if (role_home(t, (enum role)w->role[i]) != tier)
+        if (role_home(t, (enum role)w->role[i], w->idx[i]) != tier)
             need += align_up(role_bytes(t, (enum role)w->role[i], w->idx[i]), ZINF_ALIGN);
     return need;
 }
@@ -403,7 +413,7 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
         for (size_t j = 0; j < sizeof(kinds) / sizeof(kinds[0]); j++) {
             if (kinds[j] == R_W && t->w == t->p)
                 continue;
-            enum zinf_tier h = role_home(t, kinds[j]);
+            enum zinf_tier h = role_home(t, kinds[j], i);
             if (h < MEM_TIERS)
                 homes[h] += align_up(role_bytes(t, kinds[j], i), ZINF_ALIGN);
         }
@@ -494,10 +504,26 @@ static int reg(struct trainer *t, const char *prefix, const char *name, size_t b
     return zinf_register(t->e, full, bytes, home, out);
 }
 
+/* A resumed tensor's home is the saved run's: it must be where this run's budget check
+ * put it (the offload devices and the persistence threshold decide). */
+static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, const char *name,
+                      char *err, size_t errlen)
+{
+    static const char *const tiers[] = {"the device", "the host", "NVMe"};
+    pthread_mutex_lock(&t->e->lock);
+    struct tensor *x = engine_tensor(t->e, h);
+    enum zinf_tier got = x ? x->home : want;
+    pthread_mutex_unlock(&t->e->lock);
+    if (got == want)
+        return 0;
+    snprintf(err, errlen, "--resume: the saved run keeps '%s' on %s, this config on %s: give "
+             "the saved run's offload devices and stage3_param_persistence_threshold", name,
+             tiers[got], tiers[want]);
+    return -EINVAL;
+}
+
 static int register_all(struct trainer *t, char *err, size_t errlen)
 {
-    enum zinf_tier ph = home_of(t->zc.zero.offload_param.device);
-    enum zinf_tier oh = home_of(t->zc.zero.offload_optimizer.device);
     size_t act = (size_t)t->o.batch * t->o.seq * t->cfg.C * backend_dtype_bytes(t->be->adt);
     bool mixed = t->w != t->p;
     char name[32];
@@ -505,14 +531,23 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
 
     /* In fp32 the parameters the device computes with are the master weights, homed with
      * the parameters; in bf16 the bf16 copies are, and the fp32 masters are optimizer state. */
+    static const enum role kinds[] = {R_P, R_G, R_M, R_V, R_W};
+    static const char *const prefix[] = {"p.", "g.", "m.", "v.", "w."};
     for (int i = 0; i < t->ntensors && r == 0; i++) {
-        size_t bytes = t->desc[i].numel * sizeof(float);
         const char *n = t->desc[i].name;
-        if ((r = reg(t, "p.", n, bytes, mixed ? oh : ph, &t->p[i])) == 0 &&
-            (r = reg(t, "g.", n, bytes, oh, &t->g[i])) == 0 &&
-            (r = reg(t, "m.", n, bytes, oh, &t->m[i])) == 0 &&
-            (r = reg(t, "v.", n, bytes, oh, &t->v[i])) == 0 && mixed)
-            r = reg(t, "w.", n, t->desc[i].numel * 2, ph, &t->w[i]);
+        zinf_tensor *out[] = {&t->p[i], &t->g[i], &t->m[i], &t->v[i], &t->w[i]};
+        size_t bytes = 0;
+        for (int k = 0; k < (mixed ? 5 : 4) && r == 0; k++) {
+            enum zinf_tier home = role_home(t, kinds[k], i);
+            bytes = role_bytes(t, kinds[k], i);
+            r = reg(t, prefix[k], n, bytes, home, out[k]);
+            if (r == 0 && t->o.resume) {
+                char full[96];
+                snprintf(full, sizeof(full), "%s%s", prefix[k], n);
+                if ((r = check_home(t, *out[k], home, full, err, errlen)) < 0)
+                    return r;
+            }
+        }
         if (r < 0 && t->o.resume)
             snprintf(err, errlen, "--resume: tensor '%s' is not in the swap directory: is it the "
                      "saved run's, with the same model?", n);
@@ -533,7 +568,8 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
                      act, zinf_strerror(r));
     }
     if (r == 0) {
-        r = reg(t, "", STATE_NAME, sizeof(struct train_state), ph, &t->state);
+        r = reg(t, "", STATE_NAME, sizeof(struct train_state),
+                home_of(t->zc.zero.offload_param.device), &t->state);
         if (r < 0)
             snprintf(err, errlen, "%s: %s", STATE_NAME,
                      t->o.resume ? "no training state to resume in the swap directory"
@@ -683,6 +719,10 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
                                     .grad_clip = o->grad_clip, .bf16 = -1};
     char resolved[1024];
     config_resolve_auto(&t->zc, &ai, resolved, sizeof(resolved));
+    /* DeepSpeed's persistent parameters, when the config sets the threshold ("auto": ten
+     * times the width); without it every weight stays in its offload home. */
+    if (config_given(&t->zc, "zero_optimization.stage3_param_persistence_threshold"))
+        t->persist_below = t->zc.zero.stage3_param_persistence_threshold;
     /* The device tier and the backend go together: the CUDA kernels where the tier is a
      * GPU, the CPU over the emulated tier otherwise. */
     bool cuda = false;
