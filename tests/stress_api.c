@@ -147,13 +147,13 @@ static void op_async(struct st_tensor *t, uint64_t *s)
     pthread_rwlock_unlock(&t->lk);
 }
 
-/* A set of two or three tensors pinned at once with zinf_fetch_all, which may empty the
+/* A set of two to six tensors pinned at once with zinf_fetch_all, which may empty the
  * tier (with the lock dropped) to lay them out: all pinned with their bytes, or none. Read
  * locks are taken in index order, so that sets never wait on each other in a circle. */
 static void op_fetch_all(uint64_t *s)
 {
     enum zinf_tier tier = rnd(s) & 1 ? ZINF_TIER_HOST : ZINF_TIER_DEVICE;
-    int idx[3], n = 2 + (int)(rnd(s) % 2);
+    int idx[6], n = 2 + (int)(rnd(s) % 5);
     for (int i = 0; i < n; i++) {
         int k;
         bool dup;
@@ -170,8 +170,8 @@ static void op_fetch_all(uint64_t *s)
         }
         idx[j] = k;
     }
-    zinf_tensor hs[3];
-    void *p[3];
+    zinf_tensor hs[6];
+    void *p[6];
     for (int i = 0; i < n; i++) {
         pthread_rwlock_rdlock(&tens[idx[i]].lk);
         hs[i] = atomic_load(&tens[idx[i]].h);
