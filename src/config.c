@@ -69,8 +69,7 @@ static const char *const opt_params_ignored[] = {
     "comm_backend_name", "max_coeff", "min_coeff", "momentum", "nesterov", "dampening",
     "lr_decay", "initial_accumulator_value", NULL};
 static const char *const sched_params_ignored[] = {"last_batch_iteration", NULL};
-static const char *const fp16_ignored[] = {"consecutive_hysteresis", "auto_cast",
-                                           "fp16_master_weights_and_grads", NULL};
+static const char *const fp16_ignored[] = {"auto_cast", "fp16_master_weights_and_grads", NULL};
 static const char *const bf16_ignored[] = {"immediate_grad_update", "check_grad_overflow",
                                            "check_overflow", NULL};
 
@@ -116,7 +115,7 @@ enum ftype {
 static const char *const offload_devices[] = {"none", "cpu", "nvme", NULL};
 static const char *const device_kinds[] = {"auto", "cuda", "emulated", NULL};
 static const char *const io_backends[] = {"auto", "io_uring", "threads", NULL};
-static const char *const precisions[] = {"auto", "fp32", "bf16", NULL};
+static const char *const precisions[] = {"auto", "fp32", "bf16", "fp16", NULL};
 static const char *const warmup_types[] = {"log", "linear", NULL};
 
 struct field {
@@ -240,18 +239,14 @@ static const struct field fields[] = {
     {S_SCHED_PARAMS, "cos_min_ratio", NULL, F_FLOAT, OFF(train.scheduler.cos_min_ratio), 0, 0, 0,
      NULL},
     {S_FP16, "enabled", NULL, F_BOOL, OFF(train.fp16.enabled), 0, 0, 0, NULL, FL_AUTO},
-    /* Read and checked, but with no fp16 path (zinf train refuses fp16.enabled) they act on
-     * nothing yet. */
-#define NO_FP16 "zinf train has no fp16 path yet: its mixed precision is bf16, which needs no loss scale"
-    {S_FP16, "loss_scale", NULL, F_FLOAT, OFF(train.fp16.loss_scale), 0, 0, 0, NULL, 0, NO_FP16},
+    {S_FP16, "loss_scale", NULL, F_FLOAT, OFF(train.fp16.loss_scale), 0, 0, 0, NULL},
     {S_FP16, "initial_scale_power", NULL, F_INT, OFF(train.fp16.initial_scale_power), 0, 64, 0,
-     NULL, 0, NO_FP16},
-    {S_FP16, "loss_scale_window", NULL, F_INT, OFF(train.fp16.loss_scale_window), 1, 0, 0, NULL,
-     0, NO_FP16},
-    {S_FP16, "hysteresis", NULL, F_INT, OFF(train.fp16.hysteresis), 1, 0, 0, NULL, 0, NO_FP16},
-    {S_FP16, "min_loss_scale", NULL, F_FLOAT, OFF(train.fp16.min_loss_scale), 0, 0, 0, NULL, 0,
-     NO_FP16},
-#undef NO_FP16
+     NULL},
+    {S_FP16, "loss_scale_window", NULL, F_INT, OFF(train.fp16.loss_scale_window), 1, 0, 0, NULL},
+    {S_FP16, "hysteresis", NULL, F_INT, OFF(train.fp16.hysteresis), 1, 0, 0, NULL},
+    {S_FP16, "consecutive_hysteresis", NULL, F_BOOL, OFF(train.fp16.consecutive_hysteresis), 0, 0,
+     0, NULL},
+    {S_FP16, "min_loss_scale", NULL, F_FLOAT, OFF(train.fp16.min_loss_scale), 0, 0, 0, NULL},
     {S_BF16, "enabled", NULL, F_BOOL, OFF(train.bf16.enabled), 0, 0, 0, NULL, FL_AUTO},
 };
 #pragma GCC diagnostic pop

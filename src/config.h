@@ -79,6 +79,7 @@ struct config_train_keys {
         bool enabled;
         double loss_scale;         /* 0: dynamic */
         int initial_scale_power, loss_scale_window, hysteresis;
+        bool consecutive_hysteresis;
         double min_loss_scale;
     } fp16;
     struct {

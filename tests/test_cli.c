@@ -571,7 +571,7 @@ Test(cli, train_bad_arguments)
         {"train --config %s --data /usr/share/common-licenses/GPL-3", "zinf.device_bytes"},
         {"train --config %s --data /usr/share/common-licenses/GPL-3 --layers x", "--layers: expected an integer"},
         {"train --config /nonexistent.json --data /usr/share/common-licenses/GPL-3%s", "/nonexistent.json"},
-        {"train --config %s --data /usr/share/common-licenses/GPL-3 --precision fp16", "--precision: expected auto, fp32 or bf16, got 'fp16'"},
+        {"train --config %s --data /usr/share/common-licenses/GPL-3 --precision fp8", "--precision: expected auto, fp32, bf16 or fp16, got 'fp8'"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         char args[1024];
@@ -1280,6 +1280,19 @@ Test(cli, train_honours_deepspeeds_training_keys)
     cr_expect_eq(json_integer_value(json_object_get(s, "total_steps")), 4);
     json_decref(j);
 
+    /* fp16 with DeepSpeed's loss scaling (on the CPU backend): the scale is said. */
+    snprintf(swap, sizeof(swap), "%s/swap16", dir);
+    ds_config(cfg, sizeof(cfg), swap, "\"fp16\": {\"enabled\": true, \"initial_scale_power\": 8, "
+              "\"loss_scale_window\": 2}");
+    cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--steps 4", cfg, data), 0, "%s", o);
+    /* Doubled once 2 steps went by without an overflow (DeepSpeed's window): from step 4. */
+    cr_assert(strstr(o, "       3 ") && strstr(o, "(loss scale 256)\n       4 "), "%s", o);
+    cr_assert(strstr(o, "(loss scale 512)"), "%s", o);
+    cr_assert(strstr(o, "#   fp16: 0 steps skipped for overflowed gradients; loss scale now 512"),
+              "%s", o);
+    free(o);
+
     /* The command line wins over the file. */
     snprintf(swap, sizeof(swap), "%s/swap2", dir);
     ds_config(cfg, sizeof(cfg), swap, "\"train_micro_batch_size_per_gpu\": 1, "
@@ -1291,7 +1304,8 @@ Test(cli, train_honours_deepspeeds_training_keys)
 
     /* Refused before anything runs: exit 2, the key named. */
     static const struct { const char *keys, *says; } bad[] = {
-        {"\"fp16\": {\"enabled\": true}", "fp16.enabled"},
+        {"\"fp16\": {\"enabled\": true}, \"bf16\": {\"enabled\": true}",
+         "fp16.enabled and bf16.enabled are both true"},
         {"\"optimizer\": {\"type\": \"Lamb\"}", "optimizer.type \"Lamb\""},
         {"\"scheduler\": {\"type\": \"OneCycle\"}", "scheduler.type \"OneCycle\""},
         {"\"scheduler\": {\"type\": \"WarmupCosineLR\"}", "total_num_steps"},

@@ -20,6 +20,7 @@
 #include "io/uring.h"
 #include "tiers/cuda_probe.h"
 #include "train/backend.h"
+#include "train/loss_scale.h"
 #include "train/ops.h"
 #include "train/trainer.h"
 
@@ -387,6 +388,17 @@ Test(train, backend_refuses_bad_parameters)
     /* The CUDA backend checks the same before touching a GPU, or says it was not built. */
     int r = backend_cuda_open(&bad, &b, err, sizeof(err));
     cr_assert(r == (backend_cuda_built() ? -EINVAL : -ENODEV), "%d", r);
+    cr_assert_null(b);
+    /* fp16 weights: the CPU backend takes them; the CUDA kernels do not yet, and say so. */
+    bad = p;
+    bad.wdt = BACKEND_F16;
+    cr_assert_eq(backend_cpu_open(&bad, &b, err, sizeof(err)), 0, "%s", err);
+    backend_close(b);
+    b = NULL;
+    r = backend_cuda_open(&bad, &b, err, sizeof(err));
+    cr_assert(r == (backend_cuda_built() ? -ENOTSUP : -ENODEV), "%d", r);
+    if (backend_cuda_built())
+        cr_assert(strstr(err, "fp16 on the GPU") && strstr(err, "bf16"), "%s", err);
     cr_assert_null(b);
 }
 
@@ -930,4 +942,116 @@ Test(train, small_weights_persist_on_the_device_below_the_threshold)
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
     cr_assert(strstr(err, "stage3_param_persistence_threshold"), "%s", err);
     cr_assert_null(t);
+}
+
+/* ---- fp16 and DeepSpeed's loss scaling ---------------------------------------------------- */
+
+/* The scale after each of 40 steps whose gradients overflowed where pattern says, as
+ * DeepSpeed 0.19.8's DynamicLossScaler gave them (init 2^5, window 4, hysteresis 2, min 2),
+ * without and with consecutive_hysteresis. */
+Test(train, loss_scaler_is_deepspeeds)
+{
+    static const int pattern[40] = {0, 0, 1, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0,
+                                    0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0};
+    static const double plain[40] = {32, 32, 32, 32, 32, 32, 32, 64, 64, 32, 32, 16, 16, 16,
+                                     16, 16, 32, 32, 32, 32, 64, 64, 32, 16, 16, 16, 16, 16,
+                                     32, 32, 32, 32, 64, 64, 64, 64, 128, 128, 128, 128};
+    static const double cons[40] = {32, 32, 32, 32, 32, 32, 32, 64, 64, 32, 32, 32, 32, 32,
+                                    32, 32, 64, 64, 64, 64, 128, 128, 64, 32, 32, 32, 32, 32,
+                                    64, 64, 64, 64, 128, 128, 128, 128, 256, 256, 256, 256};
+    for (int c = 0; c < 2; c++) {
+        struct loss_scale s;
+        loss_scale_init(&s, 0, 5, 4, 2, 2.0, c == 1);
+        int skipped = 0;
+        for (int i = 0; i < 40; i++) {
+            loss_scale_update(&s, pattern[i]);
+            skipped += pattern[i];
+            cr_expect_eq(s.scale, c ? cons[i] : plain[i], "%s, after step %d: %g, DeepSpeed %g",
+                         c ? "consecutive hysteresis" : "hysteresis", i + 1, s.scale,
+                         c ? cons[i] : plain[i]);
+        }
+        cr_expect_eq(s.skipped, skipped);
+    }
+    /* A static scale never moves; its overflows are skipped all the same. */
+    struct loss_scale s;
+    loss_scale_init(&s, 128, 16, 1000, 2, 1, false);
+    loss_scale_update(&s, true);
+    loss_scale_update(&s, false);
+    cr_expect_eq(s.scale, 128);
+    cr_expect_eq(s.skipped, 1);
+}
+
+static struct trainer_opts fp16_model(char *cfg, size_t n, const char *tag)
+{
+    struct trainer_opts o = nvme_model(cfg, n, tag, "1M", "2M");
+    o.precision = TRAINER_PRECISION_FP16;
+    o.fp16.loss_scale_window = 3;
+    return o;
+}
+
+/* fp16 weights on the CPU backend with dynamic loss scaling: the losses follow fp32's to
+ * fp16 rounding; a step whose gradients overflow changes no parameter and lowers the scale
+ * as DeepSpeed does (after the hysteresis); the scaler resumes where it was, so a resumed
+ * run is bitwise an uninterrupted one. */
+Test(train, fp16_with_loss_scaling)
+{
+    char cfg[4096], err[512];
+    float f32[STEPS], f16[STEPS], resumed[STEPS];
+    struct trainer_summary sum;
+
+    struct trainer_opts o = nvme_model(cfg, sizeof(cfg), "f32", "1M", "2M");
+    run_steps(&o, STEPS, f32, NULL);
+    o = fp16_model(cfg, sizeof(cfg), "f16");
+    run_steps(&o, STEPS, f16, &sum);
+    cr_assert_str_eq(sum.precision, "fp16");
+    for (int i = 0; i < STEPS; i++)
+        cr_expect(fabsf(f16[i] - f32[i]) <= 2e-2f * fabsf(f32[i]), "step %d: fp32 %.9g, fp16 %.9g",
+                  i + 1, f32[i], f16[i]);
+    /* 2^16, doubled once: DeepSpeed doubles when 3 (the window) steps since the last overflow
+     * went by, here at the 4th of 6. */
+    cr_expect_eq(sum.loss_scale, 65536.0 * 2, "%g", sum.loss_scale);
+    cr_expect_eq(sum.skipped_steps, 0);
+
+    /* Interrupted after 3 steps, resumed: bitwise. */
+    o = fp16_model(cfg, sizeof(cfg), "f16r");
+    o.steps = 3;
+    run_steps(&o, 3, resumed, NULL);
+    o.steps = STEPS;
+    o.resume = true;
+    run_steps(&o, STEPS - 3, resumed, NULL);
+    for (int i = 0; i < STEPS; i++)
+        cr_expect(memcmp(&resumed[i], &f16[i], sizeof(float)) == 0, "step %d: %.9g resumed, %.9g",
+                  i + 1, resumed[i], f16[i]);
+
+    /* Overflows: the first is absorbed by the hysteresis, the second halves the scale; no
+     * parameter moves in either. */
+    o = fp16_model(cfg, sizeof(cfg), "ovf");
+    struct trainer *t = NULL;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    zinf_tensor wte;
+    cr_assert_eq(zinf_lookup(trainer_engine(t), "p.wte", &wte), 0);
+    size_t nb = (size_t)o.model.V * o.model.C * sizeof(float);
+    unsigned char *before = malloc(nb), *after = malloc(nb);
+    struct trainer_step_stats st;
+    cr_assert_eq(trainer_step(t, &st), 0);
+    cr_assert_not(st.skipped);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(zinf_read(trainer_engine(t), wte, 0, before, nb), 0);
+        trainer_fault_overflow(t);
+        cr_assert_eq(trainer_step(t, &st), 0);
+        cr_assert(st.skipped, "overflow %d", k + 1);
+        cr_assert_eq(zinf_read(trainer_engine(t), wte, 0, after, nb), 0);
+        cr_assert_eq(memcmp(before, after, nb), 0, "a skipped step changed the parameters");
+        trainer_get_summary(t, &sum);
+        cr_expect_eq(sum.loss_scale, k ? 32768.0 : 65536.0, "after overflow %d: %g", k + 1,
+                     sum.loss_scale);
+    }
+    cr_expect_eq(sum.skipped_steps, 2);
+    cr_assert_eq(trainer_step(t, &st), 0);
+    cr_assert_not(st.skipped);
+    cr_assert(isfinite(st.loss));
+    cr_assert_eq(trainer_checkpoint(t), 0);
+    trainer_close(t);
+    free(before);
+    free(after);
 }

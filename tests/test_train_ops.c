@@ -1008,3 +1008,42 @@ Test(adamw, update_bf16_is_the_update_then_the_cast)
         adam_free(&got);
     }
 }
+
+/* fp16 casts against the compiler's own _Float16 conversions: every half, and a spread of
+ * floats (normals, subnormals, the overflow edge, NaN and infinities). */
+Test(train_ops, fp16_casts_match_the_compilers)
+{
+    unsigned long bad = 0, n = 0;
+    for (uint64_t u = 0; u < 0x100000000ull; u += 65521) {
+        uint32_t b = (uint32_t)u;
+        float f;
+        memcpy(&f, &b, 4);
+        _Float16 h = (_Float16)f;
+        uint16_t want;
+        memcpy(&want, &h, 2);
+        uint16_t got = ops_f32_to_f16(f);
+        n++;
+        if (isnan(f))
+            bad += (got & 0x7c00u) != 0x7c00u || !(got & 0x3ffu);
+        else
+            bad += got != want;
+    }
+    static const float edges[] = {65504.0f, 65519.996f, 65520.0f, 1e30f, 6.1035156e-05f,
+                                  5.9604645e-08f, 2.9802322e-08f, 2.9802326e-08f, 0.0f, -0.0f};
+    for (size_t i = 0; i < sizeof(edges) / sizeof(edges[0]); i++) {
+        _Float16 h = (_Float16)edges[i];
+        uint16_t want;
+        memcpy(&want, &h, 2);
+        cr_expect_eq(ops_f32_to_f16(edges[i]), want, "%a: %04x, the compiler %04x", edges[i],
+                     ops_f32_to_f16(edges[i]), want);
+    }
+    cr_expect_eq(bad, 0, "%lu of %lu floats rounded otherwise than _Float16", bad, n);
+    for (uint32_t x = 0; x < 65536; x++) {
+        uint16_t hb = (uint16_t)x;
+        _Float16 h;
+        memcpy(&h, &hb, 2);
+        float want = (float)h, got = ops_f16_to_f32(hb);
+        cr_assert((isnan(want) && isnan(got)) || memcmp(&want, &got, 4) == 0,
+                  "%04x: %a, the compiler %a", x, got, want);
+    }
+}

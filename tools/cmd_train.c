@@ -60,15 +60,16 @@ static void usage(FILE *f)
             "  --sample-bytes N  bytes to generate after a newline (default 64, < --seq)\n"
             "  --checkpoint-every N  make the state durable every N steps, so that a crash\n"
             "                    loses at most N - 1 steps (default 0: at the end only)\n"
-            "  --precision P     auto | fp32 | bf16: the weights and activations the device\n"
-            "                    computes with; masters and Adam states stay fp32 (default\n"
-            "                    auto: bf16 on a GPU, fp32 on the CPU)\n"
+            "  --precision P     auto | fp32 | bf16 | fp16: the weights and activations the\n"
+            "                    device computes with; masters and Adam states stay fp32\n"
+            "                    (default auto: bf16 on a GPU, fp32 on the CPU); fp16 with\n"
+            "                    DeepSpeed's loss scaling (its fp16 section), on the CPU only\n"
             "The config's zinf.train section may set layers, dim, heads, seq, batch, steps,\n"
             "seed, precision and checkpoint_every; so may DeepSpeed's keys:\n"
             "train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size,\n"
             "gradient_clipping, optimizer (Adam/AdamW: lr, betas, eps, weight_decay),\n"
-            "scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR), bf16.enabled and\n"
-            "steps_per_print, \"auto\" included (resolved from the options, as Hugging Face's\n"
+            "scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR), bf16.enabled, fp16 (its\n"
+            "loss scaling) and steps_per_print, \"auto\" included (resolved from the options, as Hugging Face's\n"
             "Trainer does). The options above take precedence. The effective settings are\n"
             "printed at the start and are the first line of --log; keys zinf does not act\n"
             "on are named there.\n"
@@ -236,10 +237,22 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
         }
     }
 
-    if (k->fp16.enabled) {
-        snprintf(err, errlen, "fp16.enabled: zinf train has no fp16 path (its mixed precision "
-                 "is bf16: \"bf16\": {\"enabled\": true}, or --precision bf16)");
+    o->fp16 = (struct trainer_fp16){.loss_scale = k->fp16.loss_scale,
+                                    .min_loss_scale = k->fp16.min_loss_scale,
+                                    .initial_scale_power = k->fp16.initial_scale_power,
+                                    .loss_scale_window = k->fp16.loss_scale_window,
+                                    .hysteresis = k->fp16.hysteresis,
+                                    .consecutive_hysteresis = k->fp16.consecutive_hysteresis};
+    if (k->fp16.enabled && k->bf16.enabled && !config_is_auto(zc, "bf16.enabled")) {
+        snprintf(err, errlen, "fp16.enabled and bf16.enabled are both true: give one");
         return -EINVAL;
+    }
+    if (k->fp16.enabled && !GIVEN(O_PRECISION)) {
+        if (zc->zinf.train.precision && zc->zinf.train.precision != TRAINER_PRECISION_FP16) {
+            snprintf(err, errlen, "fp16.enabled true and zinf.train.precision disagree: give one");
+            return -EINVAL;
+        }
+        o->precision = TRAINER_PRECISION_FP16;
     }
     if (config_given(zc, "bf16.enabled") && !config_is_auto(zc, "bf16.enabled") &&
         !GIVEN(O_PRECISION)) {
@@ -513,9 +526,11 @@ int cmd_train(int argc, char **argv)
                 o.precision = TRAINER_PRECISION_FP32;
             else if (!strcmp(optarg, "bf16"))
                 o.precision = TRAINER_PRECISION_BF16;
+            else if (!strcmp(optarg, "fp16"))
+                o.precision = TRAINER_PRECISION_FP16;
             else {
-                fprintf(stderr, "zinf train: --precision: expected auto, fp32 or bf16, got '%s'\n",
-                        optarg);
+                fprintf(stderr, "zinf train: --precision: expected auto, fp32, bf16 or fp16, got "
+                        "'%s'\n", optarg);
                 bad = 1;
             }
             break;
@@ -603,7 +618,7 @@ int cmd_train(int argc, char **argv)
         if (log)
             fclose(log);
         return r == -EINVAL || r == -ENOENT || r == -EISDIR || r == -EACCES || r == -ENODEV ||
-                       r == -EEXIST || r == -ENOTDIR
+                       r == -EEXIST || r == -ENOTDIR || r == -ENOTSUP
                    ? 2
                    : 1;
     }
@@ -676,9 +691,13 @@ int cmd_train(int argc, char **argv)
         double eta = ran_seconds / ran * (o.steps - st.step);
         if (st.step % steps_per_print == 0 || st.step == o.steps) {
             char e[32];
-            printf("  %6d %9.4f %10.0f %9.1f %9.3f %9.3f %7.1f%% %8s\n", st.step, st.loss,
+            printf("  %6d %9.4f %10.0f %9.1f %9.3f %9.3f %7.1f%% %8s%s", st.step, st.loss,
                    st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps, st.nvme_write_GBps,
-                   st.blocked_fraction * 100, format_eta(eta, e, sizeof(e)));
+                   st.blocked_fraction * 100, format_eta(eta, e, sizeof(e)),
+                   st.skipped ? "  skipped: the gradients overflowed" : "");
+            if (st.skipped || (sum.precision[0] == 'f' && sum.precision[2] == '1'))
+                printf("  (loss scale %.9g)", st.loss_scale);
+            printf("\n");
             fflush(stdout);
         }
         if (log) {
@@ -686,9 +705,10 @@ int cmd_train(int argc, char **argv)
              * exactly. */
             fprintf(log, "{\"step\":%d,\"loss\":%.9g,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
                     "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f,"
-                    "\"eta_s\":%.1f}\n",
+                    "\"eta_s\":%.1f,\"loss_scale\":%.9g,\"skipped\":%s}\n",
                     st.step, st.loss, st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps,
-                    st.nvme_write_GBps, st.blocked_fraction, eta);
+                    st.nvme_write_GBps, st.blocked_fraction, eta, st.loss_scale,
+                    st.skipped ? "true" : "false");
             fflush(log);
         }
         bool end = st.step == o.steps;
@@ -738,6 +758,9 @@ int cmd_train(int argc, char **argv)
            (unsigned long long)sum.compactions);
     if (ran)
         printf("#   ran %d steps in %.1f s: %.0f tokens/s on average\n", ran, ran_seconds, mean_tps);
+    if (!strcmp(sum.precision, "fp16"))
+        printf("#   fp16: %lld steps skipped for overflowed gradients; loss scale now %.9g\n",
+               (long long)sum.skipped_steps, sum.loss_scale);
     for (int i = 0; i < 2; i++)
         printf("#   %-6s peak %12s of budget %12s\n", tier_names[i],
                format_size(sum.tier[i].peak_bytes, a, sizeof(a)),
@@ -750,14 +773,16 @@ int cmd_train(int argc, char **argv)
                 "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu,"
                 "\"checkpoint_step\":%d,\"interrupted\":%s,\"failed\":%s,\"compactions\":%llu,"
                 "\"min_device_bytes\":%llu,\"min_host_bytes\":%llu,\"steps_run\":%d,"
-                "\"train_seconds\":%.3f,\"mean_tokens_per_s\":%.1f",
+                "\"train_seconds\":%.3f,\"mean_tokens_per_s\":%.1f,\"skipped_steps\":%lld,"
+                "\"loss_scale\":%.9g",
                 sum.steps_done, (unsigned long long)sum.model_state_bytes,
                 (unsigned long long)sum.param_count, sum.backend, sum.precision,
                 (unsigned long long)sum.backend_work_bytes, sum.checkpoint_step,
                 stop_requested ? "true" : "false",
                 status != 0 && status < 128 ? "true" : "false",
                 (unsigned long long)sum.compactions, (unsigned long long)sum.min_budget[0],
-                (unsigned long long)sum.min_budget[1], ran, ran_seconds, mean_tps);
+                (unsigned long long)sum.min_budget[1], ran, ran_seconds, mean_tps,
+                (long long)sum.skipped_steps, sum.loss_scale);
         for (int i = 0; i < 3; i++)
             fprintf(log, ",\"%s\":{\"peak_bytes\":%llu,\"%s\":%llu}", tier_names[i],
                     (unsigned long long)sum.tier[i].peak_bytes,

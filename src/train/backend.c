@@ -15,7 +15,7 @@ int backend_params_check(const struct backend_params *p, char *err, size_t errle
                  p->B, p->T, p->cfg.maxT);
         return -EINVAL;
     }
-    if (p->wdt != BACKEND_F32 && p->wdt != BACKEND_BF16) {
+    if (p->wdt != BACKEND_F32 && p->wdt != BACKEND_BF16 && p->wdt != BACKEND_F16) {
         snprintf(err, errlen, "unknown weight element type %d", (int)p->wdt);
         return -EINVAL;
     }

@@ -29,7 +29,7 @@
 #include "train/adamw.h"
 #include "train/gpt.h"
 
-enum backend_dtype { BACKEND_F32, BACKEND_BF16 };
+enum backend_dtype { BACKEND_F32, BACKEND_BF16, BACKEND_F16 };
 
 static inline size_t backend_dtype_bytes(enum backend_dtype d)
 {
@@ -82,6 +82,8 @@ struct backend {
     enum backend_dtype wdt; /* weights the device computes with */
     enum backend_dtype adt; /* activation checkpoints */
     uint64_t work_bytes;    /* device memory the backend holds outside the engine's budget */
+    float loss_scale;       /* head_backward multiplies the loss's gradient by this (fp16
+                               loss scaling), so every gradient after it is scaled; 1 */
 };
 
 /* 0, or -EINVAL with one line in err naming what is wrong with p: the model, (B,T) or wdt. */

@@ -29,6 +29,7 @@ struct cpu_backend {
     double sumsq;
     /* bf16 only: fp32 widenings of one block's weights and of wte, wpe, lnf.w, lnf.b. */
     float *wblock, *wte, *wpe, *lnfw, *lnfb;
+    float *hgrad; /* loss scaling: the head's own parameter gradients, then scaled in */
     size_t slot_numel[GPT_BLOCK_NSLOTS];
 };
 
@@ -49,6 +50,7 @@ static void cpu_close(struct backend *b)
     free(c->wpe);
     free(c->lnfw);
     free(c->lnfb);
+    free(c->hgrad);
     free(c);
 }
 
@@ -69,10 +71,18 @@ static int cpu_zero(struct backend *b, void *p, size_t bytes)
 }
 
 /* The fp32 view of a weight: itself, or its widening into buf. */
+static void widen_into(struct cpu_backend *c, float *dst, const void *w, size_t n)
+{
+    if (c->b.wdt == BACKEND_F16)
+        ops_cast_f16_to_f32(dst, w, n);
+    else
+        ops_cast_bf16_to_f32(dst, w, n);
+}
+
 static const float *widen(struct cpu_backend *c, const void *w, float *buf, size_t n)
 {
     if (c->b.wdt == BACKEND_F32) return w;
-    ops_cast_bf16_to_f32(buf, w, n);
+    widen_into(c, buf, w, n);
     return buf;
 }
 
@@ -85,7 +95,7 @@ static void block_view(struct cpu_backend *c, const void *const *w, struct gpt_b
     }
     gpt_block_params_at(&c->cfg, c->wblock, p);
     for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
-        ops_cast_bf16_to_f32((float *)p->t[i], w[i], c->slot_numel[i]);
+        widen_into(c, (float *)p->t[i], w[i], c->slot_numel[i]);
 }
 
 static int cpu_embed_forward(struct backend *b, const void *wte, const void *wpe, void *x)
@@ -109,10 +119,30 @@ static int cpu_head_backward(struct backend *b, const void *lnf_w, const void *l
                              float *d_wte)
 {
     struct cpu_backend *c = cpu(b);
-    size_t C = (size_t)c->cfg.C;
-    return gpt_head_backward(&c->cfg, c->B, c->T, widen(c, lnf_w, c->lnfw, C),
-                             widen(c, lnf_b, c->lnfb, C), widen(c, wte, c->wte, c->cfg.V * C), x,
-                             c->targets, c->d, d_lnf_w, d_lnf_b, d_wte, &c->loss, &c->scratch);
+    size_t C = (size_t)c->cfg.C, VC = (size_t)c->cfg.V * C;
+    float S = c->b.loss_scale;
+    const float *lw = widen(c, lnf_w, c->lnfw, C), *lb = widen(c, lnf_b, c->lnfb, C),
+                *we = widen(c, wte, c->wte, VC);
+    if (S == 1.0f)
+        return gpt_head_backward(&c->cfg, c->B, c->T, lw, lb, we, x, c->targets, c->d, d_lnf_w,
+                                 d_lnf_b, d_wte, &c->loss, &c->scratch);
+    /* Loss scaling: the head's share of the parameter gradients and the gradient it hands
+     * on, times S (what the accumulated gradients held before stays as it was). */
+    if (!c->hgrad && !(c->hgrad = malloc((2 * C + VC) * sizeof(float)))) return -ENOMEM;
+    memset(c->hgrad, 0, (2 * C + VC) * sizeof(float));
+    int r = gpt_head_backward(&c->cfg, c->B, c->T, lw, lb, we, x, c->targets, c->d, c->hgrad,
+                              c->hgrad + C, c->hgrad + 2 * C, &c->loss, &c->scratch);
+    if (r < 0) return r;
+    for (size_t i = 0; i < C; i++) {
+        d_lnf_w[i] += S * c->hgrad[i];
+        d_lnf_b[i] += S * c->hgrad[C + i];
+    }
+    for (size_t i = 0; i < VC; i++)
+        d_wte[i] += S * c->hgrad[2 * C + i];
+    size_t N = (size_t)c->B * c->T * C;
+    for (size_t i = 0; i < N; i++)
+        c->d[i] *= S;
+    return 0;
 }
 
 static int cpu_block_backward(struct backend *b, const void *const *w, const void *x_in,
@@ -145,7 +175,12 @@ static int cpu_adamw(struct backend *b, float *p, const float *g, float *m, floa
                      uint16_t *w_bf16, size_t n, const struct adamw_hparams *h, int step,
                      float grad_scale)
 {
-    (void)b;
+    if (w_bf16 && b->wdt == BACKEND_F16) {
+        /* The fp16 copy: the update, then the cast (no fused kernel for it). */
+        int r = adamw_update(p, g, m, v, n, h, step, grad_scale);
+        if (r == 0) ops_cast_f32_to_f16(w_bf16, p, n);
+        return r;
+    }
     if (w_bf16) return adamw_update_bf16(p, g, m, v, w_bf16, n, h, step, grad_scale);
     return adamw_update(p, g, m, v, n, h, step, grad_scale);
 }
@@ -187,7 +222,8 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
     if (r < 0) return r;
     struct cpu_backend *c = calloc(1, sizeof(*c));
     if (!c) return -ENOMEM;
-    c->b = (struct backend){.ops = &cpu_ops, .name = "cpu", .wdt = p->wdt, .adt = BACKEND_F32};
+    c->b = (struct backend){.ops = &cpu_ops, .name = "cpu", .wdt = p->wdt, .adt = BACKEND_F32,
+                            .loss_scale = 1.0f};
     c->cfg = p->cfg;
     c->B = p->B;
     c->T = p->T;
@@ -198,7 +234,7 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
     c->scratch.bytes = gpt_scratch_bytes(&p->cfg, p->B, p->T);
     c->scratch.mem = malloc(c->scratch.bytes);
     int ok = c->tokens && c->targets && c->d && c->scratch.mem;
-    if (ok && p->wdt == BACKEND_BF16) {
+    if (ok && p->wdt != BACKEND_F32) {
         size_t nb = gpt_block_num_params(&p->cfg);
         c->wblock = malloc(nb * sizeof(float));
         c->wte = malloc((size_t)p->cfg.V * C * sizeof(float));

@@ -148,6 +148,8 @@ static int cuda_head_backward(struct backend *b, const void *lnf_w, const void *
     struct cuda_backend *c = cub(b);
     int N = c->N, C = c->C, V = c->V, r;
     enum kdtype dt = c->dt;
+    if (b->loss_scale != 1.0f)
+        return -ENOTSUP; /* loss scaling is for fp16, which the kernels do not take yet */
     /* logits (N,V) fp32 = lnf(x) @ wte^T; the loss; dlogits in dt; then back through the
      * tied head (d_wte +=) and lnf into d. */
     if ((r = kernel_layernorm_forward(c->lnf, c->lnf_mean, c->lnf_rstd, x, lnf_w, lnf_b, N, C, dt,
@@ -318,9 +320,15 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     *out = NULL;
     int r = backend_params_check(p, err, errlen);
     if (r < 0) return r;
+    if (p->wdt == BACKEND_F16) {
+        snprintf(err, errlen, "fp16 on the GPU: the CUDA kernels take fp32 and bf16 only so far; "
+                 "use bf16 (\"bf16\": {\"enabled\": true}), the default on a GPU");
+        return -ENOTSUP;
+    }
     struct cuda_backend *c = calloc(1, sizeof(*c));
     if (!c) return -ENOMEM;
-    c->b = (struct backend){.ops = &cuda_ops, .name = "cuda", .wdt = p->wdt, .adt = p->wdt};
+    c->b = (struct backend){.ops = &cuda_ops, .name = "cuda", .wdt = p->wdt, .adt = p->wdt,
+                            .loss_scale = 1.0f};
     c->cfg = p->cfg;
     c->B = p->B;
     c->T = p->T;

@@ -90,4 +90,10 @@ static inline float ops_bf16_to_f32(uint16_t h)
 void ops_cast_f32_to_bf16(uint16_t *dst, const float *src, size_t n);
 void ops_cast_bf16_to_f32(float *dst, const uint16_t *src, size_t n);
 
+/* IEEE binary16 (fp16): to nearest even, overflow to infinity, subnormals kept, NaN quiet. */
+uint16_t ops_f32_to_f16(float f);
+float ops_f16_to_f32(uint16_t h);
+void ops_cast_f32_to_f16(uint16_t *dst, const float *src, size_t n);
+void ops_cast_f16_to_f32(float *dst, const uint16_t *src, size_t n);
+
 #endif

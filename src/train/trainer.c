@@ -34,10 +34,12 @@
 #include "tiers/cuda_probe.h"
 #include "train/adamw.h"
 #include "train/backend.h"
+#include "train/loss_scale.h"
 #include "train/ops.h"
 #include "train/trainer.h"
 
 #define STATE_NAME "train.state"
+#define SCALER_NAME "train.loss_scale" /* fp16 runs: struct loss_scale */
 #define STATE_MAGIC 0x7a696e6674726e33ull    /* "zinftrn3": the tail of the data held out */
 #define STATE_MAGIC_V2 0x7a696e6674726e32ull /* "zinftrn2": trained on all of it */
 #define HELD_OUT_DIVISOR 10                  /* the last tenth of the data is for validation */
@@ -69,6 +71,8 @@ struct trainer {
     int wte, wpe, lnfw, lnfb;   /* layout indices */
     zinf_tensor *act;           /* a[0..L], (B,T,C) each */
     zinf_tensor state;
+    zinf_tensor scaler;         /* fp16: the loss scaler's state, saved with each step */
+    struct loss_scale ls;
 
     unsigned char *data;
     size_t data_bytes;
@@ -83,6 +87,7 @@ struct trainer {
     int checkpoints, checkpoint_step;
     bool checkpoint_failed;     /* the last trainer_checkpoint() failed */
     int fault_tensor, fault_err; /* trainer_fault_optimizer() */
+    bool fault_overflow;        /* trainer_fault_overflow() */
     double checkpoint_seconds;
     uint64_t checkpoint_bytes;
     uint64_t peak[3];
@@ -97,6 +102,8 @@ void trainer_opts_defaults(struct trainer_opts *o)
     *o = (struct trainer_opts){.batch = 4, .seq = 64, .steps = 100, .lr = 1e-3f,
                                .weight_decay = 0.0f, .grad_clip = 1.0f, .seed = 1337,
                                .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .grad_accum = 1};
+    o->fp16 = (struct trainer_fp16){.min_loss_scale = 1, .initial_scale_power = 16,
+                                    .loss_scale_window = 1000, .hysteresis = 2};
     o->model = (struct gpt_config){.V = 256, .maxT = 64, .L = 4, .C = 128, .NH = 4};
 }
 
@@ -421,7 +428,9 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
                                                                  ZINF_ALIGN);
     enum zinf_tier sh = home_of(t->zc.zero.offload_param.device);
     if (sh < MEM_TIERS)
-        homes[sh] += align_up(sizeof(struct train_state), ZINF_ALIGN);
+        homes[sh] += align_up(sizeof(struct train_state), ZINF_ALIGN) +
+                     (t->be->wdt == BACKEND_F16 ? align_up(sizeof(struct loss_scale), ZINF_ALIGN)
+                                                : 0);
 
 #define CONSIDER(tier)                                                                             do {                                                                                               uint64_t n_ = wave_need(t, &w, (tier));                                                        if (n_ > need[(tier)]) {                                                                           need[(tier)] = n_;                                                                             what[(tier)] = w.what;                                                                     }                                                                                          } while (0)
     wave_embed_forward(t, &w);
@@ -575,6 +584,15 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
                      t->o.resume ? "no training state to resume in the swap directory"
                                  : zinf_strerror(r));
     }
+    if (r == 0 && t->be->wdt == BACKEND_F16) {
+        /* The loss scaler goes on where the saved run left it. */
+        r = reg(t, "", SCALER_NAME, sizeof(struct loss_scale),
+                home_of(t->zc.zero.offload_param.device), &t->scaler);
+        if (r == 0 && t->o.resume)
+            r = zinf_read(t->e, t->scaler, 0, &t->ls, sizeof(t->ls));
+        if (r < 0)
+            snprintf(err, errlen, "%s: %s", SCALER_NAME, zinf_strerror(r));
+    }
     return r;
 }
 
@@ -601,7 +619,10 @@ static int init_params(struct trainer *t)
         if (r == 0)
             r = zinf_write(t->e, t->p[i], 0, buf, n * sizeof(float));
         if (r == 0 && t->w != t->p) {
-            ops_cast_f32_to_bf16(b16, buf, n);
+            if (t->be->wdt == BACKEND_F16)
+                ops_cast_f32_to_f16(b16, buf, n);
+            else
+                ops_cast_f32_to_bf16(b16, buf, n);
             r = zinf_write(t->e, t->w[i], 0, b16, n * sizeof(uint16_t));
         }
     }
@@ -631,7 +652,8 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
         snprintf(err, errlen, "--resume: the saved run used --layers %d --dim %d --heads %d "
                  "--seq %d --batch %d --accumulate %d --seed %llu --precision %s on %llu bytes "
                  "of data; give the same", s.L, s.C, s.NH, s.T, s.B, s.accum ? s.accum : 1,
-                 (unsigned long long)s.seed, s.wdt == BACKEND_BF16 ? "bf16" : "fp32",
+                 (unsigned long long)s.seed,
+                 s.wdt == BACKEND_BF16 ? "bf16" : s.wdt == BACKEND_F16 ? "fp16" : "fp32",
                  (unsigned long long)s.data_bytes);
         return -EINVAL;
     }
@@ -745,7 +767,8 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         .cfg = cfg,
         .B = o->batch,
         .T = o->seq,
-        .wdt = o->precision == TRAINER_PRECISION_BF16   ? BACKEND_BF16
+        .wdt = o->precision == TRAINER_PRECISION_FP16   ? BACKEND_F16
+               : o->precision == TRAINER_PRECISION_BF16 ? BACKEND_BF16
                : o->precision == TRAINER_PRECISION_FP32 ? BACKEND_F32
                : cuda                                   ? BACKEND_BF16
                                                         : BACKEND_F32,
@@ -857,6 +880,15 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         goto fail;
     if ((r = register_all(t, err, errlen)) < 0)
         goto fail;
+    if (!o->resume && t->be->wdt == BACKEND_F16) {
+        const struct trainer_fp16 *f = &o->fp16;
+        loss_scale_init(&t->ls, f->loss_scale, f->initial_scale_power, f->loss_scale_window,
+                        f->hysteresis, f->min_loss_scale, f->consecutive_hysteresis);
+        if ((r = zinf_write(t->e, t->scaler, 0, &t->ls, sizeof(t->ls))) < 0) {
+            snprintf(err, errlen, "%s: %s", SCALER_NAME, zinf_strerror(r));
+            goto fail;
+        }
+    }
     if (!o->resume && ((r = init_params(t)) < 0 || (r = trainer_checkpoint(t)) < 0)) {
         snprintf(err, errlen, "initialising the parameters failed: %s%s", zinf_strerror(r),
                  r == -ENOSPC ? " (the swap directory's filesystem is full: see the line above)"
@@ -1011,14 +1043,15 @@ out:
  * update writes the bf16 copy too (released dirty: the engine carries it to the device on
  * its next fetch there). The learned schedule prefetches the next tensor's parts while this
  * one is updated. */
-static int optimize(struct trainer *t, int step, double sumsq)
+static int optimize(struct trainer *t, int step, double sumsq, double loss_scale)
 {
     struct adamw_hparams h;
-    /* The gradients are sums over grad_accum micro-batches: their mean is what is clipped
-     * and applied. (With one micro-batch, exactly the scale it always was.) */
-    int K = t->o.grad_accum;
+    /* The gradients are sums over grad_accum micro-batches (times the fp16 loss scale):
+     * their mean is what is clipped and applied. (With one micro-batch and no loss scale,
+     * exactly the scale it always was.) */
+    double K = t->o.grad_accum * loss_scale;
     float scale = K == 1 ? adamw_clip_scale(sumsq, t->o.grad_clip)
-                         : adamw_clip_scale(sumsq / ((double)K * K), t->o.grad_clip) / (float)K;
+                         : adamw_clip_scale(sumsq / (K * K), t->o.grad_clip) / (float)K;
     enum zinf_tier tier = t->opt_tier;
     bool mixed = t->w != t->p;
     int r = 0;
@@ -1045,7 +1078,11 @@ static int optimize(struct trainer *t, int step, double sumsq)
                 r = settle(t, t->be->ops->adamw(t->be, p[0], p[1], p[2], p[3],
                                                 mixed ? p[4] : NULL, t->desc[i].numel, &h,
                                                 step, scale));
-            else if (mixed)
+            else if (mixed && t->be->wdt == BACKEND_F16) {
+                if ((r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step,
+                                      scale)) == 0)
+                    ops_cast_f32_to_f16(p[4], p[0], t->desc[i].numel);
+            } else if (mixed)
                 r = adamw_update_bf16(p[0], p[1], p[2], p[3], p[4], t->desc[i].numel, &h, step,
                                       scale);
             else
@@ -1069,6 +1106,9 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
     double loss_sum = 0;
+    bool fp16 = t->be->wdt == BACKEND_F16;
+    double S = fp16 ? t->ls.scale : 1;
+    t->be->loss_scale = (float)S;
     for (int m = 0; m < t->o.grad_accum; m++) {
         bool first = m == 0, last = m == t->o.grad_accum - 1;
         float l;
@@ -1083,13 +1123,27 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         sumsq += ss;
     }
     loss = t->o.grad_accum == 1 ? (float)loss_sum : (float)(loss_sum / t->o.grad_accum);
+    if (fp16 && t->fault_overflow) {
+        sumsq = INFINITY; /* trainer_fault_overflow() */
+        t->fault_overflow = false;
+    }
+    /* fp16: gradients that overflowed skip the update (DeepSpeed's rule); Adam and the
+     * schedule count the steps applied. */
+    bool overflow = fp16 && !isfinite(sumsq);
+    int applied = step - (int)t->ls.skipped - (overflow ? 1 : 0);
+    struct loss_scale ls = t->ls;
+    if (fp16)
+        loss_scale_update(&ls, overflow);
     /* Up to here only gradients and activations changed, which the next step rebuilds;
      * from here the parameters and Adam states change, tensor by tensor, until the step
      * count says they belong to this step. */
-    if ((r = optimize(t, step, sumsq)) < 0 || (r = state_save_step(t, step)) < 0) {
+    if ((!overflow && (r = optimize(t, applied, sumsq, S)) < 0) ||
+        (fp16 && (r = zinf_write(t->e, t->scaler, 0, &ls, sizeof(ls))) < 0) ||
+        (r = state_save_step(t, step)) < 0) {
         t->torn = r;
         goto out;
     }
+    t->ls = ls;
     t->step_done = step;
     TRY(zinf_step(t->e));
     double sec = (double)(now_ns() - t0) / 1e9;
@@ -1102,6 +1156,8 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .nvme_read_GBps = (double)(s1.nvme_bytes_read - s0.nvme_bytes_read) / sec / 1e9,
         .nvme_write_GBps = (double)(s1.nvme_bytes_written - s0.nvme_bytes_written) / sec / 1e9,
         .blocked_fraction = (double)(s1.blocked_ns - s0.blocked_ns) / 1e9 / sec,
+        .skipped = overflow,
+        .loss_scale = S,
     };
 out:
     if (r < 0) {
@@ -1134,6 +1190,11 @@ int trainer_checkpoint(struct trainer *t)
     return 0;
 }
 
+void trainer_fault_overflow(struct trainer *t)
+{
+    t->fault_overflow = true;
+}
+
 void trainer_fault_optimizer(struct trainer *t, int tensor, int err)
 {
     t->fault_tensor = tensor;
@@ -1155,7 +1216,9 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         out->param_count += t->desc[i].numel;
     out->model_state_bytes = out->param_count * (sizeof(float) * 4 + (t->w != t->p ? 2 : 0));
     out->backend = t->be->name;
-    out->precision = t->be->wdt == BACKEND_BF16 ? "bf16" : "fp32";
+    out->precision = t->be->wdt == BACKEND_BF16 ? "bf16" : t->be->wdt == BACKEND_F16 ? "fp16" : "fp32";
+    out->skipped_steps = t->ls.skipped;
+    out->loss_scale = t->be->wdt == BACKEND_F16 ? t->ls.scale : 1;
     out->backend_work_bytes = t->be->work_bytes;
     out->min_budget[0] = t->min_budget[0];
     out->min_budget[1] = t->min_budget[1];

@@ -28,6 +28,15 @@ enum trainer_precision {
     TRAINER_PRECISION_AUTO, /* bf16 on a GPU, fp32 on the CPU */
     TRAINER_PRECISION_FP32,
     TRAINER_PRECISION_BF16, /* bf16 weights and activations on the device, fp32 masters */
+    TRAINER_PRECISION_FP16, /* fp16 weights on the device, fp32 masters, DeepSpeed's loss
+                               scaling (the CPU backend only, so far) */
+};
+
+/* DeepSpeed's fp16 section: loss_scale 0 is dynamic, from 2^initial_scale_power. */
+struct trainer_fp16 {
+    double loss_scale, min_loss_scale;
+    int initial_scale_power, loss_scale_window, hysteresis;
+    bool consecutive_hysteresis;
 };
 
 /* The learning rate over the steps: DeepSpeed's schedulers, with their meaning exactly. */
@@ -60,6 +69,7 @@ struct trainer_opts {
     bool sample;                      /* trainer_sample() will be called: its host-tier set
                                          counts in the budget check */
     struct trainer_lr_schedule sched; /* constant lr by default */
+    struct trainer_fp16 fp16;         /* DeepSpeed's defaults: 0, 1, 16, 1000, 2, false */
     uint64_t seed;
     bool resume;             /* continue from the state persisted in the swap directory */
     bool overwrite;          /* without resume: delete a saved run there and start over */
@@ -73,6 +83,8 @@ struct trainer_step_stats {
     double tokens_per_s;
     double nvme_read_GBps, nvme_write_GBps;
     double blocked_fraction; /* of the step's time spent blocked in fetch */
+    bool skipped;            /* fp16: the gradients overflowed, nothing was updated */
+    double loss_scale;       /* fp16: the scale this step's backward ran with; 1 otherwise */
 };
 
 struct trainer_tier_summary {
@@ -104,6 +116,8 @@ struct trainer_summary {
      * transfers go through. */
     uint64_t staging_bytes;
     bool host_pinned;           /* the host tier and staging are locked in memory */
+    int64_t skipped_steps;      /* fp16: steps skipped for an overflow */
+    double loss_scale;          /* fp16: the scale the next step runs with */
 };
 
 struct trainer;
@@ -146,6 +160,8 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
  * tensor with layout index `tensor` fails with -err (a positive errno) as if fetching it
  * had, after the tensors before it were updated. */
 void trainer_fault_optimizer(struct trainer *t, int tensor, int err);
+/* Test-only, fp16 runs: the next step's gradients count as overflowed. */
+void trainer_fault_overflow(struct trainer *t);
 zinf_engine *trainer_engine(struct trainer *t);
 void trainer_close(struct trainer *t);
 
