@@ -1405,5 +1405,11 @@ Test(cli, stat_on_a_directory_in_use_says_so)
     cr_assert_eq(run(&o, "stat --path %s", swap), 1, "%s", o);
     cr_assert(strstr(o, "is in use by another engine"), "%s", o);
     free(o);
+    /* zinf train over it says the same, not that a tensor is busy. */
+    char cfg[4096], data[4096];
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1", cfg, data), 1, "%s", o);
+    cr_assert(strstr(o, "is in use by another engine") && !strstr(o, "tensor is pinned"), "%s", o);
+    free(o);
     zinf_close(e);
 }

@@ -109,6 +109,23 @@ static void run_steps(struct trainer_opts *o, int n, float *losses, struct train
     trainer_close(t);
 }
 
+/* o's run stopped after `at` steps and resumed to STEPS: its losses into losses. */
+static void run_interrupted(struct trainer_opts *o, int at, float *losses)
+{
+    o->steps = at;
+    run_steps(o, at, losses, NULL);
+    o->steps = STEPS;
+    o->resume = true;
+    run_steps(o, STEPS - at, losses, NULL);
+}
+
+static void expect_bitwise(const float *got, const float *want, const char *what)
+{
+    for (int i = 0; i < STEPS; i++)
+        cr_expect(memcmp(&got[i], &want[i], sizeof(float)) == 0, "%s, step %d: %.9g, %.9g",
+                  what, i + 1, got[i], want[i]);
+}
+
 /* The proof that no byte is lost or stale anywhere in the swap path. */
 Test(train, losses_bitwise_equal_in_memory_and_offloaded)
 {
@@ -351,6 +368,34 @@ Test(train, state_of_another_version_is_refused)
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
     cr_assert(strstr(err, "another version of zinf train"), "%s", err);
     cr_assert_null(t);
+
+    /* A state of the layout before the held-out tail ("zinftrn2", trained on the whole
+     * file) resumes, and keeps its layout so that the next resume agrees too. */
+    uint64_t v2 = 0x7a696e6674726e32ull;
+    struct zinf_options zo = {.nvme_path = swap, .device_bytes = 2 * MiB, .host_bytes = 8 * MiB,
+                              .block_size = 65536, .queue_depth = 8,
+                              .device_kind = ZINF_DEVICE_EMULATED,
+                              .flags = ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN};
+    zinf_engine *raw = NULL;
+    cr_assert_eq(zinf_open(&zo, &raw), 0);
+    cr_assert_eq(zinf_lookup(raw, "train.state", &st), 0);
+    cr_assert_eq(zinf_write(raw, st, 0, &v2, sizeof(v2)), 0);
+    zinf_close(raw);
+    for (int k = 0; k < 2; k++) {
+        struct trainer_step_stats ss;
+        o.steps = 2 + k;
+        cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "resume %d: %s", k + 1, err);
+        cr_assert_eq(trainer_step(t, &ss), 0);
+        cr_assert(isfinite(ss.loss));
+        cr_assert_eq(trainer_checkpoint(t), 0);
+        zinf_tensor h;
+        uint64_t magic = 0;
+        cr_assert_eq(zinf_lookup(trainer_engine(t), "train.state", &h), 0);
+        cr_assert_eq(zinf_read(trainer_engine(t), h, 0, &magic, sizeof(magic)), 0);
+        cr_assert_eq(magic, v2, "the earlier layout is kept");
+        trainer_close(t);
+        t = NULL;
+    }
 }
 
 /* The backends refuse parameters the trainer would never pass, naming what is wrong. */
@@ -793,14 +838,8 @@ Test(train, gradient_accumulation_equals_the_larger_batch)
     o.batch = 2;
     o.grad_accum = 2;
     o.grad_clip = 0.5f;
-    o.steps = 3;
-    run_steps(&o, 3, resumed, NULL);
-    o.steps = STEPS;
-    o.resume = true;
-    run_steps(&o, STEPS - 3, resumed, NULL);
-    for (int i = 0; i < STEPS; i++)
-        cr_expect(memcmp(&resumed[i], &acc[i], sizeof(float)) == 0, "step %d: %.9g resumed, %.9g",
-                  i + 1, resumed[i], acc[i]);
+    run_interrupted(&o, 3, resumed);
+    expect_bitwise(resumed, acc, "resumed against uninterrupted");
     o.grad_accum = 3;
     struct trainer *t = NULL;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
@@ -845,10 +884,7 @@ Test(train, eval_and_sample_leave_the_training_exactly_as_it_was)
     cr_assert_eq(trainer_sample(t, 1, (const unsigned char *)"\n", 0, big, 8), -EINVAL);
     cr_assert_eq(trainer_checkpoint(t), 0);
     trainer_close(t);
-    for (int i = 0; i < STEPS; i++)
-        cr_assert(memcmp(&ref[i], &got[i], sizeof(float)) == 0,
-                  "step %d: %.9g without, %.9g with validation and sampling", i + 1, ref[i],
-                  got[i]);
+    expect_bitwise(got, ref, "with validation and sampling against without");
 
     /* Sampling was not announced (its host-tier set was not in the budget check). */
     o = nvme_model(cfg, sizeof(cfg), "ns", "1M", "2M");
@@ -925,9 +961,7 @@ Test(train, small_weights_persist_on_the_device_below_the_threshold)
     }
     cr_assert_eq(trainer_checkpoint(t), 0);
     trainer_close(t);
-    for (int i = 0; i < STEPS; i++)
-        cr_assert(memcmp(&ref[i], &got[i], sizeof(float)) == 0, "step %d: %.9g without, %.9g "
-                  "with persistent weights", i + 1, ref[i], got[i]);
+    expect_bitwise(got, ref, "with persistent weights against without");
 
     /* The saved run under another threshold: refused, naming the key. */
     f = fopen(cfg, "w");
@@ -1014,14 +1048,8 @@ Test(train, fp16_with_loss_scaling)
 
     /* Interrupted after 3 steps, resumed: bitwise. */
     o = fp16_model(cfg, sizeof(cfg), "f16r");
-    o.steps = 3;
-    run_steps(&o, 3, resumed, NULL);
-    o.steps = STEPS;
-    o.resume = true;
-    run_steps(&o, STEPS - 3, resumed, NULL);
-    for (int i = 0; i < STEPS; i++)
-        cr_expect(memcmp(&resumed[i], &f16[i], sizeof(float)) == 0, "step %d: %.9g resumed, %.9g",
-                  i + 1, resumed[i], f16[i]);
+    run_interrupted(&o, 3, resumed);
+    expect_bitwise(resumed, f16, "resumed against uninterrupted");
 
     /* Overflows: the first is absorbed by the hysteresis, the second halves the scale; no
      * parameter moves in either. */

@@ -327,6 +327,17 @@ static void json_lines(FILE *f, const char *text, bool split)
     fputc(split ? '}' : ']', f);
 }
 
+/* Each line of text ("a\nb"), after prefix. */
+static void print_lines(const char *prefix, const char *text)
+{
+    for (const char *p = text, *nl; *p; p = nl + 1) {
+        nl = strchr(p, '\n');
+        printf("%s%.*s\n", prefix, nl ? (int)(nl - p) : (int)strlen(p), p);
+        if (!nl)
+            break;
+    }
+}
+
 /* The effective settings, once: a few lines here, the first JSON line of the log. */
 static void print_settings(const struct trainer_opts *o, const struct ds_applied *ds,
                            const struct trainer_summary *sum, long ckpt_every, int every,
@@ -338,20 +349,10 @@ static void print_settings(const struct trainer_opts *o, const struct ds_applied
            o->grad_accum, o->grad_accum == 1 ? "" : "es", o->batch, o->seq, o->steps,
            ds->optimizer, o->lr, ds->scheduler, o->beta1, o->beta2, o->eps, o->weight_decay,
            o->grad_clip, (unsigned long long)o->seed, ckpt_every, every);
-    for (const char *p = ds->autos, *nl; *p; p = nl + 1) {
-        nl = strchr(p, '\n');
-        printf("# \"auto\": %.*s\n", nl ? (int)(nl - p) : (int)strlen(p), p);
-        if (!nl)
-            break;
-    }
+    print_lines("# \"auto\": ", ds->autos);
     if (ds->ignored[0]) {
         printf("# ignored (in the config, but zinf does not act on these):\n");
-        for (const char *p = ds->ignored, *nl; *p; p = nl + 1) {
-            nl = strchr(p, '\n');
-            printf("#   %.*s\n", nl ? (int)(nl - p) : (int)strlen(p), p);
-            if (!nl)
-                break;
-        }
+        print_lines("#   ", ds->ignored);
     }
     if (!log)
         return;
