@@ -648,19 +648,18 @@ int cmd_train(int argc, char **argv)
     if (o.resume && trainer_next_step(t) > o.steps) {
         /* Nothing to run: say so rather than exit 0 having done nothing. */
         int done = trainer_next_step(t) - 1;
-        if (done == o.steps) {
-            printf("# the saved run has done its %d steps already: nothing to do (a larger "
-                   "--steps continues it)\n", done);
-        } else {
+        if (done > o.steps) {
             fprintf(stderr, "zinf train: --steps %d --resume: the saved run is at step %d "
                             "already, past %d; give --steps above %d to continue it\n",
                     o.steps, done, o.steps, done);
-            status = 2;
+            if (log)
+                fclose(log);
+            trainer_close(t);
+            return 2;
         }
-        if (log)
-            fclose(log);
-        trainer_close(t);
-        return status;
+        /* At its last step: said, and the summary follows as after any run. */
+        printf("# the saved run has done its %d steps already: nothing to do (a larger "
+               "--steps continues it)\n", done);
     }
     printf("# compute: %s, %s weights on the device%s%s\n", sum.backend, sum.precision,
            sum.backend_work_bytes ? "; backend working memory " : "",
