@@ -1,11 +1,12 @@
 /*
  * adamw.cu - the AdamW step on the GPU: the CUDA twin of src/train/adamw.c's scalar
  * reference (same arithmetic, same order of operations per element; one thread per
- * element, grid-stride), fused with the cast of the new parameter to bf16 (the twin of
- * adamw_update_bf16: round to nearest even). tests/test_kernels.c runs both on the same
- * input and reports the largest difference against the fp32 tolerance.
+ * element, grid-stride), fused with the cast of the new parameter to the 16-bit copy the
+ * device computes with: bf16 (the twin of adamw_update_bf16) or fp16 (the twin of
+ * adamw_update then ops_cast_f32_to_f16), both rounding to nearest even. tests/test_kernels.c
+ * runs both on the same input and reports the largest difference against the fp32 tolerance.
  *
- * Not here: bf16 optimizer states, fused clipping (the scale comes in, as on the CPU; the
+ * Not here: 16-bit optimizer states, fused clipping (the scale comes in, as on the CPU; the
  * sum of squares it is computed from is kernel_sumsq in reduce.cu).
  */
 #include <math.h>
@@ -15,12 +16,12 @@
 /* One element per thread: p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), in adamw.c's
  * order. The _rn intrinsics are the plain IEEE operations that nvcc may not fuse into
  * multiply-adds, so each element comes out as the scalar reference's bits (which has no
- * FMAs either). pb is NULL when no bf16 copy is wanted (a uniform branch). */
-__global__ static void adamw_kernel(float *__restrict__ p, const float *__restrict__ g,
-                                    float *__restrict__ m, float *__restrict__ v,
-                                    bf16 *__restrict__ pb, size_t n, float gs, float b1, float omb1,
-                                    float b2, float omb2, float bc1, float bc2, float eps, float wd,
-                                    float lr)
+ * FMAs either). pc is NULL when no 16-bit copy is wanted (a uniform branch). */
+template <typename E>
+__global__ static void
+adamw_kernel(float *__restrict__ p, const float *__restrict__ g, float *__restrict__ m,
+             float *__restrict__ v, E *__restrict__ pc, size_t n, float gs, float b1, float omb1,
+             float b2, float omb2, float bc1, float bc2, float eps, float wd, float lr)
 {
     size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -34,7 +35,7 @@ __global__ static void adamw_kernel(float *__restrict__ p, const float *__restri
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
-        if (pb) pb[i] = __float2bfloat16(pi);
+        if (pc) st(pc, i, pi);
     }
 }
 
@@ -50,17 +51,21 @@ static bool hparams_ok(const struct adamw_hparams *h, int step, float grad_scale
     return true;
 }
 
-extern "C" int kernel_adamw(float *param, const float *grad, float *m, float *v,
-                            uint16_t *param_bf16, size_t n, const struct adamw_hparams *h, int step,
+extern "C" int kernel_adamw(float *param, const float *grad, float *m, float *v, void *param16,
+                            enum kdtype dt16, size_t n, const struct adamw_hparams *h, int step,
                             float grad_scale, cudaStream_t stream)
 {
     if (!hparams_ok(h, step, grad_scale) || (n && (!param || !grad || !m || !v))) return -EINVAL;
+    if (param16 && dt16 != KDT_BF16 && dt16 != KDT_F16) return -EINVAL;
     if (n == 0) return 0;
     /* Bias corrections in double on the host, as the CPU path computes them. */
     float bc1 = (float)(1.0 / (1.0 - pow(h->beta1, step)));
     float bc2 = (float)(1.0 / (1.0 - pow(h->beta2, step)));
-    adamw_kernel<<<grid_for(n, KTHREADS), KTHREADS, 0, stream>>>(
-        param, grad, m, v, (bf16 *)param_bf16, n, grad_scale, h->beta1, 1.0f - h->beta1, h->beta2,
-        1.0f - h->beta2, bc1, bc2, h->eps, h->weight_decay, h->lr);
-    return launch_result();
+    return with_elem(param16 ? dt16 : KDT_BF16, [&](auto t) {
+        using E = ELEM(t);
+        adamw_kernel<E><<<grid_for(n, KTHREADS), KTHREADS, 0, stream>>>(
+            param, grad, m, v, (E *)param16, n, grad_scale, h->beta1, 1.0f - h->beta1, h->beta2,
+            1.0f - h->beta2, bc1, bc2, h->eps, h->weight_decay, h->lr);
+        return launch_result();
+    });
 }

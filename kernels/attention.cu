@@ -169,14 +169,12 @@ extern "C" int kernel_attention_forward(void *y, float *att, const void *qkv, in
     if (r < 0) return r;
     size_t rows = (size_t)B * NH * T;
     float scale = 1.0f / sqrtf((float)(C / NH));
-    if (dt == KDT_F32)
-        attention_forward_kernel<<<grid_rows(rows), ATT_THREADS, 0, s>>>(
-            (float *)y, att, (const float *)qkv, (size_t)B, (size_t)T, (size_t)C, (size_t)NH,
-            scale);
-    else
-        attention_forward_kernel<<<grid_rows(rows), ATT_THREADS, 0, s>>>(
-            (bf16 *)y, att, (const bf16 *)qkv, (size_t)B, (size_t)T, (size_t)C, (size_t)NH, scale);
-    return launch_result();
+    return with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        attention_forward_kernel<E><<<grid_rows(rows), ATT_THREADS, 0, s>>>(
+            (E *)y, att, (const E *)qkv, (size_t)B, (size_t)T, (size_t)C, (size_t)NH, scale);
+        return launch_result();
+    });
 }
 
 template <typename E>
@@ -206,10 +204,9 @@ extern "C" int kernel_attention_backward(void *d_qkv, float *d_att, const void *
     int r = att_check(d_qkv, d_att, d_y, qkv, B, T, C, NH, dt);
     if (r < 0) return r;
     if (!att) return -EINVAL;
-    if (dt == KDT_F32)
-        return attention_backward_launch((float *)d_qkv, d_att, (const float *)d_y,
-                                         (const float *)qkv, att, (size_t)B, (size_t)T, (size_t)C,
-                                         (size_t)NH, s);
-    return attention_backward_launch((bf16 *)d_qkv, d_att, (const bf16 *)d_y, (const bf16 *)qkv,
-                                     att, (size_t)B, (size_t)T, (size_t)C, (size_t)NH, s);
+    return with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        return attention_backward_launch((E *)d_qkv, d_att, (const E *)d_y, (const E *)qkv, att,
+                                         (size_t)B, (size_t)T, (size_t)C, (size_t)NH, s);
+    });
 }

@@ -1,7 +1,8 @@
 /*
- * common.cuh - what every kernel file shares: the two element types (fp32 and bf16) with
- * their loads and stores, grid sizing, the warp and block reductions, the second stage of
- * the chunked column sums, and the mapping of a launch's cudaError_t to -errno.
+ * common.cuh - what every kernel file shares: the three element types (fp32, bf16, fp16)
+ * with their loads and stores, the dispatch from enum kdtype to a template, grid sizing,
+ * the warp and block reductions, the second stage of the chunked column sums, and the
+ * mapping of a launch's cudaError_t to -errno.
  *
  * The reductions combine their parts in a fixed order (a butterfly within a warp, then
  * the warps' partials one after the other), so a kernel built on them computes the same
@@ -22,11 +23,13 @@
  * cublas_v2.h pulls in, hold C++ templates that cannot have C linkage). */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "kernels/kernels.h"
 
 typedef __nv_bfloat16 bf16;
+typedef __half f16;
 
 /* Threads per block of the elementwise and per-column kernels. */
 #define KTHREADS 256
@@ -37,7 +40,8 @@ typedef __nv_bfloat16 bf16;
 /* Most blocks of a grid-stride launch; past that the kernels loop. */
 #define MAX_BLOCKS ((size_t)65535 * 8)
 
-/* Loads widen to fp32 and stores round from fp32 (to nearest even for bf16): all the
+/* Loads widen to fp32 and stores round from fp32 (to nearest even for bf16 and fp16; fp16
+ * overflows to infinity past 65504, which is what fp16 loss scaling looks for): all the
  * arithmetic is fp32 whatever the element type. */
 __device__ __forceinline__ float ld(const float *p, size_t i)
 {
@@ -47,6 +51,10 @@ __device__ __forceinline__ float ld(const bf16 *p, size_t i)
 {
     return __bfloat162float(p[i]);
 }
+__device__ __forceinline__ float ld(const f16 *p, size_t i)
+{
+    return __half2float(p[i]);
+}
 __device__ __forceinline__ void st(float *p, size_t i, float v)
 {
     p[i] = v;
@@ -55,15 +63,42 @@ __device__ __forceinline__ void st(bf16 *p, size_t i, float v)
 {
     p[i] = __float2bfloat16(v);
 }
+__device__ __forceinline__ void st(f16 *p, size_t i, float v)
+{
+    p[i] = __float2half(v);
+}
 
 static inline bool dt_ok(enum kdtype dt)
 {
-    return dt == KDT_F32 || dt == KDT_BF16;
+    return dt == KDT_F32 || dt == KDT_BF16 || dt == KDT_F16;
 }
 
 static inline size_t dt_bytes(enum kdtype dt)
 {
-    return dt == KDT_BF16 ? 2 : 4;
+    return dt == KDT_F32 ? 4 : 2;
+}
+
+/* The element type E as a value, for with_elem's callers. */
+template <typename E> struct elem {
+    using type = E;
+};
+#define ELEM(tag) typename decltype(tag)::type
+
+/* f(elem<E>{}) for the E that dt names, so that a launcher writes its launch once, for every
+ * element type:
+ *     return with_elem(dt, [&](auto t) { using E = ELEM(t); ...; return launch_result(); });
+ * -EINVAL for a dt that names none. */
+template <typename F> static inline int with_elem(enum kdtype dt, F &&f)
+{
+    switch (dt) {
+    case KDT_F32:
+        return f(elem<float>{});
+    case KDT_BF16:
+        return f(elem<bf16>{});
+    case KDT_F16:
+        return f(elem<f16>{});
+    }
+    return -EINVAL;
 }
 
 /* Blocks for a grid-stride loop over n items, at least one. */

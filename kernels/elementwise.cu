@@ -1,8 +1,10 @@
 /*
  * elementwise.cu - the small elementwise kernels: the residual add (twin of ops_add) and
- * the casts between fp32 and bf16 (twins of ops_cast_f32_to_bf16 and ops_cast_bf16_to_f32;
- * fp32 -> bf16 rounds to nearest even with __float2bfloat16, as ops_f32_to_bf16 does, except
- * that a NaN comes out as the canonical bf16 NaN rather than keeping its payload).
+ * the casts between any two of fp32, bf16 and fp16 (twins of ops_cast_f32_to_bf16,
+ * ops_cast_bf16_to_f32, ops_cast_f32_to_f16 and ops_cast_f16_to_f32; fp32 -> bf16 and
+ * fp32 -> fp16 round to nearest even with __float2bfloat16 and __float2half, as the CPU
+ * casts do, except that a NaN comes out as the canonical NaN rather than keeping its
+ * payload; bf16 <-> fp16 goes through fp32, exactly, then rounds once).
  *
  * Not here: anything that reduces (reduce.cu), GELU (gelu.cu).
  */
@@ -21,17 +23,16 @@ extern "C" int kernel_add(void *out, const void *a, const void *b, size_t n, enu
                           cudaStream_t s)
 {
     if (!out || !a || !b || n == 0 || !dt_ok(dt)) return -EINVAL;
-    if (dt == KDT_F32)
-        add_kernel<<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((float *)out, (const float *)a,
-                                                              (const float *)b, n);
-    else
-        add_kernel<<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((bf16 *)out, (const bf16 *)a,
-                                                              (const bf16 *)b, n);
-    return launch_result();
+    return with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        add_kernel<E>
+            <<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((E *)out, (const E *)a, (const E *)b, n);
+        return launch_result();
+    });
 }
 
-/* dst (n) = src (n) through fp32: exact for bf16 -> fp32 and for the same-type copies
- * (NaN payloads aside). */
+/* dst (n) = src (n) through fp32: exact for bf16 -> fp32, fp16 -> fp32 and the same-type
+ * copies (NaN payloads aside). */
 template <typename D, typename S>
 __global__ static void cast_kernel(D *__restrict__ dst, const S *__restrict__ src, size_t n)
 {
@@ -40,20 +41,17 @@ __global__ static void cast_kernel(D *__restrict__ dst, const S *__restrict__ sr
         st(dst, i, ld(src, i));
 }
 
-template <typename D, typename S>
-static int cast_launch(void *dst, const void *src, size_t n, cudaStream_t s)
-{
-    cast_kernel<<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((D *)dst, (const S *)src, n);
-    return launch_result();
-}
-
 extern "C" int kernel_cast(void *dst, enum kdtype dst_dt, const void *src, enum kdtype src_dt,
                            size_t n, cudaStream_t s)
 {
     if (!dst || !src || n == 0 || !dt_ok(dst_dt) || !dt_ok(src_dt)) return -EINVAL;
-    if (dst_dt == KDT_BF16)
-        return src_dt == KDT_F32 ? cast_launch<bf16, float>(dst, src, n, s)
-                                 : cast_launch<bf16, bf16>(dst, src, n, s);
-    return src_dt == KDT_F32 ? cast_launch<float, float>(dst, src, n, s)
-                             : cast_launch<float, bf16>(dst, src, n, s);
+    return with_elem(dst_dt, [&](auto dtag) {
+        return with_elem(src_dt, [&](auto stag) {
+            using D = ELEM(dtag);
+            using S = ELEM(stag);
+            cast_kernel<D, S>
+                <<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((D *)dst, (const S *)src, n);
+            return launch_result();
+        });
+    });
 }

@@ -77,13 +77,12 @@ extern "C" int kernel_embed_forward(void *x, const void *wte, const void *wpe, c
     if (!x || !wte || !wpe || !tokens || B <= 0 || T <= 0 || C <= 0 || !dt_ok(dt)) return -EINVAL;
     size_t N = (size_t)B * T;
     unsigned grid = grid_for(N * C, KTHREADS);
-    if (dt == KDT_F32)
-        embed_forward_kernel<<<grid, KTHREADS, 0, s>>>(
-            (float *)x, (const float *)wte, (const float *)wpe, tokens, N, (size_t)T, (size_t)C);
-    else
-        embed_forward_kernel<<<grid, KTHREADS, 0, s>>>(
-            (bf16 *)x, (const bf16 *)wte, (const bf16 *)wpe, tokens, N, (size_t)T, (size_t)C);
-    return launch_result();
+    return with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        embed_forward_kernel<E><<<grid, KTHREADS, 0, s>>>((E *)x, (const E *)wte, (const E *)wpe,
+                                                          tokens, N, (size_t)T, (size_t)C);
+        return launch_result();
+    });
 }
 
 /* scratch is not used (each output element has one owner); it is in the signature so a
@@ -97,20 +96,14 @@ extern "C" int kernel_embed_backward(float *d_wte, float *d_wpe, const void *d_x
     size_t N = (size_t)B * T;
     dim3 wte_grid((unsigned)((C + 31) / 32), WTE_GROUPS);
     unsigned wpe_grid = grid_for((size_t)T * C, KTHREADS);
-    if (dt == KDT_F32) {
-        embed_backward_wpe<<<wpe_grid, KTHREADS, 0, s>>>(d_wpe, (const float *)d_x, (size_t)B,
-                                                         (size_t)T, (size_t)C);
+    return with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        embed_backward_wpe<E>
+            <<<wpe_grid, KTHREADS, 0, s>>>(d_wpe, (const E *)d_x, (size_t)B, (size_t)T, (size_t)C);
         int r = launch_result();
         if (r < 0) return r;
-        embed_backward_wte<<<wte_grid, 32, 0, s>>>(d_wte, (const float *)d_x, tokens, N, (size_t)C,
-                                                   V);
-    } else {
-        embed_backward_wpe<<<wpe_grid, KTHREADS, 0, s>>>(d_wpe, (const bf16 *)d_x, (size_t)B,
-                                                         (size_t)T, (size_t)C);
-        int r = launch_result();
-        if (r < 0) return r;
-        embed_backward_wte<<<wte_grid, 32, 0, s>>>(d_wte, (const bf16 *)d_x, tokens, N, (size_t)C,
-                                                   V);
-    }
-    return launch_result();
+        embed_backward_wte<E>
+            <<<wte_grid, 32, 0, s>>>(d_wte, (const E *)d_x, tokens, N, (size_t)C, V);
+        return launch_result();
+    });
 }

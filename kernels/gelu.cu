@@ -37,24 +37,22 @@ extern "C" int kernel_gelu_forward(void *out, const void *inp, size_t n, enum kd
                                    cudaStream_t s)
 {
     if (!out || !inp || n == 0 || !dt_ok(dt)) return -EINVAL;
-    if (dt == KDT_F32)
-        gelu_forward_kernel<<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((float *)out,
-                                                                       (const float *)inp, n);
-    else
-        gelu_forward_kernel<<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((bf16 *)out,
-                                                                       (const bf16 *)inp, n);
-    return launch_result();
+    return with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        gelu_forward_kernel<E>
+            <<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((E *)out, (const E *)inp, n);
+        return launch_result();
+    });
 }
 
 extern "C" int kernel_gelu_backward(void *d, const void *inp, size_t n, enum kdtype dt,
                                     cudaStream_t s)
 {
     if (!d || !inp || n == 0 || !dt_ok(dt)) return -EINVAL;
-    if (dt == KDT_F32)
-        gelu_backward_kernel<<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((float *)d,
-                                                                        (const float *)inp, n);
-    else
-        gelu_backward_kernel<<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((bf16 *)d,
-                                                                        (const bf16 *)inp, n);
-    return launch_result();
+    return with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        gelu_backward_kernel<E>
+            <<<grid_for(n, KTHREADS), KTHREADS, 0, s>>>((E *)d, (const E *)inp, n);
+        return launch_result();
+    });
 }

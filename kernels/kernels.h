@@ -4,12 +4,13 @@
  * -EIO for a launch or cuBLAS failure); nothing here synchronises. Each kernel has a CPU
  * reference twin in src/train/ops.h or src/train/adamw.h, and tests/test_kernels.c runs
  * both on the same input and reports the largest difference against a stated tolerance
- * (fp32 1e-5 relative or 1e-4 absolute for long sums, bf16 ~1e-2).
+ * (fp32 1e-5 relative or 1e-4 absolute for long sums, bf16 ~1e-2, fp16 ~5e-3).
  *
- * Activations and weights come in one of two element types, named by enum kdtype for each
- * call: fp32, or bf16 (__nv_bfloat16, stored as 16 bits). Gradients of parameters,
- * LayerNorm statistics, attention probabilities, logits and everything the optimizer
- * touches are fp32. Pointers are device memory unless a comment says otherwise.
+ * Activations and weights come in one of three element types, named by enum kdtype for
+ * each call: fp32, bf16 (__nv_bfloat16) or fp16 (__half), the last two stored as 16 bits.
+ * Whatever the element type the arithmetic is fp32. Gradients of parameters, LayerNorm
+ * statistics, attention probabilities, logits and everything the optimizer touches are
+ * fp32. Pointers are device memory unless a comment says otherwise.
  *
  * Reductions (column sums, LayerNorm and embedding parameter gradients, sums of squares)
  * are deterministic: they run in a fixed order with no floating-point atomics, so a step
@@ -33,7 +34,7 @@
 extern "C" {
 #endif
 
-enum kdtype { KDT_F32 = 0, KDT_BF16 = 1 };
+enum kdtype { KDT_F32 = 0, KDT_BF16 = 1, KDT_F16 = 2 };
 
 /* Bytes of scratch that any reduction below needs over a (rows, cols) input. */
 size_t kernel_scratch_bytes(size_t rows, size_t cols);
@@ -50,14 +51,16 @@ int kernel_embed_backward(float *d_wte, float *d_wpe, const void *d_x, const int
 int kernel_layernorm_forward(void *out, float *mean, float *rstd, const void *inp, const void *w,
                              const void *b, int N, int C, enum kdtype dt, cudaStream_t s);
 /* dw, db (C) += parameter gradients; d_inp (N,C) = (or += when accumulate) input gradient.
- * d_inp, d_out, inp, w in dt. d_inp may be d_out (not inp). scratch: kernel_scratch_bytes(N, 2*C). */
+ * d_inp, d_out, inp, w in dt. d_inp may be d_out (not inp). scratch: kernel_scratch_bytes(N, 2*C).
+ */
 int kernel_layernorm_backward(void *d_inp, int accumulate, float *dw, float *db, const void *d_out,
                               const void *inp, const void *w, const float *mean, const float *rstd,
                               int N, int C, enum kdtype dt, void *scratch, cudaStream_t s);
 
 /* out (N,OC) in out_dt = [residual (N,OC) in out_dt +] [bias (OC) in dt +] inp (N,IC) @ W^T,
- * W (OC,IC); inp and W in dt. bias and residual may be NULL; out may be residual. A cuBLAS
- * GEMM with fp32 accumulation; the handle is set to stream s. Twin: ops_linear_forward. */
+ * W (OC,IC); inp and W in dt; out_dt is dt or fp32. bias and residual may be NULL; out may be
+ * residual. A cuBLAS GEMM with fp32 accumulation; the handle is set to stream s. Twin:
+ * ops_linear_forward. */
 int kernel_matmul_forward(cublasHandle_t h, void *out, enum kdtype out_dt, const void *inp,
                           const void *W, const void *bias, const void *residual, int N, int IC,
                           int OC, enum kdtype dt, void *scratch, cudaStream_t s);
@@ -88,23 +91,26 @@ int kernel_attention_backward(void *d_qkv, float *d_att, const void *d_y, const 
                               cudaStream_t s);
 
 /* Cross-entropy with the softmax fused over logits (N,V) fp32: losses (N) fp32; when
- * dlogits (N,V) in dt is not NULL it receives (softmax - onehot) / N. targets (N) int.
- * dlogits may alias logits when dt is fp32. Twin: ops_crossentropy. */
+ * dlogits (N,V) in dt is not NULL it receives (softmax - onehot) * scale / N, scale > 0 being
+ * the loss scale of fp16 training (1 otherwise). targets (N) int. dlogits may alias logits
+ * when dt is fp32. Twin: ops_crossentropy (whose gradient is the one of scale 1). */
 int kernel_crossentropy(float *losses, void *dlogits, const float *logits, const int *targets,
-                        int N, int V, enum kdtype dt, cudaStream_t s);
+                        int N, int V, float scale, enum kdtype dt, cudaStream_t s);
 
-/* AdamW over n fp32 elements in place, fused with the cast of the new parameter to bf16
- * into param_bf16 (n, may be NULL). Twins: adamw_update_isa(ADAMW_ISA_SCALAR) and
- * adamw_update_bf16(). */
-int kernel_adamw(float *param, const float *grad, float *m, float *v, uint16_t *param_bf16,
-                 size_t n, const struct adamw_hparams *h, int step, float grad_scale,
-                 cudaStream_t s);
+/* AdamW over n fp32 elements in place, fused with the cast of the new parameter into
+ * param16 (n elements of dt16, bf16 or fp16; may be NULL, and then dt16 is not read).
+ * Twins: adamw_update_isa(ADAMW_ISA_SCALAR), adamw_update_bf16(), and for fp16
+ * adamw_update() then ops_cast_f32_to_f16(). */
+int kernel_adamw(float *param, const float *grad, float *m, float *v, void *param16,
+                 enum kdtype dt16, size_t n, const struct adamw_hparams *h, int step,
+                 float grad_scale, cudaStream_t s);
 /* *acc (one double in device memory) += sum of x[i]^2 over n fp32 elements, in a fixed
  * order: the global gradient norm, one tensor at a time. scratch: kernel_scratch_bytes(n, 1).
  * Twin: adamw_sum_squares (equal to within double rounding of differently ordered sums). */
 int kernel_sumsq(double *acc, const float *x, size_t n, void *scratch, cudaStream_t s);
-/* dst (n) in dst_dt = src (n) in src_dt; fp32 -> bf16 rounds to nearest even.
- * Twins: ops_cast_f32_to_bf16, ops_cast_bf16_to_f32. */
+/* dst (n) in dst_dt = src (n) in src_dt, any two of the three types; narrowing rounds to
+ * nearest even (fp16 overflows to infinity). Twins: ops_cast_f32_to_bf16,
+ * ops_cast_bf16_to_f32, ops_cast_f32_to_f16, ops_cast_f16_to_f32. */
 int kernel_cast(void *dst, enum kdtype dst_dt, const void *src, enum kdtype src_dt, size_t n,
                 cudaStream_t s);
 

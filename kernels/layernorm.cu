@@ -120,11 +120,11 @@ extern "C" int kernel_layernorm_forward(void *out, float *mean, float *rstd, con
 {
     if (!out || !mean || !rstd || !inp || !w || !b || N <= 0 || C <= 0 || !dt_ok(dt))
         return -EINVAL;
-    if (dt == KDT_F32)
-        return layernorm_forward_launch((float *)out, mean, rstd, (const float *)inp,
-                                        (const float *)w, (const float *)b, (size_t)N, C, s);
-    return layernorm_forward_launch((bf16 *)out, mean, rstd, (const bf16 *)inp, (const bf16 *)w,
-                                    (const bf16 *)b, (size_t)N, C, s);
+    return with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        return layernorm_forward_launch((E *)out, mean, rstd, (const E *)inp, (const E *)w,
+                                        (const E *)b, (size_t)N, C, s);
+    });
 }
 
 /* The parameter gradients first: they read d_out for every row, and the input gradient
@@ -155,11 +155,10 @@ extern "C" int kernel_layernorm_backward(void *d_inp, int accumulate, float *dw,
     if (!d_inp || !dw || !db || !d_out || !inp || !w || !mean || !rstd || !scratch || N <= 0 ||
         C <= 0 || !dt_ok(dt))
         return -EINVAL;
-    if (dt == KDT_F32)
-        return layernorm_backward_launch((float *)d_inp, accumulate, dw, db, (const float *)d_out,
-                                         (const float *)inp, (const float *)w, mean, rstd,
-                                         (size_t)N, (size_t)C, (float *)scratch, s);
-    return layernorm_backward_launch((bf16 *)d_inp, accumulate, dw, db, (const bf16 *)d_out,
-                                     (const bf16 *)inp, (const bf16 *)w, mean, rstd, (size_t)N,
-                                     (size_t)C, (float *)scratch, s);
+    return with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        return layernorm_backward_launch((E *)d_inp, accumulate, dw, db, (const E *)d_out,
+                                         (const E *)inp, (const E *)w, mean, rstd, (size_t)N,
+                                         (size_t)C, (float *)scratch, s);
+    });
 }

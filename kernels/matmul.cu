@@ -1,7 +1,7 @@
 /*
  * matmul.cu - the linear layer on the GPU: the CUDA twins of ops_linear_forward and
  * ops_linear_backward, as cuBLAS GEMMs (cublasGemmEx, fp32 accumulation
- * CUBLAS_COMPUTE_32F, inputs fp32 or bf16) around two small kernels: the bias and
+ * CUBLAS_COMPUTE_32F, inputs fp32, bf16 or fp16) around two small kernels: the bias and
  * residual written into the output before the forward GEMM adds into it (beta = 1), and
  * the bias gradient as a deterministic column sum (reduce.cu).
  *
@@ -25,7 +25,8 @@
  * Precision: fp32 GEMMs run as true fp32 (CUBLAS_COMPUTE_32F) unless the caller has put
  * the handle in CUBLAS_TF32_TENSOR_OP_MATH; this file does not change the handle's math
  * mode. It sets the handle's stream to s and its pointer mode to host on every call.
- * cuBLAS has no fp32-input GEMM with a bf16 output, so dt fp32 with out_dt bf16 is -EINVAL.
+ * The output is in the inputs' type or in fp32 (cuBLAS has no fp32-input GEMM with a 16-bit
+ * output, nor one that mixes bf16 and fp16); any other out_dt is -EINVAL.
  *
  * Not here: fused epilogues (GELU, bias in cublasLt), the GEMM workspace policy (cuBLAS's
  * default), batched attention GEMMs.
@@ -34,7 +35,7 @@
 
 static cudaDataType_t cuda_type(enum kdtype dt)
 {
-    return dt == KDT_BF16 ? CUDA_R_16BF : CUDA_R_32F;
+    return dt == KDT_BF16 ? CUDA_R_16BF : dt == KDT_F16 ? CUDA_R_16F : CUDA_R_32F;
 }
 
 static int cublas_result(cublasStatus_t st)
@@ -79,17 +80,16 @@ extern "C" int kernel_matmul_forward(cublasHandle_t h, void *out, enum kdtype ou
 {
     if (!h || !out || !inp || !W || N <= 0 || IC <= 0 || OC <= 0 || !dt_ok(dt) || !dt_ok(out_dt))
         return -EINVAL;
-    if (dt == KDT_F32 && out_dt == KDT_BF16) return -EINVAL;
+    if (out_dt != dt && out_dt != KDT_F32) return -EINVAL;
     int r = 0;
     /* With residual == out and no bias the GEMM adds straight into out. */
     if (bias || (residual && residual != out)) {
         size_t n = (size_t)N, oc = (size_t)OC;
-        if (out_dt == KDT_F32)
-            r = dt == KDT_F32 ? bias_residual_launch<float, float>(out, residual, bias, n, oc, s)
-                              : bias_residual_launch<float, bf16>(out, residual, bias, n, oc, s);
-        else
-            r = dt == KDT_F32 ? bias_residual_launch<bf16, float>(out, residual, bias, n, oc, s)
-                              : bias_residual_launch<bf16, bf16>(out, residual, bias, n, oc, s);
+        r = with_elem(dt, [&](auto t) {
+            using E = ELEM(t);
+            return out_dt == KDT_F32 ? bias_residual_launch<float, E>(out, residual, bias, n, oc, s)
+                                     : bias_residual_launch<E, E>(out, residual, bias, n, oc, s);
+        });
         if (r < 0) return r;
     }
     r = use_stream(h, s);

@@ -68,13 +68,12 @@ extern "C" int kernel_colsum(float *acc, const void *x, int N, int OC, enum kdty
     if (!acc || !x || !scratch || N <= 0 || OC <= 0 || !dt_ok(dt)) return -EINVAL;
     size_t nch = chunks_of((size_t)N), total = nch * (size_t)OC;
     float *part = (float *)scratch;
-    if (dt == KDT_F32)
-        colsum_partials<<<grid_for(total, KTHREADS), KTHREADS, 0, s>>>(part, (const float *)x,
-                                                                       (size_t)N, (size_t)OC, nch);
-    else
-        colsum_partials<<<grid_for(total, KTHREADS), KTHREADS, 0, s>>>(part, (const bf16 *)x,
-                                                                       (size_t)N, (size_t)OC, nch);
-    int r = launch_result();
+    int r = with_elem(dt, [&](auto t) {
+        using E = ELEM(t);
+        colsum_partials<E><<<grid_for(total, KTHREADS), KTHREADS, 0, s>>>(
+            part, (const E *)x, (size_t)N, (size_t)OC, nch);
+        return launch_result();
+    });
     if (r < 0) return r;
     return kernel_chunk_sums_add(acc, part, nch, (size_t)OC, 0, (size_t)OC, s);
 }

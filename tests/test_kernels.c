@@ -2,17 +2,18 @@
  * test_kernels.c - every CUDA kernel of kernels/kernels.h against its CPU reference twin
  * (src/train/ops.h, src/train/adamw.h) on the same random input, checkasm style: each test
  * reports the largest difference it saw and the tolerance it holds the kernel to, then
- * asserts it. Each launcher has its bf16 variant (the CPU input is rounded through bf16
- * first, so both twins read the same values) and its bad-input twin (-EINVAL before any
- * launch; those run even without a GPU). Sizes are ragged on purpose (T = 13, C = 72 or
- * 96, N not a multiple of any block or chunk).
+ * asserts it. Each launcher has its bf16 and fp16 variants (the CPU input is rounded through
+ * the 16-bit type first, so both twins read the same values) and its bad-input twin (-EINVAL before
+ * any launch; those run even without a GPU). Sizes are ragged on purpose (T = 13, C = 72 or 96, N
+ * not a multiple of any block or chunk).
  *
  * Tolerances, as |gpu - cpu| <= abs + rel |cpu| + of_max max|cpu| per element:
  *   fp32 elementwise    1e-6 + 1e-5 |x|    (GELU 1e-5 + 1e-5 |x|: see check_gelu)
  *   fp32 long sums      1e-4 + 1e-5 |x|    (GEMMs, LayerNorm, attention, column sums)
  *   bf16                1e-2 |x| + 1e-2 max|x|  (outputs rounded to bf16, or bf16 GEMMs)
+ *   fp16                5e-3 |x| + 5e-3 max|x|  (likewise; fp16 keeps 3 more bits than bf16)
  *   exact               0                  (casts, embedding backward)
- *   AdamW               1e-11 + 1e-5 |x|   (the same bits are expected; its bf16 copy is
+ *   AdamW               1e-11 + 1e-5 |x|   (the same bits are expected; its 16-bit copy is
  *                                           exactly the rounding of its own fp32 result)
  *   sum of squares      1e-12 relative     (doubles summed in another order)
  * The deterministic reductions are also run twice and must give the same bits.
@@ -52,20 +53,35 @@ static const struct tol TOL_EXACT = {0, 0, 0, "exact"};
 static const struct tol TOL_F32 = {1e-6, 1e-5, 0, "fp32 1e-6 + 1e-5|x|"};
 static const struct tol TOL_F32_SUM = {1e-4, 1e-5, 0, "fp32 sums 1e-4 + 1e-5|x|"};
 static const struct tol TOL_BF16 = {0, 1e-2, 1e-2, "bf16 1e-2|x| + 1e-2 max|x|"};
+static const struct tol TOL_F16 = {0, 5e-3, 5e-3, "fp16 5e-3|x| + 5e-3 max|x|"};
 
 static struct tol tol_for(enum kdtype dt, struct tol f32)
 {
-    return dt == KDT_BF16 ? TOL_BF16 : f32;
+    return dt == KDT_BF16 ? TOL_BF16 : dt == KDT_F16 ? TOL_F16 : f32;
 }
 
 static const char *dt_name(enum kdtype dt)
 {
-    return dt == KDT_BF16 ? "bf16" : "fp32";
+    return dt == KDT_BF16 ? "bf16" : dt == KDT_F16 ? "fp16" : "fp32";
 }
 
 static size_t dt_size(enum kdtype dt)
 {
-    return dt == KDT_BF16 ? 2 : 4;
+    return dt == KDT_F32 ? 4 : 2;
+}
+
+/* A 16-bit element type and its CPU casts (round to nearest even, and exact widening). */
+struct type16 {
+    enum kdtype dt;
+    uint16_t (*narrow)(float f);
+    float (*widen)(uint16_t h);
+};
+static const struct type16 T_BF16 = {KDT_BF16, ops_f32_to_bf16, ops_bf16_to_f32};
+static const struct type16 T_F16 = {KDT_F16, ops_f32_to_f16, ops_f16_to_f32};
+
+static const struct type16 *type16_of(enum kdtype dt)
+{
+    return dt == KDT_BF16 ? &T_BF16 : &T_F16;
 }
 
 static float *falloc(size_t n)
@@ -82,10 +98,12 @@ static void random_floats(float *x, size_t n, uint64_t seed, float lo, float hi)
         x[i] = lo + (hi - lo) * (float)((double)(test_rand(&s) >> 11) / 9007199254740992.0);
 }
 
-static void round_bf16(float *x, size_t n)
+/* x rounded through the 16-bit type dt. */
+static void round_to(enum kdtype dt, float *x, size_t n)
 {
+    const struct type16 *t = type16_of(dt);
     for (size_t i = 0; i < n; i++)
-        x[i] = ops_bf16_to_f32(ops_f32_to_bf16(x[i]));
+        x[i] = t->widen(t->narrow(x[i]));
 }
 
 static void *dev_alloc(size_t bytes)
@@ -126,7 +144,7 @@ struct twin {
     enum kdtype dt;
 };
 
-/* h -> d, converting to bf16 when dt is bf16 (h already holds bf16-exact values). */
+/* h -> d, converting to dt when it is a 16-bit type (h already holds values exact in it). */
 static void twin_upload(struct twin *t)
 {
     if (t->dt == KDT_F32) {
@@ -135,7 +153,10 @@ static void twin_upload(struct twin *t)
     }
     uint16_t *b = malloc(t->n * 2 + 2);
     cr_assert_not_null(b);
-    ops_cast_f32_to_bf16(b, t->h, t->n);
+    if (t->dt == KDT_F16)
+        ops_cast_f32_to_f16(b, t->h, t->n);
+    else
+        ops_cast_f32_to_bf16(b, t->h, t->n);
     cr_assert_eq(cudaMemcpy(t->d, b, t->n * 2, cudaMemcpyHostToDevice), cudaSuccess);
     free(b);
 }
@@ -151,17 +172,20 @@ static float *twin_download(const struct twin *t)
     uint16_t *b = malloc(t->n * 2 + 2);
     cr_assert_not_null(b);
     cr_assert_eq(cudaMemcpy(b, t->d, t->n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-    ops_cast_bf16_to_f32(out, b, t->n);
+    if (t->dt == KDT_F16)
+        ops_cast_f16_to_f32(out, b, t->n);
+    else
+        ops_cast_bf16_to_f32(out, b, t->n);
     free(b);
     return out;
 }
 
-/* n values uniform in [lo, hi), rounded through bf16 when dt is bf16, in both copies. */
+/* n values uniform in [lo, hi), rounded through dt when it is a 16-bit type, in both copies. */
 static struct twin twin_rand(size_t n, enum kdtype dt, uint64_t seed, float lo, float hi)
 {
     struct twin t = {falloc(n), dev_alloc(n * dt_size(dt)), n, dt};
     random_floats(t.h, n, seed, lo, hi);
-    if (dt == KDT_BF16) round_bf16(t.h, n);
+    if (dt != KDT_F32) round_to(dt, t.h, n);
     twin_upload(&t);
     return t;
 }
@@ -173,7 +197,7 @@ static struct twin twin_zeros(size_t n, enum kdtype dt)
     return t;
 }
 
-/* Host values uploaded as they are (the caller made them bf16-exact if need be). */
+/* Host values uploaded as they are (the caller made them exact in dt if need be). */
 static struct twin twin_of(const float *h, size_t n, enum kdtype dt)
 {
     struct twin t = {falloc(n), dev_alloc(n * dt_size(dt)), n, dt};
@@ -292,6 +316,11 @@ Test(kernels_gpu, embed_forward_matches_the_cpu_bf16)
     check_embed_forward(KDT_BF16);
 }
 
+Test(kernels_gpu, embed_forward_matches_the_cpu_f16)
+{
+    check_embed_forward(KDT_F16);
+}
+
 Test(kernels_gpu, embed_forward_refuses_bad_input)
 {
     cr_assert_eq(kernel_embed_forward(NULL, FAKE, FAKE, FAKEI, 2, 3, 4, KDT_F32, 0), -EINVAL);
@@ -344,6 +373,11 @@ Test(kernels_gpu, embed_backward_matches_the_cpu_bf16)
     check_embed_backward(KDT_BF16);
 }
 
+Test(kernels_gpu, embed_backward_matches_the_cpu_f16)
+{
+    check_embed_backward(KDT_F16);
+}
+
 Test(kernels_gpu, embed_backward_refuses_bad_input)
 {
     cr_assert_eq(kernel_embed_backward(NULL, FAKEF, FAKE, FAKEI, 2, 3, 4, 5, KDT_F32, FAKE, 0),
@@ -391,6 +425,11 @@ Test(kernels_gpu, layernorm_forward_matches_the_cpu_f32)
 Test(kernels_gpu, layernorm_forward_matches_the_cpu_bf16)
 {
     check_layernorm_forward(KDT_BF16);
+}
+
+Test(kernels_gpu, layernorm_forward_matches_the_cpu_f16)
+{
+    check_layernorm_forward(KDT_F16);
 }
 
 Test(kernels_gpu, layernorm_forward_refuses_bad_input)
@@ -460,10 +499,17 @@ Test(kernels_gpu, layernorm_backward_matches_the_cpu_bf16)
     check_layernorm_backward(KDT_BF16, 0, 0);
 }
 
+Test(kernels_gpu, layernorm_backward_matches_the_cpu_f16)
+{
+    check_layernorm_backward(KDT_F16, 1, 0);
+    check_layernorm_backward(KDT_F16, 0, 0);
+}
+
 Test(kernels_gpu, layernorm_backward_in_place_on_d_out)
 {
     check_layernorm_backward(KDT_F32, 1, 1);
     check_layernorm_backward(KDT_BF16, 0, 1);
+    check_layernorm_backward(KDT_F16, 1, 1);
 }
 
 Test(kernels_gpu, layernorm_backward_refuses_bad_input)
@@ -547,9 +593,18 @@ Test(kernels_gpu, matmul_forward_matches_the_cpu_bf16)
     check_matmul_forward(KDT_BF16, KDT_BF16, 1, RES_SEPARATE);
     check_matmul_forward(KDT_BF16, KDT_BF16, 0, RES_IN_PLACE);
     check_matmul_forward(KDT_BF16, KDT_BF16, 1, RES_NONE);
-    /* bf16 inputs to fp32 output: the logits of the head. */
+    /* 16-bit inputs to fp32 output: the logits of the head. */
     check_matmul_forward(KDT_BF16, KDT_F32, 0, RES_NONE);
     check_matmul_forward(KDT_BF16, KDT_F32, 1, RES_SEPARATE);
+}
+
+Test(kernels_gpu, matmul_forward_matches_the_cpu_f16)
+{
+    check_matmul_forward(KDT_F16, KDT_F16, 1, RES_SEPARATE);
+    check_matmul_forward(KDT_F16, KDT_F16, 0, RES_IN_PLACE);
+    check_matmul_forward(KDT_F16, KDT_F16, 1, RES_NONE);
+    check_matmul_forward(KDT_F16, KDT_F32, 0, RES_NONE);
+    check_matmul_forward(KDT_F16, KDT_F32, 1, RES_SEPARATE);
 }
 
 Test(kernels_gpu, matmul_forward_refuses_bad_input)
@@ -573,8 +628,14 @@ Test(kernels_gpu, matmul_forward_refuses_bad_input)
     cr_assert_eq(
         kernel_matmul_forward(hb, FAKE, BAD_DT, FAKE, FAKE, NULL, NULL, 4, 8, 8, KDT_F32, FAKE, 0),
         -EINVAL);
-    /* cuBLAS has no fp32 x fp32 -> bf16 GEMM. */
+    /* cuBLAS has no fp32 x fp32 -> bf16 GEMM, nor one that mixes bf16 and fp16. */
     cr_assert_eq(kernel_matmul_forward(hb, FAKE, KDT_BF16, FAKE, FAKE, NULL, NULL, 4, 8, 8, KDT_F32,
+                                       FAKE, 0),
+                 -EINVAL);
+    cr_assert_eq(kernel_matmul_forward(hb, FAKE, KDT_F16, FAKE, FAKE, NULL, NULL, 4, 8, 8, KDT_BF16,
+                                       FAKE, 0),
+                 -EINVAL);
+    cr_assert_eq(kernel_matmul_forward(hb, FAKE, KDT_BF16, FAKE, FAKE, NULL, NULL, 4, 8, 8, KDT_F16,
                                        FAKE, 0),
                  -EINVAL);
 }
@@ -630,6 +691,12 @@ Test(kernels_gpu, matmul_backward_matches_the_cpu_bf16)
     check_matmul_backward(KDT_BF16, 0);
 }
 
+Test(kernels_gpu, matmul_backward_matches_the_cpu_f16)
+{
+    check_matmul_backward(KDT_F16, 1);
+    check_matmul_backward(KDT_F16, 0);
+}
+
 Test(kernels_gpu, matmul_backward_refuses_bad_input)
 {
     cublasHandle_t hb = (cublasHandle_t)FAKE;
@@ -681,6 +748,11 @@ Test(kernels_gpu, colsum_matches_the_cpu_bf16)
     check_colsum(KDT_BF16, 1000, 72);
 }
 
+Test(kernels_gpu, colsum_matches_the_cpu_f16)
+{
+    check_colsum(KDT_F16, 1000, 72);
+}
+
 Test(kernels_gpu, colsum_refuses_bad_input)
 {
     cr_assert_eq(kernel_colsum(NULL, FAKE, 4, 8, KDT_F32, FAKE, 0), -EINVAL);
@@ -730,6 +802,12 @@ Test(kernels_gpu, add_matches_the_cpu_bf16)
     check_add(KDT_BF16, 1);
 }
 
+Test(kernels_gpu, add_matches_the_cpu_f16)
+{
+    check_add(KDT_F16, 0);
+    check_add(KDT_F16, 1);
+}
+
 Test(kernels_gpu, add_refuses_bad_input)
 {
     cr_assert_eq(kernel_add(NULL, FAKE, FAKE, 8, KDT_F32, 0), -EINVAL);
@@ -771,6 +849,11 @@ Test(kernels_gpu, gelu_matches_the_cpu_bf16)
     check_gelu(KDT_BF16);
 }
 
+Test(kernels_gpu, gelu_matches_the_cpu_f16)
+{
+    check_gelu(KDT_F16);
+}
+
 Test(kernels_gpu, gelu_refuses_bad_input)
 {
     cr_assert_eq(kernel_gelu_forward(NULL, FAKE, 8, KDT_F32, 0), -EINVAL);
@@ -783,57 +866,46 @@ Test(kernels_gpu, gelu_refuses_bad_input)
     cr_assert_eq(kernel_gelu_backward(FAKE, FAKE, 8, BAD_DT, 0), -EINVAL);
 }
 
-/* Random values, exact ties (1 + k 2^-8 + 2^-9 lies half-way between two bf16), signed
- * zeros, infinities, subnormals and bf16-overflowing magnitudes; both directions must equal
- * the CPU cast bit for bit. NaN only has to stay NaN (the GPU gives the canonical NaN). */
-Test(kernels_gpu, cast_matches_the_cpu_bit_for_bit)
+/* fp32 -> t and back on the GPU against the CPU casts, bit for bit: random values, exact
+ * ties, signed zeros, infinities, subnormals of both types and magnitudes that overflow t.
+ * NaN only has to stay NaN (the GPU gives the canonical NaN). specials holds nspecials values
+ * chosen for t. */
+static void check_cast(const struct type16 *t, const float *specials, size_t nspecials)
 {
     need_gpu();
     const size_t n = 4099;
+    const char *name = dt_name(t->dt);
     float *src = falloc(n);
     random_floats(src, n, 90, -1000, 1000);
-    const float specials[] = {0.0f,
-                              -0.0f,
-                              INFINITY,
-                              -INFINITY,
-                              1e-40f,
-                              -3e-39f,
-                              3.4e38f,
-                              -3.4e38f,
-                              1.0f + 0x1p-9f,
-                              1.0f + 0x1p-8f + 0x1p-9f,
-                              -(1.0f + 0x1p-9f),
-                              0x1p-130f + 0x1p-138f};
-    for (size_t i = 0; i < sizeof(specials) / sizeof(specials[0]); i++)
+    for (size_t i = 0; i < nspecials; i++)
         src[i] = specials[i];
     src[n - 1] = NAN;
 
     float *d_f32 = dev_alloc(n * 4), *back = falloc(n);
-    uint16_t *d_b16 = dev_alloc(n * 2), *got = malloc(n * 2), *want = malloc(n * 2);
-    cr_assert(got && want);
+    uint16_t *d_16 = dev_alloc(n * 2), *got = malloc(n * 2);
+    cr_assert(got);
     cr_assert_eq(cudaMemcpy(d_f32, src, n * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    cr_assert_eq(kernel_cast(d_b16, KDT_BF16, d_f32, KDT_F32, n, 0), 0);
+    cr_assert_eq(kernel_cast(d_16, t->dt, d_f32, KDT_F32, n, 0), 0);
     cr_assert_eq(cudaMemset(d_f32, 0, n * 4), cudaSuccess);
-    cr_assert_eq(kernel_cast(d_f32, KDT_F32, d_b16, KDT_BF16, n, 0), 0);
+    cr_assert_eq(kernel_cast(d_f32, KDT_F32, d_16, t->dt, n, 0), 0);
     sync_ok();
-    cr_assert_eq(cudaMemcpy(got, d_b16, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    cr_assert_eq(cudaMemcpy(got, d_16, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
     cr_assert_eq(cudaMemcpy(back, d_f32, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    ops_cast_f32_to_bf16(want, src, n);
 
     size_t mismatches = 0, first = 0;
     for (size_t i = 0; i + 1 < n; i++) {
-        if (got[i] != want[i] && !mismatches++) first = i;
+        if (got[i] != t->narrow(src[i]) && !mismatches++) first = i;
         uint32_t a, b;
-        float wf = ops_bf16_to_f32(got[i]);
+        float wf = t->widen(got[i]);
         memcpy(&a, &wf, 4);
         memcpy(&b, &back[i], 4);
-        cr_assert_eq(a, b, "bf16 -> fp32 of %#06x: got %#010x", got[i], b);
+        cr_assert_eq(a, b, "%s -> fp32 of %#06x: got %#010x", name, got[i], b);
     }
-    cr_log_info("cast fp32 -> bf16: %zu of %zu differ from ops_f32_to_bf16 (tolerance exact)",
+    cr_log_info("cast fp32 -> %s: %zu of %zu differ from the CPU's (tolerance exact)", name,
                 mismatches, n - 1);
-    cr_assert_eq(mismatches, 0, "fp32 %.9g -> bf16: gpu %#06x, cpu %#06x", src[first], got[first],
-                 want[first]);
-    cr_assert(isnan(ops_bf16_to_f32(got[n - 1])) && isnan(back[n - 1]), "NaN must stay NaN");
+    cr_assert_eq(mismatches, 0, "fp32 %.9g -> %s: gpu %#06x, cpu %#06x", src[first], name,
+                 got[first], t->narrow(src[first]));
+    cr_assert(isnan(t->widen(got[n - 1])) && isnan(back[n - 1]), "NaN must stay NaN");
 
     /* Same-type casts are copies. */
     float *d_copy = dev_alloc(n * 4);
@@ -844,13 +916,91 @@ Test(kernels_gpu, cast_matches_the_cpu_bit_for_bit)
     cr_assert_eq(memcmp(copy, back, (n - 1) * 4), 0);
 
     cudaFree(d_f32);
-    cudaFree(d_b16);
+    cudaFree(d_16);
     cudaFree(d_copy);
     free(src);
     free(back);
     free(got);
-    free(want);
     free(copy);
+}
+
+Test(kernels_gpu, cast_matches_the_cpu_bit_for_bit)
+{
+    /* 1 + k 2^-8 + 2^-9 lies half-way between two bf16. */
+    const float bf16_specials[] = {0.0f,
+                                   -0.0f,
+                                   INFINITY,
+                                   -INFINITY,
+                                   1e-40f,
+                                   -3e-39f,
+                                   3.4e38f,
+                                   -3.4e38f,
+                                   1.0f + 0x1p-9f,
+                                   1.0f + 0x1p-8f + 0x1p-9f,
+                                   -(1.0f + 0x1p-9f),
+                                   0x1p-130f + 0x1p-138f};
+    check_cast(&T_BF16, bf16_specials, sizeof(bf16_specials) / sizeof(bf16_specials[0]));
+}
+
+Test(kernels_gpu, cast_matches_the_cpu_bit_for_bit_f16)
+{
+    /* 1 + k 2^-10 + 2^-11 lies half-way between two fp16; 65504 is the largest fp16 and
+     * 65520 half-way to the next power of two (rounds to infinity); 2^-24 is the smallest
+     * subnormal, 2^-25 half of it (rounds to zero, even) and 3 2^-26 past half (rounds up). */
+    const float f16_specials[] = {0.0f,
+                                  -0.0f,
+                                  INFINITY,
+                                  -INFINITY,
+                                  1.0f + 0x1p-11f,
+                                  1.0f + 0x1p-10f + 0x1p-11f,
+                                  -(1.0f + 0x1p-11f),
+                                  65504.0f,
+                                  65519.0f,
+                                  65520.0f,
+                                  -1e5f,
+                                  0x1p-24f,
+                                  0x1p-25f,
+                                  3 * 0x1p-26f,
+                                  -0x1p-20f - 0x1p-25f,
+                                  6.1e-5f,
+                                  1e-40f,
+                                  3e38f};
+    check_cast(&T_F16, f16_specials, sizeof(f16_specials) / sizeof(f16_specials[0]));
+}
+
+/* bf16 <-> fp16 on the GPU is one rounding of the exact widening, as on the CPU. */
+Test(kernels_gpu, cast_between_bf16_and_f16_rounds_once)
+{
+    need_gpu();
+    const size_t n = 65536;
+    uint16_t *all = malloc(n * 2), *got = malloc(n * 2);
+    cr_assert(all && got);
+    for (size_t i = 0; i < n; i++)
+        all[i] = (uint16_t)i; /* every 16-bit pattern */
+    uint16_t *d_in = dev_alloc(n * 2), *d_out = dev_alloc(n * 2);
+    cr_assert_eq(cudaMemcpy(d_in, all, n * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    const struct type16 *pairs[2][2] = {{&T_BF16, &T_F16}, {&T_F16, &T_BF16}};
+    for (int k = 0; k < 2; k++) {
+        const struct type16 *from = pairs[k][0], *to = pairs[k][1];
+        cr_assert_eq(kernel_cast(d_out, to->dt, d_in, from->dt, n, 0), 0);
+        sync_ok();
+        cr_assert_eq(cudaMemcpy(got, d_out, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+        size_t bad = 0;
+        for (size_t i = 0; i < n; i++) {
+            float x = from->widen(all[i]);
+            if (isnan(x))
+                bad += !isnan(to->widen(got[i]));
+            else
+                bad += got[i] != to->narrow(x);
+        }
+        cr_log_info("cast %s -> %s: %zu of %zu patterns differ from the CPU's (tolerance exact)",
+                    dt_name(from->dt), dt_name(to->dt), bad, n);
+        cr_assert_eq(bad, 0);
+    }
+    cudaFree(d_in);
+    cudaFree(d_out);
+    free(all);
+    free(got);
 }
 
 Test(kernels_gpu, cast_refuses_bad_input)
@@ -913,6 +1063,12 @@ Test(kernels_gpu, attention_matches_the_cpu_bf16)
     check_attention(KDT_BF16, 1, 150, 72, 3);
 }
 
+Test(kernels_gpu, attention_matches_the_cpu_f16)
+{
+    check_attention(KDT_F16, 2, 13, 96, 4);
+    check_attention(KDT_F16, 1, 150, 72, 3);
+}
+
 Test(kernels_gpu, attention_refuses_bad_input)
 {
     cr_assert_eq(kernel_attention_forward(NULL, FAKEF, FAKE, 2, 4, 8, 2, KDT_F32, 0), -EINVAL);
@@ -938,8 +1094,10 @@ Test(kernels_gpu, attention_refuses_bad_input)
 
 /* ---- cross-entropy ----------------------------------------------------------------------- */
 
-/* mode 0: losses only; 1: dlogits in a separate buffer; 2: dlogits over logits (fp32). */
-static void check_crossentropy(enum kdtype dt, int mode)
+/* mode 0: losses only; 1: dlogits in a separate buffer; 2: dlogits over logits (fp32).
+ * scale is the loss scale: the CPU twin's gradient times scale (a power of two, so the
+ * product is exact) is what the kernel must give. */
+static void check_crossentropy(enum kdtype dt, int mode, float scale)
 {
     need_gpu();
     const int N = 37, V = 1003;
@@ -949,8 +1107,8 @@ static void check_crossentropy(enum kdtype dt, int mode)
     struct twin dl = mode == 1 ? twin_zeros(NV, dt) : logits;
     int *tgt = random_ints(N, 111, V);
     int *d_tgt = dev_ints(tgt, N);
-    cr_assert_eq(kernel_crossentropy(losses.d, mode ? dl.d : NULL, logits.d, d_tgt, N, V, dt, 0),
-                 0);
+    cr_assert_eq(
+        kernel_crossentropy(losses.d, mode ? dl.d : NULL, logits.d, d_tgt, N, V, scale, dt, 0), 0);
     sync_ok();
     /* The CPU twin writes its gradient over its logits. */
     float *cpu_logits = falloc(NV);
@@ -958,11 +1116,14 @@ static void check_crossentropy(enum kdtype dt, int mode)
     ops_crossentropy(cpu_logits, losses.h, tgt, N, V, mode != 0);
     twin_check("crossentropy losses", dt, &losses, TOL_F32);
     if (mode) {
-        memcpy(dl.h, cpu_logits, NV * sizeof(float));
-        /* dlogits are ~1/(N V): the relative tolerance is what matters in fp32. */
-        struct tol t = {1e-9, 1e-5, 0, "fp32 1e-9 + 1e-5|x|"};
-        twin_check(mode == 2 ? "crossentropy dlogits (over logits)" : "crossentropy dlogits", dt,
-                   &dl, tol_for(dt, t));
+        for (size_t i = 0; i < NV; i++)
+            dl.h[i] = cpu_logits[i] * scale;
+        /* dlogits are ~scale/(N V): the relative tolerance is what matters in fp32. */
+        struct tol t = {1e-9 * scale, 1e-5, 0, "fp32 1e-9 scale + 1e-5|x|"};
+        char what[96];
+        snprintf(what, sizeof(what), "crossentropy dlogits%s, loss scale %g",
+                 mode == 2 ? " (over logits)" : "", scale);
+        twin_check(what, dt, &dl, tol_for(dt, t));
     }
     if (mode == 1) twin_free(&dl);
     twin_free(&logits);
@@ -974,26 +1135,42 @@ static void check_crossentropy(enum kdtype dt, int mode)
 
 Test(kernels_gpu, crossentropy_matches_the_cpu_f32)
 {
-    check_crossentropy(KDT_F32, 0);
-    check_crossentropy(KDT_F32, 1);
-    check_crossentropy(KDT_F32, 2);
+    check_crossentropy(KDT_F32, 0, 1.0f);
+    check_crossentropy(KDT_F32, 1, 1.0f);
+    check_crossentropy(KDT_F32, 2, 1.0f);
+    check_crossentropy(KDT_F32, 2, 8.0f);
 }
 
 Test(kernels_gpu, crossentropy_matches_the_cpu_bf16)
 {
-    check_crossentropy(KDT_BF16, 1);
+    check_crossentropy(KDT_BF16, 1, 1.0f);
+}
+
+Test(kernels_gpu, crossentropy_matches_the_cpu_f16)
+{
+    check_crossentropy(KDT_F16, 1, 1.0f);
+    /* fp16 training's first loss scale (2^16, DeepSpeed's initial_scale_power): the
+     * gradients ~1/(N V) that fp16 holds only as subnormals come out in its normal range. */
+    check_crossentropy(KDT_F16, 1, 65536.0f);
 }
 
 Test(kernels_gpu, crossentropy_refuses_bad_input)
 {
-    cr_assert_eq(kernel_crossentropy(NULL, FAKE, FAKEF, FAKEI, 4, 8, KDT_F32, 0), -EINVAL);
-    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, NULL, FAKEI, 4, 8, KDT_F32, 0), -EINVAL);
-    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, NULL, 4, 8, KDT_F32, 0), -EINVAL);
-    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 0, 8, KDT_F32, 0), -EINVAL);
-    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 4, -8, KDT_F32, 0), -EINVAL);
-    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 4, 8, BAD_DT, 0), -EINVAL);
-    /* bf16 dlogits cannot overwrite fp32 logits in place. */
-    cr_assert_eq(kernel_crossentropy(FAKEF, FAKEF, FAKEF, FAKEI, 4, 8, KDT_BF16, 0), -EINVAL);
+    cr_assert_eq(kernel_crossentropy(NULL, FAKE, FAKEF, FAKEI, 4, 8, 1.0f, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, NULL, FAKEI, 4, 8, 1.0f, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, NULL, 4, 8, 1.0f, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 0, 8, 1.0f, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 4, -8, 1.0f, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 4, 8, 1.0f, BAD_DT, 0), -EINVAL);
+    /* 16-bit dlogits cannot overwrite fp32 logits in place. */
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKEF, FAKEF, FAKEI, 4, 8, 1.0f, KDT_BF16, 0), -EINVAL);
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKEF, FAKEF, FAKEI, 4, 8, 1.0f, KDT_F16, 0), -EINVAL);
+    /* A loss scale is positive and finite. */
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 4, 8, 0.0f, KDT_F16, 0), -EINVAL);
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 4, 8, -2.0f, KDT_F16, 0), -EINVAL);
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 4, 8, INFINITY, KDT_F16, 0),
+                 -EINVAL);
+    cr_assert_eq(kernel_crossentropy(FAKEF, FAKE, FAKEF, FAKEI, 4, 8, NAN, KDT_F16, 0), -EINVAL);
 }
 
 /* ---- optimizer: AdamW and the sum of squares --------------------------------------------- */
@@ -1039,7 +1216,8 @@ Test(kernels_gpu, adamw_matches_the_cpu_reference)
     struct adamw_hparams h = adam_hparams();
     struct adam_state s = adam_state_new(n);
     for (int step = 1; step <= 3; step++) {
-        cr_assert_eq(kernel_adamw(s.p.d, s.g.d, s.m.d, s.v.d, NULL, n, &h, step, 0.5f, 0), 0);
+        cr_assert_eq(kernel_adamw(s.p.d, s.g.d, s.m.d, s.v.d, NULL, KDT_BF16, n, &h, step, 0.5f, 0),
+                     0);
         cr_assert_eq(
             adamw_update_isa(ADAMW_ISA_SCALAR, s.p.h, s.g.h, s.m.h, s.v.h, n, &h, step, 0.5f), 0);
     }
@@ -1051,61 +1229,99 @@ Test(kernels_gpu, adamw_matches_the_cpu_reference)
     adam_state_free(&s);
 }
 
-/* The fused bf16 copy is exactly the rounding of the kernel's own fp32 parameter, and
- * within one bf16 step (at most 2^-7 relative) of adamw_update_bf16's, whose fp32 update may differ
- * in the last bit (its vector kernels fuse multiply-adds). */
-Test(kernels_gpu, adamw_bf16_copy_matches_the_cpu_reference)
+/* The CPU's AdamW with a 16-bit copy: adamw_update_bf16 for bf16, adamw_update then the
+ * cast for fp16 (the trainer's CPU path). */
+static int cpu_adamw_16(const struct type16 *t, struct adam_state *s, uint16_t *copy, size_t n,
+                        const struct adamw_hparams *h)
+{
+    if (t->dt == KDT_BF16)
+        return adamw_update_bf16(s->p.h, s->g.h, s->m.h, s->v.h, copy, n, h, 1, 1.0f);
+    int r = adamw_update(s->p.h, s->g.h, s->m.h, s->v.h, n, h, 1, 1.0f);
+    if (r == 0) ops_cast_f32_to_f16(copy, s->p.h, n);
+    return r;
+}
+
+/* The fused 16-bit copy is exactly the rounding of the kernel's own fp32 parameter, and
+ * within one step of the type (2^-7 relative for bf16, 2^-10 for fp16) of the CPU's, whose
+ * fp32 update may differ in the last bit (its vector kernels fuse multiply-adds). */
+static void check_adamw_copy(const struct type16 *t, double one_step)
 {
     need_gpu();
     const size_t n = ((size_t)1 << 16) + 5;
+    const char *name = dt_name(t->dt);
     struct adamw_hparams h = adam_hparams();
     struct adam_state s = adam_state_new(n);
-    uint16_t *d_b16 = dev_alloc(n * 2), *b16 = malloc(n * 2), *cpu_b16 = malloc(n * 2);
-    cr_assert(b16 && cpu_b16);
-    cr_assert_eq(kernel_adamw(s.p.d, s.g.d, s.m.d, s.v.d, d_b16, n, &h, 1, 1.0f, 0), 0);
-    cr_assert_eq(adamw_update_bf16(s.p.h, s.g.h, s.m.h, s.v.h, cpu_b16, n, &h, 1, 1.0f), 0);
+    uint16_t *d_16 = dev_alloc(n * 2), *c16 = malloc(n * 2), *cpu_16 = malloc(n * 2);
+    cr_assert(c16 && cpu_16);
+    cr_assert_eq(kernel_adamw(s.p.d, s.g.d, s.m.d, s.v.d, d_16, t->dt, n, &h, 1, 1.0f, 0), 0);
+    cr_assert_eq(cpu_adamw_16(t, &s, cpu_16, n, &h), 0);
     sync_ok();
-    twin_check("adamw param (with bf16 copy)", KDT_F32, &s.p, TOL_F32);
-    cr_assert_eq(cudaMemcpy(b16, d_b16, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    char what[96];
+    snprintf(what, sizeof(what), "adamw param (with %s copy)", name);
+    twin_check(what, KDT_F32, &s.p, TOL_F32);
+    cr_assert_eq(cudaMemcpy(c16, d_16, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
 
     float *gpu_p = twin_download(&s.p), *got = falloc(n), *want = falloc(n);
     size_t own = 0;
     for (size_t i = 0; i < n; i++) {
-        own += b16[i] != ops_f32_to_bf16(gpu_p[i]);
-        got[i] = ops_bf16_to_f32(b16[i]);
-        want[i] = ops_bf16_to_f32(cpu_b16[i]);
+        own += c16[i] != t->narrow(gpu_p[i]);
+        got[i] = t->widen(c16[i]);
+        want[i] = t->widen(cpu_16[i]);
     }
-    cr_log_info("adamw bf16 copy: %zu of %zu differ from the rounding of the kernel's fp32 "
+    cr_log_info("adamw %s copy: %zu of %zu differ from the rounding of the kernel's fp32 "
                 "parameter (tolerance exact)",
-                own, n);
+                name, own, n);
     cr_assert_eq(own, 0);
-    struct tol one_step = {0, 0x1p-7, 0, "bf16 one step 2^-7|x|"};
-    expect_close("adamw bf16 copy vs adamw_update_bf16", got, want, n, one_step);
+    struct tol step = {0, one_step, 0, "one step of the 16-bit type"};
+    snprintf(what, sizeof(what), "adamw %s copy vs the CPU's", name);
+    expect_close(what, got, want, n, step);
 
     free(gpu_p);
     free(got);
     free(want);
-    free(b16);
-    free(cpu_b16);
-    cudaFree(d_b16);
+    free(c16);
+    free(cpu_16);
+    cudaFree(d_16);
     adam_state_free(&s);
+}
+
+Test(kernels_gpu, adamw_bf16_copy_matches_the_cpu_reference)
+{
+    check_adamw_copy(&T_BF16, 0x1p-7);
+}
+
+Test(kernels_gpu, adamw_f16_copy_matches_the_cpu_reference)
+{
+    check_adamw_copy(&T_F16, 0x1p-10);
 }
 
 Test(kernels_gpu, adamw_refuses_bad_input)
 {
     struct adamw_hparams h = adam_hparams(), bad = h;
-    cr_assert_eq(kernel_adamw(NULL, FAKEF, FAKEF, FAKEF, NULL, 8, &h, 1, 1.0f, 0), -EINVAL);
-    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, NULL, NULL, 8, &h, 1, 1.0f, 0), -EINVAL);
-    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, 8, NULL, 1, 1.0f, 0), -EINVAL);
-    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, 8, &h, 0, 1.0f, 0), -EINVAL);
-    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, 8, &h, 1, NAN, 0), -EINVAL);
+    cr_assert_eq(kernel_adamw(NULL, FAKEF, FAKEF, FAKEF, NULL, KDT_BF16, 8, &h, 1, 1.0f, 0),
+                 -EINVAL);
+    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, NULL, NULL, KDT_BF16, 8, &h, 1, 1.0f, 0),
+                 -EINVAL);
+    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, KDT_BF16, 8, NULL, 1, 1.0f, 0),
+                 -EINVAL);
+    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, KDT_BF16, 8, &h, 0, 1.0f, 0),
+                 -EINVAL);
+    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, KDT_BF16, 8, &h, 1, NAN, 0),
+                 -EINVAL);
     bad.beta1 = 1.0f;
-    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, 8, &bad, 1, 1.0f, 0), -EINVAL);
+    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, KDT_BF16, 8, &bad, 1, 1.0f, 0),
+                 -EINVAL);
     bad = h;
     bad.eps = 0.0f;
-    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, 8, &bad, 1, 1.0f, 0), -EINVAL);
+    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, NULL, KDT_BF16, 8, &bad, 1, 1.0f, 0),
+                 -EINVAL);
     /* Nothing to do is not an error, as on the CPU. */
-    cr_assert_eq(kernel_adamw(NULL, NULL, NULL, NULL, NULL, 0, &h, 1, 1.0f, 0), 0);
+    cr_assert_eq(kernel_adamw(NULL, NULL, NULL, NULL, NULL, KDT_BF16, 0, &h, 1, 1.0f, 0), 0);
+    /* The copy is bf16 or fp16. */
+    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, FAKE, KDT_F32, 8, &h, 1, 1.0f, 0),
+                 -EINVAL);
+    cr_assert_eq(kernel_adamw(FAKEF, FAKEF, FAKEF, FAKEF, FAKE, BAD_DT, 8, &h, 1, 1.0f, 0),
+                 -EINVAL);
 }
 
 static void check_sumsq(size_t n)

@@ -63,7 +63,7 @@ static void usage(FILE *f)
             "  --precision P     auto | fp32 | bf16 | fp16: the weights and activations the\n"
             "                    device computes with; masters and Adam states stay fp32\n"
             "                    (default auto: bf16 on a GPU, fp32 on the CPU); fp16 with\n"
-            "                    DeepSpeed's loss scaling (its fp16 section), on the CPU only\n"
+            "                    DeepSpeed's loss scaling (its fp16 section)\n"
             "The config's zinf.train section may set layers, dim, heads, seq, batch, steps,\n"
             "seed, precision and checkpoint_every; so may DeepSpeed's keys:\n"
             "train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size,\n"

@@ -5,11 +5,11 @@
  * (backend_cuda.c), gpt.c and ops.c over host memory when it is emulated (backend_cpu.c).
  * The trainer's own logic is the same for both: no #ifdef.
  *
- * The element type of the weights the device computes with (wdt) is fp32 or bf16. In bf16
- * the trainer keeps a bf16 copy of every parameter as its own tensor next to the fp32
- * master; the optimizer writes both, and the engine carries the bf16 copy to the device on
- * its next fetch. Activation checkpoints are in adt: bf16 on a GPU in bf16, fp32 otherwise
- * (the CPU backend computes in fp32 from bf16 weights widened on the fly).
+ * The element type of the weights the device computes with (wdt) is fp32, bf16 or fp16. In
+ * bf16 and fp16 the trainer keeps a 16-bit copy of every parameter as its own tensor next to
+ * the fp32 master; the optimizer writes both, and the engine carries the copy to the device
+ * on its next fetch. Activation checkpoints are in adt: wdt on a GPU, fp32 otherwise (the
+ * CPU backend computes in fp32 from 16-bit weights widened on the fly).
  *
  * Calls are queued in order on the backend's compute stream and may return before the
  * work is done: backend_sync() waits for it, and the trainer calls it before it releases
@@ -33,7 +33,7 @@ enum backend_dtype { BACKEND_F32, BACKEND_BF16, BACKEND_F16 };
 
 static inline size_t backend_dtype_bytes(enum backend_dtype d)
 {
-    return d == BACKEND_BF16 ? 2 : 4;
+    return d == BACKEND_F32 ? 4 : 2;
 }
 
 struct backend_params {
@@ -66,9 +66,9 @@ struct backend_ops {
     int (*embed_backward)(struct backend *b, float *d_wte, float *d_wpe);
     /* The step's sum of squared gradients += sum of g[i]^2 (n fp32). */
     int (*sumsq)(struct backend *b, const float *g, size_t n);
-    /* AdamW in device memory (the optimizer's states live on the device); w_bf16 (n), may
-     * be NULL, receives the bf16 cast of the new parameter. */
-    int (*adamw)(struct backend *b, float *p, const float *g, float *m, float *v, uint16_t *w_bf16,
+    /* AdamW in device memory (the optimizer's states live on the device); w16 (n), may be
+     * NULL, receives the cast of the new parameter to wdt (bf16 or fp16). */
+    int (*adamw)(struct backend *b, float *p, const float *g, float *m, float *v, uint16_t *w16,
                  size_t n, const struct adamw_hparams *h, int step, float grad_scale);
     /* Waits until everything queued has finished. */
     int (*sync)(struct backend *b);

@@ -1,7 +1,9 @@
 /*
  * backend_cuda.c - the trainer's math on a CUDA GPU (see backend.h): kernels/ and cuBLAS
  * over the device memory the CUDA device tier hands out, with weights and activations in
- * wdt (bf16 for mixed precision, or fp32) and every gradient of a parameter in fp32.
+ * wdt (bf16 or fp16 for mixed precision, or fp32) and every gradient of a parameter in fp32.
+ * With fp16 the loss scale enters at the cross-entropy's gradient, so every gradient after
+ * it (the fp16 ones flowing back, the fp32 ones of the parameters) is scaled.
  *
  * All work goes to one compute stream of the backend's own, apart from the engine's copy
  * streams. A tensor the engine hands out has arrived when zinf_fetch returns (the engine
@@ -148,16 +150,14 @@ static int cuda_head_backward(struct backend *b, const void *lnf_w, const void *
     struct cuda_backend *c = cub(b);
     int N = c->N, C = c->C, V = c->V, r;
     enum kdtype dt = c->dt;
-    if (b->loss_scale != 1.0f)
-        return -ENOTSUP; /* loss scaling is for fp16, which the kernels do not take yet */
-    /* logits (N,V) fp32 = lnf(x) @ wte^T; the loss; dlogits in dt; then back through the
-     * tied head (d_wte +=) and lnf into d. */
+    /* logits (N,V) fp32 = lnf(x) @ wte^T; the loss; dlogits in dt, times the loss scale;
+     * then back through the tied head (d_wte +=) and lnf into d. */
     if ((r = kernel_layernorm_forward(c->lnf, c->lnf_mean, c->lnf_rstd, x, lnf_w, lnf_b, N, C, dt,
                                       c->s)) < 0 ||
         (r = kernel_matmul_forward(c->blas, c->logits, KDT_F32, c->lnf, wte, NULL, NULL, N, C, V,
                                    dt, c->scratch, c->s)) < 0 ||
-        (r = kernel_crossentropy(c->losses, c->dlogits, c->logits, c->targets, N, V, dt, c->s)) <
-            0 ||
+        (r = kernel_crossentropy(c->losses, c->dlogits, c->logits, c->targets, N, V, b->loss_scale,
+                                 dt, c->s)) < 0 ||
         (r = kernel_matmul_backward(c->blas, c->d_lnf, d_wte, NULL, c->dlogits, c->lnf, wte, N, C,
                                     V, dt, c->scratch, c->s)) < 0 ||
         (r = kernel_layernorm_backward(c->d, 0, d_lnf_w, d_lnf_b, c->d_lnf, x, lnf_w, c->lnf_mean,
@@ -219,10 +219,11 @@ static int cuda_sumsq(struct backend *b, const float *g, size_t n)
 }
 
 static int cuda_adamw(struct backend *b, float *p, const float *g, float *m, float *v,
-                      uint16_t *w_bf16, size_t n, const struct adamw_hparams *h, int step,
+                      uint16_t *w16, size_t n, const struct adamw_hparams *h, int step,
                       float grad_scale)
 {
-    return kernel_adamw(p, g, m, v, w_bf16, n, h, step, grad_scale, cub(b)->s);
+    struct cuda_backend *c = cub(b);
+    return kernel_adamw(p, g, m, v, w16, c->dt, n, h, step, grad_scale, c->s);
 }
 
 static int cuda_sync(struct backend *b)
@@ -320,15 +321,10 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     *out = NULL;
     int r = backend_params_check(p, err, errlen);
     if (r < 0) return r;
-    if (p->wdt == BACKEND_F16) {
-        snprintf(err, errlen, "fp16 on the GPU: the CUDA kernels take fp32 and bf16 only so far; "
-                 "use bf16 (\"bf16\": {\"enabled\": true}), the default on a GPU");
-        return -ENOTSUP;
-    }
     struct cuda_backend *c = calloc(1, sizeof(*c));
     if (!c) return -ENOMEM;
-    c->b = (struct backend){.ops = &cuda_ops, .name = "cuda", .wdt = p->wdt, .adt = p->wdt,
-                            .loss_scale = 1.0f};
+    c->b = (struct backend){
+        .ops = &cuda_ops, .name = "cuda", .wdt = p->wdt, .adt = p->wdt, .loss_scale = 1.0f};
     c->cfg = p->cfg;
     c->B = p->B;
     c->T = p->T;
@@ -336,7 +332,7 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     c->C = p->cfg.C;
     c->NH = p->cfg.NH;
     c->V = p->cfg.V;
-    c->dt = p->wdt == BACKEND_BF16 ? KDT_BF16 : KDT_F32;
+    c->dt = p->wdt == BACKEND_BF16 ? KDT_BF16 : p->wdt == BACKEND_F16 ? KDT_F16 : KDT_F32;
 
     size_t C = (size_t)p->cfg.C;
     size_t max_tensor = (size_t)p->cfg.V * C;

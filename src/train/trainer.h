@@ -29,7 +29,7 @@ enum trainer_precision {
     TRAINER_PRECISION_FP32,
     TRAINER_PRECISION_BF16, /* bf16 weights and activations on the device, fp32 masters */
     TRAINER_PRECISION_FP16, /* fp16 weights on the device, fp32 masters, DeepSpeed's loss
-                               scaling (the CPU backend only, so far) */
+                               scaling */
 };
 
 /* DeepSpeed's fp16 section: loss_scale 0 is dynamic, from 2^initial_scale_power. */

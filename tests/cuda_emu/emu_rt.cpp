@@ -8,7 +8,7 @@
  *
  * What is modelled:
  *   - One device, ordinal 0. Device memory is host memory. cudaMalloc fills it with 0xff
- *     bytes, NaN in fp32 and bf16, so that reads of unwritten memory show. Every
+ *     bytes, NaN in fp32, bf16 and fp16, so that reads of unwritten memory show. Every
  *     allocation is tracked, and copies, memsets and GEMMs check that their device side
  *     lies inside one allocation and their host side in none (a wrong cudaMemcpyKind
  *     aborts).
@@ -814,7 +814,7 @@ cudaError_t cudaMalloc(void **p, size_t bytes)
         }
     } else {
         m = aligned_alloc(256, len);
-        if (m) memset(m, 0xff, len); /* NaN in fp32 and bf16: unwritten reads show */
+        if (m) memset(m, 0xff, len); /* NaN in fp32, bf16 and fp16: unwritten reads show */
     }
     std::unique_lock<std::mutex> lp(prot_mu, std::defer_lock);
     if (protect_on()) lp.lock();
@@ -1202,14 +1202,18 @@ void emu_gemm_core(int m, int n, int k, const double *A, const double *B, double
 static double rd(const void *p, cudaDataType_t t, size_t i)
 {
     if (t == CUDA_R_32F) return ((const float *)p)[i];
+    if (t == CUDA_R_16F) return __half2float(((const __half *)p)[i]);
     return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
 }
-static void wr(void *p, cudaDataType_t t, size_t i, double v)
+/* The epilogue's fp32 value rounded once into C's type, as cuBLAS stores it. */
+static void wr(void *p, cudaDataType_t t, size_t i, float v)
 {
     if (t == CUDA_R_32F)
-        ((float *)p)[i] = (float)v;
+        ((float *)p)[i] = v;
+    else if (t == CUDA_R_16F)
+        ((__half *)p)[i] = __float2half(v);
     else
-        ((__nv_bfloat16 *)p)[i] = __float2bfloat16((float)v);
+        ((__nv_bfloat16 *)p)[i] = __float2bfloat16(v);
 }
 static size_t tbytes(cudaDataType_t t)
 {
@@ -1237,7 +1241,8 @@ cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperat
     if ((ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) || (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))
         emu_fail("cublasGemmEx op %d %d", ta, tb);
     if (at != bt || !((at == CUDA_R_32F && ct == CUDA_R_32F) ||
-                      (at == CUDA_R_16BF && (ct == CUDA_R_32F || ct == CUDA_R_16BF))))
+                      (at == CUDA_R_16BF && (ct == CUDA_R_32F || ct == CUDA_R_16BF)) ||
+                      (at == CUDA_R_16F && (ct == CUDA_R_32F || ct == CUDA_R_16F))))
         return CUBLAS_STATUS_NOT_SUPPORTED;
     if (m < 0 || n < 0 || k < 0 || lda < (ta == CUBLAS_OP_N ? m : k) ||
         ldb < (tb == CUBLAS_OP_N ? k : n) || ldc < m || lda < 1 || ldb < 1 || ldc < 1) {

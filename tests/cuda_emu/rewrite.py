@@ -13,7 +13,8 @@ messages and sanitizer reports name the original file and line.
 
 Not a CUDA parser: it finds `<<<` and `>>>` as text (so a launch inside a comment or a
 string is rewritten too) and assumes the kernel name is a plain identifier, optionally
-qualified or a template instance written without spaces, right before `<<<`.
+qualified or a template instance, before `<<<` (white space and line breaks may stand
+between them).
 """
 import sys
 
@@ -48,6 +49,28 @@ def matching_paren(src, start):
     raise SystemExit('rewrite.py: unbalanced parentheses after a launch')
 
 
+def callee_start(src, p):
+    """Where the kernel name before the `<<<` at src[p] starts: an identifier, optionally
+    qualified, and its template arguments (which may hold spaces and commas); white space
+    may stand between it and the `<<<`."""
+    q = p
+    while q > 0 and src[q - 1].isspace():
+        q -= 1
+    if q > 0 and src[q - 1] == '>':
+        depth = 0
+        while q > 0:
+            q -= 1
+            if src[q] == '>':
+                depth += 1
+            elif src[q] == '<':
+                depth -= 1
+                if depth == 0:
+                    break
+    while q > 0 and (src[q - 1].isalnum() or src[q - 1] in '_:'):
+        q -= 1
+    return q
+
+
 def rewrite(src, where):
     out = ['#line 1 "%s"\n' % where.replace('\\', '\\\\').replace('"', '\\"')]
     i = 0
@@ -56,10 +79,8 @@ def rewrite(src, where):
         if p < 0:
             out.append(src[i:])
             break
-        q = p
-        while q > 0 and (src[q - 1].isalnum() or src[q - 1] in '_:<>'):
-            q -= 1
-        callee = src[q:p]
+        q = callee_start(src, p)
+        callee = src[q:p].strip()
         e = src.find('>>>', p)
         if not callee or e < 0:
             raise SystemExit('rewrite.py: %s: a launch without a kernel name or >>>' % where)
