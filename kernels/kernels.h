@@ -34,7 +34,18 @@
 extern "C" {
 #endif
 
-enum kdtype { KDT_F32 = 0, KDT_BF16 = 1, KDT_F16 = 2 };
+/* In C++ (the kernel files) the enum is given int as its type, so that any int a C caller
+ * passes is one of its values, which the launchers refuse with -EINVAL, rather than undefined
+ * behaviour. */
+#ifdef __cplusplus
+enum kdtype : int {
+#else
+enum kdtype {
+#endif
+    KDT_F32 = 0,
+    KDT_BF16 = 1,
+    KDT_F16 = 2
+};
 
 /* Bytes of scratch that any reduction below needs over a (rows, cols) input. */
 size_t kernel_scratch_bytes(size_t rows, size_t cols);

@@ -588,23 +588,24 @@ Test(kernels_gpu, matmul_forward_matches_the_cpu_f32)
     check_matmul_forward(KDT_F32, KDT_F32, 1, RES_NONE);
 }
 
+/* A 16-bit dt: out in dt with each residual mode, and out in fp32 (the logits of the head). */
+static void check_matmul_forward_16(enum kdtype dt)
+{
+    check_matmul_forward(dt, dt, 1, RES_SEPARATE);
+    check_matmul_forward(dt, dt, 0, RES_IN_PLACE);
+    check_matmul_forward(dt, dt, 1, RES_NONE);
+    check_matmul_forward(dt, KDT_F32, 0, RES_NONE);
+    check_matmul_forward(dt, KDT_F32, 1, RES_SEPARATE);
+}
+
 Test(kernels_gpu, matmul_forward_matches_the_cpu_bf16)
 {
-    check_matmul_forward(KDT_BF16, KDT_BF16, 1, RES_SEPARATE);
-    check_matmul_forward(KDT_BF16, KDT_BF16, 0, RES_IN_PLACE);
-    check_matmul_forward(KDT_BF16, KDT_BF16, 1, RES_NONE);
-    /* 16-bit inputs to fp32 output: the logits of the head. */
-    check_matmul_forward(KDT_BF16, KDT_F32, 0, RES_NONE);
-    check_matmul_forward(KDT_BF16, KDT_F32, 1, RES_SEPARATE);
+    check_matmul_forward_16(KDT_BF16);
 }
 
 Test(kernels_gpu, matmul_forward_matches_the_cpu_f16)
 {
-    check_matmul_forward(KDT_F16, KDT_F16, 1, RES_SEPARATE);
-    check_matmul_forward(KDT_F16, KDT_F16, 0, RES_IN_PLACE);
-    check_matmul_forward(KDT_F16, KDT_F16, 1, RES_NONE);
-    check_matmul_forward(KDT_F16, KDT_F32, 0, RES_NONE);
-    check_matmul_forward(KDT_F16, KDT_F32, 1, RES_SEPARATE);
+    check_matmul_forward_16(KDT_F16);
 }
 
 Test(kernels_gpu, matmul_forward_refuses_bad_input)

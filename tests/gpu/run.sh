@@ -2,15 +2,18 @@
 # run.sh - the GPU check, about 5 minutes on one GPU. It builds when this machine can (the
 # project's own packages installed) and otherwise runs what tests/gpu/prepare.sh put in
 # .gpu/. In order:
-#   - the gpu suite: every CUDA kernel against its CPU twin, the trainer on the GPU against
-#     the CPU (fp32 and bf16, offloaded and resident), the CUDA device tier and host pool;
+#   - the gpu suite: every CUDA kernel against its CPU twin (fp32, bf16, fp16), the trainer
+#     on the GPU against the CPU (fp32, bf16 and fp16 with a real overflow, offloaded and
+#     resident), the CUDA device tier and host pool;
 #   - the swap-in benchmark NVMe -> pinned host -> device, next to a plain pinned cudaMemcpy
 #     H2D figure from the same run;
 #   - a short `zinf train` on the GPU with a device budget below the model's state, its
-#     loss curve printed;
+#     loss curve printed, in bf16 (the default) and again in fp16 with loss scaling;
 #   - the step time with weights streamed from host memory against resident weights.
-# Every log, summary.txt and figures.json land in $OUT (or ./gpu-out). DEVICE=emulated runs
-# the same steps without a GPU (the gpu suite skips), to try the script itself.
+# summary.txt, figures.json and logs.tar.gz (every log, the build's included) land in $OUT
+# (or ./gpu-out): three files, since what comes back from such a machine is counted in
+# files. DEVICE=emulated runs the same steps without a GPU (the gpu suite skips), to try the
+# script itself.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -74,6 +77,10 @@ cat > "$swap/train.json" <<JSON
 JSON
 step train 60 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data.txt" --layers 8 \
   --dim 512 --heads 8 --seq 256 --batch 8 --steps 30 --lr 5e-4 --log "$out/train.jsonl"
+# The same model in fp16 with DeepSpeed's dynamic loss scaling, over a fresh swap directory.
+step train16 45 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data.txt" --layers 8 \
+  --dim 512 --heads 8 --seq 256 --batch 8 --steps 15 --lr 5e-4 --precision fp16 --overwrite \
+  --log "$out/train16.jsonl"
 # Weights streamed from host memory against resident ones (the optimizer on the host in both).
 step stream 90 env ZINF="$bin/zinf" MODE=host DEVICE="$device" LAYERS=6 DIM=1024 HEADS=16 SEQ=512 \
   BATCH=8 STEPS=4 DEVICE_BYTES=256M HOST_BYTES=4G RES_DEVICE_BYTES=4G RES_HOST_BYTES=4G \
@@ -93,6 +100,9 @@ for l in lines("swapin.log"):
 curve = [json.loads(l) for l in lines("train.jsonl") if l.startswith("{")]
 fig["train_losses"] = [r["loss"] for r in curve if "step" in r]
 fig["train_summary"] = next((r["summary"] for r in curve if "summary" in r), None)
+curve16 = [json.loads(l) for l in lines("train16.jsonl") if l.startswith("{")]
+fig["train16_losses"] = [r["loss"] for r in curve16 if "step" in r]
+fig["train16_summary"] = next((r["summary"] for r in curve16 if "summary" in r), None)
 for l in lines("stream.log"):
     m = re.search(r"median step-time ratio offloaded / resident: ([0-9.]+)", l)
     if m:
@@ -101,6 +111,11 @@ fig["kernels"] = [l for l in lines("kernels.log") if "largest" in l]
 fig["train_gpu"] = [l for l in lines("train_gpu.log") if "largest" in l or "step" in l]
 json.dump(fig, open(os.path.join(out, "figures.json"), "w"), indent=1)
 print("loss curve:", " ".join("%.3f" % x for x in fig["train_losses"]))
+print("fp16 loss curve:", " ".join("%.3f" % x for x in fig["train16_losses"]))
 PY
 echo "status $status" | tee -a "$out/summary.txt"
+# Everything but the summary and the figures in one archive.
+(cd "$out" && find . -maxdepth 1 -type f ! -name summary.txt ! -name figures.json \
+  ! -name logs.tar.gz -printf '%P\n' | sort > .logs.list &&
+  tar czf logs.tar.gz -T .logs.list && xargs rm -f < .logs.list; rm -f .logs.list)
 exit $status
