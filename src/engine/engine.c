@@ -32,8 +32,7 @@ static uint64_t name_hash(const char *s)
 static struct tensor *name_find(struct zinf_engine *e, const char *name)
 {
     for (struct tensor *t = e->names[name_hash(name) % e->nbuckets]; t; t = t->hnext)
-        if (!strcmp(t->name, name))
-            return t;
+        if (!strcmp(t->name, name)) return t;
     return NULL;
 }
 
@@ -41,8 +40,7 @@ static int names_grow(struct zinf_engine *e)
 {
     size_t nb = e->nbuckets * 2;
     struct tensor **n = calloc(nb, sizeof(*n));
-    if (!n)
-        return -ENOMEM;
+    if (!n) return -ENOMEM;
     for (size_t i = 0; i < e->nbuckets; i++) {
         struct tensor *t = e->names[i];
         while (t) {
@@ -64,15 +62,13 @@ static void name_remove(struct zinf_engine *e, struct tensor *t)
     struct tensor **pp = &e->names[name_hash(t->name) % e->nbuckets];
     while (*pp && *pp != t)
         pp = &(*pp)->hnext;
-    if (*pp)
-        *pp = t->hnext;
+    if (*pp) *pp = t->hnext;
 }
 
 struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h)
 {
     uint32_t idx = (uint32_t)(h & 0xffffffffu), gen = (uint32_t)(h >> 32);
-    if (idx == 0 || idx > e->ntensors)
-        return NULL;
+    if (idx == 0 || idx > e->ntensors) return NULL;
     struct tensor *t = e->tensors[idx - 1];
     return t && e->gens[idx - 1] == gen ? t : NULL;
 }
@@ -95,35 +91,29 @@ void engine_check_tensor(const struct tensor *t)
     for (int i = 0; i < MEM_TIERS; i++) {
         const struct copy *c = &t->c[i];
         bool home = i == (int)t->home;
-        if (c->state > COPY_READY)
-            check_failed(t, i, "unknown state");
+        if (c->state > COPY_READY) check_failed(t, i, "unknown state");
         if (c->state != COPY_READY && (c->readers || c->wb_inflight || c->evicting))
             check_failed(t, i, "read or written back while not READY");
-        if (c->evicting && !c->wb_inflight)
-            check_failed(t, i, "evicting without a write-back");
+        if (c->evicting && !c->wb_inflight) check_failed(t, i, "evicting without a write-back");
         if (c->wb_inflight && c->readers == 0)
             check_failed(t, i, "a write-back that is not counted as a reader");
         if (c->prefetched && (c->pins || c->state == COPY_NONE))
             check_failed(t, i, "prefetched and pinned, or prefetched and gone");
-        if (c->version > t->version)
-            check_failed(t, i, "a copy newer than its tensor");
-        if (home && c->state == COPY_NONE)
-            check_failed(t, i, "the home copy is gone");
+        if (c->version > t->version) check_failed(t, i, "a copy newer than its tensor");
+        if (home && c->state == COPY_NONE) check_failed(t, i, "the home copy is gone");
         if (!home && (c->state != COPY_NONE) != (c->res_next != NULL))
             check_failed(t, i, "a cached copy off its tier's list, or a dropped one on it");
         if (t->exclusive && (c->state == COPY_LOADING || c->wb_inflight))
             check_failed(t, i, "moving while owned exclusively");
         writebacks += c->wb_inflight;
     }
-    if (writebacks > 1)
-        check_failed(t, -1, "two write-backs at once");
+    if (writebacks > 1) check_failed(t, -1, "two write-backs at once");
 }
 #endif
 
 bool engine_home_valid(const struct tensor *t)
 {
-    if (t->home == ZINF_TIER_NVME)
-        return t->zero || (t->has_swap && t->swap_version == t->version);
+    if (t->home == ZINF_TIER_NVME) return t->zero || (t->has_swap && t->swap_version == t->version);
     return t->c[t->home].state == COPY_READY && t->c[t->home].version == t->version;
 }
 
@@ -148,12 +138,10 @@ static int slot_take(struct zinf_engine *e, uint32_t *idx)
     if (e->ntensors == e->captensors) {
         uint32_t cap = e->captensors ? e->captensors * 2 : 64;
         struct tensor **t = realloc(e->tensors, cap * sizeof(*t));
-        if (!t)
-            return -ENOMEM;
+        if (!t) return -ENOMEM;
         e->tensors = t;
         uint32_t *g = realloc(e->gens, cap * sizeof(*g));
-        if (!g)
-            return -ENOMEM;
+        if (!g) return -ENOMEM;
         e->gens = g;
         e->captensors = cap;
     }
@@ -169,12 +157,9 @@ int engine_add_tensor(struct zinf_engine *e, struct tensor *t)
     uint32_t idx;
     int r;
 
-    if (name_find(e, t->name))
-        return -EEXIST; /* a manifest that names a tensor twice */
-    if (e->live + 1 > e->nbuckets && (r = names_grow(e)) < 0)
-        return r;
-    if ((r = slot_take(e, &idx)) < 0)
-        return r;
+    if (name_find(e, t->name)) return -EEXIST; /* a manifest that names a tensor twice */
+    if (e->live + 1 > e->nbuckets && (r = names_grow(e)) < 0) return r;
+    if ((r = slot_take(e, &idx)) < 0) return r;
     e->gens[idx]++;
     t->index = idx;
     t->handle = ((uint64_t)e->gens[idx] << 32) | (idx + 1);
@@ -210,10 +195,8 @@ int engine_swap_alloc(struct zinf_engine *e, size_t bytes, uint64_t *off)
 {
     for (;;) {
         int r = nvme_alloc_nogrow(e->nvme, bytes, off);
-        if (r != -EAGAIN)
-            return r;
-        if ((r = engine_grow_swap(e, bytes)) < 0)
-            return r;
+        if (r != -EAGAIN) return r;
+        if ((r = engine_grow_swap(e, bytes)) < 0) return r;
     }
 }
 
@@ -245,8 +228,7 @@ struct tensor *engine_tensor_lock(struct zinf_engine *e, zinf_tensor h)
 {
     for (;;) {
         struct tensor *t = engine_tensor(e, h);
-        if (!t)
-            return NULL;
+        if (!t) return NULL;
         bool moving = t->exclusive;
         for (int i = 0; i < MEM_TIERS; i++) {
             struct copy *c = &t->c[i];
@@ -275,12 +257,9 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
     if (!e || !name || !*name || strlen(name) >= NAME_MAX_BYTES || nbytes == 0 || !out ||
         (home != ZINF_TIER_DEVICE && home != ZINF_TIER_HOST && home != ZINF_TIER_NVME))
         return -EINVAL;
-    if (home == ZINF_TIER_NVME && !e->nvme)
-        return -EINVAL; /* no NVMe tier was configured */
-    if (e->opt.flags & ZINF_OPEN_READONLY)
-        return -EROFS;
-    if (nbytes > SIZE_MAX - ZINF_ALIGN)
-        return -ENOSPC;
+    if (home == ZINF_TIER_NVME && !e->nvme) return -EINVAL; /* no NVMe tier was configured */
+    if (e->opt.flags & ZINF_OPEN_READONLY) return -EROFS;
+    if (nbytes > SIZE_MAX - ZINF_ALIGN) return -ENOSPC;
     t = calloc(1, sizeof(*t));
     if (!t || !(t->name = strdup(name))) {
         free(t);
@@ -345,8 +324,7 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
     }
     r = engine_add_tensor(e, t); /* -EEXIST when the name was taken meanwhile */
     if (r < 0) {
-        if (home != ZINF_TIER_NVME)
-            tier_free(e, home, t->c[home].off);
+        if (home != ZINF_TIER_NVME) tier_free(e, home, t->c[home].off);
         goto err;
     }
     *out = t->handle;
@@ -354,20 +332,17 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum
     return 0;
 err:
     pthread_mutex_unlock(&e->lock);
-    if (home == ZINF_TIER_NVME)
-        nvme_free(e->nvme, t->swap_off);
+    if (home == ZINF_TIER_NVME) nvme_free(e->nvme, t->swap_off);
     tensor_free(t);
     return r;
 }
 
 ZINF_API int zinf_lookup(zinf_engine *e, const char *name, zinf_tensor *out)
 {
-    if (!e || !name || !out)
-        return -EINVAL;
+    if (!e || !name || !out) return -EINVAL;
     pthread_mutex_lock(&e->lock);
     struct tensor *t = name_find(e, name);
-    if (t)
-        *out = t->handle;
+    if (t) *out = t->handle;
     pthread_mutex_unlock(&e->lock);
     return t ? 0 : -ENOENT;
 }
@@ -376,10 +351,8 @@ ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor h)
 {
     struct tensor *t;
 
-    if (!e)
-        return -EINVAL;
-    if (e->opt.flags & ZINF_OPEN_READONLY)
-        return -EROFS;
+    if (!e) return -EINVAL;
+    if (e->opt.flags & ZINF_OPEN_READONLY) return -EROFS;
     pthread_mutex_lock(&e->lock);
     for (;;) {
         /* A flush in progress may be writing a manifest that names this tensor's extents;
@@ -391,8 +364,7 @@ ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor h)
             pthread_mutex_unlock(&e->lock);
             return -EINVAL;
         }
-        if (!e->flushing)
-            break;
+        if (!e->flushing) break;
         engine_tensor_unlock(e, t);
     }
     if (t->c[0].pins || t->c[1].pins || t->c[0].deferred || t->c[1].deferred) {
@@ -440,11 +412,9 @@ static struct tensor *content_begin(struct zinf_engine *e, zinf_tensor h, size_t
     pthread_mutex_lock(&e->lock);
     t = engine_tensor(e, h);
     *r = !t || !range_ok(t, off, n) ? -EINVAL : t->damaged ? -EBADMSG : 0;
-    if (*r || n == 0)
-        return NULL;
+    if (*r || n == 0) return NULL;
     t = engine_tensor_lock(e, h);
-    if (!t)
-        *r = -EINVAL; /* unregistered while this waited */
+    if (!t) *r = -EINVAL; /* unregistered while this waited */
     return t;
 }
 
@@ -453,16 +423,13 @@ ZINF_API int zinf_read(zinf_engine *e, zinf_tensor h, size_t off, void *dst, siz
     struct tensor *t;
     int r = 0;
 
-    if (!e || (!dst && n))
-        return -EINVAL;
+    if (!e || (!dst && n)) return -EINVAL;
     t = content_begin(e, h, off, n, &r);
-    if (!t)
-        goto out;
+    if (!t) goto out;
     /* The newest content: host memory, then device memory, then the swap extent. */
     int src = -1;
     for (int i = ZINF_TIER_HOST; i >= ZINF_TIER_DEVICE; i--)
-        if (t->c[i].state == COPY_READY && t->c[i].version == t->version)
-            src = i;
+        if (t->c[i].state == COPY_READY && t->c[i].version == t->version) src = i;
     pthread_mutex_unlock(&e->lock);
     if (src == ZINF_TIER_HOST)
         memcpy(dst, (char *)t->c[src].ptr + off, n);
@@ -489,18 +456,15 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
     size_t undo_off = 0, undo_len = 0;
     int r = 0;
 
-    if (!e || (!src && n))
-        return -EINVAL;
-    if (e->opt.flags & ZINF_OPEN_READONLY)
-        return -EROFS;
+    if (!e || (!src && n)) return -EINVAL;
+    if (e->opt.flags & ZINF_OPEN_READONLY) return -EROFS;
     t = content_begin(e, h, off, n, &r);
-    if (!t)
-        goto out;
+    if (!t) goto out;
     /* Every valid copy in memory takes the bytes; the swap extent only when nothing in
      * memory holds the content (otherwise the home goes stale and is written back later,
      * as after a DIRTY release). */
-    dev = t->c[ZINF_TIER_DEVICE].state == COPY_READY &&
-          t->c[ZINF_TIER_DEVICE].version == t->version;
+    dev =
+        t->c[ZINF_TIER_DEVICE].state == COPY_READY && t->c[ZINF_TIER_DEVICE].version == t->version;
     host = t->c[ZINF_TIER_HOST].state == COPY_READY && t->c[ZINF_TIER_HOST].version == t->version;
     swap = !dev && !host;
     if (swap && !engine_home_valid(t)) {
@@ -515,8 +479,7 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
          * does the same, so that it streams in bounded pieces and a failure half-way
          * leaves the old extent whole (no undo buffer of the whole range). */
         r = engine_swap_alloc(e, t->alloc_bytes, &target); /* t is ours: may drop the lock */
-        if (r < 0)
-            goto unlock;
+        if (r < 0) goto unlock;
         cow = true;
     }
     pthread_mutex_unlock(&e->lock);
@@ -533,27 +496,22 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *s
         if (r < 0 && swap && undo && nvme_write(e->nvme, target + undo_off, undo, undo_len))
             log_error("engine: tensor '%s': rolling back a failed write also failed", t->name);
     }
-    if (r == 0 && host)
-        memcpy((char *)t->c[ZINF_TIER_HOST].ptr + off, src, n);
+    if (r == 0 && host) memcpy((char *)t->c[ZINF_TIER_HOST].ptr + off, src, n);
     free(undo);
 
     pthread_mutex_lock(&e->lock);
     if (r == 0) {
         t->version++;
         t->zero = false;
-        if (dev)
-            t->c[ZINF_TIER_DEVICE].version = t->version;
-        if (host)
-            t->c[ZINF_TIER_HOST].version = t->version;
-        if (swap)
-            t->swap_version = t->version;
+        if (dev) t->c[ZINF_TIER_DEVICE].version = t->version;
+        if (host) t->c[ZINF_TIER_HOST].version = t->version;
+        if (swap) t->swap_version = t->version;
         if (cow) {
             /* The old extent stays while a manifest names it (the flush that stops naming
              * it frees it); if the flush that named it failed meanwhile, nobody will. */
             uint64_t old = t->swap_off;
             t->swap_off = target;
-            if (!extent_named(t, old))
-                nvme_free(e->nvme, old);
+            if (!extent_named(t, old)) nvme_free(e->nvme, old);
         }
         t->swap_crc_valid = false;
     } else if (cow) {
@@ -568,8 +526,7 @@ out:
 
 ZINF_API int zinf_step(zinf_engine *e)
 {
-    if (!e)
-        return -EINVAL;
+    if (!e) return -EINVAL;
     pthread_mutex_lock(&e->lock);
     e->st.steps++;
     sched_on_step(e);
@@ -579,12 +536,9 @@ ZINF_API int zinf_step(zinf_engine *e)
 
 ZINF_API int zinf_flush(zinf_engine *e)
 {
-    if (!e)
-        return -EINVAL;
-    if (!e->nvme)
-        return 0; /* nothing to be durable on */
-    if (e->opt.flags & ZINF_OPEN_READONLY)
-        return -EROFS;
+    if (!e) return -EINVAL;
+    if (!e->nvme) return 0; /* nothing to be durable on */
+    if (e->opt.flags & ZINF_OPEN_READONLY) return -EROFS;
     pthread_mutex_lock(&e->lock);
     int r = persist_flush(e);
     pthread_mutex_unlock(&e->lock);
@@ -596,8 +550,7 @@ ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out)
     struct device_stats ds;
     struct host_stats hs;
 
-    if (!e || !out)
-        return -EINVAL;
+    if (!e || !out) return -EINVAL;
     pthread_mutex_lock(&e->lock);
     *out = e->st;
     device_get_stats(e->dev, &ds);
@@ -618,8 +571,7 @@ ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out)
     for (uint32_t i = 0; i < e->ntensors; i++) {
         struct tensor *t = e->tensors[i];
         for (int k = 0; t && k < MEM_TIERS; k++)
-            if (t->c[k].pins)
-                out->tier[k].pinned_bytes += t->alloc_bytes;
+            if (t->c[k].pins) out->tier[k].pinned_bytes += t->alloc_bytes;
     }
     out->tensors = e->live;
     pthread_mutex_unlock(&e->lock);
@@ -630,8 +582,7 @@ ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out)
 
 static void engine_free(struct zinf_engine *e)
 {
-    if (!e)
-        return;
+    if (!e) return;
     for (uint32_t i = 0; i < e->ntensors; i++)
         tensor_free(e->tensors[i]);
     free(e->tensors);
@@ -665,12 +616,10 @@ static int choose_numa_node(const struct zinf_options *o)
     bool gpu = o->device_kind != ZINF_DEVICE_EMULATED &&
                cuda_pci_busid(o->cuda_device, busid, sizeof(busid)) == 0;
 
-    if (topo_open(NULL, &tp) < 0)
-        return -1;
+    if (topo_open(NULL, &tp) < 0) return -1;
     topo_choose(tp, gpu ? busid : NULL, o->nvme_path, &ch);
     if (ch.numa_node >= 0)
-        log_debug("engine: host tier and IO thread on NUMA node %d (%s)", ch.numa_node,
-                  ch.detail);
+        log_debug("engine: host tier and IO thread on NUMA node %d (%s)", ch.numa_node, ch.detail);
     topo_close(tp);
     return ch.numa_node;
 }
@@ -681,21 +630,16 @@ static int make_dirs(const char *path)
     char buf[4096];
     struct stat st;
 
-    if (strlen(path) >= sizeof(buf))
-        return -ENAMETOOLONG;
+    if (strlen(path) >= sizeof(buf)) return -ENAMETOOLONG;
     strcpy(buf, path);
     for (char *p = buf + 1; *p; p++) {
-        if (*p != '/')
-            continue;
+        if (*p != '/') continue;
         *p = '\0';
-        if (mkdir(buf, 0755) < 0 && errno != EEXIST)
-            return -errno;
+        if (mkdir(buf, 0755) < 0 && errno != EEXIST) return -errno;
         *p = '/';
     }
-    if (mkdir(buf, 0755) < 0 && errno != EEXIST)
-        return -errno;
-    if (stat(buf, &st) < 0)
-        return -errno;
+    if (mkdir(buf, 0755) < 0 && errno != EEXIST) return -errno;
+    if (stat(buf, &st) < 0) return -errno;
     return S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
 }
 
@@ -715,11 +659,8 @@ static int swapdir_check(const struct zinf_options *o, uint32_t *id)
         return -ENOENT;
     }
     for (unsigned i = 0; !want; i++) {
-        const char *d = i == 0                 ? dir
-                        : o->nvme_paths_extra ? o->nvme_paths_extra[i - 1]
-                                              : NULL;
-        if (!d)
-            break;
+        const char *d = i == 0 ? dir : o->nvme_paths_extra ? o->nvme_paths_extra[i - 1] : NULL;
+        if (!d) break;
         if ((r = make_dirs(d)) < 0) {
             log_error("engine: cannot create the swap directory %s: %s", d, strerror(-r));
             return r;
@@ -731,66 +672,56 @@ static int swapdir_check(const struct zinf_options *o, uint32_t *id)
                   dir);
         return -ENOENT;
     }
-    if (r == -ENOENT)
-        return 0;
+    if (r == -ENOENT) return 0;
     if (r < 0) {
         log_error("engine: %s: cannot tell whether it holds a saved state: %s", dir, strerror(-r));
         return r;
     }
     if (!want && !(o->flags & ZINF_OPEN_OVERWRITE) && n > 0) {
         char count[32] = "an unreadable manifest";
-        if (n != SIZE_MAX)
-            snprintf(count, sizeof(count), "%zu tensors", n);
+        if (n != SIZE_MAX) snprintf(count, sizeof(count), "%zu tensors", n);
         log_error("engine: %s holds a saved state (%s): open it with ZINF_OPEN_RESUME to continue "
                   "it or ZINF_OPEN_READONLY to inspect it; ZINF_OPEN_OVERWRITE deletes it and "
-                  "starts over", dir, count);
+                  "starts over",
+                  dir, count);
         return -EEXIST;
     }
     return 0;
 }
 
-static int open_once(const struct zinf_options *opt, const struct engine_params *p,
-                     uint32_t *id, zinf_engine **out)
+static int open_once(const struct zinf_options *opt, const struct engine_params *p, uint32_t *id,
+                     zinf_engine **out)
 {
     struct zinf_options o = opt ? *opt : (struct zinf_options){0};
     struct engine_params params = p ? *p : (struct engine_params){.pin = true};
     struct zinf_engine *e;
     int r;
 
-    if (!out)
-        return -EINVAL;
+    if (!out) return -EINVAL;
     *out = NULL;
     for (size_t i = 0; i < ARRAY_SIZE(o.reserved); i++)
-        if (o.reserved[i])
-            return -EINVAL;
-    if (o.block_size == 0)
-        o.block_size = MiB;
-    if (o.queue_depth == 0)
-        o.queue_depth = 32;
+        if (o.reserved[i]) return -EINVAL;
+    if (o.block_size == 0) o.block_size = MiB;
+    if (o.queue_depth == 0) o.queue_depth = 32;
     if (!is_aligned(o.block_size, ZINF_ALIGN) || o.block_size > 64 * MiB || o.queue_depth > 4096 ||
         o.device_kind > ZINF_DEVICE_EMULATED || o.cuda_device < 0 ||
-        (o.flags & ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN | ZINF_OPEN_OVERWRITE |
-                     ZINF_OPEN_READONLY)))
+        (o.flags &
+         ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN | ZINF_OPEN_OVERWRITE | ZINF_OPEN_READONLY)))
         return -EINVAL;
-    if ((o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)) && !o.nvme_path)
-        return -EINVAL;
+    if ((o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)) && !o.nvme_path) return -EINVAL;
     if ((o.flags & ZINF_OPEN_OVERWRITE) && (o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)))
         return -EINVAL; /* start over and keep: one or the other */
-    if (o.flags & ZINF_OPEN_NO_PIN)
-        params.pin = false;
-    if (o.host_bytes == 0)
-        o.host_bytes = DEFAULT_HOST_BYTES;
+    if (o.flags & ZINF_OPEN_NO_PIN) params.pin = false;
+    if (o.host_bytes == 0) o.host_bytes = DEFAULT_HOST_BYTES;
     if (o.host_bytes > SIZE_MAX - ZINF_ALIGN) {
         log_error("engine: host_bytes %zu is larger than any address space", o.host_bytes);
         return -EINVAL; /* rounding up would wrap to 0 and silently mean the default */
     }
     o.host_bytes = align_up(o.host_bytes, ZINF_ALIGN);
-    if (o.nvme_path && (r = swapdir_check(&o, id)) < 0)
-        return r;
+    if (o.nvme_path && (r = swapdir_check(&o, id)) < 0) return r;
 
     e = calloc(1, sizeof(*e));
-    if (!e)
-        return -ENOMEM;
+    if (!e) return -ENOMEM;
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->changed, NULL);
     for (int i = 0; i < MEM_TIERS; i++)
@@ -808,18 +739,21 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     }
 
     int node = choose_numa_node(&o);
-    struct uring_opts uo = {.block_size = o.block_size, .queue_depth = o.queue_depth,
-                            .bind_numa = node >= 0, .numa_node = node,
-                            .backend = params.io_backend, .sqpoll = params.sqpoll,
-                            .submit_batch = params.submit_batch, .rings = params.rings};
+    struct uring_opts uo = {.block_size = o.block_size,
+                            .queue_depth = o.queue_depth,
+                            .bind_numa = node >= 0,
+                            .numa_node = node,
+                            .backend = params.io_backend,
+                            .sqpoll = params.sqpoll,
+                            .submit_batch = params.submit_batch,
+                            .rings = params.rings};
     if ((r = uring_open(&uo, &e->io)) < 0) {
         log_error("engine: cannot set up the IO engine: %s", zinf_strerror(r));
         goto err;
     }
-    struct device_opts dop = {.kind = o.device_kind, .cuda_device = o.cuda_device,
-                              .capacity_bytes = o.device_bytes};
-    if ((r = device_open(&dop, &e->dev)) < 0)
-        goto err;
+    struct device_opts dop = {
+        .kind = o.device_kind, .cuda_device = o.cuda_device, .capacity_bytes = o.device_bytes};
+    if ((r = device_open(&dop, &e->dev)) < 0) goto err;
 
     /* Twice the queue depth: a slot stays taken while its chunk is copied to the device,
      * and the drive should still see queue_depth reads meanwhile. */
@@ -831,10 +765,8 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
                             .numa_node = node,
                             .io = e->io,
                             .dev = e->dev};
-    if ((r = host_open(&hop, &e->host)) < 0)
-        goto err;
-    if ((r = staging_init(e, nslots)) < 0)
-        goto err;
+    if ((r = host_open(&hop, &e->host)) < 0) goto err;
+    if ((r = staging_init(e, nslots)) < 0) goto err;
 
     if (o.nvme_path) {
         unsigned n = 1;
@@ -862,13 +794,13 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
          * rather than a manifest naming bytes that are gone. */
         char mpath[4096];
         persist_manifest_path(e->nvme_dirs[0], mpath, sizeof(mpath));
-        struct nvme_opts nop = {.dirs = (const char *const *)e->nvme_dirs, .ndirs = n,
+        struct nvme_opts nop = {.dirs = (const char *const *)e->nvme_dirs,
+                                .ndirs = n,
                                 .block_size = o.block_size,
                                 .keep = (o.flags & ZINF_OPEN_RESUME) != 0,
                                 .readonly = (o.flags & ZINF_OPEN_READONLY) != 0,
                                 .remove_before_truncate = mpath};
-        if ((r = nvme_open(&nop, e->io, &e->nvme)) < 0)
-            goto err;
+        if ((r = nvme_open(&nop, e->io, &e->nvme)) < 0) goto err;
     }
 
     struct device_stats ds;
@@ -889,9 +821,8 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
 
     if (e->nvme) {
         r = (o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)) ? persist_resume(e)
-                                                                 : persist_remove_manifest(e);
-        if (r < 0)
-            goto err;
+                                                                : persist_remove_manifest(e);
+        if (r < 0) goto err;
     }
     *out = e;
     return 0;
@@ -921,7 +852,8 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
             *out = NULL;
         }
         log_notice("engine: %s: the saved state was replaced while it was read; reading the "
-                   "new one", opt->nvme_path);
+                   "new one",
+                   opt->nvme_path);
     }
 }
 
@@ -952,7 +884,8 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
                    (unsigned long long)c->zero.stage3_prefetch_bucket_size);
     if (c->aio.intra_op_parallelism > URING_MAX_RINGS)
         log_notice("aio.intra_op_parallelism %u: zinf drives at most %d io_uring rings; using "
-                   "%d", c->aio.intra_op_parallelism, URING_MAX_RINGS, URING_MAX_RINGS);
+                   "%d",
+                   c->aio.intra_op_parallelism, URING_MAX_RINGS, URING_MAX_RINGS);
     if (c->zinf.staging_bytes) {
         /* Said in bytes: whole blocks, at least four (two in flight, two being copied). */
         p.staging_slots = (unsigned)MAX(4u, c->zinf.staging_bytes / block_size);
@@ -987,8 +920,7 @@ ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_
     char err[512];
     int r;
 
-    if (!json_path || !out)
-        return -EINVAL;
+    if (!json_path || !out) return -EINVAL;
     *out = NULL;
     if (flags & ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN | ZINF_OPEN_OVERWRITE | ZINF_OPEN_READONLY))
         return -EINVAL;
@@ -1005,14 +937,12 @@ ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_
 
 static void close_engine(zinf_engine *e, bool flush)
 {
-    if (!e)
-        return;
+    if (!e) return;
     pthread_mutex_lock(&e->lock);
     e->closing = true;
     if (e->nvme && flush) {
         int r = persist_flush(e);
-        if (r < 0)
-            log_error("engine: flush at close failed: %s", zinf_strerror(r));
+        if (r < 0) log_error("engine: flush at close failed: %s", zinf_strerror(r));
     }
     while (e->xfers_inflight)
         engine_wait(e);

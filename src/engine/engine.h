@@ -70,23 +70,23 @@ struct tensor;
 
 struct copy {
     uint8_t state;
-    bool prefetched;    /* loaded ahead of use; cleared by the first fetch */
-    bool evicting;      /* a write-back runs so that this copy can be dropped */
-    bool wb_inflight;   /* a write-back reads from this copy */
-    int err;            /* result of the last load (or write-back into this home copy), for
-                           its waiters */
+    bool prefetched;            /* loaded ahead of use; cleared by the first fetch */
+    bool evicting;              /* a write-back runs so that this copy can be dropped */
+    bool wb_inflight;           /* a write-back reads from this copy */
+    int err;                    /* result of the last load (or write-back into this home copy), for
+                                   its waiters */
     uint64_t wb_failed_version; /* the content version whose write-back from this copy
                                    failed; 0: none */
     uint64_t wb_failed_epoch;   /* ... during this call that made room (e->reserve_epoch):
                                    eviction passes over it until the next such call */
-    unsigned pins;      /* callers holding the pointer (and pending fetches) */
-    unsigned deferred;  /* zinf_fetch_async tickets whose load could not start yet: pins
-                           the callers hold already, taken for real by zinf_wait */
-    unsigned readers;   /* transfers reading from this copy */
-    uint64_t version;   /* content held; valid iff == tensor.version */
-    uint64_t off;       /* offset in the tier's arena */
+    unsigned pins;              /* callers holding the pointer (and pending fetches) */
+    unsigned deferred;          /* zinf_fetch_async tickets whose load could not start yet: pins
+                                   the callers hold already, taken for real by zinf_wait */
+    unsigned readers;           /* transfers reading from this copy */
+    uint64_t version;           /* content held; valid iff == tensor.version */
+    uint64_t off;               /* offset in the tier's arena */
     void *ptr;
-    uint64_t last_use;  /* LRU clock */
+    uint64_t last_use;                /* LRU clock */
     struct copy *res_prev, *res_next; /* the tier's list of allocated copies */
     struct tensor *t;
 };
@@ -95,19 +95,19 @@ struct tensor {
     zinf_tensor handle;
     uint32_t index;
     char *name;
-    size_t nbytes, alloc_bytes;  /* alloc_bytes: nbytes rounded up to 4 KiB */
+    size_t nbytes, alloc_bytes; /* alloc_bytes: nbytes rounded up to 4 KiB */
     enum zinf_tier home;
     uint64_t version;
-    bool zero;                   /* content is all zeros (NVMe home never written) */
-    bool exclusive;              /* zinf_write/zinf_read/flush/unregister owns it */
-    bool damaged;                /* its saved content failed its checksum at resume:
-                                    fetch and read answer -EBADMSG, unregister frees it */
+    bool zero;      /* content is all zeros (NVMe home never written) */
+    bool exclusive; /* zinf_write/zinf_read/flush/unregister owns it */
+    bool damaged;   /* its saved content failed its checksum at resume:
+                       fetch and read answer -EBADMSG, unregister frees it */
     struct copy c[MEM_TIERS];
     /* The swap extent: the home of an NVMe tensor, the persisted copy of the others. */
     bool has_swap;
     uint64_t swap_off;
-    uint64_t swap_version;       /* content version held there; 0: none */
-    uint32_t swap_crc;           /* crc32c of swap_version's content, when known */
+    uint64_t swap_version; /* content version held there; 0: none */
+    uint32_t swap_crc;     /* crc32c of swap_version's content, when known */
     bool swap_crc_valid;
     /* The extent the last committed manifest names, if any (never overwritten). */
     bool persisted;
@@ -120,7 +120,7 @@ struct tensor {
      * either: a crash may leave that manifest the committed one). */
     bool flush_named;
     uint64_t flush_off;
-    struct tensor *hnext;        /* name hash chain */
+    struct tensor *hnext; /* name hash chain */
 };
 
 /* A move of one tensor's content between two places; see xfer.c. */
@@ -130,22 +130,22 @@ typedef void (*xfer_done_fn)(struct xfer *x, int err); /* engine lock held */
 struct xfer {
     struct zinf_engine *e;
     struct tensor *t;
-    int src, dst;               /* ZINF_TIER_*, SRC_ZERO, DST_NONE */
-    uint64_t src_off, dst_off;  /* arena offsets, or swap offsets for NVMe */
-    void *src_ptr, *dst_ptr;    /* host-side pointers when the side is host memory */
+    int src, dst;              /* ZINF_TIER_*, SRC_ZERO, DST_NONE */
+    uint64_t src_off, dst_off; /* arena offsets, or swap offsets for NVMe */
+    void *src_ptr, *dst_ptr;   /* host-side pointers when the side is host memory */
     size_t len;
-    uint64_t version;           /* the content version being moved */
-    void *arg;                  /* for done */
+    uint64_t version; /* the content version being moved */
+    void *arg;        /* for done */
     xfer_done_fn done;
     /* chunked (staged) transfers */
-    size_t next;                /* bytes handed to chunks so far */
+    size_t next; /* bytes handed to chunks so far */
     unsigned inflight;
     int err;
-    bool queued;                /* waiting in e->stage_waitq */
+    bool queued; /* waiting in e->stage_waitq */
     bool want_crc;
     uint32_t *chunk_crc;
     unsigned nchunks;
-    uint32_t crc;               /* result when want_crc */
+    uint32_t crc; /* result when want_crc */
     struct xfer *wait_next;
     /* unstaged transfers */
     struct uring_req req;
@@ -156,7 +156,7 @@ struct slot {
     struct zinf_engine *e;
     struct xfer *x;
     char *buf;
-    size_t off, len;            /* the chunk of x it carries */
+    size_t off, len; /* the chunk of x it carries */
     unsigned chunk;
     struct uring_req req;
     struct device_copy dc;
@@ -170,12 +170,12 @@ struct sched_entry {
 
 struct sched {
     bool replaying;
-    bool rec_from_start;        /* the recording began at a step boundary */
-    struct sched_entry *rec;    /* this step's fetches, while learning */
+    bool rec_from_start;     /* the recording began at a step boundary */
+    struct sched_entry *rec; /* this step's fetches, while learning */
     size_t nrec, caprec;
-    struct sched_entry *sch;    /* the learned step */
-    size_t len, pos;            /* pos: index of the next expected fetch */
-    size_t ahead;               /* entries from pos on already considered for prefetch */
+    struct sched_entry *sch; /* the learned step */
+    size_t len, pos;         /* pos: index of the next expected fetch */
+    size_t ahead;            /* entries from pos on already considered for prefetch */
     /* occurrences per (tensor index, tier): occ[occ_start[k] .. occ_start[k+1]) */
     uint32_t *occ, *occ_start;
     size_t nkeys;
@@ -189,7 +189,7 @@ struct zinf_engine {
     size_t block_size;
     unsigned queue_depth;
     uint64_t prefetch_budget_bytes;
-    bool prefetch_one_ahead;    /* default budget: one tensor may always run ahead */
+    bool prefetch_one_ahead; /* default budget: one tensor may always run ahead */
     char **nvme_dirs;
     unsigned nvme_ndirs;
 
@@ -198,10 +198,10 @@ struct zinf_engine {
     struct host *host;
     struct nvme *nvme;
 
-    struct tensor **tensors;    /* by index; NULL: free slot */
-    uint32_t *gens;             /* generation of each slot, for stale handles */
+    struct tensor **tensors; /* by index; NULL: free slot */
+    uint32_t *gens;          /* generation of each slot, for stale handles */
     uint32_t ntensors, captensors, live;
-    struct tensor **names;      /* hash buckets */
+    struct tensor **names; /* hash buckets */
     size_t nbuckets;
 
     struct copy res[MEM_TIERS]; /* list heads of allocated copies per tier */
@@ -212,7 +212,7 @@ struct zinf_engine {
     struct xfer *stage_waitq, *stage_waitq_tail;
     unsigned xfers_inflight;
 
-    uint64_t reserve_epoch;     /* counts the calls that make room (fetch, register) */
+    uint64_t reserve_epoch; /* counts the calls that make room (fetch, register) */
     uint64_t prefetch_outstanding_bytes;
     /* zinf_fetch_all() calls emptying the tier to lay their set out: no prefetch goes in
      * meanwhile. */
@@ -224,7 +224,7 @@ struct zinf_engine {
     uint64_t next_ticket;
 
     bool closing;
-    bool flushing;              /* persist_flush() runs; unregister waits */
+    bool flushing; /* persist_flush() runs; unregister waits */
     struct zinf_stats st;
     /* Extents the committed manifest still names although no tensor uses them now; freed
      * once the next manifest no longer names them. */
@@ -244,18 +244,17 @@ struct ticket {
 
 /* Settings zinf_options has no field for (they come from a config file). */
 struct engine_params {
-    bool pin;                      /* lock the host tier (pin_memory) */
-    uint64_t prefetch_budget_bytes;/* 0: default */
-    unsigned staging_slots;        /* block_size slots in the staging ring; 0: default */
+    bool pin;                       /* lock the host tier (pin_memory) */
+    uint64_t prefetch_budget_bytes; /* 0: default */
+    unsigned staging_slots;         /* block_size slots in the staging ring; 0: default */
     bool sqpoll;
     enum uring_backend io_backend;
-    unsigned submit_batch;         /* uring_opts.submit_batch; 0: one chunk per completion */
-    unsigned rings;                /* uring_opts.rings (aio.intra_op_parallelism); 0: one */
-    bool no_huge_pages;            /* 4 KiB pages for the host arena and staging ring */
+    unsigned submit_batch; /* uring_opts.submit_batch; 0: one chunk per completion */
+    unsigned rings;        /* uring_opts.rings (aio.intra_op_parallelism); 0: one */
+    bool no_huge_pages;    /* 4 KiB pages for the host arena and staging ring */
 };
 
-int engine_open(const struct zinf_options *opt, const struct engine_params *p,
-                zinf_engine **out);
+int engine_open(const struct zinf_options *opt, const struct engine_params *p, zinf_engine **out);
 struct zinf_config;
 /* Open from a parsed config (what zinf_open_config does), with extra ZINF_OPEN_* flags. */
 int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine **out);
@@ -327,8 +326,8 @@ int swap_read_range(struct zinf_engine *e, struct tensor *t, uint64_t swap_off, 
 int swap_write_merged(struct zinf_engine *e, uint64_t from, bool from_zero, uint64_t to,
                       size_t extent_bytes, size_t off, const void *src, size_t n);
 int swap_write_range(struct zinf_engine *e, uint64_t swap_off, size_t off, const void *src,
-                     size_t n, size_t extent_bytes, bool zero_first, void **undo,
-                     size_t *undo_off, size_t *undo_len);
+                     size_t n, size_t extent_bytes, bool zero_first, void **undo, size_t *undo_off,
+                     size_t *undo_len);
 int xfer_run_sync(struct zinf_engine *e, struct xfer *x);
 
 /* sched.c */

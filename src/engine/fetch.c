@@ -28,8 +28,7 @@ void copy_link(struct zinf_engine *e, struct copy *c, int tier)
 
 static void copy_unlink(struct copy *c)
 {
-    if (!c->res_next)
-        return;
+    if (!c->res_next) return;
     c->res_prev->res_next = c->res_next;
     c->res_next->res_prev = c->res_prev;
     c->res_next = c->res_prev = NULL;
@@ -37,8 +36,7 @@ static void copy_unlink(struct copy *c)
 
 void prefetch_consumed(struct zinf_engine *e, struct tensor *t, struct copy *c)
 {
-    if (!c->prefetched)
-        return;
+    if (!c->prefetched) return;
     c->prefetched = false;
     e->prefetch_outstanding_bytes -= t->alloc_bytes;
 }
@@ -48,8 +46,7 @@ void prefetch_consumed(struct zinf_engine *e, struct tensor *t, struct copy *c)
 static void prefetch_charge(struct zinf_engine *e, struct tensor *t, struct copy *c)
 {
     e->st.prefetches++;
-    if (c->prefetched)
-        return;
+    if (c->prefetched) return;
     c->prefetched = true;
     e->prefetch_outstanding_bytes += t->alloc_bytes;
 }
@@ -57,8 +54,7 @@ static void prefetch_charge(struct zinf_engine *e, struct tensor *t, struct copy
 /* A prefetched copy that will never be used as it is (dropped, overtaken, unregistered). */
 void prefetch_wasted(struct zinf_engine *e, struct tensor *t, struct copy *c)
 {
-    if (!c->prefetched)
-        return;
+    if (!c->prefetched) return;
     e->st.prefetch_wasted++;
     prefetch_consumed(e, t, c);
 }
@@ -67,8 +63,7 @@ void prefetch_wasted(struct zinf_engine *e, struct tensor *t, struct copy *c)
 void copy_drop(struct zinf_engine *e, struct tensor *t, int tier)
 {
     struct copy *c = &t->c[tier];
-    if (tier == (int)t->home || c->state == COPY_NONE)
-        return;
+    if (tier == (int)t->home || c->state == COPY_NONE) return;
     prefetch_wasted(e, t, c);
     copy_unlink(c);
     tier_free(e, tier, c->off);
@@ -90,10 +85,8 @@ static bool copy_valid(const struct tensor *t, int tier)
 static bool needs_writeback(const struct tensor *t, int tier)
 {
     int other = 1 - tier;
-    if (!copy_valid(t, tier) || engine_home_valid(t))
-        return false;
-    if (other != (int)t->home && copy_valid(t, other) && !t->c[other].evicting)
-        return false;
+    if (!copy_valid(t, tier) || engine_home_valid(t)) return false;
+    if (other != (int)t->home && copy_valid(t, other) && !t->c[other].evicting) return false;
     return true;
 }
 
@@ -117,9 +110,9 @@ static void wb_done(struct xfer *x, int err)
     c->wb_inflight = false;
     if (err) {
         log_error("engine: writing tensor '%s' back to its home failed: %s; its newest "
-                  "content stays in memory (a flush tries again)", t->name, zinf_strerror(err));
-        if (a->new_extent)
-            nvme_free(e->nvme, a->new_off);
+                  "content stays in memory (a flush tries again)",
+                  t->name, zinf_strerror(err));
+        if (a->new_extent) nvme_free(e->nvme, a->new_off);
         if (t->home != ZINF_TIER_NVME) {
             struct copy *h = &t->c[t->home];
             h->state = COPY_READY;
@@ -136,8 +129,7 @@ static void wb_done(struct xfer *x, int err)
         if (t->home == ZINF_TIER_NVME) {
             if (a->new_extent) {
                 /* An extent a manifest names is freed by the flush that stops naming it. */
-                if (t->has_swap && !engine_swap_named(t))
-                    nvme_free(e->nvme, t->swap_off);
+                if (t->has_swap && !engine_swap_named(t)) nvme_free(e->nvme, t->swap_off);
                 t->swap_off = a->new_off;
                 t->has_swap = true;
             }
@@ -184,8 +176,15 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
         }
     }
     a->tier = tier;
-    *x = (struct xfer){.e = e, .t = t, .src = tier, .src_off = c->off, .src_ptr = c->ptr,
-                       .len = t->alloc_bytes, .version = t->version, .arg = a, .done = wb_done};
+    *x = (struct xfer){.e = e,
+                       .t = t,
+                       .src = tier,
+                       .src_off = c->off,
+                       .src_ptr = c->ptr,
+                       .len = t->alloc_bytes,
+                       .version = t->version,
+                       .arg = a,
+                       .done = wb_done};
     if (t->home == ZINF_TIER_NVME) {
         /* Never overwrite an extent a manifest (committed or being written) names: write
          * elsewhere and switch over when done (a crash mid-write then leaves the old
@@ -194,10 +193,8 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
             /* Never grows the files here (-EAGAIN then: tier_reserve() grows them with the
              * lock dropped and looks again). */
             r = nvme_alloc_nogrow(e->nvme, t->alloc_bytes, &a->new_off);
-            if (r == -EAGAIN)
-                r = -ENOBUFS;
-            if (r < 0)
-                goto err;
+            if (r == -EAGAIN) r = -ENOBUFS;
+            if (r < 0) goto err;
             a->new_extent = true;
             x->dst_off = a->new_off;
         } else {
@@ -219,17 +216,14 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
     }
     c->readers++;
     c->wb_inflight = true;
-    if (evict)
-        c->evicting = true;
+    if (evict) c->evicting = true;
     r = xfer_start(x);
     if (r < 0) {
         c->readers--;
         c->wb_inflight = false;
         c->evicting = false;
-        if (t->home != ZINF_TIER_NVME)
-            t->c[t->home].state = COPY_READY;
-        if (a->new_extent)
-            nvme_free(e->nvme, a->new_off);
+        if (t->home != ZINF_TIER_NVME) t->c[t->home].state = COPY_READY;
+        if (a->new_extent) nvme_free(e->nvme, a->new_off);
         goto err;
     }
     ENGINE_CHECK(t);
@@ -270,10 +264,8 @@ static struct copy *pick_victim(struct zinf_engine *e, int tier, bool prefetch, 
         uint64_t d = c->version != t->version ? UINT64_MAX : sched_distance(e, t->index, tier);
         /* A prefetch never evicts what is needed as soon as or sooner than what it brings,
          * nor another prefetch that has not been used yet. */
-        if (prefetch && (c->prefetched || (d <= need_dist && d != UINT64_MAX)))
-            continue;
-        if (prefetch && need_dist == UINT64_MAX && d != UINT64_MAX)
-            continue;
+        if (prefetch && (c->prefetched || (d <= need_dist && d != UINT64_MAX))) continue;
+        if (prefetch && need_dist == UINT64_MAX && d != UINT64_MAX) continue;
         if (!best || d > best_d || (d == best_d && c->last_use < best->last_use)) {
             best = c;
             best_d = d;
@@ -285,8 +277,7 @@ static struct copy *pick_victim(struct zinf_engine *e, int tier, bool prefetch, 
 static bool tier_has_transients(struct zinf_engine *e, int tier)
 {
     for (struct copy *c = e->res[tier].res_next; c != &e->res[tier]; c = c->res_next)
-        if (c->state == COPY_LOADING || c->readers || c->evicting || c->t->exclusive)
-            return true;
+        if (c->state == COPY_LOADING || c->readers || c->evicting || c->t->exclusive) return true;
     return false;
 }
 
@@ -301,8 +292,7 @@ static uint64_t tier_capacity(struct zinf_engine *e, int tier)
  * -EWOULDBLOCK: on Linux that is -EAGAIN, which means "waited, look again".) */
 static int reserve_wait(struct zinf_engine *e, enum reserve_mode mode)
 {
-    if (mode == RESERVE_NOWAIT)
-        return -EINPROGRESS;
+    if (mode == RESERVE_NOWAIT) return -EINPROGRESS;
     engine_wait(e);
     return -EAGAIN;
 }
@@ -321,24 +311,20 @@ static int evict_victim(struct zinf_engine *e, int tier, struct copy *v, enum re
         return 0;
     }
     if (needs_writeback(vt, tier)) {
-        if (mode == RESERVE_PREFETCH)
-            return -ENOSPC; /* a hint never waits for a write-back */
+        if (mode == RESERVE_PREFETCH) return -ENOSPC; /* a hint never waits for a write-back */
         r = writeback_start(e, vt, tier, true);
         if (r == -ENOBUFS) {
             /* Its new extent needs the swap files to grow: never under the engine lock. A
              * blocking caller grows them with the lock dropped and looks again; the others
              * leave it to a blocking call. */
-            if (mode != RESERVE_WAIT)
-                return -EINPROGRESS;
+            if (mode != RESERVE_WAIT) return -EINPROGRESS;
             r = engine_grow_swap(e, vt->alloc_bytes);
             return r < 0 ? r : -EAGAIN;
         }
-        if (r < 0 && r != -EAGAIN)
-            return r;
+        if (r < 0 && r != -EAGAIN) return r;
         /* A write-back whose submission failed at once has finished already (and marked its
          * content failed): nothing will broadcast, so look again now. */
-        if (r == 0 && !v->wb_inflight)
-            return 0;
+        if (r == 0 && !v->wb_inflight) return 0;
         return reserve_wait(e, mode);
     }
     copy_drop(e, vt, tier);
@@ -357,25 +343,20 @@ int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, enum reserve_mod
 {
     bool prefetch = mode == RESERVE_PREFETCH;
 
-    if (bytes > tier_capacity(e, tier))
-        return -ENOMEM;
+    if (bytes > tier_capacity(e, tier)) return -ENOMEM;
     if (prefetch && e->compacting[tier])
         return -ENOSPC; /* zinf_fetch_all() is laying a set out in it */
     for (;;) {
         int r = tier_alloc(e, tier, bytes, off, ptr);
-        if (r != -ENOSPC)
-            return r;
+        if (r != -ENOSPC) return r;
         bool skipped_failed = false;
         struct copy *v = pick_victim(e, tier, prefetch, need_dist, &skipped_failed);
         if (!v) {
-            if (prefetch)
-                return -ENOSPC;
-            if (tier_has_transients(e, tier))
-                return reserve_wait(e, mode);
+            if (prefetch) return -ENOSPC;
+            if (tier_has_transients(e, tier)) return reserve_wait(e, mode);
             return skipped_failed ? -EIO : -ENOMEM;
         }
-        if ((r = evict_victim(e, tier, v, mode)) < 0)
-            return r;
+        if ((r = evict_victim(e, tier, v, mode)) < 0) return r;
     }
 }
 
@@ -391,14 +372,12 @@ static int tier_compact(struct zinf_engine *e, int tier)
         bool skipped_failed = false;
         struct copy *v = pick_victim(e, tier, false, 0, &skipped_failed);
         if (!v) {
-            if (!tier_has_transients(e, tier))
-                break;
+            if (!tier_has_transients(e, tier)) break;
             engine_wait(e);
             continue;
         }
         int r = evict_victim(e, tier, v, RESERVE_WAIT);
-        if (r < 0 && r != -EAGAIN)
-            return r;
+        if (r < 0 && r != -EAGAIN) return r;
     }
     tier_rewind(e, tier);
     e->st.compactions++;
@@ -439,8 +418,7 @@ static void copy_load_ok(struct zinf_engine *e, struct tensor *t, int tier, uint
     c->state = COPY_READY;
     c->err = 0;
     c->version = version;
-    if (version != t->version && c->pins == 0)
-        copy_drop(e, t, tier);
+    if (version != t->version && c->pins == 0) copy_drop(e, t, tier);
     pthread_cond_broadcast(&e->changed);
 }
 
@@ -472,8 +450,7 @@ static void load_done(struct xfer *x, int err)
     struct tensor *t = x->t;
     struct load_arg *a = x->arg;
 
-    if (a->src < MEM_TIERS)
-        t->c[a->src].readers--;
+    if (a->src < MEM_TIERS) t->c[a->src].readers--;
     if (err)
         copy_load_failed(e, t, a->tier, a->old_version, err);
     else
@@ -491,17 +468,15 @@ static int pick_source(struct tensor *t, int tier)
     if (copy_valid(t, other) && !(other == (int)t->home && t->c[other].state != COPY_READY))
         return other;
     if (t->home == ZINF_TIER_NVME) {
-        if (t->zero)
-            return SRC_ZERO;
-        if (t->has_swap && t->swap_version == t->version)
-            return ZINF_TIER_NVME;
+        if (t->zero) return SRC_ZERO;
+        if (t->has_swap && t->swap_version == t->version) return ZINF_TIER_NVME;
     }
-    if (t->c[other].state == COPY_LOADING || t->c[other].wb_inflight)
-        return -EAGAIN;
+    if (t->c[other].state == COPY_LOADING || t->c[other].wb_inflight) return -EAGAIN;
     return -EIO;
 }
 
-static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src, uint64_t old_version)
+static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src,
+                      uint64_t old_version)
 {
     struct copy *c = &t->c[tier];
     struct xfer *x;
@@ -524,9 +499,16 @@ static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src
         return -ENOMEM;
     }
     *a = (struct load_arg){.tier = tier, .src = src, .old_version = old_version};
-    *x = (struct xfer){.e = e, .t = t, .src = src, .dst = tier, .dst_off = c->off,
-                       .dst_ptr = c->ptr, .len = t->alloc_bytes, .version = t->version,
-                       .arg = a, .done = load_done};
+    *x = (struct xfer){.e = e,
+                       .t = t,
+                       .src = src,
+                       .dst = tier,
+                       .dst_off = c->off,
+                       .dst_ptr = c->ptr,
+                       .len = t->alloc_bytes,
+                       .version = t->version,
+                       .arg = a,
+                       .done = load_done};
     if (src == ZINF_TIER_NVME) {
         x->src_off = t->swap_off;
     } else if (src < MEM_TIERS) {
@@ -536,8 +518,7 @@ static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src
     }
     r = xfer_start(x);
     if (r < 0) {
-        if (src < MEM_TIERS)
-            t->c[src].readers--;
+        if (src < MEM_TIERS) t->c[src].readers--;
         free(a);
         free(x);
     }
@@ -562,11 +543,9 @@ static void clock_start(bool *waited, uint64_t *t0)
 /* A fetch that has to wait for another thread's work: the non-blocking modes give up (a
  * prefetch quietly, an async fetch with -EWOULDBLOCK); a blocking one starts its clock,
  * waits for a change and answers 1: look again. */
-static int wait_for_change(struct zinf_engine *e, enum fetch_mode mode, bool *waited,
-                           uint64_t *t0)
+static int wait_for_change(struct zinf_engine *e, enum fetch_mode mode, bool *waited, uint64_t *t0)
 {
-    if (mode != FETCH_BLOCK)
-        return mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
+    if (mode != FETCH_BLOCK) return mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
     clock_start(waited, t0);
     engine_wait(e);
     return 1;
@@ -611,25 +590,20 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
         }
 
         if (c->state == COPY_READY && c->version == t->version) {
-            if (mode == FETCH_PREFETCH)
-                return 0;
-            if (!pinned)
-                c->pins++;
+            if (mode == FETCH_PREFETCH) return 0;
+            if (!pinned) c->pins++;
             c->last_use = ++e->clock;
             if (c->prefetched) {
                 e->st.prefetch_in_time++;
                 prefetch_consumed(e, t, c);
             }
-            if (!waited && !started)
-                e->st.tier[tier].hits++;
-            if (ptr)
-                *ptr = c->ptr;
+            if (!waited && !started) e->st.tier[tier].hits++;
+            if (ptr) *ptr = c->ptr;
             r = 0; /* an earlier round may have left -EAGAIN from tier_reserve() */
             break;
         }
         if (c->state == COPY_LOADING) {
-            if (mode == FETCH_PREFETCH)
-                return 0;
+            if (mode == FETCH_PREFETCH) return 0;
             if (!pinned) {
                 c->pins++;
                 pinned = true;
@@ -638,8 +612,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                     prefetch_consumed(e, t, c);
                 }
             }
-            if (mode == FETCH_ASYNC)
-                return 0;
+            if (mode == FETCH_ASYNC) return 0;
             if (!waited) {
                 waited = true;
                 t0 = now_ns();
@@ -650,8 +623,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
             }
             while (c->state == COPY_LOADING)
                 engine_wait(e);
-            if (c->state == COPY_READY && c->version == t->version)
-                continue;
+            if (c->state == COPY_READY && c->version == t->version) continue;
             c->pins--;
             pinned = false;
             if (c->state == COPY_NONE || c->err) { /* the load failed */
@@ -662,15 +634,13 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
             continue; /* it brought a version already overtaken: load again */
         }
         if (t->exclusive) {
-            if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0)
-                goto out;
+            if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0) goto out;
             continue;
         }
         if (c->state == COPY_READY) { /* holds an older version */
             if (tier != (int)t->home) {
                 if (c->pins || c->readers || c->wb_inflight) {
-                    if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0)
-                        goto out;
+                    if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0) goto out;
                     continue;
                 }
                 copy_drop(e, t, tier);
@@ -680,8 +650,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                 /* Pins on a stale home copy are fetches that joined a write-back or a load
                  * whose content was overtaken meanwhile: they let go and load again (a
                  * DIRTY release refuses while a caller holds a real view here). */
-                if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0)
-                    goto out;
+                if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0) goto out;
                 continue;
             }
             stale_home = true;
@@ -689,8 +658,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
 
         int src = pick_source(t, tier);
         if (src == -EAGAIN) {
-            if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0)
-                goto out;
+            if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0) goto out;
             continue;
         }
         if (src < 0) {
@@ -717,8 +685,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                 goto out;
             }
             if (r < 0) {
-                if (mode == FETCH_PREFETCH)
-                    r = 0; /* a hint that does not fit is dropped */
+                if (mode == FETCH_PREFETCH) r = 0; /* a hint that does not fit is dropped */
                 goto out;
             }
             copy_load_begin(e, t, tier, true, off, p);
@@ -741,19 +708,15 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
             goto out;
         }
         started = true;
-        if (mode == FETCH_PREFETCH)
-            return 0;
-        if (mode == FETCH_ASYNC)
-            return 0;
+        if (mode == FETCH_PREFETCH) return 0;
+        if (mode == FETCH_ASYNC) return 0;
         /* Start what the schedule says comes next while this one loads. */
         sched_prefetch(e);
         clock_start(&waited, &t0);
     }
 out:
-    if (waited)
-        e->st.blocked_ns += now_ns() - t0;
-    if (r == 0 || pinned || engine_revalidate(e, h, t))
-        ENGINE_CHECK(t);
+    if (waited) e->st.blocked_ns += now_ns() - t0;
+    if (r == 0 || pinned || engine_revalidate(e, h, t)) ENGINE_CHECK(t);
     return r;
 }
 
@@ -767,8 +730,7 @@ bool prefetch_fits(struct zinf_engine *e, size_t bytes)
 int fetch_locked(struct zinf_engine *e, struct tensor *t, int tier, bool prefetch, void **ptr)
 {
     if (prefetch) {
-        if (!prefetch_fits(e, t->alloc_bytes))
-            return 0;
+        if (!prefetch_fits(e, t->alloc_bytes)) return 0;
         return fetch_mode(e, t, tier, FETCH_PREFETCH, sched_distance(e, t->index, tier), NULL);
     }
     return fetch_mode(e, t, tier, FETCH_BLOCK, 0, ptr);
@@ -786,8 +748,7 @@ ZINF_API int zinf_fetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, void
     struct tensor *t;
     int r;
 
-    if (!e || !ptr || check_tier(tier))
-        return -EINVAL;
+    if (!e || !ptr || check_tier(tier)) return -EINVAL;
     pthread_mutex_lock(&e->lock);
     t = engine_tensor(e, h);
     if (!t) {
@@ -797,8 +758,7 @@ ZINF_API int zinf_fetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, void
     e->st.tier[tier].fetches++;
     sched_on_fetch(e, t, tier);
     r = fetch_mode(e, t, tier, FETCH_BLOCK, 0, ptr);
-    if (r == 0)
-        sched_prefetch(e);
+    if (r == 0) sched_prefetch(e);
     pthread_mutex_unlock(&e->lock);
     return r;
 }
@@ -809,8 +769,7 @@ static void unpin_set(struct zinf_engine *e, const zinf_tensor *ts, size_t n, in
     for (size_t i = 0; i < n; i++) {
         struct tensor *t = engine_tensor(e, ts[i]);
         struct copy *c = t ? &t->c[tier] : NULL;
-        if (!c || !c->pins)
-            continue; /* cannot happen: a pinned tensor is never unregistered */
+        if (!c || !c->pins) continue; /* cannot happen: a pinned tensor is never unregistered */
         c->pins--;
         c->last_use = ++e->clock;
         ENGINE_CHECK(t);
@@ -826,14 +785,12 @@ static int fetch_set(struct zinf_engine *e, const zinf_tensor *ts, size_t n, int
     int r = 0;
     for (*done = 0; *done < n; ++*done) {
         struct tensor *t = engine_tensor(e, ts[*done]);
-        if (!t)
-            return -EINVAL;
+        if (!t) return -EINVAL;
         if (first_pass) {
             e->st.tier[tier].fetches++;
             sched_on_fetch(e, t, tier);
         }
-        if ((r = fetch_mode(e, t, tier, FETCH_BLOCK, 0, &ptrs[*done])) < 0)
-            return r;
+        if ((r = fetch_mode(e, t, tier, FETCH_BLOCK, 0, &ptrs[*done])) < 0) return r;
     }
     return 0;
 }
@@ -844,8 +801,7 @@ ZINF_API int zinf_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enu
     size_t done = 0;
     int r;
 
-    if (!e || (n && (!ts || !ptrs)) || check_tier(tier))
-        return -EINVAL;
+    if (!e || (n && (!ts || !ptrs)) || check_tier(tier)) return -EINVAL;
     pthread_mutex_lock(&e->lock);
     for (size_t i = 0; i < n; i++) {
         if (!engine_tensor(e, ts[i])) {
@@ -863,8 +819,7 @@ ZINF_API int zinf_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enu
         unpin_set(e, ts, done, tier);
         e->compacting[tier]++;
         r = tier_compact(e, tier);
-        if (r == 0)
-            r = fetch_set(e, ts, n, tier, false, ptrs, &done);
+        if (r == 0) r = fetch_set(e, ts, n, tier, false, ptrs, &done);
         e->compacting[tier]--;
     }
     if (r < 0)
@@ -875,18 +830,15 @@ ZINF_API int zinf_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enu
     return r;
 }
 
-ZINF_API int zinf_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier,
-                              uint64_t *ticket)
+ZINF_API int zinf_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, uint64_t *ticket)
 {
     struct tensor *t;
     struct ticket *k;
     int r;
 
-    if (!e || !ticket || check_tier(tier))
-        return -EINVAL;
+    if (!e || !ticket || check_tier(tier)) return -EINVAL;
     k = calloc(1, sizeof(*k));
-    if (!k)
-        return -ENOMEM;
+    if (!k) return -ENOMEM;
     pthread_mutex_lock(&e->lock);
     t = engine_tensor(e, h);
     if (!t) {
@@ -929,8 +881,7 @@ ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr)
     struct tensor *t;
     int r;
 
-    if (!e || !ptr)
-        return -EINVAL;
+    if (!e || !ptr) return -EINVAL;
     pthread_mutex_lock(&e->lock);
     for (pp = &e->tickets; *pp && (*pp)->id != ticket; pp = &(*pp)->next)
         ;
@@ -953,8 +904,7 @@ ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr)
         bool waited = c->state == COPY_LOADING;
         while (c->state == COPY_LOADING)
             engine_wait(e);
-        if (waited)
-            e->st.blocked_ns += now_ns() - t0;
+        if (waited) e->st.blocked_ns += now_ns() - t0;
         if (c->state == COPY_READY && c->version == t->version) {
             *ptr = c->ptr;
             r = 0;
@@ -977,8 +927,7 @@ ZINF_API int zinf_prefetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
     struct tensor *t;
     int r;
 
-    if (!e || check_tier(tier))
-        return -EINVAL;
+    if (!e || check_tier(tier)) return -EINVAL;
     pthread_mutex_lock(&e->lock);
     t = engine_tensor(e, h);
     r = t ? fetch_locked(e, t, tier, true, NULL) : -EINVAL;
@@ -992,8 +941,7 @@ ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, un
     struct copy *c;
     int r = 0;
 
-    if (!e || check_tier(tier) || (flags & ~ZINF_RELEASE_DIRTY))
-        return -EINVAL;
+    if (!e || check_tier(tier) || (flags & ~ZINF_RELEASE_DIRTY)) return -EINVAL;
     if ((flags & ZINF_RELEASE_DIRTY) && (e->opt.flags & ZINF_OPEN_READONLY))
         return -EROFS; /* the pin stays: release it clean */
     pthread_mutex_lock(&e->lock);
@@ -1012,8 +960,7 @@ ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, un
          * the tensor: a DIRTY release, which makes the other copy stale and may free it,
          * waits for them (they never wait for pins, so this cannot deadlock). The caller's
          * pin keeps the tensor registered, but it is looked up again all the same. */
-        if (!(flags & ZINF_RELEASE_DIRTY) || !t->exclusive)
-            break;
+        if (!(flags & ZINF_RELEASE_DIRTY) || !t->exclusive) break;
         engine_wait(e);
     }
     if (flags & ZINF_RELEASE_DIRTY) {
@@ -1028,14 +975,12 @@ ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, un
         c->wb_failed_version = 0;
         t->zero = false;
         prefetch_wasted(e, t, oc); /* whatever was prefetched there is stale now */
-        if (other != (int)t->home && oc->state == COPY_READY && !oc->readers &&
-            !oc->wb_inflight)
+        if (other != (int)t->home && oc->state == COPY_READY && !oc->readers && !oc->wb_inflight)
             copy_drop(e, t, other);
     }
     c->pins--;
     c->last_use = ++e->clock;
-    if (c->pins == 0)
-        pthread_cond_broadcast(&e->changed);
+    if (c->pins == 0) pthread_cond_broadcast(&e->changed);
     ENGINE_CHECK(t);
 out:
     pthread_mutex_unlock(&e->lock);
