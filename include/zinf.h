@@ -119,6 +119,14 @@ ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out);
  * takes them in zinf_options.flags: how a config's swap directory with a saved state is
  * resumed, inspected or started over. -EINVAL for an unknown flag. */
 ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_engine **out);
+/* Connect to the zinf daemon listening on socket (`zinf serve`) and attach to its job of
+ * that name (letters, digits, '.', '_', '-'; at most 64 bytes; created on first use, owned
+ * by the caller's uid). Every call of this header then behaves on the handle exactly as on
+ * an engine of this process, and zinf_close ends the connection (flushing the job first).
+ * Fetched pointers are the daemon's memory, mapped into this process. -ENOENT or
+ * -ECONNREFUSED when no daemon listens there, -EACCES for another uid's job, -EINVAL for a
+ * bad job name. */
+ZINF_API int zinf_connect(const char *socket, const char *job, zinf_engine **out);
 /* Flush (when there is an NVMe tier), wait for everything in flight, free. NULL: no-op. */
 ZINF_API void zinf_close(zinf_engine *e);
 

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "hugemem.h"
@@ -14,8 +15,7 @@ void *hugemem_map(size_t bytes, bool huge, bool *huge_ok, int *err)
     size_t span = len + (huge ? HUGEMEM_PAGE_BYTES : 0);
     char *p, *base;
 
-    if (huge_ok)
-        *huge_ok = false;
+    if (huge_ok) *huge_ok = false;
     if (bytes == 0 || bytes > SIZE_MAX / 2) {
         *err = -EINVAL;
         return NULL;
@@ -25,23 +25,64 @@ void *hugemem_map(size_t bytes, bool huge, bool *huge_ok, int *err)
         *err = -errno;
         return NULL;
     }
-    if (!huge)
-        return p;
+    if (!huge) return p;
     /* Keep the 2 MiB aligned part of a mapping one huge page larger, and give back the
      * rest: huge pages only back aligned 2 MiB ranges. */
     base = (char *)align_up((uint64_t)(uintptr_t)p, HUGEMEM_PAGE_BYTES);
-    if (base > p)
-        munmap(p, (size_t)(base - p));
-    if (p + span > base + len)
-        munmap(base + len, (size_t)(p + span - (base + len)));
+    if (base > p) munmap(p, (size_t)(base - p));
+    if (p + span > base + len) munmap(base + len, (size_t)(p + span - (base + len)));
     int r = madvise(base, len, MADV_HUGEPAGE);
-    if (huge_ok)
-        *huge_ok = r == 0;
+    if (huge_ok) *huge_ok = r == 0;
+    return base;
+}
+
+void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_ok, int *fd,
+                         int *err)
+{
+    size_t len = align_up(bytes, ZINF_ALIGN);
+    size_t span = len + (huge ? HUGEMEM_PAGE_BYTES : 0);
+
+    *fd = -1;
+    if (huge_ok) *huge_ok = false;
+    if (bytes == 0 || bytes > SIZE_MAX / 2) {
+        *err = -EINVAL;
+        return NULL;
+    }
+    int f = memfd_create(name, MFD_CLOEXEC);
+    if (f < 0) {
+        *err = -errno;
+        return NULL;
+    }
+    if (ftruncate(f, (off_t)len) != 0) {
+        *err = -errno;
+        close(f);
+        return NULL;
+    }
+    /* Reserve a span, then map the file at its 2 MiB aligned start over it. */
+    char *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        *err = -errno;
+        close(f);
+        return NULL;
+    }
+    char *base = huge ? (char *)align_up((uint64_t)(uintptr_t)p, HUGEMEM_PAGE_BYTES) : p;
+    if (mmap(base, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, f, 0) == MAP_FAILED) {
+        *err = -errno;
+        munmap(p, span);
+        close(f);
+        return NULL;
+    }
+    if (base > p) munmap(p, (size_t)(base - p));
+    if (p + span > base + len) munmap(base + len, (size_t)(p + span - (base + len)));
+    if (huge) {
+        int r = madvise(base, len, MADV_HUGEPAGE);
+        if (huge_ok) *huge_ok = r == 0;
+    }
+    *fd = f;
     return base;
 }
 
 void hugemem_unmap(void *p, size_t bytes)
 {
-    if (p)
-        munmap(p, align_up(bytes, ZINF_ALIGN));
+    if (p) munmap(p, align_up(bytes, ZINF_ALIGN));
 }

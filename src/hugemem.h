@@ -23,6 +23,11 @@
  * *err = -errno on failure. Free with hugemem_unmap(p, bytes). *huge_ok says whether the
  * kernel took the advice (it may still hand out small pages under memory pressure). */
 void *hugemem_map(size_t bytes, bool huge, bool *huge_ok, int *err);
+/* The same over a memfd (named name) that *fd receives, mapped shared: what another process
+ * maps from that fd is the same memory (the service hands it to its clients). Huge pages
+ * then depend on the shmem setting of transparent huge pages. Close *fd after unmapping. */
+void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_ok, int *fd,
+                         int *err);
 void hugemem_unmap(void *p, size_t bytes);
 
 #endif

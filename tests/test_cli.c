@@ -1086,7 +1086,7 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
 Test(cli, every_command_lists_its_exit_statuses_and_keeps_them)
 {
     static const char *const cmds[] = {"train", "bench", "tune", "config", "stat", "topo",
-                                       "version"};
+                                       "version", "serve"};
     char *o, *h;
     for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
         cr_assert_eq(run(&o, "%s --help", cmds[i]), 0, "%s --help: %s", cmds[i], o);
@@ -1418,4 +1418,112 @@ Test(cli, stat_on_a_directory_in_use_says_so)
     cr_assert(strstr(o, "is in use by another engine") && !strstr(o, "tensor is pinned"), "%s", o);
     free(o);
     zinf_close(e);
+}
+
+/* ---- zinf serve ------------------------------------------------------------------------ */
+
+/* Connects to the daemon on sock, waiting up to 10 s for it to listen. */
+static zinf_engine *connect_when_up(const char *sock, const char *job)
+{
+    zinf_engine *e = NULL;
+    int r = -ENOENT;
+    for (int i = 0; i < 1000 && (r == -ENOENT || r == -ECONNREFUSED); i++) {
+        r = zinf_connect(sock, job, &e);
+        if (r)
+            usleep(10000);
+    }
+    cr_assert_eq(r, 0, "zinf_connect %s: %s", sock, zinf_strerror(r));
+    return e;
+}
+
+static void wait_gone(const char *path)
+{
+    struct stat st;
+    for (int i = 0; i < 1000 && stat(path, &st) == 0; i++)
+        usleep(10000);
+    cr_assert_neq(stat(path, &st), 0, "%s is still there", path);
+}
+
+/* Waits until process pid (not a child of this one) has exited: gone, or a zombie. */
+static void wait_exited(pid_t pid)
+{
+    for (int i = 0; i < 2000; i++) {
+        char path[64], buf[256];
+        snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+        FILE *f = fopen(path, "r");
+        if (!f)
+            return;
+        size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[n] = 0;
+        const char *close_paren = strrchr(buf, ')');
+        if (!close_paren || close_paren[1] == 0 || close_paren[2] == 'Z')
+            return;
+        usleep(10000);
+    }
+    cr_assert_fail("process %d did not exit", (int)pid);
+}
+
+Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
+{
+    char cfg[4096], sock[4096], out[4096], *o;
+    snprintf(cfg, sizeof(cfg), "%s/serve.json", dir);
+    snprintf(sock, sizeof(sock), "%s/zinf.sock", dir);
+    snprintf(out, sizeof(out), "%s/serve.out", dir);
+    char text[8192];
+    snprintf(text, sizeof(text),
+             "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+             "\"%s/swap\"}}, \"aio\": {\"block_size\": 65536},"
+             " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", \"host_bytes\": "
+             "\"4M\"}}",
+             dir);
+    write_file(cfg, text);
+
+    /* Bad usage and bad input: 2. */
+    cr_assert_eq(run(&o, "serve"), 2, "%s", o);
+    cr_assert(strstr(o, "--socket and --config are required"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "serve --socket %s --config %s/missing.json", sock, dir), 2, "%s", o);
+    free(o);
+
+    pid_t pid = spawn(out, "serve --socket %s --config %s --foreground", sock, cfg);
+    zinf_engine *e = connect_when_up(sock, "job1");
+    zinf_tensor t;
+    cr_assert_eq(zinf_register(e, "t", 100000, ZINF_TIER_NVME, &t), 0);
+    unsigned char *want = test_rand_buf(100000, 5);
+    cr_assert_eq(zinf_write(e, t, 0, want, 100000), 0);
+    zinf_close(e); /* flushes the job, as an embedded engine's close does */
+    /* A second daemon on the socket: a runtime failure, naming the first. */
+    cr_assert_eq(run(&o, "serve --socket %s --config %s --foreground", sock, cfg), 1, "%s", o);
+    cr_assert(strstr(o, "already answers"), "%s", o);
+    free(o);
+    kill(pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "serve exited %#x", st);
+    wait_gone(sock);
+
+    /* In the background: the command returns once the socket answers. */
+    cr_assert_eq(run(&o, "serve --socket %s --config %s --log %s/serve.log", sock, cfg, dir), 0,
+                 "%s", o);
+    int bg = 0;
+    const char *at = strstr(o, "(pid ");
+    cr_assert(at && sscanf(at, "(pid %d)", &bg) == 1 && bg > 0, "%s", o);
+    free(o);
+    e = connect_when_up(sock, "job1");
+    cr_assert_eq(zinf_lookup(e, "t", &t), 0);
+    unsigned char *got = malloc(100000);
+    cr_assert_eq(zinf_read(e, t, 0, got, 100000), 0);
+    cr_assert_eq(memcmp(got, want, 100000), 0, "the job's tensor after a restart");
+    zinf_close(e);
+    kill(bg, SIGTERM);
+    wait_gone(sock);
+    wait_exited(bg); /* it flushes after the socket is gone */
+    char lp[4200];
+    snprintf(lp, sizeof(lp), "%s/serve.log", dir);
+    char *log = read_text(lp);
+    cr_assert(strstr(log, "job job1 opened") && strstr(log, "stopped"), "%s", log);
+    free(log);
+    free(got);
+    free(want);
 }

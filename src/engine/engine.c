@@ -7,6 +7,7 @@
  * refused even after its slot is reused.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -248,8 +249,8 @@ void engine_tensor_unlock(struct zinf_engine *e, struct tensor *t)
     pthread_cond_broadcast(&e->changed);
 }
 
-ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes, enum zinf_tier home,
-                           zinf_tensor *out)
+int engine_api_register(zinf_engine *e, const char *name, size_t nbytes, enum zinf_tier home,
+                        zinf_tensor *out)
 {
     struct tensor *t;
     int r;
@@ -337,7 +338,7 @@ err:
     return r;
 }
 
-ZINF_API int zinf_lookup(zinf_engine *e, const char *name, zinf_tensor *out)
+int engine_api_lookup(zinf_engine *e, const char *name, zinf_tensor *out)
 {
     if (!e || !name || !out) return -EINVAL;
     pthread_mutex_lock(&e->lock);
@@ -347,7 +348,7 @@ ZINF_API int zinf_lookup(zinf_engine *e, const char *name, zinf_tensor *out)
     return t ? 0 : -ENOENT;
 }
 
-ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor h)
+int engine_api_unregister(zinf_engine *e, zinf_tensor h)
 {
     struct tensor *t;
 
@@ -418,7 +419,7 @@ static struct tensor *content_begin(struct zinf_engine *e, zinf_tensor h, size_t
     return t;
 }
 
-ZINF_API int zinf_read(zinf_engine *e, zinf_tensor h, size_t off, void *dst, size_t n)
+int engine_api_read(zinf_engine *e, zinf_tensor h, size_t off, void *dst, size_t n)
 {
     struct tensor *t;
     int r = 0;
@@ -448,7 +449,7 @@ out:
     return r;
 }
 
-ZINF_API int zinf_write(zinf_engine *e, zinf_tensor h, size_t off, const void *src, size_t n)
+int engine_api_write(zinf_engine *e, zinf_tensor h, size_t off, const void *src, size_t n)
 {
     struct tensor *t;
     bool dev = false, host = false, swap = false;
@@ -524,7 +525,7 @@ out:
     return r;
 }
 
-ZINF_API int zinf_step(zinf_engine *e)
+int engine_api_step(zinf_engine *e)
 {
     if (!e) return -EINVAL;
     pthread_mutex_lock(&e->lock);
@@ -534,7 +535,7 @@ ZINF_API int zinf_step(zinf_engine *e)
     return 0;
 }
 
-ZINF_API int zinf_flush(zinf_engine *e)
+int engine_api_flush(zinf_engine *e)
 {
     if (!e) return -EINVAL;
     if (!e->nvme) return 0; /* nothing to be durable on */
@@ -545,7 +546,7 @@ ZINF_API int zinf_flush(zinf_engine *e)
     return r;
 }
 
-ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out)
+int engine_api_stats(zinf_engine *e, struct zinf_stats *out)
 {
     struct device_stats ds;
     struct host_stats hs;
@@ -722,6 +723,7 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
 
     e = calloc(1, sizeof(*e));
     if (!e) return -ENOMEM;
+    e->h.kind = HANDLE_ENGINE;
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->changed, NULL);
     for (int i = 0; i < MEM_TIERS; i++)
@@ -751,8 +753,10 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
         log_error("engine: cannot set up the IO engine: %s", zinf_strerror(r));
         goto err;
     }
-    struct device_opts dop = {
-        .kind = o.device_kind, .cuda_device = o.cuda_device, .capacity_bytes = o.device_bytes};
+    struct device_opts dop = {.kind = o.device_kind,
+                              .cuda_device = o.cuda_device,
+                              .capacity_bytes = o.device_bytes,
+                              .shared = params.shared};
     if ((r = device_open(&dop, &e->dev)) < 0) goto err;
 
     /* Twice the queue depth: a slot stays taken while its chunk is copied to the device,
@@ -764,7 +768,8 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
                             .no_huge_pages = params.no_huge_pages,
                             .numa_node = node,
                             .io = e->io,
-                            .dev = e->dev};
+                            .dev = e->dev,
+                            .shared = params.shared};
     if ((r = host_open(&hop, &e->host)) < 0) goto err;
     if ((r = staging_init(e, nslots)) < 0) goto err;
 
@@ -848,7 +853,7 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
             persist_probe(opt->nvme_path, &n, &id1) < 0 || id1 == id0)
             return r;
         if (r == 0) {
-            zinf_close(*out); /* read-only: nothing is flushed */
+            engine_api_close(*out); /* read-only: nothing is flushed */
             *out = NULL;
         }
         log_notice("engine: %s: the saved state was replaced while it was read; reading the "
@@ -900,13 +905,47 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
     return p;
 }
 
-int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine **out)
+/* subdir, when not NULL, is a folder under each of the config's swap directories. */
+static int open_config(const struct zinf_config *c, unsigned flags, bool shared, const char *subdir,
+                       zinf_engine **out)
 {
     struct zinf_options o;
+    char *dirs[CONFIG_MAX_NVME_PATHS] = {0};
+    const char *extra[CONFIG_MAX_NVME_PATHS + 1] = {0};
+    int r = 0;
+
     config_to_options(c, &o);
     o.flags |= flags;
-    struct engine_params p = config_engine_params(c, o.block_size ? o.block_size : MiB);
-    return engine_open(&o, &p, out);
+    if (subdir && o.nvme_path) {
+        for (unsigned i = 0; i < c->nvme_paths.count && r == 0; i++)
+            if (asprintf(&dirs[i], "%s/%s", c->nvme_paths.path[i], subdir) < 0) {
+                dirs[i] = NULL;
+                r = -ENOMEM;
+            }
+        o.nvme_path = dirs[0];
+        for (unsigned i = 1; i < c->nvme_paths.count; i++)
+            extra[i - 1] = dirs[i];
+        o.nvme_paths_extra = c->nvme_paths.count > 1 ? extra : NULL;
+    }
+    if (r == 0) {
+        struct engine_params p = config_engine_params(c, o.block_size ? o.block_size : MiB);
+        p.shared = shared;
+        r = engine_open(&o, &p, out);
+    }
+    for (unsigned i = 0; i < CONFIG_MAX_NVME_PATHS; i++)
+        free(dirs[i]);
+    return r;
+}
+
+int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine **out)
+{
+    return open_config(c, flags, false, NULL, out);
+}
+
+int engine_open_config_shared(const struct zinf_config *c, unsigned flags, const char *subdir,
+                              zinf_engine **out)
+{
+    return open_config(c, flags, true, subdir, out);
 }
 
 ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out)
@@ -950,7 +989,7 @@ static void close_engine(zinf_engine *e, bool flush)
     engine_free(e);
 }
 
-ZINF_API void zinf_close(zinf_engine *e)
+void engine_api_close(zinf_engine *e)
 {
     /* A read-only engine has nothing to flush, and must not write a manifest. */
     close_engine(e, e && !(e->opt.flags & ZINF_OPEN_READONLY));
@@ -959,4 +998,14 @@ ZINF_API void zinf_close(zinf_engine *e)
 void engine_close_unflushed(zinf_engine *e)
 {
     close_engine(e, false);
+}
+
+int engine_regions(zinf_engine *e, struct engine_region out[MEM_TIERS])
+{
+    int r = device_shared(e->dev, &out[0].fd, &out[0].base, &out[0].bytes);
+    if (r == 0) r = host_shared(e->host, &out[1].fd, &out[1].base, &out[1].bytes);
+    if (r < 0) return r;
+    out[0].tier = ZINF_TIER_DEVICE;
+    out[1].tier = ZINF_TIER_HOST;
+    return MEM_TIERS;
 }

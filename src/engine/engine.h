@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "common.h"
+#include "handle.h"
 #include "io/uring.h"
 #include "tiers/device.h"
 #include "tiers/host.h"
@@ -182,6 +183,7 @@ struct sched {
 };
 
 struct zinf_engine {
+    struct handle h; /* HANDLE_ENGINE: first, for src/api.c */
     pthread_mutex_t lock;
     pthread_cond_t changed;
 
@@ -252,15 +254,59 @@ struct engine_params {
     unsigned submit_batch; /* uring_opts.submit_batch; 0: one chunk per completion */
     unsigned rings;        /* uring_opts.rings (aio.intra_op_parallelism); 0: one */
     bool no_huge_pages;    /* 4 KiB pages for the host arena and staging ring */
+    bool shared;           /* the host and (emulated) device arenas are memfds that
+                              other processes map: engine_regions() (the service) */
 };
 
 int engine_open(const struct zinf_options *opt, const struct engine_params *p, zinf_engine **out);
 struct zinf_config;
 /* Open from a parsed config (what zinf_open_config does), with extra ZINF_OPEN_* flags. */
 int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine **out);
+/* The same with the arenas shared (engine_params.shared), for the service, and the swap
+ * files in subdir under each of the config's swap directories (created when missing). */
+int engine_open_config_shared(const struct zinf_config *c, unsigned flags, const char *subdir,
+                              zinf_engine **out);
+
+/* A memory tier's arena as another process maps it. */
+struct engine_region {
+    enum zinf_tier tier;
+    int fd; /* the tier's memfd, owned by the engine */
+    void *base;
+    size_t bytes;
+};
+/* The device and host arenas of an engine opened shared, in that order: MEM_TIERS, or
+ * -ENOTSUP where one is not shared (a CUDA device arena). */
+int engine_regions(zinf_engine *e, struct engine_region out[MEM_TIERS]);
 /* zinf_close without the flush: what the last flush committed stays the saved state, as
  * after a crash (for a caller whose state in memory is known to be inconsistent). */
 void engine_close_unflushed(zinf_engine *e);
+
+/* The engine's side of the calls of zinf.h (src/api.c routes them here for an engine of
+ * this process); each behaves as zinf.h says of its zinf_ namesake. */
+void engine_api_close(zinf_engine *e);
+int engine_api_register(zinf_engine *e, const char *name, size_t nbytes, enum zinf_tier home,
+                        zinf_tensor *out);
+int engine_api_lookup(zinf_engine *e, const char *name, zinf_tensor *out);
+int engine_api_unregister(zinf_engine *e, zinf_tensor t);
+int engine_api_fetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, void **ptr);
+int engine_api_fetch_async(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, uint64_t *ticket);
+int engine_api_wait(zinf_engine *e, uint64_t ticket, void **ptr);
+int engine_api_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
+                         void **ptrs);
+int engine_api_release(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, unsigned flags);
+int engine_api_prefetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier);
+int engine_api_step(zinf_engine *e);
+int engine_api_write(zinf_engine *e, zinf_tensor t, size_t off, const void *src, size_t n);
+int engine_api_read(zinf_engine *e, zinf_tensor t, size_t off, void *dst, size_t n);
+int engine_api_flush(zinf_engine *e);
+int engine_api_stats(zinf_engine *e, struct zinf_stats *out);
+/* Drops a pin of a caller that went away without releasing it (a client of the service
+ * that died): released clean, and the copy, which that caller may have written through
+ * without a DIRTY release, dropped when nothing else uses it and the newest content is
+ * also elsewhere (the home or the other copy), so the tensor reads as its last released
+ * content. 0; 1 when the copy had to be kept as it is (it is the home, or the only holder
+ * of the newest content); -errno as engine_api_release. */
+int engine_release_abandoned(zinf_engine *e, zinf_tensor h, enum zinf_tier tier);
 
 /* engine.c */
 struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h);

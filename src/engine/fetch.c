@@ -743,7 +743,7 @@ static int check_tier(enum zinf_tier tier)
     return tier == ZINF_TIER_DEVICE || tier == ZINF_TIER_HOST ? 0 : -EINVAL;
 }
 
-ZINF_API int zinf_fetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, void **ptr)
+int engine_api_fetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, void **ptr)
 {
     struct tensor *t;
     int r;
@@ -795,8 +795,8 @@ static int fetch_set(struct zinf_engine *e, const zinf_tensor *ts, size_t n, int
     return 0;
 }
 
-ZINF_API int zinf_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
-                            void **ptrs)
+int engine_api_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
+                         void **ptrs)
 {
     size_t done = 0;
     int r;
@@ -830,7 +830,7 @@ ZINF_API int zinf_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enu
     return r;
 }
 
-ZINF_API int zinf_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, uint64_t *ticket)
+int engine_api_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, uint64_t *ticket)
 {
     struct tensor *t;
     struct ticket *k;
@@ -875,7 +875,7 @@ ZINF_API int zinf_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier
     return r;
 }
 
-ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr)
+int engine_api_wait(zinf_engine *e, uint64_t ticket, void **ptr)
 {
     struct ticket **pp, *k;
     struct tensor *t;
@@ -922,7 +922,7 @@ ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr)
     return r;
 }
 
-ZINF_API int zinf_prefetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
+int engine_api_prefetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
 {
     struct tensor *t;
     int r;
@@ -935,7 +935,7 @@ ZINF_API int zinf_prefetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
     return r;
 }
 
-ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, unsigned flags)
+int engine_api_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, unsigned flags)
 {
     struct tensor *t;
     struct copy *c;
@@ -983,6 +983,25 @@ ZINF_API int zinf_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, un
     if (c->pins == 0) pthread_cond_broadcast(&e->changed);
     ENGINE_CHECK(t);
 out:
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+int engine_release_abandoned(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
+{
+    int r = engine_api_release(e, h, tier, 0);
+    if (r < 0) return r;
+    pthread_mutex_lock(&e->lock);
+    struct tensor *t = engine_tensor(e, h);
+    if (t) {
+        struct copy *c = &t->c[tier];
+        if (tier == t->home || needs_writeback(t, tier))
+            r = 1; /* the home, or the only holder of the newest content: kept as it is */
+        else if (c->state == COPY_READY && !c->pins && !c->deferred && !c->readers &&
+                 !c->wb_inflight && !c->evicting && !t->exclusive)
+            copy_drop(e, t, tier);
+        /* Otherwise another caller holds or reads it now, and sees what it sees. */
+    }
     pthread_mutex_unlock(&e->lock);
     return r;
 }

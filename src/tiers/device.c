@@ -21,6 +21,7 @@
  * of the same range (the caller owns its ranges and orders those).
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +63,7 @@ struct device {
     char name[128];
     size_t capacity_bytes;
     char *base; /* device memory (CUDA) or an anonymous mapping */
+    int fd;     /* emulated and shared: the arena's memfd, else -1 */
 
     pthread_mutex_t lock;   /* everything below */
     pthread_cond_t work_cv; /* the queue gained a copy, or stop was set */
@@ -179,8 +181,25 @@ static int emu_open(struct device *d, const struct device_opts *o)
         return -ENOMEM;
     }
     cap = align_up(cap, ARENA_GRANULE_BYTES);
-    /* An anonymous private mapping reads as zeros and costs nothing until written. */
-    p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    /* An anonymous private mapping reads as zeros and costs nothing until written; so does
+     * a memfd, which the service shares with its clients. */
+    if (o->shared) {
+        int fd = memfd_create("zinf-device", MFD_CLOEXEC);
+        if (fd < 0 || ftruncate(fd, (off_t)cap) != 0) {
+            int r = -errno;
+            log_error("device: cannot make a %zu-byte memfd for the emulated arena: %s", cap,
+                      strerror(-r));
+            if (fd >= 0) close(fd);
+            return r;
+        }
+        p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED)
+            close(fd);
+        else
+            d->fd = fd;
+    } else {
+        p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    }
     if (p == MAP_FAILED) {
         int r = -errno;
         log_error("device: cannot map %zu bytes for the emulated arena: %s", cap, strerror(-r));
@@ -199,11 +218,18 @@ static void emu_zero(struct device *d, uint64_t off, size_t len)
      * be dropped, whatever the page size (4, 16 or 64 KiB), or a neighbour is zeroed. */
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
     uint64_t a = align_up((uint64_t)(uintptr_t)d->base + off, page) - (uint64_t)(uintptr_t)d->base;
-    uint64_t b = align_down((uint64_t)(uintptr_t)d->base + end, page) - (uint64_t)(uintptr_t)d->base;
+    uint64_t b =
+        align_down((uint64_t)(uintptr_t)d->base + end, page) - (uint64_t)(uintptr_t)d->base;
 
     /* MADV_DONTNEED on a private anonymous mapping drops the pages; they read back as
-     * zeros and cost no memory until written again. */
-    if (b > a && b - a >= ZERO_DROP_MIN_BYTES && madvise(d->base + a, b - a, MADV_DONTNEED) == 0) {
+     * zeros and cost no memory until written again. A memfd's pages are dropped by punching
+     * a hole in the file (MADV_DONTNEED would only unmap them, keeping their bytes). */
+    bool dropped = false;
+    if (b > a && b - a >= ZERO_DROP_MIN_BYTES)
+        dropped = d->fd >= 0 ? fallocate(d->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                         (off_t)a, (off_t)(b - a)) == 0
+                             : madvise(d->base + a, b - a, MADV_DONTNEED) == 0;
+    if (dropped) {
         memset(d->base + off, 0, a - off);
         memset(d->base + b, 0, end - b);
         return;
@@ -521,6 +547,7 @@ int device_open(const struct device_opts *o, struct device **out)
     d = calloc(1, sizeof(*d));
     if (!d) return -ENOMEM;
     d->cuda = cuda;
+    d->fd = -1;
     if (pthread_mutex_init(&d->lock, NULL) || pthread_cond_init(&d->work_cv, NULL) ||
         pthread_cond_init(&d->idle_cv, NULL)
 #if ZINF_HAVE_CUDA
@@ -584,6 +611,7 @@ void device_close(struct device *d)
     if (d->cuda) cuda_teardown(d);
 #endif
     if (!d->cuda && d->base) munmap(d->base, d->capacity_bytes);
+    if (d->fd >= 0) close(d->fd);
     extent_fini(&d->ext);
     if (d->sync_up) {
 #if ZINF_HAVE_CUDA
@@ -607,8 +635,7 @@ int device_alloc(struct device *d, size_t bytes, uint64_t *off)
     if (!d || !off || bytes == 0) return -EINVAL;
     pthread_mutex_lock(&d->lock);
     r = extent_alloc_from(&d->ext, bytes, d->next_fit, off);
-    if (r == 0)
-        d->next_fit = *off + bytes;
+    if (r == 0) d->next_fit = *off + bytes;
     pthread_mutex_unlock(&d->lock);
     return r;
 }
@@ -784,4 +811,13 @@ void device_fault_set(struct device *d, unsigned nth, int err)
     d->fault_err = err;
     d->fault_copy = NULL;
     pthread_mutex_unlock(&d->lock);
+}
+
+int device_shared(struct device *d, int *fd, void **base, size_t *bytes)
+{
+    if (!d || d->fd < 0) return -ENOTSUP;
+    *fd = d->fd;
+    *base = d->base;
+    *bytes = d->capacity_bytes;
+    return 0;
 }

@@ -28,6 +28,7 @@ struct device_opts {
     enum zinf_device_kind kind; /* AUTO, CUDA or EMULATED */
     int cuda_device;            /* ordinal when CUDA is used */
     size_t capacity_bytes;      /* 0: emulated 1 GiB; CUDA: free memory less 1 GiB headroom */
+    bool shared;                /* emulated: the arena is a memfd another process may map */
 };
 
 enum device_dir { DEVICE_H2D, DEVICE_D2H };
@@ -68,6 +69,9 @@ int device_free(struct device *d, uint64_t off);
 void device_alloc_rewind(struct device *d);
 /* The pointer for an arena offset: device memory with CUDA, host memory when emulated. */
 void *device_ptr(struct device *d, uint64_t off);
+/* An emulated arena opened shared: its memfd (owned by the tier), base and size in bytes.
+ * -ENOTSUP otherwise (a CUDA arena is shared through CUDA IPC, not a memfd). */
+int device_shared(struct device *d, int *fd, void **base, size_t *bytes);
 
 int device_copy_async(struct device *d, struct device_copy *c);
 /* Convenience: copy and wait. */

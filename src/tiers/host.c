@@ -29,6 +29,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "hugemem.h"
@@ -47,7 +48,8 @@ struct host {
     int numa_node; /* where the arena lives, -1 unknown */
     bool locked, cuda_registered;
     bool huge_pages; /* the kernel took MADV_HUGEPAGE for the arena */
-    int io_region; /* -1: not registered */
+    int io_region;   /* -1: not registered */
+    int fd;          /* the memfd of a shared arena, else -1 */
 
     pthread_mutex_t lock; /* ext */
     struct extent_alloc ext;
@@ -205,11 +207,14 @@ int host_open(const struct host_opts *o, struct host **out)
     h->total_bytes = cap + stg;
     h->numa_node = -1;
     h->io_region = -1;
+    h->fd = -1;
     pthread_mutex_init(&h->lock, NULL);
     ret = extent_init(&h->ext, cap, ZINF_ALIGN);
     if (ret) goto err;
 
-    p = hugemem_map(h->total_bytes, !o->no_huge_pages, &h->huge_pages, &ret);
+    p = o->shared ? hugemem_map_shared(h->total_bytes, !o->no_huge_pages, "zinf-host",
+                                       &h->huge_pages, &h->fd, &ret)
+                  : hugemem_map(h->total_bytes, !o->no_huge_pages, &h->huge_pages, &ret);
     if (!p) {
         char sz[32];
         log_error("cannot map the %s host arena: %s", format_size(h->total_bytes, sz, sizeof(sz)),
@@ -244,6 +249,7 @@ void host_close(struct host *h)
     if (h->cuda_registered) device_host_unregister(h->dev, h->base);
     if (h->locked) munlock(h->base, h->total_bytes);
     hugemem_unmap(h->base, h->total_bytes);
+    if (h->fd >= 0) close(h->fd);
     extent_fini(&h->ext);
     pthread_mutex_destroy(&h->lock);
     free(h);
@@ -256,8 +262,7 @@ int host_alloc(struct host *h, size_t bytes, uint64_t *off)
     if (!h || !off || bytes == 0) return -EINVAL;
     pthread_mutex_lock(&h->lock);
     ret = extent_alloc_from(&h->ext, bytes, h->next_fit, off);
-    if (ret == 0)
-        h->next_fit = *off + bytes;
+    if (ret == 0) h->next_fit = *off + bytes;
     pthread_mutex_unlock(&h->lock);
     return ret;
 }
@@ -310,4 +315,13 @@ void host_get_stats(struct host *h, struct host_stats *out)
     out->io_registered = h->io_region >= 0;
     out->huge_pages = h->huge_pages;
     out->numa_node = h->numa_node;
+}
+
+int host_shared(struct host *h, int *fd, void **base, size_t *bytes)
+{
+    if (!h || h->fd < 0) return -ENOTSUP;
+    *fd = h->fd;
+    *base = h->base;
+    *bytes = h->total_bytes;
+    return 0;
 }

@@ -27,6 +27,7 @@ struct host_opts {
     int numa_node;           /* -1: no placement (the caller's policy) */
     struct uring *io;        /* register the arena as fixed buffers; may be NULL */
     struct device *dev;      /* cudaHostRegister through it when CUDA; may be NULL */
+    bool shared;             /* the arena is a memfd another process may map (host_shared) */
 };
 
 struct host_stats {
@@ -53,5 +54,8 @@ void *host_ptr(struct host *h, uint64_t off);
 void *host_staging(struct host *h);
 
 void host_get_stats(struct host *h, struct host_stats *out);
+/* A shared arena (host_opts.shared): its memfd (owned by the tier), base and size in bytes,
+ * the staging area included. -ENOTSUP for an arena that is not shared. */
+int host_shared(struct host *h, int *fd, void **base, size_t *bytes);
 
 #endif

@@ -1,0 +1,495 @@
+/*
+ * client.c - zinf_connect() and the zinf.h calls on the handle it returns (client.h).
+ *
+ * A client is one session of the daemon: the first connection says HELLO with the job's
+ * name and gets the session's id and secret and the memfds of the job's arenas, which are
+ * mapped here once (so a fetched pointer is the daemon's memory, at the same offset). A
+ * call takes an idle connection from the pool, or opens one that joins the session, sends
+ * one request and reads its reply, then puts the connection back: threads in calls at the
+ * same time each have their own, so a fetch that waits for the drive holds up no other
+ * thread's release. Pins belong to the session, whichever connection took them; the
+ * daemon drops them when the session's last connection closes (the process exited).
+ *
+ * A connection that fails mid-call is closed and the call answers -ECONNRESET (or the
+ * errno of the failure); the others stay in the pool.
+ *
+ * Not here: the wire format (proto.c), routing (api.c), anything the daemon decides.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "handle.h"
+#include "service/client.h"
+#include "service/proto.h"
+
+struct conn {
+    int fd;
+    struct conn *next;
+};
+
+struct region {
+    enum zinf_tier tier;
+    char *base;
+    size_t bytes;
+};
+
+struct client {
+    struct handle h; /* HANDLE_CLIENT: first, for src/api.c */
+    char *socket_path;
+    char job[PROTO_MAX_JOB + 1];
+    uint64_t session, secret;
+    unsigned nregions;
+    struct region region[PROTO_MAX_REGIONS];
+    atomic_uint seq;
+
+    pthread_mutex_t lock; /* idle */
+    struct conn *idle;
+};
+
+static int dial(const char *path, int *out)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof(a.sun_path)) return -ENAMETOOLONG;
+    strcpy(a.sun_path, path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -errno;
+    while (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        if (errno == EINTR) continue;
+        int r = -errno;
+        close(fd);
+        return r;
+    }
+    *out = fd;
+    return 0;
+}
+
+/* HELLO on fd: joins c's session, or (c->session 0) starts one and maps its regions. */
+static int hello(struct client *c, int fd)
+{
+    bool first = c->session == 0;
+    struct proto_out o;
+    proto_out_init(&o, PROTO_HELLO, atomic_fetch_add(&c->seq, 1));
+    proto_put_str(&o, c->job);
+    proto_put_u64(&o, c->session);
+    proto_put_u64(&o, c->secret);
+    int r = proto_send(fd, &o, NULL, 0);
+    proto_out_free(&o);
+    if (r < 0) return r;
+
+    struct proto_header h;
+    uint8_t *payload = NULL;
+    int fds[PROTO_MAX_REGIONS], nfds = first ? PROTO_MAX_REGIONS : 0;
+    r = proto_recv(fd, true, &h, &payload, fds, &nfds);
+    if (r < 0) return r;
+    struct proto_in in;
+    proto_in_init(&in, payload, h.len);
+    r = proto_get_i32(&in);
+    if (in.bad || h.op != (PROTO_HELLO | PROTO_REPLY)) r = -EPROTO;
+    if (r == 0) {
+        uint64_t session = proto_get_u64(&in), secret = proto_get_u64(&in);
+        uint32_t n = proto_get_u32(&in);
+        struct region reg[PROTO_MAX_REGIONS] = {0};
+        for (uint32_t i = 0; i < n && i < PROTO_MAX_REGIONS; i++) {
+            reg[i].tier = (enum zinf_tier)proto_get_u32(&in);
+            reg[i].bytes = (size_t)proto_get_u64(&in);
+        }
+        if (proto_done(&in) < 0 || n > PROTO_MAX_REGIONS || (first && nfds != (int)n)) r = -EPROTO;
+        for (uint32_t i = 0; r == 0 && first && i < n; i++) {
+            void *p = mmap(NULL, reg[i].bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[i], 0);
+            if (p == MAP_FAILED) {
+                r = -errno;
+                break;
+            }
+            reg[i].base = p;
+        }
+        if (r == 0 && first) {
+            c->session = session;
+            c->secret = secret;
+            c->nregions = n;
+            memcpy(c->region, reg, sizeof(reg));
+        } else if (first) {
+            for (uint32_t i = 0; i < n && i < PROTO_MAX_REGIONS; i++)
+                if (reg[i].base) munmap(reg[i].base, reg[i].bytes);
+        }
+    }
+    for (int i = 0; i < nfds; i++)
+        close(fds[i]); /* the mappings hold the memory */
+    free(payload);
+    return r;
+}
+
+static void conn_drop(struct conn *k)
+{
+    close(k->fd);
+    free(k);
+}
+
+static int conn_get(struct client *c, struct conn **out)
+{
+    pthread_mutex_lock(&c->lock);
+    struct conn *k = c->idle;
+    if (k) c->idle = k->next;
+    pthread_mutex_unlock(&c->lock);
+    if (k) {
+        *out = k;
+        return 0;
+    }
+    k = calloc(1, sizeof(*k));
+    if (!k) return -ENOMEM;
+    int r = dial(c->socket_path, &k->fd);
+    if (r == 0 && (r = hello(c, k->fd)) < 0) close(k->fd);
+    if (r < 0) {
+        free(k);
+        return r;
+    }
+    *out = k;
+    return 0;
+}
+
+static void conn_put(struct client *c, struct conn *k)
+{
+    pthread_mutex_lock(&c->lock);
+    k->next = c->idle;
+    c->idle = k;
+    pthread_mutex_unlock(&c->lock);
+}
+
+/* A request in flight: o is the request; after call() in reads the reply's fields past the
+ * result, from payload (freed by call_end). */
+struct call {
+    struct proto_out o;
+    struct proto_in in;
+    uint8_t *payload;
+};
+
+static void call_begin(struct client *c, struct call *k, uint16_t op)
+{
+    memset(k, 0, sizeof(*k));
+    proto_out_init(&k->o, op, atomic_fetch_add(&c->seq, 1));
+}
+
+static void call_end(struct call *k)
+{
+    proto_out_free(&k->o);
+    free(k->payload);
+    k->payload = NULL;
+}
+
+/* Sends k's request and reads its reply: the result the daemon gave, or -errno of the
+ * transport. */
+static int call(struct client *c, struct call *k)
+{
+    struct conn *cn;
+    if (k->o.bad) return -ENOMEM;
+    int r = conn_get(c, &cn);
+    if (r < 0) return r;
+    struct proto_header h;
+    uint32_t seq;
+    uint16_t op;
+    memcpy(&op, k->o.buf + 6, 2);
+    memcpy(&seq, k->o.buf + 8, 4);
+    r = proto_send(cn->fd, &k->o, NULL, 0);
+    if (r == 0) r = proto_recv(cn->fd, true, &h, &k->payload, NULL, NULL);
+    if (r == 0 && (h.seq != seq || h.op != (op | PROTO_REPLY))) r = -EPROTO;
+    if (r < 0) {
+        conn_drop(cn);
+        log_error("zinf client: the connection to %s broke: %s", c->socket_path, strerror(-r));
+        return r == -EPROTO || r == -ECONNRESET ? r : -ECONNRESET;
+    }
+    conn_put(c, cn);
+    proto_in_init(&k->in, k->payload, h.len);
+    r = proto_get_i32(&k->in);
+    return k->in.bad ? -EPROTO : r;
+}
+
+/* A reply's (region, offset) as a pointer into the mapped region. */
+static int pointer_of(struct client *c, struct proto_in *in, void **ptr)
+{
+    uint32_t reg = proto_get_u32(in);
+    uint64_t off = proto_get_u64(in);
+    if (in->bad || reg >= c->nregions || off >= c->region[reg].bytes) return -EPROTO;
+    *ptr = c->region[reg].base + off;
+    return 0;
+}
+
+ZINF_API int zinf_connect(const char *socket_path, const char *job, zinf_engine **out)
+{
+    if (!out) return -EINVAL;
+    *out = NULL;
+    if (!socket_path || !job || !job[0] || strlen(job) > PROTO_MAX_JOB) return -EINVAL;
+    struct client *c = calloc(1, sizeof(*c));
+    if (!c) return -ENOMEM;
+    c->h.kind = HANDLE_CLIENT;
+    pthread_mutex_init(&c->lock, NULL);
+    strcpy(c->job, job);
+    c->socket_path = strdup(socket_path);
+    if (!c->socket_path) {
+        client_close(c);
+        return -ENOMEM;
+    }
+    struct conn *k;
+    int r = conn_get(c, &k); /* the first HELLO starts the session */
+    if (r < 0) {
+        if (r != -ENOENT && r != -ECONNREFUSED)
+            log_error("zinf_connect %s, job %s: %s", socket_path, job, zinf_strerror(r));
+        else
+            log_error("zinf_connect: no zinf daemon listens on %s", socket_path);
+        free(c->socket_path);
+        pthread_mutex_destroy(&c->lock);
+        free(c);
+        return r;
+    }
+    conn_put(c, k);
+    *out = (zinf_engine *)c;
+    return 0;
+}
+
+void client_close(struct client *c)
+{
+    if (!c) return;
+    /* As an embedded engine does at close: what was written becomes durable. */
+    if (c->session) client_flush(c);
+    struct conn *k = c->idle;
+    while (k) {
+        struct conn *next = k->next;
+        conn_drop(k);
+        k = next;
+    }
+    for (unsigned i = 0; i < c->nregions; i++)
+        munmap(c->region[i].base, c->region[i].bytes);
+    free(c->socket_path);
+    pthread_mutex_destroy(&c->lock);
+    c->h.kind = 0;
+    free(c);
+}
+
+static int handle_reply(struct client *c, struct call *k, zinf_tensor *out)
+{
+    int r = call(c, k);
+    if (r == 0) {
+        uint64_t h = proto_get_u64(&k->in);
+        r = proto_done(&k->in) < 0 ? -EPROTO : 0;
+        if (r == 0) *out = h;
+    }
+    call_end(k);
+    return r;
+}
+
+int client_register(struct client *c, const char *name, size_t nbytes, enum zinf_tier home,
+                    zinf_tensor *out)
+{
+    if (!name || !out || strlen(name) > PROTO_MAX_NAME) return -EINVAL;
+    struct call k;
+    call_begin(c, &k, PROTO_REGISTER);
+    proto_put_str(&k.o, name);
+    proto_put_u64(&k.o, nbytes);
+    proto_put_u32(&k.o, (uint32_t)home);
+    return handle_reply(c, &k, out);
+}
+
+int client_lookup(struct client *c, const char *name, zinf_tensor *out)
+{
+    if (!name || !out) return -EINVAL;
+    if (strlen(name) > PROTO_MAX_NAME) return -ENOENT;
+    struct call k;
+    call_begin(c, &k, PROTO_LOOKUP);
+    proto_put_str(&k.o, name);
+    return handle_reply(c, &k, out);
+}
+
+/* A request whose reply is the result alone. */
+static int simple(struct client *c, struct call *k)
+{
+    int r = call(c, k);
+    if (r >= 0 && proto_done(&k->in) < 0) r = -EPROTO;
+    call_end(k);
+    return r;
+}
+
+int client_unregister(struct client *c, zinf_tensor t)
+{
+    struct call k;
+    call_begin(c, &k, PROTO_UNREGISTER);
+    proto_put_u64(&k.o, t);
+    return simple(c, &k);
+}
+
+int client_fetch(struct client *c, zinf_tensor t, enum zinf_tier tier, void **ptr)
+{
+    if (!ptr) return -EINVAL;
+    struct call k;
+    call_begin(c, &k, PROTO_FETCH);
+    proto_put_u64(&k.o, t);
+    proto_put_u32(&k.o, (uint32_t)tier);
+    int r = call(c, &k);
+    if (r == 0) {
+        r = pointer_of(c, &k.in, ptr);
+        if (r == 0 && proto_done(&k.in) < 0) r = -EPROTO;
+    }
+    call_end(&k);
+    return r;
+}
+
+int client_fetch_async(struct client *c, zinf_tensor t, enum zinf_tier tier, uint64_t *ticket)
+{
+    if (!ticket) return -EINVAL;
+    struct call k;
+    call_begin(c, &k, PROTO_FETCH_ASYNC);
+    proto_put_u64(&k.o, t);
+    proto_put_u32(&k.o, (uint32_t)tier);
+    return handle_reply(c, &k, ticket);
+}
+
+int client_wait(struct client *c, uint64_t ticket, void **ptr)
+{
+    if (!ptr) return -EINVAL;
+    struct call k;
+    call_begin(c, &k, PROTO_WAIT);
+    proto_put_u64(&k.o, ticket);
+    int r = call(c, &k);
+    if (r == 0) {
+        r = pointer_of(c, &k.in, ptr);
+        if (r == 0 && proto_done(&k.in) < 0) r = -EPROTO;
+    }
+    call_end(&k);
+    return r;
+}
+
+int client_fetch_all(struct client *c, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
+                     void **ptrs)
+{
+    if (!ts || !ptrs || n == 0) return -EINVAL;
+    if (n > PROTO_MAX_SET) return -E2BIG;
+    struct call k;
+    call_begin(c, &k, PROTO_FETCH_ALL);
+    proto_put_u32(&k.o, (uint32_t)tier);
+    proto_put_u32(&k.o, (uint32_t)n);
+    for (size_t i = 0; i < n; i++)
+        proto_put_u64(&k.o, ts[i]);
+    int r = call(c, &k);
+    for (size_t i = 0; r == 0 && i < n; i++)
+        r = pointer_of(c, &k.in, &ptrs[i]);
+    if (r == 0 && proto_done(&k.in) < 0) r = -EPROTO;
+    call_end(&k);
+    return r;
+}
+
+int client_release(struct client *c, zinf_tensor t, enum zinf_tier tier, unsigned flags)
+{
+    struct call k;
+    call_begin(c, &k, PROTO_RELEASE);
+    proto_put_u64(&k.o, t);
+    proto_put_u32(&k.o, (uint32_t)tier);
+    proto_put_u32(&k.o, flags);
+    return simple(c, &k);
+}
+
+int client_prefetch(struct client *c, zinf_tensor t, enum zinf_tier tier)
+{
+    struct call k;
+    call_begin(c, &k, PROTO_PREFETCH);
+    proto_put_u64(&k.o, t);
+    proto_put_u32(&k.o, (uint32_t)tier);
+    return simple(c, &k);
+}
+
+int client_step(struct client *c)
+{
+    struct call k;
+    call_begin(c, &k, PROTO_STEP);
+    return simple(c, &k);
+}
+
+int client_flush(struct client *c)
+{
+    struct call k;
+    call_begin(c, &k, PROTO_FLUSH);
+    return simple(c, &k);
+}
+
+/* A call split into pieces is checked whole first, as the engine checks it: a range past
+ * the end (or a bad handle, or damaged content) fails before any piece moves. */
+static int check_range(struct client *c, zinf_tensor t, size_t off, size_t n)
+{
+    if (n <= PROTO_MAX_DATA) return 0;
+    if (n > SIZE_MAX - off) return -EINVAL;
+    char none;
+    return client_read(c, t, off + n, &none, 0);
+}
+
+int client_write(struct client *c, zinf_tensor t, size_t off, const void *src, size_t n)
+{
+    if (!src && n) return -EINVAL;
+    int r0 = check_range(c, t, off, n);
+    if (r0 < 0) return r0;
+    /* One message a PROTO_MAX_DATA piece; an empty write still asks, for its errors. */
+    size_t done = 0;
+    do {
+        size_t piece = MIN(n - done, (size_t)PROTO_MAX_DATA);
+        struct call k;
+        call_begin(c, &k, PROTO_WRITE);
+        proto_put_u64(&k.o, t);
+        proto_put_u64(&k.o, off + done);
+        proto_put_u32(&k.o, (uint32_t)piece);
+        proto_put_bytes(&k.o, (const char *)src + done, piece);
+        int r = simple(c, &k);
+        if (r < 0) return r;
+        done += piece;
+    } while (done < n);
+    return 0;
+}
+
+int client_read(struct client *c, zinf_tensor t, size_t off, void *dst, size_t n)
+{
+    if (!dst && n) return -EINVAL;
+    int r0 = check_range(c, t, off, n);
+    if (r0 < 0) return r0;
+    size_t done = 0;
+    do {
+        size_t piece = MIN(n - done, (size_t)PROTO_MAX_DATA);
+        struct call k;
+        call_begin(c, &k, PROTO_READ);
+        proto_put_u64(&k.o, t);
+        proto_put_u64(&k.o, off + done);
+        proto_put_u32(&k.o, (uint32_t)piece);
+        int r = call(c, &k);
+        if (r == 0) {
+            uint32_t got = proto_get_u32(&k.in);
+            const uint8_t *p = proto_get_bytes(&k.in, got);
+            if (!p || got != piece || proto_done(&k.in) < 0)
+                r = -EPROTO;
+            else if (piece)
+                memcpy((char *)dst + done, p, piece);
+        }
+        call_end(&k);
+        if (r < 0) return r;
+        done += piece;
+    } while (done < n);
+    return 0;
+}
+
+int client_stats(struct client *c, struct zinf_stats *out)
+{
+    if (!out) return -EINVAL;
+    struct call k;
+    call_begin(c, &k, PROTO_STATS);
+    int r = call(c, &k);
+    if (r == 0) {
+        uint32_t n = proto_get_u32(&k.in);
+        const uint8_t *p = proto_get_bytes(&k.in, n);
+        if (!p || n != sizeof(*out) || proto_done(&k.in) < 0)
+            r = -EPROTO;
+        else
+            memcpy(out, p, sizeof(*out));
+    }
+    call_end(&k);
+    return r;
+}

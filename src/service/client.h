@@ -1,0 +1,37 @@
+/*
+ * client.h - the zinf.h calls on a handle zinf_connect() returned: each is one request to
+ * the daemon on a connection of the client's pool (one per thread that is in a call at
+ * the same time), answered as the embedded engine answers it. Fetched pointers point into
+ * the daemon's arenas, which the client mapped once at zinf_connect.
+ *
+ * Not here: the wire format (proto.h), routing a zinf_engine * here (api.c).
+ */
+#ifndef ZINF_SERVICE_CLIENT_H
+#define ZINF_SERVICE_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "zinf.h"
+
+struct client;
+
+void client_close(struct client *c);
+int client_register(struct client *c, const char *name, size_t nbytes, enum zinf_tier home,
+                    zinf_tensor *out);
+int client_lookup(struct client *c, const char *name, zinf_tensor *out);
+int client_unregister(struct client *c, zinf_tensor t);
+int client_fetch(struct client *c, zinf_tensor t, enum zinf_tier tier, void **ptr);
+int client_fetch_async(struct client *c, zinf_tensor t, enum zinf_tier tier, uint64_t *ticket);
+int client_wait(struct client *c, uint64_t ticket, void **ptr);
+int client_fetch_all(struct client *c, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
+                     void **ptrs);
+int client_release(struct client *c, zinf_tensor t, enum zinf_tier tier, unsigned flags);
+int client_prefetch(struct client *c, zinf_tensor t, enum zinf_tier tier);
+int client_step(struct client *c);
+int client_write(struct client *c, zinf_tensor t, size_t off, const void *src, size_t n);
+int client_read(struct client *c, zinf_tensor t, size_t off, void *dst, size_t n);
+int client_flush(struct client *c);
+int client_stats(struct client *c, struct zinf_stats *out);
+
+#endif

@@ -1,0 +1,282 @@
+/*
+ * proto.c - see proto.h: building and parsing messages, and sending and receiving one
+ * whole message over a Unix stream socket, file descriptors included.
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "service/proto.h"
+
+/* ---- writing ------------------------------------------------------------------------- */
+
+static void put_raw(struct proto_out *o, const void *p, size_t n)
+{
+    void *dst = proto_put_space(o, n);
+    if (dst && n) memcpy(dst, p, n);
+}
+
+void proto_out_init(struct proto_out *o, uint16_t op, uint32_t seq)
+{
+    *o = (struct proto_out){0};
+    struct proto_header h = {PROTO_MAGIC, PROTO_VERSION, op, seq, 0};
+    o->cap = 256;
+    o->buf = malloc(o->cap);
+    if (!o->buf) {
+        o->bad = true;
+        return;
+    }
+    memcpy(o->buf, &h.magic, 4);
+    memcpy(o->buf + 4, &h.version, 2);
+    memcpy(o->buf + 6, &h.op, 2);
+    memcpy(o->buf + 8, &h.seq, 4);
+    memcpy(o->buf + 12, &h.len, 4);
+    o->len = PROTO_HEADER_BYTES;
+}
+
+void proto_out_free(struct proto_out *o)
+{
+    free(o->buf);
+    *o = (struct proto_out){0};
+}
+
+void *proto_put_space(struct proto_out *o, size_t n)
+{
+    if (o->bad) return NULL;
+    if (n > PROTO_MAX_PAYLOAD || o->len - PROTO_HEADER_BYTES + n > PROTO_MAX_PAYLOAD) {
+        o->bad = true;
+        return NULL;
+    }
+    if (o->len + n > o->cap) {
+        size_t cap = o->cap;
+        while (cap < o->len + n)
+            cap *= 2;
+        uint8_t *b = realloc(o->buf, cap);
+        if (!b) {
+            o->bad = true;
+            return NULL;
+        }
+        o->buf = b;
+        o->cap = cap;
+    }
+    void *at = o->buf + o->len;
+    o->len += n;
+    uint32_t plen = (uint32_t)(o->len - PROTO_HEADER_BYTES);
+    memcpy(o->buf + 12, &plen, 4);
+    return at;
+}
+
+void proto_put_u32(struct proto_out *o, uint32_t v)
+{
+    put_raw(o, &v, 4);
+}
+
+void proto_put_i32(struct proto_out *o, int32_t v)
+{
+    put_raw(o, &v, 4);
+}
+
+void proto_put_u64(struct proto_out *o, uint64_t v)
+{
+    put_raw(o, &v, 8);
+}
+
+void proto_put_str(struct proto_out *o, const char *s)
+{
+    size_t n = s ? strlen(s) : 0;
+    if (n > UINT32_MAX) {
+        o->bad = true;
+        return;
+    }
+    proto_put_u32(o, (uint32_t)n);
+    put_raw(o, s, n);
+}
+
+void proto_put_bytes(struct proto_out *o, const void *p, size_t n)
+{
+    put_raw(o, p, n);
+}
+
+/* ---- reading ------------------------------------------------------------------------- */
+
+int proto_header_parse(const uint8_t raw[PROTO_HEADER_BYTES], bool reply, struct proto_header *h)
+{
+    memcpy(&h->magic, raw, 4);
+    memcpy(&h->version, raw + 4, 2);
+    memcpy(&h->op, raw + 6, 2);
+    memcpy(&h->seq, raw + 8, 4);
+    memcpy(&h->len, raw + 12, 4);
+    if (h->magic != PROTO_MAGIC) return -EPROTO;
+    if (h->version != PROTO_VERSION) return -EPROTONOSUPPORT;
+    if (h->len > PROTO_MAX_PAYLOAD) return -EMSGSIZE;
+    bool is_reply = h->op & PROTO_REPLY;
+    unsigned op = h->op & ~PROTO_REPLY;
+    if (is_reply != reply || op < PROTO_HELLO || op > PROTO_OP_MAX) return -EBADMSG;
+    return 0;
+}
+
+void proto_in_init(struct proto_in *in, const uint8_t *p, size_t len)
+{
+    *in = (struct proto_in){.p = p, .len = len};
+}
+
+static const uint8_t *take(struct proto_in *in, size_t n)
+{
+    if (in->bad || n > in->len - in->off) {
+        in->bad = true;
+        return NULL;
+    }
+    const uint8_t *at = in->p + in->off;
+    in->off += n;
+    return at;
+}
+
+uint32_t proto_get_u32(struct proto_in *in)
+{
+    uint32_t v = 0;
+    const uint8_t *p = take(in, 4);
+    if (p) memcpy(&v, p, 4);
+    return v;
+}
+
+int32_t proto_get_i32(struct proto_in *in)
+{
+    int32_t v = 0;
+    const uint8_t *p = take(in, 4);
+    if (p) memcpy(&v, p, 4);
+    return v;
+}
+
+uint64_t proto_get_u64(struct proto_in *in)
+{
+    uint64_t v = 0;
+    const uint8_t *p = take(in, 8);
+    if (p) memcpy(&v, p, 8);
+    return v;
+}
+
+void proto_get_str(struct proto_in *in, char *buf, size_t max)
+{
+    buf[0] = 0;
+    uint32_t n = proto_get_u32(in);
+    if (in->bad) return;
+    if (n > max) {
+        in->bad = true;
+        return;
+    }
+    const uint8_t *p = take(in, n);
+    if (!p) return;
+    if (memchr(p, 0, n)) {
+        in->bad = true;
+        return;
+    }
+    memcpy(buf, p, n);
+    buf[n] = 0;
+}
+
+const uint8_t *proto_get_bytes(struct proto_in *in, size_t n)
+{
+    return take(in, n);
+}
+
+int proto_done(const struct proto_in *in)
+{
+    return in->bad || in->off != in->len ? -EBADMSG : 0;
+}
+
+/* ---- I/O ----------------------------------------------------------------------------- */
+
+int proto_send(int fd, struct proto_out *o, const int *fds, int nfds)
+{
+    if (o->bad || !o->buf) return -EMSGSIZE;
+    if (nfds < 0 || nfds > PROTO_MAX_REGIONS) return -EINVAL;
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int) * PROTO_MAX_REGIONS)];
+    } ctl;
+    size_t done = 0;
+    while (done < o->len) {
+        struct iovec iov = {o->buf + done, o->len - done};
+        struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1};
+        if (done == 0 && nfds > 0) {
+            /* The descriptors ride with the message's first byte. */
+            memset(&ctl, 0, sizeof(ctl));
+            m.msg_control = ctl.buf;
+            m.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)nfds);
+            struct cmsghdr *c = CMSG_FIRSTHDR(&m);
+            c->cmsg_level = SOL_SOCKET;
+            c->cmsg_type = SCM_RIGHTS;
+            c->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)nfds);
+            memcpy(CMSG_DATA(c), fds, sizeof(int) * (size_t)nfds);
+        }
+        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            return errno == EPIPE ? -ECONNRESET : -errno;
+        }
+        done += (size_t)w;
+    }
+    return 0;
+}
+
+/* Reads exactly n bytes into buf, keeping the descriptors that come along. */
+static int read_full(int fd, uint8_t *buf, size_t n, int *fds, int max_fds, int *nfds)
+{
+    size_t done = 0;
+    while (done < n) {
+        union {
+            struct cmsghdr h;
+            char buf[CMSG_SPACE(sizeof(int) * 8)];
+        } ctl;
+        struct iovec iov = {buf + done, n - done};
+        struct msghdr m = {.msg_iov = &iov,
+                           .msg_iovlen = 1,
+                           .msg_control = ctl.buf,
+                           .msg_controllen = sizeof(ctl.buf)};
+        ssize_t r = recvmsg(fd, &m, MSG_CMSG_CLOEXEC);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&m); c; c = CMSG_NXTHDR(&m, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < k; i++) {
+                int got;
+                memcpy(&got, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                if (fds && *nfds < max_fds)
+                    fds[(*nfds)++] = got;
+                else
+                    close(got); /* more than asked for: never leaked */
+            }
+        }
+        if (r == 0) return -ECONNRESET;
+        done += (size_t)r;
+    }
+    return 0;
+}
+
+int proto_recv(int fd, bool reply, struct proto_header *h, uint8_t **payload, int *fds, int *nfds)
+{
+    uint8_t raw[PROTO_HEADER_BYTES];
+    int max_fds = nfds ? *nfds : 0, got = 0;
+    *payload = NULL;
+    int r = read_full(fd, raw, sizeof(raw), fds, max_fds, &got);
+    if (r == 0) r = proto_header_parse(raw, reply, h);
+    if (r == 0 && h->len) {
+        *payload = malloc(h->len);
+        r = *payload ? read_full(fd, *payload, h->len, fds, max_fds, &got) : -ENOMEM;
+    }
+    if (nfds) *nfds = got;
+    if (r < 0) {
+        free(*payload);
+        *payload = NULL;
+        for (int i = 0; i < got; i++)
+            close(fds[i]);
+        if (nfds) *nfds = 0;
+    }
+    return r;
+}

@@ -1,0 +1,129 @@
+/*
+ * proto.h - the wire format between a client (client.c) and the zinf daemon (server.c):
+ * versioned, length-prefixed binary messages over a Unix stream socket. docs/PROTOCOL.md
+ * says the same for people; this header is the reference.
+ *
+ * Every message is a 16-byte header and a payload of at most PROTO_MAX_PAYLOAD bytes:
+ *
+ *   u32 magic    PROTO_MAGIC
+ *   u16 version  PROTO_VERSION; a peer answers another version with -EPROTONOSUPPORT
+ *   u16 op       enum proto_op; a reply has PROTO_REPLY set on the request's op
+ *   u32 seq      chosen by the client, copied into the reply
+ *   u32 len      payload bytes that follow
+ *
+ * Integers are in the machine's own byte order (the socket never leaves the machine),
+ * strings are a u32 length and that many bytes with no NUL among them. A reply's payload
+ * starts with an i32 result: 0 (or a count) or a negative errno, as zinf.h returns it;
+ * the fields after it are present only when it is not negative. The payload of each op is
+ * written next to it below ("->" the reply's fields after the result).
+ *
+ * Tensor bytes do not travel here: a fetch answers with a region and an offset into
+ * memory the client mapped at HELLO (the daemon passes the regions' memfds once, with
+ * SCM_RIGHTS, on a session's first connection). zinf_read and zinf_write, which copy,
+ * carry at most PROTO_MAX_DATA bytes a message and are split by the client.
+ *
+ * The decoder (proto_get_*) never reads past the payload it was given: a field that does
+ * not fit marks the reader bad, and proto_done() then fails the whole message, so a
+ * truncated or malformed message is an error reply and a closed connection, never a crash.
+ *
+ * Not here: sockets and file descriptors (proto_send/proto_recv in proto.c do the I/O of
+ * one whole message), what an op does (server.c).
+ */
+#ifndef ZINF_SERVICE_PROTO_H
+#define ZINF_SERVICE_PROTO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define PROTO_MAGIC 0x666e697au /* "zinf" read as a little-endian u32 */
+#define PROTO_VERSION 1
+#define PROTO_HEADER_BYTES 16
+#define PROTO_MAX_DATA ((uint32_t)1 << 20)        /* read/write bytes a message */
+#define PROTO_MAX_PAYLOAD (PROTO_MAX_DATA + 4096) /* the largest payload either way */
+#define PROTO_MAX_NAME 4096                       /* a tensor's name, bytes */
+#define PROTO_MAX_JOB 64                          /* a job's name, bytes */
+#define PROTO_MAX_SET 65536                       /* tensors in one FETCH_ALL */
+#define PROTO_MAX_REGIONS 2                       /* memory regions a session maps */
+#define PROTO_REPLY 0x8000u
+
+enum proto_op {
+    /* str job, u64 session, u64 secret (0, 0: a new session; else join that one)
+     * -> u64 session, u64 secret, u32 nregions, nregions x {u32 tier, u64 bytes}; on a
+     *    new session the regions' fds ride along with the reply (SCM_RIGHTS), in order */
+    PROTO_HELLO = 1,
+    PROTO_REGISTER = 2,    /* str name, u64 nbytes, u32 home -> u64 handle */
+    PROTO_LOOKUP = 3,      /* str name -> u64 handle */
+    PROTO_UNREGISTER = 4,  /* u64 handle */
+    PROTO_FETCH = 5,       /* u64 handle, u32 tier -> u32 region, u64 offset */
+    PROTO_FETCH_ASYNC = 6, /* u64 handle, u32 tier -> u64 ticket */
+    PROTO_WAIT = 7,        /* u64 ticket -> u32 region, u64 offset */
+    PROTO_FETCH_ALL = 8,   /* u32 tier, u32 n, n x u64 handle -> n x {u32 region, u64 offset} */
+    PROTO_RELEASE = 9,     /* u64 handle, u32 tier, u32 flags */
+    PROTO_PREFETCH = 10,   /* u64 handle, u32 tier */
+    PROTO_STEP = 11,       /* (nothing) */
+    PROTO_WRITE = 12,      /* u64 handle, u64 offset, u32 n, n bytes */
+    PROTO_READ = 13,       /* u64 handle, u64 offset, u32 n -> u32 n, n bytes */
+    PROTO_FLUSH = 14,      /* (nothing) */
+    PROTO_STATS = 15,      /* (nothing) -> u32 bytes, that many of struct zinf_stats */
+    PROTO_OP_MAX = 15,
+};
+
+struct proto_header {
+    uint32_t magic;
+    uint16_t version, op;
+    uint32_t seq, len;
+};
+
+/* A message being written: the header's fields and a growing payload. */
+struct proto_out {
+    uint8_t *buf; /* PROTO_HEADER_BYTES of header, then the payload */
+    size_t len, cap;
+    bool bad; /* out of memory, or past PROTO_MAX_PAYLOAD: proto_send refuses it */
+};
+
+/* A payload being read. */
+struct proto_in {
+    const uint8_t *p;
+    size_t len, off;
+    bool bad; /* a field ran past the end, or a string broke its rules */
+};
+
+/* Starts a message of op and seq (a reply: op | PROTO_REPLY, then proto_put_i32 of the
+ * result). Free with proto_out_free. */
+void proto_out_init(struct proto_out *o, uint16_t op, uint32_t seq);
+void proto_out_free(struct proto_out *o);
+void proto_put_u32(struct proto_out *o, uint32_t v);
+void proto_put_i32(struct proto_out *o, int32_t v);
+void proto_put_u64(struct proto_out *o, uint64_t v);
+void proto_put_str(struct proto_out *o, const char *s);
+void proto_put_bytes(struct proto_out *o, const void *p, size_t n);
+/* Room for n bytes at the end of the payload, to be filled by the caller (NULL when bad). */
+void *proto_put_space(struct proto_out *o, size_t n);
+
+/* Parses a header: 0, or -EPROTO (bad magic), -EPROTONOSUPPORT (version), -EMSGSIZE (len
+ * over PROTO_MAX_PAYLOAD), -EBADMSG (an op that is not a request, or not a reply when
+ * reply is true). */
+int proto_header_parse(const uint8_t raw[PROTO_HEADER_BYTES], bool reply, struct proto_header *h);
+
+void proto_in_init(struct proto_in *in, const uint8_t *p, size_t len);
+uint32_t proto_get_u32(struct proto_in *in);
+int32_t proto_get_i32(struct proto_in *in);
+uint64_t proto_get_u64(struct proto_in *in);
+/* A string of at most max bytes, copied into buf (which holds max + 1) with its NUL. */
+void proto_get_str(struct proto_in *in, char *buf, size_t max);
+/* n bytes, in place (NULL when bad). */
+const uint8_t *proto_get_bytes(struct proto_in *in, size_t n);
+/* 0 when every field was read and nothing is left over; -EBADMSG otherwise. */
+int proto_done(const struct proto_in *in);
+
+/* Writes the whole message o to fd (with fds[0..nfds) attached when nfds > 0). 0 or
+ * -errno (-EMSGSIZE for a bad message). Never raises SIGPIPE. */
+int proto_send(int fd, struct proto_out *o, const int *fds, int nfds);
+/* Reads one whole message from fd: its header (checked as proto_header_parse does) and a
+ * payload of h->len bytes into *payload (malloc'ed; the caller frees it, NULL when empty),
+ * and up to *nfds file descriptors that came with it (*nfds says how many did; any beyond
+ * what fds holds are closed). -ECONNRESET when the peer closed, -errno otherwise. */
+int proto_recv(int fd, bool reply, struct proto_header *h, uint8_t **payload, int *fds, int *nfds);
+
+#endif

@@ -1,0 +1,809 @@
+/*
+ * server.c - the zinf daemon behind server.h.
+ *
+ * Threads: service_run() accepts on the listening socket; each connection gets a thread
+ * that reads one request at a time, calls the job's engine (engine_api_*, thread-safe) and
+ * writes the reply. A request that cannot be parsed gets an error reply and the connection
+ * is closed; nothing a client sends can take the daemon down.
+ *
+ * Locks, outermost first: s->lock (the lists of jobs, sessions and connections, the
+ * sessions' connection counts), then a session's lock (its pins and tickets). No engine
+ * call is made under either, except the session cleanup's releases, made after the
+ * session left every list (no other thread can reach it).
+ *
+ * The pins a session holds are counted here per (tensor, tier), since the engine counts
+ * pins of all sessions together: a release first takes one off the session's count (so
+ * two connections of one session cannot both spend the same pin), and puts it back when
+ * the engine refuses the release.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "config.h"
+#include "engine/engine.h"
+#include "service/proto.h"
+#include "service/server.h"
+
+struct job {
+    char name[PROTO_MAX_JOB + 1];
+    uid_t owner;
+    zinf_engine *e;
+    struct engine_region reg[MEM_TIERS];
+    struct job *next;
+};
+
+struct pin {
+    zinf_tensor t;
+    uint32_t tier, count;
+    struct pin *next;
+};
+
+struct tick {
+    uint64_t id;
+    zinf_tensor t;
+    uint32_t tier;
+    struct tick *next;
+};
+
+struct session {
+    uint64_t id, secret;
+    struct job *job;
+    uid_t uid;
+    unsigned conns; /* s->lock */
+    struct session *next;
+
+    pthread_mutex_t lock; /* pins, ticks */
+    struct pin *pins;
+    struct tick *ticks;
+};
+
+struct conn {
+    struct service *svc;
+    int fd;
+    pthread_t thread;
+    bool done; /* s->lock: the thread has finished and may be joined */
+    struct session *sess;
+    struct conn *next;
+};
+
+struct service {
+    const struct zinf_config *config;
+    char *socket_path;
+    int listen_fd;
+    int wake[2]; /* service_stop() writes to wake[1] */
+
+    pthread_mutex_t lock;
+    struct job *jobs;
+    struct session *sessions;
+    struct conn *conns;
+    uint64_t next_session;
+};
+
+/* ---- jobs ---------------------------------------------------------------------------- */
+
+static bool job_name_ok(const char *n)
+{
+    if (!n[0] || n[0] == '.' || strlen(n) > PROTO_MAX_JOB) return false;
+    for (const char *p = n; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '.' || *p == '_' || *p == '-'))
+            return false;
+    return true;
+}
+
+/* The job's folder under the first swap directory: its owner is the job's. Created (and
+ * given to uid) when missing. No swap directory: owner uid, in memory only. */
+static int job_owner(struct service *s, const char *name, uid_t uid, uid_t *owner)
+{
+    const struct zinf_config *c = s->config;
+    *owner = uid;
+    if (!c->nvme_paths.count) return 0;
+    for (unsigned i = 0; i < c->nvme_paths.count; i++) {
+        char dir[4096];
+        struct stat st;
+        if (snprintf(dir, sizeof(dir), "%s/%s", c->nvme_paths.path[i], name) >= (int)sizeof(dir))
+            return -ENAMETOOLONG;
+        if (mkdir(c->nvme_paths.path[i], 0755) != 0 && errno != EEXIST) return -errno;
+        if (mkdir(dir, 0700) == 0) {
+            if (geteuid() == 0 && uid != 0 && chown(dir, uid, (gid_t)-1) != 0) return -errno;
+        } else if (errno != EEXIST) {
+            return -errno;
+        }
+        if (i == 0) {
+            if (stat(dir, &st) != 0) return -errno;
+            *owner = st.st_uid;
+        }
+    }
+    return 0;
+}
+
+/* Whether the job's folder holds a saved state (a manifest naming tensors). */
+static bool saved(struct service *s, const char *name)
+{
+    char d[4096];
+    size_t n = 0;
+    if (!s->config->nvme_paths.count ||
+        snprintf(d, sizeof(d), "%s/%s", s->config->nvme_paths.path[0], name) >= (int)sizeof(d))
+        return false;
+    return persist_probe(d, &n, NULL) == 0 && n > 0;
+}
+
+/* The job of that name, opened (its saved state resumed) when first asked for. s->lock
+ * held: opening is slow, but it happens once per job and a job must not open twice. */
+static int job_get(struct service *s, const char *name, uid_t uid, struct job **out)
+{
+    struct job *j;
+    for (j = s->jobs; j; j = j->next)
+        if (!strcmp(j->name, name)) break;
+    if (!j) {
+        uid_t owner;
+        int r = job_owner(s, name, uid, &owner);
+        if (r < 0) {
+            log_error("serve: job %s: cannot make its swap folder: %s", name, strerror(-r));
+            return r;
+        }
+        j = calloc(1, sizeof(*j));
+        if (!j) return -ENOMEM;
+        strcpy(j->name, name);
+        j->owner = owner;
+        /* A job resumes what it saved in its folder; with nothing saved there it is new. */
+        r = engine_open_config_shared(s->config, saved(s, name) ? ZINF_OPEN_RESUME : 0, name,
+                                      &j->e);
+        if (r == 0 && (r = engine_regions(j->e, j->reg)) < 0) {
+            log_error("serve: job %s: its device tier is CUDA, which the service cannot share "
+                      "with clients yet (that needs CUDA IPC); set zinf.device \"emulated\"",
+                      name);
+            engine_api_close(j->e);
+        }
+        if (r < 0) {
+            log_error("serve: job %s: cannot open its engine: %s", name, zinf_strerror(r));
+            free(j);
+            return r;
+        }
+        j->next = s->jobs;
+        s->jobs = j;
+        log_notice("serve: job %s opened (owner uid %u)", name, (unsigned)owner);
+    }
+    if (uid != j->owner && uid != 0) return -EACCES;
+    *out = j;
+    return 0;
+}
+
+/* ---- sessions ------------------------------------------------------------------------ */
+
+static struct pin **pin_find(struct session *se, zinf_tensor t, uint32_t tier)
+{
+    struct pin **pp = &se->pins;
+    while (*pp && ((*pp)->t != t || (*pp)->tier != tier))
+        pp = &(*pp)->next;
+    return pp;
+}
+
+/* One more pin of (t, tier) for the session; -ENOMEM when it cannot be counted. */
+static int pin_add(struct session *se, zinf_tensor t, uint32_t tier)
+{
+    int r = 0;
+    pthread_mutex_lock(&se->lock);
+    struct pin **pp = pin_find(se, t, tier);
+    if (*pp) {
+        (*pp)->count++;
+    } else {
+        struct pin *p = calloc(1, sizeof(*p));
+        if (p) {
+            *p = (struct pin){t, tier, 1, se->pins};
+            se->pins = p;
+        } else {
+            r = -ENOMEM;
+        }
+    }
+    pthread_mutex_unlock(&se->lock);
+    return r;
+}
+
+/* Takes one pin of (t, tier) off the session's count: false when it holds none. */
+static bool pin_take(struct session *se, zinf_tensor t, uint32_t tier)
+{
+    bool had = false;
+    pthread_mutex_lock(&se->lock);
+    struct pin **pp = pin_find(se, t, tier);
+    if (*pp) {
+        had = true;
+        if (--(*pp)->count == 0) {
+            struct pin *p = *pp;
+            *pp = p->next;
+            free(p);
+        }
+    }
+    pthread_mutex_unlock(&se->lock);
+    return had;
+}
+
+/* Drops what a session left behind; it is in no list any more. */
+static void session_free(struct session *se)
+{
+    zinf_engine *e = se->job->e;
+    unsigned dropped = 0, kept = 0;
+    for (struct tick *k = se->ticks, *n; k; k = n) {
+        void *p;
+        n = k->next;
+        if (engine_api_wait(e, k->id, &p) == 0 && engine_release_abandoned(e, k->t, k->tier) >= 0)
+            dropped++;
+        free(k);
+    }
+    /* The client may have written through a pin it never released dirty: such a copy goes,
+     * so the tensor reads as it was last released, where the engine can tell it apart. */
+    for (struct pin *p = se->pins, *n; p; p = n) {
+        n = p->next;
+        for (uint32_t i = 0; i < p->count; i++) {
+            int r = engine_release_abandoned(e, p->t, p->tier);
+            dropped += r >= 0;
+            kept += r == 1;
+        }
+        free(p);
+    }
+    if (dropped)
+        log_notice("serve: job %s: a client (uid %u) went away holding %u pins; dropped%s",
+                   se->job->name, (unsigned)se->uid, dropped,
+                   kept ? " (some on copies that are their tensor's home or newest content, "
+                          "kept as the client left them)"
+                        : "");
+    pthread_mutex_destroy(&se->lock);
+    free(se);
+}
+
+/* ---- requests ------------------------------------------------------------------------ */
+
+/* The (region, offset) of a pointer the job's engine handed out for tier. */
+static int where(const struct job *j, uint32_t tier, const void *ptr, struct proto_out *o)
+{
+    const struct engine_region *g = &j->reg[tier];
+    const char *p = ptr, *b = g->base;
+    if (tier >= MEM_TIERS || p < b || p >= b + g->bytes) return -EIO;
+    proto_put_u32(o, tier);
+    proto_put_u64(o, (uint64_t)(p - b));
+    return o->bad ? -ENOMEM : 0;
+}
+
+/* A pin the engine gave the session: counted and answered with its place, or (0 is not
+ * returned) released again. */
+static int keep_pin(struct session *se, zinf_tensor t, uint32_t tier, void *ptr,
+                    struct proto_out *o)
+{
+    int r = pin_add(se, t, tier);
+    if (r == 0 && (r = where(se->job, tier, ptr, o)) < 0) pin_take(se, t, tier);
+    if (r < 0) engine_api_release(se->job->e, t, (enum zinf_tier)tier, 0);
+    return r;
+}
+
+static int do_fetch(struct session *se, struct proto_in *in, struct proto_out *o)
+{
+    zinf_tensor t = proto_get_u64(in);
+    uint32_t tier = proto_get_u32(in);
+    if (proto_done(in) < 0) return -EBADMSG;
+    void *ptr;
+    int r = engine_api_fetch(se->job->e, t, (enum zinf_tier)tier, &ptr);
+    return r < 0 ? r : keep_pin(se, t, tier, ptr, o);
+}
+
+static int do_fetch_all(struct session *se, struct proto_in *in, struct proto_out *o)
+{
+    uint32_t tier = proto_get_u32(in), n = proto_get_u32(in);
+    if (in->bad || n == 0 || n > PROTO_MAX_SET) return -EBADMSG;
+    zinf_tensor *ts = malloc(n * sizeof(*ts));
+    void **ptrs = malloc(n * sizeof(*ptrs));
+    int r = ts && ptrs ? 0 : -ENOMEM;
+    for (uint32_t i = 0; r == 0 && i < n; i++)
+        ts[i] = proto_get_u64(in);
+    if (r == 0 && proto_done(in) < 0) r = -EBADMSG;
+    if (r == 0) r = engine_api_fetch_all(se->job->e, ts, n, (enum zinf_tier)tier, ptrs);
+    bool pinned = r == 0;
+    uint32_t added = 0;
+    while (r == 0 && added < n && (r = pin_add(se, ts[added], tier)) == 0)
+        added++;
+    for (uint32_t i = 0; r == 0 && i < n; i++)
+        r = where(se->job, tier, ptrs[i], o);
+    if (r < 0 && pinned) {
+        /* Every pin of the set goes, as an embedded zinf_fetch_all that failed leaves none. */
+        for (uint32_t i = 0; i < n; i++) {
+            if (i < added) pin_take(se, ts[i], tier);
+            engine_api_release(se->job->e, ts[i], (enum zinf_tier)tier, 0);
+        }
+    }
+    free(ts);
+    free(ptrs);
+    return r;
+}
+
+static int do_fetch_async(struct session *se, struct proto_in *in, struct proto_out *o)
+{
+    zinf_tensor t = proto_get_u64(in);
+    uint32_t tier = proto_get_u32(in);
+    if (proto_done(in) < 0) return -EBADMSG;
+    struct tick *k = calloc(1, sizeof(*k));
+    if (!k) return -ENOMEM;
+    uint64_t id;
+    int r = engine_api_fetch_async(se->job->e, t, (enum zinf_tier)tier, &id);
+    if (r < 0) {
+        free(k);
+        return r;
+    }
+    *k = (struct tick){id, t, tier, NULL};
+    pthread_mutex_lock(&se->lock);
+    k->next = se->ticks;
+    se->ticks = k;
+    pthread_mutex_unlock(&se->lock);
+    proto_put_u64(o, id);
+    return 0;
+}
+
+static int do_wait(struct session *se, struct proto_in *in, struct proto_out *o)
+{
+    uint64_t id = proto_get_u64(in);
+    if (proto_done(in) < 0) return -EBADMSG;
+    /* Only the session's own tickets: another's is as unknown as a made-up one. */
+    pthread_mutex_lock(&se->lock);
+    struct tick **pp = &se->ticks;
+    while (*pp && (*pp)->id != id)
+        pp = &(*pp)->next;
+    struct tick *k = *pp;
+    if (k) *pp = k->next;
+    pthread_mutex_unlock(&se->lock);
+    if (!k) return -EINVAL;
+    void *ptr;
+    int r = engine_api_wait(se->job->e, id, &ptr); /* a wait that fails keeps no pin */
+    if (r == 0) r = keep_pin(se, k->t, k->tier, ptr, o);
+    free(k);
+    return r;
+}
+
+static int do_release(struct session *se, struct proto_in *in)
+{
+    zinf_tensor t = proto_get_u64(in);
+    uint32_t tier = proto_get_u32(in), flags = proto_get_u32(in);
+    if (proto_done(in) < 0) return -EBADMSG;
+    if (tier >= MEM_TIERS || (flags & ~ZINF_RELEASE_DIRTY)) return -EINVAL;
+    if (!pin_take(se, t, tier))
+        return -EINVAL; /* a release without a matching pin of this session */
+    int r = engine_api_release(se->job->e, t, (enum zinf_tier)tier, flags);
+    if (r < 0 && pin_add(se, t, tier) < 0)
+        log_error("serve: job %s: lost count of a pin kept after a failed release", se->job->name);
+    return r;
+}
+
+static int do_rw(struct session *se, bool write, struct proto_in *in, struct proto_out *o)
+{
+    zinf_tensor t = proto_get_u64(in);
+    uint64_t off = proto_get_u64(in);
+    uint32_t n = proto_get_u32(in);
+    if (in->bad || n > PROTO_MAX_DATA) return -EBADMSG;
+    if (write) {
+        const uint8_t *src = proto_get_bytes(in, n);
+        if (!src || proto_done(in) < 0) return -EBADMSG;
+        return engine_api_write(se->job->e, t, off, n ? (const void *)src : "", n);
+    }
+    if (proto_done(in) < 0) return -EBADMSG;
+    size_t mark = o->len;
+    proto_put_u32(o, n);
+    void *dst = proto_put_space(o, n);
+    if (!dst && n) return -ENOMEM;
+    int r = engine_api_read(se->job->e, t, off, n ? dst : (void *)"", n);
+    if (r < 0) o->len = mark; /* no fields after a failed result */
+    return r;
+}
+
+static int do_request(struct session *se, uint16_t op, struct proto_in *in, struct proto_out *o)
+{
+    zinf_engine *e = se->job->e;
+    char name[PROTO_MAX_NAME + 1];
+    zinf_tensor t;
+    uint32_t tier;
+    int r;
+
+    switch (op) {
+    case PROTO_REGISTER: {
+        proto_get_str(in, name, PROTO_MAX_NAME);
+        uint64_t nbytes = proto_get_u64(in);
+        uint32_t home = proto_get_u32(in);
+        if (proto_done(in) < 0) return -EBADMSG;
+        if (nbytes > SIZE_MAX) return -EINVAL;
+        r = engine_api_register(e, name, (size_t)nbytes, (enum zinf_tier)home, &t);
+        if (r == 0) proto_put_u64(o, t);
+        return r;
+    }
+    case PROTO_LOOKUP:
+        proto_get_str(in, name, PROTO_MAX_NAME);
+        if (proto_done(in) < 0) return -EBADMSG;
+        r = engine_api_lookup(e, name, &t);
+        if (r == 0) proto_put_u64(o, t);
+        return r;
+    case PROTO_UNREGISTER:
+        t = proto_get_u64(in);
+        return proto_done(in) < 0 ? -EBADMSG : engine_api_unregister(e, t);
+    case PROTO_FETCH:
+        return do_fetch(se, in, o);
+    case PROTO_FETCH_ASYNC:
+        return do_fetch_async(se, in, o);
+    case PROTO_WAIT:
+        return do_wait(se, in, o);
+    case PROTO_FETCH_ALL:
+        return do_fetch_all(se, in, o);
+    case PROTO_RELEASE:
+        return do_release(se, in);
+    case PROTO_PREFETCH:
+        t = proto_get_u64(in);
+        tier = proto_get_u32(in);
+        return proto_done(in) < 0 ? -EBADMSG : engine_api_prefetch(e, t, (enum zinf_tier)tier);
+    case PROTO_STEP:
+        return proto_done(in) < 0 ? -EBADMSG : engine_api_step(e);
+    case PROTO_WRITE:
+        return do_rw(se, true, in, o);
+    case PROTO_READ:
+        return do_rw(se, false, in, o);
+    case PROTO_FLUSH:
+        return proto_done(in) < 0 ? -EBADMSG : engine_api_flush(e);
+    case PROTO_STATS: {
+        struct zinf_stats st;
+        if (proto_done(in) < 0) return -EBADMSG;
+        r = engine_api_stats(e, &st);
+        if (r == 0) {
+            proto_put_u32(o, sizeof(st));
+            proto_put_bytes(o, &st, sizeof(st));
+        }
+        return r;
+    }
+    default:
+        return -EBADMSG; /* HELLO again, or an op proto_header_parse let through */
+    }
+}
+
+/* ---- connections --------------------------------------------------------------------- */
+
+static int reply_error(int fd, uint16_t op, uint32_t seq, int err)
+{
+    struct proto_out o;
+    proto_out_init(&o, (uint16_t)(op | PROTO_REPLY), seq);
+    proto_put_i32(&o, err);
+    int r = proto_send(fd, &o, NULL, 0);
+    proto_out_free(&o);
+    return r;
+}
+
+/* The first message of a connection: it starts or joins a session. */
+static int hello(struct conn *k, struct proto_in *in, uint32_t seq)
+{
+    struct service *s = k->svc;
+    char job[PROTO_MAX_JOB + 1];
+    proto_get_str(in, job, PROTO_MAX_JOB);
+    uint64_t sid = proto_get_u64(in), secret = proto_get_u64(in);
+    if (proto_done(in) < 0) return -EBADMSG;
+    if (!job_name_ok(job)) return -EINVAL;
+    struct ucred cred;
+    socklen_t len = sizeof(cred);
+    if (getsockopt(k->fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return -errno;
+
+    struct session *se = NULL;
+    int r = 0;
+    pthread_mutex_lock(&s->lock);
+    if (sid) {
+        for (se = s->sessions; se; se = se->next)
+            if (se->id == sid) break;
+        /* A session ends with its last connection: joining one that ended, or one of
+         * another job, uid or secret, is refused alike. */
+        if (!se || se->secret != secret || se->uid != cred.uid || strcmp(se->job->name, job))
+            r = -ECONNRESET;
+        else
+            se->conns++;
+    } else {
+        struct job *j;
+        r = job_get(s, job, cred.uid, &j);
+        if (r == 0 && !(se = calloc(1, sizeof(*se)))) r = -ENOMEM;
+        if (r == 0) {
+            se->id = ++s->next_session;
+            if (getrandom(&se->secret, sizeof(se->secret), 0) != sizeof(se->secret))
+                se->secret = se->id * 0x9e3779b97f4a7c15ull ^ (uint64_t)now_ns();
+            se->job = j;
+            se->uid = cred.uid;
+            se->conns = 1;
+            pthread_mutex_init(&se->lock, NULL);
+            se->next = s->sessions;
+            s->sessions = se;
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (r < 0) return r;
+    k->sess = se;
+
+    struct proto_out o;
+    proto_out_init(&o, PROTO_HELLO | PROTO_REPLY, seq);
+    proto_put_i32(&o, 0);
+    proto_put_u64(&o, se->id);
+    proto_put_u64(&o, se->secret);
+    proto_put_u32(&o, MEM_TIERS);
+    int fds[MEM_TIERS];
+    for (int i = 0; i < MEM_TIERS; i++) {
+        proto_put_u32(&o, (uint32_t)se->job->reg[i].tier);
+        proto_put_u64(&o, se->job->reg[i].bytes);
+        fds[i] = se->job->reg[i].fd;
+    }
+    r = proto_send(k->fd, &o, fds, sid ? 0 : MEM_TIERS);
+    proto_out_free(&o);
+    return r < 0 ? r : 1; /* 1: the reply went out */
+}
+
+/* The session loses a connection; the last one takes it out of the lists. */
+static void session_leave(struct service *s, struct session *se)
+{
+    bool last = false;
+    pthread_mutex_lock(&s->lock);
+    if (--se->conns == 0) {
+        last = true;
+        for (struct session **pp = &s->sessions; *pp; pp = &(*pp)->next)
+            if (*pp == se) {
+                *pp = se->next;
+                break;
+            }
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (last) session_free(se);
+}
+
+static void *conn_main(void *arg)
+{
+    struct conn *k = arg;
+    struct service *s = k->svc;
+
+    for (;;) {
+        struct proto_header h;
+        uint8_t *payload = NULL;
+        int r = proto_recv(k->fd, false, &h, &payload, NULL, NULL);
+        if (r < 0) {
+            /* A header that parsed badly gets a word before the door closes. */
+            if (r == -EPROTONOSUPPORT || r == -EMSGSIZE || r == -EBADMSG)
+                reply_error(k->fd, h.op & ~PROTO_REPLY, h.seq, r);
+            break;
+        }
+        struct proto_in in;
+        proto_in_init(&in, payload, h.len);
+        if (!k->sess) {
+            r = h.op == PROTO_HELLO ? hello(k, &in, h.seq) : -EPROTO;
+            free(payload);
+            if (r < 0) {
+                reply_error(k->fd, h.op, h.seq, r);
+                break;
+            }
+            continue;
+        }
+        struct proto_out o;
+        proto_out_init(&o, (uint16_t)(h.op | PROTO_REPLY), h.seq);
+        proto_put_i32(&o, 0);
+        r = do_request(k->sess, h.op, &in, &o);
+        free(payload);
+        if (o.bad && r >= 0) r = -ENOMEM;
+        if (r < 0) { /* the result alone */
+            proto_out_free(&o);
+            proto_out_init(&o, (uint16_t)(h.op | PROTO_REPLY), h.seq);
+            proto_put_i32(&o, r);
+        } else {
+            memcpy(o.buf + PROTO_HEADER_BYTES, &r, 4);
+        }
+        int w = proto_send(k->fd, &o, NULL, 0);
+        proto_out_free(&o);
+        if (w < 0 || r == -EBADMSG)
+            break; /* a malformed request ends the connection after its answer */
+    }
+    if (k->sess) session_leave(s, k->sess);
+    pthread_mutex_lock(&s->lock);
+    close(k->fd);
+    k->fd = -1;
+    k->done = true;
+    pthread_mutex_unlock(&s->lock);
+    return NULL;
+}
+
+/* Joins the threads of finished connections (s->lock held). */
+static void reap(struct service *s)
+{
+    for (struct conn **pp = &s->conns; *pp;) {
+        struct conn *k = *pp;
+        if (!k->done) {
+            pp = &k->next;
+            continue;
+        }
+        *pp = k->next;
+        pthread_join(k->thread, NULL);
+        free(k);
+    }
+}
+
+/* ---- the service --------------------------------------------------------------------- */
+
+int service_open(const struct service_opts *o, struct service **out, char *err, size_t errlen)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    *out = NULL;
+    if (!o || !o->socket_path || !o->config) {
+        snprintf(err, errlen, "serve: a socket path and a config are needed");
+        return -EINVAL;
+    }
+    if (strlen(o->socket_path) >= sizeof(a.sun_path)) {
+        snprintf(err, errlen, "serve: the socket path %s is longer than %zu bytes", o->socket_path,
+                 sizeof(a.sun_path) - 1);
+        return -ENAMETOOLONG;
+    }
+    gid_t gid = (gid_t)-1;
+    if (o->group) {
+        struct group *g = getgrnam(o->group);
+        if (!g) {
+            snprintf(err, errlen, "serve: --group %s: no such group", o->group);
+            return -EINVAL;
+        }
+        gid = g->gr_gid;
+    }
+    strcpy(a.sun_path, o->socket_path);
+
+    struct service *s = calloc(1, sizeof(*s));
+    if (!s) return -ENOMEM;
+    s->config = o->config;
+    s->listen_fd = -1;
+    s->wake[0] = s->wake[1] = -1;
+    pthread_mutex_init(&s->lock, NULL);
+    int r = 0;
+    const char *what = "";
+    if (!(s->socket_path = strdup(o->socket_path))) {
+        r = -ENOMEM;
+        what = "strdup";
+        goto fail;
+    }
+    if (pipe2(s->wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+        r = -errno;
+        what = "pipe";
+        goto fail;
+    }
+    /* A socket file left by a daemon that died is replaced; one a daemon answers on is not. */
+    int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (probe >= 0) {
+        bool live = connect(probe, (struct sockaddr *)&a, sizeof(a)) == 0;
+        close(probe);
+        if (live) {
+            snprintf(err, errlen, "serve: a zinf daemon already answers on %s", o->socket_path);
+            r = -EADDRINUSE;
+            goto fail_quiet;
+        }
+    }
+    unlink(o->socket_path);
+    s->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s->listen_fd < 0) {
+        r = -errno;
+        what = "socket";
+        goto fail;
+    }
+    /* Bound under a umask that lets nobody else in; then opened to the group if asked. */
+    mode_t old = umask(0177);
+    r = bind(s->listen_fd, (struct sockaddr *)&a, sizeof(a)) == 0 ? 0 : -errno;
+    umask(old);
+    if (r < 0) {
+        what = "bind";
+        goto fail;
+    }
+    if (o->group &&
+        (chown(o->socket_path, (uid_t)-1, gid) != 0 || chmod(o->socket_path, 0660) != 0)) {
+        r = -errno;
+        what = "chown/chmod of the socket for --group";
+        goto fail;
+    }
+    if (listen(s->listen_fd, 64) != 0) {
+        r = -errno;
+        what = "listen";
+        goto fail;
+    }
+    *out = s;
+    return 0;
+fail:
+    snprintf(err, errlen, "serve: %s on %s: %s", what, o->socket_path, strerror(-r));
+fail_quiet:
+    if (s->listen_fd >= 0) {
+        close(s->listen_fd);
+        unlink(o->socket_path);
+    }
+    for (int i = 0; i < 2; i++)
+        if (s->wake[i] >= 0) close(s->wake[i]);
+    free(s->socket_path);
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+    return r;
+}
+
+void service_stop(struct service *s)
+{
+    char c = 1;
+    if (s && write(s->wake[1], &c, 1) < 0) {
+        /* Full pipe: a stop is already pending. */
+    }
+}
+
+int service_run(struct service *s)
+{
+    for (;;) {
+        struct pollfd p[2] = {{s->listen_fd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
+        if (poll(p, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return -errno;
+        }
+        if (p[1].revents) return 0;
+        if (!(p[0].revents & POLLIN)) continue;
+        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EINTR || errno == ECONNABORTED || errno == EAGAIN) continue;
+            log_error("serve: accept: %s", strerror(errno));
+            if (errno == EMFILE || errno == ENFILE || errno == ENOMEM) {
+                poll(NULL, 0, 100); /* let connections close before trying again */
+                continue;
+            }
+            return -errno;
+        }
+        struct conn *k = calloc(1, sizeof(*k));
+        pthread_mutex_lock(&s->lock);
+        reap(s);
+        if (k) {
+            k->svc = s;
+            k->fd = fd;
+            if (pthread_create(&k->thread, NULL, conn_main, k) == 0) {
+                k->next = s->conns;
+                s->conns = k;
+                k = NULL;
+                fd = -1;
+            }
+        }
+        pthread_mutex_unlock(&s->lock);
+        if (fd >= 0) {
+            log_error("serve: out of memory or threads for a new connection: refused");
+            close(fd);
+            free(k);
+        }
+    }
+}
+
+void service_close(struct service *s)
+{
+    if (!s) return;
+    close(s->listen_fd);
+    unlink(s->socket_path);
+    /* Every connection's thread sees its socket shut and leaves (after the call it may be
+     * in); the last connection of each session drops its pins. */
+    pthread_mutex_lock(&s->lock);
+    for (struct conn *k = s->conns; k; k = k->next)
+        if (k->fd >= 0) shutdown(k->fd, SHUT_RDWR);
+    pthread_mutex_unlock(&s->lock);
+    for (;;) {
+        pthread_mutex_lock(&s->lock);
+        struct conn *k = s->conns;
+        if (k) s->conns = k->next;
+        pthread_mutex_unlock(&s->lock);
+        if (!k) break;
+        pthread_join(k->thread, NULL);
+        free(k);
+    }
+    for (struct job *j = s->jobs, *n; j; j = n) {
+        n = j->next;
+        engine_api_close(j->e); /* flushes */
+        log_notice("serve: job %s closed", j->name);
+        free(j);
+    }
+    close(s->wake[0]);
+    close(s->wake[1]);
+    free(s->socket_path);
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+}

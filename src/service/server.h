@@ -1,0 +1,49 @@
+/*
+ * server.h - the zinf daemon: one process per node that owns the engines of every job and
+ * answers the zinf.h calls of its clients (client.c) over a Unix socket (proto.h).
+ *
+ * A job is a named set of tensors with its own engine: the daemon's config gives its
+ * budgets, and its swap files live in a folder of the job's name under each swap
+ * directory, so a job's tensors are invisible to other jobs and come back, flushed, when
+ * the daemon restarts. A job belongs to the uid whose client created it (the owner of that
+ * folder); other uids are refused with -EACCES (root is not).
+ *
+ * A session is one client process: its connections share its pins, and when the last of
+ * them closes (the process exited or was killed) every pin it still held is dropped and
+ * every fetch it started and never waited for is waited for and dropped.
+ *
+ * The arenas of each job's host and (emulated) device tiers are memfds, handed to a
+ * session's first connection and mapped by the client, so fetched pointers are shared
+ * memory. A CUDA device tier is not shared yet (that needs CUDA IPC): a job over one is
+ * refused with -ENOTSUP.
+ *
+ * Not here: the wire format (proto.c), the engine, the command line (tools/cmd_serve.c).
+ */
+#ifndef ZINF_SERVICE_SERVER_H
+#define ZINF_SERVICE_SERVER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <sys/types.h>
+
+struct zinf_config;
+struct service;
+
+struct service_opts {
+    const char *socket_path;          /* where to listen */
+    const struct zinf_config *config; /* the jobs' engines: budgets, swap directories */
+    const char *group;                /* NULL: the socket is 0600; else 0660 and this group's */
+};
+
+/* Binds and listens (a stale socket file is replaced; one a live daemon answers on is
+ * -EADDRINUSE). 0 and *out, or -errno with a line in err. */
+int service_open(const struct service_opts *o, struct service **out, char *err, size_t errlen);
+/* Accepts and serves connections until service_stop(); 0, or -errno of the listener. */
+int service_run(struct service *s);
+/* Makes service_run() return; async-signal-safe (a handler of SIGTERM may call it). */
+void service_stop(struct service *s);
+/* Closes every connection, drops every session's pins, flushes and closes every job's
+ * engine, removes the socket file. */
+void service_close(struct service *s);
+
+#endif

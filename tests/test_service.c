@@ -1,0 +1,542 @@
+/*
+ * test_service.c - the daemon (src/service/server.c) and its client (client.c): every
+ * zinf.h call through zinf_connect answers as the embedded engine does, fetched pointers
+ * are the daemon's memory, jobs do not see each other, a client that dies loses its pins
+ * and nobody else notices, a restarted daemon brings back what was flushed, and malformed
+ * messages get an error and a closed connection while the daemon goes on.
+ *
+ * The daemon runs in a thread of the test's own process (service_run), except where a
+ * test needs a client process to die: that client is a forked child.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "config.h"
+#include "helpers.h"
+#include "service/proto.h"
+#include "service/server.h"
+
+static char *dir;
+static char sock[512], cfg_path[512];
+
+struct daemon {
+    struct zinf_config cfg;
+    struct service *s;
+    pthread_t thread;
+};
+
+static void *run_service(void *arg)
+{
+    struct daemon *d = arg;
+    cr_assert_eq(service_run(d->s), 0);
+    return NULL;
+}
+
+/* A config with small emulated tiers and, when swap, an NVMe swap directory. */
+static void write_cfg(bool swap)
+{
+    FILE *f = fopen(cfg_path, "w");
+    cr_assert_not_null(f);
+    if (swap)
+        fprintf(f,
+                "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
+                "\"nvme_path\": \"%s/swap\"}},"
+                " \"aio\": {\"block_size\": 65536, \"queue_depth\": 8},"
+                " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", "
+                "\"host_bytes\": \"4M\"}}",
+                dir);
+    else
+        fprintf(f, "{\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", "
+                   "\"host_bytes\": \"4M\"}}");
+    fclose(f);
+}
+
+static void daemon_start(struct daemon *d)
+{
+    char err[512];
+    memset(d, 0, sizeof(*d));
+    cr_assert_eq(config_parse_file(cfg_path, &d->cfg, err, sizeof(err)), 0, "%s", err);
+    struct service_opts o = {.socket_path = sock, .config = &d->cfg};
+    int r = service_open(&o, &d->s, err, sizeof(err));
+    cr_assert_eq(r, 0, "%s", err);
+    cr_assert_eq(pthread_create(&d->thread, NULL, run_service, d), 0);
+}
+
+static void daemon_stop(struct daemon *d)
+{
+    service_stop(d->s);
+    pthread_join(d->thread, NULL);
+    service_close(d->s);
+    config_free(&d->cfg);
+}
+
+static void setup(void)
+{
+    dir = test_tmpdir("service");
+    cr_assert_not_null(dir);
+    snprintf(sock, sizeof(sock), "%s/zinf.sock", dir);
+    snprintf(cfg_path, sizeof(cfg_path), "%s/zinf.json", dir);
+    write_cfg(false);
+}
+
+static void teardown(void)
+{
+    test_rmtree(dir);
+}
+
+TestSuite(service, .init = setup, .fini = teardown, .timeout = 120);
+
+static zinf_engine *connect_job(const char *job)
+{
+    zinf_engine *e = NULL;
+    int r = zinf_connect(sock, job, &e);
+    cr_assert_eq(r, 0, "zinf_connect: %s", zinf_strerror(r));
+    return e;
+}
+
+Test(service, fetched_pointers_are_the_daemons_memory)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("alpha");
+    const size_t n = 300000;
+    zinf_tensor t = test_register(e, "w", n, ZINF_TIER_HOST);
+    unsigned char *want = test_rand_buf(n, 1);
+    for (int tier = ZINF_TIER_DEVICE; tier <= ZINF_TIER_HOST; tier++) {
+        void *p;
+        cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+        /* Written through the pointer in this process, read back by the daemon. */
+        memcpy(p, want, n);
+        want[tier] ^= 0x5a;
+        ((unsigned char *)p)[tier] ^= 0x5a;
+        cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+        test_expect_content(e, t, want, n, "written through the fetched pointer");
+    }
+    /* A second client of the job sees the same bytes at its own mapping. */
+    zinf_engine *e2 = connect_job("alpha");
+    zinf_tensor t2;
+    void *p2;
+    cr_assert_eq(zinf_lookup(e2, "w", &t2), 0);
+    cr_assert_eq(t2, t);
+    cr_assert_eq(zinf_fetch(e2, t2, ZINF_TIER_HOST, &p2), 0);
+    cr_assert_eq(memcmp(p2, want, n), 0);
+    cr_assert_eq(zinf_release(e2, t2, ZINF_TIER_HOST, 0), 0);
+    zinf_close(e2);
+    free(want);
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+/* The same calls, with their errors, on an embedded engine and through the daemon. */
+static void error_script(zinf_engine *e, int *res, int *nres)
+{
+    zinf_tensor t, u, bogus = 0xdeadbeef;
+    void *p, *ps[2];
+    uint64_t ticket;
+    char buf[64];
+    int k = 0;
+    res[k++] = zinf_register(e, "t", 8192, ZINF_TIER_HOST, &t);
+    res[k++] = zinf_register(e, "t", 8192, ZINF_TIER_HOST, &u);          /* -EEXIST */
+    res[k++] = zinf_register(e, "huge", 1ull << 40, ZINF_TIER_HOST, &u); /* -ENOSPC */
+    res[k++] = zinf_register(e, "bad-home", 4096, (enum zinf_tier)9, &u);
+    res[k++] = zinf_lookup(e, "nobody", &u); /* -ENOENT */
+    res[k++] = zinf_fetch(e, bogus, ZINF_TIER_HOST, &p);
+    res[k++] = zinf_fetch(e, t, (enum zinf_tier)7, &p);
+    res[k++] = zinf_release(e, t, ZINF_TIER_HOST, 0); /* no pin: -EINVAL */
+    res[k++] = zinf_fetch(e, t, ZINF_TIER_HOST, &p);
+    res[k++] = zinf_unregister(e, t); /* pinned: -EBUSY */
+    res[k++] = zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY);
+    res[k++] = zinf_fetch(e, t, ZINF_TIER_DEVICE, &p);
+    res[k++] = zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY); /* -EBUSY */
+    res[k++] = zinf_release(e, t, ZINF_TIER_DEVICE, 0);
+    res[k++] = zinf_release(e, t, ZINF_TIER_HOST, 8); /* unknown flag */
+    res[k++] = zinf_release(e, t, ZINF_TIER_HOST, 0);
+    res[k++] = zinf_read(e, t, 8190, buf, 4); /* past the end */
+    res[k++] = zinf_write(e, t, 0, "abcd", 4);
+    res[k++] = zinf_read(e, t, 0, buf, 4);
+    res[k++] = memcmp(buf, "abcd", 4);
+    res[k++] = zinf_write(e, bogus, 0, "abcd", 4);
+    res[k++] = zinf_fetch_async(e, t, ZINF_TIER_DEVICE, &ticket);
+    res[k++] = zinf_wait(e, ticket, &p);
+    res[k++] = zinf_wait(e, ticket, &p); /* spent: -EINVAL */
+    res[k++] = zinf_release(e, t, ZINF_TIER_DEVICE, 0);
+    res[k++] = zinf_register(e, "u", 4096, ZINF_TIER_NVME, &u); /* no NVMe tier */
+    res[k++] = zinf_register(e, "u", 4096, ZINF_TIER_DEVICE, &u);
+    zinf_tensor set[2] = {t, u};
+    res[k++] = zinf_fetch_all(e, set, 2, ZINF_TIER_HOST, ps);
+    res[k++] = zinf_release(e, t, ZINF_TIER_HOST, 0);
+    res[k++] = zinf_release(e, u, ZINF_TIER_HOST, 0);
+    set[1] = bogus;
+    res[k++] = zinf_fetch_all(e, set, 2, ZINF_TIER_HOST, ps);
+    res[k++] = zinf_release(e, t, ZINF_TIER_HOST, 0); /* the failed set pinned nothing */
+    res[k++] = zinf_prefetch(e, t, ZINF_TIER_DEVICE);
+    res[k++] = zinf_step(e);
+    res[k++] = zinf_unregister(e, t);
+    res[k++] = zinf_unregister(e, t);
+    res[k++] = zinf_flush(e);
+    *nres = k;
+}
+
+Test(service, every_call_answers_as_the_embedded_engine)
+{
+    struct daemon d;
+    daemon_start(&d);
+    int emb[64], rem[64], ne, nr;
+    zinf_engine *e;
+    cr_assert_eq(zinf_open_config(cfg_path, &e), 0);
+    error_script(e, emb, &ne);
+    zinf_close(e);
+    e = connect_job("errors");
+    error_script(e, rem, &nr);
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tensors, 1);
+    cr_assert_eq(st.device_is_cuda, 0);
+    zinf_close(e);
+    daemon_stop(&d);
+    cr_assert_eq(ne, nr);
+    for (int i = 0; i < ne; i++)
+        cr_expect_eq(emb[i], rem[i], "call %d: embedded %d (%s), through the daemon %d (%s)", i,
+                     emb[i], zinf_strerror(emb[i]), rem[i], zinf_strerror(rem[i]));
+}
+
+Test(service, reads_and_writes_larger_than_a_message)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("big");
+    const size_t n = 3 * PROTO_MAX_DATA + 12345;
+    zinf_tensor t = test_register(e, "big", n, ZINF_TIER_HOST);
+    unsigned char *want = test_rand_buf(n, 7), *got = malloc(n);
+    cr_assert_eq(zinf_write(e, t, 0, want, n), 0);
+    cr_assert_eq(zinf_read(e, t, 0, got, n), 0);
+    cr_assert_eq(memcmp(got, want, n), 0);
+    /* A range past the end fails before any piece is written. */
+    unsigned char *other = test_rand_buf(n, 8);
+    cr_assert_eq(zinf_write(e, t, 1, other, n), -EINVAL);
+    test_expect_content(e, t, want, n, "after a refused write");
+    free(other);
+    free(want);
+    free(got);
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+Test(service, jobs_do_not_see_each_other)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *a = connect_job("job-a"), *b = connect_job("job_b");
+    zinf_tensor ta = test_register(a, "same", 4096, ZINF_TIER_HOST);
+    zinf_tensor tb = test_register(b, "same", 4096, ZINF_TIER_HOST);
+    cr_assert_eq(zinf_write(a, ta, 0, "from a", 6), 0);
+    cr_assert_eq(zinf_write(b, tb, 0, "from b", 6), 0);
+    test_expect_content(a, ta, (const unsigned char *)"from a", 6, "job a");
+    test_expect_content(b, tb, (const unsigned char *)"from b", 6, "job b");
+    zinf_tensor x;
+    cr_assert_eq(zinf_lookup(a, "only-b", &x), -ENOENT);
+    cr_assert_eq(zinf_register(b, "only-b", 4096, ZINF_TIER_HOST, &x), 0);
+    cr_assert_eq(zinf_lookup(a, "only-b", &x), -ENOENT);
+    zinf_close(a);
+    zinf_close(b);
+    daemon_stop(&d);
+}
+
+Test(service, bad_connects_are_refused_with_a_reason)
+{
+    zinf_engine *e = (zinf_engine *)1;
+    cr_assert_eq(zinf_connect(sock, "x", &e), -ENOENT); /* nobody listens */
+    cr_assert_null(e);
+    struct daemon d;
+    daemon_start(&d);
+    cr_assert_eq(zinf_connect(sock, "", &e), -EINVAL);
+    cr_assert_eq(zinf_connect(sock, "../escape", &e), -EINVAL);
+    cr_assert_eq(zinf_connect(sock, ".hidden", &e), -EINVAL);
+    cr_assert_eq(zinf_connect(sock, "a/b", &e), -EINVAL);
+    char longname[80];
+    memset(longname, 'j', sizeof(longname) - 1);
+    longname[sizeof(longname) - 1] = 0;
+    cr_assert_eq(zinf_connect(sock, longname, &e), -EINVAL);
+    cr_assert_eq(zinf_connect(NULL, "x", &e), -EINVAL);
+    cr_assert_eq(zinf_connect(sock, "x", NULL), -EINVAL);
+    /* A second daemon on the same socket is refused; the first goes on. */
+    struct service *s2;
+    char err[256];
+    struct service_opts o = {.socket_path = sock, .config = &d.cfg};
+    cr_assert_eq(service_open(&o, &s2, err, sizeof(err)), -EADDRINUSE);
+    cr_assert(strstr(err, "already answers"), "%s", err);
+    zinf_engine *ok = connect_job("still-fine");
+    zinf_close(ok);
+    struct stat st;
+    cr_assert_eq(stat(sock, &st), 0);
+    cr_assert_eq(st.st_mode & 0777, 0600, "socket mode %o", st.st_mode & 0777);
+    daemon_stop(&d);
+}
+
+/* A child connects, pins a tensor in both tiers, writes garbage through a cached copy of
+ * another without releasing it, and is killed: the daemon drops its pins, the cached copy
+ * it scribbled on goes (the tensor reads as last released), and the parent's client goes
+ * on. */
+Test(service, a_killed_client_loses_its_pins_and_nobody_else_notices)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("kill");
+    zinf_tensor t = test_register(e, "t", 65536, ZINF_TIER_HOST);
+    zinf_tensor u = test_register(e, "u", 65536, ZINF_TIER_HOST);
+    unsigned char *want = test_rand_buf(65536, 11);
+    cr_assert_eq(zinf_write(e, u, 0, want, 65536), 0);
+    int ready[2];
+    cr_assert_eq(pipe(ready), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        zinf_engine *c;
+        void *p, *q, *w;
+        zinf_tensor ct, cu;
+        if (zinf_connect(sock, "kill", &c) || zinf_lookup(c, "t", &ct) ||
+            zinf_fetch(c, ct, ZINF_TIER_HOST, &p) || zinf_fetch(c, ct, ZINF_TIER_DEVICE, &q) ||
+            zinf_lookup(c, "u", &cu) || zinf_fetch(c, cu, ZINF_TIER_DEVICE, &w))
+            _exit(1);
+        memset(w, 0xee, 65536); /* written through, never released dirty */
+        char one = 1;
+        if (write(ready[1], &one, 1) != 1) _exit(1);
+        for (;;)
+            pause();
+    }
+    char got;
+    close(ready[1]);
+    cr_assert_eq(read(ready[0], &got, 1), 1, "the child could not pin");
+    cr_assert_eq(zinf_unregister(e, t), -EBUSY, "the child's pins hold");
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+    close(ready[0]);
+    /* The daemon notices the closed connections and drops the pins. */
+    int r = -EBUSY;
+    for (int i = 0; i < 200 && r == -EBUSY; i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        struct zinf_stats st;
+        cr_assert_eq(zinf_stats(e, &st), 0);
+        if (!st.tier[ZINF_TIER_HOST].pinned_bytes && !st.tier[ZINF_TIER_DEVICE].pinned_bytes) r = 0;
+    }
+    cr_assert_eq(r, 0, "the dead client's pins were not dropped");
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    void *p;
+    cr_assert_eq(zinf_fetch(e, u, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(memcmp(p, want, 65536), 0, "the dead client's scribbles survived");
+    cr_assert_eq(zinf_release(e, u, ZINF_TIER_DEVICE, 0), 0);
+    test_expect_content(e, u, want, 65536, "after the client died");
+    free(want);
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+Test(service, a_restarted_daemon_brings_back_what_was_flushed)
+{
+    write_cfg(true);
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("persist");
+    const size_t n = 200000;
+    zinf_tensor t = test_register(e, "kept", n, ZINF_TIER_NVME);
+    unsigned char *want = test_rand_buf(n, 3);
+    cr_assert_eq(zinf_write(e, t, 0, want, n), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    zinf_close(e);
+    daemon_stop(&d);
+
+    daemon_start(&d);
+    e = connect_job("persist");
+    cr_assert_eq(zinf_lookup(e, "kept", &t), 0);
+    test_expect_content(e, t, want, n, "after the restart");
+    /* The job's swap files are in its own folder. */
+    char jd[600];
+    struct stat st;
+    snprintf(jd, sizeof(jd), "%s/swap/persist", dir);
+    cr_assert_eq(stat(jd, &st), 0);
+    cr_assert(S_ISDIR(st.st_mode));
+    free(want);
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+struct worker {
+    zinf_engine *e;
+    int id;
+    int failures;
+};
+
+static void *worker_main(void *arg)
+{
+    struct worker *w = arg;
+    char name[32];
+    snprintf(name, sizeof(name), "w%d", w->id);
+    zinf_tensor t;
+    if (zinf_register(w->e, name, 16384, ZINF_TIER_HOST, &t)) {
+        w->failures++;
+        return NULL;
+    }
+    for (int i = 0; i < 200; i++) {
+        void *p;
+        int tier = i % 2;
+        if (zinf_fetch(w->e, t, tier, &p)) {
+            w->failures++;
+            continue;
+        }
+        memset(p, w->id * 16 + i % 16, 16384);
+        if (zinf_release(w->e, t, tier, ZINF_RELEASE_DIRTY)) w->failures++;
+        unsigned char b[16384], want[16384];
+        memset(want, w->id * 16 + i % 16, sizeof(want));
+        if (zinf_read(w->e, t, 0, b, sizeof(b)) || memcmp(b, want, sizeof(b))) w->failures++;
+    }
+    return NULL;
+}
+
+/* Threads of one client each get a connection: a call in one does not wait for another. */
+Test(service, threads_of_one_client_share_its_pins_and_memory)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("threads");
+    struct worker w[4];
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) {
+        w[i] = (struct worker){e, i, 0};
+        cr_assert_eq(pthread_create(&th[i], NULL, worker_main, &w[i]), 0);
+    }
+    for (int i = 0; i < 4; i++) {
+        pthread_join(th[i], NULL);
+        cr_expect_eq(w[i].failures, 0, "thread %d: %d failures", i, w[i].failures);
+    }
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+static int raw_connect(void)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    strcpy(a.sun_path, sock);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    return fd;
+}
+
+/* Sends raw bytes and returns the daemon's result, or 1 when it closed without one. */
+static int raw_exchange(const void *bytes, size_t n)
+{
+    static int call;
+    call++;
+    int fd = raw_connect();
+    cr_assert_eq(send(fd, bytes, n, MSG_NOSIGNAL), (ssize_t)n);
+    shutdown(fd, SHUT_WR);
+    /* Read as bytes: the reply to an unknown op names that op, which proto_recv refuses. */
+    uint8_t reply[PROTO_HEADER_BYTES + 4];
+    size_t got = 0;
+    ssize_t r;
+    while (got < sizeof(reply) && (r = recv(fd, reply + got, sizeof(reply) - got, 0)) > 0)
+        got += (size_t)r;
+    int res = 1;
+    if (got == sizeof(reply)) {
+        uint32_t len;
+        memcpy(&len, reply + 12, 4);
+        cr_assert_eq(len, 4, "an error reply is its result alone");
+        memcpy(&res, reply + PROTO_HEADER_BYTES, 4);
+    }
+    /* Then the daemon closes the connection (a reset, where it left bytes unread). */
+    char c;
+    cr_assert_leq(recv(fd, &c, 1, 0), 0, "message %d: the connection stays open after it", call);
+    close(fd);
+    return res;
+}
+
+static size_t header(uint8_t *b, uint32_t magic, uint16_t version, uint16_t op, uint32_t len)
+{
+    uint32_t seq = 9;
+    memcpy(b, &magic, 4);
+    memcpy(b + 4, &version, 2);
+    memcpy(b + 6, &op, 2);
+    memcpy(b + 8, &seq, 4);
+    memcpy(b + 12, &len, 4);
+    return 16;
+}
+
+Test(service, malformed_messages_get_an_error_and_a_closed_connection)
+{
+    struct daemon d;
+    daemon_start(&d);
+    uint8_t b[256];
+    size_t n;
+    /* Garbage, a wrong version, an absurd size, a reply where a request belongs, an
+     * unknown op, a request before HELLO, a truncated HELLO, a HELLO with junk after it. */
+    memset(b, 0xab, 64);
+    cr_assert_eq(raw_exchange(b, 64), 1);
+    n = header(b, PROTO_MAGIC, 99, PROTO_HELLO, 0);
+    cr_assert_eq(raw_exchange(b, n), -EPROTONOSUPPORT);
+    n = header(b, PROTO_MAGIC, PROTO_VERSION, PROTO_HELLO, 0xfffffff0u);
+    cr_assert_eq(raw_exchange(b, n), -EMSGSIZE);
+    n = header(b, PROTO_MAGIC, PROTO_VERSION, PROTO_HELLO | PROTO_REPLY, 0);
+    cr_assert_eq(raw_exchange(b, n), -EBADMSG);
+    n = header(b, PROTO_MAGIC, PROTO_VERSION, 77, 0);
+    cr_assert_eq(raw_exchange(b, n), -EBADMSG);
+    n = header(b, PROTO_MAGIC, PROTO_VERSION, PROTO_STEP, 0);
+    cr_assert_eq(raw_exchange(b, n), -EPROTO);
+    n = header(b, PROTO_MAGIC, PROTO_VERSION, PROTO_HELLO, 3);
+    memcpy(b + n, "\x05\0\0", 3);
+    cr_assert_eq(raw_exchange(b, n + 3), -EBADMSG);
+    n = header(b, PROTO_MAGIC, PROTO_VERSION, PROTO_HELLO, 4 + 1 + 16 + 4);
+    uint32_t one = 1;
+    memcpy(b + n, &one, 4);
+    b[n + 4] = 'j';
+    memset(b + n + 5, 0, 16 + 4);
+    cr_assert_eq(raw_exchange(b, n + 25), -EBADMSG);
+    /* A header cut short: the daemon just closes. */
+    n = header(b, PROTO_MAGIC, PROTO_VERSION, PROTO_HELLO, 10);
+    cr_assert_eq(raw_exchange(b, 7), 1);
+    /* After all that, a real client is served. */
+    zinf_engine *e = connect_job("after-junk");
+    zinf_tensor t = test_register(e, "t", 4096, ZINF_TIER_HOST);
+    cr_assert_eq(zinf_write(e, t, 0, "ok", 2), 0);
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+/* A client joins a session only with its secret: a made-up session id is refused. */
+Test(service, a_session_cannot_be_joined_without_its_secret)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("sess");
+    struct proto_out o;
+    proto_out_init(&o, PROTO_HELLO, 1);
+    proto_put_str(&o, "sess");
+    proto_put_u64(&o, 1); /* the first session's id, guessed */
+    proto_put_u64(&o, 12345);
+    int fd = raw_connect();
+    cr_assert_eq(proto_send(fd, &o, NULL, 0), 0);
+    proto_out_free(&o);
+    struct proto_header h;
+    uint8_t *payload;
+    cr_assert_eq(proto_recv(fd, true, &h, &payload, NULL, NULL), 0);
+    int32_t res;
+    memcpy(&res, payload, 4);
+    free(payload);
+    cr_assert_eq(res, -ECONNRESET);
+    close(fd);
+    zinf_close(e);
+    daemon_stop(&d);
+}
