@@ -187,6 +187,116 @@ int proto_done(const struct proto_in *in)
     return in->bad || in->off != in->len ? -EBADMSG : 0;
 }
 
+/* ---- requests ------------------------------------------------------------------------ */
+
+int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto_request *r)
+{
+    struct proto_in in;
+    proto_in_init(&in, p, len);
+    memset(r, 0, sizeof(*r));
+    r->op = op;
+    switch (op) {
+    case PROTO_HELLO:
+        proto_get_str(&in, r->name, PROTO_MAX_JOB);
+        r->handle = proto_get_u64(&in);
+        r->offset = proto_get_u64(&in);
+        break;
+    case PROTO_REGISTER:
+        proto_get_str(&in, r->name, PROTO_MAX_NAME);
+        r->handle = proto_get_u64(&in);
+        r->tier = proto_get_u32(&in);
+        break;
+    case PROTO_LOOKUP:
+        proto_get_str(&in, r->name, PROTO_MAX_NAME);
+        break;
+    case PROTO_UNREGISTER:
+    case PROTO_WAIT:
+        r->handle = proto_get_u64(&in);
+        break;
+    case PROTO_FETCH:
+    case PROTO_FETCH_ASYNC:
+    case PROTO_PREFETCH:
+        r->handle = proto_get_u64(&in);
+        r->tier = proto_get_u32(&in);
+        break;
+    case PROTO_RELEASE:
+        r->handle = proto_get_u64(&in);
+        r->tier = proto_get_u32(&in);
+        r->flags = proto_get_u32(&in);
+        break;
+    case PROTO_FETCH_ALL:
+        r->tier = proto_get_u32(&in);
+        r->n = proto_get_u32(&in);
+        if (!in.bad && (r->n == 0 || r->n > PROTO_MAX_SET)) in.bad = true;
+        r->data = in.bad ? NULL : proto_get_bytes(&in, (size_t)r->n * 8);
+        break;
+    case PROTO_WRITE:
+    case PROTO_READ:
+        r->handle = proto_get_u64(&in);
+        r->offset = proto_get_u64(&in);
+        r->n = proto_get_u32(&in);
+        if (!in.bad && r->n > PROTO_MAX_DATA) in.bad = true;
+        if (op == PROTO_WRITE && !in.bad) r->data = proto_get_bytes(&in, r->n);
+        break;
+    case PROTO_STEP:
+    case PROTO_FLUSH:
+    case PROTO_STATS:
+        break;
+    default:
+        return -EBADMSG;
+    }
+    return proto_done(&in);
+}
+
+void proto_encode_request(const struct proto_request *r, uint32_t seq, struct proto_out *o)
+{
+    proto_out_init(o, r->op, seq);
+    switch (r->op) {
+    case PROTO_HELLO:
+        proto_put_str(o, r->name);
+        proto_put_u64(o, r->handle);
+        proto_put_u64(o, r->offset);
+        break;
+    case PROTO_REGISTER:
+        proto_put_str(o, r->name);
+        proto_put_u64(o, r->handle);
+        proto_put_u32(o, r->tier);
+        break;
+    case PROTO_LOOKUP:
+        proto_put_str(o, r->name);
+        break;
+    case PROTO_UNREGISTER:
+    case PROTO_WAIT:
+        proto_put_u64(o, r->handle);
+        break;
+    case PROTO_FETCH:
+    case PROTO_FETCH_ASYNC:
+    case PROTO_PREFETCH:
+        proto_put_u64(o, r->handle);
+        proto_put_u32(o, r->tier);
+        break;
+    case PROTO_RELEASE:
+        proto_put_u64(o, r->handle);
+        proto_put_u32(o, r->tier);
+        proto_put_u32(o, r->flags);
+        break;
+    case PROTO_FETCH_ALL:
+        proto_put_u32(o, r->tier);
+        proto_put_u32(o, r->n);
+        proto_put_bytes(o, r->data, (size_t)r->n * 8);
+        break;
+    case PROTO_WRITE:
+    case PROTO_READ:
+        proto_put_u64(o, r->handle);
+        proto_put_u64(o, r->offset);
+        proto_put_u32(o, r->n);
+        if (r->op == PROTO_WRITE) proto_put_bytes(o, r->data, r->n);
+        break;
+    default:
+        break;
+    }
+}
+
 /* ---- I/O ----------------------------------------------------------------------------- */
 
 int proto_send(int fd, struct proto_out *o, const int *fds, int nfds)

@@ -117,6 +117,26 @@ const uint8_t *proto_get_bytes(struct proto_in *in, size_t n);
 /* 0 when every field was read and nothing is left over; -EBADMSG otherwise. */
 int proto_done(const struct proto_in *in);
 
+/* A request, decoded: the fields its op has (proto_op says which), the rest zero. */
+struct proto_request {
+    uint16_t op;
+    char name[PROTO_MAX_NAME + 1]; /* REGISTER, LOOKUP: the tensor; HELLO: the job */
+    uint64_t handle;               /* REGISTER: nbytes; WAIT: the ticket; HELLO: the session */
+    uint64_t offset;               /* READ, WRITE; HELLO: the secret */
+    uint32_t tier;                 /* FETCH*, RELEASE, PREFETCH; REGISTER: home */
+    uint32_t flags;                /* RELEASE */
+    uint32_t n;                    /* READ, WRITE: bytes; FETCH_ALL: handles */
+    const uint8_t *data;           /* WRITE: n bytes; FETCH_ALL: n u64 handles (read with memcpy);
+                                      pointing into the payload decoded */
+};
+
+/* Decodes the payload of a request of op (a header proto_header_parse accepted): 0, or
+ * -EBADMSG when it is not exactly that op's fields (a field past the end, bytes left over,
+ * a string too long or holding a NUL, a count over its limit). */
+int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto_request *r);
+/* Writes r as a request of r->op with seq: the inverse of proto_decode_request. */
+void proto_encode_request(const struct proto_request *r, uint32_t seq, struct proto_out *o);
+
 /* Writes the whole message o to fd (with fds[0..nfds) attached when nfds > 0). 0 or
  * -errno (-EMSGSIZE for a bad message). Never raises SIGPIPE. */
 int proto_send(int fd, struct proto_out *o, const int *fds, int nfds);

@@ -287,27 +287,23 @@ static int keep_pin(struct session *se, zinf_tensor t, uint32_t tier, void *ptr,
     return r;
 }
 
-static int do_fetch(struct session *se, struct proto_in *in, struct proto_out *o)
+static int do_fetch(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
-    zinf_tensor t = proto_get_u64(in);
-    uint32_t tier = proto_get_u32(in);
-    if (proto_done(in) < 0) return -EBADMSG;
     void *ptr;
-    int r = engine_api_fetch(se->job->e, t, (enum zinf_tier)tier, &ptr);
-    return r < 0 ? r : keep_pin(se, t, tier, ptr, o);
+    int r = engine_api_fetch(se->job->e, q->handle, (enum zinf_tier)q->tier, &ptr);
+    return r < 0 ? r : keep_pin(se, q->handle, q->tier, ptr, o);
 }
 
-static int do_fetch_all(struct session *se, struct proto_in *in, struct proto_out *o)
+static int do_fetch_all(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
-    uint32_t tier = proto_get_u32(in), n = proto_get_u32(in);
-    if (in->bad || n == 0 || n > PROTO_MAX_SET) return -EBADMSG;
+    uint32_t n = q->n, tier = q->tier;
     zinf_tensor *ts = malloc(n * sizeof(*ts));
     void **ptrs = malloc(n * sizeof(*ptrs));
     int r = ts && ptrs ? 0 : -ENOMEM;
-    for (uint32_t i = 0; r == 0 && i < n; i++)
-        ts[i] = proto_get_u64(in);
-    if (r == 0 && proto_done(in) < 0) r = -EBADMSG;
-    if (r == 0) r = engine_api_fetch_all(se->job->e, ts, n, (enum zinf_tier)tier, ptrs);
+    if (r == 0) {
+        memcpy(ts, q->data, n * sizeof(*ts));
+        r = engine_api_fetch_all(se->job->e, ts, n, (enum zinf_tier)tier, ptrs);
+    }
     bool pinned = r == 0;
     uint32_t added = 0;
     while (r == 0 && added < n && (r = pin_add(se, ts[added], tier)) == 0)
@@ -326,20 +322,17 @@ static int do_fetch_all(struct session *se, struct proto_in *in, struct proto_ou
     return r;
 }
 
-static int do_fetch_async(struct session *se, struct proto_in *in, struct proto_out *o)
+static int do_fetch_async(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
-    zinf_tensor t = proto_get_u64(in);
-    uint32_t tier = proto_get_u32(in);
-    if (proto_done(in) < 0) return -EBADMSG;
     struct tick *k = calloc(1, sizeof(*k));
     if (!k) return -ENOMEM;
     uint64_t id;
-    int r = engine_api_fetch_async(se->job->e, t, (enum zinf_tier)tier, &id);
+    int r = engine_api_fetch_async(se->job->e, q->handle, (enum zinf_tier)q->tier, &id);
     if (r < 0) {
         free(k);
         return r;
     }
-    *k = (struct tick){id, t, tier, NULL};
+    *k = (struct tick){id, q->handle, q->tier, NULL};
     pthread_mutex_lock(&se->lock);
     k->next = se->ticks;
     se->ticks = k;
@@ -348,114 +341,86 @@ static int do_fetch_async(struct session *se, struct proto_in *in, struct proto_
     return 0;
 }
 
-static int do_wait(struct session *se, struct proto_in *in, struct proto_out *o)
+static int do_wait(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
-    uint64_t id = proto_get_u64(in);
-    if (proto_done(in) < 0) return -EBADMSG;
     /* Only the session's own tickets: another's is as unknown as a made-up one. */
     pthread_mutex_lock(&se->lock);
     struct tick **pp = &se->ticks;
-    while (*pp && (*pp)->id != id)
+    while (*pp && (*pp)->id != q->handle)
         pp = &(*pp)->next;
     struct tick *k = *pp;
     if (k) *pp = k->next;
     pthread_mutex_unlock(&se->lock);
     if (!k) return -EINVAL;
     void *ptr;
-    int r = engine_api_wait(se->job->e, id, &ptr); /* a wait that fails keeps no pin */
+    int r = engine_api_wait(se->job->e, k->id, &ptr); /* a wait that fails keeps no pin */
     if (r == 0) r = keep_pin(se, k->t, k->tier, ptr, o);
     free(k);
     return r;
 }
 
-static int do_release(struct session *se, struct proto_in *in)
+static int do_release(struct session *se, const struct proto_request *q)
 {
-    zinf_tensor t = proto_get_u64(in);
-    uint32_t tier = proto_get_u32(in), flags = proto_get_u32(in);
-    if (proto_done(in) < 0) return -EBADMSG;
-    if (tier >= MEM_TIERS || (flags & ~ZINF_RELEASE_DIRTY)) return -EINVAL;
-    if (!pin_take(se, t, tier))
+    if (q->tier >= MEM_TIERS || (q->flags & ~ZINF_RELEASE_DIRTY)) return -EINVAL;
+    if (!pin_take(se, q->handle, q->tier))
         return -EINVAL; /* a release without a matching pin of this session */
-    int r = engine_api_release(se->job->e, t, (enum zinf_tier)tier, flags);
-    if (r < 0 && pin_add(se, t, tier) < 0)
+    int r = engine_api_release(se->job->e, q->handle, (enum zinf_tier)q->tier, q->flags);
+    if (r < 0 && pin_add(se, q->handle, q->tier) < 0)
         log_error("serve: job %s: lost count of a pin kept after a failed release", se->job->name);
     return r;
 }
 
-static int do_rw(struct session *se, bool write, struct proto_in *in, struct proto_out *o)
+static int do_read(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
-    zinf_tensor t = proto_get_u64(in);
-    uint64_t off = proto_get_u64(in);
-    uint32_t n = proto_get_u32(in);
-    if (in->bad || n > PROTO_MAX_DATA) return -EBADMSG;
-    if (write) {
-        const uint8_t *src = proto_get_bytes(in, n);
-        if (!src || proto_done(in) < 0) return -EBADMSG;
-        return engine_api_write(se->job->e, t, off, n ? (const void *)src : "", n);
-    }
-    if (proto_done(in) < 0) return -EBADMSG;
     size_t mark = o->len;
-    proto_put_u32(o, n);
-    void *dst = proto_put_space(o, n);
-    if (!dst && n) return -ENOMEM;
-    int r = engine_api_read(se->job->e, t, off, n ? dst : (void *)"", n);
+    proto_put_u32(o, q->n);
+    void *dst = proto_put_space(o, q->n);
+    if (!dst && q->n) return -ENOMEM;
+    int r = engine_api_read(se->job->e, q->handle, q->offset, q->n ? dst : (void *)"", q->n);
     if (r < 0) o->len = mark; /* no fields after a failed result */
     return r;
 }
 
-static int do_request(struct session *se, uint16_t op, struct proto_in *in, struct proto_out *o)
+static int do_request(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
     zinf_engine *e = se->job->e;
-    char name[PROTO_MAX_NAME + 1];
     zinf_tensor t;
-    uint32_t tier;
     int r;
 
-    switch (op) {
-    case PROTO_REGISTER: {
-        proto_get_str(in, name, PROTO_MAX_NAME);
-        uint64_t nbytes = proto_get_u64(in);
-        uint32_t home = proto_get_u32(in);
-        if (proto_done(in) < 0) return -EBADMSG;
-        if (nbytes > SIZE_MAX) return -EINVAL;
-        r = engine_api_register(e, name, (size_t)nbytes, (enum zinf_tier)home, &t);
+    switch (q->op) {
+    case PROTO_REGISTER:
+        if (q->handle > SIZE_MAX) return -EINVAL;
+        r = engine_api_register(e, q->name, (size_t)q->handle, (enum zinf_tier)q->tier, &t);
         if (r == 0) proto_put_u64(o, t);
         return r;
-    }
     case PROTO_LOOKUP:
-        proto_get_str(in, name, PROTO_MAX_NAME);
-        if (proto_done(in) < 0) return -EBADMSG;
-        r = engine_api_lookup(e, name, &t);
+        r = engine_api_lookup(e, q->name, &t);
         if (r == 0) proto_put_u64(o, t);
         return r;
     case PROTO_UNREGISTER:
-        t = proto_get_u64(in);
-        return proto_done(in) < 0 ? -EBADMSG : engine_api_unregister(e, t);
+        return engine_api_unregister(e, q->handle);
     case PROTO_FETCH:
-        return do_fetch(se, in, o);
+        return do_fetch(se, q, o);
     case PROTO_FETCH_ASYNC:
-        return do_fetch_async(se, in, o);
+        return do_fetch_async(se, q, o);
     case PROTO_WAIT:
-        return do_wait(se, in, o);
+        return do_wait(se, q, o);
     case PROTO_FETCH_ALL:
-        return do_fetch_all(se, in, o);
+        return do_fetch_all(se, q, o);
     case PROTO_RELEASE:
-        return do_release(se, in);
+        return do_release(se, q);
     case PROTO_PREFETCH:
-        t = proto_get_u64(in);
-        tier = proto_get_u32(in);
-        return proto_done(in) < 0 ? -EBADMSG : engine_api_prefetch(e, t, (enum zinf_tier)tier);
+        return engine_api_prefetch(e, q->handle, (enum zinf_tier)q->tier);
     case PROTO_STEP:
-        return proto_done(in) < 0 ? -EBADMSG : engine_api_step(e);
+        return engine_api_step(e);
     case PROTO_WRITE:
-        return do_rw(se, true, in, o);
+        return engine_api_write(e, q->handle, q->offset, q->n ? (const void *)q->data : "", q->n);
     case PROTO_READ:
-        return do_rw(se, false, in, o);
+        return do_read(se, q, o);
     case PROTO_FLUSH:
-        return proto_done(in) < 0 ? -EBADMSG : engine_api_flush(e);
+        return engine_api_flush(e);
     case PROTO_STATS: {
         struct zinf_stats st;
-        if (proto_done(in) < 0) return -EBADMSG;
         r = engine_api_stats(e, &st);
         if (r == 0) {
             proto_put_u32(o, sizeof(st));
@@ -464,7 +429,7 @@ static int do_request(struct session *se, uint16_t op, struct proto_in *in, stru
         return r;
     }
     default:
-        return -EBADMSG; /* HELLO again, or an op proto_header_parse let through */
+        return -EBADMSG; /* HELLO again */
     }
 }
 
@@ -481,13 +446,11 @@ static int reply_error(int fd, uint16_t op, uint32_t seq, int err)
 }
 
 /* The first message of a connection: it starts or joins a session. */
-static int hello(struct conn *k, struct proto_in *in, uint32_t seq)
+static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
 {
     struct service *s = k->svc;
-    char job[PROTO_MAX_JOB + 1];
-    proto_get_str(in, job, PROTO_MAX_JOB);
-    uint64_t sid = proto_get_u64(in), secret = proto_get_u64(in);
-    if (proto_done(in) < 0) return -EBADMSG;
+    const char *job = q->name;
+    uint64_t sid = q->handle, secret = q->offset;
     if (!job_name_ok(job)) return -EINVAL;
     struct ucred cred;
     socklen_t len = sizeof(cred);
@@ -574,22 +537,25 @@ static void *conn_main(void *arg)
                 reply_error(k->fd, h.op & ~PROTO_REPLY, h.seq, r);
             break;
         }
-        struct proto_in in;
-        proto_in_init(&in, payload, h.len);
-        if (!k->sess) {
-            r = h.op == PROTO_HELLO ? hello(k, &in, h.seq) : -EPROTO;
+        struct proto_request q;
+        r = proto_decode_request(h.op, payload, h.len, &q);
+        if (r == 0 && !k->sess) r = h.op == PROTO_HELLO ? hello(k, &q, h.seq) : -EPROTO;
+        if (r != 0 || !k->sess || h.op == PROTO_HELLO) {
             free(payload);
             if (r < 0) {
                 reply_error(k->fd, h.op, h.seq, r);
                 break;
             }
-            continue;
+            if (r == 1) /* the session's HELLO, answered */
+                continue;
+            reply_error(k->fd, h.op, h.seq, -EBADMSG); /* a second HELLO */
+            break;
         }
         struct proto_out o;
         proto_out_init(&o, (uint16_t)(h.op | PROTO_REPLY), h.seq);
         proto_put_i32(&o, 0);
-        r = do_request(k->sess, h.op, &in, &o);
-        free(payload);
+        r = do_request(k->sess, &q, &o);
+        free(payload); /* q points into it */
         if (o.bad && r >= 0) r = -ENOMEM;
         if (r < 0) { /* the result alone */
             proto_out_free(&o);
