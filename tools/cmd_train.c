@@ -5,10 +5,11 @@
  * section, "auto" resolved, the keys zinf does not act on named), then one line per step
  * (loss, tokens/s, NVMe traffic, time blocked on fetch, ETA), one per checkpoint (its time
  * and the bytes it wrote), the held-out loss and sampled text when asked, a summary with
- * the run's time and each tier's peak next to its budget; the same as JSON lines with --log. The state is checkpointed at the start,
- * every --checkpoint-every steps and at the end, so that a crash loses at most the steps
- * since the last checkpoint. SIGINT/SIGTERM finish the step, flush, and exit with 130/143
- * (the JSON summary says "interrupted": true): --resume continues exactly from there.
+ * the run's time and each tier's peak next to its budget; the same as JSON lines with --log. The
+ * state is checkpointed at the start, every --checkpoint-every steps and at the end, so that a
+ * crash loses at most the steps since the last checkpoint. SIGINT/SIGTERM finish the step, flush,
+ * and exit with 130/143 (the JSON summary says "interrupted": true): --resume continues exactly
+ * from there.
  */
 #include <errno.h>
 #include <getopt.h>
@@ -33,49 +34,51 @@ static void on_signal(int sig)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: zinf train --config FILE --data FILE [options]\n"
-            "  --config FILE     DeepSpeed-style JSON: offload devices, nvme_path, aio, and the\n"
-            "                    zinf section's device_bytes / host_bytes budgets\n"
-            "  --data FILE       training text; its bytes are the tokens (vocabulary 256)\n"
-            "  --layers N        transformer blocks (default 4)\n"
-            "  --dim N           model width (default 128)\n"
-            "  --heads N         attention heads, dividing --dim (default 4)\n"
-            "  --seq N           tokens per sequence (default 64)\n"
-            "  --batch N         sequences per step (default 4)\n"
-            "  --steps N         total steps (default 100; a resumed run continues up to N)\n"
-            "  --lr X            AdamW learning rate (default 1e-3)\n"
-            "  --weight-decay X  decoupled weight decay of the matrices (default 0)\n"
-            "  --clip X          global gradient-norm clip, 0 = off (default 1)\n"
-            "  --accumulate N    micro-batches of --batch per optimizer step (default 1)\n"
-            "  --seed N          initialisation and batch order (default 1337)\n"
-            "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
-            "  --resume          continue the run persisted in the config's nvme_path\n"
-            "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
-            "                    (without it, zinf train refuses to start over a saved run)\n"
-            "  --eval-every N    the loss on the held-out tail of --data (its last tenth,\n"
-            "                    never trained on) every N steps and at the end (0: never)\n"
-            "  --eval-batches N  batches of the tail that loss is the mean of (default 8)\n"
-            "  --sample-every N  generate text every N steps and at the end (0: never)\n"
-            "  --sample-bytes N  bytes to generate after a newline (default 64, < --seq)\n"
-            "  --checkpoint-every N  make the state durable every N steps, so that a crash\n"
-            "                    loses at most N - 1 steps (default 0: at the end only)\n"
-            "  --precision P     auto | fp32 | bf16 | fp16: the weights and activations the\n"
-            "                    device computes with; masters and Adam states stay fp32\n"
-            "                    (default auto: bf16 on a GPU, fp32 on the CPU); fp16 with\n"
-            "                    DeepSpeed's loss scaling (its fp16 section)\n"
-            "The config's zinf.train section may set layers, dim, heads, seq, batch, steps,\n"
-            "seed, precision and checkpoint_every; so may DeepSpeed's keys:\n"
-            "train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size,\n"
-            "gradient_clipping, optimizer (Adam/AdamW: lr, betas, eps, weight_decay),\n"
-            "scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR), bf16.enabled, fp16 (its\n"
-            "loss scaling) and steps_per_print, \"auto\" included (resolved from the options, as Hugging Face's\n"
-            "Trainer does). The options above take precedence. The effective settings are\n"
-            "printed at the start and are the first line of --log; keys zinf does not act\n"
-            "on are named there.\n"
-            "Exit status: 0 done, 1 failed (the last checkpoint is kept), 2 bad input,\n"
-            "130/143 stopped by SIGINT/SIGTERM after flushing. zinf.device picks the\n"
-            "compute: a GPU (\"cuda\", or \"auto\" when one is usable) or the CPU (\"emulated\").\n");
+    fprintf(
+        f,
+        "usage: zinf train --config FILE --data FILE [options]\n"
+        "  --config FILE     DeepSpeed-style JSON: offload devices, nvme_path, aio, and the\n"
+        "                    zinf section's device_bytes / host_bytes budgets\n"
+        "  --data FILE       training text; its bytes are the tokens (vocabulary 256)\n"
+        "  --layers N        transformer blocks (default 4)\n"
+        "  --dim N           model width (default 128)\n"
+        "  --heads N         attention heads, dividing --dim (default 4)\n"
+        "  --seq N           tokens per sequence (default 64)\n"
+        "  --batch N         sequences per step (default 4)\n"
+        "  --steps N         total steps (default 100; a resumed run continues up to N)\n"
+        "  --lr X            AdamW learning rate (default 1e-3)\n"
+        "  --weight-decay X  decoupled weight decay of the matrices (default 0)\n"
+        "  --clip X          global gradient-norm clip, 0 = off (default 1)\n"
+        "  --accumulate N    micro-batches of --batch per optimizer step (default 1)\n"
+        "  --seed N          initialisation and batch order (default 1337)\n"
+        "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
+        "  --resume          continue the run persisted in the config's nvme_path\n"
+        "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
+        "                    (without it, zinf train refuses to start over a saved run)\n"
+        "  --eval-every N    the loss on the held-out tail of --data (its last tenth,\n"
+        "                    never trained on) every N steps and at the end (0: never)\n"
+        "  --eval-batches N  batches of the tail that loss is the mean of (default 8)\n"
+        "  --sample-every N  generate text every N steps and at the end (0: never)\n"
+        "  --sample-bytes N  bytes to generate after a newline (default 64, < --seq)\n"
+        "  --checkpoint-every N  make the state durable every N steps, so that a crash\n"
+        "                    loses at most N - 1 steps (default 0: at the end only)\n"
+        "  --precision P     auto | fp32 | bf16 | fp16: the weights and activations the\n"
+        "                    device computes with; masters and Adam states stay fp32\n"
+        "                    (default auto: bf16 on a GPU, fp32 on the CPU); fp16 with\n"
+        "                    DeepSpeed's loss scaling (its fp16 section)\n"
+        "The config's zinf.train section may set layers, dim, heads, seq, batch, steps,\n"
+        "seed, precision and checkpoint_every; so may DeepSpeed's keys:\n"
+        "train_micro_batch_size_per_gpu, gradient_accumulation_steps, train_batch_size,\n"
+        "gradient_clipping, optimizer (Adam/AdamW: lr, betas, eps, weight_decay),\n"
+        "scheduler (WarmupLR, WarmupDecayLR, WarmupCosineLR), bf16.enabled, fp16 (its\n"
+        "loss scaling) and steps_per_print, \"auto\" included (resolved from the options, as "
+        "Hugging Face's\n"
+        "Trainer does). The options above take precedence. The effective settings are\n"
+        "printed at the start and are the first line of --log; keys zinf does not act\n"
+        "on are named there.\n"
+        "Exit status: 0 done, 1 failed (the last checkpoint is kept), 2 bad input,\n"
+        "130/143 stopped by SIGINT/SIGTERM after flushing. zinf.device picks the\n"
+        "compute: a GPU (\"cuda\", or \"auto\" when one is usable) or the CPU (\"emulated\").\n");
 }
 
 static int parse_int(const char *opt, const char *s, long lo, long hi, long *out)
@@ -84,8 +87,8 @@ static int parse_int(const char *opt, const char *s, long lo, long hi, long *out
     errno = 0;
     long v = strtol(s, &end, 10);
     if (errno || *end || end == s || v < lo || v > hi) {
-        fprintf(stderr, "zinf train: %s: expected an integer in %ld..%ld, got '%s'\n", opt, lo,
-                hi, s);
+        fprintf(stderr, "zinf train: %s: expected an integer in %ld..%ld, got '%s'\n", opt, lo, hi,
+                s);
         return -1;
     }
     *out = v;
@@ -107,10 +110,29 @@ static int parse_float(const char *opt, const char *s, float *out)
 
 static const char *const tier_names[] = {"device", "host", "nvme"};
 
-enum { O_LAYERS = 256, O_DIM, O_HEADS, O_SEQ, O_BATCH, O_STEPS, O_LR, O_WD, O_CLIP, O_SEED,
-       O_LOG, O_RESUME, O_PRECISION, O_OVERWRITE, O_CKPT, O_ACCUM, O_EVAL, O_EVAL_BATCHES,
-       O_SAMPLE, O_SAMPLE_BYTES };
-#define GIVEN(opt) (given & (1u << ((opt) - O_LAYERS)))
+enum {
+    O_LAYERS = 256,
+    O_DIM,
+    O_HEADS,
+    O_SEQ,
+    O_BATCH,
+    O_STEPS,
+    O_LR,
+    O_WD,
+    O_CLIP,
+    O_SEED,
+    O_LOG,
+    O_RESUME,
+    O_PRECISION,
+    O_OVERWRITE,
+    O_CKPT,
+    O_ACCUM,
+    O_EVAL,
+    O_EVAL_BATCHES,
+    O_SAMPLE,
+    O_SAMPLE_BYTES
+};
+#define GIVEN(opt) (given & (1u << ((opt)-O_LAYERS)))
 
 /* What the DeepSpeed keys of the config did, for the start of the run. */
 struct ds_applied {
@@ -138,63 +160,73 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
 
     if (micro && !GIVEN(O_BATCH)) {
         if (zc->zinf.train.batch && zc->zinf.train.batch != k->micro_batch) {
-            snprintf(err, errlen, "train_micro_batch_size_per_gpu %d and zinf.train.batch %d "
-                     "disagree: give one", k->micro_batch, zc->zinf.train.batch);
+            snprintf(err, errlen,
+                     "train_micro_batch_size_per_gpu %d and zinf.train.batch %d "
+                     "disagree: give one",
+                     k->micro_batch, zc->zinf.train.batch);
             return -EINVAL;
         }
         o->batch = k->micro_batch;
     }
-    if (accum && !GIVEN(O_ACCUM))
-        o->grad_accum = k->grad_accum;
+    if (accum && !GIVEN(O_ACCUM)) o->grad_accum = k->grad_accum;
 
     /* "auto": what the options say (bf16 "auto" is --precision auto: bf16 on a GPU). */
-    struct config_auto_inputs in = {.hidden_size = o->model.C, .micro_batch = o->batch,
-                                    .grad_accum = o->grad_accum, .steps = o->steps,
-                                    .lr = o->lr, .weight_decay = o->weight_decay,
+    struct config_auto_inputs in = {.hidden_size = o->model.C,
+                                    .micro_batch = o->batch,
+                                    .grad_accum = o->grad_accum,
+                                    .steps = o->steps,
+                                    .lr = o->lr,
+                                    .weight_decay = o->weight_decay,
                                     .grad_clip = o->grad_clip,
-                                    .bf16 = o->precision == TRAINER_PRECISION_AUTO ? -1
-                                            : o->precision == TRAINER_PRECISION_BF16};
+                                    .bf16 = o->precision == TRAINER_PRECISION_AUTO
+                                                ? -1
+                                                : o->precision == TRAINER_PRECISION_BF16};
     bool bf16_auto = config_is_auto(zc, "bf16.enabled") && o->precision == TRAINER_PRECISION_AUTO;
     config_resolve_auto(zc, &in, ds->autos, sizeof(ds->autos));
     if (bf16_auto) {
         size_t n = strlen(ds->autos);
-        snprintf(ds->autos + n, sizeof(ds->autos) - n, "%sbf16.enabled = as --precision auto "
-                 "(bf16 on a GPU, fp32 on the CPU)", n ? "\n" : "");
+        snprintf(ds->autos + n, sizeof(ds->autos) - n,
+                 "%sbf16.enabled = as --precision auto "
+                 "(bf16 on a GPU, fp32 on the CPU)",
+                 n ? "\n" : "");
     }
 
     uint64_t tbs = k->train_batch_size;
     if (config_given(zc, "train_batch_size") && tbs) {
         /* DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks (1). */
-        if (!micro && !GIVEN(O_BATCH) && !zc->zinf.train.batch && tbs % (uint64_t)o->grad_accum == 0)
+        if (!micro && !GIVEN(O_BATCH) && !zc->zinf.train.batch &&
+            tbs % (uint64_t)o->grad_accum == 0)
             o->batch = (int)(tbs / (uint64_t)o->grad_accum);
         else if (!accum && !GIVEN(O_ACCUM) && tbs % (uint64_t)o->batch == 0)
             o->grad_accum = (int)(tbs / (uint64_t)o->batch);
         if (tbs != (uint64_t)o->batch * (uint64_t)o->grad_accum) {
-            snprintf(err, errlen, "train_batch_size %llu is not the micro batch %d x %d "
-                     "gradient accumulation steps x 1 rank", (unsigned long long)tbs, o->batch,
-                     o->grad_accum);
+            snprintf(err, errlen,
+                     "train_batch_size %llu is not the micro batch %d x %d "
+                     "gradient accumulation steps x 1 rank",
+                     (unsigned long long)tbs, o->batch, o->grad_accum);
             return -EINVAL;
         }
     }
-    if (config_given(zc, "gradient_clipping") && !GIVEN(O_CLIP))
-        o->grad_clip = (float)k->grad_clip;
+    if (config_given(zc, "gradient_clipping") && !GIVEN(O_CLIP)) o->grad_clip = (float)k->grad_clip;
 
     snprintf(ds->optimizer, sizeof(ds->optimizer), "AdamW");
     if (k->optimizer.type[0]) {
         if (!same_name(k->optimizer.type, "AdamW") && !same_name(k->optimizer.type, "Adam")) {
-            snprintf(err, errlen, "optimizer.type \"%s\": zinf train's optimizer is Adam with "
-                     "decoupled weight decay: give \"AdamW\" or \"Adam\"", k->optimizer.type);
+            snprintf(err, errlen,
+                     "optimizer.type \"%s\": zinf train's optimizer is Adam with "
+                     "decoupled weight decay: give \"AdamW\" or \"Adam\"",
+                     k->optimizer.type);
             return -EINVAL;
         }
         snprintf(ds->optimizer, sizeof(ds->optimizer), "%s", k->optimizer.type);
     }
     if (!k->optimizer.adam_w_mode) {
-        snprintf(err, errlen, "optimizer.params.adam_w_mode false (L2 regularisation in the "
+        snprintf(err, errlen,
+                 "optimizer.params.adam_w_mode false (L2 regularisation in the "
                  "gradient) is not supported: zinf train's Adam decouples the weight decay");
         return -EINVAL;
     }
-    if (config_given(zc, "optimizer.params.lr") && !GIVEN(O_LR))
-        o->lr = (float)k->optimizer.lr;
+    if (config_given(zc, "optimizer.params.lr") && !GIVEN(O_LR)) o->lr = (float)k->optimizer.lr;
     if (config_given(zc, "optimizer.params.weight_decay") && !GIVEN(O_WD))
         o->weight_decay = (float)k->optimizer.weight_decay;
     o->beta1 = (float)k->optimizer.betas[0];
@@ -216,16 +248,18 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
         else if (same_name(ty, "WarmupCosineLR"))
             s->type = TRAINER_SCHED_WARMUP_COSINE;
         else {
-            snprintf(err, errlen, "scheduler.type \"%s\": zinf train runs \"WarmupLR\", "
-                     "\"WarmupDecayLR\" and \"WarmupCosineLR\"", ty);
+            snprintf(err, errlen,
+                     "scheduler.type \"%s\": zinf train runs \"WarmupLR\", "
+                     "\"WarmupDecayLR\" and \"WarmupCosineLR\"",
+                     ty);
             return -EINVAL;
         }
         snprintf(ds->scheduler, sizeof(ds->scheduler), "%s", ty);
         s->min_lr = k->scheduler.warmup_min_lr;
         /* WarmupLR's warmup_max_lr defaults to the optimizer's lr; WarmupDecayLR's to 0.001. */
         s->max_lr = config_given(zc, "scheduler.params.warmup_max_lr") ? k->scheduler.warmup_max_lr
-                    : s->type == TRAINER_SCHED_WARMUP                 ? o->lr
-                                                                      : 0.001;
+                    : s->type == TRAINER_SCHED_WARMUP                  ? o->lr
+                                                                       : 0.001;
         s->min_ratio = k->scheduler.warmup_min_ratio;
         s->cos_min_ratio = k->scheduler.cos_min_ratio;
         s->warmup_steps = k->scheduler.warmup_num_steps;
@@ -256,7 +290,8 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
     }
     if (config_given(zc, "bf16.enabled") && !config_is_auto(zc, "bf16.enabled") &&
         !GIVEN(O_PRECISION)) {
-        enum trainer_precision p = k->bf16.enabled ? TRAINER_PRECISION_BF16 : TRAINER_PRECISION_FP32;
+        enum trainer_precision p =
+            k->bf16.enabled ? TRAINER_PRECISION_BF16 : TRAINER_PRECISION_FP32;
         if (zc->zinf.train.precision && zc->zinf.train.precision != (int)p) {
             snprintf(err, errlen, "bf16.enabled %s and zinf.train.precision disagree: give one",
                      k->bf16.enabled ? "true" : "false");
@@ -285,8 +320,10 @@ static int checkpoint(struct trainer *t, FILE *log)
                 r == -ENOSPC ? " (the swap directory's filesystem is full: see the line above)"
                              : "");
         trainer_get_summary(t, &sum);
-        fprintf(stderr, "zinf train: the state of step %d (the last checkpoint) is kept; "
-                        "--resume continues from there\n", sum.checkpoint_step);
+        fprintf(stderr,
+                "zinf train: the state of step %d (the last checkpoint) is kept; "
+                "--resume continues from there\n",
+                sum.checkpoint_step);
         return r;
     }
     trainer_get_summary(t, &sum);
@@ -312,8 +349,7 @@ static void json_lines(FILE *f, const char *text, bool split)
         nl = strchr(p, '\n');
         size_t n = nl ? (size_t)(nl - p) : strlen(p);
         snprintf(line, sizeof(line), "%.*s", (int)n, p);
-        if (p != text)
-            fputc(',', f);
+        if (p != text) fputc(',', f);
         char *eq = split ? strstr(line, " = ") : NULL;
         if (eq) {
             *eq = '\0';
@@ -333,36 +369,35 @@ static void print_lines(const char *prefix, const char *text)
     for (const char *p = text, *nl; *p; p = nl + 1) {
         nl = strchr(p, '\n');
         printf("%s%.*s\n", prefix, nl ? (int)(nl - p) : (int)strlen(p), p);
-        if (!nl)
-            break;
+        if (!nl) break;
     }
 }
 
 /* The effective settings, once: a few lines here, the first JSON line of the log. */
 static void print_settings(const struct trainer_opts *o, const struct ds_applied *ds,
-                           const struct trainer_summary *sum, long ckpt_every, int every,
-                           FILE *log)
+                           const struct trainer_summary *sum, long ckpt_every, int every, FILE *log)
 {
     printf("# settings: %d micro-batch%s of %d x %d tokens per step, %d steps, %s lr %g (%s "
            "schedule), betas %g %g, eps %g, weight decay %g, clip %g, seed %llu, checkpoint "
            "every %ld, print every %d\n",
-           o->grad_accum, o->grad_accum == 1 ? "" : "es", o->batch, o->seq, o->steps,
-           ds->optimizer, o->lr, ds->scheduler, o->beta1, o->beta2, o->eps, o->weight_decay,
-           o->grad_clip, (unsigned long long)o->seed, ckpt_every, every);
+           o->grad_accum, o->grad_accum == 1 ? "" : "es", o->batch, o->seq, o->steps, ds->optimizer,
+           o->lr, ds->scheduler, o->beta1, o->beta2, o->eps, o->weight_decay, o->grad_clip,
+           (unsigned long long)o->seed, ckpt_every, every);
     print_lines("# \"auto\": ", ds->autos);
     if (ds->ignored[0]) {
         printf("# ignored (in the config, but zinf does not act on these):\n");
         print_lines("#   ", ds->ignored);
     }
-    if (!log)
-        return;
-    fprintf(log, "{\"settings\":{\"layers\":%d,\"dim\":%d,\"heads\":%d,\"seq\":%d,"
+    if (!log) return;
+    fprintf(log,
+            "{\"settings\":{\"layers\":%d,\"dim\":%d,\"heads\":%d,\"seq\":%d,"
             "\"batch\":%d,\"grad_accum\":%d,\"steps\":%d,\"optimizer\":",
             o->model.L, o->model.C, o->model.NH, o->seq, o->batch, o->grad_accum, o->steps);
     json_print_string(log, ds->optimizer);
     fprintf(log, ",\"lr\":%.9g,\"scheduler\":", o->lr);
     json_print_string(log, ds->scheduler);
-    fprintf(log, ",\"warmup_min_lr\":%.9g,\"warmup_max_lr\":%.9g,\"warmup_steps\":%d,"
+    fprintf(log,
+            ",\"warmup_min_lr\":%.9g,\"warmup_max_lr\":%.9g,\"warmup_steps\":%d,"
             "\"total_steps\":%d,\"warmup_type\":\"%s\",\"betas\":[%.9g,%.9g],\"eps\":%.9g,"
             "\"weight_decay\":%.9g,\"clip\":%.9g,\"seed\":%llu,\"precision\":\"%s\","
             "\"backend\":\"%s\",\"checkpoint_every\":%ld,\"steps_per_print\":%d,"
@@ -461,13 +496,20 @@ static int sample(struct trainer *t, int step, uint64_t seed, long bytes, FILE *
 int cmd_train(int argc, char **argv)
 {
     static const struct option longopts[] = {
-        {"config", required_argument, NULL, 'c'}, {"data", required_argument, NULL, 'd'},
-        {"layers", required_argument, NULL, O_LAYERS}, {"dim", required_argument, NULL, O_DIM},
-        {"heads", required_argument, NULL, O_HEADS}, {"seq", required_argument, NULL, O_SEQ},
-        {"batch", required_argument, NULL, O_BATCH}, {"steps", required_argument, NULL, O_STEPS},
-        {"lr", required_argument, NULL, O_LR}, {"weight-decay", required_argument, NULL, O_WD},
-        {"clip", required_argument, NULL, O_CLIP}, {"seed", required_argument, NULL, O_SEED},
-        {"log", required_argument, NULL, O_LOG}, {"resume", no_argument, NULL, O_RESUME},
+        {"config", required_argument, NULL, 'c'},
+        {"data", required_argument, NULL, 'd'},
+        {"layers", required_argument, NULL, O_LAYERS},
+        {"dim", required_argument, NULL, O_DIM},
+        {"heads", required_argument, NULL, O_HEADS},
+        {"seq", required_argument, NULL, O_SEQ},
+        {"batch", required_argument, NULL, O_BATCH},
+        {"steps", required_argument, NULL, O_STEPS},
+        {"lr", required_argument, NULL, O_LR},
+        {"weight-decay", required_argument, NULL, O_WD},
+        {"clip", required_argument, NULL, O_CLIP},
+        {"seed", required_argument, NULL, O_SEED},
+        {"log", required_argument, NULL, O_LOG},
+        {"resume", no_argument, NULL, O_RESUME},
         {"precision", required_argument, NULL, O_PRECISION},
         {"overwrite", no_argument, NULL, O_OVERWRITE},
         {"checkpoint-every", required_argument, NULL, O_CKPT},
@@ -476,7 +518,8 @@ int cmd_train(int argc, char **argv)
         {"eval-batches", required_argument, NULL, O_EVAL_BATCHES},
         {"sample-every", required_argument, NULL, O_SAMPLE},
         {"sample-bytes", required_argument, NULL, O_SAMPLE_BYTES},
-        {"help", no_argument, NULL, 'h'}, {0},
+        {"help", no_argument, NULL, 'h'},
+        {0},
     };
     struct trainer_opts o;
     struct trainer *t = NULL;
@@ -487,7 +530,7 @@ int cmd_train(int argc, char **argv)
     char err[512];
     long v;
     int ch, r, status = 0;
-    unsigned given = 0; /* bit (option - O_LAYERS) for each model/run option given */
+    unsigned given = 0;   /* bit (option - O_LAYERS) for each model/run option given */
     long ckpt_every = -1; /* -1: not given */
     bool ckpt_failed = false;
 
@@ -499,27 +542,77 @@ int cmd_train(int argc, char **argv)
         if ((ch >= O_LAYERS && ch <= O_SEED) || ch == O_PRECISION || ch == O_ACCUM)
             given |= 1u << (ch - O_LAYERS);
         switch (ch) {
-        case 'c': o.config_path = optarg; break;
-        case 'd': o.data_path = optarg; break;
-        case O_LAYERS: bad = parse_int("--layers", optarg, 1, 1024, &v); o.model.L = (int)v; break;
-        case O_DIM: bad = parse_int("--dim", optarg, 1, 65536, &v); o.model.C = (int)v; break;
-        case O_HEADS: bad = parse_int("--heads", optarg, 1, 1024, &v); o.model.NH = (int)v; break;
-        case O_SEQ: bad = parse_int("--seq", optarg, 1, 65536, &v); o.seq = (int)v; break;
-        case O_BATCH: bad = parse_int("--batch", optarg, 1, 65536, &v); o.batch = (int)v; break;
-        case O_STEPS: bad = parse_int("--steps", optarg, 0, 100000000, &v); o.steps = (int)v; break;
-        case O_SEED: bad = parse_int("--seed", optarg, 0, 0x7fffffffL, &v); o.seed = (uint64_t)v; break;
-        case O_LR: bad = parse_float("--lr", optarg, &o.lr); break;
-        case O_WD: bad = parse_float("--weight-decay", optarg, &o.weight_decay); break;
-        case O_CLIP: bad = parse_float("--clip", optarg, &o.grad_clip); break;
-        case O_LOG: log_path = optarg; break;
-        case O_RESUME: o.resume = true; break;
-        case O_OVERWRITE: o.overwrite = true; break;
-        case O_CKPT: bad = parse_int("--checkpoint-every", optarg, 0, 100000000, &ckpt_every); break;
-        case O_ACCUM: bad = parse_int("--accumulate", optarg, 1, 65536, &v); o.grad_accum = (int)v; break;
-        case O_EVAL: bad = parse_int("--eval-every", optarg, 0, 100000000, &eval_every); break;
-        case O_EVAL_BATCHES: bad = parse_int("--eval-batches", optarg, 1, 100000, &eval_batches); break;
-        case O_SAMPLE: bad = parse_int("--sample-every", optarg, 0, 100000000, &sample_every); break;
-        case O_SAMPLE_BYTES: bad = parse_int("--sample-bytes", optarg, 1, 65535, &sample_bytes); break;
+        case 'c':
+            o.config_path = optarg;
+            break;
+        case 'd':
+            o.data_path = optarg;
+            break;
+        case O_LAYERS:
+            bad = parse_int("--layers", optarg, 1, 1024, &v);
+            o.model.L = (int)v;
+            break;
+        case O_DIM:
+            bad = parse_int("--dim", optarg, 1, 65536, &v);
+            o.model.C = (int)v;
+            break;
+        case O_HEADS:
+            bad = parse_int("--heads", optarg, 1, 1024, &v);
+            o.model.NH = (int)v;
+            break;
+        case O_SEQ:
+            bad = parse_int("--seq", optarg, 1, 65536, &v);
+            o.seq = (int)v;
+            break;
+        case O_BATCH:
+            bad = parse_int("--batch", optarg, 1, 65536, &v);
+            o.batch = (int)v;
+            break;
+        case O_STEPS:
+            bad = parse_int("--steps", optarg, 0, 100000000, &v);
+            o.steps = (int)v;
+            break;
+        case O_SEED:
+            bad = parse_int("--seed", optarg, 0, 0x7fffffffL, &v);
+            o.seed = (uint64_t)v;
+            break;
+        case O_LR:
+            bad = parse_float("--lr", optarg, &o.lr);
+            break;
+        case O_WD:
+            bad = parse_float("--weight-decay", optarg, &o.weight_decay);
+            break;
+        case O_CLIP:
+            bad = parse_float("--clip", optarg, &o.grad_clip);
+            break;
+        case O_LOG:
+            log_path = optarg;
+            break;
+        case O_RESUME:
+            o.resume = true;
+            break;
+        case O_OVERWRITE:
+            o.overwrite = true;
+            break;
+        case O_CKPT:
+            bad = parse_int("--checkpoint-every", optarg, 0, 100000000, &ckpt_every);
+            break;
+        case O_ACCUM:
+            bad = parse_int("--accumulate", optarg, 1, 65536, &v);
+            o.grad_accum = (int)v;
+            break;
+        case O_EVAL:
+            bad = parse_int("--eval-every", optarg, 0, 100000000, &eval_every);
+            break;
+        case O_EVAL_BATCHES:
+            bad = parse_int("--eval-batches", optarg, 1, 100000, &eval_batches);
+            break;
+        case O_SAMPLE:
+            bad = parse_int("--sample-every", optarg, 0, 100000000, &sample_every);
+            break;
+        case O_SAMPLE_BYTES:
+            bad = parse_int("--sample-bytes", optarg, 1, 65535, &sample_bytes);
+            break;
         case O_PRECISION:
             if (!strcmp(optarg, "auto"))
                 o.precision = TRAINER_PRECISION_AUTO;
@@ -530,12 +623,16 @@ int cmd_train(int argc, char **argv)
             else if (!strcmp(optarg, "fp16"))
                 o.precision = TRAINER_PRECISION_FP16;
             else {
-                fprintf(stderr, "zinf train: --precision: expected auto, fp32, bf16 or fp16, got "
-                        "'%s'\n", optarg);
+                fprintf(stderr,
+                        "zinf train: --precision: expected auto, fp32, bf16 or fp16, got "
+                        "'%s'\n",
+                        optarg);
                 bad = 1;
             }
             break;
-        case 'h': usage(stdout); return 0;
+        case 'h':
+            usage(stdout);
+            return 0;
         default:
             fprintf(stderr, "zinf train: unknown or incomplete option '%s'\n", argv[optind - 1]);
             bad = 1;
@@ -566,9 +663,8 @@ int cmd_train(int argc, char **argv)
         config_free(&zc);
         return 2;
     }
-#define FROM_CONFIG(opt, field, dst)                                                            \
-    if (zc.zinf.train.field && !(given & (1u << ((opt) - O_LAYERS))))                          \
-        dst = zc.zinf.train.field;
+#define FROM_CONFIG(opt, field, dst)                                                               \
+    if (zc.zinf.train.field && !(given & (1u << ((opt)-O_LAYERS)))) dst = zc.zinf.train.field;
     FROM_CONFIG(O_LAYERS, layers, o.model.L)
     FROM_CONFIG(O_DIM, dim, o.model.C)
     FROM_CONFIG(O_HEADS, heads, o.model.NH)
@@ -578,8 +674,7 @@ int cmd_train(int argc, char **argv)
     FROM_CONFIG(O_SEED, seed, o.seed)
     FROM_CONFIG(O_PRECISION, precision, o.precision)
 #undef FROM_CONFIG
-    if (ckpt_every < 0)
-        ckpt_every = zc.zinf.train.checkpoint_every;
+    if (ckpt_every < 0) ckpt_every = zc.zinf.train.checkpoint_every;
     struct ds_applied ds = {0};
     if (apply_deepspeed(&zc, &o, given, &ds, err, sizeof(err)) < 0) {
         fprintf(stderr, "zinf train: %s: %s\n", o.config_path, err);
@@ -589,16 +684,16 @@ int cmd_train(int argc, char **argv)
     steps_per_print = zc.train.steps_per_print ? zc.train.steps_per_print : 1;
     config_free(&zc);
     o.sample = sample_every > 0;
-    if (sample_bytes == 0)
-        sample_bytes = MIN(64, o.seq - 1);
+    if (sample_bytes == 0) sample_bytes = MIN(64, o.seq - 1);
     if (o.sample && sample_bytes > o.seq - 1) {
-        fprintf(stderr, "zinf train: --sample-bytes %ld: at most --seq - 1 = %d (the context "
-                        "is one sequence)\n", sample_bytes, o.seq - 1);
+        fprintf(stderr,
+                "zinf train: --sample-bytes %ld: at most --seq - 1 = %d (the context "
+                "is one sequence)\n",
+                sample_bytes, o.seq - 1);
         return 2;
     }
     if (o.model.C % o.model.NH) {
-        fprintf(stderr, "zinf train: --heads %d does not divide --dim %d\n", o.model.NH,
-                o.model.C);
+        fprintf(stderr, "zinf train: --heads %d does not divide --dim %d\n", o.model.NH, o.model.C);
         return 2;
     }
     /* Appending, so that a run refused below leaves an old log as it was. */
@@ -616,8 +711,7 @@ int cmd_train(int argc, char **argv)
     r = trainer_open(&o, &t, err, sizeof(err));
     if (r < 0) {
         fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
-        if (log)
-            fclose(log);
+        if (log) fclose(log);
         return r == -EINVAL || r == -ENOENT || r == -EISDIR || r == -EACCES || r == -ENODEV ||
                        r == -EEXIST || r == -ENOTDIR || r == -ENOTSUP
                    ? 2
@@ -635,31 +729,34 @@ int cmd_train(int argc, char **argv)
     trainer_get_summary(t, &sum);
     char a[32], b[32], c[32];
     printf("# zinf train: %d layers, dim %d, %d heads, seq %d, batch %d: %llu parameters, "
-           "model state %s\n", o.model.L, o.model.C, o.model.NH, o.seq, o.batch,
-           (unsigned long long)sum.param_count, format_size(sum.model_state_bytes, a, sizeof(a)));
+           "model state %s\n",
+           o.model.L, o.model.C, o.model.NH, o.seq, o.batch, (unsigned long long)sum.param_count,
+           format_size(sum.model_state_bytes, a, sizeof(a)));
     char d[32], f[32], g[32];
     printf("# budgets: device %s, host %s (the least that runs: %s, %s); beside the host "
            "budget, %s of staging buffers%s%s\n",
            format_size(sum.tier[0].budget_bytes, b, sizeof(b)),
            format_size(sum.tier[1].budget_bytes, c, sizeof(c)),
-           format_size(sum.min_budget[0], d, sizeof(d)), format_size(sum.min_budget[1], f, sizeof(f)),
+           format_size(sum.min_budget[0], d, sizeof(d)),
+           format_size(sum.min_budget[1], f, sizeof(f)),
            format_size(sum.staging_bytes, g, sizeof(g)), sum.host_pinned ? ", pinned too" : "",
            o.resume ? "; resumed" : "");
     if (o.resume && trainer_next_step(t) > o.steps) {
         /* Nothing to run: say so rather than exit 0 having done nothing. */
         int done = trainer_next_step(t) - 1;
         if (done > o.steps) {
-            fprintf(stderr, "zinf train: --steps %d --resume: the saved run is at step %d "
-                            "already, past %d; give --steps above %d to continue it\n",
+            fprintf(stderr,
+                    "zinf train: --steps %d --resume: the saved run is at step %d "
+                    "already, past %d; give --steps above %d to continue it\n",
                     o.steps, done, o.steps, done);
-            if (log)
-                fclose(log);
+            if (log) fclose(log);
             trainer_close(t);
             return 2;
         }
         /* At its last step: said, and the summary follows as after any run. */
         printf("# the saved run has done its %d steps already: nothing to do (a larger "
-               "--steps continues it)\n", done);
+               "--steps continues it)\n",
+               done);
     }
     printf("# compute: %s, %s weights on the device%s%s\n", sum.backend, sum.precision,
            sum.backend_work_bytes ? "; backend working memory " : "",
@@ -677,9 +774,9 @@ int cmd_train(int argc, char **argv)
         if (r < 0) {
             fprintf(stderr, "zinf train: step %d failed: %s%s\n", trainer_next_step(t),
                     zinf_strerror(r),
-                    r == -ENOMEM ? " (a set the step pins did not fit, although the budgets "
-                                   "were checked at open against the largest one: a bug; "
-                                   "please report it with this command line)"
+                    r == -ENOMEM   ? " (a set the step pins did not fit, although the budgets "
+                                     "were checked at open against the largest one: a bug; "
+                                     "please report it with this command line)"
                     : r == -ENOSPC ? " (the swap directory's filesystem is full: see the line "
                                      "above for what is needed)"
                                    : "");
@@ -703,7 +800,8 @@ int cmd_train(int argc, char **argv)
         if (log) {
             /* %.9g: the loss's float bits survive the round trip, so runs can be compared
              * exactly. */
-            fprintf(log, "{\"step\":%d,\"loss\":%.9g,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
+            fprintf(log,
+                    "{\"step\":%d,\"loss\":%.9g,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
                     "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f,"
                     "\"eta_s\":%.1f,\"loss_scale\":%.9g,\"skipped\":%s}\n",
                     st.step, st.loss, st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps,
@@ -734,16 +832,19 @@ int cmd_train(int argc, char **argv)
     trainer_get_summary(t, &sum);
     if (sum.torn) {
         /* Half of the failed step's updates are in memory: the last checkpoint stays. */
-        fprintf(stderr, "zinf train: the state of step %d (the last checkpoint) is kept; "
-                        "--resume continues from there once the cause is fixed\n",
+        fprintf(stderr,
+                "zinf train: the state of step %d (the last checkpoint) is kept; "
+                "--resume continues from there once the cause is fixed\n",
                 sum.checkpoint_step);
     } else if (!ckpt_failed) {
         r = checkpoint(t, log);
         if (r < 0)
             status = 1;
         else if (status)
-            fprintf(stderr, "zinf train: the state of step %d is saved; --resume continues "
-                            "from there once the cause is fixed\n", sum.steps_done);
+            fprintf(stderr,
+                    "zinf train: the state of step %d is saved; --resume continues "
+                    "from there once the cause is fixed\n",
+                    sum.steps_done);
     }
     if (status == 0 && stop_requested) {
         printf("# %s: finishing here, the state is flushed (continue with --resume)\n",
@@ -751,13 +852,15 @@ int cmd_train(int argc, char **argv)
         status = 128 + stop_requested;
     }
     trainer_get_summary(t, &sum);
-    double mean_tps = ran_seconds > 0 ? (double)ran * o.batch * o.seq * o.grad_accum / ran_seconds
-                                      : 0;
+    double mean_tps =
+        ran_seconds > 0 ? (double)ran * o.batch * o.seq * o.grad_accum / ran_seconds : 0;
     printf("# summary: %d steps, model state %s; a tier was emptied %llu times to place a set "
-           "it held room for\n", sum.steps_done, format_size(sum.model_state_bytes, a, sizeof(a)),
+           "it held room for\n",
+           sum.steps_done, format_size(sum.model_state_bytes, a, sizeof(a)),
            (unsigned long long)sum.compactions);
     if (ran)
-        printf("#   ran %d steps in %.1f s: %.0f tokens/s on average\n", ran, ran_seconds, mean_tps);
+        printf("#   ran %d steps in %.1f s: %.0f tokens/s on average\n", ran, ran_seconds,
+               mean_tps);
     if (!strcmp(sum.precision, "fp16"))
         printf("#   fp16: %lld steps skipped for overflowed gradients; loss scale now %.9g\n",
                (long long)sum.skipped_steps, sum.loss_scale);
@@ -769,7 +872,8 @@ int cmd_train(int argc, char **argv)
            format_size(sum.tier[2].peak_bytes, a, sizeof(a)),
            format_size(sum.tier[2].budget_bytes, b, sizeof(b)));
     if (log) {
-        fprintf(log, "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
+        fprintf(log,
+                "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
                 "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu,"
                 "\"checkpoint_step\":%d,\"interrupted\":%s,\"failed\":%s,\"compactions\":%llu,"
                 "\"min_device_bytes\":%llu,\"min_host_bytes\":%llu,\"steps_run\":%d,"
@@ -778,8 +882,7 @@ int cmd_train(int argc, char **argv)
                 sum.steps_done, (unsigned long long)sum.model_state_bytes,
                 (unsigned long long)sum.param_count, sum.backend, sum.precision,
                 (unsigned long long)sum.backend_work_bytes, sum.checkpoint_step,
-                stop_requested ? "true" : "false",
-                status != 0 && status < 128 ? "true" : "false",
+                stop_requested ? "true" : "false", status != 0 && status < 128 ? "true" : "false",
                 (unsigned long long)sum.compactions, (unsigned long long)sum.min_budget[0],
                 (unsigned long long)sum.min_budget[1], ran, ran_seconds, mean_tps,
                 (long long)sum.skipped_steps, sum.loss_scale);

@@ -39,7 +39,7 @@
 #include "train/trainer.h"
 
 #define STATE_NAME "train.state"
-#define SCALER_NAME "train.loss_scale" /* fp16 runs: struct loss_scale */
+#define SCALER_NAME "train.loss_scale"       /* fp16 runs: struct loss_scale */
 #define STATE_MAGIC 0x7a696e6674726e33ull    /* "zinftrn3": the tail of the data held out */
 #define STATE_MAGIC_V2 0x7a696e6674726e32ull /* "zinftrn2": trained on all of it */
 #define HELD_OUT_DIVISOR 10                  /* the last tenth of the data is for validation */
@@ -49,8 +49,8 @@ struct train_state {
     uint64_t magic;
     int32_t step_done; /* steps completed */
     int32_t L, C, NH, maxT, B, T;
-    int32_t wdt; /* enum backend_dtype of the device's weights */
-    int32_t accum; /* micro-batches per step; 0 in states saved before it was kept: 1 */
+    int32_t wdt;      /* enum backend_dtype of the device's weights */
+    int32_t accum;    /* micro-batches per step; 0 in states saved before it was kept: 1 */
     int32_t held_out; /* 1: the last tenth of the data is held out for validation (v3) */
     uint64_t seed;
     uint64_t data_bytes;
@@ -71,39 +71,47 @@ struct trainer {
     int wte, wpe, lnfw, lnfb;   /* layout indices */
     zinf_tensor *act;           /* a[0..L], (B,T,C) each */
     zinf_tensor state;
-    zinf_tensor scaler;         /* fp16: the loss scaler's state, saved with each step */
+    zinf_tensor scaler; /* fp16: the loss scaler's state, saved with each step */
     struct loss_scale ls;
 
     unsigned char *data;
     size_t data_bytes;
-    size_t train_bytes;         /* batches come from [0, train_bytes); the rest is held out */
-    int *tokens, *targets;      /* (B,T) */
-    struct backend *be;         /* where the math runs */
-    enum zinf_tier opt_tier;    /* where the optimizer runs: DEVICE or HOST */
+    size_t train_bytes;      /* batches come from [0, train_bytes); the rest is held out */
+    int *tokens, *targets;   /* (B,T) */
+    struct backend *be;      /* where the math runs */
+    enum zinf_tier opt_tier; /* where the optimizer runs: DEVICE or HOST */
     int step_done;
     /* A step failed while the optimizer updated the state (its -errno; 0: never): the
      * state in memory is half one step, half the next, and must never be flushed. */
     int torn;
     int checkpoints, checkpoint_step;
-    bool checkpoint_failed;     /* the last trainer_checkpoint() failed */
+    bool checkpoint_failed;      /* the last trainer_checkpoint() failed */
     int fault_tensor, fault_err; /* trainer_fault_optimizer() */
-    bool fault_overflow;        /* trainer_fault_overflow() */
+    bool fault_overflow;         /* trainer_fault_overflow() */
     double checkpoint_seconds;
     uint64_t checkpoint_bytes;
     uint64_t peak[3];
     uint64_t min_budget[MEM_TIERS]; /* the smallest device and host budgets that run */
-    uint64_t persist_below;     /* stage3_param_persistence_threshold when set: the weights
-                                   of fewer elements are homed on the device; 0: none */
-    bool state_v2;              /* resumed from a state saved before the held-out tail */
+    uint64_t persist_below;         /* stage3_param_persistence_threshold when set: the weights
+                                       of fewer elements are homed on the device; 0: none */
+    bool state_v2;                  /* resumed from a state saved before the held-out tail */
 };
 
 void trainer_opts_defaults(struct trainer_opts *o)
 {
-    *o = (struct trainer_opts){.batch = 4, .seq = 64, .steps = 100, .lr = 1e-3f,
-                               .weight_decay = 0.0f, .grad_clip = 1.0f, .seed = 1337,
-                               .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .grad_accum = 1};
-    o->fp16 = (struct trainer_fp16){.min_loss_scale = 1, .initial_scale_power = 16,
-                                    .loss_scale_window = 1000, .hysteresis = 2};
+    *o = (struct trainer_opts){.batch = 4,
+                               .seq = 64,
+                               .steps = 100,
+                               .lr = 1e-3f,
+                               .weight_decay = 0.0f,
+                               .grad_clip = 1.0f,
+                               .seed = 1337,
+                               .beta1 = 0.9f,
+                               .beta2 = 0.999f,
+                               .eps = 1e-8f,
+                               .grad_accum = 1};
+    o->fp16 = (struct trainer_fp16){
+        .min_loss_scale = 1, .initial_scale_power = 16, .loss_scale_window = 1000, .hysteresis = 2};
     o->model = (struct gpt_config){.V = 256, .maxT = 64, .L = 4, .C = 128, .NH = 4};
 }
 
@@ -119,7 +127,7 @@ zinf_engine *trainer_engine(struct trainer *t)
 
 static enum zinf_tier home_of(enum config_offload_device d)
 {
-    return d == CONFIG_OFFLOAD_NVME ? ZINF_TIER_NVME
+    return d == CONFIG_OFFLOAD_NVME  ? ZINF_TIER_NVME
            : d == CONFIG_OFFLOAD_CPU ? ZINF_TIER_HOST
                                      : ZINF_TIER_DEVICE;
 }
@@ -133,8 +141,7 @@ static int load_data(struct trainer *t, char *err, size_t errlen)
     if (fd < 0 || fstat(fd, &st) < 0) {
         int r = -errno;
         snprintf(err, errlen, "%s: %s", t->o.data_path, strerror(errno));
-        if (fd >= 0)
-            close(fd);
+        if (fd >= 0) close(fd);
         return r;
     }
     if (S_ISDIR(st.st_mode)) {
@@ -154,8 +161,7 @@ static int load_data(struct trainer *t, char *err, size_t errlen)
     size_t got = 0;
     while (t->data && got < t->data_bytes) {
         ssize_t n = read(fd, t->data + got, t->data_bytes - got);
-        if (n <= 0)
-            break;
+        if (n <= 0) break;
         got += (size_t)n;
     }
     close(fd);
@@ -174,20 +180,17 @@ double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step)
     switch (s->type) {
     case TRAINER_SCHED_WARMUP:
     case TRAINER_SCHED_WARMUP_DECAY: {
-        if (it < 0)
-            return s->min_lr;
-        double gamma = it < W ? warm
-                       : s->type == TRAINER_SCHED_WARMUP
-                           ? 1.0
-                           : MAX(0.0, (double)(s->total_steps - it) /
-                                          MAX(1.0, (double)(s->total_steps - W)));
+        if (it < 0) return s->min_lr;
+        double gamma =
+            it < W ? warm
+            : s->type == TRAINER_SCHED_WARMUP
+                ? 1.0
+                : MAX(0.0, (double)(s->total_steps - it) / MAX(1.0, (double)(s->total_steps - W)));
         return s->min_lr + (s->max_lr - s->min_lr) * gamma;
     }
     case TRAINER_SCHED_WARMUP_COSINE: {
-        if (it < 0)
-            return 0;
-        if (it < W)
-            return lr * (s->min_ratio + warm * (1 - s->min_ratio));
+        if (it < 0) return 0;
+        if (it < W) return lr * (s->min_ratio + warm * (1 - s->min_ratio));
         double progress = MIN(1.0, (double)(it - W + 1) / MAX(1, s->total_steps - W));
         double ratio = (1 + cos(M_PI * progress)) / 2;
         return lr * MAX(0.0, s->cos_min_ratio + (1 - s->cos_min_ratio) * ratio);
@@ -211,7 +214,8 @@ static void load_batch(struct trainer *t, int s, int m)
     uint64_t span = t->train_bytes - (size_t)T;
     for (int b = 0; b < B; b++) {
         uint64_t off = mix64(t->o.seed * 0x9e3779b97f4a7c15ull + (uint64_t)s * 1000003u +
-                             (uint64_t)m * (uint64_t)B + (uint64_t)b) % span;
+                             (uint64_t)m * (uint64_t)B + (uint64_t)b) %
+                       span;
         for (int i = 0; i < T; i++) {
             t->tokens[b * T + i] = t->data[off + (size_t)i];
             t->targets[b * T + i] = t->data[off + (size_t)i + 1];
@@ -222,8 +226,7 @@ static void load_batch(struct trainer *t, int s, int m)
 static void note_peaks(struct trainer *t)
 {
     struct zinf_stats st;
-    if (zinf_stats(t->e, &st) < 0)
-        return;
+    if (zinf_stats(t->e, &st) < 0) return;
     for (int i = 0; i < 3; i++)
         t->peak[i] = MAX(t->peak[i], st.tier[i].peak_bytes);
 }
@@ -244,7 +247,7 @@ struct wave {
     const char *what; /* for the budget error: what the phase pins at once */
     int n;
     uint8_t role[WAVE_MAX];
-    int idx[WAVE_MAX];   /* layout index (an activation's number for R_ACT) */
+    int idx[WAVE_MAX];    /* layout index (an activation's number for R_ACT) */
     bool dirty[WAVE_MAX]; /* released dirty when the phase succeeded */
 };
 
@@ -319,8 +322,7 @@ static void wave_optimizer(struct trainer *t, int i, struct wave *w)
     wave_add(w, R_G, i, false);
     wave_add(w, R_M, i, true);
     wave_add(w, R_V, i, true);
-    if (t->w != t->p)
-        wave_add(w, R_W, i, true);
+    if (t->w != t->p) wave_add(w, R_W, i, true);
 }
 
 /* Sampling's logits, on the CPU: the last activation, the final norm and wte in fp32. */
@@ -336,12 +338,18 @@ static void wave_sample(struct trainer *t, struct wave *w)
 static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
 {
     switch (role) {
-    case R_P: return t->p[idx];
-    case R_G: return t->g[idx];
-    case R_M: return t->m[idx];
-    case R_V: return t->v[idx];
-    case R_W: return t->w[idx];
-    default: return t->act[idx];
+    case R_P:
+        return t->p[idx];
+    case R_G:
+        return t->g[idx];
+    case R_M:
+        return t->m[idx];
+    case R_V:
+        return t->v[idx];
+    case R_W:
+        return t->w[idx];
+    default:
+        return t->act[idx];
     }
 }
 
@@ -360,8 +368,7 @@ static int wave_release(struct trainer *t, const struct wave *w, enum zinf_tier 
     for (int i = 0; i < w->n; i++) {
         int x = zinf_release(t->e, wave_handle(t, (enum role)w->role[i], w->idx[i]), tier,
                              ok && w->dirty[i] ? ZINF_RELEASE_DIRTY : 0);
-        if (x < 0 && r == 0)
-            r = x;
+        if (x < 0 && r == 0) r = x;
     }
     return r;
 }
@@ -374,16 +381,18 @@ static enum zinf_tier role_home(const struct trainer *t, enum role role, int idx
 {
     enum zinf_tier ph = home_of(t->zc.zero.offload_param.device);
     enum zinf_tier oh = home_of(t->zc.zero.offload_optimizer.device);
-    bool persist = role != R_ACT && t->persist_below &&
-                   t->desc[idx].numel < (size_t)t->persist_below;
+    bool persist =
+        role != R_ACT && t->persist_below && t->desc[idx].numel < (size_t)t->persist_below;
     switch (role) {
     case R_P:
-        if (t->w != t->p)
-            return oh; /* the fp32 master is optimizer state */
+        if (t->w != t->p) return oh; /* the fp32 master is optimizer state */
         return persist ? ZINF_TIER_DEVICE : ph;
-    case R_W: return persist ? ZINF_TIER_DEVICE : ph;
-    case R_ACT: return ZINF_TIER_HOST;
-    default: return oh;
+    case R_W:
+        return persist ? ZINF_TIER_DEVICE : ph;
+    case R_ACT:
+        return ZINF_TIER_HOST;
+    default:
+        return oh;
     }
 }
 
@@ -418,21 +427,26 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
     }
     for (int i = 0; i < t->ntensors; i++)
         for (size_t j = 0; j < sizeof(kinds) / sizeof(kinds[0]); j++) {
-            if (kinds[j] == R_W && t->w == t->p)
-                continue;
+            if (kinds[j] == R_W && t->w == t->p) continue;
             enum zinf_tier h = role_home(t, kinds[j], i);
-            if (h < MEM_TIERS)
-                homes[h] += align_up(role_bytes(t, kinds[j], i), ZINF_ALIGN);
+            if (h < MEM_TIERS) homes[h] += align_up(role_bytes(t, kinds[j], i), ZINF_ALIGN);
         }
-    homes[ZINF_TIER_HOST] += (uint64_t)(t->cfg.L + 1) * align_up(role_bytes(t, R_ACT, 0),
-                                                                 ZINF_ALIGN);
+    homes[ZINF_TIER_HOST] +=
+        (uint64_t)(t->cfg.L + 1) * align_up(role_bytes(t, R_ACT, 0), ZINF_ALIGN);
     enum zinf_tier sh = home_of(t->zc.zero.offload_param.device);
     if (sh < MEM_TIERS)
-        homes[sh] += align_up(sizeof(struct train_state), ZINF_ALIGN) +
-                     (t->be->wdt == BACKEND_F16 ? align_up(sizeof(struct loss_scale), ZINF_ALIGN)
-                                                : 0);
+        homes[sh] +=
+            align_up(sizeof(struct train_state), ZINF_ALIGN) +
+            (t->be->wdt == BACKEND_F16 ? align_up(sizeof(struct loss_scale), ZINF_ALIGN) : 0);
 
-#define CONSIDER(tier)                                                                             do {                                                                                               uint64_t n_ = wave_need(t, &w, (tier));                                                        if (n_ > need[(tier)]) {                                                                           need[(tier)] = n_;                                                                             what[(tier)] = w.what;                                                                     }                                                                                          } while (0)
+#define CONSIDER(tier)                                                                             \
+    do {                                                                                           \
+        uint64_t n_ = wave_need(t, &w, (tier));                                                    \
+        if (n_ > need[(tier)]) {                                                                   \
+            need[(tier)] = n_;                                                                     \
+            what[(tier)] = w.what;                                                                 \
+        }                                                                                          \
+    } while (0)
     wave_embed_forward(t, &w);
     CONSIDER(ZINF_TIER_DEVICE);
     for (int k = 0; k < t->cfg.L; k++) {
@@ -477,8 +491,7 @@ static int check_budgets(struct trainer *t, char *err, size_t errlen)
     for (int k = 0; k < MEM_TIERS; k++) {
         uint64_t cap = st.tier[k].capacity_bytes;
         char a[32], b[32], c[32], d[32];
-        if (cap >= need[k] || len >= errlen)
-            continue;
+        if (cap >= need[k] || len >= errlen) continue;
         char pins[160] = "", homed[96] = "";
         if (what[k])
             snprintf(pins, sizeof(pins), "%s pins %s on %s at once", what[k],
@@ -486,13 +499,12 @@ static int check_budgets(struct trainer *t, char *err, size_t errlen)
         if (homes[k])
             snprintf(homed, sizeof(homed), "%s%s of tensors are homed there", what[k] ? ", " : "",
                      format_size(homes[k], d, sizeof(d)));
-        len += (size_t)snprintf(err + len, errlen - len,
-                                "%s%s: %s is too small: %s%s; %s (%llu bytes) runs", len ? "; " : "",
-                                key[k], format_size(cap, a, sizeof(a)), pins, homed,
-                                format_size(need[k], b, sizeof(b)), (unsigned long long)need[k]);
+        len += (size_t)snprintf(
+            err + len, errlen - len, "%s%s: %s is too small: %s%s; %s (%llu bytes) runs",
+            len ? "; " : "", key[k], format_size(cap, a, sizeof(a)), pins, homed,
+            format_size(need[k], b, sizeof(b)), (unsigned long long)need[k]);
     }
-    if (!len)
-        return 0;
+    if (!len) return 0;
     if (len < errlen)
         snprintf(err + len, errlen - len,
                  ". The smallest budgets that run this model and batch: \"zinf\": "
@@ -508,8 +520,7 @@ static int reg(struct trainer *t, const char *prefix, const char *name, size_t b
 {
     char full[96];
     snprintf(full, sizeof(full), "%s%s", prefix, name);
-    if (t->o.resume)
-        return zinf_lookup(t->e, full, out);
+    if (t->o.resume) return zinf_lookup(t->e, full, out);
     return zinf_register(t->e, full, bytes, home, out);
 }
 
@@ -523,11 +534,11 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
     struct tensor *x = engine_tensor(t->e, h);
     enum zinf_tier got = x ? x->home : want;
     pthread_mutex_unlock(&t->e->lock);
-    if (got == want)
-        return 0;
-    snprintf(err, errlen, "--resume: the saved run keeps '%s' on %s, this config on %s: give "
-             "the saved run's offload devices and stage3_param_persistence_threshold", name,
-             tiers[got], tiers[want]);
+    if (got == want) return 0;
+    snprintf(err, errlen,
+             "--resume: the saved run keeps '%s' on %s, this config on %s: give "
+             "the saved run's offload devices and stage3_param_persistence_threshold",
+             name, tiers[got], tiers[want]);
     return -EINVAL;
 }
 
@@ -553,13 +564,14 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
             if (r == 0 && t->o.resume) {
                 char full[96];
                 snprintf(full, sizeof(full), "%s%s", prefix[k], n);
-                if ((r = check_home(t, *out[k], home, full, err, errlen)) < 0)
-                    return r;
+                if ((r = check_home(t, *out[k], home, full, err, errlen)) < 0) return r;
             }
         }
         if (r < 0 && t->o.resume)
-            snprintf(err, errlen, "--resume: tensor '%s' is not in the swap directory: is it the "
-                     "saved run's, with the same model?", n);
+            snprintf(err, errlen,
+                     "--resume: tensor '%s' is not in the swap directory: is it the "
+                     "saved run's, with the same model?",
+                     n);
         else if (r < 0)
             snprintf(err, errlen, "tensor '%s' (%zu bytes): %s", n, bytes, zinf_strerror(r));
     }
@@ -570,8 +582,7 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
         char full[48];
         snprintf(full, sizeof(full), "act.%s", name);
         r = t->o.resume ? zinf_lookup(t->e, full, &t->act[k]) : -ENOENT;
-        if (r == -ENOENT)
-            r = zinf_register(t->e, full, act, ZINF_TIER_HOST, &t->act[k]);
+        if (r == -ENOENT) r = zinf_register(t->e, full, act, ZINF_TIER_HOST, &t->act[k]);
         if (r < 0)
             snprintf(err, errlen, "activation checkpoint %d (%zu bytes) in the host tier: %s", k,
                      act, zinf_strerror(r));
@@ -588,10 +599,8 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
         /* The loss scaler goes on where the saved run left it. */
         r = reg(t, "", SCALER_NAME, sizeof(struct loss_scale),
                 home_of(t->zc.zero.offload_param.device), &t->scaler);
-        if (r == 0 && t->o.resume)
-            r = zinf_read(t->e, t->scaler, 0, &t->ls, sizeof(t->ls));
-        if (r < 0)
-            snprintf(err, errlen, "%s: %s", SCALER_NAME, zinf_strerror(r));
+        if (r == 0 && t->o.resume) r = zinf_read(t->e, t->scaler, 0, &t->ls, sizeof(t->ls));
+        if (r < 0) snprintf(err, errlen, "%s: %s", SCALER_NAME, zinf_strerror(r));
     }
     return r;
 }
@@ -616,8 +625,7 @@ static int init_params(struct trainer *t)
             }
         }
         r = gpt_init_tensor(&t->cfg, &t->desc[i], buf, t->o.seed);
-        if (r == 0)
-            r = zinf_write(t->e, t->p[i], 0, buf, n * sizeof(float));
+        if (r == 0) r = zinf_write(t->e, t->p[i], 0, buf, n * sizeof(float));
         if (r == 0 && t->w != t->p) {
             if (t->be->wdt == BACKEND_F16)
                 ops_cast_f32_to_f16(b16, buf, n);
@@ -635,32 +643,36 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
 {
     struct train_state s;
     int r = zinf_read(t->e, t->state, 0, &s, sizeof(s));
-    if (r < 0)
-        return r;
+    if (r < 0) return r;
     if (s.magic == STATE_MAGIC_V2) {
         s.held_out = 0; /* that version trained on the whole file: so does its resume */
         t->train_bytes = t->data_bytes;
     } else if (s.magic != STATE_MAGIC) {
-        snprintf(err, errlen, "--resume: the state in the swap directory was written by another "
+        snprintf(err, errlen,
+                 "--resume: the state in the swap directory was written by another "
                  "version of zinf train; start a new run");
         return -EINVAL;
     }
-    if (s.L != t->cfg.L || s.C != t->cfg.C || s.NH != t->cfg.NH ||
-        s.maxT != t->cfg.maxT || s.B != t->o.batch || s.T != t->o.seq || s.seed != t->o.seed ||
+    if (s.L != t->cfg.L || s.C != t->cfg.C || s.NH != t->cfg.NH || s.maxT != t->cfg.maxT ||
+        s.B != t->o.batch || s.T != t->o.seq || s.seed != t->o.seed ||
         s.data_bytes != t->data_bytes || s.wdt != (int32_t)t->be->wdt ||
         (s.accum ? s.accum : 1) != t->o.grad_accum) {
-        snprintf(err, errlen, "--resume: the saved run used --layers %d --dim %d --heads %d "
+        snprintf(err, errlen,
+                 "--resume: the saved run used --layers %d --dim %d --heads %d "
                  "--seq %d --batch %d --accumulate %d --seed %llu --precision %s on %llu bytes "
-                 "of data; give the same", s.L, s.C, s.NH, s.T, s.B, s.accum ? s.accum : 1,
-                 (unsigned long long)s.seed,
-                 s.wdt == BACKEND_BF16 ? "bf16" : s.wdt == BACKEND_F16 ? "fp16" : "fp32",
+                 "of data; give the same",
+                 s.L, s.C, s.NH, s.T, s.B, s.accum ? s.accum : 1, (unsigned long long)s.seed,
+                 s.wdt == BACKEND_BF16  ? "bf16"
+                 : s.wdt == BACKEND_F16 ? "fp16"
+                                        : "fp32",
                  (unsigned long long)s.data_bytes);
         return -EINVAL;
     }
     if (s.magic == STATE_MAGIC && (s.held_out != 0) != (t->train_bytes < t->data_bytes)) {
-        snprintf(err, errlen, "--resume: the saved run %s the last tenth of the data for "
-                 "validation, this one would not: give the same data", s.held_out ? "held out"
-                                                                                : "did not hold out");
+        snprintf(err, errlen,
+                 "--resume: the saved run %s the last tenth of the data for "
+                 "validation, this one would not: give the same data",
+                 s.held_out ? "held out" : "did not hold out");
         return -EINVAL;
     }
     t->state_v2 = s.magic == STATE_MAGIC_V2;
@@ -670,10 +682,17 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
 
 static int state_save_step(struct trainer *t, int step_done)
 {
-    struct train_state s = {.magic = STATE_MAGIC, .step_done = step_done, .L = t->cfg.L,
-                            .C = t->cfg.C, .NH = t->cfg.NH, .maxT = t->cfg.maxT,
-                            .B = t->o.batch, .T = t->o.seq, .seed = t->o.seed,
-                            .data_bytes = t->data_bytes, .wdt = (int32_t)t->be->wdt,
+    struct train_state s = {.magic = STATE_MAGIC,
+                            .step_done = step_done,
+                            .L = t->cfg.L,
+                            .C = t->cfg.C,
+                            .NH = t->cfg.NH,
+                            .maxT = t->cfg.maxT,
+                            .B = t->o.batch,
+                            .T = t->o.seq,
+                            .seed = t->o.seed,
+                            .data_bytes = t->data_bytes,
+                            .wdt = (int32_t)t->be->wdt,
                             .accum = t->o.grad_accum,
                             .held_out = t->train_bytes < t->data_bytes};
     if (t->state_v2) {
@@ -706,39 +725,42 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     }
     if (o->grad_accum < 1 || !(o->beta1 >= 0 && o->beta1 < 1) || !(o->beta2 >= 0 && o->beta2 < 1) ||
         !(o->eps > 0) || !(o->weight_decay >= 0)) {
-        snprintf(err, errlen, "the gradient accumulation steps must be >= 1, Adam's betas in "
+        snprintf(err, errlen,
+                 "the gradient accumulation steps must be >= 1, Adam's betas in "
                  "[0, 1), eps > 0 and the weight decay >= 0");
         return -EINVAL;
     }
     if ((o->sched.type == TRAINER_SCHED_WARMUP_DECAY ||
-         o->sched.type == TRAINER_SCHED_WARMUP_COSINE) && o->sched.total_steps < 1) {
+         o->sched.type == TRAINER_SCHED_WARMUP_COSINE) &&
+        o->sched.total_steps < 1) {
         snprintf(err, errlen, "scheduler.params.total_num_steps: %s needs it (>= 1)",
                  o->sched.type == TRAINER_SCHED_WARMUP_DECAY ? "WarmupDecayLR" : "WarmupCosineLR");
         return -EINVAL;
     }
     struct gpt_config cfg = o->model;
     cfg.maxT = o->seq;
-    if (gpt_config_validate(&cfg, err, errlen) < 0)
-        return -EINVAL;
+    if (gpt_config_validate(&cfg, err, errlen) < 0) return -EINVAL;
     if (!o->config_path || !o->data_path) {
         snprintf(err, errlen, "--config FILE and --data FILE are required");
         return -EINVAL;
     }
 
     t = calloc(1, sizeof(*t));
-    if (!t)
-        return -ENOMEM;
+    if (!t) return -ENOMEM;
     t->o = *o;
     t->cfg = cfg;
     config_defaults(&t->zc);
-    if ((r = config_parse_file(o->config_path, &t->zc, err, errlen)) < 0)
-        goto fail;
+    if ((r = config_parse_file(o->config_path, &t->zc, err, errlen)) < 0) goto fail;
     /* "auto" (Hugging Face's configs) as the command resolved it: the engine's prefetch
      * budget comes from the model's width. */
-    struct config_auto_inputs ai = {.hidden_size = o->model.C, .micro_batch = o->batch,
-                                    .grad_accum = o->grad_accum, .steps = o->steps,
-                                    .lr = o->lr, .weight_decay = o->weight_decay,
-                                    .grad_clip = o->grad_clip, .bf16 = -1};
+    struct config_auto_inputs ai = {.hidden_size = o->model.C,
+                                    .micro_batch = o->batch,
+                                    .grad_accum = o->grad_accum,
+                                    .steps = o->steps,
+                                    .lr = o->lr,
+                                    .weight_decay = o->weight_decay,
+                                    .grad_clip = o->grad_clip,
+                                    .bf16 = -1};
     char resolved[1024];
     config_resolve_auto(&t->zc, &ai, resolved, sizeof(resolved));
     /* DeepSpeed's persistent parameters, when the config sets the threshold ("auto": ten
@@ -754,7 +776,8 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         if (t->zc.zinf.device == ZINF_DEVICE_CUDA && !usable) {
             snprintf(err, errlen, "zinf.device is \"cuda\" but %s; use \"auto\" or \"emulated\"",
                      !built ? "this build has no CUDA kernels (no CUDA toolkit when it was built)"
-                            : ci.reason[0] ? ci.reason : "no GPU is usable");
+                     : ci.reason[0] ? ci.reason
+                                    : "no GPU is usable");
             r = -ENODEV;
             goto fail;
         }
@@ -776,13 +799,13 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     };
     r = cuda ? backend_cuda_open(&bp, &t->be, err, errlen)
              : backend_cpu_open(&bp, &t->be, err, errlen);
-    if (r < 0)
-        goto fail;
+    if (r < 0) goto fail;
     t->opt_tier = home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_DEVICE
                       ? ZINF_TIER_DEVICE
                       : ZINF_TIER_HOST;
     if (o->resume && !t->zc.nvme_paths.count) {
-        snprintf(err, errlen, "--resume needs an NVMe swap directory in the config "
+        snprintf(err, errlen,
+                 "--resume needs an NVMe swap directory in the config "
                  "(zero_optimization.offload_param.nvme_path or zinf.nvme_paths)");
         r = -EINVAL;
         goto fail;
@@ -794,8 +817,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         r = -EINVAL;
         goto fail;
     }
-    if ((r = load_data(t, err, errlen)) < 0)
-        goto fail;
+    if ((r = load_data(t, err, errlen)) < 0) goto fail;
     /* The last tenth is held out for validation when it holds a whole sequence, and the
      * rest too: batches never come from it, whether or not anything evaluates on it. */
     t->train_bytes = t->data_bytes;
@@ -815,22 +837,26 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
             goto fail;
         }
         if (!o->resume && !o->overwrite && pr == 0 && n > 0) {
-            snprintf(err, errlen, "%s holds a saved run: continue it with --resume, or start "
-                     "over with --overwrite (which deletes it)", sd);
+            snprintf(err, errlen,
+                     "%s holds a saved run: continue it with --resume, or start "
+                     "over with --overwrite (which deletes it)",
+                     sd);
             r = -EEXIST;
             goto fail;
         }
     }
 
-    r = engine_open_config(&t->zc, o->resume      ? ZINF_OPEN_RESUME
-                                   : o->overwrite ? ZINF_OPEN_OVERWRITE
-                                                  : 0,
+    r = engine_open_config(&t->zc,
+                           o->resume      ? ZINF_OPEN_RESUME
+                           : o->overwrite ? ZINF_OPEN_OVERWRITE
+                                          : 0,
                            &t->e);
     if (r < 0) {
         if (r == -EBUSY)
-            snprintf(err, errlen, "%s: the swap directory %s is in use by another engine (its "
-                     "swap files are locked): one job per swap directory", o->config_path,
-                     t->zc.nvme_paths.count ? t->zc.nvme_paths.path[0] : "");
+            snprintf(err, errlen,
+                     "%s: the swap directory %s is in use by another engine (its "
+                     "swap files are locked): one job per swap directory",
+                     o->config_path, t->zc.nvme_paths.count ? t->zc.nvme_paths.path[0] : "");
         else
             snprintf(err, errlen, "%s: cannot open the engine: %s", o->config_path,
                      zinf_strerror(r));
@@ -857,8 +883,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     gpt_layout(&cfg, t->desc, (size_t)t->ntensors);
     for (int i = 0; i < t->ntensors; i++) {
         const struct gpt_tensor_desc *d = &t->desc[i];
-        if (d->block >= 0 && d->slot == 0)
-            t->block_first[d->block] = i;
+        if (d->block >= 0 && d->slot == 0) t->block_first[d->block] = i;
         if (d->block < 0) {
             if (d->slot == GPT_WTE)
                 t->wte = i;
@@ -870,16 +895,14 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
                 t->lnfb = i;
         }
     }
-    if ((r = check_budgets(t, err, errlen)) < 0)
-        goto fail;
+    if ((r = check_budgets(t, err, errlen)) < 0) goto fail;
     /* Resuming, the saved run's shape and precision are checked before its tensors are
      * looked up, so a mismatch is named as such; without a saved state, register_all()
      * says so. */
     if (o->resume && zinf_lookup(t->e, STATE_NAME, &t->state) == 0 &&
         (r = state_check(t, err, errlen)) < 0)
         goto fail;
-    if ((r = register_all(t, err, errlen)) < 0)
-        goto fail;
+    if ((r = register_all(t, err, errlen)) < 0) goto fail;
     if (!o->resume && t->be->wdt == BACKEND_F16) {
         const struct trainer_fp16 *f = &o->fp16;
         loss_scale_init(&t->ls, f->loss_scale, f->initial_scale_power, f->loss_scale_window,
@@ -905,8 +928,7 @@ fail:
 
 void trainer_close(struct trainer *t)
 {
-    if (!t)
-        return;
+    if (!t) return;
     /* A torn state is dropped: the last checkpoint stays the saved one, as after a crash.
      * So it does after a failed checkpoint, as the caller was told. */
     if (t->torn || t->checkpoint_failed)
@@ -919,8 +941,7 @@ void trainer_close(struct trainer *t)
     free(t->g);
     free(t->m);
     free(t->v);
-    if (t->w != t->p)
-        free(t->w);
+    if (t->w != t->p) free(t->w);
     free(t->block_first);
     free(t->act);
     free(t->tokens);
@@ -932,10 +953,9 @@ void trainer_close(struct trainer *t)
 
 /* ---- one step -------------------------------------------------------------------------- */
 
-#define TRY(x)                                                                                 \
-    do {                                                                                       \
-        if ((r = (x)) < 0)                                                                     \
-            goto out;                                                                          \
+#define TRY(x)                                                                                     \
+    do {                                                                                           \
+        if ((r = (x)) < 0) goto out;                                                               \
     } while (0)
 
 /* The backend's queued work that reads or writes what is about to be released must be
@@ -957,8 +977,7 @@ static int forward(struct trainer *t)
     TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
     r = settle(t, be->embed_forward(t->be, p[0], p[1], p[2]));
     wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
-    if (r < 0)
-        goto out;
+    if (r < 0) goto out;
 
     for (int k = 0; k < t->cfg.L; k++) {
         wave_block_forward(t, k, &w);
@@ -966,8 +985,7 @@ static int forward(struct trainer *t)
         r = settle(t, be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
                                         p[GPT_BLOCK_NSLOTS + 1]));
         wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
-        if (r < 0)
-            goto out;
+        if (r < 0) goto out;
         note_peaks(t);
     }
 out:
@@ -986,8 +1004,7 @@ static int head(struct trainer *t, bool zero, bool norm)
     int r;
 
     wave_head(t, &w);
-    if ((r = wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0)
-        return r;
+    if ((r = wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
     size_t C = (size_t)c->C * sizeof(float);
     if (zero && (r = be->zero(t->be, p[4], C)) == 0 && (r = be->zero(t->be, p[5], C)) == 0)
         r = be->zero(t->be, p[6], (size_t)c->V * C);
@@ -1013,22 +1030,19 @@ static int backward(struct trainer *t, bool zero, bool norm)
         size_t first = (size_t)t->block_first[k];
         for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && zero; i++)
             r = be->zero(t->be, gw[i], t->desc[first + i].numel * sizeof(float));
-        if (r == 0)
-            r = be->block_backward(t->be, (const void *const *)p, a, (float *const *)gw);
+        if (r == 0) r = be->block_backward(t->be, (const void *const *)p, a, (float *const *)gw);
         for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && norm; i++)
             r = be->sumsq(t->be, gw[i], t->desc[first + i].numel);
         r = settle(t, r);
         wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
-        if (r < 0)
-            goto out;
+        if (r < 0) goto out;
         note_peaks(t);
     }
 
     /* The embeddings: g_wte already holds the head's share. */
     wave_embed_backward(t, &w);
     TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
-    if (zero)
-        r = be->zero(t->be, p[1], t->desc[t->wpe].numel * sizeof(float));
+    if (zero) r = be->zero(t->be, p[1], t->desc[t->wpe].numel * sizeof(float));
     if (r == 0 && (r = be->embed_backward(t->be, p[0], p[1])) == 0 && norm &&
         (r = be->sumsq(t->be, p[0], t->desc[t->wte].numel)) == 0)
         r = be->sumsq(t->be, p[1], t->desc[t->wpe].numel);
@@ -1065,8 +1079,7 @@ static int optimize(struct trainer *t, int step, double sumsq, double loss_scale
         struct wave w;
         void *p[WAVE_MAX];
         wave_optimizer(t, i, &w);
-        if ((r = wave_fetch(t, &w, tier, p)) < 0)
-            break;
+        if ((r = wave_fetch(t, &w, tier, p)) < 0) break;
         if (t->fault_err && i == t->fault_tensor) {
             r = -t->fault_err; /* as if fetching had failed */
             t->fault_err = 0;
@@ -1075,12 +1088,11 @@ static int optimize(struct trainer *t, int step, double sumsq, double loss_scale
             /* Decay the matrices only, as GPT-2 trainers do (not biases, norms). */
             h.weight_decay = t->desc[i].ndim == 2 ? t->o.weight_decay : 0.0f;
             if (tier == ZINF_TIER_DEVICE)
-                r = settle(t, t->be->ops->adamw(t->be, p[0], p[1], p[2], p[3],
-                                                mixed ? p[4] : NULL, t->desc[i].numel, &h,
-                                                step, scale));
+                r = settle(t, t->be->ops->adamw(t->be, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL,
+                                                t->desc[i].numel, &h, step, scale));
             else if (mixed && t->be->wdt == BACKEND_F16) {
-                if ((r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step,
-                                      scale)) == 0)
+                if ((r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step, scale)) ==
+                    0)
                     ops_cast_f32_to_f16(p[4], p[0], t->desc[i].numel);
             } else if (mixed)
                 r = adamw_update_bf16(p[0], p[1], p[2], p[3], p[4], t->desc[i].numel, &h, step,
@@ -1101,8 +1113,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     float loss = 0;
     double sumsq = 0;
 
-    if (t->torn)
-        return t->torn;
+    if (t->torn) return t->torn;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
     double loss_sum = 0;
@@ -1132,8 +1143,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     bool overflow = fp16 && !isfinite(sumsq);
     int applied = step - (int)t->ls.skipped - (overflow ? 1 : 0);
     struct loss_scale ls = t->ls;
-    if (fp16)
-        loss_scale_update(&ls, overflow);
+    if (fp16) loss_scale_update(&ls, overflow);
     /* Up to here only gradients and activations changed, which the next step rebuilds;
      * from here the parameters and Adam states change, tensor by tensor, until the step
      * count says they belong to this step. */
@@ -1172,16 +1182,13 @@ out:
 int trainer_checkpoint(struct trainer *t)
 {
     struct zinf_stats s0, s1;
-    if (t->torn)
-        return t->torn;
+    if (t->torn) return t->torn;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
     int r = state_save(t);
-    if (r == 0)
-        r = zinf_flush(t->e);
+    if (r == 0) r = zinf_flush(t->e);
     t->checkpoint_failed = r < 0;
-    if (r < 0)
-        return r;
+    if (r < 0) return r;
     zinf_stats(t->e, &s1);
     t->checkpoints++;
     t->checkpoint_step = t->step_done;
@@ -1216,7 +1223,9 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         out->param_count += t->desc[i].numel;
     out->model_state_bytes = out->param_count * (sizeof(float) * 4 + (t->w != t->p ? 2 : 0));
     out->backend = t->be->name;
-    out->precision = t->be->wdt == BACKEND_BF16 ? "bf16" : t->be->wdt == BACKEND_F16 ? "fp16" : "fp32";
+    out->precision = t->be->wdt == BACKEND_BF16  ? "bf16"
+                     : t->be->wdt == BACKEND_F16 ? "fp16"
+                                                 : "fp32";
     out->skipped_steps = t->ls.skipped;
     out->loss_scale = t->be->wdt == BACKEND_F16 ? t->ls.scale : 1;
     out->backend_work_bytes = t->be->work_bytes;
@@ -1238,12 +1247,9 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
 int trainer_eval(struct trainer *t, int n_batches, float *loss)
 {
     int B = t->o.batch, T = t->o.seq, r = 0;
-    if (t->torn)
-        return t->torn;
-    if (n_batches < 1 || !loss)
-        return -EINVAL;
-    if (t->train_bytes == t->data_bytes)
-        return -ENODATA;
+    if (t->torn) return t->torn;
+    if (n_batches < 1 || !loss) return -EINVAL;
+    if (t->train_bytes == t->data_bytes) return -ENODATA;
     /* Window starts spread evenly over the tail, the last one ending at the data's end. */
     size_t first = t->train_bytes, span = t->data_bytes - t->train_bytes - (size_t)T - 1;
     size_t windows = (size_t)n_batches * (size_t)B;
@@ -1281,10 +1287,8 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
     float logits[256], mean, rstd;
     size_t done = 0;
 
-    if (t->torn)
-        return t->torn;
-    if (!t->o.sample || !prompt || plen < 1 || !out || plen + n > (size_t)T)
-        return -EINVAL;
+    if (t->torn) return t->torn;
+    if (!t->o.sample || !prompt || plen < 1 || !out || plen + n > (size_t)T) return -EINVAL;
     unsigned char *ctx = malloc((size_t)T);
     float *x = malloc((size_t)C * sizeof(float)), *xn = malloc((size_t)C * sizeof(float));
     if (!ctx || !x || !xn) {
@@ -1300,14 +1304,12 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
                 t->tokens[b * T + i] = i <= (int)pos ? ctx[i] : 0;
                 t->targets[b * T + i] = 0;
             }
-        if ((r = t->be->ops->set_batch(t->be, t->tokens, t->targets)) < 0 ||
-            (r = forward(t)) < 0)
+        if ((r = t->be->ops->set_batch(t->be, t->tokens, t->targets)) < 0 || (r = forward(t)) < 0)
             break;
         struct wave w;
         void *p[WAVE_MAX];
         wave_sample(t, &w);
-        if ((r = wave_fetch(t, &w, ZINF_TIER_HOST, p)) < 0)
-            break;
+        if ((r = wave_fetch(t, &w, ZINF_TIER_HOST, p)) < 0) break;
         /* Row 0's activation at pos, through the final norm, against each byte's embedding. */
         size_t at = pos * (size_t)C;
         if (t->be->adt == BACKEND_BF16)
@@ -1339,8 +1341,7 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
         }
         ctx[pos + 1] = (unsigned char)tok;
         out[done++] = (unsigned char)tok;
-        if (pos + 2 >= (size_t)T)
-            break;
+        if (pos + 2 >= (size_t)T) break;
     }
     free(ctx);
     free(x);
