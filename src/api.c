@@ -7,6 +7,7 @@
  * Not here: opening either kind of handle (zinf_open* in engine.c, zinf_connect in
  * client.c), or any work of its own.
  */
+#include "api.h"
 #include "common.h"
 #include "engine/engine.h"
 #include "handle.h"
@@ -111,4 +112,18 @@ ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out)
 {
     struct client *c = remote(e);
     return c ? client_stats(c, out) : engine_api_stats(e, out);
+}
+
+bool api_is_remote(zinf_engine *e)
+{
+    return remote(e) != NULL;
+}
+
+void api_close_unflushed(zinf_engine *e)
+{
+    struct client *c = remote(e);
+    if (c)
+        client_close_unflushed(c);
+    else
+        engine_close_unflushed(e);
 }

@@ -196,6 +196,8 @@ static const struct field fields[] = {
     {S_ZINF, "submit_batch", NULL, F_UINT, OFF(zinf.submit_batch), 0, 1024, 0, NULL},
     {S_ZINF, "staging_bytes", NULL, F_SIZE, OFF(zinf.staging_bytes), 0, 4 * GiB, 0, NULL},
     {S_ZINF, "huge_pages", NULL, F_BOOL, OFF(zinf.huge_pages), 0, 0, 0, NULL},
+    {S_ZINF, "connect", NULL, F_PATHS, OFF(zinf.connect), 0, 0, 0, NULL},
+    {S_ZINF, "job", NULL, F_STR, OFF(zinf.job), 0, 0, 0, NULL},
     /* `zinf train`'s model and run; its command-line options take precedence. */
     {S_TRAIN, "layers", NULL, F_INT, OFF(zinf.train.layers), 1, 1024, 0, NULL},
     {S_TRAIN, "dim", NULL, F_INT, OFF(zinf.train.dim), 1, 65536, 0, NULL},
@@ -889,11 +891,12 @@ static int finish(struct parser *p)
     char path[JSON_PATH_CHARS];
     int ret;
 
-    /* DeepSpeed needs nvme_path with device "nvme"; zinf.nvme_paths can stand in for it. */
+    /* DeepSpeed needs nvme_path with device "nvme"; zinf.nvme_paths can stand in for it,
+     * and through a daemon (zinf.connect) the swap directories are the daemon's. */
     for (size_t i = 0; i < ARRAY_SIZE(offload); i++) {
         snprintf(path, sizeof(path), "%s.nvme_path", sects[offload[i].sect].path);
         if (offload[i].device == CONFIG_OFFLOAD_NVME && !offload[i].paths->count &&
-            !c->zinf.nvme_paths.count)
+            !c->zinf.nvme_paths.count && !c->zinf.connect.count)
             return fail(p, path, "required when device is \"nvme\"");
     }
     ret = merge_paths(p, "zinf.nvme_paths", &c->zinf.nvme_paths);
@@ -1045,6 +1048,7 @@ void config_free(struct zinf_config *c)
     paths_free(&c->zero.offload_param.nvme_path);
     paths_free(&c->zero.offload_optimizer.nvme_path);
     paths_free(&c->zinf.nvme_paths);
+    paths_free(&c->zinf.connect);
     paths_free(&c->nvme_paths);
     list_free(&c->unknown, &c->n_unknown);
     list_free(&c->ignored, &c->n_ignored);

@@ -120,6 +120,8 @@ struct zinf_config {
         uint64_t staging_bytes;  /* the staging ring (NVMe <-> device); 0: from offload_param
                                   * buffers, or 2 x queue_depth blocks */
         bool huge_pages;         /* transparent huge pages for the host arena; true */
+        struct config_paths connect; /* zinf train through the daemon on this socket; none */
+        char job[32];                /* ... as this job; "" (zinf train's default) */
         struct {                           /* zinf.train: `zinf train`'s model and run */
             int layers, dim, heads, seq, batch, steps; /* 0: the command's default */
             int precision; /* "auto" 0, "fp32" 1, "bf16" 2: as enum trainer_precision */

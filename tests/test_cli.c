@@ -1527,3 +1527,91 @@ Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
     free(got);
     free(want);
 }
+
+/* The README's training through `zinf serve --connect`: bitwise the losses of the
+ * embedded run; the daemon restarted in between, --resume continues the job as an
+ * embedded --resume continues its swap directory; the refusals say the job's name. */
+Test(cli, train_through_the_daemon_equals_embedded)
+{
+    char cfg[4096], data[4096], swap[4096], dcfg[4096], ddata[4096], dswap[4096], sock[4096];
+    char out[4096], *o;
+    snprintf(swap, sizeof(swap), "%s/swap-emb", dir);
+    snprintf(dswap, sizeof(dswap), "%s/swap-daemon", dir);
+    snprintf(sock, sizeof(sock), "%s/zinf.sock", dir);
+    snprintf(out, sizeof(out), "%s/serve.out", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    train_files(dswap, dcfg, sizeof(dcfg), ddata, sizeof(ddata));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s/emb.jsonl", cfg,
+                     data, dir),
+                 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 7 --resume --log "
+                         "%s/emb.jsonl", cfg, data, dir),
+                 0, "%s", o);
+    free(o);
+
+    /* Nobody listens yet: said, exit 1. */
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --connect %s", cfg, data,
+                     sock),
+                 1, "%s", o);
+    cr_assert(strstr(o, "nobody listens there"), "%s", o);
+    free(o);
+
+    pid_t pid = spawn(out, "serve --socket %s --config %s --foreground", sock, dcfg);
+    zinf_engine *probe = connect_when_up(sock, "probe");
+    zinf_close(probe);
+    /* The trainer's own config names the socket (zinf.connect) and the job. */
+    char ccfg[4200];
+    snprintf(ccfg, sizeof(ccfg), "%s/connect.json", dir);
+    char text[8192];
+    snprintf(text, sizeof(text),
+             "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\"}, "
+             "\"offload_optimizer\": {\"device\": \"nvme\"}}, \"zinf\": {\"connect\": \"%s\", "
+             "\"job\": \"tiny\"}}",
+             sock);
+    write_file(ccfg, text);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s/d.jsonl", ccfg,
+                     data, dir),
+                 0, "%s", o);
+    free(o);
+    /* A second start over it is refused, naming the job. */
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4", ccfg, data), 2, "%s",
+                 o);
+    cr_assert(strstr(o, "job tiny") && strstr(o, "--resume"), "%s", o);
+    free(o);
+    kill(pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "serve exited %#x", st);
+
+    /* A new daemon: the job comes back from its swap folder and the run resumes. */
+    pid = spawn(out, "serve --socket %s --config %s --foreground", sock, dcfg);
+    probe = connect_when_up(sock, "probe");
+    zinf_close(probe);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 7 --resume --log "
+                         "%s/d.jsonl", ccfg, data, dir),
+                 0, "%s", o);
+    free(o);
+    /* --overwrite starts the job over: its first losses are the first run's again. */
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 2 --overwrite --log "
+                         "%s/d2.jsonl", ccfg, data, dir),
+                 0, "%s", o);
+    free(o);
+    kill(pid, SIGTERM);
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+
+    char emb[MAX_STEPS + 1][32] = {{0}}, dmn[MAX_STEPS + 1][32] = {{0}},
+         again[MAX_STEPS + 1][32] = {{0}};
+    char p1[4200], p2[4200], p3[4200];
+    snprintf(p1, sizeof(p1), "%s/emb.jsonl", dir);
+    snprintf(p2, sizeof(p2), "%s/d.jsonl", dir);
+    snprintf(p3, sizeof(p3), "%s/d2.jsonl", dir);
+    cr_assert_eq(read_losses(p1, emb, NULL, NULL), 7);
+    cr_assert_eq(read_losses(p2, dmn, NULL, NULL), 7);
+    cr_assert_eq(read_losses(p3, again, NULL, NULL), 2);
+    for (int s = 1; s <= 7; s++)
+        cr_assert_str_eq(dmn[s], emb[s], "step %d: through the daemon %s, embedded %s", s, dmn[s],
+                         emb[s]);
+    for (int s = 1; s <= 2; s++)
+        cr_assert_str_eq(again[s], emb[s], "step %d after --overwrite", s);
+}

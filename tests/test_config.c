@@ -1003,6 +1003,8 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         "zinf.submit_batch = 0  # default\n",
         "zinf.staging_bytes = 0  # default\n",
         "zinf.huge_pages = true  # default\n",
+        "zinf.connect = []  # default\n",
+        "zinf.job = \"\"  # default\n",
         "zinf.train.checkpoint_every = 0  # default\n",
         "engine.nvme_path = none  # no NVMe tier\n",
         "engine.nvme_paths_extra = []\n",
@@ -1026,7 +1028,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
     /* settings, zinf.train, the training keys, header, engine */
-    cr_expect_eq(lines, 22 + 9 + 28 + 1 + 8, "%s", text);
+    cr_expect_eq(lines, 24 + 9 + 28 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }

@@ -55,6 +55,12 @@ static void usage(FILE *f)
         "  --resume          continue the run persisted in the config's nvme_path\n"
         "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
         "                    (without it, zinf train refuses to start over a saved run)\n"
+        "  --connect SOCKET  keep the state in the job of the zinf daemon on SOCKET\n"
+        "                    (zinf serve; also zinf.connect) instead of an engine of this\n"
+        "                    process: its budgets and swap folder, the math here\n"
+        "  --job NAME        that job (default " TRAINER_DEFAULT_JOB
+        "; also zinf.job); --resume and\n"
+        "                    --overwrite act on the job's saved run\n"
         "  --eval-every N    the loss on the held-out tail of --data (its last tenth,\n"
         "                    never trained on) every N steps and at the end (0: never)\n"
         "  --eval-batches N  batches of the tail that loss is the mean of (default 8)\n"
@@ -130,7 +136,9 @@ enum {
     O_EVAL,
     O_EVAL_BATCHES,
     O_SAMPLE,
-    O_SAMPLE_BYTES
+    O_SAMPLE_BYTES,
+    O_CONNECT,
+    O_JOB
 };
 #define GIVEN(opt) (given & (1u << ((opt)-O_LAYERS)))
 
@@ -518,6 +526,8 @@ int cmd_train(int argc, char **argv)
         {"eval-batches", required_argument, NULL, O_EVAL_BATCHES},
         {"sample-every", required_argument, NULL, O_SAMPLE},
         {"sample-bytes", required_argument, NULL, O_SAMPLE_BYTES},
+        {"connect", required_argument, NULL, O_CONNECT},
+        {"job", required_argument, NULL, O_JOB},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -593,6 +603,12 @@ int cmd_train(int argc, char **argv)
             break;
         case O_OVERWRITE:
             o.overwrite = true;
+            break;
+        case O_CONNECT:
+            o.connect = optarg;
+            break;
+        case O_JOB:
+            o.job = optarg;
             break;
         case O_CKPT:
             bad = parse_int("--checkpoint-every", optarg, 0, 100000000, &ckpt_every);

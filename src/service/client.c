@@ -252,11 +252,11 @@ ZINF_API int zinf_connect(const char *socket_path, const char *job, zinf_engine 
     return 0;
 }
 
-void client_close(struct client *c)
+static void close_client(struct client *c, bool flush)
 {
     if (!c) return;
     /* As an embedded engine does at close: what was written becomes durable. */
-    if (c->session) client_flush(c);
+    if (c->session && flush) client_flush(c);
     struct conn *k = c->idle;
     while (k) {
         struct conn *next = k->next;
@@ -269,6 +269,16 @@ void client_close(struct client *c)
     pthread_mutex_destroy(&c->lock);
     c->h.kind = 0;
     free(c);
+}
+
+void client_close(struct client *c)
+{
+    close_client(c, true);
+}
+
+void client_close_unflushed(struct client *c)
+{
+    close_client(c, false);
 }
 
 static int handle_reply(struct client *c, struct call *k, zinf_tensor *out)

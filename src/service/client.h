@@ -17,6 +17,8 @@
 struct client;
 
 void client_close(struct client *c);
+/* The connection ends without the flush client_close makes. */
+void client_close_unflushed(struct client *c);
 int client_register(struct client *c, const char *name, size_t nbytes, enum zinf_tier home,
                     zinf_tensor *out);
 int client_lookup(struct client *c, const char *name, zinf_tensor *out);

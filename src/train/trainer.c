@@ -28,6 +28,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "api.h"
 #include "common.h"
 #include "config.h"
 #include "engine/engine.h"
@@ -60,6 +61,8 @@ struct trainer {
     struct trainer_opts o;
     struct gpt_config cfg;
     zinf_engine *e;
+    bool remote;      /* e is a client of the daemon on o.connect, attached to o.job */
+    char job[64 + 1]; /* that job's name */
     struct zinf_config zc;
 
     int ntensors;
@@ -521,6 +524,12 @@ static int reg(struct trainer *t, const char *prefix, const char *name, size_t b
     char full[96];
     snprintf(full, sizeof(full), "%s%s", prefix, name);
     if (t->o.resume) return zinf_lookup(t->e, full, out);
+    zinf_tensor old;
+    int r;
+    /* Through the daemon, --overwrite starts the job over one tensor at a time. */
+    if (t->remote && t->o.overwrite && zinf_lookup(t->e, full, &old) == 0 &&
+        (r = zinf_unregister(t->e, old)) < 0)
+        return r;
     return zinf_register(t->e, full, bytes, home, out);
 }
 
@@ -530,6 +539,7 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
                       char *err, size_t errlen)
 {
     static const char *const tiers[] = {"the device", "the host", "NVMe"};
+    if (t->remote) return 0; /* the daemon's engine is not ours to look into: its job is trusted */
     pthread_mutex_lock(&t->e->lock);
     struct tensor *x = engine_tensor(t->e, h);
     enum zinf_tier got = x ? x->home : want;
@@ -582,7 +592,9 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
         char full[48];
         snprintf(full, sizeof(full), "act.%s", name);
         r = t->o.resume ? zinf_lookup(t->e, full, &t->act[k]) : -ENOENT;
-        if (r == -ENOENT) r = zinf_register(t->e, full, act, ZINF_TIER_HOST, &t->act[k]);
+        if (r == -ENOENT)
+            r = t->o.resume ? zinf_register(t->e, full, act, ZINF_TIER_HOST, &t->act[k])
+                            : reg(t, "act.", name, act, ZINF_TIER_HOST, &t->act[k]);
         if (r < 0)
             snprintf(err, errlen, "activation checkpoint %d (%zu bytes) in the host tier: %s", k,
                      act, zinf_strerror(r));
@@ -767,6 +779,12 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
      * times the width); without it every weight stays in its offload home. */
     if (config_given(&t->zc, "zero_optimization.stage3_param_persistence_threshold"))
         t->persist_below = t->zc.zero.stage3_param_persistence_threshold;
+    /* Through the daemon (--connect, zinf.connect): its job's device tier is emulated in
+     * memory it shares with this process, so the math runs on the CPU. */
+    if (!t->o.connect && t->zc.zinf.connect.count) t->o.connect = t->zc.zinf.connect.path[0];
+    if (!t->o.job) t->o.job = t->zc.zinf.job[0] ? t->zc.zinf.job : TRAINER_DEFAULT_JOB;
+    t->remote = t->o.connect != NULL;
+    if (t->remote) t->zc.zinf.device = ZINF_DEVICE_EMULATED;
     /* The device tier and the backend go together: the CUDA kernels where the tier is a
      * GPU, the CPU over the emulated tier otherwise. */
     bool cuda = false;
@@ -803,7 +821,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     t->opt_tier = home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_DEVICE
                       ? ZINF_TIER_DEVICE
                       : ZINF_TIER_HOST;
-    if (o->resume && !t->zc.nvme_paths.count) {
+    if (o->resume && !t->zc.nvme_paths.count && !t->remote) {
         snprintf(err, errlen,
                  "--resume needs an NVMe swap directory in the config "
                  "(zero_optimization.offload_param.nvme_path or zinf.nvme_paths)");
@@ -812,7 +830,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     }
     if ((home_of(t->zc.zero.offload_param.device) == ZINF_TIER_NVME ||
          home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_NVME) &&
-        !t->zc.nvme_paths.count) {
+        !t->zc.nvme_paths.count && !t->remote) {
         snprintf(err, errlen, "an offload device is \"nvme\" but no nvme_path is given");
         r = -EINVAL;
         goto fail;
@@ -827,7 +845,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
      * deleted on request (--overwrite), never by default. The engine refuses the same, in
      * the library's words; this says it in the command's. (The engine creates a missing
      * directory, with its parents, for a new run.) */
-    if (t->zc.nvme_paths.count) {
+    if (t->zc.nvme_paths.count && !t->remote) {
         const char *sd = t->zc.nvme_paths.path[0];
         size_t n = 0;
         int pr = persist_probe(sd, &n, NULL);
@@ -846,11 +864,42 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         }
     }
 
-    r = engine_open_config(&t->zc,
-                           o->resume      ? ZINF_OPEN_RESUME
-                           : o->overwrite ? ZINF_OPEN_OVERWRITE
-                                          : 0,
-                           &t->e);
+    if (t->remote) {
+        snprintf(t->job, sizeof(t->job), "%s", t->o.job);
+        r = zinf_connect(t->o.connect, t->job, &t->e);
+        if (r < 0) {
+            snprintf(err, errlen, "cannot connect to the zinf daemon on %s (job %s): %s",
+                     t->o.connect, t->job,
+                     r == -ENOENT || r == -ECONNREFUSED ? "nobody listens there (zinf serve)"
+                                                        : zinf_strerror(r));
+            if (r == -ENOENT) r = -ECONNREFUSED; /* a daemon not running is no bad input */
+            goto fail;
+        }
+        /* As with a swap directory: a saved run is continued or started over on request,
+         * never by accident. */
+        zinf_tensor st;
+        bool saved = zinf_lookup(t->e, STATE_NAME, &st) == 0;
+        if (o->resume && !saved) {
+            snprintf(err, errlen, "--resume: job %s on %s holds no saved run", t->job,
+                     t->o.connect);
+            r = -ENOENT;
+            goto fail;
+        }
+        if (!o->resume && !o->overwrite && saved) {
+            snprintf(err, errlen,
+                     "job %s on %s holds a saved run: continue it with --resume, "
+                     "or start over with --overwrite (which deletes it)",
+                     t->job, t->o.connect);
+            r = -EEXIST;
+            goto fail;
+        }
+    } else {
+        r = engine_open_config(&t->zc,
+                               o->resume      ? ZINF_OPEN_RESUME
+                               : o->overwrite ? ZINF_OPEN_OVERWRITE
+                                              : 0,
+                               &t->e);
+    }
     if (r < 0) {
         if (r == -EBUSY)
             snprintf(err, errlen,
@@ -932,7 +981,7 @@ void trainer_close(struct trainer *t)
     /* A torn state is dropped: the last checkpoint stays the saved one, as after a crash.
      * So it does after a failed checkpoint, as the caller was told. */
     if (t->torn || t->checkpoint_failed)
-        engine_close_unflushed(t->e);
+        api_close_unflushed(t->e);
     else
         zinf_close(t->e);
     config_free(&t->zc);
@@ -1232,10 +1281,12 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     out->min_budget[0] = t->min_budget[0];
     out->min_budget[1] = t->min_budget[1];
     out->compactions = st.compactions;
-    struct host_stats hs;
-    host_get_stats(t->e->host, &hs);
-    out->staging_bytes = hs.staging_bytes;
-    out->host_pinned = hs.pinned;
+    if (!t->remote) { /* the daemon's staging and locking are its own */
+        struct host_stats hs;
+        host_get_stats(t->e->host, &hs);
+        out->staging_bytes = hs.staging_bytes;
+        out->host_pinned = hs.pinned;
+    }
     for (int i = 0; i < 3; i++) {
         out->tier[i].budget_bytes = st.tier[i].capacity_bytes;
         out->tier[i].peak_bytes = t->peak[i];

@@ -57,6 +57,8 @@ struct trainer_lr_schedule {
  * runs at iteration s - 2 (the first at the warm-up's start value). */
 double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step);
 
+#define TRAINER_DEFAULT_JOB "zinf-train"
+
 struct trainer_opts {
     const char *config_path; /* DeepSpeed-style JSON: budgets, offload devices, nvme paths */
     const char *data_path;   /* any file: its bytes are the tokens */
@@ -73,6 +75,9 @@ struct trainer_opts {
     uint64_t seed;
     bool resume;             /* continue from the state persisted in the swap directory */
     bool overwrite;          /* without resume: delete a saved run there and start over */
+    const char *connect;     /* through the zinf daemon on this socket (zinf serve), not an
+                                engine of this process; NULL: zinf.connect, else embedded */
+    const char *job;         /* the daemon's job; NULL: zinf.job, else TRAINER_DEFAULT_JOB */
     enum trainer_precision precision;
 };
 
