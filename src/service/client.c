@@ -49,6 +49,7 @@ struct client {
     unsigned nregions;
     struct region region[PROTO_MAX_REGIONS];
     atomic_uint seq;
+    uint64_t spin_ns; /* how long a call polls for its reply before it sleeps */
 
     pthread_mutex_t lock; /* idle */
     struct conn *idle;
@@ -197,7 +198,10 @@ static int call(struct client *c, struct call *k)
     memcpy(&op, k->o.buf + 6, 2);
     memcpy(&seq, k->o.buf + 8, 4);
     r = proto_send(cn->fd, &k->o, NULL, 0);
-    if (r == 0) r = proto_recv(cn->fd, true, &h, &k->payload, NULL, NULL);
+    if (r == 0) {
+        proto_spin_readable(cn->fd, c->spin_ns);
+        r = proto_recv(cn->fd, true, &h, &k->payload, NULL, NULL);
+    }
     if (r == 0 && (h.seq != seq || h.op != (op | PROTO_REPLY))) r = -EPROTO;
     if (r < 0) {
         conn_drop(cn);
@@ -228,6 +232,7 @@ ZINF_API int zinf_connect(const char *socket_path, const char *job, zinf_engine 
     struct client *c = calloc(1, sizeof(*c));
     if (!c) return -ENOMEM;
     c->h.kind = HANDLE_CLIENT;
+    c->spin_ns = proto_spin_ns();
     pthread_mutex_init(&c->lock, NULL);
     strcpy(c->job, job);
     c->socket_path = strdup(socket_path);

@@ -299,6 +299,31 @@ void proto_encode_request(const struct proto_request *r, uint32_t seq, struct pr
 
 /* ---- I/O ----------------------------------------------------------------------------- */
 
+uint64_t proto_spin_ns(void)
+{
+    const char *v = getenv("ZINF_SPIN_US");
+    char *end;
+    unsigned long us = PROTO_SPIN_DEFAULT_US;
+    if (v && *v) {
+        unsigned long got = strtoul(v, &end, 10);
+        if (!*end && got <= 1000000) us = got;
+    }
+    return (uint64_t)us * 1000;
+}
+
+bool proto_spin_readable(int fd, uint64_t spin_ns)
+{
+    if (!spin_ns) return false;
+    uint64_t end = now_ns() + spin_ns;
+    do {
+        char c;
+        ssize_t r = recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+        if (r >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+            return true; /* bytes, the end, or an error: the read will not sleep */
+    } while (now_ns() < end);
+    return false;
+}
+
 int proto_send(int fd, struct proto_out *o, const int *fds, int nfds)
 {
     if (o->bad || !o->buf) return -EMSGSIZE;

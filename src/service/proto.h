@@ -137,6 +137,17 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
 /* Writes r as a request of r->op with seq: the inverse of proto_decode_request. */
 void proto_encode_request(const struct proto_request *r, uint32_t seq, struct proto_out *o);
 
+/* Waits up to spin_ns, polling without sleeping, for fd to have bytes to read (or its end):
+ * a reply or the next request usually comes within a few microseconds, while a blocking
+ * read sleeps and pays the scheduler's wake-up, tens of microseconds on a busy or virtual
+ * machine. Returns whether something came (the caller's read then does not sleep); the
+ * caller reads either way. spin_ns 0: returns at once. */
+bool proto_spin_readable(int fd, uint64_t spin_ns);
+/* The spin proto_spin_readable is given: ZINF_SPIN_US in the environment (microseconds, 0
+ * to never spin), else PROTO_SPIN_DEFAULT_US. */
+#define PROTO_SPIN_DEFAULT_US 50
+uint64_t proto_spin_ns(void);
+
 /* Writes the whole message o to fd (with fds[0..nfds) attached when nfds > 0). 0 or
  * -errno (-EMSGSIZE for a bad message). Never raises SIGPIPE. */
 int proto_send(int fd, struct proto_out *o, const int *fds, int nfds);
