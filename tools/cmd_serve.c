@@ -155,7 +155,11 @@ int cmd_serve(int argc, char **argv)
         }
         if (pid > 0) {
             printf("zinf serve: listening on %s (pid %d)\n", socket_path, (int)pid);
-            return 0; /* the child owns the socket now */
+            service_forget(running); /* the child owns the socket now */
+            config_free(&cfg);
+            if (log_fd >= 0)
+                close(log_fd);
+            return 0;
         }
         /* Nothing of the caller's terminal or pipes is kept: whoever started it may wait
          * for their end. */

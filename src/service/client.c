@@ -440,55 +440,50 @@ static int check_range(struct client *c, zinf_tensor t, size_t off, size_t n)
     return client_read(c, t, off + n, &none, 0);
 }
 
-int client_write(struct client *c, zinf_tensor t, size_t off, const void *src, size_t n)
+/* zinf_write (src) or zinf_read (dst), one message a PROTO_MAX_DATA piece; an empty one
+ * still asks, for its errors. */
+static int transfer(struct client *c, zinf_tensor t, size_t off, const void *src, void *dst,
+                    size_t n)
 {
-    if (!src && n) return -EINVAL;
-    int r0 = check_range(c, t, off, n);
-    if (r0 < 0) return r0;
-    /* One message a PROTO_MAX_DATA piece; an empty write still asks, for its errors. */
+    int r = check_range(c, t, off, n);
+    if (r < 0) return r;
     size_t done = 0;
     do {
         size_t piece = MIN(n - done, (size_t)PROTO_MAX_DATA);
         struct call k;
-        call_begin(c, &k, PROTO_WRITE);
+        call_begin(c, &k, src ? PROTO_WRITE : PROTO_READ);
         proto_put_u64(&k.o, t);
         proto_put_u64(&k.o, off + done);
         proto_put_u32(&k.o, (uint32_t)piece);
-        proto_put_bytes(&k.o, (const char *)src + done, piece);
-        int r = simple(c, &k);
+        if (src) proto_put_bytes(&k.o, (const char *)src + done, piece);
+        r = call(c, &k);
+        if (r == 0 && dst) {
+            uint32_t got = proto_get_u32(&k.in);
+            const uint8_t *p = proto_get_bytes(&k.in, got);
+            if (!p || got != piece)
+                r = -EPROTO;
+            else if (piece)
+                memcpy((char *)dst + done, p, piece);
+        }
+        if (r >= 0 && proto_done(&k.in) < 0) r = -EPROTO;
+        call_end(&k);
         if (r < 0) return r;
         done += piece;
     } while (done < n);
     return 0;
 }
 
+int client_write(struct client *c, zinf_tensor t, size_t off, const void *src, size_t n)
+{
+    if (!src && n) return -EINVAL;
+    return transfer(c, t, off, src ? src : "", NULL, n);
+}
+
 int client_read(struct client *c, zinf_tensor t, size_t off, void *dst, size_t n)
 {
     if (!dst && n) return -EINVAL;
-    int r0 = check_range(c, t, off, n);
-    if (r0 < 0) return r0;
-    size_t done = 0;
-    do {
-        size_t piece = MIN(n - done, (size_t)PROTO_MAX_DATA);
-        struct call k;
-        call_begin(c, &k, PROTO_READ);
-        proto_put_u64(&k.o, t);
-        proto_put_u64(&k.o, off + done);
-        proto_put_u32(&k.o, (uint32_t)piece);
-        int r = call(c, &k);
-        if (r == 0) {
-            uint32_t got = proto_get_u32(&k.in);
-            const uint8_t *p = proto_get_bytes(&k.in, got);
-            if (!p || got != piece || proto_done(&k.in) < 0)
-                r = -EPROTO;
-            else if (piece)
-                memcpy((char *)dst + done, p, piece);
-        }
-        call_end(&k);
-        if (r < 0) return r;
-        done += piece;
-    } while (done < n);
-    return 0;
+    char none;
+    return transfer(c, t, off, NULL, dst ? dst : &none, n);
 }
 
 int client_stats(struct client *c, struct zinf_stats *out)

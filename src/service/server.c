@@ -777,3 +777,15 @@ void service_close(struct service *s)
     pthread_mutex_destroy(&s->lock);
     free(s);
 }
+
+void service_forget(struct service *s)
+{
+    if (!s)
+        return;
+    close(s->listen_fd);
+    close(s->wake[0]);
+    close(s->wake[1]);
+    free(s->socket_path);
+    pthread_mutex_destroy(&s->lock);
+    free(s);
+}

@@ -45,5 +45,9 @@ void service_stop(struct service *s);
 /* Closes every connection, drops every session's pins, flushes and closes every job's
  * engine, removes the socket file. */
 void service_close(struct service *s);
+/* Frees s in a process that handed the service over to another (the parent, after fork):
+ * its descriptors are closed here, the socket file stays, nothing else happens. Only
+ * before service_run(). */
+void service_forget(struct service *s);
 
 #endif
