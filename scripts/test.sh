@@ -60,3 +60,7 @@ ninja -C build-tsan tests/stress_api
 mkdir -p build-tsan/tests/tmp
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
   ZINF_TEST_TMPDIR=$PWD/build-tsan/tests/tmp build-tsan/tests/stress_api 10
+# The same through the daemon (in the program's own process): its connection threads, the
+# sessions' pins and the client's pool of connections.
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
+  ZINF_TEST_TMPDIR=$PWD/build-tsan/tests/tmp build-tsan/tests/stress_api 5 --service

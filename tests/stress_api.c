@@ -11,9 +11,13 @@
  * per-tensor rwlock orders writers against readers, as a trainer would), and at the end
  * the state is closed, resumed and compared once more.
  *
+ * With --service the same runs through the zinf daemon (src/service/), started in this
+ * process from the same settings: every call a client's, every thread a connection of its
+ * session; the resume is a restart of the daemon.
+ *
  * Not here: what each call answers to bad input (test_engine.c), crashes (test_persist.c).
  *
- *   stress_api [SECONDS]    (default 3; ZINF_TEST_TMPDIR for the swap directory)
+ *   stress_api [SECONDS] [--service]   (default 3; ZINF_TEST_TMPDIR for the swap directory)
  * Exit status 0 when every check passed; 1 with a message otherwise.
  */
 #include <errno.h>
@@ -27,6 +31,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "config.h"
+#include "service/server.h"
 #include "zinf.h"
 
 #define KiB ((size_t)1024)
@@ -283,8 +289,58 @@ static void check_all(const char *when)
     }
 }
 
+/* --service: the daemon, in a thread of this process. */
+static bool use_service;
+static struct zinf_config svc_cfg;
+static struct service *svc;
+static pthread_t svc_thread;
+static char svc_sock[4200];
+
+static void *serve(void *arg)
+{
+    (void)arg;
+    int r = service_run(svc);
+    if (r < 0)
+        fail("service_run: %s", zinf_strerror(r));
+    return NULL;
+}
+
+static void service_down(void)
+{
+    if (!svc)
+        return;
+    service_stop(svc);
+    pthread_join(svc_thread, NULL);
+    service_close(svc); /* flushes the job */
+    config_free(&svc_cfg);
+    svc = NULL;
+}
+
+/* The daemon from the settings open_engine() gives an embedded engine, and a client of its
+ * job; the job's swap folder is dir/stress. A saved state there is resumed. */
+static int connect_service(const char *dir)
+{
+    char json[8192], err[512];
+    snprintf(json, sizeof(json),
+             "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+             "\"%s\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 8}, \"zinf\": "
+             "{\"device\": \"emulated\", \"device_bytes\": %zu, \"host_bytes\": %zu}}",
+             dir, 2 * MiB, 2 * MiB);
+    int r = config_parse_buffer(json, strlen(json), "stress", &svc_cfg, err, sizeof(err));
+    if (r < 0)
+        fail("the daemon's config: %s", err);
+    snprintf(svc_sock, sizeof(svc_sock), "%s/zinf.sock", dir);
+    struct service_opts so = {.socket_path = svc_sock, .config = &svc_cfg};
+    if ((r = service_open(&so, &svc, err, sizeof(err))) < 0)
+        fail("%s", err);
+    pthread_create(&svc_thread, NULL, serve, NULL);
+    return zinf_connect(svc_sock, "stress", &eng);
+}
+
 static int open_engine(const char *dir, unsigned flags)
 {
+    if (use_service)
+        return connect_service(dir);
     struct zinf_options o = {.nvme_path = dir,
                              .device_bytes = 2 * MiB,
                              .host_bytes = 2 * MiB,
@@ -297,7 +353,13 @@ static int open_engine(const char *dir, unsigned flags)
 
 int main(int argc, char **argv)
 {
-    double seconds = argc > 1 ? atof(argv[1]) : 3.0;
+    double seconds = 3.0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--service"))
+            use_service = true;
+        else
+            seconds = atof(argv[i]);
+    }
     const char *base = getenv("ZINF_TEST_TMPDIR") ? getenv("ZINF_TEST_TMPDIR") : "/tmp";
     char dir[4096];
     uint64_t s = 12345;
@@ -346,6 +408,7 @@ int main(int argc, char **argv)
     zinf_stats(eng, &st);
     zinf_close(eng);
     eng = NULL;
+    service_down(); /* --service: the resume is the daemon's restart */
     if ((r = open_engine(dir, ZINF_OPEN_RESUME)) < 0)
         fail("resume: %s", zinf_strerror(r));
     for (int i = 0; i < NT; i++) {
@@ -356,6 +419,7 @@ int main(int argc, char **argv)
     }
     check_all("after the resume");
     zinf_close(eng);
+    service_down();
     for (int i = 0; i < NT; i++) {
         free(tens[i].ref);
         pthread_rwlock_destroy(&tens[i].lk);
@@ -364,10 +428,11 @@ int main(int argc, char **argv)
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
     if (system(cmd) != 0)
         fprintf(stderr, "stress_api: could not remove %s\n", dir);
-    printf("# %lu operations in %.1f s, %llu flushes, %llu evictions, %llu tiers emptied for "
+    printf("# %lu operations in %.1f s%s, %llu flushes, %llu evictions, %llu tiers emptied for "
            "a set, every byte checked\n"
            "stress_api: 1 passed, 0 failed\n",
-           (unsigned long)atomic_load(&ops), seconds, (unsigned long long)st.flushes,
+           (unsigned long)atomic_load(&ops), seconds, use_service ? " through the daemon" : "",
+           (unsigned long long)st.flushes,
            (unsigned long long)(st.tier[0].evictions + st.tier[1].evictions),
            (unsigned long long)st.compactions);
     return 0;
