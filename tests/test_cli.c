@@ -470,7 +470,7 @@ Test(cli, topo_and_stat)
     snprintf(swap, sizeof(swap), "%s/swap", dir);
     cr_assert_neq(access(swap, F_OK), 0, "zinf stat created the swap directory");
     cr_assert_eq(run(&o, "stat"), 2, "%s", o);
-    cr_assert(strstr(o, "exactly one of --config FILE or --path DIR"), "%s", o);
+    cr_assert(strstr(o, "exactly one of --config FILE, --path DIR or --socket PATH"), "%s", o);
     free(o);
     cr_assert_eq(run(&o, "stat --config %s/nope.json", dir), 2, "%s", o);
     free(o);
@@ -1492,6 +1492,32 @@ Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
     cr_assert_eq(zinf_register(e, "t", 100000, ZINF_TIER_NVME, &t), 0);
     unsigned char *want = test_rand_buf(100000, 5);
     cr_assert_eq(zinf_write(e, t, 0, want, 100000), 0);
+    /* zinf stat --socket: the live job, its session and the pin this client holds. */
+    void *pin;
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &pin), 0);
+    cr_assert_eq(run(&o, "stat --socket %s --json", sock), 0, "%s", o);
+    json_error_t je;
+    json_t *js = json_loads(o, 0, &je);
+    cr_assert_not_null(js, "%s: %s", je.text, o);
+    json_t *job = json_array_get(json_object_get(js, "jobs"), 0);
+    cr_assert_str_eq(json_string_value(json_object_get(job, "job")), "job1");
+    cr_assert_eq(json_integer_value(json_object_get(job, "sessions")), 1);
+    cr_assert_eq(json_integer_value(json_object_get(job, "pins")), 1);
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(job, "stats"), "tensors")), 1);
+    json_decref(js);
+    free(o);
+    cr_assert_eq(run(&o, "stat --socket %s --prometheus", sock), 0, "%s", o);
+    cr_assert(strstr(o, "# TYPE zinf_tier_used_bytes gauge") &&
+                  strstr(o, "zinf_job_sessions{job=\"job1\"} 1") &&
+                  strstr(o, "zinf_job_pins{job=\"job1\"} 1") &&
+                  strstr(o, "zinf_tier_capacity_bytes{job=\"job1\",tier=\"host\"} 4194304"),
+              "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "stat --socket %s --config %s", sock, cfg), 2, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "stat --config %s --prometheus", cfg), 2, "%s", o);
+    free(o);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
     zinf_close(e); /* flushes the job, as an embedded engine's close does */
     /* A second daemon on the socket: a runtime failure, naming the first. */
     cr_assert_eq(run(&o, "serve --socket %s --config %s --foreground", sock, cfg), 1, "%s", o);
@@ -1519,6 +1545,9 @@ Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
     kill(bg, SIGTERM);
     wait_gone(sock);
     wait_exited(bg); /* it flushes after the socket is gone */
+    cr_assert_eq(run(&o, "stat --socket %s", sock), 1, "%s", o);
+    cr_assert(strstr(o, "no zinf daemon listens there"), "%s", o);
+    free(o);
     char lp[4200];
     snprintf(lp, sizeof(lp), "%s/serve.log", dir);
     char *log = read_text(lp);

@@ -503,3 +503,50 @@ int client_stats(struct client *c, struct zinf_stats *out)
     call_end(&k);
     return r;
 }
+
+int service_status(const char *socket, struct service_job_status **out, size_t *n)
+{
+    int fd, r = dial(socket, &fd);
+    *out = NULL;
+    *n = 0;
+    if (r < 0) return r;
+    struct proto_out o;
+    proto_out_init(&o, PROTO_STATUS, 1);
+    r = proto_send(fd, &o, NULL, 0);
+    proto_out_free(&o);
+    struct proto_header h;
+    uint8_t *payload = NULL;
+    if (r == 0) r = proto_recv(fd, true, &h, &payload, NULL, NULL);
+    close(fd);
+    if (r < 0) return r;
+    struct proto_in in;
+    proto_in_init(&in, payload, h.len);
+    r = proto_get_i32(&in);
+    uint32_t count = r == 0 ? proto_get_u32(&in) : 0;
+    struct service_job_status *js = NULL;
+    if (r == 0 && !in.bad && count) {
+        js = calloc(count, sizeof(*js));
+        if (!js) r = -ENOMEM;
+    }
+    for (uint32_t i = 0; r == 0 && i < count && !in.bad; i++) {
+        proto_get_str(&in, js[i].name, 64);
+        js[i].owner_uid = proto_get_u32(&in);
+        js[i].sessions = proto_get_u32(&in);
+        js[i].pins = proto_get_u64(&in);
+        uint32_t bytes = proto_get_u32(&in);
+        const uint8_t *p = proto_get_bytes(&in, bytes);
+        if (p && bytes == sizeof(js[i].stats))
+            memcpy(&js[i].stats, p, bytes);
+        else
+            in.bad = true;
+    }
+    if (r == 0 && (in.bad || proto_done(&in) < 0)) r = -EPROTO;
+    free(payload);
+    if (r < 0) {
+        free(js);
+        return r;
+    }
+    *out = js;
+    *n = count;
+    return 0;
+}

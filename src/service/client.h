@@ -36,4 +36,15 @@ int client_read(struct client *c, zinf_tensor t, size_t off, void *dst, size_t n
 int client_flush(struct client *c);
 int client_stats(struct client *c, struct zinf_stats *out);
 
+/* What `zinf stat --socket` shows of one job of a daemon. */
+struct service_job_status {
+    char name[64 + 1];
+    uint32_t owner_uid, sessions;
+    uint64_t pins;
+    struct zinf_stats stats;
+};
+/* Asks the daemon on socket for the jobs the caller may see: 0 and *out (n of them, freed
+ * with free()), or -errno (-ENOENT, -ECONNREFUSED: nobody listens). */
+int service_status(const char *socket, struct service_job_status **out, size_t *n);
+
 #endif

@@ -241,6 +241,7 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
     case PROTO_STEP:
     case PROTO_FLUSH:
     case PROTO_STATS:
+    case PROTO_STATUS:
         break;
     default:
         return -EBADMSG;

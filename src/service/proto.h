@@ -66,7 +66,11 @@ enum proto_op {
     PROTO_READ = 13,       /* u64 handle, u64 offset, u32 n -> u32 n, n bytes */
     PROTO_FLUSH = 14,      /* (nothing) */
     PROTO_STATS = 15,      /* (nothing) -> u32 bytes, that many of struct zinf_stats */
-    PROTO_OP_MAX = 15,
+    /* Before or instead of HELLO, any number of times: the daemon's jobs that the caller's
+     * uid may see (its own; root: all). (nothing) -> u32 n, n x {str job, u32 owner uid,
+     * u32 sessions, u64 pins, u32 bytes, that many of struct zinf_stats} */
+    PROTO_STATUS = 16,
+    PROTO_OP_MAX = 16,
 };
 
 struct proto_header {

@@ -506,6 +506,50 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     return r < 0 ? r : 1; /* 1: the reply went out */
 }
 
+/* STATUS: the jobs the peer may see, with their sessions, pins and stats. */
+static int status(struct conn *k, uint32_t seq)
+{
+    struct service *s = k->svc;
+    struct ucred cred;
+    socklen_t len = sizeof(cred);
+    if (getsockopt(k->fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return -errno;
+    struct proto_out o;
+    proto_out_init(&o, PROTO_STATUS | PROTO_REPLY, seq);
+    proto_put_i32(&o, 0);
+    size_t count_at = o.len;
+    proto_put_u32(&o, 0);
+    uint32_t n = 0;
+    /* Lock order: the service, then a session, then (in engine_api_stats) the engine. */
+    pthread_mutex_lock(&s->lock);
+    for (struct job *j = s->jobs; j; j = j->next) {
+        if (cred.uid != j->owner && cred.uid != 0) continue;
+        uint32_t sessions = 0;
+        uint64_t pins = 0;
+        for (struct session *se = s->sessions; se; se = se->next) {
+            if (se->job != j) continue;
+            sessions++;
+            pthread_mutex_lock(&se->lock);
+            for (struct pin *p = se->pins; p; p = p->next)
+                pins += p->count;
+            pthread_mutex_unlock(&se->lock);
+        }
+        struct zinf_stats st;
+        engine_api_stats(j->e, &st);
+        proto_put_str(&o, j->name);
+        proto_put_u32(&o, (uint32_t)j->owner);
+        proto_put_u32(&o, sessions);
+        proto_put_u64(&o, pins);
+        proto_put_u32(&o, sizeof(st));
+        proto_put_bytes(&o, &st, sizeof(st));
+        n++;
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (!o.bad) memcpy(o.buf + count_at, &n, 4);
+    int r = proto_send(k->fd, &o, NULL, 0);
+    proto_out_free(&o);
+    return r;
+}
+
 /* The session loses a connection; the last one takes it out of the lists. */
 static void session_leave(struct service *s, struct session *se)
 {
@@ -542,6 +586,11 @@ static void *conn_main(void *arg)
         }
         struct proto_request q;
         r = proto_decode_request(h.op, payload, h.len, &q);
+        if (r == 0 && h.op == PROTO_STATUS) {
+            free(payload);
+            if (status(k, h.seq) < 0) break;
+            continue;
+        }
         if (r == 0 && !k->sess) r = h.op == PROTO_HELLO ? hello(k, &q, h.seq) : -EPROTO;
         if (r != 0 || !k->sess || h.op == PROTO_HELLO) {
             free(payload);
@@ -780,8 +829,7 @@ void service_close(struct service *s)
 
 void service_forget(struct service *s)
 {
-    if (!s)
-        return;
+    if (!s) return;
     close(s->listen_fd);
     close(s->wake[0]);
     close(s->wake[1]);
