@@ -13,11 +13,14 @@
  *
  * With --service the same runs through the zinf daemon (src/service/), started in this
  * process from the same settings: every call a client's, every thread a connection of its
- * session; the resume is a restart of the daemon.
+ * session; the resume is a restart of the daemon. --clients N forks N - 1 more client
+ * processes first, each with tensors of its own in the same job, sharing its budgets (N
+ * times the single client's) and checking its own bytes.
  *
  * Not here: what each call answers to bad input (test_engine.c), crashes (test_persist.c).
  *
- *   stress_api [SECONDS] [--service]   (default 3; ZINF_TEST_TMPDIR for the swap directory)
+ *   stress_api [SECONDS] [--service [--clients N]]
+ *   (default 3 s, one client; ZINF_TEST_TMPDIR for the swap directory)
  * Exit status 0 when every check passed; 1 with a message otherwise.
  */
 #include <errno.h>
@@ -28,6 +31,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -90,8 +94,7 @@ static bool transient(int r)
 static void check_bytes(const unsigned char *got, const unsigned char *want, size_t n,
                         const struct st_tensor *t, const char *what)
 {
-    if (memcmp(got, want, n) == 0)
-        return;
+    if (memcmp(got, want, n) == 0) return;
     size_t i = 0;
     while (got[i] == want[i])
         i++;
@@ -124,8 +127,7 @@ static void op_fetch(struct st_tensor *t, uint64_t *s)
             write_through_pin((char *)p + off, t->ref + off, len);
         }
         r = zinf_release(eng, h, tier, dirty ? ZINF_RELEASE_DIRTY : 0);
-        if (r)
-            fail("release of '%s': %s", t->name, zinf_strerror(r));
+        if (r) fail("release of '%s': %s", t->name, zinf_strerror(r));
     } else if (!transient(r)) {
         fail("fetch of '%s' to tier %d: %s", t->name, tier, zinf_strerror(r));
     }
@@ -141,8 +143,7 @@ static void op_async(struct st_tensor *t, uint64_t *s)
     pthread_rwlock_rdlock(&t->lk);
     zinf_tensor h = atomic_load(&t->h);
     int r = zinf_fetch_async(eng, h, tier, &k);
-    if (r == 0)
-        r = zinf_wait(eng, k, &p);
+    if (r == 0) r = zinf_wait(eng, k, &p);
     if (r == 0) {
         check_bytes(p, t->ref, t->n, t, "async fetch");
         if ((r = zinf_release(eng, h, tier, 0)))
@@ -200,20 +201,17 @@ static void op_write_read(struct st_tensor *t, uint64_t *s)
 {
     size_t off = rnd(s) % t->n, len = 1 + rnd(s) % (t->n - off);
     unsigned char *buf = malloc(len);
-    if (!buf)
-        fail("out of memory");
+    if (!buf) fail("out of memory");
     if (rnd(s) & 1) {
         pthread_rwlock_wrlock(&t->lk);
         fill(buf, len, s);
         int r = zinf_write(eng, atomic_load(&t->h), off, buf, len);
-        if (r)
-            fail("write of '%s' [%zu, +%zu): %s", t->name, off, len, zinf_strerror(r));
+        if (r) fail("write of '%s' [%zu, +%zu): %s", t->name, off, len, zinf_strerror(r));
         memcpy(t->ref + off, buf, len);
     } else {
         pthread_rwlock_rdlock(&t->lk);
         int r = zinf_read(eng, atomic_load(&t->h), off, buf, len);
-        if (r)
-            fail("read of '%s': %s", t->name, zinf_strerror(r));
+        if (r) fail("read of '%s': %s", t->name, zinf_strerror(r));
         check_bytes(buf, t->ref + off, len, t, "read");
     }
     pthread_rwlock_unlock(&t->lk);
@@ -247,8 +245,7 @@ static void *flusher(void *arg)
 {
     while (!atomic_load(&stop_all)) {
         int r = zinf_flush(eng);
-        if (r)
-            fail("flush: %s", zinf_strerror(r));
+        if (r) fail("flush: %s", zinf_strerror(r));
         usleep(10000);
     }
     return NULL;
@@ -261,13 +258,11 @@ static void *reregistrar(void *arg)
     while (!atomic_load(&stop_all)) {
         pthread_rwlock_wrlock(&t->lk);
         int r = zinf_unregister(eng, atomic_load(&t->h));
-        if (r)
-            fail("unregister: %s", zinf_strerror(r));
+        if (r) fail("unregister: %s", zinf_strerror(r));
         zinf_tensor h;
         while ((r = zinf_register(eng, t->name, t->n, t->home, &h)) == -ENOSPC)
             usleep(100); /* its home tier is full of other threads' pins for a moment */
-        if (r)
-            fail("register again: %s", zinf_strerror(r));
+        if (r) fail("register again: %s", zinf_strerror(r));
         atomic_store(&t->h, h);
         memset(t->ref, 0, t->n);
         pthread_rwlock_unlock(&t->lk);
@@ -282,15 +277,15 @@ static void check_all(const char *when)
         struct st_tensor *t = &tens[i];
         unsigned char *buf = malloc(t->n);
         int r = buf ? zinf_read(eng, atomic_load(&t->h), 0, buf, t->n) : -ENOMEM;
-        if (r)
-            fail("%s: read of '%s': %s", when, t->name, zinf_strerror(r));
+        if (r) fail("%s: read of '%s': %s", when, t->name, zinf_strerror(r));
         check_bytes(buf, t->ref, t->n, t, when);
         free(buf);
     }
 }
 
-/* --service: the daemon, in a thread of this process. */
+/* --service: the daemon, in a thread of this process; --clients: processes, this one 0. */
 static bool use_service;
+static int clients = 1, proc_index;
 static struct zinf_config svc_cfg;
 static struct service *svc;
 static pthread_t svc_thread;
@@ -300,15 +295,13 @@ static void *serve(void *arg)
 {
     (void)arg;
     int r = service_run(svc);
-    if (r < 0)
-        fail("service_run: %s", zinf_strerror(r));
+    if (r < 0) fail("service_run: %s", zinf_strerror(r));
     return NULL;
 }
 
 static void service_down(void)
 {
-    if (!svc)
-        return;
+    if (!svc) return;
     service_stop(svc);
     pthread_join(svc_thread, NULL);
     service_close(svc); /* flushes the job */
@@ -316,31 +309,38 @@ static void service_down(void)
     svc = NULL;
 }
 
-/* The daemon from the settings open_engine() gives an embedded engine, and a client of its
- * job; the job's swap folder is dir/stress. A saved state there is resumed. */
-static int connect_service(const char *dir)
+/* The daemon from the settings open_engine() gives an embedded engine (its budgets once per
+ * client process); the job's swap folder is dir/stress, and a saved state there is resumed. */
+static void start_service(const char *dir)
 {
     char json[8192], err[512];
     snprintf(json, sizeof(json),
              "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
              "\"%s\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 8}, \"zinf\": "
              "{\"device\": \"emulated\", \"device_bytes\": %zu, \"host_bytes\": %zu}}",
-             dir, 2 * MiB, 2 * MiB);
+             dir, 2 * MiB * (size_t)clients, 2 * MiB * (size_t)clients);
     int r = config_parse_buffer(json, strlen(json), "stress", &svc_cfg, err, sizeof(err));
-    if (r < 0)
-        fail("the daemon's config: %s", err);
+    if (r < 0) fail("the daemon's config: %s", err);
     snprintf(svc_sock, sizeof(svc_sock), "%s/zinf.sock", dir);
     struct service_opts so = {.socket_path = svc_sock, .config = &svc_cfg};
-    if ((r = service_open(&so, &svc, err, sizeof(err))) < 0)
-        fail("%s", err);
+    if ((r = service_open(&so, &svc, err, sizeof(err))) < 0) fail("%s", err);
     pthread_create(&svc_thread, NULL, serve, NULL);
-    return zinf_connect(svc_sock, "stress", &eng);
+}
+
+/* A client of the job, waiting up to 10 s for the daemon (another process starts it). */
+static int connect_service(const char *dir)
+{
+    snprintf(svc_sock, sizeof(svc_sock), "%s/zinf.sock", dir);
+    int r = -ENOENT;
+    for (int i = 0; i < 1000 && (r == -ENOENT || r == -ECONNREFUSED); i++)
+        if ((r = zinf_connect(svc_sock, "stress", &eng)) == -ENOENT || r == -ECONNREFUSED)
+            usleep(10000);
+    return r;
 }
 
 static int open_engine(const char *dir, unsigned flags)
 {
-    if (use_service)
-        return connect_service(dir);
+    if (use_service) return connect_service(dir);
     struct zinf_options o = {.nvme_path = dir,
                              .device_bytes = 2 * MiB,
                              .host_bytes = 2 * MiB,
@@ -357,9 +357,13 @@ int main(int argc, char **argv)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--service"))
             use_service = true;
+        else if (!strcmp(argv[i], "--clients") && i + 1 < argc)
+            clients = atoi(argv[++i]);
         else
             seconds = atof(argv[i]);
     }
+    if (clients < 1 || clients > 64 || (clients > 1 && !use_service))
+        fail("--clients N: 1 to 64, with --service");
     const char *base = getenv("ZINF_TEST_TMPDIR") ? getenv("ZINF_TEST_TMPDIR") : "/tmp";
     char dir[4096];
     uint64_t s = 12345;
@@ -370,16 +374,28 @@ int main(int argc, char **argv)
         perror(dir);
         return 1;
     }
-    if ((r = open_engine(dir, 0)) < 0)
-        fail("open: %s", zinf_strerror(r));
+    /* The other clients first, before this process has threads to fork with. */
+    pid_t kids[64];
+    for (int k = 1; k < clients; k++) {
+        fflush(NULL);
+        kids[k] = fork();
+        if (kids[k] < 0) fail("fork: %s", strerror(errno));
+        if (kids[k] == 0) {
+            proc_index = k;
+            s += (uint64_t)k * 7919;
+            break;
+        }
+    }
+    if (use_service && proc_index == 0) start_service(dir);
+    if ((r = open_engine(dir, 0)) < 0) fail("open: %s", zinf_strerror(r));
     for (int i = 0; i < NT; i++) {
         struct st_tensor *t = &tens[i];
-        snprintf(t->name, sizeof(t->name), "t%d", i);
+        snprintf(t->name, sizeof(t->name), "p%d.t%d", proc_index, i);
         t->n = 4 * KiB + (size_t)(rnd(&s) % (300 * KiB)) + (size_t)i;
-        t->home = (enum zinf_tier)(i % 3 == 0 ? ZINF_TIER_NVME : i % 3 == 1 ? ZINF_TIER_HOST
-                                                                            : ZINF_TIER_DEVICE);
-        if (i >= 6)
-            t->home = ZINF_TIER_NVME; /* most of the state lives on the drive */
+        t->home = (enum zinf_tier)(i % 3 == 0   ? ZINF_TIER_NVME
+                                   : i % 3 == 1 ? ZINF_TIER_HOST
+                                                : ZINF_TIER_DEVICE);
+        if (i >= 6) t->home = ZINF_TIER_NVME; /* most of the state lives on the drive */
         t->ref = calloc(1, t->n);
         pthread_rwlock_init(&t->lk, NULL);
         zinf_tensor h;
@@ -408,9 +424,17 @@ int main(int argc, char **argv)
     zinf_stats(eng, &st);
     zinf_close(eng);
     eng = NULL;
+    if (proc_index > 0)
+        exit(0); /* a client process checked its bytes; the resume is the first one's */
+    for (int k = 1; k < clients; k++) {
+        int status;
+        if (waitpid(kids[k], &status, 0) != kids[k] || !WIFEXITED(status) ||
+            WEXITSTATUS(status) != 0)
+            fail("client process %d failed (status %#x)", k, status);
+    }
     service_down(); /* --service: the resume is the daemon's restart */
-    if ((r = open_engine(dir, ZINF_OPEN_RESUME)) < 0)
-        fail("resume: %s", zinf_strerror(r));
+    if (use_service) start_service(dir);
+    if ((r = open_engine(dir, ZINF_OPEN_RESUME)) < 0) fail("resume: %s", zinf_strerror(r));
     for (int i = 0; i < NT; i++) {
         zinf_tensor h;
         if ((r = zinf_lookup(eng, tens[i].name, &h)) < 0)
@@ -426,13 +450,12 @@ int main(int argc, char **argv)
     }
     char cmd[4200];
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-    if (system(cmd) != 0)
-        fprintf(stderr, "stress_api: could not remove %s\n", dir);
-    printf("# %lu operations in %.1f s%s, %llu flushes, %llu evictions, %llu tiers emptied for "
-           "a set, every byte checked\n"
+    if (system(cmd) != 0) fprintf(stderr, "stress_api: could not remove %s\n", dir);
+    printf("# %lu operations in %.1f s%s%s, %llu flushes, %llu evictions, %llu tiers emptied "
+           "for a set, every byte checked\n"
            "stress_api: 1 passed, 0 failed\n",
            (unsigned long)atomic_load(&ops), seconds, use_service ? " through the daemon" : "",
-           (unsigned long long)st.flushes,
+           clients > 1 ? " (this one of the client processes)" : "", (unsigned long long)st.flushes,
            (unsigned long long)(st.tier[0].evictions + st.tier[1].evictions),
            (unsigned long long)st.compactions);
     return 0;
