@@ -243,10 +243,12 @@ ZINF_API int zinf_connect(const char *socket_path, const char *job, zinf_engine 
     struct conn *k;
     int r = conn_get(c, &k); /* the first HELLO starts the session */
     if (r < 0) {
+        /* Nobody listening is what the result says, and callers often wait for a daemon
+         * by retrying: that one is a debug message. */
         if (r != -ENOENT && r != -ECONNREFUSED)
             log_error("zinf_connect %s, job %s: %s", socket_path, job, zinf_strerror(r));
         else
-            log_error("zinf_connect: no zinf daemon listens on %s", socket_path);
+            log_debug("zinf_connect: no zinf daemon listens on %s", socket_path);
         free(c->socket_path);
         pthread_mutex_destroy(&c->lock);
         free(c);
