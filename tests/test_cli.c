@@ -63,8 +63,7 @@ static int run(char **out, const char *fmt, ...)
     size_t n;
     while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
         len += n;
-        if (cap - len < 1024)
-            buf = realloc(buf, cap *= 2);
+        if (cap - len < 1024) buf = realloc(buf, cap *= 2);
     }
     buf[len] = '\0';
     int st = pclose(p);
@@ -92,14 +91,14 @@ Test(cli, help_version_unknown)
 Test(cli, bench_rows_are_verified)
 {
     char *o;
-    cr_assert_eq(run(&o, "bench --path %s --size 8M --block-size 256K --queue-depth 4 --baseline",
-                     dir), 0, "%s", o);
+    cr_assert_eq(
+        run(&o, "bench --path %s --size 8M --block-size 256K --queue-depth 4 --baseline", dir), 0,
+        "%s", o);
     cr_assert(strstr(o, "# backend ") && strstr(o, "dev_reqs"), "%s", o);
     /* Four rows (zinf write/read, pread write/read), each verified. */
     int rows = 0;
     for (char *l = strtok(o, "\n"); l; l = strtok(NULL, "\n")) {
-        if (l[0] == '#')
-            continue;
+        if (l[0] == '#') continue;
         rows++;
         cr_assert(strstr(l, " 8388608 ") && strstr(l, " ok"), "row: %s", l);
     }
@@ -120,8 +119,8 @@ Test(cli, bench_json_and_read_alone)
 {
     char *o;
     /* --read alone writes the file it needs first, and reports only the read. */
-    cr_assert_eq(run(&o, "bench --path %s --size 4M --block-size 128K --read --json --keep",
-                     dir), 0, "%s", o);
+    cr_assert_eq(run(&o, "bench --path %s --size 4M --block-size 128K --read --json --keep", dir),
+                 0, "%s", o);
     cr_assert(strstr(o, "\"op\": \"read\"") && strstr(o, "\"verified\": true"), "%s", o);
     cr_assert_null(strstr(o, "\"op\": \"write\""), "%s", o);
     cr_assert(strstr(o, "\"block_size\": 131072") && strstr(o, "\"queue_depth\": 32"), "%s", o);
@@ -131,11 +130,13 @@ Test(cli, bench_json_and_read_alone)
     free(o);
     /* A file that holds something else fails verification instead of passing silently. */
     char cmd[4096];
-    snprintf(cmd, sizeof(cmd), "dd if=/dev/urandom of=%s/zinf-bench.dat bs=1M count=1 seek=1 "
-             "conv=notrunc status=none", dir);
+    snprintf(cmd, sizeof(cmd),
+             "dd if=/dev/urandom of=%s/zinf-bench.dat bs=1M count=1 seek=1 "
+             "conv=notrunc status=none",
+             dir);
     cr_assert_eq(system(cmd), 0);
-    cr_assert_eq(run(&o, "bench --path %s --size 4M --block-size 128K --read --json --keep",
-                     dir), 1, "%s", o);
+    cr_assert_eq(run(&o, "bench --path %s --size 4M --block-size 128K --read --json --keep", dir),
+                 1, "%s", o);
     cr_assert(strstr(o, "\"verified\": false") && strstr(o, "\"bad_blocks\": 8"), "%s", o);
     free(o);
     cr_assert_eq(run(&o, "bench --path %s --size 4M --block-size 128K --read", dir), 1, "%s", o);
@@ -153,7 +154,10 @@ Test(cli, bench_threads_backend)
 
 Test(cli, bench_bad_arguments)
 {
-    static const struct { const char *args; const char *msg; } bad[] = {
+    static const struct {
+        const char *args;
+        const char *msg;
+    } bad[] = {
         {"bench", "--path DIR is required"},
         {"bench --path /nonexistent/zinf", "--path /nonexistent/zinf: No such file"},
         {"bench --path %s --size lots", "--size: expected a size like 4G, got 'lots'"},
@@ -216,8 +220,7 @@ Test(cli, sweep_snippet_is_a_valid_config)
     char *snip = strstr(o, "{\"aio\":");
     cr_assert_not_null(snip, "%s", o);
     char *end = strchr(snip, '\n');
-    if (end)
-        *end = '\0';
+    if (end) *end = '\0';
     snprintf(path, sizeof(path), "%s/tuned.json", dir);
     write_file(path, snip);
     free(o);
@@ -260,8 +263,7 @@ static json_t *tune_json(const char *args, const char *sub)
     json_t *best = NULL, *picked = NULL, *last = NULL, *pts = json_array();
     for (char *save = NULL, *l = strtok_r(o, "\n", &save); l; l = strtok_r(NULL, "\n", &save)) {
         json_error_t je;
-        if (l[0] != '{')
-            continue; /* progress, and the engine's notices */
+        if (l[0] != '{') continue; /* progress, and the engine's notices */
         json_t *j = json_loads(l, 0, &je);
         cr_assert_not_null(j, "not JSON: %s", l);
         if (json_object_get(j, "fragment")) {
@@ -272,8 +274,7 @@ static json_t *tune_json(const char *args, const char *sub)
         cr_assert_eq(json_array_size(json_object_get(j, "scores_GBps")), 3, "%s", l);
         json_array_append_new(pts, j);
         double med = json_real_value(json_object_get(j, "median_GBps"));
-        if (!best || med > json_real_value(json_object_get(best, "median_GBps")))
-            best = j;
+        if (!best || med > json_real_value(json_object_get(best, "median_GBps"))) best = j;
         if (json_is_true(json_object_get(j, "picked"))) {
             cr_assert_null(picked, "two points picked");
             picked = j;
@@ -288,22 +289,21 @@ static json_t *tune_json(const char *args, const char *sub)
     double best_lo = json_real_value(json_object_get(best, "min_GBps"));
     size_t i;
     json_t *p;
-    json_array_foreach(pts, i, p) {
+    json_array_foreach(pts, i, p)
+    {
         bool tie = json_real_value(json_object_get(p, "median_GBps")) >= best_lo;
         cr_assert_eq(json_is_true(json_object_get(p, "tie")), tie);
-        if (tie)
-            cr_assert_geq(tune_cost(p), tune_cost(picked));
+        if (tie) cr_assert_geq(tune_cost(p), tune_cost(picked));
     }
     cr_assert(json_is_true(json_object_get(picked, "tie")));
     json_t *frag = json_incref(json_object_get(last, "fragment"));
     cr_assert_eq(json_integer_value(json_object_get(json_object_get(frag, "aio"), "block_size")),
                  json_integer_value(json_object_get(picked, "block_size")));
-    cr_assert_eq(json_integer_value(json_object_get(json_object_get(frag, "zinf"),
-                                                    "submit_batch")),
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(frag, "zinf"), "submit_batch")),
                  json_integer_value(json_object_get(picked, "submit_batch")));
-    cr_assert_eq(json_integer_value(json_object_get(json_object_get(frag, "aio"),
-                                                    "intra_op_parallelism")),
-                 json_integer_value(json_object_get(picked, "rings")));
+    cr_assert_eq(
+        json_integer_value(json_object_get(json_object_get(frag, "aio"), "intra_op_parallelism")),
+        json_integer_value(json_object_get(picked, "rings")));
     json_decref(last);
     json_decref(pts);
     return frag;
@@ -333,8 +333,11 @@ Test(cli, tune_writes_a_fragment_that_config_check_and_train_load_as_is)
     cr_assert_eq(run(&o, "config check --strict %s", frag), 0, "%s", o);
     cr_assert(strstr(o, "zinf.submit_batch") && strstr(o, "zinf.huge_pages"), "%s", o);
     free(o);
-    cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
-                         "--batch 2 --steps 2", frag, data), 0, "%s", o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--batch 2 --steps 2",
+                     frag, data),
+                 0, "%s", o);
     cr_assert(strstr(o, "# summary: 2 steps"), "%s", o);
     free(o);
 
@@ -379,22 +382,25 @@ Test(cli, tune_picks_by_its_rule_in_both_modes)
  * writes no fragment, removes what the sweep wrote in the path, and exits 130 or 143. */
 Test(cli, tune_interrupted_writes_nothing_and_cleans_up)
 {
-    static const struct { const char *sig; int status; } sigs[] = {{"INT", 130}, {"TERM", 143}};
+    static const struct {
+        const char *sig;
+        int status;
+    } sigs[] = {{"INT", 130}, {"TERM", 143}};
     char cmd[16384], out[4096], scratch[4200], text[8192];
     snprintf(out, sizeof(out), "%s/frag.json", dir);
     for (int i = 0; i < 2; i++) {
         /* A sweep of a few hundred measurements: far longer than the second it is given. */
-        snprintf(cmd, sizeof(cmd), "timeout --preserve-status -s %s 1 %s tune --path %s --mode "
+        snprintf(cmd, sizeof(cmd),
+                 "timeout --preserve-status -s %s 1 %s tune --path %s --mode "
                  "swapin --size 16M --tensor-size 1M --block-sizes 256K,1M --queue-depths 4,8,16 "
-                 "--staging 4M,8M --reps 5 --out %s > %s/int.out 2>&1", sigs[i].sig,
-                 getenv("ZINF_BIN"), dir, out, dir);
+                 "--staging 4M,8M --reps 5 --out %s > %s/int.out 2>&1",
+                 sigs[i].sig, getenv("ZINF_BIN"), dir, out, dir);
         int st = system(cmd);
         snprintf(scratch, sizeof(scratch), "%s/int.out", dir);
         FILE *f = fopen(scratch, "r");
         size_t n = f ? fread(text, 1, sizeof(text) - 1, f) : 0;
         text[n] = '\0';
-        if (f)
-            fclose(f);
+        if (f) fclose(f);
         cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == sigs[i].status, "SIG%s: status %d: %s",
                   sigs[i].sig, WIFEXITED(st) ? WEXITSTATUS(st) : -1, text);
         cr_assert(strstr(text, "interrupted; no fragment written"), "%s", text);
@@ -427,8 +433,9 @@ Test(cli, tune_bad_arguments)
         {"--bogus", "unknown or incomplete option '--bogus'"},
     };
     for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {
-        cr_assert_eq(run(&o, "tune --path %s --quick --size 8M --out %s %s", dir, out,
-                         cases[i].args), 2, "%s: %s", cases[i].args, o);
+        cr_assert_eq(
+            run(&o, "tune --path %s --quick --size 8M --out %s %s", dir, out, cases[i].args), 2,
+            "%s: %s", cases[i].args, o);
         cr_assert(strstr(o, cases[i].says), "%s: %s", cases[i].args, o);
         free(o);
     }
@@ -460,8 +467,10 @@ Test(cli, topo_and_stat)
     char cfg[4096];
     snprintf(cfg, sizeof(cfg), "%s/s.json", dir);
     FILE *f = fopen(cfg, "w");
-    fprintf(f, "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
-               "\"%s/swap\"}}, \"zinf\": {\"device\": \"emulated\", \"host_bytes\": \"4M\"}}", dir);
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+            "\"%s/swap\"}}, \"zinf\": {\"device\": \"emulated\", \"host_bytes\": \"4M\"}}",
+            dir);
     fclose(f);
     cr_assert_eq(run(&o, "stat --config %s --json", cfg), 0, "%s", o);
     cr_assert(strstr(o, "\"saved_state\": false") && strstr(o, "\"tensors\": 0"), "%s", o);
@@ -483,11 +492,13 @@ Test(cli, train_runs_and_resumes_after_sigint)
     snprintf(data, sizeof(data), "%s/data.txt", dir);
     snprintf(log, sizeof(log), "%s/log.jsonl", dir);
     FILE *f = fopen(cfg, "w");
-    fprintf(f, "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
-               "\"%s/swap\"}, \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": "
-               "\"%s/swap\"}}, \"aio\": {\"block_size\": 65536},"
-               " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"2M\", \"host_bytes\": "
-               "\"2M\"}}", dir, dir);
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+            "\"%s/swap\"}, \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": "
+            "\"%s/swap\"}}, \"aio\": {\"block_size\": 65536},"
+            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"2M\", \"host_bytes\": "
+            "\"2M\"}}",
+            dir, dir);
     fclose(f);
     f = fopen(data, "w");
     for (int i = 0; i < 300; i++)
@@ -495,8 +506,9 @@ Test(cli, train_runs_and_resumes_after_sigint)
     fclose(f);
     const char *model = "--layers 2 --dim 32 --heads 2 --seq 16 --batch 2";
 
-    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 3 --log %s", cfg, data, model,
-                     log), 0, "%s", o);
+    cr_assert_eq(
+        run(&o, "train --config %s --data %s %s --steps 3 --log %s", cfg, data, model, log), 0,
+        "%s", o);
     cr_assert(strstr(o, "       3 ") && strstr(o, "# summary: 3 steps"), "%s", o);
     free(o);
     /* The log: one line per step, then the summary. */
@@ -513,20 +525,23 @@ Test(cli, train_runs_and_resumes_after_sigint)
     cr_assert_eq(summary, 1);
 
     /* Continue to step 5 from the saved state. */
-    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 5 --resume", cfg, data, model),
-                 0, "%s", o);
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 5 --resume", cfg, data, model), 0,
+                 "%s", o);
     cr_assert(strstr(o, "resumed") && strstr(o, "       4 ") && !strstr(o, "       1 "), "%s", o);
     free(o);
 
     /* SIGINT finishes the step and flushes: exit 130 (SIGTERM: 143), the summary says it
      * was interrupted, and --resume goes on from there. */
     char cmd[16384];
-    static const struct { const char *sig, *name; int status; } sigs[] = {
-        {"INT", "SIGINT", 130}, {"TERM", "SIGTERM", 143}};
+    static const struct {
+        const char *sig, *name;
+        int status;
+    } sigs[] = {{"INT", "SIGINT", 130}, {"TERM", "SIGTERM", 143}};
     for (int i = 0; i < 2; i++) {
-        snprintf(cmd, sizeof(cmd), "timeout --preserve-status -s %s 1 %s train --config %s "
-                 "--data %s %s --steps 100000 --resume --log %s > %s/int.out 2>&1", sigs[i].sig,
-                 getenv("ZINF_BIN"), cfg, data, model, log, dir);
+        snprintf(cmd, sizeof(cmd),
+                 "timeout --preserve-status -s %s 1 %s train --config %s "
+                 "--data %s %s --steps 100000 --resume --log %s > %s/int.out 2>&1",
+                 sigs[i].sig, getenv("ZINF_BIN"), cfg, data, model, log, dir);
         int st = system(cmd);
         cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == sigs[i].status, "%s: status %#x",
                   sigs[i].name, st);
@@ -547,14 +562,16 @@ Test(cli, train_runs_and_resumes_after_sigint)
     cr_assert_geq(done, 5);
     /* Past that step already: said, exit 2, nothing run. */
     cr_assert_eq(run(&o, "train --config %s --data %s %s --steps %d --resume --log %s", cfg, data,
-                     model, done - 1, log), 2, "%s", o);
+                     model, done - 1, log),
+                 2, "%s", o);
     char past[32];
     snprintf(past, sizeof(past), "past %d", done - 1);
     cr_assert(strstr(o, past), "%s", o);
     free(o);
     /* One more step from there. */
     cr_assert_eq(run(&o, "train --config %s --data %s %s --steps %d --resume --log %s", cfg, data,
-                     model, done + 1, log), 0, "%s", o);
+                     model, done + 1, log),
+                 0, "%s", o);
     free(o);
     snprintf(cmd, sizeof(cmd), "tail -n 1 %s | grep -q '\"interrupted\":false'", log);
     cr_assert_eq(system(cmd), 0, "a run that finished says so");
@@ -567,14 +584,21 @@ Test(cli, train_bad_arguments)
     FILE *f = fopen(cfg, "w");
     fprintf(f, "{\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"64K\"}}");
     fclose(f);
-    static const struct { const char *args; const char *msg; } bad[] = {
+    static const struct {
+        const char *args;
+        const char *msg;
+    } bad[] = {
         {"train --config %s", "--config FILE and --data FILE are required"},
         {"train --config %s --data /nonexistent/data", "/nonexistent/data"},
-        {"train --config %s --data /etc/hostname --dim 30 --heads 4", "--heads 4 does not divide --dim 30"},
+        {"train --config %s --data /etc/hostname --dim 30 --heads 4",
+         "--heads 4 does not divide --dim 30"},
         {"train --config %s --data /usr/share/common-licenses/GPL-3", "zinf.device_bytes"},
-        {"train --config %s --data /usr/share/common-licenses/GPL-3 --layers x", "--layers: expected an integer"},
-        {"train --config /nonexistent.json --data /usr/share/common-licenses/GPL-3%s", "/nonexistent.json"},
-        {"train --config %s --data /usr/share/common-licenses/GPL-3 --precision fp8", "--precision: expected auto, fp32, bf16 or fp16, got 'fp8'"},
+        {"train --config %s --data /usr/share/common-licenses/GPL-3 --layers x",
+         "--layers: expected an integer"},
+        {"train --config /nonexistent.json --data /usr/share/common-licenses/GPL-3%s",
+         "/nonexistent.json"},
+        {"train --config %s --data /usr/share/common-licenses/GPL-3 --precision fp8",
+         "--precision: expected auto, fp32, bf16 or fp16, got 'fp8'"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         char args[1024];
@@ -625,10 +649,11 @@ static void train_files(const char *swap, char *cfg, size_t cfglen, char *data, 
     snprintf(data, datalen, "%s/data.txt", dir);
     FILE *f = fopen(cfg, "w");
     cr_assert_not_null(f);
-    fprintf(f, "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
-               "\"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}, "
-               "\"aio\": {\"block_size\": 65536, \"queue_depth\": 4}, \"zinf\": {\"device\": "
-               "\"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": \"1M\"}}",
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+            "\"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}, "
+            "\"aio\": {\"block_size\": 65536, \"queue_depth\": 4}, \"zinf\": {\"device\": "
+            "\"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": \"1M\"}}",
             swap, swap);
     fclose(f);
     if (access(data, F_OK) != 0) {
@@ -647,8 +672,10 @@ static char *digest(const char *d)
 {
     char *o;
     char cmd[8192];
-    snprintf(cmd, sizeof(cmd), "cd '%s' && find . -type f -print0 | sort -z | xargs -0 -r "
-             "cksum", d);
+    snprintf(cmd, sizeof(cmd),
+             "cd '%s' && find . -type f -print0 | sort -z | xargs -0 -r "
+             "cksum",
+             d);
     FILE *p = popen(cmd, "r");
     cr_assert_not_null(p);
     size_t cap = 1 << 16, len = 0, n;
@@ -668,18 +695,19 @@ Test(cli, train_refuses_to_start_over_a_saved_run)
     snprintf(swap, sizeof(swap), "%s/swap", dir);
     snprintf(log, sizeof(log), "%s/log.jsonl", dir);
     train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 2 --log %s", cfg, data,
-                     log), 0, "%s", o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 2 --log %s", cfg, data, log),
+                 0, "%s", o);
     free(o);
     char *before = digest(dir); /* the swap directory, the config, the data and the log */
 
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s", cfg, data,
-                     log), 2, "%s", o);
-    cr_assert(strstr(o, swap) && strstr(o, "holds a saved run") && strstr(o, "--resume") &&
-                  strstr(o, "--overwrite"), "%s", o);
-    free(o);
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --resume --overwrite", cfg, data),
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s", cfg, data, log),
                  2, "%s", o);
+    cr_assert(strstr(o, swap) && strstr(o, "holds a saved run") && strstr(o, "--resume") &&
+                  strstr(o, "--overwrite"),
+              "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --resume --overwrite", cfg, data), 2,
+                 "%s", o);
     free(o);
     char *after = digest(dir);
     cr_assert_str_eq(before, after, "a refused run changed a file");
@@ -745,22 +773,25 @@ Test(cli, stat_changes_no_byte_even_next_to_an_engine_that_holds_the_directory)
         zinf_engine *e = NULL;
         if (holder) {
             /* An engine that holds the swap files open and locked, as a running job. */
-            struct zinf_options zo = {.nvme_path = swap, .block_size = 65536, .queue_depth = 4,
-                                      .host_bytes = 4 * MiB, .device_kind = ZINF_DEVICE_EMULATED,
+            struct zinf_options zo = {.nvme_path = swap,
+                                      .block_size = 65536,
+                                      .queue_depth = 4,
+                                      .host_bytes = 4 * MiB,
+                                      .device_kind = ZINF_DEVICE_EMULATED,
                                       .flags = ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN};
             int r = zinf_open(&zo, &e);
             cr_assert_eq(r, 0, "%s", zinf_strerror(r));
         }
         cr_assert_eq(run(&o, "stat --config %s --json", cfg), 0, "%s", o);
         cr_assert(strstr(o, "\"saved_state\": true") && strstr(o, "\"tensors\": 67") &&
-                      strstr(o, "\"nvme_bytes_written\": 0"), "%s", o);
+                      strstr(o, "\"nvme_bytes_written\": 0"),
+                  "%s", o);
         free(o);
         cr_assert_eq(run(&o, "stat --path %s", swap), 0, "%s", o);
         cr_assert(strstr(o, "# tensors 67") && strstr(o, "saved state opened read-only"), "%s", o);
         free(o);
         char *after = digest(swap);
-        cr_assert_str_eq(before, after, "zinf stat changed the swap directory (holder %d)",
-                         holder);
+        cr_assert_str_eq(before, after, "zinf stat changed the swap directory (holder %d)", holder);
         free(after);
         zinf_close(e);
     }
@@ -808,8 +839,7 @@ static int count_lines(const char *path, const char *prefix)
     FILE *f = fopen(path, "r");
     char line[1024];
     int n = 0;
-    if (!f)
-        return 0;
+    if (!f) return 0;
     while (fgets(line, sizeof(line), f))
         n += strchr(line, '\n') && !strncmp(line, prefix, strlen(prefix));
     fclose(f);
@@ -824,13 +854,11 @@ static int read_losses(const char *path, char (*loss)[32], int *summary_steps, i
     FILE *f = fopen(path, "r");
     char line[1024];
     int last = 0;
-    if (!f)
-        return 0;
+    if (!f) return 0;
     while (fgets(line, sizeof(line), f)) {
         int step, n = 0;
         char val[32];
-        if (!strchr(line, '\n'))
-            continue;
+        if (!strchr(line, '\n')) continue;
         if (sscanf(line, "{\"step\":%d,\"loss\":%31[^,],%n", &step, val, &n) == 2 && n > 0 &&
             step >= 1 && step <= MAX_STEPS) {
             if (loss[step][0])
@@ -841,8 +869,7 @@ static int read_losses(const char *path, char (*loss)[32], int *summary_steps, i
         }
         if (summary_steps && sscanf(line, "{\"summary\":{\"steps\":%d", &step) == 1)
             *summary_steps = step;
-        if (ckpt && sscanf(line, "{\"checkpoint\":%d", &step) == 1)
-            *ckpt = MAX(*ckpt, step);
+        if (ckpt && sscanf(line, "{\"checkpoint\":%d", &step) == 1) *ckpt = MAX(*ckpt, step);
     }
     fclose(f);
     return last;
@@ -868,12 +895,12 @@ Test(cli, train_killed_at_random_moments_resumes_with_the_same_losses)
     snprintf(log, sizeof(log), "%s/ref.jsonl", dir);
     train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
     double t0 = now_s();
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 0", cfg, data), 0, "%s",
-                 o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 0", cfg, data), 0, "%s", o);
     free(o);
     double start_s = now_s() - t0;
     cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --log %s --overwrite",
-                     cfg, data, STEPS, log), 0, "%s", o);
+                     cfg, data, STEPS, log),
+                 0, "%s", o);
     free(o);
     /* The two start-ups differ (the first runs cold): never let that make a step's time
      * negative, which would aim a kill hours away. */
@@ -896,9 +923,10 @@ Test(cli, train_killed_at_random_moments_resumes_with_the_same_losses)
         int every = 1 + attempts % 3;
         snprintf(out, sizeof(out), "%s/a%d.out", dir, attempts);
         snprintf(log, sizeof(log), "%s/a%d.jsonl", dir, attempts);
-        pid_t pid = spawn(out, "train --config %s --data %s " TINY " --steps %d --log %s "
-                          "--checkpoint-every %d%s", cfg, data, STEPS, log, every,
-                          resume ? " --resume" : "");
+        pid_t pid = spawn(out,
+                          "train --config %s --data %s " TINY " --steps %d --log %s "
+                          "--checkpoint-every %d%s",
+                          cfg, data, STEPS, log, every, resume ? " --resume" : "");
         done_once = false;
         int status;
         if (kills < KILLS) {
@@ -942,8 +970,7 @@ Test(cli, train_killed_at_random_moments_resumes_with_the_same_losses)
         int last_now = read_losses(log, mine, &summary, &ckpt);
         int first = 0;
         for (int s = 1; s <= STEPS; s++) {
-            if (!mine[s][0])
-                continue;
+            if (!mine[s][0]) continue;
             first = first ? first : s;
             cr_assert_str_eq(mine[s], ref[s], "attempt %d (after %d kills): step %d", attempts,
                              kills, s);
@@ -971,7 +998,8 @@ Test(cli, train_killed_at_random_moments_resumes_with_the_same_losses)
         }
     }
     cr_log_info("%d kills over %d attempts, %d of them after the run had stepped (%d resumed from "
-                "step 0)", kills, attempts, mid_run, resumed_at_zero);
+                "step 0)",
+                kills, attempts, mid_run, resumed_at_zero);
     cr_assert_gt(mid_run, KILLS / 4, "too few kills landed in the steps and checkpoints");
     cr_assert_geq(kills, KILLS);
 }
@@ -994,8 +1022,7 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
     enum { STEPS = 6 };
     static char ref[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
     char *o, cfg[4096], data[4096], swap[4200], log[4096], filler[4200];
-    if (geteuid() != 0)
-        cr_skip_test("mounting a small tmpfs needs root");
+    if (geteuid() != 0) cr_skip_test("mounting a small tmpfs needs root");
     snprintf(mounted, sizeof(mounted), "%s/mnt", dir);
     cr_assert_eq(mkdir(mounted, 0755), 0);
     if (mount("tmpfs", mounted, "tmpfs", 0, "size=16m") != 0) {
@@ -1008,8 +1035,9 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
     snprintf(swap, sizeof(swap), "%s/ref", dir);
     snprintf(log, sizeof(log), "%s/ref.jsonl", dir);
     train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --log %s", cfg, data,
-                     STEPS, log), 0, "%s", o);
+    cr_assert_eq(
+        run(&o, "train --config %s --data %s " TINY " --steps %d --log %s", cfg, data, STEPS, log),
+        0, "%s", o);
     free(o);
     memset(ref, 0, sizeof(ref));
     cr_assert_eq(read_losses(log, ref, NULL, NULL), STEPS);
@@ -1025,7 +1053,8 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
     snprintf(swap, sizeof(swap), "%s/cal1", mounted);
     train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
     cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --checkpoint-every 1",
-                     cfg, data, STEPS), 0, "%s", o);
+                     cfg, data, STEPS),
+                 0, "%s", o);
     free(o);
     run_bytes = swap_file_bytes(swap);
     cr_log_info("swap file: %lld bytes at the start, %lld over the run", (long long)start_bytes,
@@ -1042,18 +1071,22 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
     struct statvfs vfs;
     cr_assert_eq(statvfs(mounted, &vfs), 0);
     int64_t avail = (int64_t)vfs.f_bavail * (int64_t)vfs.f_frsize;
-    int64_t room = align_up((uint64_t)(start_bytes + (run_bytes - start_bytes) / 2), 4096) + 64 * 1024;
+    int64_t room =
+        align_up((uint64_t)(start_bytes + (run_bytes - start_bytes) / 2), 4096) + 64 * 1024;
     int fd = open(filler, O_CREAT | O_WRONLY, 0600);
     cr_assert_geq(fd, 0);
     cr_assert_eq(posix_fallocate(fd, 0, avail - room), 0);
     close(fd);
 
     snprintf(log, sizeof(log), "%s/a.jsonl", dir);
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --checkpoint-every 1 "
-                     "--log %s", cfg, data, STEPS, log), 1, "%s", o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s " TINY " --steps %d --checkpoint-every 1 "
+                     "--log %s",
+                     cfg, data, STEPS, log),
+                 1, "%s", o);
     cr_assert(strstr(o, "# zinf train:"), "the run started before the disk filled: %s", o);
-    cr_assert(strstr(o, "no space for") && strstr(o, "bytes) more of swap") &&
-                  strstr(o, swap) && strstr(o, "zinf-swap.0"),
+    cr_assert(strstr(o, "no space for") && strstr(o, "bytes) more of swap") && strstr(o, swap) &&
+                  strstr(o, "zinf-swap.0"),
               "the error names the swap file and the bytes it lacked: %s", o);
     cr_assert(strstr(o, "(the last checkpoint) is kept") && strstr(o, "--resume"), "%s", o);
     free(o);
@@ -1063,8 +1096,11 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
     /* Space freed: the run resumes from its last checkpoint and finishes. */
     cr_assert_eq(unlink(filler), 0);
     snprintf(log, sizeof(log), "%s/b.jsonl", dir);
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps %d --checkpoint-every 1 "
-                     "--log %s --resume", cfg, data, STEPS, log), 0, "%s", o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s " TINY " --steps %d --checkpoint-every 1 "
+                     "--log %s --resume",
+                     cfg, data, STEPS, log),
+                 0, "%s", o);
     free(o);
     int first = 0;
     static char more[MAX_STEPS + 1][32];
@@ -1072,8 +1108,7 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
     cr_assert_eq(read_losses(log, more, NULL, NULL), STEPS);
     for (int s = 1; s <= STEPS; s++) {
         first = first ? first : more[s][0] ? s : 0;
-        if (more[s][0])
-            memcpy(got[s], more[s], sizeof(got[s]));
+        if (more[s][0]) memcpy(got[s], more[s], sizeof(got[s]));
         cr_assert_str_eq(got[s], ref[s], "step %d", s);
     }
     cr_assert(first >= 1 && first <= last + 1, "resumed at step %d after %d", first, last);
@@ -1085,8 +1120,8 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
  * is 2 everywhere, bad input 2, a runtime failure 1. */
 Test(cli, every_command_lists_its_exit_statuses_and_keeps_them)
 {
-    static const char *const cmds[] = {"train", "bench", "tune", "config", "stat", "topo",
-                                       "version", "serve"};
+    static const char *const cmds[] = {"train", "bench", "tune",    "config",
+                                       "stat",  "topo",  "version", "serve"};
     char *o, *h;
     for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
         cr_assert_eq(run(&o, "%s --help", cmds[i]), 0, "%s --help: %s", cmds[i], o);
@@ -1208,22 +1243,27 @@ Test(cli, config_check_of_a_hugging_face_zero3_nvme_config)
     cr_assert_eq(run(&o, "config check %s/hf_zero3_nvme.json", getenv("ZINF_TEST_DATA")), 0, "%s",
                  o);
     static const char *const autos[] = {
-        "stage3_prefetch_bucket_size = \"auto\"", "#   zero_optimization.stage3_prefetch_bucket_"
-        "size = 14745", "#   optimizer.params.lr = 0.001", "#   train_micro_batch_size_per_gpu = 4",
-        "#   gradient_accumulation_steps = 1", "#   bf16.enabled = as --precision auto",
+        "stage3_prefetch_bucket_size = \"auto\"",
+        "#   zero_optimization.stage3_prefetch_bucket_"
+        "size = 14745",
+        "#   optimizer.params.lr = 0.001",
+        "#   train_micro_batch_size_per_gpu = 4",
+        "#   gradient_accumulation_steps = 1",
+        "#   bf16.enabled = as --precision auto",
         "#   zero_optimization.stage3_param_persistence_threshold = 1280"};
     for (size_t i = 0; i < ARRAY_SIZE(autos); i++)
         cr_expect(strstr(o, autos[i]), "missing '%s':\n%s", autos[i], o);
-    static const char *const ignored[] = {
-        "zero_optimization.sub_group_size (", "zero_optimization.stage3_max_live_parameters (",
-        "zero_optimization.stage3_max_reuse_distance (",
-        "zero_optimization.offload_param.max_in_cpu (", "aio.single_submit (",
-        "aio.overlap_events (", "zero_optimization.overlap_comm\n"};
+    static const char *const ignored[] = {"zero_optimization.sub_group_size (",
+                                          "zero_optimization.stage3_max_live_parameters (",
+                                          "zero_optimization.stage3_max_reuse_distance (",
+                                          "zero_optimization.offload_param.max_in_cpu (",
+                                          "aio.single_submit (",
+                                          "aio.overlap_events (",
+                                          "zero_optimization.overlap_comm\n"};
     for (size_t i = 0; i < ARRAY_SIZE(ignored); i++) {
         char *at = strstr(o, ignored[i]);
         cr_expect(at, "not named as ignored: %s\n%s", ignored[i], o);
-        if (at)
-            cr_expect_null(strstr(at + 1, ignored[i]), "named twice: %s", ignored[i]);
+        if (at) cr_expect_null(strstr(at + 1, ignored[i]), "named twice: %s", ignored[i]);
         char setting[128];
         snprintf(setting, sizeof(setting), "\n%.*s = ", (int)strcspn(ignored[i], " \n"),
                  ignored[i]);
@@ -1239,11 +1279,13 @@ static void ds_config(char *cfg, size_t len, const char *swap, const char *keys)
     snprintf(cfg, len, "%s/ds%d.json", dir, n++);
     FILE *f = fopen(cfg, "w");
     cr_assert_not_null(f);
-    fprintf(f, "{%s%s\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
-               "\"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", "
-               "\"nvme_path\": \"%s\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 4}, "
-               "\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": "
-               "\"1M\"}}", keys, keys[0] ? ", " : "", swap, swap);
+    fprintf(f,
+            "{%s%s\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
+            "\"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", "
+            "\"nvme_path\": \"%s\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 4}, "
+            "\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": "
+            "\"1M\"}}",
+            keys, keys[0] ? ", " : "", swap, swap);
     fclose(f);
 }
 
@@ -1264,14 +1306,19 @@ Test(cli, train_honours_deepspeeds_training_keys)
               "0.99], \"eps\": 1e-6, \"weight_decay\": 0.1}}, "
               "\"scheduler\": {\"type\": \"WarmupDecayLR\", \"params\": {\"total_num_steps\": 4, "
               "\"warmup_num_steps\": 2, \"warmup_max_lr\": 0.004}}");
-    cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
-                     "--steps 4 --log %s", cfg, data, log), 0, "%s", o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--steps 4 --log %s",
+                     cfg, data, log),
+                 0, "%s", o);
     cr_assert(strstr(o, "# settings: 3 micro-batches of 1 x 8 tokens per step"), "%s", o);
     cr_assert(strstr(o, "AdamW lr 0.004 (WarmupDecayLR schedule), betas 0.8 0.99, eps 1e-06, "
-                        "weight decay 0.1, clip 0.25"), "%s", o);
+                        "weight decay 0.1, clip 0.25"),
+              "%s", o);
     cr_assert(strstr(o, "print every 2"), "%s", o);
     cr_assert(strstr(o, "\n       2 ") && strstr(o, "\n       4 ") && !strstr(o, "\n       1 ") &&
-              !strstr(o, "\n       3 "), "steps_per_print 2: %s", o);
+                  !strstr(o, "\n       3 "),
+              "steps_per_print 2: %s", o);
     free(o);
     FILE *f = fopen(log, "r");
     char line[8192];
@@ -1288,10 +1335,14 @@ Test(cli, train_honours_deepspeeds_training_keys)
 
     /* fp16 with DeepSpeed's loss scaling (on the CPU backend): the scale is said. */
     snprintf(swap, sizeof(swap), "%s/swap16", dir);
-    ds_config(cfg, sizeof(cfg), swap, "\"fp16\": {\"enabled\": true, \"initial_scale_power\": 8, "
+    ds_config(cfg, sizeof(cfg), swap,
+              "\"fp16\": {\"enabled\": true, \"initial_scale_power\": 8, "
               "\"loss_scale_window\": 2}");
-    cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
-                     "--steps 4", cfg, data), 0, "%s", o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--steps 4",
+                     cfg, data),
+                 0, "%s", o);
     /* Doubled once 2 steps went by without an overflow (DeepSpeed's window): from step 4. */
     cr_assert(strstr(o, "       3 ") && strstr(o, "(loss scale 256)\n       4 "), "%s", o);
     cr_assert(strstr(o, "(loss scale 512)"), "%s", o);
@@ -1301,22 +1352,27 @@ Test(cli, train_honours_deepspeeds_training_keys)
 
     /* The command line wins over the file. */
     snprintf(swap, sizeof(swap), "%s/swap2", dir);
-    ds_config(cfg, sizeof(cfg), swap, "\"train_micro_batch_size_per_gpu\": 1, "
+    ds_config(cfg, sizeof(cfg), swap,
+              "\"train_micro_batch_size_per_gpu\": 1, "
               "\"gradient_accumulation_steps\": 3");
-    cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
-                     "--steps 1 --batch 2 --accumulate 1", cfg, data), 0, "%s", o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--steps 1 --batch 2 --accumulate 1",
+                     cfg, data),
+                 0, "%s", o);
     cr_assert(strstr(o, "# settings: 1 micro-batch of 2 x 8 tokens"), "%s", o);
     free(o);
 
     /* Refused before anything runs: exit 2, the key named. */
-    static const struct { const char *keys, *says; } bad[] = {
+    static const struct {
+        const char *keys, *says;
+    } bad[] = {
         {"\"fp16\": {\"enabled\": true}, \"bf16\": {\"enabled\": true}",
          "fp16.enabled and bf16.enabled are both true"},
         {"\"optimizer\": {\"type\": \"Lamb\"}", "optimizer.type \"Lamb\""},
         {"\"scheduler\": {\"type\": \"OneCycle\"}", "scheduler.type \"OneCycle\""},
         {"\"scheduler\": {\"type\": \"WarmupCosineLR\"}", "total_num_steps"},
-        {"\"train_batch_size\": 5, \"train_micro_batch_size_per_gpu\": 2",
-         "train_batch_size 5"},
+        {"\"train_batch_size\": 5, \"train_micro_batch_size_per_gpu\": 2", "train_batch_size 5"},
         {"\"optimizer\": {\"type\": \"Adam\", \"params\": {\"adam_w_mode\": false}}",
          "adam_w_mode"},
         {"\"aio\": {\"block_size\": \"auto\"}", "aio.block_size"},
@@ -1331,8 +1387,11 @@ Test(cli, train_honours_deepspeeds_training_keys)
         } else {
             ds_config(cfg, sizeof(cfg), swap, bad[i].keys);
         }
-        cr_assert_eq(run(&o, "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
-                         "--steps 1", cfg, data), 2, "%s: %s", bad[i].keys, o);
+        cr_assert_eq(run(&o,
+                         "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                         "--steps 1",
+                         cfg, data),
+                     2, "%s: %s", bad[i].keys, o);
         cr_expect(strstr(o, bad[i].says), "%s: should name %s: %s", bad[i].keys, bad[i].says, o);
         cr_expect(access(swap, F_OK) != 0, "%s: the run started", bad[i].keys);
         free(o);
@@ -1348,9 +1407,11 @@ Test(cli, train_evaluates_samples_and_says_how_long)
     snprintf(swap, sizeof(swap), "%s/swap", dir);
     snprintf(log, sizeof(log), "%s/ev.jsonl", dir);
     train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --eval-every 2 "
-                     "--eval-batches 3 --sample-every 3 --sample-bytes 5 --log %s", cfg, data,
-                     log), 0, "%s", o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s " TINY " --steps 4 --eval-every 2 "
+                     "--eval-batches 3 --sample-every 3 --sample-bytes 5 --log %s",
+                     cfg, data, log),
+                 0, "%s", o);
     cr_assert(strstr(o, "# eval: step 2, val loss ") && strstr(o, "# eval: step 4, val loss "),
               "%s", o);
     cr_assert(strstr(o, "# sample: step 3: \"") && strstr(o, "# sample: step 4: \""), "%s", o);
@@ -1392,8 +1453,11 @@ Test(cli, train_evaluates_samples_and_says_how_long)
     cr_assert_eq(steps, 4);
     cr_assert(summary);
     /* --sample-bytes is bounded by the context. */
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1 --sample-every 1 "
-                     "--sample-bytes 8", cfg, data), 2, "%s", o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s " TINY " --steps 1 --sample-every 1 "
+                     "--sample-bytes 8",
+                     cfg, data),
+                 2, "%s", o);
     cr_assert(strstr(o, "--sample-bytes 8: at most --seq - 1 = 7"), "%s", o);
     free(o);
 }
@@ -1404,8 +1468,11 @@ Test(cli, stat_on_a_directory_in_use_says_so)
 {
     char swap[4096], *o;
     snprintf(swap, sizeof(swap), "%s/busy", dir);
-    struct zinf_options opt = {.nvme_path = swap, .device_bytes = MiB, .host_bytes = MiB,
-                               .device_kind = ZINF_DEVICE_EMULATED, .flags = ZINF_OPEN_NO_PIN};
+    struct zinf_options opt = {.nvme_path = swap,
+                               .device_bytes = MiB,
+                               .host_bytes = MiB,
+                               .device_kind = ZINF_DEVICE_EMULATED,
+                               .flags = ZINF_OPEN_NO_PIN};
     zinf_engine *e = NULL;
     cr_assert_eq(zinf_open(&opt, &e), 0);
     cr_assert_eq(run(&o, "stat --path %s", swap), 1, "%s", o);
@@ -1429,8 +1496,7 @@ static zinf_engine *connect_when_up(const char *sock, const char *job)
     int r = -ENOENT;
     for (int i = 0; i < 1000 && (r == -ENOENT || r == -ECONNREFUSED); i++) {
         r = zinf_connect(sock, job, &e);
-        if (r)
-            usleep(10000);
+        if (r) usleep(10000);
     }
     cr_assert_eq(r, 0, "zinf_connect %s: %s", sock, zinf_strerror(r));
     return e;
@@ -1451,14 +1517,12 @@ static void wait_exited(pid_t pid)
         char path[64], buf[256];
         snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
         FILE *f = fopen(path, "r");
-        if (!f)
-            return;
+        if (!f) return;
         size_t n = fread(buf, 1, sizeof(buf) - 1, f);
         fclose(f);
         buf[n] = 0;
         const char *close_paren = strrchr(buf, ')');
-        if (!close_paren || close_paren[1] == 0 || close_paren[2] == 'Z')
-            return;
+        if (!close_paren || close_paren[1] == 0 || close_paren[2] == 'Z') return;
         usleep(10000);
     }
     cr_assert_fail("process %d did not exit", (int)pid);
@@ -1574,15 +1638,17 @@ Test(cli, train_through_the_daemon_equals_embedded)
                      data, dir),
                  0, "%s", o);
     free(o);
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 7 --resume --log "
-                         "%s/emb.jsonl", cfg, data, dir),
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s " TINY " --steps 7 --resume --log "
+                     "%s/emb.jsonl",
+                     cfg, data, dir),
                  0, "%s", o);
     free(o);
 
     /* Nobody listens yet: said, exit 1. */
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --connect %s", cfg, data,
-                     sock),
-                 1, "%s", o);
+    cr_assert_eq(
+        run(&o, "train --config %s --data %s " TINY " --steps 4 --connect %s", cfg, data, sock), 1,
+        "%s", o);
     cr_assert(strstr(o, "nobody listens there"), "%s", o);
     free(o);
 
@@ -1599,13 +1665,12 @@ Test(cli, train_through_the_daemon_equals_embedded)
              "\"job\": \"tiny\"}}",
              sock);
     write_file(ccfg, text);
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s/d.jsonl", ccfg,
-                     data, dir),
-                 0, "%s", o);
+    cr_assert_eq(
+        run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s/d.jsonl", ccfg, data, dir),
+        0, "%s", o);
     free(o);
     /* A second start over it is refused, naming the job. */
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4", ccfg, data), 2, "%s",
-                 o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4", ccfg, data), 2, "%s", o);
     cr_assert(strstr(o, "job tiny") && strstr(o, "--resume"), "%s", o);
     free(o);
     kill(pid, SIGTERM);
@@ -1617,20 +1682,24 @@ Test(cli, train_through_the_daemon_equals_embedded)
     pid = spawn(out, "serve --socket %s --config %s --foreground", sock, dcfg);
     probe = connect_when_up(sock, "probe");
     zinf_close(probe);
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 7 --resume --log "
-                         "%s/d.jsonl", ccfg, data, dir),
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s " TINY " --steps 7 --resume --log "
+                     "%s/d.jsonl",
+                     ccfg, data, dir),
                  0, "%s", o);
     free(o);
     /* --overwrite starts the job over: its first losses are the first run's again. */
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 2 --overwrite --log "
-                         "%s/d2.jsonl", ccfg, data, dir),
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s " TINY " --steps 2 --overwrite --log "
+                     "%s/d2.jsonl",
+                     ccfg, data, dir),
                  0, "%s", o);
     free(o);
     kill(pid, SIGTERM);
     cr_assert_eq(waitpid(pid, &st, 0), pid);
 
     char emb[MAX_STEPS + 1][32] = {{0}}, dmn[MAX_STEPS + 1][32] = {{0}},
-         again[MAX_STEPS + 1][32] = {{0}};
+                         again[MAX_STEPS + 1][32] = {{0}};
     char p1[4200], p2[4200], p3[4200];
     snprintf(p1, sizeof(p1), "%s/emb.jsonl", dir);
     snprintf(p2, sizeof(p2), "%s/d.jsonl", dir);
@@ -1643,4 +1712,55 @@ Test(cli, train_through_the_daemon_equals_embedded)
                          emb[s]);
     for (int s = 1; s <= 2; s++)
         cr_assert_str_eq(again[s], emb[s], "step %d after --overwrite", s);
+}
+
+/* The daemon killed with SIGKILL: a client's next call fails with a connection error and
+ * the client stays usable for zinf_close; a new daemon brings back every tensor as it was
+ * last flushed (what came after the flush is gone, as after any crash). */
+Test(cli, serve_killed_brings_back_what_was_flushed)
+{
+    char cfg[4096], sock[4096], out[4096], text[8192];
+    snprintf(cfg, sizeof(cfg), "%s/serve.json", dir);
+    snprintf(sock, sizeof(sock), "%s/zinf.sock", dir);
+    snprintf(out, sizeof(out), "%s/serve.out", dir);
+    snprintf(text, sizeof(text),
+             "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+             "\"%s/swap\"}}, \"aio\": {\"block_size\": 65536},"
+             " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", \"host_bytes\": "
+             "\"4M\"}}",
+             dir);
+    write_file(cfg, text);
+    pid_t pid = spawn(out, "serve --socket %s --config %s --foreground", sock, cfg);
+    zinf_engine *e = connect_when_up(sock, "crash");
+    zinf_tensor t, late;
+    unsigned char *want = test_rand_buf(200000, 21), *after = test_rand_buf(200000, 22);
+    cr_assert_eq(zinf_register(e, "t", 200000, ZINF_TIER_NVME, &t), 0);
+    cr_assert_eq(zinf_write(e, t, 0, want, 200000), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    /* After the flush: a new tensor and new bytes, never flushed. */
+    cr_assert_eq(zinf_register(e, "late", 4096, ZINF_TIER_NVME, &late), 0);
+    cr_assert_eq(zinf_write(e, t, 0, after, 200000), 0);
+    kill(pid, SIGKILL);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    int r = zinf_flush(e);
+    cr_assert(r == -ECONNRESET || r == -ECONNREFUSED || r == -ENOENT || r == -EPIPE,
+              "a call to a dead daemon: %d (%s)", r, zinf_strerror(r));
+    zinf_close(e); /* its flush fails too; the handle is freed all the same */
+
+    /* The socket file of the dead daemon is replaced by the new one. */
+    pid = spawn(out, "serve --socket %s --config %s --foreground", sock, cfg);
+    e = connect_when_up(sock, "crash");
+    cr_assert_eq(zinf_lookup(e, "t", &t), 0);
+    unsigned char *got = malloc(200000);
+    cr_assert_eq(zinf_read(e, t, 0, got, 200000), 0);
+    cr_assert_eq(memcmp(got, want, 200000), 0, "the flushed content after a SIGKILL");
+    cr_assert_eq(zinf_lookup(e, "late", &late), -ENOENT, "a tensor never flushed came back");
+    zinf_close(e);
+    kill(pid, SIGTERM);
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "serve exited %#x", st);
+    free(got);
+    free(want);
+    free(after);
 }
