@@ -269,9 +269,10 @@ static void session_free(struct session *se)
 /* The (region, offset) of a pointer the job's engine handed out for tier. */
 static int where(const struct job *j, uint32_t tier, const void *ptr, struct proto_out *o)
 {
+    if (tier >= MEM_TIERS) return -EIO;
     const struct engine_region *g = &j->reg[tier];
     const char *p = ptr, *b = g->base;
-    if (tier >= MEM_TIERS || p < b || p >= b + g->bytes) return -EIO;
+    if (p < b || p >= b + g->bytes) return -EIO;
     proto_put_u32(o, tier);
     proto_put_u64(o, (uint64_t)(p - b));
     return o->bad ? -ENOMEM : 0;
