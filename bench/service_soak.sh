@@ -27,9 +27,10 @@ while kill -0 "$pid" 2> /dev/null; do
   fds=$(ls "/proc/$pid/fd" 2> /dev/null | wc -l)
   if [ -n "$rss" ]; then
     printf '  %4d %9d %5d\n' "$t" "$rss" "$fds"
-    # The first sample after the workers started is the baseline.
+    # The first sample after the workers started is the baseline; samples from the end of
+    # the run on see the check, the restart and the resume, not the workers.
     if [ -z "$first_rss" ] && [ "$t" -ge "$interval" ]; then first_rss=$rss first_fds=$fds; fi
-    last_rss=$rss last_fds=$fds
+    if [ "$t" -lt "$seconds" ]; then last_rss=$rss last_fds=$fds; fi
   fi
   sleep "$interval"
   t=$((t + interval))
@@ -37,5 +38,5 @@ done
 status=0
 wait "$pid" || status=$?
 tail -2 "$log"
-echo "# rss $first_rss -> $last_rss KiB, fds $first_fds -> $last_fds (from the sample at ${interval} s to the last)"
+echo "# rss $first_rss -> $last_rss KiB, fds $first_fds -> $last_fds (from the sample at ${interval} s to the last before ${seconds} s)"
 [ "$status" = 0 ] || { echo "service_soak: stress_api failed (exit $status)"; grep -m3 FAILED "$log"; exit 1; }
