@@ -1528,13 +1528,14 @@ static void wait_exited(pid_t pid)
     cr_assert_fail("process %d did not exit", (int)pid);
 }
 
-Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
+/* dir/serve.json (small emulated tiers, swap in dir/swap), and the socket's and the daemon's
+ * output's paths; each buffer holds 4096 bytes. */
+static void serve_files(char *cfg, char *sock, char *out)
 {
-    char cfg[4096], sock[4096], out[4096], *o;
-    snprintf(cfg, sizeof(cfg), "%s/serve.json", dir);
-    snprintf(sock, sizeof(sock), "%s/zinf.sock", dir);
-    snprintf(out, sizeof(out), "%s/serve.out", dir);
     char text[8192];
+    snprintf(cfg, 4096, "%s/serve.json", dir);
+    snprintf(sock, 4096, "%s/zinf.sock", dir);
+    snprintf(out, 4096, "%s/serve.out", dir);
     snprintf(text, sizeof(text),
              "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
              "\"%s/swap\"}}, \"aio\": {\"block_size\": 65536},"
@@ -1542,6 +1543,12 @@ Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
              "\"4M\"}}",
              dir);
     write_file(cfg, text);
+}
+
+Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
+{
+    char cfg[4096], sock[4096], out[4096], *o;
+    serve_files(cfg, sock, out);
 
     /* Bad usage and bad input: 2. */
     cr_assert_eq(run(&o, "serve"), 2, "%s", o);
@@ -1549,6 +1556,21 @@ Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
     free(o);
     cr_assert_eq(run(&o, "serve --socket %s --config %s/missing.json", sock, dir), 2, "%s", o);
     free(o);
+    char cuda[4200];
+    snprintf(cuda, sizeof(cuda), "%s/cuda.json", dir);
+    write_file(cuda, "{\"zinf\": {\"device\": \"cuda\"}}");
+    cr_assert_eq(run(&o, "serve --socket %s --config %s", sock, cuda), 2, "%s", o);
+    cr_assert(strstr(o, "CUDA IPC"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "serve --socket %s --config %s --group no-such-group-zinf", sock, cfg), 2,
+                 "%s", o);
+    cr_assert(strstr(o, "no such group"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "serve --socket %s --config %s --foreground --log %s/l", sock, cfg, dir),
+                 2, "%s", o);
+    free(o);
+    struct stat sst;
+    cr_assert_neq(stat(sock, &sst), 0, "a refused serve left a socket file");
 
     pid_t pid = spawn(out, "serve --socket %s --config %s --foreground", sock, cfg);
     zinf_engine *e = connect_when_up(sock, "job1");
@@ -1719,17 +1741,8 @@ Test(cli, train_through_the_daemon_equals_embedded)
  * last flushed (what came after the flush is gone, as after any crash). */
 Test(cli, serve_killed_brings_back_what_was_flushed)
 {
-    char cfg[4096], sock[4096], out[4096], text[8192];
-    snprintf(cfg, sizeof(cfg), "%s/serve.json", dir);
-    snprintf(sock, sizeof(sock), "%s/zinf.sock", dir);
-    snprintf(out, sizeof(out), "%s/serve.out", dir);
-    snprintf(text, sizeof(text),
-             "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
-             "\"%s/swap\"}}, \"aio\": {\"block_size\": 65536},"
-             " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", \"host_bytes\": "
-             "\"4M\"}}",
-             dir);
-    write_file(cfg, text);
+    char cfg[4096], sock[4096], out[4096];
+    serve_files(cfg, sock, out);
     pid_t pid = spawn(out, "serve --socket %s --config %s --foreground", sock, cfg);
     zinf_engine *e = connect_when_up(sock, "crash");
     zinf_tensor t, late;

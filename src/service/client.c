@@ -339,6 +339,16 @@ int client_unregister(struct client *c, zinf_tensor t)
     return simple(c, &k);
 }
 
+/* A request whose reply is one (region, offset): *ptr. */
+static int pointer_reply(struct client *c, struct call *k, void **ptr)
+{
+    int r = call(c, k);
+    if (r == 0) r = pointer_of(c, &k->in, ptr);
+    if (r == 0 && proto_done(&k->in) < 0) r = -EPROTO;
+    call_end(k);
+    return r;
+}
+
 int client_fetch(struct client *c, zinf_tensor t, enum zinf_tier tier, void **ptr)
 {
     if (!ptr) return -EINVAL;
@@ -346,13 +356,7 @@ int client_fetch(struct client *c, zinf_tensor t, enum zinf_tier tier, void **pt
     call_begin(c, &k, PROTO_FETCH);
     proto_put_u64(&k.o, t);
     proto_put_u32(&k.o, (uint32_t)tier);
-    int r = call(c, &k);
-    if (r == 0) {
-        r = pointer_of(c, &k.in, ptr);
-        if (r == 0 && proto_done(&k.in) < 0) r = -EPROTO;
-    }
-    call_end(&k);
-    return r;
+    return pointer_reply(c, &k, ptr);
 }
 
 int client_fetch_async(struct client *c, zinf_tensor t, enum zinf_tier tier, uint64_t *ticket)
@@ -371,13 +375,7 @@ int client_wait(struct client *c, uint64_t ticket, void **ptr)
     struct call k;
     call_begin(c, &k, PROTO_WAIT);
     proto_put_u64(&k.o, ticket);
-    int r = call(c, &k);
-    if (r == 0) {
-        r = pointer_of(c, &k.in, ptr);
-        if (r == 0 && proto_done(&k.in) < 0) r = -EPROTO;
-    }
-    call_end(&k);
-    return r;
+    return pointer_reply(c, &k, ptr);
 }
 
 int client_fetch_all(struct client *c, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
