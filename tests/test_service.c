@@ -25,6 +25,7 @@
 #include "common.h"
 #include "config.h"
 #include "helpers.h"
+#include "pintable.h"
 #include "service/proto.h"
 #include "service/server.h"
 
@@ -538,5 +539,192 @@ Test(service, a_session_cannot_be_joined_without_its_secret)
     cr_assert_eq(res, -ECONNRESET);
     close(fd);
     zinf_close(e);
+    daemon_stop(&d);
+}
+
+/* ---- the hit path in the session's pin table -------------------------------------------- */
+
+Test(service, hits_send_no_message_and_count_as_fetches)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("hits");
+    zinf_tensor t = test_register(e, "t", 65536, ZINF_TIER_HOST);
+    const unsigned n = 10000; /* more than the event ring holds: some go as messages */
+    void *p, *first = NULL;
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &first), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    uint64_t before = service_requests(d.s);
+    for (unsigned i = 1; i < n; i++) {
+        cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+        cr_assert_eq(p, first, "a resident copy does not move");
+        cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    }
+    uint64_t sent = service_requests(d.s) - before;
+    cr_assert_leq(sent, (n / PT_RING) + 1, "%llu of %u hits went to the daemon",
+                  (unsigned long long)sent, n - 1);
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tier[ZINF_TIER_DEVICE].fetches, n);
+    cr_assert_eq(st.tier[ZINF_TIER_DEVICE].hits, n - 1);
+    cr_assert_eq(st.tier[ZINF_TIER_DEVICE].pinned_bytes, 0, "an idle lease is no pin");
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+/* The schedule a step teaches the engine is the same whether its hits went through the
+ * daemon or the pin table. */
+Test(service, the_schedule_is_learned_from_hits_in_the_table)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("sched");
+    zinf_tensor t[6];
+    for (int i = 0; i < 6; i++) {
+        char name[8];
+        snprintf(name, sizeof(name), "t%d", i);
+        t[i] = test_register(e, name, 65536, ZINF_TIER_HOST);
+    }
+    cr_assert_eq(zinf_step(e), 0);
+    for (int step = 0; step < 4; step++) {
+        for (int i = 0; i < 6; i++) {
+            void *p;
+            cr_assert_eq(zinf_fetch(e, t[i], ZINF_TIER_DEVICE, &p), 0);
+            cr_assert_eq(zinf_release(e, t[i], ZINF_TIER_DEVICE, 0), 0);
+        }
+        cr_assert_eq(zinf_step(e), 0);
+    }
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.schedule_length, 6);
+    cr_assert_eq(st.schedule_resets, 0);
+    cr_assert_eq(st.tier[ZINF_TIER_DEVICE].fetches, 24);
+    cr_assert_eq(st.tier[ZINF_TIER_DEVICE].hits, 18);
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+/* Device tier 4 MiB, tensors of 1.5 MiB: two fit, a third needs room. */
+Test(service, an_idle_lease_gives_way_and_a_held_pin_does_not)
+{
+    struct daemon d;
+    write_cfg(true);
+    daemon_start(&d);
+    zinf_engine *a = connect_job("room"), *b = connect_job("room");
+    const size_t n = 3 << 19;
+    zinf_tensor t[5];
+    unsigned char *want[5];
+    for (int i = 0; i < 5; i++) {
+        char name[8];
+        snprintf(name, sizeof(name), "t%d", i);
+        t[i] = test_register(a, name, n, ZINF_TIER_NVME);
+        want[i] = test_rand_buf(n, 100 + i);
+        cr_assert_eq(zinf_write(a, t[i], 0, want[i], n), 0);
+    }
+    void *p, *q, *r;
+    /* a leaves t0 with an idle lease; b's two fetches need its room. */
+    cr_assert_eq(zinf_fetch(a, t[0], ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(zinf_release(a, t[0], ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_fetch(a, t[0], ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(zinf_release(a, t[0], ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_fetch(b, t[1], ZINF_TIER_DEVICE, &q), 0);
+    cr_assert_eq(zinf_fetch(b, t[2], ZINF_TIER_DEVICE, &r), 0, "the idle lease held its room");
+    cr_assert_eq(memcmp(q, want[1], n), 0);
+    cr_assert_eq(memcmp(r, want[2], n), 0);
+    cr_assert_eq(zinf_release(b, t[1], ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_release(b, t[2], ZINF_TIER_DEVICE, 0), 0);
+    /* t0's slot closed when it went: a's next fetch asks the daemon, which loads it. */
+    cr_assert_eq(zinf_fetch(a, t[0], ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(memcmp(p, want[0], n), 0);
+    /* a now holds t0 (through its slot): b gets one more tensor in, not two. */
+    cr_assert_eq(zinf_fetch(b, t[3], ZINF_TIER_DEVICE, &q), 0);
+    cr_assert_eq(zinf_fetch(b, t[4], ZINF_TIER_DEVICE, &r), -ENOMEM, "a's pin was taken");
+    cr_assert_eq(memcmp(p, want[0], n), 0, "a held copy moved");
+    cr_assert_eq(zinf_release(a, t[0], ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_release(a, t[0], ZINF_TIER_DEVICE, 0), -EINVAL, "one pin, two releases");
+    cr_assert_eq(zinf_fetch(b, t[4], ZINF_TIER_DEVICE, &r), 0);
+    cr_assert_eq(memcmp(r, want[4], n), 0);
+    cr_assert_eq(zinf_release(b, t[3], ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_release(b, t[4], ZINF_TIER_DEVICE, 0), 0);
+    for (int i = 0; i < 5; i++) {
+        test_expect_content(b, t[i], want[i], n, "after the evictions");
+        free(want[i]);
+    }
+    zinf_close(b);
+    zinf_close(a);
+    daemon_stop(&d);
+}
+
+Test(service, a_dirty_release_closes_idle_leases_of_the_other_tier)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *a = connect_job("dirty"), *b = connect_job("dirty");
+    const size_t n = 65536;
+    zinf_tensor t = test_register(a, "t", n, ZINF_TIER_HOST);
+    unsigned char *v1 = test_rand_buf(n, 1), *v2 = test_rand_buf(n, 2), *v3 = test_rand_buf(n, 3);
+    cr_assert_eq(zinf_write(a, t, 0, v1, n), 0);
+    void *h, *dv;
+    for (int i = 0; i < 2; i++) { /* the second time through a's slot */
+        cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_HOST, &h), 0);
+        cr_assert_eq(memcmp(h, v1, n), 0);
+        cr_assert_eq(zinf_release(a, t, ZINF_TIER_HOST, 0), 0);
+    }
+    /* b writes on the device: a's idle lease of the host copy does not make it -EBUSY. */
+    cr_assert_eq(zinf_fetch(b, t, ZINF_TIER_DEVICE, &dv), 0);
+    memcpy(dv, v2, n);
+    cr_assert_eq(zinf_release(b, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_HOST, &h), 0);
+    cr_assert_eq(memcmp(h, v2, n), 0, "a's slot served a stale copy");
+    /* a holds the host copy now: a DIRTY release on the device is refused, as embedded. */
+    cr_assert_eq(zinf_fetch(b, t, ZINF_TIER_DEVICE, &dv), 0);
+    cr_assert_eq(zinf_release(b, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), -EBUSY);
+    cr_assert_eq(zinf_release(b, t, ZINF_TIER_DEVICE, 0), 0);
+    /* a writes through its slot's pin and releases DIRTY (a message). */
+    memcpy(h, v3, n);
+    cr_assert_eq(zinf_release(a, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+    cr_assert_eq(zinf_fetch(b, t, ZINF_TIER_DEVICE, &dv), 0);
+    cr_assert_eq(memcmp(dv, v3, n), 0);
+    cr_assert_eq(zinf_release(b, t, ZINF_TIER_DEVICE, 0), 0);
+    test_expect_content(b, t, v3, n, "after the DIRTY releases");
+    free(v1);
+    free(v2);
+    free(v3);
+    zinf_close(b);
+    zinf_close(a);
+    daemon_stop(&d);
+}
+
+Test(service, unregister_closes_idle_leases_and_stale_handles_miss)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *a = connect_job("unreg"), *b = connect_job("unreg");
+    zinf_tensor t = test_register(a, "t", 65536, ZINF_TIER_HOST);
+    void *p;
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_DEVICE, &p), 0);
+        cr_assert_eq(zinf_release(a, t, ZINF_TIER_DEVICE, 0), 0);
+        cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_HOST, &p), 0);
+        cr_assert_eq(zinf_release(a, t, ZINF_TIER_HOST, 0), 0);
+    }
+    cr_assert_eq(zinf_unregister(b, t), 0, "idle leases kept the tensor registered");
+    cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_DEVICE, &p), -EINVAL);
+    cr_assert_eq(zinf_release(a, t, ZINF_TIER_DEVICE, 0), -EINVAL);
+    /* The same slot for a new tensor: the old handle still misses. */
+    zinf_tensor u = test_register(b, "u", 65536, ZINF_TIER_HOST);
+    cr_assert_eq((uint32_t)u, (uint32_t)t, "the slot was not reused; the test proves nothing");
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(zinf_fetch(a, u, ZINF_TIER_DEVICE, &p), 0);
+        cr_assert_eq(zinf_release(a, u, ZINF_TIER_DEVICE, 0), 0);
+    }
+    cr_assert_eq(zinf_fetch(a, u, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_DEVICE, &p), -EINVAL);
+    cr_assert_eq(zinf_release(a, t, ZINF_TIER_DEVICE, 0), -EINVAL);
+    cr_assert_eq(zinf_unregister(b, u), -EBUSY, "a holds u through its slot");
+    cr_assert_eq(zinf_release(a, u, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_unregister(b, u), 0);
+    zinf_close(b);
+    zinf_close(a);
     daemon_stop(&d);
 }

@@ -100,6 +100,10 @@ void engine_check_tensor(const struct tensor *t)
             check_failed(t, i, "a write-back that is not counted as a reader");
         if (c->prefetched && (c->pins || c->state == COPY_NONE))
             check_failed(t, i, "prefetched and pinned, or prefetched and gone");
+        if (c->leases && (c->state != COPY_READY || c->version != t->version || c->prefetched))
+            check_failed(t, i, "leased while not READY with the newest content, or prefetched");
+        if ((unsigned)__builtin_popcountll(c->leases) > c->pins)
+            check_failed(t, i, "a lease that holds no pin");
         if (c->version > t->version) check_failed(t, i, "a copy newer than its tensor");
         if (home && c->state == COPY_NONE) check_failed(t, i, "the home copy is gone");
         if (!home && (c->state != COPY_NONE) != (c->res_next != NULL))
@@ -355,6 +359,7 @@ int engine_api_unregister(zinf_engine *e, zinf_tensor h)
     if (!e) return -EINVAL;
     if (e->opt.flags & ZINF_OPEN_READONLY) return -EROFS;
     pthread_mutex_lock(&e->lock);
+    lease_drain(e); /* the fetches clients made of it still count */
     for (;;) {
         /* A flush in progress may be writing a manifest that names this tensor's extents;
          * one may also start while this waits for the tensor. */
@@ -368,7 +373,11 @@ int engine_api_unregister(zinf_engine *e, zinf_tensor h)
         if (!e->flushing) break;
         engine_tensor_unlock(e, t);
     }
-    if (t->c[0].pins || t->c[1].pins || t->c[0].deferred || t->c[1].deferred) {
+    /* Both idle leases close whatever the first answers: a slot left open on a tensor
+     * that goes would let its client pin freed room. */
+    bool pinned = copy_pinned(e, t, 0);
+    pinned |= copy_pinned(e, t, 1);
+    if (pinned || t->c[0].deferred || t->c[1].deferred) {
         engine_tensor_unlock(e, t);
         pthread_mutex_unlock(&e->lock);
         return -EBUSY;
@@ -507,6 +516,7 @@ int engine_api_write(zinf_engine *e, zinf_tensor h, size_t off, const void *src,
         if (dev) t->c[ZINF_TIER_DEVICE].version = t->version;
         if (host) t->c[ZINF_TIER_HOST].version = t->version;
         if (swap) t->swap_version = t->version;
+        if (dev || host) lease_publish(e);
         if (cow) {
             /* The old extent stays while a manifest names it (the flush that stops naming
              * it frees it); if the flush that named it failed meanwhile, nobody will. */
@@ -529,6 +539,7 @@ int engine_api_step(zinf_engine *e)
 {
     if (!e) return -EINVAL;
     pthread_mutex_lock(&e->lock);
+    lease_drain(e);
     e->st.steps++;
     sched_on_step(e);
     pthread_mutex_unlock(&e->lock);
@@ -553,6 +564,7 @@ int engine_api_stats(zinf_engine *e, struct zinf_stats *out)
 
     if (!e || !out) return -EINVAL;
     pthread_mutex_lock(&e->lock);
+    lease_drain(e);
     *out = e->st;
     device_get_stats(e->dev, &ds);
     host_get_stats(e->host, &hs);
@@ -572,7 +584,7 @@ int engine_api_stats(zinf_engine *e, struct zinf_stats *out)
     for (uint32_t i = 0; i < e->ntensors; i++) {
         struct tensor *t = e->tensors[i];
         for (int k = 0; t && k < MEM_TIERS; k++)
-            if (t->c[k].pins) out->tier[k].pinned_bytes += t->alloc_bytes;
+            if (copy_held(e, &t->c[k])) out->tier[k].pinned_bytes += t->alloc_bytes;
     }
     out->tensors = e->live;
     pthread_mutex_unlock(&e->lock);
@@ -590,6 +602,7 @@ static void engine_free(struct zinf_engine *e)
     free(e->gens);
     free(e->names);
     sched_free(&e->sched);
+    lease_fini(e);
     while (e->tickets) {
         struct ticket *k = e->tickets;
         e->tickets = k->next;

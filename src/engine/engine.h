@@ -28,6 +28,7 @@
 #define MEM_TIERS 2 /* ZINF_TIER_DEVICE and ZINF_TIER_HOST hold copies in memory */
 #define SRC_ZERO 3  /* transfer source: the content is all zeros */
 #define DST_NONE 3  /* transfer destination: read and checksum only */
+#define ENGINE_MAX_PINSETS 64 /* pin tables (service sessions) an engine serves at once */
 
 /*
  * The states of a copy (one per tensor and memory tier), written once. `state` is the
@@ -44,6 +45,10 @@
  *
  * Refinements of READY:
  *   pinned (pins > 0): a caller holds the pointer; never dropped, never loaded into.
+ *   leased (leases != 0): a session of the service may pin it without a message; each
+ *     lease is one of the pins. A lease whose client holds no pin through it is idle and
+ *     is closed (copy_pinned) by whoever needs the copy unpinned. Leased implies READY,
+ *     valid and not prefetched.
  *   read (readers > 0): a transfer reads from it (a load of the other tier, a write-back,
  *     a flush); never dropped, never loaded into.
  *   written back (wb_inflight): one of those readers is its write-back to the home; at most
@@ -84,6 +89,8 @@ struct copy {
     unsigned deferred;          /* zinf_fetch_async tickets whose load could not start yet: pins
                                    the callers hold already, taken for real by zinf_wait */
     unsigned readers;           /* transfers reading from this copy */
+    uint64_t leases;            /* pin tables with this copy's slot open (bit = table id):
+                                   each holds one of the pins (lease.c) */
     uint64_t version;           /* content held; valid iff == tensor.version */
     uint64_t off;               /* offset in the tier's arena */
     void *ptr;
@@ -221,6 +228,10 @@ struct zinf_engine {
     unsigned compacting[MEM_TIERS];
     struct sched sched;
 
+    /* pin tables of the service's sessions (lease.c), by id */
+    struct engine_pinset *pinsets[ENGINE_MAX_PINSETS];
+    unsigned npinsets;
+
     /* async fetch tickets */
     struct ticket *tickets;
     uint64_t next_ticket;
@@ -308,6 +319,41 @@ int engine_api_stats(zinf_engine *e, struct zinf_stats *out);
  * of the newest content); -errno as engine_api_release. */
 int engine_release_abandoned(zinf_engine *e, zinf_tensor h, enum zinf_tier tier);
 
+/* Pin tables (src/pintable.h), one per session of the service: see lease.c. */
+struct engine_pinset;
+/* A new, empty table and the memfd its client maps (owned by the table). -EMFILE when
+ * ENGINE_MAX_PINSETS are open. */
+int engine_pinset_open(zinf_engine *e, struct engine_pinset **out, int *fd, size_t *bytes);
+/* Ends a table whose client is gone: its leases close and the pins the client held
+ * through them are dropped as engine_release_abandoned drops one (*dropped of them, *kept
+ * of those on a copy kept as it was). */
+void engine_pinset_close(zinf_engine *e, struct engine_pinset *ps, unsigned *dropped,
+                         unsigned *kept);
+/* The pins the table's client holds through its slots now. */
+uint64_t engine_pinset_pins(zinf_engine *e, struct engine_pinset *ps);
+/* engine_api_fetch for ps's session: when *leased, the pin is counted in the session's
+ * slot (released there, by the client or engine_release_leased), not as an ordinary pin. */
+int engine_api_fetch_leased(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h,
+                            enum zinf_tier tier, void **ptr, bool *leased);
+/* engine_api_release of a pin counted in ps's slot: -EINVAL when the slot counts none. */
+int engine_release_leased(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h,
+                          enum zinf_tier tier, unsigned flags);
+/* Lock held: */
+/* Is the copy pinned, once the idle leases on it are closed? */
+bool copy_pinned(struct zinf_engine *e, struct tensor *t, int tier);
+/* Its pins that callers hold (the idle leases not counted). */
+unsigned copy_held(const struct zinf_engine *e, const struct copy *c);
+/* Count the pins clients took through their slots as fetches (in order with the calls
+ * that follow) and prefetch what the schedule says comes next. */
+void lease_drain(struct zinf_engine *e);
+/* Content changed in place (a DIRTY release, zinf_write): clients order their next reads
+ * after it. */
+void lease_publish(struct zinf_engine *e);
+/* Take one pin off ps's slot of the copy (false: it counts none); put it back. */
+bool lease_take(struct engine_pinset *ps, struct tensor *t, int tier);
+void lease_untake(struct engine_pinset *ps, struct tensor *t, int tier);
+void lease_fini(struct zinf_engine *e);
+
 /* engine.c */
 struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h);
 /* After any wait that dropped the lock: is h still the tensor t? (Lock held.) A caller
@@ -344,6 +390,11 @@ enum reserve_mode {
     RESERVE_PREFETCH, /* a hint: never waits, never evicts what is needed sooner */
 };
 int fetch_locked(struct zinf_engine *e, struct tensor *t, int tier, bool prefetch, void **ptr);
+/* engine_api_fetch with the lock held. */
+int fetch_pinned(struct zinf_engine *e, zinf_tensor h, int tier, void **ptr);
+/* What engine_release_abandoned does after the release (lock held): 1 when the copy was
+ * kept as it is. */
+int abandon_locked(struct zinf_engine *e, struct tensor *t, int tier);
 void copy_drop(struct zinf_engine *e, struct tensor *t, int tier);
 void copy_link(struct zinf_engine *e, struct copy *c, int tier);
 void engine_wait(struct zinf_engine *e);

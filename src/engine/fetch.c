@@ -203,7 +203,7 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
         x->dst = ZINF_TIER_NVME;
     } else {
         struct copy *h = &t->c[t->home];
-        if (h->state != COPY_READY || h->pins || h->readers) {
+        if (h->state != COPY_READY || copy_pinned(e, t, t->home) || h->readers) {
             r = -EAGAIN;
             goto err;
         }
@@ -255,7 +255,8 @@ static struct copy *pick_victim(struct zinf_engine *e, int tier, bool prefetch, 
 
     for (struct copy *c = e->res[tier].res_next; c != &e->res[tier]; c = c->res_next) {
         struct tensor *t = c->t;
-        if (c->state != COPY_READY || c->pins || c->readers || c->evicting || t->exclusive)
+        if (c->state != COPY_READY || copy_held(e, c) || c->readers || c->evicting ||
+            t->exclusive)
             continue;
         if (writeback_failed(e, t, tier)) {
             *skipped_failed = true;
@@ -306,6 +307,7 @@ static int evict_victim(struct zinf_engine *e, int tier, struct copy *v, enum re
     struct tensor *vt = v->t;
     int r;
 
+    if (copy_pinned(e, vt, tier)) return 0; /* a client pinned it just now: pick again */
     if (v->version != vt->version) {
         copy_drop(e, vt, tier); /* stale: nothing to keep */
         return 0;
@@ -743,22 +745,23 @@ static int check_tier(enum zinf_tier tier)
     return tier == ZINF_TIER_DEVICE || tier == ZINF_TIER_HOST ? 0 : -EINVAL;
 }
 
-int engine_api_fetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, void **ptr)
+int fetch_pinned(struct zinf_engine *e, zinf_tensor h, int tier, void **ptr)
 {
-    struct tensor *t;
-    int r;
-
-    if (!e || !ptr || check_tier(tier)) return -EINVAL;
-    pthread_mutex_lock(&e->lock);
-    t = engine_tensor(e, h);
-    if (!t) {
-        pthread_mutex_unlock(&e->lock);
-        return -EINVAL;
-    }
+    lease_drain(e);
+    struct tensor *t = engine_tensor(e, h);
+    if (!t) return -EINVAL;
     e->st.tier[tier].fetches++;
     sched_on_fetch(e, t, tier);
-    r = fetch_mode(e, t, tier, FETCH_BLOCK, 0, ptr);
+    int r = fetch_mode(e, t, tier, FETCH_BLOCK, 0, ptr);
     if (r == 0) sched_prefetch(e);
+    return r;
+}
+
+int engine_api_fetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, void **ptr)
+{
+    if (!e || !ptr || check_tier(tier)) return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    int r = fetch_pinned(e, h, tier, ptr);
     pthread_mutex_unlock(&e->lock);
     return r;
 }
@@ -803,6 +806,7 @@ int engine_api_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum z
 
     if (!e || (n && (!ts || !ptrs)) || check_tier(tier)) return -EINVAL;
     pthread_mutex_lock(&e->lock);
+    lease_drain(e);
     for (size_t i = 0; i < n; i++) {
         if (!engine_tensor(e, ts[i])) {
             pthread_mutex_unlock(&e->lock);
@@ -840,6 +844,7 @@ int engine_api_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, u
     k = calloc(1, sizeof(*k));
     if (!k) return -ENOMEM;
     pthread_mutex_lock(&e->lock);
+    lease_drain(e);
     t = engine_tensor(e, h);
     if (!t) {
         pthread_mutex_unlock(&e->lock);
@@ -929,13 +934,16 @@ int engine_api_prefetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
 
     if (!e || check_tier(tier)) return -EINVAL;
     pthread_mutex_lock(&e->lock);
+    lease_drain(e);
     t = engine_tensor(e, h);
     r = t ? fetch_locked(e, t, tier, true, NULL) : -EINVAL;
     pthread_mutex_unlock(&e->lock);
     return r;
 }
 
-int engine_api_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, unsigned flags)
+/* A release of a pin the caller holds: an ordinary one, or (ps) one counted in ps's slot. */
+static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum zinf_tier tier,
+                   unsigned flags)
 {
     struct tensor *t;
     struct copy *c;
@@ -945,6 +953,7 @@ int engine_api_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, unsig
     if ((flags & ZINF_RELEASE_DIRTY) && (e->opt.flags & ZINF_OPEN_READONLY))
         return -EROFS; /* the pin stays: release it clean */
     pthread_mutex_lock(&e->lock);
+    if (ps) lease_drain(e);
     for (;;) {
         t = engine_tensor(e, h);
         if (!t) {
@@ -963,10 +972,16 @@ int engine_api_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, unsig
         if (!(flags & ZINF_RELEASE_DIRTY) || !t->exclusive) break;
         engine_wait(e);
     }
+    /* From here on the lock stays held: the slot's pin, once taken, is this release's. */
+    if (ps && !lease_take(ps, t, tier)) {
+        r = -EINVAL; /* the slot counts no pin of the session */
+        goto out;
+    }
     if (flags & ZINF_RELEASE_DIRTY) {
         int other = 1 - tier;
         struct copy *oc = &t->c[other];
-        if (oc->pins || oc->deferred) {
+        if (copy_pinned(e, t, other) || oc->deferred) {
+            if (ps) lease_untake(ps, t, tier);
             r = -EBUSY; /* another tier holds a view: the pin stays */
             goto out;
         }
@@ -977,8 +992,9 @@ int engine_api_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, unsig
         prefetch_wasted(e, t, oc); /* whatever was prefetched there is stale now */
         if (other != (int)t->home && oc->state == COPY_READY && !oc->readers && !oc->wb_inflight)
             copy_drop(e, t, other);
+        lease_publish(e);
     }
-    c->pins--;
+    if (!ps) c->pins--; /* a slot's pin went with lease_take; its lease stays */
     c->last_use = ++e->clock;
     if (c->pins == 0) pthread_cond_broadcast(&e->changed);
     ENGINE_CHECK(t);
@@ -987,21 +1003,36 @@ out:
     return r;
 }
 
+int engine_api_release(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, unsigned flags)
+{
+    return release(e, NULL, h, tier, flags);
+}
+
+int engine_release_leased(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h,
+                          enum zinf_tier tier, unsigned flags)
+{
+    return ps ? release(e, ps, h, tier, flags) : -EINVAL;
+}
+
+int abandon_locked(struct zinf_engine *e, struct tensor *t, int tier)
+{
+    struct copy *c = &t->c[tier];
+    if (tier == (int)t->home || needs_writeback(t, tier))
+        return 1; /* the home, or the only holder of the newest content: kept as it is */
+    if (c->state == COPY_READY && !c->deferred && !c->readers && !c->wb_inflight &&
+        !c->evicting && !t->exclusive && !copy_pinned(e, t, tier))
+        copy_drop(e, t, tier);
+    /* Otherwise another caller holds or reads it now, and sees what it sees. */
+    return 0;
+}
+
 int engine_release_abandoned(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
 {
     int r = engine_api_release(e, h, tier, 0);
     if (r < 0) return r;
     pthread_mutex_lock(&e->lock);
     struct tensor *t = engine_tensor(e, h);
-    if (t) {
-        struct copy *c = &t->c[tier];
-        if (tier == t->home || needs_writeback(t, tier))
-            r = 1; /* the home, or the only holder of the newest content: kept as it is */
-        else if (c->state == COPY_READY && !c->pins && !c->deferred && !c->readers &&
-                 !c->wb_inflight && !c->evicting && !t->exclusive)
-            copy_drop(e, t, tier);
-        /* Otherwise another caller holds or reads it now, and sees what it sees. */
-    }
+    if (t) r = abandon_locked(e, t, tier);
     pthread_mutex_unlock(&e->lock);
     return r;
 }

@@ -27,6 +27,7 @@
 
 #include "common.h"
 #include "handle.h"
+#include "pintable.h"
 #include "service/client.h"
 #include "service/proto.h"
 
@@ -46,8 +47,9 @@ struct client {
     char *socket_path;
     char job[PROTO_MAX_JOB + 1];
     uint64_t session, secret;
-    unsigned nregions;
+    unsigned nregions; /* the memory tiers' arenas, by tier */
     struct region region[PROTO_MAX_REGIONS];
+    struct pt_header *pt; /* the session's pin table, or NULL: every call is a message */
     atomic_uint seq;
     uint64_t spin_ns; /* how long a call polls for its reply before it sleeps */
 
@@ -70,6 +72,18 @@ static int dial(const char *path, int *out)
     }
     *out = fd;
     return 0;
+}
+
+/* The session's pin table, when it is one this build reads; otherwise it goes unused. */
+static void take_table(struct client *c, struct region *g)
+{
+    struct pt_header *h = (struct pt_header *)g->base;
+    if (!c->pt && g->bytes == PT_BYTES && h->magic == PT_MAGIC && h->version == PT_VERSION &&
+        h->tensors == PT_TENSORS && h->ring == PT_RING && h->ring_off == PT_RING_OFF &&
+        h->slot_off == PT_SLOT_OFF && h->bytes == PT_BYTES)
+        c->pt = h;
+    else
+        munmap(g->base, g->bytes);
 }
 
 /* HELLO on fd: joins c's session, or (c->session 0) starts one and maps its regions. */
@@ -114,8 +128,14 @@ static int hello(struct client *c, int fd)
         if (r == 0 && first) {
             c->session = session;
             c->secret = secret;
-            c->nregions = n;
-            memcpy(c->region, reg, sizeof(reg));
+            for (uint32_t i = 0; i < n; i++) {
+                if (reg[i].tier == (enum zinf_tier)PROTO_REGION_PINS)
+                    take_table(c, &reg[i]);
+                else if (reg[i].tier == (enum zinf_tier)c->nregions && c->nregions < 2)
+                    c->region[c->nregions++] = reg[i];
+                else
+                    munmap(reg[i].base, reg[i].bytes); /* not ours to use */
+            }
         } else if (first) {
             for (uint32_t i = 0; i < n && i < PROTO_MAX_REGIONS; i++)
                 if (reg[i].base) munmap(reg[i].base, reg[i].bytes);
@@ -272,6 +292,7 @@ static void close_client(struct client *c, bool flush)
     }
     for (unsigned i = 0; i < c->nregions; i++)
         munmap(c->region[i].base, c->region[i].bytes);
+    if (c->pt) munmap(c->pt, PT_BYTES);
     free(c->socket_path);
     pthread_mutex_destroy(&c->lock);
     c->h.kind = 0;
@@ -349,9 +370,77 @@ static int pointer_reply(struct client *c, struct call *k, void **ptr)
     return r;
 }
 
+/* ---- the hit path: the session's pin table (pintable.h) ------------------------------ */
+
+/* t's slot for tier in the table, or NULL when the table does not cover it. */
+static struct pt_slot *slot_of(struct client *c, zinf_tensor t, enum zinf_tier tier)
+{
+    uint32_t idx = (uint32_t)(t & 0xffffffffu) - 1; /* a handle's index is 1-based */
+    if (!c->pt || (unsigned)tier >= PT_TIERS || idx >= PT_TENSORS) return NULL;
+    return pt_slot(c->pt, idx, tier);
+}
+
+/* Tell the daemon of a pin taken in the table: false when the ring is full. */
+static bool tell(struct client *c, zinf_tensor t, enum zinf_tier tier)
+{
+    struct pt_header *h = c->pt;
+    uint64_t head = atomic_load_explicit(&h->head, memory_order_relaxed);
+    do {
+        if (head - atomic_load_explicit(&h->tail, memory_order_acquire) >= PT_RING) return false;
+    } while (!atomic_compare_exchange_weak_explicit(&h->head, &head, head + 1,
+                                                    memory_order_relaxed, memory_order_relaxed));
+    struct pt_event *ev = &pt_ring(h)[head & (PT_RING - 1)];
+    uint64_t idx = (t & 0xffffffffu) - 1;
+    atomic_store_explicit(&ev->what, (t & ~0xffffffffull) | idx << 1 | (unsigned)tier,
+                          memory_order_relaxed);
+    atomic_store_explicit(&ev->stamp, head + 1, memory_order_release);
+    return true;
+}
+
+/* zinf_fetch of a copy whose slot is open: one compare-and-swap, no message. */
+static bool fetch_fast(struct client *c, zinf_tensor t, enum zinf_tier tier, void **ptr)
+{
+    struct pt_slot *s = slot_of(c, t, tier);
+    if (!s) return false;
+    uint64_t w = atomic_load_explicit(&s->word, memory_order_relaxed);
+    do {
+        if (!(w & PT_OPEN) || (w & PT_COUNT_MASK) == PT_COUNT_MASK) return false;
+    } while (!atomic_compare_exchange_weak_explicit(&s->word, &w, w + 1, memory_order_acquire,
+                                                    memory_order_relaxed));
+    /* Pinned: the slot cannot close, so info is the copy's. */
+    uint64_t info = atomic_load_explicit(&s->info, memory_order_relaxed);
+    uint64_t off = (info & 0xffffffffu) << PT_PAGE_SHIFT;
+    if ((uint32_t)(info >> 32) != (uint32_t)(t >> 32) || (unsigned)tier >= c->nregions ||
+        off >= c->region[tier].bytes || !tell(c, t, tier)) {
+        /* Another tensor's slot (t is stale), or the ring is full: the daemon answers. */
+        atomic_fetch_sub_explicit(&s->word, 1, memory_order_release);
+        return false;
+    }
+    (void)atomic_load_explicit(&c->pt->published, memory_order_acquire);
+    *ptr = c->region[tier].base + off;
+    return true;
+}
+
+/* A clean zinf_release of a pin counted in t's slot: one compare-and-swap. */
+static bool release_fast(struct client *c, zinf_tensor t, enum zinf_tier tier)
+{
+    struct pt_slot *s = slot_of(c, t, tier);
+    if (!s) return false;
+    uint64_t w = atomic_load_explicit(&s->word, memory_order_relaxed);
+    do {
+        if (!(w & PT_OPEN) || (w & PT_COUNT_MASK) == 0) return false;
+        /* The epoch in w makes the swap fail if the slot was reopened since info was read. */
+        uint64_t info = atomic_load_explicit(&s->info, memory_order_relaxed);
+        if ((uint32_t)(info >> 32) != (uint32_t)(t >> 32)) return false;
+    } while (!atomic_compare_exchange_weak_explicit(&s->word, &w, w - 1, memory_order_release,
+                                                    memory_order_relaxed));
+    return true;
+}
+
 int client_fetch(struct client *c, zinf_tensor t, enum zinf_tier tier, void **ptr)
 {
     if (!ptr) return -EINVAL;
+    if (fetch_fast(c, t, tier, ptr)) return 0;
     struct call k;
     call_begin(c, &k, PROTO_FETCH);
     proto_put_u64(&k.o, t);
@@ -399,6 +488,7 @@ int client_fetch_all(struct client *c, const zinf_tensor *ts, size_t n, enum zin
 
 int client_release(struct client *c, zinf_tensor t, enum zinf_tier tier, unsigned flags)
 {
+    if (flags == 0 && release_fast(c, t, tier)) return 0;
     struct call k;
     call_begin(c, &k, PROTO_RELEASE);
     proto_put_u64(&k.o, t);

@@ -37,14 +37,15 @@
 #include <stdint.h>
 
 #define PROTO_MAGIC 0x666e697au /* "zinf" read as a little-endian u32 */
-#define PROTO_VERSION 1
+#define PROTO_VERSION 2
 #define PROTO_HEADER_BYTES 16
 #define PROTO_MAX_DATA ((uint32_t)1 << 20)        /* read/write bytes a message */
 #define PROTO_MAX_PAYLOAD (PROTO_MAX_DATA + 4096) /* the largest payload either way */
 #define PROTO_MAX_NAME 4096                       /* a tensor's name, bytes */
 #define PROTO_MAX_JOB 64                          /* a job's name, bytes */
 #define PROTO_MAX_SET 65536                       /* tensors in one FETCH_ALL */
-#define PROTO_MAX_REGIONS 2                       /* memory regions a session maps */
+#define PROTO_MAX_REGIONS 3                       /* memory regions a session maps */
+#define PROTO_REGION_PINS 0x100u /* a region's "tier": the session's pin table (pintable.h) */
 #define PROTO_REPLY 0x8000u
 
 enum proto_op {

@@ -21,6 +21,7 @@
 #include <grp.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,6 +68,11 @@ struct session {
     pthread_mutex_t lock; /* pins, ticks */
     struct pin *pins;
     struct tick *ticks;
+    /* The session's pin table (lease.c), or NULL when the job's engine serves as many as
+     * it can: the pins counted there are not in pins. */
+    struct engine_pinset *ps;
+    int ps_fd;
+    size_t ps_bytes;
 };
 
 struct conn {
@@ -90,6 +96,7 @@ struct service {
     struct session *sessions;
     struct conn *conns;
     uint64_t next_session;
+    _Atomic uint64_t requests; /* requests served after HELLO */
 };
 
 /* ---- jobs ---------------------------------------------------------------------------- */
@@ -254,6 +261,10 @@ static void session_free(struct session *se)
         }
         free(p);
     }
+    unsigned d = 0, k = 0;
+    engine_pinset_close(e, se->ps, &d, &k);
+    dropped += d;
+    kept += k;
     if (dropped)
         log_notice("serve: job %s: a client (uid %u) went away holding %u pins; dropped%s",
                    se->job->name, (unsigned)se->uid, dropped,
@@ -292,8 +303,14 @@ static int keep_pin(struct session *se, zinf_tensor t, uint32_t tier, void *ptr,
 static int do_fetch(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
     void *ptr;
-    int r = engine_api_fetch(se->job->e, q->handle, (enum zinf_tier)q->tier, &ptr);
-    return r < 0 ? r : keep_pin(se, q->handle, q->tier, ptr, o);
+    bool leased;
+    zinf_engine *e = se->job->e;
+    int r = engine_api_fetch_leased(e, se->ps, q->handle, (enum zinf_tier)q->tier, &ptr, &leased);
+    if (r < 0 || !leased) return r < 0 ? r : keep_pin(se, q->handle, q->tier, ptr, o);
+    /* The pin is counted in the session's slot, which the client releases by itself. */
+    r = where(se->job, q->tier, ptr, o);
+    if (r < 0) engine_release_leased(e, se->ps, q->handle, (enum zinf_tier)q->tier, 0);
+    return r;
 }
 
 static int do_fetch_all(struct session *se, const struct proto_request *q, struct proto_out *o)
@@ -364,8 +381,12 @@ static int do_wait(struct session *se, const struct proto_request *q, struct pro
 static int do_release(struct session *se, const struct proto_request *q)
 {
     if (q->tier >= MEM_TIERS || (q->flags & ~ZINF_RELEASE_DIRTY)) return -EINVAL;
-    if (!pin_take(se, q->handle, q->tier))
-        return -EINVAL; /* a release without a matching pin of this session */
+    if (!pin_take(se, q->handle, q->tier)) {
+        /* Not an ordinary pin: one counted in the session's slot, or none at all. */
+        if (!se->ps) return -EINVAL;
+        return engine_release_leased(se->job->e, se->ps, q->handle, (enum zinf_tier)q->tier,
+                                     q->flags);
+    }
     int r = engine_api_release(se->job->e, q->handle, (enum zinf_tier)q->tier, q->flags);
     if (r < 0 && pin_add(se, q->handle, q->tier) < 0)
         log_error("serve: job %s: lost count of a pin kept after a failed release", se->job->name);
@@ -481,6 +502,9 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
             se->job = j;
             se->uid = cred.uid;
             se->conns = 1;
+            /* Without a table (the engine serves as many as it can) every call is a
+             * message: slower, the same answers. */
+            if (engine_pinset_open(j->e, &se->ps, &se->ps_fd, &se->ps_bytes) < 0) se->ps = NULL;
             pthread_mutex_init(&se->lock, NULL);
             se->next = s->sessions;
             s->sessions = se;
@@ -495,14 +519,20 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     proto_put_i32(&o, 0);
     proto_put_u64(&o, se->id);
     proto_put_u64(&o, se->secret);
-    proto_put_u32(&o, MEM_TIERS);
-    int fds[MEM_TIERS];
+    int nreg = MEM_TIERS + (se->ps != NULL);
+    proto_put_u32(&o, (uint32_t)nreg);
+    int fds[PROTO_MAX_REGIONS];
     for (int i = 0; i < MEM_TIERS; i++) {
         proto_put_u32(&o, (uint32_t)se->job->reg[i].tier);
         proto_put_u64(&o, se->job->reg[i].bytes);
         fds[i] = se->job->reg[i].fd;
     }
-    r = proto_send(k->fd, &o, fds, sid ? 0 : MEM_TIERS);
+    if (se->ps) {
+        proto_put_u32(&o, PROTO_REGION_PINS);
+        proto_put_u64(&o, se->ps_bytes);
+        fds[MEM_TIERS] = se->ps_fd;
+    }
+    r = proto_send(k->fd, &o, fds, sid ? 0 : nreg);
     proto_out_free(&o);
     return r < 0 ? r : 1; /* 1: the reply went out */
 }
@@ -533,6 +563,7 @@ static int status(struct conn *k, uint32_t seq)
             for (struct pin *p = se->pins; p; p = p->next)
                 pins += p->count;
             pthread_mutex_unlock(&se->lock);
+            if (se->ps) pins += engine_pinset_pins(j->e, se->ps);
         }
         struct zinf_stats st;
         engine_api_stats(j->e, &st);
@@ -607,6 +638,7 @@ static void *conn_main(void *arg)
         struct proto_out o;
         proto_out_init(&o, (uint16_t)(h.op | PROTO_REPLY), h.seq);
         proto_put_i32(&o, 0);
+        atomic_fetch_add_explicit(&s->requests, 1, memory_order_relaxed);
         r = do_request(k->sess, &q, &o);
         free(payload); /* q points into it */
         if (o.bad && r >= 0) r = -ENOMEM;
@@ -837,4 +869,9 @@ void service_forget(struct service *s)
     free(s->socket_path);
     pthread_mutex_destroy(&s->lock);
     free(s);
+}
+
+uint64_t service_requests(struct service *s)
+{
+    return atomic_load_explicit(&s->requests, memory_order_relaxed);
 }

@@ -15,7 +15,9 @@
  * The arenas of each job's host and (emulated) device tiers are memfds, handed to a
  * session's first connection and mapped by the client, so fetched pointers are shared
  * memory. A CUDA device tier is not shared yet (that needs CUDA IPC): a job over one is
- * refused with -ENOTSUP.
+ * refused with -ENOTSUP. Each session also gets a pin table (src/pintable.h): once a fetch
+ * through the daemon has opened a copy's slot, the client pins that copy again and
+ * releases it clean by itself, without a message, until the engine wants it back.
  *
  * Not here: the wire format (proto.c), the engine, the command line (tools/cmd_serve.c).
  */
@@ -49,5 +51,7 @@ void service_close(struct service *s);
  * its descriptors are closed here, the socket file stays, nothing else happens. Only
  * before service_run(). */
 void service_forget(struct service *s);
+/* The requests served so far, HELLO and STATUS not counted (the hit path sends none). */
+uint64_t service_requests(struct service *s);
 
 #endif
