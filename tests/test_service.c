@@ -728,3 +728,63 @@ Test(service, unregister_closes_idle_leases_and_stale_handles_miss)
     zinf_close(a);
     daemon_stop(&d);
 }
+
+/* The daemon in a child process, killed: the pin table's hit path must not go on handing
+ * out its memory as if nothing happened. */
+Test(service, after_the_daemon_dies_every_call_answers_econnreset)
+{
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        struct zinf_config cfg;
+        struct service *s;
+        char err[512];
+        struct service_opts o = {.socket_path = sock, .config = &cfg};
+        if (config_parse_file(cfg_path, &cfg, err, sizeof(err)) ||
+            service_open(&o, &s, err, sizeof(err)))
+            _exit(1);
+        _exit(service_run(s) == 0 ? 0 : 1);
+    }
+    zinf_engine *e = NULL;
+    int r = -ENOENT;
+    for (int i = 0; i < 500 && r < 0; i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        r = zinf_connect(sock, "dies", &e);
+    }
+    cr_assert_eq(r, 0, "the daemon did not come up: %s", zinf_strerror(r));
+    zinf_tensor t = test_register(e, "t", 65536, ZINF_TIER_HOST);
+    void *p;
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+        cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    }
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0); /* held when it dies */
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), -ECONNRESET);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), -ECONNRESET);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), -ECONNRESET);
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), -ECONNRESET);
+    zinf_close(e);
+}
+
+/* The same after a clean stop. */
+Test(service, after_the_daemon_stops_the_table_is_not_used)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("stops");
+    zinf_tensor t = test_register(e, "t", 65536, ZINF_TIER_HOST);
+    void *p;
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+        cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    }
+    daemon_stop(&d);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), -ECONNRESET);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), -ECONNRESET);
+    zinf_close(e);
+}

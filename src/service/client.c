@@ -50,6 +50,8 @@ struct client {
     unsigned nregions; /* the memory tiers' arenas, by tier */
     struct region region[PROTO_MAX_REGIONS];
     struct pt_header *pt; /* the session's pin table, or NULL: every call is a message */
+    pthread_mutex_t *live; /* the daemon's liveness mutex (server.c): held while it runs */
+    atomic_bool gone;      /* the daemon was seen stopped or dead: the table is not used */
     atomic_uint seq;
     uint64_t spin_ns; /* how long a call polls for its reply before it sleeps */
 
@@ -131,6 +133,9 @@ static int hello(struct client *c, int fd)
             for (uint32_t i = 0; i < n; i++) {
                 if (reg[i].tier == (enum zinf_tier)PROTO_REGION_PINS)
                     take_table(c, &reg[i]);
+                else if (reg[i].tier == (enum zinf_tier)PROTO_REGION_LIVE && !c->live &&
+                         reg[i].bytes == PROTO_LIVE_BYTES)
+                    c->live = (pthread_mutex_t *)reg[i].base;
                 else if (reg[i].tier == (enum zinf_tier)c->nregions && c->nregions < 2)
                     c->region[c->nregions++] = reg[i];
                 else
@@ -169,7 +174,8 @@ static int conn_get(struct client *c, struct conn **out)
     if (r == 0 && (r = hello(c, k->fd)) < 0) close(k->fd);
     if (r < 0) {
         free(k);
-        return r;
+        /* Nobody listening any more, once the session has begun: the daemon went away. */
+        return c->session && (r == -ENOENT || r == -ECONNREFUSED) ? -ECONNRESET : r;
     }
     *out = k;
     return 0;
@@ -293,6 +299,7 @@ static void close_client(struct client *c, bool flush)
     for (unsigned i = 0; i < c->nregions; i++)
         munmap(c->region[i].base, c->region[i].bytes);
     if (c->pt) munmap(c->pt, PT_BYTES);
+    if (c->live) munmap(c->live, PROTO_LIVE_BYTES);
     free(c->socket_path);
     pthread_mutex_destroy(&c->lock);
     c->h.kind = 0;
@@ -372,11 +379,27 @@ static int pointer_reply(struct client *c, struct call *k, void **ptr)
 
 /* ---- the hit path: the session's pin table (pintable.h) ------------------------------ */
 
-/* t's slot for tier in the table, or NULL when the table does not cover it. */
+/* Does the daemon still run? Its liveness mutex is held while it does: a trylock that
+ * takes it means the daemon stopped, or died and the kernel let the mutex go. The taker
+ * keeps it (so the answer stays "gone" for every thread) and the calls go as messages,
+ * which answer -ECONNRESET. */
+static bool daemon_runs(struct client *c)
+{
+    if (atomic_load_explicit(&c->gone, memory_order_relaxed)) return false;
+    int r = pthread_mutex_trylock(c->live);
+    if (r == EBUSY) return true;
+    if (r == EOWNERDEAD) pthread_mutex_consistent(c->live);
+    atomic_store_explicit(&c->gone, true, memory_order_relaxed);
+    return false;
+}
+
+/* t's slot for tier in the table, or NULL when the table does not cover it (or must not be
+ * used: the daemon is gone). */
 static struct pt_slot *slot_of(struct client *c, zinf_tensor t, enum zinf_tier tier)
 {
     uint32_t idx = (uint32_t)(t & 0xffffffffu) - 1; /* a handle's index is 1-based */
-    if (!c->pt || (unsigned)tier >= PT_TIERS || idx >= PT_TENSORS) return NULL;
+    if (!c->pt || !c->live || (unsigned)tier >= PT_TIERS || idx >= PT_TENSORS) return NULL;
+    if (!daemon_runs(c)) return NULL;
     return pt_slot(c->pt, idx, tier);
 }
 

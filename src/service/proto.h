@@ -44,8 +44,10 @@
 #define PROTO_MAX_NAME 4096                       /* a tensor's name, bytes */
 #define PROTO_MAX_JOB 64                          /* a job's name, bytes */
 #define PROTO_MAX_SET 65536                       /* tensors in one FETCH_ALL */
-#define PROTO_MAX_REGIONS 3                       /* memory regions a session maps */
+#define PROTO_MAX_REGIONS 4                       /* memory regions a session maps */
 #define PROTO_REGION_PINS 0x100u /* a region's "tier": the session's pin table (pintable.h) */
+#define PROTO_REGION_LIVE 0x101u /* a region's "tier": the daemon's liveness mutex */
+#define PROTO_LIVE_BYTES 4096u
 #define PROTO_REPLY 0x8000u
 
 enum proto_op {

@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -97,6 +98,11 @@ struct service {
     struct conn *conns;
     uint64_t next_session;
     _Atomic uint64_t requests; /* requests served after HELLO */
+    /* A robust, process-shared mutex in a memfd every client maps: service_run() holds it,
+     * so a client's trylock fails while the daemon runs and succeeds once it has stopped or
+     * died. The pin table's hit path asks it before trusting a slot. */
+    int live_fd;
+    pthread_mutex_t *live;
 };
 
 /* ---- jobs ---------------------------------------------------------------------------- */
@@ -519,7 +525,7 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     proto_put_i32(&o, 0);
     proto_put_u64(&o, se->id);
     proto_put_u64(&o, se->secret);
-    int nreg = MEM_TIERS + (se->ps != NULL);
+    int nreg = MEM_TIERS + (se->ps != NULL) + 1;
     proto_put_u32(&o, (uint32_t)nreg);
     int fds[PROTO_MAX_REGIONS];
     for (int i = 0; i < MEM_TIERS; i++) {
@@ -532,6 +538,9 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
         proto_put_u64(&o, se->ps_bytes);
         fds[MEM_TIERS] = se->ps_fd;
     }
+    proto_put_u32(&o, PROTO_REGION_LIVE);
+    proto_put_u64(&o, PROTO_LIVE_BYTES);
+    fds[nreg - 1] = s->live_fd;
     r = proto_send(k->fd, &o, fds, sid ? 0 : nreg);
     proto_out_free(&o);
     return r < 0 ? r : 1; /* 1: the reply went out */
@@ -680,6 +689,31 @@ static void reap(struct service *s)
 
 /* ---- the service --------------------------------------------------------------------- */
 
+static int live_open(struct service *s)
+{
+    s->live_fd = memfd_create("zinf-live", MFD_CLOEXEC);
+    if (s->live_fd < 0) return -errno;
+    if (ftruncate(s->live_fd, PROTO_LIVE_BYTES) != 0) return -errno;
+    void *p = mmap(NULL, PROTO_LIVE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, s->live_fd, 0);
+    if (p == MAP_FAILED) return -errno;
+    s->live = p;
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    int r = -pthread_mutex_init(s->live, &a);
+    pthread_mutexattr_destroy(&a);
+    return r;
+}
+
+/* Clients may hold the mutex (they took it when they saw the daemon gone): it is not
+ * destroyed, only unmapped. */
+static void live_close(struct service *s)
+{
+    if (s->live) munmap(s->live, PROTO_LIVE_BYTES);
+    if (s->live_fd >= 0) close(s->live_fd);
+}
+
 int service_open(const struct service_opts *o, struct service **out, char *err, size_t errlen)
 {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
@@ -710,6 +744,7 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
     s->spin_ns = proto_spin_ns();
     s->listen_fd = -1;
     s->wake[0] = s->wake[1] = -1;
+    s->live_fd = -1;
     pthread_mutex_init(&s->lock, NULL);
     int r = 0;
     const char *what = "";
@@ -721,6 +756,10 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
     if (pipe2(s->wake, O_CLOEXEC | O_NONBLOCK) != 0) {
         r = -errno;
         what = "pipe";
+        goto fail;
+    }
+    if ((r = live_open(s)) < 0) {
+        what = "the liveness mutex";
         goto fail;
     }
     /* A socket file left by a daemon that died is replaced; one a daemon answers on is not. */
@@ -771,6 +810,7 @@ fail_quiet:
     }
     for (int i = 0; i < 2; i++)
         if (s->wake[i] >= 0) close(s->wake[i]);
+    live_close(s);
     free(s->socket_path);
     pthread_mutex_destroy(&s->lock);
     free(s);
@@ -785,7 +825,7 @@ void service_stop(struct service *s)
     }
 }
 
-int service_run(struct service *s)
+static int serve(struct service *s)
 {
     for (;;) {
         struct pollfd p[2] = {{s->listen_fd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
@@ -827,6 +867,17 @@ int service_run(struct service *s)
     }
 }
 
+int service_run(struct service *s)
+{
+    /* Held while this runs: when the process dies, the kernel marks it abandoned. */
+    int r = pthread_mutex_lock(s->live);
+    if (r == EOWNERDEAD) r = pthread_mutex_consistent(s->live);
+    if (r != 0) return -r;
+    r = serve(s);
+    pthread_mutex_unlock(s->live);
+    return r;
+}
+
 void service_close(struct service *s)
 {
     if (!s) return;
@@ -855,6 +906,7 @@ void service_close(struct service *s)
     }
     close(s->wake[0]);
     close(s->wake[1]);
+    live_close(s);
     free(s->socket_path);
     pthread_mutex_destroy(&s->lock);
     free(s);
@@ -866,6 +918,7 @@ void service_forget(struct service *s)
     close(s->listen_fd);
     close(s->wake[0]);
     close(s->wake[1]);
+    live_close(s);
     free(s->socket_path);
     pthread_mutex_destroy(&s->lock);
     free(s);
