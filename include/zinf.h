@@ -125,7 +125,9 @@ ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_
  * an engine of this process, and zinf_close ends the connection (flushing the job first).
  * Fetched pointers are the daemon's memory, mapped into this process. -ENOENT or
  * -ECONNREFUSED when no daemon listens there, -EACCES for another uid's job, -EINVAL for a
- * bad job name. */
+ * bad job name. If the daemon stops or dies, every later call on the handle answers
+ * -ECONNRESET (it does not reconnect: call zinf_connect again once a daemon runs; what the
+ * job flushed is there); zinf_close still frees it. */
 ZINF_API int zinf_connect(const char *socket, const char *job, zinf_engine **out);
 /* Flush (when there is an NVMe tier), wait for everything in flight, free. NULL: no-op. */
 ZINF_API void zinf_close(zinf_engine *e);

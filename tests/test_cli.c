@@ -1588,6 +1588,7 @@ Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
     json_t *job = json_array_get(json_object_get(js, "jobs"), 0);
     cr_assert_str_eq(json_string_value(json_object_get(job, "job")), "job1");
     cr_assert_eq(json_integer_value(json_object_get(job, "sessions")), 1);
+    cr_assert(json_is_true(json_object_get(job, "open")));
     cr_assert_eq(json_integer_value(json_object_get(job, "pins")), 1);
     cr_assert_eq(json_integer_value(json_object_get(json_object_get(job, "stats"), "tensors")), 1);
     json_decref(js);
@@ -1621,6 +1622,14 @@ Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
     int bg = 0;
     const char *at = strstr(o, "(pid ");
     cr_assert(at && sscanf(at, "(pid %d)", &bg) == 1 && bg > 0, "%s", o);
+    free(o);
+    /* Nobody attached yet: the job is listed from its folder, saved and not open. */
+    cr_assert_eq(run(&o, "stat --socket %s", sock), 0, "%s", o);
+    cr_assert(strstr(o, "## job job1 (owner uid ") && strstr(o, "saved, not open (1 tensors)"),
+              "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "stat --socket %s --prometheus", sock), 0, "%s", o);
+    cr_assert(strstr(o, "zinf_job_open{job=\"job1\"} 0"), "%s", o);
     free(o);
     e = connect_when_up(sock, "job1");
     cr_assert_eq(zinf_lookup(e, "t", &t), 0);

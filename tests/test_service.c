@@ -26,6 +26,7 @@
 #include "config.h"
 #include "helpers.h"
 #include "pintable.h"
+#include "service/client.h"
 #include "service/proto.h"
 #include "service/server.h"
 
@@ -361,7 +362,22 @@ Test(service, a_restarted_daemon_brings_back_what_was_flushed)
     daemon_stop(&d);
 
     daemon_start(&d);
+    /* Before anyone attaches, STATUS lists the job as saved, not open. */
+    struct service_job_status *js;
+    size_t njobs;
+    cr_assert_eq(service_status(sock, &js, &njobs), 0);
+    cr_assert_eq(njobs, 1);
+    cr_assert_str_eq(js[0].name, "persist");
+    cr_assert(!js[0].open);
+    cr_assert_eq(js[0].sessions, 0);
+    cr_assert_eq(js[0].stats.tensors, 1);
+    free(js);
     e = connect_job("persist");
+    cr_assert_eq(service_status(sock, &js, &njobs), 0);
+    cr_assert_eq(njobs, 1, "an open job is listed once");
+    cr_assert(js[0].open);
+    cr_assert_eq(js[0].sessions, 1);
+    free(js);
     cr_assert_eq(zinf_lookup(e, "kept", &t), 0);
     test_expect_content(e, t, want, n, "after the restart");
     /* The job's swap files are in its own folder. */

@@ -132,6 +132,7 @@ static void print_prometheus(const struct service_job_status *js, size_t n)
         const char *name, *type, *help;
     } job_metrics[] = {
         {"zinf_job_sessions", "gauge", "client processes attached"},
+        {"zinf_job_open", "gauge", "1: opened by the daemon; 0: saved on disk, not open"},
         {"zinf_job_pins", "gauge", "pins the clients hold"},
         {"zinf_job_tensors", "gauge", "tensors registered"},
         {"zinf_nvme_read_bytes_total", "counter", "bytes read from the swap files"},
@@ -144,10 +145,11 @@ static void print_prometheus(const struct service_job_status *js, size_t n)
         for (size_t j = 0; j < n; j++) {
             const struct zinf_stats *s = &js[j].stats;
             double v = m == 0   ? js[j].sessions
-                       : m == 1 ? (double)js[j].pins
-                       : m == 2 ? (double)s->tensors
-                       : m == 3 ? (double)s->nvme_bytes_read
-                       : m == 4 ? (double)s->nvme_bytes_written
+                       : m == 1 ? (double)js[j].open
+                       : m == 2 ? (double)js[j].pins
+                       : m == 3 ? (double)s->tensors
+                       : m == 4 ? (double)s->nvme_bytes_read
+                       : m == 5 ? (double)s->nvme_bytes_written
                                 : (double)s->blocked_ns / 1e9;
             printf("%s{job=\"%s\"} %.17g\n", job_metrics[m].name, js[j].name, v);
         }
@@ -179,8 +181,10 @@ static int stat_socket(const char *sock, bool json, bool prom, double watch)
             for (size_t j = 0; j < n; j++) {
                 printf("%s{\"job\": ", j ? ", " : "");
                 json_print_string(stdout, js[j].name);
-                printf(", \"owner_uid\": %u, \"sessions\": %u, \"pins\": %llu, \"stats\": ",
-                       js[j].owner_uid, js[j].sessions, (unsigned long long)js[j].pins);
+                printf(", \"owner_uid\": %u, \"open\": %s, \"sessions\": %u, \"pins\": %llu, "
+                       "\"stats\": ",
+                       js[j].owner_uid, js[j].open ? "true" : "false", js[j].sessions,
+                       (unsigned long long)js[j].pins);
                 fflush(stdout);
                 print_json(&js[j].stats, true);
                 printf("}"); /* print_json ends its object with a newline: JSON allows it */
@@ -189,6 +193,12 @@ static int stat_socket(const char *sock, bool json, bool prom, double watch)
         } else {
             printf("# zinf daemon on %s: %zu job%s\n", sock, n, n == 1 ? "" : "s");
             for (size_t j = 0; j < n; j++) {
+                if (!js[j].open) {
+                    printf("## job %s (owner uid %u): saved, not open (%llu tensors); it opens "
+                           "when a client attaches\n",
+                           js[j].name, js[j].owner_uid, (unsigned long long)js[j].stats.tensors);
+                    continue;
+                }
                 printf("## job %s (owner uid %u): %u session%s, %llu pins\n", js[j].name,
                        js[j].owner_uid, js[j].sessions, js[j].sessions == 1 ? "" : "s",
                        (unsigned long long)js[j].pins);

@@ -644,6 +644,7 @@ int service_status(const char *socket, struct service_job_status **out, size_t *
     for (uint32_t i = 0; r == 0 && i < count && !in.bad; i++) {
         proto_get_str(&in, js[i].name, 64);
         js[i].owner_uid = proto_get_u32(&in);
+        js[i].open = proto_get_u32(&in) != 0;
         js[i].sessions = proto_get_u32(&in);
         js[i].pins = proto_get_u64(&in);
         uint32_t bytes = proto_get_u32(&in);

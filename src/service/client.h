@@ -40,6 +40,7 @@ int client_stats(struct client *c, struct zinf_stats *out);
 struct service_job_status {
     char name[64 + 1];
     uint32_t owner_uid, sessions;
+    bool open; /* false: saved on disk, not opened since the daemon started (stats: tensors) */
     uint64_t pins;
     struct zinf_stats stats;
 };

@@ -16,6 +16,7 @@
  * two connections of one session cannot both spend the same pin), and puts it back when
  * the engine refuses the release.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -546,6 +547,45 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     return r < 0 ? r : 1; /* 1: the reply went out */
 }
 
+/* STATUS entries for the jobs saved under the first swap directory that the daemon has not
+ * opened since it started (no client attached yet), which uid may see: stats all zero but
+ * the tensors their saved state names. s->lock held. */
+static uint32_t status_saved(struct service *s, uid_t uid, struct proto_out *o)
+{
+    if (!s->config->nvme_paths.count) return 0;
+    const char *root = s->config->nvme_paths.path[0];
+    DIR *d = opendir(root);
+    if (!d) return 0;
+    uint32_t n = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        const char *name = de->d_name;
+        if (!job_name_ok(name)) continue;
+        bool open = false;
+        for (struct job *j = s->jobs; j && !open; j = j->next)
+            open = !strcmp(j->name, name);
+        char path[4096];
+        struct stat st;
+        size_t tensors = 0;
+        if (open || snprintf(path, sizeof(path), "%s/%s", root, name) >= (int)sizeof(path) ||
+            stat(path, &st) != 0 || !S_ISDIR(st.st_mode) || (uid != st.st_uid && uid != 0) ||
+            persist_probe(path, &tensors, NULL) != 0)
+            continue;
+        struct zinf_stats zs = {0};
+        zs.tensors = tensors == SIZE_MAX ? 0 : tensors;
+        proto_put_str(o, name);
+        proto_put_u32(o, (uint32_t)st.st_uid);
+        proto_put_u32(o, 0); /* saved, not open */
+        proto_put_u32(o, 0);
+        proto_put_u64(o, 0);
+        proto_put_u32(o, sizeof(zs));
+        proto_put_bytes(o, &zs, sizeof(zs));
+        n++;
+    }
+    closedir(d);
+    return n;
+}
+
 /* STATUS: the jobs the peer may see, with their sessions, pins and stats. */
 static int status(struct conn *k, uint32_t seq)
 {
@@ -578,12 +618,14 @@ static int status(struct conn *k, uint32_t seq)
         engine_api_stats(j->e, &st);
         proto_put_str(&o, j->name);
         proto_put_u32(&o, (uint32_t)j->owner);
+        proto_put_u32(&o, 1); /* open */
         proto_put_u32(&o, sessions);
         proto_put_u64(&o, pins);
         proto_put_u32(&o, sizeof(st));
         proto_put_bytes(&o, &st, sizeof(st));
         n++;
     }
+    n += status_saved(s, cred.uid, &o);
     pthread_mutex_unlock(&s->lock);
     if (!o.bad) memcpy(o.buf + count_at, &n, 4);
     int r = proto_send(k->fd, &o, NULL, 0);
