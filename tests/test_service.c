@@ -804,3 +804,82 @@ Test(service, after_the_daemon_stops_the_table_is_not_used)
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), -ECONNRESET);
     zinf_close(e);
 }
+
+/* A client killed while it writes into the only copy of a tensor's newest content: the
+ * copy goes back to what it held when pinned, never left half-written as the newest. */
+Test(service, a_killed_client_leaves_no_half_written_newest_copy)
+{
+    struct daemon d;
+    write_cfg(true);
+    daemon_start(&d);
+    zinf_engine *e = connect_job("torn");
+    const size_t n = 100000;
+    zinf_tensor h = test_register(e, "h", n, ZINF_TIER_HOST); /* its home: the only copy */
+    zinf_tensor v = test_register(e, "v", n, ZINF_TIER_NVME);
+    zinf_tensor w = test_register(e, "w", n, ZINF_TIER_NVME);
+    unsigned char *hv = test_rand_buf(n, 21), *v2 = test_rand_buf(n, 22),
+                  *w1 = test_rand_buf(n, 23), *w2 = test_rand_buf(n, 24);
+    cr_assert_eq(zinf_write(e, h, 0, hv, n), 0);
+    cr_assert_eq(zinf_write(e, w, 0, w1, n), 0);
+    cr_assert_eq(zinf_flush(e), 0); /* w's home holds w1: its cached copies are not alone */
+    int ready[2], go[2];
+    cr_assert_eq(pipe(ready), 0);
+    cr_assert_eq(pipe(go), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        zinf_engine *c;
+        void *p, *q, *s;
+        char one = 1;
+        if (zinf_connect(sock, "torn", &c) || zinf_fetch(c, h, ZINF_TIER_HOST, &p) ||
+            zinf_fetch(c, v, ZINF_TIER_DEVICE, &q))
+            _exit(1);
+        memcpy(q, v2, n);
+        if (zinf_release(c, v, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY) ||
+            zinf_fetch(c, v, ZINF_TIER_DEVICE, &q)) /* v's newest content: only here */
+            _exit(2);
+        /* w through the pin table: leased while its home held it too. */
+        for (int i = 0; i < 3; i++)
+            if (zinf_fetch(c, w, ZINF_TIER_HOST, &s) || (i < 2 && zinf_release(c, w, ZINF_TIER_HOST, 0)))
+                _exit(3);
+        if (write(ready[1], &one, 1) != 1 || read(go[0], &one, 1) != 1) _exit(4);
+        memset(p, 0xee, n / 2); /* half-written, never released */
+        memset(q, 0xdd, n / 2);
+        memset(s, 0xcc, n / 2);
+        if (write(ready[1], &one, 1) != 1) _exit(5);
+        for (;;)
+            pause();
+    }
+    char got = 0;
+    close(ready[1]);
+    cr_assert_eq(read(ready[0], &got, 1), 1, "the child could not pin");
+    /* w2 goes into w's copies in place (the child holds its host copy): now only memory
+     * holds w's newest content, and the child's pin is on one of its holders. */
+    cr_assert_eq(zinf_write(e, w, 0, w2, n), 0);
+    cr_assert_eq(write(go[1], &got, 1), 1);
+    cr_assert_eq(read(ready[0], &got, 1), 1, "the child did not scribble");
+    kill(pid, SIGKILL);
+    int status;
+    waitpid(pid, &status, 0);
+    close(ready[0]);
+    close(go[0]);
+    close(go[1]);
+    int r = -EBUSY;
+    for (int i = 0; i < 300 && r == -EBUSY; i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        struct zinf_stats st;
+        cr_assert_eq(zinf_stats(e, &st), 0);
+        if (!st.tier[ZINF_TIER_HOST].pinned_bytes && !st.tier[ZINF_TIER_DEVICE].pinned_bytes) r = 0;
+    }
+    cr_assert_eq(r, 0, "the dead client's pins were not dropped");
+    test_expect_content(e, h, hv, n, "a home copy the dead client scribbled on");
+    test_expect_content(e, v, v2, n, "the only newest copy the dead client scribbled on");
+    test_expect_content(e, w, w2, n, "a leased copy that became the newest's only holder");
+    free(hv);
+    free(v2);
+    free(w1);
+    free(w2);
+    zinf_close(e);
+    daemon_stop(&d);
+}

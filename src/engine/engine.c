@@ -181,6 +181,8 @@ int engine_add_tensor(struct zinf_engine *e, struct tensor *t)
 static void tensor_free(struct tensor *t)
 {
     if (t) {
+        for (int i = 0; i < MEM_TIERS; i++)
+            undo_free(&t->c[i]);
         free(t->name);
         free(t);
     }
@@ -517,6 +519,7 @@ int engine_api_write(zinf_engine *e, zinf_tensor h, size_t off, const void *src,
         if (host) t->c[ZINF_TIER_HOST].version = t->version;
         if (swap) t->swap_version = t->version;
         if (dev || host) lease_publish(e);
+        undo_settle(e, t); /* images of the new content, where they are needed */
         if (cow) {
             /* The old extent stays while a manifest names it (the flush that stops naming
              * it frees it); if the flush that named it failed meanwhile, nobody will. */
@@ -771,6 +774,8 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
                               .capacity_bytes = o.device_bytes,
                               .shared = params.shared};
     if ((r = device_open(&dop, &e->dev)) < 0) goto err;
+    /* The service's clients may die holding pins: undo images (undo.c), over host memory. */
+    e->undo = params.shared && device_shared(e->dev, &(int){0}, &(void *){NULL}, &(size_t){0}) == 0;
 
     /* Twice the queue depth: a slot stays taken while its chunk is copied to the device,
      * and the drive should still see queue_depth reads meanwhile. */

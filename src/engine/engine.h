@@ -91,6 +91,9 @@ struct copy {
     unsigned readers;           /* transfers reading from this copy */
     uint64_t leases;            /* pin tables with this copy's slot open (bit = table id):
                                    each holds one of the pins (lease.c) */
+    void *undo;                 /* its content when pinned, for pins that may be abandoned
+                                   (undo.c); NULL: none */
+    uint64_t undo_version;      /* the version undo holds */
     uint64_t version;           /* content held; valid iff == tensor.version */
     uint64_t off;               /* offset in the tier's arena */
     void *ptr;
@@ -231,6 +234,7 @@ struct zinf_engine {
     /* pin tables of the service's sessions (lease.c), by id */
     struct engine_pinset *pinsets[ENGINE_MAX_PINSETS];
     unsigned npinsets;
+    bool undo; /* keep undo images of pinned copies that hold the only newest content */
 
     /* async fetch tickets */
     struct ticket *tickets;
@@ -313,10 +317,12 @@ int engine_api_flush(zinf_engine *e);
 int engine_api_stats(zinf_engine *e, struct zinf_stats *out);
 /* Drops a pin of a caller that went away without releasing it (a client of the service
  * that died): released clean, and the copy, which that caller may have written through
- * without a DIRTY release, dropped when nothing else uses it and the newest content is
- * also elsewhere (the home or the other copy), so the tensor reads as its last released
- * content. 0; 1 when the copy had to be kept as it is (it is the home, or the only holder
- * of the newest content); -errno as engine_api_release. */
+ * without a DIRTY release, put back as it was when pinned (its undo image, undo.c) when it
+ * is the only holder of its content and nobody else holds it, or else dropped when nothing
+ * else uses it and the newest content is also elsewhere (the home or the other copy); so
+ * the tensor reads as its last released content. 0; 2 when it was put back; 1 when it had
+ * to be kept as it is (another caller holds it, or no image could be kept); -errno as
+ * engine_api_release. */
 int engine_release_abandoned(zinf_engine *e, zinf_tensor h, enum zinf_tier tier);
 
 /* Pin tables (src/pintable.h), one per session of the service: see lease.c. */
@@ -325,10 +331,10 @@ struct engine_pinset;
  * ENGINE_MAX_PINSETS are open. */
 int engine_pinset_open(zinf_engine *e, struct engine_pinset **out, int *fd, size_t *bytes);
 /* Ends a table whose client is gone: its leases close and the pins the client held
- * through them are dropped as engine_release_abandoned drops one (*dropped of them, *kept
- * of those on a copy kept as it was). */
+ * through them are dropped as engine_release_abandoned drops one (*dropped of them,
+ * *restored of those on a copy put back, *kept of those on a copy kept as it was). */
 void engine_pinset_close(zinf_engine *e, struct engine_pinset *ps, unsigned *dropped,
-                         unsigned *kept);
+                         unsigned *kept, unsigned *restored);
 /* The pins the table's client holds through its slots now. */
 uint64_t engine_pinset_pins(zinf_engine *e, struct engine_pinset *ps);
 /* engine_api_fetch for ps's session: when *leased, the pin is counted in the session's
@@ -353,6 +359,15 @@ void lease_publish(struct zinf_engine *e);
 bool lease_take(struct engine_pinset *ps, struct tensor *t, int tier);
 void lease_untake(struct engine_pinset *ps, struct tensor *t, int tier);
 void lease_fini(struct zinf_engine *e);
+
+/* undo.c (lock held) */
+/* Would a pin of this copy need an undo image (e->undo, and nothing else holds its content)? */
+bool undo_needed(const struct zinf_engine *e, const struct tensor *t, int tier);
+/* Take or drop t's images after a change: pinned copies that need one get one. */
+void undo_settle(struct zinf_engine *e, struct tensor *t);
+/* Put back the image of the copy (its content when pinned): false when it has none. */
+bool undo_restore(struct zinf_engine *e, struct tensor *t, int tier);
+void undo_free(struct copy *c);
 
 /* engine.c */
 struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h);

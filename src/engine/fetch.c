@@ -67,6 +67,7 @@ void copy_drop(struct zinf_engine *e, struct tensor *t, int tier)
     prefetch_wasted(e, t, c);
     copy_unlink(c);
     tier_free(e, tier, c->off);
+    undo_free(c);
     c->state = COPY_NONE;
     c->ptr = NULL;
     c->version = 0;
@@ -140,6 +141,7 @@ static void wb_done(struct xfer *x, int err)
             t->c[t->home].version = x->version;
         }
         e->st.tier[a->tier].writebacks++;
+        undo_settle(e, t); /* the home holds the content now: images may go */
         if (c->evicting) {
             c->evicting = false;
             if (c->pins == 0 && c->readers == 0 && !needs_writeback(t, a->tier)) {
@@ -421,6 +423,7 @@ static void copy_load_ok(struct zinf_engine *e, struct tensor *t, int tier, uint
     c->err = 0;
     c->version = version;
     if (version != t->version && c->pins == 0) copy_drop(e, t, tier);
+    undo_settle(e, t); /* an asynchronous fetch's pin waited for this content */
     pthread_cond_broadcast(&e->changed);
 }
 
@@ -600,6 +603,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                 prefetch_consumed(e, t, c);
             }
             if (!waited && !started) e->st.tier[tier].hits++;
+            undo_settle(e, t);
             if (ptr) *ptr = c->ptr;
             r = 0; /* an earlier round may have left -EAGAIN from tier_reserve() */
             break;
@@ -775,6 +779,7 @@ static void unpin_set(struct zinf_engine *e, const zinf_tensor *ts, size_t n, in
         if (!c || !c->pins) continue; /* cannot happen: a pinned tensor is never unregistered */
         c->pins--;
         c->last_use = ++e->clock;
+        undo_settle(e, t);
         ENGINE_CHECK(t);
     }
     pthread_cond_broadcast(&e->changed);
@@ -996,6 +1001,7 @@ static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum
     }
     if (!ps) c->pins--; /* a slot's pin went with lease_take; its lease stays */
     c->last_use = ++e->clock;
+    undo_settle(e, t);
     if (c->pins == 0) pthread_cond_broadcast(&e->changed);
     ENGINE_CHECK(t);
 out:
@@ -1028,8 +1034,17 @@ int abandon_locked(struct zinf_engine *e, struct tensor *t, int tier)
 
 int engine_release_abandoned(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
 {
+    /* First what the copy held when it was pinned, if it is the content's only holder. */
+    bool restored = false;
+    pthread_mutex_lock(&e->lock);
+    struct tensor *rt = engine_tensor(e, h);
+    /* Not under another caller's pin: what it wrote there is its own to publish. */
+    if (rt && rt->c[tier].pins && copy_held(e, &rt->c[tier]) == 1)
+        restored = undo_restore(e, rt, tier);
+    pthread_mutex_unlock(&e->lock);
     int r = engine_api_release(e, h, tier, 0);
     if (r < 0) return r;
+    if (restored) return 2;
     pthread_mutex_lock(&e->lock);
     struct tensor *t = engine_tensor(e, h);
     if (t) r = abandon_locked(e, t, tier);

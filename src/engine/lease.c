@@ -184,7 +184,8 @@ static bool lease_open(struct zinf_engine *e, struct engine_pinset *ps, struct t
     struct copy *c = &t->c[tier];
     uint64_t bit = 1ull << ps->id;
     if (t->index >= PT_TENSORS || c->state != COPY_READY || c->version != t->version ||
-        c->prefetched || (c->off & ((1ull << PT_PAGE_SHIFT) - 1)) ||
+        c->prefetched || (undo_needed(e, t, tier) && !(c->undo && c->undo_version == t->version)) ||
+        (c->off & ((1ull << PT_PAGE_SHIFT) - 1)) ||
         (c->off >> PT_PAGE_SHIFT) > UINT32_MAX)
         return false;
     struct pt_slot *s = slot_of(ps, t, tier);
@@ -260,9 +261,9 @@ uint64_t engine_pinset_pins(zinf_engine *e, struct engine_pinset *ps)
 }
 
 void engine_pinset_close(zinf_engine *e, struct engine_pinset *ps, unsigned *dropped,
-                         unsigned *kept)
+                         unsigned *kept, unsigned *restored)
 {
-    *dropped = *kept = 0;
+    *dropped = *kept = *restored = 0;
     if (!ps) return;
     pthread_mutex_lock(&e->lock);
     lease_drain(e); /* the fetches it made count */
@@ -278,7 +279,10 @@ void engine_pinset_close(zinf_engine *e, struct engine_pinset *ps, unsigned *dro
                 /* Its client went away holding pins here, and may have written through
                  * them: the copy goes if the newest content is elsewhere too. */
                 (*dropped)++;
-                *kept += abandon_locked(e, t, k) == 1;
+                if (copy_held(e, c) == 0 && undo_restore(e, t, k))
+                    (*restored)++;
+                else
+                    *kept += abandon_locked(e, t, k) == 1;
             }
             if (c->pins == 0) pthread_cond_broadcast(&e->changed);
             ENGINE_CHECK(t);

@@ -249,7 +249,7 @@ static bool pin_take(struct session *se, zinf_tensor t, uint32_t tier)
 static void session_free(struct session *se)
 {
     zinf_engine *e = se->job->e;
-    unsigned dropped = 0, kept = 0;
+    unsigned dropped = 0, kept = 0, restored = 0;
     for (struct tick *k = se->ticks, *n; k; k = n) {
         void *p;
         n = k->next;
@@ -265,19 +265,20 @@ static void session_free(struct session *se)
             int r = engine_release_abandoned(e, p->t, p->tier);
             dropped += r >= 0;
             kept += r == 1;
+            restored += r == 2;
         }
         free(p);
     }
-    unsigned d = 0, k = 0;
-    engine_pinset_close(e, se->ps, &d, &k);
+    unsigned d = 0, k = 0, u = 0;
+    engine_pinset_close(e, se->ps, &d, &k, &u);
     dropped += d;
     kept += k;
+    restored += u;
     if (dropped)
-        log_notice("serve: job %s: a client (uid %u) went away holding %u pins; dropped%s",
-                   se->job->name, (unsigned)se->uid, dropped,
-                   kept ? " (some on copies that are their tensor's home or newest content, "
-                          "kept as the client left them)"
-                        : "");
+        log_notice("serve: job %s: a client (uid %u) went away holding %u pins: dropped; %u "
+                   "copies it may have written put back as they were when pinned%s",
+                   se->job->name, (unsigned)se->uid, dropped, restored,
+                   kept ? "; some kept as it left them (another client holds them)" : "");
     pthread_mutex_destroy(&se->lock);
     free(se);
 }
