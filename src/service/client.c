@@ -80,7 +80,8 @@ static int dial(const char *path, int *out)
 static void take_table(struct client *c, struct region *g)
 {
     struct pt_header *h = (struct pt_header *)g->base;
-    if (!c->pt && g->bytes == PT_BYTES && h->magic == PT_MAGIC && h->version == PT_VERSION &&
+    const char *use = getenv("ZINF_PIN_TABLE"); /* "0": every call a message, to compare */
+    if (!c->pt && !(use && !strcmp(use, "0")) && g->bytes == PT_BYTES && h->magic == PT_MAGIC && h->version == PT_VERSION &&
         h->tensors == PT_TENSORS && h->ring == PT_RING && h->ring_off == PT_RING_OFF &&
         h->slot_off == PT_SLOT_OFF && h->bytes == PT_BYTES)
         c->pt = h;

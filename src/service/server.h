@@ -10,7 +10,8 @@
  *
  * A session is one client process: its connections share its pins, and when the last of
  * them closes (the process exited or was killed) every pin it still held is dropped and
- * every fetch it started and never waited for is waited for and dropped.
+ * every fetch it started and never waited for is waited for and dropped; what it may have
+ * written without a DIRTY release is undone (engine_release_abandoned).
  *
  * The arenas of each job's host and (emulated) device tiers are memfds, handed to a
  * session's first connection and mapped by the client, so fetched pointers are shared
