@@ -49,6 +49,9 @@
  *     lease is one of the pins. A lease whose client holds no pin through it is idle and
  *     is closed (copy_pinned) by whoever needs the copy unpinned. Leased implies READY,
  *     valid and not prefetched.
+ *   imaged (undo != NULL): in an engine that serves other processes (e->undo), a pinned or
+ *     leased copy that is its content's only holder keeps an image of that content, put
+ *     back if its holder dies (undo.c); dropped with the copy or when no longer needed.
  *   read (readers > 0): a transfer reads from it (a load of the other tier, a write-back,
  *     a flush); never dropped, never loaded into.
  *   written back (wb_inflight): one of those readers is its write-back to the home; at most
