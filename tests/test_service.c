@@ -883,3 +883,41 @@ Test(service, a_killed_client_leaves_no_half_written_newest_copy)
     zinf_close(e);
     daemon_stop(&d);
 }
+
+/* A set fetched in one call is released member by member without a message. */
+Test(service, a_fetched_set_is_released_through_the_table)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("set");
+    zinf_tensor ts[4];
+    void *p[4], *q[4];
+    for (int i = 0; i < 3; i++) {
+        char name[8];
+        snprintf(name, sizeof(name), "s%d", i);
+        ts[i] = test_register(e, name, 65536, ZINF_TIER_HOST);
+    }
+    ts[3] = ts[0]; /* twice in the set: two pins */
+    cr_assert_eq(zinf_fetch_all(e, ts, 4, ZINF_TIER_DEVICE, p), 0);
+    cr_assert_eq(p[3], p[0]);
+    uint64_t before = service_requests(d.s);
+    for (int i = 0; i < 4; i++)
+        cr_assert_eq(zinf_release(e, ts[i], ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(service_requests(d.s), before, "a release of a set member was a message");
+    cr_assert_eq(zinf_release(e, ts[0], ZINF_TIER_DEVICE, 0), -EINVAL, "released three times");
+    /* And fetched again one by one, through the table. */
+    before = service_requests(d.s);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(zinf_fetch(e, ts[i], ZINF_TIER_DEVICE, &q[i]), 0);
+    cr_assert_eq(service_requests(d.s), before);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(q[i], p[i]);
+        cr_assert_eq(zinf_release(e, ts[i], ZINF_TIER_DEVICE, 0), 0);
+    }
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tier[ZINF_TIER_DEVICE].fetches, 7);
+    cr_assert_eq(st.tier[ZINF_TIER_DEVICE].pinned_bytes, 0);
+    zinf_close(e);
+    daemon_stop(&d);
+}

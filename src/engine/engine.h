@@ -344,6 +344,9 @@ uint64_t engine_pinset_pins(zinf_engine *e, struct engine_pinset *ps);
  * slot (released there, by the client or engine_release_leased), not as an ordinary pin. */
 int engine_api_fetch_leased(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h,
                             enum zinf_tier tier, void **ptr, bool *leased);
+/* engine_api_fetch_all for ps's session: leased[i] as *leased of engine_api_fetch_leased. */
+int engine_api_fetch_all_leased(zinf_engine *e, struct engine_pinset *ps, const zinf_tensor *ts,
+                                size_t n, enum zinf_tier tier, void **ptrs, bool *leased);
 /* engine_api_release of a pin counted in ps's slot: -EINVAL when the slot counts none. */
 int engine_release_leased(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h,
                           enum zinf_tier tier, unsigned flags);
@@ -358,6 +361,9 @@ void lease_drain(struct zinf_engine *e);
 /* Content changed in place (a DIRTY release, zinf_write): clients order their next reads
  * after it. */
 void lease_publish(struct zinf_engine *e);
+/* Move the pin a fetch for ps's session just took on t's copy into the session's slot,
+ * opening it (the pin becomes the lease): false when it stays an ordinary pin. */
+bool lease_open(struct zinf_engine *e, struct engine_pinset *ps, struct tensor *t, int tier);
 /* Take one pin off ps's slot of the copy (false: it counts none); put it back. */
 bool lease_take(struct engine_pinset *ps, struct tensor *t, int tier);
 void lease_untake(struct engine_pinset *ps, struct tensor *t, int tier);

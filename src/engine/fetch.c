@@ -803,8 +803,8 @@ static int fetch_set(struct zinf_engine *e, const zinf_tensor *ts, size_t n, int
     return 0;
 }
 
-int engine_api_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
-                         void **ptrs)
+static int fetch_all(zinf_engine *e, struct engine_pinset *ps, const zinf_tensor *ts, size_t n,
+                     enum zinf_tier tier, void **ptrs, bool *leased)
 {
     size_t done = 0;
     int r;
@@ -831,12 +831,29 @@ int engine_api_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum z
         if (r == 0) r = fetch_set(e, ts, n, tier, false, ptrs, &done);
         e->compacting[tier]--;
     }
-    if (r < 0)
+    if (r < 0) {
         unpin_set(e, ts, done, tier);
-    else
+    } else {
         sched_prefetch(e);
+        for (size_t i = 0; ps && i < n; i++) /* every member is pinned: none went away */
+            leased[i] = lease_open(e, ps, engine_tensor(e, ts[i]), tier);
+    }
     pthread_mutex_unlock(&e->lock);
     return r;
+}
+
+int engine_api_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
+                         void **ptrs)
+{
+    return fetch_all(e, NULL, ts, n, tier, ptrs, NULL);
+}
+
+int engine_api_fetch_all_leased(zinf_engine *e, struct engine_pinset *ps, const zinf_tensor *ts,
+                                size_t n, enum zinf_tier tier, void **ptrs, bool *leased)
+{
+    for (size_t i = 0; i < n; i++)
+        leased[i] = false;
+    return fetch_all(e, ps, ts, n, tier, ptrs, leased);
 }
 
 int engine_api_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, uint64_t *ticket)

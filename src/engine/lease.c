@@ -179,7 +179,7 @@ void lease_publish(struct zinf_engine *e)
  * into the session's slot (opening it, with the fetch's pin as the lease), so the client
  * releases it and pins it again by itself. false: the pin stays an ordinary one. Lock
  * held. */
-static bool lease_open(struct zinf_engine *e, struct engine_pinset *ps, struct tensor *t, int tier)
+bool lease_open(struct zinf_engine *e, struct engine_pinset *ps, struct tensor *t, int tier)
 {
     struct copy *c = &t->c[tier];
     uint64_t bit = 1ull << ps->id;

@@ -324,28 +324,35 @@ static int do_fetch(struct session *se, const struct proto_request *q, struct pr
 static int do_fetch_all(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
     uint32_t n = q->n, tier = q->tier;
+    zinf_engine *e = se->job->e;
     zinf_tensor *ts = malloc(n * sizeof(*ts));
     void **ptrs = malloc(n * sizeof(*ptrs));
-    int r = ts && ptrs ? 0 : -ENOMEM;
+    bool *leased = malloc(n * sizeof(*leased));
+    int r = ts && ptrs && leased ? 0 : -ENOMEM;
     if (r == 0) {
         memcpy(ts, q->data, n * sizeof(*ts));
-        r = engine_api_fetch_all(se->job->e, ts, n, (enum zinf_tier)tier, ptrs);
+        r = engine_api_fetch_all_leased(e, se->ps, ts, n, (enum zinf_tier)tier, ptrs, leased);
     }
     bool pinned = r == 0;
-    uint32_t added = 0;
-    while (r == 0 && added < n && (r = pin_add(se, ts[added], tier)) == 0)
-        added++;
+    uint32_t added = 0; /* members counted: ordinary pins added, or in their slot */
+    for (; r == 0 && added < n; added++)
+        if (!leased[added] && (r = pin_add(se, ts[added], tier)) < 0) break;
     for (uint32_t i = 0; r == 0 && i < n; i++)
         r = where(se->job, tier, ptrs[i], o);
     if (r < 0 && pinned) {
         /* Every pin of the set goes, as an embedded zinf_fetch_all that failed leaves none. */
         for (uint32_t i = 0; i < n; i++) {
+            if (leased[i]) {
+                engine_release_leased(e, se->ps, ts[i], (enum zinf_tier)tier, 0);
+                continue;
+            }
             if (i < added) pin_take(se, ts[i], tier);
-            engine_api_release(se->job->e, ts[i], (enum zinf_tier)tier, 0);
+            engine_api_release(e, ts[i], (enum zinf_tier)tier, 0);
         }
     }
     free(ts);
     free(ptrs);
+    free(leased);
     return r;
 }
 
