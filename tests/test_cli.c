@@ -240,6 +240,24 @@ static char *read_text(const char *path)
     return buf;
 }
 
+/* The last bytes of a command's output file, for an assertion's message (the file goes
+ * with the test's folder). */
+static const char *tail_text(const char *path)
+{
+    static char buf[2048];
+    buf[0] = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return "(no output file)";
+    if (fseek(f, 0, SEEK_END) == 0) {
+        long end = ftell(f);
+        fseek(f, end > (long)sizeof(buf) - 1 ? end - (long)sizeof(buf) + 1 : 0, SEEK_SET);
+    }
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    buf[n] = 0;
+    fclose(f);
+    return buf;
+}
+
 /* Pinned buffer bytes of a point, as zinf tune counts them (its tie-break). */
 static uint64_t tune_cost(json_t *p)
 {
@@ -954,13 +972,15 @@ Test(cli, train_killed_at_random_moments_resumes_with_the_same_losses)
                 kills++;
             } else {
                 cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
-                          "attempt %d: status %#x (see %s)", attempts, status, out);
+                          "attempt %d: status %#x; its output ends:\n%s", attempts, status,
+                          tail_text(out));
                 done_once = true;
             }
         } else {
             cr_assert_eq(waitpid(pid, &status, 0), pid);
             cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
-                      "attempt %d: status %#x (see %s)", attempts, status, out);
+                      "attempt %d: status %#x; its output ends:\n%s", attempts, status,
+                      tail_text(out));
             done = 1;
         }
         /* Whatever it logged is what a run that never died logs. */
