@@ -29,6 +29,7 @@
 #include "service/client.h"
 #include "service/proto.h"
 #include "service/server.h"
+#include "tiers/cuda_probe.h"
 
 static char *dir;
 static char sock[512], cfg_path[512];
@@ -921,3 +922,77 @@ Test(service, a_fetched_set_is_released_through_the_table)
     zinf_close(e);
     daemon_stop(&d);
 }
+
+/* ---- a GPU arena, shared through CUDA IPC (skipped without a usable GPU) ----------------- */
+
+#if ZINF_HAVE_CUDA
+#include <cuda_runtime_api.h>
+
+/* The daemon runs in a child process on a real GPU (a process cannot open its own IPC
+ * handle); the CPU emulation of CUDA shares memory within one process only, so there it
+ * runs in a thread. */
+Test(service, a_gpu_arena_is_opened_through_cuda_ipc)
+{
+    struct cuda_probe_info pi;
+    if (cuda_probe(&pi) == 0) cr_skip_test("no usable GPU: %s", pi.reason);
+    bool emu = strstr(pi.name, "EMU") != NULL;
+    FILE *f = fopen(cfg_path, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"zinf\": {\"device\": \"cuda\", \"device_bytes\": \"8M\", \"host_bytes\": \"4M\"}}");
+    fclose(f);
+    struct daemon d;
+    pid_t pid = -1;
+    if (emu) {
+        daemon_start(&d);
+    } else {
+        pid = fork();
+        cr_assert_geq(pid, 0);
+        if (pid == 0) {
+            struct zinf_config cfg;
+            struct service *s;
+            char err[512];
+            struct service_opts o = {.socket_path = sock, .config = &cfg};
+            if (config_parse_file(cfg_path, &cfg, err, sizeof(err)) ||
+                service_open(&o, &s, err, sizeof(err)))
+                _exit(1);
+            int r = service_run(s);
+            service_close(s);
+            _exit(r == 0 ? 0 : 1);
+        }
+    }
+    zinf_engine *e = NULL;
+    int r = -ENOENT;
+    for (int i = 0; i < 1000 && r < 0; i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        r = zinf_connect(sock, "gpu", &e);
+    }
+    cr_assert_eq(r, 0, "zinf_connect: %s", zinf_strerror(r));
+    const size_t n = 1 << 20;
+    zinf_tensor t = test_register(e, "t", n, ZINF_TIER_HOST);
+    unsigned char *a = test_rand_buf(n, 31), *b = test_rand_buf(n, 32), *got = malloc(n);
+    cr_assert_eq(zinf_write(e, t, 0, a, n), 0);
+    void *p, *q;
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(cudaMemcpy(got, p, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    cr_assert_eq(memcmp(got, a, n), 0, "the daemon's GPU copy, read through the IPC mapping");
+    cr_assert_eq(cudaMemcpy(p, b, n, cudaMemcpyHostToDevice), cudaSuccess);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    test_expect_content(e, t, b, n, "written on the GPU through the IPC mapping");
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &q), 0);
+    cr_assert_eq(q, p, "a resident copy stays where it is");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    free(a);
+    free(b);
+    free(got);
+    zinf_close(e);
+    if (emu) {
+        daemon_stop(&d);
+    } else {
+        kill(pid, SIGTERM);
+        int status;
+        waitpid(pid, &status, 0);
+        cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the daemon: %#x", status);
+    }
+}
+#endif

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "cmd.h"
+#include "tiers/cuda_probe.h"
 #include "common.h"
 #include "config.h"
 #include "service/server.h"
@@ -44,8 +45,9 @@ static void usage(FILE *f)
                "directory, and its tensors back, as last flushed, when the daemon restarts.\n"
                "  --socket PATH   the Unix socket to listen on (mode 0600: the caller's uid only)\n"
                "  --config FILE   a DeepSpeed-style config: budgets (zinf section), swap\n"
-               "                  directories (offload_*.nvme_path), aio settings; zinf.device\n"
-               "                  must be \"emulated\" for now (CUDA arenas are not shared yet)\n"
+               "                  directories (offload_*.nvme_path), aio settings; a job's\n"
+               "                  device arena on a GPU (zinf.device \"cuda\", or \"auto\" with\n"
+               "                  one) is shared with its clients through CUDA IPC\n"
                "  --group NAME    let this group's members connect too (mode 0660); a job\n"
                "                  stays its creator's: other uids are refused\n"
                "  --foreground    stay in the foreground, messages on stderr (for systemd);\n"
@@ -122,19 +124,15 @@ int cmd_serve(int argc, char **argv)
         return 2;
     }
     if (cfg.zinf.device == ZINF_DEVICE_CUDA) {
-        fprintf(stderr,
-                "zinf: serve: %s: zinf.device \"cuda\": the service cannot share a CUDA "
-                "device arena with its clients yet (that needs CUDA IPC); use "
-                "\"emulated\"\n",
-                config_path);
-        config_free(&cfg);
-        return 2;
-    }
-    if (cfg.zinf.device == ZINF_DEVICE_AUTO) {
-        /* The arenas must be memfds, for now. */
-        cfg.zinf.device = ZINF_DEVICE_EMULATED;
-        fprintf(stderr, "zinf serve: the jobs' device tiers are emulated in host memory (a CUDA "
-                        "arena is not shared with clients yet)\n");
+        /* Jobs open when clients attach: a GPU that is not there is said now. */
+        struct cuda_probe_info pi;
+        if (cuda_probe(&pi) <= cfg.zinf.cuda_device) {
+            fprintf(stderr, "zinf: serve: %s: zinf.device \"cuda\" (GPU %d), but %s\n",
+                    config_path, cfg.zinf.cuda_device,
+                    pi.device_count > 0 ? "no GPU has that number" : pi.reason);
+            config_free(&cfg);
+            return 2;
+        }
     }
 
     struct service_opts so = {.socket_path = socket_path, .config = &cfg, .group = group};

@@ -774,8 +774,14 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
                               .capacity_bytes = o.device_bytes,
                               .shared = params.shared};
     if ((r = device_open(&dop, &e->dev)) < 0) goto err;
-    /* The service's clients may die holding pins: undo images (undo.c), over host memory. */
-    e->undo = params.shared && device_shared(e->dev, &(int){0}, &(void *){NULL}, &(size_t){0}) == 0;
+    /* The service's clients may die holding pins: undo images (undo.c), of copies in host
+     * memory (a CUDA arena's are not: a copy under the lock would wait for completions
+     * that take it). */
+    if (params.shared)
+        e->undo = 1u << ZINF_TIER_HOST |
+                  (device_shared(e->dev, &(int){0}, &(void *){NULL}, &(size_t){0}) == 0
+                       ? 1u << ZINF_TIER_DEVICE
+                       : 0);
 
     /* Twice the queue depth: a slot stays taken while its chunk is copied to the device,
      * and the drive should still see queue_depth reads meanwhile. */
@@ -1020,7 +1026,14 @@ void engine_close_unflushed(zinf_engine *e)
 
 int engine_regions(zinf_engine *e, struct engine_region out[MEM_TIERS])
 {
+    memset(out, 0, MEM_TIERS * sizeof(*out));
     int r = device_shared(e->dev, &out[0].fd, &out[0].base, &out[0].bytes);
+    if (r == -ENOTSUP) { /* a CUDA arena: shared through CUDA IPC */
+        out[0].fd = -1;
+        out[0].cuda = true;
+        r = device_ipc_export(e->dev, out[0].ipc_handle, out[0].busid, &out[0].base,
+                              &out[0].bytes);
+    }
     if (r == 0) r = host_shared(e->host, &out[1].fd, &out[1].base, &out[1].bytes);
     if (r < 0) return r;
     out[0].tier = ZINF_TIER_DEVICE;

@@ -237,7 +237,8 @@ struct zinf_engine {
     /* pin tables of the service's sessions (lease.c), by id */
     struct engine_pinset *pinsets[ENGINE_MAX_PINSETS];
     unsigned npinsets;
-    bool undo; /* keep undo images of pinned copies that hold the only newest content */
+    unsigned undo; /* tiers (bits) whose pinned copies that hold the only newest content
+                      keep undo images: those in host memory, when the engine is shared */
 
     /* async fetch tickets */
     struct ticket *tickets;
@@ -288,12 +289,16 @@ int engine_open_config_shared(const struct zinf_config *c, unsigned flags, const
 /* A memory tier's arena as another process maps it. */
 struct engine_region {
     enum zinf_tier tier;
-    int fd; /* the tier's memfd, owned by the engine */
+    int fd; /* the tier's memfd, owned by the engine; -1 for a CUDA arena */
     void *base;
     size_t bytes;
+    /* A CUDA device arena: other processes open it with device_ipc_open(). */
+    bool cuda;
+    unsigned char ipc_handle[DEVICE_IPC_HANDLE_BYTES];
+    char busid[DEVICE_BUSID_BYTES];
 };
 /* The device and host arenas of an engine opened shared, in that order: MEM_TIERS, or
- * -ENOTSUP where one is not shared (a CUDA device arena). */
+ * -errno (the CUDA IPC handle of a CUDA arena could not be made). */
 int engine_regions(zinf_engine *e, struct engine_region out[MEM_TIERS]);
 /* zinf_close without the flush: what the last flush committed stays the saved state, as
  * after a crash (for a caller whose state in memory is known to be inconsistent). */

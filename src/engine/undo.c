@@ -9,8 +9,9 @@
  * newest content is only in memory), the engine
  * keeps an image of it while it is pinned, and puts that back when the pin is abandoned.
  *
- * Only engines that serve other processes over an emulated device keep images (e->undo:
- * the service's; both tiers are then host memory, copied with the lock held). An image
+ * Only engines that serve other processes keep images (e->undo: the service's), of copies
+ * in host memory (the host tier, an emulated device tier), copied with the lock held. An
+ * image
  * is kept while its copy is pinned or leased (a client may pin a leased copy again without
  * a message, so it must exist before the slot opens), and taken again when a DIRTY
  * release or zinf_write makes a new version of a copy that still needs one. So a tensor
@@ -29,7 +30,8 @@
 bool undo_needed(const struct zinf_engine *e, const struct tensor *t, int tier)
 {
     const struct copy *c = &t->c[tier];
-    if (!e->undo || c->state != COPY_READY || c->version != t->version) return false;
+    if (!(e->undo & (1u << tier)) || c->state != COPY_READY || c->version != t->version)
+        return false;
     /* A home copy is always its tensor's only copy in memory of that role: its swap
      * extent, when there is one, is read back only at a resume. */
     if (tier == (int)t->home) return true;

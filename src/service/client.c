@@ -30,6 +30,7 @@
 #include "pintable.h"
 #include "service/client.h"
 #include "service/proto.h"
+#include "tiers/device.h"
 
 struct conn {
     int fd;
@@ -40,6 +41,7 @@ struct region {
     enum zinf_tier tier;
     char *base;
     size_t bytes;
+    bool cuda; /* a GPU arena opened through CUDA IPC, not a mapping */
 };
 
 struct client {
@@ -74,6 +76,16 @@ static int dial(const char *path, int *out)
     }
     *out = fd;
     return 0;
+}
+
+static void region_free(struct region *g)
+{
+    if (!g->base) return;
+    if (g->cuda)
+        device_ipc_close(g->base);
+    else
+        munmap(g->base, g->bytes);
+    g->base = NULL;
 }
 
 /* The session's pin table, when it is one this build reads; otherwise it goes unused. */
@@ -115,16 +127,36 @@ static int hello(struct client *c, int fd)
         uint64_t session = proto_get_u64(&in), secret = proto_get_u64(&in);
         uint32_t n = proto_get_u32(&in);
         struct region reg[PROTO_MAX_REGIONS] = {0};
+        int want_fds = 0;
         for (uint32_t i = 0; i < n && i < PROTO_MAX_REGIONS; i++) {
-            reg[i].tier = (enum zinf_tier)proto_get_u32(&in);
+            uint32_t kind = proto_get_u32(&in);
             reg[i].bytes = (size_t)proto_get_u64(&in);
+            reg[i].cuda = kind == PROTO_REGION_CUDA;
+            reg[i].tier = reg[i].cuda ? ZINF_TIER_DEVICE : (enum zinf_tier)kind;
+            want_fds += !reg[i].cuda;
         }
-        if (proto_done(&in) < 0 || n > PROTO_MAX_REGIONS || (first && nfds != (int)n)) r = -EPROTO;
-        for (uint32_t i = 0; r == 0 && first && i < n; i++) {
-            void *p = mmap(NULL, reg[i].bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[i], 0);
-            if (p == MAP_FAILED) {
+        /* A GPU arena's CUDA IPC handle and its GPU's bus id follow the list. */
+        unsigned char ipc[DEVICE_IPC_HANDLE_BYTES];
+        char busid[DEVICE_BUSID_BYTES] = "";
+        bool cuda = n && n <= PROTO_MAX_REGIONS && reg[0].cuda;
+        if (cuda) {
+            const uint8_t *hb = proto_get_u32(&in) == sizeof(ipc) ? proto_get_bytes(&in, sizeof(ipc)) : NULL;
+            proto_get_str(&in, busid, sizeof(busid));
+            if (hb) memcpy(ipc, hb, sizeof(ipc)); else in.bad = true;
+        }
+        if (proto_done(&in) < 0 || n > PROTO_MAX_REGIONS || (first && nfds != want_fds))
+            r = -EPROTO;
+        for (uint32_t i = 0, f = 0; r == 0 && first && i < n; i++) {
+            void *p = NULL;
+            if (reg[i].cuda) {
+                r = device_ipc_open(ipc, busid, &p);
+                if (r == -ENOTSUP)
+                    log_error("zinf_connect: the daemon's device tier is a GPU, and this "
+                              "library was built without CUDA");
+            } else if ((p = mmap(NULL, reg[i].bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[f++],
+                                 0)) == MAP_FAILED) {
+                p = NULL;
                 r = -errno;
-                break;
             }
             reg[i].base = p;
         }
@@ -140,11 +172,11 @@ static int hello(struct client *c, int fd)
                 else if (reg[i].tier == (enum zinf_tier)c->nregions && c->nregions < 2)
                     c->region[c->nregions++] = reg[i];
                 else
-                    munmap(reg[i].base, reg[i].bytes); /* not ours to use */
+                    region_free(&reg[i]); /* not ours to use */
             }
         } else if (first) {
             for (uint32_t i = 0; i < n && i < PROTO_MAX_REGIONS; i++)
-                if (reg[i].base) munmap(reg[i].base, reg[i].bytes);
+                region_free(&reg[i]);
         }
     }
     for (int i = 0; i < nfds; i++)
@@ -298,7 +330,7 @@ static void close_client(struct client *c, bool flush)
         k = next;
     }
     for (unsigned i = 0; i < c->nregions; i++)
-        munmap(c->region[i].base, c->region[i].bytes);
+        region_free(&c->region[i]);
     if (c->pt) munmap(c->pt, PT_BYTES);
     if (c->live) munmap(c->live, PROTO_LIVE_BYTES);
     free(c->socket_path);

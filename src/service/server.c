@@ -177,9 +177,8 @@ static int job_get(struct service *s, const char *name, uid_t uid, struct job **
         r = engine_open_config_shared(s->config, saved(s, name) ? ZINF_OPEN_RESUME : 0, name,
                                       &j->e);
         if (r == 0 && (r = engine_regions(j->e, j->reg)) < 0) {
-            log_error("serve: job %s: its device tier is CUDA, which the service cannot share "
-                      "with clients yet (that needs CUDA IPC); set zinf.device \"emulated\"",
-                      name);
+            log_error("serve: job %s: its device arena cannot be shared with clients: %s", name,
+                      zinf_strerror(r));
             engine_api_close(j->e);
         }
         if (r < 0) {
@@ -534,23 +533,30 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     proto_put_i32(&o, 0);
     proto_put_u64(&o, se->id);
     proto_put_u64(&o, se->secret);
-    int nreg = MEM_TIERS + (se->ps != NULL) + 1;
+    const struct engine_region *reg = se->job->reg;
+    int nreg = MEM_TIERS + (se->ps != NULL) + 1, nfds = 0;
     proto_put_u32(&o, (uint32_t)nreg);
     int fds[PROTO_MAX_REGIONS];
     for (int i = 0; i < MEM_TIERS; i++) {
-        proto_put_u32(&o, (uint32_t)se->job->reg[i].tier);
-        proto_put_u64(&o, se->job->reg[i].bytes);
-        fds[i] = se->job->reg[i].fd;
+        /* A CUDA arena has no fd: the client opens it with the handle that follows. */
+        proto_put_u32(&o, reg[i].cuda ? PROTO_REGION_CUDA : (uint32_t)reg[i].tier);
+        proto_put_u64(&o, reg[i].bytes);
+        if (!reg[i].cuda) fds[nfds++] = reg[i].fd;
     }
     if (se->ps) {
         proto_put_u32(&o, PROTO_REGION_PINS);
         proto_put_u64(&o, se->ps_bytes);
-        fds[MEM_TIERS] = se->ps_fd;
+        fds[nfds++] = se->ps_fd;
     }
     proto_put_u32(&o, PROTO_REGION_LIVE);
     proto_put_u64(&o, PROTO_LIVE_BYTES);
-    fds[nreg - 1] = s->live_fd;
-    r = proto_send(k->fd, &o, fds, sid ? 0 : nreg);
+    fds[nfds++] = s->live_fd;
+    if (reg[0].cuda) {
+        proto_put_u32(&o, DEVICE_IPC_HANDLE_BYTES);
+        proto_put_bytes(&o, reg[0].ipc_handle, DEVICE_IPC_HANDLE_BYTES);
+        proto_put_str(&o, reg[0].busid);
+    }
+    r = proto_send(k->fd, &o, fds, sid ? 0 : nfds);
     proto_out_free(&o);
     return r < 0 ? r : 1; /* 1: the reply went out */
 }

@@ -821,3 +821,60 @@ int device_shared(struct device *d, int *fd, void **base, size_t *bytes)
     *bytes = d->capacity_bytes;
     return 0;
 }
+
+int device_ipc_export(struct device *d, void *handle, char *busid, void **base, size_t *bytes)
+{
+#if ZINF_HAVE_CUDA
+    if (!d || !d->cuda) return -ENOTSUP;
+    int prev, r = cuda_enter(d, &prev);
+    if (r < 0) return r;
+    cudaIpcMemHandle_t h;
+    _Static_assert(sizeof(h) == DEVICE_IPC_HANDLE_BYTES, "the size of a CUDA IPC handle");
+    cudaError_t e = cudaIpcGetMemHandle(&h, d->base);
+    if (e != cudaSuccess)
+        r = cuda_errno(e, "cudaIpcGetMemHandle of the arena");
+    else if ((e = cudaDeviceGetPCIBusId(busid, DEVICE_BUSID_BYTES, d->ordinal)) != cudaSuccess)
+        r = cuda_errno(e, "cudaDeviceGetPCIBusId");
+    cuda_leave(d, prev);
+    if (r < 0) return r;
+    memcpy(handle, &h, sizeof(h));
+    *base = d->base;
+    *bytes = d->capacity_bytes;
+    return 0;
+#else
+    (void)d, (void)handle, (void)busid, (void)base, (void)bytes;
+    return -ENOTSUP;
+#endif
+}
+
+int device_ipc_open(const void *handle, const char *busid, void **base)
+{
+#if ZINF_HAVE_CUDA
+    int dev, prev;
+    cudaError_t e = cudaDeviceGetByPCIBusId(&dev, busid);
+    if (e != cudaSuccess) return cuda_errno(e, "cudaDeviceGetByPCIBusId of the daemon's GPU");
+    if ((e = cudaGetDevice(&prev)) != cudaSuccess) return cuda_errno(e, "cudaGetDevice");
+    if (dev != prev && (e = cudaSetDevice(dev)) != cudaSuccess)
+        return cuda_errno(e, "cudaSetDevice");
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle, sizeof(h));
+    void *p = NULL;
+    e = cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess);
+    if (dev != prev) cudaSetDevice(prev);
+    if (e != cudaSuccess) return cuda_errno(e, "cudaIpcOpenMemHandle of the daemon's arena");
+    *base = p;
+    return 0;
+#else
+    (void)handle, (void)busid, (void)base;
+    return -ENOTSUP;
+#endif
+}
+
+void device_ipc_close(void *base)
+{
+#if ZINF_HAVE_CUDA
+    if (base) cudaIpcCloseMemHandle(base);
+#else
+    (void)base;
+#endif
+}

@@ -72,6 +72,16 @@ void *device_ptr(struct device *d, uint64_t off);
 /* An emulated arena opened shared: its memfd (owned by the tier), base and size in bytes.
  * -ENOTSUP otherwise (a CUDA arena is shared through CUDA IPC, not a memfd). */
 int device_shared(struct device *d, int *fd, void **base, size_t *bytes);
+/* A CUDA arena as another process opens it: its CUDA IPC handle (DEVICE_IPC_HANDLE_BYTES),
+ * the PCI bus id of its GPU, its base and size. -ENOTSUP for an emulated arena (or a build
+ * without CUDA). */
+#define DEVICE_IPC_HANDLE_BYTES 64
+#define DEVICE_BUSID_BYTES 32
+int device_ipc_export(struct device *d, void *handle, char *busid, void **base, size_t *bytes);
+/* In another process: open the arena of that handle on the GPU of that bus id (the
+ * caller's current device stays as it was). 0 and *base, a device pointer; -errno. */
+int device_ipc_open(const void *handle, const char *busid, void **base);
+void device_ipc_close(void *base);
 
 int device_copy_async(struct device *d, struct device_copy *c);
 /* Convenience: copy and wait. */

@@ -772,6 +772,13 @@ cudaError_t cudaDeviceGetPCIBusId(char *buf, int len, int d)
     snprintf(buf, (size_t)len, "0000:01:00.0");
     return cudaSuccess;
 }
+cudaError_t cudaDeviceGetByPCIBusId(int *d, const char *bus)
+{
+    if (!d || !bus) return ret(cudaErrorInvalidValue);
+    if (strcmp(bus, "0000:01:00.0") != 0) return ret(cudaErrorInvalidDevice);
+    *d = 0;
+    return cudaSuccess;
+}
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
 {
     if (!free_bytes || !total_bytes) return ret(cudaErrorInvalidValue);
@@ -844,6 +851,35 @@ cudaError_t cudaFree(void *p)
     dev_used -= len;
     dev_allocs.erase(it);
     return cudaSuccess;
+}
+/* CUDA IPC within this process (the emulated device is this process's memory): a handle
+ * names the allocation by its address, and opening it gives that address back. Enough for
+ * the service's daemon and client when they run in one test program. */
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p)
+{
+    if (!h || !p) return ret(cudaErrorInvalidValue);
+    {
+        std::lock_guard<std::mutex> lk(mem_mu);
+        if (dev_allocs.find((uintptr_t)p) == dev_allocs.end()) return ret(cudaErrorInvalidValue);
+    }
+    memset(h, 0, sizeof(*h));
+    memcpy(h->reserved, &p, sizeof(p));
+    return cudaSuccess;
+}
+cudaError_t cudaIpcOpenMemHandle(void **p, cudaIpcMemHandle_t h, unsigned flags)
+{
+    (void)flags;
+    if (!p) return ret(cudaErrorInvalidValue);
+    void *a;
+    memcpy(&a, h.reserved, sizeof(a));
+    std::lock_guard<std::mutex> lk(mem_mu);
+    if (dev_allocs.find((uintptr_t)a) == dev_allocs.end()) return ret(cudaErrorInvalidValue);
+    *p = a;
+    return cudaSuccess;
+}
+cudaError_t cudaIpcCloseMemHandle(void *p)
+{
+    return p ? cudaSuccess : ret(cudaErrorInvalidValue);
 }
 cudaError_t cudaMallocHost(void **p, size_t bytes)
 {
