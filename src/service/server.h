@@ -15,8 +15,8 @@
  *
  * The arenas of each job's host and (emulated) device tiers are memfds, handed to a
  * session's first connection and mapped by the client, so fetched pointers are shared
- * memory. A CUDA device tier is not shared yet (that needs CUDA IPC): a job over one is
- * refused with -ENOTSUP. Each session also gets a pin table (src/pintable.h): once a fetch
+ * memory; a device arena on a GPU is opened by each client through its CUDA IPC handle,
+ * sent with the session's first HELLO. Each session also gets a pin table (src/pintable.h): once a fetch
  * through the daemon has opened a copy's slot, the client pins that copy again and
  * releases it clean by itself, without a message, until the engine wants it back.
  *
