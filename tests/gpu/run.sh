@@ -4,7 +4,8 @@
 # .gpu/. In order:
 #   - the gpu suite: every CUDA kernel against its CPU twin (fp32, bf16, fp16), the trainer
 #     on the GPU against the CPU (fp32, bf16 and fp16 with a real overflow, offloaded and
-#     resident), the CUDA device tier and host pool;
+#     resident), the CUDA device tier and host pool, and the service's daemon sharing a GPU
+#     arena with a client process through CUDA IPC;
 #   - the swap-in benchmark NVMe -> pinned host -> device, next to a plain pinned cudaMemcpy
 #     H2D figure from the same run;
 #   - a short `zinf train` on the GPU with a device budget below the model's state, its
@@ -63,6 +64,8 @@ step kernels 60 "$bin/test_kernels" --verbose
 step train_gpu 90 "$bin/test_train_gpu" --verbose
 step device_gpu 30 "$bin/test_device" --filter 'device_gpu/*' --verbose
 step host 30 "$bin/test_host" --verbose
+# The service's daemon (a child process) sharing a GPU arena with a client through CUDA IPC.
+step service_gpu 30 "$bin/test_service" --filter 'service/a_gpu_arena*' --verbose
 step swapin 70 "$bin/swapin" --path "$swap/swapin" --device-kind "${device/cuda/auto}" --device-bytes 1G \
   --tensors 48 --tensor-size 64M --steps 4 --zinf "$bin/zinf" --json
 
