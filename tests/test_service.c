@@ -292,6 +292,49 @@ Test(service, bad_connects_are_refused_with_a_reason)
  * another without releasing it, and is killed: the daemon drops its pins, the cached copy
  * it scribbled on goes (the tensor reads as last released), and the parent's client goes
  * on. */
+/* The daemon notices a dead client's closed connections and drops its pins: wait for it
+ * (up to 3 s). */
+static void wait_pins_dropped(zinf_engine *e)
+{
+    for (int i = 0; i < 300; i++) {
+        struct zinf_stats st;
+        cr_assert_eq(zinf_stats(e, &st), 0);
+        if (!st.tier[ZINF_TIER_HOST].pinned_bytes && !st.tier[ZINF_TIER_DEVICE].pinned_bytes)
+            return;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    cr_assert_fail("the dead client's pins were not dropped");
+}
+
+/* The daemon in a child process, serving until it is signalled; the parent connects to
+ * job once it answers. */
+static pid_t fork_daemon(const char *job, zinf_engine **e)
+{
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        struct zinf_config cfg;
+        struct service *s;
+        char err[512];
+        struct service_opts o = {.socket_path = sock, .config = &cfg};
+        if (config_parse_file(cfg_path, &cfg, err, sizeof(err)) ||
+            service_open(&o, &s, err, sizeof(err)))
+            _exit(1);
+        int r = service_run(s);
+        service_close(s);
+        _exit(r == 0 ? 0 : 1);
+    }
+    int r = -ENOENT;
+    for (int i = 0; i < 1000 && r < 0; i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        r = zinf_connect(sock, job, e);
+    }
+    cr_assert_eq(r, 0, "the daemon did not come up: %s", zinf_strerror(r));
+    return pid;
+}
+
 Test(service, a_killed_client_loses_its_pins_and_nobody_else_notices)
 {
     struct daemon d;
@@ -328,15 +371,7 @@ Test(service, a_killed_client_loses_its_pins_and_nobody_else_notices)
     waitpid(pid, &status, 0);
     close(ready[0]);
     /* The daemon notices the closed connections and drops the pins. */
-    int r = -EBUSY;
-    for (int i = 0; i < 200 && r == -EBUSY; i++) {
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-        struct zinf_stats st;
-        cr_assert_eq(zinf_stats(e, &st), 0);
-        if (!st.tier[ZINF_TIER_HOST].pinned_bytes && !st.tier[ZINF_TIER_DEVICE].pinned_bytes) r = 0;
-    }
-    cr_assert_eq(r, 0, "the dead client's pins were not dropped");
+    wait_pins_dropped(e);
     cr_assert_eq(zinf_unregister(e, t), 0);
     void *p;
     cr_assert_eq(zinf_fetch(e, u, ZINF_TIER_DEVICE, &p), 0);
@@ -750,26 +785,8 @@ Test(service, unregister_closes_idle_leases_and_stale_handles_miss)
  * out its memory as if nothing happened. */
 Test(service, after_the_daemon_dies_every_call_answers_econnreset)
 {
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        struct zinf_config cfg;
-        struct service *s;
-        char err[512];
-        struct service_opts o = {.socket_path = sock, .config = &cfg};
-        if (config_parse_file(cfg_path, &cfg, err, sizeof(err)) ||
-            service_open(&o, &s, err, sizeof(err)))
-            _exit(1);
-        _exit(service_run(s) == 0 ? 0 : 1);
-    }
     zinf_engine *e = NULL;
-    int r = -ENOENT;
-    for (int i = 0; i < 500 && r < 0; i++) {
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-        r = zinf_connect(sock, "dies", &e);
-    }
-    cr_assert_eq(r, 0, "the daemon did not come up: %s", zinf_strerror(r));
+    pid_t pid = fork_daemon("dies", &e);
     zinf_tensor t = test_register(e, "t", 65536, ZINF_TIER_HOST);
     void *p;
     for (int i = 0; i < 3; i++) {
@@ -865,15 +882,7 @@ Test(service, a_killed_client_leaves_no_half_written_newest_copy)
     close(ready[0]);
     close(go[0]);
     close(go[1]);
-    int r = -EBUSY;
-    for (int i = 0; i < 300 && r == -EBUSY; i++) {
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-        struct zinf_stats st;
-        cr_assert_eq(zinf_stats(e, &st), 0);
-        if (!st.tier[ZINF_TIER_HOST].pinned_bytes && !st.tier[ZINF_TIER_DEVICE].pinned_bytes) r = 0;
-    }
-    cr_assert_eq(r, 0, "the dead client's pins were not dropped");
+    wait_pins_dropped(e);
     test_expect_content(e, h, hv, n, "a home copy the dead client scribbled on");
     test_expect_content(e, v, v2, n, "the only newest copy the dead client scribbled on");
     test_expect_content(e, w, w2, n, "a leased copy that became the newest's only holder");
@@ -942,32 +951,13 @@ Test(service, a_gpu_arena_is_opened_through_cuda_ipc)
     fclose(f);
     struct daemon d;
     pid_t pid = -1;
+    zinf_engine *e = NULL;
     if (emu) {
         daemon_start(&d);
+        e = connect_job("gpu");
     } else {
-        pid = fork();
-        cr_assert_geq(pid, 0);
-        if (pid == 0) {
-            struct zinf_config cfg;
-            struct service *s;
-            char err[512];
-            struct service_opts o = {.socket_path = sock, .config = &cfg};
-            if (config_parse_file(cfg_path, &cfg, err, sizeof(err)) ||
-                service_open(&o, &s, err, sizeof(err)))
-                _exit(1);
-            int r = service_run(s);
-            service_close(s);
-            _exit(r == 0 ? 0 : 1);
-        }
+        pid = fork_daemon("gpu", &e);
     }
-    zinf_engine *e = NULL;
-    int r = -ENOENT;
-    for (int i = 0; i < 1000 && r < 0; i++) {
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-        r = zinf_connect(sock, "gpu", &e);
-    }
-    cr_assert_eq(r, 0, "zinf_connect: %s", zinf_strerror(r));
     const size_t n = 1 << 20;
     zinf_tensor t = test_register(e, "t", n, ZINF_TIER_HOST);
     unsigned char *a = test_rand_buf(n, 31), *b = test_rand_buf(n, 32), *got = malloc(n);
