@@ -986,3 +986,48 @@ Test(service, a_gpu_arena_is_opened_through_cuda_ipc)
     }
 }
 #endif
+
+/* An engine serves ENGINE_MAX_PINSETS (64) pin tables: a session beyond them gets none,
+ * and every call of it is a message, with the same answers. */
+Test(service, a_session_without_a_pin_table_answers_the_same)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e[65];
+    for (int i = 0; i < 65; i++)
+        e[i] = connect_job("many");
+    zinf_engine *last = e[64];
+    zinf_tensor t = test_register(last, "t", 65536, ZINF_TIER_HOST);
+    void *p, *q;
+    cr_assert_eq(zinf_fetch(last, t, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(zinf_release(last, t, ZINF_TIER_DEVICE, 0), 0);
+    uint64_t before = service_requests(d.s);
+    cr_assert_eq(zinf_fetch(last, t, ZINF_TIER_DEVICE, &q), 0);
+    cr_assert_eq(q, p);
+    cr_assert_eq(zinf_release(last, t, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_release(last, t, ZINF_TIER_DEVICE, 0), -EINVAL);
+    cr_assert_eq(service_requests(d.s) - before, 3, "the 65th session's hits were messages");
+    /* One of the first 64 goes: the next session gets its table. */
+    zinf_close(e[0]);
+    zinf_engine *again = NULL;
+    for (int i = 0; i < 300; i++) { /* the daemon frees the table once it sees the close */
+        zinf_engine *c = connect_job("many");
+        cr_assert_eq(zinf_fetch(c, t, ZINF_TIER_DEVICE, &q), 0);
+        cr_assert_eq(zinf_release(c, t, ZINF_TIER_DEVICE, 0), 0);
+        before = service_requests(d.s);
+        cr_assert_eq(zinf_fetch(c, t, ZINF_TIER_DEVICE, &q), 0);
+        cr_assert_eq(zinf_release(c, t, ZINF_TIER_DEVICE, 0), 0);
+        if (service_requests(d.s) == before) {
+            again = c;
+            break;
+        }
+        zinf_close(c);
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    cr_assert_not_null(again, "a freed pin table was never given out again");
+    zinf_close(again);
+    for (int i = 1; i < 65; i++)
+        zinf_close(e[i]);
+    daemon_stop(&d);
+}

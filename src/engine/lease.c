@@ -34,6 +34,13 @@ struct engine_pinset {
     uint64_t epoch; /* of the last opening */
 };
 
+static void pinset_free(struct engine_pinset *ps)
+{
+    if (ps->h) munmap(ps->h, PT_BYTES);
+    if (ps->fd >= 0) close(ps->fd);
+    free(ps);
+}
+
 int engine_pinset_open(zinf_engine *e, struct engine_pinset **out, int *fd, size_t *bytes)
 {
     struct engine_pinset *ps = calloc(1, sizeof(*ps));
@@ -70,9 +77,7 @@ int engine_pinset_open(zinf_engine *e, struct engine_pinset **out, int *fd, size
         pthread_mutex_unlock(&e->lock);
     }
     if (r < 0) {
-        if (ps->h) munmap(ps->h, PT_BYTES);
-        if (ps->fd >= 0) close(ps->fd);
-        free(ps);
+        pinset_free(ps);
         return r;
     }
     *out = ps;
@@ -133,8 +138,7 @@ static void count_fast_fetch(struct zinf_engine *e, uint64_t what)
 {
     uint32_t gen = (uint32_t)(what >> 32), idx = (uint32_t)(what & 0xffffffffu) >> 1;
     int tier = (int)(what & 1);
-    zinf_tensor h = ((uint64_t)gen << 32) | ((uint64_t)idx + 1);
-    struct tensor *t = idx < UINT32_MAX ? engine_tensor(e, h) : NULL;
+    struct tensor *t = engine_tensor(e, ((uint64_t)gen << 32) | ((uint64_t)idx + 1));
     if (!t) return; /* unregistered since (or made up by a broken client) */
     e->st.tier[tier].fetches++;
     e->st.tier[tier].hits++;
@@ -291,19 +295,14 @@ void engine_pinset_close(zinf_engine *e, struct engine_pinset *ps, unsigned *dro
     e->pinsets[ps->id] = NULL;
     e->npinsets--;
     pthread_mutex_unlock(&e->lock);
-    munmap(ps->h, PT_BYTES);
-    close(ps->fd);
-    free(ps);
+    pinset_free(ps);
 }
 
 void lease_fini(struct zinf_engine *e)
 {
     for (unsigned i = 0; i < ENGINE_MAX_PINSETS; i++) {
         struct engine_pinset *ps = e->pinsets[i];
-        if (!ps) continue;
-        munmap(ps->h, PT_BYTES);
-        close(ps->fd);
-        free(ps);
+        if (ps) pinset_free(ps);
         e->pinsets[i] = NULL;
     }
 }
