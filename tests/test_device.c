@@ -563,6 +563,56 @@ Test(device, copy_sync_both_directions)
     device_close(d);
 }
 
+/* device_copy_now waits for no queued copy and no callback: here a callback blocks on a
+ * lock the caller holds (as the engine's do), and the copies still finish. */
+static pthread_mutex_t now_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void now_blocked_cb(struct device_copy *c, int res)
+{
+    (void)c, (void)res;
+    pthread_mutex_lock(&now_lock);
+    pthread_mutex_unlock(&now_lock);
+}
+
+static void copy_now_under_a_lock_callbacks_take(struct device *d)
+{
+    const size_t n = 300000;
+    char *a = malloc(n), *b = malloc(n), *q = malloc(n);
+    uint64_t off, qoff;
+    cr_assert(a && b && q);
+    test_fill_random(a, n, 15);
+    test_fill_random(q, n, 16);
+    cr_assert_eq(device_alloc(d, n, &off), 0);
+    cr_assert_eq(device_alloc(d, n, &qoff), 0);
+    pthread_mutex_lock(&now_lock);
+    struct device_copy c = {.dir = DEVICE_H2D, .dev_off = qoff, .host = q, .len = n, .cb = now_blocked_cb};
+    cr_assert_eq(device_copy_async(d, &c), 0);
+    cr_assert_eq(device_copy_now(d, DEVICE_H2D, off, a, n), 0);
+    memset(b, 0, n);
+    cr_assert_eq(device_copy_now(d, DEVICE_D2H, off + 7, b, n - 7), 0);
+    cr_assert(memcmp(b, a + 7, n - 7) == 0, "device_copy_now lost bytes");
+    cr_assert_eq(device_copy_now(d, DEVICE_D2H, off, NULL, 10), -EINVAL);
+    cr_assert_eq(device_copy_now(d, DEVICE_H2D, off, a, 0), -EINVAL);
+    cr_assert_eq(device_copy_now(d, DEVICE_H2D, off + 2 * MiB, a, 10), -EINVAL);
+    cr_assert_eq(device_copy_now(NULL, DEVICE_H2D, off, a, 10), -EINVAL);
+    pthread_mutex_unlock(&now_lock);
+    device_drain(d);
+    cr_assert_eq(device_copy_sync(d, DEVICE_D2H, qoff, b, n), 0);
+    cr_assert(memcmp(b, q, n) == 0, "the queued copy");
+    cr_assert_eq(device_free(d, off), 0);
+    cr_assert_eq(device_free(d, qoff), 0);
+    free(q);
+    free(b);
+    free(a);
+}
+
+Test(device, copy_now_under_a_lock_callbacks_take)
+{
+    struct device *d = open_emu(MiB);
+    copy_now_under_a_lock_callbacks_take(d);
+    device_close(d);
+}
+
 static void zero_ranges(struct device *d)
 {
     const size_t n = MiB;
@@ -927,5 +977,12 @@ Test(device_gpu, zero_copies_run_in_queue_order)
 {
     struct device *d = open_cuda(MiB);
     zero_copies_in_order(d);
+    device_close(d);
+}
+
+Test(device_gpu, copy_now_under_a_lock_callbacks_take)
+{
+    struct device *d = open_cuda(MiB);
+    copy_now_under_a_lock_callbacks_take(d);
     device_close(d);
 }

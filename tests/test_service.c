@@ -937,27 +937,61 @@ Test(service, a_fetched_set_is_released_through_the_table)
 #if ZINF_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-/* The daemon runs in a child process on a real GPU (a process cannot open its own IPC
- * handle); the CPU emulation of CUDA shares memory within one process only, so there it
- * runs in a thread. */
-Test(service, a_gpu_arena_is_opened_through_cuda_ipc)
+/* Asks whether a GPU is usable in a child process: a process that has called CUDA cannot
+ * fork a daemon that uses it. false, and why in pi->reason, when none is. */
+static bool gpu_probe(struct cuda_probe_info *pi)
+{
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        cuda_probe(pi);
+        _exit(write(fds[1], pi, sizeof(*pi)) == (ssize_t)sizeof(*pi) ? 0 : 1);
+    }
+    close(fds[1]);
+    cr_assert_eq(read(fds[0], pi, sizeof(*pi)), (ssize_t)sizeof(*pi), "the probe died");
+    close(fds[0]);
+    waitpid(pid, NULL, 0);
+    return pi->device_count > 0;
+}
+
+/* A daemon on a GPU arena of 8 MiB. On a real GPU it runs in a child process (a process
+ * cannot open its own IPC handle); the CPU emulation of CUDA shares memory within one
+ * process only, so there it runs in a thread (d). Returns the child, or -1. */
+static pid_t gpu_daemon(struct daemon *d, const char *job, zinf_engine **e)
 {
     struct cuda_probe_info pi;
-    if (cuda_probe(&pi) == 0) cr_skip_test("no usable GPU: %s", pi.reason);
-    bool emu = strstr(pi.name, "EMU") != NULL;
+    if (!gpu_probe(&pi)) cr_skip_test("no usable GPU: %s", pi.reason);
     FILE *f = fopen(cfg_path, "w");
     cr_assert_not_null(f);
     fprintf(f, "{\"zinf\": {\"device\": \"cuda\", \"device_bytes\": \"8M\", \"host_bytes\": \"4M\"}}");
     fclose(f);
-    struct daemon d;
-    pid_t pid = -1;
-    zinf_engine *e = NULL;
-    if (emu) {
-        daemon_start(&d);
-        e = connect_job("gpu");
-    } else {
-        pid = fork_daemon("gpu", &e);
+    if (strstr(pi.name, "EMU")) {
+        daemon_start(d);
+        *e = connect_job(job);
+        return -1;
     }
+    return fork_daemon(job, e);
+}
+
+static void gpu_daemon_stop(struct daemon *d, pid_t pid)
+{
+    if (pid < 0) {
+        daemon_stop(d);
+        return;
+    }
+    kill(pid, SIGTERM);
+    int status;
+    waitpid(pid, &status, 0);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the daemon: %#x", status);
+}
+
+Test(service, a_gpu_arena_is_opened_through_cuda_ipc)
+{
+    struct daemon d;
+    zinf_engine *e = NULL;
+    pid_t pid = gpu_daemon(&d, "gpu", &e);
     const size_t n = 1 << 20;
     zinf_tensor t = test_register(e, "t", n, ZINF_TIER_HOST);
     unsigned char *a = test_rand_buf(n, 31), *b = test_rand_buf(n, 32), *got = malloc(n);
@@ -976,14 +1010,53 @@ Test(service, a_gpu_arena_is_opened_through_cuda_ipc)
     free(b);
     free(got);
     zinf_close(e);
-    if (emu) {
-        daemon_stop(&d);
-    } else {
-        kill(pid, SIGTERM);
-        int status;
-        waitpid(pid, &status, 0);
-        cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the daemon: %#x", status);
+    gpu_daemon_stop(&d, pid);
+}
+
+/* A client that goes away holding a GPU copy that is its tensor's only newest content
+ * (a DIRTY release not yet written back, a DEVICE home) leaves it as last released: the
+ * daemon put back the image it took when the copy was pinned. The connection ends without
+ * a release or a flush, as when the process is killed. */
+Test(service, a_dead_clients_gpu_copy_is_put_back_as_released)
+{
+    struct daemon d;
+    zinf_engine *e = NULL;
+    pid_t pid = gpu_daemon(&d, "undo", &e);
+    const size_t n = 1 << 20;
+    zinf_tensor t = test_register(e, "t", n, ZINF_TIER_HOST);
+    zinf_tensor g = test_register(e, "g", n, ZINF_TIER_DEVICE);
+    unsigned char *a = test_rand_buf(n, 41), *b = test_rand_buf(n, 42), *ga = test_rand_buf(n, 43),
+                  *junk = test_rand_buf(n, 44);
+    cr_assert_eq(zinf_write(e, t, 0, a, n), 0);
+    cr_assert_eq(zinf_write(e, g, 0, ga, n), 0);
+    zinf_engine *c;
+    cr_assert_eq(zinf_connect(sock, "undo", &c), 0);
+    void *p, *q;
+    cr_assert_eq(zinf_fetch(c, t, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(cudaMemcpy(p, b, n, cudaMemcpyHostToDevice), cudaSuccess);
+    cr_assert_eq(zinf_release(c, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    /* Pinned again, released, and pinned once more (through the pin table, where the
+     * first pin opened its slot), then half-written. */
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(zinf_fetch(c, t, ZINF_TIER_DEVICE, &p), 0);
+        cr_assert_eq(zinf_fetch(c, g, ZINF_TIER_DEVICE, &q), 0);
+        if (i == 0) {
+            cr_assert_eq(zinf_release(c, t, ZINF_TIER_DEVICE, 0), 0);
+            cr_assert_eq(zinf_release(c, g, ZINF_TIER_DEVICE, 0), 0);
+        }
     }
+    cr_assert_eq(cudaMemcpy(p, junk, n / 2, cudaMemcpyHostToDevice), cudaSuccess);
+    cr_assert_eq(cudaMemcpy(q, junk, n / 2, cudaMemcpyHostToDevice), cudaSuccess);
+    client_close_unflushed((struct client *)c);
+    wait_pins_dropped(e);
+    test_expect_content(e, t, b, n, "a GPU copy with the only newest content, abandoned");
+    test_expect_content(e, g, ga, n, "a DEVICE home, abandoned");
+    free(a);
+    free(b);
+    free(ga);
+    free(junk);
+    zinf_close(e);
+    gpu_daemon_stop(&d, pid);
 }
 #endif
 

@@ -774,14 +774,8 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
                               .capacity_bytes = o.device_bytes,
                               .shared = params.shared};
     if ((r = device_open(&dop, &e->dev)) < 0) goto err;
-    /* The service's clients may die holding pins: undo images (undo.c), of copies in host
-     * memory (a CUDA arena's are not: a copy under the lock would wait for completions
-     * that take it). */
-    if (params.shared)
-        e->undo = 1u << ZINF_TIER_HOST |
-                  (device_shared(e->dev, &(int){0}, &(void *){NULL}, &(size_t){0}) == 0
-                       ? 1u << ZINF_TIER_DEVICE
-                       : 0);
+    /* The service's clients may die holding pins: undo images (undo.c). */
+    if (params.shared) e->undo = 1u << ZINF_TIER_HOST | 1u << ZINF_TIER_DEVICE;
 
     /* Twice the queue depth: a slot stays taken while its chunk is copied to the device,
      * and the drive should still see queue_depth reads meanwhile. */

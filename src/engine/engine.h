@@ -238,7 +238,7 @@ struct zinf_engine {
     struct engine_pinset *pinsets[ENGINE_MAX_PINSETS];
     unsigned npinsets;
     unsigned undo; /* tiers (bits) whose pinned copies that hold the only newest content
-                      keep undo images: those in host memory, when the engine is shared */
+                      keep undo images: both, when the engine is shared */
 
     /* async fetch tickets */
     struct ticket *tickets;

@@ -9,9 +9,10 @@
  * newest content is only in memory), the engine
  * keeps an image of it while it is pinned, and puts that back when the pin is abandoned.
  *
- * Only engines that serve other processes keep images (e->undo: the service's), of copies
- * in host memory (the host tier, an emulated device tier), copied with the lock held. An
- * image
+ * Only engines that serve other processes keep images (e->undo: the service's), in host
+ * memory, copied with the lock held: with memcpy from the host tier or an emulated device
+ * tier, with a synchronous copy of its own from a CUDA arena (device_copy_now: it waits for
+ * no other copy and no completion, which take the lock). An image
  * is kept while its copy is pinned or leased (a client may pin a leased copy again without
  * a message, so it must exist before the slot opens), and taken again when a DIRTY
  * release or zinf_write makes a new version of a copy that still needs one. So a tensor
@@ -45,14 +46,30 @@ void undo_free(struct copy *c)
     c->undo_version = 0;
 }
 
+/* Copies between a copy and its image, in direction dir (D2H: into the image). */
+static int image_copy(struct zinf_engine *e, struct tensor *t, int tier, enum device_dir dir)
+{
+    struct copy *c = &t->c[tier];
+    if (t->nbytes == 0) return 0;
+    if (tier == ZINF_TIER_DEVICE)
+        return device_copy_now(e->dev, dir, c->off, c->undo, t->nbytes);
+    if (dir == DEVICE_D2H)
+        memcpy(c->undo, c->ptr, t->nbytes);
+    else
+        memcpy(c->ptr, c->undo, t->nbytes);
+    return 0;
+}
+
 static int image_take(struct zinf_engine *e, struct tensor *t, int tier)
 {
     struct copy *c = &t->c[tier];
     if (c->undo && c->undo_version == t->version) return 0;
     if (!c->undo && !(c->undo = malloc(t->nbytes ? t->nbytes : 1))) return -ENOMEM;
-    /* Both tiers are host memory here (e->undo: the device is emulated), copied under
-     * the lock: a device copy would wait for completions that take it. */
-    memcpy(c->undo, c->ptr, t->nbytes);
+    int r = image_copy(e, t, tier, DEVICE_D2H);
+    if (r < 0) {
+        undo_free(c);
+        return r;
+    }
     c->undo_version = t->version;
     return 0;
 }
@@ -84,7 +101,13 @@ bool undo_restore(struct zinf_engine *e, struct tensor *t, int tier)
     if (!c->undo || c->undo_version != t->version || c->state != COPY_READY ||
         c->version != t->version)
         return false;
-    memcpy(c->ptr, c->undo, t->nbytes);
+    int r = image_copy(e, t, tier, DEVICE_H2D);
+    if (r < 0) {
+        log_warn("engine: tensor '%s': its undo image could not be put back (%s): what its "
+                 "dead client wrote stays",
+                 t->name, zinf_strerror(r));
+        return false;
+    }
     lease_publish(e);
     return true;
 }

@@ -86,6 +86,7 @@ struct device {
 
 #if ZINF_HAVE_CUDA
     cudaStream_t streams[2]; /* indexed by enum device_dir; NULL until created */
+    cudaStream_t now;        /* device_copy_now()'s; NULL until created */
     struct ticket tickets[CUDA_TICKETS];
     unsigned nevents; /* tickets[0, nevents) hold a created event */
     struct ticket *free_tickets;
@@ -429,10 +430,11 @@ static int cuda_open(struct device *d, const struct device_opts *o)
     }
     d->base = base;
     d->capacity_bytes = cap;
-    for (int i = 0; i < 2; i++) {
-        e = cudaStreamCreateWithFlags(&d->streams[i], cudaStreamNonBlocking);
+    for (int i = 0; i < 3; i++) {
+        cudaStream_t *s = i < 2 ? &d->streams[i] : &d->now;
+        e = cudaStreamCreateWithFlags(s, cudaStreamNonBlocking);
         if (e != cudaSuccess) {
-            d->streams[i] = NULL;
+            *s = NULL;
             r = cuda_errno(e, "cudaStreamCreateWithFlags");
             goto out;
         }
@@ -461,13 +463,14 @@ static void cuda_teardown(struct device *d)
 {
     int prev;
 
-    if (!d->base && !d->nevents && !d->streams[0] && !d->streams[1]) return;
+    if (!d->base && !d->nevents && !d->streams[0] && !d->streams[1] && !d->now) return;
     if (cuda_enter(d, &prev) < 0)
         return; /* the GPU is gone; the process is losing its context anyway */
     for (unsigned i = 0; i < d->nevents; i++)
         cudaEventDestroy(d->tickets[i].ev);
     for (int i = 0; i < 2; i++)
         if (d->streams[i]) cudaStreamDestroy(d->streams[i]);
+    if (d->now) cudaStreamDestroy(d->now);
     if (d->base) cudaFree(d->base);
     d->base = NULL;
     cuda_leave(d, prev);
@@ -486,6 +489,24 @@ static int cuda_zero(struct device *d, uint64_t off, size_t len)
         r = cuda_errno(e, "cudaMemsetAsync");
     else if ((e = cudaStreamSynchronize(d->streams[DEVICE_H2D])) != cudaSuccess)
         r = cuda_errno(e, "cudaStreamSynchronize after cudaMemsetAsync");
+    cuda_leave(d, prev);
+    return r;
+}
+
+static int cuda_copy_now(struct device *d, enum device_dir dir, uint64_t off, void *host,
+                         size_t len)
+{
+    cudaError_t e;
+    int prev, r = cuda_enter(d, &prev);
+
+    if (r < 0) return r;
+    char *dev = d->base + off;
+    e = dir == DEVICE_H2D ? cudaMemcpyAsync(dev, host, len, cudaMemcpyHostToDevice, d->now)
+                          : cudaMemcpyAsync(host, dev, len, cudaMemcpyDeviceToHost, d->now);
+    if (e != cudaSuccess)
+        r = cuda_errno(e, "cudaMemcpyAsync");
+    else if ((e = cudaStreamSynchronize(d->now)) != cudaSuccess)
+        r = cuda_errno(e, "cudaStreamSynchronize after cudaMemcpyAsync");
     cuda_leave(d, prev);
     return r;
 }
@@ -711,6 +732,21 @@ int device_copy_sync(struct device *d, enum device_dir dir, uint64_t dev_off, vo
 
     if (r < 0) return r;
     return completion_wait(&w);
+}
+
+int device_copy_now(struct device *d, enum device_dir dir, uint64_t dev_off, void *host,
+                    size_t len)
+{
+    if (!d || !host || (dir != DEVICE_H2D && dir != DEVICE_D2H) || !range_ok(d, dev_off, len))
+        return -EINVAL;
+    int r = 0;
+    bool cuda = d->cuda;
+#if ZINF_HAVE_CUDA
+    if (cuda) r = cuda_copy_now(d, dir, dev_off, host, len);
+#endif
+    if (!cuda && dir == DEVICE_H2D) memcpy(d->base + dev_off, host, len);
+    if (!cuda && dir == DEVICE_D2H) memcpy(host, d->base + dev_off, len);
+    return r;
 }
 
 int device_zero(struct device *d, uint64_t off, size_t len)

@@ -87,6 +87,12 @@ int device_copy_async(struct device *d, struct device_copy *c);
 /* Convenience: copy and wait. */
 int device_copy_sync(struct device *d, enum device_dir dir, uint64_t dev_off, void *host,
                      size_t len);
+/* Copy and wait, outside the queue: on a stream of its own (CUDA) or with memcpy
+ * (emulated), waiting for no other copy and for no callback, so a caller may hold a lock
+ * that callbacks take. Neither held (device_hold), faulted (device_fault_set) nor counted
+ * in the statistics. */
+int device_copy_now(struct device *d, enum device_dir dir, uint64_t dev_off, void *host,
+                    size_t len);
 /* Set [off, off+len) of the arena to zero bytes; synchronous. */
 int device_zero(struct device *d, uint64_t off, size_t len);
 /* Wait until no copy is in flight. */
