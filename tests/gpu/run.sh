@@ -64,8 +64,9 @@ step kernels 60 "$bin/test_kernels" --verbose
 step train_gpu 90 "$bin/test_train_gpu" --verbose
 step device_gpu 30 "$bin/test_device" --filter 'device_gpu/*' --verbose
 step host 30 "$bin/test_host" --verbose
-# The service's daemon (a child process) sharing a GPU arena with a client through CUDA IPC.
-step service_gpu 30 "$bin/test_service" --filter 'service/a_gpu_arena*' --verbose
+# The service's daemon (a child process) sharing a GPU arena with a client through CUDA IPC,
+# and putting back a GPU copy a client abandoned half-written.
+step service_gpu 60 "$bin/test_service" --filter 'service/*gpu*' --verbose
 step swapin 70 "$bin/swapin" --path "$swap/swapin" --device-kind "${device/cuda/auto}" --device-bytes 1G \
   --tensors 48 --tensor-size 64M --steps 4 --zinf "$bin/zinf" --json
 
