@@ -9,12 +9,16 @@
  * The embedded engine is opened from --config, the daemon is the one listening on
  * --connect, started from that config's twin (bench/service.sh writes both and starts it),
  * so both have the same budgets, IO settings and drive. Embedded and daemon runs alternate, ROUNDS
- * times. Every row says whether the bytes read back were right.
+ * times; in swap-in rounds the order flips every round (so a drift of the drive over time
+ * falls on both sides), and the summary gives the median of the per-round ratios with a
+ * distribution-free interval for it (about 95%). Every row says whether the bytes read
+ * back were right.
  *
  * Only zinf.h is used. Not a contention test: one thread, one client.
  */
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -37,6 +41,7 @@
 struct opts {
     const char *config, *socket;
     int rounds, pairs, tensors, steps;
+    bool swapin_only;
     uint64_t size;
 };
 
@@ -48,12 +53,21 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-static double median(const double *v, int n)
+#define MAX_ROUNDS 256
+
+/* The k-th smallest of v (0-based), v left as it was. */
+static double order_stat(const double *v, int n, int k)
 {
-    double s[64];
+    double s[MAX_ROUNDS];
     memcpy(s, v, sizeof(*v) * (size_t)n);
     qsort(s, (size_t)n, sizeof(*s), cmp_double);
-    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
+    return s[k < 0 ? 0 : k >= n ? n - 1 : k];
+}
+
+static double median(const double *v, int n)
+{
+    return n % 2 ? order_stat(v, n, n / 2)
+                 : (order_stat(v, n, n / 2 - 1) + order_stat(v, n, n / 2)) / 2;
 }
 
 static int cmp_u64(const void *a, const void *b)
@@ -121,6 +135,8 @@ static double swapin(const struct opts *o, bool remote, bool *ok)
     zinf_engine *e = open_one(o, remote, "bench-swapin");
     zinf_tensor *ts = calloc((size_t)o->tensors, sizeof(*ts));
     char name[32];
+    uint64_t *buf = calloc(1, o->size);
+    if (!buf) CHECK(-ENOMEM);
     *ok = true;
     for (int i = 0; i < o->tensors; i++) {
         snprintf(name, sizeof(name), "s%d", i);
@@ -129,13 +145,12 @@ static double swapin(const struct opts *o, bool remote, bool *ok)
          * sides read what they have just written. */
         if (zinf_lookup(e, name, &ts[i]) != 0)
             CHECK(zinf_register(e, name, o->size, ZINF_TIER_NVME, &ts[i]));
-        uint64_t key[PAGE_BYTES / 8];
-        for (uint64_t pg = 0; pg < o->size / PAGE_BYTES; pg++) {
+        for (uint64_t pg = 0; pg < o->size / PAGE_BYTES; pg++)
             for (size_t j = 0; j < PAGE_BYTES / 8; j++)
-                key[j] = page_key((uint64_t)i, pg) + j;
-            CHECK(zinf_write(e, ts[i], pg * PAGE_BYTES, key, PAGE_BYTES));
-        }
+                buf[pg * (PAGE_BYTES / 8) + j] = page_key((uint64_t)i, pg) + j;
+        CHECK(zinf_write(e, ts[i], 0, buf, o->size));
     }
+    free(buf);
     CHECK(zinf_flush(e));
     uint64_t bytes = 0, ns = 0;
     for (int s = 0; s < o->steps; s++) {
@@ -163,7 +178,7 @@ static double swapin(const struct opts *o, bool remote, bool *ok)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: service --config FILE --connect SOCKET [--rounds 3] [--pairs 20000]\n"
-               "               [--tensors 24] [--tensor-size 16M] [--steps 4]\n"
+               "               [--tensors 24] [--tensor-size 16M] [--steps 4] [--swapin-only]\n"
                "The same work embedded (an engine from FILE) and through the daemon on SOCKET\n"
                "(started from FILE: bench/service.sh), alternating, with their ratio.\n");
 }
@@ -178,6 +193,7 @@ int main(int argc, char **argv)
                                              {"tensors", required_argument, NULL, 't'},
                                              {"tensor-size", required_argument, NULL, 'z'},
                                              {"steps", required_argument, NULL, 'n'},
+                                             {"swapin-only", no_argument, NULL, 'w'},
                                              {"help", no_argument, NULL, 'h'},
                                              {NULL, 0, NULL, 0}};
     int ch;
@@ -201,6 +217,9 @@ int main(int argc, char **argv)
         case 'n':
             o.steps = atoi(optarg);
             break;
+        case 'w':
+            o.swapin_only = true;
+            break;
         case 'z':
             if (parse_size(optarg, &o.size) < 0 || o.size < PAGE_BYTES) {
                 fprintf(stderr, "service: --tensor-size %s: a size of at least 4K\n", optarg);
@@ -215,10 +234,12 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    if (!o.config || !o.socket || o.rounds < 1 || o.pairs < 100 || o.tensors < 1 || o.steps < 2) {
+    if (!o.config || !o.socket || o.rounds < 1 || o.rounds > MAX_ROUNDS || o.pairs < 100 ||
+        o.tensors < 1 || o.steps < 2) {
         usage(stderr);
         return 2;
     }
+    setvbuf(stdout, NULL, _IOLBF, 0); /* rows as they come, into a file too */
     printf("# zinf %s: embedded (%s) against the daemon on %s, %d rounds alternating\n",
            zinf_version(), o.config, o.socket, o.rounds);
     printf("# hit: %d fetch+release pairs of a resident 1 MiB tensor per round, one clock read "
@@ -228,9 +249,9 @@ int main(int argc, char **argv)
     printf("# %-12s %5s %14s %14s %8s %8s\n", "row", "round", "embedded", "daemon", "ratio",
            "verified");
     bool all_ok = true;
-    double hm[2][2][64], hp[2][2][64], sw[2][64];
-    for (int r = 0; r < o.rounds && r < 64; r++) {
-        for (int tier = 0; tier < 2; tier++) {
+    static double hm[2][2][MAX_ROUNDS], hp[2][2][MAX_ROUNDS], sw[2][MAX_ROUNDS], ratio[MAX_ROUNDS];
+    for (int r = 0; r < o.rounds; r++) {
+        for (int tier = 0; tier < 2 && !o.swapin_only; tier++) {
             uint64_t t[2][2];
             bool ok[2];
             for (int remote = 0; remote < 2; remote++)
@@ -250,16 +271,19 @@ int main(int argc, char **argv)
         }
         bool ok[2];
         double g[2];
-        for (int remote = 0; remote < 2; remote++)
+        for (int k = 0; k < 2; k++) {
+            int remote = (r + k) % 2; /* embedded first in odd rounds, the daemon in even */
             g[remote] = swapin(&o, remote, &ok[remote]);
+        }
         printf("  %-16s %5d %10.3f GB/s %9.3f GB/s %8.3f %8s\n", "swapin", r + 1, g[0], g[1],
                g[1] / g[0], ok[0] && ok[1] ? "yes" : "NO");
         sw[0][r] = g[0];
         sw[1][r] = g[1];
+        ratio[r] = g[1] / g[0];
         all_ok &= ok[0] && ok[1];
     }
-    int n = o.rounds < 64 ? o.rounds : 64;
-    for (int tier = 0; tier < 2; tier++)
+    int n = o.rounds;
+    for (int tier = 0; tier < 2 && !o.swapin_only; tier++)
         printf("# hit %-6s medians over rounds: embedded p50 %.0f ns, p99 %.0f ns; daemon p50 "
                "%.0f ns, p99 %.0f ns\n",
                tier ? "host" : "device", median(hm[tier][0], n), median(hp[tier][0], n),
@@ -267,6 +291,15 @@ int main(int argc, char **argv)
     double se = median(sw[0], n), sd = median(sw[1], n);
     printf("# swapin medians over rounds: embedded %.3f GB/s, daemon %.3f GB/s, ratio %.3f\n", se,
            sd, sd / se);
+    /* The median's interval from order statistics: ranks n/2 -+ 0.98 sqrt(n) (the normal
+     * approximation of the binomial), about 95% whatever the distribution of the ratios. */
+    double half = 0.98 * sqrt((double)n);
+    int lo = (int)floor((double)n / 2 - half), hi = (int)ceil((double)n / 2 + half);
+    printf("# swapin per-round ratio daemon/embedded over %d rounds: median %.3f, quartiles "
+           "%.3f-%.3f, ~95%% interval of the median %.3f-%.3f%s\n",
+           n, median(ratio, n), order_stat(ratio, n, n / 4), order_stat(ratio, n, 3 * n / 4),
+           order_stat(ratio, n, lo), order_stat(ratio, n, hi),
+           n < 10 ? " (too few rounds for an interval)" : "");
     printf("# %s\n", all_ok ? "all rows verified" : "SOME ROWS FAILED VERIFICATION");
     return all_ok ? 0 : 1;
 }

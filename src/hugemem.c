@@ -3,6 +3,8 @@
  */
 #include <errno.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -34,6 +36,20 @@ void *hugemem_map(size_t bytes, bool huge, bool *huge_ok, int *err)
     int r = madvise(base, len, MADV_HUGEPAGE);
     if (huge_ok) *huge_ok = r == 0;
     return base;
+}
+
+/* Does the kernel back shared memory advised MADV_HUGEPAGE with huge pages? Only where
+ * transparent huge pages for shmem are "always", "within_size", "advise" or "force". */
+static bool shmem_huge_advised(void)
+{
+    char buf[128];
+    FILE *f = fopen("/sys/kernel/mm/transparent_hugepage/shmem_enabled", "re");
+    if (!f) return false;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *sel = strchr(buf, '[');
+    return sel && strncmp(sel, "[never]", 7) != 0 && strncmp(sel, "[deny]", 6) != 0;
 }
 
 void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_ok, int *fd,
@@ -76,7 +92,7 @@ void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_o
     if (p + span > base + len) munmap(base + len, (size_t)(p + span - (base + len)));
     if (huge) {
         int r = madvise(base, len, MADV_HUGEPAGE);
-        if (huge_ok) *huge_ok = r == 0;
+        if (huge_ok) *huge_ok = r == 0 && shmem_huge_advised();
     }
     *fd = f;
     return base;

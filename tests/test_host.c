@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -408,6 +409,79 @@ Test(host, close_unregisters_from_io)
         cr_assert_eq(host_open(&o, &h), 0);
         host_get_stats(h, &st);
         cr_assert(st.io_registered, "open %d", i);
+        host_close(h);
+    }
+    uring_close(u);
+}
+
+/* The name of the mapping p lies in, from /proc/self/maps ("" for an anonymous one). */
+static void mapping_name(const void *p, char *name, size_t len)
+{
+    FILE *f = fopen("/proc/self/maps", "re");
+    char line[512];
+    cr_assert_not_null(f);
+    name[0] = 0;
+    while (fgets(line, sizeof(line), f)) {
+        unsigned long lo, hi;
+        int at = 0;
+        if (sscanf(line, "%lx-%lx %*s %*s %*s %*s %n", &lo, &hi, &at) < 2) continue;
+        if ((uintptr_t)p < lo || (uintptr_t)p >= hi) continue;
+        snprintf(name, len, "%s", line + at);
+        name[strcspn(name, "\n")] = 0;
+        break;
+    }
+    fclose(f);
+}
+
+/* A shared tier hands its clients the budget only: the staging area, where swap-in reads
+ * land, is a private anonymous mapping of its own (huge pages, where the kernel gives
+ * them), and both mappings are io_uring fixed buffers. */
+Test(host, shared_budget_and_private_staging)
+{
+    struct uring *u = open_io(URING_BACKEND_AUTO);
+    struct uring_stats us;
+    uring_get_stats(u, &us);
+    for (int i = 0; i < 40; i++) { /* each close gives both regions back */
+        struct host_opts o = {.capacity_bytes = CAP, .staging_bytes = 2 * MiB, .numa_node = -1,
+                              .io = u, .shared = true};
+        struct host *h = NULL;
+        cr_assert_eq(host_open(&o, &h), 0);
+        int fd;
+        void *base;
+        size_t bytes;
+        cr_assert_eq(host_shared(h, &fd, &base, &bytes), 0);
+        cr_assert_eq(bytes, CAP, "the shared span is the budget only");
+        cr_assert_eq(base, host_ptr(h, 0));
+        struct stat sb;
+        cr_assert_eq(fstat(fd, &sb), 0);
+        cr_assert_eq((size_t)sb.st_size, CAP);
+        char *stg = host_staging(h), name[256];
+        cr_assert_not_null(stg);
+        cr_assert(stg + 2 * MiB <= (char *)base || stg >= (char *)base + CAP);
+        mapping_name(base, name, sizeof(name));
+        cr_assert(strstr(name, "zinf-host") != NULL, "the budget's mapping: '%s'", name);
+        mapping_name(stg, name, sizeof(name));
+        cr_assert_str_eq(name, "", "the staging area is anonymous");
+        struct host_stats st;
+        host_get_stats(h, &st);
+        cr_assert_eq(st.staging_bytes, 2 * MiB);
+        if (us.fixed_buffers) cr_assert(st.io_registered, "open %d: both spans registered", i);
+        if (i == 0) {
+            /* IO into the staging area and into the budget, through fixed buffers. */
+            char *dir = test_tmpdir("host-shared"), path[4096];
+            snprintf(path, sizeof(path), "%s/host.dat", dir);
+            int f = uring_file_open(u, path, O_RDWR | O_CREAT, 0644);
+            cr_assert_geq(f, 0, "uring_file_open: %s", strerror(-f));
+            uint64_t off;
+            cr_assert_eq(host_alloc(h, MiB, &off), 0);
+            test_fill_random(stg, MiB, 7);
+            cr_assert_eq(uring_rw(u, URING_WRITE, f, stg, MiB, 0), 0);
+            cr_assert_eq(uring_rw(u, URING_READ, f, host_ptr(h, off), MiB, 0), 0);
+            cr_assert(memcmp(stg, host_ptr(h, off), MiB) == 0);
+            cr_assert_eq(host_free(h, off), 0);
+            cr_assert_eq(uring_file_close(u, f), 0);
+            test_rmtree(dir);
+        }
         host_close(h);
     }
     uring_close(u);

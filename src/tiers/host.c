@@ -2,8 +2,12 @@
  * host.c - the pinned host tier behind host.h.
  *
  * One anonymous mapping holds the budget [0, capacity) and, right after it, the staging
- * area. It is built in this order, and host_close() undoes it in reverse, from whatever
- * point a failed host_open() reached:
+ * area. A shared tier (the service's) maps its budget from a memfd, for its clients, and
+ * its staging area apart, anonymous and private: the kernel rarely backs shared memory
+ * with huge pages (transparent huge pages for shmem are off by default), and the staging
+ * area is where every NVMe read of a swap-in lands. Each mapping (span) is built in this
+ * order, and host_close() undoes it in reverse, from whatever point a failed host_open()
+ * reached:
  *   1. mmap, 2 MiB aligned and advised to use transparent huge pages (hugemem.h: whole
  *      IO requests then reach the drive as one or two segments and merge);
  *   2. NUMA placement: mbind(MPOL_PREFERRED) before the first touch, so pages come from
@@ -11,7 +15,7 @@
  *      than waking the OOM killer for a placement that is only a speed-up;
  *   3. mlock (pin=true), which also faults every page in, on the node chosen above;
  *   4. cudaHostRegister through the device tier, when that tier is CUDA;
- *   5. io_uring fixed-buffer registration of the whole mapping, staging included.
+ *   5. io_uring fixed-buffer registration of the whole mapping.
  * Only mlock is allowed to fail the open (that is what pinning promises); a placement,
  * CUDA or io_uring registration that does not work costs speed, not correctness, so it is
  * said once and the tier runs without it.
@@ -40,15 +44,24 @@
 
 #define PLACE_SAMPLES 64 /* pages checked after locking to see where the arena landed */
 
+/* A mapping of the tier and what was done to it. */
+struct span {
+    char *p; /* NULL until mapped */
+    size_t len;
+    bool huge; /* the kernel took MADV_HUGEPAGE for it */
+    bool locked, cuda_registered;
+    int io_region; /* -1: not registered */
+};
+
 struct host {
     struct uring *io;
     struct device *dev;
-    char *base; /* NULL until mapped */
+    char *base; /* the budget: span[0].p */
+    char *staging;
     size_t capacity_bytes, staging_bytes, total_bytes;
     int numa_node; /* where the arena lives, -1 unknown */
-    bool locked, cuda_registered;
-    bool huge_pages; /* the kernel took MADV_HUGEPAGE for the arena */
-    int io_region;   /* -1: not registered */
+    struct span span[2];
+    unsigned nspans; /* 1, or 2: a shared budget and the staging area apart */
     int fd;          /* the memfd of a shared arena, else -1 */
 
     pthread_mutex_t lock; /* ext */
@@ -63,7 +76,7 @@ static const char *limit_str(rlim_t v, char *buf, size_t len)
 }
 
 /* Step 2: ask for pages from node; say so and carry on when that cannot be done. */
-static void place(struct host *h, int node)
+static void place(struct host *h, const struct span *sp, int node)
 {
     struct bitmask *bm;
 
@@ -84,7 +97,7 @@ static void place(struct host *h, int node)
     }
     numa_bitmask_setbit(bm, (unsigned)node);
     /* The kernel wants one more than the number of bits (libnuma passes size + 1 too). */
-    if (mbind(h->base, h->total_bytes, MPOL_PREFERRED, bm->maskp, bm->size + 1, 0) != 0)
+    if (mbind(sp->p, sp->len, MPOL_PREFERRED, bm->maskp, bm->size + 1, 0) != 0)
         log_notice("cannot place the host arena on NUMA node %d (mbind: %s): it stays "
                    "where the kernel puts it",
                    node, strerror(errno));
@@ -96,16 +109,16 @@ static void place(struct host *h, int node)
 /* After locking, every page exists: check a sample of them against the preferred node,
  * since a node short of free memory gives pages from elsewhere. Pages not present (a
  * sanitizer's mlock does not fault them in) say nothing and are left out. */
-static void check_placement(struct host *h)
+static void check_placement(struct host *h, const struct span *sp)
 {
     void *pages[PLACE_SAMPLES];
     int status[PLACE_SAMPLES];
-    size_t npages = h->total_bytes / ZINF_ALIGN;
+    size_t npages = sp->len / ZINF_ALIGN;
     unsigned n = (unsigned)MIN((size_t)PLACE_SAMPLES, npages), present = 0, here = 0;
     int other = -1;
 
     for (unsigned i = 0; i < n; i++)
-        pages[i] = h->base + (npages * i / n) * ZINF_ALIGN;
+        pages[i] = sp->p + (npages * i / n) * ZINF_ALIGN;
     if (move_pages(0, n, pages, NULL, status, 0) != 0) return;
     for (unsigned i = 0; i < n; i++) {
         if (status[i] < 0) continue;
@@ -126,18 +139,18 @@ static void check_placement(struct host *h)
 }
 
 /* Step 3. Returns 0 or -errno after one error line. */
-static int lock_arena(struct host *h)
+static int lock_arena(struct span *sp)
 {
     char sz[32], soft[32], hard[32];
     struct rlimit rl = {0, 0};
     int e;
 
-    if (mlock(h->base, h->total_bytes) == 0) {
-        h->locked = true;
+    if (mlock(sp->p, sp->len) == 0) {
+        sp->locked = true;
         return 0;
     }
     e = errno;
-    format_size(h->total_bytes, sz, sizeof(sz));
+    format_size(sp->len, sz, sizeof(sz));
     if (e != ENOMEM && e != EPERM) {
         log_error("cannot lock the %s host arena in memory (mlock: %s)", sz, strerror(e));
         return -e;
@@ -153,16 +166,16 @@ static int lock_arena(struct host *h)
 }
 
 /* Step 4: only a CUDA device tier page-locks for the driver. */
-static void cuda_register(struct host *h)
+static void cuda_register(struct host *h, struct span *sp)
 {
     struct device_stats ds;
     int r;
 
     device_get_stats(h->dev, &ds);
     if (!ds.cuda) return;
-    r = device_host_register(h->dev, h->base, h->total_bytes);
+    r = device_host_register(h->dev, sp->p, sp->len);
     if (r == 0)
-        h->cuda_registered = true;
+        sp->cuda_registered = true;
     else
         log_warn("cudaHostRegister of the host arena failed (%s): host<->device copies "
                  "will be slower",
@@ -170,12 +183,12 @@ static void cuda_register(struct host *h)
 }
 
 /* Step 5. -ENOTSUP (a backend without fixed buffers) is expected and left to stats. */
-static void io_register(struct host *h)
+static void io_register(struct host *h, struct span *sp)
 {
-    int r = uring_buf_register(h->io, h->base, h->total_bytes);
+    int r = uring_buf_register(h->io, sp->p, sp->len);
 
     if (r >= 0)
-        h->io_region = r;
+        sp->io_region = r;
     else if (r != -ENOTSUP)
         log_notice("cannot register the host arena as io_uring fixed buffers (%s): IO "
                    "runs without them",
@@ -186,7 +199,6 @@ int host_open(const struct host_opts *o, struct host **out)
 {
     struct host *h;
     size_t cap, stg;
-    void *p;
     int ret;
 
     if (!out) return -EINVAL;
@@ -206,34 +218,47 @@ int host_open(const struct host_opts *o, struct host **out)
     h->staging_bytes = stg;
     h->total_bytes = cap + stg;
     h->numa_node = -1;
-    h->io_region = -1;
+    h->span[0].io_region = h->span[1].io_region = -1;
     h->fd = -1;
     pthread_mutex_init(&h->lock, NULL);
     ret = extent_init(&h->ext, cap, ZINF_ALIGN);
     if (ret) goto err;
 
-    p = o->shared ? hugemem_map_shared(h->total_bytes, !o->no_huge_pages, "zinf-host",
-                                       &h->huge_pages, &h->fd, &ret)
-                  : hugemem_map(h->total_bytes, !o->no_huge_pages, &h->huge_pages, &ret);
-    if (!p) {
-        char sz[32];
-        log_error("cannot map the %s host arena: %s", format_size(h->total_bytes, sz, sizeof(sz)),
-                  strerror(-ret));
-        goto err;
+    /* The spans: the whole tier, or a shared budget and a private staging area. */
+    bool apart = o->shared && stg > 0;
+    h->nspans = apart ? 2 : 1;
+    h->span[0].len = apart ? cap : h->total_bytes;
+    h->span[1].len = apart ? stg : 0;
+    for (unsigned i = 0; i < h->nspans; i++) {
+        struct span *sp = &h->span[i];
+        sp->p = o->shared && i == 0
+                    ? hugemem_map_shared(sp->len, !o->no_huge_pages, "zinf-host", &sp->huge, &h->fd, &ret)
+                    : hugemem_map(sp->len, !o->no_huge_pages, &sp->huge, &ret);
+        if (!sp->p) {
+            char sz[32];
+            log_error("cannot map the %s host %s: %s", format_size(sp->len, sz, sizeof(sz)),
+                      i ? "staging area" : "arena", strerror(-ret));
+            goto err;
+        }
     }
-    h->base = p;
-    if (o->numa_node >= 0) place(h, o->numa_node);
+    h->base = h->span[0].p;
+    h->staging = apart ? h->span[1].p : h->base + cap;
+    for (unsigned i = 0; i < h->nspans && o->numa_node >= 0; i++)
+        place(h, &h->span[i], o->numa_node);
 
     if (o->pin) {
-        ret = lock_arena(h);
-        if (ret) goto err;
-        if (h->numa_node >= 0) check_placement(h);
-        if (h->dev) cuda_register(h);
+        for (unsigned i = 0; i < h->nspans; i++) {
+            ret = lock_arena(&h->span[i]);
+            if (ret) goto err;
+            if (h->numa_node >= 0) check_placement(h, &h->span[i]);
+            if (h->dev) cuda_register(h, &h->span[i]);
+        }
     } else {
         log_notice("the host tier runs unpinned (pin_memory is false): its memory is not "
                    "locked, so transfers are slower and pages may be swapped out");
     }
-    if (h->io) io_register(h);
+    for (unsigned i = 0; i < h->nspans && h->io; i++)
+        io_register(h, &h->span[i]);
     *out = h;
     return 0;
 
@@ -245,10 +270,13 @@ err:
 void host_close(struct host *h)
 {
     if (!h) return;
-    if (h->io_region >= 0) uring_buf_unregister(h->io, h->io_region);
-    if (h->cuda_registered) device_host_unregister(h->dev, h->base);
-    if (h->locked) munlock(h->base, h->total_bytes);
-    hugemem_unmap(h->base, h->total_bytes);
+    for (unsigned i = 2; i-- > 0;) {
+        struct span *sp = &h->span[i];
+        if (sp->io_region >= 0) uring_buf_unregister(h->io, sp->io_region);
+        if (sp->cuda_registered) device_host_unregister(h->dev, sp->p);
+        if (sp->locked) munlock(sp->p, sp->len);
+        hugemem_unmap(sp->p, sp->len);
+    }
     if (h->fd >= 0) close(h->fd);
     extent_fini(&h->ext);
     pthread_mutex_destroy(&h->lock);
@@ -295,7 +323,7 @@ void *host_ptr(struct host *h, uint64_t off)
 void *host_staging(struct host *h)
 {
     if (!h || !h->staging_bytes) return NULL;
-    return h->base + h->capacity_bytes;
+    return h->staging;
 }
 
 void host_get_stats(struct host *h, struct host_stats *out)
@@ -310,10 +338,14 @@ void host_get_stats(struct host *h, struct host_stats *out)
     out->capacity_bytes = h->capacity_bytes;
     out->used_bytes = es.used_bytes;
     out->staging_bytes = h->staging_bytes;
-    out->pinned = h->locked;
-    out->cuda_registered = h->cuda_registered;
-    out->io_registered = h->io_region >= 0;
-    out->huge_pages = h->huge_pages;
+    /* Each says whether every span has it. */
+    out->pinned = out->cuda_registered = out->io_registered = out->huge_pages = true;
+    for (unsigned i = 0; i < h->nspans; i++) {
+        out->pinned &= h->span[i].locked;
+        out->cuda_registered &= h->span[i].cuda_registered;
+        out->io_registered &= h->span[i].io_region >= 0;
+        out->huge_pages &= h->span[i].huge;
+    }
     out->numa_node = h->numa_node;
 }
 
@@ -322,6 +354,6 @@ int host_shared(struct host *h, int *fd, void **base, size_t *bytes)
     if (!h || h->fd < 0) return -ENOTSUP;
     *fd = h->fd;
     *base = h->base;
-    *bytes = h->total_bytes;
+    *bytes = h->span[0].len;
     return 0;
 }

@@ -54,8 +54,9 @@ void *host_ptr(struct host *h, uint64_t off);
 void *host_staging(struct host *h);
 
 void host_get_stats(struct host *h, struct host_stats *out);
-/* A shared arena (host_opts.shared): its memfd (owned by the tier), base and size in bytes,
- * the staging area included. -ENOTSUP for an arena that is not shared. */
+/* A shared arena (host_opts.shared): its memfd (owned by the tier), base and size in bytes:
+ * the budget only (the staging area is a private mapping of its own). -ENOTSUP for an
+ * arena that is not shared. */
 int host_shared(struct host *h, int *fd, void **base, size_t *bytes);
 
 #endif
