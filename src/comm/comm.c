@@ -1,0 +1,343 @@
+/*
+ * comm.c - the communicator of comm.h: options and requests checked, a queue of requests
+ * run in order by one worker thread per communicator, the self backend, and dispatch to
+ * the shm (shm.c) and nccl (nccl.c) backends.
+ *
+ * One worker per communicator keeps the order every rank must agree on (requests run as
+ * submitted) and lets the submitter go on meanwhile; the backends' operations are
+ * synchronous inside it.
+ *
+ * Not here: the segment and the collectives' data movement (shm.c), NCCL calls (nccl.c).
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/comm.h"
+#include "comm/nccl.h"
+#include "comm/shm.h"
+#include "common.h"
+
+struct comm {
+    struct comm_opts o;
+    char name[COMM_NAME_BYTES];
+    struct shm *shm;   /* shm and nccl: the rendezvous segment */
+    struct nccl *nccl; /* nccl */
+
+    pthread_mutex_t lock; /* everything below */
+    pthread_cond_t work_cv, idle_cv;
+    struct comm_req *head, *tail;
+    unsigned inflight; /* queued or running */
+    bool closing, failed;
+    struct comm_stats st;
+    pthread_t worker;
+    bool worker_up;
+};
+
+const char *comm_backend_name(enum comm_backend b)
+{
+    switch (b) {
+    case COMM_SELF:
+        return "self";
+    case COMM_SHM:
+        return "shm";
+    case COMM_NCCL:
+        return "nccl";
+    }
+    return "unknown";
+}
+
+size_t comm_dtype_bytes(enum comm_dtype dt)
+{
+    switch (dt) {
+    case COMM_BYTE:
+        return 1;
+    case COMM_F32:
+        return 4;
+    }
+    return 0;
+}
+
+static int self_run(const struct comm_req *q)
+{
+    size_t bytes = q->count * comm_dtype_bytes(q->dtype);
+    switch (q->op) {
+    case COMM_ALLGATHER:
+    case COMM_REDUCE_SCATTER:
+    case COMM_ALLREDUCE:
+        if (q->recv != q->send) memmove(q->recv, q->send, bytes);
+        return 0;
+    case COMM_BROADCAST:
+    case COMM_BARRIER:
+        return 0;
+    }
+    return -EINVAL;
+}
+
+/* What each rank sends and receives of a request, in bytes. */
+static void req_bytes(const struct comm *c, const struct comm_req *q, uint64_t *in, uint64_t *out)
+{
+    uint64_t b = (uint64_t)q->count * comm_dtype_bytes(q->dtype), w = (uint64_t)c->o.world;
+    *in = *out = 0;
+    switch (q->op) {
+    case COMM_ALLGATHER:
+        *in = b, *out = b * w;
+        return;
+    case COMM_REDUCE_SCATTER:
+        *in = b * w, *out = b;
+        return;
+    case COMM_ALLREDUCE:
+        *in = *out = b;
+        return;
+    case COMM_BROADCAST:
+        *in = c->o.rank == q->root ? b : 0, *out = c->o.rank == q->root ? 0 : b;
+        return;
+    case COMM_BARRIER:
+        *in = *out = 0;
+        return;
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    struct comm *c = arg;
+    if (c->nccl) nccl_bind_thread(c->nccl);
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        while (!c->head && !c->closing)
+            pthread_cond_wait(&c->work_cv, &c->lock);
+        if (!c->head) break;
+        struct comm_req *q = c->head;
+        c->head = q->next_;
+        if (!c->head) c->tail = NULL;
+        bool was_failed = c->failed;
+        pthread_mutex_unlock(&c->lock);
+
+        int r = -ECONNABORTED;
+        if (!was_failed) {
+            switch (c->o.backend) {
+            case COMM_SELF:
+                r = self_run(q);
+                break;
+            case COMM_SHM:
+                r = shm_run(c->shm, q);
+                break;
+            case COMM_NCCL:
+                r = nccl_run(c->nccl, c->shm, q);
+                break;
+            }
+            /* A rank whose operation failed fails the communicator for every rank: the
+             * others would wait for it forever. */
+            if (r < 0 && c->shm) {
+                char why[128];
+                snprintf(why, sizeof(why), "rank %d failed an operation: %s", c->o.rank,
+                         zinf_strerror(r));
+                shm_fail(c->shm, why);
+            }
+        }
+
+        pthread_mutex_lock(&c->lock);
+        if (r < 0) {
+            c->failed = true;
+        } else {
+            uint64_t in, out;
+            req_bytes(c, q, &in, &out);
+            c->st.ops++;
+            c->st.bytes_in += in;
+            c->st.bytes_out += out;
+        }
+        pthread_mutex_unlock(&c->lock);
+        q->cb(q, r); /* the request is its owner's again from here */
+        pthread_mutex_lock(&c->lock);
+        if (--c->inflight == 0) pthread_cond_broadcast(&c->idle_cv);
+    }
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
+int comm_open(const struct comm_opts *o, struct comm **out)
+{
+    if (!out) return -EINVAL;
+    *out = NULL;
+    if (!o) return -EINVAL;
+    if (o->world < 1 || o->world > COMM_MAX_RANKS) {
+        log_error("comm: a world of %d ranks (1-%d)", o->world, COMM_MAX_RANKS);
+        return -EINVAL;
+    }
+    if (o->rank < 0 || o->rank >= o->world) {
+        log_error("comm: rank %d is not in a world of %d", o->rank, o->world);
+        return -EINVAL;
+    }
+    if (o->backend != COMM_SELF && o->backend != COMM_SHM && o->backend != COMM_NCCL) {
+        log_error("comm: unknown backend %d", (int)o->backend);
+        return -EINVAL;
+    }
+    if (o->backend == COMM_SELF && o->world != 1) {
+        log_error("comm: the self backend has one rank, not %d", o->world);
+        return -EINVAL;
+    }
+    if (o->backend != COMM_SELF && (!o->name || strlen(o->name) >= COMM_NAME_BYTES)) {
+        log_error("comm: the rendezvous name '%.*s%s' is not 1-%d characters", 40,
+                  o->name ? o->name : "(null)", o->name && strlen(o->name) > 40 ? "..." : "",
+                  COMM_NAME_BYTES - 1);
+        return -EINVAL;
+    }
+    if (o->backend == COMM_NCCL && !nccl_built()) {
+        log_error("comm: this build has no NCCL (libnccl or nccl.h was not found when it was "
+                  "built)");
+        return -ENOTSUP;
+    }
+    struct comm *c = calloc(1, sizeof(*c));
+    if (!c) return -ENOMEM;
+    c->o = *o;
+    snprintf(c->name, sizeof(c->name), "%s", o->name ? o->name : "");
+    c->o.name = c->name;
+    c->st.backend = o->backend;
+    c->st.rank = o->rank;
+    c->st.world = o->world;
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->work_cv, NULL);
+    pthread_cond_init(&c->idle_cv, NULL);
+    int r = 0;
+    if (o->backend == COMM_SHM) {
+        r = shm_rdv_open(&c->o, true, NULL, &c->shm);
+    } else if (o->backend == COMM_NCCL) {
+        uint8_t id[SHM_ID_BYTES] = {0};
+        if (o->rank == 0) r = nccl_unique_id(id);
+        if (r == 0) r = shm_rdv_open(&c->o, false, id, &c->shm);
+        if (r == 0) r = nccl_open(&c->o, id, &c->nccl);
+    }
+    if (r == 0) {
+        r = -pthread_create(&c->worker, NULL, worker_main, c);
+        c->worker_up = r == 0;
+    }
+    if (r < 0) {
+        if (c->shm) shm_fail(c->shm, "a rank could not open the communicator");
+        comm_close(c);
+        return r;
+    }
+    *out = c;
+    return 0;
+}
+
+void comm_close(struct comm *c)
+{
+    if (!c) return;
+    pthread_mutex_lock(&c->lock);
+    while (c->inflight)
+        pthread_cond_wait(&c->idle_cv, &c->lock);
+    c->closing = true;
+    pthread_cond_broadcast(&c->work_cv);
+    pthread_mutex_unlock(&c->lock);
+    if (c->worker_up) pthread_join(c->worker, NULL);
+    nccl_close(c->nccl);
+    shm_rdv_close(c->shm);
+    pthread_cond_destroy(&c->idle_cv);
+    pthread_cond_destroy(&c->work_cv);
+    pthread_mutex_destroy(&c->lock);
+    free(c);
+}
+
+static int req_check(const struct comm *c, const struct comm_req *q)
+{
+    if (!q->cb || comm_dtype_bytes(q->dtype) == 0) return -EINVAL;
+    size_t esz = comm_dtype_bytes(q->dtype);
+    if (q->count > SIZE_MAX / esz / (size_t)c->o.world) return -EINVAL;
+    bool reduce = q->op == COMM_REDUCE_SCATTER || q->op == COMM_ALLREDUCE;
+    if (reduce && q->dtype != COMM_F32) return -EINVAL;
+    switch (q->op) {
+    case COMM_ALLGATHER:
+    case COMM_REDUCE_SCATTER:
+    case COMM_ALLREDUCE:
+        return q->count && (!q->send || !q->recv) ? -EINVAL : 0;
+    case COMM_BROADCAST:
+        if (q->root < 0 || q->root >= c->o.world) return -EINVAL;
+        return q->count && !q->recv ? -EINVAL : 0;
+    case COMM_BARRIER:
+        return 0;
+    }
+    return -EINVAL;
+}
+
+int comm_submit(struct comm *c, struct comm_req *q)
+{
+    if (!c || !q) return -EINVAL;
+    int r = req_check(c, q);
+    if (r) return r;
+    pthread_mutex_lock(&c->lock);
+    if (c->closing || c->failed) {
+        r = c->closing ? -ESHUTDOWN : -ECONNABORTED;
+        pthread_mutex_unlock(&c->lock);
+        return r;
+    }
+    q->next_ = NULL;
+    if (c->tail)
+        c->tail->next_ = q;
+    else
+        c->head = q;
+    c->tail = q;
+    c->inflight++;
+    pthread_cond_signal(&c->work_cv);
+    pthread_mutex_unlock(&c->lock);
+    return 0;
+}
+
+static void run_cb(struct comm_req *q, int res)
+{
+    completion_post(q->data, res);
+}
+
+int comm_run(struct comm *c, struct comm_req *q)
+{
+    if (!q) return -EINVAL;
+    struct completion w = COMPLETION_INIT;
+    q->cb = run_cb;
+    q->data = &w;
+    int r = comm_submit(c, q);
+    return r < 0 ? r : completion_wait(&w);
+}
+
+int comm_allgather(struct comm *c, const void *send, void *recv, size_t count,
+                   enum comm_dtype dt)
+{
+    struct comm_req q = {.op = COMM_ALLGATHER, .dtype = dt, .send = send, .recv = recv, .count = count};
+    return comm_run(c, &q);
+}
+
+int comm_reduce_scatter(struct comm *c, const void *send, void *recv, size_t count,
+                        enum comm_dtype dt)
+{
+    struct comm_req q = {
+        .op = COMM_REDUCE_SCATTER, .dtype = dt, .send = send, .recv = recv, .count = count};
+    return comm_run(c, &q);
+}
+
+int comm_allreduce(struct comm *c, const void *send, void *recv, size_t count,
+                   enum comm_dtype dt)
+{
+    struct comm_req q = {.op = COMM_ALLREDUCE, .dtype = dt, .send = send, .recv = recv, .count = count};
+    return comm_run(c, &q);
+}
+
+int comm_broadcast(struct comm *c, void *buf, size_t count, enum comm_dtype dt, int root)
+{
+    struct comm_req q = {.op = COMM_BROADCAST, .dtype = dt, .recv = buf, .count = count, .root = root};
+    return comm_run(c, &q);
+}
+
+int comm_barrier(struct comm *c)
+{
+    struct comm_req q = {.op = COMM_BARRIER, .dtype = COMM_BYTE};
+    return comm_run(c, &q);
+}
+
+void comm_get_stats(struct comm *c, struct comm_stats *out)
+{
+    if (!out) return;
+    *out = (struct comm_stats){0};
+    if (!c) return;
+    pthread_mutex_lock(&c->lock);
+    *out = c->st;
+    pthread_mutex_unlock(&c->lock);
+}

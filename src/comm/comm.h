@@ -1,0 +1,110 @@
+/*
+ * comm.h - collectives among the ranks of one job: allgather, reduce_scatter, allreduce,
+ * broadcast and barrier, on buffers the caller (the trainer, with memory from the engine)
+ * hands in.
+ *
+ * A communicator is a long-lived handle (comm_open -> comm_close) of one rank. Operations
+ * are requests (struct comm_req) queued on it and run in submission order, each finishing
+ * with its callback; the synchronous calls submit one and wait. When comm_submit fails,
+ * the callback never fires. Every rank must submit the same operations in the same order
+ * (as with NCCL and MPI).
+ *
+ * Backends, chosen at open:
+ *   - self: one rank; the collectives are copies.
+ *   - shm:  processes of one node over a POSIX shared-memory segment. Reductions add in
+ *           rank order, ((r0 + r1) + r2) + ..., so results are bitwise reproducible and
+ *           equal to one rank accumulating the same contributions in that order.
+ *   - nccl: GPU ranks; buffers are device memory; the unique id travels through the same
+ *           shared-memory rendezvous.
+ * The rendezvous is by name: every rank of a job opens the communicator with the same
+ * name, world and backend, its own rank, within timeout_ms of each other. After it, an
+ * operation waits for the other ranks as long as they live: a rank that dies (or fails an
+ * operation) fails the communicator for every rank, within about 100 ms.
+ *
+ * Not here: starting the ranks (zinf launch), what is sharded how (the trainer).
+ */
+#ifndef ZINF_COMM_H
+#define ZINF_COMM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum comm_backend { COMM_SELF, COMM_SHM, COMM_NCCL };
+
+enum comm_dtype { COMM_BYTE, COMM_F32 };
+
+enum comm_op {
+    COMM_ALLGATHER,      /* send: count; recv: world x count, rank r's at r x count */
+    COMM_REDUCE_SCATTER, /* send: world x count; recv: count, the sum of every rank's r-th */
+    COMM_ALLREDUCE,      /* send, recv: count; recv the sum (send == recv: in place) */
+    COMM_BROADCAST,      /* recv: count, root's (send ignored; root's recv is its data) */
+    COMM_BARRIER,        /* nothing moves */
+};
+
+#define COMM_NAME_BYTES 64
+#define COMM_MAX_RANKS 64
+#define COMM_DEFAULT_TIMEOUT_MS 60000
+#define COMM_DEFAULT_CHUNK_BYTES ((size_t)4 << 20)
+
+struct comm_opts {
+    enum comm_backend backend;
+    int rank, world;
+    const char *name;   /* the job's rendezvous name: [A-Za-z0-9._-], < COMM_NAME_BYTES */
+    unsigned timeout_ms; /* the rendezvous; 0: the default (60 s) */
+    size_t chunk_bytes;  /* shm: staging per rank and step; 0: the default (4 MiB) */
+    int cuda_device;     /* nccl: the rank's GPU ordinal */
+};
+
+struct comm_req;
+typedef void (*comm_cb)(struct comm_req *req, int res);
+
+struct comm_req {
+    enum comm_op op;
+    enum comm_dtype dtype;
+    const void *send;
+    void *recv;
+    size_t count; /* elements; see enum comm_op */
+    int root;     /* broadcast */
+    comm_cb cb;
+    void *data;
+    /* private */
+    struct comm_req *next_;
+};
+
+struct comm_stats {
+    enum comm_backend backend;
+    int rank, world;
+    uint64_t ops, bytes_in, bytes_out; /* finished operations; bytes sent and received */
+};
+
+struct comm;
+
+/* 0 and *out, or -errno: -EINVAL bad options (logged, naming the option), -ETIMEDOUT the
+ * other ranks did not come, -ENOTSUP a backend this build lacks, -EEXIST two ranks with
+ * the same number, -EPROTO a rank that disagrees on world or backend. */
+int comm_open(const struct comm_opts *o, struct comm **out);
+/* Waits for the queued operations, then frees. */
+void comm_close(struct comm *c);
+
+/* Queue an operation: 0 (the callback fires once, in submission order) or -errno (it never
+ * fires): -EINVAL bad request, -ECONNABORTED the communicator failed before (a rank died
+ * or an operation timed out; every later one fails too), -ESHUTDOWN closing. */
+int comm_submit(struct comm *c, struct comm_req *req);
+/* Submit and wait: the operation's result. */
+int comm_run(struct comm *c, struct comm_req *req);
+
+int comm_allgather(struct comm *c, const void *send, void *recv, size_t count,
+                   enum comm_dtype dt);
+int comm_reduce_scatter(struct comm *c, const void *send, void *recv, size_t count,
+                        enum comm_dtype dt);
+int comm_allreduce(struct comm *c, const void *send, void *recv, size_t count,
+                   enum comm_dtype dt);
+int comm_broadcast(struct comm *c, void *buf, size_t count, enum comm_dtype dt, int root);
+int comm_barrier(struct comm *c);
+
+void comm_get_stats(struct comm *c, struct comm_stats *out);
+const char *comm_backend_name(enum comm_backend b);
+size_t comm_dtype_bytes(enum comm_dtype dt);
+
+#endif

@@ -1,0 +1,188 @@
+/*
+ * nccl.c - the NCCL backend (nccl.h). Each operation is enqueued on the rank's stream and
+ * waited for by polling the stream, so that a peer found dead (through the rendezvous
+ * segment) or an asynchronous NCCL error aborts the communicator instead of hanging in a
+ * collective that will never complete.
+ *
+ * Not here: the order of operations and the callbacks (comm.c).
+ */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "comm/nccl.h"
+#include "common.h"
+
+#if ZINF_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+_Static_assert(sizeof(ncclUniqueId) == SHM_ID_BYTES, "NCCL's unique id travels in the segment");
+
+struct nccl {
+    ncclComm_t comm;
+    cudaStream_t stream;
+    int device;
+    bool aborted;
+};
+
+bool nccl_built(void)
+{
+    return true;
+}
+
+static int nccl_errno(ncclResult_t r, const char *what)
+{
+    log_error("comm: %s: %s", what, ncclGetErrorString(r));
+    return r == ncclInvalidArgument || r == ncclInvalidUsage ? -EINVAL : -EIO;
+}
+
+static int cuda_err(cudaError_t e, const char *what)
+{
+    log_error("comm: %s: %s", what, cudaGetErrorString(e));
+    cudaGetLastError();
+    return e == cudaErrorMemoryAllocation ? -ENOMEM : -EIO;
+}
+
+int nccl_unique_id(uint8_t *id)
+{
+    ncclUniqueId u;
+    ncclResult_t r = ncclGetUniqueId(&u);
+    if (r != ncclSuccess) return nccl_errno(r, "ncclGetUniqueId");
+    memcpy(id, &u, sizeof(u));
+    return 0;
+}
+
+int nccl_open(const struct comm_opts *o, const uint8_t *id, struct nccl **out)
+{
+    struct nccl *n = calloc(1, sizeof(*n));
+    if (!n) return -ENOMEM;
+    n->device = o->cuda_device;
+    int r = 0;
+    cudaError_t e = cudaSetDevice(n->device);
+    if (e != cudaSuccess) {
+        r = cuda_err(e, "cudaSetDevice");
+        goto err;
+    }
+    e = cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        n->stream = NULL;
+        r = cuda_err(e, "cudaStreamCreateWithFlags");
+        goto err;
+    }
+    ncclUniqueId u;
+    memcpy(&u, id, sizeof(u));
+    ncclResult_t nr = ncclCommInitRank(&n->comm, o->world, u, o->rank);
+    if (nr != ncclSuccess) {
+        n->comm = NULL;
+        r = nccl_errno(nr, "ncclCommInitRank");
+        goto err;
+    }
+    *out = n;
+    return 0;
+err:
+    nccl_close(n);
+    return r;
+}
+
+void nccl_bind_thread(struct nccl *n)
+{
+    if (cudaSetDevice(n->device) != cudaSuccess) cudaGetLastError();
+}
+
+static ncclDataType_t nccl_type(enum comm_dtype dt)
+{
+    return dt == COMM_F32 ? ncclFloat32 : ncclUint8;
+}
+
+/* Polls the stream until the operation has finished, the communicator fails, or a peer is
+ * found dead (then the NCCL communicator is aborted: its kernels return). */
+static int wait_stream(struct nccl *n, struct shm *rdv)
+{
+    for (unsigned i = 0;; i++) {
+        cudaError_t e = cudaStreamQuery(n->stream);
+        if (e == cudaSuccess) return 0;
+        if (e != cudaErrorNotReady) return cuda_err(e, "cudaStreamQuery");
+        ncclResult_t ae = ncclSuccess;
+        ncclCommGetAsyncError(n->comm, &ae);
+        int r = ae != ncclSuccess && ae != ncclInProgress ? nccl_errno(ae, "an NCCL operation")
+                : i % 1024 == 1023                          ? shm_check(rdv)
+                                                            : 0;
+        if (r) {
+            ncclCommAbort(n->comm);
+            n->comm = NULL;
+            n->aborted = true;
+            return r;
+        }
+        struct timespec ts = {0, 20000}; /* 20 us */
+        nanosleep(&ts, NULL);
+    }
+}
+
+int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
+{
+    if (n->aborted) return -ECONNABORTED;
+    ncclDataType_t t = nccl_type(q->dtype);
+    ncclResult_t r = ncclSuccess;
+    switch (q->op) {
+    case COMM_ALLGATHER:
+        r = ncclAllGather(q->send, q->recv, q->count, t, n->comm, n->stream);
+        break;
+    case COMM_REDUCE_SCATTER:
+        r = ncclReduceScatter(q->send, q->recv, q->count, t, ncclSum, n->comm, n->stream);
+        break;
+    case COMM_ALLREDUCE:
+        r = ncclAllReduce(q->send, q->recv, q->count, t, ncclSum, n->comm, n->stream);
+        break;
+    case COMM_BROADCAST:
+        r = ncclBroadcast(q->recv, q->recv, q->count, t, q->root, n->comm, n->stream);
+        break;
+    case COMM_BARRIER:
+        return shm_barrier(rdv);
+    }
+    if (r != ncclSuccess) return nccl_errno(r, "an NCCL collective");
+    return wait_stream(n, rdv);
+}
+
+void nccl_close(struct nccl *n)
+{
+    if (!n) return;
+    if (n->comm) ncclCommDestroy(n->comm);
+    if (n->stream) cudaStreamDestroy(n->stream);
+    free(n);
+}
+#else
+bool nccl_built(void)
+{
+    return false;
+}
+
+int nccl_unique_id(uint8_t *id)
+{
+    (void)id;
+    return -ENOTSUP;
+}
+
+int nccl_open(const struct comm_opts *o, const uint8_t *id, struct nccl **out)
+{
+    (void)o, (void)id, (void)out;
+    return -ENOTSUP;
+}
+
+void nccl_bind_thread(struct nccl *n)
+{
+    (void)n;
+}
+
+int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
+{
+    (void)n, (void)rdv, (void)q;
+    return -ENOTSUP;
+}
+
+void nccl_close(struct nccl *n)
+{
+    (void)n;
+}
+#endif

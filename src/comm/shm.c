@@ -1,0 +1,482 @@
+/*
+ * shm.c - the ranks of one job on one node, over a POSIX shared-memory segment: the
+ * rendezvous, a barrier, and the shm backend's collectives (shm.h).
+ *
+ * The segment, /dev/shm/zinf-comm-NAME while the ranks meet and unlinked once they all
+ * have (so a crash leaves nothing behind), holds a header and, for the shm backend, two
+ * sets of staging areas: per set, one of chunk_bytes per rank and one result area of
+ * chunk_bytes. An operation moves its data in chunks; chunk k uses set k % 2 (k counts
+ * every chunk of the communicator's life). Each chunk is: every rank copies its part into
+ * its own area, barrier, every rank reads (and reduces) what it needs. A set is written
+ * again two chunks later, after a barrier that every rank reaches only once it has read
+ * the set's previous contents, so one chunk needs one barrier (allreduce needs two: the
+ * reduced result goes through the set's result area).
+ *
+ * Reductions add in rank order, out = ((s0 + s1) + s2) + ..., for every element whichever
+ * rank computes it: results are bitwise the same on every rank, from run to run, and equal
+ * to one process accumulating the same contributions in that order.
+ *
+ * Failure: a rank that fails (or a peer found dead: kill(pid, 0) while waiting) sets the
+ * header's failed word with a reason; every wait sees it within WAIT_SLICE_MS and answers
+ * -ECONNABORTED from then on.
+ *
+ * Not here: the queue of operations (comm.c), GPU buffers (nccl.c).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "comm/shm.h"
+#include "common.h"
+
+#define SHM_MAGIC 0x7a696e66636f6d6dull /* "zinfcomm" */
+#define WAIT_SLICE_MS 100               /* how often a waiter looks for dead peers */
+#define SPIN_ROUNDS 2000                /* barrier polls before it sleeps */
+#define WHY_BYTES 160
+
+struct shm_rank {
+    _Atomic uint32_t joined;
+    int32_t pid;
+};
+
+struct shm_hdr {
+    _Atomic uint64_t magic; /* stored last by rank 0: the rest of the header is valid */
+    uint32_t world, backend;
+    uint64_t chunk_bytes; /* 0: no staging areas */
+    int32_t pid0;
+    _Atomic uint32_t open; /* every rank joined: rank 0 sets it, then unlinks the name */
+    _Atomic uint32_t failed;
+    char why[WHY_BYTES]; /* written by the one rank that set failed from 0 to 1 */
+    _Atomic uint32_t bar_count, bar_gen;
+    uint8_t id[SHM_ID_BYTES];
+    struct shm_rank ranks[COMM_MAX_RANKS];
+};
+
+struct shm {
+    struct shm_hdr *h;
+    size_t map_bytes;
+    char *data;      /* the staging sets, or NULL */
+    size_t chunk;    /* bytes per area */
+    uint64_t chunks; /* chunks moved so far (set = chunks % 2) */
+    int rank, world;
+    char name[COMM_NAME_BYTES + 16];
+};
+
+static size_t hdr_bytes(void)
+{
+    return align_up(sizeof(struct shm_hdr), ZINF_ALIGN);
+}
+
+static size_t seg_bytes(int world, size_t chunk)
+{
+    return hdr_bytes() + 2 * ((size_t)world + 1) * chunk;
+}
+
+/* Rank r's area in set k % 2; r == world: the set's result area. */
+static char *area(struct shm *s, uint64_t k, int r)
+{
+    return s->data + ((k % 2) * ((size_t)s->world + 1) + (size_t)r) * s->chunk;
+}
+
+static bool name_ok(const char *n)
+{
+    size_t len = n ? strlen(n) : 0;
+    if (len == 0 || len >= COMM_NAME_BYTES) return false;
+    for (size_t i = 0; i < len; i++)
+        if (!(n[i] == '.' || n[i] == '_' || n[i] == '-' || (n[i] >= '0' && n[i] <= '9') ||
+              (n[i] >= 'a' && n[i] <= 'z') || (n[i] >= 'A' && n[i] <= 'Z')))
+            return false;
+    return n[0] != '.';
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static void sleep_ms(unsigned ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* A process that exited but was not yet reaped (a zombie) is dead too: its parent, a
+ * launcher, may be busy waiting for another rank. */
+static bool alive(int32_t pid)
+{
+    if (pid <= 0) return true;
+    if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+    char path[64], buf[256];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "re");
+    if (!f) return true; /* no /proc: kill() said it exists */
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')'); /* the name may hold spaces and parentheses */
+    return !(p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X'));
+}
+
+void shm_fail(struct shm *s, const char *why)
+{
+    uint32_t zero = 0;
+    /* Only the first reason is kept: the one that set the word writes it, and a reader
+     * takes it after seeing failed == 2 (release/acquire). */
+    if (atomic_compare_exchange_strong(&s->h->failed, &zero, 1)) {
+        snprintf(s->h->why, WHY_BYTES, "%s", why);
+        atomic_store_explicit(&s->h->failed, 2, memory_order_release);
+    }
+    syscall(SYS_futex, &s->h->bar_gen, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* -ECONNABORTED, said once per rank, if the communicator has failed. */
+static int failed(struct shm *s)
+{
+    uint32_t f = atomic_load_explicit(&s->h->failed, memory_order_acquire);
+    if (f == 0) return 0;
+    for (int i = 0; f == 1 && i < 1000; i++) { /* the reason is being written */
+        sleep_ms(1);
+        f = atomic_load_explicit(&s->h->failed, memory_order_acquire);
+    }
+    return -ECONNABORTED;
+}
+
+static const char *fail_reason(struct shm *s)
+{
+    return atomic_load_explicit(&s->h->failed, memory_order_acquire) == 2 ? s->h->why
+                                                                            : "(no reason given)";
+}
+
+/* A peer that is gone fails the communicator. */
+static int check_peers(struct shm *s)
+{
+    for (int r = 0; r < s->world; r++) {
+        if (r == s->rank || alive(s->h->ranks[r].pid)) continue;
+        char why[WHY_BYTES];
+        snprintf(why, sizeof(why), "rank %d (pid %d) is gone", r, (int)s->h->ranks[r].pid);
+        shm_fail(s, why);
+    }
+    return failed(s);
+}
+
+int shm_check(struct shm *s)
+{
+    return check_peers(s);
+}
+
+int shm_barrier(struct shm *s)
+{
+    struct shm_hdr *h = s->h;
+    int r = failed(s);
+    if (r) return r;
+    if (s->world == 1) return 0;
+    /* Sense by generation: the last to arrive resets the count, then moves the generation
+     * on (release: a waiter that sees the new generation sees every write the other ranks
+     * made before arriving, which the acq_rel increments chained to the last arrival). */
+    uint32_t gen = atomic_load_explicit(&h->bar_gen, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&h->bar_count, 1, memory_order_acq_rel) ==
+        (uint32_t)s->world - 1) {
+        atomic_store_explicit(&h->bar_count, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&h->bar_gen, 1, memory_order_release);
+        syscall(SYS_futex, &h->bar_gen, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+        return 0;
+    }
+    for (unsigned spin = 0;; spin++) {
+        if (atomic_load_explicit(&h->bar_gen, memory_order_acquire) != gen) return 0;
+        if (spin < SPIN_ROUNDS) {
+            cpu_relax();
+            continue;
+        }
+        struct timespec ts = {0, WAIT_SLICE_MS * 1000000L};
+        syscall(SYS_futex, &h->bar_gen, FUTEX_WAIT, gen, &ts, NULL, 0);
+        if (atomic_load_explicit(&h->bar_gen, memory_order_acquire) != gen) return 0;
+        if ((r = check_peers(s))) return r;
+    }
+}
+
+static int rdv_fail(struct shm *s, int err, const char *why)
+{
+    log_error("comm %s: rank %d: %s", s->name + 11, s->rank, why);
+    if (s->h) shm_fail(s, why);
+    return err;
+}
+
+/* Rank 0: make the segment and wait for the others. */
+static int rdv_create(struct shm *s, const struct comm_opts *o, size_t chunk, const uint8_t *id,
+                      uint64_t deadline)
+{
+    shm_unlink(s->name); /* a crashed run's, if any */
+    int fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        int e = -errno;
+        log_error("comm: cannot create /dev/shm%s: %s", s->name, strerror(-e));
+        return e;
+    }
+    size_t bytes = seg_bytes(o->world, chunk);
+    void *p = MAP_FAILED;
+    if (ftruncate(fd, (off_t)bytes) == 0)
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int e = -errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+        shm_unlink(s->name);
+        log_error("comm: cannot map %zu bytes of /dev/shm%s: %s", bytes, s->name, strerror(-e));
+        return e == -EINVAL ? -ENOMEM : e;
+    }
+    s->h = p;
+    s->map_bytes = bytes;
+    s->h->world = (uint32_t)o->world;
+    s->h->backend = (uint32_t)o->backend;
+    s->h->chunk_bytes = chunk;
+    s->h->pid0 = (int32_t)getpid();
+    if (id) memcpy(s->h->id, id, SHM_ID_BYTES);
+    s->h->ranks[0].pid = (int32_t)getpid();
+    atomic_store(&s->h->ranks[0].joined, 1);
+    atomic_store_explicit(&s->h->magic, SHM_MAGIC, memory_order_release);
+
+    for (;;) {
+        int n = 0;
+        for (int r = 0; r < o->world; r++)
+            n += atomic_load_explicit(&s->h->ranks[r].joined, memory_order_acquire) != 0;
+        if (n == o->world) break;
+        if (failed(s)) {
+            log_error("comm %s: rank 0: %s", o->name, fail_reason(s));
+            shm_unlink(s->name);
+            return -EPROTO;
+        }
+        if (now_ns() > deadline) {
+            char why[WHY_BYTES];
+            int k = snprintf(why, sizeof(why), "%d of %d ranks came within %u ms; missing:", n,
+                             o->world, o->timeout_ms);
+            for (int r = 0; r < o->world && k < (int)sizeof(why) - 8; r++)
+                if (!atomic_load(&s->h->ranks[r].joined))
+                    k += snprintf(why + k, sizeof(why) - (size_t)k, " %d", r);
+            shm_unlink(s->name);
+            return rdv_fail(s, -ETIMEDOUT, why);
+        }
+        sleep_ms(1);
+    }
+    atomic_store_explicit(&s->h->open, 1, memory_order_release);
+    shm_unlink(s->name); /* every rank has it mapped */
+    return 0;
+}
+
+/* Another rank: find rank 0's segment (a stale one, of a dead rank 0, is passed over). */
+static int rdv_join(struct shm *s, const struct comm_opts *o, uint8_t *id, uint64_t deadline)
+{
+    for (;; sleep_ms(2)) {
+        if (now_ns() > deadline) {
+            char why[WHY_BYTES];
+            snprintf(why, sizeof(why), "rank 0 did not open the communicator within %u ms",
+                     o->timeout_ms ? o->timeout_ms : COMM_DEFAULT_TIMEOUT_MS);
+            return rdv_fail(s, -ETIMEDOUT, why);
+        }
+        int fd = shm_open(s->name, O_RDWR | O_CLOEXEC, 0600);
+        if (fd < 0) continue;
+        struct stat st;
+        void *p = MAP_FAILED;
+        if (fstat(fd, &st) == 0 && (size_t)st.st_size >= hdr_bytes())
+            p = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd);
+        if (p == MAP_FAILED) continue;
+        struct shm_hdr *h = p;
+        if (atomic_load_explicit(&h->magic, memory_order_acquire) != SHM_MAGIC ||
+            !alive(h->pid0) || atomic_load(&h->open)) {
+            munmap(p, (size_t)st.st_size);
+            continue;
+        }
+        s->h = h;
+        s->map_bytes = (size_t)st.st_size;
+        break;
+    }
+    char what[96];
+    if (s->h->world != (uint32_t)o->world) {
+        snprintf(what, sizeof(what), "rank %d has a world of %d, rank 0 of %u", o->rank, o->world,
+                 s->h->world);
+        return rdv_fail(s, -EPROTO, what);
+    }
+    if (s->h->backend != (uint32_t)o->backend) {
+        snprintf(what, sizeof(what), "rank %d uses the %s backend, rank 0 the %s backend", o->rank,
+                 comm_backend_name(o->backend), comm_backend_name((enum comm_backend)s->h->backend));
+        return rdv_fail(s, -EPROTO, what);
+    }
+    if (s->map_bytes < seg_bytes(o->world, s->h->chunk_bytes))
+        return rdv_fail(s, -EPROTO, "the segment is smaller than its header says");
+    uint32_t zero = 0;
+    if (!atomic_compare_exchange_strong(&s->h->ranks[o->rank].joined, &zero, 1)) {
+        snprintf(what, sizeof(what), "rank %d was started twice", o->rank);
+        return rdv_fail(s, -EEXIST, what);
+    }
+    s->h->ranks[o->rank].pid = (int32_t)getpid();
+    /* Written before joined in a way rank 0 sees: the pid store is ordered before the
+     * acquire load of open below, and rank 0 reads pids only in waits after open. */
+    atomic_thread_fence(memory_order_seq_cst);
+    while (!atomic_load_explicit(&s->h->open, memory_order_acquire)) {
+        if (failed(s)) {
+            log_error("comm %s: rank %d: %s", o->name, o->rank, fail_reason(s));
+            return -EPROTO;
+        }
+        if (!alive(s->h->pid0))
+            return rdv_fail(s, -ECONNABORTED, "rank 0 died while the ranks met");
+        if (now_ns() > deadline)
+            return rdv_fail(s, -ETIMEDOUT, "the other ranks did not all come in time");
+        sleep_ms(1);
+    }
+    if (id) memcpy(id, s->h->id, SHM_ID_BYTES);
+    return 0;
+}
+
+int shm_rdv_open(const struct comm_opts *o, bool data, uint8_t *id, struct shm **out)
+{
+    *out = NULL;
+    if (!name_ok(o->name)) {
+        log_error("comm: the rendezvous name '%s' is not 1-%d characters of [A-Za-z0-9._-]",
+                  o->name ? o->name : "(null)", COMM_NAME_BYTES - 1);
+        return -EINVAL;
+    }
+    struct shm *s = calloc(1, sizeof(*s));
+    if (!s) return -ENOMEM;
+    s->rank = o->rank;
+    s->world = o->world;
+    snprintf(s->name, sizeof(s->name), "/zinf-comm-%s", o->name);
+    size_t chunk = data ? align_up(o->chunk_bytes ? o->chunk_bytes : COMM_DEFAULT_CHUNK_BYTES,
+                                   (size_t)64 * (size_t)o->world)
+                        : 0;
+    uint64_t deadline =
+        now_ns() + (uint64_t)(o->timeout_ms ? o->timeout_ms : COMM_DEFAULT_TIMEOUT_MS) * 1000000ull;
+    int r = o->rank == 0 ? rdv_create(s, o, chunk, id, deadline) : rdv_join(s, o, id, deadline);
+    if (r < 0) {
+        shm_rdv_close(s);
+        return r;
+    }
+    s->chunk = s->h->chunk_bytes;
+    s->data = s->chunk ? (char *)s->h + hdr_bytes() : NULL;
+    *out = s;
+    return 0;
+}
+
+void shm_rdv_close(struct shm *s)
+{
+    if (!s) return;
+    if (s->h) munmap(s->h, s->map_bytes);
+    free(s);
+}
+
+/* ---- the shm backend's collectives ------------------------------------------------ */
+
+/* out[i] = s_0[i] + s_1[i] + ... in rank order, the areas of set k at element offset at. */
+static void reduce_f32(struct shm *s, uint64_t k, size_t at, float *out, size_t n)
+{
+    const float *a0 = (const float *)area(s, k, 0) + at;
+    memcpy(out, a0, n * sizeof(float));
+    for (int r = 1; r < s->world; r++) {
+        const float *a = (const float *)area(s, k, r) + at;
+        for (size_t i = 0; i < n; i++)
+            out[i] += a[i];
+    }
+}
+
+static int allgather(struct shm *s, const char *send, char *recv, size_t bytes)
+{
+    for (size_t off = 0; off < bytes; off += s->chunk) {
+        size_t n = MIN(s->chunk, bytes - off);
+        uint64_t k = s->chunks++;
+        memcpy(area(s, k, s->rank), send + off, n);
+        int r = shm_barrier(s);
+        if (r) return r;
+        for (int q = 0; q < s->world; q++)
+            memcpy(recv + (size_t)q * bytes + off, area(s, k, q), n);
+    }
+    return 0;
+}
+
+static int broadcast(struct shm *s, char *buf, size_t bytes, int root)
+{
+    for (size_t off = 0; off < bytes; off += s->chunk) {
+        size_t n = MIN(s->chunk, bytes - off);
+        uint64_t k = s->chunks++;
+        if (s->rank == root) memcpy(area(s, k, root), buf + off, n);
+        int r = shm_barrier(s);
+        if (r) return r;
+        if (s->rank != root) memcpy(buf + off, area(s, k, root), n);
+    }
+    return 0;
+}
+
+/* send holds world x count floats; recv gets the sum of every rank's rank-th count. Each
+ * chunk carries chunk / world bytes for every destination. recv may be send + rank x count
+ * (in place): the part of send a chunk overwrites was copied out in that chunk. */
+static int reduce_scatter(struct shm *s, const float *send, float *recv, size_t count)
+{
+    size_t per = s->chunk / (size_t)s->world / sizeof(float);
+    for (size_t j = 0; j < count; j += per) {
+        size_t m = MIN(per, count - j);
+        uint64_t k = s->chunks++;
+        float *mine = (float *)area(s, k, s->rank);
+        for (int d = 0; d < s->world; d++)
+            memcpy(mine + (size_t)d * per, send + (size_t)d * count + j, m * sizeof(float));
+        int r = shm_barrier(s);
+        if (r) return r;
+        reduce_f32(s, k, (size_t)s->rank * per, recv + j, m);
+    }
+    return 0;
+}
+
+/* Each chunk: contributions in, every rank reduces 1/world of it into the set's result
+ * area, barrier, every rank copies the result out. */
+static int allreduce(struct shm *s, const float *send, float *recv, size_t count)
+{
+    size_t per = s->chunk / sizeof(float);
+    for (size_t j = 0; j < count; j += per) {
+        size_t m = MIN(per, count - j);
+        uint64_t k = s->chunks++;
+        memcpy(area(s, k, s->rank), send + j, m * sizeof(float));
+        int r = shm_barrier(s);
+        if (r) return r;
+        size_t lo = m * (size_t)s->rank / (size_t)s->world,
+               hi = m * ((size_t)s->rank + 1) / (size_t)s->world;
+        reduce_f32(s, k, lo, (float *)area(s, k, s->world) + lo, hi - lo);
+        if ((r = shm_barrier(s))) return r;
+        memcpy(recv + j, area(s, k, s->world), m * sizeof(float));
+    }
+    return 0;
+}
+
+int shm_run(struct shm *s, const struct comm_req *q)
+{
+    size_t esz = comm_dtype_bytes(q->dtype), bytes = q->count * esz;
+    int r = failed(s);
+    if (r) return r;
+    switch (q->op) {
+    case COMM_ALLGATHER:
+        r = allgather(s, q->send, q->recv, bytes);
+        break;
+    case COMM_BROADCAST:
+        r = broadcast(s, q->recv, bytes, q->root);
+        break;
+    case COMM_REDUCE_SCATTER:
+        r = reduce_scatter(s, q->send, q->recv, q->count);
+        break;
+    case COMM_ALLREDUCE:
+        r = allreduce(s, q->send, q->recv, q->count);
+        break;
+    case COMM_BARRIER:
+        r = shm_barrier(s);
+        break;
+    }
+    if (r == -ECONNABORTED) log_error("comm %s: rank %d: %s", s->name + 11, s->rank, fail_reason(s));
+    return r;
+}

@@ -1,0 +1,34 @@
+/*
+ * shm.h - the shared-memory segment of a job's ranks on one node (shm.c): the rendezvous
+ * every backend but self uses, a process-shared barrier, and the shm backend's
+ * collectives. Internal to src/comm/.
+ */
+#ifndef ZINF_COMM_SHM_H
+#define ZINF_COMM_SHM_H
+
+#include <stdint.h>
+
+#include "comm/comm.h"
+
+#define SHM_ID_BYTES 128 /* an opaque id rank 0 hands every rank (NCCL's unique id) */
+
+struct shm;
+
+/* Meet the other ranks of o->name. data: whether the segment carries the staging areas
+ * of the shm backend (o->chunk_bytes per rank, twice). id: rank 0's is handed to every
+ * rank (in on rank 0, out on the others); NULL: none. 0 or -errno, as comm_open. */
+int shm_rdv_open(const struct comm_opts *o, bool data, uint8_t *id, struct shm **out);
+void shm_rdv_close(struct shm *s);
+
+/* Wait until every rank has called it as often. -ECONNABORTED once a rank died or failed
+ * the communicator (shm_fail). */
+int shm_barrier(struct shm *s);
+/* -ECONNABORTED if the communicator failed or a peer is gone (then failed), else 0. */
+int shm_check(struct shm *s);
+/* Marks the communicator failed for every rank, with why (the first reason wins). */
+void shm_fail(struct shm *s, const char *why);
+
+/* One operation of the shm backend, synchronous; req checked by the caller. */
+int shm_run(struct shm *s, const struct comm_req *req);
+
+#endif

@@ -1,0 +1,503 @@
+/*
+ * test_comm.c - the communicator (src/comm/): the self backend, the shm backend's
+ * collectives across 2-4 processes checked bitwise against a rank-order sum, the order of
+ * asynchronous requests, and the faults: a wrong world, a rank started twice, a rendezvous
+ * nobody comes to, a rank that dies. Each rank is a child process; it reports through its
+ * exit status (0: every check passed) and says what failed on stderr.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "comm/comm.h"
+#include "common.h"
+#include "helpers.h"
+#include "tiers/cuda_probe.h"
+
+TestSuite(comm, .timeout = 120);
+
+/* A name no other test (or run) uses. */
+static void unique_name(char *buf, size_t len)
+{
+    static atomic_uint n;
+    snprintf(buf, len, "t%d-%u", (int)getpid(), atomic_fetch_add(&n, 1));
+}
+
+static bool seg_exists(const char *name)
+{
+    char p[128];
+    struct stat st;
+    snprintf(p, sizeof(p), "/dev/shm/zinf-comm-%s", name);
+    return stat(p, &st) == 0;
+}
+
+#define FAIL(code, ...)                                                                            \
+    do {                                                                                           \
+        fprintf(stderr, "rank %d: ", rank);                                                        \
+        fprintf(stderr, __VA_ARGS__);                                                              \
+        fprintf(stderr, "\n");                                                                     \
+        return (code);                                                                             \
+    } while (0)
+
+typedef int (*rank_fn)(int rank, int world, const char *name, void *arg);
+
+/* Runs fn as world child processes (rank r as the r-th), waits for them; status[r] gets
+ * each one's exit code (or 128 + signal). */
+static void run_ranks(int world, rank_fn fn, void *arg, const char *name, int *status)
+{
+    pid_t pids[COMM_MAX_RANKS];
+    fflush(NULL);
+    for (int r = 0; r < world; r++) {
+        pids[r] = fork();
+        cr_assert_geq(pids[r], 0);
+        if (pids[r] == 0) _exit(fn(r, world, name, arg));
+    }
+    for (int r = 0; r < world; r++) {
+        int st;
+        cr_assert_eq(waitpid(pids[r], &st, 0), pids[r]);
+        status[r] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    }
+}
+
+static void expect_all(int world, const int *status, int want, const char *what)
+{
+    for (int r = 0; r < world; r++)
+        cr_expect_eq(status[r], want, "%s: rank %d exited %d, not %d", what, r, status[r], want);
+}
+
+static struct comm *open_shm(int rank, int world, const char *name, size_t chunk, int *err)
+{
+    struct comm_opts o = {.backend = COMM_SHM, .rank = rank, .world = world, .name = name,
+                          .timeout_ms = 20000, .chunk_bytes = chunk};
+    struct comm *c = NULL;
+    *err = comm_open(&o, &c);
+    return c;
+}
+
+/* Rank r's contribution: floats of widely different magnitudes, so that the order of the
+ * sum changes its bits. */
+static float value(int r, size_t i)
+{
+    uint64_t x = (uint64_t)(r + 1) * 0x9e3779b97f4a7c15ull ^ (uint64_t)i * 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 31;
+    float m = (float)(x % 100003) / 977.0f - 50.0f;
+    return m * (float)(1u << (x >> 60)); /* times 1 .. 2^15 */
+}
+
+/* The sum of element i over world ranks, in rank order, each rank's data at element i. */
+static float rank_order_sum(int world, size_t i)
+{
+    float acc = value(0, i);
+    for (int r = 1; r < world; r++)
+        acc += value(r, i);
+    return acc;
+}
+
+struct coll_arg {
+    size_t count, chunk;
+};
+
+static int collectives(int rank, int world, const char *name, void *argp)
+{
+    const struct coll_arg *a = argp;
+    size_t n = a->count;
+    int err;
+    struct comm *c = open_shm(rank, world, name, a->chunk, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float *send = malloc((n * (size_t)world + 1) * sizeof(float));
+    float *recv = malloc((n * (size_t)world + 1) * sizeof(float));
+    if (!send || !recv) FAIL(11, "out of memory");
+
+    /* allreduce, into another buffer and in place */
+    for (size_t i = 0; i < n; i++)
+        send[i] = value(rank, i);
+    if ((err = comm_allreduce(c, send, recv, n, COMM_F32))) FAIL(12, "allreduce: %s", zinf_strerror(err));
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&recv[i], &(float){rank_order_sum(world, i)}, 4))
+            FAIL(13, "allreduce: element %zu is %a, the rank-order sum %a", i, recv[i],
+                 rank_order_sum(world, i));
+    if ((err = comm_allreduce(c, send, send, n, COMM_F32))) FAIL(14, "allreduce in place: %s", zinf_strerror(err));
+    if (memcmp(send, recv, n * sizeof(float))) FAIL(15, "allreduce in place differs");
+
+    /* reduce_scatter: element i of destination d is value(r, d * n + i) */
+    for (size_t i = 0; i < n * (size_t)world; i++)
+        send[i] = value(rank, i);
+    if ((err = comm_reduce_scatter(c, send, recv, n, COMM_F32)))
+        FAIL(16, "reduce_scatter: %s", zinf_strerror(err));
+    for (size_t i = 0; i < n; i++) {
+        float want = rank_order_sum(world, (size_t)rank * n + i);
+        if (memcmp(&recv[i], &want, 4)) FAIL(17, "reduce_scatter: element %zu", i);
+    }
+    float *mine = send + (size_t)rank * n; /* in place, as NCCL allows */
+    if ((err = comm_reduce_scatter(c, send, mine, n, COMM_F32)))
+        FAIL(18, "reduce_scatter in place: %s", zinf_strerror(err));
+    if (memcmp(mine, recv, n * sizeof(float))) FAIL(19, "reduce_scatter in place differs");
+
+    /* allgather of bytes, and broadcast from the last rank */
+    unsigned char *bs = (unsigned char *)send, *br = (unsigned char *)recv;
+    size_t nb = n * 3 + 1;
+    for (size_t i = 0; i < nb; i++)
+        bs[i] = (unsigned char)(rank * 37 + i * 11);
+    if ((err = comm_allgather(c, bs, br, nb, COMM_BYTE))) FAIL(20, "allgather: %s", zinf_strerror(err));
+    for (int r = 0; r < world; r++)
+        for (size_t i = 0; i < nb; i++)
+            if (br[(size_t)r * nb + i] != (unsigned char)(r * 37 + i * 11))
+                FAIL(21, "allgather: rank %d's byte %zu", r, i);
+    for (size_t i = 0; i < n; i++)
+        recv[i] = rank == world - 1 ? value(99, i) : 0.0f;
+    if ((err = comm_broadcast(c, recv, n, COMM_F32, world - 1))) FAIL(22, "broadcast: %s", zinf_strerror(err));
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&recv[i], &(float){value(99, i)}, 4)) FAIL(23, "broadcast: element %zu", i);
+
+    /* nothing at all, then a barrier */
+    if ((err = comm_allreduce(c, send, recv, 0, COMM_F32)) || (err = comm_barrier(c)))
+        FAIL(24, "empty allreduce or barrier: %s", zinf_strerror(err));
+    struct comm_stats st;
+    comm_get_stats(c, &st);
+    if (st.ops != 8 || st.rank != rank || st.world != world || st.backend != COMM_SHM)
+        FAIL(25, "stats: %llu ops", (unsigned long long)st.ops);
+    free(send);
+    free(recv);
+    comm_close(c);
+    return 0;
+}
+
+static void collectives_across(int world, size_t count, size_t chunk)
+{
+    char name[64];
+    int status[COMM_MAX_RANKS];
+    struct coll_arg a = {count, chunk};
+    unique_name(name, sizeof(name));
+    run_ranks(world, collectives, &a, name, status);
+    expect_all(world, status, 0, "collectives");
+    cr_expect_not(seg_exists(name), "the segment outlived the rendezvous");
+}
+
+/* Small chunks: many of them, a ragged last one, both staging sets in turn. */
+Test(comm, shm_collectives_are_the_rank_order_sum_on_2_ranks)
+{
+    collectives_across(2, 100003, 64 * KiB);
+}
+
+Test(comm, shm_collectives_are_the_rank_order_sum_on_3_ranks)
+{
+    collectives_across(3, 50001, 48 * KiB);
+}
+
+Test(comm, shm_collectives_are_the_rank_order_sum_on_4_ranks)
+{
+    collectives_across(4, 77777, 0); /* the default chunk */
+}
+
+/* The rank-order sum is what one process accumulating the ranks' contributions in order
+ * gets: what lets a run of N ranks match one rank with N accumulation steps bitwise. */
+Test(comm, the_rank_order_sum_is_plain_accumulation)
+{
+    for (size_t i = 0; i < 10000; i++) {
+        float acc = 0.0f;
+        for (int r = 0; r < 4; r++)
+            acc += value(r, i);
+        float want = rank_order_sum(4, i);
+        cr_assert(acc == want || (acc == 0 && want == 0), "element %zu", i);
+    }
+}
+
+static void order_cb(struct comm_req *q, int res)
+{
+    int *log = q->data;
+    int idx = atomic_fetch_add((atomic_int *)&log[0], 1);
+    log[1 + idx] = res < 0 ? -1 : (int)q->root; /* the request's number */
+}
+
+/* Requests queued without waiting run and call back in submission order. */
+static int async_order(int rank, int world, const char *name, void *arg)
+{
+    (void)arg;
+    int err;
+    struct comm *c = open_shm(rank, world, name, 16 * KiB, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    enum { N = 40, COUNT = 5000 };
+    static float in[N][COUNT], out[N][COUNT];
+    static struct comm_req q[N];
+    static int log[1 + N];
+    for (int k = 0; k < N; k++) {
+        for (int i = 0; i < COUNT; i++)
+            in[k][i] = (float)(rank + k * i);
+        /* root is unused by allreduce and barrier: it numbers the request here */
+        q[k] = (struct comm_req){.op = k % 5 == 4 ? COMM_BARRIER : COMM_ALLREDUCE, .dtype = COMM_F32,
+                                 .send = in[k], .recv = out[k], .count = COUNT, .root = k,
+                                 .cb = order_cb, .data = log};
+        if ((err = comm_submit(c, &q[k]))) FAIL(11, "submit %d: %s", k, zinf_strerror(err));
+    }
+    comm_close(c); /* waits for every request */
+    if (log[0] != N) FAIL(12, "%d callbacks of %d", log[0], N);
+    for (int k = 0; k < N; k++) {
+        if (log[1 + k] != k) FAIL(13, "callback %d was request %d", k, log[1 + k]);
+        if (k % 5 == 4) continue;
+        for (int i = 0; i < COUNT; i++) {
+            float want = 0;
+            for (int r = 0; r < world; r++)
+                want += (float)(r + k * i);
+            if (out[k][i] != want) FAIL(14, "request %d element %d", k, i);
+        }
+    }
+    return 0;
+}
+
+Test(comm, queued_requests_finish_in_submission_order)
+{
+    char name[64];
+    int status[3];
+    unique_name(name, sizeof(name));
+    run_ranks(3, async_order, NULL, name, status);
+    expect_all(3, status, 0, "async order");
+}
+
+/* ---- the self backend and bad input ------------------------------------------------ */
+
+static int never_called;
+static void never_cb(struct comm_req *q, int res)
+{
+    (void)q, (void)res;
+    never_called++;
+}
+
+Test(comm, self_backend_copies_and_checks_its_input)
+{
+    struct comm_opts o = {.backend = COMM_SELF, .rank = 0, .world = 1};
+    struct comm *c = NULL;
+    cr_assert_eq(comm_open(&o, &c), 0);
+    float a[100], b[100];
+    for (int i = 0; i < 100; i++)
+        a[i] = (float)i * 1.5f;
+    cr_assert_eq(comm_allreduce(c, a, b, 100, COMM_F32), 0);
+    cr_assert_eq(memcmp(a, b, sizeof(a)), 0);
+    memset(b, 0, sizeof(b));
+    cr_assert_eq(comm_allgather(c, a, b, 100, COMM_F32), 0);
+    cr_assert_eq(memcmp(a, b, sizeof(a)), 0);
+    cr_assert_eq(comm_reduce_scatter(c, a, a, 100, COMM_F32), 0, "in place");
+    cr_assert_eq(comm_broadcast(c, b, 100, COMM_F32, 0), 0);
+    cr_assert_eq(comm_barrier(c), 0);
+
+    /* Bad requests: -EINVAL, and the callback never fires. */
+    struct comm_req q = {.op = COMM_ALLREDUCE, .dtype = COMM_BYTE, .send = a, .recv = b,
+                         .count = 4, .cb = never_cb};
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "a sum of bytes");
+    q.dtype = COMM_F32;
+    q.cb = NULL;
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "no callback");
+    q.cb = never_cb;
+    q.send = NULL;
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "no send buffer");
+    q = (struct comm_req){.op = COMM_BROADCAST, .dtype = COMM_F32, .recv = b, .count = 4, .root = 1,
+                          .cb = never_cb};
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "a root outside the world");
+    q.root = 0;
+    q.op = (enum comm_op)99;
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "an unknown operation");
+    q.op = COMM_ALLGATHER;
+    q.send = a;
+    q.count = SIZE_MAX / 2;
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "a count that overflows");
+    q.dtype = (enum comm_dtype)7;
+    q.count = 1;
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "an unknown type");
+    cr_assert_eq(comm_submit(NULL, &q), -EINVAL);
+    cr_assert_eq(comm_submit(c, NULL), -EINVAL);
+    cr_assert_eq(never_called, 0);
+    /* Still works after all that. */
+    cr_assert_eq(comm_allreduce(c, a, b, 100, COMM_F32), 0);
+    struct comm_stats st;
+    comm_get_stats(c, &st);
+    cr_assert_eq(st.ops, 6);
+    cr_assert_eq(st.backend, COMM_SELF);
+    comm_close(c);
+}
+
+Test(comm, bad_options_are_refused)
+{
+    struct comm *c = (struct comm *)1;
+    struct comm_opts o = {.backend = COMM_SHM, .rank = 0, .world = 0, .name = "x"};
+    cr_assert_eq(comm_open(&o, &c), -EINVAL, "a world of 0");
+    cr_assert_null(c);
+    o.world = COMM_MAX_RANKS + 1;
+    cr_assert_eq(comm_open(&o, &c), -EINVAL, "too many ranks");
+    o.world = 2;
+    o.rank = 2;
+    cr_assert_eq(comm_open(&o, &c), -EINVAL, "rank outside the world");
+    o.rank = -1;
+    cr_assert_eq(comm_open(&o, &c), -EINVAL, "a negative rank");
+    o.rank = 0;
+    o.backend = COMM_SELF;
+    cr_assert_eq(comm_open(&o, &c), -EINVAL, "self with two ranks");
+    o.backend = (enum comm_backend)9;
+    cr_assert_eq(comm_open(&o, &c), -EINVAL, "an unknown backend");
+    o.backend = COMM_SHM;
+    o.world = 1;
+    const char *bad[] = {NULL, "", "a/b", ".hidden", "white space",
+                         "0123456789012345678901234567890123456789012345678901234567890123456789"};
+    for (size_t i = 0; i < ARRAY_SIZE(bad); i++) {
+        o.name = bad[i];
+        cr_assert_eq(comm_open(&o, &c), -EINVAL, "name %zu", i);
+    }
+    cr_assert_eq(comm_open(NULL, &c), -EINVAL);
+    cr_assert_eq(comm_open(&o, NULL), -EINVAL);
+    if (!ZINF_HAVE_NCCL) {
+        o.name = "n";
+        o.backend = COMM_NCCL;
+        cr_assert_eq(comm_open(&o, &c), -ENOTSUP, "a build without NCCL");
+    }
+}
+
+/* One shm rank is a world of its own. */
+Test(comm, one_shm_rank)
+{
+    char name[64];
+    unique_name(name, sizeof(name));
+    int err;
+    int rank = 0;
+    struct comm *c = open_shm(rank, 1, name, 0, &err);
+    cr_assert_not_null(c, "%s", zinf_strerror(err));
+    float a[3] = {1, 2, 3}, b[3];
+    cr_assert_eq(comm_allreduce(c, a, b, 3, COMM_F32), 0);
+    cr_assert_eq(memcmp(a, b, sizeof(a)), 0);
+    cr_assert_eq(comm_barrier(c), 0);
+    comm_close(c);
+    cr_assert_not(seg_exists(name));
+}
+
+/* ---- faults ------------------------------------------------------------------------ */
+
+/* Each rank opens with world = 2 + rank (rank 1 disagrees) and exits with -comm_open. */
+static int wrong_world(int rank, int world, const char *name, void *arg)
+{
+    (void)world, (void)arg;
+    int err;
+    struct comm *c = open_shm(rank, rank == 0 ? 2 : 3, name, 0, &err);
+    comm_close(c);
+    return -err;
+}
+
+Test(comm, a_rank_with_another_world_fails_every_rank_at_once)
+{
+    char name[64];
+    int status[2];
+    unique_name(name, sizeof(name));
+    uint64_t t0 = now_ns();
+    run_ranks(2, wrong_world, NULL, name, status);
+    expect_all(2, status, EPROTO, "wrong world");
+    cr_expect_lt(now_ns() - t0, 10ull * 1000000000, "not the 20 s rendezvous timeout");
+    cr_expect_not(seg_exists(name));
+}
+
+static int duplicate_rank(int rank, int world, const char *name, void *arg)
+{
+    (void)world, (void)arg;
+    int err;
+    struct comm *c = open_shm(rank == 2 ? 1 : rank, 3, name, 0, &err); /* rank 1 twice */
+    comm_close(c);
+    return -err;
+}
+
+Test(comm, a_rank_started_twice_is_refused)
+{
+    char name[64];
+    int status[3];
+    unique_name(name, sizeof(name));
+    run_ranks(3, duplicate_rank, NULL, name, status);
+    cr_expect_eq(status[0], EPROTO);
+    cr_expect(status[1] == EEXIST || status[2] == EEXIST, "%d %d", status[1], status[2]);
+    cr_expect(status[1] == EPROTO || status[2] == EPROTO, "%d %d", status[1], status[2]);
+}
+
+Test(comm, a_rendezvous_nobody_comes_to_times_out)
+{
+    char name[64];
+    unique_name(name, sizeof(name));
+    struct comm_opts o = {.backend = COMM_SHM, .rank = 0, .world = 3, .name = name, .timeout_ms = 300};
+    struct comm *c = NULL;
+    uint64_t t0 = now_ns();
+    cr_assert_eq(comm_open(&o, &c), -ETIMEDOUT);
+    cr_assert_lt(now_ns() - t0, 3ull * 1000000000);
+    cr_assert_not(seg_exists(name), "rank 0 left its segment behind");
+    o.rank = 1; /* and a rank whose rank 0 never comes */
+    cr_assert_eq(comm_open(&o, &c), -ETIMEDOUT);
+}
+
+/* The last rank dies once the communicator is open; the others' next collective fails
+ * within seconds, and so does every later request. */
+static int one_dies(int rank, int world, const char *name, void *arg)
+{
+    (void)arg;
+    int err;
+    struct comm *c = open_shm(rank, world, name, 0, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float a[1000] = {0}, b[1000];
+    if ((err = comm_allreduce(c, a, b, 1000, COMM_F32))) FAIL(11, "first allreduce: %s", zinf_strerror(err));
+    if (rank == world - 1) raise(SIGKILL);
+    uint64_t t0 = now_ns();
+    err = comm_allreduce(c, a, b, 1000, COMM_F32);
+    if (err != -ECONNABORTED) FAIL(12, "allreduce after a death: %s", zinf_strerror(err));
+    if (now_ns() - t0 > 5ull * 1000000000) FAIL(13, "the death was seen after %llu ms",
+                                                  (unsigned long long)((now_ns() - t0) / 1000000));
+    if ((err = comm_barrier(c)) != -ECONNABORTED) FAIL(14, "then: %s", zinf_strerror(err));
+    comm_close(c);
+    return 0;
+}
+
+Test(comm, a_dead_rank_fails_the_others_collectives)
+{
+    char name[64];
+    int status[3];
+    unique_name(name, sizeof(name));
+    run_ranks(3, one_dies, NULL, name, status);
+    cr_expect_eq(status[0], 0);
+    cr_expect_eq(status[1], 0);
+    cr_expect_eq(status[2], 128 + SIGKILL);
+}
+
+/* ---- NCCL on one GPU (the gpu check; skipped elsewhere) ------------------------------ */
+
+#if ZINF_HAVE_NCCL
+#include <cuda_runtime_api.h>
+
+Test(comm, nccl_with_one_rank)
+{
+    struct cuda_probe_info pi;
+    if (cuda_probe(&pi) == 0) cr_skip_test("no usable GPU: %s", pi.reason);
+    char name[64];
+    unique_name(name, sizeof(name));
+    struct comm_opts o = {.backend = COMM_NCCL, .rank = 0, .world = 1, .name = name};
+    struct comm *c = NULL;
+    int r = comm_open(&o, &c);
+    cr_assert_eq(r, 0, "comm_open: %s", zinf_strerror(r));
+    const size_t n = 1 << 20;
+    float *h = malloc(n * sizeof(float)), *back = malloc(n * sizeof(float)), *d_in, *d_out;
+    for (size_t i = 0; i < n; i++)
+        h[i] = value(0, i);
+    cr_assert_eq(cudaMalloc((void **)&d_in, n * sizeof(float)), cudaSuccess);
+    cr_assert_eq(cudaMalloc((void **)&d_out, n * sizeof(float)), cudaSuccess);
+    cr_assert_eq(cudaMemcpy(d_in, h, n * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    cr_assert_eq(comm_allreduce(c, d_in, d_out, n, COMM_F32), 0);
+    cr_assert_eq(cudaMemcpy(back, d_out, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    cr_assert_eq(memcmp(h, back, n * sizeof(float)), 0, "an allreduce of one rank");
+    cr_assert_eq(comm_allgather(c, d_in, d_out, n, COMM_F32), 0);
+    cr_assert_eq(comm_reduce_scatter(c, d_in, d_out, n, COMM_F32), 0);
+    cr_assert_eq(comm_broadcast(c, d_out, n, COMM_F32, 0), 0);
+    cr_assert_eq(comm_barrier(c), 0);
+    cr_assert_eq(cudaMemcpy(back, d_out, n * sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+    cr_assert_eq(memcmp(h, back, n * sizeof(float)), 0);
+    cudaFree(d_in);
+    cudaFree(d_out);
+    free(h);
+    free(back);
+    comm_close(c);
+}
+#endif
