@@ -1142,7 +1142,7 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
 Test(cli, every_command_lists_its_exit_statuses_and_keeps_them)
 {
     static const char *const cmds[] = {"train", "bench", "tune",    "config",
-                                       "stat",  "topo",  "version", "serve"};
+                                       "stat",  "topo",  "version", "serve", "launch"};
     char *o, *h;
     for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++) {
         cr_assert_eq(run(&o, "%s --help", cmds[i]), 0, "%s --help: %s", cmds[i], o);
@@ -1811,4 +1811,115 @@ Test(cli, serve_killed_brings_back_what_was_flushed)
     free(got);
     free(want);
     free(after);
+}
+
+/* ---- zinf launch ------------------------------------------------------------------- */
+
+static const char *comm_rank_bin(void)
+{
+    const char *p = getenv("ZINF_COMM_RANK");
+    cr_assert_not_null(p, "ZINF_COMM_RANK is not set");
+    return p;
+}
+
+Test(cli, launch_gives_each_rank_its_environment_and_prefixes_its_lines)
+{
+    char *o;
+    cr_assert_eq(run(&o, "launch -n 3 --name envtest -- sh -c "
+                         "'echo out $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $ZINF_COMM_NAME; "
+                         "echo err $RANK >&2'"),
+                 0, "%s", o);
+    for (int r = 0; r < 3; r++) {
+        char want[128];
+        snprintf(want, sizeof(want), "[%d] out %d 3 %d 3 envtest\n", r, r, r);
+        cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+        snprintf(want, sizeof(want), "[%d] err %d\n", r, r);
+        cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+    }
+    free(o);
+    /* A line without its newline is printed all the same. */
+    cr_assert_eq(run(&o, "launch -n 1 -- printf 'no newline'"), 0);
+    cr_assert(strstr(o, "[0] no newline\n"), "%s", o);
+    free(o);
+}
+
+Test(cli, launch_ranks_meet_through_the_communicator)
+{
+    char *o;
+    cr_assert_eq(run(&o, "launch -n 3 -- %s", comm_rank_bin()), 0, "%s", o);
+    for (int r = 0; r < 3; r++) {
+        char want[64];
+        snprintf(want, sizeof(want), "[%d] rank %d ok", r, r);
+        cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+    }
+    free(o);
+}
+
+/* A rank killed mid-job: the others are stopped within seconds and the launcher names it. */
+Test(cli, launch_stops_every_rank_when_one_dies)
+{
+    char *o;
+    double t0 = now_s();
+    cr_assert_eq(run(&o, "launch -n 3 --grace 5 -- %s die 1", comm_rank_bin()), 1, "%s", o);
+    cr_assert_lt(now_s() - t0, 15.0, "the others were not stopped in time: %s", o);
+    cr_assert(strstr(o, "failed: rank 1 was killed by signal 9"), "%s", o);
+    cr_assert_null(strstr(o, "rank 0 ok"), "%s", o);
+    free(o);
+    /* A rank that exits non-zero, while the others would run for a minute. */
+    t0 = now_s();
+    cr_assert_eq(run(&o, "launch -n 2 --grace 5 -- sh -c '[ $RANK = 1 ] && exit 7; exec sleep 60'"), 1,
+                 "%s", o);
+    cr_assert_lt(now_s() - t0, 15.0, "%s", o);
+    cr_assert(strstr(o, "failed: rank 1 exited with status 7"), "%s", o);
+    free(o);
+}
+
+Test(cli, launch_passes_sigterm_on_and_ranks_exit_cleanly)
+{
+    char out[4096];
+    snprintf(out, sizeof(out), "%s/launch.out", dir);
+    pid_t pid = spawn(out, "launch -n 2 -- %s wait", comm_rank_bin());
+    double t0 = now_s();
+    while (count_lines(out, "[") < 2 && now_s() - t0 < 30) /* both ranks past their checks */
+        usleep(20000);
+    cr_assert_eq(count_lines(out, "["), 2, "the ranks did not start: %s", read_text(out));
+    kill(pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    char *text = read_text(out);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 143, "status %#x: %s", st, text);
+    cr_assert(strstr(text, "[0] rank 0 stopped") && strstr(text, "[1] rank 1 stopped"), "%s", text);
+    cr_assert(strstr(text, "stopped by SIGTERM; 2 of 2 ranks exited 0"), "%s", text);
+    free(text);
+}
+
+Test(cli, launch_bad_arguments)
+{
+    char *o;
+    cr_assert_eq(run(&o, "launch -n 0 -- true"), 2);
+    cr_assert(strstr(o, "-n 0: a number of ranks from 1 to 64"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 65 -- true"), 2);
+    free(o);
+    cr_assert_eq(run(&o, "launch -- true"), 2);
+    cr_assert(strstr(o, "-n N is required"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 2"), 2);
+    cr_assert(strstr(o, "no COMMAND to run"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 2 --name 'a b' -- true"), 2);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 2 --grace -1 -- true"), 2);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 2 -- %s/no-such-program", dir), 127);
+    cr_assert(strstr(o, "cannot run") && strstr(o, "No such file"), "%s", o);
+    free(o);
+    /* A wrong world in one rank: every rank fails fast with the reason, not a timeout. */
+    double t0 = now_s();
+    cr_assert_eq(run(&o, "launch -n 2 -- sh -c '[ $RANK = 1 ] && export WORLD_SIZE=3; exec %s'",
+                     comm_rank_bin()),
+                 1, "%s", o);
+    cr_assert_lt(now_s() - t0, 15.0, "%s", o);
+    cr_assert(strstr(o, "rank 1 has a world of 3, rank 0 of 2"), "%s", o);
+    free(o);
 }

@@ -1,0 +1,79 @@
+/*
+ * comm_rank.c - one rank of a job started by `zinf launch` (test_cli): it opens the shm
+ * communicator from RANK, WORLD_SIZE and ZINF_COMM_NAME, allreduces, allgathers and
+ * checks the results, and says "rank R ok". With "die R" as its argument, rank R kills
+ * itself (SIGKILL) once the communicator is open, and the others go on into a collective
+ * that cannot complete. With "wait", each rank waits for SIGTERM after its checks and
+ * exits 0 saying "rank R stopped".
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "comm/comm.h"
+#include "zinf.h"
+
+static volatile sig_atomic_t stop;
+
+static void on_term(int sig)
+{
+    (void)sig;
+    stop = 1;
+}
+
+int main(int argc, char **argv)
+{
+    const char *rs = getenv("RANK"), *ws = getenv("WORLD_SIZE"), *name = getenv("ZINF_COMM_NAME");
+    if (!rs || !ws || !name) {
+        fprintf(stderr, "RANK, WORLD_SIZE or ZINF_COMM_NAME is not set\n");
+        return 2;
+    }
+    int rank = atoi(rs), world = atoi(ws);
+    signal(SIGTERM, on_term);
+    struct comm_opts o = {.backend = COMM_SHM, .rank = rank, .world = world, .name = name,
+                          .timeout_ms = 20000};
+    struct comm *c;
+    int r = comm_open(&o, &c);
+    if (r) {
+        fprintf(stderr, "rank %d: comm_open: %s\n", rank, zinf_strerror(r));
+        return 1;
+    }
+    if (argc > 2 && !strcmp(argv[1], "die") && atoi(argv[2]) == rank) raise(SIGKILL);
+    float a[1000], b[1000];
+    for (int i = 0; i < 1000; i++)
+        a[i] = (float)(rank * 1000 + i);
+    if ((r = comm_allreduce(c, a, b, 1000, COMM_F32))) {
+        fprintf(stderr, "rank %d: allreduce: %s\n", rank, zinf_strerror(r));
+        return 1;
+    }
+    for (int i = 0; i < 1000; i++) {
+        float want = 0;
+        for (int q = 0; q < world; q++)
+            want += (float)(q * 1000 + i);
+        if (b[i] != want) {
+            fprintf(stderr, "rank %d: element %d is %g, not %g\n", rank, i, b[i], want);
+            return 1;
+        }
+    }
+    int mine = rank * 7, all[64];
+    if ((r = comm_allgather(c, &mine, all, sizeof(mine), COMM_BYTE))) {
+        fprintf(stderr, "rank %d: allgather: %s\n", rank, zinf_strerror(r));
+        return 1;
+    }
+    for (int q = 0; q < world; q++)
+        if (all[q] != q * 7) {
+            fprintf(stderr, "rank %d: allgather: rank %d's is %d\n", rank, q, all[q]);
+            return 1;
+        }
+    printf("rank %d ok\n", rank);
+    fflush(stdout);
+    comm_close(c);
+    if (argc > 1 && !strcmp(argv[1], "wait")) {
+        while (!stop)
+            pause();
+        printf("rank %d stopped\n", rank);
+    }
+    return 0;
+}
