@@ -1922,4 +1922,8 @@ Test(cli, launch_bad_arguments)
     cr_assert_lt(now_s() - t0, 15.0, "%s", o);
     cr_assert(strstr(o, "rank 1 has a world of 3, rank 0 of 2"), "%s", o);
     free(o);
+    /* The trainer does not partition across ranks yet: it says so rather than run twice. */
+    cr_assert_eq(run(&o, "launch -n 2 -- %s train --steps 1", getenv("ZINF_BIN")), 1, "%s", o);
+    cr_assert(strstr(o, "WORLD_SIZE is 2: the trainer runs as one rank"), "%s", o);
+    free(o);
 }

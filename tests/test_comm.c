@@ -349,10 +349,21 @@ Test(comm, bad_options_are_refused)
     }
     cr_assert_eq(comm_open(NULL, &c), -EINVAL);
     cr_assert_eq(comm_open(&o, NULL), -EINVAL);
+    o.name = "n";
+    o.backend = COMM_NCCL;
+    struct cuda_probe_info pi;
     if (!ZINF_HAVE_NCCL) {
-        o.name = "n";
-        o.backend = COMM_NCCL;
         cr_assert_eq(comm_open(&o, &c), -ENOTSUP, "a build without NCCL");
+    } else if (cuda_probe(&pi) == 0) {
+        /* NCCL built (and loaded at run time, where it is installed) but no GPU: an error,
+         * nothing left behind. */
+        char name[64];
+        unique_name(name, sizeof(name));
+        o.name = name;
+        int r = comm_open(&o, &c);
+        cr_assert_lt(r, 0, "nccl without a GPU");
+        cr_assert_null(c);
+        cr_assert_not(seg_exists(name));
     }
 }
 

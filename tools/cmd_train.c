@@ -545,6 +545,15 @@ int cmd_train(int argc, char **argv)
     bool ckpt_failed = false;
 
     trainer_opts_defaults(&o);
+    /* Started as one of several ranks (zinf launch -n N): the trainer does not partition
+     * its state across ranks yet, and N copies of one run would share its swap files. */
+    const char *ws = getenv("WORLD_SIZE");
+    if (ws && strcmp(ws, "1") != 0 && strcmp(ws, "") != 0) {
+        fprintf(stderr, "zinf train: WORLD_SIZE is %s: the trainer runs as one rank; training "
+                        "across several ranks (ZeRO partitions) is not built yet\n",
+                ws);
+        return 2;
+    }
     optind = 1;
     opterr = 0;
     while ((ch = getopt_long(argc, argv, "c:d:h", longopts, NULL)) != -1) {

@@ -1,5 +1,7 @@
 /*
- * nccl.c - the NCCL backend (nccl.h). Each operation is enqueued on the rank's stream and
+ * nccl.c - the NCCL backend (nccl.h). libnccl is loaded (dlopen) when a communicator first
+ * needs it: the library itself runs where NCCL is not installed, and says so only to a
+ * caller that asks for the nccl backend. Each operation is enqueued on the rank's stream and
  * waited for by polling the stream, so that a peer found dead (through the rendezvous
  * segment) or an asynchronous NCCL error aborts the communicator instead of hanging in a
  * collective that will never complete.
@@ -16,7 +18,9 @@
 
 #if ZINF_HAVE_NCCL
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <nccl.h>
+#include <pthread.h>
 
 _Static_assert(sizeof(ncclUniqueId) == SHM_ID_BYTES, "NCCL's unique id travels in the segment");
 
@@ -27,6 +31,64 @@ struct nccl {
     bool aborted;
 };
 
+/* The NCCL functions used, from libnccl.so.2. */
+static struct {
+    ncclResult_t (*GetUniqueId)(ncclUniqueId *);
+    ncclResult_t (*CommInitRank)(ncclComm_t *, int, ncclUniqueId, int);
+    ncclResult_t (*CommDestroy)(ncclComm_t);
+    ncclResult_t (*CommAbort)(ncclComm_t);
+    ncclResult_t (*CommGetAsyncError)(ncclComm_t, ncclResult_t *);
+    const char *(*GetErrorString)(ncclResult_t);
+    ncclResult_t (*AllGather)(const void *, void *, size_t, ncclDataType_t, ncclComm_t, cudaStream_t);
+    ncclResult_t (*ReduceScatter)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t,
+                                  ncclComm_t, cudaStream_t);
+    ncclResult_t (*AllReduce)(const void *, void *, size_t, ncclDataType_t, ncclRedOp_t, ncclComm_t,
+                              cudaStream_t);
+    ncclResult_t (*Broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t,
+                              cudaStream_t);
+} lib;
+static pthread_once_t lib_once = PTHREAD_ONCE_INIT;
+static int lib_err; /* 0 loaded, -ENOTSUP not */
+
+static void lib_load(void)
+{
+    void *h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
+    if (!h) h = dlopen("libnccl.so", RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        log_error("comm: NCCL cannot be loaded (%s): install NCCL (libnccl2) for the nccl backend",
+                  dlerror());
+        lib_err = -ENOTSUP;
+        return;
+    }
+    struct {
+        void **fn;
+        const char *name;
+    } syms[] = {{(void **)&lib.GetUniqueId, "ncclGetUniqueId"},
+                {(void **)&lib.CommInitRank, "ncclCommInitRank"},
+                {(void **)&lib.CommDestroy, "ncclCommDestroy"},
+                {(void **)&lib.CommAbort, "ncclCommAbort"},
+                {(void **)&lib.CommGetAsyncError, "ncclCommGetAsyncError"},
+                {(void **)&lib.GetErrorString, "ncclGetErrorString"},
+                {(void **)&lib.AllGather, "ncclAllGather"},
+                {(void **)&lib.ReduceScatter, "ncclReduceScatter"},
+                {(void **)&lib.AllReduce, "ncclAllReduce"},
+                {(void **)&lib.Broadcast, "ncclBroadcast"}};
+    for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
+        *syms[i].fn = dlsym(h, syms[i].name);
+        if (!*syms[i].fn) {
+            log_error("comm: the NCCL found has no %s: too old", syms[i].name);
+            lib_err = -ENOTSUP;
+            return; /* the handle stays open: nothing of it is used */
+        }
+    }
+}
+
+static int lib_ready(void)
+{
+    pthread_once(&lib_once, lib_load);
+    return lib_err;
+}
+
 bool nccl_built(void)
 {
     return true;
@@ -34,7 +96,7 @@ bool nccl_built(void)
 
 static int nccl_errno(ncclResult_t r, const char *what)
 {
-    log_error("comm: %s: %s", what, ncclGetErrorString(r));
+    log_error("comm: %s: %s", what, lib.GetErrorString(r));
     return r == ncclInvalidArgument || r == ncclInvalidUsage ? -EINVAL : -EIO;
 }
 
@@ -47,8 +109,10 @@ static int cuda_err(cudaError_t e, const char *what)
 
 int nccl_unique_id(uint8_t *id)
 {
+    int e = lib_ready();
+    if (e) return e;
     ncclUniqueId u;
-    ncclResult_t r = ncclGetUniqueId(&u);
+    ncclResult_t r = lib.GetUniqueId(&u);
     if (r != ncclSuccess) return nccl_errno(r, "ncclGetUniqueId");
     memcpy(id, &u, sizeof(u));
     return 0;
@@ -56,6 +120,8 @@ int nccl_unique_id(uint8_t *id)
 
 int nccl_open(const struct comm_opts *o, const uint8_t *id, struct nccl **out)
 {
+    int le = lib_ready();
+    if (le) return le;
     struct nccl *n = calloc(1, sizeof(*n));
     if (!n) return -ENOMEM;
     n->device = o->cuda_device;
@@ -73,7 +139,7 @@ int nccl_open(const struct comm_opts *o, const uint8_t *id, struct nccl **out)
     }
     ncclUniqueId u;
     memcpy(&u, id, sizeof(u));
-    ncclResult_t nr = ncclCommInitRank(&n->comm, o->world, u, o->rank);
+    ncclResult_t nr = lib.CommInitRank(&n->comm, o->world, u, o->rank);
     if (nr != ncclSuccess) {
         n->comm = NULL;
         r = nccl_errno(nr, "ncclCommInitRank");
@@ -105,12 +171,12 @@ static int wait_stream(struct nccl *n, struct shm *rdv)
         if (e == cudaSuccess) return 0;
         if (e != cudaErrorNotReady) return cuda_err(e, "cudaStreamQuery");
         ncclResult_t ae = ncclSuccess;
-        ncclCommGetAsyncError(n->comm, &ae);
+        lib.CommGetAsyncError(n->comm, &ae);
         int r = ae != ncclSuccess && ae != ncclInProgress ? nccl_errno(ae, "an NCCL operation")
                 : i % 1024 == 1023                          ? shm_check(rdv)
                                                             : 0;
         if (r) {
-            ncclCommAbort(n->comm);
+            lib.CommAbort(n->comm);
             n->comm = NULL;
             n->aborted = true;
             return r;
@@ -127,16 +193,16 @@ int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
     ncclResult_t r = ncclSuccess;
     switch (q->op) {
     case COMM_ALLGATHER:
-        r = ncclAllGather(q->send, q->recv, q->count, t, n->comm, n->stream);
+        r = lib.AllGather(q->send, q->recv, q->count, t, n->comm, n->stream);
         break;
     case COMM_REDUCE_SCATTER:
-        r = ncclReduceScatter(q->send, q->recv, q->count, t, ncclSum, n->comm, n->stream);
+        r = lib.ReduceScatter(q->send, q->recv, q->count, t, ncclSum, n->comm, n->stream);
         break;
     case COMM_ALLREDUCE:
-        r = ncclAllReduce(q->send, q->recv, q->count, t, ncclSum, n->comm, n->stream);
+        r = lib.AllReduce(q->send, q->recv, q->count, t, ncclSum, n->comm, n->stream);
         break;
     case COMM_BROADCAST:
-        r = ncclBroadcast(q->recv, q->recv, q->count, t, q->root, n->comm, n->stream);
+        r = lib.Broadcast(q->recv, q->recv, q->count, t, q->root, n->comm, n->stream);
         break;
     case COMM_BARRIER:
         return shm_barrier(rdv);
@@ -148,7 +214,7 @@ int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
 void nccl_close(struct nccl *n)
 {
     if (!n) return;
-    if (n->comm) ncclCommDestroy(n->comm);
+    if (n->comm) lib.CommDestroy(n->comm);
     if (n->stream) cudaStreamDestroy(n->stream);
     free(n);
 }

@@ -12,6 +12,7 @@ BUILD_DIR=build-gpu scripts/setup.sh -Dbuildtype=release -Dcuda=enabled
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
 progs=(build-gpu/tests/test_kernels build-gpu/tests/test_train_gpu build-gpu/tests/test_device
        build-gpu/tests/test_host build-gpu/tests/test_engine build-gpu/tests/test_service
+       build-gpu/tests/test_comm
        build-gpu/tools/zinf
        build-gpu/bench/swapin build-gpu/bench/hitpath build-gpu/bench/eviction)
 for p in "${progs[@]}"; do

@@ -67,6 +67,8 @@ step host 30 "$bin/test_host" --verbose
 # The service's daemon (a child process) sharing a GPU arena with a client through CUDA IPC,
 # and putting back a GPU copy a client abandoned half-written.
 step service_gpu 60 "$bin/test_service" --filter 'service/*gpu*' --verbose
+# NCCL with one rank (libnccl loaded at run time from the machine's install).
+step comm_nccl 60 "$bin/test_comm" --filter 'comm/nccl*' --verbose
 step swapin 70 "$bin/swapin" --path "$swap/swapin" --device-kind "${device/cuda/auto}" --device-bytes 1G \
   --tensors 48 --tensor-size 64M --steps 4 --zinf "$bin/zinf" --json
 
