@@ -64,3 +64,7 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/ts
 # sessions' pins and the client's pool of connections.
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
   ZINF_TEST_TMPDIR=$PWD/build-tsan/tests/tmp build-tsan/tests/stress_api 5 --service
+# The communicator's worker thread and callbacks, in ranks started by the launcher.
+ninja -C build-tsan tests/comm_rank
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" build/tools/zinf launch -n 3 -- \
+  build-tsan/tests/comm_rank

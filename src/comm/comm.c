@@ -19,6 +19,10 @@
 #include "comm/shm.h"
 #include "common.h"
 
+/* A communicator is open (requests run), failed (an operation failed here or on another
+ * rank, or a rank died: every request, queued or new, answers -ECONNABORTED) or closing
+ * (the queue is emptied, new requests answer -ESHUTDOWN). open -> failed is one way; both
+ * go to closing at comm_close. */
 struct comm {
     struct comm_opts o;
     char name[COMM_NAME_BYTES];
