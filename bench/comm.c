@@ -30,7 +30,7 @@
 struct opts {
     int ranks, iters, warmup;
     uint64_t min_bytes, max_bytes, chunk_bytes;
-    bool json;
+    bool json, pool;
     enum comm_backend backend;
 };
 
@@ -58,16 +58,17 @@ static float val(int r, size_t i)
 /* One rank: every (op, size); rank 0 writes rows[] (ops x sizes). */
 static int rank_main(const struct opts *o, int rank, const char *name, struct row *rows, int nsizes)
 {
+    size_t maxb = (size_t)o->max_bytes;
     struct comm_opts co = {.backend = o->backend, .rank = rank, .world = o->ranks, .name = name,
-                           .chunk_bytes = o->chunk_bytes};
+                           .chunk_bytes = o->chunk_bytes, .pool_bytes = o->pool ? 2 * maxb : 0};
     struct comm *c;
     int r = comm_open(&co, &c);
     if (r) {
         fprintf(stderr, "comm: rank %d: comm_open: %s\n", rank, zinf_strerror(r));
         return 1;
     }
-    size_t maxb = (size_t)o->max_bytes;
-    float *send = malloc(maxb), *recv = malloc(maxb);
+    float *send = o->pool ? comm_alloc(c, maxb, &r) : malloc(maxb),
+          *recv = o->pool ? comm_alloc(c, maxb, &r) : malloc(maxb);
     if (!send || !recv) return 1;
     memset(send, 0, maxb); /* fault the pages in before timing */
     memset(recv, 0, maxb);
@@ -116,8 +117,13 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
             }
         }
     }
-    free(send);
-    free(recv);
+    if (o->pool) {
+        comm_free(c, send);
+        comm_free(c, recv);
+    } else {
+        free(send);
+        free(recv);
+    }
     comm_close(c);
     return 0;
 fail:
@@ -147,9 +153,10 @@ static double memcpy_gbs(size_t bytes)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: comm [--ranks 2] [--min 1M] [--max 256M] [--iters 5] [--warmup 1]\n"
-               "            [--chunk 4M] [--json]\n"
+               "            [--chunk 4M] [--pool] [--json]\n"
                "allgather, reduce_scatter and allreduce of float32 across RANKS processes on the\n"
-               "shm backend, sizes doubling from MIN to MAX bytes, in the nccl-tests shape.\n");
+               "shm backend, sizes doubling from MIN to MAX bytes, in the nccl-tests shape.\n"
+               "--pool: the buffers come from comm_alloc (every rank maps them: one copy).\n");
 }
 
 int main(int argc, char **argv)
@@ -163,6 +170,7 @@ int main(int argc, char **argv)
                                        {"warmup", required_argument, NULL, 'w'},
                                        {"chunk", required_argument, NULL, 'c'},
                                        {"json", no_argument, NULL, 'j'},
+                                       {"pool", no_argument, NULL, 'p'},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
     int ch;
@@ -190,6 +198,9 @@ int main(int argc, char **argv)
             break;
         case 'j':
             o.json = true;
+            break;
+        case 'p':
+            o.pool = true;
             break;
         case 'h':
             usage(stdout);
@@ -234,9 +245,10 @@ int main(int argc, char **argv)
     uint64_t wrong_all = 0;
     if (!o.json) {
         printf("# zinf %s comm: backend %s, %d ranks (processes), float32, %d iterations after %d "
-               "warm-up, chunk %llu B (0: default)\n",
+               "warm-up, chunk %llu B (0: default), buffers %s\n",
                zinf_version(), comm_backend_name(o.backend), o.ranks, o.iters, o.warmup,
-               (unsigned long long)o.chunk_bytes);
+               (unsigned long long)o.chunk_bytes,
+               o.pool ? "from comm_alloc (one copy)" : "private (through staging)");
         printf("# %-14s %12s %12s %6s %10s %9s %9s %8s\n", "collective", "size", "count", "type",
                "time", "algbw", "busbw", "#wrong");
         printf("# %-14s %12s %12s %6s %10s %9s %9s %8s\n", "", "(B)", "(elements)", "", "(us)",

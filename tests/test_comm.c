@@ -72,6 +72,16 @@ static void expect_all(int world, const int *status, int want, const char *what)
         cr_expect_eq(status[r], want, "%s: rank %d exited %d, not %d", what, r, status[r], want);
 }
 
+static struct comm *open_pool(int rank, int world, const char *name, size_t chunk, size_t pool,
+                              int *err)
+{
+    struct comm_opts o = {.backend = COMM_SHM, .rank = rank, .world = world, .name = name,
+                          .timeout_ms = 20000, .chunk_bytes = chunk, .pool_bytes = pool};
+    struct comm *c = NULL;
+    *err = comm_open(&o, &c);
+    return c;
+}
+
 static struct comm *open_shm(int rank, int world, const char *name, size_t chunk, int *err)
 {
     struct comm_opts o = {.backend = COMM_SHM, .rank = rank, .world = world, .name = name,
@@ -102,6 +112,7 @@ static float rank_order_sum(int world, size_t i)
 
 struct coll_arg {
     size_t count, chunk;
+    int pooled; /* -1: no rank's buffers in its pool, W: all of them, r: rank r's only */
 };
 
 static int collectives(int rank, int world, const char *name, void *argp)
@@ -109,10 +120,12 @@ static int collectives(int rank, int world, const char *name, void *argp)
     const struct coll_arg *a = argp;
     size_t n = a->count;
     int err;
-    struct comm *c = open_shm(rank, world, name, a->chunk, &err);
+    size_t buf_bytes = (n * (size_t)world + 1) * sizeof(float);
+    bool mine_pooled = a->pooled == world || a->pooled == rank;
+    struct comm *c = open_pool(rank, world, name, a->chunk, a->pooled >= 0 ? 2 * buf_bytes + 8192 : 0, &err);
     if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
-    float *send = malloc((n * (size_t)world + 1) * sizeof(float));
-    float *recv = malloc((n * (size_t)world + 1) * sizeof(float));
+    float *send = mine_pooled ? comm_alloc(c, buf_bytes, &err) : malloc(buf_bytes);
+    float *recv = mine_pooled ? comm_alloc(c, buf_bytes, &err) : malloc(buf_bytes);
     if (!send || !recv) FAIL(11, "out of memory");
 
     /* allreduce, into another buffer and in place */
@@ -163,21 +176,49 @@ static int collectives(int rank, int world, const char *name, void *argp)
     comm_get_stats(c, &st);
     if (st.ops != 8 || st.rank != rank || st.world != world || st.backend != COMM_SHM)
         FAIL(25, "stats: %llu ops", (unsigned long long)st.ops);
-    free(send);
-    free(recv);
+    /* Six of them carry data: in place in the pools only when every rank's buffers are. */
+    if (st.pooled_ops != (a->pooled == world ? 6u : 0u))
+        FAIL(26, "%llu operations went through the pools", (unsigned long long)st.pooled_ops);
+    if (mine_pooled) {
+        if (comm_free(c, send) || comm_free(c, recv) || comm_free(c, recv) != -EINVAL)
+            FAIL(27, "comm_free");
+    } else {
+        free(send);
+        free(recv);
+    }
     comm_close(c);
     return 0;
 }
 
-static void collectives_across(int world, size_t count, size_t chunk)
+static void collectives_across_pooled(int world, size_t count, size_t chunk, int pooled)
 {
     char name[64];
     int status[COMM_MAX_RANKS];
-    struct coll_arg a = {count, chunk};
+    struct coll_arg a = {count, chunk, pooled};
     unique_name(name, sizeof(name));
     run_ranks(world, collectives, &a, name, status);
     expect_all(world, status, 0, "collectives");
     cr_expect_not(seg_exists(name), "the segment outlived the rendezvous");
+}
+
+static void collectives_across(int world, size_t count, size_t chunk)
+{
+    collectives_across_pooled(world, count, chunk, -1);
+}
+
+/* Buffers from comm_alloc on every rank: one copy, read in place from the peers' pools,
+ * and bitwise the same results (in place too: in-place sums read what they overwrite). */
+Test(comm, pooled_collectives_are_the_rank_order_sum_on_2_and_3_ranks)
+{
+    collectives_across_pooled(2, 100003, 64 * KiB, 2);
+    collectives_across_pooled(3, 50001, 0, 3);
+}
+
+/* Where one rank's buffers are not in its pool, every rank goes through the staging
+ * areas, with the same results. */
+Test(comm, a_rank_without_pooled_buffers_sends_all_through_staging)
+{
+    collectives_across_pooled(3, 30011, 32 * KiB, 1);
 }
 
 /* Small chunks: many of them, a ragged last one, both staging sets in turn. */
@@ -267,6 +308,62 @@ static void never_cb(struct comm_req *q, int res)
 {
     (void)q, (void)res;
     never_called++;
+}
+
+Test(comm, comm_alloc_hands_out_the_pool_and_says_when_it_cannot)
+{
+    char name[64];
+    unique_name(name, sizeof(name));
+    int err, rank = 0;
+    struct comm *c = open_pool(rank, 1, name, 0, 3 * MiB, &err);
+    cr_assert_not_null(c, "%s", zinf_strerror(err));
+    void *a = comm_alloc(c, MiB, &err), *b = comm_alloc(c, 2 * MiB, &err);
+    cr_assert(a && b);
+    cr_assert(is_aligned((uintptr_t)a, 4096));
+    cr_assert_null(comm_alloc(c, 1, &err), "the pool is full");
+    cr_assert_eq(err, -ENOSPC);
+    cr_assert_null(comm_alloc(c, 0, &err));
+    cr_assert_eq(err, -EINVAL);
+    int x;
+    cr_assert_eq(comm_free(c, &x), -EINVAL, "not the pool's");
+    cr_assert_eq(comm_free(c, (char *)a + 4096), -EINVAL, "inside an allocation");
+    cr_assert_eq(comm_free(c, a), 0);
+    cr_assert_eq(comm_free(c, a), -EINVAL, "twice");
+    cr_assert_not_null(comm_alloc(c, MiB, &err), "room again");
+    comm_close(c);
+    /* No pool: -ENOSPC; the self backend: plain memory. */
+    unique_name(name, sizeof(name));
+    c = open_shm(rank, 1, name, 0, &err);
+    cr_assert_null(comm_alloc(c, 4096, &err));
+    cr_assert_eq(err, -ENOSPC);
+    comm_close(c);
+    struct comm_opts so = {.backend = COMM_SELF, .world = 1};
+    cr_assert_eq(comm_open(&so, &c), 0);
+    a = comm_alloc(c, 100, &err);
+    cr_assert_not_null(a);
+    cr_assert_eq(comm_free(c, &x), -EINVAL);
+    cr_assert_eq(comm_free(c, a), 0);
+    cr_assert_not_null(comm_alloc(c, 100, &err), "freed by comm_close");
+    comm_close(c);
+}
+
+/* Ranks that disagree on the pool's size fail together. */
+static int wrong_pool(int rank, int world, const char *name, void *arg)
+{
+    (void)world, (void)arg;
+    int err;
+    struct comm *c = open_pool(rank, 2, name, 0, rank ? 2 * MiB : MiB, &err);
+    comm_close(c);
+    return -err;
+}
+
+Test(comm, ranks_with_other_pool_sizes_fail_together)
+{
+    char name[64];
+    int status[2];
+    unique_name(name, sizeof(name));
+    run_ranks(2, wrong_pool, NULL, name, status);
+    expect_all(2, status, EPROTO, "pool sizes");
 }
 
 Test(comm, self_backend_copies_and_checks_its_input)

@@ -18,6 +18,7 @@
 #include "comm/nccl.h"
 #include "comm/shm.h"
 #include "common.h"
+#include "tiers/extent.h"
 
 /* A communicator is open (requests run), failed (an operation failed here or on another
  * rank, or a rank died: every request, queued or new, answers -ECONNABORTED) or closing
@@ -37,6 +38,16 @@ struct comm {
     struct comm_stats st;
     pthread_t worker;
     bool worker_up;
+
+    pthread_mutex_t pool_lock; /* below */
+    struct extent_alloc pool;  /* shm: the rank's pool, by offset */
+    char *pool_base;
+    struct self_alloc *self_allocs; /* self: what comm_alloc handed out */
+};
+
+struct self_alloc {
+    void *p;
+    struct self_alloc *next;
 };
 
 const char *comm_backend_name(enum comm_backend b)
@@ -119,13 +130,14 @@ static void *worker_main(void *arg)
         pthread_mutex_unlock(&c->lock);
 
         int r = -ECONNABORTED;
+        bool pooled = false;
         if (!was_failed) {
             switch (c->o.backend) {
             case COMM_SELF:
                 r = self_run(q);
                 break;
             case COMM_SHM:
-                r = shm_run(c->shm, q);
+                r = shm_run(c->shm, q, &pooled);
                 break;
             case COMM_NCCL:
                 r = nccl_run(c->nccl, c->shm, q);
@@ -150,6 +162,7 @@ static void *worker_main(void *arg)
             c->st.ops++;
             c->st.bytes_in += in;
             c->st.bytes_out += out;
+            c->st.pooled_ops += pooled;
         }
         pthread_mutex_unlock(&c->lock);
         q->cb(q, r); /* the request is its owner's again from here */
@@ -203,9 +216,13 @@ int comm_open(const struct comm_opts *o, struct comm **out)
     pthread_mutex_init(&c->lock, NULL);
     pthread_cond_init(&c->work_cv, NULL);
     pthread_cond_init(&c->idle_cv, NULL);
+    pthread_mutex_init(&c->pool_lock, NULL);
     int r = 0;
     if (o->backend == COMM_SHM) {
         r = shm_rdv_open(&c->o, true, NULL, &c->shm);
+        size_t pool_bytes = 0;
+        if (r == 0) shm_pool(c->shm, &c->pool_base, &pool_bytes);
+        if (r == 0 && pool_bytes) r = extent_init(&c->pool, pool_bytes, ZINF_ALIGN);
     } else if (o->backend == COMM_NCCL) {
         uint8_t id[SHM_ID_BYTES] = {0};
         if (o->rank == 0) r = nccl_unique_id(id);
@@ -237,6 +254,13 @@ void comm_close(struct comm *c)
     if (c->worker_up) pthread_join(c->worker, NULL);
     nccl_close(c->nccl);
     shm_rdv_close(c->shm);
+    extent_fini(&c->pool);
+    for (struct self_alloc *a = c->self_allocs, *n; a; a = n) {
+        n = a->next;
+        free(a->p);
+        free(a);
+    }
+    pthread_mutex_destroy(&c->pool_lock);
     pthread_cond_destroy(&c->idle_cv);
     pthread_cond_destroy(&c->work_cv);
     pthread_mutex_destroy(&c->lock);
@@ -334,6 +358,62 @@ int comm_barrier(struct comm *c)
 {
     struct comm_req q = {.op = COMM_BARRIER, .dtype = COMM_BYTE};
     return comm_run(c, &q);
+}
+
+void *comm_alloc(struct comm *c, size_t bytes, int *err)
+{
+    int e = 0;
+    void *p = NULL;
+    if (!c || bytes == 0) {
+        e = -EINVAL;
+    } else if (c->o.backend == COMM_NCCL) {
+        e = -ENOTSUP;
+    } else if (c->o.backend == COMM_SELF) {
+        struct self_alloc *a = malloc(sizeof(*a));
+        if (!a || posix_memalign(&p, ZINF_ALIGN, bytes) != 0) {
+            free(a);
+            p = NULL;
+            e = -ENOMEM;
+        } else {
+            pthread_mutex_lock(&c->pool_lock);
+            a->p = p;
+            a->next = c->self_allocs;
+            c->self_allocs = a;
+            pthread_mutex_unlock(&c->pool_lock);
+        }
+    } else if (!c->pool_base) {
+        e = -ENOSPC;
+    } else {
+        uint64_t off;
+        pthread_mutex_lock(&c->pool_lock);
+        e = extent_alloc(&c->pool, bytes, &off);
+        pthread_mutex_unlock(&c->pool_lock);
+        if (e == 0) p = c->pool_base + off;
+    }
+    if (err) *err = e;
+    return p;
+}
+
+int comm_free(struct comm *c, void *p)
+{
+    if (!c || !p) return -EINVAL;
+    int r = -EINVAL;
+    pthread_mutex_lock(&c->pool_lock);
+    if (c->o.backend == COMM_SELF) {
+        for (struct self_alloc **a = &c->self_allocs; *a; a = &(*a)->next) {
+            if ((*a)->p != p) continue;
+            struct self_alloc *d = *a;
+            *a = d->next;
+            free(d->p);
+            free(d);
+            r = 0;
+            break;
+        }
+    } else if (c->pool_base && (char *)p >= c->pool_base) {
+        r = extent_free(&c->pool, (uint64_t)((char *)p - c->pool_base));
+    }
+    pthread_mutex_unlock(&c->pool_lock);
+    return r;
 }
 
 void comm_get_stats(struct comm *c, struct comm_stats *out)

@@ -53,6 +53,8 @@ struct comm_opts {
     const char *name;   /* the job's rendezvous name: [A-Za-z0-9._-], < COMM_NAME_BYTES */
     unsigned timeout_ms; /* the rendezvous; 0: the default (60 s) */
     size_t chunk_bytes;  /* shm: staging per rank and step; 0: the default (4 MiB) */
+    size_t pool_bytes;   /* shm: memory per rank for comm_alloc, which every rank maps
+                            (collectives on it copy once); 0: none */
     int cuda_device;     /* nccl: the rank's GPU ordinal */
 };
 
@@ -76,6 +78,7 @@ struct comm_stats {
     enum comm_backend backend;
     int rank, world;
     uint64_t ops, bytes_in, bytes_out; /* finished operations; bytes sent and received */
+    uint64_t pooled_ops;               /* of ops, those that read peers' pools in place */
 };
 
 struct comm;
@@ -102,6 +105,15 @@ int comm_allreduce(struct comm *c, const void *send, void *recv, size_t count,
                    enum comm_dtype dt);
 int comm_broadcast(struct comm *c, void *buf, size_t count, enum comm_dtype dt, int root);
 int comm_barrier(struct comm *c);
+
+/* Memory of the rank's pool (comm_opts.pool_bytes), 4096-aligned, which every rank of
+ * the shm backend maps: a collective whose buffers on every rank come from their pools
+ * reads the peers' data in place (one copy instead of two through the staging areas).
+ * The self backend hands out plain memory. NULL and *err: -EINVAL 0 bytes, -ENOSPC the
+ * pool is full (or there is none), -ENOTSUP the nccl backend (use device memory). */
+void *comm_alloc(struct comm *c, size_t bytes, int *err);
+/* -EINVAL for memory comm_alloc did not hand out (or freed already). */
+int comm_free(struct comm *c, void *p);
 
 void comm_get_stats(struct comm *c, struct comm_stats *out);
 const char *comm_backend_name(enum comm_backend b);

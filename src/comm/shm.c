@@ -46,12 +46,17 @@
 struct shm_rank {
     _Atomic uint32_t joined;
     int32_t pid;
+    /* An operation's arguments, written before its first barrier and read after it: whether
+     * the rank's buffers are in its pool, and where. */
+    uint32_t pooled;
+    uint64_t off_send, off_recv;
 };
 
 struct shm_hdr {
     _Atomic uint64_t magic; /* stored last by rank 0: the rest of the header is valid */
     uint32_t world, backend;
     uint64_t chunk_bytes; /* 0: no staging areas */
+    uint64_t pool_bytes;  /* per rank, after the staging areas; 0: none */
     int32_t pid0;
     _Atomic uint32_t open; /* every rank joined: rank 0 sets it, then unlinks the name */
     _Atomic uint32_t failed;
@@ -66,6 +71,8 @@ struct shm {
     size_t map_bytes;
     char *data;      /* the staging sets, or NULL */
     size_t chunk;    /* bytes per area */
+    char *pools;     /* rank r's pool at pools + r x pool; NULL: none */
+    size_t pool;
     uint64_t chunks; /* chunks moved so far (set = chunks % 2) */
     int rank, world;
     char name[COMM_NAME_BYTES + 16];
@@ -76,9 +83,9 @@ static size_t hdr_bytes(void)
     return align_up(sizeof(struct shm_hdr), ZINF_ALIGN);
 }
 
-static size_t seg_bytes(int world, size_t chunk)
+static size_t seg_bytes(int world, size_t chunk, size_t pool)
 {
-    return hdr_bytes() + 2 * ((size_t)world + 1) * chunk;
+    return hdr_bytes() + 2 * ((size_t)world + 1) * chunk + (size_t)world * pool;
 }
 
 /* Rank r's area in set k % 2; r == world: the set's result area. */
@@ -215,8 +222,8 @@ static int rdv_fail(struct shm *s, int err, const char *why)
 }
 
 /* Rank 0: make the segment and wait for the others. */
-static int rdv_create(struct shm *s, const struct comm_opts *o, size_t chunk, const uint8_t *id,
-                      uint64_t deadline)
+static int rdv_create(struct shm *s, const struct comm_opts *o, size_t chunk, size_t pool,
+                      const uint8_t *id, uint64_t deadline)
 {
     shm_unlink(s->name); /* a crashed run's, if any */
     int fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -225,7 +232,7 @@ static int rdv_create(struct shm *s, const struct comm_opts *o, size_t chunk, co
         log_error("comm: cannot create /dev/shm%s: %s", s->name, strerror(-e));
         return e;
     }
-    size_t bytes = seg_bytes(o->world, chunk);
+    size_t bytes = seg_bytes(o->world, chunk, pool);
     void *p = MAP_FAILED;
     if (ftruncate(fd, (off_t)bytes) == 0)
         p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -241,6 +248,7 @@ static int rdv_create(struct shm *s, const struct comm_opts *o, size_t chunk, co
     s->h->world = (uint32_t)o->world;
     s->h->backend = (uint32_t)o->backend;
     s->h->chunk_bytes = chunk;
+    s->h->pool_bytes = pool;
     s->h->pid0 = (int32_t)getpid();
     if (id) memcpy(s->h->id, id, SHM_ID_BYTES);
     s->h->ranks[0].pid = (int32_t)getpid();
@@ -313,7 +321,12 @@ static int rdv_join(struct shm *s, const struct comm_opts *o, uint8_t *id, uint6
                  comm_backend_name(o->backend), comm_backend_name((enum comm_backend)s->h->backend));
         return rdv_fail(s, -EPROTO, what);
     }
-    if (s->map_bytes < seg_bytes(o->world, s->h->chunk_bytes))
+    if (s->h->pool_bytes != align_up(o->pool_bytes, ZINF_ALIGN) && s->h->chunk_bytes) {
+        snprintf(what, sizeof(what), "rank %d has a pool of %zu bytes, rank 0 of %llu", o->rank,
+                 (size_t)align_up(o->pool_bytes, ZINF_ALIGN), (unsigned long long)s->h->pool_bytes);
+        return rdv_fail(s, -EPROTO, what);
+    }
+    if (s->map_bytes < seg_bytes(o->world, s->h->chunk_bytes, s->h->pool_bytes))
         return rdv_fail(s, -EPROTO, "the segment is smaller than its header says");
     uint32_t zero = 0;
     if (!atomic_compare_exchange_strong(&s->h->ranks[o->rank].joined, &zero, 1)) {
@@ -357,13 +370,21 @@ int shm_rdv_open(const struct comm_opts *o, bool data, uint8_t *id, struct shm *
                         : 0;
     uint64_t deadline =
         now_ns() + (uint64_t)(o->timeout_ms ? o->timeout_ms : COMM_DEFAULT_TIMEOUT_MS) * 1000000ull;
-    int r = o->rank == 0 ? rdv_create(s, o, chunk, id, deadline) : rdv_join(s, o, id, deadline);
+    size_t pool = data ? align_up(o->pool_bytes, ZINF_ALIGN) : 0;
+    if (pool > SIZE_MAX / 2 / (size_t)o->world) {
+        log_error("comm: a pool of %zu bytes per rank is too large", o->pool_bytes);
+        free(s);
+        return -EINVAL;
+    }
+    int r = o->rank == 0 ? rdv_create(s, o, chunk, pool, id, deadline) : rdv_join(s, o, id, deadline);
     if (r < 0) {
         shm_rdv_close(s);
         return r;
     }
     s->chunk = s->h->chunk_bytes;
     s->data = s->chunk ? (char *)s->h + hdr_bytes() : NULL;
+    s->pool = s->h->pool_bytes;
+    s->pools = s->pool ? (char *)s->h + hdr_bytes() + 2 * ((size_t)s->world + 1) * s->chunk : NULL;
     *out = s;
     return 0;
 }
@@ -455,11 +476,119 @@ static int allreduce(struct shm *s, const float *send, float *recv, size_t count
     return 0;
 }
 
-int shm_run(struct shm *s, const struct comm_req *q)
+void shm_pool(struct shm *s, char **base, size_t *bytes)
+{
+    *base = s->pools ? s->pools + (size_t)s->rank * s->pool : NULL;
+    *bytes = s->pools ? s->pool : 0;
+}
+
+/* [p, p + n) inside this rank's pool: its offset there, else -1. */
+static int64_t pool_off(const struct shm *s, const void *p, size_t n)
+{
+    if (!s->pools || !p) return -1;
+    const char *b = s->pools + (size_t)s->rank * s->pool, *c = p;
+    if (c < b || c > b + s->pool || n > (size_t)(b + s->pool - c)) return -1;
+    return c - b;
+}
+
+static const char *peer(const struct shm *s, int q, uint64_t off)
+{
+    return s->pools + (size_t)q * s->pool + off;
+}
+
+/* out[i] = sum over ranks, in rank order, of float at + i of peer q's send,
+ * a tile at a time in a buffer of its own: out may be this rank's own send (in place),
+ * which the sum still has to read. */
+static void reduce_pooled(struct shm *s, size_t at, float *out, size_t n)
+{
+    enum { TILE = 8192 }; /* floats: 32 KiB, in cache between the additions */
+    float acc[TILE];
+    for (size_t t = 0; t < n; t += TILE) {
+        size_t m = MIN((size_t)TILE, n - t);
+        for (int q = 0; q < s->world; q++) {
+            const float *a = (const float *)peer(s, q, s->h->ranks[q].off_send) + at + t;
+            if (q == 0) {
+                memcpy(acc, a, m * sizeof(float));
+                continue;
+            }
+            for (size_t i = 0; i < m; i++)
+                acc[i] += a[i];
+        }
+        memcpy(out + t, acc, m * sizeof(float));
+    }
+}
+
+/* The one-copy collectives, once every rank has said its buffers are in its pool (and
+ * passed the barrier after saying so). Each ends with a barrier: a rank may write its
+ * buffers again only when no peer reads them any more. */
+static int run_pooled(struct shm *s, const struct comm_req *q, size_t bytes)
+{
+    int me = s->rank, r;
+    switch (q->op) {
+    case COMM_ALLGATHER:
+        for (int p = 0; p < s->world; p++) {
+            char *dst = (char *)q->recv + (size_t)p * bytes;
+            const char *src = peer(s, p, s->h->ranks[p].off_send);
+            if (dst != src) memmove(dst, src, bytes); /* in place: nothing to move */
+        }
+        break;
+    case COMM_BROADCAST:
+        if (me != q->root) memcpy(q->recv, peer(s, q->root, s->h->ranks[q->root].off_recv), bytes);
+        break;
+    case COMM_REDUCE_SCATTER:
+        reduce_pooled(s, (size_t)me * q->count, q->recv, q->count);
+        break;
+    case COMM_ALLREDUCE: {
+        /* Each rank reduces its 1/world into its own recv (in place is safe: a rank's own
+         * part of its send is read by itself only), then copies the others' parts from
+         * their recv once they are done. */
+        size_t n = q->count, lo = n * (size_t)me / (size_t)s->world,
+               hi = n * ((size_t)me + 1) / (size_t)s->world;
+        reduce_pooled(s, lo, (float *)q->recv + lo, hi - lo);
+        if ((r = shm_barrier(s))) return r;
+        for (int p = 0; p < s->world; p++) {
+            if (p == me) continue;
+            size_t plo = n * (size_t)p / (size_t)s->world, phi = n * ((size_t)p + 1) / (size_t)s->world;
+            memcpy((float *)q->recv + plo, (const float *)peer(s, p, s->h->ranks[p].off_recv) + plo,
+                   (phi - plo) * sizeof(float));
+        }
+        break;
+    }
+    case COMM_BARRIER:
+        break;
+    }
+    return shm_barrier(s);
+}
+
+int shm_run(struct shm *s, const struct comm_req *q, bool *pooled)
 {
     size_t esz = comm_dtype_bytes(q->dtype), bytes = q->count * esz;
     int r = failed(s);
+    *pooled = false;
     if (r) return r;
+    /* Where the rank has a pool and there is data, the ranks first say whether their
+     * buffers are in their pools; if all are, the collective copies once. Otherwise it
+     * goes through the staging areas, whose first chunk's barrier comes after every rank
+     * has read what the others said. */
+    if (s->pools && bytes > 0 && q->op != COMM_BARRIER) {
+        size_t in = q->op == COMM_REDUCE_SCATTER ? bytes * (size_t)s->world : bytes,
+               out = q->op == COMM_ALLGATHER ? bytes * (size_t)s->world : bytes;
+        int64_t so = q->op == COMM_BROADCAST ? 0 : pool_off(s, q->send, in),
+                ro = pool_off(s, q->recv, out);
+        struct shm_rank *mine = &s->h->ranks[s->rank];
+        mine->pooled = so >= 0 && ro >= 0;
+        mine->off_send = (uint64_t)(so < 0 ? 0 : so);
+        mine->off_recv = (uint64_t)(ro < 0 ? 0 : ro);
+        if ((r = shm_barrier(s))) goto out;
+        bool all = true;
+        for (int p = 0; p < s->world; p++)
+            all &= s->h->ranks[p].pooled != 0;
+        if (all) {
+            *pooled = true;
+            r = run_pooled(s, q, bytes);
+            goto out;
+        }
+    }
     switch (q->op) {
     case COMM_ALLGATHER:
         r = allgather(s, q->send, q->recv, bytes);
@@ -477,6 +606,7 @@ int shm_run(struct shm *s, const struct comm_req *q)
         r = shm_barrier(s);
         break;
     }
+out:
     if (r == -ECONNABORTED) log_error("comm %s: rank %d: %s", s->name + 11, s->rank, fail_reason(s));
     return r;
 }

@@ -28,7 +28,11 @@ int shm_check(struct shm *s);
 /* Marks the communicator failed for every rank, with why (the first reason wins). */
 void shm_fail(struct shm *s, const char *why);
 
-/* One operation of the shm backend, synchronous; req checked by the caller. */
-int shm_run(struct shm *s, const struct comm_req *req);
+/* One operation of the shm backend, synchronous; req checked by the caller. *pooled says
+ * whether it went through the pools in place. */
+int shm_run(struct shm *s, const struct comm_req *req, bool *pooled);
+
+/* The rank's pool (comm_opts.pool_bytes) in the segment: base and size; 0 size: none. */
+void shm_pool(struct shm *s, char **base, size_t *bytes);
 
 #endif
