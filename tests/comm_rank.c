@@ -1,7 +1,7 @@
 /*
  * comm_rank.c - one rank of a job started by `zinf launch` (test_cli): it opens the shm
  * communicator from RANK, WORLD_SIZE and ZINF_COMM_NAME, allreduces, allgathers and
- * checks the results, and says "rank R ok". With "die R" as its argument, rank R kills
+ * checks the results (also with buffers from its pool), and says "rank R ok". With "die R" as its argument, rank R kills
  * itself (SIGKILL) once the communicator is open, and the others go on into a collective
  * that cannot complete. With "wait", each rank waits for SIGTERM after its checks and
  * exits 0 saying "rank R stopped".
@@ -39,7 +39,7 @@ int main(int argc, char **argv)
     int rank = atoi(rs), world = atoi(ws);
     signal(SIGTERM, on_term);
     struct comm_opts o = {.backend = COMM_SHM, .rank = rank, .world = world, .name = name,
-                          .timeout_ms = 20000};
+                          .timeout_ms = 20000, .pool_bytes = 1 << 20};
     struct comm *c;
     int r = comm_open(&o, &c);
     if (r) {
@@ -101,6 +101,24 @@ int main(int argc, char **argv)
                 return 1;
             }
     }
+    /* Buffers from the pool: read in place by the peers. */
+    float *pa = comm_alloc(c, 4096 * sizeof(float), &r), *pb = pa ? comm_alloc(c, 4096 * sizeof(float), &r) : NULL;
+    if (!pb) {
+        fprintf(stderr, "rank %d: comm_alloc: %s\n", rank, zinf_strerror(r));
+        return 1;
+    }
+    for (int i = 0; i < 4096; i++)
+        pa[i] = (float)(rank + i);
+    struct comm_stats st;
+    if ((r = comm_allreduce(c, pa, pb, 4096, COMM_F32)) || (comm_get_stats(c, &st), st.pooled_ops != 1)) {
+        fprintf(stderr, "rank %d: pooled allreduce: %s\n", rank, r ? zinf_strerror(r) : "not pooled");
+        return 1;
+    }
+    for (int i = 0; i < 4096; i++)
+        if (pb[i] != (float)(world * i) + (float)(world * (world - 1) / 2)) {
+            fprintf(stderr, "rank %d: pooled element %d is %g\n", rank, i, pb[i]);
+            return 1;
+        }
     printf("rank %d ok\n", rank);
     fflush(stdout);
     comm_close(c);
