@@ -301,6 +301,95 @@ Test(comm, queued_requests_finish_in_submission_order)
     expect_all(3, status, 0, "async order");
 }
 
+/* A random sequence of collectives, the same on every rank (one seed): random sizes
+ * (0 to a few chunks, ragged), pooled or private buffers per rank and operation, in place
+ * or not, staged chunks and pooled operations interleaved so that every alternation of
+ * the staging sets and of the two paths occurs. Every result is checked bitwise. */
+static uint64_t rng_next(uint64_t *x)
+{
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    return *x;
+}
+
+static int random_ops(int rank, int world, const char *name, void *arg)
+{
+    (void)arg;
+    const size_t max = 40000, bytes = (max * (size_t)world + 64) * sizeof(float);
+    int err;
+    struct comm *c = open_pool(rank, world, name, 16 * KiB, 2 * bytes + 8192, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float *ps = comm_alloc(c, bytes, &err), *pr = comm_alloc(c, bytes, &err);
+    float *hs = malloc(bytes), *hr = malloc(bytes);
+    if (!ps || !pr || !hs || !hr) FAIL(11, "out of memory");
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (int k = 0; k < 150; k++) {
+        uint64_t v = rng_next(&x);
+        enum comm_op op = (enum comm_op)(v % 4);
+        size_t n = (size_t)(rng_next(&x) % (max + 1));
+        if (v % 7 == 0) n = 0;
+        bool pooled = ((v >> 8) >> rank) & 1 || (v >> 20) % 3 == 0; /* often all, sometimes some */
+        bool in_place = (v >> 30) & 1;
+        float *send = pooled ? ps : hs, *recv = pooled ? pr : hr;
+        size_t in = op == COMM_REDUCE_SCATTER ? n * (size_t)world : n;
+        for (size_t i = 0; i < in; i++)
+            send[i] = value(rank + k, i);
+        if (in_place && op == COMM_ALLREDUCE) recv = send;
+        if (in_place && op == COMM_REDUCE_SCATTER) recv = send + (size_t)rank * n;
+        if (in_place && op == COMM_ALLGATHER) {
+            /* the rank's part already where it goes */
+            memmove(recv + (size_t)rank * n, send, n * sizeof(float));
+            send = recv + (size_t)rank * n;
+        }
+        int root = (int)((v >> 40) % (uint64_t)world);
+        if (op == COMM_BROADCAST) {
+            for (size_t i = 0; i < n; i++)
+                recv[i] = rank == root ? value(root + k, i) : -1.0f;
+            err = comm_broadcast(c, recv, n, COMM_F32, root);
+        } else {
+            struct comm_req q = {.op = op, .dtype = COMM_F32, .send = send, .recv = recv, .count = n};
+            err = comm_run(c, &q);
+        }
+        if (err) FAIL(12, "op %d (%d, %zu): %s", k, (int)op, n, zinf_strerror(err));
+        size_t out = op == COMM_ALLGATHER ? n * (size_t)world : n;
+        for (size_t i = 0; i < out; i++) {
+            float want;
+            if (op == COMM_BROADCAST) {
+                want = value(root + k, i);
+            } else if (op == COMM_ALLGATHER) {
+                want = value((int)(i / n) + k, i % n);
+            } else {
+                size_t at = op == COMM_REDUCE_SCATTER ? (size_t)rank * n + i : i;
+                want = value(k, at);
+                for (int q = 1; q < world; q++)
+                    want += value(q + k, at);
+            }
+            if (memcmp(&recv[i], &want, 4))
+                FAIL(13, "op %d (%d, %zu, pooled %d, in place %d): element %zu is %a, not %a", k,
+                     (int)op, n, pooled, in_place, i, recv[i], want);
+        }
+    }
+    struct comm_stats st;
+    comm_get_stats(c, &st);
+    if (st.ops != 150 || st.pooled_ops == 0 || st.pooled_ops > 120)
+        FAIL(14, "%llu operations, %llu pooled: not a mix", (unsigned long long)st.ops,
+             (unsigned long long)st.pooled_ops);
+    free(hs);
+    free(hr);
+    comm_close(c);
+    return 0;
+}
+
+Test(comm, random_sequences_of_collectives_stay_exact)
+{
+    char name[64];
+    int status[3];
+    unique_name(name, sizeof(name));
+    run_ranks(3, random_ops, NULL, name, status);
+    expect_all(3, status, 0, "random sequence");
+}
+
 /* ---- the self backend and bad input ------------------------------------------------ */
 
 static int never_called;
