@@ -1228,6 +1228,12 @@ Test(cli, topo_and_version_json_and_zinf_log)
     cr_assert(json_is_boolean(json_object_get(j, "gpu_usable")));
     if (!json_is_true(json_object_get(j, "gpu_usable")))
         cr_assert(json_string_value(json_object_get(j, "gpu_unusable_reason")), "%s", o);
+    /* NCCL: its version where libnccl loads, else null and why. */
+    cr_assert_eq(json_is_true(json_object_get(j, "nccl_built")), (bool)ZINF_HAVE_NCCL);
+    if (json_is_null(json_object_get(j, "nccl_version")))
+        cr_assert(json_string_value(json_object_get(j, "nccl_unloadable_reason")), "%s", o);
+    else
+        cr_assert(json_integer_value(json_object_get(j, "nccl_version")) >= 20000, "%s", o);
     json_decref(j);
     free(o);
     cr_assert_eq(run(&o, "version"), 0);

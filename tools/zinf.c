@@ -6,6 +6,7 @@
 
 #include "common.h"
 #include "cmd.h"
+#include "comm/comm.h"
 #include "tiers/cuda_probe.h"
 
 static void usage(FILE *f)
@@ -35,7 +36,7 @@ static void version_usage(FILE *f)
 {
     fprintf(f, "usage: zinf version [--json]\n"
                "The version, and what this build supports: CUDA (and whether a GPU is usable\n"
-               "here, or why not), the GPU kernels, NCCL.\n"
+               "here, or why not), the GPU kernels, NCCL (and whether libnccl loads here).\n"
                "  --json   one JSON object instead of the text\n"
                "Exit status: 0 printed, 2 bad usage.\n");
 }
@@ -58,6 +59,9 @@ static int cmd_version(int argc, char **argv)
         }
     }
     int gpus = cuda_probe(&ci);
+    int nccl_ver = 0;
+    char nccl_why[256] = "";
+    bool nccl_loads = comm_nccl_version(&nccl_ver, nccl_why, sizeof(nccl_why)) == 0;
     if (json) {
         printf("{\"version\": \"%s\", \"cuda_built\": %s, \"gpu_usable\": %s, \"gpus\": %d, "
                "\"gpu0\": ", zinf_version(), ZINF_HAVE_CUDA ? "true" : "false",
@@ -66,9 +70,16 @@ static int cmd_version(int argc, char **argv)
         printf(", \"gpu_unusable_reason\": ");
         json_print_string(stdout, gpus > 0 ? NULL : ci.reason);
         printf(", \"cuda_runtime_version\": %d, \"cuda_driver_version\": %d, "
-               "\"kernels_built\": %s, \"nccl_built\": %s}\n", ci.runtime_version,
+               "\"kernels_built\": %s, \"nccl_built\": %s, \"nccl_version\": ", ci.runtime_version,
                ci.driver_version, ZINF_HAVE_KERNELS ? "true" : "false",
                ZINF_HAVE_NCCL ? "true" : "false");
+        if (nccl_loads)
+            printf("%d", nccl_ver);
+        else
+            printf("null");
+        printf(", \"nccl_unloadable_reason\": ");
+        json_print_string(stdout, nccl_loads ? NULL : nccl_why);
+        printf("}\n");
         return 0;
     }
     printf("zinf %s\n", zinf_version());
@@ -81,7 +92,13 @@ static int cmd_version(int argc, char **argv)
     printf("kernels: %s\n", ZINF_HAVE_KERNELS ? "built (sm_80, sm_90): zinf train computes on a "
                                                "GPU when the device tier is CUDA"
                                              : "not built: zinf train computes on the CPU");
-    printf("nccl: %s\n", ZINF_HAVE_NCCL ? "built" : "not built");
+    if (!ZINF_HAVE_NCCL)
+        printf("nccl: not built (no nccl.h when this was built)\n");
+    else if (nccl_loads)
+        printf("nccl: built; libnccl %d.%d.%d loads (the nccl backend of the collectives)\n",
+               nccl_ver / 10000, nccl_ver / 100 % 100, nccl_ver % 100);
+    else
+        printf("nccl: built; libnccl does not load (%s)\n", nccl_why);
     return 0;
 }
 

@@ -116,6 +116,9 @@ void *comm_alloc(struct comm *c, size_t bytes, int *err);
 int comm_free(struct comm *c, void *p);
 
 void comm_get_stats(struct comm *c, struct comm_stats *out);
+/* Whether the nccl backend can run here: 0 and NCCL's version code (e.g. 22703 for 2.27.3)
+ * once libnccl loads, else -ENOTSUP (or -EIO) and why, in words. */
+int comm_nccl_version(int *version, char *why, size_t len);
 const char *comm_backend_name(enum comm_backend b);
 size_t comm_dtype_bytes(enum comm_dtype dt);
 

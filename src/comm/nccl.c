@@ -46,7 +46,9 @@ static struct {
                               cudaStream_t);
     ncclResult_t (*Broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t,
                               cudaStream_t);
+    ncclResult_t (*GetVersion)(int *);
 } lib;
+static char lib_why[256]; /* why it did not load */
 static pthread_once_t lib_once = PTHREAD_ONCE_INIT;
 static int lib_err; /* 0 loaded, -ENOTSUP not */
 
@@ -55,8 +57,7 @@ static void lib_load(void)
     void *h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
     if (!h) h = dlopen("libnccl.so", RTLD_NOW | RTLD_LOCAL);
     if (!h) {
-        log_error("comm: NCCL cannot be loaded (%s): install NCCL (libnccl2) for the nccl backend",
-                  dlerror());
+        snprintf(lib_why, sizeof(lib_why), "%s", dlerror());
         lib_err = -ENOTSUP;
         return;
     }
@@ -72,11 +73,13 @@ static void lib_load(void)
                 {(void **)&lib.AllGather, "ncclAllGather"},
                 {(void **)&lib.ReduceScatter, "ncclReduceScatter"},
                 {(void **)&lib.AllReduce, "ncclAllReduce"},
-                {(void **)&lib.Broadcast, "ncclBroadcast"}};
+                {(void **)&lib.Broadcast, "ncclBroadcast"},
+                {(void **)&lib.GetVersion, "ncclGetVersion"}};
     for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
         *syms[i].fn = dlsym(h, syms[i].name);
         if (!*syms[i].fn) {
-            log_error("comm: the NCCL found has no %s: too old", syms[i].name);
+            snprintf(lib_why, sizeof(lib_why), "the libnccl found has no %s (too old)",
+                     syms[i].name);
             lib_err = -ENOTSUP;
             return; /* the handle stays open: nothing of it is used */
         }
@@ -86,7 +89,25 @@ static void lib_load(void)
 static int lib_ready(void)
 {
     pthread_once(&lib_once, lib_load);
+    if (lib_err)
+        log_error("comm: NCCL cannot be loaded (%s): install NCCL (libnccl2) for the nccl backend",
+                  lib_why);
     return lib_err;
+}
+
+int comm_nccl_version(int *version, char *why, size_t len)
+{
+    pthread_once(&lib_once, lib_load);
+    if (lib_err) {
+        snprintf(why, len, "%s", lib_why);
+        return lib_err;
+    }
+    ncclResult_t r = lib.GetVersion(version);
+    if (r != ncclSuccess) {
+        snprintf(why, len, "ncclGetVersion: %s", lib.GetErrorString(r));
+        return -EIO;
+    }
+    return 0;
 }
 
 bool nccl_built(void)
@@ -222,6 +243,13 @@ void nccl_close(struct nccl *n)
 bool nccl_built(void)
 {
     return false;
+}
+
+int comm_nccl_version(int *version, char *why, size_t len)
+{
+    (void)version;
+    snprintf(why, len, "built without NCCL");
+    return -ENOTSUP;
 }
 
 int nccl_unique_id(uint8_t *id)
