@@ -7,7 +7,9 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <sched.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -658,6 +660,40 @@ Test(comm, a_dead_rank_fails_the_others_collectives)
     cr_expect_eq(status[0], 0);
     cr_expect_eq(status[1], 0);
     cr_expect_eq(status[2], 128 + SIGKILL);
+}
+
+/* A /dev/shm too small for the segment (as in a container) is -ENOSPC at comm_open, with
+ * nothing left behind, not a SIGBUS later. Needs a mount namespace (root). */
+static int small_shm(void)
+{
+    if (unshare(CLONE_NEWNS) != 0) return 77;
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ||
+        mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=1m") != 0)
+        return 77;
+    struct comm_opts o = {.backend = COMM_SHM, .world = 1, .name = "small", .pool_bytes = 4 * MiB};
+    struct comm *c = NULL;
+    if (comm_open(&o, &c) != -ENOSPC || c) return 1;
+    if (seg_exists("small")) return 2;
+    o.pool_bytes = 0;
+    o.chunk_bytes = 64 * KiB; /* 2 x 2 x 64 KiB: fits */
+    if (comm_open(&o, &c) != 0) return 3;
+    float a[4] = {1, 2, 3, 4}, b[4];
+    int r = comm_allreduce(c, a, b, 4, COMM_F32);
+    comm_close(c);
+    return r || memcmp(a, b, sizeof(a)) ? 4 : 0;
+}
+
+Test(comm, a_dev_shm_too_small_is_enospc_at_open)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) _exit(small_shm());
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st));
+    if (WEXITSTATUS(st) == 77) cr_skip_test("no mount namespace here (not root)");
+    cr_assert_eq(WEXITSTATUS(st), 0, "step %d failed", WEXITSTATUS(st));
 }
 
 /* ---- NCCL on one GPU (the gpu check; skipped elsewhere) ------------------------------ */

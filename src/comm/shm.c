@@ -234,7 +234,20 @@ static int rdv_create(struct shm *s, const struct comm_opts *o, size_t chunk, si
     }
     size_t bytes = seg_bytes(o->world, chunk, pool);
     void *p = MAP_FAILED;
-    if (ftruncate(fd, (off_t)bytes) == 0)
+    /* The pages are reserved now: a /dev/shm too small for them (a container's is often
+     * 64 MiB) is an error here, not a SIGBUS at a rank's first touch of a page. */
+    int fe = ftruncate(fd, (off_t)bytes) == 0 ? posix_fallocate(fd, 0, (off_t)bytes) : errno;
+    if (fe == ENOSPC) {
+        close(fd);
+        shm_unlink(s->name);
+        log_error("comm: /dev/shm has no room for the %zu bytes of the communicator's segment "
+                  "(staging 2 x %d x %zu B, pools %d x %zu B): make it larger (in a container: "
+                  "--shm-size) or lower chunk_bytes or pool_bytes",
+                  bytes, o->world + 1, chunk, o->world, pool);
+        return -ENOSPC;
+    }
+    errno = fe;
+    if (fe == 0 || fe == EOPNOTSUPP || fe == EINVAL) /* a filesystem without fallocate */
         p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     int e = -errno;
     close(fd);
