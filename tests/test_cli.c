@@ -1849,6 +1849,24 @@ Test(cli, launch_gives_each_rank_its_environment_and_prefixes_its_lines)
     free(o);
 }
 
+/* Where each rank goes, on a two-node machine described in XML with its GPU on node 1. */
+Test(cli, launch_places_ranks_near_their_gpu)
+{
+    char *o;
+    const char *data = getenv("ZINF_TEST_DATA");
+    cr_assert_not_null(data);
+    cr_assert_eq(run(&o, "launch -n 2 --xml %s/two_nodes.xml -- true", data), 0, "%s", o);
+    cr_assert(strstr(o, "rank 0 on NUMA node 1 (near GPU 0000:98:00.0): not bound"), "%s", o);
+    cr_assert(strstr(o, "rank 1 on NUMA node 1 (near GPU 0000:98:00.0): not bound"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 2 --no-bind --xml %s/two_nodes.xml -- true", data), 0, "%s", o);
+    cr_assert_null(strstr(o, "NUMA node"), "--no-bind places nothing: %s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 2 --xml %s/missing.xml -- true", dir), 2, "%s", o);
+    cr_assert(strstr(o, "--xml"), "%s", o);
+    free(o);
+}
+
 Test(cli, launch_ranks_meet_through_the_communicator)
 {
     char *o;

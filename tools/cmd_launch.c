@@ -47,7 +47,8 @@ struct rank {
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: zinf launch -n N [--name NAME] [--grace S] [--no-bind] [--] COMMAND [ARGS...]\n"
+    fprintf(f, "usage: zinf launch -n N [--name NAME] [--grace S] [--no-bind] [--xml FILE] [--]\n"
+               "                   COMMAND [ARGS...]\n"
                "Start N ranks of one job on this node: N copies of COMMAND, each with RANK,\n"
                "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and ZINF_COMM_NAME set, every line\n"
                "they print prefixed with \"[RANK] \" (stdout to stdout, stderr to stderr).\n"
@@ -56,7 +57,10 @@ static void usage(FILE *f)
                "  --grace S       after a rank fails, or after SIGINT/SIGTERM is passed on,\n"
                "                  how long the others have before SIGKILL (default 30)\n"
                "  --no-bind       leave every rank on every CPU (default: each rank on the\n"
-               "                  CPUs of the NUMA node nearest GPU LOCAL_RANK, where known)\n"
+               "                  CPUs of the NUMA node nearest GPU LOCAL_RANK, where known;\n"
+               "                  each binding is said on stderr)\n"
+               "  --xml FILE      place the ranks on the machine an hwloc XML file describes\n"
+               "                  (said, not bound: to see what a machine would get)\n"
                "SIGINT/SIGTERM: passed on to every rank; a second one kills them.\n"
                "Exit status: 0 every rank exited 0; 1 a rank failed (the launcher says which,\n"
                "and how); 2 bad usage; 127 COMMAND could not be run; 130/143 stopped by\n"
@@ -64,16 +68,18 @@ static void usage(FILE *f)
             COMM_MAX_RANKS);
 }
 
-/* The NUMA node nearest GPU i of this machine's topology, or -1. */
-static int gpu_node(struct topo *t, int i)
+/* The NUMA node nearest GPU i (modulo the GPUs there are) of the topology, or -1; its bus
+ * id into busid. */
+static int gpu_node(struct topo *t, int i, char *busid, size_t len)
 {
     json_t *j = t ? topo_to_json(t) : NULL;
     json_t *gpus = j ? json_object_get(j, "gpus") : NULL;
     int node = -1;
     size_t n = gpus ? json_array_size(gpus) : 0;
     if (n > 0) {
-        json_t *nd = json_object_get(json_array_get(gpus, (size_t)i % n), "numa_node");
+        json_t *g = json_array_get(gpus, (size_t)i % n), *nd = json_object_get(g, "numa_node");
         if (json_is_integer(nd)) node = (int)json_integer_value(nd);
+        snprintf(busid, len, "%s", json_string_value(json_object_get(g, "busid")) ?: "?");
     }
     json_decref(j);
     return node;
@@ -129,11 +135,12 @@ int cmd_launch(int argc, char **argv)
                                          {"name", required_argument, NULL, 'm'},
                                          {"grace", required_argument, NULL, 'g'},
                                          {"no-bind", no_argument, NULL, 'b'},
+                                         {"xml", required_argument, NULL, 'x'},
                                          {"help", no_argument, NULL, 'h'},
                                          {NULL, 0, NULL, 0}};
     int n = 0, grace_s = 30;
     bool bind = true;
-    const char *name = NULL;
+    const char *name = NULL, *xml = NULL;
     char *end;
     int c;
 
@@ -162,6 +169,9 @@ int cmd_launch(int argc, char **argv)
         case 'b':
             bind = false;
             break;
+        case 'x':
+            xml = optarg;
+            break;
         case 'h':
             usage(stdout);
             return 0;
@@ -186,10 +196,25 @@ int cmd_launch(int argc, char **argv)
     }
 
     struct topo *t = NULL;
-    if (bind && topo_open(NULL, &t) < 0) t = NULL;
+    if (bind) {
+        int te = topo_open(xml, &t);
+        if (te < 0 && xml) {
+            char why[512];
+            topo_open_error(xml, te, why, sizeof(why));
+            fprintf(stderr, "zinf launch: --xml %s: %s\n", xml, why);
+            return 2;
+        }
+        if (te < 0) t = NULL;
+    }
     int nodes[COMM_MAX_RANKS];
-    for (int r = 0; r < n; r++)
-        nodes[r] = bind ? gpu_node(t, r) : -1;
+    for (int r = 0; r < n; r++) {
+        char busid[64] = "";
+        nodes[r] = bind ? gpu_node(t, r, busid, sizeof(busid)) : -1;
+        if (nodes[r] >= 0)
+            fprintf(stderr, "zinf launch: rank %d on NUMA node %d (near GPU %s)%s\n", r, nodes[r],
+                    busid, xml ? ": not bound, the machine is the XML file's" : "");
+        if (xml) nodes[r] = -1; /* nothing of that machine to bind to here */
+    }
 
     /* SIGCHLD, SIGINT and SIGTERM arrive through a signalfd; the ranks get them unblocked. */
     sigset_t mask, old;
@@ -234,7 +259,10 @@ int cmd_launch(int argc, char **argv)
             setenv("WORLD_SIZE", v, 1);
             setenv("LOCAL_WORLD_SIZE", v, 1);
             setenv("ZINF_COMM_NAME", name, 1);
-            if (nodes[r] >= 0) topo_bind_thread(t, nodes[r]);
+            int be = nodes[r] >= 0 ? topo_bind_thread(t, nodes[r]) : 0;
+            if (be < 0)
+                fprintf(stderr, "zinf launch: not bound to NUMA node %d: %s\n", nodes[r],
+                        strerror(-be));
             sigprocmask(SIG_SETMASK, &old, NULL);
             execvp(argv[optind], argv + optind);
             int e = errno;
