@@ -74,6 +74,17 @@ static void expect_all(int world, const int *status, int want, const char *what)
         cr_expect_eq(status[r], want, "%s: rank %d exited %d, not %d", what, r, status[r], want);
 }
 
+/* fn on world ranks under a new name; every rank must exit 0. */
+static void expect_ranks_pass(int world, rank_fn fn, void *arg, const char *what)
+{
+    char name[64];
+    int status[COMM_MAX_RANKS];
+    unique_name(name, sizeof(name));
+    run_ranks(world, fn, arg, name, status);
+    expect_all(world, status, 0, what);
+    cr_expect_not(seg_exists(name), "%s: the segment outlived the rendezvous", what);
+}
+
 static struct comm *open_pool(int rank, int world, const char *name, size_t chunk, size_t pool,
                               int *err)
 {
@@ -194,13 +205,8 @@ static int collectives(int rank, int world, const char *name, void *argp)
 
 static void collectives_across_pooled(int world, size_t count, size_t chunk, int pooled)
 {
-    char name[64];
-    int status[COMM_MAX_RANKS];
     struct coll_arg a = {count, chunk, pooled};
-    unique_name(name, sizeof(name));
-    run_ranks(world, collectives, &a, name, status);
-    expect_all(world, status, 0, "collectives");
-    cr_expect_not(seg_exists(name), "the segment outlived the rendezvous");
+    expect_ranks_pass(world, collectives, &a, "collectives");
 }
 
 static void collectives_across(int world, size_t count, size_t chunk)
@@ -237,19 +243,6 @@ Test(comm, shm_collectives_are_the_rank_order_sum_on_3_ranks)
 Test(comm, shm_collectives_are_the_rank_order_sum_on_4_ranks)
 {
     collectives_across(4, 77777, 0); /* the default chunk */
-}
-
-/* The rank-order sum is what one process accumulating the ranks' contributions in order
- * gets: what lets a run of N ranks match one rank with N accumulation steps bitwise. */
-Test(comm, the_rank_order_sum_is_plain_accumulation)
-{
-    for (size_t i = 0; i < 10000; i++) {
-        float acc = 0.0f;
-        for (int r = 0; r < 4; r++)
-            acc += value(r, i);
-        float want = rank_order_sum(4, i);
-        cr_assert(acc == want || (acc == 0 && want == 0), "element %zu", i);
-    }
 }
 
 static void order_cb(struct comm_req *q, int res)
@@ -296,11 +289,7 @@ static int async_order(int rank, int world, const char *name, void *arg)
 
 Test(comm, queued_requests_finish_in_submission_order)
 {
-    char name[64];
-    int status[3];
-    unique_name(name, sizeof(name));
-    run_ranks(3, async_order, NULL, name, status);
-    expect_all(3, status, 0, "async order");
+    expect_ranks_pass(3, async_order, NULL, "async order");
 }
 
 /* A random sequence of collectives, the same on every rank (one seed): random sizes
@@ -385,11 +374,7 @@ static int random_ops(int rank, int world, const char *name, void *arg)
 
 Test(comm, random_sequences_of_collectives_stay_exact)
 {
-    char name[64];
-    int status[3];
-    unique_name(name, sizeof(name));
-    run_ranks(3, random_ops, NULL, name, status);
-    expect_all(3, status, 0, "random sequence");
+    expect_ranks_pass(3, random_ops, NULL, "random sequence");
 }
 
 /* ---- the self backend and bad input ------------------------------------------------ */

@@ -45,7 +45,7 @@
 
 struct shm_rank {
     _Atomic uint32_t joined;
-    int32_t pid;
+    _Atomic int32_t pid; /* 0 until the rank has written it: taken as alive until then */
     /* An operation's arguments, written before its first barrier and read after it: whether
      * the rank's buffers are in its pool, and where. */
     uint32_t pooled;
@@ -149,7 +149,7 @@ void shm_fail(struct shm *s, const char *why)
     syscall(SYS_futex, &s->h->bar_gen, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
 }
 
-/* -ECONNABORTED, said once per rank, if the communicator has failed. */
+/* -ECONNABORTED if the communicator has failed (once its reason is written). */
 static int failed(struct shm *s)
 {
     uint32_t f = atomic_load_explicit(&s->h->failed, memory_order_acquire);
@@ -168,20 +168,16 @@ static const char *fail_reason(struct shm *s)
 }
 
 /* A peer that is gone fails the communicator. */
-static int check_peers(struct shm *s)
+int shm_check(struct shm *s)
 {
     for (int r = 0; r < s->world; r++) {
-        if (r == s->rank || alive(s->h->ranks[r].pid)) continue;
+        int32_t pid = atomic_load_explicit(&s->h->ranks[r].pid, memory_order_relaxed);
+        if (r == s->rank || alive(pid)) continue;
         char why[WHY_BYTES];
-        snprintf(why, sizeof(why), "rank %d (pid %d) is gone", r, (int)s->h->ranks[r].pid);
+        snprintf(why, sizeof(why), "rank %d (pid %d) is gone", r, (int)pid);
         shm_fail(s, why);
     }
     return failed(s);
-}
-
-int shm_check(struct shm *s)
-{
-    return check_peers(s);
 }
 
 int shm_barrier(struct shm *s)
@@ -210,7 +206,7 @@ int shm_barrier(struct shm *s)
         struct timespec ts = {0, WAIT_SLICE_MS * 1000000L};
         syscall(SYS_futex, &h->bar_gen, FUTEX_WAIT, gen, &ts, NULL, 0);
         if (atomic_load_explicit(&h->bar_gen, memory_order_acquire) != gen) return 0;
-        if ((r = check_peers(s))) return r;
+        if ((r = shm_check(s))) return r;
     }
 }
 
@@ -264,7 +260,7 @@ static int rdv_create(struct shm *s, const struct comm_opts *o, size_t chunk, si
     s->h->pool_bytes = pool;
     s->h->pid0 = (int32_t)getpid();
     if (id) memcpy(s->h->id, id, SHM_ID_BYTES);
-    s->h->ranks[0].pid = (int32_t)getpid();
+    atomic_store(&s->h->ranks[0].pid, (int32_t)getpid());
     atomic_store(&s->h->ranks[0].joined, 1);
     atomic_store_explicit(&s->h->magic, SHM_MAGIC, memory_order_release);
 
@@ -346,10 +342,7 @@ static int rdv_join(struct shm *s, const struct comm_opts *o, uint8_t *id, uint6
         snprintf(what, sizeof(what), "rank %d was started twice", o->rank);
         return rdv_fail(s, -EEXIST, what);
     }
-    s->h->ranks[o->rank].pid = (int32_t)getpid();
-    /* Written before joined in a way rank 0 sees: the pid store is ordered before the
-     * acquire load of open below, and rank 0 reads pids only in waits after open. */
-    atomic_thread_fence(memory_order_seq_cst);
+    atomic_store(&s->h->ranks[o->rank].pid, (int32_t)getpid());
     while (!atomic_load_explicit(&s->h->open, memory_order_acquire)) {
         if (failed(s)) {
             log_error("comm %s: rank %d: %s", o->name, o->rank, fail_reason(s));
@@ -411,16 +404,30 @@ void shm_rdv_close(struct shm *s)
 
 /* ---- the shm backend's collectives ------------------------------------------------ */
 
-/* out[i] = s_0[i] + s_1[i] + ... in rank order, the areas of set k at element offset at. */
+/* out[i] = src[0][i] + src[1][i] + ... in rank order, the one sum of both paths. A tile at
+ * a time in a buffer of its own: out may be one of the sources (an in-place reduction in
+ * the pools), which the sum still has to read. */
+static void sum_rank_order(const float *const *src, int world, float *out, size_t n)
+{
+    enum { TILE = 8192 }; /* floats: 32 KiB, in cache between the additions */
+    float acc[TILE];
+    for (size_t t = 0; t < n; t += TILE) {
+        size_t m = MIN((size_t)TILE, n - t);
+        memcpy(acc, src[0] + t, m * sizeof(float));
+        for (int r = 1; r < world; r++)
+            for (size_t i = 0; i < m; i++)
+                acc[i] += src[r][t + i];
+        memcpy(out + t, acc, m * sizeof(float));
+    }
+}
+
+/* The sum of element at + i of the areas of set k. */
 static void reduce_f32(struct shm *s, uint64_t k, size_t at, float *out, size_t n)
 {
-    const float *a0 = (const float *)area(s, k, 0) + at;
-    memcpy(out, a0, n * sizeof(float));
-    for (int r = 1; r < s->world; r++) {
-        const float *a = (const float *)area(s, k, r) + at;
-        for (size_t i = 0; i < n; i++)
-            out[i] += a[i];
-    }
+    const float *src[COMM_MAX_RANKS];
+    for (int r = 0; r < s->world; r++)
+        src[r] = (const float *)area(s, k, r) + at;
+    sum_rank_order(src, s->world, out, n);
 }
 
 static int allgather(struct shm *s, const char *send, char *recv, size_t bytes)
@@ -509,26 +516,13 @@ static const char *peer(const struct shm *s, int q, uint64_t off)
     return s->pools + (size_t)q * s->pool + off;
 }
 
-/* out[i] = sum over ranks, in rank order, of float at + i of peer q's send,
- * a tile at a time in a buffer of its own: out may be this rank's own send (in place),
- * which the sum still has to read. */
+/* The sum of element at + i of every rank's send, read in its pool. */
 static void reduce_pooled(struct shm *s, size_t at, float *out, size_t n)
 {
-    enum { TILE = 8192 }; /* floats: 32 KiB, in cache between the additions */
-    float acc[TILE];
-    for (size_t t = 0; t < n; t += TILE) {
-        size_t m = MIN((size_t)TILE, n - t);
-        for (int q = 0; q < s->world; q++) {
-            const float *a = (const float *)peer(s, q, s->h->ranks[q].off_send) + at + t;
-            if (q == 0) {
-                memcpy(acc, a, m * sizeof(float));
-                continue;
-            }
-            for (size_t i = 0; i < m; i++)
-                acc[i] += a[i];
-        }
-        memcpy(out + t, acc, m * sizeof(float));
-    }
+    const float *src[COMM_MAX_RANKS];
+    for (int q = 0; q < s->world; q++)
+        src[q] = (const float *)peer(s, q, s->h->ranks[q].off_send) + at;
+    sum_rank_order(src, s->world, out, n);
 }
 
 /* The one-copy collectives, once every rank has said its buffers are in its pool (and
