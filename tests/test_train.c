@@ -635,6 +635,11 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
     unsigned k = 0;
     for (unsigned i = 0; i < 5; i++, k++)
         outcome[1 + fault_run(k, arm_io, 1 + (unsigned)((uint64_t)i * (chunks - 1) / 4))]++;
+    /* Which chunk an ordinal lands on depends on timing: a fault on a background write-back
+     * is retried and misses. Where all five missed (seen once on a loaded machine), more
+     * places are tried before concluding that no IO fault reaches the step. */
+    for (unsigned i = 0; outcome[1] == 0 && i < 16; i++, k++)
+        outcome[1 + fault_run(k, arm_io, 1 + (unsigned)(((uint64_t)i * 7919 + 3) % chunks))]++;
     cr_assert_gt(outcome[1], 0, "some IO faults failed the step before the optimizer");
     unsigned where[] = {0, (unsigned)ntensors / 2, (unsigned)ntensors - 1};
     for (unsigned i = 0; i < 3; i++, k++)
