@@ -12,6 +12,7 @@
  * from there.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <signal.h>
 #include <stdio.h>
@@ -545,14 +546,22 @@ int cmd_train(int argc, char **argv)
     bool ckpt_failed = false;
 
     trainer_opts_defaults(&o);
-    /* Started as one of several ranks (zinf launch -n N): the trainer does not partition
-     * its state across ranks yet, and N copies of one run would share its swap files. */
-    const char *ws = getenv("WORLD_SIZE");
-    if (ws && strcmp(ws, "1") != 0 && strcmp(ws, "") != 0) {
-        fprintf(stderr, "zinf train: WORLD_SIZE is %s: the trainer runs as one rank; training "
-                        "across several ranks (ZeRO partitions) is not built yet\n",
-                ws);
-        return 2;
+    /* Started as one of several ranks (zinf launch -n N): the trainer partitions the state
+     * by zero_optimization.stage, and this rank runs its own micro-batches. */
+    const char *ws = getenv("WORLD_SIZE"), *rk = getenv("RANK");
+    if (ws && *ws) {
+        char *e1 = NULL, *e2 = NULL;
+        long w = strtol(ws, &e1, 10), k = rk && *rk ? strtol(rk, &e2, 10) : -1;
+        if (*e1 || w < 1 || w > 64 || !e2 || *e2 || k < 0 || k >= w) {
+            fprintf(stderr,
+                    "zinf train: WORLD_SIZE '%s' and RANK '%s': expected 1 <= WORLD_SIZE <= 64 "
+                    "and 0 <= RANK < WORLD_SIZE (zinf launch sets them)\n",
+                    ws, rk ? rk : "");
+            return 2;
+        }
+        o.world = (int)w;
+        o.rank = (int)k;
+        o.comm_name = getenv("ZINF_COMM_NAME");
     }
     optind = 1;
     opterr = 0;
@@ -721,6 +730,12 @@ int cmd_train(int argc, char **argv)
         fprintf(stderr, "zinf train: --heads %d does not divide --dim %d\n", o.model.NH, o.model.C);
         return 2;
     }
+    /* Across ranks, rank 0 writes the log and the others LOG.rank-R beside it. */
+    char rank_log[4096];
+    if (log_path && o.rank > 0) {
+        snprintf(rank_log, sizeof(rank_log), "%s.rank-%d", log_path, o.rank);
+        log_path = rank_log;
+    }
     /* Appending, so that a run refused below leaves an old log as it was. */
     if (log_path && !(log = fopen(log_path, "a"))) {
         fprintf(stderr, "zinf train: --log %s: %s\n", log_path, strerror(errno));
@@ -749,6 +764,17 @@ int cmd_train(int argc, char **argv)
         fclose(log);
         trainer_close(t);
         return 2;
+    }
+    /* Rank 0 speaks for the job; the others say only their summary (and errors). */
+    int saved_stdout = -1;
+    if (o.rank > 0) {
+        fflush(stdout);
+        saved_stdout = dup(STDOUT_FILENO);
+        int null = open("/dev/null", O_WRONLY | O_CLOEXEC);
+        if (null >= 0) {
+            dup2(null, STDOUT_FILENO);
+            close(null);
+        }
     }
     struct trainer_summary sum;
     trainer_get_summary(t, &sum);
@@ -793,7 +819,12 @@ int cmd_train(int argc, char **argv)
 
     int ran = 0;
     double ran_seconds = 0;
-    while (trainer_next_step(t) <= o.steps && !stop_requested) {
+    while (trainer_next_step(t) <= o.steps) {
+        /* Every rank stops after the same step (a signal reaches each at its own time). */
+        if (trainer_any_rank(t, stop_requested != 0)) {
+            if (!stop_requested) stop_requested = SIGTERM;
+            break;
+        }
         struct trainer_step_stats st;
         r = trainer_step(t, &st);
         if (r < 0) {
@@ -877,8 +908,14 @@ int cmd_train(int argc, char **argv)
         status = 128 + stop_requested;
     }
     trainer_get_summary(t, &sum);
+    if (saved_stdout >= 0) {
+        fflush(stdout);
+        dup2(saved_stdout, STDOUT_FILENO);
+        close(saved_stdout);
+    }
     double mean_tps =
-        ran_seconds > 0 ? (double)ran * o.batch * o.seq * o.grad_accum / ran_seconds : 0;
+        ran_seconds > 0 ? (double)ran * o.batch * o.seq * o.grad_accum * sum.world / ran_seconds
+                        : 0;
     printf("# summary: %d steps, model state %s; a tier was emptied %llu times to place a set "
            "it held room for\n",
            sum.steps_done, format_size(sum.model_state_bytes, a, sizeof(a)),
@@ -896,6 +933,10 @@ int cmd_train(int argc, char **argv)
     printf("#   %-6s peak %12s in swap files of %12s\n", tier_names[2],
            format_size(sum.tier[2].peak_bytes, a, sizeof(a)),
            format_size(sum.tier[2].budget_bytes, b, sizeof(b)));
+    if (sum.world > 1)
+        printf("#   ZeRO stage %d: rank %d of %d holds the tiers above; %s came in through "
+               "collectives\n",
+               sum.stage, sum.rank, sum.world, format_size(sum.comm_bytes, a, sizeof(a)));
     if (log) {
         fprintf(log,
                 "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
@@ -917,6 +958,8 @@ int cmd_train(int argc, char **argv)
                     i == 2 ? "swap_file_bytes" : "budget_bytes",
                     (unsigned long long)sum.tier[i].budget_bytes);
         fprintf(log, ",\"staging_bytes\":%llu", (unsigned long long)sum.staging_bytes);
+        fprintf(log, ",\"rank\":%d,\"world\":%d,\"zero_stage\":%d,\"comm_bytes\":%llu", sum.rank,
+                sum.world, sum.stage, (unsigned long long)sum.comm_bytes);
         fprintf(log, "}}\n");
         fclose(log);
     }

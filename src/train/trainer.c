@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "api.h"
+#include "comm/comm.h"
 #include "common.h"
 #include "config.h"
 #include "engine/engine.h"
@@ -44,6 +45,17 @@
 #define STATE_MAGIC 0x7a696e6674726e33ull    /* "zinftrn3": the tail of the data held out */
 #define STATE_MAGIC_V2 0x7a696e6674726e32ull /* "zinftrn2": trained on all of it */
 #define HELD_OUT_DIVISOR 10                  /* the last tenth of the data is for validation */
+#define ZERO_NAME "train.zero"                /* ranks > 1: struct zero_state */
+#define ZERO_MAGIC 0x7a696e667a65726full      /* "zinfzero" */
+#define SHARD_FLOATS 1024 /* shards are multiples of 4 KiB (O_DIRECT), and so are the chunks
+                             the gradient norm is summed by */
+#define NLOCAL (GPT_BLOCK_NSLOTS + 4) /* buffers of one block's tensors, then the four others */
+
+/* What a partitioned run's ranks keep beside the state: a resume must cut alike. */
+struct zero_state {
+    uint64_t magic;
+    int32_t world, stage, rank, pad;
+};
 
 /* What the state tensor holds: enough to refuse a resume with another model or data. */
 struct train_state {
@@ -98,6 +110,25 @@ struct trainer {
     uint64_t persist_below;         /* stage3_param_persistence_threshold when set: the weights
                                        of fewer elements are homed on the device; 0: none */
     bool state_v2;                  /* resumed from a state saved before the held-out tail */
+
+    /* ZeRO across ranks, and exact accumulation. With exact (several ranks, or several
+     * micro-batches on the CPU), each micro-batch's gradients are computed afresh into the
+     * local buffers lg and then reduced into g: summed over the ranks in rank order, copied
+     * on the step's first micro-batch and added after, so that N ranks of one micro-batch
+     * each give bitwise what one rank of N micro-batches does. The clipping norm is then
+     * summed by chunks of SHARD_FLOATS in the layout's order, whoever owns them. */
+    struct comm *comm;
+    int rank, world, stage; /* stage: what is 1/world per rank (see trainer_opts) */
+    bool exact;
+    int micro;              /* the micro-batch being reduced: 0 copies, later ones add */
+    zinf_tensor lg[NLOCAL]; /* this micro-batch's gradients: world x shard floats each */
+    zinf_tensor gw[NLOCAL]; /* stage 3: the gathered weights, world x shard floats each */
+    zinf_tensor zstate;     /* struct zero_state */
+    float *tmp;             /* (world + 1) x the largest shard: collectives' other side */
+    float *losses;          /* world x grad_accum: every micro-batch's loss */
+    double *part, *part_all; /* the norm's chunk sums: this rank's, and every rank's */
+    size_t nparts;
+    size_t *part_first; /* the first chunk of tensor i */
 };
 
 void trainer_opts_defaults(struct trainer_opts *o)
@@ -242,38 +273,69 @@ static void note_peaks(struct trainer *t)
  * holds its homes plus the largest set a step fetches to it runs every step; one smaller
  * cannot (the set is pinned at once). The same descriptions drive the fetches and the
  * budget check at open, so the check is exact. */
-enum role { R_P, R_G, R_M, R_V, R_W, R_ACT };
+enum role { R_P, R_G, R_M, R_V, R_W, R_ACT, R_L, R_GW };
 
-#define WAVE_MAX (2 * GPT_BLOCK_NSLOTS + 1)
+/* A stage-3 block's backward: shards and gathered weights, local and kept gradients, input. */
+#define WAVE_MAX (4 * GPT_BLOCK_NSLOTS + 1)
 
+/* The members are what is fetched and released; the entries, what the phase's code indexes.
+ * They are the same but in stage 3, where a weight is two members, the rank's shard of p
+ * and the buffer it is gathered into, and one entry, the gathered weights. */
 struct wave {
     const char *what; /* for the budget error: what the phase pins at once */
     int n;
     uint8_t role[WAVE_MAX];
     int idx[WAVE_MAX];    /* layout index (an activation's number for R_ACT) */
     bool dirty[WAVE_MAX]; /* released dirty when the phase succeeded */
+    int8_t from[WAVE_MAX]; /* the member gathered into this one (stage 3), else -1 */
+    int ne;
+    int8_t at[WAVE_MAX]; /* entry -> member */
 };
 
-static void wave_add(struct wave *w, enum role role, int idx, bool dirty)
+static void wave_member(struct wave *w, enum role role, int idx, bool dirty)
 {
     w->role[w->n] = (uint8_t)role;
     w->idx[w->n] = idx;
     w->dirty[w->n] = dirty;
+    w->from[w->n] = -1;
     w->n++;
+}
+
+static void wave_add(struct wave *w, enum role role, int idx, bool dirty)
+{
+    w->at[w->ne++] = (int8_t)w->n;
+    wave_member(w, role, idx, dirty);
+}
+
+/* The weights of tensor idx as the device computes with them: w, or in stage 3 the rank's
+ * shard of p gathered from every rank into a buffer of the device tier. */
+static void wave_add_weight(const struct trainer *t, struct wave *w, int idx)
+{
+    if (t->stage < 3) {
+        wave_add(w, R_W, idx, false);
+        return;
+    }
+    wave_member(w, R_P, idx, false);
+    wave_add(w, R_GW, idx, false);
+    w->from[w->n - 1] = (int8_t)(w->n - 2);
 }
 
 static void wave_add_block(struct trainer *t, struct wave *w, enum role role, int k, bool dirty)
 {
-    for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
-        wave_add(w, role, t->block_first[k] + i, dirty);
+    for (int i = 0; i < GPT_BLOCK_NSLOTS; i++) {
+        if (role == R_W)
+            wave_add_weight(t, w, t->block_first[k] + i);
+        else
+            wave_add(w, role, t->block_first[k] + i, dirty);
+    }
 }
 
 /* The embeddings' forward: wte, wpe -> a[0]. */
 static void wave_embed_forward(struct trainer *t, struct wave *w)
 {
     *w = (struct wave){.what = "the embeddings' forward (wte, wpe and the first activation)"};
-    wave_add(w, R_W, t->wte, false);
-    wave_add(w, R_W, t->wpe, false);
+    wave_add_weight(t, w, t->wte);
+    wave_add_weight(t, w, t->wpe);
     wave_add(w, R_ACT, 0, true);
 }
 
@@ -286,34 +348,49 @@ static void wave_block_forward(struct trainer *t, int k, struct wave *w)
     wave_add(w, R_ACT, k + 1, true);
 }
 
-/* The head: a[L], lnf, wte and the gradients of lnf and wte. */
+/* The head: a[L], lnf, wte and the gradients of lnf and wte. Exact: the gradients go to
+ * the local buffers (entries 4-6), and those of lnf are reduced into g (entries 7, 8); wte's
+ * local gradient waits for the embeddings' backward. */
 static void wave_head(struct trainer *t, struct wave *w)
 {
     *w = (struct wave){.what = "the head (the last activation, the final norm, wte and their "
                                "gradients)"};
+    enum role g = t->exact ? R_L : R_G;
     wave_add(w, R_ACT, t->cfg.L, false);
-    wave_add(w, R_W, t->lnfw, false);
-    wave_add(w, R_W, t->lnfb, false);
-    wave_add(w, R_W, t->wte, false);
-    wave_add(w, R_G, t->lnfw, true);
-    wave_add(w, R_G, t->lnfb, true);
-    wave_add(w, R_G, t->wte, true);
+    wave_add_weight(t, w, t->lnfw);
+    wave_add_weight(t, w, t->lnfb);
+    wave_add_weight(t, w, t->wte);
+    wave_add(w, g, t->lnfw, true);
+    wave_add(w, g, t->lnfb, true);
+    wave_add(w, g, t->wte, true);
+    if (t->exact) {
+        wave_add(w, R_G, t->lnfw, true);
+        wave_add(w, R_G, t->lnfb, true);
+    }
 }
 
-/* Block k's backward: its weights, gradients and input (the block is recomputed). */
+/* Block k's backward: its weights, gradients and input (the block is recomputed). Exact:
+ * the gradients go to the local buffers, then are reduced into g (entries 25-36). */
 static void wave_block_backward(struct trainer *t, int k, struct wave *w)
 {
     *w = (struct wave){.what = "a block's backward (its weights, gradients and input)"};
     wave_add_block(t, w, R_W, k, false);
-    wave_add_block(t, w, R_G, k, true);
+    wave_add_block(t, w, t->exact ? R_L : R_G, k, true);
     wave_add(w, R_ACT, k, false);
+    if (t->exact) wave_add_block(t, w, R_G, k, true);
 }
 
+/* Exact: the local gradients of wte and wpe, then their g (entries 2, 3). */
 static void wave_embed_backward(struct trainer *t, struct wave *w)
 {
     *w = (struct wave){.what = "the embeddings' backward (the gradients of wte and wpe)"};
-    wave_add(w, R_G, t->wte, true);
-    wave_add(w, R_G, t->wpe, true);
+    enum role g = t->exact ? R_L : R_G;
+    wave_add(w, g, t->wte, true);
+    wave_add(w, g, t->wpe, true);
+    if (t->exact) {
+        wave_add(w, R_G, t->wte, true);
+        wave_add(w, R_G, t->wpe, true);
+    }
 }
 
 /* The optimizer's update of tensor i: p, g, m, v (and the bf16 copy). */
@@ -338,9 +415,21 @@ static void wave_sample(struct trainer *t, struct wave *w)
     wave_add(w, R_P, t->wte, false);
 }
 
+/* The local and gather buffers are one per block slot (every block's are alike), then one
+ * for each tensor outside the blocks. */
+static int local_slot(const struct trainer *t, int idx)
+{
+    const struct gpt_tensor_desc *d = &t->desc[idx];
+    return d->block >= 0 ? d->slot : GPT_BLOCK_NSLOTS + d->slot;
+}
+
 static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
 {
     switch (role) {
+    case R_L:
+        return t->lg[local_slot(t, idx)];
+    case R_GW:
+        return t->gw[local_slot(t, idx)];
     case R_P:
         return t->p[idx];
     case R_G:
@@ -356,12 +445,28 @@ static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
     }
 }
 
+static int wave_release(struct trainer *t, const struct wave *w, enum zinf_tier tier, bool ok);
+static size_t shard_of(const struct trainer *t, int idx);
+
+/* Fetch the set and, in stage 3, gather the weights; ptrs[j] is entry j's. */
 static int wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier tier, void **ptrs)
 {
     zinf_tensor hs[WAVE_MAX];
+    void *m[WAVE_MAX];
     for (int i = 0; i < w->n; i++)
         hs[i] = wave_handle(t, (enum role)w->role[i], w->idx[i]);
-    return zinf_fetch_all(t->e, hs, (size_t)w->n, tier, ptrs);
+    int r = zinf_fetch_all(t->e, hs, (size_t)w->n, tier, m);
+    if (r < 0) return r; /* nothing is pinned */
+    for (int i = 0; i < w->n && r == 0; i++)
+        if (w->from[i] >= 0)
+            r = comm_allgather(t->comm, m[w->from[i]], m[i], shard_of(t, w->idx[i]), COMM_F32);
+    if (r < 0) {
+        wave_release(t, w, tier, false);
+        return r;
+    }
+    for (int j = 0; j < w->ne; j++)
+        ptrs[j] = m[w->at[j]];
+    return 0;
 }
 
 /* Release the whole set: the members it wrote dirty when the phase succeeded (ok). */
@@ -394,16 +499,77 @@ static enum zinf_tier role_home(const struct trainer *t, enum role role, int idx
         return persist ? ZINF_TIER_DEVICE : ph;
     case R_ACT:
         return ZINF_TIER_HOST;
+    case R_L:
+    case R_GW:
+        return ZINF_TIER_DEVICE; /* working memory of every step */
     default:
         return oh;
     }
 }
 
+/* ---- ZeRO partitions ---------------------------------------------------------------- */
+
+/* Floats per rank of tensor idx: its elements in world parts, each rounded up to
+ * SHARD_FLOATS; rank r holds [r x shard, (r + 1) x shard) of the flattened tensor, padded
+ * with zeros past its end (a small tensor lives on the first ranks). One rank: the tensor. */
+static size_t shard_of(const struct trainer *t, int idx)
+{
+    size_t n = t->desc[idx].numel;
+    if (t->world <= 1) return n;
+    return align_up((n + (size_t)t->world - 1) / (size_t)t->world, SHARD_FLOATS);
+}
+
+/* The first element of tensor idx this rank holds, and how many of its shard are the
+ * tensor's (the rest is padding). */
+static size_t shard_lo(const struct trainer *t, int idx)
+{
+    return (size_t)t->rank * shard_of(t, idx);
+}
+
+static size_t shard_own(const struct trainer *t, int idx)
+{
+    size_t n = t->desc[idx].numel, lo = shard_lo(t, idx);
+    return lo >= n ? 0 : MIN(shard_of(t, idx), n - lo);
+}
+
+/* Bytes of what is registered for role (tensor idx): a rank keeps a shard of the Adam
+ * states from stage 1, of the gradients from stage 2, of the parameters in stage 3. */
 static size_t role_bytes(const struct trainer *t, enum role role, int idx)
 {
     if (role == R_ACT)
         return (size_t)t->o.batch * t->o.seq * t->cfg.C * backend_dtype_bytes(t->be->adt);
-    return t->desc[idx].numel * (role == R_W ? backend_dtype_bytes(t->be->wdt) : sizeof(float));
+    size_t n = t->desc[idx].numel, sh = shard_of(t, idx);
+    bool parted = t->world > 1;
+    switch (role) {
+    case R_L:
+    case R_GW:
+        return (size_t)t->world * sh * sizeof(float);
+    case R_M:
+    case R_V:
+        return (parted && t->stage >= 1 ? sh : n) * sizeof(float);
+    case R_G:
+        return (parted && t->stage >= 2 ? sh : n) * sizeof(float);
+    case R_P:
+        return (parted && t->stage >= 3 ? sh : n) * sizeof(float);
+    default:
+        return n * backend_dtype_bytes(t->be->wdt);
+    }
+}
+
+/* A representative tensor of each local slot (block 0's, or the tensor itself). */
+static int slot_tensor(const struct trainer *t, int s)
+{
+    if (s < GPT_BLOCK_NSLOTS) return t->block_first[0] + s;
+    switch (s - GPT_BLOCK_NSLOTS) {
+    case GPT_WTE:
+        return t->wte;
+    case GPT_WPE:
+        return t->wpe;
+    case GPT_LNF_W:
+        return t->lnfw;
+    default:
+        return t->lnfb;
+    }
 }
 
 /* What fetching w to tier allocates there: every member not homed there, rounded as the
@@ -436,6 +602,11 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
         }
     homes[ZINF_TIER_HOST] +=
         (uint64_t)(t->cfg.L + 1) * align_up(role_bytes(t, R_ACT, 0), ZINF_ALIGN);
+    for (int s = 0; s < NLOCAL; s++) {
+        int i = slot_tensor(t, s);
+        if (t->exact) homes[ZINF_TIER_DEVICE] += align_up(role_bytes(t, R_L, i), ZINF_ALIGN);
+        if (t->stage >= 3) homes[ZINF_TIER_DEVICE] += align_up(role_bytes(t, R_GW, i), ZINF_ALIGN);
+    }
     enum zinf_tier sh = home_of(t->zc.zero.offload_param.device);
     if (sh < MEM_TIERS)
         homes[sh] +=
@@ -599,6 +770,26 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
             snprintf(err, errlen, "activation checkpoint %d (%zu bytes) in the host tier: %s", k,
                      act, zinf_strerror(r));
     }
+    /* The local gradients and gathered weights: working memory on the device tier, found
+     * again on a resume like the activations. */
+    for (int s = 0; s < NLOCAL && r == 0; s++) {
+        int i = slot_tensor(t, s);
+        const char *sn = s < GPT_BLOCK_NSLOTS ? gpt_block_slot_name(s) : t->desc[i].name;
+        for (int k = 0; k < 2 && r == 0; k++) {
+            if (k == 0 ? !t->exact : t->stage < 3) continue;
+            char full[64];
+            snprintf(full, sizeof(full), "%s%s", k == 0 ? "zero.grad." : "zero.gather.", sn);
+            size_t bytes = role_bytes(t, k == 0 ? R_L : R_GW, i);
+            zinf_tensor *out = k == 0 ? &t->lg[s] : &t->gw[s];
+            r = t->o.resume ? zinf_lookup(t->e, full, out) : -ENOENT;
+            if (r == -ENOENT)
+                r = t->o.resume ? zinf_register(t->e, full, bytes, ZINF_TIER_DEVICE, out)
+                                : reg(t, "", full, bytes, ZINF_TIER_DEVICE, out);
+            if (r < 0)
+                snprintf(err, errlen, "%s (%zu bytes) on the device tier: %s", full, bytes,
+                         zinf_strerror(r));
+        }
+    }
     if (r == 0) {
         r = reg(t, "", STATE_NAME, sizeof(struct train_state),
                 home_of(t->zc.zero.offload_param.device), &t->state);
@@ -606,6 +797,27 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
             snprintf(err, errlen, "%s: %s", STATE_NAME,
                      t->o.resume ? "no training state to resume in the swap directory"
                                  : zinf_strerror(r));
+    }
+    if (r == 0 && t->world > 1) {
+        /* The partition the saved run was cut by: another would read shards as others. */
+        struct zero_state z = {.magic = ZERO_MAGIC,
+                               .world = t->world,
+                               .stage = t->stage,
+                               .rank = t->rank},
+                          saved;
+        r = reg(t, "", ZERO_NAME, sizeof(z), home_of(t->zc.zero.offload_param.device),
+                &t->zstate);
+        if (r == 0 && t->o.resume && (r = zinf_read(t->e, t->zstate, 0, &saved, sizeof(saved))) == 0 &&
+            (saved.magic != ZERO_MAGIC || saved.world != z.world || saved.stage != z.stage ||
+             saved.rank != z.rank)) {
+            snprintf(err, errlen,
+                     "--resume: the saved run was cut for %d ranks at ZeRO stage %d (this is rank "
+                     "%d of it); this run is %d ranks at stage %d: give the saved run's",
+                     saved.world, saved.stage, saved.rank, z.world, z.stage);
+            return -EINVAL;
+        }
+        if (r == 0 && !t->o.resume) r = zinf_write(t->e, t->zstate, 0, &z, sizeof(z));
+        if (r < 0) snprintf(err, errlen, "%s: %s", ZERO_NAME, zinf_strerror(r));
     }
     if (r == 0 && t->be->wdt == BACKEND_F16) {
         /* The loss scaler goes on where the saved run left it. */
@@ -625,6 +837,7 @@ static int init_params(struct trainer *t)
     int r = 0;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
         size_t n = t->desc[i].numel;
+        if (t->stage >= 3) n = MAX(n, shard_lo(t, i) + shard_of(t, i)); /* room for the shard */
         if (n > cap) {
             free(buf);
             free(b16);
@@ -637,6 +850,14 @@ static int init_params(struct trainer *t)
             }
         }
         r = gpt_init_tensor(&t->cfg, &t->desc[i], buf, t->o.seed);
+        if (r == 0 && t->stage >= 3) {
+            /* The rank's shard of the whole tensor's values, zeros past its end. */
+            size_t lo = shard_lo(t, i), own = shard_own(t, i);
+            memmove(buf, buf + lo, own * sizeof(float));
+            memset(buf + own, 0, (shard_of(t, i) - own) * sizeof(float));
+            r = zinf_write(t->e, t->p[i], 0, buf, shard_of(t, i) * sizeof(float));
+            continue;
+        }
         if (r == 0) r = zinf_write(t->e, t->p[i], 0, buf, n * sizeof(float));
         if (r == 0 && t->w != t->p) {
             if (t->be->wdt == BACKEND_F16)
@@ -718,6 +939,114 @@ static int state_save_step(struct trainer *t, int step_done)
 static int state_save(struct trainer *t)
 {
     return state_save_step(t, t->step_done);
+}
+
+/* Several ranks (zinf launch): check what this version partitions (the CPU backend, fp32,
+ * each rank an engine of its own), give each rank a swap directory of its own (rank-R under
+ * each nvme path) and meet the other ranks. One rank: nothing but exact accumulation,
+ * where it is needed. */
+static int zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
+{
+    const struct trainer_opts *o = &t->o;
+    t->world = o->world > 1 ? o->world : 1;
+    t->rank = t->world > 1 ? o->rank : 0;
+    t->exact = t->world > 1 || (o->grad_accum > 1 && !cuda);
+    if (t->world == 1) return 0;
+    t->stage = MAX(1, t->zc.zero.stage);
+    if (o->rank < 0 || o->rank >= o->world || o->world > COMM_MAX_RANKS) {
+        snprintf(err, errlen, "RANK %d is not in [0, WORLD_SIZE %d) (or WORLD_SIZE is above %d)",
+                 o->rank, o->world, COMM_MAX_RANKS);
+        return -EINVAL;
+    }
+    const char *why = NULL;
+    if (!o->comm_name || !o->comm_name[0])
+        why = "no rendezvous name (ZINF_COMM_NAME): start the ranks with zinf launch";
+    else if (cuda)
+        why = "training across ranks runs on the CPU in this version (zinf.device \"emulated\"); "
+              "on a GPU, run one rank";
+    else if (t->be->wdt != BACKEND_F32)
+        why = "training across ranks runs in fp32 in this version: give --precision fp32";
+    else if (t->remote)
+        why = "training across ranks through the daemon (--connect) is not built yet";
+    else if (o->sample && t->stage >= 3)
+        why = "sampling reads whole parameters, which ZeRO stage 3 does not keep: use stage 1 or 2, "
+              "or sample from one rank";
+    if (why) {
+        snprintf(err, errlen, "WORLD_SIZE %d: %s", t->world, why);
+        return -ENOTSUP;
+    }
+    for (unsigned k = 0; k < t->zc.nvme_paths.count; k++) {
+        char *old = t->zc.nvme_paths.path[k], *mine = NULL;
+        if (asprintf(&mine, "%s/rank-%d", old, t->rank) < 0) return -ENOMEM;
+        t->zc.nvme_paths.path[k] = mine;
+        if (k) t->zc.nvme_paths_extra[k - 1] = mine;
+        free(old);
+    }
+    struct comm_opts co = {
+        .backend = COMM_SHM, .rank = t->rank, .world = t->world, .name = o->comm_name};
+    int r = comm_open(&co, &t->comm);
+    if (r < 0) {
+        snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s': %s%s", t->rank,
+                 t->world, o->comm_name, zinf_strerror(r),
+                 r == -ETIMEDOUT ? " (a rank did not start, or failed before it met the others)"
+                 : r == -EPROTO  ? " (the ranks disagree on WORLD_SIZE)"
+                                 : "");
+        return r;
+    }
+    return 0;
+}
+
+/* The buffers of exact accumulation and of the collectives, once the layout is known. */
+static int zero_alloc(struct trainer *t)
+{
+    if (!t->exact) return 0;
+    if (t->ntensors < 1) return -EINVAL;
+    size_t sh = 0;
+    t->part_first = calloc((size_t)t->ntensors, sizeof(size_t));
+    if (!t->part_first) return -ENOMEM;
+    for (int i = 0; i < t->ntensors; i++) {
+        t->part_first[i] = t->nparts;
+        t->nparts += (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+        sh = MAX(sh, shard_of(t, i));
+    }
+    t->part = calloc(t->nparts, sizeof(double));
+    t->part_all = calloc(t->nparts * (size_t)t->world, sizeof(double));
+    t->losses = calloc((size_t)t->o.grad_accum * (size_t)(t->world + 1), sizeof(float));
+    t->tmp = t->world > 1 ? calloc(sh * (size_t)(t->world + 1), sizeof(float)) : NULL;
+    return t->part && t->part_all && t->losses && (t->world == 1 || t->tmp) ? 0 : -ENOMEM;
+}
+
+/* A resume across ranks: every rank's saved run must be at the same step (a checkpoint
+ * that one rank finished and another did not is no state to go on from). */
+static int ranks_agree(struct trainer *t, char *err, size_t errlen)
+{
+    int32_t mine = t->step_done, all[COMM_MAX_RANKS];
+    int r = comm_allgather(t->comm, &mine, all, sizeof(mine), COMM_BYTE);
+    if (r < 0) {
+        snprintf(err, errlen, "--resume: the ranks could not compare their steps: %s",
+                 zinf_strerror(r));
+        return r;
+    }
+    for (int q = 0; q < t->world; q++)
+        if (all[q] != all[0]) {
+            snprintf(err, errlen,
+                     "--resume: the ranks' saved runs are at different steps (rank 0 at %d, "
+                     "rank %d at %d): a checkpoint was cut short on some; nothing resumes "
+                     "from this",
+                     all[0], q, all[q]);
+            return -EINVAL;
+        }
+    return 0;
+}
+
+bool trainer_any_rank(struct trainer *t, bool mine)
+{
+    if (t->world <= 1) return mine;
+    uint8_t me = mine, all[COMM_MAX_RANKS];
+    if (comm_allgather(t->comm, &me, all, 1, COMM_BYTE) < 0) return true;
+    for (int q = 0; q < t->world; q++)
+        if (all[q]) return true;
+    return false;
 }
 
 int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen)
@@ -821,6 +1150,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     t->opt_tier = home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_DEVICE
                       ? ZINF_TIER_DEVICE
                       : ZINF_TIER_HOST;
+    if ((r = zero_setup(t, cuda, err, errlen)) < 0) goto fail;
     if (o->resume && !t->zc.nvme_paths.count && !t->remote) {
         snprintf(err, errlen,
                  "--resume needs an NVMe swap directory in the config "
@@ -944,6 +1274,10 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
                 t->lnfb = i;
         }
     }
+    if ((r = zero_alloc(t)) < 0) {
+        snprintf(err, errlen, "out of memory");
+        goto fail;
+    }
     if ((r = check_budgets(t, err, errlen)) < 0) goto fail;
     /* Resuming, the saved run's shape and precision are checked before its tensors are
      * looked up, so a mismatch is named as such; without a saved state, register_all()
@@ -967,6 +1301,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
                               : "");
         goto fail;
     }
+    if (t->world > 1 && o->resume && (r = ranks_agree(t, err, errlen)) < 0) goto fail;
     t->checkpoint_step = t->step_done;
     *out = t;
     return 0;
@@ -995,6 +1330,12 @@ void trainer_close(struct trainer *t)
     free(t->act);
     free(t->tokens);
     free(t->targets);
+    free(t->part_first);
+    free(t->part);
+    free(t->part_all);
+    free(t->losses);
+    free(t->tmp);
+    comm_close(t->comm);
     backend_close(t->be);
     free(t->data);
     free(t);
@@ -1041,10 +1382,73 @@ out:
     return r;
 }
 
+/* Add this micro-batch's gradient of tensor i (l: world x shard floats, on the device tier)
+ * into what the step keeps of it (g: the whole tensor, or from stage 2 this rank's shard):
+ * summed over the ranks in rank order, copied on the step's first micro-batch and added on
+ * the others. On the last, the squares of the rank's part are summed by chunks of
+ * SHARD_FLOATS for the clipping norm (grad_norm() adds the chunks up in the layout's order). */
+static int reduce_grad(struct trainer *t, int i, const float *l, float *g)
+{
+    size_t n = t->desc[i].numel, sh = shard_of(t, i), count = n;
+    bool first = t->micro == 0;
+    const float *src = l;
+    int r = 0;
+    if (t->world > 1) {
+        float *dst = first ? g : t->tmp;
+        if (t->stage >= 2) {
+            count = sh;
+            r = comm_reduce_scatter(t->comm, l, dst, sh, COMM_F32);
+        } else {
+            r = comm_allreduce(t->comm, l, dst, n, COMM_F32);
+        }
+        if (r < 0) return r;
+        src = dst;
+    }
+    if (first && src != g)
+        memcpy(g, src, count * sizeof(float));
+    else if (!first)
+        for (size_t j = 0; j < count; j++)
+            g[j] += src[j];
+    if (t->micro == t->o.grad_accum - 1) {
+        size_t own = shard_own(t, i), lo = t->world > 1 ? shard_lo(t, i) : 0;
+        const float *mine = t->stage >= 2 ? g : g + lo;
+        double *part = t->part + t->part_first[i] + lo / SHARD_FLOATS;
+        for (size_t c = 0; c * SHARD_FLOATS < own && r == 0; c++)
+            r = adamw_sum_squares(mine + c * SHARD_FLOATS, MIN(SHARD_FLOATS, own - c * SHARD_FLOATS),
+                                  &part[c]);
+    }
+    return r;
+}
+
+/* The squared norm of the step's gradient: every chunk's sum, from the rank that owns it, in
+ * the layout's order, so that any number of ranks adds the same numbers in the same order. */
+static int grad_norm(struct trainer *t, double *sumsq)
+{
+    const double *all = t->part;
+    size_t np = t->nparts;
+    if (t->world > 1) {
+        int r = comm_allgather(t->comm, t->part, t->part_all, np * sizeof(double), COMM_BYTE);
+        if (r < 0) return r;
+        all = t->part_all;
+    }
+    double s = 0;
+    for (int i = 0; i < t->ntensors; i++) {
+        size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+        size_t per = shard_of(t, i) / SHARD_FLOATS; /* chunks per rank */
+        for (size_t c = 0; c < chunks; c++) {
+            size_t owner = t->world > 1 ? c / per : 0;
+            s += all[owner * np + t->part_first[i] + c];
+        }
+    }
+    *sumsq = s;
+    return 0;
+}
+
 /* The head's backward gives the loss and the first gradient. Gradients are zeroed on their
  * first touch of the step (the first micro-batch: the others add to them), and their squares
- * summed for the clipping norm on the last micro-batch, once they are whole. */
-static int head(struct trainer *t, bool zero, bool norm)
+ * summed for the clipping norm on the last micro-batch, once they are whole. Exact: every
+ * micro-batch's go to the local buffers (zero, no norm), which reduce folds into g. */
+static int head(struct trainer *t, bool zero, bool norm, bool reduce)
 {
     const struct gpt_config *c = &t->cfg;
     const struct backend_ops *be = t->be->ops;
@@ -1061,6 +1465,8 @@ static int head(struct trainer *t, bool zero, bool norm)
         norm && (r = be->sumsq(t->be, p[4], (size_t)c->C)) == 0)
         r = be->sumsq(t->be, p[5], (size_t)c->C);
     r = settle(t, r);
+    if (r == 0 && t->exact && reduce && (r = reduce_grad(t, t->lnfw, p[4], p[7])) == 0)
+        r = reduce_grad(t, t->lnfb, p[5], p[8]);
     wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     return r;
 }
@@ -1083,6 +1489,8 @@ static int backward(struct trainer *t, bool zero, bool norm)
         for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && norm; i++)
             r = be->sumsq(t->be, gw[i], t->desc[first + i].numel);
         r = settle(t, r);
+        for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && t->exact; i++)
+            r = reduce_grad(t, (int)first + i, gw[i], p[2 * GPT_BLOCK_NSLOTS + 1 + i]);
         wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
         if (r < 0) goto out;
         note_peaks(t);
@@ -1096,6 +1504,8 @@ static int backward(struct trainer *t, bool zero, bool norm)
         (r = be->sumsq(t->be, p[0], t->desc[t->wte].numel)) == 0)
         r = be->sumsq(t->be, p[1], t->desc[t->wpe].numel);
     r = settle(t, r);
+    if (r == 0 && t->exact && (r = reduce_grad(t, t->wte, p[0], p[2])) == 0)
+        r = reduce_grad(t, t->wpe, p[1], p[3]);
     wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
 out:
     return r;
@@ -1106,13 +1516,32 @@ out:
  * update writes the bf16 copy too (released dirty: the engine carries it to the device on
  * its next fetch there). The learned schedule prefetches the next tensor's parts while this
  * one is updated. */
+/* Across ranks: AdamW on the rank's part of tensor i (p[0..3]: p, g, m, v as registered),
+ * then, below stage 3, every rank takes the others' parts of p. */
+static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hparams *h,
+                       int step, float scale)
+{
+    size_t n = t->desc[i].numel, sh = shard_of(t, i), own = shard_own(t, i);
+    size_t lo = shard_lo(t, i);
+    float *pp = p[0], *mine = t->stage >= 3 ? pp : pp + MIN(lo, n);
+    const float *g = t->stage >= 2 ? (const float *)p[1] : (const float *)p[1] + MIN(lo, n);
+    int r = own ? adamw_update(mine, g, p[2], p[3], own, h, step, scale) : 0;
+    if (r < 0 || t->stage >= 3) return r;
+    float *send = t->tmp, *recv = t->tmp + sh;
+    memcpy(send, mine, own * sizeof(float));
+    memset(send + own, 0, (sh - own) * sizeof(float));
+    if ((r = comm_allgather(t->comm, send, recv, sh, COMM_F32)) == 0)
+        memcpy(pp, recv, n * sizeof(float));
+    return r;
+}
+
 static int optimize(struct trainer *t, int step, double sumsq, double loss_scale)
 {
     struct adamw_hparams h;
-    /* The gradients are sums over grad_accum micro-batches (times the fp16 loss scale):
-     * their mean is what is clipped and applied. (With one micro-batch and no loss scale,
-     * exactly the scale it always was.) */
-    double K = t->o.grad_accum * loss_scale;
+    /* The gradients are sums over grad_accum micro-batches of every rank (times the fp16
+     * loss scale): their mean is what is clipped and applied. (With one micro-batch and no
+     * loss scale, exactly the scale it always was.) */
+    double K = (double)t->o.grad_accum * t->world * loss_scale;
     float scale = K == 1 ? adamw_clip_scale(sumsq, t->o.grad_clip)
                          : adamw_clip_scale(sumsq / (K * K), t->o.grad_clip) / (float)K;
     enum zinf_tier tier = t->opt_tier;
@@ -1136,7 +1565,9 @@ static int optimize(struct trainer *t, int step, double sumsq, double loss_scale
         if (r == 0) {
             /* Decay the matrices only, as GPT-2 trainers do (not biases, norms). */
             h.weight_decay = t->desc[i].ndim == 2 ? t->o.weight_decay : 0.0f;
-            if (tier == ZINF_TIER_DEVICE)
+            if (t->world > 1)
+                r = zero_update(t, i, p, &h, step, scale);
+            else if (tier == ZINF_TIER_DEVICE)
                 r = settle(t, t->be->ops->adamw(t->be, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL,
                                                 t->desc[i].numel, &h, step, scale));
             else if (mixed && t->be->wdt == BACKEND_F16) {
@@ -1169,20 +1600,33 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     bool fp16 = t->be->wdt == BACKEND_F16;
     double S = fp16 ? t->ls.scale : 1;
     t->be->loss_scale = (float)S;
-    for (int m = 0; m < t->o.grad_accum; m++) {
-        bool first = m == 0, last = m == t->o.grad_accum - 1;
+    int K = t->o.grad_accum, total = K * t->world;
+    for (int m = 0; m < K; m++) {
+        /* Exact: every micro-batch's gradients start from zero; the reductions add them. */
+        bool first = m == 0 || t->exact, last = m == K - 1 && !t->exact;
         float l;
         double ss;
-        load_batch(t, step, m);
+        load_batch(t, step, t->rank * K + m); /* rank r's are the micro-batches after r's */
+        t->micro = m;
         TRY(t->be->ops->set_batch(t->be, t->tokens, t->targets));
         TRY(forward(t));
-        TRY(head(t, first, last));
+        TRY(head(t, first, last, true));
         TRY(backward(t, first, last));
         TRY(t->be->ops->collect(t->be, &l, &ss));
+        t->losses[m] = l;
         loss_sum += l;
         sumsq += ss;
     }
-    loss = t->o.grad_accum == 1 ? (float)loss_sum : (float)(loss_sum / t->o.grad_accum);
+    if (t->exact) TRY(grad_norm(t, &sumsq));
+    if (t->world > 1) {
+        /* Every micro-batch's loss, in the order one rank would have run them. */
+        float *all = t->losses + K;
+        TRY(comm_allgather(t->comm, t->losses, all, (size_t)K, COMM_F32));
+        loss_sum = 0;
+        for (int m = 0; m < total; m++)
+            loss_sum += all[m];
+    }
+    loss = total == 1 ? (float)loss_sum : (float)(loss_sum / total);
     if (fp16 && t->fault_overflow) {
         sumsq = INFINITY; /* trainer_fault_overflow() */
         t->fault_overflow = false;
@@ -1211,7 +1655,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .step = step,
         .loss = loss,
         .seconds = sec,
-        .tokens_per_s = (double)t->o.batch * t->o.seq * t->o.grad_accum / sec,
+        .tokens_per_s = (double)t->o.batch * t->o.seq * total / sec,
         .nvme_read_GBps = (double)(s1.nvme_bytes_read - s0.nvme_bytes_read) / sec / 1e9,
         .nvme_write_GBps = (double)(s1.nvme_bytes_written - s0.nvme_bytes_written) / sec / 1e9,
         .blocked_fraction = (double)(s1.blocked_ns - s0.blocked_ns) / 1e9 / sec,
@@ -1278,6 +1722,14 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     out->skipped_steps = t->ls.skipped;
     out->loss_scale = t->be->wdt == BACKEND_F16 ? t->ls.scale : 1;
     out->backend_work_bytes = t->be->work_bytes;
+    out->rank = t->rank;
+    out->world = t->world;
+    out->stage = t->stage;
+    if (t->comm) {
+        struct comm_stats cs;
+        comm_get_stats(t->comm, &cs);
+        out->comm_bytes = cs.bytes_in;
+    }
     out->min_budget[0] = t->min_budget[0];
     out->min_budget[1] = t->min_budget[1];
     out->compactions = st.compactions;
@@ -1317,7 +1769,7 @@ int trainer_eval(struct trainer *t, int n_batches, float *loss)
         float l = 0;
         double ss;
         if ((r = t->be->ops->set_batch(t->be, t->tokens, t->targets)) == 0 &&
-            (r = forward(t)) == 0 && (r = head(t, true, false)) == 0 &&
+            (r = forward(t)) == 0 && (r = head(t, true, false, false)) == 0 &&
             (r = t->be->ops->collect(t->be, &l, &ss)) == 0)
             sum += l;
     }

@@ -79,6 +79,14 @@ struct trainer_opts {
                                 engine of this process; NULL: zinf.connect, else embedded */
     const char *job;         /* the daemon's job; NULL: zinf.job, else TRAINER_DEFAULT_JOB */
     enum trainer_precision precision;
+    /* ZeRO across ranks (zinf launch): this process is rank `rank` of `world`, whose
+     * communicator meets the others under comm_name. world <= 1: one rank, nothing is
+     * partitioned. With world > 1, zero_optimization.stage says what each rank keeps 1/world
+     * of: 1 the Adam states, 2 the gradients too, 3 the parameters too (0 counts as 1);
+     * each rank's swap files go to a directory of its own, rank-R under each nvme path, and
+     * each runs grad_accum micro-batches of its own per step. */
+    int rank, world;
+    const char *comm_name;
 };
 
 struct trainer_step_stats {
@@ -123,6 +131,8 @@ struct trainer_summary {
     bool host_pinned;           /* the host tier and staging are locked in memory */
     int64_t skipped_steps;      /* fp16: steps skipped for an overflow */
     double loss_scale;          /* fp16: the scale the next step runs with */
+    int rank, world, stage;     /* ZeRO: this rank of world; the stage (0 with one rank) */
+    uint64_t comm_bytes;        /* bytes this rank sent to collectives */
 };
 
 struct trainer;
@@ -168,6 +178,9 @@ void trainer_fault_optimizer(struct trainer *t, int tensor, int err);
 /* Test-only, fp16 runs: the next step's gradients count as overflowed. */
 void trainer_fault_overflow(struct trainer *t);
 zinf_engine *trainer_engine(struct trainer *t);
+/* Across ranks, whether any rank asks to stop (mine: this one does), so that all stop after
+ * the same step; with one rank, mine. A failed exchange (a rank died) says stop. */
+bool trainer_any_rank(struct trainer *t, bool mine);
 void trainer_close(struct trainer *t);
 
 #endif
