@@ -371,6 +371,49 @@ Test(persist, swap_space_reused_across_flushes)
     free(a);
 }
 
+/* A tensor of a memory home never written is saved as zeros (no bytes in the swap files),
+ * comes back as zeros, and unregistering it, fresh or resumed, frees nobody's extent: the
+ * NVMe tensor beside it keeps its bytes through flushes and resumes. */
+Test(persist, unwritten_memory_homes_are_saved_as_zeros_and_free_no_extent)
+{
+    const size_t n = 128 * KiB;
+    unsigned char *a = test_rand_buf(n, 5), *z = calloc(1, n);
+    zinf_engine *e = open_eng(0, false);
+    struct zinf_stats st;
+    zinf_tensor nv = test_register(e, "nv", n, ZINF_TIER_NVME);
+    cr_assert_eq(zinf_write(e, nv, 0, a, n), 0);
+    zinf_tensor h = test_register(e, "h", n, ZINF_TIER_HOST);
+    zinf_tensor d = test_register(e, "d", n, ZINF_TIER_DEVICE);
+    cr_assert_eq(zinf_flush(e), 0);
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tier[ZINF_TIER_NVME].used_bytes, n, "only the written tensor has swap");
+    cr_assert_eq(zinf_unregister(e, h), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    /* Swap space taken now must not be nv's. */
+    zinf_tensor x = test_register(e, "x", n, ZINF_TIER_NVME);
+    cr_assert_eq(zinf_write(e, x, 0, z, n), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    expect_everywhere(e, nv, a, n, "nv after h went");
+    zinf_close(e);
+
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    nv = look(e, "nv");
+    d = look(e, "d");
+    expect_everywhere(e, d, z, n, "d resumed");
+    cr_assert_eq(zinf_unregister(e, d), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    zinf_tensor y = test_register(e, "y", n, ZINF_TIER_NVME);
+    cr_assert_eq(zinf_write(e, y, 0, z, n), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    expect_everywhere(e, nv, a, n, "nv after d went");
+    zinf_close(e);
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    expect_everywhere(e, look(e, "nv"), a, n, "nv resumed");
+    zinf_close(e);
+    free(a);
+    free(z);
+}
+
 /* Put version seed of the three tensors "t" (NVMe), "u" (host) and "d" (device) in place by
  * three different paths. */
 static void write_tud(zinf_engine *e, unsigned char **ref, const size_t *n, uint64_t seed)

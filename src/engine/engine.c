@@ -122,9 +122,17 @@ bool engine_home_valid(const struct tensor *t)
     return t->c[t->home].state == COPY_READY && t->c[t->home].version == t->version;
 }
 
+bool engine_persisted_extent(const struct tensor *t)
+{
+    /* A zero NVMe tensor's manifest entry names its (unread) extent too; other homes have
+     * none while zero. */
+    return t->persisted && (!t->persisted_zero || t->home == ZINF_TIER_NVME);
+}
+
 static bool extent_named(const struct tensor *t, uint64_t off)
 {
-    return (t->persisted && t->persisted_off == off) || (t->flush_named && t->flush_off == off);
+    return (engine_persisted_extent(t) && t->persisted_off == off) ||
+           (t->flush_named && t->flush_off == off);
 }
 
 bool engine_swap_named(const struct tensor *t)
@@ -328,6 +336,7 @@ int engine_api_register(zinf_engine *e, const char *name, size_t nbytes, enum zi
         }
         c->state = COPY_READY;
         c->version = t->version;
+        t->zero = true; /* as a tensor resumed from a zero entry: flushed as one, unwritten */
     }
     r = engine_add_tensor(e, t); /* -EEXIST when the name was taken meanwhile */
     if (r < 0) {
@@ -392,9 +401,10 @@ int engine_api_unregister(zinf_engine *e, zinf_tensor h)
             copy_drop(e, t, i);
         }
     }
+    bool persisted = engine_persisted_extent(t);
     if (t->has_swap)
-        engine_free_swap(e, t->swap_off, t->persisted && t->persisted_off == t->swap_off);
-    if (t->persisted && (!t->has_swap || t->persisted_off != t->swap_off))
+        engine_free_swap(e, t->swap_off, persisted && t->persisted_off == t->swap_off);
+    if (persisted && (!t->has_swap || t->persisted_off != t->swap_off))
         engine_free_swap(e, t->persisted_off, true);
     name_remove(e, t);
     e->tensors[t->index] = NULL;

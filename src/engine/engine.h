@@ -112,7 +112,8 @@ struct tensor {
     size_t nbytes, alloc_bytes; /* alloc_bytes: nbytes rounded up to 4 KiB */
     enum zinf_tier home;
     uint64_t version;
-    bool zero;      /* content is all zeros (NVMe home never written) */
+    bool zero;      /* content is all zeros: never written since registered (or since
+                       resumed from a zero entry); flushed as a zero entry */
     bool exclusive; /* zinf_write/zinf_read/flush/unregister owns it */
     bool damaged;   /* its saved content failed its checksum at resume:
                        fetch and read answer -EBADMSG, unregister frees it */
@@ -404,6 +405,9 @@ void engine_check_tensor(const struct tensor *t);
 /* Does a manifest, committed or being written, name t's swap extent? Then new content
  * must go to another extent (copy on write). */
 bool engine_swap_named(const struct tensor *t);
+/* Whether the last manifest names an extent of t's (persisted_off): not while it saved t as
+ * zeros from a memory home. */
+bool engine_persisted_extent(const struct tensor *t);
 void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted);
 /* Allocate a swap extent; when the files must grow, the lock is dropped meanwhile, so the
  * caller must hold what it works on exclusively (engine_tensor_lock). Lock held. */

@@ -464,10 +464,7 @@ int persist_flush(struct zinf_engine *e)
         struct tensor *t = engine_tensor(e, ents[i].handle);
         if (!t)
             continue;
-        /* A zero NVMe tensor's manifest entry names its (unread) extent too; other homes
-         * have none while zero. */
-        bool owned = !t->persisted_zero || t->home == ZINF_TIER_NVME;
-        if (t->persisted && owned && t->persisted_off != ents[i].off &&
+        if (engine_persisted_extent(t) && t->persisted_off != ents[i].off &&
             !(t->has_swap && t->swap_off == t->persisted_off))
             engine_free_swap(e, t->persisted_off, !durable);
         t->persisted = true;
