@@ -138,8 +138,8 @@ struct field {
 #pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 static const struct field fields[] = {
     {S_ZERO, "stage", NULL, F_INT, OFF(zero.stage), 0, 3, 0, NULL, 0,
-     "one rank holds every tensor, whatever the stage: offload_param and offload_optimizer "
-     "say where each lives"},
+     "one rank holds every tensor, whatever the stage (zinf launch -n N partitions by it): "
+     "offload_param and offload_optimizer say where each lives"},
     {S_ZERO, "sub_group_size", NULL, F_U64, OFF(zero.sub_group_size), 0, 0, 0, NULL, 0,
      "the optimizer updates one tensor at a time, whatever the sub-group size"},
     {S_PARAM, "device", NULL, F_ENUM, OFF(zero.offload_param.device), 0, 0, 0, offload_devices},

@@ -202,17 +202,19 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
 
     uint64_t tbs = k->train_batch_size;
     if (config_given(zc, "train_batch_size") && tbs) {
-        /* DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks (1). */
+        /* DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks. */
+        uint64_t ranks = (uint64_t)MAX(1, o->world);
         if (!micro && !GIVEN(O_BATCH) && !zc->zinf.train.batch &&
-            tbs % (uint64_t)o->grad_accum == 0)
-            o->batch = (int)(tbs / (uint64_t)o->grad_accum);
-        else if (!accum && !GIVEN(O_ACCUM) && tbs % (uint64_t)o->batch == 0)
-            o->grad_accum = (int)(tbs / (uint64_t)o->batch);
-        if (tbs != (uint64_t)o->batch * (uint64_t)o->grad_accum) {
+            tbs % ((uint64_t)o->grad_accum * ranks) == 0)
+            o->batch = (int)(tbs / ((uint64_t)o->grad_accum * ranks));
+        else if (!accum && !GIVEN(O_ACCUM) && tbs % ((uint64_t)o->batch * ranks) == 0)
+            o->grad_accum = (int)(tbs / ((uint64_t)o->batch * ranks));
+        if (tbs != (uint64_t)o->batch * (uint64_t)o->grad_accum * ranks) {
             snprintf(err, errlen,
                      "train_batch_size %llu is not the micro batch %d x %d "
-                     "gradient accumulation steps x 1 rank",
-                     (unsigned long long)tbs, o->batch, o->grad_accum);
+                     "gradient accumulation steps x %llu rank%s",
+                     (unsigned long long)tbs, o->batch, o->grad_accum, (unsigned long long)ranks,
+                     ranks == 1 ? "" : "s");
             return -EINVAL;
         }
     }
@@ -311,9 +313,12 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
 
     size_t n = 0;
     ds->ignored[0] = '\0';
-    for (size_t i = 0; i < zc->n_ignored && n < sizeof(ds->ignored); i++)
+    for (size_t i = 0; i < zc->n_ignored && n < sizeof(ds->ignored); i++) {
+        /* Across ranks the stage is what partitions the state. */
+        if (o->world > 1 && !strncmp(zc->ignored[i], "zero_optimization.stage ", 24)) continue;
         n += (size_t)snprintf(ds->ignored + n, sizeof(ds->ignored) - n, "%s%s", n ? "\n" : "",
                               zc->ignored[i]);
+    }
     return 0;
 }
 
@@ -562,6 +567,19 @@ int cmd_train(int argc, char **argv)
         o.world = (int)w;
         o.rank = (int)k;
         o.comm_name = getenv("ZINF_COMM_NAME");
+        const char *to = getenv("ZINF_COMM_TIMEOUT_MS");
+        if (to && *to) {
+            char *e3 = NULL;
+            long ms = strtol(to, &e3, 10);
+            if (*e3 || ms < 1 || ms > 3600000) {
+                fprintf(stderr,
+                        "zinf train: ZINF_COMM_TIMEOUT_MS '%s': expected milliseconds in "
+                        "1..3600000\n",
+                        to);
+                return 2;
+            }
+            o.comm_timeout_ms = (unsigned)ms;
+        }
     }
     optind = 1;
     opterr = 0;

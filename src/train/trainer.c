@@ -723,6 +723,34 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
     return -EINVAL;
 }
 
+/* Local slot s's buffer of kind k (0: local gradients when exact, 1: gathered weights in
+ * stage 3): its handle, name and size; NULL when this run has none. */
+static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size_t *bytes)
+{
+    if (k == 0 ? !t->exact : t->stage < 3) return NULL;
+    int i = slot_tensor(t, s);
+    snprintf(name, 64, "%s%s", k == 0 ? "zero.grad." : "zero.gather.",
+             s < GPT_BLOCK_NSLOTS ? gpt_block_slot_name(s) : t->desc[i].name);
+    *bytes = role_bytes(t, k == 0 ? R_L : R_GW, i);
+    return k == 0 ? &t->lg[s] : &t->gw[s];
+}
+
+/* Before a checkpoint, the scratch buffers are registered afresh (reading as zeros), so that
+ * the swap files never hold what a step rebuilds. */
+static int scratch_reset(struct trainer *t)
+{
+    int r = 0;
+    for (int s = 0; s < NLOCAL && r == 0; s++)
+        for (int k = 0; k < 2 && r == 0; k++) {
+            char name[64];
+            size_t bytes;
+            zinf_tensor *h = scratch(t, s, k, name, &bytes);
+            if (h && (r = zinf_unregister(t->e, *h)) == 0)
+                r = zinf_register(t->e, name, bytes, ZINF_TIER_DEVICE, h);
+        }
+    return r;
+}
+
 static int register_all(struct trainer *t, char *err, size_t errlen)
 {
     size_t act = (size_t)t->o.batch * t->o.seq * t->cfg.C * backend_dtype_bytes(t->be->adt);
@@ -773,14 +801,11 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
     /* The local gradients and gathered weights: working memory on the device tier, found
      * again on a resume like the activations. */
     for (int s = 0; s < NLOCAL && r == 0; s++) {
-        int i = slot_tensor(t, s);
-        const char *sn = s < GPT_BLOCK_NSLOTS ? gpt_block_slot_name(s) : t->desc[i].name;
         for (int k = 0; k < 2 && r == 0; k++) {
-            if (k == 0 ? !t->exact : t->stage < 3) continue;
             char full[64];
-            snprintf(full, sizeof(full), "%s%s", k == 0 ? "zero.grad." : "zero.gather.", sn);
-            size_t bytes = role_bytes(t, k == 0 ? R_L : R_GW, i);
-            zinf_tensor *out = k == 0 ? &t->lg[s] : &t->gw[s];
+            size_t bytes;
+            zinf_tensor *out = scratch(t, s, k, full, &bytes);
+            if (!out) continue;
             r = t->o.resume ? zinf_lookup(t->e, full, out) : -ENOENT;
             if (r == -ENOENT)
                 r = t->o.resume ? zinf_register(t->e, full, bytes, ZINF_TIER_DEVICE, out)
@@ -983,7 +1008,11 @@ static int zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         free(old);
     }
     struct comm_opts co = {
-        .backend = COMM_SHM, .rank = t->rank, .world = t->world, .name = o->comm_name};
+        .backend = COMM_SHM,
+        .rank = t->rank,
+        .world = t->world,
+        .name = o->comm_name,
+        .timeout_ms = o->comm_timeout_ms};
     int r = comm_open(&co, &t->comm);
     if (r < 0) {
         snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s': %s%s", t->rank,
@@ -1613,7 +1642,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         TRY(head(t, first, last, true));
         TRY(backward(t, first, last));
         TRY(t->be->ops->collect(t->be, &l, &ss));
-        t->losses[m] = l;
+        if (t->losses) t->losses[m] = l;
         loss_sum += l;
         sumsq += ss;
     }
@@ -1678,7 +1707,8 @@ int trainer_checkpoint(struct trainer *t)
     if (t->torn) return t->torn;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
-    int r = state_save(t);
+    int r = scratch_reset(t);
+    if (r == 0) r = state_save(t);
     if (r == 0) r = zinf_flush(t->e);
     t->checkpoint_failed = r < 0;
     if (r < 0) return r;

@@ -87,6 +87,7 @@ struct trainer_opts {
      * each runs grad_accum micro-batches of its own per step. */
     int rank, world;
     const char *comm_name;
+    unsigned comm_timeout_ms; /* how long the ranks wait for each other to meet; 0: 60 s */
 };
 
 struct trainer_step_stats {
