@@ -484,5 +484,7 @@ void persist_manifest_path(const char *dir, char *buf, size_t len);
  * a checksum of the manifest's bytes (a different value means a different state);
  * -ENOENT where there is no manifest (or no dir); another -errno when it cannot tell. */
 int persist_probe(const char *dir, size_t *ntensors, uint32_t *id);
+/* When the saved state in dir was last committed (its manifest's mtime); -ENOENT: none. */
+int persist_saved_at(const char *dir, struct timespec *when);
 
 #endif

@@ -153,6 +153,17 @@ int persist_remove_manifest(struct zinf_engine *e)
     return 0;
 }
 
+int persist_saved_at(const char *dir, struct timespec *when)
+{
+    char path[4096];
+    struct stat st;
+    snprintf(path, sizeof(path), "%s/%s", dir, MANIFEST_NAME);
+    if (stat(path, &st) < 0)
+        return -errno;
+    *when = st.st_mtim;
+    return 0;
+}
+
 int persist_probe(const char *dir, size_t *ntensors, uint32_t *id)
 {
     char path[4096];

@@ -19,6 +19,7 @@
  * step count is itself a zinf tensor flushed with everything else: a resumed run sees the
  * same batches and the same states, hence the same losses, as an uninterrupted one.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -129,6 +130,12 @@ struct trainer {
     double *part, *part_all; /* the norm's chunk sums: this rank's, and every rank's */
     size_t nparts;
     size_t *part_first; /* the first chunk of tensor i */
+    /* The nvme paths as given: rank R of N keeps its swap files in rank-R-of-N under each
+     * (one rank: in the paths themselves). A resume on another number of ranks re-cuts the
+     * newest saved run, of src_world ranks at stage src_stage, into this run's shards. */
+    char *base[CONFIG_MAX_NVME_PATHS];
+    unsigned nbase;
+    int src_world, src_stage;
 };
 
 void trainer_opts_defaults(struct trainer_opts *o)
@@ -897,11 +904,12 @@ static int init_params(struct trainer *t)
     return r;
 }
 
-static int state_check(struct trainer *t, char *err, size_t errlen)
+/* The saved state s, of a run of src_world ranks, against this run: the same model, data,
+ * precision and global batch (micro-batches x ranks). */
+static int state_validate(struct trainer *t, struct train_state s, int src_world, char *err,
+                          size_t errlen)
 {
-    struct train_state s;
-    int r = zinf_read(t->e, t->state, 0, &s, sizeof(s));
-    if (r < 0) return r;
+    int accum = s.accum ? s.accum : 1;
     if (s.magic == STATE_MAGIC_V2) {
         s.held_out = 0; /* that version trained on the whole file: so does its resume */
         t->train_bytes = t->data_bytes;
@@ -914,16 +922,25 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
     if (s.L != t->cfg.L || s.C != t->cfg.C || s.NH != t->cfg.NH || s.maxT != t->cfg.maxT ||
         s.B != t->o.batch || s.T != t->o.seq || s.seed != t->o.seed ||
         s.data_bytes != t->data_bytes || s.wdt != (int32_t)t->be->wdt ||
-        (s.accum ? s.accum : 1) != t->o.grad_accum) {
+        (int64_t)accum * src_world != (int64_t)t->o.grad_accum * t->world) {
+        int64_t total = (int64_t)accum * src_world;
+        char ranks[256] = "";
+        if (src_world != t->world)
+            snprintf(ranks, sizeof(ranks),
+                     " (by %d ranks: %lld micro-batches a step, which %d ranks run as "
+                     "--accumulate %lld%s)",
+                     src_world, (long long)total, t->world, (long long)(total / t->world),
+                     total % t->world ? ", not a whole number: choose another number of ranks"
+                                      : "");
         snprintf(err, errlen,
                  "--resume: the saved run used --layers %d --dim %d --heads %d "
                  "--seq %d --batch %d --accumulate %d --seed %llu --precision %s on %llu bytes "
-                 "of data; give the same",
-                 s.L, s.C, s.NH, s.T, s.B, s.accum ? s.accum : 1, (unsigned long long)s.seed,
+                 "of data%s; give the same",
+                 s.L, s.C, s.NH, s.T, s.B, accum, (unsigned long long)s.seed,
                  s.wdt == BACKEND_BF16  ? "bf16"
                  : s.wdt == BACKEND_F16 ? "fp16"
                                         : "fp32",
-                 (unsigned long long)s.data_bytes);
+                 (unsigned long long)s.data_bytes, ranks);
         return -EINVAL;
     }
     if (s.magic == STATE_MAGIC && (s.held_out != 0) != (t->train_bytes < t->data_bytes)) {
@@ -936,6 +953,14 @@ static int state_check(struct trainer *t, char *err, size_t errlen)
     t->state_v2 = s.magic == STATE_MAGIC_V2;
     t->step_done = s.step_done;
     return 0;
+}
+
+static int state_check(struct trainer *t, char *err, size_t errlen)
+{
+    struct train_state s;
+    int r = zinf_read(t->e, t->state, 0, &s, sizeof(s));
+    if (r < 0) return r;
+    return state_validate(t, s, t->world, err, errlen);
 }
 
 static int state_save_step(struct trainer *t, int step_done)
@@ -970,13 +995,25 @@ static int state_save(struct trainer *t)
  * each rank an engine of its own), give each rank a swap directory of its own (rank-R under
  * each nvme path) and meet the other ranks. One rank: nothing but exact accumulation,
  * where it is needed. */
+/* Where rank `rank` of `world` keeps its swap files under base (malloc'd; NULL: no memory). */
+static char *rank_dir(const char *base, int world, int rank)
+{
+    char *d = NULL;
+    if (world <= 1) return strdup(base);
+    return asprintf(&d, "%s/rank-%d-of-%d", base, rank, world) < 0 ? NULL : d;
+}
+
 static int zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
     t->world = o->world > 1 ? o->world : 1;
     t->rank = t->world > 1 ? o->rank : 0;
     t->exact = t->world > 1 || (o->grad_accum > 1 && !cuda);
-    if (t->world == 1) return 0;
+    if (t->world == 1) {
+        for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
+            if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
+        return 0;
+    }
     t->stage = MAX(1, t->zc.zero.stage);
     if (o->rank < 0 || o->rank >= o->world || o->world > COMM_MAX_RANKS) {
         snprintf(err, errlen, "RANK %d is not in [0, WORLD_SIZE %d) (or WORLD_SIZE is above %d)",
@@ -1001,11 +1038,11 @@ static int zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         return -ENOTSUP;
     }
     for (unsigned k = 0; k < t->zc.nvme_paths.count; k++) {
-        char *old = t->zc.nvme_paths.path[k], *mine = NULL;
-        if (asprintf(&mine, "%s/rank-%d", old, t->rank) < 0) return -ENOMEM;
+        char *mine = rank_dir(t->zc.nvme_paths.path[k], t->world, t->rank);
+        if (!mine) return -ENOMEM;
+        t->base[t->nbase++] = t->zc.nvme_paths.path[k];
         t->zc.nvme_paths.path[k] = mine;
         if (k) t->zc.nvme_paths_extra[k - 1] = mine;
-        free(old);
     }
     struct comm_opts co = {
         .backend = COMM_SHM,
@@ -1076,6 +1113,137 @@ bool trainer_any_rank(struct trainer *t, bool mine)
     for (int q = 0; q < t->world; q++)
         if (all[q]) return true;
     return false;
+}
+
+/* ---- resuming on another number of ranks ------------------------------------------ */
+
+/* The number of ranks of the newest run saved under the nvme paths (one rank's in the paths
+ * themselves, N ranks' in rank-R-of-N): 0 when there is none. */
+static int newest_run(const struct trainer *t)
+{
+    struct timespec best = {0}, when;
+    int world = 0;
+    if (!t->nbase) return 0;
+    if (persist_saved_at(t->base[0], &when) == 0) {
+        best = when;
+        world = 1;
+    }
+    DIR *d = opendir(t->base[0]);
+    struct dirent *de;
+    while (d && (de = readdir(d))) {
+        int n = 0, end = 0;
+        char path[4096];
+        if (sscanf(de->d_name, "rank-0-of-%d%n", &n, &end) != 1 || de->d_name[end] || n < 2 ||
+            n > COMM_MAX_RANKS)
+            continue;
+        snprintf(path, sizeof(path), "%s/%s", t->base[0], de->d_name);
+        if (persist_saved_at(path, &when) < 0) continue;
+        /* The newest; on a tie, this run's own number of ranks. */
+        if (!world || when.tv_sec > best.tv_sec ||
+            (when.tv_sec == best.tv_sec &&
+             (when.tv_nsec > best.tv_nsec || (when.tv_nsec == best.tv_nsec && n == t->world)))) {
+            best = when;
+            world = n;
+        }
+    }
+    if (d) closedir(d);
+    return world;
+}
+
+/* Open rank q's engine of the saved run of `world` ranks, read-only. */
+static int open_source(struct trainer *t, int world, int q, zinf_engine **out)
+{
+    struct zinf_config c = t->zc; /* the same settings; only the directories differ */
+    char *dirs[CONFIG_MAX_NVME_PATHS] = {0};
+    int r = 0;
+    for (unsigned k = 0; k < t->nbase && r == 0; k++) {
+        if (!(dirs[k] = rank_dir(t->base[k], world, q))) r = -ENOMEM;
+        c.nvme_paths.path[k] = dirs[k];
+        if (k) c.nvme_paths_extra[k - 1] = dirs[k];
+    }
+    if (r == 0) r = engine_open_config(&c, ZINF_OPEN_READONLY | ZINF_OPEN_NO_PIN, out);
+    for (unsigned k = 0; k < t->nbase; k++)
+        free(dirs[k]);
+    return r;
+}
+
+/* Before anything is written: the saved run of src_world ranks must be this model's, data's
+ * and global batch's; its stage and step are taken from its rank 0. */
+static int recut_check(struct trainer *t, char *err, size_t errlen)
+{
+    int N = t->src_world, r;
+    zinf_engine *se = NULL;
+    zinf_tensor h;
+    struct train_state s;
+    struct zero_state z = {.stage = 0};
+    if ((r = open_source(t, N, 0, &se)) < 0) {
+        snprintf(err, errlen, "--resume: cannot open the saved run of %d rank%s: %s", N,
+                 N > 1 ? "s" : "", zinf_strerror(r));
+        return r;
+    }
+    if ((r = zinf_lookup(se, STATE_NAME, &h)) < 0 || (r = zinf_read(se, h, 0, &s, sizeof(s))) < 0 ||
+        (N > 1 && ((r = zinf_lookup(se, ZERO_NAME, &h)) < 0 ||
+                   (r = zinf_read(se, h, 0, &z, sizeof(z))) < 0)))
+        snprintf(err, errlen, "--resume: the saved run of %d rank%s has no training state: %s", N,
+                 N > 1 ? "s" : "", zinf_strerror(r));
+    else if ((r = state_validate(t, s, N, err, errlen)) == 0)
+        t->src_stage = z.stage;
+    zinf_close(se);
+    return r;
+}
+
+/* Re-cut: every rank of the saved run in turn, the part of each parameter and Adam state
+ * this rank keeps is read from the shards that hold it and written into this run's tensors;
+ * then the saved step goes on. Memory: one tensor's worth of floats at a time. */
+static int recut(struct trainer *t, char *err, size_t errlen)
+{
+    static const enum role roles[] = {R_P, R_M, R_V};
+    static const char *const prefix[] = {"p.", "m.", "v."};
+    int N = t->src_world, r = 0;
+    size_t most = 0;
+    for (int i = 0; i < t->ntensors; i++)
+        most = MAX(most, t->desc[i].numel);
+    float *buf = malloc(most * sizeof(float));
+    if (!buf) return -ENOMEM;
+    for (int q = 0; q < N && r == 0; q++) {
+        zinf_engine *se = NULL;
+        char where[64];
+        snprintf(where, sizeof(where), N > 1 ? "rank %d of the saved run's %d" : "the saved run",
+                 q, N);
+        if ((r = open_source(t, N, q, &se)) < 0) {
+            snprintf(err, errlen, "--resume: cannot open %s: %s", where, zinf_strerror(r));
+            break;
+        }
+        zinf_tensor h;
+        for (int i = 0; i < t->ntensors && r == 0; i++) {
+            size_t n = t->desc[i].numel;
+            size_t ssh = N > 1 ? align_up((n + (size_t)N - 1) / (size_t)N, SHARD_FLOATS) : n;
+            for (int k = 0; k < 3 && r == 0; k++) {
+                bool from_shard = N > 1 && t->src_stage >= (roles[k] == R_P ? 3 : 1);
+                bool to_shard = role_bytes(t, roles[k], i) < n * sizeof(float);
+                if (!from_shard && q != 0) continue; /* whole in every rank: rank 0's */
+                size_t s_lo = from_shard ? (size_t)q * ssh : 0;
+                size_t s_hi = from_shard ? MIN(n, s_lo + ssh) : n;
+                size_t d_lo = to_shard ? shard_lo(t, i) : 0;
+                size_t d_hi = to_shard ? d_lo + shard_own(t, i) : n;
+                size_t a = MAX(s_lo, d_lo), b = MIN(s_hi, d_hi);
+                if (a >= b) continue;
+                char name[96];
+                snprintf(name, sizeof(name), "%s%s", prefix[k], t->desc[i].name);
+                zinf_tensor dst = wave_handle(t, roles[k], i);
+                if ((r = zinf_lookup(se, name, &h)) < 0 ||
+                    (r = zinf_read(se, h, (a - s_lo) * sizeof(float), buf,
+                                   (b - a) * sizeof(float))) < 0 ||
+                    (r = zinf_write(t->e, dst, (a - d_lo) * sizeof(float), buf,
+                                    (b - a) * sizeof(float))) < 0)
+                    snprintf(err, errlen, "--resume: '%s' of %s: %s", name, where,
+                             zinf_strerror(r));
+            }
+        }
+        zinf_close(se);
+    }
+    free(buf);
+    return r < 0 ? r : state_save_step(t, t->step_done);
 }
 
 int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen)
@@ -1208,16 +1376,32 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         const char *sd = t->zc.nvme_paths.path[0];
         size_t n = 0;
         int pr = persist_probe(sd, &n, NULL);
-        if (o->resume && pr == -ENOENT) {
+        /* A run saved by another number of ranks, newer than any of this one's: rank 0
+         * looks, and every rank goes by what it found. */
+        int32_t nw = t->rank == 0 ? newest_run(t) : 0;
+        if (t->world > 1 && (r = comm_broadcast(t->comm, &nw, sizeof(nw), COMM_BYTE, 0)) < 0) {
+            snprintf(err, errlen, "rank %d: the ranks could not agree on the saved run: %s",
+                     t->rank, zinf_strerror(r));
+            goto fail;
+        }
+        bool other = nw && nw != t->world;
+        if (o->resume && other) {
+            t->src_world = nw;
+            t->o.resume = false; /* this rank's tensors are new, filled by recut() */
+            if ((r = recut_check(t, err, errlen)) < 0) goto fail;
+        } else if (o->resume && pr == -ENOENT) {
             snprintf(err, errlen, "--resume: no saved run in %s", sd);
             r = -ENOENT;
             goto fail;
         }
-        if (!o->resume && !o->overwrite && pr == 0 && n > 0) {
+        if (!o->resume && !o->overwrite && ((pr == 0 && n > 0) || other)) {
+            char by[64] = "";
+            if (other)
+                snprintf(by, sizeof(by), nw > 1 ? " (by %d ranks)" : " (by one rank)", nw);
             snprintf(err, errlen,
-                     "%s holds a saved run: continue it with --resume, or start "
-                     "over with --overwrite (which deletes it)",
-                     sd);
+                     "%s holds a saved run%s: continue it with --resume, or start "
+                     "over with --overwrite (which deletes %s)",
+                     other ? t->base[0] : sd, by, other ? "this run's own" : "it");
             r = -EEXIST;
             goto fail;
         }
@@ -1254,9 +1438,9 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         }
     } else {
         r = engine_open_config(&t->zc,
-                               o->resume      ? ZINF_OPEN_RESUME
-                               : o->overwrite ? ZINF_OPEN_OVERWRITE
-                                              : 0,
+                               t->o.resume                      ? ZINF_OPEN_RESUME
+                               : o->overwrite || t->src_world ? ZINF_OPEN_OVERWRITE
+                                                                : 0,
                                &t->e);
     }
     if (r < 0) {
@@ -1311,11 +1495,11 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     /* Resuming, the saved run's shape and precision are checked before its tensors are
      * looked up, so a mismatch is named as such; without a saved state, register_all()
      * says so. */
-    if (o->resume && zinf_lookup(t->e, STATE_NAME, &t->state) == 0 &&
+    if (t->o.resume && zinf_lookup(t->e, STATE_NAME, &t->state) == 0 &&
         (r = state_check(t, err, errlen)) < 0)
         goto fail;
     if ((r = register_all(t, err, errlen)) < 0) goto fail;
-    if (!o->resume && t->be->wdt == BACKEND_F16) {
+    if (!t->o.resume && t->be->wdt == BACKEND_F16) {
         const struct trainer_fp16 *f = &o->fp16;
         loss_scale_init(&t->ls, f->loss_scale, f->initial_scale_power, f->loss_scale_window,
                         f->hysteresis, f->min_loss_scale, f->consecutive_hysteresis);
@@ -1323,6 +1507,11 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
             snprintf(err, errlen, "%s: %s", SCALER_NAME, zinf_strerror(r));
             goto fail;
         }
+    }
+    if (t->src_world && ((r = recut(t, err, errlen)) < 0 || (r = trainer_checkpoint(t)) < 0)) {
+        if (!err[0]) snprintf(err, errlen, "--resume: re-cutting the saved run: %s", zinf_strerror(r));
+        t->checkpoint_failed = true; /* half a re-cut is never saved */
+        goto fail;
     }
     if (!o->resume && ((r = init_params(t)) < 0 || (r = trainer_checkpoint(t)) < 0)) {
         snprintf(err, errlen, "initialising the parameters failed: %s%s", zinf_strerror(r),
@@ -1365,6 +1554,8 @@ void trainer_close(struct trainer *t)
     free(t->losses);
     free(t->tmp);
     comm_close(t->comm);
+    for (unsigned k = 0; k < t->nbase; k++)
+        free(t->base[k]);
     backend_close(t->be);
     free(t->data);
     free(t);
