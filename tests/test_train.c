@@ -668,7 +668,6 @@ Test(train, checkpoint_writes_only_what_changed)
     trainer_get_summary(t, &sum);
     cr_assert_eq(sum.checkpoints, 1, "a new run is checkpointed at step 0");
     cr_assert_eq(sum.checkpoint_step, 0);
-    cr_assert_gt(sum.checkpoint_bytes, 0, "the initial parameters were written");
     cr_assert_eq(trainer_step(t, &st), 0);
     cr_assert_eq(trainer_checkpoint(t), 0);
     trainer_get_summary(t, &sum);

@@ -1898,7 +1898,10 @@ int trainer_checkpoint(struct trainer *t)
     if (t->torn) return t->torn;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
-    int r = scratch_reset(t);
+    /* Across ranks, every rank saves the same step or none does: a rank that died (or failed
+     * its step) fails this meeting, and the others keep their last checkpoint too. */
+    int r = t->world > 1 ? comm_barrier(t->comm) : 0;
+    if (r == 0) r = scratch_reset(t);
     if (r == 0) r = state_save(t);
     if (r == 0) r = zinf_flush(t->e);
     t->checkpoint_failed = r < 0;
