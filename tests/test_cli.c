@@ -1970,9 +1970,13 @@ static void zero_config(char *cfg, size_t len, const char *swap, int stage)
     fclose(f);
 }
 
-/* Run `zinf launch -n ranks -- zinf train --config cfg ARGS` (ranks 0: zinf train alone). */
+/* Run `zinf launch -n ranks -- zinf train --config cfg ARGS` (ranks 0: zinf train alone).
+ * One OpenMP thread everywhere: OpenBLAS's sums depend on the thread count, and bitwise
+ * equality is between runs of the same count (the launcher would give each rank its share
+ * of the CPUs, the lone trainer all of them). */
 static int train_ranks(char **out, int ranks, const char *cfg, const char *data, const char *args)
 {
+    setenv("OMP_NUM_THREADS", "1", 1);
     if (!ranks) return run(out, "train --config %s --data %s %s", cfg, data, args);
     return run(out, "launch -n %d -- %s train --config %s --data %s %s", ranks, getenv("ZINF_BIN"),
                cfg, data, args);
