@@ -55,7 +55,8 @@
 /* What a partitioned run's ranks keep beside the state: a resume must cut alike. */
 struct zero_state {
     uint64_t magic;
-    int32_t world, stage, rank, pad;
+    int32_t world, stage, rank;
+    int32_t persist; /* stage 3: stage3_param_persistence_threshold (0: none) */
 };
 
 /* What the state tensor holds: enough to refuse a resume with another model or data. */
@@ -135,7 +136,7 @@ struct trainer {
      * newest saved run, of src_world ranks at stage src_stage, into this run's shards. */
     char *base[CONFIG_MAX_NVME_PATHS];
     unsigned nbase;
-    int src_world, src_stage;
+    int src_world, src_stage, src_persist;
 };
 
 void trainer_opts_defaults(struct trainer_opts *o)
@@ -314,11 +315,13 @@ static void wave_add(struct wave *w, enum role role, int idx, bool dirty)
     wave_member(w, role, idx, dirty);
 }
 
+static int stage_of(const struct trainer *t, int idx);
+
 /* The weights of tensor idx as the device computes with them: w, or in stage 3 the rank's
  * shard of p gathered from every rank into a buffer of the device tier. */
 static void wave_add_weight(const struct trainer *t, struct wave *w, int idx)
 {
-    if (t->stage < 3) {
+    if (stage_of(t, idx) < 3) {
         wave_add(w, R_W, idx, false);
         return;
     }
@@ -539,6 +542,16 @@ static size_t shard_own(const struct trainer *t, int idx)
     return lo >= n ? 0 : MIN(shard_of(t, idx), n - lo);
 }
 
+/* The stage tensor idx is partitioned at: stage 3 keeps the weights of fewer elements than
+ * stage3_param_persistence_threshold whole on every rank (DeepSpeed's persistent
+ * parameters: not worth a gather each time), as stage 2 does. */
+static int stage_of(const struct trainer *t, int idx)
+{
+    if (t->stage >= 3 && t->persist_below && t->desc[idx].numel < (size_t)t->persist_below)
+        return 2;
+    return t->stage;
+}
+
 /* Bytes of what is registered for role (tensor idx): a rank keeps a shard of the Adam
  * states from stage 1, of the gradients from stage 2, of the parameters in stage 3. */
 static size_t role_bytes(const struct trainer *t, enum role role, int idx)
@@ -557,7 +570,7 @@ static size_t role_bytes(const struct trainer *t, enum role role, int idx)
     case R_G:
         return (parted && t->stage >= 2 ? sh : n) * sizeof(float);
     case R_P:
-        return (parted && t->stage >= 3 ? sh : n) * sizeof(float);
+        return (parted && stage_of(t, idx) >= 3 ? sh : n) * sizeof(float);
     default:
         return n * backend_dtype_bytes(t->be->wdt);
     }
@@ -612,7 +625,8 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
     for (int s = 0; s < NLOCAL; s++) {
         int i = slot_tensor(t, s);
         if (t->exact) homes[ZINF_TIER_DEVICE] += align_up(role_bytes(t, R_L, i), ZINF_ALIGN);
-        if (t->stage >= 3) homes[ZINF_TIER_DEVICE] += align_up(role_bytes(t, R_GW, i), ZINF_ALIGN);
+        if (stage_of(t, i) >= 3)
+            homes[ZINF_TIER_DEVICE] += align_up(role_bytes(t, R_GW, i), ZINF_ALIGN);
     }
     enum zinf_tier sh = home_of(t->zc.zero.offload_param.device);
     if (sh < MEM_TIERS)
@@ -734,8 +748,8 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
  * stage 3): its handle, name and size; NULL when this run has none. */
 static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size_t *bytes)
 {
-    if (k == 0 ? !t->exact : t->stage < 3) return NULL;
     int i = slot_tensor(t, s);
+    if (k == 0 ? !t->exact : stage_of(t, i) < 3) return NULL;
     snprintf(name, 64, "%s%s", k == 0 ? "zero.grad." : "zero.gather.",
              s < GPT_BLOCK_NSLOTS ? gpt_block_slot_name(s) : t->desc[i].name);
     *bytes = role_bytes(t, k == 0 ? R_L : R_GW, i);
@@ -835,17 +849,20 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
         struct zero_state z = {.magic = ZERO_MAGIC,
                                .world = t->world,
                                .stage = t->stage,
-                               .rank = t->rank},
+                               .rank = t->rank,
+                               .persist = (int32_t)MIN(t->persist_below, (uint64_t)INT32_MAX)},
                           saved;
         r = reg(t, "", ZERO_NAME, sizeof(z), home_of(t->zc.zero.offload_param.device),
                 &t->zstate);
         if (r == 0 && t->o.resume && (r = zinf_read(t->e, t->zstate, 0, &saved, sizeof(saved))) == 0 &&
             (saved.magic != ZERO_MAGIC || saved.world != z.world || saved.stage != z.stage ||
-             saved.rank != z.rank)) {
+             saved.rank != z.rank || (z.stage >= 3 && saved.persist != z.persist))) {
             snprintf(err, errlen,
                      "--resume: the saved run was cut for %d ranks at ZeRO stage %d (this is rank "
-                     "%d of it); this run is %d ranks at stage %d: give the saved run's",
-                     saved.world, saved.stage, saved.rank, z.world, z.stage);
+                     "%d of it, persistence threshold %d); this run is %d ranks at stage %d "
+                     "(threshold %d): give the saved run's",
+                     saved.world, saved.stage, saved.rank, saved.persist, z.world, z.stage,
+                     z.persist);
             return -EINVAL;
         }
         if (r == 0 && !t->o.resume) r = zinf_write(t->e, t->zstate, 0, &z, sizeof(z));
@@ -869,7 +886,8 @@ static int init_params(struct trainer *t)
     int r = 0;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
         size_t n = t->desc[i].numel;
-        if (t->stage >= 3) n = MAX(n, shard_lo(t, i) + shard_of(t, i)); /* room for the shard */
+        bool shard = stage_of(t, i) >= 3;
+        if (shard) n = MAX(n, shard_lo(t, i) + shard_of(t, i)); /* room for the shard */
         if (n > cap) {
             free(buf);
             free(b16);
@@ -882,7 +900,7 @@ static int init_params(struct trainer *t)
             }
         }
         r = gpt_init_tensor(&t->cfg, &t->desc[i], buf, t->o.seed);
-        if (r == 0 && t->stage >= 3) {
+        if (r == 0 && shard) {
             /* The rank's shard of the whole tensor's values, zeros past its end. */
             size_t lo = shard_lo(t, i), own = shard_own(t, i);
             memmove(buf, buf + lo, own * sizeof(float));
@@ -1186,8 +1204,10 @@ static int recut_check(struct trainer *t, char *err, size_t errlen)
                    (r = zinf_read(se, h, 0, &z, sizeof(z))) < 0)))
         snprintf(err, errlen, "--resume: the saved run of %d rank%s has no training state: %s", N,
                  N > 1 ? "s" : "", zinf_strerror(r));
-    else if ((r = state_validate(t, s, N, err, errlen)) == 0)
+    else if ((r = state_validate(t, s, N, err, errlen)) == 0) {
         t->src_stage = z.stage;
+        t->src_persist = z.persist;
+    }
     zinf_close(se);
     return r;
 }
@@ -1219,7 +1239,9 @@ static int recut(struct trainer *t, char *err, size_t errlen)
             size_t n = t->desc[i].numel;
             size_t ssh = N > 1 ? align_up((n + (size_t)N - 1) / (size_t)N, SHARD_FLOATS) : n;
             for (int k = 0; k < 3 && r == 0; k++) {
-                bool from_shard = N > 1 && t->src_stage >= (roles[k] == R_P ? 3 : 1);
+                int src_stage = t->src_stage;
+                if (src_stage >= 3 && t->src_persist && n < (size_t)t->src_persist) src_stage = 2;
+                bool from_shard = N > 1 && src_stage >= (roles[k] == R_P ? 3 : 1);
                 bool to_shard = role_bytes(t, roles[k], i) < n * sizeof(float);
                 if (!from_shard && q != 0) continue; /* whole in every rank: rank 0's */
                 size_t s_lo = from_shard ? (size_t)q * ssh : 0;
@@ -1615,7 +1637,7 @@ static int reduce_grad(struct trainer *t, int i, const float *l, float *g)
     int r = 0;
     if (t->world > 1) {
         float *dst = first ? g : t->tmp;
-        if (t->stage >= 2) {
+        if (stage_of(t, i) >= 2) {
             count = sh;
             r = comm_reduce_scatter(t->comm, l, dst, sh, COMM_F32);
         } else {
@@ -1631,7 +1653,7 @@ static int reduce_grad(struct trainer *t, int i, const float *l, float *g)
             g[j] += src[j];
     if (t->micro == t->o.grad_accum - 1) {
         size_t own = shard_own(t, i), lo = t->world > 1 ? shard_lo(t, i) : 0;
-        const float *mine = t->stage >= 2 ? g : g + lo;
+        const float *mine = stage_of(t, i) >= 2 ? g : g + lo;
         double *part = t->part + t->part_first[i] + lo / SHARD_FLOATS;
         for (size_t c = 0; c * SHARD_FLOATS < own && r == 0; c++)
             r = adamw_sum_squares(mine + c * SHARD_FLOATS, MIN(SHARD_FLOATS, own - c * SHARD_FLOATS),
@@ -1743,10 +1765,11 @@ static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hp
 {
     size_t n = t->desc[i].numel, sh = shard_of(t, i), own = shard_own(t, i);
     size_t lo = shard_lo(t, i);
-    float *pp = p[0], *mine = t->stage >= 3 ? pp : pp + MIN(lo, n);
-    const float *g = t->stage >= 2 ? (const float *)p[1] : (const float *)p[1] + MIN(lo, n);
+    int stage = stage_of(t, i);
+    float *pp = p[0], *mine = stage >= 3 ? pp : pp + MIN(lo, n);
+    const float *g = stage >= 2 ? (const float *)p[1] : (const float *)p[1] + MIN(lo, n);
     int r = own ? adamw_update(mine, g, p[2], p[3], own, h, step, scale) : 0;
-    if (r < 0 || t->stage >= 3) return r;
+    if (r < 0 || stage >= 3) return r;
     float *send = t->tmp, *recv = t->tmp + sh;
     memcpy(send, mine, own * sizeof(float));
     memset(send + own, 0, (sh - own) * sizeof(float));
