@@ -68,3 +68,17 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/ts
 ninja -C build-tsan tests/comm_rank
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" build/tools/zinf launch -n 3 -- \
   build-tsan/tests/comm_rank
+# The trainer across two ranks at ZeRO stage 3 (engines, communicators and checkpoints
+# together), one OpenMP and OpenBLAS thread each: their runtimes are not instrumented.
+ninja -C build-tsan tools/zinf
+zdir=$(mktemp -d)
+cat > "$zdir/zero.json" <<JSON
+{"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "$zdir/swap"},
+ "offload_optimizer": {"device": "nvme", "nvme_path": "$zdir/swap"}},
+ "zinf": {"device": "emulated", "device_bytes": "16M", "host_bytes": "16M"}}
+JSON
+OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
+  build/tools/zinf launch -n 2 -- build-tsan/tools/zinf train --config "$zdir/zero.json" \
+  --data README.md --layers 2 --dim 32 --heads 2 --seq 16 --batch 2 --steps 3 --checkpoint-every 1
+rm -rf "$zdir"
