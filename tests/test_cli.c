@@ -2260,3 +2260,61 @@ Test(cli, zero_bad_rank_settings_are_refused_clearly)
     snprintf(r0, sizeof(r0), "%s/rank-0-of-2/zinf-manifest.json", swap);
     cr_assert_neq(access(r0, F_OK), 0);
 }
+
+/* zinf launch --connect: every rank keeps its state in one daemon, as job JOB-rank-R-of-N,
+ * and logs bitwise what ranks with engines of their own log. */
+Test(cli, zero_ranks_through_the_daemon_equal_ranks_with_their_own_engines)
+{
+    char cfg[4096], data[4096], swap[4096], log[4096], args[8192], sock[4096], out[4096];
+    char scfg[4200], ccfg[4200], text[8192], *o;
+    static char emb[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    snprintf(swap, sizeof(swap), "%s/emb", dir);
+    snprintf(log, sizeof(log), "%s/emb.jsonl", dir);
+    zero_config(cfg, sizeof(cfg), swap, 2);
+    snprintf(args, sizeof(args), ZMODEL " --steps 3 --log %s", log);
+    cr_assert_eq(train_ranks(&o, 2, cfg, data, args), 0, "%s", o);
+    free(o);
+    cr_assert_eq(read_losses(log, emb, NULL, NULL), 3);
+
+    snprintf(sock, sizeof(sock), "%s/zinf.sock", dir);
+    snprintf(out, sizeof(out), "%s/serve.out", dir);
+    snprintf(scfg, sizeof(scfg), "%s/serve.json", dir);
+    snprintf(text, sizeof(text),
+             "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+             "\"%s/dswap\"}}, \"aio\": {\"block_size\": 65536}, \"zinf\": {\"device\": "
+             "\"emulated\", \"device_bytes\": \"32M\", \"host_bytes\": \"32M\"}}",
+             dir);
+    write_file(scfg, text);
+    cr_assert_eq(run(&o, "launch -n 2 --connect %s -- true", sock), 2, "%s", o);
+    cr_assert(strstr(o, "no daemon's socket there"), "%s", o);
+    free(o);
+    pid_t pid = spawn(out, "serve --socket %s --config %s --foreground", sock, scfg);
+    zinf_close(connect_when_up(sock, "probe"));
+    snprintf(ccfg, sizeof(ccfg), "%s/connect.json", dir);
+    /* The ranks' own config: the partition; the daemon's says where the swap files go. */
+    zero_config(ccfg, sizeof(ccfg), swap, 2);
+    snprintf(log, sizeof(log), "%s/d.jsonl", dir);
+    setenv("OMP_NUM_THREADS", "1", 1);
+    cr_assert_eq(run(&o, "launch -n 2 --connect %s -- %s train --config %s --data %s " ZMODEL
+                         " --steps 3 --log %s",
+                     sock, getenv("ZINF_BIN"), ccfg, data, log),
+                 0, "%s", o);
+    free(o);
+    cr_assert_eq(read_losses(log, got, NULL, NULL), 3);
+    for (int step = 1; step <= 3; step++)
+        cr_assert_str_eq(got[step], emb[step], "step %d", step);
+    /* Each rank's state is the daemon's job of its own. */
+    for (int r = 0; r < 2; r++) {
+        char job[64];
+        zinf_tensor h;
+        snprintf(job, sizeof(job), "zinf-train-rank-%d-of-2", r);
+        zinf_engine *e = connect_when_up(sock, job);
+        cr_assert_eq(zinf_lookup(e, "train.state", &h), 0, "%s", job);
+        zinf_close(e);
+    }
+    kill(pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "serve exited %#x: %s", st, read_text(out));
+}

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/signalfd.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -48,8 +49,8 @@ struct rank {
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: zinf launch -n N [--name NAME] [--grace S] [--no-bind] [--xml FILE] [--]\n"
-               "                   COMMAND [ARGS...]\n"
+    fprintf(f, "usage: zinf launch -n N [--name NAME] [--grace S] [--no-bind] [--xml FILE]\n"
+               "                   [--connect SOCKET] [--] COMMAND [ARGS...]\n"
                "Start N ranks of one job on this node: N copies of COMMAND, each with RANK,\n"
                "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and ZINF_COMM_NAME set, every line\n"
                "they print prefixed with \"[RANK] \" (stdout to stdout, stderr to stderr).\n"
@@ -62,6 +63,9 @@ static void usage(FILE *f)
                "                  each binding is said on stderr)\n"
                "  --xml FILE      place the ranks on the machine an hwloc XML file describes\n"
                "                  (said, not bound: to see what a machine would get)\n"
+               "  --connect SOCKET  the ranks keep their state in the zinf daemon on SOCKET\n"
+               "                  (zinf serve): ZINF_CONNECT is set, which zinf train takes;\n"
+               "                  rank R of N is the daemon's job JOB-rank-R-of-N\n"
                "With N > 1, OMP_NUM_THREADS (CPUs / N) and OMP_WAIT_POLICY (passive) are set\n"
                "where the environment does not set them.\n"
                "SIGINT/SIGTERM: passed on to every rank; a second one kills them.\n"
@@ -159,6 +163,7 @@ int cmd_launch(int argc, char **argv)
                                          {"grace", required_argument, NULL, 'g'},
                                          {"no-bind", no_argument, NULL, 'b'},
                                          {"xml", required_argument, NULL, 'x'},
+                                         {"connect", required_argument, NULL, 'c'},
                                          {"help", no_argument, NULL, 'h'},
                                          {NULL, 0, NULL, 0}};
     int n = 0, grace_s = 30;
@@ -195,6 +200,18 @@ int cmd_launch(int argc, char **argv)
         case 'x':
             xml = optarg;
             break;
+        case 'c': {
+            /* Every rank's state in the daemon on this socket (zinf train reads it). */
+            struct stat st;
+            int se = stat(optarg, &st) == 0 ? 0 : errno;
+            if (se || !S_ISSOCK(st.st_mode)) {
+                fprintf(stderr, "zinf launch: --connect %s: %s (start one with zinf serve)\n",
+                        optarg, se == ENOENT || !se ? "no daemon's socket there" : strerror(se));
+                return 2;
+            }
+            setenv("ZINF_CONNECT", optarg, 1);
+            break;
+        }
         case 'h':
             usage(stdout);
             return 0;

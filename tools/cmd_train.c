@@ -567,6 +567,9 @@ int cmd_train(int argc, char **argv)
         o.world = (int)w;
         o.rank = (int)k;
         o.comm_name = getenv("ZINF_COMM_NAME");
+        /* zinf launch --connect: every rank's state in the one daemon. */
+        const char *zc = getenv("ZINF_CONNECT");
+        if (zc && *zc) o.connect = zc;
         const char *to = getenv("ZINF_COMM_TIMEOUT_MS");
         if (to && *to) {
             char *e3 = NULL;

@@ -1046,8 +1046,6 @@ static int zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
               "on a GPU, run one rank";
     else if (t->be->wdt != BACKEND_F32)
         why = "training across ranks runs in fp32 in this version: give --precision fp32";
-    else if (t->remote)
-        why = "training across ranks through the daemon (--connect) is not built yet";
     else if (o->sample && t->stage >= 3)
         why = "sampling reads whole parameters, which ZeRO stage 3 does not keep: use stage 1 or 2, "
               "or sample from one rank";
@@ -1055,7 +1053,7 @@ static int zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         snprintf(err, errlen, "WORLD_SIZE %d: %s", t->world, why);
         return -ENOTSUP;
     }
-    for (unsigned k = 0; k < t->zc.nvme_paths.count; k++) {
+    for (unsigned k = 0; k < t->zc.nvme_paths.count && !t->remote; k++) {
         char *mine = rank_dir(t->zc.nvme_paths.path[k], t->world, t->rank);
         if (!mine) return -ENOMEM;
         t->base[t->nbase++] = t->zc.nvme_paths.path[k];
@@ -1430,7 +1428,12 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     }
 
     if (t->remote) {
-        snprintf(t->job, sizeof(t->job), "%s", t->o.job);
+        /* Through the daemon, each rank is a job of its own, JOB-rank-R-of-N, all of them in
+         * the daemon's one pinned pool and swap directories. */
+        if (t->world > 1)
+            snprintf(t->job, sizeof(t->job), "%.40s-rank-%d-of-%d", t->o.job, t->rank, t->world);
+        else
+            snprintf(t->job, sizeof(t->job), "%s", t->o.job);
         r = zinf_connect(t->o.connect, t->job, &t->e);
         if (r < 0) {
             snprintf(err, errlen, "cannot connect to the zinf daemon on %s (job %s): %s",
@@ -1445,8 +1448,11 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         zinf_tensor st;
         bool saved = zinf_lookup(t->e, STATE_NAME, &st) == 0;
         if (o->resume && !saved) {
-            snprintf(err, errlen, "--resume: job %s on %s holds no saved run", t->job,
-                     t->o.connect);
+            snprintf(err, errlen, "--resume: job %s on %s holds no saved run%s", t->job,
+                     t->o.connect,
+                     t->world > 1 ? " (through the daemon, a run resumes on as many ranks as "
+                                    "saved it)"
+                                  : "");
             r = -ENOENT;
             goto fail;
         }
