@@ -125,6 +125,13 @@ struct trainer {
     int micro;              /* the micro-batch being reduced: 0 copies, later ones add */
     zinf_tensor lg[NLOCAL]; /* this micro-batch's gradients: world x shard floats each */
     zinf_tensor gw[NLOCAL]; /* stage 3: the gathered weights, world x shard floats each */
+    zinf_tensor gw1[GPT_BLOCK_NSLOTS]; /* the odd blocks' (the even ones' are gw) */
+    int gw_holds[2];        /* the block whose weights gw (0) and gw1 (1) hold, or -1 */
+    bool budgeting;         /* min_budgets(): waves as their worst case (every gather) */
+    pthread_mutex_t gmu;    /* the next block's gathers in flight: gpending, gerr */
+    pthread_cond_t gcv;
+    int gpending, gerr;
+    struct comm_req greq[GPT_BLOCK_NSLOTS];
     zinf_tensor zstate;     /* struct zero_state */
     float *tmp;             /* (world + 1) x the largest shard: collectives' other side */
     float *losses;          /* world x grad_accum: every micro-batch's loss */
@@ -283,8 +290,9 @@ static void note_peaks(struct trainer *t)
  * budget check at open, so the check is exact. */
 enum role { R_P, R_G, R_M, R_V, R_W, R_ACT, R_L, R_GW };
 
-/* A stage-3 block's backward: shards and gathered weights, local and kept gradients, input. */
-#define WAVE_MAX (4 * GPT_BLOCK_NSLOTS + 1)
+/* A stage-3 block's backward: shards and gathered weights, local and kept gradients, input,
+ * and the next block's shards and gather buffers. */
+#define WAVE_MAX (6 * GPT_BLOCK_NSLOTS + 1)
 
 /* The members are what is fetched and released; the entries, what the phase's code indexes.
  * They are the same but in stage 3, where a weight is two members, the rank's shard of p
@@ -296,6 +304,8 @@ struct wave {
     int idx[WAVE_MAX];    /* layout index (an activation's number for R_ACT) */
     bool dirty[WAVE_MAX]; /* released dirty when the phase succeeded */
     int8_t from[WAVE_MAX]; /* the member gathered into this one (stage 3), else -1 */
+    bool async[WAVE_MAX];  /* that gather is the next block's: it runs while this one computes */
+    int ahead;             /* 1 + the block gathered ahead (async); 0: none */
     int ne;
     int8_t at[WAVE_MAX]; /* entry -> member */
 };
@@ -306,6 +316,7 @@ static void wave_member(struct wave *w, enum role role, int idx, bool dirty)
     w->idx[w->n] = idx;
     w->dirty[w->n] = dirty;
     w->from[w->n] = -1;
+    w->async[w->n] = false;
     w->n++;
 }
 
@@ -330,13 +341,40 @@ static void wave_add_weight(const struct trainer *t, struct wave *w, int idx)
     w->from[w->n - 1] = (int8_t)(w->n - 2);
 }
 
+/* Whether block k's weights are in its gather buffers already (gathered ahead, or still
+ * there from the forward); the budget check counts the worst case, a gather. */
+static bool gathered(const struct trainer *t, int k)
+{
+    return !t->budgeting && t->gw_holds[k & 1] == k;
+}
+
 static void wave_add_block(struct trainer *t, struct wave *w, enum role role, int k, bool dirty)
 {
     for (int i = 0; i < GPT_BLOCK_NSLOTS; i++) {
-        if (role == R_W)
-            wave_add_weight(t, w, t->block_first[k] + i);
+        int idx = t->block_first[k] + i;
+        if (role == R_W && stage_of(t, idx) >= 3 && gathered(t, k))
+            wave_add(w, R_GW, idx, false);
+        else if (role == R_W)
+            wave_add_weight(t, w, idx);
         else
-            wave_add(w, role, t->block_first[k] + i, dirty);
+            wave_add(w, role, idx, dirty);
+    }
+}
+
+/* Stage 3: block j's shards and the other gather buffers join the set, and their gather runs
+ * while this set's block computes: one block ahead, unless stage3_prefetch_bucket_size is 0
+ * (as in DeepSpeed: no prefetch). */
+static void wave_prefetch_block(struct trainer *t, struct wave *w, int j)
+{
+    if (t->stage < 3 || !t->zc.zero.stage3_prefetch_bucket_size || j < 0 || j >= t->cfg.L || gathered(t, j)) return;
+    for (int i = 0; i < GPT_BLOCK_NSLOTS; i++) {
+        int idx = t->block_first[j] + i;
+        if (stage_of(t, idx) < 3) continue;
+        wave_member(w, R_P, idx, false);
+        wave_member(w, R_GW, idx, false);
+        w->from[w->n - 1] = (int8_t)(w->n - 2);
+        w->async[w->n - 1] = true;
+        w->ahead = j + 1;
     }
 }
 
@@ -356,6 +394,7 @@ static void wave_block_forward(struct trainer *t, int k, struct wave *w)
     wave_add_block(t, w, R_W, k, false);
     wave_add(w, R_ACT, k, false);
     wave_add(w, R_ACT, k + 1, true);
+    wave_prefetch_block(t, w, k + 1);
 }
 
 /* The head: a[L], lnf, wte and the gradients of lnf and wte. Exact: the gradients go to
@@ -388,6 +427,7 @@ static void wave_block_backward(struct trainer *t, int k, struct wave *w)
     wave_add_block(t, w, t->exact ? R_L : R_G, k, true);
     wave_add(w, R_ACT, k, false);
     if (t->exact) wave_add_block(t, w, R_G, k, true);
+    wave_prefetch_block(t, w, k - 1);
 }
 
 /* Exact: the local gradients of wte and wpe, then their g (entries 2, 3). */
@@ -438,8 +478,9 @@ static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
     switch (role) {
     case R_L:
         return t->lg[local_slot(t, idx)];
-    case R_GW:
-        return t->gw[local_slot(t, idx)];
+    case R_GW: /* a block's by its parity: block k + 1's gather runs while block k computes */
+        return t->desc[idx].block > 0 && (t->desc[idx].block & 1) ? t->gw1[t->desc[idx].slot]
+                                                                    : t->gw[local_slot(t, idx)];
     case R_P:
         return t->p[idx];
     case R_G:
@@ -458,6 +499,17 @@ static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
 static int wave_release(struct trainer *t, const struct wave *w, enum zinf_tier tier, bool ok);
 static size_t shard_of(const struct trainer *t, int idx);
 
+/* An asynchronous gather finished (the comm's thread). */
+static void gather_done(struct comm_req *req, int res)
+{
+    struct trainer *t = req->data;
+    pthread_mutex_lock(&t->gmu);
+    if (res < 0 && !t->gerr) t->gerr = res;
+    t->gpending--;
+    pthread_cond_broadcast(&t->gcv);
+    pthread_mutex_unlock(&t->gmu);
+}
+
 /* Fetch the set and, in stage 3, gather the weights; ptrs[j] is entry j's. */
 static int wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier tier, void **ptrs)
 {
@@ -467,9 +519,35 @@ static int wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier ti
         hs[i] = wave_handle(t, (enum role)w->role[i], w->idx[i]);
     int r = zinf_fetch_all(t->e, hs, (size_t)w->n, tier, m);
     if (r < 0) return r; /* nothing is pinned */
+    int blk = -1;
     for (int i = 0; i < w->n && r == 0; i++)
-        if (w->from[i] >= 0)
+        if (w->from[i] >= 0 && !w->async[i]) {
+            if ((blk = t->desc[w->idx[i]].block) >= 0) t->gw_holds[blk & 1] = -1;
             r = comm_allgather(t->comm, m[w->from[i]], m[i], shard_of(t, w->idx[i]), COMM_F32);
+        }
+    if (r == 0 && blk >= 0) t->gw_holds[blk & 1] = blk;
+    /* The next block's gathers, behind this one's compute: wave_release waits for them. */
+    if (r == 0 && w->ahead) t->gw_holds[(w->ahead - 1) & 1] = -1;
+    int q = 0;
+    for (int i = 0; i < w->n && r == 0; i++) {
+        if (!w->async[i]) continue;
+        struct comm_req *req = &t->greq[q++];
+        *req = (struct comm_req){.op = COMM_ALLGATHER,
+                                 .dtype = COMM_F32,
+                                 .send = m[w->from[i]],
+                                 .recv = m[i],
+                                 .count = shard_of(t, w->idx[i]),
+                                 .cb = gather_done,
+                                 .data = t};
+        pthread_mutex_lock(&t->gmu);
+        t->gpending++;
+        pthread_mutex_unlock(&t->gmu);
+        int x = comm_submit(t->comm, req);
+        if (x < 0) {
+            gather_done(req, x); /* the callback never fires: count it here */
+            break;
+        }
+    }
     if (r < 0) {
         wave_release(t, w, tier, false);
         return r;
@@ -479,10 +557,20 @@ static int wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier ti
     return 0;
 }
 
-/* Release the whole set: the members it wrote dirty when the phase succeeded (ok). */
+/* Release the whole set: the members it wrote dirty when the phase succeeded (ok). The next
+ * block's gathers finish first (they read shards of this set). */
 static int wave_release(struct trainer *t, const struct wave *w, enum zinf_tier tier, bool ok)
 {
     int r = 0;
+    if (w->ahead) {
+        pthread_mutex_lock(&t->gmu);
+        while (t->gpending)
+            pthread_cond_wait(&t->gcv, &t->gmu);
+        r = t->gerr;
+        t->gerr = 0;
+        pthread_mutex_unlock(&t->gmu);
+        t->gw_holds[(w->ahead - 1) & 1] = r == 0 ? w->ahead - 1 : -1;
+    }
     for (int i = 0; i < w->n; i++) {
         int x = zinf_release(t->e, wave_handle(t, (enum role)w->role[i], w->idx[i]), tier,
                              ok && w->dirty[i] ? ZINF_RELEASE_DIRTY : 0);
@@ -626,7 +714,8 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
         int i = slot_tensor(t, s);
         if (t->exact) homes[ZINF_TIER_DEVICE] += align_up(role_bytes(t, R_L, i), ZINF_ALIGN);
         if (stage_of(t, i) >= 3)
-            homes[ZINF_TIER_DEVICE] += align_up(role_bytes(t, R_GW, i), ZINF_ALIGN);
+            homes[ZINF_TIER_DEVICE] += (s < GPT_BLOCK_NSLOTS && t->cfg.L > 1 ? 2 : 1) *
+                                       align_up(role_bytes(t, R_GW, i), ZINF_ALIGN);
     }
     enum zinf_tier sh = home_of(t->zc.zero.offload_param.device);
     if (sh < MEM_TIERS)
@@ -642,6 +731,7 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
             what[(tier)] = w.what;                                                                 \
         }                                                                                          \
     } while (0)
+    t->budgeting = true;
     wave_embed_forward(t, &w);
     CONSIDER(ZINF_TIER_DEVICE);
     for (int k = 0; k < t->cfg.L; k++) {
@@ -663,6 +753,7 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
         CONSIDER(ZINF_TIER_HOST);
     }
 #undef CONSIDER
+    t->budgeting = false;
     for (int k = 0; k < MEM_TIERS; k++)
         need[k] += homes[k];
 }
@@ -744,16 +835,23 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
     return -EINVAL;
 }
 
+#define SCRATCH_KINDS 3
+
 /* Local slot s's buffer of kind k (0: local gradients when exact, 1: gathered weights in
- * stage 3): its handle, name and size; NULL when this run has none. */
+ * stage 3, 2: the odd blocks' gathered weights): its handle, name and size; NULL when this
+ * run has none. */
 static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size_t *bytes)
 {
+    static const char *const kind[SCRATCH_KINDS] = {"zero.grad.", "zero.gather.",
+                                                    "zero.gather1."};
     int i = slot_tensor(t, s);
-    if (k == 0 ? !t->exact : stage_of(t, i) < 3) return NULL;
-    snprintf(name, 64, "%s%s", k == 0 ? "zero.grad." : "zero.gather.",
+    if (k == 0 ? !t->exact
+               : stage_of(t, i) < 3 || (k == 2 && (s >= GPT_BLOCK_NSLOTS || t->cfg.L < 2)))
+        return NULL;
+    snprintf(name, 64, "%s%s", kind[k],
              s < GPT_BLOCK_NSLOTS ? gpt_block_slot_name(s) : t->desc[i].name);
     *bytes = role_bytes(t, k == 0 ? R_L : R_GW, i);
-    return k == 0 ? &t->lg[s] : &t->gw[s];
+    return k == 0 ? &t->lg[s] : k == 1 ? &t->gw[s] : &t->gw1[s];
 }
 
 /* Before a checkpoint, the scratch buffers are registered afresh (reading as zeros), so that
@@ -761,8 +859,9 @@ static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size
 static int scratch_reset(struct trainer *t)
 {
     int r = 0;
+    t->gw_holds[0] = t->gw_holds[1] = -1;
     for (int s = 0; s < NLOCAL && r == 0; s++)
-        for (int k = 0; k < 2 && r == 0; k++) {
+        for (int k = 0; k < SCRATCH_KINDS && r == 0; k++) {
             char name[64];
             size_t bytes;
             zinf_tensor *h = scratch(t, s, k, name, &bytes);
@@ -822,7 +921,7 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
     /* The local gradients and gathered weights: working memory on the device tier, found
      * again on a resume like the activations. */
     for (int s = 0; s < NLOCAL && r == 0; s++) {
-        for (int k = 0; k < 2 && r == 0; k++) {
+        for (int k = 0; k < SCRATCH_KINDS && r == 0; k++) {
             char full[64];
             size_t bytes;
             zinf_tensor *out = scratch(t, s, k, full, &bytes);
@@ -1305,6 +1404,9 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
 
     t = calloc(1, sizeof(*t));
     if (!t) return -ENOMEM;
+    pthread_mutex_init(&t->gmu, NULL);
+    pthread_cond_init(&t->gcv, NULL);
+    t->gw_holds[0] = t->gw_holds[1] = -1;
     t->o = *o;
     t->cfg = cfg;
     config_defaults(&t->zc);
@@ -1582,6 +1684,8 @@ void trainer_close(struct trainer *t)
     free(t->losses);
     free(t->tmp);
     comm_close(t->comm);
+    pthread_mutex_destroy(&t->gmu);
+    pthread_cond_destroy(&t->gcv);
     for (unsigned k = 0; k < t->nbase; k++)
         free(t->base[k]);
     backend_close(t->be);
@@ -1611,6 +1715,8 @@ static int forward(struct trainer *t)
     void *p[WAVE_MAX];
     int r;
 
+    /* The weights gathered in the last step are stale: the optimizer changed the shards. */
+    t->gw_holds[0] = t->gw_holds[1] = -1;
     wave_embed_forward(t, &w);
     TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
     r = settle(t, be->embed_forward(t->be, p[0], p[1], p[2]));
