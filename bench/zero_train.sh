@@ -21,9 +21,9 @@ data=${DATA:-/usr/share/common-licenses/GPL-3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp" "$swap"' EXIT
 
-config() { # stage dir -> config path
+config() { # stage dir [extra zero_optimization keys] -> config path
   cat > "$tmp/s$1.json" <<JSON
-{"zero_optimization": {"stage": $1,
+{"zero_optimization": {"stage": $1, ${3:-}
  "offload_param": {"device": "nvme", "nvme_path": "$swap/$2"},
  "offload_optimizer": {"device": "nvme", "nvme_path": "$swap/$2"}},
  "aio": {"block_size": 262144, "queue_depth": 16},
@@ -64,10 +64,13 @@ OMP_NUM_THREADS=$per "$zinf" train --config "$cfg" $args --accumulate "$N" --log
 read -r ms d h n < <(summary "$tmp/one.jsonl")
 printf "  %-22s %10s %12s %12s %12s %s\n" "1 rank, $per thread(s)" "$ms" "$d" "$h" "$n" "reference"
 one=$(losses "$tmp/one.jsonl")
-for stage in 1 2 3; do
-  cfg=$(config $stage r$stage)
+for stage in 1 2 3 3n; do
+  # 3n: stage 3 gathering no block ahead (stage3_prefetch_bucket_size 0)
+  extra=; label="$N ranks, stage $stage"
+  [ "$stage" = 3n ] && extra='"stage3_prefetch_bucket_size": 0,' && label="$N ranks, 3, no gather ahead"
+  cfg=$(config "${stage%n}" "r$stage" "$extra")
   "$zinf" launch -n "$N" -- "$zinf" train --config "$cfg" $args --log "$tmp/r$stage.jsonl" >/dev/null 2>"$tmp/err" || { cat "$tmp/err"; exit 1; }
   read -r ms d h n < <(summary "$tmp/r$stage.jsonl")
   same=$([ "$(losses "$tmp/r$stage.jsonl")" = "$one" ] && echo "bitwise equal" || echo "DIFFER")
-  printf "  %-22s %10s %12s %12s %12s %s\n" "$N ranks, stage $stage" "$ms" "$d" "$h" "$n" "$same"
+  printf "  %-22s %10s %12s %12s %12s %s\n" "$label" "$ms" "$d" "$h" "$n" "$same"
 done

@@ -341,11 +341,18 @@ static void wave_add_weight(const struct trainer *t, struct wave *w, int idx)
     w->from[w->n - 1] = (int8_t)(w->n - 2);
 }
 
+/* Which of the two sets of gather buffers block k's weights go to: by its parity when the
+ * next block is gathered ahead (stage3_prefetch_bucket_size), else the one set. */
+static int gw_set(const struct trainer *t, int k)
+{
+    return t->zc.zero.stage3_prefetch_bucket_size && t->cfg.L > 1 ? k & 1 : 0;
+}
+
 /* Whether block k's weights are in its gather buffers already (gathered ahead, or still
  * there from the forward); the budget check counts the worst case, a gather. */
 static bool gathered(const struct trainer *t, int k)
 {
-    return !t->budgeting && t->gw_holds[k & 1] == k;
+    return !t->budgeting && t->gw_holds[gw_set(t, k)] == k;
 }
 
 static void wave_add_block(struct trainer *t, struct wave *w, enum role role, int k, bool dirty)
@@ -479,8 +486,8 @@ static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
     case R_L:
         return t->lg[local_slot(t, idx)];
     case R_GW: /* a block's by its parity: block k + 1's gather runs while block k computes */
-        return t->desc[idx].block > 0 && (t->desc[idx].block & 1) ? t->gw1[t->desc[idx].slot]
-                                                                    : t->gw[local_slot(t, idx)];
+        return t->desc[idx].block >= 0 && gw_set(t, t->desc[idx].block) ? t->gw1[t->desc[idx].slot]
+                                                                          : t->gw[local_slot(t, idx)];
     case R_P:
         return t->p[idx];
     case R_G:
@@ -522,12 +529,12 @@ static int wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier ti
     int blk = -1;
     for (int i = 0; i < w->n && r == 0; i++)
         if (w->from[i] >= 0 && !w->async[i]) {
-            if ((blk = t->desc[w->idx[i]].block) >= 0) t->gw_holds[blk & 1] = -1;
+            if ((blk = t->desc[w->idx[i]].block) >= 0) t->gw_holds[gw_set(t, blk)] = -1;
             r = comm_allgather(t->comm, m[w->from[i]], m[i], shard_of(t, w->idx[i]), COMM_F32);
         }
-    if (r == 0 && blk >= 0) t->gw_holds[blk & 1] = blk;
+    if (r == 0 && blk >= 0) t->gw_holds[gw_set(t, blk)] = blk;
     /* The next block's gathers, behind this one's compute: wave_release waits for them. */
-    if (r == 0 && w->ahead) t->gw_holds[(w->ahead - 1) & 1] = -1;
+    if (r == 0 && w->ahead) t->gw_holds[gw_set(t, w->ahead - 1)] = -1;
     int q = 0;
     for (int i = 0; i < w->n && r == 0; i++) {
         if (!w->async[i]) continue;
@@ -569,7 +576,7 @@ static int wave_release(struct trainer *t, const struct wave *w, enum zinf_tier 
         r = t->gerr;
         t->gerr = 0;
         pthread_mutex_unlock(&t->gmu);
-        t->gw_holds[(w->ahead - 1) & 1] = r == 0 ? w->ahead - 1 : -1;
+        t->gw_holds[gw_set(t, w->ahead - 1)] = r == 0 ? w->ahead - 1 : -1;
     }
     for (int i = 0; i < w->n; i++) {
         int x = zinf_release(t->e, wave_handle(t, (enum role)w->role[i], w->idx[i]), tier,
@@ -714,7 +721,7 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
         int i = slot_tensor(t, s);
         if (t->exact) homes[ZINF_TIER_DEVICE] += align_up(role_bytes(t, R_L, i), ZINF_ALIGN);
         if (stage_of(t, i) >= 3)
-            homes[ZINF_TIER_DEVICE] += (s < GPT_BLOCK_NSLOTS && t->cfg.L > 1 ? 2 : 1) *
+            homes[ZINF_TIER_DEVICE] += (s < GPT_BLOCK_NSLOTS && gw_set(t, 1) ? 2 : 1) *
                                        align_up(role_bytes(t, R_GW, i), ZINF_ALIGN);
     }
     enum zinf_tier sh = home_of(t->zc.zero.offload_param.device);
@@ -838,18 +845,18 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
 #define SCRATCH_KINDS 3
 
 /* Local slot s's buffer of kind k (0: local gradients when exact, 1: gathered weights in
- * stage 3, 2: the odd blocks' gathered weights): its handle, name and size; NULL when this
- * run has none. */
+ * stage 3, 2: the odd blocks' gathered weights): its name, and its handle and size; NULL
+ * when this run has none (name is written all the same). */
 static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size_t *bytes)
 {
     static const char *const kind[SCRATCH_KINDS] = {"zero.grad.", "zero.gather.",
                                                     "zero.gather1."};
     int i = slot_tensor(t, s);
-    if (k == 0 ? !t->exact
-               : stage_of(t, i) < 3 || (k == 2 && (s >= GPT_BLOCK_NSLOTS || t->cfg.L < 2)))
-        return NULL;
     snprintf(name, 64, "%s%s", kind[k],
              s < GPT_BLOCK_NSLOTS ? gpt_block_slot_name(s) : t->desc[i].name);
+    if (k == 0 ? !t->exact
+               : stage_of(t, i) < 3 || (k == 2 && (s >= GPT_BLOCK_NSLOTS || !gw_set(t, 1))))
+        return NULL;
     *bytes = role_bytes(t, k == 0 ? R_L : R_GW, i);
     return k == 0 ? &t->lg[s] : k == 1 ? &t->gw[s] : &t->gw1[s];
 }
@@ -924,8 +931,14 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
         for (int k = 0; k < SCRATCH_KINDS && r == 0; k++) {
             char full[64];
             size_t bytes;
-            zinf_tensor *out = scratch(t, s, k, full, &bytes);
-            if (!out) continue;
+            zinf_tensor *out = scratch(t, s, k, full, &bytes), old;
+            if (!out) {
+                /* A saved run's buffer this run does not use (other settings) would hold
+                 * device memory the budget check did not count. */
+                if (t->o.resume && zinf_lookup(t->e, full, &old) == 0)
+                    r = zinf_unregister(t->e, old);
+                continue;
+            }
             r = t->o.resume ? zinf_lookup(t->e, full, out) : -ENOENT;
             if (r == -ENOENT)
                 r = t->o.resume ? zinf_register(t->e, full, bytes, ZINF_TIER_DEVICE, out)
