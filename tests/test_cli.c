@@ -1988,6 +1988,23 @@ static int train_ranks(char **out, int ranks, const char *cfg, const char *data,
                cfg, data, args);
 }
 
+/* A whole run under dir/NAME: `ranks` ranks (0: zinf train alone) at stage, ZMODEL and
+ * extra, for `steps` steps, logged to dir/NAME.jsonl; its losses into loss. */
+static void zero_run(const char *name, int ranks, int stage, const char *extra, int steps,
+                     char (*loss)[32])
+{
+    char cfg[4096], data[4096], swap[4096], log[4096], args[8192], *o;
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    snprintf(swap, sizeof(swap), "%s/%s", dir, name);
+    snprintf(log, sizeof(log), "%s/%s.jsonl", dir, name);
+    zero_config(cfg, sizeof(cfg), swap, stage);
+    snprintf(args, sizeof(args), ZMODEL " --steps %d --log %s %s", steps, log, extra);
+    cr_assert_eq(train_ranks(&o, ranks, cfg, data, args), 0, "%s: %s", name, o);
+    free(o);
+    memset(loss, 0, (MAX_STEPS + 1) * sizeof(*loss));
+    cr_assert_eq(read_losses(log, loss, NULL, NULL), steps, "%s", name);
+}
+
 /* N ranks of one micro-batch each log bitwise the losses of one rank accumulating N
  * micro-batches, at every stage (stage 3 also with persistent vectors, and without gathering
  * ahead), with everything on
@@ -2001,14 +2018,10 @@ Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batche
     const int ns[] = {1, 2, 4};
     train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
     for (int k = 0; k < 3; k++) {
-        int n = ns[k];
-        snprintf(swap, sizeof(swap), "%s/ref%d", dir, n);
-        snprintf(log, sizeof(log), "%s/ref%d.jsonl", dir, n);
-        zero_config(cfg, sizeof(cfg), swap, 3);
-        snprintf(args, sizeof(args), ZMODEL " --steps 3 --accumulate %d --log %s", n, log);
-        cr_assert_eq(train_ranks(&o, 0, cfg, data, args), 0, "%s", o);
-        free(o);
-        cr_assert_eq(read_losses(log, ref[n], NULL, NULL), 3);
+        char name[32], acc[32];
+        snprintf(name, sizeof(name), "ref%d", ns[k]);
+        snprintf(acc, sizeof(acc), "--accumulate %d", ns[k]);
+        zero_run(name, 0, 3, acc, 3, ref[ns[k]]);
     }
     for (int stage = 1; stage <= 5; stage++)
         for (int k = 0; k < 3; k++) {
@@ -2111,14 +2124,8 @@ Test(cli, zero_resume_on_another_number_of_ranks_re_cuts_the_shards, .timeout = 
 {
     char cfg[4096], data[4096], swap[4096], log[4096], args[8192], *o;
     static char ref[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
+    zero_run("whole", 4, 3, "", 8, ref);
     train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
-    snprintf(swap, sizeof(swap), "%s/whole", dir);
-    snprintf(log, sizeof(log), "%s/whole.jsonl", dir);
-    zero_config(cfg, sizeof(cfg), swap, 3);
-    snprintf(args, sizeof(args), ZMODEL " --steps 8 --log %s", log);
-    cr_assert_eq(train_ranks(&o, 4, cfg, data, args), 0, "%s", o);
-    free(o);
-    cr_assert_eq(read_losses(log, ref, NULL, NULL), 8);
 
     const struct {
         int ranks, accum, steps;
@@ -2181,14 +2188,8 @@ Test(cli, zero_rank_killed_mid_run_stops_the_job_and_the_last_checkpoint_resumes
 {
     char cfg[4096], data[4096], swap[4096], log[4096], args[8192], out[4096], *o;
     static char ref[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
+    zero_run("whole", 2, 2, "", 12, ref);
     train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
-    snprintf(swap, sizeof(swap), "%s/whole", dir);
-    snprintf(log, sizeof(log), "%s/whole.jsonl", dir);
-    zero_config(cfg, sizeof(cfg), swap, 2);
-    snprintf(args, sizeof(args), ZMODEL " --steps 12 --log %s", log);
-    cr_assert_eq(train_ranks(&o, 2, cfg, data, args), 0, "%s", o);
-    free(o);
-    cr_assert_eq(read_losses(log, ref, NULL, NULL), 12);
 
     snprintf(swap, sizeof(swap), "%s/killed", dir);
     snprintf(log, sizeof(log), "%s/killed.jsonl", dir);
@@ -2274,17 +2275,12 @@ Test(cli, zero_bad_rank_settings_are_refused_clearly)
  * and logs bitwise what ranks with engines of their own log. */
 Test(cli, zero_ranks_through_the_daemon_equal_ranks_with_their_own_engines, .timeout = 300)
 {
-    char cfg[4096], data[4096], swap[4096], log[4096], args[8192], sock[4096], out[4096];
+    char cfg[4096], data[4096], swap[4096], log[4096], sock[4096], out[4096];
     char scfg[4200], ccfg[4200], text[8192], *o;
     static char emb[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
+    zero_run("emb", 2, 2, "", 3, emb);
     train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
     snprintf(swap, sizeof(swap), "%s/emb", dir);
-    snprintf(log, sizeof(log), "%s/emb.jsonl", dir);
-    zero_config(cfg, sizeof(cfg), swap, 2);
-    snprintf(args, sizeof(args), ZMODEL " --steps 3 --log %s", log);
-    cr_assert_eq(train_ranks(&o, 2, cfg, data, args), 0, "%s", o);
-    free(o);
-    cr_assert_eq(read_losses(log, emb, NULL, NULL), 3);
 
     snprintf(sock, sizeof(sock), "%s/zinf.sock", dir);
     snprintf(out, sizeof(out), "%s/serve.out", dir);
