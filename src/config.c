@@ -167,7 +167,8 @@ static const struct field fields[] = {
      OFF(zero.stage3_prefetch_bucket_size), 0, 0, 0, NULL, FL_AUTO, NULL},
     {S_ZERO, "stage3_max_live_parameters", "max_live_parameters", F_U64,
      OFF(zero.stage3_max_live_parameters), 0, 0, 0, NULL, 0,
-     "what stays on the device is bounded by zinf.device_bytes"},
+     "what stays on the device is bounded by zinf.device_bytes (across ranks, stage 3 "
+     "gathers the next block ahead only when two blocks fit in it)"},
     {S_ZERO, "stage3_max_reuse_distance", "max_reuse_distance", F_U64,
      OFF(zero.stage3_max_reuse_distance), 0, 0, 0, NULL, 0,
      "eviction is by next use in the learned schedule, whatever the distance"},

@@ -1955,11 +1955,12 @@ Test(cli, launch_bad_arguments)
 
 /* A config for ranks: parameters and optimizer states on NVMe under swap, at stage (4:
  * stage 3 with a persistence threshold that keeps the vectors whole on every rank; 5: stage 3
- * gathering no block ahead). */
+ * gathering no block ahead; 6: the same for lack of stage3_max_live_parameters). */
 static void zero_config(char *cfg, size_t len, const char *swap, int stage)
 {
     const char *persist = stage == 4   ? "\"stage3_param_persistence_threshold\": 1000, "
                           : stage == 5 ? "\"stage3_prefetch_bucket_size\": 0, "
+                          : stage == 6 ? "\"stage3_max_live_parameters\": 1000, "
                                        : "";
     stage = MIN(stage, 3);
     static int n;
@@ -1988,6 +1989,32 @@ static int train_ranks(char **out, int ranks, const char *cfg, const char *data,
                cfg, data, args);
 }
 
+/* A figure of the summary in a --log file: key's value, or with tier ("device", "host",
+ * "nvme") that tier's key. */
+static uint64_t summary_value(const char *log, const char *tier, const char *key)
+{
+    FILE *f = fopen(log, "r");
+    char line[4096];
+    uint64_t v = 0;
+    cr_assert_not_null(f, "%s", log);
+    while (fgets(line, sizeof(line), f)) {
+        if (strncmp(line, "{\"summary\"", 10)) continue;
+        json_t *j = json_loads(line, 0, NULL);
+        cr_assert_not_null(j, "%s", line);
+        json_t *sum = json_object_get(j, "summary");
+        v = json_integer_value(json_object_get(tier ? json_object_get(sum, tier) : sum, key));
+        json_decref(j);
+    }
+    fclose(f);
+    cr_assert_gt(v, 0, "%s: no %s %s", log, tier ? tier : "", key);
+    return v;
+}
+
+static uint64_t summary_peak(const char *log, const char *tier)
+{
+    return summary_value(log, tier, "peak_bytes");
+}
+
 /* A whole run under dir/NAME: `ranks` ranks (0: zinf train alone) at stage, ZMODEL and
  * extra, for `steps` steps, logged to dir/NAME.jsonl; its losses into loss. */
 static void zero_run(const char *name, int ranks, int stage, const char *extra, int steps,
@@ -2007,7 +2034,7 @@ static void zero_run(const char *name, int ranks, int stage, const char *extra, 
 
 /* N ranks of one micro-batch each log bitwise the losses of one rank accumulating N
  * micro-batches, at every stage (stage 3 also with persistent vectors, and without gathering
- * ahead), with everything on
+ * ahead, by setting or for lack of room), with everything on
  * NVMe: the shm backend sums in rank order and the one rank adds its micro-batches'
  * gradients in the same order. */
 Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batches,
@@ -2023,7 +2050,8 @@ Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batche
         snprintf(acc, sizeof(acc), "--accumulate %d", ns[k]);
         zero_run(name, 0, 3, acc, 3, ref[ns[k]]);
     }
-    for (int stage = 1; stage <= 5; stage++)
+    uint64_t min_dev[7] = {0};
+    for (int stage = 1; stage <= 6; stage++)
         for (int k = 0; k < 3; k++) {
             int n = ns[k];
             if (n == 1 && stage != 3) continue; /* one rank partitions nothing at any stage */
@@ -2045,27 +2073,12 @@ Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batche
             for (int step = 1; step <= 3; step++)
                 cr_assert_str_eq(got[step], ref[n][step], "stage %d, %d ranks, step %d", stage, n,
                                  step);
+            if (n == 4) min_dev[stage] = summary_value(log, NULL, "min_device_bytes");
         }
-}
-
-/* The summary's figure of one tier ("device", "host", "nvme") in a --log file. */
-static uint64_t summary_peak(const char *log, const char *tier)
-{
-    FILE *f = fopen(log, "r");
-    char line[4096];
-    uint64_t v = 0;
-    cr_assert_not_null(f, "%s", log);
-    while (fgets(line, sizeof(line), f)) {
-        if (strncmp(line, "{\"summary\"", 10)) continue;
-        json_t *j = json_loads(line, 0, NULL);
-        cr_assert_not_null(j, "%s", line);
-        v = json_integer_value(json_object_get(json_object_get(json_object_get(j, "summary"), tier),
-                                               "peak_bytes"));
-        json_decref(j);
-    }
-    fclose(f);
-    cr_assert_gt(v, 0, "%s: no %s peak", log, tier);
-    return v;
+    /* Gathering a block ahead takes a second block's gather buffers; without it, one. */
+    cr_assert_gt(min_dev[3], min_dev[5], "%llu, %llu", (unsigned long long)min_dev[3],
+                 (unsigned long long)min_dev[5]);
+    cr_assert_eq(min_dev[6], min_dev[5]);
 }
 
 /* Each of 4 ranks holds about a quarter of what ZeRO's stage partitions: the Adam states

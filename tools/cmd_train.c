@@ -314,8 +314,11 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
     size_t n = 0;
     ds->ignored[0] = '\0';
     for (size_t i = 0; i < zc->n_ignored && n < sizeof(ds->ignored); i++) {
-        /* Across ranks the stage is what partitions the state. */
-        if (o->world > 1 && !strncmp(zc->ignored[i], "zero_optimization.stage ", 24)) continue;
+        /* Across ranks the stage is what partitions the state, and stage 3 gathers ahead
+         * within stage3_max_live_parameters. */
+        if (o->world > 1 && (!strncmp(zc->ignored[i], "zero_optimization.stage ", 24) ||
+                             !strncmp(zc->ignored[i], "zero_optimization.stage3_max_live", 33)))
+            continue;
         n += (size_t)snprintf(ds->ignored + n, sizeof(ds->ignored) - n, "%s%s", n ? "\n" : "",
                               zc->ignored[i]);
     }

@@ -341,11 +341,20 @@ static void wave_add_weight(const struct trainer *t, struct wave *w, int idx)
     w->from[w->n - 1] = (int8_t)(w->n - 2);
 }
 
+/* Whether stage 3 gathers the next block ahead: unless stage3_prefetch_bucket_size is 0, or
+ * two blocks' parameters would be more than stage3_max_live_parameters (DeepSpeed's
+ * meanings: no prefetch; the most gathered at once). */
+static bool gather_ahead(const struct trainer *t)
+{
+    return t->zc.zero.stage3_prefetch_bucket_size && t->cfg.L > 1 &&
+           2 * (uint64_t)gpt_block_num_params(&t->cfg) <= t->zc.zero.stage3_max_live_parameters;
+}
+
 /* Which of the two sets of gather buffers block k's weights go to: by its parity when the
- * next block is gathered ahead (stage3_prefetch_bucket_size), else the one set. */
+ * next block is gathered ahead, else the one set. */
 static int gw_set(const struct trainer *t, int k)
 {
-    return t->zc.zero.stage3_prefetch_bucket_size && t->cfg.L > 1 ? k & 1 : 0;
+    return gather_ahead(t) ? k & 1 : 0;
 }
 
 /* Whether block k's weights are in its gather buffers already (gathered ahead, or still
@@ -369,11 +378,10 @@ static void wave_add_block(struct trainer *t, struct wave *w, enum role role, in
 }
 
 /* Stage 3: block j's shards and the other gather buffers join the set, and their gather runs
- * while this set's block computes: one block ahead, unless stage3_prefetch_bucket_size is 0
- * (as in DeepSpeed: no prefetch). */
+ * while this set's block computes (gather_ahead()). */
 static void wave_prefetch_block(struct trainer *t, struct wave *w, int j)
 {
-    if (t->stage < 3 || !t->zc.zero.stage3_prefetch_bucket_size || j < 0 || j >= t->cfg.L || gathered(t, j)) return;
+    if (t->stage < 3 || !gather_ahead(t) || j < 0 || j >= t->cfg.L || gathered(t, j)) return;
     for (int i = 0; i < GPT_BLOCK_NSLOTS; i++) {
         int idx = t->block_first[j] + i;
         if (stage_of(t, idx) < 3) continue;
