@@ -83,8 +83,10 @@ struct trainer_opts {
      * communicator meets the others under comm_name. world <= 1: one rank, nothing is
      * partitioned. With world > 1, zero_optimization.stage says what each rank keeps 1/world
      * of: 1 the Adam states, 2 the gradients too, 3 the parameters too (0 counts as 1);
-     * each rank's swap files go to a directory of its own, rank-R under each nvme path, and
-     * each runs grad_accum micro-batches of its own per step. */
+     * each rank's swap files go to a directory of its own, rank-R-of-N under each nvme path
+     * (through the daemon, job JOB-rank-R-of-N), and each runs grad_accum micro-batches of
+     * its own per step. resume takes the newest saved run under the paths, of any number
+     * of ranks, and re-cuts it into this run's shards when that number differs. */
     int rank, world;
     const char *comm_name;
     unsigned comm_timeout_ms; /* how long the ranks wait for each other to meet; 0: 60 s */
