@@ -83,6 +83,12 @@ static void usage(FILE *f)
         "Trainer does). The options above take precedence. The effective settings are\n"
         "printed at the start and are the first line of --log; keys zinf does not act\n"
         "on are named there.\n"
+        "Started by zinf launch -n N (RANK, WORLD_SIZE, ZINF_COMM_NAME; ZINF_CONNECT with\n"
+        "--connect; ZINF_COMM_TIMEOUT_MS how long the ranks wait to meet), it trains as\n"
+        "one of N data-parallel ranks: zero_optimization.stage 1, 2 or 3 partitions the\n"
+        "Adam states, the gradients and the parameters; each rank runs --accumulate\n"
+        "micro-batches of its own; rank 0 prints the steps; --log FILE is rank 0's, the\n"
+        "others write FILE.rank-R; --resume also continues on another number of ranks.\n"
         "Exit status: 0 done, 1 failed (the last checkpoint is kept), 2 bad input,\n"
         "130/143 stopped by SIGINT/SIGTERM after flushing. zinf.device picks the\n"
         "compute: a GPU (\"cuda\", or \"auto\" when one is usable) or the CPU (\"emulated\").\n");
