@@ -2336,3 +2336,30 @@ Test(cli, zero_ranks_through_the_daemon_equal_ranks_with_their_own_engines, .tim
     cr_assert_eq(waitpid(pid, &st, 0), pid);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "serve exited %#x: %s", st, read_text(out));
 }
+
+/* SIGTERM to the launcher reaches every rank at its own moment; the ranks agree on the step
+ * to stop after, each checkpoints that step, and the job exits 143. */
+Test(cli, zero_ranks_stopped_by_sigterm_all_save_the_same_step, .timeout = 300)
+{
+    char cfg[4096], data[4096], swap[4096], log[4096], log1[4200], out[4096];
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    snprintf(swap, sizeof(swap), "%s/term", dir);
+    snprintf(log, sizeof(log), "%s/term.jsonl", dir);
+    snprintf(log1, sizeof(log1), "%s.rank-1", log);
+    snprintf(out, sizeof(out), "%s/term.out", dir);
+    zero_config(cfg, sizeof(cfg), swap, 3);
+    pid_t pid = spawn(out, "launch -n 2 -- %s train --config %s --data %s " ZMODEL
+                      " --steps 100000 --log %s", getenv("ZINF_BIN"), cfg, data, log);
+    double t0 = now_s();
+    while (count_lines(log, "{\"step\":") < 3 && now_s() - t0 < 60)
+        usleep(2000);
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 143, "%#x", st);
+    uint64_t s0 = summary_value(log, NULL, "steps"), s1 = summary_value(log1, NULL, "steps");
+    cr_assert_eq(s0, s1, "rank 0 stopped after step %llu, rank 1 after %llu",
+                 (unsigned long long)s0, (unsigned long long)s1);
+    cr_assert_eq(summary_value(log, NULL, "checkpoint_step"), s0);
+    cr_assert_eq(summary_value(log1, NULL, "checkpoint_step"), s0);
+}
