@@ -1784,8 +1784,8 @@ static int reduce_grad(struct trainer *t, int i, const float *l, float *g)
     else if (!first)
         for (size_t j = 0; j < count; j++)
             g[j] += src[j];
-    if (t->micro == t->o.grad_accum - 1) {
-        size_t own = shard_own(t, i), lo = t->world > 1 ? shard_lo(t, i) : 0;
+    size_t own = shard_own(t, i), lo = t->world > 1 ? shard_lo(t, i) : 0;
+    if (t->micro == t->o.grad_accum - 1 && own) {
         const float *mine = stage_of(t, i) >= 2 ? g : g + lo;
         double *part = t->part + t->part_first[i] + lo / SHARD_FLOATS;
         for (size_t c = 0; c * SHARD_FLOATS < own && r == 0; c++)
