@@ -2363,3 +2363,44 @@ Test(cli, zero_ranks_stopped_by_sigterm_all_save_the_same_step, .timeout = 300)
     cr_assert_eq(summary_value(log, NULL, "checkpoint_step"), s0);
     cr_assert_eq(summary_value(log1, NULL, "checkpoint_step"), s0);
 }
+
+/* A resume refuses ranks whose saved runs are at different steps (one rank's checkpoint is
+ * older: here, put back from a copy) and a partition cut otherwise (another persistence
+ * threshold), saying which, and writes nothing. */
+Test(cli, zero_resume_refuses_ranks_at_different_steps_or_cut_otherwise, .timeout = 300)
+{
+    char cfg[4096], cfg4[4096], data[4096], swap[4096], args[8192], sh[16384], *o;
+    static char loss[MAX_STEPS + 1][32];
+    zero_run("apart", 2, 3, "", 2, loss);
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    snprintf(swap, sizeof(swap), "%s/apart", dir);
+    zero_config(cfg, sizeof(cfg), swap, 3);
+    snprintf(sh, sizeof(sh), "cp -a %s/rank-1-of-2 %s/old", swap, swap);
+    cr_assert_eq(system(sh), 0);
+    snprintf(args, sizeof(args), ZMODEL " --steps 4 --resume");
+    cr_assert_eq(train_ranks(&o, 2, cfg, data, args), 0, "%s", o);
+    free(o);
+    snprintf(sh, sizeof(sh), "rm -rf %s/rank-1-of-2 && mv %s/old %s/rank-1-of-2", swap, swap,
+             swap);
+    cr_assert_eq(system(sh), 0);
+    snprintf(args, sizeof(args), ZMODEL " --steps 6 --resume");
+    cr_assert_eq(train_ranks(&o, 2, cfg, data, args), 1, "%s", o);
+    cr_assert(strstr(o, "at different steps (rank 0 at 4, rank 1 at 2)"), "%s", o);
+    free(o);
+
+    /* The same ranks and stage, but small weights kept whole: the shards would not match. */
+    zero_run("cut", 2, 3, "", 1, loss);
+    snprintf(swap, sizeof(swap), "%s/cut", dir);
+    zero_config(cfg4, sizeof(cfg4), swap, 4);
+    snprintf(args, sizeof(args), ZMODEL " --steps 2 --resume");
+    cr_assert_eq(train_ranks(&o, 2, cfg4, data, args), 1, "%s", o);
+    cr_assert(strstr(o, "the saved run keeps 'p.h0.ln1.w' on NVMe, this config on the device") &&
+                  strstr(o, "stage3_param_persistence_threshold"),
+              "%s", o);
+    free(o);
+    /* Refused runs saved nothing: the run resumes as it was cut. */
+    snprintf(args, sizeof(args), ZMODEL " --steps 2 --resume");
+    zero_config(cfg, sizeof(cfg), swap, 3);
+    cr_assert_eq(train_ranks(&o, 2, cfg, data, args), 0, "%s", o);
+    free(o);
+}

@@ -976,13 +976,13 @@ static int register_all(struct trainer *t, char *err, size_t errlen)
                 &t->zstate);
         if (r == 0 && t->o.resume && (r = zinf_read(t->e, t->zstate, 0, &saved, sizeof(saved))) == 0 &&
             (saved.magic != ZERO_MAGIC || saved.world != z.world || saved.stage != z.stage ||
-             saved.rank != z.rank || (z.stage >= 3 && saved.persist != z.persist))) {
+             saved.rank != z.rank)) {
+            /* (Another persistence threshold moves the small weights' homes: check_home()
+             * has refused it by now.) */
             snprintf(err, errlen,
                      "--resume: the saved run was cut for %d ranks at ZeRO stage %d (this is rank "
-                     "%d of it, persistence threshold %d); this run is %d ranks at stage %d "
-                     "(threshold %d): give the saved run's",
-                     saved.world, saved.stage, saved.rank, saved.persist, z.world, z.stage,
-                     z.persist);
+                     "%d of it); this run is %d ranks at stage %d: give the saved run's",
+                     saved.world, saved.stage, saved.rank, z.world, z.stage);
             return -EINVAL;
         }
         if (r == 0 && !t->o.resume) r = zinf_write(t->e, t->zstate, 0, &z, sizeof(z));
@@ -1903,9 +1903,13 @@ static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hp
     const float *g = stage >= 2 ? (const float *)p[1] : (const float *)p[1] + MIN(lo, n);
     int r = own ? adamw_update(mine, g, p[2], p[3], own, h, step, scale) : 0;
     if (r < 0 || stage >= 3) return r;
-    float *send = t->tmp, *recv = t->tmp + sh;
-    memcpy(send, mine, own * sizeof(float));
-    memset(send + own, 0, (sh - own) * sizeof(float));
+    /* A whole shard is sent from where it is; one cut short by the tensor's end is padded. */
+    float *send = mine, *recv = t->tmp + sh;
+    if (own < sh) {
+        send = t->tmp;
+        memcpy(send, mine, own * sizeof(float));
+        memset(send + own, 0, (sh - own) * sizeof(float));
+    }
     if ((r = comm_allgather(t->comm, send, recv, sh, COMM_F32)) == 0)
         memcpy(pp, recv, n * sizeof(float));
     return r;
