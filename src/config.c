@@ -49,7 +49,7 @@ static const char *const top_ignored[] = {
     "timers", "graph_harvesting", "dataloader_drop_last",
     "use_data_before_expert_parallelism", "tensor_parallel", NULL};
 static const char *const zero_ignored[] = {
-    "contiguous_gradients", "overlap_comm", "reduce_scatter", "reduce_bucket_size",
+    "contiguous_gradients", "reduce_scatter",
     "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
     "allgather_size", "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload",
     "cpu_offload_param", "cpu_offload_use_pin_memory", "round_robin_gradients",
@@ -140,6 +140,13 @@ static const struct field fields[] = {
     {S_ZERO, "stage", NULL, F_INT, OFF(zero.stage), 0, 3, 0, NULL, 0,
      "one rank holds every tensor, whatever the stage (zinf launch -n N partitions by it): "
      "offload_param and offload_optimizer say where each lives"},
+    {S_ZERO, "overlap_comm", NULL, F_BOOL, OFF(zero.overlap_comm), 0, 0, 0, NULL, FL_CMD,
+     "one rank reduces no gradients (zinf launch -n N reduces a block's while the backward "
+     "goes on)"},
+    {S_ZERO, "reduce_bucket_size", NULL, F_U64, OFF(zero.reduce_bucket_size), 1, 0, 0, NULL,
+     FL_AUTO,
+     "one rank reduces no gradients (across ranks, overlap_comm needs a block's gradients "
+     "to fit)"},
     {S_ZERO, "sub_group_size", NULL, F_U64, OFF(zero.sub_group_size), 0, 0, 0, NULL, 0,
      "the optimizer updates one tensor at a time, whatever the sub-group size"},
     {S_PARAM, "device", NULL, F_ENUM, OFF(zero.offload_param.device), 0, 0, 0, offload_devices},
@@ -929,6 +936,7 @@ void config_defaults(struct zinf_config *c)
     c->zero.offload_optimizer.device = CONFIG_OFFLOAD_NONE;
     c->zero.offload_optimizer.buffer_count = 4;
     c->zero.stage3_prefetch_bucket_size = 50000000;
+    c->zero.reduce_bucket_size = 500000000;
     c->zero.stage3_max_live_parameters = 1000000000;
     c->zero.stage3_max_reuse_distance = 1000000000;
     c->zero.stage3_param_persistence_threshold = 100000;
@@ -1040,6 +1048,9 @@ void config_resolve_auto(struct zinf_config *c, const struct config_auto_inputs 
     resolve(c, "zero_optimization.stage3_prefetch_bucket_size", floor(0.9 * d * d), out, outlen,
             &len);
     resolve(c, "zero_optimization.stage3_param_persistence_threshold", 10 * d, out, outlen, &len);
+    /* transformers says hidden_size^2; a GPT block's gradients are 12 d^2 + 13 d, and a
+     * block is what the trainer reduces at a time (so overlap_comm stays on). */
+    resolve(c, "zero_optimization.reduce_bucket_size", 12 * d * d + 13 * d, out, outlen, &len);
 }
 
 void config_free(struct zinf_config *c)

@@ -98,6 +98,8 @@ struct zinf_config {
         uint64_t stage3_max_live_parameters;         /* 1e9 elements */
         uint64_t stage3_max_reuse_distance;          /* 1e9 elements */
         uint64_t stage3_param_persistence_threshold; /* 1e5 elements */
+        bool overlap_comm;                           /* not given: true at stage 3 only */
+        uint64_t reduce_bucket_size;                 /* 5e8 elements */
     } zero;
     struct {
         uint64_t block_size;           /* bytes; 1 MiB; multiple of 4096, at most 64 MiB */

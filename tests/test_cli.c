@@ -1955,14 +1955,20 @@ Test(cli, launch_bad_arguments)
 
 /* A config for ranks: parameters and optimizer states on NVMe under swap, at stage (4:
  * stage 3 with a persistence threshold that keeps the vectors whole on every rank; 5: stage 3
- * gathering no block ahead; 6: the same for lack of stage3_max_live_parameters). */
+ * gathering no block ahead; 6: the same for lack of stage3_max_live_parameters; 7: stage 2
+ * with overlap_comm; 8: stage 3 without; 9: stage 1 with overlap_comm; 10: stage 2 with
+ * overlap_comm but a reduce_bucket_size below a block's gradients). */
 static void zero_config(char *cfg, size_t len, const char *swap, int stage)
 {
-    const char *persist = stage == 4   ? "\"stage3_param_persistence_threshold\": 1000, "
-                          : stage == 5 ? "\"stage3_prefetch_bucket_size\": 0, "
-                          : stage == 6 ? "\"stage3_max_live_parameters\": 1000, "
-                                       : "";
-    stage = MIN(stage, 3);
+    const char *persist = stage == 4    ? "\"stage3_param_persistence_threshold\": 1000, "
+                          : stage == 5  ? "\"stage3_prefetch_bucket_size\": 0, "
+                          : stage == 6  ? "\"stage3_max_live_parameters\": 1000, "
+                          : stage == 7  ? "\"overlap_comm\": true, "
+                          : stage == 8  ? "\"overlap_comm\": false, "
+                          : stage == 9  ? "\"overlap_comm\": true, "
+                          : stage == 10 ? "\"overlap_comm\": true, \"reduce_bucket_size\": 1000, "
+                                        : "";
+    stage = stage == 9 ? 1 : stage == 7 || stage == 10 ? 2 : MIN(stage, 3);
     static int n;
     snprintf(cfg, len, "%s/zero%d.json", dir, n++);
     FILE *f = fopen(cfg, "w");
@@ -2034,9 +2040,9 @@ static void zero_run(const char *name, int ranks, int stage, const char *extra, 
 
 /* N ranks of one micro-batch each log bitwise the losses of one rank accumulating N
  * micro-batches, at every stage (stage 3 also with persistent vectors, and without gathering
- * ahead, by setting or for lack of room), with everything on
- * NVMe: the shm backend sums in rank order and the one rank adds its micro-batches'
- * gradients in the same order. */
+ * ahead, by setting or for lack of room; stages 1 and 2 with overlap_comm and stage 3
+ * without), with everything on NVMe: the shm backend sums in rank order and the one rank
+ * adds its micro-batches' gradients in the same order. */
 Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batches,
      .timeout = 300)
 {
@@ -2050,8 +2056,8 @@ Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batche
         snprintf(acc, sizeof(acc), "--accumulate %d", ns[k]);
         zero_run(name, 0, 3, acc, 3, ref[ns[k]]);
     }
-    uint64_t min_dev[7] = {0};
-    for (int stage = 1; stage <= 6; stage++)
+    uint64_t min_dev[11] = {0};
+    for (int stage = 1; stage <= 10; stage++)
         for (int k = 0; k < 3; k++) {
             int n = ns[k];
             if (n == 1 && stage != 3) continue; /* one rank partitions nothing at any stage */
@@ -2063,8 +2069,14 @@ Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batche
             if (n > 1) {
                 char want[96];
                 snprintf(want, sizeof(want), "[%d] #   ZeRO stage %d: rank %d of %d", n - 1,
-                         MIN(stage, 3), n - 1, n);
+                         stage == 9 ? 1 : stage == 7 || stage == 10 ? 2 : MIN(stage, 3), n - 1, n);
                 cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+                /* overlap_comm: given, or by default at stage 3; not when a block's
+                 * gradients exceed reduce_bucket_size, which is said. */
+                bool ov = stage == 7 || stage == 9 || (stage >= 3 && stage <= 6);
+                cr_assert(strstr(o, ov ? "(overlap_comm: each behind" : "(each after its block"),
+                          "stage %d: %s", stage, o);
+                cr_assert(stage != 10 || strstr(o, "exceed reduce_bucket_size (1000)"), "%s", o);
                 cr_assert_null(strstr(o, "[1]   "), "only rank 0 prints the steps: %s", o);
             }
             free(o);
@@ -2079,6 +2091,26 @@ Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batche
     cr_assert_gt(min_dev[3], min_dev[5], "%llu, %llu", (unsigned long long)min_dev[3],
                  (unsigned long long)min_dev[5]);
     cr_assert_eq(min_dev[6], min_dev[5]);
+    /* Reducing behind the next block takes a second block's local gradients. */
+    cr_assert_gt(min_dev[7], min_dev[2]);
+    cr_assert_gt(min_dev[3], min_dev[8]);
+    cr_assert_eq(min_dev[10], min_dev[2]);
+
+    /* Several micro-batches per rank: the later ones reduce in place and add to g, on the
+     * comm's thread with overlap_comm, to bitwise what they add without it. */
+    static char a[MAX_STEPS + 1][32], b[MAX_STEPS + 1][32];
+    for (int stage = 1; stage <= 3; stage++) {
+        char na[32], nb[32];
+        snprintf(na, sizeof(na), "acc%d", stage);
+        snprintf(nb, sizeof(nb), "acc%dov", stage);
+        zero_run(na, 2, stage == 3 ? 8 : stage, "--accumulate 2", 3, a);
+        zero_run(nb, 2, stage == 1 ? 9 : stage == 2 ? 7 : 3, "--accumulate 2", 3, b);
+        for (int step = 1; step <= 3; step++) {
+            cr_assert_str_eq(a[step], b[step], "stage %d, step %d", stage, step);
+            /* 2 x 2 adds in another order than one rank of 4: close, not equal. */
+            cr_assert_float_eq(strtod(a[step], NULL), strtod(ref[4][step], NULL), 1e-3);
+        }
+    }
 }
 
 /* Each of 4 ranks holds about a quarter of what ZeRO's stage partitions: the Adam states

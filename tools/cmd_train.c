@@ -320,11 +320,16 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
     size_t n = 0;
     ds->ignored[0] = '\0';
     for (size_t i = 0; i < zc->n_ignored && n < sizeof(ds->ignored); i++) {
-        /* Across ranks the stage is what partitions the state, and stage 3 gathers ahead
-         * within stage3_max_live_parameters. */
-        if (o->world > 1 && (!strncmp(zc->ignored[i], "zero_optimization.stage ", 24) ||
-                             !strncmp(zc->ignored[i], "zero_optimization.stage3_max_live", 33)))
-            continue;
+        /* Across ranks the stage is what partitions the state, stage 3 gathers ahead
+         * within stage3_max_live_parameters, and gradients are reduced behind the backward
+         * (overlap_comm) when a block's fit in reduce_bucket_size. */
+        static const char *const used_by_ranks[] = {
+            "zero_optimization.stage ", "zero_optimization.stage3_max_live",
+            "zero_optimization.overlap_comm ", "zero_optimization.reduce_bucket_size "};
+        bool used = false;
+        for (size_t u = 0; u < sizeof(used_by_ranks) / sizeof(used_by_ranks[0]); u++)
+            used |= !strncmp(zc->ignored[i], used_by_ranks[u], strlen(used_by_ranks[u]));
+        if (o->world > 1 && used) continue;
         n += (size_t)snprintf(ds->ignored + n, sizeof(ds->ignored) - n, "%s%s", n ? "\n" : "",
                               zc->ignored[i]);
     }
@@ -965,8 +970,11 @@ int cmd_train(int argc, char **argv)
            format_size(sum.tier[2].budget_bytes, b, sizeof(b)));
     if (sum.world > 1)
         printf("#   ZeRO stage %d: rank %d of %d holds the tiers above; %s came in through "
-               "collectives\n",
-               sum.stage, sum.rank, sum.world, format_size(sum.comm_bytes, a, sizeof(a)));
+               "collectives; the steps waited %.3f s for gradient reductions (%s)\n",
+               sum.stage, sum.rank, sum.world, format_size(sum.comm_bytes, a, sizeof(a)),
+               sum.reduce_seconds,
+               sum.overlap_comm ? "overlap_comm: each behind the next block's backward"
+                                : "each after its block's backward");
     if (log) {
         fprintf(log,
                 "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
@@ -990,6 +998,8 @@ int cmd_train(int argc, char **argv)
         fprintf(log, ",\"staging_bytes\":%llu", (unsigned long long)sum.staging_bytes);
         fprintf(log, ",\"rank\":%d,\"world\":%d,\"zero_stage\":%d,\"comm_bytes\":%llu", sum.rank,
                 sum.world, sum.stage, (unsigned long long)sum.comm_bytes);
+        fprintf(log, ",\"overlap_comm\":%s,\"reduce_seconds\":%.6f",
+                sum.overlap_comm ? "true" : "false", sum.reduce_seconds);
         fprintf(log, "}}\n");
         fclose(log);
     }

@@ -124,6 +124,7 @@ struct trainer {
     bool exact;
     int micro;              /* the micro-batch being reduced: 0 copies, later ones add */
     zinf_tensor lg[NLOCAL]; /* this micro-batch's gradients: world x shard floats each */
+    zinf_tensor lg1[GPT_BLOCK_NSLOTS]; /* overlap: the odd blocks' (the even ones' are lg) */
     zinf_tensor gw[NLOCAL]; /* stage 3: the gathered weights, world x shard floats each */
     zinf_tensor gw1[GPT_BLOCK_NSLOTS]; /* the odd blocks' (the even ones' are gw) */
     int gw_holds[2];        /* the block whose weights gw (0) and gw1 (1) hold, or -1 */
@@ -132,6 +133,17 @@ struct trainer {
     pthread_cond_t gcv;
     int gpending, gerr;
     struct comm_req greq[GPT_BLOCK_NSLOTS];
+    /* overlap_comm: block k's gradients are reduced while block k - 1's backward computes
+     * (the previous block's, on the comm's thread, which also folds them into g). */
+    bool overlap;
+    struct reduce_ctx {
+        struct comm_req req;
+        struct trainer *t;
+        int idx;
+        float *g;
+        size_t count;
+    } rq[GPT_BLOCK_NSLOTS];
+    uint64_t reduce_ns; /* the time steps waited for gradient reductions */
     zinf_tensor zstate;     /* struct zero_state */
     float *tmp;             /* (world + 1) x the largest shard: collectives' other side */
     float *losses;          /* world x grad_accum: every micro-batch's loss */
@@ -306,6 +318,9 @@ struct wave {
     int8_t from[WAVE_MAX]; /* the member gathered into this one (stage 3), else -1 */
     bool async[WAVE_MAX];  /* that gather is the next block's: it runs while this one computes */
     int ahead;             /* 1 + the block gathered ahead (async); 0: none */
+    bool reduce[WAVE_MAX]; /* a local gradient reduced into the next member (its g) while
+                              this set computes (overlap_comm) */
+    int behind;            /* 1 + the block whose gradients those are; 0: none */
     int ne;
     int8_t at[WAVE_MAX]; /* entry -> member */
 };
@@ -317,6 +332,7 @@ static void wave_member(struct wave *w, enum role role, int idx, bool dirty)
     w->dirty[w->n] = dirty;
     w->from[w->n] = -1;
     w->async[w->n] = false;
+    w->reduce[w->n] = false;
     w->n++;
 }
 
@@ -362,6 +378,13 @@ static int gw_set(const struct trainer *t, int k)
 static bool gathered(const struct trainer *t, int k)
 {
     return !t->budgeting && t->gw_holds[gw_set(t, k)] == k;
+}
+
+/* Which of the two sets of local gradients block k's go to: by its parity when a block's
+ * are reduced while the next one computes (overlap_comm), else the one set. */
+static int lg_set(const struct trainer *t, int k)
+{
+    return t->overlap && t->cfg.L > 1 ? k & 1 : 0;
 }
 
 static void wave_add_block(struct trainer *t, struct wave *w, enum role role, int k, bool dirty)
@@ -433,19 +456,36 @@ static void wave_head(struct trainer *t, struct wave *w)
     }
 }
 
+/* overlap_comm: block j's local gradients and their g join the set, and their reduction
+ * runs while this set's phase computes; wave_release waits for it. */
+static void wave_reduce_behind(struct trainer *t, struct wave *w, int j)
+{
+    if (!t->overlap || j < 0 || j >= t->cfg.L) return;
+    for (int i = 0; i < GPT_BLOCK_NSLOTS; i++) {
+        int idx = t->block_first[j] + i;
+        wave_member(w, R_L, idx, false);
+        w->reduce[w->n - 1] = true;
+        wave_member(w, R_G, idx, true);
+    }
+    w->behind = j + 1;
+}
+
 /* Block k's backward: its weights, gradients and input (the block is recomputed). Exact:
- * the gradients go to the local buffers, then are reduced into g (entries 25-36). */
+ * the gradients go to the local buffers, then are reduced into g (entries 25-36), or with
+ * overlap_comm while block k - 1 computes (block k + 1's are reduced during this one). */
 static void wave_block_backward(struct trainer *t, int k, struct wave *w)
 {
     *w = (struct wave){.what = "a block's backward (its weights, gradients and input)"};
     wave_add_block(t, w, R_W, k, false);
     wave_add_block(t, w, t->exact ? R_L : R_G, k, true);
     wave_add(w, R_ACT, k, false);
-    if (t->exact) wave_add_block(t, w, R_G, k, true);
+    if (t->exact && !t->overlap) wave_add_block(t, w, R_G, k, true);
     wave_prefetch_block(t, w, k - 1);
+    wave_reduce_behind(t, w, k + 1);
 }
 
-/* Exact: the local gradients of wte and wpe, then their g (entries 2, 3). */
+/* Exact: the local gradients of wte and wpe, then their g (entries 2, 3); with overlap_comm,
+ * block 0's gradients are reduced meanwhile. */
 static void wave_embed_backward(struct trainer *t, struct wave *w)
 {
     *w = (struct wave){.what = "the embeddings' backward (the gradients of wte and wpe)"};
@@ -456,6 +496,7 @@ static void wave_embed_backward(struct trainer *t, struct wave *w)
         wave_add(w, R_G, t->wte, true);
         wave_add(w, R_G, t->wpe, true);
     }
+    wave_reduce_behind(t, w, 0);
 }
 
 /* The optimizer's update of tensor i: p, g, m, v (and the bf16 copy). */
@@ -491,8 +532,9 @@ static int local_slot(const struct trainer *t, int idx)
 static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
 {
     switch (role) {
-    case R_L:
-        return t->lg[local_slot(t, idx)];
+    case R_L: /* a block's by its parity: block k + 1's are reduced while block k computes */
+        return t->desc[idx].block >= 0 && lg_set(t, t->desc[idx].block) ? t->lg1[t->desc[idx].slot]
+                                                                          : t->lg[local_slot(t, idx)];
     case R_GW: /* a block's by its parity: block k + 1's gather runs while block k computes */
         return t->desc[idx].block >= 0 && gw_set(t, t->desc[idx].block) ? t->gw1[t->desc[idx].slot]
                                                                           : t->gw[local_slot(t, idx)];
@@ -514,15 +556,44 @@ static zinf_tensor wave_handle(const struct trainer *t, enum role role, int idx)
 static int wave_release(struct trainer *t, const struct wave *w, enum zinf_tier tier, bool ok);
 static size_t shard_of(const struct trainer *t, int idx);
 
-/* An asynchronous gather finished (the comm's thread). */
-static void gather_done(struct comm_req *req, int res)
+static void reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_req *q);
+static int fold_grad(struct trainer *t, int i, const float *src, float *g, size_t count);
+
+/* An asynchronous collective of the set finished (the comm's thread): count it, and keep
+ * the first error for wave_release. */
+static void async_done(struct trainer *t, int res)
 {
-    struct trainer *t = req->data;
     pthread_mutex_lock(&t->gmu);
     if (res < 0 && !t->gerr) t->gerr = res;
     t->gpending--;
     pthread_cond_broadcast(&t->gcv);
     pthread_mutex_unlock(&t->gmu);
+}
+
+static void gather_done(struct comm_req *req, int res)
+{
+    async_done(req->data, res);
+}
+
+/* A block's gradient reduced behind the next block's backward: folded into g here, on the
+ * comm's thread, while the main thread computes (wave_release waits for it). */
+static void reduce_done(struct comm_req *req, int res)
+{
+    struct reduce_ctx *x = req->data;
+    if (res == 0) res = fold_grad(x->t, x->idx, req->recv, x->g, x->count);
+    async_done(x->t, res);
+}
+
+/* Queue the async collective of request q (its callback set); a refused one counts as done
+ * with its error. */
+static int submit_async(struct trainer *t, struct comm_req *q)
+{
+    pthread_mutex_lock(&t->gmu);
+    t->gpending++;
+    pthread_mutex_unlock(&t->gmu);
+    int x = comm_submit(t->comm, q);
+    if (x < 0) q->cb(q, x); /* the callback never fires: count it here */
+    return x;
 }
 
 /* Fetch the set and, in stage 3, gather the weights; ptrs[j] is entry j's. */
@@ -554,14 +625,21 @@ static int wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier ti
                                  .count = shard_of(t, w->idx[i]),
                                  .cb = gather_done,
                                  .data = t};
-        pthread_mutex_lock(&t->gmu);
-        t->gpending++;
-        pthread_mutex_unlock(&t->gmu);
-        int x = comm_submit(t->comm, req);
-        if (x < 0) {
-            gather_done(req, x); /* the callback never fires: count it here */
-            break;
-        }
+        if (submit_async(t, req) < 0) break;
+    }
+    /* The previous block's gradient reductions, behind this set's compute. */
+    q = 0;
+    for (int i = 0; i < w->n && r == 0; i++) {
+        if (!w->reduce[i]) continue;
+        struct reduce_ctx *x = &t->rq[q++];
+        x->t = t;
+        x->idx = w->idx[i];
+        x->g = m[i + 1];
+        reduce_req(t, w->idx[i], m[i], x->g, &x->req);
+        x->count = x->req.count;
+        x->req.cb = reduce_done;
+        x->req.data = x;
+        if (submit_async(t, &x->req) < 0) break;
     }
     if (r < 0) {
         wave_release(t, w, tier, false);
@@ -572,19 +650,24 @@ static int wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier ti
     return 0;
 }
 
-/* Release the whole set: the members it wrote dirty when the phase succeeded (ok). The next
- * block's gathers finish first (they read shards of this set). */
+/* Release the whole set: the members it wrote dirty when the phase succeeded (ok) and so
+ * did its async collectives, which finish first: the next block's gathers (they read shards
+ * of this set) and the previous block's reductions (they read and write members). Their
+ * first error is the answer. */
 static int wave_release(struct trainer *t, const struct wave *w, enum zinf_tier tier, bool ok)
 {
     int r = 0;
-    if (w->ahead) {
+    if (w->ahead || w->behind) {
+        uint64_t t0 = now_ns();
         pthread_mutex_lock(&t->gmu);
         while (t->gpending)
             pthread_cond_wait(&t->gcv, &t->gmu);
         r = t->gerr;
         t->gerr = 0;
         pthread_mutex_unlock(&t->gmu);
-        t->gw_holds[gw_set(t, w->ahead - 1)] = r == 0 ? w->ahead - 1 : -1;
+        if (w->ahead) t->gw_holds[gw_set(t, w->ahead - 1)] = r == 0 ? w->ahead - 1 : -1;
+        if (w->behind) t->reduce_ns += now_ns() - t0;
+        ok &= r == 0;
     }
     for (int i = 0; i < w->n; i++) {
         int x = zinf_release(t->e, wave_handle(t, (enum role)w->role[i], w->idx[i]), tier,
@@ -727,7 +810,9 @@ static void min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t ho
         (uint64_t)(t->cfg.L + 1) * align_up(role_bytes(t, R_ACT, 0), ZINF_ALIGN);
     for (int s = 0; s < NLOCAL; s++) {
         int i = slot_tensor(t, s);
-        if (t->exact) homes[ZINF_TIER_DEVICE] += align_up(role_bytes(t, R_L, i), ZINF_ALIGN);
+        if (t->exact)
+            homes[ZINF_TIER_DEVICE] += (s < GPT_BLOCK_NSLOTS && lg_set(t, 1) ? 2 : 1) *
+                                       align_up(role_bytes(t, R_L, i), ZINF_ALIGN);
         if (stage_of(t, i) >= 3)
             homes[ZINF_TIER_DEVICE] += (s < GPT_BLOCK_NSLOTS && gw_set(t, 1) ? 2 : 1) *
                                        align_up(role_bytes(t, R_GW, i), ZINF_ALIGN);
@@ -850,23 +935,26 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
     return -EINVAL;
 }
 
-#define SCRATCH_KINDS 3
+#define SCRATCH_KINDS 4
 
 /* Local slot s's buffer of kind k (0: local gradients when exact, 1: gathered weights in
- * stage 3, 2: the odd blocks' gathered weights): its name, and its handle and size; NULL
- * when this run has none (name is written all the same). */
+ * stage 3, 2: the odd blocks' gathered weights, 3: the odd blocks' local gradients with
+ * overlap_comm): its name, and its handle and size; NULL when this run has none (name is
+ * written all the same). */
 static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size_t *bytes)
 {
     static const char *const kind[SCRATCH_KINDS] = {"zero.grad.", "zero.gather.",
-                                                    "zero.gather1."};
+                                                    "zero.gather1.", "zero.grad1."};
     int i = slot_tensor(t, s);
     snprintf(name, 64, "%s%s", kind[k],
              s < GPT_BLOCK_NSLOTS ? gpt_block_slot_name(s) : t->desc[i].name);
-    if (k == 0 ? !t->exact
-               : stage_of(t, i) < 3 || (k == 2 && (s >= GPT_BLOCK_NSLOTS || !gw_set(t, 1))))
-        return NULL;
-    *bytes = role_bytes(t, k == 0 ? R_L : R_GW, i);
-    return k == 0 ? &t->lg[s] : k == 1 ? &t->gw[s] : &t->gw1[s];
+    bool block = s < GPT_BLOCK_NSLOTS;
+    bool has = k == 0   ? t->exact
+               : k == 3 ? block && lg_set(t, 1)
+                        : stage_of(t, i) >= 3 && (k == 1 || (block && gw_set(t, 1)));
+    if (!has) return NULL;
+    *bytes = role_bytes(t, k == 0 || k == 3 ? R_L : R_GW, i);
+    return k == 0 ? &t->lg[s] : k == 1 ? &t->gw[s] : k == 2 ? &t->gw1[s] : &t->lg1[s];
 }
 
 /* Before a checkpoint, the scratch buffers are registered afresh (reading as zeros), so that
@@ -1180,6 +1268,17 @@ static int zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         t->zc.nvme_paths.path[k] = mine;
         if (k) t->zc.nvme_paths_extra[k - 1] = mine;
     }
+    /* overlap_comm (DeepSpeed's default: on at stage 3 only) reduces a block at a time
+     * behind the next block's backward, in a second set of local gradients: the block's
+     * gradients must fit in reduce_bucket_size. */
+    bool want = config_given(&t->zc, "zero_optimization.overlap_comm") ? t->zc.zero.overlap_comm
+                                                                       : t->stage >= 3;
+    uint64_t block = gpt_block_num_params(&t->cfg);
+    t->overlap = want && block <= t->zc.zero.reduce_bucket_size;
+    if (want && !t->overlap && t->rank == 0)
+        log_notice("zero_optimization.overlap_comm: a block's gradients (%llu elements) exceed "
+                   "reduce_bucket_size (%llu): they are reduced after the block's backward",
+                   (unsigned long long)block, (unsigned long long)t->zc.zero.reduce_bucket_size);
     struct comm_opts co = {
         .backend = COMM_SHM,
         .rank = t->rank,
@@ -1749,7 +1848,8 @@ static int forward(struct trainer *t)
         TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
         r = settle(t, be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
                                         p[GPT_BLOCK_NSLOTS + 1]));
-        wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+        int x = wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+        if (r == 0) r = x; /* the next block's gather failed */
         if (r < 0) goto out;
         note_peaks(t);
     }
@@ -1757,28 +1857,32 @@ out:
     return r;
 }
 
-/* Add this micro-batch's gradient of tensor i (l: world x shard floats, on the device tier)
- * into what the step keeps of it (g: the whole tensor, or from stage 2 this rank's shard):
- * summed over the ranks in rank order, copied on the step's first micro-batch and added on
- * the others. On the last, the squares of the rank's part are summed by chunks of
- * SHARD_FLOATS for the clipping norm (grad_norm() adds the chunks up in the layout's order). */
-static int reduce_grad(struct trainer *t, int i, const float *l, float *g)
+/* The collective that sums this micro-batch's gradient of tensor i over the ranks, in rank
+ * order (l: world x shard floats, on the device tier): from stage 2 a reduce-scatter into
+ * this rank's shard, else an allreduce. On the step's first micro-batch it writes g itself;
+ * on the others it works in place in l, and fold_grad adds the result (q->recv, q->count
+ * floats) to g. */
+static void reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_req *q)
 {
-    size_t n = t->desc[i].numel, sh = shard_of(t, i), count = n;
+    size_t sh = shard_of(t, i);
+    bool first = t->micro == 0, scatter = stage_of(t, i) >= 2;
+    *q = (struct comm_req){.op = scatter ? COMM_REDUCE_SCATTER : COMM_ALLREDUCE,
+                           .dtype = COMM_F32,
+                           .send = l,
+                           .recv = first ? g : scatter ? l + (size_t)t->rank * sh : l,
+                           .count = scatter ? sh : t->desc[i].numel};
+}
+
+/* Add this micro-batch's gradient of tensor i (src, count floats, summed over the ranks)
+ * into what the step keeps of it (g: the whole tensor, or from stage 2 this rank's shard):
+ * copied on the step's first micro-batch and added on the others. On the last, the squares
+ * of the rank's part are summed by chunks of SHARD_FLOATS for the clipping norm
+ * (grad_norm() adds the chunks up in the layout's order). Runs on the comm's thread for a
+ * reduction behind the backward: it touches g and tensor i's chunk sums only. */
+static int fold_grad(struct trainer *t, int i, const float *src, float *g, size_t count)
+{
     bool first = t->micro == 0;
-    const float *src = l;
     int r = 0;
-    if (t->world > 1) {
-        float *dst = first ? g : t->tmp;
-        if (stage_of(t, i) >= 2) {
-            count = sh;
-            r = comm_reduce_scatter(t->comm, l, dst, sh, COMM_F32);
-        } else {
-            r = comm_allreduce(t->comm, l, dst, n, COMM_F32);
-        }
-        if (r < 0) return r;
-        src = dst;
-    }
     if (first && src != g)
         memcpy(g, src, count * sizeof(float));
     else if (!first)
@@ -1793,6 +1897,18 @@ static int reduce_grad(struct trainer *t, int i, const float *l, float *g)
                                   &part[c]);
     }
     return r;
+}
+
+/* Reduce tensor i's local gradient l into g now (fold_grad); one rank: fold it. */
+static int reduce_grad(struct trainer *t, int i, float *l, float *g)
+{
+    if (t->world <= 1) return fold_grad(t, i, l, g, t->desc[i].numel);
+    struct comm_req q;
+    reduce_req(t, i, l, g, &q);
+    uint64_t t0 = now_ns();
+    int r = comm_run(t->comm, &q);
+    t->reduce_ns += now_ns() - t0;
+    return r < 0 ? r : fold_grad(t, i, q.recv, g, q.count);
 }
 
 /* The squared norm of the step's gradient: every chunk's sum, from the rank that owns it, in
@@ -1864,9 +1980,10 @@ static int backward(struct trainer *t, bool zero, bool norm)
         for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && norm; i++)
             r = be->sumsq(t->be, gw[i], t->desc[first + i].numel);
         r = settle(t, r);
-        for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && t->exact; i++)
+        for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && t->exact && !t->overlap; i++)
             r = reduce_grad(t, (int)first + i, gw[i], p[2 * GPT_BLOCK_NSLOTS + 1 + i]);
-        wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+        int x = wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+        if (r == 0) r = x; /* a reduction behind this block failed */
         if (r < 0) goto out;
         note_peaks(t);
     }
@@ -1881,7 +1998,8 @@ static int backward(struct trainer *t, bool zero, bool norm)
     r = settle(t, r);
     if (r == 0 && t->exact && (r = reduce_grad(t, t->wte, p[0], p[2])) == 0)
         r = reduce_grad(t, t->wpe, p[1], p[3]);
-    wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    int x = wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    if (r == 0) r = x;
 out:
     return r;
 }
@@ -2109,6 +2227,8 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     out->rank = t->rank;
     out->world = t->world;
     out->stage = t->stage;
+    out->overlap_comm = t->overlap;
+    out->reduce_seconds = (double)t->reduce_ns / 1e9;
     if (t->comm) {
         struct comm_stats cs;
         comm_get_stats(t->comm, &cs);

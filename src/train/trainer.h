@@ -136,6 +136,8 @@ struct trainer_summary {
     double loss_scale;          /* fp16: the scale the next step runs with */
     int rank, world, stage;     /* ZeRO: this rank of world; the stage (0 with one rank) */
     uint64_t comm_bytes;        /* bytes this rank sent to collectives */
+    bool overlap_comm;          /* gradients reduced behind the next block's backward */
+    double reduce_seconds;      /* the steps' time waiting for gradient reductions */
 };
 
 struct trainer;
