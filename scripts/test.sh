@@ -68,7 +68,8 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/ts
 ninja -C build-tsan tests/comm_rank
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" build/tools/zinf launch -n 3 -- \
   build-tsan/tests/comm_rank
-# The trainer across two ranks at ZeRO stage 3 (engines, communicators and checkpoints
+# The trainer across two ranks at ZeRO stage 3 (engines, communicators, gathers ahead,
+# reductions behind the backward folded on the comm thread, and checkpoints
 # together), one OpenMP and OpenBLAS thread each: their runtimes are not instrumented.
 ninja -C build-tsan tools/zinf
 zdir=$(mktemp -d)
@@ -80,5 +81,6 @@ JSON
 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
   build/tools/zinf launch -n 2 -- build-tsan/tools/zinf train --config "$zdir/zero.json" \
-  --data README.md --layers 2 --dim 32 --heads 2 --seq 16 --batch 2 --steps 3 --checkpoint-every 1
+  --data README.md --layers 2 --dim 32 --heads 2 --seq 16 --batch 2 --steps 3 --checkpoint-every 1 \
+  --accumulate 2
 rm -rf "$zdir"

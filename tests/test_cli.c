@@ -2097,18 +2097,21 @@ Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batche
     cr_assert_eq(min_dev[10], min_dev[2]);
 
     /* Several micro-batches per rank: the later ones reduce in place and add to g, on the
-     * comm's thread with overlap_comm, to bitwise what they add without it. */
+     * comm's thread with overlap_comm, to bitwise what they add without it. Three blocks at
+     * stage 3: the middle one's backward gathers ahead and reduces behind at once. */
     static char a[MAX_STEPS + 1][32], b[MAX_STEPS + 1][32];
-    for (int stage = 1; stage <= 3; stage++) {
+    for (int stage = 1; stage <= 4; stage++) {
         char na[32], nb[32];
+        const char *extra = stage == 4 ? "--accumulate 2 --layers 3" : "--accumulate 2";
         snprintf(na, sizeof(na), "acc%d", stage);
         snprintf(nb, sizeof(nb), "acc%dov", stage);
-        zero_run(na, 2, stage == 3 ? 8 : stage, "--accumulate 2", 3, a);
-        zero_run(nb, 2, stage == 1 ? 9 : stage == 2 ? 7 : 3, "--accumulate 2", 3, b);
+        zero_run(na, 2, stage >= 3 ? 8 : stage, extra, 3, a);
+        zero_run(nb, 2, stage == 1 ? 9 : stage == 2 ? 7 : 3, extra, 3, b);
         for (int step = 1; step <= 3; step++) {
             cr_assert_str_eq(a[step], b[step], "stage %d, step %d", stage, step);
             /* 2 x 2 adds in another order than one rank of 4: close, not equal. */
-            cr_assert_float_eq(strtod(a[step], NULL), strtod(ref[4][step], NULL), 1e-3);
+            if (stage < 4)
+                cr_assert_float_eq(strtod(a[step], NULL), strtod(ref[4][step], NULL), 1e-3);
         }
     }
 }

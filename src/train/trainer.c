@@ -302,9 +302,10 @@ static void note_peaks(struct trainer *t)
  * budget check at open, so the check is exact. */
 enum role { R_P, R_G, R_M, R_V, R_W, R_ACT, R_L, R_GW };
 
-/* A stage-3 block's backward: shards and gathered weights, local and kept gradients, input,
- * and the next block's shards and gather buffers. */
-#define WAVE_MAX (6 * GPT_BLOCK_NSLOTS + 1)
+/* The largest set, a stage-3 block's backward: shards and gathered weights, local gradients,
+ * input, the next block's shards and gather buffers and, with overlap_comm, the previous
+ * block's local and kept gradients (without it, this block's kept gradients instead). */
+#define WAVE_MAX (7 * GPT_BLOCK_NSLOTS + 1)
 
 /* The members are what is fetched and released; the entries, what the phase's code indexes.
  * They are the same but in stage 3, where a weight is two members, the rank's shard of p
@@ -327,6 +328,10 @@ struct wave {
 
 static void wave_member(struct wave *w, enum role role, int idx, bool dirty)
 {
+    if (w->n >= WAVE_MAX) { /* a set this file builds: WAVE_MAX is wrong */
+        log_error("trainer: a set of '%s' outgrew WAVE_MAX (%d)", w->what, WAVE_MAX);
+        abort();
+    }
     w->role[w->n] = (uint8_t)role;
     w->idx[w->n] = idx;
     w->dirty[w->n] = dirty;
