@@ -793,6 +793,8 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     struct host_opts hop = {.capacity_bytes = o.host_bytes,
                             .staging_bytes = (size_t)nslots * o.block_size,
                             .pin = params.pin,
+                            /* a read-only view of a saved run stays unpinned unsaid */
+                            .quiet = (o.flags & ZINF_OPEN_READONLY) != 0,
                             .no_huge_pages = params.no_huge_pages,
                             .numa_node = node,
                             .io = e->io,

@@ -253,7 +253,7 @@ int host_open(const struct host_opts *o, struct host **out)
             if (h->numa_node >= 0) check_placement(h, &h->span[i]);
             if (h->dev) cuda_register(h, &h->span[i]);
         }
-    } else {
+    } else if (!o->quiet) {
         log_notice("the host tier runs unpinned (pin_memory is false): its memory is not "
                    "locked, so transfers are slower and pages may be swapped out");
     }

@@ -23,6 +23,7 @@ struct host_opts {
     size_t capacity_bytes;   /* the budget handed out by host_alloc(); 0: 1 GiB */
     size_t staging_bytes;    /* extra, for host_staging(); may be 0 */
     bool pin;                /* mlock (+ cudaHostRegister); false: unpinned, said once */
+    bool quiet;              /* unpinned without saying so */
     bool no_huge_pages;      /* 4 KiB pages for the arena (default: transparent huge pages) */
     int numa_node;           /* -1: no placement (the caller's policy) */
     struct uring *io;        /* register the arena as fixed buffers; may be NULL */
