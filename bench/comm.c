@@ -4,9 +4,12 @@
  * allreduce of float32 from --min to --max bytes, doubling; rank 0 prints one row per
  * size with the time per operation, algbw (size / time), busbw (algbw times the
  * collective's factor: (N-1)/N for allgather and reduce_scatter, 2(N-1)/N for allreduce)
- * and the number of wrong elements of the last operation. The footer compares the busbw
- * of the largest size with one thread's memcpy bandwidth of the same size, measured in the
- * same run (a shm collective is memcpy into and out of shared memory).
+ * and the number of wrong elements of an operation run after the timed ones on fresh
+ * inputs. The footer compares the busbw of the largest size with memcpy bandwidth of the
+ * same size measured in the same run: one thread's best, and what each of N processes gets
+ * copying at once (the ranks share the memory bus as the copies do). --in-place runs the
+ * collectives in place, as nccl-tests' in-place columns: allgather's send is the rank's
+ * part of recv, reduce_scatter's recv the rank's part of send, allreduce's recv its send.
  *
  * size is nccl-tests' size: the whole gathered buffer (allgather), the whole input
  * (reduce_scatter), the buffer (allreduce).
@@ -15,6 +18,7 @@
  */
 #include <errno.h>
 #include <getopt.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +34,7 @@
 struct opts {
     int ranks, iters, warmup;
     uint64_t min_bytes, max_bytes, chunk_bytes;
-    bool json, pool;
+    bool json, pool, in_place;
     enum comm_backend backend;
 };
 
@@ -67,11 +71,11 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
         fprintf(stderr, "comm: rank %d: comm_open: %s\n", rank, zinf_strerror(r));
         return 1;
     }
-    float *send = o->pool ? comm_alloc(c, maxb, &r) : malloc(maxb),
-          *recv = o->pool ? comm_alloc(c, maxb, &r) : malloc(maxb);
-    if (!send || !recv) return 1;
-    memset(send, 0, maxb); /* fault the pages in before timing */
-    memset(recv, 0, maxb);
+    float *a = o->pool ? comm_alloc(c, maxb, &r) : malloc(maxb),
+          *b = o->in_place ? a : o->pool ? comm_alloc(c, maxb, &r) : malloc(maxb);
+    if (!a || !b) return 1;
+    memset(a, 0, maxb); /* fault the pages in before timing */
+    memset(b, 0, maxb);
     const enum comm_op ops[3] = {COMM_ALLGATHER, COMM_REDUCE_SCATTER, COMM_ALLREDUCE};
     int n = o->ranks;
     for (int k = 0; k < 3; k++) {
@@ -80,6 +84,11 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
             size_t total = (size_t)size / sizeof(float) / (size_t)n * (size_t)n; /* elements */
             size_t count = ops[k] == COMM_ALLREDUCE ? total : total / (size_t)n;
             size_t in = ops[k] == COMM_REDUCE_SCATTER ? total : count;
+            /* In place: allgather sends from its part of recv, reduce_scatter receives into
+             * its part of send. */
+            float *send = a, *recv = b;
+            if (o->in_place && ops[k] == COMM_ALLGATHER) send = b + (size_t)rank * count;
+            if (o->in_place && ops[k] == COMM_REDUCE_SCATTER) recv = a + (size_t)rank * count;
             for (size_t i = 0; i < in; i++)
                 send[i] = val(rank, i);
             struct comm_req q = {.op = ops[k], .dtype = COMM_F32, .send = send, .recv = recv, .count = count};
@@ -91,6 +100,11 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
                 if ((r = comm_run(c, &q))) goto fail;
             if ((r = comm_barrier(c))) goto fail;
             double us = (double)(now_ns() - t0) / 1e3 / o->iters;
+            /* The check: one more operation on fresh inputs (in place, the timed ones
+             * summed their own results again). */
+            for (size_t i = 0; i < in; i++)
+                send[i] = val(rank, i);
+            if ((r = comm_run(c, &q))) goto fail;
             uint64_t wrong = 0;
             size_t out = ops[k] == COMM_ALLGATHER ? total : count;
             for (size_t i = 0; i < out; i++) {
@@ -118,11 +132,11 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
         }
     }
     if (o->pool) {
-        comm_free(c, send);
-        comm_free(c, recv);
+        comm_free(c, a);
+        if (b != a) comm_free(c, b);
     } else {
-        free(send);
-        free(recv);
+        free(a);
+        if (b != a) free(b);
     }
     comm_close(c);
     return 0;
@@ -131,32 +145,69 @@ fail:
     return 1;
 }
 
-static double memcpy_gbs(size_t bytes)
+/* memcpy bandwidth of bytes, GB/s: the best of several copies, or with mean their
+ * average. go (may be NULL): a counter every copier increments, then waits for n. */
+static double memcpy_gbs(size_t bytes, bool mean, _Atomic int *go, int n)
 {
     char *a = malloc(bytes), *b = malloc(bytes);
+    if (!a || !b) return 0;
     memset(a, 1, bytes);
     memset(b, 2, bytes);
     size_t many = ((size_t)1 << 30) / bytes;
     int reps = many > 3 ? (int)many : 3;
-    uint64_t best = UINT64_MAX;
+    uint64_t best = UINT64_MAX, t00 = 0;
+    if (go) {
+        atomic_fetch_add(go, 1);
+        while (atomic_load(go) < n)
+            ;
+    }
+    t00 = now_ns();
     for (int i = 0; i < reps; i++) {
         uint64_t t0 = now_ns();
         memcpy(i % 2 ? a : b, i % 2 ? b : a, bytes);
         uint64_t t = now_ns() - t0;
         if (t < best) best = t;
     }
+    uint64_t all = now_ns() - t00;
     free(a);
     free(b);
-    return (double)bytes / (double)best;
+    return mean ? (double)bytes * reps / (double)all : (double)bytes / (double)best;
+}
+
+/* What each of n processes gets copying bytes at once, GB/s (their mean). */
+static double memcpy_concurrent_gbs(size_t bytes, int n)
+{
+    struct shared {
+        _Atomic int go;
+        double gbs[COMM_MAX_RANKS];
+    } *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (sh == MAP_FAILED) return 0;
+    atomic_store(&sh->go, 0);
+    pid_t pids[COMM_MAX_RANKS];
+    for (int r = 0; r < n; r++) {
+        if ((pids[r] = fork()) < 0) return 0;
+        if (pids[r] == 0) {
+            sh->gbs[r] = memcpy_gbs(bytes, true, &sh->go, n);
+            _exit(0);
+        }
+    }
+    double sum = 0;
+    for (int r = 0; r < n; r++) {
+        waitpid(pids[r], NULL, 0);
+        sum += sh->gbs[r];
+    }
+    munmap(sh, sizeof(*sh));
+    return sum / n;
 }
 
 static void usage(FILE *f)
 {
     fprintf(f, "usage: comm [--ranks 2] [--min 1M] [--max 256M] [--iters 5] [--warmup 1]\n"
-               "            [--chunk 4M] [--pool] [--json]\n"
+               "            [--chunk 4M] [--pool] [--in-place] [--json]\n"
                "allgather, reduce_scatter and allreduce of float32 across RANKS processes on the\n"
                "shm backend, sizes doubling from MIN to MAX bytes, in the nccl-tests shape.\n"
-               "--pool: the buffers come from comm_alloc (every rank maps them: one copy).\n");
+               "--pool: the buffers come from comm_alloc (every rank maps them: one copy).\n"
+               "--in-place: send and recv overlap as in nccl-tests' in-place columns.\n");
 }
 
 int main(int argc, char **argv)
@@ -171,6 +222,7 @@ int main(int argc, char **argv)
                                        {"chunk", required_argument, NULL, 'c'},
                                        {"json", no_argument, NULL, 'j'},
                                        {"pool", no_argument, NULL, 'p'},
+                                       {"in-place", no_argument, NULL, 'I'},
                                        {"help", no_argument, NULL, 'h'},
                                        {NULL, 0, NULL, 0}};
     int ch;
@@ -201,6 +253,9 @@ int main(int argc, char **argv)
             break;
         case 'p':
             o.pool = true;
+            break;
+        case 'I':
+            o.in_place = true;
             break;
         case 'h':
             usage(stdout);
@@ -240,15 +295,17 @@ int main(int argc, char **argv)
         }
     }
     if (bad) return 1;
-    double mc = memcpy_gbs((size_t)o.max_bytes);
+    double mc = memcpy_gbs((size_t)o.max_bytes, false, NULL, 0);
+    double mcn = memcpy_concurrent_gbs((size_t)o.max_bytes, o.ranks);
     const enum comm_op ops[3] = {COMM_ALLGATHER, COMM_REDUCE_SCATTER, COMM_ALLREDUCE};
     uint64_t wrong_all = 0;
     if (!o.json) {
         printf("# zinf %s comm: backend %s, %d ranks (processes), float32, %d iterations after %d "
-               "warm-up, chunk %llu B (0: default), buffers %s\n",
+               "warm-up, chunk %llu B (0: default), buffers %s, %s\n",
                zinf_version(), comm_backend_name(o.backend), o.ranks, o.iters, o.warmup,
                (unsigned long long)o.chunk_bytes,
-               o.pool ? "from comm_alloc (one copy)" : "private (through staging)");
+               o.pool ? "from comm_alloc (one copy)" : "private (through staging)",
+               o.in_place ? "in place" : "out of place");
         printf("# %-14s %12s %12s %6s %10s %9s %9s %8s\n", "collective", "size", "count", "type",
                "time", "algbw", "busbw", "#wrong");
         printf("# %-14s %12s %12s %6s %10s %9s %9s %8s\n", "", "(B)", "(elements)", "", "(us)",
@@ -276,9 +333,13 @@ int main(int argc, char **argv)
     if (!o.json) {
         printf("# memcpy of %llu B, one thread, best of several: %.3f GB/s\n",
                (unsigned long long)o.max_bytes, mc);
+        printf("# memcpy of %llu B, %d processes at once, mean of each: %.3f GB/s\n",
+               (unsigned long long)o.max_bytes, o.ranks, mcn);
         for (int k = 0; k < 3; k++)
-            printf("# %s busbw at %llu B / memcpy: %.3f\n", op_name(ops[k]),
-                   (unsigned long long)o.max_bytes, rows[k * nsizes + nsizes - 1].busbw / mc);
+            printf("# %s busbw at %llu B / memcpy: %.3f (one thread), %.3f (%d at once)\n",
+                   op_name(ops[k]), (unsigned long long)o.max_bytes,
+                   rows[k * nsizes + nsizes - 1].busbw / mc,
+                   rows[k * nsizes + nsizes - 1].busbw / mcn, o.ranks);
         printf("# %s\n", wrong_all ? "SOME ELEMENTS WERE WRONG" : "every element checked");
     }
     munmap(rows, rows_bytes);

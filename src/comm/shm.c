@@ -438,8 +438,11 @@ static int allgather(struct shm *s, const char *send, char *recv, size_t bytes)
         memcpy(area(s, k, s->rank), send + off, n);
         int r = shm_barrier(s);
         if (r) return r;
-        for (int q = 0; q < s->world; q++)
-            memcpy(recv + (size_t)q * bytes + off, area(s, k, q), n);
+        for (int q = 0; q < s->world; q++) {
+            char *dst = recv + (size_t)q * bytes + off;
+            if (q == s->rank && dst == send + off) continue; /* in place: it is there */
+            memcpy(dst, area(s, k, q), n);
+        }
     }
     return 0;
 }
