@@ -6,10 +6,12 @@
  * collective's factor: (N-1)/N for allgather and reduce_scatter, 2(N-1)/N for allreduce)
  * and the number of wrong elements of an operation run after the timed ones on fresh
  * inputs. The footer compares the busbw of the largest size with memcpy bandwidth of the
- * same size measured in the same run: one thread's best, and what each of N processes gets
- * copying at once (the ranks share the memory bus as the copies do). --in-place runs the
- * collectives in place, as nccl-tests' in-place columns: allgather's send is the rank's
- * part of recv, reduce_scatter's recv the rank's part of send, allreduce's recv its send.
+ * same size: one thread's best, after the ranks exit, and what each rank gets copying size
+ * bytes at once with the others right after the collective's timed loop (the ranks share
+ * the memory bus as the copies do, and a shared machine's bandwidth drifts within a run).
+ * --in-place runs the collectives in place, as nccl-tests' in-place columns: allgather's
+ * send is the rank's part of recv, reduce_scatter's recv the rank's part of send,
+ * allreduce's recv its send.
  *
  * size is nccl-tests' size: the whole gathered buffer (allgather), the whole input
  * (reduce_scatter), the buffer (allreduce).
@@ -18,7 +20,6 @@
  */
 #include <errno.h>
 #include <getopt.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -42,6 +43,8 @@ struct opts {
 struct row {
     double us, algbw, busbw;
     uint64_t wrong;
+    double memcpy_gbs; /* the largest size: memcpy of size bytes on every rank at once, right
+                          after the operation (the mean of the ranks) */
 };
 
 static const char *op_name(enum comm_op op)
@@ -74,8 +77,12 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
     float *a = o->pool ? comm_alloc(c, maxb, &r) : malloc(maxb),
           *b = o->in_place ? a : o->pool ? comm_alloc(c, maxb, &r) : malloc(maxb);
     if (!a || !b) return 1;
+    char *ca = malloc(maxb), *cb = malloc(maxb); /* the memcpy baseline's */
+    if (!ca || !cb) return 1;
     memset(a, 0, maxb); /* fault the pages in before timing */
     memset(b, 0, maxb);
+    memset(ca, 1, maxb);
+    memset(cb, 2, maxb);
     const enum comm_op ops[3] = {COMM_ALLGATHER, COMM_REDUCE_SCATTER, COMM_ALLREDUCE};
     int n = o->ranks;
     for (int k = 0; k < 3; k++) {
@@ -118,6 +125,17 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
                 }
                 wrong += recv[i] != want;
             }
+            /* At the largest size, the baseline at the same moment: every rank copies size
+             * bytes between private buffers at once, as many times as the timed loop ran. */
+            float mc = 0, mcsum = 0;
+            if (size * 2 > o->max_bytes) {
+                if ((r = comm_barrier(c))) goto fail;
+                uint64_t m0 = now_ns();
+                for (int it = 0; it < o->iters; it++)
+                    memcpy(it % 2 ? cb : ca, it % 2 ? ca : cb, (size_t)size);
+                mc = (float)((double)size * o->iters / (double)(now_ns() - m0));
+            }
+            if ((r = comm_allreduce(c, &mc, &mcsum, 1, COMM_F32))) goto fail;
             /* Every rank's wrong count goes to rank 0 in an allreduce of one float. */
             float wf = (float)wrong, wsum = 0;
             if ((r = comm_allreduce(c, &wf, &wsum, 1, COMM_F32))) goto fail;
@@ -128,6 +146,7 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
                 w->algbw = bytes / us / 1e3; /* GB/s */
                 w->busbw = w->algbw * bus_factor(ops[k], n);
                 w->wrong = (uint64_t)wsum;
+                w->memcpy_gbs = mcsum / n;
             }
         }
     }
@@ -138,6 +157,8 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
         free(a);
         if (b != a) free(b);
     }
+    free(ca);
+    free(cb);
     comm_close(c);
     return 0;
 fail:
@@ -145,9 +166,8 @@ fail:
     return 1;
 }
 
-/* memcpy bandwidth of bytes, GB/s: the best of several copies, or with mean their
- * average. go (may be NULL): a counter every copier increments, then waits for n. */
-static double memcpy_gbs(size_t bytes, bool mean, _Atomic int *go, int n)
+/* memcpy bandwidth of bytes, GB/s: the best of several copies. */
+static double memcpy_gbs(size_t bytes)
 {
     char *a = malloc(bytes), *b = malloc(bytes);
     if (!a || !b) return 0;
@@ -155,49 +175,16 @@ static double memcpy_gbs(size_t bytes, bool mean, _Atomic int *go, int n)
     memset(b, 2, bytes);
     size_t many = ((size_t)1 << 30) / bytes;
     int reps = many > 3 ? (int)many : 3;
-    uint64_t best = UINT64_MAX, t00 = 0;
-    if (go) {
-        atomic_fetch_add(go, 1);
-        while (atomic_load(go) < n)
-            ;
-    }
-    t00 = now_ns();
+    uint64_t best = UINT64_MAX;
     for (int i = 0; i < reps; i++) {
         uint64_t t0 = now_ns();
         memcpy(i % 2 ? a : b, i % 2 ? b : a, bytes);
         uint64_t t = now_ns() - t0;
         if (t < best) best = t;
     }
-    uint64_t all = now_ns() - t00;
     free(a);
     free(b);
-    return mean ? (double)bytes * reps / (double)all : (double)bytes / (double)best;
-}
-
-/* What each of n processes gets copying bytes at once, GB/s (their mean). */
-static double memcpy_concurrent_gbs(size_t bytes, int n)
-{
-    struct shared {
-        _Atomic int go;
-        double gbs[COMM_MAX_RANKS];
-    } *sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (sh == MAP_FAILED) return 0;
-    atomic_store(&sh->go, 0);
-    pid_t pids[COMM_MAX_RANKS];
-    for (int r = 0; r < n; r++) {
-        if ((pids[r] = fork()) < 0) return 0;
-        if (pids[r] == 0) {
-            sh->gbs[r] = memcpy_gbs(bytes, true, &sh->go, n);
-            _exit(0);
-        }
-    }
-    double sum = 0;
-    for (int r = 0; r < n; r++) {
-        waitpid(pids[r], NULL, 0);
-        sum += sh->gbs[r];
-    }
-    munmap(sh, sizeof(*sh));
-    return sum / n;
+    return (double)bytes / (double)best;
 }
 
 static void usage(FILE *f)
@@ -295,8 +282,7 @@ int main(int argc, char **argv)
         }
     }
     if (bad) return 1;
-    double mc = memcpy_gbs((size_t)o.max_bytes, false, NULL, 0);
-    double mcn = memcpy_concurrent_gbs((size_t)o.max_bytes, o.ranks);
+    double mc = memcpy_gbs((size_t)o.max_bytes);
     const enum comm_op ops[3] = {COMM_ALLGATHER, COMM_REDUCE_SCATTER, COMM_ALLREDUCE};
     uint64_t wrong_all = 0;
     if (!o.json) {
@@ -333,13 +319,13 @@ int main(int argc, char **argv)
     if (!o.json) {
         printf("# memcpy of %llu B, one thread, best of several: %.3f GB/s\n",
                (unsigned long long)o.max_bytes, mc);
-        printf("# memcpy of %llu B, %d processes at once, mean of each: %.3f GB/s\n",
-               (unsigned long long)o.max_bytes, o.ranks, mcn);
-        for (int k = 0; k < 3; k++)
-            printf("# %s busbw at %llu B / memcpy: %.3f (one thread), %.3f (%d at once)\n",
-                   op_name(ops[k]), (unsigned long long)o.max_bytes,
-                   rows[k * nsizes + nsizes - 1].busbw / mc,
-                   rows[k * nsizes + nsizes - 1].busbw / mcn, o.ranks);
+        for (int k = 0; k < 3; k++) {
+            const struct row *w = &rows[k * nsizes + nsizes - 1];
+            printf("# %s at %llu B: memcpy on every rank at once right after it, %.3f GB/s "
+                   "each; busbw / memcpy: %.3f (at once), %.3f (one thread)\n",
+                   op_name(ops[k]), (unsigned long long)o.max_bytes, w->memcpy_gbs,
+                   w->busbw / w->memcpy_gbs, w->busbw / mc);
+        }
         printf("# %s\n", wrong_all ? "SOME ELEMENTS WERE WRONG" : "every element checked");
     }
     munmap(rows, rows_bytes);

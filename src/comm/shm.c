@@ -404,20 +404,48 @@ void shm_rdv_close(struct shm *s)
 
 /* ---- the shm backend's collectives ------------------------------------------------ */
 
-/* out[i] = src[0][i] + src[1][i] + ... in rank order, the one sum of both paths. A tile at
- * a time in a buffer of its own: out may be one of the sources (an in-place reduction in
- * the pools), which the sum still has to read. */
+/* Four floats in a vector register (SSE on any x86-64, NEON on arm64); loads and stores
+ * through memcpy, so any alignment does. Each lane adds on its own: a vector sum is
+ * bitwise the scalar one. */
+typedef float v4f __attribute__((vector_size(16)));
+
+static inline v4f load4(const float *p)
+{
+    v4f v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void store4(float *p, v4f v)
+{
+    memcpy(p, &v, sizeof(v));
+}
+
+/* out[i] = src[0][i] + src[1][i] + ... in rank order, the one sum of both paths. 16 floats
+ * at a time, every source read before out is written: out may be one of the sources (an
+ * in-place reduction in the pools). */
 static void sum_rank_order(const float *const *src, int world, float *out, size_t n)
 {
-    enum { TILE = 8192 }; /* floats: 32 KiB, in cache between the additions */
-    float acc[TILE];
-    for (size_t t = 0; t < n; t += TILE) {
-        size_t m = MIN((size_t)TILE, n - t);
-        memcpy(acc, src[0] + t, m * sizeof(float));
+    size_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v4f a = load4(src[0] + i), b = load4(src[0] + i + 4), c = load4(src[0] + i + 8),
+            d = load4(src[0] + i + 12);
+        for (int r = 1; r < world; r++) {
+            a += load4(src[r] + i);
+            b += load4(src[r] + i + 4);
+            c += load4(src[r] + i + 8);
+            d += load4(src[r] + i + 12);
+        }
+        store4(out + i, a);
+        store4(out + i + 4, b);
+        store4(out + i + 8, c);
+        store4(out + i + 12, d);
+    }
+    for (; i < n; i++) {
+        float a = src[0][i];
         for (int r = 1; r < world; r++)
-            for (size_t i = 0; i < m; i++)
-                acc[i] += src[r][t + i];
-        memcpy(out + t, acc, m * sizeof(float));
+            a += src[r][i];
+        out[i] = a;
     }
 }
 
