@@ -1278,7 +1278,8 @@ Test(cli, config_check_of_a_hugging_face_zero3_nvme_config)
         "#   train_micro_batch_size_per_gpu = 4",
         "#   gradient_accumulation_steps = 1",
         "#   bf16.enabled = as --precision auto",
-        "#   zero_optimization.stage3_param_persistence_threshold = 1280"};
+        "#   zero_optimization.stage3_param_persistence_threshold = 1280",
+        "#   zero_optimization.reduce_bucket_size = 198272"};
     for (size_t i = 0; i < ARRAY_SIZE(autos); i++)
         cr_expect(strstr(o, autos[i]), "missing '%s':\n%s", autos[i], o);
     static const char *const ignored[] = {"zero_optimization.sub_group_size (",
@@ -1287,7 +1288,8 @@ Test(cli, config_check_of_a_hugging_face_zero3_nvme_config)
                                           "zero_optimization.offload_param.max_in_cpu (",
                                           "aio.single_submit (",
                                           "aio.overlap_events (",
-                                          "zero_optimization.overlap_comm\n"};
+                                          "zero_optimization.overlap_comm (",
+                                          "zero_optimization.reduce_bucket_size ("};
     for (size_t i = 0; i < ARRAY_SIZE(ignored); i++) {
         char *at = strstr(o, ignored[i]);
         cr_expect(at, "not named as ignored: %s\n%s", ignored[i], o);
