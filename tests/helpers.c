@@ -181,3 +181,163 @@ void test_write_training_text(const char *dir, char *path, size_t len)
         fprintf(f, "the quick brown fox %d jumps over the lazy dog %d times.\n", i % 17, i % 5);
     fclose(f);
 }
+
+/* ---- trace files ------------------------------------------------------------------------ */
+
+#include <jansson.h>
+
+struct span_ref {
+    long long tid;
+    double ts, end;
+    const char *name;
+};
+
+static int span_order(const void *a, const void *b)
+{
+    const struct span_ref *x = a, *y = b;
+    if (x->tid != y->tid) return x->tid < y->tid ? -1 : 1;
+    if (x->ts != y->ts) return x->ts < y->ts ? -1 : 1;
+    return x->end > y->end ? -1 : x->end < y->end; /* the outer one first */
+}
+
+void test_trace_load(const char *path, struct test_trace *tr)
+{
+    json_error_t je;
+    memset(tr, 0, sizeof(*tr));
+    json_t *root = json_load_file(path, 0, &je);
+    cr_assert_not_null(root, "%s: not JSON: %s (line %d)", path, je.text, je.line);
+    cr_assert(json_is_array(root), "%s: not a JSON array", path);
+    tr->root = root;
+    size_t n = json_array_size(root), ns = 0;
+    struct span_ref *sp = calloc(n + 1, sizeof(*sp));
+    cr_assert_not_null(sp);
+    /* Async begins waiting for their end, by cat/name/id. */
+    json_t *open = json_object();
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_array_get(root, i);
+        const char *ph = json_string_value(json_object_get(e, "ph"));
+        const char *name = json_string_value(json_object_get(e, "name"));
+        cr_assert(ph && name && json_is_integer(json_object_get(e, "pid")),
+                  "%s: event %zu lacks ph, name or pid", path, i);
+        tr->events++;
+        if (!strcmp(ph, "M")) {
+            if (!strcmp(name, "zinf_dropped_events"))
+                tr->dropped = (uint64_t)json_integer_value(
+                    json_object_get(json_object_get(e, "args"), "dropped"));
+            continue;
+        }
+        json_t *ts = json_object_get(e, "ts"), *tid = json_object_get(e, "tid");
+        cr_assert(json_is_number(ts) && json_is_integer(tid), "%s: event %zu (%s) lacks ts or tid",
+                  path, i, name);
+        cr_assert_geq(json_number_value(ts), 0, "%s: %s before the trace started", path, name);
+        if (!strcmp(ph, "X")) {
+            json_t *dur = json_object_get(e, "dur");
+            cr_assert(json_is_number(dur) && json_number_value(dur) >= 0, "%s: span %s lacks dur",
+                      path, name);
+            sp[ns++] = (struct span_ref){.tid = json_integer_value(tid),
+                                         .ts = json_number_value(ts),
+                                         .end = json_number_value(ts) + json_number_value(dur),
+                                         .name = name};
+            tr->spans++;
+        } else if (!strcmp(ph, "b") || !strcmp(ph, "e")) {
+            const char *id = json_string_value(json_object_get(e, "id"));
+            const char *cat = json_string_value(json_object_get(e, "cat"));
+            cr_assert(id && cat, "%s: async %s lacks id or cat", path, name);
+            char key[256];
+            snprintf(key, sizeof(key), "%s/%s/%s", cat, name, id);
+            json_t *b = json_object_get(open, key);
+            if (ph[0] == 'b') {
+                cr_assert_null(b, "%s: async %s begins twice", path, key);
+                json_object_set_new(open, key, json_real(json_number_value(ts)));
+                tr->asyncs++;
+            } else {
+                cr_assert_not_null(b, "%s: async %s ends without a begin", path, key);
+                cr_assert_geq(json_number_value(ts), json_real_value(b), "%s: %s ends first", path,
+                              key);
+                json_object_del(open, key);
+            }
+        } else if (!strcmp(ph, "C")) {
+            cr_assert(json_is_integer(json_object_get(json_object_get(e, "args"), "value")),
+                      "%s: counter %s lacks args.value", path, name);
+            tr->counters++;
+        } else if (!strcmp(ph, "i")) {
+            tr->instants++;
+        } else {
+            cr_assert_fail("%s: event %zu has phase %s", path, i, ph);
+        }
+    }
+    cr_assert_eq(json_object_size(open), 0, "%s: %zu async spans never end", path,
+                 json_object_size(open));
+    json_decref(open);
+    /* Spans of a thread nest: each lies within the one open around it, or after it. The
+     * file rounds to nanoseconds (0.001 us). */
+    qsort(sp, ns, sizeof(*sp), span_order);
+    struct span_ref *stack[256];
+    int depth = 0;
+    for (size_t i = 0; i < ns; i++) {
+        if (i && sp[i].tid != sp[i - 1].tid) depth = 0;
+        while (depth && stack[depth - 1]->end <= sp[i].ts + 0.0015)
+            depth--;
+        if (depth)
+            cr_assert_leq(sp[i].end, stack[depth - 1]->end + 0.0015,
+                          "%s: thread %lld: span %s [%.3f, %.3f] overlaps %s [%.3f, %.3f]", path,
+                          sp[i].tid, sp[i].name, sp[i].ts, sp[i].end, stack[depth - 1]->name,
+                          stack[depth - 1]->ts, stack[depth - 1]->end);
+        cr_assert_lt(depth, 256);
+        stack[depth++] = &sp[i];
+    }
+    free(sp);
+}
+
+void test_trace_free(struct test_trace *tr)
+{
+    json_decref(tr->root);
+    tr->root = NULL;
+}
+
+static bool name_matches(const char *got, const char *want)
+{
+    size_t n = strlen(want);
+    if (n && want[n - 1] == '*') return !strncmp(got, want, n - 1);
+    return !strcmp(got, want);
+}
+
+size_t test_trace_count(const struct test_trace *tr, const char *ph, const char *name,
+                        const char *detail)
+{
+    size_t k = 0, i;
+    json_t *e;
+    json_array_foreach((json_t *)tr->root, i, e)
+    {
+        const char *p = json_string_value(json_object_get(e, "ph"));
+        const char *nm = json_string_value(json_object_get(e, "name"));
+        if (!p || strcmp(p, ph) || !nm || !name_matches(nm, name)) continue;
+        if (detail) {
+            const char *d =
+                json_string_value(json_object_get(json_object_get(e, "args"), "detail"));
+            if (!d || !name_matches(d, detail)) continue;
+        }
+        k++;
+    }
+    return k;
+}
+
+long long test_trace_counter(const struct test_trace *tr, const char *name)
+{
+    long long v = -1;
+    double last = -1;
+    size_t i;
+    json_t *e;
+    /* The file is in order per thread: the last value is the latest one. */
+    json_array_foreach((json_t *)tr->root, i, e)
+    {
+        const char *p = json_string_value(json_object_get(e, "ph"));
+        const char *nm = json_string_value(json_object_get(e, "name"));
+        double ts = json_number_value(json_object_get(e, "ts"));
+        if (p && !strcmp(p, "C") && nm && !strcmp(nm, name) && ts >= last) {
+            v = json_integer_value(json_object_get(json_object_get(e, "args"), "value"));
+            last = ts;
+        }
+    }
+    return v;
+}

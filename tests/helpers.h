@@ -34,6 +34,23 @@ unsigned char *test_rand_buf(size_t n, uint64_t seed);
 void test_expect_content(zinf_engine *e, zinf_tensor t, const unsigned char *want, size_t n,
                          const char *what);
 
+/* A trace file (trace.h) read back with a JSON parser. test_trace_load fails the test
+ * when the file is not a JSON array of well-formed events, when spans of one thread do not
+ * nest, or when an async begin has no end (or an end no begin). */
+struct test_trace {
+    void *root; /* json_t *: the array */
+    size_t events, spans, asyncs, counters, instants;
+    uint64_t dropped; /* the writer's count, from its last metadata event */
+};
+void test_trace_load(const char *path, struct test_trace *tr);
+void test_trace_free(struct test_trace *tr);
+/* Spans (X), async spans (b) and instants (i) named name, with args.detail detail when
+ * detail is not NULL (either one a prefix when it ends in '*'). */
+size_t test_trace_count(const struct test_trace *tr, const char *ph, const char *name,
+                        const char *detail);
+/* The latest value of counter name; -1 when it never appears. */
+long long test_trace_counter(const struct test_trace *tr, const char *name);
+
 /* Collect log messages in memory; test_log_text() returns all of them joined by '\n'. */
 void test_log_capture_start(void);
 const char *test_log_text(void);

@@ -2447,3 +2447,80 @@ Test(cli, zero_resume_refuses_ranks_at_different_steps_or_cut_otherwise, .timeou
     cr_assert_eq(train_ranks(&o, 2, cfg, data, args), 0, "%s", o);
     free(o);
 }
+
+/* --trace writes a timeline a viewer opens: the file parses, spans nest on every thread,
+ * async transfers end, and it shows each step, each block's forward and backward, the
+ * optimizer's tensors, the checkpoints and the engine's fetches, NVMe reads and writes,
+ * copies and evictions, with the tiers' and NVMe's counters. ZINF_TRACE does the same
+ * without the option; a path that cannot be written is refused before anything runs. */
+Test(cli, train_trace_shows_steps_phases_and_the_engines_work, .timeout = 300)
+{
+    char cfg[4096], data[4096], swap[4096], path[4096], *o;
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    snprintf(path, sizeof(path), "%s/t.json", dir);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 2 --dim 64 --heads 2 --seq 16 "
+                     "--batch 2 --steps 3 --checkpoint-every 1 --trace %s",
+                     cfg, data, path),
+                 0, "%s", o);
+    char said[4400];
+    snprintf(said, sizeof(said), "# trace: %s", path);
+    cr_assert(strstr(o, said), "%s", o);
+    free(o);
+    struct test_trace tr;
+    test_trace_load(path, &tr);
+    cr_expect_eq(tr.dropped, 0);
+    cr_expect_eq(test_trace_count(&tr, "X", "step *", NULL), 3);
+    cr_expect_eq(test_trace_count(&tr, "X", "block forward *", NULL), 6);
+    cr_expect_eq(test_trace_count(&tr, "X", "block backward *", NULL), 6);
+    cr_expect_eq(test_trace_count(&tr, "X", "embeddings forward", NULL), 3);
+    cr_expect_eq(test_trace_count(&tr, "X", "head*", NULL), 3);
+    /* 2 blocks of 12 tensors, wte, wpe and the final norm's 2: 28 per step. */
+    cr_expect_eq(test_trace_count(&tr, "X", "optimizer", NULL), 3 * 28);
+    cr_expect_eq(test_trace_count(&tr, "X", "checkpoint", NULL), 4); /* steps 0, 1, 2, 3 */
+    cr_expect_geq(test_trace_count(&tr, "X", "flush", NULL), 4);
+    cr_expect_gt(test_trace_count(&tr, "X", "fetch to device", "load"), 0);
+    cr_expect_gt(test_trace_count(&tr, "X", "fetch to device", "hit"), 0);
+    cr_expect_gt(test_trace_count(&tr, "b", "nvme read", NULL), 0);
+    cr_expect_gt(test_trace_count(&tr, "b", "nvme write", NULL), 0);
+    cr_expect_gt(test_trace_count(&tr, "b", "host to device copy", NULL), 0);
+    cr_expect_gt(test_trace_count(&tr, "i", "evict from *", NULL), 0);
+    cr_expect_gt(test_trace_counter(&tr, "device bytes in use (engine 1)"), 0);
+    cr_expect_gt(test_trace_counter(&tr, "nvme bytes written (engine 1)"), 0);
+    test_trace_free(&tr);
+
+    /* ZINF_TRACE: the first engine the program opens starts it; it ends at exit. */
+    char envp[4096];
+    snprintf(envp, sizeof(envp), "%s/env.json", dir);
+    setenv("ZINF_TRACE", envp, 1);
+    int rc = run(&o,
+                 "train --config %s --data %s --layers 2 --dim 64 --heads 2 --seq 16 "
+                 "--batch 2 --steps 4 --resume",
+                 cfg, data);
+    unsetenv("ZINF_TRACE");
+    cr_assert_eq(rc, 0, "%s", o);
+    free(o);
+    test_trace_load(envp, &tr);
+    cr_expect_eq(test_trace_count(&tr, "X", "step 4", NULL), 1);
+    test_trace_free(&tr);
+
+    /* A trace that cannot be written: refused by name, the saved run untouched. */
+    char bad[4200];
+    snprintf(bad, sizeof(bad), "%s/no/such/dir/t.json", dir);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 2 --dim 64 --heads 2 --seq 16 "
+                     "--batch 2 --steps 5 --resume --trace %s",
+                     cfg, data, bad),
+                 2, "%s", o);
+    snprintf(said, sizeof(said), "--trace %s: No such file or directory", bad);
+    cr_assert(strstr(o, said), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 2 --dim 64 --heads 2 --seq 16 "
+                     "--batch 2 --steps 5 --resume",
+                     cfg, data),
+                 0, "%s", o);
+    cr_assert(strstr(o, "resumed"), "%s", o);
+    free(o);
+}

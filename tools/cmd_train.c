@@ -24,6 +24,7 @@
 #include "cmd.h"
 #include "common.h"
 #include "config.h"
+#include "trace.h"
 #include "train/trainer.h"
 
 static volatile sig_atomic_t stop_requested;
@@ -31,6 +32,11 @@ static volatile sig_atomic_t stop_requested;
 static void on_signal(int sig)
 {
     stop_requested = sig;
+}
+
+static void stop_trace(void)
+{
+    trace_stop();
 }
 
 static void usage(FILE *f)
@@ -53,6 +59,9 @@ static void usage(FILE *f)
         "  --accumulate N    micro-batches of --batch per optimizer step (default 1)\n"
         "  --seed N          initialisation and batch order (default 1337)\n"
         "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
+        "  --trace FILE.json write a timeline of the run (Chrome trace events: open it in\n"
+        "                    ui.perfetto.dev or chrome://tracing); ZINF_TRACE=FILE does the\n"
+        "                    same for any program using the library\n"
         "  --resume          continue the run persisted in the config's nvme_path\n"
         "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
         "                    (without it, zinf train refuses to start over a saved run)\n"
@@ -145,7 +154,8 @@ enum {
     O_SAMPLE,
     O_SAMPLE_BYTES,
     O_CONNECT,
-    O_JOB
+    O_JOB,
+    O_TRACE
 };
 #define GIVEN(opt) (given & (1u << ((opt)-O_LAYERS)))
 
@@ -548,6 +558,7 @@ int cmd_train(int argc, char **argv)
         {"sample-bytes", required_argument, NULL, O_SAMPLE_BYTES},
         {"connect", required_argument, NULL, O_CONNECT},
         {"job", required_argument, NULL, O_JOB},
+        {"trace", required_argument, NULL, O_TRACE},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -555,7 +566,7 @@ int cmd_train(int argc, char **argv)
     struct trainer *t = NULL;
     int steps_per_print = 1;
     long eval_every = 0, eval_batches = 8, sample_every = 0, sample_bytes = 0;
-    const char *log_path = NULL;
+    const char *log_path = NULL, *trace_path = NULL;
     FILE *log = NULL;
     char err[512];
     long v;
@@ -659,6 +670,9 @@ int cmd_train(int argc, char **argv)
             break;
         case O_CONNECT:
             o.connect = optarg;
+            break;
+        case O_TRACE:
+            trace_path = optarg;
             break;
         case O_JOB:
             o.job = optarg;
@@ -775,6 +789,23 @@ int cmd_train(int argc, char **argv)
     if (log_path && !(log = fopen(log_path, "a"))) {
         fprintf(stderr, "zinf train: --log %s: %s\n", log_path, strerror(errno));
         return 2;
+    }
+
+    /* The trace, before anything it shows; other ranks write FILE.rank-R. Whatever path
+     * leaves from here, the file is closed at exit. */
+    char rank_trace[4096];
+    if (trace_path && o.rank > 0) {
+        snprintf(rank_trace, sizeof(rank_trace), "%s.rank-%d", trace_path, o.rank);
+        trace_path = rank_trace;
+    }
+    if (trace_path) {
+        if ((r = trace_start(trace_path)) < 0) {
+            fprintf(stderr, "zinf train: --trace %s: %s\n", trace_path,
+                    r == -EALREADY ? "a trace is being written already" : strerror(-r));
+            if (log) fclose(log);
+            return 2;
+        }
+        atexit(stop_trace);
     }
 
     /* From here a signal only asks the loop to stop: even during set-up. */
@@ -1004,5 +1035,13 @@ int cmd_train(int argc, char **argv)
         fclose(log);
     }
     trainer_close(t);
+    if (trace_path) {
+        if ((r = trace_stop()) < 0) {
+            fprintf(stderr, "zinf train: --trace %s: %s\n", trace_path, strerror(-r));
+            if (!status) status = 1;
+        } else {
+            printf("# trace: %s (open it in ui.perfetto.dev or chrome://tracing)\n", trace_path);
+        }
+    }
     return status;
 }

@@ -19,6 +19,7 @@
 #include "comm/shm.h"
 #include "common.h"
 #include "tiers/extent.h"
+#include "trace.h"
 
 /* A communicator is open (requests run), failed (an operation failed here or on another
  * rank, or a rank died: every request, queued or new, answers -ECONNABORTED) or closing
@@ -117,6 +118,7 @@ static void req_bytes(const struct comm *c, const struct comm_req *q, uint64_t *
 static void *worker_main(void *arg)
 {
     struct comm *c = arg;
+    trace_thread_name("comm");
     if (c->nccl) nccl_bind_thread(c->nccl);
     pthread_mutex_lock(&c->lock);
     for (;;) {

@@ -14,6 +14,7 @@
 
 #include "config.h"
 #include "engine/engine.h"
+#include "trace.h"
 #include "tiers/cuda_probe.h"
 #include "topo/topo.h"
 
@@ -750,6 +751,8 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     e = calloc(1, sizeof(*e));
     if (!e) return -ENOMEM;
     e->h.kind = HANDLE_ENGINE;
+    static atomic_int engines_opened;
+    e->trace_id = atomic_fetch_add(&engines_opened, 1) + 1;
     pthread_mutex_init(&e->lock, NULL);
     pthread_cond_init(&e->changed, NULL);
     for (int i = 0; i < MEM_TIERS; i++)
@@ -872,6 +875,7 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
     size_t n;
     int r;
 
+    trace_from_env(); /* ZINF_TRACE=FILE: any program's first engine starts the trace */
     for (int tries = 0;; tries++) {
         r = open_once(opt, p, &id0, out);
         /* A reader next to a running job may read extents that job reused after replacing

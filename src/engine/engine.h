@@ -152,6 +152,8 @@ struct xfer {
     uint64_t version; /* the content version being moved */
     void *arg;        /* for done */
     xfer_done_fn done;
+    const char *what; /* for the trace: "load", "write-back", ...; NULL: by its tiers */
+    uint64_t trace_t0; /* now_ns() at xfer_start when tracing, else 0 */
     /* chunked (staged) transfers */
     size_t next; /* bytes handed to chunks so far */
     unsigned inflight;
@@ -227,6 +229,11 @@ struct zinf_engine {
     unsigned nslots;
     struct xfer *stage_waitq, *stage_waitq_tail;
     unsigned xfers_inflight;
+    /* The trace (trace.h): this engine's number in counter names, its transfers' ids, and
+     * the NVMe bytes of the current rate window. */
+    int trace_id;
+    uint64_t trace_seq;
+    uint64_t trace_win_t0, trace_win_read, trace_win_written;
 
     uint64_t reserve_epoch; /* counts the calls that make room (fetch, register) */
     uint64_t prefetch_outstanding_bytes;
@@ -445,6 +452,9 @@ int staging_init(struct zinf_engine *e, unsigned nslots);
 void staging_fini(struct zinf_engine *e);
 int tier_alloc(struct zinf_engine *e, int tier, size_t bytes, uint64_t *off, void **ptr);
 void tier_free(struct zinf_engine *e, int tier, uint64_t off);
+/* The bytes a memory tier has allocated now. */
+uint64_t tier_used(struct zinf_engine *e, int tier);
+extern const char *const tier_used_name[MEM_TIERS];
 /* The next allocation in tier looks from the arena's start (after tier_compact). */
 void tier_rewind(struct zinf_engine *e, int tier);
 /* Synchronous helpers that run without the engine lock (the caller holds the tensor

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "engine/engine.h"
+#include "trace.h"
 
 void engine_wait(struct zinf_engine *e)
 {
@@ -100,6 +101,14 @@ struct wb_arg {
     uint64_t home_old_version;
 };
 
+/* An eviction, on the trace: the tensor, and how (clean, or after its write-back). */
+static void trace_evict(const struct tensor *t, int tier, const char *how)
+{
+    if (trace_on())
+        trace_instant("engine", tier == ZINF_TIER_DEVICE ? "evict from device" : "evict from host",
+                      t->name, how, (int64_t)t->alloc_bytes);
+}
+
 static void wb_done(struct xfer *x, int err)
 {
     struct zinf_engine *e = x->e;
@@ -145,6 +154,7 @@ static void wb_done(struct xfer *x, int err)
         if (c->evicting) {
             c->evicting = false;
             if (c->pins == 0 && c->readers == 0 && !needs_writeback(t, a->tier)) {
+                trace_evict(t, a->tier, "after its write-back");
                 copy_drop(e, t, a->tier);
                 e->st.tier[a->tier].evictions++;
             }
@@ -186,7 +196,8 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
                        .len = t->alloc_bytes,
                        .version = t->version,
                        .arg = a,
-                       .done = wb_done};
+                       .done = wb_done,
+                       .what = evict ? "write-back to evict" : "write-back"};
     if (t->home == ZINF_TIER_NVME) {
         /* Never overwrite an extent a manifest (committed or being written) names: write
          * elsewhere and switch over when done (a crash mid-write then leaves the old
@@ -331,6 +342,7 @@ static int evict_victim(struct zinf_engine *e, int tier, struct copy *v, enum re
         if (r == 0 && !v->wb_inflight) return 0;
         return reserve_wait(e, mode);
     }
+    trace_evict(vt, tier, "clean");
     copy_drop(e, vt, tier);
     e->st.tier[tier].evictions++;
     return 0;
@@ -513,7 +525,8 @@ static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src
                        .len = t->alloc_bytes,
                        .version = t->version,
                        .arg = a,
-                       .done = load_done};
+                       .done = load_done,
+                       .what = "load"};
     if (src == ZINF_TIER_NVME) {
         x->src_off = t->swap_off;
     } else if (src < MEM_TIERS) {
@@ -561,7 +574,8 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
 {
     bool pinned = false, waited = false, started = false;
     zinf_tensor h = t->handle;
-    uint64_t t0 = 0;
+    uint64_t t0 = 0, span0 = mode == FETCH_BLOCK && trace_on() ? now_ns() : 0;
+    const char *how = NULL; /* for the trace: hit, join (a load in flight) or load */
     int r = 0;
 
     if (mode != FETCH_PREFETCH)
@@ -603,6 +617,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                 prefetch_consumed(e, t, c);
             }
             if (!waited && !started) e->st.tier[tier].hits++;
+            if (!how) how = "hit";
             undo_settle(e, t);
             if (ptr) *ptr = c->ptr;
             r = 0; /* an earlier round may have left -EAGAIN from tier_reserve() */
@@ -618,6 +633,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                     prefetch_consumed(e, t, c);
                 }
             }
+            if (!how) how = "join";
             if (mode == FETCH_ASYNC) return 0;
             if (!waited) {
                 waited = true;
@@ -714,6 +730,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
             goto out;
         }
         started = true;
+        how = "load";
         if (mode == FETCH_PREFETCH) return 0;
         if (mode == FETCH_ASYNC) return 0;
         /* Start what the schedule says comes next while this one loads. */
@@ -723,6 +740,10 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
 out:
     if (waited) e->st.blocked_ns += now_ns() - t0;
     if (r == 0 || pinned || engine_revalidate(e, h, t)) ENGINE_CHECK(t);
+    if (span0 && trace_on()) /* the tensor is pinned (r == 0) or may be gone */
+        trace_span("engine", tier == ZINF_TIER_DEVICE ? "fetch to device" : "fetch to host", span0,
+                   r == 0 ? t->name : NULL, r < 0 ? "failed" : how,
+                   r == 0 ? (int64_t)t->alloc_bytes : -1);
     return r;
 }
 

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "trace.h"
 
 #define MANIFEST_NAME "zinf-manifest.json"
 #define MANIFEST_FORMAT "zinf-manifest"
@@ -287,7 +288,7 @@ struct entry {
 static int swap_checksum(struct zinf_engine *e, struct tensor *t, uint64_t off, uint32_t *crc)
 {
     struct xfer x = {.e = e, .t = t, .src = ZINF_TIER_NVME, .dst = DST_NONE, .src_off = off,
-                     .len = t->alloc_bytes, .want_crc = true};
+                     .len = t->alloc_bytes, .want_crc = true, .what = "checksum"};
     int r = xfer_run_sync(e, &x);
     if (r == 0)
         *crc = x.crc;
@@ -338,7 +339,8 @@ static int flush_tensor(struct zinf_engine *e, struct tensor *t, struct entry *e
         return r;
     struct xfer x = {.e = e, .t = t, .src = src, .dst = ZINF_TIER_NVME,
                      .src_off = t->c[src].off, .src_ptr = t->c[src].ptr, .dst_off = off,
-                     .len = t->alloc_bytes, .version = t->version, .want_crc = true};
+                     .len = t->alloc_bytes, .version = t->version, .want_crc = true,
+                     .what = "flush"};
     t->c[src].readers++;
     r = xfer_run_sync(e, &x);
     t->c[src].readers--;
@@ -413,6 +415,7 @@ int persist_flush(struct zinf_engine *e)
     bool renamed = false;
     size_t n = 0;
     int r = 0;
+    uint64_t span0 = trace_on() ? now_ns() : 0;
 
     while (e->flushing)
         engine_wait(e);
@@ -507,6 +510,7 @@ out:
     free(ents);
     e->flushing = false;
     pthread_cond_broadcast(&e->changed);
+    if (span0) trace_span("engine", "flush", span0, NULL, r < 0 ? "failed" : NULL, -1);
     return r;
 }
 
@@ -628,7 +632,7 @@ static int resume_tensor(struct zinf_engine *e, const char *mpath, size_t idx, j
          * the other reads go through the staging ring, which checksums each chunk. */
         struct xfer x = {.e = e, .t = t, .src = ZINF_TIER_NVME, .src_off = off,
                          .len = t->alloc_bytes, .version = t->version,
-                         .want_crc = home != ZINF_TIER_HOST};
+                         .want_crc = home != ZINF_TIER_HOST, .what = "resume"};
         x.dst = home == ZINF_TIER_NVME ? DST_NONE : (int)home;
         if (home != ZINF_TIER_NVME) {
             x.dst_off = t->c[home].off;

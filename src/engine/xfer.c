@@ -17,8 +17,12 @@
 #include <string.h>
 
 #include "engine/engine.h"
+#include "trace.h"
 
 /* ---- tier memory ------------------------------------------------------------------ */
+
+/* The trace's counters of each memory tier's allocated bytes. */
+const char *const tier_used_name[MEM_TIERS] = {"device bytes in use", "host bytes in use"};
 
 int tier_alloc(struct zinf_engine *e, int tier, size_t bytes, uint64_t *off, void **ptr)
 {
@@ -42,6 +46,7 @@ int tier_alloc(struct zinf_engine *e, int tier, size_t bytes, uint64_t *off, voi
         used = hs.used_bytes;
     }
     e->st.tier[tier].peak_bytes = MAX(e->st.tier[tier].peak_bytes, used);
+    if (trace_on()) trace_counter(tier_used_name[tier], e->trace_id, (int64_t)used);
     return 0;
 }
 
@@ -51,6 +56,19 @@ void tier_free(struct zinf_engine *e, int tier, uint64_t off)
         device_free(e->dev, off);
     else
         host_free(e->host, off);
+    if (trace_on()) trace_counter(tier_used_name[tier], e->trace_id, (int64_t)tier_used(e, tier));
+}
+
+uint64_t tier_used(struct zinf_engine *e, int tier)
+{
+    if (tier == ZINF_TIER_DEVICE) {
+        struct device_stats ds;
+        device_get_stats(e->dev, &ds);
+        return ds.used_bytes;
+    }
+    struct host_stats hs;
+    host_get_stats(e->host, &hs);
+    return hs.used_bytes;
 }
 
 void tier_rewind(struct zinf_engine *e, int tier)
@@ -62,6 +80,42 @@ void tier_rewind(struct zinf_engine *e, int tier)
 }
 
 /* ---- completion ------------------------------------------------------------------- */
+
+/* The trace of a finished transfer: an async span named by its tiers (a group of NVMe
+ * requests, or one device copy), labelled with what it was for; the NVMe byte counters
+ * (as zinf_stats counts them) and, over windows of at least 50 ms, their rates. */
+static void xfer_trace(struct xfer *x, int err)
+{
+    struct zinf_engine *e = x->e;
+    bool rd = x->src == ZINF_TIER_NVME, wr = x->dst == ZINF_TIER_NVME;
+    const char *name = rd                                                        ? "nvme read"
+                       : wr                                                      ? "nvme write"
+                       : x->src == ZINF_TIER_DEVICE                              ? "device to host copy"
+                       : x->src == SRC_ZERO                                      ? "zero fill"
+                                                                                 : "host to device copy";
+    const char *detail = err ? "failed" : x->what;
+    uint64_t id = ((uint64_t)(unsigned)e->trace_id << 40) | ++e->trace_seq;
+    trace_async(rd || wr ? "io" : "copy", name, id, x->trace_t0, x->t ? x->t->name : NULL, detail,
+                (int64_t)x->len);
+    if (!rd && !wr) return;
+    trace_counter("nvme bytes read", e->trace_id, (int64_t)e->st.nvme_bytes_read);
+    trace_counter("nvme bytes written", e->trace_id, (int64_t)e->st.nvme_bytes_written);
+    uint64_t now = now_ns();
+    if (!e->trace_win_t0) {
+        e->trace_win_t0 = x->trace_t0;
+        e->trace_win_read = e->trace_win_written = 0;
+    }
+    if (!err && rd) e->trace_win_read += x->len;
+    if (!err && wr) e->trace_win_written += x->len;
+    if (now - e->trace_win_t0 >= 50000000ull) {
+        double s = (double)(now - e->trace_win_t0) / 1e9;
+        /* Counters are integers: MB/s (10^6 bytes) reads as GB/s with three decimals. */
+        trace_counter("nvme read MB/s", e->trace_id, (int64_t)(e->trace_win_read / s / 1e6));
+        trace_counter("nvme write MB/s", e->trace_id, (int64_t)(e->trace_win_written / s / 1e6));
+        e->trace_win_t0 = now;
+        e->trace_win_read = e->trace_win_written = 0;
+    }
+}
 
 static void xfer_finish(struct xfer *x, int err)
 {
@@ -83,6 +137,7 @@ static void xfer_finish(struct xfer *x, int err)
         if (!err && x->dst == ZINF_TIER_NVME)
             e->st.nvme_bytes_written += x->len;
     }
+    if (x->trace_t0 && trace_on()) xfer_trace(x, err);
     e->xfers_inflight--;
     x->done(x, err);
     pthread_cond_broadcast(&e->changed);
@@ -296,6 +351,7 @@ int xfer_start(struct xfer *x)
 
     if (x->len == 0 || !x->done)
         return -EINVAL;
+    x->trace_t0 = trace_on() ? now_ns() : 0;
     bool staged = (x->src == ZINF_TIER_NVME && (x->dst == ZINF_TIER_DEVICE || x->dst == DST_NONE)) ||
                   (x->src == ZINF_TIER_DEVICE && x->dst == ZINF_TIER_NVME) ||
                   (x->src == SRC_ZERO && x->dst == ZINF_TIER_NVME) ||

@@ -31,6 +31,7 @@
 
 #include "common.h"
 #include "io/uring.h"
+#include "trace.h"
 
 #define STOP_TAG UINT64_MAX     /* user_data of the NOP that stops the reaper */
 #define MAX_REGIONS 16
@@ -398,6 +399,7 @@ static void *reaper_main(void *arg)
     struct ring *rg = arg;
     struct uring *u = rg->u;
     bool stop = false;
+    trace_thread_name("io completion");
 
     bind_thread(u);
 
@@ -434,6 +436,7 @@ static void *worker_main(void *arg)
 {
     struct uring *u = arg;
 
+    trace_thread_name("io worker");
     bind_thread(u);
 
     pthread_mutex_lock(&u->lock);

@@ -33,6 +33,7 @@
 #include "tiers/cuda_probe.h"
 #include "tiers/device.h"
 #include "tiers/extent.h"
+#include "trace.h"
 
 #if ZINF_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -144,6 +145,7 @@ static void emu_zero(struct device *d, uint64_t off, size_t len);
 static void *emu_copy_thread(void *arg)
 {
     struct device *d = arg;
+    trace_thread_name("device copy (emulated)");
 
     pthread_mutex_lock(&d->lock);
     for (;;) {
@@ -291,6 +293,7 @@ static void cuda_bind_thread(struct device *d)
 static void *cuda_issue_thread(void *arg)
 {
     struct device *d = arg;
+    trace_thread_name("cuda copy issue");
 
     cuda_bind_thread(d);
     pthread_mutex_lock(&d->lock);
@@ -380,12 +383,14 @@ static void cuda_complete(struct device *d, enum device_dir dir)
 
 static void *cuda_complete_h2d(void *arg)
 {
+    trace_thread_name("cuda h2d completion");
     cuda_complete(arg, DEVICE_H2D);
     return NULL;
 }
 
 static void *cuda_complete_d2h(void *arg)
 {
+    trace_thread_name("cuda d2h completion");
     cuda_complete(arg, DEVICE_D2H);
     return NULL;
 }

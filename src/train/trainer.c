@@ -40,6 +40,7 @@
 #include "train/loss_scale.h"
 #include "train/ops.h"
 #include "train/trainer.h"
+#include "trace.h"
 
 #define STATE_NAME "train.state"
 #define SCALER_NAME "train.loss_scale"       /* fp16 runs: struct loss_scale */
@@ -1842,19 +1843,23 @@ static int forward(struct trainer *t)
 
     /* The weights gathered in the last step are stale: the optimizer changed the shards. */
     t->gw_holds[0] = t->gw_holds[1] = -1;
+    uint64_t s0 = trace_on() ? now_ns() : 0;
     wave_embed_forward(t, &w);
     TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
     r = settle(t, be->embed_forward(t->be, p[0], p[1], p[2]));
     wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    if (s0) trace_span("train", "embeddings forward", s0, NULL, NULL, -1);
     if (r < 0) goto out;
 
     for (int k = 0; k < t->cfg.L; k++) {
+        s0 = trace_on() ? now_ns() : 0;
         wave_block_forward(t, k, &w);
         TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
         r = settle(t, be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
                                         p[GPT_BLOCK_NSLOTS + 1]));
         int x = wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
         if (r == 0) r = x; /* the next block's gather failed */
+        if (s0) trace_span_n("train", "block forward", k, s0);
         if (r < 0) goto out;
         note_peaks(t);
     }
@@ -1952,6 +1957,7 @@ static int head(struct trainer *t, bool zero, bool norm, bool reduce)
     void *p[WAVE_MAX];
     int r;
 
+    uint64_t s0 = trace_on() ? now_ns() : 0;
     wave_head(t, &w);
     if ((r = wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
     size_t C = (size_t)c->C * sizeof(float);
@@ -1964,6 +1970,7 @@ static int head(struct trainer *t, bool zero, bool norm, bool reduce)
     if (r == 0 && t->exact && reduce && (r = reduce_grad(t, t->lnfw, p[4], p[7])) == 0)
         r = reduce_grad(t, t->lnfb, p[5], p[8]);
     wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    if (s0) trace_span("train", "head (loss and its gradient)", s0, NULL, NULL, -1);
     return r;
 }
 
@@ -1975,6 +1982,7 @@ static int backward(struct trainer *t, bool zero, bool norm)
     int r = 0;
 
     for (int k = t->cfg.L - 1; k >= 0; k--) {
+        uint64_t s0 = trace_on() ? now_ns() : 0;
         wave_block_backward(t, k, &w);
         TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
         void **gw = p + GPT_BLOCK_NSLOTS, *a = p[2 * GPT_BLOCK_NSLOTS];
@@ -1989,11 +1997,13 @@ static int backward(struct trainer *t, bool zero, bool norm)
             r = reduce_grad(t, (int)first + i, gw[i], p[2 * GPT_BLOCK_NSLOTS + 1 + i]);
         int x = wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
         if (r == 0) r = x; /* a reduction behind this block failed */
+        if (s0) trace_span_n("train", "block backward", k, s0);
         if (r < 0) goto out;
         note_peaks(t);
     }
 
     /* The embeddings: g_wte already holds the head's share. */
+    uint64_t s0 = trace_on() ? now_ns() : 0;
     wave_embed_backward(t, &w);
     TRY(wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
     if (zero) r = be->zero(t->be, p[1], t->desc[t->wpe].numel * sizeof(float));
@@ -2005,6 +2015,7 @@ static int backward(struct trainer *t, bool zero, bool norm)
         r = reduce_grad(t, t->wpe, p[1], p[3]);
     int x = wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (r == 0) r = x;
+    if (s0) trace_span("train", "embeddings backward", s0, NULL, NULL, -1);
 out:
     return r;
 }
@@ -2059,6 +2070,7 @@ static int optimize(struct trainer *t, int step, double sumsq, double loss_scale
     for (int i = 0; i < t->ntensors && r == 0; i++) {
         struct wave w;
         void *p[WAVE_MAX];
+        uint64_t s0 = trace_on() ? now_ns() : 0;
         wave_optimizer(t, i, &w);
         if ((r = wave_fetch(t, &w, tier, p)) < 0) break;
         if (t->fault_err && i == t->fault_tensor) {
@@ -2084,6 +2096,10 @@ static int optimize(struct trainer *t, int step, double sumsq, double loss_scale
                 r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step, scale);
         }
         wave_release(t, &w, tier, r == 0);
+        if (s0)
+            trace_span("train", "optimizer", s0, t->desc[i].name,
+                       tier == ZINF_TIER_DEVICE ? "on the device" : "on the host",
+                       (int64_t)role_bytes(t, R_P, i));
         note_peaks(t);
     }
     return r;
@@ -2166,6 +2182,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .loss_scale = S,
     };
 out:
+    trace_span_n("train", "step", step, t0);
     if (r < 0) {
         /* A failed step leaves no half-summed norm behind for the next one. */
         float l;
@@ -2188,6 +2205,7 @@ int trainer_checkpoint(struct trainer *t)
     if (r == 0) r = state_save(t);
     if (r == 0) r = zinf_flush(t->e);
     t->checkpoint_failed = r < 0;
+    trace_span("train", "checkpoint", t0, NULL, r < 0 ? "failed" : NULL, -1);
     if (r < 0) return r;
     zinf_stats(t->e, &s1);
     t->checkpoints++;
