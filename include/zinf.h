@@ -108,7 +108,12 @@ struct zinf_stats {
                                         them answer -EBADMSG; their saved bytes are kept */
     uint64_t compactions;            /* zinf_fetch_all() calls that emptied a fragmented
                                         tier to lay their set out in one run */
-    uint64_t reserved[6];
+    /* Of blocked_ns, what the waits were for: a load from NVMe (the caller's own or one it
+     * joined), a copy between host and device memory, room (a write-back, or swap files
+     * growing, before a copy can be evicted), and a pin: another caller's hold on the copy
+     * needed, or a transfer reading it. The rest of blocked_ns is the work between waits. */
+    uint64_t blocked_nvme_ns, blocked_copy_ns, blocked_room_ns, blocked_pin_ns;
+    uint64_t reserved[2];
 };
 
 /* Open an engine. opt may be NULL (all defaults). */

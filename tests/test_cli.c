@@ -2459,15 +2459,52 @@ Test(cli, train_trace_shows_steps_phases_and_the_engines_work, .timeout = 300)
     snprintf(swap, sizeof(swap), "%s/swap", dir);
     train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
     snprintf(path, sizeof(path), "%s/t.json", dir);
+    char log[4096];
+    snprintf(log, sizeof(log), "%s/t.jsonl", dir);
     cr_assert_eq(run(&o,
                      "train --config %s --data %s --layers 2 --dim 64 --heads 2 --seq 16 "
-                     "--batch 2 --steps 3 --checkpoint-every 1 --trace %s",
-                     cfg, data, path),
+                     "--batch 2 --steps 3 --checkpoint-every 1 --trace %s --log %s",
+                     cfg, data, path, log),
                  0, "%s", o);
     char said[4400];
     snprintf(said, sizeof(said), "# trace: %s", path);
     cr_assert(strstr(o, said), "%s", o);
+    /* Where the blocked time went: per step, and the largest named in the summary. */
+    cr_assert(strstr(o, "nvme/copy/room/pin %"), "%s", o);
+    cr_assert(strstr(o, "#   blocked in fetch "), "%s", o);
+    cr_assert(strstr(o, ": mostly waiting for "), "%s", o);
     free(o);
+    FILE *lf = fopen(log, "r");
+    cr_assert_not_null(lf);
+    char line[8192];
+    int steps = 0;
+    bool largest = false;
+    while (fgets(line, sizeof(line), lf)) {
+        json_t *j = json_loads(line, 0, NULL);
+        cr_assert_not_null(j, "%s", line);
+        if (json_object_get(j, "step")) {
+            double parts = 0;
+            static const char *const k[] = {"blocked_nvme", "blocked_copy", "blocked_room",
+                                            "blocked_pin"};
+            for (int i = 0; i < 4; i++) {
+                cr_assert(json_is_number(json_object_get(j, k[i])), "no %s: %s", k[i], line);
+                parts += json_number_value(json_object_get(j, k[i]));
+            }
+            cr_expect_leq(parts, json_number_value(json_object_get(j, "blocked")) + 4e-4, "%s",
+                          line);
+            steps++;
+        }
+        json_t *sum = json_object_get(j, "summary");
+        if (sum) {
+            const char *ls = json_string_value(json_object_get(sum, "largest_stall"));
+            largest = ls && (!strcmp(ls, "nvme") || !strcmp(ls, "copy") || !strcmp(ls, "room") ||
+                             !strcmp(ls, "pin"));
+        }
+        json_decref(j);
+    }
+    fclose(lf);
+    cr_expect_eq(steps, 3);
+    cr_expect(largest);
     struct test_trace tr;
     test_trace_load(path, &tr);
     cr_expect_eq(tr.dropped, 0);

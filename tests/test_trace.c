@@ -223,3 +223,63 @@ Test(trace, threads_write_through_their_own_rings_and_a_full_ring_drops_and_says
                  400000);
     test_trace_free(&tr);
 }
+
+/* zinf_stats splits the time blocked in fetch by what it waited for: a cold NVMe-homed
+ * tensor waits for NVMe, a host-homed one for a copy, a fetch into a device full of dirty
+ * copies for room (their write-backs); the parts never add up to more than the whole. */
+Test(trace, blocked_time_is_split_into_nvme_copy_and_room)
+{
+    char swap[4096];
+    path_of(swap, sizeof(swap), "swap");
+    struct zinf_options o = {.nvme_path = swap,
+                             .device_bytes = 256 * KiB,
+                             .host_bytes = 256 * KiB,
+                             .block_size = 64 * KiB,
+                             .queue_depth = 4,
+                             .device_kind = ZINF_DEVICE_EMULATED,
+                             .flags = ZINF_OPEN_NO_PIN};
+    zinf_engine *e;
+    struct zinf_stats s0, s1;
+    void *p;
+    /* a written and saved, then resumed: its first fetch reads it from NVMe. */
+    cr_assert_eq(zinf_open(&o, &e), 0);
+    zinf_tensor a = test_register(e, "a", 96 * KiB, ZINF_TIER_NVME);
+    unsigned char *buf = test_rand_buf(96 * KiB, 1);
+    cr_assert_eq(zinf_write(e, a, 0, buf, 96 * KiB), 0);
+    zinf_close(e);
+    o.flags |= ZINF_OPEN_RESUME;
+    cr_assert_eq(zinf_open(&o, &e), 0);
+    cr_assert_eq(zinf_lookup(e, "a", &a), 0);
+    zinf_tensor b = test_register(e, "b", 96 * KiB, ZINF_TIER_NVME);
+    zinf_tensor c = test_register(e, "c", 96 * KiB, ZINF_TIER_NVME);
+    zinf_tensor h = test_register(e, "h", 32 * KiB, ZINF_TIER_HOST);
+
+    zinf_stats(e, &s0);
+    cr_assert_eq(zinf_fetch(e, a, ZINF_TIER_DEVICE, &p), 0);
+    zinf_stats(e, &s1);
+    cr_expect_gt(s1.blocked_nvme_ns, s0.blocked_nvme_ns);
+    memset(p, 1, 96 * KiB);
+    cr_assert_eq(zinf_release(e, a, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+
+    zinf_stats(e, &s0);
+    cr_assert_eq(zinf_fetch(e, h, ZINF_TIER_DEVICE, &p), 0);
+    zinf_stats(e, &s1);
+    cr_expect_gt(s1.blocked_copy_ns, s0.blocked_copy_ns);
+    cr_assert_eq(zinf_release(e, h, ZINF_TIER_DEVICE, 0), 0);
+
+    cr_assert_eq(zinf_fetch(e, b, ZINF_TIER_DEVICE, &p), 0);
+    memset(p, 2, 96 * KiB);
+    cr_assert_eq(zinf_release(e, b, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    /* a and b dirty on the device: c's room comes from a write-back. */
+    zinf_stats(e, &s0);
+    cr_assert_eq(zinf_fetch(e, c, ZINF_TIER_DEVICE, &p), 0);
+    zinf_stats(e, &s1);
+    cr_expect_gt(s1.blocked_room_ns, s0.blocked_room_ns);
+    cr_assert_eq(zinf_release(e, c, ZINF_TIER_DEVICE, 0), 0);
+
+    cr_expect_leq(s1.blocked_nvme_ns + s1.blocked_copy_ns + s1.blocked_room_ns +
+                      s1.blocked_pin_ns,
+                  s1.blocked_ns);
+    free(buf);
+    zinf_close(e);
+}

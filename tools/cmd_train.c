@@ -879,12 +879,13 @@ int cmd_train(int argc, char **argv)
            sum.backend_work_bytes ? "; backend working memory " : "",
            sum.backend_work_bytes ? format_size(sum.backend_work_bytes, a, sizeof(a)) : "");
     print_settings(&o, &ds, &sum, ckpt_every, steps_per_print, log);
-    printf("# %6s %9s %10s %9s %9s %9s %8s %8s\n", "step", "loss", "tokens/s", "ms", "rd GB/s",
-           "wr GB/s", "blocked", "eta");
+    printf("# %6s %9s %10s %9s %9s %9s %8s %20s %8s\n", "step", "loss", "tokens/s", "ms",
+           "rd GB/s", "wr GB/s", "blocked", "nvme/copy/room/pin %", "eta");
     fflush(stdout);
 
     int ran = 0;
     double ran_seconds = 0;
+    double blocked_s[5] = {0}; /* blocked in fetch; of it nvme, copy, room, pin */
     while (trainer_next_step(t) <= o.steps) {
         /* Every rank stops after the same step (a signal reaches each at its own time). */
         if (trainer_any_rank(t, stop_requested != 0)) {
@@ -907,12 +908,20 @@ int cmd_train(int argc, char **argv)
         }
         ran++;
         ran_seconds += st.seconds;
+        blocked_s[0] += st.blocked_fraction * st.seconds;
+        blocked_s[1] += st.blocked_nvme * st.seconds;
+        blocked_s[2] += st.blocked_copy * st.seconds;
+        blocked_s[3] += st.blocked_room * st.seconds;
+        blocked_s[4] += st.blocked_pin * st.seconds;
         double eta = ran_seconds / ran * (o.steps - st.step);
         if (st.step % steps_per_print == 0 || st.step == o.steps) {
             char e[32];
-            printf("  %6d %9.4f %10.0f %9.1f %9.3f %9.3f %7.1f%% %8s%s", st.step, st.loss,
+            char why[48];
+            snprintf(why, sizeof(why), "%.0f/%.0f/%.0f/%.0f", st.blocked_nvme * 100,
+                     st.blocked_copy * 100, st.blocked_room * 100, st.blocked_pin * 100);
+            printf("  %6d %9.4f %10.0f %9.1f %9.3f %9.3f %7.1f%% %20s %8s%s", st.step, st.loss,
                    st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps, st.nvme_write_GBps,
-                   st.blocked_fraction * 100, format_eta(eta, e, sizeof(e)),
+                   st.blocked_fraction * 100, why, format_eta(eta, e, sizeof(e)),
                    st.skipped ? "  skipped: the gradients overflowed" : "");
             if (st.skipped || (sum.precision[0] == 'f' && sum.precision[2] == '1'))
                 printf("  (loss scale %.9g)", st.loss_scale);
@@ -925,9 +934,12 @@ int cmd_train(int argc, char **argv)
             fprintf(log,
                     "{\"step\":%d,\"loss\":%.9g,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
                     "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f,"
+                    "\"blocked_nvme\":%.4f,\"blocked_copy\":%.4f,\"blocked_room\":%.4f,"
+                    "\"blocked_pin\":%.4f,"
                     "\"eta_s\":%.1f,\"loss_scale\":%.9g,\"skipped\":%s}\n",
                     st.step, st.loss, st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps,
-                    st.nvme_write_GBps, st.blocked_fraction, eta, st.loss_scale,
+                    st.nvme_write_GBps, st.blocked_fraction, st.blocked_nvme, st.blocked_copy,
+                    st.blocked_room, st.blocked_pin, eta, st.loss_scale,
                     st.skipped ? "true" : "false");
             fflush(log);
         }
@@ -986,9 +998,22 @@ int cmd_train(int argc, char **argv)
            "it held room for\n",
            sum.steps_done, format_size(sum.model_state_bytes, a, sizeof(a)),
            (unsigned long long)sum.compactions);
+    /* Where the time blocked in fetch went: the largest of the four, named. */
+    static const char *const stall_names[4] = {"NVMe reads", "copies between host and device",
+                                               "room (write-backs before evictions)",
+                                               "pins (a copy held or read by another)"};
+    static const char *const stall_keys[4] = {"nvme", "copy", "room", "pin"};
+    int most = 0;
+    for (int k = 1; k < 4; k++)
+        if (blocked_s[1 + k] > blocked_s[1 + most]) most = k;
     if (ran)
         printf("#   ran %d steps in %.1f s: %.0f tokens/s on average\n", ran, ran_seconds,
                mean_tps);
+    if (ran && blocked_s[0] > 0)
+        printf("#   blocked in fetch %.3f s (%.1f%%): mostly waiting for %s, %.3f s (nvme %.3f, "
+               "copy %.3f, room %.3f, pin %.3f)\n",
+               blocked_s[0], blocked_s[0] / ran_seconds * 100, stall_names[most],
+               blocked_s[1 + most], blocked_s[1], blocked_s[2], blocked_s[3], blocked_s[4]);
     if (!strcmp(sum.precision, "fp16"))
         printf("#   fp16: %lld steps skipped for overflowed gradients; loss scale now %.9g\n",
                (long long)sum.skipped_steps, sum.loss_scale);
@@ -1031,6 +1056,13 @@ int cmd_train(int argc, char **argv)
                 sum.world, sum.stage, (unsigned long long)sum.comm_bytes);
         fprintf(log, ",\"overlap_comm\":%s,\"reduce_seconds\":%.6f",
                 sum.overlap_comm ? "true" : "false", sum.reduce_seconds);
+        fprintf(log,
+                ",\"blocked_seconds\":%.6f,\"blocked_nvme_seconds\":%.6f,"
+                "\"blocked_copy_seconds\":%.6f,\"blocked_room_seconds\":%.6f,"
+                "\"blocked_pin_seconds\":%.6f,\"largest_stall\":%s",
+                blocked_s[0], blocked_s[1], blocked_s[2], blocked_s[3], blocked_s[4],
+                blocked_s[0] > 0 ? "\"" : "null");
+        if (blocked_s[0] > 0) fprintf(log, "%s\"", stall_keys[most]);
         fprintf(log, "}}\n");
         fclose(log);
     }

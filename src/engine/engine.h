@@ -28,6 +28,7 @@
 #define MEM_TIERS 2 /* ZINF_TIER_DEVICE and ZINF_TIER_HOST hold copies in memory */
 #define SRC_ZERO 3  /* transfer source: the content is all zeros */
 #define DST_NONE 3  /* transfer destination: read and checksum only */
+#define LOADING_WRITEBACK 4 /* copy.loading_from: a write-back replaces this home copy */
 #define ENGINE_MAX_PINSETS 64 /* pin tables (service sessions) an engine serves at once */
 
 /*
@@ -79,6 +80,8 @@ struct tensor;
 
 struct copy {
     uint8_t state;
+    int8_t loading_from; /* while LOADING: the load's source (ZINF_TIER_*, SRC_ZERO), or
+                            LOADING_WRITEBACK for a home copy a write-back replaces */
     bool prefetched;            /* loaded ahead of use; cleared by the first fetch */
     bool evicting;              /* a write-back runs so that this copy can be dropped */
     bool wb_inflight;           /* a write-back reads from this copy */
@@ -451,6 +454,9 @@ int xfer_start(struct xfer *x);
 int staging_init(struct zinf_engine *e, unsigned nslots);
 void staging_fini(struct zinf_engine *e);
 int tier_alloc(struct zinf_engine *e, int tier, size_t bytes, uint64_t *off, void **ptr);
+/* Wait (engine lock held) until c is no longer LOADING, counting the time as a stall for
+ * NVMe, a copy or room by what it loads from. */
+void engine_wait_loaded(struct zinf_engine *e, struct copy *c);
 void tier_free(struct zinf_engine *e, int tier, uint64_t off);
 /* The bytes a memory tier has allocated now. */
 uint64_t tier_used(struct zinf_engine *e, int tier);

@@ -225,6 +225,7 @@ int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evic
         x->dst_ptr = h->ptr;
         a->home_old_version = h->version;
         h->state = COPY_LOADING; /* its content is being replaced */
+        h->loading_from = LOADING_WRITEBACK;
         h->err = 0;
     }
     c->readers++;
@@ -527,6 +528,7 @@ static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src
                        .arg = a,
                        .done = load_done,
                        .what = "load"};
+    c->loading_from = (int8_t)src;
     if (src == ZINF_TIER_NVME) {
         x->src_off = t->swap_off;
     } else if (src < MEM_TIERS) {
@@ -558,14 +560,49 @@ static void clock_start(bool *waited, uint64_t *t0)
     }
 }
 
+/* What a fetch waits for, in zinf_stats' blocked_*_ns. */
+enum stall { STALL_NVME, STALL_COPY, STALL_ROOM, STALL_PIN };
+
+static void stall_add(struct zinf_engine *e, enum stall k, uint64_t since)
+{
+    uint64_t d = now_ns() - since;
+    switch (k) {
+    case STALL_NVME: e->st.blocked_nvme_ns += d; break;
+    case STALL_COPY: e->st.blocked_copy_ns += d; break;
+    case STALL_ROOM: e->st.blocked_room_ns += d; break;
+    default: e->st.blocked_pin_ns += d; break;
+    }
+}
+
+/* Waiting for a copy that is LOADING: for NVMe, for a copy between memories, or for the
+ * write-back that replaces a home copy. */
+static enum stall loading_stall(const struct copy *c)
+{
+    return c->loading_from == ZINF_TIER_NVME      ? STALL_NVME
+           : c->loading_from == LOADING_WRITEBACK ? STALL_ROOM
+                                                  : STALL_COPY;
+}
+
+void engine_wait_loaded(struct zinf_engine *e, struct copy *c)
+{
+    uint64_t t0 = now_ns();
+    enum stall k = loading_stall(c);
+    while (c->state == COPY_LOADING)
+        engine_wait(e);
+    stall_add(e, k, t0);
+}
+
 /* A fetch that has to wait for another thread's work: the non-blocking modes give up (a
  * prefetch quietly, an async fetch with -EWOULDBLOCK); a blocking one starts its clock,
- * waits for a change and answers 1: look again. */
+ * waits for a change and answers 1: look again. These waits are for pins (a caller's
+ * hold, a transfer reading the copy, exclusive access). */
 static int wait_for_change(struct zinf_engine *e, enum fetch_mode mode, bool *waited, uint64_t *t0)
 {
     if (mode != FETCH_BLOCK) return mode == FETCH_PREFETCH ? 0 : -EWOULDBLOCK;
     clock_start(waited, t0);
+    uint64_t w0 = now_ns();
     engine_wait(e);
+    stall_add(e, STALL_PIN, w0);
     return 1;
 }
 
@@ -643,8 +680,7 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                  * first. */
                 sched_prefetch(e);
             }
-            while (c->state == COPY_LOADING)
-                engine_wait(e);
+            engine_wait_loaded(e, c);
             if (c->state == COPY_READY && c->version == t->version) continue;
             c->pins--;
             pinned = false;
@@ -697,9 +733,14 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
                                                           : RESERVE_WAIT;
             /* An asynchronous fetch never waits here (a write-back it needs is started and
              * zinf_wait() fetches); a blocking one looks at everything again after a wait. */
+            uint64_t r0 = now_ns();
             r = tier_reserve(e, tier, t->alloc_bytes, rm, need_dist, &off, &p);
-            if (r == -EAGAIN) {
-                clock_start(&waited, &t0);
+            if (r == -EAGAIN) { /* it waited for room: blocked since it began */
+                if (!waited) {
+                    waited = true;
+                    t0 = r0;
+                }
+                stall_add(e, STALL_ROOM, r0);
                 continue;
             }
             if (r == -EINPROGRESS) {
@@ -950,8 +991,7 @@ int engine_api_wait(zinf_engine *e, uint64_t ticket, void **ptr)
         struct copy *c = &t->c[k->tier];
         uint64_t t0 = now_ns();
         bool waited = c->state == COPY_LOADING;
-        while (c->state == COPY_LOADING)
-            engine_wait(e);
+        if (waited) engine_wait_loaded(e, c);
         if (waited) e->st.blocked_ns += now_ns() - t0;
         if (c->state == COPY_READY && c->version == t->version) {
             *ptr = c->ptr;

@@ -2178,6 +2178,10 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .nvme_read_GBps = (double)(s1.nvme_bytes_read - s0.nvme_bytes_read) / sec / 1e9,
         .nvme_write_GBps = (double)(s1.nvme_bytes_written - s0.nvme_bytes_written) / sec / 1e9,
         .blocked_fraction = (double)(s1.blocked_ns - s0.blocked_ns) / 1e9 / sec,
+        .blocked_nvme = (double)(s1.blocked_nvme_ns - s0.blocked_nvme_ns) / 1e9 / sec,
+        .blocked_copy = (double)(s1.blocked_copy_ns - s0.blocked_copy_ns) / 1e9 / sec,
+        .blocked_room = (double)(s1.blocked_room_ns - s0.blocked_room_ns) / 1e9 / sec,
+        .blocked_pin = (double)(s1.blocked_pin_ns - s0.blocked_pin_ns) / 1e9 / sec,
         .skipped = overflow,
         .loss_scale = S,
     };

@@ -99,6 +99,9 @@ struct trainer_step_stats {
     double tokens_per_s;
     double nvme_read_GBps, nvme_write_GBps;
     double blocked_fraction; /* of the step's time spent blocked in fetch */
+    /* ... of it waiting for: NVMe reads, host<->device copies, room (write-backs), pins
+     * (zinf_stats' blocked_*_ns; the rest is the work between waits) */
+    double blocked_nvme, blocked_copy, blocked_room, blocked_pin;
     bool skipped;            /* fp16: the gradients overflowed, nothing was updated */
     double loss_scale;       /* fp16: the scale this step's backward ran with; 1 otherwise */
 };
