@@ -12,7 +12,7 @@ build_dir=${BUILD_DIR:-build}
 # only a minimal one that reads nothing but its own layout), with the discovery plugins
 # (gl, opencl, pci) that most installs have and that zinf leaves out of its loads.
 pkgs=(gcc g++ pkg-config meson ninja-build liburing-dev libnuma-dev libhwloc-dev
-      libhwloc-plugins libcriterion-dev libjansson-dev libopenblas-dev fio python3)
+      libhwloc-plugins libcriterion-dev libjansson-dev libopenblas-dev fio python3 gnuplot-nox)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

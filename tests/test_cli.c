@@ -2561,3 +2561,76 @@ Test(cli, train_trace_shows_steps_phases_and_the_engines_work, .timeout = 300)
     cr_assert(strstr(o, "resumed"), "%s", o);
     free(o);
 }
+
+/* The PNG's width and height from its IHDR chunk; false when path is not a PNG. */
+static bool png_size(const char *path, unsigned *w, unsigned *h)
+{
+    unsigned char b[24];
+    FILE *f = fopen(path, "rb");
+    if (!f) return false;
+    size_t n = fread(b, 1, sizeof(b), f);
+    fclose(f);
+    static const unsigned char sig[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1a, '\n'};
+    if (n < 24 || memcmp(b, sig, 8) || memcmp(b + 12, "IHDR", 4)) return false;
+    *w = (unsigned)b[16] << 24 | (unsigned)b[17] << 16 | (unsigned)b[18] << 8 | b[19];
+    *h = (unsigned)b[20] << 24 | (unsigned)b[21] << 16 | (unsigned)b[22] << 8 | b[23];
+    return true;
+}
+
+/* zinf plot draws a training log as a PNG of the size asked (the default beside the log);
+ * a missing log, a line that is not JSON and a log without steps are refused by name. */
+Test(cli, plot_draws_a_training_log_as_a_png, .timeout = 120)
+{
+    char cfg[4096], data[4096], swap[4096], log[4096], png[4200], *o;
+    if (system("gnuplot --version > /dev/null 2>&1") != 0)
+        cr_skip_test("gnuplot is not installed (scripts/setup.sh installs gnuplot-nox)");
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    snprintf(log, sizeof(log), "%s/run.jsonl", dir);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 1 --dim 32 --heads 2 --seq 16 "
+                     "--batch 2 --steps 6 --eval-every 3 --log %s",
+                     cfg, data, log),
+                 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "plot %s", log), 0, "%s", o);
+    cr_assert(strstr(o, "loss (train and validation), tokens/s, NVMe GB/s, tier occupancy over "
+                        "6 steps"),
+              "%s", o);
+    free(o);
+    unsigned w = 0, h = 0;
+    snprintf(png, sizeof(png), "%s/run.png", dir);
+    cr_assert(png_size(png, &w, &h), "%s is not a PNG", png);
+    cr_expect_eq(w, 1200);
+    cr_expect_eq(h, 900);
+    snprintf(png, sizeof(png), "%s/small.png", dir);
+    cr_assert_eq(run(&o, "plot %s -o %s --size 640x480", log, png), 0, "%s", o);
+    free(o);
+    cr_assert(png_size(png, &w, &h), "%s is not a PNG", png);
+    cr_expect_eq(w, 640);
+    cr_expect_eq(h, 480);
+
+    /* Refused, by name. */
+    cr_assert_eq(run(&o, "plot %s/none.jsonl", dir), 2, "%s", o);
+    cr_assert(strstr(o, "none.jsonl: No such file or directory"), "%s", o);
+    free(o);
+    char bad[4200];
+    snprintf(bad, sizeof(bad), "%s/bad.jsonl", dir);
+    FILE *f = fopen(bad, "w");
+    cr_assert_not_null(f);
+    fputs("{\"step\":1,\"loss\":5.5}\nnot json\n", f);
+    fclose(f);
+    cr_assert_eq(run(&o, "plot %s", bad), 2, "%s", o);
+    cr_assert(strstr(o, "bad.jsonl:2: not a JSON object"), "%s", o);
+    free(o);
+    f = fopen(bad, "w");
+    cr_assert_not_null(f);
+    fputs("{\"eval\":3,\"val_loss\":4.0}\n", f);
+    fclose(f);
+    cr_assert_eq(run(&o, "plot %s", bad), 2, "%s", o);
+    cr_assert(strstr(o, "holds no step lines"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "plot %s --size 10x10", log), 2, "%s", o);
+    cr_assert(strstr(o, "--size 10x10"), "%s", o);
+    free(o);
+}

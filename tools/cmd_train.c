@@ -935,11 +935,12 @@ int cmd_train(int argc, char **argv)
                     "{\"step\":%d,\"loss\":%.9g,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
                     "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f,"
                     "\"blocked_nvme\":%.4f,\"blocked_copy\":%.4f,\"blocked_room\":%.4f,"
-                    "\"blocked_pin\":%.4f,"
+                    "\"blocked_pin\":%.4f,\"device_used_bytes\":%llu,\"host_used_bytes\":%llu,"
                     "\"eta_s\":%.1f,\"loss_scale\":%.9g,\"skipped\":%s}\n",
                     st.step, st.loss, st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps,
                     st.nvme_write_GBps, st.blocked_fraction, st.blocked_nvme, st.blocked_copy,
-                    st.blocked_room, st.blocked_pin, eta, st.loss_scale,
+                    st.blocked_room, st.blocked_pin, (unsigned long long)st.device_used,
+                    (unsigned long long)st.host_used, eta, st.loss_scale,
                     st.skipped ? "true" : "false");
             fflush(log);
         }

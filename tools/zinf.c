@@ -16,6 +16,7 @@ static void usage(FILE *f)
             "\n"
             "commands:\n"
             "  train     train a byte-level GPT-style model whose state lives in zinf\n"
+            "  plot      draw a zinf train --log file as a PNG (gnuplot)\n"
             "  bench     measure the NVMe swap path (io_uring, O_DIRECT), optionally vs pread/pwrite\n"
             "  tune      sweep the IO settings on the drives to use, write the best as a config\n"
             "  config    check a DeepSpeed-style JSON config: zinf config check FILE\n"
@@ -124,6 +125,8 @@ static int run(int argc, char **argv)
         return cmd_launch(argc, argv);
     if (!strcmp(c, "topo"))
         return cmd_topo(argc, argv);
+    if (!strcmp(c, "plot"))
+        return cmd_plot(argc, argv);
     return -1;
 }
 

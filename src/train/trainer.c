@@ -2182,6 +2182,8 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .blocked_copy = (double)(s1.blocked_copy_ns - s0.blocked_copy_ns) / 1e9 / sec,
         .blocked_room = (double)(s1.blocked_room_ns - s0.blocked_room_ns) / 1e9 / sec,
         .blocked_pin = (double)(s1.blocked_pin_ns - s0.blocked_pin_ns) / 1e9 / sec,
+        .device_used = s1.tier[ZINF_TIER_DEVICE].used_bytes,
+        .host_used = s1.tier[ZINF_TIER_HOST].used_bytes,
         .skipped = overflow,
         .loss_scale = S,
     };

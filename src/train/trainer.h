@@ -102,6 +102,7 @@ struct trainer_step_stats {
     /* ... of it waiting for: NVMe reads, host<->device copies, room (write-backs), pins
      * (zinf_stats' blocked_*_ns; the rest is the work between waits) */
     double blocked_nvme, blocked_copy, blocked_room, blocked_pin;
+    uint64_t device_used, host_used; /* the tiers' bytes in use when the step ended */
     bool skipped;            /* fp16: the gradients overflowed, nothing was updated */
     double loss_scale;       /* fp16: the scale this step's backward ran with; 1 otherwise */
 };

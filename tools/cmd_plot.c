@@ -1,0 +1,332 @@
+/*
+ * cmd_plot.c - `zinf plot`: a picture of a training run from its `zinf train --log` file:
+ * the loss (train, and validation where --eval-every ran), tokens/s, NVMe read and write
+ * GB/s per step, and the device and host tiers' bytes in use against their budgets, as one
+ * PNG of four panels drawn by gnuplot (Debian's gnuplot-nox; scripts/setup.sh installs it).
+ *
+ * The log is read with a JSON parser, line by line; a resumed run appends to it, and a step
+ * logged twice (run again after a crash) counts as its last line says. The data and the
+ * gnuplot script go to a temporary directory, removed afterwards.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "cmd.h"
+#include "common.h"
+
+extern char **environ;
+
+struct point {
+    bool set, eval;
+    double loss, tps, rd, wr, dev, host, val;
+};
+
+struct run {
+    struct point *p; /* by step */
+    int cap, last;   /* steps 1..last */
+    int steps, evals;
+    bool tiers;      /* the steps carry device_used_bytes */
+    double dev_budget, host_budget; /* MiB, from the summary; 0: none */
+    char title[160];
+};
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: zinf plot FILE.jsonl [-o OUT.png] [--size WxH] [--title TEXT]\n"
+               "Draws a `zinf train --log` file as one PNG (default: FILE.png): the loss (train,\n"
+               "and validation where --eval-every ran), tokens/s, NVMe read and write GB/s per\n"
+               "step, and the device and host tiers' bytes in use against their budgets.\n"
+               "--size: the picture in pixels (default 1200x900). Needs gnuplot (Debian's\n"
+               "gnuplot-nox, which scripts/setup.sh installs).\n"
+               "Exit status: 0 drawn, 1 gnuplot missing or failed, 2 bad usage or a log it\n"
+               "cannot read.\n");
+}
+
+static struct point *at(struct run *r, int step)
+{
+    if (step >= r->cap) {
+        int cap = r->cap ? r->cap : 256;
+        while (cap <= step)
+            cap *= 2;
+        struct point *p = realloc(r->p, (size_t)cap * sizeof(*p));
+        if (!p) return NULL;
+        memset(p + r->cap, 0, (size_t)(cap - r->cap) * sizeof(*p));
+        r->p = p;
+        r->cap = cap;
+    }
+    if (step > r->last) r->last = step;
+    return &r->p[step];
+}
+
+static double num(json_t *o, const char *k)
+{
+    return json_number_value(json_object_get(o, k));
+}
+
+/* 0, or 2 with the reason said (file, line). */
+static int read_log(const char *path, struct run *r)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "zinf plot: %s: %s\n", path, strerror(errno));
+        return 2;
+    }
+    char *line = NULL;
+    size_t cap = 0;
+    int no = 0, rc = 0;
+    while (getline(&line, &cap, f) > 0) {
+        no++;
+        if (line[strspn(line, " \t\r\n")] == '\0') continue;
+        json_error_t je;
+        json_t *j = json_loads(line, 0, &je);
+        if (!json_is_object(j)) {
+            fprintf(stderr, "zinf plot: %s:%d: not a JSON object (%s): is it a zinf train --log "
+                            "file?\n",
+                    path, no, j ? "another JSON value" : je.text);
+            json_decref(j);
+            rc = 2;
+            break;
+        }
+        json_t *s;
+        if (json_is_integer(json_object_get(j, "step")) && json_is_number(json_object_get(j, "loss"))) {
+            json_int_t k = json_integer_value(json_object_get(j, "step"));
+            struct point *p = k >= 1 && k <= 100000000 ? at(r, (int)k) : NULL;
+            if (!p) {
+                fprintf(stderr, "zinf plot: %s:%d: step %lld is out of range\n", path, no,
+                        (long long)k);
+                json_decref(j);
+                rc = 2;
+                break;
+            }
+            p->set = true;
+            p->loss = num(j, "loss");
+            p->tps = num(j, "tokens_per_s");
+            p->rd = num(j, "nvme_read_GBps");
+            p->wr = num(j, "nvme_write_GBps");
+            if (json_object_get(j, "device_used_bytes")) {
+                r->tiers = true;
+                p->dev = num(j, "device_used_bytes") / (1 << 20);
+                p->host = num(j, "host_used_bytes") / (1 << 20);
+            }
+        } else if (json_is_integer(json_object_get(j, "eval"))) {
+            json_int_t k = json_integer_value(json_object_get(j, "eval"));
+            struct point *p = k >= 0 && k <= 100000000 ? at(r, (int)k) : NULL;
+            if (p) {
+                p->eval = true;
+                p->val = num(j, "val_loss");
+            }
+        } else if ((s = json_object_get(j, "summary"))) {
+            r->dev_budget = num(json_object_get(s, "device"), "budget_bytes") / (1 << 20);
+            r->host_budget = num(json_object_get(s, "host"), "budget_bytes") / (1 << 20);
+        } else if ((s = json_object_get(j, "settings")) && !r->title[0]) {
+            snprintf(r->title, sizeof(r->title),
+                     "%lld layers, dim %lld, seq %lld, batch %lld",
+                     (long long)json_integer_value(json_object_get(s, "layers")),
+                     (long long)json_integer_value(json_object_get(s, "dim")),
+                     (long long)json_integer_value(json_object_get(s, "seq")),
+                     (long long)json_integer_value(json_object_get(s, "batch")));
+        }
+        json_decref(j);
+    }
+    free(line);
+    fclose(f);
+    if (rc) return rc;
+    for (int k = 0; k <= r->last; k++) {
+        r->steps += r->p[k].set;
+        r->evals += r->p[k].eval;
+    }
+    if (!r->steps) {
+        fprintf(stderr, "zinf plot: %s holds no step lines: is it a zinf train --log file?\n",
+                path);
+        return 2;
+    }
+    return 0;
+}
+
+/* s in a gnuplot single-quoted string ('' is a quote). */
+static void gp_quote(FILE *f, const char *s)
+{
+    fputc('\'', f);
+    for (; *s; s++) {
+        if (*s == '\'') fputc('\'', f);
+        fputc(*s, f);
+    }
+    fputc('\'', f);
+}
+
+static int write_files(const char *tmp, const struct run *r, const char *out, int w, int h,
+                       const char *title)
+{
+    char p[4096];
+    snprintf(p, sizeof(p), "%s/steps.dat", tmp);
+    FILE *d = fopen(p, "w");
+    if (!d) return -errno;
+    for (int k = 0; k <= r->last; k++)
+        if (r->p[k].set)
+            fprintf(d, "%d %.9g %.3f %.6f %.6f %.6f %.6f\n", k, r->p[k].loss, r->p[k].tps,
+                    r->p[k].rd, r->p[k].wr, r->p[k].dev, r->p[k].host);
+    if (fclose(d)) return -errno;
+    snprintf(p, sizeof(p), "%s/evals.dat", tmp);
+    if (!(d = fopen(p, "w"))) return -errno;
+    for (int k = 0; k <= r->last; k++)
+        if (r->p[k].eval) fprintf(d, "%d %.9g\n", k, r->p[k].val);
+    if (fclose(d)) return -errno;
+
+    snprintf(p, sizeof(p), "%s/plot.gp", tmp);
+    FILE *g = fopen(p, "w");
+    if (!g) return -errno;
+    fprintf(g, "set terminal pngcairo size %d,%d noenhanced font 'sans,10'\nset output ", w, h);
+    gp_quote(g, out);
+    fprintf(g, "\nset datafile missing 'NaN'\ncd ");
+    gp_quote(g, tmp);
+    fprintf(g, "\nset multiplot layout 2,2 title ");
+    gp_quote(g, title);
+    fprintf(g, "\nset grid\nset key top right\nset xlabel 'step'\n");
+    fprintf(g, "set title 'loss'\nplot 'steps.dat' using 1:2 with lines lw 2 title 'train'");
+    if (r->evals) fprintf(g, ", 'evals.dat' using 1:2 with linespoints lw 2 title 'validation'");
+    fprintf(g, "\nset title 'throughput'\nset ylabel 'tokens/s'\nset yrange [0:*]\n"
+               "plot 'steps.dat' using 1:3 with lines lw 2 title 'tokens/s'\n");
+    fprintf(g, "set title 'NVMe'\nset ylabel 'GB/s'\nplot 'steps.dat' using 1:4 with lines lw 2 "
+               "title 'read', 'steps.dat' using 1:5 with lines lw 2 title 'write'\n");
+    fprintf(g, "set title 'memory tiers (at the end of each step)'\nset ylabel 'MiB'\n");
+    if (r->dev_budget > 0 || r->host_budget > 0)
+        fprintf(g, "set yrange [0:%.6f]\nset key bottom right opaque\n",
+                1.2 * (r->dev_budget > r->host_budget ? r->dev_budget : r->host_budget));
+    if (r->tiers) {
+        fprintf(g, "plot 'steps.dat' using 1:6 with lines lw 2 lc 1 title 'device in use', "
+                   "'steps.dat' using 1:7 with lines lw 2 lc 2 title 'host in use'");
+        if (r->dev_budget > 0)
+            fprintf(g, ", %.6f with lines dt 2 lw 2 lc 1 title 'device budget', %.6f with lines "
+                       "dt 2 lw 2 lc 2 title 'host budget'",
+                    r->dev_budget, r->host_budget);
+        fputc('\n', g);
+    } else {
+        fprintf(g, "set label 1 'this log has no tier occupancy (an older zinf wrote it)' at "
+                   "graph 0.5,0.5 center\nplot [0:1] NaN notitle\n");
+    }
+    fprintf(g, "unset multiplot\n");
+    if (fclose(g)) return -errno;
+    return 0;
+}
+
+static void rm_tmp(const char *tmp)
+{
+    static const char *const names[] = {"steps.dat", "evals.dat", "plot.gp"};
+    char p[4096];
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        snprintf(p, sizeof(p), "%s/%s", tmp, names[i]);
+        unlink(p);
+    }
+    rmdir(tmp);
+}
+
+int cmd_plot(int argc, char **argv)
+{
+    static const struct option lo[] = {{"output", required_argument, NULL, 'o'},
+                                       {"size", required_argument, NULL, 's'},
+                                       {"title", required_argument, NULL, 't'},
+                                       {"help", no_argument, NULL, 'h'},
+                                       {0}};
+    const char *out = NULL, *title = NULL;
+    int w = 1200, h = 900, ch;
+    optind = 1;
+    while ((ch = getopt_long(argc, argv, "o:h", lo, NULL)) != -1) {
+        switch (ch) {
+        case 'o':
+            out = optarg;
+            break;
+        case 's': {
+            char x;
+            if (sscanf(optarg, "%d%c%d", &w, &x, &h) != 3 || (x != 'x' && x != 'X') || w < 200 ||
+                h < 150 || w > 10000 || h > 10000) {
+                fprintf(stderr, "zinf plot: --size %s: give WxH, each 200 to 10000 (150 for H)\n",
+                        optarg);
+                return 2;
+            }
+            break;
+        }
+        case 't':
+            title = optarg;
+            break;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (optind != argc - 1) {
+        usage(stderr);
+        return 2;
+    }
+    const char *in = argv[optind];
+    char outbuf[4096];
+    if (!out) {
+        size_t n = strlen(in);
+        if (n > 6 && !strcmp(in + n - 6, ".jsonl")) n -= 6;
+        snprintf(outbuf, sizeof(outbuf), "%.*s.png", (int)n, in);
+        out = outbuf;
+    }
+    struct run r = {0};
+    int rc = read_log(in, &r);
+    if (rc) {
+        free(r.p);
+        return rc;
+    }
+    char ttl[512];
+    snprintf(ttl, sizeof(ttl), "%s: %s%s%d steps", title ? title : in, r.title,
+             r.title[0] ? ", " : "", r.steps);
+    const char *td = getenv("TMPDIR");
+    char tmp[1024];
+    snprintf(tmp, sizeof(tmp), "%s/zinf-plot-XXXXXX", td && td[0] ? td : "/tmp");
+    if (!mkdtemp(tmp)) {
+        fprintf(stderr, "zinf plot: a temporary directory in %s: %s\n", td ? td : "/tmp",
+                strerror(errno));
+        free(r.p);
+        return 1;
+    }
+    int e = write_files(tmp, &r, out, w, h, ttl);
+    free(r.p);
+    if (e < 0) {
+        fprintf(stderr, "zinf plot: writing gnuplot's input in %s: %s\n", tmp, strerror(-e));
+        rm_tmp(tmp);
+        return 1;
+    }
+    char script[4200];
+    snprintf(script, sizeof(script), "%s/plot.gp", tmp);
+    char *args[] = {"gnuplot", script, NULL};
+    pid_t pid;
+    unlink(out); /* what is there afterwards is gnuplot's */
+    e = posix_spawnp(&pid, "gnuplot", NULL, NULL, args, environ);
+    if (e) {
+        fprintf(stderr,
+                "zinf plot: cannot run gnuplot: %s%s\n", strerror(e),
+                e == ENOENT ? " (install it: apt-get install gnuplot-nox; scripts/setup.sh does)"
+                            : "");
+        rm_tmp(tmp);
+        return 1;
+    }
+    int st = 0;
+    while (waitpid(pid, &st, 0) < 0 && errno == EINTR)
+        ;
+    rm_tmp(tmp);
+    struct stat sb;
+    if (!WIFEXITED(st) || WEXITSTATUS(st) || stat(out, &sb) || sb.st_size == 0) {
+        fprintf(stderr, "zinf plot: gnuplot failed (status %#x) and %s was not written\n", st,
+                out);
+        return 1;
+    }
+    printf("zinf plot: wrote %s (%d x %d): loss%s, tokens/s, NVMe GB/s%s over %d steps\n", out, w,
+           h, r.evals ? " (train and validation)" : "", r.tiers ? ", tier occupancy" : "",
+           r.steps);
+    return 0;
+}
