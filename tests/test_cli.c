@@ -146,6 +146,39 @@ Test(cli, bench_json_and_read_alone)
     free(o);
 }
 
+/* Every row has IOPS and latency percentiles, like fio's; --random (4K by default) moves
+ * each block once in a shuffled order, every byte checked, with and without the engine. */
+Test(cli, bench_random_rows_have_iops_and_latency_percentiles)
+{
+    char *o;
+    cr_assert_eq(run(&o, "bench --path %s --size 2M --random --baseline --queue-depth 8 --json",
+                     dir),
+                 0, "%s", o);
+    int rows = 0;
+    for (char *line = strtok(o, "\n"); line; line = strtok(NULL, "\n")) {
+        json_t *j = json_loads(line, 0, NULL);
+        cr_assert_not_null(j, "%s", line);
+        cr_expect(json_is_true(json_object_get(j, "random")), "%s", line);
+        cr_expect(json_is_true(json_object_get(j, "verified")), "%s", line);
+        cr_expect_eq(json_integer_value(json_object_get(j, "block_size")), 4096, "%s", line);
+        cr_expect_eq(json_integer_value(json_object_get(j, "requests")), 512, "%s", line);
+        cr_expect_gt(json_number_value(json_object_get(j, "iops")), 0, "%s", line);
+        json_t *l = json_object_get(j, "lat_us");
+        double p50 = json_number_value(json_object_get(l, "p50")),
+               p90 = json_number_value(json_object_get(l, "p90")),
+               p99 = json_number_value(json_object_get(l, "p99")),
+               p999 = json_number_value(json_object_get(l, "p99.9"));
+        cr_expect(p50 > 0 && p50 <= p90 && p90 <= p99 && p99 <= p999, "%s", line);
+        json_decref(j);
+        rows++;
+    }
+    cr_expect_eq(rows, 4); /* zinf and pread, write and read */
+    free(o);
+    cr_assert_eq(run(&o, "bench --path %s --size 1M --random --block-size 64K", dir), 0, "%s", o);
+    cr_assert(strstr(o, "p99.9") && strstr(o, "--random: the blocks in a random order"), "%s", o);
+    free(o);
+}
+
 Test(cli, bench_threads_backend)
 {
     char *o;
@@ -168,6 +201,9 @@ Test(cli, bench_bad_arguments)
         {"bench --path %s --backend spdk", "--backend: must be io_uring or threads"},
         {"bench --path %s --frob", "unknown or incomplete option '--frob'"},
         {"bench --path %s --size 1000T", "the test needs"},
+        {"bench --path %s --random --block-size 2M", "--random: requests of 4K to 1M"},
+        {"bench --path %s --random --sweep", "the sweep is sequential"},
+        {"bench --path %s --seed x", "--seed: expected a number"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         char *o, args[1024];

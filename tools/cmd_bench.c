@@ -12,7 +12,14 @@
  * engine's thread reaps completions, and both are inside the timed region: the figures
  * are what a caller that touches its data gets.
  *
- * Not a general IO benchmark: sequential, one file, one process; fio is the tool for more.
+ * Each request's latency (from its submission to the engine until its completion reaches
+ * the caller) is kept: every row has IOPS and the p50/p90/p99/p99.9 latencies, as fio's
+ * lat. --random reads and writes the blocks in a random order (each once, as fio's
+ * randread/randwrite do with their random map), with requests of 4 KiB to 1 MiB; it keeps
+ * queue_depth requests out (the sequential passes keep twice that, half of them waiting in
+ * the engine's queue, which their latencies include).
+ *
+ * Not a general IO benchmark: one file, one process; fio is the tool for more.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -43,6 +50,8 @@ struct bench_opts {
     unsigned queue_depth;
     unsigned submit_batch, rings;
     bool do_read, do_write, sweep, json, baseline, keep, sqpoll, no_fixed, no_huge;
+    bool random;    /* blocks in a random order, each once */
+    uint64_t seed;  /* of that order */
     enum uring_backend backend;
 };
 
@@ -56,6 +65,8 @@ struct row {
     bool verified, huge;
     unsigned submit_batch, rings; /* in use (uring_stats); 1 and 0 for pread rows */
     uint64_t bad_blocks;
+    uint64_t requests;
+    double lat_us[4]; /* p50, p90, p99, p99.9 of the requests' latencies */
     /* What the block device under the file saw during the pass (the whole device: other
      * IO on it counts too); dev_ok false where there is none (tmpfs) or no stat file. */
     bool dev_ok;
@@ -146,6 +157,48 @@ static double cpu_now(void)
            ru.ru_stime.tv_usec / 1e6;
 }
 
+/* ---- the order of the blocks, and the latencies ------------------------------------ */
+
+/* The blocks of bs in size bytes, each once: in order, or shuffled by seed. */
+static uint64_t *block_order(uint64_t size, size_t bs, bool shuffle, uint64_t seed, uint64_t *n)
+{
+    *n = (size + bs - 1) / bs;
+    uint64_t *o = malloc(*n * sizeof(*o));
+    if (!o) return NULL;
+    for (uint64_t i = 0; i < *n; i++)
+        o[i] = i;
+    uint64_t s = seed ? seed : PATTERN_SEED;
+    for (uint64_t i = *n; shuffle && i > 1; i--) { /* Fisher-Yates, splitmix64 */
+        uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        uint64_t j = z % i, t = o[i - 1];
+        o[i - 1] = o[j];
+        o[j] = t;
+    }
+    return o;
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The row's percentiles from n latencies in ns (sorted here). */
+static void latency_percentiles(struct row *r, uint64_t *lat, uint64_t n)
+{
+    static const double q[4] = {0.50, 0.90, 0.99, 0.999};
+    r->requests = n;
+    if (!n) return;
+    qsort(lat, n, sizeof(*lat), cmp_u64);
+    for (int i = 0; i < 4; i++) {
+        uint64_t k = (uint64_t)ceil(q[i] * (double)n); /* the nearest rank, as fio */
+        r->lat_us[i] = (double)lat[(k ? k : 1) - 1] / 1e3;
+    }
+}
+
 /* ---- one run through the engine --------------------------------------------------- */
 
 struct slot_queue {
@@ -153,16 +206,19 @@ struct slot_queue {
     pthread_cond_t cv;
     unsigned *ring; /* completed slots, FIFO */
     int *res;
+    uint64_t *done; /* when each completed (now_ns) */
     unsigned head, count, cap;
 };
 
 static void slot_cb(struct uring_req *req, int res)
 {
     struct slot_queue *q = req->data;
+    uint64_t t = now_ns();
     pthread_mutex_lock(&q->lock);
     unsigned at = (q->head + q->count) % q->cap;
     q->ring[at] = (unsigned)(uintptr_t)req->map_data;
     q->res[at] = res;
+    q->done[at] = t;
     q->count++;
     pthread_cond_signal(&q->cv);
     pthread_mutex_unlock(&q->lock);
@@ -173,33 +229,38 @@ static void slot_cb(struct uring_req *req, int res)
  * its own thread as each completes, so filling and checking here never leave the device
  * idle. */
 static int engine_run(struct uring *u, int file, enum uring_op op, uint64_t size, size_t bs,
-                      unsigned nslots, char *mem, struct row *row)
+                      unsigned nslots, char *mem, const uint64_t *order, struct row *row)
 {
     unsigned qd = nslots;
+    uint64_t nblocks = (size + bs - 1) / bs;
     struct uring_req *reqs = calloc(qd, sizeof(*reqs));
+    uint64_t *t_sub = calloc(qd, sizeof(uint64_t)), *lat = malloc(nblocks * sizeof(uint64_t));
     struct slot_queue q = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                           calloc(qd, sizeof(unsigned)), calloc(qd, sizeof(int)), 0, 0, qd};
-    uint64_t next = 0, finished = 0;
+                           calloc(qd, sizeof(unsigned)), calloc(qd, sizeof(int)),
+                           calloc(qd, sizeof(uint64_t)), 0, 0, qd};
+    uint64_t next = 0, finished = 0, nlat = 0; /* next: requests started */
     unsigned inflight = 0;
     int err = 0;
 
-    if (!reqs || !q.ring || !q.res) {
+    if (!reqs || !q.ring || !q.res || !q.done || !t_sub || !lat) {
         err = -ENOMEM;
         goto out;
     }
     double c0 = cpu_now();
     uint64_t t0 = now_ns();
-    for (unsigned s = 0; s < qd && next < size; s++) {
-        size_t n = (size_t)MIN((uint64_t)bs, size - next);
+    for (unsigned s = 0; s < qd && next < nblocks; s++) {
+        uint64_t off = (order ? order[next] : next) * bs;
+        size_t n = (size_t)MIN((uint64_t)bs, size - off);
         char *buf = mem + (size_t)s * bs;
         if (op == URING_WRITE)
-            pattern_fill(buf, n, next);
+            pattern_fill(buf, n, off);
         /* map_data is unused by plain requests: it carries the slot number back. */
-        reqs[s] = (struct uring_req){.op = op, .file = file, .buf = buf, .len = n, .off = next,
+        reqs[s] = (struct uring_req){.op = op, .file = file, .buf = buf, .len = n, .off = off,
                                      .cb = slot_cb, .data = &q, .map_data = (void *)(uintptr_t)s};
+        t_sub[s] = now_ns();
         if ((err = uring_submit(u, &reqs[s])) < 0)
             goto drain;
-        next += n;
+        next++;
         inflight++;
     }
     while (inflight) {
@@ -208,6 +269,7 @@ static int engine_run(struct uring *u, int file, enum uring_op op, uint64_t size
             pthread_cond_wait(&q.cv, &q.lock);
         unsigned s = q.ring[q.head];
         int res = q.res[q.head];
+        uint64_t done = q.done[q.head];
         q.head = (q.head + 1) % q.cap;
         q.count--;
         pthread_mutex_unlock(&q.lock);
@@ -219,19 +281,22 @@ static int engine_run(struct uring *u, int file, enum uring_op op, uint64_t size
                 err = res;
             continue;
         }
+        lat[nlat++] = done - t_sub[s];
         if (op == URING_READ && !pattern_check(r->buf, r->len, r->off))
             row->bad_blocks++;
         finished += r->len;
-        if (err || next >= size)
+        if (err || next >= nblocks)
             continue;
-        size_t n = (size_t)MIN((uint64_t)bs, size - next);
-        r->off = next;
+        uint64_t off = (order ? order[next] : next) * bs;
+        size_t n = (size_t)MIN((uint64_t)bs, size - off);
+        r->off = off;
         r->len = n;
         if (op == URING_WRITE)
-            pattern_fill(r->buf, n, next);
+            pattern_fill(r->buf, n, off);
+        t_sub[s] = now_ns();
         if ((err = uring_submit(u, r)) < 0)
             continue;
-        next += n;
+        next++;
         inflight++;
     }
     if (op == URING_WRITE && !err && fdatasync(uring_file_fd(u, file)) < 0)
@@ -240,6 +305,7 @@ static int engine_run(struct uring *u, int file, enum uring_op op, uint64_t size
     row->cpu_seconds = cpu_now() - c0;
     row->bytes = finished;
     row->verified = op == URING_READ ? row->bad_blocks == 0 : true;
+    latency_percentiles(row, lat, nlat);
 drain:
     while (inflight) { /* only after a failed submit: collect what is still out */
         pthread_mutex_lock(&q.lock);
@@ -253,6 +319,9 @@ drain:
 out:
     free(q.ring);
     free(q.res);
+    free(q.done);
+    free(t_sub);
+    free(lat);
     free(reqs);
     return err;
 }
@@ -260,47 +329,60 @@ out:
 /* ---- the baseline: plain pread/pwrite, one request at a time ------------------------ */
 
 static int baseline_run(const char *path, enum uring_op op, uint64_t size, size_t bs, char *buf,
-                        struct row *row)
+                        const uint64_t *order, struct row *row)
 {
     int fd = open(path, (op == URING_WRITE ? O_WRONLY | O_CREAT : O_RDONLY) | O_DIRECT, 0644);
     if (fd < 0 && errno == EINVAL)
         fd = open(path, op == URING_WRITE ? O_WRONLY | O_CREAT : O_RDONLY, 0644);
     if (fd < 0)
         return -errno;
+    uint64_t nblocks = (size + bs - 1) / bs, nlat = 0, moved = 0;
+    uint64_t *lat = malloc(nblocks * sizeof(uint64_t));
+    if (!lat) {
+        close(fd);
+        return -ENOMEM;
+    }
     double c0 = cpu_now();
-    uint64_t t0 = now_ns(), off = 0;
+    uint64_t t0 = now_ns();
     int err = 0;
-    while (off < size) {
-        size_t n = (size_t)MIN((uint64_t)bs, size - off);
-        ssize_t r;
-        if (op == URING_WRITE) {
-            pattern_fill(buf, n, off);
-            r = pwrite(fd, buf, n, (off_t)off);
-        } else {
-            r = pread(fd, buf, n, (off_t)off);
-        }
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r <= 0) {
-            err = r < 0 ? -errno : -ENODATA;
-            break;
-        }
-        if ((size_t)r != n) { /* short: retry the rest, like the engine does */
-            if (op == URING_READ && !pattern_check(buf, align_down((uint64_t)r, ZINF_ALIGN), off))
+    for (uint64_t k = 0; k < nblocks && !err; k++) {
+        uint64_t off = (order ? order[k] : k) * bs, end = MIN(off + bs, size);
+        uint64_t s0 = now_ns();
+        while (off < end) { /* a short transfer: the rest, as the engine does */
+            size_t n = (size_t)(end - off);
+            ssize_t r;
+            if (op == URING_WRITE) {
+                pattern_fill(buf, n, off);
+                r = pwrite(fd, buf, n, (off_t)off);
+            } else {
+                r = pread(fd, buf, n, (off_t)off);
+            }
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r <= 0) {
+                err = r < 0 ? -errno : -ENODATA;
+                break;
+            }
+            size_t got = (size_t)r == n ? n : (size_t)align_down((uint64_t)r, ZINF_ALIGN);
+            if (!got) {
+                err = -EIO; /* less than a page moved: O_DIRECT cannot go on from there */
+                break;
+            }
+            if (op == URING_READ && !pattern_check(buf, got, off))
                 row->bad_blocks++;
-            off += align_down((uint64_t)r, ZINF_ALIGN);
-            continue;
+            off += got;
+            moved += got;
         }
-        if (op == URING_READ && !pattern_check(buf, n, off))
-            row->bad_blocks++;
-        off += n;
+        lat[nlat++] = now_ns() - s0;
     }
     if (!err && op == URING_WRITE && fdatasync(fd) < 0)
         err = -errno;
     row->seconds = (double)(now_ns() - t0) / 1e9;
     row->cpu_seconds = cpu_now() - c0;
-    row->bytes = off;
+    row->bytes = moved;
     row->verified = op == URING_READ ? row->bad_blocks == 0 : true;
+    latency_percentiles(row, lat, nlat);
+    free(lat);
     close(fd);
     return err;
 }
@@ -310,6 +392,11 @@ static int baseline_run(const char *path, enum uring_op op, uint64_t size, size_
 static double gbps(const struct row *r)
 {
     return r->seconds > 0 ? (double)r->bytes / r->seconds / 1e9 : 0;
+}
+
+static double iops(const struct row *r)
+{
+    return r->seconds > 0 ? (double)r->requests / r->seconds : 0;
 }
 
 static void print_header(const struct bench_opts *o, const char *path, struct uring_stats *st,
@@ -334,12 +421,17 @@ static void print_header(const struct bench_opts *o, const char *path, struct ur
     printf("# dev_reqs, merges, dev_avg: requests the block device under the path completed in\n"
            "#   the pass, how many it merged into others, their average size (the whole device:\n"
            "#   other IO on it counts too; '-' where there is no block device)\n");
+    printf("# iops, p50..p99.9: requests per second, and their latency from submission to\n"
+           "#   completion (fio's lat)%s\n",
+           o->random ? "; --random: the blocks in a random order, each once"
+                     : "; sequential passes keep 2 x qd requests out, so these include the\n"
+                       "#   wait in the engine's queue");
     printf("#\n");
-    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s %8s %9s %9s\n", "engine", "op", "size",
-           "block", "qd", "time", "GB/s", "cpu_s/GB", "dev_reqs", "merges", "dev_avg",
-           "verified");
-    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s %8s %9s %9s\n", "", "", "(B)", "(B)", "",
-           "(s)", "", "", "", "", "(B)", "");
+    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s %9s %9s %9s %9s %9s %8s %9s %9s\n", "engine",
+           "op", "size", "block", "qd", "time", "GB/s", "iops", "p50", "p90", "p99", "p99.9",
+           "cpu_s/GB", "dev_reqs", "merges", "dev_avg", "verified");
+    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s %9s %9s %9s %9s %9s %8s %9s %9s\n", "", "",
+           "(B)", "(B)", "", "(s)", "", "", "(us)", "(us)", "(us)", "(us)", "", "", "", "(B)", "");
 }
 
 static void print_row(const struct bench_opts *o, const struct row *r, int err)
@@ -359,19 +451,27 @@ static void print_row(const struct bench_opts *o, const struct row *r, int err)
             snprintf(dev, sizeof(dev),
                      "{\"requests\": %s, \"merges\": %s, \"avg_request_bytes\": %s}", reqs,
                      merges, avg);
-        printf("{\"engine\": \"%s\", \"op\": \"%s\", \"bytes\": %llu, \"block_size\": %zu, "
+        printf("{\"engine\": \"%s\", \"op\": \"%s\", \"random\": %s, \"bytes\": %llu, "
+               "\"block_size\": %zu, "
                "\"queue_depth\": %u, \"submit_batch\": %u, \"rings\": %u, \"huge_pages\": %s, "
-               "\"seconds\": %.6f, \"GBps\": %.4f, \"cpu_s_per_GB\": %.4f, "
+               "\"seconds\": %.6f, \"GBps\": %.4f, \"requests\": %llu, \"iops\": %.1f, "
+               "\"lat_us\": {\"p50\": %.3f, \"p90\": %.3f, \"p99\": %.3f, \"p99.9\": %.3f}, "
+               "\"cpu_s_per_GB\": %.4f, "
                "\"device\": %s, \"verified\": %s, \"bad_blocks\": %llu, \"error\": %s%s%s}\n",
-               r->engine, r->op, (unsigned long long)r->bytes, r->block_size, r->queue_depth,
+               r->engine, r->op, o->random ? "true" : "false", (unsigned long long)r->bytes,
+               r->block_size, r->queue_depth,
                r->submit_batch, r->rings, r->huge ? "true" : "false", r->seconds, gbps(r),
-               gb > 0 ? r->cpu_seconds / gb : 0, dev, !err && r->verified ? "true" : "false",
+               (unsigned long long)r->requests, iops(r), r->lat_us[0], r->lat_us[1], r->lat_us[2],
+               r->lat_us[3], gb > 0 ? r->cpu_seconds / gb : 0, dev,
+               !err && r->verified ? "true" : "false",
                (unsigned long long)r->bad_blocks, err ? "\"" : "",
                err ? zinf_strerror(err) : "null", err ? "\"" : "");
     } else {
-        printf("  %7s %6s %14llu %9zu %5u %9.3f %8.3f %9.3f %9s %8s %9s %9s\n", r->engine, r->op,
-               (unsigned long long)r->bytes, r->block_size, r->queue_depth, r->seconds, gbps(r),
-               gb > 0 ? r->cpu_seconds / gb : 0, reqs, merges, avg, v);
+        printf("  %7s %6s %14llu %9zu %5u %9.3f %8.3f %9.0f %9.1f %9.1f %9.1f %9.1f %9.3f %9s %8s "
+               "%9s %9s\n",
+               r->engine, r->op, (unsigned long long)r->bytes, r->block_size, r->queue_depth,
+               r->seconds, gbps(r), iops(r), r->lat_us[0], r->lat_us[1], r->lat_us[2],
+               r->lat_us[3], gb > 0 ? r->cpu_seconds / gb : 0, reqs, merges, avg, v);
         if (err)
             printf("# %s %s failed: %s\n", r->engine, r->op, zinf_strerror(err));
     }
@@ -411,7 +511,14 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
     struct uring *u = NULL;
     struct row row;
     int err, fails = 0, file, region = -1;
-    unsigned nslots = (unsigned)MIN((uint64_t)2 * qd, c->mem_bytes / bs);
+    /* Random: exactly qd out, so that a latency is the device's and the engine's only. */
+    unsigned nslots = (unsigned)MIN((uint64_t)(c->o.random ? 1 : 2) * qd, c->mem_bytes / bs);
+    uint64_t nblocks;
+    uint64_t *order = block_order(c->o.size, bs, c->o.random, c->o.seed, &nblocks);
+    if (!order) {
+        fprintf(stderr, "zinf bench: no memory for the order of %s's blocks\n", c->path);
+        return 1;
+    }
 
     if ((err = uring_open(&uo, &u)) < 0 ||
         (file = err = uring_file_open(u, c->path, O_RDWR, 0)) < 0) {
@@ -432,7 +539,7 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
                            .submit_batch = ps.submit_batch,
                            .rings = ps.rings};
         struct devsnap d0 = dev_snap(c->path);
-        err = engine_run(u, file, URING_WRITE, c->o.size, bs, nslots, c->mem, &row);
+        err = engine_run(u, file, URING_WRITE, c->o.size, bs, nslots, c->mem, order, &row);
         struct devsnap d1 = dev_snap(c->path);
         dev_account(&row, &d0, &d1, URING_WRITE);
         if (report)
@@ -451,7 +558,7 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
                            .submit_batch = ps.submit_batch,
                            .rings = ps.rings};
         struct devsnap d0 = dev_snap(c->path);
-        err = engine_run(u, file, URING_READ, c->o.size, bs, nslots, c->mem, &row);
+        err = engine_run(u, file, URING_READ, c->o.size, bs, nslots, c->mem, order, &row);
         struct devsnap d1 = dev_snap(c->path);
         dev_account(&row, &d0, &d1, URING_READ);
         if (report)
@@ -463,6 +570,7 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
     if (region >= 0)
         uring_buf_unregister(u, region);
     uring_close(u);
+    free(order);
     return fails;
 }
 
@@ -483,7 +591,7 @@ static int ensure_file(struct bench_ctx *c)
     }
     return engine_run(c->u, c->file, URING_WRITE, c->o.size, c->o.block_size,
                       (unsigned)MIN((uint64_t)c->o.queue_depth, c->mem_bytes / c->o.block_size),
-                      c->mem, &row);
+                      c->mem, NULL, &row);
 }
 
 static void usage(FILE *f)
@@ -497,6 +605,9 @@ static void usage(FILE *f)
             "  --read | --write | --both   which passes to time (default both); --read alone\n"
             "                      first writes the file when it is missing\n"
             "  --baseline          add rows done with plain pread/pwrite, one at a time\n"
+            "  --random            the blocks in a random order, each once (fio's randread and\n"
+            "                      randwrite); --block-size 4K..1M, default 4K\n"
+            "  --seed N            that order (default: a fixed one)\n"
             "  --sweep             block sizes 128K..8M x queue depths 1..128; prints the best\n"
             "                      as an aio config snippet\n"
             "  --json              one JSON object per row on stdout\n"
@@ -519,7 +630,7 @@ static void usage(FILE *f)
 static int parse_args(int argc, char **argv, struct bench_opts *o)
 {
     enum { O_READ = 256, O_WRITE, O_BOTH, O_SWEEP, O_JSON, O_BASE, O_KEEP, O_BACKEND, O_SQPOLL,
-           O_NOFIXED, O_NOHUGE, O_BATCH, O_RINGS };
+           O_NOFIXED, O_NOHUGE, O_BATCH, O_RINGS, O_RANDOM, O_SEED };
     static const struct option longopts[] = {
         {"path", required_argument, NULL, 'p'},
         {"size", required_argument, NULL, 's'},
@@ -538,10 +649,12 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
         {"no-huge-pages", no_argument, NULL, O_NOHUGE},
         {"submit-batch", required_argument, NULL, O_BATCH},
         {"rings", required_argument, NULL, O_RINGS},
+        {"random", no_argument, NULL, O_RANDOM},
+        {"seed", required_argument, NULL, O_SEED},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
-    bool rd = false, wr = false;
+    bool rd = false, wr = false, bs_given = false;
     uint64_t v;
     int ch;
 
@@ -565,6 +678,7 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
                 return -1;
             }
             o->block_size = v;
+            bs_given = true;
             break;
         case 'q':
             if (parse_size(optarg, &v) < 0 || v == 0 || v > 4096) {
@@ -580,6 +694,14 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
         case O_JSON: o->json = true; break;
         case O_BASE: o->baseline = true; break;
         case O_KEEP: o->keep = true; break;
+        case O_RANDOM: o->random = true; break;
+        case O_SEED:
+            if (parse_size(optarg, &v) < 0) {
+                fprintf(stderr, "zinf bench: --seed: expected a number, got '%s'\n", optarg);
+                return -1;
+            }
+            o->seed = v;
+            break;
         case O_SQPOLL: o->sqpoll = true; break;
         case O_NOFIXED: o->no_fixed = true; break;
         case O_NOHUGE: o->no_huge = true; break;
@@ -622,6 +744,18 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
     if (!o->dir) {
         fprintf(stderr, "zinf bench: --path DIR is required\n");
         return -1;
+    }
+    if (o->random) {
+        if (!bs_given) o->block_size = 4 * KiB;
+        if (o->block_size > MiB) {
+            fprintf(stderr, "zinf bench: --random: requests of 4K to 1M, got --block-size %zu\n",
+                    o->block_size);
+            return -1;
+        }
+        if (o->sweep) {
+            fprintf(stderr, "zinf bench: --random and --sweep: the sweep is sequential; give one\n");
+            return -1;
+        }
     }
     o->do_read = rd || !wr;
     o->do_write = wr || !rd;
@@ -768,6 +902,13 @@ int cmd_bench(int argc, char **argv)
     if (c.o.baseline) {
         struct row row;
         char *buf = c.mem;
+        uint64_t nblocks;
+        uint64_t *order = block_order(c.o.size, c.o.block_size, c.o.random, c.o.seed, &nblocks);
+        if (!order) {
+            fprintf(stderr, "zinf bench: no memory for the order of the blocks\n");
+            fails++;
+            goto out;
+        }
         if (c.o.do_write) {
             row = (struct row){.engine = "pread",
                                .op = "write",
@@ -776,7 +917,7 @@ int cmd_bench(int argc, char **argv)
                                .huge = c.huge,
                                .submit_batch = 1};
             struct devsnap d0 = dev_snap(c.path);
-            r = baseline_run(c.path, URING_WRITE, c.o.size, c.o.block_size, buf, &row);
+            r = baseline_run(c.path, URING_WRITE, c.o.size, c.o.block_size, buf, order, &row);
             struct devsnap d1 = dev_snap(c.path);
             dev_account(&row, &d0, &d1, URING_WRITE);
             print_row(&c.o, &row, r);
@@ -791,12 +932,13 @@ int cmd_bench(int argc, char **argv)
                                .huge = c.huge,
                                .submit_batch = 1};
             struct devsnap d0 = dev_snap(c.path);
-            r = baseline_run(c.path, URING_READ, c.o.size, c.o.block_size, buf, &row);
+            r = baseline_run(c.path, URING_READ, c.o.size, c.o.block_size, buf, order, &row);
             struct devsnap d1 = dev_snap(c.path);
             dev_account(&row, &d0, &d1, URING_READ);
             print_row(&c.o, &row, r);
             fails += r != 0 || !row.verified;
         }
+        free(order);
     }
     if (!c.o.json)
         printf("# %s\n", fails ? "FAILED: see the rows marked error or FAIL" : "all rows verified");
