@@ -113,7 +113,10 @@ struct zinf_stats {
      * growing, before a copy can be evicted), and a pin: another caller's hold on the copy
      * needed, or a transfer reading it. The rest of blocked_ns is the work between waits. */
     uint64_t blocked_nvme_ns, blocked_copy_ns, blocked_room_ns, blocked_pin_ns;
-    uint64_t reserved[2];
+    /* The flush running now, or the last one: the bytes of the tensors it covers, and of
+     * those it has been through (written, or checked unchanged): its progress, for a caller
+     * that watches it from another thread. */
+    uint64_t flush_bytes_total, flush_bytes_done;
 };
 
 /* Open an engine. opt may be NULL (all defaults). */

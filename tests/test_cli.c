@@ -2670,3 +2670,30 @@ Test(cli, plot_draws_a_training_log_as_a_png, .timeout = 120)
     cr_assert(strstr(o, "--size 10x10"), "%s", o);
     free(o);
 }
+
+/* On a terminal zinf bench draws a progress bar (bytes, rate, ETA) on stderr and erases it;
+ * through a pipe, or with --json, there is none: the rows are all there is. */
+Test(cli, bench_draws_progress_on_a_terminal_only)
+{
+    char *o;
+    if (system("command -v script > /dev/null 2>&1") != 0)
+        cr_skip_test("no script(1) to give the command a terminal");
+    const char *bin = getenv("ZINF_BIN");
+    char cmd[8192];
+    snprintf(cmd, sizeof(cmd), "script -qec '%s bench --path %s --size 32M --block-size 64K' "
+                               "/dev/null",
+             bin, dir);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    static char buf[1 << 16];
+    size_t n = fread(buf, 1, sizeof(buf) - 1, p);
+    buf[n] = '\0';
+    cr_assert_eq(pclose(p), 0, "%s", buf);
+    cr_assert(strstr(buf, "write [") && strstr(buf, " of 32 MiB, ") && strstr(buf, "ETA "), "%s",
+              buf);
+    cr_assert(strstr(buf, "\r\033[K"), "the bar is erased: %s", buf);
+    cr_assert(strstr(buf, "all rows verified"), "%s", buf);
+    cr_assert_eq(run(&o, "bench --path %s --size 4M", dir), 0, "%s", o);
+    cr_assert_null(strstr(o, "ETA "), "no bar through a pipe: %s", o);
+    free(o);
+}

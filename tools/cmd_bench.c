@@ -39,6 +39,7 @@
 #include "common.h"
 #include "hugemem.h"
 #include "io/uring.h"
+#include "progress.h"
 
 #define PATTERN_SEED 0x7a696e66ull /* "zinf" */
 #define BENCH_FILE "zinf-bench.dat"
@@ -157,6 +158,9 @@ static double cpu_now(void)
            ru.ru_stime.tv_usec / 1e6;
 }
 
+/* Whether passes draw a progress bar (a terminal, no --json). */
+static bool show_progress;
+
 /* ---- the order of the blocks, and the latencies ------------------------------------ */
 
 /* The blocks of bs in size bytes, each once: in order, or shuffled by seed. */
@@ -246,6 +250,8 @@ static int engine_run(struct uring *u, int file, enum uring_op op, uint64_t size
         err = -ENOMEM;
         goto out;
     }
+    struct progress pg;
+    progress_start(&pg, show_progress, op == URING_WRITE ? "write" : "read", size);
     double c0 = cpu_now();
     uint64_t t0 = now_ns();
     for (unsigned s = 0; s < qd && next < nblocks; s++) {
@@ -285,6 +291,7 @@ static int engine_run(struct uring *u, int file, enum uring_op op, uint64_t size
         if (op == URING_READ && !pattern_check(r->buf, r->len, r->off))
             row->bad_blocks++;
         finished += r->len;
+        progress_show(&pg, finished);
         if (err || next >= nblocks)
             continue;
         uint64_t off = (order ? order[next] : next) * bs;
@@ -307,6 +314,7 @@ static int engine_run(struct uring *u, int file, enum uring_op op, uint64_t size
     row->verified = op == URING_READ ? row->bad_blocks == 0 : true;
     latency_percentiles(row, lat, nlat);
 drain:
+    progress_end(&pg);
     while (inflight) { /* only after a failed submit: collect what is still out */
         pthread_mutex_lock(&q.lock);
         while (q.count == 0)
@@ -342,6 +350,8 @@ static int baseline_run(const char *path, enum uring_op op, uint64_t size, size_
         close(fd);
         return -ENOMEM;
     }
+    struct progress pg;
+    progress_start(&pg, show_progress, op == URING_WRITE ? "pwrite" : "pread", size);
     double c0 = cpu_now();
     uint64_t t0 = now_ns();
     int err = 0;
@@ -374,7 +384,9 @@ static int baseline_run(const char *path, enum uring_op op, uint64_t size, size_
             moved += got;
         }
         lat[nlat++] = now_ns() - s0;
+        progress_show(&pg, moved);
     }
+    progress_end(&pg);
     if (!err && op == URING_WRITE && fdatasync(fd) < 0)
         err = -errno;
     row->seconds = (double)(now_ns() - t0) / 1e9;
@@ -777,6 +789,7 @@ int cmd_bench(int argc, char **argv)
     r = parse_args(argc, argv, &c.o);
     if (r)
         return r > 0 ? 0 : (usage(stderr), 2);
+    show_progress = progress_wanted(c.o.json);
     if (stat(c.o.dir, &sb) < 0 || !S_ISDIR(sb.st_mode)) {
         fprintf(stderr, "zinf bench: --path %s: %s\n", c.o.dir,
                 stat(c.o.dir, &sb) < 0 ? strerror(errno) : "not a directory");

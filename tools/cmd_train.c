@@ -14,16 +14,19 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cmd.h"
 #include "common.h"
 #include "config.h"
+#include "progress.h"
 #include "trace.h"
 #include "train/trainer.h"
 
@@ -347,11 +350,62 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
 }
 
 /* Make the state durable and say what it cost: one line, and one JSON line with --log. */
+/* A checkpoint's progress bar, on a terminal: a thread that watches the engine's flush
+ * (zinf_stats' flush_bytes_*) while trainer_checkpoint() runs, drawn once it has taken
+ * half a second. */
+struct ckpt_watch {
+    zinf_engine *e;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stop;
+};
+
+static void *ckpt_watch_main(void *arg)
+{
+    struct ckpt_watch *w = arg;
+    struct progress pg;
+    progress_start(&pg, true, "checkpoint", 0);
+    pg.delay_ns = 500000000ull;
+    pthread_mutex_lock(&w->mu);
+    while (!w->stop) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+        if (w->stop) break;
+        pthread_mutex_unlock(&w->mu);
+        struct zinf_stats st;
+        if (zinf_stats(w->e, &st) == 0 && st.flush_bytes_done < st.flush_bytes_total) {
+            pg.total = st.flush_bytes_total;
+            progress_show(&pg, st.flush_bytes_done);
+        }
+        pthread_mutex_lock(&w->mu);
+    }
+    pthread_mutex_unlock(&w->mu);
+    progress_end(&pg);
+    return NULL;
+}
+
 static int checkpoint(struct trainer *t, FILE *log)
 {
     struct trainer_summary sum;
     char a[32];
+    struct ckpt_watch w = {.e = trainer_engine(t), .mu = PTHREAD_MUTEX_INITIALIZER,
+                           .cv = PTHREAD_COND_INITIALIZER};
+    pthread_t th;
+    bool watching = progress_wanted(false) && pthread_create(&th, NULL, ckpt_watch_main, &w) == 0;
     int r = trainer_checkpoint(t);
+    if (watching) {
+        pthread_mutex_lock(&w.mu);
+        w.stop = true;
+        pthread_cond_signal(&w.cv);
+        pthread_mutex_unlock(&w.mu);
+        pthread_join(th, NULL);
+    }
     if (r < 0) {
         fprintf(stderr, "zinf train: the checkpoint of step %d failed: %s%s\n",
                 trainer_next_step(t) - 1, zinf_strerror(r),

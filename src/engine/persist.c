@@ -429,15 +429,19 @@ int persist_flush(struct zinf_engine *e)
         goto out;
     }
     size_t nh = 0;
+    e->st.flush_bytes_total = e->st.flush_bytes_done = 0;
     for (uint32_t i = 0; i < e->ntensors; i++)
-        if (e->tensors[i])
+        if (e->tensors[i]) {
             hs[nh++] = e->tensors[i]->handle;
+            e->st.flush_bytes_total += e->tensors[i]->alloc_bytes;
+        }
 
     for (size_t i = 0; i < nh; i++) {
         struct tensor *t = engine_tensor_lock(e, hs[i]);
         if (!t)
             continue;
         r = flush_tensor(e, t, &ents[n]);
+        e->st.flush_bytes_done += t->alloc_bytes;
         if (r == 0 && t->has_swap) {
             /* From here until the manifest is committed or abandoned, writes to t must not
              * land in the extent it names (the lock is dropped while it is written). */
@@ -449,6 +453,7 @@ int persist_flush(struct zinf_engine *e)
             goto out;
         n++;
     }
+    e->st.flush_bytes_done = e->st.flush_bytes_total; /* those unregistered meanwhile too */
 
     pthread_mutex_unlock(&e->lock);
     r = nvme_sync(e->nvme);
