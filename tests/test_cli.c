@@ -2697,3 +2697,23 @@ Test(cli, bench_draws_progress_on_a_terminal_only)
     cr_assert_null(strstr(o, "ETA "), "no bar through a pipe: %s", o);
     free(o);
 }
+
+/* zinf tune --plot draws the block size x queue depth heatmap beside its table. */
+Test(cli, tune_plot_draws_the_heatmap, .timeout = 120)
+{
+    char *o, png[4200];
+    if (system("gnuplot --version > /dev/null 2>&1") != 0)
+        cr_skip_test("gnuplot is not installed (scripts/setup.sh installs gnuplot-nox)");
+    snprintf(png, sizeof(png), "%s/heat.png", dir);
+    cr_assert_eq(run(&o,
+                     "tune --path %s --size 2M --block-sizes 64K,128K --queue-depths 1,2 "
+                     "--plot %s",
+                     dir, png),
+                 0, "%s", o);
+    cr_assert(strstr(o, "# heatmap written to "), "%s", o);
+    free(o);
+    unsigned w = 0, h = 0;
+    cr_assert(png_size(png, &w, &h), "%s is not a PNG", png);
+    cr_expect_eq(w, 640);
+    cr_expect_eq(h, 480);
+}

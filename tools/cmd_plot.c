@@ -11,18 +11,15 @@
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
-#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cmd.h"
 #include "common.h"
-
-extern char **environ;
+#include "gnuplot.h"
 
 struct point {
     bool set, eval;
@@ -151,17 +148,6 @@ static int read_log(const char *path, struct run *r)
     return 0;
 }
 
-/* s in a gnuplot single-quoted string ('' is a quote). */
-static void gp_quote(FILE *f, const char *s)
-{
-    fputc('\'', f);
-    for (; *s; s++) {
-        if (*s == '\'') fputc('\'', f);
-        fputc(*s, f);
-    }
-    fputc('\'', f);
-}
-
 static int write_files(const char *tmp, const struct run *r, const char *out, int w, int h,
                        const char *title)
 {
@@ -184,11 +170,11 @@ static int write_files(const char *tmp, const struct run *r, const char *out, in
     FILE *g = fopen(p, "w");
     if (!g) return -errno;
     fprintf(g, "set terminal pngcairo size %d,%d noenhanced font 'sans,10'\nset output ", w, h);
-    gp_quote(g, out);
+    gnuplot_quote(g, out);
     fprintf(g, "\nset datafile missing 'NaN'\ncd ");
-    gp_quote(g, tmp);
+    gnuplot_quote(g, tmp);
     fprintf(g, "\nset multiplot layout 2,2 title ");
-    gp_quote(g, title);
+    gnuplot_quote(g, title);
     fprintf(g, "\nset grid\nset key top right\nset xlabel 'step'\n");
     fprintf(g, "set title 'loss'\nplot 'steps.dat' using 1:2 with lines lw 2 title 'train'");
     if (r->evals) fprintf(g, ", 'evals.dat' using 1:2 with linespoints lw 2 title 'validation'");
@@ -217,16 +203,7 @@ static int write_files(const char *tmp, const struct run *r, const char *out, in
     return 0;
 }
 
-static void rm_tmp(const char *tmp)
-{
-    static const char *const names[] = {"steps.dat", "evals.dat", "plot.gp"};
-    char p[4096];
-    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
-        snprintf(p, sizeof(p), "%s/%s", tmp, names[i]);
-        unlink(p);
-    }
-    rmdir(tmp);
-}
+static const char *const tmp_names[] = {"steps.dat", "evals.dat", "plot.gp", NULL};
 
 int cmd_plot(int argc, char **argv)
 {
@@ -285,46 +262,25 @@ int cmd_plot(int argc, char **argv)
     char ttl[512];
     snprintf(ttl, sizeof(ttl), "%s: %s%s%d steps", title ? title : in, r.title,
              r.title[0] ? ", " : "", r.steps);
-    const char *td = getenv("TMPDIR");
     char tmp[1024];
-    snprintf(tmp, sizeof(tmp), "%s/zinf-plot-XXXXXX", td && td[0] ? td : "/tmp");
-    if (!mkdtemp(tmp)) {
-        fprintf(stderr, "zinf plot: a temporary directory in %s: %s\n", td ? td : "/tmp",
-                strerror(errno));
+    int e = gnuplot_tmpdir(tmp, sizeof(tmp));
+    if (e < 0) {
+        fprintf(stderr, "zinf plot: a temporary directory: %s\n", strerror(-e));
         free(r.p);
         return 1;
     }
-    int e = write_files(tmp, &r, out, w, h, ttl);
+    e = write_files(tmp, &r, out, w, h, ttl);
     free(r.p);
     if (e < 0) {
         fprintf(stderr, "zinf plot: writing gnuplot's input in %s: %s\n", tmp, strerror(-e));
-        rm_tmp(tmp);
+        gnuplot_rmdir(tmp, tmp_names);
         return 1;
     }
-    char script[4200];
+    char script[1100];
     snprintf(script, sizeof(script), "%s/plot.gp", tmp);
-    char *args[] = {"gnuplot", script, NULL};
-    pid_t pid;
-    unlink(out); /* what is there afterwards is gnuplot's */
-    e = posix_spawnp(&pid, "gnuplot", NULL, NULL, args, environ);
-    if (e) {
-        fprintf(stderr,
-                "zinf plot: cannot run gnuplot: %s%s\n", strerror(e),
-                e == ENOENT ? " (install it: apt-get install gnuplot-nox; scripts/setup.sh does)"
-                            : "");
-        rm_tmp(tmp);
-        return 1;
-    }
-    int st = 0;
-    while (waitpid(pid, &st, 0) < 0 && errno == EINTR)
-        ;
-    rm_tmp(tmp);
-    struct stat sb;
-    if (!WIFEXITED(st) || WEXITSTATUS(st) || stat(out, &sb) || sb.st_size == 0) {
-        fprintf(stderr, "zinf plot: gnuplot failed (status %#x) and %s was not written\n", st,
-                out);
-        return 1;
-    }
+    e = gnuplot_run("plot", script, out);
+    gnuplot_rmdir(tmp, tmp_names);
+    if (e) return e;
     printf("zinf plot: wrote %s (%d x %d): loss%s, tokens/s, NVMe GB/s%s over %d steps\n", out, w,
            h, r.evals ? " (train and validation)" : "", r.tiers ? ", tier occupancy" : "",
            r.steps);

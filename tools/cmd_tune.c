@@ -47,6 +47,7 @@
 #include "common.h"
 #include "config.h"
 #include "engine/engine.h"
+#include "gnuplot.h"
 #include "io/uring.h"
 
 extern char **environ;
@@ -73,6 +74,7 @@ struct tune_opts {
     unsigned reps;
     struct axis bs, qd, batch, rings, staging, huge; /* huge: 1 on, 0 off */
     const char *out;
+    const char *plot; /* --plot: the heatmap's PNG */
     bool force, json, quick;
 };
 
@@ -161,6 +163,8 @@ static void usage(FILE *f)
             "                        without --force); otherwise it is printed at the end\n"
             "  --json                results as JSON on stdout (one object per point, then the\n"
             "                        pick with its fragment)\n"
+            "  --plot FILE.png       also draw the block size x queue depth heatmap of the\n"
+            "                        medians (the best over the other axes) with gnuplot\n"
             "Progress goes to stderr: a bar with an ETA on a terminal, a line per measurement\n"
             "otherwise. The fragment has an \"aio\" and a \"zinf\" section: merge it into a\n"
             "config, or pass it to --config as it is.\n"
@@ -172,7 +176,7 @@ static void usage(FILE *f)
 static int parse_args(int argc, char **argv, struct tune_opts *o)
 {
     enum { O_MODE = 256, O_SIZE, O_TSIZE, O_REPS, O_BS, O_QD, O_BATCH, O_RINGS, O_STAGING, O_HUGE,
-           O_QUICK, O_OUT, O_FORCE, O_JSON };
+           O_QUICK, O_OUT, O_FORCE, O_JSON, O_PLOT };
     static const struct option longopts[] = {
         {"path", required_argument, NULL, 'p'},
         {"mode", required_argument, NULL, O_MODE},
@@ -189,6 +193,7 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
         {"out", required_argument, NULL, O_OUT},
         {"force", no_argument, NULL, O_FORCE},
         {"json", no_argument, NULL, O_JSON},
+        {"plot", required_argument, NULL, O_PLOT},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -283,6 +288,7 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
         case O_OUT: o->out = optarg; break;
         case O_FORCE: o->force = true; break;
         case O_JSON: o->json = true; break;
+        case O_PLOT: o->plot = optarg; break;
         case 'h': usage(stdout); return 1;
         default:
             fprintf(stderr, "zinf tune: unknown or incomplete option '%s'\n", argv[optind - 1]);
@@ -677,6 +683,91 @@ static void progress(bool tty, unsigned done, unsigned total, uint64_t t0, const
     }
 }
 
+/* ---- the heatmap ---------------------------------------------------------------------- */
+
+static const char *const heat_names[] = {"heat.dat", "heat.gp", NULL};
+
+/* Block size x queue depth, each cell the best median over the other axes (blank where
+ * every point failed), labelled with its GB/s; the picked cell outlined. 0, or 1 said. */
+static int draw_heatmap(const struct tune_opts *o, const struct point *g, unsigned n,
+                        const struct point *win)
+{
+    char tmp[1024], p[1100];
+    int e = gnuplot_tmpdir(tmp, sizeof(tmp));
+    if (e < 0) {
+        fprintf(stderr, "zinf tune: --plot: a temporary directory: %s\n", strerror(-e));
+        return 1;
+    }
+    snprintf(p, sizeof(p), "%s/heat.dat", tmp);
+    FILE *d = fopen(p, "w");
+    double top = 0;
+    for (unsigned i = 0; d && i < o->bs.n; i++) {
+        for (unsigned j = 0; j < o->qd.n; j++) {
+            double best = -1;
+            for (unsigned k = 0; k < n; k++)
+                if (!g[k].fails && g[k].n && g[k].bs == o->bs.v[i] && g[k].qd == o->qd.v[j] &&
+                    g[k].med > best)
+                    best = g[k].med;
+            if (best > top) top = best;
+            if (best >= 0)
+                fprintf(d, "%u %u %.4f\n", i, j, best);
+            else
+                fprintf(d, "%u %u NaN\n", i, j);
+        }
+        fputc('\n', d);
+    }
+    if (!d || fclose(d)) {
+        fprintf(stderr, "zinf tune: --plot: writing %s: %s\n", p, strerror(errno));
+        gnuplot_rmdir(tmp, heat_names);
+        return 1;
+    }
+    snprintf(p, sizeof(p), "%s/heat.gp", tmp);
+    FILE *s = fopen(p, "w");
+    if (!s) {
+        fprintf(stderr, "zinf tune: --plot: writing %s: %s\n", p, strerror(errno));
+        gnuplot_rmdir(tmp, heat_names);
+        return 1;
+    }
+    unsigned W = 140 + 90 * o->bs.n, H = 140 + 60 * o->qd.n;
+    fprintf(s, "set terminal pngcairo size %u,%u noenhanced font 'sans,10'\nset output ",
+            W < 640 ? 640 : W, H < 480 ? 480 : H);
+    gnuplot_quote(s, o->plot);
+    fprintf(s, "\ncd ");
+    gnuplot_quote(s, tmp);
+    fprintf(s, "\nset datafile missing 'NaN'\nset title '%s: median GB/s over %u rounds (the "
+               "best over the other axes)'\n",
+            o->mode == MODE_IO ? "zinf tune (write and read)" : "zinf tune (swap-in)", o->reps);
+    fprintf(s, "set xlabel 'block size'\nset ylabel 'queue depth'\nset xtics (");
+    for (unsigned i = 0; i < o->bs.n; i++) {
+        char b[32];
+        format_size(o->bs.v[i], b, sizeof(b));
+        fprintf(s, "%s'%s' %u", i ? ", " : "", b, i);
+    }
+    fprintf(s, ")\nset ytics (");
+    for (unsigned j = 0; j < o->qd.n; j++)
+        fprintf(s, "%s'%llu' %u", j ? ", " : "", (unsigned long long)o->qd.v[j], j);
+    fprintf(s, ")\nset xrange [-0.5:%u.5]\nset yrange [-0.5:%u.5]\n", o->bs.n - 1, o->qd.n - 1);
+    fprintf(s, "set cbrange [0:%.4f]\nset cblabel 'GB/s'\nset palette rgbformulae 33,13,10\n",
+            top > 0 ? top : 1);
+    if (win) {
+        for (unsigned i = 0; i < o->bs.n; i++)
+            for (unsigned j = 0; j < o->qd.n; j++)
+                if (o->bs.v[i] == win->bs && o->qd.v[j] == win->qd)
+                    fprintf(s, "set object 1 rect from %u-0.5,%u-0.5 to %u+0.5,%u+0.5 front "
+                               "fillstyle empty border lc rgb 'black' lw 3\n",
+                            i, j, i, j);
+    }
+    fprintf(s, "plot 'heat.dat' using 1:2:3 with image notitle, '' using 1:2:(sprintf('%%.2f', "
+               "$3)) with labels notitle\n");
+    fclose(s);
+    e = gnuplot_run("tune", p, o->plot);
+    gnuplot_rmdir(tmp, heat_names);
+    if (!e && !o->json)
+        printf("# heatmap written to %s (block size x queue depth, the picked cell outlined)\n",
+               o->plot);
+    return e;
+}
+
 /* ---- the pick ------------------------------------------------------------------------- */
 
 static int cmp_double(const void *a, const void *b)
@@ -995,6 +1086,7 @@ int cmd_tune(int argc, char **argv)
     } else {
         print_table(&o, g, n, best, win);
     }
+    int plot_failed = o.plot ? draw_heatmap(&o, g, n, win) : 0;
     if (!win) {
         fprintf(stderr, "zinf tune: every point failed (see the table); no fragment written\n");
         goto out;
@@ -1038,7 +1130,7 @@ int cmd_tune(int argc, char **argv)
         free(s);
     }
     json_decref(frag);
-    ret = 0;
+    ret = plot_failed ? 1 : 0; /* the fragment is written all the same */
 
 out:
     for (unsigned i = 0; i < o.npaths; i++) {
