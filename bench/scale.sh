@@ -11,7 +11,8 @@
 #   ZINF=build/tools/zinf  SHAPES="6x256 8x640 12x768 24x960" (layers x dim; heads = dim/64)
 #   SEQ=128 BATCH=16  DEVICE_BYTES=160M HOST_BYTES=320M (the offloaded run's budgets; the
 #   device budget must hold one block's working set at the largest dim)
-#   BLOCK=1M QD=32
+#   BLOCK=1M QD=32  PLOT=FILE.png (default DIR/scale.png; gnuplot draws step time, in memory
+#   and offloaded, against the model state; PLOT= draws nothing)
 set -euo pipefail
 
 dir=${1:?usage: bench/scale.sh DIR [STEPS]}
@@ -22,6 +23,7 @@ T=${SEQ:-128} B=${BATCH:-16}
 dev=${DEVICE_BYTES:-160M} host=${HOST_BYTES:-320M}
 block=${BLOCK:-1M} qd=${QD:-32}
 data=${DATA:-/usr/share/common-licenses/GPL-3}
+plot=${PLOT-$dir/scale.png}
 swap=$dir/scale-swap
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp" "$swap"' EXIT
@@ -92,6 +94,25 @@ share = (rd / braw + wr / wraw)
 print("  %7s %10.1f %10.1f %10.1f %6.3f %8.3f %8.3f %9.3f %7.0f%% %s" % (s, state / 2**20, mms,
       nms, nms / mms, rd, wr, share, bl * 100, "yes" if ml == nl else "NO"))
 PY
+  echo "$s $(awk -v b="$state" 'BEGIN { printf "%.1f", b / 1048576 }') $mms $nms" >> "$tmp/plot.dat"
 done
+if [ -n "$plot" ] && command -v gnuplot > /dev/null; then
+  gnuplot <<GP
+set terminal pngcairo size 900,600 noenhanced font 'sans,10'
+set output '$plot'
+set title 'zinf train: step time against model state (seq $T x batch $B, fp32)'
+set xlabel 'model state (MiB: parameters, gradients, Adam m and v)'
+set ylabel 'ms per step (median)'
+set logscale xy
+set grid
+set key top left
+plot '$tmp/plot.dat' using 2:3 with linespoints lw 2 pt 7 title 'in memory', \
+     '' using 2:4 with linespoints lw 2 pt 5 title 'offloaded to NVMe (device $dev, host $host)', \
+     '' using 2:4:1 with labels offset 0,1 notitle
+GP
+  echo "# drawn: $plot"
+elif [ -n "$plot" ]; then
+  echo "# not drawn: no gnuplot (scripts/setup.sh installs gnuplot-nox)"
+fi
 echo "# rd+wr/bench: the step's read GB/s over zinf bench's read plus its write GB/s over zinf"
 echo "#   bench's write: 1.0 is the drive kept as busy as zinf bench keeps it"
