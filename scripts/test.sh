@@ -64,6 +64,11 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/ts
 # sessions' pins and the client's pool of connections.
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
   ZINF_TEST_TMPDIR=$PWD/build-tsan/tests/tmp build-tsan/tests/stress_api 5 --service
+# Traced (ZINF_TRACE): every thread's ring and the one writer draining them.
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
+  ZINF_TRACE=$PWD/build-tsan/tests/tmp/stress-trace.json \
+  ZINF_TEST_TMPDIR=$PWD/build-tsan/tests/tmp build-tsan/tests/stress_api 3
+python3 -c "import json, sys; json.load(open(sys.argv[1]))" build-tsan/tests/tmp/stress-trace.json
 # The communicator's worker thread and callbacks, in ranks started by the launcher.
 ninja -C build-tsan tests/comm_rank
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" build/tools/zinf launch -n 3 -- \
@@ -82,5 +87,5 @@ OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
   TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
   build/tools/zinf launch -n 2 -- build-tsan/tools/zinf train --config "$zdir/zero.json" \
   --data README.md --layers 2 --dim 32 --heads 2 --seq 16 --batch 2 --steps 3 --checkpoint-every 1 \
-  --accumulate 2
+  --accumulate 2 --trace "$zdir/trace.json"
 rm -rf "$zdir"
