@@ -414,10 +414,17 @@ static void stop_at_exit(void)
     trace_stop();
 }
 
+/* A rank of a job (zinf launch sets RANK) other than 0 writes PATH.rank-R, as --trace does. */
 static void env_start(void)
 {
-    const char *path = getenv("ZINF_TRACE");
-    if (path && path[0] && trace_start(path) == 0) atexit(stop_at_exit);
+    const char *path = getenv("ZINF_TRACE"), *rank = getenv("RANK");
+    if (!path || !path[0]) return;
+    char buf[4096];
+    if (rank && atoi(rank) > 0) {
+        snprintf(buf, sizeof(buf), "%s.rank-%d", path, atoi(rank));
+        path = buf;
+    }
+    if (trace_start(path) == 0) atexit(stop_at_exit);
 }
 
 void trace_from_env(void)

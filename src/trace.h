@@ -49,8 +49,9 @@ int trace_start(const char *path);
 /* Write what the rings hold, close the array and the file: 0, or the first write error
  * (-errno, logged). No-op (0) when off. */
 int trace_stop(void);
-/* ZINF_TRACE=FILE in the environment: start writing there, once per process, and stop at
- * exit. Called by every engine open; later calls do nothing. */
+/* ZINF_TRACE=FILE in the environment: start writing there (FILE.rank-R for rank R > 0 of a
+ * job, from RANK), once per process, and stop at exit. Called by every engine open; later
+ * calls do nothing. */
 void trace_from_env(void);
 /* Names the calling thread's track ("io completion", "comm"); the first name sticks. Costs
  * nothing when off (the name waits for the thread's first event). */

@@ -26,6 +26,7 @@
 #include "cmd.h"
 #include "common.h"
 #include "config.h"
+#include "engine/engine.h"
 #include "progress.h"
 #include "trace.h"
 #include "train/trainer.h"
@@ -350,11 +351,12 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
 }
 
 /* Make the state durable and say what it cost: one line, and one JSON line with --log. */
-/* A checkpoint's progress bar, on a terminal: a thread that watches the engine's flush
- * (zinf_stats' flush_bytes_*) while trainer_checkpoint() runs, drawn once it has taken
- * half a second. */
+/* A progress bar for a checkpoint or a resume, on a terminal: a thread that watches the
+ * engine's flush (zinf_stats' flush_bytes_*) while trainer_checkpoint() runs, or the
+ * engine's resume (resume_progress) while trainer_open() reads and verifies the saved
+ * tensors, drawn once it has taken half a second. */
 struct ckpt_watch {
-    zinf_engine *e;
+    zinf_engine *e; /* NULL: the resume */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool stop;
@@ -364,7 +366,7 @@ static void *ckpt_watch_main(void *arg)
 {
     struct ckpt_watch *w = arg;
     struct progress pg;
-    progress_start(&pg, true, "checkpoint", 0);
+    progress_start(&pg, true, w->e ? "checkpoint" : "resume", 0);
     pg.delay_ns = 500000000ull;
     pthread_mutex_lock(&w->mu);
     while (!w->stop) {
@@ -379,9 +381,17 @@ static void *ckpt_watch_main(void *arg)
         if (w->stop) break;
         pthread_mutex_unlock(&w->mu);
         struct zinf_stats st;
-        if (zinf_stats(w->e, &st) == 0 && st.flush_bytes_done < st.flush_bytes_total) {
-            pg.total = st.flush_bytes_total;
-            progress_show(&pg, st.flush_bytes_done);
+        uint64_t total = 0, done = 0;
+        if (!w->e) {
+            total = atomic_load(&resume_progress.total);
+            done = atomic_load(&resume_progress.done);
+        } else if (zinf_stats(w->e, &st) == 0) {
+            total = st.flush_bytes_total;
+            done = st.flush_bytes_done;
+        }
+        if (done < total) {
+            pg.total = total;
+            progress_show(&pg, done);
         }
         pthread_mutex_lock(&w->mu);
     }
@@ -390,22 +400,37 @@ static void *ckpt_watch_main(void *arg)
     return NULL;
 }
 
+/* Start watching (e, or the resume with NULL) where a terminal shows it; watch_stop ends it. */
+static bool watch_start(struct ckpt_watch *w, pthread_t *th, zinf_engine *e)
+{
+    *w = (struct ckpt_watch){.e = e};
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    return progress_wanted(false) && pthread_create(th, NULL, ckpt_watch_main, w) == 0;
+}
+
+static void watch_stop(struct ckpt_watch *w, pthread_t th, bool watching)
+{
+    if (watching) {
+        pthread_mutex_lock(&w->mu);
+        w->stop = true;
+        pthread_cond_signal(&w->cv);
+        pthread_mutex_unlock(&w->mu);
+        pthread_join(th, NULL);
+    }
+    pthread_mutex_destroy(&w->mu);
+    pthread_cond_destroy(&w->cv);
+}
+
 static int checkpoint(struct trainer *t, FILE *log)
 {
     struct trainer_summary sum;
     char a[32];
-    struct ckpt_watch w = {.e = trainer_engine(t), .mu = PTHREAD_MUTEX_INITIALIZER,
-                           .cv = PTHREAD_COND_INITIALIZER};
+    struct ckpt_watch w;
     pthread_t th;
-    bool watching = progress_wanted(false) && pthread_create(&th, NULL, ckpt_watch_main, &w) == 0;
+    bool watching = watch_start(&w, &th, trainer_engine(t));
     int r = trainer_checkpoint(t);
-    if (watching) {
-        pthread_mutex_lock(&w.mu);
-        w.stop = true;
-        pthread_cond_signal(&w.cv);
-        pthread_mutex_unlock(&w.mu);
-        pthread_join(th, NULL);
-    }
+    watch_stop(&w, th, watching);
     if (r < 0) {
         fprintf(stderr, "zinf train: the checkpoint of step %d failed: %s%s\n",
                 trainer_next_step(t) - 1, zinf_strerror(r),
@@ -868,7 +893,11 @@ int cmd_train(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
 
+    struct ckpt_watch rw;
+    pthread_t rth;
+    bool rwatching = o.resume && watch_start(&rw, &rth, NULL);
     r = trainer_open(&o, &t, err, sizeof(err));
+    if (o.resume) watch_stop(&rw, rth, rwatching);
     if (r < 0) {
         fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
         if (log) fclose(log);

@@ -15,6 +15,7 @@
 #define ZINF_ENGINE_ENGINE_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -237,6 +238,7 @@ struct zinf_engine {
     int trace_id;
     uint64_t trace_seq;
     uint64_t trace_win_t0, trace_win_read, trace_win_written;
+    uint64_t trace_counters_t; /* when engine_trace_counters() last wrote */
 
     uint64_t reserve_epoch; /* counts the calls that make room (fetch, register) */
     uint64_t prefetch_outstanding_bytes;
@@ -461,6 +463,8 @@ void tier_free(struct zinf_engine *e, int tier, uint64_t off);
 /* The bytes a memory tier has allocated now. */
 uint64_t tier_used(struct zinf_engine *e, int tier);
 extern const char *const tier_used_name[MEM_TIERS];
+/* The engine's counters into the trace (lock held): at most once a millisecond, or now. */
+void engine_trace_counters(struct zinf_engine *e, bool force);
 /* The next allocation in tier looks from the arena's start (after tier_compact). */
 void tier_rewind(struct zinf_engine *e, int tier);
 /* Synchronous helpers that run without the engine lock (the caller holds the tensor
@@ -492,6 +496,13 @@ uint32_t crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2);
 int persist_flush(struct zinf_engine *e);
 int persist_resume(struct zinf_engine *e);
+/* The resume running in this process (the last one to start): the bytes of the tensors its
+ * manifest names, and of those read and verified so far. A tool's progress bar reads it
+ * from another thread while the engine opens. */
+struct resume_progress {
+    _Atomic uint64_t total, done;
+};
+extern struct resume_progress resume_progress;
 int persist_remove_manifest(struct zinf_engine *e);
 /* Where the manifest of swap directory dir lives. */
 void persist_manifest_path(const char *dir, char *buf, size_t len);

@@ -409,6 +409,8 @@ out:
     return text;
 }
 
+struct resume_progress resume_progress;
+
 int persist_flush(struct zinf_engine *e)
 {
     struct entry *ents = NULL;
@@ -515,7 +517,10 @@ out:
     free(ents);
     e->flushing = false;
     pthread_cond_broadcast(&e->changed);
-    if (span0) trace_span("engine", "flush", span0, NULL, r < 0 ? "failed" : NULL, -1);
+    if (span0 && trace_on()) {
+        trace_span("engine", "flush", span0, NULL, r < 0 ? "failed" : NULL, -1);
+        engine_trace_counters(e, true); /* the values zinf_stats gives now */
+    }
     return r;
 }
 
@@ -713,9 +718,18 @@ int persist_resume(struct zinf_engine *e)
         r = -EINVAL;
         goto out;
     }
+    uint64_t total = 0, done = 0;
+    for (size_t i = 0; i < json_array_size(arr); i++)
+        total += (uint64_t)json_integer_value(json_object_get(json_array_get(arr, i), "nbytes"));
+    atomic_store(&resume_progress.done, 0);
+    atomic_store(&resume_progress.total, total);
     pthread_mutex_lock(&e->lock);
-    for (size_t i = 0; i < json_array_size(arr) && r == 0; i++)
-        r = resume_tensor(e, path, i, json_array_get(arr, i));
+    for (size_t i = 0; i < json_array_size(arr) && r == 0; i++) {
+        json_t *o = json_array_get(arr, i);
+        r = resume_tensor(e, path, i, o);
+        done += (uint64_t)json_integer_value(json_object_get(o, "nbytes"));
+        atomic_store(&resume_progress.done, done);
+    }
     pthread_mutex_unlock(&e->lock);
 out:
     json_decref(root);

@@ -46,7 +46,7 @@ int tier_alloc(struct zinf_engine *e, int tier, size_t bytes, uint64_t *off, voi
         used = hs.used_bytes;
     }
     e->st.tier[tier].peak_bytes = MAX(e->st.tier[tier].peak_bytes, used);
-    if (trace_on()) trace_counter(tier_used_name[tier], e->trace_id, (int64_t)used);
+    if (trace_on()) engine_trace_counters(e, false);
     return 0;
 }
 
@@ -56,7 +56,22 @@ void tier_free(struct zinf_engine *e, int tier, uint64_t off)
         device_free(e->dev, off);
     else
         host_free(e->host, off);
-    if (trace_on()) trace_counter(tier_used_name[tier], e->trace_id, (int64_t)tier_used(e, tier));
+    if (trace_on()) engine_trace_counters(e, false);
+}
+
+/* The trace's counters of this engine: bytes in use per memory tier, NVMe bytes read and
+ * written (as zinf_stats counts them). At most once a millisecond (a step allocates and
+ * frees thousands of times), unless force (the end of a flush): the last values are then
+ * the engine's. */
+void engine_trace_counters(struct zinf_engine *e, bool force)
+{
+    uint64_t now = now_ns();
+    if (!force && now - e->trace_counters_t < 1000000ull) return;
+    e->trace_counters_t = now;
+    for (int k = 0; k < MEM_TIERS; k++)
+        trace_counter(tier_used_name[k], e->trace_id, (int64_t)tier_used(e, k));
+    trace_counter("nvme bytes read", e->trace_id, (int64_t)e->st.nvme_bytes_read);
+    trace_counter("nvme bytes written", e->trace_id, (int64_t)e->st.nvme_bytes_written);
 }
 
 uint64_t tier_used(struct zinf_engine *e, int tier)
@@ -98,8 +113,7 @@ static void xfer_trace(struct xfer *x, int err)
     trace_async(rd || wr ? "io" : "copy", name, id, x->trace_t0, x->t ? x->t->name : NULL, detail,
                 (int64_t)x->len);
     if (!rd && !wr) return;
-    trace_counter("nvme bytes read", e->trace_id, (int64_t)e->st.nvme_bytes_read);
-    trace_counter("nvme bytes written", e->trace_id, (int64_t)e->st.nvme_bytes_written);
+    engine_trace_counters(e, false);
     uint64_t now = now_ns();
     if (!e->trace_win_t0) {
         e->trace_win_t0 = x->trace_t0;
