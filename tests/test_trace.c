@@ -42,6 +42,18 @@ static void path_of(char *out, size_t len, const char *name)
     snprintf(out, len, "%s/%s", dir, name);
 }
 
+/* Budgets small enough that every fetch of a few 96 KiB tensors moves something. */
+static struct zinf_options tiny(const char *swap)
+{
+    return (struct zinf_options){.nvme_path = swap,
+                                 .device_bytes = 256 * KiB,
+                                 .host_bytes = 256 * KiB,
+                                 .block_size = 64 * KiB,
+                                 .queue_depth = 4,
+                                 .device_kind = ZINF_DEVICE_EMULATED,
+                                 .flags = ZINF_OPEN_NO_PIN};
+}
+
 /* An engine with tiny budgets moves everything: NVMe-homed tensors load to the device and
  * are evicted with write-backs, a host-homed one is copied to the device and written back. */
 Test(trace, engine_work_shows_as_nested_spans_and_counters_that_end_at_its_stats)
@@ -51,13 +63,7 @@ Test(trace, engine_work_shows_as_nested_spans_and_counters_that_end_at_its_stats
     path_of(swap, sizeof(swap), "swap");
     cr_assert_eq(trace_start(path), 0);
     cr_assert(trace_on());
-    struct zinf_options o = {.nvme_path = swap,
-                             .device_bytes = 256 * KiB,
-                             .host_bytes = 256 * KiB,
-                             .block_size = 64 * KiB,
-                             .queue_depth = 4,
-                             .device_kind = ZINF_DEVICE_EMULATED,
-                             .flags = ZINF_OPEN_NO_PIN};
+    struct zinf_options o = tiny(swap);
     zinf_engine *e;
     cr_assert_eq(zinf_open(&o, &e), 0);
     zinf_tensor t[4], h;
@@ -231,13 +237,7 @@ Test(trace, blocked_time_is_split_into_nvme_copy_and_room)
 {
     char swap[4096];
     path_of(swap, sizeof(swap), "swap");
-    struct zinf_options o = {.nvme_path = swap,
-                             .device_bytes = 256 * KiB,
-                             .host_bytes = 256 * KiB,
-                             .block_size = 64 * KiB,
-                             .queue_depth = 4,
-                             .device_kind = ZINF_DEVICE_EMULATED,
-                             .flags = ZINF_OPEN_NO_PIN};
+    struct zinf_options o = tiny(swap);
     zinf_engine *e;
     struct zinf_stats s0, s1;
     void *p;
