@@ -650,8 +650,10 @@ static void describe(const struct point *p, char *buf, size_t len)
              p->batch, p->rings, p->rings == 1 ? "" : "s", p->huge ? "on" : "off", st);
 }
 
+/* per_point: the bytes one measurement moves (write and read of --size on each path, or the
+ * swap-in's reads): the bar's bytes and rate. */
 static void progress(bool tty, unsigned done, unsigned total, uint64_t t0, const struct point *p,
-                     unsigned round, int err, double score, bool io)
+                     unsigned round, int err, double score, bool io, uint64_t per_point)
 {
     double el = (double)(now_ns() - t0) / 1e9;
     double eta = done ? el / done * (total - done) : 0;
@@ -666,9 +668,12 @@ static void progress(bool tty, unsigned done, unsigned total, uint64_t t0, const
         for (unsigned i = 0; i < 40; i++)
             bar[i] = i < fill ? '#' : '.';
         bar[40] = '\0';
-        fprintf(stderr, "\rtune [%s] %3u%% %u/%u  ETA %um%02us ", bar,
-                total ? 100 * done / total : 100, done, total, (unsigned)eta / 60,
-                (unsigned)eta % 60);
+        char moved[32];
+        uint64_t bytes = (uint64_t)done * per_point;
+        fprintf(stderr, "\r\033[Ktune [%s] %3u%% %u/%u, %s moved, %.0f MB/s, ETA %um%02us ", bar,
+                total ? 100 * done / total : 100, done, total,
+                format_size(bytes, moved, sizeof(moved)), el > 0 ? (double)bytes / el / 1e6 : 0,
+                (unsigned)eta / 60, (unsigned)eta % 60);
         if (done == total)
             fputc('\n', stderr);
     } else {
@@ -1061,7 +1066,8 @@ int cmd_tune(int argc, char **argv)
                 p->wr[p->n] = wr;
                 p->n++;
             }
-            progress(tty, done, total, t0, p, round, r < 0, s, io);
+            progress(tty, done, total, t0, p, round, r < 0, s, io,
+                     io ? 2 * o.size * o.npaths : o.size);
         }
     }
     sigaction(SIGINT, &old_int, NULL);
