@@ -2512,22 +2512,27 @@ Test(cli, train_trace_shows_steps_phases_and_the_engines_work, .timeout = 300)
     free(o);
     FILE *lf = fopen(log, "r");
     cr_assert_not_null(lf);
-    char line[8192];
+    char line[8192], badline[8400] = "";
     int steps = 0;
     bool largest = false;
+    /* The lines are checked here and the first bad one reported once after the loop. */
     while (fgets(line, sizeof(line), lf)) {
         json_t *j = json_loads(line, 0, NULL);
-        cr_assert_not_null(j, "%s", line);
+        if (!j) {
+            snprintf(badline, sizeof(badline), "not JSON: %s", line);
+            break;
+        }
         if (json_object_get(j, "step")) {
             double parts = 0;
             static const char *const k[] = {"blocked_nvme", "blocked_copy", "blocked_room",
                                             "blocked_pin"};
             for (int i = 0; i < 4; i++) {
-                cr_assert(json_is_number(json_object_get(j, k[i])), "no %s: %s", k[i], line);
+                if (!json_is_number(json_object_get(j, k[i])) && !badline[0])
+                    snprintf(badline, sizeof(badline), "no %s: %s", k[i], line);
                 parts += json_number_value(json_object_get(j, k[i]));
             }
-            cr_expect_leq(parts, json_number_value(json_object_get(j, "blocked")) + 4e-4, "%s",
-                          line);
+            if (parts > json_number_value(json_object_get(j, "blocked")) + 4e-4 && !badline[0])
+                snprintf(badline, sizeof(badline), "the parts exceed the whole: %s", line);
             steps++;
         }
         json_t *sum = json_object_get(j, "summary");
@@ -2539,6 +2544,7 @@ Test(cli, train_trace_shows_steps_phases_and_the_engines_work, .timeout = 300)
         json_decref(j);
     }
     fclose(lf);
+    cr_expect_str_empty(badline);
     cr_expect_eq(steps, 3);
     cr_expect(largest);
     struct test_trace tr;
@@ -2676,10 +2682,17 @@ Test(cli, plot_draws_a_training_log_as_a_png, .timeout = 120)
 Test(cli, bench_draws_progress_on_a_terminal_only)
 {
     char *o;
+    cr_assert_eq(run(&o, "bench --path %s --size 4M", dir), 0, "%s", o);
+    cr_assert_null(strstr(o, "ETA "), "no bar through a pipe: %s", o);
+    free(o);
     /* script(1) gives the command a terminal where the machine can make one (a container
-     * without /dev/pts cannot). */
-    if (system("script -qec true /dev/null > /dev/null 2>&1") != 0)
-        cr_skip_test("no terminal to give the command (script(1) missing, or no pseudo-terminal)");
+     * without /dev/pts cannot; there only the pipe is checked: Criterion's skip leaks under
+     * LeakSanitizer). */
+    if (system("script -qec true /dev/null > /dev/null 2>&1") != 0) {
+        fprintf(stderr, "cli: no terminal to give zinf bench (script(1) missing, or no "
+                        "pseudo-terminal): the bar itself is not checked here\n");
+        return;
+    }
     const char *bin = getenv("ZINF_BIN");
     char cmd[8192];
     snprintf(cmd, sizeof(cmd), "script -qec '%s bench --path %s --size 32M --block-size 64K' "
@@ -2695,9 +2708,6 @@ Test(cli, bench_draws_progress_on_a_terminal_only)
               buf);
     cr_assert(strstr(buf, "\r\033[K"), "the bar is erased: %s", buf);
     cr_assert(strstr(buf, "all rows verified"), "%s", buf);
-    cr_assert_eq(run(&o, "bench --path %s --size 4M", dir), 0, "%s", o);
-    cr_assert_null(strstr(o, "ETA "), "no bar through a pipe: %s", o);
-    free(o);
 }
 
 /* zinf tune --plot draws the block size x queue depth heatmap beside its table. */
