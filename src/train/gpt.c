@@ -12,7 +12,6 @@
  *
  * Not here: where parameters live, the optimizer, any GPU code, mixed precision.
  */
-#include <cblas.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -447,8 +446,7 @@ static void head_logits(const struct dims *d, const float *lnf_w, const float *l
                         const float *wte, const float *x, struct head_acts *h)
 {
     ops_layernorm_forward(h->lnf, h->mean, h->rstd, x, lnf_w, lnf_b, d->N, d->C);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)d->N, (int)d->V, (int)d->C, 1.0f,
-                h->lnf, (int)d->C, wte, (int)d->C, 0.0f, h->logits, (int)d->V);
+    ops_gemm(0, 1, d->N, d->V, d->C, h->lnf, d->C, wte, d->C, 0.0f, h->logits, d->V);
 }
 
 /* d_x (B,T,C) may be x: only the last step reads x, and layernorm_backward allows it. */
@@ -460,10 +458,8 @@ static float head_backward(const struct dims *d, const float *lnf_w, const float
     head_logits(d, lnf_w, lnf_b, wte, x, h);
     float loss = ops_crossentropy(h->logits, h->losses, targets, d->N, d->V, 1);
     /* d_lnf (N,C) = dlogits (N,V) @ wte (V,C); d_wte (V,C) += dlogits^T @ lnf (N,C). */
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)C, (int)V, 1.0f, h->logits,
-                (int)V, wte, (int)C, 0.0f, h->d_lnf, (int)C);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)V, (int)C, (int)N, 1.0f, h->logits,
-                (int)V, h->lnf, (int)C, 1.0f, d_wte, (int)C);
+    ops_gemm(0, 0, N, C, V, h->logits, V, wte, C, 0.0f, h->d_lnf, C);
+    ops_gemm(1, 0, V, C, N, h->logits, V, h->lnf, C, 1.0f, d_wte, C);
     ops_layernorm_backward(d_x, 0, d_lnf_w, d_lnf_b, h->d_lnf, x, lnf_w, h->mean, h->rstd, N, C);
     return loss;
 }

@@ -9,11 +9,65 @@
  */
 #include <cblas.h>
 #include <math.h>
+#include <omp.h>
+#include <pthread.h>
 #include <string.h>
 
 #include "train/ops.h"
 
 #define COL_BLOCK 64 /* columns per thread task in the sums over rows */
+#define GEMM_SPLIT_ALIGN 16 /* a thread's share of a GEMM's output: a multiple of 16 columns */
+#define GEMM_SERIAL_FLOPS (1u << 20) /* below this many multiply-adds, one thread */
+
+/* ---- GEMM on the OpenMP threads -------------------------------------------------------- */
+
+static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
+
+/* OpenBLAS's own threads (the pthread build Debian selects first) spin with sched_yield for
+ * ~0.1 s after each call; between the GEMMs of a step they took the CPUs from the OpenMP
+ * threads that run every other layer, a quarter of a 2-CPU step. So OpenBLAS runs in the
+ * calling thread, and ops_gemm spreads a GEMM over the OpenMP threads itself. */
+static void blas_single_threaded(void)
+{
+    openblas_set_num_threads(1);
+}
+
+/* Row-major C (M,N) = op(A) (M,K) @ op(B) (K,N) + beta * C, with op transposing when ta (tb)
+ * is set. The output is cut into one slab per thread along its larger side, each a
+ * multiple of 16 columns (rows) and computed by one sequential sgemm over all of K: an
+ * element's K-order does not depend on the cut, so the bits do not depend on the thread
+ * count. Each thread packs the whole of the smaller operand and its slab of the larger;
+ * in the trainer the larger is a weight and the smaller an activation of B*T rows. */
+void ops_gemm(int ta, int tb, size_t M, size_t N, size_t K, const float *A, size_t lda,
+              const float *B, size_t ldb, float beta, float *C, size_t ldc)
+{
+    pthread_once(&blas_once, blas_single_threaded);
+    enum CBLAS_TRANSPOSE oa = ta ? CblasTrans : CblasNoTrans, ob = tb ? CblasTrans : CblasNoTrans;
+    int nt = omp_get_max_threads();
+    if (nt <= 1 || (double)M * N * K < GEMM_SERIAL_FLOPS || omp_in_parallel()) {
+        cblas_sgemm(CblasRowMajor, oa, ob, (int)M, (int)N, (int)K, 1.0f, A, (int)lda, B, (int)ldb,
+                    beta, C, (int)ldc);
+        return;
+    }
+    int by_cols = N >= M;
+    size_t len = by_cols ? N : M;
+    size_t share = (len + (size_t)nt - 1) / (size_t)nt;
+    share = (share + GEMM_SPLIT_ALIGN - 1) / GEMM_SPLIT_ALIGN * GEMM_SPLIT_ALIGN;
+#pragma omp parallel num_threads(nt)
+    {
+        size_t t = (size_t)omp_get_thread_num();
+        size_t a = t * share, b = a + share < len ? a + share : len;
+        if (a < b) {
+            if (by_cols)
+                cblas_sgemm(CblasRowMajor, oa, ob, (int)M, (int)(b - a), (int)K, 1.0f, A, (int)lda,
+                            tb ? B + a * ldb : B + a, (int)ldb, beta, C + a, (int)ldc);
+            else
+                cblas_sgemm(CblasRowMajor, oa, ob, (int)(b - a), (int)N, (int)K, 1.0f,
+                            ta ? A + a : A + a * lda, (int)lda, B, (int)ldb, beta, C + a * ldc,
+                            (int)ldc);
+        }
+    }
+}
 
 /* out (N,C) = (inp (N,C) - mean) * rstd * w (C) + b (C); mean and rstd (N) are kept for
  * the backward. */
@@ -95,8 +149,7 @@ void ops_linear_forward(float *out, const float *inp, const float *W, const floa
         for (size_t j = 0; j < OC; j++)
             o[j] = (r ? r[j] : 0.0f) + b[j];
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, (int)OC, (int)IC, 1.0f, inp,
-                (int)IC, W, (int)IC, 1.0f, out, (int)OC);
+    ops_gemm(0, 1, N, OC, IC, inp, IC, W, IC, 1.0f, out, OC);
 }
 
 /* acc (OC) += the sum over the N rows of x (N,OC), each column in row order. */
@@ -117,10 +170,8 @@ void ops_colsum_acc(float *acc, const float *x, size_t N, size_t OC)
 void ops_linear_backward(float *d_inp, float *dW, float *db, const float *d_out, const float *inp,
                          const float *W, size_t N, size_t IC, size_t OC)
 {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, (int)IC, (int)OC, 1.0f, d_out,
-                (int)OC, W, (int)IC, 0.0f, d_inp, (int)IC);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)OC, (int)IC, (int)N, 1.0f, d_out,
-                (int)OC, inp, (int)IC, 1.0f, dW, (int)IC);
+    ops_gemm(0, 0, N, IC, OC, d_out, OC, W, IC, 0.0f, d_inp, IC);
+    ops_gemm(1, 0, OC, IC, N, d_out, OC, inp, IC, 1.0f, dW, IC);
     if (db)
         ops_colsum_acc(db, d_out, N, OC);
 }

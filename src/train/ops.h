@@ -36,6 +36,11 @@ void ops_layernorm_backward(float *d_inp, int accumulate, float *dw, float *db, 
                             const float *inp, const float *w, const float *mean, const float *rstd,
                             size_t N, size_t C);
 
+/* Row-major C (M,N) = op(A) (M,K) @ op(B) (K,N) + beta * C, op transposing when ta (tb) is
+ * set; spread over the OpenMP threads with the same bits for any thread count. */
+void ops_gemm(int ta, int tb, size_t M, size_t N, size_t K, const float *A, size_t lda,
+              const float *B, size_t ldb, float beta, float *C, size_t ldc);
+
 /* out (N,OC) = [residual (N,OC) +] b (OC) + inp (N,IC) @ W^T, W being (OC,IC). */
 void ops_linear_forward(float *out, const float *inp, const float *W, const float *b,
                         const float *residual, size_t N, size_t IC, size_t OC);
