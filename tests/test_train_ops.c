@@ -1047,3 +1047,191 @@ Test(train_ops, fp16_casts_match_the_compilers)
                   "%04x: %a, the compiler %a", x, got, want);
     }
 }
+
+/* ---- the AVX2 versions of GELU and attention against their scalar references ---------- */
+
+/* max |got - ref| / (1 + |x|) over n: GELU's error scales with its input (0.5 x (1 + tanh u)
+ * cancels near x = -5, so a relative bound on the output would not hold for libm either). */
+static double gelu_err(const float *got, const float *ref, const float *x, size_t n, size_t *at)
+{
+    double worst = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isnan(ref[i]) || isnan(got[i])) {
+            if (isnan(ref[i]) != isnan(got[i])) {
+                *at = i;
+                return INFINITY;
+            }
+            continue;
+        }
+        if (isinf(ref[i]) || isinf(got[i])) {
+            if (ref[i] != got[i]) {
+                *at = i;
+                return INFINITY;
+            }
+            continue;
+        }
+        double e = fabs((double)got[i] - (double)ref[i]) / (1.0 + fabs((double)x[i]));
+        if (e > worst) {
+            worst = e;
+            *at = i;
+        }
+    }
+    return worst;
+}
+
+Test(train_ops, gelu_avx2_matches_the_reference)
+{
+    if (!ops_have_avx2()) return; /* nothing to compare: this CPU runs the reference */
+    /* 2M points evenly over [-12, 12], 2 x 400k spaced by ratio from 1e-30 to 1e4 in both
+     * signs, the values that take other paths (signed zeros, the switch between tanh's two
+     * formulas, infinities, NaN), and every length of a short last block. */
+    const size_t even = 2000000, geo = 400000;
+    size_t n = 0, cap = even + 2 * geo + 64;
+    float *x = falloc(cap), *out = falloc(cap), *ref = falloc(cap);
+    float *d = falloc(cap), *dref = falloc(cap);
+    for (size_t i = 0; i < even; i++)
+        x[n++] = (float)(-12.0 + 24.0 * (double)i / (double)(even - 1));
+    for (size_t i = 0; i < geo; i++) {
+        float v = (float)pow(10.0, -30.0 + 34.0 * (double)i / (double)(geo - 1));
+        x[n++] = v;
+        x[n++] = -v;
+    }
+    static const float special[] = {0.0f, -0.0f, 1e-30f, -1e-30f, 1e-45f, 0.5624999f, 0.5625f,
+                                    -0.5625f, 30.0f, -30.0f, 1e30f, -1e30f, INFINITY, -INFINITY,
+                                    NAN, 3.0f};
+    for (size_t i = 0; i < sizeof(special) / sizeof(special[0]); i++)
+        x[n++] = special[i];
+    uint64_t s = 77;
+    for (size_t i = 0; i < n; i++) {
+        d[i] = urand(&s);
+        dref[i] = d[i];
+    }
+    cr_log_info("gelu: %zu inputs", n);
+    size_t at = 0;
+    for (size_t len = n - 9; len <= n; len++) { /* the last block 7..8 long, then 1..7 */
+        ops_gelu_forward_avx2(out, x, len);
+        ops_gelu_forward_ref(ref, x, len);
+        double e = gelu_err(out, ref, x, len, &at);
+        if (len == n) cr_log_info("gelu forward: worst %g at %a", e, x[at]);
+        cr_assert(e <= 3e-7, "gelu forward, n %zu: error %g at x=%a (%a, the reference %a)", len,
+                  e, x[at], out[at], ref[at]);
+    }
+    ops_gelu_backward_avx2(d, x, n);
+    ops_gelu_backward_ref(dref, x, n);
+    double e = gelu_err(d, dref, x, n, &at);
+    cr_log_info("gelu backward: worst %g at %a", e, x[at]);
+    cr_assert(e <= 3e-7, "gelu backward: error %g at x=%a (%a, the reference %a)", e, x[at], d[at],
+              dref[at]);
+    free(x);
+    free(out);
+    free(ref);
+    free(d);
+    free(dref);
+}
+
+static float *frand(size_t n, uint64_t seed, float scale)
+{
+    float *p = falloc(n);
+    uint64_t s = seed;
+    for (size_t i = 0; i < n; i++)
+        p[i] = scale * urand(&s);
+    return p;
+}
+
+/* One shape: forward and backward of both versions on the same qkv, compared relative to
+ * the largest value of each output. */
+static void check_attention_avx2(size_t B, size_t T, size_t C, size_t NH)
+{
+    size_t BT = B * T, natt = B * NH * T * T;
+    float *qkv = frand(BT * 3 * C, 300 + T, 2.0f), *d_y = frand(BT * C, 301, 1.0f);
+    float *y = falloc(BT * C), *y_ref = falloc(BT * C), *att = falloc(natt),
+          *att_ref = falloc(natt), *d_qkv = frand(BT * 3 * C, 302, 9.0f),
+          *d_qkv_ref = falloc(BT * 3 * C), *d_row = falloc(B * NH * T);
+    ops_attention_forward_avx2(y, att, qkv, B, T, C, NH);
+    ops_attention_forward_ref(y_ref, att_ref, qkv, B, T, C, NH);
+    ops_attention_backward_avx2(d_qkv, d_row, d_y, qkv, att_ref, B, T, C, NH);
+    ops_attention_backward_ref(d_qkv_ref, d_row, d_y, qkv, att_ref, B, T, C, NH);
+    const struct {
+        const char *what;
+        const float *got, *ref;
+        size_t n;
+    } out[] = {{"y", y, y_ref, BT * C}, {"att", att, att_ref, natt}, {"d_qkv", d_qkv, d_qkv_ref, BT * 3 * C}};
+    for (size_t k = 0; k < 3; k++) {
+        double diff, mag;
+        max_diff(out[k].got, out[k].ref, out[k].n, &diff, &mag);
+        cr_expect(diff <= 2e-6 * mag,
+                  "attention B %zu T %zu C %zu NH %zu, %s: max diff %g, max |ref| %g (tolerance "
+                  "2e-6 relative)",
+                  B, T, C, NH, out[k].what, diff, mag);
+    }
+    /* Above the diagonal the probabilities are exactly 0 in both. */
+    for (size_t bh = 0; bh < B * NH; bh++)
+        for (size_t i = 0; i < T; i++)
+            for (size_t j = i + 1; j < T; j++)
+                cr_assert_eq(att[(bh * T + i) * T + j], 0.0f);
+    float *bufs[] = {qkv, d_y, y, y_ref, att, att_ref, d_qkv, d_qkv_ref, d_row};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        free(bufs[i]);
+}
+
+Test(train_ops, attention_avx2_matches_the_reference)
+{
+    if (!ops_have_avx2()) return; /* nothing to compare: this CPU runs the reference */
+    check_attention_avx2(2, 13, 96, 4); /* hs 24: one 16-wide step and an 8-wide one */
+    check_attention_avx2(1, 70, 128, 2); /* hs 64, rows longer than 64 keys */
+    check_attention_avx2(3, 1, 32, 4);   /* hs 8, one token */
+}
+
+/* ops_gemm, GELU and attention give the same bits for 1, 2 and 3 threads (the trainer's
+ * ranks run with fewer threads than one rank does, and must agree bitwise). */
+Test(train_ops, same_bits_for_any_thread_count)
+{
+    const size_t M = 300, N = 70, K = 64; /* above the size ops_gemm splits; 2 and 3 threads cut it differently */
+    const size_t B = 2, T = 33, C = 64, NH = 2, BT = B * T;
+    float *A = frand(M * K, 1, 1.0f), *Bm = frand(N * K, 2, 1.0f), *Cin = frand(M * N, 3, 1.0f);
+    float *x = frand(100003, 4, 6.0f), *qkv = frand(BT * 3 * C, 5, 2.0f), *d_y = frand(BT * C, 6, 1.0f);
+    float *res[3][7];
+    for (int t = 0; t < 3; t++) {
+        omp_set_num_threads(t + 1);
+        float **r = res[t];
+        r[0] = falloc(M * N); /* C = A B^T + C */
+        memcpy(r[0], Cin, M * N * sizeof(float));
+        ops_gemm(0, 1, M, N, K, A, K, Bm, K, 1.0f, r[0], N);
+        r[1] = falloc(M * N); /* C = A'^T B', A and B read as (K,M) and (K,N) */
+        ops_gemm(1, 0, M, N, K, A, M, Bm, N, 0.0f, r[1], N);
+        r[2] = falloc(100003);
+        ops_gelu_forward(r[2], x, 100003);
+        r[3] = frand(100003, 7, 1.0f);
+        ops_gelu_backward(r[3], x, 100003);
+        r[4] = falloc(BT * C);
+        r[5] = falloc(B * NH * T * T);
+        ops_attention_forward(r[4], r[5], qkv, B, T, C, NH);
+        r[6] = falloc(BT * 3 * C);
+        float *d_row = falloc(B * NH * T);
+        ops_attention_backward(r[6], d_row, d_y, qkv, r[5], B, T, C, NH);
+        free(d_row);
+    }
+    omp_set_num_threads(omp_get_num_procs());
+    const size_t len[7] = {M * N, M * N, 100003, 100003, BT * C, B * NH * T * T, BT * 3 * C};
+    const char *what[7] = {"gemm NT", "gemm TN", "gelu forward", "gelu backward",
+                           "attention y", "attention att", "attention d_qkv"};
+    for (int k = 0; k < 7; k++)
+        for (int t = 1; t < 3; t++)
+            cr_expect(!memcmp(res[0][k], res[t][k], len[k] * sizeof(float)),
+                      "%s: 1 and %d threads differ", what[k], t + 1);
+    /* And the GEMM is right: one element against a double sum. */
+    double want = Cin[5 * N + 7];
+    for (size_t k = 0; k < K; k++)
+        want += (double)A[5 * K + k] * Bm[7 * K + k];
+    cr_expect(fabs(res[0][0][5 * N + 7] - want) <= 1e-5 * (1 + fabs(want)), "gemm: %g, want %g",
+              res[0][0][5 * N + 7], want);
+    for (int t = 0; t < 3; t++)
+        for (int k = 0; k < 7; k++)
+            free(res[t][k]);
+    free(A);
+    free(Bm);
+    free(Cin);
+    free(x);
+    free(qkv);
+    free(d_y);
+}

@@ -1,6 +1,8 @@
 /*
  * ops.c - the CPU layers of ops.h: plain loops (OpenMP over rows, heads or column blocks)
- * and cblas_sgemm for the linear layers, in the manner of llm.c's train_gpt2.c. Every
+ * and cblas_sgemm for the linear layers, in the manner of llm.c's train_gpt2.c. GELU and
+ * attention have AVX2 versions in ops_avx2.c, taken where the CPU has AVX2 and FMA; the
+ * loops here (the _ref functions) are their references. Every
  * reduction has a fixed order: sums over rows (bias, LayerNorm and embedding gradients) are
  * split across threads by column, each column summed by one thread from row 0 up, so the
  * bits do not depend on which thread ran what.
@@ -16,8 +18,58 @@
 #include "train/ops.h"
 
 #define COL_BLOCK 64 /* columns per thread task in the sums over rows */
-#define GEMM_SPLIT_ALIGN 16 /* a thread's share of a GEMM's output: a multiple of 16 columns */
+#define GEMM_SPLIT_ALIGN 48 /* a thread's share of a GEMM's output: a multiple of 48 rows */
 #define GEMM_SERIAL_FLOPS (1u << 20) /* below this many multiply-adds, one thread */
+
+/* ---- the vector versions (ops_avx2.c), where the CPU runs them ------------------------- */
+
+int ops_have_avx2(void)
+{
+    /* -1 until probed; probing twice from two threads gives the same answer. */
+    static int have = -1;
+    int h = __atomic_load_n(&have, __ATOMIC_RELAXED);
+    if (h < 0) {
+        __builtin_cpu_init();
+        h = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        __atomic_store_n(&have, h, __ATOMIC_RELAXED);
+    }
+    return h;
+}
+
+void ops_gelu_forward(float *out, const float *inp, size_t n)
+{
+    if (ops_have_avx2())
+        ops_gelu_forward_avx2(out, inp, n);
+    else
+        ops_gelu_forward_ref(out, inp, n);
+}
+
+void ops_gelu_backward(float *d, const float *inp, size_t n)
+{
+    if (ops_have_avx2())
+        ops_gelu_backward_avx2(d, inp, n);
+    else
+        ops_gelu_backward_ref(d, inp, n);
+}
+
+/* The vector attention works on whole heads of 8-float groups. */
+void ops_attention_forward(float *y, float *att, const float *qkv, size_t B, size_t T, size_t C,
+                           size_t NH)
+{
+    if (ops_have_avx2() && (C / NH) % 8 == 0)
+        ops_attention_forward_avx2(y, att, qkv, B, T, C, NH);
+    else
+        ops_attention_forward_ref(y, att, qkv, B, T, C, NH);
+}
+
+void ops_attention_backward(float *d_qkv, float *d_row, const float *d_y, const float *qkv,
+                            const float *att, size_t B, size_t T, size_t C, size_t NH)
+{
+    if (ops_have_avx2() && (C / NH) % 8 == 0)
+        ops_attention_backward_avx2(d_qkv, d_row, d_y, qkv, att, B, T, C, NH);
+    else
+        ops_attention_backward_ref(d_qkv, d_row, d_y, qkv, att, B, T, C, NH);
+}
 
 /* ---- GEMM on the OpenMP threads -------------------------------------------------------- */
 
@@ -33,39 +85,32 @@ static void blas_single_threaded(void)
 }
 
 /* Row-major C (M,N) = op(A) (M,K) @ op(B) (K,N) + beta * C, with op transposing when ta (tb)
- * is set. The output is cut into one slab per thread along its larger side, each a
- * multiple of 16 columns (rows) and computed by one sequential sgemm over all of K: an
- * element's K-order does not depend on the cut, so the bits do not depend on the thread
- * count. Each thread packs the whole of the smaller operand and its slab of the larger;
- * in the trainer the larger is a weight and the smaller an activation of B*T rows. */
+ * is set. The rows of C are cut into one slab per thread, each a multiple of
+ * GEMM_SPLIT_ALIGN rows and computed by one sequential sgemm over all of K and N. Cut
+ * there, an element's bits do not depend on the cut (OpenBLAS's kernels walk row-major rows
+ * in groups of up to 12 on x86 and keep each group's arithmetic to itself; cutting columns
+ * instead changes bits, as the blocking over them is the library's), so they do not depend
+ * on the thread count. Each thread packs the whole of op(B). */
 void ops_gemm(int ta, int tb, size_t M, size_t N, size_t K, const float *A, size_t lda,
               const float *B, size_t ldb, float beta, float *C, size_t ldc)
 {
     pthread_once(&blas_once, blas_single_threaded);
     enum CBLAS_TRANSPOSE oa = ta ? CblasTrans : CblasNoTrans, ob = tb ? CblasTrans : CblasNoTrans;
     int nt = omp_get_max_threads();
-    if (nt <= 1 || (double)M * N * K < GEMM_SERIAL_FLOPS || omp_in_parallel()) {
+    size_t share = (M + (size_t)nt - 1) / (size_t)(nt > 0 ? nt : 1);
+    share = (share + GEMM_SPLIT_ALIGN - 1) / GEMM_SPLIT_ALIGN * GEMM_SPLIT_ALIGN;
+    if (nt <= 1 || share >= M || (double)M * N * K < GEMM_SERIAL_FLOPS || omp_in_parallel()) {
         cblas_sgemm(CblasRowMajor, oa, ob, (int)M, (int)N, (int)K, 1.0f, A, (int)lda, B, (int)ldb,
                     beta, C, (int)ldc);
         return;
     }
-    int by_cols = N >= M;
-    size_t len = by_cols ? N : M;
-    size_t share = (len + (size_t)nt - 1) / (size_t)nt;
-    share = (share + GEMM_SPLIT_ALIGN - 1) / GEMM_SPLIT_ALIGN * GEMM_SPLIT_ALIGN;
 #pragma omp parallel num_threads(nt)
     {
-        size_t t = (size_t)omp_get_thread_num();
-        size_t a = t * share, b = a + share < len ? a + share : len;
-        if (a < b) {
-            if (by_cols)
-                cblas_sgemm(CblasRowMajor, oa, ob, (int)M, (int)(b - a), (int)K, 1.0f, A, (int)lda,
-                            tb ? B + a * ldb : B + a, (int)ldb, beta, C + a, (int)ldc);
-            else
-                cblas_sgemm(CblasRowMajor, oa, ob, (int)(b - a), (int)N, (int)K, 1.0f,
-                            ta ? A + a : A + a * lda, (int)lda, B, (int)ldb, beta, C + a * ldc,
-                            (int)ldc);
-        }
+        size_t a = (size_t)omp_get_thread_num() * share, b = a + share < M ? a + share : M;
+        if (a < b)
+            cblas_sgemm(CblasRowMajor, oa, ob, (int)(b - a), (int)N, (int)K, 1.0f,
+                        ta ? A + a : A + a * lda, (int)lda, B, (int)ldb, beta, C + a * ldc,
+                        (int)ldc);
     }
 }
 
@@ -179,7 +224,7 @@ void ops_linear_backward(float *d_inp, float *dW, float *db, const float *d_out,
 #define GELU_SCALE 0.7978845608028654f /* sqrt(2/pi) */
 
 /* out (n) = GELU(inp (n)), the tanh approximation GPT-2 uses. */
-void ops_gelu_forward(float *out, const float *inp, size_t n)
+void ops_gelu_forward_ref(float *out, const float *inp, size_t n)
 {
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) {
@@ -190,7 +235,7 @@ void ops_gelu_forward(float *out, const float *inp, size_t n)
 }
 
 /* d (n) *= GELU'(inp (n)), in place: d enters as dloss/dout and leaves as dloss/dinp. */
-void ops_gelu_backward(float *d, const float *inp, size_t n)
+void ops_gelu_backward_ref(float *d, const float *inp, size_t n)
 {
 #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) {
@@ -205,7 +250,7 @@ void ops_gelu_backward(float *d, const float *inp, size_t n)
 /* Causal self-attention. qkv (B,T,3C) holds q, k and v side by side, head h at columns
  * h*hs of each. att (B,NH,T,T) receives the softmax probabilities (zero above the
  * diagonal); y (B,T,C) the heads' outputs side by side. One (b,h) per thread task. */
-void ops_attention_forward(float *y, float *att, const float *qkv, size_t B, size_t T, size_t C,
+void ops_attention_forward_ref(float *y, float *att, const float *qkv, size_t B, size_t T, size_t C,
                            size_t NH)
 {
     size_t hs = C / NH, C3 = 3 * C;
@@ -255,7 +300,7 @@ void ops_attention_forward(float *y, float *att, const float *qkv, size_t B, siz
 /* d_qkv (B,T,3C) = the gradient of attention_forward's input, given d_y (B,T,C), the
  * input qkv and the probabilities att (B,NH,T,T). d_row (B,NH,T) is room for one row of
  * dloss/datt per (b,h). Each (b,h) writes only its own columns of d_qkv. */
-void ops_attention_backward(float *d_qkv, float *d_row, const float *d_y, const float *qkv,
+void ops_attention_backward_ref(float *d_qkv, float *d_row, const float *d_y, const float *qkv,
                             const float *att, size_t B, size_t T, size_t C, size_t NH)
 {
     size_t hs = C / NH, C3 = 3 * C;

@@ -67,6 +67,23 @@ void ops_attention_forward(float *y, float *att, const float *qkv, size_t B, siz
 void ops_attention_backward(float *d_qkv, float *d_row, const float *d_y, const float *qkv,
                             const float *att, size_t B, size_t T, size_t C, size_t NH);
 
+/* The scalar references (_ref) and AVX2+FMA versions (_avx2) of GELU and attention, which
+ * the functions above choose between: ops_have_avx2() says whether this CPU runs the
+ * second, and the attention ones need C/NH a multiple of 8. Tests compare the two. */
+int ops_have_avx2(void);
+void ops_gelu_forward_ref(float *out, const float *inp, size_t n);
+void ops_gelu_backward_ref(float *d, const float *inp, size_t n);
+void ops_attention_forward_ref(float *y, float *att, const float *qkv, size_t B, size_t T,
+                               size_t C, size_t NH);
+void ops_attention_backward_ref(float *d_qkv, float *d_row, const float *d_y, const float *qkv,
+                                const float *att, size_t B, size_t T, size_t C, size_t NH);
+void ops_gelu_forward_avx2(float *out, const float *inp, size_t n);
+void ops_gelu_backward_avx2(float *d, const float *inp, size_t n);
+void ops_attention_forward_avx2(float *y, float *att, const float *qkv, size_t B, size_t T,
+                                size_t C, size_t NH);
+void ops_attention_backward_avx2(float *d_qkv, float *d_row, const float *d_y, const float *qkv,
+                                 const float *att, size_t B, size_t T, size_t C, size_t NH);
+
 /* Cross-entropy with the softmax fused: losses (N) = -log softmax(logits (N,V))[targets];
  * returns their mean (summed in double, in order). With want_grad, logits becomes
  * dloss/dlogits = (softmax - onehot) / N in place. */
