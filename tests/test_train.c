@@ -529,7 +529,8 @@ Test(train, failed_step_leaves_the_trainer_usable)
  * state torn: then it refuses to go on, closes without flushing, and a resume starts from
  * the last checkpoint. Either way the losses that follow are those of a run that never
  * failed. (A torn state used to be flushed at close and resumed as if whole.) The faults:
- * an IO error at chunks spread over a step, and a failed update of the optimizer's first,
+ * an IO error at chunks spread over a step, one at three of its reads,
+ * and a failed update of the optimizer's first,
  * middle and last tensor. */
 #define FAULT_BUDGETS "300K", "512K"
 static float fault_ref[4];
@@ -592,6 +593,11 @@ static void arm_io(struct trainer *t, unsigned nth)
     uring_fault_set(trainer_engine(t)->io, URING_FAULT_EIO, nth);
 }
 
+static void arm_read(struct trainer *t, unsigned nth)
+{
+    uring_fault_set(trainer_engine(t)->io, URING_FAULT_EIO_READ, nth);
+}
+
 static void arm_optimizer(struct trainer *t, unsigned tensor)
 {
     trainer_fault_optimizer(t, (int)tensor, EIO);
@@ -636,10 +642,16 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
     for (unsigned i = 0; i < 5; i++, k++)
         outcome[1 + fault_run(k, arm_io, 1 + (unsigned)((uint64_t)i * (chunks - 1) / 4))]++;
     /* Which chunk an ordinal lands on depends on timing: a fault on a background write-back
-     * is retried and misses. Where all five missed (seen once on a loaded machine), more
-     * places are tried before concluding that no IO fault reaches the step. */
-    for (unsigned i = 0; outcome[1] == 0 && i < 16; i++, k++)
-        outcome[1 + fault_run(k, arm_io, 1 + (unsigned)(((uint64_t)i * 7919 + 3) % chunks))]++;
+     * is retried and misses, and so does one on a read the engine makes again. The first
+     * read of step 2 (for its forward) is waited for: a fault there fails the step before
+     * the optimizer. */
+    unsigned reads[] = {1, 2, chunks / 8}; /* a step reads about a fifth of its chunks */
+    for (unsigned i = 0; i < 3; i++, k++) {
+        int got = fault_run(k, arm_read, reads[i]);
+        cr_assert(i > 0 || got == 0, "a fault on step 2's first read: %s",
+                  got < 0 ? "the step did not fail" : "the state tore");
+        outcome[1 + got]++;
+    }
     cr_assert_gt(outcome[1], 0, "some IO faults failed the step before the optimizer");
     unsigned where[] = {0, (unsigned)ntensors / 2, (unsigned)ntensors - 1};
     for (unsigned i = 0; i < 3; i++, k++)

@@ -282,12 +282,15 @@ static int apply_fault(struct uring *u, struct chunk *c, int res)
         return res;
     if (u->fault == URING_FAULT_EIO_STICKY)
         return -EIO; /* a drive gone bad: every completion fails until the hook is reset */
+    if (u->fault == URING_FAULT_EIO_READ && c->req->op != URING_READ)
+        return res;
     if (--u->fault_countdown > 0)
         return res;
     enum uring_fault f = u->fault;
     u->fault = URING_FAULT_NONE;
     switch (f) {
     case URING_FAULT_EIO:
+    case URING_FAULT_EIO_READ:
         return -EIO;
     case URING_FAULT_EAGAIN:
         return -EAGAIN;

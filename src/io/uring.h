@@ -131,10 +131,12 @@ unsigned uring_queue_depth(struct uring *u);
  * behave as if io_uring_queue_init() returned -ENOSYS (pass u = NULL).
  * URING_FAULT_EIO_STICKY fails every completion from now on with -EIO, until the hook is
  * set to URING_FAULT_NONE. URING_FAULT_SUBMIT makes the nth uring_submit() from now return
- * -EIO at once (the request is never queued, its callback never runs). */
+ * -EIO at once (the request is never queued, its callback never runs).
+ * URING_FAULT_EIO_READ is URING_FAULT_EIO counting read chunks only: writes, which an engine
+ * retries in the background, pass, so the fault lands on a read someone waits for. */
 enum uring_fault { URING_FAULT_NONE, URING_FAULT_EIO, URING_FAULT_SHORT, URING_FAULT_EAGAIN,
                    URING_FAULT_NO_DIRECT, URING_FAULT_NO_URING, URING_FAULT_EIO_STICKY,
-                   URING_FAULT_SUBMIT };
+                   URING_FAULT_SUBMIT, URING_FAULT_EIO_READ };
 void uring_fault_set(struct uring *u, enum uring_fault kind, unsigned nth);
 
 #endif
