@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -533,6 +534,12 @@ static void print_settings(const struct trainer_opts *o, const struct ds_applied
     fflush(log);
 }
 
+/* b - a in seconds: the CPU time a step took, for the log. */
+static double timeval_diff_s(const struct timeval *a, const struct timeval *b)
+{
+    return (double)(b->tv_sec - a->tv_sec) + (double)(b->tv_usec - a->tv_usec) * 1e-6;
+}
+
 static const char *format_eta(double s, char *buf, size_t len)
 {
     long n = (long)(s + 0.5);
@@ -976,7 +983,10 @@ int cmd_train(int argc, char **argv)
             break;
         }
         struct trainer_step_stats st;
+        struct rusage ru0, ru1;
+        getrusage(RUSAGE_SELF, &ru0);
         r = trainer_step(t, &st);
+        getrusage(RUSAGE_SELF, &ru1);
         if (r < 0) {
             fprintf(stderr, "zinf train: step %d failed: %s%s\n", trainer_next_step(t),
                     zinf_strerror(r),
@@ -1019,12 +1029,14 @@ int cmd_train(int argc, char **argv)
                     "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f,"
                     "\"blocked_nvme\":%.4f,\"blocked_copy\":%.4f,\"blocked_room\":%.4f,"
                     "\"blocked_pin\":%.4f,\"device_used_bytes\":%llu,\"host_used_bytes\":%llu,"
-                    "\"eta_s\":%.1f,\"loss_scale\":%.9g,\"skipped\":%s}\n",
+                    "\"eta_s\":%.1f,\"loss_scale\":%.9g,\"skipped\":%s,\"cpu_user_s\":%.6f,"
+                    "\"cpu_sys_s\":%.6f}\n",
                     st.step, st.loss, st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps,
                     st.nvme_write_GBps, st.blocked_fraction, st.blocked_nvme, st.blocked_copy,
                     st.blocked_room, st.blocked_pin, (unsigned long long)st.device_used,
                     (unsigned long long)st.host_used, eta, st.loss_scale,
-                    st.skipped ? "true" : "false");
+                    st.skipped ? "true" : "false", timeval_diff_s(&ru0.ru_utime, &ru1.ru_utime),
+                    timeval_diff_s(&ru0.ru_stime, &ru1.ru_stime));
             fflush(log);
         }
         bool end = st.step == o.steps;
