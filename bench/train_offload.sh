@@ -70,7 +70,7 @@ rows = [json.loads(l) for l in open(sys.argv[1])]
 steps = [r for r in rows if 'step' in r]
 summ = [r['summary'] for r in rows if 'summary' in r][0]
 ms = [r['ms'] for r in steps[1:]]
-print(sum(ms) / len(ms), ' '.join('%.6f' % r['loss'] for r in steps), summ['model_state_bytes'],
+print(sum(ms) / len(ms), ' '.join(repr(r['loss']) for r in steps), summ['model_state_bytes'],
       summ['device']['peak_bytes'], summ['device']['budget_bytes'], summ['host']['peak_bytes'],
       summ['host']['budget_bytes'])
 PY
