@@ -25,6 +25,7 @@
 #include "common.h"
 #include "zinf.h"
 #include "zinf_build.h"
+#include "train/trainer.h"
 
 static char *dir;
 
@@ -902,9 +903,11 @@ static int count_lines(const char *path, const char *prefix)
     return n;
 }
 
-/* The losses a JSONL log holds, as printed (%.9g: the float's bits), by step, and the last
- * checkpoint it logged (the state of that step was durable by then). A line cut short by a
- * kill is ignored. Returns the highest step seen, or 0. */
+/* The losses a JSONL log holds, as printed (%.9g: the float's bits), by step, each followed
+ * by "/" and the step's parameter digest, so that a comparison of two runs' losses
+ * compares their parameters too; and the last checkpoint it logged (the state of that step
+ * was durable by then). A line cut short by a kill is ignored. Returns the highest step
+ * seen, or 0. */
 static int read_losses(const char *path, char (*loss)[32], int *summary_steps, int *ckpt)
 {
     FILE *f = fopen(path, "r");
@@ -915,8 +918,13 @@ static int read_losses(const char *path, char (*loss)[32], int *summary_steps, i
         int step, n = 0;
         char val[32];
         if (!strchr(line, '\n')) continue;
-        if (sscanf(line, "{\"step\":%d,\"loss\":%31[^,],%n", &step, val, &n) == 2 && n > 0 &&
+        const char *dg = strstr(line, "\"digest\":");
+        if (sscanf(line, "{\"step\":%d,\"loss\":%14[^,],%n", &step, val, &n) == 2 && n > 0 &&
             step >= 1 && step <= MAX_STEPS) {
+            /* "loss/digest": 14 + 1 + 16 characters at most. */
+            size_t vl = strlen(val);
+            snprintf(val + vl, sizeof(val) - vl, "/%.16s",
+                     !dg ? "none" : dg[9] == '"' ? dg + 10 : "null");
             if (loss[step][0])
                 cr_assert_str_eq(loss[step], val, "%s: step %d logged twice, differently", path,
                                  step);
@@ -2728,4 +2736,82 @@ Test(cli, tune_plot_draws_the_heatmap, .timeout = 120)
     cr_assert(png_size(png, &w, &h), "%s is not a PNG", png);
     cr_expect_eq(w, 640);
     cr_expect_eq(h, 480);
+}
+
+/* The text of key's value in a JSON line (up to the next ',' or '}'), or NULL. */
+static const char *json_value_text(const char *line, const char *key, char *buf, size_t len)
+{
+    char pat[64];
+    snprintf(pat, sizeof(pat), "\"%s\":", key);
+    const char *p = strstr(line, pat);
+    if (!p) return NULL;
+    p += strlen(pat);
+    size_t n = strcspn(p, ",}");
+    snprintf(buf, len, "%.*s", (int)n, p);
+    return buf;
+}
+
+/* Every number `zinf train --log` writes reads back as the value the trainer computed:
+ * the same run in this process gives, step by step, bitwise the logged loss, gradient norm,
+ * clip scale, learning rate and parameter digest; and every line is valid JSON. */
+Test(cli, train_log_holds_the_trainers_exact_values)
+{
+    char cfg[4096], data[4096], swap[4096], log[4096], err[512], *o;
+    snprintf(swap, sizeof(swap), "%s/exact-cli", dir);
+    snprintf(log, sizeof(log), "%s/exact.jsonl", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s", cfg, data, log),
+                 0, "%s", o);
+    free(o);
+
+    snprintf(swap, sizeof(swap), "%s/exact-lib", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    struct trainer_opts opts;
+    trainer_opts_defaults(&opts);
+    opts.config_path = cfg;
+    opts.data_path = data;
+    opts.model.L = 1;
+    opts.model.C = 16;
+    opts.model.NH = 2;
+    opts.seq = 8;
+    opts.batch = 1;
+    opts.steps = 4;
+    opts.digest = true;
+    struct trainer *t = NULL;
+    cr_assert_eq(trainer_open(&opts, &t, err, sizeof(err)), 0, "%s", err);
+
+    FILE *f = fopen(log, "r");
+    cr_assert_not_null(f);
+    char line[4096], v[64];
+    int steps = 0;
+    while (fgets(line, sizeof(line), f)) {
+        json_error_t je;
+        json_t *j = json_loads(line, 0, &je);
+        cr_assert_not_null(j, "not JSON (%s): %s", je.text, line);
+        json_decref(j);
+        if (strncmp(line, "{\"step\":", 8) != 0) continue;
+        struct trainer_step_stats st;
+        cr_assert_eq(trainer_step(t, &st), 0);
+        steps++;
+        float loss = strtof(json_value_text(line, "loss", v, sizeof(v)), NULL);
+        cr_expect(memcmp(&loss, &st.loss, sizeof(float)) == 0, "step %d loss: logged %s, %.9g",
+                  st.step, v, st.loss);
+        double norm = strtod(json_value_text(line, "grad_norm", v, sizeof(v)), NULL);
+        cr_expect(memcmp(&norm, &st.grad_norm, sizeof(double)) == 0,
+                  "step %d grad_norm: logged %s, %.17g", st.step, v, st.grad_norm);
+        float clip = strtof(json_value_text(line, "clip_scale", v, sizeof(v)), NULL);
+        cr_expect(memcmp(&clip, &st.clip_scale, sizeof(float)) == 0,
+                  "step %d clip_scale: logged %s, %.9g", st.step, v, st.clip_scale);
+        float lr = strtof(json_value_text(line, "lr", v, sizeof(v)), NULL);
+        cr_expect(memcmp(&lr, &st.lr, sizeof(float)) == 0, "step %d lr: logged %s, %.9g", st.step,
+                  v, st.lr);
+        cr_assert(st.have_digest);
+        char want[32];
+        snprintf(want, sizeof(want), "\"%016llx\"", (unsigned long long)st.digest);
+        cr_expect_str_eq(json_value_text(line, "digest", v, sizeof(v)), want, "step %d digest",
+                         st.step);
+    }
+    fclose(f);
+    trainer_close(t);
+    cr_assert_eq(steps, 4);
 }

@@ -20,6 +20,8 @@
 #include "io/uring.h"
 #include "tiers/cuda_probe.h"
 #include "train/backend.h"
+#include "train/digest.h"
+#include "train/gpt.h"
 #include "train/loss_scale.h"
 #include "train/ops.h"
 #include "train/trainer.h"
@@ -1153,4 +1155,112 @@ Test(train, fp16_with_loss_scaling)
     trainer_close(t);
     free(before);
     free(after);
+}
+
+/* The digest of every fp32 parameter, read back through the engine, tensor by tensor in
+ * the layout's order: what trainer_step_stats.digest must be. */
+static uint64_t digest_of_params(struct trainer *t, const struct trainer_opts *o)
+{
+    struct gpt_config gc = o->model;
+    gc.maxT = o->seq;
+    int n = gpt_layout(&gc, NULL, 0);
+    cr_assert_gt(n, 0);
+    struct gpt_tensor_desc *d = calloc((size_t)n, sizeof(*d));
+    cr_assert_eq(gpt_layout(&gc, d, (size_t)n), n);
+    zinf_engine *e = trainer_engine(t);
+    uint64_t sum = 0;
+    for (int i = 0; i < n; i++) {
+        char name[96];
+        zinf_tensor h;
+        snprintf(name, sizeof(name), "p.%s", d[i].name);
+        cr_assert_eq(zinf_lookup(e, name, &h), 0, "%s", name);
+        float *p = malloc(d[i].numel * sizeof(float));
+        cr_assert_eq(zinf_read(e, h, 0, p, d[i].numel * sizeof(float)), 0);
+        sum += digest_floats(p, d[i].numel, (uint32_t)i, 0);
+        free(p);
+    }
+    free(d);
+    return sum;
+}
+
+/* With lr 0 a step leaves the parameters as they were, so its digest is theirs: two runs
+ * that differ by one bit of one weight (flipped through the engine before step 1) log
+ * different digests, and each is the digest of the parameters read back. The same run
+ * twice logs the same digest; with the digest off, none is given. */
+Test(train, digest_tells_apart_one_bit_in_one_weight)
+{
+    char cfg[4096], swap[4096], err[512];
+    uint64_t got[3];
+    for (int k = 0; k < 3; k++) {
+        struct trainer *t = NULL;
+        struct trainer_step_stats st;
+        snprintf(swap, sizeof(swap), "%s/dg%d", dir, k);
+        snprintf(cfg, sizeof(cfg), "%s/dg%d.json", dir, k);
+        write_config(cfg, "nvme", "nvme", swap, "64M", "64M");
+        struct trainer_opts o = small_model(cfg);
+        o.lr = 0;
+        o.digest = true;
+        cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+        if (k == 2) {
+            /* One bit of one weight, in the middle of the first block's qkv matrix. */
+            zinf_tensor h;
+            float w;
+            size_t at = 1000 * sizeof(float);
+            cr_assert_eq(zinf_lookup(trainer_engine(t), "p.h0.attn.qkv.w", &h), 0);
+            cr_assert_eq(zinf_read(trainer_engine(t), h, at, &w, sizeof(w)), 0);
+            uint32_t u;
+            memcpy(&u, &w, sizeof(u));
+            u ^= 1u << 3;
+            memcpy(&w, &u, sizeof(w));
+            cr_assert_eq(zinf_write(trainer_engine(t), h, at, &w, sizeof(w)), 0);
+        }
+        cr_assert_eq(trainer_step(t, &st), 0);
+        cr_assert(st.have_digest);
+        got[k] = st.digest;
+        cr_assert_eq(st.digest, digest_of_params(t, &o), "run %d: the step's digest is not that of "
+                     "its parameters", k);
+        cr_assert_eq(st.lr, 0.0f);
+        trainer_close(t);
+    }
+    cr_expect_eq(got[0], got[1], "the same run twice: %016llx, %016llx",
+                 (unsigned long long)got[0], (unsigned long long)got[1]);
+    cr_expect_neq(got[0], got[2], "one bit flipped, the same digest %016llx",
+                  (unsigned long long)got[0]);
+
+    struct trainer *t = NULL;
+    struct trainer_step_stats st;
+    snprintf(swap, sizeof(swap), "%s/dgoff", dir);
+    snprintf(cfg, sizeof(cfg), "%s/dgoff.json", dir);
+    write_config(cfg, "none", "none", swap, "64M", "64M");
+    struct trainer_opts o = small_model(cfg);
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(trainer_step(t, &st), 0);
+    cr_expect_not(st.have_digest);
+    trainer_close(t);
+}
+
+/* The step's norm, clip scale and learning rate are what the optimizer used: the norm is
+ * that of the gradient (its square from the backend's sum), the clip scale min(1, clip /
+ * norm), the rate the schedule's. */
+Test(train, step_reports_norm_clip_and_lr)
+{
+    char cfg[4096], swap[4096], err[512];
+    struct trainer *t = NULL;
+    struct trainer_step_stats st;
+    snprintf(swap, sizeof(swap), "%s/ncl", dir);
+    snprintf(cfg, sizeof(cfg), "%s/ncl.json", dir);
+    write_config(cfg, "none", "none", swap, "64M", "64M");
+    struct trainer_opts o = small_model(cfg);
+    o.grad_clip = 0.05f; /* below the first steps' norms: every step is clipped */
+    o.sched = (struct trainer_lr_schedule){.type = TRAINER_SCHED_WARMUP, .min_lr = 0,
+                                           .max_lr = 1e-3, .warmup_steps = 4, .linear = true};
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    for (int s = 1; s <= 3; s++) {
+        cr_assert_eq(trainer_step(t, &st), 0);
+        cr_assert(isfinite(st.grad_norm) && st.grad_norm > 0.05, "step %d: norm %g", s,
+                  st.grad_norm);
+        cr_expect_eq(st.clip_scale, (float)((double)0.05f / st.grad_norm), "step %d", s);
+        cr_expect_eq(st.lr, (float)trainer_lr_at(&o.sched, o.lr, s), "step %d", s);
+    }
+    trainer_close(t);
 }

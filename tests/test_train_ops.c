@@ -20,6 +20,7 @@
 
 #include "helpers.h"
 #include "train/adamw.h"
+#include "train/digest.h"
 #include "train/ops.h"
 #include "train/gpt.h"
 
@@ -1234,4 +1235,46 @@ Test(train_ops, same_bits_for_any_thread_count)
     free(x);
     free(qkv);
     free(d_y);
+}
+
+/* The parameter digest (digest.h): any one bit of any value changes it, wherever the value
+ * sits in its block (first, middle, last, the odd float of a short block); it is the sum of
+ * its pieces cut at blocks, as ranks cut their shards; it does not depend on the threads;
+ * and the same bytes under another tensor index or block give another digest. */
+Test(train_ops, digest_sees_every_bit_and_adds_up_in_pieces)
+{
+    const size_t n = 5 * DIGEST_BLOCK_FLOATS + 333; /* a short last block, odd length */
+    float *p = frand(n, 11, 1.0f);
+    uint64_t whole = digest_floats(p, n, 7, 0);
+    const size_t at[] = {0, 1, 511, 1023, 1024, 2500, 5 * DIGEST_BLOCK_FLOATS, n - 2, n - 1};
+    for (size_t k = 0; k < sizeof(at) / sizeof(at[0]); k++)
+        for (int bit = 0; bit < 32; bit += 7) {
+            uint32_t u;
+            memcpy(&u, &p[at[k]], 4);
+            u ^= 1u << bit;
+            memcpy(&p[at[k]], &u, 4);
+            cr_expect_neq(digest_floats(p, n, 7, 0), whole, "bit %d of value %zu", bit, at[k]);
+            u ^= 1u << bit;
+            memcpy(&p[at[k]], &u, 4);
+        }
+    cr_assert_eq(digest_floats(p, n, 7, 0), whole, "the bits put back, the digest is back");
+    uint64_t pieces = digest_floats(p, 2 * DIGEST_BLOCK_FLOATS, 7, 0) +
+                      digest_floats(p + 2 * DIGEST_BLOCK_FLOATS, DIGEST_BLOCK_FLOATS, 7, 2) +
+                      digest_floats(p + 3 * DIGEST_BLOCK_FLOATS, n - 3 * DIGEST_BLOCK_FLOATS, 7, 3);
+    cr_expect_eq(pieces, whole, "three pieces %016llx, whole %016llx", (unsigned long long)pieces,
+                 (unsigned long long)whole);
+    cr_expect_neq(digest_floats(p, n, 8, 0), whole, "another tensor index");
+    cr_expect_neq(digest_floats(p, DIGEST_BLOCK_FLOATS, 7, 1),
+                  digest_floats(p, DIGEST_BLOCK_FLOATS, 7, 0), "another block");
+    float *big = frand(300 * DIGEST_BLOCK_FLOATS, 12, 1.0f); /* enough blocks for threads */
+    uint64_t d[3];
+    for (int t = 0; t < 3; t++) {
+        omp_set_num_threads(t + 1);
+        d[t] = digest_floats(big, 300 * DIGEST_BLOCK_FLOATS, 0, 0);
+    }
+    omp_set_num_threads(omp_get_num_procs());
+    cr_expect(d[0] == d[1] && d[0] == d[2], "1, 2, 3 threads: %016llx %016llx %016llx",
+              (unsigned long long)d[0], (unsigned long long)d[1], (unsigned long long)d[2]);
+    free(p);
+    free(big);
 }

@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -423,6 +424,17 @@ static void watch_stop(struct ckpt_watch *w, pthread_t th, bool watching)
     pthread_cond_destroy(&w->cv);
 }
 
+/* ,"key":v in the log, written so that it reads back as the same value: %.9g for a float,
+ * %.17g for a double; null where it is not finite (JSON has no NaN or infinity). */
+static void json_num(FILE *f, const char *key, double v, bool is_float)
+{
+    fprintf(f, ",\"%s\":", key);
+    if (!isfinite(v))
+        fputs("null", f);
+    else
+        fprintf(f, is_float ? "%.9g" : "%.17g", v);
+}
+
 static int checkpoint(struct trainer *t, FILE *log)
 {
     struct trainer_summary sum;
@@ -449,9 +461,9 @@ static int checkpoint(struct trainer *t, FILE *log)
            sum.checkpoint_seconds * 1e3, format_size(sum.checkpoint_bytes, a, sizeof(a)));
     fflush(stdout);
     if (log) {
-        fprintf(log, "{\"checkpoint\":%d,\"ms\":%.3f,\"bytes_written\":%llu}\n",
-                sum.checkpoint_step, sum.checkpoint_seconds * 1e3,
-                (unsigned long long)sum.checkpoint_bytes);
+        fprintf(log, "{\"checkpoint\":%d", sum.checkpoint_step);
+        json_num(log, "ms", sum.checkpoint_seconds * 1e3, false);
+        fprintf(log, ",\"bytes_written\":%llu}\n", (unsigned long long)sum.checkpoint_bytes);
         fflush(log);
     }
     return 0;
@@ -514,14 +526,16 @@ static void print_settings(const struct trainer_opts *o, const struct ds_applied
     json_print_string(log, ds->optimizer);
     fprintf(log, ",\"lr\":%.9g,\"scheduler\":", o->lr);
     json_print_string(log, ds->scheduler);
+    json_num(log, "warmup_min_lr", o->sched.min_lr, false);
+    json_num(log, "warmup_max_lr", o->sched.max_lr, false);
     fprintf(log,
-            ",\"warmup_min_lr\":%.9g,\"warmup_max_lr\":%.9g,\"warmup_steps\":%d,"
+            ",\"warmup_steps\":%d,"
             "\"total_steps\":%d,\"warmup_type\":\"%s\",\"betas\":[%.9g,%.9g],\"eps\":%.9g,"
             "\"weight_decay\":%.9g,\"clip\":%.9g,\"seed\":%llu,\"precision\":\"%s\","
             "\"backend\":\"%s\",\"checkpoint_every\":%ld,\"steps_per_print\":%d,"
             "\"device_bytes\":%llu,\"host_bytes\":%llu,\"min_device_bytes\":%llu,"
             "\"min_host_bytes\":%llu,\"staging_bytes\":%llu,\"auto\":",
-            o->sched.min_lr, o->sched.max_lr, o->sched.warmup_steps, o->sched.total_steps,
+            o->sched.warmup_steps, o->sched.total_steps,
             o->sched.linear ? "linear" : "log", o->beta1, o->beta2, o->eps, o->weight_decay,
             o->grad_clip, (unsigned long long)o->seed, sum->precision, sum->backend, ckpt_every,
             every, (unsigned long long)sum->tier[0].budget_bytes,
@@ -566,7 +580,9 @@ static int evaluate(struct trainer *t, int step, int batches, FILE *log)
            batches);
     fflush(stdout);
     if (log) {
-        fprintf(log, "{\"eval\":%d,\"val_loss\":%.9g,\"batches\":%d}\n", step, loss, batches);
+        fprintf(log, "{\"eval\":%d", step);
+        json_num(log, "val_loss", loss, true);
+        fprintf(log, ",\"batches\":%d}\n", batches);
         fflush(log);
     }
     return 0;
@@ -871,6 +887,9 @@ int cmd_train(int argc, char **argv)
         snprintf(rank_log, sizeof(rank_log), "%s.rank-%d", log_path, o.rank);
         log_path = rank_log;
     }
+    /* The log carries each step's parameter digest (every rank has --log when one has:
+     * they share the command line, and the digest is summed across them). */
+    o.digest = log_path != NULL;
     /* Appending, so that a run refused below leaves an old log as it was. */
     if (log_path && !(log = fopen(log_path, "a"))) {
         fprintf(stderr, "zinf train: --log %s: %s\n", log_path, strerror(errno));
@@ -1022,21 +1041,33 @@ int cmd_train(int argc, char **argv)
             fflush(stdout);
         }
         if (log) {
-            /* %.9g: the loss's float bits survive the round trip, so runs can be compared
-             * exactly. */
-            fprintf(log,
-                    "{\"step\":%d,\"loss\":%.9g,\"tokens_per_s\":%.1f,\"ms\":%.3f,"
-                    "\"nvme_read_GBps\":%.4f,\"nvme_write_GBps\":%.4f,\"blocked\":%.4f,"
-                    "\"blocked_nvme\":%.4f,\"blocked_copy\":%.4f,\"blocked_room\":%.4f,"
-                    "\"blocked_pin\":%.4f,\"device_used_bytes\":%llu,\"host_used_bytes\":%llu,"
-                    "\"eta_s\":%.1f,\"loss_scale\":%.9g,\"skipped\":%s,\"cpu_user_s\":%.6f,"
-                    "\"cpu_sys_s\":%.6f}\n",
-                    st.step, st.loss, st.tokens_per_s, st.seconds * 1e3, st.nvme_read_GBps,
-                    st.nvme_write_GBps, st.blocked_fraction, st.blocked_nvme, st.blocked_copy,
-                    st.blocked_room, st.blocked_pin, (unsigned long long)st.device_used,
-                    (unsigned long long)st.host_used, eta, st.loss_scale,
-                    st.skipped ? "true" : "false", timeval_diff_s(&ru0.ru_utime, &ru1.ru_utime),
-                    timeval_diff_s(&ru0.ru_stime, &ru1.ru_stime));
+            /* Every number reads back as the value the trainer had (json_num), so runs can
+             * be compared exactly from their logs; the digest compares their parameters. */
+            fprintf(log, "{\"step\":%d", st.step);
+            json_num(log, "loss", st.loss, true);
+            json_num(log, "tokens_per_s", st.tokens_per_s, false);
+            json_num(log, "ms", st.seconds * 1e3, false);
+            json_num(log, "nvme_read_GBps", st.nvme_read_GBps, false);
+            json_num(log, "nvme_write_GBps", st.nvme_write_GBps, false);
+            json_num(log, "blocked", st.blocked_fraction, false);
+            json_num(log, "blocked_nvme", st.blocked_nvme, false);
+            json_num(log, "blocked_copy", st.blocked_copy, false);
+            json_num(log, "blocked_room", st.blocked_room, false);
+            json_num(log, "blocked_pin", st.blocked_pin, false);
+            fprintf(log, ",\"device_used_bytes\":%llu,\"host_used_bytes\":%llu",
+                    (unsigned long long)st.device_used, (unsigned long long)st.host_used);
+            json_num(log, "eta_s", eta, false);
+            json_num(log, "loss_scale", st.loss_scale, false);
+            fprintf(log, ",\"skipped\":%s", st.skipped ? "true" : "false");
+            json_num(log, "grad_norm", st.grad_norm, false);
+            json_num(log, "clip_scale", st.clip_scale, true);
+            json_num(log, "lr", st.lr, true);
+            json_num(log, "cpu_user_s", timeval_diff_s(&ru0.ru_utime, &ru1.ru_utime), false);
+            json_num(log, "cpu_sys_s", timeval_diff_s(&ru0.ru_stime, &ru1.ru_stime), false);
+            if (st.have_digest)
+                fprintf(log, ",\"digest\":\"%016llx\"}\n", (unsigned long long)st.digest);
+            else
+                fprintf(log, ",\"digest\":null}\n");
             fflush(log);
         }
         bool end = st.step == o.steps;
@@ -1133,15 +1164,16 @@ int cmd_train(int argc, char **argv)
                 "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu,"
                 "\"checkpoint_step\":%d,\"interrupted\":%s,\"failed\":%s,\"compactions\":%llu,"
                 "\"min_device_bytes\":%llu,\"min_host_bytes\":%llu,\"steps_run\":%d,"
-                "\"train_seconds\":%.3f,\"mean_tokens_per_s\":%.1f,\"skipped_steps\":%lld,"
-                "\"loss_scale\":%.9g",
+                "\"skipped_steps\":%lld",
                 sum.steps_done, (unsigned long long)sum.model_state_bytes,
                 (unsigned long long)sum.param_count, sum.backend, sum.precision,
                 (unsigned long long)sum.backend_work_bytes, sum.checkpoint_step,
                 stop_requested ? "true" : "false", status != 0 && status < 128 ? "true" : "false",
                 (unsigned long long)sum.compactions, (unsigned long long)sum.min_budget[0],
-                (unsigned long long)sum.min_budget[1], ran, ran_seconds, mean_tps,
-                (long long)sum.skipped_steps, sum.loss_scale);
+                (unsigned long long)sum.min_budget[1], ran, (long long)sum.skipped_steps);
+        json_num(log, "train_seconds", ran_seconds, false);
+        json_num(log, "mean_tokens_per_s", mean_tps, false);
+        json_num(log, "loss_scale", sum.loss_scale, false);
         for (int i = 0; i < 3; i++)
             fprintf(log, ",\"%s\":{\"peak_bytes\":%llu,\"%s\":%llu}", tier_names[i],
                     (unsigned long long)sum.tier[i].peak_bytes,
@@ -1150,14 +1182,14 @@ int cmd_train(int argc, char **argv)
         fprintf(log, ",\"staging_bytes\":%llu", (unsigned long long)sum.staging_bytes);
         fprintf(log, ",\"rank\":%d,\"world\":%d,\"zero_stage\":%d,\"comm_bytes\":%llu", sum.rank,
                 sum.world, sum.stage, (unsigned long long)sum.comm_bytes);
-        fprintf(log, ",\"overlap_comm\":%s,\"reduce_seconds\":%.6f",
-                sum.overlap_comm ? "true" : "false", sum.reduce_seconds);
-        fprintf(log,
-                ",\"blocked_seconds\":%.6f,\"blocked_nvme_seconds\":%.6f,"
-                "\"blocked_copy_seconds\":%.6f,\"blocked_room_seconds\":%.6f,"
-                "\"blocked_pin_seconds\":%.6f,\"largest_stall\":%s",
-                blocked_s[0], blocked_s[1], blocked_s[2], blocked_s[3], blocked_s[4],
-                blocked_s[0] > 0 ? "\"" : "null");
+        fprintf(log, ",\"overlap_comm\":%s", sum.overlap_comm ? "true" : "false");
+        json_num(log, "reduce_seconds", sum.reduce_seconds, false);
+        static const char *const blocked_keys[5] = {
+            "blocked_seconds", "blocked_nvme_seconds", "blocked_copy_seconds",
+            "blocked_room_seconds", "blocked_pin_seconds"};
+        for (int i = 0; i < 5; i++)
+            json_num(log, blocked_keys[i], blocked_s[i], false);
+        fprintf(log, ",\"largest_stall\":%s", blocked_s[0] > 0 ? "\"" : "null");
         if (blocked_s[0] > 0) fprintf(log, "%s\"", stall_keys[most]);
         fprintf(log, "}}\n");
         fclose(log);

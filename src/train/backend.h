@@ -70,6 +70,10 @@ struct backend_ops {
      * NULL, receives the cast of the new parameter to wdt (bf16 or fp16). */
     int (*adamw)(struct backend *b, float *p, const float *g, float *m, float *v, uint16_t *w16,
                  size_t n, const struct adamw_hparams *h, int step, float grad_scale);
+    /* *sum += the digest terms (digest.h) of p (n fp32 in the device tier), which start at
+     * block first_block of tensor `tensor`. Runs after what is queued. */
+    int (*digest)(struct backend *b, const float *p, size_t n, uint32_t tensor,
+                  size_t first_block, uint64_t *sum);
     /* Waits until everything queued has finished. */
     int (*sync)(struct backend *b);
     /* Waits, then hands out the step's loss and sum of squares and resets the sum. */

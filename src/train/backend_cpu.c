@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "train/backend.h"
+#include "train/digest.h"
 #include "train/ops.h"
 
 struct cpu_backend {
@@ -185,6 +186,14 @@ static int cpu_adamw(struct backend *b, float *p, const float *g, float *m, floa
     return adamw_update(p, g, m, v, n, h, step, grad_scale);
 }
 
+static int cpu_digest(struct backend *b, const float *p, size_t n, uint32_t tensor,
+                      size_t first_block, uint64_t *sum)
+{
+    (void)b;
+    *sum += digest_floats(p, n, tensor, first_block);
+    return 0;
+}
+
 static int cpu_sync(struct backend *b)
 {
     (void)b;
@@ -211,6 +220,7 @@ static const struct backend_ops cpu_ops = {
     .embed_backward = cpu_embed_backward,
     .sumsq = cpu_sumsq,
     .adamw = cpu_adamw,
+    .digest = cpu_digest,
     .sync = cpu_sync,
     .collect = cpu_collect,
 };

@@ -24,6 +24,7 @@
 
 #include "zinf_build.h"
 #include "train/backend.h"
+#include "train/digest.h"
 
 #if ZINF_HAVE_KERNELS
 #include "kernels/kernels.h"
@@ -226,6 +227,25 @@ static int cuda_adamw(struct backend *b, float *p, const float *g, float *m, flo
     return kernel_adamw(p, g, m, v, w16, c->dt, n, h, step, grad_scale, c->s);
 }
 
+/* The parameters come to the host a MiB at a time and are hashed there: the log's digest
+ * costs a read of the weights over PCIe per step, paid only when it is asked for. */
+static int cuda_digest(struct backend *b, const float *p, size_t n, uint32_t tensor,
+                       size_t first_block, uint64_t *sum)
+{
+    struct cuda_backend *c = cub(b);
+    const size_t chunk = 256 * DIGEST_BLOCK_FLOATS; /* whole blocks, 1 MiB */
+    float *h = malloc(chunk * sizeof(float));
+    if (!h) return -ENOMEM;
+    int r = cuerr(cudaStreamSynchronize(c->s));
+    for (size_t off = 0; r == 0 && off < n; off += chunk) {
+        size_t len = n - off < chunk ? n - off : chunk;
+        r = cuerr(cudaMemcpy(h, p + off, len * sizeof(float), cudaMemcpyDeviceToHost));
+        if (r == 0) *sum += digest_floats(h, len, tensor, first_block + off / DIGEST_BLOCK_FLOATS);
+    }
+    free(h);
+    return r;
+}
+
 static int cuda_sync(struct backend *b)
 {
     return cuerr(cudaStreamSynchronize(cub(b)->s));
@@ -263,6 +283,7 @@ static const struct backend_ops cuda_ops = {
     .embed_backward = cuda_embed_backward,
     .sumsq = cuda_sumsq,
     .adamw = cuda_adamw,
+    .digest = cuda_digest,
     .sync = cuda_sync,
     .collect = cuda_collect,
 };

@@ -37,6 +37,7 @@
 #include "tiers/cuda_probe.h"
 #include "train/adamw.h"
 #include "train/backend.h"
+#include "train/digest.h"
 #include "train/loss_scale.h"
 #include "train/ops.h"
 #include "train/trainer.h"
@@ -123,6 +124,10 @@ struct trainer {
     struct comm *comm;
     int rank, world, stage; /* stage: what is 1/world per rank (see trainer_opts) */
     bool exact;
+    /* The digest of the parameters after the last step that computed one (trainer_opts.
+     * digest): a skipped step changes nothing, so it reports this. */
+    bool have_digest;
+    uint64_t digest;
     int micro;              /* the micro-batch being reduced: 0 copies, later ones add */
     zinf_tensor lg[NLOCAL]; /* this micro-batch's gradients: world x shard floats each */
     zinf_tensor lg1[GPT_BLOCK_NSLOTS]; /* overlap: the odd blocks' (the even ones' are lg) */
@@ -2049,7 +2054,34 @@ static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hp
     return r;
 }
 
-static int optimize(struct trainer *t, int step, double sumsq, double loss_scale)
+/* With trainer_opts.digest, *digest += the digest terms of tensor i's fp32 parameters as
+ * the update left them: the whole tensor on one rank, the rank's own shard on several (the
+ * ranks' sums are added in trainer_step). p[0] is where the update wrote. */
+static int digest_tensor(struct trainer *t, int i, void **p, uint64_t *digest)
+{
+    size_t n = t->desc[i].numel;
+    if (t->world > 1) {
+        size_t own = shard_own(t, i), lo = shard_lo(t, i);
+        const float *mine = stage_of(t, i) >= 3 ? (const float *)p[0] : (const float *)p[0] + lo;
+        if (own) *digest += digest_floats(mine, own, (uint32_t)i, lo / DIGEST_BLOCK_FLOATS);
+        return 0;
+    }
+    if (t->opt_tier == ZINF_TIER_DEVICE)
+        return t->be->ops->digest(t->be, p[0], n, (uint32_t)i, 0, digest);
+    *digest += digest_floats(p[0], n, (uint32_t)i, 0);
+    return 0;
+}
+
+/* The factor clipping multiplies the mean gradient by, and that gradient's norm. */
+static float clip_of(const struct trainer *t, double sumsq, double loss_scale, double *norm)
+{
+    double K = (double)t->o.grad_accum * t->world * loss_scale;
+    *norm = sqrt(sumsq) / K;
+    return adamw_clip_scale(K == 1 ? sumsq : sumsq / (K * K), t->o.grad_clip);
+}
+
+static int optimize(struct trainer *t, int step, double sumsq, double loss_scale,
+                    uint64_t *digest)
 {
     struct adamw_hparams h;
     /* The gradients are sums over grad_accum micro-batches of every rank (times the fp16
@@ -2094,6 +2126,7 @@ static int optimize(struct trainer *t, int step, double sumsq, double loss_scale
                                       scale);
             else
                 r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step, scale);
+            if (r == 0 && t->o.digest) r = digest_tensor(t, i, p, digest);
         }
         wave_release(t, &w, tier, r == 0);
         if (s0)
@@ -2102,6 +2135,21 @@ static int optimize(struct trainer *t, int step, double sumsq, double loss_scale
                        (int64_t)role_bytes(t, R_P, i));
         note_peaks(t);
     }
+    return r;
+}
+
+/* *d = the sum of every rank's *d (each rank's digest terms of its own shards). */
+static int digest_across(struct trainer *t, uint64_t *d)
+{
+    uint64_t *all = calloc((size_t)t->world, sizeof(uint64_t));
+    if (!all) return -ENOMEM;
+    int r = comm_allgather(t->comm, d, all, sizeof(uint64_t), COMM_BYTE);
+    if (r == 0) {
+        *d = 0;
+        for (int k = 0; k < t->world; k++)
+            *d += all[k];
+    }
+    free(all);
     return r;
 }
 
@@ -2159,7 +2207,8 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     /* Up to here only gradients and activations changed, which the next step rebuilds;
      * from here the parameters and Adam states change, tensor by tensor, until the step
      * count says they belong to this step. */
-    if ((!overflow && (r = optimize(t, applied, sumsq, S)) < 0) ||
+    uint64_t digest = 0;
+    if ((!overflow && (r = optimize(t, applied, sumsq, S, &digest)) < 0) ||
         (fp16 && (r = zinf_write(t->e, t->scaler, 0, &ls, sizeof(ls))) < 0) ||
         (r = state_save_step(t, step)) < 0) {
         t->torn = r;
@@ -2167,6 +2216,14 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     }
     t->ls = ls;
     t->step_done = step;
+    if (t->o.digest && !overflow) {
+        /* Every rank's sum over its shards, added: the digest of the whole. */
+        if (t->world > 1) TRY(digest_across(t, &digest));
+        t->digest = digest;
+        t->have_digest = true;
+    }
+    double grad_norm;
+    float clip = clip_of(t, sumsq, S, &grad_norm);
     TRY(zinf_step(t->e));
     double sec = (double)(now_ns() - t0) / 1e9;
     zinf_stats(t->e, &s1);
@@ -2186,6 +2243,11 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .host_used = s1.tier[ZINF_TIER_HOST].used_bytes,
         .skipped = overflow,
         .loss_scale = S,
+        .grad_norm = grad_norm,
+        .clip_scale = clip,
+        .lr = (float)trainer_lr_at(&t->o.sched, t->o.lr, overflow ? applied + 1 : applied),
+        .have_digest = t->o.digest && t->have_digest,
+        .digest = t->digest,
     };
 out:
     trace_span_n("train", "step", step, t0);

@@ -90,6 +90,9 @@ struct trainer_opts {
     int rank, world;
     const char *comm_name;
     unsigned comm_timeout_ms; /* how long the ranks wait for each other to meet; 0: 60 s */
+    /* Each step's trainer_step_stats.digest: the fp32 parameters hashed as the optimizer
+     * writes them (digest.h), about one more pass over them a step. */
+    bool digest;
 };
 
 struct trainer_step_stats {
@@ -105,6 +108,17 @@ struct trainer_step_stats {
     uint64_t device_used, host_used; /* the tiers' bytes in use when the step ended */
     bool skipped;            /* fp16: the gradients overflowed, nothing was updated */
     double loss_scale;       /* fp16: the scale this step's backward ran with; 1 otherwise */
+    /* The global norm of the step's gradient (the mean over micro-batches and ranks, the
+     * loss scale taken out) before clipping; infinite or NaN where fp16 overflowed. */
+    double grad_norm;
+    float clip_scale; /* what clipping multiplied that gradient by (1: not clipped) */
+    float lr;         /* the learning rate of the update (the schedule's, as a float; on a
+                         skipped step, of the update it would have made) */
+    /* With trainer_opts.digest: the digest (digest.h) of every fp32 parameter after the
+     * step, the same on every rank and for any number of ranks; have_digest is false where
+     * it is not known (a skipped first step after a resume, or digest off). */
+    bool have_digest;
+    uint64_t digest;
 };
 
 struct trainer_tier_summary {
