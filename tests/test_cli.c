@@ -2212,8 +2212,9 @@ Test(cli, zero_ranks_each_hold_a_share_of_the_state, .timeout = 300)
 
 /* Resumes on another number of ranks re-cut the newest saved run: 4 ranks, then one (which
  * accumulates 4 micro-batches, bitwise as 4 ranks), then 4, then 2, then one again. Every
- * loss that depends only on bitwise-equal state is equal to the uninterrupted run's; the
- * last follows a step of 2 ranks (which add in another order) and is close. */
+ * loss and parameter digest that depends only on bitwise-equal state is equal to the
+ * uninterrupted run's; the last loss follows a step of 2 ranks (which add in another order)
+ * and is close. */
 Test(cli, zero_resume_on_another_number_of_ranks_re_cuts_the_shards, .timeout = 300)
 {
     char cfg[4096], data[4096], swap[4096], log[4096], args[8192], *o;
@@ -2240,8 +2241,13 @@ Test(cli, zero_resume_on_another_number_of_ranks_re_cuts_the_shards, .timeout = 
         free(o);
     }
     cr_assert_eq(read_losses(log, got, NULL, NULL), 8);
-    for (int step = 1; step <= 7; step++)
+    for (int step = 1; step <= 6; step++)
         cr_assert_str_eq(got[step], ref[step], "step %d", step);
+    /* Step 7's loss comes from step 6's state; the parameters it leaves were summed by 2
+     * ranks, in another order, so its digest differs. */
+    cr_assert_eq(strcspn(got[7], "/"), strcspn(ref[7], "/"), "step 7: %s, %s", got[7], ref[7]);
+    cr_assert(!strncmp(got[7], ref[7], strcspn(ref[7], "/")), "step 7: %s, %s", got[7], ref[7]);
+    cr_assert_str_neq(got[7], ref[7], "step 7's parameters were summed in another order");
     double a = strtod(got[8], NULL), b = strtod(ref[8], NULL);
     cr_assert(fabs(a - b) <= 1e-3 * fabs(b), "step 8: %s against %s", got[8], ref[8]);
 
