@@ -1127,6 +1127,7 @@ Test(train, fp16_with_loss_scaling)
     /* Overflows: the first is absorbed by the hysteresis, the second halves the scale; no
      * parameter moves in either. */
     o = fp16_model(cfg, sizeof(cfg), "ovf");
+    o.digest = true;
     struct trainer *t = NULL;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
     zinf_tensor wte;
@@ -1136,11 +1137,16 @@ Test(train, fp16_with_loss_scaling)
     struct trainer_step_stats st;
     cr_assert_eq(trainer_step(t, &st), 0);
     cr_assert_not(st.skipped);
+    cr_assert(st.have_digest);
+    uint64_t digest = st.digest;
     for (int k = 0; k < 2; k++) {
         cr_assert_eq(zinf_read(trainer_engine(t), wte, 0, before, nb), 0);
         trainer_fault_overflow(t);
         cr_assert_eq(trainer_step(t, &st), 0);
         cr_assert(st.skipped, "overflow %d", k + 1);
+        /* Nothing moved: the digest is the last step's, the norm not finite. */
+        cr_assert(st.have_digest && st.digest == digest, "overflow %d: digest", k + 1);
+        cr_assert_not(isfinite(st.grad_norm));
         cr_assert_eq(zinf_read(trainer_engine(t), wte, 0, after, nb), 0);
         cr_assert_eq(memcmp(before, after, nb), 0, "a skipped step changed the parameters");
         trainer_get_summary(t, &sum);
@@ -1151,6 +1157,7 @@ Test(train, fp16_with_loss_scaling)
     cr_assert_eq(trainer_step(t, &st), 0);
     cr_assert_not(st.skipped);
     cr_assert(isfinite(st.loss));
+    cr_assert(st.have_digest && st.digest != digest, "an applied step moves the digest");
     cr_assert_eq(trainer_checkpoint(t), 0);
     trainer_close(t);
     free(before);
