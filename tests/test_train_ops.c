@@ -360,6 +360,21 @@ Test(gpt, init_is_gpt2_and_depends_on_name_only)
     cr_assert_eq(gpt_init_tensor(&c, q, one, 43), 0);
     cr_expect_neq(memcmp(one, p + q->offset, q->numel * sizeof(float)), 0);
     cr_expect_eq(gpt_init_tensor(&c, q, NULL, 42), -EINVAL);
+    /* The pairs are spread over the threads; the values are those of one sequential pass of
+     * the stream, for any thread count: its first and last values, drawn here in order. */
+    const struct gpt_tensor_desc *fc = &d[2 + 12 * 5 + GPT_FC_W]; /* 65536 values: threaded */
+    float *ref = falloc(fc->numel);
+    omp_set_num_threads(1);
+    cr_assert_eq(gpt_init_tensor(&c, fc, ref, 7), 0);
+    for (int th = 2; th <= 3; th++) {
+        omp_set_num_threads(th);
+        float *got = falloc(fc->numel);
+        cr_assert_eq(gpt_init_tensor(&c, fc, got, 7), 0);
+        cr_expect_eq(memcmp(got, ref, fc->numel * sizeof(float)), 0, "%d threads", th);
+        free(got);
+    }
+    omp_set_num_threads(omp_get_num_procs());
+    free(ref);
     free(one);
     free(p);
     free(d);

@@ -221,10 +221,17 @@ int gpt_init_tensor(const struct gpt_config *cfg, const struct gpt_tensor_desc *
     uint64_t state = seed ^ 0xcbf29ce484222325ull;
     for (const char *c = d->name; *c; c++)
         state = (state ^ (unsigned char)*c) * 0x100000001b3ull;
-    for (size_t i = 0; i < d->numel; i += 2) {
+    /* splitmix64 steps its state by a constant, so pair p's uniforms are the stream's draws
+     * 2p and 2p + 1 wherever a thread starts: the pairs are spread over the threads with the
+     * values of one sequential pass. */
+    size_t pairs = (d->numel + 1) / 2;
+#pragma omp parallel for schedule(static) if (pairs >= (1u << 14))
+    for (size_t p = 0; p < pairs; p++) {
+        uint64_t st = state + 2 * (uint64_t)p * 0x9e3779b97f4a7c15ull;
         /* Box-Muller: two normals per pair of uniforms. */
-        double u1 = uniform01(&state), u2 = uniform01(&state);
+        double u1 = uniform01(&st), u2 = uniform01(&st);
         double rad = sqrt(-2.0 * log(u1)), ang = 2.0 * M_PI * u2;
+        size_t i = 2 * p;
         data[i] = (float)(std * rad * cos(ang));
         if (i + 1 < d->numel) data[i + 1] = (float)(std * rad * sin(ang));
     }
