@@ -2821,3 +2821,59 @@ Test(cli, train_log_holds_the_trainers_exact_values)
     trainer_close(t);
     cr_assert_eq(steps, 4);
 }
+
+/* zinf compare: a run and its resumed twin (interrupted at step 2, the log appended to, step
+ * 2 logged twice) are the same; a run with another learning rate differs from step 1 on,
+ * where the loss is still equal and the digest is not; bad input names the file (and line). */
+Test(cli, compare_tells_runs_apart_by_loss_and_digest)
+{
+    char cfg[4096], data[4096], swap[4096], a[4096], b[4096], c[4096], bad[4096], *o;
+    snprintf(swap, sizeof(swap), "%s/cmp-a", dir);
+    snprintf(a, sizeof(a), "%s/cmp-a.jsonl", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s", cfg, data, a),
+                 0, "%s", o);
+    free(o);
+    snprintf(swap, sizeof(swap), "%s/cmp-b", dir);
+    snprintf(b, sizeof(b), "%s/cmp-b.jsonl", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 2 --log %s", cfg, data, b),
+                 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s --resume", cfg,
+                     data, b),
+                 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "compare %s %s", a, b), 0, "%s", o);
+    cr_assert(strstr(o, "# same: all 4 common steps (losses and parameter digests bitwise equal)"),
+              "%s", o);
+    free(o);
+
+    snprintf(swap, sizeof(swap), "%s/cmp-c", dir);
+    snprintf(c, sizeof(c), "%s/cmp-c.jsonl", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 3 --lr 0.002 --log %s", cfg,
+                     data, c),
+                 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "compare %s %s", a, c), 1, "%s", o);
+    cr_assert(strstr(o, "NO (digest)"), "step 1's loss is equal, its digest not: %s", o);
+    cr_assert(strstr(o, "# differ: 3 of 3 common steps; the first is step 1"), "%s", o);
+    cr_assert(strstr(o, "not compared: 1 in"), "%s", o);
+    free(o);
+
+    cr_assert_eq(run(&o, "compare %s %s/none.jsonl", a, dir), 2, "%s", o);
+    cr_assert(strstr(o, "none.jsonl: No such file or directory"), "%s", o);
+    free(o);
+    snprintf(bad, sizeof(bad), "%s/cmp-bad.jsonl", dir);
+    FILE *f = fopen(bad, "w");
+    cr_assert_not_null(f);
+    fputs("{\"step\":1,\"loss\":5.5}\n[1,2]\n", f);
+    fclose(f);
+    cr_assert_eq(run(&o, "compare %s %s", a, bad), 2, "%s", o);
+    cr_assert(strstr(o, "cmp-bad.jsonl:2: not a JSON object"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "compare %s", a), 2, "%s", o);
+    cr_assert(strstr(o, "two log files are needed"), "%s", o);
+    free(o);
+}

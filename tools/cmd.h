@@ -8,6 +8,7 @@ int cmd_config(int argc, char **argv);
 int cmd_launch(int argc, char **argv);
 int cmd_topo(int argc, char **argv);
 int cmd_plot(int argc, char **argv);
+int cmd_compare(int argc, char **argv);
 int cmd_stat(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
 int cmd_train(int argc, char **argv);

@@ -19,6 +19,7 @@ static void usage(FILE *f)
             "commands:\n"
             "  train     train a byte-level GPT-style model whose state lives in zinf\n"
             "  plot      draw a zinf train --log file as a PNG (gnuplot)\n"
+            "  compare   are two zinf train --log runs the same? losses and digests, by step\n"
             "  bench     measure the NVMe swap path (io_uring, O_DIRECT), optionally vs pread/pwrite\n"
             "  tune      sweep the IO settings on the drives to use, write the best as a config\n"
             "  config    check a DeepSpeed-style JSON config: zinf config check FILE\n"
@@ -131,6 +132,8 @@ static int run(int argc, char **argv)
         return cmd_topo(argc, argv);
     if (!strcmp(c, "plot"))
         return cmd_plot(argc, argv);
+    if (!strcmp(c, "compare"))
+        return cmd_compare(argc, argv);
     return -1;
 }
 
