@@ -10,7 +10,6 @@
  *
  * Not here: comparing anything but losses and digests (timings differ run to run).
  */
-#include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <stdbool.h>
@@ -19,8 +18,8 @@
 #include <string.h>
 
 #include "cmd.h"
+#include "trainlog.h"
 
-#define MAX_STEP 100000000
 #define SHOW_MAX 10 /* differing steps listed before the rest are only counted */
 
 struct entry {
@@ -31,8 +30,9 @@ struct entry {
 
 struct log {
     const char *path;
-    struct entry *e; /* by step */
-    int cap, last, steps;
+    struct trainlog_steps steps_at; /* struct entry by step */
+    struct entry *e;                /* steps_at's entries, once read */
+    int last, steps;
 };
 
 static void usage(FILE *f)
@@ -46,71 +46,35 @@ static void usage(FILE *f)
                "usage or a log it cannot read (or one without a step).\n");
 }
 
-static struct entry *at(struct log *l, int step)
+static int take_line(json_t *j, int line, void *arg)
 {
-    if (step >= l->cap) {
-        int cap = l->cap ? l->cap : 256;
-        while (cap <= step)
-            cap *= 2;
-        struct entry *e = realloc(l->e, (size_t)cap * sizeof(*e));
-        if (!e) return NULL;
-        memset(e + l->cap, 0, (size_t)(cap - l->cap) * sizeof(*e));
-        l->e = e;
-        l->cap = cap;
+    struct log *l = arg;
+    json_t *step = json_object_get(j, "step");
+    if (!json_is_integer(step)) return 0;
+    json_int_t k = json_integer_value(step);
+    struct entry *e =
+        k >= 1 && k <= TRAINLOG_MAX_STEP ? trainlog_at(&l->steps_at, (int)k, sizeof(*e)) : NULL;
+    if (!e) {
+        fprintf(stderr, "zinf compare: %s:%d: step %lld is out of range\n", l->path, line,
+                (long long)k);
+        return 2;
     }
-    if (step > l->last) l->last = step;
-    return &l->e[step];
+    json_t *loss = json_object_get(j, "loss"), *dg = json_object_get(j, "digest");
+    *e = (struct entry){.set = true, .have_loss = json_is_number(loss)};
+    e->loss = json_number_value(loss);
+    if (json_is_string(dg) && strlen(json_string_value(dg)) == 16) {
+        e->have_digest = true;
+        memcpy(e->digest, json_string_value(dg), 17);
+    }
+    return 0;
 }
 
 /* 0, or 2 with the reason said (the file and line). */
 static int read_log(struct log *l)
 {
-    FILE *f = fopen(l->path, "r");
-    if (!f) {
-        fprintf(stderr, "zinf compare: %s: %s\n", l->path, strerror(errno));
-        return 2;
-    }
-    char *line = NULL;
-    size_t cap = 0;
-    int no = 0, rc = 0;
-    while (getline(&line, &cap, f) > 0) {
-        no++;
-        if (line[strspn(line, " \t\r\n")] == '\0') continue;
-        json_error_t je;
-        json_t *j = json_loads(line, 0, &je);
-        if (!json_is_object(j)) {
-            /* A run killed mid-write leaves its last line cut short: that one is skipped. */
-            if (!j && !strchr(line, '\n')) break;
-            fprintf(stderr,
-                    "zinf compare: %s:%d: not a JSON object (%s): is it a zinf train --log file?\n",
-                    l->path, no, j ? "another JSON value" : je.text);
-            json_decref(j);
-            rc = 2;
-            break;
-        }
-        json_t *step = json_object_get(j, "step");
-        if (json_is_integer(step)) {
-            json_int_t k = json_integer_value(step);
-            struct entry *e = k >= 1 && k <= MAX_STEP ? at(l, (int)k) : NULL;
-            if (!e) {
-                fprintf(stderr, "zinf compare: %s:%d: step %lld is out of range\n", l->path, no,
-                        (long long)k);
-                json_decref(j);
-                rc = 2;
-                break;
-            }
-            json_t *loss = json_object_get(j, "loss"), *dg = json_object_get(j, "digest");
-            *e = (struct entry){.set = true, .have_loss = json_is_number(loss)};
-            e->loss = json_number_value(loss);
-            if (json_is_string(dg) && strlen(json_string_value(dg)) == 16) {
-                e->have_digest = true;
-                memcpy(e->digest, json_string_value(dg), 17);
-            }
-        }
-        json_decref(j);
-    }
-    free(line);
-    fclose(f);
+    int rc = trainlog_each("compare", l->path, take_line, l);
+    l->e = l->steps_at.v;
+    l->last = l->steps_at.last;
     if (rc) return rc;
     for (int k = 1; k <= l->last; k++)
         l->steps += l->e[k].set;

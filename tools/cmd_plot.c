@@ -20,6 +20,7 @@
 #include "cmd.h"
 #include "common.h"
 #include "gnuplot.h"
+#include "trainlog.h"
 
 struct point {
     bool set, eval;
@@ -27,8 +28,9 @@ struct point {
 };
 
 struct run {
-    struct point *p; /* by step */
-    int cap, last;   /* steps 1..last */
+    struct trainlog_steps steps_at; /* struct point by step */
+    struct point *p;                /* steps_at's entries, once read */
+    int last;                       /* steps 1..last */
     int steps, evals;
     bool tiers;      /* the steps carry device_used_bytes */
     double dev_budget, host_budget; /* MiB, from the summary; 0: none */
@@ -47,96 +49,70 @@ static void usage(FILE *f)
                "cannot read.\n");
 }
 
-static struct point *at(struct run *r, int step)
-{
-    if (step >= r->cap) {
-        int cap = r->cap ? r->cap : 256;
-        while (cap <= step)
-            cap *= 2;
-        struct point *p = realloc(r->p, (size_t)cap * sizeof(*p));
-        if (!p) return NULL;
-        memset(p + r->cap, 0, (size_t)(cap - r->cap) * sizeof(*p));
-        r->p = p;
-        r->cap = cap;
-    }
-    if (step > r->last) r->last = step;
-    return &r->p[step];
-}
-
 static double num(json_t *o, const char *k)
 {
     return json_number_value(json_object_get(o, k));
 }
 
+struct reading {
+    struct run *r;
+    const char *path;
+};
+
+static int take_line(json_t *j, int line, void *arg)
+{
+    struct reading *rd = arg;
+    struct run *r = rd->r;
+    json_t *s;
+    if (json_is_integer(json_object_get(j, "step")) && json_is_number(json_object_get(j, "loss"))) {
+        json_int_t k = json_integer_value(json_object_get(j, "step"));
+        struct point *p =
+            k >= 1 && k <= TRAINLOG_MAX_STEP ? trainlog_at(&r->steps_at, (int)k, sizeof(*p)) : NULL;
+        if (!p) {
+            fprintf(stderr, "zinf plot: %s:%d: step %lld is out of range\n", rd->path, line,
+                    (long long)k);
+            return 2;
+        }
+        p->set = true;
+        p->loss = num(j, "loss");
+        p->tps = num(j, "tokens_per_s");
+        p->rd = num(j, "nvme_read_GBps");
+        p->wr = num(j, "nvme_write_GBps");
+        if (json_object_get(j, "device_used_bytes")) {
+            r->tiers = true;
+            p->dev = num(j, "device_used_bytes") / (1 << 20);
+            p->host = num(j, "host_used_bytes") / (1 << 20);
+        }
+    } else if (json_is_integer(json_object_get(j, "eval"))) {
+        json_int_t k = json_integer_value(json_object_get(j, "eval"));
+        struct point *p =
+            k >= 0 && k <= TRAINLOG_MAX_STEP ? trainlog_at(&r->steps_at, (int)k, sizeof(*p)) : NULL;
+        if (p) {
+            p->eval = true;
+            p->val = num(j, "val_loss");
+        }
+    } else if ((s = json_object_get(j, "summary"))) {
+        r->dev_budget = num(json_object_get(s, "device"), "budget_bytes") / (1 << 20);
+        r->host_budget = num(json_object_get(s, "host"), "budget_bytes") / (1 << 20);
+    } else if ((s = json_object_get(j, "settings")) && !r->title[0]) {
+        snprintf(r->title, sizeof(r->title), "%lld layers, dim %lld, seq %lld, batch %lld",
+                 (long long)json_integer_value(json_object_get(s, "layers")),
+                 (long long)json_integer_value(json_object_get(s, "dim")),
+                 (long long)json_integer_value(json_object_get(s, "seq")),
+                 (long long)json_integer_value(json_object_get(s, "batch")));
+    }
+    return 0;
+}
+
 /* 0, or 2 with the reason said (file, line). */
 static int read_log(const char *path, struct run *r)
 {
-    FILE *f = fopen(path, "r");
-    if (!f) {
-        fprintf(stderr, "zinf plot: %s: %s\n", path, strerror(errno));
-        return 2;
-    }
-    char *line = NULL;
-    size_t cap = 0;
-    int no = 0, rc = 0;
-    while (getline(&line, &cap, f) > 0) {
-        no++;
-        if (line[strspn(line, " \t\r\n")] == '\0') continue;
-        json_error_t je;
-        json_t *j = json_loads(line, 0, &je);
-        if (!json_is_object(j)) {
-            fprintf(stderr, "zinf plot: %s:%d: not a JSON object (%s): is it a zinf train --log "
-                            "file?\n",
-                    path, no, j ? "another JSON value" : je.text);
-            json_decref(j);
-            rc = 2;
-            break;
-        }
-        json_t *s;
-        if (json_is_integer(json_object_get(j, "step")) && json_is_number(json_object_get(j, "loss"))) {
-            json_int_t k = json_integer_value(json_object_get(j, "step"));
-            struct point *p = k >= 1 && k <= 100000000 ? at(r, (int)k) : NULL;
-            if (!p) {
-                fprintf(stderr, "zinf plot: %s:%d: step %lld is out of range\n", path, no,
-                        (long long)k);
-                json_decref(j);
-                rc = 2;
-                break;
-            }
-            p->set = true;
-            p->loss = num(j, "loss");
-            p->tps = num(j, "tokens_per_s");
-            p->rd = num(j, "nvme_read_GBps");
-            p->wr = num(j, "nvme_write_GBps");
-            if (json_object_get(j, "device_used_bytes")) {
-                r->tiers = true;
-                p->dev = num(j, "device_used_bytes") / (1 << 20);
-                p->host = num(j, "host_used_bytes") / (1 << 20);
-            }
-        } else if (json_is_integer(json_object_get(j, "eval"))) {
-            json_int_t k = json_integer_value(json_object_get(j, "eval"));
-            struct point *p = k >= 0 && k <= 100000000 ? at(r, (int)k) : NULL;
-            if (p) {
-                p->eval = true;
-                p->val = num(j, "val_loss");
-            }
-        } else if ((s = json_object_get(j, "summary"))) {
-            r->dev_budget = num(json_object_get(s, "device"), "budget_bytes") / (1 << 20);
-            r->host_budget = num(json_object_get(s, "host"), "budget_bytes") / (1 << 20);
-        } else if ((s = json_object_get(j, "settings")) && !r->title[0]) {
-            snprintf(r->title, sizeof(r->title),
-                     "%lld layers, dim %lld, seq %lld, batch %lld",
-                     (long long)json_integer_value(json_object_get(s, "layers")),
-                     (long long)json_integer_value(json_object_get(s, "dim")),
-                     (long long)json_integer_value(json_object_get(s, "seq")),
-                     (long long)json_integer_value(json_object_get(s, "batch")));
-        }
-        json_decref(j);
-    }
-    free(line);
-    fclose(f);
+    struct reading rd = {.r = r, .path = path};
+    int rc = trainlog_each("plot", path, take_line, &rd);
+    r->p = r->steps_at.v;
+    r->last = r->steps_at.last;
     if (rc) return rc;
-    for (int k = 0; k <= r->last; k++) {
+    for (int k = 0; k <= r->last && r->p; k++) {
         r->steps += r->p[k].set;
         r->evals += r->p[k].eval;
     }
