@@ -7,6 +7,10 @@
 # zinf / torch, and zinf's CPU time in the kernel as a share of its steps' CPU time (from
 # the cpu_user_s / cpu_sys_s of its --log).
 #
+# Then the same math, checked: zinf exports its initial weights (--steps 0 --export), PyTorch
+# starts from them and reads the batches zinf draws, and each step's loss of the two is
+# compared (CHECK_STEPS steps per shape; CHECK=0 skips this).
+#
 # Sets up what it needs when missing: a venv with torch from PyPI (VENV, about 5 GB, once).
 #
 # usage: bench/cpu_vs_torch.sh [ROUNDS]   (default 3)
@@ -92,4 +96,41 @@ for shape in $shapes; do
   [ "$ok" = met ] || status=1
   echo "# $shape: median torch $(echo "${tms[*]}" | median) ms, zinf $(echo "${zms[*]}" | median) ms, zinf / torch $mr (target <= $target), zinf system time $(awk -v s="$ms" 'BEGIN { printf "%.1f", s * 100 }')% of its steps' CPU time (target <= 10%): $ok"
 done
+
+# The losses of both from zinf's initial weights and batches: L C H S -> a table and the
+# largest relative difference.
+check_shape() {
+  OMP_NUM_THREADS=$threads "$zinf" train --config "$tmp/mem.json" --data "$data" --layers "$1" \
+    --dim "$2" --heads "$3" --seq "$T" --batch "$B" --steps 0 --precision fp32 \
+    --export "$tmp/init.safetensors" > /dev/null 2> "$tmp/z.err" || { cat "$tmp/z.err" >&2; return 1; }
+  rm -f "$tmp/c.jsonl"
+  OMP_NUM_THREADS=$threads "$zinf" train --config "$tmp/mem.json" --data "$data" --layers "$1" \
+    --dim "$2" --heads "$3" --seq "$T" --batch "$B" --steps "$4" --precision fp32 \
+    --log "$tmp/c.jsonl" > /dev/null 2> "$tmp/z.err" || { cat "$tmp/z.err" >&2; return 1; }
+  OMP_NUM_THREADS=$threads "$py" "$here/torch_gpt_bench.py" --data "$data" --layers "$1" \
+    --dim "$2" --heads "$3" --seq "$T" --batch "$B" --steps "$4" --threads "$threads" \
+    --init "$tmp/init.safetensors" 2> "$tmp/t.err" > "$tmp/t.json" || { cat "$tmp/t.err" >&2; return 1; }
+  python3 - "$tmp/c.jsonl" "$tmp/t.json" "$1x$2x$3" <<'PY'
+import json, sys
+z = [r['loss'] for r in map(json.loads, open(sys.argv[1])) if 'step' in r]
+t = json.load(open(sys.argv[2]))['losses']
+worst = 0
+for i, (a, b) in enumerate(zip(z, t)):
+    d = abs(a - b) / abs(b)
+    worst = max(worst, d)
+    if i < 3 or i == len(z) - 1 or d == worst:
+        print("  %-10s %5d %14.9g %14.9g %10.2e" % (sys.argv[3], i + 1, a, b, d))
+print("# %s: %d steps from the same weights and batches, largest relative loss difference %.2e" % (sys.argv[3], len(z), worst))
+PY
+}
+
+if [ "${CHECK:-1}" = 1 ]; then
+  echo "# the same math: zinf's initial weights (--export) and batches in PyTorch, losses compared"
+  printf "# %-10s %5s %14s %14s %10s\n" shape step zinf_loss torch_loss rel_diff
+  for shape in $shapes; do
+    IFS=x read -r L C H <<< "$shape"
+    if [ "$C" -ge 512 ]; then cs=${CHECK_STEPS:-10}; else cs=${CHECK_STEPS:-50}; fi
+    check_shape "$L" "$C" "$H" "$cs" || exit 1
+  done
+fi
 exit $status

@@ -25,6 +25,8 @@
 #include "common.h"
 #include "zinf.h"
 #include "zinf_build.h"
+#include "train/digest.h"
+#include "train/gpt.h"
 #include "train/trainer.h"
 
 static char *dir;
@@ -2882,5 +2884,106 @@ Test(cli, compare_tells_runs_apart_by_loss_and_digest)
     snprintf(cmd, sizeof(cmd), "cp '%s' '%s' && printf '{\"step\":5,\"lo' >> '%s'", a, cut, cut);
     cr_assert_eq(system(cmd), 0);
     cr_assert_eq(run(&o, "compare %s %s", a, cut), 0, "%s", o);
+    free(o);
+}
+
+/* --export writes the parameters as a safetensors file: the header names every tensor of
+ * the layout with its shape and byte range, the data is the parameters of the last step
+ * (their digest, computed over the file, is the one the log gave that step), and the
+ * metadata says the model and step. Refused across ranks at stage 3 (shards); a path that
+ * cannot be written fails the command, naming it, after the state is saved. */
+Test(cli, train_export_writes_the_parameters_as_safetensors, .timeout = 120)
+{
+    char cfg[4096], data[4096], swap[4096], log[4096], out[4096], *o;
+    snprintf(swap, sizeof(swap), "%s/exp", dir);
+    snprintf(log, sizeof(log), "%s/exp.jsonl", dir);
+    snprintf(out, sizeof(out), "%s/model.safetensors", dir);
+    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 3 --log %s --export %s", cfg,
+                     data, log, out),
+                 0, "%s", o);
+    cr_assert(strstr(o, "# export: step 3, 16 tensors"), "%s", o);
+    free(o);
+
+    FILE *f = fopen(out, "rb");
+    cr_assert_not_null(f);
+    unsigned char len8[8];
+    cr_assert_eq(fread(len8, 1, 8, f), 8);
+    uint64_t hlen = 0;
+    for (int k = 7; k >= 0; k--)
+        hlen = hlen << 8 | len8[k];
+    cr_assert(hlen > 0 && hlen % 8 == 0 && hlen < 65536, "header of %llu bytes",
+              (unsigned long long)hlen);
+    char *hdr = calloc(1, hlen + 1);
+    cr_assert_eq(fread(hdr, 1, hlen, f), hlen);
+    json_error_t je;
+    json_t *h = json_loads(hdr, 0, &je);
+    cr_assert_not_null(h, "header: %s", je.text);
+    json_t *meta = json_object_get(h, "__metadata__");
+    cr_expect_str_eq(json_string_value(json_object_get(meta, "step")), "3");
+    cr_expect_str_eq(json_string_value(json_object_get(meta, "dim")), "16");
+    json_t *qkv = json_object_get(h, "h0.attn.qkv.w");
+    cr_assert_not_null(qkv);
+    cr_expect_eq(json_integer_value(json_array_get(json_object_get(qkv, "shape"), 0)), 48);
+    cr_expect_eq(json_integer_value(json_array_get(json_object_get(qkv, "shape"), 1)), 16);
+    cr_expect_eq(json_array_size(json_object_get(json_object_get(h, "lnf.b"), "shape")), 1);
+
+    /* The data, tensor by tensor in the layout's order, digested as the trainer does. */
+    struct gpt_config gc = {.V = 256, .maxT = 8, .L = 1, .C = 16, .NH = 2};
+    int n = gpt_layout(&gc, NULL, 0);
+    struct gpt_tensor_desc *d = calloc((size_t)n, sizeof(*d));
+    cr_assert_eq(gpt_layout(&gc, d, (size_t)n), n);
+    cr_assert_eq(json_object_size(h), (size_t)n + 1);
+    uint64_t sum = 0, at = 0;
+    for (int i = 0; i < n; i++) {
+        json_t *e = json_object_get(h, d[i].name);
+        cr_assert_not_null(e, "%s is not in the file", d[i].name);
+        cr_assert_str_eq(json_string_value(json_object_get(e, "dtype")), "F32");
+        json_t *offs = json_object_get(e, "data_offsets");
+        cr_assert_eq(json_integer_value(json_array_get(offs, 0)), (json_int_t)at, "%s", d[i].name);
+        at += d[i].numel * sizeof(float);
+        cr_assert_eq(json_integer_value(json_array_get(offs, 1)), (json_int_t)at, "%s", d[i].name);
+        float *p = malloc(d[i].numel * sizeof(float));
+        cr_assert_eq(fread(p, sizeof(float), d[i].numel, f), d[i].numel, "%s", d[i].name);
+        sum += digest_floats(p, d[i].numel, (uint32_t)i, 0);
+        free(p);
+    }
+    char extra;
+    cr_assert_eq(fread(&extra, 1, 1, f), 0, "bytes after the last tensor");
+    fclose(f);
+    json_decref(h);
+    free(hdr);
+    free(d);
+    char want[32], line[4096], v[64];
+    snprintf(want, sizeof(want), "\"%016llx\"", (unsigned long long)sum);
+    FILE *lf = fopen(log, "r");
+    cr_assert_not_null(lf);
+    bool found = false;
+    while (fgets(line, sizeof(line), lf))
+        if (!strncmp(line, "{\"step\":3,", 10)) {
+            cr_expect_str_eq(json_value_text(line, "digest", v, sizeof(v)), want,
+                             "the file's digest is not step 3's");
+            found = true;
+        }
+    fclose(lf);
+    cr_assert(found);
+
+    /* A path that cannot be written: exit 1 naming it; the run's state is saved. */
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --resume --export %s/no/such/dir/m.safetensors",
+                     cfg, data, dir),
+                 1, "%s", o);
+    cr_assert(strstr(o, "--export") && strstr(o, "no/such/dir/m.safetensors: No such file or directory"),
+              "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --resume", cfg, data), 0,
+                 "%s", o);
+    cr_assert(strstr(o, "# checkpoint: step 4"), "step 4 was saved before the export failed: %s", o);
+    free(o);
+
+    /* Across ranks at stage 3: refused before any step. */
+    snprintf(swap, sizeof(swap), "%s/exp3", dir);
+    zero_config(cfg, sizeof(cfg), swap, 3);
+    cr_assert_neq(train_ranks(&o, 2, cfg, data, ZMODEL " --steps 1 --export /dev/null"), 0, "%s", o);
+    cr_assert(strstr(o, "each of the 2 ranks holds a shard of every weight"), "%s", o);
     free(o);
 }

@@ -12,6 +12,7 @@
  * from there.
  */
 #include <errno.h>
+#include <jansson.h>
 #include <fcntl.h>
 #include <getopt.h>
 #include <math.h>
@@ -31,7 +32,9 @@
 #include "engine/engine.h"
 #include "progress.h"
 #include "trace.h"
+#include "train/gpt.h"
 #include "train/trainer.h"
+#include "zinf.h"
 
 static volatile sig_atomic_t stop_requested;
 
@@ -65,6 +68,10 @@ static void usage(FILE *f)
         "  --accumulate N    micro-batches of --batch per optimizer step (default 1)\n"
         "  --seed N          initialisation and batch order (default 1337)\n"
         "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
+        "  --export FILE.safetensors\n"
+        "                    at the end, write the fp32 parameters as a safetensors file\n"
+        "                    (names and shapes of the model's layout; --steps 0 exports the\n"
+        "                    initial weights, --resume --steps N a saved run's)\n"
         "  --trace FILE.json write a timeline of the run (Chrome trace events: open it in\n"
         "                    ui.perfetto.dev or chrome://tracing); ZINF_TRACE=FILE does the\n"
         "                    same for any program using the library\n"
@@ -161,7 +168,8 @@ enum {
     O_SAMPLE_BYTES,
     O_CONNECT,
     O_JOB,
-    O_TRACE
+    O_TRACE,
+    O_EXPORT
 };
 #define GIVEN(opt) (given & (1u << ((opt)-O_LAYERS)))
 
@@ -424,6 +432,103 @@ static void watch_stop(struct ckpt_watch *w, pthread_t th, bool watching)
     pthread_cond_destroy(&w->cv);
 }
 
+/* --export: the fp32 parameters as a safetensors file (an 8-byte little-endian header length,
+ * a JSON header giving each tensor's dtype, shape and byte range, then the data), which
+ * PyTorch, Hugging Face and most other tools load. The tensors are the model's layout, in its
+ * order and with its names ("wte", "h0.attn.qkv.w", ...); the metadata says the shape of the
+ * model and the step. Written to PATH.tmp and renamed over PATH once whole and synced. */
+static int export_params(struct trainer *t, const struct trainer_opts *o, int step,
+                         const char *path)
+{
+    struct gpt_config gc = o->model;
+    gc.maxT = o->seq;
+    int n = gpt_layout(&gc, NULL, 0), r = 0;
+    struct gpt_tensor_desc *d = n > 0 ? calloc((size_t)n, sizeof(*d)) : NULL;
+    json_t *root = json_object(), *meta = json_object();
+    char tmp[4200] = "", *hdr = NULL, v[32];
+    float *buf = NULL;
+    FILE *f = NULL;
+    bool said = false;
+    if (!d || !root || !meta || gpt_layout(&gc, d, (size_t)n) != n) {
+        r = -ENOMEM;
+        goto out;
+    }
+    size_t off = 0, most = 0;
+    for (int i = 0; i < n; i++) {
+        json_t *e = json_pack("{s:s, s:[I, I], s:[I, I]}", "dtype", "F32", "shape",
+                              (json_int_t)d[i].shape[0], (json_int_t)d[i].shape[1],
+                              "data_offsets", (json_int_t)off,
+                              (json_int_t)(off + d[i].numel * sizeof(float)));
+        if (e && d[i].ndim == 1) json_array_remove(json_object_get(e, "shape"), 1);
+        if (!e || json_object_set_new(root, d[i].name, e) < 0) {
+            r = -ENOMEM;
+            goto out;
+        }
+        off += d[i].numel * sizeof(float);
+        most = MAX(most, d[i].numel);
+    }
+    const struct {
+        const char *k;
+        long long v;
+    } m[] = {{"layers", gc.L}, {"dim", gc.C}, {"heads", gc.NH}, {"vocab", gc.V},
+             {"seq", gc.maxT}, {"step", step}};
+    json_object_set_new(meta, "model", json_string("zinf-gpt"));
+    for (size_t k = 0; k < sizeof(m) / sizeof(m[0]); k++) {
+        snprintf(v, sizeof(v), "%lld", m[k].v);
+        json_object_set_new(meta, m[k].k, json_string(v));
+    }
+    json_object_set(root, "__metadata__", meta);
+    hdr = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    buf = malloc(most * sizeof(float));
+    if (!hdr || !buf) {
+        r = -ENOMEM;
+        goto out;
+    }
+    /* The data starts 8-byte aligned: the header is padded with spaces. */
+    size_t hlen = strlen(hdr), padded = align_up(hlen, 8);
+    unsigned char len8[8];
+    for (int k = 0; k < 8; k++)
+        len8[k] = (unsigned char)((uint64_t)padded >> (8 * k));
+    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
+    errno = 0;
+    if (!(f = fopen(tmp, "wb")) || fwrite(len8, 1, 8, f) != 8 || fwrite(hdr, 1, hlen, f) != hlen ||
+        fprintf(f, "%*s", (int)(padded - hlen), "") < 0) {
+        r = errno ? -errno : -EIO;
+        goto out;
+    }
+    zinf_engine *e = trainer_engine(t);
+    for (int i = 0; i < n && r == 0; i++) {
+        char name[64];
+        zinf_tensor h;
+        snprintf(name, sizeof(name), "p.%s", d[i].name);
+        if ((r = zinf_lookup(e, name, &h)) < 0 ||
+            (r = zinf_read(e, h, 0, buf, d[i].numel * sizeof(float))) < 0) {
+            fprintf(stderr, "zinf train: --export %s: reading %s: %s\n", path, name,
+                    zinf_strerror(r));
+            said = true;
+            goto out;
+        }
+        if (fwrite(buf, sizeof(float), d[i].numel, f) != d[i].numel) r = errno ? -errno : -EIO;
+    }
+    if (r == 0 && (fflush(f) != 0 || fsync(fileno(f)) != 0)) r = errno ? -errno : -EIO;
+    if (fclose(f) != 0 && r == 0) r = errno ? -errno : -EIO;
+    f = NULL;
+    if (r == 0 && rename(tmp, path) != 0) r = -errno;
+    if (r == 0) printf("# export: step %d, %d tensors, %s\n", step, n, path);
+out:
+    if (f) fclose(f);
+    if (r < 0) {
+        if (tmp[0]) unlink(tmp);
+        if (!said) fprintf(stderr, "zinf train: --export %s: %s\n", path, strerror(-r));
+    }
+    free(buf);
+    free(hdr);
+    json_decref(meta);
+    json_decref(root);
+    free(d);
+    return r;
+}
+
 /* ,"key":v in the log, written so that it reads back as the same value: %.9g for a float,
  * %.17g for a double; null where it is not finite (JSON has no NaN or infinity). */
 static void json_num(FILE *f, const char *key, double v, bool is_float)
@@ -661,6 +766,7 @@ int cmd_train(int argc, char **argv)
         {"connect", required_argument, NULL, O_CONNECT},
         {"job", required_argument, NULL, O_JOB},
         {"trace", required_argument, NULL, O_TRACE},
+        {"export", required_argument, NULL, O_EXPORT},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -668,7 +774,7 @@ int cmd_train(int argc, char **argv)
     struct trainer *t = NULL;
     int steps_per_print = 1;
     long eval_every = 0, eval_batches = 8, sample_every = 0, sample_bytes = 0;
-    const char *log_path = NULL, *trace_path = NULL;
+    const char *log_path = NULL, *trace_path = NULL, *export_path = NULL;
     FILE *log = NULL;
     char err[512];
     long v;
@@ -775,6 +881,9 @@ int cmd_train(int argc, char **argv)
             break;
         case O_TRACE:
             trace_path = optarg;
+            break;
+        case O_EXPORT:
+            export_path = optarg;
             break;
         case O_JOB:
             o.job = optarg;
@@ -939,6 +1048,21 @@ int cmd_train(int argc, char **argv)
         fclose(log);
         trainer_close(t);
         return 2;
+    }
+    /* --export reads each weight whole: across ranks at stage 3 each holds shards. */
+    if (export_path) {
+        struct trainer_summary es;
+        trainer_get_summary(t, &es);
+        if (es.world > 1 && es.stage >= 3) {
+            fprintf(stderr,
+                    "zinf train: --export: at ZeRO stage 3 each of the %d ranks holds a shard of "
+                    "every weight; export on one rank (zinf train --resume --steps N --export "
+                    "FILE re-cuts the saved run for it) or at stage 1 or 2\n",
+                    es.world);
+            if (log) fclose(log);
+            trainer_close(t);
+            return 2;
+        }
     }
     /* Rank 0 speaks for the job; the others say only their summary (and errors). */
     int saved_stdout = -1;
@@ -1107,6 +1231,9 @@ int cmd_train(int argc, char **argv)
                     "from there once the cause is fixed\n",
                     sum.steps_done);
     }
+    if (export_path && o.rank == 0 && !sum.torn && !ckpt_failed && (status == 0 || stop_requested) &&
+        export_params(t, &o, sum.steps_done, export_path) < 0)
+        status = 1;
     if (status == 0 && stop_requested) {
         printf("# %s: finishing here, the state is flushed (continue with --resume)\n",
                stop_requested == SIGINT ? "SIGINT" : "SIGTERM");
