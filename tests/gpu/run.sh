@@ -116,8 +116,10 @@ for l in lines("stream.log"):
 fig["kernels"] = [l for l in lines("kernels.log") if "largest" in l]
 fig["train_gpu"] = [l for l in lines("train_gpu.log") if "largest" in l or "step" in l]
 json.dump(fig, open(os.path.join(out, "figures.json"), "w"), indent=1)
-print("loss curve:", " ".join("%.3f" % x for x in fig["train_losses"]))
-print("fp16 loss curve:", " ".join("%.3f" % x for x in fig["train16_losses"]))
+# A loss that was not finite is logged as null.
+show = lambda xs: " ".join("%.3f" % x if x is not None else "null" for x in xs)
+print("loss curve:", show(fig["train_losses"]))
+print("fp16 loss curve:", show(fig["train16_losses"]))
 PY
 echo "status $status" | tee -a "$out/summary.txt"
 # Everything but the summary and the figures in one archive.
