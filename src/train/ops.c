@@ -2,10 +2,10 @@
  * ops.c - the CPU layers of ops.h: plain loops (OpenMP over rows, heads or column blocks)
  * and cblas_sgemm for the linear layers, in the manner of llm.c's train_gpt2.c. GELU and
  * attention have AVX2 versions in ops_avx2.c, taken where the CPU has AVX2 and FMA; the
- * loops here (the _ref functions) are their references. Every
- * reduction has a fixed order: sums over rows (bias, LayerNorm and embedding gradients) are
- * split across threads by column, each column summed by one thread from row 0 up, so the
- * bits do not depend on which thread ran what.
+ * loops here (the _ref functions) are their references. Every reduction has a fixed order:
+ * sums over rows (bias, LayerNorm and embedding gradients) are split across threads by
+ * column, each column summed by one thread from row 0 up, and GEMMs are cut by rows (see
+ * ops_gemm), so the bits do not depend on which thread ran what.
  *
  * Not here: argument checks (gpt.c's public functions make them), scratch layout, GPU code.
  */
@@ -86,11 +86,12 @@ static void blas_single_threaded(void)
 
 /* Row-major C (M,N) = op(A) (M,K) @ op(B) (K,N) + beta * C, with op transposing when ta (tb)
  * is set. The rows of C are cut into one slab per thread, each a multiple of
- * GEMM_SPLIT_ALIGN rows and computed by one sequential sgemm over all of K and N. Cut
- * there, an element's bits do not depend on the cut (OpenBLAS's kernels walk row-major rows
- * in groups of up to 12 on x86 and keep each group's arithmetic to itself; cutting columns
- * instead changes bits, as the blocking over them is the library's), so they do not depend
- * on the thread count. Each thread packs the whole of op(B). */
+ * GEMM_SPLIT_ALIGN rows and computed by one sequential sgemm over all of K and N. Measured
+ * with Debian's OpenBLAS 0.3.21 (Zen kernels): cuts between groups of 12 rows leave every
+ * element's bits as one call gives them, while cuts between columns change them (the
+ * library blocks columns by its own rule); 48 is a multiple of the row groups of the x86
+ * kernels, and tests/test_train_ops.c checks 1, 2 and 3 threads give the same bits. Each
+ * thread packs the whole of op(B). */
 void ops_gemm(int ta, int tb, size_t M, size_t N, size_t K, const float *A, size_t lda,
               const float *B, size_t ldb, float beta, float *C, size_t ldc)
 {
