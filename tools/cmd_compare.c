@@ -43,7 +43,7 @@ static void usage(FILE *f)
                "the first step where they differ, with both values, and how many steps agree.\n"
                "--all: a row for every step, not only for those that differ.\n"
                "Exit status: 0 every step both logs hold is the same, 1 some step differs, 2 bad\n"
-               "usage or a log it cannot read (or one without a step).\n");
+               "usage, a log it cannot read or without a step, or no step in both.\n");
 }
 
 static int take_line(json_t *j, int line, void *arg)
