@@ -2890,6 +2890,15 @@ Test(cli, compare_tells_runs_apart_by_loss_and_digest)
     cr_assert_eq(run(&o, "compare %s", a), 2, "%s", o);
     cr_assert(strstr(o, "two log files are needed"), "%s", o);
     free(o);
+    /* Logs with no step in common: nothing compared is not "the same". */
+    snprintf(bad, sizeof(bad), "%s/cmp-late.jsonl", dir);
+    f = fopen(bad, "w");
+    cr_assert_not_null(f);
+    fputs("{\"step\":9,\"loss\":1.5}\n", f);
+    fclose(f);
+    cr_assert_eq(run(&o, "compare %s %s", a, bad), 2, "%s", o);
+    cr_assert(strstr(o, "no step is in both logs"), "%s", o);
+    free(o);
     /* A run killed mid-line leaves its last line cut short: skipped, not an error. */
     char cut[4096], cmd[16384];
     snprintf(cut, sizeof(cut), "%s/cmp-cut.jsonl", dir);

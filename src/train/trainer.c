@@ -2072,30 +2072,30 @@ static int digest_tensor(struct trainer *t, int i, void **p, uint64_t *digest)
     return 0;
 }
 
-/* The factor clipping multiplies the mean gradient by, and that gradient's norm. */
-static float clip_of(const struct trainer *t, double sumsq, double loss_scale, double *norm)
+/* The gradients are sums over grad_accum micro-batches of every rank (times the fp16 loss
+ * scale): their mean is what is clipped and applied. Returns the factor clipping multiplies
+ * that mean by; *norm = its norm, *grad_scale = what the optimizer multiplies the summed
+ * gradients by (with one micro-batch and no loss scale, the clip factor itself). */
+static float clip_of(const struct trainer *t, double sumsq, double loss_scale, double *norm,
+                     float *grad_scale)
 {
     double K = (double)t->o.grad_accum * t->world * loss_scale;
     *norm = sqrt(sumsq) / K;
-    return adamw_clip_scale(K == 1 ? sumsq : sumsq / (K * K), t->o.grad_clip);
+    float clip = adamw_clip_scale(K == 1 ? sumsq : sumsq / (K * K), t->o.grad_clip);
+    *grad_scale = K == 1 ? clip : clip / (float)K;
+    return clip;
 }
 
-static int optimize(struct trainer *t, int step, double sumsq, double loss_scale,
-                    uint64_t *digest)
+/* The update of step `step` (Adam's count) at rate lr, the gradients times scale. */
+static int optimize(struct trainer *t, int step, float lr, float scale, uint64_t *digest)
 {
     struct adamw_hparams h;
-    /* The gradients are sums over grad_accum micro-batches of every rank (times the fp16
-     * loss scale): their mean is what is clipped and applied. (With one micro-batch and no
-     * loss scale, exactly the scale it always was.) */
-    double K = (double)t->o.grad_accum * t->world * loss_scale;
-    float scale = K == 1 ? adamw_clip_scale(sumsq, t->o.grad_clip)
-                         : adamw_clip_scale(sumsq / (K * K), t->o.grad_clip) / (float)K;
     enum zinf_tier tier = t->opt_tier;
     bool mixed = t->w != t->p;
     int r = 0;
 
     adamw_hparams_defaults(&h);
-    h.lr = (float)trainer_lr_at(&t->o.sched, t->o.lr, step);
+    h.lr = lr;
     h.beta1 = t->o.beta1;
     h.beta2 = t->o.beta2;
     h.eps = t->o.eps;
@@ -2141,15 +2141,13 @@ static int optimize(struct trainer *t, int step, double sumsq, double loss_scale
 /* *d = the sum of every rank's *d (each rank's digest terms of its own shards). */
 static int digest_across(struct trainer *t, uint64_t *d)
 {
-    uint64_t *all = calloc((size_t)t->world, sizeof(uint64_t));
-    if (!all) return -ENOMEM;
+    uint64_t all[COMM_MAX_RANKS];
     int r = comm_allgather(t->comm, d, all, sizeof(uint64_t), COMM_BYTE);
     if (r == 0) {
         *d = 0;
         for (int k = 0; k < t->world; k++)
             *d += all[k];
     }
-    free(all);
     return r;
 }
 
@@ -2208,7 +2206,11 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
      * from here the parameters and Adam states change, tensor by tensor, until the step
      * count says they belong to this step. */
     uint64_t digest = 0;
-    if ((!overflow && (r = optimize(t, applied, sumsq, S, &digest)) < 0) ||
+    double grad_norm;
+    float grad_scale, clip = clip_of(t, sumsq, S, &grad_norm, &grad_scale);
+    /* A skipped step's rate is that of the update it would have made. */
+    float lr = (float)trainer_lr_at(&t->o.sched, t->o.lr, overflow ? applied + 1 : applied);
+    if ((!overflow && (r = optimize(t, applied, lr, grad_scale, &digest)) < 0) ||
         (fp16 && (r = zinf_write(t->e, t->scaler, 0, &ls, sizeof(ls))) < 0) ||
         (r = state_save_step(t, step)) < 0) {
         t->torn = r;
@@ -2222,8 +2224,6 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         t->digest = digest;
         t->have_digest = true;
     }
-    double grad_norm;
-    float clip = clip_of(t, sumsq, S, &grad_norm);
     TRY(zinf_step(t->e));
     double sec = (double)(now_ns() - t0) / 1e9;
     zinf_stats(t->e, &s1);
@@ -2245,7 +2245,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .loss_scale = S,
         .grad_norm = grad_norm,
         .clip_scale = clip,
-        .lr = (float)trainer_lr_at(&t->o.sched, t->o.lr, overflow ? applied + 1 : applied),
+        .lr = lr,
         .have_digest = t->o.digest && t->have_digest,
         .digest = t->digest,
     };
