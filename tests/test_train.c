@@ -9,6 +9,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <math.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -913,6 +914,64 @@ Test(train, gradient_accumulation_equals_the_larger_batch)
     struct trainer *t = NULL;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EINVAL);
     cr_assert(strstr(err, "--accumulate 2"), "%s", err);
+}
+
+/* Whole runs over a sweep of shapes (odd B*T, dims 32 to 160, 1 to 8 micro-batches), in
+ * memory and with the state on NVMe: 1, 2 and 3 OpenMP threads log the same loss and the same
+ * parameter digest at every step. */
+Test(train, runs_give_the_same_bits_for_any_thread_count, .timeout = 300)
+{
+    const struct {
+        int C, NH, seq, batch, accum;
+        const char *home;
+    } runs[] = {
+        {64, 4, 32, 2, 1, "none"}, {32, 4, 13, 3, 2, "nvme"}, {96, 4, 23, 4, 1, "none"},
+        {80, 10, 31, 5, 3, "none"}, {160, 4, 61, 8, 1, "none"}, {48, 2, 17, 3, 8, "nvme"},
+        {128, 4, 100, 1, 2, "none"},
+    };
+    char cfg[4096], swap[4096], err[512];
+    for (size_t k = 0; k < sizeof(runs) / sizeof(runs[0]); k++) {
+        float loss[3][2];
+        uint64_t dg[3][2];
+        for (int th = 1; th <= 3; th++) {
+            snprintf(swap, sizeof(swap), "%s/th%zu-%d", dir, k, th);
+            snprintf(cfg, sizeof(cfg), "%s/th%zu-%d.json", dir, k, th);
+            write_config(cfg, runs[k].home, runs[k].home, swap, "64M", "64M");
+            struct trainer_opts o = small_model(cfg);
+            o.model.L = 2;
+            o.model.C = runs[k].C;
+            o.model.NH = runs[k].NH;
+            o.seq = runs[k].seq;
+            o.batch = runs[k].batch;
+            o.grad_accum = runs[k].accum;
+            o.steps = 2;
+            o.digest = true;
+            omp_set_num_threads(th);
+            struct trainer *t = NULL;
+            cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+            for (int s = 0; s < 2; s++) {
+                struct trainer_step_stats st;
+                cr_assert_eq(trainer_step(t, &st), 0);
+                cr_assert(st.have_digest);
+                loss[th - 1][s] = st.loss;
+                dg[th - 1][s] = st.digest;
+            }
+            trainer_close(t);
+        }
+        for (int th = 2; th <= 3; th++)
+            for (int s = 0; s < 2; s++) {
+                cr_expect(!memcmp(&loss[0][s], &loss[th - 1][s], sizeof(float)),
+                          "run %zu (C %d, seq %d x %d x %d), step %d: loss %.9g at 1 thread, "
+                          "%.9g at %d", k, runs[k].C, runs[k].seq, runs[k].batch, runs[k].accum,
+                          s + 1, loss[0][s], loss[th - 1][s], th);
+                cr_expect_eq(dg[0][s], dg[th - 1][s],
+                             "run %zu (C %d, seq %d x %d x %d), step %d: digest %016llx at 1 "
+                             "thread, %016llx at %d", k, runs[k].C, runs[k].seq, runs[k].batch,
+                             runs[k].accum, s + 1, (unsigned long long)dg[0][s],
+                             (unsigned long long)dg[th - 1][s], th);
+            }
+    }
+    omp_set_num_threads(omp_get_num_procs());
 }
 
 /* ---- validation and sampling -------------------------------------------------------------- */

@@ -1252,6 +1252,162 @@ Test(train_ops, same_bits_for_any_thread_count)
     free(d_y);
 }
 
+/* ops_gemm's tiles (ops_gemm_plan) cover the output once, with no gap and no overlap, come
+ * from the shape alone (the same plan at any thread count), are at most 16, and are cut
+ * at multiples of 16 rows and columns. Small products are one call; large ones are cut. */
+Test(train_ops, gemm_tiles_cover_the_output_and_follow_the_shape)
+{
+    const size_t dims[] = {1, 7, 16, 33, 100, 256, 300, 488, 768, 1000, 2049, 3072};
+    const size_t nd = sizeof(dims) / sizeof(dims[0]);
+    for (size_t i = 0; i < nd; i++)
+        for (size_t j = 0; j < nd; j++)
+            for (size_t k = 0; k < nd; k += 3) {
+                size_t M = dims[i], N = dims[j], K = dims[k];
+                struct ops_gemm_plan p, q;
+                omp_set_num_threads(1);
+                ops_gemm_plan(M, N, K, &p);
+                omp_set_num_threads(3);
+                ops_gemm_plan(M, N, K, &q);
+                cr_assert(!memcmp(&p, &q, sizeof(p)), "%zu x %zu x %zu: the plan moved", M, N, K);
+                cr_assert(p.rows >= 1 && p.cols >= 1 && p.rows * p.cols <= 16, "%zu x %zu x %zu: "
+                          "%u x %u tiles", M, N, K, p.rows, p.cols);
+                /* Tiles cover [0, M) and [0, N) exactly: the last one starts inside. */
+                cr_assert((p.rows - 1) * p.tm < M || M == 0);
+                cr_assert((p.cols - 1) * p.tn < N || N == 0);
+                cr_assert(p.rows * p.tm >= M && p.cols * p.tn >= N);
+                cr_assert(p.rows == 1 || p.tm % 16 == 0, "%zu rows by %zu", M, p.tm);
+                cr_assert(p.cols == 1 || p.tn % 16 == 0, "%zu cols by %zu", N, p.tn);
+                if ((double)M * N * K < 2.0 * 16 * 1024 * 1024)
+                    cr_assert_eq(p.rows * p.cols, 1, "%zu x %zu x %zu is cut", M, N, K);
+            }
+    omp_set_num_threads(omp_get_num_procs());
+    struct ops_gemm_plan p;
+    ops_gemm_plan(2048, 3072, 768, &p); /* a 12 x 768 model's fc at 16 x 128 tokens */
+    cr_expect_eq(p.rows * p.cols, 16);
+}
+
+/* C = op(A) op(B) + beta C through ops_gemm at one thread, into fresh memory. */
+static float *gemm_at(int threads, int ta, int tb, size_t M, size_t N, size_t K, const float *A,
+                      const float *Bm, float beta, const float *Cin)
+{
+    float *c = falloc(M * N);
+    if (beta != 0.0f) memcpy(c, Cin, M * N * sizeof(float));
+    omp_set_num_threads(threads);
+    ops_gemm(ta, tb, M, N, K, A, ta ? M : K, Bm, tb ? K : N, beta, c, N);
+    return c;
+}
+
+/* The GEMM alone, at shapes that its plan cuts into 2 to 16 tiles (odd sizes, tiles whose
+ * last row and column are short), with every transposition and both betas: 1, 2 and 3
+ * threads give the same bits, and a tile's elements are right (against double sums). Also
+ * from inside a parallel region, where the tiles run one after another in one thread. */
+Test(train_ops, gemm_same_bits_for_any_thread_count_at_cut_shapes, .timeout = 120)
+{
+    const size_t shapes[][3] = {{300, 1000, 130}, {488, 640, 160}, {1000, 777, 301},
+                                {2050, 1536, 17}, {97, 3000, 700}, {1543, 96, 900}};
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        size_t M = shapes[s][0], N = shapes[s][1], K = shapes[s][2];
+        struct ops_gemm_plan p;
+        ops_gemm_plan(M, N, K, &p);
+        cr_assert_gt(p.rows * p.cols, 1, "%zu x %zu x %zu is one tile", M, N, K);
+        float *A = frand(M * K, 31 + s, 1.0f), *Bm = frand(K * N, 41 + s, 1.0f),
+              *Cin = frand(M * N, 51 + s, 1.0f);
+        for (int tr = 0; tr < 4; tr++) {
+            int ta = tr & 1, tb = tr >> 1;
+            float beta = tr == 1 ? 0.0f : 1.0f;
+            float *one = gemm_at(1, ta, tb, M, N, K, A, Bm, beta, Cin);
+            for (int t = 2; t <= 3; t++) {
+                float *c = gemm_at(t, ta, tb, M, N, K, A, Bm, beta, Cin);
+                cr_expect(!memcmp(one, c, M * N * sizeof(float)),
+                          "%zu x %zu x %zu, ta %d tb %d: 1 and %d threads differ", M, N, K, ta,
+                          tb, t);
+                free(c);
+            }
+            /* Nested: a parallel region around the call runs the tiles in its thread. */
+            float *nested = falloc(M * N);
+            if (beta != 0.0f) memcpy(nested, Cin, M * N * sizeof(float));
+            omp_set_num_threads(2);
+#pragma omp parallel num_threads(2)
+            {
+                if (omp_get_thread_num() == 1)
+                    ops_gemm(ta, tb, M, N, K, A, ta ? M : K, Bm, tb ? K : N, beta, nested, N);
+            }
+            cr_expect(!memcmp(one, nested, M * N * sizeof(float)),
+                      "%zu x %zu x %zu, ta %d tb %d: nested differs", M, N, K, ta, tb);
+            /* Elements in the first tile, the last, and across a cut, against double sums. */
+            size_t at[][2] = {{0, 0}, {M - 1, N - 1}, {p.tm < M ? p.tm : 0, p.tn < N ? p.tn : 0},
+                              {M / 2, N / 3}};
+            for (int e = 0; e < 4; e++) {
+                size_t i = at[e][0], j = at[e][1];
+                double want = beta != 0.0f ? Cin[i * N + j] : 0.0;
+                for (size_t k = 0; k < K; k++)
+                    want += (double)(ta ? A[k * M + i] : A[i * K + k]) *
+                            (tb ? Bm[j * K + k] : Bm[k * N + j]);
+                cr_expect(fabs(one[i * N + j] - want) <= 2e-5 * (1 + sqrt((double)K)),
+                          "%zu x %zu x %zu, ta %d tb %d, (%zu,%zu): %.9g, want %.9g", M, N, K, ta,
+                          tb, i, j, one[i * N + j], want);
+            }
+            free(nested);
+            free(one);
+        }
+        free(A);
+        free(Bm);
+        free(Cin);
+    }
+    omp_set_num_threads(omp_get_num_procs());
+}
+
+/* The whole model's forward and backward (gpt_model_backward: every op of a step, embedding
+ * to loss, the GEMMs cut where the shape says) over a sweep of shapes, odd ones among them:
+ * B*T not a multiple of 8, 12, 48 or 64; C from 32 to 160; heads of 8 to 40 floats (the
+ * vector attention and the scalar one). 1, 2 and 3 threads give the same loss and the same
+ * bits of every gradient. */
+Test(train_ops, model_same_bits_for_any_thread_count_over_shapes, .timeout = 300)
+{
+    const struct {
+        int B, T, C, NH;
+    } shapes[] = {
+        {2, 32, 64, 4},  {1, 13, 32, 4},  {3, 17, 48, 2},   {2, 33, 64, 8},  {4, 23, 96, 4},
+        {5, 31, 80, 10}, {8, 61, 160, 4}, {1, 100, 128, 4}, {7, 19, 120, 3}, {2, 48, 160, 5},
+        {6, 11, 36, 3},  {3, 64, 144, 6}, {8, 63, 160, 8},
+    };
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        struct gpt_config c = {.V = 256, .maxT = shapes[s].T, .L = 2, .C = shapes[s].C,
+                               .NH = shapes[s].NH};
+        int B = shapes[s].B, T = shapes[s].T;
+        size_t np = gpt_num_params(&c), bt = (size_t)B * T;
+        float *params = falloc(np);
+        cr_assert_eq(gpt_model_init(&c, params, 5 + s), 0);
+        int *tok = calloc(bt + 1, sizeof(int));
+        cr_assert_not_null(tok);
+        uint64_t st = 99 + s;
+        for (size_t i = 0; i <= bt; i++)
+            tok[i] = (int)(test_rand(&st) % 256);
+        float *g[3], loss[3];
+        for (int t = 0; t < 3; t++) {
+            omp_set_num_threads(t + 1);
+            g[t] = falloc(np);
+            cr_assert_eq(gpt_model_backward(&c, B, T, params, tok, tok + 1, g[t], &loss[t]), 0);
+        }
+        for (int t = 1; t < 3; t++) {
+            cr_expect(!memcmp(&loss[0], &loss[t], sizeof(float)),
+                      "B %d T %d C %d NH %d: loss %.9g at 1 thread, %.9g at %d", B, T, c.C, c.NH,
+                      loss[0], loss[t], t + 1);
+            size_t first = np;
+            for (size_t i = 0; i < np && first == np; i++)
+                if (memcmp(&g[0][i], &g[t][i], sizeof(float))) first = i;
+            cr_expect_eq(first, np, "B %d T %d C %d NH %d: gradient %zu of %zu: %.9g at 1 thread, "
+                         "%.9g at %d", B, T, c.C, c.NH, first, np, first < np ? g[0][first] : 0,
+                         first < np ? g[t][first] : 0, t + 1);
+        }
+        for (int t = 0; t < 3; t++)
+            free(g[t]);
+        free(tok);
+        free(params);
+    }
+    omp_set_num_threads(omp_get_num_procs());
+}
+
 /* The parameter digest (digest.h): any one bit of any value changes it, wherever the value
  * sits in its block (first, middle, last, the odd float of a short block); it is the sum of
  * its pieces cut at blocks, as ranks cut their shards; it does not depend on the threads;

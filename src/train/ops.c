@@ -3,9 +3,10 @@
  * and cblas_sgemm for the linear layers, in the manner of llm.c's train_gpt2.c. GELU and
  * attention have AVX2 versions in ops_avx2.c, taken where the CPU has AVX2 and FMA; the
  * loops here (the _ref functions) are their references. Every reduction has a fixed order:
- * sums over rows (bias, LayerNorm and embedding gradients) are split across threads by
- * column, each column summed by one thread from row 0 up, and GEMMs are cut by rows (see
- * ops_gemm), so the bits do not depend on which thread ran what.
+ * sums over rows (bias, LayerNorm and embedding gradients) are split by fixed blocks of
+ * columns, each column summed by one thread from row 0 up, and GEMMs are cut into tiles
+ * chosen from their shape (see ops_gemm): every split is fixed by the shape, never by the
+ * thread count, so the bits do not depend on how many threads ran, or which ran what.
  *
  * Not here: argument checks (gpt.c's public functions make them), scratch layout, GPU code.
  */
@@ -18,8 +19,9 @@
 #include "train/ops.h"
 
 #define COL_BLOCK 64 /* columns per thread task in the sums over rows */
-#define GEMM_SPLIT_ALIGN 48 /* a thread's share of a GEMM's output: a multiple of 48 rows */
-#define GEMM_SERIAL_FLOPS (1u << 20) /* below this many multiply-adds, one thread */
+#define GEMM_TILE_WORK (16.0 * 1024 * 1024) /* multiply-adds per GEMM tile, at least */
+#define GEMM_MAX_TILES 16u                   /* tiles of one GEMM, at most */
+#define GEMM_TILE_ALIGN 16                   /* a tile's rows and columns: multiples of 16 */
 
 /* ---- the vector versions (ops_avx2.c), where the CPU runs them ------------------------- */
 
@@ -84,34 +86,83 @@ static void blas_single_threaded(void)
     openblas_set_num_threads(1);
 }
 
+/* The tiles of a GEMM's output, chosen from its shape alone (see ops_gemm). The output
+ * (M,N) is cut into a grid of rows x cols tiles, each tm rows by tn columns but the last of
+ * a row or column of the grid, which is the remainder. */
+void ops_gemm_plan(size_t M, size_t N, size_t K, struct ops_gemm_plan *p)
+{
+    static const unsigned counts[] = {1, 2, 4, 6, 8, 12, GEMM_MAX_TILES};
+    double work = (double)M * (double)N * (double)K;
+    unsigned want = 1;
+    for (size_t i = 0; i < sizeof(counts) / sizeof(counts[0]); i++)
+        if (work >= (double)counts[i] * GEMM_TILE_WORK) want = counts[i];
+    /* Each tile packs its share of both operands: a grid of r x c tiles packs op(A) (M,K)
+     * c times and op(B) (K,N) r times. Of the grids of want tiles, the one that packs least
+     * (the first found on a tie, so the choice is a function of the shape). */
+    unsigned rows = 1, cols = 1;
+    double best = -1.0;
+    for (unsigned r = 1; r <= want; r++) {
+        if (want % r) continue;
+        unsigned c = want / r;
+        if (r > 1 && M / r < GEMM_TILE_ALIGN) continue;
+        if (c > 1 && N / c < GEMM_TILE_ALIGN) continue;
+        double cost = (double)c * (double)M + (double)r * (double)N;
+        if (best < 0 || cost < best) {
+            best = cost;
+            rows = r;
+            cols = c;
+        }
+    }
+    size_t tm = (M + rows - 1) / rows, tn = (N + cols - 1) / cols;
+    tm = (tm + GEMM_TILE_ALIGN - 1) / GEMM_TILE_ALIGN * GEMM_TILE_ALIGN;
+    tn = (tn + GEMM_TILE_ALIGN - 1) / GEMM_TILE_ALIGN * GEMM_TILE_ALIGN;
+    p->tm = tm < M ? tm : (M ? M : 1);
+    p->tn = tn < N ? tn : (N ? N : 1);
+    p->rows = (unsigned)((M + p->tm - 1) / p->tm);
+    p->cols = (unsigned)((N + p->tn - 1) / p->tn);
+    if (!p->rows) p->rows = 1;
+    if (!p->cols) p->cols = 1;
+}
+
 /* Row-major C (M,N) = op(A) (M,K) @ op(B) (K,N) + beta * C, with op transposing when ta (tb)
- * is set. The rows of C are cut into one slab per thread, each a multiple of
- * GEMM_SPLIT_ALIGN rows and computed by one sequential sgemm over all of K and N. Measured
- * with Debian's OpenBLAS 0.3.21 (Zen kernels): cuts between groups of 12 rows leave every
- * element's bits as one call gives them, while cuts between columns change them (the
- * library blocks columns by its own rule); 48 is a multiple of the row groups of the x86
- * kernels, and tests/test_train_ops.c checks 1, 2 and 3 threads give the same bits. Each
- * thread packs the whole of op(B). */
+ * is set.
+ *
+ * Why the bits depend on the shape alone. ops_gemm_plan cuts C into tiles from (M,N,K)
+ * only, never from the thread count. Each tile is one sequential cblas_sgemm over all of K:
+ * its elements are whatever OpenBLAS makes of that call's shape and values on this CPU's
+ * kernels, however it blocks, packs or orders the sum inside the call (OpenBLAS runs in the
+ * calling thread, openblas_set_num_threads(1), so no call is split further by it). A tile
+ * writes only its own elements of C and reads only A, B and those elements, so it does not
+ * matter which thread runs it, or when, or whether the tiles run one after another (inside
+ * another parallel region, or on one thread). Nothing here assumes that a cut leaves
+ * OpenBLAS's bits alone: a cut does change them on some kernels, and it is the same cut on
+ * every run of the same shape. What is assumed is only that one single-threaded OpenBLAS
+ * call is a function of its arguments' values (not of their addresses or of the time).
+ * tests/test_train_ops.c checks this over a sweep of shapes at 1, 2 and 3 threads.
+ * The tiles are few (at most GEMM_MAX_TILES), each at least GEMM_TILE_WORK multiply-adds
+ * where there are several: every tile repacks its share of op(A) and op(B), and OpenBLAS
+ * loses speed on narrow calls; the threads take them as they come free. */
 void ops_gemm(int ta, int tb, size_t M, size_t N, size_t K, const float *A, size_t lda,
               const float *B, size_t ldb, float beta, float *C, size_t ldc)
 {
     pthread_once(&blas_once, blas_single_threaded);
     enum CBLAS_TRANSPOSE oa = ta ? CblasTrans : CblasNoTrans, ob = tb ? CblasTrans : CblasNoTrans;
-    int nt = omp_get_max_threads();
-    size_t share = (M + (size_t)nt - 1) / (size_t)(nt > 0 ? nt : 1);
-    share = (share + GEMM_SPLIT_ALIGN - 1) / GEMM_SPLIT_ALIGN * GEMM_SPLIT_ALIGN;
-    if (nt <= 1 || share >= M || (double)M * N * K < GEMM_SERIAL_FLOPS || omp_in_parallel()) {
+    struct ops_gemm_plan p;
+    ops_gemm_plan(M, N, K, &p);
+    size_t tiles = (size_t)p.rows * p.cols;
+    if (tiles <= 1) {
         cblas_sgemm(CblasRowMajor, oa, ob, (int)M, (int)N, (int)K, 1.0f, A, (int)lda, B, (int)ldb,
                     beta, C, (int)ldc);
         return;
     }
-#pragma omp parallel num_threads(nt)
-    {
-        size_t a = (size_t)omp_get_thread_num() * share, b = a + share < M ? a + share : M;
-        if (a < b)
-            cblas_sgemm(CblasRowMajor, oa, ob, (int)(b - a), (int)N, (int)K, 1.0f,
-                        ta ? A + a : A + a * lda, (int)lda, B, (int)ldb, beta, C + a * ldc,
-                        (int)ldc);
+#pragma omp parallel for schedule(dynamic, 1) if (!omp_in_parallel())
+    for (size_t s = 0; s < tiles; s++) {
+        size_t r0 = s / p.cols * p.tm, c0 = s % p.cols * p.tn;
+        size_t m = M - r0 < p.tm ? M - r0 : p.tm, n = N - c0 < p.tn ? N - c0 : p.tn;
+        const float *a = ta ? A + r0 : A + r0 * lda; /* op(A)'s rows r0.. */
+        const float *b = tb ? B + c0 * ldb : B + c0; /* op(B)'s columns c0.. */
+        cblas_sgemm(CblasRowMajor, oa, ob, (int)m, (int)n, (int)K, 1.0f, a, (int)lda, b, (int)ldb,
+                    beta, C + r0 * ldc + c0, (int)ldc);
     }
 }
 

@@ -36,8 +36,17 @@ void ops_layernorm_backward(float *d_inp, int accumulate, float *dw, float *db, 
                             const float *inp, const float *w, const float *mean, const float *rstd,
                             size_t N, size_t C);
 
+/* How ops_gemm cuts a GEMM's output (M,N): a grid of rows x cols tiles of tm x tn elements
+ * (the last of each row and column of the grid holds the rest). A function of the shape. */
+struct ops_gemm_plan {
+    size_t tm, tn;
+    unsigned rows, cols;
+};
+void ops_gemm_plan(size_t M, size_t N, size_t K, struct ops_gemm_plan *p);
+
 /* Row-major C (M,N) = op(A) (M,K) @ op(B) (K,N) + beta * C, op transposing when ta (tb) is
- * set; spread over the OpenMP threads with the same bits for any thread count. */
+ * set; its tiles (ops_gemm_plan) spread over the OpenMP threads, with the same bits for any
+ * thread count. */
 void ops_gemm(int ta, int tb, size_t M, size_t N, size_t K, const float *A, size_t lda,
               const float *B, size_t ldb, float beta, float *C, size_t ldc);
 
