@@ -206,6 +206,7 @@ static const struct field fields[] = {
     {S_ZINF, "huge_pages", NULL, F_BOOL, OFF(zinf.huge_pages), 0, 0, 0, NULL},
     {S_ZINF, "connect", NULL, F_PATHS, OFF(zinf.connect), 0, 0, 0, NULL},
     {S_ZINF, "job", NULL, F_STR, OFF(zinf.job), 0, 0, 0, NULL},
+    {S_ZINF, "comm_timeout", NULL, F_UINT, OFF(zinf.comm_timeout), 1, 86400, 0, NULL},
     /* `zinf train`'s model and run; its command-line options take precedence. */
     {S_TRAIN, "layers", NULL, F_INT, OFF(zinf.train.layers), 1, 1024, 0, NULL},
     {S_TRAIN, "dim", NULL, F_INT, OFF(zinf.train.dim), 1, 65536, 0, NULL},
@@ -949,6 +950,7 @@ void config_defaults(struct zinf_config *c)
     c->zinf.device = ZINF_DEVICE_AUTO;
     c->zinf.io_backend = CONFIG_IO_AUTO;
     c->zinf.huge_pages = true;
+    c->zinf.comm_timeout = 1800;
     /* DeepSpeed's (FusedAdam's, its schedulers', its fp16 loss scaler's) defaults. */
     c->train.optimizer.betas[0] = 0.9;
     c->train.optimizer.betas[1] = 0.999;

@@ -124,6 +124,8 @@ struct zinf_config {
         bool huge_pages;         /* transparent huge pages for the host arena; true */
         struct config_paths connect; /* zinf train through the daemon on this socket; none */
         char job[32];                /* ... as this job; "" (zinf train's default) */
+        unsigned comm_timeout; /* seconds each barrier and collective across ranks waits for
+                                  the others; 1800 (COMM_DEFAULT_OP_TIMEOUT_MS) */
         struct {                           /* zinf.train: `zinf train`'s model and run */
             int layers, dim, heads, seq, batch, steps; /* 0: the command's default */
             int precision; /* "auto" 0, "fp32" 1, "bf16" 2: as enum trainer_precision */

@@ -38,8 +38,11 @@ int main(int argc, char **argv)
     }
     int rank = atoi(rs), world = atoi(ws);
     signal(SIGTERM, on_term);
+    const char *op_ms = getenv("ZINF_COMM_OP_TIMEOUT_MS");
     struct comm_opts o = {.backend = COMM_SHM, .rank = rank, .world = world, .name = name,
-                          .timeout_ms = 20000, .pool_bytes = 1 << 20};
+                          .secret = getenv("ZINF_COMM_SECRET"), .timeout_ms = 20000,
+                          .op_timeout_ms = op_ms ? (unsigned)atoi(op_ms) : 0, .stop = &stop,
+                          .pool_bytes = 1 << 20};
     struct comm *c;
     int r = comm_open(&o, &c);
     if (r) {

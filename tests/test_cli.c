@@ -4,6 +4,7 @@
  * comes from $ZINF_BIN (set by meson).
  */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <jansson.h>
 #include <math.h>
 #include <signal.h>
@@ -13,6 +14,7 @@
 #include <string.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -1996,6 +1998,24 @@ Test(cli, launch_bad_arguments)
     free(o);
     cr_assert_eq(run(&o, "launch -n 2 --grace -1 -- true"), 2);
     free(o);
+    /* Numbers past an int's range are refused, not wrapped (4294967298 would be 2 ranks);
+     * names are checked by the ranks' own rule, at the launcher. */
+    cr_assert_eq(run(&o, "launch -n 4294967298 -- true"), 2, "%s", o);
+    cr_assert(strstr(o, "-n 4294967298: a number of ranks from 1 to 64"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 2 --grace -4294967295 -- true"), 2, "%s", o);
+    cr_assert(strstr(o, "--grace -4294967295: whole seconds from 0 to 3600"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 2 --grace 3601 -- true"), 2, "%s", o);
+    free(o);
+    const char *bad_names[] = {"'a*b'", ".hidden", "''", "a/b",
+                               "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"};
+    for (size_t i = 0; i < sizeof(bad_names) / sizeof(bad_names[0]); i++) {
+        cr_assert_eq(run(&o, "launch -n 2 --name %s -- true", bad_names[i]), 2, "%s: %s",
+                     bad_names[i], o);
+        cr_assert(strstr(o, "1-63 characters of [A-Za-z0-9._-]"), "%s", o);
+        free(o);
+    }
     cr_assert_eq(run(&o, "launch -n 2 -- %s/no-such-program", dir), 127);
     cr_assert(strstr(o, "cannot run") && strstr(o, "No such file"), "%s", o);
     free(o);
@@ -3044,4 +3064,294 @@ Test(cli, train_export_writes_the_parameters_as_safetensors, .timeout = 120)
     cr_assert_neq(train_ranks(&o, 2, cfg, data, ZMODEL " --steps 1 --export /dev/null"), 0, "%s", o);
     cr_assert(strstr(o, "each of the 2 ranks holds a shard of every weight"), "%s", o);
     free(o);
+}
+
+/* ---- the launcher and the rendezvous under faults --------------------------------------- */
+
+/* Like run(), a shell command line of its own. */
+static int sh_run(char **out, const char *fmt, ...)
+{
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof(cmd) - 8, fmt, ap);
+    va_end(ap);
+    strcat(cmd, " 2>&1");
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t cap = 1 << 16, len = 0, n;
+    char *buf = malloc(cap);
+    while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0)
+        len += n;
+    buf[len] = '\0';
+    int st = pclose(p);
+    *out = buf;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+/* Whether pid is a process that has not exited (a zombie has). */
+static bool pid_running(pid_t pid)
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')');
+    return p && p[1] == ' ' && p[2] != 'Z' && p[2] != 'X';
+}
+
+/* A launcher killed with SIGKILL takes its ranks with it: each gets SIGTERM (the
+ * parent-death signal) and exits, instead of running on under PID 1. */
+Test(cli, launch_killed_takes_its_ranks_with_it)
+{
+    char out[4096];
+    snprintf(out, sizeof(out), "%s/orphans.out", dir);
+    pid_t pid = spawn(out, "launch -n 2 -- %s wait", comm_rank_bin());
+    double t0 = now_s();
+    while (count_lines(out, "[") < 2 && now_s() - t0 < 30)
+        usleep(20000);
+    cr_assert_eq(count_lines(out, "["), 2, "the ranks did not start: %s", tail_text(out));
+    pid_t kids[4];
+    int n = children_of(pid, kids, 4);
+    cr_assert_eq(n, 2, "the launcher has %d children", n);
+    /* Each rank leads a process group of its own. */
+    for (int k = 0; k < n; k++)
+        cr_assert_eq(getpgid(kids[k]), kids[k], "rank pid %d is in group %d", (int)kids[k],
+                     (int)getpgid(kids[k]));
+    kill(pid, SIGKILL);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    t0 = now_s();
+    for (int k = 0; k < n; k++)
+        while (pid_running(kids[k]) && now_s() - t0 < 10)
+            usleep(20000);
+    for (int k = 0; k < n; k++)
+        cr_expect_not(pid_running(kids[k]), "rank pid %d outlived its launcher", (int)kids[k]);
+    cr_assert_lt(now_s() - t0, 5.0, "the ranks took %.1f s to go", now_s() - t0);
+}
+
+/* Whether /dev/shm holds an object whose name starts with prefix. */
+static bool shm_has(const char *prefix)
+{
+    DIR *d = opendir("/dev/shm");
+    struct dirent *e;
+    bool found = false;
+    cr_assert_not_null(d);
+    while (!found && (e = readdir(d)))
+        found = !strncmp(e->d_name, prefix, strlen(prefix));
+    closedir(d);
+    return found;
+}
+
+/* A rank waiting for the others in the rendezvous answers SIGTERM at once (exit 143) and
+ * leaves no segment behind; so does a launcher's rank. */
+Test(cli, rank_waiting_to_meet_answers_sigterm_and_cleans_up)
+{
+    char cfg[4096], data[4096], swap[4096], out[4096], name[64];
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    snprintf(swap, sizeof(swap), "%s/rdvterm", dir);
+    zero_config(cfg, sizeof(cfg), swap, 3);
+    snprintf(out, sizeof(out), "%s/rdvterm.out", dir);
+    snprintf(name, sizeof(name), "rdvterm-%d", (int)getpid());
+    char seg[128];
+    snprintf(seg, sizeof(seg), "zinf-comm-%s", name);
+    /* Rank 0 of 2, alone: it waits for rank 1. */
+    setenv("RANK", "0", 1);
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("ZINF_COMM_NAME", name, 1);
+    setenv("ZINF_COMM_TIMEOUT_MS", "60000", 1);
+    pid_t pid = spawn(out, "train --config %s --data %s " ZMODEL " --steps 2", cfg, data);
+    unsetenv("RANK");
+    unsetenv("WORLD_SIZE");
+    unsetenv("ZINF_COMM_NAME");
+    unsetenv("ZINF_COMM_TIMEOUT_MS");
+    double t0 = now_s();
+    while (!shm_has(seg) && now_s() - t0 < 30)
+        usleep(10000);
+    cr_assert(shm_has(seg), "rank 0 never waited: %s", tail_text(out));
+    usleep(200000);
+    kill(pid, SIGTERM);
+    t0 = now_s();
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert_lt(now_s() - t0, 2.0, "SIGTERM took %.1f s: %s", now_s() - t0, tail_text(out));
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 143, "status %#x: %s", st, tail_text(out));
+    cr_assert_not(shm_has(seg), "the segment /dev/shm/%s was left behind", seg);
+    cr_assert(strstr(tail_text(out), "stopped by a signal while the ranks met"), "%s",
+              tail_text(out));
+}
+
+/* A rank that stops (SIGSTOP) in the middle of training: the others give up at the
+ * collectives' deadline (ZINF_COMM_OP_TIMEOUT_MS here, zinf.comm_timeout in a config), the
+ * message names the stopped rank and what it was doing, and the launcher stops the job
+ * and exits 1. The same deadline from the config. */
+Test(cli, stopped_rank_fails_the_job_within_the_deadline, .timeout = 120)
+{
+    char cfg[4096], data[4096], swap[4096], out[4096];
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    for (int how = 0; how < 2; how++) {
+        snprintf(swap, sizeof(swap), "%s/stopped%d", dir, how);
+        snprintf(out, sizeof(out), "%s/stopped%d.out", dir, how);
+        zero_config(cfg, sizeof(cfg), swap, 1);
+        if (how == 0) {
+            setenv("ZINF_COMM_OP_TIMEOUT_MS", "1500", 1);
+        } else {
+            /* The config's key: a whole number of seconds. */
+            char *text = read_text(cfg);
+            char *z = strstr(text, "\"zinf\": {");
+            cr_assert_not_null(z);
+            FILE *f = fopen(cfg, "w");
+            cr_assert_not_null(f);
+            fprintf(f, "%.*s\"zinf\": {\"comm_timeout\": 2, %s", (int)(z - text), text,
+                    z + strlen("\"zinf\": {"));
+            fclose(f);
+            free(text);
+        }
+        unsetenv("OMP_NUM_THREADS");
+        pid_t pid = spawn(out, "launch -n 2 --grace 3 -- %s train --config %s --data %s " ZMODEL
+                          " --steps 100000", getenv("ZINF_BIN"), cfg, data);
+        unsetenv("ZINF_COMM_OP_TIMEOUT_MS");
+        double t0 = now_s();
+        while (count_lines(out, "[0]     ") < 2 && now_s() - t0 < 60)
+            usleep(20000);
+        cr_assert_geq(count_lines(out, "[0]     "), 2, "no steps: %s", tail_text(out));
+        pid_t kids[4];
+        int n = children_of(pid, kids, 4), victim = -1;
+        for (int k = 0; k < n; k++) {
+            char path[64], env[8192];
+            snprintf(path, sizeof(path), "/proc/%d/environ", (int)kids[k]);
+            FILE *f = fopen(path, "r");
+            size_t len = f ? fread(env, 1, sizeof(env) - 1, f) : 0;
+            if (f) fclose(f);
+            for (size_t i = 0; i < len; i += strlen(env + i) + 1)
+                if (!strcmp(env + i, "RANK=1")) victim = kids[k];
+        }
+        cr_assert_gt(victim, 0, "no rank 1 among %d children", n);
+        kill(victim, SIGSTOP);
+        t0 = now_s();
+        int st;
+        cr_assert_eq(waitpid(pid, &st, 0), pid);
+        double took = now_s() - t0;
+        char *text = read_text(out);
+        cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %#x: %s", st, text);
+        /* The deadline, then the others' exit, then at most --grace for the stopped one. */
+        cr_assert_lt(took, 12.0, "the job took %.1f s to fail: %s", took, text);
+        char want[96];
+        snprintf(want, sizeof(want), "rank 1 (pid %d, stopped) did not come to", victim);
+        cr_assert(strstr(text, want), "no '%s' in: %s", want, text);
+        cr_assert(strstr(text, "within 1.5 s") || strstr(text, "within 2 s"), "%s", text);
+        cr_assert(strstr(text, "zinf launch: failed: rank 0"), "%s", text);
+        free(text);
+    }
+}
+
+/* One live job per name: a second launcher of a running job's name is refused, naming the
+ * first; once the first is gone (even killed), the name is free again. */
+Test(cli, a_second_job_of_a_live_jobs_name_is_refused)
+{
+    char out[4096], *o, name[64];
+    snprintf(name, sizeof(name), "samename-%d", (int)getpid());
+    snprintf(out, sizeof(out), "%s/samename.out", dir);
+    pid_t pid = spawn(out, "launch -n 2 --name %s -- %s wait", name, comm_rank_bin());
+    double t0 = now_s();
+    while (count_lines(out, "[") < 2 && now_s() - t0 < 30)
+        usleep(20000);
+    cr_assert_eq(count_lines(out, "["), 2, "%s", tail_text(out));
+    cr_assert_eq(run(&o, "launch -n 2 --name %s -- %s", name, comm_rank_bin()), 2, "%s", o);
+    char want[128];
+    snprintf(want, sizeof(want), "a job named '%s' is running (its launcher is pid %d)", name,
+             (int)pid);
+    cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+    cr_assert_null(strstr(o, "rank 0 ok"), "the second job ran: %s", o);
+    free(o);
+    kill(pid, SIGKILL); /* leaves its name file; its lock goes with it */
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    t0 = now_s();
+    int r;
+    while ((r = run(&o, "launch -n 2 --name %s -- %s", name, comm_rank_bin())) != 0 &&
+           now_s() - t0 < 10) { /* the killed job's ranks may still be leaving */
+        free(o);
+        usleep(100000);
+    }
+    cr_assert_eq(r, 0, "%s", o);
+    cr_assert(strstr(o, "[1] rank 1 ok"), "%s", o);
+    free(o);
+    char path[128];
+    snprintf(path, sizeof(path), "/dev/shm/zinf-job-%s", name);
+    cr_assert_neq(access(path, F_OK), 0, "%s was left behind", path);
+}
+
+/* As root: another user (uid 65534) cannot get between the ranks. An object it made under
+ * the job's name (mode 0666) is refused by rank 0 and by the joining ranks, naming it and
+ * its owner, at once rather than at a timeout; the name a launcher's job meets under is
+ * not predictable, and a name seen in /dev/shm cannot be opened by it. Without root, the
+ * same with an object of this user whose mode is not 0600. */
+Test(cli, a_rendezvous_object_of_another_user_is_refused)
+{
+    char name[64], obj[128], *o;
+    snprintf(name, sizeof(name), "squat-%d", (int)getpid());
+    snprintf(obj, sizeof(obj), "/zinf-comm-%s", name);
+    bool root = geteuid() == 0;
+    pid_t c = fork();
+    cr_assert_geq(c, 0);
+    if (c == 0) {
+        if (root && setresuid(65534, 65534, 65534) != 0) _exit(3);
+        int fd = shm_open(obj, O_RDWR | O_CREAT | O_EXCL, 0666);
+        if (fd < 0 || fchmod(fd, 0666) != 0 || ftruncate(fd, 1 << 20) != 0) _exit(4);
+        _exit(0);
+    }
+    int st;
+    cr_assert_eq(waitpid(c, &st, 0), c);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the squatter could not make %s: %#x", obj,
+              st);
+    const char *owner = root ? "belongs to uid 65534" : "has mode 0666, not 0600";
+    for (int rank = 0; rank < 2; rank++) {
+        double t0 = now_s();
+        cr_assert_eq(sh_run(&o, "RANK=%d WORLD_SIZE=2 ZINF_COMM_NAME=%s %s", rank, name,
+                            comm_rank_bin()),
+                     1, "%s", o);
+        cr_assert_lt(now_s() - t0, 5.0, "rank %d waited: %s", rank, o);
+        cr_assert(strstr(o, obj) && strstr(o, owner), "rank %d: %s", rank, o);
+        free(o);
+    }
+    char path[160];
+    snprintf(path, sizeof(path), "/dev/shm%s", obj);
+    cr_assert_eq(access(path, F_OK), 0, "the other user's object was removed");
+    unlink(path);
+    if (!root) return;
+    /* A launcher's job: its segment has a random tag, and another user cannot open it. */
+    char out[4096];
+    snprintf(out, sizeof(out), "%s/tagged.out", dir);
+    setenv("ZINF_COMM_TIMEOUT_MS", "20000", 1);
+    pid_t pid = spawn(out, "launch -n 2 --name %s -- sh -c '[ $RANK = 1 ] && sleep 3; exec %s'",
+                      name, comm_rank_bin());
+    unsetenv("ZINF_COMM_TIMEOUT_MS");
+    char prefix[128];
+    snprintf(prefix, sizeof(prefix), "zinf-comm-%s.", name);
+    double t0 = now_s();
+    while (!shm_has(prefix) && now_s() - t0 < 10)
+        usleep(10000);
+    cr_assert(shm_has(prefix), "no tagged segment: %s", tail_text(out));
+    c = fork();
+    if (c == 0) {
+        if (setresuid(65534, 65534, 65534) != 0) _exit(3);
+        DIR *d = opendir("/dev/shm");
+        struct dirent *e;
+        while (d && (e = readdir(d)))
+            if (!strncmp(e->d_name, prefix, strlen(prefix))) {
+                char n2[300];
+                snprintf(n2, sizeof(n2), "/%s", e->d_name);
+                int fd = shm_open(n2, O_RDONLY, 0);
+                _exit(fd >= 0 ? 5 : errno == EACCES ? 0 : 6);
+            }
+        _exit(7);
+    }
+    cr_assert_eq(waitpid(c, &st, 0), c);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "uid 65534 and the segment: %#x", st);
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s", tail_text(out));
 }

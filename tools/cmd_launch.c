@@ -8,7 +8,15 @@
  * It owns their lifetime: SIGINT or SIGTERM is passed on to every rank (a trainer finishes
  * its step, flushes and exits; a second signal kills them); when one rank fails (exits
  * non-zero or dies of a signal) the others get SIGTERM, then SIGKILL after --grace
- * seconds, and the launcher exits non-zero naming the rank and what happened to it.
+ * seconds, and the launcher exits non-zero naming the rank and what happened to it. Each
+ * rank runs in a process group of its own (what it starts is signalled with it), and gets
+ * SIGTERM when the launcher dies, however it dies (PR_SET_PDEATHSIG).
+ *
+ * The job: its name is held for the launcher's life by a lock on /dev/shm/zinf-job-NAME
+ * (mode 0600, this user's), so a second job of a live job's name is refused naming it, and
+ * a file left by a launcher that is gone (its lock went with it) is taken over. Its ranks
+ * get a random secret (ZINF_COMM_SECRET) that the rendezvous' name and handshake use: no
+ * process without it can meet with them.
  *
  * Not here: the rendezvous itself (comm_open, with the name given here), what the ranks do.
  */
@@ -22,6 +30,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pwd.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -33,6 +46,7 @@
 #include "topo/topo.h"
 
 #define LINE_MAX_BYTES 4096
+#define MAX_GRACE_S 3600 /* --grace, at most */
 
 struct out {
     int fd; /* -1 once closed */
@@ -55,9 +69,11 @@ static void usage(FILE *f)
                "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and ZINF_COMM_NAME set, every line\n"
                "they print prefixed with \"[RANK] \" (stdout to stdout, stderr to stderr).\n"
                "  -n, --ranks N   how many ranks (1-%d)\n"
-               "  --name NAME     the communicator's rendezvous name (default: launch-PID)\n"
+               "  --name NAME     the job's name, which its ranks meet under: 1-%d characters\n"
+               "                  of [A-Za-z0-9._-], not starting with '.' (default:\n"
+               "                  launch-PID-RANDOM); one live job per name and user\n"
                "  --grace S       after a rank fails, or after SIGINT/SIGTERM is passed on,\n"
-               "                  how long the others have before SIGKILL (default 30)\n"
+               "                  how long the others have before SIGKILL (0-%d, default 30)\n"
                "  --no-bind       leave every rank on every CPU (default: each rank on the\n"
                "                  CPUs of the NUMA node nearest GPU LOCAL_RANK, where known;\n"
                "                  each binding is said on stderr)\n"
@@ -68,11 +84,12 @@ static void usage(FILE *f)
                "                  rank R of N is the daemon's job JOB-rank-R-of-N\n"
                "With N > 1, OMP_NUM_THREADS (CPUs / N) and OMP_WAIT_POLICY (passive) are set\n"
                "where the environment does not set them.\n"
-               "SIGINT/SIGTERM: passed on to every rank; a second one kills them.\n"
+               "SIGINT/SIGTERM: passed on to every rank; a second one kills them. If the\n"
+               "launcher dies, its ranks get SIGTERM.\n"
                "Exit status: 0 every rank exited 0; 1 a rank failed (the launcher says which,\n"
-               "and how); 2 bad usage; 127 COMMAND could not be run; 130/143 stopped by\n"
-               "SIGINT/SIGTERM.\n",
-            COMM_MAX_RANKS);
+               "and how); 2 bad usage, or a live job has the name; 127 COMMAND could not be\n"
+               "run; 130/143 stopped by SIGINT/SIGTERM.\n",
+            COMM_MAX_RANKS, COMM_NAME_BYTES - 1, MAX_GRACE_S);
 }
 
 /* The NUMA node nearest GPU i (modulo the GPUs there are) of the topology, or -1; its bus
@@ -114,10 +131,93 @@ static void emit(struct out *o, int rank, FILE *to, bool flush)
     fflush(to);
 }
 
+/* To each rank's process group (the rank and what it started). A stopped rank is woken to
+ * take its SIGTERM or SIGINT. */
 static void signal_all(struct rank *rk, int n, int sig)
 {
     for (int r = 0; r < n; r++)
-        if (!rk[r].done && rk[r].pid > 0) kill(rk[r].pid, sig);
+        if (!rk[r].done && rk[r].pid > 0) {
+            if (kill(-rk[r].pid, sig) != 0) kill(rk[r].pid, sig);
+            if (sig != SIGKILL) kill(-rk[r].pid, SIGCONT);
+        }
+}
+
+/* The job's name, held: the lock on /dev/shm/zinf-job-NAME, taken without waiting. 0 and
+ * *fd; -EBUSY a live launcher holds it (said, naming it); -EACCES it is not this user's. */
+static int hold_name(const char *name, int *fd)
+{
+    char obj[COMM_NAME_BYTES + 16], path[COMM_NAME_BYTES + 32];
+    snprintf(obj, sizeof(obj), "/zinf-job-%s", name);
+    snprintf(path, sizeof(path), "/dev/shm%s", obj);
+    for (int tries = 0; tries < 100; tries++) {
+        int f = shm_open(obj, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+        struct stat st, now;
+        if (f < 0 && errno == EACCES && lstat(path, &st) == 0) {
+            struct passwd *pw = getpwuid(st.st_uid);
+            fprintf(stderr, "zinf launch: the job name '%s' is held by uid %u%s%s%s "
+                    "(/dev/shm%s): give the job another --name\n", name, (unsigned)st.st_uid,
+                    pw ? " (" : "", pw ? pw->pw_name : "", pw ? ")" : "", obj);
+            return -EACCES;
+        }
+        if (f < 0) {
+            int e = errno;
+            fprintf(stderr, "zinf launch: /dev/shm%s: %s\n", obj, strerror(e));
+            return -e;
+        }
+        if (fstat(f, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 07777) != 0600 ||
+            !S_ISREG(st.st_mode)) {
+            struct passwd *pw = getpwuid(st.st_uid);
+            fprintf(stderr, "zinf launch: /dev/shm%s belongs to uid %u%s%s%s with mode %04o, not "
+                    "to this user with 0600: give the job another --name\n", obj,
+                    (unsigned)st.st_uid, pw ? " (" : "", pw ? pw->pw_name : "", pw ? ")" : "",
+                    (unsigned)(st.st_mode & 07777));
+            close(f);
+            return -EACCES;
+        }
+        if (flock(f, LOCK_EX | LOCK_NB) != 0) {
+            char buf[32] = "";
+            ssize_t got = pread(f, buf, sizeof(buf) - 1, 0);
+            buf[got > 0 ? got : 0] = 0;
+            buf[strcspn(buf, "\n")] = 0;
+            fprintf(stderr, "zinf launch: a job named '%s' is running (its launcher is pid %s): "
+                    "give this one another --name\n", name, buf[0] ? buf : "?");
+            close(f);
+            return -EBUSY;
+        }
+        /* Held; but a launcher that was leaving may have removed the name after we opened
+         * it: then this lock is on a file no one else finds, and we start again. */
+        if (lstat(path, &now) != 0 || now.st_ino != st.st_ino) {
+            close(f);
+            continue;
+        }
+        char pid[32];
+        int n = snprintf(pid, sizeof(pid), "%d\n", (int)getpid());
+        if (ftruncate(f, 0) != 0 || pwrite(f, pid, (size_t)n, 0) != n) { /* only informative */
+        }
+        *fd = f;
+        return 0;
+    }
+    fprintf(stderr, "zinf launch: /dev/shm%s keeps changing under us\n", obj);
+    return -EAGAIN;
+}
+
+static void release_name(const char *name, int fd)
+{
+    char obj[COMM_NAME_BYTES + 16];
+    snprintf(obj, sizeof(obj), "/zinf-job-%s", name);
+    shm_unlink(obj); /* while still holding the lock: nobody else holds this file */
+    close(fd);
+}
+
+/* A parsed whole number in [lo, hi], or false. */
+static bool parse_range(const char *s, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (!*s || *end || errno || v < lo || v > hi) return false;
+    *out = v;
+    return true;
 }
 
 static const char *sig_name(int sig)
@@ -169,31 +269,35 @@ int cmd_launch(int argc, char **argv)
     int n = 0, grace_s = 30;
     bool bind = true;
     const char *name = NULL, *xml = NULL;
-    char *end;
     int c;
 
     optind = 1;
     /* "+": options end at COMMAND, whose own options are its own. */
     while ((c = getopt_long(argc, argv, "+n:h", opts, NULL)) != -1) {
         switch (c) {
-        case 'n':
-            n = (int)strtol(optarg, &end, 10);
-            if (*end || n < 1 || n > COMM_MAX_RANKS) {
+        case 'n': {
+            long v;
+            if (!parse_range(optarg, 1, COMM_MAX_RANKS, &v)) {
                 fprintf(stderr, "zinf launch: -n %s: a number of ranks from 1 to %d\n", optarg,
                         COMM_MAX_RANKS);
                 return 2;
             }
+            n = (int)v;
             break;
+        }
         case 'm':
             name = optarg;
             break;
-        case 'g':
-            grace_s = (int)strtol(optarg, &end, 10);
-            if (*end || grace_s < 0) {
-                fprintf(stderr, "zinf launch: --grace %s: seconds, 0 or more\n", optarg);
+        case 'g': {
+            long v;
+            if (!parse_range(optarg, 0, MAX_GRACE_S, &v)) {
+                fprintf(stderr, "zinf launch: --grace %s: whole seconds from 0 to %d\n", optarg,
+                        MAX_GRACE_S);
                 return 2;
             }
+            grace_s = (int)v;
             break;
+        }
         case 'b':
             bind = false;
             break;
@@ -225,13 +329,26 @@ int cmd_launch(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    char defname[COMM_NAME_BYTES];
+    /* The job's secret, and its default name: random, so that neither can be guessed, and
+     * two launchers of one PID (in containers that share /dev/shm) do not meet. */
+    uint8_t rnd[COMM_SECRET_HEX / 2 + 4];
+    if (getrandom(rnd, sizeof(rnd), 0) != (ssize_t)sizeof(rnd)) {
+        fprintf(stderr, "zinf launch: getrandom: %s\n", strerror(errno));
+        return 1;
+    }
+    char secret[COMM_SECRET_HEX + 1], defname[COMM_NAME_BYTES];
+    for (int i = 0; i < COMM_SECRET_HEX / 2; i++)
+        snprintf(secret + 2 * i, 3, "%02x", rnd[i]);
     if (!name) {
-        snprintf(defname, sizeof(defname), "launch-%d", (int)getpid());
+        const uint8_t *x = rnd + COMM_SECRET_HEX / 2;
+        snprintf(defname, sizeof(defname), "launch-%d-%02x%02x%02x%02x", (int)getpid(), x[0], x[1],
+                 x[2], x[3]);
         name = defname;
-    } else if (strlen(name) >= COMM_NAME_BYTES || strpbrk(name, "/ \t\n") || !*name) {
-        fprintf(stderr, "zinf launch: --name '%s': 1-%d characters of [A-Za-z0-9._-]\n", name,
-                COMM_NAME_BYTES - 1);
+    } else if (!comm_name_ok(name)) {
+        fprintf(stderr,
+                "zinf launch: --name '%.*s%s': 1-%d characters of [A-Za-z0-9._-], not starting "
+                "with '.'\n",
+                80, name, strlen(name) > 80 ? "..." : "", COMM_NAME_BYTES - 1);
         return 2;
     }
 
@@ -269,11 +386,19 @@ int cmd_launch(int argc, char **argv)
         return 1;
     }
 
+    int name_fd = -1, he = hold_name(name, &name_fd);
+    if (he < 0) {
+        if (t) topo_close(t);
+        close(sfd);
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        return he == -EBUSY || he == -EACCES ? 2 : 1;
+    }
     share_cpus(n);
     struct rank *rk = calloc((size_t)n, sizeof(*rk));
     if (!rk) return 1;
     int exec_failed[2];
     if (pipe2(exec_failed, O_CLOEXEC) != 0) return 1;
+    pid_t launcher = getpid();
     fflush(NULL);
     int started = 0, rc = 0;
     for (int r = 0; r < n; r++) {
@@ -291,6 +416,10 @@ int cmd_launch(int argc, char **argv)
         }
         if (pid == 0) {
             char v[32];
+            /* Its own process group; SIGTERM when the launcher dies, even if it died already
+             * (then the parent is another process by now). */
+            setpgid(0, 0);
+            if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != launcher) _exit(1);
             dup2(p[0][1], STDOUT_FILENO);
             dup2(p[1][1], STDERR_FILENO);
             snprintf(v, sizeof(v), "%d", r);
@@ -300,6 +429,7 @@ int cmd_launch(int argc, char **argv)
             setenv("WORLD_SIZE", v, 1);
             setenv("LOCAL_WORLD_SIZE", v, 1);
             setenv("ZINF_COMM_NAME", name, 1);
+            setenv("ZINF_COMM_SECRET", secret, 1);
             int be = nodes[r] >= 0 ? topo_bind_thread(t, nodes[r]) : 0;
             if (be < 0)
                 fprintf(stderr, "zinf launch: not bound to NUMA node %d: %s\n", nodes[r],
@@ -310,6 +440,7 @@ int cmd_launch(int argc, char **argv)
             if (write(exec_failed[1], &e, sizeof(e)) < 0) _exit(127);
             _exit(127);
         }
+        setpgid(pid, pid); /* as the child does: whichever runs first */
         close(p[0][1]);
         close(p[1][1]);
         rk[r].pid = pid;
@@ -416,6 +547,12 @@ int cmd_launch(int argc, char **argv)
     free(pf);
     close(sfd);
     sigprocmask(SIG_SETMASK, &old, NULL);
+    /* A rank 0 killed while the ranks met leaves the rendezvous segment behind: it is this
+     * job's (its name carries the secret), and no rank is left to use it. */
+    char seg[COMM_NAME_BYTES + 64];
+    if (comm_segment_name(name, secret, seg, sizeof(seg)) == 0 && shm_unlink(seg) == 0)
+        fprintf(stderr, "zinf launch: removed the rendezvous /dev/shm%s its ranks left\n", seg);
+    release_name(name, name_fd);
     if (rc == 0 && failed_rank >= 0) {
         char how[96];
         describe(failed_status, how, sizeof(how));

@@ -33,6 +33,7 @@
 #include "progress.h"
 #include "trace.h"
 #include "train/gpt.h"
+#include "comm/comm.h"
 #include "train/trainer.h"
 #include "zinf.h"
 
@@ -803,18 +804,28 @@ int cmd_train(int argc, char **argv)
         /* zinf launch --connect: every rank's state in the one daemon. */
         const char *zc = getenv("ZINF_CONNECT");
         if (zc && *zc) o.connect = zc;
-        const char *to = getenv("ZINF_COMM_TIMEOUT_MS");
-        if (to && *to) {
+        o.comm_secret = getenv("ZINF_COMM_SECRET");
+        if (o.comm_secret && !comm_secret_ok(o.comm_secret)) {
+            fprintf(stderr, "zinf train: ZINF_COMM_SECRET: expected %d lowercase hex digits (zinf "
+                            "launch sets it)\n", COMM_SECRET_HEX);
+            return 2;
+        }
+        /* The rendezvous's and the collectives' deadlines: for tests, and for machines where
+         * the defaults do not fit (zinf.comm_timeout sets the latter in the config). */
+        const char *tv[2] = {"ZINF_COMM_TIMEOUT_MS", "ZINF_COMM_OP_TIMEOUT_MS"};
+        unsigned *tp[2] = {&o.comm_timeout_ms, &o.comm_op_timeout_ms};
+        for (int ev = 0; ev < 2; ev++) {
+            const char *to = getenv(tv[ev]);
+            if (!to || !*to) continue;
             char *e3 = NULL;
+            errno = 0;
             long ms = strtol(to, &e3, 10);
-            if (*e3 || ms < 1 || ms > 3600000) {
-                fprintf(stderr,
-                        "zinf train: ZINF_COMM_TIMEOUT_MS '%s': expected milliseconds in "
-                        "1..3600000\n",
-                        to);
+            if (*e3 || errno || ms < 1 || ms > 86400000) {
+                fprintf(stderr, "zinf train: %s '%s': expected milliseconds in 1..86400000\n",
+                        tv[ev], to);
                 return 2;
             }
-            o.comm_timeout_ms = (unsigned)ms;
+            *tp[ev] = (unsigned)ms;
         }
     }
     optind = 1;
@@ -1031,11 +1042,13 @@ int cmd_train(int argc, char **argv)
     struct ckpt_watch rw;
     pthread_t rth;
     bool rwatching = o.resume && watch_start(&rw, &rth, NULL);
+    o.stop = &stop_requested; /* the ranks' rendezvous gives up on a signal */
     r = trainer_open(&o, &t, err, sizeof(err));
     if (o.resume) watch_stop(&rw, rth, rwatching);
     if (r < 0) {
         fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
         if (log) fclose(log);
+        if (r == -EINTR && stop_requested) return 128 + stop_requested;
         return r == -EINVAL || r == -ENOENT || r == -EISDIR || r == -EACCES || r == -ENODEV ||
                        r == -EEXIST || r == -ENOTDIR || r == -ENOTSUP
                    ? 2

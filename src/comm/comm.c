@@ -133,6 +133,7 @@ static void *worker_main(void *arg)
 
         int r = -ECONNABORTED;
         bool pooled = false;
+        if (!was_failed && c->shm) shm_begin_op(c->shm, q->op);
         if (!was_failed) {
             switch (c->o.backend) {
             case COMM_SELF:
@@ -196,10 +197,13 @@ int comm_open(const struct comm_opts *o, struct comm **out)
         log_error("comm: the self backend has one rank, not %d", o->world);
         return -EINVAL;
     }
-    if (o->backend != COMM_SELF && (!o->name || strlen(o->name) >= COMM_NAME_BYTES)) {
-        log_error("comm: the rendezvous name '%.*s%s' is not 1-%d characters", 40,
-                  o->name ? o->name : "(null)", o->name && strlen(o->name) > 40 ? "..." : "",
-                  COMM_NAME_BYTES - 1);
+    if (o->backend != COMM_SELF && !comm_name_ok(o->name)) {
+        size_t len = o->name ? strnlen(o->name, COMM_NAME_BYTES) : 0;
+        log_error("comm: the rendezvous name '%.*s%s' is not 1-%d characters of [A-Za-z0-9._-]",
+                  40, o->name ? o->name : "(null)", len > 40 ? "..." : "", COMM_NAME_BYTES - 1);
+        if (o->why && o->why_len)
+            snprintf(o->why, o->why_len, "the rendezvous name is not 1-%d characters of "
+                     "[A-Za-z0-9._-]", COMM_NAME_BYTES - 1);
         return -EINVAL;
     }
     if (o->backend == COMM_NCCL && !nccl_built()) {

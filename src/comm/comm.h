@@ -26,6 +26,7 @@
 #ifndef ZINF_COMM_H
 #define ZINF_COMM_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -45,13 +46,28 @@ enum comm_op {
 #define COMM_NAME_BYTES 64
 #define COMM_MAX_RANKS 64
 #define COMM_DEFAULT_TIMEOUT_MS 60000
+/* Every barrier and collective waits at most this long for the other ranks (30 minutes, as
+ * torch.distributed's default): longer than a checkpoint of hundreds of GB takes, during
+ * which the other ranks wait in the checkpoint's barrier. */
+#define COMM_DEFAULT_OP_TIMEOUT_MS 1800000u
+#define COMM_SECRET_HEX 32 /* the job's secret: 32 hex digits (128 random bits) */
 #define COMM_DEFAULT_CHUNK_BYTES ((size_t)4 << 20)
 
 struct comm_opts {
     enum comm_backend backend;
     int rank, world;
     const char *name;   /* the job's rendezvous name: [A-Za-z0-9._-], < COMM_NAME_BYTES */
+    const char *secret; /* the job's secret (COMM_SECRET_HEX hex digits; zinf launch hands
+                           its ranks one), or NULL: the segment's name carries part of it, and
+                           a rank joins only a segment that holds all of it */
     unsigned timeout_ms; /* the rendezvous; 0: the default (60 s) */
+    unsigned op_timeout_ms; /* each barrier and collective: a rank that does not come within
+                               it fails the communicator, named with the operation it is in;
+                               0: COMM_DEFAULT_OP_TIMEOUT_MS */
+    const volatile sig_atomic_t *stop; /* a signal handler's flag, or NULL: once non-zero,
+                                          the rendezvous gives up (-EINTR) */
+    char *why;      /* where comm_open says why it failed, in words (may be NULL) */
+    size_t why_len;
     size_t chunk_bytes;  /* shm: staging per rank and step; 0: the default (4 MiB) */
     size_t pool_bytes;   /* shm: memory per rank for comm_alloc, which every rank maps
                             (collectives on it copy once); 0: none */
@@ -85,7 +101,10 @@ struct comm;
 
 /* 0 and *out, or -errno: -EINVAL bad options (logged, naming the option), -ETIMEDOUT the
  * other ranks did not come, -ENOTSUP a backend this build lacks, -EEXIST two ranks with
- * the same number, -EPROTO a rank that disagrees on world or backend. */
+ * the same number, -EPROTO a rank that disagrees on world, backend, pool size or version,
+ * -EACCES an object under the job's name that another user owns (or with another mode than
+ * 0600), -EBUSY a live job of the same name meeting there, -EINTR *o->stop was set. Each
+ * also says why in o->why. */
 int comm_open(const struct comm_opts *o, struct comm **out);
 /* Waits for the queued operations, then frees. */
 void comm_close(struct comm *c);
@@ -120,6 +139,14 @@ void comm_get_stats(struct comm *c, struct comm_stats *out);
  * once libnccl loads, else -ENOTSUP (or -EIO) and why, in words. */
 int comm_nccl_version(int *version, char *why, size_t len);
 const char *comm_backend_name(enum comm_backend b);
+/* Whether name is a rendezvous name: 1 to COMM_NAME_BYTES - 1 characters of
+ * [A-Za-z0-9._-], not starting with '.'. */
+bool comm_name_ok(const char *name);
+/* Whether secret is COMM_SECRET_HEX lowercase hex digits. */
+bool comm_secret_ok(const char *secret);
+/* The shared-memory object a job of this name and secret (NULL: none) meets in, as
+ * shm_open names it ("/zinf-comm-..."): 0, or -EINVAL for a bad name or secret. */
+int comm_segment_name(const char *name, const char *secret, char *buf, size_t len);
 size_t comm_dtype_bytes(enum comm_dtype dt);
 
 #endif

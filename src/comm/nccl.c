@@ -196,6 +196,11 @@ static int wait_stream(struct nccl *n, struct shm *rdv)
         int r = ae != ncclSuccess && ae != ncclInProgress ? nccl_errno(ae, "an NCCL operation")
                 : i % 1024 == 1023                          ? shm_check(rdv)
                                                             : 0;
+        if (!r && i % 1024 == 1023 && shm_op_late(rdv)) {
+            shm_fail(rdv, "an NCCL collective did not finish within the communicator's "
+                          "timeout (a rank stopped, or wedged)");
+            r = -ETIMEDOUT;
+        }
         if (r) {
             lib.CommAbort(n->comm);
             n->comm = NULL;

@@ -20,8 +20,15 @@ struct shm;
 int shm_rdv_open(const struct comm_opts *o, bool data, uint8_t *id, struct shm **out);
 void shm_rdv_close(struct shm *s);
 
+/* The rank begins an operation (every barrier until the next one belongs to it): the
+ * other ranks can see which, and its barriers wait until comm_opts.op_timeout_ms from now. */
+void shm_begin_op(struct shm *s, enum comm_op op);
+/* Whether the operation begun last has passed its deadline. */
+bool shm_op_late(const struct shm *s);
+
 /* Wait until every rank has called it as often. -ECONNABORTED once a rank died or failed
- * the communicator (shm_fail). */
+ * the communicator (shm_fail); -ETIMEDOUT when the operation's deadline passed with a rank
+ * missing (then the communicator has failed, its reason naming that rank). */
 int shm_barrier(struct shm *s);
 /* -ECONNABORTED if the communicator failed or a peer is gone (then failed), else 0. */
 int shm_check(struct shm *s);

@@ -1290,18 +1290,24 @@ static int zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         log_notice("zero_optimization.overlap_comm: a block's gradients (%llu elements) exceed "
                    "reduce_bucket_size (%llu): they are reduced after the block's backward",
                    (unsigned long long)block, (unsigned long long)t->zc.zero.reduce_bucket_size);
+    char cwhy[400] = "";
     struct comm_opts co = {
         .backend = COMM_SHM,
         .rank = t->rank,
         .world = t->world,
         .name = o->comm_name,
-        .timeout_ms = o->comm_timeout_ms};
+        .secret = o->comm_secret,
+        .timeout_ms = o->comm_timeout_ms,
+        .op_timeout_ms = o->comm_op_timeout_ms ? o->comm_op_timeout_ms
+                                               : t->zc.zinf.comm_timeout * 1000u,
+        .stop = o->stop,
+        .why = cwhy,
+        .why_len = sizeof(cwhy)};
     int r = comm_open(&co, &t->comm);
     if (r < 0) {
         snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s': %s%s", t->rank,
-                 t->world, o->comm_name, zinf_strerror(r),
+                 t->world, o->comm_name, cwhy[0] ? cwhy : zinf_strerror(r),
                  r == -ETIMEDOUT ? " (a rank did not start, or failed before it met the others)"
-                 : r == -EPROTO  ? " (the ranks disagree on WORLD_SIZE)"
                                  : "");
         return r;
     }

@@ -15,6 +15,7 @@
 #ifndef ZINF_TRAIN_TRAINER_H
 #define ZINF_TRAIN_TRAINER_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -89,7 +90,12 @@ struct trainer_opts {
      * of ranks, and re-cuts it into this run's shards when that number differs. */
     int rank, world;
     const char *comm_name;
+    const char *comm_secret;  /* the job's secret (zinf launch's ZINF_COMM_SECRET), or NULL */
     unsigned comm_timeout_ms; /* how long the ranks wait for each other to meet; 0: 60 s */
+    unsigned comm_op_timeout_ms; /* each barrier and collective; 0: zinf.comm_timeout */
+    /* A signal handler's flag, or NULL: once set, waiting for the other ranks to meet gives
+     * up (trainer_open answers -EINTR). */
+    const volatile sig_atomic_t *stop;
     /* Each step's trainer_step_stats.digest: the fp32 parameters hashed as the optimizer
      * writes them (digest.h), about one more pass over them a step. */
     bool digest;
