@@ -7,6 +7,7 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
@@ -719,3 +720,117 @@ Test(comm, nccl_with_one_rank)
     comm_close(c);
 }
 #endif
+
+/* ---- who may meet where --------------------------------------------------------------- */
+
+/* Rank 0 of world 2 under name (and secret), waiting for a rank 1 that never comes. */
+static pid_t lone_rank0(const char *name, const char *secret)
+{
+    fflush(NULL);
+    pid_t p = fork();
+    cr_assert_geq(p, 0);
+    if (p == 0) {
+        struct comm_opts o = {.backend = COMM_SHM, .rank = 0, .world = 2, .name = name,
+                              .secret = secret, .timeout_ms = 30000};
+        struct comm *c = NULL;
+        _exit(comm_open(&o, &c) == 0 ? 0 : 1);
+    }
+    return p;
+}
+
+static bool wait_seg(const char *obj)
+{
+    char p[256];
+    struct stat st;
+    snprintf(p, sizeof(p), "/dev/shm%s", obj);
+    for (int i = 0; i < 3000; i++) {
+        if (stat(p, &st) == 0) return true;
+        usleep(1000);
+    }
+    return false;
+}
+
+/* A second job's rank 0 under a live job's name is refused, naming that job's rank 0, and
+ * leaves its segment alone; once that rank 0 is dead, its segment is stale and the next
+ * rank 0 of the name takes it over. */
+Test(comm, a_live_jobs_rendezvous_is_never_taken_and_a_dead_ones_is)
+{
+    char name[64], obj[128], why[400];
+    unique_name(name, sizeof(name));
+    cr_assert_eq(comm_segment_name(name, NULL, obj, sizeof(obj)), 0);
+    pid_t a = lone_rank0(name, NULL);
+    cr_assert(wait_seg(obj), "rank 0 made no %s", obj);
+    struct comm_opts o = {.backend = COMM_SHM, .rank = 0, .world = 2, .name = name,
+                          .timeout_ms = 1000, .why = why, .why_len = sizeof(why)};
+    struct comm *c = NULL;
+    cr_assert_eq(comm_open(&o, &c), -EBUSY, "%s", why);
+    char want[400];
+    snprintf(want, sizeof(want), "another job named '%s' is meeting in /dev/shm%s (its rank 0 is "
+             "pid %d)", name, obj, (int)a);
+    cr_assert(strstr(why, want), "%s", why);
+    cr_assert(seg_exists(name), "the live job's segment was removed");
+    kill(a, SIGKILL);
+    int st;
+    cr_assert_eq(waitpid(a, &st, 0), a);
+    cr_assert(seg_exists(name), "a killed rank 0 leaves its segment");
+    o.world = 1;
+    why[0] = 0;
+    cr_assert_eq(comm_open(&o, &c), 0, "the stale segment was not taken over: %s", why);
+    comm_close(c);
+    cr_assert_not(seg_exists(name));
+}
+
+/* With a job's secret: the segment's name carries a tag of it, a rank whose secret differs
+ * (the same tag, as two jobs could only have by chance) is refused as another job's, and a
+ * secret that is not 32 hex digits is an error. */
+Test(comm, only_the_jobs_secret_joins)
+{
+    char name[64], obj[160], why[400];
+    const char *s1 = "0123456789abcdef0123456789abcdef", *s2 = "0123456789abcdeffedcba9876543210";
+    unique_name(name, sizeof(name));
+    cr_assert_eq(comm_segment_name(name, s1, obj, sizeof(obj)), 0);
+    cr_assert(strstr(obj, ".0123456789abcdef") && !strstr(obj, "0123456789abcdef0"), "%s", obj);
+    pid_t a = lone_rank0(name, s1);
+    cr_assert(wait_seg(obj), "rank 0 made no %s", obj);
+    struct comm_opts o = {.backend = COMM_SHM, .rank = 1, .world = 2, .name = name,
+                          .secret = s2, .timeout_ms = 2000, .why = why, .why_len = sizeof(why)};
+    struct comm *c = NULL;
+    cr_assert_eq(comm_open(&o, &c), -EBUSY, "%s", why);
+    cr_assert(strstr(why, "another job's rendezvous") && strstr(why, "secret differs"), "%s", why);
+    o.secret = "0123";
+    cr_assert_eq(comm_open(&o, &c), -EINVAL);
+    cr_assert(strstr(why, "32 lowercase hex digits"), "%s", why);
+    o.secret = s1; /* the right one joins */
+    cr_assert_eq(comm_open(&o, &c), 0, "%s", why);
+    comm_close(c);
+    int st;
+    cr_assert_eq(waitpid(a, &st, 0), a);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+static void *stop_soon(void *arg)
+{
+    usleep(300000);
+    *(volatile sig_atomic_t *)arg = 1;
+    return NULL;
+}
+
+/* The stop flag (a signal handler's) ends a rendezvous wait at once, and rank 0 removes its
+ * segment. */
+Test(comm, a_stop_ends_the_rendezvous_wait)
+{
+    char name[64], why[400];
+    unique_name(name, sizeof(name));
+    static volatile sig_atomic_t stop;
+    stop = 0;
+    pthread_t th;
+    struct comm_opts o = {.backend = COMM_SHM, .rank = 0, .world = 3, .name = name,
+                          .timeout_ms = 30000, .stop = &stop, .why = why, .why_len = sizeof(why)};
+    struct comm *c = NULL;
+    cr_assert_eq(pthread_create(&th, NULL, stop_soon, (void *)&stop), 0);
+    uint64_t t0 = now_ns();
+    cr_assert_eq(comm_open(&o, &c), -EINTR, "%s", why);
+    cr_assert_lt(now_ns() - t0, 2000000000ull);
+    pthread_join(th, NULL);
+    cr_assert_not(seg_exists(name));
+}
