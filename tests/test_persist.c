@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "api.h"
 #include "engine/engine.h"
 #include "helpers.h"
 #include "zinf.h"
@@ -1029,4 +1030,173 @@ Test(persist, sigkill_at_a_random_moment_leaves_whole_versions)
 Test(persist, sigkill_while_flushing_concurrently_leaves_whole_versions)
 {
     crash_rounds(true, 8);
+}
+
+/* ---- two versions (persist_flush_tagged with keep) ---------------------------------- */
+
+static int open_prev(unsigned flags, zinf_engine **e)
+{
+    struct zinf_options o = {.nvme_path = dir, .device_bytes = 8 * MiB, .host_bytes = 4 * MiB,
+                             .block_size = BLOCK, .queue_depth = QD,
+                             .device_kind = ZINF_DEVICE_EMULATED, .flags = flags};
+    struct engine_params p = {.pin = false};
+    *e = NULL;
+    return engine_open(&o, &p, e);
+}
+
+static void expect_tags(int64_t cur, int64_t prev, const char *what)
+{
+    int64_t tags[2];
+    cr_assert_eq(persist_versions(dir, tags), 0, "%s", what);
+    cr_assert(tags[0] == cur && tags[1] == prev, "%s: tags %lld, %lld; want %lld, %lld", what,
+              (long long)tags[0], (long long)tags[1], (long long)cur, (long long)prev);
+}
+
+/* Three tensors (one of each home), each filled with byte v. */
+static void fill_all(zinf_engine *e, zinf_tensor *t, size_t n, unsigned char v)
+{
+    unsigned char *b = malloc(n);
+    memset(b, v, n);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(zinf_write(e, t[i], 0, b, n), 0);
+    free(b);
+}
+
+static void expect_all(zinf_engine *e, size_t n, unsigned char v, const char *what)
+{
+    unsigned char *b = malloc(n);
+    memset(b, v, n);
+    const char *names[3] = {"nv", "ho", "de"};
+    for (int i = 0; i < 3; i++)
+        expect_everywhere(e, look(e, names[i]), b, n, what);
+    free(b);
+}
+
+/* A flush that keeps the previous version leaves two manifests, each with its tag and its
+ * bytes: the previous one reads back as it was (read-only, changing nothing), writes made
+ * after it never touch its extents, and going back to it makes it the current one. A
+ * normal resume forgets it. At most two versions: a third flush drops the first. */
+Test(persist, a_kept_previous_version_holds_its_bytes_until_dropped)
+{
+    const size_t n = 200 * KiB;
+    zinf_engine *e;
+    cr_assert_eq(open_prev(0, &e), 0);
+    zinf_tensor t[3] = {test_register(e, "nv", n, ZINF_TIER_NVME),
+                        test_register(e, "ho", n, ZINF_TIER_HOST),
+                        test_register(e, "de", n, ZINF_TIER_DEVICE)};
+    fill_all(e, t, n, 1);
+    cr_assert_eq(engine_flush_tagged(e, 1, true), 0);
+    expect_tags(1, -1, "one version");
+    fill_all(e, t, n, 2);
+    cr_assert_eq(engine_flush_tagged(e, 2, true), 0);
+    expect_tags(2, 1, "two versions");
+    fill_all(e, t, n, 3); /* not flushed: must not reach version 1's or 2's extents */
+    for (int i = 0; i < 3; i++) {
+        void *p;
+        cr_assert_eq(zinf_fetch(e, t[i], ZINF_TIER_HOST, &p), 0);
+        cr_assert_eq(zinf_release(e, t[i], ZINF_TIER_HOST, 0), 0);
+    }
+    api_close_unflushed(e); /* as a crash would leave it */
+
+    zinf_engine *r;
+    cr_assert_eq(open_prev(ZINF_OPEN_READONLY | ENGINE_OPEN_PREVIOUS, &r), 0);
+    expect_all(r, n, 1, "the previous version, read-only");
+    zinf_close(r);
+    cr_assert_eq(open_prev(ZINF_OPEN_READONLY, &r), 0);
+    expect_all(r, n, 2, "the current version, read-only");
+    zinf_close(r);
+    expect_tags(2, 1, "read-only changed nothing");
+
+    /* Going back: version 1 is the current one, version 2 is gone. */
+    cr_assert_eq(open_prev(ZINF_OPEN_RESUME | ENGINE_OPEN_PREVIOUS, &r), 0);
+    expect_all(r, n, 1, "rolled back");
+    expect_tags(1, -1, "rolled back");
+    zinf_tensor u[3] = {look(r, "nv"), look(r, "ho"), look(r, "de")};
+    fill_all(r, u, n, 4);
+    cr_assert_eq(engine_flush_tagged(r, 2, true), 0);
+    fill_all(r, u, n, 5);
+    cr_assert_eq(engine_flush_tagged(r, 3, true), 0);
+    expect_tags(3, 2, "two again, the first dropped");
+    cr_assert_eq(engine_drop_previous(r), 0);
+    expect_tags(3, -1, "dropped");
+    zinf_close(r); /* an unchanged state: the plain flush keeps the tag */
+    expect_tags(3, -1, "closed unchanged");
+
+    cr_assert_eq(open_prev(ZINF_OPEN_RESUME, &r), 0);
+    expect_all(r, n, 5, "resumed");
+    cr_assert_eq(open_prev(ZINF_OPEN_READONLY | ENGINE_OPEN_PREVIOUS, &e), 0,
+                 "with no previous version, the current one is read");
+    zinf_close(e);
+    fill_all(r, u, n, 6);
+    zinf_close(r); /* changed: a plain flush's manifest has no tag */
+    expect_tags(-1, -1, "changed by a plain flush");
+    /* Not the caller's flag. */
+    struct zinf_options o = {.nvme_path = dir, .flags = ZINF_OPEN_RESUME | ENGINE_OPEN_PREVIOUS};
+    cr_assert_eq(zinf_open(&o, &e), -EINVAL);
+}
+
+/* A crash between the two renames of a keeping flush leaves the previous manifest alone:
+ * it counts as the current one (probe, versions, resume). */
+Test(persist, a_previous_version_alone_is_the_current_one)
+{
+    const size_t n = 100 * KiB;
+    zinf_engine *e;
+    cr_assert_eq(open_prev(0, &e), 0);
+    zinf_tensor t[3] = {test_register(e, "nv", n, ZINF_TIER_NVME),
+                        test_register(e, "ho", n, ZINF_TIER_HOST),
+                        test_register(e, "de", n, ZINF_TIER_DEVICE)};
+    fill_all(e, t, n, 7);
+    cr_assert_eq(engine_flush_tagged(e, 5, true), 0);
+    api_close_unflushed(e);
+    char *cur = path_in(dir, MANIFEST), *prev = path_in(dir, MANIFEST ".prev");
+    cr_assert_eq(rename(cur, prev), 0);
+    expect_tags(5, -1, "only .prev");
+    size_t count;
+    cr_assert_eq(persist_probe(dir, &count, NULL), 0);
+    cr_assert_eq(count, 3);
+    cr_assert_eq(open_prev(ZINF_OPEN_RESUME, &e), 0);
+    expect_all(e, n, 7, ".prev resumed");
+    cr_assert_eq(access(cur, F_OK), 0, "it took the current one's place");
+    cr_assert_neq(access(prev, F_OK), 0);
+    zinf_close(e);
+    free(cur);
+    free(prev);
+}
+
+/* Kept versions are freed: many rounds of keep-and-drop (and of keep-without-drop) use no
+ * more swap than two versions of every tensor. */
+Test(persist, kept_versions_do_not_grow_the_swap_space)
+{
+    enum { N = 4 };
+    const size_t n = 128 * KiB;
+    zinf_engine *e;
+    cr_assert_eq(open_prev(0, &e), 0);
+    zinf_tensor t[N];
+    for (int i = 0; i < N; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "t%d", i);
+        t[i] = test_register(e, name, n, i % 2 ? ZINF_TIER_NVME : ZINF_TIER_HOST);
+    }
+    unsigned char *b = malloc(n);
+    struct zinf_stats st;
+    for (int round = 0; round < 12; round++) {
+        memset(b, round, n);
+        for (int i = 0; i < N; i++)
+            cr_assert_eq(zinf_write(e, t[i], 0, b, n), 0);
+        cr_assert_eq(engine_flush_tagged(e, round, true), 0);
+        if (round % 3 == 0) cr_assert_eq(engine_drop_previous(e), 0);
+        cr_assert_eq(zinf_stats(e, &st), 0);
+        cr_assert_leq(st.tier[ZINF_TIER_NVME].used_bytes, (uint64_t)3 * N * n,
+                      "round %d: %llu bytes of swap", round,
+                      (unsigned long long)st.tier[ZINF_TIER_NVME].used_bytes);
+    }
+    cr_assert_eq(zinf_flush(e), 0); /* a plain flush keeps no previous version */
+    expect_tags(11, -1, "plain flush of the same state");
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(zinf_unregister(e, t[i]), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.tier[ZINF_TIER_NVME].used_bytes, 0, "all free");
+    zinf_close(e);
+    free(b);
 }

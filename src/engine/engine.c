@@ -571,6 +571,29 @@ int engine_api_flush(zinf_engine *e)
     return r;
 }
 
+int engine_flush_tagged(zinf_engine *e, int64_t tag, bool keep)
+{
+    if (!e) return -EINVAL;
+    if (!e->nvme) return 0;
+    if (e->opt.flags & ZINF_OPEN_READONLY) return -EROFS;
+    pthread_mutex_lock(&e->lock);
+    int r = persist_flush_tagged(e, tag, keep);
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
+int engine_drop_previous(zinf_engine *e)
+{
+    if (!e) return -EINVAL;
+    if (!e->nvme || (e->opt.flags & ZINF_OPEN_READONLY)) return 0;
+    pthread_mutex_lock(&e->lock);
+    while (e->flushing)
+        engine_wait(e);
+    int r = persist_drop_previous(e);
+    pthread_mutex_unlock(&e->lock);
+    return r;
+}
+
 int engine_api_stats(zinf_engine *e, struct zinf_stats *out)
 {
     struct device_stats ds;
@@ -631,6 +654,7 @@ static void engine_free(struct zinf_engine *e)
         free(e->nvme_dirs[i]);
     free(e->nvme_dirs);
     free(e->deferred_free);
+    free(e->retained);
     pthread_cond_destroy(&e->changed);
     pthread_mutex_destroy(&e->lock);
     free(e);
@@ -733,8 +757,10 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     if (o.queue_depth == 0) o.queue_depth = 32;
     if (!is_aligned(o.block_size, ZINF_ALIGN) || o.block_size > 64 * MiB || o.queue_depth > 4096 ||
         o.device_kind > ZINF_DEVICE_EMULATED || o.cuda_device < 0 ||
-        (o.flags &
-         ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN | ZINF_OPEN_OVERWRITE | ZINF_OPEN_READONLY)))
+        (o.flags & ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN | ZINF_OPEN_OVERWRITE |
+                     ZINF_OPEN_READONLY | ENGINE_OPEN_PREVIOUS)))
+        return -EINVAL;
+    if ((o.flags & ENGINE_OPEN_PREVIOUS) && !(o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)))
         return -EINVAL;
     if ((o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)) && !o.nvme_path) return -EINVAL;
     if ((o.flags & ZINF_OPEN_OVERWRITE) && (o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)))
@@ -758,6 +784,7 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     for (int i = 0; i < MEM_TIERS; i++)
         e->res[i].res_next = e->res[i].res_prev = &e->res[i];
     e->opt = o;
+    e->tag = -1;
     e->opt.nvme_path = NULL; /* the caller's strings are not kept: see nvme_dirs */
     e->opt.nvme_paths_extra = NULL;
     e->block_size = o.block_size;
@@ -898,6 +925,7 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
 
 ZINF_API int zinf_open(const struct zinf_options *opt, zinf_engine **out)
 {
+    if (opt && (opt->flags & ENGINE_OPEN_PREVIOUS)) return -EINVAL; /* not the caller's */
     return engine_open(opt, NULL, out);
 }
 

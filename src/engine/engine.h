@@ -264,6 +264,13 @@ struct zinf_engine {
      * once the next manifest no longer names them. */
     uint64_t *deferred_free;
     size_t ndeferred, capdeferred;
+    /* The previous version (persist_flush_tagged with keep): whether its manifest is kept,
+     * and the extents it names that the current one does not (neither free nor written). */
+    bool has_prev;
+    uint64_t *retained;
+    size_t nretained, capretained;
+    int64_t tag;            /* the committed manifest's tag; -1: none */
+    size_t persisted_count; /* the tensors it names */
     /* Test-only fault hook: the next fsync of the manifest's directory fails with this. */
     int fault_dir_fsync;
 };
@@ -290,7 +297,14 @@ struct engine_params {
                               other processes map: engine_regions() (the service) */
 };
 
+/* An internal ZINF_OPEN_* flag, with RESUME or READONLY: the previous version kept by
+ * persist_flush_tagged, rather than the current one (resuming, it becomes the current one). */
+#define ENGINE_OPEN_PREVIOUS (1u << 16)
+
 int engine_open(const struct zinf_options *opt, const struct engine_params *p, zinf_engine **out);
+/* Flush with a tag, keeping the previous version (persist_flush_tagged), and forget it. */
+int engine_flush_tagged(zinf_engine *e, int64_t tag, bool keep);
+int engine_drop_previous(zinf_engine *e);
 struct zinf_config;
 /* Open from a parsed config (what zinf_open_config does), with extra ZINF_OPEN_* flags. */
 int engine_open_config(const struct zinf_config *c, unsigned flags, zinf_engine **out);
@@ -495,7 +509,17 @@ void sched_prefetch(struct zinf_engine *e);
 uint32_t crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2);
 int persist_flush(struct zinf_engine *e);
+/* persist_flush, the manifest tagged (tag >= 0; -1: none) and, with keep, the previous
+ * manifest and what it names kept as the previous version (at most one: a version kept
+ * before goes). Lock held. */
+int persist_flush_tagged(struct zinf_engine *e, int64_t tag, bool keep);
+/* Forget the previous version: its manifest is removed, its extents freed. Lock held. */
+int persist_drop_previous(struct zinf_engine *e);
 int persist_resume(struct zinf_engine *e);
+/* The tags of dir's current manifest (tags[0]) and of its previous version (tags[1]),
+ * without opening anything: -1 where a manifest has no tag or there is none. 0, or -ENOENT
+ * where there is no saved state, or -errno. */
+int persist_versions(const char *dir, int64_t tags[2]);
 /* The resume running in this process (the last one to start): the bytes of the tensors its
  * manifest names, and of those read and verified so far. A tool's progress bar reads it
  * from another thread while the engine opens. */

@@ -11,6 +11,19 @@
  * moment therefore leaves the old manifest with the old bytes, or the new one with the
  * new bytes: each tensor is whole, old or new.
  *
+ * Two versions (persist_flush_tagged with keep). Ranks that checkpoint together commit a
+ * step only once every rank has saved it, so each keeps its previous manifest, as
+ * zinf-manifest.json.prev, until then. The previous manifest's extents are retained:
+ * not freed and not written, as the committed one's (they are no tensor's any more, so no
+ * write can reach them), until persist_drop_previous or a flush that keeps no previous
+ * version frees them. A committing flush that keeps the previous one renames the current
+ * manifest over .prev and then the new one into place; a crash between the two renames
+ * leaves .prev alone, which then counts as the current one. Resume takes the current
+ * manifest and forgets .prev, or (ENGINE_OPEN_PREVIOUS) rolls back to .prev, which takes the
+ * current one's place. A manifest carries the tag its flush was given (the trainer's step;
+ * -1: none), which persist_versions reads without opening anything; a flush that saves the
+ * same state as the committed manifest keeps its tag.
+ *
  * Not here: the swap layout (nvme.c) or when to write back (fetch.c).
  */
 #include <errno.h>
@@ -25,6 +38,7 @@
 #include "trace.h"
 
 #define MANIFEST_NAME "zinf-manifest.json"
+#define PREV_SUFFIX ".prev"
 #define MANIFEST_FORMAT "zinf-manifest"
 #define MANIFEST_VERSION 1
 
@@ -147,6 +161,9 @@ void persist_manifest_path(const char *dir, char *buf, size_t len)
 int persist_remove_manifest(struct zinf_engine *e)
 {
     char path[4096];
+    manifest_path(e, path, sizeof(path), PREV_SUFFIX);
+    if (unlink(path) < 0 && errno != ENOENT)
+        return -errno;
     manifest_path(e, path, sizeof(path), "");
     /* The swap files were just emptied: a manifest left from before names nothing now. */
     if (unlink(path) < 0 && errno != ENOENT)
@@ -154,14 +171,60 @@ int persist_remove_manifest(struct zinf_engine *e)
     return 0;
 }
 
+/* The manifest of dir that counts as the current one: zinf-manifest.json, or where a crash
+ * came between the two renames of a flush keeping the previous version, the .prev one. */
+static int current_manifest(const char *dir, char *path, size_t len, struct stat *st)
+{
+    snprintf(path, len, "%s/%s", dir, MANIFEST_NAME);
+    if (stat(path, st) == 0)
+        return 0;
+    int r = -errno;
+    if (r != -ENOENT)
+        return r;
+    snprintf(path, len, "%s/%s%s", dir, MANIFEST_NAME, PREV_SUFFIX);
+    return stat(path, st) == 0 ? 1 : -errno;
+}
+
 int persist_saved_at(const char *dir, struct timespec *when)
 {
     char path[4096];
     struct stat st;
-    snprintf(path, sizeof(path), "%s/%s", dir, MANIFEST_NAME);
-    if (stat(path, &st) < 0)
-        return -errno;
+    int r = current_manifest(dir, path, sizeof(path), &st);
+    if (r < 0)
+        return r;
     *when = st.st_mtim;
+    return 0;
+}
+
+/* The tag of the manifest at path, -1 where it has none; -errno where it cannot be read. */
+static int manifest_tag(const char *path, int64_t *tag)
+{
+    json_error_t jerr;
+    json_t *root = json_load_file(path, 0, &jerr);
+    *tag = -1;
+    if (!root)
+        return access(path, F_OK) == 0 ? -EBADMSG : -errno;
+    json_t *t = json_object_get(root, "tag");
+    if (json_is_integer(t) && json_integer_value(t) >= 0)
+        *tag = (int64_t)json_integer_value(t);
+    json_decref(root);
+    return 0;
+}
+
+int persist_versions(const char *dir, int64_t tags[2])
+{
+    char path[4096];
+    struct stat st;
+    tags[0] = tags[1] = -1;
+    int which = current_manifest(dir, path, sizeof(path), &st);
+    if (which < 0)
+        return which;
+    int r = manifest_tag(path, &tags[0]);
+    if (r < 0 || which == 1)
+        return r; /* .prev alone is the current one */
+    snprintf(path, sizeof(path), "%s/%s%s", dir, MANIFEST_NAME, PREV_SUFFIX);
+    if (manifest_tag(path, &tags[1]) < 0)
+        tags[1] = -1; /* none, or unreadable: not a version to go back to */
     return 0;
 }
 
@@ -171,9 +234,9 @@ int persist_probe(const char *dir, size_t *ntensors, uint32_t *id)
     struct stat st;
     json_t *root = NULL;
 
-    snprintf(path, sizeof(path), "%s/%s", dir, MANIFEST_NAME);
-    if (stat(path, &st) < 0)
-        return -errno;
+    int which = current_manifest(dir, path, sizeof(path), &st);
+    if (which < 0)
+        return which;
     /* A manifest that cannot be read or parsed may still be someone's only record of
      * what the swap files hold: it counts as a saved state, of unknown size. */
     *ntensors = SIZE_MAX;
@@ -233,14 +296,24 @@ static int write_all(int fd, const char *buf, size_t n)
  * *renamed says whether the new manifest took the old one's place: from then on a crash
  * may leave either of them, so even when the directory's fsync fails (the error is
  * returned) both must stay readable. */
-static int manifest_commit(struct zinf_engine *e, const char *text, bool *renamed)
+static int sync_dir(struct zinf_engine *e)
 {
-    char path[4096], tmp[4200];
+    int dfd = open(e->nvme_dirs[0], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int r = dfd < 0 || fsync(dfd) < 0 ? -errno : 0;
+    if (dfd >= 0)
+        close(dfd);
+    return r;
+}
+
+static int manifest_commit(struct zinf_engine *e, const char *text, bool keep, bool *renamed)
+{
+    char path[4096], tmp[4200], prev[4200];
     int fd, r, dfd;
 
     *renamed = false;
     manifest_path(e, path, sizeof(path), "");
     manifest_path(e, tmp, sizeof(tmp), ".tmp");
+    manifest_path(e, prev, sizeof(prev), PREV_SUFFIX);
     fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (fd < 0) {
         r = -errno;
@@ -251,6 +324,10 @@ static int manifest_commit(struct zinf_engine *e, const char *text, bool *rename
     if (r == 0 && fsync(fd) < 0)
         r = -errno;
     close(fd);
+    /* Keeping the previous version: the current manifest becomes .prev first (from here
+     * until the next rename, .prev alone is the current one). */
+    if (r == 0 && keep && rename(path, prev) < 0 && errno != ENOENT)
+        r = -errno;
     if (r == 0 && rename(tmp, path) < 0)
         r = -errno;
     if (r < 0) {
@@ -364,7 +441,7 @@ static int flush_tensor(struct zinf_engine *e, struct tensor *t, struct entry *e
     return 0;
 }
 
-static char *manifest_text(struct zinf_engine *e, struct entry *ents, size_t n)
+static char *manifest_text(struct zinf_engine *e, struct entry *ents, size_t n, int64_t tag)
 {
     json_t *root = json_object(), *arr = json_array();
     char *text = NULL;
@@ -375,6 +452,8 @@ static char *manifest_text(struct zinf_engine *e, struct entry *ents, size_t n)
     json_object_set_new(root, "version", json_integer(MANIFEST_VERSION));
     json_object_set_new(root, "block_size", json_integer((json_int_t)e->block_size));
     json_object_set_new(root, "dirs", json_integer(e->nvme_ndirs));
+    if (tag >= 0)
+        json_object_set_new(root, "tag", json_integer((json_int_t)tag));
     for (size_t i = 0; i < n; i++) {
         struct tensor *t = engine_tensor(e, ents[i].handle);
         json_t *o = json_object();
@@ -411,7 +490,57 @@ out:
 
 struct resume_progress resume_progress;
 
+/* Keep extent off for the previous version (persist.c's two versions). */
+static void retain(struct zinf_engine *e, uint64_t off)
+{
+    if (e->nretained == e->capretained) {
+        size_t cap = e->capretained ? e->capretained * 2 : 16;
+        uint64_t *n = realloc(e->retained, cap * sizeof(*n));
+        if (!n) {
+            log_warn("engine: out of memory: swap extent at %llu stays allocated",
+                     (unsigned long long)off);
+            return;
+        }
+        e->retained = n;
+        e->capretained = cap;
+    }
+    e->retained[e->nretained++] = off;
+}
+
+/* No previous version any more: its manifest goes (durably), then its extents are free.
+ * Lock held. */
+static int drop_previous(struct zinf_engine *e)
+{
+    char prev[4200];
+    if (!e->has_prev)
+        return 0;
+    manifest_path(e, prev, sizeof(prev), PREV_SUFFIX);
+    int r = unlink(prev) == 0 || errno == ENOENT ? 0 : -errno;
+    if (r == 0)
+        r = sync_dir(e);
+    if (r < 0) {
+        log_error("engine: removing the previous version %s failed: %s; its extents stay "
+                  "allocated", prev, strerror(-r));
+        return r;
+    }
+    for (size_t i = 0; i < e->nretained; i++)
+        nvme_free(e->nvme, e->retained[i]);
+    e->nretained = 0;
+    e->has_prev = false;
+    return 0;
+}
+
+int persist_drop_previous(struct zinf_engine *e)
+{
+    return drop_previous(e);
+}
+
 int persist_flush(struct zinf_engine *e)
+{
+    return persist_flush_tagged(e, -1, false);
+}
+
+int persist_flush_tagged(struct zinf_engine *e, int64_t tag, bool keep)
 {
     struct entry *ents = NULL;
     bool renamed = false;
@@ -464,41 +593,80 @@ int persist_flush(struct zinf_engine *e)
         log_error("engine: syncing the swap files failed: %s", zinf_strerror(r));
         goto out;
     }
-    char *text = manifest_text(e, ents, n);
+    /* Untagged, a flush that saves what the committed manifest saved keeps its tag. */
+    if (tag < 0 && e->ndeferred == 0 && n == e->persisted_count) {
+        bool same = true;
+        for (size_t i = 0; i < n && same; i++) {
+            struct tensor *t = engine_tensor(e, ents[i].handle);
+            same = t && t->persisted && t->persisted_off == ents[i].off &&
+                   t->persisted_crc == ents[i].crc && t->persisted_zero == ents[i].zero;
+        }
+        if (same)
+            tag = e->tag;
+    }
+    char *text = manifest_text(e, ents, n, tag);
     if (!text) {
         r = -ENOMEM;
         goto out;
     }
+    /* At most two versions: the one kept so far goes when this one takes its place. */
+    bool had_prev = e->has_prev;
     pthread_mutex_unlock(&e->lock);
-    r = manifest_commit(e, text, &renamed);
+    r = manifest_commit(e, text, keep, &renamed);
     pthread_mutex_lock(&e->lock);
     free(text);
     if (r < 0 && !renamed)
         goto out;
+    e->tag = tag;
+    e->persisted_count = n;
 
     /* The new manifest is in place: what it names is now the persisted state. What the old
      * one named and this one does not is free once the new one is durable; when the
      * directory's fsync failed, the old manifest may come back after a crash, so those
      * extents wait (deferred) for a flush that completes. */
     bool durable = r == 0;
+    /* Keeping the previous version: what the old manifest named and this one does not is
+     * retained for it, as are the extents it named of tensors gone since. What the version
+     * kept before named is free once this commit is durable (its manifest was replaced). */
+    size_t old_retained = keep ? e->nretained : 0;
     for (size_t i = 0; i < n; i++) {
         struct tensor *t = engine_tensor(e, ents[i].handle);
         if (!t)
             continue;
         if (engine_persisted_extent(t) && t->persisted_off != ents[i].off &&
-            !(t->has_swap && t->swap_off == t->persisted_off))
-            engine_free_swap(e, t->persisted_off, !durable);
+            !(t->has_swap && t->swap_off == t->persisted_off)) {
+            if (keep)
+                retain(e, t->persisted_off);
+            else
+                engine_free_swap(e, t->persisted_off, !durable);
+        }
         t->persisted = true;
         t->persisted_off = ents[i].off;
         t->persisted_crc = ents[i].crc;
         t->persisted_zero = ents[i].zero;
         t->persisted_version = ents[i].version;
     }
+    if (keep) {
+        for (size_t i = 0; i < e->ndeferred; i++)
+            retain(e, e->deferred_free[i]);
+        e->ndeferred = 0;
+        e->has_prev = true;
+    }
     if (!durable)
         goto out;
+    if (keep && had_prev && old_retained) {
+        for (size_t i = 0; i < old_retained; i++)
+            nvme_free(e->nvme, e->retained[i]);
+        memmove(e->retained, e->retained + old_retained,
+                (e->nretained - old_retained) * sizeof(*e->retained));
+        e->nretained -= old_retained;
+    }
     for (size_t i = 0; i < e->ndeferred; i++)
         nvme_free(e->nvme, e->deferred_free[i]);
     e->ndeferred = 0;
+    /* Without a previous version to keep, one kept before goes now. */
+    if (!keep && e->has_prev && (r = drop_previous(e)) < 0)
+        goto out;
     e->st.flushes++;
 out:
     for (size_t i = 0; ents && i < n; i++) {
@@ -684,14 +852,59 @@ err:
     return r;
 }
 
+/* Before a resume: which manifest it reads, into path. Rolling back (ENGINE_OPEN_PREVIOUS)
+ * the previous version takes the current one's place; otherwise the previous version is
+ * forgotten (its extents are not reserved, so they are free), and a .prev left alone by a
+ * crash is the current one. Read-only, nothing moves: the path is the one to read. */
+static int choose_manifest(struct zinf_engine *e, char *path, size_t len)
+{
+    char cur[4096], prev[4200];
+    bool ro = (e->opt.flags & ZINF_OPEN_READONLY) != 0;
+    manifest_path(e, cur, sizeof(cur), "");
+    manifest_path(e, prev, sizeof(prev), PREV_SUFFIX);
+    bool have_cur = access(cur, F_OK) == 0, have_prev = access(prev, F_OK) == 0;
+    if (e->opt.flags & ENGINE_OPEN_PREVIOUS) {
+        if (!have_prev && !have_cur) {
+            log_error("engine: %s: no previous version to go back to", e->nvme_dirs[0]);
+            return -ENOENT;
+        }
+        if (!have_prev) { /* .prev alone was current: already in place */
+            snprintf(path, len, "%s", cur);
+            return 0;
+        }
+        snprintf(path, len, "%s", ro ? prev : cur);
+        if (ro)
+            return 0;
+        if (rename(prev, cur) < 0 || sync_dir(e) < 0) {
+            int r = -errno;
+            log_error("engine: going back to the previous version %s failed: %s", prev,
+                      strerror(-r));
+            return r;
+        }
+        log_notice("engine: %s: went back to the previous version", e->nvme_dirs[0]);
+        return 0;
+    }
+    if (!have_cur && have_prev) {
+        snprintf(path, len, "%s", ro ? prev : cur);
+        if (!ro && (rename(prev, cur) < 0 || sync_dir(e) < 0))
+            return -errno;
+        return 0;
+    }
+    snprintf(path, len, "%s", cur);
+    if (have_prev && !ro && (unlink(prev) < 0 || sync_dir(e) < 0))
+        return -errno;
+    return 0;
+}
+
 int persist_resume(struct zinf_engine *e)
 {
-    char path[4096];
+    char path[4200];
     json_error_t jerr;
     json_t *root, *arr;
     int r = 0;
 
-    manifest_path(e, path, sizeof(path), "");
+    if ((r = choose_manifest(e, path, sizeof(path))) < 0)
+        return r;
     if (access(path, F_OK) != 0) {
         log_notice("engine: %s: no manifest: nothing to resume", path);
         return 0;
@@ -718,6 +931,10 @@ int persist_resume(struct zinf_engine *e)
         r = -EINVAL;
         goto out;
     }
+    json_t *jt = json_object_get(root, "tag");
+    e->tag = json_is_integer(jt) && json_integer_value(jt) >= 0 ? (int64_t)json_integer_value(jt)
+                                                                 : -1;
+    e->persisted_count = json_array_size(arr);
     uint64_t total = 0, done = 0;
     for (size_t i = 0; i < json_array_size(arr); i++)
         total += (uint64_t)json_integer_value(json_object_get(json_array_get(arr, i), "nbytes"));

@@ -211,7 +211,18 @@ static int start_over(struct nvme *n, const char *remove_first)
         /* Until the manifest is gone the files are the user's: a failure here keeps them. */
         for (unsigned i = 0; i < n->nfiles; i++)
             n->files[i].scratch = false;
-        if (unlink(remove_first) == 0) {
+        /* A previous version (engine/persist.c) first: the current one still says what
+         * the files hold until it goes too. */
+        char prev[4200];
+        snprintf(prev, sizeof(prev), "%s.prev", remove_first);
+        bool gone = unlink(prev) == 0;
+        if (!gone && errno != ENOENT) {
+            int r = -errno;
+            log_error("nvme: cannot remove %s: %s; the swap files are left as they were", prev,
+                      strerror(-r));
+            return r;
+        }
+        if (unlink(remove_first) == 0 || (gone && errno == ENOENT)) {
             char dir[4096];
             snprintf(dir, sizeof(dir), "%s", remove_first);
             char *slash = strrchr(dir, '/');
