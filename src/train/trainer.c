@@ -162,6 +162,12 @@ struct trainer {
     char *base[CONFIG_MAX_NVME_PATHS];
     unsigned nbase;
     int src_world, src_stage, src_persist;
+    /* The step a resume goes to: the newest saved whole by every rank of the run it comes
+     * from (-1: unknown, a run saved before checkpoints were tagged with their step). */
+    int64_t resume_step;
+    /* ZINF_TEST_KILL_AT=POINT:RANK:N: the tests' crash, at POINT of the N-th checkpoint. */
+    char kill_point[32];
+    int kill_rank, kill_nth, checkpoint_calls;
 };
 
 void trainer_opts_defaults(struct trainer_opts *o)
@@ -1369,51 +1375,129 @@ bool trainer_any_rank(struct trainer *t, bool mine)
 
 /* ---- resuming on another number of ranks ------------------------------------------ */
 
-/* The number of ranks of the newest run saved under the nvme paths (one rank's in the paths
- * themselves, N ranks' in rank-R-of-N): 0 when there is none. */
-static int newest_run(const struct trainer *t)
+/* The newest step that every one of the `world` ranks saved under base holds, as its
+ * current version or the previous one (a checkpoint that some ranks committed and others
+ * did not); -1 when some rank holds none of the others' (or nothing), -2 for a run saved
+ * before checkpoints were tagged with their step (every rank's manifest untagged). *newest
+ * receives the newest step any rank holds. */
+static int64_t common_step(const char *base, int world, int64_t *newest)
 {
-    struct timespec best = {0}, when;
-    int world = 0;
-    if (!t->nbase) return 0;
-    if (persist_saved_at(t->base[0], &when) == 0) {
-        best = when;
-        world = 1;
+    int64_t tags[COMM_MAX_RANKS][2];
+    int untagged = 0;
+    *newest = -1;
+    for (int q = 0; q < world; q++) {
+        char *d = rank_dir(base, world, q);
+        int r = d ? persist_versions(d, tags[q]) : -ENOMEM;
+        free(d);
+        if (r < 0) return -1;
+        untagged += tags[q][0] < 0;
+        *newest = MAX(*newest, tags[q][0]);
     }
+    if (untagged) return untagged == world ? -2 : -1;
+    int64_t best = -1;
+    for (int q = 0; q < world; q++)
+        for (int k = 0; k < 2; k++) {
+            int64_t c = tags[q][k];
+            if (c <= best) continue;
+            bool all = true;
+            for (int p = 0; p < world && all; p++)
+                all = tags[p][0] == c || tags[p][1] == c;
+            if (all) best = c;
+        }
+    return best;
+}
+
+/* The run to resume from, of those saved under the nvme paths (one rank's in the paths
+ * themselves, N ranks' in rank-R-of-N): its number of ranks (0: none) and the step every
+ * one of its ranks saved (*step; -1 for a run saved before steps were tagged). A run that
+ * some rank saved no step of that the others hold (a re-cut cut short) is passed over.
+ * The run with the newest such step wins; on a tie, this run's number of ranks, then the
+ * newest. Runs saved before steps were tagged count only where no other run is known, the
+ * newest of them winning. *newest_any: the newest step any rank of the winner holds. */
+static int newest_run(const struct trainer *t, int64_t *step, int64_t *newest_any)
+{
+    int world = 0, legacy = 0;
+    int64_t best = -1, any = -1;
+    struct timespec best_t = {0}, legacy_t = {0}, when;
+    *step = -1;
+    *newest_any = -1;
+    if (!t->nbase) return 0;
+    /* The candidates: one rank's run in the path itself, and every rank-0-of-N. */
+    int worlds[COMM_MAX_RANKS + 1], nc = 0;
+    worlds[nc++] = 1;
     DIR *d = opendir(t->base[0]);
     struct dirent *de;
     while (d && (de = readdir(d))) {
         int n = 0, end = 0;
-        char path[4096];
-        if (sscanf(de->d_name, "rank-0-of-%d%n", &n, &end) != 1 || de->d_name[end] || n < 2 ||
-            n > COMM_MAX_RANKS)
-            continue;
-        snprintf(path, sizeof(path), "%s/%s", t->base[0], de->d_name);
-        if (persist_saved_at(path, &when) < 0) continue;
-        /* The newest; on a tie, this run's own number of ranks. */
-        if (!world || when.tv_sec > best.tv_sec ||
-            (when.tv_sec == best.tv_sec &&
-             (when.tv_nsec > best.tv_nsec || (when.tv_nsec == best.tv_nsec && n == t->world)))) {
-            best = when;
-            world = n;
-        }
+        if (sscanf(de->d_name, "rank-0-of-%d%n", &n, &end) == 1 && !de->d_name[end] && n >= 2 &&
+            n <= COMM_MAX_RANKS && nc <= COMM_MAX_RANKS)
+            worlds[nc++] = n;
     }
     if (d) closedir(d);
+    for (int k = 0; k < nc; k++) {
+        int n = worlds[k];
+        char *r0 = rank_dir(t->base[0], n, 0);
+        int sr = r0 ? persist_saved_at(r0, &when) : -ENOMEM;
+        free(r0);
+        if (sr < 0) continue;
+        int64_t top, c = common_step(t->base[0], n, &top);
+        if (c == -2) { /* untagged: by its time, as before tags */
+            if (!legacy || when.tv_sec > legacy_t.tv_sec ||
+                (when.tv_sec == legacy_t.tv_sec && when.tv_nsec > legacy_t.tv_nsec)) {
+                legacy = n;
+                legacy_t = when;
+            }
+            continue;
+        }
+        if (c < 0) continue; /* no step every rank holds */
+        bool newer = when.tv_sec > best_t.tv_sec ||
+                     (when.tv_sec == best_t.tv_sec && when.tv_nsec > best_t.tv_nsec);
+        if (!world || c > best || (c == best && world != t->world && (n == t->world || newer))) {
+            world = n;
+            best = c;
+            any = top;
+            best_t = when;
+        }
+    }
+    if (!world && legacy) return legacy;
+    *step = best;
+    *newest_any = any;
     return world;
 }
 
-/* Open rank q's engine of the saved run of `world` ranks, read-only. */
+/* The open flag that reaches step in swap directory dir: its current version, or the
+ * previous one (ENGINE_OPEN_PREVIOUS); -ENOENT where it holds neither at that step. */
+static int version_flag(const char *dir, int64_t step, unsigned *flag)
+{
+    int64_t tags[2];
+    int r = persist_versions(dir, tags);
+    if (r < 0) return r;
+    if (step < 0 || tags[0] == step) {
+        *flag = 0;
+        return 0;
+    }
+    if (tags[1] == step) {
+        *flag = ENGINE_OPEN_PREVIOUS;
+        return 0;
+    }
+    return -ENOENT;
+}
+
+/* Open rank q's engine of the saved run of `world` ranks, read-only, at the step a resume
+ * goes to. */
 static int open_source(struct trainer *t, int world, int q, zinf_engine **out)
 {
     struct zinf_config c = t->zc; /* the same settings; only the directories differ */
     char *dirs[CONFIG_MAX_NVME_PATHS] = {0};
+    unsigned flag = 0;
     int r = 0;
     for (unsigned k = 0; k < t->nbase && r == 0; k++) {
         if (!(dirs[k] = rank_dir(t->base[k], world, q))) r = -ENOMEM;
         c.nvme_paths.path[k] = dirs[k];
         if (k) c.nvme_paths_extra[k - 1] = dirs[k];
     }
-    if (r == 0) r = engine_open_config(&c, ZINF_OPEN_READONLY | ZINF_OPEN_NO_PIN, out);
+    if (r == 0) r = version_flag(dirs[0], t->resume_step, &flag);
+    if (r == 0) r = engine_open_config(&c, ZINF_OPEN_READONLY | ZINF_OPEN_NO_PIN | flag, out);
     for (unsigned k = 0; k < t->nbase; k++)
         free(dirs[k]);
     return r;
@@ -1423,26 +1507,46 @@ static int open_source(struct trainer *t, int world, int q, zinf_engine **out)
  * and global batch's; its stage and step are taken from its rank 0. */
 static int recut_check(struct trainer *t, char *err, size_t errlen)
 {
-    int N = t->src_world, r;
-    zinf_engine *se = NULL;
-    zinf_tensor h;
-    struct train_state s;
-    struct zero_state z = {.stage = 0};
-    if ((r = open_source(t, N, 0, &se)) < 0) {
-        snprintf(err, errlen, "--resume: cannot open the saved run of %d rank%s: %s", N,
-                 N > 1 ? "s" : "", zinf_strerror(r));
-        return r;
+    int N = t->src_world, r = 0;
+    int32_t step0 = 0;
+    /* Every rank of the saved run: each must hold the step the re-cut goes to, whole, with
+     * the same stage as rank 0 (a re-cut reads every rank's shards). */
+    for (int q = 0; q < N && r == 0; q++) {
+        zinf_engine *se = NULL;
+        zinf_tensor h;
+        struct train_state s;
+        struct zero_state z = {.stage = 0};
+        char who[48] = "";
+        if (N > 1) snprintf(who, sizeof(who), " (rank %d)", q);
+        if ((r = open_source(t, N, q, &se)) < 0) {
+            snprintf(err, errlen, "--resume: cannot open the saved run of %d rank%s%s: %s", N,
+                     N > 1 ? "s" : "", who, zinf_strerror(r));
+            return r;
+        }
+        if ((r = zinf_lookup(se, STATE_NAME, &h)) < 0 ||
+            (r = zinf_read(se, h, 0, &s, sizeof(s))) < 0 ||
+            (N > 1 && ((r = zinf_lookup(se, ZERO_NAME, &h)) < 0 ||
+                       (r = zinf_read(se, h, 0, &z, sizeof(z))) < 0)))
+            snprintf(err, errlen, "--resume: the saved run of %d rank%s%s has no training state: %s",
+                     N, N > 1 ? "s" : "", who, zinf_strerror(r));
+        else if (q == 0 && (r = state_validate(t, s, N, err, errlen)) == 0) {
+            t->src_stage = z.stage;
+            t->src_persist = z.persist;
+            step0 = s.step_done;
+        } else if (q > 0 && (s.step_done != step0 || z.stage != t->src_stage)) {
+            snprintf(err, errlen,
+                     "--resume: the saved run of %d ranks is not whole: rank 0 saved step %d at "
+                     "stage %d, rank %d step %d at stage %d",
+                     N, step0, t->src_stage, q, s.step_done, z.stage);
+            r = -EINVAL;
+        }
+        zinf_close(se);
     }
-    if ((r = zinf_lookup(se, STATE_NAME, &h)) < 0 || (r = zinf_read(se, h, 0, &s, sizeof(s))) < 0 ||
-        (N > 1 && ((r = zinf_lookup(se, ZERO_NAME, &h)) < 0 ||
-                   (r = zinf_read(se, h, 0, &z, sizeof(z))) < 0)))
-        snprintf(err, errlen, "--resume: the saved run of %d rank%s has no training state: %s", N,
-                 N > 1 ? "s" : "", zinf_strerror(r));
-    else if ((r = state_validate(t, s, N, err, errlen)) == 0) {
-        t->src_stage = z.stage;
-        t->src_persist = z.persist;
+    if (r == 0 && t->resume_step >= 0 && step0 != t->resume_step) {
+        snprintf(err, errlen, "--resume: the saved run's manifests say step %lld, its state step %d",
+                 (long long)t->resume_step, step0);
+        r = -EINVAL;
     }
-    zinf_close(se);
     return r;
 }
 
@@ -1544,6 +1648,10 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     pthread_mutex_init(&t->gmu, NULL);
     pthread_cond_init(&t->gcv, NULL);
     t->gw_holds[0] = t->gw_holds[1] = -1;
+    t->resume_step = -1;
+    const char *ka = getenv("ZINF_TEST_KILL_AT");
+    if (ka && sscanf(ka, "%31[a-z-]:%d:%d", t->kill_point, &t->kill_rank, &t->kill_nth) != 3)
+        t->kill_point[0] = 0;
     t->o = *o;
     t->cfg = cfg;
     config_defaults(&t->zc);
@@ -1637,13 +1745,43 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         int pr = persist_probe(sd, &n, NULL);
         /* A run saved by another number of ranks, newer than any of this one's: rank 0
          * looks, and every rank goes by what it found. */
-        int32_t nw = t->rank == 0 ? newest_run(t) : 0;
-        if (t->world > 1 && (r = comm_broadcast(t->comm, &nw, sizeof(nw), COMM_BYTE, 0)) < 0) {
+        int64_t found[3] = {0, -1, -1}; /* ranks, the step every rank holds, the newest */
+        if (t->rank == 0) found[0] = newest_run(t, &found[1], &found[2]);
+        if (t->world > 1 && (r = comm_broadcast(t->comm, found, sizeof(found), COMM_BYTE, 0)) < 0) {
             snprintf(err, errlen, "rank %d: the ranks could not agree on the saved run: %s",
                      t->rank, zinf_strerror(r));
             goto fail;
         }
+        int32_t nw = (int32_t)found[0];
+        t->resume_step = found[1];
         bool other = nw && nw != t->world;
+        if (o->resume && nw && t->rank == 0 && found[2] > found[1] && found[1] >= 0)
+            log_notice("--resume: rolling back %lld step%s to step %lld, the newest that every "
+                       "one of the %d rank%s saved: the checkpoint of step %lld was not completed "
+                       "by every rank",
+                       (long long)(found[2] - found[1]), found[2] - found[1] == 1 ? "" : "s",
+                       (long long)found[1], nw, nw > 1 ? "s" : "", (long long)found[2]);
+        if (o->resume && !nw && t->world > 1 && pr == 0 && n > 0) {
+            /* What each rank holds, said by every rank the same. */
+            int k = snprintf(err, errlen, "--resume: no step is saved by every one of the %d "
+                             "ranks under %s:", t->world, t->base[0]);
+            for (int q = 0; q < t->world && k > 0 && (size_t)k < errlen; q++) {
+                int64_t tags[2] = {-1, -1};
+                char *rd = rank_dir(t->base[0], t->world, q);
+                if (rd) persist_versions(rd, tags);
+                free(rd);
+                char held[64] = "no step";
+                if (tags[0] >= 0 && tags[1] >= 0)
+                    snprintf(held, sizeof(held), "steps %lld and %lld", (long long)tags[0],
+                             (long long)tags[1]);
+                else if (tags[0] >= 0)
+                    snprintf(held, sizeof(held), "step %lld", (long long)tags[0]);
+                k += snprintf(err + k, errlen - (size_t)k, "%s rank %d holds %s", q ? "," : "", q,
+                              held);
+            }
+            r = -EINVAL;
+            goto fail;
+        }
         if (o->resume && other) {
             t->src_world = nw;
             t->o.resume = false; /* this rank's tensors are new, filled by recut() */
@@ -1704,8 +1842,17 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
             goto fail;
         }
     } else {
+        unsigned flag = 0;
+        /* Resuming, each rank goes to the step every rank holds: its current version, or
+         * the previous one where its checkpoint of a later step was not completed by all. */
+        if (t->o.resume && t->world > 1 &&
+            (r = version_flag(t->zc.nvme_paths.path[0], t->resume_step, &flag)) < 0) {
+            snprintf(err, errlen, "--resume: rank %d holds no step %lld in %s", t->rank,
+                     (long long)t->resume_step, t->zc.nvme_paths.path[0]);
+            goto fail;
+        }
         r = engine_open_config(&t->zc,
-                               t->o.resume                      ? ZINF_OPEN_RESUME
+                               t->o.resume                      ? ZINF_OPEN_RESUME | flag
                                : o->overwrite || t->src_world ? ZINF_OPEN_OVERWRITE
                                                                 : 0,
                                &t->e);
@@ -1800,7 +1947,7 @@ void trainer_close(struct trainer *t)
     if (!t) return;
     /* A torn state is dropped: the last checkpoint stays the saved one, as after a crash.
      * So it does after a failed checkpoint, as the caller was told. */
-    if (t->torn || t->checkpoint_failed)
+    if (t->torn || t->checkpoint_failed || (t->world > 1 && !t->remote))
         api_close_unflushed(t->e);
     else
         zinf_close(t->e);
@@ -2266,18 +2413,38 @@ out:
     return r;
 }
 
+/* The tests' crash (ZINF_TEST_KILL_AT=POINT:RANK:N): this rank dies at POINT of its N-th
+ * checkpoint (the first is the one at the start). */
+static void kill_point(struct trainer *t, const char *point)
+{
+    if (t->kill_point[0] && t->kill_rank == t->rank && t->kill_nth == t->checkpoint_calls &&
+        !strcmp(t->kill_point, point))
+        raise(SIGKILL);
+}
+
 int trainer_checkpoint(struct trainer *t)
 {
     struct zinf_stats s0, s1;
     if (t->torn) return t->torn;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
-    /* Across ranks, every rank saves the same step or none does: a rank that died (or failed
-     * its step) fails this meeting, and the others keep their last checkpoint too. */
+    /* Across ranks a step is saved by all or by none. Each rank meets the others, saves the
+     * step keeping its previous version, and meets them again: from then on every rank
+     * holds the step, and the previous version goes. A rank that dies anywhere in between
+     * fails the others' meeting; each rank then holds the new step, the previous one or
+     * both, and a resume goes to the newest that all hold. The manifests carry the step. */
+    t->checkpoint_calls++;
+    bool two = t->world > 1 && !t->remote;
+    kill_point(t, "before-barrier");
     int r = t->world > 1 ? comm_barrier(t->comm) : 0;
+    if (r == 0) kill_point(t, "after-barrier");
     if (r == 0) r = scratch_reset(t);
     if (r == 0) r = state_save(t);
-    if (r == 0) r = zinf_flush(t->e);
+    if (r == 0) r = t->remote ? zinf_flush(t->e) : engine_flush_tagged(t->e, t->step_done, two);
+    if (r == 0) kill_point(t, "after-rename");
+    if (r == 0 && two) r = comm_barrier(t->comm);
+    if (r == 0 && two) kill_point(t, "after-commit");
+    if (r == 0 && two) r = engine_drop_previous(t->e);
     t->checkpoint_failed = r < 0;
     trace_span("train", "checkpoint", t0, NULL, r < 0 ? "failed" : NULL, -1);
     if (r < 0) return r;
