@@ -3357,3 +3357,147 @@ Test(cli, a_rendezvous_object_of_another_user_is_refused)
     cr_assert_eq(waitpid(pid, &st, 0), pid);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s", tail_text(out));
 }
+
+/* ---- checkpoints across ranks under kills ------------------------------------------------ */
+
+static const char *const ckpt_points[] = {"before-barrier", "after-barrier", "after-rename",
+                                          "after-commit"};
+
+/* `ranks` ranks (0: one trainer) at stage 3 under swap, ZMODEL and extra, to `steps`,
+ * checkpointing every 2 steps, logging to log (appended on --resume); the exit status, the
+ * output in *out. kill: ZINF_TEST_KILL_AT for the ranks, or NULL. */
+static int ckpt_run(char **out, const char *swap, const char *log, int ranks, int steps,
+                    const char *extra, const char *kill)
+{
+    char cfg[4096], data[4096], args[8192];
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    zero_config(cfg, sizeof(cfg), swap, 3);
+    snprintf(args, sizeof(args), ZMODEL " --steps %d --checkpoint-every 2 --log %s %s", steps, log,
+             extra);
+    if (kill) setenv("ZINF_TEST_KILL_AT", kill, 1);
+    int r = train_ranks(out, ranks, cfg, data, args);
+    unsetenv("ZINF_TEST_KILL_AT");
+    return r;
+}
+
+static void expect_steps(const char *log, char (*want)[32], int from, int to, const char *what)
+{
+    static char got[MAX_STEPS + 1][32];
+    memset(got, 0, sizeof(got));
+    read_losses(log, got, NULL, NULL); /* a step logged twice must be logged the same */
+    for (int s = from; s <= to; s++)
+        cr_assert_str_eq(got[s], want[s], "%s, step %d", what, s);
+}
+
+/* Each rank killed (SIGKILL) at every point of a checkpoint: before its first barrier,
+ * between the barrier and its manifest's rename, after its rename and before the others',
+ * after the commit and before its previous version goes. The next --resume goes to the
+ * newest step every rank holds, says so where that rolls back, and continues bitwise (loss
+ * and digest) as the run that never stopped; so does a resume on another number of ranks
+ * from such a checkpoint, from one step all the source's ranks hold. */
+Test(cli, zero_checkpoint_killed_anywhere_resumes_from_a_whole_step, .timeout = 300)
+{
+    static char ref[MAX_STEPS + 1][32], ref1[MAX_STEPS + 1][32];
+    char swap[4096], log[4096], *o;
+    snprintf(swap, sizeof(swap), "%s/kref", dir);
+    snprintf(log, sizeof(log), "%s/kref.jsonl", dir);
+    cr_assert_eq(ckpt_run(&o, swap, log, 2, 6, "", NULL), 0, "%s", o);
+    free(o);
+    cr_assert_eq(read_losses(log, ref, NULL, NULL), 6);
+    /* The reference of a re-cut at step 2: two ranks to step 2, one rank of 2 micro-batches
+     * on. */
+    snprintf(swap, sizeof(swap), "%s/kref1", dir);
+    snprintf(log, sizeof(log), "%s/kref1.jsonl", dir);
+    cr_assert_eq(ckpt_run(&o, swap, log, 2, 2, "", NULL), 0, "%s", o);
+    free(o);
+    cr_assert_eq(ckpt_run(&o, swap, log, 0, 6, "--resume --accumulate 2", NULL), 0, "%s", o);
+    free(o);
+    cr_assert_eq(read_losses(log, ref1, NULL, NULL), 6);
+
+    for (int p = 0; p < 4; p++)
+        for (int rank = 0; rank < 2; rank++) {
+            char kill[64], what[96];
+            snprintf(kill, sizeof(kill), "%s:%d:3", ckpt_points[p], rank); /* step 4's */
+            snprintf(what, sizeof(what), "rank %d killed %s step 4's checkpoint", rank,
+                     ckpt_points[p]);
+            snprintf(swap, sizeof(swap), "%s/k%d%d", dir, p, rank);
+            snprintf(log, sizeof(log), "%s/k%d%d.jsonl", dir, p, rank);
+            cr_assert_eq(ckpt_run(&o, swap, log, 2, 6, "", kill), 1, "%s: %s", what, o);
+            cr_assert(strstr(o, "was killed by signal 9"), "%s: %s", what, o);
+            free(o);
+            /* The ranks hold step 4 where it was renamed by all, else step 2. */
+            bool whole = p >= 2;
+            char sh[8300];
+            snprintf(sh, sizeof(sh), "cp -a %s %s-copy", swap, swap);
+            cr_assert_eq(system(sh), 0);
+            cr_assert_eq(ckpt_run(&o, swap, log, 2, 6, "--resume", NULL), 0, "%s: %s", what, o);
+            bool said = strstr(o, "rolling back 2 steps to step 2") != NULL;
+            cr_assert(said == (p == 1), "%s: %s", what, o);
+            free(o);
+            expect_steps(log, ref, whole ? 5 : 3, 6, what);
+            if (p != 1 || rank != 1) continue;
+            /* Rank 0 at step 4 and rank 1 at step 2, resumed on one rank: the re-cut goes
+             * to step 2, which both hold, not to a mix of the two. */
+            char copy[4200], log1[4200];
+            snprintf(copy, sizeof(copy), "%s-copy", swap);
+            snprintf(log1, sizeof(log1), "%s-one.jsonl", swap);
+            cr_assert_eq(ckpt_run(&o, copy, log1, 0, 6, "--resume --accumulate 2", NULL), 0,
+                         "%s: %s", what, o);
+            free(o);
+            expect_steps(log1, ref1, 3, 6, "re-cut onto one rank");
+        }
+}
+
+/* A re-cut (a resume on another number of ranks) killed at every point of its checkpoint,
+ * each time on another rank: the run it came from is never hidden (a resume on its own
+ * number of ranks continues it bitwise), and a resume on the new number re-cuts again and
+ * continues bitwise as a re-cut that never stopped. */
+Test(cli, zero_recut_killed_anywhere_never_hides_its_source, .timeout = 300)
+{
+    static char ref2[MAX_STEPS + 1][32], ref4[MAX_STEPS + 1][32];
+    char src[4096], swap[4096], log[4096], sh[16384], *o;
+    snprintf(src, sizeof(src), "%s/rsrc", dir);
+    snprintf(log, sizeof(log), "%s/rsrc.jsonl", dir);
+    cr_assert_eq(ckpt_run(&o, src, log, 2, 4, "--accumulate 2", NULL), 0, "%s", o);
+    free(o);
+    /* References: the source on two ranks to step 5; re-cut onto four to step 6. */
+    for (int k = 0; k < 2; k++) {
+        snprintf(swap, sizeof(swap), "%s/rref%d", dir, k);
+        snprintf(log, sizeof(log), "%s/rref%d.jsonl", dir, k);
+        snprintf(sh, sizeof(sh), "cp -a %s %s", src, swap);
+        cr_assert_eq(system(sh), 0);
+        cr_assert_eq(ckpt_run(&o, swap, log, k ? 4 : 2, k ? 6 : 5,
+                              k ? "--resume" : "--resume --accumulate 2", NULL),
+                     0, "%s", o);
+        free(o);
+        cr_assert_eq(read_losses(log, k ? ref4 : ref2, NULL, NULL), k ? 6 : 5);
+    }
+    for (int p = 0; p < 4; p++) {
+        char kill[64], what[96];
+        int rank = (p + 1) % 4;
+        snprintf(kill, sizeof(kill), "%s:%d:1", ckpt_points[p], rank); /* the re-cut's */
+        snprintf(what, sizeof(what), "rank %d killed %s the re-cut's checkpoint", rank,
+                 ckpt_points[p]);
+        snprintf(swap, sizeof(swap), "%s/r%d", dir, p);
+        snprintf(sh, sizeof(sh), "cp -a %s %s", src, swap);
+        cr_assert_eq(system(sh), 0);
+        snprintf(log, sizeof(log), "%s/r%d.jsonl", dir, p);
+        cr_assert_eq(ckpt_run(&o, swap, log, 4, 6, "--resume", kill), 1, "%s: %s", what, o);
+        free(o);
+        snprintf(sh, sizeof(sh), "cp -a %s %s-copy", swap, swap);
+        cr_assert_eq(system(sh), 0);
+        /* The source, on its own number of ranks: step 5 as it would have been. */
+        cr_assert_eq(ckpt_run(&o, swap, log, 2, 5, "--resume --accumulate 2", NULL), 0, "%s: %s",
+                     what, o);
+        free(o);
+        expect_steps(log, ref2, 5, 5, what);
+        /* On four ranks again: re-cut from step 4 (or the re-cut's own step 4, the same
+         * state), bitwise the re-cut that never stopped. */
+        char copy[4200], log4[4200];
+        snprintf(copy, sizeof(copy), "%s-copy", swap);
+        snprintf(log4, sizeof(log4), "%s-four.jsonl", swap);
+        cr_assert_eq(ckpt_run(&o, copy, log4, 4, 6, "--resume", NULL), 0, "%s: %s", what, o);
+        free(o);
+        expect_steps(log4, ref4, 5, 6, what);
+    }
+}
