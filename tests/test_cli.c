@@ -3199,7 +3199,7 @@ Test(cli, stopped_rank_fails_the_job_within_the_deadline, .timeout = 120)
         snprintf(out, sizeof(out), "%s/stopped%d.out", dir, how);
         zero_config(cfg, sizeof(cfg), swap, 1);
         if (how == 0) {
-            setenv("ZINF_COMM_OP_TIMEOUT_MS", "1500", 1);
+            setenv("ZINF_COMM_OP_TIMEOUT_MS", "3000", 1);
         } else {
             /* The config's key: a whole number of seconds. */
             char *text = read_text(cfg);
@@ -3207,7 +3207,7 @@ Test(cli, stopped_rank_fails_the_job_within_the_deadline, .timeout = 120)
             cr_assert_not_null(z);
             FILE *f = fopen(cfg, "w");
             cr_assert_not_null(f);
-            fprintf(f, "%.*s\"zinf\": {\"comm_timeout\": 2, %s", (int)(z - text), text,
+            fprintf(f, "%.*s\"zinf\": {\"comm_timeout\": 4, %s", (int)(z - text), text,
                     z + strlen("\"zinf\": {"));
             fclose(f);
             free(text);
@@ -3240,11 +3240,11 @@ Test(cli, stopped_rank_fails_the_job_within_the_deadline, .timeout = 120)
         char *text = read_text(out);
         cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 1, "status %#x: %s", st, text);
         /* The deadline, then the others' exit, then at most --grace for the stopped one. */
-        cr_assert_lt(took, 12.0, "the job took %.1f s to fail: %s", took, text);
+        cr_assert_lt(took, 20.0, "the job took %.1f s to fail: %s", took, text);
         char want[96];
         snprintf(want, sizeof(want), "rank 1 (pid %d, stopped) did not come to", victim);
         cr_assert(strstr(text, want), "no '%s' in: %s", want, text);
-        cr_assert(strstr(text, "within 1.5 s") || strstr(text, "within 2 s"), "%s", text);
+        cr_assert(strstr(text, how ? "within 4 s" : "within 3 s"), "%s", text);
         cr_assert(strstr(text, "zinf launch: failed: rank 0"), "%s", text);
         free(text);
     }
