@@ -1040,7 +1040,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
     /* settings, zinf.train, the training keys, header, engine */
-    cr_expect_eq(lines, 24 + 9 + 28 + 1 + 8, "%s", text);
+    cr_expect_eq(lines, 25 + 9 + 28 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }

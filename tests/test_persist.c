@@ -1072,6 +1072,20 @@ static void expect_all(zinf_engine *e, size_t n, unsigned char v, const char *wh
     free(b);
 }
 
+/* A new engine with three tensors "nv", "ho" and "de" (one of each home) of n bytes v,
+ * flushed keeping versions, tagged tag. */
+static zinf_engine *three_saved(size_t n, unsigned char v, int64_t tag, zinf_tensor *t)
+{
+    zinf_engine *e;
+    cr_assert_eq(open_prev(0, &e), 0);
+    t[0] = test_register(e, "nv", n, ZINF_TIER_NVME);
+    t[1] = test_register(e, "ho", n, ZINF_TIER_HOST);
+    t[2] = test_register(e, "de", n, ZINF_TIER_DEVICE);
+    fill_all(e, t, n, v);
+    cr_assert_eq(engine_flush_tagged(e, tag, true), 0);
+    return e;
+}
+
 /* A flush that keeps the previous version leaves two manifests, each with its tag and its
  * bytes: the previous one reads back as it was (read-only, changing nothing), writes made
  * after it never touch its extents, and going back to it makes it the current one. A
@@ -1079,13 +1093,8 @@ static void expect_all(zinf_engine *e, size_t n, unsigned char v, const char *wh
 Test(persist, a_kept_previous_version_holds_its_bytes_until_dropped)
 {
     const size_t n = 200 * KiB;
-    zinf_engine *e;
-    cr_assert_eq(open_prev(0, &e), 0);
-    zinf_tensor t[3] = {test_register(e, "nv", n, ZINF_TIER_NVME),
-                        test_register(e, "ho", n, ZINF_TIER_HOST),
-                        test_register(e, "de", n, ZINF_TIER_DEVICE)};
-    fill_all(e, t, n, 1);
-    cr_assert_eq(engine_flush_tagged(e, 1, true), 0);
+    zinf_tensor t[3];
+    zinf_engine *e = three_saved(n, 1, 1, t);
     expect_tags(1, -1, "one version");
     fill_all(e, t, n, 2);
     cr_assert_eq(engine_flush_tagged(e, 2, true), 0);
@@ -1140,13 +1149,8 @@ Test(persist, a_kept_previous_version_holds_its_bytes_until_dropped)
 Test(persist, a_previous_version_alone_is_the_current_one)
 {
     const size_t n = 100 * KiB;
-    zinf_engine *e;
-    cr_assert_eq(open_prev(0, &e), 0);
-    zinf_tensor t[3] = {test_register(e, "nv", n, ZINF_TIER_NVME),
-                        test_register(e, "ho", n, ZINF_TIER_HOST),
-                        test_register(e, "de", n, ZINF_TIER_DEVICE)};
-    fill_all(e, t, n, 7);
-    cr_assert_eq(engine_flush_tagged(e, 5, true), 0);
+    zinf_tensor t[3];
+    zinf_engine *e = three_saved(n, 7, 5, t);
     api_close_unflushed(e);
     char *cur = path_in(dir, MANIFEST), *prev = path_in(dir, MANIFEST ".prev");
     cr_assert_eq(rename(cur, prev), 0);

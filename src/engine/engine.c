@@ -216,6 +216,22 @@ int engine_swap_alloc(struct zinf_engine *e, size_t bytes, uint64_t *off)
     }
 }
 
+void engine_keep_extent(uint64_t **list, size_t *n, size_t *cap, uint64_t off)
+{
+    if (*n == *cap) {
+        size_t c = *cap ? *cap * 2 : 16;
+        uint64_t *l = realloc(*list, c * sizeof(*l));
+        if (!l) {
+            log_warn("engine: out of memory: swap extent at %llu stays allocated",
+                     (unsigned long long)off);
+            return;
+        }
+        *list = l;
+        *cap = c;
+    }
+    (*list)[(*n)++] = off;
+}
+
 void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted)
 {
     if (!persisted) {
@@ -223,18 +239,7 @@ void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted)
         return;
     }
     /* The committed manifest still names it: keep it until the next one does not. */
-    if (e->ndeferred == e->capdeferred) {
-        size_t cap = e->capdeferred ? e->capdeferred * 2 : 16;
-        uint64_t *n = realloc(e->deferred_free, cap * sizeof(*n));
-        if (!n) {
-            log_warn("engine: out of memory: swap extent at %llu stays allocated",
-                     (unsigned long long)off);
-            return;
-        }
-        e->deferred_free = n;
-        e->capdeferred = cap;
-    }
-    e->deferred_free[e->ndeferred++] = off;
+    engine_keep_extent(&e->deferred_free, &e->ndeferred, &e->capdeferred, off);
 }
 
 /* Wait until nothing is moving in or out of the tensor and no other exclusive user holds

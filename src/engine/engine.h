@@ -435,6 +435,9 @@ bool engine_swap_named(const struct tensor *t);
  * zeros from a memory home. */
 bool engine_persisted_extent(const struct tensor *t);
 void engine_free_swap(struct zinf_engine *e, uint64_t off, bool persisted);
+/* Appends off to a growable list of extents kept allocated (said, and left allocated, when
+ * memory runs out). */
+void engine_keep_extent(uint64_t **list, size_t *n, size_t *cap, uint64_t off);
 /* Allocate a swap extent; when the files must grow, the lock is dropped meanwhile, so the
  * caller must hold what it works on exclusively (engine_tensor_lock). Lock held. */
 int engine_swap_alloc(struct zinf_engine *e, size_t bytes, uint64_t *off);

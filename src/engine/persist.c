@@ -490,23 +490,6 @@ out:
 
 struct resume_progress resume_progress;
 
-/* Keep extent off for the previous version (persist.c's two versions). */
-static void retain(struct zinf_engine *e, uint64_t off)
-{
-    if (e->nretained == e->capretained) {
-        size_t cap = e->capretained ? e->capretained * 2 : 16;
-        uint64_t *n = realloc(e->retained, cap * sizeof(*n));
-        if (!n) {
-            log_warn("engine: out of memory: swap extent at %llu stays allocated",
-                     (unsigned long long)off);
-            return;
-        }
-        e->retained = n;
-        e->capretained = cap;
-    }
-    e->retained[e->nretained++] = off;
-}
-
 /* No previous version any more: its manifest goes (durably), then its extents are free.
  * Lock held. */
 static int drop_previous(struct zinf_engine *e)
@@ -636,7 +619,8 @@ int persist_flush_tagged(struct zinf_engine *e, int64_t tag, bool keep)
         if (engine_persisted_extent(t) && t->persisted_off != ents[i].off &&
             !(t->has_swap && t->swap_off == t->persisted_off)) {
             if (keep)
-                retain(e, t->persisted_off);
+                engine_keep_extent(&e->retained, &e->nretained, &e->capretained,
+                                   t->persisted_off);
             else
                 engine_free_swap(e, t->persisted_off, !durable);
         }
@@ -648,7 +632,8 @@ int persist_flush_tagged(struct zinf_engine *e, int64_t tag, bool keep)
     }
     if (keep) {
         for (size_t i = 0; i < e->ndeferred; i++)
-            retain(e, e->deferred_free[i]);
+            engine_keep_extent(&e->retained, &e->nretained, &e->capretained,
+                               e->deferred_free[i]);
         e->ndeferred = 0;
         e->has_prev = true;
     }
