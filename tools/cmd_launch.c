@@ -14,12 +14,14 @@
  *
  * The job: its name is held for the launcher's life by a lock on /dev/shm/zinf-job-NAME
  * (mode 0600, this user's), so a second job of a live job's name is refused naming it, and
- * a file left by a launcher that is gone (its lock went with it) is taken over. Its ranks
+ * a file left by a launcher that is gone (its lock went with it) is taken over, or removed
+ * by the next launcher of any name. Its ranks
  * get a random secret (ZINF_COMM_SECRET) that the rendezvous' name and handshake use: no
  * process without it can meet with them.
  *
  * Not here: the rendezvous itself (comm_open, with the name given here), what the ranks do.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
@@ -179,6 +181,11 @@ static int hold_name(const char *name, int *fd)
             ssize_t got = pread(f, buf, sizeof(buf) - 1, 0);
             buf[got > 0 ? got : 0] = 0;
             buf[strcspn(buf, "\n")] = 0;
+            if (!buf[0]) { /* just made by another launcher, or being swept: look again */
+                close(f);
+                usleep(10000);
+                continue;
+            }
             fprintf(stderr, "zinf launch: a job named '%s' is running (its launcher is pid %s): "
                     "give this one another --name\n", name, buf[0] ? buf : "?");
             close(f);
@@ -199,6 +206,26 @@ static int hold_name(const char *name, int *fd)
     }
     fprintf(stderr, "zinf launch: /dev/shm%s keeps changing under us\n", obj);
     return -EAGAIN;
+}
+
+/* Names held by launchers that are gone (killed: SIGKILL leaves the file, not the lock):
+ * this user's zinf-job-* files whose lock can be taken are removed, while it is held. */
+static void sweep_stale_names(void)
+{
+    DIR *d = opendir("/dev/shm");
+    struct dirent *de;
+    while (d && (de = readdir(d))) {
+        char obj[300];
+        struct stat st;
+        if (strncmp(de->d_name, "zinf-job-", 9)) continue;
+        snprintf(obj, sizeof(obj), "/%s", de->d_name);
+        int f = shm_open(obj, O_RDWR | O_CLOEXEC, 0);
+        if (f < 0) continue; /* another user's, or gone */
+        if (fstat(f, &st) == 0 && st.st_uid == geteuid() && flock(f, LOCK_EX | LOCK_NB) == 0)
+            shm_unlink(obj);
+        close(f);
+    }
+    if (d) closedir(d);
 }
 
 static void release_name(const char *name, int fd)
@@ -386,6 +413,7 @@ int cmd_launch(int argc, char **argv)
         return 1;
     }
 
+    sweep_stale_names();
     int name_fd = -1, he = hold_name(name, &name_fd);
     if (he < 0) {
         if (t) topo_close(t);
