@@ -181,9 +181,10 @@ static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
     /* The lock keeps a second swap space (this process or another) off the file; it is
      * released when the engine closes the fd. */
     /* A process that held the file and was just killed keeps it (and the lock) until the
-     * kernel has torn down its io_uring: reopening after a crash waits up to a second. */
+     * kernel has torn down its io_uring: reopening after a crash, to resume or to start
+     * over, waits up to three seconds (a loaded machine takes more than one). */
     int locked = flock(fd, LOCK_EX | LOCK_NB);
-    for (int tries = 0; locked != 0 && errno == EWOULDBLOCK && keep && tries < 100; tries++) {
+    for (int tries = 0; locked != 0 && errno == EWOULDBLOCK && tries < 300; tries++) {
         usleep(10000);
         locked = flock(fd, LOCK_EX | LOCK_NB);
     }
