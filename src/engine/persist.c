@@ -518,6 +518,41 @@ int persist_drop_previous(struct zinf_engine *e)
     return drop_previous(e);
 }
 
+/* The two versions' invariants (debug builds): without a previous version nothing is
+ * retained; no tensor's swap extent, and no extent the committed manifest names, is a
+ * retained one (a write there would reach the previous version's bytes); no extent is
+ * retained twice. Lock held. */
+static void check_versions(struct zinf_engine *e)
+{
+#ifndef NDEBUG
+    if (!e->has_prev && e->nretained) {
+        log_error("engine: internal state broken: %zu extents retained without a previous "
+                  "version", e->nretained);
+        abort();
+    }
+    for (size_t k = 0; k < e->nretained; k++) {
+        uint64_t off = e->retained[k];
+        for (size_t j = k + 1; j < e->nretained; j++)
+            if (e->retained[j] == off) {
+                log_error("engine: internal state broken: extent %llu retained twice",
+                          (unsigned long long)off);
+                abort();
+            }
+        for (uint32_t i = 0; i < e->ntensors; i++) {
+            const struct tensor *t = e->tensors[i];
+            if (t && ((t->has_swap && t->swap_off == off) ||
+                      (engine_persisted_extent(t) && t->persisted_off == off))) {
+                log_error("engine: internal state broken: tensor '%s' uses extent %llu of the "
+                          "previous version", t->name, (unsigned long long)off);
+                abort();
+            }
+        }
+    }
+#else
+    (void)e;
+#endif
+}
+
 int persist_flush(struct zinf_engine *e)
 {
     return persist_flush_tagged(e, -1, false);
@@ -652,6 +687,7 @@ int persist_flush_tagged(struct zinf_engine *e, int64_t tag, bool keep)
     /* Without a previous version to keep, one kept before goes now. */
     if (!keep && e->has_prev && (r = drop_previous(e)) < 0)
         goto out;
+    check_versions(e);
     e->st.flushes++;
 out:
     for (size_t i = 0; ents && i < n; i++) {
