@@ -2,6 +2,7 @@
  * hugemem.c - see hugemem.h.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -64,14 +65,9 @@ void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_o
         *err = -EINVAL;
         return NULL;
     }
-    int f = memfd_create(name, MFD_CLOEXEC);
+    int f = hugemem_memfd(name, len);
     if (f < 0) {
-        *err = -errno;
-        return NULL;
-    }
-    if (ftruncate(f, (off_t)len) != 0) {
-        *err = -errno;
-        close(f);
+        *err = f;
         return NULL;
     }
     /* Reserve a span, then map the file at its 2 MiB aligned start over it. */
@@ -96,6 +92,19 @@ void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_o
     }
     *fd = f;
     return base;
+}
+
+int hugemem_memfd(const char *name, size_t bytes)
+{
+    int f = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (f < 0) return -errno;
+    if (ftruncate(f, (off_t)bytes) != 0 ||
+        fcntl(f, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+        int r = -errno;
+        close(f);
+        return r;
+    }
+    return f;
 }
 
 void hugemem_unmap(void *p, size_t bytes)

@@ -28,6 +28,12 @@ void *hugemem_map(size_t bytes, bool huge, bool *huge_ok, int *err);
  * then depend on the shmem setting of transparent huge pages. Close *fd after unmapping. */
 void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_ok, int *fd,
                          int *err);
+/* A memfd of bytes (named name) to share with another process that must not be able to
+ * change its size: sealed against shrinking and growing, and against further seals (a
+ * holder of the fd cannot seal writes away from the maker). A mapping of it can then never
+ * lose its pages to an ftruncate, which would kill the maker with SIGBUS at its next access.
+ * The fd (close-on-exec), or -errno. */
+int hugemem_memfd(const char *name, size_t bytes);
 void hugemem_unmap(void *p, size_t bytes);
 
 #endif

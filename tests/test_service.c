@@ -25,89 +25,24 @@
 #include "common.h"
 #include "config.h"
 #include "helpers.h"
+#include "service_util.h"
 #include "pintable.h"
 #include "service/client.h"
 #include "service/proto.h"
 #include "service/server.h"
 #include "tiers/cuda_probe.h"
 
-static char *dir;
-static char sock[512], cfg_path[512];
-
-struct daemon {
-    struct zinf_config cfg;
-    struct service *s;
-    pthread_t thread;
-};
-
-static void *run_service(void *arg)
-{
-    struct daemon *d = arg;
-    cr_assert_eq(service_run(d->s), 0);
-    return NULL;
-}
-
-/* A config with small emulated tiers and, when swap, an NVMe swap directory. */
-static void write_cfg(bool swap)
-{
-    FILE *f = fopen(cfg_path, "w");
-    cr_assert_not_null(f);
-    if (swap)
-        fprintf(f,
-                "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
-                "\"nvme_path\": \"%s/swap\"}},"
-                " \"aio\": {\"block_size\": 65536, \"queue_depth\": 8},"
-                " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", "
-                "\"host_bytes\": \"4M\"}}",
-                dir);
-    else
-        fprintf(f, "{\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", "
-                   "\"host_bytes\": \"4M\"}}");
-    fclose(f);
-}
-
-static void daemon_start(struct daemon *d)
-{
-    char err[512];
-    memset(d, 0, sizeof(*d));
-    cr_assert_eq(config_parse_file(cfg_path, &d->cfg, err, sizeof(err)), 0, "%s", err);
-    struct service_opts o = {.socket_path = sock, .config = &d->cfg};
-    int r = service_open(&o, &d->s, err, sizeof(err));
-    cr_assert_eq(r, 0, "%s", err);
-    cr_assert_eq(pthread_create(&d->thread, NULL, run_service, d), 0);
-}
-
-static void daemon_stop(struct daemon *d)
-{
-    service_stop(d->s);
-    pthread_join(d->thread, NULL);
-    service_close(d->s);
-    config_free(&d->cfg);
-}
-
 static void setup(void)
 {
-    dir = test_tmpdir("service");
-    cr_assert_not_null(dir);
-    snprintf(sock, sizeof(sock), "%s/zinf.sock", dir);
-    snprintf(cfg_path, sizeof(cfg_path), "%s/zinf.json", dir);
-    write_cfg(false);
+    service_util_setup("service");
 }
 
 static void teardown(void)
 {
-    test_rmtree(dir);
+    service_util_teardown();
 }
 
 TestSuite(service, .init = setup, .fini = teardown, .timeout = 120);
-
-static zinf_engine *connect_job(const char *job)
-{
-    zinf_engine *e = NULL;
-    int r = zinf_connect(sock, job, &e);
-    cr_assert_eq(r, 0, "zinf_connect: %s", zinf_strerror(r));
-    return e;
-}
 
 Test(service, fetched_pointers_are_the_daemons_memory)
 {
@@ -292,49 +227,6 @@ Test(service, bad_connects_are_refused_with_a_reason)
  * another without releasing it, and is killed: the daemon drops its pins, the cached copy
  * it scribbled on goes (the tensor reads as last released), and the parent's client goes
  * on. */
-/* The daemon notices a dead client's closed connections and drops its pins: wait for it
- * (up to 3 s). */
-static void wait_pins_dropped(zinf_engine *e)
-{
-    for (int i = 0; i < 300; i++) {
-        struct zinf_stats st;
-        cr_assert_eq(zinf_stats(e, &st), 0);
-        if (!st.tier[ZINF_TIER_HOST].pinned_bytes && !st.tier[ZINF_TIER_DEVICE].pinned_bytes)
-            return;
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-    }
-    cr_assert_fail("the dead client's pins were not dropped");
-}
-
-/* The daemon in a child process, serving until it is signalled; the parent connects to
- * job once it answers. */
-static pid_t fork_daemon(const char *job, zinf_engine **e)
-{
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        struct zinf_config cfg;
-        struct service *s;
-        char err[512];
-        struct service_opts o = {.socket_path = sock, .config = &cfg};
-        if (config_parse_file(cfg_path, &cfg, err, sizeof(err)) ||
-            service_open(&o, &s, err, sizeof(err)))
-            _exit(1);
-        int r = service_run(s);
-        service_close(s);
-        _exit(r == 0 ? 0 : 1);
-    }
-    int r = -ENOENT;
-    for (int i = 0; i < 1000 && r < 0; i++) {
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-        r = zinf_connect(sock, job, e);
-    }
-    cr_assert_eq(r, 0, "the daemon did not come up: %s", zinf_strerror(r));
-    return pid;
-}
-
 Test(service, a_killed_client_loses_its_pins_and_nobody_else_notices)
 {
     struct daemon d;
@@ -477,16 +369,6 @@ Test(service, threads_of_one_client_share_its_pins_and_memory)
     }
     zinf_close(e);
     daemon_stop(&d);
-}
-
-static int raw_connect(void)
-{
-    struct sockaddr_un a = {.sun_family = AF_UNIX};
-    strcpy(a.sun_path, sock);
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    cr_assert_geq(fd, 0);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof(a)), 0);
-    return fd;
 }
 
 /* Sends raw bytes and returns the daemon's result, or 1 when it closed without one. */

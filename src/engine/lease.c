@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "hugemem.h"
 #include "pintable.h"
 
 struct engine_pinset {
@@ -45,9 +46,8 @@ int engine_pinset_open(zinf_engine *e, struct engine_pinset **out, int *fd, size
 {
     struct engine_pinset *ps = calloc(1, sizeof(*ps));
     if (!ps) return -ENOMEM;
-    ps->fd = memfd_create("zinf-pins", MFD_CLOEXEC);
-    int r = ps->fd < 0 ? -errno : 0;
-    if (r == 0 && ftruncate(ps->fd, (off_t)PT_BYTES) != 0) r = -errno;
+    ps->fd = hugemem_memfd("zinf-pins", PT_BYTES);
+    int r = ps->fd < 0 ? ps->fd : 0;
     if (r == 0) {
         void *p = mmap(NULL, PT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, ps->fd, 0);
         if (p == MAP_FAILED)

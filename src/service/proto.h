@@ -46,7 +46,9 @@
 #define PROTO_MAX_SET 65536                       /* tensors in one FETCH_ALL */
 #define PROTO_MAX_REGIONS 4                       /* memory regions a session maps */
 #define PROTO_REGION_PINS 0x100u /* a region's "tier": the session's pin table (pintable.h) */
-#define PROTO_REGION_LIVE 0x101u /* a region's "tier": the daemon's liveness mutex */
+/* A region's "tier": the session's liveness mutex (held by the daemon while the session
+ * lives; sent with a pin table only) */
+#define PROTO_REGION_LIVE 0x101u
 /* A region's "tier": the device arena on a GPU, shared through CUDA IPC (no fd: its handle
  * follows the region list) */
 #define PROTO_REGION_CUDA 0x102u

@@ -36,6 +36,7 @@
 #include "common.h"
 #include "config.h"
 #include "engine/engine.h"
+#include "hugemem.h"
 #include "service/proto.h"
 #include "service/server.h"
 
@@ -75,6 +76,10 @@ struct session {
     struct engine_pinset *ps;
     int ps_fd;
     size_t ps_bytes;
+    /* With a table: the session's liveness mutex, in a memfd only this session maps (live_fd
+     * until HELLO has handed it over). The keeper holds it while the session lives. */
+    pthread_mutex_t *live;
+    int live_fd;
 };
 
 struct conn {
@@ -84,6 +89,23 @@ struct conn {
     bool done; /* s->lock: the thread has finished and may be joined */
     struct session *sess;
     struct conn *next;
+};
+
+/* The thread that holds every session's liveness mutex (a robust, process-shared mutex in
+ * memory only that session's client maps): a client's trylock fails while the session lives
+ * and succeeds once it has ended or the daemon has died (the kernel lets a dead thread's
+ * robust mutexes go). The pin table's hit path asks it before trusting a slot. A robust
+ * mutex belongs to the thread that locked it and must be unlocked by it, and connection
+ * threads come and go: hence one thread that lives as long as the service, and does the
+ * locking and unlocking it is asked for, one request at a time. */
+struct keeper {
+    pthread_t thread;
+    bool started;
+    pthread_mutex_t lock;
+    pthread_cond_t cv;
+    pthread_mutex_t *todo; /* the mutex to lock (hold) or unlock; NULL: nothing asked */
+    bool hold, quit;
+    int result;
 };
 
 struct service {
@@ -99,12 +121,110 @@ struct service {
     struct conn *conns;
     uint64_t next_session;
     _Atomic uint64_t requests; /* requests served after HELLO */
-    /* A robust, process-shared mutex in a memfd every client maps: service_run() holds it,
-     * so a client's trylock fails while the daemon runs and succeeds once it has stopped or
-     * died. The pin table's hit path asks it before trusting a slot. */
-    int live_fd;
-    pthread_mutex_t *live;
+    struct keeper keeper;
 };
+
+/* ---- liveness ---------------------------------------------------------------------- */
+
+static void *keeper_main(void *arg)
+{
+    struct keeper *kp = arg;
+    pthread_mutex_lock(&kp->lock);
+    for (;;) {
+        while (!kp->todo && !kp->quit)
+            pthread_cond_wait(&kp->cv, &kp->lock);
+        if (!kp->todo) break;
+        int r;
+        if (kp->hold) {
+            r = pthread_mutex_lock(kp->todo);
+            if (r == EOWNERDEAD) r = pthread_mutex_consistent(kp->todo);
+        } else {
+            r = pthread_mutex_unlock(kp->todo);
+        }
+        kp->result = -r;
+        kp->todo = NULL;
+        pthread_cond_broadcast(&kp->cv);
+    }
+    pthread_mutex_unlock(&kp->lock);
+    return NULL; /* any mutex still held is let go by the kernel, as if the daemon died */
+}
+
+static int keeper_ask(struct keeper *kp, pthread_mutex_t *m, bool hold)
+{
+    pthread_mutex_lock(&kp->lock);
+    while (kp->todo) /* another request first */
+        pthread_cond_wait(&kp->cv, &kp->lock);
+    kp->todo = m;
+    kp->hold = hold;
+    pthread_cond_broadcast(&kp->cv);
+    while (kp->todo == m)
+        pthread_cond_wait(&kp->cv, &kp->lock);
+    int r = kp->result;
+    pthread_mutex_unlock(&kp->lock);
+    return r;
+}
+
+static int keeper_start(struct keeper *kp)
+{
+    pthread_mutex_init(&kp->lock, NULL);
+    pthread_cond_init(&kp->cv, NULL);
+    int r = -pthread_create(&kp->thread, NULL, keeper_main, kp);
+    kp->started = r == 0;
+    return r;
+}
+
+static void keeper_stop(struct keeper *kp)
+{
+    if (!kp->started) return;
+    pthread_mutex_lock(&kp->lock);
+    kp->quit = true;
+    pthread_cond_broadcast(&kp->cv);
+    pthread_mutex_unlock(&kp->lock);
+    pthread_join(kp->thread, NULL);
+    pthread_cond_destroy(&kp->cv);
+    pthread_mutex_destroy(&kp->lock);
+}
+
+/* A session's liveness mutex: a sealed memfd, the mutex in it held by the keeper. */
+static int live_open(struct service *s, struct session *se)
+{
+    se->live_fd = hugemem_memfd("zinf-live", PROTO_LIVE_BYTES);
+    if (se->live_fd < 0) return se->live_fd;
+    void *p = mmap(NULL, PROTO_LIVE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, se->live_fd, 0);
+    if (p == MAP_FAILED) {
+        int r = -errno;
+        close(se->live_fd);
+        se->live_fd = -1;
+        return r;
+    }
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    int r = -pthread_mutex_init(p, &a);
+    pthread_mutexattr_destroy(&a);
+    if (r == 0 && (r = keeper_ask(&s->keeper, p, true)) == 0) {
+        se->live = p;
+        return 0;
+    }
+    munmap(p, PROTO_LIVE_BYTES);
+    close(se->live_fd);
+    se->live_fd = -1;
+    return r;
+}
+
+/* The client may hold the mutex by now (it took it when it saw the session gone): it is not
+ * destroyed, only let go and unmapped. */
+static void live_close(struct service *s, struct session *se)
+{
+    if (se->live) {
+        keeper_ask(&s->keeper, se->live, false);
+        munmap(se->live, PROTO_LIVE_BYTES);
+        se->live = NULL;
+    }
+    if (se->live_fd >= 0) close(se->live_fd);
+    se->live_fd = -1;
+}
 
 /* ---- jobs ---------------------------------------------------------------------------- */
 
@@ -245,7 +365,7 @@ static bool pin_take(struct session *se, zinf_tensor t, uint32_t tier)
 }
 
 /* Drops what a session left behind; it is in no list any more. */
-static void session_free(struct session *se)
+static void session_free(struct service *s, struct session *se)
 {
     zinf_engine *e = se->job->e;
     unsigned dropped = 0, kept = 0, restored = 0;
@@ -270,6 +390,7 @@ static void session_free(struct session *se)
     }
     unsigned d = 0, k = 0, u = 0;
     engine_pinset_close(e, se->ps, &d, &k, &u);
+    live_close(s, se); /* the client's fast path stops here */
     dropped += d;
     kept += k;
     restored += u;
@@ -518,7 +639,14 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
             se->conns = 1;
             /* Without a table (the engine serves as many as it can) every call is a
              * message: slower, the same answers. */
+            se->live_fd = -1;
             if (engine_pinset_open(j->e, &se->ps, &se->ps_fd, &se->ps_bytes) < 0) se->ps = NULL;
+            /* The table's hit path needs to know the session lives. */
+            if (se->ps && live_open(s, se) < 0) {
+                unsigned d, kept, u;
+                engine_pinset_close(j->e, se->ps, &d, &kept, &u);
+                se->ps = NULL;
+            }
             pthread_mutex_init(&se->lock, NULL);
             se->next = s->sessions;
             s->sessions = se;
@@ -534,7 +662,7 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     proto_put_u64(&o, se->id);
     proto_put_u64(&o, se->secret);
     const struct engine_region *reg = se->job->reg;
-    int nreg = MEM_TIERS + (se->ps != NULL) + 1, nfds = 0;
+    int nreg = MEM_TIERS + 2 * (se->ps != NULL), nfds = 0;
     proto_put_u32(&o, (uint32_t)nreg);
     int fds[PROTO_MAX_REGIONS];
     for (int i = 0; i < MEM_TIERS; i++) {
@@ -547,10 +675,10 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
         proto_put_u32(&o, PROTO_REGION_PINS);
         proto_put_u64(&o, se->ps_bytes);
         fds[nfds++] = se->ps_fd;
+        proto_put_u32(&o, PROTO_REGION_LIVE);
+        proto_put_u64(&o, PROTO_LIVE_BYTES);
+        fds[nfds++] = se->live_fd;
     }
-    proto_put_u32(&o, PROTO_REGION_LIVE);
-    proto_put_u64(&o, PROTO_LIVE_BYTES);
-    fds[nfds++] = s->live_fd;
     if (reg[0].cuda) {
         proto_put_u32(&o, DEVICE_IPC_HANDLE_BYTES);
         proto_put_bytes(&o, reg[0].ipc_handle, DEVICE_IPC_HANDLE_BYTES);
@@ -558,6 +686,10 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     }
     r = proto_send(k->fd, &o, fds, sid ? 0 : nfds);
     proto_out_free(&o);
+    if (!sid && se->live_fd >= 0) { /* the mapping holds the memory; an fd less to keep */
+        close(se->live_fd);
+        se->live_fd = -1;
+    }
     return r < 0 ? r : 1; /* 1: the reply went out */
 }
 
@@ -661,7 +793,7 @@ static void session_leave(struct service *s, struct session *se)
             }
     }
     pthread_mutex_unlock(&s->lock);
-    if (last) session_free(se);
+    if (last) session_free(s, se);
 }
 
 static void *conn_main(void *arg)
@@ -745,31 +877,6 @@ static void reap(struct service *s)
 
 /* ---- the service --------------------------------------------------------------------- */
 
-static int live_open(struct service *s)
-{
-    s->live_fd = memfd_create("zinf-live", MFD_CLOEXEC);
-    if (s->live_fd < 0) return -errno;
-    if (ftruncate(s->live_fd, PROTO_LIVE_BYTES) != 0) return -errno;
-    void *p = mmap(NULL, PROTO_LIVE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, s->live_fd, 0);
-    if (p == MAP_FAILED) return -errno;
-    s->live = p;
-    pthread_mutexattr_t a;
-    pthread_mutexattr_init(&a);
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    int r = -pthread_mutex_init(s->live, &a);
-    pthread_mutexattr_destroy(&a);
-    return r;
-}
-
-/* Clients may hold the mutex (they took it when they saw the daemon gone): it is not
- * destroyed, only unmapped. */
-static void live_close(struct service *s)
-{
-    if (s->live) munmap(s->live, PROTO_LIVE_BYTES);
-    if (s->live_fd >= 0) close(s->live_fd);
-}
-
 int service_open(const struct service_opts *o, struct service **out, char *err, size_t errlen)
 {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
@@ -800,7 +907,6 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
     s->spin_ns = proto_spin_ns();
     s->listen_fd = -1;
     s->wake[0] = s->wake[1] = -1;
-    s->live_fd = -1;
     pthread_mutex_init(&s->lock, NULL);
     int r = 0;
     const char *what = "";
@@ -812,10 +918,6 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
     if (pipe2(s->wake, O_CLOEXEC | O_NONBLOCK) != 0) {
         r = -errno;
         what = "pipe";
-        goto fail;
-    }
-    if ((r = live_open(s)) < 0) {
-        what = "the liveness mutex";
         goto fail;
     }
     /* A socket file left by a daemon that died is replaced; one a daemon answers on is not. */
@@ -866,7 +968,6 @@ fail_quiet:
     }
     for (int i = 0; i < 2; i++)
         if (s->wake[i] >= 0) close(s->wake[i]);
-    live_close(s);
     free(s->socket_path);
     pthread_mutex_destroy(&s->lock);
     free(s);
@@ -925,13 +1026,12 @@ static int serve(struct service *s)
 
 int service_run(struct service *s)
 {
-    /* Held while this runs: when the process dies, the kernel marks it abandoned. */
-    int r = pthread_mutex_lock(s->live);
-    if (r == EOWNERDEAD) r = pthread_mutex_consistent(s->live);
-    if (r != 0) return -r;
-    r = serve(s);
-    pthread_mutex_unlock(s->live);
-    return r;
+    /* Here, not in service_open(): a daemon going to the background forks in between. */
+    if (!s->keeper.started) {
+        int r = keeper_start(&s->keeper);
+        if (r < 0) return r;
+    }
+    return serve(s);
 }
 
 void service_close(struct service *s)
@@ -962,7 +1062,7 @@ void service_close(struct service *s)
     }
     close(s->wake[0]);
     close(s->wake[1]);
-    live_close(s);
+    keeper_stop(&s->keeper);
     free(s->socket_path);
     pthread_mutex_destroy(&s->lock);
     free(s);
@@ -974,7 +1074,6 @@ void service_forget(struct service *s)
     close(s->listen_fd);
     close(s->wake[0]);
     close(s->wake[1]);
-    live_close(s);
     free(s->socket_path);
     pthread_mutex_destroy(&s->lock);
     free(s);

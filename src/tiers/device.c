@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "hugemem.h"
 #include "tiers/cuda_probe.h"
 #include "tiers/device.h"
 #include "tiers/extent.h"
@@ -187,12 +188,11 @@ static int emu_open(struct device *d, const struct device_opts *o)
     /* An anonymous private mapping reads as zeros and costs nothing until written; so does
      * a memfd, which the service shares with its clients. */
     if (o->shared) {
-        int fd = memfd_create("zinf-device", MFD_CLOEXEC);
-        if (fd < 0 || ftruncate(fd, (off_t)cap) != 0) {
-            int r = -errno;
+        int fd = hugemem_memfd("zinf-device", cap);
+        if (fd < 0) {
+            int r = fd;
             log_error("device: cannot make a %zu-byte memfd for the emulated arena: %s", cap,
                       strerror(-r));
-            if (fd >= 0) close(fd);
             return r;
         }
         p = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
