@@ -65,7 +65,7 @@ void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_o
         *err = -EINVAL;
         return NULL;
     }
-    int f = hugemem_memfd(name, len);
+    int f = hugemem_memfd(name, len, NULL);
     if (f < 0) {
         *err = f;
         return NULL;
@@ -94,16 +94,25 @@ void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_o
     return base;
 }
 
-int hugemem_memfd(const char *name, size_t bytes)
+int hugemem_memfd(const char *name, size_t bytes, void **map)
 {
     int f = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (f < 0) return -errno;
-    if (ftruncate(f, (off_t)bytes) != 0 ||
-        fcntl(f, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
-        int r = -errno;
+    int seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+    void *p = MAP_FAILED;
+    int r = ftruncate(f, (off_t)bytes) == 0 ? 0 : -errno;
+    if (r == 0 && map) {
+        p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+        if (p == MAP_FAILED) r = -errno;
+        seals |= F_SEAL_FUTURE_WRITE;
+    }
+    if (r == 0 && fcntl(f, F_ADD_SEALS, seals) != 0) r = -errno;
+    if (r < 0) {
+        if (p != MAP_FAILED) munmap(p, bytes);
         close(f);
         return r;
     }
+    if (map) *map = p;
     return f;
 }
 

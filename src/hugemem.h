@@ -32,8 +32,11 @@ void *hugemem_map_shared(size_t bytes, bool huge, const char *name, bool *huge_o
  * change its size: sealed against shrinking and growing, and against further seals (a
  * holder of the fd cannot seal writes away from the maker). A mapping of it can then never
  * lose its pages to an ftruncate, which would kill the maker with SIGBUS at its next access.
- * The fd (close-on-exec), or -errno. */
-int hugemem_memfd(const char *name, size_t bytes);
+ * With map, the memory is first mapped here (shared, read-write, *map) and then sealed
+ * against every other write: whoever else gets the fd can map it read-only and nothing
+ * else (no write(), no writable mapping, no hole punched). The fd (close-on-exec), or
+ * -errno. */
+int hugemem_memfd(const char *name, size_t bytes, void **map);
 void hugemem_unmap(void *p, size_t bytes);
 
 #endif

@@ -46,7 +46,7 @@ int engine_pinset_open(zinf_engine *e, struct engine_pinset **out, int *fd, size
 {
     struct engine_pinset *ps = calloc(1, sizeof(*ps));
     if (!ps) return -ENOMEM;
-    ps->fd = hugemem_memfd("zinf-pins", PT_BYTES);
+    ps->fd = hugemem_memfd("zinf-pins", PT_BYTES, NULL);
     int r = ps->fd < 0 ? ps->fd : 0;
     if (r == 0) {
         void *p = mmap(NULL, PT_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, ps->fd, 0);

@@ -16,6 +16,7 @@
  * Not here: the wire format (proto.c), routing (api.c), anything the daemon decides.
  */
 #include <errno.h>
+#include <linux/futex.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -52,7 +53,9 @@ struct client {
     unsigned nregions; /* the memory tiers' arenas, by tier */
     struct region region[PROTO_MAX_REGIONS];
     struct pt_header *pt; /* the session's pin table, or NULL: every call is a message */
-    pthread_mutex_t *live; /* the daemon's liveness mutex (server.c): held while it runs */
+    /* The session's liveness mutex (server.c), mapped read-only: held while the session
+     * lives in a running daemon */
+    const pthread_mutex_t *live;
     atomic_bool gone;      /* the daemon was seen stopped or dead: the table is not used */
     atomic_uint seq;
     uint64_t spin_ns; /* how long a call polls for its reply before it sleeps */
@@ -153,8 +156,11 @@ static int hello(struct client *c, int fd)
                 if (r == -ENOTSUP)
                     log_error("zinf_connect: the daemon's device tier is a GPU, and this "
                               "library was built without CUDA");
-            } else if ((p = mmap(NULL, reg[i].bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fds[f++],
-                                 0)) == MAP_FAILED) {
+            } else if ((p = mmap(NULL, reg[i].bytes,
+                                 reg[i].tier == (enum zinf_tier)PROTO_REGION_LIVE
+                                     ? PROT_READ /* the daemon's alone to write */
+                                     : PROT_READ | PROT_WRITE,
+                                 MAP_SHARED, fds[f++], 0)) == MAP_FAILED) {
                 p = NULL;
                 r = -errno;
             }
@@ -168,7 +174,7 @@ static int hello(struct client *c, int fd)
                     take_table(c, &reg[i]);
                 else if (reg[i].tier == (enum zinf_tier)PROTO_REGION_LIVE && !c->live &&
                          reg[i].bytes == PROTO_LIVE_BYTES)
-                    c->live = (pthread_mutex_t *)reg[i].base;
+                    c->live = (const pthread_mutex_t *)reg[i].base;
                 else if (reg[i].tier == (enum zinf_tier)c->nregions && c->nregions < 2)
                     c->region[c->nregions++] = reg[i];
                 else
@@ -332,7 +338,7 @@ static void close_client(struct client *c, bool flush)
     for (unsigned i = 0; i < c->nregions; i++)
         region_free(&c->region[i]);
     if (c->pt) munmap(c->pt, PT_BYTES);
-    if (c->live) munmap(c->live, PROTO_LIVE_BYTES);
+    if (c->live) munmap((void *)c->live, PROTO_LIVE_BYTES);
     free(c->socket_path);
     pthread_mutex_destroy(&c->lock);
     c->h.kind = 0;
@@ -412,16 +418,17 @@ static int pointer_reply(struct client *c, struct call *k, void **ptr)
 
 /* ---- the hit path: the session's pin table (pintable.h) ------------------------------ */
 
-/* Does the daemon still run? Its liveness mutex is held while it does: a trylock that
- * takes it means the daemon stopped, or died and the kernel let the mutex go. The taker
- * keeps it (so the answer stays "gone" for every thread) and the calls go as messages,
- * which answer -ECONNRESET. */
+/* Does the session still live in a running daemon? Its liveness mutex is held while it
+ * does. The mutex is read, never taken (the mapping is read-only): its futex word holds the
+ * holder's thread id while it is held; 0 once the daemon let it go (the session ended), or
+ * the owner-died bit once the kernel let it go for a dead daemon. Once gone, gone for every
+ * thread: the calls go as messages, which answer -ECONNRESET. (glibc: the word is the
+ * mutex's first member, as the kernel's robust-futex ABI has it.) */
 static bool daemon_runs(struct client *c)
 {
     if (atomic_load_explicit(&c->gone, memory_order_relaxed)) return false;
-    int r = pthread_mutex_trylock(c->live);
-    if (r == EBUSY) return true;
-    if (r == EOWNERDEAD) pthread_mutex_consistent(c->live);
+    uint32_t w = __atomic_load_n((const uint32_t *)&c->live->__data.__lock, __ATOMIC_ACQUIRE);
+    if ((w & FUTEX_TID_MASK) && !(w & FUTEX_OWNER_DIED)) return true;
     atomic_store_explicit(&c->gone, true, memory_order_relaxed);
     return false;
 }

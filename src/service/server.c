@@ -92,9 +92,10 @@ struct conn {
 };
 
 /* The thread that holds every session's liveness mutex (a robust, process-shared mutex in
- * memory only that session's client maps): a client's trylock fails while the session lives
- * and succeeds once it has ended or the daemon has died (the kernel lets a dead thread's
- * robust mutexes go). The pin table's hit path asks it before trusting a slot. A robust
+ * memory only that session's client maps, read-only): the client reads it as held while
+ * the session lives, and as free once it has ended or the daemon has died (the kernel lets
+ * a dead thread's robust mutexes go). The pin table's hit path asks it before trusting a
+ * slot. A robust
  * mutex belongs to the thread that locked it and must be unlocked by it, and connection
  * threads come and go: hence one thread that lives as long as the service, and does the
  * locking and unlocking it is asked for, one request at a time. */
@@ -185,18 +186,14 @@ static void keeper_stop(struct keeper *kp)
     pthread_mutex_destroy(&kp->lock);
 }
 
-/* A session's liveness mutex: a sealed memfd, the mutex in it held by the keeper. */
+/* A session's liveness mutex: in a memfd the client can only map read-only (the mutex's
+ * robust-list links are pointers the keeper's glibc follows: a client must never write
+ * them), held by the keeper. */
 static int live_open(struct service *s, struct session *se)
 {
-    se->live_fd = hugemem_memfd("zinf-live", PROTO_LIVE_BYTES);
+    void *p;
+    se->live_fd = hugemem_memfd("zinf-live", PROTO_LIVE_BYTES, &p);
     if (se->live_fd < 0) return se->live_fd;
-    void *p = mmap(NULL, PROTO_LIVE_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, se->live_fd, 0);
-    if (p == MAP_FAILED) {
-        int r = -errno;
-        close(se->live_fd);
-        se->live_fd = -1;
-        return r;
-    }
     pthread_mutexattr_t a;
     pthread_mutexattr_init(&a);
     pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
@@ -213,8 +210,7 @@ static int live_open(struct service *s, struct session *se)
     return r;
 }
 
-/* The client may hold the mutex by now (it took it when it saw the session gone): it is not
- * destroyed, only let go and unmapped. */
+/* Let go (the client then reads the word as free) and unmapped. */
 static void live_close(struct service *s, struct session *se)
 {
     if (se->live) {

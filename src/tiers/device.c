@@ -188,7 +188,7 @@ static int emu_open(struct device *d, const struct device_opts *o)
     /* An anonymous private mapping reads as zeros and costs nothing until written; so does
      * a memfd, which the service shares with its clients. */
     if (o->shared) {
-        int fd = hugemem_memfd("zinf-device", cap);
+        int fd = hugemem_memfd("zinf-device", cap, NULL);
         if (fd < 0) {
             int r = fd;
             log_error("device: cannot make a %zu-byte memfd for the emulated arena: %s", cap,

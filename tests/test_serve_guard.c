@@ -1,0 +1,332 @@
+/*
+ * test_serve_guard.c - the daemon as a service shared by the users of a node: what a client
+ * (often another user, uid 65534, a member of the daemon's --group) does to what it was
+ * given or to the files it can reach must not take the daemon down, hang it, or reach
+ * another job.
+ *
+ * The daemon runs in a thread of the test's process: a SIGBUS in it kills the test. The
+ * hostile clients are forked children that drop to uid 65534 where the test runs as root
+ * (as in CI); as another user the tests that need two uids are skipped.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/falloc.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "helpers.h"
+#include "pintable.h"
+#include "service/proto.h"
+#include "service_util.h"
+
+#define NOBODY 65534
+
+static char sockdir[64];
+
+/* The socket in a folder of its own that uid 65534 can reach (the test's folder may lie
+ * under one it cannot traverse). */
+static void setup(void)
+{
+    service_util_setup("guard");
+    strcpy(sockdir, "/tmp/zinf-guard-XXXXXX");
+    cr_assert_not_null(mkdtemp(sockdir));
+    cr_assert_eq(chmod(sockdir, 0711), 0);
+    snprintf(sock, sizeof(sock), "%s/zinf.sock", sockdir);
+}
+
+static void teardown(void)
+{
+    unlink(sock);
+    rmdir(sockdir);
+    service_util_teardown();
+}
+
+TestSuite(serve_guard, .init = setup, .fini = teardown, .timeout = 120);
+
+/* The group uid 65534 is in on Debian: the daemon's --group in these tests. */
+static const char *nobody_group(void)
+{
+    struct group *g = getgrgid(NOBODY);
+    return g ? g->gr_name : NULL;
+}
+
+static bool as_root(void)
+{
+    if (geteuid() == 0 && nobody_group()) return true;
+    cr_skip_test("needs root (and group %d) to act as a second user", NOBODY);
+    return false;
+}
+
+/* In a child: become uid and gid 65534 with no other groups. */
+static void become_nobody(void)
+{
+    if (setgroups(0, NULL) != 0 || setresgid(NOBODY, NOBODY, NOBODY) != 0 ||
+        setresuid(NOBODY, NOBODY, NOBODY) != 0)
+        _exit(90);
+}
+
+/* A child's report: its failures as text, read by the parent through a pipe. */
+struct report {
+    int fd;
+    int failures;
+};
+
+static void say(struct report *rp, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void say(struct report *rp, const char *fmt, ...)
+{
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof(buf) - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if (n > (int)sizeof(buf) - 2) n = (int)sizeof(buf) - 2;
+    buf[n++] = '\n';
+    rp->failures++;
+    if (write(rp->fd, buf, (size_t)n) < 0) {
+        /* the parent sees the exit status */
+    }
+}
+
+/* Runs fn(arg, report) in a child as uid 65534 and fails with what it reported. */
+static void run_as_nobody(void (*fn)(void *, struct report *), void *arg, const char *what)
+{
+    int p[2];
+    cr_assert_eq(pipe(p), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(p[0]);
+        become_nobody();
+        struct report rp = {p[1], 0};
+        fn(arg, &rp);
+        _exit(rp.failures ? 1 : 0);
+    }
+    close(p[1]);
+    char text[8192];
+    size_t got = 0;
+    ssize_t r;
+    while (got < sizeof(text) - 1 && (r = read(p[0], text + got, sizeof(text) - 1 - got)) > 0)
+        got += (size_t)r;
+    text[got] = 0;
+    close(p[0]);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s (status %#x):\n%s", what, st, text);
+}
+
+/* ---- raw calls --------------------------------------------------------------------------- */
+
+/* Sends q and reads its reply: the result (or -errno of the exchange), with the reply's
+ * payload in *payload (free it) and up to 8 fds in fds. */
+static int raw_call(int fd, const struct proto_request *q, uint8_t **payload, int *fds, int *nfds)
+{
+    static uint32_t seq;
+    struct proto_out o;
+    proto_encode_request(q, ++seq, &o);
+    int r = proto_send(fd, &o, NULL, 0);
+    proto_out_free(&o);
+    if (r < 0) return r;
+    struct proto_header h;
+    int n = nfds ? *nfds : 0;
+    uint8_t *p = NULL;
+    r = proto_recv(fd, true, &h, &p, fds, nfds ? &n : NULL);
+    if (nfds) *nfds = n;
+    if (r < 0) return r;
+    int32_t res = -EPROTO;
+    if (h.len >= 4) memcpy(&res, p, 4);
+    if (payload)
+        *payload = p;
+    else
+        free(p);
+    return res;
+}
+
+/* HELLO as a new session of job: the regions' fds and sizes. */
+struct hello {
+    int fd; /* the connection */
+    int nfds;
+    int fds[8];
+    uint32_t kind[PROTO_MAX_REGIONS];
+    uint64_t bytes[PROTO_MAX_REGIONS];
+    uint32_t nregions;
+};
+
+static int raw_hello(const char *job, struct hello *h)
+{
+    memset(h, 0, sizeof(*h));
+    h->fd = raw_connect();
+    struct proto_request q = {.op = PROTO_HELLO};
+    snprintf(q.name, sizeof(q.name), "%s", job);
+    uint8_t *p = NULL;
+    h->nfds = 8;
+    int r = raw_call(h->fd, &q, &p, h->fds, &h->nfds);
+    if (r == 0) {
+        struct proto_in in;
+        proto_in_init(&in, p, 4 + 8 + 8 + 4 + PROTO_MAX_REGIONS * 12);
+        proto_get_i32(&in);
+        proto_get_u64(&in);
+        proto_get_u64(&in);
+        h->nregions = proto_get_u32(&in);
+        for (uint32_t i = 0; i < h->nregions && i < PROTO_MAX_REGIONS; i++) {
+            h->kind[i] = proto_get_u32(&in);
+            h->bytes[i] = proto_get_u64(&in);
+        }
+    }
+    free(p);
+    return r;
+}
+
+static int raw_register(int fd, const char *name, uint64_t bytes, uint32_t home, uint64_t *t)
+{
+    struct proto_request q = {.op = PROTO_REGISTER, .handle = bytes, .tier = home};
+    snprintf(q.name, sizeof(q.name), "%s", name);
+    uint8_t *p = NULL;
+    int r = raw_call(fd, &q, &p, NULL, NULL);
+    if (r == 0) memcpy(t, p + 4, 8);
+    free(p);
+    return r;
+}
+
+/* ---- 1, 2: what a client was given -------------------------------------------------------- */
+
+/* Every size, seal and mapping trick on each memfd the daemon handed over, then calls that
+ * make the daemon touch that memory. */
+static void hostile_memfds(void *arg, struct report *rp)
+{
+    struct hello h;
+    int r = raw_hello("hostile", &h);
+    if (r != 0) {
+        say(rp, "HELLO: %s", zinf_strerror(r));
+        return;
+    }
+    if (h.nfds < 3) say(rp, "HELLO gave %d fds, not the arenas, the pin table and liveness", h.nfds);
+    for (int i = 0; i < h.nfds; i++) {
+        int f = h.fds[i];
+        struct stat st;
+        if (fstat(f, &st) != 0) {
+            say(rp, "fd %d: fstat: %s", i, strerror(errno));
+            continue;
+        }
+        int seals = fcntl(f, F_GET_SEALS);
+        int want = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+        if (seals < 0 || (seals & want) != want)
+            say(rp, "fd %d (%lld bytes): seals %#x, not shrink, grow and seal", i,
+                (long long)st.st_size, seals);
+        if (ftruncate(f, 0) == 0) say(rp, "fd %d: truncated to 0 bytes", i);
+        if (ftruncate(f, st.st_size / 2) == 0) say(rp, "fd %d: truncated to half", i);
+        if (ftruncate(f, st.st_size + 4096) == 0) say(rp, "fd %d: grown", i);
+        if (fallocate(f, 0, st.st_size, 1 << 20) == 0) say(rp, "fd %d: grown by fallocate", i);
+        if (fcntl(f, F_ADD_SEALS, F_SEAL_WRITE) == 0) say(rp, "fd %d: sealed against writes", i);
+#ifdef F_SEAL_FUTURE_WRITE
+        if (fcntl(f, F_ADD_SEALS, F_SEAL_FUTURE_WRITE) == 0)
+            say(rp, "fd %d: sealed against future writes", i);
+#endif
+        if (i < (int)h.nregions && h.kind[i] == PROTO_REGION_LIVE) {
+            /* The session's liveness mutex: the daemon's alone to write. */
+            if (fallocate(f, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, st.st_size) == 0)
+                say(rp, "fd %d (liveness): a hole punched", i);
+            if (pwrite(f, "x", 1, 0) == 1) say(rp, "fd %d (liveness): written", i);
+            void *w = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+            if (w != MAP_FAILED) say(rp, "fd %d (liveness): mapped writable", i);
+            void *m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, f, 0);
+            if (m == MAP_FAILED)
+                say(rp, "fd %d (liveness): mmap read-only: %s", i, strerror(errno));
+            else if (mprotect(m, (size_t)st.st_size, PROT_READ | PROT_WRITE) == 0)
+                say(rp, "fd %d (liveness): a read-only mapping made writable", i);
+            continue;
+        }
+        /* Allowed, and only the caller's own job's bytes: they read as zeros after. */
+        if (fallocate(f, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, st.st_size) != 0 &&
+            errno != EOPNOTSUPP)
+            say(rp, "fd %d: punching a hole: %s", i, strerror(errno));
+        /* Garbage everywhere a mapping reaches: the arenas and the pin table. */
+        void *m = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, f, 0);
+        if (m == MAP_FAILED) {
+            say(rp, "fd %d: mmap: %s", i, strerror(errno));
+            continue;
+        }
+        test_fill_random(m, (size_t)st.st_size, 77 + (uint64_t)i);
+        munmap(m, (size_t)st.st_size);
+    }
+    /* Calls that make the daemon touch the job's memory and the session's table. */
+    uint64_t t = 0;
+    char name[32];
+    snprintf(name, sizeof(name), "x%d", *(int *)arg);
+    if ((r = raw_register(h.fd, name, 65536, ZINF_TIER_HOST, &t)) != 0)
+        say(rp, "REGISTER after the tricks: %s", zinf_strerror(r));
+    for (uint32_t tier = 0; tier < 2; tier++) {
+        struct proto_request q = {.op = PROTO_FETCH, .handle = t, .tier = tier};
+        if ((r = raw_call(h.fd, &q, NULL, NULL, NULL)) != 0)
+            say(rp, "FETCH to tier %u: %s", tier, zinf_strerror(r));
+        q = (struct proto_request){.op = PROTO_RELEASE, .handle = t, .tier = tier,
+                                   .flags = ZINF_RELEASE_DIRTY};
+        if ((r = raw_call(h.fd, &q, NULL, NULL, NULL)) != 0)
+            say(rp, "RELEASE of tier %u: %s", tier, zinf_strerror(r));
+    }
+    struct proto_request q = {.op = PROTO_STEP};
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL)) != 0) say(rp, "STEP: %s", zinf_strerror(r));
+    q = (struct proto_request){.op = PROTO_FLUSH};
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL)) < 0) say(rp, "FLUSH: %s", zinf_strerror(r));
+    for (int i = 0; i < h.nfds; i++)
+        close(h.fds[i]);
+    close(h.fd);
+}
+
+/* Items 1 and 2: a client shrinks, grows, seals and scribbles on every memfd it was given,
+ * and the daemon, another user's job on it, and that job's fast path all go on; SIGTERM then
+ * flushes that job, and a restart brings its bytes back. */
+Test(serve_guard, a_client_cannot_break_the_memory_it_was_given)
+{
+    if (!as_root()) return;
+    write_cfg(true);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    zinf_engine *v = connect_job("victim");
+    const size_t n = 100000;
+    zinf_tensor t = test_register(v, "kept", n, ZINF_TIER_NVME);
+    unsigned char *want = test_rand_buf(n, 5);
+    cr_assert_eq(zinf_write(v, t, 0, want, n), 0);
+    void *p;
+    cr_assert_eq(zinf_fetch(v, t, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(zinf_release(v, t, ZINF_TIER_HOST, 0), 0);
+
+    for (int round = 0; round < 2; round++)
+        run_as_nobody(hostile_memfds, &round, "a hostile client's tricks");
+
+    /* The victim's hit path still works (its session's liveness is its own), and so do
+     * its messages. */
+    struct zinf_stats st0, st1;
+    cr_assert_eq(zinf_stats(v, &st0), 0);
+    for (int i = 0; i < 10; i++) {
+        cr_assert_eq(zinf_fetch(v, t, ZINF_TIER_HOST, &p), 0);
+        cr_assert_eq(memcmp(p, want, n), 0);
+        cr_assert_eq(zinf_release(v, t, ZINF_TIER_HOST, 0), 0);
+    }
+    cr_assert_eq(zinf_stats(v, &st1), 0);
+    cr_assert_eq(st1.tier[ZINF_TIER_HOST].hits - st0.tier[ZINF_TIER_HOST].hits, 10,
+                 "the victim's fetches stopped hitting its table");
+    test_expect_content(v, t, want, n, "after the hostile client");
+    zinf_close(v);
+    daemon_stop(&d);
+
+    daemon_start(&d);
+    v = connect_job("victim");
+    cr_assert_eq(zinf_lookup(v, "kept", &t), 0);
+    test_expect_content(v, t, want, n, "after SIGTERM's flush and a restart");
+    zinf_close(v);
+    daemon_stop(&d);
+    free(want);
+}
