@@ -330,3 +330,64 @@ Test(serve_guard, a_client_cannot_break_the_memory_it_was_given)
     daemon_stop(&d);
     free(want);
 }
+
+/* ---- 9: errors keep the connection ---------------------------------------------------------- */
+
+/* Flips one byte of the only place needle lies in the job's swap file. */
+static void damage_swap(const char *job, const unsigned char *needle, size_t len)
+{
+    char p[700];
+    snprintf(p, sizeof(p), "%s/swap/%s/zinf-swap.0", dir, job);
+    int fd = open(p, O_RDWR);
+    cr_assert_geq(fd, 0, "%s: %s", p, strerror(errno));
+    struct stat st;
+    cr_assert_eq(fstat(fd, &st), 0);
+    unsigned char *buf = malloc((size_t)st.st_size);
+    cr_assert_eq(pread(fd, buf, (size_t)st.st_size, 0), st.st_size);
+    unsigned char *hit = memmem(buf, (size_t)st.st_size, needle, len);
+    cr_assert_not_null(hit, "the tensor's bytes are in %s", p);
+    unsigned char c = hit[len / 2] ^ 0x40;
+    cr_assert_eq(pwrite(fd, &c, 1, (off_t)(hit - buf) + (off_t)(len / 2)), 1);
+    close(fd);
+    free(buf);
+}
+
+/* Item 9: reading a damaged tensor answers -EBADMSG, as documented, and the same pooled
+ * connection then serves the next call, on a healthy tensor. */
+Test(serve_guard, a_damaged_tensor_answers_ebadmsg_and_the_connection_stays)
+{
+    write_cfg(true);
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("damaged");
+    const size_t n = 65536;
+    zinf_tensor bad = test_register(e, "bad", n, ZINF_TIER_NVME);
+    zinf_tensor good = test_register(e, "good", n, ZINF_TIER_NVME);
+    unsigned char *a = test_rand_buf(n, 21), *b = test_rand_buf(n, 22);
+    cr_assert_eq(zinf_write(e, bad, 0, a, n), 0);
+    cr_assert_eq(zinf_write(e, good, 0, b, n), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    zinf_close(e);
+    daemon_stop(&d);
+    damage_swap("damaged", a, n);
+
+    daemon_start(&d);
+    e = connect_job("damaged");
+    cr_assert_eq(zinf_lookup(e, "bad", &bad), 0);
+    cr_assert_eq(zinf_lookup(e, "good", &good), 0);
+    unsigned char *got = malloc(n);
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(zinf_read(e, bad, 0, got, n), -EBADMSG, "round %d", i);
+        cr_assert_eq(zinf_read(e, good, 0, got, n), 0, "round %d: the call after -EBADMSG", i);
+        cr_assert_eq(memcmp(got, b, n), 0);
+        void *p;
+        cr_assert_eq(zinf_fetch(e, bad, ZINF_TIER_HOST, &p), -EBADMSG);
+        cr_assert_eq(zinf_fetch(e, good, ZINF_TIER_HOST, &p), 0);
+        cr_assert_eq(zinf_release(e, good, ZINF_TIER_HOST, 0), 0);
+    }
+    free(got);
+    free(a);
+    free(b);
+    zinf_close(e);
+    daemon_stop(&d);
+}

@@ -4,7 +4,8 @@
  * Threads: service_run() accepts on the listening socket; each connection gets a thread
  * that reads one request at a time, calls the job's engine (engine_api_*, thread-safe) and
  * writes the reply. A request that cannot be parsed gets an error reply and the connection
- * is closed; nothing a client sends can take the daemon down.
+ * is closed; a request that fails (whatever its error) is answered and the connection
+ * stays; nothing a client sends can take the daemon down.
  *
  * Locks, outermost first: s->lock (the lists of jobs, sessions and connections, the
  * sessions' connection counts), then a session's lock (its pins and tickets). No engine
@@ -844,8 +845,10 @@ static void *conn_main(void *arg)
         }
         int w = proto_send(k->fd, &o, NULL, 0);
         proto_out_free(&o);
-        if (w < 0 || r == -EBADMSG)
-            break; /* a malformed request ends the connection after its answer */
+        if (w < 0) break;
+        /* A request's own failure (-EBADMSG of a damaged tensor too) leaves the connection
+         * open: the client has put it back in its pool. Only a message that breaks the
+         * protocol (above) closes it. */
     }
     if (k->sess) session_leave(s, k->sess);
     pthread_mutex_lock(&s->lock);
