@@ -6,8 +6,8 @@
  *
  * Without --foreground it goes to the background once the socket accepts connections (the
  * command returns 0 then, so a script may connect right after it), its messages to --log
- * FILE (appended) or nowhere; under systemd use --foreground (examples/zinf.service), and
- * the journal takes stderr.
+ * FILE (appended) or nowhere; under systemd use --foreground (packaging/zinf.service.in):
+ * the journal takes stderr, and READY=1 goes to $NOTIFY_SOCKET once the socket answers.
  *
  * Not here: anything the daemon does (server.c).
  */
@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "cmd.h"
+#include "notify.h"
 #include "tiers/cuda_probe.h"
 #include "common.h"
 #include "config.h"
@@ -178,7 +179,9 @@ int cmd_serve(int argc, char **argv)
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     signal(SIGPIPE, SIG_IGN);
+    if (foreground) notify_ready(); /* systemd's Type=notify: the socket answers */
     r = service_run(running);
+    notify_stopping(); /* flushing every job may take minutes */
     if (r < 0) fprintf(stderr, "zinf: serve: the listener failed: %s\n", strerror(-r));
     service_close(running); /* flushes every job */
     running = NULL;
