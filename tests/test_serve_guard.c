@@ -28,6 +28,7 @@
 #include "common.h"
 #include "helpers.h"
 #include "pintable.h"
+#include "service/client.h"
 #include "service/proto.h"
 #include "service_util.h"
 
@@ -389,5 +390,293 @@ Test(serve_guard, a_damaged_tensor_answers_ebadmsg_and_the_connection_stays)
     free(a);
     free(b);
     zinf_close(e);
+    daemon_stop(&d);
+}
+
+/* ---- 3, 4, 5, 8: the daemon's folders are its own ------------------------------------------ */
+
+/* service_open() of cfg_path: its result, the reason in err. */
+static int try_open(char *err, size_t errlen)
+{
+    struct zinf_config cfg;
+    struct service *s = NULL;
+    cr_assert_eq(config_parse_file(cfg_path, &cfg, err, errlen), 0, "%s", err);
+    struct service_opts o = {.socket_path = sock, .config = &cfg};
+    int r = service_open(&o, &s, err, errlen);
+    if (r == 0) service_close(s);
+    config_free(&cfg);
+    return r;
+}
+
+static void write_cfg_at(const char *swap)
+{
+    FILE *f = fopen(cfg_path, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+            "\"%s\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 8},"
+            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", \"host_bytes\": \"4M\"}}",
+            swap);
+    fclose(f);
+}
+
+static void mkdir_as_nobody(void *arg, struct report *rp)
+{
+    if (mkdir(arg, 0777) != 0) say(rp, "mkdir %s: %s", (char *)arg, strerror(errno));
+    chmod(arg, 0777);
+}
+
+/* Item 8: a swap directory another user made first (in a sticky folder anyone may write, as
+ * /tmp), or one others can write, or under a folder others can write, is refused at start
+ * with its path, its owner and the fix; one the daemon owns alone is taken. */
+Test(serve_guard, a_squatted_or_open_swap_directory_is_refused_at_start)
+{
+    if (!as_root()) return;
+    char err[1024], sticky[700], swap[800];
+    snprintf(sticky, sizeof(sticky), "%s/shared", dir);
+    cr_assert_eq(mkdir(sticky, 0700), 0);
+    cr_assert_eq(chmod(sticky, 01777), 0);
+    cr_assert_eq(chmod(dir, 0711), 0);
+    snprintf(swap, sizeof(swap), "%s/swap", sticky);
+    run_as_nobody(mkdir_as_nobody, swap, "the other user squats the swap directory");
+    write_cfg_at(swap);
+    cr_assert_eq(try_open(err, sizeof(err)), -EPERM);
+    cr_assert(strstr(err, swap) && strstr(err, "belongs to uid 65534") && strstr(err, "chown 0"),
+              "%s", err);
+    /* The daemon's, but open to everyone. */
+    cr_assert_eq(chown(swap, 0, 0), 0);
+    cr_assert_eq(try_open(err, sizeof(err)), -EPERM);
+    cr_assert(strstr(err, "mode 0777") && strstr(err, "chmod 0700"), "%s", err);
+    /* Its own alone, in the sticky folder: taken. */
+    cr_assert_eq(chmod(swap, 0700), 0);
+    cr_assert_eq(try_open(err, sizeof(err)), 0, "%s", err);
+    /* Under a folder anyone may write, without the sticky bit: refused, that folder named. */
+    cr_assert_eq(chmod(sticky, 0777), 0);
+    cr_assert_eq(try_open(err, sizeof(err)), -EPERM);
+    cr_assert(strstr(err, "the folder") && strstr(err, sticky) && strstr(err, "mode 0777"), "%s",
+              err);
+    cr_assert_eq(chmod(sticky, 0755), 0);
+    /* Reached through a link: the folder it leads to is the one checked. */
+    char link[800];
+    snprintf(link, sizeof(link), "%s/link", dir);
+    cr_assert_eq(symlink(swap, link), 0);
+    cr_assert_eq(chown(swap, NOBODY, 0), 0);
+    write_cfg_at(link);
+    cr_assert_eq(try_open(err, sizeof(err)), -EPERM);
+    cr_assert(strstr(err, swap) && strstr(err, "uid 65534"), "%s", err);
+    cr_assert_eq(chown(swap, 0, 0), 0);
+    cr_assert_eq(try_open(err, sizeof(err)), 0, "%s", err);
+    /* Missing: made, the daemon's alone. */
+    snprintf(swap, sizeof(swap), "%s/new-swap", dir);
+    write_cfg_at(swap);
+    cr_assert_eq(try_open(err, sizeof(err)), 0, "%s", err);
+    struct stat st;
+    cr_assert_eq(stat(swap, &st), 0);
+    cr_assert_eq(st.st_mode & 07777, 0700);
+}
+
+/* A job's folder as the daemon makes it: 0700, with its owner named. */
+static void make_job_folder(const char *job, uid_t owner)
+{
+    char p[700], f[800];
+    snprintf(p, sizeof(p), "%s/swap", dir);
+    mkdir(p, 0700);
+    snprintf(p, sizeof(p), "%s/swap/%s", dir, job);
+    cr_assert_eq(mkdir(p, 0700), 0);
+    snprintf(f, sizeof(f), "%s/zinf-owner", p);
+    FILE *o = fopen(f, "w");
+    cr_assert_not_null(o);
+    fprintf(o, "%u\n", (unsigned)owner);
+    fclose(o);
+}
+
+static char *job_file(const char *job, const char *name)
+{
+    static char p[4][800];
+    static int k;
+    char *b = p[k++ % 4];
+    snprintf(b, sizeof(p[0]), "%s/swap/%s/%s", dir, job, name);
+    return b;
+}
+
+/* A root-only file the daemon must never write or read for a client. */
+static char *secret_file(void)
+{
+    static char p[700];
+    snprintf(p, sizeof(p), "%s/root-only", dir);
+    FILE *f = fopen(p, "w");
+    cr_assert_not_null(f);
+    fputs("root's own\n", f);
+    fclose(f);
+    cr_assert_eq(chmod(p, 0600), 0);
+    return p;
+}
+
+static void expect_file(const char *p, const char *want)
+{
+    char buf[64] = "";
+    FILE *f = fopen(p, "r");
+    cr_assert_not_null(f, "%s", p);
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    buf[n] = 0;
+    fclose(f);
+    cr_assert_str_eq(buf, want, "%s was written", p);
+}
+
+static void attach_as_nobody(void *arg, struct report *rp)
+{
+    zinf_engine *e;
+    int r = zinf_connect(sock, arg, &e);
+    if (r == 0)
+        zinf_close(e);
+    else
+        say(rp, "job %s: %s", (char *)arg, zinf_strerror(r));
+}
+
+static void refused_as_nobody(void *arg, struct report *rp)
+{
+    zinf_engine *e;
+    int r = zinf_connect(sock, arg, &e);
+    if (r == 0) {
+        say(rp, "attached to job %s", (char *)arg);
+        zinf_close(e);
+    }
+}
+
+static void write_in_folder_as_nobody(void *arg, struct report *rp)
+{
+    int fd = open(arg, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    if (fd >= 0) {
+        say(rp, "made %s", (char *)arg);
+        close(fd);
+    }
+}
+
+/* Items 3 and 8: job folders are made by the daemon, 0700, its own, never given to the job's
+ * user, who cannot put anything in them; a folder another user owns (one made by an earlier
+ * zinf, or squatted) is refused with the fix, and nothing in it is followed or written. */
+Test(serve_guard, job_folders_are_the_daemons_and_others_are_refused)
+{
+    if (!as_root()) return;
+    write_cfg(true);
+    char *secret = secret_file();
+    cr_assert_eq(chmod(dir, 0711), 0);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    /* Made by the first HELLO, a second user's job: the daemon's folder. */
+    run_as_nobody(attach_as_nobody, "mine", "uid 65534 attaches to a job of its own");
+    struct stat st;
+    char p[700];
+    snprintf(p, sizeof(p), "%s/swap/mine", dir);
+    cr_assert_eq(lstat(p, &st), 0);
+    cr_assert(S_ISDIR(st.st_mode) && st.st_uid == 0 && (st.st_mode & 07777) == 0700,
+              "uid %u mode %o", st.st_uid, st.st_mode & 07777);
+    expect_file(job_file("mine", "zinf-owner"), "65534\n");
+    run_as_nobody(write_in_folder_as_nobody, job_file("mine", "zinf-manifest.json.tmp"),
+                  "uid 65534 plants a file in its job's folder");
+    /* Another user's: refused to root too, with the fix; the link it holds is not followed. */
+    snprintf(p, sizeof(p), "%s/swap/legacy", dir);
+    cr_assert_eq(mkdir(p, 0700), 0);
+    cr_assert_eq(symlink(secret, job_file("legacy", "zinf-manifest.json.tmp")), 0);
+    cr_assert_eq(lchown(job_file("legacy", "zinf-manifest.json.tmp"), NOBODY, NOBODY), 0);
+    cr_assert_eq(chown(p, NOBODY, NOBODY), 0);
+    test_log_capture_start();
+    zinf_engine *e;
+    cr_assert_eq(zinf_connect(sock, "legacy", &e), -EACCES);
+    const char *log = test_log_text();
+    cr_assert(strstr(log, p) && strstr(log, "belongs to uid 65534") && strstr(log, "chown -R 0"),
+              "%s", log);
+    test_log_capture_stop();
+    expect_file(secret, "root's own\n");
+    /* The daemon's folder with a link in it (an earlier zinf's, or an admin's mistake): a
+     * flush replaces the link and writes nothing through it. */
+    zinf_engine *r = connect_job("planted");
+    zinf_tensor t = test_register(r, "t", 65536, ZINF_TIER_NVME);
+    cr_assert_eq(zinf_write(r, t, 0, "kept", 4), 0);
+    cr_assert_eq(symlink(secret, job_file("planted", "zinf-manifest.json.tmp")), 0);
+    cr_assert_eq(zinf_flush(r), 0);
+    expect_file(secret, "root's own\n");
+    cr_assert_eq(lstat(job_file("planted", "zinf-manifest.json"), &st), 0);
+    cr_assert(S_ISREG(st.st_mode));
+    zinf_close(r);
+    daemon_stop(&d);
+}
+
+/* Item 4: links in a job's folder to another job's manifest and swap file (they cannot come
+ * from a client any more; an earlier zinf let them): the job is refused at resume, and its
+ * user never reads the other job's bytes. */
+Test(serve_guard, links_to_another_jobs_files_are_not_followed)
+{
+    if (!as_root()) return;
+    write_cfg(true);
+    cr_assert_eq(chmod(dir, 0711), 0);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    zinf_engine *v = connect_job("victim");
+    zinf_tensor t = test_register(v, "secret", 65536, ZINF_TIER_NVME);
+    cr_assert_eq(zinf_write(v, t, 0, "victim's bytes", 14), 0);
+    cr_assert_eq(zinf_flush(v), 0);
+    zinf_close(v);
+    daemon_stop(&d);
+    make_job_folder("thief", NOBODY);
+    cr_assert_eq(symlink("../victim/zinf-manifest.json", job_file("thief", "zinf-manifest.json")), 0);
+    cr_assert_eq(symlink("../victim/zinf-swap.0", job_file("thief", "zinf-swap.0")), 0);
+    daemon_start_group(&d, nobody_group());
+    test_log_capture_start();
+    zinf_engine *e;
+    cr_assert_lt(zinf_connect(sock, "thief", &e), 0, "a job resumed through links");
+    cr_assert(strstr(test_log_text(), "symbolic link"), "%s", test_log_text());
+    test_log_capture_stop();
+    run_as_nobody(refused_as_nobody, "thief", "uid 65534 attaches to the linked job");
+    v = connect_job("victim");
+    cr_assert_eq(zinf_lookup(v, "secret", &t), 0);
+    test_expect_content(v, t, (const unsigned char *)"victim's bytes", 14, "the victim's job");
+    zinf_close(v);
+    daemon_stop(&d);
+}
+
+struct fifo_probe {
+    int status_r, hello_r, other_r;
+    size_t njobs;
+};
+
+static void *fifo_calls(void *arg)
+{
+    struct fifo_probe *fp = arg;
+    zinf_engine *e;
+    fp->hello_r = zinf_connect(sock, "fifo", &e);
+    if (fp->hello_r == 0) zinf_close(e);
+    struct service_job_status *js = NULL;
+    fp->status_r = service_status(sock, &js, &fp->njobs);
+    free(js);
+    fp->other_r = zinf_connect(sock, "other", &e);
+    if (fp->other_r == 0) zinf_close(e);
+    return NULL;
+}
+
+/* Item 5: a FIFO in place of a job's manifest (and of its swap file) hangs nothing: the
+ * job's HELLO fails, STATUS and every other job's HELLO answer at once. */
+Test(serve_guard, a_fifo_in_a_jobs_folder_hangs_nothing)
+{
+    write_cfg(true);
+    make_job_folder("fifo", geteuid());
+    make_job_folder("fifo2", geteuid());
+    cr_assert_eq(mkfifo(job_file("fifo", "zinf-manifest.json"), 0600), 0);
+    cr_assert_eq(mkfifo(job_file("fifo2", "zinf-swap.0"), 0600), 0);
+    struct daemon d;
+    daemon_start(&d);
+    struct fifo_probe fp = {1, 1, 1, 0};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, fifo_calls, &fp), 0);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 20;
+    int r = pthread_timedjoin_np(th, NULL, &until);
+    cr_assert_eq(r, 0, "a FIFO in a job's folder hung the daemon");
+    cr_assert_lt(fp.hello_r, 0, "a job resumed from a FIFO");
+    cr_assert_eq(fp.status_r, 0);
+    cr_assert_eq(fp.other_r, 0);
+    zinf_engine *e;
+    cr_assert_lt(zinf_connect(sock, "fifo2", &e), 0, "a job swapped to a FIFO");
     daemon_stop(&d);
 }

@@ -176,13 +176,13 @@ int persist_remove_manifest(struct zinf_engine *e)
 static int current_manifest(const char *dir, char *path, size_t len, struct stat *st)
 {
     snprintf(path, len, "%s/%s", dir, MANIFEST_NAME);
-    if (stat(path, st) == 0)
+    if (lstat(path, st) == 0)
         return 0;
     int r = -errno;
     if (r != -ENOENT)
         return r;
     snprintf(path, len, "%s/%s%s", dir, MANIFEST_NAME, PREV_SUFFIX);
-    return stat(path, st) == 0 ? 1 : -errno;
+    return lstat(path, st) == 0 ? 1 : -errno;
 }
 
 int persist_saved_at(const char *dir, struct timespec *when)
@@ -196,14 +196,82 @@ int persist_saved_at(const char *dir, struct timespec *when)
     return 0;
 }
 
+/* The bytes of the file at path, NUL-terminated (*len without it), or NULL with *err:
+ * -ELOOP for a link, -EINVAL for anything but a regular file (a FIFO is not waited on),
+ * -errno. A manifest is only ever read through here: its folder may not be the engine's
+ * alone. */
+static char *read_regular(const char *path, size_t *len, int *err)
+{
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    char *buf = NULL;
+    *err = 0;
+    if (fd < 0) {
+        *err = -errno;
+        return NULL;
+    }
+    if (fstat(fd, &st) != 0)
+        *err = -errno;
+    else if (!S_ISREG(st.st_mode))
+        *err = -EINVAL;
+    size_t cap = 0, n = 0;
+    while (*err == 0) {
+        if (cap - n < 2) {
+            char *nb = realloc(buf, cap = cap ? 2 * cap : 64 * 1024);
+            if (!nb) {
+                *err = -ENOMEM;
+                break;
+            }
+            buf = nb;
+        }
+        ssize_t got = read(fd, buf + n, cap - n - 1);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0)
+            *err = -errno;
+        else if (got == 0)
+            break;
+        else
+            n += (size_t)got;
+    }
+    close(fd);
+    if (*err) {
+        free(buf);
+        return NULL;
+    }
+    if (!buf && !(buf = malloc(1))) {
+        *err = -ENOMEM;
+        return NULL;
+    }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+/* The manifest at path, parsed (NULL with *err: -EBADMSG for bad JSON, with jerr; or
+ * read_regular's error). */
+static json_t *load_manifest(const char *path, size_t flags, json_error_t *jerr, int *err)
+{
+    size_t n;
+    char *buf = read_regular(path, &n, err);
+    if (!buf)
+        return NULL;
+    json_t *root = json_loadb(buf, n, flags, jerr);
+    free(buf);
+    if (!root)
+        *err = -EBADMSG;
+    return root;
+}
+
 /* The tag of the manifest at path, -1 where it has none; -errno where it cannot be read. */
 static int manifest_tag(const char *path, int64_t *tag)
 {
     json_error_t jerr;
-    json_t *root = json_load_file(path, 0, &jerr);
+    int err;
+    json_t *root = load_manifest(path, 0, &jerr, &err);
     *tag = -1;
     if (!root)
-        return access(path, F_OK) == 0 ? -EBADMSG : -errno;
+        return err;
     json_t *t = json_object_get(root, "tag");
     if (json_is_integer(t) && json_integer_value(t) >= 0)
         *tag = (int64_t)json_integer_value(t);
@@ -245,26 +313,13 @@ int persist_probe(const char *dir, size_t *ntensors, uint32_t *id)
     /* Its identity is a checksum of its bytes: a manifest is replaced by rename, and a
      * new one may get the old one's inode number and (on a coarse clock) its mtime; two
      * manifests with the same bytes describe the same state. */
-    FILE *f = fopen(path, "rb");
-    if (f) {
-        char *buf = NULL;
-        size_t cap = 0, len = 0, got;
-        do {
-            if (len == cap) {
-                char *nb = realloc(buf, cap = cap ? 2 * cap : 64 * 1024);
-                if (!nb)
-                    break;
-                buf = nb;
-            }
-            got = fread(buf + len, 1, cap - len, f);
-            len += got;
-        } while (got > 0);
-        fclose(f);
-        if (buf) {
-            if (id)
-                *id = crc32c(0, buf, len) ^ (uint32_t)len;
-            root = json_loadb(buf, len, 0, NULL);
-        }
+    size_t len;
+    int err;
+    char *buf = read_regular(path, &len, &err);
+    if (buf) {
+        if (id)
+            *id = crc32c(0, buf, len) ^ (uint32_t)len;
+        root = json_loadb(buf, len, 0, NULL);
         free(buf);
     }
     if (root && json_is_array(json_object_get(root, "tensors")))
@@ -314,7 +369,13 @@ static int manifest_commit(struct zinf_engine *e, const char *text, bool keep, b
     manifest_path(e, path, sizeof(path), "");
     manifest_path(e, tmp, sizeof(tmp), ".tmp");
     manifest_path(e, prev, sizeof(prev), PREV_SUFFIX);
-    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    /* Made new: whatever lies at tmp (a link, say) is replaced, never followed. */
+    if (unlink(tmp) < 0 && errno != ENOENT) {
+        r = -errno;
+        log_error("engine: %s: %s", tmp, strerror(-r));
+        return r;
+    }
+    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) {
         r = -errno;
         log_error("engine: %s: %s", tmp, strerror(-r));
@@ -926,14 +987,21 @@ int persist_resume(struct zinf_engine *e)
 
     if ((r = choose_manifest(e, path, sizeof(path))) < 0)
         return r;
-    if (access(path, F_OK) != 0) {
+    int err;
+    root = load_manifest(path, JSON_REJECT_DUPLICATES, &jerr, &err);
+    if (!root && err == -ENOENT) {
         log_notice("engine: %s: no manifest: nothing to resume", path);
         return 0;
     }
-    root = json_load_file(path, JSON_REJECT_DUPLICATES, &jerr);
     if (!root) {
-        log_error("engine: %s:%d:%d: %s", path, jerr.line, jerr.column, jerr.text);
-        return -EBADMSG;
+        if (err == -EBADMSG)
+            log_error("engine: %s:%d:%d: %s", path, jerr.line, jerr.column, jerr.text);
+        else
+            log_error("engine: %s: %s", path,
+                      err == -EINVAL  ? "not a regular file: refused"
+                      : err == -ELOOP ? "a symbolic link: refused"
+                                      : strerror(-err));
+        return err;
     }
     arr = json_object_get(root, "tensors");
     const char *fmt = json_string_value(json_object_get(root, "format"));

@@ -21,6 +21,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -43,6 +44,9 @@
 
 struct job {
     char name[PROTO_MAX_JOB + 1];
+    /* s->lock: opening (its folders and engine being made, without the lock; e NULL), then
+     * open. A HELLO for a job being opened waits on s->job_cv. */
+    bool opening;
     uid_t owner;
     zinf_engine *e;
     struct engine_region reg[MEM_TIERS];
@@ -118,6 +122,7 @@ struct service {
     uint64_t spin_ns; /* how long a connection polls for its next request before it sleeps */
 
     pthread_mutex_t lock;
+    pthread_cond_t job_cv; /* a job finished opening (or failed to) */
     struct job *jobs;
     struct session *sessions;
     struct conn *conns;
@@ -235,27 +240,121 @@ static bool job_name_ok(const char *n)
     return true;
 }
 
-/* The job's folder under the first swap directory: its owner is the job's. Created (and
- * given to uid) when missing. No swap directory: owner uid, in memory only. */
-static int job_owner(struct service *s, const char *name, uid_t uid, uid_t *owner)
+/* A job's folder under each swap directory is the daemon's alone (0700): clients reach
+ * their data only through the protocol, and nothing in the folder is a link or a FIFO a
+ * client put there. The job's owner is the uid its first folder's OWNER_FILE names. */
+#define OWNER_FILE "zinf-owner"
+
+/* Whether st (of a job's folder, or a swap directory) is the daemon's alone. */
+static bool daemons_own(const struct stat *st, mode_t others)
+{
+    return S_ISDIR(st->st_mode) && st->st_uid == geteuid() && !(st->st_mode & others);
+}
+
+static void refuse_folder(const char *job, const char *path, const struct stat *st)
+{
+    unsigned me = (unsigned)geteuid();
+    if (S_ISLNK(st->st_mode) || !S_ISDIR(st->st_mode))
+        log_error("serve: job %s: %s is not a folder (%s): refused; remove it to start the job "
+                  "anew", job, path, S_ISLNK(st->st_mode) ? "a symbolic link" : "another kind of file");
+    else
+        log_error("serve: job %s: its folder %s belongs to uid %u with mode %04o, not to the "
+                  "daemon (uid %u) alone: refused, as a folder another user can write is not "
+                  "trusted. Folders of an earlier zinf were given to their job's user; to keep "
+                  "such a job: chown -R %u %s && chmod 0700 %s && echo %u > %s/" OWNER_FILE,
+                  job, path, (unsigned)st->st_uid, (unsigned)(st->st_mode & 07777), me, me, path,
+                  path, (unsigned)st->st_uid, path);
+}
+
+/* The uid the owner file of folder path names: 0 with *owner, -ENOENT where there is none,
+ * -EBADMSG where it is not a uid, -errno. Read without following a link or waiting on a
+ * FIFO. */
+static int read_owner(const char *path, uid_t *owner)
+{
+    char f[4200], buf[32];
+    snprintf(f, sizeof(f), "%s/%s", path, OWNER_FILE);
+    int fd = open(f, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    struct stat st;
+    ssize_t n = -1;
+    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) return -EBADMSG;
+    buf[n] = 0;
+    char *end;
+    unsigned long v = strtoul(buf, &end, 10);
+    if (end == buf || (*end && *end != '\n') || v > UINT32_MAX - 1) return -EBADMSG;
+    *owner = (uid_t)v;
+    return 0;
+}
+
+/* fsync of a folder. */
+static int sync_folder(const char *path)
+{
+    int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int r = fd < 0 || fsync(fd) != 0 ? -errno : 0;
+    if (fd >= 0) close(fd);
+    return r;
+}
+
+/* Makes the first folder of a new job, whole or not at all: a hidden folder (no job's name
+ * starts with a dot) with the owner file in it, renamed into place. */
+static int make_first_folder(const char *root, const char *path, uid_t uid)
+{
+    char tmp[4200], f[4300], text[32];
+    snprintf(tmp, sizeof(tmp), "%s/.new-XXXXXX", root);
+    if (!mkdtemp(tmp)) return -errno; /* 0700 */
+    snprintf(f, sizeof(f), "%s/%s", tmp, OWNER_FILE);
+    int n = snprintf(text, sizeof(text), "%u\n", (unsigned)uid);
+    int fd = open(f, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    int r = fd < 0 ? -errno : 0;
+    if (r == 0 && (write(fd, text, (size_t)n) != n || fsync(fd) != 0)) r = errno ? -errno : -EIO;
+    if (fd >= 0) close(fd);
+    if (r == 0 && (r = sync_folder(tmp)) == 0 && rename(tmp, path) != 0) r = -errno;
+    if (r == 0) return sync_folder(root);
+    unlink(f);
+    rmdir(tmp);
+    return r;
+}
+
+/* The job's folder under each swap directory, made when missing, each checked to be the
+ * daemon's alone; *owner: the job's owner (uid, for a job made now). No swap directory:
+ * owner uid, in memory only. -EACCES for a folder refused (the log says why). */
+static int job_folders(struct service *s, const char *name, uid_t uid, uid_t *owner)
 {
     const struct zinf_config *c = s->config;
     *owner = uid;
-    if (!c->nvme_paths.count) return 0;
     for (unsigned i = 0; i < c->nvme_paths.count; i++) {
-        char dir[4096];
+        const char *root = c->nvme_paths.path[i];
+        char path[4096];
         struct stat st;
-        if (snprintf(dir, sizeof(dir), "%s/%s", c->nvme_paths.path[i], name) >= (int)sizeof(dir))
+        if (snprintf(path, sizeof(path), "%s/%s", root, name) >= (int)sizeof(path))
             return -ENAMETOOLONG;
-        if (mkdir(c->nvme_paths.path[i], 0755) != 0 && errno != EEXIST) return -errno;
-        if (mkdir(dir, 0700) == 0) {
-            if (geteuid() == 0 && uid != 0 && chown(dir, uid, (gid_t)-1) != 0) return -errno;
-        } else if (errno != EEXIST) {
-            return -errno;
+        int r = lstat(path, &st) == 0 ? 0 : -errno;
+        if (r == -ENOENT) {
+            r = i == 0 ? make_first_folder(root, path, uid)
+                       : mkdir(path, 0700) == 0 ? sync_folder(root) : -errno;
+            if (r == 0 && (r = lstat(path, &st) == 0 ? 0 : -errno) == 0 && i == 0) {
+                log_notice("serve: job %s: made its folder %s (owner uid %u)", name, path,
+                           (unsigned)uid);
+            }
         }
-        if (i == 0) {
-            if (stat(dir, &st) != 0) return -errno;
-            *owner = st.st_uid;
+        if (r < 0) {
+            log_error("serve: job %s: cannot make its folder %s: %s", name, path, strerror(-r));
+            return r;
+        }
+        if (!daemons_own(&st, 077)) {
+            refuse_folder(name, path, &st);
+            return -EACCES;
+        }
+        if (i > 0) continue;
+        r = read_owner(path, owner);
+        if (r == -ENOENT) {
+            *owner = geteuid(); /* a folder without one: the daemon's user's (and root's) */
+        } else if (r < 0) {
+            log_error("serve: job %s: %s/%s: %s: refused", name, path, OWNER_FILE,
+                      r == -EBADMSG ? "not a uid" : strerror(-r));
+            return -EACCES;
         }
     }
     return 0;
@@ -272,40 +371,61 @@ static bool saved(struct service *s, const char *name)
     return persist_probe(d, &n, NULL) == 0 && n > 0;
 }
 
+/* Opens job j (its folders, then its engine, resuming what it saved): file IO, done
+ * without s->lock. */
+static int job_open(struct service *s, struct job *j, uid_t uid)
+{
+    int r = job_folders(s, j->name, uid, &j->owner);
+    if (r < 0) return r;
+    /* A job resumes what it saved in its folder; with nothing saved there it is new. */
+    r = engine_open_config_shared(s->config, saved(s, j->name) ? ZINF_OPEN_RESUME : 0, j->name,
+                                  &j->e);
+    if (r == 0 && (r = engine_regions(j->e, j->reg)) < 0) {
+        log_error("serve: job %s: its device arena cannot be shared with clients: %s", j->name,
+                  zinf_strerror(r));
+        engine_api_close(j->e);
+        j->e = NULL;
+    }
+    if (r < 0) {
+        log_error("serve: job %s: cannot open its engine: %s", j->name, zinf_strerror(r));
+        return r;
+    }
+    log_notice("serve: job %s opened (owner uid %u)", j->name, (unsigned)j->owner);
+    return 0;
+}
+
 /* The job of that name, opened (its saved state resumed) when first asked for. s->lock
- * held: opening is slow, but it happens once per job and a job must not open twice. */
+ * held; it is let go while the job opens (no file IO under it), and a HELLO for a job
+ * another is opening waits for that. */
 static int job_get(struct service *s, const char *name, uid_t uid, struct job **out)
 {
     struct job *j;
-    for (j = s->jobs; j; j = j->next)
-        if (!strcmp(j->name, name)) break;
+    for (;;) {
+        for (j = s->jobs; j; j = j->next)
+            if (!strcmp(j->name, name)) break;
+        if (!j || !j->opening) break;
+        pthread_cond_wait(&s->job_cv, &s->lock);
+    }
     if (!j) {
-        uid_t owner;
-        int r = job_owner(s, name, uid, &owner);
-        if (r < 0) {
-            log_error("serve: job %s: cannot make its swap folder: %s", name, strerror(-r));
-            return r;
-        }
-        j = calloc(1, sizeof(*j));
-        if (!j) return -ENOMEM;
+        if (!(j = calloc(1, sizeof(*j)))) return -ENOMEM;
         strcpy(j->name, name);
-        j->owner = owner;
-        /* A job resumes what it saved in its folder; with nothing saved there it is new. */
-        r = engine_open_config_shared(s->config, saved(s, name) ? ZINF_OPEN_RESUME : 0, name,
-                                      &j->e);
-        if (r == 0 && (r = engine_regions(j->e, j->reg)) < 0) {
-            log_error("serve: job %s: its device arena cannot be shared with clients: %s", name,
-                      zinf_strerror(r));
-            engine_api_close(j->e);
-        }
+        j->opening = true;
+        j->next = s->jobs;
+        s->jobs = j;
+        pthread_mutex_unlock(&s->lock);
+        int r = job_open(s, j, uid);
+        pthread_mutex_lock(&s->lock);
+        pthread_cond_broadcast(&s->job_cv);
         if (r < 0) {
-            log_error("serve: job %s: cannot open its engine: %s", name, zinf_strerror(r));
+            for (struct job **pp = &s->jobs; *pp; pp = &(*pp)->next)
+                if (*pp == j) {
+                    *pp = j->next;
+                    break;
+                }
             free(j);
             return r;
         }
-        j->next = s->jobs;
-        s->jobs = j;
-        log_notice("serve: job %s opened (owner uid %u)", name, (unsigned)owner);
+        j->opening = false;
     }
     if (uid != j->owner && uid != 0) return -EACCES;
     *out = j;
@@ -692,8 +812,10 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
 
 /* STATUS entries for the jobs saved under the first swap directory that the daemon has not
  * opened since it started (no client attached yet), which uid may see: stats all zero but
- * the tensors their saved state names. s->lock held. */
-static uint32_t status_saved(struct service *s, uid_t uid, struct proto_out *o)
+ * the tensors their saved state names. Without s->lock (it reads files): open[0..nopen)
+ * are the names of the jobs the daemon has, skipped. */
+static uint32_t status_saved(struct service *s, uid_t uid, char (*open)[PROTO_MAX_JOB + 1],
+                             size_t nopen, struct proto_out *o)
 {
     if (!s->config->nvme_paths.count) return 0;
     const char *root = s->config->nvme_paths.path[0];
@@ -704,20 +826,26 @@ static uint32_t status_saved(struct service *s, uid_t uid, struct proto_out *o)
     while ((de = readdir(d))) {
         const char *name = de->d_name;
         if (!job_name_ok(name)) continue;
-        bool open = false;
-        for (struct job *j = s->jobs; j && !open; j = j->next)
-            open = !strcmp(j->name, name);
+        bool is_open = false;
+        for (size_t i = 0; i < nopen && !is_open; i++)
+            is_open = !strcmp(open[i], name);
         char path[4096];
         struct stat st;
         size_t tensors = 0;
-        if (open || snprintf(path, sizeof(path), "%s/%s", root, name) >= (int)sizeof(path) ||
-            stat(path, &st) != 0 || !S_ISDIR(st.st_mode) || (uid != st.st_uid && uid != 0) ||
-            persist_probe(path, &tensors, NULL) != 0)
+        uid_t owner;
+        if (is_open || snprintf(path, sizeof(path), "%s/%s", root, name) >= (int)sizeof(path) ||
+            lstat(path, &st) != 0 || !daemons_own(&st, 077))
             continue;
+        int ro = read_owner(path, &owner);
+        if (ro == -ENOENT)
+            owner = geteuid();
+        else if (ro < 0)
+            continue;
+        if ((uid != owner && uid != 0) || persist_probe(path, &tensors, NULL) != 0) continue;
         struct zinf_stats zs = {0};
         zs.tensors = tensors == SIZE_MAX ? 0 : tensors;
         proto_put_str(o, name);
-        proto_put_u32(o, (uint32_t)st.st_uid);
+        proto_put_u32(o, (uint32_t)owner);
         proto_put_u32(o, 0); /* saved, not open */
         proto_put_u32(o, 0);
         proto_put_u64(o, 0);
@@ -744,8 +872,15 @@ static int status(struct conn *k, uint32_t seq)
     uint32_t n = 0;
     /* Lock order: the service, then a session, then (in engine_api_stats) the engine. */
     pthread_mutex_lock(&s->lock);
+    size_t nopen = 0;
+    for (struct job *j = s->jobs; j; j = j->next)
+        nopen++;
+    char (*names)[PROTO_MAX_JOB + 1] = calloc(nopen ? nopen : 1, sizeof(*names));
+    nopen = 0;
+    for (struct job *j = s->jobs; j && names; j = j->next)
+        strcpy(names[nopen++], j->name);
     for (struct job *j = s->jobs; j; j = j->next) {
-        if (cred.uid != j->owner && cred.uid != 0) continue;
+        if (j->opening || (cred.uid != j->owner && cred.uid != 0)) continue;
         uint32_t sessions = 0;
         uint64_t pins = 0;
         for (struct session *se = s->sessions; se; se = se->next) {
@@ -768,8 +903,9 @@ static int status(struct conn *k, uint32_t seq)
         proto_put_bytes(&o, &st, sizeof(st));
         n++;
     }
-    n += status_saved(s, cred.uid, &o);
     pthread_mutex_unlock(&s->lock);
+    if (names) n += status_saved(s, cred.uid, names, nopen, &o);
+    free(names);
     if (!o.bad) memcpy(o.buf + count_at, &n, 4);
     int r = proto_send(k->fd, &o, NULL, 0);
     proto_out_free(&o);
@@ -876,6 +1012,75 @@ static void reap(struct service *s)
 
 /* ---- the service --------------------------------------------------------------------- */
 
+/* A swap directory the daemon keeps every job's files in, made (0700, with the folders above
+ * it that are missing) when missing: it must
+ * be the daemon's and writable by nobody else, and every folder above it root's or the
+ * daemon's and writable by nobody else unless sticky (as /tmp: another user can neither move
+ * nor remove what is not theirs there), as sshd's StrictModes and PostgreSQL's data
+ * directory check have it. 0, or -EPERM with err saying what and how to fix it. */
+static int swap_root_check(const char *path, char *err, size_t errlen)
+{
+    unsigned me = (unsigned)geteuid();
+    struct stat st;
+    char mk[PATH_MAX];
+    if (snprintf(mk, sizeof(mk), "%s", path) >= (int)sizeof(mk)) return -ENAMETOOLONG;
+    /* mkdir -p, each folder made 0700 */
+    for (char *p = mk + 1;; p++) {
+        bool end = !*p;
+        if (*p != '/' && !end) continue;
+        *p = 0;
+        if (mkdir(mk, 0700) != 0 && errno != EEXIST) {
+            int r = -errno;
+            snprintf(err, errlen, "serve: swap directory %s: cannot make %s: %s", path, mk,
+                     strerror(-r));
+            return r;
+        }
+        if (end) break;
+        *p = '/';
+    }
+    char real[PATH_MAX];
+    if (!realpath(path, real) || stat(real, &st) != 0) {
+        int r = -errno;
+        snprintf(err, errlen, "serve: swap directory %s: %s", path, strerror(-r));
+        return r;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        snprintf(err, errlen, "serve: swap directory %s is not a folder", path);
+        return -ENOTDIR;
+    }
+    if (!daemons_own(&st, 022)) {
+        snprintf(err, errlen,
+                 "serve: swap directory %s%s%s belongs to uid %u with mode %04o: the daemon (uid "
+                 "%u) keeps every job's files there, and only in a folder that is its own and "
+                 "that nobody else can write to. Fix: chown %u %s && chmod 0700 %s (or name "
+                 "another nvme_path)",
+                 path, strcmp(path, real) ? " = " : "", strcmp(path, real) ? real : "",
+                 (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777), me, me, real, real);
+        return -EPERM;
+    }
+    for (char *slash = strrchr(real, '/'); slash; slash = strrchr(real, '/')) {
+        if (slash == real) slash[1] = 0; /* up to "/" */
+        else *slash = 0;
+        if (stat(real, &st) != 0) {
+            int r = -errno;
+            snprintf(err, errlen, "serve: swap directory %s: %s: %s", path, real, strerror(-r));
+            return r;
+        }
+        if ((st.st_uid != 0 && st.st_uid != (uid_t)me) ||
+            ((st.st_mode & 022) && !(st.st_mode & S_ISVTX))) {
+            snprintf(err, errlen,
+                     "serve: swap directory %s: the folder %s above it belongs to uid %u with "
+                     "mode %04o: another user could move the swap directory away and put "
+                     "another in its place. Fix: chmod go-w %s, or name an nvme_path under "
+                     "folders only root (or uid %u) can write",
+                     path, real, (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777), real, me);
+            return -EPERM;
+        }
+        if (!strcmp(real, "/")) break;
+    }
+    return 0;
+}
+
 int service_open(const struct service_opts *o, struct service **out, char *err, size_t errlen)
 {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
@@ -899,6 +1104,10 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
         gid = g->gr_gid;
     }
     strcpy(a.sun_path, o->socket_path);
+    for (unsigned i = 0; i < o->config->nvme_paths.count; i++) {
+        int r = swap_root_check(o->config->nvme_paths.path[i], err, errlen);
+        if (r < 0) return r;
+    }
 
     struct service *s = calloc(1, sizeof(*s));
     if (!s) return -ENOMEM;
@@ -907,6 +1116,7 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
     s->listen_fd = -1;
     s->wake[0] = s->wake[1] = -1;
     pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->job_cv, NULL);
     int r = 0;
     const char *what = "";
     if (!(s->socket_path = strdup(o->socket_path))) {
@@ -968,6 +1178,7 @@ fail_quiet:
     for (int i = 0; i < 2; i++)
         if (s->wake[i] >= 0) close(s->wake[i]);
     free(s->socket_path);
+    pthread_cond_destroy(&s->job_cv);
     pthread_mutex_destroy(&s->lock);
     free(s);
     return r;
@@ -1063,6 +1274,7 @@ void service_close(struct service *s)
     close(s->wake[1]);
     keeper_stop(&s->keeper);
     free(s->socket_path);
+    pthread_cond_destroy(&s->job_cv);
     pthread_mutex_destroy(&s->lock);
     free(s);
 }
@@ -1074,6 +1286,7 @@ void service_forget(struct service *s)
     close(s->wake[0]);
     close(s->wake[1]);
     free(s->socket_path);
+    pthread_cond_destroy(&s->job_cv);
     pthread_mutex_destroy(&s->lock);
     free(s);
 }

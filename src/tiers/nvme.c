@@ -160,8 +160,12 @@ static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
     struct stat st;
     int fd, r;
 
+    /* Never through a link, and never waiting on a FIFO put in the file's place: O_NONBLOCK
+     * until it is known to be a regular file (io_uring would pass it on to every request). */
     f->slot = uring_file_open(n->io, f->path,
-                              n->readonly ? O_RDONLY : O_RDWR | (reopen ? 0 : O_CREAT), 0600);
+                              (n->readonly ? O_RDONLY : O_RDWR | (reopen ? 0 : O_CREAT)) |
+                                  O_NOFOLLOW | O_NONBLOCK,
+                              0600);
     if (f->slot < 0) {
         r = f->slot;
         f->slot = -1;
@@ -175,6 +179,8 @@ static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
         log_error("nvme: %s: %s is not a regular file", dir, f->path);
         return -EINVAL;
     }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) return -errno;
     /* A reader takes no lock: it must work next to the process that holds the files, and
      * it neither writes nor truncates, so it cannot disturb that process. */
     if (n->readonly) return 0;
