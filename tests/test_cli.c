@@ -1690,9 +1690,17 @@ Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
     free(o);
     cr_assert_eq(run(&o, "stat --socket %s --prometheus", sock), 0, "%s", o);
     cr_assert(strstr(o, "# TYPE zinf_tier_used_bytes gauge") &&
-                  strstr(o, "zinf_job_sessions{job=\"job1\"} 1") &&
-                  strstr(o, "zinf_job_pins{job=\"job1\"} 1") &&
-                  strstr(o, "zinf_tier_capacity_bytes{job=\"job1\",tier=\"host\"} 4194304"),
+                  strstr(o, "zinf_job_sessions{zinf_job=\"job1\"} 1") &&
+                  strstr(o, "zinf_job_pins{zinf_job=\"job1\"} 1") &&
+                  strstr(o, "zinf_tier_capacity_bytes{zinf_job=\"job1\",tier=\"host\"} 4194304"),
+              "%s", o);
+    char build_info[128];
+    snprintf(build_info, sizeof(build_info), "zinf_build_info{version=\"%s\",cuda=\"%d\"} 1\n",
+             zinf_version(), ZINF_HAVE_CUDA);
+    cr_assert(strstr(o, build_info) && strstr(o, "# TYPE zinf_steps_total counter") &&
+                  strstr(o, "zinf_steps_total{zinf_job=\"job1\"} 0") &&
+                  strstr(o, "zinf_tier_writebacks_total{zinf_job=\"job1\",tier=\"host\"} ") &&
+                  strstr(o, "zinf_prefetch_late_total{zinf_job=\"job1\"} ") && !strstr(o, "{job="),
               "%s", o);
     free(o);
     cr_assert_eq(run(&o, "stat --socket %s --config %s", sock, cfg), 2, "%s", o);
@@ -1724,7 +1732,7 @@ Test(cli, serve_keeps_jobs_across_restarts_and_stops_cleanly)
               "%s", o);
     free(o);
     cr_assert_eq(run(&o, "stat --socket %s --prometheus", sock), 0, "%s", o);
-    cr_assert(strstr(o, "zinf_job_open{job=\"job1\"} 0"), "%s", o);
+    cr_assert(strstr(o, "zinf_job_open{zinf_job=\"job1\"} 0"), "%s", o);
     free(o);
     e = connect_when_up(sock, "job1");
     cr_assert_eq(zinf_lookup(e, "t", &t), 0);

@@ -32,6 +32,7 @@
 #include "engine/engine.h"
 #include "service/client.h"
 #include "tiers/nvme.h"
+#include "zinf_build.h"
 
 static const char *const tier_names[] = {"device", "host", "nvme"};
 
@@ -97,9 +98,16 @@ static bool in_use(const char *dir)
 
 static const char *const tier_labels[] = {"device", "host", "nvme"};
 
-/* The Prometheus text format: one family per line group, a sample per job (and tier). */
+/* The Prometheus text format: one family per line group, a sample per job (and tier). Jobs
+ * are labelled zinf_job, not job: Prometheus sets job itself, to the scrape's, and would
+ * rename ours. A job's name needs no escaping in a label (letters, digits, '.', '_', '-').
+ * Counters end in _total. */
 static void print_prometheus(const struct service_job_status *js, size_t n)
 {
+    printf("# HELP zinf_build_info the zinf that printed these metrics: its version, and "
+           "whether it was built with CUDA\n# TYPE zinf_build_info gauge\n"
+           "zinf_build_info{version=\"%s\",cuda=\"%d\"} 1\n",
+           zinf_version(), ZINF_HAVE_CUDA ? 1 : 0);
     static const struct {
         const char *name, *type, *help;
         size_t off; /* in struct zinf_tier_stats */
@@ -116,6 +124,9 @@ static void print_prometheus(const struct service_job_status *js, size_t n)
          offsetof(struct zinf_tier_stats, hits)},
         {"zinf_tier_evictions_total", "counter", "copies dropped to make room",
          offsetof(struct zinf_tier_stats, evictions)},
+        {"zinf_tier_writebacks_total", "counter",
+         "dirty copies written to their home before they were dropped",
+         offsetof(struct zinf_tier_stats, writebacks)},
     };
     for (size_t m = 0; m < sizeof(tier_metrics) / sizeof(tier_metrics[0]); m++) {
         printf("# HELP %s %s\n# TYPE %s %s\n", tier_metrics[m].name, tier_metrics[m].help,
@@ -124,7 +135,7 @@ static void print_prometheus(const struct service_job_status *js, size_t n)
             for (int t = 0; t < 3; t++) {
                 uint64_t v;
                 memcpy(&v, (const char *)&js[j].stats.tier[t] + tier_metrics[m].off, sizeof(v));
-                printf("%s{job=\"%s\",tier=\"%s\"} %llu\n", tier_metrics[m].name, js[j].name,
+                printf("%s{zinf_job=\"%s\",tier=\"%s\"} %llu\n", tier_metrics[m].name, js[j].name,
                        tier_labels[t], (unsigned long long)v);
             }
     }
@@ -138,20 +149,30 @@ static void print_prometheus(const struct service_job_status *js, size_t n)
         {"zinf_nvme_read_bytes_total", "counter", "bytes read from the swap files"},
         {"zinf_nvme_written_bytes_total", "counter", "bytes written to the swap files"},
         {"zinf_blocked_seconds_total", "counter", "time callers spent blocked in fetch and wait"},
+        {"zinf_steps_total", "counter", "zinf_step calls"},
+        {"zinf_prefetches_total", "counter", "loads started ahead of use"},
+        {"zinf_prefetch_late_total", "counter",
+         "prefetches still arriving when fetched (the fetch waited for them)"},
     };
-    for (size_t m = 0; m < sizeof(job_metrics) / sizeof(job_metrics[0]); m++) {
+    enum { JOB_METRICS = sizeof(job_metrics) / sizeof(job_metrics[0]) };
+    for (size_t m = 0; m < JOB_METRICS; m++) {
         printf("# HELP %s %s\n# TYPE %s %s\n", job_metrics[m].name, job_metrics[m].help,
                job_metrics[m].name, job_metrics[m].type);
         for (size_t j = 0; j < n; j++) {
             const struct zinf_stats *s = &js[j].stats;
-            double v = m == 0   ? js[j].sessions
-                       : m == 1 ? (double)js[j].open
-                       : m == 2 ? (double)js[j].pins
-                       : m == 3 ? (double)s->tensors
-                       : m == 4 ? (double)s->nvme_bytes_read
-                       : m == 5 ? (double)s->nvme_bytes_written
-                                : (double)s->blocked_ns / 1e9;
-            printf("%s{job=\"%s\"} %.17g\n", job_metrics[m].name, js[j].name, v);
+            /* In job_metrics' order. */
+            const double v[] = {js[j].sessions,
+                                (double)js[j].open,
+                                (double)js[j].pins,
+                                (double)s->tensors,
+                                (double)s->nvme_bytes_read,
+                                (double)s->nvme_bytes_written,
+                                (double)s->blocked_ns / 1e9,
+                                (double)s->steps,
+                                (double)s->prefetches,
+                                (double)s->prefetch_late};
+            _Static_assert(sizeof(v) / sizeof(v[0]) == JOB_METRICS, "a value per job metric");
+            printf("%s{zinf_job=\"%s\"} %.17g\n", job_metrics[m].name, js[j].name, v[m]);
         }
     }
 }
