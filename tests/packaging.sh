@@ -15,7 +15,9 @@ set -eu
 build=$1 prefix=$2 bindir=$3 sysconfdir=$4 datadir=$5 unitdir=$6 sysusersdir=$7 tmpfilesdir=$8
 fail() { echo "packaging: $*" >&2; exit 1; }
 command -v systemd-analyze >/dev/null || { echo "packaging: no systemd-analyze: skipped"; exit 77; }
-tmp=$(mktemp -d "${ZINF_TEST_TMPDIR:-${TMPDIR:-/tmp}}/packaging.XXXXXX")
+base=${ZINF_TEST_TMPDIR:-${TMPDIR:-/tmp}}
+mkdir -p "$base" # the first test of a fresh build dir to run makes it
+tmp=$(mktemp -d "$base/packaging.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 root=$tmp/root
 

@@ -6,7 +6,9 @@
 # usage: readme_example.sh SOURCE_ROOT BUILD_ROOT CC [SANITIZE]
 set -eu
 src=$1 build=$2 cc=$3 sanitize=${4:-none}
-tmp=$(mktemp -d "${ZINF_TEST_TMPDIR:-${TMPDIR:-/tmp}}/readme.XXXXXX")
+base=${ZINF_TEST_TMPDIR:-${TMPDIR:-/tmp}}
+mkdir -p "$base" # the first test of a fresh build dir to run makes it
+tmp=$(mktemp -d "$base/readme.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 
 meson install -C "$build" --destdir "$tmp/root" --no-rebuild --quiet >"$tmp/install.log" 2>&1 ||

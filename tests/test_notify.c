@@ -34,8 +34,7 @@ static int listen_at(const char *addr)
     int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     cr_assert_geq(fd, 0);
     cr_assert_eq(bind(fd, (struct sockaddr *)&sa,
-                      (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len +
-                                  (addr[0] == '/'))),
+                      (socklen_t)(offsetof(struct sockaddr_un, sun_path) + len + (addr[0] == '/'))),
                  0, "bind %s: %s", addr, strerror(errno));
     return fd;
 }
