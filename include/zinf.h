@@ -46,8 +46,12 @@ enum zinf_device_kind { ZINF_DEVICE_AUTO, ZINF_DEVICE_CUDA, ZINF_DEVICE_EMULATED
  * READONLY changes no byte in the swap directories: the swap files are opened read-only
  * and not locked, so it works next to a process that has them open, and sees the state
  * that process last flushed (read again if it is replaced during the open). Tensors homed
- * on NVMe are read when fetched: once that process has flushed a newer state, they may
- * read stale. Nothing is created, truncated or flushed, zinf_close included. Calls that
+ * on NVMe are read when fetched or read, and every such read is checked against the
+ * checksum the manifest gave: once that process has flushed a newer state it may reuse the
+ * extent, and such a read returns -ESTALE (reopen to see the new state), never another
+ * tensor's bytes (-EBADMSG where the manifest is unchanged: damage). What was read before
+ * stays as it was read (stale, but the tensor's). Nothing is created, truncated or
+ * flushed, zinf_close included. Calls that
  * would change the state return -EROFS: zinf_register, zinf_unregister, zinf_write,
  * zinf_flush, and a ZINF_RELEASE_DIRTY zinf_release (which keeps its pin: release it
  * clean). RESUME may be given with it; OVERWRITE may not (-EINVAL), nor RESUME with

@@ -33,6 +33,8 @@ ZINF_API const char *zinf_strerror(int err)
                         "an engine) the swap directory is in use by another one";
     case -EIO: return "input/output error on the swap device";
     case -EBADMSG: return "corrupted data: checksum mismatch in a swap file";
+    case -ESTALE: return "stale: the saved state was replaced since this read-only engine "
+                         "opened it; reopen it";
     case -ENODATA: return "read past the end of the file";
     case -ESHUTDOWN: return "the engine is closing";
     case -ENOSYS: return "not supported by this kernel";

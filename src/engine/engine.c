@@ -465,6 +465,8 @@ int engine_api_read(zinf_engine *e, zinf_tensor h, size_t off, void *dst, size_t
         r = device_copy_sync(e->dev, DEVICE_D2H, t->c[src].off + off, dst, n);
     else if (t->zero)
         memset(dst, 0, n);
+    else if (t->has_swap && t->swap_version == t->version && (e->opt.flags & ZINF_OPEN_READONLY))
+        r = swap_read_checked(e, t, off, dst, n);
     else if (t->has_swap && t->swap_version == t->version)
         r = swap_read_range(e, t, t->swap_off, off, dst, n);
     else
@@ -914,6 +916,7 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
          * the manifest: their checksums then fail (and those tensors are marked damaged).
          * When the manifest did change meanwhile, the new state is read again; a mismatch
          * under an unchanged manifest is real damage, reported as such. */
+        if (r == 0) (*out)->manifest_id = id0;
         bool damaged = r == -EBADMSG || (r == 0 && (*out)->st.tensors_damaged);
         if (!damaged || !opt || !(opt->flags & ZINF_OPEN_READONLY) || tries == 16 ||
             persist_probe(opt->nvme_path, &n, &id1) < 0 || id1 == id0)
@@ -926,6 +929,18 @@ int engine_open(const struct zinf_options *opt, const struct engine_params *p, z
                    "new one",
                    opt->nvme_path);
     }
+}
+
+int engine_checksum_failed(struct zinf_engine *e)
+{
+    size_t n;
+    uint32_t id;
+    if (persist_probe(e->nvme_dirs[0], &n, &id) == 0 && id == e->manifest_id) return -EBADMSG;
+    log_notice("engine: %s: a tensor's saved bytes changed under this read-only engine (the "
+               "writer replaced the saved state and reused the extent): -ESTALE; reopen it to "
+               "read the new state",
+               e->nvme_dirs[0]);
+    return -ESTALE;
 }
 
 ZINF_API int zinf_open(const struct zinf_options *opt, zinf_engine **out)

@@ -271,6 +271,10 @@ struct zinf_engine {
     size_t nretained, capretained;
     int64_t tag;            /* the committed manifest's tag; -1: none */
     size_t persisted_count; /* the tensors it names */
+    /* A read-only engine: the identity (persist_probe) of the manifest it read. Its loads
+     * and reads from swap are checked against the manifest's checksums, since the writer
+     * next to it may reuse any extent once its next manifest is in place. */
+    uint32_t manifest_id;
     /* Test-only fault hook: the next fsync of the manifest's directory fails with this. */
     int fault_dir_fsync;
 };
@@ -488,6 +492,13 @@ void tier_rewind(struct zinf_engine *e, int tier);
  * exclusively or as a reader). */
 int swap_read_range(struct zinf_engine *e, struct tensor *t, uint64_t swap_off, size_t off,
                     void *dst, size_t n);
+/* The same, for a read-only engine: the whole extent is read and checked against the
+ * manifest's checksum; -ESTALE or -EBADMSG (engine_checksum_failed) when it fails. */
+int swap_read_checked(struct zinf_engine *e, struct tensor *t, size_t off, void *dst, size_t n);
+/* A read-only engine read content that failed its checksum: -ESTALE where the saved state
+ * was replaced since the engine read it (the writer may have reused the extent), else
+ * -EBADMSG (damage). Reads the manifest. */
+int engine_checksum_failed(struct zinf_engine *e);
 /* zinf_read/zinf_write of swap extents move at most this much through one buffer. */
 #define RANGE_CHUNK_BYTES ((size_t)8 << 20)
 int swap_write_merged(struct zinf_engine *e, uint64_t from, bool from_zero, uint64_t to,

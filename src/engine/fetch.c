@@ -469,6 +469,9 @@ static void load_done(struct xfer *x, int err)
     struct load_arg *a = x->arg;
 
     if (a->src < MEM_TIERS) t->c[a->src].readers--;
+    /* A read-only engine's load from swap: the bytes must be the tensor's (see manifest_id). */
+    if (!err && x->want_crc && t->swap_crc_valid && x->crc != t->swap_crc)
+        err = engine_checksum_failed(e);
     if (err)
         copy_load_failed(e, t, a->tier, a->old_version, err);
     else
@@ -531,6 +534,8 @@ static int load_start(struct zinf_engine *e, struct tensor *t, int tier, int src
     c->loading_from = (int8_t)src;
     if (src == ZINF_TIER_NVME) {
         x->src_off = t->swap_off;
+        x->want_crc = (e->opt.flags & ZINF_OPEN_READONLY) && t->swap_crc_valid &&
+                      t->swap_version == t->version;
     } else if (src < MEM_TIERS) {
         x->src_off = t->c[src].off;
         x->src_ptr = t->c[src].ptr;

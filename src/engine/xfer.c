@@ -255,6 +255,10 @@ static void leg1_landed(struct slot *s, int res)
                                     .off = x->dst_off + s->off, .cb = leg2_req_cb, .data = s};
         r = nvme_submit(e->nvme, &s->req);
         break;
+    case ZINF_TIER_HOST: /* a checksummed load (a read-only engine's) */
+        memcpy((char *)x->dst_ptr + s->off, s->buf, s->len);
+        chunk_done(s, 0);
+        return;
     default: /* DST_NONE: read and checksum only */
         r = 0;
         chunk_done(s, 0);
@@ -369,7 +373,8 @@ int xfer_start(struct xfer *x)
     bool staged = (x->src == ZINF_TIER_NVME && (x->dst == ZINF_TIER_DEVICE || x->dst == DST_NONE)) ||
                   (x->src == ZINF_TIER_DEVICE && x->dst == ZINF_TIER_NVME) ||
                   (x->src == SRC_ZERO && x->dst == ZINF_TIER_NVME) ||
-                  (x->src == ZINF_TIER_HOST && x->dst == ZINF_TIER_NVME && x->want_crc);
+                  (x->src == ZINF_TIER_HOST && x->dst == ZINF_TIER_NVME && x->want_crc) ||
+                  (x->src == ZINF_TIER_NVME && x->dst == ZINF_TIER_HOST && x->want_crc);
     if (staged) {
         x->nchunks = (unsigned)((x->len + e->block_size - 1) / e->block_size);
         if (x->want_crc) {
@@ -473,6 +478,34 @@ int swap_read_range(struct zinf_engine *e, struct tensor *t, uint64_t swap_off, 
         pos = upto;
     }
     free(tmp);
+    return r;
+}
+
+int swap_read_checked(struct zinf_engine *e, struct tensor *t, size_t off, void *dst, size_t n)
+{
+    size_t len = t->alloc_bytes, cap = MIN(len, RANGE_CHUNK_BYTES), end = off + n;
+    uint64_t at = t->swap_off;
+    uint32_t crc = 0;
+    char *tmp = NULL;
+    int r = 0;
+
+    if (!t->swap_crc_valid)
+        return swap_read_range(e, t, at, off, dst, n);
+    if (posix_memalign((void **)&tmp, ZINF_ALIGN, cap))
+        return -ENOMEM;
+    for (size_t pos = 0; pos < len && r == 0; pos += cap) {
+        size_t k = MIN(cap, len - pos);
+        r = nvme_read(e->nvme, at + pos, tmp, k);
+        if (r < 0)
+            break;
+        crc = crc32c(crc, tmp, k);
+        size_t a = MAX(pos, off), b = MIN(pos + k, end);
+        if (a < b)
+            memcpy((char *)dst + (a - off), tmp + (a - pos), b - a);
+    }
+    free(tmp);
+    if (r == 0 && crc != t->swap_crc)
+        r = engine_checksum_failed(e);
     return r;
 }
 

@@ -263,37 +263,43 @@ static int start_over(struct nvme *n, const char *remove_first)
     return 0;
 }
 
-/* After a keep reopen: the files have one size, a whole number of stripes, and the
- * logical space is within bounds. Sets file_bytes. */
+/* After a keep reopen: the files' sizes, taken down to the largest whole number of stripes
+ * all of them hold; the logical space within bounds. Sets file_bytes.
+ *
+ * nvme_open() and growth only ever make whole stripes, and all files grow together; but a
+ * growth whose fallocate ran out of space may have extended a file before failing (ext4
+ * does), and a crash before it was cut back leaves the odd size, on one file or some. What
+ * lies past the last whole stripe all files hold was never handed out, so it is cut off
+ * (read-only: only not used), and the saved state is resumed; the manifest's extents are
+ * checked against what is left. */
 static int kept_size(struct nvme *n)
 {
-    uint64_t bytes[NVME_MAX_DIRS] = {0};
+    uint64_t bytes[NVME_MAX_DIRS] = {0}, whole = UINT64_MAX;
     struct stat st;
-    char a[32];
 
     for (unsigned i = 0; i < n->nfiles; i++) {
         int fd = uring_file_fd(n->io, n->files[i].slot);
         if (fd < 0) return fd;
         if (fstat(fd, &st) != 0) return -errno;
         bytes[i] = (uint64_t)st.st_size;
+        uint64_t w = bytes[i] - bytes[i] % n->stripe_bytes;
+        if (w < whole) whole = w;
     }
-    for (unsigned i = 1; i < n->nfiles; i++) {
-        if (bytes[i] != bytes[0]) {
-            log_error("nvme: %s: cannot reopen the swap space: %s has %llu bytes but %s has "
-                      "%llu; its files must have one size",
-                      n->files[i].dir, n->files[i].path, (unsigned long long)bytes[i],
-                      n->files[0].path, (unsigned long long)bytes[0]);
-            return -EINVAL;
+    for (unsigned i = 0; i < n->nfiles; i++) {
+        if (bytes[i] == whole) continue;
+        struct nvme_file *f = &n->files[i];
+        if (!n->readonly && ftruncate(uring_file_fd(n->io, f->slot), (off_t)whole) != 0) {
+            int r = -errno;
+            log_error("nvme: %s: cannot cut %s back from %llu to %llu bytes: %s", f->dir,
+                      f->path, (unsigned long long)bytes[i], (unsigned long long)whole,
+                      strerror(-r));
+            return r;
         }
-    }
-    /* nvme_open() and growth only ever make whole stripes; anything else was written with
-     * another stripe unit or by someone else, and would be read back scrambled. */
-    if (bytes[0] % n->stripe_bytes) {
-        log_error("nvme: %s: cannot reopen the swap space: %s has %llu bytes, not a whole "
-                  "number of %s stripes",
-                  n->files[0].dir, n->files[0].path, (unsigned long long)bytes[0],
-                  size_str(n->stripe_bytes, a, sizeof(a)));
-        return -EINVAL;
+        log_notice("nvme: %s: %s has %llu bytes, past the %llu of whole stripes every swap "
+                   "file holds (a growth cut short): %s", f->dir, f->path,
+                   (unsigned long long)bytes[i], (unsigned long long)whole,
+                   n->readonly ? "the rest is not read" : "cut back");
+        bytes[i] = whole;
     }
     if (bytes[0] > NVME_MAX_BYTES / n->nfiles) {
         log_error("nvme: %s: cannot reopen the swap space: %s has %llu bytes, more than a "
@@ -375,6 +381,18 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
             log_error("nvme: %s: no space for %s of swap (preallocating %s: %s)", n->files[i].dir,
                       size_str(n->file_bytes, a, sizeof(a)), n->files[i].path, strerror(-r));
             if (is_no_space(r)) r = -ENOSPC;
+            goto err;
+        }
+    }
+    /* Each new file's name made durable in its directory (the manifest's commit syncs only
+     * the first one's): a crash must not lose a swap file a manifest names. */
+    for (unsigned i = 0; i < n->nfiles && !reopen && !n->readonly; i++) {
+        int dfd = open(n->files[i].dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        r = dfd < 0 || fsync(dfd) < 0 ? -errno : 0;
+        if (dfd >= 0) close(dfd);
+        if (r < 0) {
+            log_error("nvme: %s: syncing the directory after making %s failed: %s",
+                      n->files[i].dir, n->files[i].path, strerror(-r));
             goto err;
         }
     }
