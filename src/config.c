@@ -31,7 +31,7 @@
 #define KEY_SHOWN_BYTES 128       /* longer keys are cut in messages */
 #define JSON_PATH_CHARS 512       /* room for section.path + one shown key + "[index]" */
 
-enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_TRAIN, S_OPT, S_OPT_PARAMS,
+enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_TRAIN, S_SERVE, S_OPT, S_OPT_PARAMS,
             S_SCHED, S_SCHED_PARAMS, S_FP16, S_BF16, S_COUNT };
 
 /* DeepSpeed keys zinf has no use for. Their values are not looked at: they are
@@ -87,6 +87,7 @@ static const struct sectdef {
     [S_AIO] = {"aio", "aio", S_TOP, NULL},
     [S_ZINF] = {"zinf", "zinf", S_TOP, NULL},
     [S_TRAIN] = {"train", "zinf.train", S_ZINF, NULL},
+    [S_SERVE] = {"serve", "zinf.serve", S_ZINF, NULL},
     [S_OPT] = {"optimizer", "optimizer", S_TOP, opt_ignored},
     [S_OPT_PARAMS] = {"params", "optimizer.params", S_OPT, opt_params_ignored},
     [S_SCHED] = {"scheduler", "scheduler", S_TOP, NULL},
@@ -219,6 +220,22 @@ static const struct field fields[] = {
     /* Make the state durable every this many steps (0: only at the end). */
     {S_TRAIN, "checkpoint_every", NULL, F_INT, OFF(zinf.train.checkpoint_every), 0, 100000000,
      0, NULL},
+    /* `zinf serve`'s limits, as a service shared by a node's users has them. */
+    {S_SERVE, "jobs_per_uid", NULL, F_UINT, OFF(zinf.serve.jobs_per_uid), 1, 100000, 0, NULL},
+    {S_SERVE, "max_jobs", NULL, F_UINT, OFF(zinf.serve.max_jobs), 1, 100000, 0, NULL},
+    {S_SERVE, "sessions_per_uid", NULL, F_UINT, OFF(zinf.serve.sessions_per_uid), 1, 100000, 0,
+     NULL},
+    {S_SERVE, "connections_per_uid", NULL, F_UINT, OFF(zinf.serve.connections_per_uid), 1,
+     100000, 0, NULL},
+    {S_SERVE, "max_connections", NULL, F_UINT, OFF(zinf.serve.max_connections), 1, 100000, 0,
+     NULL},
+    {S_SERVE, "reserved_connections", NULL, F_UINT, OFF(zinf.serve.reserved_connections), 0,
+     100000, 0, NULL},
+    {S_SERVE, "hello_timeout", NULL, F_UINT, OFF(zinf.serve.hello_timeout), 1, 3600, 0, NULL},
+    {S_SERVE, "idle_job_close", NULL, F_UINT, OFF(zinf.serve.idle_job_close), 0, 31 * 86400, 0,
+     NULL},
+    {S_SERVE, "write_stage_bytes", NULL, F_SIZE, OFF(zinf.serve.write_stage_bytes), MiB,
+     SIZE_MAX, 0, NULL},
     /* DeepSpeed's training keys, which `zinf train` honours. */
     {S_TOP, "train_batch_size", NULL, F_U64, OFF(train.train_batch_size), 1, 0, 0, NULL, FL_AUTO | FL_CMD},
     {S_TOP, "train_micro_batch_size_per_gpu", NULL, F_INT, OFF(train.micro_batch), 1, 65536, 0,
@@ -951,6 +968,15 @@ void config_defaults(struct zinf_config *c)
     c->zinf.io_backend = CONFIG_IO_AUTO;
     c->zinf.huge_pages = true;
     c->zinf.comm_timeout = 1800;
+    c->zinf.serve.jobs_per_uid = 4;
+    c->zinf.serve.max_jobs = 64;
+    c->zinf.serve.sessions_per_uid = 64;
+    c->zinf.serve.connections_per_uid = 256;
+    c->zinf.serve.max_connections = 1024;
+    c->zinf.serve.reserved_connections = 16;
+    c->zinf.serve.hello_timeout = 10;
+    c->zinf.serve.idle_job_close = 600;
+    c->zinf.serve.write_stage_bytes = GiB;
     /* DeepSpeed's (FusedAdam's, its schedulers', its fp16 loss scaler's) defaults. */
     c->train.optimizer.betas[0] = 0.9;
     c->train.optimizer.betas[1] = 0.999;

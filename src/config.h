@@ -132,6 +132,21 @@ struct zinf_config {
             int checkpoint_every; /* steps between checkpoints; 0: only at the end */
             uint64_t seed;                             /* given when bit set in `given` */
         } train;
+        struct {                        /* zinf.serve: `zinf serve`'s limits */
+            unsigned jobs_per_uid;        /* jobs a uid may have open; 4 */
+            unsigned max_jobs;            /* jobs open in all; 64 */
+            unsigned sessions_per_uid;    /* client processes attached, per uid; 64 */
+            unsigned connections_per_uid; /* open connections per uid; 256 */
+            unsigned max_connections;     /* open connections in all; 1024 */
+            /* of max_connections, kept for root and the daemon's uid: others are refused
+             * once fewer remain; 16 */
+            unsigned reserved_connections;
+            unsigned hello_timeout;   /* seconds a new connection has to send HELLO; 10 */
+            unsigned idle_job_close;  /* seconds without a session before a job is closed
+                                         (flushed, its memory given back); 600; 0 never */
+            uint64_t write_stage_bytes; /* bytes of zinf_write a session may have staged
+                                           in the daemon at once; 1 GiB */
+        } serve;
     } zinf;
 
     /* Derived when a parse succeeds: the distinct NVMe directories in the order

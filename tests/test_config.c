@@ -1039,8 +1039,8 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     size_t lines = 0;
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
-    /* settings, zinf.train, the training keys, header, engine */
-    cr_expect_eq(lines, 25 + 9 + 28 + 1 + 8, "%s", text);
+    /* settings, zinf.train, zinf.serve, the training keys, header, engine */
+    cr_expect_eq(lines, 25 + 9 + 9 + 28 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }
