@@ -139,7 +139,9 @@ ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_
  * -ECONNREFUSED when no daemon listens there, -EACCES for another uid's job, -EINVAL for a
  * bad job name. If the daemon stops or dies, every later call on the handle answers
  * -ECONNRESET (it does not reconnect: call zinf_connect again once a daemon runs; what the
- * job flushed is there); zinf_close still frees it. */
+ * job flushed is there); zinf_close still frees it. A zinf_write or zinf_read is as whole as
+ * embedded (the daemon stages a large one and applies it at once); one of more bytes than
+ * the daemon stages for a session (zinf.serve.write_stage_bytes, 1 GiB) is -EMSGSIZE. */
 ZINF_API int zinf_connect(const char *socket, const char *job, zinf_engine **out);
 /* Flush (when there is an NVMe tier), wait for everything in flight, free. NULL: no-op. */
 ZINF_API void zinf_close(zinf_engine *e);

@@ -15,6 +15,7 @@
 #include <linux/falloc.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -678,5 +679,106 @@ Test(serve_guard, a_fifo_in_a_jobs_folder_hangs_nothing)
     cr_assert_eq(fp.other_r, 0);
     zinf_engine *e;
     cr_assert_lt(zinf_connect(sock, "fifo2", &e), 0, "a job swapped to a FIFO");
+    daemon_stop(&d);
+}
+
+/* ---- 10: a large zinf_write is whole ------------------------------------------------------ */
+
+static void write_cfg_big(void)
+{
+    FILE *f = fopen(cfg_path, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"64M\", "
+               "\"host_bytes\": \"80M\", \"serve\": {\"write_stage_bytes\": \"40M\"}}}");
+    fclose(f);
+}
+
+#define BIG ((size_t)16 << 20)
+
+/* Whether all of buf is one byte; that byte in *v. */
+static bool uniform(const unsigned char *buf, size_t n, unsigned char *v)
+{
+    *v = buf[0];
+    for (size_t i = 0; i < n; i++)
+        if (buf[i] != *v) return false;
+    return true;
+}
+
+struct reader {
+    zinf_engine *e;
+    zinf_tensor t;
+    atomic_bool stop;
+    unsigned reads, mixed;
+};
+
+static void *read_loop(void *arg)
+{
+    struct reader *rd = arg;
+    unsigned char *buf = malloc(BIG), v;
+    while (!atomic_load(&rd->stop)) {
+        if (zinf_read(rd->e, rd->t, 0, buf, BIG) != 0) continue;
+        rd->reads++;
+        rd->mixed += !uniform(buf, BIG, &v);
+    }
+    free(buf);
+    return NULL;
+}
+
+/* Item 10: a client killed inside 16 MiB writes leaves the tensor as one of its writes
+ * left it, never half old and half new; another session reading all along never sees a
+ * mix; a write larger than the session may stage is refused, and nothing of it applied. */
+Test(serve_guard, a_large_write_through_the_daemon_is_whole)
+{
+    write_cfg_big();
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("atomic");
+    zinf_tensor t = test_register(e, "big", BIG, ZINF_TIER_HOST);
+    unsigned char *buf = malloc(BIG), v;
+    memset(buf, 1, BIG);
+    cr_assert_eq(zinf_write(e, t, 0, buf, BIG), 0);
+    struct reader rd = {.e = connect_job("atomic"), .t = t};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, read_loop, &rd), 0);
+    uint64_t seed = 7;
+    for (int round = 0; round < 8; round++) {
+        pid_t pid = fork();
+        cr_assert_geq(pid, 0);
+        if (pid == 0) {
+            zinf_engine *c;
+            if (zinf_connect(sock, "atomic", &c) != 0) _exit(1);
+            unsigned char *b = malloc(BIG);
+            for (unsigned k = 2;; k++) {
+                memset(b, (int)(k & 0xff), BIG);
+                if (zinf_write(c, t, 0, b, BIG) != 0) _exit(2);
+            }
+        }
+        struct timespec ts = {0, (long)(test_rand(&seed) % 150) * 1000000 + 5000000};
+        nanosleep(&ts, NULL);
+        kill(pid, SIGKILL);
+        int st;
+        waitpid(pid, &st, 0);
+        cr_assert(WIFSIGNALED(st), "the writer failed: %#x", st);
+        cr_assert_eq(zinf_read(e, t, 0, buf, BIG), 0);
+        cr_assert(uniform(buf, BIG, &v), "round %d: a killed writer left a mix", round);
+    }
+    atomic_store(&rd.stop, true);
+    pthread_join(th, NULL);
+    cr_assert_gt(rd.reads, 0);
+    cr_assert_eq(rd.mixed, 0, "%u of %u reads saw a write half done", rd.mixed, rd.reads);
+    /* More than the session may stage: refused whole, nothing applied. */
+    zinf_tensor huge = test_register(e, "huge", 48u << 20, ZINF_TIER_HOST);
+    unsigned char *h = calloc(1, 48u << 20);
+    memset(h, 9, 48u << 20);
+    cr_assert_eq(zinf_write(e, huge, 0, h, 48u << 20), -EMSGSIZE);
+    cr_assert_eq(zinf_read(e, huge, 0, h, 48u << 20), -EMSGSIZE);
+    cr_assert_eq(zinf_read(e, huge, 0, h, 1 << 20), 0);
+    cr_assert(uniform(h, 1 << 20, &v) && v == 0, "a refused write left bytes");
+    free(h);
+    /* A staged write past the end is refused before any byte moves, as embedded. */
+    cr_assert_eq(zinf_write(e, t, 1, buf, BIG), -EINVAL);
+    zinf_close(rd.e);
+    zinf_close(e);
+    free(buf);
     daemon_stop(&d);
 }

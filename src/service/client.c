@@ -583,47 +583,60 @@ int client_flush(struct client *c)
     return simple(c, &k);
 }
 
-/* A call split into pieces is checked whole first, as the engine checks it: a range past
- * the end (or a bad handle, or damaged content) fails before any piece moves. */
-static int check_range(struct client *c, zinf_tensor t, size_t off, size_t n)
+/* One message of bytes: WRITE or STAGE_PUT (src), READ or STAGE_GET (dst); a is the tensor
+ * or the stage, at the offset in it. */
+static int piece(struct client *c, uint16_t op, uint64_t a, uint64_t at, const void *src,
+                 void *dst, size_t n)
 {
-    if (n <= PROTO_MAX_DATA) return 0;
-    if (n > SIZE_MAX - off) return -EINVAL;
-    char none;
-    return client_read(c, t, off + n, &none, 0);
+    struct call k;
+    call_begin(c, &k, op);
+    proto_put_u64(&k.o, a);
+    proto_put_u64(&k.o, at);
+    proto_put_u32(&k.o, (uint32_t)n);
+    if (src) proto_put_bytes(&k.o, src, n);
+    int r = call(c, &k);
+    if (r == 0 && dst) {
+        uint32_t got = proto_get_u32(&k.in);
+        const uint8_t *p = proto_get_bytes(&k.in, got);
+        if (!p || got != n)
+            r = -EPROTO;
+        else if (n)
+            memcpy(dst, p, n);
+    }
+    if (r >= 0 && proto_done(&k.in) < 0) r = -EPROTO;
+    call_end(&k);
+    return r;
 }
 
-/* zinf_write (src) or zinf_read (dst), one message a PROTO_MAX_DATA piece; an empty one
- * still asks, for its errors. */
+/* zinf_write (src) or zinf_read (dst). Up to a message's worth is one message (an empty one
+ * still asks, for its errors); more is staged in the daemon and the engine called once for
+ * the whole range (proto.h, STAGE_*): as whole as embedded, whichever session looks. */
 static int transfer(struct client *c, zinf_tensor t, size_t off, const void *src, void *dst,
                     size_t n)
 {
-    int r = check_range(c, t, off, n);
+    if (n <= PROTO_MAX_DATA) return piece(c, src ? PROTO_WRITE : PROTO_READ, t, off, src, dst, n);
+    struct call k;
+    call_begin(c, &k, src ? PROTO_STAGE_WRITE : PROTO_STAGE_READ);
+    proto_put_u64(&k.o, t);
+    proto_put_u64(&k.o, off);
+    proto_put_u64(&k.o, n);
+    int r = call(c, &k);
+    uint64_t stage = r == 0 ? proto_get_u64(&k.in) : 0;
+    if (r >= 0 && proto_done(&k.in) < 0) r = -EPROTO;
+    call_end(&k);
     if (r < 0) return r;
-    size_t done = 0;
-    do {
-        size_t piece = MIN(n - done, (size_t)PROTO_MAX_DATA);
-        struct call k;
-        call_begin(c, &k, src ? PROTO_WRITE : PROTO_READ);
-        proto_put_u64(&k.o, t);
-        proto_put_u64(&k.o, off + done);
-        proto_put_u32(&k.o, (uint32_t)piece);
-        if (src) proto_put_bytes(&k.o, (const char *)src + done, piece);
-        r = call(c, &k);
-        if (r == 0 && dst) {
-            uint32_t got = proto_get_u32(&k.in);
-            const uint8_t *p = proto_get_bytes(&k.in, got);
-            if (!p || got != piece)
-                r = -EPROTO;
-            else if (piece)
-                memcpy((char *)dst + done, p, piece);
-        }
-        if (r >= 0 && proto_done(&k.in) < 0) r = -EPROTO;
-        call_end(&k);
-        if (r < 0) return r;
-        done += piece;
-    } while (done < n);
-    return 0;
+    for (size_t done = 0; done < n && r == 0;) {
+        size_t len = MIN(n - done, (size_t)PROTO_MAX_DATA);
+        r = piece(c, src ? PROTO_STAGE_PUT : PROTO_STAGE_GET, stage, done,
+                  src ? (const char *)src + done : NULL, dst ? (char *)dst + done : NULL, len);
+        done += len;
+    }
+    /* Ended either way: a write that failed midway is dropped, not applied. */
+    struct call end;
+    call_begin(c, &end, PROTO_STAGE_END);
+    proto_put_u64(&end.o, stage);
+    int e = simple(c, &end);
+    return r < 0 ? r : e;
 }
 
 int client_write(struct client *c, zinf_tensor t, size_t off, const void *src, size_t n)

@@ -232,11 +232,23 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
         break;
     case PROTO_WRITE:
     case PROTO_READ:
+    case PROTO_STAGE_PUT:
+    case PROTO_STAGE_GET:
         r->handle = proto_get_u64(&in);
         r->offset = proto_get_u64(&in);
         r->n = proto_get_u32(&in);
         if (!in.bad && r->n > PROTO_MAX_DATA) in.bad = true;
-        if (op == PROTO_WRITE && !in.bad) r->data = proto_get_bytes(&in, r->n);
+        if ((op == PROTO_WRITE || op == PROTO_STAGE_PUT) && !in.bad)
+            r->data = proto_get_bytes(&in, r->n);
+        break;
+    case PROTO_STAGE_WRITE:
+    case PROTO_STAGE_READ:
+        r->handle = proto_get_u64(&in);
+        r->offset = proto_get_u64(&in);
+        r->bytes = proto_get_u64(&in);
+        break;
+    case PROTO_STAGE_END:
+        r->handle = proto_get_u64(&in);
         break;
     case PROTO_STEP:
     case PROTO_FLUSH:
@@ -288,10 +300,21 @@ void proto_encode_request(const struct proto_request *r, uint32_t seq, struct pr
         break;
     case PROTO_WRITE:
     case PROTO_READ:
+    case PROTO_STAGE_PUT:
+    case PROTO_STAGE_GET:
         proto_put_u64(o, r->handle);
         proto_put_u64(o, r->offset);
         proto_put_u32(o, r->n);
-        if (r->op == PROTO_WRITE) proto_put_bytes(o, r->data, r->n);
+        if (r->op == PROTO_WRITE || r->op == PROTO_STAGE_PUT) proto_put_bytes(o, r->data, r->n);
+        break;
+    case PROTO_STAGE_WRITE:
+    case PROTO_STAGE_READ:
+        proto_put_u64(o, r->handle);
+        proto_put_u64(o, r->offset);
+        proto_put_u64(o, r->bytes);
+        break;
+    case PROTO_STAGE_END:
+        proto_put_u64(o, r->handle);
         break;
     default:
         break;

@@ -37,7 +37,7 @@
 #include <stdint.h>
 
 #define PROTO_MAGIC 0x666e697au /* "zinf" read as a little-endian u32 */
-#define PROTO_VERSION 2
+#define PROTO_VERSION 3
 #define PROTO_HEADER_BYTES 16
 #define PROTO_MAX_DATA ((uint32_t)1 << 20)        /* read/write bytes a message */
 #define PROTO_MAX_PAYLOAD (PROTO_MAX_DATA + 4096) /* the largest payload either way */
@@ -78,7 +78,19 @@ enum proto_op {
      * uid may see (its own; root: all). (nothing) -> u32 n, n x {str job, u32 owner uid,
      * u32 sessions, u64 pins, u32 bytes, that many of struct zinf_stats} */
     PROTO_STATUS = 16,
-    PROTO_OP_MAX = 16,
+    /* A zinf_write or zinf_read larger than one message, as whole as embedded: the bytes
+     * are staged in the daemon (at most zinf.serve.write_stage_bytes a session at once,
+     * else -EMSGSIZE) and the engine is called once for the whole range. STAGE_WRITE opens
+     * a stage, STAGE_PUT fills it and STAGE_END applies it (then frees it, either way);
+     * STAGE_READ reads the whole range into a stage, STAGE_GET takes it out in pieces and
+     * STAGE_END frees it. A stage is its session's: one left open goes with the session.
+     * u64 handle, u64 offset, u64 bytes -> u64 stage */
+    PROTO_STAGE_WRITE = 17,
+    PROTO_STAGE_READ = 18, /* u64 handle, u64 offset, u64 bytes -> u64 stage */
+    PROTO_STAGE_PUT = 19,  /* u64 stage, u64 at, u32 n, n bytes */
+    PROTO_STAGE_GET = 20,  /* u64 stage, u64 at, u32 n -> u32 n, n bytes */
+    PROTO_STAGE_END = 21,  /* u64 stage */
+    PROTO_OP_MAX = 21,
 };
 
 struct proto_header {
@@ -133,11 +145,13 @@ int proto_done(const struct proto_in *in);
 struct proto_request {
     uint16_t op;
     char name[PROTO_MAX_NAME + 1]; /* REGISTER, LOOKUP: the tensor; HELLO: the job */
-    uint64_t handle;               /* REGISTER: nbytes; WAIT: the ticket; HELLO: the session */
-    uint64_t offset;               /* READ, WRITE; HELLO: the secret */
+    uint64_t handle;               /* REGISTER: nbytes; WAIT: the ticket; HELLO: the session;
+                                      STAGE_PUT/GET/END: the stage */
+    uint64_t offset;               /* READ, WRITE, STAGE_*: where; HELLO: the secret */
     uint32_t tier;                 /* FETCH*, RELEASE, PREFETCH; REGISTER: home */
     uint32_t flags;                /* RELEASE */
-    uint32_t n;                    /* READ, WRITE: bytes; FETCH_ALL: handles */
+    uint32_t n;                    /* READ, WRITE, STAGE_PUT/GET: bytes; FETCH_ALL: handles */
+    uint64_t bytes;                /* STAGE_WRITE, STAGE_READ: the whole range's bytes */
     const uint8_t *data;           /* WRITE: n bytes; FETCH_ALL: n u64 handles (read with memcpy);
                                       pointing into the payload decoded */
 };

@@ -66,6 +66,16 @@ struct tick {
     struct tick *next;
 };
 
+/* A zinf_write or zinf_read larger than a message, staged whole (proto.h, STAGE_*). */
+struct stage {
+    uint64_t id;
+    bool write;
+    zinf_tensor t;
+    uint64_t off, bytes;
+    char *buf;
+    struct stage *next;
+};
+
 struct session {
     uint64_t id, secret;
     struct job *job;
@@ -76,6 +86,8 @@ struct session {
     pthread_mutex_t lock; /* pins, ticks */
     struct pin *pins;
     struct tick *ticks;
+    struct stage *stages; /* not in the list while a call fills or empties it */
+    uint64_t staged, stage_limit, next_stage; /* bytes staged; zinf.serve.write_stage_bytes */
     /* The session's pin table (lease.c), or NULL when the job's engine serves as many as
      * it can: the pins counted there are not in pins. */
     struct engine_pinset *ps;
@@ -493,6 +505,11 @@ static void session_free(struct service *s, struct session *se)
             dropped++;
         free(k);
     }
+    for (struct stage *g = se->stages, *n; g; g = n) { /* a write never ended: never applied */
+        n = g->next;
+        free(g->buf);
+        free(g);
+    }
     /* The client may have written through a pin it never released dirty: such a copy goes,
      * so the tensor reads as it was last released, where the engine can tell it apart. */
     for (struct pin *p = se->pins, *n; p; p = n) {
@@ -656,6 +673,109 @@ static int do_read(struct session *se, const struct proto_request *q, struct pro
     return r;
 }
 
+/* STAGE_WRITE and STAGE_READ: a stage of q->bytes for the range, counted against the
+ * session's limit; a read stage is filled now, by one call of the engine. */
+static int do_stage_open(struct session *se, const struct proto_request *q, struct proto_out *o)
+{
+    zinf_engine *e = se->job->e;
+    char none;
+    if (q->bytes == 0 || q->bytes > SIZE_MAX || q->offset > SIZE_MAX - q->bytes) return -EINVAL;
+    /* The range is checked first, as embedded (a bad handle, past the end, damaged). */
+    int r = engine_api_read(e, q->handle, (size_t)(q->offset + q->bytes), &none, 0);
+    if (r < 0) return r;
+    struct stage *g = calloc(1, sizeof(*g));
+    if (!g) return -ENOMEM;
+    pthread_mutex_lock(&se->lock);
+    bool room = q->bytes <= se->stage_limit - se->staged;
+    if (room) se->staged += q->bytes;
+    g->id = ++se->next_stage;
+    pthread_mutex_unlock(&se->lock);
+    if (!room) {
+        free(g);
+        log_notice("serve: job %s: a client (uid %u) asked to stage %llu bytes, more than "
+                   "zinf.serve.write_stage_bytes (%llu) leaves it: -EMSGSIZE",
+                   se->job->name, (unsigned)se->uid, (unsigned long long)q->bytes,
+                   (unsigned long long)se->stage_limit);
+        return -EMSGSIZE;
+    }
+    *g = (struct stage){g->id, q->op == PROTO_STAGE_WRITE, q->handle, q->offset, q->bytes,
+                        malloc((size_t)q->bytes), NULL};
+    r = g->buf ? 0 : -ENOMEM;
+    if (r == 0 && !g->write) r = engine_api_read(e, g->t, (size_t)g->off, g->buf, (size_t)g->bytes);
+    pthread_mutex_lock(&se->lock);
+    if (r == 0) {
+        g->next = se->stages;
+        se->stages = g;
+    } else {
+        se->staged -= q->bytes;
+    }
+    pthread_mutex_unlock(&se->lock);
+    if (r < 0) {
+        free(g->buf);
+        free(g);
+        return r;
+    }
+    proto_put_u64(o, g->id);
+    return 0;
+}
+
+/* Takes the session's stage id out of its list (so that no other call frees it while this
+ * one copies); NULL when it has none of that id, or another call has it now. */
+static struct stage *stage_take(struct session *se, uint64_t id)
+{
+    pthread_mutex_lock(&se->lock);
+    struct stage **pp = &se->stages;
+    while (*pp && (*pp)->id != id)
+        pp = &(*pp)->next;
+    struct stage *g = *pp;
+    if (g) *pp = g->next;
+    pthread_mutex_unlock(&se->lock);
+    return g;
+}
+
+static void stage_put_back(struct session *se, struct stage *g)
+{
+    pthread_mutex_lock(&se->lock);
+    g->next = se->stages;
+    se->stages = g;
+    pthread_mutex_unlock(&se->lock);
+}
+
+/* STAGE_PUT and STAGE_GET: bytes into a write stage, or out of a read stage. */
+static int do_stage_move(struct session *se, const struct proto_request *q, struct proto_out *o)
+{
+    struct stage *g = stage_take(se, q->handle);
+    if (!g) return -EINVAL;
+    int r = 0;
+    if (g->write != (q->op == PROTO_STAGE_PUT) || q->offset > g->bytes ||
+        q->n > g->bytes - q->offset) {
+        r = -EINVAL;
+    } else if (g->write) {
+        memcpy(g->buf + q->offset, q->data, q->n);
+    } else {
+        proto_put_u32(o, q->n);
+        proto_put_bytes(o, g->buf + q->offset, q->n);
+        if (o->bad) r = -ENOMEM;
+    }
+    stage_put_back(se, g);
+    return r;
+}
+
+/* STAGE_END: a write stage applied whole, by one call of the engine; the stage freed. */
+static int do_stage_end(struct session *se, const struct proto_request *q)
+{
+    struct stage *g = stage_take(se, q->handle);
+    if (!g) return -EINVAL;
+    int r = g->write ? engine_api_write(se->job->e, g->t, (size_t)g->off, g->buf, (size_t)g->bytes)
+                     : 0;
+    pthread_mutex_lock(&se->lock);
+    se->staged -= g->bytes;
+    pthread_mutex_unlock(&se->lock);
+    free(g->buf);
+    free(g);
+    return r;
+}
+
 static int do_request(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
     zinf_engine *e = se->job->e;
@@ -692,6 +812,14 @@ static int do_request(struct session *se, const struct proto_request *q, struct 
         return engine_api_write(e, q->handle, q->offset, q->n ? (const void *)q->data : "", q->n);
     case PROTO_READ:
         return do_read(se, q, o);
+    case PROTO_STAGE_WRITE:
+    case PROTO_STAGE_READ:
+        return do_stage_open(se, q, o);
+    case PROTO_STAGE_PUT:
+    case PROTO_STAGE_GET:
+        return do_stage_move(se, q, o);
+    case PROTO_STAGE_END:
+        return do_stage_end(se, q);
     case PROTO_FLUSH:
         return engine_api_flush(e);
     case PROTO_STATS: {
@@ -757,6 +885,7 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
             /* Without a table (the engine serves as many as it can) every call is a
              * message: slower, the same answers. */
             se->live_fd = -1;
+            se->stage_limit = s->config->zinf.serve.write_stage_bytes;
             if (engine_pinset_open(j->e, &se->ps, &se->ps_fd, &se->ps_bytes) < 0) se->ps = NULL;
             /* The table's hit path needs to know the session lives. */
             if (se->ps && live_open(s, se) < 0) {
