@@ -132,7 +132,7 @@ struct zinf_config {
             int checkpoint_every; /* steps between checkpoints; 0: only at the end */
             uint64_t seed;                             /* given when bit set in `given` */
         } train;
-        struct {                        /* zinf.serve: `zinf serve`'s limits */
+        struct config_serve {           /* zinf.serve: `zinf serve`'s limits */
             unsigned jobs_per_uid;        /* jobs a uid may have open; 4 */
             unsigned max_jobs;            /* jobs open in all; 64 */
             unsigned sessions_per_uid;    /* client processes attached, per uid; 64 */

@@ -33,6 +33,8 @@ ZINF_API const char *zinf_strerror(int err)
                         "an engine) the swap directory is in use by another one";
     case -EIO: return "input/output error on the swap device";
     case -EBADMSG: return "corrupted data: checksum mismatch in a swap file";
+    case -EUSERS: return "refused: a limit of the daemon (zinf.serve: jobs, sessions or "
+                         "connections per uid, or in all; the line logged names it)";
     case -ESTALE: return "stale: the saved state was replaced since this read-only engine "
                          "opened it; reopen it";
     case -ENODATA: return "read past the end of the file";

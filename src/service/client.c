@@ -126,6 +126,11 @@ static int hello(struct client *c, int fd)
     proto_in_init(&in, payload, h.len);
     r = proto_get_i32(&in);
     if (in.bad || h.op != (PROTO_HELLO | PROTO_REPLY)) r = -EPROTO;
+    if (r < 0 && r != -EPROTO && in.off < in.len) { /* the daemon says why: a limit, named */
+        char why[512];
+        proto_get_str(&in, why, sizeof(why) - 1);
+        if (!in.bad) log_error("%s", why);
+    }
     if (r == 0) {
         uint64_t session = proto_get_u64(&in), secret = proto_get_u64(&in);
         uint32_t n = proto_get_u32(&in);

@@ -18,6 +18,7 @@
  * the engine refuses the release.
  */
 #include <dirent.h>
+#include <time.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -28,6 +29,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -47,7 +49,11 @@ struct job {
     /* s->lock: opening (its folders and engine being made, without the lock; e NULL), then
      * open. A HELLO for a job being opened waits on s->job_cv. */
     bool opening;
-    uid_t owner;
+    /* s->lock: being closed (idle, or asked to): a HELLO for it waits, then opens it anew */
+    bool closing;
+    uid_t owner;       /* while opening: the uid that asked */
+    unsigned sessions; /* s->lock: sessions attached */
+    uint64_t idle_since; /* s->lock: now_ns() when its last session left */
     zinf_engine *e;
     struct engine_region reg[MEM_TIERS];
     struct job *next;
@@ -99,13 +105,27 @@ struct session {
     int live_fd;
 };
 
+/* A connection. Between requests it waits in the epoll set, costing no thread; when a
+ * request comes a worker takes it (busy) and serves it, and the next ones while they keep
+ * coming, then puts it back. */
 struct conn {
     struct service *svc;
     int fd;
-    pthread_t thread;
-    bool done; /* s->lock: the thread has finished and may be joined */
+    uid_t uid;      /* the peer's, at accept */
+    uint64_t since; /* accepted, now_ns() */
+    bool busy;      /* s->lock: a worker has it (it is out of the epoll set) */
+    int refuse;     /* not 0: its first request is answered with this, then it closes */
+    char why[256];  /* the reason sent with an error of HELLO (a limit, named) */
     struct session *sess;
-    struct conn *next;
+    struct conn *next;  /* s->conns */
+    struct conn *qnext; /* s->ready */
+};
+
+/* What one uid has open, for zinf.serve's limits. */
+struct ucount {
+    uid_t uid;
+    unsigned conns, sessions;
+    struct ucount *next;
 };
 
 /* The thread that holds every session's liveness mutex (a robust, process-shared mutex in
@@ -133,11 +153,22 @@ struct service {
     int wake[2];      /* service_stop() writes to wake[1] */
     uint64_t spin_ns; /* how long a connection polls for its next request before it sleeps */
 
+    const struct config_serve *lim; /* &config->zinf.serve */
+    int ep;                         /* epoll: the listener, the wake pipe, idle connections */
+
     pthread_mutex_t lock;
-    pthread_cond_t job_cv; /* a job finished opening (or failed to) */
+    pthread_cond_t job_cv; /* a job finished opening or closing (or failed to) */
     struct job *jobs;
     struct session *sessions;
     struct conn *conns;
+    unsigned nconns;
+    struct ucount *ucounts;
+    struct conn *ready, *ready_tail; /* a request waits: for a worker */
+    pthread_cond_t work_cv;          /* ready has one, or stopping */
+    pthread_cond_t gone_cv;          /* a worker or a job's closer finished */
+    unsigned workers, idle_workers, closers;
+    bool stopping;
+    uint64_t refused, refused_said_ns; /* connections refused; when last logged */
     uint64_t next_session;
     _Atomic uint64_t requests; /* requests served after HELLO */
     struct keeper keeper;
@@ -385,9 +416,9 @@ static bool saved(struct service *s, const char *name)
 
 /* Opens job j (its folders, then its engine, resuming what it saved): file IO, done
  * without s->lock. */
-static int job_open(struct service *s, struct job *j, uid_t uid)
+static int job_open(struct service *s, struct job *j, uid_t uid, uid_t *owner)
 {
-    int r = job_folders(s, j->name, uid, &j->owner);
+    int r = job_folders(s, j->name, uid, owner);
     if (r < 0) return r;
     /* A job resumes what it saved in its folder; with nothing saved there it is new. */
     r = engine_open_config_shared(s->config, saved(s, j->name) ? ZINF_OPEN_RESUME : 0, j->name,
@@ -402,30 +433,71 @@ static int job_open(struct service *s, struct job *j, uid_t uid)
         log_error("serve: job %s: cannot open its engine: %s", j->name, zinf_strerror(r));
         return r;
     }
-    log_notice("serve: job %s opened (owner uid %u)", j->name, (unsigned)j->owner);
+    log_notice("serve: job %s opened (owner uid %u)", j->name, (unsigned)*owner);
     return 0;
+}
+
+/* Whether uid is exempt from the per-uid limits, and may use the reserved connections:
+ * root and the daemon's own uid. */
+static bool privileged(uid_t uid)
+{
+    return uid == 0 || uid == geteuid();
+}
+
+/* What uid has open; made when first asked for (NULL when out of memory). s->lock held. */
+static struct ucount *ucount_of(struct service *s, uid_t uid)
+{
+    struct ucount *u;
+    for (u = s->ucounts; u; u = u->next)
+        if (u->uid == uid) return u;
+    if ((u = calloc(1, sizeof(*u)))) {
+        u->uid = uid;
+        u->next = s->ucounts;
+        s->ucounts = u;
+    }
+    return u;
 }
 
 /* The job of that name, opened (its saved state resumed) when first asked for. s->lock
  * held; it is let go while the job opens (no file IO under it), and a HELLO for a job
- * another is opening waits for that. */
-static int job_get(struct service *s, const char *name, uid_t uid, struct job **out)
+ * another is opening or closing waits for that. A new job counts against zinf.serve's
+ * jobs_per_uid and max_jobs (-EUSERS, why says which). */
+static int job_get(struct service *s, const char *name, uid_t uid, struct job **out, char *why,
+                   size_t whylen)
 {
     struct job *j;
     for (;;) {
         for (j = s->jobs; j; j = j->next)
             if (!strcmp(j->name, name)) break;
-        if (!j || !j->opening) break;
+        if (!j || (!j->opening && !j->closing)) break;
         pthread_cond_wait(&s->job_cv, &s->lock);
     }
     if (!j) {
+        unsigned all = 0, mine = 0;
+        for (struct job *o = s->jobs; o; o = o->next) {
+            all++;
+            mine += o->owner == uid;
+        }
+        if (all >= s->lim->max_jobs || (!privileged(uid) && mine >= s->lim->jobs_per_uid)) {
+            bool total = all >= s->lim->max_jobs;
+            snprintf(why, whylen,
+                     "zinf serve: job %.64s refused: %s %u jobs open, the limit "
+                     "(zinf.serve.%s); a job closes %u s after its last client leaves, or with "
+                     "zinf job close",
+                     name, total ? "the daemon has" : "this uid has", total ? all : mine,
+                     total ? "max_jobs" : "jobs_per_uid", s->lim->idle_job_close);
+            log_notice("serve: uid %u: %s", (unsigned)uid, why + strlen("zinf serve: "));
+            return -EUSERS;
+        }
         if (!(j = calloc(1, sizeof(*j)))) return -ENOMEM;
         strcpy(j->name, name);
         j->opening = true;
+        j->owner = uid;
         j->next = s->jobs;
         s->jobs = j;
         pthread_mutex_unlock(&s->lock);
-        int r = job_open(s, j, uid);
+        uid_t owner;
+        int r = job_open(s, j, uid, &owner);
         pthread_mutex_lock(&s->lock);
         pthread_cond_broadcast(&s->job_cv);
         if (r < 0) {
@@ -438,6 +510,8 @@ static int job_get(struct service *s, const char *name, uid_t uid, struct job **
             return r;
         }
         j->opening = false;
+        j->owner = owner;
+        j->idle_since = now_ns();
     }
     if (uid != j->owner && uid != 0) return -EACCES;
     *out = j;
@@ -838,11 +912,13 @@ static int do_request(struct session *se, const struct proto_request *q, struct 
 
 /* ---- connections --------------------------------------------------------------------- */
 
-static int reply_error(int fd, uint16_t op, uint32_t seq, int err)
+/* An error reply: the result alone, or (HELLO) with why after it, which the client logs. */
+static int reply_error(int fd, uint16_t op, uint32_t seq, int err, const char *why)
 {
     struct proto_out o;
     proto_out_init(&o, (uint16_t)(op | PROTO_REPLY), seq);
     proto_put_i32(&o, err);
+    if (why && why[0] && op == PROTO_HELLO) proto_put_str(&o, why);
     int r = proto_send(fd, &o, NULL, 0);
     proto_out_free(&o);
     return r;
@@ -855,13 +931,12 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     const char *job = q->name;
     uint64_t sid = q->handle, secret = q->offset;
     if (!job_name_ok(job)) return -EINVAL;
-    struct ucred cred;
-    socklen_t len = sizeof(cred);
-    if (getsockopt(k->fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return -errno;
+    struct ucred cred = {.uid = k->uid};
 
     struct session *se = NULL;
     int r = 0;
     pthread_mutex_lock(&s->lock);
+    struct ucount *uc = ucount_of(s, cred.uid);
     if (sid) {
         for (se = s->sessions; se; se = se->next)
             if (se->id == sid) break;
@@ -871,9 +946,18 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
             r = -ECONNRESET;
         else
             se->conns++;
+    } else if (!uc) {
+        r = -ENOMEM;
+    } else if (!privileged(cred.uid) && uc->sessions >= s->lim->sessions_per_uid) {
+        snprintf(k->why, sizeof(k->why),
+                 "zinf serve: a new session refused: uid %u has %u sessions (client processes "
+                 "attached), the limit (zinf.serve.sessions_per_uid)",
+                 (unsigned)cred.uid, uc->sessions);
+        log_notice("serve: %s", k->why + strlen("zinf serve: "));
+        r = -EUSERS;
     } else {
         struct job *j;
-        r = job_get(s, job, cred.uid, &j);
+        r = job_get(s, job, cred.uid, &j, k->why, sizeof(k->why));
         if (r == 0 && !(se = calloc(1, sizeof(*se)))) r = -ENOMEM;
         if (r == 0) {
             se->id = ++s->next_session;
@@ -896,6 +980,8 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
             pthread_mutex_init(&se->lock, NULL);
             se->next = s->sessions;
             s->sessions = se;
+            j->sessions++;
+            uc->sessions++;
         }
     }
     pthread_mutex_unlock(&s->lock);
@@ -1045,6 +1131,8 @@ static int status(struct conn *k, uint32_t seq)
 static void session_leave(struct service *s, struct session *se)
 {
     bool last = false;
+    struct job *j = se->job;
+    uid_t se_uid = se->uid;
     pthread_mutex_lock(&s->lock);
     if (--se->conns == 0) {
         last = true;
@@ -1055,44 +1143,66 @@ static void session_leave(struct service *s, struct session *se)
             }
     }
     pthread_mutex_unlock(&s->lock);
-    if (last) session_free(s, se);
+    if (!last) return;
+    session_free(s, se);
+    /* Counted out once its pins are dropped: an idle job's close finds none. */
+    pthread_mutex_lock(&s->lock);
+    struct ucount *uc = ucount_of(s, se_uid);
+    if (uc) uc->sessions--;
+    if (--j->sessions == 0) j->idle_since = now_ns();
+    pthread_mutex_unlock(&s->lock);
 }
 
-static void *conn_main(void *arg)
+/* Serves k's requests while they keep coming: true when k is to wait in the epoll set for
+ * its next one, false when it is to be closed (its peer left, or broke the protocol). A
+ * worker thread runs this; a connection that goes quiet for CONN_LINGER_MS gives it back. */
+#define CONN_LINGER_MS 50
+static bool conn_serve(struct conn *k)
 {
-    struct conn *k = arg;
     struct service *s = k->svc;
 
     for (;;) {
+        /* A client in a loop of calls sends the next one within microseconds; one that is
+         * busy elsewhere, within milliseconds; one that is silent, gives the thread back. */
+        if (!proto_spin_readable(k->fd, s->spin_ns)) {
+            struct pollfd p = {k->fd, POLLIN, 0};
+            int n = poll(&p, 1, CONN_LINGER_MS);
+            if (n == 0) return true;
+            if (n < 0 && errno == EINTR) continue;
+        }
         struct proto_header h;
         uint8_t *payload = NULL;
-        /* A client in a loop of calls sends the next one within microseconds. */
-        proto_spin_readable(k->fd, s->spin_ns);
+        /* The socket's receive timeout (hello_timeout) bounds a message cut short. */
         int r = proto_recv(k->fd, false, &h, &payload, NULL, NULL);
         if (r < 0) {
             /* A header that parsed badly gets a word before the door closes. */
             if (r == -EPROTONOSUPPORT || r == -EMSGSIZE || r == -EBADMSG)
-                reply_error(k->fd, h.op & ~PROTO_REPLY, h.seq, r);
-            break;
+                reply_error(k->fd, h.op & ~PROTO_REPLY, h.seq, r, NULL);
+            return false;
+        }
+        if (k->refuse) { /* over a limit: told so, then closed */
+            free(payload);
+            reply_error(k->fd, h.op, h.seq, k->refuse, k->why);
+            return false;
         }
         struct proto_request q;
         r = proto_decode_request(h.op, payload, h.len, &q);
         if (r == 0 && h.op == PROTO_STATUS) {
             free(payload);
-            if (status(k, h.seq) < 0) break;
+            if (status(k, h.seq) < 0) return false;
             continue;
         }
         if (r == 0 && !k->sess) r = h.op == PROTO_HELLO ? hello(k, &q, h.seq) : -EPROTO;
         if (r != 0 || !k->sess || h.op == PROTO_HELLO) {
             free(payload);
             if (r < 0) {
-                reply_error(k->fd, h.op, h.seq, r);
-                break;
+                reply_error(k->fd, h.op, h.seq, r, h.op == PROTO_HELLO ? k->why : NULL);
+                return false;
             }
             if (r == 1) /* the session's HELLO, answered */
                 continue;
-            reply_error(k->fd, h.op, h.seq, -EBADMSG); /* a second HELLO */
-            break;
+            reply_error(k->fd, h.op, h.seq, -EBADMSG, NULL); /* a second HELLO */
+            return false;
         }
         struct proto_out o;
         proto_out_init(&o, (uint16_t)(h.op | PROTO_REPLY), h.seq);
@@ -1110,33 +1220,160 @@ static void *conn_main(void *arg)
         }
         int w = proto_send(k->fd, &o, NULL, 0);
         proto_out_free(&o);
-        if (w < 0) break;
+        if (w < 0) return false;
         /* A request's own failure (-EBADMSG of a damaged tensor too) leaves the connection
          * open: the client has put it back in its pool. Only a message that breaks the
          * protocol (above) closes it. */
     }
-    if (k->sess) session_leave(s, k->sess);
+}
+
+/* Closes k: out of the lists and counts, its session left. in_epoll: it waits there (not
+ * busy). */
+static void conn_drop(struct service *s, struct conn *k, bool in_epoll)
+{
     pthread_mutex_lock(&s->lock);
+    for (struct conn **pp = &s->conns; *pp; pp = &(*pp)->next)
+        if (*pp == k) {
+            *pp = k->next;
+            break;
+        }
+    s->nconns--;
+    struct ucount *u = k->refuse ? NULL : ucount_of(s, k->uid);
+    if (u) u->conns--;
+    pthread_mutex_unlock(&s->lock);
+    if (in_epoll) epoll_ctl(s->ep, EPOLL_CTL_DEL, k->fd, NULL);
+    if (k->sess) session_leave(s, k->sess);
     close(k->fd);
-    k->fd = -1;
-    k->done = true;
+    free(k);
+}
+
+static void *worker_main(void *arg)
+{
+    struct service *s = arg;
+    pthread_mutex_lock(&s->lock);
+    for (;;) {
+        /* An idle worker waits a while for more, then leaves: threads follow the load. */
+        while (!s->ready && !s->stopping) {
+            struct timespec until;
+            clock_gettime(CLOCK_REALTIME, &until);
+            until.tv_sec += 10;
+            s->idle_workers++;
+            int r = pthread_cond_timedwait(&s->work_cv, &s->lock, &until);
+            s->idle_workers--;
+            if (r == ETIMEDOUT && !s->ready) goto leave;
+        }
+        struct conn *k = s->ready;
+        if (!k) break; /* stopping, nothing left */
+        s->ready = k->qnext;
+        if (!s->ready) s->ready_tail = NULL;
+        pthread_mutex_unlock(&s->lock);
+        bool keep = conn_serve(k);
+        pthread_mutex_lock(&s->lock);
+        if (keep && !s->stopping) {
+            k->busy = false;
+            struct epoll_event ev = {.events = EPOLLIN | EPOLLONESHOT, .data.ptr = k};
+            if (epoll_ctl(s->ep, EPOLL_CTL_MOD, k->fd, &ev) == 0) continue;
+        }
+        pthread_mutex_unlock(&s->lock);
+        conn_drop(s, k, false);
+        pthread_mutex_lock(&s->lock);
+    }
+leave:
+    s->workers--;
+    pthread_cond_broadcast(&s->gone_cv);
     pthread_mutex_unlock(&s->lock);
     return NULL;
 }
 
-/* Joins the threads of finished connections (s->lock held). */
-static void reap(struct service *s)
+/* A request waits on k: a worker takes it (one is started when none is idle). s->lock held. */
+static void dispatch(struct service *s, struct conn *k)
 {
-    for (struct conn **pp = &s->conns; *pp;) {
-        struct conn *k = *pp;
-        if (!k->done) {
-            pp = &k->next;
-            continue;
-        }
-        *pp = k->next;
-        pthread_join(k->thread, NULL);
-        free(k);
+    k->busy = true;
+    k->qnext = NULL;
+    if (s->ready_tail)
+        s->ready_tail->qnext = k;
+    else
+        s->ready = k;
+    s->ready_tail = k;
+    if (s->idle_workers) {
+        pthread_cond_signal(&s->work_cv);
+        return;
     }
+    pthread_t t;
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &a, worker_main, s) == 0)
+        s->workers++;
+    else if (!s->workers)
+        log_error("serve: cannot start a thread to serve a request: it waits");
+    pthread_attr_destroy(&a);
+}
+
+/* Says (at most once a second) that connections were refused. s->lock held. */
+static void refused_note(struct service *s, const char *why)
+{
+    s->refused++;
+    uint64_t now = now_ns();
+    if (now - s->refused_said_ns < 1000000000ull) return;
+    s->refused_said_ns = now;
+    log_notice("serve: %llu connection(s) refused so far; the last: %s",
+               (unsigned long long)s->refused, why);
+}
+
+/* A new connection: counted against zinf.serve's limits and put in the epoll set. Over
+ * max_connections, or into the reserve, it is closed at once; over its uid's limit it is
+ * answered -EUSERS, with the limit named, at its first request. */
+static void admit(struct service *s, int fd)
+{
+    struct ucred cred = {0};
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+        close(fd);
+        return;
+    }
+    /* A message cut short, or replies left unread, end the connection after this long. */
+    struct timeval tv = {.tv_sec = s->lim->hello_timeout};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    struct conn *k = calloc(1, sizeof(*k));
+    pthread_mutex_lock(&s->lock);
+    unsigned open_to_all = s->lim->max_connections > s->lim->reserved_connections
+                               ? s->lim->max_connections - s->lim->reserved_connections
+                               : 0;
+    bool priv = privileged(cred.uid);
+    struct ucount *u = ucount_of(s, cred.uid);
+    char why[256] = "";
+    if (!k || !u || s->nconns >= (priv ? s->lim->max_connections : open_to_all)) {
+        snprintf(why, sizeof(why),
+                 "uid %u: %u connections open, %s (zinf.serve.max_connections %u, "
+                 "reserved_connections %u): closed at once",
+                 (unsigned)cred.uid, s->nconns, priv ? "all there are" : "all but the reserve",
+                 s->lim->max_connections, s->lim->reserved_connections);
+        refused_note(s, why);
+        pthread_mutex_unlock(&s->lock);
+        free(k);
+        close(fd);
+        return;
+    }
+    *k = (struct conn){.svc = s, .fd = fd, .uid = cred.uid, .since = now_ns()};
+    if (!priv && u->conns >= s->lim->connections_per_uid) {
+        k->refuse = -EUSERS;
+        snprintf(k->why, sizeof(k->why),
+                 "zinf serve: connection refused: uid %u has %u connections open, the limit "
+                 "(zinf.serve.connections_per_uid)",
+                 (unsigned)cred.uid, u->conns);
+        refused_note(s, k->why + strlen("zinf serve: "));
+    } else {
+        u->conns++;
+    }
+    s->nconns++;
+    k->next = s->conns;
+    s->conns = k;
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLONESHOT, .data.ptr = k};
+    bool in = epoll_ctl(s->ep, EPOLL_CTL_ADD, fd, &ev) == 0;
+    pthread_mutex_unlock(&s->lock);
+    if (!in) conn_drop(s, k, false);
 }
 
 /* ---- the service --------------------------------------------------------------------- */
@@ -1244,8 +1481,12 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
     s->spin_ns = proto_spin_ns();
     s->listen_fd = -1;
     s->wake[0] = s->wake[1] = -1;
+    s->lim = &o->config->zinf.serve;
+    s->ep = -1;
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->job_cv, NULL);
+    pthread_cond_init(&s->work_cv, NULL);
+    pthread_cond_init(&s->gone_cv, NULL);
     int r = 0;
     const char *what = "";
     if (!(s->socket_path = strdup(o->socket_path))) {
@@ -1270,7 +1511,7 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
         }
     }
     unlink(o->socket_path);
-    s->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    s->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (s->listen_fd < 0) {
         r = -errno;
         what = "socket";
@@ -1321,44 +1562,112 @@ void service_stop(struct service *s)
     }
 }
 
+struct closing {
+    struct service *s;
+    struct job *j;
+};
+
+/* Closes an idle job (flushed, its memory given back): a HELLO for it meanwhile waits, and
+ * then opens it anew, resuming what was flushed. */
+static void *job_closer(void *arg)
+{
+    struct closing *c = arg;
+    struct service *s = c->s;
+    struct job *j = c->j;
+    free(c);
+    engine_api_close(j->e);
+    log_notice("serve: job %s closed (no client for %u s)", j->name, s->lim->idle_job_close);
+    pthread_mutex_lock(&s->lock);
+    for (struct job **pp = &s->jobs; *pp; pp = &(*pp)->next)
+        if (*pp == j) {
+            *pp = j->next;
+            break;
+        }
+    s->closers--;
+    pthread_cond_broadcast(&s->job_cv);
+    pthread_cond_broadcast(&s->gone_cv);
+    pthread_mutex_unlock(&s->lock);
+    free(j);
+    return NULL;
+}
+
+/* Once a second: connections that did not send HELLO in time are closed, and jobs without
+ * a session for zinf.serve.idle_job_close seconds are closed. */
+static void sweep(struct service *s)
+{
+    uint64_t now = now_ns(), hello_ns = (uint64_t)s->lim->hello_timeout * 1000000000ull;
+    for (;;) {
+        struct conn *late = NULL;
+        pthread_mutex_lock(&s->lock);
+        for (struct conn *k = s->conns; k && !late; k = k->next)
+            if (!k->busy && !k->sess && now - k->since > hello_ns) late = k;
+        if (late) late->busy = true; /* ours now */
+        pthread_mutex_unlock(&s->lock);
+        if (!late) break;
+        conn_drop(s, late, true);
+    }
+    if (!s->lim->idle_job_close) return;
+    uint64_t idle_ns = (uint64_t)s->lim->idle_job_close * 1000000000ull;
+    pthread_mutex_lock(&s->lock);
+    for (struct job *j = s->jobs; j; j = j->next) {
+        if (j->opening || j->closing || j->sessions || now - j->idle_since < idle_ns) continue;
+        struct closing *c = malloc(sizeof(*c));
+        pthread_t t;
+        pthread_attr_t a;
+        pthread_attr_init(&a);
+        pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+        if (c) *c = (struct closing){s, j};
+        j->closing = true;
+        s->closers++;
+        if (!c || pthread_create(&t, &a, job_closer, c) != 0) { /* next time */
+            free(c);
+            j->closing = false;
+            s->closers--;
+        }
+        pthread_attr_destroy(&a);
+    }
+    pthread_mutex_unlock(&s->lock);
+}
+
 static int serve(struct service *s)
 {
+    struct epoll_event lev = {.events = EPOLLIN, .data.ptr = &s->listen_fd},
+                       wev = {.events = EPOLLIN, .data.ptr = &s->wake[0]};
+    if (epoll_ctl(s->ep, EPOLL_CTL_ADD, s->listen_fd, &lev) != 0 ||
+        epoll_ctl(s->ep, EPOLL_CTL_ADD, s->wake[0], &wev) != 0)
+        return -errno;
+    uint64_t swept = now_ns();
     for (;;) {
-        struct pollfd p[2] = {{s->listen_fd, POLLIN, 0}, {s->wake[0], POLLIN, 0}};
-        if (poll(p, 2, -1) < 0) {
-            if (errno == EINTR) continue;
-            return -errno;
-        }
-        if (p[1].revents) return 0;
-        if (!(p[0].revents & POLLIN)) continue;
-        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC);
-        if (fd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED || errno == EAGAIN) continue;
-            log_error("serve: accept: %s", strerror(errno));
-            if (errno == EMFILE || errno == ENFILE || errno == ENOMEM) {
-                poll(NULL, 0, 100); /* let connections close before trying again */
+        struct epoll_event ev[64];
+        int n = epoll_wait(s->ep, ev, 64, 1000);
+        if (n < 0 && errno != EINTR) return -errno;
+        for (int i = 0; i < n; i++) {
+            if (ev[i].data.ptr == &s->wake[0]) return 0;
+            if (ev[i].data.ptr != &s->listen_fd) {
+                pthread_mutex_lock(&s->lock);
+                dispatch(s, ev[i].data.ptr);
+                pthread_mutex_unlock(&s->lock);
                 continue;
             }
-            return -errno;
-        }
-        struct conn *k = calloc(1, sizeof(*k));
-        pthread_mutex_lock(&s->lock);
-        reap(s);
-        if (k) {
-            k->svc = s;
-            k->fd = fd;
-            if (pthread_create(&k->thread, NULL, conn_main, k) == 0) {
-                k->next = s->conns;
-                s->conns = k;
-                k = NULL;
-                fd = -1;
+            for (;;) {
+                int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+                if (fd >= 0) {
+                    admit(s, fd);
+                    continue;
+                }
+                if (errno == EINTR || errno == ECONNABORTED) continue;
+                if (errno == EAGAIN) break;
+                log_error("serve: accept: %s", strerror(errno));
+                if (errno == EMFILE || errno == ENFILE || errno == ENOMEM) {
+                    poll(NULL, 0, 100); /* let connections close before trying again */
+                    break;
+                }
+                return -errno;
             }
         }
-        pthread_mutex_unlock(&s->lock);
-        if (fd >= 0) {
-            log_error("serve: out of memory or threads for a new connection: refused");
-            close(fd);
-            free(k);
+        if (now_ns() - swept >= 1000000000ull) {
+            sweep(s);
+            swept = now_ns();
         }
     }
 }
@@ -1370,6 +1679,7 @@ int service_run(struct service *s)
         int r = keeper_start(&s->keeper);
         if (r < 0) return r;
     }
+    if (s->ep < 0 && (s->ep = epoll_create1(EPOLL_CLOEXEC)) < 0) return -errno;
     return serve(s);
 }
 
@@ -1378,20 +1688,22 @@ void service_close(struct service *s)
     if (!s) return;
     close(s->listen_fd);
     unlink(s->socket_path);
-    /* Every connection's thread sees its socket shut and leaves (after the call it may be
-     * in); the last connection of each session drops its pins. */
+    /* Workers see their sockets shut and leave (after the call they may be in); idle
+     * connections are closed here; the last connection of each session drops its pins. */
     pthread_mutex_lock(&s->lock);
+    s->stopping = true;
     for (struct conn *k = s->conns; k; k = k->next)
-        if (k->fd >= 0) shutdown(k->fd, SHUT_RDWR);
+        shutdown(k->fd, SHUT_RDWR);
+    pthread_cond_broadcast(&s->work_cv);
+    while (s->workers || s->closers)
+        pthread_cond_wait(&s->gone_cv, &s->lock);
     pthread_mutex_unlock(&s->lock);
     for (;;) {
         pthread_mutex_lock(&s->lock);
         struct conn *k = s->conns;
-        if (k) s->conns = k->next;
         pthread_mutex_unlock(&s->lock);
         if (!k) break;
-        pthread_join(k->thread, NULL);
-        free(k);
+        conn_drop(s, k, !k->busy);
     }
     for (struct job *j = s->jobs, *n; j; j = n) {
         n = j->next;
@@ -1399,11 +1711,18 @@ void service_close(struct service *s)
         log_notice("serve: job %s closed", j->name);
         free(j);
     }
+    for (struct ucount *u = s->ucounts, *n; u; u = n) {
+        n = u->next;
+        free(u);
+    }
     close(s->wake[0]);
     close(s->wake[1]);
+    if (s->ep >= 0) close(s->ep);
     keeper_stop(&s->keeper);
     free(s->socket_path);
     pthread_cond_destroy(&s->job_cv);
+    pthread_cond_destroy(&s->work_cv);
+    pthread_cond_destroy(&s->gone_cv);
     pthread_mutex_destroy(&s->lock);
     free(s);
 }
@@ -1416,6 +1735,8 @@ void service_forget(struct service *s)
     close(s->wake[1]);
     free(s->socket_path);
     pthread_cond_destroy(&s->job_cv);
+    pthread_cond_destroy(&s->work_cv);
+    pthread_cond_destroy(&s->gone_cv);
     pthread_mutex_destroy(&s->lock);
     free(s);
 }
