@@ -9,10 +9,12 @@
  * (as in CI); as another user the tests that need two uids are skipped.
  */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
 #include <linux/falloc.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -22,6 +24,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -133,6 +136,8 @@ static void run_as_nobody(void (*fn)(void *, struct report *), void *arg, const 
 
 /* Sends q and reads its reply: the result (or -errno of the exchange), with the reply's
  * payload in *payload (free it) and up to 8 fds in fds. */
+static size_t raw_len; /* the last reply's payload bytes */
+
 static int raw_call(int fd, const struct proto_request *q, uint8_t **payload, int *fds, int *nfds)
 {
     static uint32_t seq;
@@ -148,6 +153,7 @@ static int raw_call(int fd, const struct proto_request *q, uint8_t **payload, in
     if (nfds) *nfds = n;
     if (r < 0) return r;
     int32_t res = -EPROTO;
+    raw_len = h.len;
     if (h.len >= 4) memcpy(&res, p, 4);
     if (payload)
         *payload = p;
@@ -177,7 +183,7 @@ static int raw_hello(const char *job, struct hello *h)
     int r = raw_call(h->fd, &q, &p, h->fds, &h->nfds);
     if (r == 0) {
         struct proto_in in;
-        proto_in_init(&in, p, 4 + 8 + 8 + 4 + PROTO_MAX_REGIONS * 12);
+        proto_in_init(&in, p, raw_len);
         proto_get_i32(&in);
         proto_get_u64(&in);
         proto_get_u64(&in);
@@ -780,5 +786,175 @@ Test(serve_guard, a_large_write_through_the_daemon_is_whole)
     zinf_close(rd.e);
     zinf_close(e);
     free(buf);
+    daemon_stop(&d);
+}
+
+/* ---- 6, 7: limits ------------------------------------------------------------------------ */
+
+static void write_cfg_limits(void)
+{
+    FILE *f = fopen(cfg_path, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+            "\"%s/swap\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 8},"
+            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", \"host_bytes\": "
+            "\"4M\", \"serve\": {\"jobs_per_uid\": 2, \"sessions_per_uid\": 3, "
+            "\"connections_per_uid\": 8, \"max_connections\": 40, \"reserved_connections\": 8, "
+            "\"hello_timeout\": 1, \"idle_job_close\": 1}}}",
+            dir);
+    fclose(f);
+}
+
+static unsigned open_fds(void)
+{
+    unsigned n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    cr_assert_not_null(d);
+    while (readdir(d))
+        n++;
+    closedir(d);
+    return n;
+}
+
+/* A HELLO for job on a raw connection: the result, and the reason the reply carries. */
+static int hello_why(int fd, const char *job, char *why, size_t len)
+{
+    struct proto_request q = {.op = PROTO_HELLO};
+    snprintf(q.name, sizeof(q.name), "%s", job);
+    uint8_t *p = NULL;
+    int fds[8], nfds = 8;
+    int r = raw_call(fd, &q, &p, fds, &nfds);
+    for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+    why[0] = 0;
+    if (r < 0 && p) {
+        struct proto_in in;
+        proto_in_init(&in, p, raw_len);
+        proto_get_i32(&in);
+        proto_get_str(&in, why, len - 1);
+    }
+    free(p);
+    return r;
+}
+
+/* Item 6 as the second user: two jobs, three sessions; the third job and the fourth
+ * session are refused with the limit named. */
+static void over_the_job_and_session_limits(void *arg, struct report *rp)
+{
+    (void)arg;
+    zinf_engine *e[4] = {0};
+    int r;
+    test_log_capture_start();
+    if ((r = zinf_connect(sock, "a", &e[0])) || (r = zinf_connect(sock, "b", &e[1])))
+        say(rp, "the first two jobs: %s", zinf_strerror(r));
+    if ((r = zinf_connect(sock, "c", &e[2])) != -EUSERS)
+        say(rp, "a third job: %s, not -EUSERS", zinf_strerror(r));
+    if (!strstr(test_log_text(), "jobs_per_uid"))
+        say(rp, "the refusal does not name the limit: %s", test_log_text());
+    if ((r = zinf_connect(sock, "a", &e[2])))
+        say(rp, "a third session: %s", zinf_strerror(r));
+    if ((r = zinf_connect(sock, "b", &e[3])) != -EUSERS)
+        say(rp, "a fourth session: %s, not -EUSERS", zinf_strerror(r));
+    if (!strstr(test_log_text(), "sessions_per_uid"))
+        say(rp, "the refusal does not name the limit: %s", test_log_text());
+    test_log_capture_stop();
+    /* Through a session, a tensor to find again after the job was closed for idleness. */
+    zinf_tensor t;
+    if (e[0] && ((r = zinf_register(e[0], "kept", 8192, ZINF_TIER_NVME, &t)) ||
+                 (r = zinf_write(e[0], t, 0, "idle-closed", 11))))
+        say(rp, "a tensor in job a: %s", zinf_strerror(r));
+    for (int i = 0; i < 4; i++)
+        zinf_close(e[i]);
+}
+
+/* Item 7 as the second user: 60 connections that never say HELLO. Its own limit (8) and
+ * the daemon's (40, 8 of them kept for root) refuse the rest: those over its limit are
+ * told so at their first request, those over what the daemon gives others are closed at
+ * once; the silent ones are closed after hello_timeout. */
+static void silent_connections(void *arg, struct report *rp)
+{
+    int *ready = arg;
+    int fd[60], n = 0;
+    for (int i = 0; i < 60; i++) {
+        struct sockaddr_un a = {.sun_family = AF_UNIX};
+        strcpy(a.sun_path, sock);
+        fd[n] = socket(AF_UNIX, SOCK_STREAM, 0);
+        if (fd[n] >= 0 && connect(fd[n], (struct sockaddr *)&a, sizeof(a)) == 0) n++;
+    }
+    char why[512];
+    int r = hello_why(fd[n - 1], "x", why, sizeof(why));
+    if (r >= 0 || (r == -EUSERS && !strstr(why, "connections_per_uid")))
+        say(rp, "a connection over the uid's limit: %s (%s)", zinf_strerror(r), why);
+    char one = 1;
+    if (write(ready[1], &one, 1) != 1) say(rp, "the pipe");
+    /* The daemon closes the silent ones after the deadline (1 s, swept every second). */
+    struct timespec ts = {3, 500000000};
+    nanosleep(&ts, NULL);
+    unsigned open = 0;
+    for (int i = 0; i < n; i++) {
+        char c;
+        struct pollfd p = {fd[i], POLLIN, 0};
+        if (poll(&p, 1, 0) == 0 || (recv(fd[i], &c, 1, MSG_DONTWAIT) > 0)) open++;
+        close(fd[i]);
+    }
+    if (open) say(rp, "%u silent connections still open after the HELLO deadline", open);
+}
+
+/* Items 6 and 7: a second user's jobs, sessions and connections are bounded and refused
+ * with the limit named; root attaches at once meanwhile (the reserve); silent connections
+ * go after hello_timeout; jobs without a client are closed after idle_job_close (their
+ * memory and fds given back) and come back as they were flushed. */
+Test(serve_guard, limits_bound_a_users_jobs_sessions_and_connections, .timeout = 60)
+{
+    if (!as_root()) return;
+    write_cfg_limits();
+    cr_assert_eq(chmod(dir, 0711), 0);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    zinf_engine *warm = connect_job("root-job");
+    zinf_close(warm);
+    unsigned fds0 = open_fds();
+    run_as_nobody(over_the_job_and_session_limits, NULL, "jobs and sessions");
+
+    int ready[2];
+    cr_assert_eq(pipe(ready), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(ready[0]);
+        become_nobody();
+        struct report rp = {2, 0};
+        silent_connections(ready, &rp);
+        _exit(rp.failures ? 1 : 0);
+    }
+    close(ready[1]);
+    char c;
+    cr_assert_eq(read(ready[0], &c, 1), 1, "the silent connections were not made");
+    /* Root attaches at once while they hold every connection given to others. */
+    uint64_t t0 = now_ns();
+    zinf_engine *e = connect_job("root-job");
+    cr_assert_lt(now_ns() - t0, 1000000000ull, "root waited for its connection");
+    zinf_close(e);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "silent connections: %#x", st);
+    close(ready[0]);
+
+    /* Idle jobs close: the second user may open others now, and "a" comes back. */
+    struct timespec ts = {3, 0};
+    nanosleep(&ts, NULL);
+    struct service_job_status *js;
+    size_t njobs;
+    cr_assert_eq(service_status(sock, &js, &njobs), 0);
+    for (size_t i = 0; i < njobs; i++)
+        cr_assert(!js[i].open, "job %s still open with no client", js[i].name);
+    free(js);
+    cr_assert_leq(open_fds(), fds0, "the daemon kept fds of closed jobs and connections");
+    e = connect_job("a"); /* root may attach to any job */
+    zinf_tensor t;
+    cr_assert_eq(zinf_lookup(e, "kept", &t), 0);
+    test_expect_content(e, t, (const unsigned char *)"idle-closed", 11, "after an idle close");
+    zinf_close(e);
     daemon_stop(&d);
 }
