@@ -3559,3 +3559,85 @@ Test(cli, zero_recut_killed_anywhere_never_hides_its_source, .timeout = 300)
         expect_steps(log4, ref4, 5, 6, what);
     }
 }
+
+/* zinf job list|close|rm and zinf serve --stop manage jobs and the daemon without a signal:
+ * a job with a client attached is neither closed nor removed; a closed job is listed as
+ * saved and comes back as flushed; a removed one is gone with its folder; another user may
+ * do none of it to root's job, nor stop the daemon. */
+Test(cli, jobs_and_the_daemon_are_managed_through_the_socket)
+{
+    char cfg[4096], sock[4096], out[4096], *o;
+    serve_files(cfg, sock, out);
+    bool root = geteuid() == 0;
+    cr_assert_eq(chmod(dir, 0711), 0);
+    pid_t pid = spawn(out, "serve --socket %s --config %s --foreground%s", sock, cfg,
+                      root ? " --group nogroup" : "");
+    zinf_engine *e = connect_when_up(sock, "keep");
+    zinf_tensor t;
+    cr_assert_eq(zinf_register(e, "t", 5000, ZINF_TIER_NVME, &t), 0);
+    cr_assert_eq(zinf_write(e, t, 0, "kept through a close", 20), 0);
+    zinf_engine *g = connect_when_up(sock, "gone");
+    cr_assert_eq(zinf_register(g, "t", 5000, ZINF_TIER_NVME, &t), 0);
+    zinf_close(g);
+
+    cr_assert_eq(run(&o, "job list --socket %s", sock), 0, "%s", o);
+    cr_assert(strstr(o, "keep") && strstr(o, "gone") && strstr(o, "yes"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "job close keep --socket %s", sock), 1, "%s", o);
+    cr_assert(strstr(o, "a client is attached"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "job rm keep --socket %s", sock), 1, "%s", o);
+    free(o);
+    zinf_close(e);
+    cr_assert_eq(run(&o, "job close keep --socket %s", sock), 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "job close keep --socket %s", sock), 1, "%s", o);
+    cr_assert(strstr(o, "not open"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "job list --socket %s", sock), 0, "%s", o);
+    cr_assert(strstr(o, "saved"), "%s", o);
+    free(o);
+    if (root) {
+        cr_assert_eq(sh_run(&o, "setpriv --reuid=65534 --regid=65534 --groups 65534 "
+                                "%s job rm gone --socket %s",
+                            getenv("ZINF_BIN"), sock),
+                     1, "%s", o);
+        cr_assert(strstr(o, "another user's job"), "%s", o);
+        free(o);
+        cr_assert_eq(sh_run(&o, "setpriv --reuid=65534 --regid=65534 --groups 65534 "
+                                "%s serve --stop --socket %s",
+                            getenv("ZINF_BIN"), sock),
+                     1, "%s", o);
+        cr_assert(strstr(o, "only root or the daemon's own user"), "%s", o);
+        free(o);
+    }
+    cr_assert_eq(run(&o, "job rm gone --socket %s", sock), 0, "%s", o);
+    free(o);
+    char gone[4200];
+    snprintf(gone, sizeof(gone), "%s/swap/gone", dir);
+    struct stat st;
+    cr_assert_neq(stat(gone, &st), 0, "the removed job's folder is still there");
+    cr_assert_eq(run(&o, "job rm gone --socket %s", sock), 1, "%s", o);
+    cr_assert(strstr(o, "no such job"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "job rm ../x --socket %s", sock), 2, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "job frob --socket %s", sock), 2, "%s", o);
+    free(o);
+    e = connect_when_up(sock, "keep");
+    cr_assert_eq(zinf_lookup(e, "t", &t), 0);
+    test_expect_content(e, t, (const unsigned char *)"kept through a close", 20, "reopened");
+    zinf_close(e);
+    cr_assert_eq(run(&o, "serve --stop --socket %s --config %s", sock, cfg), 2, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "serve --stop --socket %s", sock), 0, "%s", o);
+    cr_assert(strstr(o, "stopped"), "%s", o);
+    free(o);
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the daemon: %#x", status);
+    cr_assert_neq(stat(sock, &st), 0, "the socket outlived the daemon");
+    cr_assert_eq(run(&o, "serve --stop --socket %s", sock), 1, "%s", o);
+    cr_assert(strstr(o, "no zinf daemon"), "%s", o);
+    free(o);
+}

@@ -11,6 +11,7 @@ int cmd_plot(int argc, char **argv);
 int cmd_compare(int argc, char **argv);
 int cmd_stat(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
+int cmd_job(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_tune(int argc, char **argv);
 

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "cmd.h"
@@ -26,6 +27,8 @@
 #include "tiers/cuda_probe.h"
 #include "common.h"
 #include "config.h"
+#include "service/client.h"
+#include "service/proto.h"
 #include "service/server.h"
 
 static struct service *running;
@@ -40,6 +43,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: zinf serve --socket PATH --config FILE [--group NAME]\n"
                "                  [--foreground | --log FILE]\n"
+               "       zinf serve --stop --socket PATH\n"
                "Run the node's zinf daemon: trainers connect to PATH (zinf_connect, or\n"
                "zinf.connect) and attach to a named job; each job has its own engine with the\n"
                "config's budgets, its swap files in a folder of its name under each swap\n"
@@ -56,10 +60,42 @@ static void usage(FILE *f)
                "                  connections\n"
                "  --log FILE      in the background, append the messages to FILE (else they\n"
                "                  are dropped)\n"
+               "  --stop          ask the daemon on PATH to stop as on SIGTERM (root or the\n"
+               "                  daemon's user), and wait until it has\n"
+               "Limits (zinf.serve in the config): jobs_per_uid 4, max_jobs 64,\n"
+               "sessions_per_uid 64, connections_per_uid 256, max_connections 1024 of which\n"
+               "reserved_connections 16 for root and the daemon's user (who have no per-uid\n"
+               "limits), hello_timeout 10 s, idle_job_close 600 s, write_stage_bytes 1 GiB.\n"
                "SIGTERM or SIGINT: flush every job, remove the socket, exit 0.\n"
                "Exit status: 0 stopped by SIGTERM/SIGINT (or in the background and serving),\n"
                "1 a runtime failure (the socket cannot be made, a daemon already answers on\n"
                "it), 2 bad usage or a bad config.\n");
+}
+
+/* --stop: asks the daemon on sock to stop (root or its own uid), then waits for it to have
+ * flushed every job and let go of the socket. */
+static int stop_daemon(const char *sock)
+{
+    int r = service_manage(sock, PROTO_SHUTDOWN, NULL);
+    if (r < 0) {
+        fprintf(stderr, "zinf: serve --stop: %s: %s\n", sock,
+                r == -ENOENT || r == -ECONNREFUSED ? "no zinf daemon listens there"
+                : r == -EPERM ? "only root or the daemon's own user may stop it"
+                              : zinf_strerror(r));
+        return 1;
+    }
+    /* It flushes every job before it lets go of the socket: as long as SIGTERM takes. */
+    for (;;) {
+        struct service_job_status *js;
+        size_t n;
+        r = service_status(sock, &js, &n);
+        if (r < 0) break;
+        free(js);
+        struct timespec ts = {0, 100 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    printf("zinf serve: the daemon on %s stopped\n", sock);
+    return 0;
 }
 
 int cmd_serve(int argc, char **argv)
@@ -69,10 +105,11 @@ int cmd_serve(int argc, char **argv)
                                          {"group", required_argument, NULL, 'g'},
                                          {"foreground", no_argument, NULL, 'f'},
                                          {"log", required_argument, NULL, 'l'},
+                                         {"stop", no_argument, NULL, 'x'},
                                          {"help", no_argument, NULL, 'h'},
                                          {NULL, 0, NULL, 0}};
     const char *socket_path = NULL, *config_path = NULL, *group = NULL, *log_path = NULL;
-    bool foreground = false;
+    bool foreground = false, stop = false;
     int c;
 
     optind = 1;
@@ -90,6 +127,9 @@ int cmd_serve(int argc, char **argv)
         case 'f':
             foreground = true;
             break;
+        case 'x':
+            stop = true;
+            break;
         case 'l':
             log_path = optarg;
             break;
@@ -100,6 +140,13 @@ int cmd_serve(int argc, char **argv)
             usage(stderr);
             return 2;
         }
+    }
+    if (stop && socket_path && optind == argc && !config_path && !foreground && !log_path && !group)
+        return stop_daemon(socket_path);
+    if (stop) {
+        fprintf(stderr, "zinf: serve: --stop takes --socket PATH and nothing else\n");
+        usage(stderr);
+        return 2;
     }
     if (optind < argc || !socket_path || !config_path || (foreground && log_path)) {
         fprintf(stderr, "zinf: serve: %s\n",

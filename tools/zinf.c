@@ -25,6 +25,7 @@ static void usage(FILE *f)
             "  config    check a DeepSpeed-style JSON config: zinf config check FILE\n"
             "  stat      open an engine (from a config, or a swap directory) and print its stats\n"
             "  serve     run the node's daemon: trainers attach to jobs over a Unix socket\n"
+            "  job       list, close or remove the jobs of a daemon: zinf job list --socket S\n"
             "  launch    start the N ranks of a job on this node: zinf launch -n N -- COMMAND\n"
             "  topo      show the NUMA nodes, GPUs and drives, and where zinf puts its memory\n"
             "  version   print the version and what this build supports\n"
@@ -126,6 +127,8 @@ static int run(int argc, char **argv)
         return cmd_stat(argc, argv);
     if (!strcmp(c, "serve"))
         return cmd_serve(argc, argv);
+    if (!strcmp(c, "job"))
+        return cmd_job(argc, argv);
     if (!strcmp(c, "launch"))
         return cmd_launch(argc, argv);
     if (!strcmp(c, "topo"))

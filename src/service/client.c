@@ -722,3 +722,28 @@ int service_status(const char *socket, struct service_job_status **out, size_t *
     *n = count;
     return 0;
 }
+
+int service_manage(const char *socket, int op, const char *job)
+{
+    if (!socket || (op != PROTO_SHUTDOWN && (!job || !job[0] || strlen(job) > PROTO_MAX_JOB)))
+        return -EINVAL;
+    int fd, r = dial(socket, &fd);
+    if (r < 0) return r;
+    struct proto_out o;
+    proto_out_init(&o, (uint16_t)op, 1);
+    if (op != PROTO_SHUTDOWN) proto_put_str(&o, job);
+    r = proto_send(fd, &o, NULL, 0);
+    proto_out_free(&o);
+    struct proto_header h;
+    uint8_t *payload = NULL;
+    if (r == 0) r = proto_recv(fd, true, &h, &payload, NULL, NULL);
+    if (r == 0) {
+        struct proto_in in;
+        proto_in_init(&in, payload, h.len);
+        r = proto_get_i32(&in);
+        if (h.op != (op | PROTO_REPLY) || proto_done(&in) < 0) r = -EPROTO;
+    }
+    free(payload);
+    close(fd);
+    return r;
+}

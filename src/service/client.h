@@ -9,6 +9,7 @@
 #ifndef ZINF_SERVICE_CLIENT_H
 #define ZINF_SERVICE_CLIENT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,5 +48,9 @@ struct service_job_status {
 /* Asks the daemon on socket for the jobs the caller may see: 0 and *out (n of them, freed
  * with free()), or -errno (-ENOENT, -ECONNREFUSED: nobody listens). */
 int service_status(const char *socket, struct service_job_status **out, size_t *n);
+/* Asks the daemon on socket to close job (op PROTO_JOB_CLOSE), to close it and remove all it
+ * saved (PROTO_JOB_REMOVE), or to stop (PROTO_SHUTDOWN, job NULL): the daemon's answer
+ * (proto.h), or -errno of the exchange. */
+int service_manage(const char *socket, int op, const char *job);
 
 #endif

@@ -250,6 +250,12 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
     case PROTO_STAGE_END:
         r->handle = proto_get_u64(&in);
         break;
+    case PROTO_JOB_CLOSE:
+    case PROTO_JOB_REMOVE:
+        proto_get_str(&in, r->name, PROTO_MAX_JOB);
+        break;
+    case PROTO_SHUTDOWN:
+        break;
     case PROTO_STEP:
     case PROTO_FLUSH:
     case PROTO_STATS:
@@ -315,6 +321,10 @@ void proto_encode_request(const struct proto_request *r, uint32_t seq, struct pr
         break;
     case PROTO_STAGE_END:
         proto_put_u64(o, r->handle);
+        break;
+    case PROTO_JOB_CLOSE:
+    case PROTO_JOB_REMOVE:
+        proto_put_str(o, r->name);
         break;
     default:
         break;

@@ -90,7 +90,17 @@ enum proto_op {
     PROTO_STAGE_PUT = 19,  /* u64 stage, u64 at, u32 n, n bytes */
     PROTO_STAGE_GET = 20,  /* u64 stage, u64 at, u32 n -> u32 n, n bytes */
     PROTO_STAGE_END = 21,  /* u64 stage */
-    PROTO_OP_MAX = 21,
+    /* Like STATUS, before or instead of HELLO; the job's owner or root. Closes the job now
+     * (flushed, its memory given back; a client attaching later opens it again): -EBUSY
+     * while a client is attached, -ENOENT when it is not open. str job */
+    PROTO_JOB_CLOSE = 22,
+    /* The same, then removes the job's folders and all it saved: -EBUSY while a client is
+     * attached, -ENOENT when there is no such job. str job */
+    PROTO_JOB_REMOVE = 23,
+    /* Root or the daemon's uid: the daemon stops as on SIGTERM (every job flushed), after
+     * the reply. (nothing) */
+    PROTO_SHUTDOWN = 24,
+    PROTO_OP_MAX = 24,
 };
 
 struct proto_header {
@@ -144,7 +154,7 @@ int proto_done(const struct proto_in *in);
 /* A request, decoded: the fields its op has (proto_op says which), the rest zero. */
 struct proto_request {
     uint16_t op;
-    char name[PROTO_MAX_NAME + 1]; /* REGISTER, LOOKUP: the tensor; HELLO: the job */
+    char name[PROTO_MAX_NAME + 1]; /* REGISTER, LOOKUP: the tensor; HELLO, JOB_*: the job */
     uint64_t handle;               /* REGISTER: nbytes; WAIT: the ticket; HELLO: the session;
                                       STAGE_PUT/GET/END: the stage */
     uint64_t offset;               /* READ, WRITE, STAGE_*: where; HELLO: the secret */

@@ -41,6 +41,7 @@
 #include "config.h"
 #include "engine/engine.h"
 #include "hugemem.h"
+#include "service/folders.h"
 #include "service/proto.h"
 #include "service/server.h"
 
@@ -283,126 +284,6 @@ static bool job_name_ok(const char *n)
     return true;
 }
 
-/* A job's folder under each swap directory is the daemon's alone (0700): clients reach
- * their data only through the protocol, and nothing in the folder is a link or a FIFO a
- * client put there. The job's owner is the uid its first folder's OWNER_FILE names. */
-#define OWNER_FILE "zinf-owner"
-
-/* Whether st (of a job's folder, or a swap directory) is the daemon's alone. */
-static bool daemons_own(const struct stat *st, mode_t others)
-{
-    return S_ISDIR(st->st_mode) && st->st_uid == geteuid() && !(st->st_mode & others);
-}
-
-static void refuse_folder(const char *job, const char *path, const struct stat *st)
-{
-    unsigned me = (unsigned)geteuid();
-    if (S_ISLNK(st->st_mode) || !S_ISDIR(st->st_mode))
-        log_error("serve: job %s: %s is not a folder (%s): refused; remove it to start the job "
-                  "anew", job, path, S_ISLNK(st->st_mode) ? "a symbolic link" : "another kind of file");
-    else
-        log_error("serve: job %s: its folder %s belongs to uid %u with mode %04o, not to the "
-                  "daemon (uid %u) alone: refused, as a folder another user can write is not "
-                  "trusted. Folders of an earlier zinf were given to their job's user; to keep "
-                  "such a job: chown -R %u %s && chmod 0700 %s && echo %u > %s/" OWNER_FILE,
-                  job, path, (unsigned)st->st_uid, (unsigned)(st->st_mode & 07777), me, me, path,
-                  path, (unsigned)st->st_uid, path);
-}
-
-/* The uid the owner file of folder path names: 0 with *owner, -ENOENT where there is none,
- * -EBADMSG where it is not a uid, -errno. Read without following a link or waiting on a
- * FIFO. */
-static int read_owner(const char *path, uid_t *owner)
-{
-    char f[4200], buf[32];
-    snprintf(f, sizeof(f), "%s/%s", path, OWNER_FILE);
-    int fd = open(f, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return -errno;
-    struct stat st;
-    ssize_t n = -1;
-    if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) n = read(fd, buf, sizeof(buf) - 1);
-    close(fd);
-    if (n <= 0) return -EBADMSG;
-    buf[n] = 0;
-    char *end;
-    unsigned long v = strtoul(buf, &end, 10);
-    if (end == buf || (*end && *end != '\n') || v > UINT32_MAX - 1) return -EBADMSG;
-    *owner = (uid_t)v;
-    return 0;
-}
-
-/* fsync of a folder. */
-static int sync_folder(const char *path)
-{
-    int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    int r = fd < 0 || fsync(fd) != 0 ? -errno : 0;
-    if (fd >= 0) close(fd);
-    return r;
-}
-
-/* Makes the first folder of a new job, whole or not at all: a hidden folder (no job's name
- * starts with a dot) with the owner file in it, renamed into place. */
-static int make_first_folder(const char *root, const char *path, uid_t uid)
-{
-    char tmp[4200], f[4300], text[32];
-    snprintf(tmp, sizeof(tmp), "%s/.new-XXXXXX", root);
-    if (!mkdtemp(tmp)) return -errno; /* 0700 */
-    snprintf(f, sizeof(f), "%s/%s", tmp, OWNER_FILE);
-    int n = snprintf(text, sizeof(text), "%u\n", (unsigned)uid);
-    int fd = open(f, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    int r = fd < 0 ? -errno : 0;
-    if (r == 0 && (write(fd, text, (size_t)n) != n || fsync(fd) != 0)) r = errno ? -errno : -EIO;
-    if (fd >= 0) close(fd);
-    if (r == 0 && (r = sync_folder(tmp)) == 0 && rename(tmp, path) != 0) r = -errno;
-    if (r == 0) return sync_folder(root);
-    unlink(f);
-    rmdir(tmp);
-    return r;
-}
-
-/* The job's folder under each swap directory, made when missing, each checked to be the
- * daemon's alone; *owner: the job's owner (uid, for a job made now). No swap directory:
- * owner uid, in memory only. -EACCES for a folder refused (the log says why). */
-static int job_folders(struct service *s, const char *name, uid_t uid, uid_t *owner)
-{
-    const struct zinf_config *c = s->config;
-    *owner = uid;
-    for (unsigned i = 0; i < c->nvme_paths.count; i++) {
-        const char *root = c->nvme_paths.path[i];
-        char path[4096];
-        struct stat st;
-        if (snprintf(path, sizeof(path), "%s/%s", root, name) >= (int)sizeof(path))
-            return -ENAMETOOLONG;
-        int r = lstat(path, &st) == 0 ? 0 : -errno;
-        if (r == -ENOENT) {
-            r = i == 0 ? make_first_folder(root, path, uid)
-                       : mkdir(path, 0700) == 0 ? sync_folder(root) : -errno;
-            if (r == 0 && (r = lstat(path, &st) == 0 ? 0 : -errno) == 0 && i == 0) {
-                log_notice("serve: job %s: made its folder %s (owner uid %u)", name, path,
-                           (unsigned)uid);
-            }
-        }
-        if (r < 0) {
-            log_error("serve: job %s: cannot make its folder %s: %s", name, path, strerror(-r));
-            return r;
-        }
-        if (!daemons_own(&st, 077)) {
-            refuse_folder(name, path, &st);
-            return -EACCES;
-        }
-        if (i > 0) continue;
-        r = read_owner(path, owner);
-        if (r == -ENOENT) {
-            *owner = geteuid(); /* a folder without one: the daemon's user's (and root's) */
-        } else if (r < 0) {
-            log_error("serve: job %s: %s/%s: %s: refused", name, path, OWNER_FILE,
-                      r == -EBADMSG ? "not a uid" : strerror(-r));
-            return -EACCES;
-        }
-    }
-    return 0;
-}
-
 /* Whether the job's folder holds a saved state (a manifest naming tensors). */
 static bool saved(struct service *s, const char *name)
 {
@@ -418,7 +299,7 @@ static bool saved(struct service *s, const char *name)
  * without s->lock. */
 static int job_open(struct service *s, struct job *j, uid_t uid, uid_t *owner)
 {
-    int r = job_folders(s, j->name, uid, owner);
+    int r = folders_job(&s->config->nvme_paths, j->name, uid, owner);
     if (r < 0) return r;
     /* A job resumes what it saved in its folder; with nothing saved there it is new. */
     r = engine_open_config_shared(s->config, saved(s, j->name) ? ZINF_OPEN_RESUME : 0, j->name,
@@ -1049,9 +930,9 @@ static uint32_t status_saved(struct service *s, uid_t uid, char (*open)[PROTO_MA
         size_t tensors = 0;
         uid_t owner;
         if (is_open || snprintf(path, sizeof(path), "%s/%s", root, name) >= (int)sizeof(path) ||
-            lstat(path, &st) != 0 || !daemons_own(&st, 077))
+            lstat(path, &st) != 0 || !folders_own(&st, 077))
             continue;
-        int ro = read_owner(path, &owner);
+        int ro = folders_read_owner(path, &owner);
         if (ro == -ENOENT)
             owner = geteuid();
         else if (ro < 0)
@@ -1095,7 +976,7 @@ static int status(struct conn *k, uint32_t seq)
     for (struct job *j = s->jobs; j && names; j = j->next)
         strcpy(names[nopen++], j->name);
     for (struct job *j = s->jobs; j; j = j->next) {
-        if (j->opening || (cred.uid != j->owner && cred.uid != 0)) continue;
+        if (j->opening || j->closing || (cred.uid != j->owner && cred.uid != 0)) continue;
         uint32_t sessions = 0;
         uint64_t pins = 0;
         for (struct session *se = s->sessions; se; se = se->next) {
@@ -1153,6 +1034,81 @@ static void session_leave(struct service *s, struct session *se)
     pthread_mutex_unlock(&s->lock);
 }
 
+/* JOB_CLOSE, JOB_REMOVE and SHUTDOWN (proto.h): the job closed (and its folders removed)
+ * for its owner or root; the daemon stopped (by the caller, after the reply) for root or
+ * the daemon's uid. A HELLO for the job meanwhile waits, and then opens it anew. */
+static int manage(struct conn *k, const struct proto_request *q)
+{
+    struct service *s = k->svc;
+    if (q->op == PROTO_SHUTDOWN) return privileged(k->uid) ? 0 : -EPERM;
+    if (!job_name_ok(q->name)) return -EINVAL;
+    bool rm = q->op == PROTO_JOB_REMOVE, was_open = false;
+    struct job *j;
+    int r = 0;
+    pthread_mutex_lock(&s->lock);
+    for (;;) {
+        for (j = s->jobs; j; j = j->next)
+            if (!strcmp(j->name, q->name)) break;
+        if (!j || (!j->opening && !j->closing)) break;
+        pthread_cond_wait(&s->job_cv, &s->lock);
+    }
+    if (j && k->uid != j->owner && k->uid != 0)
+        r = -EACCES;
+    else if (j && j->sessions)
+        r = -EBUSY;
+    else if (!j && !rm)
+        r = -ENOENT;
+    else if (!j && !(j = calloc(1, sizeof(*j)))) /* a placeholder while the folders go */
+        r = -ENOMEM;
+    else if (!j->e) {
+        strcpy(j->name, q->name);
+        j->next = s->jobs;
+        s->jobs = j;
+    } else {
+        was_open = true;
+    }
+    if (r == 0) {
+        j->closing = true;
+        s->closers++;
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (r < 0) return r;
+    if (was_open) {
+        engine_api_close(j->e); /* flushes */
+        j->e = NULL;
+        log_notice("serve: job %s closed (asked by uid %u)", j->name, (unsigned)k->uid);
+    }
+    if (rm && !was_open && s->config->nvme_paths.count) {
+        /* Not open: its owner is the one its folder names. */
+        char path[4200];
+        uid_t owner;
+        snprintf(path, sizeof(path), "%s/%s", s->config->nvme_paths.path[0], j->name);
+        int o = folders_read_owner(path, &owner);
+        if (o == -ENOENT) owner = geteuid();
+        else if (o < 0) r = o == -ENOTDIR || o == -ELOOP ? -EACCES : o;
+        if (r == 0 && k->uid != owner && k->uid != 0) r = -EACCES;
+        if (o == -ENOENT && access(path, F_OK) != 0) r = -ENOENT;
+    }
+    if (r == 0 && rm && s->config->nvme_paths.count) {
+        r = folders_remove_job(&s->config->nvme_paths, j->name);
+        if (r == 0) log_notice("serve: job %s removed (asked by uid %u)", j->name, (unsigned)k->uid);
+    } else if (rm && !was_open && !s->config->nvme_paths.count) {
+        r = -ENOENT; /* in memory only, and not open: nothing of it is left */
+    }
+    pthread_mutex_lock(&s->lock);
+    for (struct job **pp = &s->jobs; *pp; pp = &(*pp)->next)
+        if (*pp == j) {
+            *pp = j->next;
+            break;
+        }
+    s->closers--;
+    pthread_cond_broadcast(&s->job_cv);
+    pthread_cond_broadcast(&s->gone_cv);
+    pthread_mutex_unlock(&s->lock);
+    free(j);
+    return r;
+}
+
 /* Serves k's requests while they keep coming: true when k is to wait in the epoll set for
  * its next one, false when it is to be closed (its peer left, or broke the protocol). A
  * worker thread runs this; a connection that goes quiet for CONN_LINGER_MS gives it back. */
@@ -1190,6 +1146,17 @@ static bool conn_serve(struct conn *k)
         if (r == 0 && h.op == PROTO_STATUS) {
             free(payload);
             if (status(k, h.seq) < 0) return false;
+            continue;
+        }
+        if (r == 0 && (h.op == PROTO_JOB_CLOSE || h.op == PROTO_JOB_REMOVE ||
+                       h.op == PROTO_SHUTDOWN)) {
+            free(payload); /* q holds the name */
+            r = manage(k, &q);
+            if (reply_error(k->fd, h.op, h.seq, r, NULL) < 0) return false;
+            if (h.op == PROTO_SHUTDOWN && r == 0) {
+                log_notice("serve: asked to stop by uid %u", (unsigned)k->uid);
+                service_stop(s);
+            }
             continue;
         }
         if (r == 0 && !k->sess) r = h.op == PROTO_HELLO ? hello(k, &q, h.seq) : -EPROTO;
@@ -1378,75 +1345,6 @@ static void admit(struct service *s, int fd)
 
 /* ---- the service --------------------------------------------------------------------- */
 
-/* A swap directory the daemon keeps every job's files in, made (0700, with the folders above
- * it that are missing) when missing: it must
- * be the daemon's and writable by nobody else, and every folder above it root's or the
- * daemon's and writable by nobody else unless sticky (as /tmp: another user can neither move
- * nor remove what is not theirs there), as sshd's StrictModes and PostgreSQL's data
- * directory check have it. 0, or -EPERM with err saying what and how to fix it. */
-static int swap_root_check(const char *path, char *err, size_t errlen)
-{
-    unsigned me = (unsigned)geteuid();
-    struct stat st;
-    char mk[PATH_MAX];
-    if (snprintf(mk, sizeof(mk), "%s", path) >= (int)sizeof(mk)) return -ENAMETOOLONG;
-    /* mkdir -p, each folder made 0700 */
-    for (char *p = mk + 1;; p++) {
-        bool end = !*p;
-        if (*p != '/' && !end) continue;
-        *p = 0;
-        if (mkdir(mk, 0700) != 0 && errno != EEXIST) {
-            int r = -errno;
-            snprintf(err, errlen, "serve: swap directory %s: cannot make %s: %s", path, mk,
-                     strerror(-r));
-            return r;
-        }
-        if (end) break;
-        *p = '/';
-    }
-    char real[PATH_MAX];
-    if (!realpath(path, real) || stat(real, &st) != 0) {
-        int r = -errno;
-        snprintf(err, errlen, "serve: swap directory %s: %s", path, strerror(-r));
-        return r;
-    }
-    if (!S_ISDIR(st.st_mode)) {
-        snprintf(err, errlen, "serve: swap directory %s is not a folder", path);
-        return -ENOTDIR;
-    }
-    if (!daemons_own(&st, 022)) {
-        snprintf(err, errlen,
-                 "serve: swap directory %s%s%s belongs to uid %u with mode %04o: the daemon (uid "
-                 "%u) keeps every job's files there, and only in a folder that is its own and "
-                 "that nobody else can write to. Fix: chown %u %s && chmod 0700 %s (or name "
-                 "another nvme_path)",
-                 path, strcmp(path, real) ? " = " : "", strcmp(path, real) ? real : "",
-                 (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777), me, me, real, real);
-        return -EPERM;
-    }
-    for (char *slash = strrchr(real, '/'); slash; slash = strrchr(real, '/')) {
-        if (slash == real) slash[1] = 0; /* up to "/" */
-        else *slash = 0;
-        if (stat(real, &st) != 0) {
-            int r = -errno;
-            snprintf(err, errlen, "serve: swap directory %s: %s: %s", path, real, strerror(-r));
-            return r;
-        }
-        if ((st.st_uid != 0 && st.st_uid != (uid_t)me) ||
-            ((st.st_mode & 022) && !(st.st_mode & S_ISVTX))) {
-            snprintf(err, errlen,
-                     "serve: swap directory %s: the folder %s above it belongs to uid %u with "
-                     "mode %04o: another user could move the swap directory away and put "
-                     "another in its place. Fix: chmod go-w %s, or name an nvme_path under "
-                     "folders only root (or uid %u) can write",
-                     path, real, (unsigned)st.st_uid, (unsigned)(st.st_mode & 07777), real, me);
-            return -EPERM;
-        }
-        if (!strcmp(real, "/")) break;
-    }
-    return 0;
-}
-
 int service_open(const struct service_opts *o, struct service **out, char *err, size_t errlen)
 {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
@@ -1471,7 +1369,7 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
     }
     strcpy(a.sun_path, o->socket_path);
     for (unsigned i = 0; i < o->config->nvme_paths.count; i++) {
-        int r = swap_root_check(o->config->nvme_paths.path[i], err, errlen);
+        int r = folders_check_root(o->config->nvme_paths.path[i], err, errlen);
         if (r < 0) return r;
     }
 
