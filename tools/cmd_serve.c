@@ -14,6 +14,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -183,6 +184,11 @@ int cmd_serve(int argc, char **argv)
         }
     }
 
+    /* A daemon runs for months and frees buffers of every size: a fixed mmap threshold
+     * keeps glibc from raising it after the first large free, which would leave every
+     * later buffer below it in the heaps, held long after use. Message payloads (1 MiB)
+     * stay under it and are reused; staged writes are mapped by themselves. */
+    mallopt(M_MMAP_THRESHOLD, 4 << 20);
     struct service_opts so = {.socket_path = socket_path, .config = &cfg, .group = group};
     int r = service_open(&so, &running, err, sizeof(err));
     if (r < 0) {

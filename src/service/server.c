@@ -23,6 +23,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <malloc.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -122,6 +123,16 @@ struct conn {
     struct conn *qnext; /* s->ready */
 };
 
+/* A thread that serves connections' requests. An idle one waits to be handed a connection
+ * (k, set by dispatch, which signals cv): each hand-off goes to one thread, so none is
+ * lost while a woken thread has not run yet. */
+struct worker {
+    struct service *s;
+    pthread_cond_t cv;
+    struct conn *k;
+    struct worker *next; /* s->idle */
+};
+
 /* What one uid has open, for zinf.serve's limits. */
 struct ucount {
     uid_t uid;
@@ -164,10 +175,10 @@ struct service {
     struct conn *conns;
     unsigned nconns;
     struct ucount *ucounts;
-    struct conn *ready, *ready_tail; /* a request waits: for a worker */
-    pthread_cond_t work_cv;          /* ready has one, or stopping */
+    struct worker *idle;             /* workers waiting to be handed a connection */
+    struct conn *ready, *ready_tail; /* requests waiting for a worker that could not start */
     pthread_cond_t gone_cv;          /* a worker or a job's closer finished */
-    unsigned workers, idle_workers, closers;
+    unsigned workers, closers;
     bool stopping;
     uint64_t refused, refused_said_ns; /* connections refused; when last logged */
     uint64_t next_session;
@@ -448,6 +459,12 @@ static bool pin_take(struct session *se, zinf_tensor t, uint32_t tier)
     return had;
 }
 
+static void stage_free(struct stage *g)
+{
+    if (g->buf) munmap(g->buf, (size_t)g->bytes);
+    free(g);
+}
+
 /* Drops what a session left behind; it is in no list any more. */
 static void session_free(struct service *s, struct session *se)
 {
@@ -462,8 +479,7 @@ static void session_free(struct service *s, struct session *se)
     }
     for (struct stage *g = se->stages, *n; g; g = n) { /* a write never ended: never applied */
         n = g->next;
-        free(g->buf);
-        free(g);
+        stage_free(g);
     }
     /* The client may have written through a pin it never released dirty: such a copy goes,
      * so the tensor reads as it was last released, where the engine can tell it apart. */
@@ -653,8 +669,13 @@ static int do_stage_open(struct session *se, const struct proto_request *q, stru
                    (unsigned long long)se->stage_limit);
         return -EMSGSIZE;
     }
+    /* Mapped, not malloc'ed: given back to the system whole when freed (a freed malloc
+     * block this large would raise glibc's mmap threshold, and the daemon's heap would keep
+     * every later one). */
+    void *buf = mmap(NULL, (size_t)q->bytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     *g = (struct stage){g->id, q->op == PROTO_STAGE_WRITE, q->handle, q->offset, q->bytes,
-                        malloc((size_t)q->bytes), NULL};
+                        buf == MAP_FAILED ? NULL : buf, NULL};
     r = g->buf ? 0 : -ENOMEM;
     if (r == 0 && !g->write) r = engine_api_read(e, g->t, (size_t)g->off, g->buf, (size_t)g->bytes);
     pthread_mutex_lock(&se->lock);
@@ -666,8 +687,7 @@ static int do_stage_open(struct session *se, const struct proto_request *q, stru
     }
     pthread_mutex_unlock(&se->lock);
     if (r < 0) {
-        free(g->buf);
-        free(g);
+        stage_free(g);
         return r;
     }
     proto_put_u64(o, g->id);
@@ -726,8 +746,7 @@ static int do_stage_end(struct session *se, const struct proto_request *q)
     pthread_mutex_lock(&se->lock);
     se->staged -= g->bytes;
     pthread_mutex_unlock(&se->lock);
-    free(g->buf);
-    free(g);
+    stage_free(g);
     return r;
 }
 
@@ -1076,6 +1095,7 @@ static int manage(struct conn *k, const struct proto_request *q)
     if (was_open) {
         engine_api_close(j->e); /* flushes */
         j->e = NULL;
+        malloc_trim(0);
         log_notice("serve: job %s closed (asked by uid %u)", j->name, (unsigned)k->uid);
     }
     if (rm && !was_open && s->config->nvme_paths.count) {
@@ -1216,23 +1236,38 @@ static void conn_drop(struct service *s, struct conn *k, bool in_epoll)
 
 static void *worker_main(void *arg)
 {
-    struct service *s = arg;
+    struct worker *w = arg;
+    struct service *s = w->s;
     pthread_mutex_lock(&s->lock);
     for (;;) {
-        /* An idle worker waits a while for more, then leaves: threads follow the load. */
-        while (!s->ready && !s->stopping) {
+        struct conn *k = w->k;
+        w->k = NULL;
+        if (!k && s->ready) { /* one that waited for a thread */
+            k = s->ready;
+            s->ready = k->qnext;
+            if (!s->ready) s->ready_tail = NULL;
+        }
+        if (!k) {
+            if (s->stopping) break;
+            /* Idle: wait a while to be handed one, then leave: threads follow the load. */
+            w->next = s->idle;
+            s->idle = w;
             struct timespec until;
             clock_gettime(CLOCK_REALTIME, &until);
             until.tv_sec += 10;
-            s->idle_workers++;
-            int r = pthread_cond_timedwait(&s->work_cv, &s->lock, &until);
-            s->idle_workers--;
-            if (r == ETIMEDOUT && !s->ready) goto leave;
+            int r = 0;
+            while (!w->k && !s->stopping && r != ETIMEDOUT)
+                r = pthread_cond_timedwait(&w->cv, &s->lock, &until);
+            if (!w->k) { /* not handed one: still in the idle list */
+                for (struct worker **pp = &s->idle; *pp; pp = &(*pp)->next)
+                    if (*pp == w) {
+                        *pp = w->next;
+                        break;
+                    }
+                if (r == ETIMEDOUT || s->stopping) break;
+            }
+            continue;
         }
-        struct conn *k = s->ready;
-        if (!k) break; /* stopping, nothing left */
-        s->ready = k->qnext;
-        if (!s->ready) s->ready_tail = NULL;
         pthread_mutex_unlock(&s->lock);
         bool keep = conn_serve(k);
         pthread_mutex_lock(&s->lock);
@@ -1245,35 +1280,47 @@ static void *worker_main(void *arg)
         conn_drop(s, k, false);
         pthread_mutex_lock(&s->lock);
     }
-leave:
     s->workers--;
     pthread_cond_broadcast(&s->gone_cv);
     pthread_mutex_unlock(&s->lock);
+    pthread_cond_destroy(&w->cv);
+    free(w);
     return NULL;
 }
 
-/* A request waits on k: a worker takes it (one is started when none is idle). s->lock held. */
+/* A request waits on k: an idle worker is handed it, or a new one started with it. Where no
+ * thread can start, k waits for the next worker that comes free. s->lock held. */
 static void dispatch(struct service *s, struct conn *k)
 {
     k->busy = true;
-    k->qnext = NULL;
-    if (s->ready_tail)
-        s->ready_tail->qnext = k;
-    else
-        s->ready = k;
-    s->ready_tail = k;
-    if (s->idle_workers) {
-        pthread_cond_signal(&s->work_cv);
+    struct worker *w = s->idle;
+    if (w) {
+        s->idle = w->next;
+        w->k = k;
+        pthread_cond_signal(&w->cv);
         return;
     }
     pthread_t t;
     pthread_attr_t a;
     pthread_attr_init(&a);
     pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &a, worker_main, s) == 0)
+    if ((w = calloc(1, sizeof(*w)))) {
+        *w = (struct worker){.s = s, .k = k};
+        pthread_cond_init(&w->cv, NULL);
+    }
+    if (w && pthread_create(&t, &a, worker_main, w) == 0) {
         s->workers++;
-    else if (!s->workers)
-        log_error("serve: cannot start a thread to serve a request: it waits");
+    } else {
+        if (w) pthread_cond_destroy(&w->cv);
+        free(w);
+        k->qnext = NULL;
+        if (s->ready_tail)
+            s->ready_tail->qnext = k;
+        else
+            s->ready = k;
+        s->ready_tail = k;
+        if (!s->workers) log_error("serve: cannot start a thread to serve a request: it waits");
+    }
     pthread_attr_destroy(&a);
 }
 
@@ -1383,7 +1430,6 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
     s->ep = -1;
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->job_cv, NULL);
-    pthread_cond_init(&s->work_cv, NULL);
     pthread_cond_init(&s->gone_cv, NULL);
     int r = 0;
     const char *what = "";
@@ -1474,6 +1520,7 @@ static void *job_closer(void *arg)
     struct job *j = c->j;
     free(c);
     engine_api_close(j->e);
+    malloc_trim(0); /* what the job's buffers left in the heaps goes back too */
     log_notice("serve: job %s closed (no client for %u s)", j->name, s->lim->idle_job_close);
     pthread_mutex_lock(&s->lock);
     for (struct job **pp = &s->jobs; *pp; pp = &(*pp)->next)
@@ -1592,7 +1639,8 @@ void service_close(struct service *s)
     s->stopping = true;
     for (struct conn *k = s->conns; k; k = k->next)
         shutdown(k->fd, SHUT_RDWR);
-    pthread_cond_broadcast(&s->work_cv);
+    for (struct worker *w = s->idle; w; w = w->next)
+        pthread_cond_signal(&w->cv);
     while (s->workers || s->closers)
         pthread_cond_wait(&s->gone_cv, &s->lock);
     pthread_mutex_unlock(&s->lock);
@@ -1619,7 +1667,6 @@ void service_close(struct service *s)
     keeper_stop(&s->keeper);
     free(s->socket_path);
     pthread_cond_destroy(&s->job_cv);
-    pthread_cond_destroy(&s->work_cv);
     pthread_cond_destroy(&s->gone_cv);
     pthread_mutex_destroy(&s->lock);
     free(s);
@@ -1633,7 +1680,6 @@ void service_forget(struct service *s)
     close(s->wake[1]);
     free(s->socket_path);
     pthread_cond_destroy(&s->job_cv);
-    pthread_cond_destroy(&s->work_cv);
     pthread_cond_destroy(&s->gone_cv);
     pthread_mutex_destroy(&s->lock);
     free(s);
