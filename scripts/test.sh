@@ -69,6 +69,15 @@ TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/ts
   ZINF_TRACE=$PWD/build-tsan/tests/tmp/stress-trace.json \
   ZINF_TEST_TMPDIR=$PWD/build-tsan/tests/tmp build-tsan/tests/stress_api 3
 python3 -c "import json, sys; json.load(open(sys.argv[1]))" build-tsan/tests/tmp/stress-trace.json
+# The daemon under ThreadSanitizer: its workers, epoll loop, limits, idle jobs closing and
+# staged writes, under the soak's load and hostile client (the soak program itself is the
+# normal build's; it needs root to act as a second user, and says 77 without).
+ninja -C build-tsan tools/zinf
+rc=0
+TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
+  ZINF_BIN=$PWD/build-tsan/tools/zinf ZINF_TEST_TMPDIR=$PWD/build-tsan/tests/tmp \
+  build/tests/soak_serve --seconds 15 --limits --atomic-write || rc=$?
+[ "$rc" = 0 ] || [ "$rc" = 77 ] || exit "$rc"
 # The communicator's worker thread and callbacks, in ranks started by the launcher.
 ninja -C build-tsan tests/comm_rank
 TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1" build/tools/zinf launch -n 3 -- \

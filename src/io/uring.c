@@ -24,6 +24,7 @@
 #include <numa.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -108,7 +109,7 @@ struct uring {
     struct uring_stats st;
 };
 
-static bool fault_no_uring; /* consumed by the next uring_open() */
+static atomic_bool fault_no_uring; /* consumed by the next uring_open() (of any thread) */
 
 const char *uring_backend_name(enum uring_backend b)
 {
@@ -493,8 +494,7 @@ static int setup_ring(struct uring *u, struct ring *rg, unsigned entries)
     }
     /* URING_FAULT_NO_URING stands in for a kernel built without io_uring: its answer to
      * setup replaces the real one, and takes the same path. */
-    bool no_uring = fault_no_uring;
-    fault_no_uring = false;
+    bool no_uring = atomic_exchange(&fault_no_uring, false);
     r = no_uring ? -ENOSYS : io_uring_queue_init_params(entries, &rg->ring, &p);
     if (r < 0 && u->o.sqpoll && !no_uring) {
         if (u->st.sqpoll) /* said once, not once per ring */
@@ -944,7 +944,7 @@ void uring_get_stats(struct uring *u, struct uring_stats *out)
 void uring_fault_set(struct uring *u, enum uring_fault kind, unsigned nth)
 {
     if (kind == URING_FAULT_NO_URING) {
-        fault_no_uring = true;
+        atomic_store(&fault_no_uring, true);
         return;
     }
     if (!u)

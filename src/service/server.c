@@ -196,13 +196,20 @@ static void *keeper_main(void *arg)
         while (!kp->todo && !kp->quit)
             pthread_cond_wait(&kp->cv, &kp->lock);
         if (!kp->todo) break;
+        /* Taken or let go without kp->lock: the keeper holds liveness mutexes all along, and
+         * takes kp->lock while it does, never the other way round. (kp->todo stays set
+         * meanwhile: the next request waits.) */
+        pthread_mutex_t *m = kp->todo;
+        bool hold = kp->hold;
+        pthread_mutex_unlock(&kp->lock);
         int r;
-        if (kp->hold) {
-            r = pthread_mutex_lock(kp->todo);
-            if (r == EOWNERDEAD) r = pthread_mutex_consistent(kp->todo);
+        if (hold) {
+            r = pthread_mutex_lock(m);
+            if (r == EOWNERDEAD) r = pthread_mutex_consistent(m);
         } else {
-            r = pthread_mutex_unlock(kp->todo);
+            r = pthread_mutex_unlock(m);
         }
+        pthread_mutex_lock(&kp->lock);
         kp->result = -r;
         kp->todo = NULL;
         pthread_cond_broadcast(&kp->cv);
