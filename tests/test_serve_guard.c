@@ -39,6 +39,9 @@
 #define NOBODY 65534
 
 static char sockdir[64];
+/* The swap directory of write_cfg(true); a test that needs uid 65534 to reach it puts it
+ * under the socket's folder (swap_under_sockdir). */
+static char swapdir[700];
 
 /* The socket in a folder of its own that uid 65534 can reach (the test's folder may lie
  * under one it cannot traverse). */
@@ -53,8 +56,8 @@ static void setup(void)
 
 static void teardown(void)
 {
-    unlink(sock);
-    rmdir(sockdir);
+    swapdir[0] = 0;
+    test_rmtree(strdup(sockdir));
     service_util_teardown();
 }
 
@@ -439,11 +442,12 @@ static void mkdir_as_nobody(void *arg, struct report *rp)
 Test(serve_guard, a_squatted_or_open_swap_directory_is_refused_at_start)
 {
     if (!as_root()) return;
+    /* Under the socket's folder (0711, in /tmp): uid 65534 can reach it wherever the test's
+     * folder lies. */
     char err[1024], sticky[700], swap[800];
-    snprintf(sticky, sizeof(sticky), "%s/shared", dir);
+    snprintf(sticky, sizeof(sticky), "%s/shared", sockdir);
     cr_assert_eq(mkdir(sticky, 0700), 0);
     cr_assert_eq(chmod(sticky, 01777), 0);
-    cr_assert_eq(chmod(dir, 0711), 0);
     snprintf(swap, sizeof(swap), "%s/swap", sticky);
     run_as_nobody(mkdir_as_nobody, swap, "the other user squats the swap directory");
     write_cfg_at(swap);
@@ -473,6 +477,8 @@ Test(serve_guard, a_squatted_or_open_swap_directory_is_refused_at_start)
     cr_assert(strstr(err, swap) && strstr(err, "uid 65534"), "%s", err);
     cr_assert_eq(chown(swap, 0, 0), 0);
     cr_assert_eq(try_open(err, sizeof(err)), 0, "%s", err);
+    rmdir(swap);
+    rmdir(sticky);
     /* Missing: made, the daemon's alone. */
     snprintf(swap, sizeof(swap), "%s/new-swap", dir);
     write_cfg_at(swap);
@@ -482,13 +488,20 @@ Test(serve_guard, a_squatted_or_open_swap_directory_is_refused_at_start)
     cr_assert_eq(st.st_mode & 07777, 0700);
 }
 
+
+static void swap_under_sockdir(void)
+{
+    snprintf(swapdir, sizeof(swapdir), "%s/swap", sockdir);
+    write_cfg_at(swapdir);
+}
+
 /* A job's folder as the daemon makes it: 0700, with its owner named. */
 static void make_job_folder(const char *job, uid_t owner)
 {
-    char p[700], f[800];
-    snprintf(p, sizeof(p), "%s/swap", dir);
-    mkdir(p, 0700);
-    snprintf(p, sizeof(p), "%s/swap/%s", dir, job);
+    char p[800], f[900];
+    if (!swapdir[0]) snprintf(swapdir, sizeof(swapdir), "%s/swap", dir);
+    mkdir(swapdir, 0700);
+    snprintf(p, sizeof(p), "%s/%s", swapdir, job);
     cr_assert_eq(mkdir(p, 0700), 0);
     snprintf(f, sizeof(f), "%s/zinf-owner", p);
     FILE *o = fopen(f, "w");
@@ -499,10 +512,11 @@ static void make_job_folder(const char *job, uid_t owner)
 
 static char *job_file(const char *job, const char *name)
 {
-    static char p[4][800];
+    static char p[4][900];
     static int k;
     char *b = p[k++ % 4];
-    snprintf(b, sizeof(p[0]), "%s/swap/%s/%s", dir, job, name);
+    if (!swapdir[0]) snprintf(swapdir, sizeof(swapdir), "%s/swap", dir);
+    snprintf(b, sizeof(p[0]), "%s/%s/%s", swapdir, job, name);
     return b;
 }
 
@@ -565,16 +579,15 @@ static void write_in_folder_as_nobody(void *arg, struct report *rp)
 Test(serve_guard, job_folders_are_the_daemons_and_others_are_refused)
 {
     if (!as_root()) return;
-    write_cfg(true);
+    swap_under_sockdir(); /* uid 65534 reaches the folder above its job's */
     char *secret = secret_file();
-    cr_assert_eq(chmod(dir, 0711), 0);
     struct daemon d;
     daemon_start_group(&d, nobody_group());
     /* Made by the first HELLO, a second user's job: the daemon's folder. */
     run_as_nobody(attach_as_nobody, "mine", "uid 65534 attaches to a job of its own");
     struct stat st;
-    char p[700];
-    snprintf(p, sizeof(p), "%s/swap/mine", dir);
+    char p[900];
+    snprintf(p, sizeof(p), "%s/mine", swapdir);
     cr_assert_eq(lstat(p, &st), 0);
     cr_assert(S_ISDIR(st.st_mode) && st.st_uid == 0 && (st.st_mode & 07777) == 0700,
               "uid %u mode %o", st.st_uid, st.st_mode & 07777);
@@ -582,7 +595,7 @@ Test(serve_guard, job_folders_are_the_daemons_and_others_are_refused)
     run_as_nobody(write_in_folder_as_nobody, job_file("mine", "zinf-manifest.json.tmp"),
                   "uid 65534 plants a file in its job's folder");
     /* Another user's: refused to root too, with the fix; the link it holds is not followed. */
-    snprintf(p, sizeof(p), "%s/swap/legacy", dir);
+    snprintf(p, sizeof(p), "%s/legacy", swapdir);
     cr_assert_eq(mkdir(p, 0700), 0);
     cr_assert_eq(symlink(secret, job_file("legacy", "zinf-manifest.json.tmp")), 0);
     cr_assert_eq(lchown(job_file("legacy", "zinf-manifest.json.tmp"), NOBODY, NOBODY), 0);
