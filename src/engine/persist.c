@@ -35,6 +35,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "tiers/nvme.h"
 #include "trace.h"
 
 #define MANIFEST_NAME "zinf-manifest.json"
@@ -153,6 +154,22 @@ static void manifest_path(struct zinf_engine *e, char *buf, size_t len, const ch
     snprintf(buf, len, "%s/%s%s", e->nvme_dirs[0], MANIFEST_NAME, suffix);
 }
 
+/* Files in the manifest's folder are reached relative to it (openat, fstatat, renameat,
+ * unlinkat with the file's name), never through a link in its place: the folder is opened
+ * once, by the swap files' layer (an engine's) or here (a path given). dir_fd: that folder's
+ * fd, or AT_FDCWD where there is none (then the whole path is used). */
+static int engine_dir_fd(struct zinf_engine *e)
+{
+    int fd = nvme_dir_fd(e->nvme, 0);
+    return fd >= 0 ? fd : AT_FDCWD;
+}
+
+static const char *rel(int dir_fd, const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    return dir_fd == AT_FDCWD || !slash ? path : slash + 1;
+}
+
 void persist_manifest_path(const char *dir, char *buf, size_t len)
 {
     snprintf(buf, len, "%s/%s", dir, MANIFEST_NAME);
@@ -161,35 +178,47 @@ void persist_manifest_path(const char *dir, char *buf, size_t len)
 int persist_remove_manifest(struct zinf_engine *e)
 {
     char path[4096];
+    int dfd = engine_dir_fd(e);
     manifest_path(e, path, sizeof(path), PREV_SUFFIX);
-    if (unlink(path) < 0 && errno != ENOENT)
+    if (unlinkat(dfd, rel(dfd, path), 0) < 0 && errno != ENOENT)
         return -errno;
     manifest_path(e, path, sizeof(path), "");
     /* The swap files were just emptied: a manifest left from before names nothing now. */
-    if (unlink(path) < 0 && errno != ENOENT)
+    if (unlinkat(dfd, rel(dfd, path), 0) < 0 && errno != ENOENT)
         return -errno;
     return 0;
 }
 
 /* The manifest of dir that counts as the current one: zinf-manifest.json, or where a crash
  * came between the two renames of a flush keeping the previous version, the .prev one. */
-static int current_manifest(const char *dir, char *path, size_t len, struct stat *st)
+static int current_manifest(int dfd, const char *dir, char *path, size_t len, struct stat *st)
 {
     snprintf(path, len, "%s/%s", dir, MANIFEST_NAME);
-    if (lstat(path, st) == 0)
+    if (fstatat(dfd, rel(dfd, path), st, AT_SYMLINK_NOFOLLOW) == 0)
         return 0;
     int r = -errno;
     if (r != -ENOENT)
         return r;
     snprintf(path, len, "%s/%s%s", dir, MANIFEST_NAME, PREV_SUFFIX);
-    return lstat(path, st) == 0 ? 1 : -errno;
+    return fstatat(dfd, rel(dfd, path), st, AT_SYMLINK_NOFOLLOW) == 0 ? 1 : -errno;
+}
+
+/* dir, opened for the *at() calls, or -errno. */
+static int open_dir(const char *dir)
+{
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    return fd >= 0 ? fd : -errno;
 }
 
 int persist_saved_at(const char *dir, struct timespec *when)
 {
     char path[4096];
     struct stat st;
-    int r = current_manifest(dir, path, sizeof(path), &st);
+    int dfd = open_dir(dir);
+    if (dfd < 0)
+        return dfd;
+    int r = current_manifest(dfd, dir, path, sizeof(path), &st);
+    close(dfd);
     if (r < 0)
         return r;
     *when = st.st_mtim;
@@ -200,9 +229,9 @@ int persist_saved_at(const char *dir, struct timespec *when)
  * -ELOOP for a link, -EINVAL for anything but a regular file (a FIFO is not waited on),
  * -errno. A manifest is only ever read through here: its folder may not be the engine's
  * alone. */
-static char *read_regular(const char *path, size_t *len, int *err)
+static char *read_regular(int dfd, const char *path, size_t *len, int *err)
 {
-    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    int fd = openat(dfd, rel(dfd, path), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
     struct stat st;
     char *buf = NULL;
     *err = 0;
@@ -250,10 +279,11 @@ static char *read_regular(const char *path, size_t *len, int *err)
 
 /* The manifest at path, parsed (NULL with *err: -EBADMSG for bad JSON, with jerr; or
  * read_regular's error). */
-static json_t *load_manifest(const char *path, size_t flags, json_error_t *jerr, int *err)
+static json_t *load_manifest(int dfd, const char *path, size_t flags, json_error_t *jerr,
+                             int *err)
 {
     size_t n;
-    char *buf = read_regular(path, &n, err);
+    char *buf = read_regular(dfd, path, &n, err);
     if (!buf)
         return NULL;
     json_t *root = json_loadb(buf, n, flags, jerr);
@@ -264,11 +294,11 @@ static json_t *load_manifest(const char *path, size_t flags, json_error_t *jerr,
 }
 
 /* The tag of the manifest at path, -1 where it has none; -errno where it cannot be read. */
-static int manifest_tag(const char *path, int64_t *tag)
+static int manifest_tag(int dfd, const char *path, int64_t *tag)
 {
     json_error_t jerr;
     int err;
-    json_t *root = load_manifest(path, 0, &jerr, &err);
+    json_t *root = load_manifest(dfd, path, 0, &jerr, &err);
     *tag = -1;
     if (!root)
         return err;
@@ -284,16 +314,18 @@ int persist_versions(const char *dir, int64_t tags[2])
     char path[4096];
     struct stat st;
     tags[0] = tags[1] = -1;
-    int which = current_manifest(dir, path, sizeof(path), &st);
-    if (which < 0)
-        return which;
-    int r = manifest_tag(path, &tags[0]);
-    if (r < 0 || which == 1)
-        return r; /* .prev alone is the current one */
-    snprintf(path, sizeof(path), "%s/%s%s", dir, MANIFEST_NAME, PREV_SUFFIX);
-    if (manifest_tag(path, &tags[1]) < 0)
-        tags[1] = -1; /* none, or unreadable: not a version to go back to */
-    return 0;
+    int dfd = open_dir(dir);
+    if (dfd < 0)
+        return dfd;
+    int which = current_manifest(dfd, dir, path, sizeof(path), &st);
+    int r = which < 0 ? which : manifest_tag(dfd, path, &tags[0]);
+    if (r == 0 && which == 0) { /* (.prev alone is the current one) */
+        snprintf(path, sizeof(path), "%s/%s%s", dir, MANIFEST_NAME, PREV_SUFFIX);
+        if (manifest_tag(dfd, path, &tags[1]) < 0)
+            tags[1] = -1; /* none, or unreadable: not a version to go back to */
+    }
+    close(dfd);
+    return r;
 }
 
 int persist_probe(const char *dir, size_t *ntensors, uint32_t *id)
@@ -302,9 +334,14 @@ int persist_probe(const char *dir, size_t *ntensors, uint32_t *id)
     struct stat st;
     json_t *root = NULL;
 
-    int which = current_manifest(dir, path, sizeof(path), &st);
-    if (which < 0)
+    int dfd = open_dir(dir);
+    if (dfd < 0)
+        return dfd;
+    int which = current_manifest(dfd, dir, path, sizeof(path), &st);
+    if (which < 0) {
+        close(dfd);
         return which;
+    }
     /* A manifest that cannot be read or parsed may still be someone's only record of
      * what the swap files hold: it counts as a saved state, of unknown size. */
     *ntensors = SIZE_MAX;
@@ -315,7 +352,8 @@ int persist_probe(const char *dir, size_t *ntensors, uint32_t *id)
      * manifests with the same bytes describe the same state. */
     size_t len;
     int err;
-    char *buf = read_regular(path, &len, &err);
+    char *buf = read_regular(dfd, path, &len, &err);
+    close(dfd);
     if (buf) {
         if (id)
             *id = crc32c(0, buf, len) ^ (uint32_t)len;
@@ -353,7 +391,10 @@ static int write_all(int fd, const char *buf, size_t n)
  * returned) both must stay readable. */
 static int sync_dir(struct zinf_engine *e)
 {
-    int dfd = open(e->nvme_dirs[0], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int dfd = engine_dir_fd(e);
+    if (dfd != AT_FDCWD)
+        return fsync(dfd) < 0 ? -errno : 0;
+    dfd = open(e->nvme_dirs[0], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     int r = dfd < 0 || fsync(dfd) < 0 ? -errno : 0;
     if (dfd >= 0)
         close(dfd);
@@ -363,19 +404,19 @@ static int sync_dir(struct zinf_engine *e)
 static int manifest_commit(struct zinf_engine *e, const char *text, bool keep, bool *renamed)
 {
     char path[4096], tmp[4200], prev[4200];
-    int fd, r, dfd;
+    int fd, r, dfd = engine_dir_fd(e);
 
     *renamed = false;
     manifest_path(e, path, sizeof(path), "");
     manifest_path(e, tmp, sizeof(tmp), ".tmp");
     manifest_path(e, prev, sizeof(prev), PREV_SUFFIX);
     /* Made new: whatever lies at tmp (a link, say) is replaced, never followed. */
-    if (unlink(tmp) < 0 && errno != ENOENT) {
+    if (unlinkat(dfd, rel(dfd, tmp), 0) < 0 && errno != ENOENT) {
         r = -errno;
         log_error("engine: %s: %s", tmp, strerror(-r));
         return r;
     }
-    fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    fd = openat(dfd, rel(dfd, tmp), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd < 0) {
         r = -errno;
         log_error("engine: %s: %s", tmp, strerror(-r));
@@ -387,21 +428,17 @@ static int manifest_commit(struct zinf_engine *e, const char *text, bool keep, b
     close(fd);
     /* Keeping the previous version: the current manifest becomes .prev first (from here
      * until the next rename, .prev alone is the current one). */
-    if (r == 0 && keep && rename(path, prev) < 0 && errno != ENOENT)
+    if (r == 0 && keep && renameat(dfd, rel(dfd, path), dfd, rel(dfd, prev)) < 0 && errno != ENOENT)
         r = -errno;
-    if (r == 0 && rename(tmp, path) < 0)
+    if (r == 0 && renameat(dfd, rel(dfd, tmp), dfd, rel(dfd, path)) < 0)
         r = -errno;
     if (r < 0) {
         log_error("engine: writing the manifest %s failed: %s", path, strerror(-r));
-        unlink(tmp);
+        unlinkat(dfd, rel(dfd, tmp), 0);
         return r;
     }
     *renamed = true;
-    dfd = open(e->nvme_dirs[0], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0 || fsync(dfd) < 0)
-        r = -errno;
-    if (dfd >= 0)
-        close(dfd);
+    r = sync_dir(e);
     if (r == 0 && e->fault_dir_fsync) {
         r = e->fault_dir_fsync;
         e->fault_dir_fsync = 0;
@@ -559,7 +596,8 @@ static int drop_previous(struct zinf_engine *e)
     if (!e->has_prev)
         return 0;
     manifest_path(e, prev, sizeof(prev), PREV_SUFFIX);
-    int r = unlink(prev) == 0 || errno == ENOENT ? 0 : -errno;
+    int dfd = engine_dir_fd(e);
+    int r = unlinkat(dfd, rel(dfd, prev), 0) == 0 || errno == ENOENT ? 0 : -errno;
     if (r == 0)
         r = sync_dir(e);
     if (r < 0) {
@@ -944,7 +982,10 @@ static int choose_manifest(struct zinf_engine *e, char *path, size_t len)
     bool ro = (e->opt.flags & ZINF_OPEN_READONLY) != 0;
     manifest_path(e, cur, sizeof(cur), "");
     manifest_path(e, prev, sizeof(prev), PREV_SUFFIX);
-    bool have_cur = access(cur, F_OK) == 0, have_prev = access(prev, F_OK) == 0;
+    int dfd = engine_dir_fd(e);
+    struct stat st;
+    bool have_cur = fstatat(dfd, rel(dfd, cur), &st, AT_SYMLINK_NOFOLLOW) == 0,
+         have_prev = fstatat(dfd, rel(dfd, prev), &st, AT_SYMLINK_NOFOLLOW) == 0;
     if (e->opt.flags & ENGINE_OPEN_PREVIOUS) {
         if (!have_prev && !have_cur) {
             log_error("engine: %s: no previous version to go back to", e->nvme_dirs[0]);
@@ -957,7 +998,7 @@ static int choose_manifest(struct zinf_engine *e, char *path, size_t len)
         snprintf(path, len, "%s", ro ? prev : cur);
         if (ro)
             return 0;
-        if (rename(prev, cur) < 0 || sync_dir(e) < 0) {
+        if (renameat(dfd, rel(dfd, prev), dfd, rel(dfd, cur)) < 0 || sync_dir(e) < 0) {
             int r = -errno;
             log_error("engine: going back to the previous version %s failed: %s", prev,
                       strerror(-r));
@@ -968,12 +1009,12 @@ static int choose_manifest(struct zinf_engine *e, char *path, size_t len)
     }
     if (!have_cur && have_prev) {
         snprintf(path, len, "%s", ro ? prev : cur);
-        if (!ro && (rename(prev, cur) < 0 || sync_dir(e) < 0))
+        if (!ro && (renameat(dfd, rel(dfd, prev), dfd, rel(dfd, cur)) < 0 || sync_dir(e) < 0))
             return -errno;
         return 0;
     }
     snprintf(path, len, "%s", cur);
-    if (have_prev && !ro && (unlink(prev) < 0 || sync_dir(e) < 0))
+    if (have_prev && !ro && (unlinkat(dfd, rel(dfd, prev), 0) < 0 || sync_dir(e) < 0))
         return -errno;
     return 0;
 }
@@ -988,7 +1029,7 @@ int persist_resume(struct zinf_engine *e)
     if ((r = choose_manifest(e, path, sizeof(path))) < 0)
         return r;
     int err;
-    root = load_manifest(path, JSON_REJECT_DUPLICATES, &jerr, &err);
+    root = load_manifest(engine_dir_fd(e), path, JSON_REJECT_DUPLICATES, &jerr, &err);
     if (!root && err == -ENOENT) {
         log_notice("engine: %s: no manifest: nothing to resume", path);
         return 0;

@@ -737,6 +737,11 @@ int uring_file_adopt(struct uring *u, int fd, bool direct)
 
 int uring_file_open(struct uring *u, const char *path, int flags, mode_t mode)
 {
+    return uring_file_openat(u, AT_FDCWD, path, flags, mode);
+}
+
+int uring_file_openat(struct uring *u, int dirfd, const char *path, int flags, mode_t mode)
+{
     bool direct = true;
     int fd, slot;
 
@@ -747,10 +752,10 @@ int uring_file_open(struct uring *u, const char *path, int flags, mode_t mode)
         fd = -1;
         errno = EINVAL;
     } else {
-        fd = open(path, flags | O_DIRECT | O_CLOEXEC, mode);
+        fd = openat(dirfd, path, flags | O_DIRECT | O_CLOEXEC, mode);
     }
     if (fd < 0 && errno == EINVAL) {
-        fd = open(path, flags | O_CLOEXEC, mode);
+        fd = openat(dirfd, path, flags | O_CLOEXEC, mode);
         if (fd >= 0) {
             direct = false;
             log_notice("io: %s: the filesystem refused O_DIRECT; using buffered IO "

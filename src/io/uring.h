@@ -98,6 +98,8 @@ void uring_close(struct uring *u);
  * it (EINVAL), opens buffered and says so once. Returns a file slot (>= 0) or -errno.
  * flags are open(2) flags (O_RDWR, O_CREAT, ...); O_DIRECT is added by the engine. */
 int uring_file_open(struct uring *u, const char *path, int flags, mode_t mode);
+/* The same, path relative to the folder dirfd (openat; AT_FDCWD: as uring_file_open). */
+int uring_file_openat(struct uring *u, int dirfd, const char *path, int flags, mode_t mode);
 /* Adopt an fd the caller opened (the engine closes it at uring_file_close). */
 int uring_file_adopt(struct uring *u, int fd, bool direct);
 int uring_file_fd(struct uring *u, int file);

@@ -41,10 +41,13 @@ static void refuse_folder(const char *job, const char *path, const struct stat *
  * FIFO. */
 int folders_read_owner(const char *path, uid_t *owner)
 {
-    char f[4200], buf[32];
-    snprintf(f, sizeof(f), "%s/%s", path, FOLDERS_OWNER_FILE);
-    int fd = open(f, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return -errno;
+    char buf[32];
+    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dfd < 0) return -errno;
+    int fd = openat(dfd, FOLDERS_OWNER_FILE, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    int r = fd < 0 ? -errno : 0;
+    close(dfd);
+    if (r < 0) return r;
     struct stat st;
     ssize_t n = -1;
     if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) n = read(fd, buf, sizeof(buf) - 1);
@@ -58,7 +61,6 @@ int folders_read_owner(const char *path, uid_t *owner)
     return 0;
 }
 
-/* fsync of a folder. */
 static int sync_folder(const char *path)
 {
     int fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);

@@ -29,7 +29,9 @@
 
 struct nvme_file {
     char *dir;
-    char *path;
+    char *path;   /* dir/name, for messages */
+    char *name;   /* in dir */
+    int dfd;      /* dir, opened once: the file is reached with *at(), never through a link */
     int slot;     /* the IO engine's file slot, -1 when not open */
     bool owned;   /* we hold its lock: it is ours to truncate, cut back and unlink */
     bool scratch; /* owned, and holds nothing of the user's: a failed open removes it */
@@ -121,6 +123,14 @@ static int name_file(struct nvme_file *f, unsigned i, const char *dir)
         f->path = NULL;
         return -ENOMEM;
     }
+    f->name = strrchr(f->path, '/') + 1;
+    /* The folder itself may be reached through a link its user configured. */
+    f->dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (f->dfd < 0) {
+        int r = -errno;
+        log_error("nvme: %s: cannot open the swap directory: %s", dir, strerror(-r));
+        return r;
+    }
     return 0;
 }
 
@@ -134,7 +144,8 @@ static int find_kept(const struct nvme *n, bool *reopen)
     struct stat st;
 
     for (unsigned i = 0; i < n->nfiles; i++) {
-        if (stat(n->files[i].path, &st) == 0 || errno != ENOENT)
+        if (fstatat(n->files[i].dfd, n->files[i].name, &st, AT_SYMLINK_NOFOLLOW) == 0 ||
+            errno != ENOENT)
             present++;
         else if (!gone)
             gone = &n->files[i];
@@ -162,7 +173,7 @@ static int open_file(struct nvme *n, unsigned i, bool keep, bool reopen)
 
     /* Never through a link, and never waiting on a FIFO put in the file's place: O_NONBLOCK
      * until it is known to be a regular file (io_uring would pass it on to every request). */
-    f->slot = uring_file_open(n->io, f->path,
+    f->slot = uring_file_openat(n->io, f->dfd, f->name,
                               (n->readonly ? O_RDONLY : O_RDWR | (reopen ? 0 : O_CREAT)) |
                                   O_NOFOLLOW | O_NONBLOCK,
                               0600);
@@ -220,27 +231,25 @@ static int start_over(struct nvme *n, const char *remove_first)
             n->files[i].scratch = false;
         /* A previous version (engine/persist.c) first: the current one still says what
          * the files hold until it goes too. */
+        /* remove_first lies in the first directory: removed there, by name. */
+        const char *base = strrchr(remove_first, '/');
+        base = base ? base + 1 : remove_first;
+        int dfd = n->files[0].dfd;
         char prev[4200];
-        snprintf(prev, sizeof(prev), "%s.prev", remove_first);
-        bool gone = unlink(prev) == 0;
+        snprintf(prev, sizeof(prev), "%s.prev", base);
+        bool gone = unlinkat(dfd, prev, 0) == 0;
         if (!gone && errno != ENOENT) {
             int r = -errno;
-            log_error("nvme: cannot remove %s: %s; the swap files are left as they were", prev,
-                      strerror(-r));
+            log_error("nvme: cannot remove %s.prev: %s; the swap files are left as they were",
+                      remove_first, strerror(-r));
             return r;
         }
-        if (unlink(remove_first) == 0 || (gone && errno == ENOENT)) {
-            char dir[4096];
-            snprintf(dir, sizeof(dir), "%s", remove_first);
-            char *slash = strrchr(dir, '/');
-            if (slash)
-                *slash = '\0';
-            int dfd = open(slash ? dir : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-            int r = dfd < 0 || fsync(dfd) < 0 ? -errno : 0;
-            if (dfd >= 0) close(dfd);
-            if (r < 0) {
+        if (unlinkat(dfd, base, 0) == 0 || (gone && errno == ENOENT)) {
+            if (fsync(dfd) < 0) {
+                int r = -errno;
                 log_error("nvme: %s: syncing the directory after removing %s failed: %s; the "
-                          "swap files are left as they were", dir, remove_first, strerror(-r));
+                          "swap files are left as they were",
+                          n->files[0].dir, remove_first, strerror(-r));
                 return r;
             }
         } else if (errno != ENOENT) {
@@ -339,8 +348,10 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
     n->max_bytes = n->growable ? o->max_bytes : 0;
     n->remove_on_close = o->remove_on_close && !o->readonly;
     n->readonly = o->readonly;
-    for (unsigned i = 0; i < NVME_MAX_DIRS; i++)
+    for (unsigned i = 0; i < NVME_MAX_DIRS; i++) {
         n->files[i].slot = -1;
+        n->files[i].dfd = -1;
+    }
     if (pthread_mutex_init(&n->lock, NULL) != 0) {
         r = -ENOMEM;
         goto err;
@@ -387,9 +398,7 @@ int nvme_open(const struct nvme_opts *o, struct uring *io, struct nvme **out)
     /* Each new file's name made durable in its directory (the manifest's commit syncs only
      * the first one's): a crash must not lose a swap file a manifest names. */
     for (unsigned i = 0; i < n->nfiles && !reopen && !n->readonly; i++) {
-        int dfd = open(n->files[i].dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-        r = dfd < 0 || fsync(dfd) < 0 ? -errno : 0;
-        if (dfd >= 0) close(dfd);
+        r = fsync(n->files[i].dfd) < 0 ? -errno : 0;
         if (r < 0) {
             log_error("nvme: %s: syncing the directory after making %s failed: %s",
                       n->files[i].dir, n->files[i].path, strerror(-r));
@@ -423,8 +432,9 @@ void nvme_close(struct nvme *n)
         /* Unlink while the lock is still held, so no other swap space has adopted the
          * file in between. A failed open removes only what holds nothing of the user's. */
         bool remove = n->failed_open ? f->scratch : n->remove_on_close;
-        if (f->owned && remove && unlink(f->path) != 0)
+        if (f->owned && remove && unlinkat(f->dfd, f->name, 0) != 0)
             log_warn("nvme: cannot remove %s: %s", f->path, strerror(errno));
+        if (f->dfd >= 0) close(f->dfd);
         if (f->slot >= 0) uring_file_close(n->io, f->slot);
         free(f->path);
         free(f->dir);
@@ -746,4 +756,9 @@ void nvme_fault_fallocate(struct nvme *n, unsigned nth, int err)
     n->fault_nth = err ? nth : 0;
     n->fault_err = err;
     pthread_mutex_unlock(&n->lock);
+}
+
+int nvme_dir_fd(struct nvme *n, unsigned i)
+{
+    return n && i < n->nfiles ? n->files[i].dfd : -EINVAL;
 }

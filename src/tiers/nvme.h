@@ -146,6 +146,9 @@ int nvme_submit(struct nvme *n, struct uring_req *req);
 int nvme_sync(struct nvme *n);
 
 void nvme_get_stats(struct nvme *n, struct nvme_stats *out);
+/* The folder of swap file i, opened once at nvme_open (what else lives there, such as the
+ * manifest, is reached relative to it, never through a link); -EINVAL without one. */
+int nvme_dir_fd(struct nvme *n, unsigned i);
 
 /* Test-only fault hook, compiled in and off by default: the nth fallocate() from now
  * (1 = the next one) fails with err (a positive errno, e.g. ENOSPC); 0 disarms it. */
