@@ -685,9 +685,15 @@ void uring_close(struct uring *u)
             pthread_join(u->rings[i].reaper, NULL);
     if (u->workers)
         stop_threads(u);
-    for (unsigned i = 0; i < u->nrings; i++)
-        if (u->rings[i].up) /* drops registered files and buffers too */
-            io_uring_queue_exit(&u->rings[i].ring);
+    for (unsigned i = 0; i < u->nrings; i++) {
+        if (!u->rings[i].up)
+            continue;
+        /* The files first, at once: a ring's teardown runs later, in the kernel's own time
+         * (seconds on a loaded machine), and the files it still holds keep their locks: an
+         * engine opened next on the same swap files would find them in use. */
+        io_uring_unregister_files(&u->rings[i].ring);
+        io_uring_queue_exit(&u->rings[i].ring); /* drops registered buffers too */
+    }
     for (unsigned i = 0; u->files && i < u->nfiles; i++)
         if (u->files[i].fd >= 0)
             close(u->files[i].fd);
