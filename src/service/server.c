@@ -1,16 +1,39 @@
 /*
  * server.c - the zinf daemon behind server.h.
  *
- * Threads: service_run() accepts on the listening socket; each connection gets a thread
- * that reads one request at a time, calls the job's engine (engine_api_*, thread-safe) and
- * writes the reply. A request that cannot be parsed gets an error reply and the connection
- * is closed; a request that fails (whatever its error) is answered and the connection
- * stays; nothing a client sends can take the daemon down.
+ * Threads: service_run() waits in epoll on the listening socket, the stop pipe and every
+ * connection between its requests; it accepts (admit: the limits of zinf.serve), and hands
+ * a connection with a request waiting to an idle worker thread, or starts one (dispatch).
+ * A worker serves that connection's requests while they keep coming (conn_serve: spins,
+ * then waits up to CONN_LINGER_MS), calls the job's engine (engine_api_*, thread-safe),
+ * and puts the connection back in the epoll set when it goes quiet; idle workers leave
+ * after 10 s. The keeper thread holds the sessions' liveness mutexes. Once a second
+ * service_run() closes connections that did not say HELLO in time and starts the closing
+ * of jobs idle too long (job_closer, a thread each). A request that cannot be parsed gets
+ * an error reply and the connection is closed; a request that fails (whatever its error) is
+ * answered and the connection stays; nothing a client sends can take the daemon down.
+ *
+ * States, all under s->lock:
+ *   a connection: waiting in the epoll set (!busy) -> handed to a worker (busy) -> back,
+ *     or dropped (its peer left, it broke the protocol, it was refused, the service
+ *     stops); one without a session and !busy past hello_timeout is dropped by the sweep.
+ *     refuse != 0: over a limit at accept; its first request is answered with it, then it
+ *     is dropped.
+ *   a job: opening (in the list, e NULL; its folders and engine made without the lock)
+ *     -> open -> closing (idle for idle_job_close, or JOB_CLOSE/JOB_REMOVE: its engine
+ *     closed, its folders removed, without the lock) -> out of the list. A HELLO or a job
+ *     command for a job that is opening or closing waits on job_cv, then finds it open or
+ *     opens it anew. sessions counts its sessions; a job with one is never closing.
+ *   a session: in s->sessions while it has connections (conns); its last connection's
+ *     leaving takes it out, then drops what it held (session_free), then counts it out of
+ *     its job and uid.
  *
  * Locks, outermost first: s->lock (the lists of jobs, sessions and connections, the
- * sessions' connection counts), then a session's lock (its pins and tickets). No engine
- * call is made under either, except the session cleanup's releases, made after the
- * session left every list (no other thread can reach it).
+ * sessions' connection counts, the limits' counts, the workers), then a session's lock (its
+ * pins, tickets and stages), then the engine's (STATUS's stats and pin counts). No file IO
+ * and no wait on a client under s->lock: jobs open and close, and STATUS reads saved jobs,
+ * without it. The session cleanup's releases are made after the session left every list
+ * (no other thread can reach it).
  *
  * The pins a session holds are counted here per (tensor, tier), since the engine counts
  * pins of all sessions together: a release first takes one off the session's count (so

@@ -5,8 +5,11 @@
  * A job is a named set of tensors with its own engine: the daemon's config gives its
  * budgets, and its swap files live in a folder of the job's name under each swap
  * directory, so a job's tensors are invisible to other jobs and come back, flushed, when
- * the daemon restarts. A job belongs to the uid whose client created it (the owner of that
- * folder); other uids are refused with -EACCES (root is not).
+ * the daemon restarts. A job belongs to the uid whose client created it (its folder's
+ * owner file names it: the folders are the daemon's alone, service/folders.h); other uids
+ * are refused with -EACCES (root is not). A job with no client for zinf.serve's
+ * idle_job_close is closed (flushed, its memory given back) and opens again on the next
+ * attach; zinf.serve's limits bound each uid's jobs, sessions and connections.
  *
  * A session is one client process: its connections share its pins, and when the last of
  * them closes (the process exited or was killed) every pin it still held is dropped and
