@@ -3572,7 +3572,11 @@ Test(cli, jobs_and_the_daemon_are_managed_through_the_socket)
     char cfg[4096], sock[4096], out[4096], *o;
     serve_files(cfg, sock, out);
     bool root = geteuid() == 0;
-    cr_assert_eq(chmod(dir, 0711), 0);
+    /* The socket where uid 65534 reaches it, wherever the test's folder lies. */
+    char sdir[] = "/tmp/zinf-jobs-XXXXXX";
+    cr_assert_not_null(mkdtemp(sdir));
+    cr_assert_eq(chmod(sdir, 0711), 0);
+    snprintf(sock, sizeof(sock), "%s/zinf.sock", sdir);
     pid_t pid = spawn(out, "serve --socket %s --config %s --foreground%s", sock, cfg,
                       root ? " --group nogroup" : "");
     zinf_engine *e = connect_when_up(sock, "keep");
@@ -3648,4 +3652,5 @@ Test(cli, jobs_and_the_daemon_are_managed_through_the_socket)
     cr_assert_eq(run(&o, "serve --stop --socket %s", sock), 1, "%s", o);
     cr_assert(strstr(o, "no zinf daemon"), "%s", o);
     free(o);
+    rmdir(sdir);
 }

@@ -77,13 +77,18 @@ static bool as_root(void)
     return false;
 }
 
-/* In a child: become uid and gid 65534 with no other groups. */
-static void become_nobody(void)
+/* In a child: every inherited fd but keep (and stdio) closed, then uid and gid 65534 with
+ * no other groups. The daemon runs in this process: a child keeping its swap files' fds
+ * would keep their locks, and a job closed meanwhile could not open again. */
+static void become_nobody_keeping(int keep)
 {
+    for (int fd = 3; fd < 4096; fd++)
+        if (fd != keep) close(fd);
     if (setgroups(0, NULL) != 0 || setresgid(NOBODY, NOBODY, NOBODY) != 0 ||
         setresuid(NOBODY, NOBODY, NOBODY) != 0)
         _exit(90);
 }
+
 
 /* A child's report: its failures as text, read by the parent through a pipe. */
 struct report {
@@ -116,8 +121,7 @@ static void run_as_nobody(void (*fn)(void *, struct report *), void *arg, const 
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
     if (pid == 0) {
-        close(p[0]);
-        become_nobody();
+        become_nobody_keeping(p[1]);
         struct report rp = {p[1], 0};
         fn(arg, &rp);
         _exit(rp.failures ? 1 : 0);
@@ -935,8 +939,7 @@ Test(serve_guard, limits_bound_a_users_jobs_sessions_and_connections, .timeout =
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
     if (pid == 0) {
-        close(ready[0]);
-        become_nobody();
+        become_nobody_keeping(ready[1]);
         struct report rp = {2, 0};
         silent_connections(ready, &rp);
         _exit(rp.failures ? 1 : 0);
