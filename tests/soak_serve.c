@@ -73,6 +73,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "raw_call.h"
 #include "service/proto.h"
 #include "zinf.h"
 
@@ -240,32 +241,6 @@ static int dial(int timeout_ms)
         return r;
     }
     return fd;
-}
-
-/* Sends q and reads its reply: the reply's result (or -errno of the exchange), its payload
- * in *payload (the caller frees it) and the fds that came with it in fds (*nfds: room in,
- * count out). */
-static int raw_call(int fd, const struct proto_request *q, uint8_t **payload, size_t *len, int *fds,
-                    int *nfds)
-{
-    static uint32_t seq;
-    struct proto_out o;
-    proto_encode_request(q, ++seq, &o);
-    int r = proto_send(fd, &o, NULL, 0);
-    proto_out_free(&o);
-    if (r < 0) return r;
-    struct proto_header h;
-    uint8_t *p = NULL;
-    r = proto_recv(fd, true, &h, &p, fds, nfds);
-    if (r < 0) return r;
-    int32_t res = -EPROTO;
-    if (h.len >= 4) memcpy(&res, p, 4);
-    if (len) *len = h.len;
-    if (payload)
-        *payload = p;
-    else
-        free(p);
-    return res;
 }
 
 /* ---- the good clients ----------------------------------------------------------------- */

@@ -33,6 +33,7 @@
 #include "helpers.h"
 #include "pintable.h"
 #include "service/client.h"
+#include "raw_call.h"
 #include "service/proto.h"
 #include "service_util.h"
 
@@ -141,34 +142,6 @@ static void run_as_nobody(void (*fn)(void *, struct report *), void *arg, const 
 
 /* ---- raw calls --------------------------------------------------------------------------- */
 
-/* Sends q and reads its reply: the result (or -errno of the exchange), with the reply's
- * payload in *payload (free it) and up to 8 fds in fds. */
-static size_t raw_len; /* the last reply's payload bytes */
-
-static int raw_call(int fd, const struct proto_request *q, uint8_t **payload, int *fds, int *nfds)
-{
-    static uint32_t seq;
-    struct proto_out o;
-    proto_encode_request(q, ++seq, &o);
-    int r = proto_send(fd, &o, NULL, 0);
-    proto_out_free(&o);
-    if (r < 0) return r;
-    struct proto_header h;
-    int n = nfds ? *nfds : 0;
-    uint8_t *p = NULL;
-    r = proto_recv(fd, true, &h, &p, fds, nfds ? &n : NULL);
-    if (nfds) *nfds = n;
-    if (r < 0) return r;
-    int32_t res = -EPROTO;
-    raw_len = h.len;
-    if (h.len >= 4) memcpy(&res, p, 4);
-    if (payload)
-        *payload = p;
-    else
-        free(p);
-    return res;
-}
-
 /* HELLO as a new session of job: the regions' fds and sizes. */
 struct hello {
     int fd; /* the connection */
@@ -187,10 +160,11 @@ static int raw_hello(const char *job, struct hello *h)
     snprintf(q.name, sizeof(q.name), "%s", job);
     uint8_t *p = NULL;
     h->nfds = 8;
-    int r = raw_call(h->fd, &q, &p, h->fds, &h->nfds);
+    size_t len = 0;
+    int r = raw_call(h->fd, &q, &p, &len, h->fds, &h->nfds);
     if (r == 0) {
         struct proto_in in;
-        proto_in_init(&in, p, raw_len);
+        proto_in_init(&in, p, len);
         proto_get_i32(&in);
         proto_get_u64(&in);
         proto_get_u64(&in);
@@ -209,7 +183,7 @@ static int raw_register(int fd, const char *name, uint64_t bytes, uint32_t home,
     struct proto_request q = {.op = PROTO_REGISTER, .handle = bytes, .tier = home};
     snprintf(q.name, sizeof(q.name), "%s", name);
     uint8_t *p = NULL;
-    int r = raw_call(fd, &q, &p, NULL, NULL);
+    int r = raw_call(fd, &q, &p, NULL, NULL, NULL);
     if (r == 0) memcpy(t, p + 4, 8);
     free(p);
     return r;
@@ -284,17 +258,17 @@ static void hostile_memfds(void *arg, struct report *rp)
         say(rp, "REGISTER after the tricks: %s", zinf_strerror(r));
     for (uint32_t tier = 0; tier < 2; tier++) {
         struct proto_request q = {.op = PROTO_FETCH, .handle = t, .tier = tier};
-        if ((r = raw_call(h.fd, &q, NULL, NULL, NULL)) != 0)
+        if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0)
             say(rp, "FETCH to tier %u: %s", tier, zinf_strerror(r));
         q = (struct proto_request){.op = PROTO_RELEASE, .handle = t, .tier = tier,
                                    .flags = ZINF_RELEASE_DIRTY};
-        if ((r = raw_call(h.fd, &q, NULL, NULL, NULL)) != 0)
+        if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0)
             say(rp, "RELEASE of tier %u: %s", tier, zinf_strerror(r));
     }
     struct proto_request q = {.op = PROTO_STEP};
-    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL)) != 0) say(rp, "STEP: %s", zinf_strerror(r));
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0) say(rp, "STEP: %s", zinf_strerror(r));
     q = (struct proto_request){.op = PROTO_FLUSH};
-    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL)) < 0) say(rp, "FLUSH: %s", zinf_strerror(r));
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) < 0) say(rp, "FLUSH: %s", zinf_strerror(r));
     for (int i = 0; i < h.nfds; i++)
         close(h.fds[i]);
     close(h.fd);
@@ -483,6 +457,15 @@ Test(serve_guard, a_squatted_or_open_swap_directory_is_refused_at_start)
     cr_assert_eq(try_open(err, sizeof(err)), 0, "%s", err);
     rmdir(swap);
     rmdir(sticky);
+    /* Not a folder: refused. */
+    char file[800];
+    snprintf(file, sizeof(file), "%s/a-file", dir);
+    FILE *f = fopen(file, "w");
+    cr_assert_not_null(f);
+    fclose(f);
+    write_cfg_at(file);
+    cr_assert_lt(try_open(err, sizeof(err)), 0);
+    cr_assert(strstr(err, file), "%s", err);
     /* Missing: made, the daemon's alone. */
     snprintf(swap, sizeof(swap), "%s/new-swap", dir);
     write_cfg_at(swap);
@@ -611,6 +594,10 @@ Test(serve_guard, job_folders_are_the_daemons_and_others_are_refused)
     cr_assert(strstr(log, p) && strstr(log, "belongs to uid 65534") && strstr(log, "chown -R 0"),
               "%s", log);
     test_log_capture_stop();
+    expect_file(secret, "root's own\n");
+    /* Nor removed: zinf job rm leaves a folder that is not the daemon's alone. */
+    cr_assert_eq(service_manage(sock, PROTO_JOB_REMOVE, "legacy"), -EACCES);
+    cr_assert_eq(lstat(job_file("legacy", "zinf-manifest.json.tmp"), &st), 0);
     expect_file(secret, "root's own\n");
     /* The daemon's folder with a link in it (an earlier zinf's, or an admin's mistake): a
      * flush replaces the link and writes nothing through it. */
@@ -841,13 +828,14 @@ static int hello_why(int fd, const char *job, char *why, size_t len)
     snprintf(q.name, sizeof(q.name), "%s", job);
     uint8_t *p = NULL;
     int fds[8], nfds = 8;
-    int r = raw_call(fd, &q, &p, fds, &nfds);
+    size_t plen = 0;
+    int r = raw_call(fd, &q, &p, &plen, fds, &nfds);
     for (int i = 0; i < nfds; i++)
         close(fds[i]);
     why[0] = 0;
     if (r < 0 && p) {
         struct proto_in in;
-        proto_in_init(&in, p, raw_len);
+        proto_in_init(&in, p, plen);
         proto_get_i32(&in);
         proto_get_str(&in, why, len - 1);
     }
@@ -971,6 +959,68 @@ Test(serve_guard, limits_bound_a_users_jobs_sessions_and_connections, .timeout =
     zinf_tensor t;
     cr_assert_eq(zinf_lookup(e, "kept", &t), 0);
     test_expect_content(e, t, (const unsigned char *)"idle-closed", 11, "after an idle close");
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+/* Stages used against their grain: each call is refused with -EINVAL, nothing is applied,
+ * and the connection serves on. */
+Test(serve_guard, stages_misused_are_refused_and_nothing_is_applied)
+{
+    write_cfg_big();
+    struct daemon d;
+    daemon_start(&d);
+    struct hello h;
+    cr_assert_eq(raw_hello("stages", &h), 0);
+    uint64_t t;
+    cr_assert_eq(raw_register(h.fd, "t", 4u << 20, ZINF_TIER_HOST, &t), 0);
+    struct proto_request q = {.op = PROTO_STAGE_WRITE, .handle = t, .offset = 0, .bytes = 2u << 20};
+    uint8_t *p = NULL;
+    cr_assert_eq(raw_call(h.fd, &q, &p, NULL, NULL, NULL), 0);
+    uint64_t w;
+    memcpy(&w, p + 4, 8);
+    free(p);
+    static uint8_t bytes[4096];
+    memset(bytes, 7, sizeof(bytes));
+    /* Past the stage's end; a GET on a write stage; an unknown stage; an empty or
+     * overflowing range at open. */
+    q = (struct proto_request){.op = PROTO_STAGE_PUT, .handle = w, .offset = (2u << 20) - 100,
+                               .n = sizeof(bytes), .data = bytes};
+    cr_assert_eq(raw_call(h.fd, &q, NULL, NULL, NULL, NULL), -EINVAL);
+    q = (struct proto_request){.op = PROTO_STAGE_GET, .handle = w, .offset = 0, .n = 16};
+    cr_assert_eq(raw_call(h.fd, &q, NULL, NULL, NULL, NULL), -EINVAL);
+    q = (struct proto_request){.op = PROTO_STAGE_PUT, .handle = w + 99, .n = 16, .data = bytes};
+    cr_assert_eq(raw_call(h.fd, &q, NULL, NULL, NULL, NULL), -EINVAL);
+    q = (struct proto_request){.op = PROTO_STAGE_WRITE, .handle = t, .bytes = 0};
+    cr_assert_eq(raw_call(h.fd, &q, NULL, NULL, NULL, NULL), -EINVAL);
+    q = (struct proto_request){.op = PROTO_STAGE_READ, .handle = t, .offset = UINT64_MAX - 4,
+                               .bytes = 8};
+    cr_assert_eq(raw_call(h.fd, &q, NULL, NULL, NULL, NULL), -EINVAL);
+    /* A part written, then ended: applied whole; ended again: unknown. */
+    q = (struct proto_request){.op = PROTO_STAGE_PUT, .handle = w, .offset = 0,
+                               .n = sizeof(bytes), .data = bytes};
+    cr_assert_eq(raw_call(h.fd, &q, NULL, NULL, NULL, NULL), 0);
+    q = (struct proto_request){.op = PROTO_STAGE_END, .handle = w};
+    cr_assert_eq(raw_call(h.fd, &q, NULL, NULL, NULL, NULL), 0);
+    cr_assert_eq(raw_call(h.fd, &q, NULL, NULL, NULL, NULL), -EINVAL);
+    /* A stage left open goes with its session, unapplied. */
+    q = (struct proto_request){.op = PROTO_STAGE_WRITE, .handle = t, .offset = 0, .bytes = 8192};
+    cr_assert_eq(raw_call(h.fd, &q, &p, NULL, NULL, NULL), 0);
+    memcpy(&w, p + 4, 8);
+    free(p);
+    memset(bytes, 9, sizeof(bytes));
+    q = (struct proto_request){.op = PROTO_STAGE_PUT, .handle = w, .offset = 4096,
+                               .n = sizeof(bytes), .data = bytes};
+    cr_assert_eq(raw_call(h.fd, &q, NULL, NULL, NULL, NULL), 0);
+    for (int i = 0; i < h.nfds; i++)
+        close(h.fds[i]);
+    close(h.fd);
+    zinf_engine *e = connect_job("stages");
+    unsigned char got[8192], want[8192];
+    memset(want, 7, 4096);
+    memset(want + 4096, 0, 4096);
+    cr_assert_eq(zinf_read(e, (zinf_tensor)t, 0, got, sizeof(got)), 0);
+    cr_assert_eq(memcmp(got, want, sizeof(got)), 0, "a stage was applied that was not ended");
     zinf_close(e);
     daemon_stop(&d);
 }

@@ -359,6 +359,37 @@ static int job_open(struct service *s, struct job *j, uid_t uid, uid_t *owner)
     return 0;
 }
 
+/* Takes j out of the list of jobs. s->lock held. */
+static void job_unlink(struct service *s, struct job *j)
+{
+    for (struct job **pp = &s->jobs; *pp; pp = &(*pp)->next)
+        if (*pp == j) {
+            *pp = j->next;
+            break;
+        }
+}
+
+/* Closes a closing job's engine (it flushes), without s->lock. */
+static void job_shut(struct job *j, const char *why)
+{
+    engine_api_close(j->e);
+    j->e = NULL;
+    malloc_trim(0); /* what the job's buffers left in the heaps goes back too */
+    log_notice("serve: job %s closed (%s)", j->name, why);
+}
+
+/* The end of a job's closing: out of the list, freed, and whoever waits for it told. */
+static void job_gone(struct service *s, struct job *j)
+{
+    pthread_mutex_lock(&s->lock);
+    job_unlink(s, j);
+    s->closers--;
+    pthread_cond_broadcast(&s->job_cv);
+    pthread_cond_broadcast(&s->gone_cv);
+    pthread_mutex_unlock(&s->lock);
+    free(j);
+}
+
 /* Whether uid is exempt from the per-uid limits, and may use the reserved connections:
  * root and the daemon's own uid. */
 static bool privileged(uid_t uid)
@@ -423,11 +454,7 @@ static int job_get(struct service *s, const char *name, uid_t uid, struct job **
         pthread_mutex_lock(&s->lock);
         pthread_cond_broadcast(&s->job_cv);
         if (r < 0) {
-            for (struct job **pp = &s->jobs; *pp; pp = &(*pp)->next)
-                if (*pp == j) {
-                    *pp = j->next;
-                    break;
-                }
+            job_unlink(s, j);
             free(j);
             return r;
         }
@@ -861,40 +888,40 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     const char *job = q->name;
     uint64_t sid = q->handle, secret = q->offset;
     if (!job_name_ok(job)) return -EINVAL;
-    struct ucred cred = {.uid = k->uid};
+    uid_t uid = k->uid;
 
     struct session *se = NULL;
     int r = 0;
     pthread_mutex_lock(&s->lock);
-    struct ucount *uc = ucount_of(s, cred.uid);
+    struct ucount *uc = ucount_of(s, uid);
     if (sid) {
         for (se = s->sessions; se; se = se->next)
             if (se->id == sid) break;
         /* A session ends with its last connection: joining one that ended, or one of
          * another job, uid or secret, is refused alike. */
-        if (!se || se->secret != secret || se->uid != cred.uid || strcmp(se->job->name, job))
+        if (!se || se->secret != secret || se->uid != uid || strcmp(se->job->name, job))
             r = -ECONNRESET;
         else
             se->conns++;
     } else if (!uc) {
         r = -ENOMEM;
-    } else if (!privileged(cred.uid) && uc->sessions >= s->lim->sessions_per_uid) {
+    } else if (!privileged(uid) && uc->sessions >= s->lim->sessions_per_uid) {
         snprintf(k->why, sizeof(k->why),
                  "zinf serve: a new session refused: uid %u has %u sessions (client processes "
                  "attached), the limit (zinf.serve.sessions_per_uid)",
-                 (unsigned)cred.uid, uc->sessions);
+                 (unsigned)uid, uc->sessions);
         log_notice("serve: %s", k->why + strlen("zinf serve: "));
         r = -EUSERS;
     } else {
         struct job *j;
-        r = job_get(s, job, cred.uid, &j, k->why, sizeof(k->why));
+        r = job_get(s, job, uid, &j, k->why, sizeof(k->why));
         if (r == 0 && !(se = calloc(1, sizeof(*se)))) r = -ENOMEM;
         if (r == 0) {
             se->id = ++s->next_session;
             if (getrandom(&se->secret, sizeof(se->secret), 0) != sizeof(se->secret))
                 se->secret = se->id * 0x9e3779b97f4a7c15ull ^ (uint64_t)now_ns();
             se->job = j;
-            se->uid = cred.uid;
+            se->uid = uid;
             se->conns = 1;
             /* Without a table (the engine serves as many as it can) every call is a
              * message: slower, the same answers. */
@@ -1006,9 +1033,7 @@ static uint32_t status_saved(struct service *s, uid_t uid, char (*open)[PROTO_MA
 static int status(struct conn *k, uint32_t seq)
 {
     struct service *s = k->svc;
-    struct ucred cred;
-    socklen_t len = sizeof(cred);
-    if (getsockopt(k->fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return -errno;
+    uid_t uid = k->uid; /* the peer's, at accept */
     struct proto_out o;
     proto_out_init(&o, PROTO_STATUS | PROTO_REPLY, seq);
     proto_put_i32(&o, 0);
@@ -1025,7 +1050,7 @@ static int status(struct conn *k, uint32_t seq)
     for (struct job *j = s->jobs; j && names; j = j->next)
         strcpy(names[nopen++], j->name);
     for (struct job *j = s->jobs; j; j = j->next) {
-        if (j->opening || j->closing || (cred.uid != j->owner && cred.uid != 0)) continue;
+        if (j->opening || j->closing || (uid != j->owner && uid != 0)) continue;
         uint32_t sessions = 0;
         uint64_t pins = 0;
         for (struct session *se = s->sessions; se; se = se->next) {
@@ -1049,7 +1074,7 @@ static int status(struct conn *k, uint32_t seq)
         n++;
     }
     pthread_mutex_unlock(&s->lock);
-    if (names) n += status_saved(s, cred.uid, names, nopen, &o);
+    if (names) n += status_saved(s, uid, names, nopen, &o);
     free(names);
     if (!o.bad) memcpy(o.buf + count_at, &n, 4);
     int r = proto_send(k->fd, &o, NULL, 0);
@@ -1123,10 +1148,9 @@ static int manage(struct conn *k, const struct proto_request *q)
     pthread_mutex_unlock(&s->lock);
     if (r < 0) return r;
     if (was_open) {
-        engine_api_close(j->e); /* flushes */
-        j->e = NULL;
-        malloc_trim(0);
-        log_notice("serve: job %s closed (asked by uid %u)", j->name, (unsigned)k->uid);
+        char why[64];
+        snprintf(why, sizeof(why), "asked by uid %u", (unsigned)k->uid);
+        job_shut(j, why);
     }
     if (rm && !was_open && s->config->nvme_paths.count) {
         /* Not open: its owner is the one its folder names. */
@@ -1145,17 +1169,7 @@ static int manage(struct conn *k, const struct proto_request *q)
     } else if (rm && !was_open && !s->config->nvme_paths.count) {
         r = -ENOENT; /* in memory only, and not open: nothing of it is left */
     }
-    pthread_mutex_lock(&s->lock);
-    for (struct job **pp = &s->jobs; *pp; pp = &(*pp)->next)
-        if (*pp == j) {
-            *pp = j->next;
-            break;
-        }
-    s->closers--;
-    pthread_cond_broadcast(&s->job_cv);
-    pthread_cond_broadcast(&s->gone_cv);
-    pthread_mutex_unlock(&s->lock);
-    free(j);
+    job_gone(s, j);
     return r;
 }
 
@@ -1549,20 +1563,10 @@ static void *job_closer(void *arg)
     struct service *s = c->s;
     struct job *j = c->j;
     free(c);
-    engine_api_close(j->e);
-    malloc_trim(0); /* what the job's buffers left in the heaps goes back too */
-    log_notice("serve: job %s closed (no client for %u s)", j->name, s->lim->idle_job_close);
-    pthread_mutex_lock(&s->lock);
-    for (struct job **pp = &s->jobs; *pp; pp = &(*pp)->next)
-        if (*pp == j) {
-            *pp = j->next;
-            break;
-        }
-    s->closers--;
-    pthread_cond_broadcast(&s->job_cv);
-    pthread_cond_broadcast(&s->gone_cv);
-    pthread_mutex_unlock(&s->lock);
-    free(j);
+    char why[64];
+    snprintf(why, sizeof(why), "no client for %u s", s->lim->idle_job_close);
+    job_shut(j, why);
+    job_gone(s, j);
     return NULL;
 }
 
