@@ -28,7 +28,7 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
-#include "train/adamw.h"
+#include "adamw_hparams.h"
 
 #ifdef __cplusplus
 extern "C" {

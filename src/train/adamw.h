@@ -24,12 +24,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-struct adamw_hparams {
-    float lr;           /* learning rate, >= 0 */
-    float beta1, beta2; /* in [0, 1) */
-    float eps;          /* > 0 */
-    float weight_decay; /* >= 0, decoupled: applied to the parameter, not the gradient */
-};
+#include "adamw_hparams.h" /* struct adamw_hparams */
 
 /* lr 3e-4, beta1 0.9, beta2 0.999, eps 1e-8, weight_decay 0 (PyTorch's AdamW but for the
  * decay, which is left to the caller per tensor). */
