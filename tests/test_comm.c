@@ -719,6 +719,174 @@ Test(comm, nccl_with_one_rank)
     free(back);
     comm_close(c);
 }
+
+/* Whether world NCCL ranks can run here: a GPU each, or the CPU emulation of
+ * tests/cuda_emu, where every process has an emulated device of its own. */
+static bool nccl_ranks_here(int world, int *device_of_rank1, char *why, size_t len)
+{
+    struct cuda_probe_info pi;
+    struct cudaDeviceProp p;
+    int n = 0;
+    if (cuda_probe(&pi) == 0) {
+        snprintf(why, len, "no usable GPU: %s", pi.reason);
+        return false;
+    }
+    if (cudaGetDeviceCount(&n) != cudaSuccess || cudaGetDeviceProperties(&p, 0) != cudaSuccess) {
+        cudaGetLastError();
+        snprintf(why, len, "cannot count the GPUs");
+        return false;
+    }
+    bool emulated = strncmp(p.name, "EMU ", 4) == 0;
+    *device_of_rank1 = emulated ? 0 : 1;
+    snprintf(why, len, "%d GPU(s): NCCL runs one rank per GPU, and this needs %d", n, world);
+    return emulated || n >= world;
+}
+
+struct nccl_arg {
+    size_t count;
+    int per_rank_device; /* rank r on GPU r (1), or every rank on device 0 (0: emulated) */
+};
+
+static int put(void *d, const void *h, size_t bytes)
+{
+    return cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess ? 0 : -EIO;
+}
+
+static int get(void *h, const void *d, size_t bytes)
+{
+    return cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost) == cudaSuccess ? 0 : -EIO;
+}
+
+/* The collectives of the nccl backend on device buffers: the same checks as the shm
+ * backend's, bitwise against the rank-order sum. */
+static int nccl_collectives(int rank, int world, const char *name, void *argp)
+{
+    const struct nccl_arg *a = argp;
+    size_t n = a->count, bytes = n * (size_t)world * sizeof(float);
+    struct comm_opts o = {.backend = COMM_NCCL, .rank = rank, .world = world, .name = name,
+                          .timeout_ms = 60000, .cuda_device = a->per_rank_device ? rank : 0};
+    struct comm *c = NULL;
+    int err = comm_open(&o, &c);
+    if (err) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float *hs = malloc(bytes), *hr = malloc(bytes), *ds = NULL, *dr = NULL;
+    if (!hs || !hr || cudaMalloc((void **)&ds, bytes) != cudaSuccess ||
+        cudaMalloc((void **)&dr, bytes) != cudaSuccess)
+        FAIL(11, "out of memory");
+
+    for (size_t i = 0; i < n; i++)
+        hs[i] = value(rank, i);
+    if (put(ds, hs, n * 4) || (err = comm_allreduce(c, ds, dr, n, COMM_F32)) || get(hr, dr, n * 4))
+        FAIL(12, "allreduce: %s", zinf_strerror(err));
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&hr[i], &(float){rank_order_sum(world, i)}, 4))
+            FAIL(13, "allreduce: element %zu is %a, the rank-order sum %a", i, hr[i],
+                 rank_order_sum(world, i));
+    if ((err = comm_allreduce(c, ds, ds, n, COMM_F32)) || get(hs, ds, n * 4))
+        FAIL(14, "allreduce in place: %s", zinf_strerror(err));
+    if (memcmp(hs, hr, n * sizeof(float))) FAIL(15, "allreduce in place differs");
+
+    for (size_t i = 0; i < n * (size_t)world; i++)
+        hs[i] = value(rank, i);
+    if (put(ds, hs, bytes) || (err = comm_reduce_scatter(c, ds, dr, n, COMM_F32)) ||
+        get(hr, dr, n * 4))
+        FAIL(16, "reduce_scatter: %s", zinf_strerror(err));
+    for (size_t i = 0; i < n; i++) {
+        float want = rank_order_sum(world, (size_t)rank * n + i);
+        if (memcmp(&hr[i], &want, 4)) FAIL(17, "reduce_scatter: element %zu", i);
+    }
+    float *mine = ds + (size_t)rank * n;
+    if ((err = comm_reduce_scatter(c, ds, mine, n, COMM_F32)) || get(hs, mine, n * 4))
+        FAIL(18, "reduce_scatter in place: %s", zinf_strerror(err));
+    if (memcmp(hs, hr, n * sizeof(float))) FAIL(19, "reduce_scatter in place differs");
+
+    /* allgather of bytes (into another buffer, and in place), broadcast from the last rank */
+    unsigned char *bs = (unsigned char *)hs, *br = (unsigned char *)hr;
+    size_t nb = n * 3 + 1;
+    for (size_t i = 0; i < nb; i++)
+        bs[i] = (unsigned char)(rank * 37 + i * 11);
+    if (put(ds, bs, nb) || (err = comm_allgather(c, ds, dr, nb, COMM_BYTE)) ||
+        get(br, dr, nb * (size_t)world))
+        FAIL(20, "allgather: %s", zinf_strerror(err));
+    for (int r = 0; r < world; r++)
+        for (size_t i = 0; i < nb; i++)
+            if (br[(size_t)r * nb + i] != (unsigned char)(r * 37 + i * 11))
+                FAIL(21, "allgather: rank %d's byte %zu", r, i);
+    unsigned char *at = (unsigned char *)dr + (size_t)rank * nb;
+    if (put(at, bs, nb) || (err = comm_allgather(c, at, dr, nb, COMM_BYTE)) ||
+        get(bs, dr, nb * (size_t)world))
+        FAIL(22, "allgather in place: %s", zinf_strerror(err));
+    if (memcmp(bs, br, nb * (size_t)world)) FAIL(23, "allgather in place differs");
+    for (size_t i = 0; i < n; i++)
+        hr[i] = rank == world - 1 ? value(99, i) : 0.0f;
+    if (put(dr, hr, n * 4) || (err = comm_broadcast(c, dr, n, COMM_F32, world - 1)) ||
+        get(hr, dr, n * 4))
+        FAIL(24, "broadcast: %s", zinf_strerror(err));
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&hr[i], &(float){value(99, i)}, 4)) FAIL(25, "broadcast: element %zu", i);
+    if ((err = comm_barrier(c))) FAIL(26, "barrier: %s", zinf_strerror(err));
+    struct comm_stats st;
+    comm_get_stats(c, &st);
+    if (st.ops != 8 || st.backend != COMM_NCCL) FAIL(27, "stats: %llu ops", (unsigned long long)st.ops);
+    cudaFree(ds);
+    cudaFree(dr);
+    free(hs);
+    free(hr);
+    comm_close(c);
+    return 0;
+}
+
+/* Across ranks: a GPU each (skipped where there are fewer), or the CPU emulation. Odd
+ * counts and several chunks of the emulation's staging. */
+Test(comm, nccl_collectives_are_the_rank_order_sum_on_2_and_4_ranks)
+{
+    char why[256];
+    int dev1;
+    if (!nccl_ranks_here(2, &dev1, why, sizeof(why))) cr_skip_test("%s", why);
+    struct nccl_arg a = {.count = 300007, .per_rank_device = dev1};
+    expect_ranks_pass(2, nccl_collectives, &a, "nccl collectives on 2 ranks");
+    if (!nccl_ranks_here(4, &dev1, why, sizeof(why))) cr_skip_test("%s", why);
+    a.count = 77777;
+    expect_ranks_pass(4, nccl_collectives, &a, "nccl collectives on 4 ranks");
+}
+
+/* The last rank dies once the communicator is open; the others' next collective (waiting
+ * in NCCL for a peer that will never come) fails within seconds, as every later one. */
+static int nccl_one_dies(int rank, int world, const char *name, void *argp)
+{
+    const struct nccl_arg *a = argp;
+    struct comm_opts o = {.backend = COMM_NCCL, .rank = rank, .world = world, .name = name,
+                          .timeout_ms = 60000, .cuda_device = a->per_rank_device ? rank : 0};
+    struct comm *c = NULL;
+    float *d = NULL;
+    int err = comm_open(&o, &c);
+    if (err) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    if (cudaMalloc((void **)&d, 4000 * sizeof(float)) != cudaSuccess) FAIL(11, "cudaMalloc");
+    if ((err = comm_allreduce(c, d, d + 2000, 1000, COMM_F32)))
+        FAIL(12, "first allreduce: %s", zinf_strerror(err));
+    if (rank == world - 1) raise(SIGKILL);
+    uint64_t t0 = now_ns();
+    err = comm_allreduce(c, d, d + 2000, 1000, COMM_F32);
+    if (err >= 0) FAIL(13, "an allreduce after a death succeeded");
+    if (now_ns() - t0 > 10ull * 1000000000)
+        FAIL(14, "the death was seen after %llu ms", (unsigned long long)((now_ns() - t0) / 1000000));
+    if ((err = comm_barrier(c)) != -ECONNABORTED) FAIL(15, "then: %s", zinf_strerror(err));
+    comm_close(c);
+    cudaFree(d);
+    return 0;
+}
+
+Test(comm, nccl_a_dead_rank_fails_the_others_collectives)
+{
+    char name[64], why[256];
+    int status[3], dev1;
+    if (!nccl_ranks_here(3, &dev1, why, sizeof(why))) cr_skip_test("%s", why);
+    struct nccl_arg a = {.per_rank_device = dev1};
+    unique_name(name, sizeof(name));
+    run_ranks(3, nccl_one_dies, &a, name, status);
+    cr_expect_eq(status[0], 0);
+    cr_expect_eq(status[1], 0);
+    cr_expect_eq(status[2], 128 + SIGKILL);
+}
 #endif
 
 /* ---- who may meet where --------------------------------------------------------------- */

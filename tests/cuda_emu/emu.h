@@ -76,3 +76,9 @@ inline float __fsqrt_rn(float a)
  * `kernel<<<grid, block, shmem, stream>>>(args)` into. */
 void emu_launch(dim3 grid, dim3 block, size_t shmem_bytes, cudaStream_t s,
                 std::function<void()> body);
+
+/* For the other emulated libraries (emu_nccl.cpp): queue op on stream s, ordered with its
+ * kernels, copies and event waits as they are; abort unless [p, p + n) lies in one device
+ * allocation (what names the caller in the message). */
+void emu_enqueue(cudaStream_t s, std::function<void()> op);
+void emu_need_device(const void *p, size_t n, const char *what);

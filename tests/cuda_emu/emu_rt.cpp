@@ -483,6 +483,11 @@ void emu_launch(dim3 g, dim3 b, size_t shmem, cudaStream_t s, std::function<void
     enqueue(resolve(s), [g, b, body] { run_grid(g, b, body); });
 }
 
+void emu_enqueue(cudaStream_t s, std::function<void()> op)
+{
+    enqueue(resolve(s), std::move(op));
+}
+
 /* ---- memory -------------------------------------------------------------------------- */
 
 /* The emulated device has EMU_TOTAL_BYTES of memory. An allocation larger than
@@ -581,6 +586,11 @@ static void need_host(const void *p, size_t n, const char *what)
     if (dev_where(p, n) != 0)
         emu_fail("%s: [%p, +%zu) should be host memory but touches a device allocation", what, p,
                  n);
+}
+
+void emu_need_device(const void *p, size_t n, const char *what)
+{
+    need_dev(p, n, what);
 }
 
 /* ---- process ------------------------------------------------------------------------- */

@@ -85,9 +85,10 @@ if ! "${configure[@]}" > "$top/logs/meson.log" 2>&1; then
 fi
 sed -e 's/^#define ZINF_HAVE_CUDA 0$/#define ZINF_HAVE_CUDA 1/' \
     -e 's/^#define ZINF_HAVE_KERNELS 0$/#define ZINF_HAVE_KERNELS 1/' \
+    -e 's/^#define ZINF_HAVE_NCCL 0$/#define ZINF_HAVE_NCCL 1\n#define ZINF_NCCL_LINKED 1/' \
     "$top/meson/zinf_build.h" > "$top/inc/zinf_build.h.new"
-if [ "$(grep -cE '^#define ZINF_HAVE_(CUDA|KERNELS) 1$' "$top/inc/zinf_build.h.new")" != 2 ]; then
-  echo "cuda_emu: cannot set ZINF_HAVE_CUDA and ZINF_HAVE_KERNELS in $top/meson/zinf_build.h" >&2
+if [ "$(grep -cE '^#define ZINF_(HAVE_(CUDA|KERNELS|NCCL)|NCCL_LINKED) 1$' "$top/inc/zinf_build.h.new")" != 4 ]; then
+  echo "cuda_emu: cannot set ZINF_HAVE_CUDA, ZINF_HAVE_KERNELS and ZINF_HAVE_NCCL in $top/meson/zinf_build.h" >&2
   exit 1
 fi
 cmp -s "$top/inc/zinf_build.h.new" "$top/inc/zinf_build.h" ||
@@ -183,6 +184,7 @@ for cu in sorted(glob.glob(os.path.join(root, 'kernels', '*.cu'))):
 rt_flags = ['-std=c++17', '-g', '-O2', '-Wall', '-Wextra', '-Wno-unused-parameter',
             '-I' + here, '-isystem', cuda_inc] + san
 lib_objs.append(compile_cxx(os.path.join(here, 'emu_rt.cpp'), rt_flags))
+lib_objs.append(compile_cxx(os.path.join(here, 'emu_nccl.cpp'), rt_flags))
 gemm_flags = ['-std=c++17', '-g', '-O2', '-Wall']
 lib_objs.append(compile_cxx(os.path.join(here, 'emu_gemm.cpp'), gemm_flags))
 
