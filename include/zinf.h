@@ -60,6 +60,12 @@ enum zinf_device_kind { ZINF_DEVICE_AUTO, ZINF_DEVICE_CUDA, ZINF_DEVICE_EMULATED
 #define ZINF_OPEN_NO_PIN (1u << 1)    /* do not lock the host tier in memory (pin_memory: false) */
 #define ZINF_OPEN_OVERWRITE (1u << 2) /* start over: a saved state in nvme_path is deleted */
 #define ZINF_OPEN_READONLY (1u << 3)  /* inspect the saved state in nvme_path; change nothing */
+/* With RESUME or READONLY (alone, or with OVERWRITE: -EINVAL): open the previous version of
+ * the saved state, the one a zinf_flush_step with ZINF_FLUSH_KEEP_PREVIOUS kept, rather than
+ * the current one. READONLY inspects it and moves nothing; RESUME makes it the current one
+ * (the newer version is forgotten). Where nvme_path holds no previous version the current
+ * one is opened; where it holds neither, -ENOENT. NO_PIN combines with it. */
+#define ZINF_OPEN_PREVIOUS (1u << 4)
 
 /* zinf_release() flags */
 #define ZINF_RELEASE_CLEAN 0u
@@ -121,6 +127,17 @@ struct zinf_stats {
      * those it has been through (written, or checked unchanged): its progress, for a caller
      * that watches it from another thread. */
     uint64_t flush_bytes_total, flush_bytes_done;
+    /* The host tier's staging area (bytes kept beside the arena for copies to and from
+     * NVMe; 0: none), and whether the host tier is locked in memory (1) or runs unpinned
+     * (0: ZINF_OPEN_NO_PIN, or the lock failed). Through a daemon: the daemon's. */
+    uint64_t host_staging_bytes;
+    unsigned host_pinned;
+};
+
+/* What zinf_tensor_info() tells of a registered tensor. */
+struct zinf_tensor_info {
+    enum zinf_tier home; /* where its permanent copy lives (as registered, or as saved) */
+    uint64_t bytes;      /* its size as registered */
 };
 
 /* Open an engine. opt may be NULL (all defaults). */
@@ -131,6 +148,14 @@ ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out);
  * takes them in zinf_options.flags: how a config's swap directory with a saved state is
  * resumed, inspected or started over. -EINVAL for an unknown flag. */
 ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_engine **out);
+/* The parsed form of a DeepSpeed-style JSON config. It is opaque here: programs built with
+ * zinf's own config parser (its tools and trainer) fill one and open it with
+ * zinf_open_parsed; others give the file to zinf_open_config_flags. */
+struct zinf_config;
+/* Open an engine from a parsed config, with ZINF_OPEN_* flags as zinf_open_config_flags
+ * takes them (ZINF_OPEN_PREVIOUS too). The config is only read, and may be freed once this
+ * returns. -EINVAL for a NULL config or out, or an unknown flag; then as zinf_open. */
+ZINF_API int zinf_open_parsed(const struct zinf_config *cfg, unsigned flags, zinf_engine **out);
 /* Connect to the zinf daemon listening on socket (`zinf serve`) and attach to its job of
  * that name (letters, digits, '.', '_', '-'; at most 64 bytes; created on first use, owned
  * by the caller's uid). Every call of this header then behaves on the handle exactly as on
@@ -145,6 +170,12 @@ ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_
 ZINF_API int zinf_connect(const char *socket, const char *job, zinf_engine **out);
 /* Flush (when there is an NVMe tier), wait for everything in flight, free. NULL: no-op. */
 ZINF_API void zinf_close(zinf_engine *e);
+/* The same without the flush, for a caller that knows its tensors in memory are
+ * inconsistent (a step torn half way): the last flush stays the saved state, as after a
+ * crash. On a zinf_connect handle it ends the connection without asking the job to flush:
+ * what was written stays in the daemon's memory, and the daemon flushes it when it closes
+ * the job (idle, `zinf job close`, or its own shutdown). NULL: no-op. */
+ZINF_API void zinf_close_unflushed(zinf_engine *e);
 
 /* Register a tensor of nbytes whose permanent copy lives in home. Content starts as
  * zeros. -EEXIST for a name in use, -ENOSPC when larger than the home tier. */
@@ -153,6 +184,10 @@ ZINF_API int zinf_register(zinf_engine *e, const char *name, size_t nbytes,
 ZINF_API int zinf_lookup(zinf_engine *e, const char *name, zinf_tensor *out);
 /* -EBUSY while any copy is pinned. */
 ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor t);
+/* A registered tensor's home and size (a resumed tensor's are the saved run's). -EINVAL
+ * for a NULL engine or out, -ENOENT for a handle that names no tensor. Read-only engines
+ * and zinf_connect handles answer it too. */
+ZINF_API int zinf_tensor_info(zinf_engine *e, zinf_tensor t, struct zinf_tensor_info *out);
 
 /* Make the tensor resident in tier (DEVICE or HOST) and pin it; *ptr stays valid and
  * unmoved until the matching zinf_release(). Blocks until the copy is there. */
@@ -185,6 +220,37 @@ ZINF_API int zinf_write(zinf_engine *e, zinf_tensor t, size_t off, const void *s
 ZINF_API int zinf_read(zinf_engine *e, zinf_tensor t, size_t off, void *dst, size_t n);
 /* Make every tensor's content durable in nvme_path (fsync, manifest replaced atomically). */
 ZINF_API int zinf_flush(zinf_engine *e);
+/* zinf_flush_step() flags */
+#define ZINF_FLUSH_KEEP_PREVIOUS (1u << 0) /* keep the saved state it replaces, as the previous version */
+/* zinf_flush, the saved state tagged with step (a training step, say; -1: no tag), which
+ * zinf_saved_steps reads back. With ZINF_FLUSH_KEEP_PREVIOUS the state it replaces is kept
+ * as the previous version (ZINF_OPEN_PREVIOUS opens it; a version kept before goes, so
+ * there are at most two), until zinf_drop_previous or a flush without the flag. A group of
+ * processes that must save a step all or none keeps it, meets, then drops it. 0 with
+ * nothing done when there is no NVMe tier. -EINVAL for a NULL engine, a step below -1 or
+ * an unknown flag, -EROFS on a READONLY engine, -ENOTSUP on a zinf_connect handle (the
+ * daemon's jobs keep one version: use zinf_flush); then as zinf_flush. */
+ZINF_API int zinf_flush_step(zinf_engine *e, int64_t step, unsigned flags);
+/* Forget the previous version that ZINF_FLUSH_KEEP_PREVIOUS kept: its manifest is removed
+ * and its swap space freed (waiting for a flush in progress to end). 0 when there is none,
+ * or no NVMe tier. -EINVAL for a NULL engine, -EROFS on a READONLY engine, -ENOTSUP on a
+ * zinf_connect handle. */
+ZINF_API int zinf_drop_previous(zinf_engine *e);
+/* The steps the saved state in swap directory dir was flushed with: steps[0] the current
+ * version's, steps[1] the previous version's, -1 where a version has no tag or there is
+ * none. Reads the manifests only; opens no engine and locks nothing, so it works next to a
+ * process using dir. -EINVAL for NULL arguments, -ENOENT where dir (or a saved state in it)
+ * does not exist, another -errno when a manifest cannot be read. */
+ZINF_API int zinf_saved_steps(const char *dir, int64_t steps[2]);
+/* When the saved state in dir was last committed: *ns, nanoseconds since the epoch (its
+ * manifest's modification time). -EINVAL for NULL arguments, -ENOENT where dir (or a saved
+ * state in it) does not exist, another -errno. Opens no engine. */
+ZINF_API int zinf_saved_at(const char *dir, int64_t *ns);
+/* Whether dir holds a saved state: 0 with *ntensors the tensors its manifest names (SIZE_MAX
+ * when it cannot be read: a saved state all the same, never emptied by accident), -ENOENT
+ * where dir or a manifest in it does not exist, -EINVAL for NULL arguments, another -errno
+ * when it cannot tell. Opens no engine. */
+ZINF_API int zinf_saved_tensors(const char *dir, size_t *ntensors);
 ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out);
 
 /* The library's version as "MAJOR.MINOR.PATCH". */

@@ -2,11 +2,16 @@
  * api.c - the public calls of zinf.h that act on a zinf_engine *: each goes to the engine
  * of this process (engine_api_*, src/engine/) or, for a handle zinf_connect() returned, to
  * the client of a zinf daemon (client_*, src/service/client.c), which answers them exactly
- * as the engine would (same results, same errors, pointers into the same kind of memory).
+ * as the engine would (same results, same errors, pointers into the same kind of memory),
+ * but for the versioned flushes (zinf_flush_step, zinf_drop_previous): a daemon's job keeps
+ * one version of its state, and they answer -ENOTSUP there.
  *
  * Not here: opening either kind of handle (zinf_open* in engine.c, zinf_connect in
- * client.c), or any work of its own.
+ * client.c), the calls that read a swap directory without an engine (zinf_saved_*, in
+ * persist.c), or any work of its own.
  */
+#include <errno.h>
+
 #include "api.h"
 #include "common.h"
 #include "engine/engine.h"
@@ -45,6 +50,12 @@ ZINF_API int zinf_unregister(zinf_engine *e, zinf_tensor t)
 {
     struct client *c = remote(e);
     return c ? client_unregister(c, t) : engine_api_unregister(e, t);
+}
+
+ZINF_API int zinf_tensor_info(zinf_engine *e, zinf_tensor t, struct zinf_tensor_info *out)
+{
+    struct client *c = remote(e);
+    return c ? client_tensor_info(c, t, out) : engine_api_tensor_info(e, t, out);
 }
 
 ZINF_API int zinf_fetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, void **ptr)
@@ -108,6 +119,22 @@ ZINF_API int zinf_flush(zinf_engine *e)
     return c ? client_flush(c) : engine_api_flush(e);
 }
 
+ZINF_API int zinf_flush_step(zinf_engine *e, int64_t step, unsigned flags)
+{
+    if (!e || step < -1 || (flags & ~ZINF_FLUSH_KEEP_PREVIOUS)) return -EINVAL;
+    /* A daemon's job keeps one version of its state; tags and kept versions are not in
+     * its protocol. */
+    if (remote(e)) return -ENOTSUP;
+    return engine_flush_tagged(e, step, (flags & ZINF_FLUSH_KEEP_PREVIOUS) != 0);
+}
+
+ZINF_API int zinf_drop_previous(zinf_engine *e)
+{
+    if (!e) return -EINVAL;
+    if (remote(e)) return -ENOTSUP;
+    return engine_drop_previous(e);
+}
+
 ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out)
 {
     struct client *c = remote(e);
@@ -119,11 +146,16 @@ bool api_is_remote(zinf_engine *e)
     return remote(e) != NULL;
 }
 
-void api_close_unflushed(zinf_engine *e)
+ZINF_API void zinf_close_unflushed(zinf_engine *e)
 {
     struct client *c = remote(e);
     if (c)
         client_close_unflushed(c);
     else
         engine_close_unflushed(e);
+}
+
+void api_close_unflushed(zinf_engine *e)
+{
+    zinf_close_unflushed(e);
 }

@@ -12,6 +12,7 @@
 #include "zinf.h"
 
 bool api_is_remote(zinf_engine *e);
+/* zinf_close_unflushed, under the name the library's own tests used first. */
 void api_close_unflushed(zinf_engine *e);
 
 #endif

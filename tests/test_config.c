@@ -1177,6 +1177,47 @@ Test(config, io_settings_of_the_zinf_section_reach_the_engine)
     test_rmtree(dir);
 }
 
+/* zinf_open_parsed opens a parsed config as engine_open_config does (its staging area and
+ * pinning show in zinf_stats), with the flags of zinf_open_config_flags, and refuses bad
+ * input: no config, no out, an unknown flag, PREVIOUS without RESUME or READONLY, and
+ * READONLY where nothing is saved. */
+Test(config, a_parsed_config_opens_through_the_public_call)
+{
+    struct zinf_config c;
+    char err[ERRLEN], json[1024];
+    char *dir = test_tmpdir("parsed");
+    snprintf(json, sizeof(json),
+             "{\"aio\": {\"block_size\": 262144, \"queue_depth\": 16}, \"zinf\": {\"nvme_paths\": "
+             "[\"%s\"], \"device\": \"emulated\", \"host_bytes\": \"8M\", \"device_bytes\": \"8M\", "
+             "\"staging_bytes\": \"3M\"}}",
+             dir);
+    cr_assert_eq(parse(json, &c, err), 0, "%s", err);
+    zinf_engine *e = (zinf_engine *)1;
+    cr_assert_eq(zinf_open_parsed(NULL, 0, &e), -EINVAL);
+    cr_assert_eq(zinf_open_parsed(&c, 0, NULL), -EINVAL);
+    cr_assert_eq(zinf_open_parsed(&c, 1u << 9, &e), -EINVAL, "unknown flag");
+    cr_assert_null(e);
+    cr_assert_eq(zinf_open_parsed(&c, ZINF_OPEN_PREVIOUS, &e), -EINVAL, "PREVIOUS alone");
+    cr_assert_eq(zinf_open_parsed(&c, ZINF_OPEN_PREVIOUS | ZINF_OPEN_OVERWRITE, &e), -EINVAL);
+    cr_assert_eq(zinf_open_parsed(&c, ZINF_OPEN_READONLY, &e), -ENOENT, "nothing saved");
+    int r = zinf_open_parsed(&c, ZINF_OPEN_NO_PIN, &e);
+    cr_assert_eq(r, 0, "%s", zinf_strerror(r));
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_expect_eq(st.host_staging_bytes, 12 * 256 * KiB, "3M of 256K blocks: 12 slots, got %llu",
+                 (unsigned long long)st.host_staging_bytes);
+    cr_expect_eq(st.host_pinned, 0, "NO_PIN: the host tier runs unpinned");
+    zinf_tensor t;
+    cr_assert_eq(zinf_register(e, "t", 4096, ZINF_TIER_NVME, &t), 0);
+    zinf_close(e);
+    /* Saved now: READONLY opens it, and the config may be freed after the open. */
+    cr_assert_eq(zinf_open_parsed(&c, ZINF_OPEN_READONLY | ZINF_OPEN_NO_PIN, &e), 0);
+    config_free(&c);
+    cr_assert_eq(zinf_lookup(e, "t", &t), 0);
+    zinf_close(e);
+    test_rmtree(dir);
+}
+
 /* "auto", as Hugging Face's Trainer writes it: taken where its DeepSpeed integration fills
  * the value in, resolved as it does (from the model's width for the bucket sizes), and
  * refused elsewhere with the JSON path. */

@@ -2914,3 +2914,41 @@ Test(engine, set_log_routes_every_message_to_the_caller)
     open_unpinned_and_close();
     cr_assert_eq(c.n, 0);
 }
+
+/* zinf_tensor_info answers a tensor's home and size as registered, and -ENOENT for a
+ * handle that names none (never one, or one unregistered); NULL arguments are -EINVAL. */
+Test(engine, tensor_info_gives_home_and_size)
+{
+    zinf_engine *e = open_eng(4 * MiB, 4 * MiB, BLOCK);
+    zinf_tensor h = test_register(e, "h", 12345, ZINF_TIER_HOST);
+    zinf_tensor n = test_register(e, "n", 3 * BLOCK, ZINF_TIER_NVME);
+    zinf_tensor gone = test_register(e, "gone", 4096, ZINF_TIER_DEVICE);
+    struct zinf_tensor_info ti;
+    cr_assert_eq(zinf_tensor_info(e, h, &ti), 0);
+    cr_expect_eq(ti.home, ZINF_TIER_HOST);
+    cr_expect_eq(ti.bytes, 12345);
+    cr_assert_eq(zinf_tensor_info(e, n, &ti), 0);
+    cr_expect_eq(ti.home, ZINF_TIER_NVME);
+    cr_expect_eq(ti.bytes, 3 * BLOCK);
+    cr_assert_eq(zinf_tensor_info(e, gone, &ti), 0);
+    cr_expect_eq(ti.home, ZINF_TIER_DEVICE);
+    cr_assert_eq(zinf_unregister(e, gone), 0);
+    cr_expect_eq(zinf_tensor_info(e, gone, &ti), -ENOENT, "unregistered");
+    cr_expect_eq(zinf_tensor_info(e, 0, &ti), -ENOENT, "0 is never a handle");
+    cr_expect_eq(zinf_tensor_info(e, h, NULL), -EINVAL);
+    cr_expect_eq(zinf_tensor_info(NULL, h, &ti), -EINVAL);
+    zinf_close(e);
+}
+
+/* zinf_stats ends with the host tier's staging bytes and pinning, as the tier has them. */
+Test(engine, stats_tell_the_host_tiers_staging_and_pinning)
+{
+    zinf_engine *e = open_eng(4 * MiB, 4 * MiB, BLOCK);
+    struct zinf_stats st;
+    struct host_stats hs;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    host_get_stats(e->host, &hs);
+    cr_expect_eq(st.host_staging_bytes, hs.staging_bytes);
+    cr_expect_eq(st.host_pinned, hs.pinned ? 1u : 0u);
+    zinf_close(e);
+}

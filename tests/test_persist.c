@@ -1144,6 +1144,87 @@ Test(persist, a_kept_previous_version_holds_its_bytes_until_dropped)
     cr_assert_eq(zinf_open(&o, &e), -EINVAL);
 }
 
+/* The same versions through the public calls alone: zinf_flush_step keeps the previous
+ * version, zinf_saved_steps/_at/_tensors read the directory without an engine,
+ * ZINF_OPEN_PREVIOUS opens the kept version, zinf_drop_previous forgets it; each refuses
+ * what it must (bad input -EINVAL, a READONLY engine -EROFS, no saved state -ENOENT). */
+Test(persist, versions_through_the_public_calls)
+{
+    const size_t n = 100 * KiB;
+    int64_t steps[2], ns;
+    size_t count;
+    char *none = path_in(dir, "none");
+    cr_assert_eq(zinf_saved_steps(dir, steps), -ENOENT, "nothing saved yet");
+    cr_assert_eq(zinf_saved_at(dir, &ns), -ENOENT);
+    cr_assert_eq(zinf_saved_tensors(dir, &count), -ENOENT);
+    cr_assert_eq(zinf_saved_steps(none, steps), -ENOENT, "no such directory");
+    cr_assert_eq(zinf_saved_at(none, &ns), -ENOENT);
+    cr_assert_eq(zinf_saved_tensors(none, &count), -ENOENT);
+    cr_assert_eq(zinf_saved_steps(NULL, steps), -EINVAL);
+    cr_assert_eq(zinf_saved_steps(dir, NULL), -EINVAL);
+    cr_assert_eq(zinf_saved_at(NULL, &ns), -EINVAL);
+    cr_assert_eq(zinf_saved_at(dir, NULL), -EINVAL);
+    cr_assert_eq(zinf_saved_tensors(NULL, &count), -EINVAL);
+    cr_assert_eq(zinf_saved_tensors(dir, NULL), -EINVAL);
+    free(none);
+
+    struct zinf_options o = {.nvme_path = dir, .device_bytes = 8 * MiB, .host_bytes = 4 * MiB,
+                             .block_size = BLOCK, .queue_depth = QD,
+                             .device_kind = ZINF_DEVICE_EMULATED, .flags = ZINF_OPEN_NO_PIN};
+    zinf_engine *e;
+    cr_assert_eq(zinf_open(&o, &e), 0);
+    zinf_tensor t[3] = {test_register(e, "nv", n, ZINF_TIER_NVME),
+                        test_register(e, "ho", n, ZINF_TIER_HOST),
+                        test_register(e, "de", n, ZINF_TIER_DEVICE)};
+    cr_assert_eq(zinf_flush_step(NULL, 1, 0), -EINVAL);
+    cr_assert_eq(zinf_flush_step(e, -2, 0), -EINVAL, "a step below -1");
+    cr_assert_eq(zinf_flush_step(e, 1, 1u << 5), -EINVAL, "unknown flag");
+    cr_assert_eq(zinf_drop_previous(NULL), -EINVAL);
+    cr_assert_eq(zinf_drop_previous(e), 0, "none to drop");
+    int64_t before = (int64_t)time(NULL) * 1000000000 - 2000000000;
+    fill_all(e, t, n, 1);
+    cr_assert_eq(zinf_flush_step(e, 1, ZINF_FLUSH_KEEP_PREVIOUS), 0);
+    fill_all(e, t, n, 2);
+    cr_assert_eq(zinf_flush_step(e, 2, ZINF_FLUSH_KEEP_PREVIOUS), 0);
+    cr_assert_eq(zinf_saved_steps(dir, steps), 0);
+    cr_expect(steps[0] == 2 && steps[1] == 1, "steps %lld, %lld", (long long)steps[0],
+              (long long)steps[1]);
+    cr_assert_eq(zinf_saved_tensors(dir, &count), 0);
+    cr_expect_eq(count, 3);
+    cr_assert_eq(zinf_saved_at(dir, &ns), 0);
+    cr_expect(ns >= before && ns <= (int64_t)time(NULL) * 1000000000 + 2000000000,
+              "saved at %lld ns", (long long)ns);
+    fill_all(e, t, n, 3);
+    zinf_close_unflushed(e); /* as a crash would leave it: step 3 never saved */
+    zinf_close_unflushed(NULL);
+
+    /* The kept version, read-only: nothing that writes is allowed. */
+    o.flags = ZINF_OPEN_READONLY | ZINF_OPEN_PREVIOUS | ZINF_OPEN_NO_PIN;
+    cr_assert_eq(zinf_open(&o, &e), 0);
+    expect_all(e, n, 1, "the previous version, read-only");
+    struct zinf_tensor_info ti;
+    cr_assert_eq(zinf_tensor_info(e, look(e, "nv"), &ti), 0);
+    cr_expect(ti.home == ZINF_TIER_NVME && ti.bytes == n);
+    cr_assert_eq(zinf_flush_step(e, 4, 0), -EROFS);
+    cr_assert_eq(zinf_drop_previous(e), -EROFS);
+    zinf_close(e);
+    o.flags = ZINF_OPEN_PREVIOUS;
+    cr_assert_eq(zinf_open(&o, &e), -EINVAL, "PREVIOUS without RESUME or READONLY");
+    o.flags = ZINF_OPEN_PREVIOUS | ZINF_OPEN_OVERWRITE;
+    cr_assert_eq(zinf_open(&o, &e), -EINVAL);
+
+    /* Resumed at the current version, the previous one is dropped on request. */
+    o.flags = ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN;
+    cr_assert_eq(zinf_open(&o, &e), 0);
+    expect_all(e, n, 2, "the last saved step");
+    cr_assert_eq(zinf_flush_step(e, 5, ZINF_FLUSH_KEEP_PREVIOUS), 0);
+    expect_tags(5, 2, "kept again");
+    cr_assert_eq(zinf_drop_previous(e), 0);
+    expect_tags(5, -1, "dropped");
+    cr_assert_eq(zinf_drop_previous(e), 0, "none left to drop");
+    zinf_close(e);
+}
+
 /* A crash between the two renames of a keeping flush leaves the previous manifest alone:
  * it counts as the current one (probe, versions, resume). */
 Test(persist, a_previous_version_alone_is_the_current_one)

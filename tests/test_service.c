@@ -150,6 +150,43 @@ Test(service, every_call_answers_as_the_embedded_engine)
                      emb[i], zinf_strerror(emb[i]), rem[i], zinf_strerror(rem[i]));
 }
 
+/* Through the daemon, zinf_tensor_info answers as embedded; the versioned flushes are not
+ * the daemon's (-ENOTSUP, after the same -EINVAL checks); the host tier's staging and
+ * pinning in zinf_stats are the daemon's; zinf_close_unflushed ends the connection and
+ * leaves the job's memory as it was. */
+Test(service, tensor_info_and_versioned_flushes_through_the_daemon)
+{
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("info");
+    zinf_tensor t = test_register(e, "t", 12345, ZINF_TIER_HOST);
+    zinf_tensor gone = test_register(e, "gone", 4096, ZINF_TIER_DEVICE);
+    struct zinf_tensor_info ti;
+    cr_assert_eq(zinf_tensor_info(e, t, &ti), 0);
+    cr_expect_eq(ti.home, ZINF_TIER_HOST);
+    cr_expect_eq(ti.bytes, 12345);
+    cr_assert_eq(zinf_tensor_info(e, gone, &ti), 0);
+    cr_expect_eq(ti.home, ZINF_TIER_DEVICE);
+    cr_assert_eq(zinf_unregister(e, gone), 0);
+    cr_expect_eq(zinf_tensor_info(e, gone, &ti), -ENOENT);
+    cr_expect_eq(zinf_tensor_info(e, 0, &ti), -ENOENT);
+    cr_expect_eq(zinf_tensor_info(e, t, NULL), -EINVAL);
+    cr_expect_eq(zinf_flush_step(e, -2, 0), -EINVAL);
+    cr_expect_eq(zinf_flush_step(e, 1, ZINF_FLUSH_KEEP_PREVIOUS), -ENOTSUP);
+    cr_expect_eq(zinf_drop_previous(e), -ENOTSUP);
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_expect_leq(st.host_pinned, 1u);
+    cr_assert_eq(zinf_write(e, t, 0, "kept", 4), 0);
+    zinf_close_unflushed(e);
+    e = connect_job("info");
+    zinf_tensor x;
+    cr_assert_eq(zinf_lookup(e, "t", &x), 0);
+    test_expect_content(e, x, (const unsigned char *)"kept", 4, "after an unflushed close");
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
 Test(service, reads_and_writes_larger_than_a_message)
 {
     struct daemon d;

@@ -369,6 +369,16 @@ int engine_api_lookup(zinf_engine *e, const char *name, zinf_tensor *out)
     return t ? 0 : -ENOENT;
 }
 
+int engine_api_tensor_info(zinf_engine *e, zinf_tensor h, struct zinf_tensor_info *out)
+{
+    if (!e || !out) return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    struct tensor *t = engine_tensor(e, h);
+    if (t) *out = (struct zinf_tensor_info){.home = t->home, .bytes = t->nbytes};
+    pthread_mutex_unlock(&e->lock);
+    return t ? 0 : -ENOENT;
+}
+
 int engine_api_unregister(zinf_engine *e, zinf_tensor h)
 {
     struct tensor *t;
@@ -592,7 +602,8 @@ int engine_flush_tagged(zinf_engine *e, int64_t tag, bool keep)
 int engine_drop_previous(zinf_engine *e)
 {
     if (!e) return -EINVAL;
-    if (!e->nvme || (e->opt.flags & ZINF_OPEN_READONLY)) return 0;
+    if (e->opt.flags & ZINF_OPEN_READONLY) return -EROFS;
+    if (!e->nvme) return 0;
     pthread_mutex_lock(&e->lock);
     while (e->flushing)
         engine_wait(e);
@@ -614,6 +625,8 @@ int engine_api_stats(zinf_engine *e, struct zinf_stats *out)
     host_get_stats(e->host, &hs);
     out->tier[ZINF_TIER_DEVICE].used_bytes = ds.used_bytes;
     out->tier[ZINF_TIER_HOST].used_bytes = hs.used_bytes;
+    out->host_staging_bytes = hs.staging_bytes;
+    out->host_pinned = hs.pinned;
     out->device_is_cuda = ds.cuda;
     if (e->nvme) {
         struct nvme_stats ns;
@@ -758,6 +771,8 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
 
     if (!out) return -EINVAL;
     *out = NULL;
+    /* The public flag for the previous version is the engine's own from here on. */
+    if (o.flags & ZINF_OPEN_PREVIOUS) o.flags = (o.flags & ~ZINF_OPEN_PREVIOUS) | ENGINE_OPEN_PREVIOUS;
     for (size_t i = 0; i < ARRAY_SIZE(o.reserved); i++)
         if (o.reserved[i]) return -EINVAL;
     if (o.block_size == 0) o.block_size = MiB;
@@ -1030,6 +1045,19 @@ int engine_open_config_shared(const struct zinf_config *c, unsigned flags, const
     return open_config(c, flags, true, subdir, out);
 }
 
+/* The ZINF_OPEN_* flags a caller may give. */
+#define OPEN_FLAGS                                                                                 \
+    (ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN | ZINF_OPEN_OVERWRITE | ZINF_OPEN_READONLY |              \
+     ZINF_OPEN_PREVIOUS)
+
+ZINF_API int zinf_open_parsed(const struct zinf_config *cfg, unsigned flags, zinf_engine **out)
+{
+    if (!cfg || !out) return -EINVAL;
+    *out = NULL;
+    if (flags & ~OPEN_FLAGS) return -EINVAL;
+    return engine_open_config(cfg, flags, out);
+}
+
 ZINF_API int zinf_open_config(const char *json_path, zinf_engine **out)
 {
     return zinf_open_config_flags(json_path, 0, out);
@@ -1043,8 +1071,7 @@ ZINF_API int zinf_open_config_flags(const char *json_path, unsigned flags, zinf_
 
     if (!json_path || !out) return -EINVAL;
     *out = NULL;
-    if (flags & ~(ZINF_OPEN_RESUME | ZINF_OPEN_NO_PIN | ZINF_OPEN_OVERWRITE | ZINF_OPEN_READONLY))
-        return -EINVAL;
+    if (flags & ~OPEN_FLAGS) return -EINVAL;
     r = config_parse_file(json_path, &c, err, sizeof(err));
     if (r < 0) {
         log_error("%s", err);

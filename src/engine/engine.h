@@ -302,11 +302,14 @@ struct engine_params {
 };
 
 /* An internal ZINF_OPEN_* flag, with RESUME or READONLY: the previous version kept by
- * persist_flush_tagged, rather than the current one (resuming, it becomes the current one). */
+ * persist_flush_tagged, rather than the current one (resuming, it becomes the current one).
+ * Callers give ZINF_OPEN_PREVIOUS, which engine_open turns into this; zinf_open refuses this
+ * one, so that the public flag is the only way in. */
 #define ENGINE_OPEN_PREVIOUS (1u << 16)
 
 int engine_open(const struct zinf_options *opt, const struct engine_params *p, zinf_engine **out);
-/* Flush with a tag, keeping the previous version (persist_flush_tagged), and forget it. */
+/* Flush with a tag, keeping the previous version (persist_flush_tagged), and forget it:
+ * zinf_flush_step and zinf_drop_previous on an engine of this process. */
 int engine_flush_tagged(zinf_engine *e, int64_t tag, bool keep);
 int engine_drop_previous(zinf_engine *e);
 struct zinf_config;
@@ -342,6 +345,7 @@ int engine_api_register(zinf_engine *e, const char *name, size_t nbytes, enum zi
                         zinf_tensor *out);
 int engine_api_lookup(zinf_engine *e, const char *name, zinf_tensor *out);
 int engine_api_unregister(zinf_engine *e, zinf_tensor t);
+int engine_api_tensor_info(zinf_engine *e, zinf_tensor t, struct zinf_tensor_info *out);
 int engine_api_fetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, void **ptr);
 int engine_api_fetch_async(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, uint64_t *ticket);
 int engine_api_wait(zinf_engine *e, uint64_t ticket, void **ptr);

@@ -1082,3 +1082,26 @@ out:
     json_decref(root);
     return r;
 }
+
+/* ---- the saved state as zinf.h shows it (no engine opened) ------------------------------- */
+
+ZINF_API int zinf_saved_steps(const char *dir, int64_t steps[2])
+{
+    if (!dir || !steps) return -EINVAL;
+    return persist_versions(dir, steps);
+}
+
+ZINF_API int zinf_saved_at(const char *dir, int64_t *ns)
+{
+    struct timespec when;
+    if (!dir || !ns) return -EINVAL;
+    int r = persist_saved_at(dir, &when);
+    if (r == 0) *ns = (int64_t)when.tv_sec * 1000000000 + when.tv_nsec;
+    return r;
+}
+
+ZINF_API int zinf_saved_tensors(const char *dir, size_t *ntensors)
+{
+    if (!dir || !ntensors) return -EINVAL;
+    return persist_probe(dir, ntensors, NULL);
+}

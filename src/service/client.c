@@ -411,6 +411,25 @@ int client_unregister(struct client *c, zinf_tensor t)
     return simple(c, &k);
 }
 
+int client_tensor_info(struct client *c, zinf_tensor t, struct zinf_tensor_info *out)
+{
+    if (!out) return -EINVAL;
+    struct call k;
+    call_begin(c, &k, PROTO_TENSOR_INFO);
+    proto_put_u64(&k.o, t);
+    int r = call(c, &k);
+    if (r == 0) {
+        uint32_t home = proto_get_u32(&k.in);
+        uint64_t bytes = proto_get_u64(&k.in);
+        if (proto_done(&k.in) < 0 || home > ZINF_TIER_NVME)
+            r = -EPROTO;
+        else
+            *out = (struct zinf_tensor_info){.home = (enum zinf_tier)home, .bytes = bytes};
+    }
+    call_end(&k);
+    return r;
+}
+
 /* A request whose reply is one (region, offset): *ptr. */
 static int pointer_reply(struct client *c, struct call *k, void **ptr)
 {

@@ -211,6 +211,7 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
         break;
     case PROTO_UNREGISTER:
     case PROTO_WAIT:
+    case PROTO_TENSOR_INFO:
         r->handle = proto_get_u64(&in);
         break;
     case PROTO_FETCH:
@@ -286,6 +287,7 @@ void proto_encode_request(const struct proto_request *r, uint32_t seq, struct pr
         break;
     case PROTO_UNREGISTER:
     case PROTO_WAIT:
+    case PROTO_TENSOR_INFO:
         proto_put_u64(o, r->handle);
         break;
     case PROTO_FETCH:

@@ -37,7 +37,7 @@
 #include <stdint.h>
 
 #define PROTO_MAGIC 0x666e697au /* "zinf" read as a little-endian u32 */
-#define PROTO_VERSION 3
+#define PROTO_VERSION 4
 #define PROTO_HEADER_BYTES 16
 #define PROTO_MAX_DATA ((uint32_t)1 << 20)        /* read/write bytes a message */
 #define PROTO_MAX_PAYLOAD (PROTO_MAX_DATA + 4096) /* the largest payload either way */
@@ -100,7 +100,8 @@ enum proto_op {
     /* Root or the daemon's uid: the daemon stops as on SIGTERM (every job flushed), after
      * the reply. (nothing) */
     PROTO_SHUTDOWN = 24,
-    PROTO_OP_MAX = 24,
+    PROTO_TENSOR_INFO = 25, /* u64 handle -> u32 home, u64 bytes (zinf_tensor_info) */
+    PROTO_OP_MAX = 25,
 };
 
 struct proto_header {

@@ -825,6 +825,15 @@ static int do_request(struct session *se, const struct proto_request *q, struct 
         return r;
     case PROTO_UNREGISTER:
         return engine_api_unregister(e, q->handle);
+    case PROTO_TENSOR_INFO: {
+        struct zinf_tensor_info ti;
+        r = engine_api_tensor_info(e, q->handle, &ti);
+        if (r == 0) {
+            proto_put_u32(o, (uint32_t)ti.home);
+            proto_put_u64(o, ti.bytes);
+        }
+        return r;
+    }
     case PROTO_FETCH:
         return do_fetch(se, q, o);
     case PROTO_FETCH_ASYNC:
