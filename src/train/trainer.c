@@ -23,17 +23,16 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "api.h"
 #include "comm/comm.h"
 #include "common.h"
 #include "config.h"
-#include "engine/engine.h"
 #include "tiers/cuda_probe.h"
 #include "train/adamw.h"
 #include "train/backend.h"
@@ -53,6 +52,7 @@
 #define SHARD_FLOATS 1024 /* shards are multiples of 4 KiB (O_DIRECT), and so are the chunks
                              the gradient norm is summed by */
 #define NLOCAL (GPT_BLOCK_NSLOTS + 4) /* buffers of one block's tensors, then the four others */
+#define MEM_TIERS (ZINF_TIER_HOST + 1) /* the tiers that hold copies in memory: device, host */
 
 /* What a partitioned run's ranks keep beside the state: a resume must cut alike. */
 struct zero_state {
@@ -940,10 +940,8 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
 {
     static const char *const tiers[] = {"the device", "the host", "NVMe"};
     if (t->remote) return 0; /* the daemon's engine is not ours to look into: its job is trusted */
-    pthread_mutex_lock(&t->e->lock);
-    struct tensor *x = engine_tensor(t->e, h);
-    enum zinf_tier got = x ? x->home : want;
-    pthread_mutex_unlock(&t->e->lock);
+    struct zinf_tensor_info ti;
+    enum zinf_tier got = zinf_tensor_info(t->e, h, &ti) == 0 ? ti.home : want;
     if (got == want) return 0;
     snprintf(err, errlen,
              "--resume: the saved run keeps '%s' on %s, this config on %s: give "
@@ -1387,7 +1385,7 @@ static int64_t common_step(const char *base, int world, int64_t *newest)
     *newest = -1;
     for (int q = 0; q < world; q++) {
         char *d = rank_dir(base, world, q);
-        int r = d ? persist_versions(d, tags[q]) : -ENOMEM;
+        int r = d ? zinf_saved_steps(d, tags[q]) : -ENOMEM;
         free(d);
         if (r < 0) return -1;
         untagged += tags[q][0] < 0;
@@ -1418,7 +1416,7 @@ static int newest_run(const struct trainer *t, int64_t *step, int64_t *newest_an
 {
     int world = 0, legacy = 0;
     int64_t best = -1, any = -1;
-    struct timespec best_t = {0}, legacy_t = {0}, when;
+    int64_t best_t = 0, legacy_t = 0, when; /* ns since the epoch */
     *step = -1;
     *newest_any = -1;
     if (!t->nbase) return 0;
@@ -1437,21 +1435,19 @@ static int newest_run(const struct trainer *t, int64_t *step, int64_t *newest_an
     for (int k = 0; k < nc; k++) {
         int n = worlds[k];
         char *r0 = rank_dir(t->base[0], n, 0);
-        int sr = r0 ? persist_saved_at(r0, &when) : -ENOMEM;
+        int sr = r0 ? zinf_saved_at(r0, &when) : -ENOMEM;
         free(r0);
         if (sr < 0) continue;
         int64_t top, c = common_step(t->base[0], n, &top);
         if (c == -2) { /* untagged: by its time, as before tags */
-            if (!legacy || when.tv_sec > legacy_t.tv_sec ||
-                (when.tv_sec == legacy_t.tv_sec && when.tv_nsec > legacy_t.tv_nsec)) {
+            if (!legacy || when > legacy_t) {
                 legacy = n;
                 legacy_t = when;
             }
             continue;
         }
         if (c < 0) continue; /* no step every rank holds */
-        bool newer = when.tv_sec > best_t.tv_sec ||
-                     (when.tv_sec == best_t.tv_sec && when.tv_nsec > best_t.tv_nsec);
+        bool newer = when > best_t;
         if (!world || c > best || (c == best && world != t->world && (n == t->world || newer))) {
             world = n;
             best = c;
@@ -1466,18 +1462,18 @@ static int newest_run(const struct trainer *t, int64_t *step, int64_t *newest_an
 }
 
 /* The open flag that reaches step in swap directory dir: its current version, or the
- * previous one (ENGINE_OPEN_PREVIOUS); -ENOENT where it holds neither at that step. */
+ * previous one (ZINF_OPEN_PREVIOUS); -ENOENT where it holds neither at that step. */
 static int version_flag(const char *dir, int64_t step, unsigned *flag)
 {
     int64_t tags[2];
-    int r = persist_versions(dir, tags);
+    int r = zinf_saved_steps(dir, tags);
     if (r < 0) return r;
     if (step < 0 || tags[0] == step) {
         *flag = 0;
         return 0;
     }
     if (tags[1] == step) {
-        *flag = ENGINE_OPEN_PREVIOUS;
+        *flag = ZINF_OPEN_PREVIOUS;
         return 0;
     }
     return -ENOENT;
@@ -1497,7 +1493,7 @@ static int open_source(struct trainer *t, int world, int q, zinf_engine **out)
         if (k) c.nvme_paths_extra[k - 1] = dirs[k];
     }
     if (r == 0) r = version_flag(dirs[0], t->resume_step, &flag);
-    if (r == 0) r = engine_open_config(&c, ZINF_OPEN_READONLY | ZINF_OPEN_NO_PIN | flag, out);
+    if (r == 0) r = zinf_open_parsed(&c, ZINF_OPEN_READONLY | ZINF_OPEN_NO_PIN | flag, out);
     for (unsigned k = 0; k < t->nbase; k++)
         free(dirs[k]);
     return r;
@@ -1742,7 +1738,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     if (t->zc.nvme_paths.count && !t->remote) {
         const char *sd = t->zc.nvme_paths.path[0];
         size_t n = 0;
-        int pr = persist_probe(sd, &n, NULL);
+        int pr = zinf_saved_tensors(sd, &n);
         /* A run saved by another number of ranks, newer than any of this one's: rank 0
          * looks, and every rank goes by what it found. */
         int64_t found[3] = {0, -1, -1}; /* ranks, the step every rank holds, the newest */
@@ -1768,7 +1764,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
             for (int q = 0; q < t->world && k > 0 && (size_t)k < errlen; q++) {
                 int64_t tags[2] = {-1, -1};
                 char *rd = rank_dir(t->base[0], t->world, q);
-                if (rd) persist_versions(rd, tags);
+                if (rd) zinf_saved_steps(rd, tags);
                 free(rd);
                 char held[64] = "no step";
                 if (tags[0] >= 0 && tags[1] >= 0)
@@ -1851,11 +1847,11 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
                      (long long)t->resume_step, t->zc.nvme_paths.path[0]);
             goto fail;
         }
-        r = engine_open_config(&t->zc,
-                               t->o.resume                      ? ZINF_OPEN_RESUME | flag
-                               : o->overwrite || t->src_world ? ZINF_OPEN_OVERWRITE
-                                                                : 0,
-                               &t->e);
+        r = zinf_open_parsed(&t->zc,
+                             t->o.resume                      ? ZINF_OPEN_RESUME | flag
+                             : o->overwrite || t->src_world ? ZINF_OPEN_OVERWRITE
+                                                              : 0,
+                             &t->e);
     }
     if (r < 0) {
         if (r == -EBUSY)
@@ -1948,7 +1944,7 @@ void trainer_close(struct trainer *t)
     /* A torn state is dropped: the last checkpoint stays the saved one, as after a crash.
      * So it does after a failed checkpoint, as the caller was told. */
     if (t->torn || t->checkpoint_failed || (t->world > 1 && !t->remote))
-        api_close_unflushed(t->e);
+        zinf_close_unflushed(t->e);
     else
         zinf_close(t->e);
     config_free(&t->zc);
@@ -2440,11 +2436,11 @@ int trainer_checkpoint(struct trainer *t)
     if (r == 0) kill_point(t, "after-barrier");
     if (r == 0) r = scratch_reset(t);
     if (r == 0) r = state_save(t);
-    if (r == 0) r = t->remote ? zinf_flush(t->e) : engine_flush_tagged(t->e, t->step_done, two);
+    if (r == 0) r = t->remote ? zinf_flush(t->e) : zinf_flush_step(t->e, t->step_done, two ? ZINF_FLUSH_KEEP_PREVIOUS : 0);
     if (r == 0) kill_point(t, "after-rename");
     if (r == 0 && two) r = comm_barrier(t->comm);
     if (r == 0 && two) kill_point(t, "after-commit");
-    if (r == 0 && two) r = engine_drop_previous(t->e);
+    if (r == 0 && two) r = zinf_drop_previous(t->e);
     t->checkpoint_failed = r < 0;
     trace_span("train", "checkpoint", t0, NULL, r < 0 ? "failed" : NULL, -1);
     if (r < 0) return r;
@@ -2502,10 +2498,8 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     out->min_budget[1] = t->min_budget[1];
     out->compactions = st.compactions;
     if (!t->remote) { /* the daemon's staging and locking are its own */
-        struct host_stats hs;
-        host_get_stats(t->e->host, &hs);
-        out->staging_bytes = hs.staging_bytes;
-        out->host_pinned = hs.pinned;
+        out->staging_bytes = st.host_staging_bytes;
+        out->host_pinned = st.host_pinned;
     }
     for (int i = 0; i < 3; i++) {
         out->tier[i].budget_bytes = st.tier[i].capacity_bytes;
