@@ -119,6 +119,10 @@ int kernel_adamw(float *param, const float *grad, float *m, float *v, void *para
  * order: the global gradient norm, one tensor at a time. scratch: kernel_scratch_bytes(n, 1).
  * Twin: adamw_sum_squares (equal to within double rounding of differently ordered sums). */
 int kernel_sumsq(double *acc, const float *x, size_t n, void *scratch, cudaStream_t s);
+/* out[k] (device memory, one double per chunk) = sum of x[i]^2 over chunk k of x, the
+ * elements [k * chunk, (k + 1) * chunk) of n fp32 (the last one may be short), each in a
+ * fixed order. Twin: adamw_sum_squares on each chunk (equal to within double rounding). */
+int kernel_chunk_sumsq(double *out, const float *x, size_t n, size_t chunk, cudaStream_t s);
 /* dst (n) in dst_dt = src (n) in src_dt, any two of the three types; narrowing rounds to
  * nearest even (fp16 overflows to infinity). Twins: ops_cast_f32_to_bf16,
  * ops_cast_bf16_to_f32, ops_cast_f32_to_f16, ops_cast_f16_to_f32. */

@@ -9,6 +9,10 @@
  * The CPU twins (ops_colsum_acc, adamw_sum_squares) sum in another order: the results
  * agree to rounding, not bitwise.
  *
+ * The chunked sum of squares (kernel_chunk_sumsq) gives one double per fixed chunk of a
+ * gradient: the ranks of a partitioned run sum the chunks they own, and the clipping norm
+ * adds every chunk in the layout's order, whichever rank owns it.
+ *
  * Not here: fused reductions of other layers (LayerNorm's dw/db partials are in
  * layernorm.cu and finish with kernel_chunk_sums_add below).
  */
@@ -113,5 +117,29 @@ extern "C" int kernel_sumsq(double *acc, const float *x, size_t n, void *scratch
     int r = launch_result();
     if (r < 0) return r;
     sumsq_finish<<<1, SUMSQ_THREADS, 0, s>>>(acc, part, blocks);
+    return launch_result();
+}
+
+/* out[k] = sum of x[i]^2 in double over chunk k, the elements [k * chunk, (k + 1) * chunk)
+ * of x (the last chunk may be short): one block per chunk, its threads walking the chunk
+ * with a stride of the block's size, then the block's reduction. Fixed by the shape alone. */
+__global__ static void chunk_sumsq(double *__restrict__ out, const float *__restrict__ x, size_t n,
+                                   size_t chunk)
+{
+    size_t k = blockIdx.x, i0 = k * chunk, i1 = i0 + chunk < n ? i0 + chunk : n;
+    double acc = 0.0;
+    for (size_t i = i0 + threadIdx.x; i < i1; i += blockDim.x)
+        acc += (double)x[i] * (double)x[i];
+    acc = block_reduce(acc, SumOp());
+    if (threadIdx.x == 0) out[k] = acc;
+}
+
+extern "C" int kernel_chunk_sumsq(double *out, const float *x, size_t n, size_t chunk,
+                                  cudaStream_t s)
+{
+    if (!out || !x || !chunk || !n) return n == 0 && out && chunk ? 0 : -EINVAL;
+    size_t nchunks = (n + chunk - 1) / chunk;
+    if (nchunks > 2147483647u) return -EINVAL;
+    chunk_sumsq<<<(unsigned)nchunks, SUMSQ_THREADS, 0, s>>>(out, x, n, chunk);
     return launch_result();
 }

@@ -1361,6 +1361,55 @@ Test(kernels_gpu, sumsq_refuses_bad_input)
     cr_assert_eq(kernel_sumsq((double *)FAKE, NULL, 0, NULL, 0), 0);
 }
 
+/* One double per chunk, each the CPU's sum of squares of its chunk to within double
+ * rounding, and the same bits on a second run. */
+static void check_chunk_sumsq(size_t n, size_t chunk)
+{
+    need_gpu();
+    struct twin x = twin_rand(n, KDT_F32, 121, -3, 3);
+    size_t k = (n + chunk - 1) / chunk;
+    double *d_out = dev_alloc(k * sizeof(double)), *got = malloc(k * sizeof(double)),
+           *again = malloc(k * sizeof(double));
+    cr_assert(got && again);
+    cr_assert_eq(kernel_chunk_sumsq(d_out, x.d, n, chunk, 0), 0);
+    sync_ok();
+    cr_assert_eq(cudaMemcpy(got, d_out, k * sizeof(double), cudaMemcpyDeviceToHost), cudaSuccess);
+    cr_assert_eq(kernel_chunk_sumsq(d_out, x.d, n, chunk, 0), 0);
+    sync_ok();
+    cr_assert_eq(cudaMemcpy(again, d_out, k * sizeof(double), cudaMemcpyDeviceToHost), cudaSuccess);
+    cr_assert_eq(memcmp(got, again, k * sizeof(double)), 0, "the same bits twice");
+    double worst = 0;
+    for (size_t c = 0; c < k; c++) {
+        double want;
+        size_t len = n - c * chunk < chunk ? n - c * chunk : chunk;
+        cr_assert_eq(adamw_sum_squares(x.h + c * chunk, len, &want), 0);
+        double rel = want ? fabs(got[c] - want) / want : fabs(got[c]);
+        worst = rel > worst ? rel : worst;
+    }
+    cr_log_info("chunk_sumsq n %zu chunk %zu: %zu chunks, largest relative difference %.3g "
+                "(tolerance 1e-12)", n, chunk, k, worst);
+    cr_assert_leq(worst, 1e-12);
+    twin_free(&x);
+    cudaFree(d_out);
+    free(got);
+    free(again);
+}
+
+Test(kernels_gpu, chunk_sumsq_matches_the_cpu_chunk_by_chunk)
+{
+    check_chunk_sumsq(((size_t)1 << 20) + 7, 1024); /* a short last chunk */
+    check_chunk_sumsq(5, 1024);
+    check_chunk_sumsq(3 * 4096, 4096);
+}
+
+Test(kernels_gpu, chunk_sumsq_refuses_bad_input)
+{
+    cr_assert_eq(kernel_chunk_sumsq(NULL, FAKEF, 8, 4, 0), -EINVAL);
+    cr_assert_eq(kernel_chunk_sumsq((double *)FAKE, NULL, 8, 4, 0), -EINVAL);
+    cr_assert_eq(kernel_chunk_sumsq((double *)FAKE, FAKEF, 8, 0, 0), -EINVAL);
+    cr_assert_eq(kernel_chunk_sumsq((double *)FAKE, NULL, 0, 4, 0), 0);
+}
+
 /* ---- determinism: the reductions give the same bits twice -------------------------------- */
 
 /* An output of a reduction, and the bytes of its first run in first[] (freed here). */

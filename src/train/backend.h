@@ -74,6 +74,18 @@ struct backend_ops {
      * block first_block of tensor `tensor`. Runs after what is queued. */
     int (*digest)(struct backend *b, const float *p, size_t n, uint32_t tensor,
                   size_t first_block, uint64_t *sum);
+    /* g (n fp32) = src (first), or g += src element by element: a micro-batch's gradient,
+     * summed over the ranks, folded into what the step keeps. src may be g when first. */
+    int (*fold)(struct backend *b, float *g, const float *src, size_t n, int first);
+    /* out[k] (host memory) = the sum of squares of g's chunk k, the floats [k * chunk,
+     * (k + 1) * chunk) of n (the last may be short): the clipping norm's chunk sums. Waits
+     * for what is queued: out is written when it returns. */
+    int (*chunk_sumsq)(struct backend *b, const float *g, size_t n, size_t chunk, double *out);
+    /* bytes of device memory from src to dst (the two do not overlap). */
+    int (*copy)(struct backend *b, void *dst, const void *src, size_t bytes);
+    /* dst (n elements of wdt, device memory) = src (n fp32): the copy the device computes
+     * with, refreshed from the master weights. */
+    int (*cast)(struct backend *b, void *dst, const float *src, size_t n);
     /* Waits until everything queued has finished. */
     int (*sync)(struct backend *b);
     /* Waits, then hands out the step's loss and sum of squares and resets the sum. */

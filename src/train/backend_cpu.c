@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
 #include "train/backend.h"
 #include "train/digest.h"
 #include "train/ops.h"
@@ -194,6 +195,45 @@ static int cpu_digest(struct backend *b, const float *p, size_t n, uint32_t tens
     return 0;
 }
 
+/* The same loops as every other fold of the trainer's: a copy, or one addition each. */
+static int cpu_fold(struct backend *b, float *g, const float *src, size_t n, int first)
+{
+    (void)b;
+    if (first && src != g)
+        memcpy(g, src, n * sizeof(float));
+    else if (!first)
+        for (size_t j = 0; j < n; j++)
+            g[j] += src[j];
+    return 0;
+}
+
+static int cpu_chunk_sumsq(struct backend *b, const float *g, size_t n, size_t chunk, double *out)
+{
+    (void)b;
+    int r = chunk ? 0 : -EINVAL;
+    for (size_t k = 0; k * chunk < n && r == 0; k++)
+        r = adamw_sum_squares(g + k * chunk, MIN(chunk, n - k * chunk), &out[k]);
+    return r;
+}
+
+static int cpu_copy(struct backend *b, void *dst, const void *src, size_t bytes)
+{
+    (void)b;
+    memcpy(dst, src, bytes);
+    return 0;
+}
+
+static int cpu_cast(struct backend *b, void *dst, const float *src, size_t n)
+{
+    if (b->wdt == BACKEND_BF16)
+        ops_cast_f32_to_bf16(dst, src, n);
+    else if (b->wdt == BACKEND_F16)
+        ops_cast_f32_to_f16(dst, src, n);
+    else
+        memcpy(dst, src, n * sizeof(float));
+    return 0;
+}
+
 static int cpu_sync(struct backend *b)
 {
     (void)b;
@@ -221,6 +261,10 @@ static const struct backend_ops cpu_ops = {
     .sumsq = cpu_sumsq,
     .adamw = cpu_adamw,
     .digest = cpu_digest,
+    .fold = cpu_fold,
+    .chunk_sumsq = cpu_chunk_sumsq,
+    .copy = cpu_copy,
+    .cast = cpu_cast,
     .sync = cpu_sync,
     .collect = cpu_collect,
 };

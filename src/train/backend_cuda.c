@@ -54,6 +54,10 @@ struct cuda_backend {
     float *logits, *losses;                             /* (N,V) (N) */
     double *sumsq;                                      /* (1) */
     void *scratch;                                      /* reductions */
+    /* chunk_sumsq's sums on the device and on their way to the host (pinned), grown to
+     * the most chunks asked for at once. */
+    double *chunks, *chunks_h;
+    size_t chunks_cap;
 };
 
 static struct cuda_backend *cub(struct backend *b)
@@ -78,6 +82,8 @@ static void cuda_close(struct backend *b)
     cudaFreeHost(c->tokens_h);
     cudaFreeHost(c->losses_h);
     cudaFreeHost(c->sumsq_h);
+    cudaFree(c->chunks);
+    cudaFreeHost(c->chunks_h);
     if (c->s) cudaStreamDestroy(c->s);
     free(c);
 }
@@ -246,6 +252,67 @@ static int cuda_digest(struct backend *b, const float *p, size_t n, uint32_t ten
     return r;
 }
 
+/* fold and the shard copies run on the compute stream, after the kernels that wrote their
+ * inputs; a collective's result is waited for by the trainer before it is folded. */
+static int cuda_fold(struct backend *b, float *g, const float *src, size_t n, int first)
+{
+    struct cuda_backend *c = cub(b);
+    if (n == 0 || (first && src == g)) return 0;
+    if (first)
+        return cuerr(cudaMemcpyAsync(g, src, n * sizeof(float), cudaMemcpyDeviceToDevice, c->s));
+    return kernel_add(g, g, src, n, KDT_F32, c->s);
+}
+
+static int cuda_chunk_sumsq(struct backend *b, const float *g, size_t n, size_t chunk, double *out)
+{
+    struct cuda_backend *c = cub(b);
+    if (!chunk) return -EINVAL;
+    size_t k = (n + chunk - 1) / chunk;
+    if (k == 0) return 0;
+    if (k > c->chunks_cap) {
+        /* Waits for what uses the old buffers, then grows them (outside the engine's
+         * budget: the backend's working memory). */
+        int r = cuerr(cudaStreamSynchronize(c->s));
+        if (r < 0) return r;
+        cudaFree(c->chunks);
+        cudaFreeHost(c->chunks_h);
+        c->chunks = NULL;
+        c->chunks_h = NULL;
+        c->b.work_bytes -= c->chunks_cap * sizeof(double);
+        c->chunks_cap = 0;
+        if ((r = cuerr(cudaMalloc((void **)&c->chunks, k * sizeof(double)))) < 0 ||
+            (r = cuerr(cudaMallocHost((void **)&c->chunks_h, k * sizeof(double)))) < 0) {
+            cudaFree(c->chunks);
+            c->chunks = NULL;
+            return r;
+        }
+        c->chunks_cap = k;
+        c->b.work_bytes += k * sizeof(double);
+    }
+    int r = kernel_chunk_sumsq(c->chunks, g, n, chunk, c->s);
+    if (r == 0)
+        r = cuerr(cudaMemcpyAsync(c->chunks_h, c->chunks, k * sizeof(double),
+                                  cudaMemcpyDeviceToHost, c->s));
+    if (r == 0) r = cuerr(cudaStreamSynchronize(c->s));
+    if (r == 0) memcpy(out, c->chunks_h, k * sizeof(double));
+    return r;
+}
+
+static int cuda_copy(struct backend *b, void *dst, const void *src, size_t bytes)
+{
+    if (!bytes) return 0;
+    return cuerr(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cub(b)->s));
+}
+
+static int cuda_cast(struct backend *b, void *dst, const float *src, size_t n)
+{
+    struct cuda_backend *c = cub(b);
+    if (!n) return 0;
+    if (c->dt == KDT_F32)
+        return cuerr(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, c->s));
+    return kernel_cast(dst, c->dt, src, KDT_F32, n, c->s);
+}
+
 static int cuda_sync(struct backend *b)
 {
     return cuerr(cudaStreamSynchronize(cub(b)->s));
@@ -284,6 +351,10 @@ static const struct backend_ops cuda_ops = {
     .sumsq = cuda_sumsq,
     .adamw = cuda_adamw,
     .digest = cuda_digest,
+    .fold = cuda_fold,
+    .chunk_sumsq = cuda_chunk_sumsq,
+    .copy = cuda_copy,
+    .cast = cuda_cast,
     .sync = cuda_sync,
     .collect = cuda_collect,
 };
