@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # run.sh - builds zinf's GPU test programs against a CPU emulation of the CUDA runtime and
-# cuBLAS (emu_rt.cpp, emu_gemm.cpp) and runs them, on a machine without a GPU. The library
+# cuBLAS (emu_rt.cpp, emu_gemm.cpp) and of NCCL (emu_nccl.cpp) and runs them, on a machine without a GPU. The library
 # is built from its real sources with ZINF_HAVE_CUDA and ZINF_HAVE_KERNELS set, and the
 # kernels of kernels/*.cu are turned into C++ by rewrite.py, so the code a GPU would run
 # is checked by ASan and UBSan: stream and event ordering, the memory each copy touches,
@@ -9,7 +9,8 @@
 #   tests/cuda_emu/run.sh [--stress] [--no-sanitize] [PROGRAM...]
 #
 # PROGRAM is a test program of tests/meson.build (default: test_kernels test_train_gpu
-# test_device test_host). --stress runs them again with EMU_PROTECT=1 EMU_SHUFFLE=1
+# test_device test_host test_comm), or `ranks`: ranks.sh, GPU ranks of `zinf launch -n N --
+# zinf train` over the emulated NCCL (emu_nccl.cpp), with the zinf command built here. --stress runs them again with EMU_PROTECT=1 EMU_SHUFFLE=1
 # EMU_JITTER_US=300 (see emu_rt.cpp). --no-sanitize builds without ASan and UBSan (faster).
 # Everything goes to build-emu/ at the repository root: meson/ (a CPU-only configuration
 # that provides zinf_build.h and the lists of sources and flags), asan/ or plain/ (the
@@ -25,7 +26,8 @@ set -uo pipefail
 
 usage() {
   echo "usage: tests/cuda_emu/run.sh [--stress] [--no-sanitize] [PROGRAM...]"
-  echo "  (default programs: test_kernels test_train_gpu test_device test_host)"
+  echo "  (default programs: test_kernels test_train_gpu test_device test_host test_comm;"
+  echo "   ranks: GPU ranks of zinf train over the emulated NCCL)"
 }
 
 stress=0
@@ -42,7 +44,12 @@ for a in "$@"; do
     *) progs+=("$a") ;;
   esac
 done
-[ ${#progs[@]} -gt 0 ] || progs=(test_kernels test_train_gpu test_device test_host)
+[ ${#progs[@]} -gt 0 ] || progs=(test_kernels test_train_gpu test_device test_host test_comm)
+# "ranks" is ranks.sh over the zinf command built here.
+targets=()
+for p in "${progs[@]}"; do
+  [ "$p" = ranks ] && targets+=(zinf) || targets+=("$p")
+done
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -98,14 +105,18 @@ rm -f "$top/inc/zinf_build.h.new"
 # build.ninja for this variant. The library's C sources and each program's sources and
 # flags come from meson's introspection; the kernels are every kernels/*.cu (the list in
 # kernels/meson.build is not introspectable in a build without CUDA).
-python3 - "$root" "$here" "$top" "$bdir" "$cuda_dir" "$sanitize" "${CXX:-c++}" "${progs[@]}" \
+python3 - "$root" "$here" "$top" "$bdir" "$cuda_dir" "$sanitize" "${CXX:-c++}" "${targets[@]}" \
   <<'PY' || exit 2
 import glob, json, os, shlex, sys
 
 root, here, top, bdir, cuda, sanitize, cxx = sys.argv[1:8]
 progs = sys.argv[8:]
 info = os.path.join(root, top, 'meson', 'meson-info')
-targets = {t['name']: t for t in json.load(open(os.path.join(info, 'intro-targets.json')))}
+targets = {}
+for t in json.load(open(os.path.join(info, 'intro-targets.json'))):
+    # The zinf command and the zinf library share a name: the programs are executables.
+    if t['name'] not in targets or t['type'] == 'executable':
+        targets[t['name']] = t
 deps = json.load(open(os.path.join(info, 'intro-dependencies.json')))
 inc = os.path.join(root, top, 'inc')
 cuda_inc = os.path.join(cuda, 'include')
@@ -204,8 +215,8 @@ with open(os.path.join(root, bdir, 'build.ninja'), 'w') as f:
     f.write('\n'.join(lines) + '\n')
 PY
 
-echo "== building ${progs[*]} in $bdir"
-if ! ninja -C "$bdir" "${progs[@]}" > "$top/logs/build.log" 2>&1; then
+echo "== building ${targets[*]} in $bdir"
+if ! ninja -C "$bdir" "${targets[@]}" > "$top/logs/build.log" 2>&1; then
   grep -v '^\[' "$top/logs/build.log" | tail -40 >&2
   echo "cuda_emu: build failed (log: $top/logs/build.log)" >&2
   exit 1
@@ -227,9 +238,16 @@ run_all() { # label, then environment assignments
   for p in "${progs[@]}"; do
     local log=$top/logs/$p.$variant.$label.log t0=$SECONDS rc
     echo "== $p ($variant, $label)"
-    env "$@" "$bdir/$p" --verbose > "$log" 2>&1
-    rc=$?
-    grep -E 'largest|\[FAIL\]|EMU: |ERROR: |runtime error|Synthesis' "$log" | sed 's/^/   /'
+    if [ "$p" = ranks ]; then
+      env "$@" bash "$here/ranks.sh" "$root/$bdir/zinf" "$root/$top/tmp/ranks" > "$log" 2>&1
+      rc=$?
+      grep -E 'rc=[1-9]|FAIL|EMU: |ERROR: |runtime error|failure' "$log" | sed 's/^/   /'
+      sed -n '/figures/,$p' "$log" | sed 's/^/   /'
+    else
+      env "$@" "$bdir/$p" --verbose > "$log" 2>&1
+      rc=$?
+      grep -E 'largest|\[FAIL\]|EMU: |ERROR: |runtime error|Synthesis' "$log" | sed 's/^/   /'
+    fi
     [ $rc = 0 ] || tail -5 "$log" | sed 's/^/   | /'
     echo "   rc=$rc ($((SECONDS - t0)) s, log: $log)"
     runs=$((runs + 1))
