@@ -1,0 +1,259 @@
+/*
+ * trainer_impl.h - what the trainer's files share and nobody else sees: struct trainer (a
+ * run), the sets a step pins (enum role, struct wave), the names and formats of what a run
+ * saves beside the model's tensors, and the functions one file calls in another, named
+ * train_* and listed under the file that defines them.
+ *
+ *   trainer.c         a run opened and closed, its data and batches, summary, eval, sample
+ *   trainer_tensors.c the tensors a run registers, their homes and sizes, the budgets
+ *   trainer_step.c    the sets a step pins (waves), forward, head, backward, trainer_step
+ *   trainer_shards.c  ZeRO across ranks: shards, gathers, reductions, the communicator
+ *   trainer_optim.c   the optimizer phase: AdamW over every tensor, clipping, digests
+ *   trainer_resume.c  the saved state, checkpoints, resume and the re-cut across ranks
+ *
+ * Not here: the trainer's interface (trainer.h), or what a file keeps to itself.
+ */
+#ifndef ZINF_TRAIN_TRAINER_IMPL_H
+#define ZINF_TRAIN_TRAINER_IMPL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "comm/comm.h"
+#include "config.h"
+#include "train/gpt.h"
+#include "train/loss_scale.h"
+#include "train/trainer.h"
+#include "zinf.h"
+
+struct backend;
+
+#define STATE_NAME "train.state"
+#define SCALER_NAME "train.loss_scale"       /* fp16 runs: struct loss_scale */
+#define STATE_MAGIC 0x7a696e6674726e33ull    /* "zinftrn3": the tail of the data held out */
+#define STATE_MAGIC_V2 0x7a696e6674726e32ull /* "zinftrn2": trained on all of it */
+#define HELD_OUT_DIVISOR 10                  /* the last tenth of the data is for validation */
+#define ZERO_NAME "train.zero"                /* ranks > 1: struct zero_state */
+#define ZERO_MAGIC 0x7a696e667a65726full      /* "zinfzero" */
+#define SHARD_FLOATS 1024 /* shards are multiples of 4 KiB (O_DIRECT), and so are the chunks
+                             the gradient norm is summed by */
+#define NLOCAL (GPT_BLOCK_NSLOTS + 4) /* buffers of one block's tensors, then the four others */
+#define MEM_TIERS (ZINF_TIER_HOST + 1) /* the tiers that hold copies in memory: device, host */
+
+/* What a partitioned run's ranks keep beside the state: a resume must cut alike. */
+struct zero_state {
+    uint64_t magic;
+    int32_t world, stage, rank;
+    int32_t persist; /* stage 3: stage3_param_persistence_threshold (0: none) */
+};
+
+/* What the state tensor holds: enough to refuse a resume with another model or data. */
+struct train_state {
+    uint64_t magic;
+    int32_t step_done; /* steps completed */
+    int32_t L, C, NH, maxT, B, T;
+    int32_t wdt;      /* enum backend_dtype of the device's weights */
+    int32_t accum;    /* micro-batches per step; 0 in states saved before it was kept: 1 */
+    int32_t held_out; /* 1: the last tenth of the data is held out for validation (v3) */
+    uint64_t seed;
+    uint64_t data_bytes;
+};
+
+struct trainer {
+    struct trainer_opts o;
+    struct gpt_config cfg;
+    zinf_engine *e;
+    bool remote;      /* e is a client of the daemon on o.connect, attached to o.job */
+    char job[64 + 1]; /* that job's name */
+    struct zinf_config zc;
+
+    int ntensors;
+    struct gpt_tensor_desc *desc;
+    zinf_tensor *p, *g, *m, *v; /* by layout index: fp32 master, gradient, Adam m and v */
+    zinf_tensor *w;             /* what the device computes with: p itself in fp32, else a
+                                   bf16 copy that the optimizer refreshes */
+    int *block_first;           /* layout index of block k's first tensor */
+    int wte, wpe, lnfw, lnfb;   /* layout indices */
+    zinf_tensor *act;           /* a[0..L], (B,T,C) each */
+    zinf_tensor state;
+    zinf_tensor scaler; /* fp16: the loss scaler's state, saved with each step */
+    struct loss_scale ls;
+
+    unsigned char *data;
+    size_t data_bytes;
+    size_t train_bytes;      /* batches come from [0, train_bytes); the rest is held out */
+    int *tokens, *targets;   /* (B,T) */
+    struct backend *be;      /* where the math runs */
+    enum zinf_tier opt_tier; /* where the optimizer runs: DEVICE or HOST */
+    int step_done;
+    /* A step failed while the optimizer updated the state (its -errno; 0: never): the
+     * state in memory is half one step, half the next, and must never be flushed. */
+    int torn;
+    int checkpoints, checkpoint_step;
+    bool checkpoint_failed;      /* the last trainer_checkpoint() failed */
+    int fault_tensor, fault_err; /* trainer_fault_optimizer() */
+    bool fault_overflow;         /* trainer_fault_overflow() */
+    double checkpoint_seconds;
+    uint64_t checkpoint_bytes;
+    uint64_t peak[3];
+    uint64_t min_budget[MEM_TIERS]; /* the smallest device and host budgets that run */
+    uint64_t persist_below;         /* stage3_param_persistence_threshold when set: the weights
+                                       of fewer elements are homed on the device; 0: none */
+    bool state_v2;                  /* resumed from a state saved before the held-out tail */
+
+    /* ZeRO across ranks, and exact accumulation. With exact (several ranks, or several
+     * micro-batches on the CPU), each micro-batch's gradients are computed afresh into the
+     * local buffers lg and then reduced into g: summed over the ranks in rank order, copied
+     * on the step's first micro-batch and added after, so that N ranks of one micro-batch
+     * each give bitwise what one rank of N micro-batches does. The clipping norm is then
+     * summed by chunks of SHARD_FLOATS in the layout's order, whoever owns them. */
+    struct comm *comm;
+    int rank, world, stage; /* stage: what is 1/world per rank (see trainer_opts) */
+    bool exact;
+    /* The digest of the parameters after the last step that computed one (trainer_opts.
+     * digest): a skipped step changes nothing, so it reports this. */
+    bool have_digest;
+    uint64_t digest;
+    int micro;              /* the micro-batch being reduced: 0 copies, later ones add */
+    zinf_tensor lg[NLOCAL]; /* this micro-batch's gradients: world x shard floats each */
+    zinf_tensor lg1[GPT_BLOCK_NSLOTS]; /* overlap: the odd blocks' (the even ones' are lg) */
+    zinf_tensor gw[NLOCAL]; /* stage 3: the gathered weights, world x shard floats each */
+    zinf_tensor gw1[GPT_BLOCK_NSLOTS]; /* the odd blocks' (the even ones' are gw) */
+    int gw_holds[2];        /* the block whose weights gw (0) and gw1 (1) hold, or -1 */
+    bool budgeting;         /* min_budgets(): waves as their worst case (every gather) */
+    pthread_mutex_t gmu;    /* the next block's gathers in flight: gpending, gerr */
+    pthread_cond_t gcv;
+    int gpending, gerr;
+    struct comm_req greq[GPT_BLOCK_NSLOTS];
+    /* overlap_comm: block k's gradients are reduced while block k - 1's backward computes
+     * (the previous block's, on the comm's thread, which also folds them into g). */
+    bool overlap;
+    struct reduce_ctx {
+        struct comm_req req;
+        struct trainer *t;
+        int idx;
+        float *g;
+        size_t count;
+    } rq[GPT_BLOCK_NSLOTS];
+    uint64_t reduce_ns; /* the time steps waited for gradient reductions */
+    zinf_tensor zstate;     /* struct zero_state */
+    float *tmp;             /* (world + 1) x the largest shard: collectives' other side */
+    float *losses;          /* world x grad_accum: every micro-batch's loss */
+    double *part, *part_all; /* the norm's chunk sums: this rank's, and every rank's */
+    size_t nparts;
+    size_t *part_first; /* the first chunk of tensor i */
+    /* The nvme paths as given: rank R of N keeps its swap files in rank-R-of-N under each
+     * (one rank: in the paths themselves). A resume on another number of ranks re-cuts the
+     * newest saved run, of src_world ranks at stage src_stage, into this run's shards. */
+    char *base[CONFIG_MAX_NVME_PATHS];
+    unsigned nbase;
+    int src_world, src_stage, src_persist;
+    /* The step a resume goes to: the newest saved whole by every rank of the run it comes
+     * from (-1: unknown, a run saved before checkpoints were tagged with their step). */
+    int64_t resume_step;
+    /* ZINF_TEST_KILL_AT=POINT:RANK:N: the tests' crash, at POINT of the N-th checkpoint. */
+    char kill_point[32];
+    int kill_rank, kill_nth, checkpoint_calls;
+};
+
+/* ---- the sets a step pins ---------------------------------------------------------- */
+
+/* A step is a sequence of phases, and each phase fetches what it works on as one set
+ * (zinf_fetch_all) and releases all of it before the next: nothing is pinned across
+ * phases. The engine lays a set out in one run when the tier is fragmented, so a tier that
+ * holds its homes plus the largest set a step fetches to it runs every step; one smaller
+ * cannot (the set is pinned at once). The same descriptions drive the fetches and the
+ * budget check at open, so the check is exact. */
+enum role { R_P, R_G, R_M, R_V, R_W, R_ACT, R_L, R_GW };
+
+/* The largest set, a stage-3 block's backward: shards and gathered weights, local gradients,
+ * input, the next block's shards and gather buffers and, with overlap_comm, the previous
+ * block's local and kept gradients (without it, this block's kept gradients instead). */
+#define WAVE_MAX (7 * GPT_BLOCK_NSLOTS + 1)
+
+/* The members are what is fetched and released; the entries, what the phase's code indexes.
+ * They are the same but in stage 3, where a weight is two members, the rank's shard of p
+ * and the buffer it is gathered into, and one entry, the gathered weights. */
+struct wave {
+    const char *what; /* for the budget error: what the phase pins at once */
+    int n;
+    uint8_t role[WAVE_MAX];
+    int idx[WAVE_MAX];    /* layout index (an activation's number for R_ACT) */
+    bool dirty[WAVE_MAX]; /* released dirty when the phase succeeded */
+    int8_t from[WAVE_MAX]; /* the member gathered into this one (stage 3), else -1 */
+    bool async[WAVE_MAX];  /* that gather is the next block's: it runs while this one computes */
+    int ahead;             /* 1 + the block gathered ahead (async); 0: none */
+    bool reduce[WAVE_MAX]; /* a local gradient reduced into the next member (its g) while
+                              this set computes (overlap_comm) */
+    int behind;            /* 1 + the block whose gradients those are; 0: none */
+    int ne;
+    int8_t at[WAVE_MAX]; /* entry -> member */
+};
+
+/* trainer.c: a run's setup (the tier of an offload device, a step's batch, the peaks) */
+enum zinf_tier train_home_of(enum config_offload_device d);
+void train_load_batch(struct trainer *t, int s, int m);
+void train_note_peaks(struct trainer *t);
+
+/* trainer_tensors.c: the tensors' sizes, their registration, the budgets */
+size_t train_role_bytes(const struct trainer *t, enum role role, int idx);
+void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
+                       const char *what[MEM_TIERS]);
+int train_check_budgets(struct trainer *t, char *err, size_t errlen);
+int train_scratch_reset(struct trainer *t);
+int train_register_all(struct trainer *t, char *err, size_t errlen);
+int train_init_params(struct trainer *t);
+
+/* trainer_step.c: the sets a step pins, and the phases that fetch them */
+int train_gw_set(const struct trainer *t, int k);
+bool train_gathered(const struct trainer *t, int k);
+int train_lg_set(const struct trainer *t, int k);
+void train_wave_embed_forward(struct trainer *t, struct wave *w);
+void train_wave_block_forward(struct trainer *t, int k, struct wave *w);
+void train_wave_head(struct trainer *t, struct wave *w);
+void train_wave_block_backward(struct trainer *t, int k, struct wave *w);
+void train_wave_embed_backward(struct trainer *t, struct wave *w);
+void train_wave_optimizer(struct trainer *t, int i, struct wave *w);
+void train_wave_sample(struct trainer *t, struct wave *w);
+zinf_tensor train_wave_handle(const struct trainer *t, enum role role, int idx);
+int train_wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier tier, void **ptrs);
+int train_wave_release(struct trainer *t, const struct wave *w, enum zinf_tier tier, bool ok);
+int train_settle(struct trainer *t, int r);
+int train_forward(struct trainer *t);
+int train_head(struct trainer *t, bool zero, bool norm, bool reduce);
+int train_backward(struct trainer *t, bool zero, bool norm);
+
+/* trainer_shards.c: shards, gathers, reductions, the ranks' agreements */
+void train_gather_done(struct comm_req *req, int res);
+void train_reduce_done(struct comm_req *req, int res);
+int train_submit_async(struct trainer *t, struct comm_req *q);
+size_t train_shard_of(const struct trainer *t, int idx);
+size_t train_shard_lo(const struct trainer *t, int idx);
+size_t train_shard_own(const struct trainer *t, int idx);
+int train_stage_of(const struct trainer *t, int idx);
+int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen);
+int train_zero_alloc(struct trainer *t);
+int train_ranks_agree(struct trainer *t, char *err, size_t errlen);
+void train_reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_req *q);
+int train_reduce_grad(struct trainer *t, int i, float *l, float *g);
+int train_grad_norm(struct trainer *t, double *sumsq);
+int train_digest_across(struct trainer *t, uint64_t *d);
+
+/* trainer_optim.c: the optimizer phase */
+float train_clip_of(const struct trainer *t, double sumsq, double loss_scale, double *norm,
+                    float *grad_scale);
+int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t *digest);
+
+/* trainer_resume.c: the saved state, the run a resume goes to, the re-cut, the crashes */
+int train_state_check(struct trainer *t, char *err, size_t errlen);
+int train_state_save_step(struct trainer *t, int step_done);
+char *train_rank_dir(const char *base, int world, int rank);
+int train_newest_run(const struct trainer *t, int64_t *step, int64_t *newest_any);
+int train_version_flag(const char *dir, int64_t step, unsigned *flag);
+int train_recut_check(struct trainer *t, char *err, size_t errlen);
+int train_recut(struct trainer *t, char *err, size_t errlen);
+void train_kill_point(struct trainer *t, const char *point);
+
+#endif

@@ -1,0 +1,319 @@
+/*
+ * trainer_shards.c - ZeRO across ranks: which rank owns which part of each tensor (shards,
+ * and stages: what is 1/world per rank), the gathers of stage 3's weights and the
+ * reductions of gradients into their owners (in rank order, so that N ranks give bitwise
+ * what one rank of N micro-batches does), the asynchronous ones that overlap the compute,
+ * the gradient norm summed by fixed chunks, and the communicator's setup and the ranks'
+ * agreements (on the run, on an error, on the digest).
+ *
+ * Not here: the sets that pin the buffers (trainer_step.c), the update of the rank's own
+ * shards (trainer_optim.c), re-cutting a run saved by another number of ranks
+ * (trainer_resume.c).
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/comm.h"
+#include "common.h"
+#include "config.h"
+#include "train/adamw.h"
+#include "train/backend.h"
+#include "train/trainer_impl.h"
+#include "trace.h"
+
+static int fold_grad(struct trainer *t, int i, const float *src, float *g, size_t count);
+
+/* An asynchronous collective of the set finished (the comm's thread): count it, and keep
+ * the first error for wave_release. */
+static void async_done(struct trainer *t, int res)
+{
+    pthread_mutex_lock(&t->gmu);
+    if (res < 0 && !t->gerr) t->gerr = res;
+    t->gpending--;
+    pthread_cond_broadcast(&t->gcv);
+    pthread_mutex_unlock(&t->gmu);
+}
+
+void train_gather_done(struct comm_req *req, int res)
+{
+    async_done(req->data, res);
+}
+
+/* A block's gradient reduced behind the next block's backward: folded into g here, on the
+ * comm's thread, while the main thread computes (wave_release waits for it). */
+void train_reduce_done(struct comm_req *req, int res)
+{
+    struct reduce_ctx *x = req->data;
+    if (res == 0) res = fold_grad(x->t, x->idx, req->recv, x->g, x->count);
+    async_done(x->t, res);
+}
+
+/* Queue the async collective of request q (its callback set); a refused one counts as done
+ * with its error. */
+int train_submit_async(struct trainer *t, struct comm_req *q)
+{
+    pthread_mutex_lock(&t->gmu);
+    t->gpending++;
+    pthread_mutex_unlock(&t->gmu);
+    int x = comm_submit(t->comm, q);
+    if (x < 0) q->cb(q, x); /* the callback never fires: count it here */
+    return x;
+}
+
+/* ---- ZeRO partitions ---------------------------------------------------------------- */
+
+/* Floats per rank of tensor idx: its elements in world parts, each rounded up to
+ * SHARD_FLOATS; rank r holds [r x shard, (r + 1) x shard) of the flattened tensor, padded
+ * with zeros past its end (a small tensor lives on the first ranks). One rank: the tensor. */
+size_t train_shard_of(const struct trainer *t, int idx)
+{
+    size_t n = t->desc[idx].numel;
+    if (t->world <= 1) return n;
+    return align_up((n + (size_t)t->world - 1) / (size_t)t->world, SHARD_FLOATS);
+}
+
+/* The first element of tensor idx this rank holds, and how many of its shard are the
+ * tensor's (the rest is padding). */
+size_t train_shard_lo(const struct trainer *t, int idx)
+{
+    return (size_t)t->rank * train_shard_of(t, idx);
+}
+
+size_t train_shard_own(const struct trainer *t, int idx)
+{
+    size_t n = t->desc[idx].numel, lo = train_shard_lo(t, idx);
+    return lo >= n ? 0 : MIN(train_shard_of(t, idx), n - lo);
+}
+
+/* The stage tensor idx is partitioned at: stage 3 keeps the weights of fewer elements than
+ * stage3_param_persistence_threshold whole on every rank (DeepSpeed's persistent
+ * parameters: not worth a gather each time), as stage 2 does. */
+int train_stage_of(const struct trainer *t, int idx)
+{
+    if (t->stage >= 3 && t->persist_below && t->desc[idx].numel < (size_t)t->persist_below)
+        return 2;
+    return t->stage;
+}
+
+int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
+{
+    const struct trainer_opts *o = &t->o;
+    t->world = o->world > 1 ? o->world : 1;
+    t->rank = t->world > 1 ? o->rank : 0;
+    t->exact = t->world > 1 || (o->grad_accum > 1 && !cuda);
+    if (t->world == 1) {
+        for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
+            if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
+        return 0;
+    }
+    t->stage = MAX(1, t->zc.zero.stage);
+    if (o->rank < 0 || o->rank >= o->world || o->world > COMM_MAX_RANKS) {
+        snprintf(err, errlen, "RANK %d is not in [0, WORLD_SIZE %d) (or WORLD_SIZE is above %d)",
+                 o->rank, o->world, COMM_MAX_RANKS);
+        return -EINVAL;
+    }
+    const char *why = NULL;
+    if (!o->comm_name || !o->comm_name[0])
+        why = "no rendezvous name (ZINF_COMM_NAME): start the ranks with zinf launch";
+    else if (cuda)
+        why = "training across ranks runs on the CPU in this version (zinf.device \"emulated\"); "
+              "on a GPU, run one rank";
+    else if (t->be->wdt != BACKEND_F32)
+        why = "training across ranks runs in fp32 in this version: give --precision fp32";
+    else if (o->sample && t->stage >= 3)
+        why = "sampling reads whole parameters, which ZeRO stage 3 does not keep: use stage 1 or 2, "
+              "or sample from one rank";
+    if (why) {
+        snprintf(err, errlen, "WORLD_SIZE %d: %s", t->world, why);
+        return -ENOTSUP;
+    }
+    for (unsigned k = 0; k < t->zc.nvme_paths.count && !t->remote; k++) {
+        char *mine = train_rank_dir(t->zc.nvme_paths.path[k], t->world, t->rank);
+        if (!mine) return -ENOMEM;
+        t->base[t->nbase++] = t->zc.nvme_paths.path[k];
+        t->zc.nvme_paths.path[k] = mine;
+        if (k) t->zc.nvme_paths_extra[k - 1] = mine;
+    }
+    /* overlap_comm (DeepSpeed's default: on at stage 3 only) reduces a block at a time
+     * behind the next block's backward, in a second set of local gradients: the block's
+     * gradients must fit in reduce_bucket_size. */
+    bool want = config_given(&t->zc, "zero_optimization.overlap_comm") ? t->zc.zero.overlap_comm
+                                                                       : t->stage >= 3;
+    uint64_t block = gpt_block_num_params(&t->cfg);
+    t->overlap = want && block <= t->zc.zero.reduce_bucket_size;
+    if (want && !t->overlap && t->rank == 0)
+        log_notice("zero_optimization.overlap_comm: a block's gradients (%llu elements) exceed "
+                   "reduce_bucket_size (%llu): they are reduced after the block's backward",
+                   (unsigned long long)block, (unsigned long long)t->zc.zero.reduce_bucket_size);
+    char cwhy[400] = "";
+    struct comm_opts co = {
+        .backend = COMM_SHM,
+        .rank = t->rank,
+        .world = t->world,
+        .name = o->comm_name,
+        .secret = o->comm_secret,
+        .timeout_ms = o->comm_timeout_ms,
+        .op_timeout_ms = o->comm_op_timeout_ms ? o->comm_op_timeout_ms
+                                               : t->zc.zinf.comm_timeout * 1000u,
+        .stop = o->stop,
+        .why = cwhy,
+        .why_len = sizeof(cwhy)};
+    int r = comm_open(&co, &t->comm);
+    if (r < 0) {
+        snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s': %s%s", t->rank,
+                 t->world, o->comm_name, cwhy[0] ? cwhy : zinf_strerror(r),
+                 r == -ETIMEDOUT ? " (a rank did not start, or failed before it met the others)"
+                                 : "");
+        return r;
+    }
+    return 0;
+}
+
+/* The buffers of exact accumulation and of the collectives, once the layout is known. */
+int train_zero_alloc(struct trainer *t)
+{
+    if (!t->exact) return 0;
+    if (t->ntensors < 1) return -EINVAL;
+    size_t sh = 0;
+    t->part_first = calloc((size_t)t->ntensors, sizeof(size_t));
+    if (!t->part_first) return -ENOMEM;
+    for (int i = 0; i < t->ntensors; i++) {
+        t->part_first[i] = t->nparts;
+        t->nparts += (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+        sh = MAX(sh, train_shard_of(t, i));
+    }
+    t->part = calloc(t->nparts, sizeof(double));
+    t->part_all = calloc(t->nparts * (size_t)t->world, sizeof(double));
+    t->losses = calloc((size_t)t->o.grad_accum * (size_t)(t->world + 1), sizeof(float));
+    t->tmp = t->world > 1 ? calloc(sh * (size_t)(t->world + 1), sizeof(float)) : NULL;
+    return t->part && t->part_all && t->losses && (t->world == 1 || t->tmp) ? 0 : -ENOMEM;
+}
+
+/* A resume across ranks: every rank's saved run must be at the same step (a checkpoint
+ * that one rank finished and another did not is no state to go on from). */
+int train_ranks_agree(struct trainer *t, char *err, size_t errlen)
+{
+    int32_t mine = t->step_done, all[COMM_MAX_RANKS];
+    int r = comm_allgather(t->comm, &mine, all, sizeof(mine), COMM_BYTE);
+    if (r < 0) {
+        snprintf(err, errlen, "--resume: the ranks could not compare their steps: %s",
+                 zinf_strerror(r));
+        return r;
+    }
+    for (int q = 0; q < t->world; q++)
+        if (all[q] != all[0]) {
+            snprintf(err, errlen,
+                     "--resume: the ranks' saved runs are at different steps (rank 0 at %d, "
+                     "rank %d at %d): a checkpoint was cut short on some; nothing resumes "
+                     "from this",
+                     all[0], q, all[q]);
+            return -EINVAL;
+        }
+    return 0;
+}
+
+bool trainer_any_rank(struct trainer *t, bool mine)
+{
+    if (t->world <= 1) return mine;
+    uint8_t me = mine, all[COMM_MAX_RANKS];
+    if (comm_allgather(t->comm, &me, all, 1, COMM_BYTE) < 0) return true;
+    for (int q = 0; q < t->world; q++)
+        if (all[q]) return true;
+    return false;
+}
+
+/* The collective that sums this micro-batch's gradient of tensor i over the ranks, in rank
+ * order (l: world x shard floats, on the device tier): from stage 2 a reduce-scatter into
+ * this rank's shard, else an allreduce. On the step's first micro-batch it writes g itself;
+ * on the others it works in place in l, and fold_grad adds the result (q->recv, q->count
+ * floats) to g. */
+void train_reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_req *q)
+{
+    size_t sh = train_shard_of(t, i);
+    bool first = t->micro == 0, scatter = train_stage_of(t, i) >= 2;
+    *q = (struct comm_req){.op = scatter ? COMM_REDUCE_SCATTER : COMM_ALLREDUCE,
+                           .dtype = COMM_F32,
+                           .send = l,
+                           .recv = first     ? g
+                                   : scatter ? l + (size_t)t->rank * sh
+                                             : l,
+                           .count = scatter ? sh : t->desc[i].numel};
+}
+
+/* Add this micro-batch's gradient of tensor i (src, count floats, summed over the ranks)
+ * into what the step keeps of it (g: the whole tensor, or from stage 2 this rank's shard):
+ * copied on the step's first micro-batch and added on the others. On the last, the squares
+ * of the rank's part are summed by chunks of SHARD_FLOATS for the clipping norm
+ * (grad_norm() adds the chunks up in the layout's order). Runs on the comm's thread for a
+ * reduction behind the backward: it touches g and tensor i's chunk sums only. */
+static int fold_grad(struct trainer *t, int i, const float *src, float *g, size_t count)
+{
+    bool first = t->micro == 0;
+    int r = 0;
+    if (first && src != g)
+        memcpy(g, src, count * sizeof(float));
+    else if (!first)
+        for (size_t j = 0; j < count; j++)
+            g[j] += src[j];
+    size_t own = train_shard_own(t, i), lo = t->world > 1 ? train_shard_lo(t, i) : 0;
+    if (t->micro == t->o.grad_accum - 1 && own) {
+        const float *mine = train_stage_of(t, i) >= 2 ? g : g + lo;
+        double *part = t->part + t->part_first[i] + lo / SHARD_FLOATS;
+        for (size_t c = 0; c * SHARD_FLOATS < own && r == 0; c++)
+            r = adamw_sum_squares(mine + c * SHARD_FLOATS,
+                                  MIN(SHARD_FLOATS, own - c * SHARD_FLOATS), &part[c]);
+    }
+    return r;
+}
+
+/* Reduce tensor i's local gradient l into g now (fold_grad); one rank: fold it. */
+int train_reduce_grad(struct trainer *t, int i, float *l, float *g)
+{
+    if (t->world <= 1) return fold_grad(t, i, l, g, t->desc[i].numel);
+    struct comm_req q;
+    train_reduce_req(t, i, l, g, &q);
+    uint64_t t0 = now_ns();
+    int r = comm_run(t->comm, &q);
+    t->reduce_ns += now_ns() - t0;
+    return r < 0 ? r : fold_grad(t, i, q.recv, g, q.count);
+}
+
+/* The squared norm of the step's gradient: every chunk's sum, from the rank that owns it, in
+ * the layout's order, so that any number of ranks adds the same numbers in the same order. */
+int train_grad_norm(struct trainer *t, double *sumsq)
+{
+    const double *all = t->part;
+    size_t np = t->nparts;
+    if (t->world > 1) {
+        int r = comm_allgather(t->comm, t->part, t->part_all, np * sizeof(double), COMM_BYTE);
+        if (r < 0) return r;
+        all = t->part_all;
+    }
+    double s = 0;
+    for (int i = 0; i < t->ntensors; i++) {
+        size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+        size_t per = train_shard_of(t, i) / SHARD_FLOATS; /* chunks per rank */
+        for (size_t c = 0; c < chunks; c++) {
+            size_t owner = t->world > 1 ? c / per : 0;
+            s += all[owner * np + t->part_first[i] + c];
+        }
+    }
+    *sumsq = s;
+    return 0;
+}
+
+/* *d = the sum of every rank's *d (each rank's digest terms of its own shards). */
+int train_digest_across(struct trainer *t, uint64_t *d)
+{
+    uint64_t all[COMM_MAX_RANKS];
+    int r = comm_allgather(t->comm, d, all, sizeof(uint64_t), COMM_BYTE);
+    if (r == 0) {
+        *d = 0;
+        for (int k = 0; k < t->world; k++)
+            *d += all[k];
+    }
+    return r;
+}

@@ -1,0 +1,435 @@
+/*
+ * trainer_tensors.c - the tensors a run registers in the engine and where they live: the
+ * home of each (the offload devices and the persistence threshold decide), their sizes,
+ * the ranks' scratch buffers, the first parameters of a new run, and the smallest device
+ * and host budgets with which a step runs, checked before anything runs.
+ *
+ * Not here: the sets a step fetches (trainer_step.c, whose descriptions the budgets walk),
+ * the shards' sizes (trainer_shards.c), the saved state (trainer_resume.c).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "train/backend.h"
+#include "train/ops.h"
+#include "train/trainer_impl.h"
+
+/* Where each tensor lives (as register_all() registers them). What the device computes
+ * with (w; p in fp32, where they are one) is homed with the parameters, or on the device
+ * itself when it has fewer elements than stage3_param_persistence_threshold (DeepSpeed's
+ * persistent parameters: small tensors are not worth a transfer each time). */
+static enum zinf_tier role_home(const struct trainer *t, enum role role, int idx)
+{
+    enum zinf_tier ph = train_home_of(t->zc.zero.offload_param.device);
+    enum zinf_tier oh = train_home_of(t->zc.zero.offload_optimizer.device);
+    bool persist =
+        role != R_ACT && t->persist_below && t->desc[idx].numel < (size_t)t->persist_below;
+    switch (role) {
+    case R_P:
+        if (t->w != t->p) return oh; /* the fp32 master is optimizer state */
+        return persist ? ZINF_TIER_DEVICE : ph;
+    case R_W:
+        return persist ? ZINF_TIER_DEVICE : ph;
+    case R_ACT:
+        return ZINF_TIER_HOST;
+    case R_L:
+    case R_GW:
+        return ZINF_TIER_DEVICE; /* working memory of every step */
+    default:
+        return oh;
+    }
+}
+
+/* Bytes of what is registered for role (tensor idx): a rank keeps a shard of the Adam
+ * states from stage 1, of the gradients from stage 2, of the parameters in stage 3. */
+size_t train_role_bytes(const struct trainer *t, enum role role, int idx)
+{
+    if (role == R_ACT)
+        return (size_t)t->o.batch * t->o.seq * t->cfg.C * backend_dtype_bytes(t->be->adt);
+    size_t n = t->desc[idx].numel, sh = train_shard_of(t, idx);
+    bool parted = t->world > 1;
+    switch (role) {
+    case R_L:
+    case R_GW:
+        return (size_t)t->world * sh * sizeof(float);
+    case R_M:
+    case R_V:
+        return (parted && t->stage >= 1 ? sh : n) * sizeof(float);
+    case R_G:
+        return (parted && t->stage >= 2 ? sh : n) * sizeof(float);
+    case R_P:
+        return (parted && train_stage_of(t, idx) >= 3 ? sh : n) * sizeof(float);
+    default:
+        return n * backend_dtype_bytes(t->be->wdt);
+    }
+}
+
+/* A representative tensor of each local slot (block 0's, or the tensor itself). */
+static int slot_tensor(const struct trainer *t, int s)
+{
+    if (s < GPT_BLOCK_NSLOTS) return t->block_first[0] + s;
+    switch (s - GPT_BLOCK_NSLOTS) {
+    case GPT_WTE:
+        return t->wte;
+    case GPT_WPE:
+        return t->wpe;
+    case GPT_LNF_W:
+        return t->lnfw;
+    default:
+        return t->lnfb;
+    }
+}
+
+/* What fetching w to tier allocates there: every member not homed there, rounded as the
+ * tiers allocate. */
+static uint64_t wave_need(const struct trainer *t, const struct wave *w, enum zinf_tier tier)
+{
+    uint64_t need = 0;
+    for (int i = 0; i < w->n; i++)
+        if (role_home(t, (enum role)w->role[i], w->idx[i]) != tier)
+            need += align_up(train_role_bytes(t, (enum role)w->role[i], w->idx[i]), ZINF_ALIGN);
+    return need;
+}
+
+/* The smallest capacity of each memory tier with which every step runs: the homes it
+ * keeps for good plus the largest set a step fetches to it; *what[tier] names that set. */
+void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
+                       const char *what[MEM_TIERS])
+{
+    static const enum role kinds[] = {R_P, R_G, R_M, R_V, R_W};
+    struct wave w;
+    for (int k = 0; k < MEM_TIERS; k++) {
+        need[k] = homes[k] = 0;
+        what[k] = NULL;
+    }
+    for (int i = 0; i < t->ntensors; i++)
+        for (size_t j = 0; j < sizeof(kinds) / sizeof(kinds[0]); j++) {
+            if (kinds[j] == R_W && t->w == t->p) continue;
+            enum zinf_tier h = role_home(t, kinds[j], i);
+            if (h < MEM_TIERS) homes[h] += align_up(train_role_bytes(t, kinds[j], i), ZINF_ALIGN);
+        }
+    homes[ZINF_TIER_HOST] +=
+        (uint64_t)(t->cfg.L + 1) * align_up(train_role_bytes(t, R_ACT, 0), ZINF_ALIGN);
+    for (int s = 0; s < NLOCAL; s++) {
+        int i = slot_tensor(t, s);
+        if (t->exact)
+            homes[ZINF_TIER_DEVICE] += (s < GPT_BLOCK_NSLOTS && train_lg_set(t, 1) ? 2 : 1) *
+                                       align_up(train_role_bytes(t, R_L, i), ZINF_ALIGN);
+        if (train_stage_of(t, i) >= 3)
+            homes[ZINF_TIER_DEVICE] += (s < GPT_BLOCK_NSLOTS && train_gw_set(t, 1) ? 2 : 1) *
+                                       align_up(train_role_bytes(t, R_GW, i), ZINF_ALIGN);
+    }
+    enum zinf_tier sh = train_home_of(t->zc.zero.offload_param.device);
+    if (sh < MEM_TIERS)
+        homes[sh] +=
+            align_up(sizeof(struct train_state), ZINF_ALIGN) +
+            (t->be->wdt == BACKEND_F16 ? align_up(sizeof(struct loss_scale), ZINF_ALIGN) : 0);
+
+#define CONSIDER(tier)                                                                             \
+    do {                                                                                           \
+        uint64_t n_ = wave_need(t, &w, (tier));                                                    \
+        if (n_ > need[(tier)]) {                                                                   \
+            need[(tier)] = n_;                                                                     \
+            what[(tier)] = w.what;                                                                 \
+        }                                                                                          \
+    } while (0)
+    t->budgeting = true;
+    train_wave_embed_forward(t, &w);
+    CONSIDER(ZINF_TIER_DEVICE);
+    for (int k = 0; k < t->cfg.L; k++) {
+        train_wave_block_forward(t, k, &w);
+        CONSIDER(ZINF_TIER_DEVICE);
+        train_wave_block_backward(t, k, &w);
+        CONSIDER(ZINF_TIER_DEVICE);
+    }
+    train_wave_head(t, &w);
+    CONSIDER(ZINF_TIER_DEVICE);
+    train_wave_embed_backward(t, &w);
+    CONSIDER(ZINF_TIER_DEVICE);
+    for (int i = 0; i < t->ntensors; i++) {
+        train_wave_optimizer(t, i, &w);
+        CONSIDER(t->opt_tier);
+    }
+    if (t->o.sample) {
+        train_wave_sample(t, &w);
+        CONSIDER(ZINF_TIER_HOST);
+    }
+#undef CONSIDER
+    t->budgeting = false;
+    for (int k = 0; k < MEM_TIERS; k++)
+        need[k] += homes[k];
+}
+
+/* Refuse, before anything runs, budgets with which a step could not run, naming the
+ * smallest ones that would (zinf.device_bytes and zinf.host_bytes take them as they are). */
+int train_check_budgets(struct trainer *t, char *err, size_t errlen)
+{
+    static const char *const key[MEM_TIERS] = {"zinf.device_bytes", "zinf.host_bytes"};
+    static const char *const where[MEM_TIERS] = {"the device", "the host tier"};
+    uint64_t need[MEM_TIERS], homes[MEM_TIERS];
+    const char *what[MEM_TIERS];
+    struct zinf_stats st;
+    size_t len = 0;
+
+    train_min_budgets(t, need, homes, what);
+    t->min_budget[ZINF_TIER_DEVICE] = need[ZINF_TIER_DEVICE];
+    t->min_budget[ZINF_TIER_HOST] = need[ZINF_TIER_HOST];
+    zinf_stats(t->e, &st);
+    err[0] = '\0';
+    for (int k = 0; k < MEM_TIERS; k++) {
+        uint64_t cap = st.tier[k].capacity_bytes;
+        char a[32], b[32], c[32], d[32];
+        if (cap >= need[k] || len >= errlen) continue;
+        char pins[160] = "", homed[96] = "";
+        if (what[k])
+            snprintf(pins, sizeof(pins), "%s pins %s on %s at once", what[k],
+                     format_size(need[k] - homes[k], c, sizeof(c)), where[k]);
+        if (homes[k])
+            snprintf(homed, sizeof(homed), "%s%s of tensors are homed there", what[k] ? ", " : "",
+                     format_size(homes[k], d, sizeof(d)));
+        len += (size_t)snprintf(
+            err + len, errlen - len, "%s%s: %s is too small: %s%s; %s (%llu bytes) runs",
+            len ? "; " : "", key[k], format_size(cap, a, sizeof(a)), pins, homed,
+            format_size(need[k], b, sizeof(b)), (unsigned long long)need[k]);
+    }
+    if (!len) return 0;
+    if (len < errlen)
+        snprintf(err + len, errlen - len,
+                 ". The smallest budgets that run this model and batch: \"zinf\": "
+                 "{\"device_bytes\": %llu, \"host_bytes\": %llu} (or shrink --dim, --batch or "
+                 "--seq)",
+                 (unsigned long long)need[ZINF_TIER_DEVICE],
+                 (unsigned long long)need[ZINF_TIER_HOST]);
+    return -EINVAL;
+}
+
+static int reg(struct trainer *t, const char *prefix, const char *name, size_t bytes,
+               enum zinf_tier home, zinf_tensor *out)
+{
+    char full[96];
+    snprintf(full, sizeof(full), "%s%s", prefix, name);
+    if (t->o.resume) return zinf_lookup(t->e, full, out);
+    zinf_tensor old;
+    int r;
+    /* Through the daemon, --overwrite starts the job over one tensor at a time. */
+    if (t->remote && t->o.overwrite && zinf_lookup(t->e, full, &old) == 0 &&
+        (r = zinf_unregister(t->e, old)) < 0)
+        return r;
+    return zinf_register(t->e, full, bytes, home, out);
+}
+
+/* A resumed tensor's home is the saved run's: it must be where this run's budget check
+ * put it (the offload devices and the persistence threshold decide). */
+static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, const char *name,
+                      char *err, size_t errlen)
+{
+    static const char *const tiers[] = {"the device", "the host", "NVMe"};
+    if (t->remote) return 0; /* the daemon's engine is not ours to look into: its job is trusted */
+    struct zinf_tensor_info ti;
+    enum zinf_tier got = zinf_tensor_info(t->e, h, &ti) == 0 ? ti.home : want;
+    if (got == want) return 0;
+    snprintf(err, errlen,
+             "--resume: the saved run keeps '%s' on %s, this config on %s: give "
+             "the saved run's offload devices and stage3_param_persistence_threshold",
+             name, tiers[got], tiers[want]);
+    return -EINVAL;
+}
+
+#define SCRATCH_KINDS 4
+
+/* Local slot s's buffer of kind k (0: local gradients when exact, 1: gathered weights in
+ * stage 3, 2: the odd blocks' gathered weights, 3: the odd blocks' local gradients with
+ * overlap_comm): its name, and its handle and size; NULL when this run has none (name is
+ * written all the same). */
+static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size_t *bytes)
+{
+    static const char *const kind[SCRATCH_KINDS] = {"zero.grad.", "zero.gather.",
+                                                    "zero.gather1.", "zero.grad1."};
+    int i = slot_tensor(t, s);
+    snprintf(name, 64, "%s%s", kind[k],
+             s < GPT_BLOCK_NSLOTS ? gpt_block_slot_name(s) : t->desc[i].name);
+    bool block = s < GPT_BLOCK_NSLOTS;
+    bool has = k == 0   ? t->exact
+               : k == 3 ? block && train_lg_set(t, 1)
+                        : train_stage_of(t, i) >= 3 && (k == 1 || (block && train_gw_set(t, 1)));
+    if (!has) return NULL;
+    *bytes = train_role_bytes(t, k == 0 || k == 3 ? R_L : R_GW, i);
+    return k == 0 ? &t->lg[s] : k == 1 ? &t->gw[s] : k == 2 ? &t->gw1[s] : &t->lg1[s];
+}
+
+/* Before a checkpoint, the scratch buffers are registered afresh (reading as zeros), so that
+ * the swap files never hold what a step rebuilds. */
+int train_scratch_reset(struct trainer *t)
+{
+    int r = 0;
+    t->gw_holds[0] = t->gw_holds[1] = -1;
+    for (int s = 0; s < NLOCAL && r == 0; s++)
+        for (int k = 0; k < SCRATCH_KINDS && r == 0; k++) {
+            char name[64];
+            size_t bytes;
+            zinf_tensor *h = scratch(t, s, k, name, &bytes);
+            if (h && (r = zinf_unregister(t->e, *h)) == 0)
+                r = zinf_register(t->e, name, bytes, ZINF_TIER_DEVICE, h);
+        }
+    return r;
+}
+
+int train_register_all(struct trainer *t, char *err, size_t errlen)
+{
+    size_t act = (size_t)t->o.batch * t->o.seq * t->cfg.C * backend_dtype_bytes(t->be->adt);
+    bool mixed = t->w != t->p;
+    char name[32];
+    int r = 0;
+
+    /* In fp32 the parameters the device computes with are the master weights, homed with
+     * the parameters; in bf16 the bf16 copies are, and the fp32 masters are optimizer state. */
+    static const enum role kinds[] = {R_P, R_G, R_M, R_V, R_W};
+    static const char *const prefix[] = {"p.", "g.", "m.", "v.", "w."};
+    for (int i = 0; i < t->ntensors && r == 0; i++) {
+        const char *n = t->desc[i].name;
+        zinf_tensor *out[] = {&t->p[i], &t->g[i], &t->m[i], &t->v[i], &t->w[i]};
+        size_t bytes = 0;
+        for (int k = 0; k < (mixed ? 5 : 4) && r == 0; k++) {
+            enum zinf_tier home = role_home(t, kinds[k], i);
+            bytes = train_role_bytes(t, kinds[k], i);
+            r = reg(t, prefix[k], n, bytes, home, out[k]);
+            if (r == 0 && t->o.resume) {
+                char full[96];
+                snprintf(full, sizeof(full), "%s%s", prefix[k], n);
+                if ((r = check_home(t, *out[k], home, full, err, errlen)) < 0) return r;
+            }
+        }
+        if (r < 0 && t->o.resume)
+            snprintf(err, errlen,
+                     "--resume: tensor '%s' is not in the swap directory: is it the "
+                     "saved run's, with the same model?",
+                     n);
+        else if (r < 0)
+            snprintf(err, errlen, "tensor '%s' (%zu bytes): %s", n, bytes, zinf_strerror(r));
+    }
+    for (int k = 0; k <= t->cfg.L && r == 0; k++) {
+        snprintf(name, sizeof(name), "%d", k);
+        /* Activations are rebuilt every step; a resumed run finds the last ones (the flush
+         * keeps every tensor) and overwrites them. */
+        char full[48];
+        snprintf(full, sizeof(full), "act.%s", name);
+        r = t->o.resume ? zinf_lookup(t->e, full, &t->act[k]) : -ENOENT;
+        if (r == -ENOENT)
+            r = t->o.resume ? zinf_register(t->e, full, act, ZINF_TIER_HOST, &t->act[k])
+                            : reg(t, "act.", name, act, ZINF_TIER_HOST, &t->act[k]);
+        if (r < 0)
+            snprintf(err, errlen, "activation checkpoint %d (%zu bytes) in the host tier: %s", k,
+                     act, zinf_strerror(r));
+    }
+    /* The local gradients and gathered weights: working memory on the device tier, found
+     * again on a resume like the activations. */
+    for (int s = 0; s < NLOCAL && r == 0; s++) {
+        for (int k = 0; k < SCRATCH_KINDS && r == 0; k++) {
+            char full[64];
+            size_t bytes;
+            zinf_tensor *out = scratch(t, s, k, full, &bytes), old;
+            if (!out) {
+                /* A saved run's buffer this run does not use (other settings) would hold
+                 * device memory the budget check did not count. */
+                if (t->o.resume && zinf_lookup(t->e, full, &old) == 0)
+                    r = zinf_unregister(t->e, old);
+                continue;
+            }
+            r = t->o.resume ? zinf_lookup(t->e, full, out) : -ENOENT;
+            if (r == -ENOENT)
+                r = t->o.resume ? zinf_register(t->e, full, bytes, ZINF_TIER_DEVICE, out)
+                                : reg(t, "", full, bytes, ZINF_TIER_DEVICE, out);
+            if (r < 0)
+                snprintf(err, errlen, "%s (%zu bytes) on the device tier: %s", full, bytes,
+                         zinf_strerror(r));
+        }
+    }
+    if (r == 0) {
+        r = reg(t, "", STATE_NAME, sizeof(struct train_state),
+                train_home_of(t->zc.zero.offload_param.device), &t->state);
+        if (r < 0)
+            snprintf(err, errlen, "%s: %s", STATE_NAME,
+                     t->o.resume ? "no training state to resume in the swap directory"
+                                 : zinf_strerror(r));
+    }
+    if (r == 0 && t->world > 1) {
+        /* The partition the saved run was cut by: another would read shards as others. */
+        struct zero_state z = {.magic = ZERO_MAGIC,
+                               .world = t->world,
+                               .stage = t->stage,
+                               .rank = t->rank,
+                               .persist = (int32_t)MIN(t->persist_below, (uint64_t)INT32_MAX)},
+                          saved;
+        r = reg(t, "", ZERO_NAME, sizeof(z), train_home_of(t->zc.zero.offload_param.device),
+                &t->zstate);
+        if (r == 0 && t->o.resume &&
+            (r = zinf_read(t->e, t->zstate, 0, &saved, sizeof(saved))) == 0 &&
+            (saved.magic != ZERO_MAGIC || saved.world != z.world || saved.stage != z.stage ||
+             saved.rank != z.rank)) {
+            /* (Another persistence threshold moves the small weights' homes: check_home()
+             * has refused it by now.) */
+            snprintf(err, errlen,
+                     "--resume: the saved run was cut for %d ranks at ZeRO stage %d (this is rank "
+                     "%d of it); this run is %d ranks at stage %d: give the saved run's",
+                     saved.world, saved.stage, saved.rank, z.world, z.stage);
+            return -EINVAL;
+        }
+        if (r == 0 && !t->o.resume) r = zinf_write(t->e, t->zstate, 0, &z, sizeof(z));
+        if (r < 0) snprintf(err, errlen, "%s: %s", ZERO_NAME, zinf_strerror(r));
+    }
+    if (r == 0 && t->be->wdt == BACKEND_F16) {
+        /* The loss scaler goes on where the saved run left it. */
+        r = reg(t, "", SCALER_NAME, sizeof(struct loss_scale),
+                train_home_of(t->zc.zero.offload_param.device), &t->scaler);
+        if (r == 0 && t->o.resume) r = zinf_read(t->e, t->scaler, 0, &t->ls, sizeof(t->ls));
+        if (r < 0) snprintf(err, errlen, "%s: %s", SCALER_NAME, zinf_strerror(r));
+    }
+    return r;
+}
+
+int train_init_params(struct trainer *t)
+{
+    float *buf = NULL;
+    uint16_t *b16 = NULL;
+    size_t cap = 0;
+    int r = 0;
+    for (int i = 0; i < t->ntensors && r == 0; i++) {
+        size_t n = t->desc[i].numel;
+        bool shard = train_stage_of(t, i) >= 3;
+        if (shard) n = MAX(n, train_shard_lo(t, i) + train_shard_of(t, i)); /* room for the shard */
+        if (n > cap) {
+            free(buf);
+            free(b16);
+            buf = malloc(n * sizeof(float));
+            b16 = malloc(n * sizeof(uint16_t));
+            cap = n;
+            if (!buf || !b16) {
+                r = -ENOMEM;
+                break;
+            }
+        }
+        r = gpt_init_tensor(&t->cfg, &t->desc[i], buf, t->o.seed);
+        if (r == 0 && shard) {
+            /* The rank's shard of the whole tensor's values, zeros past its end. */
+            size_t lo = train_shard_lo(t, i), own = train_shard_own(t, i);
+            memmove(buf, buf + lo, own * sizeof(float));
+            memset(buf + own, 0, (train_shard_of(t, i) - own) * sizeof(float));
+            r = zinf_write(t->e, t->p[i], 0, buf, train_shard_of(t, i) * sizeof(float));
+            continue;
+        }
+        if (r == 0) r = zinf_write(t->e, t->p[i], 0, buf, n * sizeof(float));
+        if (r == 0 && t->w != t->p) {
+            if (t->be->wdt == BACKEND_F16)
+                ops_cast_f32_to_f16(b16, buf, n);
+            else
+                ops_cast_f32_to_bf16(b16, buf, n);
+            r = zinf_write(t->e, t->w[i], 0, b16, n * sizeof(uint16_t));
+        }
+    }
+    free(buf);
+    free(b16);
+    return r;
+}
