@@ -803,6 +803,18 @@ int cmd_train(int argc, char **argv)
         }
         o.world = (int)w;
         o.rank = (int)k;
+        /* On GPUs each rank takes the GPU of its LOCAL_RANK. */
+        const char *lr = getenv("LOCAL_RANK");
+        if (lr && *lr) {
+            char *e3 = NULL;
+            long l = strtol(lr, &e3, 10);
+            if (*e3 || l < 0 || l >= 64) {
+                fprintf(stderr, "zinf train: LOCAL_RANK '%s': expected 0 <= LOCAL_RANK < 64 "
+                                "(zinf launch sets it)\n", lr);
+                return 2;
+            }
+            o.local_rank = (int)l;
+        }
         o.comm_name = getenv("ZINF_COMM_NAME");
         /* zinf launch --connect: every rank's state in the one daemon. */
         const char *zc = getenv("ZINF_CONNECT");
@@ -1305,12 +1317,14 @@ int cmd_train(int argc, char **argv)
         fprintf(log,
                 "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
                 "\"backend\":\"%s\",\"precision\":\"%s\",\"backend_work_bytes\":%llu,"
+                "\"device_scratch_bytes\":%llu,"
                 "\"checkpoint_step\":%d,\"interrupted\":%s,\"failed\":%s,\"compactions\":%llu,"
                 "\"min_device_bytes\":%llu,\"min_host_bytes\":%llu,\"steps_run\":%d,"
                 "\"skipped_steps\":%lld",
                 sum.steps_done, (unsigned long long)sum.model_state_bytes,
                 (unsigned long long)sum.param_count, sum.backend, sum.precision,
-                (unsigned long long)sum.backend_work_bytes, sum.checkpoint_step,
+                (unsigned long long)sum.backend_work_bytes,
+                (unsigned long long)sum.device_scratch_bytes, sum.checkpoint_step,
                 stop_requested ? "true" : "false", status != 0 && status < 128 ? "true" : "false",
                 (unsigned long long)sum.compactions, (unsigned long long)sum.min_budget[0],
                 (unsigned long long)sum.min_budget[1], ran, (long long)sum.skipped_steps);

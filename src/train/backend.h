@@ -100,6 +100,8 @@ struct backend {
     uint64_t work_bytes;    /* device memory the backend holds outside the engine's budget */
     float loss_scale;       /* head_backward multiplies the loss's gradient by this (fp16
                                loss scaling), so every gradient after it is scaled; 1 */
+    int any_thread;         /* 1: fold and chunk_sumsq may run on another thread than the
+                               compute's, beside it (the CPU's); 0: the caller's thread only */
 };
 
 /* 0, or -EINVAL with one line in err naming what is wrong with p: the model, (B,T) or wdt. */

@@ -277,7 +277,7 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
     struct cpu_backend *c = calloc(1, sizeof(*c));
     if (!c) return -ENOMEM;
     c->b = (struct backend){.ops = &cpu_ops, .name = "cpu", .wdt = p->wdt, .adt = BACKEND_F32,
-                            .loss_scale = 1.0f};
+                            .loss_scale = 1.0f, .any_thread = 1};
     c->cfg = p->cfg;
     c->B = p->B;
     c->T = p->T;

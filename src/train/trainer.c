@@ -41,7 +41,8 @@ void trainer_opts_defaults(struct trainer_opts *o)
                                .beta1 = 0.9f,
                                .beta2 = 0.999f,
                                .eps = 1e-8f,
-                               .grad_accum = 1};
+                               .grad_accum = 1,
+                               .local_rank = -1};
     o->fp16 = (struct trainer_fp16){
         .min_loss_scale = 1, .initial_scale_power = 16, .loss_scale_window = 1000, .hysteresis = 2};
     o->model = (struct gpt_config){.V = 256, .maxT = 64, .L = 4, .C = 128, .NH = 4};
@@ -250,6 +251,19 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
             goto fail;
         }
         cuda = usable;
+        /* GPU ranks: one per GPU, LOCAL_RANK's. */
+        int ngpu = usable ? cuda_probe(&ci) : 0;
+        if (cuda && o->world > 1 && o->local_rank >= 0) {
+            if (o->local_rank >= ngpu) {
+                snprintf(err, errlen,
+                         "LOCAL_RANK %d: this node has %d usable GPU%s, and each rank takes one "
+                         "(start at most %d ranks, or use zinf.device \"emulated\")",
+                         o->local_rank, ngpu, ngpu == 1 ? "" : "s", ngpu);
+                r = -ENODEV;
+                goto fail;
+            }
+            t->zc.zinf.cuda_device = o->local_rank;
+        }
     }
     t->zc.zinf.device = cuda ? ZINF_DEVICE_CUDA : ZINF_DEVICE_EMULATED;
     /* The backend's working memory is taken before the engine sizes the device tier from
@@ -304,7 +318,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
          * looks, and every rank goes by what it found. */
         int64_t found[3] = {0, -1, -1}; /* ranks, the step every rank holds, the newest */
         if (t->rank == 0) found[0] = train_newest_run(t, &found[1], &found[2]);
-        if (t->world > 1 && (r = comm_broadcast(t->comm, found, sizeof(found), COMM_BYTE, 0)) < 0) {
+        if (t->world > 1 && (r = comm_broadcast(t->hcomm, found, sizeof(found), COMM_BYTE, 0)) < 0) {
             snprintf(err, errlen, "rank %d: the ranks could not agree on the saved run: %s",
                      t->rank, zinf_strerror(r));
             goto fail;
@@ -526,6 +540,7 @@ void trainer_close(struct trainer *t)
     free(t->part_all);
     free(t->losses);
     free(t->tmp);
+    if (t->hcomm != t->comm) comm_close(t->hcomm);
     comm_close(t->comm);
     pthread_mutex_destroy(&t->gmu);
     pthread_cond_destroy(&t->gcv);
@@ -568,6 +583,7 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     out->skipped_steps = t->ls.skipped;
     out->loss_scale = t->be->wdt == BACKEND_F16 ? t->ls.scale : 1;
     out->backend_work_bytes = t->be->work_bytes;
+    out->device_scratch_bytes = train_scratch_bytes(t);
     out->rank = t->rank;
     out->world = t->world;
     out->stage = t->stage;

@@ -89,6 +89,8 @@ struct trainer_opts {
      * its own per step. resume takes the newest saved run under the paths, of any number
      * of ranks, and re-cuts it into this run's shards when that number differs. */
     int rank, world;
+    int local_rank; /* LOCAL_RANK (zinf launch): on GPUs, the ordinal of this rank's GPU, which
+                       its device tier and NCCL use; -1: zinf.cuda_device */
     const char *comm_name;
     const char *comm_secret;  /* the job's secret (zinf launch's ZINF_COMM_SECRET), or NULL */
     unsigned comm_timeout_ms; /* how long the ranks wait for each other to meet; 0: 60 s */
@@ -147,6 +149,9 @@ struct trainer_summary {
     const char *backend;        /* "cpu" or "cuda" */
     const char *precision;      /* "fp32" or "bf16": the weights the device computes with */
     uint64_t backend_work_bytes; /* device memory of the backend, outside the budgets */
+    /* Of the device tier's bytes, the fixed buffers of exact accumulation and of stage 3's
+     * gathers (each as large as one tensor whole, whatever the number of ranks). */
+    uint64_t device_scratch_bytes;
     /* The smallest device and host budgets with which every step runs (the homes each
      * tier keeps plus the largest set a step pins there), and how often a set found its
      * tier too fragmented and had it emptied (zinf_stats.compactions). */

@@ -40,6 +40,7 @@ struct backend;
 #define SHARD_FLOATS 1024 /* shards are multiples of 4 KiB (O_DIRECT), and so are the chunks
                              the gradient norm is summed by */
 #define NLOCAL (GPT_BLOCK_NSLOTS + 4) /* buffers of one block's tensors, then the four others */
+#define HOST_COMM_SUFFIX ".host" /* GPU ranks: the host communicator's name is the job's + this */
 #define MEM_TIERS (ZINF_TIER_HOST + 1) /* the tiers that hold copies in memory: device, host */
 
 /* What a partitioned run's ranks keep beside the state: a resume must cut alike. */
@@ -109,7 +110,10 @@ struct trainer {
      * on the step's first micro-batch and added after, so that N ranks of one micro-batch
      * each give bitwise what one rank of N micro-batches does. The clipping norm is then
      * summed by chunks of SHARD_FLOATS in the layout's order, whoever owns them. */
-    struct comm *comm;
+    struct comm *comm;      /* the collectives on buffers of the device tier: NCCL on GPUs */
+    struct comm *hcomm;     /* those on host memory: comm itself on the CPU, else shm */
+    bool gpu_ranks;         /* comm is NCCL: the device tier is a GPU's */
+    uint64_t scratch_bytes; /* the device tier's fixed buffers: lg, lg1, gw, gw1 */
     int rank, world, stage; /* stage: what is 1/world per rank (see trainer_opts) */
     bool exact;
     /* The digest of the parameters after the last step that computed one (trainer_opts.
@@ -203,6 +207,7 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
                        const char *what[MEM_TIERS]);
 int train_check_budgets(struct trainer *t, char *err, size_t errlen);
 int train_scratch_reset(struct trainer *t);
+uint64_t train_scratch_bytes(struct trainer *t);
 int train_register_all(struct trainer *t, char *err, size_t errlen);
 int train_init_params(struct trainer *t);
 
@@ -229,6 +234,7 @@ int train_backward(struct trainer *t, bool zero, bool norm);
 void train_gather_done(struct comm_req *req, int res);
 void train_reduce_done(struct comm_req *req, int res);
 int train_submit_async(struct trainer *t, struct comm_req *q);
+int train_fold_behind(struct trainer *t, int n);
 size_t train_shard_of(const struct trainer *t, int idx);
 size_t train_shard_lo(const struct trainer *t, int idx);
 size_t train_shard_own(const struct trainer *t, int idx);

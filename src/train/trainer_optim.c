@@ -19,32 +19,78 @@
 #include "train/trainer_impl.h"
 #include "trace.h"
 
-/* AdamW over every tensor where the optimizer's states live: on the device with the
- * backend's fused kernel when they are homed there, else on the host. With bf16 weights the
- * update writes the bf16 copy too (released dirty: the engine carries it to the device on
- * its next fetch there). The learned schedule prefetches the next tensor's parts while this
- * one is updated. */
-/* Across ranks: AdamW on the rank's part of tensor i (p[0..3]: p, g, m, v as registered),
- * then, below stage 3, every rank takes the others' parts of p. */
+/* AdamW on n elements where the optimizer's states live: on the device with the backend's
+ * fused kernel when they are homed there, else on the host. With 16-bit weights the update
+ * writes their copy w16 too (released dirty: the engine carries it to the device on its
+ * next fetch there). One rank updates whole tensors with it, each of several ranks its own
+ * part: the same function on the same elements, so the same bits. */
+static int update(struct trainer *t, float *p, const float *g, float *m, float *v, void *w16,
+                  size_t n, const struct adamw_hparams *h, int step, float scale)
+{
+    if (!n) return 0;
+    if (t->opt_tier == ZINF_TIER_DEVICE)
+        return train_settle(t, t->be->ops->adamw(t->be, p, g, m, v, w16, n, h, step, scale));
+    if (w16 && t->be->wdt == BACKEND_F16) {
+        int r = adamw_update(p, g, m, v, n, h, step, scale);
+        if (r == 0) ops_cast_f32_to_f16(w16, p, n);
+        return r;
+    }
+    if (w16) return adamw_update_bf16(p, g, m, v, w16, n, h, step, scale);
+    return adamw_update(p, g, m, v, n, h, step, scale);
+}
+
+/* Below stage 3, every rank takes the others' parts of tensor i's `whole` (elements of esz
+ * bytes, the rank's own part at its shard's place): through the device tier's buffer L
+ * (world x shard floats, the tensor's local gradient buffer, free in the optimizer phase)
+ * when the update ran on a GPU, else through host memory. A part cut short by the tensor's
+ * end is padded. */
+static int gather_parts(struct trainer *t, int i, void *whole, size_t esz, void *L)
+{
+    size_t n = t->desc[i].numel, sh = train_shard_of(t, i), own = train_shard_own(t, i);
+    size_t lo = MIN(train_shard_lo(t, i), n);
+    char *mine = (char *)whole + lo * esz;
+    int r;
+    if (L) {
+        const struct backend_ops *be = t->be->ops;
+        char *at = (char *)L + (size_t)t->rank * sh * esz;
+        if ((r = be->copy(t->be, at, mine, own * esz)) < 0 ||
+            (own < sh && (r = be->zero(t->be, at + own * esz, (sh - own) * esz)) < 0) ||
+            (r = train_settle(t, 0)) < 0 ||
+            (r = comm_allgather(t->comm, at, L, sh * esz, COMM_BYTE)) < 0)
+            return r;
+        return train_settle(t, be->copy(t->be, whole, L, n * esz));
+    }
+    char *send = mine, *recv = (char *)t->tmp + sh * esz;
+    if (own < sh) {
+        send = (char *)t->tmp;
+        memcpy(send, mine, own * esz);
+        memset(send + own * esz, 0, (sh - own) * esz);
+    }
+    if ((r = comm_allgather(t->hcomm, send, recv, sh * esz, COMM_BYTE)) == 0)
+        memcpy(whole, recv, n * esz);
+    return r;
+}
+
+/* Across ranks: AdamW on the rank's part of tensor i (p[0..3]: p, g, m, v as registered,
+ * p[4] the 16-bit copy in mixed precision, then the local gradient buffer when the update
+ * runs on a GPU below stage 3), then, below stage 3, every rank takes the others' parts of
+ * p and of its 16-bit copy (gathered, not cast again: each element as its owner wrote it). */
 static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hparams *h,
                        int step, float scale)
 {
-    size_t n = t->desc[i].numel, sh = train_shard_of(t, i), own = train_shard_own(t, i);
-    size_t lo = train_shard_lo(t, i);
+    size_t n = t->desc[i].numel, own = train_shard_own(t, i);
+    size_t lo = MIN(train_shard_lo(t, i), n);
     int stage = train_stage_of(t, i);
-    float *pp = p[0], *mine = stage >= 3 ? pp : pp + MIN(lo, n);
-    const float *g = stage >= 2 ? (const float *)p[1] : (const float *)p[1] + MIN(lo, n);
-    int r = own ? adamw_update(mine, g, p[2], p[3], own, h, step, scale) : 0;
+    bool mixed = t->w != t->p;
+    size_t wb = backend_dtype_bytes(t->be->wdt);
+    float *pp = p[0], *mine = stage >= 3 ? pp : pp + lo;
+    const float *g = stage >= 2 ? (const float *)p[1] : (const float *)p[1] + lo;
+    void *w16 = !mixed ? NULL : stage >= 3 ? p[4] : (char *)p[4] + lo * wb;
+    int r = update(t, mine, g, p[2], p[3], w16, own, h, step, scale);
     if (r < 0 || stage >= 3) return r;
-    /* A whole shard is sent from where it is; one cut short by the tensor's end is padded. */
-    float *send = mine, *recv = t->tmp + sh;
-    if (own < sh) {
-        send = t->tmp;
-        memcpy(send, mine, own * sizeof(float));
-        memset(send + own, 0, (sh - own) * sizeof(float));
-    }
-    if ((r = comm_allgather(t->comm, send, recv, sh, COMM_F32)) == 0)
-        memcpy(pp, recv, n * sizeof(float));
+    void *L = t->gpu_ranks && t->opt_tier == ZINF_TIER_DEVICE ? p[mixed ? 5 : 4] : NULL;
+    if ((r = gather_parts(t, i, pp, sizeof(float), L)) == 0 && mixed)
+        r = gather_parts(t, i, p[4], wb, L);
     return r;
 }
 
@@ -58,7 +104,11 @@ static int digest_tensor(struct trainer *t, int i, void **p, uint64_t *digest)
         size_t own = train_shard_own(t, i), lo = train_shard_lo(t, i);
         const float *mine =
             train_stage_of(t, i) >= 3 ? (const float *)p[0] : (const float *)p[0] + lo;
-        if (own) *digest += digest_floats(mine, own, (uint32_t)i, lo / DIGEST_BLOCK_FLOATS);
+        if (!own) return 0;
+        if (t->opt_tier == ZINF_TIER_DEVICE)
+            return t->be->ops->digest(t->be, mine, own, (uint32_t)i, lo / DIGEST_BLOCK_FLOATS,
+                                      digest);
+        *digest += digest_floats(mine, own, (uint32_t)i, lo / DIGEST_BLOCK_FLOATS);
         return 0;
     }
     if (t->opt_tier == ZINF_TIER_DEVICE)
@@ -109,19 +159,9 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
             h.weight_decay = t->desc[i].ndim == 2 ? t->o.weight_decay : 0.0f;
             if (t->world > 1)
                 r = zero_update(t, i, p, &h, step, scale);
-            else if (tier == ZINF_TIER_DEVICE)
-                r = train_settle(t, t->be->ops->adamw(t->be, p[0], p[1], p[2], p[3],
-                                                      mixed ? p[4] : NULL, t->desc[i].numel, &h,
-                                                      step, scale));
-            else if (mixed && t->be->wdt == BACKEND_F16) {
-                if ((r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step, scale)) ==
-                    0)
-                    ops_cast_f32_to_f16(p[4], p[0], t->desc[i].numel);
-            } else if (mixed)
-                r = adamw_update_bf16(p[0], p[1], p[2], p[3], p[4], t->desc[i].numel, &h, step,
-                                      scale);
             else
-                r = adamw_update(p[0], p[1], p[2], p[3], t->desc[i].numel, &h, step, scale);
+                r = update(t, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL, t->desc[i].numel, &h,
+                           step, scale);
             if (r == 0 && t->o.digest) r = digest_tensor(t, i, p, digest);
         }
         train_wave_release(t, &w, tier, r == 0);

@@ -18,6 +18,7 @@
 #include "common.h"
 #include "config.h"
 #include "train/backend.h"
+#include "train/ops.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
 
@@ -295,6 +296,31 @@ int train_recut_check(struct trainer *t, char *err, size_t errlen)
     return r;
 }
 
+/* In bf16 and fp16, the weights the device computes with are cast again from the re-cut
+ * parameters: the rank's part of each (its shard at stage 3, else the whole tensor). */
+static int refresh_w(struct trainer *t)
+{
+    size_t most = 0;
+    int r = 0;
+    for (int i = 0; i < t->ntensors; i++)
+        most = MAX(most, train_role_bytes(t, R_P, i) / sizeof(float));
+    float *buf = malloc(most * sizeof(float));
+    uint16_t *b16 = malloc(most * sizeof(uint16_t));
+    for (int i = 0; i < t->ntensors && r == 0 && buf && b16; i++) {
+        size_t n = train_role_bytes(t, R_P, i) / sizeof(float);
+        if ((r = zinf_read(t->e, t->p[i], 0, buf, n * sizeof(float))) < 0) break;
+        if (t->be->wdt == BACKEND_F16)
+            ops_cast_f32_to_f16(b16, buf, n);
+        else
+            ops_cast_f32_to_bf16(b16, buf, n);
+        r = zinf_write(t->e, t->w[i], 0, b16, n * sizeof(uint16_t));
+    }
+    if (!buf || !b16) r = -ENOMEM;
+    free(buf);
+    free(b16);
+    return r;
+}
+
 /* Re-cut: every rank of the saved run in turn, the part of each parameter and Adam state
  * this rank keeps is read from the shards that hold it and written into this run's tensors;
  * then the saved step goes on. Memory: one tensor's worth of floats at a time. */
@@ -348,6 +374,7 @@ int train_recut(struct trainer *t, char *err, size_t errlen)
         zinf_close(se);
     }
     free(buf);
+    if (r == 0 && t->w != t->p) r = refresh_w(t);
     return r < 0 ? r : train_state_save_step(t, t->step_done);
 }
 
@@ -374,7 +401,7 @@ int trainer_checkpoint(struct trainer *t)
     t->checkpoint_calls++;
     bool two = t->world > 1 && !t->remote;
     train_kill_point(t, "before-barrier");
-    int r = t->world > 1 ? comm_barrier(t->comm) : 0;
+    int r = t->world > 1 ? comm_barrier(t->hcomm) : 0;
     if (r == 0) train_kill_point(t, "after-barrier");
     if (r == 0) r = train_scratch_reset(t);
     if (r == 0) r = state_save(t);
@@ -382,7 +409,7 @@ int trainer_checkpoint(struct trainer *t)
         r = t->remote ? zinf_flush(t->e)
                       : zinf_flush_step(t->e, t->step_done, two ? ZINF_FLUSH_KEEP_PREVIOUS : 0);
     if (r == 0) train_kill_point(t, "after-rename");
-    if (r == 0 && two) r = comm_barrier(t->comm);
+    if (r == 0 && two) r = comm_barrier(t->hcomm);
     if (r == 0 && two) train_kill_point(t, "after-commit");
     if (r == 0 && two) r = zinf_drop_previous(t->e);
     t->checkpoint_failed = r < 0;

@@ -43,12 +43,26 @@ void train_gather_done(struct comm_req *req, int res)
 }
 
 /* A block's gradient reduced behind the next block's backward: folded into g here, on the
- * comm's thread, while the main thread computes (wave_release waits for it). */
+ * comm's thread, while the main thread computes (wave_release waits for it), where the
+ * backend's folds may run on any thread (the CPU's); on a GPU, wave_release folds it on the
+ * main thread, into the compute stream, once the reduction is done. */
 void train_reduce_done(struct comm_req *req, int res)
 {
     struct reduce_ctx *x = req->data;
-    if (res == 0) res = fold_grad(x->t, x->idx, req->recv, x->g, x->count);
+    if (res == 0 && x->t->be->any_thread) res = fold_grad(x->t, x->idx, req->recv, x->g, x->count);
     async_done(x->t, res);
+}
+
+/* The folds of the reductions that ran behind this set's compute, where the backend wants
+ * them on the main thread; n: how many the set submitted. */
+int train_fold_behind(struct trainer *t, int n)
+{
+    int r = 0;
+    for (int q = 0; q < n && r == 0 && !t->be->any_thread; q++) {
+        struct reduce_ctx *x = &t->rq[q];
+        r = fold_grad(t, x->idx, x->req.recv, x->g, x->count);
+    }
+    return r;
 }
 
 /* Queue the async collective of request q (its callback set); a refused one counts as done
@@ -103,7 +117,8 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     const struct trainer_opts *o = &t->o;
     t->world = o->world > 1 ? o->world : 1;
     t->rank = t->world > 1 ? o->rank : 0;
-    t->exact = t->world > 1 || (o->grad_accum > 1 && !cuda);
+    /* On the GPU too: N ranks then give bitwise what one rank of N micro-batches does. */
+    t->exact = t->world > 1 || o->grad_accum > 1;
     if (t->world == 1) {
         for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
             if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
@@ -118,11 +133,9 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     const char *why = NULL;
     if (!o->comm_name || !o->comm_name[0])
         why = "no rendezvous name (ZINF_COMM_NAME): start the ranks with zinf launch";
-    else if (cuda)
-        why = "training across ranks runs on the CPU in this version (zinf.device \"emulated\"); "
-              "on a GPU, run one rank";
-    else if (t->be->wdt != BACKEND_F32)
-        why = "training across ranks runs in fp32 in this version: give --precision fp32";
+    else if (cuda && strlen(o->comm_name) + sizeof(HOST_COMM_SUFFIX) > COMM_NAME_BYTES)
+        why = "the rendezvous name is too long for the ranks' host communicator (name.host): "
+              "give zinf launch a shorter --name";
     else if (o->sample && t->stage >= 3)
         why = "sampling reads whole parameters, which ZeRO stage 3 does not keep: use stage 1 or 2, "
               "or sample from one rank";
@@ -161,14 +174,34 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         .stop = o->stop,
         .why = cwhy,
         .why_len = sizeof(cwhy)};
-    int r = comm_open(&co, &t->comm);
+    /* GPU ranks: the collectives on device buffers over NCCL, on the rank's GPU, and what
+     * lives on the host (losses, the norm's chunks, shards the optimizer updates on the host,
+     * the agreements) over a second, shared-memory communicator. On the CPU both are one. */
+    char hname[COMM_NAME_BYTES];
+    const char *what = "";
+    int r = 0;
+    if (cuda) {
+        co.backend = COMM_NCCL;
+        co.cuda_device = t->zc.zinf.cuda_device;
+        what = " (NCCL)";
+        if ((r = comm_open(&co, &t->comm)) == 0) {
+            snprintf(hname, sizeof(hname), "%s%s", o->comm_name, HOST_COMM_SUFFIX);
+            co.backend = COMM_SHM;
+            co.name = hname;
+            what = " (their host communicator)";
+            r = comm_open(&co, &t->hcomm);
+        }
+    } else if ((r = comm_open(&co, &t->comm)) == 0) {
+        t->hcomm = t->comm;
+    }
     if (r < 0) {
-        snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s': %s%s", t->rank,
-                 t->world, o->comm_name, cwhy[0] ? cwhy : zinf_strerror(r),
+        snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s'%s: %s%s", t->rank,
+                 t->world, o->comm_name, what, cwhy[0] ? cwhy : zinf_strerror(r),
                  r == -ETIMEDOUT ? " (a rank did not start, or failed before it met the others)"
                                  : "");
         return r;
     }
+    t->gpu_ranks = cuda;
     return 0;
 }
 
@@ -197,7 +230,7 @@ int train_zero_alloc(struct trainer *t)
 int train_ranks_agree(struct trainer *t, char *err, size_t errlen)
 {
     int32_t mine = t->step_done, all[COMM_MAX_RANKS];
-    int r = comm_allgather(t->comm, &mine, all, sizeof(mine), COMM_BYTE);
+    int r = comm_allgather(t->hcomm, &mine, all, sizeof(mine), COMM_BYTE);
     if (r < 0) {
         snprintf(err, errlen, "--resume: the ranks could not compare their steps: %s",
                  zinf_strerror(r));
@@ -219,7 +252,7 @@ bool trainer_any_rank(struct trainer *t, bool mine)
 {
     if (t->world <= 1) return mine;
     uint8_t me = mine, all[COMM_MAX_RANKS];
-    if (comm_allgather(t->comm, &me, all, 1, COMM_BYTE) < 0) return true;
+    if (comm_allgather(t->hcomm, &me, all, 1, COMM_BYTE) < 0) return true;
     for (int q = 0; q < t->world; q++)
         if (all[q]) return true;
     return false;
@@ -247,24 +280,18 @@ void train_reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_
  * into what the step keeps of it (g: the whole tensor, or from stage 2 this rank's shard):
  * copied on the step's first micro-batch and added on the others. On the last, the squares
  * of the rank's part are summed by chunks of SHARD_FLOATS for the clipping norm
- * (grad_norm() adds the chunks up in the layout's order). Runs on the comm's thread for a
- * reduction behind the backward: it touches g and tensor i's chunk sums only. */
+ * (grad_norm() adds the chunks up in the layout's order). Both are the backend's: on the
+ * device where g is. Runs on the comm's thread for a reduction behind the backward when the
+ * backend allows it (any_thread): it touches g and tensor i's chunk sums only. */
 static int fold_grad(struct trainer *t, int i, const float *src, float *g, size_t count)
 {
-    bool first = t->micro == 0;
-    int r = 0;
-    if (first && src != g)
-        memcpy(g, src, count * sizeof(float));
-    else if (!first)
-        for (size_t j = 0; j < count; j++)
-            g[j] += src[j];
+    const struct backend_ops *be = t->be->ops;
+    int r = be->fold(t->be, g, src, count, t->micro == 0);
     size_t own = train_shard_own(t, i), lo = t->world > 1 ? train_shard_lo(t, i) : 0;
-    if (t->micro == t->o.grad_accum - 1 && own) {
+    if (r == 0 && t->micro == t->o.grad_accum - 1 && own) {
         const float *mine = train_stage_of(t, i) >= 2 ? g : g + lo;
-        double *part = t->part + t->part_first[i] + lo / SHARD_FLOATS;
-        for (size_t c = 0; c * SHARD_FLOATS < own && r == 0; c++)
-            r = adamw_sum_squares(mine + c * SHARD_FLOATS,
-                                  MIN(SHARD_FLOATS, own - c * SHARD_FLOATS), &part[c]);
+        r = be->chunk_sumsq(t->be, mine, own, SHARD_FLOATS,
+                            t->part + t->part_first[i] + lo / SHARD_FLOATS);
     }
     return r;
 }
@@ -288,7 +315,7 @@ int train_grad_norm(struct trainer *t, double *sumsq)
     const double *all = t->part;
     size_t np = t->nparts;
     if (t->world > 1) {
-        int r = comm_allgather(t->comm, t->part, t->part_all, np * sizeof(double), COMM_BYTE);
+        int r = comm_allgather(t->hcomm, t->part, t->part_all, np * sizeof(double), COMM_BYTE);
         if (r < 0) return r;
         all = t->part_all;
     }
@@ -309,7 +336,7 @@ int train_grad_norm(struct trainer *t, double *sumsq)
 int train_digest_across(struct trainer *t, uint64_t *d)
 {
     uint64_t all[COMM_MAX_RANKS];
-    int r = comm_allgather(t->comm, d, all, sizeof(uint64_t), COMM_BYTE);
+    int r = comm_allgather(t->hcomm, d, all, sizeof(uint64_t), COMM_BYTE);
     if (r == 0) {
         *d = 0;
         for (int k = 0; k < t->world; k++)

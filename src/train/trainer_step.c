@@ -63,7 +63,7 @@ static void wave_add_weight(const struct trainer *t, struct wave *w, int idx)
         wave_add(w, R_W, idx, false);
         return;
     }
-    wave_member(w, R_P, idx, false);
+    wave_member(w, R_W, idx, false);
     wave_add(w, R_GW, idx, false);
     w->from[w->n - 1] = (int8_t)(w->n - 2);
 }
@@ -119,7 +119,7 @@ static void wave_prefetch_block(struct trainer *t, struct wave *w, int j)
     for (int i = 0; i < GPT_BLOCK_NSLOTS; i++) {
         int idx = t->block_first[j] + i;
         if (train_stage_of(t, idx) < 3) continue;
-        wave_member(w, R_P, idx, false);
+        wave_member(w, R_W, idx, false);
         wave_member(w, R_GW, idx, false);
         w->from[w->n - 1] = (int8_t)(w->n - 2);
         w->async[w->n - 1] = true;
@@ -210,7 +210,9 @@ void train_wave_embed_backward(struct trainer *t, struct wave *w)
     wave_reduce_behind(t, w, 0);
 }
 
-/* The optimizer's update of tensor i: p, g, m, v (and the bf16 copy). */
+/* The optimizer's update of tensor i: p, g, m, v (and the 16-bit copy); on GPU ranks that
+ * update on the device below stage 3, the tensor's local gradient buffer too, through which
+ * the ranks' updated parts are gathered. */
 void train_wave_optimizer(struct trainer *t, int i, struct wave *w)
 {
     *w = (struct wave){.what = "the optimizer's update of one tensor (its parameters, "
@@ -220,6 +222,8 @@ void train_wave_optimizer(struct trainer *t, int i, struct wave *w)
     wave_add(w, R_M, i, true);
     wave_add(w, R_V, i, true);
     if (t->w != t->p) wave_add(w, R_W, i, true);
+    if (t->gpu_ranks && t->opt_tier == ZINF_TIER_DEVICE && train_stage_of(t, i) < 3)
+        wave_add(w, R_L, i, false);
 }
 
 /* Sampling's logits, on the CPU: the last activation, the final norm and wte in fp32. */
@@ -266,6 +270,13 @@ zinf_tensor train_wave_handle(const struct trainer *t, enum role role, int idx)
     }
 }
 
+/* Bytes of a rank's shard of the weights the device computes with, as gathered at stage 3:
+ * the fp32 parameters in fp32, their 16-bit copies in bf16 and fp16. */
+static size_t gather_bytes(const struct trainer *t, int idx)
+{
+    return train_shard_of(t, idx) * backend_dtype_bytes(t->be->wdt);
+}
+
 /* Fetch the set and, in stage 3, gather the weights; ptrs[j] is entry j's. */
 int train_wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier tier, void **ptrs)
 {
@@ -279,8 +290,8 @@ int train_wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier tie
     for (int i = 0; i < w->n && r == 0; i++)
         if (w->from[i] >= 0 && !w->async[i]) {
             if ((blk = t->desc[w->idx[i]].block) >= 0) t->gw_holds[train_gw_set(t, blk)] = -1;
-            r = comm_allgather(t->comm, m[w->from[i]], m[i], train_shard_of(t, w->idx[i]),
-                               COMM_F32);
+            r = comm_allgather(t->comm, m[w->from[i]], m[i], gather_bytes(t, w->idx[i]),
+                               COMM_BYTE);
         }
     if (r == 0 && blk >= 0) t->gw_holds[train_gw_set(t, blk)] = blk;
     /* The next block's gathers, behind this one's compute: wave_release waits for them. */
@@ -290,10 +301,10 @@ int train_wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier tie
         if (!w->async[i]) continue;
         struct comm_req *req = &t->greq[q++];
         *req = (struct comm_req){.op = COMM_ALLGATHER,
-                                 .dtype = COMM_F32,
+                                 .dtype = COMM_BYTE,
                                  .send = m[w->from[i]],
                                  .recv = m[i],
-                                 .count = train_shard_of(t, w->idx[i]),
+                                 .count = gather_bytes(t, w->idx[i]),
                                  .cb = train_gather_done,
                                  .data = t};
         if (train_submit_async(t, req) < 0) break;
@@ -338,6 +349,12 @@ int train_wave_release(struct trainer *t, const struct wave *w, enum zinf_tier t
         pthread_mutex_unlock(&t->gmu);
         if (w->ahead) t->gw_holds[train_gw_set(t, w->ahead - 1)] = r == 0 ? w->ahead - 1 : -1;
         if (w->behind) t->reduce_ns += now_ns() - t0;
+        if (r == 0 && w->behind) {
+            int n = 0;
+            for (int i = 0; i < w->n; i++)
+                n += w->reduce[i];
+            r = train_settle(t, train_fold_behind(t, n));
+        }
         ok &= r == 0;
     }
     for (int i = 0; i < w->n; i++) {
@@ -506,7 +523,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     if (t->world > 1) {
         /* Every micro-batch's loss, in the order one rank would have run them. */
         float *all = t->losses + K;
-        TRY(comm_allgather(t->comm, t->losses, all, (size_t)K, COMM_F32));
+        TRY(comm_allgather(t->hcomm, t->losses, all, (size_t)K, COMM_F32));
         loss_sum = 0;
         for (int m = 0; m < total; m++)
             loss_sum += all[m];

@@ -44,7 +44,8 @@ static enum zinf_tier role_home(const struct trainer *t, enum role role, int idx
 }
 
 /* Bytes of what is registered for role (tensor idx): a rank keeps a shard of the Adam
- * states from stage 1, of the gradients from stage 2, of the parameters in stage 3. */
+ * states from stage 1, of the gradients from stage 2, of the parameters (and of their
+ * 16-bit copies, which are what is gathered) in stage 3. */
 size_t train_role_bytes(const struct trainer *t, enum role role, int idx)
 {
     if (role == R_ACT)
@@ -53,8 +54,9 @@ size_t train_role_bytes(const struct trainer *t, enum role role, int idx)
     bool parted = t->world > 1;
     switch (role) {
     case R_L:
-    case R_GW:
         return (size_t)t->world * sh * sizeof(float);
+    case R_GW:
+        return (size_t)t->world * sh * backend_dtype_bytes(t->be->wdt);
     case R_M:
     case R_V:
         return (parted && t->stage >= 1 ? sh : n) * sizeof(float);
@@ -63,7 +65,7 @@ size_t train_role_bytes(const struct trainer *t, enum role role, int idx)
     case R_P:
         return (parted && train_stage_of(t, idx) >= 3 ? sh : n) * sizeof(float);
     default:
-        return n * backend_dtype_bytes(t->be->wdt);
+        return (parted && train_stage_of(t, idx) >= 3 ? sh : n) * backend_dtype_bytes(t->be->wdt);
     }
 }
 
@@ -260,6 +262,19 @@ static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size
     return k == 0 ? &t->lg[s] : k == 1 ? &t->gw[s] : k == 2 ? &t->gw1[s] : &t->lg1[s];
 }
 
+/* The device tier's bytes of scratch buffers: fixed, whatever the number of ranks. */
+uint64_t train_scratch_bytes(struct trainer *t)
+{
+    uint64_t sum = 0;
+    for (int s = 0; s < NLOCAL; s++)
+        for (int k = 0; k < SCRATCH_KINDS; k++) {
+            char name[64];
+            size_t bytes;
+            if (scratch(t, s, k, name, &bytes)) sum += align_up(bytes, ZINF_ALIGN);
+        }
+    return sum;
+}
+
 /* Before a checkpoint, the scratch buffers are registered afresh (reading as zeros), so that
  * the swap files never hold what a step rebuilds. */
 int train_scratch_reset(struct trainer *t)
@@ -416,8 +431,16 @@ int train_init_params(struct trainer *t)
             /* The rank's shard of the whole tensor's values, zeros past its end. */
             size_t lo = train_shard_lo(t, i), own = train_shard_own(t, i);
             memmove(buf, buf + lo, own * sizeof(float));
-            memset(buf + own, 0, (train_shard_of(t, i) - own) * sizeof(float));
-            r = zinf_write(t->e, t->p[i], 0, buf, train_shard_of(t, i) * sizeof(float));
+            size_t sh = train_shard_of(t, i);
+            memset(buf + own, 0, (sh - own) * sizeof(float));
+            r = zinf_write(t->e, t->p[i], 0, buf, sh * sizeof(float));
+            if (r == 0 && t->w != t->p) {
+                if (t->be->wdt == BACKEND_F16)
+                    ops_cast_f32_to_f16(b16, buf, sh);
+                else
+                    ops_cast_f32_to_bf16(b16, buf, sh);
+                r = zinf_write(t->e, t->w[i], 0, b16, sh * sizeof(uint16_t));
+            }
             continue;
         }
         if (r == 0) r = zinf_write(t->e, t->p[i], 0, buf, n * sizeof(float));

@@ -7,7 +7,8 @@
  * run.sh in this folder builds and runs it.
  *
  * What is modelled:
- *   - One device, ordinal 0. Device memory is host memory. cudaMalloc fills it with 0xff
+ *   - One device, ordinal 0 (EMU_DEVICES=n: n ordinals of the same device). Device memory is
+ *     host memory. cudaMalloc fills it with 0xff
  *     bytes, NaN in fp32, bf16 and fp16, so that reads of unwritten memory show. Every
  *     allocation is tracked, and copies, memsets and GEMMs check that their device side
  *     lies inside one allocation and their host side in none (a wrong cudaMemcpyKind
@@ -686,15 +687,32 @@ const char *cudaGetErrorString(cudaError_t e)
 
 static thread_local int cur_dev = 0;
 
+/* EMU_DEVICES=n (1-8, default 1): the process sees n devices, ordinals 0..n-1, each on bus
+ * 0000:0k:00.0, all of them the same emulated memory and streams (so that the ranks of
+ * `zinf launch`, one per GPU, each take an ordinal of their own). */
+static int emu_devices()
+{
+    static const int n = [] {
+        const char *e = getenv("EMU_DEVICES");
+        int v = e ? atoi(e) : 1;
+        return v >= 1 && v <= 8 ? v : 1;
+    }();
+    return n;
+}
+static bool bad_dev(int d)
+{
+    return d < 0 || d >= emu_devices();
+}
+
 cudaError_t cudaGetDeviceCount(int *n)
 {
     if (!n) return ret(cudaErrorInvalidValue);
-    *n = 1;
+    *n = emu_devices();
     return cudaSuccess;
 }
 cudaError_t cudaSetDevice(int d)
 {
-    if (d != 0) return ret(cudaErrorInvalidDevice);
+    if (bad_dev(d)) return ret(cudaErrorInvalidDevice);
     cur_dev = d;
     return cudaSuccess;
 }
@@ -719,7 +737,7 @@ cudaError_t cudaRuntimeGetVersion(int *v)
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d)
 {
     if (!p) return ret(cudaErrorInvalidValue);
-    if (d != 0) return ret(cudaErrorInvalidDevice);
+    if (bad_dev(d)) return ret(cudaErrorInvalidDevice);
     memset(p, 0, sizeof(*p));
     snprintf(p->name, sizeof(p->name), "EMU CPU-emulated GPU");
     p->totalGlobalMem = EMU_TOTAL_BYTES;
@@ -738,7 +756,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d)
     p->multiProcessorCount = 132;
     p->asyncEngineCount = 2;
     p->unifiedAddressing = 1;
-    p->pciBusID = 1;
+    p->pciBusID = 1 + d;
     p->canMapHostMemory = 1;
     p->concurrentKernels = 1;
     return cudaSuccess;
@@ -746,7 +764,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int d)
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int d)
 {
     if (!v) return ret(cudaErrorInvalidValue);
-    if (d != 0) return ret(cudaErrorInvalidDevice);
+    if (bad_dev(d)) return ret(cudaErrorInvalidDevice);
     switch (a) {
     case cudaDevAttrComputeCapabilityMajor:
         *v = 9;
@@ -778,15 +796,18 @@ cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr a, int d)
 cudaError_t cudaDeviceGetPCIBusId(char *buf, int len, int d)
 {
     if (!buf || len <= 0) return ret(cudaErrorInvalidValue);
-    if (d != 0) return ret(cudaErrorInvalidDevice);
-    snprintf(buf, (size_t)len, "0000:01:00.0");
+    if (bad_dev(d)) return ret(cudaErrorInvalidDevice);
+    snprintf(buf, (size_t)len, "0000:%02x:00.0", 1 + d);
     return cudaSuccess;
 }
 cudaError_t cudaDeviceGetByPCIBusId(int *d, const char *bus)
 {
     if (!d || !bus) return ret(cudaErrorInvalidValue);
-    if (strcmp(bus, "0000:01:00.0") != 0) return ret(cudaErrorInvalidDevice);
-    *d = 0;
+    unsigned b = 0;
+    int end = 0;
+    if (sscanf(bus, "0000:%2x:00.0%n", &b, &end) != 1 || bus[end] || bad_dev((int)b - 1))
+        return ret(cudaErrorInvalidDevice);
+    *d = (int)b - 1;
     return cudaSuccess;
 }
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)

@@ -28,6 +28,8 @@ rm -rf "$work"/run-*
 cat "$root"/README.md "$root"/src/*/*.c > "$work/data.txt"
 model="--layers 2 --dim 64 --heads 4 --seq 32 --batch 2 --steps 3 --lr 3e-3 --seed 7"
 fails=0
+# Each rank takes the GPU of its LOCAL_RANK: the emulation shows four.
+export EMU_DEVICES=4
 
 config() { # file device stage
   cat > "$1" <<JSON
