@@ -2448,15 +2448,77 @@ Test(cli, zero_bad_rank_settings_are_refused_clearly)
     unsetenv("RANK");
     unsetenv("ZINF_COMM_NAME");
     unsetenv("ZINF_COMM_TIMEOUT_MS");
-    /* What this version does not partition. */
-    snprintf(args, sizeof(args), ZMODEL " --steps 1 --precision bf16");
-    cr_assert_eq(train_ranks(&o, 2, cfg, data, args), 1, "%s", o);
-    cr_assert(strstr(o, "runs in fp32 in this version"), "%s", o);
+    /* A LOCAL_RANK that is no GPU's. */
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("RANK", "0", 1);
+    setenv("LOCAL_RANK", "gpu0", 1);
+    snprintf(args, sizeof(args), ZMODEL " --steps 1");
+    cr_assert_eq(train_ranks(&o, 0, cfg, data, args), 2, "%s", o);
+    cr_assert(strstr(o, "LOCAL_RANK 'gpu0'"), "%s", o);
     free(o);
+    unsetenv("WORLD_SIZE");
+    unsetenv("RANK");
+    unsetenv("LOCAL_RANK");
     /* Nothing was saved by the refused runs. */
     char r0[4200];
     snprintf(r0, sizeof(r0), "%s/rank-0-of-2/zinf-manifest.json", swap);
     cr_assert_neq(access(r0, F_OK), 0);
+}
+
+/* Ranks in bf16 and fp16 (16-bit weights; the fp32 masters, gradients and Adam states
+ * partitioned; fp16 with its loss scale): bitwise the losses of one rank accumulating their
+ * micro-batches at stages 1 to 3 (stage 3 also with whole vectors below the persistence
+ * threshold), the 16-bit weights' shards gathered at stage 3 and the updated parts of the
+ * masters and of their 16-bit copies gathered below it. */
+Test(cli, zero_ranks_in_bf16_and_fp16_give_the_losses_of_one_rank_accumulating, .timeout = 300)
+{
+    static char ref[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
+    const char *precs[] = {"bf16", "fp16"};
+    for (int p = 0; p < 2; p++) {
+        char name[32], extra[64];
+        snprintf(name, sizeof(name), "ref-%s", precs[p]);
+        snprintf(extra, sizeof(extra), "--accumulate 2 --precision %s", precs[p]);
+        zero_run(name, 0, 3, extra, 3, ref);
+        for (int stage = 1; stage <= 4; stage++) {
+            snprintf(name, sizeof(name), "%s-s%d", precs[p], stage);
+            snprintf(extra, sizeof(extra), "--precision %s", precs[p]);
+            zero_run(name, 2, stage, extra, 3, got);
+            for (int step = 1; step <= 3; step++)
+                cr_assert_str_eq(got[step], ref[step], "%s, stage %d, step %d", precs[p], stage,
+                                 step);
+        }
+    }
+}
+
+/* The "sample" line of a --log file (the first), into buf. */
+static void sample_line(const char *log, char *buf, size_t len)
+{
+    FILE *f = fopen(log, "r");
+    cr_assert_not_null(f, "%s", log);
+    buf[0] = 0;
+    while (fgets(buf, (int)len, f) && !strstr(buf, "\"sample\""))
+        buf[0] = 0;
+    fclose(f);
+    cr_assert(buf[0], "no sample in %s", log);
+}
+
+/* Sampling at stage 3 gathers the weights it needs from the ranks' shards: two ranks sample
+ * what one rank accumulating their micro-batches samples. */
+Test(cli, zero_ranks_sample_at_stage_3, .timeout = 120)
+{
+    char data[4096], cfg[4096], swap[4096], log[4096], args[8192], a[4096], b[4096], *o;
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    for (int k = 0; k < 2; k++) {
+        snprintf(swap, sizeof(swap), "%s/sample%d", dir, k);
+        snprintf(log, sizeof(log), "%s/sample%d.jsonl", dir, k);
+        zero_config(cfg, sizeof(cfg), swap, 3);
+        snprintf(args, sizeof(args), ZMODEL " --steps 2 --sample-every 2 --log %s%s", log,
+                 k ? "" : " --accumulate 2");
+        cr_assert_eq(train_ranks(&o, k ? 2 : 0, cfg, data, args), 0, "%s", o);
+        free(o);
+        sample_line(log, k ? b : a, sizeof(a));
+    }
+    cr_assert_str_eq(b, a);
 }
 
 /* zinf launch --connect: every rank keeps its state in one daemon, as job JOB-rank-R-of-N,

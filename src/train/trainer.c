@@ -645,6 +645,23 @@ int trainer_eval(struct trainer *t, int n_batches, float *loss)
     return 0;
 }
 
+/* Sampling's fp32 weights (the final norm's and wte), entries 1-3 of its set: as fetched, or
+ * at stage 3 across ranks, where each rank holds a shard of them, gathered from every rank
+ * into whole (world x their shards) through the host communicator. */
+static int sample_weights(struct trainer *t, void **p, float *whole, const float *out[3])
+{
+    const int idx[3] = {t->lnfw, t->lnfb, t->wte};
+    for (int k = 0; k < 3 && whole; k++) {
+        if (train_stage_of(t, idx[k]) < 3) continue;
+        size_t sh = train_shard_of(t, idx[k]);
+        int r = comm_allgather(t->hcomm, p[k + 1], whole, sh, COMM_F32);
+        if (r < 0) return r;
+        out[k] = whole;
+        whole += (size_t)t->world * sh;
+    }
+    return 0;
+}
+
 int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt, size_t plen,
                    unsigned char *out, size_t n)
 {
@@ -656,10 +673,16 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
     if (!t->o.sample || !prompt || plen < 1 || !out || plen + n > (size_t)T) return -EINVAL;
     unsigned char *ctx = malloc((size_t)T);
     float *x = malloc((size_t)C * sizeof(float)), *xn = malloc((size_t)C * sizeof(float));
-    if (!ctx || !x || !xn) {
+    float *whole = NULL;
+    if (t->world > 1 && t->stage >= 3)
+        whole = malloc((size_t)t->world * sizeof(float) *
+                       (train_shard_of(t, t->lnfw) + train_shard_of(t, t->lnfb) +
+                        train_shard_of(t, t->wte)));
+    if (!ctx || !x || !xn || (t->world > 1 && t->stage >= 3 && !whole)) {
         free(ctx);
         free(x);
         free(xn);
+        free(whole);
         return -ENOMEM;
     }
     memcpy(ctx, prompt, plen);
@@ -682,8 +705,13 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
             ops_cast_bf16_to_f32(x, (const uint16_t *)p[0] + at, (size_t)C);
         else
             memcpy(x, (const float *)p[0] + at, (size_t)C * sizeof(float));
-        ops_layernorm_forward(xn, &mean, &rstd, x, p[1], p[2], 1, (size_t)C);
-        const float *wte = p[3];
+        const float *lnf[3] = {p[1], p[2], p[3]};
+        if ((r = sample_weights(t, p, whole, lnf)) < 0) {
+            train_wave_release(t, &w, ZINF_TIER_HOST, false);
+            break;
+        }
+        ops_layernorm_forward(xn, &mean, &rstd, x, lnf[0], lnf[1], 1, (size_t)C);
+        const float *wte = lnf[2];
         float mx = -INFINITY;
         for (int v = 0; v < V; v++) {
             double dot = 0;
@@ -712,6 +740,7 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
     free(ctx);
     free(x);
     free(xn);
+    free(whole);
     if (r < 0) {
         float l;
         double d;

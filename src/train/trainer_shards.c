@@ -136,9 +136,6 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     else if (cuda && strlen(o->comm_name) + sizeof(HOST_COMM_SUFFIX) > COMM_NAME_BYTES)
         why = "the rendezvous name is too long for the ranks' host communicator (name.host): "
               "give zinf launch a shorter --name";
-    else if (o->sample && t->stage >= 3)
-        why = "sampling reads whole parameters, which ZeRO stage 3 does not keep: use stage 1 or 2, "
-              "or sample from one rank";
     if (why) {
         snprintf(err, errlen, "WORLD_SIZE %d: %s", t->world, why);
         return -ENOTSUP;
