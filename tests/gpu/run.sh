@@ -10,6 +10,8 @@
 #     H2D figure from the same run;
 #   - a short `zinf train` on the GPU with a device budget below the model's state, its
 #     loss curve printed, in bf16 (the default) and again in fp16 with loss scaling;
+#   - `zinf launch -n 1 -- zinf train` with --accumulate 2: a rank on LOCAL_RANK's GPU with
+#     exact accumulation (the GPU ranks' folds and chunked norm);
 #   - the step time with weights streamed from host memory against resident weights.
 # summary.txt, figures.json and logs.tar.gz (every log, the build's included) land in $OUT
 # (or ./gpu-out): three files, since what comes back from such a machine is counted in
@@ -87,6 +89,14 @@ step train 60 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data.t
 step train16 45 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data.txt" --layers 8 \
   --dim 512 --heads 8 --seq 256 --batch 8 --steps 15 --lr 5e-4 --precision fp16 --overwrite \
   --log "$out/train16.jsonl"
+# One rank through zinf launch (LOCAL_RANK 0's GPU) with two micro-batches a step: the
+# exact accumulation of GPU ranks (the folds and the norm's chunk sums on the device). NCCL
+# refuses two ranks on one GPU, so the GPU ranks' collectives across ranks are checked in
+# the CPU emulation only (tests/cuda_emu/run.sh ranks); here NCCL runs at world 1
+# (comm_nccl above).
+step train_launch1 60 "$bin/zinf" launch -n 1 -- "$bin/zinf" train --config "$swap/train.json" \
+  --data "$swap/data.txt" --layers 4 --dim 256 --heads 4 --seq 128 --batch 4 --steps 6 \
+  --accumulate 2 --lr 5e-4 --overwrite --log "$out/train_launch1.jsonl"
 # Weights streamed from host memory against resident ones (the optimizer on the host in both).
 step stream 90 env ZINF="$bin/zinf" MODE=host DEVICE="$device" LAYERS=6 DIM=1024 HEADS=16 SEQ=512 \
   BATCH=8 STEPS=4 DEVICE_BYTES=256M HOST_BYTES=4G RES_DEVICE_BYTES=4G RES_HOST_BYTES=4G \
@@ -109,6 +119,8 @@ fig["train_summary"] = next((r["summary"] for r in curve if "summary" in r), Non
 curve16 = [json.loads(l) for l in lines("train16.jsonl") if l.startswith("{")]
 fig["train16_losses"] = [r["loss"] for r in curve16 if "step" in r]
 fig["train16_summary"] = next((r["summary"] for r in curve16 if "summary" in r), None)
+curve_l = [json.loads(l) for l in lines("train_launch1.jsonl") if l.startswith("{")]
+fig["train_launch1_losses"] = [r["loss"] for r in curve_l if "step" in r]
 for l in lines("stream.log"):
     m = re.search(r"median step-time ratio offloaded / resident: ([0-9.]+)", l)
     if m:
