@@ -18,7 +18,6 @@
 #include "common.h"
 #include "config.h"
 #include "train/backend.h"
-#include "train/ops.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
 
@@ -308,12 +307,8 @@ static int refresh_w(struct trainer *t)
     uint16_t *b16 = malloc(most * sizeof(uint16_t));
     for (int i = 0; i < t->ntensors && r == 0 && buf && b16; i++) {
         size_t n = train_role_bytes(t, R_P, i) / sizeof(float);
-        if ((r = zinf_read(t->e, t->p[i], 0, buf, n * sizeof(float))) < 0) break;
-        if (t->be->wdt == BACKEND_F16)
-            ops_cast_f32_to_f16(b16, buf, n);
-        else
-            ops_cast_f32_to_bf16(b16, buf, n);
-        r = zinf_write(t->e, t->w[i], 0, b16, n * sizeof(uint16_t));
+        if ((r = zinf_read(t->e, t->p[i], 0, buf, n * sizeof(float))) == 0)
+            r = train_write_w(t, i, buf, b16, n);
     }
     if (!buf || !b16) r = -ENOMEM;
     free(buf);

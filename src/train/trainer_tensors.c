@@ -405,6 +405,17 @@ int train_register_all(struct trainer *t, char *err, size_t errlen)
     return r;
 }
 
+/* Tensor i's 16-bit weights (the rank's part: n elements) = p cast to bf16 or fp16, through
+ * b16 (n elements). */
+int train_write_w(struct trainer *t, int i, const float *p, uint16_t *b16, size_t n)
+{
+    if (t->be->wdt == BACKEND_F16)
+        ops_cast_f32_to_f16(b16, p, n);
+    else
+        ops_cast_f32_to_bf16(b16, p, n);
+    return zinf_write(t->e, t->w[i], 0, b16, n * sizeof(uint16_t));
+}
+
 int train_init_params(struct trainer *t)
 {
     float *buf = NULL;
@@ -434,23 +445,11 @@ int train_init_params(struct trainer *t)
             size_t sh = train_shard_of(t, i);
             memset(buf + own, 0, (sh - own) * sizeof(float));
             r = zinf_write(t->e, t->p[i], 0, buf, sh * sizeof(float));
-            if (r == 0 && t->w != t->p) {
-                if (t->be->wdt == BACKEND_F16)
-                    ops_cast_f32_to_f16(b16, buf, sh);
-                else
-                    ops_cast_f32_to_bf16(b16, buf, sh);
-                r = zinf_write(t->e, t->w[i], 0, b16, sh * sizeof(uint16_t));
-            }
+            if (r == 0 && t->w != t->p) r = train_write_w(t, i, buf, b16, sh);
             continue;
         }
         if (r == 0) r = zinf_write(t->e, t->p[i], 0, buf, n * sizeof(float));
-        if (r == 0 && t->w != t->p) {
-            if (t->be->wdt == BACKEND_F16)
-                ops_cast_f32_to_f16(b16, buf, n);
-            else
-                ops_cast_f32_to_bf16(b16, buf, n);
-            r = zinf_write(t->e, t->w[i], 0, b16, n * sizeof(uint16_t));
-        }
+        if (r == 0 && t->w != t->p) r = train_write_w(t, i, buf, b16, n);
     }
     free(buf);
     free(b16);
