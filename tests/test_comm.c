@@ -849,6 +849,71 @@ Test(comm, nccl_collectives_are_the_rank_order_sum_on_2_and_4_ranks)
     expect_ranks_pass(4, nccl_collectives, &a, "nccl collectives on 4 ranks");
 }
 
+/* The collective's stream waits for an event of the caller's stream (after the copy that
+ * writes its input), and the caller's stream for the event recorded after it (before the
+ * copy that reads its output): no host wait orders them. */
+static int nccl_events(int rank, int world, const char *name, void *argp)
+{
+    const struct nccl_arg *a = argp;
+    size_t n = a->count, bytes = n * sizeof(float);
+    struct comm_opts o = {.backend = COMM_NCCL, .rank = rank, .world = world, .name = name,
+                          .timeout_ms = 60000, .cuda_device = a->per_rank_device ? rank : 0};
+    struct comm *c = NULL;
+    cudaStream_t s;
+    cudaEvent_t after, done;
+    float *h = NULL, *d = NULL;
+    int err = comm_open(&o, &c);
+    if (err) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&after, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess ||
+        cudaMallocHost((void **)&h, bytes) != cudaSuccess ||
+        cudaMalloc((void **)&d, 2 * bytes) != cudaSuccess)
+        FAIL(11, "CUDA setup");
+    for (int round = 0; round < 3; round++) {
+        for (size_t i = 0; i < n; i++)
+            h[i] = value(rank + round, i);
+        struct comm_req q = {.op = COMM_ALLREDUCE, .dtype = COMM_F32, .send = d, .recv = d + n,
+                             .count = n, .wait_event = after, .done_event = done};
+        if (cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, s) != cudaSuccess ||
+            cudaEventRecord(after, s) != cudaSuccess)
+            FAIL(12, "copy in");
+        if ((err = comm_run(c, &q))) FAIL(13, "allreduce: %s", zinf_strerror(err));
+        if (cudaStreamWaitEvent(s, done, 0) != cudaSuccess ||
+            cudaMemcpyAsync(h, d + n, bytes, cudaMemcpyDeviceToHost, s) != cudaSuccess ||
+            cudaStreamSynchronize(s) != cudaSuccess)
+            FAIL(14, "copy out");
+        for (size_t i = 0; i < n; i++) {
+            float want = value(round, i);
+            for (int r = 1; r < world; r++)
+                want += value(r + round, i);
+            if (memcmp(&h[i], &want, 4)) FAIL(15, "round %d: element %zu", round, i);
+        }
+    }
+    cudaFree(d);
+    cudaFreeHost(h);
+    cudaEventDestroy(after);
+    cudaEventDestroy(done);
+    cudaStreamDestroy(s);
+    comm_close(c);
+    return 0;
+}
+
+Test(comm, nccl_collectives_are_ordered_with_the_callers_stream_by_events)
+{
+    char why[256];
+    int dev1;
+    if (!nccl_ranks_here(2, &dev1, why, sizeof(why))) {
+        /* One GPU: the same at world 1. */
+        if (!nccl_ranks_here(1, &dev1, why, sizeof(why))) cr_skip_test("%s", why);
+        struct nccl_arg a = {.count = 1 << 20, .per_rank_device = 0};
+        expect_ranks_pass(1, nccl_events, &a, "nccl events on 1 rank");
+        return;
+    }
+    struct nccl_arg a = {.count = 1 << 20, .per_rank_device = dev1};
+    expect_ranks_pass(2, nccl_events, &a, "nccl events on 2 ranks");
+}
+
 /* The last rank dies once the communicator is open; the others' next collective (waiting
  * in NCCL for a peer that will never come) fails within seconds, as every later one. */
 static int nccl_one_dies(int rank, int world, const char *name, void *argp)

@@ -86,6 +86,12 @@ struct comm_req {
     int root;     /* broadcast */
     comm_cb cb;
     void *data;
+    /* nccl: CUDA events (cudaEvent_t; NULL: none). The collective's stream waits for
+     * wait_event (recorded on the caller's compute stream after the work that writes send)
+     * before it runs, and done_event is recorded on that stream after it, for the compute
+     * stream to wait on before it reads recv. The other backends ignore them: their
+     * buffers are host memory, ordered by the callback. */
+    void *wait_event, *done_event;
     /* private */
     struct comm_req *next_;
 };

@@ -238,6 +238,10 @@ int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
     if (n->aborted) return -ECONNABORTED;
     ncclDataType_t t = nccl_type(q->dtype);
     ncclResult_t r = ncclSuccess;
+    cudaError_t e;
+    if (q->wait_event && q->op != COMM_BARRIER &&
+        (e = cudaStreamWaitEvent(n->stream, (cudaEvent_t)q->wait_event, 0)) != cudaSuccess)
+        return cuda_err(e, "cudaStreamWaitEvent");
     switch (q->op) {
     case COMM_ALLGATHER:
         r = lib.AllGather(q->send, q->recv, q->count, t, n->comm, n->stream);
@@ -255,6 +259,8 @@ int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
         return shm_barrier(rdv);
     }
     if (r != ncclSuccess) return nccl_errno(r, "an NCCL collective");
+    if (q->done_event && (e = cudaEventRecord((cudaEvent_t)q->done_event, n->stream)) != cudaSuccess)
+        return cuda_err(e, "cudaEventRecord");
     return wait_stream(n, rdv);
 }
 

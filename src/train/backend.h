@@ -86,6 +86,14 @@ struct backend_ops {
     /* dst (n elements of wdt, device memory) = src (n fp32): the copy the device computes
      * with, refreshed from the master weights. */
     int (*cast)(struct backend *b, void *dst, const float *src, size_t n);
+    /* Events of the compute stream, to order it with a collective's stream (comm_req's
+     * wait_event and done_event): event_new makes one (*ev NULL where the backend has no
+     * streams: the CPU's), record marks the end of what is queued now, wait makes what is
+     * queued after it wait for ev. All accept NULL. */
+    int (*event_new)(struct backend *b, void **ev);
+    void (*event_free)(struct backend *b, void *ev);
+    int (*record)(struct backend *b, void *ev);
+    int (*wait)(struct backend *b, void *ev);
     /* Waits until everything queued has finished. */
     int (*sync)(struct backend *b);
     /* Waits, then hands out the step's loss and sum of squares and resets the sum. */

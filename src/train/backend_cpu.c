@@ -234,6 +234,25 @@ static int cpu_cast(struct backend *b, void *dst, const float *src, size_t n)
     return 0;
 }
 
+/* No streams: the work is done when the call returns. */
+static int cpu_event_new(struct backend *b, void **ev)
+{
+    (void)b;
+    *ev = NULL;
+    return 0;
+}
+
+static void cpu_event_free(struct backend *b, void *ev)
+{
+    (void)b, (void)ev;
+}
+
+static int cpu_event(struct backend *b, void *ev)
+{
+    (void)b, (void)ev;
+    return 0;
+}
+
 static int cpu_sync(struct backend *b)
 {
     (void)b;
@@ -265,6 +284,10 @@ static const struct backend_ops cpu_ops = {
     .chunk_sumsq = cpu_chunk_sumsq,
     .copy = cpu_copy,
     .cast = cpu_cast,
+    .event_new = cpu_event_new,
+    .event_free = cpu_event_free,
+    .record = cpu_event,
+    .wait = cpu_event,
     .sync = cpu_sync,
     .collect = cpu_collect,
 };

@@ -313,6 +313,29 @@ static int cuda_cast(struct backend *b, void *dst, const float *src, size_t n)
     return kernel_cast(dst, c->dt, src, KDT_F32, n, c->s);
 }
 
+static int cuda_event_new(struct backend *b, void **ev)
+{
+    (void)b;
+    *ev = NULL;
+    return cuerr(cudaEventCreateWithFlags((cudaEvent_t *)ev, cudaEventDisableTiming));
+}
+
+static void cuda_event_free(struct backend *b, void *ev)
+{
+    (void)b;
+    if (ev) cudaEventDestroy((cudaEvent_t)ev);
+}
+
+static int cuda_record(struct backend *b, void *ev)
+{
+    return ev ? cuerr(cudaEventRecord((cudaEvent_t)ev, cub(b)->s)) : 0;
+}
+
+static int cuda_wait(struct backend *b, void *ev)
+{
+    return ev ? cuerr(cudaStreamWaitEvent(cub(b)->s, (cudaEvent_t)ev, 0)) : 0;
+}
+
 static int cuda_sync(struct backend *b)
 {
     return cuerr(cudaStreamSynchronize(cub(b)->s));
@@ -355,6 +378,10 @@ static const struct backend_ops cuda_ops = {
     .chunk_sumsq = cuda_chunk_sumsq,
     .copy = cuda_copy,
     .cast = cuda_cast,
+    .event_new = cuda_event_new,
+    .event_free = cuda_event_free,
+    .record = cuda_record,
+    .wait = cuda_wait,
     .sync = cuda_sync,
     .collect = cuda_collect,
 };

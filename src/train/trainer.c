@@ -542,6 +542,10 @@ void trainer_close(struct trainer *t)
     free(t->tmp);
     if (t->hcomm != t->comm) comm_close(t->hcomm);
     comm_close(t->comm);
+    for (int q = 0; q < GPT_BLOCK_NSLOTS && t->be; q++) {
+        t->be->ops->event_free(t->be, t->rq[q].after);
+        t->be->ops->event_free(t->be, t->rq[q].done);
+    }
     pthread_mutex_destroy(&t->gmu);
     pthread_cond_destroy(&t->gcv);
     for (unsigned k = 0; k < t->nbase; k++)

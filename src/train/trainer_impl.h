@@ -140,6 +140,9 @@ struct trainer {
         int idx;
         float *g;
         size_t count;
+        /* On a GPU, the reduction's stream waits for `after` (the compute stream's event
+         * past the gradients it reads), and the fold for `done` (the reduction's). */
+        void *after, *done;
     } rq[GPT_BLOCK_NSLOTS];
     uint64_t reduce_ns; /* the time steps waited for gradient reductions */
     zinf_tensor zstate;     /* struct zero_state */

@@ -60,7 +60,8 @@ int train_fold_behind(struct trainer *t, int n)
     int r = 0;
     for (int q = 0; q < n && r == 0 && !t->be->any_thread; q++) {
         struct reduce_ctx *x = &t->rq[q];
-        r = fold_grad(t, x->idx, x->req.recv, x->g, x->count);
+        if ((r = t->be->ops->wait(t->be, x->done)) == 0)
+            r = fold_grad(t, x->idx, x->req.recv, x->g, x->count);
     }
     return r;
 }
@@ -219,6 +220,13 @@ int train_zero_alloc(struct trainer *t)
     t->part_all = calloc(t->nparts * (size_t)t->world, sizeof(double));
     t->losses = calloc((size_t)t->o.grad_accum * (size_t)(t->world + 1), sizeof(float));
     t->tmp = t->world > 1 ? calloc(sh * (size_t)(t->world + 1), sizeof(float)) : NULL;
+    /* overlap_comm: the events that order the reductions behind the backward with the
+     * compute stream (none on the CPU). */
+    int r = 0;
+    for (int q = 0; q < GPT_BLOCK_NSLOTS && t->overlap && r == 0; q++)
+        if ((r = t->be->ops->event_new(t->be, &t->rq[q].after)) == 0)
+            r = t->be->ops->event_new(t->be, &t->rq[q].done);
+    if (r < 0) return r;
     return t->part && t->part_all && t->losses && (t->world == 1 || t->tmp) ? 0 : -ENOMEM;
 }
 

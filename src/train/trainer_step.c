@@ -319,6 +319,11 @@ int train_wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier tie
         x->g = m[i + 1];
         train_reduce_req(t, w->idx[i], m[i], x->g, &x->req);
         x->count = x->req.count;
+        /* After the kernels that wrote the local gradients, on the reduction's own stream;
+         * the fold waits for it on the compute stream (train_fold_behind). */
+        if ((r = t->be->ops->record(t->be, x->after)) < 0) break;
+        x->req.wait_event = x->after;
+        x->req.done_event = x->done;
         x->req.cb = train_reduce_done;
         x->req.data = x;
         if (train_submit_async(t, &x->req) < 0) break;
