@@ -4,8 +4,9 @@
 # 1, 2 and 3, in fp32, bf16 and fp16, on 2 and 4 ranks. run.sh calls it with the zinf it
 # built (`tests/cuda_emu/run.sh ranks`):
 #
-#   tests/cuda_emu/ranks.sh ZINF WORKDIR
+#   tests/cuda_emu/ranks.sh ZINF WORKDIR [faults]
 #
+# (faults: the fault runs alone.)
 # Checks, for every precision, stage and number of ranks N:
 #   - N emulated GPU ranks log bitwise the losses and parameter digests of one emulated GPU
 #     rank that accumulates N micro-batches (--accumulate N): the emulated NCCL sums in rank
@@ -16,10 +17,13 @@
 #     its fixed buffers (the gather and local-gradient buffers, which hold whole tensors:
 #     the summary's device_scratch_bytes) is at most 1/N of what one rank keeps there, plus
 #     10% for the shards' rounding and 512 KiB of transients.
+#   - faults: a GPU rank killed at the start of a checkpoint, or after its rename, fails the
+#     job, and --resume goes on bitwise as a run that was never killed.
 # Prints one line per run and a table of the figures; exits non-zero if any check fails.
 set -uo pipefail
 zinf=$1
 work=$2
+only=${3:-}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 mkdir -p "$work"
@@ -62,6 +66,7 @@ run() { # name ranks device stage precision extra...
   fi
 }
 
+[ "$only" = faults ] ||
 for prec in fp32 bf16 fp16; do
   for n in 2 4; do
     run "gpu1-$prec-acc$n" 1 cuda 3 "$prec" --accumulate "$n"
@@ -73,6 +78,7 @@ for prec in fp32 bf16 fp16; do
 done
 # The device's peaks, on a model whose tensors are large next to a shard's rounding.
 big="--dim 256 --heads 4 --steps 1"
+[ "$only" = faults ] ||
 for prec in fp32 bf16; do
   run "peak1-$prec" 1 cuda 3 "$prec" $big
   for n in 2 4; do
@@ -80,9 +86,50 @@ for prec in fp32 bf16; do
   done
 done
 
-python3 - "$work" <<'PY' || fails=$((fails + 1))
+# Faults: 2 bf16 GPU ranks at stage 3 with checkpoints every 2 steps, rank 1 killed at the
+# start of the step-2 checkpoint (a dead rank fails the job) and after its rename (the
+# checkpoint commits as one); each job fails, and --resume on 2 ranks goes on from the
+# newest step both hold, bitwise as a run that was never killed.
+fault_cfg() { # dir
+  cat > "$1/cfg.json" <<JSON
+{"zero_optimization": {"stage": 3,
+  "offload_param": {"device": "nvme", "nvme_path": "$1/swap"}, "offload_optimizer": {"device": "cpu"}},
+ "zinf": {"device": "cuda", "device_bytes": "512M", "host_bytes": "256M"}}
+JSON
+}
+fault() { # name kill-point (empty: the run that is never killed)
+  local d=$work/run-fault-$1 rc
+  mkdir -p "$d"
+  fault_cfg "$d"
+  local args=(--config "$d/cfg.json" --data "$work/data.txt" $model --steps 4 --checkpoint-every 2
+              --precision bf16)
+  ZINF_TEST_KILL_AT=${2:+$2:1:2} "$zinf" launch -n 2 --no-bind --name "emu-f$1-$$" -- "$zinf" train \
+    "${args[@]}" --log "$d/a.jsonl" > "$d/a.out" 2>&1
+  rc=$?
+  if [ -z "$2" ]; then
+    echo "   fault-$1 (never killed): rc=$rc"
+    [ $rc = 0 ] || { tail -15 "$d/a.out" | sed 's/^/   | /'; fails=$((fails + 1)); }
+    return
+  fi
+  echo "   fault-$1 (rank 1 killed at $2 of the step-2 checkpoint): rc=$rc"
+  if [ $rc = 0 ] || ! grep -q "rank 1" "$d/a.out"; then
+    echo "   FAIL the job did not fail naming rank 1"
+    tail -15 "$d/a.out" | sed 's/^/   | /'
+    fails=$((fails + 1))
+  fi
+  "$zinf" launch -n 2 --no-bind --name "emu-r$1-$$" -- "$zinf" train "${args[@]}" --resume \
+    --log "$d/b.jsonl" > "$d/b.out" 2>&1
+  rc=$?
+  echo "   fault-$1 resumed: rc=$rc"
+  [ $rc = 0 ] || { tail -15 "$d/b.out" | sed 's/^/   | /'; fails=$((fails + 1)); }
+}
+fault ref ""
+fault barrier before-barrier
+fault rename after-rename
+
+python3 - "$work" "$only" <<'PY' || fails=$((fails + 1))
 import json, os, sys
-work = sys.argv[1]
+work, only = sys.argv[1], sys.argv[2]
 
 def log(name, rank=0):
     p = os.path.join(work, 'run-' + name, 'log.jsonl' + ('.rank-%d' % rank if rank else ''))
@@ -105,7 +152,7 @@ def check(ok, what):
 
 tol = {'fp32': 1e-3, 'bf16': 3e-2, 'fp16': 3e-2}
 rows = []
-for prec in ('fp32', 'bf16', 'fp16'):
+for prec in () if only == 'faults' else ('fp32', 'bf16', 'fp16'):
     for n in (2, 4):
         ref, rsum = log('gpu1-%s-acc%d' % (prec, n))
         for stage in (1, 2, 3):
@@ -121,7 +168,7 @@ for prec in ('fp32', 'bf16', 'fp16'):
                   what + ': within %g of %d CPU ranks (largest %s)' % (tol[prec], n, worst))
             rows.append((prec, n, stage, g[-1]['loss'] if g else None,
                          c[-1]['loss'] if c else None))
-for prec in ('fp32', 'bf16'):
+for prec in () if only == 'faults' else ('fp32', 'bf16'):
     _, one = log('peak1-' + prec)
     for n in (2, 4):
         peaks = []
@@ -135,6 +182,18 @@ for prec in ('fp32', 'bf16'):
         check(ok, '%s, %d GPU ranks at stage 3: device peak beyond the fixed buffers %s per rank; '
               'one rank %d, 1/%d of it %d' % (prec, n, peaks, base, n, base // n))
         rows.append((prec, n, 'peak beyond fixed buffers', base, max(peaks) if peaks else None))
+def steps_of(path):
+    return {r['step']: r for r in (json.loads(l) for l in open(path)) if 'step' in r} \
+        if os.path.exists(path) else {}
+ref = steps_of(os.path.join(work, 'run-fault-ref', 'a.jsonl'))
+for name in ('barrier', 'rename'):
+    d = os.path.join(work, 'run-fault-' + name)
+    before, after = steps_of(os.path.join(d, 'a.jsonl')), steps_of(os.path.join(d, 'b.jsonl'))
+    same = len(ref) == 4 and set(before) >= {1, 2} and max(after, default=0) == 4 and all(
+        ref[k]['loss'] == r['loss'] and ref[k]['digest'] == r['digest']
+        for k, r in list(before.items()) + list(after.items()))
+    check(same, 'fault at %s: steps %s before and %s after the resume are bitwise the '
+          'never-killed run\'s' % (name, sorted(before), sorted(after)))
 print('   figures (precision, ranks, stage, GPU ranks\' last loss, CPU ranks\' last loss; and '
       'at stage 3 the device peaks beyond fixed buffers of one rank and of the largest rank):')
 for r in rows:
