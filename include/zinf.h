@@ -253,6 +253,29 @@ ZINF_API int zinf_saved_at(const char *dir, int64_t *ns);
 ZINF_API int zinf_saved_tensors(const char *dir, size_t *ntensors);
 ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out);
 
+/* AdamW for trainers that keep their parameters and optimizer states in zinf (fetch them to
+ * the host tier, step, release them dirty): torch.optim.AdamW's update with decoupled
+ * weight decay, p -= lr * (m^ / (sqrt(v^) + eps) + weight_decay * p), m^ and v^ the moments
+ * with their bias corrections. It runs the widest SIMD kernel this CPU has, over the
+ * library's OpenMP threads cut at points fixed by n alone: the same inputs give the same
+ * bits whatever the number of threads (not across CPUs with other kernels, whose results
+ * differ in rounding). */
+struct zinf_adamw {
+    float lr;           /* >= 0 */
+    float beta1, beta2; /* in [0, 1) */
+    float eps;          /* > 0 */
+    float weight_decay; /* >= 0 */
+    uint64_t reserved[4]; /* must be zero */
+};
+/* torch.optim.AdamW's defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01. */
+ZINF_API void zinf_adamw_defaults(struct zinf_adamw *h);
+/* One step over n fp32 elements in place on param, m and v (host memory); step is Adam's
+ * count from 1; grad_scale multiplies grad first (1: as it is; a clipping factor, or
+ * 1 / loss scale). -EINVAL (nothing changed) for a NULL buffer with n > 0, step < 1, a
+ * hyper-parameter out of its range, a grad_scale that is not finite, or reserved not zero. */
+ZINF_API int zinf_adamw_step(const struct zinf_adamw *h, int step, float *param,
+                             const float *grad, float *m, float *v, size_t n, float grad_scale);
+
 /* The library's version as "MAJOR.MINOR.PATCH". */
 /* Where the library's messages go (notices such as "the host tier runs unpinned", and the
  * reason behind an error code: the file, the limit). Default: stderr, "zinf: " first, at

@@ -23,6 +23,7 @@
 #include "train/digest.h"
 #include "train/ops.h"
 #include "train/gpt.h"
+#include "zinf.h"
 
 #define TB 2 /* batch */
 #define TT 8 /* sequence length */
@@ -1448,4 +1449,45 @@ Test(train_ops, digest_sees_every_bit_and_adds_up_in_pieces)
               (unsigned long long)d[0], (unsigned long long)d[1], (unsigned long long)d[2]);
     free(p);
     free(big);
+}
+
+/* zinf.h's AdamW: torch's defaults, bitwise the library's own step with the same
+ * hyper-parameters, and every bad argument refused with nothing changed. */
+Test(adamw, the_public_step_is_the_trainers_and_refuses_bad_arguments)
+{
+    struct zinf_adamw h;
+    zinf_adamw_defaults(&h);
+    cr_assert(h.lr == 1e-3f && h.beta1 == 0.9f && h.beta2 == 0.999f && h.eps == 1e-8f &&
+              h.weight_decay == 0.01f);
+    h.beta2 = hp.beta2;
+    h.weight_decay = hp.weight_decay;
+    struct adam_bufs ref = adam_random(65537, 77), got = adam_copy(&ref);
+    for (int step = 1; step <= 3; step++) {
+        cr_assert_eq(adamw_update(ref.p, ref.g, ref.m, ref.v, ref.n, &hp, step, 0.5f), 0);
+        cr_assert_eq(zinf_adamw_step(&h, step, got.p, got.g, got.m, got.v, got.n, 0.5f), 0);
+    }
+    cr_assert(adam_same_bits(&ref, &got), "zinf_adamw_step differs from adamw_update");
+
+    struct adam_bufs keep = adam_copy(&got);
+    struct zinf_adamw bad[6];
+    for (int i = 0; i < 6; i++)
+        bad[i] = h;
+    bad[0].lr = -1;
+    bad[1].beta1 = 1;
+    bad[2].beta2 = NAN;
+    bad[3].eps = 0;
+    bad[4].weight_decay = -0.1f;
+    bad[5].reserved[2] = 1;
+    for (int i = 0; i < 6; i++)
+        cr_assert_eq(zinf_adamw_step(&bad[i], 4, got.p, got.g, got.m, got.v, got.n, 1), -EINVAL,
+                     "bad hyper-parameters %d", i);
+    cr_assert_eq(zinf_adamw_step(NULL, 4, got.p, got.g, got.m, got.v, got.n, 1), -EINVAL);
+    cr_assert_eq(zinf_adamw_step(&h, 0, got.p, got.g, got.m, got.v, got.n, 1), -EINVAL, "step 0");
+    cr_assert_eq(zinf_adamw_step(&h, 4, got.p, got.g, got.m, got.v, got.n, INFINITY), -EINVAL);
+    cr_assert_eq(zinf_adamw_step(&h, 4, got.p, NULL, got.m, got.v, got.n, 1), -EINVAL);
+    cr_assert_eq(zinf_adamw_step(&h, 4, NULL, NULL, NULL, NULL, 0, 1), 0, "nothing to do");
+    cr_assert(adam_same_bits(&keep, &got), "a refused step changed something");
+    adam_free(&ref);
+    adam_free(&got);
+    adam_free(&keep);
 }
