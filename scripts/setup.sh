@@ -11,11 +11,13 @@ build_dir=${BUILD_DIR:-build}
 # libhwloc-plugins: hwloc's libxml2 XML parser for `zinf topo --xml` (without it hwloc has
 # only a minimal one that reads nothing but its own layout), with the discovery plugins
 # (gl, opencl, pci) that most installs have and that zinf leaves out of its loads.
+# python3-dev: the headers the Python package (python/zinf) is built with; python3-numpy: its
+# DLPack tests.
 # systemd: systemd-analyze, systemd-sysusers and systemd-tmpfiles, with which the packaging
 # test checks the installed unit (no running systemd is needed).
 pkgs=(gcc g++ pkg-config meson ninja-build liburing-dev libnuma-dev libhwloc-dev
-      libhwloc-plugins libcriterion-dev libjansson-dev libopenblas-dev fio python3 gnuplot-nox
-      systemd)
+      libhwloc-plugins libcriterion-dev libjansson-dev libopenblas-dev fio python3 python3-dev python3-numpy
+      gnuplot-nox systemd)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

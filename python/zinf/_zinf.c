@@ -1,0 +1,1467 @@
+/*
+ * _zinf.c - the CPython extension under the zinf package: an Engine object over a
+ * zinf_engine handle (zinf_open, zinf_open_config_flags or zinf_connect), tensor handles,
+ * and Pinned objects for fetched copies that export their memory through DLPack without
+ * copying. Every call that may block runs with the GIL dropped; the bookkeeping of the
+ * objects (pins, exports, a close waiting for them) changes only with the GIL held.
+ *
+ * It is not a tensor library: no arithmetic, no copies beyond read/write, and nothing of
+ * torch (a consumer takes the memory with from_dlpack).
+ *
+ * Lifetimes. A Pinned holds a reference to its Engine, and each DLPack export holds one to
+ * its Pinned, so the memory a view points at stays pinned until the consumer's deleter has
+ * run, whatever the caller released meanwhile. Engine.close() stops new calls at once, but
+ * the engine is closed for real only when no call is in flight and no pin is held.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <zinf.h>
+
+#include "dlpack.h"
+
+static PyObject *ZinfError;  /* zinf.Error, an OSError */
+static PyObject *TensorType; /* zinf.Tensor, an int with attributes */
+
+/* ---- errors ---------------------------------------------------------------------------- */
+
+/* Raises zinf.Error for a negative errno r; filename, when given, is named in it. */
+static PyObject *raise_zinf(int r, const char *what, PyObject *filename)
+{
+    int err = r < 0 ? -r : r;
+    PyObject *msg = PyUnicode_FromFormat("%s: %s", what, zinf_strerror(-err));
+    if (!msg) return NULL;
+    PyObject *exc = filename ? PyObject_CallFunction(ZinfError, "iOO", err, msg, filename)
+                             : PyObject_CallFunction(ZinfError, "iO", err, msg);
+    Py_DECREF(msg);
+    if (exc) {
+        PyErr_SetObject(ZinfError, exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+/* ---- arguments ------------------------------------------------------------------------- */
+
+/* A tier given as zinf.DEVICE/HOST/NVME (ints) or "device"/"host"/"nvme". */
+static int parse_tier(PyObject *o, int *out)
+{
+    if (PyUnicode_Check(o)) {
+        const char *s = PyUnicode_AsUTF8(o);
+        if (!s) return -1;
+        if (!strcmp(s, "device")) *out = ZINF_TIER_DEVICE;
+        else if (!strcmp(s, "host")) *out = ZINF_TIER_HOST;
+        else if (!strcmp(s, "nvme")) *out = ZINF_TIER_NVME;
+        else {
+            PyErr_Format(PyExc_ValueError, "unknown tier %R (device, host or nvme)", o);
+            return -1;
+        }
+        return 0;
+    }
+    if (PyLong_Check(o)) {
+        long v = PyLong_AsLong(o);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (v < ZINF_TIER_DEVICE || v > ZINF_TIER_NVME) {
+            PyErr_Format(PyExc_ValueError, "unknown tier %ld (zinf.DEVICE, HOST or NVME)", v);
+            return -1;
+        }
+        *out = (int)v;
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "a tier is a str or zinf.DEVICE/HOST/NVME, not %s",
+                 Py_TYPE(o)->tp_name);
+    return -1;
+}
+
+/* A tensor handle: a zinf.Tensor or any int. */
+static int parse_handle(PyObject *o, zinf_tensor *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "a tensor handle is an int, not %s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%R is no tensor handle", o);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* Byte counts and offsets: non-negative ints. */
+static int parse_size(PyObject *o, const char *what, size_t *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s is an int, not %s", what, Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    size_t v = PyLong_AsSize_t(o);
+    if (v == (size_t)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be a non-negative int, not %R", what, o);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* The dtypes DLPack can carry, by numpy's names. */
+static const struct dtype_info {
+    const char *name;
+    uint8_t code, bits;
+} dtypes[] = {
+    {"float16", kDLFloat, 16},  {"float32", kDLFloat, 32},     {"float64", kDLFloat, 64},
+    {"bfloat16", kDLBfloat, 16}, {"int8", kDLInt, 8},          {"int16", kDLInt, 16},
+    {"int32", kDLInt, 32},      {"int64", kDLInt, 64},         {"uint8", kDLUInt, 8},
+    {"uint16", kDLUInt, 16},    {"uint32", kDLUInt, 32},       {"uint64", kDLUInt, 64},
+    {"bool", kDLBool, 8},       {"complex64", kDLComplex, 64}, {"complex128", kDLComplex, 128},
+};
+
+static const struct dtype_info *find_dtype(const char *name)
+{
+    for (size_t i = 0; i < sizeof(dtypes) / sizeof(dtypes[0]); i++)
+        if (!strcmp(dtypes[i].name, name)) return &dtypes[i];
+    return NULL;
+}
+
+/* A dtype as a str ("float32"), a numpy dtype (its .name) or a numpy scalar type (its
+ * __name__); *out is its canonical name, a new reference. */
+static const struct dtype_info *parse_dtype(PyObject *o, PyObject **out)
+{
+    PyObject *name;
+    if (PyUnicode_Check(o)) {
+        name = Py_NewRef(o);
+    } else if (PyObject_HasAttrString(o, "itemsize") && PyObject_HasAttrString(o, "name")) {
+        name = PyObject_GetAttrString(o, "name");
+    } else if (PyType_Check(o)) {
+        name = PyObject_GetAttrString(o, "__name__");
+    } else {
+        PyErr_Format(PyExc_TypeError, "a dtype is a str such as \"float32\", not %s",
+                     Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    if (!name) return NULL;
+    const char *s = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+    const struct dtype_info *d = s ? find_dtype(s) : NULL;
+    if (!d) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "unsupported dtype %R", o);
+        Py_DECREF(name);
+        return NULL;
+    }
+    Py_DECREF(name);
+    *out = PyUnicode_FromString(d->name);
+    return *out ? d : NULL;
+}
+
+/* ---- Engine ---------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    zinf_engine *e;       /* NULL once closed for real */
+    int closing;          /* close() asked for: no new calls */
+    Py_ssize_t busy;      /* calls in flight with the GIL dropped */
+    Py_ssize_t pins;      /* pins held through Pinned objects and pending tickets */
+    int device_is_cuda, host_pinned, cuda_device, readonly;
+    PyObject *meta;       /* {handle: (shape, dtype)} of tensors registered with a shape */
+    PyObject *tickets;    /* {ticket: (handle, tier)} of fetch_async calls not waited yet */
+} EngineObject;
+
+static PyTypeObject EngineType;
+
+/* Takes the engine for one call: NULL (with ValueError) when it is closed. Every success is
+ * paired with eng_leave(). */
+static zinf_engine *eng_enter(EngineObject *self)
+{
+    if (!self->e || self->closing) {
+        PyErr_SetString(PyExc_ValueError, "the zinf engine is closed");
+        return NULL;
+    }
+    self->busy++;
+    return self->e;
+}
+
+/* Closes the engine once it was asked for and nothing holds it any more. GIL held. */
+static void eng_maybe_close(EngineObject *self)
+{
+    if (!self->closing || self->busy || self->pins || !self->e) return;
+    zinf_engine *e = self->e;
+    self->e = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    zinf_close(e);
+    Py_END_ALLOW_THREADS
+}
+
+static void eng_leave(EngineObject *self)
+{
+    self->busy--;
+    eng_maybe_close(self);
+}
+
+/* What DLPack and the stats need to know of a freshly opened engine. */
+static void eng_learn(EngineObject *self)
+{
+    struct zinf_stats st;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_stats(self->e, &st);
+    Py_END_ALLOW_THREADS
+    if (r == 0) {
+        self->device_is_cuda = (int)st.device_is_cuda;
+        self->host_pinned = (int)st.host_pinned;
+    }
+}
+
+static EngineObject *eng_alloc(PyTypeObject *type)
+{
+    EngineObject *self = (EngineObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->meta = PyDict_New();
+    self->tickets = PyDict_New();
+    if (!self->meta || !self->tickets) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return self;
+}
+
+/* A dict config is written as JSON to a memory file whose /proc path the parser opens. */
+static int config_from_dict(PyObject *dict, int *fd_out, char *path, size_t path_len)
+{
+    PyObject *json = PyImport_ImportModule("json");
+    if (!json) return -1;
+    PyObject *text = PyObject_CallMethod(json, "dumps", "O", dict);
+    Py_DECREF(json);
+    if (!text) return -1;
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(text, &n);
+    if (!s) {
+        Py_DECREF(text);
+        return -1;
+    }
+    int fd = memfd_create("zinf-config.json", MFD_CLOEXEC);
+    if (fd < 0) {
+        Py_DECREF(text);
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    for (Py_ssize_t off = 0; off < n;) {
+        ssize_t w = write(fd, s + off, (size_t)(n - off));
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            PyErr_SetFromErrno(PyExc_OSError);
+            close(fd);
+            Py_DECREF(text);
+            return -1;
+        }
+        off += w;
+    }
+    Py_DECREF(text);
+    snprintf(path, path_len, "/proc/self/fd/%d", fd);
+    *fd_out = fd;
+    return 0;
+}
+
+static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"config", "nvme_path", "device_bytes", "host_bytes", "device",
+                             "resume", "overwrite", "readonly", "pin", NULL};
+    PyObject *config = Py_None, *nvme = Py_None, *dev_bytes = NULL, *host_bytes = NULL;
+    const char *device = "auto";
+    int resume = 0, overwrite = 0, readonly = 0, pin = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$OOOsppppp", kwlist, &config, &nvme,
+                                     &dev_bytes, &host_bytes, &device, &resume, &overwrite,
+                                     &readonly, &pin))
+        return -1;
+    if (self->e) {
+        PyErr_SetString(PyExc_ValueError, "the engine is open already");
+        return -1;
+    }
+    unsigned flags = (resume ? ZINF_OPEN_RESUME : 0) | (overwrite ? ZINF_OPEN_OVERWRITE : 0) |
+                     (readonly ? ZINF_OPEN_READONLY : 0) | (pin ? 0 : ZINF_OPEN_NO_PIN);
+    zinf_engine *e = NULL;
+    int r;
+    if (config != Py_None) {
+        if (nvme != Py_None || dev_bytes || host_bytes || strcmp(device, "auto")) {
+            PyErr_SetString(PyExc_TypeError, "give a config or nvme_path/device_bytes/"
+                                             "host_bytes/device, not both");
+            return -1;
+        }
+        PyObject *named; /* the path an error names */
+        char memfd_path[64];
+        int fd = -1;
+        const char *path;
+        PyObject *bytes = NULL;
+        if (PyDict_Check(config)) {
+            if (config_from_dict(config, &fd, memfd_path, sizeof(memfd_path))) return -1;
+            path = memfd_path;
+            named = PyUnicode_FromString("<config dict>");
+        } else {
+            if (!PyUnicode_FSConverter(config, &bytes)) return -1;
+            path = PyBytes_AS_STRING(bytes);
+            named = PyUnicode_DecodeFSDefault(path);
+        }
+        Py_BEGIN_ALLOW_THREADS
+        r = zinf_open_config_flags(path, flags, &e);
+        Py_END_ALLOW_THREADS
+        if (fd >= 0) close(fd);
+        Py_XDECREF(bytes);
+        if (r) {
+            if (named) raise_zinf(r, "zinf_open_config", named);
+            Py_XDECREF(named);
+            return -1;
+        }
+        Py_XDECREF(named);
+    } else {
+        struct zinf_options o;
+        memset(&o, 0, sizeof(o));
+        PyObject *nvme_bytes = NULL;
+        if (nvme != Py_None) {
+            if (!PyUnicode_FSConverter(nvme, &nvme_bytes)) return -1;
+            o.nvme_path = PyBytes_AS_STRING(nvme_bytes);
+        }
+        if ((dev_bytes && parse_size(dev_bytes, "device_bytes", &o.device_bytes)) ||
+            (host_bytes && parse_size(host_bytes, "host_bytes", &o.host_bytes))) {
+            Py_XDECREF(nvme_bytes);
+            return -1;
+        }
+        if (!strcmp(device, "auto")) o.device_kind = ZINF_DEVICE_AUTO;
+        else if (!strcmp(device, "cuda")) o.device_kind = ZINF_DEVICE_CUDA;
+        else if (!strcmp(device, "emulated")) o.device_kind = ZINF_DEVICE_EMULATED;
+        else {
+            PyErr_Format(PyExc_ValueError, "unknown device \"%s\" (auto, cuda or emulated)",
+                         device);
+            Py_XDECREF(nvme_bytes);
+            return -1;
+        }
+        o.flags = flags;
+        Py_BEGIN_ALLOW_THREADS
+        r = zinf_open(&o, &e);
+        Py_END_ALLOW_THREADS
+        if (r) {
+            raise_zinf(r, "zinf_open", nvme);
+            Py_XDECREF(nvme_bytes);
+            return -1;
+        }
+        Py_XDECREF(nvme_bytes);
+        self->cuda_device = o.cuda_device;
+    }
+    self->e = e;
+    self->readonly = readonly;
+    eng_learn(self);
+    return 0;
+}
+
+static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    return (PyObject *)eng_alloc(type);
+}
+
+static void Engine_dealloc(EngineObject *self)
+{
+    /* No Pinned is alive (each holds a reference), so no pin either. */
+    if (self->e) {
+        zinf_engine *e = self->e;
+        self->e = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        zinf_close(e);
+        Py_END_ALLOW_THREADS
+    }
+    Py_XDECREF(self->meta);
+    Py_XDECREF(self->tickets);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Engine_close(EngineObject *self, PyObject *unused)
+{
+    self->closing = 1;
+    eng_maybe_close(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_enter(EngineObject *self, PyObject *unused)
+{
+    if (!self->e || self->closing) {
+        PyErr_SetString(PyExc_ValueError, "the zinf engine is closed");
+        return NULL;
+    }
+    return Py_NewRef(self);
+}
+
+static PyObject *Engine_exit(EngineObject *self, PyObject *args)
+{
+    return Engine_close(self, NULL);
+}
+
+static PyObject *Engine_get_closed(EngineObject *self, void *closure)
+{
+    return PyBool_FromLong(!self->e || self->closing);
+}
+
+/* A zinf.Tensor for handle h, with its name, size and (when registered with one) shape and
+ * dtype. */
+static PyObject *make_tensor(EngineObject *self, zinf_tensor h, PyObject *name, size_t nbytes)
+{
+    PyObject *t = PyObject_CallFunction(TensorType, "K", (unsigned long long)h);
+    if (!t) return NULL;
+    PyObject *key = PyLong_FromUnsignedLongLong(h);
+    PyObject *m = key ? PyDict_GetItemWithError(self->meta, key) : NULL;
+    Py_XDECREF(key);
+    if (PyErr_Occurred()) goto err;
+    PyObject *nb = PyLong_FromSize_t(nbytes);
+    if (!nb || PyObject_SetAttrString(t, "nbytes", nb)) {
+        Py_XDECREF(nb);
+        goto err;
+    }
+    Py_DECREF(nb);
+    if (PyObject_SetAttrString(t, "name", name) ||
+        PyObject_SetAttrString(t, "shape", m ? PyTuple_GET_ITEM(m, 0) : Py_None) ||
+        PyObject_SetAttrString(t, "dtype", m ? PyTuple_GET_ITEM(m, 1) : Py_None))
+        goto err;
+    return t;
+err:
+    Py_DECREF(t);
+    return NULL;
+}
+
+static PyObject *Engine_register(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"name", "size", "home", NULL};
+    PyObject *name, *size, *home = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "UO|O", kwlist, &name, &size, &home)) return NULL;
+    int tier = ZINF_TIER_NVME;
+    if (home && parse_tier(home, &tier)) return NULL;
+    size_t nbytes;
+    PyObject *meta = NULL;
+    if (PyTuple_Check(size)) {
+        /* (shape, dtype) */
+        PyObject *shape_in, *dtype_in, *dtype_name = NULL;
+        if (!PyArg_ParseTuple(size, "OO;a size is nbytes or (shape, dtype)", &shape_in,
+                              &dtype_in))
+            return NULL;
+        const struct dtype_info *d = parse_dtype(dtype_in, &dtype_name);
+        if (!d) return NULL;
+        PyObject *seq = PySequence_Fast(shape_in, "a shape is a sequence of ints");
+        if (!seq) {
+            Py_DECREF(dtype_name);
+            return NULL;
+        }
+        Py_ssize_t nd = PySequence_Fast_GET_SIZE(seq);
+        PyObject *shape = PyTuple_New(nd);
+        size_t count = 1;
+        int bad = shape == NULL;
+        for (Py_ssize_t i = 0; !bad && i < nd; i++) {
+            PyObject *dim = PySequence_Fast_GET_ITEM(seq, i);
+            size_t v;
+            if (parse_size(dim, "a dimension", &v)) {
+                bad = 1;
+                break;
+            }
+            if (v && count > SIZE_MAX / v) {
+                PyErr_SetString(PyExc_ValueError, "the shape is too large");
+                bad = 1;
+                break;
+            }
+            count *= v;
+            PyTuple_SET_ITEM(shape, i, PyLong_FromSize_t(v));
+        }
+        Py_DECREF(seq);
+        if (!bad && count > SIZE_MAX / (d->bits / 8)) {
+            PyErr_SetString(PyExc_ValueError, "the shape is too large");
+            bad = 1;
+        }
+        if (bad) {
+            Py_XDECREF(shape);
+            Py_DECREF(dtype_name);
+            return NULL;
+        }
+        nbytes = count * (d->bits / 8);
+        meta = PyTuple_Pack(2, shape, dtype_name);
+        Py_DECREF(shape);
+        Py_DECREF(dtype_name);
+        if (!meta) return NULL;
+    } else if (parse_size(size, "nbytes", &nbytes)) {
+        return NULL;
+    }
+    const char *cname = PyUnicode_AsUTF8(name);
+    zinf_engine *e = cname ? eng_enter(self) : NULL;
+    if (!e) {
+        Py_XDECREF(meta);
+        return NULL;
+    }
+    zinf_tensor h = 0;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_register(e, cname, nbytes, (enum zinf_tier)tier, &h);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    if (r) {
+        Py_XDECREF(meta);
+        return raise_zinf(r, "zinf_register", name);
+    }
+    PyObject *key = PyLong_FromUnsignedLongLong(h);
+    int failed = !key;
+    if (!failed) failed = meta ? PyDict_SetItem(self->meta, key, meta) : 0;
+    Py_XDECREF(key);
+    Py_XDECREF(meta);
+    return failed ? NULL : make_tensor(self, h, name, nbytes);
+}
+
+/* The size and home of handle h; -errno. GIL held on entry and exit. */
+static int tensor_info(EngineObject *self, zinf_engine *e, zinf_tensor h,
+                       struct zinf_tensor_info *info)
+{
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_tensor_info(e, h, info);
+    Py_END_ALLOW_THREADS
+    return r;
+}
+
+static PyObject *Engine_lookup(EngineObject *self, PyObject *args)
+{
+    PyObject *name;
+    if (!PyArg_ParseTuple(args, "U", &name)) return NULL;
+    const char *cname = PyUnicode_AsUTF8(name);
+    zinf_engine *e = cname ? eng_enter(self) : NULL;
+    if (!e) return NULL;
+    zinf_tensor h = 0;
+    struct zinf_tensor_info info;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_lookup(e, cname, &h);
+    Py_END_ALLOW_THREADS
+    if (r == 0) r = tensor_info(self, e, h, &info);
+    eng_leave(self);
+    if (r) return raise_zinf(r, "zinf_lookup", name);
+    return make_tensor(self, h, name, info.bytes);
+}
+
+static PyObject *Engine_unregister(EngineObject *self, PyObject *args)
+{
+    PyObject *t;
+    zinf_tensor h;
+    if (!PyArg_ParseTuple(args, "O", &t) || parse_handle(t, &h)) return NULL;
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_unregister(e, h);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    if (r) return raise_zinf(r, "zinf_unregister", NULL);
+    PyObject *key = PyLong_FromUnsignedLongLong(h);
+    if (!key) return NULL;
+    if (PyDict_DelItem(self->meta, key)) PyErr_Clear(); /* none: registered without a shape */
+    Py_DECREF(key);
+    Py_RETURN_NONE;
+}
+
+/* ---- Pinned ---------------------------------------------------------------------------- */
+
+/* A pin's states: HELD (fetched) -> PENDING (release() asked while views remain: the pin is
+ * dropped by the last view's deleter) -> RELEASED; or HELD -> RELEASED directly. */
+enum { PIN_HELD, PIN_PENDING, PIN_RELEASED };
+
+typedef struct {
+    PyObject_HEAD
+    EngineObject *eng;
+    zinf_tensor h;
+    int tier;
+    void *ptr;
+    size_t nbytes;
+    int dirty;          /* the default release flag, from fetch(dirty=) */
+    int state;
+    unsigned flags;     /* the flags a pending release will use */
+    Py_ssize_t exports; /* DLPack views not deleted yet */
+    PyObject *meta;     /* (shape, dtype) or NULL: 1-D uint8 */
+} PinnedObject;
+
+static PyTypeObject PinnedType;
+
+/* A Pinned for a pin already taken (the engine's pin count covers it). */
+static PyObject *make_pinned(EngineObject *eng, zinf_tensor h, int tier, void *ptr,
+                             size_t nbytes, int dirty)
+{
+    PinnedObject *p = PyObject_New(PinnedObject, &PinnedType);
+    if (!p) return NULL;
+    p->eng = (EngineObject *)Py_NewRef(eng);
+    p->h = h;
+    p->tier = tier;
+    p->ptr = ptr;
+    p->nbytes = nbytes;
+    p->dirty = dirty;
+    p->state = PIN_HELD;
+    p->flags = 0;
+    p->exports = 0;
+    p->meta = NULL;
+    PyObject *key = PyLong_FromUnsignedLongLong(h);
+    PyObject *m = key ? PyDict_GetItemWithError(eng->meta, key) : NULL;
+    Py_XDECREF(key);
+    if (PyErr_Occurred()) {
+        /* The pin is the object's now: its dealloc drops it. */
+        Py_DECREF(p);
+        return NULL;
+    }
+    p->meta = Py_XNewRef(m);
+    return (PyObject *)p;
+}
+
+/* Drops the pin for real. GIL held; it is dropped around the call. */
+static int pin_drop(PinnedObject *p, unsigned flags)
+{
+    EngineObject *eng = p->eng;
+    p->state = PIN_RELEASED;
+    eng->busy++;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_release(eng->e, p->h, (enum zinf_tier)p->tier, flags);
+    Py_END_ALLOW_THREADS
+    eng->busy--;
+    eng->pins--;
+    eng_maybe_close(eng);
+    return r;
+}
+
+/* release(), with dirty the caller's choice (its default: fetch's). */
+static PyObject *pin_release(PinnedObject *p, int d)
+{
+    if (p->state != PIN_HELD) {
+        PyErr_SetString(PyExc_ValueError, "this pin was released already");
+        return NULL;
+    }
+    unsigned flags = d ? ZINF_RELEASE_DIRTY : ZINF_RELEASE_CLEAN;
+    if (p->exports) {
+        /* Views remain: the last one's deleter releases with these flags. */
+        p->state = PIN_PENDING;
+        p->flags = flags;
+        Py_RETURN_NONE;
+    }
+    int r = pin_drop(p, flags);
+    if (r == -EROFS) {
+        /* zinf keeps the pin on a read-only engine's dirty release: so do we. */
+        p->state = PIN_HELD;
+        p->eng->pins++;
+    }
+    if (r) return raise_zinf(r, "zinf_release", NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Pinned_release(PinnedObject *p, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"dirty", NULL};
+    PyObject *dirty = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwlist, &dirty)) return NULL;
+    int d = p->dirty;
+    if (dirty != Py_None && (d = PyObject_IsTrue(dirty)) < 0) return NULL;
+    return pin_release(p, d);
+}
+
+static void Pinned_dealloc(PinnedObject *p)
+{
+    /* No view is alive (each holds a reference). A pin never released goes clean, or with
+     * the flags a release asked for. */
+    if (p->state != PIN_RELEASED && p->eng) {
+        unsigned flags = p->state == PIN_PENDING ? p->flags : 0;
+        if (pin_drop(p, flags) == -EROFS) pin_drop(p, 0);
+    }
+    Py_XDECREF(p->meta);
+    Py_XDECREF(p->eng);
+    PyObject_Free(p);
+}
+
+static PyObject *Pinned_enter(PinnedObject *p, PyObject *unused)
+{
+    return Py_NewRef(p);
+}
+
+static PyObject *Pinned_exit(PinnedObject *p, PyObject *args)
+{
+    if (p->state != PIN_HELD) Py_RETURN_NONE; /* released inside the block */
+    return pin_release(p, p->dirty);
+}
+
+static const char *tier_name(int tier)
+{
+    return tier == ZINF_TIER_DEVICE ? "device" : tier == ZINF_TIER_HOST ? "host" : "nvme";
+}
+
+static PyObject *Pinned_repr(PinnedObject *p)
+{
+    return PyUnicode_FromFormat("<zinf.Pinned tensor %llu on %s, %zu bytes at %p%s>",
+                                (unsigned long long)p->h, tier_name(p->tier), p->nbytes,
+                                p->ptr, p->state == PIN_HELD ? "" : ", released");
+}
+
+static PyObject *Pinned_get_ptr(PinnedObject *p, void *c)
+{
+    return PyLong_FromVoidPtr(p->ptr);
+}
+static PyObject *Pinned_get_nbytes(PinnedObject *p, void *c)
+{
+    return PyLong_FromSize_t(p->nbytes);
+}
+static PyObject *Pinned_get_tier(PinnedObject *p, void *c)
+{
+    return PyUnicode_FromString(tier_name(p->tier));
+}
+static PyObject *Pinned_get_tensor(PinnedObject *p, void *c)
+{
+    return PyLong_FromUnsignedLongLong(p->h);
+}
+static PyObject *Pinned_get_released(PinnedObject *p, void *c)
+{
+    return PyBool_FromLong(p->state != PIN_HELD);
+}
+
+/* The DLPack device of a pinned copy. */
+static DLDevice pinned_device(PinnedObject *p)
+{
+    DLDevice d = {kDLCPU, 0};
+    if (p->eng->device_is_cuda && p->tier == ZINF_TIER_DEVICE) {
+        d.device_type = kDLCUDA;
+        d.device_id = p->eng->cuda_device;
+    } else if (p->eng->device_is_cuda && p->eng->host_pinned && p->tier == ZINF_TIER_HOST) {
+        d.device_type = kDLCUDAHost;
+    }
+    return d;
+}
+
+static PyObject *Pinned_dlpack_device(PinnedObject *p, PyObject *unused)
+{
+    DLDevice d = pinned_device(p);
+    return Py_BuildValue("(ii)", (int)d.device_type, (int)d.device_id);
+}
+
+/* One export: the managed tensor the consumer gets, and the shape and strides it points at.
+ * It holds a reference to its Pinned, dropped by the deleter. */
+struct export {
+    union {
+        DLManagedTensor legacy;
+        DLManagedTensorVersioned v;
+    } m;
+    PinnedObject *pinned;
+    int64_t dims[]; /* ndim shape entries, then ndim strides */
+};
+
+/* The consumer is done with a view: the pin it kept goes once no view and no release()d
+ * Pinned needs it. Called from any thread, with or without the GIL. */
+static void export_free(struct export *x)
+{
+    PyGILState_STATE g = PyGILState_Ensure();
+    PinnedObject *p = x->pinned;
+    p->exports--;
+    if (!p->exports && p->state == PIN_PENDING) {
+        unsigned flags = p->flags;
+        if (pin_drop(p, flags) == -EROFS) pin_drop(p, 0);
+    }
+    Py_DECREF(p);
+    PyMem_RawFree(x);
+    PyGILState_Release(g);
+}
+
+static void deleter_versioned(DLManagedTensorVersioned *m)
+{
+    export_free(m->manager_ctx);
+}
+
+static void deleter_legacy(DLManagedTensor *m)
+{
+    export_free(m->manager_ctx);
+}
+
+/* A capsule the consumer never renamed (never took) still owns its tensor. */
+static void capsule_versioned_destructor(PyObject *cap)
+{
+    if (!PyCapsule_IsValid(cap, "dltensor_versioned")) return;
+    DLManagedTensorVersioned *m = PyCapsule_GetPointer(cap, "dltensor_versioned");
+    if (m && m->deleter) m->deleter(m);
+}
+
+static void capsule_legacy_destructor(PyObject *cap)
+{
+    if (!PyCapsule_IsValid(cap, "dltensor")) return;
+    DLManagedTensor *m = PyCapsule_GetPointer(cap, "dltensor");
+    if (m && m->deleter) m->deleter(m);
+}
+
+static PyObject *Pinned_dlpack(PinnedObject *p, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"stream", "max_version", "dl_device", "copy", NULL};
+    PyObject *stream = Py_None, *max_version = Py_None, *dl_device = Py_None, *copy = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO", kwlist, &stream, &max_version,
+                                     &dl_device, &copy))
+        return NULL;
+    if (p->state != PIN_HELD) {
+        PyErr_SetString(PyExc_BufferError, "this pin was released: fetch the tensor again");
+        return NULL;
+    }
+    int versioned = 0;
+    if (max_version != Py_None) {
+        unsigned major = 0, minor = 0;
+        if (!PyArg_ParseTuple(max_version, "II;max_version is (major, minor)", &major, &minor))
+            return NULL;
+        versioned = major >= 1;
+    }
+    DLDevice dev = pinned_device(p);
+    if (dl_device != Py_None) {
+        int type = 0, id = 0;
+        if (!PyArg_ParseTuple(dl_device, "ii;dl_device is (type, id)", &type, &id)) return NULL;
+        if (type != (int)dev.device_type || id != dev.device_id) {
+            PyErr_Format(PyExc_BufferError,
+                         "the copy is on DLPack device (%d, %d); zinf exports views, never "
+                         "copies to another device",
+                         (int)dev.device_type, (int)dev.device_id);
+            return NULL;
+        }
+    }
+    if (copy != Py_None && PyObject_IsTrue(copy) == 1) {
+        PyErr_SetString(PyExc_BufferError, "zinf exports views only (copy=True is refused)");
+        return NULL;
+    }
+    /* The stream needs no wait: a fetch returns once the copy is in place, so the memory is
+     * ready for work on any stream. */
+
+    DLDataType dt = {kDLUInt, 8, 1};
+    Py_ssize_t nd = 1;
+    PyObject *shape = NULL;
+    if (p->meta) {
+        const struct dtype_info *d = find_dtype(PyUnicode_AsUTF8(PyTuple_GET_ITEM(p->meta, 1)));
+        shape = PyTuple_GET_ITEM(p->meta, 0);
+        dt.code = d->code;
+        dt.bits = d->bits;
+        nd = PyTuple_GET_SIZE(shape);
+    }
+    struct export *x = PyMem_RawCalloc(1, sizeof(*x) + 2 * (size_t)(nd ? nd : 1) * sizeof(int64_t));
+    if (!x) return PyErr_NoMemory();
+    int64_t *dims = x->dims, *strides = x->dims + nd;
+    if (shape) {
+        for (Py_ssize_t i = 0; i < nd; i++)
+            dims[i] = (int64_t)PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+    } else {
+        dims[0] = (int64_t)p->nbytes;
+    }
+    int64_t step = 1; /* row-major, in elements */
+    for (Py_ssize_t i = nd - 1; i >= 0; i--) {
+        strides[i] = step;
+        step *= dims[i] ? dims[i] : 1;
+    }
+    DLTensor t = {.data = p->ptr, .device = dev, .ndim = (int32_t)nd, .dtype = dt,
+                  .shape = dims, .strides = strides, .byte_offset = 0};
+    x->pinned = (PinnedObject *)Py_NewRef(p);
+    PyObject *cap;
+    if (versioned) {
+        x->m.v.version.major = DLPACK_MAJOR_VERSION;
+        x->m.v.version.minor = DLPACK_MINOR_VERSION;
+        x->m.v.manager_ctx = x;
+        x->m.v.deleter = deleter_versioned;
+        x->m.v.flags = p->eng->readonly ? DLPACK_FLAG_BITMASK_READ_ONLY : 0;
+        x->m.v.dl_tensor = t;
+        cap = PyCapsule_New(&x->m.v, "dltensor_versioned", capsule_versioned_destructor);
+    } else {
+        x->m.legacy.dl_tensor = t;
+        x->m.legacy.manager_ctx = x;
+        x->m.legacy.deleter = deleter_legacy;
+        cap = PyCapsule_New(&x->m.legacy, "dltensor", capsule_legacy_destructor);
+    }
+    if (!cap) {
+        Py_DECREF(p);
+        PyMem_RawFree(x);
+        return NULL;
+    }
+    p->exports++;
+    return cap;
+}
+
+static PyMethodDef Pinned_methods[] = {
+    {"release", (PyCFunction)(void (*)(void))Pinned_release, METH_VARARGS | METH_KEYWORDS,
+     "release(dirty=None): drop the pin (dirty: the caller wrote through it; None: as fetch "
+     "said). With DLPack views alive, the pin is dropped when the last one is deleted."},
+    {"__enter__", (PyCFunction)Pinned_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Pinned_exit, METH_VARARGS, NULL},
+    {"__dlpack__", (PyCFunction)(void (*)(void))Pinned_dlpack, METH_VARARGS | METH_KEYWORDS,
+     "__dlpack__(stream=None, max_version=None, dl_device=None, copy=None): a zero-copy "
+     "DLPack capsule of the pinned copy."},
+    {"__dlpack_device__", (PyCFunction)Pinned_dlpack_device, METH_NOARGS,
+     "(device_type, device_id) of the pinned copy."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Pinned_getset[] = {
+    {"ptr", (getter)Pinned_get_ptr, NULL, "the copy's address", NULL},
+    {"nbytes", (getter)Pinned_get_nbytes, NULL, "the tensor's size in bytes", NULL},
+    {"tier", (getter)Pinned_get_tier, NULL, "\"device\" or \"host\"", NULL},
+    {"tensor", (getter)Pinned_get_tensor, NULL, "the tensor's handle", NULL},
+    {"released", (getter)Pinned_get_released, NULL, "whether release() was called", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PinnedType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "zinf.Pinned",
+    .tp_basicsize = sizeof(PinnedObject),
+    .tp_dealloc = (destructor)Pinned_dealloc,
+    .tp_repr = (reprfunc)Pinned_repr,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A pinned copy of a tensor (Engine.fetch): its memory stays put until release.",
+    .tp_methods = Pinned_methods,
+    .tp_getset = Pinned_getset,
+};
+
+/* ---- Engine: fetches ------------------------------------------------------------------- */
+
+static PyObject *Engine_fetch(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tensor", "tier", "dirty", NULL};
+    PyObject *t, *tier_o = NULL;
+    int dirty = 0, tier = ZINF_TIER_DEVICE;
+    zinf_tensor h;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Op", kwlist, &t, &tier_o, &dirty) ||
+        parse_handle(t, &h) || (tier_o && parse_tier(tier_o, &tier)))
+        return NULL;
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    struct zinf_tensor_info info;
+    void *ptr = NULL;
+    int r = tensor_info(self, e, h, &info);
+    if (r == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        r = zinf_fetch(e, h, (enum zinf_tier)tier, &ptr);
+        Py_END_ALLOW_THREADS
+    }
+    if (r) {
+        eng_leave(self);
+        return raise_zinf(r, "zinf_fetch", NULL);
+    }
+    self->pins++;
+    eng_leave(self);
+    return make_pinned(self, h, tier, ptr, info.bytes, dirty);
+}
+
+static PyObject *Engine_fetch_all(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tensors", "tier", "dirty", NULL};
+    PyObject *list, *tier_o = NULL;
+    int dirty = 0, tier = ZINF_TIER_DEVICE;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Op", kwlist, &list, &tier_o, &dirty) ||
+        (tier_o && parse_tier(tier_o, &tier)))
+        return NULL;
+    PyObject *seq = PySequence_Fast(list, "fetch_all takes a sequence of tensors");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    zinf_tensor *hs = PyMem_Calloc((size_t)n + 1, sizeof(*hs));
+    void **ptrs = PyMem_Calloc((size_t)n + 1, sizeof(*ptrs));
+    size_t *sizes = PyMem_Calloc((size_t)n + 1, sizeof(*sizes));
+    PyObject *out = NULL;
+    zinf_engine *e = NULL;
+    if (!hs || !ptrs || !sizes) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (parse_handle(PySequence_Fast_GET_ITEM(seq, i), &hs[i])) goto done;
+    e = eng_enter(self);
+    if (!e) goto done;
+    int r = 0;
+    for (Py_ssize_t i = 0; i < n && !r; i++) {
+        struct zinf_tensor_info info;
+        r = tensor_info(self, e, hs[i], &info);
+        sizes[i] = info.bytes;
+    }
+    if (r == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        r = zinf_fetch_all(e, hs, (size_t)n, (enum zinf_tier)tier, ptrs);
+        Py_END_ALLOW_THREADS
+    }
+    if (r) {
+        eng_leave(self);
+        raise_zinf(r, "zinf_fetch_all", NULL);
+        goto done;
+    }
+    self->pins += n;
+    eng_leave(self);
+    out = PyList_New(n);
+    /* Each pin goes into a Pinned (whose dealloc drops it), even when the list cannot be
+     * built: none is leaked. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *p = make_pinned(self, hs[i], tier, ptrs[i], sizes[i], dirty);
+        if (!p) {
+            self->pins--;
+            zinf_engine *z = self->e;
+            Py_BEGIN_ALLOW_THREADS
+            zinf_release(z, hs[i], (enum zinf_tier)tier, 0);
+            Py_END_ALLOW_THREADS
+            Py_CLEAR(out);
+            continue;
+        }
+        if (out) PyList_SET_ITEM(out, i, p);
+        else Py_DECREF(p);
+    }
+    if (!out && !PyErr_Occurred()) PyErr_NoMemory();
+done:
+    PyMem_Free(hs);
+    PyMem_Free(ptrs);
+    PyMem_Free(sizes);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *Engine_fetch_async(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tensor", "tier", NULL};
+    PyObject *t, *tier_o = NULL;
+    int tier = ZINF_TIER_DEVICE;
+    zinf_tensor h;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O", kwlist, &t, &tier_o) ||
+        parse_handle(t, &h) || (tier_o && parse_tier(tier_o, &tier)))
+        return NULL;
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    uint64_t ticket = 0;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_fetch_async(e, h, (enum zinf_tier)tier, &ticket);
+    Py_END_ALLOW_THREADS
+    if (r) {
+        eng_leave(self);
+        return raise_zinf(r, "zinf_fetch_async", NULL);
+    }
+    /* The pin is taken now: it counts until wait() hands it to a Pinned. */
+    self->pins++;
+    eng_leave(self);
+    PyObject *key = PyLong_FromUnsignedLongLong(ticket);
+    PyObject *val = Py_BuildValue("(Ki)", (unsigned long long)h, tier);
+    if (!key || !val || PyDict_SetItem(self->tickets, key, val)) {
+        Py_XDECREF(val);
+        Py_XDECREF(key);
+        return NULL;
+    }
+    Py_DECREF(val);
+    return key;
+}
+
+static PyObject *Engine_wait(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"ticket", "dirty", NULL};
+    PyObject *key;
+    int dirty = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|p", kwlist, &PyLong_Type, &key, &dirty))
+        return NULL;
+    PyObject *val = PyDict_GetItemWithError(self->tickets, key);
+    if (!val) {
+        if (!PyErr_Occurred()) raise_zinf(-EINVAL, "zinf_wait: no such ticket", NULL);
+        return NULL;
+    }
+    unsigned long long h;
+    int tier;
+    if (!PyArg_ParseTuple(val, "Ki", &h, &tier)) return NULL;
+    uint64_t ticket = PyLong_AsUnsignedLongLong(key);
+    if (PyDict_DelItem(self->tickets, key)) return NULL;
+    /* The ticket's pin keeps the engine open: it may be in closing, but not closed. */
+    zinf_engine *e = self->e;
+    struct zinf_tensor_info info;
+    void *ptr = NULL;
+    self->busy++;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_wait(e, ticket, &ptr);
+    Py_END_ALLOW_THREADS
+    if (r == 0) {
+        r = tensor_info(self, e, h, &info);
+        if (r) {
+            Py_BEGIN_ALLOW_THREADS
+            zinf_release(e, h, (enum zinf_tier)tier, 0);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    if (r) {
+        self->pins--; /* a failed wait drops the pin */
+        eng_leave(self);
+        return raise_zinf(r, "zinf_wait", NULL);
+    }
+    self->busy--;
+    return make_pinned(self, h, tier, ptr, info.bytes, dirty);
+}
+
+/* ---- Engine: the rest of zinf.h -------------------------------------------------------- */
+
+static PyObject *Engine_prefetch(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tensor", "tier", NULL};
+    PyObject *t, *tier_o = NULL;
+    int tier = ZINF_TIER_DEVICE;
+    zinf_tensor h;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O", kwlist, &t, &tier_o) ||
+        parse_handle(t, &h) || (tier_o && parse_tier(tier_o, &tier)))
+        return NULL;
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_prefetch(e, h, (enum zinf_tier)tier);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    if (r) return raise_zinf(r, "zinf_prefetch", NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_step(EngineObject *self, PyObject *unused)
+{
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_step(e);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    if (r) return raise_zinf(r, "zinf_step", NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_flush(EngineObject *self, PyObject *unused)
+{
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_flush(e);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    if (r) return raise_zinf(r, "zinf_flush", NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_read(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tensor", "offset", "nbytes", NULL};
+    PyObject *t, *off_o = NULL, *n_o = Py_None;
+    zinf_tensor h;
+    size_t off = 0, n = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO", kwlist, &t, &off_o, &n_o) ||
+        parse_handle(t, &h) || (off_o && parse_size(off_o, "offset", &off)) ||
+        (n_o != Py_None && parse_size(n_o, "nbytes", &n)))
+        return NULL;
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    int r = 0;
+    if (n_o == Py_None) {
+        struct zinf_tensor_info info;
+        r = tensor_info(self, e, h, &info);
+        if (r == 0 && off > info.bytes) r = -EINVAL;
+        if (r == 0) n = (size_t)info.bytes - off;
+    }
+    if (r) {
+        eng_leave(self);
+        return raise_zinf(r, "zinf_read", NULL);
+    }
+    if (n > PY_SSIZE_T_MAX) {
+        eng_leave(self);
+        PyErr_SetString(PyExc_ValueError, "nbytes is too large");
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+    if (!out) {
+        eng_leave(self);
+        return NULL;
+    }
+    char *dst = PyBytes_AS_STRING(out);
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_read(e, h, off, dst, n);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    if (r) {
+        Py_DECREF(out);
+        return raise_zinf(r, "zinf_read", NULL);
+    }
+    return out;
+}
+
+static PyObject *Engine_read_into(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tensor", "buffer", "offset", NULL};
+    PyObject *t, *buf_o, *off_o = NULL;
+    zinf_tensor h;
+    size_t off = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", kwlist, &t, &buf_o, &off_o) ||
+        parse_handle(t, &h) || (off_o && parse_size(off_o, "offset", &off)))
+        return NULL;
+    Py_buffer buf;
+    if (PyObject_GetBuffer(buf_o, &buf, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) return NULL;
+    zinf_engine *e = eng_enter(self);
+    if (!e) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_read(e, h, off, buf.buf, (size_t)buf.len);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    Py_ssize_t len = buf.len;
+    PyBuffer_Release(&buf);
+    if (r) return raise_zinf(r, "zinf_read", NULL);
+    return PyLong_FromSsize_t(len);
+}
+
+static PyObject *Engine_write(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tensor", "data", "offset", NULL};
+    PyObject *t, *buf_o, *off_o = NULL;
+    zinf_tensor h;
+    size_t off = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", kwlist, &t, &buf_o, &off_o) ||
+        parse_handle(t, &h) || (off_o && parse_size(off_o, "offset", &off)))
+        return NULL;
+    Py_buffer buf;
+    if (PyObject_GetBuffer(buf_o, &buf, PyBUF_C_CONTIGUOUS)) return NULL;
+    zinf_engine *e = eng_enter(self);
+    if (!e) {
+        PyBuffer_Release(&buf);
+        return NULL;
+    }
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_write(e, h, off, buf.buf, (size_t)buf.len);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    PyBuffer_Release(&buf);
+    if (r) return raise_zinf(r, "zinf_write", NULL);
+    Py_RETURN_NONE;
+}
+
+/* Sets key to an unsigned value in dict d; -1 on failure. */
+static int set_u64(PyObject *d, const char *key, uint64_t v)
+{
+    PyObject *o = PyLong_FromUnsignedLongLong(v);
+    int r = o ? PyDict_SetItemString(d, key, o) : -1;
+    Py_XDECREF(o);
+    return r;
+}
+
+static PyObject *Engine_stats(EngineObject *self, PyObject *unused)
+{
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    struct zinf_stats s;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_stats(e, &s);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    if (r) return raise_zinf(r, "zinf_stats", NULL);
+    PyObject *d = PyDict_New(), *tiers = PyList_New(3);
+    if (!d || !tiers) goto err;
+    for (int i = 0; i < 3; i++) {
+        const struct zinf_tier_stats *t = &s.tier[i];
+        PyObject *td = PyDict_New();
+        if (!td) goto err;
+        PyList_SET_ITEM(tiers, i, td);
+        if (set_u64(td, "capacity_bytes", t->capacity_bytes) ||
+            set_u64(td, "used_bytes", t->used_bytes) || set_u64(td, "peak_bytes", t->peak_bytes) ||
+            set_u64(td, "pinned_bytes", t->pinned_bytes) || set_u64(td, "fetches", t->fetches) ||
+            set_u64(td, "hits", t->hits) || set_u64(td, "evictions", t->evictions) ||
+            set_u64(td, "writebacks", t->writebacks))
+            goto err;
+    }
+    if (PyDict_SetItemString(d, "tier", tiers) || set_u64(d, "tensors", s.tensors) ||
+        set_u64(d, "nvme_bytes_read", s.nvme_bytes_read) ||
+        set_u64(d, "nvme_bytes_written", s.nvme_bytes_written) ||
+        set_u64(d, "prefetches", s.prefetches) ||
+        set_u64(d, "prefetch_in_time", s.prefetch_in_time) ||
+        set_u64(d, "prefetch_late", s.prefetch_late) ||
+        set_u64(d, "prefetch_wasted", s.prefetch_wasted) ||
+        set_u64(d, "blocked_ns", s.blocked_ns) || set_u64(d, "steps", s.steps) ||
+        set_u64(d, "schedule_length", s.schedule_length) ||
+        set_u64(d, "schedule_resets", s.schedule_resets) || set_u64(d, "flushes", s.flushes) ||
+        set_u64(d, "io_buffered", s.io_buffered) ||
+        set_u64(d, "device_is_cuda", s.device_is_cuda) ||
+        set_u64(d, "tensors_damaged", s.tensors_damaged) ||
+        set_u64(d, "compactions", s.compactions) ||
+        set_u64(d, "blocked_nvme_ns", s.blocked_nvme_ns) ||
+        set_u64(d, "blocked_copy_ns", s.blocked_copy_ns) ||
+        set_u64(d, "blocked_room_ns", s.blocked_room_ns) ||
+        set_u64(d, "blocked_pin_ns", s.blocked_pin_ns) ||
+        set_u64(d, "flush_bytes_total", s.flush_bytes_total) ||
+        set_u64(d, "flush_bytes_done", s.flush_bytes_done) ||
+        set_u64(d, "host_staging_bytes", s.host_staging_bytes) ||
+        set_u64(d, "host_pinned", s.host_pinned))
+        goto err;
+    Py_DECREF(tiers);
+    return d;
+err:
+    Py_XDECREF(tiers);
+    Py_XDECREF(d);
+    return NULL;
+}
+
+#define KW (PyCFunction)(void (*)(void))
+static PyMethodDef Engine_methods[] = {
+    {"close", (PyCFunction)Engine_close, METH_NOARGS,
+     "Close the engine (flushing when it has an NVMe tier). New calls are refused at once; "
+     "the engine closes when no call is in flight and no pin or view is held."},
+    {"__enter__", (PyCFunction)Engine_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Engine_exit, METH_VARARGS, NULL},
+    {"register", KW Engine_register, METH_VARARGS | METH_KEYWORDS,
+     "register(name, nbytes or (shape, dtype), home=\"nvme\") -> Tensor"},
+    {"lookup", (PyCFunction)Engine_lookup, METH_VARARGS, "lookup(name) -> Tensor"},
+    {"unregister", (PyCFunction)Engine_unregister, METH_VARARGS, "unregister(tensor)"},
+    {"fetch", KW Engine_fetch, METH_VARARGS | METH_KEYWORDS,
+     "fetch(tensor, tier=\"device\", dirty=False) -> Pinned"},
+    {"fetch_all", KW Engine_fetch_all, METH_VARARGS | METH_KEYWORDS,
+     "fetch_all(tensors, tier=\"device\", dirty=False) -> [Pinned]: all pinned, or none"},
+    {"fetch_async", KW Engine_fetch_async, METH_VARARGS | METH_KEYWORDS,
+     "fetch_async(tensor, tier=\"device\") -> ticket"},
+    {"wait", KW Engine_wait, METH_VARARGS | METH_KEYWORDS,
+     "wait(ticket, dirty=False) -> Pinned"},
+    {"prefetch", KW Engine_prefetch, METH_VARARGS | METH_KEYWORDS,
+     "prefetch(tensor, tier=\"device\"): a hint"},
+    {"step", (PyCFunction)Engine_step, METH_NOARGS, "Mark the end of a training step."},
+    {"read", KW Engine_read, METH_VARARGS | METH_KEYWORDS,
+     "read(tensor, offset=0, nbytes=None) -> bytes"},
+    {"read_into", KW Engine_read_into, METH_VARARGS | METH_KEYWORDS,
+     "read_into(tensor, buffer, offset=0) -> bytes read (len(buffer))"},
+    {"write", KW Engine_write, METH_VARARGS | METH_KEYWORDS,
+     "write(tensor, data, offset=0)"},
+    {"flush", (PyCFunction)Engine_flush, METH_NOARGS, "Make every tensor durable."},
+    {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "struct zinf_stats as a dict."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Engine_getset[] = {
+    {"closed", (getter)Engine_get_closed, NULL, "whether close() was called", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "zinf.Engine",
+    .tp_basicsize = sizeof(EngineObject),
+    .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "Engine(config=None, *, nvme_path=None, device_bytes=0, host_bytes=0, "
+              "device=\"auto\", resume=False, overwrite=False, readonly=False, pin=True)",
+    .tp_methods = Engine_methods,
+    .tp_getset = Engine_getset,
+    .tp_init = (initproc)Engine_init,
+    .tp_new = Engine_new,
+};
+
+/* ---- module ---------------------------------------------------------------------------- */
+
+static PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"socket", "job", NULL};
+    PyObject *sock_o, *sock_b = NULL;
+    const char *job;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Os", kwlist, &sock_o, &job) ||
+        !PyUnicode_FSConverter(sock_o, &sock_b))
+        return NULL;
+    EngineObject *self = eng_alloc(&EngineType);
+    if (!self) {
+        Py_DECREF(sock_b);
+        return NULL;
+    }
+    const char *sock = PyBytes_AS_STRING(sock_b);
+    zinf_engine *e = NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_connect(sock, job, &e);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(sock_b);
+    if (r) {
+        Py_DECREF(self);
+        return raise_zinf(r, "zinf_connect", sock_o);
+    }
+    self->e = e;
+    eng_learn(self);
+    return (PyObject *)self;
+}
+
+static PyObject *mod_strerror(PyObject *m, PyObject *arg)
+{
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    if (v < -4095 || v > 4095) v = 0;
+    return PyUnicode_FromString(zinf_strerror(v < 0 ? (int)v : -(int)v));
+}
+
+static PyObject *tensor_repr(PyObject *unused, PyObject *self)
+{
+    PyObject *name = PyObject_GetAttrString(self, "name");
+    if (!name) {
+        PyErr_Clear();
+        name = Py_NewRef(Py_None);
+    }
+    PyObject *r = PyUnicode_FromFormat("<zinf.Tensor %llu %R>",
+                                       PyLong_AsUnsignedLongLong(self), name);
+    Py_DECREF(name);
+    return r;
+}
+
+static PyMethodDef module_methods[] = {
+    {"connect", KW mod_connect, METH_VARARGS | METH_KEYWORDS,
+     "connect(socket, job) -> Engine attached to a zinf daemon's job."},
+    {"strerror", (PyCFunction)mod_strerror, METH_O, "strerror(errno) -> zinf's message"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMethodDef tensor_repr_def = {"__repr__", (PyCFunction)tensor_repr, METH_O, NULL};
+
+static struct PyModuleDef zinf_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "zinf._zinf",
+    .m_doc = "The C extension under the zinf package; see zinf's docstring.",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+/* zinf.Tensor: type("Tensor", (int,), {...}), so that instances carry attributes. */
+static PyObject *make_tensor_type(void)
+{
+    PyObject *fn = PyCFunction_New(&tensor_repr_def, NULL);
+    PyObject *meth = fn ? PyInstanceMethod_New(fn) : NULL;
+    Py_XDECREF(fn);
+    if (!meth) return NULL;
+    PyObject *type = PyObject_CallFunction(
+        (PyObject *)&PyType_Type, "s(O){s:s,s:s,s:O}", "Tensor", (PyObject *)&PyLong_Type,
+        "__module__", "zinf", "__doc__",
+        "A tensor handle: an int, with .name, .nbytes and, when registered with one, "
+        ".shape and .dtype.",
+        "__repr__", meth);
+    Py_DECREF(meth);
+    return type;
+}
+
+PyMODINIT_FUNC PyInit__zinf(void);
+PyMODINIT_FUNC PyInit__zinf(void)
+{
+    if (PyType_Ready(&EngineType) || PyType_Ready(&PinnedType)) return NULL;
+    PyObject *m = PyModule_Create(&zinf_module);
+    if (!m) return NULL;
+    ZinfError = PyErr_NewExceptionWithDoc(
+        "zinf.Error", "A zinf call failed: .errno is the positive errno, .strerror zinf's "
+                      "message.",
+        PyExc_OSError, NULL);
+    TensorType = make_tensor_type();
+    if (!ZinfError || !TensorType || PyModule_AddObjectRef(m, "Error", ZinfError) ||
+        PyModule_AddObjectRef(m, "Tensor", TensorType) ||
+        PyModule_AddObjectRef(m, "Engine", (PyObject *)&EngineType) ||
+        PyModule_AddObjectRef(m, "Pinned", (PyObject *)&PinnedType) ||
+        PyModule_AddIntConstant(m, "DEVICE", ZINF_TIER_DEVICE) ||
+        PyModule_AddIntConstant(m, "HOST", ZINF_TIER_HOST) ||
+        PyModule_AddIntConstant(m, "NVME", ZINF_TIER_NVME) ||
+        PyModule_AddStringConstant(m, "__version__", zinf_version())) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
