@@ -808,6 +808,10 @@ static PyObject *Pinned_dlpack(PinnedObject *p, PyObject *args, PyObject *kw)
     int versioned = 0;
     if (max_version != Py_None) {
         unsigned major = 0, minor = 0;
+        if (!PyTuple_Check(max_version)) {
+            PyErr_SetString(PyExc_TypeError, "max_version is a tuple (major, minor)");
+            return NULL;
+        }
         if (!PyArg_ParseTuple(max_version, "II;max_version is (major, minor)", &major, &minor))
             return NULL;
         versioned = major >= 1;
@@ -815,6 +819,10 @@ static PyObject *Pinned_dlpack(PinnedObject *p, PyObject *args, PyObject *kw)
     DLDevice dev = pinned_device(p);
     if (dl_device != Py_None) {
         int type = 0, id = 0;
+        if (!PyTuple_Check(dl_device)) {
+            PyErr_SetString(PyExc_TypeError, "dl_device is a tuple (type, id)");
+            return NULL;
+        }
         if (!PyArg_ParseTuple(dl_device, "ii;dl_device is (type, id)", &type, &id)) return NULL;
         if (type != (int)dev.device_type || id != dev.device_id) {
             PyErr_Format(PyExc_BufferError,
@@ -1195,7 +1203,14 @@ static PyObject *Engine_read_into(EngineObject *self, PyObject *args, PyObject *
         parse_handle(t, &h) || (off_o && parse_size(off_o, "offset", &off)))
         return NULL;
     Py_buffer buf;
-    if (PyObject_GetBuffer(buf_o, &buf, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) return NULL;
+    if (PyObject_GetBuffer(buf_o, &buf, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) {
+        if (PyErr_ExceptionMatches(PyExc_BufferError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "read_into needs a writable contiguous buffer, "
+                                          "not %s", Py_TYPE(buf_o)->tp_name);
+        }
+        return NULL;
+    }
     zinf_engine *e = eng_enter(self);
     if (!e) {
         PyBuffer_Release(&buf);
