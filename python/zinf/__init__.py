@@ -38,11 +38,12 @@ from ._zinf import (  # noqa: F401  (re-exports)
     Pinned,
     Tensor,
     __version__,
+    adamw_step,
     connect,
     strerror,
 )
 
 __all__ = [
     "DEVICE", "HOST", "NVME", "Engine", "Error", "Pinned", "Tensor", "__version__",
-    "connect", "strerror",
+    "adamw_step", "connect", "strerror",
 ]

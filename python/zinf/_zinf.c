@@ -1409,6 +1409,101 @@ static PyObject *mod_strerror(PyObject *m, PyObject *arg)
     return PyUnicode_FromString(zinf_strerror(v < 0 ? (int)v : -(int)v));
 }
 
+/* One float32 array of adamw_step: a Pinned copy it holds (in host memory, whatever the
+ * tier: the emulated device tier is host memory, a GPU's is refused), or an object with the
+ * buffer protocol (writable where the step writes). A Pinned's pin is kept through the
+ * call as a view keeps it (exports), so a release from another thread meanwhile waits. */
+struct f32_arg {
+    float *f;
+    size_t n;
+    PinnedObject *pinned; /* held (exports + 1), or NULL */
+    Py_buffer view;
+    int have_view;
+};
+
+static int f32_get(PyObject *o, const char *what, int write, struct f32_arg *a)
+{
+    memset(a, 0, sizeof(*a));
+    if (PyObject_TypeCheck(o, &PinnedType)) {
+        PinnedObject *p = (PinnedObject *)o;
+        if (p->state != PIN_HELD) {
+            PyErr_Format(PyExc_ValueError, "adamw_step: %s: its copy was released", what);
+            return -1;
+        }
+        if (p->tier == ZINF_TIER_DEVICE && p->eng->device_is_cuda) {
+            PyErr_Format(PyExc_ValueError, "adamw_step: %s is in GPU memory: the step runs on "
+                         "the host (fetch it to \"host\")", what);
+            return -1;
+        }
+        a->f = p->ptr;
+        a->n = p->nbytes / sizeof(float);
+        a->pinned = (PinnedObject *)Py_NewRef(o);
+        p->exports++;
+        return 0;
+    }
+    if (PyObject_GetBuffer(o, &a->view, write ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
+                                              : PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    a->have_view = 1;
+    a->f = a->view.buf;
+    a->n = (size_t)a->view.len / sizeof(float);
+    return 0;
+}
+
+static void f32_put(struct f32_arg *a)
+{
+    if (a->have_view) PyBuffer_Release(&a->view);
+    PinnedObject *p = a->pinned;
+    if (!p) return;
+    p->exports--;
+    if (!p->exports && p->state == PIN_PENDING) {
+        unsigned flags = p->flags;
+        if (pin_drop(p, flags) == -EROFS) pin_drop(p, 0);
+    }
+    Py_DECREF(p);
+}
+
+static PyObject *mod_adamw_step(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwl[] = {"param", "grad", "m", "v", "step", "lr", "beta1", "beta2", "eps",
+                          "weight_decay", "grad_scale", NULL};
+    PyObject *o[4];
+    int step;
+    struct zinf_adamw h;
+    float gs = 1.0f;
+    zinf_adamw_defaults(&h);
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOi|ffffff", kwl, &o[0], &o[1], &o[2], &o[3],
+                                     &step, &h.lr, &h.beta1, &h.beta2, &h.eps, &h.weight_decay,
+                                     &gs))
+        return NULL;
+    static const char *const what[4] = {"param", "grad", "m", "v"};
+    struct f32_arg a[4];
+    int got = 0, r = 0;
+    for (; got < 4; got++)
+        if (f32_get(o[got], what[got], got != 1, &a[got]) < 0) break;
+    if (got == 4) {
+        size_t n = a[0].n;
+        for (int i = 1; i < 4; i++)
+            if (a[i].n != n) {
+                PyErr_Format(PyExc_ValueError, "adamw_step: %s holds %zu floats, param %zu",
+                             what[i], a[i].n, n);
+                got = -got; /* an error, every argument held */
+                break;
+            }
+        if (got == 4) {
+            Py_BEGIN_ALLOW_THREADS
+            r = zinf_adamw_step(&h, step, a[0].f, a[1].f, a[2].f, a[3].f, n, gs);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    int held = got < 0 ? -got : got;
+    for (int i = 0; i < held; i++)
+        f32_put(&a[i]);
+    if (got != 4) return NULL;
+    if (r) return raise_zinf(r, "zinf_adamw_step", NULL);
+    Py_RETURN_NONE;
+}
+
 static PyObject *tensor_repr(PyObject *unused, PyObject *self)
 {
     PyObject *name = PyObject_GetAttrString(self, "name");
@@ -1426,6 +1521,13 @@ static PyMethodDef module_methods[] = {
     {"connect", KW mod_connect, METH_VARARGS | METH_KEYWORDS,
      "connect(socket, job) -> Engine attached to a zinf daemon's job."},
     {"strerror", (PyCFunction)mod_strerror, METH_O, "strerror(errno) -> zinf's message"},
+    {"adamw_step", KW mod_adamw_step, METH_VARARGS | METH_KEYWORDS,
+     "adamw_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,\n"
+     "           weight_decay=0.01, grad_scale=1.0)\n"
+     "One AdamW step (torch.optim.AdamW's update, zinf_adamw_step) in place on param, m and v:\n"
+     "float32 arrays of the same length in host memory, each a Pinned copy (fetched dirty to\n"
+     "keep what is written) or a buffer. step counts from 1. zinf.Error(EINVAL) for\n"
+     "hyper-parameters out of range; nothing is changed then."},
     {NULL, NULL, 0, NULL},
 };
 

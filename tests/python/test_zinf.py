@@ -563,6 +563,71 @@ class TestDLPack(Base):
         gc.collect()
 
 
+@unittest.skipIf(numpy is None, "numpy is not importable (Debian: python3-numpy)")
+class TestAdamW(Base):
+    def arrays(self, n, seed):
+        rng = numpy.random.default_rng(seed)
+        p = rng.standard_normal(n, dtype=numpy.float32)
+        g = rng.standard_normal(n, dtype=numpy.float32)
+        m = (rng.standard_normal(n, dtype=numpy.float32) * 0.1).astype(numpy.float32)
+        v = (rng.random(n, dtype=numpy.float32) * 0.01).astype(numpy.float32)
+        return p, g, m, v
+
+    def test_step_is_torchs_adamw(self):
+        p, g, m, v = self.arrays(100003, 1)
+        p0, m0, v0 = p.astype(numpy.float64), m.astype(numpy.float64), v.astype(numpy.float64)
+        lr, b1, b2, eps, wd, step = 1e-3, 0.9, 0.999, 1e-8, 0.01, 3
+        zinf.adamw_step(p, g, m, v, step)  # the defaults are torch's
+        g64 = g.astype(numpy.float64)
+        m1 = b1 * m0 + (1 - b1) * g64
+        v1 = b2 * v0 + (1 - b2) * g64 * g64
+        want = p0 * (1 - lr * wd) - lr / (1 - b1 ** step) * m1 / (
+            numpy.sqrt(v1) / numpy.sqrt(1 - b2 ** step) + eps)
+        self.assertLess(numpy.max(numpy.abs(p - want)), 1e-6)
+        self.assertLess(numpy.max(numpy.abs(m - m1)), 1e-6)
+        # (beta2 is a float32: 1 - beta2 differs from 0.001 by 1.3e-5 of it)
+        self.assertLess(numpy.max(numpy.abs(v - v1)), 1e-6)
+
+    def test_pinned_copies_step_as_buffers_do(self):
+        n = 4096
+        with self.engine() as e:
+            arrs = self.arrays(n, 2)
+            ts = []
+            for name, a in zip("pgmv", arrs):
+                t = e.register(name, ((n,), "float32"), "nvme")
+                e.write(t, a)
+                ts.append(t)
+            pins = e.fetch_all(ts, "host", dirty=True)
+            for step in (1, 2):
+                zinf.adamw_step(*pins, step, lr=0.01, weight_decay=0.1, grad_scale=0.5)
+                zinf.adamw_step(*arrs, step, lr=0.01, weight_decay=0.1, grad_scale=0.5)
+            for pin in pins:
+                pin.release()
+            for t, a in zip(ts, arrs):
+                self.assertEqual(e.read(t), a.tobytes(), t.name)
+            gone = e.fetch(ts[0], "host")
+            gone.release()  # a released copy is refused
+            with self.assertRaises(ValueError):
+                zinf.adamw_step(gone, *arrs[1:], 3)
+
+    def test_bad_arguments_change_nothing(self):
+        p, g, m, v = self.arrays(1000, 3)
+        keep = [a.copy() for a in (p, m, v)]
+        self.assertErrno(errno.EINVAL, zinf.adamw_step, p, g, m, v, 1, lr=-1.0)
+        self.assertErrno(errno.EINVAL, zinf.adamw_step, p, g, m, v, 0)
+        self.assertErrno(errno.EINVAL, zinf.adamw_step, p, g, m, v, 1, beta1=1.0)
+        self.assertErrno(errno.EINVAL, zinf.adamw_step, p, g, m, v, 1, grad_scale=float("inf"))
+        with self.assertRaises(ValueError):
+            zinf.adamw_step(p, g[:10], m, v, 1)
+        with self.assertRaises(BufferError):
+            zinf.adamw_step(bytes(4000), g, m, v, 1)  # param is written: read-only refused
+        with self.assertRaises(TypeError):
+            zinf.adamw_step(p, g, m, v)
+        for a, k in zip((p, m, v), keep):
+            self.assertEqual(a.tobytes(), k.tobytes())
+        zinf.adamw_step(p, bytes(g.tobytes()), m, v, 1)  # grad is only read
+
+
 class TestThreads(Base):
     def test_threads_share_an_engine(self):
         nthreads, rounds = 6, 150
