@@ -646,6 +646,47 @@ Test(serve_guard, links_to_another_jobs_files_are_not_followed)
     daemon_stop(&d);
 }
 
+/* uid 65534 on a job of its own asks the daemon what the handles of root's job are: its
+ * own job holds no tensor, so every handle is unknown there (-ENOENT), root's included,
+ * and nothing of root's tensor (home, size) comes back. */
+static void tensor_info_as_nobody(void *arg, struct report *rp)
+{
+    zinf_tensor theirs = *(zinf_tensor *)arg;
+    zinf_engine *e;
+    int r = zinf_connect(sock, "prober", &e);
+    if (r < 0) {
+        say(rp, "cannot attach to a job of its own: %s", zinf_strerror(r));
+        return;
+    }
+    const zinf_tensor probes[] = {theirs, theirs + 1, 1, 0, ~(zinf_tensor)0};
+    for (size_t i = 0; i < sizeof(probes) / sizeof(probes[0]); i++) {
+        struct zinf_tensor_info ti = {.bytes = 12345};
+        r = zinf_tensor_info(e, probes[i], &ti);
+        if (r != -ENOENT && r != -EINVAL)
+            say(rp, "tensor_info of handle %llu: %d (bytes %llu)", (unsigned long long)probes[i],
+                r, (unsigned long long)ti.bytes);
+    }
+    zinf_close(e);
+}
+
+/* A tensor's home and size (TENSOR_INFO) are asked of the caller's own job only. */
+Test(serve_guard, tensor_info_sees_the_callers_job_only)
+{
+    if (!as_root()) return;
+    write_cfg(false);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    zinf_engine *v = connect_job("owner");
+    zinf_tensor t = test_register(v, "private", 3 * 65536, ZINF_TIER_HOST);
+    struct zinf_tensor_info ti;
+    cr_assert_eq(zinf_tensor_info(v, t, &ti), 0);
+    cr_assert_eq(ti.bytes, 3 * 65536);
+    run_as_nobody(tensor_info_as_nobody, &t, "uid 65534 asks for root's handles");
+    cr_assert_eq(zinf_tensor_info(v, t, &ti), 0, "the owner's job goes on");
+    zinf_close(v);
+    daemon_stop(&d);
+}
+
 struct fifo_probe {
     int status_r, hello_r, other_r;
     size_t njobs;

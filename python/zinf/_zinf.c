@@ -1122,30 +1122,28 @@ static PyObject *Engine_prefetch(EngineObject *self, PyObject *args, PyObject *k
     Py_RETURN_NONE;
 }
 
-static PyObject *Engine_step(EngineObject *self, PyObject *unused)
+/* A call of the engine alone (zinf_step, zinf_flush), the GIL dropped around it. */
+static PyObject *engine_call(EngineObject *self, int (*fn)(zinf_engine *), const char *what)
 {
     zinf_engine *e = eng_enter(self);
     if (!e) return NULL;
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = zinf_step(e);
+    r = fn(e);
     Py_END_ALLOW_THREADS
     eng_leave(self);
-    if (r) return raise_zinf(r, "zinf_step", NULL);
+    if (r) return raise_zinf(r, what, NULL);
     Py_RETURN_NONE;
+}
+
+static PyObject *Engine_step(EngineObject *self, PyObject *unused)
+{
+    return engine_call(self, zinf_step, "zinf_step");
 }
 
 static PyObject *Engine_flush(EngineObject *self, PyObject *unused)
 {
-    zinf_engine *e = eng_enter(self);
-    if (!e) return NULL;
-    int r;
-    Py_BEGIN_ALLOW_THREADS
-    r = zinf_flush(e);
-    Py_END_ALLOW_THREADS
-    eng_leave(self);
-    if (r) return raise_zinf(r, "zinf_flush", NULL);
-    Py_RETURN_NONE;
+    return engine_call(self, zinf_flush, "zinf_flush");
 }
 
 static PyObject *Engine_read(EngineObject *self, PyObject *args, PyObject *kw)

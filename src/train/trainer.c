@@ -241,7 +241,9 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     bool cuda = false;
     if (t->zc.zinf.device != ZINF_DEVICE_EMULATED) {
         struct cuda_probe_info ci = {0};
-        bool built = backend_cuda_built(), usable = built && cuda_probe(&ci) > 0;
+        bool built = backend_cuda_built();
+        int ngpu = built ? cuda_probe(&ci) : 0;
+        bool usable = ngpu > 0;
         if (t->zc.zinf.device == ZINF_DEVICE_CUDA && !usable) {
             snprintf(err, errlen, "zinf.device is \"cuda\" but %s; use \"auto\" or \"emulated\"",
                      !built ? "this build has no CUDA kernels (no CUDA toolkit when it was built)"
@@ -252,7 +254,6 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         }
         cuda = usable;
         /* GPU ranks: one per GPU, LOCAL_RANK's. */
-        int ngpu = usable ? cuda_probe(&ci) : 0;
         if (cuda && o->world > 1 && o->local_rank >= 0) {
             if (o->local_rank >= ngpu) {
                 snprintf(err, errlen,

@@ -18,7 +18,8 @@
 #     the summary's device_scratch_bytes) is at most 1/N of what one rank keeps there, plus
 #     10% for the shards' rounding and 512 KiB of transients.
 #   - faults: a GPU rank killed at the start of a checkpoint, or after its rename, fails the
-#     job, and --resume goes on bitwise as a run that was never killed.
+#     job, and --resume goes on bitwise as a run that was never killed; a LOCAL_RANK past
+#     the GPUs is refused.
 # Prints one line per run and a table of the figures; exits non-zero if any check fails.
 set -uo pipefail
 zinf=$1
@@ -126,6 +127,20 @@ fault() { # name kill-point (empty: the run that is never killed)
 fault ref ""
 fault barrier before-barrier
 fault rename after-rename
+# A LOCAL_RANK past the GPUs there are (four here) is refused before anything is made.
+d=$work/run-local-rank
+mkdir -p "$d"
+config "$d/cfg.json" cuda 1
+WORLD_SIZE=2 RANK=0 LOCAL_RANK=5 ZINF_COMM_NAME=emu-lr-$$ "$zinf" train --config "$d/cfg.json" \
+  --data "$work/data.txt" $model > "$d/out.txt" 2>&1
+rc=$?
+if [ $rc = 1 ] && grep -q "LOCAL_RANK 5: this node has 4 usable GPUs" "$d/out.txt"; then
+  echo "   ok   LOCAL_RANK 5 of 4 GPUs is refused"
+else
+  echo "   FAIL LOCAL_RANK 5 of 4 GPUs: rc=$rc"
+  tail -5 "$d/out.txt" | sed 's/^/   | /'
+  fails=$((fails + 1))
+fi
 
 python3 - "$work" "$only" <<'PY' || fails=$((fails + 1))
 import json, os, sys
