@@ -127,14 +127,15 @@ fault() { # name kill-point (empty: the run that is never killed)
 fault ref ""
 fault barrier before-barrier
 fault rename after-rename
-# A LOCAL_RANK past the GPUs there are (four here) is refused before anything is made.
+# A LOCAL_RANK past the GPUs there are (four here) is refused before anything is made
+# (exit 2, as bad usage).
 d=$work/run-local-rank
 mkdir -p "$d"
 config "$d/cfg.json" cuda 1
 WORLD_SIZE=2 RANK=0 LOCAL_RANK=5 ZINF_COMM_NAME=emu-lr-$$ "$zinf" train --config "$d/cfg.json" \
   --data "$work/data.txt" $model > "$d/out.txt" 2>&1
 rc=$?
-if [ $rc = 1 ] && grep -q "LOCAL_RANK 5: this node has 4 usable GPUs" "$d/out.txt"; then
+if [ $rc = 2 ] && grep -q "LOCAL_RANK 5: this node has 4 usable GPUs" "$d/out.txt"; then
   echo "   ok   LOCAL_RANK 5 of 4 GPUs is refused"
 else
   echo "   FAIL LOCAL_RANK 5 of 4 GPUs: rc=$rc"
