@@ -824,7 +824,12 @@ static PyObject *Pinned_dlpack(PinnedObject *p, PyObject *args, PyObject *kw)
             return NULL;
         }
         if (!PyArg_ParseTuple(dl_device, "ii;dl_device is (type, id)", &type, &id)) return NULL;
-        if (type != (int)dev.device_type || id != dev.device_id) {
+        /* Pinned host memory (kDLCUDAHost) is CPU memory too: a consumer that knows only
+         * kDLCPU may view it as that. */
+        if (type == kDLCPU && id == 0 && dev.device_type == kDLCUDAHost) {
+            dev.device_type = kDLCPU;
+            dev.device_id = 0;
+        } else if (type != (int)dev.device_type || id != dev.device_id) {
             PyErr_Format(PyExc_BufferError,
                          "the copy is on DLPack device (%d, %d); zinf exports views, never "
                          "copies to another device",

@@ -13,15 +13,15 @@ import errno
 import gc
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import tracemalloc
 import unittest
 
 import zinf
+
+import daemon
 
 try:
     import numpy
@@ -672,34 +672,13 @@ class TestThreads(Base):
 
 class TestDaemon(Base):
     def test_through_zinf_serve(self):
-        zbin = os.environ.get("ZINF_BIN")
-        if not zbin:
-            self.skipTest("ZINF_BIN is not set (meson test sets it)")
-        cfg = os.path.join(self.dir, "serve.json")
         sock = os.path.join(self.dir, "zinf.sock")
-        with open(cfg, "w") as f:
-            f.write('{"zero_optimization": {"offload_param": {"device": "nvme", '
-                    '"nvme_path": "%s"}}, "aio": {"block_size": 65536}, '
-                    '"zinf": {"device": "emulated", "device_bytes": "4M", '
-                    '"host_bytes": "4M"}}' % self.swap)
         # Nothing listens yet.
         with self.assertRaises(zinf.Error) as cm:
             zinf.connect(sock, "job1")
         self.assertIn(cm.exception.errno, (errno.ENOENT, errno.ECONNREFUSED))
-        log = open(os.path.join(self.dir, "serve.out"), "w")
-        daemon = subprocess.Popen([zbin, "serve", "--socket", sock, "--config", cfg,
-                                   "--foreground"], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            e = None
-            for _ in range(1000):
-                try:
-                    e = zinf.connect(sock, "job1")
-                    break
-                except zinf.Error as ex:
-                    if ex.errno not in (errno.ENOENT, errno.ECONNREFUSED):
-                        raise
-                    time.sleep(0.01)
-            self.assertIsNotNone(e, "the daemon did not answer")
+        with daemon.serve(self, self.dir, self.swap) as sock:
+            e = daemon.connect(sock, "job1")
             with self.assertRaises(zinf.Error) as cm:
                 zinf.connect(sock, "bad/name")
             self.assertEqual(cm.exception.errno, errno.EINVAL)
@@ -720,11 +699,6 @@ class TestDaemon(Base):
             # The job was flushed at close: a new session sees it.
             with zinf.connect(sock, "job1") as e:
                 self.assertEqual(e.read(e.lookup("t"), 0, 2), b"aa")
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=60)
-            log.close()
-        self.assertEqual(daemon.returncode, 0)
 
 
 class TestReferences(Base):

@@ -1,0 +1,322 @@
+"""test_torch.py - zinf.torch: ZeRO-Infinity for an nn.Module against plain PyTorch.
+
+The example's GPT (examples/torch_offload.py) trained with its state offloaded to NVMe under
+tier budgets of a tenth of that state, step by step against the same model in plain PyTorch
+with torch.optim.AdamW (fp32): each step's loss within 1e-6 relative, no pin held between
+steps, the peaks within the budgets. Also through a `zinf serve` daemon, gradient
+accumulation, parameter groups and a learning-rate schedule, frozen parameters, a forward
+that raises, the parameters back out (state_dict, remove, resume), and the refusals.
+
+Every test skips, saying so, when torch is not importable (Debian has no torch package):
+scripts/test-torch.sh makes a venv with torch from PyPI and runs them.
+"""
+
+import copy
+import gc
+import os
+import shutil
+import sys
+import tempfile
+import unittest
+
+import zinf
+
+import daemon
+
+try:
+    import torch
+    import zinf.torch as zt
+except ImportError:
+    torch = None
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(HERE, "..", "..", "examples")
+TEXT = os.path.join(HERE, "..", "..", "README.md")
+PAGE = 4096
+
+if torch is not None:
+    sys.path.insert(0, EXAMPLES)
+    import torch_offload as ex
+
+
+def budget_of(model, fraction=0.1):
+    """A tier budget of fraction of the model's state, in whole pages."""
+    return int(ex.state_bytes(model) * fraction) // PAGE * PAGE
+
+
+@unittest.skipIf(torch is None, "torch is not importable: scripts/test-torch.sh runs these "
+                                "in a venv with torch from PyPI")
+class Base(unittest.TestCase):
+    def setUp(self):
+        base = os.environ.get("ZINF_TEST_TMPDIR") or tempfile.gettempdir()
+        os.makedirs(base, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix="torch-", dir=base)
+        self.swap = os.path.join(self.dir, "swap")
+        torch.manual_seed(0)
+
+    def tearDown(self):
+        gc.collect()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def model(self, layers=4, d=128, context=64):
+        return ex.GPT(layers, d, 4, context)
+
+    def engine(self, model, fraction=None, **kw):
+        """Tier budgets of a tenth of the state, or a fifth for the 2-layer models (whose
+        largest parameter's four tensors take a seventh)."""
+        if fraction is None:
+            fraction = 0.1 if len(model.blocks) >= 4 else 0.2
+        b = budget_of(model, fraction)
+        return zinf.Engine(nvme_path=self.swap, device="emulated", device_bytes=b,
+                           host_bytes=b, **kw)
+
+    def assertIdle(self, engine, model):
+        """Between steps: no pin held, every parameter empty in torch."""
+        st = engine.stats()
+        self.assertEqual(st["tier"][zinf.DEVICE]["pinned_bytes"], 0)
+        self.assertEqual(st["tier"][zinf.HOST]["pinned_bytes"], 0)
+        for p in model.parameters():
+            self.assertEqual(p.numel(), 0)
+            self.assertIsNone(p.grad)
+
+    def assertWithinBudgets(self, engine, budget):
+        st = engine.stats()
+        for tier in (zinf.DEVICE, zinf.HOST):
+            self.assertEqual(st["tier"][tier]["capacity_bytes"], budget)
+            self.assertLessEqual(st["tier"][tier]["peak_bytes"], budget)
+            self.assertGreater(st["tier"][tier]["peak_bytes"], 0)
+
+    def train_side_by_side(self, ref, off, engine, steps, tol=1e-6, opt_args=None,
+                           accumulate=1, sched=None):
+        """steps of both models on the same batches; returns the worst relative gap."""
+        opt_args = opt_args or dict(lr=1e-3)
+        params_ref = opt_args.pop("groups_ref", None) or ref.parameters()
+        params_off = opt_args.pop("groups_off", None) or off.parameters()
+        o_ref = torch.optim.AdamW(params_ref, **opt_args)
+        o_off = zt.AdamW(params_off, **opt_args)
+        s_ref = sched(o_ref) if sched else None
+        s_off = sched(o_off) if sched else None
+        data = ex.batches(TEXT, 4, ref.wpe.num_embeddings)
+        worst = 0.0
+        for step in range(steps):
+            for _ in range(accumulate):
+                x, y = next(data)
+                l_ref, l_off = ref(x, y), off(x, y)
+                l_ref.backward()
+                l_off.backward()
+                gap = abs(l_ref.item() - l_off.item()) / abs(l_ref.item())
+                worst = max(worst, gap)
+                self.assertLessEqual(gap, tol, f"step {step}: {l_ref.item()} in torch, "
+                                               f"{l_off.item()} offloaded")
+            o_ref.step()
+            o_off.step()
+            o_ref.zero_grad()
+            o_off.zero_grad()
+            if sched:
+                s_ref.step()
+                s_off.step()
+            self.assertIdle(engine, off)
+        return worst
+
+
+class TestTraining(Base):
+    def test_twenty_steps_match_torch_adamw(self):
+        ref = self.model()
+        off = copy.deepcopy(ref)
+        budget = budget_of(ref)
+        # The state is at least 8 times the device budget (here 10 times).
+        self.assertGreaterEqual(ex.state_bytes(ref), 8 * budget)
+        with self.engine(ref) as e:
+            zt.offload(off, e, home="nvme")
+            self.assertIdle(e, off)
+            worst = self.train_side_by_side(ref, off, e, 20)
+            self.assertWithinBudgets(e, budget)
+            st = e.stats()
+            self.assertGreater(st["nvme_bytes_read"], ex.state_bytes(ref))
+            self.assertEqual(st["steps"], 20)
+            self.assertGreater(st["schedule_length"], 0)
+            self.assertGreater(st["prefetches"], 0)
+            print(f"\n20 steps: worst loss gap {worst:.2e} relative; state "
+                  f"{ex.state_bytes(ref)} bytes, budgets {budget}; peaks device "
+                  f"{st['tier'][0]['peak_bytes']}, host {st['tier'][1]['peak_bytes']}",
+                  file=sys.stderr)
+            # The values stepped are torch's, to the same tolerance.
+            sd = off.zinf_offload.state_dict()
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(sd[name], p.detach(), rtol=1e-4, atol=1e-5)
+
+    def test_through_the_daemon(self):
+        ref = self.model(layers=2)
+        off = copy.deepcopy(ref)
+        budget = budget_of(ref, 0.2)
+        with daemon.serve(self, self.dir, self.swap, device_bytes=budget,
+                          host_bytes=budget) as sock:
+            with daemon.connect(sock, "torch") as e:
+                zt.offload(off, e)
+                self.train_side_by_side(ref, off, e, 5)
+                self.assertWithinBudgets(e, budget)
+
+    def test_gradient_accumulation_groups_and_schedule(self):
+        ref = self.model(layers=2)
+        off = copy.deepcopy(ref)
+        with self.engine(ref) as e:
+            zt.offload(off, e)
+
+            def groups(m):
+                decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
+                rest = [p for n, p in m.named_parameters() if not n.endswith("weight")]
+                return [dict(params=decay, weight_decay=0.1),
+                        dict(params=rest, weight_decay=0.0, lr=2e-3)]
+
+            args = dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-6,
+                        groups_ref=groups(ref), groups_off=groups(off))
+            self.train_side_by_side(
+                ref, off, e, 4, opt_args=args, accumulate=3,
+                sched=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5))
+
+    def test_host_tier_compute(self):
+        ref = self.model(layers=2)
+        off = copy.deepcopy(ref)
+        with self.engine(ref) as e:
+            zt.offload(off, e, tier="host", home="nvme")
+            self.train_side_by_side(ref, off, e, 3)
+            self.assertEqual(e.stats()["tier"][zinf.DEVICE]["fetches"], 0)
+
+    def test_frozen_parameters_and_no_grad(self):
+        ref = self.model(layers=2)
+        off = copy.deepcopy(ref)
+        for m in (ref, off):
+            for p in m.blocks[0].parameters():
+                p.requires_grad_(False)
+        with self.engine(ref) as e:
+            zt.offload(off, e)
+            frozen = {n: v.clone() for n, v in off.zinf_offload.state_dict().items()
+                      if n.startswith("blocks.0.")}
+            self.train_side_by_side(ref, off, e, 3)
+            after = off.zinf_offload.state_dict()
+            for n, v in frozen.items():
+                self.assertTrue(torch.equal(after[n], v), n)
+            x, y = next(ex.batches(TEXT, 2, 64))
+            with torch.no_grad():
+                torch.testing.assert_close(off(x, y), ref(x, y), rtol=1e-5, atol=0)
+            self.assertIdle(e, off)
+
+
+class TestModule(Base):
+    def test_saved_tensors_hold_no_parameter(self):
+        m = self.model(layers=2)
+        with self.engine(m) as e:
+            zt.offload(m, e)
+            x, y = next(ex.batches(TEXT, 2, 64))
+            off = m.zinf_offload
+            loss = m(x, y)
+            # The graph is built, and no parameter memory is held until its backward.
+            self.assertIdle(e, m)
+            n = len(list(m.parameters()))
+            self.assertEqual(off.fetches, {"forward": n + 1, "backward": 0, "unpack": 0})
+            loss.backward()
+            self.assertIdle(e, m)
+            # The backward pre-hooks fetched every parameter again (the tied embedding
+            # once, as the head's backward comes first and it is held until its gradient
+            # is in), none was left to the saved views.
+            self.assertEqual(off.fetches, {"forward": n + 1, "backward": n, "unpack": 0})
+            # Twice through the same graph's saved values (retain_graph) works too.
+            loss = m(x, y)
+            loss.backward(retain_graph=True)
+            loss.backward()
+            self.assertIdle(e, m)
+
+    def test_forward_that_raises_releases(self):
+        m = self.model(layers=2)
+        with self.engine(m) as e:
+            zt.offload(m, e)
+            x, y = next(ex.batches(TEXT, 2, 64))
+            with self.assertRaises(IndexError):
+                m(x, torch.full_like(y, 1000))  # a target past the vocabulary
+            self.assertIdle(e, m)
+            loss = m(x, y)
+            loss.backward()
+            self.assertIdle(e, m)
+
+    def test_state_dict_load_remove_and_resume(self):
+        m = self.model(layers=2)
+        want = {n: p.detach().clone() for n, p in m.named_parameters()}
+        x, y = next(ex.batches(TEXT, 2, 64))
+        with torch.no_grad():
+            loss = m(x, y)
+        with self.engine(m) as e:
+            off = zt.offload(m, e)
+            self.assertIs(m.zinf_offload, off)
+            self.assertEqual(zt.shape_of(m.wte.weight), (256, 128))
+            sd = off.state_dict()
+            self.assertEqual(sd.keys(), want.keys())
+            for n in want:
+                self.assertTrue(torch.equal(sd[n], want[n]), n)
+            with self.assertRaises(KeyError):
+                off.load_state_dict({"wte.weight": sd["wte.weight"]})
+            bad = dict(sd, **{"ln_f.bias": torch.zeros(3)})
+            with self.assertRaises(ValueError):
+                off.load_state_dict(bad)
+            off.load_state_dict({n: v * 0.5 for n, v in sd.items()})
+            e.flush()
+        # Resumed: the halved values.
+        m2 = self.model(layers=2)
+        with self.engine(m2, resume=True) as e:
+            off = zt.offload(m2, e, resume=True)
+            for n, v in off.state_dict().items():
+                self.assertTrue(torch.equal(v, want[n] * 0.5), n)
+            off.remove()
+            self.assertEqual(e.stats()["tensors"], 0)
+        self.assertFalse(hasattr(m2, "zinf_offload"))
+        for n, p in m2.named_parameters():
+            self.assertTrue(torch.equal(p.detach(), want[n] * 0.5), n)
+        # A plain module again: it runs without an engine.
+        with torch.no_grad():
+            self.assertTrue(torch.isfinite(m2(x, y)))
+        self.assertTrue(torch.isfinite(loss))
+
+    def test_refusals_change_nothing(self):
+        m = self.model(layers=2)
+        with self.engine(m) as e:
+            with self.assertRaises(TypeError):
+                zt.offload(m.double(), e)
+            m.float()
+            with self.assertRaises(ValueError):
+                zt.offload(m, e, tier="nvme")
+            self.assertEqual(e.stats()["tensors"], 0)
+            with self.assertRaises(ValueError):
+                zt.AdamW(m.parameters())  # not offloaded
+            zt.offload(m, e)
+            with self.assertRaises(ValueError):
+                zt.offload(m, e)  # twice
+            with self.assertRaises(ValueError):
+                zt.AdamW(m.parameters(), lr=-1)
+        # A module larger than the device tier, an optimizer step larger than the host's.
+        big = self.model(layers=2)
+        with self.engine(big, fraction=0.001, overwrite=True) as e:
+            with self.assertRaisesRegex(ValueError, "owns .* bytes of parameters"):
+                zt.offload(big, e)
+            self.assertEqual(e.stats()["tensors"], 0)
+            self.assertGreater(big.wte.weight.numel(), 0)  # left as it was
+        with zinf.Engine(nvme_path=self.swap, device="emulated", device_bytes=4 << 20,
+                         host_bytes=256 << 10, overwrite=True) as e:
+            zt.offload(big, e)
+            with self.assertRaisesRegex(ValueError, "the host tier holds"):
+                zt.AdamW(big.parameters())
+
+    def test_errors_from_the_engine_reach_the_caller(self):
+        m = self.model(layers=2)
+        with self.engine(m) as e:
+            zt.offload(m, e, prefix="a.")
+            # A name in use: the registration is undone, the module left as it was.
+            m2 = self.model(layers=2)
+            with self.assertRaises(zinf.Error):
+                zt.offload(m2, e, prefix="a.")
+            self.assertGreater(m2.wte.weight.numel(), 0)
+            x, y = next(ex.batches(TEXT, 2, 64))
+            m(x, y).backward()
+            self.assertIdle(e, m)
+
+
+if __name__ == "__main__":
+    unittest.main()
