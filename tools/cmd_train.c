@@ -781,7 +781,7 @@ int cmd_train(int argc, char **argv)
     const char *log_path = NULL, *trace_path = NULL, *export_path = NULL;
     FILE *log = NULL;
     char err[512];
-    long v;
+    long v = 0;
     int ch, r, status = 0;
     unsigned given = 0;   /* bit (option - O_LAYERS) for each model/run option given */
     long ckpt_every = -1; /* -1: not given */
