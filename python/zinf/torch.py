@@ -256,18 +256,18 @@ class Offload:
 
     def _make_pre(self, own):
         def pre(m, args):
-            got = []
-            self._calls.setdefault(id(m), []).append(got)
             with self._lock:
+                got = []
+                self._calls.setdefault(id(m), []).append(got)
                 self._acquire(own, "forward")
                 got.extend(own)
 
         return pre
 
     def _post(self, m, args, result):
-        stack = self._calls.get(id(m))
-        got = stack.pop() if stack else []
         with self._lock:
+            stack = self._calls.get(id(m))
+            got = stack.pop() if stack else []
             for e in got:
                 self._drop(e)
 
@@ -440,9 +440,19 @@ class AdamW(torch.optim.Optimizer):
             setattr(e, attr, t)
 
     def zero_grad(self, set_to_none=True):
+        """set_to_none (the default): the gradients are forgotten, and a parameter that gets
+        none before the next step is skipped by it. False: they are written as zeros (a
+        pass over them), so that the next step moves every parameter, as torch's does."""
         for group in self.param_groups:
             for p in group["params"]:
-                p._zinf.has_grad = False
+                e = p._zinf
+                if set_to_none:
+                    e.has_grad = False
+                else:
+                    with e.owner._lock:
+                        with e.owner.engine.fetch(e.grad, "host", dirty=True) as pin:
+                            _torch_view(pin).zero_()
+                    e.has_grad = True
                 p.grad = None
 
     @torch.no_grad()

@@ -202,6 +202,46 @@ class TestTraining(Base):
             self.assertIdle(e, off)
 
 
+class Branches(torch.nn.Module if torch is not None else object):
+    """Two linear layers, the second used on some steps only."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x, use_b):
+        y = self.a(x)
+        return (self.b(y) if use_b else y).square().mean()
+
+
+class TestOptimizer(Base):
+    def test_parameters_without_a_gradient(self):
+        """A parameter that got no gradient since zero_grad(): skipped after
+        set_to_none=True, stepped with zeros after set_to_none=False, as torch does."""
+        for set_to_none in (True, False):
+            ref = Branches()
+            off = copy.deepcopy(ref)
+            with zinf.Engine(nvme_path=self.swap, device="emulated", device_bytes=1 << 20,
+                             host_bytes=1 << 20, overwrite=True) as e:
+                zt.offload(off, e)
+                o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+                o_off = zt.AdamW(off.parameters(), lr=1e-2, weight_decay=0.1)
+                g = torch.Generator().manual_seed(1)
+                for step in range(6):
+                    x = torch.randn(4, 8, generator=g)
+                    for m, o in ((ref, o_ref), (off, o_off)):
+                        m(x, step % 3 == 0).backward()
+                        o.step()
+                        o.zero_grad(set_to_none=set_to_none)
+                    self.assertIdle(e, off)
+                got = off.zinf_offload.state_dict()
+                for n, p in ref.named_parameters():
+                    torch.testing.assert_close(got[n], p.detach(), rtol=1e-5, atol=1e-6,
+                                               msg=f"{n}, set_to_none={set_to_none}")
+                # b moved on the steps it had no gradient only when zeros were stepped.
+                self.assertEqual(o_off.state[off.b.weight]["step"], 6 if not set_to_none else 2)
+
+
 class TestModule(Base):
     def test_saved_tensors_hold_no_parameter(self):
         m = self.model(layers=2)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# torch_offload.sh - the example's GPT (examples/torch_offload.py) trained three ways, side by
+# side in one run, rounds interleaved: plain PyTorch in memory, zinf.torch with the whole
+# state on NVMe under device and host budgets of a tenth of it, and DeepSpeed ZeRO-3 with
+# parameters and optimizer states on NVMe (its CPU accelerator, one process). Each run is
+# bench/torch_offload.py; this prints each run's median step and the ratios of the medians.
+#
+# usage: bench/torch_offload.sh DIR [ROUNDS]          (default 2)
+#   LAYERS=8 DIM=512 HEADS=8 CONTEXT=256 BATCH=4 STEPS=6 BUDGET=0.1 TEXT=/usr/share/common-licenses/GPL-3
+#   MODES="plain zinf deepspeed"  VENV (bench/ds_env.sh: torch and deepspeed from PyPI)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:?usage: bench/torch_offload.sh DIR [ROUNDS]}
+rounds=${2:-2}
+modes=${MODES:-plain zinf deepspeed}
+. bench/ds_env.sh
+args=(--text "${TEXT:-/usr/share/common-licenses/GPL-3}" --layers "${LAYERS:-8}" --dim "${DIM:-512}"
+      --heads "${HEADS:-8}" --context "${CONTEXT:-256}" --batch "${BATCH:-4}"
+      --steps "${STEPS:-6}" --budget "${BUDGET:-0.1}")
+ls build/python/zinf/_zinf*.so >/dev/null 2>&1 ||
+  { echo "torch_offload.sh: build the project first (scripts/setup.sh)" >&2; exit 1; }
+mkdir -p "$dir"
+out=$dir/runs.jsonl
+: >"$out"
+for r in $(seq "$rounds"); do
+  for m in $modes; do
+    rm -rf "${dir:?}/$m"
+    PYTHONPATH=build/python "$py" bench/torch_offload.py --mode "$m" --nvme "$dir/$m" "${args[@]}" \
+      2>"$dir/$m.err" | tail -1 | tee -a "$out" ||
+      { echo "torch_offload.sh: $m failed:" >&2; tail -20 "$dir/$m.err" >&2; exit 1; }
+  done
+done
+python3 - "$out" <<'EOF'
+import json, statistics, sys
+runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+by = {}
+for r in runs:
+    by.setdefault(r["mode"], []).append(r)
+med = {m: statistics.median(x["median_ms"] for x in rs) for m, rs in by.items()}
+r0 = runs[0]
+print(f"\n{r0['params'] / 1e6:.1f}M parameters, state {r0['state_bytes'] / 2**20:.0f} MiB; "
+      f"median step over {len(by[r0['mode']])} runs of each:")
+for m, rs in by.items():
+    rss = max(x["max_rss_bytes"] for x in rs) / 2**20
+    extra = ""
+    if m == "zinf":
+        z = rs[-1]
+        extra = (f"  budgets {z['budget_bytes'] / 2**20:.0f} MiB, peaks device "
+                 f"{z['device_peak_bytes'] / 2**20:.0f} host {z['host_peak_bytes'] / 2**20:.0f} MiB, "
+                 f"NVMe read {z['nvme_read_bytes'] / 2**20 / len(z['steps_ms']):.0f} MiB/step")
+    print(f"  {m:9s} {med[m]:8.0f} ms   max RSS {rss:6.0f} MiB{extra}")
+if "plain" in med:
+    for m in med:
+        if m != "plain":
+            print(f"  {m} / plain: {med[m] / med['plain']:.2f}x the time")
+if "zinf" in med and "deepspeed" in med:
+    print(f"  zinf / deepspeed: {med['zinf'] / med['deepspeed']:.2f}x the time "
+          f"(deepspeed {by['deepspeed'][0].get('deepspeed')})")
+for m, rs in by.items():
+    if m != "plain" and "plain" in by:
+        a, b = by["plain"][0]["losses"], rs[0]["losses"]
+        gap = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+        print(f"  losses of {m} against plain: worst relative gap {gap:.1e}")
+EOF
