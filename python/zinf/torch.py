@@ -138,12 +138,26 @@ class Offload:
             if 4 * p.numel() > caps[1]:
                 raise ValueError(f"parameter {name} takes {4 * p.numel()} bytes; the host "
                                  f"tier holds {caps[1]}")
+        originals = {}
         try:
             for name, p in module.named_parameters():
+                originals[p] = p.data
                 self._add(prefix + name, p, resume)
         except BaseException:
-            self._unregister_all(keep_values=True)
+            # Undone: each parameter gets its tensor back, and what this call registered is
+            # unregistered (a resumed state's tensors are left as they are saved).
+            for e in self._entries:
+                e.param.data = originals[e.param]
+                e.param._zinf = None
+                if not resume:
+                    for t in (e.handle, e.grad):
+                        try:
+                            engine.unregister(t)
+                        except Exception:
+                            pass
+            self._entries = []
             raise
+        del originals
         owners = []
         for m in module.modules():
             own = list(dict.fromkeys(p._zinf for p in m.parameters(recurse=False)))
@@ -194,21 +208,16 @@ class Offload:
         p._zinf = entry
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
-    def _unregister_all(self, keep_values):
-        for e in self._entries:
-            if keep_values:
-                try:
-                    e.param.data = self._read(e)
-                except Exception:
-                    pass
+    def _unregister_all(self):
+        """Each parameter's values back into it (CPU memory), its tensors unregistered."""
+        while self._entries:
+            e = self._entries[0]
+            e.param.data = self._read(e)
             for t in (e.handle, e.grad, e.m, e.v):
                 if t is not None:
-                    try:
-                        self.engine.unregister(t)
-                    except Exception:
-                        pass
+                    self.engine.unregister(t)
             e.param._zinf = None
-        self._entries = []
+            self._entries.pop(0)
 
     # ---- fetched copies -------------------------------------------------------------------
 
@@ -379,7 +388,7 @@ class Offload:
             if self._own_forward is not None:
                 self.module.forward = self._own_forward
             self.module.__dict__.pop("zinf_offload", None)
-            self._unregister_all(keep_values=True)
+            self._unregister_all()
 
 
 def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=False):

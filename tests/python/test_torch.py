@@ -337,6 +337,15 @@ class TestModule(Base):
         # Resumed: the halved values.
         m2 = self.model(layers=2)
         with self.engine(m2, resume=True) as e:
+            saved = e.stats()["tensors"]
+            # A model of another shape is refused, and the saved tensors stay as they are.
+            other = ex.GPT(2, 64, 4, 64)
+            before = {n: p.detach().clone() for n, p in other.named_parameters()}
+            with self.assertRaisesRegex(ValueError, "holds .* bytes"):
+                zt.offload(other, e, resume=True)
+            self.assertEqual(e.stats()["tensors"], saved)
+            for n, p in other.named_parameters():
+                self.assertTrue(torch.equal(p.detach(), before[n]), n)
             off = zt.offload(m2, e, resume=True)
             for n, v in off.state_dict().items():
                 self.assertTrue(torch.equal(v, want[n] * 0.5), n)
