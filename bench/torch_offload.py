@@ -57,15 +57,18 @@ def main():
     out = dict(mode=a.mode, params=params, state_bytes=state)
     engine = None
 
-    if a.mode == "plain":
-        opt = torch.optim.AdamW(model.parameters(), **hp)
-
+    def torch_step(opt):
         def step(x, y):
             loss = model(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad()
             return loss.item()
+
+        return step
+
+    if a.mode == "plain":
+        step = torch_step(torch.optim.AdamW(model.parameters(), **hp))
 
     elif a.mode == "zinf":
         import zinf
@@ -75,15 +78,8 @@ def main():
         engine = zinf.Engine(nvme_path=a.nvme, device_bytes=budget, host_bytes=budget,
                              device="emulated", overwrite=True)
         zinf.torch.offload(model, engine, home="nvme")
-        opt = zinf.torch.AdamW(model.parameters(), **hp)
+        step = torch_step(zinf.torch.AdamW(model.parameters(), **hp))
         out["budget_bytes"] = budget
-
-        def step(x, y):
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.item()
 
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
