@@ -98,4 +98,14 @@ int parse_size(const char *s, uint64_t *out);
 /* Format bytes as "1.5 GiB" into buf. */
 const char *format_size(uint64_t bytes, char *buf, size_t len);
 
+/* The edit distance of a and b (Damerau-Levenshtein, each letter edited once: insertions,
+ * deletions, substitutions and swaps of two neighbours cost 1), capped: cap or more reads as
+ * cap, and so do strings over 64 bytes. */
+unsigned edit_distance(const char *a, const char *b, unsigned cap);
+/* The one of names[0..n) that word most likely misspells, for a "did you mean" hint; NULL
+ * when none is near: the nearest within a distance of 2 that is also under half word's
+ * length (the first listed on a tie), else the only name that word (two letters or more)
+ * begins. */
+const char *nearest_name(const char *word, const char *const *names, size_t n);
+
 #endif

@@ -740,31 +740,6 @@ static int find_sub(int s, const char *key)
     return -1;
 }
 
-/* Edit distance of two short strings, capped: anything over 3 reads as 3. */
-static unsigned edit_distance(const char *a, const char *b)
-{
-    size_t la = strlen(a), lb = strlen(b);
-    unsigned row[65];
-
-    if (la > 64 || lb > 64 || (la > lb ? la - lb : lb - la) > 2)
-        return 3;
-    for (size_t j = 0; j <= lb; j++)
-        row[j] = (unsigned)j;
-    for (size_t i = 1; i <= la; i++) {
-        unsigned diag = row[0];
-        row[0] = (unsigned)i;
-        for (size_t j = 1; j <= lb; j++) {
-            unsigned up = row[j];
-            unsigned best = diag + (a[i - 1] != b[j - 1]);
-            best = MIN(best, up + 1);
-            best = MIN(best, row[j - 1] + 1);
-            row[j] = best;
-            diag = up;
-        }
-    }
-    return MIN(row[lb], 3u);
-}
-
 /* A likely meant name for an unknown key: the same name in another section (written as a
  * full path), else a close spelling of a name this section knows. NULL when none. */
 static const char *suggest(int s, const char *key, char *buf, size_t n)
@@ -790,7 +765,7 @@ static const char *suggest(int s, const char *key, char *buf, size_t n)
     for (size_t i = 0; i < ARRAY_SIZE(fields); i++) {
         if (fields[i].sect != s)
             continue;
-        unsigned d = edit_distance(key, fields[i].key);
+        unsigned d = edit_distance(key, fields[i].key, 3);
         if (d < best_d) {
             best_d = d;
             best = fields[i].key;
@@ -798,7 +773,7 @@ static const char *suggest(int s, const char *key, char *buf, size_t n)
     }
     for (int i = 1; i < S_COUNT; i++) {
         if (sects[i].parent == s) {
-            unsigned d = edit_distance(key, sects[i].key);
+            unsigned d = edit_distance(key, sects[i].key, 3);
             if (d < best_d) {
                 best_d = d;
                 best = sects[i].key;

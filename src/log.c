@@ -1,6 +1,7 @@
 /*
- * log.c - the library's one logging channel and the size parser shared by the config
- * reader and the CLI. Logging is for people (notices, the reason behind an error code);
+ * log.c - the library's one logging channel, and what the config reader and the CLI share
+ * for talking to people: the size parser and printer, and the nearest spelling of a
+ * mistyped name. Logging is for people (notices, the reason behind an error code);
  * programs get the error code.
  */
 #include <errno.h>
@@ -183,4 +184,51 @@ void json_print_string(FILE *f, const char *s)
             fputc(ch, f);
     }
     fputc('"', f);
+}
+
+unsigned edit_distance(const char *a, const char *b, unsigned cap)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    unsigned before[65], prev[65], row[65]; /* rows i - 2, i - 1 and i of the table */
+
+    if (la > 64 || lb > 64 || (la > lb ? la - lb : lb - la) >= cap)
+        return cap;
+    for (size_t j = 0; j <= lb; j++)
+        prev[j] = (unsigned)j;
+    for (size_t i = 1; i <= la; i++) {
+        row[0] = (unsigned)i;
+        for (size_t j = 1; j <= lb; j++) {
+            unsigned best = prev[j - 1] + (a[i - 1] != b[j - 1]);
+            best = MIN(best, prev[j] + 1);
+            best = MIN(best, row[j - 1] + 1);
+            if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+                best = MIN(best, before[j - 2] + 1);
+            row[j] = best;
+        }
+        memcpy(before, prev, (lb + 1) * sizeof(prev[0]));
+        memcpy(prev, row, (lb + 1) * sizeof(row[0]));
+    }
+    return MIN(prev[lb], cap);
+}
+
+const char *nearest_name(const char *word, const char *const *names, size_t n)
+{
+    size_t len = strlen(word), prefixes = 0;
+    const char *best = NULL, *prefix = NULL;
+    unsigned best_d = 3;
+
+    for (size_t i = 0; i < n; i++) {
+        unsigned d = edit_distance(word, names[i], best_d);
+        if (d < best_d && 2 * d < len) {
+            best_d = d;
+            best = names[i];
+        }
+        if (len >= 2 && !strncmp(names[i], word, len)) {
+            prefix = names[i];
+            prefixes++;
+        }
+    }
+    if (best)
+        return best;
+    return prefixes == 1 ? prefix : NULL;
 }

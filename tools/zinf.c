@@ -109,35 +109,41 @@ static int cmd_version(int argc, char **argv)
     return 0;
 }
 
+/* The commands, in the order usage() lists them ("help" is main's own). */
+static const struct command {
+    const char *name;
+    int (*fn)(int argc, char **argv);
+} commands[] = {
+    {"train", cmd_train},   {"plot", cmd_plot},   {"compare", cmd_compare},
+    {"bench", cmd_bench},   {"tune", cmd_tune},   {"config", cmd_config},
+    {"stat", cmd_stat},     {"serve", cmd_serve}, {"job", cmd_job},
+    {"launch", cmd_launch}, {"topo", cmd_topo},   {"version", cmd_version},
+};
+
 /* argv[0] is the command's name. Returns the exit status, or -1 for an unknown command. */
 static int run(int argc, char **argv)
 {
     const char *c = argv[0];
-    if (!strcmp(c, "version") || !strcmp(c, "--version"))
-        return cmd_version(argc, argv);
-    if (!strcmp(c, "bench"))
-        return cmd_bench(argc, argv);
-    if (!strcmp(c, "tune"))
-        return cmd_tune(argc, argv);
-    if (!strcmp(c, "config"))
-        return cmd_config(argc, argv);
-    if (!strcmp(c, "train"))
-        return cmd_train(argc, argv);
-    if (!strcmp(c, "stat"))
-        return cmd_stat(argc, argv);
-    if (!strcmp(c, "serve"))
-        return cmd_serve(argc, argv);
-    if (!strcmp(c, "job"))
-        return cmd_job(argc, argv);
-    if (!strcmp(c, "launch"))
-        return cmd_launch(argc, argv);
-    if (!strcmp(c, "topo"))
-        return cmd_topo(argc, argv);
-    if (!strcmp(c, "plot"))
-        return cmd_plot(argc, argv);
-    if (!strcmp(c, "compare"))
-        return cmd_compare(argc, argv);
+    if (!strcmp(c, "--version")) return cmd_version(argc, argv);
+    for (size_t i = 0; i < ARRAY_SIZE(commands); i++)
+        if (!strcmp(c, commands[i].name)) return commands[i].fn(argc, argv);
     return -1;
+}
+
+/* "zinf: WHAT 'c'", with the command c most likely misspells when one is near
+ * (nearest_name), then the usage. */
+static void unknown_command(const char *what, const char *c)
+{
+    const char *names[ARRAY_SIZE(commands) + 1];
+    size_t n = 0;
+    for (; n < ARRAY_SIZE(commands); n++)
+        names[n] = commands[n].name;
+    names[n++] = "help";
+    const char *near = nearest_name(c, names, n);
+    fprintf(stderr, "zinf: %s '%s'", what, c);
+    if (near) fprintf(stderr, " (did you mean '%s'?)", near);
+    fputc('\n', stderr);
+    usage(stderr);
 }
 
 /* OpenMP's threads sleep between parallel regions rather than spin (OMP_WAIT_POLICY
@@ -168,8 +174,7 @@ int main(int argc, char **argv)
         int r = run(2, hargv);
         if (r >= 0)
             return r;
-        fprintf(stderr, "zinf: help: unknown command '%s'\n", argv[2]);
-        usage(stderr);
+        unknown_command("help: unknown command", argv[2]);
         return 2;
     }
     if (!strcmp(c, "help") || !strcmp(c, "--help") || !strcmp(c, "-h")) {
@@ -179,7 +184,6 @@ int main(int argc, char **argv)
     int r = run(argc - 1, argv + 1);
     if (r >= 0)
         return r;
-    fprintf(stderr, "zinf: unknown command '%s'\n", c);
-    usage(stderr);
+    unknown_command("unknown command", c);
     return 2;
 }
