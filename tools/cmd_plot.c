@@ -45,8 +45,8 @@ static void usage(FILE *f)
                "step, and the device and host tiers' bytes in use against their budgets.\n"
                "--size: the picture in pixels (default 1200x900). Needs gnuplot (Debian's\n"
                "gnuplot-nox, which scripts/setup.sh installs).\n"
-               "Exit status: 0 drawn, 1 gnuplot missing or failed, 2 bad usage or a log it\n"
-               "cannot read.\n");
+               "Exit status: 0 drawn, 1 gnuplot missing or failed (its message in one line),\n"
+               "2 bad usage, a log it cannot read or an OUT.png in no directory.\n");
 }
 
 static double num(json_t *o, const char *k)
@@ -122,6 +122,26 @@ static int read_log(const char *path, struct run *r)
         return 2;
     }
     return 0;
+}
+
+/* 0 when out's directory is there; else 2, said naming out and its directory. Checked before
+ * gnuplot runs, so that a mistyped directory is named as such: gnuplot says only that it
+ * "cannot open file". */
+static int check_out_dir(const char *out)
+{
+    const char *slash = strrchr(out, '/');
+    char d[4096];
+    struct stat sb;
+
+    if (!slash) return 0; /* the current directory */
+    snprintf(d, sizeof(d), "%.*s", slash == out ? 1 : (int)(slash - out), out);
+    int e = stat(d, &sb) ? errno : S_ISDIR(sb.st_mode) ? 0 : ENOTDIR;
+    if (!e) return 0;
+    if (e == ENOENT)
+        fprintf(stderr, "zinf plot: cannot write %s: the directory %s does not exist\n", out, d);
+    else
+        fprintf(stderr, "zinf plot: cannot write %s: %s: %s\n", out, d, strerror(e));
+    return 2;
 }
 
 static int write_files(const char *tmp, const struct run *r, const char *out, int w, int h,
@@ -231,6 +251,7 @@ int cmd_plot(int argc, char **argv)
     }
     struct run r = {0};
     int rc = read_log(in, &r);
+    if (!rc) rc = check_out_dir(out);
     if (rc) {
         free(r.p);
         return rc;

@@ -16,7 +16,9 @@ void gnuplot_rmdir(const char *tmp, const char *const *names);
 /* s as a gnuplot single-quoted string ('' stands for a quote). */
 void gnuplot_quote(FILE *f, const char *s);
 /* Run gnuplot on script: 0 when it succeeded and out is a non-empty file; else 1, with why
- * on stderr after "zinf WHO: " (gnuplot missing: how to install it). */
+ * in one line on stderr after "zinf WHO: " (gnuplot missing: how to install it; gnuplot
+ * failed: its exit status and the first line of its message). What gnuplot says on stderr
+ * is kept from the terminal: it is shown, in that line, only when gnuplot fails. */
 int gnuplot_run(const char *who, const char *script, const char *out);
 
 #endif
