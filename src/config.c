@@ -285,6 +285,7 @@ _Static_assert(ARRAY_SIZE(fields) <= 128, "struct zinf_config.given has one bit 
 struct parser {
     struct zinf_config *c;
     const char *name; /* the file or buffer name, for warnings */
+    bool quiet;       /* CONFIG_PARSE_QUIET: unknown keys are listed, not logged */
     char *err;
     size_t errlen;
 };
@@ -810,6 +811,8 @@ static int note_unknown(struct parser *p, int s, const char *path, const char *k
 
     if (list_push(&c->unknown, &c->n_unknown, path))
         return fail_nomem(p);
+    if (p->quiet)
+        return 0;
     const char *sug = suggest(s, key, hint, sizeof(hint));
     log_warn("%s%s%s: unknown key, ignored%s%s%s", p->name ? p->name : "", p->name ? ": " : "",
              path, sug ? " (did you mean \"" : "", sug ? sug : "", sug ? "\"?)" : "");
@@ -1073,7 +1076,14 @@ void config_free(struct zinf_config *c)
 int config_parse_buffer(const char *buf, size_t len, const char *name, struct zinf_config *c,
                         char *err, size_t errlen)
 {
-    struct parser p = {.c = c, .name = name, .err = err, .errlen = errlen};
+    return config_parse_buffer_flags(buf, len, name, c, 0, err, errlen);
+}
+
+int config_parse_buffer_flags(const char *buf, size_t len, const char *name,
+                              struct zinf_config *c, unsigned flags, char *err, size_t errlen)
+{
+    struct parser p = {.c = c, .name = name, .quiet = flags & CONFIG_PARSE_QUIET, .err = err,
+                       .errlen = errlen};
     json_error_t je;
     json_t *root;
     int ret;
@@ -1113,6 +1123,12 @@ int config_parse_buffer(const char *buf, size_t len, const char *name, struct zi
 }
 
 int config_parse_file(const char *path, struct zinf_config *c, char *err, size_t errlen)
+{
+    return config_parse_file_flags(path, c, 0, err, errlen);
+}
+
+int config_parse_file_flags(const char *path, struct zinf_config *c, unsigned flags, char *err,
+                            size_t errlen)
 {
     struct stat st;
     char *buf = NULL;
@@ -1165,7 +1181,7 @@ int config_parse_file(const char *path, struct zinf_config *c, char *err, size_t
         len += (size_t)n;
     }
     close(fd);
-    ret = config_parse_buffer(buf, len, path, c, err, errlen);
+    ret = config_parse_buffer_flags(buf, len, path, c, flags, err, errlen);
     free(buf);
     return ret;
 

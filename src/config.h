@@ -200,6 +200,13 @@ void config_defaults(struct zinf_config *c);
 int config_parse_file(const char *path, struct zinf_config *c, char *err, size_t errlen);
 int config_parse_buffer(const char *buf, size_t len, const char *name, struct zinf_config *c,
                         char *err, size_t errlen);
+/* The same with flags: CONFIG_PARSE_QUIET lists unknown keys without logging them, for a
+ * second read of a file whose reader has warned already. */
+#define CONFIG_PARSE_QUIET (1u << 0)
+int config_parse_file_flags(const char *path, struct zinf_config *c, unsigned flags, char *err,
+                            size_t errlen);
+int config_parse_buffer_flags(const char *buf, size_t len, const char *name,
+                              struct zinf_config *c, unsigned flags, char *err, size_t errlen);
 
 /* Free what c owns and leave it holding the defaults; safe to call twice. */
 void config_free(struct zinf_config *c);

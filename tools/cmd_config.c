@@ -4,15 +4,20 @@
  * engine options derived from them and the keys that were ignored or unknown.
  *
  * It checks the file, not the machine: whether the NVMe directories exist or the GPU is
- * there is left to the commands that use them.
+ * there is left to the commands that use them. What the file means for `zinf train` is
+ * decided by train_config_apply(), which train calls too: a config train refuses is refused
+ * here, with the same message and exit status 2.
  */
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
 #include "config.h"
 #include "cmd.h"
 #include "train/trainer.h"
+#include "train_config.h"
 
 static void usage(FILE *f)
 {
@@ -24,8 +29,8 @@ static void usage(FILE *f)
                "  --strict   treat unknown keys as errors (exit 2)\n"
                "\n"
                "Exit status: 0 valid; 1 the settings could not be written out; 2 a bad file\n"
-               "(it names the JSON path and what is wrong), unknown keys with --strict, or\n"
-               "bad usage.\n");
+               "(it names the JSON path and what is wrong), a config zinf train refuses\n"
+               "(with its defaults, one rank), unknown keys with --strict, or bad usage.\n");
 }
 
 static int check(const char *file, bool strict)
@@ -46,28 +51,34 @@ static int check(const char *file, bool strict)
         config_free(&c);
         return 2;
     }
-    printf("# zinf config check %s\n", file);
-    int pr = config_print(&c, stdout);
-    /* "auto" as zinf train resolves it: from the model of zinf.train, else its defaults. */
+    /* The settings as the file gives them ("auto" as "auto"), kept until the file is known
+     * to be good. */
+    char *settings = NULL;
+    size_t settings_len = 0;
+    FILE *mem = open_memstream(&settings, &settings_len);
+    int pr = mem ? config_print(&c, mem) : -ENOMEM;
+    if (mem && fclose(mem) != 0) pr = -ENOMEM;
+    /* What zinf train makes of it with its defaults (one rank): refused here for
+     * whatever reason it refuses there, in the same words. */
     struct trainer_opts o;
+    struct train_config_applied ds = {0};
     trainer_opts_defaults(&o);
-    struct config_auto_inputs in = {
-        .hidden_size = c.zinf.train.dim ? c.zinf.train.dim : o.model.C,
-        .micro_batch = c.zinf.train.batch ? c.zinf.train.batch : o.batch, .grad_accum = 1,
-        .steps = c.zinf.train.steps ? c.zinf.train.steps : o.steps, .lr = o.lr,
-        .weight_decay = o.weight_decay, .grad_clip = o.grad_clip, .bf16 = -1};
-    char autos[1024];
-    config_resolve_auto(&c, &in, autos, sizeof(autos));
-    if (config_is_auto(&c, "bf16.enabled")) {
-        size_t n = strlen(autos);
-        snprintf(autos + n, sizeof(autos) - n, "%sbf16.enabled = as --precision auto (bf16 on "
-                 "a GPU, fp32 on the CPU)", n ? "\n" : "");
+    if (train_config_apply(&c, &o, 0, &ds, err, sizeof(err)) < 0) {
+        fprintf(stderr, "zinf: %s: %s\n", path, err);
+        free(settings);
+        config_free(&c);
+        return 2;
     }
-    if (autos[0]) {
-        printf("# \"auto\" as zinf train resolves it with dim %d, batch %d, %d steps (from "
-               "zinf.train or its defaults; its options change them):\n", in.hidden_size,
-               in.micro_batch, in.steps);
-        for (char *p = autos, *nl; p; p = nl ? nl + 1 : NULL) {
+    printf("# zinf config check %s\n", file);
+    if (settings) fwrite(settings, 1, settings_len, stdout);
+    free(settings);
+    printf("# zinf train would run: %d layers, dim %d, %d heads, seq %d, batch %d x %d "
+           "accumulated, %d steps, %s lr %g (%s schedule)\n",
+           o.model.L, o.model.C, o.model.NH, o.seq, o.batch, o.grad_accum, o.steps,
+           ds.optimizer, o.lr, ds.scheduler);
+    if (ds.autos[0]) {
+        printf("# \"auto\" as zinf train resolves it with these (its options change them):\n");
+        for (char *p = ds.autos, *nl; p; p = nl ? nl + 1 : NULL) {
             nl = strchr(p, '\n');
             if (nl)
                 *nl = '\0';

@@ -35,6 +35,7 @@
 #include "train/gpt.h"
 #include "comm/comm.h"
 #include "train/trainer.h"
+#include "train_config.h"
 #include "zinf.h"
 
 static volatile sig_atomic_t stop_requested;
@@ -76,6 +77,8 @@ static void usage(FILE *f)
         "  --trace FILE.json write a timeline of the run (Chrome trace events: open it in\n"
         "                    ui.perfetto.dev or chrome://tracing); ZINF_TRACE=FILE does the\n"
         "                    same for any program using the library\n"
+        "  --strict          treat unknown config keys as errors (exit 2), as\n"
+        "                    zinf config check --strict does\n"
         "  --resume          continue the run persisted in the config's nvme_path\n"
         "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
         "                    (without it, zinf train refuses to start over a saved run)\n"
@@ -148,221 +151,6 @@ static int parse_float(const char *opt, const char *s, float *out)
 }
 
 static const char *const tier_names[] = {"device", "host", "nvme"};
-
-enum {
-    O_LAYERS = 256,
-    O_DIM,
-    O_HEADS,
-    O_SEQ,
-    O_BATCH,
-    O_STEPS,
-    O_LR,
-    O_WD,
-    O_CLIP,
-    O_SEED,
-    O_LOG,
-    O_RESUME,
-    O_PRECISION,
-    O_OVERWRITE,
-    O_CKPT,
-    O_ACCUM,
-    O_EVAL,
-    O_EVAL_BATCHES,
-    O_SAMPLE,
-    O_SAMPLE_BYTES,
-    O_CONNECT,
-    O_JOB,
-    O_TRACE,
-    O_EXPORT
-};
-#define GIVEN(opt) (given & (1u << ((opt)-O_LAYERS)))
-
-/* What the DeepSpeed keys of the config did, for the start of the run. */
-struct ds_applied {
-    char autos[1024];   /* "json.path = value" lines: what each "auto" became */
-    char ignored[4096]; /* the keys named as ignored, one per line */
-    char optimizer[32], scheduler[32];
-};
-
-static bool same_name(const char *a, const char *b)
-{
-    return strcasecmp(a, b) == 0;
-}
-
-/* DeepSpeed's training keys into o, under the options given on the command line (they take
- * precedence) and the zinf.train section (a disagreement with it is refused). "auto" is
- * resolved from the options, as Hugging Face's DeepSpeed integration does. */
-static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsigned given,
-                           struct ds_applied *ds, char *err, size_t errlen)
-{
-    const struct config_train_keys *k = &zc->train;
-    bool micro = config_given(zc, "train_micro_batch_size_per_gpu") &&
-                 !config_is_auto(zc, "train_micro_batch_size_per_gpu");
-    bool accum = config_given(zc, "gradient_accumulation_steps") &&
-                 !config_is_auto(zc, "gradient_accumulation_steps");
-
-    if (micro && !GIVEN(O_BATCH)) {
-        if (zc->zinf.train.batch && zc->zinf.train.batch != k->micro_batch) {
-            snprintf(err, errlen,
-                     "train_micro_batch_size_per_gpu %d and zinf.train.batch %d "
-                     "disagree: give one",
-                     k->micro_batch, zc->zinf.train.batch);
-            return -EINVAL;
-        }
-        o->batch = k->micro_batch;
-    }
-    if (accum && !GIVEN(O_ACCUM)) o->grad_accum = k->grad_accum;
-
-    /* "auto": what the options say (bf16 "auto" is --precision auto: bf16 on a GPU). */
-    struct config_auto_inputs in = {.hidden_size = o->model.C,
-                                    .micro_batch = o->batch,
-                                    .grad_accum = o->grad_accum,
-                                    .steps = o->steps,
-                                    .lr = o->lr,
-                                    .weight_decay = o->weight_decay,
-                                    .grad_clip = o->grad_clip,
-                                    .bf16 = o->precision == TRAINER_PRECISION_AUTO
-                                                ? -1
-                                                : o->precision == TRAINER_PRECISION_BF16};
-    bool bf16_auto = config_is_auto(zc, "bf16.enabled") && o->precision == TRAINER_PRECISION_AUTO;
-    config_resolve_auto(zc, &in, ds->autos, sizeof(ds->autos));
-    if (bf16_auto) {
-        size_t n = strlen(ds->autos);
-        snprintf(ds->autos + n, sizeof(ds->autos) - n,
-                 "%sbf16.enabled = as --precision auto "
-                 "(bf16 on a GPU, fp32 on the CPU)",
-                 n ? "\n" : "");
-    }
-
-    uint64_t tbs = k->train_batch_size;
-    if (config_given(zc, "train_batch_size") && tbs) {
-        /* DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks. */
-        uint64_t ranks = (uint64_t)MAX(1, o->world);
-        if (!micro && !GIVEN(O_BATCH) && !zc->zinf.train.batch &&
-            tbs % ((uint64_t)o->grad_accum * ranks) == 0)
-            o->batch = (int)(tbs / ((uint64_t)o->grad_accum * ranks));
-        else if (!accum && !GIVEN(O_ACCUM) && tbs % ((uint64_t)o->batch * ranks) == 0)
-            o->grad_accum = (int)(tbs / ((uint64_t)o->batch * ranks));
-        if (tbs != (uint64_t)o->batch * (uint64_t)o->grad_accum * ranks) {
-            snprintf(err, errlen,
-                     "train_batch_size %llu is not the micro batch %d x %d "
-                     "gradient accumulation steps x %llu rank%s",
-                     (unsigned long long)tbs, o->batch, o->grad_accum, (unsigned long long)ranks,
-                     ranks == 1 ? "" : "s");
-            return -EINVAL;
-        }
-    }
-    if (config_given(zc, "gradient_clipping") && !GIVEN(O_CLIP)) o->grad_clip = (float)k->grad_clip;
-
-    snprintf(ds->optimizer, sizeof(ds->optimizer), "AdamW");
-    if (k->optimizer.type[0]) {
-        if (!same_name(k->optimizer.type, "AdamW") && !same_name(k->optimizer.type, "Adam")) {
-            snprintf(err, errlen,
-                     "optimizer.type \"%s\": zinf train's optimizer is Adam with "
-                     "decoupled weight decay: give \"AdamW\" or \"Adam\"",
-                     k->optimizer.type);
-            return -EINVAL;
-        }
-        snprintf(ds->optimizer, sizeof(ds->optimizer), "%s", k->optimizer.type);
-    }
-    if (!k->optimizer.adam_w_mode) {
-        snprintf(err, errlen,
-                 "optimizer.params.adam_w_mode false (L2 regularisation in the "
-                 "gradient) is not supported: zinf train's Adam decouples the weight decay");
-        return -EINVAL;
-    }
-    if (config_given(zc, "optimizer.params.lr") && !GIVEN(O_LR)) o->lr = (float)k->optimizer.lr;
-    if (config_given(zc, "optimizer.params.weight_decay") && !GIVEN(O_WD))
-        o->weight_decay = (float)k->optimizer.weight_decay;
-    o->beta1 = (float)k->optimizer.betas[0];
-    o->beta2 = (float)k->optimizer.betas[1];
-    o->eps = (float)k->optimizer.eps;
-    if (!(o->eps > 0)) {
-        snprintf(err, errlen, "optimizer.params.eps must be > 0, got %g", k->optimizer.eps);
-        return -EINVAL;
-    }
-
-    snprintf(ds->scheduler, sizeof(ds->scheduler), "constant");
-    if (k->scheduler.type[0]) {
-        struct trainer_lr_schedule *s = &o->sched;
-        const char *ty = k->scheduler.type;
-        if (same_name(ty, "WarmupLR"))
-            s->type = TRAINER_SCHED_WARMUP;
-        else if (same_name(ty, "WarmupDecayLR"))
-            s->type = TRAINER_SCHED_WARMUP_DECAY;
-        else if (same_name(ty, "WarmupCosineLR"))
-            s->type = TRAINER_SCHED_WARMUP_COSINE;
-        else {
-            snprintf(err, errlen,
-                     "scheduler.type \"%s\": zinf train runs \"WarmupLR\", "
-                     "\"WarmupDecayLR\" and \"WarmupCosineLR\"",
-                     ty);
-            return -EINVAL;
-        }
-        snprintf(ds->scheduler, sizeof(ds->scheduler), "%s", ty);
-        s->min_lr = k->scheduler.warmup_min_lr;
-        /* WarmupLR's warmup_max_lr defaults to the optimizer's lr; WarmupDecayLR's to 0.001. */
-        s->max_lr = config_given(zc, "scheduler.params.warmup_max_lr") ? k->scheduler.warmup_max_lr
-                    : s->type == TRAINER_SCHED_WARMUP                  ? o->lr
-                                                                       : 0.001;
-        s->min_ratio = k->scheduler.warmup_min_ratio;
-        s->cos_min_ratio = k->scheduler.cos_min_ratio;
-        s->warmup_steps = k->scheduler.warmup_num_steps;
-        s->total_steps = k->scheduler.total_num_steps;
-        s->linear = k->scheduler.warmup_type == 1;
-        if (s->type != TRAINER_SCHED_WARMUP && s->total_steps < 1) {
-            snprintf(err, errlen, "scheduler.params.total_num_steps: %s needs it", ty);
-            return -EINVAL;
-        }
-    }
-
-    o->fp16 = (struct trainer_fp16){.loss_scale = k->fp16.loss_scale,
-                                    .min_loss_scale = k->fp16.min_loss_scale,
-                                    .initial_scale_power = k->fp16.initial_scale_power,
-                                    .loss_scale_window = k->fp16.loss_scale_window,
-                                    .hysteresis = k->fp16.hysteresis,
-                                    .consecutive_hysteresis = k->fp16.consecutive_hysteresis};
-    if (k->fp16.enabled && k->bf16.enabled && !config_is_auto(zc, "bf16.enabled")) {
-        snprintf(err, errlen, "fp16.enabled and bf16.enabled are both true: give one");
-        return -EINVAL;
-    }
-    if (k->fp16.enabled && !GIVEN(O_PRECISION)) {
-        if (zc->zinf.train.precision && zc->zinf.train.precision != TRAINER_PRECISION_FP16) {
-            snprintf(err, errlen, "fp16.enabled true and zinf.train.precision disagree: give one");
-            return -EINVAL;
-        }
-        o->precision = TRAINER_PRECISION_FP16;
-    }
-    if (config_given(zc, "bf16.enabled") && !config_is_auto(zc, "bf16.enabled") &&
-        !GIVEN(O_PRECISION)) {
-        enum trainer_precision p =
-            k->bf16.enabled ? TRAINER_PRECISION_BF16 : TRAINER_PRECISION_FP32;
-        if (zc->zinf.train.precision && zc->zinf.train.precision != (int)p) {
-            snprintf(err, errlen, "bf16.enabled %s and zinf.train.precision disagree: give one",
-                     k->bf16.enabled ? "true" : "false");
-            return -EINVAL;
-        }
-        o->precision = p;
-    }
-
-    size_t n = 0;
-    ds->ignored[0] = '\0';
-    for (size_t i = 0; i < zc->n_ignored && n < sizeof(ds->ignored); i++) {
-        /* Across ranks the stage is what partitions the state, stage 3 gathers ahead
-         * within stage3_max_live_parameters, and gradients are reduced behind the backward
-         * (overlap_comm) when a block's fit in reduce_bucket_size. */
-        static const char *const used_by_ranks[] = {
-            "zero_optimization.stage ", "zero_optimization.stage3_max_live",
-            "zero_optimization.overlap_comm ", "zero_optimization.reduce_bucket_size "};
-        bool used = false;
-        for (size_t u = 0; u < sizeof(used_by_ranks) / sizeof(used_by_ranks[0]); u++)
-            used |= !strncmp(zc->ignored[i], used_by_ranks[u], strlen(used_by_ranks[u]));
-        if (o->world > 1 && used) continue;
-        n += (size_t)snprintf(ds->ignored + n, sizeof(ds->ignored) - n, "%s%s", n ? "\n" : "",
-                              zc->ignored[i]);
-    }
-    return 0;
-}
 
 /* Make the state durable and say what it cost: one line, and one JSON line with --log. */
 /* A progress bar for a checkpoint or a resume, on a terminal: a thread that watches the
@@ -613,7 +401,7 @@ static void print_lines(const char *prefix, const char *text)
 }
 
 /* The effective settings, once: a few lines here, the first JSON line of the log. */
-static void print_settings(const struct trainer_opts *o, const struct ds_applied *ds,
+static void print_settings(const struct trainer_opts *o, const struct train_config_applied *ds,
                            const struct trainer_summary *sum, long ckpt_every, int every, FILE *log)
 {
     printf("# settings: %d micro-batch%s of %d x %d tokens per step, %d steps, %s lr %g (%s "
@@ -771,6 +559,7 @@ int cmd_train(int argc, char **argv)
         {"job", required_argument, NULL, O_JOB},
         {"trace", required_argument, NULL, O_TRACE},
         {"export", required_argument, NULL, O_EXPORT},
+        {"strict", no_argument, NULL, O_STRICT},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -786,6 +575,7 @@ int cmd_train(int argc, char **argv)
     unsigned given = 0;   /* bit (option - O_LAYERS) for each model/run option given */
     long ckpt_every = -1; /* -1: not given */
     bool ckpt_failed = false;
+    bool strict = false; /* --strict: unknown config keys are errors */
 
     trainer_opts_defaults(&o);
     /* Started as one of several ranks (zinf launch -n N): the trainer partitions the state
@@ -911,6 +701,9 @@ int cmd_train(int argc, char **argv)
         case O_EXPORT:
             export_path = optarg;
             break;
+        case O_STRICT:
+            strict = true;
+            break;
         case O_JOB:
             o.job = optarg;
             break;
@@ -983,20 +776,15 @@ int cmd_train(int argc, char **argv)
         config_free(&zc);
         return 2;
     }
-#define FROM_CONFIG(opt, field, dst)                                                               \
-    if (zc.zinf.train.field && !(given & (1u << ((opt)-O_LAYERS)))) dst = zc.zinf.train.field;
-    FROM_CONFIG(O_LAYERS, layers, o.model.L)
-    FROM_CONFIG(O_DIM, dim, o.model.C)
-    FROM_CONFIG(O_HEADS, heads, o.model.NH)
-    FROM_CONFIG(O_SEQ, seq, o.seq)
-    FROM_CONFIG(O_BATCH, batch, o.batch)
-    FROM_CONFIG(O_STEPS, steps, o.steps)
-    FROM_CONFIG(O_SEED, seed, o.seed)
-    FROM_CONFIG(O_PRECISION, precision, o.precision)
-#undef FROM_CONFIG
+    if (strict && zc.n_unknown) {
+        fprintf(stderr, "zinf train: %s: %zu unknown key%s (--strict)\n", o.config_path,
+                zc.n_unknown, zc.n_unknown == 1 ? "" : "s");
+        config_free(&zc);
+        return 2;
+    }
     if (ckpt_every < 0) ckpt_every = zc.zinf.train.checkpoint_every;
-    struct ds_applied ds = {0};
-    if (apply_deepspeed(&zc, &o, given, &ds, err, sizeof(err)) < 0) {
+    struct train_config_applied ds = {0};
+    if (train_config_apply(&zc, &o, given, &ds, err, sizeof(err)) < 0) {
         fprintf(stderr, "zinf train: %s: %s\n", o.config_path, err);
         config_free(&zc);
         return 2;
@@ -1010,10 +798,6 @@ int cmd_train(int argc, char **argv)
                 "zinf train: --sample-bytes %ld: at most --seq - 1 = %d (the context "
                 "is one sequence)\n",
                 sample_bytes, o.seq - 1);
-        return 2;
-    }
-    if (o.model.C % o.model.NH) {
-        fprintf(stderr, "zinf train: --heads %d does not divide --dim %d\n", o.model.NH, o.model.C);
         return 2;
     }
     /* Across ranks, rank 0 writes the log and the others LOG.rank-R beside it. */

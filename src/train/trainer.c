@@ -164,13 +164,8 @@ void train_note_peaks(struct trainer *t)
         t->peak[i] = MAX(t->peak[i], st.tier[i].peak_bytes);
 }
 
-int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen)
+int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
 {
-    struct trainer *t;
-    int r;
-
-    *out = NULL;
-    err[0] = '\0';
     if (o->model.V != 256) {
         snprintf(err, errlen, "the vocabulary is bytes: V must be 256");
         return -EINVAL;
@@ -196,6 +191,19 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     struct gpt_config cfg = o->model;
     cfg.maxT = o->seq;
     if (gpt_config_validate(&cfg, err, errlen) < 0) return -EINVAL;
+    return 0;
+}
+
+int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen)
+{
+    struct trainer *t;
+    int r;
+
+    *out = NULL;
+    err[0] = '\0';
+    if ((r = trainer_opts_check(o, err, errlen)) < 0) return r;
+    struct gpt_config cfg = o->model;
+    cfg.maxT = o->seq;
     if (!o->config_path || !o->data_path) {
         snprintf(err, errlen, "--config FILE and --data FILE are required");
         return -EINVAL;
@@ -213,7 +221,9 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     t->o = *o;
     t->cfg = cfg;
     config_defaults(&t->zc);
-    if ((r = config_parse_file(o->config_path, &t->zc, err, errlen)) < 0) goto fail;
+    /* Quietly: the command that built o read the file and warned of its unknown keys. */
+    if ((r = config_parse_file_flags(o->config_path, &t->zc, CONFIG_PARSE_QUIET, err, errlen)) < 0)
+        goto fail;
     /* "auto" (Hugging Face's configs) as the command resolved it: the engine's prefetch
      * budget comes from the model's width. */
     struct config_auto_inputs ai = {.hidden_size = o->model.C,

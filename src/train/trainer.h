@@ -172,6 +172,9 @@ struct trainer_summary {
 struct trainer;
 
 void trainer_opts_defaults(struct trainer_opts *o);
+/* The options' own consistency (sizes, Adam's hyper-parameters, the schedule, the model's
+ * shape), as trainer_open checks them first: -EINVAL with a message in err. */
+int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen);
 /* Opens the engine from the config, registers (or, resuming, finds) every tensor and
  * initialises the parameters; a new run is checkpointed at once (step 0), so that from
  * here a crash at any moment leaves a run to resume. Bad input: -EINVAL (or -ENOENT for a

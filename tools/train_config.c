@@ -1,0 +1,229 @@
+/*
+ * train_config.c - what a DeepSpeed-style config means for `zinf train` (train_config.h):
+ * the zinf.train section, then DeepSpeed's batch, accumulation, clipping, optimizer,
+ * scheduler and precision keys, under the command line's options, and the trainer's own
+ * check of the result. `zinf train` and `zinf config check` both call it, so that whatever
+ * one refuses for a config reason the other refuses with the same words.
+ */
+#include <errno.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+
+#include "common.h"
+#include "train_config.h"
+
+#define GIVEN(opt) (given & (1u << ((opt)-O_LAYERS)))
+
+
+static bool same_name(const char *a, const char *b)
+{
+    return strcasecmp(a, b) == 0;
+}
+
+/* DeepSpeed's training keys into o, under the options given on the command line (they take
+ * precedence) and the zinf.train section (a disagreement with it is refused). "auto" is
+ * resolved from the options, as Hugging Face's DeepSpeed integration does. */
+static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsigned given,
+                           struct train_config_applied *ds, char *err, size_t errlen)
+{
+    const struct config_train_keys *k = &zc->train;
+    bool micro = config_given(zc, "train_micro_batch_size_per_gpu") &&
+                 !config_is_auto(zc, "train_micro_batch_size_per_gpu");
+    bool accum = config_given(zc, "gradient_accumulation_steps") &&
+                 !config_is_auto(zc, "gradient_accumulation_steps");
+
+    if (micro && !GIVEN(O_BATCH)) {
+        if (zc->zinf.train.batch && zc->zinf.train.batch != k->micro_batch) {
+            snprintf(err, errlen,
+                     "train_micro_batch_size_per_gpu %d and zinf.train.batch %d "
+                     "disagree: give one",
+                     k->micro_batch, zc->zinf.train.batch);
+            return -EINVAL;
+        }
+        o->batch = k->micro_batch;
+    }
+    if (accum && !GIVEN(O_ACCUM)) o->grad_accum = k->grad_accum;
+
+    /* "auto": what the options say (bf16 "auto" is --precision auto: bf16 on a GPU). */
+    struct config_auto_inputs in = {.hidden_size = o->model.C,
+                                    .micro_batch = o->batch,
+                                    .grad_accum = o->grad_accum,
+                                    .steps = o->steps,
+                                    .lr = o->lr,
+                                    .weight_decay = o->weight_decay,
+                                    .grad_clip = o->grad_clip,
+                                    .bf16 = o->precision == TRAINER_PRECISION_AUTO
+                                                ? -1
+                                                : o->precision == TRAINER_PRECISION_BF16};
+    bool bf16_auto = config_is_auto(zc, "bf16.enabled") && o->precision == TRAINER_PRECISION_AUTO;
+    config_resolve_auto(zc, &in, ds->autos, sizeof(ds->autos));
+    if (bf16_auto) {
+        size_t n = strlen(ds->autos);
+        snprintf(ds->autos + n, sizeof(ds->autos) - n,
+                 "%sbf16.enabled = as --precision auto "
+                 "(bf16 on a GPU, fp32 on the CPU)",
+                 n ? "\n" : "");
+    }
+
+    uint64_t tbs = k->train_batch_size;
+    if (config_given(zc, "train_batch_size") && tbs) {
+        /* DeepSpeed's rule: train_batch_size = micro batch x accumulation x ranks. */
+        uint64_t ranks = (uint64_t)MAX(1, o->world);
+        if (!micro && !GIVEN(O_BATCH) && !zc->zinf.train.batch &&
+            tbs % ((uint64_t)o->grad_accum * ranks) == 0)
+            o->batch = (int)(tbs / ((uint64_t)o->grad_accum * ranks));
+        else if (!accum && !GIVEN(O_ACCUM) && tbs % ((uint64_t)o->batch * ranks) == 0)
+            o->grad_accum = (int)(tbs / ((uint64_t)o->batch * ranks));
+        if (tbs != (uint64_t)o->batch * (uint64_t)o->grad_accum * ranks) {
+            snprintf(err, errlen,
+                     "train_batch_size %llu is not the micro batch %d x %d "
+                     "gradient accumulation steps x %llu rank%s",
+                     (unsigned long long)tbs, o->batch, o->grad_accum, (unsigned long long)ranks,
+                     ranks == 1 ? "" : "s");
+            return -EINVAL;
+        }
+    }
+    if (config_given(zc, "gradient_clipping") && !GIVEN(O_CLIP)) o->grad_clip = (float)k->grad_clip;
+
+    snprintf(ds->optimizer, sizeof(ds->optimizer), "AdamW");
+    if (k->optimizer.type[0]) {
+        if (!same_name(k->optimizer.type, "AdamW") && !same_name(k->optimizer.type, "Adam")) {
+            snprintf(err, errlen,
+                     "optimizer.type \"%s\": zinf train's optimizer is Adam with "
+                     "decoupled weight decay: give \"AdamW\" or \"Adam\"",
+                     k->optimizer.type);
+            return -EINVAL;
+        }
+        snprintf(ds->optimizer, sizeof(ds->optimizer), "%s", k->optimizer.type);
+    }
+    if (!k->optimizer.adam_w_mode) {
+        snprintf(err, errlen,
+                 "optimizer.params.adam_w_mode false (L2 regularisation in the "
+                 "gradient) is not supported: zinf train's Adam decouples the weight decay");
+        return -EINVAL;
+    }
+    if (config_given(zc, "optimizer.params.lr") && !GIVEN(O_LR)) o->lr = (float)k->optimizer.lr;
+    if (config_given(zc, "optimizer.params.weight_decay") && !GIVEN(O_WD))
+        o->weight_decay = (float)k->optimizer.weight_decay;
+    o->beta1 = (float)k->optimizer.betas[0];
+    o->beta2 = (float)k->optimizer.betas[1];
+    o->eps = (float)k->optimizer.eps;
+    if (!(o->eps > 0)) {
+        snprintf(err, errlen, "optimizer.params.eps must be > 0, got %g", k->optimizer.eps);
+        return -EINVAL;
+    }
+
+    snprintf(ds->scheduler, sizeof(ds->scheduler), "constant");
+    if (k->scheduler.type[0]) {
+        struct trainer_lr_schedule *s = &o->sched;
+        const char *ty = k->scheduler.type;
+        if (same_name(ty, "WarmupLR"))
+            s->type = TRAINER_SCHED_WARMUP;
+        else if (same_name(ty, "WarmupDecayLR"))
+            s->type = TRAINER_SCHED_WARMUP_DECAY;
+        else if (same_name(ty, "WarmupCosineLR"))
+            s->type = TRAINER_SCHED_WARMUP_COSINE;
+        else {
+            snprintf(err, errlen,
+                     "scheduler.type \"%s\": zinf train runs \"WarmupLR\", "
+                     "\"WarmupDecayLR\" and \"WarmupCosineLR\"",
+                     ty);
+            return -EINVAL;
+        }
+        snprintf(ds->scheduler, sizeof(ds->scheduler), "%s", ty);
+        s->min_lr = k->scheduler.warmup_min_lr;
+        /* WarmupLR's warmup_max_lr defaults to the optimizer's lr; WarmupDecayLR's to 0.001. */
+        s->max_lr = config_given(zc, "scheduler.params.warmup_max_lr") ? k->scheduler.warmup_max_lr
+                    : s->type == TRAINER_SCHED_WARMUP                  ? o->lr
+                                                                       : 0.001;
+        s->min_ratio = k->scheduler.warmup_min_ratio;
+        s->cos_min_ratio = k->scheduler.cos_min_ratio;
+        s->warmup_steps = k->scheduler.warmup_num_steps;
+        s->total_steps = k->scheduler.total_num_steps;
+        s->linear = k->scheduler.warmup_type == 1;
+        if (s->type != TRAINER_SCHED_WARMUP && s->total_steps < 1) {
+            snprintf(err, errlen, "scheduler.params.total_num_steps: %s needs it", ty);
+            return -EINVAL;
+        }
+    }
+
+    o->fp16 = (struct trainer_fp16){.loss_scale = k->fp16.loss_scale,
+                                    .min_loss_scale = k->fp16.min_loss_scale,
+                                    .initial_scale_power = k->fp16.initial_scale_power,
+                                    .loss_scale_window = k->fp16.loss_scale_window,
+                                    .hysteresis = k->fp16.hysteresis,
+                                    .consecutive_hysteresis = k->fp16.consecutive_hysteresis};
+    if (k->fp16.enabled && k->bf16.enabled && !config_is_auto(zc, "bf16.enabled")) {
+        snprintf(err, errlen, "fp16.enabled and bf16.enabled are both true: give one");
+        return -EINVAL;
+    }
+    if (k->fp16.enabled && !GIVEN(O_PRECISION)) {
+        if (zc->zinf.train.precision && zc->zinf.train.precision != TRAINER_PRECISION_FP16) {
+            snprintf(err, errlen, "fp16.enabled true and zinf.train.precision disagree: give one");
+            return -EINVAL;
+        }
+        o->precision = TRAINER_PRECISION_FP16;
+    }
+    if (config_given(zc, "bf16.enabled") && !config_is_auto(zc, "bf16.enabled") &&
+        !GIVEN(O_PRECISION)) {
+        enum trainer_precision p =
+            k->bf16.enabled ? TRAINER_PRECISION_BF16 : TRAINER_PRECISION_FP32;
+        if (zc->zinf.train.precision && zc->zinf.train.precision != (int)p) {
+            snprintf(err, errlen, "bf16.enabled %s and zinf.train.precision disagree: give one",
+                     k->bf16.enabled ? "true" : "false");
+            return -EINVAL;
+        }
+        o->precision = p;
+    }
+
+    size_t n = 0;
+    ds->ignored[0] = '\0';
+    for (size_t i = 0; i < zc->n_ignored && n < sizeof(ds->ignored); i++) {
+        /* Across ranks the stage is what partitions the state, stage 3 gathers ahead
+         * within stage3_max_live_parameters, and gradients are reduced behind the backward
+         * (overlap_comm) when a block's fit in reduce_bucket_size. */
+        static const char *const used_by_ranks[] = {
+            "zero_optimization.stage ", "zero_optimization.stage3_max_live",
+            "zero_optimization.overlap_comm ", "zero_optimization.reduce_bucket_size "};
+        bool used = false;
+        for (size_t u = 0; u < sizeof(used_by_ranks) / sizeof(used_by_ranks[0]); u++)
+            used |= !strncmp(zc->ignored[i], used_by_ranks[u], strlen(used_by_ranks[u]));
+        if (o->world > 1 && used) continue;
+        n += (size_t)snprintf(ds->ignored + n, sizeof(ds->ignored) - n, "%s%s", n ? "\n" : "",
+                              zc->ignored[i]);
+    }
+    return 0;
+}
+
+int train_config_apply(struct zinf_config *zc, struct trainer_opts *o, unsigned given,
+                       struct train_config_applied *ds, char *err, size_t errlen)
+{
+    /* The zinf.train section fills what the command line left out. */
+#define FROM_CONFIG(opt, field, dst)                                                               \
+    if (zc->zinf.train.field && !GIVEN(opt)) dst = zc->zinf.train.field;
+    FROM_CONFIG(O_LAYERS, layers, o->model.L)
+    FROM_CONFIG(O_DIM, dim, o->model.C)
+    FROM_CONFIG(O_HEADS, heads, o->model.NH)
+    FROM_CONFIG(O_SEQ, seq, o->seq)
+    FROM_CONFIG(O_BATCH, batch, o->batch)
+    FROM_CONFIG(O_STEPS, steps, o->steps)
+    FROM_CONFIG(O_SEED, seed, o->seed)
+    FROM_CONFIG(O_PRECISION, precision, o->precision)
+#undef FROM_CONFIG
+    int r = apply_deepspeed(zc, o, given, ds, err, errlen);
+    if (r < 0) return r;
+    if (o->model.NH > 0 && o->model.C % o->model.NH) {
+        /* Named as the user gave them: an option, the zinf.train section or the default. */
+        snprintf(err, errlen, "%s %d does not divide %s %d (each head takes dim / heads)",
+                 GIVEN(O_HEADS) ? "--heads" : zc->zinf.train.heads ? "zinf.train.heads"
+                                                                    : "the default heads",
+                 o->model.NH,
+                 GIVEN(O_DIM) ? "--dim" : zc->zinf.train.dim ? "zinf.train.dim" : "the default dim",
+                 o->model.C);
+        return -EINVAL;
+    }
+    return trainer_opts_check(o, err, errlen);
+}
