@@ -34,50 +34,128 @@
 enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_TRAIN, S_SERVE, S_OPT, S_OPT_PARAMS,
             S_SCHED, S_SCHED_PARAMS, S_FP16, S_BF16, S_COUNT };
 
-/* DeepSpeed keys zinf has no use for. Their values are not looked at: they are
- * DeepSpeed's business, and a config DeepSpeed accepts must be accepted here. */
-static const char *const top_ignored[] = {
-    "amp", "torch_autocast", "prescale_gradients", "gradient_predivide_factor",
-    "sparse_gradients", "wall_clock_breakdown", "memory_breakdown",
-    "dump_state", "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-    "activation_checkpointing", "flops_profiler", "tensorboard", "wandb", "csv_monitor",
-    "comet", "comms_logger", "autotuning", "elasticity", "communication_data_type",
-    "seq_parallel_communication_data_type", "data_types", "disable_allgather",
-    "sparse_attention", "pipeline", "progressive_layer_drop", "curriculum_learning",
-    "data_efficiency", "compression_training", "checkpoint", "eigenvalue",
-    "quantize_training", "nebula", "hybrid_engine", "weight_quantization", "compile",
-    "timers", "graph_harvesting", "dataloader_drop_last",
-    "use_data_before_expert_parallelism", "tensor_parallel", NULL};
-static const char *const zero_ignored[] = {
-    "contiguous_gradients", "reduce_scatter",
-    "use_multi_rank_bucket_allreduce", "allgather_partitions", "allgather_bucket_size",
-    "allgather_size", "load_from_fp32_weights", "elastic_checkpoint", "cpu_offload",
-    "cpu_offload_param", "cpu_offload_use_pin_memory", "round_robin_gradients",
-    "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "stage3_model_persistence_threshold",
-    "model_persistence_threshold", "stage3_module_granularity_threshold",
-    "module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
-    "use_all_reduce_for_fetch_params", "ignore_unused_parameters", "legacy_stage1",
-    "memory_efficient_linear", "zero_hpz_partition_size", "zero_quantized_weights",
-    "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
-    "mics_shard_size", "mics_hierarchical_params_gather", "pipeline_loading_checkpoint",
-    "override_module_apply", "log_trace_cache_warnings", NULL};
-static const char *const offload_ignored[] = {"ratio", "pipeline", NULL};
-static const char *const opt_ignored[] = {"legacy_fusion", NULL};
-static const char *const opt_params_ignored[] = {
-    "torch_adam", "amsgrad", "bias_correction", "fused", "freeze_step", "cuda_aware",
-    "comm_backend_name", "max_coeff", "min_coeff", "momentum", "nesterov", "dampening",
-    "lr_decay", "initial_accumulator_value", NULL};
-static const char *const sched_params_ignored[] = {"last_batch_iteration", NULL};
-static const char *const fp16_ignored[] = {"auto_cast", "fp16_master_weights_and_grads", NULL};
-static const char *const bf16_ignored[] = {"immediate_grad_update", "check_grad_overflow",
-                                           "check_overflow", NULL};
+/* DeepSpeed keys zinf has no use for, each with why. Their values are not looked at: they
+ * are DeepSpeed's business, and a config DeepSpeed accepts must be accepted here. */
+struct ignored_key {
+    const char *key, *why;
+};
+static const struct ignored_key top_ignored[] = {
+    {"amp", "mixed precision is fp16, bf16 or zinf.train.precision"},
+    {"torch_autocast", "mixed precision is fp16, bf16 or zinf.train.precision"},
+    {"prescale_gradients", "zinf sums gradients across ranks exactly, then divides once"},
+    {"gradient_predivide_factor", "zinf sums gradients across ranks exactly, then divides once"},
+    {"sparse_gradients", "zinf's gradients are dense"},
+    {"wall_clock_breakdown", "profiling: zinf train's step lines, --log and --trace give the times"},
+    {"memory_breakdown", "profiling: zinf train's step lines, --log and --trace give the times"},
+    {"flops_profiler", "profiling: zinf train's step lines, --log and --trace give the times"},
+    {"timers", "profiling: zinf train's step lines, --log and --trace give the times"},
+    {"comms_logger", "profiling: zinf train's step lines, --log and --trace give the times"},
+    {"dump_state", "DeepSpeed's own debug output"},
+    {"zero_allow_untested_optimizer", "zinf's optimizer is its own AdamW kernel"},
+    {"zero_force_ds_cpu_optimizer", "zinf's optimizer is its own AdamW kernel"},
+    {"activation_checkpointing", "zinf train recomputes each block's activations in the backward already"},
+    {"tensorboard", "monitoring: zinf train --log writes every step as a JSON line"},
+    {"wandb", "monitoring: zinf train --log writes every step as a JSON line"},
+    {"csv_monitor", "monitoring: zinf train --log writes every step as a JSON line"},
+    {"comet", "monitoring: zinf train --log writes every step as a JSON line"},
+    {"autotuning", "zinf tune measures the IO settings instead"},
+    {"elasticity", "the ranks are fixed by zinf launch -n"},
+    {"communication_data_type", "collectives move each tensor in its own type"},
+    {"seq_parallel_communication_data_type", "a DeepSpeed feature zinf does not have"},
+    {"data_types", "each tensor keeps its own type"},
+    {"disable_allgather", "zinf's collectives size their own buffers"},
+    {"sparse_attention", "a DeepSpeed feature zinf does not have"},
+    {"pipeline", "a DeepSpeed feature zinf does not have"},
+    {"progressive_layer_drop", "a DeepSpeed feature zinf does not have"},
+    {"curriculum_learning", "a DeepSpeed feature zinf does not have"},
+    {"data_efficiency", "a DeepSpeed feature zinf does not have"},
+    {"compression_training", "a DeepSpeed feature zinf does not have"},
+    {"checkpoint", "zinf checkpoints the swap directory itself (zinf.train.checkpoint_every)"},
+    {"eigenvalue", "a DeepSpeed feature zinf does not have"},
+    {"quantize_training", "a DeepSpeed feature zinf does not have"},
+    {"nebula", "zinf checkpoints the swap directory itself (zinf.train.checkpoint_every)"},
+    {"hybrid_engine", "a DeepSpeed feature zinf does not have"},
+    {"weight_quantization", "a DeepSpeed feature zinf does not have"},
+    {"compile", "a DeepSpeed feature zinf does not have"},
+    {"graph_harvesting", "a DeepSpeed feature zinf does not have"},
+    {"dataloader_drop_last", "zinf train draws its own batches"},
+    {"use_data_before_expert_parallelism", "a DeepSpeed feature zinf does not have"},
+    {"tensor_parallel", "a DeepSpeed feature zinf does not have"},
+    {NULL, NULL}};
+static const struct ignored_key zero_ignored[] = {
+    {"contiguous_gradients", "zinf's gradients are contiguous in their own buffers always"},
+    {"reduce_scatter", "zinf's collectives size their own buffers"},
+    {"use_multi_rank_bucket_allreduce", "zinf's collectives size their own buffers"},
+    {"allgather_partitions", "zinf's collectives size their own buffers"},
+    {"allgather_bucket_size", "zinf's collectives size their own buffers"},
+    {"allgather_size", "zinf's collectives size their own buffers"},
+    {"load_from_fp32_weights", "zinf resumes from its own fp32 state"},
+    {"elastic_checkpoint", "zinf re-cuts a saved run for another number of ranks itself"},
+    {"round_robin_gradients", "zinf's collectives size their own buffers"},
+    {"stage3_gather_16bit_weights_on_model_save", "zinf train --export writes the whole fp32 weights"},
+    {"gather_16bit_weights_on_model_save", "zinf train --export writes the whole fp32 weights"},
+    {"stage3_gather_fp16_weights_on_model_save", "zinf train --export writes the whole fp32 weights"},
+    {"stage3_model_persistence_threshold", "zinf keeps small tensors resident by stage3_param_persistence_threshold"},
+    {"model_persistence_threshold", "zinf keeps small tensors resident by stage3_param_persistence_threshold"},
+    {"stage3_module_granularity_threshold", "zinf fetches tensors, not modules"},
+    {"module_granularity_threshold", "zinf fetches tensors, not modules"},
+    {"stage3_use_all_reduce_for_fetch_params", "zinf's collectives size their own buffers"},
+    {"use_all_reduce_for_fetch_params", "zinf's collectives size their own buffers"},
+    {"ignore_unused_parameters", "every parameter of zinf's model is used"},
+    {"legacy_stage1", "a DeepSpeed feature zinf does not have"},
+    {"memory_efficient_linear", "zinf's linear layers save no extra copies"},
+    {"zero_hpz_partition_size", "a DeepSpeed feature zinf does not have"},
+    {"zero_quantized_weights", "a DeepSpeed feature zinf does not have"},
+    {"zero_quantized_nontrainable_weights", "a DeepSpeed feature zinf does not have"},
+    {"zero_quantized_gradients", "a DeepSpeed feature zinf does not have"},
+    {"zeropp_loco_param", "a DeepSpeed feature zinf does not have"},
+    {"mics_shard_size", "a DeepSpeed feature zinf does not have"},
+    {"mics_hierarchical_params_gather", "a DeepSpeed feature zinf does not have"},
+    {"pipeline_loading_checkpoint", "a DeepSpeed feature zinf does not have"},
+    {"override_module_apply", "a DeepSpeed feature zinf does not have"},
+    {"log_trace_cache_warnings", "zinf learns the step's order without a trace cache"},
+    {NULL, NULL}};
+static const struct ignored_key offload_ignored[] = {
+    {"ratio", "zinf offloads whole tensors"},
+    {"pipeline", "zinf overlaps the NVMe traffic with compute always"},
+    {NULL, NULL}};
+static const struct ignored_key opt_ignored[] = {
+    {"legacy_fusion", "zinf's optimizer is its own AdamW kernel"},
+    {NULL, NULL}};
+static const struct ignored_key opt_params_ignored[] = {
+    {"torch_adam", "zinf's optimizer is its own AdamW kernel"},
+    {"amsgrad", "zinf's Adam has no AMSGrad variant"},
+    {"bias_correction", "zinf's Adam corrects the bias always"},
+    {"fused", "zinf's optimizer is its own AdamW kernel"},
+    {"freeze_step", "1-bit Adam's; zinf's Adam is not compressed"},
+    {"cuda_aware", "1-bit Adam's; zinf's Adam is not compressed"},
+    {"comm_backend_name", "1-bit Adam's; zinf's Adam is not compressed"},
+    {"max_coeff", "Lamb's; zinf train runs Adam"},
+    {"min_coeff", "Lamb's; zinf train runs Adam"},
+    {"momentum", "SGD's; zinf train runs Adam"},
+    {"nesterov", "SGD's; zinf train runs Adam"},
+    {"dampening", "SGD's; zinf train runs Adam"},
+    {"lr_decay", "Adagrad's; zinf train runs Adam"},
+    {"initial_accumulator_value", "Adagrad's; zinf train runs Adam"},
+    {NULL, NULL}};
+static const struct ignored_key sched_params_ignored[] = {
+    {"last_batch_iteration", "a resumed run continues the schedule at its saved step"},
+    {NULL, NULL}};
+static const struct ignored_key fp16_ignored[] = {
+    {"auto_cast", "zinf casts at each layer itself"},
+    {"fp16_master_weights_and_grads", "zinf keeps fp32 master weights always"},
+    {NULL, NULL}};
+static const struct ignored_key bf16_ignored[] = {
+    {"immediate_grad_update", "zinf applies the gradients at the step"},
+    {"check_grad_overflow", "bf16 does not overflow as fp16 does: zinf checks fp16 only"},
+    {"check_overflow", "bf16 does not overflow as fp16 does: zinf checks fp16 only"},
+    {NULL, NULL}};
 
 static const struct sectdef {
     const char *key;  /* name inside the parent section */
     const char *path; /* full JSON path */
     int parent;
-    const char *const *ignored;
+    const struct ignored_key *ignored;
 } sects[S_COUNT] = {
     [S_TOP] = {NULL, NULL, -1, top_ignored},
     [S_ZERO] = {"zero_optimization", "zero_optimization", S_TOP, zero_ignored},
@@ -144,7 +222,7 @@ static const struct field fields[] = {
     {S_ZERO, "overlap_comm", NULL, F_BOOL, OFF(zero.overlap_comm), 0, 0, 0, NULL, FL_CMD,
      "one rank reduces no gradients (zinf launch -n N reduces a block's while the backward "
      "goes on)"},
-    {S_ZERO, "reduce_bucket_size", NULL, F_U64, OFF(zero.reduce_bucket_size), 1, 0, 0, NULL,
+    {S_ZERO, "reduce_bucket_size", NULL, F_U64, OFF(zero.reduce_bucket_size), 0, 0, 0, NULL,
      FL_AUTO,
      "one rank reduces no gradients (across ranks, overlap_comm needs a block's gradients "
      "to fit)"},
@@ -276,6 +354,13 @@ static const struct field fields[] = {
      0, NULL},
     {S_FP16, "min_loss_scale", NULL, F_FLOAT, OFF(train.fp16.min_loss_scale), 0, 0, 0, NULL},
     {S_BF16, "enabled", NULL, F_BOOL, OFF(train.bf16.enabled), 0, 0, 0, NULL, FL_AUTO},
+    /* DeepSpeed's deprecated ZeRO-Offload switches, last: finish() maps them. */
+    {S_ZERO, "cpu_offload", NULL, F_BOOL, OFF(zero.cpu_offload), 0, 0, 0, NULL},
+    {S_ZERO, "cpu_offload_param", "cpu_offload_params", F_BOOL, OFF(zero.cpu_offload_param), 0, 0,
+     0, NULL},
+    {S_ZERO, "cpu_offload_use_pin_memory", NULL, F_BOOL, OFF(zero.cpu_offload_use_pin_memory), 0,
+     0, 0, NULL, 0,
+     "DeepSpeed reads it no more: pin_memory in offload_param or offload_optimizer pins"},
 };
 #pragma GCC diagnostic pop
 _Static_assert(ARRAY_SIZE(fields) <= 128, "struct zinf_config.given has one bit per field");
@@ -466,13 +551,6 @@ static void paths_free(struct config_paths *ps)
     memset(ps, 0, sizeof(*ps));
 }
 
-static bool in_list(const char *const *list, const char *s)
-{
-    for (; list && *list; list++)
-        if (!strcmp(*list, s))
-            return true;
-    return false;
-}
 
 /* ---- numbers ------------------------------------------------------------------------ */
 
@@ -804,6 +882,15 @@ static int parse_subsection(struct parser *p, int sub, const char *path, json_t 
     return parse_section(p, sub, v);
 }
 
+/* Why key is in an ignored list (NULL: it is not). */
+static const char *ignored_why(const struct ignored_key *list, const char *key)
+{
+    for (; list && list->key; list++)
+        if (!strcmp(list->key, key))
+            return list->why;
+    return NULL;
+}
+
 static int note_unknown(struct parser *p, int s, const char *path, const char *key)
 {
     struct zinf_config *c = p->c;
@@ -813,6 +900,19 @@ static int note_unknown(struct parser *p, int s, const char *path, const char *k
         return fail_nomem(p);
     if (p->quiet)
         return 0;
+    /* A section one level off (aio inside zero_optimization, as some guides have it): say
+     * where it belongs. DeepSpeed ignores it there too. */
+    for (int i = 1; i < S_COUNT; i++) {
+        if (sects[i].parent != s && !strcmp(sects[i].key, key) && sects[i].parent >= 0) {
+            int up = sects[i].parent;
+            log_warn("%s%s%s: unknown key, ignored: %s belongs %s%s%s; move it there",
+                     p->name ? p->name : "",
+                     p->name ? ": " : "", path, key, up == S_TOP ? "at the top level" : "in ",
+                     up == S_TOP ? "" : sects[up].path,
+                     up == S_TOP ? " of the config (DeepSpeed reads it only there)" : "");
+            return 0;
+        }
+    }
     const char *sug = suggest(s, key, hint, sizeof(hint));
     log_warn("%s%s%s: unknown key, ignored%s%s%s", p->name ? p->name : "", p->name ? ": " : "",
              path, sug ? " (did you mean \"" : "", sug ? sug : "", sug ? "\"?)" : "");
@@ -829,6 +929,7 @@ static int parse_section(struct parser *p, int s, json_t *obj)
     json_object_foreach(obj, key, v) {
         char path[JSON_PATH_CHARS];
         const struct field *f;
+        const char *why;
         int sub;
 
         join_path(path, sizeof(path), sects[s].path, key);
@@ -836,8 +937,11 @@ static int parse_section(struct parser *p, int s, json_t *obj)
             ret = read_field(p, f, path, key, v);
         else if ((sub = find_sub(s, key)) >= 0)
             ret = parse_subsection(p, sub, path, v);
-        else if (in_list(sects[s].ignored, key))
-            ret = list_push(&c->ignored, &c->n_ignored, path) ? fail_nomem(p) : 0;
+        else if ((why = ignored_why(sects[s].ignored, key))) {
+            char line[JSON_PATH_CHARS + 160];
+            snprintf(line, sizeof(line), "%s (%s)", path, why);
+            ret = list_push(&c->ignored, &c->n_ignored, line) ? fail_nomem(p) : 0;
+        }
         else
             ret = note_unknown(p, s, path, key);
         if (ret)
@@ -881,9 +985,58 @@ static int merge_paths(struct parser *p, const char *path, const struct config_p
     return 0;
 }
 
+static const struct field *field_by_path(const char *json_path)
+{
+    for (size_t i = 0; i < ARRAY_SIZE(fields); i++) {
+        const char *sp = sects[fields[i].sect].path;
+        size_t n = sp ? strlen(sp) : 0;
+        if (sp && (strncmp(json_path, sp, n) || json_path[n] != '.'))
+            continue;
+        if (!strcmp(json_path + (sp ? n + 1 : 0), fields[i].key))
+            return &fields[i];
+    }
+    return NULL;
+}
+
+/* Was any setting of section s given? */
+static bool sect_given(const struct zinf_config *c, int s)
+{
+    for (size_t i = 0; i < ARRAY_SIZE(fields); i++)
+        if (fields[i].sect == s && bit_get(c->given, &fields[i]))
+            return true;
+    return false;
+}
+
 static int finish(struct parser *p)
 {
     struct zinf_config *c = p->c;
+    /* DeepSpeed's deprecated cpu_offload and cpu_offload_param, as it maps them: each is
+     * its section with device "cpu", and refused beside that section. */
+    const struct {
+        bool on;
+        const char *key;
+        int sect;
+        enum config_offload_device *dst;
+    } legacy[] = {
+        {c->zero.cpu_offload, "cpu_offload", S_OPTIM, &c->zero.offload_optimizer.device},
+        {c->zero.cpu_offload_param, "cpu_offload_param", S_PARAM, &c->zero.offload_param.device},
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(legacy); i++) {
+        if (!legacy[i].on)
+            continue;
+        if (sect_given(c, legacy[i].sect)) {
+            char key[64];
+            snprintf(key, sizeof(key), "zero_optimization.%s", legacy[i].key);
+            return fail(p, key,
+                        "deprecated, and %s is given too (DeepSpeed refuses both): keep %s",
+                        sects[legacy[i].sect].path, sects[legacy[i].sect].path);
+        }
+        *legacy[i].dst = CONFIG_OFFLOAD_CPU;
+        char dev[64];
+        snprintf(dev, sizeof(dev), "%s.device", sects[legacy[i].sect].path);
+        bit_set(c->given, field_by_path(dev)); /* the config's, not a default */
+    }
+
     const struct {
         int sect;
         enum config_offload_device device;
@@ -969,18 +1122,6 @@ void config_defaults(struct zinf_config *c)
     c->train.fp16.min_loss_scale = 1;
 }
 
-static const struct field *field_by_path(const char *json_path)
-{
-    for (size_t i = 0; i < ARRAY_SIZE(fields); i++) {
-        const char *sp = sects[fields[i].sect].path;
-        size_t n = sp ? strlen(sp) : 0;
-        if (sp && (strncmp(json_path, sp, n) || json_path[n] != '.'))
-            continue;
-        if (!strcmp(json_path + (sp ? n + 1 : 0), fields[i].key))
-            return &fields[i];
-    }
-    return NULL;
-}
 
 bool config_given(const struct zinf_config *c, const char *json_path)
 {

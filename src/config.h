@@ -99,7 +99,11 @@ struct zinf_config {
         uint64_t stage3_max_reuse_distance;          /* 1e9 elements */
         uint64_t stage3_param_persistence_threshold; /* 1e5 elements */
         bool overlap_comm;                           /* not given: true at stage 3 only */
-        uint64_t reduce_bucket_size;                 /* 5e8 elements */
+        uint64_t reduce_bucket_size;                 /* 5e8 elements; 0 allowed */
+        /* DeepSpeed's deprecated forms, mapped as it maps them: cpu_offload true is
+         * offload_optimizer.device "cpu", cpu_offload_param (older: cpu_offload_params)
+         * true is offload_param.device "cpu"; with the section they replace: refused. */
+        bool cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory;
     } zero;
     struct {
         uint64_t block_size;           /* bytes; 1 MiB; multiple of 4096, at most 64 MiB */

@@ -583,7 +583,13 @@ Test(config, deepspeed_keys_zinf_does_not_use_are_not_warned)
     cr_expect_eq(c.n_unknown, 0);
     /* The training keys are read now (zinf train honours them): not ignored. */
     /* stage among them */
-    cr_expect_eq(c.n_ignored, 29, "%zu ignored", c.n_ignored);
+    cr_expect_eq(c.n_ignored, 28, "%zu ignored", c.n_ignored);
+    /* Each with why. */
+    for (size_t i = 0; i < c.n_ignored; i++)
+        cr_expect(strstr(c.ignored[i], " (") && c.ignored[i][strlen(c.ignored[i]) - 1] == ')',
+                  "no reason: %s", c.ignored[i]);
+    cr_expect(listed_prefix(c.ignored, c.n_ignored, "activation_checkpointing (zinf train "
+                                                     "recomputes"));
     cr_expect_not(listed(c.ignored, c.n_ignored, "optimizer"));
     cr_expect_eq(c.train.train_batch_size, 32);
     cr_expect_eq(c.train.micro_batch, 4);
@@ -596,9 +602,9 @@ Test(config, deepspeed_keys_zinf_does_not_use_are_not_warned)
     cr_expect_eq(c.train.steps_per_print, 2000);
     /* Read (across ranks the trainer uses it), but named for one rank, with why. */
     cr_expect(listed_prefix(c.ignored, c.n_ignored, "zero_optimization.overlap_comm ("));
-    cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.offload_optimizer.ratio"));
-    cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.offload_optimizer.pipeline"));
-    cr_expect(listed(c.ignored, c.n_ignored, "zero_optimization.offload_param.ratio"));
+    cr_expect(listed_prefix(c.ignored, c.n_ignored, "zero_optimization.offload_optimizer.ratio ("));
+    cr_expect(listed_prefix(c.ignored, c.n_ignored, "zero_optimization.offload_optimizer.pipeline ("));
+    cr_expect(listed_prefix(c.ignored, c.n_ignored, "zero_optimization.offload_param.ratio ("));
     cr_expect_eq(c.zero.stage, 3);
     cr_expect_eq(c.zero.offload_param.device, CONFIG_OFFLOAD_CPU);
     config_free(&c);
@@ -637,8 +643,8 @@ Test(config, unknown_keys_are_warned_with_their_full_path)
               "%s", log);
     cr_expect(strstr(log, "aio.blocksize: unknown key, ignored (did you mean \"block_size\"?)"),
               "%s", log);
-    cr_expect(strstr(log, "t.json: offload_param: unknown key, ignored (did you mean "
-                          "\"zero_optimization.offload_param\"?)"),
+    cr_expect(strstr(log, "t.json: offload_param: unknown key, ignored: offload_param belongs in "
+                          "zero_optimization; move it there"),
               "%s", log);
     /* The unknown keys did not stop the known ones. */
     cr_expect_eq(c.zero.offload_param.device, CONFIG_OFFLOAD_NONE);
@@ -1039,8 +1045,9 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     size_t lines = 0;
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
-    /* settings, zinf.train, zinf.serve, the training keys, header, engine */
-    cr_expect_eq(lines, 25 + 9 + 9 + 28 + 1 + 8, "%s", text);
+    /* settings, zinf.train, zinf.serve, the training keys, DeepSpeed's deprecated
+     * cpu_offload and cpu_offload_param, header, engine */
+    cr_expect_eq(lines, 25 + 9 + 9 + 28 + 2 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }
@@ -1063,7 +1070,8 @@ Test(config, print_shows_given_values_and_ignored_and_unknown_keys)
         "engine.nvme_paths_extra = [\"/b\\\"\"]\n",
         "engine.queue_depth = 32\n",
         "engine.host_bytes = 4294967296  # 4 GiB\n",
-        "# ignored by zinf (DeepSpeed keys zinf does not act on):\n#   amp\n",
+        "# ignored by zinf (DeepSpeed keys zinf does not act on):\n#   amp (mixed precision is "
+        "fp16, bf16 or zinf.train.precision)\n",
         "# unknown keys (ignored):\n#   zinf.bogus\n",
     };
     for (size_t i = 0; i < ARRAY_SIZE(want); i++)
@@ -1284,4 +1292,63 @@ Test(config, auto_is_taken_where_hugging_face_fills_it_in)
     config_free(&c);
     expect_error("{\"bfloat16\": {\"enabled\": true}, \"bf16\": {\"enabled\": false}}",
                 "bf16.enabled: given twice: \"bf16\" and \"bfloat16\" are one section");
+}
+
+/* DeepSpeed's deprecated ZeRO-Offload switches, as DeepSpeed maps them; a section one level
+ * off named with where it belongs; a reduce bucket of 0 (Hugging Face's ZeRO-3 test config)
+ * taken as DeepSpeed takes it. */
+Test(config, deprecated_offload_switches_and_misplaced_sections)
+{
+    struct zinf_config c;
+    char err[ERRLEN];
+
+    expect_ok("{\"zero_optimization\": {\"stage\": 2, \"cpu_offload\": true}}", &c);
+    cr_expect_eq(c.zero.offload_optimizer.device, CONFIG_OFFLOAD_CPU);
+    cr_expect_eq(c.zero.offload_param.device, CONFIG_OFFLOAD_NONE);
+    cr_expect(config_given(&c, "zero_optimization.offload_optimizer.device"));
+    config_free(&c);
+    /* The older plural spelling is the same switch; use_pin_memory is named, with why. */
+    expect_ok("{\"zero_optimization\": {\"cpu_offload\": true, \"cpu_offload_params\": true, "
+              "\"cpu_offload_use_pin_memory\": true}}",
+              &c);
+    cr_expect_eq(c.zero.offload_optimizer.device, CONFIG_OFFLOAD_CPU);
+    cr_expect_eq(c.zero.offload_param.device, CONFIG_OFFLOAD_CPU);
+    cr_expect_eq(c.n_unknown, 0);
+    cr_expect(listed_prefix(c.ignored, c.n_ignored,
+                            "zero_optimization.cpu_offload_use_pin_memory (DeepSpeed reads"));
+    config_free(&c);
+    /* false changes nothing. */
+    expect_ok("{\"zero_optimization\": {\"cpu_offload\": false, \"offload_optimizer\": "
+              "{\"device\": \"nvme\", \"nvme_path\": \"/x\"}}}",
+              &c);
+    cr_expect_eq(c.zero.offload_optimizer.device, CONFIG_OFFLOAD_NVME);
+    config_free(&c);
+    /* With the section it replaces: refused, as DeepSpeed refuses it. */
+    expect_error("{\"zero_optimization\": {\"cpu_offload\": true, \"offload_optimizer\": "
+                 "{\"device\": \"cpu\"}}}",
+                 "zero_optimization.cpu_offload: deprecated, and zero_optimization."
+                 "offload_optimizer is given too (DeepSpeed refuses both): keep "
+                 "zero_optimization.offload_optimizer");
+    expect_error("{\"zero_optimization\": {\"cpu_offload_param\": true, \"offload_param\": "
+                 "{\"device\": \"nvme\", \"nvme_path\": \"/x\"}}}",
+                 "zero_optimization.cpu_offload_param: deprecated, and zero_optimization."
+                 "offload_param is given too (DeepSpeed refuses both): keep "
+                 "zero_optimization.offload_param");
+
+    /* aio inside zero_optimization, as some guides write it. */
+    test_log_capture_start();
+    expect_ok("{\"zero_optimization\": {\"aio\": {\"block_size\": 4096}}}", &c);
+    cr_expect(strstr(test_log_text(), "t.json: zero_optimization.aio: unknown key, ignored: aio "
+                                      "belongs at the top level of the config (DeepSpeed reads "
+                                      "it only there); move it there"),
+              "%s", test_log_text());
+    test_log_capture_stop();
+    cr_expect_eq(c.n_unknown, 1);
+    cr_expect_eq(c.aio.block_size, 1u << 20, "not applied from there");
+    config_free(&c);
+
+    cr_expect_eq(parse("{\"zero_optimization\": {\"reduce_bucket_size\": 0}}", &c, err), 0,
+                 "%s", err);
+    cr_expect_eq(c.zero.reduce_bucket_size, 0);
+    config_free(&c);
 }
