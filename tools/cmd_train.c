@@ -79,6 +79,8 @@ static void usage(FILE *f)
         "                    same for any program using the library\n"
         "  --strict          treat unknown config keys as errors (exit 2), as\n"
         "                    zinf config check --strict does\n"
+        "  --dry-run         resolve the config and the options, print what would run and\n"
+        "                    exit (0, or 2 for what a run would refuse); opens nothing\n"
         "  --resume          continue the run persisted in the config's nvme_path\n"
         "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
         "                    (without it, zinf train refuses to start over a saved run)\n"
@@ -560,6 +562,7 @@ int cmd_train(int argc, char **argv)
         {"trace", required_argument, NULL, O_TRACE},
         {"export", required_argument, NULL, O_EXPORT},
         {"strict", no_argument, NULL, O_STRICT},
+        {"dry-run", no_argument, NULL, O_DRY_RUN},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -575,7 +578,8 @@ int cmd_train(int argc, char **argv)
     unsigned given = 0;   /* bit (option - O_LAYERS) for each model/run option given */
     long ckpt_every = -1; /* -1: not given */
     bool ckpt_failed = false;
-    bool strict = false; /* --strict: unknown config keys are errors */
+    bool strict = false;  /* --strict: unknown config keys are errors */
+    bool dry_run = false; /* --dry-run: decide what would run, run nothing */
 
     trainer_opts_defaults(&o);
     /* Started as one of several ranks (zinf launch -n N): the trainer partitions the state
@@ -704,6 +708,9 @@ int cmd_train(int argc, char **argv)
         case O_STRICT:
             strict = true;
             break;
+        case O_DRY_RUN:
+            dry_run = true;
+            break;
         case O_JOB:
             o.job = optarg;
             break;
@@ -799,6 +806,22 @@ int cmd_train(int argc, char **argv)
                 "is one sequence)\n",
                 sample_bytes, o.seq - 1);
         return 2;
+    }
+    if (dry_run) {
+        /* What would run, decided as config check decides it; nothing is opened. */
+        printf("# zinf train --dry-run: %d layers, dim %d, %d heads, seq %d, %d micro-batch%s "
+               "of %d per step, %d steps, %s lr %g (%s schedule), betas %g %g, eps %g, "
+               "weight decay %g, clip %g, seed %llu\n",
+               o.model.L, o.model.C, o.model.NH, o.seq, o.grad_accum,
+               o.grad_accum == 1 ? "" : "es", o.batch, o.steps, ds.optimizer, o.lr,
+               ds.scheduler, o.beta1, o.beta2, o.eps, o.weight_decay, o.grad_clip,
+               (unsigned long long)o.seed);
+        print_lines("# \"auto\": ", ds.autos);
+        if (ds.ignored[0]) {
+            printf("# ignored (in the config, but zinf does not act on these):\n");
+            print_lines("#   ", ds.ignored);
+        }
+        return fflush(stdout) == 0 ? 0 : 1;
     }
     /* Across ranks, rank 0 writes the log and the others LOG.rank-R beside it. */
     char rank_log[4096];

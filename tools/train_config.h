@@ -38,7 +38,8 @@ enum train_option {
     O_JOB,
     O_TRACE,
     O_EXPORT,
-    O_STRICT
+    O_STRICT,
+    O_DRY_RUN
 };
 
 /* What the config's keys did, for the start of the run (and for config check). */
