@@ -1189,15 +1189,14 @@ void config_resolve_auto(struct zinf_config *c, const struct config_auto_inputs 
     resolve(c, "scheduler.params.warmup_max_lr", in->lr, out, outlen, &len);
     resolve(c, "scheduler.params.warmup_num_steps", 0, out, outlen, &len);
     resolve(c, "scheduler.params.total_num_steps", in->steps, out, outlen, &len);
-    resolve(c, "fp16.enabled", 0, out, outlen, &len);
+    resolve(c, "fp16.enabled", in->fp16 > 0, out, outlen, &len);
     if (in->bf16 >= 0)
         resolve(c, "bf16.enabled", in->bf16, out, outlen, &len);
+    /* transformers' formulas, from the model's hidden size. */
     resolve(c, "zero_optimization.stage3_prefetch_bucket_size", floor(0.9 * d * d), out, outlen,
             &len);
     resolve(c, "zero_optimization.stage3_param_persistence_threshold", 10 * d, out, outlen, &len);
-    /* transformers says hidden_size^2; a GPT block's gradients are 12 d^2 + 13 d, and a
-     * block is what the trainer reduces at a time (so overlap_comm stays on). */
-    resolve(c, "zero_optimization.reduce_bucket_size", 12 * d * d + 13 * d, out, outlen, &len);
+    resolve(c, "zero_optimization.reduce_bucket_size", d * d, out, outlen, &len);
 }
 
 void config_free(struct zinf_config *c)

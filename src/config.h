@@ -179,6 +179,7 @@ struct config_auto_inputs {
     double lr, weight_decay, grad_clip;
     int bf16;                 /* bf16.enabled: 1 or 0; -1: leave it "auto" (the caller
                                  decides where it runs) */
+    int fp16;                 /* fp16.enabled: 1 or 0 */
 };
 
 /* Replace every "auto" in c by its value from in, as the Hugging Face integration of

@@ -258,6 +258,173 @@ Test(cli, config_check)
     free(o);
 }
 
+/* The text after "PATH: " on the line of out that holds it, for comparing two commands'
+ * messages about one file. */
+static char *message_about(const char *out, const char *path)
+{
+    char key[4200];
+    snprintf(key, sizeof(key), "%s: ", path);
+    const char *p = strstr(out, key);
+    if (!p) return strdup("(no message)");
+    p += strlen(key);
+    return strndup(p, strcspn(p, "\n"));
+}
+
+/* One validator: what zinf train refuses for a config reason, zinf config check refuses
+ * too, with the same message and exit status 2; --strict is the same in both; and train
+ * warns of an unknown key once. */
+Test(cli, config_check_and_train_agree)
+{
+    static const char *const cases[][2] = {
+        {"{\"optimizer\": {\"type\": \"Lamb\", \"params\": {\"lr\": 0.001}}}",
+         "optimizer.type \"Lamb\""},
+        {"{\"scheduler\": {\"type\": \"OneCycle\"}}", "scheduler.type \"OneCycle\""},
+        {"{\"optimizer\": {\"type\": \"Adam\", \"params\": {\"adam_w_mode\": false}}}",
+         "adam_w_mode false"},
+        {"{\"train_batch_size\": 7, \"train_micro_batch_size_per_gpu\": 2}",
+         "train_batch_size 7 is not the micro batch 2"},
+        {"{\"zinf\": {\"train\": {\"dim\": 100, \"heads\": 3}}}",
+         "zinf.train.heads 3 does not divide zinf.train.dim 100"},
+        {"{\"scheduler\": {\"type\": \"WarmupDecayLR\"}}", "total_num_steps"},
+        {"{\"train_micro_batch_size_per_gpu\": 2, \"zinf\": {\"train\": {\"batch\": 3}}}",
+         "disagree"},
+        {"{\"fp16\": {\"enabled\": true}, \"bf16\": {\"enabled\": true}}", "both true"},
+    };
+    char *o, path[4096];
+    snprintf(path, sizeof(path), "%s/refused.json", dir);
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        write_file(path, cases[i][0]);
+        cr_assert_eq(run(&o, "config check %s", path), 2, "%s: %s", cases[i][0], o);
+        cr_assert(strstr(o, cases[i][1]), "%s: %s", cases[i][0], o);
+        char *said = message_about(o, path);
+        free(o);
+        cr_assert_eq(run(&o, "train --config %s --data %s --steps 1", path, path), 2, "%s: %s",
+                     cases[i][0], o);
+        char *train_said = message_about(o, path);
+        cr_assert_str_eq(said, train_said, "config check and train differ on %s", cases[i][0]);
+        free(said);
+        free(train_said);
+        free(o);
+    }
+
+    /* A typo: a warning once, in each; an error with --strict, in each. */
+    snprintf(path, sizeof(path), "%s/typo.json", dir);
+    write_file(path, "{\"zero_optimization\": {\"offload_parm\": {\"device\": \"cpu\"}}, "
+                     "\"zinf\": {\"train\": {\"layers\": 1, \"dim\": 32, \"heads\": 2, "
+                     "\"seq\": 16, \"batch\": 1}}}");
+    cr_assert_eq(run(&o, "train --config %s --data %s --steps 1", path, path), 0, "%s", o);
+    const char *w = strstr(o, "offload_parm: unknown key");
+    cr_assert(w && !strstr(w + 1, "offload_parm: unknown key"), "one warning: %s", o);
+    cr_assert(strstr(o, "did you mean \"offload_param\""), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s --steps 1 --strict", path, path), 2, "%s",
+                 o);
+    cr_assert(strstr(o, "1 unknown key (--strict)"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "config check --strict %s", path), 2, "%s", o);
+    cr_assert(strstr(o, "1 unknown key (--strict)"), "%s", o);
+    free(o);
+}
+
+/* The real configs of tests/data/configs (DeepSpeed's, DeepSpeedExamples', Hugging Face's
+ * and Accelerate's; SOURCES.md names each): config check and train --dry-run agree on every
+ * one, in exit status and message. */
+Test(cli, config_check_and_train_agree_on_real_configs)
+{
+    char folder[4096];
+    snprintf(folder, sizeof(folder), "%s/configs", getenv("ZINF_TEST_DATA"));
+    DIR *d = opendir(folder);
+    cr_assert_not_null(d, "%s: %s", folder, strerror(errno));
+    int n = 0, refused = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        size_t len = strlen(de->d_name);
+        if (len < 6 || strcmp(de->d_name + len - 5, ".json")) continue;
+        char path[8192], *o;
+        snprintf(path, sizeof(path), "%s/%s", folder, de->d_name);
+        int a = run(&o, "config check %s", path);
+        char *said = message_about(o, path);
+        free(o);
+        int b = run(&o, "train --dry-run --config %s --data %s", path, path);
+        char *train_said = message_about(o, path);
+        cr_expect_eq(a, b, "%s: config check %d, train %d: %s", de->d_name, a, b, o);
+        cr_expect(a == 0 || a == 2, "%s: %d", de->d_name, a);
+        cr_expect_str_eq(said, train_said, "%s", de->d_name);
+        free(said);
+        free(train_said);
+        free(o);
+        n++;
+        refused += a != 0;
+    }
+    closedir(d);
+    cr_expect_geq(n, 12, "%d configs", n);
+    cr_expect_lt(refused, n);
+}
+
+/* "auto" as Hugging Face's Trainer resolves it: from the values the run uses (an explicit
+ * optimizer.params.lr is what warmup_max_lr "auto" becomes), bucket sizes by transformers'
+ * formulas, bf16 and fp16 only when asked for; and an explicit config value that an
+ * explicit option contradicts is refused, as the Trainer refuses it. */
+Test(cli, auto_as_hugging_face_resolves_it)
+{
+    char *o, path[4096];
+    snprintf(path, sizeof(path), "%s/hf.json", dir);
+    write_file(path, "{\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}, "
+                     "\"scheduler\": {\"type\": \"WarmupLR\", \"params\": {\"warmup_max_lr\": "
+                     "\"auto\", \"warmup_num_steps\": 10}}, \"bf16\": {\"enabled\": \"auto\"}, "
+                     "\"zero_optimization\": {\"stage\": 3, \"reduce_bucket_size\": \"auto\", "
+                     "\"stage3_prefetch_bucket_size\": \"auto\", "
+                     "\"stage3_param_persistence_threshold\": \"auto\"}}");
+    cr_assert_eq(run(&o, "config check %s", path), 0, "%s", o);
+    static const char *const want[] = {
+        "#   scheduler.params.warmup_max_lr = 0.0003\n",
+        "#   bf16.enabled = false\n",
+        "#   zero_optimization.reduce_bucket_size = 16384\n", /* 128^2 */
+        "#   zero_optimization.stage3_prefetch_bucket_size = 14745\n",
+        "#   zero_optimization.stage3_param_persistence_threshold = 1280\n",
+        "AdamW lr 0.0003 (WarmupLR schedule)"};
+    for (size_t i = 0; i < ARRAY_SIZE(want); i++)
+        cr_expect(strstr(o, want[i]), "missing %s in:\n%s", want[i], o);
+    free(o);
+    cr_assert_eq(run(&o, "train --dry-run --config %s --data %s --precision bf16 --dim 64", path,
+                     path),
+                 0, "%s", o);
+    cr_expect(strstr(o, "bf16.enabled = true"), "%s", o);
+    cr_expect(strstr(o, "zero_optimization.reduce_bucket_size = 4096"), "%s", o);
+    cr_expect(strstr(o, "AdamW lr 0.0003"), "%s", o);
+    free(o);
+    /* Explicit on both sides and different: refused, naming both. */
+    cr_assert_eq(run(&o, "train --dry-run --config %s --data %s --lr 0.001", path, path), 2,
+                 "%s", o);
+    cr_expect(strstr(o, "the config and the command line disagree: optimizer.params.lr=0.0003 vs "
+                        "--lr 0.001 (set these to \"auto\" in the config, or leave the options "
+                        "out)"),
+              "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --dry-run --config %s --data %s --lr 0.0003", path, path), 0,
+                 "%s", o);
+    free(o);
+    /* Hugging Face's own test configs: "auto" everywhere in the ZeRO-2 one, filled by the
+     * options; the ZeRO-3 one gives lr 3e-5, which --lr 0.002 contradicts. */
+    cr_assert_eq(run(&o, "train --dry-run --config %s/configs/hf__ds_config_zero3.json --data %s "
+                         "--lr 0.002",
+                     getenv("ZINF_TEST_DATA"), path),
+                 2, "%s", o);
+    cr_expect(strstr(o, "optimizer.params.lr=3e-05 vs --lr 0.002"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --dry-run --config %s/configs/hf__ds_config_zero2.json --data %s "
+                         "--lr 0.002 --batch 3 --clip 0.5",
+                     getenv("ZINF_TEST_DATA"), path),
+                 0, "%s", o);
+    static const char *const filled[] = {"optimizer.params.lr = 0.002",
+                                         "train_micro_batch_size_per_gpu = 3",
+                                         "gradient_clipping = 0.5", "fp16.enabled = false",
+                                         "scheduler.params.warmup_max_lr = 0.002"};
+    for (size_t i = 0; i < ARRAY_SIZE(filled); i++)
+        cr_expect(strstr(o, filled[i]), "missing %s in:\n%s", filled[i], o);
+    free(o);
+}
+
 /* The sweep's closing snippet is a config that `zinf config check` takes as it is. */
 Test(cli, sweep_snippet_is_a_valid_config)
 {
@@ -1340,9 +1507,9 @@ Test(cli, config_check_of_a_hugging_face_zero3_nvme_config)
         "#   optimizer.params.lr = 0.001",
         "#   train_micro_batch_size_per_gpu = 4",
         "#   gradient_accumulation_steps = 1",
-        "#   bf16.enabled = as --precision auto",
+        "#   bf16.enabled = false",
         "#   zero_optimization.stage3_param_persistence_threshold = 1280",
-        "#   zero_optimization.reduce_bucket_size = 198272"};
+        "#   zero_optimization.reduce_bucket_size = 16384"};
     for (size_t i = 0; i < ARRAY_SIZE(autos); i++)
         cr_expect(strstr(o, autos[i]), "missing '%s':\n%s", autos[i], o);
     static const char *const ignored[] = {"zero_optimization.sub_group_size (",
@@ -1443,11 +1610,25 @@ Test(cli, train_honours_deepspeeds_training_keys)
               "%s", o);
     free(o);
 
-    /* The command line wins over the file. */
+    /* The command line and the file giving different values explicitly: refused, both
+     * named, as Hugging Face's Trainer refuses them; "auto" in the file takes the option's. */
     snprintf(swap, sizeof(swap), "%s/swap2", dir);
     ds_config(cfg, sizeof(cfg), swap,
               "\"train_micro_batch_size_per_gpu\": 1, "
               "\"gradient_accumulation_steps\": 3");
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--steps 1 --batch 2 --accumulate 1",
+                     cfg, data),
+                 2, "%s", o);
+    cr_assert(strstr(o, "the config and the command line disagree: "
+                        "train_micro_batch_size_per_gpu=1 vs --batch 2; "
+                        "gradient_accumulation_steps=3 vs --accumulate 1"),
+              "%s", o);
+    free(o);
+    ds_config(cfg, sizeof(cfg), swap,
+              "\"train_micro_batch_size_per_gpu\": \"auto\", "
+              "\"gradient_accumulation_steps\": \"auto\"");
     cr_assert_eq(run(&o,
                      "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
                      "--steps 1 --batch 2 --accumulate 1",
@@ -3715,4 +3896,101 @@ Test(cli, jobs_and_the_daemon_are_managed_through_the_socket)
     cr_assert(strstr(o, "no zinf daemon"), "%s", o);
     free(o);
     rmdir(sdir);
+}
+
+/* ---- a mistyped command, and gnuplot's failures in one line ----------------------------- */
+
+/* How many '\n' s holds: its lines, when each ends in one. */
+static int newlines_in(const char *s)
+{
+    int n = 0;
+    for (; *s; s++)
+        n += *s == '\n';
+    return n;
+}
+
+/* An unknown command names the command it most likely misspells (two letters swapped, a
+ * letter missing, a beginning only one command has), whether run or asked for help; a word
+ * near no command, or the beginning of two, gets no guess. Bad usage all the same: 2. */
+Test(cli, unknown_command_suggests_the_nearest)
+{
+    char *o;
+    cr_assert_eq(run(&o, "trian"), 2, "%s", o);
+    cr_assert(strstr(o, "zinf: unknown command 'trian' (did you mean 'train'?)\n"), "%s", o);
+    cr_assert(strstr(o, "usage: zinf <command>"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "help trian"), 2, "%s", o);
+    cr_assert(strstr(o, "zinf: help: unknown command 'trian' (did you mean 'train'?)\n"), "%s",
+              o);
+    free(o);
+    cr_assert_eq(run(&o, "tpo"), 2, "%s", o);
+    cr_assert(strstr(o, "(did you mean 'topo'?)"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "tra"), 2, "%s", o);
+    cr_assert(strstr(o, "(did you mean 'train'?)"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "frobnicate"), 2, "%s", o);
+    cr_assert(strstr(o, "zinf: unknown command 'frobnicate'\n"), "%s", o);
+    cr_assert_null(strstr(o, "did you mean"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "help frobnicate"), 2, "%s", o);
+    cr_assert(strstr(o, "zinf: help: unknown command 'frobnicate'\n"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "co"), 2, "%s", o); /* config or compare */
+    cr_assert_null(strstr(o, "did you mean"), "%s", o);
+    free(o);
+}
+
+/* zinf plot refuses an OUT.png in a directory that does not exist before gnuplot runs, naming
+ * both (2); when gnuplot itself fails, one line says so with its exit status and the first
+ * line of its message, and nothing else of gnuplot's reaches the terminal (1); when it
+ * succeeds, the one line is what was written. */
+Test(cli, plot_says_why_gnuplot_failed_in_one_line, .timeout = 120)
+{
+    char log[4096], out[4200], *o;
+    if (system("gnuplot --version > /dev/null 2>&1") != 0)
+        cr_skip_test("gnuplot is not installed (scripts/setup.sh installs gnuplot-nox)");
+    snprintf(log, sizeof(log), "%s/run.jsonl", dir);
+    FILE *f = fopen(log, "w");
+    cr_assert_not_null(f);
+    for (int k = 1; k <= 3; k++)
+        fprintf(f, "{\"step\":%d,\"loss\":%.1f,\"tokens_per_s\":1000,\"nvme_read_GBps\":0.5,"
+                   "\"nvme_write_GBps\":0.25,\"device_used_bytes\":1048576,"
+                   "\"host_used_bytes\":2097152}\n",
+                k, 6.0 - k);
+    cr_assert_eq(fclose(f), 0);
+
+    cr_assert_eq(run(&o, "plot %s -o /nonexistent/dir/x.png", log), 2, "%s", o);
+    cr_assert_str_eq(o, "zinf plot: cannot write /nonexistent/dir/x.png: the directory "
+                        "/nonexistent/dir does not exist\n");
+    free(o);
+
+    /* The directory is there, but OUT.png is a directory: gnuplot cannot open it. */
+    snprintf(out, sizeof(out), "%s/out.png", dir);
+    cr_assert_eq(mkdir(out, 0755), 0, "%s", strerror(errno));
+    cr_assert_eq(run(&o, "plot %s -o %s", log, out), 1, "%s", o);
+    static const char failed[] = "zinf plot: gnuplot failed (exit 1): ";
+    cr_assert(!strncmp(o, failed, strlen(failed)), "%s", o);
+    cr_assert(strstr(o, "cannot open file"), "%s", o);
+    cr_assert_eq(newlines_in(o), 1, "%s", o);
+    free(o);
+
+    snprintf(out, sizeof(out), "%s/run.png", dir);
+    cr_assert_eq(run(&o, "plot %s -o %s", log, out), 0, "%s", o);
+    static const char wrote[] = "zinf plot: wrote ";
+    cr_assert(!strncmp(o, wrote, strlen(wrote)), "%s", o);
+    cr_assert_eq(newlines_in(o), 1, "%s", o);
+    free(o);
+
+    /* A log without tier occupancy (an older zinf's) draws, saying so in that panel. */
+    f = fopen(log, "w");
+    cr_assert_not_null(f);
+    for (int k = 1; k <= 3; k++)
+        fprintf(f, "{\"step\":%d,\"loss\":%.1f,\"tokens_per_s\":1000,\"nvme_read_GBps\":0.5,"
+                   "\"nvme_write_GBps\":0.25}\n",
+                k, 6.0 - k);
+    cr_assert_eq(fclose(f), 0);
+    cr_assert_eq(run(&o, "plot %s -o %s", log, out), 0, "%s", o);
+    cr_assert(!strncmp(o, wrote, strlen(wrote)), "%s", o);
+    free(o);
 }

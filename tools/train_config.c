@@ -35,6 +35,42 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
     bool accum = config_given(zc, "gradient_accumulation_steps") &&
                  !config_is_auto(zc, "gradient_accumulation_steps");
 
+    /* A value both the command line and the config give explicitly must agree: refused
+     * as Hugging Face's Trainer refuses a DeepSpeed value that differs from its
+     * TrainingArguments ("auto" takes the option's). */
+    char bad[512] = "";
+    size_t nbad = 0;
+#define DISAGREE(cond, ...)                                                                        \
+    do {                                                                                           \
+        if ((cond) && nbad < sizeof(bad))                                                          \
+            nbad += (size_t)snprintf(bad + nbad, sizeof(bad) - nbad, __VA_ARGS__);                 \
+    } while (0)
+    DISAGREE(micro && GIVEN(O_BATCH) && o->batch != k->micro_batch,
+             "%strain_micro_batch_size_per_gpu=%d vs --batch %d", nbad ? "; " : "",
+             k->micro_batch, o->batch);
+    DISAGREE(accum && GIVEN(O_ACCUM) && o->grad_accum != k->grad_accum,
+             "%sgradient_accumulation_steps=%d vs --accumulate %d", nbad ? "; " : "",
+             k->grad_accum, o->grad_accum);
+    bool lr = config_given(zc, "optimizer.params.lr") && !config_is_auto(zc, "optimizer.params.lr");
+    bool wd = config_given(zc, "optimizer.params.weight_decay") &&
+              !config_is_auto(zc, "optimizer.params.weight_decay");
+    bool clip = config_given(zc, "gradient_clipping") && !config_is_auto(zc, "gradient_clipping");
+    DISAGREE(lr && GIVEN(O_LR) && (float)k->optimizer.lr != o->lr,
+             "%soptimizer.params.lr=%g vs --lr %g", nbad ? "; " : "", k->optimizer.lr, o->lr);
+    DISAGREE(wd && GIVEN(O_WD) && (float)k->optimizer.weight_decay != o->weight_decay,
+             "%soptimizer.params.weight_decay=%g vs --weight-decay %g", nbad ? "; " : "",
+             k->optimizer.weight_decay, o->weight_decay);
+    DISAGREE(clip && GIVEN(O_CLIP) && (float)k->grad_clip != o->grad_clip,
+             "%sgradient_clipping=%g vs --clip %g", nbad ? "; " : "", k->grad_clip, o->grad_clip);
+#undef DISAGREE
+    if (nbad) {
+        snprintf(err, errlen,
+                 "the config and the command line disagree: %s (set these to \"auto\" in "
+                 "the config, or leave the options out)",
+                 bad);
+        return -EINVAL;
+    }
+
     if (micro && !GIVEN(O_BATCH)) {
         if (zc->zinf.train.batch && zc->zinf.train.batch != k->micro_batch) {
             snprintf(err, errlen,
@@ -46,8 +82,14 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
         o->batch = k->micro_batch;
     }
     if (accum && !GIVEN(O_ACCUM)) o->grad_accum = k->grad_accum;
+    /* The values the run uses, before any "auto" is filled from them: so an explicit
+     * optimizer.params.lr is what warmup_max_lr "auto" becomes, as in Hugging Face's. */
+    if (lr && !GIVEN(O_LR)) o->lr = (float)k->optimizer.lr;
+    if (wd && !GIVEN(O_WD)) o->weight_decay = (float)k->optimizer.weight_decay;
+    if (clip && !GIVEN(O_CLIP)) o->grad_clip = (float)k->grad_clip;
 
-    /* "auto": what the options say (bf16 "auto" is --precision auto: bf16 on a GPU). */
+    /* "auto": what the options say. fp16 and bf16 "auto" are on only where --precision
+     * asks for that type, as Hugging Face's are only with --fp16 or --bf16. */
     struct config_auto_inputs in = {.hidden_size = o->model.C,
                                     .micro_batch = o->batch,
                                     .grad_accum = o->grad_accum,
@@ -55,18 +97,9 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
                                     .lr = o->lr,
                                     .weight_decay = o->weight_decay,
                                     .grad_clip = o->grad_clip,
-                                    .bf16 = o->precision == TRAINER_PRECISION_AUTO
-                                                ? -1
-                                                : o->precision == TRAINER_PRECISION_BF16};
-    bool bf16_auto = config_is_auto(zc, "bf16.enabled") && o->precision == TRAINER_PRECISION_AUTO;
+                                    .bf16 = o->precision == TRAINER_PRECISION_BF16,
+                                    .fp16 = o->precision == TRAINER_PRECISION_FP16};
     config_resolve_auto(zc, &in, ds->autos, sizeof(ds->autos));
-    if (bf16_auto) {
-        size_t n = strlen(ds->autos);
-        snprintf(ds->autos + n, sizeof(ds->autos) - n,
-                 "%sbf16.enabled = as --precision auto "
-                 "(bf16 on a GPU, fp32 on the CPU)",
-                 n ? "\n" : "");
-    }
 
     uint64_t tbs = k->train_batch_size;
     if (config_given(zc, "train_batch_size") && tbs) {

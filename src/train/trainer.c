@@ -233,7 +233,8 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
                                     .lr = o->lr,
                                     .weight_decay = o->weight_decay,
                                     .grad_clip = o->grad_clip,
-                                    .bf16 = -1};
+                                    .bf16 = o->precision == TRAINER_PRECISION_BF16,
+                                    .fp16 = o->precision == TRAINER_PRECISION_FP16};
     char resolved[1024];
     config_resolve_auto(&t->zc, &ai, resolved, sizeof(resolved));
     /* DeepSpeed's persistent parameters, when the config sets the threshold ("auto": ten
