@@ -34,8 +34,6 @@ static int level_from_env(void)
 {
     static const char *const names[] = {"error", "warn", "notice", "debug"};
     const char *v = getenv("ZINF_LOG");
-    if (getenv("ZINF_DEBUG"))
-        return LOG_DEBUG;
     if (!v || !*v)
         return LOG_NOTICE;
     for (int i = 0; i < 4; i++)

@@ -50,7 +50,7 @@ Test(common, log_sink_captures_and_restores)
 {
     test_log_capture_start();
     log_error("disk %s is full", "/x");
-    log_debug("hidden unless ZINF_DEBUG is set");
+    log_debug("hidden unless ZINF_LOG=debug");
     cr_assert(strstr(test_log_text(), "disk /x is full") != NULL);
     test_log_capture_stop();
 }

@@ -192,7 +192,7 @@ static int write_files(const char *tmp, const struct run *r, const char *out, in
         fputc('\n', g);
     } else {
         fprintf(g, "set label 1 'this log has no tier occupancy (an older zinf wrote it)' at "
-                   "graph 0.5,0.5 center\nplot [0:1] NaN notitle\n");
+                   "graph 0.5,0.5 center\nplot [0:1] [0:1] NaN notitle\n");
     }
     fprintf(g, "unset multiplot\n");
     if (fclose(g)) return -errno;
