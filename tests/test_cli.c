@@ -316,7 +316,18 @@ Test(cli, config_check_and_train_agree)
     const char *w = strstr(o, "offload_parm: unknown key");
     cr_assert(w && !strstr(w + 1, "offload_parm: unknown key"), "one warning: %s", o);
     cr_assert(strstr(o, "did you mean \"offload_param\""), "%s", o);
+    /* Nothing is offloaded to the host: pin_memory's default says nothing, no notice. */
+    cr_assert_null(strstr(o, "runs unpinned"), "%s", o);
     free(o);
+    /* The optimizer offloaded to an unpinned host: the notice applies. */
+    snprintf(path, sizeof(path), "%s/unpinned.json", dir);
+    write_file(path, "{\"zero_optimization\": {\"offload_optimizer\": {\"device\": \"cpu\"}}, "
+                     "\"zinf\": {\"train\": {\"layers\": 1, \"dim\": 32, \"heads\": 2, "
+                     "\"seq\": 16, \"batch\": 1}}}");
+    cr_assert_eq(run(&o, "train --config %s --data %s --steps 1", path, path), 0, "%s", o);
+    cr_assert(strstr(o, "the host tier runs unpinned (pin_memory is false)"), "%s", o);
+    free(o);
+    snprintf(path, sizeof(path), "%s/typo.json", dir);
     cr_assert_eq(run(&o, "train --config %s --data %s --steps 1 --strict", path, path), 2, "%s",
                  o);
     cr_assert(strstr(o, "1 unknown key (--strict)"), "%s", o);

@@ -845,8 +845,9 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     struct host_opts hop = {.capacity_bytes = o.host_bytes,
                             .staging_bytes = (size_t)nslots * o.block_size,
                             .pin = params.pin,
-                            /* a read-only view of a saved run stays unpinned unsaid */
-                            .quiet = (o.flags & ZINF_OPEN_READONLY) != 0,
+                            /* a read-only view of a saved run stays unpinned unsaid, as does
+                             * a config that offloads nothing to the host */
+                            .quiet = (o.flags & ZINF_OPEN_READONLY) != 0 || params.quiet_unpinned,
                             .no_huge_pages = params.no_huge_pages,
                             .numa_node = node,
                             .io = e->io,
@@ -971,6 +972,10 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
     const struct config_offload_param *op = &c->zero.offload_param;
     struct engine_params p = {
         .pin = op->pin_memory || c->zero.offload_optimizer.pin_memory,
+        /* pin_memory is about what is offloaded: with neither section offloading, its
+         * default (false) says nothing the user chose, and the notice would not apply. */
+        .quiet_unpinned = op->device == CONFIG_OFFLOAD_NONE &&
+                          c->zero.offload_optimizer.device == CONFIG_OFFLOAD_NONE,
         .prefetch_budget_bytes = c->zero.stage3_prefetch_bucket_size * 2,
         .sqpoll = c->zinf.sqpoll,
         .io_backend = c->zinf.io_backend == CONFIG_IO_URING     ? URING_BACKEND_IO_URING

@@ -290,6 +290,7 @@ struct ticket {
 /* Settings zinf_options has no field for (they come from a config file). */
 struct engine_params {
     bool pin;                       /* lock the host tier (pin_memory) */
+    bool quiet_unpinned;            /* no notice when unpinned: nothing offloads to it */
     uint64_t prefetch_budget_bytes; /* 0: default */
     unsigned staging_slots;         /* block_size slots in the staging ring; 0: default */
     bool sqpoll;
