@@ -90,15 +90,8 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
 
     /* "auto": what the options say. fp16 and bf16 "auto" are on only where --precision
      * asks for that type, as Hugging Face's are only with --fp16 or --bf16. */
-    struct config_auto_inputs in = {.hidden_size = o->model.C,
-                                    .micro_batch = o->batch,
-                                    .grad_accum = o->grad_accum,
-                                    .steps = o->steps,
-                                    .lr = o->lr,
-                                    .weight_decay = o->weight_decay,
-                                    .grad_clip = o->grad_clip,
-                                    .bf16 = o->precision == TRAINER_PRECISION_BF16,
-                                    .fp16 = o->precision == TRAINER_PRECISION_FP16};
+    struct config_auto_inputs in;
+    trainer_auto_inputs(o, &in);
     config_resolve_auto(zc, &in, ds->autos, sizeof(ds->autos));
 
     uint64_t tbs = k->train_batch_size;

@@ -164,6 +164,19 @@ void train_note_peaks(struct trainer *t)
         t->peak[i] = MAX(t->peak[i], st.tier[i].peak_bytes);
 }
 
+void trainer_auto_inputs(const struct trainer_opts *o, struct config_auto_inputs *in)
+{
+    *in = (struct config_auto_inputs){.hidden_size = o->model.C,
+                                      .micro_batch = o->batch,
+                                      .grad_accum = o->grad_accum,
+                                      .steps = o->steps,
+                                      .lr = o->lr,
+                                      .weight_decay = o->weight_decay,
+                                      .grad_clip = o->grad_clip,
+                                      .bf16 = o->precision == TRAINER_PRECISION_BF16,
+                                      .fp16 = o->precision == TRAINER_PRECISION_FP16};
+}
+
 int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
 {
     if (o->model.V != 256) {
@@ -226,15 +239,8 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         goto fail;
     /* "auto" (Hugging Face's configs) as the command resolved it: the engine's prefetch
      * budget comes from the model's width. */
-    struct config_auto_inputs ai = {.hidden_size = o->model.C,
-                                    .micro_batch = o->batch,
-                                    .grad_accum = o->grad_accum,
-                                    .steps = o->steps,
-                                    .lr = o->lr,
-                                    .weight_decay = o->weight_decay,
-                                    .grad_clip = o->grad_clip,
-                                    .bf16 = o->precision == TRAINER_PRECISION_BF16,
-                                    .fp16 = o->precision == TRAINER_PRECISION_FP16};
+    struct config_auto_inputs ai;
+    trainer_auto_inputs(o, &ai);
     char resolved[1024];
     config_resolve_auto(&t->zc, &ai, resolved, sizeof(resolved));
     /* DeepSpeed's persistent parameters, when the config sets the threshold ("auto": ten

@@ -172,6 +172,12 @@ struct trainer_summary {
 struct trainer;
 
 void trainer_opts_defaults(struct trainer_opts *o);
+/* What a config's "auto" becomes for these options, as Hugging Face's Trainer fills it
+ * from its arguments: the batch, accumulation, steps, lr, weight decay and clipping the run
+ * uses, the model's width for the bucket sizes, fp16/bf16 on only where the precision is
+ * that type. */
+struct config_auto_inputs;
+void trainer_auto_inputs(const struct trainer_opts *o, struct config_auto_inputs *in);
 /* The options' own consistency (sizes, Adam's hyper-parameters, the schedule, the model's
  * shape), as trainer_open checks them first: -EINVAL with a message in err. */
 int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen);
