@@ -1438,9 +1438,10 @@ int config_print(const struct zinf_config *c, FILE *f)
     print_bytes(f, o.block_size, NULL);
     fprintf(f, "\nengine.queue_depth = %u\n", o.queue_depth);
     fputs("engine.device_bytes = ", f);
-    print_bytes(f, o.device_bytes, "engine default");
+    print_bytes(f, o.device_bytes,
+                "engine default: on a GPU its free memory less a reserve, emulated 1 GiB");
     fputs("\nengine.host_bytes = ", f);
-    print_bytes(f, o.host_bytes, "engine default");
+    print_bytes(f, o.host_bytes, "engine default: 1 GiB");
     fprintf(f, "\nengine.device_kind = %s\n", enum_name(device_kinds, (int)o.device_kind));
     fprintf(f, "engine.cuda_device = %d\n", o.cuda_device);
 

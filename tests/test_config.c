@@ -1028,7 +1028,9 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         "engine.nvme_paths_extra = []\n",
         "engine.block_size = 1048576  # 1 MiB\n",
         "engine.queue_depth = 8\n",
-        "engine.host_bytes = 0  # engine default\n",
+        "engine.host_bytes = 0  # engine default: 1 GiB\n",
+        "engine.device_bytes = 0  # engine default: on a GPU its free memory less a reserve, "
+        "emulated 1 GiB\n",
         "engine.device_kind = auto\n",
         "engine.cuda_device = 0\n",
     };
