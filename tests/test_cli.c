@@ -436,6 +436,42 @@ Test(cli, auto_as_hugging_face_resolves_it)
     free(o);
 }
 
+/* An NVMe offload whose whole state fits the budgets moves nothing to NVMe between
+ * checkpoints: train says so; with budgets below the state it does not. */
+Test(cli, train_warns_when_an_nvme_offload_fits_in_memory)
+{
+    char *o, path[4096], swap[4096];
+    snprintf(path, sizeof(path), "%s/fits.json", dir);
+    snprintf(swap, sizeof(swap), "%s/fits-swap", dir);
+    static const char model[] = "\"train\": {\"layers\": 1, \"dim\": 32, \"heads\": 2, "
+                                "\"seq\": 16, \"batch\": 1}";
+    char text[16384];
+    snprintf(text, sizeof(text),
+             "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
+             "\"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", "
+             "\"nvme_path\": \"%s\"}}, \"zinf\": {\"device\": \"emulated\", \"device_bytes\": "
+             "\"1M\", \"host_bytes\": \"1M\", %s}}",
+             swap, swap, model);
+    write_file(path, text);
+    cr_assert_eq(run(&o, "train --config %s --data %s --steps 1", path, path), 0, "%s", o);
+    cr_assert(strstr(o, "zinf train: warning: the config offloads to NVMe, but the whole model "
+                        "state"),
+              "%s", o);
+    cr_assert(strstr(o, "fits the device and host budgets (1 MiB + 1 MiB)"), "%s", o);
+    free(o);
+    snprintf(text, sizeof(text),
+             "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
+             "\"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", "
+             "\"nvme_path\": \"%s\"}}, \"zinf\": {\"device\": \"emulated\", \"device_bytes\": "
+             "167936, \"host_bytes\": 139264, %s}}",
+             swap, swap, model);
+    write_file(path, text);
+    cr_assert_eq(run(&o, "train --config %s --data %s --steps 1 --overwrite", path, path), 0,
+                 "%s", o);
+    cr_assert_null(strstr(o, "nothing will move to NVMe"), "%s", o);
+    free(o);
+}
+
 /* The sweep's closing snippet is a config that `zinf config check` takes as it is. */
 Test(cli, sweep_snippet_is_a_valid_config)
 {

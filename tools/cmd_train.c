@@ -797,6 +797,8 @@ int cmd_train(int argc, char **argv)
         return 2;
     }
     steps_per_print = zc.train.steps_per_print ? zc.train.steps_per_print : 1;
+    bool nvme_offload = zc.zero.offload_param.device == CONFIG_OFFLOAD_NVME ||
+                        zc.zero.offload_optimizer.device == CONFIG_OFFLOAD_NVME;
     config_free(&zc);
     o.sample = sample_every > 0;
     if (sample_bytes == 0) sample_bytes = MIN(64, o.seq - 1);
@@ -926,6 +928,16 @@ int cmd_train(int argc, char **argv)
            format_size(sum.min_budget[1], f, sizeof(f)),
            format_size(sum.staging_bytes, g, sizeof(g)), sum.host_pinned ? ", pinned too" : "",
            o.resume ? "; resumed" : "");
+    /* An NVMe offload whose whole state fits in memory: NVMe will see the checkpoints only. */
+    if (nvme_offload && sum.world <= 1 &&
+        sum.model_state_bytes <= sum.tier[0].budget_bytes + sum.tier[1].budget_bytes) {
+        char s1[32];
+        fprintf(stderr,
+                "zinf train: warning: the config offloads to NVMe, but the whole model state "
+                "(%s) fits the device and host budgets (%s + %s): nothing will move to NVMe "
+                "between checkpoints; lower zinf.device_bytes and zinf.host_bytes to offload\n",
+                format_size(sum.model_state_bytes, s1, sizeof(s1)), b, c);
+    }
     if (o.resume && trainer_next_step(t) > o.steps) {
         /* Nothing to run: say so rather than exit 0 having done nothing. */
         int done = trainer_next_step(t) - 1;
