@@ -344,6 +344,14 @@ static const struct field fields[] = {
      0, 0, NULL},
     {S_SCHED_PARAMS, "cos_min_ratio", NULL, F_FLOAT, OFF(train.scheduler.cos_min_ratio), 0, 0, 0,
      NULL},
+    {S_SCHED_PARAMS, "lr_range_test_min_lr", NULL, F_FLOAT,
+     OFF(train.scheduler.lr_range_test_min_lr), 0, 0, 0, NULL},
+    {S_SCHED_PARAMS, "lr_range_test_step_size", NULL, F_INT,
+     OFF(train.scheduler.lr_range_test_step_size), 1, 0, 0, NULL},
+    {S_SCHED_PARAMS, "lr_range_test_step_rate", NULL, F_FLOAT,
+     OFF(train.scheduler.lr_range_test_step_rate), 0, 0, 0, NULL},
+    {S_SCHED_PARAMS, "lr_range_test_staircase", NULL, F_BOOL,
+     OFF(train.scheduler.lr_range_test_staircase), 0, 0, 0, NULL},
     {S_FP16, "enabled", NULL, F_BOOL, OFF(train.fp16.enabled), 0, 0, 0, NULL, FL_AUTO},
     {S_FP16, "loss_scale", NULL, F_FLOAT, OFF(train.fp16.loss_scale), 0, 0, 0, NULL},
     {S_FP16, "initial_scale_power", NULL, F_INT, OFF(train.fp16.initial_scale_power), 0, 64, 0,
@@ -1116,6 +1124,9 @@ void config_defaults(struct zinf_config *c)
     c->train.scheduler.warmup_max_lr = 0.001;
     c->train.scheduler.warmup_num_steps = 1000;
     c->train.scheduler.cos_min_ratio = 0.0001;
+    c->train.scheduler.lr_range_test_min_lr = 1e-3;
+    c->train.scheduler.lr_range_test_step_size = 2000;
+    c->train.scheduler.lr_range_test_step_rate = 1.0;
     c->train.fp16.initial_scale_power = 16;
     c->train.fp16.loss_scale_window = 1000;
     c->train.fp16.hysteresis = 2;

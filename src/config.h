@@ -70,10 +70,16 @@ struct config_train_keys {
         bool adam_w_mode;          /* true: decoupled decay (AdamW); false: L2 in the grad */
     } optimizer;
     struct {
-        char type[32];             /* "WarmupLR", "WarmupDecayLR", "WarmupCosineLR" */
+        char type[32];             /* "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
+                                      "LRRangeTest" */
         double warmup_min_lr, warmup_max_lr, warmup_min_ratio, cos_min_ratio;
         int warmup_num_steps, total_num_steps;
         int warmup_type;           /* 0 "log", 1 "linear" */
+        /* LRRangeTest: lr = min_lr (1 + step_rate x interval), interval the iterations
+         * over step_size (floored with staircase); DeepSpeed's defaults 1e-3, 2000, 1.0 */
+        double lr_range_test_min_lr, lr_range_test_step_rate;
+        int lr_range_test_step_size;
+        bool lr_range_test_staircase;
     } scheduler;
     struct {
         bool enabled;

@@ -472,6 +472,39 @@ Test(cli, train_warns_when_an_nvme_offload_fits_in_memory)
     free(o);
 }
 
+/* DeepSpeed's LRRangeTest, and --print-lr: min_lr (1 + rate x floor((step - 1) / size)) with
+ * the staircase (scripts/check-deepspeed.sh compares every schedule with DeepSpeed's own
+ * classes over 1000 steps, bit for bit). */
+Test(cli, lr_range_test_schedule)
+{
+    char *o, path[4096];
+    snprintf(path, sizeof(path), "%s/lrr.json", dir);
+    write_file(path, "{\"scheduler\": {\"type\": \"LRRangeTest\", \"params\": "
+                     "{\"lr_range_test_min_lr\": 0.0001, \"lr_range_test_step_size\": 3, "
+                     "\"lr_range_test_step_rate\": 2.0, \"lr_range_test_staircase\": true}}}");
+    cr_assert_eq(run(&o, "train --dry-run --config %s --data %s --print-lr 8", path, path), 0,
+                 "%s", o);
+    cr_expect(strstr(o, "(LRRangeTest schedule)"), "%s", o);
+    cr_expect(strstr(o, "lr 1 0.0001\nlr 2 0.0001\nlr 3 0.0001\nlr 4 0.00030000000000000003\n"
+                        "lr 5 0.00030000000000000003\nlr 6 0.00030000000000000003\n"
+                        "lr 7 0.00050000000000000001\nlr 8 0.00050000000000000001\n"),
+              "%s", o);
+    free(o);
+    /* Without the staircase, a step at a time. */
+    write_file(path, "{\"scheduler\": {\"type\": \"LRRangeTest\", \"params\": "
+                     "{\"lr_range_test_min_lr\": 0.001, \"lr_range_test_step_size\": 2, "
+                     "\"lr_range_test_step_rate\": 1.0}}}");
+    cr_assert_eq(run(&o, "train --dry-run --config %s --data %s --print-lr 3", path, path), 0,
+                 "%s", o);
+    cr_expect(strstr(o, "lr 1 0.001\nlr 2 0.0015\nlr 3 0.002\n"), "%s", o);
+    free(o);
+    write_file(path, "{\"scheduler\": {\"type\": \"LRRangeTest\", \"params\": "
+                     "{\"lr_range_test_step_size\": 0}}}");
+    cr_assert_eq(run(&o, "config check %s", path), 2, "%s", o);
+    cr_expect(strstr(o, "scheduler.params.lr_range_test_step_size"), "%s", o);
+    free(o);
+}
+
 /* The sweep's closing snippet is a config that `zinf config check` takes as it is. */
 Test(cli, sweep_snippet_is_a_valid_config)
 {

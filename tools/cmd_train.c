@@ -81,6 +81,7 @@ static void usage(FILE *f)
         "                    zinf config check --strict does\n"
         "  --dry-run         resolve the config and the options, print what would run and\n"
         "                    exit (0, or 2 for what a run would refuse); opens nothing\n"
+        "  --print-lr N      with --dry-run: \"lr STEP RATE\" for the first N steps\n"
         "  --resume          continue the run persisted in the config's nvme_path\n"
         "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
         "                    (without it, zinf train refuses to start over a saved run)\n"
@@ -563,6 +564,7 @@ int cmd_train(int argc, char **argv)
         {"export", required_argument, NULL, O_EXPORT},
         {"strict", no_argument, NULL, O_STRICT},
         {"dry-run", no_argument, NULL, O_DRY_RUN},
+        {"print-lr", required_argument, NULL, O_PRINT_LR},
         {"help", no_argument, NULL, 'h'},
         {0},
     };
@@ -580,6 +582,7 @@ int cmd_train(int argc, char **argv)
     bool ckpt_failed = false;
     bool strict = false;  /* --strict: unknown config keys are errors */
     bool dry_run = false; /* --dry-run: decide what would run, run nothing */
+    long print_lr = 0;    /* --print-lr N: with --dry-run, the first N steps' learning rates */
 
     trainer_opts_defaults(&o);
     /* Started as one of several ranks (zinf launch -n N): the trainer partitions the state
@@ -711,6 +714,10 @@ int cmd_train(int argc, char **argv)
         case O_DRY_RUN:
             dry_run = true;
             break;
+        case O_PRINT_LR:
+            bad = parse_int("--print-lr", optarg, 1, 100000000, &v);
+            print_lr = v;
+            break;
         case O_JOB:
             o.job = optarg;
             break;
@@ -823,6 +830,8 @@ int cmd_train(int argc, char **argv)
             printf("# ignored (in the config, but zinf does not act on these):\n");
             print_lines("#   ", ds.ignored);
         }
+        for (long s = 1; s <= print_lr; s++)
+            printf("lr %ld %.17g\n", s, trainer_lr_at(&o.sched, o.lr, (int)s));
         return fflush(stdout) == 0 ? 0 : 1;
     }
     /* Across ranks, rank 0 writes the log and the others LOG.rank-R beside it. */

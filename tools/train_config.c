@@ -152,10 +152,12 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
             s->type = TRAINER_SCHED_WARMUP_DECAY;
         else if (same_name(ty, "WarmupCosineLR"))
             s->type = TRAINER_SCHED_WARMUP_COSINE;
+        else if (same_name(ty, "LRRangeTest"))
+            s->type = TRAINER_SCHED_LR_RANGE;
         else {
             snprintf(err, errlen,
                      "scheduler.type \"%s\": zinf train runs \"WarmupLR\", "
-                     "\"WarmupDecayLR\" and \"WarmupCosineLR\"",
+                     "\"WarmupDecayLR\", \"WarmupCosineLR\" and \"LRRangeTest\"",
                      ty);
             return -EINVAL;
         }
@@ -170,7 +172,15 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
         s->warmup_steps = k->scheduler.warmup_num_steps;
         s->total_steps = k->scheduler.total_num_steps;
         s->linear = k->scheduler.warmup_type == 1;
-        if (s->type != TRAINER_SCHED_WARMUP && s->total_steps < 1) {
+        s->range_min_lr = k->scheduler.lr_range_test_min_lr;
+        s->range_rate = k->scheduler.lr_range_test_step_rate;
+        s->range_size = k->scheduler.lr_range_test_step_size;
+        s->range_staircase = k->scheduler.lr_range_test_staircase;
+        /* The config's lr as written (a double, as DeepSpeed holds it), where it is the
+         * lr the run uses. */
+        s->base_lr = lr && !GIVEN(O_LR) ? k->optimizer.lr : 0;
+        if ((s->type == TRAINER_SCHED_WARMUP_DECAY || s->type == TRAINER_SCHED_WARMUP_COSINE) &&
+            s->total_steps < 1) {
             snprintf(err, errlen, "scheduler.params.total_num_steps: %s needs it", ty);
             return -EINVAL;
         }

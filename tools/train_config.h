@@ -39,7 +39,8 @@ enum train_option {
     O_TRACE,
     O_EXPORT,
     O_STRICT,
-    O_DRY_RUN
+    O_DRY_RUN,
+    O_PRINT_LR
 };
 
 /* What the config's keys did, for the start of the run (and for config check). */

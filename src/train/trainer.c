@@ -109,7 +109,12 @@ double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step)
 {
     int it = step - 2; /* DeepSpeed's last_batch_iteration when step runs */
     int W = MAX(2, s->warmup_steps);
-    double warm = it < 0 ? 0 : s->linear ? (double)it / W : log(it + 1.0) / log((double)W);
+    /* DeepSpeed's arithmetic, operation for operation (1 / log W kept and multiplied), so
+     * that the rates are its rates to the last bit. */
+    double warm = it < 0      ? 0
+                  : s->linear ? (double)it / W
+                              : (1.0 / log((double)W)) * log(it + 1.0);
+    if (s->base_lr > 0) lr = s->base_lr;
     switch (s->type) {
     case TRAINER_SCHED_WARMUP:
     case TRAINER_SCHED_WARMUP_DECAY: {
@@ -124,9 +129,17 @@ double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step)
     case TRAINER_SCHED_WARMUP_COSINE: {
         if (it < 0) return 0;
         if (it < W) return lr * (s->min_ratio + warm * (1 - s->min_ratio));
+        /* Held at the floor past total_num_steps, as DeepSpeed clamps it. */
         double progress = MIN(1.0, (double)(it - W + 1) / MAX(1, s->total_steps - W));
         double ratio = (1 + cos(M_PI * progress)) / 2;
         return lr * MAX(0.0, s->cos_min_ratio + (1 - s->cos_min_ratio) * ratio);
+    }
+    case TRAINER_SCHED_LR_RANGE: {
+        /* DeepSpeed's LRRangeTest: min_lr at the start (its constructor sets it), then
+         * min_lr (1 + rate x interval) with interval (last_batch_iteration + 1) / size. */
+        double interval = (double)(it + 1) / MAX(1, s->range_size);
+        if (s->range_staircase) interval = floor(interval);
+        return s->range_min_lr * (1 + s->range_rate * interval);
     }
     default:
         return lr;

@@ -42,7 +42,7 @@ struct trainer_fp16 {
 
 /* The learning rate over the steps: DeepSpeed's schedulers, with their meaning exactly. */
 enum trainer_sched { TRAINER_SCHED_CONSTANT, TRAINER_SCHED_WARMUP, TRAINER_SCHED_WARMUP_DECAY,
-                     TRAINER_SCHED_WARMUP_COSINE };
+                     TRAINER_SCHED_WARMUP_COSINE, TRAINER_SCHED_LR_RANGE };
 
 struct trainer_lr_schedule {
     enum trainer_sched type;    /* CONSTANT: lr every step */
@@ -51,6 +51,13 @@ struct trainer_lr_schedule {
     int warmup_steps;           /* warmup_num_steps (taken as at least 2, as DeepSpeed does) */
     int total_steps;            /* total_num_steps: WarmupDecayLR, WarmupCosineLR */
     bool linear;                /* warmup_type "linear"; else "log" */
+    /* LRRangeTest: min_lr (1 + range_rate x (iteration + 1) / range_size), the quotient
+     * floored when range_staircase */
+    double range_min_lr, range_rate;
+    double base_lr;             /* > 0: the optimizer's lr as the config gave it (a double),
+                                   which WarmupCosineLR scales; else the lr argument */
+    int range_size;
+    bool range_staircase;
 };
 
 /* The learning rate of optimizer step `step` (1-based), as DeepSpeed's scheduler gives it:
