@@ -498,6 +498,10 @@ Test(cli, lr_range_test_schedule)
                  "%s", o);
     cr_expect(strstr(o, "lr 1 0.001\nlr 2 0.0015\nlr 3 0.002\n"), "%s", o);
     free(o);
+    /* Rates are printed by a dry run only: alone, --print-lr is bad usage. */
+    cr_assert_eq(run(&o, "train --config %s --data %s --print-lr 3", path, path), 2, "%s", o);
+    cr_expect(strstr(o, "--print-lr goes with --dry-run"), "%s", o);
+    free(o);
     write_file(path, "{\"scheduler\": {\"type\": \"LRRangeTest\", \"params\": "
                      "{\"lr_range_test_step_size\": 0}}}");
     cr_assert_eq(run(&o, "config check %s", path), 2, "%s", o);

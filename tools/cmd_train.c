@@ -777,6 +777,10 @@ int cmd_train(int argc, char **argv)
                         "it; not both\n");
         return 2;
     }
+    if (print_lr && !dry_run) {
+        fprintf(stderr, "zinf train: --print-lr goes with --dry-run\n");
+        return 2;
+    }
     if (!o.config_path || !o.data_path) {
         fprintf(stderr, "zinf train: --config FILE and --data FILE are required\n");
         usage(stderr);

@@ -347,9 +347,6 @@ class Offload:
 
     # ---- the user's calls -------------------------------------------------------------------
 
-    def entries(self):
-        return list(self._entries)
-
     def _read(self, e):
         with self.engine.fetch(e.handle, "host") as pin:
             return self._view(pin, e.shape).clone()

@@ -702,6 +702,26 @@ class TestDaemon(Base):
 
 
 class TestReferences(Base):
+    def assertNoGrowth(self, run, warm, cycles, watched):
+        """run(warm) to warm caches and free lists, then run(cycles): the references of the
+        watched objects, the Python heap (tracemalloc) and, unsanitized, the RSS must not
+        grow."""
+        run(warm)
+        gc.collect()
+        refs = [sys.getrefcount(o) for o in watched]
+        rss0 = rss_bytes()
+        tracemalloc.start()
+        base, _ = tracemalloc.get_traced_memory()
+        run(cycles)
+        gc.collect()
+        now, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        self.assertEqual([sys.getrefcount(o) for o in watched], refs)
+        self.assertLess(now - base, 64 * 1024, "Python memory grew by %d bytes" % (now - base))
+        grew = rss_bytes() - rss0
+        if not SANITIZED:
+            self.assertLess(grew, 8 * MIB, "RSS grew by %d bytes" % grew)
+
     def test_fetch_release_cycles_do_not_leak(self):
         cycles = 100000
         with self.engine() as e:
@@ -712,21 +732,7 @@ class TestReferences(Base):
                     with e.fetch(t, "host") as p:
                         p.ptr
 
-            run(1000)  # warm caches and free lists
-            gc.collect()
-            refs = sys.getrefcount(t), sys.getrefcount(e)
-            rss0 = rss_bytes()
-            tracemalloc.start()
-            base, _ = tracemalloc.get_traced_memory()
-            run(cycles)
-            gc.collect()
-            now, _ = tracemalloc.get_traced_memory()
-            tracemalloc.stop()
-            self.assertEqual((sys.getrefcount(t), sys.getrefcount(e)), refs)
-            self.assertLess(now - base, 64 * 1024, "Python memory grew by %d bytes" % (now - base))
-            grew = rss_bytes() - rss0
-            if not SANITIZED:
-                self.assertLess(grew, 8 * MIB, "RSS grew by %d bytes" % grew)
+            self.assertNoGrowth(run, 1000, cycles, (t, e))
             st = e.stats()["tier"][zinf.HOST]
             self.assertEqual(st["pinned_bytes"], 0)
             self.assertGreaterEqual(st["fetches"], cycles)
@@ -744,16 +750,7 @@ class TestReferences(Base):
                         v.delete()
                         p.__dlpack__()  # never consumed
 
-            run(500)
-            gc.collect()
-            ref = sys.getrefcount(t)
-            rss0 = rss_bytes()
-            run(cycles)
-            gc.collect()
-            self.assertEqual(sys.getrefcount(t), ref)
-            grew = rss_bytes() - rss0
-            if not SANITIZED:
-                self.assertLess(grew, 8 * MIB, "RSS grew by %d bytes" % grew)
+            self.assertNoGrowth(run, 500, cycles, (t,))
             self.assertEqual(e.stats()["tier"][zinf.DEVICE]["pinned_bytes"], 0)
 
 
