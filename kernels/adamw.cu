@@ -14,10 +14,10 @@
 #include "kernels/common.cuh"
 
 /* One element per thread: p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), in adamw.c's
- * order. The _rn intrinsics are the plain IEEE operations that nvcc may not fuse into
+ * order (with L2, wd * p joins the gradient instead). The _rn intrinsics are the plain IEEE operations that nvcc may not fuse into
  * multiply-adds, so each element comes out as the scalar reference's bits (which has no
  * FMAs either). pc is NULL when no 16-bit copy is wanted (a uniform branch). */
-template <typename E>
+template <typename E, bool L2>
 __global__ static void
 adamw_kernel(float *__restrict__ p, const float *__restrict__ g, float *__restrict__ m,
              float *__restrict__ v, E *__restrict__ pc, size_t n, float gs, float b1, float omb1,
@@ -26,11 +26,13 @@ adamw_kernel(float *__restrict__ p, const float *__restrict__ g, float *__restri
     size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
         float gi = __fmul_rn(g[i], gs);
+        if (L2) gi = __fadd_rn(gi, __fmul_rn(wd, p[i])); /* Adam's L2, in the gradient */
         float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(omb1, gi));
         float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(omb2, __fmul_rn(gi, gi)));
         float mhat = __fmul_rn(mi, bc1), vhat = __fmul_rn(vi, bc2);
         float pi = p[i];
-        float u = __fadd_rn(__fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps)), __fmul_rn(wd, pi));
+        float u = __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps));
+        if (!L2) u = __fadd_rn(u, __fmul_rn(wd, pi));
         pi = __fsub_rn(pi, __fmul_rn(lr, u));
         p[i] = pi;
         m[i] = mi;
@@ -59,13 +61,18 @@ extern "C" int kernel_adamw(float *param, const float *grad, float *m, float *v,
     if (param16 && dt16 != KDT_BF16 && dt16 != KDT_F16) return -EINVAL;
     if (n == 0) return 0;
     /* Bias corrections in double on the host, as the CPU path computes them. */
-    float bc1 = (float)(1.0 / (1.0 - pow(h->beta1, step)));
-    float bc2 = (float)(1.0 / (1.0 - pow(h->beta2, step)));
+    float bc1 = h->no_bias_correction ? 1.0f : (float)(1.0 / (1.0 - pow(h->beta1, step)));
+    float bc2 = h->no_bias_correction ? 1.0f : (float)(1.0 / (1.0 - pow(h->beta2, step)));
     return with_elem(param16 ? dt16 : KDT_BF16, [&](auto t) {
         using E = ELEM(t);
-        adamw_kernel<E><<<grid_for(n, KTHREADS), KTHREADS, 0, stream>>>(
-            param, grad, m, v, (E *)param16, n, grad_scale, h->beta1, 1.0f - h->beta1, h->beta2,
-            1.0f - h->beta2, bc1, bc2, h->eps, h->weight_decay, h->lr);
+        if (h->l2)
+            adamw_kernel<E, true><<<grid_for(n, KTHREADS), KTHREADS, 0, stream>>>(
+                param, grad, m, v, (E *)param16, n, grad_scale, h->beta1, 1.0f - h->beta1,
+                h->beta2, 1.0f - h->beta2, bc1, bc2, h->eps, h->weight_decay, h->lr);
+        else
+            adamw_kernel<E, false><<<grid_for(n, KTHREADS), KTHREADS, 0, stream>>>(
+                param, grad, m, v, (E *)param16, n, grad_scale, h->beta1, 1.0f - h->beta1,
+                h->beta2, 1.0f - h->beta2, bc1, bc2, h->eps, h->weight_decay, h->lr);
         return launch_result();
     });
 }

@@ -13,6 +13,10 @@ struct adamw_hparams {
     float beta1, beta2; /* in [0, 1) */
     float eps;          /* > 0 */
     float weight_decay; /* >= 0, decoupled: applied to the parameter, not the gradient */
+    int l2;             /* nonzero: weight_decay is L2 regularisation instead, added to the
+                           gradient (weight_decay x param) before the moments (DeepSpeed's
+                           Adam with adam_w_mode false) */
+    int no_bias_correction; /* nonzero: m and v are used as they are (bias_correction false) */
 };
 
 #endif

@@ -125,13 +125,11 @@ static const struct ignored_key opt_ignored[] = {
 static const struct ignored_key opt_params_ignored[] = {
     {"torch_adam", "zinf's optimizer is its own AdamW kernel"},
     {"amsgrad", "zinf's Adam has no AMSGrad variant"},
-    {"bias_correction", "zinf's Adam corrects the bias always"},
     {"fused", "zinf's optimizer is its own AdamW kernel"},
     {"freeze_step", "1-bit Adam's; zinf's Adam is not compressed"},
     {"cuda_aware", "1-bit Adam's; zinf's Adam is not compressed"},
     {"comm_backend_name", "1-bit Adam's; zinf's Adam is not compressed"},
-    {"max_coeff", "Lamb's; zinf train runs Adam"},
-    {"min_coeff", "Lamb's; zinf train runs Adam"},
+    {"max_grad_norm", "Lamb's own clipping: zinf clips by gradient_clipping"},
     {"momentum", "SGD's; zinf train runs Adam"},
     {"nesterov", "SGD's; zinf train runs Adam"},
     {"dampening", "SGD's; zinf train runs Adam"},
@@ -329,6 +327,12 @@ static const struct field fields[] = {
     {S_OPT_PARAMS, "weight_decay", NULL, F_FLOAT, OFF(train.optimizer.weight_decay), 0, 0, 0,
      NULL, FL_AUTO},
     {S_OPT_PARAMS, "adam_w_mode", NULL, F_BOOL, OFF(train.optimizer.adam_w_mode), 0, 0, 0, NULL},
+    {S_OPT_PARAMS, "bias_correction", NULL, F_BOOL, OFF(train.optimizer.bias_correction), 0, 0, 0,
+     NULL},
+    {S_OPT_PARAMS, "max_coeff", NULL, F_FLOAT, OFF(train.optimizer.max_coeff), 0, 0, 0, NULL},
+    {S_OPT_PARAMS, "min_coeff", NULL, F_FLOAT, OFF(train.optimizer.min_coeff), 0, 0, 0, NULL},
+    {S_OPT_PARAMS, "eps_inside_sqrt", NULL, F_BOOL, OFF(train.optimizer.eps_inside_sqrt), 0, 0, 0,
+     NULL},
     {S_SCHED, "type", NULL, F_STR, OFF(train.scheduler.type), 0, 0, 0, NULL, FL_CMD},
     {S_SCHED_PARAMS, "warmup_min_lr", NULL, F_FLOAT, OFF(train.scheduler.warmup_min_lr), 0, 0, 0,
      NULL, FL_AUTO},
@@ -352,6 +356,30 @@ static const struct field fields[] = {
      OFF(train.scheduler.lr_range_test_step_rate), 0, 0, 0, NULL},
     {S_SCHED_PARAMS, "lr_range_test_staircase", NULL, F_BOOL,
      OFF(train.scheduler.lr_range_test_staircase), 0, 0, 0, NULL},
+    {S_SCHED_PARAMS, "cycle_min_lr", NULL, F_FLOAT, OFF(train.scheduler.cycle_min_lr), 0, 0, 0,
+     NULL},
+    {S_SCHED_PARAMS, "cycle_max_lr", NULL, F_FLOAT, OFF(train.scheduler.cycle_max_lr), 0, 0, 0,
+     NULL},
+    {S_SCHED_PARAMS, "decay_lr_rate", NULL, F_FLOAT, OFF(train.scheduler.decay_lr_rate), 0, 0, 0,
+     NULL},
+    {S_SCHED_PARAMS, "cycle_first_step_size", NULL, F_INT,
+     OFF(train.scheduler.cycle_first_step_size), 1, 0, 0, NULL},
+    {S_SCHED_PARAMS, "cycle_second_step_size", NULL, F_INT,
+     OFF(train.scheduler.cycle_second_step_size), 0, 0, 0, NULL},
+    {S_SCHED_PARAMS, "cycle_first_stair_count", NULL, F_INT,
+     OFF(train.scheduler.cycle_first_stair_count), 0, 0, 0, NULL},
+    {S_SCHED_PARAMS, "cycle_second_stair_count", NULL, F_INT,
+     OFF(train.scheduler.cycle_second_stair_count), 0, 0, 0, NULL},
+    {S_SCHED_PARAMS, "decay_step_size", NULL, F_INT, OFF(train.scheduler.decay_step_size), 0, 0,
+     0, NULL},
+    {S_SCHED_PARAMS, "cycle_momentum", NULL, F_BOOL, OFF(train.scheduler.cycle_momentum), 0, 0, 0,
+     NULL},
+    {S_SCHED_PARAMS, "cycle_min_mom", NULL, F_FLOAT, OFF(train.scheduler.cycle_min_mom), 0, 0, 0,
+     NULL},
+    {S_SCHED_PARAMS, "cycle_max_mom", NULL, F_FLOAT, OFF(train.scheduler.cycle_max_mom), 0, 0, 0,
+     NULL},
+    {S_SCHED_PARAMS, "decay_mom_rate", NULL, F_FLOAT, OFF(train.scheduler.decay_mom_rate), 0, 0,
+     0, NULL},
     {S_FP16, "enabled", NULL, F_BOOL, OFF(train.fp16.enabled), 0, 0, 0, NULL, FL_AUTO},
     {S_FP16, "loss_scale", NULL, F_FLOAT, OFF(train.fp16.loss_scale), 0, 0, 0, NULL},
     {S_FP16, "initial_scale_power", NULL, F_INT, OFF(train.fp16.initial_scale_power), 0, 64, 0,
@@ -1121,6 +1149,13 @@ void config_defaults(struct zinf_config *c)
     c->train.optimizer.betas[1] = 0.999;
     c->train.optimizer.eps = 1e-8;
     c->train.optimizer.adam_w_mode = true;
+    c->train.optimizer.bias_correction = true;
+    c->train.optimizer.max_coeff = 10.0;
+    c->train.optimizer.min_coeff = 0.01;
+    c->train.scheduler.cycle_first_step_size = 2000;
+    c->train.scheduler.cycle_momentum = true;
+    c->train.scheduler.cycle_min_mom = 0.8;
+    c->train.scheduler.cycle_max_mom = 0.9;
     c->train.scheduler.warmup_max_lr = 0.001;
     c->train.scheduler.warmup_num_steps = 1000;
     c->train.scheduler.cos_min_ratio = 0.0001;

@@ -68,6 +68,9 @@ struct config_train_keys {
                                       zinf train */
         double lr, betas[2], eps, weight_decay;
         bool adam_w_mode;          /* true: decoupled decay (AdamW); false: L2 in the grad */
+        bool bias_correction;      /* true (DeepSpeed's default) */
+        double max_coeff, min_coeff; /* Lamb's trust-ratio bounds: 10, 0.01 */
+        bool eps_inside_sqrt;      /* Lamb's: false */
     } optimizer;
     struct {
         char type[32];             /* "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
@@ -80,6 +83,14 @@ struct config_train_keys {
         double lr_range_test_min_lr, lr_range_test_step_rate;
         int lr_range_test_step_size;
         bool lr_range_test_staircase;
+        /* OneCycle, DeepSpeed's names and defaults (cycle_first_step_size 2000,
+         * cycle_momentum true, cycle_min_mom 0.8, cycle_max_mom 0.9; cycle_min_lr and
+         * cycle_max_lr have none) */
+        double cycle_min_lr, cycle_max_lr, decay_lr_rate;
+        int cycle_first_step_size, cycle_second_step_size;
+        int cycle_first_stair_count, cycle_second_stair_count, decay_step_size;
+        bool cycle_momentum;
+        double cycle_min_mom, cycle_max_mom, decay_mom_rate;
     } scheduler;
     struct {
         bool enabled;

@@ -115,22 +115,45 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
     if (config_given(zc, "gradient_clipping") && !GIVEN(O_CLIP)) o->grad_clip = (float)k->grad_clip;
 
     snprintf(ds->optimizer, sizeof(ds->optimizer), "AdamW");
+    bool lamb = false;
     if (k->optimizer.type[0]) {
-        if (!same_name(k->optimizer.type, "AdamW") && !same_name(k->optimizer.type, "Adam")) {
+        lamb = same_name(k->optimizer.type, "Lamb");
+        if (!same_name(k->optimizer.type, "AdamW") && !same_name(k->optimizer.type, "Adam") &&
+            !lamb) {
             snprintf(err, errlen,
-                     "optimizer.type \"%s\": zinf train's optimizer is Adam with "
-                     "decoupled weight decay: give \"AdamW\" or \"Adam\"",
+                     "optimizer.type \"%s\": zinf train runs \"Adam\", \"AdamW\" and \"Lamb\"",
                      k->optimizer.type);
             return -EINVAL;
         }
         snprintf(ds->optimizer, sizeof(ds->optimizer), "%s", k->optimizer.type);
     }
-    if (!k->optimizer.adam_w_mode) {
-        snprintf(err, errlen,
-                 "optimizer.params.adam_w_mode false (L2 regularisation in the "
-                 "gradient) is not supported: zinf train's Adam decouples the weight decay");
+    /* What DeepSpeed's optimizers take: a parameter of one given to another is refused, as
+     * their constructors refuse an unexpected keyword. */
+    static const char *const lamb_only[] = {"optimizer.params.max_coeff",
+                                            "optimizer.params.min_coeff",
+                                            "optimizer.params.eps_inside_sqrt"};
+    for (size_t q = 0; q < sizeof(lamb_only) / sizeof(lamb_only[0]); q++)
+        if (!lamb && config_given(zc, lamb_only[q])) {
+            snprintf(err, errlen, "%s is Lamb's: optimizer.type is \"%s\"", lamb_only[q],
+                     ds->optimizer);
+            return -EINVAL;
+        }
+    if (lamb && config_given(zc, "optimizer.params.adam_w_mode")) {
+        snprintf(err, errlen, "optimizer.params.adam_w_mode is Adam's: optimizer.type is \"%s\"",
+                 ds->optimizer);
         return -EINVAL;
     }
+    /* DeepSpeed's rule: "Adam" is AdamW unless adam_w_mode is false; "AdamW" is AdamW. */
+    o->optimizer = lamb ? TRAINER_OPT_LAMB
+                   : same_name(ds->optimizer, "Adam") && !k->optimizer.adam_w_mode
+                       ? TRAINER_OPT_ADAM_L2
+                       : TRAINER_OPT_ADAMW;
+    if (o->optimizer == TRAINER_OPT_ADAM_L2)
+        snprintf(ds->optimizer, sizeof(ds->optimizer), "Adam (L2, adam_w_mode false)");
+    o->no_bias_correction = !k->optimizer.bias_correction;
+    o->lamb_max_coeff = (float)k->optimizer.max_coeff;
+    o->lamb_min_coeff = (float)k->optimizer.min_coeff;
+    o->lamb_eps_inside_sqrt = k->optimizer.eps_inside_sqrt;
     if (config_given(zc, "optimizer.params.lr") && !GIVEN(O_LR)) o->lr = (float)k->optimizer.lr;
     if (config_given(zc, "optimizer.params.weight_decay") && !GIVEN(O_WD))
         o->weight_decay = (float)k->optimizer.weight_decay;
@@ -154,10 +177,12 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
             s->type = TRAINER_SCHED_WARMUP_COSINE;
         else if (same_name(ty, "LRRangeTest"))
             s->type = TRAINER_SCHED_LR_RANGE;
+        else if (same_name(ty, "OneCycle"))
+            s->type = TRAINER_SCHED_ONE_CYCLE;
         else {
             snprintf(err, errlen,
                      "scheduler.type \"%s\": zinf train runs \"WarmupLR\", "
-                     "\"WarmupDecayLR\", \"WarmupCosineLR\" and \"LRRangeTest\"",
+                     "\"WarmupDecayLR\", \"WarmupCosineLR\", \"OneCycle\" and \"LRRangeTest\"",
                      ty);
             return -EINVAL;
         }
@@ -176,6 +201,30 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
         s->range_rate = k->scheduler.lr_range_test_step_rate;
         s->range_size = k->scheduler.lr_range_test_step_size;
         s->range_staircase = k->scheduler.lr_range_test_staircase;
+        const typeof(k->scheduler) *c = &k->scheduler;
+        s->cycle_min_lr = c->cycle_min_lr;
+        s->cycle_max_lr = c->cycle_max_lr;
+        s->decay_lr_rate = c->decay_lr_rate;
+        s->cycle_first_size = c->cycle_first_step_size;
+        s->cycle_second_size = config_given(zc, "scheduler.params.cycle_second_step_size")
+                                   ? c->cycle_second_step_size
+                                   : -1;
+        s->cycle_first_stairs = c->cycle_first_stair_count;
+        s->cycle_second_stairs = config_given(zc, "scheduler.params.cycle_second_stair_count")
+                                     ? c->cycle_second_stair_count
+                                     : -1;
+        s->decay_step_size = c->decay_step_size;
+        s->cycle_momentum = c->cycle_momentum;
+        s->cycle_min_mom = c->cycle_min_mom;
+        s->cycle_max_mom = c->cycle_max_mom;
+        s->decay_mom_rate = c->decay_mom_rate;
+        if (s->type == TRAINER_SCHED_ONE_CYCLE &&
+            (!config_given(zc, "scheduler.params.cycle_min_lr") ||
+             !config_given(zc, "scheduler.params.cycle_max_lr"))) {
+            snprintf(err, errlen,
+                     "scheduler.params.cycle_min_lr and cycle_max_lr: OneCycle needs both");
+            return -EINVAL;
+        }
         /* The config's lr as written (a double, as DeepSpeed holds it), where it is the
          * lr the run uses. */
         s->base_lr = lr && !GIVEN(O_LR) ? k->optimizer.lr : 0;

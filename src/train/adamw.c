@@ -32,6 +32,7 @@ struct coeffs {
     float b2, omb2; /* beta2, 1 - beta2 */
     float bc1, bc2; /* 1 / (1 - beta^step), the bias corrections */
     float eps, wd, lr;
+    int l2; /* wd is L2 in the gradient, not a decoupled decay */
 };
 
 typedef void (*kernel_fn)(float *p, const float *g, float *m, float *v, size_t n,
@@ -50,10 +51,13 @@ static void update_scalar(float *p, const float *g, float *m, float *v, size_t n
 {
     for (size_t i = 0; i < n; i++) {
         float gi = g[i] * c->gs;
+        if (c->l2) gi += c->wd * p[i];
         float mi = c->b1 * m[i] + c->omb1 * gi;
         float vi = c->b2 * v[i] + c->omb2 * (gi * gi);
         float mhat = mi * c->bc1, vhat = vi * c->bc2;
-        p[i] -= c->lr * (mhat / (sqrtf(vhat) + c->eps) + c->wd * p[i]);
+        float u = mhat / (sqrtf(vhat) + c->eps);
+        if (!c->l2) u += c->wd * p[i];
+        p[i] -= c->lr * u;
         m[i] = mi;
         v[i] = vi;
     }
@@ -61,21 +65,24 @@ static void update_scalar(float *p, const float *g, float *m, float *v, size_t n
 
 /* The same arithmetic as update_scalar, eight lanes at a time, with fused multiply-adds
  * for the moment updates, the decay and the final step. */
-#define AVX2_STEP(P, G, M, V)                                                                      \
+#define AVX2_STEP(P, G, M, V, L2)                                                                  \
     do {                                                                                           \
         __m256 gi_ = _mm256_mul_ps((G), gs);                                                       \
+        if (L2) gi_ = _mm256_fmadd_ps(wd, (P), gi_);                                               \
         __m256 mi_ = _mm256_fmadd_ps(b1, (M), _mm256_mul_ps(omb1, gi_));                           \
         __m256 vi_ = _mm256_fmadd_ps(b2, (V), _mm256_mul_ps(omb2, _mm256_mul_ps(gi_, gi_)));       \
         __m256 den_ = _mm256_add_ps(_mm256_sqrt_ps(_mm256_mul_ps(vi_, bc2)), eps);                 \
         __m256 u_ = _mm256_div_ps(_mm256_mul_ps(mi_, bc1), den_);                                  \
-        u_ = _mm256_fmadd_ps(wd, (P), u_);                                                         \
+        if (!(L2)) u_ = _mm256_fmadd_ps(wd, (P), u_);                                              \
         (P) = _mm256_fmadd_ps(nlr, u_, (P));                                                       \
         (M) = mi_;                                                                                 \
         (V) = vi_;                                                                                 \
     } while (0)
 
-__attribute__((target("avx2,fma"))) static void
-update_avx2(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c)
+/* L2 is a constant in each of the two instances, so the branches on it compile away. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+update_avx2_as(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c,
+               const int L2)
 {
     const __m256 gs = _mm256_set1_ps(c->gs), b1 = _mm256_set1_ps(c->b1),
                  omb1 = _mm256_set1_ps(c->omb1), b2 = _mm256_set1_ps(c->b2),
@@ -86,7 +93,7 @@ update_avx2(float *p, const float *g, float *m, float *v, size_t n, const struct
     for (; i + 8 <= n; i += 8) {
         __m256 P = _mm256_loadu_ps(p + i), G = _mm256_loadu_ps(g + i);
         __m256 M = _mm256_loadu_ps(m + i), V = _mm256_loadu_ps(v + i);
-        AVX2_STEP(P, G, M, V);
+        AVX2_STEP(P, G, M, V, L2);
         _mm256_storeu_ps(p + i, P);
         _mm256_storeu_ps(m + i, M);
         _mm256_storeu_ps(v + i, V);
@@ -97,28 +104,30 @@ update_avx2(float *p, const float *g, float *m, float *v, size_t n, const struct
                                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
         __m256 P = _mm256_maskload_ps(p + i, k), G = _mm256_maskload_ps(g + i, k);
         __m256 M = _mm256_maskload_ps(m + i, k), V = _mm256_maskload_ps(v + i, k);
-        AVX2_STEP(P, G, M, V);
+        AVX2_STEP(P, G, M, V, L2);
         _mm256_maskstore_ps(p + i, k, P);
         _mm256_maskstore_ps(m + i, k, M);
         _mm256_maskstore_ps(v + i, k, V);
     }
 }
 
-#define AVX512_STEP(P, G, M, V)                                                                    \
+#define AVX512_STEP(P, G, M, V, L2)                                                                \
     do {                                                                                           \
         __m512 gi_ = _mm512_mul_ps((G), gs);                                                       \
+        if (L2) gi_ = _mm512_fmadd_ps(wd, (P), gi_);                                               \
         __m512 mi_ = _mm512_fmadd_ps(b1, (M), _mm512_mul_ps(omb1, gi_));                           \
         __m512 vi_ = _mm512_fmadd_ps(b2, (V), _mm512_mul_ps(omb2, _mm512_mul_ps(gi_, gi_)));       \
         __m512 den_ = _mm512_add_ps(_mm512_sqrt_ps(_mm512_mul_ps(vi_, bc2)), eps);                 \
         __m512 u_ = _mm512_div_ps(_mm512_mul_ps(mi_, bc1), den_);                                  \
-        u_ = _mm512_fmadd_ps(wd, (P), u_);                                                         \
+        if (!(L2)) u_ = _mm512_fmadd_ps(wd, (P), u_);                                              \
         (P) = _mm512_fmadd_ps(nlr, u_, (P));                                                       \
         (M) = mi_;                                                                                 \
         (V) = vi_;                                                                                 \
     } while (0)
 
-__attribute__((target("avx512f"))) static void
-update_avx512(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c)
+__attribute__((target("avx512f"), always_inline)) static inline void
+update_avx512_as(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c,
+                 const int L2)
 {
     const __m512 gs = _mm512_set1_ps(c->gs), b1 = _mm512_set1_ps(c->b1),
                  omb1 = _mm512_set1_ps(c->omb1), b2 = _mm512_set1_ps(c->b2),
@@ -129,7 +138,7 @@ update_avx512(float *p, const float *g, float *m, float *v, size_t n, const stru
     for (; i + 16 <= n; i += 16) {
         __m512 P = _mm512_loadu_ps(p + i), G = _mm512_loadu_ps(g + i);
         __m512 M = _mm512_loadu_ps(m + i), V = _mm512_loadu_ps(v + i);
-        AVX512_STEP(P, G, M, V);
+        AVX512_STEP(P, G, M, V, L2);
         _mm512_storeu_ps(p + i, P);
         _mm512_storeu_ps(m + i, M);
         _mm512_storeu_ps(v + i, V);
@@ -139,11 +148,29 @@ update_avx512(float *p, const float *g, float *m, float *v, size_t n, const stru
         __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
         __m512 P = _mm512_maskz_loadu_ps(k, p + i), G = _mm512_maskz_loadu_ps(k, g + i);
         __m512 M = _mm512_maskz_loadu_ps(k, m + i), V = _mm512_maskz_loadu_ps(k, v + i);
-        AVX512_STEP(P, G, M, V);
+        AVX512_STEP(P, G, M, V, L2);
         _mm512_mask_storeu_ps(p + i, k, P);
         _mm512_mask_storeu_ps(m + i, k, M);
         _mm512_mask_storeu_ps(v + i, k, V);
     }
+}
+
+__attribute__((target("avx2,fma"))) static void
+update_avx2(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c)
+{
+    if (c->l2)
+        update_avx2_as(p, g, m, v, n, c, 1);
+    else
+        update_avx2_as(p, g, m, v, n, c, 0);
+}
+
+__attribute__((target("avx512f"))) static void
+update_avx512(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c)
+{
+    if (c->l2)
+        update_avx512_as(p, g, m, v, n, c, 1);
+    else
+        update_avx512_as(p, g, m, v, n, c, 0);
 }
 
 /* ---- dispatch ----------------------------------------------------------------------------- */
@@ -235,11 +262,12 @@ static int update(enum adamw_isa isa, float *param, const float *grad, float *m,
         .omb1 = 1.0f - h->beta1,
         .b2 = h->beta2,
         .omb2 = 1.0f - h->beta2,
-        .bc1 = (float)(1.0 / (1.0 - pow(h->beta1, step))),
-        .bc2 = (float)(1.0 / (1.0 - pow(h->beta2, step))),
+        .bc1 = h->no_bias_correction ? 1.0f : (float)(1.0 / (1.0 - pow(h->beta1, step))),
+        .bc2 = h->no_bias_correction ? 1.0f : (float)(1.0 / (1.0 - pow(h->beta2, step))),
         .eps = h->eps,
         .wd = h->weight_decay,
         .lr = h->lr,
+        .l2 = h->l2 != 0,
     };
     if (isa == ADAMW_ISA_SCALAR) {
         update_chunk(update_scalar, param, grad, m, v, param_bf16, n, &c);
@@ -273,6 +301,78 @@ int adamw_update_bf16(float *param, const float *grad, float *m, float *v, uint1
 {
     if (n && !param_bf16) return -EINVAL;
     return update(ADAMW_ISA_BEST, param, grad, m, v, param_bf16, n, h, step, grad_scale);
+}
+
+/* ---- LAMB -------------------------------------------------------------------------------- */
+
+/* u of one element, the same code in both passes. */
+static inline float lamb_u(float m, float v, float p, float eps, float wd, int inside)
+{
+    float denom = inside ? sqrtf(v + eps) : sqrtf(v) + eps;
+    return m / denom + wd * p;
+}
+
+int lamb_moments(const float *param, const float *grad, float *m, float *v, size_t n,
+                 const struct adamw_hparams *h, float grad_scale, int eps_inside_sqrt, size_t chunk,
+                 double *w_sq, double *u_sq)
+{
+    int r = check_hparams(h, 1, grad_scale);
+    if (r < 0) return r;
+    if (!chunk || (n && (!param || !grad || !m || !v || !w_sq || !u_sq))) return -EINVAL;
+    const float b1 = h->beta1, omb1 = 1.0f - h->beta1, b2 = h->beta2, omb2 = 1.0f - h->beta2;
+    size_t nchunks = (n + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ELEMS)
+    for (size_t k = 0; k < nchunks; k++) {
+        size_t i0 = k * chunk, i1 = n - i0 < chunk ? n : i0 + chunk;
+        double w = 0, u2 = 0;
+        for (size_t i = i0; i < i1; i++) {
+            float gi = grad[i] * grad_scale;
+            float mi = b1 * m[i] + omb1 * gi;
+            float vi = b2 * v[i] + omb2 * (gi * gi);
+            float u = lamb_u(mi, vi, param[i], h->eps, h->weight_decay, eps_inside_sqrt);
+            m[i] = mi;
+            v[i] = vi;
+            w += (double)param[i] * param[i];
+            u2 += (double)u * u;
+        }
+        w_sq[k] = w;
+        u_sq[k] = u2;
+    }
+    return 0;
+}
+
+float lamb_coeff(double w_sq, double u_sq, float max_coeff, float min_coeff)
+{
+    float w = (float)sqrt(w_sq), u = (float)sqrt(u_sq), c = 1.0f;
+    if (w != 0 && u != 0) {
+        c = w / u;
+        if (c > max_coeff) c = max_coeff;
+        if (c < min_coeff) c = min_coeff;
+    }
+    return c;
+}
+
+int lamb_apply(float *param, const float *m, const float *v, uint16_t *param_bf16, size_t n,
+               const struct adamw_hparams *h, int step, int eps_inside_sqrt, float coeff)
+{
+    int r = check_hparams(h, step, 1.0f);
+    if (r < 0) return r;
+    if (!isfinite(coeff) || (n && (!param || !m || !v))) return -EINVAL;
+    /* DeepSpeed's step size: the bias corrections in float, from pow in double. */
+    float step_size = h->lr;
+    if (!h->no_bias_correction) {
+        float bc1 = (float)(1.0 - pow(h->beta1, step)), bc2 = (float)(1.0 - pow(h->beta2, step));
+        step_size = h->lr * sqrtf(bc2) / bc1;
+    }
+    float sc = step_size * coeff;
+#pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ELEMS)
+    for (size_t i = 0; i < n; i++) {
+        float p = param[i];
+        p = p - sc * lamb_u(m[i], v[i], p, h->eps, h->weight_decay, eps_inside_sqrt);
+        param[i] = p;
+        if (param_bf16) param_bf16[i] = ops_f32_to_bf16(p);
+    }
+    return 0;
 }
 
 /* ---- clipping ----------------------------------------------------------------------------- */

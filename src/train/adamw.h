@@ -51,6 +51,25 @@ int adamw_update_isa(enum adamw_isa isa, float *param, const float *grad, float 
 int adamw_update_bf16(float *param, const float *grad, float *m, float *v, uint16_t *param_bf16,
                       size_t n, const struct adamw_hparams *h, int step, float grad_scale);
 
+/* LAMB as DeepSpeed's FusedLamb computes it, on one tensor (or a rank's part of it), in two
+ * passes so that the trust ratio can be summed across ranks in between:
+ *   g = grad x grad_scale     m = beta1 m + (1 - beta1) g     v = beta2 v + (1 - beta2) g^2
+ *   u = m / (sqrt(v) + eps) + weight_decay x param     (eps_inside_sqrt: m / sqrt(v + eps))
+ *   coeff = |param| / |u|, clamped to [min_coeff, max_coeff]; 1 where either norm is 0
+ *   param -= lr sqrt(1 - beta2^step) / (1 - beta1^step) x coeff x u   (no_bias_correction: lr)
+ * h->l2 is not used (LAMB's decay is in u). lamb_moments updates m and v and sums param^2 and
+ * u^2 by chunks of `chunk` elements (w_sq[k], u_sq[k] for chunk k, each in double in element
+ * order; threads take whole chunks, so the sums do not depend on the thread count);
+ * lamb_coeff makes the ratio from the totals; lamb_apply recomputes u from the new m and v
+ * and updates param, and its bf16 copy when param_bf16 is not NULL. -EINVAL as adamw_update,
+ * and for chunk 0 or NULL sums. */
+int lamb_moments(const float *param, const float *grad, float *m, float *v, size_t n,
+                 const struct adamw_hparams *h, float grad_scale, int eps_inside_sqrt, size_t chunk,
+                 double *w_sq, double *u_sq);
+float lamb_coeff(double w_sq, double u_sq, float max_coeff, float min_coeff);
+int lamb_apply(float *param, const float *m, const float *v, uint16_t *param_bf16, size_t n,
+               const struct adamw_hparams *h, int step, int eps_inside_sqrt, float coeff);
+
 /* *out = sum of x[i]^2 over n elements, accumulated in double in a fixed order that does
  * not depend on the thread count. Clipping sums this over every gradient buffer. */
 int adamw_sum_squares(const float *x, size_t n, double *out);

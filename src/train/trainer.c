@@ -41,6 +41,8 @@ void trainer_opts_defaults(struct trainer_opts *o)
                                .beta1 = 0.9f,
                                .beta2 = 0.999f,
                                .eps = 1e-8f,
+                               .lamb_max_coeff = 10.0f,
+                               .lamb_min_coeff = 0.01f,
                                .grad_accum = 1,
                                .local_rank = -1};
     o->fp16 = (struct trainer_fp16){
@@ -105,6 +107,65 @@ static int load_data(struct trainer *t, char *err, size_t errlen)
     return 0;
 }
 
+/* OneCycle's cycle length in iterations, and where iteration `it` stands in it as a
+ * factor from 0 (the cycle's ends) to 1 (its peak): DeepSpeed's _get_scale_factor, operation
+ * for operation. */
+static double cycle_second(const struct trainer_lr_schedule *s)
+{
+    return s->cycle_second_size < 0 ? s->cycle_first_size : s->cycle_second_size;
+}
+
+static double cycle_total(const struct trainer_lr_schedule *s)
+{
+    return s->cycle_first_size + cycle_second(s);
+}
+
+static double cycle_scale(const struct trainer_lr_schedule *s, int it)
+{
+    double total = cycle_total(s), ratio = s->cycle_first_size / total;
+    int bi = it + 1;
+    double cycle = floor(1 + bi / total);
+    double x = 1. + bi / total - cycle, scale;
+    int stairs;
+    if (x <= ratio) {
+        scale = x / ratio;
+        stairs = s->cycle_first_stairs;
+    } else {
+        scale = (x - 1) / (ratio - 1);
+        stairs = s->cycle_second_stairs < 0 ? s->cycle_first_stairs : s->cycle_second_stairs;
+    }
+    if (stairs > 0) {
+        double ci = fmod((double)bi, total), pos;
+        if (ci <= s->cycle_first_size)
+            pos = ci * stairs / s->cycle_first_size;
+        else
+            pos = (total - ci) * stairs / cycle_second(s);
+        scale = floor(pos) / stairs;
+    }
+    return scale;
+}
+
+void trainer_betas_at(const struct trainer_lr_schedule *s, double beta1, double beta2, int step,
+                      double *b1, double *b2)
+{
+    int it = step - 2;
+    *b1 = beta1;
+    *b2 = beta2;
+    if (s->type != TRAINER_SCHED_ONE_CYCLE || !s->cycle_momentum) return;
+    /* Its constructor puts (cycle_min_mom, 0.99) in the optimizer; each step after sets
+     * beta1 from the cycle, or past it from cycle_max_mom with its decay. */
+    *b2 = 0.99;
+    if (it < 0)
+        *b1 = s->cycle_min_mom;
+    else if (it < cycle_total(s))
+        *b1 = s->cycle_max_mom - (s->cycle_max_mom - s->cycle_min_mom) * cycle_scale(s, it);
+    else if (s->decay_step_size == 0 || s->decay_mom_rate == 0)
+        *b1 = s->cycle_max_mom;
+    else
+        *b1 = s->cycle_max_mom *
+              (1 + s->decay_mom_rate * ((it - cycle_total(s) + 1) / (double)s->decay_step_size));
+}
+
 double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step)
 {
     int it = step - 2; /* DeepSpeed's last_batch_iteration when step runs */
@@ -133,6 +194,14 @@ double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step)
         double progress = MIN(1.0, (double)(it - W + 1) / MAX(1, s->total_steps - W));
         double ratio = (1 + cos(M_PI * progress)) / 2;
         return lr * MAX(0.0, s->cos_min_ratio + (1 - s->cos_min_ratio) * ratio);
+    }
+    case TRAINER_SCHED_ONE_CYCLE: {
+        if (it < 0) return s->cycle_min_lr;
+        double total = cycle_total(s);
+        if (it < total) return s->cycle_min_lr + (s->cycle_max_lr - s->cycle_min_lr) * cycle_scale(s, it);
+        if (s->decay_step_size == 0 || s->decay_lr_rate == 0) return s->cycle_min_lr;
+        double interval = (it - total + 1) / (double)s->decay_step_size;
+        return s->cycle_min_lr / (1 + s->decay_lr_rate * interval);
     }
     case TRAINER_SCHED_LR_RANGE: {
         /* DeepSpeed's LRRangeTest: min_lr at the start (its constructor sets it), then
@@ -212,6 +281,33 @@ int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
         o->sched.total_steps < 1) {
         snprintf(err, errlen, "scheduler.params.total_num_steps: %s needs it (>= 1)",
                  o->sched.type == TRAINER_SCHED_WARMUP_DECAY ? "WarmupDecayLR" : "WarmupCosineLR");
+        return -EINVAL;
+    }
+    if (o->sched.type == TRAINER_SCHED_ONE_CYCLE) {
+        const struct trainer_lr_schedule *s = &o->sched;
+        if (!(s->cycle_first_size > 0) || (s->cycle_second_size < 0 && s->cycle_second_size != -1)) {
+            snprintf(err, errlen,
+                     "scheduler.params.cycle_first_step_size must be > 0 and "
+                     "cycle_second_step_size >= 0 (OneCycle)");
+            return -EINVAL;
+        }
+        double b1, b2;
+        for (int st = 1; s->cycle_momentum && st <= MAX(o->steps, 1); st++) {
+            trainer_betas_at(s, o->beta1, o->beta2, st, &b1, &b2);
+            if (!((float)b1 >= 0 && (float)b1 < 1)) {
+                snprintf(err, errlen,
+                         "OneCycle's momentum reaches %g at step %d: Adam's beta1 must be in "
+                         "[0, 1) (cycle_min_mom, cycle_max_mom, decay_mom_rate)",
+                         b1, st);
+                return -EINVAL;
+            }
+        }
+    }
+    if (o->optimizer == TRAINER_OPT_LAMB &&
+        !(o->lamb_min_coeff >= 0 && o->lamb_max_coeff >= o->lamb_min_coeff)) {
+        snprintf(err, errlen,
+                 "Lamb's min_coeff %g and max_coeff %g: need 0 <= min_coeff <= max_coeff",
+                 o->lamb_min_coeff, o->lamb_max_coeff);
         return -EINVAL;
     }
     struct gpt_config cfg = o->model;
@@ -316,6 +412,14 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     t->opt_tier = train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_DEVICE
                       ? ZINF_TIER_DEVICE
                       : ZINF_TIER_HOST;
+    if (cuda && o->optimizer == TRAINER_OPT_LAMB && t->opt_tier == ZINF_TIER_DEVICE) {
+        snprintf(err, errlen,
+                 "optimizer.type \"Lamb\" runs on the CPU: with the GPU's device tier, home "
+                 "the optimizer's states on the host (offload_optimizer.device \"cpu\" or "
+                 "\"nvme\")");
+        r = -EINVAL;
+        goto fail;
+    }
     if ((r = train_zero_setup(t, cuda, err, errlen)) < 0) goto fail;
     if (o->resume && !t->zc.nvme_paths.count && !t->remote) {
         snprintf(err, errlen,
@@ -569,6 +673,8 @@ void trainer_close(struct trainer *t)
     free(t->part_first);
     free(t->part);
     free(t->part_all);
+    free(t->lamb_sums);
+    free(t->lamb_all);
     free(t->losses);
     free(t->tmp);
     if (t->hcomm != t->comm) comm_close(t->hcomm);

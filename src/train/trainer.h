@@ -42,7 +42,8 @@ struct trainer_fp16 {
 
 /* The learning rate over the steps: DeepSpeed's schedulers, with their meaning exactly. */
 enum trainer_sched { TRAINER_SCHED_CONSTANT, TRAINER_SCHED_WARMUP, TRAINER_SCHED_WARMUP_DECAY,
-                     TRAINER_SCHED_WARMUP_COSINE, TRAINER_SCHED_LR_RANGE };
+                     TRAINER_SCHED_WARMUP_COSINE, TRAINER_SCHED_LR_RANGE,
+                     TRAINER_SCHED_ONE_CYCLE };
 
 struct trainer_lr_schedule {
     enum trainer_sched type;    /* CONSTANT: lr every step */
@@ -58,12 +59,32 @@ struct trainer_lr_schedule {
                                    which WarmupCosineLR scales; else the lr argument */
     int range_size;
     bool range_staircase;
+    /* OneCycle: from cycle_min_lr up to cycle_max_lr over first_size iterations, down over
+     * second_size (< 0: first_size), in stairs when the counts are > 0 (second_stairs < 0:
+     * first_stairs); then, with decay_step_size > 0, cycle_min_lr / (1 + decay_lr_rate x
+     * iterations past the cycle / decay_step_size). With cycle_momentum, beta1 runs the
+     * other way between cycle_max_mom and cycle_min_mom (decaying by decay_mom_rate) and
+     * beta2 is 0.99, as DeepSpeed's sets them (trainer_betas_at). */
+    double cycle_min_lr, cycle_max_lr, decay_lr_rate;
+    double cycle_first_size, cycle_second_size;
+    int cycle_first_stairs, cycle_second_stairs, decay_step_size;
+    bool cycle_momentum;
+    double cycle_min_mom, cycle_max_mom, decay_mom_rate;
 };
+
+/* Adam as DeepSpeed names its variants: AdamW (decoupled weight decay, the default), Adam
+ * with adam_w_mode false (the decay is L2 regularisation in the gradient), and LAMB (Adam's
+ * moments, each tensor's step scaled by its trust ratio |w| / |update|, as FusedLamb). */
+enum trainer_optimizer { TRAINER_OPT_ADAMW, TRAINER_OPT_ADAM_L2, TRAINER_OPT_LAMB };
 
 /* The learning rate of optimizer step `step` (1-based), as DeepSpeed's scheduler gives it:
  * the scheduler starts at iteration -1 and steps after each optimizer step, so step s
  * runs at iteration s - 2 (the first at the warm-up's start value). */
 double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step);
+/* Adam's betas for step `step`: beta1 and beta2 but under OneCycle with cycle_momentum,
+ * where they are what DeepSpeed's OneCycle puts in the optimizer for that step. */
+void trainer_betas_at(const struct trainer_lr_schedule *s, double beta1, double beta2, int step,
+                      double *b1, double *b2);
 
 #define TRAINER_DEFAULT_JOB "zinf-train"
 
@@ -75,6 +96,10 @@ struct trainer_opts {
     int steps;               /* total steps (a resumed run continues up to this) */
     float lr, weight_decay, grad_clip;
     float beta1, beta2, eps;          /* Adam's: 0.9, 0.999, 1e-8 */
+    enum trainer_optimizer optimizer; /* TRAINER_OPT_ADAMW */
+    bool no_bias_correction;          /* bias_correction false: Adam's m and v used as they are */
+    float lamb_max_coeff, lamb_min_coeff; /* LAMB's trust-ratio bounds: 10, 0.01 */
+    bool lamb_eps_inside_sqrt;        /* LAMB: m / sqrt(v + eps) rather than sqrt(v) + eps */
     int grad_accum;                   /* micro-batches of `batch` per optimizer step: 1 */
     bool sample;                      /* trainer_sample() will be called: its host-tier set
                                          counts in the budget check */

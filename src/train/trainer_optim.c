@@ -71,6 +71,43 @@ static int gather_parts(struct trainer *t, int i, void *whole, size_t esz, void 
     return r;
 }
 
+/* LAMB on tensor i's n elements (the whole tensor on one rank, the rank's own part on
+ * several): the moments and the chunk sums of |w|^2 and
+ * |u|^2 (lamb_moments), every rank's sums gathered and added chunk by chunk in the tensor's
+ * order (so any number of ranks adds the same numbers in the same order: the ratio does not
+ * depend on the ranks), then the update with that ratio. Every rank takes part in the
+ * gather, also one that owns nothing of the tensor. Host memory only (trainer_open refuses
+ * LAMB with the states on a GPU). */
+static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float *m, float *v,
+                       void *w16, size_t n, const struct adamw_hparams *h, int step, float scale)
+{
+    size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+    size_t per = t->world > 1 ? train_shard_of(t, i) / SHARD_FLOATS : chunks;
+    double *w_sq = t->lamb_sums, *u_sq = t->lamb_sums + per;
+    bool f16 = w16 && t->be->wdt == BACKEND_F16;
+    int eps_in = t->o.lamb_eps_inside_sqrt;
+    memset(t->lamb_sums, 0, 2 * per * sizeof(double));
+    int r = lamb_moments(p, g, m, v, n, h, scale, eps_in, SHARD_FLOATS, w_sq, u_sq);
+    if (r < 0) return r;
+    const double *all = t->lamb_sums;
+    if (t->world > 1) {
+        if ((r = comm_allgather(t->hcomm, t->lamb_sums, t->lamb_all, 2 * per * sizeof(double),
+                                COMM_BYTE)) < 0)
+            return r;
+        all = t->lamb_all;
+    }
+    double W = 0, U = 0;
+    for (size_t c = 0; c < chunks; c++) {
+        const double *at = all + (c / per) * 2 * per;
+        W += at[c % per];
+        U += at[per + c % per];
+    }
+    float coeff = lamb_coeff(W, U, t->o.lamb_max_coeff, t->o.lamb_min_coeff);
+    if ((r = lamb_apply(p, m, v, w16 && !f16 ? w16 : NULL, n, h, step, eps_in, coeff)) == 0 && f16)
+        ops_cast_f32_to_f16(w16, p, n);
+    return r;
+}
+
 /* Across ranks: AdamW on the rank's part of tensor i (p[0..3]: p, g, m, v as registered,
  * p[4] the 16-bit copy in mixed precision, then the local gradient buffer when the update
  * runs on a GPU below stage 3), then, below stage 3, every rank takes the others' parts of
@@ -86,7 +123,9 @@ static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hp
     float *pp = p[0], *mine = stage >= 3 ? pp : pp + lo;
     const float *g = stage >= 2 ? (const float *)p[1] : (const float *)p[1] + lo;
     void *w16 = !mixed ? NULL : stage >= 3 ? p[4] : (char *)p[4] + lo * wb;
-    int r = update(t, mine, g, p[2], p[3], w16, own, h, step, scale);
+    int r = t->o.optimizer == TRAINER_OPT_LAMB
+                ? lamb_tensor(t, i, mine, g, p[2], p[3], w16, own, h, step, scale)
+                : update(t, mine, g, p[2], p[3], w16, own, h, step, scale);
     if (r < 0 || stage >= 3) return r;
     void *L = t->gpu_ranks && t->opt_tier == ZINF_TIER_DEVICE ? p[mixed ? 5 : 4] : NULL;
     if ((r = gather_parts(t, i, pp, sizeof(float), L)) == 0 && mixed)
@@ -140,10 +179,14 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
     int r = 0;
 
     adamw_hparams_defaults(&h);
+    double b1, b2;
+    trainer_betas_at(&t->o.sched, t->o.beta1, t->o.beta2, step, &b1, &b2);
     h.lr = lr;
-    h.beta1 = t->o.beta1;
-    h.beta2 = t->o.beta2;
+    h.beta1 = (float)b1;
+    h.beta2 = (float)b2;
     h.eps = t->o.eps;
+    h.l2 = t->o.optimizer == TRAINER_OPT_ADAM_L2;
+    h.no_bias_correction = t->o.no_bias_correction;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
         struct wave w;
         void *p[WAVE_MAX];
@@ -159,6 +202,9 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
             h.weight_decay = t->desc[i].ndim == 2 ? t->o.weight_decay : 0.0f;
             if (t->world > 1)
                 r = zero_update(t, i, p, &h, step, scale);
+            else if (t->o.optimizer == TRAINER_OPT_LAMB)
+                r = lamb_tensor(t, i, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL,
+                                t->desc[i].numel, &h, step, scale);
             else
                 r = update(t, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL, t->desc[i].numel, &h,
                            step, scale);

@@ -206,6 +206,16 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 /* The buffers of exact accumulation and of the collectives, once the layout is known. */
 int train_zero_alloc(struct trainer *t)
 {
+    if (t->o.optimizer == TRAINER_OPT_LAMB) {
+        /* The most chunks of one tensor a rank holds, twice (|w|^2 and |u|^2). */
+        size_t most = 0;
+        for (int i = 0; i < t->ntensors; i++)
+            most = MAX(most, t->world > 1 ? train_shard_of(t, i) / SHARD_FLOATS
+                                          : (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS);
+        t->lamb_sums = calloc(2 * most, sizeof(double));
+        t->lamb_all = calloc(2 * most * (size_t)t->world, sizeof(double));
+        if (!t->lamb_sums || !t->lamb_all) return -ENOMEM;
+    }
     if (!t->exact) return 0;
     if (t->ntensors < 1) return -EINVAL;
     size_t sh = 0;
