@@ -2,8 +2,8 @@
 """ds_schedules.py - zinf train's learning-rate schedules against DeepSpeed's own scheduler
 classes (deepspeed.runtime.lr_schedules), step for step, for scripts/check-deepspeed.sh.
 
-For each case a config is written, `zinf train --dry-run --print-lr N` prints zinf's rate of
-steps 1..N, and DeepSpeed's scheduler is built over a torch optimizer with the same
+For each case a config is written, `zinf train --dry-run --print-lr N` prints zinf's rate
+(and Adam's betas, which OneCycle cycles) of steps 1..N, and DeepSpeed's scheduler is built over a torch optimizer with the same
 parameters and stepped as DeepSpeed's engine steps it (once after each optimizer step; the
 rate of step 1 is what its constructor set). The rates must be equal as doubles.
 
@@ -11,6 +11,7 @@ rate of step 1 is what its constructor set). The rates must be equal as doubles.
 """
 import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -36,6 +37,14 @@ CASES = [
                      "lr_range_test_step_rate": 0.5}),
     ("LRRangeTest", {"lr_range_test_min_lr": 2e-4, "lr_range_test_step_size": 100,
                      "lr_range_test_step_rate": 3.0, "lr_range_test_staircase": True}),
+    ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 3e-3, "cycle_first_step_size": 300,
+                  "cycle_second_step_size": 200, "decay_step_size": 50, "decay_lr_rate": 0.2,
+                  "decay_mom_rate": 0.01}),
+    ("OneCycle", {"cycle_min_lr": 2e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 170,
+                  "cycle_first_stair_count": 7, "cycle_second_stair_count": 3,
+                  "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}),
+    ("OneCycle", {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3, "cycle_first_step_size": 400,
+                  "cycle_momentum": False}),
 ]
 
 
@@ -47,17 +56,19 @@ def zinf_rates(zinf, kind, params, steps, folder):
     out = subprocess.run([zinf, "train", "--dry-run", "--config", cfg, "--data", cfg,
                           "--steps", str(steps), "--print-lr", str(steps)],
                          check=True, capture_output=True, text=True).stdout
-    return [float(l.split()[2]) for l in out.splitlines() if l.startswith("lr ")]
+    rows = [l.split() for l in out.splitlines() if l.startswith("lr ")]
+    return [float(r[2]) for r in rows], [(float(r[4]), float(r[5])) for r in rows]
 
 
 def deepspeed_rates(kind, params, steps):
     opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=LR)
     sched = getattr(ds, kind)(opt, **params)
-    rates = []
+    rates, betas = [], []
     for _ in range(steps):
         rates.append(opt.param_groups[0]["lr"])
+        betas.append(tuple(opt.param_groups[0]["betas"]))
         sched.step()
-    return rates
+    return rates, betas
 
 
 def main():
@@ -66,9 +77,21 @@ def main():
     bad = 0
     with tempfile.TemporaryDirectory() as folder:
         for kind, params in CASES:
-            z = zinf_rates(zinf, kind, params, steps, folder)
-            d = deepspeed_rates(kind, params, steps)
+            z, zb = zinf_rates(zinf, kind, params, steps, folder)
+            d, db = deepspeed_rates(kind, params, steps)
             diff = [i for i in range(steps) if z[i] != d[i]]
+            if kind == "OneCycle":
+                # and the betas it cycles, equal as doubles; without cycle_momentum they are
+                # the optimizer's, which zinf holds as fp32 (as its kernels use them)
+                same = ((lambda a, b: a == b) if params.get("cycle_momentum", True) else
+                        (lambda a, b: [struct.unpack("f", struct.pack("f", x)) for x in a] ==
+                         [struct.unpack("f", struct.pack("f", x)) for x in b]))
+                bdiff = [i for i in range(steps) if not same(zb[i], db[i])]
+                if bdiff:
+                    i = bdiff[0]
+                    print(f"{kind}: betas differ at {len(bdiff)} steps, first {i + 1}: zinf "
+                          f"{zb[i]!r}, DeepSpeed {db[i]!r}")
+                    bad += 1
             worst = max(abs(a - b) / abs(b) if b else abs(a) for a, b in zip(z, d))
             print(f"{kind:15s} {json.dumps(params)}: {steps} steps, "
                   f"{'all equal' if not diff else f'{len(diff)} differ (first at step {diff[0] + 1}: zinf {z[diff[0]]!r}, DeepSpeed {d[diff[0]]!r})'}"
