@@ -9,7 +9,8 @@
  * state is checkpointed at the start, every --checkpoint-every steps and at the end, so that a
  * crash loses at most the steps since the last checkpoint. SIGINT/SIGTERM finish the step, flush,
  * and exit with 130/143 (the JSON summary says "interrupted": true): --resume continues exactly
- * from there.
+ * from there. --init starts from the weights of a safetensors file (checked whole before the
+ * run opens), --export and --export-hf write them out at the end (weights_io.c).
  */
 #include <errno.h>
 #include <jansson.h>
@@ -34,8 +35,13 @@
 #include "train/gpt.h"
 #include "comm/comm.h"
 #include "train/trainer.h"
+#include "train/trainer_weights.h"
 #include "train_config.h"
+#include "weights_io.h"
 #include "zinf.h"
+
+/* Options of this file alone, past train_config.h's (which may grow). */
+enum { O_INIT = 512, O_EXPORT_HF };
 
 static volatile sig_atomic_t stop_requested;
 
@@ -73,6 +79,14 @@ static void usage(FILE *f)
         "                    at the end, write the fp32 parameters as a safetensors file\n"
         "                    (names and shapes of the model's layout; --steps 0 exports the\n"
         "                    initial weights, --resume --steps N a saved run's)\n"
+        "  --export-hf DIR   at the end, write DIR/model.safetensors and DIR/config.json:\n"
+        "                    the weights under GPT-2's names and layout, which Hugging\n"
+        "                    Face's GPT2LMHeadModel.from_pretrained(DIR) loads as this model\n"
+        "  --init FILE.safetensors\n"
+        "                    start a new run from these weights (an --export or --export-hf\n"
+        "                    file; F32, BF16 or F16) instead of random ones: names, shapes and\n"
+        "                    the model's size are checked first, exit 2 on a mismatch; the\n"
+        "                    Adam states start at zero (not with --resume)\n"
         "  --trace FILE.json write a timeline of the run (Chrome trace events: open it in\n"
         "                    ui.perfetto.dev or chrome://tracing); ZINF_TRACE=FILE does the\n"
         "                    same for any program using the library\n"
@@ -80,7 +94,8 @@ static void usage(FILE *f)
         "                    zinf config check --strict does\n"
         "  --dry-run         resolve the config and the options, print what would run and\n"
         "                    exit (0, or 2 for what a run would refuse); opens nothing\n"
-        "  --print-lr N      with --dry-run: \"lr STEP RATE\" for the first N steps\n"
+        "  --print-lr N      with --dry-run: \"lr STEP RATE betas BETA1 BETA2\" for the first\n"
+        "                    N steps\n"
         "  --resume          continue the run persisted in the config's nvme_path\n"
         "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
         "                    (without it, zinf train refuses to start over a saved run)\n"
@@ -226,101 +241,81 @@ static void watch_stop(struct ckpt_watch *w, pthread_t th, bool watching)
     pthread_cond_destroy(&w->cv);
 }
 
+/* The run's fp32 parameters, one tensor of the layout at a time: its "p.<name>" tensor, read
+ * through the engine (the masters; whole on every rank but at ZeRO stage 3). */
+struct param_reader {
+    struct trainer *t;
+    const struct gpt_tensor_desc *d;
+};
+
+static int read_param(void *ctx, int idx, float *dst)
+{
+    const struct param_reader *pr = ctx;
+    zinf_engine *e = trainer_engine(pr->t);
+    char name[64];
+    zinf_tensor h;
+    snprintf(name, sizeof(name), "p.%s", pr->d[idx].name);
+    int r = zinf_lookup(e, name, &h);
+    return r < 0 ? r : zinf_read(e, h, 0, dst, pr->d[idx].numel * sizeof(float));
+}
+
 /* --export: the fp32 parameters as a safetensors file (an 8-byte little-endian header length,
  * a JSON header giving each tensor's dtype, shape and byte range, then the data), which
  * PyTorch, Hugging Face and most other tools load. The tensors are the model's layout, in its
  * order and with its names ("wte", "h0.attn.qkv.w", ...); the metadata says the shape of the
- * model and the step. Written to PATH.tmp and renamed over PATH once whole and synced. */
+ * model and the step. --export-hf (hf): the same weights under GPT-2's names and layout, with
+ * the config.json that transformers' GPT2LMHeadModel.from_pretrained reads, in the directory
+ * path. Each file is written to a temporary name and renamed once whole and synced. */
 static int export_params(struct trainer *t, const struct trainer_opts *o, int step,
-                         const char *path)
+                         const char *path, bool hf)
 {
     struct gpt_config gc = o->model;
     gc.maxT = o->seq;
-    int n = gpt_layout(&gc, NULL, 0), r = 0;
+    int n = gpt_layout(&gc, NULL, 0), r;
     struct gpt_tensor_desc *d = n > 0 ? calloc((size_t)n, sizeof(*d)) : NULL;
-    json_t *root = json_object(), *meta = json_object();
-    char tmp[4200] = "", *hdr = NULL, v[32];
-    float *buf = NULL;
-    FILE *f = NULL;
-    bool said = false;
-    if (!d || !root || !meta || gpt_layout(&gc, d, (size_t)n) != n) {
+    struct param_reader pr = {.t = t, .d = d};
+    char err[1024];
+    if (!d || gpt_layout(&gc, d, (size_t)n) != n) {
         r = -ENOMEM;
-        goto out;
+        snprintf(err, sizeof(err), "%s: %s", path, strerror(ENOMEM));
+    } else if (hf) {
+        r = weights_write_hf(path, &gc, step, read_param, &pr, err, sizeof(err));
+    } else {
+        r = weights_write(path, &gc, step, WEIGHTS_ZINF, read_param, &pr, err, sizeof(err));
     }
-    size_t off = 0, most = 0;
-    for (int i = 0; i < n; i++) {
-        json_t *e = json_pack("{s:s, s:[I, I], s:[I, I]}", "dtype", "F32", "shape",
-                              (json_int_t)d[i].shape[0], (json_int_t)d[i].shape[1],
-                              "data_offsets", (json_int_t)off,
-                              (json_int_t)(off + d[i].numel * sizeof(float)));
-        if (e && d[i].ndim == 1) json_array_remove(json_object_get(e, "shape"), 1);
-        if (!e || json_object_set_new(root, d[i].name, e) < 0) {
-            r = -ENOMEM;
-            goto out;
-        }
-        off += d[i].numel * sizeof(float);
-        most = MAX(most, d[i].numel);
-    }
-    const struct {
-        const char *k;
-        long long v;
-    } m[] = {{"layers", gc.L}, {"dim", gc.C}, {"heads", gc.NH}, {"vocab", gc.V},
-             {"seq", gc.maxT}, {"step", step}};
-    json_object_set_new(meta, "model", json_string("zinf-gpt"));
-    for (size_t k = 0; k < sizeof(m) / sizeof(m[0]); k++) {
-        snprintf(v, sizeof(v), "%lld", m[k].v);
-        json_object_set_new(meta, m[k].k, json_string(v));
-    }
-    json_object_set(root, "__metadata__", meta);
-    hdr = json_dumps(root, JSON_COMPACT | JSON_PRESERVE_ORDER);
-    buf = malloc(most * sizeof(float));
-    if (!hdr || !buf) {
-        r = -ENOMEM;
-        goto out;
-    }
-    /* The data starts 8-byte aligned: the header is padded with spaces. */
-    size_t hlen = strlen(hdr), padded = align_up(hlen, 8);
-    unsigned char len8[8];
-    for (int k = 0; k < 8; k++)
-        len8[k] = (unsigned char)((uint64_t)padded >> (8 * k));
-    snprintf(tmp, sizeof(tmp), "%s.tmp", path);
-    errno = 0;
-    if (!(f = fopen(tmp, "wb")) || fwrite(len8, 1, 8, f) != 8 || fwrite(hdr, 1, hlen, f) != hlen ||
-        fprintf(f, "%*s", (int)(padded - hlen), "") < 0) {
-        r = errno ? -errno : -EIO;
-        goto out;
-    }
-    zinf_engine *e = trainer_engine(t);
-    for (int i = 0; i < n && r == 0; i++) {
-        char name[64];
-        zinf_tensor h;
-        snprintf(name, sizeof(name), "p.%s", d[i].name);
-        if ((r = zinf_lookup(e, name, &h)) < 0 ||
-            (r = zinf_read(e, h, 0, buf, d[i].numel * sizeof(float))) < 0) {
-            fprintf(stderr, "zinf train: --export %s: reading %s: %s\n", path, name,
-                    zinf_strerror(r));
-            said = true;
-            goto out;
-        }
-        if (fwrite(buf, sizeof(float), d[i].numel, f) != d[i].numel) r = errno ? -errno : -EIO;
-    }
-    if (r == 0 && (fflush(f) != 0 || fsync(fileno(f)) != 0)) r = errno ? -errno : -EIO;
-    if (fclose(f) != 0 && r == 0) r = errno ? -errno : -EIO;
-    f = NULL;
-    if (r == 0 && rename(tmp, path) != 0) r = -errno;
-    if (r == 0) printf("# export: step %d, %d tensors, %s\n", step, n, path);
-out:
-    if (f) fclose(f);
-    if (r < 0) {
-        if (tmp[0]) unlink(tmp);
-        if (!said) fprintf(stderr, "zinf train: --export %s: %s\n", path, strerror(-r));
-    }
-    free(buf);
-    free(hdr);
-    json_decref(meta);
-    json_decref(root);
     free(d);
+    if (r < 0)
+        fprintf(stderr, "zinf train: %s %s\n", hf ? "--export-hf" : "--export", err);
+    else if (hf)
+        printf("# export-hf: step %d, %d tensors under GPT-2's names, %s/model.safetensors and "
+               "%s/config.json\n",
+               step, n, path, path);
+    else
+        printf("# export: step %d, %d tensors, %s\n", step, n, path);
     return r;
+}
+
+/* --init: the file's tensors, as the trainer asks for them (trainer_load_params). */
+struct init_reader {
+    struct weights_file *w;
+    char *err;
+    size_t errlen;
+};
+
+static int read_init(void *ctx, int idx, float *dst)
+{
+    const struct init_reader *ir = ctx;
+    return weights_read(ir->w, idx, dst, ir->err, ir->errlen);
+}
+
+/* Each line of an error text (weights_open's "PATH: what" lines), said after prefix. */
+static void say_lines(const char *prefix, const char *text)
+{
+    for (const char *p = text, *nl; *p; p = nl + 1) {
+        nl = strchr(p, '\n');
+        fprintf(stderr, "zinf train: %s%.*s\n", prefix, nl ? (int)(nl - p) : (int)strlen(p), p);
+        if (!nl) break;
+    }
 }
 
 /* ,"key":v in the log, written so that it reads back as the same value: %.9g for a float,
@@ -561,6 +556,8 @@ int cmd_train(int argc, char **argv)
         {"job", required_argument, NULL, O_JOB},
         {"trace", required_argument, NULL, O_TRACE},
         {"export", required_argument, NULL, O_EXPORT},
+        {"export-hf", required_argument, NULL, O_EXPORT_HF},
+        {"init", required_argument, NULL, O_INIT},
         {"strict", no_argument, NULL, O_STRICT},
         {"dry-run", no_argument, NULL, O_DRY_RUN},
         {"print-lr", required_argument, NULL, O_PRINT_LR},
@@ -572,6 +569,8 @@ int cmd_train(int argc, char **argv)
     int steps_per_print = 1;
     long eval_every = 0, eval_batches = 8, sample_every = 0, sample_bytes = 0;
     const char *log_path = NULL, *trace_path = NULL, *export_path = NULL;
+    const char *export_hf = NULL, *init_path = NULL; /* --export-hf DIR, --init FILE */
+    struct weights_file *init = NULL;                 /* --init's file, checked */
     FILE *log = NULL;
     char err[512];
     long v = 0;
@@ -707,6 +706,12 @@ int cmd_train(int argc, char **argv)
         case O_EXPORT:
             export_path = optarg;
             break;
+        case O_EXPORT_HF:
+            export_hf = optarg;
+            break;
+        case O_INIT:
+            init_path = optarg;
+            break;
         case O_STRICT:
             strict = true;
             break;
@@ -777,6 +782,12 @@ int cmd_train(int argc, char **argv)
                         "it; not both\n");
         return 2;
     }
+    if (init_path && o.resume) {
+        fprintf(stderr, "zinf train: --init and --resume: --init starts a new run from the "
+                        "file's weights, --resume continues the saved one; not both (the saved "
+                        "run is left as it is)\n");
+        return 2;
+    }
     if (print_lr && !dry_run) {
         fprintf(stderr, "zinf train: --print-lr goes with --dry-run\n");
         return 2;
@@ -819,6 +830,18 @@ int cmd_train(int argc, char **argv)
                 sample_bytes, o.seq - 1);
         return 2;
     }
+    /* --init's file is checked whole against the model before anything opens, so that a
+     * mismatch refuses the run having touched nothing (a dry run says it too). */
+    if (init_path) {
+        struct gpt_config gc = o.model;
+        gc.maxT = o.seq;
+        char werr[4096];
+        r = weights_open(init_path, &gc, &init, werr, sizeof(werr));
+        if (r < 0) {
+            say_lines("--init ", werr);
+            return r == -ENOMEM ? 1 : 2;
+        }
+    }
     if (dry_run) {
         /* What would run, decided as config check decides it; nothing is opened. */
         printf("# zinf train --dry-run: %d layers, dim %d, %d heads, seq %d, %d micro-batch%s "
@@ -833,8 +856,18 @@ int cmd_train(int argc, char **argv)
             printf("# ignored (in the config, but zinf does not act on these):\n");
             print_lines("#   ", ds.ignored);
         }
-        for (long s = 1; s <= print_lr; s++)
-            printf("lr %ld %.17g\n", s, trainer_lr_at(&o.sched, o.lr, (int)s));
+        for (long s = 1; s <= print_lr; s++) {
+            double b1, b2;
+            trainer_betas_at(&o.sched, o.beta1, o.beta2, (int)s, &b1, &b2);
+            printf("lr %ld %.17g betas %.17g %.17g\n", s, trainer_lr_at(&o.sched, o.lr, (int)s),
+                   b1, b2);
+        }
+        if (init)
+            printf("# --init %s: %d tensors under %s, as this model has them\n", init_path,
+                   4 + GPT_BLOCK_NSLOTS * o.model.L, weights_file_names(init) == WEIGHTS_ZINF
+                                                        ? "zinf's names"
+                                                        : "GPT-2's names");
+        weights_close(init);
         return fflush(stdout) == 0 ? 0 : 1;
     }
     /* Across ranks, rank 0 writes the log and the others LOG.rank-R beside it. */
@@ -849,6 +882,7 @@ int cmd_train(int argc, char **argv)
     /* Appending, so that a run refused below leaves an old log as it was. */
     if (log_path && !(log = fopen(log_path, "a"))) {
         fprintf(stderr, "zinf train: --log %s: %s\n", log_path, strerror(errno));
+        weights_close(init);
         return 2;
     }
 
@@ -864,6 +898,7 @@ int cmd_train(int argc, char **argv)
             fprintf(stderr, "zinf train: --trace %s: %s\n", trace_path,
                     r == -EALREADY ? "a trace is being written already" : strerror(-r));
             if (log) fclose(log);
+            weights_close(init);
             return 2;
         }
         atexit(stop_trace);
@@ -884,6 +919,7 @@ int cmd_train(int argc, char **argv)
     if (r < 0) {
         fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
         if (log) fclose(log);
+        weights_close(init);
         if (r == -EINTR && stop_requested) return 128 + stop_requested;
         return r == -EINVAL || r == -ENOENT || r == -EISDIR || r == -EACCES || r == -ENODEV ||
                        r == -EEXIST || r == -ENOTDIR || r == -ENOTSUP
@@ -896,20 +932,23 @@ int cmd_train(int argc, char **argv)
         fprintf(stderr, "zinf train: --log %s: %s\n", log_path, strerror(errno));
         fclose(log);
         trainer_close(t);
+        weights_close(init);
         return 2;
     }
     /* --export reads each weight whole: across ranks at stage 3 each holds shards. */
-    if (export_path) {
+    if (export_path || export_hf) {
         struct trainer_summary es;
         trainer_get_summary(t, &es);
         if (es.world > 1 && es.stage >= 3) {
             fprintf(stderr,
-                    "zinf train: --export: at ZeRO stage 3 each of the %d ranks holds a shard of "
-                    "every weight; export on one rank (zinf train --resume --steps N --export "
-                    "FILE re-cuts the saved run for it) or at stage 1 or 2\n",
-                    es.world);
+                    "zinf train: %s: at ZeRO stage 3 each of the %d ranks holds a shard of "
+                    "every weight; export on one rank (zinf train --resume --steps N %s "
+                    "%s re-cuts the saved run for it) or at stage 1 or 2\n",
+                    export_path ? "--export" : "--export-hf", es.world,
+                    export_path ? "--export" : "--export-hf", export_path ? "FILE" : "DIR");
             if (log) fclose(log);
             trainer_close(t);
+            weights_close(init);
             return 2;
         }
     }
@@ -949,6 +988,28 @@ int cmd_train(int argc, char **argv)
                 "(%s) fits the device and host budgets (%s + %s): nothing will move to NVMe "
                 "between checkpoints; lower zinf.device_bytes and zinf.host_bytes to offload\n",
                 format_size(sum.model_state_bytes, s1, sizeof(s1)), b, c);
+    }
+    /* --init: the file's weights replace the run's first ones in every copy the trainer keeps
+     * (and on every rank), and step 0 is saved again with them. */
+    if (init) {
+        char werr[1024] = "";
+        struct init_reader ir = {.w = init, .err = werr, .errlen = sizeof(werr)};
+        r = trainer_load_params(t, read_init, &ir);
+        enum weights_names names = weights_file_names(init);
+        weights_close(init);
+        init = NULL;
+        if (r < 0) {
+            if (werr[0])
+                fprintf(stderr, "zinf train: --init %s\n", werr);
+            else
+                fprintf(stderr, "zinf train: --init %s: %s\n", init_path, zinf_strerror(r));
+            if (log) fclose(log);
+            trainer_close(t);
+            return 1;
+        }
+        printf("# init: %d tensors from %s (%s), saved as step 0\n",
+               4 + GPT_BLOCK_NSLOTS * o.model.L, init_path,
+               names == WEIGHTS_ZINF ? "zinf's names" : "GPT-2's names");
     }
     if (o.resume && trainer_next_step(t) > o.steps) {
         /* Nothing to run: say so rather than exit 0 having done nothing. */
@@ -1090,8 +1151,10 @@ int cmd_train(int argc, char **argv)
                     "from there once the cause is fixed\n",
                     sum.steps_done);
     }
-    if (export_path && o.rank == 0 && !sum.torn && !ckpt_failed && (status == 0 || stop_requested) &&
-        export_params(t, &o, sum.steps_done, export_path) < 0)
+    bool exporting = o.rank == 0 && !sum.torn && !ckpt_failed && (status == 0 || stop_requested);
+    if (exporting && export_path && export_params(t, &o, sum.steps_done, export_path, false) < 0)
+        status = 1;
+    if (exporting && export_hf && export_params(t, &o, sum.steps_done, export_hf, true) < 0)
         status = 1;
     if (status == 0 && stop_requested) {
         printf("# %s: finishing here, the state is flushed (continue with --resume)\n",
