@@ -880,6 +880,71 @@ Test(train, lr_schedules_are_deepspeeds)
     }
 }
 
+/* OneCycle, against DeepSpeed's OneCycle stepped as its engine steps it (0.19.8): the lr up
+ * and down the cycle and decaying after it, beta1 the other way (from cycle_min_mom at step 1,
+ * as its constructor sets it) and beta2 0.99; the staircase's flat runs; and without
+ * cycle_momentum the optimizer's own betas. Equal as doubles. */
+Test(train, one_cycle_is_deepspeeds)
+{
+    static const double lr1[10] = {0.001, 0.003250000000000001, 0.0055, 0.007750000000000001,
+                                    0.009999999999999998, 0.005499999999999996, 0.001, 0.0008,
+                                    0.0006666666666666666, 0.0005714285714285715};
+    static const double mom1[10] = {0.8, 0.875, 0.8500000000000001, 0.8250000000000001, 0.8,
+                                     0.8500000000000001, 0.9, 0.9450000000000001,
+                                     0.9900000000000001, 1.035};
+    static const double lr2[14] = {0.001, 0.001, 0.004, 0.004, 0.007, 0.007, 0.010000000000000002,
+                                   0.007, 0.007, 0.004, 0.004, 0.001, 0.001, 0.001};
+    static const double mom2[14] = {0.8, 0.9, 0.8666666666666667, 0.8666666666666667,
+                                     0.8333333333333334, 0.8333333333333334, 0.8,
+                                     0.8333333333333334, 0.8333333333333334, 0.8666666666666667,
+                                     0.8666666666666667, 0.9, 0.9, 0.9};
+    struct trainer_lr_schedule a = {.type = TRAINER_SCHED_ONE_CYCLE,
+                                    .cycle_min_lr = 0.001,
+                                    .cycle_max_lr = 0.01,
+                                    .cycle_first_size = 4,
+                                    .cycle_second_size = 2,
+                                    .cycle_second_stairs = -1,
+                                    .decay_step_size = 2,
+                                    .decay_lr_rate = 0.5,
+                                    .decay_mom_rate = 0.1,
+                                    .cycle_momentum = true,
+                                    .cycle_min_mom = 0.8,
+                                    .cycle_max_mom = 0.9};
+    struct trainer_lr_schedule b = a;
+    b.cycle_first_size = 6;
+    b.cycle_second_size = -1;
+    b.cycle_first_stairs = 3;
+    b.decay_step_size = 0;
+    double b1, b2;
+    for (int s = 1; s <= 14; s++) {
+        if (s <= 10) {
+            cr_expect_eq(trainer_lr_at(&a, 0.5, s), lr1[s - 1], "step %d: lr %.17g, DeepSpeed %.17g",
+                         s, trainer_lr_at(&a, 0.5, s), lr1[s - 1]);
+            trainer_betas_at(&a, 0.9, 0.999, s, &b1, &b2);
+            cr_expect(b1 == mom1[s - 1] && b2 == 0.99, "step %d: betas %.17g %.17g, DeepSpeed %.17g",
+                      s, b1, b2, mom1[s - 1]);
+        }
+        cr_expect_eq(trainer_lr_at(&b, 0.5, s), lr2[s - 1], "stairs, step %d: lr %.17g, DeepSpeed %.17g",
+                     s, trainer_lr_at(&b, 0.5, s), lr2[s - 1]);
+        trainer_betas_at(&b, 0.9, 0.999, s, &b1, &b2);
+        cr_expect_eq(b1, mom2[s - 1], "stairs, step %d: beta1 %.17g, DeepSpeed %.17g", s, b1,
+                     mom2[s - 1]);
+    }
+    b.cycle_momentum = false;
+    trainer_betas_at(&b, 0.9, 0.999, 3, &b1, &b2);
+    cr_expect(b1 == 0.9 && b2 == 0.999);
+    /* A momentum decay that takes beta1 to 1 within the run is refused before it starts. */
+    struct trainer_opts o;
+    char err[512];
+    trainer_opts_defaults(&o);
+    o.sched = a;
+    o.steps = 9;
+    cr_expect_eq(trainer_opts_check(&o, err, sizeof(err)), 0, "%s", err);
+    o.steps = 10;
+    cr_expect_eq(trainer_opts_check(&o, err, sizeof(err)), -EINVAL);
+    cr_expect(strstr(err, "momentum reaches 1.035 at step 10"), "%s", err);
+}
+
 /* Two micro-batches of 2 sequences accumulated are one batch of 4: the same sequences (micro
  * m of step s draws what sequences 2m, 2m + 1 of the batch of 4 would), the mean of the
  * gradients, the same clipping; the losses agree to rounding. A run with accumulation resumes

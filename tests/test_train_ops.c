@@ -777,19 +777,30 @@ static const struct adamw_hparams hp = {
     .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
 
 /* Each vector kernel against the scalar reference: odd lengths (every tail size, and one
- * large enough to be split over threads), three steps with a grad scale. */
+ * large enough to be split over threads), three steps with a grad scale; with h's decay
+ * decoupled (AdamW) or L2 (Adam with adam_w_mode false). */
+static void compare_isa_with(enum adamw_isa isa, const struct adamw_hparams *h);
+
 static void compare_isa(enum adamw_isa isa)
 {
-    if (adamw_update_isa(isa, NULL, NULL, NULL, NULL, 0, &hp, 1, 1.0f) == -ENOTSUP)
+    compare_isa_with(isa, &hp);
+    struct adamw_hparams l2 = hp;
+    l2.l2 = 1;
+    compare_isa_with(isa, &l2);
+}
+
+static void compare_isa_with(enum adamw_isa isa, const struct adamw_hparams *h)
+{
+    if (adamw_update_isa(isa, NULL, NULL, NULL, NULL, 0, h, 1, 1.0f) == -ENOTSUP)
         cr_skip_test("this CPU has no %s", adamw_isa_name(isa));
     const size_t lens[] = {1, 3, 7, 9, 15, 17, 31, 33, 65537, 1000003};
     for (size_t li = 0; li < sizeof(lens) / sizeof(lens[0]); li++) {
         struct adam_bufs ref = adam_random(lens[li], 1000 + li), got = adam_copy(&ref);
         for (int step = 1; step <= 3; step++) {
-            cr_assert_eq(adamw_update_isa(ADAMW_ISA_SCALAR, ref.p, ref.g, ref.m, ref.v, ref.n, &hp,
+            cr_assert_eq(adamw_update_isa(ADAMW_ISA_SCALAR, ref.p, ref.g, ref.m, ref.v, ref.n, h,
                                           step, 0.7f),
                          0);
-            cr_assert_eq(adamw_update_isa(isa, got.p, got.g, got.m, got.v, got.n, &hp, step, 0.7f),
+            cr_assert_eq(adamw_update_isa(isa, got.p, got.g, got.m, got.v, got.n, h, step, 0.7f),
                          0);
         }
         const char *what[] = {"param", "m", "v"};
@@ -798,8 +809,8 @@ static void compare_isa(enum adamw_isa isa)
             double diff, mag;
             max_diff(o[k], r[k], ref.n, &diff, &mag);
             cr_expect(diff <= 1e-6 * mag,
-                      "%s n=%zu %s: max diff %g, max |ref| %g (tolerance 1e-6 relative)",
-                      adamw_isa_name(isa), ref.n, what[k], diff, mag);
+                      "%s%s n=%zu %s: max diff %g, max |ref| %g (tolerance 1e-6 relative)",
+                      adamw_isa_name(isa), h->l2 ? " (L2)" : "", ref.n, what[k], diff, mag);
         }
         adam_free(&ref);
         adam_free(&got);
@@ -907,6 +918,185 @@ Test(adamw, weight_decay_is_decoupled)
     free(p0);
     adam_free(&a);
     adam_free(&b);
+}
+
+/* Adam with adam_w_mode false: the decay is L2 in the gradient, so with a zero gradient the
+ * moments see wd x param, and at step 1 the adaptive scaling turns it into about lr in the
+ * parameter's sign (where AdamW's decoupled decay would be lr x wd x param). Every kernel. */
+Test(adamw, l2_decay_is_in_the_gradient)
+{
+    struct adamw_hparams h = {
+        .lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.5f, .l2 = 1};
+    for (int isa = ADAMW_ISA_SCALAR; isa <= ADAMW_ISA_BEST; isa++) {
+        float p[17], g[17] = {0}, m[17] = {0}, v[17] = {0};
+        for (int i = 0; i < 17; i++)
+            p[i] = (float)(i - 8);
+        int r = adamw_update_isa((enum adamw_isa)isa, p, g, m, v, 17, &h, 1, 1.0f);
+        if (r == -ENOTSUP) continue;
+        cr_assert_eq(r, 0);
+        for (int i = 0; i < 17; i++) {
+            float p0 = (float)(i - 8), want = p0 - 0.1f * (p0 > 0 ? 1.0f : p0 < 0 ? -1.0f : 0.0f);
+            cr_expect(fabsf(p[i] - want) <= 1e-6f * fabsf(want) + 1e-7f, "%s: p[%d] = %.9g, want %.9g",
+                      adamw_isa_name(isa), i, p[i], want);
+            float mw = (1.0f - 0.9f) * 0.5f * p0;
+            cr_expect(fabsf(m[i] - mw) <= 1e-6f * fabsf(mw), "%s: m[%d] = %.9g, want %.9g",
+                      adamw_isa_name(isa), i, m[i], mw);
+        }
+    }
+}
+
+/* bias_correction false: m and v as they are. At step 1 from zero moments the step is
+ * lr x 0.1 g / (sqrt(0.05) |g|) = 0.4472 lr, not lr. */
+Test(adamw, without_bias_correction_the_moments_are_used_as_they_are)
+{
+    struct adamw_hparams h = {
+        .lr = 0.1f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .no_bias_correction = 1};
+    for (int isa = ADAMW_ISA_SCALAR; isa <= ADAMW_ISA_BEST; isa++) {
+        float p[1] = {1.0f}, g[1] = {0.5f}, m[1] = {0}, v[1] = {0};
+        int r = adamw_update_isa((enum adamw_isa)isa, p, g, m, v, 1, &h, 1, 1.0f);
+        if (r == -ENOTSUP) continue;
+        cr_assert_eq(r, 0);
+        double want = 1.0 - 0.1 * (0.1 * 0.5) / (sqrt(0.05 * 0.25) + 1e-8);
+        cr_expect(fabs(p[0] - want) < 2e-6, "%s: %.9g, want %.9g", adamw_isa_name(isa), p[0], want);
+    }
+}
+
+/* ---- LAMB ------------------------------------------------------------------------------------ */
+
+/* LAMB in double, DeepSpeed's formulas: the moments, u = m / (sqrt(v) + eps) + wd p, the
+ * trust ratio |p| / |u| clamped, and the step lr sqrt(1 - b2^t) / (1 - b1^t) x ratio x u. */
+static double lamb_reference(double *p, const float *g, double *m, double *v, size_t n,
+                             const struct adamw_hparams *h, int step, double maxc, double minc)
+{
+    double W = 0, U = 0, *u = calloc(n, sizeof(double));
+    for (size_t i = 0; i < n; i++) {
+        m[i] = h->beta1 * m[i] + (1 - (double)h->beta1) * g[i];
+        v[i] = h->beta2 * v[i] + (1 - (double)h->beta2) * g[i] * g[i];
+        u[i] = m[i] / (sqrt(v[i]) + h->eps) + h->weight_decay * p[i];
+        W += p[i] * p[i];
+        U += u[i] * u[i];
+    }
+    double c = sqrt(W) / sqrt(U);
+    c = c > maxc ? maxc : c < minc ? minc : c;
+    double ss = h->lr * sqrt(1 - pow(h->beta2, step)) / (1 - pow(h->beta1, step));
+    for (size_t i = 0; i < n; i++)
+        p[i] -= ss * c * u[i];
+    free(u);
+    return c;
+}
+
+static float lamb_step(float *p, const float *g, float *m, float *v, size_t n,
+                       const struct adamw_hparams *h, int step, float maxc, float minc,
+                       double *w_sq, double *u_sq)
+{
+    size_t chunks = (n + 1023) / 1024;
+    cr_assert_eq(lamb_moments(p, g, m, v, n, h, 1.0f, 0, 1024, w_sq, u_sq), 0);
+    double W = 0, U = 0;
+    for (size_t k = 0; k < chunks; k++) {
+        W += w_sq[k];
+        U += u_sq[k];
+    }
+    float c = lamb_coeff(W, U, maxc, minc);
+    cr_assert_eq(lamb_apply(p, m, v, NULL, n, h, step, 0, c), 0);
+    return c;
+}
+
+Test(lamb, matches_a_double_reference_within_and_at_its_bounds)
+{
+    const size_t n = 5003;
+    const struct adamw_hparams h = {
+        .lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-6f, .weight_decay = 0.01f};
+    const float bounds[][2] = {{10.0f, 0.0f}, {0.05f, 0.0f}, {10.0f, 5.0f}};
+    for (size_t b = 0; b < 3; b++) {
+        struct adam_bufs f = adam_random(n, 77);
+        double *p = calloc(n, sizeof(double)), *m = calloc(n, sizeof(double)),
+               *v = calloc(n, sizeof(double)), w[8], u[8];
+        memset(f.m, 0, n * sizeof(float));
+        memset(f.v, 0, n * sizeof(float));
+        for (size_t i = 0; i < n; i++)
+            p[i] = f.p[i];
+        for (int step = 1; step <= 3; step++) {
+            double want = lamb_reference(p, f.g, m, v, n, &h, step, bounds[b][0], bounds[b][1]);
+            float got = lamb_step(f.p, f.g, f.m, f.v, n, &h, step, bounds[b][0], bounds[b][1], w, u);
+            cr_expect(fabs(got - want) <= 1e-6 * want, "bounds %g..%g step %d: ratio %.9g, want %.9g",
+                      bounds[b][1], bounds[b][0], step, got, want);
+        }
+        double diff = 0, mag = 0;
+        for (size_t i = 0; i < n; i++) {
+            diff = fmax(diff, fabs(f.p[i] - p[i]));
+            mag = fmax(mag, fabs(p[i]));
+        }
+        cr_expect(diff <= 2e-6 * mag, "bounds %g..%g: param max diff %g of %g", bounds[b][1],
+                  bounds[b][0], diff, mag);
+        adam_free(&f);
+        free(p);
+        free(m);
+        free(v);
+    }
+    /* The clamps, and 1 where a norm is 0 (a zero tensor, or nothing to move it). */
+    cr_expect_eq(lamb_coeff(4.0, 1.0, 10.0f, 0.01f), 2.0f);
+    cr_expect_eq(lamb_coeff(400.0, 1.0, 10.0f, 0.01f), 10.0f);
+    cr_expect_eq(lamb_coeff(1e-8, 1.0, 10.0f, 0.01f), 0.01f);
+    cr_expect_eq(lamb_coeff(0.0, 1.0, 10.0f, 0.01f), 1.0f);
+    cr_expect_eq(lamb_coeff(1.0, 0.0, 10.0f, 0.01f), 1.0f);
+}
+
+/* The chunk sums do not depend on the thread count, nor on where the tensor is cut at a
+ * chunk boundary (what each rank sums of its own part): the ratio is the same bits on one
+ * rank as across ranks, and so is the update. */
+Test(lamb, same_bits_for_any_thread_count_and_any_cut)
+{
+    const size_t n = 3000017, chunks = (n + 1023) / 1024, cut = 1024 * 1400;
+    const struct adamw_hparams h = {
+        .lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.1f};
+    struct adam_bufs one = adam_random(n, 9), two = adam_copy(&one), part = adam_copy(&one);
+    double *w1 = calloc(chunks, sizeof(double)), *u1 = calloc(chunks, sizeof(double)),
+           *w2 = calloc(chunks, sizeof(double)), *u2 = calloc(chunks, sizeof(double)),
+           *w3 = calloc(chunks, sizeof(double)), *u3 = calloc(chunks, sizeof(double));
+    int old = omp_get_max_threads();
+    omp_set_num_threads(1);
+    float c1 = lamb_step(one.p, one.g, one.m, one.v, n, &h, 2, 10.0f, 0.0f, w1, u1);
+    omp_set_num_threads(3);
+    float c2 = lamb_step(two.p, two.g, two.m, two.v, n, &h, 2, 10.0f, 0.0f, w2, u2);
+    /* In two parts, each with its own sums, put side by side in the tensor's order. */
+    cr_assert_eq(lamb_moments(part.p, part.g, part.m, part.v, cut, &h, 1.0f, 0, 1024, w3, u3), 0);
+    cr_assert_eq(lamb_moments(part.p + cut, part.g + cut, part.m + cut, part.v + cut, n - cut, &h,
+                              1.0f, 0, 1024, w3 + cut / 1024, u3 + cut / 1024),
+                 0);
+    omp_set_num_threads(old);
+    cr_expect(!memcmp(w1, w2, chunks * sizeof(double)) && !memcmp(u1, u2, chunks * sizeof(double)),
+              "1 and 3 threads sum differently");
+    cr_expect(!memcmp(w1, w3, chunks * sizeof(double)) && !memcmp(u1, u3, chunks * sizeof(double)),
+              "the parts' sums are not the whole's");
+    cr_expect_eq(c1, c2);
+    cr_expect(adam_same_bits(&one, &two), "1 and 3 threads differ");
+    adam_free(&one);
+    adam_free(&two);
+    adam_free(&part);
+    free(w1);
+    free(u1);
+    free(w2);
+    free(u2);
+    free(w3);
+    free(u3);
+}
+
+Test(lamb, bad_arguments_are_einval)
+{
+    const struct adamw_hparams h = {.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f};
+    float p[4] = {1, 2, 3, 4}, g[4] = {1, 1, 1, 1}, m[4] = {0}, v[4] = {0};
+    double w[1], u[1];
+    cr_expect_eq(lamb_moments(p, g, m, v, 4, &h, 1.0f, 0, 0, w, u), -EINVAL);
+    cr_expect_eq(lamb_moments(p, g, m, v, 4, &h, 1.0f, 0, 1024, NULL, u), -EINVAL);
+    cr_expect_eq(lamb_moments(p, NULL, m, v, 4, &h, 1.0f, 0, 1024, w, u), -EINVAL);
+    cr_expect_eq(lamb_moments(p, g, m, v, 4, &h, INFINITY, 0, 1024, w, u), -EINVAL);
+    cr_expect_eq(lamb_apply(p, m, v, NULL, 4, &h, 0, 0, 1.0f), -EINVAL);
+    cr_expect_eq(lamb_apply(p, m, v, NULL, 4, &h, 1, 0, NAN), -EINVAL);
+    struct adamw_hparams bad = h;
+    bad.beta1 = 1.0f;
+    cr_expect_eq(lamb_apply(p, m, v, NULL, 4, &bad, 1, 0, 1.0f), -EINVAL);
+    /* Nothing was changed by the refusals. */
+    cr_expect(p[0] == 1 && p[3] == 4 && m[0] == 0 && v[0] == 0);
 }
 
 Test(adamw, clipping_sum_squares_and_scale)
