@@ -1452,8 +1452,8 @@ Test(cli, train_on_a_full_filesystem_stops_cleanly_and_resumes_once_space_is_fre
 
 /* ---- the conventions every command keeps ------------------------------------------------- */
 
-/* zinf help CMD prints what zinf CMD --help prints, which lists the exit statuses; bad usage
- * is 2 everywhere, bad input 2, a runtime failure 1. */
+/* zinf CMD --help lists the exit statuses, and zinf help CMD prints the command's page; bad
+ * usage is 2 everywhere, bad input 2, a runtime failure 1. */
 Test(cli, every_command_lists_its_exit_statuses_and_keeps_them)
 {
     static const char *const cmds[] = {"train", "bench", "tune",    "config",
@@ -1463,7 +1463,10 @@ Test(cli, every_command_lists_its_exit_statuses_and_keeps_them)
         cr_assert_eq(run(&o, "%s --help", cmds[i]), 0, "%s --help: %s", cmds[i], o);
         cr_assert(strstr(o, "Exit status"), "zinf %s --help lists no exit status: %s", cmds[i], o);
         cr_assert_eq(run(&h, "help %s", cmds[i]), 0);
-        cr_assert_str_eq(h, o, "zinf help %s is not zinf %s --help", cmds[i], cmds[i]);
+        char title[64];
+        snprintf(title, sizeof(title), "# zinf %s\n", cmds[i]);
+        cr_assert(!strncmp(h, title, strlen(title)), "zinf help %s is not its page: %s", cmds[i],
+                  h);
         free(o);
         free(h);
         cr_assert_eq(run(&o, "%s --no-such-option", cmds[i]), 2, "zinf %s: %s", cmds[i], o);
@@ -1493,6 +1496,138 @@ Test(cli, every_command_lists_its_exit_statuses_and_keeps_them)
     /* train: --data that is a directory says so. */
     cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1", cfg, dir), 2, "%s", o);
     cr_assert(strstr(o, "is a directory"), "%s", o);
+    free(o);
+}
+
+/* ---- zinf help CMD: each command's page (docs/commands/CMD.md, built into the program) ---- */
+
+/* The commands as `zinf help` lists them (the lines of its "commands:" block), "help" left
+ * out; returns how many, at most max. */
+static size_t listed_commands(char names[][16], size_t max)
+{
+    char *o;
+    cr_assert_eq(run(&o, "help"), 0, "%s", o);
+    char *p = strstr(o, "\ncommands:\n");
+    cr_assert_not_null(p, "%s", o);
+    size_t n = 0;
+    for (p += strlen("\ncommands:\n"); *p == ' ' && n < max; p = strchr(p, '\n') + 1) {
+        char name[16];
+        /* "  NAME      what it does"; a continuation line starts with more spaces. */
+        if (p[2] != ' ' && sscanf(p, " %15s", name) == 1 && strcmp(name, "help"))
+            snprintf(names[n++], sizeof(names[0]), "%s", name);
+        if (!strchr(p, '\n')) break;
+    }
+    free(o);
+    return n;
+}
+
+/* The part of a page from its "## Exit status" heading to the next heading. */
+static char *exit_section(char *page)
+{
+    char *s = strstr(page, "\n## Exit status\n");
+    if (!s) return NULL;
+    s += strlen("\n## Exit status\n");
+    char *end = strstr(s, "\n## ");
+    if (end) *end = '\0';
+    return s;
+}
+
+/* Every command's page: its title first, an exit status section that says when it returns
+ * 0, 1 and 2 (and 130/143 where a signal stops it: train, tune, launch; launch also 127),
+ * printed by zinf help CMD with exit 0. */
+Test(cli, help_prints_every_commands_page)
+{
+    char names[32][16];
+    size_t n = listed_commands(names, 32);
+    cr_assert_geq(n, 12, "zinf help lists %zu commands", n);
+    for (size_t i = 0; i < n; i++) {
+        char *o, title[64];
+        cr_assert_eq(run(&o, "help %s", names[i]), 0, "zinf help %s: %s", names[i], o);
+        snprintf(title, sizeof(title), "# zinf %s\n", names[i]);
+        cr_assert(!strncmp(o, title, strlen(title)), "zinf help %s: no title: %s", names[i], o);
+        cr_assert(strstr(o, "\n## Synopsis\n") && strstr(o, "\n## Options\n"),
+                  "zinf help %s: %s", names[i], o);
+        char *ex = exit_section(o);
+        cr_assert_not_null(ex, "zinf help %s has no exit status section: %s", names[i], o);
+        cr_assert(strstr(ex, "**0**") && strstr(ex, "**1**") && strstr(ex, "**2**"),
+                  "zinf help %s: exit statuses: %s", names[i], ex);
+        bool signals = !strcmp(names[i], "train") || !strcmp(names[i], "tune") ||
+                       !strcmp(names[i], "launch");
+        cr_assert(!signals || (strstr(ex, "**130**") && strstr(ex, "**143**")),
+                  "zinf help %s: no 130/143: %s", names[i], ex);
+        cr_assert(strcmp(names[i], "launch") || strstr(ex, "**127**"), "%s", ex);
+        free(o);
+    }
+}
+
+/* The pages in docs/commands are the commands: one per command zinf help lists, none
+ * other, and what zinf help CMD prints is the page as the source tree holds it (the
+ * program carries the current pages). */
+Test(cli, help_pages_are_the_commands)
+{
+    char names[32][16], path[4096];
+    size_t n = listed_commands(names, 32);
+    bool paged[32] = {0};
+    snprintf(path, sizeof(path), "%s/../../docs/commands", getenv("ZINF_TEST_DATA"));
+    DIR *d = opendir(path);
+    cr_assert_not_null(d, "%s: %s", path, strerror(errno));
+    size_t pages = 0;
+    for (struct dirent *e; (e = readdir(d));) {
+        size_t len = strlen(e->d_name);
+        if (e->d_name[0] == '.') continue;
+        cr_assert(len > 3 && !strcmp(e->d_name + len - 3, ".md"), "docs/commands/%s: not a page",
+                  e->d_name);
+        char name[64];
+        snprintf(name, sizeof(name), "%.*s", (int)(len - 3), e->d_name);
+        size_t k = 0;
+        while (k < n && strcmp(names[k], name))
+            k++;
+        cr_assert_lt(k, n, "docs/commands/%s is the page of no command zinf help lists",
+                     e->d_name);
+        paged[k] = true;
+        pages++;
+
+        char file[4200];
+        snprintf(file, sizeof(file), "%s/%s", path, e->d_name);
+        FILE *f = fopen(file, "r");
+        cr_assert_not_null(f, "%s: %s", file, strerror(errno));
+        static char want[1 << 17];
+        size_t got = fread(want, 1, sizeof(want) - 1, f);
+        cr_assert(feof(f), "%s is larger than the test reads", file);
+        fclose(f);
+        want[got] = '\0';
+        char *o;
+        cr_assert_eq(run(&o, "help %s", name), 0, "%s", o);
+        cr_assert_str_eq(o, want, "zinf help %s is not docs/commands/%s as it is", name,
+                         e->d_name);
+        free(o);
+    }
+    closedir(d);
+    for (size_t k = 0; k < n; k++)
+        cr_assert(paged[k], "zinf %s has no page docs/commands/%s.md", names[k], names[k]);
+    cr_assert_eq(pages, n);
+}
+
+/* A name that is no command: exit 2, the nearest command suggested, and the usage; zinf
+ * help alone still prints the usage (0), and zinf CMD --help the short list of
+ * the options, not the page. */
+Test(cli, help_unknown_command_and_short_help)
+{
+    char *o;
+    cr_assert_eq(run(&o, "help nosuch"), 2, "%s", o);
+    cr_assert(strstr(o, "zinf: help: unknown command 'nosuch'"), "%s", o);
+    cr_assert(strstr(o, "usage: zinf <command>"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "help tarin"), 2, "%s", o);
+    cr_assert(strstr(o, "(did you mean 'train'?)"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "help"), 0, "%s", o);
+    cr_assert(strstr(o, "usage: zinf <command>") && strstr(o, "'zinf help <command>' prints"),
+              "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --help"), 0, "%s", o);
+    cr_assert(!strncmp(o, "usage: zinf train", strlen("usage: zinf train")), "%s", o);
+    cr_assert_null(strstr(o, "## Exit status"), "%s", o);
     free(o);
 }
 

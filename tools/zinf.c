@@ -1,5 +1,6 @@
 /*
- * zinf.c - the zinf command line: one binary, one subcommand per job.
+ * zinf.c - the zinf command line: one binary, one subcommand per job. `zinf help CMD` prints
+ * the command's page (docs/commands/CMD.md, built in as cmd_pages.c by embed_docs.py).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,6 +9,7 @@
 
 #include "common.h"
 #include "cmd.h"
+#include "cmd_pages.h"
 #include "comm/comm.h"
 #include "tiers/cuda_probe.h"
 
@@ -29,8 +31,8 @@ static void usage(FILE *f)
             "  launch    start the N ranks of a job on this node: zinf launch -n N -- COMMAND\n"
             "  topo      show the NUMA nodes, GPUs and drives, and where zinf puts its memory\n"
             "  version   print the version and what this build supports\n"
-            "  help      this text; 'zinf help <command>' (or 'zinf <command> --help') for a\n"
-            "            command's options and exit statuses\n"
+            "  help      this text; 'zinf help <command>' prints the command's full page\n"
+            "            (every option, the exit statuses); 'zinf <command> --help' its options\n"
             "\n"
             "Exit status, every command: 0 success, 1 a runtime failure, 2 bad usage or bad\n"
             "input; train and tune also 130/143 when stopped by SIGINT/SIGTERM.\n"
@@ -130,6 +132,14 @@ static int run(int argc, char **argv)
     return -1;
 }
 
+/* The page of the command called name (docs/commands/NAME.md), or NULL. */
+static const char *command_page(const char *name)
+{
+    for (size_t i = 0; i < cmd_pages_count; i++)
+        if (!strcmp(name, cmd_pages[i].name)) return cmd_pages[i].text;
+    return NULL;
+}
+
 /* "zinf: WHAT 'c'", with the command c most likely misspells when one is near
  * (nearest_name), then the usage. */
 static void unknown_command(const char *what, const char *c)
@@ -169,7 +179,13 @@ int main(int argc, char **argv)
     }
     const char *c = argv[1];
     if (!strcmp(c, "help") && argc >= 3 && strcmp(argv[2], "help")) {
-        /* zinf help CMD: what zinf CMD --help prints. */
+        /* zinf help CMD: the command's page; a name with no page, what zinf CMD --help
+         * prints (zinf help --version). */
+        const char *page = command_page(argv[2]);
+        if (page) {
+            fputs(page, stdout);
+            return fflush(stdout) == 0 ? 0 : 1;
+        }
         char *hargv[] = {argv[2], "--help", NULL};
         int r = run(2, hargv);
         if (r >= 0)
