@@ -880,6 +880,71 @@ Test(train, lr_schedules_are_deepspeeds)
     }
 }
 
+/* A config without budgets: zinf train derives them from the RAM available and the run, and
+ * they run every shape and placement (each at least the least that runs), sized to the run
+ * (a few MiB model gets tens of MiB, not the engine's 1 GiB), and say how. Given budgets
+ * are kept as given. */
+Test(train, derived_budgets_run_every_shape_and_fit_the_run)
+{
+    static const struct {
+        int L, C, NH, T, B, accum;
+        enum trainer_precision prec;
+        const char *param, *opt;
+    } runs[] = {
+        {1, 16, 2, 8, 1, 1, TRAINER_PRECISION_FP32, "none", "none"},
+        {2, 64, 4, 32, 4, 2, TRAINER_PRECISION_BF16, "cpu", "cpu"},
+        {3, 96, 3, 48, 2, 1, TRAINER_PRECISION_FP16, "nvme", "nvme"},
+        {2, 128, 8, 64, 8, 3, TRAINER_PRECISION_FP32, "none", "nvme"},
+        {1, 256, 4, 16, 1, 1, TRAINER_PRECISION_BF16, "cpu", "none"},
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(runs); i++) {
+        char cfg[4096], swap[4096];
+        snprintf(cfg, sizeof(cfg), "%s/derived%zu.json", dir, i);
+        snprintf(swap, sizeof(swap), "%s/derived%zu", dir, i);
+        FILE *f = fopen(cfg, "w");
+        cr_assert_not_null(f);
+        fprintf(f,
+                "{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"%s\", "
+                "\"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"%s\", "
+                "\"nvme_path\": \"%s\"}}}",
+                runs[i].param, swap, runs[i].opt, swap);
+        fclose(f);
+        struct trainer_opts o = small_model(cfg);
+        o.model.L = runs[i].L;
+        o.model.C = runs[i].C;
+        o.model.NH = runs[i].NH;
+        o.seq = runs[i].T;
+        o.batch = runs[i].B;
+        o.grad_accum = runs[i].accum;
+        o.precision = runs[i].prec;
+        o.steps = 1;
+        float loss[1];
+        struct trainer_summary sum;
+        run_steps(&o, 1, loss, &sum);
+        cr_expect_geq(sum.tier[0].budget_bytes, sum.min_budget[0], "run %zu: device", i);
+        cr_expect_geq(sum.tier[1].budget_bytes, sum.min_budget[1], "run %zu: host", i);
+        cr_expect_eq(sum.tier[0].budget_bytes, sum.budgets.device, "run %zu", i);
+        cr_expect_eq(sum.tier[1].budget_bytes, sum.budgets.host, "run %zu", i);
+        /* Sized to the run: its state and a quarter more, plus 16 MiB. */
+        uint64_t most = sum.budgets.state_bytes + sum.budgets.state_bytes / 4 + 16 * MiB;
+        cr_expect_leq(sum.budgets.device, align_up(most, ZINF_ALIGN), "run %zu", i);
+        cr_expect_geq(sum.budgets.state_bytes, sum.model_state_bytes, "run %zu", i);
+        cr_expect(strstr(sum.budgets.device_how, "a quarter of the") &&
+                      strstr(sum.budgets.host_how, "half of the"),
+                  "run %zu: %s / %s", i, sum.budgets.device_how, sum.budgets.host_how);
+    }
+    /* Given budgets stay as given, and nothing is said of them. */
+    char cfg[4096];
+    struct trainer_opts o = nvme_model(cfg, sizeof(cfg), "given", "8M", "3M");
+    o.steps = 1;
+    float loss[1];
+    struct trainer_summary sum;
+    run_steps(&o, 1, loss, &sum);
+    cr_expect_eq(sum.tier[0].budget_bytes, 8 * MiB);
+    cr_expect_eq(sum.tier[1].budget_bytes, 3 * MiB);
+    cr_expect(!sum.budgets.device_how[0] && !sum.budgets.host_how[0]);
+}
+
 /* OneCycle, against DeepSpeed's OneCycle stepped as its engine steps it (0.19.8): the lr up
  * and down the cycle and decaying after it, beta1 the other way (from cycle_min_mom at step 1,
  * as its constructor sets it) and beta2 0.99; the staircase's flat runs; and without

@@ -76,6 +76,23 @@ static int check(const char *file, bool strict)
            "accumulated, %d steps, %s lr %g (%s schedule)\n",
            o.model.L, o.model.C, o.model.NH, o.seq, o.batch, o.grad_accum, o.steps,
            ds.optimizer, o.lr, ds.scheduler);
+    /* The budgets zinf train derives where the config gives none, from this machine's RAM
+     * now (trainer_derive_budgets, which train calls too). */
+    struct trainer_budgets bud;
+    trainer_derive_budgets(&o, &c, false, &bud);
+    if (bud.device_how[0] || bud.host_how[0]) {
+        char a[32];
+        printf("# zinf train's budgets where the config gives none (zinf.device_bytes, "
+               "zinf.host_bytes), for this model:\n");
+        if (bud.device_how[0])
+            printf("#   device %s: %s%s\n", format_size(bud.device, a, sizeof(a)),
+                   bud.device_how,
+                   c.zinf.device != ZINF_DEVICE_EMULATED
+                       ? "; on a GPU, the engine's: its free memory at open less 1 GiB"
+                       : "");
+        if (bud.host_how[0])
+            printf("#   host %s: %s\n", format_size(bud.host, a, sizeof(a)), bud.host_how);
+    }
     if (ds.autos[0]) {
         printf("# \"auto\" as zinf train resolves it with these (its options change them):\n");
         for (char *p = ds.autos, *nl; p; p = nl ? nl + 1 : NULL) {

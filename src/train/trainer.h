@@ -165,8 +165,24 @@ struct trainer_tier_summary {
     uint64_t budget_bytes, peak_bytes;
 };
 
+/* The device and host budgets zinf train uses where the config gives none (zinf.device_bytes,
+ * zinf.host_bytes), as a person would choose them: the emulated device a quarter of the RAM
+ * available now (MemAvailable), the host half of what is left of it, both split between the
+ * ranks of the node, and each at most what the run can hold: the whole of its state (every
+ * tensor the trainer registers, counted from the layout) and a quarter more, plus 16 MiB.
+ * On a GPU the device tier is the engine's own: the GPU's free memory at open less 1 GiB.
+ * 0 where the config gives the budget (or a daemon does); *_how says how each was derived. */
+struct trainer_budgets {
+    uint64_t device, host;
+    uint64_t state_bytes; /* the run's whole state, the bound above */
+    char device_how[192], host_how[192];
+};
+void trainer_derive_budgets(const struct trainer_opts *o, const struct zinf_config *zc, bool cuda,
+                            struct trainer_budgets *b);
+
 struct trainer_summary {
     uint64_t model_state_bytes; /* parameters + gradients + Adam m and v (+ bf16 copies) */
+    struct trainer_budgets budgets; /* how the budgets the config did not give were derived */
     uint64_t param_count;
     struct trainer_tier_summary tier[3];
     int steps_done;

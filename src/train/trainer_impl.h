@@ -149,6 +149,7 @@ struct trainer {
     float *tmp;             /* (world + 1) x the largest shard: collectives' other side */
     float *losses;          /* world x grad_accum: every micro-batch's loss */
     double *part, *part_all; /* the norm's chunk sums: this rank's, and every rank's */
+    struct trainer_budgets budgets; /* derived where the config gives none */
     double *lamb_sums, *lamb_all; /* LAMB: one tensor's |w|^2 and |u|^2 chunk sums, this
                                      rank's and every rank's (trainer_optim.c) */
     size_t nparts;
