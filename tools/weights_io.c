@@ -153,6 +153,7 @@ struct weights_file {
     char *path;
     int fd;
     json_t *header;
+    json_t *index; /* name -> entry, for find() */
     uint64_t data_start; /* 8 + the header's length */
     int n;
     struct entry *e;
@@ -188,12 +189,11 @@ static int entry_cmp(const void *a, const void *b)
 
 static struct entry *find(struct weights_file *w, const char *name)
 {
-    for (int i = 0; i < w->n; i++)
-        if (!strcmp(w->e[i].name, name)) return &w->e[i];
-    return NULL;
+    json_t *i = json_object_get(w->index, name);
+    return i ? &w->e[json_integer_value(i)] : NULL;
 }
 
-/* One header entry, checked: 0, or a problem said. */
+/* One header entry, checked: e filled, or a problem said (and e->dtype -1). */
 static void parse_entry(struct problems *p, const char *key, json_t *v, struct entry *e)
 {
     json_t *dt = json_object_get(v, "dtype"), *sh = json_object_get(v, "shape"),
@@ -308,8 +308,9 @@ static int read_header(struct weights_file *w, struct problems *p, char *err, si
     w->data_start = 8 + hlen;
     size_t cap = json_object_size(w->header);
     w->e = calloc(cap ? cap : 1, sizeof(*w->e));
+    w->index = json_object();
     struct entry **by = calloc(cap ? cap : 1, sizeof(*by));
-    if (!w->e || !by) {
+    if (!w->e || !w->index || !by) {
         free(by);
         snprintf(err, errlen, "%s: out of memory", w->path);
         return -ENOMEM;
@@ -325,8 +326,8 @@ static int read_header(struct weights_file *w, struct problems *p, char *err, si
             if (!ok) say(p, "bad header: __metadata__ is not an object of strings");
             continue;
         }
-        struct entry *e = &w->e[w->n++];
-        parse_entry(p, key, v, e);
+        json_object_set_new(w->index, key, json_integer(w->n));
+        parse_entry(p, key, v, &w->e[w->n++]);
     }
     if (p->n) {
         free(by);
@@ -623,6 +624,7 @@ void weights_close(struct weights_file *w)
     if (!w) return;
     if (w->fd >= 0) close(w->fd);
     json_decref(w->header);
+    json_decref(w->index);
     free(w->e);
     free(w->desc);
     free(w->at);
@@ -803,8 +805,8 @@ int weights_write_hf(const char *dir, const struct gpt_config *gc, int step, wei
         snprintf(err, errlen, "%s: %s", dir, strerror(errno));
         return -errno;
     }
-    if (stat(dir, &st) < 0 || !S_ISDIR(st.st_mode)) {
-        int e = errno && !S_ISDIR(st.st_mode) ? ENOTDIR : errno;
+    int e = stat(dir, &st) < 0 ? errno : !S_ISDIR(st.st_mode) ? ENOTDIR : 0;
+    if (e) {
         snprintf(err, errlen, "%s: %s", dir, strerror(e));
         return -e;
     }
