@@ -276,11 +276,18 @@ static char *message_about(const char *out, const char *path)
 Test(cli, config_check_and_train_agree)
 {
     static const char *const cases[][2] = {
-        {"{\"optimizer\": {\"type\": \"Lamb\", \"params\": {\"lr\": 0.001}}}",
-         "optimizer.type \"Lamb\""},
-        {"{\"scheduler\": {\"type\": \"OneCycle\"}}", "scheduler.type \"OneCycle\""},
-        {"{\"optimizer\": {\"type\": \"Adam\", \"params\": {\"adam_w_mode\": false}}}",
-         "adam_w_mode false"},
+        {"{\"optimizer\": {\"type\": \"Lion\", \"params\": {\"lr\": 0.001}}}",
+         "optimizer.type \"Lion\""},
+        {"{\"scheduler\": {\"type\": \"OneCycle\"}}", "cycle_min_lr and cycle_max_lr"},
+        {"{\"optimizer\": {\"type\": \"Lamb\", \"params\": {\"adam_w_mode\": false}}}",
+         "adam_w_mode is Adam's"},
+        {"{\"optimizer\": {\"type\": \"Adam\", \"params\": {\"max_coeff\": 0.3}}}",
+         "max_coeff is Lamb's"},
+        {"{\"optimizer\": {\"type\": \"Lamb\", \"params\": {\"max_coeff\": 0.001}}}",
+         "Lamb's min_coeff 0.01 and max_coeff 0.001"},
+        {"{\"scheduler\": {\"type\": \"OneCycle\", \"params\": {\"cycle_min_lr\": 0.1, "
+         "\"cycle_max_lr\": 1, \"cycle_max_mom\": 1.5}}}",
+         "OneCycle's momentum reaches"},
         {"{\"train_batch_size\": 7, \"train_micro_batch_size_per_gpu\": 2}",
          "train_batch_size 7 is not the micro batch 2"},
         {"{\"zinf\": {\"train\": {\"dim\": 100, \"heads\": 3}}}",
@@ -1862,12 +1869,13 @@ Test(cli, train_honours_deepspeeds_training_keys)
     } bad[] = {
         {"\"fp16\": {\"enabled\": true}, \"bf16\": {\"enabled\": true}",
          "fp16.enabled and bf16.enabled are both true"},
-        {"\"optimizer\": {\"type\": \"Lamb\"}", "optimizer.type \"Lamb\""},
-        {"\"scheduler\": {\"type\": \"OneCycle\"}", "scheduler.type \"OneCycle\""},
+        {"\"optimizer\": {\"type\": \"SGD\"}", "optimizer.type \"SGD\""},
+        {"\"scheduler\": {\"type\": \"OneCycle\"}", "cycle_min_lr and cycle_max_lr"},
         {"\"scheduler\": {\"type\": \"WarmupCosineLR\"}", "total_num_steps"},
         {"\"train_batch_size\": 5, \"train_micro_batch_size_per_gpu\": 2", "train_batch_size 5"},
-        {"\"optimizer\": {\"type\": \"Adam\", \"params\": {\"adam_w_mode\": false}}",
-         "adam_w_mode"},
+        {"\"optimizer\": {\"type\": \"Lamb\", \"params\": {\"eps_inside_sqrt\": true, "
+         "\"adam_w_mode\": true}}",
+         "adam_w_mode is Adam's"},
         {"\"aio\": {\"block_size\": \"auto\"}", "aio.block_size"},
     };
     for (size_t i = 0; i < ARRAY_SIZE(bad); i++) {
@@ -2530,6 +2538,88 @@ static void zero_run(const char *name, int ranks, int stage, const char *extra, 
     free(o);
     memset(loss, 0, (MAX_STEPS + 1) * sizeof(*loss));
     cr_assert_eq(read_losses(log, loss, NULL, NULL), steps, "%s", name);
+}
+
+/* A config without budgets: config check and train both say the budgets train derives and
+ * how, the same figures for the same model; a config that gives them says nothing of it. */
+Test(cli, derived_budgets_are_said_in_config_check_and_train)
+{
+    char cfg[4096], data[4096], *o;
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    snprintf(cfg, sizeof(cfg), "%s/nobudget.json", dir);
+    write_file(cfg, "{\"zinf\": {\"train\": {\"layers\": 1, \"dim\": 32, \"heads\": 2, "
+                    "\"seq\": 16, \"batch\": 2}}}");
+    cr_assert_eq(run(&o, "config check %s", cfg), 0, "%s", o);
+    char dev[64] = "", host[64] = "";
+    const char *d = strstr(o, "#   device "), *h = strstr(o, "#   host ");
+    cr_assert(strstr(o, "zinf train's budgets where the config gives none") && d && h, "%s", o);
+    cr_assert(strstr(d, "a quarter of the") && strstr(h, "half of the"), "%s", o);
+    sscanf(d, "#   device %63[^:]", dev);
+    sscanf(h, "#   host %63[^:]", host);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s --steps 1", cfg, data), 0, "%s", o);
+    char want[160];
+    snprintf(want, sizeof(want), "# budgets: device %s, host %s (", dev, host);
+    cr_expect(strstr(o, want), "no '%s' in: %s", want, o);
+    cr_expect(strstr(o, "#   device budget: a quarter of the") &&
+                  strstr(o, "#   host budget: half of the"),
+              "%s", o);
+    free(o);
+    write_file(cfg, "{\"zinf\": {\"device_bytes\": \"64M\", \"host_bytes\": \"32M\", "
+                    "\"train\": {\"layers\": 1, \"dim\": 32, \"heads\": 2, \"seq\": 16}}}");
+    cr_assert_eq(run(&o, "config check %s", cfg), 0, "%s", o);
+    cr_expect_null(strstr(o, "budgets where the config gives none"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s --steps 1", cfg, data), 0, "%s", o);
+    cr_expect(strstr(o, "# budgets: device 64 MiB, host 32 MiB") && !strstr(o, "device budget:"),
+              "%s", o);
+    free(o);
+}
+
+/* DeepSpeed's other optimizers and OneCycle across ranks: LAMB's trust ratios are summed by
+ * fixed chunks whoever owns them, Adam's L2 decay and OneCycle's betas are per element and per
+ * step, so 2 ranks of one micro-batch log bitwise the losses and digests of one rank
+ * accumulating 2, at stage 1 and stage 3. */
+Test(cli, lamb_adam_l2_and_one_cycle_across_ranks_equal_one_rank, .timeout = 300)
+{
+    static const char *const optim[] = {
+        "\"optimizer\": {\"type\": \"Lamb\", \"params\": {\"lr\": 0.002, \"weight_decay\": 0.01, "
+        "\"max_coeff\": 0.3, \"min_coeff\": 0.001}}",
+        "\"optimizer\": {\"type\": \"Adam\", \"params\": {\"lr\": 0.002, \"weight_decay\": 0.1, "
+        "\"adam_w_mode\": false, \"bias_correction\": false}}"};
+    char cfg[4200], data[4096], swap[4096], log[4200], args[8192], *o;
+    static char ref[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    for (size_t k = 0; k < ARRAY_SIZE(optim); k++)
+        for (int stage = 1; stage <= 3; stage += 2)
+            for (int n = 0; n <= 2; n += 2) {
+                snprintf(swap, sizeof(swap), "%s/opt%zus%dn%d", dir, k, stage, n);
+                snprintf(log, sizeof(log), "%s.jsonl", swap);
+                snprintf(cfg, sizeof(cfg), "%s.json", swap);
+                FILE *f = fopen(cfg, "w");
+                cr_assert_not_null(f);
+                fprintf(f,
+                        "{%s, \"scheduler\": {\"type\": \"OneCycle\", \"params\": {"
+                        "\"cycle_min_lr\": 0.0005, \"cycle_max_lr\": 0.003, "
+                        "\"cycle_first_step_size\": 2}}, \"zero_optimization\": {\"stage\": %d, "
+                        "\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}, "
+                        "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}, "
+                        "\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"32M\", "
+                        "\"host_bytes\": \"32M\"}}",
+                        optim[k], stage, swap, swap);
+                fclose(f);
+                snprintf(args, sizeof(args), ZMODEL " --steps 4 --log %s%s", log,
+                         n ? "" : " --accumulate 2");
+                cr_assert_eq(train_ranks(&o, n, cfg, data, args), 0, "%s", o);
+                free(o);
+                memset(got, 0, sizeof(got));
+                cr_assert_eq(read_losses(log, got, NULL, NULL), 4);
+                for (int step = 1; step <= 4; step++) {
+                    if (!n && stage == 1) snprintf(ref[step], sizeof(ref[step]), "%s", got[step]);
+                    cr_assert_str_eq(got[step], ref[step], "%s, stage %d, %d ranks, step %d",
+                                     k ? "Adam L2" : "Lamb", stage, n, step);
+                }
+            }
 }
 
 /* N ranks of one micro-batch each log bitwise the losses of one rank accumulating N

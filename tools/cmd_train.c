@@ -979,6 +979,9 @@ int cmd_train(int argc, char **argv)
            format_size(sum.min_budget[1], f, sizeof(f)),
            format_size(sum.staging_bytes, g, sizeof(g)), sum.host_pinned ? ", pinned too" : "",
            o.resume ? "; resumed" : "");
+    /* The budgets the config did not give, and how they were derived. */
+    if (sum.budgets.device_how[0]) printf("#   device budget: %s\n", sum.budgets.device_how);
+    if (sum.budgets.host_how[0]) printf("#   host budget: %s\n", sum.budgets.host_how);
     /* An NVMe offload whose whole state fits in memory: NVMe will see the checkpoints only. */
     if (nvme_offload && sum.world <= 1 &&
         sum.model_state_bytes <= sum.tier[0].budget_bytes + sum.tier[1].budget_bytes) {
