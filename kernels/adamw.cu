@@ -14,9 +14,9 @@
 #include "kernels/common.cuh"
 
 /* One element per thread: p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), in adamw.c's
- * order (with L2, wd * p joins the gradient instead). The _rn intrinsics are the plain IEEE operations that nvcc may not fuse into
- * multiply-adds, so each element comes out as the scalar reference's bits (which has no
- * FMAs either). pc is NULL when no 16-bit copy is wanted (a uniform branch). */
+ * order (with L2, wd * p joins the gradient instead). The _rn intrinsics are the plain IEEE
+ * operations that nvcc may not fuse into multiply-adds, so each element comes out as the
+ * scalar reference's bits (which has no FMAs either). pc is NULL when no 16-bit copy is wanted (a uniform branch). */
 template <typename E, bool L2>
 __global__ static void
 adamw_kernel(float *__restrict__ p, const float *__restrict__ g, float *__restrict__ m,
@@ -41,23 +41,12 @@ adamw_kernel(float *__restrict__ p, const float *__restrict__ g, float *__restri
     }
 }
 
-/* The checks of adamw.c's check_hparams, so both refuse the same input. */
-static bool hparams_ok(const struct adamw_hparams *h, int step, float grad_scale)
-{
-    if (!h || step < 1 || !isfinite(grad_scale)) return false;
-    if (!(h->lr >= 0.0f) || !isfinite(h->lr)) return false;
-    if (!(h->beta1 >= 0.0f && h->beta1 < 1.0f) || !(h->beta2 >= 0.0f && h->beta2 < 1.0f))
-        return false;
-    if (!(h->eps > 0.0f) || !isfinite(h->eps)) return false;
-    if (!(h->weight_decay >= 0.0f) || !isfinite(h->weight_decay)) return false;
-    return true;
-}
-
 extern "C" int kernel_adamw(float *param, const float *grad, float *m, float *v, void *param16,
                             enum kdtype dt16, size_t n, const struct adamw_hparams *h, int step,
                             float grad_scale, cudaStream_t stream)
 {
-    if (!hparams_ok(h, step, grad_scale) || (n && (!param || !grad || !m || !v))) return -EINVAL;
+    if (!adamw_hparams_ok(h, step, grad_scale) || (n && (!param || !grad || !m || !v)))
+        return -EINVAL;
     if (param16 && dt16 != KDT_BF16 && dt16 != KDT_F16) return -EINVAL;
     if (n == 0) return 0;
     /* Bias corrections in double on the host, as the CPU path computes them. */

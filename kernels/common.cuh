@@ -15,6 +15,7 @@
 #define ZINF_KERNELS_COMMON_CUH
 
 #include <errno.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -127,6 +128,19 @@ static inline int launch_result(void)
     cudaError_t e = cudaGetLastError();
     if (e == cudaSuccess) return 0;
     return e == cudaErrorInvalidValue || e == cudaErrorInvalidConfiguration ? -EINVAL : -EIO;
+}
+
+/* The checks of adamw.c's check_hparams, so that the CPU and the GPU refuse the same
+ * optimizer input (adamw.cu, lamb.cu). */
+static inline bool adamw_hparams_ok(const struct adamw_hparams *h, int step, float grad_scale)
+{
+    if (!h || step < 1 || !isfinite(grad_scale)) return false;
+    if (!(h->lr >= 0.0f) || !isfinite(h->lr)) return false;
+    if (!(h->beta1 >= 0.0f && h->beta1 < 1.0f) || !(h->beta2 >= 0.0f && h->beta2 < 1.0f))
+        return false;
+    if (!(h->eps > 0.0f) || !isfinite(h->eps)) return false;
+    if (!(h->weight_decay >= 0.0f) || !isfinite(h->weight_decay)) return false;
+    return true;
 }
 
 struct SumOp {

@@ -115,6 +115,18 @@ int kernel_crossentropy(float *losses, void *dlogits, const float *logits, const
 int kernel_adamw(float *param, const float *grad, float *m, float *v, void *param16,
                  enum kdtype dt16, size_t n, const struct adamw_hparams *h, int step,
                  float grad_scale, cudaStream_t s);
+/* LAMB over n fp32 elements in two launches, the host making the trust ratio between them:
+ * kernel_lamb_moments updates m and v and writes sums[k] = sum of param^2 and
+ * sums[nchunks + k] = sum of u^2 over chunk k (nchunks = ceil(n / chunk) doubles each, in
+ * device memory, each in a fixed order); kernel_lamb_apply updates param by coeff (and its
+ * 16-bit copy param16 in dt16 when not NULL). Twins: lamb_moments (the sums to double
+ * rounding) and lamb_apply. */
+int kernel_lamb_moments(const float *param, const float *grad, float *m, float *v, size_t n,
+                        const struct adamw_hparams *h, float grad_scale, int eps_inside_sqrt,
+                        size_t chunk, double *sums, cudaStream_t s);
+int kernel_lamb_apply(float *param, const float *m, const float *v, void *param16,
+                      enum kdtype dt16, size_t n, const struct adamw_hparams *h, int step,
+                      int eps_inside_sqrt, float coeff, cudaStream_t s);
 /* *acc (one double in device memory) += sum of x[i]^2 over n fp32 elements, in a fixed
  * order: the global gradient norm, one tensor at a time. scratch: kernel_scratch_bytes(n, 1).
  * Twin: adamw_sum_squares (equal to within double rounding of differently ordered sums). */

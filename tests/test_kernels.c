@@ -1296,6 +1296,82 @@ Test(kernels_gpu, adamw_f16_copy_matches_the_cpu_reference)
     check_adamw_copy(&T_F16, 0x1p-10);
 }
 
+/* LAMB's two launches against lamb_moments and lamb_apply: the moments and the update per
+ * element with the CPU's operations (bits expected, fp32 rounding allowed), the chunk sums
+ * in another order (double rounding), over chunks with a ragged last one, with the ratio
+ * made on the host from the GPU's sums as the trainer makes it; and with an fp16 copy. */
+Test(kernels_gpu, lamb_matches_the_cpu_reference)
+{
+    need_gpu();
+    const size_t n = ((size_t)1 << 18) + 5, chunk = 1024, k = (n + chunk - 1) / chunk;
+    struct adamw_hparams h = adam_hparams();
+    struct adam_state s = adam_state_new(n);
+    double *d_sums = dev_alloc(2 * k * sizeof(double)), *gs = malloc(2 * k * sizeof(double)),
+           *cw = malloc(k * sizeof(double)), *cu = malloc(k * sizeof(double));
+    uint16_t *d_16 = dev_alloc(n * 2), *c16 = malloc(n * 2);
+    cr_assert(gs && cw && cu && c16);
+    for (int step = 1; step <= 3; step++) {
+        int inside = step == 3;
+        cr_assert_eq(kernel_lamb_moments(s.p.d, s.g.d, s.m.d, s.v.d, n, &h, 0.5f, inside, chunk,
+                                         d_sums, 0),
+                     0);
+        cr_assert_eq(lamb_moments(s.p.h, s.g.h, s.m.h, s.v.h, n, &h, 0.5f, inside, chunk, cw, cu),
+                     0);
+        sync_ok();
+        cr_assert_eq(cudaMemcpy(gs, d_sums, 2 * k * sizeof(double), cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+        double W = 0, U = 0, cW = 0, cU = 0;
+        for (size_t c = 0; c < k; c++) {
+            cr_expect(fabs(gs[c] - cw[c]) <= 1e-12 * cw[c] && fabs(gs[k + c] - cu[c]) <= 1e-12 * cu[c],
+                      "step %d chunk %zu: GPU %.17g %.17g, CPU %.17g %.17g", step, c, gs[c],
+                      gs[k + c], cw[c], cu[c]);
+            W += gs[c];
+            U += gs[k + c];
+            cW += cw[c];
+            cU += cu[c];
+        }
+        float coeff = lamb_coeff(W, U, 10.0f, 0.01f), ccoeff = lamb_coeff(cW, cU, 10.0f, 0.01f);
+        cr_expect(fabsf(coeff - ccoeff) <= 1e-6f * ccoeff, "step %d: ratio %.9g vs %.9g", step,
+                  coeff, ccoeff);
+        /* The same ratio on both sides, so the update is compared alone. */
+        cr_assert_eq(kernel_lamb_apply(s.p.d, s.m.d, s.v.d, step == 2 ? d_16 : NULL, KDT_F16, n, &h,
+                                       step, inside, ccoeff, 0),
+                     0);
+        cr_assert_eq(lamb_apply(s.p.h, s.m.h, s.v.h, NULL, n, &h, step, inside, ccoeff), 0);
+        sync_ok();
+        if (step == 2) {
+            float *gpu_p = twin_download(&s.p);
+            cr_assert_eq(cudaMemcpy(c16, d_16, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+            size_t off = 0;
+            for (size_t i = 0; i < n; i++)
+                off += c16[i] != T_F16.narrow(gpu_p[i]);
+            cr_expect_eq(off, 0, "%zu of %zu fp16 copies are not the rounding of the parameter",
+                         off, n);
+            free(gpu_p);
+        }
+    }
+    struct tol t = {1e-11, 1e-5, 0, "fp32 1e-11 + 1e-5|x| (bitwise expected)"};
+    twin_check("lamb param", KDT_F32, &s.p, t);
+    twin_check("lamb m", KDT_F32, &s.m, t);
+    twin_check("lamb v", KDT_F32, &s.v, t);
+    /* Refused: a chunk of 0, no sums, a ratio that is not finite, a step of 0. */
+    cr_expect_eq(kernel_lamb_moments(s.p.d, s.g.d, s.m.d, s.v.d, n, &h, 1.0f, 0, 0, d_sums, 0),
+                 -EINVAL);
+    cr_expect_eq(kernel_lamb_moments(s.p.d, s.g.d, s.m.d, s.v.d, n, &h, 1.0f, 0, chunk, NULL, 0),
+                 -EINVAL);
+    cr_expect_eq(kernel_lamb_apply(s.p.d, s.m.d, s.v.d, NULL, KDT_F16, n, &h, 1, 0, NAN, 0),
+                 -EINVAL);
+    cr_expect_eq(kernel_lamb_apply(s.p.d, s.m.d, s.v.d, NULL, KDT_F16, n, &h, 0, 0, 1.0f, 0),
+                 -EINVAL);
+    cudaFree(d_sums);
+    cudaFree(d_16);
+    free(gs);
+    free(cw);
+    free(cu);
+    free(c16);
+    adam_state_free(&s);
+}
+
 Test(kernels_gpu, adamw_refuses_bad_input)
 {
     struct adamw_hparams h = adam_hparams(), bad = h;

@@ -945,6 +945,31 @@ Test(train, derived_budgets_run_every_shape_and_fit_the_run)
     cr_expect(!sum.budgets.device_how[0] && !sum.budgets.host_how[0]);
 }
 
+/* LAMB and Adam's L2 where the optimizer's states are homed on the device (the backend's
+ * kernels) and on NVMe (the host's): the same update, so bitwise the same losses. */
+Test(train, lamb_and_adam_l2_on_the_device_equal_them_on_the_host)
+{
+    static const enum trainer_optimizer which[] = {TRAINER_OPT_LAMB, TRAINER_OPT_ADAM_L2};
+    for (int k = 0; k < 2; k++) {
+        float dev[STEPS], host[STEPS];
+        char cfg[4096], swap[4096];
+        snprintf(cfg, sizeof(cfg), "%s/optdev%d.json", dir, k);
+        write_config(cfg, "none", "none", NULL, "64M", "16M");
+        struct trainer_opts o = small_model(cfg);
+        o.optimizer = which[k];
+        o.weight_decay = 0.05f;
+        o.lamb_max_coeff = 0.5f;
+        run_steps(&o, STEPS, dev, NULL);
+        snprintf(swap, sizeof(swap), "optnvme%d", k);
+        o = nvme_model(cfg, sizeof(cfg), swap, "8M", "4M");
+        o.optimizer = which[k];
+        o.weight_decay = 0.05f;
+        o.lamb_max_coeff = 0.5f;
+        run_steps(&o, STEPS, host, NULL);
+        expect_bitwise(dev, host, k ? "Adam L2, device vs host" : "LAMB, device vs host");
+    }
+}
+
 /* OneCycle, against DeepSpeed's OneCycle stepped as its engine steps it (0.19.8): the lr up
  * and down the cycle and decaying after it, beta1 the other way (from cycle_min_mom at step 1,
  * as its constructor sets it) and beta2 0.99; the staircase's flat runs; and without

@@ -70,6 +70,16 @@ struct backend_ops {
      * NULL, receives the cast of the new parameter to wdt (bf16 or fp16). */
     int (*adamw)(struct backend *b, float *p, const float *g, float *m, float *v, uint16_t *w16,
                  size_t n, const struct adamw_hparams *h, int step, float grad_scale);
+    /* LAMB in the tier where the states are (adamw.h's lamb_moments and lamb_apply):
+     * lamb_moments updates m and v and leaves the chunk sums of p^2 and u^2 in w_sq and u_sq
+     * (host memory, one double per chunk; written when it returns); lamb_apply updates p by
+     * coeff, and w16 (n, may be NULL) receives the cast of the new parameter to wdt. */
+    int (*lamb_moments)(struct backend *b, const float *p, const float *g, float *m, float *v,
+                        size_t n, const struct adamw_hparams *h, float grad_scale,
+                        int eps_inside_sqrt, size_t chunk, double *w_sq, double *u_sq);
+    int (*lamb_apply)(struct backend *b, float *p, const float *m, const float *v, uint16_t *w16,
+                      size_t n, const struct adamw_hparams *h, int step, int eps_inside_sqrt,
+                      float coeff);
     /* *sum += the digest terms (digest.h) of p (n fp32 in the device tier), which start at
      * block first_block of tensor `tensor`. Runs after what is queued. */
     int (*digest)(struct backend *b, const float *p, size_t n, uint32_t tensor,

@@ -187,6 +187,24 @@ static int cpu_adamw(struct backend *b, float *p, const float *g, float *m, floa
     return adamw_update(p, g, m, v, n, h, step, grad_scale);
 }
 
+static int cpu_lamb_moments(struct backend *b, const float *p, const float *g, float *m, float *v,
+                            size_t n, const struct adamw_hparams *h, float grad_scale,
+                            int eps_inside_sqrt, size_t chunk, double *w_sq, double *u_sq)
+{
+    (void)b;
+    return lamb_moments(p, g, m, v, n, h, grad_scale, eps_inside_sqrt, chunk, w_sq, u_sq);
+}
+
+static int cpu_lamb_apply(struct backend *b, float *p, const float *m, const float *v,
+                          uint16_t *w16, size_t n, const struct adamw_hparams *h, int step,
+                          int eps_inside_sqrt, float coeff)
+{
+    bool f16 = w16 && b->wdt == BACKEND_F16;
+    int r = lamb_apply(p, m, v, f16 ? NULL : w16, n, h, step, eps_inside_sqrt, coeff);
+    if (r == 0 && f16) ops_cast_f32_to_f16(w16, p, n);
+    return r;
+}
+
 static int cpu_digest(struct backend *b, const float *p, size_t n, uint32_t tensor,
                       size_t first_block, uint64_t *sum)
 {
@@ -282,6 +300,8 @@ static const struct backend_ops cpu_ops = {
     .digest = cpu_digest,
     .fold = cpu_fold,
     .chunk_sumsq = cpu_chunk_sumsq,
+    .lamb_moments = cpu_lamb_moments,
+    .lamb_apply = cpu_lamb_apply,
     .copy = cpu_copy,
     .cast = cpu_cast,
     .event_new = cpu_event_new,

@@ -263,12 +263,9 @@ static int cuda_fold(struct backend *b, float *g, const float *src, size_t n, in
     return kernel_add(g, g, src, n, KDT_F32, c->s);
 }
 
-static int cuda_chunk_sumsq(struct backend *b, const float *g, size_t n, size_t chunk, double *out)
+/* Room for k doubles in the chunk sums' buffers, on the device and pinned on the host. */
+static int chunks_room(struct cuda_backend *c, size_t k)
 {
-    struct cuda_backend *c = cub(b);
-    if (!chunk) return -EINVAL;
-    size_t k = (n + chunk - 1) / chunk;
-    if (k == 0) return 0;
     if (k > c->chunks_cap) {
         /* Waits for what uses the old buffers, then grows them (outside the engine's
          * budget: the backend's working memory). */
@@ -289,13 +286,55 @@ static int cuda_chunk_sumsq(struct backend *b, const float *g, size_t n, size_t 
         c->chunks_cap = k;
         c->b.work_bytes += k * sizeof(double);
     }
-    int r = kernel_chunk_sumsq(c->chunks, g, n, chunk, c->s);
+    return 0;
+}
+
+static int cuda_chunk_sumsq(struct backend *b, const float *g, size_t n, size_t chunk, double *out)
+{
+    struct cuda_backend *c = cub(b);
+    if (!chunk) return -EINVAL;
+    size_t k = (n + chunk - 1) / chunk;
+    if (k == 0) return 0;
+    int r = chunks_room(c, k);
+    if (r < 0) return r;
+    r = kernel_chunk_sumsq(c->chunks, g, n, chunk, c->s);
     if (r == 0)
         r = cuerr(cudaMemcpyAsync(c->chunks_h, c->chunks, k * sizeof(double),
                                   cudaMemcpyDeviceToHost, c->s));
     if (r == 0) r = cuerr(cudaStreamSynchronize(c->s));
     if (r == 0) memcpy(out, c->chunks_h, k * sizeof(double));
     return r;
+}
+
+static int cuda_lamb_moments(struct backend *b, const float *p, const float *g, float *m,
+                             float *v, size_t n, const struct adamw_hparams *h, float grad_scale,
+                             int eps_inside_sqrt, size_t chunk, double *w_sq, double *u_sq)
+{
+    struct cuda_backend *c = cub(b);
+    if (!chunk) return -EINVAL;
+    size_t k = (n + chunk - 1) / chunk;
+    if (k == 0) return 0;
+    int r = chunks_room(c, 2 * k);
+    if (r == 0)
+        r = kernel_lamb_moments(p, g, m, v, n, h, grad_scale, eps_inside_sqrt, chunk, c->chunks,
+                                c->s);
+    if (r == 0)
+        r = cuerr(cudaMemcpyAsync(c->chunks_h, c->chunks, 2 * k * sizeof(double),
+                                  cudaMemcpyDeviceToHost, c->s));
+    if (r == 0) r = cuerr(cudaStreamSynchronize(c->s));
+    if (r == 0) {
+        memcpy(w_sq, c->chunks_h, k * sizeof(double));
+        memcpy(u_sq, c->chunks_h + k, k * sizeof(double));
+    }
+    return r;
+}
+
+static int cuda_lamb_apply(struct backend *b, float *p, const float *m, const float *v,
+                           uint16_t *w16, size_t n, const struct adamw_hparams *h, int step,
+                           int eps_inside_sqrt, float coeff)
+{
+    struct cuda_backend *c = cub(b);
+    return kernel_lamb_apply(p, m, v, w16, c->dt, n, h, step, eps_inside_sqrt, coeff, c->s);
 }
 
 static int cuda_copy(struct backend *b, void *dst, const void *src, size_t bytes)
@@ -373,6 +412,8 @@ static const struct backend_ops cuda_ops = {
     .embed_backward = cuda_embed_backward,
     .sumsq = cuda_sumsq,
     .adamw = cuda_adamw,
+    .lamb_moments = cuda_lamb_moments,
+    .lamb_apply = cuda_lamb_apply,
     .digest = cuda_digest,
     .fold = cuda_fold,
     .chunk_sumsq = cuda_chunk_sumsq,

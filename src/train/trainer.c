@@ -489,14 +489,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     t->opt_tier = train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_DEVICE
                       ? ZINF_TIER_DEVICE
                       : ZINF_TIER_HOST;
-    if (cuda && o->optimizer == TRAINER_OPT_LAMB && t->opt_tier == ZINF_TIER_DEVICE) {
-        snprintf(err, errlen,
-                 "optimizer.type \"Lamb\" runs on the CPU: with the GPU's device tier, home "
-                 "the optimizer's states on the host (offload_optimizer.device \"cpu\" or "
-                 "\"nvme\")");
-        r = -EINVAL;
-        goto fail;
-    }
+
     if ((r = train_zero_setup(t, cuda, err, errlen)) < 0) goto fail;
     if (o->resume && !t->zc.nvme_paths.count && !t->remote) {
         snprintf(err, errlen,

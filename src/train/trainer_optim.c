@@ -76,18 +76,20 @@ static int gather_parts(struct trainer *t, int i, void *whole, size_t esz, void 
  * |u|^2 (lamb_moments), every rank's sums gathered and added chunk by chunk in the tensor's
  * order (so any number of ranks adds the same numbers in the same order: the ratio does not
  * depend on the ranks), then the update with that ratio. Every rank takes part in the
- * gather, also one that owns nothing of the tensor. Host memory only (trainer_open refuses
- * LAMB with the states on a GPU). */
+ * gather, also one that owns nothing of the tensor. Where the states are on the device,
+ * the backend's kernels, their chunk sums coming to the host. */
 static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float *m, float *v,
                        void *w16, size_t n, const struct adamw_hparams *h, int step, float scale)
 {
     size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
     size_t per = t->world > 1 ? train_shard_of(t, i) / SHARD_FLOATS : chunks;
     double *w_sq = t->lamb_sums, *u_sq = t->lamb_sums + per;
-    bool f16 = w16 && t->be->wdt == BACKEND_F16;
+    bool f16 = w16 && t->be->wdt == BACKEND_F16, dev = t->opt_tier == ZINF_TIER_DEVICE;
     int eps_in = t->o.lamb_eps_inside_sqrt;
     memset(t->lamb_sums, 0, 2 * per * sizeof(double));
-    int r = lamb_moments(p, g, m, v, n, h, scale, eps_in, SHARD_FLOATS, w_sq, u_sq);
+    int r = dev ? t->be->ops->lamb_moments(t->be, p, g, m, v, n, h, scale, eps_in, SHARD_FLOATS,
+                                           w_sq, u_sq)
+                : lamb_moments(p, g, m, v, n, h, scale, eps_in, SHARD_FLOATS, w_sq, u_sq);
     if (r < 0) return r;
     const double *all = t->lamb_sums;
     if (t->world > 1) {
@@ -103,6 +105,9 @@ static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float
         U += at[per + c % per];
     }
     float coeff = lamb_coeff(W, U, t->o.lamb_max_coeff, t->o.lamb_min_coeff);
+    if (dev)
+        return train_settle(t, t->be->ops->lamb_apply(t->be, p, m, v, w16, n, h, step, eps_in,
+                                                      coeff));
     if ((r = lamb_apply(p, m, v, w16 && !f16 ? w16 : NULL, n, h, step, eps_in, coeff)) == 0 && f16)
         ops_cast_f32_to_f16(w16, p, n);
     return r;
