@@ -1,11 +1,13 @@
 /* helpers.c - see helpers.h. */
 #include <errno.h>
+#include <stdarg.h>
 #include <ftw.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -340,4 +342,32 @@ long long test_trace_counter(const struct test_trace *tr, const char *name)
         }
     }
     return v;
+}
+
+int test_run_zinf(char **out, const char *fmt, ...)
+{
+    char args[4096], cmd[8192];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof(args), fmt, ap);
+    va_end(ap);
+    const char *bin = getenv("ZINF_BIN");
+    cr_assert_not_null(bin, "ZINF_BIN is not set");
+    snprintf(cmd, sizeof(cmd), "%s %s 2>&1", bin, args);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t cap = 4096, len = 0, n;
+    char *buf = malloc(cap);
+    cr_assert_not_null(buf);
+    while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
+        len += n;
+        if (cap - len < 1024) {
+            buf = realloc(buf, cap *= 2);
+            cr_assert_not_null(buf);
+        }
+    }
+    buf[len] = '\0';
+    int st = pclose(p);
+    *out = buf;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }

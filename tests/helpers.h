@@ -26,6 +26,9 @@ uint64_t test_rand(uint64_t *state);
 /* Under LeakSanitizer, fail the current test if memory leaked so far (Criterion's
  * workers leave without the exit-time leak check failing the test). No-op otherwise. */
 void test_leak_check(void);
+/* Run `$ZINF_BIN ARGS` (ARGS from fmt) through the shell, stdout and stderr captured into
+ * *out (malloc'd, NUL-terminated); returns its exit status, 128 when it did not exit. */
+int test_run_zinf(char **out, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Engine helpers that assert as they go: register a tensor, a buffer of random bytes
  * (free with free()), and a check that zinf_read returns exactly want. */

@@ -36,30 +36,8 @@ TestSuite(weights, .init = setup, .fini = teardown, .timeout = 120);
 
 #define MODEL "--layers 1 --dim 32 --heads 2 --seq 16 --batch 2"
 
-/* Run `zinf ARGS` through the shell, capture stdout+stderr; returns the exit status. */
-static int run(char **out, const char *fmt, ...)
-{
-    char args[4096], cmd[8192];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(args, sizeof(args), fmt, ap);
-    va_end(ap);
-    const char *bin = getenv("ZINF_BIN");
-    cr_assert_not_null(bin, "ZINF_BIN is not set");
-    snprintf(cmd, sizeof(cmd), "%s %s 2>&1", bin, args);
-    FILE *p = popen(cmd, "r");
-    cr_assert_not_null(p);
-    size_t cap = 4096, len = 0, n;
-    char *buf = malloc(cap);
-    while ((n = fread(buf + len, 1, cap - len - 1, p)) > 0) {
-        len += n;
-        if (cap - len < 1024) buf = realloc(buf, cap *= 2);
-    }
-    buf[len] = '\0';
-    int st = pclose(p);
-    *out = buf;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-}
+/* zinf ARGS, stdout and stderr in *out: the exit status (helpers.c). */
+#define run test_run_zinf
 
 /* A config keeping the run under dir/NAME (at ZeRO stage when stage > 0), and the data. */
 static void files(const char *name, int stage, char *cfg, char *data)

@@ -26,6 +26,7 @@
 #include "train/gpt.h"
 #include "train/loss_scale.h"
 #include "train/trainer.h"
+#include "train/trainer_weights.h" /* trainer_param_source */
 #include "zinf.h"
 
 struct backend;
@@ -216,6 +217,7 @@ int train_scratch_reset(struct trainer *t);
 uint64_t train_scratch_bytes(struct trainer *t);
 int train_register_all(struct trainer *t, char *err, size_t errlen);
 int train_init_params(struct trainer *t);
+int train_write_params(struct trainer *t, trainer_param_source get, void *ctx);
 int train_write_w(struct trainer *t, int i, const float *p, uint16_t *b16, size_t n);
 
 /* trainer_step.c: the sets a step pins, and the phases that fetch them */

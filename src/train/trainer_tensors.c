@@ -416,7 +416,10 @@ int train_write_w(struct trainer *t, int i, const float *p, uint16_t *b16, size_
     return zinf_write(t->e, t->w[i], 0, b16, n * sizeof(uint16_t));
 }
 
-int train_init_params(struct trainer *t)
+/* Every weight of a new run from get, in the layout's order: the fp32 master (at ZeRO stage
+ * 3, this rank's shard of the whole tensor, zeros past its end) and the 16-bit copy the
+ * device computes with where the run has one, cast from it. */
+int train_write_params(struct trainer *t, trainer_param_source get, void *ctx)
 {
     float *buf = NULL;
     uint16_t *b16 = NULL;
@@ -425,33 +428,41 @@ int train_init_params(struct trainer *t)
     for (int i = 0; i < t->ntensors && r == 0; i++) {
         size_t n = t->desc[i].numel;
         bool shard = train_stage_of(t, i) >= 3;
-        if (shard) n = MAX(n, train_shard_lo(t, i) + train_shard_of(t, i)); /* room for the shard */
-        if (n > cap) {
+        size_t lo = shard ? train_shard_lo(t, i) : 0, sh = shard ? train_shard_of(t, i) : n;
+        size_t room = MAX(n, lo + sh); /* the whole tensor, and the shard's padding */
+        if (room > cap) {
             free(buf);
             free(b16);
-            buf = malloc(n * sizeof(float));
-            b16 = malloc(n * sizeof(uint16_t));
-            cap = n;
+            buf = malloc(room * sizeof(float));
+            b16 = malloc(room * sizeof(uint16_t));
+            cap = room;
             if (!buf || !b16) {
                 r = -ENOMEM;
                 break;
             }
         }
-        r = gpt_init_tensor(&t->cfg, &t->desc[i], buf, t->o.seed);
-        if (r == 0 && shard) {
-            /* The rank's shard of the whole tensor's values, zeros past its end. */
-            size_t lo = train_shard_lo(t, i), own = train_shard_own(t, i);
+        if ((r = get(ctx, i, buf)) < 0) break;
+        if (shard) {
+            size_t own = train_shard_own(t, i);
             memmove(buf, buf + lo, own * sizeof(float));
-            size_t sh = train_shard_of(t, i);
             memset(buf + own, 0, (sh - own) * sizeof(float));
-            r = zinf_write(t->e, t->p[i], 0, buf, sh * sizeof(float));
-            if (r == 0 && t->w != t->p) r = train_write_w(t, i, buf, b16, sh);
-            continue;
         }
-        if (r == 0) r = zinf_write(t->e, t->p[i], 0, buf, n * sizeof(float));
-        if (r == 0 && t->w != t->p) r = train_write_w(t, i, buf, b16, n);
+        r = zinf_write(t->e, t->p[i], 0, buf, sh * sizeof(float));
+        if (r == 0 && t->w != t->p) r = train_write_w(t, i, buf, b16, sh);
     }
     free(buf);
     free(b16);
     return r;
+}
+
+/* GPT-2's initialisation of tensor i (gpt_init_tensor, from the run's seed). */
+static int init_source(void *ctx, int i, float *dst)
+{
+    struct trainer *t = ctx;
+    return gpt_init_tensor(&t->cfg, &t->desc[i], dst, t->o.seed);
+}
+
+int train_init_params(struct trainer *t)
+{
+    return train_write_params(t, init_source, t);
 }
