@@ -4,7 +4,8 @@
  * engine options derived from them and the keys that were ignored or unknown.
  *
  * It checks the file, not the machine: whether the NVMe directories exist or the GPU is
- * there is left to the commands that use them. What the file means for `zinf train` is
+ * there is left to the commands that use them (the budgets train would derive, from the RAM
+ * available, are the one figure read from the machine). What the file means for `zinf train` is
  * decided by train_config_apply(), which train calls too: a config train refuses is refused
  * here, with the same message and exit status 2.
  */

@@ -94,8 +94,8 @@ static void usage(FILE *f)
         "                    zinf config check --strict does\n"
         "  --dry-run         resolve the config and the options, print what would run and\n"
         "                    exit (0, or 2 for what a run would refuse); opens nothing\n"
-        "  --print-lr N      with --dry-run: \"lr STEP RATE betas BETA1 BETA2\" for the first\n"
-        "                    N steps\n"
+        "  --print-lr N      with --dry-run: \"lr STEP RATE\" for the first N steps (OneCycle\n"
+        "                    adds \" betas BETA1 BETA2\", the betas it cycles)\n"
         "  --resume          continue the run persisted in the config's nvme_path\n"
         "  --overwrite       delete a run saved in the config's nvme_path and start over\n"
         "                    (without it, zinf train refuses to start over a saved run)\n"
@@ -856,11 +856,14 @@ int cmd_train(int argc, char **argv)
             printf("# ignored (in the config, but zinf does not act on these):\n");
             print_lines("#   ", ds.ignored);
         }
+        /* OneCycle's cycled betas too, where it sets them. */
+        bool betas = o.sched.type == TRAINER_SCHED_ONE_CYCLE && o.sched.cycle_momentum;
         for (long s = 1; s <= print_lr; s++) {
             double b1, b2;
             trainer_betas_at(&o.sched, o.beta1, o.beta2, (int)s, &b1, &b2);
-            printf("lr %ld %.17g betas %.17g %.17g\n", s, trainer_lr_at(&o.sched, o.lr, (int)s),
-                   b1, b2);
+            printf("lr %ld %.17g", s, trainer_lr_at(&o.sched, o.lr, (int)s));
+            if (betas) printf(" betas %.17g %.17g", b1, b2);
+            putchar('\n');
         }
         if (init)
             printf("# --init %s: %d tensors under %s, as this model has them\n", init_path,
