@@ -1829,6 +1829,28 @@ Test(cli, train_honours_deepspeeds_training_keys)
                         "gradient_accumulation_steps=3 vs --accumulate 1"),
               "%s", o);
     free(o);
+    /* The weight decay and the clipping, likewise; equal values are no disagreement. */
+    ds_config(cfg, sizeof(cfg), swap,
+              "\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"weight_decay\": 0.1}}, "
+              "\"gradient_clipping\": 2.0");
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--steps 1 --weight-decay 0.2 --clip 1",
+                     cfg, data),
+                 2, "%s", o);
+    cr_assert(strstr(o, "the config and the command line disagree: "
+                        "optimizer.params.weight_decay=0.1 vs --weight-decay 0.2; "
+                        "gradient_clipping=2 vs --clip 1"),
+              "%s", o);
+    cr_expect(access(swap, F_OK) != 0, "the run started");
+    free(o);
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s --layers 1 --dim 16 --heads 2 --seq 8 "
+                     "--steps 1 --weight-decay 0.1 --clip 2 --dry-run",
+                     cfg, data),
+                 0, "%s", o);
+    cr_expect(strstr(o, "weight decay 0.1, clip 2"), "%s", o);
+    free(o);
     ds_config(cfg, sizeof(cfg), swap,
               "\"train_micro_batch_size_per_gpu\": \"auto\", "
               "\"gradient_accumulation_steps\": \"auto\"");

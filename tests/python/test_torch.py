@@ -313,6 +313,38 @@ class TestModule(Base):
             loss.backward()
             self.assertIdle(e, m)
 
+    def test_remove_is_refused_while_a_forward_holds_parameters(self):
+        # remove() from inside a forward, while a Linear's parameters are fetched: refused,
+        # the module stays offloaded and runs on as before; after the forward it goes.
+        m = self.model(layers=2)
+        x, y = next(ex.batches(TEXT, 2, 64))
+        with self.engine(m) as e:
+            off = zt.offload(m, e)
+            with torch.no_grad():
+                want = m(x, y)
+            lin = next(mod for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+            said = []
+
+            def during(mod, args):
+                try:
+                    off.remove()
+                except RuntimeError as err:
+                    said.append(str(err))
+
+            h = lin.register_forward_pre_hook(during)
+            with torch.no_grad():
+                got = m(x, y)
+            h.remove()
+            self.assertEqual(said, ["a forward or backward still holds parameters"])
+            self.assertIs(m.zinf_offload, off)
+            self.assertTrue(torch.equal(got, want))
+            with torch.no_grad():
+                self.assertTrue(torch.equal(m(x, y), want))
+            off.remove()
+            self.assertFalse(hasattr(m, "zinf_offload"))
+            with torch.no_grad():
+                self.assertTrue(torch.equal(m(x, y), want))
+
     def test_state_dict_load_remove_and_resume(self):
         m = self.model(layers=2)
         want = {n: p.detach().clone() for n, p in m.named_parameters()}
