@@ -1571,7 +1571,7 @@ Test(cli, help_pages_are_the_commands)
         paged[k] = true;
         pages++;
 
-        char file[4200];
+        char file[4400];
         snprintf(file, sizeof(file), "%s/%s", path, e->d_name);
         FILE *f = fopen(file, "r");
         cr_assert_not_null(f, "%s: %s", file, strerror(errno));
