@@ -970,6 +970,40 @@ Test(train, lamb_and_adam_l2_on_the_device_equal_them_on_the_host)
     }
 }
 
+/* A new run's weights from a source (zinf train --init) that fails half-way: trainer_open
+ * answers the source's error, and nothing of the run is saved (a resume finds no run, a new
+ * one starts without --overwrite). */
+static int failing_source(void *ctx, int idx, float *dst)
+{
+    int *calls = ctx;
+    (*calls)++;
+    if (idx == 5) return -EIO;
+    memset(dst, 0, 4); /* the first element; the rest as the buffer held it */
+    return 0;
+}
+
+Test(train, init_source_failing_half_way_saves_nothing)
+{
+    char cfg[4096];
+    struct trainer_opts o = nvme_model(cfg, sizeof(cfg), "initfail", "8M", "4M");
+    int calls = 0;
+    o.init_source = failing_source;
+    o.init_ctx = &calls;
+    struct trainer *t = NULL;
+    char err[512];
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -EIO, "%s", err);
+    cr_assert_null(t);
+    cr_expect_eq(calls, 6);
+    cr_expect(strstr(err, "initialising the parameters failed"), "%s", err);
+    o.init_source = NULL;
+    o.resume = true;
+    cr_expect_lt(trainer_open(&o, &t, err, sizeof(err)), 0, "a half-initialised run was saved");
+    cr_assert_null(t);
+    o.resume = false;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    trainer_close(t);
+}
+
 /* OneCycle, against DeepSpeed's OneCycle stepped as its engine steps it (0.19.8): the lr up
  * and down the cycle and decaying after it, beta1 the other way (from cycle_min_mom at step 1,
  * as its constructor sets it) and beta2 0.99; the staircase's flat runs; and without

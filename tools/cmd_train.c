@@ -35,7 +35,6 @@
 #include "train/gpt.h"
 #include "comm/comm.h"
 #include "train/trainer.h"
-#include "train/trainer_weights.h"
 #include "train_config.h"
 #include "weights_io.h"
 #include "zinf.h"
@@ -295,7 +294,7 @@ static int export_params(struct trainer *t, const struct trainer_opts *o, int st
     return r;
 }
 
-/* --init: the file's tensors, as the trainer asks for them (trainer_load_params). */
+/* --init: the file's tensors, as the trainer asks for them (trainer_opts.init_source). */
 struct init_reader {
     struct weights_file *w;
     char *err;
@@ -917,8 +916,22 @@ int cmd_train(int argc, char **argv)
     pthread_t rth;
     bool rwatching = o.resume && watch_start(&rw, &rth, NULL);
     o.stop = &stop_requested; /* the ranks' rendezvous gives up on a signal */
+    /* --init: the file's weights are the new run's, in every copy the trainer keeps (and on
+     * every rank), before its step 0 is saved. */
+    char werr[1024] = "";
+    struct init_reader ir = {.w = init, .err = werr, .errlen = sizeof(werr)};
+    if (init) {
+        o.init_source = read_init;
+        o.init_ctx = &ir;
+    }
     r = trainer_open(&o, &t, err, sizeof(err));
     if (o.resume) watch_stop(&rw, rth, rwatching);
+    if (r < 0 && werr[0]) {
+        fprintf(stderr, "zinf train: --init %s\n", werr);
+        if (log) fclose(log);
+        weights_close(init);
+        return 1;
+    }
     if (r < 0) {
         fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
         if (log) fclose(log);
@@ -995,27 +1008,12 @@ int cmd_train(int argc, char **argv)
                 "between checkpoints; lower zinf.device_bytes and zinf.host_bytes to offload\n",
                 format_size(sum.model_state_bytes, s1, sizeof(s1)), b, c);
     }
-    /* --init: the file's weights replace the run's first ones in every copy the trainer keeps
-     * (and on every rank), and step 0 is saved again with them. */
     if (init) {
-        char werr[1024] = "";
-        struct init_reader ir = {.w = init, .err = werr, .errlen = sizeof(werr)};
-        r = trainer_load_params(t, read_init, &ir);
-        enum weights_names names = weights_file_names(init);
-        weights_close(init);
-        init = NULL;
-        if (r < 0) {
-            if (werr[0])
-                fprintf(stderr, "zinf train: --init %s\n", werr);
-            else
-                fprintf(stderr, "zinf train: --init %s: %s\n", init_path, zinf_strerror(r));
-            if (log) fclose(log);
-            trainer_close(t);
-            return 1;
-        }
         printf("# init: %d tensors from %s (%s), saved as step 0\n",
                4 + GPT_BLOCK_NSLOTS * o.model.L, init_path,
-               names == WEIGHTS_ZINF ? "zinf's names" : "GPT-2's names");
+               weights_file_names(init) == WEIGHTS_ZINF ? "zinf's names" : "GPT-2's names");
+        weights_close(init);
+        init = NULL;
     }
     if (o.resume && trainer_next_step(t) > o.steps) {
         /* Nothing to run: say so rather than exit 0 having done nothing. */

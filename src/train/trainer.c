@@ -709,6 +709,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         snprintf(err, errlen, "initialising the parameters failed: %s%s", zinf_strerror(r),
                  r == -ENOSPC ? " (the swap directory's filesystem is full: see the line above)"
                               : "");
+        t->torn = r; /* half-written weights are no run: nothing is saved */
         goto fail;
     }
     if (t->world > 1 && o->resume && (r = train_ranks_agree(t, err, errlen)) < 0) goto fail;

@@ -88,6 +88,10 @@ void trainer_betas_at(const struct trainer_lr_schedule *s, double beta1, double 
 
 #define TRAINER_DEFAULT_JOB "zinf-train"
 
+/* Writes tensor idx of gpt_layout()'s order, all numel floats of it, to dst: 0 or -errno
+ * (trainer_opts.init_source). */
+typedef int (*trainer_param_source)(void *ctx, int idx, float *dst);
+
 struct trainer_opts {
     const char *config_path; /* DeepSpeed-style JSON: budgets, offload devices, nvme paths */
     const char *data_path;   /* any file: its bytes are the tokens */
@@ -133,6 +137,13 @@ struct trainer_opts {
     /* Each step's trainer_step_stats.digest: the fp32 parameters hashed as the optimizer
      * writes them (digest.h), about one more pass over them a step. */
     bool digest;
+    /* A new run's weights (zinf train --init): each tensor from init_source(init_ctx, ...)
+     * instead of GPT-2's initialisation, written to every copy the run keeps (the fp32
+     * master, this rank's shard of it at stage 3, the 16-bit weights) before step 0 is
+     * saved. NULL: GPT-2's. Not used by a resumed run. When it fails, trainer_open fails
+     * with its -errno and nothing of the run is saved. */
+    trainer_param_source init_source;
+    void *init_ctx;
 };
 
 struct trainer_step_stats {

@@ -26,7 +26,6 @@
 #include "train/gpt.h"
 #include "train/loss_scale.h"
 #include "train/trainer.h"
-#include "train/trainer_weights.h" /* trainer_param_source */
 #include "zinf.h"
 
 struct backend;

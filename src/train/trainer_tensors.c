@@ -464,5 +464,6 @@ static int init_source(void *ctx, int i, float *dst)
 
 int train_init_params(struct trainer *t)
 {
+    if (t->o.init_source) return train_write_params(t, t->o.init_source, t->o.init_ctx);
     return train_write_params(t, init_source, t);
 }
