@@ -1067,6 +1067,15 @@ Test(train, one_cycle_is_deepspeeds)
     o.steps = 10;
     cr_expect_eq(trainer_opts_check(&o, err, sizeof(err)), -EINVAL);
     cr_expect(strstr(err, "momentum reaches 1.035 at step 10"), "%s", err);
+    /* A cycle peaking at 1 is refused; cycle_min_mom at 1 is refused at step 1. */
+    o.steps = 3;
+    o.sched.cycle_max_mom = 1.0;
+    cr_expect_eq(trainer_opts_check(&o, err, sizeof(err)), -EINVAL);
+    cr_expect(strstr(err, "cycle_max_mom 1:"), "%s", err);
+    o.sched.cycle_max_mom = 0.9;
+    o.sched.cycle_min_mom = 1.0;
+    cr_expect_eq(trainer_opts_check(&o, err, sizeof(err)), -EINVAL);
+    cr_expect(strstr(err, "momentum reaches 1 at step 1"), "%s", err);
 }
 
 /* Two micro-batches of 2 sequences accumulated are one batch of 4: the same sequences (micro

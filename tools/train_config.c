@@ -112,7 +112,6 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
             return -EINVAL;
         }
     }
-    if (config_given(zc, "gradient_clipping") && !GIVEN(O_CLIP)) o->grad_clip = (float)k->grad_clip;
 
     snprintf(ds->optimizer, sizeof(ds->optimizer), "AdamW");
     bool lamb = false;
@@ -154,9 +153,6 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
     o->lamb_max_coeff = (float)k->optimizer.max_coeff;
     o->lamb_min_coeff = (float)k->optimizer.min_coeff;
     o->lamb_eps_inside_sqrt = k->optimizer.eps_inside_sqrt;
-    if (config_given(zc, "optimizer.params.lr") && !GIVEN(O_LR)) o->lr = (float)k->optimizer.lr;
-    if (config_given(zc, "optimizer.params.weight_decay") && !GIVEN(O_WD))
-        o->weight_decay = (float)k->optimizer.weight_decay;
     o->beta1 = (float)k->optimizer.betas[0];
     o->beta2 = (float)k->optimizer.betas[1];
     o->eps = (float)k->optimizer.eps;

@@ -198,7 +198,8 @@ double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step)
     case TRAINER_SCHED_ONE_CYCLE: {
         if (it < 0) return s->cycle_min_lr;
         double total = cycle_total(s);
-        if (it < total) return s->cycle_min_lr + (s->cycle_max_lr - s->cycle_min_lr) * cycle_scale(s, it);
+        if (it < total)
+            return s->cycle_min_lr + (s->cycle_max_lr - s->cycle_min_lr) * cycle_scale(s, it);
         if (s->decay_step_size == 0 || s->decay_lr_rate == 0) return s->cycle_min_lr;
         double interval = (it - total + 1) / (double)s->decay_step_size;
         return s->cycle_min_lr / (1 + s->decay_lr_rate * interval);
@@ -291,14 +292,24 @@ int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
                      "cycle_second_step_size >= 0 (OneCycle)");
             return -EINVAL;
         }
-        double b1, b2;
-        for (int st = 1; s->cycle_momentum && st <= MAX(o->steps, 1); st++) {
+        /* beta1 is cycle_min_mom at step 1, between the two bounds within the cycle, and
+         * monotonic in the decay after it: step 1, cycle_max_mom and the last step are its
+         * extremes. */
+        int last = MAX(o->steps, 1);
+        double b1, b2, max_mom = s->cycle_max_mom;
+        for (int k = 0; s->cycle_momentum && k < 3; k++) {
+            int st = k == 0 ? 1 : last;
             trainer_betas_at(s, o->beta1, o->beta2, st, &b1, &b2);
+            if (k == 1 && last >= 2) b1 = max_mom;
             if (!((float)b1 >= 0 && (float)b1 < 1)) {
-                snprintf(err, errlen,
-                         "OneCycle's momentum reaches %g at step %d: Adam's beta1 must be in "
-                         "[0, 1) (cycle_min_mom, cycle_max_mom, decay_mom_rate)",
-                         b1, st);
+                if (k == 1)
+                    snprintf(err, errlen,
+                             "OneCycle's cycle_max_mom %g: Adam's beta1 must be in [0, 1)", b1);
+                else
+                    snprintf(err, errlen,
+                             "OneCycle's momentum reaches %g at step %d: Adam's beta1 must be in "
+                             "[0, 1) (cycle_min_mom, cycle_max_mom, decay_mom_rate)",
+                             b1, st);
                 return -EINVAL;
             }
         }

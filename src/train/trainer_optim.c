@@ -19,14 +19,58 @@
 #include "train/trainer_impl.h"
 #include "trace.h"
 
+/* LAMB on tensor i's n elements (the whole tensor on one rank, the rank's own part on
+ * several): the moments and the chunk sums of |w|^2 and |u|^2 (lamb_moments), every rank's
+ * sums gathered and added chunk by chunk in the tensor's order (so any number of ranks adds
+ * the same numbers in the same order: the ratio does not depend on the ranks), then the
+ * update with that ratio. Every rank takes part in the
+ * gather, also one that owns nothing of the tensor. Where the states are on the device,
+ * the backend's kernels, their chunk sums coming to the host. */
+static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float *m, float *v,
+                       void *w16, size_t n, const struct adamw_hparams *h, int step, float scale)
+{
+    size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+    size_t per = t->world > 1 ? train_shard_of(t, i) / SHARD_FLOATS : chunks;
+    double *w_sq = t->lamb_sums, *u_sq = t->lamb_sums + per;
+    bool f16 = w16 && t->be->wdt == BACKEND_F16, dev = t->opt_tier == ZINF_TIER_DEVICE;
+    int eps_in = t->o.lamb_eps_inside_sqrt;
+    memset(t->lamb_sums, 0, 2 * per * sizeof(double));
+    int r = dev ? t->be->ops->lamb_moments(t->be, p, g, m, v, n, h, scale, eps_in, SHARD_FLOATS,
+                                           w_sq, u_sq)
+                : lamb_moments(p, g, m, v, n, h, scale, eps_in, SHARD_FLOATS, w_sq, u_sq);
+    if (r < 0) return r;
+    const double *all = t->lamb_sums;
+    if (t->world > 1) {
+        if ((r = comm_allgather(t->hcomm, t->lamb_sums, t->lamb_all, 2 * per * sizeof(double),
+                                COMM_BYTE)) < 0)
+            return r;
+        all = t->lamb_all;
+    }
+    double W = 0, U = 0;
+    for (size_t c = 0; c < chunks; c++) {
+        const double *at = all + (c / per) * 2 * per;
+        W += at[c % per];
+        U += at[per + c % per];
+    }
+    float coeff = lamb_coeff(W, U, t->o.lamb_max_coeff, t->o.lamb_min_coeff);
+    if (dev)
+        return train_settle(t, t->be->ops->lamb_apply(t->be, p, m, v, w16, n, h, step, eps_in,
+                                                      coeff));
+    if ((r = lamb_apply(p, m, v, w16 && !f16 ? w16 : NULL, n, h, step, eps_in, coeff)) == 0 && f16)
+        ops_cast_f32_to_f16(w16, p, n);
+    return r;
+}
+
 /* AdamW on n elements where the optimizer's states live: on the device with the backend's
  * fused kernel when they are homed there, else on the host. With 16-bit weights the update
  * writes their copy w16 too (released dirty: the engine carries it to the device on its
  * next fetch there). One rank updates whole tensors with it, each of several ranks its own
- * part: the same function on the same elements, so the same bits. */
-static int update(struct trainer *t, float *p, const float *g, float *m, float *v, void *w16,
-                  size_t n, const struct adamw_hparams *h, int step, float scale)
+ * part: the same function on the same elements, so the same bits. LAMB: lamb_tensor. */
+static int update(struct trainer *t, int i, float *p, const float *g, float *m, float *v,
+                  void *w16, size_t n, const struct adamw_hparams *h, int step, float scale)
 {
+    if (t->o.optimizer == TRAINER_OPT_LAMB)
+        return lamb_tensor(t, i, p, g, m, v, w16, n, h, step, scale);
     if (!n) return 0;
     if (t->opt_tier == ZINF_TIER_DEVICE)
         return train_settle(t, t->be->ops->adamw(t->be, p, g, m, v, w16, n, h, step, scale));
@@ -71,48 +115,6 @@ static int gather_parts(struct trainer *t, int i, void *whole, size_t esz, void 
     return r;
 }
 
-/* LAMB on tensor i's n elements (the whole tensor on one rank, the rank's own part on
- * several): the moments and the chunk sums of |w|^2 and
- * |u|^2 (lamb_moments), every rank's sums gathered and added chunk by chunk in the tensor's
- * order (so any number of ranks adds the same numbers in the same order: the ratio does not
- * depend on the ranks), then the update with that ratio. Every rank takes part in the
- * gather, also one that owns nothing of the tensor. Where the states are on the device,
- * the backend's kernels, their chunk sums coming to the host. */
-static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float *m, float *v,
-                       void *w16, size_t n, const struct adamw_hparams *h, int step, float scale)
-{
-    size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
-    size_t per = t->world > 1 ? train_shard_of(t, i) / SHARD_FLOATS : chunks;
-    double *w_sq = t->lamb_sums, *u_sq = t->lamb_sums + per;
-    bool f16 = w16 && t->be->wdt == BACKEND_F16, dev = t->opt_tier == ZINF_TIER_DEVICE;
-    int eps_in = t->o.lamb_eps_inside_sqrt;
-    memset(t->lamb_sums, 0, 2 * per * sizeof(double));
-    int r = dev ? t->be->ops->lamb_moments(t->be, p, g, m, v, n, h, scale, eps_in, SHARD_FLOATS,
-                                           w_sq, u_sq)
-                : lamb_moments(p, g, m, v, n, h, scale, eps_in, SHARD_FLOATS, w_sq, u_sq);
-    if (r < 0) return r;
-    const double *all = t->lamb_sums;
-    if (t->world > 1) {
-        if ((r = comm_allgather(t->hcomm, t->lamb_sums, t->lamb_all, 2 * per * sizeof(double),
-                                COMM_BYTE)) < 0)
-            return r;
-        all = t->lamb_all;
-    }
-    double W = 0, U = 0;
-    for (size_t c = 0; c < chunks; c++) {
-        const double *at = all + (c / per) * 2 * per;
-        W += at[c % per];
-        U += at[per + c % per];
-    }
-    float coeff = lamb_coeff(W, U, t->o.lamb_max_coeff, t->o.lamb_min_coeff);
-    if (dev)
-        return train_settle(t, t->be->ops->lamb_apply(t->be, p, m, v, w16, n, h, step, eps_in,
-                                                      coeff));
-    if ((r = lamb_apply(p, m, v, w16 && !f16 ? w16 : NULL, n, h, step, eps_in, coeff)) == 0 && f16)
-        ops_cast_f32_to_f16(w16, p, n);
-    return r;
-}
-
 /* Across ranks: AdamW on the rank's part of tensor i (p[0..3]: p, g, m, v as registered,
  * p[4] the 16-bit copy in mixed precision, then the local gradient buffer when the update
  * runs on a GPU below stage 3), then, below stage 3, every rank takes the others' parts of
@@ -128,9 +130,7 @@ static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hp
     float *pp = p[0], *mine = stage >= 3 ? pp : pp + lo;
     const float *g = stage >= 2 ? (const float *)p[1] : (const float *)p[1] + lo;
     void *w16 = !mixed ? NULL : stage >= 3 ? p[4] : (char *)p[4] + lo * wb;
-    int r = t->o.optimizer == TRAINER_OPT_LAMB
-                ? lamb_tensor(t, i, mine, g, p[2], p[3], w16, own, h, step, scale)
-                : update(t, mine, g, p[2], p[3], w16, own, h, step, scale);
+    int r = update(t, i, mine, g, p[2], p[3], w16, own, h, step, scale);
     if (r < 0 || stage >= 3) return r;
     void *L = t->gpu_ranks && t->opt_tier == ZINF_TIER_DEVICE ? p[mixed ? 5 : 4] : NULL;
     if ((r = gather_parts(t, i, pp, sizeof(float), L)) == 0 && mixed)
@@ -207,12 +207,9 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
             h.weight_decay = t->desc[i].ndim == 2 ? t->o.weight_decay : 0.0f;
             if (t->world > 1)
                 r = zero_update(t, i, p, &h, step, scale);
-            else if (t->o.optimizer == TRAINER_OPT_LAMB)
-                r = lamb_tensor(t, i, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL,
-                                t->desc[i].numel, &h, step, scale);
             else
-                r = update(t, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL, t->desc[i].numel, &h,
-                           step, scale);
+                r = update(t, i, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL, t->desc[i].numel,
+                           &h, step, scale);
             if (r == 0 && t->o.digest) r = digest_tensor(t, i, p, digest);
         }
         train_wave_release(t, &w, tier, r == 0);
