@@ -126,8 +126,15 @@ int main(int argc, char **argv)
     fflush(stdout);
     comm_close(c);
     if (argc > 1 && !strcmp(argv[1], "wait")) {
+        /* SIGTERM blocked between the test of stop and the wait (sigsuspend unblocks it
+         * atomically): with pause(), a signal landing between the two was never seen. */
+        sigset_t term, old;
+        sigemptyset(&term);
+        sigaddset(&term, SIGTERM);
+        sigprocmask(SIG_BLOCK, &term, &old);
         while (!stop)
-            pause();
+            sigsuspend(&old);
+        sigprocmask(SIG_SETMASK, &old, NULL);
         printf("rank %d stopped\n", rank);
     }
     return 0;
