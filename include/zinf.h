@@ -132,6 +132,10 @@ struct zinf_stats {
      * (0: ZINF_OPEN_NO_PIN, or the lock failed). Through a daemon: the daemon's. */
     uint64_t host_staging_bytes;
     unsigned host_pinned;
+    /* Write-behinds: of the tiers' writebacks, those started when the copy was released
+     * DIRTY rather than when its room was needed (the learned step says the tier cycles
+     * and the tensor is not fetched to it again in the step). */
+    uint64_t write_behinds;
 };
 
 /* What zinf_tensor_info() tells of a registered tensor. */

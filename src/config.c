@@ -240,9 +240,9 @@ static const struct field fields[] = {
     {S_OPTIM, "buffer_count", NULL, F_U64, OFF(zero.offload_optimizer.buffer_count), 0, 0, 0,
      NULL, 0, "the staging ring is sized from offload_param's buffers or zinf.staging_bytes"},
     {S_OPTIM, "pipeline_read", NULL, F_BOOL, OFF(zero.offload_optimizer.pipeline_read), 0, 0, 0,
-     NULL, 0, "the learned schedule always prefetches the optimizer's next tensor"},
+     NULL},
     {S_OPTIM, "pipeline_write", NULL, F_BOOL, OFF(zero.offload_optimizer.pipeline_write), 0, 0,
-     0, NULL, 0, "updated tensors are always written back behind the optimizer"},
+     0, NULL},
     {S_OPTIM, "fast_init", NULL, F_BOOL, OFF(zero.offload_optimizer.fast_init), 0, 0, 0, NULL, 0,
      "the swap files are not filled at start: zeros are never written"},
     /* DeepSpeed names these prefetch_bucket_size etc. and reads the stage3_ names as
@@ -1120,6 +1120,9 @@ void config_defaults(struct zinf_config *c)
     c->zero.offload_param.max_in_cpu = 1000000000;
     c->zero.offload_optimizer.device = CONFIG_OFFLOAD_NONE;
     c->zero.offload_optimizer.buffer_count = 4;
+    /* DeepSpeed's are off; zinf's are on (the optimizer reads ahead and writes behind). */
+    c->zero.offload_optimizer.pipeline_read = true;
+    c->zero.offload_optimizer.pipeline_write = true;
     c->zero.stage3_prefetch_bucket_size = 50000000;
     c->zero.reduce_bucket_size = 500000000;
     c->zero.stage3_max_live_parameters = 1000000000;

@@ -50,8 +50,11 @@ struct config_offload_optimizer {
     struct config_paths nvme_path;     /* string or list; required when device is nvme */
     bool pin_memory;                   /* false */
     uint64_t buffer_count;             /* 4 */
-    bool pipeline_read;                /* false */
-    bool pipeline_write;               /* false */
+    bool pipeline_read;                /* true (DeepSpeed: false): the trainer's optimizer
+                                          fetches the next tensor while it updates one */
+    bool pipeline_write;               /* true (DeepSpeed: false): the engine writes a dirty
+                                          copy back at release when the learned step says it
+                                          is evicted before its next use (write-behind) */
     bool fast_init;                    /* false */
 };
 

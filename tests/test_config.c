@@ -88,8 +88,8 @@ static void check_defaults(const struct zinf_config *c)
     cr_expect_eq(c->zero.offload_optimizer.nvme_path.count, 0);
     cr_expect_eq(c->zero.offload_optimizer.pin_memory, false);
     cr_expect_eq(c->zero.offload_optimizer.buffer_count, 4);
-    cr_expect_eq(c->zero.offload_optimizer.pipeline_read, false);
-    cr_expect_eq(c->zero.offload_optimizer.pipeline_write, false);
+    cr_expect_eq(c->zero.offload_optimizer.pipeline_read, true);
+    cr_expect_eq(c->zero.offload_optimizer.pipeline_write, true);
     cr_expect_eq(c->zero.offload_optimizer.fast_init, false);
     cr_expect_eq(c->zero.stage3_prefetch_bucket_size, 50000000);
     cr_expect_eq(c->zero.stage3_max_live_parameters, 1000000000);
@@ -245,8 +245,6 @@ Test(config, every_key_read_back_from_a_file)
         "zero_optimization.stage", "zero_optimization.overlap_comm",
         "zero_optimization.reduce_bucket_size", "zero_optimization.sub_group_size", "zero_optimization.offload_param.max_in_cpu",
         "zero_optimization.offload_optimizer.buffer_count",
-        "zero_optimization.offload_optimizer.pipeline_read",
-        "zero_optimization.offload_optimizer.pipeline_write",
         "zero_optimization.offload_optimizer.fast_init",
         "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
         "aio.single_submit",
@@ -1038,7 +1036,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         cr_expect(strstr(text, want[i]), "missing %s in:\n%s", want[i], text);
     /* What zinf does not act on is not an effective setting: not printed as one. */
     static const char *const not_settings[] = {
-        "zero_optimization.stage =", "sub_group_size", "max_in_cpu", "offload_optimizer.buffer_count", "pipeline_read",
+        "zero_optimization.stage =", "sub_group_size", "max_in_cpu", "offload_optimizer.buffer_count",
         "fast_init", "max_live_parameters", "max_reuse_distance",
         "single_submit", "overlap_events", "use_gds"};
     for (size_t i = 0; i < ARRAY_SIZE(not_settings); i++)
@@ -1049,7 +1047,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         lines += *s == '\n';
     /* settings, zinf.train, zinf.serve, the training keys, DeepSpeed's deprecated
      * cpu_offload and cpu_offload_param, header, engine */
-    cr_expect_eq(lines, 25 + 9 + 9 + 48 + 2 + 1 + 8, "%s", text);
+    cr_expect_eq(lines, 27 + 9 + 9 + 48 + 2 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }

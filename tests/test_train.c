@@ -513,8 +513,11 @@ Test(train, failed_step_leaves_the_trainer_usable)
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
     cr_assert_eq(trainer_step(t, &st), 0);
     got[0] = st.loss;
-    uring_fault_set(trainer_engine(t)->io, URING_FAULT_EIO, 1);
+    /* Every read fails (a write-behind that fails is retried later, so a fault on "the next
+     * chunk" may miss): the step fails, and once the drive is back the trainer goes on. */
+    uring_fault_set(trainer_engine(t)->io, URING_FAULT_EIO_READ_STICKY, 1);
     cr_assert_eq(trainer_step(t, &st), -EIO);
+    uring_fault_set(trainer_engine(t)->io, URING_FAULT_NONE, 0);
     cr_assert_eq(trainer_next_step(t), 2, "a failed step is not counted");
     for (int i = 1; i < 4; i++) {
         cr_assert_eq(trainer_step(t, &st), 0, "step %d after the failure", i + 1);
@@ -606,6 +609,40 @@ static void arm_optimizer(struct trainer *t, unsigned tensor)
     trainer_fault_optimizer(t, (int)tensor, EIO);
 }
 
+/* Every read fails from now on, until fault_run clears the hook after the step. */
+static void arm_reads_fail(struct trainer *t, unsigned unused)
+{
+    (void)unused;
+    uring_fault_set(trainer_engine(t)->io, URING_FAULT_EIO_READ_STICKY, 1);
+}
+
+/* As the optimizer's phase begins: the nth read from there, or every read, or the nth
+ * write (a write-behind of a set it released), while the pipeline has the next set's
+ * reads and the last ones' write-backs in flight. */
+static void arm_opt_read(struct trainer *t, unsigned nth)
+{
+    arm_read(t, nth);
+}
+
+static void arm_opt_reads_fail(struct trainer *t, unsigned unused)
+{
+    arm_reads_fail(t, unused);
+}
+
+static void arm_opt_write(struct trainer *t, unsigned nth)
+{
+    uring_fault_set(trainer_engine(t)->io, URING_FAULT_EIO_WRITE, nth);
+}
+
+static void arm_in_optimizer(struct trainer *t, unsigned which)
+{
+    static void (*const fn[])(struct trainer *, unsigned) = {arm_opt_reads_fail, arm_opt_read,
+                                                             arm_opt_read, arm_opt_write,
+                                                             arm_opt_write};
+    static const unsigned arg[] = {1, 2, 5, 1, 3};
+    trainer_fault_optimizer_begin(t, fn[which], arg[which]);
+}
+
 Test(train, step_failing_anywhere_continues_with_the_same_losses)
 {
     char cfg[4096], swap[4096], err[512];
@@ -645,16 +682,16 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
     for (unsigned i = 0; i < 5; i++, k++)
         outcome[1 + fault_run(k, arm_io, 1 + (unsigned)((uint64_t)i * (chunks - 1) / 4))]++;
     /* Which chunk an ordinal lands on depends on timing: a fault on a background write-back
-     * is retried and misses, and so does one on a read the engine makes again. The first
-     * read of step 2 (for its forward) is waited for: a fault there fails the step before
-     * the optimizer. */
-    unsigned reads[] = {1, 2, chunks / 8}; /* a step reads about a fifth of its chunks */
-    for (unsigned i = 0; i < 3; i++, k++) {
-        int got = fault_run(k, arm_read, reads[i]);
-        cr_assert(i > 0 || got == 0, "a fault on step 2's first read: %s",
-                  got < 0 ? "the step did not fail" : "the state tore");
-        outcome[1 + got]++;
-    }
+     * is retried and misses, and so does one on a read the engine makes again (a prefetch
+     * the fetch repeats). When every read fails, the first one the forward waits for fails
+     * the step before the optimizer. */
+    int got = fault_run(k++, arm_reads_fail, 0);
+    cr_assert(got == 0, "every read of step 2 failing: %s",
+              got < 0 ? "the step did not fail" : "the state tore");
+    outcome[1 + got]++;
+    unsigned reads[] = {2, chunks / 8}; /* a step reads about a fifth of its chunks */
+    for (unsigned i = 0; i < 2; i++, k++)
+        outcome[1 + fault_run(k, arm_read, reads[i])]++;
     cr_assert_gt(outcome[1], 0, "some IO faults failed the step before the optimizer");
     unsigned where[] = {0, (unsigned)ntensors / 2, (unsigned)ntensors - 1};
     for (unsigned i = 0; i < 3; i++, k++)
@@ -662,8 +699,101 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
                      "a failed update of tensor %u "
                      "tears the state",
                      where[i]);
+    /* Faults on what the optimizer's pipeline has in flight: every read failing from the
+     * phase's start tears the state (its first set cannot be read); a read or a write-behind
+     * failing later tears it or is retried, and either way the run goes on bitwise. */
+    cr_assert_eq(fault_run(k++, arm_in_optimizer, 0), 1,
+                 "every read failing in the optimizer tears the state");
+    for (unsigned i = 1; i < 5; i++, k++) {
+        int got_i = fault_run(k, arm_in_optimizer, i);
+        cr_log_info("optimizer fault %u: %s", i,
+                    got_i < 0 ? "missed" : got_i ? "torn" : "usable");
+        cr_assert_neq(got_i, 0, "a fault in the optimizer cannot leave the state whole");
+    }
     cr_log_info("IO faults over %u chunks: %d missed, %d before the optimizer, %d torn", chunks,
                 outcome[0], outcome[1], outcome[2]);
+}
+
+/* The optimizer's pipeline: with it (the default) and without it (pipeline_read and
+ * pipeline_write false), and in memory, the same losses and parameter digests bit for bit.
+ * With it, sets are asked for ahead and the engine writes released sets behind; without it,
+ * neither. At the smallest budgets that run (one set in the host tier), every step still
+ * runs: a set ahead that finds no room is fetched again alone, and the bits do not change. */
+struct pipe_run {
+    float loss[STEPS];
+    uint64_t digest[STEPS];
+    struct trainer_summary sum;
+    uint64_t write_behinds;
+};
+
+static void pipe_run(const char *tag, const char *offload, const char *dev, const char *host,
+                     const char *extra, struct pipe_run *out)
+{
+    char cfg[4096], swap[4096], err[512];
+    struct trainer *t = NULL;
+    struct trainer_step_stats st;
+    struct zinf_stats zs;
+    snprintf(swap, sizeof(swap), "%s/%s", dir, tag);
+    snprintf(cfg, sizeof(cfg), "%s/%s.json", dir, tag);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"%s\", \"nvme_path\": \"%s\"},"
+            " \"offload_optimizer\": {\"device\": \"%s\", \"nvme_path\": \"%s\"%s}},"
+            " \"aio\": {\"block_size\": 65536, \"queue_depth\": 8},"
+            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"%s\", \"host_bytes\": \"%s\"}}",
+            offload, swap, offload, swap, extra, dev, host);
+    fclose(f);
+    struct trainer_opts o = small_model(cfg);
+    o.digest = true;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s: %s", tag, err);
+    for (int s = 0; s < STEPS; s++) {
+        cr_assert_eq(trainer_step(t, &st), 0, "%s: step %d", tag, s + 1);
+        cr_assert(st.have_digest);
+        out->loss[s] = st.loss;
+        out->digest[s] = st.digest;
+    }
+    trainer_get_summary(t, &out->sum);
+    cr_assert_eq(zinf_stats(trainer_engine(t), &zs), 0);
+    out->write_behinds = zs.write_behinds;
+    trainer_close(t);
+}
+
+Test(train, optimizer_pipeline_changes_no_bits)
+{
+    static struct pipe_run mem, on, off, tight;
+    pipe_run("mem", "none", "64M", "64M", "", &mem);
+    pipe_run("on", "nvme", "600K", "1M", "", &on);
+    pipe_run("off", "nvme", "600K", "1M", ", \"pipeline_read\": false, \"pipeline_write\": false",
+             &off);
+    char dev[32], host[32];
+    snprintf(dev, sizeof(dev), "%llu", (unsigned long long)on.sum.min_budget[0]);
+    snprintf(host, sizeof(host), "%llu", (unsigned long long)on.sum.min_budget[1]);
+    pipe_run("tight", "nvme", dev, host, "", &tight);
+    const struct pipe_run *runs[] = {&on, &off, &tight};
+    const char *names[] = {"pipelined", "not pipelined", "pipelined at the smallest budgets"};
+    for (int k = 0; k < 3; k++)
+        for (int s = 0; s < STEPS; s++) {
+            cr_assert(memcmp(&runs[k]->loss[s], &mem.loss[s], sizeof(float)) == 0,
+                      "%s, step %d: loss %.9g, in memory %.9g", names[k], s + 1,
+                      runs[k]->loss[s], mem.loss[s]);
+            cr_assert_eq(runs[k]->digest[s], mem.digest[s], "%s, step %d: digest %016llx, "
+                         "in memory %016llx", names[k], s + 1,
+                         (unsigned long long)runs[k]->digest[s],
+                         (unsigned long long)mem.digest[s]);
+        }
+    cr_assert_gt(on.sum.pipeline_ahead, 0, "the pipeline asked for no set ahead");
+    cr_assert_gt(on.write_behinds, 0, "no released set was written behind");
+    cr_assert_eq(off.sum.pipeline_ahead, 0);
+    cr_assert_eq(off.write_behinds, 0);
+    cr_assert_gt(tight.sum.pipeline_ahead, 0);
+    cr_log_info("pipeline: %llu sets ahead (%llu fetched again), %llu write-behinds; at the "
+                "smallest budgets %llu ahead, %llu fetched again",
+                (unsigned long long)on.sum.pipeline_ahead,
+                (unsigned long long)on.sum.pipeline_refetched,
+                (unsigned long long)on.write_behinds,
+                (unsigned long long)tight.sum.pipeline_ahead,
+                (unsigned long long)tight.sum.pipeline_refetched);
 }
 
 /* A checkpoint writes only what changed since the last one: one right after another writes

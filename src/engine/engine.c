@@ -905,6 +905,7 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
                                    ? MIN(params.prefetch_budget_bytes, pf_cap)
                                    : MAX((uint64_t)ds.capacity_bytes / 8, (uint64_t)o.block_size);
     e->prefetch_one_ahead = params.prefetch_budget_bytes == 0;
+    e->write_behind = !params.no_write_behind;
     e->sched.rec_from_start = true; /* opening is a step boundary */
 
     if (e->nvme) {
@@ -983,6 +984,7 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
                                                                 : URING_BACKEND_AUTO,
         .submit_batch = c->zinf.submit_batch,
         .no_huge_pages = !c->zinf.huge_pages,
+        .no_write_behind = !c->zero.offload_optimizer.pipeline_write,
         .rings = MIN(c->aio.intra_op_parallelism, (unsigned)URING_MAX_RINGS),
     };
     if (config_is_auto(c, "zero_optimization.stage3_prefetch_bucket_size"))

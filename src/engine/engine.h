@@ -119,6 +119,9 @@ struct tensor {
     bool zero;      /* content is all zeros: never written since registered (or since
                        resumed from a zero entry); flushed as a zero entry */
     bool exclusive; /* zinf_write/zinf_read/flush/unregister owns it */
+    /* 1 + the zinf_step() count when its copy in each memory tier was last evicted to
+     * make room (0: never): a tensor evicted in the last step is written behind (sched.c). */
+    uint64_t evicted_step[MEM_TIERS];
     bool damaged;   /* its saved content failed its checksum at resume:
                        fetch and read answer -EBADMSG, unregister frees it */
     struct copy c[MEM_TIERS];
@@ -212,6 +215,7 @@ struct zinf_engine {
     unsigned queue_depth;
     uint64_t prefetch_budget_bytes;
     bool prefetch_one_ahead; /* default budget: one tensor may always run ahead */
+    bool write_behind;       /* sched_write_behind() may start write-backs at release */
     char **nvme_dirs;
     unsigned nvme_ndirs;
 
@@ -298,6 +302,7 @@ struct engine_params {
     unsigned submit_batch; /* uring_opts.submit_batch; 0: one chunk per completion */
     unsigned rings;        /* uring_opts.rings (aio.intra_op_parallelism); 0: one */
     bool no_huge_pages;    /* 4 KiB pages for the host arena and staging ring */
+    bool no_write_behind;  /* write dirty copies back when evicted only (sched_write_behind) */
     bool shared;           /* the host and (emulated) device arenas are memfds that
                               other processes map: engine_regions() (the service) */
 };
@@ -522,6 +527,7 @@ void sched_free(struct sched *s);
 bool prefetch_fits(struct zinf_engine *e, size_t bytes);
 /* Fetches until (t, tier) is next needed; UINT64_MAX when the schedule does not say. */
 uint64_t sched_distance(struct zinf_engine *e, uint32_t tidx, int tier);
+bool sched_write_behind(struct zinf_engine *e, const struct tensor *t, int tier);
 void sched_prefetch(struct zinf_engine *e);
 
 /* persist.c */

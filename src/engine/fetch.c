@@ -157,6 +157,7 @@ static void wb_done(struct xfer *x, int err)
                 trace_evict(t, a->tier, "after its write-back");
                 copy_drop(e, t, a->tier);
                 e->st.tier[a->tier].evictions++;
+                t->evicted_step[a->tier] = e->st.steps + 1;
             }
         }
     }
@@ -346,6 +347,7 @@ static int evict_victim(struct zinf_engine *e, int tier, struct copy *v, enum re
     trace_evict(vt, tier, "clean");
     copy_drop(e, vt, tier);
     e->st.tier[tier].evictions++;
+    vt->evicted_step[tier] = e->st.steps + 1;
     return 0;
 }
 
@@ -1087,6 +1089,14 @@ static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum
     undo_settle(e, t);
     if (c->pins == 0) pthread_cond_broadcast(&e->changed);
     ENGINE_CHECK(t);
+    /* Write-behind: the newest content of a copy the step will not use again here goes
+     * home now, while the drive has time, so that the fetch that later needs its room
+     * finds it clean. A hint: one that cannot start (another write-back of the tensor in
+     * flight, swap files that must grow, no memory) is left to eviction, as before. */
+    if ((flags & ZINF_RELEASE_DIRTY) && c->pins == 0 && (int)tier != (int)t->home &&
+        !t->exclusive && needs_writeback(t, tier) && !c->wb_inflight &&
+        sched_write_behind(e, t, tier) && writeback_start(e, t, tier, false) == 0)
+        e->st.write_behinds++;
 out:
     pthread_mutex_unlock(&e->lock);
     return r;

@@ -107,6 +107,7 @@ void sched_on_step(struct zinf_engine *e)
 {
     struct sched *s = &e->sched;
 
+
     if (s->replaying) {
         if (s->pos == s->len) {
             s->pos = 0;
@@ -172,6 +173,21 @@ uint64_t sched_distance(struct zinf_engine *e, uint32_t tidx, int tier)
     if (a < hi)
         return s->occ[a] - s->pos;
     return s->occ[lo] + s->len - s->pos;
+}
+
+/* Should tensor t's copy in tier, just made newest by a DIRTY release, start its write-back
+ * now rather than when it is evicted? When the step is learned, the tensor is not fetched
+ * to this tier again in the step, and its copy there was evicted in this step or the one
+ * before: it will most likely be evicted again before it is used, and its write-back then
+ * would block the fetch that needs its room. (A copy the tier keeps from step to step is
+ * never evicted, and is not written at every step for nothing.) */
+bool sched_write_behind(struct zinf_engine *e, const struct tensor *t, int tier)
+{
+    struct sched *s = &e->sched;
+    uint64_t ev = t->evicted_step[tier];
+    if (!e->write_behind || !s->replaying || s->len == 0 || !ev || ev + 1 < e->st.steps + 1) return false;
+    uint64_t d = sched_distance(e, t->index, tier);
+    return d == UINT64_MAX || d >= s->len - MIN(s->pos, s->len);
 }
 
 void sched_prefetch(struct zinf_engine *e)

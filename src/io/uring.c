@@ -283,7 +283,11 @@ static int apply_fault(struct uring *u, struct chunk *c, int res)
         return res;
     if (u->fault == URING_FAULT_EIO_STICKY)
         return -EIO; /* a drive gone bad: every completion fails until the hook is reset */
+    if (u->fault == URING_FAULT_EIO_READ_STICKY)
+        return c->req->op == URING_READ ? -EIO : res;
     if (u->fault == URING_FAULT_EIO_READ && c->req->op != URING_READ)
+        return res;
+    if (u->fault == URING_FAULT_EIO_WRITE && c->req->op == URING_READ)
         return res;
     if (--u->fault_countdown > 0)
         return res;
@@ -292,6 +296,7 @@ static int apply_fault(struct uring *u, struct chunk *c, int res)
     switch (f) {
     case URING_FAULT_EIO:
     case URING_FAULT_EIO_READ:
+    case URING_FAULT_EIO_WRITE:
         return -EIO;
     case URING_FAULT_EAGAIN:
         return -EAGAIN;

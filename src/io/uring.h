@@ -135,10 +135,13 @@ unsigned uring_queue_depth(struct uring *u);
  * set to URING_FAULT_NONE. URING_FAULT_SUBMIT makes the nth uring_submit() from now return
  * -EIO at once (the request is never queued, its callback never runs).
  * URING_FAULT_EIO_READ is URING_FAULT_EIO counting read chunks only: writes, which an engine
- * retries in the background, pass, so the fault lands on a read someone waits for. */
+ * retries in the background, pass, so the fault lands on a read someone waits for.
+ * URING_FAULT_EIO_WRITE counts write chunks only. URING_FAULT_EIO_READ_STICKY fails every
+ * read completion from now on (writes pass), until the hook is set to URING_FAULT_NONE. */
 enum uring_fault { URING_FAULT_NONE, URING_FAULT_EIO, URING_FAULT_SHORT, URING_FAULT_EAGAIN,
                    URING_FAULT_NO_DIRECT, URING_FAULT_NO_URING, URING_FAULT_EIO_STICKY,
-                   URING_FAULT_SUBMIT, URING_FAULT_EIO_READ };
+                   URING_FAULT_SUBMIT, URING_FAULT_EIO_READ, URING_FAULT_EIO_WRITE,
+                   URING_FAULT_EIO_READ_STICKY };
 void uring_fault_set(struct uring *u, enum uring_fault kind, unsigned nth);
 
 #endif

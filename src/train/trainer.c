@@ -785,6 +785,13 @@ void trainer_fault_optimizer(struct trainer *t, int tensor, int err)
     t->fault_err = err;
 }
 
+void trainer_fault_optimizer_begin(struct trainer *t, void (*fn)(struct trainer *t, unsigned arg),
+                                   unsigned arg)
+{
+    t->fault_begin = fn;
+    t->fault_begin_arg = arg;
+}
+
 void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
 {
     struct zinf_stats st;
@@ -812,6 +819,8 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     out->stage = t->stage;
     out->overlap_comm = t->overlap;
     out->reduce_seconds = (double)t->reduce_ns / 1e9;
+    out->pipeline_ahead = t->opt_ahead;
+    out->pipeline_refetched = t->opt_refetched;
     if (t->comm) {
         struct comm_stats cs;
         comm_get_stats(t->comm, &cs);

@@ -226,6 +226,10 @@ struct trainer_summary {
     uint64_t comm_bytes;        /* bytes this rank sent to collectives */
     bool overlap_comm;          /* gradients reduced behind the next block's backward */
     double reduce_seconds;      /* the steps' time waiting for gradient reductions */
+    /* The optimizer's pipeline (offload_optimizer.pipeline_read): the sets it asked for
+     * while the one before was updated, and of those, the ones the tier had no room for
+     * beside it, fetched again alone when their turn came. */
+    uint64_t pipeline_ahead, pipeline_refetched;
 };
 
 struct trainer;
@@ -275,8 +279,13 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
                    unsigned char *out, size_t n);
 /* Test-only fault hook, off by default: in the next step, the optimizer's update of the
  * tensor with layout index `tensor` fails with -err (a positive errno) as if fetching it
- * had, after the tensors before it were updated. */
+ * had, after the tensors the optimizer takes before it were updated (it takes them from the
+ * last layout index to the first). */
 void trainer_fault_optimizer(struct trainer *t, int tensor, int err);
+/* Test-only: in the next step that reaches the optimizer, fn(t, arg) is called as its phase
+ * begins (to arm an IO fault on what the pipeline has in flight), once. */
+void trainer_fault_optimizer_begin(struct trainer *t, void (*fn)(struct trainer *t, unsigned arg),
+                                   unsigned arg);
 /* Test-only, fp16 runs: the next step's gradients count as overflowed. */
 void trainer_fault_overflow(struct trainer *t);
 zinf_engine *trainer_engine(struct trainer *t);

@@ -95,6 +95,8 @@ struct trainer {
     int checkpoints, checkpoint_step;
     bool checkpoint_failed;      /* the last trainer_checkpoint() failed */
     int fault_tensor, fault_err; /* trainer_fault_optimizer() */
+    void (*fault_begin)(struct trainer *t, unsigned arg); /* trainer_fault_optimizer_begin() */
+    unsigned fault_begin_arg;
     bool fault_overflow;         /* trainer_fault_overflow() */
     double checkpoint_seconds;
     uint64_t checkpoint_bytes;
@@ -145,6 +147,7 @@ struct trainer {
         void *after, *done;
     } rq[GPT_BLOCK_NSLOTS];
     uint64_t reduce_ns; /* the time steps waited for gradient reductions */
+    uint64_t opt_ahead, opt_refetched; /* trainer_summary.pipeline_ahead, _refetched */
     zinf_tensor zstate;     /* struct zero_state */
     float *tmp;             /* (world + 1) x the largest shard: collectives' other side */
     float *losses;          /* world x grad_accum: every micro-batch's loss */

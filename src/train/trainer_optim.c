@@ -7,6 +7,7 @@
  * Not here: the norm's sum across ranks and the reductions (trainer_shards.c), the loss
  * scaler (loss_scale.c), the AdamW kernels (adamw.c, kernels/).
  */
+#include <errno.h>
 #include <math.h>
 #include <string.h>
 
@@ -175,12 +176,96 @@ float train_clip_of(const struct trainer *t, double sumsq, double loss_scale, do
     return clip;
 }
 
-/* The update of step `step` (Adam's count) at rate lr, the gradients times scale. */
+/* ---- the optimizer's pipeline ------------------------------------------------------ */
+
+/* One tensor's set in the optimizer's pipeline: asked for (zinf_fetch_async, member by
+ * member) while the tensor before it is updated, taken (zinf_wait) when its turn comes. */
+struct opt_set {
+    int i; /* layout index; -1: nothing asked */
+    struct wave w;
+    uint64_t ticket[WAVE_MAX];
+    bool asked[WAVE_MAX]; /* a ticket was handed out (its pin is held) */
+};
+
+/* The order the optimizer takes the tensors in: the last layout index first, which is the
+ * order the backward finishes their gradients in (the last block's first, the embeddings'
+ * last). Each tensor's update is its own, so the order changes no bits. */
+static int opt_index(const struct trainer *t, int k)
+{
+    return t->ntensors - 1 - k;
+}
+
+/* Start fetching tensor i's set to tier without waiting. A member that cannot be asked
+ * for now (no room without waiting: -ENOMEM) is fetched when the set is taken. */
+static void opt_ask(struct trainer *t, int i, enum zinf_tier tier, struct opt_set *s)
+{
+    s->i = i;
+    train_wave_optimizer(t, i, &s->w);
+    for (int j = 0; j < s->w.n; j++)
+        s->asked[j] = zinf_fetch_async(t->e,
+                                       train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]),
+                                       tier, &s->ticket[j]) == 0;
+}
+
+/* Take set s: wait for every ticket, then fetch what was not asked for. Where the tier has
+ * no room for a member (the set ahead was asked for while another was pinned, and the room
+ * is fragmented or held), every pin the set took is dropped and the set is fetched again as
+ * one (zinf_fetch_all: with nothing else pinned it fits, as the budget check promised). On
+ * any other error nothing of the set stays pinned. ptrs[] as train_wave_fetch's. */
+static int opt_take(struct trainer *t, struct opt_set *s, enum zinf_tier tier, void **ptrs)
+{
+    void *m[WAVE_MAX];
+    bool got[WAVE_MAX];
+    int r = 0;
+    for (int j = 0; j < s->w.n; j++) {
+        int x = -ENOENT;
+        if (s->asked[j]) x = zinf_wait(t->e, s->ticket[j], &m[j]);
+        s->asked[j] = false;
+        if (x == -ENOENT && (r == 0 || r == -ENOMEM))
+            x = zinf_fetch(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]), tier,
+                           &m[j]);
+        got[j] = x == 0;
+        if (x < 0 && (r == 0 || r == -ENOMEM)) r = x;
+    }
+    if (r < 0) {
+        for (int j = 0; j < s->w.n; j++)
+            if (got[j])
+                zinf_release(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]),
+                             tier, 0);
+        if (r != -ENOMEM) return r;
+        t->opt_refetched++;
+        return train_wave_fetch(t, &s->w, tier, ptrs);
+    }
+    for (int j = 0; j < s->w.ne; j++)
+        ptrs[j] = m[s->w.at[j]];
+    return 0;
+}
+
+/* Drop a set asked for and never taken (the step failed before its turn). */
+static void opt_drop(struct trainer *t, struct opt_set *s, enum zinf_tier tier)
+{
+    for (int j = 0; s->i >= 0 && j < s->w.n; j++) {
+        void *ptr;
+        if (s->asked[j] && zinf_wait(t->e, s->ticket[j], &ptr) == 0)
+            zinf_release(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]), tier,
+                         0);
+        s->asked[j] = false;
+    }
+    s->i = -1;
+}
+
+/* The update of step `step` (Adam's count) at rate lr, the gradients times scale. With
+ * offload_optimizer.pipeline_read (on unless the config turns it off) the next tensor's
+ * set is fetched while this one is updated; the one before is written back behind them by
+ * the engine (write-behind), so reading, updating and writing run at once. */
 int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t *digest)
 {
     struct adamw_hparams h;
     enum zinf_tier tier = t->opt_tier;
     bool mixed = t->w != t->p;
+    /* GPU ranks below stage 3 gather the update through per-slot buffers that consecutive
+     * sets may share: one set at a time there. */
+    bool ahead = t->zc.zero.offload_optimizer.pipeline_read && !t->gpu_ranks;
     int r = 0;
 
     adamw_hparams_defaults(&h);
@@ -192,12 +277,26 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
     h.eps = t->o.eps;
     h.l2 = t->o.optimizer == TRAINER_OPT_ADAM_L2;
     h.no_bias_correction = t->o.no_bias_correction;
-    for (int i = 0; i < t->ntensors && r == 0; i++) {
-        struct wave w;
+    struct opt_set sets[2] = {{.i = -1}, {.i = -1}};
+    if (t->fault_begin) {
+        t->fault_begin(t, t->fault_begin_arg);
+        t->fault_begin = NULL;
+    }
+    for (int k = 0; k < t->ntensors && r == 0; k++) {
+        int i = opt_index(t, k);
+        struct opt_set *cur = &sets[k & 1], *next = &sets[(k + 1) & 1];
         void *p[WAVE_MAX];
         uint64_t s0 = trace_on() ? now_ns() : 0;
-        train_wave_optimizer(t, i, &w);
-        if ((r = train_wave_fetch(t, &w, tier, p)) < 0) break;
+        if (cur->i != i) opt_ask(t, i, tier, cur);
+        r = opt_take(t, cur, tier, p);
+        cur->i = -1;
+        if (r < 0) break;
+        /* The next set is asked for only now: while this one was taken, nothing else of the
+         * step was pinned, so its fallback (the set fetched as one) always fits. */
+        if (ahead && k + 1 < t->ntensors) {
+            opt_ask(t, opt_index(t, k + 1), tier, next);
+            t->opt_ahead++;
+        }
         if (t->fault_err && i == t->fault_tensor) {
             r = -t->fault_err; /* as if fetching had failed */
             t->fault_err = 0;
@@ -212,12 +311,14 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
                            &h, step, scale);
             if (r == 0 && t->o.digest) r = digest_tensor(t, i, p, digest);
         }
-        train_wave_release(t, &w, tier, r == 0);
+        train_wave_release(t, &cur->w, tier, r == 0);
         if (s0)
             trace_span("train", "optimizer", s0, t->desc[i].name,
                        tier == ZINF_TIER_DEVICE ? "on the device" : "on the host",
                        (int64_t)train_role_bytes(t, R_P, i));
         train_note_peaks(t);
     }
+    opt_drop(t, &sets[0], tier);
+    opt_drop(t, &sets[1], tier);
     return r;
 }
