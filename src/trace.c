@@ -353,6 +353,7 @@ int trace_start(const char *path)
             (int)getpid());
     wr_stop = false;
     int r = -pthread_create(&writer, NULL, writer_main, NULL);
+    if (r == 0) pthread_setname_np(writer, "zinf-trace");
     if (r) {
         fclose(out);
         out = NULL;

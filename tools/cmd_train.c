@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <jansson.h>
 #include <fcntl.h>
+#include <dirent.h>
 #include <getopt.h>
 #include <math.h>
 #include <pthread.h>
@@ -445,6 +446,66 @@ static void print_settings(const struct trainer_opts *o, const struct train_conf
 static double timeval_diff_s(const struct timeval *a, const struct timeval *b)
 {
     return (double)(b->tv_sec - a->tv_sec) + (double)(b->tv_usec - a->tv_usec) * 1e-6;
+}
+
+/* The CPU seconds this process's threads have used, summed by thread name (the engine
+ * names its own: zinf-copy, zinf-reap, zinf-io, zinf-comm, zinf-trace), from
+ * /proc/self/task. A thread
+ * that ended takes its time with it: per step, the deltas of the threads that live on. */
+#define CPU_NAMES 8
+struct cpu_names {
+    int n;
+    char name[CPU_NAMES][16];
+    double s[CPU_NAMES];
+};
+
+static void cpu_by_thread(struct cpu_names *c)
+{
+    static long tck;
+    if (!tck) tck = sysconf(_SC_CLK_TCK);
+    for (int k = 0; k < c->n; k++)
+        c->s[k] = 0;
+    DIR *d = opendir("/proc/self/task");
+    if (!d || tck <= 0) {
+        if (d) closedir(d);
+        return;
+    }
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        char path[300], buf[512];
+        if (de->d_name[0] == '.') continue;
+        snprintf(path, sizeof(path), "/proc/self/task/%s/stat", de->d_name);
+        FILE *f = fopen(path, "r");
+        if (!f) continue; /* ended meanwhile */
+        size_t len = fread(buf, 1, sizeof(buf) - 1, f);
+        fclose(f);
+        buf[len] = 0;
+        char *open = strchr(buf, '('), *close = strrchr(buf, ')');
+        unsigned long long ut, st;
+        if (!open || !close || close < open ||
+            sscanf(close + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
+            continue;
+        /* The engine's threads by their names; io_uring's kernel workers (iou-*) as one; the
+         * rest (the main thread and the compute threads) as "compute". */
+        char name[16];
+        size_t nl = (size_t)(close - open - 1);
+        if (nl > 5 && !strncmp(open + 1, "zinf-", 5))
+            snprintf(name, sizeof(name), "%.*s", (int)MIN(nl, sizeof(name) - 1), open + 1);
+        else
+            snprintf(name, sizeof(name), "%s", !strncmp(open + 1, "iou-", 4) ? "io_uring" : "compute");
+        int k = 0;
+        while (k < c->n && strcmp(c->name[k], name)) k++;
+        if (k == c->n) {
+            if (c->n < CPU_NAMES) {
+                snprintf(c->name[c->n], sizeof(c->name[0]), "%s", name);
+                c->s[c->n++] = 0;
+            } else {
+                k = CPU_NAMES - 1; /* more names than slots: the last one takes the rest */
+            }
+        }
+        c->s[k] += (double)(ut + st) / (double)tck;
+    }
+    closedir(d);
 }
 
 static const char *format_eta(double s, char *buf, size_t len)
@@ -1042,6 +1103,7 @@ int cmd_train(int argc, char **argv)
 
     int ran = 0;
     double ran_seconds = 0;
+    struct cpu_names cpu_names = {0};
     double blocked_s[5] = {0}; /* blocked in fetch; of it nvme, copy, room, pin */
     while (trainer_next_step(t) <= o.steps) {
         /* Every rank stops after the same step (a signal reaches each at its own time). */
@@ -1051,9 +1113,16 @@ int cmd_train(int argc, char **argv)
         }
         struct trainer_step_stats st;
         struct rusage ru0, ru1;
+        struct cpu_names c0 = cpu_names, c1 = cpu_names;
+        if (log) cpu_by_thread(&c0);
         getrusage(RUSAGE_SELF, &ru0);
         r = trainer_step(t, &st);
         getrusage(RUSAGE_SELF, &ru1);
+        if (log) {
+            c1 = c0;
+            cpu_by_thread(&c1);
+            cpu_names = c1;
+        }
         if (r < 0) {
             fprintf(stderr, "zinf train: step %d failed: %s%s\n", trainer_next_step(t),
                     zinf_strerror(r),
@@ -1112,6 +1181,13 @@ int cmd_train(int argc, char **argv)
             json_num(log, "lr", st.lr, true);
             json_num(log, "cpu_user_s", timeval_diff_s(&ru0.ru_utime, &ru1.ru_utime), false);
             json_num(log, "cpu_sys_s", timeval_diff_s(&ru0.ru_stime, &ru1.ru_stime), false);
+            fprintf(log, ",\"cpu_by_thread\":{");
+            for (int k = 0; k < c1.n; k++) {
+                fprintf(log, "%s\"%s\":", k ? "," : "", c1.name[k]);
+                /* a name first seen after the step began started from nothing */
+                fprintf(log, "%.3f", c1.s[k] - (k < c0.n ? c0.s[k] : 0));
+            }
+            fprintf(log, "}");
             if (st.have_digest)
                 fprintf(log, ",\"digest\":\"%016llx\"}\n", (unsigned long long)st.digest);
             else

@@ -238,6 +238,7 @@ int comm_open(const struct comm_opts *o, struct comm **out)
     if (r == 0) {
         r = -pthread_create(&c->worker, NULL, worker_main, c);
         c->worker_up = r == 0;
+        if (r == 0) pthread_setname_np(c->worker, "zinf-comm");
     }
     if (r < 0) {
         if (c->shm) shm_fail(c->shm, "a rank could not open the communicator");

@@ -58,6 +58,10 @@
  *     a flush); never dropped, never loaded into.
  *   written back (wb_inflight): one of those readers is its write-back to the home; at most
  *     one per tensor. evicting: it is dropped when that write-back lands, if still unpinned.
+ *     A write-back starts when the copy must be evicted (evicting), at a flush, or at the
+ *     DIRTY release that left it unpinned when the learned step says it will be evicted
+ *     before its next use (write-behind: sched_write_behind); the copy stays READY and
+ *     valid meanwhile, and a newer version made during it leaves the home stale.
  *   wb_failed_version/epoch: that write-back failed; eviction passes over it until the
  *     next call that makes room (or a new version).
  * Refinements of LOADING and READY:
@@ -216,6 +220,10 @@ struct zinf_engine {
     uint64_t prefetch_budget_bytes;
     bool prefetch_one_ahead; /* default budget: one tensor may always run ahead */
     bool write_behind;       /* sched_write_behind() may start write-backs at release */
+    /* A write-back landed: its copy is clean, so a prefetch the schedule gave up on (a hint
+     * never waits for a write-back) may find room now. The completion that sees it set
+     * resumes the schedule's prefetches once it is done with its own state. */
+    bool prefetch_kick;
     char **nvme_dirs;
     unsigned nvme_ndirs;
 

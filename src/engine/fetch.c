@@ -150,6 +150,7 @@ static void wb_done(struct xfer *x, int err)
             t->c[t->home].version = x->version;
         }
         e->st.tier[a->tier].writebacks++;
+        e->prefetch_kick = true;
         undo_settle(e, t); /* the home holds the content now: images may go */
         if (c->evicting) {
             c->evicting = false;

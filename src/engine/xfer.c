@@ -131,6 +131,14 @@ static void xfer_trace(struct xfer *x, int err)
     }
 }
 
+/* After a completion: the prefetches a landed write-back may have made room for. */
+static void prefetch_resume(struct zinf_engine *e)
+{
+    if (!e->prefetch_kick) return;
+    e->prefetch_kick = false;
+    sched_prefetch(e);
+}
+
 static void xfer_finish(struct xfer *x, int err)
 {
     struct zinf_engine *e = x->e;
@@ -164,6 +172,7 @@ static void req_cb(struct uring_req *req, int res)
     struct zinf_engine *e = x->e;
     pthread_mutex_lock(&e->lock);
     xfer_finish(x, res);
+    prefetch_resume(e);
     pthread_mutex_unlock(&e->lock);
 }
 
@@ -173,6 +182,7 @@ static void dc_cb(struct device_copy *c, int res)
     struct zinf_engine *e = x->e;
     pthread_mutex_lock(&e->lock);
     xfer_finish(x, res);
+    prefetch_resume(e);
     pthread_mutex_unlock(&e->lock);
 }
 
@@ -213,6 +223,7 @@ static void chunk_done(struct slot *s, int res)
         xfer_finish(x, x->err);
     }
     stage_pump(e);
+    prefetch_resume(e);
 }
 
 static void leg2_req_cb(struct uring_req *req, int res)

@@ -548,6 +548,7 @@ static int setup_io_uring(struct uring *u)
             return -r;
         }
         rg->reaper_up = true;
+        pthread_setname_np(rg->reaper, "zinf-reap");
     }
     return 0;
 }
@@ -563,6 +564,7 @@ static int setup_threads(struct uring *u)
         int r = pthread_create(&u->workers[u->nworkers], NULL, worker_main, u);
         if (r)
             return -r;
+        pthread_setname_np(u->workers[u->nworkers], "zinf-io");
     }
     return 0;
 }

@@ -530,6 +530,7 @@ static int start_thread(struct device *d, void *(*fn)(void *))
         log_error("device: cannot start a copy thread: %s", strerror(r));
         return -r;
     }
+    pthread_setname_np(d->threads[d->nthreads], "zinf-copy");
     d->nthreads++;
     return 0;
 }

@@ -756,6 +756,7 @@ void trainer_close(struct trainer *t)
     free(t->part);
     free(t->part_all);
     free(t->lamb_sums);
+    free(t->osets);
     free(t->lamb_all);
     free(t->losses);
     free(t->tmp);

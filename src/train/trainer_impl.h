@@ -148,6 +148,14 @@ struct trainer {
     } rq[GPT_BLOCK_NSLOTS];
     uint64_t reduce_ns; /* the time steps waited for gradient reductions */
     uint64_t opt_ahead, opt_refetched; /* trainer_summary.pipeline_ahead, _refetched */
+    /* The optimizer's sets by the position it takes them in (trainer_optim.c): those asked
+     * for ahead, the first `opt_pre` of them during the backward (their parameters and
+     * Adam states, opt_pre_bytes in all, within opt_room). */
+    struct opt_set *osets;
+    int opt_pre;
+    uint64_t opt_pre_bytes, opt_room;
+    bool opt_room_known;
+    bool last_micro; /* the step's last micro-batch runs: its backward asks ahead */
     zinf_tensor zstate;     /* struct zero_state */
     float *tmp;             /* (world + 1) x the largest shard: collectives' other side */
     float *losses;          /* world x grad_accum: every micro-batch's loss */
@@ -212,6 +220,10 @@ void train_note_peaks(struct trainer *t);
 
 /* trainer_tensors.c: the tensors' sizes, their registration, the budgets */
 size_t train_role_bytes(const struct trainer *t, enum role role, int idx);
+/* What fetching w's members of the roles in the mask (bit 1 << role) to tier allocates
+ * there: those not homed in it, each rounded up to 4 KiB. */
+uint64_t train_wave_need(const struct trainer *t, const struct wave *w, enum zinf_tier tier,
+                         unsigned roles);
 void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
                        const char *what[MEM_TIERS]);
 int train_check_budgets(struct trainer *t, char *err, size_t errlen);
@@ -262,6 +274,11 @@ int train_digest_across(struct trainer *t, uint64_t *d);
 float train_clip_of(const struct trainer *t, double sumsq, double loss_scale, double *norm,
                     float *grad_scale);
 int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t *digest);
+/* During the backward, `done` of `of` blocks through: ask for the parameters and Adam
+ * states of the optimizer's first sets, up to that share of the host tier's spare room. */
+void train_optimizer_ahead(struct trainer *t, int done, int of);
+/* Drop the sets asked for ahead (a step that fails or skips its update). */
+void train_optimizer_drop(struct trainer *t);
 
 /* trainer_resume.c: the saved state, the run a resume goes to, the re-cut, the crashes */
 int train_state_check(struct trainer *t, char *err, size_t errlen);

@@ -9,6 +9,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "comm/comm.h"
@@ -179,13 +180,17 @@ float train_clip_of(const struct trainer *t, double sumsq, double loss_scale, do
 /* ---- the optimizer's pipeline ------------------------------------------------------ */
 
 /* One tensor's set in the optimizer's pipeline: asked for (zinf_fetch_async, member by
- * member) while the tensor before it is updated, taken (zinf_wait) when its turn comes. */
+ * member) ahead of its turn, taken (zinf_wait) when its turn comes. */
 struct opt_set {
     int i; /* layout index; -1: nothing asked */
     struct wave w;
     uint64_t ticket[WAVE_MAX];
     bool asked[WAVE_MAX]; /* a ticket was handed out (its pin is held) */
 };
+
+/* The members the backward leaves alone: asked for while it runs. (The gradient is still
+ * being written on the device, and a pin on its host copy would refuse that release.) */
+#define PRE_ROLES (1u << R_P | 1u << R_M | 1u << R_V)
 
 /* The order the optimizer takes the tensors in: the last layout index first, which is the
  * order the backward finishes their gradients in (the last block's first, the embeddings'
@@ -195,25 +200,64 @@ static int opt_index(const struct trainer *t, int k)
     return t->ntensors - 1 - k;
 }
 
-/* Start fetching tensor i's set to tier without waiting. A member that cannot be asked
- * for now (no room without waiting: -ENOMEM) is fetched when the set is taken. */
-static void opt_ask(struct trainer *t, int i, enum zinf_tier tier, struct opt_set *s)
+/* Whether the optimizer reads ahead: pipeline_read, with its sets on the host. (On GPU
+ * ranks below stage 3 it gathers the update through per-slot buffers that consecutive sets
+ * may share; with the states on the device, its sets would take the backward's room.) */
+static bool opt_pipelined(const struct trainer *t)
 {
-    s->i = i;
-    train_wave_optimizer(t, i, &s->w);
-    for (int j = 0; j < s->w.n; j++)
-        s->asked[j] = zinf_fetch_async(t->e,
-                                       train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]),
-                                       tier, &s->ticket[j]) == 0;
+    return t->zc.zero.offload_optimizer.pipeline_read && !t->gpu_ranks && t->osets;
 }
 
-/* Take set s: wait for every ticket, then fetch what was not asked for. Where the tier has
- * no room for a member (the set ahead was asked for while another was pinned, and the room
- * is fragmented or held), every pin the set took is dropped and the set is fetched again as
- * one (zinf_fetch_all: with nothing else pinned it fits, as the budget check promised). On
- * any other error nothing of the set stays pinned. ptrs[] as train_wave_fetch's. */
-static int opt_take(struct trainer *t, struct opt_set *s, enum zinf_tier tier, void **ptrs)
+/* Ask for the members of tensor i's set whose roles are in the mask and that are not asked
+ * for yet, without waiting. A member that cannot be asked for now (no room without
+ * waiting: -ENOMEM) is fetched when the set is taken. */
+static void opt_ask(struct trainer *t, int i, enum zinf_tier tier, struct opt_set *s,
+                    unsigned roles)
 {
+    if (s->i != i) {
+        s->i = i;
+        train_wave_optimizer(t, i, &s->w);
+        memset(s->asked, 0, sizeof(s->asked));
+    }
+    for (int j = 0; j < s->w.n; j++)
+        if (!s->asked[j] && (roles >> s->w.role[j] & 1))
+            s->asked[j] = zinf_fetch_async(t->e,
+                                           train_wave_handle(t, (enum role)s->w.role[j],
+                                                             s->w.idx[j]),
+                                           tier, &s->ticket[j]) == 0;
+}
+
+/* Drop a set asked for and never taken (the step failed before its turn, or the tier
+ * needs its room). */
+static void opt_drop(struct trainer *t, struct opt_set *s, enum zinf_tier tier)
+{
+    for (int j = 0; s->i >= 0 && j < s->w.n; j++) {
+        void *ptr;
+        if (s->asked[j] && zinf_wait(t->e, s->ticket[j], &ptr) == 0)
+            zinf_release(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]), tier,
+                         0);
+        s->asked[j] = false;
+    }
+    s->i = -1;
+}
+
+void train_optimizer_drop(struct trainer *t)
+{
+    for (int k = 0; t->osets && k < t->ntensors; k++)
+        opt_drop(t, &t->osets[k], t->opt_tier);
+    t->opt_pre = 0;
+    t->opt_pre_bytes = 0;
+}
+
+/* Take the set at position k: wait for every ticket, then fetch what was not asked for.
+ * Where the tier has no room for a member (the sets ahead hold it, or it is fragmented),
+ * every pin the set took is dropped, and so are the sets asked for after it, and the set
+ * is fetched again as one (zinf_fetch_all: with nothing else pinned it fits, as the budget
+ * check promised). On any other error nothing of the set stays pinned. ptrs[] as
+ * train_wave_fetch's. */
+static int opt_take(struct trainer *t, int k, enum zinf_tier tier, void **ptrs)
+{
+    struct opt_set *s = &t->osets[k];
     void *m[WAVE_MAX];
     bool got[WAVE_MAX];
     int r = 0;
@@ -227,12 +271,15 @@ static int opt_take(struct trainer *t, struct opt_set *s, enum zinf_tier tier, v
         got[j] = x == 0;
         if (x < 0 && (r == 0 || r == -ENOMEM)) r = x;
     }
+    s->i = -1;
     if (r < 0) {
         for (int j = 0; j < s->w.n; j++)
             if (got[j])
                 zinf_release(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]),
                              tier, 0);
         if (r != -ENOMEM) return r;
+        for (int j = k + 1; j < t->ntensors; j++)
+            opt_drop(t, &t->osets[j], tier);
         t->opt_refetched++;
         return train_wave_fetch(t, &s->w, tier, ptrs);
     }
@@ -241,33 +288,63 @@ static int opt_take(struct trainer *t, struct opt_set *s, enum zinf_tier tier, v
     return 0;
 }
 
-/* Drop a set asked for and never taken (the step failed before its turn). */
-static void opt_drop(struct trainer *t, struct opt_set *s, enum zinf_tier tier)
+/* The room the sets asked for during the backward may take: the optimizer tier's capacity
+ * less its homes and two of the largest sets (the one updated and the one ahead). */
+static uint64_t opt_room(struct trainer *t)
 {
-    for (int j = 0; s->i >= 0 && j < s->w.n; j++) {
-        void *ptr;
-        if (s->asked[j] && zinf_wait(t->e, s->ticket[j], &ptr) == 0)
-            zinf_release(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]), tier,
-                         0);
-        s->asked[j] = false;
+    if (t->opt_room_known) return t->opt_room;
+    struct zinf_stats st;
+    uint64_t need[MEM_TIERS], homes[MEM_TIERS], most = 0;
+    const char *what[MEM_TIERS];
+    t->opt_room_known = true;
+    t->opt_room = 0;
+    if (zinf_stats(t->e, &st) < 0) return 0;
+    train_min_budgets(t, need, homes, what);
+    for (int i = 0; i < t->ntensors; i++) {
+        struct wave w;
+        train_wave_optimizer(t, i, &w);
+        most = MAX(most, train_wave_need(t, &w, t->opt_tier, ~0u));
     }
-    s->i = -1;
+    uint64_t cap = st.tier[t->opt_tier].capacity_bytes, keep = homes[t->opt_tier] + 2 * most;
+    t->opt_room = cap > keep ? cap - keep : 0;
+    return t->opt_room;
+}
+
+void train_optimizer_ahead(struct trainer *t, int done, int of)
+{
+    if (!opt_pipelined(t) || t->opt_tier != ZINF_TIER_HOST || of < 1) return;
+    /* Spread over the backward, so that its own reads are not queued behind them all. */
+    uint64_t goal = (uint64_t)((double)opt_room(t) * MIN(done, of) / of);
+    while (t->opt_pre < t->ntensors) {
+        struct opt_set *s = &t->osets[t->opt_pre];
+        int i = opt_index(t, t->opt_pre);
+        struct wave w;
+        train_wave_optimizer(t, i, &w);
+        uint64_t b = train_wave_need(t, &w, ZINF_TIER_HOST, PRE_ROLES);
+        if (t->opt_pre_bytes + b > goal) break;
+        opt_ask(t, i, ZINF_TIER_HOST, s, PRE_ROLES);
+        t->opt_pre_bytes += b;
+        t->opt_pre++;
+    }
 }
 
 /* The update of step `step` (Adam's count) at rate lr, the gradients times scale. With
- * offload_optimizer.pipeline_read (on unless the config turns it off) the next tensor's
- * set is fetched while this one is updated; the one before is written back behind them by
- * the engine (write-behind), so reading, updating and writing run at once. */
+ * offload_optimizer.pipeline_read (on unless the config turns it off), the first sets'
+ * parameters and Adam states were asked for during the backward (train_optimizer_ahead),
+ * and each next set is asked for while one is updated; the one before is written back
+ * behind them by the engine (write-behind), so reading, updating and writing run at once. */
 int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t *digest)
 {
     struct adamw_hparams h;
     enum zinf_tier tier = t->opt_tier;
-    bool mixed = t->w != t->p;
-    /* GPU ranks below stage 3 gather the update through per-slot buffers that consecutive
-     * sets may share: one set at a time there. */
-    bool ahead = t->zc.zero.offload_optimizer.pipeline_read && !t->gpu_ranks;
+    bool mixed = t->w != t->p, ahead = opt_pipelined(t);
     int r = 0;
 
+    if (!t->osets) {
+        if (!(t->osets = calloc((size_t)t->ntensors, sizeof(*t->osets)))) return -ENOMEM;
+        for (int k = 0; k < t->ntensors; k++)
+            t->osets[k].i = -1;
+    }
     adamw_hparams_defaults(&h);
     double b1, b2;
     trainer_betas_at(&t->o.sched, t->o.beta1, t->o.beta2, step, &b1, &b2);
@@ -277,24 +354,21 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
     h.eps = t->o.eps;
     h.l2 = t->o.optimizer == TRAINER_OPT_ADAM_L2;
     h.no_bias_correction = t->o.no_bias_correction;
-    struct opt_set sets[2] = {{.i = -1}, {.i = -1}};
     if (t->fault_begin) {
         t->fault_begin(t, t->fault_begin_arg);
         t->fault_begin = NULL;
     }
     for (int k = 0; k < t->ntensors && r == 0; k++) {
         int i = opt_index(t, k);
-        struct opt_set *cur = &sets[k & 1], *next = &sets[(k + 1) & 1];
         void *p[WAVE_MAX];
         uint64_t s0 = trace_on() ? now_ns() : 0;
-        if (cur->i != i) opt_ask(t, i, tier, cur);
-        r = opt_take(t, cur, tier, p);
-        cur->i = -1;
+        opt_ask(t, i, tier, &t->osets[k], ~0u);
+        r = opt_take(t, k, tier, p);
         if (r < 0) break;
-        /* The next set is asked for only now: while this one was taken, nothing else of the
-         * step was pinned, so its fallback (the set fetched as one) always fits. */
+        /* The next set is completed only now: while this one was taken, only sets asked
+         * for ahead were pinned beside it, and its fallback drops them. */
         if (ahead && k + 1 < t->ntensors) {
-            opt_ask(t, opt_index(t, k + 1), tier, next);
+            opt_ask(t, opt_index(t, k + 1), tier, &t->osets[k + 1], ~0u);
             t->opt_ahead++;
         }
         if (t->fault_err && i == t->fault_tensor) {
@@ -311,14 +385,13 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
                            &h, step, scale);
             if (r == 0 && t->o.digest) r = digest_tensor(t, i, p, digest);
         }
-        train_wave_release(t, &cur->w, tier, r == 0);
+        train_wave_release(t, &t->osets[k].w, tier, r == 0);
         if (s0)
             trace_span("train", "optimizer", s0, t->desc[i].name,
                        tier == ZINF_TIER_DEVICE ? "on the device" : "on the host",
                        (int64_t)train_role_bytes(t, R_P, i));
         train_note_peaks(t);
     }
-    opt_drop(t, &sets[0], tier);
-    opt_drop(t, &sets[1], tier);
+    train_optimizer_drop(t);
     return r;
 }

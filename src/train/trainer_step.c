@@ -473,6 +473,7 @@ int train_backward(struct trainer *t, bool zero, bool norm)
         if (s0) trace_span_n("train", "block backward", k, s0);
         if (r < 0) goto out;
         train_note_peaks(t);
+        if (t->last_micro) train_optimizer_ahead(t, t->cfg.L - k, t->cfg.L);
     }
 
     /* The embeddings: g_wte already holds the head's share. */
@@ -515,6 +516,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         double ss;
         train_load_batch(t, step, t->rank * K + m); /* rank r's are the micro-batches after r's */
         t->micro = m;
+        t->last_micro = m == K - 1;
         TRY(t->be->ops->set_batch(t->be, t->tokens, t->targets));
         TRY(train_forward(t));
         TRY(train_head(t, first, last, true));
@@ -593,6 +595,8 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     };
 out:
     trace_span_n("train", "step", step, t0);
+    t->last_micro = false;
+    train_optimizer_drop(t); /* sets asked for ahead that a failure or a skip left */
     if (r < 0) {
         /* A failed step leaves no half-summed norm behind for the next one. */
         float l;

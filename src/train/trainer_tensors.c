@@ -89,9 +89,15 @@ static int slot_tensor(const struct trainer *t, int s)
  * tiers allocate. */
 static uint64_t wave_need(const struct trainer *t, const struct wave *w, enum zinf_tier tier)
 {
+    return train_wave_need(t, w, tier, ~0u);
+}
+
+uint64_t train_wave_need(const struct trainer *t, const struct wave *w, enum zinf_tier tier,
+                         unsigned roles)
+{
     uint64_t need = 0;
     for (int i = 0; i < w->n; i++)
-        if (role_home(t, (enum role)w->role[i], w->idx[i]) != tier)
+        if ((roles >> w->role[i] & 1) && role_home(t, (enum role)w->role[i], w->idx[i]) != tier)
             need += align_up(train_role_bytes(t, (enum role)w->role[i], w->idx[i]), ZINF_ALIGN);
     return need;
 }
