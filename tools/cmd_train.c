@@ -1254,6 +1254,10 @@ int cmd_train(int argc, char **argv)
            "it held room for\n",
            sum.steps_done, format_size(sum.model_state_bytes, a, sizeof(a)),
            (unsigned long long)sum.compactions);
+    if (sum.pipeline_ahead)
+        printf("#   the optimizer read %llu sets ahead (%llu of its sets were read again alone, "
+               "finding no room beside the others)\n",
+               (unsigned long long)sum.pipeline_ahead, (unsigned long long)sum.pipeline_refetched);
     /* Where the time blocked in fetch went: the largest of the four, named. */
     static const char *const stall_names[4] = {"NVMe reads", "copies between host and device",
                                                "room (write-backs before evictions)",
@@ -1294,14 +1298,15 @@ int cmd_train(int argc, char **argv)
                 "\"device_scratch_bytes\":%llu,"
                 "\"checkpoint_step\":%d,\"interrupted\":%s,\"failed\":%s,\"compactions\":%llu,"
                 "\"min_device_bytes\":%llu,\"min_host_bytes\":%llu,\"steps_run\":%d,"
-                "\"skipped_steps\":%lld",
+                "\"skipped_steps\":%lld,\"pipeline_ahead\":%llu,\"pipeline_refetched\":%llu",
                 sum.steps_done, (unsigned long long)sum.model_state_bytes,
                 (unsigned long long)sum.param_count, sum.backend, sum.precision,
                 (unsigned long long)sum.backend_work_bytes,
                 (unsigned long long)sum.device_scratch_bytes, sum.checkpoint_step,
                 stop_requested ? "true" : "false", status != 0 && status < 128 ? "true" : "false",
                 (unsigned long long)sum.compactions, (unsigned long long)sum.min_budget[0],
-                (unsigned long long)sum.min_budget[1], ran, (long long)sum.skipped_steps);
+                (unsigned long long)sum.min_budget[1], ran, (long long)sum.skipped_steps,
+                (unsigned long long)sum.pipeline_ahead, (unsigned long long)sum.pipeline_refetched);
         json_num(log, "train_seconds", ran_seconds, false);
         json_num(log, "mean_tokens_per_s", mean_tps, false);
         json_num(log, "loss_scale", sum.loss_scale, false);

@@ -205,7 +205,18 @@ static int opt_index(const struct trainer *t, int k)
  * may share; with the states on the device, its sets would take the backward's room.) */
 static bool opt_pipelined(const struct trainer *t)
 {
-    return t->zc.zero.offload_optimizer.pipeline_read && !t->gpu_ranks && t->osets;
+    return t->zc.zero.offload_optimizer.pipeline_read && !t->gpu_ranks;
+}
+
+/* The sets by position, made at the first use (of the first step's backward, so that every
+ * step fetches alike and the engine's learned schedule holds from the first). */
+static int opt_sets(struct trainer *t)
+{
+    if (t->osets) return 0;
+    if (!(t->osets = calloc((size_t)t->ntensors, sizeof(*t->osets)))) return -ENOMEM;
+    for (int k = 0; k < t->ntensors; k++)
+        t->osets[k].i = -1;
+    return 0;
 }
 
 /* Ask for the members of tensor i's set whose roles are in the mask and that are not asked
@@ -312,7 +323,7 @@ static uint64_t opt_room(struct trainer *t)
 
 void train_optimizer_ahead(struct trainer *t, int done, int of)
 {
-    if (!opt_pipelined(t) || t->opt_tier != ZINF_TIER_HOST || of < 1) return;
+    if (!opt_pipelined(t) || t->opt_tier != ZINF_TIER_HOST || of < 1 || opt_sets(t) < 0) return;
     /* Spread over the backward, so that its own reads are not queued behind them all. */
     uint64_t goal = (uint64_t)((double)opt_room(t) * MIN(done, of) / of);
     while (t->opt_pre < t->ntensors) {
@@ -340,11 +351,7 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
     bool mixed = t->w != t->p, ahead = opt_pipelined(t);
     int r = 0;
 
-    if (!t->osets) {
-        if (!(t->osets = calloc((size_t)t->ntensors, sizeof(*t->osets)))) return -ENOMEM;
-        for (int k = 0; k < t->ntensors; k++)
-            t->osets[k].i = -1;
-    }
+    if ((r = opt_sets(t)) < 0) return r;
     adamw_hparams_defaults(&h);
     double b1, b2;
     trainer_betas_at(&t->o.sched, t->o.beta1, t->o.beta2, step, &b1, &b2);
