@@ -738,10 +738,12 @@ static void pipe_run(const char *tag, const char *offload, const char *dev, cons
     FILE *f = fopen(cfg, "w");
     cr_assert_not_null(f);
     fprintf(f,
-            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"%s\", \"nvme_path\": \"%s\"},"
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"%s\", "
+            "\"nvme_path\": \"%s\"},"
             " \"offload_optimizer\": {\"device\": \"%s\", \"nvme_path\": \"%s\"%s}},"
             " \"aio\": {\"block_size\": 65536, \"queue_depth\": 8},"
-            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"%s\", \"host_bytes\": \"%s\"}}",
+            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"%s\","
+            " \"host_bytes\": \"%s\"}}",
             offload, swap, offload, swap, extra, dev, host);
     fclose(f);
     struct trainer_opts o = small_model(cfg);

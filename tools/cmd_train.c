@@ -483,7 +483,8 @@ static void cpu_by_thread(struct cpu_names *c)
         char *open = strchr(buf, '('), *close = strrchr(buf, ')');
         unsigned long long ut, st;
         if (!open || !close || close < open ||
-            sscanf(close + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut, &st) != 2)
+            sscanf(close + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &ut,
+                   &st) != 2)
             continue;
         /* The engine's threads by their names; io_uring's kernel workers (iou-*) as one; the
          * rest (the main thread and the compute threads) as "compute". */
@@ -492,7 +493,8 @@ static void cpu_by_thread(struct cpu_names *c)
         if (nl > 5 && !strncmp(open + 1, "zinf-", 5))
             snprintf(name, sizeof(name), "%.*s", (int)MIN(nl, sizeof(name) - 1), open + 1);
         else
-            snprintf(name, sizeof(name), "%s", !strncmp(open + 1, "iou-", 4) ? "io_uring" : "compute");
+            snprintf(name, sizeof(name), "%s",
+                     !strncmp(open + 1, "iou-", 4) ? "io_uring" : "compute");
         int k = 0;
         while (k < c->n && strcmp(c->name[k], name)) k++;
         if (k == c->n) {

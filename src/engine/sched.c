@@ -107,7 +107,6 @@ void sched_on_step(struct zinf_engine *e)
 {
     struct sched *s = &e->sched;
 
-
     if (s->replaying) {
         if (s->pos == s->len) {
             s->pos = 0;
@@ -185,7 +184,8 @@ bool sched_write_behind(struct zinf_engine *e, const struct tensor *t, int tier)
 {
     struct sched *s = &e->sched;
     uint64_t ev = t->evicted_step[tier];
-    if (!e->write_behind || !s->replaying || s->len == 0 || !ev || ev + 1 < e->st.steps + 1) return false;
+    if (!e->write_behind || !s->replaying || s->len == 0 || !ev || ev < e->st.steps)
+        return false; /* off, not learned, or not evicted in this step or the last */
     uint64_t d = sched_distance(e, t->index, tier);
     return d == UINT64_MAX || d >= s->len - MIN(s->pos, s->len);
 }
