@@ -90,6 +90,9 @@ struct copy {
     bool prefetched;            /* loaded ahead of use; cleared by the first fetch */
     bool evicting;              /* a write-back runs so that this copy can be dropped */
     bool wb_inflight;           /* a write-back reads from this copy */
+    bool wb_behind;             /* ... a write-behind (started at release): no pin is taken
+                                   on the copy until it lands, or a caller could write into
+                                   what it reads */
     int err;                    /* result of the last load (or write-back into this home copy), for
                                    its waiters */
     uint64_t wb_failed_version; /* the content version whose write-back from this copy

@@ -118,6 +118,7 @@ static void wb_done(struct xfer *x, int err)
 
     c->readers--;
     c->wb_inflight = false;
+    c->wb_behind = false;
     if (err) {
         log_error("engine: writing tensor '%s' back to its home failed: %s; its newest "
                   "content stays in memory (a flush tries again)",
@@ -655,6 +656,10 @@ static int fetch_mode(struct zinf_engine *e, struct tensor *t, int tier, enum fe
 
         if (c->state == COPY_READY && c->version == t->version) {
             if (mode == FETCH_PREFETCH) return 0;
+            if (c->wb_behind && !pinned) { /* a caller may write through the pin */
+                if ((r = wait_for_change(e, mode, &waited, &t0)) <= 0) goto out;
+                continue;
+            }
             if (!pinned) c->pins++;
             c->last_use = ++e->clock;
             if (c->prefetched) {
@@ -1096,8 +1101,10 @@ static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum
      * flight, swap files that must grow, no memory) is left to eviction, as before. */
     if ((flags & ZINF_RELEASE_DIRTY) && c->pins == 0 && (int)tier != (int)t->home &&
         !t->exclusive && needs_writeback(t, tier) && !c->wb_inflight &&
-        sched_write_behind(e, t, tier) && writeback_start(e, t, tier, false) == 0)
+        sched_write_behind(e, t, tier) && writeback_start(e, t, tier, false) == 0) {
+        c->wb_behind = true;
         e->st.write_behinds++;
+    }
 out:
     pthread_mutex_unlock(&e->lock);
     return r;
