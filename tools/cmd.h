@@ -14,5 +14,7 @@ int cmd_serve(int argc, char **argv);
 int cmd_job(int argc, char **argv);
 int cmd_train(int argc, char **argv);
 int cmd_tune(int argc, char **argv);
+/* zinf tune --mode train (cmd_tune_train.c), which cmd_tune hands the whole command line. */
+int cmd_tune_train(int argc, char **argv);
 
 #endif

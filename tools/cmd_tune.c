@@ -220,7 +220,7 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
             else if (!strcmp(optarg, "swapin"))
                 o->mode = MODE_SWAPIN;
             else {
-                fprintf(stderr, "zinf tune: --mode: must be io or swapin, got '%s'\n", optarg);
+                fprintf(stderr, "zinf tune: --mode: must be io, swapin or train, got '%s'\n", optarg);
                 return -1;
             }
             break;
@@ -955,6 +955,10 @@ static int check_path(const struct tune_opts *o, const char *dir)
 
 int cmd_tune(int argc, char **argv)
 {
+    for (int i = 1; i < argc; i++)
+        if ((!strcmp(argv[i], "--mode") && i + 1 < argc && !strcmp(argv[i + 1], "train")) ||
+            !strcmp(argv[i], "--mode=train"))
+            return cmd_tune_train(argc, argv);
     struct tune_opts o;
     struct point *g = NULL;
     unsigned n = 0;

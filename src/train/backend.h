@@ -23,6 +23,7 @@
 #ifndef ZINF_TRAIN_BACKEND_H
 #define ZINF_TRAIN_BACKEND_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -121,6 +122,12 @@ struct backend {
     int any_thread;         /* 1: fold and chunk_sumsq may run on another thread than the
                                compute's, beside it (the CPU's); 0: the caller's thread only */
 };
+
+/* The activation checkpoints' type: the CPU keeps them in fp32, the GPU in the weights'. */
+static inline enum backend_dtype backend_act_dtype(bool cuda, enum backend_dtype wdt)
+{
+    return cuda ? wdt : BACKEND_F32;
+}
 
 /* 0, or -EINVAL with one line in err naming what is wrong with p: the model, (B,T) or wdt. */
 int backend_params_check(const struct backend_params *p, char *err, size_t errlen);

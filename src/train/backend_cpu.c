@@ -319,7 +319,7 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
     if (r < 0) return r;
     struct cpu_backend *c = calloc(1, sizeof(*c));
     if (!c) return -ENOMEM;
-    c->b = (struct backend){.ops = &cpu_ops, .name = "cpu", .wdt = p->wdt, .adt = BACKEND_F32,
+    c->b = (struct backend){.ops = &cpu_ops, .name = "cpu", .wdt = p->wdt, .adt = backend_act_dtype(false, p->wdt),
                             .loss_scale = 1.0f, .any_thread = 1};
     c->cfg = p->cfg;
     c->B = p->B;

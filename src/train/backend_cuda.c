@@ -484,7 +484,7 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     struct cuda_backend *c = calloc(1, sizeof(*c));
     if (!c) return -ENOMEM;
     c->b = (struct backend){
-        .ops = &cuda_ops, .name = "cuda", .wdt = p->wdt, .adt = p->wdt, .loss_scale = 1.0f};
+        .ops = &cuda_ops, .name = "cuda", .wdt = p->wdt, .adt = backend_act_dtype(true, p->wdt), .loss_scale = 1.0f};
     c->cfg = p->cfg;
     c->B = p->B;
     c->T = p->T;

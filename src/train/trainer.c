@@ -397,32 +397,28 @@ void trainer_derive_budgets(const struct trainer_opts *o, const struct zinf_conf
     }
 }
 
-int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen)
+/* A trainer with nothing opened yet: its locks and markers, the options, the model. */
+static struct trainer *trainer_new(const struct trainer_opts *o)
 {
-    struct trainer *t;
-    int r;
-
-    *out = NULL;
-    err[0] = '\0';
-    if ((r = trainer_opts_check(o, err, errlen)) < 0) return r;
-    struct gpt_config cfg = o->model;
-    cfg.maxT = o->seq;
-    if (!o->config_path || !o->data_path) {
-        snprintf(err, errlen, "--config FILE and --data FILE are required");
-        return -EINVAL;
-    }
-
-    t = calloc(1, sizeof(*t));
-    if (!t) return -ENOMEM;
+    struct trainer *t = calloc(1, sizeof(*t));
+    if (!t) return NULL;
     pthread_mutex_init(&t->gmu, NULL);
     pthread_cond_init(&t->gcv, NULL);
     t->gw_holds[0] = t->gw_holds[1] = -1;
     t->resume_step = -1;
-    const char *ka = getenv("ZINF_TEST_KILL_AT");
-    if (ka && sscanf(ka, "%31[a-z-]:%d:%d", t->kill_point, &t->kill_rank, &t->kill_nth) != 3)
-        t->kill_point[0] = 0;
     t->o = *o;
-    t->cfg = cfg;
+    t->cfg = o->model;
+    t->cfg.maxT = o->seq;
+    return t;
+}
+
+/* What the config makes of the run, as trainer_open and trainer_plan both decide it: the
+ * config read and its "auto" resolved, the persistent parameters, local or through the
+ * daemon, the GPU or the emulated device, and the budgets the config does not give. */
+static int decide(struct trainer *t, bool *cuda_out, char *err, size_t errlen)
+{
+    const struct trainer_opts *o = &t->o;
+    int r;
     config_defaults(&t->zc);
     /* Quietly: the command that built o read the file and warned of its unknown keys. */
     if ((r = config_parse_file_flags(o->config_path, &t->zc, CONFIG_PARSE_QUIET, err, errlen)) < 0)
@@ -481,25 +477,134 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         if (t->budgets.device) t->zc.zinf.device_bytes = t->budgets.device;
         if (t->budgets.host) t->zc.zinf.host_bytes = t->budgets.host;
     }
+    *cuda_out = cuda;
+    return 0;
+fail:
+    return r;
+}
+
+/* The model's tensors in gpt_layout()'s order, and the arrays of their handles. */
+static int layout(struct trainer *t, char *err, size_t errlen)
+{
+    const struct gpt_config cfg = t->cfg;
+    t->ntensors = gpt_layout(&cfg, NULL, 0);
+    t->desc = calloc((size_t)t->ntensors, sizeof(*t->desc));
+    t->p = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
+    t->g = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
+    t->m = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
+    t->v = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
+    t->w = t->be->wdt == BACKEND_F32 ? t->p : calloc((size_t)t->ntensors, sizeof(zinf_tensor));
+    t->block_first = calloc((size_t)cfg.L, sizeof(int));
+    t->act = calloc((size_t)cfg.L + 1, sizeof(zinf_tensor));
+    if (!t->desc || !t->p || !t->g || !t->m || !t->v || !t->w || !t->block_first || !t->act) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    gpt_layout(&cfg, t->desc, (size_t)t->ntensors);
+    for (int i = 0; i < t->ntensors; i++) {
+        const struct gpt_tensor_desc *d = &t->desc[i];
+        if (d->block >= 0 && d->slot == 0) t->block_first[d->block] = i;
+        if (d->block < 0) {
+            if (d->slot == GPT_WTE)
+                t->wte = i;
+            else if (d->slot == GPT_WPE)
+                t->wpe = i;
+            else if (d->slot == GPT_LNF_W)
+                t->lnfw = i;
+            else
+                t->lnfb = i;
+        }
+    }
+    return 0;
+}
+
+static enum backend_dtype weight_dtype(const struct trainer_opts *o, bool cuda)
+{
+    return o->precision == TRAINER_PRECISION_FP16   ? BACKEND_F16
+           : o->precision == TRAINER_PRECISION_BF16 ? BACKEND_BF16
+           : o->precision == TRAINER_PRECISION_FP32 ? BACKEND_F32
+           : cuda                                   ? BACKEND_BF16
+                                                    : BACKEND_F32;
+}
+
+static enum zinf_tier optimizer_tier(const struct trainer *t)
+{
+    return train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_DEVICE
+               ? ZINF_TIER_DEVICE
+               : ZINF_TIER_HOST;
+}
+
+int trainer_plan(const struct trainer_opts *o, struct trainer_plan *p, char *err, size_t errlen)
+{
+    int r;
+    bool cuda = false;
+    *p = (struct trainer_plan){0};
+    err[0] = '\0';
+    if ((r = trainer_opts_check(o, err, errlen)) < 0) return r;
+    if (!o->config_path) {
+        snprintf(err, errlen, "--config FILE is required");
+        return -EINVAL;
+    }
+    struct trainer *t = trainer_new(o);
+    if (!t) return -ENOMEM;
+    if ((r = decide(t, &cuda, err, errlen)) < 0) goto out;
+    struct backend_params bp = {.cfg = t->cfg, .B = o->batch, .T = o->seq,
+                                .wdt = weight_dtype(o, cuda)};
+    if ((r = backend_params_check(&bp, err, errlen)) < 0) goto out;
+    /* The backend's data types are all the budgets take of it. */
+    struct backend dtypes = {.name = cuda ? "cuda" : "cpu", .wdt = bp.wdt,
+                             .adt = backend_act_dtype(cuda, bp.wdt)};
+    t->be = &dtypes;
+    t->opt_tier = optimizer_tier(t);
+    if ((r = train_zero_shape(t, false, err, errlen)) < 0) goto out;
+    if ((r = layout(t, err, errlen)) < 0) goto out;
+    uint64_t homes[MEM_TIERS];
+    const char *what[MEM_TIERS];
+    train_min_budgets(t, p->min_budget, homes, what);
+    p->budget[ZINF_TIER_DEVICE] = t->zc.zinf.device_bytes;
+    p->budget[ZINF_TIER_HOST] = t->zc.zinf.host_bytes;
+    p->derived = t->budgets;
+    p->cuda = cuda;
+    p->stage = t->world > 1 ? t->stage : 0;
+    p->param_count = gpt_num_params(&t->cfg);
+out:
+    t->be = NULL;
+    trainer_close(t);
+    return r;
+}
+
+int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen)
+{
+    struct trainer *t;
+    int r;
+    bool cuda = false;
+
+    *out = NULL;
+    err[0] = '\0';
+    if ((r = trainer_opts_check(o, err, errlen)) < 0) return r;
+    if (!o->config_path || !o->data_path) {
+        snprintf(err, errlen, "--config FILE and --data FILE are required");
+        return -EINVAL;
+    }
+    if (!(t = trainer_new(o))) return -ENOMEM;
+    const struct gpt_config cfg = t->cfg;
+    const char *ka = getenv("ZINF_TEST_KILL_AT");
+    if (ka && sscanf(ka, "%31[a-z-]:%d:%d", t->kill_point, &t->kill_rank, &t->kill_nth) != 3)
+        t->kill_point[0] = 0;
+    if ((r = decide(t, &cuda, err, errlen)) < 0) goto fail;
     /* The backend's working memory is taken before the engine sizes the device tier from
      * what is free. */
     struct backend_params bp = {
         .cfg = cfg,
         .B = o->batch,
         .T = o->seq,
-        .wdt = o->precision == TRAINER_PRECISION_FP16   ? BACKEND_F16
-               : o->precision == TRAINER_PRECISION_BF16 ? BACKEND_BF16
-               : o->precision == TRAINER_PRECISION_FP32 ? BACKEND_F32
-               : cuda                                   ? BACKEND_BF16
-                                                        : BACKEND_F32,
+        .wdt = weight_dtype(o, cuda),
         .cuda_device = t->zc.zinf.cuda_device,
     };
     r = cuda ? backend_cuda_open(&bp, &t->be, err, errlen)
              : backend_cpu_open(&bp, &t->be, err, errlen);
     if (r < 0) goto fail;
-    t->opt_tier = train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_DEVICE
-                      ? ZINF_TIER_DEVICE
-                      : ZINF_TIER_HOST;
+    t->opt_tier = optimizer_tier(t);
 
     if ((r = train_zero_setup(t, cuda, err, errlen)) < 0) goto fail;
     if (o->resume && !t->zc.nvme_paths.count && !t->remote) {
@@ -655,38 +760,14 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
                      zinf_strerror(r));
         goto fail;
     }
-    t->ntensors = gpt_layout(&cfg, NULL, 0);
-    t->desc = calloc((size_t)t->ntensors, sizeof(*t->desc));
-    t->p = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
-    t->g = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
-    t->m = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
-    t->v = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
-    t->w = t->be->wdt == BACKEND_F32 ? t->p : calloc((size_t)t->ntensors, sizeof(zinf_tensor));
-    t->block_first = calloc((size_t)cfg.L, sizeof(int));
-    t->act = calloc((size_t)cfg.L + 1, sizeof(zinf_tensor));
+    if ((r = layout(t, err, errlen)) < 0) goto fail;
     size_t bt = (size_t)o->batch * o->seq;
     t->tokens = malloc(bt * sizeof(int));
     t->targets = malloc(bt * sizeof(int));
-    if (!t->desc || !t->p || !t->g || !t->m || !t->v || !t->w || !t->block_first || !t->act ||
-        !t->tokens || !t->targets) {
+    if (!t->tokens || !t->targets) {
         snprintf(err, errlen, "out of memory");
         r = -ENOMEM;
         goto fail;
-    }
-    gpt_layout(&cfg, t->desc, (size_t)t->ntensors);
-    for (int i = 0; i < t->ntensors; i++) {
-        const struct gpt_tensor_desc *d = &t->desc[i];
-        if (d->block >= 0 && d->slot == 0) t->block_first[d->block] = i;
-        if (d->block < 0) {
-            if (d->slot == GPT_WTE)
-                t->wte = i;
-            else if (d->slot == GPT_WPE)
-                t->wpe = i;
-            else if (d->slot == GPT_LNF_W)
-                t->lnfw = i;
-            else
-                t->lnfb = i;
-        }
     }
     if ((r = train_zero_alloc(t)) < 0) {
         snprintf(err, errlen, "out of memory");

@@ -234,6 +234,21 @@ struct trainer_summary {
 
 struct trainer;
 
+/* What a run of these options would need, decided as trainer_open decides it, with nothing
+ * opened: no engine, backend, data, nor meeting of the ranks (o->world and o->rank are
+ * taken as given; every rank's shard is the same size). trainer_open refuses a budget under
+ * min_budget with the same figures, so a search can leave out what cannot run. */
+struct trainer_plan {
+    uint64_t min_budget[2];  /* the smallest device and host budgets with which every step runs */
+    uint64_t budget[2];      /* the budgets the run opens with: the config's, or derived */
+    struct trainer_budgets derived; /* how the budgets the config does not give were derived */
+    uint64_t param_count;
+    int stage;               /* ZeRO's (0 with one rank) */
+    bool cuda;               /* the device tier is a GPU's */
+};
+/* 0, or -errno with one line in err (what trainer_open would say of the options). */
+int trainer_plan(const struct trainer_opts *o, struct trainer_plan *p, char *err, size_t errlen);
+
 void trainer_opts_defaults(struct trainer_opts *o);
 /* What a config's "auto" becomes for these options, as Hugging Face's Trainer fills it
  * from its arguments: the batch, accumulation, steps, lr, weight decay and clipping the run

@@ -262,6 +262,9 @@ size_t train_shard_of(const struct trainer *t, int idx);
 size_t train_shard_lo(const struct trainer *t, int idx);
 size_t train_shard_own(const struct trainer *t, int idx);
 int train_stage_of(const struct trainer *t, int idx);
+/* The ranks' shape from the options and config (world, rank, stage, exact, overlap); say:
+ * notice what the config asks that cannot be. train_zero_setup takes it and meets the ranks. */
+int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen);
 int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen);
 int train_zero_alloc(struct trainer *t);
 int train_ranks_agree(struct trainer *t, char *err, size_t errlen);

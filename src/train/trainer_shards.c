@@ -113,23 +113,43 @@ int train_stage_of(const struct trainer *t, int idx)
     return t->stage;
 }
 
-int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
+int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
     t->world = o->world > 1 ? o->world : 1;
     t->rank = t->world > 1 ? o->rank : 0;
     /* On the GPU too: N ranks then give bitwise what one rank of N micro-batches does. */
     t->exact = t->world > 1 || o->grad_accum > 1;
-    if (t->world == 1) {
-        for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
-            if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
-        return 0;
-    }
+    if (t->world == 1) return 0;
     t->stage = MAX(1, t->zc.zero.stage);
     if (o->rank < 0 || o->rank >= o->world || o->world > COMM_MAX_RANKS) {
         snprintf(err, errlen, "RANK %d is not in [0, WORLD_SIZE %d) (or WORLD_SIZE is above %d)",
                  o->rank, o->world, COMM_MAX_RANKS);
         return -EINVAL;
+    }
+    /* overlap_comm (DeepSpeed's default: on at stage 3 only) reduces a block at a time
+     * behind the next block's backward, in a second set of local gradients: the block's
+     * gradients must fit in reduce_bucket_size. */
+    bool want = config_given(&t->zc, "zero_optimization.overlap_comm") ? t->zc.zero.overlap_comm
+                                                                       : t->stage >= 3;
+    uint64_t block = gpt_block_num_params(&t->cfg);
+    t->overlap = want && block <= t->zc.zero.reduce_bucket_size;
+    if (say && want && !t->overlap && t->rank == 0)
+        log_notice("zero_optimization.overlap_comm: a block's gradients (%llu elements) exceed "
+                   "reduce_bucket_size (%llu): they are reduced after the block's backward",
+                   (unsigned long long)block, (unsigned long long)t->zc.zero.reduce_bucket_size);
+    return 0;
+}
+
+int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
+{
+    const struct trainer_opts *o = &t->o;
+    int r = train_zero_shape(t, true, err, errlen);
+    if (r < 0) return r;
+    if (t->world == 1) {
+        for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
+            if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
+        return 0;
     }
     const char *why = NULL;
     if (!o->comm_name || !o->comm_name[0])
@@ -148,17 +168,6 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         t->zc.nvme_paths.path[k] = mine;
         if (k) t->zc.nvme_paths_extra[k - 1] = mine;
     }
-    /* overlap_comm (DeepSpeed's default: on at stage 3 only) reduces a block at a time
-     * behind the next block's backward, in a second set of local gradients: the block's
-     * gradients must fit in reduce_bucket_size. */
-    bool want = config_given(&t->zc, "zero_optimization.overlap_comm") ? t->zc.zero.overlap_comm
-                                                                       : t->stage >= 3;
-    uint64_t block = gpt_block_num_params(&t->cfg);
-    t->overlap = want && block <= t->zc.zero.reduce_bucket_size;
-    if (want && !t->overlap && t->rank == 0)
-        log_notice("zero_optimization.overlap_comm: a block's gradients (%llu elements) exceed "
-                   "reduce_bucket_size (%llu): they are reduced after the block's backward",
-                   (unsigned long long)block, (unsigned long long)t->zc.zero.reduce_bucket_size);
     char cwhy[400] = "";
     struct comm_opts co = {
         .backend = COMM_SHM,
@@ -177,7 +186,6 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
      * the agreements) over a second, shared-memory communicator. On the CPU both are one. */
     char hname[COMM_NAME_BYTES];
     const char *what = "";
-    int r = 0;
     if (cuda) {
         co.backend = COMM_NCCL;
         co.cuda_device = t->zc.zinf.cuda_device;

@@ -1,0 +1,1102 @@
+/*
+ * cmd_tune_train.c - `zinf tune --mode train`: the fastest way to train one model at a fixed
+ * global batch on this machine, measured, and written as a config `zinf train --config` takes
+ * as it is (what DeepSpeed's autotuner does for ZeRO).
+ *
+ * A point is a micro-batch (the accumulation follows from the global batch), a number of
+ * ranks (`zinf launch -n`), a ZeRO stage (with more than one rank), where the parameters
+ * and the optimizer's states live (none: the device tier; cpu: the host tier; nvme) and the
+ * budgets, as fractions of those zinf train derives for the point (or the config's own).
+ *
+ * Each point is first judged by trainer_plan(), the trainer's own budget check with nothing
+ * opened: a point whose budgets are under the smallest that run is never started, and the
+ * table says why. A point that runs is `zinf train` (under `zinf launch`) on the given data
+ * for --warmup + --steps steps in a scratch swap directory; its score is the tokens per
+ * second of the steps after the warm-up (step 1 learns the access schedule).
+ *
+ * The search runs every point once, then only the best quarter (at least three) --reps - 1
+ * times more; --exhaustive runs every point --reps times. The pick is `zinf tune`'s rule:
+ * the best median, and of the points whose median is within its min..max, the cheapest:
+ * fewer ranks, then fewer budget bytes, then the lower stage, then the larger micro-batch.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <getopt.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cmd.h"
+#include "common.h"
+#include "config.h"
+#include "train/trainer.h"
+#include "train_config.h"
+
+extern char **environ;
+
+#define MAX_AXIS 16
+#define MAX_REPS 20
+#define MAX_TPOINTS 2048
+#define SCRATCH "zinf-tune.train" /* the sweep's own directory in --path */
+
+static const char *const where_name[] = {"none", "cpu", "nvme"};
+
+struct ttopts {
+    const char *config, *data, *path, *out;
+    int layers, dim, heads, seq; /* 0: the config's */
+    uint64_t global;             /* 0: the config's train_batch_size, or micro x accum */
+    int micro[MAX_AXIS], nmicro;
+    int ranks[MAX_AXIS], nranks;
+    int stages[4], nstages;
+    int param[9], optim[9], noffload; /* where_name indices */
+    double frac[MAX_AXIS];
+    int nfrac;
+    int steps, warmup, reps;
+    int seq_len; /* the run's sequence length, as zinf train makes it */
+    unsigned timeout_s;
+    bool exhaustive, force, json;
+};
+
+struct tpoint {
+    int micro, accum, ranks, stage, param, optim;
+    double frac;
+    uint64_t budget[2], min_budget[2];
+    bool pruned;
+    char why[400];
+    double score[MAX_REPS];
+    unsigned n;
+    bool failed;
+    double med, lo, hi, seconds;
+    bool tie;
+};
+
+/* p->why, cut to its size. */
+__attribute__((format(printf, 2, 3))) static void say_why(struct tpoint *p, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p->why, sizeof(p->why), fmt, ap);
+    va_end(ap);
+}
+
+static volatile sig_atomic_t interrupted;
+static volatile pid_t running = -1;
+
+static void on_signal(int sig)
+{
+    interrupted = sig;
+    if (running > 0) kill(running, SIGTERM);
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: zinf tune --mode train --config FILE --data FILE --path DIR\n"
+            "                 [--global-batch N] [--micro-batches LIST] [--ranks LIST]\n"
+            "                 [--stages LIST] [--offload LIST] [--budgets LIST]\n"
+            "                 [--layers N] [--dim N] [--heads N] [--seq N]\n"
+            "                 [--steps N] [--warmup N] [--reps N] [--exhaustive] [--timeout S]\n"
+            "                 [--out FILE [--force]] [--json]\n"
+            "\n"
+            "Search micro-batch, ranks, ZeRO stage, offload placement and budgets for the\n"
+            "most tokens/s at a fixed global batch, and write the pick as a config.\n"
+            "\n"
+            "  --config FILE        the run's config (model, optimizer, ...): what is searched\n"
+            "                       is replaced, the rest is kept\n"
+            "  --data FILE          the training data, as zinf train takes it\n"
+            "  --path DIR           where the points' swap files go (DIR/" SCRATCH ", removed)\n"
+            "  --global-batch N     sequences per optimizer step (default: the config's\n"
+            "                       train_batch_size, else its micro-batch x accumulation)\n"
+            "  --micro-batches LIST default: every divisor of the global batch\n"
+            "  --ranks LIST         default: 1 and 2 on a machine of 2 CPUs or more\n"
+            "  --stages LIST        ZeRO stages 1-3 with several ranks (default 1,2,3)\n"
+            "  --offload LIST       PARAM:OPTIMIZER pairs of none, cpu, nvme (default\n"
+            "                       none:none,none:cpu,cpu:cpu,none:nvme,cpu:nvme,nvme:nvme)\n"
+            "  --budgets LIST       fractions in (0,1] of the budgets zinf train derives (or the\n"
+            "                       config gives) for each point (default 1,0.25)\n"
+            "  --steps N            timed steps per run, 1-1000 (default 3)\n"
+            "  --warmup N           untimed steps first, 1-100 (default 2)\n"
+            "  --reps N             runs of a point, 3-%d (default 3)\n"
+            "  --exhaustive         every point --reps times, no search\n"
+            "  --timeout S          a run that takes longer fails (default 600)\n"
+            "  --out FILE           write the config there (--force to replace it)\n"
+            "  --json               the points and the pick as JSON lines on stdout\n",
+            MAX_REPS);
+}
+
+/* ---- options ------------------------------------------------------------------------ */
+
+static int int_list(const char *opt, const char *arg, int *v, int *n, int lo, int hi)
+{
+    char buf[512];
+    snprintf(buf, sizeof(buf), "%s", arg);
+    *n = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        char *end;
+        long x = strtol(tok, &end, 10);
+        if (*n == MAX_AXIS) {
+            fprintf(stderr, "zinf tune: %s: at most %d values\n", opt, MAX_AXIS);
+            return -1;
+        }
+        if (end == tok || *end || x < lo || x > hi) {
+            fprintf(stderr, "zinf tune: %s: '%s' is not a whole number in [%d, %d]\n", opt, tok,
+                    lo, hi);
+            return -1;
+        }
+        for (int i = 0; i < *n; i++)
+            if (v[i] == (int)x) {
+                fprintf(stderr, "zinf tune: %s: %ld is given twice\n", opt, x);
+                return -1;
+            }
+        v[(*n)++] = (int)x;
+    }
+    if (!*n) {
+        fprintf(stderr, "zinf tune: %s: an empty list\n", opt);
+        return -1;
+    }
+    return 0;
+}
+
+static int where_of(const char *s)
+{
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(s, where_name[i])) return i;
+    return -1;
+}
+
+static int offload_list(const char *arg, struct ttopts *o)
+{
+    char buf[512];
+    snprintf(buf, sizeof(buf), "%s", arg);
+    o->noffload = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        char *colon = strchr(tok, ':');
+        int p = -1, q = -1;
+        if (colon) {
+            *colon = '\0';
+            p = where_of(tok);
+            q = where_of(colon + 1);
+            *colon = ':';
+        }
+        if (p < 0 || q < 0) {
+            fprintf(stderr,
+                    "zinf tune: --offload: '%s' is not PARAM:OPTIMIZER, each of none, cpu, "
+                    "nvme (e.g. cpu:nvme)\n",
+                    tok);
+            return -1;
+        }
+        for (int i = 0; i < o->noffload; i++)
+            if (o->param[i] == p && o->optim[i] == q) {
+                fprintf(stderr, "zinf tune: --offload: %s is given twice\n", tok);
+                return -1;
+            }
+        if (o->noffload == 9) return -1; /* cannot happen: 9 distinct pairs at most */
+        o->param[o->noffload] = p;
+        o->optim[o->noffload++] = q;
+    }
+    if (!o->noffload) {
+        fprintf(stderr, "zinf tune: --offload: an empty list\n");
+        return -1;
+    }
+    return 0;
+}
+
+static int frac_list(const char *arg, struct ttopts *o)
+{
+    char buf[512];
+    snprintf(buf, sizeof(buf), "%s", arg);
+    o->nfrac = 0;
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
+         tok = strtok_r(NULL, ",", &save)) {
+        char *end;
+        double x = strtod(tok, &end);
+        if (end == tok || *end || !(x > 0 && x <= 1)) {
+            fprintf(stderr, "zinf tune: --budgets: '%s' is not a fraction in (0, 1]\n", tok);
+            return -1;
+        }
+        if (o->nfrac == MAX_AXIS) {
+            fprintf(stderr, "zinf tune: --budgets: at most %d values\n", MAX_AXIS);
+            return -1;
+        }
+        o->frac[o->nfrac++] = x;
+    }
+    if (!o->nfrac) {
+        fprintf(stderr, "zinf tune: --budgets: an empty list\n");
+        return -1;
+    }
+    return 0;
+}
+
+static int one_int(const char *opt, const char *arg, int lo, int hi, int *out)
+{
+    int n = 0, v[MAX_AXIS];
+    if (strchr(arg, ',') || int_list(opt, arg, v, &n, lo, hi) < 0) {
+        if (strchr(arg, ','))
+            fprintf(stderr, "zinf tune: %s: one whole number in [%d, %d], got '%s'\n", opt, lo,
+                    hi, arg);
+        return -1;
+    }
+    *out = v[0];
+    return 0;
+}
+
+/* 1: --help; 0: go on; -1: bad usage (said). */
+static int parse_args(int argc, char **argv, struct ttopts *o)
+{
+    enum { T_MODE = 256, T_CONFIG, T_DATA, T_GLOBAL, T_MICRO, T_RANKS, T_STAGES, T_OFFLOAD,
+           T_BUDGETS, T_LAYERS, T_DIM, T_HEADS, T_SEQ, T_STEPS, T_WARMUP, T_REPS, T_EXH,
+           T_TIMEOUT, T_OUT, T_FORCE, T_JSON };
+    static const struct option longopts[] = {
+        {"mode", required_argument, NULL, T_MODE},
+        {"config", required_argument, NULL, T_CONFIG},
+        {"data", required_argument, NULL, T_DATA},
+        {"path", required_argument, NULL, 'p'},
+        {"global-batch", required_argument, NULL, T_GLOBAL},
+        {"micro-batches", required_argument, NULL, T_MICRO},
+        {"ranks", required_argument, NULL, T_RANKS},
+        {"stages", required_argument, NULL, T_STAGES},
+        {"offload", required_argument, NULL, T_OFFLOAD},
+        {"budgets", required_argument, NULL, T_BUDGETS},
+        {"layers", required_argument, NULL, T_LAYERS},
+        {"dim", required_argument, NULL, T_DIM},
+        {"heads", required_argument, NULL, T_HEADS},
+        {"seq", required_argument, NULL, T_SEQ},
+        {"steps", required_argument, NULL, T_STEPS},
+        {"warmup", required_argument, NULL, T_WARMUP},
+        {"reps", required_argument, NULL, T_REPS},
+        {"exhaustive", no_argument, NULL, T_EXH},
+        {"timeout", required_argument, NULL, T_TIMEOUT},
+        {"out", required_argument, NULL, T_OUT},
+        {"force", no_argument, NULL, T_FORCE},
+        {"json", no_argument, NULL, T_JSON},
+        {"help", no_argument, NULL, 'h'},
+        {0},
+    };
+    static const char *const offload_default = "none:none,none:cpu,cpu:cpu,none:nvme,cpu:nvme,"
+                                               "nvme:nvme";
+    *o = (struct ttopts){.steps = 3, .warmup = 2, .reps = 3, .timeout_s = 600};
+    o->stages[0] = 1, o->stages[1] = 2, o->stages[2] = 3, o->nstages = 3;
+    o->frac[0] = 1, o->frac[1] = 0.25, o->nfrac = 2;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    o->ranks[0] = 1, o->nranks = 1;
+    if (cpus >= 2) o->ranks[o->nranks++] = 2;
+    offload_list(offload_default, o);
+    int c, v = 0;
+    optind = 1;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, "p:h", longopts, NULL)) != -1) {
+        switch (c) {
+        case 'h':
+            usage(stdout);
+            return 1;
+        case T_MODE:
+            if (strcmp(optarg, "train")) return -1; /* cmd_tune sent it here: cannot be */
+            break;
+        case T_CONFIG:
+            o->config = optarg;
+            break;
+        case T_DATA:
+            o->data = optarg;
+            break;
+        case 'p':
+            if (o->path) {
+                fprintf(stderr, "zinf tune: --mode train takes one --path\n");
+                return -1;
+            }
+            o->path = optarg;
+            break;
+        case T_GLOBAL:
+            if (one_int("--global-batch", optarg, 1, 65536, &v) < 0) return -1;
+            o->global = (uint64_t)v;
+            break;
+        case T_MICRO:
+            if (int_list("--micro-batches", optarg, o->micro, &o->nmicro, 1, 65536) < 0)
+                return -1;
+            break;
+        case T_RANKS:
+            if (int_list("--ranks", optarg, o->ranks, &o->nranks, 1, 64) < 0) return -1;
+            break;
+        case T_STAGES:
+            if (int_list("--stages", optarg, o->stages, &o->nstages, 1, 3) < 0) return -1;
+            break;
+        case T_OFFLOAD:
+            if (offload_list(optarg, o) < 0) return -1;
+            break;
+        case T_BUDGETS:
+            if (frac_list(optarg, o) < 0) return -1;
+            break;
+        case T_LAYERS:
+            if (one_int("--layers", optarg, 1, 1024, &o->layers) < 0) return -1;
+            break;
+        case T_DIM:
+            if (one_int("--dim", optarg, 1, 65536, &o->dim) < 0) return -1;
+            break;
+        case T_HEADS:
+            if (one_int("--heads", optarg, 1, 1024, &o->heads) < 0) return -1;
+            break;
+        case T_SEQ:
+            if (one_int("--seq", optarg, 2, 65536, &o->seq) < 0) return -1;
+            break;
+        case T_STEPS:
+            if (one_int("--steps", optarg, 1, 1000, &o->steps) < 0) return -1;
+            break;
+        case T_WARMUP:
+            if (one_int("--warmup", optarg, 1, 100, &o->warmup) < 0) return -1;
+            break;
+        case T_REPS:
+            if (one_int("--reps", optarg, 3, MAX_REPS, &o->reps) < 0) return -1;
+            break;
+        case T_EXH:
+            o->exhaustive = true;
+            break;
+        case T_TIMEOUT:
+            if (one_int("--timeout", optarg, 1, 86400, &v) < 0) return -1;
+            o->timeout_s = (unsigned)v;
+            break;
+        case T_OUT:
+            o->out = optarg;
+            break;
+        case T_FORCE:
+            o->force = true;
+            break;
+        case T_JSON:
+            o->json = true;
+            break;
+        default:
+            fprintf(stderr, "zinf tune: --mode train: unknown option or missing value: %s\n",
+                    argv[optind - 1]);
+            return -1;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "zinf tune: unexpected argument '%s'\n", argv[optind]);
+        return -1;
+    }
+    const char *missing = !o->config ? "--config FILE" : !o->data ? "--data FILE"
+                          : !o->path ? "--path DIR" : NULL;
+    if (missing) {
+        fprintf(stderr, "zinf tune: --mode train needs %s\n", missing);
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- the points' configs -------------------------------------------------------------- */
+
+static json_t *section(json_t *root, const char *key)
+{
+    json_t *s = json_object_get(root, key);
+    if (!json_is_object(s)) {
+        s = json_object();
+        json_object_set_new(root, key, s);
+    }
+    return s;
+}
+
+/* The base config with the point's keys: its batch split, stage, placement, and the swap
+ * directory swapdir; budgets (per rank) when given, else none (zinf train derives them). */
+static json_t *point_config(const json_t *base, const struct ttopts *o, uint64_t global,
+                            const struct tpoint *p, const char *swapdir, bool budgets,
+                            bool keep_steps)
+{
+    json_t *j = json_deep_copy(base);
+    if (!j) return NULL;
+    json_object_set_new(j, "train_batch_size", json_integer((json_int_t)global));
+    json_object_set_new(j, "train_micro_batch_size_per_gpu", json_integer(p->micro));
+    json_object_set_new(j, "gradient_accumulation_steps", json_integer(p->accum));
+    json_t *zero = section(j, "zero_optimization");
+    json_object_set_new(zero, "stage", json_integer(p->ranks > 1 ? p->stage : 0));
+    json_t *op = section(zero, "offload_param"), *oo = section(zero, "offload_optimizer");
+    json_object_set_new(op, "device", json_string(where_name[p->param]));
+    json_object_set_new(oo, "device", json_string(where_name[p->optim]));
+    json_object_del(op, "nvme_path");
+    json_object_del(oo, "nvme_path");
+    json_t *zinf = section(j, "zinf");
+    json_t *paths = json_array();
+    json_array_append_new(paths, json_string(swapdir));
+    json_object_set_new(zinf, "nvme_paths", paths);
+    json_object_del(zinf, "device_bytes");
+    json_object_del(zinf, "host_bytes");
+    if (budgets) {
+        json_object_set_new(zinf, "device_bytes", json_integer((json_int_t)p->budget[0]));
+        json_object_set_new(zinf, "host_bytes", json_integer((json_int_t)p->budget[1]));
+    }
+    json_t *train = section(zinf, "train");
+    json_object_del(train, "batch");
+    if (!keep_steps) json_object_del(train, "steps");
+    if (o->layers) json_object_set_new(train, "layers", json_integer(o->layers));
+    if (o->dim) json_object_set_new(train, "dim", json_integer(o->dim));
+    if (o->heads) json_object_set_new(train, "heads", json_integer(o->heads));
+    if (o->seq) json_object_set_new(train, "seq", json_integer(o->seq));
+    return j;
+}
+
+static int dump(json_t *j, const char *path)
+{
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp)) return -ENAMETOOLONG;
+    if (json_dump_file(j, tmp, JSON_INDENT(2) | JSON_PRESERVE_ORDER) < 0) {
+        unlink(tmp);
+        return -EIO;
+    }
+    FILE *f = fopen(tmp, "a");
+    if (!f || fputc('\n', f) == EOF || fclose(f) == EOF) {
+        unlink(tmp);
+        return -EIO;
+    }
+    if (rename(tmp, path) < 0) {
+        int e = -errno;
+        unlink(tmp);
+        return e;
+    }
+    return 0;
+}
+
+/* zinf train's options for config file `path` (one rank of `ranks`), as it makes them. */
+static int opts_of(const char *path, int ranks, struct trainer_opts *to, char *err, size_t errlen)
+{
+    struct zinf_config zc;
+    struct train_config_applied ds = {0};
+    char cerr[1024];
+    trainer_opts_defaults(to);
+    to->world = ranks;
+    to->rank = 0;
+    int r = config_parse_file_flags(path, &zc, CONFIG_PARSE_QUIET, cerr, sizeof(cerr));
+    if (r < 0) {
+        snprintf(err, errlen, "%s", cerr);
+        return r;
+    }
+    r = train_config_apply(&zc, to, 0, &ds, cerr, sizeof(cerr));
+    config_free(&zc);
+    if (r < 0) snprintf(err, errlen, "%s", cerr);
+    to->config_path = path;
+    return r;
+}
+
+/* The point's budgets and whether the trainer's check lets it run (p->pruned and why). */
+static int plan_point(const json_t *base, const struct ttopts *o, uint64_t global,
+                      struct tpoint *p, const char *dir)
+{
+    char path[PATH_MAX + 64], err[2048];
+    snprintf(path, sizeof(path), "%s/plan.json", dir);
+    json_t *j = point_config(base, o, global, p, dir, false, false);
+    if (!j) return -ENOMEM;
+    int r = dump(j, path);
+    json_decref(j);
+    if (r < 0) return r;
+    struct trainer_opts to;
+    struct trainer_plan pl;
+    if ((r = opts_of(path, p->ranks, &to, err, sizeof(err))) < 0 ||
+        (r = trainer_plan(&to, &pl, err, sizeof(err))) < 0) {
+        p->pruned = true;
+        say_why(p, "%s", err);
+        return r == -ENOMEM ? r : 0;
+    }
+    for (int k = 0; k < 2; k++) {
+        /* The fraction, in whole MiB (which every tier takes as it is), at most the whole. */
+        uint64_t b = (uint64_t)ceil(p->frac * (double)pl.budget[k] / (double)MiB) * MiB;
+        p->budget[k] = MIN(MAX(b, MiB), align_up(pl.budget[k], MiB));
+        p->min_budget[k] = pl.min_budget[k];
+    }
+    if (p->budget[0] < p->min_budget[0] || p->budget[1] < p->min_budget[1]) {
+        char a[32], b[32], c[32], d[32];
+        p->pruned = true;
+        say_why(p, "needs device %s, host %s; the budgets are %s, %s",
+                 format_size(p->min_budget[0], a, sizeof(a)),
+                 format_size(p->min_budget[1], b, sizeof(b)),
+                 format_size(p->budget[0], c, sizeof(c)), format_size(p->budget[1], d, sizeof(d)));
+    }
+    return 0;
+}
+
+/* ---- running a point ------------------------------------------------------------------ */
+
+static char self_exe[PATH_MAX];
+
+static int remove_one(const char *path, const struct stat *sb, int type, struct FTW *ftw)
+{
+    (void)sb, (void)type, (void)ftw;
+    remove(path);
+    return 0;
+}
+
+static void remove_tree(const char *path)
+{
+    nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* The last lines of file f (for a failed run's message), on one line. */
+static void tail_of(const char *f, char *out, size_t len)
+{
+    char buf[4096];
+    out[0] = '\0';
+    int fd = open(f, O_RDONLY);
+    if (fd < 0) return;
+    off_t end = lseek(fd, 0, SEEK_END);
+    off_t from = end > (off_t)sizeof(buf) - 1 ? end - (off_t)sizeof(buf) + 1 : 0;
+    ssize_t n = pread(fd, buf, sizeof(buf) - 1, from);
+    close(fd);
+    if (n <= 0) return;
+    buf[n] = '\0';
+    while (n > 0 && (buf[n - 1] == '\n' || buf[n - 1] == ' ')) buf[--n] = '\0';
+    char *last = strrchr(buf, '\n');
+    const char *from_ = last ? last + 1 : buf;
+    size_t k = MIN(strlen(from_), len - 1);
+    memcpy(out, from_, k);
+    out[k] = '\0';
+}
+
+/* One run of point p: its score (tokens/s after the warm-up) in *score. */
+static int run_point(const struct ttopts *o, const json_t *base, uint64_t global,
+                     struct tpoint *p, const char *dir, unsigned seq, double *score)
+{
+    char cfg[PATH_MAX + 64], log[PATH_MAX + 64], out[PATH_MAX + 64], swap[PATH_MAX + 64];
+    snprintf(cfg, sizeof(cfg), "%s/point.json", dir);
+    snprintf(log, sizeof(log), "%s/point.log", dir);
+    snprintf(out, sizeof(out), "%s/point.out", dir);
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    remove_tree(swap);
+    unlink(log);
+    json_t *j = point_config(base, o, global, p, swap, true, false);
+    int r = j ? dump(j, cfg) : -ENOMEM;
+    json_decref(j);
+    if (r < 0) {
+        say_why(p, "writing %s: %s", cfg, strerror(-r));
+        return r;
+    }
+    char steps[16], n[16], name[64];
+    snprintf(steps, sizeof(steps), "%d", o->warmup + o->steps);
+    snprintf(n, sizeof(n), "%d", p->ranks);
+    snprintf(name, sizeof(name), "zinf-tune-%ld-%u", (long)getpid(), seq);
+    char *train[] = {self_exe, "train", "--config", cfg, "--data", (char *)o->data, "--steps",
+                     steps, "--overwrite", "--log", log, NULL};
+    char *launch[] = {self_exe, "launch", "-n", n, "--name", name, "--", self_exe, "train",
+                      "--config", cfg, "--data", (char *)o->data, "--steps", steps,
+                      "--overwrite", "--log", log, NULL};
+    char **argv = p->ranks > 1 ? launch : train;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, STDOUT_FILENO, out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, STDOUT_FILENO, STDERR_FILENO);
+    posix_spawn_file_actions_addopen(&fa, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+    pid_t pid;
+    r = posix_spawn(&pid, self_exe, &fa, NULL, argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (r != 0) {
+        say_why(p, "cannot run zinf train: %s", strerror(r));
+        return -r;
+    }
+    running = pid;
+    if (interrupted) kill(pid, SIGTERM);
+    uint64_t t0 = now_ns();
+    int status = 0;
+    bool timed_out = false;
+    for (;;) {
+        pid_t w = waitpid(pid, &status, WNOHANG);
+        if (w == pid) break;
+        if (w < 0 && errno != EINTR) break;
+        if (!timed_out && now_ns() - t0 > (uint64_t)o->timeout_s * 1000000000ull) {
+            timed_out = true;
+            kill(pid, SIGKILL); /* under zinf launch, the ranks get SIGTERM from it */
+        }
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    running = -1;
+    p->seconds += (double)(now_ns() - t0) / 1e9;
+    if (interrupted) return -EINTR;
+    if (timed_out || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        char t[300];
+        tail_of(out, t, sizeof(t));
+        if (timed_out)
+            say_why(p, "over --timeout %u s", o->timeout_s);
+        else
+            say_why(p, "zinf train %s %d: %s",
+                     WIFEXITED(status) ? "exited" : "died of signal",
+                     WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), t);
+        return -EIO;
+    }
+    /* The log's step lines: the steps after the warm-up are timed. */
+    FILE *f = fopen(log, "r");
+    char line[4096];
+    double ms = 0;
+    int timed = 0;
+    while (f && fgets(line, sizeof(line), f)) {
+        json_t *row = json_loads(line, 0, NULL);
+        json_t *st = json_object_get(row, "step"), *m = json_object_get(row, "ms");
+        if (json_is_integer(st) && json_is_number(m) && json_integer_value(st) > o->warmup) {
+            ms += json_number_value(m);
+            timed++;
+        }
+        json_decref(row);
+    }
+    if (f) fclose(f);
+    if (timed != o->steps || !(ms > 0)) {
+        say_why(p, "its log holds %d timed steps, not %d", timed,
+                 o->steps);
+        return -EIO;
+    }
+    *score = (double)global * o->seq_len * timed / (ms / 1e3);
+    return 0;
+}
+
+/* ---- the pick ------------------------------------------------------------------------- */
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void summarise(struct tpoint *p)
+{
+    double s[MAX_REPS];
+    memcpy(s, p->score, p->n * sizeof(double));
+    qsort(s, p->n, sizeof(double), cmp_double);
+    p->med = p->n % 2 ? s[p->n / 2] : (s[p->n / 2 - 1] + s[p->n / 2]) / 2;
+    p->lo = s[0];
+    p->hi = s[p->n - 1];
+}
+
+static bool cheaper(const struct tpoint *a, const struct tpoint *b)
+{
+    uint64_t ca = a->budget[0] + a->budget[1], cb = b->budget[0] + b->budget[1];
+    if (a->ranks != b->ranks) return a->ranks < b->ranks;
+    if (ca != cb) return ca < cb;
+    if (a->stage != b->stage) return a->stage < b->stage;
+    return a->micro > b->micro;
+}
+
+static bool measured(const struct tpoint *p, unsigned reps)
+{
+    return !p->pruned && !p->failed && p->n == reps;
+}
+
+/* Among the points measured --reps times: the best median, and the cheapest of its ties. */
+static struct tpoint *pick(struct tpoint *g, unsigned n, unsigned reps, struct tpoint **best_out,
+                           unsigned *nties)
+{
+    struct tpoint *best = NULL, *win = NULL;
+    for (unsigned i = 0; i < n; i++)
+        if (measured(&g[i], reps) && (!best || g[i].med > best->med)) best = &g[i];
+    *best_out = best;
+    *nties = 0;
+    if (!best) return NULL;
+    for (unsigned i = 0; i < n; i++) {
+        g[i].tie = measured(&g[i], reps) && g[i].med >= best->lo;
+        if (!g[i].tie) continue;
+        ++*nties;
+        if (!win || cheaper(&g[i], win)) win = &g[i];
+    }
+    return win;
+}
+
+static void describe(const struct tpoint *p, char *buf, size_t len)
+{
+    char a[32], b[32], stage[16] = "";
+    if (p->ranks > 1) snprintf(stage, sizeof(stage), ", stage %d", p->stage);
+    snprintf(buf, len, "%d rank%s%s, micro-batch %d x %d, param %s, optimizer %s, budgets %s/%s",
+             p->ranks, p->ranks > 1 ? "s" : "", stage, p->micro, p->accum, where_name[p->param],
+             where_name[p->optim], format_size(p->budget[0], a, sizeof(a)),
+             format_size(p->budget[1], b, sizeof(b)));
+}
+
+static void print_row(const struct tpoint *p, const struct tpoint *best, const struct tpoint *win,
+                      unsigned reps)
+{
+    char a[32] = "-", b[32] = "-";
+    if (p->budget[0]) format_size(p->budget[0], a, sizeof(a));
+    if (p->budget[1]) format_size(p->budget[1], b, sizeof(b));
+    printf("  %5d %5d %5d %5d %5s %5s %9s %9s ", p->ranks, p->ranks > 1 ? p->stage : 0, p->micro,
+           p->accum, where_name[p->param], where_name[p->optim], a, b);
+    if (p->pruned) {
+        printf("  pruned: %s\n", p->why);
+        return;
+    }
+    if (p->failed) {
+        printf("  failed: %s\n", p->why);
+        return;
+    }
+    if (p->n == reps)
+        printf("%9.0f %9.0f %9.0f %4u", p->med, p->lo, p->hi, p->n);
+    else
+        printf("%9.0f %9s %9s %4u", p->score[0], "", "", p->n);
+    printf("%s%s%s\n", p == win ? "  <- picked" : "", p == best && p != win ? "  <- best" : "",
+           p->tie && p != win && p != best ? "  ties" : "");
+}
+
+static void json_row(const struct tpoint *p, const struct tpoint *win)
+{
+    json_t *j = json_pack("{s:i, s:i, s:i, s:i, s:s, s:s, s:f, s:I, s:I, s:I, s:I, s:f}",
+                          "ranks", p->ranks, "stage", p->ranks > 1 ? p->stage : 0, "micro_batch",
+                          p->micro, "accumulation", p->accum, "param", where_name[p->param],
+                          "optimizer", where_name[p->optim], "budget_fraction", p->frac,
+                          "device_bytes", (json_int_t)p->budget[0], "host_bytes",
+                          (json_int_t)p->budget[1], "min_device_bytes",
+                          (json_int_t)p->min_budget[0], "min_host_bytes",
+                          (json_int_t)p->min_budget[1], "seconds", p->seconds);
+    if (p->pruned || p->failed) {
+        json_object_set_new(j, p->pruned ? "pruned" : "failed", json_string(p->why));
+    } else {
+        json_t *s = json_array();
+        for (unsigned i = 0; i < p->n; i++)
+            json_array_append_new(s, json_real(p->score[i]));
+        json_object_set_new(j, "tokens_per_s", s);
+        if (p->n >= 3) {
+            json_object_set_new(j, "median", json_real(p->med));
+            json_object_set_new(j, "tie", json_boolean(p->tie));
+        }
+        json_object_set_new(j, "picked", json_boolean(p == win));
+    }
+    char *s = json_dumps(j, JSON_PRESERVE_ORDER);
+    printf("%s\n", s);
+    free(s);
+    json_decref(j);
+}
+
+/* ---- the grid ------------------------------------------------------------------------- */
+
+static bool same_point(const struct tpoint *a, const struct tpoint *b)
+{
+    return a->micro == b->micro && a->ranks == b->ranks && a->stage == b->stage &&
+           a->param == b->param && a->optim == b->optim && a->budget[0] == b->budget[0] &&
+           a->budget[1] == b->budget[1];
+}
+
+/* Every point of the axes that the global batch splits into, planned; budgets that round to
+ * another point's are that point. */
+static int build_grid(const struct ttopts *o, const json_t *base, uint64_t global, const char *dir,
+                      struct tpoint **out, unsigned *n)
+{
+    struct tpoint *g = calloc(MAX_TPOINTS, sizeof(*g));
+    unsigned k = 0;
+    if (!g) return -ENOMEM;
+    for (int ri = 0; ri < o->nranks; ri++)
+        for (int si = 0; si < (o->ranks[ri] > 1 ? o->nstages : 1); si++)
+            for (int mi = 0; mi < o->nmicro; mi++)
+                for (int pi = 0; pi < o->noffload; pi++)
+                    for (int fi = 0; fi < o->nfrac; fi++) {
+                        uint64_t per = (uint64_t)o->micro[mi] * (uint64_t)o->ranks[ri];
+                        if (global % per) continue; /* the batch does not split so */
+                        if (k == MAX_TPOINTS) {
+                            fprintf(stderr, "zinf tune: more than %d points: narrow the lists\n",
+                                    MAX_TPOINTS);
+                            free(g);
+                            return -E2BIG;
+                        }
+                        struct tpoint *p = &g[k];
+                        *p = (struct tpoint){.micro = o->micro[mi],
+                                             .accum = (int)(global / per),
+                                             .ranks = o->ranks[ri],
+                                             .stage = o->ranks[ri] > 1 ? o->stages[si] : 0,
+                                             .param = o->param[pi],
+                                             .optim = o->optim[pi],
+                                             .frac = o->frac[fi]};
+                        int r = plan_point(base, o, global, p, dir);
+                        if (r < 0) {
+                            free(g);
+                            return r;
+                        }
+                        bool dup = false;
+                        for (unsigned q = 0; q < k && !dup; q++)
+                            dup = same_point(&g[q], p) && g[q].pruned == p->pruned;
+                        if (!dup) k++;
+                    }
+    if (!k) {
+        free(g);
+        fprintf(stderr, "zinf tune: the global batch %llu splits into none of the micro-batches "
+                        "x ranks given\n", (unsigned long long)global);
+        return -EINVAL;
+    }
+    *out = g;
+    *n = k;
+    return 0;
+}
+
+static void progress(unsigned done, unsigned total, uint64_t t0, const struct tpoint *p,
+                     int r, double s, const char *phase)
+{
+    char d[256];
+    describe(p, d, sizeof(d));
+    double el = (double)(now_ns() - t0) / 1e9;
+    double eta = done ? el / done * (total - done) : 0;
+    if (r < 0)
+        fprintf(stderr, "tune: %u/%u %s: %s: failed: %s (ETA %.0f s)\n", done, total, phase, d,
+                p->why, eta);
+    else
+        fprintf(stderr, "tune: %u/%u %s: %s: %.0f tokens/s (ETA %.0f s)\n", done, total, phase,
+                d, s, eta);
+}
+
+static int by_first_score(const void *a, const void *b)
+{
+    const struct tpoint *x = *(const struct tpoint *const *)a, *y = *(const struct tpoint *const *)b;
+    return (y->score[0] > x->score[0]) - (y->score[0] < x->score[0]);
+}
+
+int cmd_tune_train(int argc, char **argv)
+{
+    struct ttopts o;
+    int r = parse_args(argc, argv, &o), ret = 1;
+    if (r) return r > 0 ? 0 : (usage(stderr), 2);
+    struct stat sb;
+    if (stat(o.path, &sb) < 0 || !S_ISDIR(sb.st_mode) || access(o.path, W_OK) < 0) {
+        fprintf(stderr, "zinf tune: --path %s: not a writable directory\n", o.path);
+        return 2;
+    }
+    if (access(o.data, R_OK) < 0) {
+        fprintf(stderr, "zinf tune: --data %s: %s\n", o.data, strerror(errno));
+        return 2;
+    }
+    json_error_t je;
+    json_t *base = json_load_file(o.config, 0, &je);
+    if (!json_is_object(base)) {
+        fprintf(stderr, "zinf tune: --config %s: %s\n", o.config,
+                base ? "not a JSON object" : je.text);
+        json_decref(base);
+        return 2;
+    }
+    /* The config as zinf train takes it, with the options written into it: refused here
+     * in its words rather than on every point. */
+    struct trainer_opts to;
+    struct zinf_config zc;
+    char err[2048];
+    trainer_opts_defaults(&to);
+    if (config_parse_file(o.config, &zc, err, sizeof(err)) < 0) {
+        fprintf(stderr, "zinf tune: --config %s\n", err);
+        json_decref(base);
+        return 2;
+    }
+    struct train_config_applied ds = {0};
+    r = train_config_apply(&zc, &to, 0, &ds, err, sizeof(err));
+    bool daemon = zc.zinf.connect.count > 0;
+    char swapdir[PATH_MAX];
+    snprintf(swapdir, sizeof(swapdir), "%s", zc.nvme_paths.count ? zc.nvme_paths.path[0] : o.path);
+    config_free(&zc);
+    if (r < 0 || daemon) {
+        fprintf(stderr, "zinf tune: --config %s: %s\n", o.config,
+                daemon ? "zinf.connect: a daemon's job has the daemon's budgets; tune a config "
+                         "that runs in the process"
+                       : err);
+        json_decref(base);
+        return 2;
+    }
+    uint64_t global = o.global ? o.global : (uint64_t)to.batch * (uint64_t)to.grad_accum;
+    o.seq_len = o.seq ? o.seq : to.seq;
+    if (!o.nmicro) {
+        for (uint64_t d = 1; d <= global && o.nmicro < MAX_AXIS; d++)
+            if (global % d == 0) o.micro[o.nmicro++] = (int)d;
+    }
+    if (o.out) {
+        if (!o.force && stat(o.out, &sb) == 0) {
+            fprintf(stderr, "zinf tune: --out %s exists; --force to replace it\n", o.out);
+            json_decref(base);
+            return 2;
+        }
+        char tmp[PATH_MAX];
+        snprintf(tmp, sizeof(tmp), "%s.tmp", o.out);
+        int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0) {
+            fprintf(stderr, "zinf tune: --out %s: cannot write there: %s\n", o.out,
+                    strerror(errno));
+            json_decref(base);
+            return 2;
+        }
+        close(fd);
+        unlink(tmp);
+    }
+    ssize_t sl = readlink("/proc/self/exe", self_exe, sizeof(self_exe) - 1);
+    if (sl <= 0) {
+        fprintf(stderr, "zinf tune: cannot find this program (/proc/self/exe): %s\n",
+                strerror(errno));
+        json_decref(base);
+        return 1;
+    }
+    self_exe[sl] = '\0';
+    char dir[PATH_MAX];
+    if (snprintf(dir, sizeof(dir), "%s/" SCRATCH, o.path) >= (int)sizeof(dir)) {
+        fprintf(stderr, "zinf tune: --path %s: too long\n", o.path);
+        json_decref(base);
+        return 2;
+    }
+    if (access(dir, F_OK) == 0) {
+        fprintf(stderr, "zinf tune: %s exists (another sweep's, or one that was killed): remove "
+                        "it first\n", dir);
+        json_decref(base);
+        return 2;
+    }
+    if (mkdir(dir, 0700) < 0) {
+        fprintf(stderr, "zinf tune: %s: %s\n", dir, strerror(errno));
+        json_decref(base);
+        return 1;
+    }
+
+    struct sigaction sa = {.sa_handler = on_signal}, old_int, old_term;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+    struct tpoint *g = NULL, **order = NULL;
+    unsigned n = 0;
+    uint64_t t0 = now_ns();
+    if ((r = build_grid(&o, base, global, dir, &g, &n)) < 0) {
+        if (r == -ENOMEM) fprintf(stderr, "zinf tune: out of memory\n");
+        ret = r == -ENOMEM ? 1 : 2;
+        goto out;
+    }
+    unsigned live = 0;
+    for (unsigned i = 0; i < n; i++)
+        live += !g[i].pruned;
+    if (!o.json) {
+        printf("# zinf tune %s: train mode, %d layers, dim %d, %d heads, seq %d, global batch "
+               "%llu; %u point(s), %u pruned by the budget check\n",
+               zinf_version(), o.layers ? o.layers : to.model.L, o.dim ? o.dim : to.model.C,
+               o.heads ? o.heads : to.model.NH, o.seq ? o.seq : to.seq,
+               (unsigned long long)global, n, n - live);
+        printf("# each run: zinf train, %d warm-up + %d timed steps; score = tokens/s of the "
+               "timed steps\n# %s\n",
+               o.warmup, o.steps,
+               o.exhaustive ? "exhaustive: every point --reps times"
+                            : "search: every point once, then the best quarter (at least 3) "
+                              "to --reps runs");
+        printf("# rule: best = highest median; a point whose median is within the best's "
+               "min..max ties with it;\n#   of the ties the cheapest wins: fewer ranks, then "
+               "fewer budget bytes, then the lower stage, then the larger micro-batch\n");
+        fflush(stdout);
+    }
+    /* Round one: every point that can run, once (--exhaustive: --reps times). */
+    unsigned total = live * (o.exhaustive ? (unsigned)o.reps : 1u), done = 0, seq = 0;
+    if (!o.exhaustive) {
+        unsigned keep = MAX(3u, (live + 3) / 4);
+        total += MIN(keep, live) * (unsigned)(o.reps - 1);
+    }
+    for (int rep = 0; rep < (o.exhaustive ? o.reps : 1) && !interrupted; rep++)
+        for (unsigned i = 0; i < n && !interrupted; i++) {
+            struct tpoint *p = &g[i];
+            if (p->pruned || p->failed) continue;
+            double s = 0;
+            r = run_point(&o, base, global, p, dir, seq++, &s);
+            if (interrupted) break;
+            done++;
+            if (r < 0)
+                p->failed = true;
+            else
+                p->score[p->n++] = s;
+            progress(done, total, t0, p, r, s, o.exhaustive ? "grid" : "round 1");
+        }
+    /* The search: the best quarter of round one, to --reps runs each. */
+    if (!o.exhaustive && !interrupted) {
+        order = calloc(n, sizeof(*order));
+        if (!order) goto out;
+        unsigned m = 0;
+        for (unsigned i = 0; i < n; i++)
+            if (!g[i].pruned && !g[i].failed) order[m++] = &g[i];
+        qsort(order, m, sizeof(*order), by_first_score);
+        unsigned keep = MIN(m, MAX(3u, (live + 3) / 4));
+        total = done + keep * (unsigned)(o.reps - 1);
+        for (int rep = 1; rep < o.reps && !interrupted; rep++)
+            for (unsigned i = 0; i < keep && !interrupted; i++) {
+                struct tpoint *p = order[i];
+                if (p->failed) continue;
+                double s = 0;
+                r = run_point(&o, base, global, p, dir, seq++, &s);
+                if (interrupted) break;
+                done++;
+                if (r < 0)
+                    p->failed = true;
+                else
+                    p->score[p->n++] = s;
+                progress(done, total, t0, p, r, s, "round 2");
+            }
+    }
+    if (interrupted) {
+        fprintf(stderr, "zinf tune: interrupted; no config written\n");
+        ret = interrupted == SIGINT ? 130 : 143;
+        goto out;
+    }
+    double secs = (double)(now_ns() - t0) / 1e9;
+    for (unsigned i = 0; i < n; i++)
+        if (g[i].n == (unsigned)o.reps) summarise(&g[i]);
+    struct tpoint *best, *win;
+    unsigned nties;
+    win = pick(g, n, (unsigned)o.reps, &best, &nties);
+    if (o.json) {
+        for (unsigned i = 0; i < n; i++)
+            json_row(&g[i], win);
+    } else {
+        printf("# %5s %5s %5s %5s %5s %5s %9s %9s %9s %9s %9s %4s\n", "ranks", "stage", "micro",
+               "accum", "param", "optim", "device", "host", "tokens/s", "min", "max", "runs");
+        for (unsigned i = 0; i < n; i++)
+            print_row(&g[i], best, win, (unsigned)o.reps);
+    }
+    if (!win) {
+        fprintf(stderr, "zinf tune: no point ran --reps times (see the table); no config "
+                        "written\n");
+        goto out;
+    }
+    char d[256];
+    describe(win, d, sizeof(d));
+    json_t *cfg = point_config(base, &o, global, win, swapdir, true, true);
+    if (!cfg) goto out;
+    char cmd[PATH_MAX + 128] = "";
+    if (win->ranks > 1) snprintf(cmd, sizeof(cmd), "zinf launch -n %d -- ", win->ranks);
+    if (o.json) {
+        json_t *j = json_pack("{s:s, s:f, s:f, s:i, s:f, s:i, s:O}", "picked", d,
+                              "picked_median_tokens_per_s", win->med,
+                              "best_median_tokens_per_s", best->med, "ties", (int)nties,
+                              "seconds", secs, "ranks", win->ranks, "config", cfg);
+        char *s = json_dumps(j, JSON_PRESERVE_ORDER);
+        printf("%s\n", s);
+        free(s);
+        json_decref(j);
+    } else {
+        char bd[256];
+        describe(best, bd, sizeof(bd));
+        printf("# best median: %s: %.0f tokens/s\n", bd, best->med);
+        if (win != best)
+            printf("# picked: %s: %.0f tokens/s; %u points tie with the best (their median is "
+                   "within its spread), this is the cheapest\n", d, win->med, nties);
+        else
+            printf("# picked: %s (%s)\n", d,
+                   nties > 1 ? "the cheapest of the points that tie" : "no other point ties");
+        printf("# %u runs in %.1f s\n", seq, secs);
+    }
+    if (o.out) {
+        if ((r = dump(cfg, o.out)) < 0) {
+            fprintf(stderr, "zinf tune: writing %s: %s\n", o.out, strerror(-r));
+            json_decref(cfg);
+            goto out;
+        }
+        if (!o.json)
+            printf("# config written to %s; run it: %szinf train --config %s --data %s\n", o.out,
+                   cmd, o.out, o.data);
+    } else if (!o.json) {
+        printf("# config (--out FILE writes it; run it with %szinf train --config FILE):\n",
+               cmd);
+        char *s = json_dumps(cfg, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+        printf("%s\n", s);
+        free(s);
+    }
+    json_decref(cfg);
+    ret = 0;
+out:
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+    remove_tree(dir);
+    free(order);
+    free(g);
+    json_decref(base);
+    return ret;
+}
