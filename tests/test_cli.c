@@ -721,6 +721,231 @@ Test(cli, tune_interrupted_writes_nothing_and_cleans_up)
     }
 }
 
+/* ---- zinf tune --mode train ------------------------------------------------------------ */
+
+#define TT_DATA "/usr/share/common-licenses/GPL-3"
+
+/* A small model's config for tune --mode train (global batch 4). */
+static void tt_base(char *path, size_t n, const char *extra)
+{
+    snprintf(path, n, "%s/tt-base.json", dir);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"train_batch_size\": 4, \"optimizer\": {\"type\": \"AdamW\", \"params\": "
+            "{\"lr\": 0.003}}, \"zinf\": {\"device\": \"emulated\", \"train\": {\"layers\": 2, "
+            "\"dim\": 32, \"heads\": 2, \"seq\": 16, \"steps\": 7}%s}}",
+            extra);
+    fclose(f);
+}
+
+/* The search over micro-batches, ranks, stages, placements and budgets: what the budget check
+ * refuses is never run and says why; every other point runs; the pick follows tune's rule;
+ * its config is what config check and train take as they are, and trains; the scratch
+ * directory is gone. */
+Test(cli, tune_train_searches_prunes_and_writes_a_config_train_runs, .timeout = 300)
+{
+    char base[4096], out[4096], scratch[4200], *o;
+    tt_base(base, sizeof(base), "");
+    snprintf(out, sizeof(out), "%s/tt-pick.json", dir);
+    cr_assert_eq(run(&o,
+                     "tune --mode train --config %s --data " TT_DATA " --path %s "
+                     "--micro-batches 1,4 --ranks 1,2 --stages 1,3 --offload none:none,cpu:nvme "
+                     "--budgets 1,0.02 --warmup 1 --steps 1 --json --out %s",
+                     base, dir, out),
+                 0, "%s", o);
+    json_t *best = NULL, *picked = NULL, *last = NULL, *pts = json_array();
+    int pruned = 0, full = 0, two_ranks = 0;
+    for (char *save = NULL, *l = strtok_r(o, "\n", &save); l; l = strtok_r(NULL, "\n", &save)) {
+        if (l[0] != '{') continue; /* progress lines */
+        json_t *j = json_loads(l, 0, NULL);
+        cr_assert_not_null(j, "not JSON: %s", l);
+        if (json_object_get(j, "config")) {
+            last = j;
+            continue;
+        }
+        json_array_append_new(pts, j);
+        cr_assert_null(json_object_get(j, "failed"), "a point the check let through failed: %s",
+                       l);
+        cr_assert_eq(json_integer_value(json_object_get(j, "micro_batch")) *
+                         json_integer_value(json_object_get(j, "accumulation")) *
+                         json_integer_value(json_object_get(j, "ranks")),
+                     4, "the global batch is fixed: %s", l);
+        if (json_object_get(j, "pruned")) {
+            pruned++;
+            const char *why = json_string_value(json_object_get(j, "pruned"));
+            cr_assert(strstr(why, "needs device"), "%s", l);
+            /* Pruned exactly where a budget is under the trainer's smallest. */
+            cr_assert(json_integer_value(json_object_get(j, "device_bytes")) <
+                              json_integer_value(json_object_get(j, "min_device_bytes")) ||
+                          json_integer_value(json_object_get(j, "host_bytes")) <
+                              json_integer_value(json_object_get(j, "min_host_bytes")),
+                      "%s", l);
+            continue;
+        }
+        cr_assert_geq(json_integer_value(json_object_get(j, "device_bytes")),
+                      json_integer_value(json_object_get(j, "min_device_bytes")), "%s", l);
+        cr_assert_geq(json_integer_value(json_object_get(j, "host_bytes")),
+                      json_integer_value(json_object_get(j, "min_host_bytes")), "%s", l);
+        two_ranks += json_integer_value(json_object_get(j, "ranks")) == 2;
+        if (json_array_size(json_object_get(j, "tokens_per_s")) != 3) continue;
+        full++;
+        double med = json_real_value(json_object_get(j, "median"));
+        cr_assert_gt(med, 0);
+        if (!best || med > json_real_value(json_object_get(best, "median"))) best = j;
+        if (json_is_true(json_object_get(j, "picked"))) {
+            cr_assert_null(picked, "two points picked");
+            picked = j;
+        }
+    }
+    free(o);
+    cr_assert_gt(pruned, 0, "the 2%% budgets are under what runs");
+    cr_assert_gt(two_ranks, 0);
+    cr_assert_geq(full, 3, "the best quarter, at least three, runs three times");
+    cr_assert_not_null(picked);
+    cr_assert_not_null(last);
+    /* tune's rule: the pick ties with the best (median within its min..max), and no tie has
+     * fewer ranks or budget bytes. */
+    double lo = json_real_value(json_array_get(json_object_get(best, "tokens_per_s"), 0));
+    for (size_t k = 1; k < 3; k++)
+        lo = fmin(lo, json_real_value(json_array_get(json_object_get(best, "tokens_per_s"), k)));
+    cr_assert_geq(json_real_value(json_object_get(picked, "median")), lo);
+    size_t i;
+    json_t *p;
+    json_array_foreach(pts, i, p)
+    {
+        if (!json_is_true(json_object_get(p, "tie"))) continue;
+        cr_assert_geq(json_real_value(json_object_get(p, "median")), lo);
+        json_int_t pr = json_integer_value(json_object_get(picked, "ranks")),
+                   qr = json_integer_value(json_object_get(p, "ranks"));
+        cr_assert_geq(qr, pr, "a tie with fewer ranks");
+        if (qr == pr)
+            cr_assert_geq(json_integer_value(json_object_get(p, "device_bytes")) +
+                              json_integer_value(json_object_get(p, "host_bytes")),
+                          json_integer_value(json_object_get(picked, "device_bytes")) +
+                              json_integer_value(json_object_get(picked, "host_bytes")),
+                          "a tie with fewer budget bytes");
+    }
+    /* The config written is the pick's, and the base's other keys are kept. */
+    json_t *cfg = json_load_file(out, 0, NULL);
+    cr_assert_not_null(cfg);
+    cr_assert(json_equal(cfg, json_object_get(last, "config")));
+    cr_assert_eq(json_integer_value(json_object_get(cfg, "train_micro_batch_size_per_gpu")),
+                 json_integer_value(json_object_get(picked, "micro_batch")));
+    json_t *z = json_object_get(cfg, "zinf");
+    cr_assert_eq(json_integer_value(json_object_get(z, "device_bytes")),
+                 json_integer_value(json_object_get(picked, "device_bytes")));
+    cr_assert_eq(json_integer_value(json_object_get(json_object_get(z, "train"), "steps")), 7);
+    cr_assert_not_null(
+        json_object_get(json_object_get(json_object_get(cfg, "optimizer"), "params"), "lr"));
+    int ranks = (int)json_integer_value(json_object_get(picked, "ranks"));
+    json_decref(cfg);
+    json_decref(last);
+    json_decref(pts);
+    cr_assert_eq(run(&o, "config check %s --strict", out), 0, "%s", o);
+    free(o);
+    if (ranks > 1)
+        cr_assert_eq(run(&o, "launch -n %d -- %s train --config %s --data " TT_DATA " --steps 2",
+                         ranks, getenv("ZINF_BIN"), out),
+                     0, "%s", o);
+    else
+        cr_assert_eq(run(&o, "train --config %s --data " TT_DATA " --steps 2", out), 0, "%s", o);
+    free(o);
+    snprintf(scratch, sizeof(scratch), "%s/zinf-tune.train", dir);
+    cr_assert_neq(access(scratch, F_OK), 0, "the sweep's scratch directory is left behind");
+}
+
+Test(cli, tune_train_bad_arguments_and_interruption, .timeout = 120)
+{
+    char base[4096], out[4096], scratch[4200], *o;
+    tt_base(base, sizeof(base), "");
+    snprintf(out, sizeof(out), "%s/tt-never.json", dir);
+    static const struct {
+        const char *args, *says;
+    } cases[] = {
+        {"--offload cpu", "--offload: 'cpu' is not PARAM:OPTIMIZER"},
+        {"--offload cpu:disk", "--offload: 'cpu:disk' is not PARAM:OPTIMIZER"},
+        {"--offload cpu:cpu,cpu:cpu", "--offload: cpu:cpu is given twice"},
+        {"--budgets 0", "--budgets: '0' is not a fraction in (0, 1]"},
+        {"--budgets 1.5", "--budgets: '1.5' is not a fraction in (0, 1]"},
+        {"--reps 2", "--reps: '2' is not a whole number in [3, 20]"},
+        {"--ranks 0", "--ranks: '0' is not a whole number in [1, 64]"},
+        {"--stages 0", "--stages: '0' is not a whole number in [1, 3]"},
+        {"--micro-batches 2,2", "--micro-batches: 2 is given twice"},
+        {"--steps 1,2", "--steps: one whole number"},
+        {"--global-batch 3 --micro-batches 2 --ranks 1",
+         "the global batch 3 splits into none of the micro-batches x ranks given"},
+        {"--bogus", "unknown or incomplete option '--bogus'"},
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(cases); i++) {
+        cr_assert_eq(run(&o, "tune --mode train --config %s --data " TT_DATA " --path %s --out %s %s",
+                         base, dir, out, cases[i].args),
+                     2, "%s: %s", cases[i].args, o);
+        cr_assert(strstr(o, cases[i].says), "%s: %s", cases[i].args, o);
+        free(o);
+    }
+    cr_assert_eq(run(&o, "tune --mode train --data " TT_DATA " --path %s", dir), 2, "%s", o);
+    cr_assert(strstr(o, "needs --config FILE"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "tune --mode train --config %s --data %s/nothing --path %s", base, dir,
+                     dir),
+                 2, "%s", o);
+    cr_assert(strstr(o, "nothing: No such file"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "tune --mode train --config %s --data " TT_DATA " --path %s/nowhere",
+                     base, dir),
+                 2, "%s", o);
+    cr_assert(strstr(o, "not a writable directory"), "%s", o);
+    free(o);
+    /* A config zinf train refuses is refused in its words, before any point. */
+    char bad[4096];
+    snprintf(bad, sizeof(bad), "%s/tt-bad.json", dir);
+    FILE *f = fopen(bad, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"optimizer\": {\"type\": \"SGD\"}}");
+    fclose(f);
+    cr_assert_eq(run(&o, "tune --mode train --config %s --data " TT_DATA " --path %s", bad, dir),
+                 2, "%s", o);
+    cr_assert(strstr(o, "optimizer.type \"SGD\""), "%s", o);
+    free(o);
+    tt_base(base, sizeof(base), ", \"connect\": \"/nonexistent.sock\"");
+    cr_assert_eq(run(&o, "tune --mode train --config %s --data " TT_DATA " --path %s", base, dir),
+                 2, "%s", o);
+    cr_assert(strstr(o, "zinf.connect: a daemon's job"), "%s", o);
+    free(o);
+    tt_base(base, sizeof(base), "");
+    /* --out that exists, without --force. */
+    f = fopen(out, "w");
+    cr_assert_not_null(f);
+    fclose(f);
+    cr_assert_eq(run(&o, "tune --mode train --config %s --data " TT_DATA " --path %s --out %s",
+                     base, dir, out),
+                 2, "%s", o);
+    cr_assert(strstr(o, "exists; --force to replace it"), "%s", o);
+    free(o);
+    unlink(out);
+    /* Interrupted: nothing written, the scratch directory removed, 130. */
+    char cmd[16384];
+    snprintf(cmd, sizeof(cmd),
+             "timeout --preserve-status -s INT 2 %s tune --mode train --config %s --data " TT_DATA
+             " --path %s --ranks 1 --steps 50 --out %s > %s/tt-int.out 2>&1",
+             getenv("ZINF_BIN"), base, dir, out, dir);
+    int st = system(cmd);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d",
+              WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    cr_assert_neq(access(out, F_OK), 0, "a config was written");
+    snprintf(scratch, sizeof(scratch), "%s/zinf-tune.train", dir);
+    cr_assert_neq(access(scratch, F_OK), 0, "the sweep's scratch directory is left behind");
+    /* A scratch directory already there (another sweep's) is refused, not removed. */
+    cr_assert_eq(mkdir(scratch, 0700), 0);
+    cr_assert_eq(run(&o, "tune --mode train --config %s --data " TT_DATA " --path %s", base, dir),
+                 2, "%s", o);
+    cr_assert(strstr(o, "exists (another sweep's"), "%s", o);
+    free(o);
+    cr_assert_eq(access(scratch, F_OK), 0);
+    rmdir(scratch);
+}
+
 Test(cli, tune_bad_arguments)
 {
     char *o, out[4096];
@@ -729,7 +954,7 @@ Test(cli, tune_bad_arguments)
         const char *args, *says;
     } cases[] = {
         {"--reps 2", "--reps: must be 3..100 (a spread needs three rounds), got '2'"},
-        {"--mode fast", "--mode: must be io or swapin, got 'fast'"},
+        {"--mode fast", "--mode: must be io, swapin or train, got 'fast'"},
         {"--block-sizes 1M,3000", "--block-sizes: '3000' is not a size that is a multiple of 4K"},
         {"--block-sizes 128M", "--block-sizes: at most 64M"},
         {"--queue-depths 0", "--queue-depths: '0' is not a positive number"},

@@ -1660,3 +1660,97 @@ Test(train, step_reports_norm_clip_and_lr)
     }
     trainer_close(t);
 }
+
+/* trainer_plan (zinf tune's pruning) decides what trainer_open decides, with nothing opened:
+ * the same smallest budgets for every placement, precision, accumulation, persistence and
+ * sampling; the budgets the config gives; and the same refusals of bad options. For several
+ * ranks (which cannot meet here) each rank's shard is smaller: the Adam states at stage 1,
+ * the gradients too at 2, the parameters too at 3. */
+Test(train, plan_gives_the_budgets_that_open_checks)
+{
+    static const struct {
+        const char *param, *optim;
+        enum trainer_precision prec;
+        int accum;
+        bool persist, sample;
+    } cases[] = {
+        {"nvme", "nvme", TRAINER_PRECISION_FP32, 1, false, false},
+        {"cpu", "cpu", TRAINER_PRECISION_FP32, 2, false, false},
+        {"none", "none", TRAINER_PRECISION_BF16, 1, false, true},
+        {"none", "nvme", TRAINER_PRECISION_FP32, 3, false, false},
+        {"cpu", "nvme", TRAINER_PRECISION_BF16, 2, true, false},
+        {"nvme", "cpu", TRAINER_PRECISION_FP32, 1, true, true},
+    };
+    char cfg[4096], swap[4096], err[1024];
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        snprintf(swap, sizeof(swap), "%s/plan%zu", dir, i);
+        snprintf(cfg, sizeof(cfg), "%s/plan%zu.json", dir, i);
+        FILE *f = fopen(cfg, "w");
+        cr_assert_not_null(f);
+        fprintf(f,
+                "{\"zero_optimization\": {\"stage\": 3, \"offload_param\": {\"device\": \"%s\"},"
+                " \"offload_optimizer\": {\"device\": \"%s\"}%s}, \"zinf\": {\"device\": "
+                "\"emulated\", \"nvme_paths\": [\"%s\"], \"device_bytes\": \"64M\", "
+                "\"host_bytes\": \"48M\"}}",
+                cases[i].param, cases[i].optim,
+                cases[i].persist ? ", \"stage3_param_persistence_threshold\": 1000" : "", swap);
+        fclose(f);
+        struct trainer_opts o = small_model(cfg);
+        o.precision = cases[i].prec;
+        o.grad_accum = cases[i].accum;
+        o.sample = cases[i].sample;
+        struct trainer_plan pl;
+        cr_assert_eq(trainer_plan(&o, &pl, err, sizeof(err)), 0, "case %zu: %s", i, err);
+        cr_expect_eq(pl.budget[0], 64 * MiB, "case %zu: the config's device budget", i);
+        cr_expect_eq(pl.budget[1], 48 * MiB, "case %zu: the config's host budget", i);
+        cr_expect_eq(pl.stage, 0);
+        struct trainer *t = NULL;
+        cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "case %zu: %s", i, err);
+        struct trainer_summary sum;
+        trainer_get_summary(t, &sum);
+        trainer_close(t);
+        cr_expect_eq(pl.min_budget[0], sum.min_budget[0], "case %zu: device %llu vs open's %llu",
+                     i, (unsigned long long)pl.min_budget[0],
+                     (unsigned long long)sum.min_budget[0]);
+        cr_expect_eq(pl.min_budget[1], sum.min_budget[1], "case %zu: host %llu vs open's %llu", i,
+                     (unsigned long long)pl.min_budget[1], (unsigned long long)sum.min_budget[1]);
+        cr_expect_eq(pl.param_count, sum.param_count, "case %zu", i);
+        test_rmtree(strdup(swap));
+
+        /* Two ranks (they cannot meet here): planned all the same, at the stage asked, with
+         * budgets derived where the config gives none; zinf tune runs them. */
+        for (int stage = 1; stage <= 3; stage++) {
+            FILE *g = fopen(cfg, "w");
+            cr_assert_not_null(g);
+            fprintf(g,
+                    "{\"zero_optimization\": {\"stage\": %d, \"offload_param\": {\"device\": "
+                    "\"%s\"}, \"offload_optimizer\": {\"device\": \"%s\"}}, \"zinf\": "
+                    "{\"device\": \"emulated\", \"nvme_paths\": [\"%s\"]}}",
+                    stage, cases[i].param, cases[i].optim, swap);
+            fclose(g);
+            o.world = 2;
+            o.rank = 0;
+            cr_assert_eq(trainer_plan(&o, &pl, err, sizeof(err)), 0, "case %zu stage %d: %s", i,
+                         stage, err);
+            cr_expect_eq(pl.stage, stage);
+            cr_expect_gt(pl.min_budget[0], 0);
+            cr_expect_gt(pl.budget[0], 0, "derived where the config gives none");
+            cr_expect_gt(pl.budget[1], 0, "derived where the config gives none");
+            o.world = 1;
+        }
+    }
+    /* What open refuses of the options, plan refuses in the same words. */
+    snprintf(cfg, sizeof(cfg), "%s/plan0.json", dir);
+    struct trainer_opts o = small_model(cfg);
+    o.model.NH = 5; /* 64 is not a multiple of 5 */
+    struct trainer_plan pl;
+    char err2[1024];
+    struct trainer *t = NULL;
+    cr_assert_eq(trainer_plan(&o, &pl, err, sizeof(err)), -EINVAL);
+    cr_assert_eq(trainer_open(&o, &t, err2, sizeof(err2)), -EINVAL);
+    cr_assert_str_eq(err, err2);
+    snprintf(cfg, sizeof(cfg), "%s/no-such.json", dir);
+    o = small_model(cfg);
+    cr_assert_lt(trainer_plan(&o, &pl, err, sizeof(err)), 0);
+    cr_assert(strstr(err, "no-such.json"), "%s", err);
+}

@@ -376,8 +376,7 @@ static int parse_args(int argc, char **argv, struct ttopts *o)
             o->json = true;
             break;
         default:
-            fprintf(stderr, "zinf tune: --mode train: unknown option or missing value: %s\n",
-                    argv[optind - 1]);
+            fprintf(stderr, "zinf tune: unknown or incomplete option '%s'\n", argv[optind - 1]);
             return -1;
         }
     }
