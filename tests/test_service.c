@@ -2,19 +2,26 @@
  * test_service.c - the daemon (src/service/server.c) and its client (client.c): every
  * zinf.h call through zinf_connect answers as the embedded engine does, fetched pointers
  * are the daemon's memory, jobs do not see each other, a client that dies loses its pins
- * and nobody else notices, a restarted daemon brings back what was flushed, and malformed
- * messages get an error and a closed connection while the daemon goes on.
+ * and nobody else notices, a restarted daemon brings back what was flushed, malformed
+ * messages get an error and a closed connection while the daemon goes on, and another user
+ * gets nothing of a job whose write-behinds are running.
  *
  * The daemon runs in a thread of the test's own process (service_run), except where a
  * test needs a client process to die: that client is a forked child.
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <grp.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -37,8 +44,12 @@ static void setup(void)
     service_util_setup("service");
 }
 
+static char wb_sockdir[64]; /* write_behind_under_a_second_user's socket folder, in /tmp */
+
 static void teardown(void)
 {
+    if (wb_sockdir[0]) test_rmtree(strdup(wb_sockdir));
+    wb_sockdir[0] = 0;
     service_util_teardown();
 }
 
@@ -1022,4 +1033,639 @@ Test(service, a_session_without_a_pin_table_answers_the_same)
     for (int i = 1; i < 65; i++)
         zinf_close(e[i]);
     daemon_stop(&d);
+}
+
+/* ---- write-behind while a second user pokes at the daemon ------------------------------ */
+
+/* Root's job steps through a learned schedule whose DIRTY releases start write-behinds,
+ * while a child that dropped to uid 65534 (as `setpriv --reuid=65534 --regid=65534
+ * --clear-groups` would) tries every way it has into that job: by name, by guessed session
+ * and secret, by job command, through STATUS, through the handles of root's tensors in a job
+ * of its own, and with malformed and half-sent messages. Needs root; skipped otherwise. */
+
+#define WB_NOBODY 65534
+#define WB_JOB "wb-owner"
+#define WB_OTHER "wb-other"
+#define WB_TENSORS 12         /* root's tensors, NVMe-homed */
+#define WB_BYTES (256 * 1024) /* each; 12 of them cycle through the 2 MiB host tier */
+#define WB_MINE 3             /* the second user's own tensors: w0..w2, as root's */
+#define WB_MINE_BYTES (64 * 1024)
+#define WB_MINE_BYTE 0xee /* their every byte */
+#define WB_STEPS 6        /* learned steps at least */
+
+/* Shared between the test and its uid-65534 child (MAP_SHARED, anonymous). */
+struct wb_shared {
+    atomic_int go;      /* 1: root's tensors are registered, their handles below */
+    atomic_int ready;   /* 1: the child is attached to its own job; -1: it could not be */
+    atomic_int stop;    /* 1: root's steps are over */
+    atomic_uint rounds; /* the child's rounds of attempts, done */
+    zinf_tensor owner[WB_TENSORS];
+};
+
+/* The child's failures as text through a pipe (at most 40 lines, so that a child failing
+ * in a loop cannot fill the pipe and wait on it), and their count. */
+struct wb_report {
+    int fd;
+    int failures;
+};
+
+static void wb_say(struct wb_report *rp, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+static void wb_say(struct wb_report *rp, const char *fmt, ...)
+{
+    if (rp->failures++ >= 40) return;
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(buf, sizeof(buf) - 1, fmt, ap);
+    va_end(ap);
+    if (n < 0) return;
+    if (n > (int)sizeof(buf) - 2) n = (int)sizeof(buf) - 2;
+    buf[n++] = '\n';
+    if (write(rp->fd, buf, (size_t)n) < 0) {
+        /* the parent sees the exit status */
+    }
+}
+
+static void wb_quiet(enum log_level level, const char *msg, void *data)
+{
+    (void)level, (void)msg, (void)data; /* the client's notes on each refusal */
+}
+
+static bool wb_err_unknown(int r)
+{
+    return r == -ENOENT || r == -EINVAL;
+}
+
+/* A connection to the daemon, for the child (no Criterion asserts there): the fd or -errno.
+ * A reply that does not come in 5 s is a failure, not a hang. */
+static int wb_connect(void)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    if (strlen(sock) >= sizeof(a.sun_path)) return -ENAMETOOLONG;
+    memcpy(a.sun_path, sock, strlen(sock) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -errno;
+    struct timeval tv = {.tv_sec = 5};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    if (connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        int r = -errno;
+        close(fd);
+        return r;
+    }
+    return fd;
+}
+
+/* One request as q says and its reply's result, or -errno of the exchange (-ECONNRESET: the
+ * daemon closed). File descriptors that come with the reply are closed. */
+static int wb_call(int fd, const struct proto_request *q)
+{
+    struct proto_out o;
+    proto_encode_request(q, 7, &o);
+    int r = proto_send(fd, &o, NULL, 0);
+    proto_out_free(&o);
+    if (r < 0) return r;
+    struct proto_header h;
+    uint8_t *p = NULL;
+    int fds[8], nfds = 8;
+    r = proto_recv(fd, true, &h, &p, fds, &nfds);
+    for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+    if (r < 0) return r;
+    int32_t res = -EBADMSG;
+    if (h.len >= 4) memcpy(&res, p, 4);
+    free(p);
+    return res;
+}
+
+/* Whether the daemon has closed fd (nothing more to read; a reset counts). */
+static bool wb_closed(int fd)
+{
+    char c;
+    return recv(fd, &c, 1, 0) <= 0;
+}
+
+/* Raw bytes on a connection of their own: the daemon's result, 1 when it closed without
+ * one; then it must close. */
+static void wb_junk(struct wb_report *rp, const char *what, const void *bytes, size_t n, int want)
+{
+    int fd = wb_connect();
+    if (fd < 0) {
+        wb_say(rp, "%s: connect: %s", what, zinf_strerror(fd));
+        return;
+    }
+    if (send(fd, bytes, n, MSG_NOSIGNAL) != (ssize_t)n) {
+        wb_say(rp, "%s: send: %s", what, strerror(errno));
+        close(fd);
+        return;
+    }
+    shutdown(fd, SHUT_WR);
+    uint8_t reply[PROTO_HEADER_BYTES + 4];
+    size_t got = 0;
+    ssize_t r;
+    while (got < sizeof(reply) && (r = recv(fd, reply + got, sizeof(reply) - got, 0)) > 0)
+        got += (size_t)r;
+    int res = 1;
+    if (got == sizeof(reply)) memcpy(&res, reply + PROTO_HEADER_BYTES, 4);
+    if (res != want) wb_say(rp, "%s: answered %d, not %d", what, res, want);
+    if (!wb_closed(fd)) wb_say(rp, "%s: the connection stays open", what);
+    close(fd);
+}
+
+static size_t wb_header(uint8_t *b, uint16_t version, uint16_t op, uint32_t len)
+{
+    uint32_t magic = PROTO_MAGIC, seq = 3;
+    memcpy(b, &magic, 4);
+    memcpy(b + 4, &version, 2);
+    memcpy(b + 6, &op, 2);
+    memcpy(b + 8, &seq, 4);
+    memcpy(b + 12, &len, 4);
+    return PROTO_HEADER_BYTES;
+}
+
+/* Messages that break the protocol, before any HELLO: an error (or nothing) and a close. */
+static void wb_malformed(struct wb_report *rp, zinf_tensor theirs)
+{
+    uint8_t b[256];
+    size_t n;
+    memset(b, 0xab, 64);
+    wb_junk(rp, "garbage", b, 64, 1);
+    n = wb_header(b, 99, PROTO_HELLO, 0);
+    wb_junk(rp, "version 99", b, n, -EPROTONOSUPPORT);
+    n = wb_header(b, PROTO_VERSION, PROTO_HELLO, 0xfffffff0u);
+    wb_junk(rp, "an absurd length", b, n, -EMSGSIZE);
+    n = wb_header(b, PROTO_VERSION, PROTO_HELLO | PROTO_REPLY, 0);
+    wb_junk(rp, "a reply as a request", b, n, -EBADMSG);
+    n = wb_header(b, PROTO_VERSION, 77, 0);
+    wb_junk(rp, "op 77", b, n, -EBADMSG);
+    n = wb_header(b, PROTO_VERSION, PROTO_STEP, 0);
+    wb_junk(rp, "STEP before HELLO", b, n, -EPROTO);
+    /* Root's tensor asked for before any HELLO: no session, no job, no answer but -EPROTO. */
+    n = wb_header(b, PROTO_VERSION, PROTO_FETCH, 12);
+    memcpy(b + n, &theirs, 8);
+    uint32_t host = ZINF_TIER_HOST;
+    memcpy(b + n + 8, &host, 4);
+    wb_junk(rp, "FETCH of root's tensor before HELLO", b, n + 12, -EPROTO);
+    n = wb_header(b, PROTO_VERSION, PROTO_READ, 20);
+    memcpy(b + n, &theirs, 8);
+    memset(b + n + 8, 0, 8);
+    uint32_t sixteen = 16;
+    memcpy(b + n + 16, &sixteen, 4);
+    wb_junk(rp, "READ of root's tensor before HELLO", b, n + 20, -EPROTO);
+    n = wb_header(b, PROTO_VERSION, PROTO_HELLO, 3);
+    memcpy(b + n, "\x05\0\0", 3);
+    wb_junk(rp, "a truncated HELLO", b, n + 3, -EBADMSG);
+    /* HELLO to root's job with junk after its fields. */
+    uint32_t len = (uint32_t)strlen(WB_JOB);
+    n = wb_header(b, PROTO_VERSION, PROTO_HELLO, 4 + len + 16 + 4);
+    memcpy(b + n, &len, 4);
+    memcpy(b + n + 4, WB_JOB, len);
+    memset(b + n + 4 + len, 0, 16 + 4);
+    wb_junk(rp, "HELLO to root's job with junk after it", b, n + 4 + len + 20, -EBADMSG);
+    n = wb_header(b, PROTO_VERSION, PROTO_HELLO, 10);
+    wb_junk(rp, "a header cut short", b, 7, 1);
+}
+
+/* Requests in a session of the second user's own job that name root's tensors, or are
+ * wrong: each answered with an error, the connection kept, until a second HELLO ends it. */
+static void wb_bad_requests(struct wb_report *rp, zinf_tensor theirs, zinf_tensor mine)
+{
+    int fd = wb_connect();
+    if (fd < 0) {
+        wb_say(rp, "own session: connect: %s", zinf_strerror(fd));
+        return;
+    }
+    struct proto_request q = {.op = PROTO_HELLO};
+    snprintf(q.name, sizeof(q.name), "%s", WB_OTHER);
+    int r = wb_call(fd, &q);
+    if (r != 0) {
+        wb_say(rp, "HELLO to its own job: %s", zinf_strerror(r));
+        close(fd);
+        return;
+    }
+    zinf_tensor both[2] = {theirs, theirs};
+    const struct {
+        const char *what;
+        struct proto_request q;
+    } bad[] = {
+        {"FETCH, tier 9", {.op = PROTO_FETCH, .handle = theirs, .tier = 9}},
+        {"FETCH", {.op = PROTO_FETCH, .handle = theirs, .tier = ZINF_TIER_HOST}},
+        {"FETCH_ASYNC", {.op = PROTO_FETCH_ASYNC, .handle = theirs, .tier = ZINF_TIER_HOST}},
+        {"PREFETCH", {.op = PROTO_PREFETCH, .handle = theirs, .tier = ZINF_TIER_HOST}},
+        {"FETCH_ALL",
+         {.op = PROTO_FETCH_ALL, .tier = ZINF_TIER_HOST, .n = 2, .data = (const uint8_t *)both}},
+        {"WAIT of a ticket not its own", {.op = PROTO_WAIT, .handle = 1}},
+        {"RELEASE DIRTY unpinned",
+         {.op = PROTO_RELEASE,
+          .handle = theirs,
+          .tier = ZINF_TIER_HOST,
+          .flags = ZINF_RELEASE_DIRTY}},
+        {"RELEASE with flags 0x80",
+         {.op = PROTO_RELEASE, .handle = mine, .tier = ZINF_TIER_HOST, .flags = 0x80}},
+        {"READ", {.op = PROTO_READ, .handle = theirs, .n = 16}},
+        {"WRITE", {.op = PROTO_WRITE, .handle = theirs, .n = 4, .data = (const uint8_t *)"evil"}},
+        {"TENSOR_INFO", {.op = PROTO_TENSOR_INFO, .handle = theirs}},
+        {"UNREGISTER", {.op = PROTO_UNREGISTER, .handle = theirs}},
+        {"STAGE_READ of 1 TiB", {.op = PROTO_STAGE_READ, .handle = theirs, .bytes = 1ull << 40}},
+        {"STAGE_READ", {.op = PROTO_STAGE_READ, .handle = theirs, .bytes = 4096}},
+        {"STAGE_GET of a stage not its own", {.op = PROTO_STAGE_GET, .handle = 1, .n = 16}},
+        {"STAGE_END of a stage not its own", {.op = PROTO_STAGE_END, .handle = 1}},
+        {"LOOKUP of root's w9", {.op = PROTO_LOOKUP, .name = "w9"}},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        r = wb_call(fd, &bad[i].q);
+        if (r >= 0 || r == -ECONNRESET || r == -EAGAIN)
+            wb_say(rp, "own session, %s of handle %#llx: %d", bad[i].what,
+                   (unsigned long long)theirs, r);
+        if (r == -ECONNRESET || r == -EAGAIN) break; /* closed, or no answer */
+    }
+    r = wb_call(fd, &q);
+    if (r != -EBADMSG) wb_say(rp, "a second HELLO: %d, not -EBADMSG", r);
+    if (!wb_closed(fd)) wb_say(rp, "a second HELLO left the connection open");
+    close(fd);
+}
+
+/* One round of everything the second user tries. mine[] are its own tensors' handles. */
+static void wb_round(const struct wb_shared *sh, zinf_engine *e, const zinf_tensor *mine,
+                     struct wb_report *rp)
+{
+    zinf_engine *x;
+    int r;
+    /* Root's job by its name, and by names that would lead to its folder. */
+    r = zinf_connect(sock, WB_JOB, &x);
+    if (r != -EACCES) wb_say(rp, "attach to root's job: %d, not -EACCES", r);
+    if (r == 0) zinf_close(x);
+    static const char *const tricks[] = {"../" WB_JOB, WB_JOB "/", "./" WB_JOB, ".", ".."};
+    for (size_t i = 0; i < sizeof(tricks) / sizeof(tricks[0]); i++) {
+        r = zinf_connect(sock, tricks[i], &x);
+        if (r != -EINVAL) wb_say(rp, "attach to job '%s': %d, not -EINVAL", tricks[i], r);
+        if (r == 0) zinf_close(x);
+    }
+    /* Root's session, by guessed ids and secrets (and its own job's, by a wrong secret). */
+    for (uint64_t sid = 1; sid <= 6; sid++) {
+        for (int k = 0; k < 2; k++) {
+            int fd = wb_connect();
+            if (fd < 0) {
+                wb_say(rp, "connect: %s", zinf_strerror(fd));
+                continue;
+            }
+            struct proto_request q = {
+                .op = PROTO_HELLO, .handle = sid, .offset = sid * 0x9e3779b97f4a7c15ull};
+            snprintf(q.name, sizeof(q.name), "%s", k ? WB_OTHER : WB_JOB);
+            r = wb_call(fd, &q);
+            if (r != -ECONNRESET)
+                wb_say(rp, "join session %llu of %s: %d, not -ECONNRESET", (unsigned long long)sid,
+                       q.name, r);
+            close(fd);
+        }
+    }
+    /* Root's job closed, removed, the daemon stopped. */
+    if ((r = service_manage(sock, PROTO_JOB_CLOSE, WB_JOB)) != -EACCES)
+        wb_say(rp, "JOB_CLOSE of root's job: %d, not -EACCES", r);
+    if ((r = service_manage(sock, PROTO_JOB_REMOVE, WB_JOB)) != -EACCES)
+        wb_say(rp, "JOB_REMOVE of root's job: %d, not -EACCES", r);
+    if ((r = service_manage(sock, PROTO_SHUTDOWN, NULL)) != -EPERM)
+        wb_say(rp, "SHUTDOWN: %d, not -EPERM", r);
+    /* STATUS shows its own job only, nothing of root's (not even the name). */
+    struct service_job_status *js = NULL;
+    size_t nj = 0;
+    if ((r = service_status(sock, &js, &nj)) != 0) wb_say(rp, "STATUS: %s", zinf_strerror(r));
+    for (size_t i = 0; i < nj; i++)
+        if (strcmp(js[i].name, WB_OTHER) || js[i].owner_uid != WB_NOBODY)
+            wb_say(rp, "STATUS shows job %s of uid %u", js[i].name, js[i].owner_uid);
+    free(js);
+    /* Root's handles and names in its own job: its own tensors where they coincide (handles
+     * are per job), else unknown. Never a byte of root's. */
+    unsigned char buf[WB_MINE_BYTES];
+    for (int i = 0; i < WB_TENSORS; i++) {
+        zinf_tensor h = sh->owner[i];
+        int own = -1;
+        for (int k = 0; k < WB_MINE; k++)
+            if (mine[k] == h) own = k;
+        char name[16];
+        snprintf(name, sizeof(name), "w%d", i);
+        zinf_tensor found = 0;
+        r = zinf_lookup(e, name, &found);
+        if (i < WB_MINE ? (r != 0 || found != mine[i]) : r != -ENOENT)
+            wb_say(rp, "lookup of %s in its own job: %d (handle %#llx)", name, r,
+                   (unsigned long long)found);
+        if (own >= 0) {
+            memset(buf, 0, sizeof(buf));
+            r = zinf_read(e, h, 0, buf, sizeof(buf));
+            size_t k = 0;
+            while (r == 0 && k < sizeof(buf) && buf[k] == WB_MINE_BYTE)
+                k++;
+            if (r != 0 || k != sizeof(buf))
+                wb_say(rp, "read of handle %#llx (its own w%d): %d, byte %zu is %#x",
+                       (unsigned long long)h, own, r, k, k < sizeof(buf) ? buf[k] : 0);
+            continue;
+        }
+        struct zinf_tensor_info ti = {.bytes = 12345};
+        void *p = NULL;
+        uint64_t ticket = 0;
+        if (!wb_err_unknown(r = zinf_tensor_info(e, h, &ti)))
+            wb_say(rp, "tensor_info of root's %s: %d (bytes %llu)", name, r,
+                   (unsigned long long)ti.bytes);
+        if (!wb_err_unknown(r = zinf_read(e, h, 0, buf, 64)))
+            wb_say(rp, "read of root's %s: %d", name, r);
+        if (!wb_err_unknown(r = zinf_write(e, h, 0, "evil", 4)))
+            wb_say(rp, "write of root's %s: %d", name, r);
+        if (!wb_err_unknown(r = zinf_fetch(e, h, ZINF_TIER_HOST, &p)))
+            wb_say(rp, "fetch of root's %s: %d (%p)", name, r, p);
+        if (r == 0) zinf_release(e, h, ZINF_TIER_HOST, 0);
+        if (!wb_err_unknown(r = zinf_fetch_async(e, h, ZINF_TIER_DEVICE, &ticket)))
+            wb_say(rp, "fetch_async of root's %s: %d", name, r);
+        if (r == 0 && zinf_wait(e, ticket, &p) == 0) zinf_release(e, h, ZINF_TIER_DEVICE, 0);
+        if (!wb_err_unknown(r = zinf_prefetch(e, h, ZINF_TIER_HOST)))
+            wb_say(rp, "prefetch of root's %s: %d", name, r);
+        if (!wb_err_unknown(r = zinf_release(e, h, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY)))
+            wb_say(rp, "dirty release of root's %s: %d", name, r);
+        if (!wb_err_unknown(r = zinf_unregister(e, h)))
+            wb_say(rp, "unregister of root's %s: %d", name, r);
+    }
+    /* Its own tensor through the pin table's fast path: its own bytes. */
+    void *p;
+    if ((r = zinf_fetch(e, mine[0], ZINF_TIER_HOST, &p)) != 0) {
+        wb_say(rp, "fetch of its own w0: %s", zinf_strerror(r));
+    } else {
+        for (size_t k = 0; k < WB_MINE_BYTES; k++)
+            if (((unsigned char *)p)[k] != WB_MINE_BYTE) {
+                wb_say(rp, "its own w0 at byte %zu: %#x", k, ((unsigned char *)p)[k]);
+                break;
+            }
+        zinf_release(e, mine[0], ZINF_TIER_HOST, 0);
+    }
+    /* Root's last handle: never one of its own, which are fewer. */
+    zinf_tensor theirs = sh->owner[WB_TENSORS - 1];
+    wb_malformed(rp, theirs);
+    wb_bad_requests(rp, theirs, mine[0]);
+}
+
+/* The child: uid and gid 65534, no other groups, every inherited fd but out closed. */
+static void wb_second_user(struct wb_shared *sh, int out) __attribute__((noreturn));
+static void wb_second_user(struct wb_shared *sh, int out)
+{
+    for (int fd = 3; fd < 4096; fd++)
+        if (fd != out) close(fd);
+    if (setgroups(0, NULL) != 0 || setresgid(WB_NOBODY, WB_NOBODY, WB_NOBODY) != 0 ||
+        setresuid(WB_NOBODY, WB_NOBODY, WB_NOBODY) != 0)
+        _exit(90);
+    prctl(PR_SET_PDEATHSIG, SIGKILL); /* after the uid change, which clears it */
+    log_set_sink(wb_quiet, NULL, NULL);
+    struct wb_report rp = {out, 0};
+    uint64_t deadline = now_ns() + 40ull * 1000000000ull;
+    while (!atomic_load(&sh->go) && now_ns() < deadline)
+        usleep(1000);
+    /* Half-sent messages, held open while root steps: a header cut short, and a HELLO to
+     * root's job that never finishes. Each holds a thread of the daemon, not the daemon. */
+    int slow[4];
+    for (int i = 0; i < 4; i++) {
+        slow[i] = wb_connect();
+        uint8_t b[PROTO_HEADER_BYTES + 16];
+        size_t n = wb_header(b, PROTO_VERSION, PROTO_HELLO, 100);
+        memcpy(b + n, "\x08\0\0\0wb-ow", 9);
+        if (slow[i] < 0)
+            wb_say(&rp, "half a message: connect: %s", zinf_strerror(slow[i]));
+        else if (send(slow[i], b, i < 2 ? 8 : n + 9, MSG_NOSIGNAL) < 0)
+            wb_say(&rp, "half a message: send: %s", strerror(errno));
+    }
+    zinf_engine *e = NULL;
+    zinf_tensor mine[WB_MINE];
+    int r = zinf_connect(sock, WB_OTHER, &e);
+    if (r != 0) {
+        wb_say(&rp, "attach to a job of its own: %s", zinf_strerror(r));
+        atomic_store(&sh->ready, -1);
+        _exit(1);
+    }
+    unsigned char *fill = malloc(WB_MINE_BYTES);
+    memset(fill, WB_MINE_BYTE, WB_MINE_BYTES);
+    for (int k = 0; k < WB_MINE; k++) {
+        char name[16];
+        snprintf(name, sizeof(name), "w%d", k);
+        if ((r = zinf_register(e, name, WB_MINE_BYTES, ZINF_TIER_HOST, &mine[k])) != 0 ||
+            (r = zinf_write(e, mine[k], 0, fill, WB_MINE_BYTES)) != 0) {
+            wb_say(&rp, "its own %s: %s", name, zinf_strerror(r));
+            atomic_store(&sh->ready, -1);
+            _exit(1);
+        }
+    }
+    free(fill);
+    atomic_store(&sh->ready, 1);
+    while (!atomic_load(&sh->stop) && now_ns() < deadline) {
+        wb_round(sh, e, mine, &rp);
+        atomic_fetch_add(&sh->rounds, 1);
+    }
+    for (int i = 0; i < 4; i++)
+        if (slow[i] >= 0) close(slow[i]);
+    zinf_close(e);
+    _exit(rp.failures ? 1 : 0);
+}
+
+/* The child's report once it exits: fails the test with it if the child failed, or did not
+ * exit within 15 s (it is killed then). */
+static void wb_collect(pid_t pid, int in)
+{
+    char text[8192];
+    size_t got = 0;
+    uint64_t deadline = now_ns() + 15ull * 1000000000ull;
+    for (;;) {
+        struct pollfd p = {in, POLLIN, 0};
+        int n = poll(&p, 1, 100);
+        if (n > 0) {
+            ssize_t r = read(in, text + got, sizeof(text) - 1 - got);
+            if (r <= 0) break; /* the child has gone */
+            got += (size_t)r;
+            if (got == sizeof(text) - 1) break;
+        }
+        if (now_ns() > deadline) {
+            kill(pid, SIGKILL);
+            waitpid(pid, NULL, 0);
+            text[got] = 0;
+            cr_assert_fail("the second user did not finish in 15 s:\n%s", text);
+        }
+    }
+    text[got] = 0;
+    close(in);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the second user (status %#x):\n%s", st, text);
+}
+
+static void wb_config(void)
+{
+    FILE *f = fopen(cfg_path, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", "
+            "\"nvme_path\": \"%s/swap\"}},"
+            " \"aio\": {\"block_size\": 65536, \"queue_depth\": 8},"
+            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"2M\", "
+            "\"host_bytes\": \"2M\"}}",
+            dir);
+    fclose(f);
+}
+
+/* One fetch of t to the host tier, checked against want, a random range of it rewritten
+ * (want follows), released DIRTY. Fetched with zinf_fetch_async and zinf_wait, whose pin is
+ * an ordinary one: a zinf_fetch (or zinf_fetch_all) through the daemon pins through a lease
+ * in the session's pin table, the lease's own pin stays on the copy after the release, and
+ * write-behind starts only on a copy left unpinned, so such copies are written back when
+ * evicted instead. Every fourth tensor is fetched that way all the same, for the mix. */
+static void wb_use(zinf_engine *e, zinf_tensor t, unsigned char *want, int i, int step,
+                   uint64_t *rs)
+{
+    void *p;
+    int r;
+    if (i % 4 == 3) {
+        r = zinf_fetch(e, t, ZINF_TIER_HOST, &p);
+    } else {
+        uint64_t ticket;
+        r = zinf_fetch_async(e, t, ZINF_TIER_HOST, &ticket);
+        if (r == 0) r = zinf_wait(e, ticket, &p);
+    }
+    cr_assert_eq(r, 0, "step %d, w%d: %s", step, i, zinf_strerror(r));
+    size_t k = 0;
+    while (k < WB_BYTES && ((unsigned char *)p)[k] == want[k])
+        k++;
+    cr_assert_eq(k, WB_BYTES, "step %d, w%d: byte %zu is %#x, not %#x", step, i, k,
+                 ((unsigned char *)p)[k], want[k]);
+    size_t off = test_rand(rs) % WB_BYTES, len = 1 + test_rand(rs) % (WB_BYTES - off);
+    test_fill_random((char *)p + off, len, test_rand(rs));
+    memcpy(want + off, (char *)p + off, len);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+}
+
+Test(service, write_behind_under_a_second_user, .timeout = 60)
+{
+    struct group *g = getgrgid(WB_NOBODY);
+    if (geteuid() != 0 || !g)
+        cr_skip_test("needs root (and group %d) to act as a second user", WB_NOBODY);
+    char group[64];
+    snprintf(group, sizeof(group), "%s", g->gr_name);
+    /* The socket in a folder uid 65534 can reach (the test's folder may lie under one it
+     * cannot), and the daemon's --group its group: the daemon is what refuses it. */
+    strcpy(wb_sockdir, "/tmp/zinf-wb-XXXXXX");
+    cr_assert_not_null(mkdtemp(wb_sockdir));
+    cr_assert_eq(chmod(wb_sockdir, 0711), 0);
+    snprintf(sock, sizeof(sock), "%s/zinf.sock", wb_sockdir);
+    wb_config();
+
+    /* The child is forked before the daemon starts: it holds none of the daemon's threads'
+     * locks, none of its fds and no mapping of root's memory. */
+    struct wb_shared *sh =
+        mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    cr_assert_neq(sh, MAP_FAILED);
+    int pfd[2];
+    cr_assert_eq(pipe(pfd), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) wb_second_user(sh, pfd[1]); /* never returns */
+    close(pfd[1]);
+
+    struct daemon d;
+    daemon_start_group(&d, group);
+    zinf_engine *e = connect_job(WB_JOB);
+    zinf_tensor t[WB_TENSORS];
+    unsigned char *want[WB_TENSORS];
+    for (int i = 0; i < WB_TENSORS; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "w%d", i);
+        t[i] = test_register(e, name, WB_BYTES, ZINF_TIER_NVME);
+        want[i] = test_rand_buf(WB_BYTES, 500 + i);
+        cr_assert_eq(zinf_write(e, t[i], 0, want[i], WB_BYTES), 0);
+        sh->owner[i] = t[i];
+    }
+    atomic_store(&sh->go, 1);
+    uint64_t t0 = now_ns();
+    while (!atomic_load(&sh->ready) && now_ns() - t0 < 10ull * 1000000000ull)
+        usleep(1000);
+    if (atomic_load(&sh->ready) != 1) {
+        atomic_store(&sh->stop, 1);
+        wb_collect(pid, pfd[0]);
+        cr_assert_fail("the second user never attached to a job of its own");
+    }
+
+    /* The learned steps, for as long as it takes the second user to go through all it tries
+     * twice (at most 10 s). */
+    uint64_t rs = 99;
+    cr_assert_eq(zinf_step(e), 0);
+    unsigned rounds0 = atomic_load(&sh->rounds);
+    int steps = 0;
+    t0 = now_ns();
+    while (steps < WB_STEPS ||
+           (atomic_load(&sh->rounds) < rounds0 + 2 && now_ns() - t0 < 10ull * 1000000000ull)) {
+        for (int i = 0; i < WB_TENSORS; i++)
+            wb_use(e, t[i], want[i], i, steps, &rs);
+        cr_assert_eq(zinf_step(e), 0);
+        steps++;
+    }
+    unsigned rounds = atomic_load(&sh->rounds) - rounds0;
+    struct zinf_stats st;
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    cr_assert_eq(st.schedule_resets, 0, "the steps did not replay alike");
+    cr_assert_gt(st.write_behinds, 0, "%d learned steps and nothing was written behind", steps);
+    cr_assert_leq(st.write_behinds, st.tier[ZINF_TIER_HOST].writebacks);
+
+    /* Right behind a DIRTY release, its write-behind likely in flight: a write, a fetch and
+     * a read of that tensor (each waits for the write-behind, or for nothing). */
+    wb_use(e, t[0], want[0], 0, steps, &rs);
+    cr_assert_eq(zinf_write(e, t[0], 100, "again", 5), 0);
+    memcpy(want[0] + 100, "again", 5);
+    wb_use(e, t[1], want[1], 1, steps, &rs);
+    wb_use(e, t[1], want[1], 1, steps, &rs);
+    wb_use(e, t[2], want[2], 2, steps, &rs);
+    test_expect_content(e, t[2], want[2], WB_BYTES, "read right after its write-behind began");
+
+    atomic_store(&sh->stop, 1);
+    wb_collect(pid, pfd[0]);
+    cr_assert_geq(rounds, 2, "the second user went through %u rounds during %d steps", rounds,
+                  steps);
+
+    /* The daemon still answers root, on this session and on a new one, and still knows its
+     * job and the second user's apart. */
+    cr_assert_eq(zinf_stats(e, &st), 0);
+    zinf_engine *e2 = connect_job(WB_JOB);
+    zinf_tensor h;
+    cr_assert_eq(zinf_lookup(e2, "w5", &h), 0);
+    cr_assert_eq(h, t[5]);
+    struct service_job_status *js;
+    size_t nj;
+    cr_assert_eq(service_status(sock, &js, &nj), 0);
+    int seen = 0;
+    for (size_t i = 0; i < nj; i++) {
+        if (!strcmp(js[i].name, WB_JOB)) {
+            seen |= 1;
+            cr_assert_eq(js[i].owner_uid, 0);
+            cr_assert_eq(js[i].sessions, 2);
+        } else if (!strcmp(js[i].name, WB_OTHER)) {
+            seen |= 2;
+            cr_assert_eq(js[i].owner_uid, WB_NOBODY);
+        }
+    }
+    free(js);
+    cr_assert_eq(seen, 3, "STATUS as root lists both jobs");
+    zinf_close(e2);
+
+    /* Every byte root wrote: from the daemon's memory, then from the drive after a restart
+     * (the stop flushes; the write-behinds' bytes are what it finds there). */
+    for (int i = 0; i < WB_TENSORS; i++)
+        test_expect_content(e, t[i], want[i], WB_BYTES, "after the write-behinds");
+    zinf_close(e);
+    daemon_stop(&d);
+    daemon_start_group(&d, group);
+    e = connect_job(WB_JOB);
+    for (int i = 0; i < WB_TENSORS; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "w%d", i);
+        cr_assert_eq(zinf_lookup(e, name, &h), 0, "%s", name);
+        test_expect_content(e, h, want[i], WB_BYTES, "after the restart");
+        free(want[i]);
+    }
+    zinf_close(e);
+    daemon_stop(&d);
+    munmap(sh, sizeof(*sh));
+    cr_log_info("write_behind_under_a_second_user: %d steps, %llu write-behinds, %u rounds of "
+                "the second user",
+                steps, (unsigned long long)st.write_behinds, rounds);
 }
