@@ -296,6 +296,9 @@ static const struct field fields[] = {
     /* Make the state durable every this many steps (0: only at the end). */
     {S_TRAIN, "checkpoint_every", NULL, F_INT, OFF(zinf.train.checkpoint_every), 0, 100000000,
      0, NULL},
+    /* false: a new run's step 0 is not saved, so that until its first checkpoint the swap
+     * files hold one copy of the state, not the saved one beside the newest (copy on write). */
+    {S_TRAIN, "checkpoint_start", NULL, F_BOOL, OFF(zinf.train.checkpoint_start), 0, 0, 0, NULL},
     /* `zinf serve`'s limits, as a service shared by a node's users has them. */
     {S_SERVE, "jobs_per_uid", NULL, F_UINT, OFF(zinf.serve.jobs_per_uid), 1, 100000, 0, NULL},
     {S_SERVE, "max_jobs", NULL, F_UINT, OFF(zinf.serve.max_jobs), 1, 100000, 0, NULL},
@@ -1137,6 +1140,7 @@ void config_defaults(struct zinf_config *c)
     c->zinf.device = ZINF_DEVICE_AUTO;
     c->zinf.io_backend = CONFIG_IO_AUTO;
     c->zinf.huge_pages = true;
+    c->zinf.train.checkpoint_start = true;
     c->zinf.comm_timeout = 1800;
     c->zinf.serve.jobs_per_uid = 4;
     c->zinf.serve.max_jobs = 64;

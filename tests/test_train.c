@@ -1754,3 +1754,89 @@ Test(train, plan_gives_the_budgets_that_open_checks)
     cr_assert_lt(trainer_plan(&o, &pl, err, sizeof(err)), 0);
     cr_assert(strstr(err, "no-such.json"), "%s", err);
 }
+
+/* zinf.train.checkpoint_start false (trainer_opts.no_start_checkpoint): a new run saves
+ * nothing at open, so its swap space holds the state once, where a run that saved step 0
+ * keeps that version beside the newest (copy on write) and grows to twice it. The bits are
+ * the same, the close saves the run, and it resumes. A step failing halfway before any
+ * checkpoint leaves nothing saved, and the next run starts afresh there. */
+Test(train, no_start_checkpoint_holds_the_state_once)
+{
+    char cfg[4096], err[512];
+    float ref[STEPS], got[STEPS];
+    uint64_t opened[2], peak[2];
+    for (int k = 0; k < 2; k++) {
+        struct trainer_opts o = nvme_model(cfg, sizeof(cfg), k ? "once" : "twice", "1M", "2M");
+        o.no_start_checkpoint = k == 1;
+        o.steps = 3;
+        struct trainer *t = NULL;
+        cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+        struct zinf_stats st;
+        zinf_stats(trainer_engine(t), &st);
+        opened[k] = st.tier[ZINF_TIER_NVME].used_bytes;
+        char swap[4096];
+        snprintf(swap, sizeof(swap), "%s/%s", dir, k ? "once" : "twice");
+        size_t n = 0;
+        int saved = zinf_saved_tensors(swap, &n);
+        if (k)
+            cr_assert(saved < 0 || n == 0, "step 0 was saved: %zu tensors", n);
+        else
+            cr_assert(saved == 0 && n > 0, "step 0 was not saved");
+        for (int s = 0; s < 3; s++) {
+            struct trainer_step_stats ss;
+            cr_assert_eq(trainer_step(t, &ss), 0);
+            (k ? got : ref)[s] = ss.loss;
+        }
+        struct trainer_summary sum;
+        trainer_get_summary(t, &sum);
+        cr_assert_eq(sum.checkpoint_step, k ? -1 : 0);
+        zinf_stats(trainer_engine(t), &st);
+        peak[k] = st.tier[ZINF_TIER_NVME].peak_bytes;
+        trainer_close(t); /* flushed: saved now */
+        cr_assert_eq(zinf_saved_tensors(swap, &n), 0);
+        cr_assert_gt(n, 0);
+    }
+    expect_bitwise(got, ref, "without the start checkpoint");
+    cr_expect_eq(opened[0], opened[1]);
+    cr_expect_eq(peak[1], opened[1], "once: the peak %llu is the state as opened, %llu",
+                 (unsigned long long)peak[1], (unsigned long long)opened[1]);
+    cr_expect_gt(peak[0], opened[0] + opened[0] / 2, "twice: the peak %llu over %llu opened",
+                 (unsigned long long)peak[0], (unsigned long long)opened[0]);
+    /* It resumes from what the close saved. */
+    struct trainer_opts o = nvme_model(cfg, sizeof(cfg), "once", "1M", "2M");
+    o.no_start_checkpoint = true; /* a resumed run is not a new one: nothing changes */
+    o.resume = true;
+    o.steps = 4;
+    struct trainer *t = NULL;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(trainer_next_step(t), 4);
+    struct trainer_summary sum;
+    trainer_get_summary(t, &sum);
+    cr_assert_eq(sum.checkpoint_step, 3);
+    trainer_close(t);
+
+    /* Torn before any checkpoint: nothing is saved, and a new run starts there as if none
+     * had been. */
+    o = nvme_model(cfg, sizeof(cfg), "torn", "1M", "2M");
+    o.no_start_checkpoint = true;
+    t = NULL;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    trainer_fault_optimizer(t, 3, EIO);
+    struct trainer_step_stats ss;
+    cr_assert_eq(trainer_step(t, &ss), -EIO);
+    trainer_get_summary(t, &sum);
+    cr_assert(sum.torn);
+    cr_assert_eq(sum.checkpoint_step, -1);
+    trainer_close(t);
+    char swap[4096];
+    size_t n = 0;
+    snprintf(swap, sizeof(swap), "%s/torn", dir);
+    int saved = zinf_saved_tensors(swap, &n);
+    cr_assert(saved < 0 || n == 0, "a torn run was saved");
+    o.resume = false;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "a new run where nothing is saved: %s",
+                 err);
+    cr_assert_eq(trainer_step(t, &ss), 0);
+    cr_assert_eq(ss.loss, ref[0], "the same first step");
+    trainer_close(t);
+}

@@ -329,6 +329,19 @@ static void json_num(FILE *f, const char *key, double v, bool is_float)
         fprintf(f, is_float ? "%.9g" : "%.17g", v);
 }
 
+/* What a failure leaves saved: the last checkpoint, or nothing before the first. */
+static void say_kept(const struct trainer_summary *sum, const char *when)
+{
+    if (sum->checkpoint_step < 0)
+        fprintf(stderr, "zinf train: nothing of this run is saved (zinf.train.checkpoint_start "
+                        "is false, and no checkpoint was made)\n");
+    else
+        fprintf(stderr,
+                "zinf train: the state of step %d (the last checkpoint) is kept; "
+                "--resume continues from there%s\n",
+                sum->checkpoint_step, when);
+}
+
 static int checkpoint(struct trainer *t, FILE *log)
 {
     struct trainer_summary sum;
@@ -344,10 +357,7 @@ static int checkpoint(struct trainer *t, FILE *log)
                 r == -ENOSPC ? " (the swap directory's filesystem is full: see the line above)"
                              : "");
         trainer_get_summary(t, &sum);
-        fprintf(stderr,
-                "zinf train: the state of step %d (the last checkpoint) is kept; "
-                "--resume continues from there\n",
-                sum.checkpoint_step);
+        say_kept(&sum, "");
         return r;
     }
     trainer_get_summary(t, &sum);
@@ -1219,10 +1229,7 @@ int cmd_train(int argc, char **argv)
     trainer_get_summary(t, &sum);
     if (sum.torn) {
         /* Half of the failed step's updates are in memory: the last checkpoint stays. */
-        fprintf(stderr,
-                "zinf train: the state of step %d (the last checkpoint) is kept; "
-                "--resume continues from there once the cause is fixed\n",
-                sum.checkpoint_step);
+        say_kept(&sum, " once the cause is fixed");
     } else if (!ckpt_failed) {
         r = checkpoint(t, log);
         if (r < 0)

@@ -797,7 +797,8 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         t->checkpoint_failed = true; /* half a re-cut is never saved */
         goto fail;
     }
-    if (!o->resume && ((r = train_init_params(t)) < 0 || (r = trainer_checkpoint(t)) < 0)) {
+    if (!o->resume && ((r = train_init_params(t)) < 0 ||
+                       (!o->no_start_checkpoint && (r = trainer_checkpoint(t)) < 0))) {
         snprintf(err, errlen, "initialising the parameters failed: %s%s", zinf_strerror(r),
                  r == -ENOSPC ? " (the swap directory's filesystem is full: see the line above)"
                               : "");
@@ -805,7 +806,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         goto fail;
     }
     if (t->world > 1 && o->resume && (r = train_ranks_agree(t, err, errlen)) < 0) goto fail;
-    t->checkpoint_step = t->step_done;
+    t->checkpoint_step = !o->resume && o->no_start_checkpoint && !t->src_world ? -1 : t->step_done;
     *out = t;
     return 0;
 fail:

@@ -111,6 +111,11 @@ struct trainer_opts {
     struct trainer_fp16 fp16;         /* DeepSpeed's defaults: 0, 1, 16, 1000, 2, false */
     uint64_t seed;
     bool resume;             /* continue from the state persisted in the swap directory */
+    /* A new run's step 0 is not saved at open (zinf.train.checkpoint_start false): nothing is
+     * saved until the first trainer_checkpoint() or a flushed close, and until then the swap
+     * files hold the state once (a saved version is never overwritten, so from the first
+     * checkpoint on they hold it up to twice). A crash before then leaves no run to resume. */
+    bool no_start_checkpoint;
     bool overwrite;          /* without resume: delete a saved run there and start over */
     const char *connect;     /* through the zinf daemon on this socket (zinf serve), not an
                                 engine of this process; NULL: zinf.connect, else embedded */
@@ -201,7 +206,7 @@ struct trainer_summary {
      * trainer made, the step the last one saved (what a crash would resume from), its
      * time and the bytes it wrote to the swap files (unchanged tensors are not written). */
     int checkpoints;
-    int checkpoint_step;
+    int checkpoint_step;        /* -1: none yet (trainer_opts.no_start_checkpoint) */
     bool torn;                  /* a step failed halfway through the optimizer (trainer_step) */
     double checkpoint_seconds;
     uint64_t checkpoint_bytes;

@@ -273,12 +273,17 @@ static int opt_take(struct trainer *t, int k, enum zinf_tier tier, void **ptrs)
     bool got[WAVE_MAX];
     int r = 0;
     for (int j = 0; j < s->w.n; j++) {
-        int x = -ENOENT;
-        if (s->asked[j]) x = zinf_wait(t->e, s->ticket[j], &m[j]);
+        bool asked = s->asked[j];
+        int x;
         s->asked[j] = false;
-        if (x == -ENOENT && (r == 0 || r == -ENOMEM))
+        got[j] = false;
+        if (asked)
+            x = zinf_wait(t->e, s->ticket[j], &m[j]);
+        else if (r == 0 || r == -ENOMEM)
             x = zinf_fetch(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]), tier,
                            &m[j]);
+        else
+            continue; /* the set has failed: what was not asked for is not fetched */
         got[j] = x == 0;
         if (x < 0 && (r == 0 || r == -ENOMEM)) r = x;
     }
