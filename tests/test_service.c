@@ -1507,17 +1507,16 @@ static void wb_config(void)
 }
 
 /* One fetch of t to the host tier, checked against want, a random range of it rewritten
- * (want follows), released DIRTY. Fetched with zinf_fetch_async and zinf_wait, whose pin is
- * an ordinary one: a zinf_fetch (or zinf_fetch_all) through the daemon pins through a lease
- * in the session's pin table, the lease's own pin stays on the copy after the release, and
- * write-behind starts only on a copy left unpinned, so such copies are written back when
- * evicted instead. Every fourth tensor is fetched that way all the same, for the mix. */
+ * (want follows), released DIRTY. Half the tensors are fetched with zinf_fetch, which pins
+ * through a lease in the session's pin table (the release closes the idle lease before a
+ * write-behind starts: the client could pin it with atomics alone), half with
+ * zinf_fetch_async and zinf_wait, whose pin is an ordinary one. */
 static void wb_use(zinf_engine *e, zinf_tensor t, unsigned char *want, int i, int step,
                    uint64_t *rs)
 {
     void *p;
     int r;
-    if (i % 4 == 3) {
+    if (i % 2) {
         r = zinf_fetch(e, t, ZINF_TIER_HOST, &p);
     } else {
         uint64_t ticket;

@@ -1098,10 +1098,13 @@ static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum
     /* Write-behind: the newest content of a copy the step will not use again here goes
      * home now, while the drive has time, so that the fetch that later needs its room
      * finds it clean. A hint: one that cannot start (another write-back of the tensor in
-     * flight, swap files that must grow, no memory) is left to eviction, as before. */
-    if ((flags & ZINF_RELEASE_DIRTY) && c->pins == 0 && (int)tier != (int)t->home &&
-        !t->exclusive && needs_writeback(t, tier) && !c->wb_inflight &&
-        sched_write_behind(e, t, tier) && writeback_start(e, t, tier, false) == 0) {
+     * flight, swap files that must grow, no memory) is left to eviction, as before. Idle
+     * leases on the copy (a client's fetch through the daemon leaves one) are closed
+     * first, as eviction closes them: a client could pin a leased copy with atomics alone
+     * while the write-back reads it. */
+    if ((flags & ZINF_RELEASE_DIRTY) && (int)tier != (int)t->home && !t->exclusive &&
+        needs_writeback(t, tier) && !c->wb_inflight && sched_write_behind(e, t, tier) &&
+        !copy_pinned(e, t, tier) && writeback_start(e, t, tier, false) == 0) {
         c->wb_behind = true;
         e->st.write_behinds++;
     }
