@@ -1004,6 +1004,64 @@ Test(serve_guard, limits_bound_a_users_jobs_sessions_and_connections, .timeout =
     daemon_stop(&d);
 }
 
+/* A second user's HELLO sent a byte every 300 ms: each wait is within hello_timeout (1 s),
+ * but the message as a whole must come within it too, so the daemon drops the connection
+ * in a few seconds rather than holding a reader for as long as the trickle lasts. */
+static void trickled_hello(void *arg, struct report *rp)
+{
+    (void)arg;
+    struct proto_request q = {.op = PROTO_HELLO};
+    snprintf(q.name, sizeof(q.name), "%s", "trickle-job-with-a-long-name");
+    struct proto_out o;
+    proto_encode_request(&q, 1, &o);
+    uint32_t plen = (uint32_t)(o.len - PROTO_HEADER_BYTES);
+    memcpy(o.buf + 12, &plen, 4);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    strcpy(a.sun_path, sock);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof(a)) != 0) {
+        say(rp, "connect: %s", strerror(errno));
+        proto_out_free(&o);
+        if (fd >= 0) close(fd);
+        return;
+    }
+    uint64_t t0 = now_ns();
+    size_t sent = 0;
+    bool dropped = false;
+    while (sent < o.len && !dropped) {
+        if (send(fd, o.buf + sent, 1, MSG_NOSIGNAL) != 1) {
+            dropped = true;
+            break;
+        }
+        sent++;
+        struct timespec ts = {0, 300 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+        char c;
+        ssize_t r = recv(fd, &c, 1, MSG_DONTWAIT);
+        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) dropped = true;
+    }
+    double secs = (double)(now_ns() - t0) / 1e9;
+    if (!dropped)
+        say(rp, "a HELLO trickled over %.1f s (%zu bytes) was taken whole", secs, o.len);
+    else if (secs > 4.5)
+        say(rp, "the trickled HELLO was dropped only after %.1f s (hello_timeout 1 s)", secs);
+    proto_out_free(&o);
+    close(fd);
+}
+
+Test(serve_guard, a_trickled_message_is_dropped_within_hello_timeout, .timeout = 60)
+{
+    if (!as_root()) return;
+    write_cfg_limits();
+    cr_assert_eq(chmod(dir, 0711), 0);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    run_as_nobody(trickled_hello, NULL, "a trickled HELLO");
+    zinf_engine *e = connect_job("root-job"); /* the daemon serves on */
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
 /* Stages used against their grain: each call is refused with -EINVAL, nothing is applied,
  * and the connection serves on. */
 Test(serve_guard, stages_misused_are_refused_and_nothing_is_applied)

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -394,7 +395,30 @@ int proto_send(int fd, struct proto_out *o, const int *fds, int nfds)
 }
 
 /* Reads exactly n bytes into buf, keeping the descriptors that come along. */
-static int read_full(int fd, uint8_t *buf, size_t n, int *fds, int max_fds, int *nfds)
+/* A message that comes in pieces must come whole within the socket's receive timeout
+ * (SO_RCVTIMEO, which bounds each wait): a peer trickling a byte at a time holds a reader no
+ * longer than one that sends nothing. Counted from its first piece; read only then. */
+struct recv_clock {
+    uint64_t t0, limit_ns; /* limit 0: the socket has no timeout */
+    bool started;
+};
+
+static bool too_slow(int fd, struct recv_clock *ck)
+{
+    if (!ck->started) {
+        struct timeval tv = {0};
+        socklen_t len = sizeof(tv);
+        if (getsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, &len) == 0)
+            ck->limit_ns = (uint64_t)tv.tv_sec * 1000000000ull + (uint64_t)tv.tv_usec * 1000ull;
+        ck->t0 = now_ns();
+        ck->started = true;
+        return false;
+    }
+    return ck->limit_ns && now_ns() - ck->t0 > ck->limit_ns;
+}
+
+static int read_full(int fd, uint8_t *buf, size_t n, int *fds, int max_fds, int *nfds,
+                     struct recv_clock *ck)
 {
     size_t done = 0;
     while (done < n) {
@@ -426,6 +450,7 @@ static int read_full(int fd, uint8_t *buf, size_t n, int *fds, int max_fds, int 
         }
         if (r == 0) return -ECONNRESET;
         done += (size_t)r;
+        if (done < n && too_slow(fd, ck)) return -ETIMEDOUT;
     }
     return 0;
 }
@@ -434,12 +459,13 @@ int proto_recv(int fd, bool reply, struct proto_header *h, uint8_t **payload, in
 {
     uint8_t raw[PROTO_HEADER_BYTES];
     int max_fds = nfds ? *nfds : 0, got = 0;
+    struct recv_clock ck = {0};
     *payload = NULL;
-    int r = read_full(fd, raw, sizeof(raw), fds, max_fds, &got);
+    int r = read_full(fd, raw, sizeof(raw), fds, max_fds, &got, &ck);
     if (r == 0) r = proto_header_parse(raw, reply, h);
     if (r == 0 && h->len) {
         *payload = malloc(h->len);
-        r = *payload ? read_full(fd, *payload, h->len, fds, max_fds, &got) : -ENOMEM;
+        r = *payload ? read_full(fd, *payload, h->len, fds, max_fds, &got, &ck) : -ENOMEM;
     }
     if (nfds) *nfds = got;
     if (r < 0) {
