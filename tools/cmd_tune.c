@@ -28,7 +28,6 @@
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
@@ -49,6 +48,7 @@
 #include "engine/engine.h"
 #include "gnuplot.h"
 #include "io/uring.h"
+#include "tune_util.h"
 
 extern char **environ;
 
@@ -775,25 +775,11 @@ static int draw_heatmap(const struct tune_opts *o, const struct point *g, unsign
 
 /* ---- the pick ------------------------------------------------------------------------- */
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double median(const double *v, unsigned n)
-{
-    double s[128];
-    memcpy(s, v, n * sizeof(*v));
-    qsort(s, n, sizeof(*s), cmp_double);
-    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
-}
-
 static void summarise(struct point *p)
 {
-    p->med = median(p->score, p->n);
-    p->med_rd = median(p->rd, p->n);
-    p->med_wr = median(p->wr, p->n);
+    p->med = tune_median(p->score, p->n);
+    p->med_rd = tune_median(p->rd, p->n);
+    p->med_wr = tune_median(p->wr, p->n);
     p->lo = p->hi = p->score[0];
     for (unsigned i = 1; i < p->n; i++) {
         p->lo = MIN(p->lo, p->score[i]);
@@ -824,29 +810,6 @@ static struct point *pick(struct point *g, unsigned n, struct point **best_out, 
 }
 
 /* ---- output --------------------------------------------------------------------------- */
-
-static int write_fragment(const char *path, json_t *frag)
-{
-    char tmp[PATH_MAX];
-    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp))
-        return -ENAMETOOLONG;
-    if (json_dump_file(frag, tmp, JSON_INDENT(2) | JSON_PRESERVE_ORDER) < 0) {
-        int e = errno ? -errno : -EIO;
-        unlink(tmp);
-        return e;
-    }
-    FILE *f = fopen(tmp, "a");
-    if (!f || fputc('\n', f) == EOF || fclose(f) == EOF) {
-        unlink(tmp);
-        return -EIO;
-    }
-    if (rename(tmp, path) < 0) {
-        int e = -errno;
-        unlink(tmp);
-        return e;
-    }
-    return 0;
-}
 
 static void print_table(const struct tune_opts *o, struct point *g, unsigned n,
                         const struct point *best, const struct point *win)
@@ -915,20 +878,6 @@ static const char *scratch_name(enum tune_mode m)
     return m == MODE_IO ? BENCH_FILE : SWAP_SUBDIR;
 }
 
-static int remove_one(const char *path, const struct stat *sb, int type, struct FTW *ftw)
-{
-    (void)sb, (void)type, (void)ftw;
-    if (remove(path) < 0)
-        fprintf(stderr, "zinf tune: cannot remove %s: %s\n", path, strerror(errno));
-    return 0;
-}
-
-static void remove_tree(const char *path)
-{
-    if (access(path, F_OK) == 0)
-        nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS);
-}
-
 static int check_path(const struct tune_opts *o, const char *dir)
 {
     struct stat sb;
@@ -976,31 +925,9 @@ int cmd_tune(int argc, char **argv)
                 return 2;
             }
     }
-    if (o.out) {
-        /* Said now, not after minutes of sweeping. */
-        struct stat sb;
-        if (!o.force && stat(o.out, &sb) == 0) {
-            fprintf(stderr, "zinf tune: --out %s exists; --force to replace it\n", o.out);
-            return 2;
-        }
-        char tmp[PATH_MAX];
-        snprintf(tmp, sizeof(tmp), "%s.tmp", o.out);
-        int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (fd < 0) {
-            fprintf(stderr, "zinf tune: --out %s: cannot write there: %s\n", o.out,
-                    strerror(errno));
-            return 2;
-        }
-        close(fd);
-        unlink(tmp);
-    }
-    ssize_t sl = readlink("/proc/self/exe", self_exe, sizeof(self_exe) - 1);
-    if (sl <= 0) {
-        fprintf(stderr, "zinf tune: cannot find this program (/proc/self/exe): %s\n",
-                strerror(errno));
-        return 1;
-    }
-    self_exe[sl] = '\0';
+    /* Said now, not after minutes of sweeping. */
+    if (o.out && tune_check_out(o.out, o.force)) return 2;
+    if (tune_self_exe(self_exe)) return 1;
     if ((r = build_grid(&o, &g, &n)) < 0) {
         if (r == -ENOMEM)
             fprintf(stderr, "zinf tune: out of memory\n");
@@ -1125,7 +1052,7 @@ int cmd_tune(int argc, char **argv)
                    nties > 1 ? "the cheapest of the points that tie" : "no other point ties");
     }
     if (o.out) {
-        if ((r = write_fragment(o.out, frag)) < 0) {
+        if ((r = tune_write_json(o.out, frag)) < 0) {
             fprintf(stderr, "zinf tune: writing %s: %s\n", o.out, strerror(-r));
             json_decref(frag);
             goto out;
@@ -1148,7 +1075,7 @@ out:
             continue; /* what was there before is the user's */
         char f[PATH_MAX];
         snprintf(f, sizeof(f), "%s/%s", o.paths[i], scratch_name(o.mode));
-        remove_tree(f);
+        tune_remove_tree(f);
     }
     for (unsigned i = 0; g && i < n; i++) {
         free(g[i].score);

@@ -21,7 +21,6 @@
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
@@ -42,6 +41,7 @@
 #include "config.h"
 #include "train/trainer.h"
 #include "train_config.h"
+#include "tune_util.h"
 
 extern char **environ;
 
@@ -443,27 +443,6 @@ static json_t *point_config(const json_t *base, const struct ttopts *o, uint64_t
     return j;
 }
 
-static int dump(json_t *j, const char *path)
-{
-    char tmp[PATH_MAX];
-    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp)) return -ENAMETOOLONG;
-    if (json_dump_file(j, tmp, JSON_INDENT(2) | JSON_PRESERVE_ORDER) < 0) {
-        unlink(tmp);
-        return -EIO;
-    }
-    FILE *f = fopen(tmp, "a");
-    if (!f || fputc('\n', f) == EOF || fclose(f) == EOF) {
-        unlink(tmp);
-        return -EIO;
-    }
-    if (rename(tmp, path) < 0) {
-        int e = -errno;
-        unlink(tmp);
-        return e;
-    }
-    return 0;
-}
-
 /* zinf train's options for config file `path` (one rank of `ranks`), as it makes them. */
 static int opts_of(const char *path, int ranks, struct trainer_opts *to, char *err, size_t errlen)
 {
@@ -493,7 +472,7 @@ static int plan_point(const json_t *base, const struct ttopts *o, uint64_t globa
     snprintf(path, sizeof(path), "%s/plan.json", dir);
     json_t *j = point_config(base, o, global, p, dir, false, false);
     if (!j) return -ENOMEM;
-    int r = dump(j, path);
+    int r = tune_write_json(path, j);
     json_decref(j);
     if (r < 0) return r;
     struct trainer_opts to;
@@ -525,18 +504,6 @@ static int plan_point(const json_t *base, const struct ttopts *o, uint64_t globa
 
 static char self_exe[PATH_MAX];
 
-static int remove_one(const char *path, const struct stat *sb, int type, struct FTW *ftw)
-{
-    (void)sb, (void)type, (void)ftw;
-    remove(path);
-    return 0;
-}
-
-static void remove_tree(const char *path)
-{
-    nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS);
-}
-
 /* The last lines of file f (for a failed run's message), on one line. */
 static void tail_of(const char *f, char *out, size_t len)
 {
@@ -567,10 +534,10 @@ static int run_point(const struct ttopts *o, const json_t *base, uint64_t global
     snprintf(log, sizeof(log), "%s/point.log", dir);
     snprintf(out, sizeof(out), "%s/point.out", dir);
     snprintf(swap, sizeof(swap), "%s/swap", dir);
-    remove_tree(swap);
+    tune_remove_tree(swap);
     unlink(log);
     json_t *j = point_config(base, o, global, p, swap, true, false);
-    int r = j ? dump(j, cfg) : -ENOMEM;
+    int r = j ? tune_write_json(cfg, j) : -ENOMEM;
     json_decref(j);
     if (r < 0) {
         say_why(p, "writing %s: %s", cfg, strerror(-r));
@@ -654,20 +621,14 @@ static int run_point(const struct ttopts *o, const json_t *base, uint64_t global
 
 /* ---- the pick ------------------------------------------------------------------------- */
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 static void summarise(struct tpoint *p)
 {
-    double s[MAX_REPS];
-    memcpy(s, p->score, p->n * sizeof(double));
-    qsort(s, p->n, sizeof(double), cmp_double);
-    p->med = p->n % 2 ? s[p->n / 2] : (s[p->n / 2 - 1] + s[p->n / 2]) / 2;
-    p->lo = s[0];
-    p->hi = s[p->n - 1];
+    p->med = tune_median(p->score, p->n);
+    p->lo = p->hi = p->score[0];
+    for (unsigned i = 1; i < p->n; i++) {
+        p->lo = MIN(p->lo, p->score[i]);
+        p->hi = MAX(p->hi, p->score[i]);
+    }
 }
 
 static bool cheaper(const struct tpoint *a, const struct tpoint *b)
@@ -899,32 +860,13 @@ int cmd_tune_train(int argc, char **argv)
         for (uint64_t d = 1; d <= global && o.nmicro < MAX_AXIS; d++)
             if (global % d == 0) o.micro[o.nmicro++] = (int)d;
     }
-    if (o.out) {
-        if (!o.force && stat(o.out, &sb) == 0) {
-            fprintf(stderr, "zinf tune: --out %s exists; --force to replace it\n", o.out);
-            json_decref(base);
-            return 2;
-        }
-        char tmp[PATH_MAX];
-        snprintf(tmp, sizeof(tmp), "%s.tmp", o.out);
-        int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (fd < 0) {
-            fprintf(stderr, "zinf tune: --out %s: cannot write there: %s\n", o.out,
-                    strerror(errno));
-            json_decref(base);
-            return 2;
-        }
-        close(fd);
-        unlink(tmp);
-    }
-    ssize_t sl = readlink("/proc/self/exe", self_exe, sizeof(self_exe) - 1);
-    if (sl <= 0) {
-        fprintf(stderr, "zinf tune: cannot find this program (/proc/self/exe): %s\n",
-                strerror(errno));
+    /* Said now, not after minutes of sweeping. */
+    r = o.out ? tune_check_out(o.out, o.force) : 0;
+    if (!r) r = tune_self_exe(self_exe);
+    if (r) {
         json_decref(base);
-        return 1;
+        return r;
     }
-    self_exe[sl] = '\0';
     char dir[PATH_MAX];
     if (snprintf(dir, sizeof(dir), "%s/" SCRATCH, o.path) >= (int)sizeof(dir)) {
         fprintf(stderr, "zinf tune: --path %s: too long\n", o.path);
@@ -1073,7 +1015,7 @@ int cmd_tune_train(int argc, char **argv)
         printf("# %u runs in %.1f s\n", seq, secs);
     }
     if (o.out) {
-        if ((r = dump(cfg, o.out)) < 0) {
+        if ((r = tune_write_json(o.out, cfg)) < 0) {
             fprintf(stderr, "zinf tune: writing %s: %s\n", o.out, strerror(-r));
             json_decref(cfg);
             goto out;
@@ -1093,7 +1035,7 @@ int cmd_tune_train(int argc, char **argv)
 out:
     sigaction(SIGINT, &old_int, NULL);
     sigaction(SIGTERM, &old_term, NULL);
-    remove_tree(dir);
+    tune_remove_tree(dir);
     free(order);
     free(g);
     json_decref(base);

@@ -1,0 +1,96 @@
+/*
+ * tune_util.c - see tune_util.h.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "tune_util.h"
+
+int tune_self_exe(char buf[PATH_MAX])
+{
+    ssize_t sl = readlink("/proc/self/exe", buf, PATH_MAX - 1);
+    if (sl <= 0) {
+        fprintf(stderr, "zinf tune: cannot find this program (/proc/self/exe): %s\n",
+                strerror(errno));
+        return 1;
+    }
+    buf[sl] = '\0';
+    return 0;
+}
+
+int tune_check_out(const char *out, bool force)
+{
+    struct stat sb;
+    if (!force && stat(out, &sb) == 0) {
+        fprintf(stderr, "zinf tune: --out %s exists; --force to replace it\n", out);
+        return 2;
+    }
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp", out) >= (int)sizeof(tmp)) {
+        fprintf(stderr, "zinf tune: --out %s: too long\n", out);
+        return 2;
+    }
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) {
+        fprintf(stderr, "zinf tune: --out %s: cannot write there: %s\n", out, strerror(errno));
+        return 2;
+    }
+    close(fd);
+    unlink(tmp);
+    return 0;
+}
+
+int tune_write_json(const char *path, json_t *j)
+{
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp)) return -ENAMETOOLONG;
+    if (json_dump_file(j, tmp, JSON_INDENT(2) | JSON_PRESERVE_ORDER) < 0) {
+        int e = errno ? -errno : -EIO;
+        unlink(tmp);
+        return e;
+    }
+    FILE *f = fopen(tmp, "a");
+    if (!f || fputc('\n', f) == EOF || fclose(f) == EOF) {
+        unlink(tmp);
+        return -EIO;
+    }
+    if (rename(tmp, path) < 0) {
+        int e = -errno;
+        unlink(tmp);
+        return e;
+    }
+    return 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double tune_median(const double *v, unsigned n)
+{
+    double s[128];
+    memcpy(s, v, n * sizeof(*v));
+    qsort(s, n, sizeof(*s), cmp_double);
+    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
+}
+
+static int remove_one(const char *path, const struct stat *sb, int type, struct FTW *ftw)
+{
+    (void)sb, (void)type, (void)ftw;
+    if (remove(path) < 0)
+        fprintf(stderr, "zinf tune: cannot remove %s: %s\n", path, strerror(errno));
+    return 0;
+}
+
+void tune_remove_tree(const char *path)
+{
+    if (access(path, F_OK) == 0) nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS);
+}
