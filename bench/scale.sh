@@ -17,6 +17,8 @@
 #   SEQ=128 BATCH=16  DEVICE_BYTES=160M HOST_BYTES=320M (the offloaded run's budgets; the
 #   device budget must hold one block's working set at the largest dim)
 #   LR=1e-5 (a few steps from scratch at these sizes: 1e-4 and above make the loss jump)
+#   CHECKPOINT_START=true (false: zinf.train.checkpoint_start false, so that the swap files
+#   hold the state once, not twice: what a state past half the disk needs)
 #   BLOCK=1M QD=32  PLOT=FILE.png (default DIR/scale.png; gnuplot draws step time, in memory
 #   and offloaded, against the model state; PLOT= draws nothing)
 set -euo pipefail
@@ -30,6 +32,7 @@ dev=${DEVICE_BYTES:-160M} host=${HOST_BYTES:-320M}
 block=${BLOCK:-1M} qd=${QD:-32}
 memfrac=${MEM_FRACTION:-0.4}
 lr=${LR:-1e-5}
+cstart=${CHECKPOINT_START:-true}
 ram=$(awk '/MemTotal/ { print $2 * 1024 }' /proc/meminfo)
 data=${DATA:-/usr/share/common-licenses/GPL-3}
 plot=${PLOT-$dir/scale.png}
@@ -48,7 +51,8 @@ cat > "$tmp/nvme.json" <<JSON
  "offload_param": {"device": "nvme", "nvme_path": "$swap", "pin_memory": true},
  "offload_optimizer": {"device": "nvme", "nvme_path": "$swap", "pin_memory": true}},
  "aio": {"block_size": $(numfmt --from=iec "$block"), "queue_depth": $qd},
- "zinf": {"device": "emulated", "device_bytes": "$dev", "host_bytes": "$host"}}
+ "zinf": {"device": "emulated", "device_bytes": "$dev", "host_bytes": "$host",
+          "train": {"checkpoint_start": $cstart}}}
 JSON
 
 run() { # config layers dim log -> "ms_median rd_GBps wr_GBps blocked state losses rss rd_GB wr_GB tok/s"
@@ -96,7 +100,7 @@ rows={r["op"]: r for r in map(json.loads, sys.stdin)}
 assert all(r["verified"] for r in rows.values())
 print(rows["read"]["GBps"], rows["write"]["GBps"])')
 echo "# scale: seq $T x batch $B tokens a step, $steps steps (medians of 2..$steps), fp32, device emulated"
-echo "# offloaded: params and optimizer states on NVMe (DIR), device budget $dev, host $host; in memory: no offload"
+echo "# offloaded: params and optimizer states on NVMe (DIR), device budget $dev, host $host, checkpoint_start $cstart; in memory: no offload"
 echo "# zinf bench on DIR, 2 GiB, block $block, qd $qd: read $braw GB/s, write $wraw GB/s"
 echo "# $(uname -sr), $(nproc) cpus; $(df --output=source,fstype "$dir" | tail -1)"
 echo "# RAM $(awk -v b="$ram" 'BEGIN { printf "%.1f GiB", b / 2^30 }'); sizes above $memfrac of it run offloaded only"

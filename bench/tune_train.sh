@@ -6,6 +6,8 @@
 # Reported: each one's wall time and pick; the search's pick as the grid measured it, over the
 # grid's best median (the target: >= 0.9), and the search's time over the grid's (a fraction).
 #
+# Both tunes' JSON lines are kept as DIR/tune-grid.json and DIR/tune-search.json.
+#
 # usage: bench/tune_train.sh DIR [EXTRA tune OPTIONS...]
 #   ZINF=build/tools/zinf  LAYERS=4 DIM=256 HEADS=4 SEQ=64 GLOBAL=8  DATA=(a text file)
 #   AXES="--ranks 1,2 --stages 1,3 --offload none:none,cpu:cpu,cpu:nvme,nvme:nvme --budgets 1,0.25"
@@ -36,6 +38,7 @@ run() { # NAME EXTRA...: one tune, its JSON lines in $tmp/NAME.json and its seco
         { tail -5 "$tmp/$name.err" >&2; exit 1; }
     t1=$(date +%s.%N)
     echo "$t0 $t1" > "$tmp/$name.time"
+    cp "$tmp/$name.json" "$dir/tune-$name.json"
 }
 
 echo "# zinf tune --mode train: search against the exhaustive grid, ${L}x${C}, seq $T, global batch $G"
@@ -87,4 +90,9 @@ if g_of_s:
 else:
     print("the search's pick was not measured by the grid")
 print(f"time: search / grid = {ssec / gsec:.3f}")
+print("the grid's five best medians (tokens/s of each run):")
+for p in sorted(gm.values(), key=lambda p: -p["median"])[:5]:
+    runs = " ".join(f"{x:.0f}" for x in p["tokens_per_s"])
+    mark = " <- picked" if p.get("picked") else " tie" if p.get("tie") else ""
+    print(f"  {p['median']:7.0f}  [{runs}]  {desc(p)}{mark}")
 PY

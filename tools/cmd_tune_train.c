@@ -16,8 +16,9 @@
  *
  * The search runs every point once, then only the best quarter (at least three) --reps - 1
  * times more; --exhaustive runs every point --reps times. The pick is `zinf tune`'s rule:
- * the best median, and of the points whose median is within its min..max, the cheapest:
- * fewer ranks, then fewer budget bytes, then the lower stage, then the larger micro-batch.
+ * the best median, and of the points whose median is within its min..max (and, here, at
+ * least 0.9 of it), the cheapest: fewer ranks, then fewer budget bytes, then the lower
+ * stage, then the larger micro-batch.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -49,6 +50,9 @@ extern char **environ;
 #define MAX_REPS 20
 #define MAX_TPOINTS 2048
 #define SCRATCH "zinf-tune.train" /* the sweep's own directory in --path */
+/* A tie is also within this share of the best median: where runs spread widely (ranks
+ * sharing few cores), the best's min..max alone would let a much slower point tie. */
+#define TIE_FLOOR 0.9
 
 static const char *const where_name[] = {"none", "cpu", "nvme"};
 
@@ -656,7 +660,8 @@ static struct tpoint *pick(struct tpoint *g, unsigned n, unsigned reps, struct t
     *nties = 0;
     if (!best) return NULL;
     for (unsigned i = 0; i < n; i++) {
-        g[i].tie = measured(&g[i], reps) && g[i].med >= best->lo;
+        g[i].tie = measured(&g[i], reps) && g[i].med >= best->lo &&
+                   g[i].med >= TIE_FLOOR * best->med;
         if (!g[i].tie) continue;
         ++*nties;
         if (!win || cheaper(&g[i], win)) win = &g[i];
@@ -913,8 +918,9 @@ int cmd_tune_train(int argc, char **argv)
                             : "search: every point once, then the best quarter (at least 3) "
                               "to --reps runs");
         printf("# rule: best = highest median; a point whose median is within the best's "
-               "min..max ties with it;\n#   of the ties the cheapest wins: fewer ranks, then "
-               "fewer budget bytes, then the lower stage, then the larger micro-batch\n");
+               "min..max and at least %.0f%% of it\n#   ties with it; of the ties the cheapest "
+               "wins: fewer ranks, then fewer budget bytes, then the lower\n#   stage, then the "
+               "larger micro-batch\n", TIE_FLOOR * 100);
         fflush(stdout);
     }
     /* Round one: every point that can run, once (--exhaustive: --reps times). */
