@@ -284,6 +284,9 @@ static const struct field fields[] = {
     {S_ZINF, "connect", NULL, F_PATHS, OFF(zinf.connect), 0, 0, 0, NULL},
     {S_ZINF, "job", NULL, F_STR, OFF(zinf.job), 0, 0, 0, NULL},
     {S_ZINF, "comm_timeout", NULL, F_UINT, OFF(zinf.comm_timeout), 1, 86400, 0, NULL},
+    /* zinf train's CPU ranks: the emulated device arena in the ranks' shared pool, so that
+     * their collectives copy once (false: through the staging areas, twice). */
+    {S_ZINF, "comm_pool", NULL, F_BOOL, OFF(zinf.comm_pool), 0, 0, 0, NULL},
     /* `zinf train`'s model and run; its command-line options take precedence. */
     {S_TRAIN, "layers", NULL, F_INT, OFF(zinf.train.layers), 1, 1024, 0, NULL},
     {S_TRAIN, "dim", NULL, F_INT, OFF(zinf.train.dim), 1, 65536, 0, NULL},
@@ -1141,6 +1144,7 @@ void config_defaults(struct zinf_config *c)
     c->zinf.io_backend = CONFIG_IO_AUTO;
     c->zinf.huge_pages = true;
     c->zinf.train.checkpoint_start = true;
+    c->zinf.comm_pool = true;
     c->zinf.comm_timeout = 1800;
     c->zinf.serve.jobs_per_uid = 4;
     c->zinf.serve.max_jobs = 64;

@@ -150,6 +150,8 @@ struct zinf_config {
         char job[32];                /* ... as this job; "" (zinf train's default) */
         unsigned comm_timeout; /* seconds each barrier and collective across ranks waits for
                                   the others; 1800 (COMM_DEFAULT_OP_TIMEOUT_MS) */
+        bool comm_pool; /* CPU ranks: the device tier's arena in the communicator's pool (one
+                           copy a collective); true */
         struct {                           /* zinf.train: `zinf train`'s model and run */
             int layers, dim, heads, seq, batch, steps; /* 0: the command's default */
             int precision; /* "auto" 0, "fp32" 1, "bf16" 2: as enum trainer_precision */
@@ -180,6 +182,13 @@ struct zinf_config {
      * tail of that list that config_to_options() hands out as nvme_paths_extra. */
     struct config_paths nvme_paths;
     const char *nvme_paths_extra[CONFIG_MAX_NVME_PATHS];
+
+    /* Not read from a file: memory its user lends the emulated device tier as its arena, of
+     * device_arena_bytes, at least zinf.device_bytes rounded up to 4 KiB (the trainer's CPU
+     * ranks lend their communicator's pool, so that collectives on device buffers copy
+     * once); NULL: the tier maps its own. The engine never unmaps it. */
+    void *device_arena;
+    size_t device_arena_bytes;
 
     /* Full JSON paths ("zero_optimization.offload_parm") of keys nobody knows, and of
      * DeepSpeed keys zinf knows but does not use. Owned. */

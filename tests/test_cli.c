@@ -2929,6 +2929,76 @@ Test(cli, zero_ranks_give_the_losses_of_one_rank_accumulating_their_micro_batche
     }
 }
 
+/* The summary's comm_ops and comm_pooled_ops of a --log file (0 where absent). */
+static void comm_ops_of(const char *log, uint64_t *ops, uint64_t *pooled)
+{
+    FILE *f = fopen(log, "r");
+    char line[4096];
+    *ops = *pooled = 0;
+    cr_assert_not_null(f, "%s", log);
+    while (fgets(line, sizeof(line), f)) {
+        if (strncmp(line, "{\"summary\"", 10)) continue;
+        json_t *j = json_loads(line, 0, NULL);
+        cr_assert_not_null(j, "%s", line);
+        json_t *sum = json_object_get(j, "summary");
+        *ops = (uint64_t)json_integer_value(json_object_get(sum, "comm_ops"));
+        *pooled = (uint64_t)json_integer_value(json_object_get(sum, "comm_pooled_ops"));
+        json_decref(j);
+    }
+    fclose(f);
+}
+
+/* CPU ranks lend their device tiers the communicator's pool (zinf.comm_pool, on by default):
+ * the collectives on device buffers (gradient reductions, stage 3's gathers) and the
+ * optimizer's exchange read the peers' buffers in place, one copy. Off, every collective
+ * goes through the staging areas. The losses are bitwise the same either way, at stages 1
+ * to 3, with 2 and 3 ranks. */
+Test(cli, zero_ranks_collectives_copy_once_in_the_pool, .timeout = 300)
+{
+    char cfg[4096], data[4096], swap[2048], log[4096], args[8192], *o;
+    static char on[MAX_STEPS + 1][32], off[MAX_STEPS + 1][32];
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    for (int stage = 1; stage <= 3; stage++)
+        for (int n = 2; n <= 3; n++) {
+            if (n == 3 && stage != 3) continue;
+            for (int pool = 1; pool >= 0; pool--) {
+                snprintf(swap, sizeof(swap), "%s/pool%d-s%d-n%d", dir, pool, stage, n);
+                snprintf(log, sizeof(log), "%s.jsonl", swap);
+                snprintf(cfg, sizeof(cfg), "%s.json", swap);
+                FILE *f = fopen(cfg, "w");
+                cr_assert_not_null(f);
+                fprintf(f,
+                        "{\"zero_optimization\": {\"stage\": %d, \"offload_param\": {\"device\": "
+                        "\"nvme\"}, \"offload_optimizer\": {\"device\": \"nvme\"}}, \"aio\": "
+                        "{\"block_size\": 65536, \"queue_depth\": 4}, \"zinf\": {\"device\": "
+                        "\"emulated\", \"nvme_paths\": [\"%s\"], \"device_bytes\": \"32M\", "
+                        "\"host_bytes\": \"32M\", \"comm_pool\": %s}}",
+                        stage, swap, pool ? "true" : "false");
+                fclose(f);
+                snprintf(args, sizeof(args), ZMODEL " --steps 3 --log %s", log);
+                cr_assert_eq(train_ranks(&o, n, cfg, data, args), 0, "%s", o);
+                free(o);
+                char(*loss)[32] = pool ? on : off;
+                memset(loss, 0, (MAX_STEPS + 1) * sizeof(*loss));
+                cr_assert_eq(read_losses(log, loss, NULL, NULL), 3);
+                uint64_t ops, pooled;
+                comm_ops_of(log, &ops, &pooled);
+                cr_assert_gt(ops, 0);
+                if (pool)
+                    /* All but the small host exchanges (losses, norms, agreements), which
+                     * are many at this size. */
+                    cr_assert_gt(pooled * 2, ops, "stage %d, %d ranks: %llu of %llu pooled",
+                                 stage, n, (unsigned long long)pooled, (unsigned long long)ops);
+                else
+                    cr_assert_eq(pooled, 0, "comm_pool false, yet %llu pooled",
+                                 (unsigned long long)pooled);
+            }
+            for (int step = 1; step <= 3; step++)
+                cr_assert_str_eq(on[step], off[step], "stage %d, %d ranks, step %d", stage, n,
+                                 step);
+        }
+}
+
 /* At odd shapes (B*T not a multiple of 8, 12, 48 or 64; dims 48 to 160), 2 and 3 ranks of
  * one micro-batch each log bitwise the losses and digests of one rank accumulating 2 and 3
  * micro-batches, which runs another number of threads. Stage 1 and stage 3. */

@@ -1295,8 +1295,10 @@ int cmd_train(int argc, char **argv)
            format_size(sum.tier[2].budget_bytes, b, sizeof(b)));
     if (sum.world > 1)
         printf("#   ZeRO stage %d: rank %d of %d holds the tiers above; %s came in through "
-               "collectives; the steps waited %.3f s for gradient reductions (%s)\n",
+               "%llu collectives (%llu of them one copy, in the ranks' pool); the steps waited "
+               "%.3f s for gradient reductions (%s)\n",
                sum.stage, sum.rank, sum.world, format_size(sum.comm_bytes, a, sizeof(a)),
+               (unsigned long long)sum.comm_ops, (unsigned long long)sum.comm_pooled_ops,
                sum.reduce_seconds,
                sum.overlap_comm ? "overlap_comm: each behind the next block's backward"
                                 : "each after its block's backward");
@@ -1327,6 +1329,8 @@ int cmd_train(int argc, char **argv)
         fprintf(log, ",\"staging_bytes\":%llu", (unsigned long long)sum.staging_bytes);
         fprintf(log, ",\"rank\":%d,\"world\":%d,\"zero_stage\":%d,\"comm_bytes\":%llu", sum.rank,
                 sum.world, sum.stage, (unsigned long long)sum.comm_bytes);
+        fprintf(log, ",\"comm_ops\":%llu,\"comm_pooled_ops\":%llu",
+                (unsigned long long)sum.comm_ops, (unsigned long long)sum.comm_pooled_ops);
         fprintf(log, ",\"overlap_comm\":%s", sum.overlap_comm ? "true" : "false");
         json_num(log, "reduce_seconds", sum.reduce_seconds, false);
         static const char *const blocked_keys[5] = {

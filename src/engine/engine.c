@@ -834,7 +834,9 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     struct device_opts dop = {.kind = o.device_kind,
                               .cuda_device = o.cuda_device,
                               .capacity_bytes = o.device_bytes,
-                              .shared = params.shared};
+                              .shared = params.shared,
+                              .arena = params.device_arena,
+                              .arena_bytes = params.device_arena_bytes};
     if ((r = device_open(&dop, &e->dev)) < 0) goto err;
     /* The service's clients may die holding pins: undo images (undo.c). */
     if (params.shared) e->undo = 1u << ZINF_TIER_HOST | 1u << ZINF_TIER_DEVICE;
@@ -986,6 +988,8 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
         .no_huge_pages = !c->zinf.huge_pages,
         .no_write_behind = !c->zero.offload_optimizer.pipeline_write,
         .rings = MIN(c->aio.intra_op_parallelism, (unsigned)URING_MAX_RINGS),
+        .device_arena = c->device_arena,
+        .device_arena_bytes = c->device_arena_bytes,
     };
     if (config_is_auto(c, "zero_optimization.stage3_prefetch_bucket_size"))
         log_notice("zero_optimization.stage3_prefetch_bucket_size is \"auto\" and no model is "

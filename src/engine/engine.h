@@ -316,6 +316,8 @@ struct engine_params {
     bool no_write_behind;  /* write dirty copies back when evicted only (sched_write_behind) */
     bool shared;           /* the host and (emulated) device arenas are memfds that
                               other processes map: engine_regions() (the service) */
+    void *device_arena;    /* device_opts.arena: lent by the caller (zinf_config's) */
+    size_t device_arena_bytes;
 };
 
 /* An internal ZINF_OPEN_* flag, with RESUME or READONLY: the previous version kept by

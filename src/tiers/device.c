@@ -65,6 +65,7 @@ struct device {
     char name[128];
     size_t capacity_bytes;
     char *base; /* device memory (CUDA) or an anonymous mapping */
+    bool lent;  /* emulated: base is the caller's (device_opts.arena): never unmapped */
     int fd;     /* emulated and shared: the arena's memfd, else -1 */
 
     pthread_mutex_t lock;   /* everything below */
@@ -185,6 +186,20 @@ static int emu_open(struct device *d, const struct device_opts *o)
         return -ENOMEM;
     }
     cap = align_up(cap, ARENA_GRANULE_BYTES);
+    if (o->arena) {
+        /* Lent, and shared with whoever lent it (the ranks' communicator maps it): its
+         * pages read as zeros when new, and are zeroed in place after (emu_zero). */
+        if (o->shared || o->arena_bytes < cap || !is_aligned((uintptr_t)o->arena, 4 * KiB)) {
+            log_error("device: the lent arena (%zu bytes) is smaller than the tier's %zu "
+                      "bytes, unaligned or asked shared", o->arena_bytes, cap);
+            return -EINVAL;
+        }
+        d->base = o->arena;
+        d->lent = true;
+        d->capacity_bytes = cap;
+        snprintf(d->name, sizeof(d->name), "emulated");
+        return 0;
+    }
     /* An anonymous private mapping reads as zeros and costs nothing until written; so does
      * a memfd, which the service shares with its clients. */
     if (o->shared) {
@@ -232,10 +247,13 @@ static void emu_zero(struct device *d, uint64_t off, size_t len)
      * zeros and cost no memory until written again. A memfd's pages are dropped by punching
      * a hole in the file (MADV_DONTNEED would only unmap them, keeping their bytes). */
     bool dropped = false;
+    /* A lent arena is another's shared mapping: MADV_REMOVE frees its pages (they read back
+     * as zeros), as punching a hole does for a memfd. */
     if (b > a && b - a >= ZERO_DROP_MIN_BYTES)
-        dropped = d->fd >= 0 ? fallocate(d->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                                         (off_t)a, (off_t)(b - a)) == 0
-                             : madvise(d->base + a, b - a, MADV_DONTNEED) == 0;
+        dropped = d->lent      ? madvise(d->base + a, b - a, MADV_REMOVE) == 0
+                  : d->fd >= 0 ? fallocate(d->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                           (off_t)a, (off_t)(b - a)) == 0
+                               : madvise(d->base + a, b - a, MADV_DONTNEED) == 0;
     if (dropped) {
         memset(d->base + off, 0, a - off);
         memset(d->base + b, 0, end - b);
@@ -641,7 +659,7 @@ void device_close(struct device *d)
 #if ZINF_HAVE_CUDA
     if (d->cuda) cuda_teardown(d);
 #endif
-    if (!d->cuda && d->base) munmap(d->base, d->capacity_bytes);
+    if (!d->cuda && d->base && !d->lent) munmap(d->base, d->capacity_bytes);
     if (d->fd >= 0) close(d->fd);
     extent_fini(&d->ext);
     if (d->sync_up) {

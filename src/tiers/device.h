@@ -29,6 +29,11 @@ struct device_opts {
     int cuda_device;            /* ordinal when CUDA is used */
     size_t capacity_bytes;      /* 0: emulated 1 GiB; CUDA: free memory less 1 GiB headroom */
     bool shared;                /* emulated: the arena is a memfd another process may map */
+    void *arena;                /* emulated: the caller's memory as the arena (4 KiB-aligned,
+                                   arena_bytes of it, at least the capacity rounded up to
+                                   4 KiB), which it keeps and unmaps; NULL: a mapping of the
+                                   tier's own. Not with shared. */
+    size_t arena_bytes;
 };
 
 enum device_dir { DEVICE_H2D, DEVICE_D2H };

@@ -841,7 +841,7 @@ void trainer_close(struct trainer *t)
     free(t->osets);
     free(t->lamb_all);
     free(t->losses);
-    free(t->tmp);
+    if (!t->tmp_pooled) free(t->tmp);
     if (t->hcomm != t->comm) comm_close(t->hcomm);
     comm_close(t->comm);
     for (int q = 0; q < GPT_BLOCK_NSLOTS && t->be; q++) {
@@ -908,6 +908,8 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         struct comm_stats cs;
         comm_get_stats(t->comm, &cs);
         out->comm_bytes = cs.bytes_in;
+        out->comm_ops = cs.ops;
+        out->comm_pooled_ops = cs.pooled_ops;
     }
     out->budgets = t->budgets;
     out->min_budget[0] = t->min_budget[0];

@@ -229,6 +229,8 @@ struct trainer_summary {
     double loss_scale;          /* fp16: the scale the next step runs with */
     int rank, world, stage;     /* ZeRO: this rank of world; the stage (0 with one rank) */
     uint64_t comm_bytes;        /* bytes this rank sent to collectives */
+    uint64_t comm_ops, comm_pooled_ops; /* its collectives, and of those the ones that read
+                                           the peers' buffers in place (zinf.comm_pool) */
     bool overlap_comm;          /* gradients reduced behind the next block's backward */
     double reduce_seconds;      /* the steps' time waiting for gradient reductions */
     /* The optimizer's pipeline (offload_optimizer.pipeline_read): the sets it asked for

@@ -158,6 +158,7 @@ struct trainer {
     bool last_micro; /* the step's last micro-batch runs: its backward asks ahead */
     zinf_tensor zstate;     /* struct zero_state */
     float *tmp;             /* (world + 1) x the largest shard: collectives' other side */
+    bool tmp_pooled;        /* tmp is the communicator's (comm_alloc): not freed here */
     float *losses;          /* world x grad_accum: every micro-batch's loss */
     double *part, *part_all; /* the norm's chunk sums: this rank's, and every rank's */
     struct trainer_budgets budgets; /* derived where the config gives none */
@@ -265,6 +266,7 @@ int train_stage_of(const struct trainer *t, int idx);
 /* The ranks' shape from the options and config (world, rank, stage, exact, overlap); say:
  * notice what the config asks that cannot be. train_zero_setup takes it and meets the ranks. */
 int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen);
+size_t train_tmp_bytes(const struct trainer *t);
 int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen);
 int train_zero_alloc(struct trainer *t);
 int train_ranks_agree(struct trainer *t, char *err, size_t errlen);

@@ -113,6 +113,20 @@ int train_stage_of(const struct trainer *t, int idx)
     return t->stage;
 }
 
+/* The bytes of tmp (train_zero_alloc): (world + 1) x the largest shard of a tensor. */
+size_t train_tmp_bytes(const struct trainer *t)
+{
+    size_t most = 0, world = (size_t)t->world;
+    int n = gpt_layout(&t->cfg, NULL, 0);
+    struct gpt_tensor_desc *d = calloc((size_t)n, sizeof(*d));
+    if (!d) return 0;
+    gpt_layout(&t->cfg, d, (size_t)n);
+    for (int i = 0; i < n; i++)
+        most = MAX(most, align_up((d[i].numel + world - 1) / world, SHARD_FLOATS));
+    free(d);
+    return most * (world + 1) * sizeof(float);
+}
+
 int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
@@ -197,14 +211,34 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
             what = " (their host communicator)";
             r = comm_open(&co, &t->hcomm);
         }
-    } else if ((r = comm_open(&co, &t->comm)) == 0) {
-        t->hcomm = t->comm;
+    } else {
+        /* CPU ranks: the emulated device tier's arena and the optimizer's exchange buffer
+         * (tmp) come from the communicator's pool, which every rank maps, so the collectives
+         * on them read the peers' buffers in place: one copy, not two through staging. */
+        size_t dev = 0, tmp = 0;
+        if (t->zc.zinf.comm_pool && !t->remote) {
+            dev = align_up(t->zc.zinf.device_bytes ? t->zc.zinf.device_bytes : GiB, 4 * KiB);
+            tmp = align_up(train_tmp_bytes(t), 4 * KiB);
+            co.pool_bytes = dev + tmp;
+        }
+        if ((r = comm_open(&co, &t->comm)) == 0) {
+            t->hcomm = t->comm;
+            int e = 0;
+            if (dev && !(t->zc.device_arena = comm_alloc(t->comm, dev, &e))) r = e;
+            t->zc.device_arena_bytes = dev;
+            if (r == 0 && tmp && !(t->tmp = comm_alloc(t->comm, tmp, &e))) r = e;
+            t->tmp_pooled = t->tmp != NULL;
+            if (r < 0) what = " (the pool of its device tier)";
+        }
     }
     if (r < 0) {
-        snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s'%s: %s%s", t->rank,
+        snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s'%s: %s%s%s", t->rank,
                  t->world, o->comm_name, what, cwhy[0] ? cwhy : zinf_strerror(r),
                  r == -ETIMEDOUT ? " (a rank did not start, or failed before it met the others)"
-                                 : "");
+                                 : "",
+                 co.pool_bytes ? " (their shared memory holds each rank's device tier: "
+                                 "\"zinf\": {\"comm_pool\": false} leaves it out)"
+                               : "");
         return r;
     }
     t->gpu_ranks = cuda;
@@ -237,7 +271,7 @@ int train_zero_alloc(struct trainer *t)
     t->part = calloc(t->nparts, sizeof(double));
     t->part_all = calloc(t->nparts * (size_t)t->world, sizeof(double));
     t->losses = calloc((size_t)t->o.grad_accum * (size_t)(t->world + 1), sizeof(float));
-    t->tmp = t->world > 1 ? calloc(sh * (size_t)(t->world + 1), sizeof(float)) : NULL;
+    if (t->world > 1 && !t->tmp) t->tmp = calloc(sh * (size_t)(t->world + 1), sizeof(float));
     /* overlap_comm: the events that order the reductions behind the backward with the
      * compute stream (none on the CPU). */
     int r = 0;
