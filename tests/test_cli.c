@@ -511,6 +511,42 @@ Test(cli, sweep_snippet_is_a_valid_config)
 
 /* ---- zinf tune ------------------------------------------------------------------------ */
 
+/* Runs `cmd` with its output in out_path, waits until that output holds `ready` (the command
+ * has put its signal handlers in place), lets it run after_ms more and sends it sig; returns
+ * its wait status. A fixed timer instead would, on a loaded machine, signal a command that
+ * had not yet started, and find it killed rather than stopped. */
+static int run_signalled(const char *cmd, const char *out_path, const char *ready, int sig,
+                         int after_ms)
+{
+    unlink(out_path); /* an earlier run's "ready" must not count */
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        int fd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+        if (fd < 0 || dup2(fd, STDOUT_FILENO) < 0 || dup2(fd, STDERR_FILENO) < 0) _exit(127);
+        char line[16384];
+        snprintf(line, sizeof(line), "exec %s", cmd);
+        execl("/bin/sh", "sh", "-c", line, (char *)NULL);
+        _exit(127);
+    }
+    char text[8192];
+    int st = 0;
+    for (int i = 0;; i++) {
+        cr_assert_lt(i, 6000, "no \"%s\" in a minute from: %s", ready, cmd);
+        if (waitpid(pid, &st, WNOHANG) == pid) return st; /* ended before it was ready */
+        FILE *f = fopen(out_path, "r");
+        size_t n = f ? fread(text, 1, sizeof(text) - 1, f) : 0;
+        text[n] = '\0';
+        if (f) fclose(f);
+        if (strstr(text, ready)) break;
+        usleep(10000);
+    }
+    usleep((useconds_t)after_ms * 1000);
+    kill(pid, sig);
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    return st;
+}
+
 static char *read_text(const char *path)
 {
     FILE *f = fopen(path, "r");
@@ -683,19 +719,18 @@ Test(cli, tune_interrupted_writes_nothing_and_cleans_up)
 {
     static const struct {
         const char *sig;
-        int status;
-    } sigs[] = {{"INT", 130}, {"TERM", 143}};
+        int num, status;
+    } sigs[] = {{"INT", SIGINT, 130}, {"TERM", SIGTERM, 143}};
     char cmd[16384], out[4096], scratch[4200], text[8192];
     snprintf(out, sizeof(out), "%s/frag.json", dir);
     for (int i = 0; i < 2; i++) {
         /* A sweep of a few hundred measurements: far longer than the second it is given. */
         snprintf(cmd, sizeof(cmd),
-                 "timeout --preserve-status -s %s 1 %s tune --path %s --mode "
-                 "swapin --size 16M --tensor-size 1M --block-sizes 256K,1M --queue-depths 4,8,16 "
-                 "--staging 4M,8M --reps 5 --out %s > %s/int.out 2>&1",
-                 sigs[i].sig, getenv("ZINF_BIN"), dir, out, dir);
-        int st = system(cmd);
+                 "%s tune --path %s --mode swapin --size 16M --tensor-size 1M --block-sizes "
+                 "256K,1M --queue-depths 4,8,16 --staging 4M,8M --reps 5 --out %s",
+                 getenv("ZINF_BIN"), dir, out);
         snprintf(scratch, sizeof(scratch), "%s/int.out", dir);
+        int st = run_signalled(cmd, scratch, "# zinf tune", sigs[i].num, 1000);
         FILE *f = fopen(scratch, "r");
         size_t n = f ? fread(text, 1, sizeof(text) - 1, f) : 0;
         text[n] = '\0';
@@ -932,10 +967,11 @@ Test(cli, tune_train_bad_arguments_and_interruption, .timeout = 120)
     /* Interrupted: nothing written, the scratch directory removed, 130. */
     char cmd[16384];
     snprintf(cmd, sizeof(cmd),
-             "timeout --preserve-status -s INT 2 %s tune --mode train --config %s --data " TT_DATA
-             " --path %s --ranks 1 --steps 50 --out %s > %s/tt-int.out 2>&1",
-             getenv("ZINF_BIN"), base, dir, out, dir);
-    int st = system(cmd);
+             "%s tune --mode train --config %s --data " TT_DATA
+             " --path %s --ranks 1 --steps 50 --out %s",
+             getenv("ZINF_BIN"), base, dir, out);
+    snprintf(scratch, sizeof(scratch), "%s/tt-int.out", dir);
+    int st = run_signalled(cmd, scratch, "# zinf tune", SIGINT, 1500);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 130, "status %d",
               WIFEXITED(st) ? WEXITSTATUS(st) : -1);
     cr_assert_neq(access(out, F_OK), 0, "a config was written");
@@ -1075,15 +1111,15 @@ Test(cli, train_runs_and_resumes_after_sigint)
      * was interrupted, and --resume goes on from there. */
     char cmd[16384];
     static const struct {
-        const char *sig, *name;
-        int status;
-    } sigs[] = {{"INT", "SIGINT", 130}, {"TERM", "SIGTERM", 143}};
+        const char *name;
+        int num, status;
+    } sigs[] = {{"SIGINT", SIGINT, 130}, {"SIGTERM", SIGTERM, 143}};
     for (int i = 0; i < 2; i++) {
-        snprintf(cmd, sizeof(cmd),
-                 "timeout --preserve-status -s %s 1 %s train --config %s "
-                 "--data %s %s --steps 100000 --resume --log %s > %s/int.out 2>&1",
-                 sigs[i].sig, getenv("ZINF_BIN"), cfg, data, model, log, dir);
-        int st = system(cmd);
+        char int_out[4200];
+        snprintf(cmd, sizeof(cmd), "%s train --config %s --data %s %s --steps 100000 --resume "
+                 "--log %s", getenv("ZINF_BIN"), cfg, data, model, log);
+        snprintf(int_out, sizeof(int_out), "%s/int.out", dir);
+        int st = run_signalled(cmd, int_out, "# compute:", sigs[i].num, 1000);
         cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == sigs[i].status, "%s: status %#x",
                   sigs[i].name, st);
         snprintf(cmd, sizeof(cmd), "grep -q '%s: finishing here' %s/int.out", sigs[i].name, dir);

@@ -940,6 +940,11 @@ int cmd_tune(int argc, char **argv)
         created[i] = access(f, F_OK) != 0;
     }
 
+    /* In place before the header is out: whoever waits for it may stop the sweep then. */
+    struct sigaction sa = {.sa_handler = on_signal}, old_int, old_term;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
     bool io = o.mode == MODE_IO;
     bool tty = isatty(STDERR_FILENO);
     if (!o.json) {
@@ -967,10 +972,6 @@ int cmd_tune(int argc, char **argv)
         fflush(stdout);
     }
 
-    struct sigaction sa = {.sa_handler = on_signal}, old_int, old_term;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, &old_int);
-    sigaction(SIGTERM, &sa, &old_term);
     unsigned total = n * o.reps, done = 0;
     uint64_t t0 = now_ns();
     for (unsigned round = 0; round < o.reps && !interrupted; round++) {
