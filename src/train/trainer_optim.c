@@ -88,8 +88,8 @@ static int update(struct trainer *t, int i, float *p, const float *g, float *m, 
 /* Below stage 3, every rank takes the others' parts of tensor i's `whole` (elements of esz
  * bytes, the rank's own part at its shard's place): through the device tier's buffer L
  * (world x shard floats, the tensor's local gradient buffer, free in the optimizer phase)
- * when the update ran on a GPU, else through host memory. A part cut short by the tensor's
- * end is padded. */
+ * when the update ran on a GPU, else through host memory (in place when the parts tile the
+ * tensor). A part cut short by the tensor's end is padded. */
 static int gather_parts(struct trainer *t, int i, void *whole, size_t esz, void *L)
 {
     size_t n = t->desc[i].numel, sh = train_shard_of(t, i), own = train_shard_own(t, i);
@@ -106,6 +106,10 @@ static int gather_parts(struct trainer *t, int i, void *whole, size_t esz, void 
             return r;
         return train_settle(t, be->copy(t->be, whole, L, n * esz));
     }
+    /* Where the parts tile the tensor exactly, in place: each rank's part is where the
+     * others' land, so nothing is staged and the own part is not copied at all. */
+    if (n == sh * (size_t)t->world)
+        return comm_allgather(t->hcomm, mine, whole, sh * esz, COMM_BYTE);
     char *send = mine, *recv = (char *)t->tmp + sh * esz;
     if (own < sh) {
         send = (char *)t->tmp;
