@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # comm_pool.sh - the ranks' collectives on the one-copy path (zinf.comm_pool) against the
 # staging path, side by side in one run:
-#   1. bench/comm at 64 MiB and above, buffers from the pool (--pool) and private, next to
+#   1. bench/comm at 64 MiB and above, buffers from the pool (--pool, out of place and
+#      --in-place) and private, next to
 #      one thread's memcpy (the footer's, same run): busbw over memcpy;
 #   2. the trainer's own step across RANKS ranks at stages 1-3, comm_pool true and false,
 #      rounds alternating: the median step and the time the steps waited for gradient
@@ -25,10 +26,11 @@ swap=$dir/comm-pool-swap
 trap 'rm -rf "$tmp" "$swap"' EXIT
 
 echo "# comm_pool: $N ranks, $(nproc) cpus: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
-echo "## 1. bench/comm, 64M..256M, pooled (one copy) and private (staging)"
-for mode in pool private; do
+echo "## 1. bench/comm, 64M..256M, pooled (one copy; out of place and in place) and private (staging)"
+for mode in pool pool-in-place private; do
   flag=()
   [ "$mode" = pool ] && flag=(--pool)
+  [ "$mode" = pool-in-place ] && flag=(--pool --in-place)
   "$comm" --ranks "$N" --min 64M --max 256M --iters 5 "${flag[@]}" > "$tmp/comm.$mode"
   echo "# $mode:"
   grep -v '^#  ' "$tmp/comm.$mode" | grep -v '^# zinf' | sed 's/^/  /'
