@@ -1044,13 +1044,7 @@ int cmd_tune(int argc, char **argv)
     } else {
         char bd[160];
         describe(best, bd, sizeof(bd));
-        printf("# best median: %s: %.3f GB/s\n", bd, best->med);
-        if (win != best)
-            printf("# picked: %s: %.3f GB/s; %u points tie with the best (their median is within "
-                   "its spread), this is the cheapest\n", d, win->med, nties);
-        else
-            printf("# picked: %s (%s)\n", d,
-                   nties > 1 ? "the cheapest of the points that tie" : "no other point ties");
+        tune_say_pick(bd, best->med, d, win->med, win == best, nties, 3, "GB/s");
     }
     if (o.out) {
         if ((r = tune_write_json(o.out, frag)) < 0) {

@@ -298,10 +298,30 @@ static int parse_args(int argc, char **argv, struct ttopts *o)
     o->ranks[0] = 1, o->nranks = 1;
     if (cpus >= 2) o->ranks[o->nranks++] = 2;
     offload_list(offload_default, o);
+    /* The options that take one whole number in a range. */
+    const struct {
+        int id;
+        const char *name;
+        int lo, hi;
+        int *to;
+    } ints[] = {{T_LAYERS, "--layers", 1, 1024, &o->layers},
+                {T_DIM, "--dim", 1, 65536, &o->dim},
+                {T_HEADS, "--heads", 1, 1024, &o->heads},
+                {T_SEQ, "--seq", 2, 65536, &o->seq},
+                {T_STEPS, "--steps", 1, 1000, &o->steps},
+                {T_WARMUP, "--warmup", 1, 100, &o->warmup},
+                {T_REPS, "--reps", 3, MAX_REPS, &o->reps}};
     int c, v = 0;
     optind = 1;
     opterr = 0;
     while ((c = getopt_long(argc, argv, "p:h", longopts, NULL)) != -1) {
+        size_t k = 0;
+        while (k < sizeof(ints) / sizeof(ints[0]) && ints[k].id != c)
+            k++;
+        if (k < sizeof(ints) / sizeof(ints[0])) {
+            if (one_int(ints[k].name, optarg, ints[k].lo, ints[k].hi, ints[k].to) < 0) return -1;
+            continue;
+        }
         switch (c) {
         case 'h':
             usage(stdout);
@@ -341,27 +361,6 @@ static int parse_args(int argc, char **argv, struct ttopts *o)
             break;
         case T_BUDGETS:
             if (frac_list(optarg, o) < 0) return -1;
-            break;
-        case T_LAYERS:
-            if (one_int("--layers", optarg, 1, 1024, &o->layers) < 0) return -1;
-            break;
-        case T_DIM:
-            if (one_int("--dim", optarg, 1, 65536, &o->dim) < 0) return -1;
-            break;
-        case T_HEADS:
-            if (one_int("--heads", optarg, 1, 1024, &o->heads) < 0) return -1;
-            break;
-        case T_SEQ:
-            if (one_int("--seq", optarg, 2, 65536, &o->seq) < 0) return -1;
-            break;
-        case T_STEPS:
-            if (one_int("--steps", optarg, 1, 1000, &o->steps) < 0) return -1;
-            break;
-        case T_WARMUP:
-            if (one_int("--warmup", optarg, 1, 100, &o->warmup) < 0) return -1;
-            break;
-        case T_REPS:
-            if (one_int("--reps", optarg, 3, MAX_REPS, &o->reps) < 0) return -1;
             break;
         case T_EXH:
             o->exhaustive = true;
@@ -1011,13 +1010,7 @@ int cmd_tune_train(int argc, char **argv)
     } else {
         char bd[256];
         describe(best, bd, sizeof(bd));
-        printf("# best median: %s: %.0f tokens/s\n", bd, best->med);
-        if (win != best)
-            printf("# picked: %s: %.0f tokens/s; %u points tie with the best (their median is "
-                   "within its spread), this is the cheapest\n", d, win->med, nties);
-        else
-            printf("# picked: %s (%s)\n", d,
-                   nties > 1 ? "the cheapest of the points that tie" : "no other point ties");
+        tune_say_pick(bd, best->med, d, win->med, win == best, nties, 0, "tokens/s");
         printf("# %u runs in %.1f s\n", seq, secs);
     }
     if (o.out) {

@@ -94,3 +94,15 @@ void tune_remove_tree(const char *path)
 {
     if (access(path, F_OK) == 0) nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS);
 }
+
+void tune_say_pick(const char *best, double best_med, const char *pick, double pick_med,
+                   bool pick_is_best, unsigned nties, int digits, const char *unit)
+{
+    printf("# best median: %s: %.*f %s\n", best, digits, best_med, unit);
+    if (!pick_is_best)
+        printf("# picked: %s: %.*f %s; %u points tie with the best (their median is within its "
+               "spread), this is the cheapest\n", pick, digits, pick_med, unit, nties);
+    else
+        printf("# picked: %s (%s)\n", pick,
+               nties > 1 ? "the cheapest of the points that tie" : "no other point ties");
+}

@@ -1,7 +1,7 @@
 /*
  * tune_util.h - what the modes of `zinf tune` share: the program's own path (each point is a
  * run of it), the output file checked before a sweep and written whole after it, the median
- * of rounds, and the sweep's scratch directory removed.
+ * of rounds, the pick said, and the sweep's scratch directory removed.
  */
 #pragma once
 
@@ -21,3 +21,8 @@ int tune_write_json(const char *path, json_t *j);
 double tune_median(const double *v, unsigned n);
 /* The tree under path removed, what cannot be said on stderr; nothing when it is not there. */
 void tune_remove_tree(const char *path);
+/* The best point's median and the pick, as both modes say them (digits after the point, and
+ * the score's unit): nties points tie with the best; the pick is the best itself or the
+ * cheapest of those. */
+void tune_say_pick(const char *best, double best_med, const char *pick, double pick_med,
+                   bool pick_is_best, unsigned nties, int digits, const char *unit);
