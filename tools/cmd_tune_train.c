@@ -805,6 +805,31 @@ static void progress(unsigned done, unsigned total, uint64_t t0, const struct tp
                 d, s, eta);
 }
 
+/* A sweep under way: what each run needs, and the count of runs for the progress line. */
+struct sweep {
+    const struct ttopts *o;
+    const json_t *base;
+    uint64_t global;
+    const char *dir;
+    unsigned seq, done, total;
+    uint64_t t0;
+};
+
+/* One run of p: its score kept (or the point marked failed) and the progress said. A run
+ * a signal cut short counts for nothing. */
+static void run_once(struct sweep *w, struct tpoint *p, const char *phase)
+{
+    double s = 0;
+    int r = run_point(w->o, w->base, w->global, p, w->dir, w->seq++, &s);
+    if (interrupted) return;
+    w->done++;
+    if (r < 0)
+        p->failed = true;
+    else
+        p->score[p->n++] = s;
+    progress(w->done, w->total, w->t0, p, r, s, phase);
+}
+
 static int by_first_score(const void *a, const void *b)
 {
     const struct tpoint *x = *(const struct tpoint *const *)a, *y = *(const struct tpoint *const *)b;
@@ -923,25 +948,16 @@ int cmd_tune_train(int argc, char **argv)
         fflush(stdout);
     }
     /* Round one: every point that can run, once (--exhaustive: --reps times). */
-    unsigned total = live * (o.exhaustive ? (unsigned)o.reps : 1u), done = 0, seq = 0;
+    struct sweep w = {.o = &o, .base = base, .global = global, .dir = dir, .t0 = t0};
+    w.total = live * (o.exhaustive ? (unsigned)o.reps : 1u);
     if (!o.exhaustive) {
         unsigned keep = MAX(3u, (live + 3) / 4);
-        total += MIN(keep, live) * (unsigned)(o.reps - 1);
+        w.total += MIN(keep, live) * (unsigned)(o.reps - 1);
     }
     for (int rep = 0; rep < (o.exhaustive ? o.reps : 1) && !interrupted; rep++)
-        for (unsigned i = 0; i < n && !interrupted; i++) {
-            struct tpoint *p = &g[i];
-            if (p->pruned || p->failed) continue;
-            double s = 0;
-            r = run_point(&o, base, global, p, dir, seq++, &s);
-            if (interrupted) break;
-            done++;
-            if (r < 0)
-                p->failed = true;
-            else
-                p->score[p->n++] = s;
-            progress(done, total, t0, p, r, s, o.exhaustive ? "grid" : "round 1");
-        }
+        for (unsigned i = 0; i < n && !interrupted; i++)
+            if (!g[i].pruned && !g[i].failed)
+                run_once(&w, &g[i], o.exhaustive ? "grid" : "round 1");
     /* The search: the best quarter of round one, to --reps runs each. */
     if (!o.exhaustive && !interrupted) {
         order = calloc(n, sizeof(*order));
@@ -951,21 +967,10 @@ int cmd_tune_train(int argc, char **argv)
             if (!g[i].pruned && !g[i].failed) order[m++] = &g[i];
         qsort(order, m, sizeof(*order), by_first_score);
         unsigned keep = MIN(m, MAX(3u, (live + 3) / 4));
-        total = done + keep * (unsigned)(o.reps - 1);
+        w.total = w.done + keep * (unsigned)(o.reps - 1);
         for (int rep = 1; rep < o.reps && !interrupted; rep++)
-            for (unsigned i = 0; i < keep && !interrupted; i++) {
-                struct tpoint *p = order[i];
-                if (p->failed) continue;
-                double s = 0;
-                r = run_point(&o, base, global, p, dir, seq++, &s);
-                if (interrupted) break;
-                done++;
-                if (r < 0)
-                    p->failed = true;
-                else
-                    p->score[p->n++] = s;
-                progress(done, total, t0, p, r, s, "round 2");
-            }
+            for (unsigned i = 0; i < keep && !interrupted; i++)
+                if (!order[i]->failed) run_once(&w, order[i], "round 2");
     }
     if (interrupted) {
         fprintf(stderr, "zinf tune: interrupted; no config written\n");
@@ -1011,7 +1016,7 @@ int cmd_tune_train(int argc, char **argv)
         char bd[256];
         describe(best, bd, sizeof(bd));
         tune_say_pick(bd, best->med, d, win->med, win == best, nties, 0, "tokens/s");
-        printf("# %u runs in %.1f s\n", seq, secs);
+        printf("# %u runs in %.1f s\n", w.seq, secs);
     }
     if (o.out) {
         if ((r = tune_write_json(o.out, cfg)) < 0) {
