@@ -864,10 +864,7 @@ static void json_point(const struct tune_opts *o, const struct point *p, const s
         json_object_set_new(j, "tie", json_boolean(p->tie));
         json_object_set_new(j, "picked", json_boolean(p == win));
     }
-    char *s = json_dumps(j, JSON_PRESERVE_ORDER);
-    printf("%s\n", s);
-    free(s);
-    json_decref(j);
+    tune_say_json(j);
 }
 
 /* ---- the command ---------------------------------------------------------------------- */
@@ -1037,10 +1034,7 @@ int cmd_tune(int argc, char **argv)
         json_t *j = json_pack("{s:s, s:f, s:f, s:i, s:O}", "picked", d, "picked_median_GBps",
                               win->med, "best_median_GBps", best->med, "ties", (int)nties,
                               "fragment", frag);
-        char *s = json_dumps(j, JSON_PRESERVE_ORDER);
-        printf("%s\n", s);
-        free(s);
-        json_decref(j);
+        tune_say_json(j);
     } else {
         char bd[160];
         describe(best, bd, sizeof(bd));

@@ -725,10 +725,7 @@ static void json_row(const struct tpoint *p, const struct tpoint *win)
         }
         json_object_set_new(j, "picked", json_boolean(p == win));
     }
-    char *s = json_dumps(j, JSON_PRESERVE_ORDER);
-    printf("%s\n", s);
-    free(s);
-    json_decref(j);
+    tune_say_json(j);
 }
 
 /* ---- the grid ------------------------------------------------------------------------- */
@@ -1008,10 +1005,7 @@ int cmd_tune_train(int argc, char **argv)
                               "picked_median_tokens_per_s", win->med,
                               "best_median_tokens_per_s", best->med, "ties", (int)nties,
                               "seconds", secs, "ranks", win->ranks, "config", cfg);
-        char *s = json_dumps(j, JSON_PRESERVE_ORDER);
-        printf("%s\n", s);
-        free(s);
-        json_decref(j);
+        tune_say_json(j);
     } else {
         char bd[256];
         describe(best, bd, sizeof(bd));

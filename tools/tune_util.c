@@ -106,3 +106,11 @@ void tune_say_pick(const char *best, double best_med, const char *pick, double p
         printf("# picked: %s (%s)\n", pick,
                nties > 1 ? "the cheapest of the points that tie" : "no other point ties");
 }
+
+void tune_say_json(json_t *j)
+{
+    char *s = j ? json_dumps(j, JSON_PRESERVE_ORDER) : NULL;
+    if (s) printf("%s\n", s);
+    free(s);
+    json_decref(j);
+}

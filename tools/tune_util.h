@@ -26,3 +26,5 @@ void tune_remove_tree(const char *path);
  * cheapest of those. */
 void tune_say_pick(const char *best, double best_med, const char *pick, double pick_med,
                    bool pick_is_best, unsigned nties, int digits, const char *unit);
+/* j on one line, its members in their order, then dropped (a NULL j says nothing). */
+void tune_say_json(json_t *j);
