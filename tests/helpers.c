@@ -371,3 +371,15 @@ int test_run_zinf(char **out, const char *fmt, ...)
     *out = buf;
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
+
+void test_report_line(int fd, const char *fmt, va_list ap)
+{
+    char buf[512];
+    int n = vsnprintf(buf, sizeof(buf) - 1, fmt, ap);
+    if (n < 0) return;
+    if (n > (int)sizeof(buf) - 2) n = (int)sizeof(buf) - 2;
+    buf[n++] = '\n';
+    if (write(fd, buf, (size_t)n) < 0) {
+        /* the parent sees the child's exit status */
+    }
+}

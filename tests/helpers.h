@@ -2,6 +2,7 @@
  * capturing log messages. */
 #ifndef ZINF_TESTS_HELPERS_H
 #define ZINF_TESTS_HELPERS_H
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -58,4 +59,8 @@ long long test_trace_counter(const struct test_trace *tr, const char *name);
 void test_log_capture_start(void);
 const char *test_log_text(void);
 void test_log_capture_stop(void);
+
+/* One line, formatted, written to fd at once (up to 510 bytes, cut there): how a child
+ * that runs as another user reports to the test through a pipe; nothing if it cannot. */
+void test_report_line(int fd, const char *fmt, va_list ap) __attribute__((format(printf, 2, 0)));
 #endif

@@ -1074,17 +1074,10 @@ static void wb_say(struct wb_report *rp, const char *fmt, ...)
 static void wb_say(struct wb_report *rp, const char *fmt, ...)
 {
     if (rp->failures++ >= 40) return;
-    char buf[512];
     va_list ap;
     va_start(ap, fmt);
-    int n = vsnprintf(buf, sizeof(buf) - 1, fmt, ap);
+    test_report_line(rp->fd, fmt, ap);
     va_end(ap);
-    if (n < 0) return;
-    if (n > (int)sizeof(buf) - 2) n = (int)sizeof(buf) - 2;
-    buf[n++] = '\n';
-    if (write(rp->fd, buf, (size_t)n) < 0) {
-        /* the parent sees the exit status */
-    }
 }
 
 static void wb_quiet(enum log_level level, const char *msg, void *data)
