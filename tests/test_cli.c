@@ -233,6 +233,40 @@ Test(cli, config_check)
     cr_assert_eq(run(&o, "config check %s/missing.json", dir), 2, "%s", o);
     cr_assert(strstr(o, "missing.json"), "%s", o);
     free(o);
+
+    /* A config for 2 ranks (4 = 1 x 2 x 2): refused as one rank, with how to run and check
+     * it; good with --ranks 2, or under zinf launch (WORLD_SIZE). */
+    write_file(path, "{\"train_batch_size\": 4, \"train_micro_batch_size_per_gpu\": 1, "
+                     "\"gradient_accumulation_steps\": 2}");
+    cr_assert_eq(run(&o, "config check %s", path), 2, "%s", o);
+    cr_assert(strstr(o, "train_batch_size 4 is not the micro batch 1 x 2 gradient accumulation "
+                        "steps x 1 rank; a config for 2 ranks? (zinf launch -n 2 runs it; zinf "
+                        "config check --ranks 2 checks it)"),
+              "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "config check %s --ranks 2", path), 0, "%s", o);
+    cr_assert(strstr(o, "batch 1 x 2 accumulated on each rank"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "config check --ranks 3 %s", path), 2, "%s", o);
+    cr_assert(strstr(o, "x 3 ranks"), "%s", o);
+    free(o);
+    setenv("WORLD_SIZE", "2", 1);
+    cr_assert_eq(run(&o, "config check %s", path), 0, "%s", o);
+    free(o);
+    setenv("WORLD_SIZE", "two", 1);
+    cr_assert_eq(run(&o, "config check %s", path), 2, "%s", o);
+    cr_assert(strstr(o, "WORLD_SIZE 'two' is not a number of ranks in 1..64"), "%s", o);
+    free(o);
+    unsetenv("WORLD_SIZE");
+    static const char *const bad[] = {"--ranks 0", "--ranks 65", "--ranks x", "--ranks 2x"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        cr_assert_eq(run(&o, "config check %s %s", path, bad[i]), 2, "%s", o);
+        cr_assert(strstr(o, "--ranks: a number of ranks in 1..64"), "%s: %s", bad[i], o);
+        free(o);
+    }
+    cr_assert_eq(run(&o, "config check %s --ranks", path), 2, "%s", o);
+    cr_assert(strstr(o, "--ranks: a number of ranks in 1..64, got ''"), "%s", o);
+    free(o);
 }
 
 /* The text after "PATH: " on the line of out that holds it, for comparing two commands'
@@ -882,7 +916,7 @@ Test(cli, tune_train_searches_prunes_and_writes_a_config_train_runs, .timeout = 
     json_decref(cfg);
     json_decref(last);
     json_decref(pts);
-    cr_assert_eq(run(&o, "config check %s --strict", out), 0, "%s", o);
+    cr_assert_eq(run(&o, "config check %s --strict --ranks %d", out, ranks), 0, "%s", o);
     free(o);
     if (ranks > 1)
         cr_assert_eq(run(&o, "launch -n %d -- %s train --config %s --data " TT_DATA " --steps 2",
@@ -893,6 +927,30 @@ Test(cli, tune_train_searches_prunes_and_writes_a_config_train_runs, .timeout = 
     free(o);
     snprintf(scratch, sizeof(scratch), "%s/zinf-tune.train", dir);
     cr_assert_neq(access(scratch, F_OK), 0, "the sweep's scratch directory is left behind");
+
+    /* A pick of 2 ranks, whichever point wins above: its config holds the global batch of
+     * the base (4 = 1 x 2 x 2), config check takes it for 2 ranks (and refuses it for one,
+     * saying so), and zinf launch -n 2 trains it. */
+    unlink(out);
+    cr_assert_eq(run(&o,
+                     "tune --mode train --config %s --data " TT_DATA " --path %s "
+                     "--micro-batches 1 --ranks 2 --stages 1 --offload none:none --budgets 1 "
+                     "--warmup 1 --steps 1 --out %s",
+                     base, dir, out),
+                 0, "%s", o);
+    cr_assert(strstr(o, "run it: zinf launch -n 2 -- "), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "config check %s --strict", out), 2, "%s", o);
+    cr_assert(strstr(o, "a config for 2 ranks?"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "config check %s --strict --ranks 2", out), 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o,
+                     "launch -n 2 -- %s train --config %s --data " TT_DATA
+                     " --steps 2 --overwrite",
+                     getenv("ZINF_BIN"), out),
+                 0, "%s", o);
+    free(o);
 }
 
 Test(cli, tune_train_bad_arguments_and_interruption, .timeout = 120)

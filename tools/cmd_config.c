@@ -1,5 +1,5 @@
 /*
- * cmd_config.c - `zinf config check FILE [--strict]`: read a DeepSpeed-style JSON config
+ * cmd_config.c - `zinf config check FILE [--strict] [--ranks N]`: read a DeepSpeed-style JSON config
  * the way the engine will, and print every effective setting (defaults included), the
  * engine options derived from them and the keys that were ignored or unknown.
  *
@@ -22,19 +22,22 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: zinf config check FILE [--strict]\n"
+    fprintf(f, "usage: zinf config check FILE [--strict] [--ranks N]\n"
                "\n"
                "Read a DeepSpeed-style JSON config (FILE, or - for standard input) and print\n"
                "the effective settings, defaults included, and the engine options they give.\n"
                "\n"
                "  --strict   treat unknown keys as errors (exit 2)\n"
+               "  --ranks N  check it for a job of N ranks (zinf launch -n N), 1-64; default:\n"
+               "             WORLD_SIZE where zinf launch set it, else 1\n"
                "\n"
                "Exit status: 0 valid; 1 the settings could not be written out; 2 a bad file\n"
                "(it names the JSON path and what is wrong), a config zinf train refuses\n"
-               "(with its defaults, one rank), unknown keys with --strict, or bad usage.\n");
+               "(with its defaults, at that many ranks), unknown keys with --strict, or bad\n"
+               "usage.\n");
 }
 
-static int check(const char *file, bool strict)
+static int check(const char *file, bool strict, int ranks)
 {
     struct zinf_config c;
     char err[1024];
@@ -59,11 +62,12 @@ static int check(const char *file, bool strict)
     FILE *mem = open_memstream(&settings, &settings_len);
     int pr = mem ? config_print(&c, mem) : -ENOMEM;
     if (mem && fclose(mem) != 0) pr = -ENOMEM;
-    /* What zinf train makes of it with its defaults (one rank): refused here for
+    /* What zinf train makes of it with its defaults (at that many ranks): refused here for
      * whatever reason it refuses there, in the same words. */
     struct trainer_opts o;
     struct train_config_applied ds = {0};
     trainer_opts_defaults(&o);
+    o.world = ranks;
     if (train_config_apply(&c, &o, 0, &ds, err, sizeof(err)) < 0) {
         fprintf(stderr, "zinf: %s: %s\n", path, err);
         free(settings);
@@ -74,9 +78,9 @@ static int check(const char *file, bool strict)
     if (settings) fwrite(settings, 1, settings_len, stdout);
     free(settings);
     printf("# zinf train would run: %d layers, dim %d, %d heads, seq %d, batch %d x %d "
-           "accumulated, %d steps, %s lr %g (%s schedule)\n",
-           o.model.L, o.model.C, o.model.NH, o.seq, o.batch, o.grad_accum, o.steps,
-           ds.optimizer, o.lr, ds.scheduler);
+           "accumulated%s, %d steps, %s lr %g (%s schedule)\n",
+           o.model.L, o.model.C, o.model.NH, o.seq, o.batch, o.grad_accum,
+           ranks > 1 ? " on each rank" : "", o.steps, ds.optimizer, o.lr, ds.scheduler);
     /* The budgets zinf train derives where the config gives none, from this machine's RAM
      * now (trainer_derive_budgets, which train calls too). */
     struct trainer_budgets bud;
@@ -122,6 +126,18 @@ int cmd_config(int argc, char **argv)
 {
     const char *file = NULL;
     bool strict = false;
+    int ranks = 1;
+    const char *ws = getenv("WORLD_SIZE");
+    if (ws && *ws) {
+        char *end;
+        long v = strtol(ws, &end, 10);
+        if (*end || v < 1 || v > 64) {
+            fprintf(stderr, "zinf: config check: WORLD_SIZE '%s' is not a number of ranks in "
+                            "1..64\n", ws);
+            return 2;
+        }
+        ranks = (int)v;
+    }
 
     if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") ||
                       !strcmp(argv[1], "help"))) {
@@ -138,6 +154,16 @@ int cmd_config(int argc, char **argv)
         const char *a = argv[i];
         if (!strcmp(a, "--strict")) {
             strict = true;
+        } else if (!strcmp(a, "--ranks")) {
+            char *end = NULL;
+            long v = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
+            if (i + 1 >= argc || !argv[i + 1][0] || *end || v < 1 || v > 64) {
+                fprintf(stderr, "zinf: config check: --ranks: a number of ranks in 1..64, got "
+                                "'%s'\n", i + 1 < argc ? argv[i + 1] : "");
+                return 2;
+            }
+            ranks = (int)v;
+            i++;
         } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
@@ -157,5 +183,5 @@ int cmd_config(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    return check(file, strict);
+    return check(file, strict, ranks);
 }

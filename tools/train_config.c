@@ -103,12 +103,21 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
             o->batch = (int)(tbs / ((uint64_t)o->grad_accum * ranks));
         else if (!accum && !GIVEN(O_ACCUM) && tbs % ((uint64_t)o->batch * ranks) == 0)
             o->grad_accum = (int)(tbs / ((uint64_t)o->batch * ranks));
-        if (tbs != (uint64_t)o->batch * (uint64_t)o->grad_accum * ranks) {
+        uint64_t per = (uint64_t)o->batch * (uint64_t)o->grad_accum;
+        if (tbs != per * ranks) {
+            /* A config for several ranks read as one rank: say how to run it. */
+            char hint[160] = "";
+            if (ranks == 1 && tbs % per == 0 && tbs / per <= 64)
+                snprintf(hint, sizeof(hint),
+                         "; a config for %llu ranks? (zinf launch -n %llu runs it; zinf config "
+                         "check --ranks %llu checks it)",
+                         (unsigned long long)(tbs / per), (unsigned long long)(tbs / per),
+                         (unsigned long long)(tbs / per));
             snprintf(err, errlen,
                      "train_batch_size %llu is not the micro batch %d x %d "
-                     "gradient accumulation steps x %llu rank%s",
+                     "gradient accumulation steps x %llu rank%s%s",
                      (unsigned long long)tbs, o->batch, o->grad_accum, (unsigned long long)ranks,
-                     ranks == 1 ? "" : "s");
+                     ranks == 1 ? "" : "s", hint);
             return -EINVAL;
         }
     }
