@@ -257,6 +257,11 @@ Test(cli, config_check)
     cr_assert_eq(run(&o, "config check %s", path), 2, "%s", o);
     cr_assert(strstr(o, "WORLD_SIZE 'two' is not a number of ranks in 1..64"), "%s", o);
     free(o);
+    /* --ranks says otherwise, and help is help whatever the environment holds. */
+    cr_assert_eq(run(&o, "config check %s --ranks 2", path), 0, "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "config check --help"), 0, "%s", o);
+    free(o);
     unsetenv("WORLD_SIZE");
     static const char *const bad[] = {"--ranks 0", "--ranks 65", "--ranks x", "--ranks 2x"};
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {

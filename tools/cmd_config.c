@@ -1,6 +1,6 @@
 /*
- * cmd_config.c - `zinf config check FILE [--strict] [--ranks N]`: read a DeepSpeed-style JSON config
- * the way the engine will, and print every effective setting (defaults included), the
+ * cmd_config.c - `zinf config check FILE [--strict] [--ranks N]`: read a DeepSpeed-style JSON
+ * config the way the engine will, and print every effective setting (defaults included), the
  * engine options derived from them and the keys that were ignored or unknown.
  *
  * It checks the file, not the machine: whether the NVMe directories exist or the GPU is
@@ -122,22 +122,19 @@ static int check(const char *file, bool strict, int ranks)
     return ret;
 }
 
+/* s as a number of ranks, 1..64; 0 if it is not one. */
+static int ranks_of(const char *s)
+{
+    char *end;
+    long v = strtol(s, &end, 10);
+    return *s && !*end && v >= 1 && v <= 64 ? (int)v : 0;
+}
+
 int cmd_config(int argc, char **argv)
 {
     const char *file = NULL;
     bool strict = false;
-    int ranks = 1;
-    const char *ws = getenv("WORLD_SIZE");
-    if (ws && *ws) {
-        char *end;
-        long v = strtol(ws, &end, 10);
-        if (*end || v < 1 || v > 64) {
-            fprintf(stderr, "zinf: config check: WORLD_SIZE '%s' is not a number of ranks in "
-                            "1..64\n", ws);
-            return 2;
-        }
-        ranks = (int)v;
-    }
+    int ranks = 0; /* 0: not given */
 
     if (argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") ||
                       !strcmp(argv[1], "help"))) {
@@ -155,15 +152,12 @@ int cmd_config(int argc, char **argv)
         if (!strcmp(a, "--strict")) {
             strict = true;
         } else if (!strcmp(a, "--ranks")) {
-            char *end = NULL;
-            long v = i + 1 < argc ? strtol(argv[i + 1], &end, 10) : 0;
-            if (i + 1 >= argc || !argv[i + 1][0] || *end || v < 1 || v > 64) {
+            const char *v = ++i < argc ? argv[i] : "";
+            if ((ranks = ranks_of(v)) == 0) {
                 fprintf(stderr, "zinf: config check: --ranks: a number of ranks in 1..64, got "
-                                "'%s'\n", i + 1 < argc ? argv[i + 1] : "");
+                                "'%s'\n", v);
                 return 2;
             }
-            ranks = (int)v;
-            i++;
         } else if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
@@ -183,5 +177,12 @@ int cmd_config(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    return check(file, strict, ranks);
+    /* Under zinf launch, the job's size; --ranks says otherwise. */
+    const char *ws = getenv("WORLD_SIZE");
+    if (!ranks && ws && *ws && (ranks = ranks_of(ws)) == 0) {
+        fprintf(stderr, "zinf: config check: WORLD_SIZE '%s' is not a number of ranks in 1..64\n",
+                ws);
+        return 2;
+    }
+    return check(file, strict, ranks ? ranks : 1);
 }
