@@ -1024,6 +1024,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         "zinf.comm_pool = true  # default\n",
         "zinf.train.checkpoint_every = 0  # default\n",
         "zinf.train.checkpoint_start = true  # default\n",
+        "zinf.train.update_in_forward = true  # default\n",
         "engine.nvme_path = none  # no NVMe tier\n",
         "engine.nvme_paths_extra = []\n",
         "engine.block_size = 1048576  # 1 MiB\n",
@@ -1049,7 +1050,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         lines += *s == '\n';
     /* settings, zinf.train, zinf.serve, the training keys, DeepSpeed's deprecated
      * cpu_offload and cpu_offload_param, header, engine */
-    cr_expect_eq(lines, 28 + 10 + 9 + 48 + 2 + 1 + 8, "%s", text);
+    cr_expect_eq(lines, 28 + 11 + 9 + 48 + 2 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }

@@ -342,6 +342,36 @@ static void say_kept(const struct trainer_summary *sum, const char *when)
                 sum->checkpoint_step, when);
 }
 
+/* A step's line of the log, held until its digest is known: with the update deferred to the
+ * next forward, the next step (or whatever finishes the update first) gives it. */
+struct held_line {
+    char *line; /* up to the digest; NULL: none held */
+    int step;
+};
+
+static void held_put(FILE *log, struct held_line *h, bool have, uint64_t digest)
+{
+    if (!h->line) return;
+    fputs(h->line, log);
+    if (have)
+        fprintf(log, ",\"digest\":\"%016llx\"}\n", (unsigned long long)digest);
+    else
+        fprintf(log, ",\"digest\":null}\n");
+    fflush(log);
+    free(h->line);
+    h->line = NULL;
+}
+
+/* The held line, with the digest the trainer has if it is that step's (its update finished),
+ * else none (it failed, or the state is torn). */
+static void held_put_summary(struct trainer *t, FILE *log, struct held_line *h)
+{
+    struct trainer_summary s;
+    if (!h->line) return;
+    trainer_get_summary(t, &s);
+    held_put(log, h, s.have_digest && s.digest_step == h->step, s.digest);
+}
+
 static int checkpoint(struct trainer *t, FILE *log)
 {
     struct trainer_summary sum;
@@ -1117,6 +1147,7 @@ int cmd_train(int argc, char **argv)
     double ran_seconds = 0;
     struct cpu_names cpu_names = {0};
     double blocked_s[5] = {0}; /* blocked in fetch; of it nvme, copy, room, pin */
+    struct held_line held = {0};
     while (trainer_next_step(t) <= o.steps) {
         /* Every rank stops after the same step (a signal reaches each at its own time). */
         if (trainer_any_rank(t, stop_requested != 0)) {
@@ -1169,44 +1200,64 @@ int cmd_train(int argc, char **argv)
             printf("\n");
             fflush(stdout);
         }
-        if (log) {
+        char *line = NULL;
+        size_t line_len = 0;
+        FILE *ln = log ? open_memstream(&line, &line_len) : NULL;
+        if (log && !ln) {
+            fprintf(stderr, "zinf train: --log: %s\n", strerror(errno));
+            status = 1;
+            break;
+        }
+        if (ln) {
             /* Every number reads back as the value the trainer had (json_num), so runs can
              * be compared exactly from their logs; the digest compares their parameters. */
-            fprintf(log, "{\"step\":%d", st.step);
-            json_num(log, "loss", st.loss, true);
-            json_num(log, "tokens_per_s", st.tokens_per_s, false);
-            json_num(log, "ms", st.seconds * 1e3, false);
-            json_num(log, "nvme_read_GBps", st.nvme_read_GBps, false);
-            json_num(log, "nvme_write_GBps", st.nvme_write_GBps, false);
-            json_num(log, "blocked", st.blocked_fraction, false);
-            json_num(log, "blocked_nvme", st.blocked_nvme, false);
-            json_num(log, "blocked_copy", st.blocked_copy, false);
-            json_num(log, "blocked_room", st.blocked_room, false);
-            json_num(log, "blocked_pin", st.blocked_pin, false);
-            fprintf(log, ",\"device_used_bytes\":%llu,\"host_used_bytes\":%llu",
+            fprintf(ln, "{\"step\":%d", st.step);
+            json_num(ln, "loss", st.loss, true);
+            json_num(ln, "tokens_per_s", st.tokens_per_s, false);
+            json_num(ln, "ms", st.seconds * 1e3, false);
+            json_num(ln, "nvme_read_GBps", st.nvme_read_GBps, false);
+            json_num(ln, "nvme_write_GBps", st.nvme_write_GBps, false);
+            json_num(ln, "blocked", st.blocked_fraction, false);
+            json_num(ln, "blocked_nvme", st.blocked_nvme, false);
+            json_num(ln, "blocked_copy", st.blocked_copy, false);
+            json_num(ln, "blocked_room", st.blocked_room, false);
+            json_num(ln, "blocked_pin", st.blocked_pin, false);
+            fprintf(ln, ",\"device_used_bytes\":%llu,\"host_used_bytes\":%llu",
                     (unsigned long long)st.device_used, (unsigned long long)st.host_used);
-            json_num(log, "eta_s", eta, false);
-            json_num(log, "loss_scale", st.loss_scale, false);
-            fprintf(log, ",\"skipped\":%s", st.skipped ? "true" : "false");
-            json_num(log, "grad_norm", st.grad_norm, false);
-            json_num(log, "clip_scale", st.clip_scale, true);
-            json_num(log, "lr", st.lr, true);
-            json_num(log, "cpu_user_s", timeval_diff_s(&ru0.ru_utime, &ru1.ru_utime), false);
-            json_num(log, "cpu_sys_s", timeval_diff_s(&ru0.ru_stime, &ru1.ru_stime), false);
-            fprintf(log, ",\"cpu_by_thread\":{");
+            json_num(ln, "eta_s", eta, false);
+            json_num(ln, "loss_scale", st.loss_scale, false);
+            fprintf(ln, ",\"skipped\":%s", st.skipped ? "true" : "false");
+            json_num(ln, "grad_norm", st.grad_norm, false);
+            json_num(ln, "clip_scale", st.clip_scale, true);
+            json_num(ln, "lr", st.lr, true);
+            json_num(ln, "cpu_user_s", timeval_diff_s(&ru0.ru_utime, &ru1.ru_utime), false);
+            json_num(ln, "cpu_sys_s", timeval_diff_s(&ru0.ru_stime, &ru1.ru_stime), false);
+            fprintf(ln, ",\"cpu_by_thread\":{");
             for (int k = 0; k < c1.n; k++) {
-                fprintf(log, "%s\"%s\":", k ? "," : "", c1.name[k]);
+                fprintf(ln, "%s\"%s\":", k ? "," : "", c1.name[k]);
                 /* a name first seen after the step began started from nothing */
-                fprintf(log, "%.3f", c1.s[k] - (k < c0.n ? c0.s[k] : 0));
+                fprintf(ln, "%.3f", c1.s[k] - (k < c0.n ? c0.s[k] : 0));
             }
-            fprintf(log, "}");
-            if (st.have_digest)
-                fprintf(log, ",\"digest\":\"%016llx\"}\n", (unsigned long long)st.digest);
-            else
-                fprintf(log, ",\"digest\":null}\n");
-            fflush(log);
+            fprintf(ln, "}");
+            fclose(ln);
+            /* The line before waited for its digest: an update deferred to this step's
+             * forward gave it. This one waits likewise where its update is deferred. */
+            if (held.line && st.have_digest && st.digest_step == held.step)
+                held_put(log, &held, true, st.digest);
+            held_put_summary(t, log, &held);
+            held = (struct held_line){.line = line, .step = st.step};
+            if (!(st.update_pending && o.digest))
+                held_put(log, &held, st.have_digest && st.digest_step == st.step, st.digest);
         }
         bool end = st.step == o.steps;
+        bool evaluating = eval_every > 0 && (st.step % eval_every == 0 || end),
+             sampling = sample_every > 0 && (st.step % sample_every == 0 || end),
+             saving = ckpt_every > 0 && st.step % ckpt_every == 0 && st.step < o.steps;
+        /* Their lines come after the step's, which its finished update completes. */
+        if (held.line && (evaluating || sampling || saving)) {
+            trainer_finish_update(t);
+            held_put_summary(t, log, &held);
+        }
         if (eval_every > 0 && (st.step % eval_every == 0 || end) &&
             evaluate(t, st.step, (int)eval_batches, log) < 0) {
             status = 1;
@@ -1225,6 +1276,10 @@ int cmd_train(int argc, char **argv)
                 break;
             }
         }
+    }
+    if (held.line) {
+        trainer_finish_update(t); /* its failure is the checkpoint's below */
+        held_put_summary(t, log, &held);
     }
     trainer_get_summary(t, &sum);
     if (sum.torn) {

@@ -60,6 +60,11 @@ zinf_engine *trainer_engine(struct trainer *t)
     return t->e;
 }
 
+int trainer_finish_update(struct trainer *t)
+{
+    return train_update_finish(t);
+}
+
 enum zinf_tier train_home_of(enum config_offload_device d)
 {
     return d == CONFIG_OFFLOAD_NVME  ? ZINF_TIER_NVME
@@ -573,6 +578,19 @@ out:
     return r;
 }
 
+/* Whether each step's update is deferred to the next forward (trainer_opts.
+ * no_update_in_forward): where it hides NVMe reads and writes behind the forward and nothing
+ * else is in the way: one rank of an embedded engine, on the CPU, without fp16's skipped
+ * steps, the optimizer on the host with its pipeline. */
+static bool update_deferrable(const struct trainer *t, bool cuda)
+{
+    bool nvme = train_home_of(t->zc.zero.offload_param.device) == ZINF_TIER_NVME ||
+                train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_NVME;
+    return !t->o.no_update_in_forward && t->zc.zinf.train.update_in_forward && nvme && t->world <= 1 && !t->remote && !cuda &&
+           t->be->wdt != BACKEND_F16 && t->opt_tier == ZINF_TIER_HOST &&
+           t->zc.zero.offload_optimizer.pipeline_read;
+}
+
 int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen)
 {
     struct trainer *t;
@@ -607,6 +625,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     t->opt_tier = optimizer_tier(t);
 
     if ((r = train_zero_setup(t, cuda, err, errlen)) < 0) goto fail;
+    t->defer_ok = update_deferrable(t, cuda);
     if (o->resume && !t->zc.nvme_paths.count && !t->remote) {
         snprintf(err, errlen,
                  "--resume needs an NVMe swap directory in the config "
@@ -817,6 +836,12 @@ fail:
 void trainer_close(struct trainer *t)
 {
     if (!t) return;
+    /* The step count the engine holds is that of the update deferred to the next forward:
+     * what of it cannot be run leaves the state torn, and the last checkpoint stays. */
+    if (t->e && t->upd.pending && !t->torn) {
+        int r = train_update_finish(t);
+        if (r < 0) t->torn = r;
+    }
     /* A torn state is dropped: the last checkpoint stays the saved one, as after a crash.
      * So it does after a failed checkpoint, as the caller was told. */
     if (t->torn || t->checkpoint_failed || (t->world > 1 && !t->remote))
@@ -904,6 +929,10 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
     out->reduce_seconds = (double)t->reduce_ns / 1e9;
     out->pipeline_ahead = t->opt_ahead;
     out->pipeline_refetched = t->opt_refetched;
+    out->update_in_forward = t->defer_ok;
+    out->have_digest = t->o.digest && t->have_digest;
+    out->digest = t->digest;
+    out->digest_step = t->digest_step;
     if (t->comm) {
         struct comm_stats cs;
         comm_get_stats(t->comm, &cs);
@@ -987,7 +1016,7 @@ int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt
     float logits[256], mean, rstd;
     size_t done = 0;
 
-    if (t->torn) return t->torn;
+    if ((r = train_update_finish(t)) < 0) return r;
     if (!t->o.sample || !prompt || plen < 1 || !out || plen + n > (size_t)T) return -EINVAL;
     unsigned char *ctx = malloc((size_t)T);
     float *x = malloc((size_t)C * sizeof(float)), *xn = malloc((size_t)C * sizeof(float));

@@ -116,6 +116,19 @@ struct trainer_opts {
      * files hold the state once (a saved version is never overwritten, so from the first
      * checkpoint on they hold it up to twice). A crash before then leaves no run to resume. */
     bool no_start_checkpoint;
+    /* One rank (world <= 1) on the CPU, fp32 or bf16, with the parameters or the optimizer
+     * homed on NVMe and offload_optimizer.pipeline_read on: each step's update is deferred to
+     * the next step's forward, which updates each tensor just before its first use (the
+     * layout's order), the reads of the tensors after it running while it computes. The bits
+     * are those of the update at the end of the step. Until then trainer_step_stats says
+     * update_pending, and the engine holds the step's count beside the previous step's
+     * parameters; trainer_checkpoint, trainer_eval, trainer_sample, trainer_finish_update and
+     * trainer_close finish it first. A failure in it fails the call (a step is not counted)
+     * and leaves the trainer usable: the tensors updated stay so, and the next call goes on
+     * with the others, whose gradients nothing touched. Only trainer_close, which cannot try
+     * again, leaves the state torn (the last checkpoint stays). no_update_in_forward, or the
+     * config's zinf.train.update_in_forward false: never. */
+    bool no_update_in_forward;
     bool overwrite;          /* without resume: delete a saved run there and start over */
     const char *connect;     /* through the zinf daemon on this socket (zinf serve), not an
                                 engine of this process; NULL: zinf.connect, else embedded */
@@ -175,6 +188,11 @@ struct trainer_step_stats {
      * it is not known (a skipped first step after a resume, or digest off). */
     bool have_digest;
     uint64_t digest;
+    /* The step whose parameters `digest` is of: this one, or with an update deferred to the
+     * next forward (update_pending), the one before (have_digest false on the first step
+     * and after a trainer_finish_update, which said it: trainer_summary's digest). */
+    int digest_step;
+    bool update_pending; /* this step's update runs in the next forward (no_update_in_forward) */
 };
 
 struct trainer_tier_summary {
@@ -237,6 +255,13 @@ struct trainer_summary {
      * while the one before was updated, and of those, the ones the tier had no room for
      * beside it, fetched again alone when their turn came. */
     uint64_t pipeline_ahead, pipeline_refetched;
+    /* The updates deferred to the next forward (trainer_opts.no_update_in_forward), and the
+     * digest of the parameters after the last update that computed one, of step digest_step
+     * (have_digest false: none yet). */
+    bool update_in_forward;
+    bool have_digest;
+    uint64_t digest;
+    int digest_step;
 };
 
 struct trainer;
@@ -286,6 +311,10 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st);
  * written (trainer_get_summary says how much). When it fails, the previous checkpoint
  * stays the saved state, and trainer_close keeps it so unless a later one succeeds. */
 int trainer_checkpoint(struct trainer *t);
+/* Run what is left of an update deferred to the next forward (trainer_opts.
+ * no_update_in_forward), so that the engine's parameters are the last step's: 0 when none
+ * is pending. Its failure leaves the state torn, as trainer_step's does. */
+int trainer_finish_update(struct trainer *t);
 void trainer_get_summary(struct trainer *t, struct trainer_summary *out);
 /* The mean loss over n_batches batches of the held-out tail (the last tenth of the data,
  * never trained on): windows spread evenly over it, the same every time, so that values
@@ -299,10 +328,11 @@ int trainer_eval(struct trainer *t, int n_batches, float *loss);
  * check to count its host-tier set (-EINVAL without it). */
 int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt, size_t plen,
                    unsigned char *out, size_t n);
-/* Test-only fault hook, off by default: in the next step, the optimizer's update of the
+/* Test-only fault hook, off by default: in the next update, the optimizer's update of the
  * tensor with layout index `tensor` fails with -err (a positive errno) as if fetching it
  * had, after the tensors the optimizer takes before it were updated (it takes them from the
- * last layout index to the first). */
+ * last layout index to the first; an update deferred to the next forward, from the first to
+ * the last). */
 void trainer_fault_optimizer(struct trainer *t, int tensor, int err);
 /* Test-only: in the next step that reaches the optimizer, fn(t, arg) is called as its phase
  * begins (to arm an IO fault on what the pipeline has in flight), once. */
@@ -310,6 +340,8 @@ void trainer_fault_optimizer_begin(struct trainer *t, void (*fn)(struct trainer 
                                    unsigned arg);
 /* Test-only, fp16 runs: the next step's gradients count as overflowed. */
 void trainer_fault_overflow(struct trainer *t);
+/* The trainer's engine, as it is: with an update pending (trainer_step_stats.
+ * update_pending), its parameters are the step's before until trainer_finish_update. */
 zinf_engine *trainer_engine(struct trainer *t);
 /* Across ranks, whether any rank asks to stop (mine: this one does), so that all stop after
  * the same step; with one rank, mine. A failed exchange (a rank died) says stop. */

@@ -122,6 +122,22 @@ struct trainer {
      * digest): a skipped step changes nothing, so it reports this. */
     bool have_digest;
     uint64_t digest;
+    int digest_step; /* the step whose parameters `digest` is of */
+    bool digest_new; /* trainer_step: a deferred update finished, with its digest */
+    /* The parameters' update (trainer_optim.c): the step's own in its optimizer phase, or
+     * deferred to the next forward (defer_ok: trainer_opts.no_update_in_forward), which
+     * runs each tensor's just before its first use. */
+    bool defer_ok;
+    struct train_update {
+        bool pending;  /* deferred and not finished */
+        bool deferred; /* runs in a forward */
+        bool begun;    /* the fault hook ran */
+        int step;      /* the step it belongs to */
+        int applied;   /* Adam's count */
+        float lr, scale;
+        int next;        /* the optimizer's position of the next tensor to update */
+        uint64_t digest; /* the digest terms of those updated so far */
+    } upd;
     int micro;              /* the micro-batch being reduced: 0 copies, later ones add */
     zinf_tensor lg[NLOCAL]; /* this micro-batch's gradients: world x shard floats each */
     zinf_tensor lg1[GPT_BLOCK_NSLOTS]; /* overlap: the odd blocks' (the even ones' are lg) */
@@ -279,6 +295,12 @@ int train_digest_across(struct trainer *t, uint64_t *d);
 float train_clip_of(const struct trainer *t, double sumsq, double loss_scale, double *norm,
                     float *grad_scale);
 int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t *digest);
+/* The update deferred to the next forward: recorded (the step's, Adam's count `applied`),
+ * then run up to the layout index before `upto`, then to the end (0 when none is pending).
+ * On a failure (-errno) the tensors done stay done and the next call goes on from there. */
+void train_update_defer(struct trainer *t, int step, int applied, float lr, float scale);
+int train_update_until(struct trainer *t, int upto);
+int train_update_finish(struct trainer *t);
 /* During the backward, `done` of `of` blocks through: ask for the parameters and Adam
  * states of the optimizer's first sets, up to that share of the host tier's spare room. */
 void train_optimizer_ahead(struct trainer *t, int done, int of);

@@ -198,10 +198,11 @@ struct opt_set {
 
 /* The order the optimizer takes the tensors in: the last layout index first, which is the
  * order the backward finishes their gradients in (the last block's first, the embeddings'
- * last). Each tensor's update is its own, so the order changes no bits. */
+ * last); an update deferred to the next forward, the layout's order, which is the forward's.
+ * Each tensor's update is its own, so the order changes no bits. */
 static int opt_index(const struct trainer *t, int k)
 {
-    return t->ntensors - 1 - k;
+    return t->defer_ok ? k : t->ntensors - 1 - k;
 }
 
 /* Whether the optimizer reads ahead: pipeline_read, with its sets on the host. (On GPU
@@ -348,33 +349,64 @@ void train_optimizer_ahead(struct trainer *t, int done, int of)
     }
 }
 
-/* The update of step `step` (Adam's count) at rate lr, the gradients times scale. With
- * offload_optimizer.pipeline_read (on unless the config turns it off), the first sets'
- * parameters and Adam states were asked for during the backward (train_optimizer_ahead),
- * and each next set is asked for while one is updated; the one before is written back
- * behind them by the engine (write-behind), so reading, updating and writing run at once. */
-int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t *digest)
+/* The bytes of position k's set for tensor i: those asked for already, or those not. */
+static uint64_t opt_set_bytes(struct trainer *t, int k, int i, bool asked)
+{
+    struct opt_set *s = &t->osets[k];
+    struct wave w;
+    uint64_t b = 0;
+    train_wave_optimizer(t, i, &w);
+    for (int j = 0; j < w.n; j++)
+        if ((s->i == i && s->asked[j]) == asked)
+            b += train_role_bytes(t, (enum role)w.role[j], w.idx[j]);
+    return b;
+}
+
+/* A deferred update between two of the forward's sets: the next tensors' sets asked for,
+ * as many as opt_room holds (at least the next one), so that their reads run while the
+ * forward computes the blocks before them. */
+static void opt_ask_ahead(struct trainer *t)
+{
+    uint64_t room = opt_room(t), held = 0;
+    for (int k = t->upd.next; k < t->ntensors; k++)
+        held += opt_set_bytes(t, k, opt_index(t, k), true);
+    for (int k = t->upd.next; k < t->ntensors; k++) {
+        int i = opt_index(t, k);
+        uint64_t more = opt_set_bytes(t, k, i, false);
+        if (!more) continue;
+        if (held + more > room && k > t->upd.next) break;
+        opt_ask(t, i, t->opt_tier, &t->osets[k], ~0u);
+        held += more;
+    }
+}
+
+/* Positions [t->upd.next, upto) of the update t->upd describes; each one done moves
+ * upd.next past it. */
+static int opt_run(struct trainer *t, int upto)
 {
     struct adamw_hparams h;
     enum zinf_tier tier = t->opt_tier;
     bool mixed = t->w != t->p, ahead = opt_pipelined(t);
-    int r = 0;
+    int r = 0, step = t->upd.applied;
+    float scale = t->upd.scale;
 
-    if ((r = opt_sets(t)) < 0) return r;
     adamw_hparams_defaults(&h);
     double b1, b2;
     trainer_betas_at(&t->o.sched, t->o.beta1, t->o.beta2, step, &b1, &b2);
-    h.lr = lr;
+    h.lr = t->upd.lr;
     h.beta1 = (float)b1;
     h.beta2 = (float)b2;
     h.eps = t->o.eps;
     h.l2 = t->o.optimizer == TRAINER_OPT_ADAM_L2;
     h.no_bias_correction = t->o.no_bias_correction;
-    if (t->fault_begin) {
-        t->fault_begin(t, t->fault_begin_arg);
-        t->fault_begin = NULL;
+    if (!t->upd.begun) {
+        t->upd.begun = true;
+        if (t->fault_begin) {
+            t->fault_begin(t, t->fault_begin_arg);
+            t->fault_begin = NULL;
+        }
     }
-    for (int k = 0; k < t->ntensors && r == 0; k++) {
+    for (int k = t->upd.next; k < MIN(upto, t->ntensors) && r == 0; k++) {
         int i = opt_index(t, k);
         void *p[WAVE_MAX];
         uint64_t s0 = trace_on() ? now_ns() : 0;
@@ -399,15 +431,76 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
             else
                 r = update(t, i, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL, t->desc[i].numel,
                            &h, step, scale);
-            if (r == 0 && t->o.digest) r = digest_tensor(t, i, p, digest);
+            if (r == 0 && t->o.digest) r = digest_tensor(t, i, p, &t->upd.digest);
         }
         train_wave_release(t, &t->osets[k].w, tier, r == 0);
         if (s0)
-            trace_span("train", "optimizer", s0, t->desc[i].name,
-                       tier == ZINF_TIER_DEVICE ? "on the device" : "on the host",
+            trace_span("train", t->upd.deferred ? "update before its forward" : "optimizer", s0,
+                       t->desc[i].name, tier == ZINF_TIER_DEVICE ? "on the device" : "on the host",
                        (int64_t)train_role_bytes(t, R_P, i));
         train_note_peaks(t);
+        if (r == 0) t->upd.next = k + 1;
     }
+    return r;
+}
+
+/* The update of step `step` (Adam's count) at rate lr, the gradients times scale. With
+ * offload_optimizer.pipeline_read (on unless the config turns it off), the first sets'
+ * parameters and Adam states were asked for during the backward (train_optimizer_ahead),
+ * and each next set is asked for while one is updated; the one before is written back
+ * behind them by the engine (write-behind), so reading, updating and writing run at once. */
+int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t *digest)
+{
+    int r = opt_sets(t);
+    if (r < 0) return r;
+    t->upd = (struct train_update){.step = step, .applied = step, .lr = lr, .scale = scale};
+    r = opt_run(t, t->ntensors);
+    *digest += t->upd.digest;
+    t->upd = (struct train_update){0};
     train_optimizer_drop(t);
     return r;
+}
+
+/* ---- the update deferred to the next forward ------------------------------------ */
+
+void train_update_defer(struct trainer *t, int step, int applied, float lr, float scale)
+{
+    t->upd = (struct train_update){.pending = true,
+                                   .deferred = true,
+                                   .step = step,
+                                   .applied = applied,
+                                   .lr = lr,
+                                   .scale = scale};
+}
+
+int train_update_until(struct trainer *t, int upto)
+{
+    if (!t->upd.pending) return 0;
+    int r = opt_sets(t);
+    if (r == 0) r = opt_run(t, upto);
+    if (r < 0) {
+        /* The tensors before upd.next hold the update, the others none of it (a set that
+         * failed to arrive was not changed), and nothing has touched their gradients yet:
+         * the next try goes on from there. */
+        train_optimizer_drop(t);
+        return r;
+    }
+    if (t->upd.next < t->ntensors) {
+        opt_ask_ahead(t);
+        return 0;
+    }
+    if (t->o.digest) {
+        t->digest = t->upd.digest;
+        t->have_digest = true;
+        t->digest_step = t->upd.step;
+        t->digest_new = true;
+    }
+    t->upd = (struct train_update){0};
+    train_optimizer_drop(t);
+    return 0;
+}
+
+int train_update_finish(struct trainer *t)
+{
+    return t->torn ? t->torn : train_update_until(t, t->ntensors);
 }

@@ -385,7 +385,8 @@ void train_kill_point(struct trainer *t, const char *point)
 int trainer_checkpoint(struct trainer *t)
 {
     struct zinf_stats s0, s1;
-    if (t->torn) return t->torn;
+    int r = train_update_finish(t);
+    if (r < 0) return r;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
     /* Across ranks a step is saved by all or by none. Each rank meets the others, saves the
@@ -396,7 +397,7 @@ int trainer_checkpoint(struct trainer *t)
     t->checkpoint_calls++;
     bool two = t->world > 1 && !t->remote;
     train_kill_point(t, "before-barrier");
-    int r = t->world > 1 ? comm_barrier(t->hcomm) : 0;
+    r = t->world > 1 ? comm_barrier(t->hcomm) : 0;
     if (r == 0) train_kill_point(t, "after-barrier");
     if (r == 0) r = train_scratch_reset(t);
     if (r == 0) r = state_save(t);

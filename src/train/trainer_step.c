@@ -396,6 +396,7 @@ int train_forward(struct trainer *t)
     t->gw_holds[0] = t->gw_holds[1] = -1;
     uint64_t s0 = trace_on() ? now_ns() : 0;
     train_wave_embed_forward(t, &w);
+    TRY(train_update_until(t, MAX(t->wte, t->wpe) + 1));
     TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
     r = train_settle(t, be->embed_forward(t->be, p[0], p[1], p[2]));
     train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
@@ -405,6 +406,7 @@ int train_forward(struct trainer *t)
     for (int k = 0; k < t->cfg.L; k++) {
         s0 = trace_on() ? now_ns() : 0;
         train_wave_block_forward(t, k, &w);
+        TRY(train_update_until(t, t->block_first[k] + GPT_BLOCK_NSLOTS));
         TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
         r = train_settle(t, be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
                                               p[GPT_BLOCK_NSLOTS + 1]));
@@ -414,6 +416,8 @@ int train_forward(struct trainer *t)
         if (r < 0) goto out;
         train_note_peaks(t);
     }
+    /* The head's weights, and the gradients that it and the backward overwrite. */
+    r = train_update_finish(t);
 out:
     return r;
 }
@@ -504,6 +508,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     if (t->torn) return t->torn;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
+    t->digest_new = false;
     double loss_sum = 0;
     bool fp16 = t->be->wdt == BACKEND_F16;
     double S = fp16 ? t->ls.scale : 1;
@@ -546,15 +551,19 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     int applied = step - (int)t->ls.skipped - (overflow ? 1 : 0);
     struct loss_scale ls = t->ls;
     if (fp16) loss_scale_update(&ls, overflow);
-    /* Up to here only gradients and activations changed, which the next step rebuilds;
-     * from here the parameters and Adam states change, tensor by tensor, until the step
-     * count says they belong to this step. */
+    /* Up to here only gradients and activations changed, which the next step rebuilds (and
+     * the previous step's deferred update was finished: a failure in it tears the state, one
+     * before or after it leaves the rest to the next try); from here the parameters and Adam
+     * states change, tensor by tensor, until the step count says they belong to this step.
+     * Deferred to the next forward, the step's update changes nothing yet. */
     uint64_t digest = 0;
     double grad_norm;
     float grad_scale, clip = train_clip_of(t, sumsq, S, &grad_norm, &grad_scale);
     /* A skipped step's rate is that of the update it would have made. */
     float lr = (float)trainer_lr_at(&t->o.sched, t->o.lr, overflow ? applied + 1 : applied);
-    if ((!overflow && (r = train_optimize(t, applied, lr, grad_scale, &digest)) < 0) ||
+    bool defer = t->defer_ok && !overflow;
+    if (defer) train_update_defer(t, step, applied, lr, grad_scale);
+    if ((!overflow && !defer && (r = train_optimize(t, applied, lr, grad_scale, &digest)) < 0) ||
         (fp16 && (r = zinf_write(t->e, t->scaler, 0, &ls, sizeof(ls))) < 0) ||
         (r = train_state_save_step(t, step)) < 0) {
         t->torn = r;
@@ -562,11 +571,12 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     }
     t->ls = ls;
     t->step_done = step;
-    if (t->o.digest && !overflow) {
+    if (t->o.digest && !overflow && !defer) {
         /* Every rank's sum over its shards, added: the digest of the whole. */
         if (t->world > 1) TRY(train_digest_across(t, &digest));
         t->digest = digest;
         t->have_digest = true;
+        t->digest_step = step;
     }
     TRY(zinf_step(t->e));
     double sec = (double)(now_ns() - t0) / 1e9;
@@ -590,13 +600,16 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .grad_norm = grad_norm,
         .clip_scale = clip,
         .lr = lr,
-        .have_digest = t->o.digest && t->have_digest,
+        .have_digest = t->o.digest && t->have_digest && (!defer || t->digest_new),
         .digest = t->digest,
+        .digest_step = defer ? t->digest_step : step,
+        .update_pending = defer,
     };
 out:
     trace_span_n("train", "step", step, t0);
     t->last_micro = false;
-    train_optimizer_drop(t); /* sets asked for ahead that a failure or a skip left */
+    /* Sets asked for ahead that a failure or a skip left; a deferred update keeps them. */
+    if (r < 0 || !t->upd.pending) train_optimizer_drop(t);
     if (r < 0) {
         /* A failed step leaves no half-summed norm behind for the next one. */
         float l;
