@@ -26,4 +26,8 @@ for p in "${progs[@]}"; do ldd "$p"; done | awk '$3 ~ /^\// {print $3}' | sort -
   grep -vE '/lib(cuda|cudart|cublas|cublasLt|nccl|nvidia-ml)\.so' |
   while read -r lib; do cp -L "$lib" .gpu/lib/; done
 grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+# What travels to the GPU machine is bounded (64 MiB with the working tree) and OpenBLAS alone
+# is over half of that: .gpu/ holds one gzip archive, which run.sh unpacks where it runs.
+tar czf gpu.tar.gz -C .gpu bin lib
+rm -rf .gpu/bin .gpu/lib && mv gpu.tar.gz .gpu/
 du -sh .gpu

@@ -23,6 +23,9 @@ out=${OUT:-gpu-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
+if [ ! -x .gpu/bin/zinf ] && [ -f .gpu/gpu.tar.gz ]; then
+  tar xzf .gpu/gpu.tar.gz -C .gpu || { echo "unpacking .gpu/gpu.tar.gz failed" | tee -a "$out/summary.txt"; exit 1; }
+fi
 if [ ! -x .gpu/bin/zinf ] && command -v meson > /dev/null; then
   echo "== building (.gpu/ is missing)" | tee -a "$out/summary.txt"
   tests/gpu/prepare.sh > "$out/build.log" 2>&1 || { echo "build failed" | tee -a "$out/summary.txt"; exit 1; }
