@@ -620,7 +620,9 @@ static int fault_run(unsigned k, void (*arm)(struct trainer *t, unsigned arg), u
     }
     cr_assert_eq(trainer_next_step(t), next, "case %u", k);
     for (int s = next; s <= 4; s++) {
-        cr_assert_eq(trainer_step(t, &st), 0, "case %u: step %d after the fault", k, s);
+        int x = trainer_step(t, &st);
+        cr_assert_eq(x, 0, "case %u (the fault's step: %s): step %d after the fault: %s", k,
+                     r == 0 ? "missed" : sum.torn ? "torn" : "failed", s, zinf_strerror(x));
         got[s - 1] = st.loss;
     }
     cr_assert_eq(trainer_checkpoint(t), 0);
@@ -831,8 +833,8 @@ Test(train, deferred_update_failing_anywhere_goes_on_with_the_same_losses)
     cr_assert_eq(trainer_next_step(t), 2, "the torn step 2 was not saved");
     for (int s = 2; s <= 4; s++) {
         cr_assert_eq(trainer_step(t, &st), 0);
-        cr_assert(!memcmp(&st.loss, &fault_ref[s - 1], sizeof(float)), "step %d after the torn close",
-                  s);
+        cr_assert(!memcmp(&st.loss, &fault_ref[s - 1], sizeof(float)),
+                  "step %d after the torn close", s);
     }
     cr_assert_eq(trainer_checkpoint(t), 0);
     trainer_close(t);

@@ -586,9 +586,9 @@ static bool update_deferrable(const struct trainer *t, bool cuda)
 {
     bool nvme = train_home_of(t->zc.zero.offload_param.device) == ZINF_TIER_NVME ||
                 train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_NVME;
-    return !t->o.no_update_in_forward && t->zc.zinf.train.update_in_forward && nvme && t->world <= 1 && !t->remote && !cuda &&
-           t->be->wdt != BACKEND_F16 && t->opt_tier == ZINF_TIER_HOST &&
-           t->zc.zero.offload_optimizer.pipeline_read;
+    return !t->o.no_update_in_forward && t->zc.zinf.train.update_in_forward && nvme &&
+           t->world <= 1 && !t->remote && !cuda && t->be->wdt != BACKEND_F16 &&
+           t->opt_tier == ZINF_TIER_HOST && t->zc.zero.offload_optimizer.pipeline_read;
 }
 
 int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, size_t errlen)

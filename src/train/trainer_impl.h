@@ -138,6 +138,15 @@ struct trainer {
         int next;        /* the optimizer's position of the next tensor to update */
         uint64_t digest; /* the digest terms of those updated so far */
     } upd;
+    /* The forward's weights that a deferred update wrote, fetched to the device as each is
+     * written (fwd_pin: the update runs for the forward's next set) and pinned until they
+     * are there (train_update_unpin, before that set is fetched). */
+    bool fwd_pin;
+    int nfwd_pins;
+    struct train_pin {
+        zinf_tensor h;
+        uint64_t ticket;
+    } fwd_pins[GPT_BLOCK_NSLOTS + 2];
     int micro;              /* the micro-batch being reduced: 0 copies, later ones add */
     zinf_tensor lg[NLOCAL]; /* this micro-batch's gradients: world x shard floats each */
     zinf_tensor lg1[GPT_BLOCK_NSLOTS]; /* overlap: the odd blocks' (the even ones' are lg) */
@@ -296,10 +305,13 @@ float train_clip_of(const struct trainer *t, double sumsq, double loss_scale, do
                     float *grad_scale);
 int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t *digest);
 /* The update deferred to the next forward: recorded (the step's, Adam's count `applied`),
- * then run up to the layout index before `upto`, then to the end (0 when none is pending).
+ * then run up to the layout index before `upto` (pin: each tensor's weights fetched to the
+ * device after its update, pinned until train_update_unpin waits for them and lets go),
+ * then to the end (0 when none is pending).
  * On a failure (-errno) the tensors done stay done and the next call goes on from there. */
 void train_update_defer(struct trainer *t, int step, int applied, float lr, float scale);
-int train_update_until(struct trainer *t, int upto);
+int train_update_until(struct trainer *t, int upto, bool pin);
+void train_update_unpin(struct trainer *t);
 int train_update_finish(struct trainer *t);
 /* During the backward, `done` of `of` blocks through: ask for the parameters and Adam
  * states of the optimizer's first sets, up to that share of the host tier's spare room. */

@@ -282,13 +282,18 @@ static int opt_take(struct trainer *t, int k, enum zinf_tier tier, void **ptrs)
         int x;
         s->asked[j] = false;
         got[j] = false;
-        if (asked)
+        zinf_tensor h = train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]);
+        if (asked) {
             x = zinf_wait(t->e, s->ticket[j], &m[j]);
-        else if (r == 0 || r == -ENOMEM)
-            x = zinf_fetch(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]), tier,
-                           &m[j]);
-        else
+            /* A read ahead that failed (the drive erred while it ran, maybe a step before:
+             * its pin went with it) is read again now, once. */
+            if (x < 0 && x != -ENOMEM && (r == 0 || r == -ENOMEM))
+                x = zinf_fetch(t->e, h, tier, &m[j]);
+        } else if (r == 0 || r == -ENOMEM) {
+            x = zinf_fetch(t->e, h, tier, &m[j]);
+        } else {
             continue; /* the set has failed: what was not asked for is not fetched */
+        }
         got[j] = x == 0;
         if (x < 0 && (r == 0 || r == -ENOMEM)) r = x;
     }
@@ -434,6 +439,14 @@ static int opt_run(struct trainer *t, int upto)
             if (r == 0 && t->o.digest) r = digest_tensor(t, i, p, &t->upd.digest);
         }
         train_wave_release(t, &t->osets[k].w, tier, r == 0);
+        /* The forward computes with what was just written: on its way to the device now,
+         * while the next tensors update, before the room their sets need evicts it from the
+         * host (it would be read from the drive again). Pinned until it is there. */
+        if (r == 0 && t->fwd_pin && t->nfwd_pins < (int)ARRAY_SIZE(t->fwd_pins)) {
+            struct train_pin *q = &t->fwd_pins[t->nfwd_pins];
+            q->h = train_wave_handle(t, R_W, i);
+            if (zinf_fetch_async(t->e, q->h, ZINF_TIER_DEVICE, &q->ticket) == 0) t->nfwd_pins++;
+        }
         if (s0)
             trace_span("train", t->upd.deferred ? "update before its forward" : "optimizer", s0,
                        t->desc[i].name, tier == ZINF_TIER_DEVICE ? "on the device" : "on the host",
@@ -473,11 +486,23 @@ void train_update_defer(struct trainer *t, int step, int applied, float lr, floa
                                    .scale = scale};
 }
 
-int train_update_until(struct trainer *t, int upto)
+void train_update_unpin(struct trainer *t)
+{
+    for (int k = 0; k < t->nfwd_pins; k++) {
+        void *ptr;
+        if (zinf_wait(t->e, t->fwd_pins[k].ticket, &ptr) == 0)
+            zinf_release(t->e, t->fwd_pins[k].h, ZINF_TIER_DEVICE, 0);
+    }
+    t->nfwd_pins = 0;
+}
+
+int train_update_until(struct trainer *t, int upto, bool pin)
 {
     if (!t->upd.pending) return 0;
     int r = opt_sets(t);
+    t->fwd_pin = pin;
     if (r == 0) r = opt_run(t, upto);
+    t->fwd_pin = false;
     if (r < 0) {
         /* The tensors before upd.next hold the update, the others none of it (a set that
          * failed to arrive was not changed), and nothing has touched their gradients yet:
@@ -502,5 +527,5 @@ int train_update_until(struct trainer *t, int upto)
 
 int train_update_finish(struct trainer *t)
 {
-    return t->torn ? t->torn : train_update_until(t, t->ntensors);
+    return t->torn ? t->torn : train_update_until(t, t->ntensors, false);
 }

@@ -396,7 +396,12 @@ int train_forward(struct trainer *t)
     t->gw_holds[0] = t->gw_holds[1] = -1;
     uint64_t s0 = trace_on() ? now_ns() : 0;
     train_wave_embed_forward(t, &w);
-    TRY(train_update_until(t, MAX(t->wte, t->wpe) + 1));
+    /* (The set is fetched with no other pin of the caller's in the device tier, as
+     * zinf_fetch_all's guarantee of room asks: the weights the update sent are unpinned
+     * first, once there.) */
+    r = train_update_until(t, MAX(t->wte, t->wpe) + 1, true);
+    train_update_unpin(t);
+    TRY(r);
     TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
     r = train_settle(t, be->embed_forward(t->be, p[0], p[1], p[2]));
     train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
@@ -406,7 +411,9 @@ int train_forward(struct trainer *t)
     for (int k = 0; k < t->cfg.L; k++) {
         s0 = trace_on() ? now_ns() : 0;
         train_wave_block_forward(t, k, &w);
-        TRY(train_update_until(t, t->block_first[k] + GPT_BLOCK_NSLOTS));
+        r = train_update_until(t, t->block_first[k] + GPT_BLOCK_NSLOTS, true);
+        train_update_unpin(t);
+        TRY(r);
         TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
         r = train_settle(t, be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
                                               p[GPT_BLOCK_NSLOTS + 1]));
