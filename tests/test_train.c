@@ -699,7 +699,6 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
     fault_opts.model.L = 2;
     fault_opts.model.C = 32;
     fault_opts.seq = 16;
-    fault_opts.no_update_in_forward = true; /* the step's own optimizer phase */
     fault_deferred = false;
     run_steps(&fault_opts, 4, fault_ref, NULL);
 
@@ -759,7 +758,7 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
                 outcome[0], outcome[1], outcome[2]);
 }
 
-/* The update deferred to the next forward (the default of one rank offloaded to NVMe): the
+/* The update deferred to the next forward (zinf.train.update_in_forward): the
  * same losses as the optimizer phase at the end of the step, and a fault anywhere in the
  * step that runs it (IO spread over the step, every read, the update of the first, middle
  * or last tensor, what its pipeline has in flight) fails that step and leaves the trainer
@@ -781,13 +780,12 @@ Test(train, deferred_update_failing_anywhere_goes_on_with_the_same_losses)
     fault_opts.model.L = 2;
     fault_opts.model.C = 32;
     fault_opts.seq = 16;
-    fault_opts.no_update_in_forward = true;
     run_steps(&fault_opts, 4, ref, NULL);
     snprintf(swap, sizeof(swap), "%s/dref2", dir);
     snprintf(cfg, sizeof(cfg), "%s/dref2.json", dir);
     write_config(cfg, "nvme", "nvme", swap, FAULT_BUDGETS);
     fault_opts.config_path = cfg;
-    fault_opts.no_update_in_forward = false;
+    fault_opts.update_in_forward = true;
     run_steps(&fault_opts, 4, fault_ref, &sum);
     cr_assert(sum.update_in_forward);
     for (int i = 0; i < 4; i++)
@@ -853,7 +851,7 @@ struct pipe_run {
 };
 
 static void pipe_run(const char *tag, const char *offload, const char *dev, const char *host,
-                     const char *extra, struct pipe_run *out)
+                     const char *extra, bool in_forward, struct pipe_run *out)
 {
     char cfg[4096], swap[4096], err[512];
     struct trainer *t = NULL;
@@ -874,6 +872,7 @@ static void pipe_run(const char *tag, const char *offload, const char *dev, cons
     fclose(f);
     struct trainer_opts o = small_model(cfg);
     o.digest = true;
+    o.update_in_forward = in_forward;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s: %s", tag, err);
     for (int s = 0; s < STEPS; s++) {
         cr_assert_eq(trainer_step(t, &st), 0, "%s: step %d", tag, s + 1);
@@ -889,18 +888,24 @@ static void pipe_run(const char *tag, const char *offload, const char *dev, cons
 
 Test(train, optimizer_pipeline_changes_no_bits)
 {
-    static struct pipe_run mem, on, off, tight;
-    pipe_run("mem", "none", "64M", "64M", "", &mem);
-    pipe_run("on", "nvme", "600K", "1M", "", &on);
+    static struct pipe_run mem, on, off, tight, fwd, fwd_tight;
+    pipe_run("mem", "none", "64M", "64M", "", false, &mem);
+    pipe_run("on", "nvme", "600K", "1M", "", false, &on);
     pipe_run("off", "nvme", "600K", "1M", ", \"pipeline_read\": false, \"pipeline_write\": false",
-             &off);
+             false, &off);
     char dev[32], host[32];
     snprintf(dev, sizeof(dev), "%llu", (unsigned long long)on.sum.min_budget[0]);
     snprintf(host, sizeof(host), "%llu", (unsigned long long)on.sum.min_budget[1]);
-    pipe_run("tight", "nvme", dev, host, "", &tight);
-    const struct pipe_run *runs[] = {&on, &off, &tight};
-    const char *names[] = {"pipelined", "not pipelined", "pipelined at the smallest budgets"};
-    for (int k = 0; k < 3; k++)
+    pipe_run("tight", "nvme", dev, host, "", false, &tight);
+    pipe_run("fwd", "nvme", "600K", "1M", "", true, &fwd);
+    pipe_run("fwd-tight", "nvme", dev, host, "", true, &fwd_tight);
+    cr_assert(fwd.sum.update_in_forward && fwd_tight.sum.update_in_forward);
+    cr_assert(!on.sum.update_in_forward);
+    const struct pipe_run *runs[] = {&on, &off, &tight, &fwd, &fwd_tight};
+    const char *names[] = {"pipelined", "not pipelined", "pipelined at the smallest budgets",
+                           "the update in the next forward",
+                           "the update in the next forward at the smallest budgets"};
+    for (int k = 0; k < 5; k++)
         for (int s = 0; s < STEPS; s++) {
             cr_assert(memcmp(&runs[k]->loss[s], &mem.loss[s], sizeof(float)) == 0,
                       "%s, step %d: loss %.9g, in memory %.9g", names[k], s + 1,
@@ -1945,7 +1950,6 @@ Test(train, no_start_checkpoint_holds_the_state_once)
      * had been. */
     o = nvme_model(cfg, sizeof(cfg), "torn", "1M", "2M");
     o.no_start_checkpoint = true;
-    o.no_update_in_forward = true; /* the fault tears the step's own optimizer phase */
     t = NULL;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
     trainer_fault_optimizer(t, 3, EIO);

@@ -1373,6 +1373,7 @@ int cmd_train(int argc, char **argv)
                 (unsigned long long)sum.compactions, (unsigned long long)sum.min_budget[0],
                 (unsigned long long)sum.min_budget[1], ran, (long long)sum.skipped_steps,
                 (unsigned long long)sum.pipeline_ahead, (unsigned long long)sum.pipeline_refetched);
+        fprintf(log, ",\"update_in_forward\":%s", sum.update_in_forward ? "true" : "false");
         json_num(log, "train_seconds", ran_seconds, false);
         json_num(log, "mean_tokens_per_s", mean_tps, false);
         json_num(log, "loss_scale", sum.loss_scale, false);

@@ -579,14 +579,14 @@ out:
 }
 
 /* Whether each step's update is deferred to the next forward (trainer_opts.
- * no_update_in_forward): where it hides NVMe reads and writes behind the forward and nothing
- * else is in the way: one rank of an embedded engine, on the CPU, without fp16's skipped
- * steps, the optimizer on the host with its pipeline. */
+ * update_in_forward): where asked, and where it would hide NVMe reads and writes behind the
+ * forward with nothing else in the way: one rank of an embedded engine, on the CPU, without
+ * fp16's skipped steps, the optimizer on the host with its pipeline. */
 static bool update_deferrable(const struct trainer *t, bool cuda)
 {
     bool nvme = train_home_of(t->zc.zero.offload_param.device) == ZINF_TIER_NVME ||
                 train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_NVME;
-    return !t->o.no_update_in_forward && t->zc.zinf.train.update_in_forward && nvme &&
+    return t->o.update_in_forward && nvme &&
            t->world <= 1 && !t->remote && !cuda && t->be->wdt != BACKEND_F16 &&
            t->opt_tier == ZINF_TIER_HOST && t->zc.zero.offload_optimizer.pipeline_read;
 }

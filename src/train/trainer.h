@@ -116,19 +116,21 @@ struct trainer_opts {
      * files hold the state once (a saved version is never overwritten, so from the first
      * checkpoint on they hold it up to twice). A crash before then leaves no run to resume. */
     bool no_start_checkpoint;
-    /* One rank (world <= 1) on the CPU, fp32 or bf16, with the parameters or the optimizer
-     * homed on NVMe and offload_optimizer.pipeline_read on: each step's update is deferred to
-     * the next step's forward, which updates each tensor just before its first use (the
-     * layout's order), the reads of the tensors after it running while it computes. The bits
-     * are those of the update at the end of the step. Until then trainer_step_stats says
+    /* zinf.train.update_in_forward: with one rank (world <= 1) on the CPU, fp32 or bf16, the
+     * parameters or the optimizer homed on NVMe and offload_optimizer.pipeline_read on, each
+     * step's update is deferred to the next step's forward, which updates each tensor just
+     * before its first use (the layout's order), the reads of the tensors after it running
+     * while it computes, and sends each weight it wrote to the device at once. The bits are
+     * those of the update at the end of the step. Until then trainer_step_stats says
      * update_pending, and the engine holds the step's count beside the previous step's
      * parameters; trainer_checkpoint, trainer_eval, trainer_sample, trainer_finish_update and
      * trainer_close finish it first. A failure in it fails the call (a step is not counted)
      * and leaves the trainer usable: the tensors updated stay so, and the next call goes on
      * with the others, whose gradients nothing touched. Only trainer_close, which cannot try
-     * again, leaves the state torn (the last checkpoint stays). no_update_in_forward, or the
-     * config's zinf.train.update_in_forward false: never. */
-    bool no_update_in_forward;
+     * again, leaves the state torn (the last checkpoint stays). Off by default: on 2 cores
+     * with an emulated device it measured no faster than the update at the step's end
+     * (bench/RESULTS.md). */
+    bool update_in_forward;
     bool overwrite;          /* without resume: delete a saved run there and start over */
     const char *connect;     /* through the zinf daemon on this socket (zinf serve), not an
                                 engine of this process; NULL: zinf.connect, else embedded */
@@ -192,7 +194,7 @@ struct trainer_step_stats {
      * next forward (update_pending), the one before (have_digest false on the first step
      * and after a trainer_finish_update, which said it: trainer_summary's digest). */
     int digest_step;
-    bool update_pending; /* this step's update runs in the next forward (no_update_in_forward) */
+    bool update_pending; /* this step's update runs in the next forward (update_in_forward) */
 };
 
 struct trainer_tier_summary {
@@ -255,7 +257,7 @@ struct trainer_summary {
      * while the one before was updated, and of those, the ones the tier had no room for
      * beside it, fetched again alone when their turn came. */
     uint64_t pipeline_ahead, pipeline_refetched;
-    /* The updates deferred to the next forward (trainer_opts.no_update_in_forward), and the
+    /* The updates deferred to the next forward (trainer_opts.update_in_forward), and the
      * digest of the parameters after the last update that computed one, of step digest_step
      * (have_digest false: none yet). */
     bool update_in_forward;
@@ -312,7 +314,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st);
  * stays the saved state, and trainer_close keeps it so unless a later one succeeds. */
 int trainer_checkpoint(struct trainer *t);
 /* Run what is left of an update deferred to the next forward (trainer_opts.
- * no_update_in_forward), so that the engine's parameters are the last step's: 0 when none
+ * update_in_forward), so that the engine's parameters are the last step's: 0 when none
  * is pending. Its failure leaves the state torn, as trainer_step's does. */
 int trainer_finish_update(struct trainer *t);
 void trainer_get_summary(struct trainer *t, struct trainer_summary *out);

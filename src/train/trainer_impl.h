@@ -125,7 +125,7 @@ struct trainer {
     int digest_step; /* the step whose parameters `digest` is of */
     bool digest_new; /* trainer_step: a deferred update finished, with its digest */
     /* The parameters' update (trainer_optim.c): the step's own in its optimizer phase, or
-     * deferred to the next forward (defer_ok: trainer_opts.no_update_in_forward), which
+     * deferred to the next forward (defer_ok: trainer_opts.update_in_forward), which
      * runs each tensor's just before its first use. */
     bool defer_ok;
     struct train_update {
