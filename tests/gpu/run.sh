@@ -15,20 +15,28 @@
 #   - the step time with weights streamed from host memory against resident weights.
 # summary.txt, figures.json and logs.tar.gz (every log, the build's included) land in $OUT
 # (or ./gpu-out): three files, since what comes back from such a machine is counted in
-# files. DEVICE=emulated runs the same steps without a GPU (the gpu suite skips), to try the
-# script itself.
+# files. The archive is refreshed after every step, and the steps share one deadline
+# (BUDGET seconds, default 540: each step's timeout is cut to what is left), so that a run
+# stopped from outside still leaves its summary and logs. DEVICE=emulated runs the same steps
+# without a GPU (the gpu suite skips), to try the script itself.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
+logs=$(mktemp -d /tmp/zinf-gpu-logs.XXXXXX) # every log; archived into $out after each step
+deadline=$((SECONDS + ${BUDGET:-540}))
 
 if [ ! -x .gpu/bin/zinf ] && [ -f .gpu/gpu.tar.gz ]; then
   tar xzf .gpu/gpu.tar.gz -C .gpu || { echo "unpacking .gpu/gpu.tar.gz failed" | tee -a "$out/summary.txt"; exit 1; }
 fi
 if [ ! -x .gpu/bin/zinf ] && command -v meson > /dev/null; then
   echo "== building (.gpu/ is missing)" | tee -a "$out/summary.txt"
-  tests/gpu/prepare.sh > "$out/build.log" 2>&1 || { echo "build failed" | tee -a "$out/summary.txt"; exit 1; }
+  tests/gpu/prepare.sh > "$logs/build.log" 2>&1 || {
+    echo "build failed" | tee -a "$out/summary.txt"
+    tar czf "$out/logs.tar.gz" -C "$logs" .
+    exit 1
+  }
 fi
 # CUDA's libraries come from this machine: its toolkit, or the Python wheels of its image.
 cudalibs=/usr/local/cuda/lib64
@@ -47,13 +55,21 @@ cat README.md docs/*.md src/*/*.c src/*/*.h > "$swap/data.txt"
 step() { # name timeout command...
   local name=$1 t=$2
   shift 2
+  local left=$((deadline - SECONDS))
+  [ "$t" -le "$left" ] || t=$left
   echo "== $name: $*" | tee -a "$out/summary.txt"
+  if [ "$t" -lt 5 ]; then
+    echo "   not run: the run's deadline (BUDGET) is reached" | tee -a "$out/summary.txt"
+    status=1
+    return
+  fi
   local t0=$SECONDS
-  timeout "$t" "$@" > "$out/$name.log" 2>&1
+  timeout "$t" "$@" > "$logs/$name.log" 2>&1
   local rc=$?
-  tail -8 "$out/$name.log" | sed 's/^/   /' | tee -a "$out/summary.txt"
+  tail -8 "$logs/$name.log" | sed 's/^/   /' | tee -a "$out/summary.txt"
   echo "   rc=$rc ($((SECONDS - t0)) s)" | tee -a "$out/summary.txt"
   [ $rc = 0 ] || status=1
+  tar czf "$out/logs.tar.gz" -C "$logs" .
 }
 
 # The pinned host tier is mlocked: lift the limit where allowed, and say what it is.
@@ -61,8 +77,8 @@ ulimit -l unlimited 2> /dev/null || true
 echo "memlock limit: $(ulimit -l) (KiB; pinned runs need more than their host budget)" |
   tee -a "$out/summary.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
-  --format=csv > "$out/gpu.txt" 2>&1
-cat "$out/gpu.txt" | tee -a "$out/summary.txt"
+  --format=csv > "$logs/gpu.txt" 2>&1
+cat "$logs/gpu.txt" | tee -a "$out/summary.txt"
 step version 20 "$bin/zinf" version
 step topo 20 "$bin/zinf" topo
 step kernels 60 "$bin/test_kernels" --verbose
@@ -87,11 +103,11 @@ cat > "$swap/train.json" <<JSON
  "zinf": {"device": "$device", "device_bytes": "160M", "host_bytes": "1G"}}
 JSON
 step train 60 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data.txt" --layers 8 \
-  --dim 512 --heads 8 --seq 256 --batch 8 --steps 30 --lr 5e-4 --log "$out/train.jsonl"
+  --dim 512 --heads 8 --seq 256 --batch 8 --steps 30 --lr 5e-4 --log "$logs/train.jsonl"
 # The same model in fp16 with DeepSpeed's dynamic loss scaling, over a fresh swap directory.
 step train16 45 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data.txt" --layers 8 \
   --dim 512 --heads 8 --seq 256 --batch 8 --steps 15 --lr 5e-4 --precision fp16 --overwrite \
-  --log "$out/train16.jsonl"
+  --log "$logs/train16.jsonl"
 # One rank through zinf launch (LOCAL_RANK 0's GPU) with two micro-batches a step: the
 # exact accumulation of GPU ranks (the folds and the norm's chunk sums on the device). NCCL
 # refuses two ranks on one GPU, so the GPU ranks' collectives across ranks are checked in
@@ -99,19 +115,19 @@ step train16 45 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data
 # (comm_nccl above).
 step train_launch1 60 "$bin/zinf" launch -n 1 -- "$bin/zinf" train --config "$swap/train.json" \
   --data "$swap/data.txt" --layers 4 --dim 256 --heads 4 --seq 128 --batch 4 --steps 6 \
-  --accumulate 2 --lr 5e-4 --overwrite --log "$out/train_launch1.jsonl"
+  --accumulate 2 --lr 5e-4 --overwrite --log "$logs/train_launch1.jsonl"
 # Weights streamed from host memory against resident ones (the optimizer on the host in both).
 step stream 90 env ZINF="$bin/zinf" MODE=host DEVICE="$device" LAYERS=6 DIM=1024 HEADS=16 SEQ=512 \
   BATCH=8 STEPS=4 DEVICE_BYTES=256M HOST_BYTES=4G RES_DEVICE_BYTES=4G RES_HOST_BYTES=4G \
   DATA="$swap/data.txt" bash "$bin/train_offload.sh" "$swap/stream" 2
 rm -rf "$swap"
 
-python3 - "$out" <<'PY' || status=1
+python3 - "$logs" "$out" <<'PY' || status=1
 import json, os, re, sys
-out = sys.argv[1]
+logs, out = sys.argv[1], sys.argv[2]
 fig = {}
 def lines(name):
-    p = os.path.join(out, name)
+    p = os.path.join(logs, name)
     return open(p, errors="replace").read().splitlines() if os.path.exists(p) else []
 for l in lines("swapin.log"):
     if l.startswith("{") and '"summary": true' in l:
@@ -138,7 +154,6 @@ print("fp16 loss curve:", show(fig["train16_losses"]))
 PY
 echo "status $status" | tee -a "$out/summary.txt"
 # Everything but the summary and the figures in one archive.
-(cd "$out" && find . -maxdepth 1 -type f ! -name summary.txt ! -name figures.json \
-  ! -name logs.tar.gz -printf '%P\n' | sort > .logs.list &&
-  tar czf logs.tar.gz -T .logs.list && xargs rm -f < .logs.list; rm -f .logs.list)
+tar czf "$out/logs.tar.gz" -C "$logs" .
+rm -rf "$logs"
 exit $status
