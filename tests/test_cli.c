@@ -3811,7 +3811,10 @@ Test(cli, train_log_holds_the_trainers_exact_values)
             "\"1M\", \"train\": {\"update_in_forward\": true}}}",
             swap, swap);
     fclose(cf);
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 4 --log %s", cfg, data, log),
+    /* A checkpoint after step 2 finishes its update: its line comes before the checkpoint's. */
+    cr_assert_eq(run(&o,
+                     "train --config %s --data %s " TINY " --steps 4 --checkpoint-every 2 --log %s",
+                     cfg, data, log),
                  0, "%s", o);
     free(o);
 
@@ -3840,8 +3843,10 @@ Test(cli, train_log_holds_the_trainers_exact_values)
         json_error_t je;
         json_t *j = json_loads(line, 0, &je);
         cr_assert_not_null(j, "not JSON (%s): %s", je.text, line);
-        json_t *s = json_object_get(j, "summary");
+        json_t *s = json_object_get(j, "summary"), *c = json_object_get(j, "checkpoint");
         if (s) deferred = json_is_true(json_object_get(s, "update_in_forward"));
+        if (c) cr_assert_geq(steps, json_integer_value(c), "checkpoint %lld before its step's line",
+                             (long long)json_integer_value(c));
         json_decref(j);
         if (strncmp(line, "{\"step\":", 8) != 0) continue;
         struct trainer_step_stats st;

@@ -574,22 +574,41 @@ static float fault_ref[4];
 static struct trainer_opts fault_opts;
 static bool fault_deferred; /* fault_opts defers each update to the next forward */
 
+/* cfg (n bytes) := dir/TAG.json, the fault tests' config over the swap directory dir/TAG. */
+static void fault_config(char *cfg, size_t n, const char *tag)
+{
+    char swap[4096];
+    snprintf(swap, sizeof(swap), "%s/%s", dir, tag);
+    snprintf(cfg, n, "%s/%s.json", dir, tag);
+    write_config(cfg, "nvme", "nvme", swap, FAULT_BUDGETS);
+}
+
+/* fault_opts := the fault tests' small model over fault_config(TAG). */
+static void fault_model(const char *tag)
+{
+    static char cfg[4096];
+    fault_config(cfg, sizeof(cfg), tag);
+    fault_opts = small_model(cfg);
+    fault_opts.model.L = 2;
+    fault_opts.model.C = 32;
+    fault_opts.seq = 16;
+}
+
 /* One run: step 1, checkpoint, step 2 with the fault armed by arm(), then on to step 4
  * (fault_deferred: step 2 runs too, and step 3, whose forward runs step 2's update, has the
  * fault). Returns 1 when the fault tore the state, 0 when it left the trainer usable, -1
  * when the step did not fail. */
 static int fault_run(unsigned k, void (*arm)(struct trainer *t, unsigned arg), unsigned arg)
 {
-    char cfg[4096], swap[4096], err[512];
+    char cfg[4096], tag[32], err[512];
     float got[4];
     struct trainer *t = NULL;
     struct trainer_step_stats st;
     struct trainer_summary sum;
     struct trainer_opts o = fault_opts;
 
-    snprintf(swap, sizeof(swap), "%s/s%u", dir, k);
-    snprintf(cfg, sizeof(cfg), "%s/s%u.json", dir, k);
-    write_config(cfg, "nvme", "nvme", swap, FAULT_BUDGETS);
+    snprintf(tag, sizeof(tag), "s%u", k);
+    fault_config(cfg, sizeof(cfg), tag);
     o.config_path = cfg;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
     cr_assert_eq(trainer_step(t, &st), 0);
@@ -688,24 +707,16 @@ static void arm_in_optimizer(struct trainer *t, unsigned which)
 
 Test(train, step_failing_anywhere_continues_with_the_same_losses)
 {
-    char cfg[4096], swap[4096], err[512];
+    char cfg[4096], err[512];
     struct trainer *t = NULL;
     struct trainer_step_stats st;
 
-    snprintf(swap, sizeof(swap), "%s/ref", dir);
-    snprintf(cfg, sizeof(cfg), "%s/ref.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, FAULT_BUDGETS);
-    fault_opts = small_model(cfg);
-    fault_opts.model.L = 2;
-    fault_opts.model.C = 32;
-    fault_opts.seq = 16;
+    fault_model("ref");
     fault_deferred = false;
     run_steps(&fault_opts, 4, fault_ref, NULL);
 
     /* How many IO chunks one step completes, to spread the faults over all of it. */
-    snprintf(swap, sizeof(swap), "%s/count", dir);
-    snprintf(cfg, sizeof(cfg), "%s/count.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, FAULT_BUDGETS);
+    fault_config(cfg, sizeof(cfg), "count");
     struct trainer_opts o = fault_opts;
     o.config_path = cfg;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
@@ -767,24 +778,15 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
  * stays the saved one. */
 Test(train, deferred_update_failing_anywhere_goes_on_with_the_same_losses)
 {
-    char cfg[4096], swap[4096], err[512];
+    char cfg[4096], err[512];
     float ref[4];
     struct trainer *t = NULL;
     struct trainer_step_stats st;
     struct trainer_summary sum;
 
-    snprintf(swap, sizeof(swap), "%s/dref", dir);
-    snprintf(cfg, sizeof(cfg), "%s/dref.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, FAULT_BUDGETS);
-    fault_opts = small_model(cfg);
-    fault_opts.model.L = 2;
-    fault_opts.model.C = 32;
-    fault_opts.seq = 16;
+    fault_model("dref");
     run_steps(&fault_opts, 4, ref, NULL);
-    snprintf(swap, sizeof(swap), "%s/dref2", dir);
-    snprintf(cfg, sizeof(cfg), "%s/dref2.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, FAULT_BUDGETS);
-    fault_opts.config_path = cfg;
+    fault_model("dref2");
     fault_opts.update_in_forward = true;
     run_steps(&fault_opts, 4, fault_ref, &sum);
     cr_assert(sum.update_in_forward);
@@ -813,9 +815,7 @@ Test(train, deferred_update_failing_anywhere_goes_on_with_the_same_losses)
                 outcome[1]);
 
     /* A close that cannot finish the update: torn, and the resume goes on from step 1. */
-    snprintf(swap, sizeof(swap), "%s/dclose", dir);
-    snprintf(cfg, sizeof(cfg), "%s/dclose.json", dir);
-    write_config(cfg, "nvme", "nvme", swap, FAULT_BUDGETS);
+    fault_config(cfg, sizeof(cfg), "dclose");
     struct trainer_opts o = fault_opts;
     o.config_path = cfg;
     cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);

@@ -191,8 +191,8 @@ struct trainer_step_stats {
     bool have_digest;
     uint64_t digest;
     /* The step whose parameters `digest` is of: this one, or with an update deferred to the
-     * next forward (update_pending), the one before (have_digest false on the first step
-     * and after a trainer_finish_update, which said it: trainer_summary's digest). */
+     * next forward (update_pending), the one before (have_digest false on the first step;
+     * the last step's comes from trainer_summary after trainer_finish_update). */
     int digest_step;
     bool update_pending; /* this step's update runs in the next forward (update_in_forward) */
 };
@@ -315,7 +315,8 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st);
 int trainer_checkpoint(struct trainer *t);
 /* Run what is left of an update deferred to the next forward (trainer_opts.
  * update_in_forward), so that the engine's parameters are the last step's: 0 when none
- * is pending. Its failure leaves the state torn, as trainer_step's does. */
+ * is pending. A failure leaves the tensors updated so and the trainer usable: the next
+ * call goes on with the others. */
 int trainer_finish_update(struct trainer *t);
 void trainer_get_summary(struct trainer *t, struct trainer_summary *out);
 /* The mean loss over n_batches batches of the held-out tail (the last tenth of the data,

@@ -123,15 +123,13 @@ struct trainer {
     bool have_digest;
     uint64_t digest;
     int digest_step; /* the step whose parameters `digest` is of */
-    bool digest_new; /* trainer_step: a deferred update finished, with its digest */
     /* The parameters' update (trainer_optim.c): the step's own in its optimizer phase, or
      * deferred to the next forward (defer_ok: trainer_opts.update_in_forward), which
      * runs each tensor's just before its first use. */
     bool defer_ok;
     struct train_update {
-        bool pending;  /* deferred and not finished */
-        bool deferred; /* runs in a forward */
-        bool begun;    /* the fault hook ran */
+        bool pending; /* deferred and not finished */
+        bool begun;   /* the fault hook ran */
         int step;      /* the step it belongs to */
         int applied;   /* Adam's count */
         float lr, scale;

@@ -448,7 +448,7 @@ static int opt_run(struct trainer *t, int upto)
             if (zinf_fetch_async(t->e, q->h, ZINF_TIER_DEVICE, &q->ticket) == 0) t->nfwd_pins++;
         }
         if (s0)
-            trace_span("train", t->upd.deferred ? "update before its forward" : "optimizer", s0,
+            trace_span("train", t->upd.pending ? "update before its forward" : "optimizer", s0,
                        t->desc[i].name, tier == ZINF_TIER_DEVICE ? "on the device" : "on the host",
                        (int64_t)train_role_bytes(t, R_P, i));
         train_note_peaks(t);
@@ -479,7 +479,6 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
 void train_update_defer(struct trainer *t, int step, int applied, float lr, float scale)
 {
     t->upd = (struct train_update){.pending = true,
-                                   .deferred = true,
                                    .step = step,
                                    .applied = applied,
                                    .lr = lr,
@@ -518,7 +517,6 @@ int train_update_until(struct trainer *t, int upto, bool pin)
         t->digest = t->upd.digest;
         t->have_digest = true;
         t->digest_step = t->upd.step;
-        t->digest_new = true;
     }
     t->upd = (struct train_update){0};
     train_optimizer_drop(t);

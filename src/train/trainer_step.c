@@ -515,7 +515,6 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     if (t->torn) return t->torn;
     zinf_stats(t->e, &s0);
     uint64_t t0 = now_ns();
-    t->digest_new = false;
     double loss_sum = 0;
     bool fp16 = t->be->wdt == BACKEND_F16;
     double S = fp16 ? t->ls.scale : 1;
@@ -559,10 +558,10 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     struct loss_scale ls = t->ls;
     if (fp16) loss_scale_update(&ls, overflow);
     /* Up to here only gradients and activations changed, which the next step rebuilds (and
-     * the previous step's deferred update was finished: a failure in it tears the state, one
-     * before or after it leaves the rest to the next try); from here the parameters and Adam
-     * states change, tensor by tensor, until the step count says they belong to this step.
-     * Deferred to the next forward, the step's update changes nothing yet. */
+     * the forward finished the previous step's deferred update, which a failure leaves for
+     * the next try to go on with); from here the parameters and Adam states change, tensor by
+     * tensor, until the step count says they belong to this step. Deferred to the next
+     * forward, the step's update changes nothing yet. */
     uint64_t digest = 0;
     double grad_norm;
     float grad_scale, clip = train_clip_of(t, sumsq, S, &grad_norm, &grad_scale);
@@ -607,7 +606,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .grad_norm = grad_norm,
         .clip_scale = clip,
         .lr = lr,
-        .have_digest = t->o.digest && t->have_digest && (!defer || t->digest_new),
+        .have_digest = t->o.digest && t->have_digest && (!defer || t->digest_step == step - 1),
         .digest = t->digest,
         .digest_step = defer ? t->digest_step : step,
         .update_pending = defer,
