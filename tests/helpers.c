@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "helpers.h"
+#include "tiers/cuda_probe.h"
 
 #include <criterion/criterion.h>
 
@@ -382,4 +383,22 @@ void test_report_line(int fd, const char *fmt, va_list ap)
     if (write(fd, buf, (size_t)n) < 0) {
         /* the parent sees the child's exit status */
     }
+}
+
+int test_cuda_probe_forked(struct cuda_probe_info *pi)
+{
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        cuda_probe(pi);
+        _exit(write(fds[1], pi, sizeof(*pi)) == (ssize_t)sizeof(*pi) ? 0 : 1);
+    }
+    close(fds[1]);
+    cr_assert_eq(read(fds[0], pi, sizeof(*pi)), (ssize_t)sizeof(*pi), "the probe died");
+    close(fds[0]);
+    waitpid(pid, NULL, 0);
+    return pi->device_count;
 }

@@ -18,6 +18,11 @@ void test_write_training_text(const char *dir, char *path, size_t len);
 /* A fresh directory on tmpfs (/dev/shm), or NULL when there is none. */
 char *test_shmdir(const char *tag);
 
+struct cuda_probe_info;
+/* cuda_probe() in a child process: a process that has called CUDA cannot use it in the
+ * children it forks (ranks, a daemon). Returns the number of usable devices. */
+int test_cuda_probe_forked(struct cuda_probe_info *pi);
+
 /* 4 KiB aligned allocation; free with free(). */
 void *test_aligned_alloc(size_t bytes);
 /* Deterministic pseudo-random bytes from a seed. */

@@ -3,6 +3,7 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -102,6 +103,14 @@ void wait_pins_dropped(zinf_engine *e)
     cr_assert_fail("the dead client's pins were not dropped");
 }
 
+static struct service *forked; /* in fork_daemon's child: SIGTERM stops it as zinf serve */
+
+static void forked_stop(int sig)
+{
+    (void)sig;
+    service_stop(forked); /* a write to its wake pipe: safe in a handler */
+}
+
 pid_t fork_daemon(const char *job, zinf_engine **e)
 {
     pid_t pid = fork();
@@ -114,6 +123,10 @@ pid_t fork_daemon(const char *job, zinf_engine **e)
         if (config_parse_file(cfg_path, &cfg, err, sizeof(err)) ||
             service_open(&o, &s, err, sizeof(err)))
             _exit(1);
+        forked = s;
+        struct sigaction sa = {.sa_handler = forked_stop};
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGTERM, &sa, NULL);
         int r = service_run(s);
         service_close(s);
         _exit(r == 0 ? 0 : 1);

@@ -35,8 +35,8 @@ void daemon_start(struct daemon *d);
 void daemon_start_group(struct daemon *d, const char *group);
 /* SIGTERM's way: stop, flush every job, close. */
 void daemon_stop(struct daemon *d);
-/* The daemon in a child process, serving until it is signalled; returns once *e is
- * attached to job. */
+/* The daemon in a child process, serving until it is signalled (SIGTERM stops it as it
+ * stops zinf serve: every job flushed, exit 0); returns once *e is attached to job. */
 pid_t fork_daemon(const char *job, zinf_engine **e);
 zinf_engine *connect_job(const char *job);
 /* Waits (up to 3 s) for a dead client's pins to be dropped. */

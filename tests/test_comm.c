@@ -724,19 +724,14 @@ Test(comm, nccl_with_one_rank)
  * tests/cuda_emu, where every process has an emulated device of its own. */
 static bool nccl_ranks_here(int world, int *device_of_rank1, char *why, size_t len)
 {
+    /* Asked in a child: the ranks are forked from here, and CUDA does not survive a fork. */
     struct cuda_probe_info pi;
-    struct cudaDeviceProp p;
-    int n = 0;
-    if (cuda_probe(&pi) == 0) {
+    int n = test_cuda_probe_forked(&pi);
+    if (n <= 0) {
         snprintf(why, len, "no usable GPU: %s", pi.reason);
         return false;
     }
-    if (cudaGetDeviceCount(&n) != cudaSuccess || cudaGetDeviceProperties(&p, 0) != cudaSuccess) {
-        cudaGetLastError();
-        snprintf(why, len, "cannot count the GPUs");
-        return false;
-    }
-    bool emulated = strncmp(p.name, "EMU ", 4) == 0;
+    bool emulated = strncmp(pi.name, "EMU ", 4) == 0;
     *device_of_rank1 = emulated ? 0 : 1;
     snprintf(why, len, "%d GPU(s): NCCL runs one rank per GPU, and this needs %d", n, world);
     return emulated || n >= world;

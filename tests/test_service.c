@@ -867,32 +867,13 @@ Test(service, a_fetched_set_is_released_through_the_table)
 #if ZINF_HAVE_CUDA
 #include <cuda_runtime_api.h>
 
-/* Asks whether a GPU is usable in a child process: a process that has called CUDA cannot
- * fork a daemon that uses it. false, and why in pi->reason, when none is. */
-static bool gpu_probe(struct cuda_probe_info *pi)
-{
-    int fds[2];
-    cr_assert_eq(pipe(fds), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        cuda_probe(pi);
-        _exit(write(fds[1], pi, sizeof(*pi)) == (ssize_t)sizeof(*pi) ? 0 : 1);
-    }
-    close(fds[1]);
-    cr_assert_eq(read(fds[0], pi, sizeof(*pi)), (ssize_t)sizeof(*pi), "the probe died");
-    close(fds[0]);
-    waitpid(pid, NULL, 0);
-    return pi->device_count > 0;
-}
-
 /* A daemon on a GPU arena of 8 MiB. On a real GPU it runs in a child process (a process
  * cannot open its own IPC handle); the CPU emulation of CUDA shares memory within one
  * process only, so there it runs in a thread (d). Returns the child, or -1. */
 static pid_t gpu_daemon(struct daemon *d, const char *job, zinf_engine **e)
 {
     struct cuda_probe_info pi;
-    if (!gpu_probe(&pi)) cr_skip_test("no usable GPU: %s", pi.reason);
+    if (test_cuda_probe_forked(&pi) <= 0) cr_skip_test("no usable GPU: %s", pi.reason);
     FILE *f = fopen(cfg_path, "w");
     cr_assert_not_null(f);
     fprintf(f, "{\"zinf\": {\"device\": \"cuda\", \"device_bytes\": \"8M\", \"host_bytes\": \"4M\"}}");
