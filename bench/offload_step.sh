@@ -20,6 +20,10 @@
 # usage: bench/offload_step.sh DIR [ROUNDS]     (default 2)
 #   ZINF=build/tools/zinf  LAYERS=12 DIM=768 HEADS=12 SEQ=64 BATCH=4 STEPS=6
 #   DEVICE_BYTES=128M HOST_BYTES=256M (the offloaded runs' budgets)  BLOCK=1M QD=32
+#   DEVICE=emulated (or cuda: the step on a GPU, whose copy engines move the device tier's
+#   bytes; the update in the forward applies to CPU steps only, so there "fwd" is "on" again)
+#   RUNS="mem on fwd off" (which runs, in this order; mem and on are needed; memh: in memory
+#   with the optimizer on the host, whose bits a GPU's offloaded runs equal)
 #   TRACE=1: also write DIR/trace-<run>-<round>.json (zinf train --trace) for
 #   bench/step_breakdown.py
 set -euo pipefail
@@ -30,6 +34,8 @@ zinf=${ZINF:-build/tools/zinf}
 L=${LAYERS:-12} C=${DIM:-768} H=${HEADS:-12} T=${SEQ:-64} B=${BATCH:-4} S=${STEPS:-6}
 dev=${DEVICE_BYTES:-128M} host=${HOST_BYTES:-256M}
 block=${BLOCK:-1M} qd=${QD:-32}
+device=${DEVICE:-emulated}
+runs=${RUNS:-mem on fwd off}
 data=${DATA:-/usr/share/common-licenses/GPL-3}
 swap=$dir/offload-step-swap
 tmp=$(mktemp -d)
@@ -38,7 +44,13 @@ mkdir -p "$swap"
 
 cat > "$tmp/mem.json" <<JSON
 {"zero_optimization": {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}},
- "zinf": {"device": "emulated", "device_bytes": "8G", "host_bytes": "1G"}}
+ "zinf": {"device": "$device", "device_bytes": "8G", "host_bytes": "1G"}}
+JSON
+# In memory with the optimizer's state and update on the host: on a GPU, the bits the offloaded
+# runs must equal (their update runs on the CPU, "mem"'s on the GPU).
+cat > "$tmp/memh.json" <<JSON
+{"zero_optimization": {"offload_param": {"device": "none"}, "offload_optimizer": {"device": "cpu"}},
+ "zinf": {"device": "$device", "device_bytes": "8G", "host_bytes": "2G"}}
 JSON
 for pipe in fwd on off; do
   extra="" train=false
@@ -48,7 +60,7 @@ for pipe in fwd on off; do
 {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "$swap"},
  "offload_optimizer": {"device": "nvme", "nvme_path": "$swap"$extra}},
  "aio": {"block_size": $(numfmt --from=iec "$block"), "queue_depth": $qd},
- "zinf": {"device": "emulated", "device_bytes": "$dev", "host_bytes": "$host",
+ "zinf": {"device": "$device", "device_bytes": "$dev", "host_bytes": "$host",
           "train": {"update_in_forward": $train}}}
 JSON
 done
@@ -73,16 +85,17 @@ run() { # name round -> the log's path (the run's log is kept in $tmp)
 }
 
 echo "# offload_step: $L x $C, $H heads, batch $B x $T, fp32, $S steps (medians of 2..$S), $rounds rounds"
-echo "# offloaded: parameters and optimizer states on NVMe, device (emulated) $dev, host $host"
+echo "# offloaded: parameters and optimizer states on NVMe, device ($device) $dev, host $host"
 echo "# zinf bench on DIR, 2 GiB, block $block, qd $qd: read $brd GB/s, write $bwr GB/s"
 echo "# $(uname -sr), $(nproc) cpus: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
 for ((i = 1; i <= rounds; i++)); do
-  for name in mem on fwd off; do run "$name" "$i"; done
+  for name in $runs; do run "$name" "$i"; done
 done
 
-python3 - "$tmp" "$rounds" "$brd" "$bwr" "$(nproc)" <<'PY'
+python3 - "$tmp" "$rounds" "$brd" "$bwr" "$(nproc)" "$runs" <<'PY'
 import json, statistics as st, sys
 tmp, rounds, brd, bwr, cores = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+runs = sys.argv[6].split()
 
 def load(name, i):
     rows = [json.loads(l) for l in open("%s/%s.%d.jsonl" % (tmp, name, i))]
@@ -100,9 +113,9 @@ def load(name, i):
 
 print("# %5s %-4s %9s %8s %8s %8s %8s  %s" % ("round", "run", "step_ms", "rd_GB", "wr_GB", "cpu_s",
                                             "blocked", "cpu_s by thread"))
-res = {n: [] for n in ("mem", "on", "fwd", "off")}
+res = {n: [] for n in runs}
 for i in range(1, rounds + 1):
-    for n in ("mem", "on", "fwd", "off"):
+    for n in runs:
         r = load(n, i)
         res[n].append(r)
         print("  %5d %-4s %9.1f %8.3f %8.3f %8.3f %7.1f%%  %s" % (
@@ -110,7 +123,7 @@ for i in range(1, rounds + 1):
             " ".join("%s %.2f" % kv for kv in sorted(r["by"].items(), key=lambda kv: -kv[1]))))
 same = all(r["losses"] == res["mem"][0]["losses"] and r["digests"] == res["mem"][0]["digests"]
            for n in res for r in res[n])
-med = lambda n, k: st.median(r[k] for r in res[n])
+med = lambda n, k: st.median(r[k] for r in res[n]) if n in res else float("nan")
 mem, on, fwd, off = med("mem", "ms"), med("on", "ms"), med("fwd", "ms"), med("off", "ms")
 io = (med("on", "rd") / brd + med("on", "wr") / bwr) * 1e3
 io_off = (med("off", "rd") / brd + med("off", "wr") / bwr) * 1e3
@@ -128,4 +141,13 @@ print("# offloaded / in memory: %.3f (the default), %.3f (update in the forward)
 print("# offloaded / max(in memory, IO floor, CPU floor) = %.1f / %.1f (%s): %.3f (target <= 1.15: %s)" % (
     on, bound, which, on / bound, "met" if on / bound <= 1.15 else "NOT met"))
 print("# losses and digests equal in all runs: %s" % ("yes" if same else "NO"))
+if not same:  # which runs agree: each group is one set of bits
+    groups = {}
+    for n in res:
+        for i, r in enumerate(res[n], 1):
+            bits = (tuple(r["losses"]), tuple(r["digests"]))
+            groups.setdefault(bits, []).append("%s.%d" % (n, i))
+    for (losses, digests), names in groups.items():
+        print("#   %s: losses %s; last digest %s" % (" ".join(names), " ".join(map(str, losses)),
+                                                    digests[-1] if digests else None))
 PY

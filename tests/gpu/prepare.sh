@@ -19,7 +19,7 @@ for p in "${progs[@]}"; do
   cp "$p" .gpu/bin/
   strip .gpu/bin/"$(basename "$p")"
 done
-cp bench/train_offload.sh .gpu/bin/
+cp bench/train_offload.sh bench/offload_step.sh .gpu/bin/
 cp -L build-gpu/src/libzinf.so.0 .gpu/lib/ 2>/dev/null || cp -L build-gpu/src/libzinf.so* .gpu/lib/
 for p in "${progs[@]}"; do ldd "$p"; done | awk '$3 ~ /^\// {print $3}' | sort -u |
   grep -vE '/(libc|libm|libpthread|libdl|librt|libresolv|libgcc_s|libstdc\+\+)\.so|ld-linux' |

@@ -12,13 +12,16 @@
 #     loss curve printed, in bf16 (the default) and again in fp16 with loss scaling;
 #   - `zinf launch -n 1 -- zinf train` with --accumulate 2: a rank on LOCAL_RANK's GPU with
 #     exact accumulation (the GPU ranks' folds and chunked norm);
-#   - the step time with weights streamed from host memory against resident weights.
+#   - the step time with weights streamed from host memory against resident weights;
+#   - bench/offload_step.sh on the GPU: the step with everything homed on NVMe against the
+#     same step in memory and the IO floor.
 # summary.txt, figures.json and logs.tar.gz (every log, the build's included) land in $OUT
 # (or ./gpu-out): three files, since what comes back from such a machine is counted in
 # files. The archive is refreshed after every step, and the steps share one deadline
 # (BUDGET seconds, default 540: each step's timeout is cut to what is left), so that a run
 # stopped from outside still leaves its summary and logs. DEVICE=emulated runs the same steps
-# without a GPU (the gpu suite skips), to try the script itself.
+# without a GPU (the gpu suite skips), to try the script itself. ONLY="name ..." runs only the
+# steps named.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-out}
@@ -55,6 +58,7 @@ cat README.md docs/*.md src/*/*.c src/*/*.h > "$swap/data.txt"
 step() { # name timeout command...
   local name=$1 t=$2
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   local left=$((deadline - SECONDS))
   [ "$t" -le "$left" ] || t=$left
   echo "== $name: $*" | tee -a "$out/summary.txt"
@@ -120,6 +124,15 @@ step train_launch1 60 "$bin/zinf" launch -n 1 -- "$bin/zinf" train --config "$sw
 step stream 90 env ZINF="$bin/zinf" MODE=host DEVICE="$device" LAYERS=6 DIM=1024 HEADS=16 SEQ=512 \
   BATCH=8 STEPS=4 DEVICE_BYTES=256M HOST_BYTES=4G RES_DEVICE_BYTES=4G RES_HOST_BYTES=4G \
   DATA="$swap/data.txt" bash "$bin/train_offload.sh" "$swap/stream" 2
+# The offloaded step against its bounds (in memory, the IO floor) at 12 x 768, batch 4 x 64,
+# and 16 x 128, everything homed on NVMe under 128M device / 256M host, with the GPU's copy
+# engines.
+mkdir -p "$swap/step"
+step offload_step 240 env ZINF="$bin/zinf" DEVICE="$device" RUNS="mem memh on off" \
+  DATA="$swap/data.txt" bash "$bin/offload_step.sh" "$swap/step" 2
+step offload_step16 240 env ZINF="$bin/zinf" DEVICE="$device" RUNS="mem memh on off" \
+  BATCH=16 SEQ=128 \
+  DATA="$swap/data.txt" bash "$bin/offload_step.sh" "$swap/step" 2
 rm -rf "$swap"
 
 python3 - "$logs" "$out" <<'PY' || status=1
@@ -144,6 +157,12 @@ for l in lines("stream.log"):
     m = re.search(r"median step-time ratio offloaded / resident: ([0-9.]+)", l)
     if m:
         fig["stream_ratio"] = float(m.group(1))
+for name in ("offload_step", "offload_step16"):
+    for l in lines(name + ".log"):
+        m = re.search(r"offloaded / max\(in memory, IO floor, CPU floor\) = .*: ([0-9.]+)", l)
+        if m:
+            fig[name + "_ratio"] = float(m.group(1))
+    fig[name] = [l for l in lines(name + ".log") if l.startswith("#")]
 fig["kernels"] = [l for l in lines("kernels.log") if "largest" in l]
 fig["train_gpu"] = [l for l in lines("train_gpu.log") if "largest" in l or "step" in l]
 json.dump(fig, open(os.path.join(out, "figures.json"), "w"), indent=1)
