@@ -1,10 +1,10 @@
 /*
- * adamw.cu - the AdamW step on the GPU: the CUDA twin of src/train/adamw.c's scalar
- * reference (same arithmetic, same order of operations per element; one thread per
- * element, grid-stride), fused with the cast of the new parameter to the 16-bit copy the
- * device computes with: bf16 (the twin of adamw_update_bf16) or fp16 (the twin of
- * adamw_update then ops_cast_f32_to_f16), both rounding to nearest even. tests/test_kernels.c
- * runs both on the same input and reports the largest difference against the fp32 tolerance.
+ * adamw.cu - the AdamW step on the GPU: the CUDA twin of src/train/adamw.c's kernels
+ * (same arithmetic, same order of operations, the same multiply-adds fused, per element;
+ * one thread per element, grid-stride), fused with the cast of the new parameter to the
+ * 16-bit copy the device computes with: bf16 (the twin of adamw_update_bf16) or fp16 (the
+ * twin of adamw_update then ops_cast_f32_to_f16), both rounding to nearest even.
+ * tests/test_kernels.c runs both on the same input and expects the same bits.
  *
  * Not here: 16-bit optimizer states, fused clipping (the scale comes in, as on the CPU; the
  * sum of squares it is computed from is kernel_sumsq in reduce.cu).
@@ -14,9 +14,10 @@
 #include "kernels/common.cuh"
 
 /* One element per thread: p -= lr * (mhat / (sqrt(vhat) + eps) + wd * p), in adamw.c's
- * order (with L2, wd * p joins the gradient instead). The _rn intrinsics are the plain IEEE
- * operations that nvcc may not fuse into multiply-adds, so each element comes out as the
- * scalar reference's bits (which has no FMAs either). pc is NULL when no 16-bit copy is wanted (a uniform branch). */
+ * order (with L2, wd * p joins the gradient instead). The _rn intrinsics are single IEEE
+ * operations that nvcc may not contract, and __fmaf_rn is a multiply-add fused exactly where
+ * adamw.c's kernels fuse one, so each element comes out as the CPU's bits. pc is NULL when
+ * no 16-bit copy is wanted (a uniform branch). */
 template <typename E, bool L2>
 __global__ static void
 adamw_kernel(float *__restrict__ p, const float *__restrict__ g, float *__restrict__ m,
@@ -25,15 +26,15 @@ adamw_kernel(float *__restrict__ p, const float *__restrict__ g, float *__restri
 {
     size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        float gi = __fmul_rn(g[i], gs);
-        if (L2) gi = __fadd_rn(gi, __fmul_rn(wd, p[i])); /* Adam's L2, in the gradient */
-        float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(omb1, gi));
-        float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(omb2, __fmul_rn(gi, gi)));
-        float mhat = __fmul_rn(mi, bc1), vhat = __fmul_rn(vi, bc2);
         float pi = p[i];
+        float gi = __fmul_rn(g[i], gs);
+        if (L2) gi = __fmaf_rn(wd, pi, gi); /* Adam's L2, in the gradient */
+        float mi = __fmaf_rn(b1, m[i], __fmul_rn(omb1, gi));
+        float vi = __fmaf_rn(b2, v[i], __fmul_rn(omb2, __fmul_rn(gi, gi)));
+        float mhat = __fmul_rn(mi, bc1), vhat = __fmul_rn(vi, bc2);
         float u = __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps));
-        if (!L2) u = __fadd_rn(u, __fmul_rn(wd, pi));
-        pi = __fsub_rn(pi, __fmul_rn(lr, u));
+        if (!L2) u = __fmaf_rn(wd, pi, u);
+        pi = __fmaf_rn(-lr, u, pi);
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;

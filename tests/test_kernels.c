@@ -1208,8 +1208,8 @@ static struct adamw_hparams adam_hparams(void)
     return h;
 }
 
-/* Against the scalar reference, which has no FMAs: the kernel keeps nvcc from fusing, so
- * the bits should agree; the assertion allows fp32 rounding. */
+/* Against the scalar reference (whose bits every CPU kernel gives): the kernel fuses the
+ * multiply-adds it fuses and keeps nvcc from fusing any other, so the bits are the same. */
 Test(kernels_gpu, adamw_matches_the_cpu_reference)
 {
     need_gpu();
@@ -1223,10 +1223,9 @@ Test(kernels_gpu, adamw_matches_the_cpu_reference)
             adamw_update_isa(ADAMW_ISA_SCALAR, s.p.h, s.g.h, s.m.h, s.v.h, n, &h, step, 0.5f), 0);
     }
     sync_ok();
-    struct tol t = {1e-11, 1e-5, 0, "fp32 1e-11 + 1e-5|x| (bitwise expected)"};
-    twin_check("adamw param", KDT_F32, &s.p, t);
-    twin_check("adamw m", KDT_F32, &s.m, t);
-    twin_check("adamw v", KDT_F32, &s.v, t);
+    twin_check("adamw param", KDT_F32, &s.p, TOL_EXACT);
+    twin_check("adamw m", KDT_F32, &s.m, TOL_EXACT);
+    twin_check("adamw v", KDT_F32, &s.v, TOL_EXACT);
     adam_state_free(&s);
 }
 
@@ -1243,9 +1242,8 @@ static int cpu_adamw_16(const struct type16 *t, struct adam_state *s, uint16_t *
 }
 
 /* The fused 16-bit copy is exactly the rounding of the kernel's own fp32 parameter, and
- * within one step of the type (2^-7 relative for bf16, 2^-10 for fp16) of the CPU's, whose
- * fp32 update may differ in the last bit (its vector kernels fuse multiply-adds). */
-static void check_adamw_copy(const struct type16 *t, double one_step)
+ * that parameter and the copy are the CPU's bits. */
+static void check_adamw_copy(const struct type16 *t)
 {
     need_gpu();
     const size_t n = ((size_t)1 << 16) + 5;
@@ -1259,7 +1257,7 @@ static void check_adamw_copy(const struct type16 *t, double one_step)
     sync_ok();
     char what[96];
     snprintf(what, sizeof(what), "adamw param (with %s copy)", name);
-    twin_check(what, KDT_F32, &s.p, TOL_F32);
+    twin_check(what, KDT_F32, &s.p, TOL_EXACT);
     cr_assert_eq(cudaMemcpy(c16, d_16, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
 
     float *gpu_p = twin_download(&s.p), *got = falloc(n), *want = falloc(n);
@@ -1273,9 +1271,8 @@ static void check_adamw_copy(const struct type16 *t, double one_step)
                 "parameter (tolerance exact)",
                 name, own, n);
     cr_assert_eq(own, 0);
-    struct tol step = {0, one_step, 0, "one step of the 16-bit type"};
     snprintf(what, sizeof(what), "adamw %s copy vs the CPU's", name);
-    expect_close(what, got, want, n, step);
+    expect_close(what, got, want, n, TOL_EXACT);
 
     free(gpu_p);
     free(got);
@@ -1288,12 +1285,12 @@ static void check_adamw_copy(const struct type16 *t, double one_step)
 
 Test(kernels_gpu, adamw_bf16_copy_matches_the_cpu_reference)
 {
-    check_adamw_copy(&T_BF16, 0x1p-7);
+    check_adamw_copy(&T_BF16);
 }
 
 Test(kernels_gpu, adamw_f16_copy_matches_the_cpu_reference)
 {
-    check_adamw_copy(&T_F16, 0x1p-10);
+    check_adamw_copy(&T_F16);
 }
 
 /* LAMB's two launches against lamb_moments and lamb_apply: the moments and the update per

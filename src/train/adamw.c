@@ -1,7 +1,9 @@
 /*
  * adamw.c - the AdamW step of adamw.h: a scalar reference, an AVX2+FMA kernel and an
  * AVX-512F kernel (compiled for their targets function by function, chosen at run time with
- * __builtin_cpu_supports), spread over OpenMP threads.
+ * __builtin_cpu_supports), spread over OpenMP threads. All three, and the GPU's twin
+ * (kernels/adamw.cu), do the same IEEE operations per element, the same ones fused, so they
+ * give the same bits: where the optimizer runs does not change a result.
  *
  * Threads take fixed chunks of CHUNK_ELEMS elements; a vector kernel handles a chunk's
  * ragged end with a masked load and store rather than a scalar loop, so every element goes
@@ -49,22 +51,23 @@ void adamw_hparams_defaults(struct adamw_hparams *h)
 static void update_scalar(float *p, const float *g, float *m, float *v, size_t n,
                           const struct coeffs *c)
 {
+    /* fmaf where the vector kernels fuse, and nowhere else: the same bits as they give. */
     for (size_t i = 0; i < n; i++) {
         float gi = g[i] * c->gs;
-        if (c->l2) gi += c->wd * p[i];
-        float mi = c->b1 * m[i] + c->omb1 * gi;
-        float vi = c->b2 * v[i] + c->omb2 * (gi * gi);
+        if (c->l2) gi = fmaf(c->wd, p[i], gi);
+        float mi = fmaf(c->b1, m[i], c->omb1 * gi);
+        float vi = fmaf(c->b2, v[i], c->omb2 * (gi * gi));
         float mhat = mi * c->bc1, vhat = vi * c->bc2;
         float u = mhat / (sqrtf(vhat) + c->eps);
-        if (!c->l2) u += c->wd * p[i];
-        p[i] -= c->lr * u;
+        if (!c->l2) u = fmaf(c->wd, p[i], u);
+        p[i] = fmaf(-c->lr, u, p[i]);
         m[i] = mi;
         v[i] = vi;
     }
 }
 
-/* The same arithmetic as update_scalar, eight lanes at a time, with fused multiply-adds
- * for the moment updates, the decay and the final step. */
+/* The same arithmetic as update_scalar, eight lanes at a time: fused multiply-adds for the
+ * moment updates, the decay and the final step, as update_scalar's fmaf. */
 #define AVX2_STEP(P, G, M, V, L2)                                                                  \
     do {                                                                                           \
         __m256 gi_ = _mm256_mul_ps((G), gs);                                                       \

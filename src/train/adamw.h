@@ -12,8 +12,9 @@
  * v written), so it is written to stream: an AVX-512F or AVX2+FMA kernel chosen at run time,
  * split over OpenMP threads in fixed chunks. Each element is computed alone and the same
  * way wherever it falls (vector tails use masks), so the result does not depend on the
- * thread count; it matches the scalar reference to within fp32 rounding (the vector kernels
- * fuse multiply-adds).
+ * thread count; every kernel (the scalar reference with fmaf, the vector ones with their
+ * FMA instructions, the GPU's with __fmaf_rn) fuses the same multiply-adds, so the bits do
+ * not depend on the kernel either.
  *
  * Not here: where the buffers live, per-parameter-group policies (the caller passes
  * weight_decay = 0 for tensors that should not decay), learning-rate schedules.

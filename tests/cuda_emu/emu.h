@@ -62,6 +62,10 @@ inline float __fsub_rn(float a, float b)
 {
     return a - b;
 }
+inline float __fmaf_rn(float a, float b, float c)
+{
+    return fmaf(a, b, c);
+}
 inline float __fdiv_rn(float a, float b)
 {
     return a / b;
