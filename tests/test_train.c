@@ -838,6 +838,93 @@ Test(train, deferred_update_failing_anywhere_goes_on_with_the_same_losses)
     trainer_close(t);
 }
 
+/* What finishes an update deferred to the next forward, against the update at the step's
+ * end: a validation (after step 2), a sample (after step 3) and a checkpoint (after step 4)
+ * each run it first, and see and leave the same parameters (the same loss, bytes and
+ * digests). A checkpoint whose finishing update fails returns the error, writes nothing and
+ * leaves the trainer usable: the next one finishes the update and saves, and a resume from
+ * it goes on bitwise. */
+struct pend_run {
+    float loss[5], eval2;
+    unsigned char sample3[12]; /* after a 1-byte prompt, within the seq of 16 */
+    uint64_t dg[4];
+};
+
+static void pend_digest(struct trainer *t, int step, uint64_t *dg)
+{
+    struct trainer_summary s;
+    trainer_get_summary(t, &s);
+    cr_assert(s.have_digest);
+    cr_assert_eq(s.digest_step, step, "the digest of step %d, not %d", s.digest_step, step);
+    dg[step - 1] = s.digest;
+}
+
+static void pend_run(const char *tag, bool in_forward, struct pend_run *out)
+{
+    char err[512];
+    struct trainer *t = NULL;
+    struct trainer_step_stats st;
+    struct trainer_summary sum;
+    fault_model(tag);
+    struct trainer_opts o = fault_opts;
+    o.update_in_forward = in_forward;
+    o.digest = true;
+    o.sample = true;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    for (int s = 1; s <= 4; s++) {
+        cr_assert_eq(trainer_step(t, &st), 0, "%s: step %d", tag, s);
+        out->loss[s - 1] = st.loss;
+        cr_assert_eq(st.update_pending, in_forward);
+        if (s == 2) {
+            cr_assert_eq(trainer_eval(t, 3, &out->eval2), 0);
+            pend_digest(t, 2, out->dg);
+        } else if (s == 3) {
+            cr_assert_eq(trainer_sample(t, 9, (const unsigned char *)"\n", 1, out->sample3,
+                                        sizeof(out->sample3)),
+                         (int)sizeof(out->sample3));
+            pend_digest(t, 3, out->dg);
+        }
+    }
+    if (in_forward) {
+        int ntensors = 4 + GPT_BLOCK_NSLOTS * o.model.L;
+        trainer_get_summary(t, &sum);
+        int saved = sum.checkpoint_step;
+        trainer_fault_optimizer(t, ntensors / 2, EIO);
+        cr_assert_eq(trainer_checkpoint(t), -EIO, "the finishing update fails the checkpoint");
+        trainer_get_summary(t, &sum);
+        cr_assert_eq(sum.checkpoint_step, saved, "a failed checkpoint saved step %d",
+                     sum.checkpoint_step);
+        cr_assert(!sum.torn, "a failed finishing update tore the state");
+        cr_assert_eq(sum.digest_step, 3, "half an update counted as done");
+    }
+    cr_assert_eq(trainer_checkpoint(t), 0);
+    pend_digest(t, 4, out->dg);
+    trainer_close(t);
+    o.resume = true;
+    t = NULL;
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(trainer_next_step(t), 5);
+    cr_assert_eq(trainer_step(t, &st), 0);
+    out->loss[4] = st.loss;
+    trainer_close(t);
+}
+
+Test(train, eval_sample_and_checkpoint_finish_a_deferred_update)
+{
+    static struct pend_run end, fwd;
+    pend_run("pend-end", false, &end);
+    pend_run("pend-fwd", true, &fwd);
+    for (int i = 0; i < 5; i++)
+        cr_assert(!memcmp(&end.loss[i], &fwd.loss[i], sizeof(float)),
+                  "step %d: %.9g at the step's end, %.9g in the next forward", i + 1, end.loss[i],
+                  fwd.loss[i]);
+    cr_assert(!memcmp(&end.eval2, &fwd.eval2, sizeof(float)), "validation: %.9g, %.9g",
+              end.eval2, fwd.eval2);
+    cr_assert_eq(memcmp(end.sample3, fwd.sample3, sizeof(end.sample3)), 0, "the sample");
+    for (int i = 1; i < 4; i++)
+        cr_assert_eq(end.dg[i], fwd.dg[i], "the digest of step %d", i + 1);
+}
+
 /* The optimizer's pipeline: with it (the default) and without it (pipeline_read and
  * pipeline_write false), and in memory, the same losses and parameter digests bit for bit.
  * With it, sets are asked for ahead and the engine writes released sets behind; without it,
