@@ -762,3 +762,51 @@ Test(extent, next_fit_allocates_side_by_side_and_wraps)
     cr_assert_eq(extent_validate(&a), 0);
     extent_fini(&a);
 }
+
+/* Under a mark: room freed below it is taken again, next fit wrapping at the mark, before
+ * any page past it; where nothing below holds the request, the lowest room that does. */
+Test(extent, alloc_under_reuses_room_below_the_mark_first)
+{
+    const uint64_t P = 4096;
+    struct extent_alloc a;
+    uint64_t o[4], x, mark = 0;
+
+    cr_assert_eq(extent_init(&a, 64 * P, P), 0);
+    for (int i = 0; i < 4; i++) { /* [0,4) [4,8) [8,12) [12,16): the mark at 16 */
+        cr_assert_eq(extent_alloc_under(&a, 4 * P, mark, mark, &o[i]), 0);
+        cr_assert_eq(o[i], (uint64_t)i * 4 * P, "side by side from an empty arena");
+        mark = o[i] + 4 * P;
+    }
+    /* Freed and taken again, as a step's sets are: next fit (from 16, wrapping at the
+     * mark) finds [0,4), not the untouched [16,64). */
+    cr_assert_eq(extent_free(&a, o[0]), 0);
+    cr_assert_eq(extent_alloc_under(&a, 4 * P, mark, mark, &x), 0);
+    cr_assert_eq(x, 0, "room below the mark first");
+    /* Two holes under the mark: next fit from the hint takes the one at or after it. */
+    cr_assert_eq(extent_free(&a, o[1]), 0);
+    cr_assert_eq(extent_free(&a, o[3]), 0);
+    cr_assert_eq(extent_alloc_under(&a, 2 * P, 10 * P, mark, &x), 0);
+    cr_assert_eq(x, 12 * P, "next fit from the hint");
+    cr_assert_eq(extent_alloc_under(&a, 2 * P, 14 * P, mark, &x), 0);
+    cr_assert_eq(x, 14 * P);
+    cr_assert_eq(extent_alloc_under(&a, 2 * P, 16 * P, mark, &x), 0);
+    cr_assert_eq(x, 4 * P, "a hint at the mark wraps to the start");
+    /* [6,8) is free below the mark and [16,64) above: 4 pages fit only across the mark,
+     * so the lowest room that holds them, [16,20): the mark moves by 4 pages. */
+    cr_assert_eq(extent_alloc_under(&a, 4 * P, 6 * P, mark, &x), 0);
+    cr_assert_eq(x, 16 * P);
+    /* A free extent that straddles the mark: the lowest room is taken from its start. */
+    cr_assert_eq(extent_free(&a, x), 0);
+    cr_assert_eq(extent_free(&a, 12 * P), 0);
+    cr_assert_eq(extent_free(&a, 14 * P), 0); /* [12,64) free, the mark still at 16 */
+    cr_assert_eq(extent_alloc_under(&a, 8 * P, 0, mark, &x), 0);
+    cr_assert_eq(x, 12 * P, "across the mark from the lowest room");
+    cr_assert_eq(extent_validate(&a), 0);
+    /* The errors of extent_alloc_from. */
+    cr_assert_eq(extent_alloc_under(&a, 0, 0, mark, &x), -EINVAL);
+    cr_assert_eq(extent_alloc_under(&a, 65 * P, 0, mark, &x), -ENOSPC);
+    cr_assert_eq(extent_alloc_under(&a, 60 * P, 0, mark, &x), -ENOSPC);
+    cr_assert_eq(extent_alloc_under(&a, P, 0, 1ull << 50, &x), 0, "a mark past the end");
+    cr_assert_eq(extent_validate(&a), 0);
+    extent_fini(&a);
+}

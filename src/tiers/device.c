@@ -74,6 +74,7 @@ struct device {
     bool sync_up;
     struct extent_alloc ext;
     uint64_t next_fit; /* where the next allocation starts looking (next fit) */
+    uint64_t mark;     /* the end of the room ever handed out (extent_alloc_under) */
     struct device_copy *pend_head, *pend_tail;
     unsigned inflight;              /* accepted copies whose callback has not returned */
     bool closing;                   /* refuse new copies */
@@ -683,8 +684,11 @@ int device_alloc(struct device *d, size_t bytes, uint64_t *off)
 
     if (!d || !off || bytes == 0) return -EINVAL;
     pthread_mutex_lock(&d->lock);
-    r = extent_alloc_from(&d->ext, bytes, d->next_fit, off);
-    if (r == 0) d->next_fit = *off + bytes;
+    r = extent_alloc_under(&d->ext, bytes, d->next_fit, d->mark, off);
+    if (r == 0) {
+        d->next_fit = *off + bytes;
+        if (d->next_fit > d->mark) d->mark = d->next_fit;
+    }
     pthread_mutex_unlock(&d->lock);
     return r;
 }

@@ -294,6 +294,38 @@ int extent_alloc_from(struct extent_alloc *a, uint64_t bytes, uint64_t from, uin
     return -ENOSPC;
 }
 
+int extent_alloc_under(struct extent_alloc *a, uint64_t bytes, uint64_t from, uint64_t mark,
+                       uint64_t *off)
+{
+    if (!a || !off || !bytes) return -EINVAL;
+    if (bytes > a->capacity_bytes) return -ENOSPC;
+    uint64_t need = align_up(bytes, a->granularity);
+    mark = align_down(MIN(mark, a->capacity_bytes), a->granularity);
+    if (need <= mark) {
+        if (from >= mark) from = 0;
+        from = align_down(from, a->granularity);
+        struct extent *e = free_at_or_after(a, from);
+        for (; e && e->off < mark; e = find_gt(a->free_by_off, e->off)) {
+            uint64_t start = MAX(e->off, from), end = MIN(e->off + e->len, mark);
+            if (end - start >= need) {
+                int r = extent_reserve(a, start, need);
+                if (r == 0) *off = start;
+                return r;
+            }
+        }
+        for (e = free_at_or_after(a, 0); e && e->off < from; e = find_gt(a->free_by_off, e->off)) {
+            if (MIN(e->off + e->len, mark) - e->off >= need) { /* e->off < from < mark */
+                uint64_t start = e->off; /* e itself may shrink from the front */
+                int r = extent_reserve(a, start, need);
+                if (r == 0) *off = start;
+                return r;
+            }
+        }
+    }
+    /* Nothing under the mark holds it: the lowest room that does moves the mark the least. */
+    return extent_alloc_from(a, bytes, 0, off);
+}
+
 int extent_reserve(struct extent_alloc *a, uint64_t off, uint64_t bytes)
 {
     if (!a || !bytes || !is_aligned(off, a->granularity) || off > a->capacity_bytes ||

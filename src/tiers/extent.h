@@ -65,6 +65,15 @@ int extent_reserve(struct extent_alloc *a, uint64_t off, uint64_t bytes);
  * a ring: what is pinned together stays together instead of being scattered over the
  * holes best fit would pick. O(free extents) at worst. Same returns as extent_alloc(). */
 int extent_alloc_from(struct extent_alloc *a, uint64_t bytes, uint64_t from, uint64_t *off);
+/* Next fit under a mark: as extent_alloc_from(), but only in room that ends by `mark` (the
+ * search wraps at the mark, not at the capacity); where none there holds the request, the
+ * lowest free extent that does (first fit), which moves the mark the least. A memory tier
+ * passes the end of the room it ever handed out, so that it reuses pages already touched
+ * before it touches new ones: room freed and taken again step after step stays in the same
+ * pages instead of walking through the whole arena, faulting each page in once. Same
+ * returns as extent_alloc(). */
+int extent_alloc_under(struct extent_alloc *a, uint64_t bytes, uint64_t from, uint64_t mark,
+                       uint64_t *off);
 /* Free the allocation that starts at off. -EINVAL when off is not the start of a live
  * allocation (a double free, a stray offset); state is unchanged then. Never allocates. */
 int extent_free(struct extent_alloc *a, uint64_t off);

@@ -67,6 +67,7 @@ struct host {
     pthread_mutex_t lock; /* ext */
     struct extent_alloc ext;
     uint64_t next_fit; /* where the next allocation starts looking (next fit) */
+    uint64_t mark;     /* the end of the room ever handed out (extent_alloc_under) */
 };
 
 static const char *limit_str(rlim_t v, char *buf, size_t len)
@@ -289,8 +290,11 @@ int host_alloc(struct host *h, size_t bytes, uint64_t *off)
 
     if (!h || !off || bytes == 0) return -EINVAL;
     pthread_mutex_lock(&h->lock);
-    ret = extent_alloc_from(&h->ext, bytes, h->next_fit, off);
-    if (ret == 0) h->next_fit = *off + bytes;
+    ret = extent_alloc_under(&h->ext, bytes, h->next_fit, h->mark, off);
+    if (ret == 0) {
+        h->next_fit = *off + bytes;
+        if (h->next_fit > h->mark) h->mark = h->next_fit;
+    }
     pthread_mutex_unlock(&h->lock);
     return ret;
 }
