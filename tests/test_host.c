@@ -116,6 +116,25 @@ Test(host, alloc_free_and_pointers)
     host_close(h);
 }
 
+/* Room freed and taken again, as a step's sets are, stays in the pages used so far: a
+ * hundred rounds of two 1 MiB sets never reach past the first 2 MiB of the arena, where
+ * next fit over the whole arena would walk through all of it (faulting in each page). */
+Test(host, freed_room_is_taken_again_before_untouched_room)
+{
+    struct host *h = open_host(CAP, 0, false);
+    uint64_t x, y, end = 0;
+    for (int i = 0; i < 100; i++) {
+        cr_assert_eq(host_alloc(h, MiB, &x), 0);
+        cr_assert_eq(host_alloc(h, MiB, &y), 0);
+        end = MAX(end, MAX(x, y) + MiB);
+        cr_assert_eq(host_free(h, x), 0);
+        cr_assert_eq(host_free(h, y), 0);
+    }
+    cr_assert_eq(end, 2 * MiB, "the sets reached %llu bytes into the arena",
+                 (unsigned long long)end);
+    host_close(h);
+}
+
 Test(host, bad_input)
 {
     struct host_opts o = {.capacity_bytes = CAP, .numa_node = -1};
