@@ -23,7 +23,8 @@
 #   DEVICE=emulated (or cuda: the step on a GPU, whose copy engines move the device tier's
 #   bytes; the update in the forward applies to CPU steps only, so there "fwd" is "on" again)
 #   RUNS="mem on fwd off" (which runs, in this order; mem and on are needed; memh: in memory
-#   with the optimizer on the host, whose bits a GPU's offloaded runs equal)
+#   with the optimizer on the host, whose bits a GPU's offloaded runs equal; a figure of a
+#   run not made prints as nan)
 #   TRACE=1: also write DIR/trace-<run>-<round>.json (zinf train --trace) for
 #   bench/step_breakdown.py
 set -euo pipefail

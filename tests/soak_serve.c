@@ -832,26 +832,26 @@ static void hostile_silent(void)
     }
     hr.silent_held += (uint64_t)n;
     sleep_ms(opt_limits ? (HELLO_TIMEOUT_S + 2) * 1000 : 3000);
-    int open_still = 0;
-    for (int i = 0; i < n; i++)
-        if (silent_open(fds[i])) fds[open_still++] = fds[i];
-        else {
-            hr.silent_closed++;
-            close(fds[i]);
-        }
-    for (int waited_ms = 0; opt_limits && open_still && waited_ms < SILENT_GRACE_S * 1000;
-         waited_ms += 100) {
-        sleep_ms(100);
+    int open_still = n;
+    for (int waited_ms = 0;; waited_ms += 100) {
         int left = 0;
-        for (int i = 0; i < open_still; i++)
-            if (silent_open(fds[i])) fds[left++] = fds[i];
-            else {
-                hr.silent_late++;
-                if ((uint64_t)waited_ms + 100 > hr.silent_late_ms)
-                    hr.silent_late_ms = (uint64_t)waited_ms + 100;
-                close(fds[i]);
+        for (int i = 0; i < open_still; i++) {
+            if (silent_open(fds[i])) {
+                fds[left++] = fds[i];
+                continue;
             }
+            close(fds[i]);
+            if (!waited_ms) {
+                hr.silent_closed++;
+            } else {
+                hr.silent_late++;
+                if ((uint64_t)waited_ms > hr.silent_late_ms)
+                    hr.silent_late_ms = (uint64_t)waited_ms;
+            }
+        }
         open_still = left;
+        if (!opt_limits || !open_still || waited_ms >= SILENT_GRACE_S * 1000) break;
+        sleep_ms(100);
     }
     for (int i = 0; i < open_still; i++)
         close(fds[i]);

@@ -266,32 +266,32 @@ static struct extent *free_at_or_after(const struct extent_alloc *a, uint64_t x)
     return find_gt(a->free_by_off, x);
 }
 
+/* Next fit in [0, end): the first free room at or after `from` that holds need bytes and
+ * ends by `end`, else the first such room from the start. -ENOSPC when there is none. */
+static int next_fit(struct extent_alloc *a, uint64_t need, uint64_t from, uint64_t end,
+                    uint64_t *off)
+{
+    if (need > end) return -ENOSPC;
+    if (from >= end) from = 0;
+    from = align_down(from, a->granularity);
+    uint64_t start = UINT64_MAX;
+    struct extent *e = free_at_or_after(a, from);
+    for (; e && e->off < end && start == UINT64_MAX; e = find_gt(a->free_by_off, e->off))
+        if (MIN(e->off + e->len, end) - MAX(e->off, from) >= need) start = MAX(e->off, from);
+    e = free_at_or_after(a, 0);
+    for (; e && e->off < from && start == UINT64_MAX; e = find_gt(a->free_by_off, e->off))
+        if (MIN(e->off + e->len, end) - e->off >= need) start = e->off;
+    if (start == UINT64_MAX) return -ENOSPC;
+    int r = extent_reserve(a, start, need); /* the extent may shrink from the front */
+    if (r == 0) *off = start;
+    return r;
+}
+
 int extent_alloc_from(struct extent_alloc *a, uint64_t bytes, uint64_t from, uint64_t *off)
 {
     if (!a || !off || !bytes) return -EINVAL;
     if (bytes > a->capacity_bytes) return -ENOSPC;
-    uint64_t need = align_up(bytes, a->granularity);
-    if (from >= a->capacity_bytes) from = 0;
-    from = align_down(from, a->granularity);
-
-    for (struct extent *e = free_at_or_after(a, from); e; e = find_gt(a->free_by_off, e->off)) {
-        uint64_t start = MAX(e->off, from);
-        if (e->off + e->len - start >= need) {
-            int r = extent_reserve(a, start, need);
-            if (r == 0) *off = start;
-            return r;
-        }
-    }
-    for (struct extent *e = free_at_or_after(a, 0); e && e->off < from;
-         e = find_gt(a->free_by_off, e->off)) {
-        if (e->len >= need) {
-            uint64_t start = e->off; /* e itself may shrink from the front */
-            int r = extent_reserve(a, start, need);
-            if (r == 0) *off = start;
-            return r;
-        }
-    }
-    return -ENOSPC;
+    return next_fit(a, align_up(bytes, a->granularity), from, a->capacity_bytes, off);
 }
 
 int extent_alloc_under(struct extent_alloc *a, uint64_t bytes, uint64_t from, uint64_t mark,
@@ -301,29 +301,9 @@ int extent_alloc_under(struct extent_alloc *a, uint64_t bytes, uint64_t from, ui
     if (bytes > a->capacity_bytes) return -ENOSPC;
     uint64_t need = align_up(bytes, a->granularity);
     mark = align_down(MIN(mark, a->capacity_bytes), a->granularity);
-    if (need <= mark) {
-        if (from >= mark) from = 0;
-        from = align_down(from, a->granularity);
-        struct extent *e = free_at_or_after(a, from);
-        for (; e && e->off < mark; e = find_gt(a->free_by_off, e->off)) {
-            uint64_t start = MAX(e->off, from), end = MIN(e->off + e->len, mark);
-            if (end - start >= need) {
-                int r = extent_reserve(a, start, need);
-                if (r == 0) *off = start;
-                return r;
-            }
-        }
-        for (e = free_at_or_after(a, 0); e && e->off < from; e = find_gt(a->free_by_off, e->off)) {
-            if (MIN(e->off + e->len, mark) - e->off >= need) { /* e->off < from < mark */
-                uint64_t start = e->off; /* e itself may shrink from the front */
-                int r = extent_reserve(a, start, need);
-                if (r == 0) *off = start;
-                return r;
-            }
-        }
-    }
+    int r = next_fit(a, need, from, mark, off);
     /* Nothing under the mark holds it: the lowest room that does moves the mark the least. */
-    return extent_alloc_from(a, bytes, 0, off);
+    return r == -ENOSPC ? next_fit(a, need, 0, a->capacity_bytes, off) : r;
 }
 
 int extent_reserve(struct extent_alloc *a, uint64_t off, uint64_t bytes)

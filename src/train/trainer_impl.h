@@ -98,6 +98,7 @@ struct trainer {
     void (*fault_begin)(struct trainer *t, unsigned arg); /* trainer_fault_optimizer_begin() */
     unsigned fault_begin_arg;
     bool fault_overflow;         /* trainer_fault_overflow() */
+    int fault_save_err;          /* trainer_fault_step_save() */
     double checkpoint_seconds;
     uint64_t checkpoint_bytes;
     uint64_t peak[3];
@@ -130,8 +131,8 @@ struct trainer {
     struct train_update {
         bool pending; /* deferred and not finished */
         bool begun;   /* the fault hook ran */
-        int step;      /* the step it belongs to */
-        int applied;   /* Adam's count */
+        int step;     /* the step it belongs to */
+        int applied;  /* Adam's count */
         float lr, scale;
         int next;        /* the optimizer's position of the next tensor to update */
         uint64_t digest; /* the digest terms of those updated so far */
