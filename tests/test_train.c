@@ -594,6 +594,14 @@ static void fault_model(const char *tag)
     fault_opts.seq = 16;
 }
 
+/* The number of tensors of the fault tests' model (their layout indices: 0 .. n - 1). */
+static int fault_tensors(void)
+{
+    struct gpt_config gc = fault_opts.model;
+    gc.maxT = fault_opts.seq;
+    return gpt_layout(&gc, NULL, 0);
+}
+
 /* One run: step 1, checkpoint, step 2 with the fault armed by arm(), then on to step 4
  * (fault_deferred: step 2 runs too, and step 3, whose forward runs step 2's update, has the
  * fault). Returns 1 when the fault tore the state, 0 when it left the trainer usable, -1
@@ -671,6 +679,13 @@ static void arm_optimizer(struct trainer *t, unsigned tensor)
     trainer_fault_optimizer(t, (int)tensor, EIO);
 }
 
+/* The write of the step's count fails (after its update, or after the update is deferred). */
+static void arm_step_save(struct trainer *t, unsigned unused)
+{
+    (void)unused;
+    trainer_fault_step_save(t, EIO);
+}
+
 /* Every read fails from now on, until fault_run clears the hook after the step. */
 static void arm_reads_fail(struct trainer *t, unsigned unused)
 {
@@ -725,9 +740,7 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
     uring_get_stats(trainer_engine(t)->io, &u0);
     cr_assert_eq(trainer_step(t, &st), 0);
     uring_get_stats(trainer_engine(t)->io, &u1);
-    struct gpt_config gc = o.model;
-    gc.maxT = o.seq;
-    int ntensors = gpt_layout(&gc, NULL, 0);
+    int ntensors = fault_tensors();
     trainer_close(t);
     unsigned chunks = (unsigned)(u1.chunks - u0.chunks);
     cr_assert_gt(chunks, 10, "a step does IO");
@@ -759,6 +772,8 @@ Test(train, step_failing_anywhere_continues_with_the_same_losses)
      * failing later tears it or is retried, and either way the run goes on bitwise. */
     cr_assert_eq(fault_run(k++, arm_in_optimizer, 0), 1,
                  "every read failing in the optimizer tears the state");
+    cr_assert_eq(fault_run(k++, arm_step_save, 0), 1,
+                 "the count not written after the update tears the state");
     for (unsigned i = 1; i < 5; i++, k++) {
         int got_i = fault_run(k, arm_in_optimizer, i);
         cr_log_info("optimizer fault %u: %s", i,
@@ -796,11 +811,13 @@ Test(train, deferred_update_failing_anywhere_goes_on_with_the_same_losses)
                   ref[i], fault_ref[i]);
     fault_deferred = true;
 
-    int ntensors = 4 + GPT_BLOCK_NSLOTS * fault_opts.model.L, outcome[3] = {0};
+    int ntensors = fault_tensors(), outcome[3] = {0};
     unsigned k = 100;
     for (unsigned i = 0; i < 6; i++, k++)
         outcome[1 + fault_run(k, arm_io, 1 + 40 * i)]++;
     cr_assert_eq(fault_run(k++, arm_reads_fail, 0), 0, "every read failing");
+    cr_assert_eq(fault_run(k++, arm_step_save, 0), 0,
+                 "the count not written after the update was deferred leaves the trainer usable");
     unsigned where[] = {0, (unsigned)ntensors / 2, (unsigned)ntensors - 1};
     for (unsigned i = 0; i < 3; i++, k++)
         cr_assert_eq(fault_run(k, arm_optimizer, where[i]), 0,
@@ -886,10 +903,9 @@ static void pend_run(const char *tag, bool in_forward, struct pend_run *out)
         }
     }
     if (in_forward) {
-        int ntensors = 4 + GPT_BLOCK_NSLOTS * o.model.L;
         trainer_get_summary(t, &sum);
         int saved = sum.checkpoint_step;
-        trainer_fault_optimizer(t, ntensors / 2, EIO);
+        trainer_fault_optimizer(t, fault_tensors() / 2, EIO);
         cr_assert_eq(trainer_checkpoint(t), -EIO, "the finishing update fails the checkpoint");
         trainer_get_summary(t, &sum);
         cr_assert_eq(sum.checkpoint_step, saved, "a failed checkpoint saved step %d",

@@ -893,6 +893,11 @@ void trainer_fault_optimizer(struct trainer *t, int tensor, int err)
     t->fault_err = err;
 }
 
+void trainer_fault_step_save(struct trainer *t, int err)
+{
+    t->fault_save_err = err;
+}
+
 void trainer_fault_optimizer_begin(struct trainer *t, void (*fn)(struct trainer *t, unsigned arg),
                                    unsigned arg)
 {

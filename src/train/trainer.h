@@ -341,6 +341,9 @@ void trainer_fault_optimizer(struct trainer *t, int tensor, int err);
  * begins (to arm an IO fault on what the pipeline has in flight), once. */
 void trainer_fault_optimizer_begin(struct trainer *t, void (*fn)(struct trainer *t, unsigned arg),
                                    unsigned arg);
+/* Test-only: the next step's write of its count fails with -err (a positive errno), as a
+ * zinf_write does: leaving the count as it was. */
+void trainer_fault_step_save(struct trainer *t, int err);
 /* Test-only, fp16 runs: the next step's gradients count as overflowed. */
 void trainer_fault_overflow(struct trainer *t);
 /* The trainer's engine, as it is: with an update pending (trainer_step_stats.

@@ -505,6 +505,15 @@ out:
     return r;
 }
 
+/* The step's count, written once its update is made or deferred (trainer_fault_step_save
+ * fails it instead, once). */
+static int save_count(struct trainer *t, int step)
+{
+    int err = t->fault_save_err;
+    t->fault_save_err = 0;
+    return err ? -err : train_state_save_step(t, step);
+}
+
 int trainer_step(struct trainer *t, struct trainer_step_stats *st)
 {
     struct zinf_stats s0, s1;
@@ -571,8 +580,14 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     if (defer) train_update_defer(t, step, applied, lr, grad_scale);
     if ((!overflow && !defer && (r = train_optimize(t, applied, lr, grad_scale, &digest)) < 0) ||
         (fp16 && (r = zinf_write(t->e, t->scaler, 0, &ls, sizeof(ls))) < 0) ||
-        (r = train_state_save_step(t, step)) < 0) {
-        t->torn = r;
+        (r = save_count(t, step)) < 0) {
+        /* Deferred, the step's update has changed nothing yet, and a failed zinf_write leaves
+         * the count as it was: the step fails as one before its optimizer does, and the next
+         * try runs it again. Otherwise the parameters are half updated. */
+        if (defer)
+            t->upd = (struct train_update){0};
+        else
+            t->torn = r;
         goto out;
     }
     t->ls = ls;
