@@ -223,6 +223,54 @@ Test(comm, pooled_collectives_are_the_rank_order_sum_on_2_and_3_ranks)
     collectives_across_pooled(3, 50001, 0, 3);
 }
 
+/* Reductions whose results pass SUM_STREAM_BYTES (8 MiB) are written with non-temporal
+ * stores where they are apart from their sources and aligned: the same bits as the rest.
+ * Counts 2^21 + 3 (rank 1's half of an allreduce starts off 16-byte alignment and takes
+ * the plain stores) and 2^21 + 32 (both halves aligned), out of place and in place. */
+static int large_reductions(int rank, int world, const char *name, void *arg)
+{
+    (void)arg;
+    const size_t big = ((size_t)1 << 21) + 32;
+    int err;
+    struct comm *c = open_pool(rank, world, name, 0, 3 * big * sizeof(float) + 8192, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float *send = comm_alloc(c, 2 * big * sizeof(float), &err),
+          *recv = comm_alloc(c, big * sizeof(float), &err);
+    if (!send || !recv) FAIL(11, "comm_alloc: %s", zinf_strerror(err));
+    for (size_t n = ((size_t)1 << 21) + 3; n <= big; n += 29) {
+        for (int in_place = 0; in_place < 2; in_place++) {
+            for (size_t i = 0; i < n; i++)
+                send[i] = value(rank, i);
+            float *out = in_place ? send : recv;
+            if ((err = comm_allreduce(c, send, out, n, COMM_F32)))
+                FAIL(12, "allreduce: %s", zinf_strerror(err));
+            for (size_t i = 0; i < n; i++)
+                if (memcmp(&out[i], &(float){rank_order_sum(world, i)}, 4))
+                    FAIL(13, "allreduce of %zu (in place %d): element %zu is %a, not %a", n,
+                         in_place, i, out[i], rank_order_sum(world, i));
+            for (size_t i = 0; i < n * (size_t)world; i++)
+                send[i] = value(rank, i);
+            out = in_place ? send + (size_t)rank * n : recv;
+            if ((err = comm_reduce_scatter(c, send, out, n, COMM_F32)))
+                FAIL(14, "reduce_scatter: %s", zinf_strerror(err));
+            for (size_t i = 0; i < n; i++)
+                if (memcmp(&out[i], &(float){rank_order_sum(world, (size_t)rank * n + i)}, 4))
+                    FAIL(15, "reduce_scatter of %zu (in place %d): element %zu", n, in_place, i);
+        }
+    }
+    struct comm_stats st;
+    comm_get_stats(c, &st);
+    if (st.pooled_ops != st.ops) FAIL(16, "%llu of %llu pooled", (unsigned long long)st.pooled_ops,
+                                      (unsigned long long)st.ops);
+    comm_close(c);
+    return 0;
+}
+
+Test(comm, large_pooled_reductions_written_around_the_caches_keep_their_bits)
+{
+    expect_ranks_pass(2, large_reductions, NULL, "large reductions");
+}
+
 /* Where one rank's buffers are not in its pool, every rank goes through the staging
  * areas, with the same results. */
 Test(comm, a_rank_without_pooled_buffers_sends_all_through_staging)
@@ -485,12 +533,25 @@ Test(comm, self_backend_copies_and_checks_its_input)
     cr_assert_eq(comm_submit(c, &q), -EINVAL, "an unknown type");
     cr_assert_eq(comm_submit(NULL, &q), -EINVAL);
     cr_assert_eq(comm_submit(c, NULL), -EINVAL);
+    /* send and recv overlapping other than in the in-place forms */
+    q = (struct comm_req){.op = COMM_ALLREDUCE, .dtype = COMM_F32, .send = a, .recv = a + 1,
+                          .count = 8, .cb = never_cb};
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "allreduce into its send shifted by one");
+    q.op = COMM_REDUCE_SCATTER;
+    q.recv = a + 7;
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "reduce_scatter into the end of its send");
+    q.op = COMM_ALLGATHER;
+    q.send = a + 3;
+    q.recv = a;
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "allgather of a part of recv not the rank's");
+    q.send = a + 8; /* touching, not overlapping */
+    cr_assert_eq(comm_run(c, &q), 0, "allgather from just past recv");
     cr_assert_eq(never_called, 0);
     /* Still works after all that. */
     cr_assert_eq(comm_allreduce(c, a, b, 100, COMM_F32), 0);
     struct comm_stats st;
     comm_get_stats(c, &st);
-    cr_assert_eq(st.ops, 6);
+    cr_assert_eq(st.ops, 7);
     cr_assert_eq(st.backend, COMM_SELF);
     comm_close(c);
 }

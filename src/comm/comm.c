@@ -274,6 +274,33 @@ void comm_close(struct comm *c)
     free(c);
 }
 
+/* [a, a + an) and [b, b + bn) share no byte. */
+static bool apart(const void *a, size_t an, const void *b, size_t bn)
+{
+    uintptr_t x = (uintptr_t)a, y = (uintptr_t)b;
+    return an == 0 || bn == 0 || x + an <= y || y + bn <= x;
+}
+
+/* send and recv either do not overlap or overlap in the collective's one in-place form
+ * (as in NCCL): allreduce send == recv, reduce_scatter recv == send + rank x count,
+ * allgather send == recv + rank x count. Any other overlap would have the ranks read data
+ * that the collective has already overwritten. */
+static bool overlap_ok(const struct comm *c, const struct comm_req *q, size_t bytes)
+{
+    const char *s = q->send, *r = q->recv;
+    size_t all = bytes * (size_t)c->o.world, mine = bytes * (size_t)c->o.rank;
+    switch (q->op) {
+    case COMM_ALLREDUCE:
+        return s == r || apart(s, bytes, r, bytes);
+    case COMM_REDUCE_SCATTER:
+        return r == s + mine || apart(s, all, r, bytes);
+    case COMM_ALLGATHER:
+        return s == r + mine || apart(s, bytes, r, all);
+    default:
+        return true;
+    }
+}
+
 static int req_check(const struct comm *c, const struct comm_req *q)
 {
     if (!q->cb || comm_dtype_bytes(q->dtype) == 0) return -EINVAL;
@@ -285,7 +312,18 @@ static int req_check(const struct comm *c, const struct comm_req *q)
     case COMM_ALLGATHER:
     case COMM_REDUCE_SCATTER:
     case COMM_ALLREDUCE:
-        return q->count && (!q->send || !q->recv) ? -EINVAL : 0;
+        if (!q->count) return 0;
+        if (!q->send || !q->recv) return -EINVAL;
+        if (!overlap_ok(c, q, q->count * esz)) {
+            log_error("comm: %s of %zu elements: send and recv overlap, and not in its "
+                      "in-place form",
+                      q->op == COMM_ALLREDUCE        ? "allreduce"
+                      : q->op == COMM_REDUCE_SCATTER ? "reduce_scatter"
+                                                     : "allgather",
+                      q->count);
+            return -EINVAL;
+        }
+        return 0;
     case COMM_BROADCAST:
         if (q->root < 0 || q->root >= c->o.world) return -EINVAL;
         return q->count && !q->recv ? -EINVAL : 0;

@@ -47,6 +47,9 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #include "comm/shm.h"
 #include "common.h"
@@ -691,13 +694,36 @@ static inline void store4(float *p, v4f v)
     memcpy(p, &v, sizeof(v));
 }
 
-/* out[i] = src[0][i] + src[1][i] + ... in rank order, the one sum of both paths. 16 floats
- * at a time, every source read before out is written: out may be one of the sources (an
- * in-place reduction in the pools). */
-static void sum_rank_order(const float *const *src, int world, float *out, size_t n)
+/* The reductions read their sources this far ahead (floats, 4 KiB): one core's loads of two
+ * or more streams miss DRAM for want of requests in flight, which the hardware prefetcher
+ * alone does not keep up (reduce_scatter in place at 2 ranks went from 0.51 to 0.59-0.64 of
+ * a memcpy's busbw, bench/comm). */
+#define SUM_PREFETCH 1024
+
+/* Outputs at least this large are written around the caches where they are not one of the
+ * sources (an output the reduction has just read is in the cache already): a result larger
+ * than a core's L2 is evicted before anyone reads it, and a store that misses first reads
+ * the line it overwrites. */
+#define SUM_STREAM_BYTES ((size_t)8 << 20)
+
+/* out[o][i] = src[0][i] + src[1][i] + ... in rank order for each of nout outputs, the one
+ * sum of every path. 16 floats at a time, every source read before any out is written: an
+ * out may be one of the sources (an in-place reduction in the pools). stream: write with
+ * non-temporal stores where the CPU has them and every out is 16-byte aligned. */
+static void sum_rank_order(const float *const *src, int world, float *const *out, int nout,
+                           size_t n, bool stream)
 {
+#if defined(__SSE__)
+    for (int o = 0; o < nout; o++)
+        stream &= ((uintptr_t)out[o] & 15) == 0;
+#else
+    stream = false;
+#endif
     size_t i = 0;
     for (; i + 16 <= n; i += 16) {
+        if (i + SUM_PREFETCH < n)
+            for (int r = 0; r < world; r++)
+                __builtin_prefetch(src[r] + i + SUM_PREFETCH);
         v4f a = load4(src[0] + i), b = load4(src[0] + i + 4), c = load4(src[0] + i + 8),
             d = load4(src[0] + i + 12);
         for (int r = 1; r < world; r++) {
@@ -706,16 +732,32 @@ static void sum_rank_order(const float *const *src, int world, float *out, size_
             c += load4(src[r] + i + 8);
             d += load4(src[r] + i + 12);
         }
-        store4(out + i, a);
-        store4(out + i + 4, b);
-        store4(out + i + 8, c);
-        store4(out + i + 12, d);
+        for (int o = 0; o < nout; o++) {
+            float *p = out[o] + i;
+#if defined(__SSE__)
+            if (stream) {
+                _mm_stream_ps(p, (__m128)a);
+                _mm_stream_ps(p + 4, (__m128)b);
+                _mm_stream_ps(p + 8, (__m128)c);
+                _mm_stream_ps(p + 12, (__m128)d);
+                continue;
+            }
+#endif
+            store4(p, a);
+            store4(p + 4, b);
+            store4(p + 8, c);
+            store4(p + 12, d);
+        }
     }
+#if defined(__SSE__)
+    if (stream) _mm_sfence(); /* ordered before the barrier that tells the peers */
+#endif
     for (; i < n; i++) {
         float a = src[0][i];
         for (int r = 1; r < world; r++)
             a += src[r][i];
-        out[i] = a;
+        for (int o = 0; o < nout; o++)
+            out[o][i] = a;
     }
 }
 
@@ -725,7 +767,7 @@ static void reduce_f32(struct shm *s, uint64_t k, size_t at, float *out, size_t 
     const float *src[COMM_MAX_RANKS];
     for (int r = 0; r < s->world; r++)
         src[r] = (const float *)area(s, k, r) + at;
-    sum_rank_order(src, s->world, out, n);
+    sum_rank_order(src, s->world, &out, 1, n, false);
 }
 
 static int allgather(struct shm *s, const char *send, char *recv, size_t bytes)
@@ -817,13 +859,14 @@ static const char *peer(const struct shm *s, int q, uint64_t off)
     return s->pools + (size_t)q * s->pool + off;
 }
 
-/* The sum of element at + i of every rank's send, read in its pool. */
-static void reduce_pooled(struct shm *s, size_t at, float *out, size_t n)
+/* The sum of element at + i of every rank's send, read in its pool, into out[0..nout). */
+static void reduce_pooled(struct shm *s, size_t at, float *const *out, int nout, size_t n,
+                          bool stream)
 {
     const float *src[COMM_MAX_RANKS];
     for (int q = 0; q < s->world; q++)
         src[q] = (const float *)peer(s, q, s->h->ranks[q].off_send) + at;
-    sum_rank_order(src, s->world, out, n);
+    sum_rank_order(src, s->world, out, nout, n, stream);
 }
 
 /* The one-copy collectives, once every rank has said its buffers are in its pool (and
@@ -831,7 +874,7 @@ static void reduce_pooled(struct shm *s, size_t at, float *out, size_t n)
  * buffers again only when no peer reads them any more. */
 static int run_pooled(struct shm *s, const struct comm_req *q, size_t bytes)
 {
-    int me = s->rank, r;
+    int me = s->rank;
     switch (q->op) {
     case COMM_ALLGATHER:
         for (int p = 0; p < s->world; p++) {
@@ -843,23 +886,29 @@ static int run_pooled(struct shm *s, const struct comm_req *q, size_t bytes)
     case COMM_BROADCAST:
         if (me != q->root) memcpy(q->recv, peer(s, q->root, s->h->ranks[q->root].off_recv), bytes);
         break;
-    case COMM_REDUCE_SCATTER:
-        reduce_pooled(s, (size_t)me * q->count, q->recv, q->count);
+    case COMM_REDUCE_SCATTER: {
+        float *out = q->recv;
+        bool apart = (const char *)q->send + (size_t)me * bytes != (const char *)q->recv;
+        reduce_pooled(s, (size_t)me * q->count, &out, 1, q->count,
+                      apart && bytes >= SUM_STREAM_BYTES);
         break;
+    }
     case COMM_ALLREDUCE: {
-        /* Each rank reduces its 1/world into its own recv (in place is safe: a rank's own
-         * part of its send is read by itself only), then copies the others' parts from
-         * their recv once they are done. */
+        /* Each rank reduces its 1/world and writes the sum into that part of every rank's
+         * recv: one pass that reads and writes the buffer's size, as a memcpy does, with no
+         * second phase. Only this rank reads or writes part `me` of any rank's buffers, and
+         * each block is read from every send before it is written (in place, send == recv;
+         * any other overlap is refused by comm_submit). */
         size_t n = q->count, lo = n * (size_t)me / (size_t)s->world,
                hi = n * ((size_t)me + 1) / (size_t)s->world;
-        reduce_pooled(s, lo, (float *)q->recv + lo, hi - lo);
-        if ((r = shm_barrier(s))) return r;
+        float *out[COMM_MAX_RANKS];
+        bool apart = true;
         for (int p = 0; p < s->world; p++) {
-            if (p == me) continue;
-            size_t plo = n * (size_t)p / (size_t)s->world, phi = n * ((size_t)p + 1) / (size_t)s->world;
-            memcpy((float *)q->recv + plo, (const float *)peer(s, p, s->h->ranks[p].off_recv) + plo,
-                   (phi - plo) * sizeof(float));
+            out[p] = (float *)peer(s, p, s->h->ranks[p].off_recv) + lo;
+            apart &= s->h->ranks[p].off_recv != s->h->ranks[p].off_send;
         }
+        reduce_pooled(s, lo, out, s->world, hi - lo,
+                      apart && (hi - lo) * sizeof(float) * (size_t)s->world >= SUM_STREAM_BYTES);
         break;
     }
     case COMM_BARRIER:
