@@ -9,6 +9,11 @@
  * same size: one thread's best, after the ranks exit, and what each rank gets copying size
  * bytes at once with the others right after the collective's timed loop (the ranks share
  * the memory bus as the copies do, and a shared machine's bandwidth drifts within a run).
+ * A second baseline, read at once: every rank reads size bytes at once (a sum, read 4 KiB
+ * ahead as the reductions do). Each rank of a reduction reads size bytes whatever the
+ * algorithm (its part of every rank's input), so where one core's reads are what bound it,
+ * busbw is at most that rate times the collective's factor; the footer says how close each
+ * reduction came.
  * --in-place runs the collectives in place, as nccl-tests' in-place columns: allgather's
  * send is the rank's part of recv, reduce_scatter's recv the rank's part of send,
  * allreduce's recv its send.
@@ -45,6 +50,7 @@ struct row {
     uint64_t wrong;
     double memcpy_gbs; /* the largest size: memcpy of size bytes on every rank at once, right
                           after the operation (the mean of the ranks) */
+    double read_gbs;   /* the same, reading size bytes */
 };
 
 static const char *op_name(enum comm_op op)
@@ -60,6 +66,24 @@ static double bus_factor(enum comm_op op, int n)
 static float val(int r, size_t i)
 {
     return (float)((r + 1) * 3 + (int)(i % 1013)); /* small integers: exact in any order */
+}
+
+typedef float v4f __attribute__((vector_size(16)));
+
+/* The sum of n floats (n a multiple of 16) read as the shm reductions read theirs: four
+ * vectors at a time, 4 KiB ahead. */
+static float read_sum(const float *p, size_t n)
+{
+    v4f a = {0}, b = {0}, c = {0}, d = {0}, x;
+    for (size_t i = 0; i + 16 <= n; i += 16) {
+        if (i + 1024 < n) __builtin_prefetch(p + i + 1024);
+        memcpy(&x, p + i, 16), a += x;
+        memcpy(&x, p + i + 4, 16), b += x;
+        memcpy(&x, p + i + 8, 16), c += x;
+        memcpy(&x, p + i + 12, 16), d += x;
+    }
+    x = a + b + c + d;
+    return x[0] + x[1] + x[2] + x[3];
 }
 
 /* One rank: every (op, size); rank 0 writes rows[] (ops x sizes). */
@@ -127,15 +151,22 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
             }
             /* At the largest size, the baseline at the same moment: every rank copies size
              * bytes between private buffers at once, as many times as the timed loop ran. */
-            float mc = 0, mcsum = 0;
+            float mc[2] = {0, 0}, mcsum[2];
             if (size * 2 > o->max_bytes) {
                 if ((r = comm_barrier(c))) goto fail;
                 uint64_t m0 = now_ns();
                 for (int it = 0; it < o->iters; it++)
                     memcpy(it % 2 ? cb : ca, it % 2 ? ca : cb, (size_t)size);
-                mc = (float)((double)size * o->iters / (double)(now_ns() - m0));
+                mc[0] = (float)((double)size * o->iters / (double)(now_ns() - m0));
+                if ((r = comm_barrier(c))) goto fail;
+                volatile float sink = 0;
+                m0 = now_ns();
+                for (int it = 0; it < o->iters; it++)
+                    sink += read_sum((const float *)(it % 2 ? ca : cb), (size_t)size / 64 * 16);
+                mc[1] = (float)((double)size * o->iters / (double)(now_ns() - m0));
+                (void)sink;
             }
-            if ((r = comm_allreduce(c, &mc, &mcsum, 1, COMM_F32))) goto fail;
+            if ((r = comm_allreduce(c, mc, mcsum, 2, COMM_F32))) goto fail;
             /* Every rank's wrong count goes to rank 0 in an allreduce of one float. */
             float wf = (float)wrong, wsum = 0;
             if ((r = comm_allreduce(c, &wf, &wsum, 1, COMM_F32))) goto fail;
@@ -146,7 +177,8 @@ static int rank_main(const struct opts *o, int rank, const char *name, struct ro
                 w->algbw = bytes / us / 1e3; /* GB/s */
                 w->busbw = w->algbw * bus_factor(ops[k], n);
                 w->wrong = (uint64_t)wsum;
-                w->memcpy_gbs = mcsum / n;
+                w->memcpy_gbs = mcsum[0] / n;
+                w->read_gbs = mcsum[1] / n;
             }
         }
     }
@@ -325,6 +357,14 @@ int main(int argc, char **argv)
                    "each; busbw / memcpy: %.3f (at once), %.3f (one thread)\n",
                    op_name(ops[k]), (unsigned long long)o.max_bytes, w->memcpy_gbs,
                    w->busbw / w->memcpy_gbs, w->busbw / mc);
+        }
+        for (int k = 1; k < 3; k++) { /* the reductions */
+            const struct row *w = &rows[k * nsizes + nsizes - 1];
+            double bound = w->read_gbs * bus_factor(ops[k], o.ranks);
+            printf("# %s at %llu B: reading at once %.3f GB/s each bounds busbw at %.3f GB/s "
+                   "(%.3f of the memcpy): busbw / that bound %.3f\n",
+                   op_name(ops[k]), (unsigned long long)o.max_bytes, w->read_gbs, bound,
+                   bound / w->memcpy_gbs, w->busbw / bound);
         }
         printf("# %s\n", wrong_all ? "SOME ELEMENTS WERE WRONG" : "every element checked");
     }
