@@ -224,18 +224,19 @@ Test(comm, pooled_collectives_are_the_rank_order_sum_on_2_and_3_ranks)
 }
 
 /* Reductions whose results pass SUM_STREAM_BYTES (8 MiB) are written with non-temporal
- * stores where they are apart from their sources and aligned: the same bits as the rest.
- * Counts 2^21 + 3 (rank 1's half of an allreduce starts off 16-byte alignment and takes
- * the plain stores) and 2^21 + 32 (both halves aligned), out of place and in place. */
-static int large_reductions(int rank, int world, const char *name, void *arg)
+ * stores where they are apart from their sources and aligned, and copies that large (the
+ * gathers and broadcasts) from the first aligned byte: the same bits as the rest. Counts
+ * 2^21 + 3 (rank 1's half of an allreduce and its part of a gather start off 16-byte
+ * alignment) and 2^21 + 32 (aligned), out of place and in place. */
+static int large_collectives(int rank, int world, const char *name, void *arg)
 {
     (void)arg;
     const size_t big = ((size_t)1 << 21) + 32;
     int err;
-    struct comm *c = open_pool(rank, world, name, 0, 3 * big * sizeof(float) + 8192, &err);
+    struct comm *c = open_pool(rank, world, name, 0, 4 * big * sizeof(float) + 8192, &err);
     if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
     float *send = comm_alloc(c, 2 * big * sizeof(float), &err),
-          *recv = comm_alloc(c, big * sizeof(float), &err);
+          *recv = comm_alloc(c, 2 * big * sizeof(float), &err);
     if (!send || !recv) FAIL(11, "comm_alloc: %s", zinf_strerror(err));
     for (size_t n = ((size_t)1 << 21) + 3; n <= big; n += 29) {
         for (int in_place = 0; in_place < 2; in_place++) {
@@ -256,19 +257,37 @@ static int large_reductions(int rank, int world, const char *name, void *arg)
             for (size_t i = 0; i < n; i++)
                 if (memcmp(&out[i], &(float){rank_order_sum(world, (size_t)rank * n + i)}, 4))
                     FAIL(15, "reduce_scatter of %zu (in place %d): element %zu", n, in_place, i);
+            float *part = in_place ? recv + (size_t)rank * n : send;
+            for (size_t i = 0; i < n; i++)
+                part[i] = value(rank, i);
+            if ((err = comm_allgather(c, part, recv, n, COMM_F32)))
+                FAIL(16, "allgather: %s", zinf_strerror(err));
+            for (int r = 0; r < world; r++)
+                for (size_t i = 0; i < n; i++)
+                    if (memcmp(&recv[(size_t)r * n + i], &(float){value(r, i)}, 4))
+                        FAIL(17, "allgather of %zu (in place %d): rank %d's element %zu", n,
+                             in_place, r, i);
+            float *b = recv + in_place; /* off alignment the second time */
+            for (size_t i = 0; i < n; i++)
+                b[i] = rank == 1 ? value(7, i) : 0.0f;
+            if ((err = comm_broadcast(c, b, n, COMM_F32, 1)))
+                FAIL(18, "broadcast: %s", zinf_strerror(err));
+            for (size_t i = 0; i < n; i++)
+                if (memcmp(&b[i], &(float){value(7, i)}, 4))
+                    FAIL(19, "broadcast of %zu: element %zu", n, i);
         }
     }
     struct comm_stats st;
     comm_get_stats(c, &st);
-    if (st.pooled_ops != st.ops) FAIL(16, "%llu of %llu pooled", (unsigned long long)st.pooled_ops,
+    if (st.pooled_ops != st.ops) FAIL(20, "%llu of %llu pooled", (unsigned long long)st.pooled_ops,
                                       (unsigned long long)st.ops);
     comm_close(c);
     return 0;
 }
 
-Test(comm, large_pooled_reductions_written_around_the_caches_keep_their_bits)
+Test(comm, large_pooled_collectives_written_around_the_caches_keep_their_bits)
 {
-    expect_ranks_pass(2, large_reductions, NULL, "large reductions");
+    expect_ranks_pass(2, large_collectives, NULL, "large collectives");
 }
 
 /* Where one rank's buffers are not in its pool, every rank goes through the staging

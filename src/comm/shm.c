@@ -761,6 +761,42 @@ static void sum_rank_order(const float *const *src, int world, float *const *out
     }
 }
 
+/* memcpy for the pooled collectives' large copies: 64 bytes at a time read SUM_PREFETCH
+ * floats ahead, and from SUM_STREAM_BYTES on written around the caches once dst is 16-byte
+ * aligned (the C library's copy of a few tens of MiB took up to twice as long here as one
+ * of 256 MiB). dst and src do not overlap. */
+static void copy_ahead(char *dst, const char *src, size_t n)
+{
+    size_t i = 0;
+#if defined(__SSE__)
+    bool stream = n >= SUM_STREAM_BYTES;
+    if (stream) {
+        i = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, i);
+    }
+#else
+    bool stream = false;
+#endif
+    const size_t ahead = SUM_PREFETCH * sizeof(float);
+    for (; i + 64 <= n; i += 64) {
+        if (i + ahead < n) __builtin_prefetch(src + i + ahead);
+        v4f v[4];
+        memcpy(v, src + i, 64);
+#if defined(__SSE__)
+        if (stream) {
+            for (int j = 0; j < 4; j++)
+                _mm_stream_ps((float *)(void *)(dst + i + 16 * j), (__m128)v[j]);
+            continue;
+        }
+#endif
+        memcpy(dst + i, v, 64);
+    }
+#if defined(__SSE__)
+    if (stream) _mm_sfence();
+#endif
+    memcpy(dst + i, src + i, n - i);
+}
+
 /* The sum of element at + i of the areas of set k. */
 static void reduce_f32(struct shm *s, uint64_t k, size_t at, float *out, size_t n)
 {
@@ -880,11 +916,12 @@ static int run_pooled(struct shm *s, const struct comm_req *q, size_t bytes)
         for (int p = 0; p < s->world; p++) {
             char *dst = (char *)q->recv + (size_t)p * bytes;
             const char *src = peer(s, p, s->h->ranks[p].off_send);
-            if (dst != src) memmove(dst, src, bytes); /* in place: nothing to move */
+            if (dst != src) copy_ahead(dst, src, bytes); /* in place: nothing to move */
         }
         break;
     case COMM_BROADCAST:
-        if (me != q->root) memcpy(q->recv, peer(s, q->root, s->h->ranks[q->root].off_recv), bytes);
+        if (me != q->root)
+            copy_ahead(q->recv, peer(s, q->root, s->h->ranks[q->root].off_recv), bytes);
         break;
     case COMM_REDUCE_SCATTER: {
         float *out = q->recv;
