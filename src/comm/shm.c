@@ -700,8 +700,8 @@ static inline void store4(float *p, v4f v)
  * a memcpy's busbw, bench/comm). */
 #define SUM_PREFETCH 1024
 
-/* The copies read this far ahead (bytes): the gathers' one stream of loads per core went
- * from 8.5 to 9.3-10.3 GB/s of busbw at 256 MiB from 4 to 16 KiB ahead (bench/comm). */
+/* The copies read this far ahead in each of their four streams (bytes): one stream's gathers
+ * went from 8.5 to 9.3-10.3 GB/s of busbw at 256 MiB from 4 to 16 KiB ahead (bench/comm). */
 #define COPY_PREFETCH 16384
 
 /* Outputs at least this large are written around the caches where they are not one of the
@@ -765,10 +765,27 @@ static void sum_rank_order(const float *const *src, int world, float *const *out
     }
 }
 
-/* memcpy for the pooled collectives' large copies: 64 bytes at a time read COPY_PREFETCH
- * bytes ahead, and from SUM_STREAM_BYTES on written around the caches once dst is 16-byte
- * aligned (the C library's copy of a few tens of MiB took up to twice as long here as one
- * of 256 MiB). dst and src do not overlap. */
+/* 64 bytes from src to dst, around the caches where stream (dst 16-byte aligned). */
+static inline void copy64(char *dst, const char *src, bool stream)
+{
+    v4f v[4];
+    memcpy(v, src, 64);
+#if defined(__SSE__)
+    if (stream) {
+        for (int j = 0; j < 4; j++)
+            _mm_stream_ps((float *)(void *)(dst + 16 * j), (__m128)v[j]);
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    memcpy(dst, v, 64);
+}
+
+/* memcpy for the pooled collectives' large copies: four quarters of the buffer at once, 64
+ * bytes of each in turn, each read COPY_PREFETCH bytes ahead (more reads in flight than one
+ * stream keeps), and from SUM_STREAM_BYTES on written around the caches once dst is 16-byte
+ * aligned. dst and src do not overlap. */
 static void copy_ahead(char *dst, const char *src, size_t n)
 {
     size_t i = 0;
@@ -781,19 +798,16 @@ static void copy_ahead(char *dst, const char *src, size_t n)
 #else
     bool stream = false;
 #endif
-    for (; i + 64 <= n; i += 64) {
-        if (i + COPY_PREFETCH < n) __builtin_prefetch(src + i + COPY_PREFETCH);
-        v4f v[4];
-        memcpy(v, src + i, 64);
-#if defined(__SSE__)
-        if (stream) {
-            for (int j = 0; j < 4; j++)
-                _mm_stream_ps((float *)(void *)(dst + i + 16 * j), (__m128)v[j]);
-            continue;
+    size_t quarter = (n - i) / 4 / 64 * 64;
+    for (size_t j = 0; j < quarter; j += 64)
+        for (int q = 0; q < 4; q++) {
+            size_t at = i + (size_t)q * quarter + j;
+            if (j + COPY_PREFETCH < quarter) __builtin_prefetch(src + at + COPY_PREFETCH);
+            copy64(dst + at, src + at, stream);
         }
-#endif
-        memcpy(dst + i, v, 64);
-    }
+    i += 4 * quarter;
+    for (; i + 64 <= n; i += 64)
+        copy64(dst + i, src + i, stream);
 #if defined(__SSE__)
     if (stream) _mm_sfence();
 #endif
