@@ -36,8 +36,10 @@ enum comm_backend { COMM_SELF, COMM_SHM, COMM_NCCL };
 enum comm_dtype { COMM_BYTE, COMM_F32 };
 
 enum comm_op {
-    COMM_ALLGATHER,      /* send: count; recv: world x count, rank r's at r x count */
-    COMM_REDUCE_SCATTER, /* send: world x count; recv: count, the sum of every rank's r-th */
+    COMM_ALLGATHER,      /* send: count; recv: world x count, rank r's at r x count (in
+                            place: send == recv + rank x count) */
+    COMM_REDUCE_SCATTER, /* send: world x count; recv: count, the sum of every rank's r-th
+                            (in place: recv == send + rank x count) */
     COMM_ALLREDUCE,      /* send, recv: count; recv the sum (send == recv: in place) */
     COMM_BROADCAST,      /* recv: count, root's (send ignored; root's recv is its data) */
     COMM_BARRIER,        /* nothing moves */
@@ -116,7 +118,8 @@ int comm_open(const struct comm_opts *o, struct comm **out);
 void comm_close(struct comm *c);
 
 /* Queue an operation: 0 (the callback fires once, in submission order) or -errno (it never
- * fires): -EINVAL bad request, -ECONNABORTED the communicator failed before (a rank died
+ * fires): -EINVAL bad request (send and recv overlapping other than in the op's in-place
+ * form, logged, among them), -ECONNABORTED the communicator failed before (a rank died
  * or an operation timed out; every later one fails too), -ESHUTDOWN closing. */
 int comm_submit(struct comm *c, struct comm_req *req);
 /* Submit and wait: the operation's result. */
