@@ -409,6 +409,8 @@ static struct trainer *trainer_new(const struct trainer_opts *o)
     if (!t) return NULL;
     pthread_mutex_init(&t->gmu, NULL);
     pthread_cond_init(&t->gcv, NULL);
+    pthread_mutex_init(&t->umu, NULL);
+    pthread_cond_init(&t->ucv, NULL);
     t->gw_holds[0] = t->gw_holds[1] = -1;
     t->resume_step = -1;
     t->o = *o;
@@ -836,6 +838,7 @@ fail:
 void trainer_close(struct trainer *t)
 {
     if (!t) return;
+    train_update_stop(t);
     /* The step count the engine holds is that of the update deferred to the next forward:
      * what of it cannot be run leaves the state torn, and the last checkpoint stays. */
     if (t->e && t->upd.pending && !t->torn) {
@@ -874,6 +877,8 @@ void trainer_close(struct trainer *t)
         t->be->ops->event_free(t->be, t->rq[q].done);
     }
     pthread_mutex_destroy(&t->gmu);
+    pthread_mutex_destroy(&t->umu);
+    pthread_cond_destroy(&t->ucv);
     pthread_cond_destroy(&t->gcv);
     for (unsigned k = 0; k < t->nbase; k++)
         free(t->base[k]);

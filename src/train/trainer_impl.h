@@ -146,6 +146,17 @@ struct trainer {
         zinf_tensor h;
         uint64_t ticket;
     } fwd_pins[GPT_BLOCK_NSLOTS + 2];
+    /* The deferred update of the forward's next block runs on a thread of its own while the
+     * block before it computes (train_update_start / train_update_join): its reads of the
+     * sets wait there, not on the compute. Under umu: a request (ubusy, uupto), its result
+     * (ur) and the thread's end (ustop). While ubusy, the thread alone touches the update's
+     * state (upd, osets, fwd_pins, the optimizer's counters); the forward reads it only
+     * after a join. */
+    pthread_t uth;
+    bool uth_started, ubusy, ustop;
+    int uupto, ur;
+    pthread_mutex_t umu;
+    pthread_cond_t ucv;
     int micro;              /* the micro-batch being reduced: 0 copies, later ones add */
     zinf_tensor lg[NLOCAL]; /* this micro-batch's gradients: world x shard floats each */
     zinf_tensor lg1[GPT_BLOCK_NSLOTS]; /* overlap: the odd blocks' (the even ones' are lg) */
@@ -312,6 +323,12 @@ void train_update_defer(struct trainer *t, int step, int applied, float lr, floa
 int train_update_until(struct trainer *t, int upto, bool pin);
 void train_update_unpin(struct trainer *t);
 int train_update_finish(struct trainer *t);
+/* train_update_until(t, upto, true) on the update's thread, returning at once (run here
+ * when that thread cannot be started); train_update_join waits for it and returns its
+ * result (0 when none ran). train_update_stop ends the thread (trainer_close). */
+void train_update_start(struct trainer *t, int upto);
+int train_update_join(struct trainer *t);
+void train_update_stop(struct trainer *t);
 /* During the backward, `done` of `of` blocks through: ask for the parameters and Adam
  * states of the optimizer's first sets, up to that share of the host tier's spare room. */
 void train_optimizer_ahead(struct trainer *t, int done, int of);

@@ -9,8 +9,12 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "comm/comm.h"
 #include "common.h"
@@ -385,6 +389,10 @@ static void opt_ask_ahead(struct trainer *t)
     }
 }
 
+/* Set on the update's thread (train_update_start): the trainer's peaks are the forward's to
+ * note while it runs. */
+static _Thread_local bool on_update_thread;
+
 /* Positions [t->upd.next, upto) of the update t->upd describes; each one done moves
  * upd.next past it. */
 static int opt_run(struct trainer *t, int upto)
@@ -451,7 +459,7 @@ static int opt_run(struct trainer *t, int upto)
             trace_span("train", t->upd.pending ? "update before its forward" : "optimizer", s0,
                        t->desc[i].name, tier == ZINF_TIER_DEVICE ? "on the device" : "on the host",
                        (int64_t)train_role_bytes(t, R_P, i));
-        train_note_peaks(t);
+        if (!on_update_thread) train_note_peaks(t); /* the forward notes them meanwhile */
         if (r == 0) t->upd.next = k + 1;
     }
     return r;
@@ -526,4 +534,79 @@ int train_update_until(struct trainer *t, int upto, bool pin)
 int train_update_finish(struct trainer *t)
 {
     return t->torn ? t->torn : train_update_until(t, t->ntensors, false);
+}
+
+/* The update's thread: one request at a time, train_update_until of the next block's sets,
+ * while the forward computes the block before it. Its AdamW runs on this thread alone, so
+ * that it takes one core's share beside the forward's threads rather than a team of its
+ * own (the update's bits do not depend on the split: each element is its own). */
+static void *update_thread(void *arg)
+{
+    struct trainer *t = arg;
+    on_update_thread = true;
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+    pthread_mutex_lock(&t->umu);
+    for (;;) {
+        while (!t->ubusy && !t->ustop)
+            pthread_cond_wait(&t->ucv, &t->umu);
+        if (!t->ubusy) break; /* stopping, and nothing asked */
+        int upto = t->uupto;
+        pthread_mutex_unlock(&t->umu);
+        int r = train_update_until(t, upto, true);
+        pthread_mutex_lock(&t->umu);
+        t->ur = r;
+        t->ubusy = false;
+        pthread_cond_broadcast(&t->ucv);
+    }
+    pthread_mutex_unlock(&t->umu);
+    return NULL;
+}
+
+void train_update_start(struct trainer *t, int upto)
+{
+    if (!t->upd.pending || t->upd.next >= upto) return;
+    if (!t->uth_started) {
+        t->ustop = false;
+        t->uth_started = pthread_create(&t->uth, NULL, update_thread, t) == 0;
+    }
+    pthread_mutex_lock(&t->umu);
+    t->uupto = upto;
+    t->ubusy = true;
+    t->ur = 0;
+    if (t->uth_started) {
+        pthread_cond_broadcast(&t->ucv);
+    } else {
+        /* No thread: the same call here, in the forward's order. */
+        pthread_mutex_unlock(&t->umu);
+        int r = train_update_until(t, upto, true);
+        pthread_mutex_lock(&t->umu);
+        t->ur = r;
+        t->ubusy = false;
+    }
+    pthread_mutex_unlock(&t->umu);
+}
+
+int train_update_join(struct trainer *t)
+{
+    pthread_mutex_lock(&t->umu);
+    while (t->ubusy)
+        pthread_cond_wait(&t->ucv, &t->umu);
+    int r = t->ur;
+    t->ur = 0;
+    pthread_mutex_unlock(&t->umu);
+    return r;
+}
+
+void train_update_stop(struct trainer *t)
+{
+    if (!t->uth_started) return;
+    (void)train_update_join(t);
+    pthread_mutex_lock(&t->umu);
+    t->ustop = true;
+    pthread_cond_broadcast(&t->ucv);
+    pthread_mutex_unlock(&t->umu);
+    pthread_join(t->uth, NULL);
+    t->uth_started = false;
 }

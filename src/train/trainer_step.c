@@ -403,6 +403,11 @@ int train_forward(struct trainer *t)
     train_update_unpin(t);
     TRY(r);
     TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
+    /* A deferred update runs one block ahead, on its own thread, while this thread
+     * computes: the next block's sets are read and updated during this one's compute. It
+     * starts once this block's set is fetched (fetched with no other pin of ours in the
+     * device tier) and is joined before the next is. */
+    if (t->cfg.L > 0) train_update_start(t, t->block_first[0] + GPT_BLOCK_NSLOTS);
     r = train_settle(t, be->embed_forward(t->be, p[0], p[1], p[2]));
     train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (s0) trace_span("train", "embeddings forward", s0, NULL, NULL, -1);
@@ -411,10 +416,12 @@ int train_forward(struct trainer *t)
     for (int k = 0; k < t->cfg.L; k++) {
         s0 = trace_on() ? now_ns() : 0;
         train_wave_block_forward(t, k, &w);
-        r = train_update_until(t, t->block_first[k] + GPT_BLOCK_NSLOTS, true);
+        r = train_update_join(t);
+        if (r == 0) r = train_update_until(t, t->block_first[k] + GPT_BLOCK_NSLOTS, true);
         train_update_unpin(t);
         TRY(r);
         TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
+        if (k + 1 < t->cfg.L) train_update_start(t, t->block_first[k + 1] + GPT_BLOCK_NSLOTS);
         r = train_settle(t, be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
                                               p[GPT_BLOCK_NSLOTS + 1]));
         int x = train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
@@ -425,8 +432,11 @@ int train_forward(struct trainer *t)
     }
     /* The head's weights, and the gradients that it and the backward overwrite. */
     r = train_update_finish(t);
-out:
-    return r;
+out:;
+    /* Whatever failed, the update's thread is done with the trainer before this returns
+     * (its own failure, where this step's compute went well, is the step's). */
+    int x = train_update_join(t);
+    return r < 0 ? r : x;
 }
 
 /* The head's backward gives the loss and the first gradient. Gradients are zeroed on their
