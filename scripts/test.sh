@@ -97,4 +97,18 @@ OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
   build/tools/zinf launch -n 2 -- build-tsan/tools/zinf train --config "$zdir/zero.json" \
   --data README.md --layers 2 --dim 32 --heads 2 --seq 16 --batch 2 --steps 3 --checkpoint-every 1 \
   --accumulate 2 --trace "$zdir/trace.json"
+# One rank with each update deferred to the next forward: the update's thread runs a block
+# ahead of the forward's compute, under budgets tight enough that sets are read again alone,
+# with checkpoints, evaluations and a sample finishing an update.
+cat > "$zdir/fwd.json" <<JSON
+{"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "$zdir/fswap"},
+ "offload_optimizer": {"device": "nvme", "nvme_path": "$zdir/fswap"}},
+ "zinf": {"device": "emulated", "device_bytes": "256K", "host_bytes": "512K",
+          "train": {"update_in_forward": true}}}
+JSON
+OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+  TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp" \
+  build-tsan/tools/zinf train --config "$zdir/fwd.json" --data README.md --layers 4 --dim 32 \
+  --heads 2 --seq 16 --batch 2 --steps 6 --checkpoint-every 2 --eval-every 3 --sample-every 5 \
+  --trace "$zdir/fwd-trace.json"
 rm -rf "$zdir"
