@@ -570,6 +570,7 @@ void train_update_start(struct trainer *t, int upto)
     if (!t->uth_started) {
         t->ustop = false;
         t->uth_started = pthread_create(&t->uth, NULL, update_thread, t) == 0;
+        if (t->uth_started) pthread_setname_np(t->uth, "zinf-update");
     }
     pthread_mutex_lock(&t->umu);
     t->uupto = upto;
