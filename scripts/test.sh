@@ -98,8 +98,8 @@ OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
   --data README.md --layers 2 --dim 32 --heads 2 --seq 16 --batch 2 --steps 3 --checkpoint-every 1 \
   --accumulate 2 --trace "$zdir/trace.json"
 # One rank with each update deferred to the next forward: the update's thread runs a block
-# ahead of the forward's compute, under budgets tight enough that sets are read again alone,
-# with checkpoints, evaluations and a sample finishing an update.
+# ahead of the forward's compute, under tight budgets (its sets may find no room ahead and be
+# read again alone), with checkpoints, evaluations and a sample finishing an update.
 cat > "$zdir/fwd.json" <<JSON
 {"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "$zdir/fswap"},
  "offload_optimizer": {"device": "nvme", "nvme_path": "$zdir/fswap"}},
