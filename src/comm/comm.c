@@ -51,6 +51,23 @@ struct self_alloc {
     struct self_alloc *next;
 };
 
+const char *comm_op_name(uint32_t op)
+{
+    switch (op) {
+    case COMM_ALLGATHER:
+        return "allgather";
+    case COMM_REDUCE_SCATTER:
+        return "reduce_scatter";
+    case COMM_ALLREDUCE:
+        return "allreduce";
+    case COMM_BROADCAST:
+        return "broadcast";
+    case COMM_BARRIER:
+        return "barrier";
+    }
+    return "no operation";
+}
+
 const char *comm_backend_name(enum comm_backend b)
 {
     switch (b) {
@@ -317,10 +334,7 @@ static int req_check(const struct comm *c, const struct comm_req *q)
         if (!overlap_ok(c, q, q->count * esz)) {
             log_error("comm: %s of %zu elements: send and recv overlap, and not in its "
                       "in-place form",
-                      q->op == COMM_ALLREDUCE        ? "allreduce"
-                      : q->op == COMM_REDUCE_SCATTER ? "reduce_scatter"
-                                                     : "allgather",
-                      q->count);
+                      comm_op_name(q->op), q->count);
             return -EINVAL;
         }
         return 0;

@@ -148,6 +148,8 @@ void comm_get_stats(struct comm *c, struct comm_stats *out);
  * once libnccl loads, else -ENOTSUP (or -EIO) and why, in words. */
 int comm_nccl_version(int *version, char *why, size_t len);
 const char *comm_backend_name(enum comm_backend b);
+/* An operation's name ("allreduce"...), "no operation" for any other value. */
+const char *comm_op_name(uint32_t op);
 /* Whether name is a rendezvous name: 1 to COMM_NAME_BYTES - 1 characters of
  * [A-Za-z0-9._-], not starting with '.'. */
 bool comm_name_ok(const char *name);

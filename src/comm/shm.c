@@ -163,23 +163,6 @@ __attribute__((format(printf, 2, 3))) static void say(struct shm *s, const char 
     if (s->why && s->why_len) snprintf(s->why, s->why_len, "%s", msg);
 }
 
-static const char *op_name(uint32_t op)
-{
-    switch (op) {
-    case COMM_ALLGATHER:
-        return "allgather";
-    case COMM_REDUCE_SCATTER:
-        return "reduce_scatter";
-    case COMM_ALLREDUCE:
-        return "allreduce";
-    case COMM_BROADCAST:
-        return "broadcast";
-    case COMM_BARRIER:
-        return "barrier";
-    }
-    return "no operation";
-}
-
 /* The state letter of process pid in /proc (R, S, D, T, t, Z...), or '?'. */
 static char proc_state(int32_t pid)
 {
@@ -293,9 +276,9 @@ static int late(struct shm *s, uint64_t k, uint32_t gen)
                          "rank %d (pid %d%s) did not come to %s #%llu within %.3g s: it is in %s "
                          "#%llu",
                          r, (int)pid, st == 'T' || st == 't' ? ", stopped" : "",
-                         op_name(atomic_load(&s->h->ranks[s->rank].op)),
+                         comm_op_name(atomic_load(&s->h->ranks[s->rank].op)),
                          (unsigned long long)s->seq, s->op_timeout_ms / 1000.0,
-                         op_name(atomic_load(&q->op)), (unsigned long long)atomic_load(&q->seq));
+                         comm_op_name(atomic_load(&q->op)), (unsigned long long)atomic_load(&q->seq));
         else if (n < (int)sizeof(why))
             n += snprintf(why + n, sizeof(why) - (size_t)n, "%s rank %d", missing == 2 ? "; so did" : ",", r);
     }

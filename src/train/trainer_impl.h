@@ -153,7 +153,7 @@ struct trainer {
      * state (upd, osets, fwd_pins, the optimizer's counters); the forward reads it only
      * after a join. */
     pthread_t uth;
-    bool uth_started, ubusy, ustop;
+    bool uth_started, uth_failed, ubusy, ustop; /* uth_failed: it could not be started */
     int uupto, ur;
     pthread_mutex_t umu;
     pthread_cond_t ucv;
@@ -323,9 +323,10 @@ void train_update_defer(struct trainer *t, int step, int applied, float lr, floa
 int train_update_until(struct trainer *t, int upto, bool pin);
 void train_update_unpin(struct trainer *t);
 int train_update_finish(struct trainer *t);
-/* train_update_until(t, upto, true) on the update's thread, returning at once (run here
- * when that thread cannot be started); train_update_join waits for it and returns its
- * result (0 when none ran). train_update_stop ends the thread (trainer_close). */
+/* train_update_until(t, upto, true) on the update's thread, returning at once (nothing
+ * when that thread cannot be started: the forward's own call runs it); train_update_join
+ * waits for it and returns its result (0 when none ran). train_update_stop ends the thread
+ * (trainer_close). */
 void train_update_start(struct trainer *t, int upto);
 int train_update_join(struct trainer *t);
 void train_update_stop(struct trainer *t);

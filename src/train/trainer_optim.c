@@ -567,25 +567,20 @@ static void *update_thread(void *arg)
 void train_update_start(struct trainer *t, int upto)
 {
     if (!t->upd.pending || t->upd.next >= upto) return;
-    if (!t->uth_started) {
+    if (!t->uth_started && !t->uth_failed) {
         t->ustop = false;
         t->uth_started = pthread_create(&t->uth, NULL, update_thread, t) == 0;
+        t->uth_failed = !t->uth_started; /* not asked again for every block */
         if (t->uth_started) pthread_setname_np(t->uth, "zinf-update");
     }
+    /* No thread: nothing here. The forward's own train_update_until before the block runs
+     * whatever no thread ran, as it always does. */
+    if (!t->uth_started) return;
     pthread_mutex_lock(&t->umu);
     t->uupto = upto;
     t->ubusy = true;
     t->ur = 0;
-    if (t->uth_started) {
-        pthread_cond_broadcast(&t->ucv);
-    } else {
-        /* No thread: the same call here, in the forward's order. */
-        pthread_mutex_unlock(&t->umu);
-        int r = train_update_until(t, upto, true);
-        pthread_mutex_lock(&t->umu);
-        t->ur = r;
-        t->ubusy = false;
-    }
+    pthread_cond_broadcast(&t->ucv);
     pthread_mutex_unlock(&t->umu);
 }
 
