@@ -70,6 +70,13 @@ enum zinf_device_kind { ZINF_DEVICE_AUTO, ZINF_DEVICE_CUDA, ZINF_DEVICE_EMULATED
 /* zinf_release() flags */
 #define ZINF_RELEASE_CLEAN 0u
 #define ZINF_RELEASE_DIRTY (1u << 0) /* the caller wrote through the pointer: this copy is newest */
+/* The caller is done with the content, and so is everyone: the tensor's content becomes zeros
+ * (as a new tensor's, and a zero entry at the next flush) without moving a byte. Its copies
+ * are dropped unwritten, and its next fetch fills zeros rather than reading the drive (a
+ * gradient the update has consumed, which the next backward overwrites). Only for a tensor
+ * homed on NVMe (-EINVAL otherwise), with no other pin on either copy (-EBUSY: another
+ * caller still holds it); on error the pin stays. Not with DIRTY. */
+#define ZINF_RELEASE_ZERO (1u << 1)
 
 struct zinf_options {        /* zero-initialised = defaults */
     const char *nvme_path;   /* directory for swap files; NULL: no NVMe tier */
@@ -211,7 +218,8 @@ ZINF_API int zinf_wait(zinf_engine *e, uint64_t ticket, void **ptr);
  * zinf_stats.compactions counts the calls that had to empty the tier. */
 ZINF_API int zinf_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
                             void **ptrs);
-/* Drop one pin. ZINF_RELEASE_DIRTY: the caller wrote through the pointer. */
+/* Drop one pin. ZINF_RELEASE_DIRTY: the caller wrote through the pointer; ZINF_RELEASE_ZERO:
+ * nobody needs the content again (above). */
 ZINF_API int zinf_release(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, unsigned flags);
 /* A hint: start bringing the tensor to tier; no pin, never blocks, never fails for lack
  * of room (the hint is dropped instead). */

@@ -774,7 +774,10 @@ static void *wb_side(void *arg)
     return NULL;
 }
 
-static void wb_steps(zinf_engine *e, int steps, uint64_t *behinds)
+/* zero: every third fetch of the steps' tensors is released ZINF_RELEASE_ZERO instead (its
+ * write-behind, a flush or the schedule's prefetch of it may be in flight): it reads as
+ * zeros from then on. */
+static void wb_steps(zinf_engine *e, int steps, uint64_t *behinds, bool zero)
 {
     enum { NL = 10 };
     zinf_tensor h[NL], fixed[2];
@@ -807,6 +810,12 @@ static void wb_steps(zinf_engine *e, int steps, uint64_t *behinds)
             int r = zinf_fetch(e, h[i], ZINF_TIER_HOST, &p);
             cr_assert_eq(r, 0, "step %d, tensor %d: %s", s, i, zinf_strerror(r));
             cr_assert_eq(first_diff(p, ref[i], n), n, "step %d, tensor %d", s, i);
+            if (zero && (s * NL + i) % 3 == 1) {
+                r = zinf_release(e, h[i], ZINF_TIER_HOST, ZINF_RELEASE_ZERO);
+                cr_assert_eq(r, 0, "step %d, tensor %d: %s", s, i, zinf_strerror(r));
+                memset(ref[i], 0, n);
+                continue;
+            }
             size_t off = test_rand(&rs) % n, len = 1 + test_rand(&rs) % (n - off);
             test_fill_random((char *)p + off, len, test_rand(&rs));
             memcpy(ref[i] + off, (char *)p + off, len);
@@ -843,7 +852,17 @@ Test(engine, write_behind_races_flush_read_rewrite_unregister)
     /* The host tier holds about half the tensors: it cycles. */
     zinf_engine *e = open_eng(1 * MiB, 1 * MiB, BLOCK);
     uint64_t behinds = 0;
-    wb_steps(e, 6, &behinds);
+    wb_steps(e, 6, &behinds, false);
+    cr_assert_gt(behinds, 0, "a cycling tier wrote nothing behind");
+    zinf_close(e);
+}
+
+/* The same with spent tensors released as zeros between the writes. */
+Test(engine, zero_releases_racing_write_behinds_flushes_and_reads)
+{
+    zinf_engine *e = open_eng(1 * MiB, 1 * MiB, BLOCK);
+    uint64_t behinds = 0;
+    wb_steps(e, 6, &behinds, true);
     cr_assert_gt(behinds, 0, "a cycling tier wrote nothing behind");
     zinf_close(e);
 }
@@ -853,7 +872,7 @@ Test(engine, write_behind_not_where_the_tier_keeps_everything)
 {
     zinf_engine *e = open_eng(1 * MiB, 8 * MiB, BLOCK);
     uint64_t behinds = 1;
-    wb_steps(e, 6, &behinds);
+    wb_steps(e, 6, &behinds, false);
     cr_assert_eq(behinds, 0, "%llu write-behinds in a tier that keeps everything",
                  (unsigned long long)behinds);
     zinf_close(e);
@@ -1008,7 +1027,9 @@ Test(engine, einval_release_without_pin_bad_tier_bad_flags)
     cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), -EINVAL, "pinned in the other tier");
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_NVME, 0), -EINVAL);
-    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 2u), -EINVAL, "unknown flag");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 4u), -EINVAL, "unknown flag");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY | ZINF_RELEASE_ZERO),
+                 -EINVAL, "dirty and spent at once");
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ~0u), -EINVAL);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_CLEAN), 0);
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), -EINVAL, "one pin, two releases");
@@ -1187,6 +1208,85 @@ Test(engine, ebusy_dirty_release_pinned_in_other_tier)
     cr_assert_eq(memcmp(ph, b, n), 0, "the host copy follows the device's newest");
     cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
     cr_assert_eq(zinf_unregister(e, t), 0);
+    free(a);
+    free(b);
+    zinf_close(e);
+}
+
+/* ZINF_RELEASE_ZERO: a spent tensor's content becomes zeros without a byte read or written
+ * (its newest content only in memory, or on the drive), and its next fetch to either tier
+ * fills zeros without reading; the tensor then takes new content as ever, and a flush saves
+ * it as a zero entry. Refused, with the pin kept and the content unchanged, for another
+ * holder of either copy, a tensor not homed on NVMe, and DIRTY at once. */
+Test(engine, zero_release_drops_the_content_without_moving_a_byte)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 300 * KiB + 5;
+    zinf_tensor t = test_register(e, "g", n, ZINF_TIER_NVME);
+    zinf_tensor hh = test_register(e, "hosted", 4096, ZINF_TIER_HOST);
+    unsigned char *a = test_rand_buf(n, 7), *b = test_rand_buf(n, 8);
+    void *p, *q;
+
+    for (int round = 0; round < 4; round++) {
+        int tier = round & 1;
+        bool on_drive = round >= 2; /* else the newest content is only in memory */
+        cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+        memcpy(p, round & 1 ? a : b, n);
+        cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+        if (on_drive) cr_assert_eq(zinf_flush(e), 0);
+        cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+        cr_assert_eq(memcmp(p, round & 1 ? a : b, n), 0, "round %d", round);
+        struct zinf_stats s0 = stats(e);
+        cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_ZERO), 0, "round %d", round);
+        struct zinf_stats sz = stats(e);
+        cr_assert_eq(sz.tier[tier].pinned_bytes, 0);
+        cr_assert_leq(sz.tier[tier].used_bytes + n, s0.tier[tier].used_bytes,
+                      "round %d: the spent copy is still held", round);
+        for (int k = 0; k < 2; k++) {
+            cr_assert_eq(zinf_fetch(e, t, k, &q), 0);
+            cr_assert(all_zero(q, n), "round %d: tier %d after the zero release", round, k);
+            cr_assert_eq(zinf_release(e, t, k, 0), 0);
+        }
+        expect_zero(e, t, n, "read after the zero release");
+        struct zinf_stats s1 = stats(e);
+        cr_assert_eq(s1.nvme_bytes_read, s0.nvme_bytes_read, "round %d: read the drive", round);
+        cr_assert_eq(s1.nvme_bytes_written, s0.nvme_bytes_written, "round %d: wrote", round);
+    }
+    /* The flush saves a zero entry: no bytes. */
+    struct zinf_stats s0 = stats(e);
+    cr_assert_eq(zinf_flush(e), 0);
+    cr_assert_eq(stats(e).nvme_bytes_written, s0.nvme_bytes_written, "a zero tensor flushed");
+    expect_zero(e, t, n, "after the flush");
+
+    /* Refused: the pin stays and the content is unchanged. */
+    put(e, t, a, n);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &q), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_ZERO), -EBUSY, "other tier");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_HOST, &q), 0);
+    cr_assert_eq(q, p);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_ZERO), -EBUSY, "two pins");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY | ZINF_RELEASE_ZERO),
+                 -EINVAL);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(memcmp(p, a, n), 0, "the refused releases changed the content");
+    cr_assert_gt(stats(e).tier[ZINF_TIER_HOST].pinned_bytes, 0, "the pin is kept");
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, 0), 0);
+    test_expect_content(e, t, a, n, "after refused zero releases");
+    cr_assert_eq(zinf_fetch(e, hh, ZINF_TIER_HOST, &p), 0);
+    cr_assert_eq(zinf_release(e, hh, ZINF_TIER_HOST, ZINF_RELEASE_ZERO), -EINVAL, "host home");
+    cr_assert_eq(zinf_release(e, hh, ZINF_TIER_HOST, 0), 0);
+    /* A zero release and at once new content, written back. */
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_ZERO), 0);
+    cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &p), 0);
+    memcpy(p, b, n);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY), 0);
+    cr_assert_eq(zinf_flush(e), 0);
+    test_expect_content(e, t, b, n, "new content after a zero release");
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    cr_assert_eq(zinf_unregister(e, hh), 0);
     free(a);
     free(b);
     zinf_close(e);

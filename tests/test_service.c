@@ -111,6 +111,7 @@ static void error_script(zinf_engine *e, int *res, int *nres)
     res[k++] = zinf_release(e, t, ZINF_TIER_DEVICE, ZINF_RELEASE_DIRTY); /* -EBUSY */
     res[k++] = zinf_release(e, t, ZINF_TIER_DEVICE, 0);
     res[k++] = zinf_release(e, t, ZINF_TIER_HOST, 8); /* unknown flag */
+    res[k++] = zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_ZERO); /* not on NVMe */
     res[k++] = zinf_release(e, t, ZINF_TIER_HOST, 0);
     res[k++] = zinf_read(e, t, 8190, buf, 4); /* past the end */
     res[k++] = zinf_write(e, t, 0, "abcd", 4);
@@ -672,6 +673,60 @@ Test(service, a_dirty_release_closes_idle_leases_of_the_other_tier)
     free(v1);
     free(v2);
     free(v3);
+    zinf_close(b);
+    zinf_close(a);
+    daemon_stop(&d);
+}
+
+/* ZINF_RELEASE_ZERO through the daemon, from an ordinary pin (a message) and from one
+ * taken through the session's slot: another session's idle lease gives way, its held pin
+ * does not (-EBUSY, the content kept), and the zeros that follow are read from nowhere. */
+Test(service, a_zero_release_through_a_message_or_a_slot_skips_the_drive)
+{
+    struct daemon d;
+    write_cfg(true);
+    daemon_start(&d);
+    zinf_engine *a = connect_job("spent"), *b = connect_job("spent");
+    const size_t n = 65536;
+    zinf_tensor t = test_register(a, "g", n, ZINF_TIER_NVME);
+    unsigned char *v1 = test_rand_buf(n, 1), *v2 = test_rand_buf(n, 2);
+    unsigned char *zeros = calloc(1, n);
+    void *h, *dv;
+    struct zinf_stats s0, s1;
+    cr_assert_eq(zinf_write(a, t, 0, v1, n), 0);
+    cr_assert_eq(zinf_flush(a), 0);
+    for (int i = 0; i < 2; i++) { /* the second time through a's slot: an idle lease */
+        cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_HOST, &h), 0);
+        cr_assert_eq(memcmp(h, v1, n), 0);
+        cr_assert_eq(zinf_release(a, t, ZINF_TIER_HOST, 0), 0);
+    }
+    cr_assert_eq(zinf_fetch(b, t, ZINF_TIER_HOST, &h), 0);
+    cr_assert_eq(zinf_release(b, t, ZINF_TIER_HOST, ZINF_RELEASE_ZERO), 0, "a's idle lease");
+    cr_assert_eq(zinf_stats(a, &s0), 0);
+    cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_HOST, &h), 0);
+    cr_assert_eq(memcmp(h, zeros, n), 0, "a's slot served the spent content");
+    cr_assert_eq(zinf_fetch(b, t, ZINF_TIER_DEVICE, &dv), 0);
+    cr_assert_eq(memcmp(dv, zeros, n), 0);
+    cr_assert_eq(zinf_stats(a, &s1), 0);
+    cr_assert_eq(s1.nvme_bytes_read, s0.nvme_bytes_read, "zeros were read from the drive");
+    /* a holds the host copy: b's zero release is refused and keeps b's pin. */
+    cr_assert_eq(zinf_release(b, t, ZINF_TIER_DEVICE, ZINF_RELEASE_ZERO), -EBUSY);
+    cr_assert_eq(zinf_release(b, t, ZINF_TIER_DEVICE, 0), 0);
+    memcpy(h, v2, n);
+    cr_assert_eq(zinf_release(a, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+    test_expect_content(b, t, v2, n, "after the refused zero release");
+    /* a's pin through its slot, released as spent. */
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_HOST, &h), 0);
+        cr_assert_eq(memcmp(h, v2, n), 0);
+        cr_assert_eq(zinf_release(a, t, ZINF_TIER_HOST, i ? ZINF_RELEASE_ZERO : 0), 0);
+    }
+    test_expect_content(b, t, zeros, n, "after the zero release through a slot");
+    cr_assert_eq(zinf_fetch(b, t, ZINF_TIER_HOST, &h), 0);
+    cr_assert_eq(zinf_release(b, t, ZINF_TIER_HOST, 0), 0);
+    free(v1);
+    free(v2);
+    free(zeros);
     zinf_close(b);
     zinf_close(a);
     daemon_stop(&d);

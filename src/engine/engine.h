@@ -72,6 +72,11 @@
  * or a write-back replaces its content (that write-back is the home's "load": its error
  * goes to the home's err, for the fetches that joined it).
  * Cache copies that are not NONE are on their tier's list (res_*), for eviction.
+ * A zero release (ZINF_RELEASE_ZERO, NVMe homes only, the caller's the only pin on either
+ * copy) makes a new version that is all zeros (tensor.zero: a fetch loads it from SRC_ZERO,
+ * a flush saves a zero entry): unread READY copies go at once (copy_drop), a LOADING one
+ * lands stale and is dropped (copy_load_ok), a read or written-back one stays stale until
+ * its transfer is done, as copies overtaken by a DIRTY release elsewhere do.
  * On the tensor: exclusive means zinf_read/zinf_write/flush/unregister own it with the lock
  * dropped: no copy is LOADING or written back, and no copy is dropped meanwhile (eviction
  * passes over it, a DIRTY release waits). damaged: it failed its checksum at resume.

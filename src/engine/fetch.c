@@ -1037,6 +1037,42 @@ int engine_api_prefetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
     return r;
 }
 
+/* ZINF_RELEASE_ZERO of t's copy in tier, whose pin (ps: one in ps's slot, already taken)
+ * is the caller's: with nobody else holding either copy, the content becomes zeros. A new
+ * version with t->zero set, so that a fetch fills zeros (pick_source) and a flush writes a
+ * zero entry; the copies go now where nothing reads them, else as overtaken ones do (a load
+ * in flight lands stale and is dropped, a write-back lands under a newer version). -EBUSY,
+ * with the pin kept, where another caller holds a copy or a fetch waits to load one. */
+static int release_zero(struct zinf_engine *e, struct engine_pinset *ps, struct tensor *t,
+                        int tier)
+{
+    struct copy *c = &t->c[tier], *oc = &t->c[1 - tier];
+    if (copy_held(e, c) != (ps ? 0u : 1u) || copy_held(e, oc) || c->deferred || oc->deferred) {
+        if (ps) lease_untake(ps, t, tier);
+        return -EBUSY;
+    }
+    if (!ps) c->pins--;
+    /* Idle leases: a client could pin them with atomics alone, and they hold this version. */
+    (void)copy_pinned(e, t, tier);
+    (void)copy_pinned(e, t, 1 - tier);
+    t->version++;
+    t->zero = true;
+    t->swap_crc_valid = false;
+    for (int i = 0; i < MEM_TIERS; i++) {
+        struct copy *x = &t->c[i];
+        x->wb_failed_version = 0;
+        prefetch_wasted(e, t, x);
+        if (x->state == COPY_READY && !x->readers && !x->wb_inflight) copy_drop(e, t, i);
+    }
+    if (trace_on())
+        trace_instant("engine", "zeroed", t->name, "released as spent", (int64_t)t->alloc_bytes);
+    lease_publish(e);
+    undo_settle(e, t);
+    pthread_cond_broadcast(&e->changed);
+    ENGINE_CHECK(t);
+    return 0;
+}
+
 /* A release of a pin the caller holds: an ordinary one, or (ps) one counted in ps's slot. */
 static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum zinf_tier tier,
                    unsigned flags)
@@ -1045,8 +1081,10 @@ static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum
     struct copy *c;
     int r = 0;
 
-    if (!e || check_tier(tier) || (flags & ~ZINF_RELEASE_DIRTY)) return -EINVAL;
-    if ((flags & ZINF_RELEASE_DIRTY) && (e->opt.flags & ZINF_OPEN_READONLY))
+    const unsigned known = ZINF_RELEASE_DIRTY | ZINF_RELEASE_ZERO;
+    bool zero = flags & ZINF_RELEASE_ZERO;
+    if (!e || check_tier(tier) || (flags & ~known) || flags == known) return -EINVAL;
+    if (flags && (e->opt.flags & ZINF_OPEN_READONLY))
         return -EROFS; /* the pin stays: release it clean */
     pthread_mutex_lock(&e->lock);
     if (ps) lease_drain(e);
@@ -1057,7 +1095,8 @@ static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum
             goto out;
         }
         c = &t->c[tier];
-        if (c->pins == 0 || c->state != COPY_READY || c->version != t->version) {
+        if (c->pins == 0 || c->state != COPY_READY || c->version != t->version ||
+            (zero && t->home != ZINF_TIER_NVME)) {
             r = -EINVAL;
             goto out;
         }
@@ -1065,7 +1104,7 @@ static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum
          * the tensor: a DIRTY release, which makes the other copy stale and may free it,
          * waits for them (they never wait for pins, so this cannot deadlock). The caller's
          * pin keeps the tensor registered, but it is looked up again all the same. */
-        if (!(flags & ZINF_RELEASE_DIRTY) || !t->exclusive) break;
+        if (!flags || !t->exclusive) break;
         engine_wait(e);
     }
     /* From here on the lock stays held: the slot's pin, once taken, is this release's. */
@@ -1089,6 +1128,10 @@ static int release(zinf_engine *e, struct engine_pinset *ps, zinf_tensor h, enum
         if (other != (int)t->home && oc->state == COPY_READY && !oc->readers && !oc->wb_inflight)
             copy_drop(e, t, other);
         lease_publish(e);
+    }
+    if (zero) {
+        r = release_zero(e, ps, t, tier);
+        goto out;
     }
     if (!ps) c->pins--; /* a slot's pin went with lease_take; its lease stays */
     c->last_use = ++e->clock;

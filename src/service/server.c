@@ -677,7 +677,8 @@ static int do_wait(struct session *se, const struct proto_request *q, struct pro
 
 static int do_release(struct session *se, const struct proto_request *q)
 {
-    if (q->tier >= MEM_TIERS || (q->flags & ~ZINF_RELEASE_DIRTY)) return -EINVAL;
+    if (q->tier >= MEM_TIERS || (q->flags & ~(ZINF_RELEASE_DIRTY | ZINF_RELEASE_ZERO)))
+        return -EINVAL; /* the engine checks the rest */
     if (!pin_take(se, q->handle, q->tier)) {
         /* Not an ordinary pin: one counted in the session's slot, or none at all. */
         if (!se->ps) return -EINVAL;
