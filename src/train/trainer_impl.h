@@ -239,6 +239,9 @@ struct wave {
     uint8_t role[WAVE_MAX];
     int idx[WAVE_MAX];    /* layout index (an activation's number for R_ACT) */
     bool dirty[WAVE_MAX]; /* released dirty when the phase succeeded */
+    bool spent[WAVE_MAX]; /* released as zeros (ZINF_RELEASE_ZERO) when it succeeded: a
+                             gradient its update consumed, which the next backward
+                             overwrites, so that nothing reads or writes it meanwhile */
     int8_t from[WAVE_MAX]; /* the member gathered into this one (stage 3), else -1 */
     bool async[WAVE_MAX];  /* that gather is the next block's: it runs while this one computes */
     int ahead;             /* 1 + the block gathered ahead (async); 0: none */

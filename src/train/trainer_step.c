@@ -23,6 +23,7 @@
  * and the step driver trainer_step. Not here: the partitions a wave gathers and reduces
  * (trainer_shards.c), the optimizer phase (trainer_optim.c), checkpoints (trainer_resume.c).
  */
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -219,6 +220,9 @@ void train_wave_optimizer(struct trainer *t, int i, struct wave *w)
                                "gradient, m and v)"};
     wave_add(w, R_P, i, true);
     wave_add(w, R_G, i, false);
+    /* Spent once the update has read it: the next backward zeroes it on its first touch.
+     * Only an NVMe home saves anything (no read of stale bytes back into memory). */
+    w->spent[w->n - 1] = train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_NVME;
     wave_add(w, R_M, i, true);
     wave_add(w, R_V, i, true);
     if (t->w != t->p) wave_add(w, R_W, i, true);
@@ -363,8 +367,13 @@ int train_wave_release(struct trainer *t, const struct wave *w, enum zinf_tier t
         ok &= r == 0;
     }
     for (int i = 0; i < w->n; i++) {
-        int x = zinf_release(t->e, train_wave_handle(t, (enum role)w->role[i], w->idx[i]), tier,
-                             ok && w->dirty[i] ? ZINF_RELEASE_DIRTY : 0);
+        zinf_tensor h = train_wave_handle(t, (enum role)w->role[i], w->idx[i]);
+        int x = -EINVAL;
+        /* A spent member that another caller still holds (or that is homed elsewhere after
+         * all) keeps its content: released clean, as before. */
+        if (ok && w->spent[i]) x = zinf_release(t->e, h, tier, ZINF_RELEASE_ZERO);
+        if (x == -EINVAL || x == -EBUSY)
+            x = zinf_release(t->e, h, tier, ok && w->dirty[i] ? ZINF_RELEASE_DIRTY : 0);
         if (x < 0 && r == 0) r = x;
     }
     return r;
