@@ -1200,6 +1200,10 @@ int cmd_train(int argc, char **argv)
             printf("\n");
             fflush(stdout);
         }
+        /* The line before waited for its digest: an update deferred to this step's forward
+         * gave it. Out first, so that a failure to make this step's line loses no more. */
+        if (held.line && st.have_digest && st.digest_step == held.step)
+            held_put(log, &held, true, st.digest);
         char *line = NULL;
         size_t line_len = 0;
         FILE *ln = log ? open_memstream(&line, &line_len) : NULL;
@@ -1240,10 +1244,8 @@ int cmd_train(int argc, char **argv)
             }
             fprintf(ln, "}");
             fclose(ln);
-            /* The line before waited for its digest: an update deferred to this step's
-             * forward gave it. This one waits likewise where its update is deferred. */
-            if (held.line && st.have_digest && st.digest_step == held.step)
-                held_put(log, &held, true, st.digest);
+            /* A line still held has no digest to wait for (its update failed, or the state
+             * is torn). This one waits for its own where its update is deferred. */
             held_put_summary(t, log, &held);
             held = (struct held_line){.line = line, .step = st.step};
             if (!(st.update_pending && o.digest))
