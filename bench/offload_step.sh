@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # offload_step.sh - the offloaded step against its bounds, side by side in one run: the same
 # model trained in memory; offloaded to NVMe with each step's update deferred to the next
-# forward (zinf.train.update_in_forward true, "fwd"); offloaded as by default (the optimizer's
-# pipeline, the update at the end of the step, "on"); and without the pipeline
-# (offload_optimizer.pipeline_read and pipeline_write false, "off"); rounds alternating, next
-# to `zinf bench` on the same directory. The target is held against the default ("on").
+# forward (zinf.train.update_in_forward true, "fwd": the default on the CPU); offloaded with
+# the optimizer's pipeline and the update at the end of the step (update_in_forward false,
+# "on"); and without the pipeline (offload_optimizer.pipeline_read and pipeline_write false,
+# "off"); rounds alternating, next to `zinf bench` on the same directory. The target is held
+# against the default: "fwd" on the CPU, "on" on a GPU (where "fwd" is "on" again).
 #
 # For each run: the median step time of steps 2..S, the NVMe bytes a step moves, and the CPU
 # seconds a step takes, in all and by thread (zinf train --log: cpu_by_thread). Then the
@@ -22,7 +23,8 @@
 #   DEVICE_BYTES=128M HOST_BYTES=256M (the offloaded runs' budgets)  BLOCK=1M QD=32
 #   DEVICE=emulated (or cuda: the step on a GPU, whose copy engines move the device tier's
 #   bytes; the update in the forward applies to CPU steps only, so there "fwd" is "on" again)
-#   RUNS="mem on fwd off" (which runs, in this order; mem and on are needed; memh: in memory
+#   RUNS="mem on fwd off" (which runs, in this order; mem and the default's run are needed;
+#   memh: in memory
 #   with the optimizer on the host, whose bits a GPU's offloaded runs equal; a figure of a
 #   run not made prints as nan)
 #   TRACE=1: also write DIR/trace-<run>-<round>.json (zinf train --trace) for
@@ -93,10 +95,11 @@ for ((i = 1; i <= rounds; i++)); do
   for name in $runs; do run "$name" "$i"; done
 done
 
-python3 - "$tmp" "$rounds" "$brd" "$bwr" "$(nproc)" "$runs" <<'PY'
+python3 - "$tmp" "$rounds" "$brd" "$bwr" "$(nproc)" "$runs" "$device" <<'PY'
 import json, statistics as st, sys
 tmp, rounds, brd, bwr, cores = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
 runs = sys.argv[6].split()
+dflt = "on" if sys.argv[7] == "cuda" else "fwd"  # the run zinf train's defaults make
 
 def load(name, i):
     rows = [json.loads(l) for l in open("%s/%s.%d.jsonl" % (tmp, name, i))]
@@ -126,21 +129,26 @@ same = all(r["losses"] == res["mem"][0]["losses"] and r["digests"] == res["mem"]
            for n in res for r in res[n])
 med = lambda n, k: st.median(r[k] for r in res[n]) if n in res else float("nan")
 mem, on, fwd, off = med("mem", "ms"), med("on", "ms"), med("fwd", "ms"), med("off", "ms")
-io = (med("on", "rd") / brd + med("on", "wr") / bwr) * 1e3
+io = (med(dflt, "rd") / brd + med(dflt, "wr") / bwr) * 1e3
 io_off = (med("off", "rd") / brd + med("off", "wr") / bwr) * 1e3
-cpu = med("on", "cpu") / cores * 1e3
+cpu = med(dflt, "cpu") / cores * 1e3
 bound = max(mem, io, cpu)
 which = {mem: "in memory", io: "IO floor", cpu: "CPU floor"}[bound]
-print("# medians over the rounds: in memory %.1f ms; offloaded %.1f ms (the default), %.1f "
-      "(the update in the next forward), %.1f (no pipeline)" % (mem, on, fwd, off))
-print("# IO floor %.1f ms (%.3f GB read, %.3f written a step; without the pipeline %.1f ms); "
-      "CPU floor %.1f ms (%.3f CPU-s a step over %d cores; in memory %.3f CPU-s)" % (
-          io, med("on", "rd"), med("on", "wr"), io_off, cpu, med("on", "cpu"), cores, med("mem", "cpu")))
-print("# offloaded / in memory: %.3f (the default), %.3f (update in the forward), %.3f "
-      "(no pipeline); update in the forward / the default: %.3f; the pipeline's step / the one "
-      "without: %.3f" % (on / mem, fwd / mem, off / mem, fwd / on, on / off))
-print("# offloaded / max(in memory, IO floor, CPU floor) = %.1f / %.1f (%s): %.3f (target <= 1.15: %s)" % (
-    on, bound, which, on / bound, "met" if on / bound <= 1.15 else "NOT met"))
+step = med(dflt, "ms")
+print("# medians over the rounds: in memory %.1f ms; offloaded %.1f ms (the update at the "
+      "step's end), %.1f (the update in the next forward), %.1f (no pipeline); the default: "
+      "%s" % (mem, on, fwd, off, dflt))
+print("# IO floor %.1f ms (%.3f GB read, %.3f written a step by %s; without the pipeline %.1f "
+      "ms); CPU floor %.1f ms (%.3f CPU-s a step over %d cores; in memory %.3f CPU-s)" % (
+          io, med(dflt, "rd"), med(dflt, "wr"), dflt, io_off, cpu, med(dflt, "cpu"), cores,
+          med("mem", "cpu")))
+print("# offloaded / in memory: %.3f (the update at the step's end), %.3f (update in the "
+      "forward), %.3f (no pipeline); update in the forward / at the step's end: %.3f; the "
+      "pipeline's step / the one without: %.3f" % (on / mem, fwd / mem, off / mem, fwd / on,
+                                                   on / off))
+print("# the default (%s) / max(in memory, IO floor, CPU floor) = %.1f / %.1f (%s): %.3f "
+      "(target <= 1.15: %s)" % (dflt, step, bound, which, step / bound,
+                                "met" if step / bound <= 1.15 else "NOT met"))
 print("# losses and digests equal in all runs: %s" % ("yes" if same else "NO"))
 if not same:  # which runs agree: each group is one set of bits
     groups = {}

@@ -302,8 +302,9 @@ static const struct field fields[] = {
     /* false: a new run's step 0 is not saved, so that until its first checkpoint the swap
      * files hold one copy of the state, not the saved one beside the newest (copy on write). */
     {S_TRAIN, "checkpoint_start", NULL, F_BOOL, OFF(zinf.train.checkpoint_start), 0, 0, 0, NULL},
-    /* true: one rank offloaded to NVMe updates each tensor just before the next step's
-     * forward uses it, rather than every tensor at the end of its step. */
+    /* true (the default): one rank offloaded to NVMe on the CPU updates each tensor just
+     * before the next step's forward uses it, rather than every tensor at the end of its
+     * step; false: at the end of the step. */
     {S_TRAIN, "update_in_forward", NULL, F_BOOL, OFF(zinf.train.update_in_forward), 0, 0, 0,
      NULL},
     /* `zinf serve`'s limits, as a service shared by a node's users has them. */
@@ -1148,6 +1149,7 @@ void config_defaults(struct zinf_config *c)
     c->zinf.io_backend = CONFIG_IO_AUTO;
     c->zinf.huge_pages = true;
     c->zinf.train.checkpoint_start = true;
+    c->zinf.train.update_in_forward = true;
     c->zinf.comm_pool = true;
     c->zinf.comm_timeout = 1800;
     c->zinf.serve.jobs_per_uid = 4;

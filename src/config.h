@@ -158,7 +158,7 @@ struct zinf_config {
             int checkpoint_every; /* steps between checkpoints; 0: only at the end */
             bool checkpoint_start; /* a new run's step 0 is saved before step 1; true */
             bool update_in_forward; /* one rank offloaded to NVMe: each tensor's update runs
-                                       just before the next forward's first use; false */
+                                       just before the next forward's first use; true */
             uint64_t seed;                             /* given when bit set in `given` */
         } train;
         struct config_serve {           /* zinf.serve: `zinf serve`'s limits */

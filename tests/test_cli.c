@@ -1282,7 +1282,9 @@ Test(cli, train_takes_the_model_from_the_config)
 /* ---- the swap directory is the user's data ---------------------------------------------- */
 
 /* A config whose parameters and optimizer states live in swap (under dir), and the text. */
-static void train_files(const char *swap, char *cfg, size_t cfglen, char *data, size_t datalen)
+/* train_files with more keys in the config's zinf section (zinf_more: "" or `, "k": v`). */
+static void train_files_with(const char *swap, char *cfg, size_t cfglen, char *data,
+                             size_t datalen, const char *zinf_more)
 {
     static int n;
     snprintf(cfg, cfglen, "%s/c%d.json", dir, n++);
@@ -1293,8 +1295,8 @@ static void train_files(const char *swap, char *cfg, size_t cfglen, char *data, 
             "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
             "\"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s\"}}, "
             "\"aio\": {\"block_size\": 65536, \"queue_depth\": 4}, \"zinf\": {\"device\": "
-            "\"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": \"1M\"}}",
-            swap, swap);
+            "\"emulated\", \"device_bytes\": \"1M\", \"host_bytes\": \"1M\"%s}}",
+            swap, swap, zinf_more);
     fclose(f);
     if (access(data, F_OK) != 0) {
         f = fopen(data, "w");
@@ -1304,6 +1306,14 @@ static void train_files(const char *swap, char *cfg, size_t cfglen, char *data, 
         fclose(f);
     }
 }
+
+static void train_files(const char *swap, char *cfg, size_t cfglen, char *data, size_t datalen)
+{
+    train_files_with(swap, cfg, cfglen, data, datalen, "");
+}
+
+/* The update at the end of each step, not in the next forward (the default here). */
+#define AT_END ", \"train\": {\"update_in_forward\": false}"
 
 #define TINY "--layers 1 --dim 16 --heads 2 --seq 8 --batch 1"
 
@@ -1524,59 +1534,68 @@ static int read_losses(const char *path, char (*loss)[32], int *summary_steps, i
 
 /* open_memstream failing (memory ran out) as zinf train makes step 3's log line: the run
  * stops, naming the error, saves the state of the step it ran, and --resume goes on with the
- * losses and parameters of a run that never failed. Step 3's line is the one lost. */
+ * losses and parameters of a run that never failed. Step 3's line is the one lost: with the
+ * update in the next forward (the default) too, where step 2's line waited for the digest
+ * that step 3's forward gave. */
 Test(cli, a_log_line_that_cannot_be_made_stops_the_run_with_its_state_saved)
 {
     const char *lib = getenv("ZINF_TEST_FAIL_MEMSTREAM");
     cr_assert_not_null(lib, "ZINF_TEST_FAIL_MEMSTREAM is not set");
     static char ref[MAX_STEPS + 1][32], seen[MAX_STEPS + 1][32];
-    memset(ref, 0, sizeof(ref));
-    memset(seen, 0, sizeof(seen));
-    char *o, cfg[4096], data[4096], swap[4096], log[4096];
-    snprintf(swap, sizeof(swap), "%s/msref", dir);
-    snprintf(log, sizeof(log), "%s/msref.jsonl", dir);
-    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 5 --log %s", cfg, data, log),
-                 0, "%s", o);
-    free(o);
-    cr_assert_eq(read_losses(log, ref, NULL, NULL), 5);
+    for (int end = 0; end < 2; end++) {
+        const char *mode = end ? AT_END : "", *what = end ? "at the step's end" : "in forward";
+        memset(ref, 0, sizeof(ref));
+        memset(seen, 0, sizeof(seen));
+        char *o, cfg[4096], data[4096], swap[4096], log[4096];
+        snprintf(swap, sizeof(swap), "%s/msref%d", dir, end);
+        snprintf(log, sizeof(log), "%s/msref%d.jsonl", dir, end);
+        train_files_with(swap, cfg, sizeof(cfg), data, sizeof(data), mode);
+        cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 5 --log %s", cfg,
+                         data, log),
+                     0, "%s", o);
+        free(o);
+        cr_assert_eq(read_losses(log, ref, NULL, NULL), 5);
 
-    snprintf(swap, sizeof(swap), "%s/msfail", dir);
-    snprintf(log, sizeof(log), "%s/msfail.jsonl", dir);
-    train_files(swap, cfg, sizeof(cfg), data, sizeof(data));
-    /* The shim comes before the sanitizers' runtime where there is one. */
-    const char *asan = getenv("ASAN_OPTIONS");
-    char *asan_was = asan ? strdup(asan) : NULL, asan_now[1024];
-    snprintf(asan_now, sizeof(asan_now), "%s%sverify_asan_link_order=0", asan ? asan : "",
-             asan ? ":" : "");
-    setenv("ASAN_OPTIONS", asan_now, 1);
-    setenv("ZINF_TEST_MEMSTREAM_FAIL_AT", "3", 1);
-    setenv("LD_PRELOAD", lib, 1);
-    int st = run(&o, "train --config %s --data %s " TINY " --steps 5 --log %s", cfg, data, log);
-    unsetenv("LD_PRELOAD");
-    unsetenv("ZINF_TEST_MEMSTREAM_FAIL_AT");
-    if (asan_was)
-        setenv("ASAN_OPTIONS", asan_was, 1);
-    else
-        unsetenv("ASAN_OPTIONS");
-    free(asan_was);
-    cr_assert_eq(st, 1, "%s", o);
-    cr_assert(strstr(o, "zinf train: --log: Cannot allocate memory"), "%s", o);
-    cr_assert(strstr(o, "the state of step 3 is saved; --resume continues"), "%s", o);
-    free(o);
-    cr_assert_eq(read_losses(log, seen, NULL, NULL), 2, "steps 1 and 2 logged");
-
-    snprintf(log, sizeof(log), "%s/msresume.jsonl", dir);
-    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 5 --resume --log %s", cfg,
-                     data, log),
-                 0, "%s", o);
-    free(o);
-    cr_assert_eq(read_losses(log, seen, NULL, NULL), 5);
-    for (int s = 1; s <= 5; s++)
-        if (s == 3)
-            cr_expect_eq(seen[s][0], 0, "step 3 was logged: %s", seen[s]);
+        snprintf(swap, sizeof(swap), "%s/msfail%d", dir, end);
+        snprintf(log, sizeof(log), "%s/msfail%d.jsonl", dir, end);
+        train_files_with(swap, cfg, sizeof(cfg), data, sizeof(data), mode);
+        /* The shim comes before the sanitizers' runtime where there is one. */
+        const char *asan = getenv("ASAN_OPTIONS");
+        char *asan_was = asan ? strdup(asan) : NULL, asan_now[1024];
+        snprintf(asan_now, sizeof(asan_now), "%s%sverify_asan_link_order=0", asan ? asan : "",
+                 asan ? ":" : "");
+        setenv("ASAN_OPTIONS", asan_now, 1);
+        setenv("ZINF_TEST_MEMSTREAM_FAIL_AT", "3", 1);
+        setenv("LD_PRELOAD", lib, 1);
+        int st = run(&o, "train --config %s --data %s " TINY " --steps 5 --log %s", cfg, data,
+                     log);
+        unsetenv("LD_PRELOAD");
+        unsetenv("ZINF_TEST_MEMSTREAM_FAIL_AT");
+        if (asan_was)
+            setenv("ASAN_OPTIONS", asan_was, 1);
         else
-            cr_expect_str_eq(seen[s], ref[s], "step %d", s);
+            unsetenv("ASAN_OPTIONS");
+        free(asan_was);
+        cr_assert_eq(st, 1, "%s: %s", what, o);
+        cr_assert(strstr(o, "zinf train: --log: Cannot allocate memory"), "%s: %s", what, o);
+        cr_assert(strstr(o, "the state of step 3 is saved; --resume continues"), "%s: %s", what,
+                  o);
+        free(o);
+        cr_assert_eq(read_losses(log, seen, NULL, NULL), 2, "%s: steps 1 and 2 logged", what);
+
+        snprintf(log, sizeof(log), "%s/msresume%d.jsonl", dir, end);
+        cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 5 --resume --log %s",
+                         cfg, data, log),
+                     0, "%s: %s", what, o);
+        free(o);
+        cr_assert_eq(read_losses(log, seen, NULL, NULL), 5);
+        for (int s = 1; s <= 5; s++)
+            if (s == 3)
+                cr_expect_eq(seen[s][0], 0, "%s: step 3 was logged: %s", what, seen[s]);
+            else
+                cr_expect_str_eq(seen[s], ref[s], "%s: step %d: %s, not %s", what, s, seen[s],
+                                 ref[s]);
+    }
 }
 
 /* kill -9 at >= 20 random moments of one run (during start-up, steps and checkpoints, with
@@ -3666,8 +3685,10 @@ Test(cli, train_trace_shows_steps_phases_and_the_engines_work, .timeout = 300)
     cr_expect_eq(test_trace_count(&tr, "X", "block backward *", NULL), 6);
     cr_expect_eq(test_trace_count(&tr, "X", "embeddings forward", NULL), 3);
     cr_expect_eq(test_trace_count(&tr, "X", "head*", NULL), 3);
-    /* 2 blocks of 12 tensors, wte, wpe and the final norm's 2: 28 per step. */
-    cr_expect_eq(test_trace_count(&tr, "X", "optimizer", NULL), 3 * 28);
+    /* 2 blocks of 12 tensors, wte, wpe and the final norm's 2: 28 per step, each updated in
+     * the next step's forward (the default), or before a checkpoint or the run's end. */
+    cr_expect_eq(test_trace_count(&tr, "X", "update before its forward", NULL), 3 * 28);
+    cr_expect_eq(test_trace_count(&tr, "X", "optimizer", NULL), 0);
     cr_expect_eq(test_trace_count(&tr, "X", "checkpoint", NULL), 4); /* steps 0, 1, 2, 3 */
     cr_expect_geq(test_trace_count(&tr, "X", "flush", NULL), 4);
     cr_expect_gt(test_trace_count(&tr, "X", "fetch to device", "load"), 0);

@@ -1024,7 +1024,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         "zinf.comm_pool = true  # default\n",
         "zinf.train.checkpoint_every = 0  # default\n",
         "zinf.train.checkpoint_start = true  # default\n",
-        "zinf.train.update_in_forward = false  # default\n",
+        "zinf.train.update_in_forward = true  # default\n",
         "engine.nvme_path = none  # no NVMe tier\n",
         "engine.nvme_paths_extra = []\n",
         "engine.block_size = 1048576  # 1 MiB\n",

@@ -127,9 +127,10 @@ struct trainer_opts {
      * trainer_close finish it first. A failure in it fails the call (a step is not counted)
      * and leaves the trainer usable: the tensors updated stay so, and the next call goes on
      * with the others, whose gradients nothing touched. Only trainer_close, which cannot try
-     * again, leaves the state torn (the last checkpoint stays). Off by default: on 2 cores
-     * with an emulated device it measured no faster than the update at the step's end
-     * (bench/RESULTS.md). */
+     * again, leaves the state torn (the last checkpoint stays). Off in trainer_opts_defaults;
+     * zinf train turns it on unless its config says false (zinf.train.update_in_forward,
+     * true by default): on 2 cores with an emulated device, Intel and AMD, its step measured
+     * 0.85-0.98x the update at the step's end (bench/RESULTS.md). */
     bool update_in_forward;
     bool overwrite;          /* without resume: delete a saved run there and start over */
     const char *connect;     /* through the zinf daemon on this socket (zinf serve), not an
