@@ -230,7 +230,11 @@ ZINF_API int zinf_step(zinf_engine *e);
 /* Copy bytes into / out of a tensor's content, wherever its newest copy is. */
 ZINF_API int zinf_write(zinf_engine *e, zinf_tensor t, size_t off, const void *src, size_t n);
 ZINF_API int zinf_read(zinf_engine *e, zinf_tensor t, size_t off, void *dst, size_t n);
-/* Make every tensor's content durable in nvme_path (fsync, manifest replaced atomically). */
+/* Make every tensor's content durable in nvme_path (fsync, manifest replaced atomically).
+ * Each tensor is saved whole, as one version: a copy nobody holds is read where there is one.
+ * Where only a caller's pin holds the newest content (another thread may be writing through
+ * it), the flush waits for its release, up to 200 ms in all, then reads it as it is (the
+ * flushing thread's own pins, which it is not writing through meanwhile). */
 ZINF_API int zinf_flush(zinf_engine *e);
 /* zinf_flush_step() flags */
 #define ZINF_FLUSH_KEEP_PREVIOUS (1u << 0) /* keep the saved state it replaces, as the previous version */

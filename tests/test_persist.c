@@ -668,6 +668,78 @@ Test(persist, flush_of_a_tensor_written_through_its_pin_checksums_what_it_wrote)
     free(b);
 }
 
+/* A caller holds a tensor's only newest copy and has written half of a new version through
+ * its pin when a flush begins on another thread; 50 ms later it writes the rest and releases
+ * it DIRTY. The flush waits for that release and saves the new version whole: it used to
+ * read the copy at once and save the half-written bytes under the older version's label (a
+ * crash then resumed a torn tensor). A flush by the thread that holds the pin itself, not
+ * writing through it meanwhile, waits its 200 ms and saves what the pin holds. Every home. */
+struct flusher {
+    zinf_engine *e;
+    int r;
+    atomic_bool done;
+};
+
+static void *flush_in_thread(void *arg)
+{
+    struct flusher *f = arg;
+    f->r = zinf_flush(f->e);
+    atomic_store(&f->done, true);
+    return NULL;
+}
+
+Test(persist, a_flush_waits_for_a_writer_to_release_the_only_newest_copy)
+{
+    const size_t n = 300 * KiB + 3;
+    enum zinf_tier homes[] = {ZINF_TIER_DEVICE, ZINF_TIER_HOST, ZINF_TIER_NVME};
+    unsigned char *v[5];
+    for (int k = 0; k < 5; k++)
+        v[k] = test_rand_buf(n, 40 + k);
+    for (size_t h = 0; h < ARRAY_SIZE(homes); h++) {
+        zinf_engine *e = open_eng(ZINF_OPEN_OVERWRITE, false);
+        zinf_tensor t = test_register(e, "held", n, homes[h]);
+        int tier = homes[h] == ZINF_TIER_NVME ? ZINF_TIER_HOST : (int)homes[h];
+        void *p;
+        cr_assert_eq(zinf_write(e, t, 0, v[1], n), 0);
+        cr_assert_eq(zinf_flush(e), 0);
+        /* Version 2, released and not saved yet; then half of version 3 through the pin. */
+        cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+        memcpy(p, v[2], n);
+        cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+        cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+        memcpy(p, v[3], n / 2);
+        struct flusher f = {.e = e};
+        pthread_t th;
+        cr_assert_eq(pthread_create(&th, NULL, flush_in_thread, &f), 0);
+        usleep(50 * 1000);
+        cr_assert(!atomic_load(&f.done), "home %d: the flush did not wait for the writer",
+                  homes[h]);
+        memcpy((char *)p + n / 2, v[3] + n / 2, n - n / 2);
+        cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+        pthread_join(th, NULL);
+        cr_assert_eq(f.r, 0, "flush: %s", zinf_strerror(f.r));
+        zinf_engine *s = resume_snapshot();
+        test_expect_content(s, look(s, "held"), v[3], n, "the version released during the flush");
+        snapshot_close(s);
+
+        /* The flushing thread's own pin: version 4 saved as the pin holds it. */
+        cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+        memcpy(p, v[4], n);
+        cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+        cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+        uint64_t t0 = now_ns();
+        cr_assert_eq(zinf_flush(e), 0);
+        cr_assert_geq(now_ns() - t0, 190 * 1000000ull, "home %d: no wait for the pin", homes[h]);
+        cr_assert_eq(zinf_release(e, t, tier, 0), 0);
+        s = resume_snapshot();
+        test_expect_content(s, look(s, "held"), v[4], n, "a flush under its own pin");
+        snapshot_close(s);
+        zinf_close(e);
+    }
+    for (int k = 0; k < 5; k++)
+        free(v[k]);
+}
+
 /* fsync of the directory failing after rename() put the new manifest in place was taken
  * for "manifest abandoned": the next write went in place into the extent the manifest on
  * disk names, and a crash then left neither version. Now that manifest counts as the saved

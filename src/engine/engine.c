@@ -802,7 +802,11 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     static atomic_int engines_opened;
     e->trace_id = atomic_fetch_add(&engines_opened, 1) + 1;
     pthread_mutex_init(&e->lock, NULL);
-    pthread_cond_init(&e->changed, NULL);
+    pthread_condattr_t ca; /* engine_wait_until's deadlines are now_ns()'s clock */
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&e->changed, &ca);
+    pthread_condattr_destroy(&ca);
     for (int i = 0; i < MEM_TIERS; i++)
         e->res[i].res_next = e->res[i].res_prev = &e->res[i];
     e->opt = o;

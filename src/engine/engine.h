@@ -492,6 +492,8 @@ int abandon_locked(struct zinf_engine *e, struct tensor *t, int tier);
 void copy_drop(struct zinf_engine *e, struct tensor *t, int tier);
 void copy_link(struct zinf_engine *e, struct copy *c, int tier);
 void engine_wait(struct zinf_engine *e);
+/* The same, until deadline (now_ns()'s clock) at the latest. */
+void engine_wait_until(struct zinf_engine *e, uint64_t deadline);
 int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evict);
 /* Allocate in a memory tier, evicting as needed: 0, -EAGAIN (waited; re-check), -EINPROGRESS
  * (RESERVE_NOWAIT: would wait), -ENOSPC (a prefetch), -ENOMEM, -EIO; see fetch.c. */

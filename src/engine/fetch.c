@@ -18,6 +18,13 @@ void engine_wait(struct zinf_engine *e)
     pthread_cond_wait(&e->changed, &e->lock);
 }
 
+void engine_wait_until(struct zinf_engine *e, uint64_t deadline)
+{
+    struct timespec ts = {.tv_sec = (time_t)(deadline / 1000000000u),
+                          .tv_nsec = (long)(deadline % 1000000000u)};
+    pthread_cond_timedwait(&e->changed, &e->lock, &ts);
+}
+
 void copy_link(struct zinf_engine *e, struct copy *c, int tier)
 {
     struct copy *h = &e->res[tier];

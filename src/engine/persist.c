@@ -42,6 +42,9 @@
 #define PREV_SUFFIX ".prev"
 #define MANIFEST_FORMAT "zinf-manifest"
 #define MANIFEST_VERSION 1
+/* How long one flush waits in all for callers to release the copies that alone hold a
+ * tensor's newest content (flush_reads_held). */
+#define FLUSH_HELD_WAIT_NS (200 * 1000000ull)
 
 /* ---- crc32c (Castagnoli) ------------------------------------------------------------ */
 
@@ -470,6 +473,33 @@ static int swap_checksum(struct zinf_engine *e, struct tensor *t, uint64_t off, 
     return r;
 }
 
+/* The newest content of t in a memory tier to read for a flush: a valid copy that no caller
+ * holds, else one that a caller does (-1: none in memory). A caller's pin may be written
+ * through at any moment, and the DIRTY release that makes that a version waits for the
+ * flush: bytes read from it could mix two versions under the older one's label. */
+static int flush_source(const struct zinf_engine *e, const struct tensor *t)
+{
+    int held = -1;
+    for (int i = ZINF_TIER_HOST; i >= ZINF_TIER_DEVICE; i--) {
+        const struct copy *c = &t->c[i];
+        if (c->state != COPY_READY || c->version != t->version) continue;
+        if (!copy_held(e, c)) return i;
+        held = i;
+    }
+    return held;
+}
+
+/* Would flushing t now read its newest content from a copy that a caller holds? Not where
+ * a manifest or the swap extent already has that content. Lock held. */
+static bool flush_reads_held(const struct zinf_engine *e, const struct tensor *t)
+{
+    if (t->zero || (t->persisted && t->persisted_version == t->version && !t->persisted_zero) ||
+        (t->has_swap && t->swap_version == t->version))
+        return false;
+    int src = flush_source(e, t);
+    return src >= 0 && copy_held(e, &t->c[src]);
+}
+
 /* Make t's swap extent hold its newest content, on an extent the manifest does not name.
  * Lock held; t held exclusively. */
 static int flush_tensor(struct zinf_engine *e, struct tensor *t, struct entry *en)
@@ -500,10 +530,7 @@ static int flush_tensor(struct zinf_engine *e, struct tensor *t, struct entry *e
         return 0;
     }
     /* The newest content is in memory: write it out. */
-    int src = -1;
-    for (int i = ZINF_TIER_HOST; i >= ZINF_TIER_DEVICE; i--)
-        if (t->c[i].state == COPY_READY && t->c[i].version == t->version)
-            src = i;
+    int src = flush_source(e, t);
     if (src < 0) {
         log_error("engine: tensor '%s' has no valid copy to flush", t->name);
         return -EIO;
@@ -684,8 +711,23 @@ int persist_flush_tagged(struct zinf_engine *e, int64_t tag, bool keep)
             e->st.flush_bytes_total += e->tensors[i]->alloc_bytes;
         }
 
+    /* A tensor whose newest content only a caller's pin holds is waited for, up to
+     * FLUSH_HELD_WAIT_NS in all: a writer releases it (DIRTY) and the flush saves a whole
+     * version. The flushing thread's own pins, or pins held for longer, are read as they
+     * are once the time is up. */
+    uint64_t held_until = now_ns() + FLUSH_HELD_WAIT_NS;
     for (size_t i = 0; i < nh; i++) {
         struct tensor *t = engine_tensor_lock(e, hs[i]);
+        bool traced = false;
+        while (t && flush_reads_held(e, t) && now_ns() < held_until) {
+            if (!traced && trace_on())
+                trace_instant("engine", "flush waits for a held copy", t->name, "pinned",
+                              (int64_t)t->alloc_bytes);
+            traced = true;
+            engine_tensor_unlock(e, t); /* its DIRTY release waits for an exclusive owner */
+            engine_wait_until(e, held_until);
+            t = engine_tensor_lock(e, hs[i]);
+        }
         if (!t)
             continue;
         r = flush_tensor(e, t, &ents[n]);
