@@ -17,6 +17,7 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
@@ -616,54 +617,75 @@ static PyObject *make_pinned(EngineObject *eng, zinf_tensor h, int tier, void *p
     return (PyObject *)p;
 }
 
-/* Drops the pin for real. GIL held; it is dropped around the call. */
-static int pin_drop(PinnedObject *p, unsigned flags)
+/* Did zinf_release refuse and keep the pin? A read-only engine's DIRTY, a refused spent one. */
+static bool release_kept(int r, unsigned flags)
+{
+    return r == -EROFS || ((flags & ZINF_RELEASE_ZERO) && (r == -EBUSY || r == -EINVAL));
+}
+
+/* Drops the pin for real. GIL held; it is dropped around the call. Where zinf keeps the pin
+ * it refused, or_clean releases it clean instead (a deleter, which cannot raise); else the
+ * pin stays as it was and the error is returned. */
+static int pin_drop(PinnedObject *p, unsigned flags, bool or_clean)
 {
     EngineObject *eng = p->eng;
-    p->state = PIN_RELEASED;
+    int was = p->state;
+    p->state = PIN_RELEASED; /* no other thread releases it meanwhile */
     eng->busy++;
     int r;
+    bool kept;
     Py_BEGIN_ALLOW_THREADS
     r = zinf_release(eng->e, p->h, (enum zinf_tier)p->tier, flags);
+    kept = r < 0 && release_kept(r, flags);
+    if (kept && or_clean) {
+        r = zinf_release(eng->e, p->h, (enum zinf_tier)p->tier, 0);
+        kept = false;
+    }
     Py_END_ALLOW_THREADS
     eng->busy--;
+    if (kept) {
+        p->state = was;
+        return r;
+    }
     eng->pins--;
     eng_maybe_close(eng);
     return r;
 }
 
-/* release(), with dirty the caller's choice (its default: fetch's). */
-static PyObject *pin_release(PinnedObject *p, int d)
+/* release(), with the flags the caller chose (dirty's default: fetch's). */
+static PyObject *pin_release(PinnedObject *p, unsigned flags)
 {
     if (p->state != PIN_HELD) {
         PyErr_SetString(PyExc_ValueError, "this pin was released already");
         return NULL;
     }
-    unsigned flags = d ? ZINF_RELEASE_DIRTY : ZINF_RELEASE_CLEAN;
     if (p->exports) {
-        /* Views remain: the last one's deleter releases with these flags. */
+        /* Views remain: the last one's deleter releases with these flags (clean where
+         * zinf refuses them). */
         p->state = PIN_PENDING;
         p->flags = flags;
         Py_RETURN_NONE;
     }
-    int r = pin_drop(p, flags);
-    if (r == -EROFS) {
-        /* zinf keeps the pin on a read-only engine's dirty release: so do we. */
-        p->state = PIN_HELD;
-        p->eng->pins++;
-    }
+    /* Where zinf refuses and keeps the pin (a read-only engine's dirty release, a spent one
+     * that another holder or a home in memory refuses), so do we. */
+    int r = pin_drop(p, flags, false);
     if (r) return raise_zinf(r, "zinf_release", NULL);
     Py_RETURN_NONE;
 }
 
 static PyObject *Pinned_release(PinnedObject *p, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"dirty", NULL};
+    static char *kwlist[] = {"dirty", "spent", NULL};
     PyObject *dirty = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O", kwlist, &dirty)) return NULL;
+    int spent = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Op", kwlist, &dirty, &spent)) return NULL;
     int d = p->dirty;
     if (dirty != Py_None && (d = PyObject_IsTrue(dirty)) < 0) return NULL;
-    return pin_release(p, d);
+    if (spent && dirty != Py_None && d) {
+        PyErr_SetString(PyExc_ValueError, "release: dirty and spent at once");
+        return NULL;
+    }
+    return pin_release(p, spent ? ZINF_RELEASE_ZERO : d ? ZINF_RELEASE_DIRTY : 0);
 }
 
 static void Pinned_dealloc(PinnedObject *p)
@@ -672,7 +694,7 @@ static void Pinned_dealloc(PinnedObject *p)
      * the flags a release asked for. */
     if (p->state != PIN_RELEASED && p->eng) {
         unsigned flags = p->state == PIN_PENDING ? p->flags : 0;
-        if (pin_drop(p, flags) == -EROFS) pin_drop(p, 0);
+        pin_drop(p, flags, true);
     }
     Py_XDECREF(p->meta);
     Py_XDECREF(p->eng);
@@ -687,7 +709,7 @@ static PyObject *Pinned_enter(PinnedObject *p, PyObject *unused)
 static PyObject *Pinned_exit(PinnedObject *p, PyObject *args)
 {
     if (p->state != PIN_HELD) Py_RETURN_NONE; /* released inside the block */
-    return pin_release(p, p->dirty);
+    return pin_release(p, p->dirty ? ZINF_RELEASE_DIRTY : 0);
 }
 
 static const char *tier_name(int tier)
@@ -761,8 +783,7 @@ static void export_free(struct export *x)
     PinnedObject *p = x->pinned;
     p->exports--;
     if (!p->exports && p->state == PIN_PENDING) {
-        unsigned flags = p->flags;
-        if (pin_drop(p, flags) == -EROFS) pin_drop(p, 0);
+        pin_drop(p, p->flags, true);
     }
     Py_DECREF(p);
     PyMem_RawFree(x);
@@ -897,8 +918,11 @@ static PyObject *Pinned_dlpack(PinnedObject *p, PyObject *args, PyObject *kw)
 
 static PyMethodDef Pinned_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Pinned_release, METH_VARARGS | METH_KEYWORDS,
-     "release(dirty=None): drop the pin (dirty: the caller wrote through it; None: as fetch "
-     "said). With DLPack views alive, the pin is dropped when the last one is deleted."},
+     "release(dirty=None, spent=False): drop the pin (dirty: the caller wrote through it; "
+     "None: as fetch said; spent: nobody needs the content again, and the tensor, homed on "
+     "NVMe and held by nobody else, becomes zeros without a byte moved, ZINF_RELEASE_ZERO). "
+     "A refusal keeps the pin. With DLPack views alive, the pin is dropped when the last one "
+     "is deleted (clean where zinf refuses the flags then)."},
     {"__enter__", (PyCFunction)Pinned_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Pinned_exit, METH_VARARGS, NULL},
     {"__dlpack__", (PyCFunction)(void (*)(void))Pinned_dlpack, METH_VARARGS | METH_KEYWORDS,
@@ -1460,8 +1484,7 @@ static void f32_put(struct f32_arg *a)
     if (!p) return;
     p->exports--;
     if (!p->exports && p->state == PIN_PENDING) {
-        unsigned flags = p->flags;
-        if (pin_drop(p, flags) == -EROFS) pin_drop(p, 0);
+        pin_drop(p, p->flags, true);
     }
     Py_DECREF(p);
 }

@@ -385,6 +385,49 @@ class TestFetch(Base):
             self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
             e.unregister(t)
 
+    def test_spent_release(self):
+        with self.engine() as e:
+            t = e.register("g", 8192)                      # homed on NVMe
+            h = e.register("h", 4096, "host")
+            e.write(t, b"\x07" * 8192)
+            e.flush()
+            p = e.fetch(t, "host")
+            with self.assertRaises(ValueError):
+                p.release(dirty=True, spent=True)
+            q = e.fetch(t, "device")
+            self.assertErrno(errno.EBUSY, p.release, spent=True)   # another holder
+            self.assertFalse(p.released)
+            q.release()
+            read0 = e.stats()["nvme_bytes_read"]
+            p.release(spent=True)
+            self.assertTrue(p.released)
+            self.assertEqual(e.read(t, 0, 8192), b"\x00" * 8192)
+            with e.fetch(t, "device") as q:
+                self.assertEqual(ctypes.string_at(q.ptr, 8192), b"\x00" * 8192)
+            self.assertEqual(e.stats()["nvme_bytes_read"], read0, "zeros read from the drive")
+            with e.fetch(h, "host") as p:
+                self.assertErrno(errno.EINVAL, p.release, spent=True)  # a home in memory
+                self.assertFalse(p.released)
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+            if numpy is not None:
+                # With a view alive the spent release waits for it; then the tensor is zeros.
+                e.write(t, b"\x09" * 8192)
+                p = e.fetch(t, "host")
+                a = numpy.from_dlpack(p)
+                p.release(spent=True)
+                self.assertEqual(bytes(a[:4]), b"\x09" * 4)
+                del a
+                self.assertEqual(e.read(t, 0, 8192), b"\x00" * 8192)
+                # Refused then (a pin of another tier): the deleter releases it clean.
+                e.write(t, b"\x0a" * 8192)
+                p, q = e.fetch(t, "host"), e.fetch(t, "device")
+                a = numpy.from_dlpack(p)
+                p.release(spent=True)
+                del a
+                q.release()
+                self.assertEqual(e.read(t, 0, 8192), b"\x0a" * 8192)
+                self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+
     def test_fetch_all_async_prefetch_step(self):
         with self.engine() as e:
             ts = [e.register("t%d" % i, 4096 * (i + 1)) for i in range(4)]
