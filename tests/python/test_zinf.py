@@ -237,6 +237,8 @@ class TestEngine(Base):
             # A dirty release is refused and keeps the pin; a clean one drops it.
             self.assertErrno(errno.EROFS, p.release, dirty=True)
             self.assertFalse(p.released)
+            self.assertErrno(errno.EROFS, p.release, spent=True)
+            self.assertFalse(p.released)
             p.release()
             self.assertTrue(p.released)
             if numpy is not None:
