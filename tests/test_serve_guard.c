@@ -258,7 +258,37 @@ static void hostile_memfds(void *arg, struct report *rp)
         if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0)
             say(rp, "RELEASE of tier %u: %s", tier, zinf_strerror(r));
     }
-    struct proto_request q = {.op = PROTO_STEP};
+    /* Spent releases (ZINF_RELEASE_ZERO): of pins it does not hold, with flags mixed or
+     * unknown, then of one it holds: refused where they must be, the pin kept, and never
+     * another job's tensor (handles are the job's). */
+    uint64_t u = 0;
+    snprintf(name, sizeof(name), "z%d", *(int *)arg);
+    if ((r = raw_register(h.fd, name, 65536, ZINF_TIER_NVME, &u)) != 0)
+        say(rp, "REGISTER on NVMe: %s", zinf_strerror(r));
+    const uint32_t bad[] = {ZINF_RELEASE_ZERO, ZINF_RELEASE_ZERO | ZINF_RELEASE_DIRTY, ~0u};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        uint64_t handles[] = {u, t, 1, u ^ (1ull << 40)};
+        for (size_t k = 0; k < sizeof(handles) / sizeof(handles[0]); k++) {
+            struct proto_request q = {.op = PROTO_RELEASE, .handle = handles[k],
+                                      .tier = ZINF_TIER_HOST, .flags = bad[i]};
+            if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != -EINVAL)
+                say(rp, "RELEASE %#x of an unpinned handle %zu: %s, not -EINVAL", bad[i], k,
+                    zinf_strerror(r));
+        }
+    }
+    struct proto_request q = {.op = PROTO_FETCH, .handle = u, .tier = ZINF_TIER_HOST};
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0)
+        say(rp, "FETCH of the NVMe tensor: %s", zinf_strerror(r));
+    q = (struct proto_request){.op = PROTO_RELEASE, .handle = u, .tier = ZINF_TIER_HOST,
+                               .flags = ZINF_RELEASE_ZERO | ZINF_RELEASE_DIRTY};
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != -EINVAL)
+        say(rp, "RELEASE dirty and spent: %s, not -EINVAL", zinf_strerror(r));
+    q.flags = ZINF_RELEASE_ZERO;
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0)
+        say(rp, "RELEASE spent of the pin it kept: %s", zinf_strerror(r));
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != -EINVAL)
+        say(rp, "RELEASE spent twice: %s, not -EINVAL", zinf_strerror(r));
+    q = (struct proto_request){.op = PROTO_STEP};
     if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0) say(rp, "STEP: %s", zinf_strerror(r));
     q = (struct proto_request){.op = PROTO_FLUSH};
     if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) < 0) say(rp, "FLUSH: %s", zinf_strerror(r));

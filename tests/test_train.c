@@ -989,6 +989,68 @@ static void pipe_run(const char *tag, const char *offload, const char *dev, cons
     trainer_close(t);
 }
 
+/* Each gradient is released as spent (ZINF_RELEASE_ZERO) once its update has read it: it
+ * reads as zeros until the next backward writes it. One that another caller holds then is
+ * released clean instead: it keeps its content, the step goes on, and the losses are those
+ * of a run that nobody disturbed. At the step's end and in the next forward. */
+static bool reads_as_zeros(zinf_engine *e, const char *name)
+{
+    zinf_tensor h;
+    struct zinf_tensor_info info;
+    cr_assert_eq(zinf_lookup(e, name, &h), 0, "%s", name);
+    cr_assert_eq(zinf_tensor_info(e, h, &info), 0);
+    float *f = malloc(info.bytes);
+    cr_assert_eq(zinf_read(e, h, 0, f, info.bytes), 0);
+    bool zero = true;
+    for (size_t i = 0; i < info.bytes / sizeof(float); i++)
+        zero &= f[i] == 0.0f;
+    free(f);
+    return zero;
+}
+
+Test(train, spent_gradients_read_as_zeros_and_a_held_one_keeps_its_content)
+{
+    for (int fwd = 0; fwd < 2; fwd++) {
+        char cfg[4096], tag[32];
+        float ref[STEPS], got[STEPS];
+        snprintf(tag, sizeof(tag), "spent-ref%d", fwd);
+        struct trainer_opts o = nvme_model(cfg, sizeof(cfg), tag, "8M", "3M");
+        o.update_in_forward = fwd;
+        run_steps(&o, STEPS, ref, NULL);
+
+        snprintf(tag, sizeof(tag), "spent%d", fwd);
+        o = nvme_model(cfg, sizeof(cfg), tag, "8M", "3M");
+        o.update_in_forward = fwd;
+        struct trainer *t = NULL;
+        char err[512];
+        cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), 0, "trainer_open: %s", err);
+        zinf_engine *e = trainer_engine(t);
+        zinf_tensor held;
+        void *p;
+        for (int s = 1; s <= STEPS; s++) {
+            struct trainer_step_stats st;
+            if (s == 2) { /* held through step 2's update */
+                cr_assert_eq(zinf_lookup(e, "g.h0.mlp.fc.w", &held), 0);
+                cr_assert_eq(zinf_fetch(e, held, ZINF_TIER_DEVICE, &p), 0);
+            }
+            cr_assert_eq(trainer_step(t, &st), 0, "%s: step %d", fwd ? "in forward" : "at end",
+                         s);
+            got[s - 1] = st.loss;
+            if (s > 2) continue;
+            cr_assert_eq(trainer_finish_update(t), 0);
+            cr_assert(reads_as_zeros(e, "g.h0.attn.qkv.w"),
+                      "fwd %d, step %d: a gradient its update read is not zeros", fwd, s);
+            if (s == 2) {
+                cr_assert(!reads_as_zeros(e, "g.h0.mlp.fc.w"),
+                          "fwd %d: the held gradient was zeroed under its holder", fwd);
+                cr_assert_eq(zinf_release(e, held, ZINF_TIER_DEVICE, 0), 0);
+            }
+        }
+        trainer_close(t);
+        expect_bitwise(got, ref, fwd ? "in forward, a gradient held" : "at end, a gradient held");
+    }
+}
+
 Test(train, optimizer_pipeline_changes_no_bits)
 {
     static struct pipe_run mem, on, off, tight, fwd, fwd_tight;

@@ -368,11 +368,11 @@ int train_wave_release(struct trainer *t, const struct wave *w, enum zinf_tier t
     }
     for (int i = 0; i < w->n; i++) {
         zinf_tensor h = train_wave_handle(t, (enum role)w->role[i], w->idx[i]);
-        int x = -EINVAL;
+        bool spent = ok && w->spent[i];
+        int x = spent ? zinf_release(t->e, h, tier, ZINF_RELEASE_ZERO) : 0;
         /* A spent member that another caller still holds (or that is homed elsewhere after
          * all) keeps its content: released clean, as before. */
-        if (ok && w->spent[i]) x = zinf_release(t->e, h, tier, ZINF_RELEASE_ZERO);
-        if (x == -EINVAL || x == -EBUSY)
+        if (!spent || x == -EINVAL || x == -EBUSY)
             x = zinf_release(t->e, h, tier, ok && w->dirty[i] ? ZINF_RELEASE_DIRTY : 0);
         if (x < 0 && r == 0) r = x;
     }
