@@ -221,6 +221,13 @@ ZINF_API int zinf_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enu
 /* Drop one pin. ZINF_RELEASE_DIRTY: the caller wrote through the pointer; ZINF_RELEASE_ZERO:
  * nobody needs the content again (above). */
 ZINF_API int zinf_release(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, unsigned flags);
+/* The tensor's content becomes zeros, as after a ZINF_RELEASE_ZERO, without a pin: nobody
+ * needs it again (a gradient set to none before the backward that overwrites it). No byte
+ * moves: its copies are dropped unwritten, its next fetch fills zeros rather than reading the
+ * drive, and a flush saves a zero entry. Only for a tensor homed on NVMe (-EINVAL otherwise,
+ * and for a handle that names no tensor), while nobody holds a pin on it or waits for one
+ * (-EBUSY, the content unchanged); -EROFS on a read-only engine. */
+ZINF_API int zinf_zero(zinf_engine *e, zinf_tensor t);
 /* A hint: start bringing the tensor to tier; no pin, never blocks, never fails for lack
  * of room (the hint is dropped instead). */
 ZINF_API int zinf_prefetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier);

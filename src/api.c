@@ -89,6 +89,12 @@ ZINF_API int zinf_release(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, un
     return c ? client_release(c, t, tier, flags) : engine_api_release(e, t, tier, flags);
 }
 
+ZINF_API int zinf_zero(zinf_engine *e, zinf_tensor t)
+{
+    struct client *c = remote(e);
+    return c ? client_zero(c, t) : engine_api_zero(e, t);
+}
+
 ZINF_API int zinf_prefetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier)
 {
     struct client *c = remote(e);

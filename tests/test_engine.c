@@ -816,6 +816,13 @@ static void wb_steps(zinf_engine *e, int steps, uint64_t *behinds, bool zero)
                 memset(ref[i], 0, n);
                 continue;
             }
+            if (zero && (s * NL + i) % 6 == 2) { /* released, then zeroed without a pin */
+                cr_assert_eq(zinf_release(e, h[i], ZINF_TIER_HOST, 0), 0);
+                r = zinf_zero(e, h[i]);
+                cr_assert_eq(r, 0, "step %d, tensor %d: zinf_zero: %s", s, i, zinf_strerror(r));
+                memset(ref[i], 0, n);
+                continue;
+            }
             size_t off = test_rand(&rs) % n, len = 1 + test_rand(&rs) % (n - off);
             test_fill_random((char *)p + off, len, test_rand(&rs));
             memcpy(ref[i] + off, (char *)p + off, len);
@@ -1289,6 +1296,92 @@ Test(engine, zero_release_drops_the_content_without_moving_a_byte)
     cr_assert_eq(zinf_unregister(e, hh), 0);
     free(a);
     free(b);
+    zinf_close(e);
+}
+
+/* zinf_zero: the same without a pin, from every place the newest content can be. */
+Test(engine, zinf_zero_drops_the_content_without_a_pin_or_a_byte_moved)
+{
+    zinf_engine *e = open_eng(MiB, MiB, BLOCK);
+    const size_t n = 300 * KiB + 5;
+    zinf_tensor t = test_register(e, "g", n, ZINF_TIER_NVME);
+    zinf_tensor hh = test_register(e, "hosted", 4096, ZINF_TIER_HOST);
+    unsigned char *a = test_rand_buf(n, 17);
+    void *p, *q;
+    uint64_t k;
+
+    /* 0: only in host memory; 1: only in device memory; 2: in both and on the drive; 3: only
+     * on the drive; 4: a prefetch loading it from the drive. */
+    for (int place = 0; place < 5; place++) {
+        int tier = place == 1 ? ZINF_TIER_DEVICE : ZINF_TIER_HOST;
+        cr_assert_eq(zinf_fetch(e, t, tier, &p), 0);
+        memcpy(p, a, n);
+        cr_assert_eq(zinf_release(e, t, tier, ZINF_RELEASE_DIRTY), 0);
+        if (place == 2) {
+            cr_assert_eq(zinf_fetch(e, t, ZINF_TIER_DEVICE, &q), 0);
+            cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+        }
+        if (place >= 2) cr_assert_eq(zinf_flush(e), 0);
+        if (place >= 3) {
+            /* Evict both copies: fill the tiers with another tensor. */
+            zinf_tensor big = test_register(e, "room", 900 * KiB, ZINF_TIER_NVME);
+            for (int i = 0; i < 2; i++) {
+                cr_assert_eq(zinf_fetch(e, big, i, &q), 0);
+                cr_assert_eq(zinf_release(e, big, i, 0), 0);
+            }
+            cr_assert_eq(zinf_unregister(e, big), 0);
+            struct zinf_stats se = stats(e);
+            cr_assert_lt(se.tier[0].used_bytes + se.tier[1].used_bytes, n, /* "hosted" */
+                         "place %d: a copy is still there", place);
+        }
+        struct zinf_stats s0 = stats(e);
+        if (place == 4) cr_assert_eq(zinf_prefetch(e, t, ZINF_TIER_HOST), 0);
+        cr_assert_eq(zinf_zero(e, t), 0, "place %d", place);
+        if (place < 3) {
+            struct zinf_stats sz = stats(e);
+            cr_assert_leq(sz.tier[tier].used_bytes + n, s0.tier[tier].used_bytes,
+                          "place %d: the zeroed copy is still held", place);
+        }
+        for (int i = 0; i < 2; i++) {
+            cr_assert_eq(zinf_fetch(e, t, i, &q), 0);
+            cr_assert(all_zero(q, n), "place %d: tier %d after zinf_zero", place, i);
+            cr_assert_eq(zinf_release(e, t, i, 0), 0);
+        }
+        expect_zero(e, t, n, "read after zinf_zero");
+        struct zinf_stats s1 = stats(e);
+        if (place < 4)
+            cr_assert_eq(s1.nvme_bytes_read, s0.nvme_bytes_read, "place %d: read", place);
+        cr_assert_eq(s1.nvme_bytes_written, s0.nvme_bytes_written, "place %d: wrote", place);
+    }
+    struct zinf_stats s0 = stats(e);
+    cr_assert_eq(zinf_flush(e), 0);
+    cr_assert_eq(stats(e).nvme_bytes_written, s0.nvme_bytes_written, "a zero tensor flushed");
+
+    /* Refused, the content unchanged: a pin in either tier, an async fetch not waited for,
+     * a home in memory, a handle that names nothing. */
+    put(e, t, a, n);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(zinf_fetch(e, t, i, &p), 0);
+        cr_assert_eq(zinf_zero(e, t), -EBUSY, "pinned in tier %d", i);
+        cr_assert_eq(zinf_release(e, t, i, 0), 0);
+    }
+    cr_assert_eq(zinf_fetch_async(e, t, ZINF_TIER_DEVICE, &k), 0);
+    cr_assert_eq(zinf_zero(e, t), -EBUSY, "an async fetch");
+    cr_assert_eq(zinf_wait(e, k, &p), 0);
+    cr_assert_eq(zinf_release(e, t, ZINF_TIER_DEVICE, 0), 0);
+    cr_assert_eq(zinf_zero(e, hh), -EINVAL, "host home");
+    cr_assert_eq(zinf_zero(e, t + 1000), -EINVAL, "no such tensor");
+    cr_assert_eq(zinf_zero(NULL, t), -EINVAL);
+    test_expect_content(e, t, a, n, "after refused zinf_zero calls");
+    /* Its success twin, then new content, written back as ever. */
+    cr_assert_eq(zinf_zero(e, t), 0);
+    expect_zero(e, t, n, "after zinf_zero");
+    put(e, t, a, n);
+    cr_assert_eq(zinf_flush(e), 0);
+    test_expect_content(e, t, a, n, "new content after zinf_zero");
+    cr_assert_eq(zinf_unregister(e, t), 0);
+    cr_assert_eq(zinf_unregister(e, hh), 0);
+    free(a);
     zinf_close(e);
 }
 

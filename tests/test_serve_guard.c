@@ -288,6 +288,26 @@ static void hostile_memfds(void *arg, struct report *rp)
         say(rp, "RELEASE spent of the pin it kept: %s", zinf_strerror(r));
     if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != -EINVAL)
         say(rp, "RELEASE spent twice: %s, not -EINVAL", zinf_strerror(r));
+    /* ZERO (zinf_zero, no pin): of handles that name nothing or a home in memory, of its
+     * tensor while it holds it, then of its tensor. */
+    const uint64_t nothing[] = {t, 1, u ^ (1ull << 40), ~0ull, 0};
+    for (size_t k = 0; k < sizeof(nothing) / sizeof(nothing[0]); k++) {
+        q = (struct proto_request){.op = PROTO_ZERO, .handle = nothing[k]};
+        if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != -EINVAL)
+            say(rp, "ZERO of handle %zu: %s, not -EINVAL", k, zinf_strerror(r));
+    }
+    q = (struct proto_request){.op = PROTO_FETCH, .handle = u, .tier = ZINF_TIER_DEVICE};
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0)
+        say(rp, "FETCH of the zeroed tensor: %s", zinf_strerror(r));
+    q = (struct proto_request){.op = PROTO_ZERO, .handle = u};
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != -EBUSY)
+        say(rp, "ZERO of a tensor it holds: %s, not -EBUSY", zinf_strerror(r));
+    q = (struct proto_request){.op = PROTO_RELEASE, .handle = u, .tier = ZINF_TIER_DEVICE};
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0)
+        say(rp, "RELEASE of the zeroed tensor: %s", zinf_strerror(r));
+    q = (struct proto_request){.op = PROTO_ZERO, .handle = u};
+    if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0)
+        say(rp, "ZERO of its tensor: %s", zinf_strerror(r));
     q = (struct proto_request){.op = PROTO_STEP};
     if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != 0) say(rp, "STEP: %s", zinf_strerror(r));
     q = (struct proto_request){.op = PROTO_FLUSH};

@@ -112,6 +112,8 @@ static void error_script(zinf_engine *e, int *res, int *nres)
     res[k++] = zinf_release(e, t, ZINF_TIER_DEVICE, 0);
     res[k++] = zinf_release(e, t, ZINF_TIER_HOST, 8); /* unknown flag */
     res[k++] = zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_ZERO); /* not on NVMe */
+    res[k++] = zinf_zero(e, t);     /* pinned, and not on NVMe: -EINVAL */
+    res[k++] = zinf_zero(e, bogus); /* -EINVAL */
     res[k++] = zinf_release(e, t, ZINF_TIER_HOST, 0);
     res[k++] = zinf_read(e, t, 8190, buf, 4); /* past the end */
     res[k++] = zinf_write(e, t, 0, "abcd", 4);
@@ -724,6 +726,28 @@ Test(service, a_zero_release_through_a_message_or_a_slot_skips_the_drive)
     test_expect_content(b, t, zeros, n, "after the zero release through a slot");
     cr_assert_eq(zinf_fetch(b, t, ZINF_TIER_HOST, &h), 0);
     cr_assert_eq(zinf_release(b, t, ZINF_TIER_HOST, 0), 0);
+    /* zinf_zero, no pin: refused while a holds the copy through its slot (a's own call too),
+     * and once a's lease is idle, b's call closes it; a then reads zeros, not the drive. */
+    cr_assert_eq(zinf_write(b, t, 0, v1, n), 0);
+    cr_assert_eq(zinf_flush(b), 0);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_HOST, &h), 0);
+        cr_assert_eq(memcmp(h, v1, n), 0);
+        if (i) {
+            cr_assert_eq(zinf_zero(b, t), -EBUSY, "a holds it through its slot");
+            cr_assert_eq(zinf_zero(a, t), -EBUSY, "a holds it itself");
+        }
+        cr_assert_eq(zinf_release(a, t, ZINF_TIER_HOST, 0), 0);
+    }
+    test_expect_content(b, t, v1, n, "after refused zinf_zero calls");
+    cr_assert_eq(zinf_stats(a, &s0), 0);
+    cr_assert_eq(zinf_zero(b, t), 0, "a's idle lease");
+    cr_assert_eq(zinf_fetch(a, t, ZINF_TIER_HOST, &h), 0);
+    cr_assert_eq(memcmp(h, zeros, n), 0, "a's slot served the zeroed content");
+    cr_assert_eq(zinf_release(a, t, ZINF_TIER_HOST, 0), 0);
+    cr_assert_eq(zinf_stats(a, &s1), 0);
+    cr_assert_eq(s1.nvme_bytes_read, s0.nvme_bytes_read, "zeros were read from the drive");
+    cr_assert_eq(s1.nvme_bytes_written, s0.nvme_bytes_written, "zinf_zero wrote");
     free(v1);
     free(v2);
     free(zeros);
@@ -1295,6 +1319,7 @@ static void wb_bad_requests(struct wb_report *rp, zinf_tensor theirs, zinf_tenso
         {"READ", {.op = PROTO_READ, .handle = theirs, .n = 16}},
         {"WRITE", {.op = PROTO_WRITE, .handle = theirs, .n = 4, .data = (const uint8_t *)"evil"}},
         {"TENSOR_INFO", {.op = PROTO_TENSOR_INFO, .handle = theirs}},
+        {"ZERO", {.op = PROTO_ZERO, .handle = theirs}},
         {"UNREGISTER", {.op = PROTO_UNREGISTER, .handle = theirs}},
         {"STAGE_READ of 1 TiB", {.op = PROTO_STAGE_READ, .handle = theirs, .bytes = 1ull << 40}},
         {"STAGE_READ", {.op = PROTO_STAGE_READ, .handle = theirs, .bytes = 4096}},

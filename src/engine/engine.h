@@ -73,7 +73,8 @@
  * goes to the home's err, for the fetches that joined it).
  * Cache copies that are not NONE are on their tier's list (res_*), for eviction.
  * A zero release (ZINF_RELEASE_ZERO, NVMe homes only, the caller's the only pin on either
- * copy) makes a new version that is all zeros (tensor.zero: a fetch loads it from SRC_ZERO,
+ * copy; idle leases closed before the pins are counted), or a zinf_zero (the same with no
+ * pin at all), makes a new version that is all zeros (tensor.zero: a fetch loads it from SRC_ZERO,
  * a flush saves a zero entry): unread READY copies go at once (copy_drop), a LOADING one
  * lands stale and is dropped (copy_load_ok), a read or written-back one stays stale until
  * its transfer is done, as copies overtaken by a DIRTY release elsewhere do.
@@ -376,6 +377,7 @@ int engine_api_wait(zinf_engine *e, uint64_t ticket, void **ptr);
 int engine_api_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
                          void **ptrs);
 int engine_api_release(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, unsigned flags);
+int engine_api_zero(zinf_engine *e, zinf_tensor t);
 int engine_api_prefetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier);
 int engine_api_step(zinf_engine *e);
 int engine_api_write(zinf_engine *e, zinf_tensor t, size_t off, const void *src, size_t n);
@@ -417,6 +419,14 @@ int engine_release_leased(zinf_engine *e, struct engine_pinset *ps, zinf_tensor 
 /* Lock held: */
 /* Is the copy pinned, once the idle leases on it are closed? */
 bool copy_pinned(struct zinf_engine *e, struct tensor *t, int tier);
+/* Close the idle leases on t's copy in tier, all but keep's (NULL: every one). A client pins
+ * a leased copy with atomics alone: only a closed lease is known to hold nothing, so what
+ * needs a copy nobody holds closes them first and then counts the pins (an open lease counts
+ * one there, idle or not). */
+void lease_close_idle(struct zinf_engine *e, struct tensor *t, int tier,
+                      const struct engine_pinset *keep);
+/* The pins ps's client holds through its slot for t's copy in tier now. */
+unsigned lease_count(const struct engine_pinset *ps, const struct tensor *t, int tier);
 /* Its pins that callers hold (the idle leases not counted). */
 unsigned copy_held(const struct zinf_engine *e, const struct copy *c);
 /* Count the pins clients took through their slots as fetches (in order with the calls

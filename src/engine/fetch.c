@@ -1044,24 +1044,30 @@ int engine_api_prefetch(zinf_engine *e, zinf_tensor h, enum zinf_tier tier)
     return r;
 }
 
-/* ZINF_RELEASE_ZERO of t's copy in tier, whose pin (ps: one in ps's slot, already taken)
- * is the caller's: with nobody else holding either copy, the content becomes zeros. A new
+/* Does nobody but the caller hold t? No deferred fetch, and no pin on either copy but the
+ * caller's own on tier's (tier -1: it holds none; with ps, the one it took from ps's slot,
+ * whose lease stays open and counts one there, and through which it holds no other). Idle
+ * leases are closed before the pins are counted: a lease a client pins with atomics meanwhile
+ * fails to close and is counted as the pin it is. */
+static bool held_by_caller_alone(struct zinf_engine *e, struct tensor *t, int tier,
+                                 const struct engine_pinset *ps)
+{
+    for (int i = 0; i < MEM_TIERS; i++) {
+        struct copy *c = &t->c[i];
+        bool mine = i == tier;
+        lease_close_idle(e, t, i, mine ? ps : NULL);
+        if (c->deferred || c->pins != (mine ? 1u : 0u)) return false;
+        if (mine && ps && lease_count(ps, t, i)) return false;
+    }
+    return true;
+}
+
+/* t's content becomes zeros, no copy held (held_by_caller_alone, the caller's pin gone). A new
  * version with t->zero set, so that a fetch fills zeros (pick_source) and a flush writes a
  * zero entry; the copies go now where nothing reads them, else as overtaken ones do (a load
- * in flight lands stale and is dropped, a write-back lands under a newer version). -EBUSY,
- * with the pin kept, where another caller holds a copy or a fetch waits to load one. */
-static int release_zero(struct zinf_engine *e, struct engine_pinset *ps, struct tensor *t,
-                        int tier)
+ * in flight lands stale and is dropped, a write-back lands under a newer version). */
+static void content_zero(struct zinf_engine *e, struct tensor *t, const char *why)
 {
-    struct copy *c = &t->c[tier], *oc = &t->c[1 - tier];
-    if (copy_held(e, c) != (ps ? 0u : 1u) || copy_held(e, oc) || c->deferred || oc->deferred) {
-        if (ps) lease_untake(ps, t, tier);
-        return -EBUSY;
-    }
-    if (!ps) c->pins--;
-    /* Idle leases: a client could pin them with atomics alone, and they hold this version. */
-    (void)copy_pinned(e, t, tier);
-    (void)copy_pinned(e, t, 1 - tier);
     t->version++;
     t->zero = true;
     t->swap_crc_valid = false;
@@ -1071,13 +1077,57 @@ static int release_zero(struct zinf_engine *e, struct engine_pinset *ps, struct 
         prefetch_wasted(e, t, x);
         if (x->state == COPY_READY && !x->readers && !x->wb_inflight) copy_drop(e, t, i);
     }
-    if (trace_on())
-        trace_instant("engine", "zeroed", t->name, "released as spent", (int64_t)t->alloc_bytes);
+    if (trace_on()) trace_instant("engine", "zeroed", t->name, why, (int64_t)t->alloc_bytes);
     lease_publish(e);
     undo_settle(e, t);
     pthread_cond_broadcast(&e->changed);
     ENGINE_CHECK(t);
+}
+
+/* ZINF_RELEASE_ZERO of t's copy in tier, whose pin (ps: one in ps's slot, already taken) is
+ * the caller's: with nobody else holding either copy, the content becomes zeros. -EBUSY,
+ * with the pin kept, where another caller holds a copy or a fetch waits to load one. */
+static int release_zero(struct zinf_engine *e, struct engine_pinset *ps, struct tensor *t,
+                        int tier)
+{
+    if (!held_by_caller_alone(e, t, tier, ps)) {
+        if (ps) lease_untake(ps, t, tier);
+        return -EBUSY;
+    }
+    if (ps)
+        lease_close_idle(e, t, tier, NULL); /* its lease, idle now, goes with the pin */
+    else
+        t->c[tier].pins--;
+    content_zero(e, t, "released as spent");
     return 0;
+}
+
+int engine_api_zero(zinf_engine *e, zinf_tensor h)
+{
+    struct tensor *t;
+    int r = 0;
+
+    if (!e) return -EINVAL;
+    if (e->opt.flags & ZINF_OPEN_READONLY) return -EROFS;
+    pthread_mutex_lock(&e->lock);
+    lease_drain(e);
+    for (;;) {
+        t = engine_tensor(e, h);
+        if (!t || t->home != ZINF_TIER_NVME) {
+            r = -EINVAL;
+            goto out;
+        }
+        /* zinf_read/zinf_write/flush own it with the lock dropped: their copies stay. */
+        if (!t->exclusive) break;
+        engine_wait(e);
+    }
+    if (held_by_caller_alone(e, t, -1, NULL))
+        content_zero(e, t, "zinf_zero");
+    else
+        r = -EBUSY;
+out:
+    pthread_mutex_unlock(&e->lock);
+    return r;
 }
 
 /* A release of a pin the caller holds: an ordinary one, or (ps) one counted in ps's slot. */

@@ -113,12 +113,27 @@ static bool lease_close(struct zinf_engine *e, struct engine_pinset *ps, struct 
     return true;
 }
 
-bool copy_pinned(struct zinf_engine *e, struct tensor *t, int tier)
+void lease_close_idle(struct zinf_engine *e, struct tensor *t, int tier,
+                      const struct engine_pinset *keep)
 {
     struct copy *c = &t->c[tier];
-    for (uint64_t m = c->leases; m; m &= m - 1)
-        lease_close(e, e->pinsets[__builtin_ctzll(m)], t, tier);
-    return c->pins != 0;
+    for (uint64_t m = c->leases; m; m &= m - 1) {
+        struct engine_pinset *ps = e->pinsets[__builtin_ctzll(m)];
+        if (ps != keep) lease_close(e, ps, t, tier);
+    }
+}
+
+bool copy_pinned(struct zinf_engine *e, struct tensor *t, int tier)
+{
+    lease_close_idle(e, t, tier, NULL);
+    return t->c[tier].pins != 0;
+}
+
+unsigned lease_count(const struct engine_pinset *ps, const struct tensor *t, int tier)
+{
+    return (unsigned)(atomic_load_explicit(&slot_of((struct engine_pinset *)ps, t, tier)->word,
+                                           memory_order_acquire) &
+                      PT_COUNT_MASK);
 }
 
 unsigned copy_held(const struct zinf_engine *e, const struct copy *c)

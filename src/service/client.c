@@ -411,6 +411,14 @@ int client_unregister(struct client *c, zinf_tensor t)
     return simple(c, &k);
 }
 
+int client_zero(struct client *c, zinf_tensor t)
+{
+    struct call k;
+    call_begin(c, &k, PROTO_ZERO);
+    proto_put_u64(&k.o, t);
+    return simple(c, &k);
+}
+
 int client_tensor_info(struct client *c, zinf_tensor t, struct zinf_tensor_info *out)
 {
     if (!out) return -EINVAL;

@@ -24,6 +24,7 @@ int client_register(struct client *c, const char *name, size_t nbytes, enum zinf
                     zinf_tensor *out);
 int client_lookup(struct client *c, const char *name, zinf_tensor *out);
 int client_unregister(struct client *c, zinf_tensor t);
+int client_zero(struct client *c, zinf_tensor t);
 int client_tensor_info(struct client *c, zinf_tensor t, struct zinf_tensor_info *out);
 int client_fetch(struct client *c, zinf_tensor t, enum zinf_tier tier, void **ptr);
 int client_fetch_async(struct client *c, zinf_tensor t, enum zinf_tier tier, uint64_t *ticket);

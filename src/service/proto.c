@@ -213,6 +213,7 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
     case PROTO_UNREGISTER:
     case PROTO_WAIT:
     case PROTO_TENSOR_INFO:
+    case PROTO_ZERO:
         r->handle = proto_get_u64(&in);
         break;
     case PROTO_FETCH:
@@ -289,6 +290,7 @@ void proto_encode_request(const struct proto_request *r, uint32_t seq, struct pr
     case PROTO_UNREGISTER:
     case PROTO_WAIT:
     case PROTO_TENSOR_INFO:
+    case PROTO_ZERO:
         proto_put_u64(o, r->handle);
         break;
     case PROTO_FETCH:

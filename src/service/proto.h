@@ -101,7 +101,8 @@ enum proto_op {
      * the reply. (nothing) */
     PROTO_SHUTDOWN = 24,
     PROTO_TENSOR_INFO = 25, /* u64 handle -> u32 home, u64 bytes (zinf_tensor_info) */
-    PROTO_OP_MAX = 25,
+    PROTO_ZERO = 26,        /* u64 handle (zinf_zero) */
+    PROTO_OP_MAX = 26,
 };
 
 struct proto_header {

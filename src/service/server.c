@@ -826,6 +826,8 @@ static int do_request(struct session *se, const struct proto_request *q, struct 
         return r;
     case PROTO_UNREGISTER:
         return engine_api_unregister(e, q->handle);
+    case PROTO_ZERO:
+        return engine_api_zero(e, q->handle);
     case PROTO_TENSOR_INFO: {
         struct zinf_tensor_info ti;
         r = engine_api_tensor_info(e, q->handle, &ti);
