@@ -547,19 +547,38 @@ static PyObject *Engine_lookup(EngineObject *self, PyObject *args)
     return make_tensor(self, h, name, info.bytes);
 }
 
-static PyObject *Engine_unregister(EngineObject *self, PyObject *args)
+/* A call of the engine on one tensor (zinf_unregister, zinf_zero), the GIL dropped around it:
+ * 0 with the handle in *h, or -1 with the exception set. */
+static int tensor_call(EngineObject *self, PyObject *args, int (*fn)(zinf_engine *, zinf_tensor),
+                       const char *what, zinf_tensor *h)
 {
     PyObject *t;
-    zinf_tensor h;
-    if (!PyArg_ParseTuple(args, "O", &t) || parse_handle(t, &h)) return NULL;
+    if (!PyArg_ParseTuple(args, "O", &t) || parse_handle(t, h)) return -1;
     zinf_engine *e = eng_enter(self);
-    if (!e) return NULL;
+    if (!e) return -1;
     int r;
     Py_BEGIN_ALLOW_THREADS
-    r = zinf_unregister(e, h);
+    r = fn(e, *h);
     Py_END_ALLOW_THREADS
     eng_leave(self);
-    if (r) return raise_zinf(r, "zinf_unregister", NULL);
+    if (r) {
+        raise_zinf(r, what, NULL);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Engine_zero(EngineObject *self, PyObject *args)
+{
+    zinf_tensor h;
+    if (tensor_call(self, args, zinf_zero, "zinf_zero", &h)) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_unregister(EngineObject *self, PyObject *args)
+{
+    zinf_tensor h;
+    if (tensor_call(self, args, zinf_unregister, "zinf_unregister", &h)) return NULL;
     PyObject *key = PyLong_FromUnsignedLongLong(h);
     if (!key) return NULL;
     if (PyDict_DelItem(self->meta, key)) PyErr_Clear(); /* none: registered without a shape */
@@ -1356,6 +1375,10 @@ static PyMethodDef Engine_methods[] = {
      "register(name, nbytes or (shape, dtype), home=\"nvme\") -> Tensor"},
     {"lookup", (PyCFunction)Engine_lookup, METH_VARARGS, "lookup(name) -> Tensor"},
     {"unregister", (PyCFunction)Engine_unregister, METH_VARARGS, "unregister(tensor)"},
+    {"zero", (PyCFunction)Engine_zero, METH_VARARGS,
+     "zero(tensor): nobody needs its content again: it becomes zeros without a byte moved, "
+     "and its next fetch reads nothing from the drive (homed on NVMe, nobody holding it: "
+     "zinf_zero)"},
     {"fetch", KW Engine_fetch, METH_VARARGS | METH_KEYWORDS,
      "fetch(tensor, tier=\"device\", dirty=False) -> Pinned"},
     {"fetch_all", KW Engine_fetch_all, METH_VARARGS | METH_KEYWORDS,

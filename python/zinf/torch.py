@@ -27,6 +27,9 @@ What happens:
   tensor (fetched to the host tier; the first gradient after zero_grad() overwrites),
   frees torch's copy (p.grad stays None) and releases the parameter. Whatever the backward
   still holds is released when it ends.
+- AdamW.zero_grad() zeroes each gradient homed on NVMe where it lies (Engine.zero): no
+  byte of it is written, and the backward's first accumulation into it reads nothing from
+  the drive.
 - AdamW.step() fetches parameter, gradient and moments ("<name>.exp_avg", ".exp_avg_sq")
   of each parameter to the host tier, one parameter after another with the next one
   prefetched, runs libzinf's SIMD AdamW (zinf.adamw_step) on them in place, releases them
@@ -40,11 +43,12 @@ still read the copy), so the device copies of one module do not overlap the next
 compute beyond what the engine prefetches.
 """
 
+import errno
 import threading
 
 import torch
 
-from . import Error  # noqa: F401  (documented: errors raise zinf.Error)
+from . import Error
 from . import adamw_step
 
 __all__ = ["Offload", "AdamW", "offload", "shape_of"]
@@ -397,6 +401,19 @@ def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=Fal
     return Offload(module, engine, home=home, tier=tier, prefix=prefix, resume=resume)
 
 
+def _zero(engine, t):
+    """Engine.zero(t) where zinf takes it (homed on NVMe, nobody holding it): True; False
+    where it does not (a home in memory, a pin another thread holds), for the caller to
+    zero it by hand if it must."""
+    try:
+        engine.zero(t)
+        return True
+    except Error as err:
+        if err.errno in (errno.EINVAL, errno.EBUSY):
+            return False
+        raise
+
+
 class AdamW(torch.optim.Optimizer):
     """torch.optim.AdamW for offloaded parameters: the same hyper-parameters, parameter
     groups and defaults, with parameter, gradient and moments streamed through the engine
@@ -447,18 +464,20 @@ class AdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none=True):
         """set_to_none (the default): the gradients are forgotten, and a parameter that gets
-        none before the next step is skipped by it. False: they are written as zeros (a
-        pass over them), so that the next step moves every parameter, as torch's does."""
+        none before the next step is skipped by it. False: they are zeros, so that the next
+        step moves every parameter, as torch's does. Either way a gradient homed on NVMe
+        becomes zeros where it lies, without a byte moved (Engine.zero), so that the next
+        backward does not read it back to overwrite it; one homed in memory is written as
+        zeros (False) or left as it is (the default: the next backward overwrites it)."""
         for group in self.param_groups:
             for p in group["params"]:
                 e = p._zinf
-                if set_to_none:
-                    e.has_grad = False
-                else:
-                    with e.owner._lock:
+                with e.owner._lock:
+                    zeroed = (e.has_grad or not set_to_none) and _zero(e.owner.engine, e.grad)
+                    if not set_to_none and not zeroed:
                         with e.owner.engine.fetch(e.grad, "host", dirty=True) as pin:
                             _torch_view(pin).zero_()
-                    e.has_grad = True
+                    e.has_grad = not set_to_none
                 p.grad = None
 
     @torch.no_grad()

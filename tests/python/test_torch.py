@@ -146,6 +146,43 @@ class TestTraining(Base):
             for name, p in ref.named_parameters():
                 torch.testing.assert_close(sd[name], p.detach(), rtol=1e-4, atol=1e-5)
 
+    def test_zero_grad_zeroes_the_gradients_where_they_lie(self):
+        """zero_grad() makes each gradient homed on NVMe zeros with Engine.zero (no byte
+        moved: the engine's tests hold that, and that a fetch of it then reads nothing), for
+        both set_to_none; the other tests hold the losses to torch's with it."""
+        ref = self.model(layers=2)
+        off = copy.deepcopy(ref)
+        calls = []
+        real = zt._zero
+
+        def spy(engine, t):
+            calls.append(real(engine, t))
+            return calls[-1]
+
+        with self.engine(ref) as e:
+            zt.offload(off, e, home="nvme")
+            zt._zero = spy
+            try:
+                for set_to_none in (True, False):
+                    o = zt.AdamW(off.parameters(), lr=1e-3)
+                    data = ex.batches(TEXT, 4, ref.wpe.num_embeddings)
+                    for step in range(3):
+                        x, y = next(data)
+                        off(x, y).backward()
+                        o.step()
+                        del calls[:]
+                        o.zero_grad(set_to_none=set_to_none)
+                        n = len(list(off.parameters()))
+                        self.assertEqual(calls, [True] * n, "Engine.zero refused or not called")
+                        self.assertIdle(e, off)
+                    for p in off.parameters():
+                        with e.fetch(p._zinf.grad, "host") as pin:
+                            self.assertEqual(torch.count_nonzero(zt._torch_view(pin)), 0)
+                    self.assertEqual(all(p._zinf.has_grad for p in off.parameters()),
+                                     not set_to_none)
+            finally:
+                zt._zero = real
+
     def test_through_the_daemon(self):
         ref = self.model(layers=2)
         off = copy.deepcopy(ref)

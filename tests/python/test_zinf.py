@@ -241,6 +241,8 @@ class TestEngine(Base):
             self.assertFalse(p.released)
             p.release()
             self.assertTrue(p.released)
+            self.assertErrno(errno.EROFS, e.zero, t)
+            self.assertEqual(e.read(t, 0, 4), b"\x01" * 4)
             if numpy is not None:
                 with e.fetch(t, "host") as p:
                     cap = p.__dlpack__(max_version=(1, 0))
@@ -429,6 +431,36 @@ class TestFetch(Base):
                 q.release()
                 self.assertEqual(e.read(t, 0, 8192), b"\x0a" * 8192)
                 self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+
+    def test_zero(self):
+        with self.engine() as e:
+            t = e.register("g", 8192)                      # homed on NVMe
+            h = e.register("h", 4096, "host")
+            e.write(t, b"\x05" * 8192)
+            e.flush()
+            with e.fetch(t, "host"):
+                self.assertErrno(errno.EBUSY, e.zero, t)    # held
+            self.assertEqual(e.read(t, 0, 8192), b"\x05" * 8192)
+            self.assertErrno(errno.EINVAL, e.zero, h)       # a home in memory
+            with self.assertRaises(TypeError):
+                e.zero("g")
+            io0 = (e.stats()["nvme_bytes_read"], e.stats()["nvme_bytes_written"])
+            e.zero(t)
+            with e.fetch(t, "device") as q:
+                self.assertEqual(ctypes.string_at(q.ptr, 8192), b"\x00" * 8192)
+            e.flush()
+            self.assertEqual((e.stats()["nvme_bytes_read"], e.stats()["nvme_bytes_written"]), io0,
+                             "zinf_zero moved bytes")
+            if numpy is not None:
+                # A pin whose release waits for a view still holds the tensor.
+                e.write(t, b"\x06" * 8192)
+                p = e.fetch(t, "host")
+                a = numpy.from_dlpack(p)
+                p.release()
+                self.assertErrno(errno.EBUSY, e.zero, t)
+                del a
+                e.zero(t)
+                self.assertEqual(e.read(t, 0, 8192), b"\x00" * 8192)
 
     def test_fetch_all_async_prefetch_step(self):
         with self.engine() as e:
