@@ -28,7 +28,9 @@
 #   with the optimizer on the host, whose bits a GPU's offloaded runs equal; a figure of a
 #   run not made prints as nan)
 #   TRACE=1: also write DIR/trace-<run>-<round>.json (zinf train --trace) for
-#   bench/step_breakdown.py
+#   bench/step_breakdown.py, and print the default run's phase floor in each round (its
+#   phases' IO at zinf bench's rates against the in-memory run's phases: step_breakdown.py
+#   --io --floor)
 set -euo pipefail
 
 dir=${1:?usage: bench/offload_step.sh DIR [ROUNDS]}
@@ -160,3 +162,13 @@ if not same:  # which runs agree: each group is one set of bits
         print("#   %s: losses %s; last digest %s" % (" ".join(names), " ".join(map(str, losses)),
                                                     digests[-1] if digests else None))
 PY
+if [ -n "${TRACE:-}" ] && [[ " $runs " == *" mem "* ]]; then
+  dflt=fwd; [ "$device" = cuda ] && dflt=on
+  if [[ " $runs " == *" $dflt "* ]]; then
+    for ((i = 1; i <= rounds; i++)); do
+      echo "## round $i: the default ($dflt) by phase, against the in-memory run's phases"
+      python3 "$(dirname "$0")/step_breakdown.py" --io "$dir/trace-$dflt-$i.json" 2 \
+        --floor "$brd" "$bwr" "$dir/trace-mem-$i.json"
+    done
+  fi
+fi
