@@ -1094,10 +1094,17 @@ static int release_zero(struct zinf_engine *e, struct engine_pinset *ps, struct 
         if (ps) lease_untake(ps, t, tier);
         return -EBUSY;
     }
-    if (ps)
+    if (ps) {
         lease_close_idle(e, t, tier, NULL); /* its lease, idle now, goes with the pin */
-    else
+        if (t->c[tier].pins) {
+            /* Another thread of the session pinned it through the slot just now: the lease
+             * stays open, and the pin this release took goes back to it. */
+            lease_untake(ps, t, tier);
+            return -EBUSY;
+        }
+    } else {
         t->c[tier].pins--;
+    }
     content_zero(e, t, "released as spent");
     return 0;
 }
