@@ -476,14 +476,16 @@ static int swap_checksum(struct zinf_engine *e, struct tensor *t, uint64_t off, 
 /* The newest content of t in a memory tier to read for a flush: a valid copy that no caller
  * holds, else one that a caller does (-1: none in memory). A caller's pin may be written
  * through at any moment, and the DIRTY release that makes that a version waits for the
- * flush: bytes read from it could mix two versions under the older one's label. */
-static int flush_source(const struct zinf_engine *e, const struct tensor *t)
+ * flush: bytes read from it could mix two versions under the older one's label. Idle leases
+ * are closed before the pins are counted: a client could otherwise pin one with atomics while
+ * the flush reads, and write through it. */
+static int flush_source(struct zinf_engine *e, struct tensor *t)
 {
     int held = -1;
     for (int i = ZINF_TIER_HOST; i >= ZINF_TIER_DEVICE; i--) {
         const struct copy *c = &t->c[i];
         if (c->state != COPY_READY || c->version != t->version) continue;
-        if (!copy_held(e, c)) return i;
+        if (!copy_pinned(e, t, i)) return i;
         held = i;
     }
     return held;
@@ -491,13 +493,13 @@ static int flush_source(const struct zinf_engine *e, const struct tensor *t)
 
 /* Would flushing t now read its newest content from a copy that a caller holds? Not where
  * a manifest or the swap extent already has that content. Lock held. */
-static bool flush_reads_held(const struct zinf_engine *e, const struct tensor *t)
+static bool flush_reads_held(struct zinf_engine *e, struct tensor *t)
 {
     if (t->zero || (t->persisted && t->persisted_version == t->version && !t->persisted_zero) ||
         (t->has_swap && t->swap_version == t->version))
         return false;
     int src = flush_source(e, t);
-    return src >= 0 && copy_held(e, &t->c[src]);
+    return src >= 0 && t->c[src].pins; /* its idle leases closed: what is left is held */
 }
 
 /* Make t's swap extent hold its newest content, on an extent the manifest does not name.
