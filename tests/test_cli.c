@@ -2803,6 +2803,25 @@ Test(cli, launch_passes_sigterm_on_and_ranks_exit_cleanly)
     free(text);
 }
 
+/* A rank that ignores SIGTERM is killed once --grace ends, and the launcher names it. */
+Test(cli, launch_names_the_rank_it_kills_after_the_grace)
+{
+    char *o, ready[4096];
+    snprintf(ready, sizeof(ready), "%s/straggler.ready", dir);
+    unlink(ready);
+    double t0 = now_s();
+    cr_assert_eq(run(&o, "launch -n 2 --grace 1 -- sh -c 'if [ $RANK = 1 ]; then "
+                         "while [ ! -e %s ]; do sleep 0.05; done; exit 7; fi; "
+                         "trap \"\" TERM; touch %s; exec sleep 60'", ready, ready), 1, "%s", o);
+    cr_assert_lt(now_s() - t0, 30.0, "%s", o);
+    const char *k = strstr(o, "still running 1 s after SIGTERM: killed");
+    cr_assert(k && strstr(o, "zinf launch: rank 0 (pid "), "%s", o);
+    cr_assert_null(strstr(k + 1, "still running"), "only rank 0 was left: %s", o);
+    cr_assert(strstr(o, "failed: rank 1 exited with status 7"), "%s", o);
+    free(o);
+    unlink(ready);
+}
+
 Test(cli, launch_bad_arguments)
 {
     char *o;

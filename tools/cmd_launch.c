@@ -134,13 +134,16 @@ static void emit(struct out *o, int rank, FILE *to, bool flush)
 }
 
 /* To each rank's process group (the rank and what it started). A stopped rank is woken to
- * take its SIGTERM or SIGINT. */
+ * take its SIGTERM or SIGINT, and woken first: a SIGCONT discards every stop signal pending,
+ * so one sent after could land while the rank, already exiting, waits for a stop it asked
+ * for (a sanitizer's leak check at exit attaches to its own threads with ptrace and waits
+ * for each to stop; it waited forever, and the rank ran out the grace). */
 static void signal_all(struct rank *rk, int n, int sig)
 {
     for (int r = 0; r < n; r++)
         if (!rk[r].done && rk[r].pid > 0) {
+            if (sig != SIGKILL && kill(-rk[r].pid, SIGCONT) != 0) kill(rk[r].pid, SIGCONT);
             if (kill(-rk[r].pid, sig) != 0) kill(rk[r].pid, sig);
-            if (sig != SIGKILL) kill(-rk[r].pid, SIGCONT);
         }
 }
 
@@ -250,6 +253,17 @@ static bool parse_range(const char *s, long lo, long hi, long *out)
 static const char *sig_name(int sig)
 {
     return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+}
+
+/* The ranks still running when the grace after sig ends, each named with its state (a rank
+ * stopped, or asleep in the kernel, reads differently from one that ignores the signal). */
+static void name_stragglers(const struct rank *rk, int n, int grace_s, int sig)
+{
+    for (int r = 0; r < n; r++)
+        if (!rk[r].done && rk[r].pid > 0)
+            fprintf(stderr, "zinf launch: rank %d (pid %d, state %c) still running %d s after "
+                    "%s: killed\n", r, (int)rk[r].pid, comm_proc_state(rk[r].pid), grace_s,
+                    sig_name(sig));
 }
 
 static void describe(int status, char *buf, size_t len)
@@ -487,7 +501,7 @@ int cmd_launch(int argc, char **argv)
     if (t) topo_close(t);
 
     /* Until every started rank has been reaped and its output drained. */
-    int stop_sig = 0, failed_rank = -1, failed_status = 0, running = started;
+    int stop_sig = 0, sent_sig = SIGTERM, failed_rank = -1, failed_status = 0, running = started;
     uint64_t kill_at = rc ? now_ns() : 0; /* 0: no deadline */
     uint64_t drain_until = 0;
     struct pollfd *pf = calloc((size_t)started * 2 + 1, sizeof(*pf));
@@ -513,6 +527,7 @@ int cmd_launch(int argc, char **argv)
         int k = poll(pf, (nfds_t)started * 2 + 1, timeout);
         if (k < 0 && errno != EINTR) break;
         if (kill_at && now_ns() >= kill_at) {
+            if (!rc) name_stragglers(rk, started, grace_s, sent_sig);
             signal_all(rk, started, SIGKILL);
             kill_at = 0;
         }
@@ -540,7 +555,8 @@ int cmd_launch(int argc, char **argv)
             }
             stop_sig = (int)si.ssi_signo;
             fprintf(stderr, "zinf launch: %s: passed on to the ranks\n", sig_name(stop_sig));
-            signal_all(rk, started, SIGTERM == stop_sig ? SIGTERM : SIGINT);
+            sent_sig = SIGTERM == stop_sig ? SIGTERM : SIGINT;
+            signal_all(rk, started, sent_sig);
             if (!kill_at) kill_at = now_ns() + (uint64_t)grace_s * 1000000000ull;
         }
         for (;;) {

@@ -158,6 +158,8 @@ bool comm_secret_ok(const char *secret);
 /* The shared-memory object a job of this name and secret (NULL: none) meets in, as
  * shm_open names it ("/zinf-comm-..."): 0, or -EINVAL for a bad name or secret. */
 int comm_segment_name(const char *name, const char *secret, char *buf, size_t len);
+/* The state letter of process pid in /proc (R, S, D, T, t, Z...), or '?'. */
+char comm_proc_state(int32_t pid);
 size_t comm_dtype_bytes(enum comm_dtype dt);
 
 #endif

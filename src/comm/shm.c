@@ -163,8 +163,7 @@ __attribute__((format(printf, 2, 3))) static void say(struct shm *s, const char 
     if (s->why && s->why_len) snprintf(s->why, s->why_len, "%s", msg);
 }
 
-/* The state letter of process pid in /proc (R, S, D, T, t, Z...), or '?'. */
-static char proc_state(int32_t pid)
+char comm_proc_state(int32_t pid)
 {
     char path[64], buf[256];
     snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
@@ -198,7 +197,7 @@ static bool alive(int32_t pid)
 {
     if (pid <= 0) return true;
     if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-    char st = proc_state(pid); /* '?': no /proc, and kill() said it exists */
+    char st = comm_proc_state(pid); /* '?': no /proc, and kill() said it exists */
     return st != 'Z' && st != 'X';
 }
 
@@ -270,7 +269,7 @@ static int late(struct shm *s, uint64_t k, uint32_t gen)
         if (r == s->rank || atomic_load_explicit(&q->bars, memory_order_acquire) >= k) continue;
         if (atomic_load_explicit(&s->h->bar_gen, memory_order_acquire) != gen) return 0;
         int32_t pid = atomic_load_explicit(&q->pid, memory_order_relaxed);
-        char st = proc_state(pid);
+        char st = comm_proc_state(pid);
         if (missing++ == 0)
             n = snprintf(why, sizeof(why),
                          "rank %d (pid %d%s) did not come to %s #%llu within %.3g s: it is in %s "
