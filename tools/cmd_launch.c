@@ -501,7 +501,7 @@ int cmd_launch(int argc, char **argv)
     if (t) topo_close(t);
 
     /* Until every started rank has been reaped and its output drained. */
-    int stop_sig = 0, sent_sig = SIGTERM, failed_rank = -1, failed_status = 0, running = started;
+    int stop_sig = 0, failed_rank = -1, failed_status = 0, running = started;
     uint64_t kill_at = rc ? now_ns() : 0; /* 0: no deadline */
     uint64_t drain_until = 0;
     struct pollfd *pf = calloc((size_t)started * 2 + 1, sizeof(*pf));
@@ -527,7 +527,7 @@ int cmd_launch(int argc, char **argv)
         int k = poll(pf, (nfds_t)started * 2 + 1, timeout);
         if (k < 0 && errno != EINTR) break;
         if (kill_at && now_ns() >= kill_at) {
-            if (!rc) name_stragglers(rk, started, grace_s, sent_sig);
+            if (!rc) name_stragglers(rk, started, grace_s, stop_sig ? stop_sig : SIGTERM);
             signal_all(rk, started, SIGKILL);
             kill_at = 0;
         }
@@ -555,8 +555,7 @@ int cmd_launch(int argc, char **argv)
             }
             stop_sig = (int)si.ssi_signo;
             fprintf(stderr, "zinf launch: %s: passed on to the ranks\n", sig_name(stop_sig));
-            sent_sig = SIGTERM == stop_sig ? SIGTERM : SIGINT;
-            signal_all(rk, started, sent_sig);
+            signal_all(rk, started, stop_sig); /* SIGINT or SIGTERM, the mask's only two */
             if (!kill_at) kill_at = now_ns() + (uint64_t)grace_s * 1000000000ull;
         }
         for (;;) {
