@@ -1,0 +1,77 @@
+"""zinf.torch: ZeRO-Infinity for any torch.nn.Module, in one process, over a zinf engine.
+
+    engine = zinf.Engine(config="offload.json")           # or zinf.connect(socket, job)
+    model = MyModel()                                       # fp32, bf16 or fp16
+    zinf.torch.offload(model, engine, home="nvme")          # its parameters move into zinf
+    opt = zinf.torch.AdamW(model.parameters(), lr=3e-4)     # torch.optim.AdamW's semantics
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()                                     # gradients go into zinf
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # works as it is
+        opt.step()                                          # AdamW on the host, streamed
+        opt.zero_grad()                                     # or model.zero_grad()
+
+What happens:
+- offload() registers every parameter as a zinf tensor "<prefix><name>" of its dtype homed
+  in `home` (with "<name>.grad" beside it, float32), writes its values there and leaves the
+  Parameter empty (0 elements) between uses: its class becomes a ZinfParameter, which
+  raises OffloadedError when read there rather than computing with nothing. Its shape is
+  `zinf.torch.shape_of(p)`. Buffers stay where they are.
+- Before a submodule's forward, a hook fetches the parameters it owns to `tier` (the device
+  tier by default: the GPU's memory on a CUDA engine, host memory when the device is
+  emulated) and points each Parameter's .data at the fetched copy, zero-copy over DLPack;
+  after the forward (or its exception) they are released and emptied again.
+- Tensors that autograd saves for the backward and that are views of a fetched parameter
+  are saved as (parameter, offset, shape, strides) instead (saved_tensors_hooks), so the
+  graph holds no parameter memory between forward and backward. The module's full backward
+  pre-hook fetches its parameters again; a saved view asked for by a node whose module had
+  no hook fetches its parameter itself. Holds a backward took and did not give back (it
+  raised) are given back at the next forward, step or remove.
+- As autograd accumulates a parameter's gradient, a hook adds it into "<name>.grad" (in
+  float32, fetched to the host tier; the first gradient after zero_grad() overwrites),
+  takes its 2-norm and whether it is finite, frees torch's copy and releases the parameter.
+  p.grad is then a GradProxy that stands for it: clip_grad_norm_, clip_grad_value_,
+  GradScaler's unscale_, and zero_grad() of the module or of the optimizer (set_to_none or
+  not) act on the gradient in zinf, without reading it back for the 2-norm; anything else
+  that reads it raises OffloadedError. `gathered(params, grads=True)` gives real values.
+- state_dict() of the model (or of any submodule) holds every parameter's values, tied
+  aliases as one tensor, and its buffers; load_state_dict() writes into zinf; deepcopy and
+  pickling give a plain in-memory copy of the module.
+- AdamW.zero_grad() zeroes each gradient homed on NVMe where it lies (Engine.zero): no
+  byte of it is written, and the backward's first accumulation into it reads nothing from
+  the drive.
+- AdamW.step() fetches parameter, gradient and moments ("<name>.exp_avg", ".exp_avg_sq",
+  and the float32 master "<name>.master" of a 16-bit parameter) of each parameter to the
+  host tier, one parameter after another with the next one prefetched, runs libzinf's SIMD
+  AdamW (zinf.adamw_step) on them in place with the gradient's pending scale, rounds the
+  master into the 16-bit parameter, releases them and marks the end of the step
+  (Engine.step), from which the engine learns the order of the next step's fetches for its
+  prefetch and eviction.
+
+The engine's tier budgets bound the memory: parameters are resident only while a module
+runs or its backward needs them, gradients and moments only while stepped. Activations
+are torch's. On a CUDA engine, releases wait for the current stream first (a kernel may
+still read the copy), so the device copies of one module do not overlap the next module's
+compute beyond what the engine prefetches.
+"""
+
+import torch
+
+from ._param import GradProxy, OffloadedError, ZinfParameter
+from ._offload import DTYPES, Offload, gathered, offload, shape_of, torch_view, zero
+from ._optim import AdamW
+
+__all__ = ["AdamW", "DTYPES", "GradProxy", "Offload", "OffloadedError", "ZinfParameter",
+           "clip_grad_norm_", "gathered", "offload", "shape_of"]
+
+# The names the package had as one module.
+_zero, _torch_view = zero, torch_view
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                    foreach=None):
+    """torch.nn.utils.clip_grad_norm_, which works on offloaded parameters as it is: the
+    norm of each gradient in zinf is the one taken as it was accumulated (2-norm) or read
+    from zinf (any other), and the clipping factor is applied by the next step."""
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type,
+                                          error_if_nonfinite, foreach)

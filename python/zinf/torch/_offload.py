@@ -1,0 +1,705 @@
+"""offload(): a module's parameters moved into zinf, fetched around each use by hooks."""
+
+import collections
+import contextlib
+import copy
+import errno
+import threading
+import weakref
+
+import torch
+
+from .. import Error
+from ._param import GradProxy, OffloadedError, param_class
+
+__all__ = ["Offload", "offload", "gathered", "shape_of", "DTYPES"]
+
+_KDLCPU, _KDLCUDAHOST = 1, 3
+_disabled = torch._C.DisableTorchFunctionSubclass
+
+# The parameter dtypes zinf.torch offloads, by zinf's name for them.
+DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _numel(shape):
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def shape_of(p):
+    """The shape of a parameter, offloaded or not (an offloaded one reads (0,) between
+    uses)."""
+    e = p.__dict__.get("_zinf")
+    return tuple(p.shape) if e is None else e.shape
+
+
+def torch_view(pin):
+    """A torch tensor over a Pinned's memory, without a copy. Pinned host memory of a CUDA
+    engine (kDLCUDAHost) is taken as CPU memory, which it also is."""
+    dev, _ = pin.__dlpack_device__()
+    if dev == _KDLCUDAHOST:
+        return torch.utils.dlpack.from_dlpack(pin.__dlpack__(dl_device=(_KDLCPU, 0)))
+    return torch.from_dlpack(pin)
+
+
+def view_as(pin, shape, dtype):
+    v = torch_view(pin)
+    if v.dtype != dtype:
+        v = v.view(dtype)
+    return v.view(shape)
+
+
+def zero(engine, t):
+    """Engine.zero(t) where zinf takes it (homed on NVMe, nobody holding it): True; False
+    where it does not (a home in memory, a pin another thread holds), for the caller to
+    zero it by hand if it must."""
+    try:
+        engine.zero(t)
+        return True
+    except Error as err:
+        if err.errno in (errno.EINVAL, errno.EBUSY):
+            return False
+        raise
+
+
+def _in_backward():
+    return torch._C._current_graph_task_id() != -1
+
+
+def _grad_of(p):
+    with _disabled():
+        return p.grad
+
+
+def _set_grad(p, g):
+    with _disabled():
+        p.grad = g
+
+
+def _set_data(p, v):
+    with _disabled():
+        p.data = v
+
+
+class _Entry:
+    """One offloaded parameter: its zinf tensors, who holds its fetched copy, and the state
+    of its gradient in zinf."""
+
+    __slots__ = ("owner", "name", "param", "shape", "dtype", "cls", "handle", "grad", "m",
+                 "v", "vmax", "master", "pin", "view", "users", "in_backward", "dirty",
+                 "hooked", "has_grad", "fresh", "proxy", "gnorm", "gscale", "nonfinite",
+                 "gpin")
+
+    def __init__(self, owner, name, param, handle, grad):
+        self.owner, self.name, self.param = owner, name, param
+        self.shape, self.dtype, self.cls = tuple(param.shape), param.dtype, type(param)
+        self.handle, self.grad = handle, grad
+        self.m = self.v = self.vmax = self.master = None
+        self.pin = self.view = self.gpin = None
+        self.users = 0          # forward calls, one backward hold and gathers
+        self.in_backward = False
+        self.dirty = False      # a holder writes through the copy: released dirty
+        self.hooked = False     # the post-accumulate-grad hook is on
+        # The gradient: has_grad, p.grad exists (torch skips a parameter without one);
+        # fresh, the next accumulation overwrites what zinf holds; gscale, a factor not yet
+        # applied to it; gnorm, its 2-norm (scaled); nonfinite, an inf or nan in it.
+        self.has_grad = False
+        self.fresh = True
+        self.proxy = None
+        self.gnorm = None
+        self.gscale = 1.0
+        self.nonfinite = False
+
+    @property
+    def nbytes(self):
+        return _numel(self.shape) * self.dtype.itemsize
+
+
+class _Saved:
+    """A tensor autograd saved that was a view of a fetched parameter."""
+
+    __slots__ = ("entry", "offset", "size", "stride")
+
+    def __init__(self, entry, offset, size, stride):
+        self.entry, self.offset, self.size, self.stride = entry, offset, size, stride
+
+
+class Offload:
+    """The offload of one module (module.zinf_offload); offload() makes it. remove() puts
+    the parameters back."""
+
+    def __init__(self, module, engine, *, home="nvme", tier="device", prefix="",
+                 resume=False, wait=True):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError("offload takes a torch.nn.Module")
+        if tier not in ("device", "host"):
+            raise ValueError(f"tier must be \"device\" or \"host\", not {tier!r}")
+        self.engine, self.module, self.home, self.tier = engine, module, home, tier
+        self.prefix = prefix
+        self._lock = threading.RLock()
+        self._entries = []
+        self._by_storage = {}     # data_ptr of a fetched copy -> its entry
+        self._hooks = []
+        self._calls = {}          # id(submodule) -> stack of the entries each call acquired
+        self._loading = []        # entries load_state_dict holds between its two hooks
+        self._callback_queued = False
+        self._cuda = None         # the torch device of fetched copies, once known
+        self._sd_cache = (None, {})
+        self._fetch_kw = {}
+        if wait:
+            try:
+                engine.fetch_all([], "host", wait=True)
+                self._fetch_kw = {"wait": True}
+            except TypeError:
+                pass              # an engine without waiting for room: fail at once
+            except Exception:
+                self._fetch_kw = {"wait": True}
+        # Fetches by the hook that asked: forward pre-hooks, full backward pre-hooks, saved
+        # views whose node came before any hook of their module (unpack), and gathers.
+        self.fetches = {"forward": 0, "backward": 0, "unpack": 0, "gather": 0}
+        named = list(module.named_parameters())
+        for name, p in named:
+            if p.__dict__.get("_zinf") is not None:
+                raise ValueError(f"parameter {name} is offloaded already")
+            if p.dtype not in DTYPES:
+                raise TypeError(f"parameter {name} is {p.dtype}; zinf.torch offloads "
+                                f"{', '.join(str(d) for d in DTYPES)}")
+        caps = [t["capacity_bytes"] for t in engine.stats()["tier"]]
+        room = caps[0 if tier == "device" else 1]
+        for mname, m in module.named_modules():
+            need = sum(p.numel() * p.element_size()
+                       for p in dict.fromkeys(m.parameters(recurse=False)))
+            if need > room:
+                raise ValueError(f"module {mname or '(the root)'} owns {need} bytes of "
+                                 f"parameters; the {tier} tier holds {room}: give it more "
+                                 f"bytes, or split the module")
+        for name, p in named:
+            if 4 * p.numel() > caps[1]:
+                raise ValueError(f"parameter {name} takes {4 * p.numel()} bytes as float32 "
+                                 f"(its gradient); the host tier holds {caps[1]}")
+        originals = {}
+        try:
+            for name, p in named:
+                originals[p] = p.data
+                self._add(prefix + name, p, resume)
+        except BaseException:
+            # Undone: each parameter gets its tensor back, and what this call registered is
+            # unregistered (a resumed state's tensors are left as they are saved).
+            for e in self._entries:
+                _set_data(e.param, originals[e.param])
+                e.param.__class__ = e.cls
+                del e.param.__dict__["_zinf"]
+                if not resume:
+                    for t in (e.handle, e.grad):
+                        try:
+                            engine.unregister(t)
+                        except Exception:
+                            pass
+            self._entries = []
+            raise
+        del originals
+        self._install_hooks()
+
+    # ---- registration -------------------------------------------------------------------
+
+    def _add(self, name, p, resume):
+        e = self.engine
+        shape, dt = tuple(p.shape), DTYPES[p.dtype]
+        if resume:
+            h, g = e.lookup(name), e.lookup(name + ".grad")
+            for t, want in ((h, p.numel() * p.element_size()), (g, p.numel() * 4)):
+                if t.nbytes != want:
+                    raise ValueError(f"{t.name} holds {t.nbytes} bytes; {name} needs {want}")
+        else:
+            h = e.register(name, (shape, dt), home=self.home)
+            try:
+                g = e.register(name + ".grad", (shape, "float32"), home=self.home)
+            except BaseException:
+                e.unregister(h)
+                raise
+        entry = _Entry(self, name, p, h, g)
+        self._entries.append(entry)
+        if not resume:
+            with e.fetch(h, "host", dirty=True) as pin:
+                view_as(pin, shape, p.dtype).copy_(p.data)
+        p.__dict__["_zinf"] = entry
+        p.__class__ = param_class(entry.cls)
+        _set_data(p, torch.empty(0, dtype=p.dtype, device=p.device))
+
+    def _install_hooks(self):
+        module = self.module
+        owners = []
+        for m in module.modules():
+            own = list(dict.fromkeys(p._zinf for p in m.parameters(recurse=False)))
+            if own:
+                owners.append((m, own))
+        if not owners or owners[0][0] is not module:
+            self._hooks.append(module.register_forward_pre_hook(self._root_pre))
+        for m, own in owners:
+            self._hooks += [
+                m.register_forward_pre_hook(self._make_pre(own, m is module)),
+                m.register_forward_hook(self._post, always_call=True),
+                m.register_full_backward_pre_hook(self._make_backward_pre(own)),
+                m.register_state_dict_post_hook(
+                    lambda m, sd, prefix, md: self._state_dict_hook(m, sd, prefix, md)),
+                m.register_load_state_dict_pre_hook(self._load_pre),
+                m.register_load_state_dict_post_hook(self._load_post),
+            ]
+        for e in self._entries:
+            self._hook_grad(e)
+        forward = module.forward
+        self._own_forward = module.__dict__.get("forward")  # an instance's own, put back
+
+        @torch.compiler.disable
+        def forward_with_saved_hooks(*args, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return forward(*args, **kwargs)
+
+        module.forward = forward_with_saved_hooks
+        module.__dict__["zinf_offload"] = self
+        module.__dict__["__deepcopy__"] = self._deepcopy
+        module.__dict__["__reduce_ex__"] = self._reduce_ex
+
+    def _hook_grad(self, e):
+        if not e.hooked and e.param.requires_grad:
+            self._hooks.append(e.param.register_post_accumulate_grad_hook(self._grad_ready))
+            e.hooked = True
+
+    def _unregister_all(self):
+        """Each parameter's values back into it (CPU memory), its tensors unregistered."""
+        while self._entries:
+            e = self._entries[0]
+            _set_data(e.param, self.read(e))
+            for t in (e.handle, e.grad, e.m, e.v, e.vmax, e.master):
+                if t is not None:
+                    self.engine.unregister(t)
+            if _grad_of(e.param) is e.proxy:
+                _set_grad(e.param, None)
+            e.param.__class__ = e.cls
+            del e.param.__dict__["_zinf"]
+            self._entries.pop(0)
+
+    # ---- fetched copies -------------------------------------------------------------------
+
+    def fetch_all(self, handles, tier, dirty=False):
+        return self.engine.fetch_all(handles, tier, dirty=dirty, **self._fetch_kw)
+
+    def _acquire(self, entries, why):
+        """One more holder of each entry's fetched copy; the ones not resident yet are
+        fetched as one set (zinf_fetch_all: the tier makes room for the whole set)."""
+        need = [e for e in entries if e.users == 0]
+        if need:
+            pins = self.fetch_all([e.handle for e in need], self.tier)
+            self.fetches[why] += len(need)
+            try:
+                views = [view_as(pin, e.shape, e.dtype) for pin, e in zip(pins, need)]
+            except BaseException:
+                for pin in pins:
+                    pin.release()
+                raise
+            for e, pin, view in zip(need, pins, views):
+                self._sync_grad(e)
+                e.pin, e.view = pin, view
+                with _disabled():
+                    self._by_storage[view.untyped_storage().data_ptr()] = e
+                _set_grad(e.param, None)
+                _set_data(e.param, view)
+                self._hook_grad(e)
+            if self._cuda is None:
+                self._cuda = views[0].device if views[0].device.type == "cuda" else False
+        for e in entries:
+            e.users += 1
+
+    def _drop(self, e):
+        e.users -= 1
+        if e.users:
+            return
+        if self._cuda:
+            torch.cuda.current_stream(self._cuda).synchronize()
+        with _disabled():
+            self._by_storage.pop(e.view.untyped_storage().data_ptr(), None)
+            e.param.data = torch.empty(0, dtype=e.dtype, device=e.view.device)
+        view, e.view = e.view, None
+        pin, e.pin = e.pin, None
+        dirty, e.dirty = e.dirty, False
+        try:
+            if dirty and e.master is not None:
+                with self.engine.fetch(e.master, "host", dirty=True) as mp:
+                    view_as(mp, e.shape, torch.float32).copy_(view)
+            del view
+        finally:
+            self._put_proxy(e)
+            pin.release(dirty=dirty)
+
+    def _put_proxy(self, e):
+        if e.has_grad:
+            if e.proxy is None:
+                e.proxy = GradProxy.make(e, e.param)
+            _set_grad(e.param, e.proxy)
+
+    def release_stale(self):
+        """Holds a backward took and never gave back (it raised before its end), given back
+        where no backward runs."""
+        with self._lock:
+            if _in_backward():
+                return
+            self._callback_queued = False
+            for e in self._entries:
+                if e.in_backward:
+                    e.in_backward = False
+                    self._drop(e)
+            while self._loading:
+                self._drop(self._loading.pop())
+
+    # ---- module hooks ---------------------------------------------------------------------
+
+    def _root_pre(self, m, args):
+        if self._callback_queued or self._loading:
+            self.release_stale()
+
+    def _make_pre(self, own, root):
+        @torch.compiler.disable
+        def pre(m, args):
+            with self._lock:
+                if root and (self._callback_queued or self._loading):
+                    self.release_stale()
+                got = []
+                self._calls.setdefault(id(m), []).append(got)
+                self._acquire(own, "forward")
+                got.extend(own)
+
+        return pre
+
+    @torch.compiler.disable
+    def _post(self, m, args, result):
+        with self._lock:
+            stack = self._calls.get(id(m))
+            got = stack.pop() if stack else []
+            for e in got:
+                self._drop(e)
+
+    def _make_backward_pre(self, own):
+        @torch.compiler.disable
+        def backward_pre(m, grad_output):
+            with self._lock:
+                self._queue_end_of_backward()
+                self._hold_for_backward(own, "backward")
+
+        return backward_pre
+
+    def _hold_for_backward(self, entries, why):
+        new = [e for e in entries if not e.in_backward]
+        self._acquire(new, why)
+        for e in new:
+            e.in_backward = True
+
+    def _queue_end_of_backward(self):
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
+    def _end_of_backward(self):
+        with self._lock:
+            self._callback_queued = False
+            for e in self._entries:
+                if e.in_backward:
+                    e.in_backward = False
+                    self._drop(e)
+
+    def _pack(self, t):
+        try:
+            with _disabled():
+                e = self._by_storage.get(t.untyped_storage().data_ptr())
+        except Exception:  # sparse and other storage-less tensors
+            return t
+        if e is None or t.dtype != e.dtype:
+            return t
+        with _disabled():
+            return _Saved(e, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def _unpack(self, s):
+        if not isinstance(s, _Saved):
+            return s
+        e = s.entry
+        with self._lock:
+            if e.view is None:
+                self._queue_end_of_backward()
+                self._hold_for_backward([e], "unpack")
+            return torch.as_strided(e.view, s.size, s.stride, s.offset)
+
+    # ---- gradients ------------------------------------------------------------------------
+
+    def _sync_grad(self, e):
+        """What torch did to p.grad since the proxy went in: set it to None (zero_grad of a
+        module or of another optimizer) forgets the gradient in zinf."""
+        if not e.has_grad:
+            return
+        g = _grad_of(e.param)
+        if g is e.proxy and g is not None:
+            return
+        if g is not None and g.numel():
+            raise OffloadedError(f"zinf.torch: p.grad of {e.name} was replaced by a tensor; "
+                                 f"an offloaded parameter's gradient lies in zinf and can "
+                                 f"only be zeroed or set to None")
+        self.forget_grad(e)
+
+    def forget_grad(self, e):
+        """The gradient gone (set to None): the next step skips the parameter, and the next
+        accumulation overwrites without reading what zinf holds."""
+        was = e.has_grad
+        e.has_grad, e.fresh, e.gnorm, e.gscale, e.nonfinite = False, True, None, 1.0, False
+        if was:
+            zero(self.engine, e.grad)
+        if e.view is None and _grad_of(e.param) is e.proxy:
+            _set_grad(e.param, None)
+
+    def _grad_ready(self, p):
+        e = p.__dict__["_zinf"]
+        g = _grad_of(p)
+        _set_grad(p, None)
+        with self._lock:
+            with self.engine.fetch(e.grad, "host", dirty=True) as pin:
+                dst = view_as(pin, e.shape, torch.float32)
+                with _disabled():
+                    if e.has_grad and not e.fresh:
+                        if e.gscale != 1.0:
+                            dst.mul_(e.gscale)
+                        dst.add_(g.to(dst.device))
+                    else:
+                        dst.copy_(g)
+                    if g.device.type == "cuda":
+                        torch.cuda.current_stream(g.device).synchronize()
+                    self._note_grad(e, dst)
+                del dst
+            e.has_grad, e.fresh = True, False
+            if e.in_backward:
+                e.in_backward = False
+                self._drop(e)
+            elif e.view is None:
+                self._put_proxy(e)
+
+    def _note_grad(self, e, view):
+        e.gscale = 1.0
+        e.gnorm = torch.linalg.vector_norm(view, 2.0)
+        e.nonfinite = not bool(torch.isfinite(e.gnorm))
+
+    def grad_norm(self, e, ord):
+        with self._lock:
+            if not e.has_grad:
+                return torch.zeros((), dtype=torch.float32)
+            if ord == 2.0 and e.gnorm is not None:
+                return e.gnorm.clone()
+            with self.engine.fetch(e.grad, "host") as pin:
+                with _disabled():
+                    n = torch.linalg.vector_norm(view_as(pin, e.shape, torch.float32), ord)
+            return n * abs(e.gscale)
+
+    def grad_scale(self, e, s):
+        with self._lock:
+            e.gscale *= s
+            if e.gnorm is not None:
+                e.gnorm = e.gnorm * abs(s)
+
+    def grad_zero(self, e):
+        with self._lock:
+            if not zero(self.engine, e.grad):
+                with self.engine.fetch(e.grad, "host", dirty=True) as pin:
+                    torch_view(pin).zero_()
+            e.has_grad, e.fresh, e.gscale, e.nonfinite = True, True, 1.0, False
+            e.gnorm = torch.zeros((), dtype=torch.float32)
+
+    def grad_clamp(self, e, lo, hi):
+        with self._lock:
+            with self.engine.fetch(e.grad, "host", dirty=True) as pin:
+                with _disabled():
+                    v = view_as(pin, e.shape, torch.float32)
+                    if e.gscale != 1.0:
+                        v.mul_(e.gscale)
+                    v.clamp_(lo, hi)
+                    self._note_grad(e, v)
+                del v
+
+    def grad_nonfinite(self, e):
+        return e.nonfinite
+
+    # ---- state dicts, copies --------------------------------------------------------------
+
+    def read(self, e):
+        """The parameter's values, a CPU tensor of its dtype (a copy)."""
+        with self._lock:
+            if e.view is not None:
+                with _disabled():
+                    return e.view.detach().to("cpu", copy=True)
+            with self.engine.fetch(e.handle, "host") as pin:
+                return view_as(pin, e.shape, e.dtype).clone()
+
+    def _state_dict_hook(self, m, sd, prefix, local_metadata):
+        ref, cache = self._sd_cache
+        try:
+            if ref is None or ref() is not sd:
+                cache = {}
+                self._sd_cache = (weakref.ref(sd), cache)
+        except TypeError:     # a destination that takes no weak reference: no aliases kept
+            cache = {}
+        for name, p in m._parameters.items():
+            e = p.__dict__.get("_zinf") if p is not None else None
+            key = prefix + name
+            if e is None or e.owner is not self or key not in sd or sd[key] is p:
+                continue      # keep_vars=True gives the Parameter itself
+            if e not in cache:
+                cache[e] = self.read(e)
+            sd[key] = cache[e]
+
+    def _load_pre(self, m, sd, prefix, local_metadata, strict, missing, unexpected, errs):
+        if local_metadata.get("assign_to_params_buffers"):
+            raise OffloadedError("zinf.torch: load_state_dict(assign=True) would replace "
+                                 "offloaded parameters; load without assign")
+        own = [p.__dict__["_zinf"] for name, p in m._parameters.items()
+               if p is not None and prefix + name in sd and p.__dict__.get("_zinf")]
+        own = list(dict.fromkeys(own))
+        if not own:
+            return
+        with self._lock:
+            self._acquire(own, "gather")
+            for e in own:
+                e.dirty = True
+                self._loading.append(e)
+
+    def _load_post(self, m, incompatible):
+        with self._lock:
+            mine = [e for e in self._loading if e.param in set(m._parameters.values())]
+            for e in mine:
+                self._loading.remove(e)
+                self._drop(e)
+
+    def state_dict(self, *args, **kwargs):
+        """The module's state_dict(): every parameter (tied aliases included) with its
+        values, and the buffers."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, values, strict=True):
+        """The module's load_state_dict(): the values written into zinf."""
+        return self.module.load_state_dict(values, strict=strict)
+
+    def _hook_dicts(self):
+        out = collections.defaultdict(set)
+        for h in self._hooks:
+            refs = [h.hooks_dict_ref] + list(getattr(h, "extra_dict_ref", ()) or ())
+            for r in refs:
+                d = r()
+                if d is not None:
+                    out[id(d)].add(h.id)
+        return out
+
+    def plain_copy(self, memo=None):
+        """A copy of the module in memory, without zinf: each parameter with its values."""
+        memo = {} if memo is None else memo
+        with self._lock:
+            for e in self._entries:
+                if id(e.param) not in memo:
+                    memo[id(e.param)] = torch.nn.Parameter(self.read(e),
+                                                           e.param.requires_grad)
+            ours = self._hook_dicts()
+            for m in self.module.modules():
+                for d in list(vars(m).values()):
+                    if isinstance(d, dict) and id(d) in ours:
+                        memo[id(d)] = type(d)((k, copy.deepcopy(v, memo))
+                                              for k, v in d.items() if k not in ours[id(d)])
+            saved = {k: self.module.__dict__.pop(k)
+                     for k in ("__deepcopy__", "__reduce_ex__", "forward", "zinf_offload")
+                     if k in self.module.__dict__}
+            try:
+                if self._own_forward is not None:
+                    self.module.__dict__["forward"] = self._own_forward
+                new = copy.deepcopy(self.module, memo)
+            finally:
+                self.module.__dict__.pop("forward", None)
+                self.module.__dict__.update(saved)
+        return new
+
+    def _deepcopy(self, memo):
+        return self.plain_copy(memo)
+
+    def _reduce_ex(self, proto):
+        return self.plain_copy().__reduce_ex__(proto)
+
+    # ---- the user's calls -------------------------------------------------------------------
+
+    def remove(self):
+        """Take the hooks off and put each parameter's values back into it (CPU memory);
+        the zinf tensors are unregistered."""
+        with self._lock:
+            self.release_stale()
+            if any(e.users for e in self._entries):
+                raise RuntimeError("a forward or backward still holds parameters")
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            for k in ("forward", "zinf_offload", "__deepcopy__", "__reduce_ex__"):
+                self.module.__dict__.pop(k, None)
+            if self._own_forward is not None:
+                self.module.forward = self._own_forward
+            self._unregister_all()
+
+
+def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=False, wait=True):
+    """Move module's parameters into engine (see zinf.torch's docstring); returns the
+    Offload. home: where their permanent copies live ("nvme", "host" or "device"); tier:
+    where forward and backward use them ("device" or "host"); prefix: put before each
+    zinf tensor's name; resume: look the tensors up (an engine opened with resume=True)
+    instead of registering and writing them; wait: a fetch that finds its tier full of
+    other threads' pins waits for room rather than failing with ENOMEM."""
+    return Offload(module, engine, home=home, tier=tier, prefix=prefix, resume=resume,
+                   wait=wait)
+
+
+@contextlib.contextmanager
+def gathered(params, *, modify=False, grads=False):
+    """Offloaded parameters made real for the block: each Parameter holds its values (in
+    the tier the forward uses), as inside its module's forward. modify=True: what the block
+    writes into them is kept (their fp32 master copies follow). grads=True: p.grad holds the
+    real gradient too (float32; a copy for a 16-bit parameter, whose writes are not kept),
+    with any pending scale (clipping, unscaling) applied. Parameters that are not offloaded
+    are left as they are."""
+    if isinstance(params, torch.Tensor):
+        params = [params]
+    by_owner = collections.OrderedDict()
+    for p in params:
+        e = p.__dict__.get("_zinf")
+        if e is not None:
+            by_owner.setdefault(e.owner, []).append(e)
+    held = []
+    try:
+        for off, entries in by_owner.items():
+            entries = list(dict.fromkeys(entries))
+            with off._lock:
+                off.release_stale()
+                off._acquire(entries, "gather")
+                held.append((off, entries, []))
+                for e in entries:
+                    if modify:
+                        e.dirty = True
+                    if grads and e.has_grad:
+                        pin = off.engine.fetch(e.grad, "host", dirty=True)
+                        held[-1][2].append((e, pin))
+                        with _disabled():
+                            g = view_as(pin, e.shape, torch.float32)
+                            if e.gscale != 1.0:
+                                g.mul_(e.gscale)
+                                e.gscale = 1.0
+                            if g.dtype != e.dtype or g.device != e.view.device:
+                                g = g.to(dtype=e.dtype, device=e.view.device)
+                        _set_grad(e.param, g)
+        yield
+    finally:
+        for off, entries, gpins in reversed(held):
+            with off._lock:
+                for e, pin in gpins:
+                    with _disabled():
+                        off._note_grad(e, view_as(pin, e.shape, torch.float32))
+                    _set_grad(e.param, None)
+                    pin.release(dirty=True)
+                for e in entries:
+                    off._drop(e)

@@ -1,0 +1,337 @@
+"""zinf.torch.AdamW: torch.optim.AdamW over parameters whose state lives in zinf."""
+
+import math
+import weakref
+
+import torch
+
+from .. import Error, adamw_step
+from ._offload import view_as
+
+__all__ = ["AdamW", "torn_engines"]
+
+_disabled = torch._C.DisableTorchFunctionSubclass
+_SIXTEEN = (torch.bfloat16, torch.float16)
+
+# Engines whose parameters an interrupted step left half-updated: zinf.torch refuses to
+# save them (close them with Engine.close_unflushed, or leave a with-block by the exception).
+torn_engines = weakref.WeakSet()
+
+
+def _f(x):
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+class AdamW(torch.optim.Optimizer):
+    """torch.optim.AdamW for offloaded parameters: the same arguments, parameter groups,
+    defaults and update, with parameter, gradient and moments streamed through the engine
+    and stepped on the host (libzinf's SIMD AdamW; amsgrad in torch's arithmetic).
+
+    The moments are zinf tensors "<name>.exp_avg", "<name>.exp_avg_sq" (and
+    "<name>.max_exp_avg_sq" with amsgrad), float32, homed with the parameter. A bf16 or fp16
+    parameter gets a float32 master copy "<name>.master" (master_dtype=torch.float32, the
+    default for them): the update runs on the master and the parameter the forward fetches
+    is its rounding; master_dtype=None updates the 16-bit values themselves (in float32
+    arithmetic, rounded back each step). Parameters without a gradient since zero_grad()
+    are skipped, as torch skips a None .grad.
+
+    state_dict() holds the moments in torch.optim.AdamW's layout (float32, read into
+    memory), and load_state_dict() takes torch's: state converts both ways. foreach and
+    fused are taken and change nothing (the update is libzinf's); capturable and
+    differentiable are refused."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+                 differentiable=False, fused=None, master_dtype="auto"):
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not _f(lr) >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not eps > 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not 0.0 <= _f(betas[0]) < 1.0 or not 0.0 <= _f(betas[1]) < 1.0:
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if capturable:
+            raise ValueError("zinf.torch.AdamW: capturable=True is not offered (the update "
+                             "runs on the host, outside any CUDA graph)")
+        if differentiable:
+            raise ValueError("zinf.torch.AdamW: differentiable=True is not offered (the "
+                             "update runs in libzinf, outside autograd)")
+        if master_dtype not in ("auto", None, torch.float32):
+            raise ValueError(f"zinf.torch.AdamW: master_dtype {master_dtype} is not offered: "
+                             f"torch.float32, None or \"auto\"")
+        self.master_dtype = master_dtype
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize, foreach=foreach,
+                        capturable=False, differentiable=False, fused=fused)
+        super().__init__(params, defaults)
+
+    # ---- groups and state -------------------------------------------------------------------
+
+    def add_param_group(self, param_group):
+        """torch's, for offloaded parameters; each parameter's moments (and master copy) are
+        made now, so that a group added between steps steps as the first ones do."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        for p in params:
+            if p.__dict__.get("_zinf") is None:
+                raise ValueError("zinf.torch.AdamW steps offloaded parameters only "
+                                 "(zinf.torch.offload the module first)")
+        for p in params:
+            e = p._zinf
+            room = e.owner.engine.stats()["tier"][1]["capacity_bytes"]
+            need = self._step_bytes(e, param_group.get("amsgrad", self.defaults["amsgrad"]))
+            if need > room:
+                raise ValueError(f"{e.name}: its parameter, gradient and moments take "
+                                 f"{need} bytes; the host tier holds {room}, and a step "
+                                 f"needs them at once")
+        super().add_param_group(param_group)
+        for p in params:
+            self._state_tensors(p._zinf, self.param_groups[-1]["amsgrad"])
+
+    def _wants_master(self, e):
+        if e.dtype not in _SIXTEEN:
+            return False
+        return self.master_dtype in ("auto", torch.float32)
+
+    def _step_bytes(self, e, amsgrad):
+        n = 1
+        for d in e.shape:
+            n *= d
+        return n * (e.dtype.itemsize + 4 * (3 + bool(amsgrad) + self._wants_master(e)))
+
+    def _state_tensors(self, e, amsgrad):
+        eng, home = e.owner.engine, e.owner.home
+        made = []
+
+        def get(suffix, dtype="float32"):
+            name = e.name + suffix
+            try:
+                return eng.lookup(name)
+            except Error:
+                t = eng.register(name, (e.shape, dtype), home=home)
+                made.append(t)
+                return t
+
+        try:
+            if e.m is None:
+                e.m = get(".exp_avg")
+            if e.v is None:
+                e.v = get(".exp_avg_sq")
+            if amsgrad and e.vmax is None:
+                e.vmax = get(".max_exp_avg_sq")
+            if self._wants_master(e) and e.master is None:
+                e.master = get(".master")
+                if e.master in made:
+                    with e.owner._lock:
+                        pins = eng.fetch_all([e.handle, e.master], "host", dirty=True)
+                        try:
+                            with _disabled():
+                                view_as(pins[1], e.shape, torch.float32).copy_(
+                                    view_as(pins[0], e.shape, e.dtype))
+                        finally:
+                            pins[0].release()
+                            pins[1].release(dirty=True)
+        except BaseException:
+            for t in made:
+                for attr in ("m", "v", "vmax", "master"):
+                    if getattr(e, attr) == t:
+                        setattr(e, attr, None)
+                eng.unregister(t)
+            raise
+
+    def zero_grad(self, set_to_none=True):
+        """set_to_none (the default): the gradients are forgotten, and a parameter that gets
+        none before the next step is skipped by it. False: they are zeros, so that the next
+        step moves every parameter, as torch's does. Either way a gradient homed on NVMe
+        becomes zeros where it lies, without a byte moved (Engine.zero), so that the next
+        backward does not read it back to overwrite it. model.zero_grad() does the same."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                e = p._zinf
+                with e.owner._lock:
+                    e.owner._sync_grad(e)
+                    if set_to_none:
+                        e.owner.forget_grad(e)
+                    else:
+                        e.owner.grad_zero(e)
+                        if e.view is None:
+                            e.owner._put_proxy(e)
+
+    # ---- the update -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        owners = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                owners[id(p._zinf.owner)] = p._zinf.owner
+        for off in owners.values():
+            off.release_stale()
+            with off._lock:
+                for e in off._entries:
+                    off._sync_grad(e)
+        work = [(group, p) for group in self.param_groups for p in group["params"]
+                if p._zinf.has_grad]
+        engines = {id(off.engine): off.engine for off in owners.values()}
+        try:
+            for i, (group, p) in enumerate(work):
+                if i + 1 < len(work):
+                    n = work[i + 1][1]._zinf
+                    for t in (n.handle, n.grad, n.m, n.v, n.master, n.vmax):
+                        if t is not None:
+                            n.owner.engine.prefetch(t, "host")
+                self._step_one(group, p)
+        except BaseException:
+            if any(self.state[p].get("_began") for _, p in work):
+                for eng in engines.values():
+                    torn_engines.add(eng)
+            raise
+        finally:
+            for _, p in work:
+                self.state[p].pop("_began", None)
+        for eng in engines.values():
+            eng.step()
+        return loss
+
+    def _step_one(self, group, p):
+        e = p._zinf
+        off = e.owner
+        st = self.state[p]
+        amsgrad = group["amsgrad"]
+        if amsgrad and e.vmax is None or e.m is None:
+            self._state_tensors(e, amsgrad)
+        b1, b2 = (_f(b) for b in group["betas"])
+        lr, eps, wd = _f(group["lr"]), float(group["eps"]), float(group["weight_decay"])
+        step = st.get("step", 0) + 1
+        scale = e.gscale * (-1.0 if group["maximize"] else 1.0)
+        handles = [e.handle, e.grad, e.m, e.v]
+        if e.master is not None:
+            handles.append(e.master)
+        if amsgrad:
+            handles.append(e.vmax)
+        with off._lock:
+            pins = off.fetch_all(handles, "host", dirty=True)
+            st["_began"] = True
+            try:
+                with _disabled():
+                    f32 = lambda pin: view_as(pin, e.shape, torch.float32)  # noqa: E731
+                    pv = view_as(pins[0], e.shape, e.dtype)
+                    g, m, v = f32(pins[1]), f32(pins[2]), f32(pins[3])
+                    master = f32(pins[4]) if e.master is not None else None
+                    vmax = f32(pins[-1]) if amsgrad else None
+                    work = master if master is not None else (
+                        pv if e.dtype == torch.float32 else pv.float())
+                    if amsgrad:
+                        _amsgrad(work, g, m, v, vmax, step, lr, b1, b2, eps, wd, scale)
+                    else:
+                        adamw_step(work.numpy(), g.numpy(), m.numpy(), v.numpy(), step, lr,
+                                   b1, b2, eps, wd, scale)
+                    if work is not pv:
+                        pv.copy_(work)
+                    del pv, g, m, v, master, vmax, work
+                st["step"] = step
+            finally:
+                for pin, h in zip(pins, handles):
+                    pin.release(dirty=h is not e.grad)
+
+    # ---- torch's layout -----------------------------------------------------------------
+
+    def _indexed(self):
+        i = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                yield i, group, p
+                i += 1
+
+    def state_dict(self):
+        """torch.optim.AdamW's layout: {"state": {index: {"step", "exp_avg", "exp_avg_sq"
+        (, "max_exp_avg_sq")}}, "param_groups": [...]}, the moments read into memory as
+        float32 CPU tensors; a 16-bit parameter's master copy under "master"."""
+        state = {}
+        for i, group, p in self._indexed():
+            e = p._zinf
+            st = self.state.get(p, {})
+            if not st.get("step"):
+                continue
+            out = {"step": torch.tensor(float(st["step"]))}
+            for key, t in (("exp_avg", e.m), ("exp_avg_sq", e.v),
+                           ("max_exp_avg_sq", e.vmax), ("master", e.master)):
+                if t is not None and (key != "max_exp_avg_sq" or group["amsgrad"]):
+                    out[key] = self._read(e, t)
+            state[i] = out
+        groups = []
+        i = 0
+        for group in self.param_groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g["params"] = list(range(i, i + len(group["params"])))
+            i += len(group["params"])
+            groups.append(g)
+        return {"state": state, "param_groups": groups}
+
+    def _read(self, e, t):
+        with e.owner._lock:
+            with e.owner.engine.fetch(t, "host") as pin:
+                return view_as(pin, e.shape, torch.float32).clone()
+
+    def load_state_dict(self, state_dict):
+        """Takes what state_dict() gives, or torch.optim.AdamW's: the moments are written
+        into zinf (as float32), the step counts and hyper-parameters taken; a 16-bit
+        parameter without a master copy in it gets one from its current values."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(groups)} parameter groups; this "
+                             f"optimizer has {len(self.param_groups)}")
+        for g, mine in zip(groups, self.param_groups):
+            if len(g["params"]) != len(mine["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't "
+                                 "match the size of optimizer's group")
+        index = {}
+        for g, mine in zip(groups, self.param_groups):
+            for i, p in zip(g["params"], mine["params"]):
+                index[i] = p
+        for i, st in state_dict["state"].items():
+            p = index.get(int(i))
+            if p is None:
+                raise ValueError(f"state for parameter {i}: no such parameter")
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
+                if key in st and tuple(st[key].shape) != p._zinf.shape:
+                    raise ValueError(f"state {key} of {p._zinf.name}: shape "
+                                     f"{tuple(st[key].shape)}, the parameter's is "
+                                     f"{p._zinf.shape}")
+        for g, mine in zip(groups, self.param_groups):
+            for k, v in g.items():
+                if k != "params" and k not in ("capturable", "differentiable"):
+                    mine[k] = v
+        for i, st in state_dict["state"].items():
+            p = index[int(i)]
+            e = p._zinf
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            self._state_tensors(e, group["amsgrad"] or "max_exp_avg_sq" in st)
+            for key, t in (("exp_avg", e.m), ("exp_avg_sq", e.v),
+                           ("max_exp_avg_sq", e.vmax), ("master", e.master)):
+                if key in st and t is not None:
+                    with e.owner._lock:
+                        with e.owner.engine.fetch(t, "host", dirty=True) as pin:
+                            view_as(pin, e.shape, torch.float32).copy_(st[key])
+            self.state[p]["step"] = int(_f(st.get("step", 0)))
+
+
+def _amsgrad(param, g, m, v, vmax, step, lr, b1, b2, eps, wd, scale):
+    """torch.optim.AdamW's single-tensor update with amsgrad, in place, in float32."""
+    if scale != 1.0:
+        g = g * scale
+    param.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    torch.maximum(vmax, v, out=vmax)
+    bc1 = 1 - b1 ** step
+    bc2 = 1 - b2 ** step
+    denom = (vmax.sqrt() / math.sqrt(bc2)).add_(eps)
+    param.addcdiv_(m, denom, value=-lr / bc1)
