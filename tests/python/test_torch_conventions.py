@@ -212,9 +212,11 @@ class Conventions(Base):
 
             self.run_loop(ref, off, e, 5, step, o_ref=o_ref, o_off=o_off)
             self.assertEqual(len(o_off.param_groups), 2)
+            # Trained since they were unfrozen (3 steps of 3e-3 move each by ~9e-3); an
+            # element whose gradient is as small as eps moves by a few 1e-5 otherwise.
             with zt.gathered(blocks1(off)):
                 for a, b in zip(blocks1(ref), blocks1(off)):
-                    torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-4, atol=1e-5)
+                    torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-4, atol=5e-5)
             with self.assertRaisesRegex(ValueError, "offloaded parameters only"):
                 o_off.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
 
