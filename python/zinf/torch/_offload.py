@@ -4,6 +4,7 @@ import collections
 import contextlib
 import copy
 import errno
+import functools
 import threading
 import weakref
 
@@ -131,7 +132,7 @@ class Offload:
     the parameters back."""
 
     def __init__(self, module, engine, *, home="nvme", tier="device", prefix="",
-                 resume=False, wait=True):
+                 resume=False, wait=True, _shapes=None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError("offload takes a torch.nn.Module")
         if tier not in ("device", "host"):
@@ -147,6 +148,7 @@ class Offload:
         self._callback_queued = False
         self._cuda = None         # the torch device of fetched copies, once known
         self._sd_cache = (None, {})
+        self._shapes = _shapes or {}   # parameters made under init(): their shapes, no values
         self._fetch_kw = {}
         if wait:
             try:
@@ -169,15 +171,15 @@ class Offload:
         caps = [t["capacity_bytes"] for t in engine.stats()["tier"]]
         room = caps[0 if tier == "device" else 1]
         for mname, m in module.named_modules():
-            need = sum(p.numel() * p.element_size()
+            need = sum(self._numel(p) * p.element_size()
                        for p in dict.fromkeys(m.parameters(recurse=False)))
             if need > room:
                 raise ValueError(f"module {mname or '(the root)'} owns {need} bytes of "
                                  f"parameters; the {tier} tier holds {room}: give it more "
                                  f"bytes, or split the module")
         for name, p in named:
-            if 4 * p.numel() > caps[1]:
-                raise ValueError(f"parameter {name} takes {4 * p.numel()} bytes as float32 "
+            if 4 * self._numel(p) > caps[1]:
+                raise ValueError(f"parameter {name} takes {4 * self._numel(p)} bytes as float32 "
                                  f"(its gradient); the host tier holds {caps[1]}")
         originals = {}
         try:
@@ -192,11 +194,10 @@ class Offload:
                 e.param.__class__ = e.cls
                 del e.param.__dict__["_zinf"]
                 if not resume:
-                    for t in (e.handle, e.grad):
-                        try:
-                            engine.unregister(t)
-                        except Exception:
-                            pass
+                    try:
+                        engine.unregister(e.handle)
+                    except Exception:
+                        pass
             self._entries = []
             raise
         del originals
@@ -204,29 +205,46 @@ class Offload:
 
     # ---- registration -------------------------------------------------------------------
 
+    def _numel(self, p):
+        return _numel(self._shapes[p]) if p in self._shapes else p.numel()
+
     def _add(self, name, p, resume):
         e = self.engine
         shape, dt = tuple(p.shape), DTYPES[p.dtype]
+        shape = self._shapes.get(p, shape)
+        n = _numel(shape)
         if resume:
-            h, g = e.lookup(name), e.lookup(name + ".grad")
-            for t, want in ((h, p.numel() * p.element_size()), (g, p.numel() * 4)):
-                if t.nbytes != want:
+            h = e.lookup(name)
+            try:
+                g = e.lookup(name + ".grad")
+            except Error:
+                g = None
+            for t, want in ((h, n * p.element_size()), (g, n * 4)):
+                if t is not None and t.nbytes != want:
                     raise ValueError(f"{t.name} holds {t.nbytes} bytes; {name} needs {want}")
         else:
             h = e.register(name, (shape, dt), home=self.home)
-            try:
-                g = e.register(name + ".grad", (shape, "float32"), home=self.home)
-            except BaseException:
-                e.unregister(h)
-                raise
+            g = None      # "<name>.grad" is registered by the first gradient
         entry = _Entry(self, name, p, h, g)
+        entry.shape = shape
         self._entries.append(entry)
-        if not resume:
+        if not resume and p not in self._shapes:
             with e.fetch(h, "host", dirty=True) as pin:
                 view_as(pin, shape, p.dtype).copy_(p.data)
         p.__dict__["_zinf"] = entry
         p.__class__ = param_class(entry.cls)
         _set_data(p, torch.empty(0, dtype=p.dtype, device=p.device))
+
+    def grad_handle(self, e):
+        """e's "<name>.grad", registered (or found, resumed) when first needed: a frozen
+        parameter never has one."""
+        if e.grad is None:
+            try:
+                e.grad = self.engine.lookup(e.name + ".grad")
+            except Error:
+                e.grad = self.engine.register(e.name + ".grad", (e.shape, "float32"),
+                                              home=self.home)
+        return e.grad
 
     def _install_hooks(self):
         module = self.module
@@ -253,6 +271,7 @@ class Offload:
         self._own_forward = module.__dict__.get("forward")  # an instance's own, put back
 
         @torch.compiler.disable
+        @functools.wraps(forward)   # its signature: HF's Trainer picks the inputs by it
         def forward_with_saved_hooks(*args, **kwargs):
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return forward(*args, **kwargs)
@@ -450,7 +469,7 @@ class Offload:
         accumulation overwrites without reading what zinf holds."""
         was = e.has_grad
         e.has_grad, e.fresh, e.gnorm, e.gscale, e.nonfinite = False, True, None, 1.0, False
-        if was:
+        if was and e.grad is not None:
             zero(self.engine, e.grad)
         if e.view is None and _grad_of(e.param) is e.proxy:
             _set_grad(e.param, None)
@@ -460,7 +479,7 @@ class Offload:
         g = _grad_of(p)
         _set_grad(p, None)
         with self._lock:
-            with self.engine.fetch(e.grad, "host", dirty=True) as pin:
+            with self.engine.fetch(self.grad_handle(e), "host", dirty=True) as pin:
                 dst = view_as(pin, e.shape, torch.float32)
                 with _disabled():
                     if e.has_grad and not e.fresh:
@@ -504,7 +523,7 @@ class Offload:
 
     def grad_zero(self, e):
         with self._lock:
-            if not zero(self.engine, e.grad):
+            if not zero(self.engine, self.grad_handle(e)):
                 with self.engine.fetch(e.grad, "host", dirty=True) as pin:
                     torch_view(pin).zero_()
             e.has_grad, e.fresh, e.gscale, e.nonfinite = True, True, 1.0, False
@@ -534,6 +553,21 @@ class Offload:
                     return e.view.detach().to("cpu", copy=True)
             with self.engine.fetch(e.handle, "host") as pin:
                 return view_as(pin, e.shape, e.dtype).clone()
+
+    def write(self, e, values):
+        """values (any dtype and device, the parameter's shape) into the parameter in zinf,
+        and into its float32 master copy where it has one."""
+        if tuple(values.shape) != e.shape:
+            raise ValueError(f"{e.name}: shape {tuple(values.shape)}, the parameter's is "
+                             f"{e.shape}")
+        with self._lock:
+            with self.engine.fetch(e.handle, "host", dirty=True) as pin:
+                with _disabled():
+                    view_as(pin, e.shape, e.dtype).copy_(values)
+            if e.master is not None:
+                with self.engine.fetch(e.master, "host", dirty=True) as pin:
+                    with _disabled():
+                        view_as(pin, e.shape, torch.float32).copy_(values)
 
     def _state_dict_hook(self, m, sd, prefix, local_metadata):
         ref, cache = self._sd_cache
@@ -642,6 +676,29 @@ class Offload:
             if self._own_forward is not None:
                 self.module.forward = self._own_forward
             self._unregister_all()
+
+
+    def discard(self):
+        """remove() for a module whose values are not wanted: the hooks off, the zinf
+        tensors unregistered, each parameter left empty."""
+        with self._lock:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            for k in ("forward", "zinf_offload", "__deepcopy__", "__reduce_ex__"):
+                self.module.__dict__.pop(k, None)
+            if self._own_forward is not None:
+                self.module.forward = self._own_forward
+            for e in self._entries:
+                for t in (e.handle, e.grad, e.m, e.v, e.vmax, e.master):
+                    if t is not None:
+                        try:
+                            self.engine.unregister(t)
+                        except Error:
+                            pass
+                e.param.__class__ = e.cls
+                e.param.__dict__.pop("_zinf", None)
+            self._entries = []
 
 
 def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=False, wait=True):

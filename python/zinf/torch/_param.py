@@ -48,6 +48,24 @@ META = frozenset({
 _disabled = torch._C.DisableTorchFunctionSubclass
 
 
+# Conversions Module.to(), .cpu(), .cuda() apply: a move between devices changes nothing of
+# an offloaded parameter (its copies are fetched where its engine puts them); a change of
+# dtype would part it from what zinf holds, and is refused.
+CONVERT = frozenset({"to", "cpu", "cuda", "float", "half", "bfloat16", "double", "type",
+                     "_to_copy"})
+
+
+def _convert(p, func, args, kwargs):
+    with _disabled():
+        out = func(*args, **(kwargs or {}))
+    e = p.__dict__["_zinf"]
+    if out.dtype != e.dtype:
+        raise OffloadedError(f"zinf.torch: {func.__name__}() would make parameter {e.name} "
+                             f"{out.dtype}; it is offloaded as {e.dtype}: convert the model "
+                             f"before zinf.torch.offload (or remove() it first)")
+    return out
+
+
 def _offloaded(a):
     e = a.__dict__.get("_zinf")
     return e is not None and e.view is None
@@ -79,6 +97,9 @@ class ZinfParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if name in CONVERT and args and isinstance(args[0], ZinfParameter) and \
+                _offloaded(args[0]):
+            return _convert(args[0], func, args, kwargs)
         if name not in META:
             _check(args, kwargs, name)
         with _disabled():
@@ -250,6 +271,7 @@ _GRAD_OPS = {
     "_foreach_div_": _h_foreach_div_,
     "zero_": _h_zero_, "_foreach_zero_": _h_foreach_zero_,
     "requires_grad_": _h_self, "detach_": _h_self,
+    "to": _h_self, "cpu": _h_self, "cuda": _h_self, "_to_copy": _h_self,
     "clamp_": _h_clamp_, "_foreach_clamp_min_": _h_foreach_clamp_min_,
     "_foreach_clamp_max_": _h_foreach_clamp_max_,
     "_amp_foreach_non_finite_check_and_unscale_": _h_unscale,
