@@ -61,9 +61,10 @@ from ._param import GradProxy, OffloadedError, ZinfParameter
 from ._offload import DTYPES, Offload, gathered, offload, shape_of, torch_view, zero
 from ._optim import AdamW
 from ._init import init
+from ._io import load, save
 
 __all__ = ["AdamW", "DTYPES", "GradProxy", "Offload", "OffloadedError", "ZinfParameter",
-           "clip_grad_norm_", "gathered", "init", "offload", "shape_of"]
+           "clip_grad_norm_", "gathered", "init", "load", "offload", "save", "shape_of"]
 
 # The names the package had as one module.
 _zero, _torch_view = zero, torch_view

@@ -6,7 +6,8 @@ import weakref
 
 import torch
 
-from ._offload import Offload, _set_data
+from ._offload import Offload, _set_data, gathered
+from ._param import OffloadedError
 
 __all__ = ["init"]
 
@@ -147,47 +148,55 @@ def _materialize(root, engine, build, offload_args):
             own = [p for p in dict.fromkeys(m._parameters.values())
                    if p is not None and p.__dict__.get("_zinf") is not None
                    and p.__dict__["_zinf"].owner is off and id(p) not in done]
-            if not own:
-                hf = owner.get(id(m))
-                if hf is not None:
-                    _hf_init(hf, m)     # buffers (rotary frequencies) and flags
-                continue
             entries = [p._zinf for p in own]
-            with torch.no_grad():
-                for e in entries:
-                    e.view = torch.empty(e.shape, dtype=e.dtype)
-                    _set_data(e.param, e.view)
+            extra = []    # parameters of other modules that the module's init writes
+            while True:
                 try:
-                    metas = {id(q): p for p, q in fresh.values()}
-                    if callable(getattr(m, "reset_parameters", None)):
-                        m.reset_parameters()
-                    else:
-                        for e in entries:
-                            meta = metas.get(id(e.param))
-                            got = build.values.pop(id(meta), None) if meta is not None else None
-                            hf = owner.get(id(m))
-                            if got is None and hf is None:
-                                raise ValueError(
-                                    f"zinf.torch.init: parameter {e.name} of "
-                                    f"{type(m).__name__} has no values to take (made on the "
-                                    f"meta device, and the module has no reset_parameters)")
-                            if got is not None:
-                                e.view.copy_(got[1])
-                    hf = owner.get(id(m))
-                    if hf is not None:
-                        _hf_init(hf, m)
-                    for e in entries:
-                        off.write(e, e.view)
-                finally:
-                    for e in entries:
-                        e.view = None
-                        _set_data(e.param, torch.empty(0, dtype=e.dtype))
+                    with gathered([e.param for e in extra], modify=True):
+                        _init_module(m, off, entries, owner.get(id(m)), build, fresh)
+                    break
+                except OffloadedError as err:
+                    if err.entry is None or err.entry in extra or err.entry.owner is not off:
+                        raise
+                    extra.append(err.entry)
             done.update(id(p) for p in own)
     except BaseException:
         off.discard()
         raise
     build.values.clear()
     return off
+
+
+def _init_module(m, off, entries, hf, build, fresh):
+    """m's own parameters made, initialised and written into zinf (its buffers too, by a
+    Hugging Face model's init: rotary frequencies)."""
+    with torch.no_grad():
+        for e in entries:
+            e.view = torch.empty(e.shape, dtype=e.dtype)
+            _set_data(e.param, e.view)
+        try:
+            metas = {id(q): p for p, q in fresh.values()}
+            if entries and callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+            else:
+                for e in entries:
+                    meta = metas.get(id(e.param))
+                    got = build.values.get(id(meta)) if meta is not None else None
+                    if got is None and hf is None:
+                        raise ValueError(
+                            f"zinf.torch.init: parameter {e.name} of {type(m).__name__} has "
+                            f"no values to take (made on the meta device, and the module "
+                            f"has no reset_parameters)")
+                    if got is not None:
+                        e.view.copy_(got[1])
+            if hf is not None:
+                _hf_init(hf, m)
+            for e in entries:
+                off.write(e, e.view)
+        finally:
+            for e in entries:
+                e.view = None
+                _set_data(e.param, torch.empty(0, dtype=e.dtype))
 
 
 def _hf_init(hf, m):

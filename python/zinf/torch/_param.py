@@ -31,7 +31,16 @@ __all__ = ["OffloadedError", "GradProxy", "param_class", "META"]
 
 class OffloadedError(RuntimeError):
     """A parameter or gradient of an offloaded module was read where its values are not
-    fetched."""
+    fetched. .name: the parameter's."""
+
+    entry = None
+
+    @classmethod
+    def about(cls, entry, msg):
+        err = cls(msg)
+        err.entry = entry
+        err.name = entry.name
+        return err
 
 
 # Calls that tell about a tensor without reading its values, allowed at any time.
@@ -72,7 +81,7 @@ def _offloaded(a):
 
 
 def _refuse(e, name):
-    raise OffloadedError(
+    raise OffloadedError.about(e,
         f"zinf.torch: {name} reads parameter {e.name}, whose values are offloaded (empty "
         f"outside its module's forward and backward): read it inside "
         f"`with zinf.torch.gathered(params):`, or through model.state_dict()")
