@@ -17,11 +17,15 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <zinf.h>
@@ -47,6 +51,21 @@ static PyObject *raise_zinf(int r, const char *what, PyObject *filename)
         Py_DECREF(exc);
     }
     return NULL;
+}
+
+/* A RuntimeWarning where nothing can raise (a deleter, a dealloc); printed as unraisable
+ * where warnings are errors. GIL held. */
+static void warn_unraisable(PyObject *obj, const char *fmt, ...)
+{
+    char buf[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof(buf), fmt, ap);
+    va_end(ap);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    if (PyErr_WarnEx(PyExc_RuntimeWarning, buf, 1)) PyErr_WriteUnraisable(obj);
+    PyErr_Restore(et, ev, tb);
 }
 
 /* ---- arguments ------------------------------------------------------------------------- */
@@ -166,23 +185,64 @@ static const struct dtype_info *parse_dtype(PyObject *o, PyObject **out)
 
 /* ---- Engine ---------------------------------------------------------------------------- */
 
+/* Forks. A child of fork() has the parent's engines in its memory but not their threads, and
+ * shares their files and io_uring queues with the parent: closing, flushing or fetching there
+ * would hang the child and corrupt what the parent does. Each child bumps this count (a
+ * pthread_atfork handler), and an Engine opened under another count is the parent's: every
+ * call on it is refused, and collecting it (or its Pinned objects and views) touches nothing
+ * of libzinf. */
+static volatile unsigned long forks;
+
+static void atfork_child(void)
+{
+    forks++;
+}
+
 typedef struct {
     PyObject_HEAD
     zinf_engine *e;       /* NULL once closed for real */
     int closing;          /* close() asked for: no new calls */
+    int unflushed;        /* close without flushing (close_unflushed, a with-block that raised) */
     Py_ssize_t busy;      /* calls in flight with the GIL dropped */
-    Py_ssize_t pins;      /* pins held through Pinned objects and pending tickets */
+    Py_ssize_t pins;      /* pins held through Pinned objects, pending tickets and orphans */
     int device_is_cuda, host_pinned, cuda_device, readonly;
+    unsigned long forks;  /* `forks` when it was opened: another value, a forked child's copy */
     PyObject *meta;       /* {handle: (shape, dtype)} of tensors registered with a shape */
     PyObject *tickets;    /* {ticket: (handle, tier)} of fetch_async calls not waited yet */
+    /* Dirty releases that zinf refused (-EBUSY: the other tier's copy was pinned) for Pinned
+     * objects collected meanwhile: [(handle, tier, flags)], each pin still held and counted
+     * in pins, tried again whenever a pin of this engine goes and at close. */
+    PyObject *orphans;
+    /* Fetches waiting for room (wait=): releases of this engine's pins bump room_gen and
+     * wake them. room_releasing counts releases in flight (not counted yet). */
+    pthread_mutex_t room_lock;
+    pthread_cond_t room_cond;
+    uint64_t room_gen;
+    int room_releasing, room_ready;
 } EngineObject;
 
 static PyTypeObject EngineType;
 
-/* Takes the engine for one call: NULL (with ValueError) when it is closed. Every success is
- * paired with eng_leave(). */
+static bool eng_foreign(EngineObject *self)
+{
+    return self->forks != forks;
+}
+
+static void raise_foreign(void)
+{
+    PyErr_SetString(PyExc_RuntimeError,
+                    "the zinf engine was opened in another process (before a fork): it "
+                    "cannot be used in this one; open an Engine here");
+}
+
+/* Takes the engine for one call: NULL (with ValueError) when it is closed, RuntimeError in a
+ * forked child. Every success is paired with eng_leave(). */
 static zinf_engine *eng_enter(EngineObject *self)
 {
+    if (eng_foreign(self)) {
+        raise_foreign();
+        return NULL;
+    }
     if (!self->e || self->closing) {
         PyErr_SetString(PyExc_ValueError, "the zinf engine is closed");
         return NULL;
@@ -191,14 +251,99 @@ static zinf_engine *eng_enter(EngineObject *self)
     return self->e;
 }
 
-/* Closes the engine once it was asked for and nothing holds it any more. GIL held. */
+/* ---- waiting for room ------------------------------------------------------------------ */
+
+static void room_init(EngineObject *self)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_mutex_init(&self->room_lock, NULL);
+    pthread_cond_init(&self->room_cond, &ca);
+    pthread_condattr_destroy(&ca);
+    self->room_ready = 1;
+}
+
+/* A release of a pin of this engine starts (GIL held or not)... */
+static void room_release_begin(EngineObject *self)
+{
+    pthread_mutex_lock(&self->room_lock);
+    self->room_releasing++;
+    pthread_mutex_unlock(&self->room_lock);
+}
+
+/* ... and ends: dropped, whether the pin went (waiters look again). */
+static void room_release_end(EngineObject *self, bool dropped)
+{
+    pthread_mutex_lock(&self->room_lock);
+    self->room_releasing--;
+    if (dropped) self->room_gen++;
+    pthread_cond_broadcast(&self->room_cond);
+    pthread_mutex_unlock(&self->room_lock);
+}
+
+/* Wakes the waiters (close). */
+static void room_wake(EngineObject *self)
+{
+    pthread_mutex_lock(&self->room_lock);
+    pthread_cond_broadcast(&self->room_cond);
+    pthread_mutex_unlock(&self->room_lock);
+}
+
+/* The release count now, and whether a release is in flight. */
+static uint64_t room_gen(EngineObject *self, int *releasing)
+{
+    pthread_mutex_lock(&self->room_lock);
+    uint64_t g = self->room_gen;
+    if (releasing) *releasing = self->room_releasing;
+    pthread_mutex_unlock(&self->room_lock);
+    return g;
+}
+
+static double mono_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Waits, GIL not held, until a release moves room_gen past gen, the engine closes, or until
+ * (monotonic seconds) passes, whichever comes first. */
+static void room_wait_until(EngineObject *self, uint64_t gen, double until)
+{
+    struct timespec ts;
+    ts.tv_sec = (time_t)until;
+    ts.tv_nsec = (long)((until - (double)ts.tv_sec) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) ts.tv_nsec = 999999999L;
+    pthread_mutex_lock(&self->room_lock);
+    while (self->room_gen == gen && !self->closing)
+        if (pthread_cond_timedwait(&self->room_cond, &self->room_lock, &ts) == ETIMEDOUT) break;
+    pthread_mutex_unlock(&self->room_lock);
+}
+
+static void orphans_settle(EngineObject *self, bool last);
+
+/* Closes the engine once it was asked for and nothing holds it any more (but orphaned pins,
+ * which it releases first). GIL held. */
 static void eng_maybe_close(EngineObject *self)
 {
-    if (!self->closing || self->busy || self->pins || !self->e) return;
+    if (!self->closing || self->busy || !self->e) return;
+    if (eng_foreign(self)) {
+        self->e = NULL; /* the parent's: never closed here */
+        return;
+    }
+    Py_ssize_t orphaned = self->orphans ? PyList_GET_SIZE(self->orphans) : 0;
+    if (self->pins > orphaned) return;
+    if (orphaned) {
+        orphans_settle(self, true);
+        if (self->busy || self->pins || !self->e) return;
+    }
     zinf_engine *e = self->e;
     self->e = NULL;
+    int unflushed = self->unflushed;
     Py_BEGIN_ALLOW_THREADS
-    zinf_close(e);
+    if (unflushed) zinf_close_unflushed(e);
+    else zinf_close(e);
     Py_END_ALLOW_THREADS
 }
 
@@ -226,9 +371,12 @@ static EngineObject *eng_alloc(PyTypeObject *type)
 {
     EngineObject *self = (EngineObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
+    self->forks = forks;
+    room_init(self);
     self->meta = PyDict_New();
     self->tickets = PyDict_New();
-    if (!self->meta || !self->tickets) {
+    self->orphans = PyList_New(0);
+    if (!self->meta || !self->tickets || !self->orphans) {
         Py_DECREF(self);
         return NULL;
     }
@@ -272,29 +420,72 @@ static int config_from_dict(PyObject *dict, int *fd_out, char *path, size_t path
     return 0;
 }
 
+/* nvme_paths: the extra swap directories, a sequence of paths; *bytes_out keeps their
+ * encoded forms (a list) and *arr_out the NULL-terminated array of them (PyMem). */
+static int parse_nvme_paths(PyObject *o, PyObject **bytes_out, const char ***arr_out)
+{
+    if (PyUnicode_Check(o) || PyBytes_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "nvme_paths is a sequence of directories, not one");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(o, "nvme_paths is a sequence of directories");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *list = PyList_New(n);
+    const char **arr = PyMem_Calloc((size_t)n + 1, sizeof(*arr));
+    if (!list || !arr) {
+        Py_XDECREF(list);
+        PyMem_Free(arr);
+        Py_DECREF(seq);
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = NULL;
+        if (!PyUnicode_FSConverter(PySequence_Fast_GET_ITEM(seq, i), &b)) {
+            Py_DECREF(list);
+            PyMem_Free(arr);
+            Py_DECREF(seq);
+            return -1;
+        }
+        PyList_SET_ITEM(list, i, b);
+        arr[i] = PyBytes_AS_STRING(b);
+    }
+    Py_DECREF(seq);
+    *bytes_out = list;
+    *arr_out = arr;
+    return 0;
+}
+
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"config", "nvme_path", "device_bytes", "host_bytes", "device",
-                             "resume", "overwrite", "readonly", "pin", NULL};
+                             "resume", "overwrite", "readonly", "pin", "previous",
+                             "block_size", "queue_depth", "cuda_device", "nvme_paths", NULL};
     PyObject *config = Py_None, *nvme = Py_None, *dev_bytes = NULL, *host_bytes = NULL;
+    PyObject *block_o = NULL, *qd_o = NULL, *paths_o = Py_None;
     const char *device = "auto";
-    int resume = 0, overwrite = 0, readonly = 0, pin = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$OOOsppppp", kwlist, &config, &nvme,
+    int resume = 0, overwrite = 0, readonly = 0, pin = 1, previous = 0, cuda_device = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|O$OOOspppppOOiO", kwlist, &config, &nvme,
                                      &dev_bytes, &host_bytes, &device, &resume, &overwrite,
-                                     &readonly, &pin))
+                                     &readonly, &pin, &previous, &block_o, &qd_o, &cuda_device,
+                                     &paths_o))
         return -1;
     if (self->e) {
         PyErr_SetString(PyExc_ValueError, "the engine is open already");
         return -1;
     }
     unsigned flags = (resume ? ZINF_OPEN_RESUME : 0) | (overwrite ? ZINF_OPEN_OVERWRITE : 0) |
-                     (readonly ? ZINF_OPEN_READONLY : 0) | (pin ? 0 : ZINF_OPEN_NO_PIN);
+                     (readonly ? ZINF_OPEN_READONLY : 0) | (pin ? 0 : ZINF_OPEN_NO_PIN) |
+                     (previous ? ZINF_OPEN_PREVIOUS : 0);
     zinf_engine *e = NULL;
     int r;
     if (config != Py_None) {
-        if (nvme != Py_None || dev_bytes || host_bytes || strcmp(device, "auto")) {
+        if (nvme != Py_None || dev_bytes || host_bytes || strcmp(device, "auto") || block_o ||
+            qd_o || cuda_device != -1 || paths_o != Py_None) {
             PyErr_SetString(PyExc_TypeError, "give a config or nvme_path/device_bytes/"
-                                             "host_bytes/device, not both");
+                                             "host_bytes/device/block_size/queue_depth/"
+                                             "cuda_device/nvme_paths, not both");
             return -1;
         }
         PyObject *named; /* the path an error names */
@@ -325,16 +516,32 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
     } else {
         struct zinf_options o;
         memset(&o, 0, sizeof(o));
-        PyObject *nvme_bytes = NULL;
+        PyObject *nvme_bytes = NULL, *extra_bytes = NULL;
+        const char **extra = NULL;
+        size_t qd = 0;
+        if (cuda_device < -1) {
+            PyErr_Format(PyExc_ValueError, "cuda_device must be a CUDA ordinal, not %d",
+                         cuda_device);
+            return -1;
+        }
         if (nvme != Py_None) {
             if (!PyUnicode_FSConverter(nvme, &nvme_bytes)) return -1;
             o.nvme_path = PyBytes_AS_STRING(nvme_bytes);
         }
         if ((dev_bytes && parse_size(dev_bytes, "device_bytes", &o.device_bytes)) ||
-            (host_bytes && parse_size(host_bytes, "host_bytes", &o.host_bytes))) {
+            (host_bytes && parse_size(host_bytes, "host_bytes", &o.host_bytes)) ||
+            (block_o && parse_size(block_o, "block_size", &o.block_size)) ||
+            (qd_o && parse_size(qd_o, "queue_depth", &qd))) {
             Py_XDECREF(nvme_bytes);
             return -1;
         }
+        if (qd > UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "queue_depth %zu is too large", qd);
+            Py_XDECREF(nvme_bytes);
+            return -1;
+        }
+        o.queue_depth = (unsigned)qd;
+        o.cuda_device = cuda_device < 0 ? 0 : cuda_device;
         if (!strcmp(device, "auto")) o.device_kind = ZINF_DEVICE_AUTO;
         else if (!strcmp(device, "cuda")) o.device_kind = ZINF_DEVICE_CUDA;
         else if (!strcmp(device, "emulated")) o.device_kind = ZINF_DEVICE_EMULATED;
@@ -344,10 +551,26 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
             Py_XDECREF(nvme_bytes);
             return -1;
         }
+        if (paths_o != Py_None) {
+            if (parse_nvme_paths(paths_o, &extra_bytes, &extra)) {
+                Py_XDECREF(nvme_bytes);
+                return -1;
+            }
+            if (!o.nvme_path && PyList_GET_SIZE(extra_bytes)) {
+                PyErr_SetString(PyExc_ValueError, "nvme_paths are extra swap directories: "
+                                                  "give nvme_path too");
+                Py_XDECREF(extra_bytes);
+                PyMem_Free(extra);
+                return -1;
+            }
+            o.nvme_paths_extra = extra;
+        }
         o.flags = flags;
         Py_BEGIN_ALLOW_THREADS
         r = zinf_open(&o, &e);
         Py_END_ALLOW_THREADS
+        Py_XDECREF(extra_bytes);
+        PyMem_Free(extra);
         if (r) {
             raise_zinf(r, "zinf_open", nvme);
             Py_XDECREF(nvme_bytes);
@@ -369,28 +592,53 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 
 static void Engine_dealloc(EngineObject *self)
 {
-    /* No Pinned is alive (each holds a reference), so no pin either. */
-    if (self->e) {
-        zinf_engine *e = self->e;
-        self->e = NULL;
-        Py_BEGIN_ALLOW_THREADS
-        zinf_close(e);
-        Py_END_ALLOW_THREADS
+    /* No Pinned is alive (each holds a reference), so no pin either, but orphans (released
+     * as eng_maybe_close does) and tickets never waited (zinf_close drops their pins). In a
+     * forked child the parent's engine is left alone: nothing of it is closed or freed. */
+    if (self->e && !eng_foreign(self)) {
+        self->closing = 1;
+        self->busy = 0;
+        self->pins = self->orphans ? PyList_GET_SIZE(self->orphans) : 0;
+        eng_maybe_close(self);
+    }
+    if (self->room_ready && !eng_foreign(self)) {
+        pthread_cond_destroy(&self->room_cond);
+        pthread_mutex_destroy(&self->room_lock);
     }
     Py_XDECREF(self->meta);
     Py_XDECREF(self->tickets);
+    Py_XDECREF(self->orphans);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static PyObject *Engine_close(EngineObject *self, PyObject *unused)
+/* close() and close_unflushed(): no new calls from now on; the engine closes (with or
+ * without its flush) once nothing holds it. In a forked child the parent's engine is only
+ * forgotten. */
+static PyObject *eng_close(EngineObject *self, bool unflushed)
 {
+    if (unflushed) self->unflushed = 1; /* and a close() after it does not flush either */
     self->closing = 1;
+    if (self->room_ready && !eng_foreign(self)) room_wake(self);
     eng_maybe_close(self);
     Py_RETURN_NONE;
 }
 
+static PyObject *Engine_close(EngineObject *self, PyObject *unused)
+{
+    return eng_close(self, false);
+}
+
+static PyObject *Engine_close_unflushed(EngineObject *self, PyObject *unused)
+{
+    return eng_close(self, true);
+}
+
 static PyObject *Engine_enter(EngineObject *self, PyObject *unused)
 {
+    if (eng_foreign(self)) {
+        raise_foreign();
+        return NULL;
+    }
     if (!self->e || self->closing) {
         PyErr_SetString(PyExc_ValueError, "the zinf engine is closed");
         return NULL;
@@ -398,9 +646,12 @@ static PyObject *Engine_enter(EngineObject *self, PyObject *unused)
     return Py_NewRef(self);
 }
 
+/* The end of a with-block: close() when it ended normally; when it raised, close without the
+ * flush, so that an update torn half way never replaces the last good saved state. */
 static PyObject *Engine_exit(EngineObject *self, PyObject *args)
 {
-    return Engine_close(self, NULL);
+    PyObject *type = args && PyTuple_GET_SIZE(args) > 0 ? PyTuple_GET_ITEM(args, 0) : Py_None;
+    return eng_close(self, type != Py_None);
 }
 
 static PyObject *Engine_get_closed(EngineObject *self, void *closure)
@@ -601,7 +852,9 @@ typedef struct {
     size_t nbytes;
     int dirty;          /* the default release flag, from fetch(dirty=) */
     int state;
-    unsigned flags;     /* the flags a pending release will use */
+    unsigned flags;     /* the flags a pending release will use, or a refused one used */
+    int refused;        /* zinf refused a release with flags (kept the pin): collecting the
+                           object tries those flags again, not a clean release */
     Py_ssize_t exports; /* DLPack views not deleted yet */
     PyObject *meta;     /* (shape, dtype) or NULL: 1-D uint8 */
 } PinnedObject;
@@ -622,6 +875,7 @@ static PyObject *make_pinned(EngineObject *eng, zinf_tensor h, int tier, void *p
     p->dirty = dirty;
     p->state = PIN_HELD;
     p->flags = 0;
+    p->refused = 0;
     p->exports = 0;
     p->meta = NULL;
     PyObject *key = PyLong_FromUnsignedLongLong(h);
@@ -636,37 +890,137 @@ static PyObject *make_pinned(EngineObject *eng, zinf_tensor h, int tier, void *p
     return (PyObject *)p;
 }
 
-/* Did zinf_release refuse and keep the pin? A read-only engine's DIRTY, a refused spent one. */
+/* Did zinf_release refuse and keep the pin? A read-only engine's DIRTY or ZERO (-EROFS), a
+ * DIRTY one while the other tier's copy is pinned (-EBUSY), a ZERO one while another holds
+ * the tensor (-EBUSY) or for a tensor homed in memory (-EINVAL). */
 static bool release_kept(int r, unsigned flags)
 {
-    return r == -EROFS || ((flags & ZINF_RELEASE_ZERO) && (r == -EBUSY || r == -EINVAL));
+    return r == -EROFS || (flags && r == -EBUSY) || ((flags & ZINF_RELEASE_ZERO) && r == -EINVAL);
 }
 
-/* Drops the pin for real. GIL held; it is dropped around the call. Where zinf keeps the pin
- * it refused, or_clean releases it clean instead (a deleter, which cannot raise); else the
- * pin stays as it was and the error is returned. */
-static int pin_drop(PinnedObject *p, unsigned flags, bool or_clean)
+/* Who drops a pin: release() itself (a refusal is raised, the pin kept), the last view's
+ * deleter after a release() (nobody to raise to), or the Pinned being collected. */
+enum drop_mode { DROP_ASKED, DROP_DEFERRED, DROP_DEALLOC };
+
+static void warn_unraisable(PyObject *obj, const char *fmt, ...);
+
+/* Calls zinf_release for a pin of eng; GIL held (dropped around it). Where zinf refuses
+ * flags and keeps the pin, and a clean release loses nothing (a read-only engine's, a spent
+ * release's: the content stays as it is), may_clean releases it clean instead. *kept: the
+ * pin is still held. */
+static int eng_release(EngineObject *eng, zinf_tensor h, int tier, unsigned flags,
+                       bool may_clean, bool *kept)
+{
+    int r;
+    bool k;
+    zinf_engine *e = eng->e;
+    eng->busy++;
+    Py_BEGIN_ALLOW_THREADS
+    room_release_begin(eng);
+    r = zinf_release(e, h, (enum zinf_tier)tier, flags);
+    k = r < 0 && release_kept(r, flags);
+    if (k && may_clean && !((flags & ZINF_RELEASE_DIRTY) && r == -EBUSY)) {
+        r = zinf_release(e, h, (enum zinf_tier)tier, 0);
+        k = false;
+    }
+    room_release_end(eng, !k);
+    Py_END_ALLOW_THREADS
+    eng->busy--;
+    *kept = k;
+    return r;
+}
+
+/* Tries the orphaned releases again (a pin of the engine went, or it closes: last, where a
+ * release still refused goes clean, with a warning, rather than keep the engine open).
+ * GIL held; it does not close the engine. */
+static void orphans_settle(EngineObject *self, bool last)
+{
+    if (!self->orphans || !PyList_GET_SIZE(self->orphans) || !self->e || eng_foreign(self))
+        return;
+    PyObject *todo = self->orphans;
+    self->orphans = PyList_New(0);
+    if (!self->orphans) {
+        self->orphans = todo;
+        PyErr_Clear();
+        return;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(todo); i++) {
+        PyObject *it = PyList_GET_ITEM(todo, i);
+        unsigned long long h = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(it, 0));
+        int tier = (int)PyLong_AsLong(PyTuple_GET_ITEM(it, 1));
+        unsigned flags = (unsigned)PyLong_AsUnsignedLong(PyTuple_GET_ITEM(it, 2));
+        bool kept;
+        int r = eng_release(self, h, tier, flags, false, &kept);
+        if (kept && last) {
+            warn_unraisable((PyObject *)self,
+                            "zinf: the engine closes with tensor %llu's dirty release on %s "
+                            "refused (%s): released clean, what was written through that "
+                            "pin is lost", h, tier == ZINF_TIER_DEVICE ? "device" : "host",
+                            zinf_strerror(r));
+            r = eng_release(self, h, tier, 0, false, &kept);
+        }
+        if (kept) {
+            if (PyList_Append(self->orphans, it)) PyErr_Clear();
+        } else {
+            self->pins--;
+        }
+    }
+    Py_DECREF(todo);
+}
+
+/* Drops the pin for real. GIL held; it is dropped around the call. 0 when the pin went;
+ * where zinf refuses the flags and keeps the pin, the -errno, and then by mode:
+ *  DROP_ASKED: the Pinned stays held, as it was (release() raises);
+ *  DROP_DEFERRED (the last view's deleter): a refusal that a clean release loses nothing by
+ *    goes clean; a refused DIRTY one (-EBUSY) leaves the Pinned held again, dirty, with a
+ *    RuntimeWarning: release() it again once the other tier's pin is gone;
+ *  DROP_DEALLOC: as DEFERRED, but a refused DIRTY release becomes the engine's orphan,
+ *    tried again as its other pins go and at close.
+ * Any other error (the pin is gone: the daemon died, the handle is stale) releases it. In a
+ * forked child nothing of libzinf is touched: the pin is the parent's. */
+static int pin_drop(PinnedObject *p, unsigned flags, enum drop_mode mode)
 {
     EngineObject *eng = p->eng;
     int was = p->state;
     p->state = PIN_RELEASED; /* no other thread releases it meanwhile */
-    eng->busy++;
-    int r;
-    bool kept;
-    Py_BEGIN_ALLOW_THREADS
-    r = zinf_release(eng->e, p->h, (enum zinf_tier)p->tier, flags);
-    kept = r < 0 && release_kept(r, flags);
-    if (kept && or_clean) {
-        r = zinf_release(eng->e, p->h, (enum zinf_tier)p->tier, 0);
-        kept = false;
+    if (eng_foreign(eng)) {
+        eng->pins--;
+        return 0;
     }
-    Py_END_ALLOW_THREADS
-    eng->busy--;
+    bool kept;
+    int r = eng_release(eng, p->h, p->tier, flags, mode != DROP_ASKED, &kept);
     if (kept) {
-        p->state = was;
+        if (flags & ZINF_RELEASE_DIRTY) {
+            p->dirty = 1; /* written through: never released clean by default from now on */
+            p->refused = 1;
+            p->flags = flags;
+        }
+        if (mode == DROP_ASKED) {
+            p->state = was;
+        } else if (mode == DROP_DEFERRED) {
+            p->state = PIN_HELD;
+            warn_unraisable((PyObject *)p,
+                            "zinf: the dirty release of tensor %llu on %s, due as its last "
+                            "view went, was refused (%s): the pin is kept and the Pinned is "
+                            "held again; release() it once the other tier's pin is gone",
+                            (unsigned long long)p->h, p->tier == ZINF_TIER_DEVICE ? "device"
+                                                                                  : "host",
+                            zinf_strerror(r));
+        } else {
+            PyObject *it = Py_BuildValue("(KiI)", (unsigned long long)p->h, p->tier, flags);
+            if (!it || PyList_Append(eng->orphans, it)) {
+                /* No memory to remember it: clean, rather than a pin held for ever. */
+                PyErr_Clear();
+                eng_release(eng, p->h, p->tier, 0, false, &kept);
+                if (!kept) eng->pins--;
+            }
+            Py_XDECREF(it);
+            eng_maybe_close(eng);
+        }
         return r;
     }
     eng->pins--;
+    orphans_settle(eng, false);
     eng_maybe_close(eng);
     return r;
 }
@@ -674,21 +1028,30 @@ static int pin_drop(PinnedObject *p, unsigned flags, bool or_clean)
 /* release(), with the flags the caller chose (dirty's default: fetch's). */
 static PyObject *pin_release(PinnedObject *p, unsigned flags)
 {
+    if (eng_foreign(p->eng)) {
+        raise_foreign();
+        return NULL;
+    }
     if (p->state != PIN_HELD) {
         PyErr_SetString(PyExc_ValueError, "this pin was released already");
         return NULL;
     }
+    if (flags && p->eng->readonly)
+        /* What zinf would answer, now rather than when the last view goes: the pin stays. */
+        return raise_zinf(-EROFS, "zinf_release", NULL);
     if (p->exports) {
-        /* Views remain: the last one's deleter releases with these flags (clean where
-         * zinf refuses them). */
+        /* Views remain: the last one's deleter releases with these flags. */
         p->state = PIN_PENDING;
         p->flags = flags;
+        p->refused = 0;
         Py_RETURN_NONE;
     }
-    /* Where zinf refuses and keeps the pin (a read-only engine's dirty release, a spent one
-     * that another holder or a home in memory refuses), so do we. */
-    int r = pin_drop(p, flags, false);
+    /* Where zinf refuses and keeps the pin (a read-only engine's dirty release, a dirty one
+     * while the other tier's copy is pinned, a spent one that another holder or a home in
+     * memory refuses), so do we. */
+    int r = pin_drop(p, flags, DROP_ASKED);
     if (r) return raise_zinf(r, "zinf_release", NULL);
+    p->refused = 0;
     Py_RETURN_NONE;
 }
 
@@ -710,10 +1073,13 @@ static PyObject *Pinned_release(PinnedObject *p, PyObject *args, PyObject *kw)
 static void Pinned_dealloc(PinnedObject *p)
 {
     /* No view is alive (each holds a reference). A pin never released goes clean, or with
-     * the flags a release asked for. */
+     * the flags a release asked for (and zinf refused). */
     if (p->state != PIN_RELEASED && p->eng) {
-        unsigned flags = p->state == PIN_PENDING ? p->flags : 0;
-        pin_drop(p, flags, true);
+        unsigned flags = p->state == PIN_PENDING || p->refused ? p->flags : 0;
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        pin_drop(p, flags, DROP_DEALLOC);
+        PyErr_Restore(et, ev, tb);
     }
     Py_XDECREF(p->meta);
     Py_XDECREF(p->eng);
@@ -802,7 +1168,10 @@ static void export_free(struct export *x)
     PinnedObject *p = x->pinned;
     p->exports--;
     if (!p->exports && p->state == PIN_PENDING) {
-        pin_drop(p, p->flags, true);
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        pin_drop(p, p->flags, DROP_DEFERRED);
+        PyErr_Restore(et, ev, tb);
     }
     Py_DECREF(p);
     PyMem_RawFree(x);
@@ -841,6 +1210,10 @@ static PyObject *Pinned_dlpack(PinnedObject *p, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$OOOO", kwlist, &stream, &max_version,
                                      &dl_device, &copy))
         return NULL;
+    if (eng_foreign(p->eng)) {
+        raise_foreign();
+        return NULL;
+    }
     if (p->state != PIN_HELD) {
         PyErr_SetString(PyExc_BufferError, "this pin was released: fetch the tensor again");
         return NULL;
@@ -975,28 +1348,131 @@ static PyTypeObject PinnedType = {
 
 /* ---- Engine: fetches ------------------------------------------------------------------- */
 
+/* wait= of fetch and fetch_all: None or False, -1 (fail at once); True, INFINITY (no
+ * limit); or seconds, >= 0. */
+static int parse_wait(PyObject *o, double *out)
+{
+    *out = -1;
+    if (!o || o == Py_None || o == Py_False) return 0;
+    if (o == Py_True) {
+        *out = INFINITY;
+        return 0;
+    }
+    if (!PyFloat_Check(o) && !PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "wait is None, True or seconds (a number), not %s",
+                     Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    double v = PyFloat_AsDouble(o);
+    if (v == -1.0 && PyErr_Occurred()) return -1;
+    if (isnan(v) || v < 0) {
+        PyErr_Format(PyExc_ValueError, "wait must be seconds >= 0, True or None, not %R", o);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* The bytes a set takes in tier at most: each distinct member not homed there, rounded up
+ * to 4 KiB (as zinf_fetch_all counts them). */
+static uint64_t set_bytes(const zinf_tensor *hs, const struct zinf_tensor_info *info, size_t n,
+                          int tier)
+{
+    uint64_t sum = 0;
+    for (size_t i = 0; i < n; i++) {
+        bool seen = false;
+        for (size_t j = 0; j < i && !seen && n <= 4096; j++) seen = hs[j] == hs[i];
+        if (seen || (int)info[i].home == tier) continue;
+        sum += (info[i].bytes + 4095) & ~(uint64_t)4095;
+    }
+    return sum;
+}
+
+/* zinf_fetch (single) or zinf_fetch_all of hs, waiting for room as wait says (< 0: not at
+ * all): where zinf answers -ENOMEM, the set fits in the tier, and a pin of the tier is held
+ * that may go, it waits (the GIL dropped, in slices that let signals in) until a pin of this
+ * engine is released, and tries again; until it succeeds or wait seconds have passed. GIL
+ * held; the caller holds the engine (eng_enter). Returns 0 or the -errno, with what (the
+ * call's name and why it gave up waiting) for the message; or -EINTR with a Python
+ * exception set (a signal, or the engine closed meanwhile). */
+static int fetch_room(EngineObject *self, zinf_engine *e, const zinf_tensor *hs,
+                      const struct zinf_tensor_info *info, size_t n, bool single, int tier,
+                      void **ptrs, double wait, char *what, size_t what_len)
+{
+    const char *call = single ? "zinf_fetch" : "zinf_fetch_all";
+    double start = mono_now(), until = start + wait;
+    snprintf(what, what_len, "%s", call);
+    for (;;) {
+        uint64_t gen = room_gen(self, NULL);
+        int r, releasing = 0;
+        Py_BEGIN_ALLOW_THREADS
+        r = single ? zinf_fetch(e, hs[0], (enum zinf_tier)tier, &ptrs[0])
+                   : zinf_fetch_all(e, hs, n, (enum zinf_tier)tier, ptrs);
+        Py_END_ALLOW_THREADS
+        if (r != -ENOMEM || wait < 0) return r;
+        struct zinf_stats st;
+        int sr;
+        Py_BEGIN_ALLOW_THREADS
+        sr = zinf_stats(e, &st);
+        Py_END_ALLOW_THREADS
+        if (sr) return r;
+        uint64_t need = set_bytes(hs, info, n, tier), cap = st.tier[tier].capacity_bytes;
+        if (need > cap) {
+            snprintf(what, what_len, "%s (%s of %llu bytes in a tier of %llu: it never fits, "
+                     "waiting is no use)", call, single ? "a tensor" : "a set",
+                     (unsigned long long)need, (unsigned long long)cap);
+            return r;
+        }
+        if (room_gen(self, &releasing) != gen) continue; /* a pin went meanwhile */
+        if (!releasing && st.tier[tier].pinned_bytes == 0) {
+            snprintf(what, what_len, "%s (no pin held in the tier to wait for: the rest of it "
+                     "is homes)", call);
+            return r;
+        }
+        for (;;) {
+            double now = mono_now();
+            if (now >= until) {
+                snprintf(what, what_len, "%s (no room after waiting %.3g s)", call,
+                         now - start);
+                return r;
+            }
+            double slice = now + 0.1 < until ? now + 0.1 : until;
+            Py_BEGIN_ALLOW_THREADS
+            room_wait_until(self, gen, slice);
+            Py_END_ALLOW_THREADS
+            if (PyErr_CheckSignals()) return -EINTR;
+            if (self->closing) {
+                PyErr_Format(PyExc_ValueError, "the zinf engine was closed while %s waited "
+                             "for room", call);
+                return -EINTR;
+            }
+            if (room_gen(self, NULL) != gen) break;
+        }
+    }
+}
+
 static PyObject *Engine_fetch(EngineObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"tensor", "tier", "dirty", NULL};
-    PyObject *t, *tier_o = NULL;
+    static char *kwlist[] = {"tensor", "tier", "dirty", "wait", NULL};
+    PyObject *t, *tier_o = NULL, *wait_o = NULL;
     int dirty = 0, tier = ZINF_TIER_DEVICE;
+    double wait;
     zinf_tensor h;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Op", kwlist, &t, &tier_o, &dirty) ||
-        parse_handle(t, &h) || (tier_o && parse_tier(tier_o, &tier)))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpO", kwlist, &t, &tier_o, &dirty, &wait_o) ||
+        parse_handle(t, &h) || (tier_o && parse_tier(tier_o, &tier)) ||
+        parse_wait(wait_o, &wait))
         return NULL;
     zinf_engine *e = eng_enter(self);
     if (!e) return NULL;
     struct zinf_tensor_info info;
     void *ptr = NULL;
+    char what[200];
+    snprintf(what, sizeof(what), "zinf_fetch");
     int r = tensor_info(self, e, h, &info);
-    if (r == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        r = zinf_fetch(e, h, (enum zinf_tier)tier, &ptr);
-        Py_END_ALLOW_THREADS
-    }
+    if (r == 0) r = fetch_room(self, e, &h, &info, 1, true, tier, &ptr, wait, what, sizeof(what));
     if (r) {
         eng_leave(self);
-        return raise_zinf(r, "zinf_fetch", NULL);
+        return PyErr_Occurred() ? NULL : raise_zinf(r, what, NULL);
     }
     self->pins++;
     eng_leave(self);
@@ -1005,21 +1481,24 @@ static PyObject *Engine_fetch(EngineObject *self, PyObject *args, PyObject *kw)
 
 static PyObject *Engine_fetch_all(EngineObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"tensors", "tier", "dirty", NULL};
-    PyObject *list, *tier_o = NULL;
+    static char *kwlist[] = {"tensors", "tier", "dirty", "wait", NULL};
+    PyObject *list, *tier_o = NULL, *wait_o = NULL;
     int dirty = 0, tier = ZINF_TIER_DEVICE;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Op", kwlist, &list, &tier_o, &dirty) ||
-        (tier_o && parse_tier(tier_o, &tier)))
+    double wait;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpO", kwlist, &list, &tier_o, &dirty,
+                                     &wait_o) ||
+        (tier_o && parse_tier(tier_o, &tier)) || parse_wait(wait_o, &wait))
         return NULL;
     PyObject *seq = PySequence_Fast(list, "fetch_all takes a sequence of tensors");
     if (!seq) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     zinf_tensor *hs = PyMem_Calloc((size_t)n + 1, sizeof(*hs));
     void **ptrs = PyMem_Calloc((size_t)n + 1, sizeof(*ptrs));
-    size_t *sizes = PyMem_Calloc((size_t)n + 1, sizeof(*sizes));
+    struct zinf_tensor_info *info = PyMem_Calloc((size_t)n + 1, sizeof(*info));
     PyObject *out = NULL;
     zinf_engine *e = NULL;
-    if (!hs || !ptrs || !sizes) {
+    char what[200];
+    if (!hs || !ptrs || !info) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1028,19 +1507,14 @@ static PyObject *Engine_fetch_all(EngineObject *self, PyObject *args, PyObject *
     e = eng_enter(self);
     if (!e) goto done;
     int r = 0;
-    for (Py_ssize_t i = 0; i < n && !r; i++) {
-        struct zinf_tensor_info info;
-        r = tensor_info(self, e, hs[i], &info);
-        sizes[i] = info.bytes;
-    }
-    if (r == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        r = zinf_fetch_all(e, hs, (size_t)n, (enum zinf_tier)tier, ptrs);
-        Py_END_ALLOW_THREADS
-    }
+    snprintf(what, sizeof(what), "zinf_fetch_all");
+    for (Py_ssize_t i = 0; i < n && !r; i++) r = tensor_info(self, e, hs[i], &info[i]);
+    if (r == 0)
+        r = fetch_room(self, e, hs, info, (size_t)n, false, tier, ptrs, wait, what,
+                       sizeof(what));
     if (r) {
         eng_leave(self);
-        raise_zinf(r, "zinf_fetch_all", NULL);
+        if (!PyErr_Occurred()) raise_zinf(r, what, NULL);
         goto done;
     }
     self->pins += n;
@@ -1049,13 +1523,11 @@ static PyObject *Engine_fetch_all(EngineObject *self, PyObject *args, PyObject *
     /* Each pin goes into a Pinned (whose dealloc drops it), even when the list cannot be
      * built: none is leaked. */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *p = make_pinned(self, hs[i], tier, ptrs[i], sizes[i], dirty);
+        PyObject *p = make_pinned(self, hs[i], tier, ptrs[i], info[i].bytes, dirty);
         if (!p) {
+            bool kept;
             self->pins--;
-            zinf_engine *z = self->e;
-            Py_BEGIN_ALLOW_THREADS
-            zinf_release(z, hs[i], (enum zinf_tier)tier, 0);
-            Py_END_ALLOW_THREADS
+            eng_release(self, hs[i], tier, 0, false, &kept);
             Py_CLEAR(out);
             continue;
         }
@@ -1063,10 +1535,11 @@ static PyObject *Engine_fetch_all(EngineObject *self, PyObject *args, PyObject *
         else Py_DECREF(p);
     }
     if (!out && !PyErr_Occurred()) PyErr_NoMemory();
+    if (!out) eng_maybe_close(self);
 done:
     PyMem_Free(hs);
     PyMem_Free(ptrs);
-    PyMem_Free(sizes);
+    PyMem_Free(info);
     Py_DECREF(seq);
     return out;
 }
@@ -1112,6 +1585,10 @@ static PyObject *Engine_wait(EngineObject *self, PyObject *args, PyObject *kw)
     int dirty = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|p", kwlist, &PyLong_Type, &key, &dirty))
         return NULL;
+    if (eng_foreign(self)) {
+        raise_foreign();
+        return NULL;
+    }
     PyObject *val = PyDict_GetItemWithError(self->tickets, key);
     if (!val) {
         if (!PyErr_Occurred()) raise_zinf(-EINVAL, "zinf_wait: no such ticket", NULL);
@@ -1134,9 +1611,8 @@ static PyObject *Engine_wait(EngineObject *self, PyObject *args, PyObject *kw)
     if (r == 0) {
         r = tensor_info(self, e, h, &info);
         if (r) {
-            Py_BEGIN_ALLOW_THREADS
-            zinf_release(e, h, (enum zinf_tier)tier, 0);
-            Py_END_ALLOW_THREADS
+            bool kept;
+            eng_release(self, h, tier, 0, false, &kept);
         }
     }
     if (r) {
@@ -1189,9 +1665,61 @@ static PyObject *Engine_step(EngineObject *self, PyObject *unused)
     return engine_call(self, zinf_step, "zinf_step");
 }
 
-static PyObject *Engine_flush(EngineObject *self, PyObject *unused)
+/* flush(step=None, keep_previous=False): zinf_flush, or zinf_flush_step where a step or
+ * keep_previous is given. */
+static PyObject *Engine_flush(EngineObject *self, PyObject *args, PyObject *kw)
 {
-    return engine_call(self, zinf_flush, "zinf_flush");
+    static char *kwlist[] = {"step", "keep_previous", NULL};
+    PyObject *step_o = Py_None;
+    int keep = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Op", kwlist, &step_o, &keep)) return NULL;
+    if (step_o == Py_None && !keep) return engine_call(self, zinf_flush, "zinf_flush");
+    long long step = -1;
+    if (step_o != Py_None) {
+        if (!PyLong_Check(step_o) || PyBool_Check(step_o)) {
+            PyErr_Format(PyExc_TypeError, "a step is an int, not %s", Py_TYPE(step_o)->tp_name);
+            return NULL;
+        }
+        int overflow = 0;
+        step = PyLong_AsLongLongAndOverflow(step_o, &overflow);
+        if (step == -1 && PyErr_Occurred()) return NULL;
+        if (overflow || step < 0) {
+            PyErr_Format(PyExc_ValueError, "a step is an int >= 0 (None: no tag), not %R", step_o);
+            return NULL;
+        }
+    }
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    int r;
+    unsigned flags = keep ? ZINF_FLUSH_KEEP_PREVIOUS : 0;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_flush_step(e, (int64_t)step, flags);
+    Py_END_ALLOW_THREADS
+    eng_leave(self);
+    if (r) return raise_zinf(r, "zinf_flush_step", NULL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_drop_previous(EngineObject *self, PyObject *unused)
+{
+    return engine_call(self, zinf_drop_previous, "zinf_drop_previous");
+}
+
+/* tensor_info(tensor) -> (home, nbytes): where its permanent copy lives, and its size. */
+static PyObject *Engine_tensor_info(EngineObject *self, PyObject *args)
+{
+    PyObject *t;
+    zinf_tensor h;
+    if (!PyArg_ParseTuple(args, "O", &t) || parse_handle(t, &h)) return NULL;
+    zinf_engine *e = eng_enter(self);
+    if (!e) return NULL;
+    struct zinf_tensor_info info;
+    int r = tensor_info(self, e, h, &info);
+    eng_leave(self);
+    if (r) return raise_zinf(r, "zinf_tensor_info", NULL);
+    const char *home = info.home == ZINF_TIER_DEVICE ? "device"
+                       : info.home == ZINF_TIER_HOST ? "host" : "nvme";
+    return Py_BuildValue("(sK)", home, (unsigned long long)info.bytes);
 }
 
 static PyObject *Engine_read(EngineObject *self, PyObject *args, PyObject *kw)
@@ -1354,7 +1882,8 @@ static PyObject *Engine_stats(EngineObject *self, PyObject *unused)
         set_u64(d, "flush_bytes_total", s.flush_bytes_total) ||
         set_u64(d, "flush_bytes_done", s.flush_bytes_done) ||
         set_u64(d, "host_staging_bytes", s.host_staging_bytes) ||
-        set_u64(d, "host_pinned", s.host_pinned))
+        set_u64(d, "host_pinned", s.host_pinned) ||
+        set_u64(d, "write_behinds", s.write_behinds))
         goto err;
     Py_DECREF(tiers);
     return d;
@@ -1396,7 +1925,20 @@ static PyMethodDef Engine_methods[] = {
      "read_into(tensor, buffer, offset=0) -> bytes read (len(buffer))"},
     {"write", KW Engine_write, METH_VARARGS | METH_KEYWORDS,
      "write(tensor, data, offset=0)"},
-    {"flush", (PyCFunction)Engine_flush, METH_NOARGS, "Make every tensor durable."},
+    {"close_unflushed", (PyCFunction)Engine_close_unflushed, METH_NOARGS,
+     "Close the engine without flushing (zinf_close_unflushed): the last flush stays the "
+     "saved state, as after a crash. For tensors known to be torn (an update interrupted "
+     "half way); a with-block that raises closes the engine so."},
+    {"flush", KW Engine_flush, METH_VARARGS | METH_KEYWORDS,
+     "flush(step=None, keep_previous=False): make every tensor durable (zinf_flush); with "
+     "a step (an int >= 0, read back by zinf.saved_steps) or keep_previous (the state it "
+     "replaces is kept as the previous version, which Engine(previous=True) opens): "
+     "zinf_flush_step."},
+    {"drop_previous", (PyCFunction)Engine_drop_previous, METH_NOARGS,
+     "Forget the previous version a flush(keep_previous=True) kept (zinf_drop_previous)."},
+    {"tensor_info", (PyCFunction)Engine_tensor_info, METH_VARARGS,
+     "tensor_info(tensor) -> (home, nbytes): where its permanent copy lives (\"device\", "
+     "\"host\" or \"nvme\") and its size (zinf_tensor_info)."},
     {"stats", (PyCFunction)Engine_stats, METH_NOARGS, "struct zinf_stats as a dict."},
     {NULL, NULL, 0, NULL},
 };
@@ -1451,6 +1993,66 @@ static PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw)
     return (PyObject *)self;
 }
 
+/* The swap directory a module-level call reads: a path, encoded. */
+static PyObject *dir_arg(PyObject *args, PyObject **dir)
+{
+    PyObject *b = NULL;
+    if (!PyArg_ParseTuple(args, "O", dir) || !PyUnicode_FSConverter(*dir, &b)) return NULL;
+    return b;
+}
+
+static PyObject *mod_saved_steps(PyObject *m, PyObject *args)
+{
+    PyObject *dir, *b = dir_arg(args, &dir);
+    if (!b) return NULL;
+    int64_t steps[2] = {-1, -1};
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_saved_steps(PyBytes_AS_STRING(b), steps);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(b);
+    if (r) return raise_zinf(r, "zinf_saved_steps", dir);
+    PyObject *out = PyTuple_New(2);
+    for (int i = 0; out && i < 2; i++) {
+        PyObject *v = steps[i] < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(steps[i]);
+        if (!v) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static PyObject *mod_saved_at(PyObject *m, PyObject *args)
+{
+    PyObject *dir, *b = dir_arg(args, &dir);
+    if (!b) return NULL;
+    int64_t ns = 0;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_saved_at(PyBytes_AS_STRING(b), &ns);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(b);
+    if (r) return raise_zinf(r, "zinf_saved_at", dir);
+    return PyLong_FromLongLong(ns);
+}
+
+static PyObject *mod_saved_tensors(PyObject *m, PyObject *args)
+{
+    PyObject *dir, *b = dir_arg(args, &dir);
+    if (!b) return NULL;
+    size_t n = 0;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = zinf_saved_tensors(PyBytes_AS_STRING(b), &n);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(b);
+    if (r) return raise_zinf(r, "zinf_saved_tensors", dir);
+    if (n == SIZE_MAX) Py_RETURN_NONE; /* a manifest that cannot be read */
+    return PyLong_FromSize_t(n);
+}
+
 static PyObject *mod_strerror(PyObject *m, PyObject *arg)
 {
     long v = PyLong_AsLong(arg);
@@ -1462,7 +2064,13 @@ static PyObject *mod_strerror(PyObject *m, PyObject *arg)
 /* One float32 array of adamw_step: a Pinned copy it holds (in host memory, whatever the
  * tier: the emulated device tier is host memory, a GPU's is refused), or an object with the
  * buffer protocol (writable where the step writes). A Pinned's pin is kept through the
- * call as a view keeps it (exports), so a release from another thread meanwhile waits. */
+ * call as a view keeps it (exports), so a release from another thread meanwhile waits.
+ *
+ * Only float32 is stepped: a Pinned of a tensor registered with another dtype, or a buffer
+ * whose format is another type (float64, float16, int32, ...), is a TypeError. Bytes that
+ * carry no type are taken as float32 ones: a Pinned of a tensor registered by size alone
+ * (or resumed: a saved run keeps no dtype), and a buffer of unsigned bytes (format "B":
+ * bytes, bytearray, a memoryview of them) from an object that has no dtype of its own. */
 struct f32_arg {
     float *f;
     size_t n;
@@ -1471,13 +2079,75 @@ struct f32_arg {
     int have_view;
 };
 
+/* The name of a buffer's type for a message: its dtype where the object has one, else
+ * numpy's name for a struct format, else the format itself. A new reference. */
+static PyObject *buffer_type_name(PyObject *o, const Py_buffer *v)
+{
+    PyObject *dt = PyObject_GetAttrString(o, "dtype");
+    if (dt) {
+        PyObject *s = PyObject_Str(dt);
+        Py_DECREF(dt);
+        if (s) return s;
+    }
+    PyErr_Clear();
+    const char *f = v->format ? v->format : "B";
+    while (*f && strchr("@=<>!", *f)) f++;
+    const char *kind = NULL;
+    if (f[0] && !f[1]) {
+        if (strchr("efdg", f[0])) kind = "float";
+        else if (strchr("bhilqn", f[0])) kind = "int";
+        else if (strchr("BHILQN", f[0])) kind = "uint";
+        else if (f[0] == '?') kind = "bool";
+    } else if (f[0] == 'Z' && f[1] && !f[2]) {
+        kind = "complex";
+    }
+    if (kind) return PyUnicode_FromFormat("%s%zd", kind, v->itemsize * 8);
+    return PyUnicode_FromFormat("format '%s'", v->format ? v->format : "B");
+}
+
+/* Is this buffer float32 (1), untyped bytes (0), or another type (-1)? */
+static int buffer_kind(PyObject *o, const Py_buffer *v)
+{
+    const char *f = v->format ? v->format : "B";
+    /* float32, native or in this machine's byte order spelled out. */
+    bool native_le = (const union { uint16_t u; uint8_t b[2]; }){.u = 1}.b[0] == 1;
+    if (v->itemsize == 4 && (!strcmp(f, "f") || !strcmp(f, "@f") || !strcmp(f, "=f") ||
+                             (native_le && !strcmp(f, "<f")) || (!native_le && !strcmp(f, ">f"))))
+        return 1;
+    if (strcmp(f, "B") && strcmp(f, "@B") && strcmp(f, "=B") && strcmp(f, "<B") &&
+        strcmp(f, ">B"))
+        return -1;
+    /* Unsigned bytes: untyped, unless the object says they are uint8 (a numpy array). */
+    PyObject *dt = PyObject_GetAttrString(o, "dtype");
+    if (!dt) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(dt);
+    return -1;
+}
+
 static int f32_get(PyObject *o, const char *what, int write, struct f32_arg *a)
 {
     memset(a, 0, sizeof(*a));
     if (PyObject_TypeCheck(o, &PinnedType)) {
         PinnedObject *p = (PinnedObject *)o;
+        if (eng_foreign(p->eng)) {
+            raise_foreign();
+            return -1;
+        }
         if (p->state != PIN_HELD) {
             PyErr_Format(PyExc_ValueError, "adamw_step: %s: its copy was released", what);
+            return -1;
+        }
+        if (p->meta && strcmp(PyUnicode_AsUTF8(PyTuple_GET_ITEM(p->meta, 1)), "float32")) {
+            PyErr_Format(PyExc_TypeError, "adamw_step: %s is a pinned %U tensor: the step "
+                         "takes float32 only", what, PyTuple_GET_ITEM(p->meta, 1));
+            return -1;
+        }
+        if (p->nbytes % sizeof(float)) {
+            PyErr_Format(PyExc_ValueError, "adamw_step: %s holds %zu bytes, not a whole "
+                         "number of float32", what, p->nbytes);
             return -1;
         }
         if (p->tier == ZINF_TIER_DEVICE && p->eng->device_is_cuda) {
@@ -1491,10 +2161,36 @@ static int f32_get(PyObject *o, const char *what, int write, struct f32_arg *a)
         p->exports++;
         return 0;
     }
-    if (PyObject_GetBuffer(o, &a->view, write ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS
-                                              : PyBUF_C_CONTIGUOUS) < 0)
+    int flags = PyBUF_FORMAT | (write ? PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS);
+    if (PyObject_GetBuffer(o, &a->view, flags) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError) && !PyObject_CheckBuffer(o)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "adamw_step: %s is a %s, which exports no buffer: "
+                         "give a float32 array (numpy) or a zinf.Pinned", what,
+                         Py_TYPE(o)->tp_name);
+        }
         return -1;
+    }
     a->have_view = 1;
+    int kind = buffer_kind(o, &a->view);
+    if (kind < 0) {
+        PyObject *name = buffer_type_name(o, &a->view);
+        if (name) {
+            PyErr_Format(PyExc_TypeError, "adamw_step: %s is %U, not float32: the step takes "
+                         "float32 only", what, name);
+            Py_DECREF(name);
+        }
+        PyBuffer_Release(&a->view);
+        a->have_view = 0;
+        return -1;
+    }
+    if (a->view.len % (Py_ssize_t)sizeof(float)) {
+        PyErr_Format(PyExc_ValueError, "adamw_step: %s holds %zd bytes, not a whole number of "
+                     "float32", what, a->view.len);
+        PyBuffer_Release(&a->view);
+        a->have_view = 0;
+        return -1;
+    }
     a->f = a->view.buf;
     a->n = (size_t)a->view.len / sizeof(float);
     return 0;
@@ -1506,9 +2202,7 @@ static void f32_put(struct f32_arg *a)
     PinnedObject *p = a->pinned;
     if (!p) return;
     p->exports--;
-    if (!p->exports && p->state == PIN_PENDING) {
-        pin_drop(p, p->flags, true);
-    }
+    if (!p->exports && p->state == PIN_PENDING) pin_drop(p, p->flags, DROP_DEFERRED);
     Py_DECREF(p);
 }
 
@@ -1570,6 +2264,17 @@ static PyMethodDef module_methods[] = {
     {"connect", KW mod_connect, METH_VARARGS | METH_KEYWORDS,
      "connect(socket, job) -> Engine attached to a zinf daemon's job."},
     {"strerror", (PyCFunction)mod_strerror, METH_O, "strerror(errno) -> zinf's message"},
+    {"saved_steps", (PyCFunction)mod_saved_steps, METH_VARARGS,
+     "saved_steps(dir) -> (current, previous): the steps the saved state in swap directory "
+     "dir was flushed with (None: no tag, or no previous version). Reads the manifests "
+     "only (zinf_saved_steps); zinf.Error(ENOENT) where there is no saved state."},
+    {"saved_at", (PyCFunction)mod_saved_at, METH_VARARGS,
+     "saved_at(dir) -> int: when the saved state in dir was last committed, nanoseconds "
+     "since the epoch (zinf_saved_at)."},
+    {"saved_tensors", (PyCFunction)mod_saved_tensors, METH_VARARGS,
+     "saved_tensors(dir) -> int or None: the tensors the saved state in dir names (None: "
+     "its manifest cannot be read, a saved state all the same); zinf.Error(ENOENT) where "
+     "there is none (zinf_saved_tensors)."},
     {"adamw_step", KW mod_adamw_step, METH_VARARGS | METH_KEYWORDS,
      "adamw_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,\n"
      "           weight_decay=0.01, grad_scale=1.0)\n"
@@ -1610,6 +2315,15 @@ static PyObject *make_tensor_type(void)
 PyMODINIT_FUNC PyInit__zinf(void);
 PyMODINIT_FUNC PyInit__zinf(void)
 {
+    static int atfork_set;
+    if (!atfork_set) {
+        int r = pthread_atfork(NULL, NULL, atfork_child);
+        if (r) {
+            errno = r;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        atfork_set = 1;
+    }
     if (PyType_Ready(&EngineType) || PyType_Ready(&PinnedType)) return NULL;
     PyObject *m = PyModule_Create(&zinf_module);
     if (!m) return NULL;

@@ -252,6 +252,136 @@ class TestEngine(Base):
         self.assertEqual(e.closed, True)
 
 
+class TestSavedState(Base):
+    """Closing without the flush, flushes tagged with a step and a previous version kept, and
+    what zinf.saved_* read of a swap directory."""
+
+    def test_with_block_that_raises_keeps_the_last_flush(self):
+        with self.engine() as e:
+            t = e.register("t", 8192)
+            e.write(t, b"\x01" * 8192)
+        with self.assertRaises(KeyError):
+            with self.engine(resume=True) as e:
+                t = e.lookup("t")
+                e.write(t, b"\x02" * 8192)
+                e.flush()                               # the last good state
+                e.write(t, b"\x03" * 4096)             # an update torn half way
+                with e.fetch(t, "host", dirty=True) as p:
+                    ctypes.memset(p.ptr + 4096, 0x04, 10)
+                raise KeyError("interrupted")
+        self.assertTrue(e.closed)
+        with self.engine(resume=True) as e:
+            self.assertEqual(e.read(e.lookup("t")), b"\x02" * 8192)
+            e.write(e.lookup("t"), b"\x05" * 8192)
+        # Left normally, the block flushes as before.
+        with self.engine(resume=True) as e:
+            self.assertEqual(e.read(e.lookup("t")), b"\x05" * 8192)
+
+    def test_close_unflushed(self):
+        e = self.engine()
+        t = e.register("t", 4096)
+        e.write(t, b"\x01" * 4096)
+        e.flush()
+        e.write(t, b"\x02" * 4096)
+        p = e.fetch(t, "host", dirty=True)
+        e.close_unflushed()                 # waits for the pin, then closes without a flush
+        self.assertTrue(e.closed)
+        with self.assertRaises(ValueError):
+            e.write(t, b"x")
+        e.close()                           # asked for after it: still no flush
+        ctypes.memset(p.ptr, 0x03, 4096)
+        p.release()
+        del p
+        gc.collect()
+        e.close_unflushed()                 # closed already: nothing
+        with self.engine(resume=True) as e:
+            self.assertEqual(e.read(e.lookup("t")), b"\x01" * 4096)
+        # Without an NVMe tier there is nothing to keep.
+        zinf.Engine(device="emulated", device_bytes=MIB, host_bytes=MIB).close_unflushed()
+
+    def test_flush_steps_and_previous_version(self):
+        swap = self.swap
+        self.assertErrno(errno.ENOENT, zinf.saved_steps, swap)
+        err = self.assertErrno(errno.ENOENT, zinf.saved_at, swap)
+        self.assertEqual(err.filename, swap)
+        self.assertErrno(errno.ENOENT, zinf.saved_tensors, swap)
+        with self.engine() as e:
+            t = e.register("t", 4096)
+            e.register("u", 100)
+            e.write(t, b"\x01" * 4096)
+            e.flush(step=3)
+            self.assertEqual(zinf.saved_steps(swap), (3, None))
+            e.write(t, b"\x02" * 4096)
+            e.flush(step=4, keep_previous=True)
+            self.assertEqual(zinf.saved_steps(swap), (4, 3))
+            self.assertEqual(zinf.saved_tensors(swap), 2)
+            at = zinf.saved_at(swap)
+            self.assertIsInstance(at, int)
+            self.assertLess(abs(at - __import__("time").time_ns()), 60 * 10**9)
+            with self.assertRaises(ValueError):
+                e.flush(step=-1)
+            with self.assertRaises(TypeError):
+                e.flush(step="5")
+            with self.assertRaises(TypeError):
+                e.flush(step=True)
+            with self.assertRaises(TypeError):
+                e.flush(3, True, 1)
+            e.write(t, b"\x03" * 4096)
+            e.close_unflushed()
+        # The previous version, inspected and then resumed.
+        with self.engine(readonly=True, previous=True) as e:
+            self.assertEqual(e.read(e.lookup("t")), b"\x01" * 4096)
+            self.assertErrno(errno.EROFS, e.flush, step=9)
+            self.assertErrno(errno.EROFS, e.drop_previous)
+        with self.engine(resume=True) as e:
+            self.assertEqual(e.read(e.lookup("t")), b"\x02" * 4096)
+            e.flush(keep_previous=True)     # keeps step 4's state as the previous one
+            self.assertEqual(zinf.saved_steps(swap)[1], 4)
+            e.drop_previous()
+            self.assertIsNone(zinf.saved_steps(swap)[1])
+            e.drop_previous()               # none: nothing
+            e.flush(step=7)
+        self.assertEqual(zinf.saved_steps(swap), (7, None))
+        self.assertErrno(errno.EINVAL, self.engine, previous=True, overwrite=True)
+        with self.assertRaises(TypeError):
+            zinf.saved_steps(3.5)
+        # No NVMe tier: tagged flushes and drop_previous do nothing.
+        with zinf.Engine(device="emulated", device_bytes=MIB, host_bytes=MIB) as e:
+            e.flush(step=1, keep_previous=True)
+            e.drop_previous()
+
+    def test_open_options(self):
+        extra = os.path.join(self.dir, "swap2")
+        with self.engine(nvme_paths=[extra], block_size=256 * 1024, queue_depth=8,
+                         cuda_device=0) as e:
+            t = e.register("t", 4 * MIB)
+            e.write(t, b"\x07" * (4 * MIB))
+            e.flush()
+        self.assertTrue(os.listdir(extra), "nothing was striped over the extra directory")
+        with self.engine(resume=True, nvme_paths=(extra,), block_size=256 * 1024) as e:
+            self.assertEqual(e.read(e.lookup("t"), 4 * MIB - 4), b"\x07" * 4)
+            self.assertEqual(e.tensor_info(e.lookup("t")), ("nvme", 4 * MIB))
+            h = e.register("h", 100, home="host")
+            self.assertEqual(e.tensor_info(h), ("host", 100))
+            self.assertErrno(errno.ENOENT, e.tensor_info, 987654321)
+            with self.assertRaises(TypeError):
+                e.tensor_info("t")
+        with self.assertRaises(TypeError):
+            self.engine(nvme_paths=extra)   # one directory, not a sequence of them
+        with self.assertRaises(TypeError):
+            self.engine(nvme_paths=[3])
+        with self.assertRaises(ValueError):
+            zinf.Engine(device="emulated", nvme_paths=[extra])
+        with self.assertRaises(ValueError):
+            self.engine(queue_depth=-1)
+        with self.assertRaises(ValueError):
+            self.engine(cuda_device=-2)
+        with self.assertRaises(TypeError):
+            self.engine(block_size="1M")
+        with self.assertRaises(TypeError):
+            zinf.Engine({"zinf": {}}, queue_depth=4)
+
+
 class TestTensors(Base):
     def test_register_lookup_unregister(self):
         with self.engine() as e:
@@ -432,6 +562,98 @@ class TestFetch(Base):
                 self.assertEqual(e.read(t, 0, 8192), b"\x0a" * 8192)
                 self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
 
+    def test_refused_dirty_release_keeps_the_pin(self):
+        with self.engine() as e:
+            t = e.register("t", 8192)
+            e.write(t, b"\x01" * 8192)
+            p, q = e.fetch(t, "host"), e.fetch(t, "device")
+            ctypes.memset(p.ptr, 0x22, 8192)
+            # The device copy is pinned: zinf refuses the dirty release and keeps the pin.
+            self.assertErrno(errno.EBUSY, p.release, dirty=True)
+            self.assertFalse(p.released)
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 8192)
+            self.assertErrno(errno.EBUSY, e.unregister, t)
+            q.release()
+            p.release()                     # the default is dirty now: the bytes are kept
+            self.assertTrue(p.released)
+            self.assertEqual(e.read(t), b"\x22" * 8192)
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+
+    def test_refused_dirty_release_through_a_view(self):
+        with self.engine() as e:
+            t = e.register("t", 8192)
+            e.write(t, b"\x01" * 8192)
+            p = e.fetch(t, "host")
+            v = View(p.__dlpack__(), False)
+            ctypes.memset(v.tensor.data, 0x33, 8192)
+            q = e.fetch(t, "device")
+            p.release(dirty=True)           # pending: the view holds the pin
+            self.assertTrue(p.released)
+            with self.assertWarns(RuntimeWarning) as cm:
+                v.delete()                  # refused (EBUSY): the pin stays, p is held again
+            self.assertIn("refused", str(cm.warning))
+            self.assertFalse(p.released)
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 8192)
+            self.assertErrno(errno.EBUSY, e.unregister, t)
+            self.assertErrno(errno.EBUSY, p.release)   # retried: still refused, still held
+            self.assertFalse(p.released)
+            q.release()
+            p.release()
+            self.assertTrue(p.released)
+            self.assertEqual(e.read(t), b"\x33" * 8192)
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+
+            # Collected with its dirty release refused: the engine keeps the pin and
+            # releases it dirty once the other pin goes.
+            p = e.fetch(t, "host")
+            ctypes.memset(p.ptr, 0x44, 8192)
+            q = e.fetch(t, "device")
+            self.assertErrno(errno.EBUSY, p.release, dirty=True)
+            del p
+            gc.collect()
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 8192)
+            self.assertErrno(errno.EBUSY, e.unregister, t)
+            q.release()
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+            self.assertEqual(e.read(t), b"\x44" * 8192)
+
+            # The same through a view, and the engine closed meanwhile: it closes once the
+            # orphan went, with the bytes flushed.
+            p = e.fetch(t, "host")
+            v = View(p.__dlpack__(max_version=(1, 0)), True)
+            ctypes.memset(v.tensor.data, 0x55, 8192)
+            q = e.fetch(t, "device")
+            p.release(dirty=True)
+            with self.assertWarns(RuntimeWarning):
+                v.delete()
+            del p
+            gc.collect()
+            e.close()
+            self.assertTrue(e.closed)
+            q.release()
+        with self.engine(resume=True) as e:
+            self.assertEqual(e.read(e.lookup("t")), b"\x55" * 8192)
+
+    def test_refused_release_on_a_readonly_engine_through_a_view(self):
+        with self.engine() as e:
+            t = e.register("t", 4096)
+            e.write(t, b"\x01" * 4096)
+        with self.engine(readonly=True) as e:
+            t = e.lookup("t")
+            p = e.fetch(t, "host")
+            v = View(p.__dlpack__(), False)
+            # Refused at once (the view alive or not): the pin stays with p.
+            self.assertErrno(errno.EROFS, p.release, dirty=True)
+            self.assertErrno(errno.EROFS, p.release, spent=True)
+            self.assertFalse(p.released)
+            v.delete()
+            self.assertFalse(p.released)
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 4096)
+            p.release()
+            self.assertTrue(p.released)
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+            self.assertEqual(e.read(t), b"\x01" * 4096)
+
     def test_zero(self):
         with self.engine() as e:
             t = e.register("g", 8192)                      # homed on NVMe
@@ -508,7 +730,7 @@ class TestFetch(Base):
                 "schedule_length", "schedule_resets", "flushes", "io_buffered",
                 "device_is_cuda", "tensors_damaged", "compactions", "blocked_nvme_ns",
                 "blocked_copy_ns", "blocked_room_ns", "blocked_pin_ns", "flush_bytes_total",
-                "flush_bytes_done", "host_staging_bytes", "host_pinned"}
+                "flush_bytes_done", "host_staging_bytes", "host_pinned", "write_behinds"}
         self.assertEqual(set(st), want)
         self.assertEqual(len(st["tier"]), 3)
         for t in st["tier"]:
@@ -687,6 +909,73 @@ class TestAdamW(Base):
             with self.assertRaises(ValueError):
                 zinf.adamw_step(gone, *arrs[1:], 3)
 
+    def test_other_dtypes_are_refused(self):
+        p, g, m, v = self.arrays(1024, 4)
+        keep = [a.tobytes() for a in (p, g, m, v)]
+        args = [p, g, m, v]
+        for i, name in enumerate(("param", "grad", "m", "v")):
+            for dtype in ("float64", "float16", "int32", "uint8", "int8"):
+                bad = list(args)
+                bad[i] = args[i].view(dtype)  # the same 4096 bytes, typed otherwise
+                with self.assertRaises(TypeError) as cm:
+                    zinf.adamw_step(*bad, 1)
+                self.assertIn(name + " is " + dtype, str(cm.exception))
+        # Buffer-protocol objects of another type (no dtype of their own), by their format.
+        for fmt, called in (("d", "float64"), ("i", "int32"), ("h", "int16"), ("b", "int8")):
+            bad = memoryview(bytearray(g.tobytes())).cast("B").cast(fmt)
+            with self.assertRaises(TypeError) as cm:
+                zinf.adamw_step(p, bad, m, v, 1)
+            self.assertIn("grad is " + called, str(cm.exception))
+        with self.assertRaises(TypeError) as cm:
+            zinf.adamw_step(p, g, [0.0] * 1024, v, 1)
+        self.assertIn("m is a list", str(cm.exception))
+        self.assertEqual([a.tobytes() for a in (p, g, m, v)], keep, "a refused step changed")
+        # Untyped bytes of a length that is no whole number of floats.
+        with self.assertRaises(ValueError):
+            zinf.adamw_step(p[:1], bytes(6), m[:1], v[:1], 1)
+        # Pinned copies of tensors registered with another dtype.
+        with self.engine() as e:
+            ts = {}
+            for name, dtype in (("p", "float32"), ("g", "float16"), ("m", "bfloat16"),
+                                ("v", "int32")):
+                n = 1024 * 4 // numpy.dtype(dtype if dtype != "bfloat16" else "float16").itemsize
+                ts[name] = e.register(name, ((n,), dtype))
+            f32 = [e.register(n + "32", ((1024,), "float32")) for n in "gmv"]
+            pins = e.fetch_all(list(ts.values()) + f32, "host", dirty=True)
+            pp, pg, pm, pv, g32, m32, v32 = pins
+            for args, name, dtype in (((pp, pg, m32, v32), "grad", "float16"),
+                                      ((pp, g32, pm, v32), "m", "bfloat16"),
+                                      ((pp, g32, m32, pv), "v", "int32")):
+                with self.assertRaises(TypeError) as cm:
+                    zinf.adamw_step(*args, 1)
+                self.assertIn("%s is a pinned %s tensor" % (name, dtype), str(cm.exception))
+            # A numpy view of a typed Pinned is refused as the Pinned is.
+            with self.assertRaises(TypeError):
+                zinf.adamw_step(pp, numpy.from_dlpack(pg), m32, v32, 1)
+            zinf.adamw_step(pp, g32, m32, v32, 1)  # float32 all: stepped
+            for pin in pins:
+                pin.release()
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+
+    def test_untyped_pinned_copies_are_float32_bytes(self):
+        n = 2048
+        arrs = self.arrays(n, 5)
+        want = [a.copy() for a in arrs]
+        zinf.adamw_step(*want, 1, lr=0.01)
+        with self.engine() as e:
+            ts = [e.register(name, n * 4) for name in "pgmv"]   # by size: no dtype
+            for t, a in zip(ts, arrs):
+                e.write(t, a)
+            pins = e.fetch_all(ts, "host", dirty=True)
+            zinf.adamw_step(*pins, 1, lr=0.01)
+            for pin in pins:
+                pin.release()
+            for t, a in zip(ts, want):
+                self.assertEqual(e.read(t), a.tobytes(), t.name)
+            odd = e.register("odd", 10)
+            with e.fetch(odd, "host") as q, self.assertRaises(ValueError):
+                zinf.adamw_step(q, bytes(8), bytearray(8), bytearray(8), 1)
+
     def test_bad_arguments_change_nothing(self):
         p, g, m, v = self.arrays(1000, 3)
         keep = [a.copy() for a in (p, m, v)]
@@ -745,6 +1034,259 @@ class TestThreads(Base):
             st = e.stats()
             self.assertEqual(st["tier"][zinf.HOST]["pinned_bytes"], 0)
             self.assertEqual(st["tier"][zinf.DEVICE]["pinned_bytes"], 0)
+
+
+class TestForks(Base):
+    """A child of os.fork() has its parent's engines in memory but none of their threads:
+    using one there must fail at once, collecting one must touch nothing, and the parent must
+    carry on."""
+
+    def wait_child(self, pid, timeout=60):
+        import time
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.02)
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        self.fail("the child hung")
+
+    def test_child_refuses_the_parents_engine(self):
+        e = self.engine()
+        t = e.register("t", 64 * 1024)
+        e.write(t, b"\x01" * 65536)
+        e.flush()
+        held = e.fetch(t, "host")
+        cap = held.__dlpack__()
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:                                    # the child
+            code = 0
+            try:
+                os.close(rfd)
+                out = []
+                for name, fn in (("fetch", lambda: e.fetch(t, "host")),
+                                 ("read", lambda: e.read(t)),
+                                 ("write", lambda: e.write(t, b"\x02")),
+                                 ("flush", lambda: e.flush()),
+                                 ("fetch_all", lambda: e.fetch_all([t], "host", wait=True)),
+                                 ("release", lambda: held.release()),
+                                 ("dlpack", lambda: held.__dlpack__()),
+                                 ("enter", lambda: e.__enter__())):
+                    try:
+                        fn()
+                        out.append("%s: no error" % name)
+                    except RuntimeError as ex:
+                        if "another process" not in str(ex):
+                            out.append("%s: %s" % (name, ex))
+                    except Exception as ex:
+                        out.append("%s: %r" % (name, ex))
+                # Collected or closed here, nothing of the parent's engine is touched.
+                del cap
+                e.close()
+                if not e.closed:
+                    out.append("close: not closed")
+                os.write(wfd, "\n".join(out).encode())
+            except BaseException as ex:
+                os.write(wfd, repr(ex).encode())
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(wfd)
+        self.assertEqual(self.wait_child(pid), 0)
+        with os.fdopen(rfd, "rb") as f:
+            self.assertEqual(f.read().decode(), "")
+        # The parent carries on: its pin, the view's pin and the engine are as they were.
+        self.assertFalse(held.released)
+        held.release()
+        del cap
+        self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+        e.write(t, b"\x03" * 65536)
+        with e.fetch(t, "device") as p:
+            self.assertEqual(ctypes.string_at(p.ptr, 4), b"\x03" * 4)
+        closer = threading.Thread(target=e.close)
+        closer.start()
+        closer.join(60)
+        self.assertFalse(closer.is_alive(), "the parent's close hung")
+        with self.engine(resume=True) as e:
+            self.assertEqual(e.read(e.lookup("t"), 0, 4), b"\x03" * 4)
+
+    def test_child_that_exits_normally(self):
+        # A child that leaves through sys.exit runs every finalizer (the engine's, its
+        # Pinned's) with the parent's engine still open in it.
+        import subprocess
+        script = (
+            "import os, sys, zinf\n"
+            "e = zinf.Engine(nvme_path=sys.argv[1], device='emulated', device_bytes=1 << 20,"
+            " host_bytes=1 << 20)\n"
+            "t = e.register('t', 4096)\n"
+            "e.write(t, b'\\x05' * 4096)\n"
+            "p = e.fetch(t, 'host')\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            "    sys.exit(0)\n"
+            "_, st = os.waitpid(pid, 0)\n"
+            "assert os.waitstatus_to_exitcode(st) == 0, st\n"
+            "p.release()\n"
+            "assert e.read(t, 0, 2) == b'\\x05\\x05'\n"
+            "e.close()\n"
+            "print('parent closed')\n")
+        out = subprocess.run([sys.executable, "-c", script, self.swap], capture_output=True,
+                             timeout=120, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("parent closed", out.stdout)
+
+
+class TestWaitForRoom(Base):
+    """fetch(wait=) and fetch_all(wait=): a tier full of other threads' pins."""
+
+    def threads(self, n, work):
+        errors, results = [], [None] * n
+
+        def run(i):
+            try:
+                results[i] = work(i)
+            except Exception as ex:  # reported by the main thread
+                results[i] = ex
+
+        ths = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(120)
+            self.assertFalse(th.is_alive(), "a thread hung")
+        return results
+
+    def test_threads_wait_for_room(self):
+        import time
+        n = 8
+        with self.engine() as e:
+            ts = [e.register("t%d" % i, MIB) for i in range(n)]   # 1/4 of the host tier each
+            for i, t in enumerate(ts):
+                e.write(t, bytes([i + 1]) * MIB)
+            # Without waiting, those that find the tier full of the others' pins fail.
+            attempted = threading.Barrier(n)
+            start = threading.Barrier(n)
+
+            def at_once(i):
+                start.wait()
+                try:
+                    p = e.fetch(ts[i], "host")
+                except zinf.Error as ex:
+                    attempted.wait()
+                    return ex
+                attempted.wait()                # held until every thread has tried
+                p.release()
+                return "ok"
+
+            got = self.threads(n, at_once)
+            failed = [r for r in got if isinstance(r, Exception)]
+            self.assertTrue(failed, "no fetch found the tier full")
+            self.assertLess(len(failed), n)
+            for ex in failed:
+                self.assertIsInstance(ex, zinf.Error, repr(ex))
+                self.assertEqual(ex.errno, errno.ENOMEM)
+            # With wait=True every thread gets its turn.
+            start = threading.Barrier(n)
+
+            def waiting(i):
+                start.wait()
+                if i % 2:
+                    ps = e.fetch_all([ts[i]], "host", wait=True)
+                    p = ps[0]
+                else:
+                    p = e.fetch(ts[i], "host", wait=True)
+                ok = ctypes.string_at(p.ptr, 4) == bytes([i + 1]) * 4
+                time.sleep(0.02)
+                p.release()
+                return "ok" if ok else "wrong bytes"
+
+            self.assertEqual(self.threads(n, waiting), ["ok"] * n)
+            self.assertEqual(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+
+    def test_wait_times_out_and_wakes(self):
+        import time
+        with self.engine() as e:
+            ts = [e.register("t%d" % i, MIB) for i in range(5)]
+            held = e.fetch_all(ts[:4], "host")
+            t0 = time.monotonic()
+            err = self.assertErrno(errno.ENOMEM, e.fetch, ts[4], "host", wait=0.3)
+            self.assertGreaterEqual(time.monotonic() - t0, 0.3)
+            self.assertIn("after waiting", str(err))
+            self.assertErrno(errno.ENOMEM, e.fetch_all, [ts[4]], "host", wait=0.05)
+            self.assertErrno(errno.ENOMEM, e.fetch, ts[4], "host")     # no wait: at once
+            self.assertErrno(errno.ENOMEM, e.fetch, ts[4], "host", wait=0)
+            # A pin released by another thread wakes the waiter.
+            timer = threading.Timer(0.2, held[0].release)
+            timer.start()
+            with e.fetch(ts[4], "host", wait=30) as p:
+                self.assertEqual(p.nbytes, MIB)
+            timer.join()
+            for p in held[1:]:
+                p.release()
+
+    def test_what_never_fits_fails_at_once(self):
+        import time
+        with self.engine() as e:
+            big = e.register("big", 5 * MIB)
+            small = [e.register("s%d" % i, 2 * MIB + 4096) for i in range(2)]
+            other = e.register("other", MIB)
+            q = e.fetch(other, "host")          # a pin that might go: not what stops these
+            t0 = time.monotonic()
+            err = self.assertErrno(errno.ENOMEM, e.fetch, big, "host", wait=True)
+            self.assertIn("never fits", str(err))
+            err = self.assertErrno(errno.ENOMEM, e.fetch_all, small, "host", wait=True)
+            self.assertIn("never fits", str(err))
+            self.assertLess(time.monotonic() - t0, 5)
+            q.release()
+        # A tier whose room homes take, no pin held: nothing to wait for.
+        with self.engine(overwrite=True) as e:
+            e.register("home", 3 * MIB, home="host")
+            t = e.register("t", 2 * MIB)
+            t0 = time.monotonic()
+            err = self.assertErrno(errno.ENOMEM, e.fetch, t, "host", wait=True)
+            self.assertIn("no pin", str(err))
+            self.assertLess(time.monotonic() - t0, 5)
+
+    def test_close_wakes_the_waiters(self):
+        with self.engine() as e:
+            ts = [e.register("t%d" % i, 2 * MIB) for i in range(3)]
+            held = e.fetch_all(ts[:2], "host")
+            started = threading.Event()
+
+            def waiter(i):
+                started.set()
+                return e.fetch(ts[2], "host", wait=True)
+
+            res = []
+            th = threading.Thread(target=lambda: res.extend(self.threads(1, waiter)))
+            th.start()
+            started.wait()
+            import time
+            time.sleep(0.2)
+            e.close()
+            th.join(60)
+            self.assertFalse(th.is_alive())
+            self.assertIsInstance(res[0], ValueError)
+            self.assertIn("closed", str(res[0]))
+            for p in held:
+                p.release()
+
+    def test_bad_wait(self):
+        with self.engine() as e:
+            t = e.register("t", 4096)
+            with self.assertRaises(ValueError):
+                e.fetch(t, "host", wait=-1)
+            with self.assertRaises(ValueError):
+                e.fetch(t, "host", wait=float("nan"))
+            with self.assertRaises(TypeError):
+                e.fetch(t, "host", wait="1s")
+            with self.assertRaises(TypeError):
+                e.fetch_all([t], "host", wait=[1])
+            for w in (None, False, True, 0, 0.5):
+                e.fetch(t, "host", wait=w).release()
 
 
 class TestDaemon(Base):
