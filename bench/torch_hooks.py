@@ -22,6 +22,8 @@ model, which leaves out what a step costs once whatever its size. Mode "hooks" i
 model with no-op hooks of each kind zinf.torch installs (forward pre and post, full backward
 pre, post-accumulate-grad, saved_tensors_hooks; each under torch.compiler.disable as
 zinf.torch's are): what torch itself takes to call them, a floor for the hooks' cost.
+"hooks-bwd" has the no-op full backward pre-hook alone, and "hooks-gradfn" in its stead a
+no-op prehook on each module's output's grad_fn, set by a forward hook.
 
 --profile N: then N more steps of the largest model's first offloaded mode with its forward
 and backward under cProfile (the steps between them not), and the 15 functions with the
@@ -45,6 +47,8 @@ import zinf
 import zinf.torch
 
 PHASES = ("forward", "backward", "step", "zero")
+NOOP = {"hooks": "no-op hooks", "hooks-bwd": "full bwd pre only",
+        "hooks-gradfn": "grad_fn prehook only"}
 
 
 def make_model(layers, seed=0):
@@ -62,10 +66,10 @@ class Run:
         self.tensors = sum(1 for _ in self.model.parameters())
         self.engine = None
         hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-        if mode in (None, "hooks"):
+        if mode is None or mode in NOOP:
             self.opt = torch.optim.AdamW(self.model.parameters(), **hp)
-            if mode == "hooks":
-                self._noop_hooks()
+            if mode in NOOP:
+                self._noop_hooks(mode)
         else:
             state = 16 * sum(p.numel() for p in self.model.parameters())
             room = max(4 * state, 16 << 20)
@@ -80,13 +84,24 @@ class Run:
         self.times = {p: [] for p in PHASES}
         self.losses = []
 
-    def _noop_hooks(self):
+    def _noop_hooks(self, mode):
         """The hooks zinf.torch installs, doing nothing: torch's own cost of calling them."""
         noop = torch.compiler.disable(lambda *a: None)
+
+        def prehook_on_output(m, args, out):
+            if out.grad_fn is not None:
+                out.grad_fn.register_prehook(noop)
+
         for m in self.model:
-            m.register_forward_pre_hook(noop)
-            m.register_forward_hook(noop, always_call=True)
-            m.register_full_backward_pre_hook(noop)
+            if mode == "hooks":
+                m.register_forward_pre_hook(noop)
+                m.register_forward_hook(noop, always_call=True)
+            if mode in ("hooks", "hooks-bwd"):
+                m.register_full_backward_pre_hook(noop)
+            if mode == "hooks-gradfn":
+                m.register_forward_hook(prehook_on_output)
+        if mode != "hooks":
+            return
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(noop)
         forward = self.model.forward
@@ -100,8 +115,8 @@ class Run:
 
     @property
     def label(self):
-        if self.mode in (None, "hooks"):
-            return {None: "plain", "hooks": "no-op hooks"}[self.mode]
+        if self.mode is None or self.mode in NOOP:
+            return {None: "plain", **NOOP}[self.mode]
         home, _, tier = self.mode.partition(":")
         return f"zinf {home}>{tier or 'device'}"
 
@@ -177,17 +192,17 @@ def main():
         cols = PHASES + ("total",)
         print(f"torch {torch.__version__}, {a.threads} thread(s), batch {a.batch}, "
               f"{a.rounds} rounds x {a.steps} steps; median us per phase")
-        print(f"{'model':>22s} " + " ".join(f"{c:>9s}" for c in cols) + "   ms/step")
+        print(f"{'model':>26s} " + " ".join(f"{c:>9s}" for c in cols) + "   ms/step")
         out = {"torch": torch.__version__, "threads": a.threads, "batch": a.batch,
                "rounds": a.rounds, "steps": a.steps, "runs": []}
         for r in runs:
             med = {c: r.median(c) for c in cols}
-            print(f"{r.label + ' x' + str(r.layers):>22s} "
+            print(f"{r.label + ' x' + str(r.layers):>26s} "
                   + " ".join(f"{med[c]:9.1f}" for c in cols) + f"   {med['total'] / 1e3:7.3f}")
             out["runs"].append(dict(layers=r.layers, tensors=r.tensors, mode=r.label,
                                     median_us=med))
         print("\nper parameter tensor, (offloaded - plain) / tensors, us:")
-        print(f"{'':>22s} " + " ".join(f"{c:>9s}" for c in cols))
+        print(f"{'':>26s} " + " ".join(f"{c:>9s}" for c in cols))
         per = {}
         for r in runs:
             if r.mode is None:
@@ -195,7 +210,7 @@ def main():
             ref = next(q for q in runs if q.layers == r.layers and q.mode is None)
             d = {c: (r.median(c) - ref.median(c)) / r.tensors for c in cols}
             per[(r.mode, r.layers)] = d
-            print(f"{r.label + ' x' + str(r.layers):>22s} "
+            print(f"{r.label + ' x' + str(r.layers):>26s} "
                   + " ".join(f"{d[c]:9.1f}" for c in cols))
         if len(layers) > 1:
             lo, hi = min(layers), max(layers)
@@ -206,10 +221,10 @@ def main():
                          - (rs[h, lo].median(c) - rs[None, lo].median(c))) / dt for c in cols}
                 per[(h, "slope")] = d
                 label = next(q.label for q in runs if q.mode == h)
-                print(f"{label + ' slope':>22s} " + " ".join(f"{d[c]:9.1f}" for c in cols))
+                print(f"{label + ' slope':>26s} " + " ".join(f"{d[c]:9.1f}" for c in cols))
         out["per_tensor_us"] = [dict(mode=h, layers=n, **d) for (h, n), d in per.items()]
 
-        zmodes = [m for m in modes if m != "hooks"]
+        zmodes = [m for m in modes if m not in NOOP]
         if a.profile and zmodes:
             r = next(q for q in runs if q.layers == max(layers) and q.mode == zmodes[0])
             prof = cProfile.Profile()
