@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # test-torch.sh - the tests that need torch, which Debian does not package: a venv with
-# torch and numpy from PyPI (made once; several GB with torch's CUDA libraries), then
+# torch, numpy, transformers, peft, safetensors and accelerate from PyPI (made once; several
+# GB with torch's CUDA libraries), then
 #   1. the project built (scripts/setup.sh) and tests/python run over the build tree by the
-#      venv's Python: zinf.torch against plain PyTorch, and the package's tests with torch;
-#   2. the example, 3 steps of its GPT on NVMe under tenth budgets;
+#      venv's Python: zinf.torch against plain PyTorch, torch's own calls on an offloaded
+#      model, transformers' models, Trainer and peft, and the package's tests with torch;
+#   2. the examples: 3 steps of the GPT on NVMe under tenth budgets, and transformers'
+#      Trainer fine-tuning a model built straight into zinf;
 #   3. `pip install .` into the venv (meson-python) and the torch tests again on the
 #      installed package, from outside the source tree; then it is uninstalled.
 #   ZINF_TORCH_VENV=build/torch-venv  the venv (an existing one with torch is reused)
@@ -13,15 +16,17 @@ root=$PWD
 venv=${ZINF_TORCH_VENV:-$root/build/torch-venv}
 
 BUILD_DIR=build scripts/setup.sh
-if ! "$venv/bin/python" -c 'import torch, numpy' >/dev/null 2>&1; then
+pkgs=(torch numpy transformers peft safetensors accelerate)
+if ! "$venv/bin/python" -c 'import torch, numpy, transformers, peft, safetensors, accelerate' \
+    >/dev/null 2>&1; then
   # The build's Python makes the venv, so that the extension built for it loads there.
   if ! /usr/bin/python3 -c 'import ensurepip' >/dev/null 2>&1; then
     sudo=; [ "$(id -u)" = 0 ] || sudo=sudo
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q python3-venv
   fi
-  echo "test-torch: making $venv (torch and numpy from PyPI)"
-  /usr/bin/python3 -m venv "$venv"
-  "$venv/bin/pip" install -q torch numpy
+  echo "test-torch: making $venv (${pkgs[*]} from PyPI)"
+  [ -x "$venv/bin/pip" ] || /usr/bin/python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "${pkgs[@]}"
 fi
 py=$venv/bin/python
 echo "test-torch: $("$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__)')"
@@ -33,7 +38,8 @@ export ZINF_TEST_TMPDIR=$scratch
 echo "== 1. tests/python over the build tree"
 (cd tests/python &&
   PYTHONPATH=$root/build/python ZINF_BIN=$root/build/tools/zinf \
-    "$py" -m unittest -v test_torch test_zinf 2>&1 | tee "$scratch/tree.log")
+    "$py" -m unittest -v test_torch test_torch_conventions test_torch_hf test_zinf 2>&1 |
+    tee "$scratch/tree.log")
 # "OK" alone: unittest writes "OK (skipped=N)" when any test skipped.
 grep -q '^OK$' "$scratch/tree.log" ||
   { echo "test-torch: a test failed or skipped (above)" >&2; exit 1; }
@@ -41,17 +47,23 @@ grep -q '^OK$' "$scratch/tree.log" ||
 echo "== 2. the example"
 PYTHONPATH=$root/build/python "$py" examples/torch_offload.py --text README.md \
   --nvme "$scratch/example" --steps 3 --device emulated
+PYTHONPATH=$root/build/python "$py" examples/hf_trainer.py --text README.md \
+  --nvme "$scratch/hf-swap" --out "$scratch/hf-out" --steps 6
 
 echo "== 3. pip install ."
 "$venv/bin/pip" install -q "$root"
 # From a folder outside the tree, with nothing on PYTHONPATH: the installed package.
-cp tests/python/test_torch.py tests/python/daemon.py "$scratch/"
-mkdir -p "$scratch/examples" "$scratch/tests" && cp examples/torch_offload.py "$scratch/examples/"
+cp tests/python/test_torch.py tests/python/test_torch_conventions.py tests/python/test_torch_hf.py \
+  tests/python/daemon.py "$scratch/"
+mkdir -p "$scratch/examples" "$scratch/tests" &&
+  cp examples/torch_offload.py examples/hf_trainer.py "$scratch/examples/"
 cp README.md "$scratch/"
-(cd "$scratch" && mkdir -p tests/python && mv test_torch.py daemon.py tests/python/ &&
+(cd "$scratch" && mkdir -p tests/python &&
+  mv test_torch.py test_torch_conventions.py test_torch_hf.py daemon.py tests/python/ &&
   cd tests/python &&
   "$py" -c 'import zinf, zinf.torch, sys; assert "site-packages" in zinf.__file__, zinf.__file__; print("installed:", zinf.__file__)' &&
-  ZINF_BIN=$venv/bin/zinf "$py" -m unittest test_torch 2>&1 | tee "$scratch/installed.log")
+  ZINF_BIN=$venv/bin/zinf "$py" -m unittest test_torch test_torch_conventions test_torch_hf 2>&1 |
+  tee "$scratch/installed.log")
 grep -q '^OK$' "$scratch/installed.log" ||
   { echo "test-torch: the installed package failed (above)" >&2; exit 1; }
 echo "test-torch: all passed"
