@@ -1313,8 +1313,10 @@ static PyMethodDef Pinned_methods[] = {
      "release(dirty=None, spent=False): drop the pin (dirty: the caller wrote through it; "
      "None: as fetch said; spent: nobody needs the content again, and the tensor, homed on "
      "NVMe and held by nobody else, becomes zeros without a byte moved, ZINF_RELEASE_ZERO). "
-     "A refusal keeps the pin. With DLPack views alive, the pin is dropped when the last one "
-     "is deleted (clean where zinf refuses the flags then)."},
+     "A refusal keeps the pin (release() again; after a refused dirty release the default "
+     "is dirty). With DLPack views alive, the pin is dropped when the last one is deleted: "
+     "a spent release zinf refuses then goes clean, a dirty one keeps the pin and the "
+     "Pinned is held again (a RuntimeWarning)."},
     {"__enter__", (PyCFunction)Pinned_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Pinned_exit, METH_VARARGS, NULL},
     {"__dlpack__", (PyCFunction)(void (*)(void))Pinned_dlpack, METH_VARARGS | METH_KEYWORDS,
@@ -1896,8 +1898,9 @@ err:
 #define KW (PyCFunction)(void (*)(void))
 static PyMethodDef Engine_methods[] = {
     {"close", (PyCFunction)Engine_close, METH_NOARGS,
-     "Close the engine (flushing when it has an NVMe tier). New calls are refused at once; "
-     "the engine closes when no call is in flight and no pin or view is held."},
+     "Close the engine (flushing when it has an NVMe tier, unless close_unflushed was asked "
+     "for). New calls are refused at once; the engine closes when no call is in flight and "
+     "no pin or view is held."},
     {"__enter__", (PyCFunction)Engine_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Engine_exit, METH_VARARGS, NULL},
     {"register", KW Engine_register, METH_VARARGS | METH_KEYWORDS,
@@ -1909,9 +1912,12 @@ static PyMethodDef Engine_methods[] = {
      "and its next fetch reads nothing from the drive (homed on NVMe, nobody holding it: "
      "zinf_zero)"},
     {"fetch", KW Engine_fetch, METH_VARARGS | METH_KEYWORDS,
-     "fetch(tensor, tier=\"device\", dirty=False) -> Pinned"},
+     "fetch(tensor, tier=\"device\", dirty=False, wait=None) -> Pinned. wait: where the tier "
+     "is full of pins (ENOMEM), seconds (or True: no limit) to wait for a pin of this engine "
+     "to go and try again; None: fail at once. What never fits fails at once."},
     {"fetch_all", KW Engine_fetch_all, METH_VARARGS | METH_KEYWORDS,
-     "fetch_all(tensors, tier=\"device\", dirty=False) -> [Pinned]: all pinned, or none"},
+     "fetch_all(tensors, tier=\"device\", dirty=False, wait=None) -> [Pinned]: all pinned, "
+     "or none; wait as fetch's."},
     {"fetch_async", KW Engine_fetch_async, METH_VARARGS | METH_KEYWORDS,
      "fetch_async(tensor, tier=\"device\") -> ticket"},
     {"wait", KW Engine_wait, METH_VARARGS | METH_KEYWORDS,
@@ -1955,7 +1961,12 @@ static PyTypeObject EngineType = {
     .tp_dealloc = (destructor)Engine_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "Engine(config=None, *, nvme_path=None, device_bytes=0, host_bytes=0, "
-              "device=\"auto\", resume=False, overwrite=False, readonly=False, pin=True)",
+              "device=\"auto\", resume=False, overwrite=False, readonly=False, pin=True, "
+              "previous=False, block_size=0, queue_depth=0, cuda_device=0, nvme_paths=None)\n"
+              "previous: open the version a flush(keep_previous=True) kept (with resume or "
+              "readonly); nvme_paths: extra swap directories striped with nvme_path. A "
+              "with-block closes it on exit: with the flush, or without it "
+              "(close_unflushed) when the block raised.",
     .tp_methods = Engine_methods,
     .tp_getset = Engine_getset,
     .tp_init = (initproc)Engine_init,
@@ -2281,7 +2292,9 @@ static PyMethodDef module_methods[] = {
      "One AdamW step (torch.optim.AdamW's update, zinf_adamw_step) in place on param, m and v:\n"
      "float32 arrays of the same length in host memory, each a Pinned copy (fetched dirty to\n"
      "keep what is written) or a buffer. step counts from 1. zinf.Error(EINVAL) for\n"
-     "hyper-parameters out of range; nothing is changed then."},
+     "hyper-parameters out of range; nothing is changed then. Another dtype (a Pinned\n"
+     "registered with one, an array or buffer of another type) is a TypeError; untyped\n"
+     "bytes (a Pinned registered by size, bytes, bytearray) are taken as float32."},
     {NULL, NULL, 0, NULL},
 };
 
