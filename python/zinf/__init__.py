@@ -85,10 +85,12 @@ from ._zinf import (  # noqa: F401  (re-exports)
     saved_at,
     saved_steps,
     saved_tensors,
+    set_log,
     strerror,
 )
 
 __all__ = [
     "DEVICE", "HOST", "NVME", "Engine", "Error", "Pinned", "Tensor", "__version__",
-    "adamw_step", "connect", "saved_at", "saved_steps", "saved_tensors", "strerror",
+    "adamw_step", "connect", "saved_at", "saved_steps", "saved_tensors", "set_log",
+    "strerror",
 ]

@@ -2064,6 +2064,87 @@ static PyObject *mod_saved_tensors(PyObject *m, PyObject *args)
     return PyLong_FromSize_t(n);
 }
 
+/* zinf.set_log: the library's messages to a Python callable. The library calls it from
+ * whichever thread logs, holding its log lock: the callback takes the GIL, so zinf_set_log
+ * itself is called with the GIL dropped (a thread in the callback may wait for the GIL with
+ * that lock held), as every other call of the library is. */
+static PyObject *log_fn; /* the callable, or NULL */
+
+static void log_to_python(int level, const char *msg, void *user)
+{
+    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *fn = log_fn;
+    if (fn) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        Py_INCREF(fn);
+        PyObject *r = PyObject_CallFunction(fn, "is", level, msg);
+        if (!r) PyErr_WriteUnraisable(fn);
+        Py_XDECREF(r);
+        Py_DECREF(fn);
+        PyErr_Restore(et, ev, tb);
+    }
+    PyGILState_Release(g);
+}
+
+static PyObject *mod_set_log(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"fn", "level", NULL};
+    PyObject *fn = Py_None, *level_o = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO", kwlist, &fn, &level_o)) return NULL;
+    if (fn != Py_None && !PyCallable_Check(fn)) {
+        PyErr_Format(PyExc_TypeError, "set_log takes a callable fn(level, msg) or None, not %s",
+                     Py_TYPE(fn)->tp_name);
+        return NULL;
+    }
+    int level = -1;
+    if (level_o != Py_None) {
+        if (PyUnicode_Check(level_o)) {
+            static const char *const names[] = {"error", "warn", "notice", "debug"};
+            const char *sl = PyUnicode_AsUTF8(level_o);
+            if (!sl) return NULL;
+            for (int i = 0; i < 4; i++)
+                if (!strcmp(sl, names[i])) level = i;
+        } else if (PyLong_Check(level_o) && !PyBool_Check(level_o)) {
+            long v = PyLong_AsLong(level_o);
+            if (v == -1 && PyErr_Occurred()) return NULL;
+            if (v >= 0 && v <= 3) level = (int)v;
+        } else {
+            PyErr_Format(PyExc_TypeError, "a log level is an int 0-3 or error/warn/notice/debug, "
+                         "not %s", Py_TYPE(level_o)->tp_name);
+            return NULL;
+        }
+        if (level < 0) {
+            PyErr_Format(PyExc_ValueError, "unknown log level %R (0-3, or error, warn, notice, "
+                         "debug)", level_o);
+            return NULL;
+        }
+    }
+    PyObject *old = log_fn;
+    bool to_python = fn != Py_None;
+    if (to_python) log_fn = Py_NewRef(fn);
+    Py_BEGIN_ALLOW_THREADS
+    zinf_set_log(to_python ? log_to_python : NULL, NULL, level);
+    Py_END_ALLOW_THREADS
+    if (!to_python) log_fn = NULL;
+    Py_XDECREF(old);
+    Py_RETURN_NONE;
+}
+
+/* At exit, before the interpreter goes: the messages go back to stderr. */
+static PyObject *mod_log_reset(PyObject *m, PyObject *unused)
+{
+    if (!log_fn) Py_RETURN_NONE;
+    PyObject *old = log_fn;
+    Py_BEGIN_ALLOW_THREADS
+    zinf_set_log(NULL, NULL, -1);
+    Py_END_ALLOW_THREADS
+    log_fn = NULL;
+    Py_DECREF(old);
+    Py_RETURN_NONE;
+}
+
 static PyObject *mod_strerror(PyObject *m, PyObject *arg)
 {
     long v = PyLong_AsLong(arg);
@@ -2275,6 +2356,14 @@ static PyMethodDef module_methods[] = {
     {"connect", KW mod_connect, METH_VARARGS | METH_KEYWORDS,
      "connect(socket, job) -> Engine attached to a zinf daemon's job."},
     {"strerror", (PyCFunction)mod_strerror, METH_O, "strerror(errno) -> zinf's message"},
+    {"set_log", KW mod_set_log, METH_VARARGS | METH_KEYWORDS,
+     "set_log(fn=None, level=None): where libzinf's messages go (zinf_set_log). fn(level, "
+     "msg) is called for each (level 0 error .. 3 debug, msg one line), from whichever "
+     "thread logs, and must not call zinf; None: back to stderr. level: the most verbose "
+     "level passed on (0-3 or \"error\", \"warn\", \"notice\", \"debug\"); None: as it "
+     "is (ZINF_LOG in the environment, default notice). At exit the messages go back to "
+     "stderr."},
+    {"_log_reset", (PyCFunction)mod_log_reset, METH_NOARGS, NULL},
     {"saved_steps", (PyCFunction)mod_saved_steps, METH_VARARGS,
      "saved_steps(dir) -> (current, previous): the steps the saved state in swap directory "
      "dir was flushed with (None: no tag, or no previous version). Reads the manifests "
@@ -2356,5 +2445,16 @@ PyMODINIT_FUNC PyInit__zinf(void)
         Py_DECREF(m);
         return NULL;
     }
+    /* set_log's callback is undone at exit, before the interpreter it calls into goes. */
+    PyObject *atexit = PyImport_ImportModule("atexit");
+    PyObject *reset = PyObject_GetAttrString(m, "_log_reset");
+    PyObject *r = atexit && reset ? PyObject_CallMethod(atexit, "register", "O", reset) : NULL;
+    Py_XDECREF(atexit);
+    Py_XDECREF(reset);
+    if (!r) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_DECREF(r);
     return m;
 }

@@ -200,6 +200,41 @@ class TestEngine(Base):
         with self.engine(overwrite=True) as e:
             self.assertErrno(errno.ENOENT, e.lookup, "t")
 
+    def test_set_log(self):
+        got = []
+        zinf.set_log(lambda level, msg: got.append((level, msg)), "notice")
+        try:
+            with self.engine() as e:
+                e.register("t", 100)
+            self.assertErrno(errno.EEXIST, self.engine)   # logs why, naming the directory
+            self.assertTrue(any(lv == 0 and self.swap in m for lv, m in got), got)
+            # Below the level: not passed on.
+            zinf.set_log(lambda level, msg: got.append((level, msg)), 0)
+            del got[:]
+            zinf.Engine(nvme_path=self.swap, device="emulated", device_bytes=MIB,
+                        host_bytes=MIB, pin=False, resume=True).close()
+            self.assertTrue(all(lv == 0 for lv, _ in got), got)
+            # A callback that raises is reported, not raised into the library's caller.
+            zinf.set_log(lambda level, msg: 1 / 0, "error")
+            unraisable, hook = [], sys.unraisablehook
+            sys.unraisablehook = unraisable.append
+            try:
+                self.assertErrno(errno.EEXIST, self.engine)
+            finally:
+                sys.unraisablehook = hook
+            self.assertTrue(unraisable)
+            self.assertIsInstance(unraisable[0].exc_value, ZeroDivisionError)
+        finally:
+            zinf.set_log(None, "notice")
+        with self.assertRaises(TypeError):
+            zinf.set_log(5)
+        with self.assertRaises(ValueError):
+            zinf.set_log(None, "loud")
+        with self.assertRaises(ValueError):
+            zinf.set_log(None, 7)
+        with self.assertRaises(TypeError):
+            zinf.set_log(None, 1.5)
+
     def test_config_path_and_dict(self):
         cfg = {"zero_optimization": {"offload_param": {"device": "nvme",
                                                        "nvme_path": self.swap}},
