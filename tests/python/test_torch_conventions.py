@@ -306,6 +306,47 @@ class Conventions(Base):
             # The original is still offloaded, hooks and all.
             self.assertIs(off.zinf_offload.module, off)
 
+    def test_activation_checkpointing_and_compile(self):
+        """torch.utils.checkpoint around offloaded blocks (re-entrant and not), and
+        torch.compile of an offloaded model: the same losses as plain PyTorch."""
+        import types
+        import torch.utils.checkpoint as cp
+
+        def forward(reentrant):
+            def f(self, idx, targets):
+                x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+                for b in self.blocks:
+                    x = cp.checkpoint(b, x, use_reentrant=reentrant)
+                logits = self.head(self.ln_f(x))
+                return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]),
+                                                         targets.view(-1))
+            return f
+
+        def step(i, ref, off, o_ref, o_off):
+            o_ref.step()
+            o_off.step()
+            o_ref.zero_grad()
+            o_off.zero_grad()
+
+        for reentrant in (True, False):
+            with self.subTest(reentrant=reentrant):
+                ref, off, e = self.pair()
+                for m in (ref, off):
+                    m.forward = types.MethodType(forward(reentrant), m)
+                with e:
+                    # The offload wraps the instance's forward: put the checkpointed one
+                    # under it.
+                    off.zinf_offload.remove()
+                    zt.offload(off, e)
+                    self.run_loop(ref, off, e, 3, step)
+                    self.assertIdle(e, off)
+                    self.assertGreater(off.zinf_offload.fetches["backward"], 0)
+        ref, off, e = self.pair()
+        with e:
+            compiled = torch.compile(off)
+            self.run_loop(ref, compiled, e, 3, step, o_off=zt.AdamW(off.parameters(), lr=1e-3))
+            self.assertIdle(e, off)
+
     # ---- 16-bit ------------------------------------------------------------------------------
 
     def test_bf16_parameters_with_a_float32_master(self):

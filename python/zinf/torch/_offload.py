@@ -132,7 +132,7 @@ class Offload:
     the parameters back."""
 
     def __init__(self, module, engine, *, home="nvme", tier="device", prefix="",
-                 resume=False, wait=True, _shapes=None):
+                 resume=False, wait=30.0, _shapes=None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError("offload takes a torch.nn.Module")
         if tier not in ("device", "host"):
@@ -149,15 +149,7 @@ class Offload:
         self._cuda = None         # the torch device of fetched copies, once known
         self._sd_cache = (None, {})
         self._shapes = _shapes or {}   # parameters made under init(): their shapes, no values
-        self._fetch_kw = {}
-        if wait:
-            try:
-                engine.fetch_all([], "host", wait=True)
-                self._fetch_kw = {"wait": True}
-            except TypeError:
-                pass              # an engine without waiting for room: fail at once
-            except Exception:
-                self._fetch_kw = {"wait": True}
+        self._fetch_kw = {"wait": wait} if wait else {}
         # Fetches by the hook that asked: forward pre-hooks, full backward pre-hooks, saved
         # views whose node came before any hook of their module (unpack), and gathers.
         self.fetches = {"forward": 0, "backward": 0, "unpack": 0, "gather": 0}
@@ -270,7 +262,6 @@ class Offload:
         forward = module.forward
         self._own_forward = module.__dict__.get("forward")  # an instance's own, put back
 
-        @torch.compiler.disable
         @functools.wraps(forward)   # its signature: HF's Trainer picks the inputs by it
         def forward_with_saved_hooks(*args, **kwargs):
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -325,6 +316,9 @@ class Offload:
                     self._by_storage[view.untyped_storage().data_ptr()] = e
                 _set_grad(e.param, None)
                 _set_data(e.param, view)
+                # While fetched it is a plain Parameter: no check on each operation, and
+                # nothing of zinf for torch.compile to trace.
+                e.param.__class__ = e.cls
                 self._hook_grad(e)
             if self._cuda is None:
                 self._cuda = views[0].device if views[0].device.type == "cuda" else False
@@ -340,6 +334,7 @@ class Offload:
         with _disabled():
             self._by_storage.pop(e.view.untyped_storage().data_ptr(), None)
             e.param.data = torch.empty(0, dtype=e.dtype, device=e.view.device)
+        e.param.__class__ = param_class(e.cls)
         view, e.view = e.view, None
         pin, e.pin = e.pin, None
         dirty, e.dirty = e.dirty, False
@@ -701,13 +696,16 @@ class Offload:
             self._entries = []
 
 
-def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=False, wait=True):
+def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=False, wait=30.0):
     """Move module's parameters into engine (see zinf.torch's docstring); returns the
     Offload. home: where their permanent copies live ("nvme", "host" or "device"); tier:
     where forward and backward use them ("device" or "host"); prefix: put before each
     zinf tensor's name; resume: look the tensors up (an engine opened with resume=True)
     instead of registering and writing them; wait: a fetch that finds its tier full of
-    other threads' pins waits for room rather than failing with ENOMEM."""
+    other threads' pins waits up to this many seconds for room (True: without a limit; 0 or
+    None: not at all) before it fails with ENOMEM. A limit, by default: a thread that holds
+    pins in the tier itself (an outer module's parameters) may wait for room only it could
+    give back."""
     return Offload(module, engine, home=home, tier=tier, prefix=prefix, resume=resume,
                    wait=wait)
 
