@@ -284,6 +284,44 @@ class Conventions(Base):
             off.zinf_offload.remove()
             self.assertEqual(e.stats()["tensors"], 0)
 
+    def test_an_interrupted_step_saves_nothing_of_itself(self):
+        """KeyboardInterrupt between two parameters' updates: the engine closes without a
+        flush, and a resumed run finds the last whole step's values."""
+        import zinf.torch._optim as optim
+        ref, off, e = self.pair()
+        o = zt.AdamW(off.parameters(), lr=1e-2)
+        data = batches()
+        x, y = next(data)
+        off(x, y).backward()
+        o.step()
+        o.zero_grad()
+        e.flush()
+        saved = {k: v.clone() for k, v in off.state_dict().items()}
+        off(x, y).backward()
+        real, calls = optim.adamw_step, []
+
+        def interrupted(*args, **kw):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real(*args, **kw)
+
+        optim.adamw_step = interrupted
+        try:
+            with self.assertRaises(KeyboardInterrupt):
+                o.step()
+        finally:
+            optim.adamw_step = real
+        self.assertTrue(e.closed)
+        with self.assertRaises(Exception):
+            e.flush()
+        del o
+        m2 = self.model(layers=2)
+        with self.engine(m2, resume=True) as e2:
+            zt.offload(m2, e2, resume=True)
+            for k, v in m2.state_dict().items():
+                self.assertTrue(torch.equal(v, saved[k]), k)
+
     def test_deepcopy_and_pickle_give_plain_copies(self):
         ref, off, e = self.pair()
         x, y = next(batches())

@@ -1,21 +1,16 @@
 """zinf.torch.AdamW: torch.optim.AdamW over parameters whose state lives in zinf."""
 
 import math
-import weakref
 
 import torch
 
 from .. import Error, adamw_step
 from ._offload import view_as
 
-__all__ = ["AdamW", "torn_engines"]
+__all__ = ["AdamW"]
 
 _disabled = torch._C.DisableTorchFunctionSubclass
 _SIXTEEN = (torch.bfloat16, torch.float16)
-
-# Engines whose parameters an interrupted step left half-updated: zinf.torch refuses to
-# save them (close them with Engine.close_unflushed, or leave a with-block by the exception).
-torn_engines = weakref.WeakSet()
 
 
 def _f(x):
@@ -38,7 +33,12 @@ class AdamW(torch.optim.Optimizer):
     state_dict() holds the moments in torch.optim.AdamW's layout (float32, read into
     memory), and load_state_dict() takes torch's: state converts both ways. foreach and
     fused are taken and change nothing (the update is libzinf's); capturable and
-    differentiable are refused."""
+    differentiable are refused.
+
+    A step is a unit: where it is interrupted (an exception, KeyboardInterrupt) after some
+    parameters took their update and before the rest did, every engine it steps is closed
+    without a flush (Engine.close_unflushed), so that what is saved is the last whole
+    step's, never a mix; the exception goes on to the caller."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
@@ -180,6 +180,7 @@ class AdamW(torch.optim.Optimizer):
         work = [(group, p) for group in self.param_groups for p in group["params"]
                 if p._zinf.has_grad]
         engines = {id(off.engine): off.engine for off in owners.values()}
+        done = 0
         try:
             for i, (group, p) in enumerate(work):
                 if i + 1 < len(work):
@@ -188,14 +189,15 @@ class AdamW(torch.optim.Optimizer):
                         if t is not None:
                             n.owner.engine.prefetch(t, "host")
                 self._step_one(group, p)
+                done += 1
         except BaseException:
-            if any(self.state[p].get("_began") for _, p in work):
+            if done:
+                # Some parameters hold this step's values and others the last one's: no
+                # flush may save that. The engines close without one, so the saved state
+                # stays the last whole step's (reopen them with resume=True).
                 for eng in engines.values():
-                    torn_engines.add(eng)
+                    eng.close_unflushed()
             raise
-        finally:
-            for _, p in work:
-                self.state[p].pop("_began", None)
         for eng in engines.values():
             eng.step()
         return loss
@@ -218,7 +220,6 @@ class AdamW(torch.optim.Optimizer):
             handles.append(e.vmax)
         with off._lock:
             pins = off.fetch_all(handles, "host", dirty=True)
-            st["_began"] = True
             try:
                 with _disabled():
                     f32 = lambda pin: view_as(pin, e.shape, torch.float32)  # noqa: E731
