@@ -430,6 +430,46 @@ class Conventions(Base):
             self.assertEqual(off.wte.weight._zinf.handle.nbytes, 2 * 256 * 128)
             self.assertGreater(n, 0)
 
+    def test_fp16_parameters_with_grad_scaler(self):
+        """fp16 parameters, float32 master in zinf, torch.amp.GradScaler's dynamic loss
+        scale (its unscale_ sees the gradients in zinf, an overflow skips the step and
+        halves the scale), against plain PyTorch's master-weight recipe by hand."""
+        ref = self.model(layers=2).half()
+        off = copy.deepcopy(ref)
+        master = [p.detach().float().requires_grad_() for p in ref.parameters()]
+        o_ref = torch.optim.AdamW(master, lr=1e-3)
+        scale = 2.0 ** 16
+        with self.engine(ref) as e:
+            zt.offload(off, e)
+            o_off = zt.AdamW(off.parameters(), lr=1e-3)
+            scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+            data = batches()
+            skipped = 0
+            for step in range(5):
+                x, y = next(data)
+                l_ref = ref(x, y)
+                (l_ref * scale).backward()
+                for m, p in zip(master, ref.parameters()):
+                    m.grad = p.grad.float() / scale
+                if all(torch.isfinite(m.grad).all() for m in master):
+                    o_ref.step()
+                else:
+                    scale /= 2
+                    skipped += 1
+                with torch.no_grad():
+                    for m, p in zip(master, ref.parameters()):
+                        p.copy_(m)
+                o_ref.zero_grad()
+                ref.zero_grad()
+                l_off = off(x, y)
+                self.assertEqual(l_ref.item(), l_off.item(), f"step {step}")
+                scaler.scale(l_off).backward()
+                scaler.step(o_off)
+                scaler.update()
+                o_off.zero_grad()
+                self.assertEqual(scaler.get_scale(), scale)
+            self.assertGreater(skipped, 0)   # 2^16 overflows fp16 at the first step
+
 
 def _numel(shape):
     n = 1
