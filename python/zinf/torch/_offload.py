@@ -4,6 +4,7 @@ import collections
 import contextlib
 import copy
 import errno
+import math
 import functools
 import threading
 import weakref
@@ -17,6 +18,7 @@ __all__ = ["Offload", "offload", "gathered", "shape_of", "DTYPES"]
 
 _KDLCPU, _KDLCUDAHOST = 1, 3
 _disabled = torch._C.DisableTorchFunctionSubclass
+_from_capsule = torch._C._from_dlpack
 
 # The parameter dtypes zinf.torch offloads, by zinf's name for them.
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -65,6 +67,26 @@ def zero(engine, t):
         raise
 
 
+def _nodes(result):
+    """The distinct autograd nodes that made the tensors of a module's output (a tensor, or
+    a tuple, list or dict of them: a ModelOutput is a dict)."""
+    if isinstance(result, torch.Tensor):
+        items = (result,)
+    elif isinstance(result, dict):
+        items = result.values()
+    elif isinstance(result, (tuple, list)):
+        items = result
+    else:
+        return ()
+    nodes = {}
+    for t in items:
+        if isinstance(t, torch.Tensor):
+            fn = t.grad_fn
+            if fn is not None:
+                nodes[id(fn)] = fn
+    return nodes.values()
+
+
 def _in_backward():
     return torch._C._current_graph_task_id() != -1
 
@@ -91,11 +113,12 @@ class _Entry:
     __slots__ = ("owner", "name", "param", "shape", "dtype", "cls", "handle", "grad", "m",
                  "v", "vmax", "master", "pin", "view", "users", "in_backward", "dirty",
                  "hooked", "has_grad", "fresh", "proxy", "gnorm", "gscale", "nonfinite",
-                 "gpin")
+                 "gpin", "zcls")
 
     def __init__(self, owner, name, param, handle, grad):
         self.owner, self.name, self.param = owner, name, param
         self.shape, self.dtype, self.cls = tuple(param.shape), param.dtype, type(param)
+        self.zcls = param_class(self.cls)
         self.handle, self.grad = handle, grad
         self.m = self.v = self.vmax = self.master = None
         self.pin = self.view = self.gpin = None
@@ -150,6 +173,8 @@ class Offload:
         self._sd_cache = (None, {})
         self._shapes = _shapes or {}   # parameters made under init(): their shapes, no values
         self._fetch_kw = {"wait": wait} if wait else {}
+        self._dl_cpu = {}         # tier -> whether its DLPack exports are plain CPU memory
+        self._empties = {}        # (dtype, device) -> the 0-element tensor of idle parameters
         # Fetches by the hook that asked: forward pre-hooks, full backward pre-hooks, saved
         # views whose node came before any hook of their module (unpack), and gathers.
         self.fetches = {"forward": 0, "backward": 0, "unpack": 0, "gather": 0}
@@ -250,8 +275,7 @@ class Offload:
         for m, own in owners:
             self._hooks += [
                 m.register_forward_pre_hook(self._make_pre(own, m is module)),
-                m.register_forward_hook(self._post, always_call=True),
-                m.register_full_backward_pre_hook(self._make_backward_pre(own)),
+                m.register_forward_hook(self._make_post(own), always_call=True),
                 m.register_state_dict_post_hook(
                     lambda m, sd, prefix, md: self._state_dict_hook(m, sd, prefix, md)),
                 m.register_load_state_dict_pre_hook(self._load_pre),
@@ -296,30 +320,52 @@ class Offload:
     def fetch_all(self, handles, tier, dirty=False):
         return self.engine.fetch_all(handles, tier, dirty=dirty, **self._fetch_kw)
 
+    def _view(self, pin, e, dtype=None, shape=None):
+        """A torch tensor over a pinned copy of one of e's tensors (its own dtype and shape
+        unless given), zero-copy. Plain CPU memory (host tier, emulated device) is taken
+        straight from the DLPack capsule; other devices through torch.from_dlpack."""
+        dtype = dtype or e.dtype
+        shape = shape or e.shape
+        if pin.tier not in self._dl_cpu:
+            self._dl_cpu[pin.tier] = pin.__dlpack_device__()[0] == _KDLCPU
+        if self._dl_cpu[pin.tier]:
+            v = _from_capsule(pin.__dlpack__())
+        else:
+            v = torch_view(pin)
+        if v.dtype != dtype:
+            v = v.view(dtype)
+        if v.shape != shape:
+            v = v.view(shape)
+        return v
+
     def _acquire(self, entries, why):
         """One more holder of each entry's fetched copy; the ones not resident yet are
         fetched as one set (zinf_fetch_all: the tier makes room for the whole set)."""
         need = [e for e in entries if e.users == 0]
         if need:
-            pins = self.fetch_all([e.handle for e in need], self.tier)
+            pins = self.engine.fetch_all([e.handle for e in need], self.tier,
+                                         **self._fetch_kw)
             self.fetches[why] += len(need)
             try:
-                views = [view_as(pin, e.shape, e.dtype) for pin, e in zip(pins, need)]
+                views = [self._view(pin, e) for pin, e in zip(pins, need)]
             except BaseException:
                 for pin in pins:
                     pin.release()
                 raise
             for e, pin, view in zip(need, pins, views):
-                self._sync_grad(e)
-                e.pin, e.view = pin, view
-                with _disabled():
-                    self._by_storage[view.untyped_storage().data_ptr()] = e
-                _set_grad(e.param, None)
-                _set_data(e.param, view)
+                p = e.param
+                if e.has_grad:
+                    self._sync_grad(e)
                 # While fetched it is a plain Parameter: no check on each operation, and
                 # nothing of zinf for torch.compile to trace.
-                e.param.__class__ = e.cls
-                self._hook_grad(e)
+                p.__class__ = e.cls
+                if e.has_grad:
+                    p.grad = None
+                p.data = view
+                e.pin, e.view = pin, view
+                self._by_storage[view.data_ptr()] = e
+                if not e.hooked and p.requires_grad:
+                    self._hook_grad(e)
             if self._cuda is None:
                 self._cuda = views[0].device if views[0].device.type == "cuda" else False
         for e in entries:
@@ -331,21 +377,29 @@ class Offload:
             return
         if self._cuda:
             torch.cuda.current_stream(self._cuda).synchronize()
-        with _disabled():
-            self._by_storage.pop(e.view.untyped_storage().data_ptr(), None)
-            e.param.data = torch.empty(0, dtype=e.dtype, device=e.view.device)
-        e.param.__class__ = param_class(e.cls)
         view, e.view = e.view, None
+        p = e.param
+        self._by_storage.pop(view.data_ptr(), None)
+        p.data = self._empty(e.dtype, view.device)
+        p.__class__ = e.zcls
         pin, e.pin = e.pin, None
         dirty, e.dirty = e.dirty, False
         try:
             if dirty and e.master is not None:
                 with self.engine.fetch(e.master, "host", dirty=True) as mp:
-                    view_as(mp, e.shape, torch.float32).copy_(view)
+                    self._view(mp, e, torch.float32).copy_(view)
             del view
         finally:
-            self._put_proxy(e)
+            if e.has_grad:
+                self._put_proxy(e)
             pin.release(dirty=dirty)
+
+    def _empty(self, dtype, device):
+        key = (dtype, device)
+        t = self._empties.get(key)
+        if t is None:
+            t = self._empties[key] = torch.empty(0, dtype=dtype, device=device)
+        return t
 
     def _put_proxy(self, e):
         if e.has_grad:
@@ -386,22 +440,29 @@ class Offload:
 
         return pre
 
-    @torch.compiler.disable
-    def _post(self, m, args, result):
-        with self._lock:
-            stack = self._calls.get(id(m))
-            got = stack.pop() if stack else []
-            for e in got:
-                self._drop(e)
-
-    def _make_backward_pre(self, own):
-        @torch.compiler.disable
-        def backward_pre(m, grad_output):
+    def _make_post(self, own):
+        def backward_pre(grad_outputs):
             with self._lock:
                 self._queue_end_of_backward()
                 self._hold_for_backward(own, "backward")
 
-        return backward_pre
+        @torch.compiler.disable
+        def post(m, args, result):
+            with self._lock:
+                stack = self._calls.get(id(m))
+                got = stack.pop() if stack else []
+                try:
+                    if torch.is_grad_enabled():
+                        # The backward fetches the module's parameters again before the
+                        # first node of its outputs runs (a node's pre-hook: lighter than a
+                        # full backward pre-hook, which wraps every input and output).
+                        for node in _nodes(result):
+                            node.register_prehook(backward_pre)
+                finally:
+                    for e in got:
+                        self._drop(e)
+
+        return post
 
     def _hold_for_backward(self, entries, why):
         new = [e for e in entries if not e.in_backward]
@@ -471,22 +532,24 @@ class Offload:
 
     def _grad_ready(self, p):
         e = p.__dict__["_zinf"]
-        g = _grad_of(p)
-        _set_grad(p, None)
+        g = p.grad
+        p.grad = None
         with self._lock:
-            with self.engine.fetch(self.grad_handle(e), "host", dirty=True) as pin:
-                dst = view_as(pin, e.shape, torch.float32)
-                with _disabled():
-                    if e.has_grad and not e.fresh:
-                        if e.gscale != 1.0:
-                            dst.mul_(e.gscale)
-                        dst.add_(g.to(dst.device))
-                    else:
-                        dst.copy_(g)
-                    if g.device.type == "cuda":
-                        torch.cuda.current_stream(g.device).synchronize()
-                    self._note_grad(e, dst)
+            pin = self.engine.fetch(self.grad_handle(e), "host", dirty=True)
+            try:
+                dst = self._view(pin, e, torch.float32)
+                if e.has_grad and not e.fresh:
+                    if e.gscale != 1.0:
+                        dst.mul_(e.gscale)
+                    dst.add_(g.to(dst.device))
+                else:
+                    dst.copy_(g)
+                if g.device.type == "cuda":
+                    torch.cuda.current_stream(g.device).synchronize()
+                self._note_grad(e, dst)
                 del dst
+            finally:
+                pin.release()
             e.has_grad, e.fresh = True, False
             if e.in_backward:
                 e.in_backward = False
@@ -496,8 +559,9 @@ class Offload:
 
     def _note_grad(self, e, view):
         e.gscale = 1.0
-        e.gnorm = torch.linalg.vector_norm(view, 2.0)
-        e.nonfinite = not bool(torch.isfinite(e.gnorm))
+        with _disabled():
+            e.gnorm = torch.linalg.vector_norm(view)
+            e.nonfinite = not math.isfinite(e.gnorm.item())
 
     def grad_norm(self, e, ord):
         with self._lock:
