@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
-# torch_offload.sh - the example's GPT (examples/torch_offload.py) trained three ways, side by
-# side in one run, rounds interleaved: plain PyTorch in memory, zinf.torch with the whole
-# state on NVMe under device and host budgets of a tenth of it, and DeepSpeed ZeRO-3 with
-# parameters and optimizer states on NVMe (its CPU accelerator, one process). Each run is
-# bench/torch_offload.py; this prints each run's median step and the ratios of the medians.
+# torch_offload.sh - a GPT trained three ways, side by side in one run, rounds interleaved:
+# plain PyTorch in memory, zinf.torch with the whole state on NVMe under device and host
+# budgets of a tenth of it, and DeepSpeed ZeRO-3 with parameters and optimizer states on NVMe
+# (its CPU accelerator, one process). The model is the example's GPT
+# (examples/torch_offload.py), or transformers' GPT2LMHeadModel or LlamaForCausalLM built
+# from a config (MODEL=hf-gpt2, hf-llama), its parameters in fp32 or bf16 (DTYPE). Each run
+# is bench/torch_offload.py; this prints each run's median step and the ratios of the medians.
 #
 # usage: bench/torch_offload.sh DIR [ROUNDS]          (default 2)
+#   MODEL=gpt|hf-gpt2|hf-llama DTYPE=fp32|bf16 VOCAB=4096 (hf-*)
 #   LAYERS=8 DIM=512 HEADS=8 CONTEXT=256 BATCH=4 STEPS=6 BUDGET=0.1 TEXT=/usr/share/common-licenses/GPL-3
-#   MODES="plain zinf deepspeed"  VENV (bench/ds_env.sh: torch and deepspeed from PyPI)
+#   MODES="plain zinf deepspeed"  VENV (bench/ds_env.sh: torch and deepspeed from PyPI;
+#   transformers too for the hf-* models)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:?usage: bench/torch_offload.sh DIR [ROUNDS]}
 rounds=${2:-2}
 modes=${MODES:-plain zinf deepspeed}
+model=${MODEL:-gpt}
 . bench/ds_env.sh
-args=(--text "${TEXT:-/usr/share/common-licenses/GPL-3}" --layers "${LAYERS:-8}" --dim "${DIM:-512}"
+if [ "$model" != gpt ] && ! "$py" -c 'import transformers' >/dev/null 2>&1; then
+  "${py%/python}/pip" install -q transformers
+fi
+args=(--model "$model" --dtype "${DTYPE:-fp32}" --vocab "${VOCAB:-0}" --text "${TEXT:-/usr/share/common-licenses/GPL-3}" --layers "${LAYERS:-8}" --dim "${DIM:-512}"
       --heads "${HEADS:-8}" --context "${CONTEXT:-256}" --batch "${BATCH:-4}"
       --steps "${STEPS:-6}" --budget "${BUDGET:-0.1}")
 ls build/python/zinf/_zinf*.so >/dev/null 2>&1 ||
@@ -38,17 +46,24 @@ for r in runs:
     by.setdefault(r["mode"], []).append(r)
 med = {m: statistics.median(x["median_ms"] for x in rs) for m, rs in by.items()}
 r0 = runs[0]
-print(f"\n{r0['params'] / 1e6:.1f}M parameters, state {r0['state_bytes'] / 2**20:.0f} MiB; "
-      f"median step over {len(by[r0['mode']])} runs of each:")
+print(f"\n{r0.get('model', 'gpt')} {r0.get('dtype', 'fp32')}: {r0['params'] / 1e6:.1f}M parameters, "
+      f"state {r0['state_bytes'] / 2**20:.0f} MiB; median step over {len(by[r0['mode']])} runs "
+      f"of each:")
 for m, rs in by.items():
     rss = max(x["max_rss_bytes"] for x in rs) / 2**20
+    cpu = statistics.median(x["cpu_s"] / len(x["steps_ms"]) for x in rs if "cpu_s" in x) \
+        if any("cpu_s" in x for x in rs) else float("nan")
     extra = ""
     if m == "zinf":
         z = rs[-1]
-        extra = (f"  budgets {z['budget_bytes'] / 2**20:.0f} MiB, peaks device "
+        n = len(z["steps_ms"])
+        extra = (f"  budgets {z['budget_bytes'] / 2**20:.0f} MiB "
+                 f"({z.get('budget_fraction', 0):.2f} of the state), peaks device "
                  f"{z['device_peak_bytes'] / 2**20:.0f} host {z['host_peak_bytes'] / 2**20:.0f} MiB, "
-                 f"NVMe read {z['nvme_read_bytes'] / 2**20 / len(z['steps_ms']):.0f} MiB/step")
-    print(f"  {m:9s} {med[m]:8.0f} ms   max RSS {rss:6.0f} MiB{extra}")
+                 f"NVMe read {z['nvme_read_bytes'] / 2**20 / n:.0f} written "
+                 f"{z['nvme_written_bytes'] / 2**20 / n:.0f} MiB/step, blocked "
+                 f"{z['blocked_ms'] / n:.0f} ms/step")
+    print(f"  {m:9s} {med[m]:8.0f} ms   CPU {cpu:6.2f} s/step   max RSS {rss:6.0f} MiB{extra}")
 if "plain" in med:
     for m in med:
         if m != "plain":
