@@ -727,27 +727,23 @@ class Offload:
             self.release_stale()
             if any(e.users for e in self._entries):
                 raise RuntimeError("a forward or backward still holds parameters")
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
-            for k in ("forward", "zinf_offload", "__deepcopy__", "__reduce_ex__"):
-                self.module.__dict__.pop(k, None)
-            if self._own_forward is not None:
-                self.module.forward = self._own_forward
+            self._unhook()
             self._unregister_all()
 
+    def _unhook(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for k in ("forward", "zinf_offload", "__deepcopy__", "__reduce_ex__"):
+            self.module.__dict__.pop(k, None)
+        if self._own_forward is not None:
+            self.module.forward = self._own_forward
 
     def discard(self):
         """remove() for a module whose values are not wanted: the hooks off, the zinf
         tensors unregistered, each parameter left empty."""
         with self._lock:
-            for h in self._hooks:
-                h.remove()
-            self._hooks = []
-            for k in ("forward", "zinf_offload", "__deepcopy__", "__reduce_ex__"):
-                self.module.__dict__.pop(k, None)
-            if self._own_forward is not None:
-                self.module.forward = self._own_forward
+            self._unhook()
             for e in self._entries:
                 for t in (e.handle, e.grad, e.m, e.v, e.vmax, e.master):
                     if t is not None:
