@@ -32,9 +32,9 @@ The state (state_bytes) is zinf's layout: per parameter its own bytes, a float32
 two float32 moments and, for bf16, a float32 master (16 bytes fp32, 18 bf16).
 
 Prints one JSON object: mode, model, dtype, params, state_bytes, steps_ms, median_ms
-(steps 2..), losses, max_rss_bytes (ru_maxrss), cpu_s (the process's user+system CPU time
-over the timed steps), budget_bytes and budget_fraction, and for zinf the tiers' peaks and
-the NVMe bytes moved.
+(steps 2..), losses, max_rss_bytes (ru_maxrss), cpu_s_per_step (the process's user+system
+CPU time a step, steps 2..), budget_bytes and budget_fraction, and for zinf the tiers'
+peaks, the NVMe bytes moved in all and a step (steps 2..) and the time the engine blocked.
 """
 import argparse
 import json
@@ -195,17 +195,25 @@ def main():
 
     data = ex.batches(a.text, a.batch, a.context)
     times, losses = [], []
-    cpu0 = os.times()
-    for _ in range(a.steps):
+    marks = []      # after the first step and after the last: CPU time, NVMe bytes
+    for i in range(a.steps):
         x, y = next(data)
         t0 = time.perf_counter()
         losses.append(step(x, y))
         times.append((time.perf_counter() - t0) * 1e3)
-    cpu1 = os.times()
+        if i in (0, a.steps - 1):
+            c = os.times()
+            st = engine.stats() if engine is not None else {}
+            marks.append((c.user + c.system, st.get("nvme_bytes_read", 0),
+                          st.get("nvme_bytes_written", 0)))
+    later = max(a.steps - 1, 1)
     out.update(steps_ms=[round(t, 1) for t in times],
                median_ms=round(statistics.median(times[1:] or times), 1), losses=losses,
-               cpu_s=round(cpu1.user + cpu1.system - cpu0.user - cpu0.system, 2),
+               cpu_s_per_step=round((marks[-1][0] - marks[0][0]) / later, 3),
                max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if engine is not None:
+        out.update(nvme_read_per_step=(marks[-1][1] - marks[0][1]) // later,
+                   nvme_written_per_step=(marks[-1][2] - marks[0][2]) // later)
     if engine is not None:
         st = engine.stats()
         out.update(device_peak_bytes=st["tier"][0]["peak_bytes"],

@@ -12,6 +12,9 @@
 #   LAYERS=8 DIM=512 HEADS=8 CONTEXT=256 BATCH=4 STEPS=6 BUDGET=0.1 TEXT=/usr/share/common-licenses/GPL-3
 #   MODES="plain zinf deepspeed"  VENV (bench/ds_env.sh: torch and deepspeed from PyPI;
 #   transformers too for the hf-* models)
+#   FLOOR=1: `zinf bench` on DIR first (ZINF=build/tools/zinf, 2 GiB, block 1M, qd 32), and
+#   zinf's step against its bounds: plain's step, the IO floor (its NVMe bytes a step over
+#   zinf bench's rates) and the CPU floor (its CPU seconds a step over the cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:?usage: bench/torch_offload.sh DIR [ROUNDS]}
@@ -30,6 +33,15 @@ ls build/python/zinf/_zinf*.so >/dev/null 2>&1 ||
 mkdir -p "$dir"
 out=$dir/runs.jsonl
 : >"$out"
+rates="0 0"
+if [ -n "${FLOOR:-}" ]; then
+  rates=$("${ZINF:-build/tools/zinf}" bench --path "$dir" --size 2G --block-size 1M \
+    --queue-depth 32 --json | python3 -c 'import json,sys
+rows={r["op"]: r for r in map(json.loads, sys.stdin)}
+assert all(r["verified"] for r in rows.values())
+print(rows["read"]["GBps"], rows["write"]["GBps"])')
+  rm -f "$dir/zinf-bench.dat"
+fi
 for r in $(seq "$rounds"); do
   for m in $modes; do
     rm -rf "${dir:?}/$m"
@@ -38,9 +50,10 @@ for r in $(seq "$rounds"); do
       { echo "torch_offload.sh: $m failed:" >&2; tail -20 "$dir/$m.err" >&2; exit 1; }
   done
 done
-python3 - "$out" <<'EOF'
+python3 - "$out" $rates "$(nproc)" <<'EOF'
 import json, statistics, sys
 runs = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+brd, bwr, cores = float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 by = {}
 for r in runs:
     by.setdefault(r["mode"], []).append(r)
@@ -51,8 +64,7 @@ print(f"\n{r0.get('model', 'gpt')} {r0.get('dtype', 'fp32')}: {r0['params'] / 1e
       f"of each:")
 for m, rs in by.items():
     rss = max(x["max_rss_bytes"] for x in rs) / 2**20
-    cpu = statistics.median(x["cpu_s"] / len(x["steps_ms"]) for x in rs if "cpu_s" in x) \
-        if any("cpu_s" in x for x in rs) else float("nan")
+    cpu = statistics.median(x.get("cpu_s_per_step", float("nan")) for x in rs)
     extra = ""
     if m == "zinf":
         z = rs[-1]
@@ -60,14 +72,29 @@ for m, rs in by.items():
         extra = (f"  budgets {z['budget_bytes'] / 2**20:.0f} MiB "
                  f"({z.get('budget_fraction', 0):.2f} of the state), peaks device "
                  f"{z['device_peak_bytes'] / 2**20:.0f} host {z['host_peak_bytes'] / 2**20:.0f} MiB, "
-                 f"NVMe read {z['nvme_read_bytes'] / 2**20 / n:.0f} written "
-                 f"{z['nvme_written_bytes'] / 2**20 / n:.0f} MiB/step, blocked "
+                 f"NVMe read {z['nvme_read_per_step'] / 2**20:.0f} written "
+                 f"{z['nvme_written_per_step'] / 2**20:.0f} MiB/step (steps 2..), blocked "
                  f"{z['blocked_ms'] / n:.0f} ms/step")
     print(f"  {m:9s} {med[m]:8.0f} ms   CPU {cpu:6.2f} s/step   max RSS {rss:6.0f} MiB{extra}")
 if "plain" in med:
     for m in med:
         if m != "plain":
             print(f"  {m} / plain: {med[m] / med['plain']:.2f}x the time")
+if brd and "zinf" in by:
+    zs = by["zinf"]
+    rd = statistics.median(x["nvme_read_per_step"] for x in zs)
+    wr = statistics.median(x["nvme_written_per_step"] for x in zs)
+    io = (rd / (brd * 1e9) + wr / (bwr * 1e9)) * 1e3
+    cpu = statistics.median(x["cpu_s_per_step"] for x in zs) / cores * 1e3
+    bounds = {"IO floor": io, "CPU floor": cpu}
+    if "plain" in med:
+        bounds["plain"] = med["plain"]
+    which = max(bounds, key=bounds.get)
+    print(f"  zinf bench on DIR: read {brd} GB/s, write {bwr} GB/s; zinf's IO floor {io:.0f} ms "
+          f"({rd / 1e9:.3f} GB read, {wr / 1e9:.3f} written a step), CPU floor {cpu:.0f} ms "
+          f"(its CPU seconds a step over {cores} cores)")
+    print(f"  zinf / max(plain, IO floor, CPU floor) = {med['zinf']:.0f} / "
+          f"{bounds[which]:.0f} ({which}): {med['zinf'] / bounds[which]:.2f}x")
 if "zinf" in med and "deepspeed" in med:
     print(f"  zinf / deepspeed: {med['zinf'] / med['deepspeed']:.2f}x the time "
           f"(deepspeed {by['deepspeed'][0].get('deepspeed')})")
