@@ -33,7 +33,8 @@ two float32 moments and, for bf16, a float32 master (16 bytes fp32, 18 bf16).
 
 Prints one JSON object: mode, model, dtype, params, state_bytes, steps_ms, median_ms
 (steps 2..), losses, max_rss_bytes (ru_maxrss), cpu_s_per_step (the process's user+system
-CPU time a step, steps 2..), budget_bytes and budget_fraction, and for zinf the tiers'
+CPU time a step, steps 2..) and cpu_s_per_step_by_thread (by thread name: "main", torch's
+and zinf's workers), budget_bytes and budget_fraction, and for zinf the tiers'
 peaks, the NVMe bytes moved in all and a step (steps 2..) and the time the engine blocked.
 """
 import argparse
@@ -86,13 +87,34 @@ def make_model(a, ex):
     return CausalLM(lm)
 
 
+def thread_cpu():
+    """CPU seconds (user + system) of this process's live threads, by name; the main thread
+    as "main"."""
+    out, tick, me = {}, os.sysconf("SC_CLK_TCK"), str(os.getpid())
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                st = f.read()
+        except OSError:
+            continue
+        name = "main" if tid == me else st[st.index("(") + 1:st.rindex(")")]
+        fields = st[st.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def least_room(model):
     """The least tier budget zinf.torch takes for the model: its largest module's own
     parameters (fetched together to the device tier) and its largest parameter's step
-    (parameter, float32 gradient, moments and master, fetched together to the host tier)."""
-    mods = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    (parameter, float32 gradient, moments and master, fetched together to the host tier),
+    each tensor's copy taking whole 4 KiB pages in its tier."""
+    def room(nbytes):
+        return -(-nbytes // 4096) * 4096
+
+    mods = max(sum(room(p.numel() * p.element_size()) for p in m.parameters(recurse=False))
                for m in model.modules())
-    step = max(p.numel() * (p.element_size() + 12 + (4 if p.element_size() < 4 else 0))
+    step = max(room(p.numel() * p.element_size())
+               + room(p.numel() * 4) * (3 if p.element_size() == 4 else 4)
                for p in model.parameters())
     return max(mods, step)
 
@@ -205,11 +227,15 @@ def main():
             c = os.times()
             st = engine.stats() if engine is not None else {}
             marks.append((c.user + c.system, st.get("nvme_bytes_read", 0),
-                          st.get("nvme_bytes_written", 0)))
+                          st.get("nvme_bytes_written", 0), thread_cpu()))
     later = max(a.steps - 1, 1)
     out.update(steps_ms=[round(t, 1) for t in times],
                median_ms=round(statistics.median(times[1:] or times), 1), losses=losses,
                cpu_s_per_step=round((marks[-1][0] - marks[0][0]) / later, 3),
+               cpu_s_per_step_by_thread={
+                   k: round((v - marks[0][3].get(k, 0.0)) / later, 3)
+                   for k, v in sorted(marks[-1][3].items())
+                   if v - marks[0][3].get(k, 0.0) > 0},
                max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if engine is not None:
         out.update(nvme_read_per_step=(marks[-1][1] - marks[0][1]) // later,

@@ -76,6 +76,10 @@ for m, rs in by.items():
                  f"{z['nvme_written_per_step'] / 2**20:.0f} MiB/step (steps 2..), blocked "
                  f"{z['blocked_ms'] / n:.0f} ms/step")
     print(f"  {m:9s} {med[m]:8.0f} ms   CPU {cpu:6.2f} s/step   max RSS {rss:6.0f} MiB{extra}")
+    th = rs[-1].get("cpu_s_per_step_by_thread")
+    if th:
+        print("            CPU s/step by thread: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in sorted(th.items(), key=lambda kv: -kv[1]) if v >= 0.005))
 if "plain" in med:
     for m in med:
         if m != "plain":
