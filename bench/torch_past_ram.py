@@ -9,7 +9,8 @@ in fp32) come to --ratio times MemTotal. Prints, as one JSON line at the end: pa
 the state's bytes against RAM, the time to build, each step's loss and seconds, the bytes
 read and written from NVMe per step (engine.stats()), and the peak RSS (getrusage) against
 RAM. The model is transformers' LlamaForCausalLM from a config (no download); the batch is
-windows of a text file's bytes.
+windows of a text file's bytes, the same each step unless --new-batches. --check holds the
+issue's bar: state >= --ratio x RAM, the loss falls, peak RSS <= 0.35 x RAM.
 """
 import argparse
 import json
@@ -43,9 +44,18 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--device-gib", type=float, default=1.5)
-    ap.add_argument("--host-gib", type=float, default=3.0)
+    ap.add_argument("--lr", type=float, default=5e-6)
+    ap.add_argument("--new-batches", action="store_true",
+                    help="a new batch each step (by default every step trains on the same "
+                         "one, whose loss then falls step by step: on new batches a random "
+                         "model's loss under Adam's first steps rises and falls, in plain "
+                         "PyTorch as here)")
+    ap.add_argument("--device-gib", type=float, default=1.0)
+    ap.add_argument("--host-gib", type=float, default=2.5)
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 unless the state passes --ratio x RAM, the last loss is below "
+                         "the first, and the peak RSS is at most 0.35 x RAM")
     a = ap.parse_args()
 
     ram = mem_total()
@@ -75,13 +85,13 @@ def main():
         out["state_over_ram"] = round(16 * params / ram, 3)
         out["rss_after_build_over_ram"] = round(
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / ram, 3)
-        opt = zinf.torch.AdamW(model.parameters(), lr=3e-4)
+        opt = zinf.torch.AdamW(model.parameters(), lr=a.lr)
         with open(a.text, "rb") as fh:
             data = torch.frombuffer(bytearray(fh.read()), dtype=torch.uint8).long()
         steps = []
         for step in range(a.steps):
-            x = torch.stack([data[(step * a.batch + i) * a.seq:(step * a.batch + i + 1) * a.seq]
-                             for i in range(a.batch)])
+            k = step * a.batch if a.new_batches else 0
+            x = torch.stack([data[(k + i) * a.seq:(k + i + 1) * a.seq] for i in range(a.batch)])
             s0 = engine.stats()
             t0 = time.perf_counter()
             loss = model(input_ids=x, labels=x).loss
@@ -102,6 +112,16 @@ def main():
         st = engine.stats()
         out["peaks"] = {"device": st["tier"][0]["peak_bytes"], "host": st["tier"][1]["peak_bytes"]}
     print(json.dumps(out))
+    if a.check:
+        bad = []
+        if out["state_over_ram"] < a.ratio:
+            bad.append(f"the state is {out['state_over_ram']} x RAM, not {a.ratio}")
+        if not steps[-1]["loss"] < steps[0]["loss"]:
+            bad.append(f"the loss did not fall: {[s['loss'] for s in steps]}")
+        if out["peak_rss_over_ram"] > 0.35:
+            bad.append(f"the peak RSS is {out['peak_rss_over_ram']} x RAM, over 0.35")
+        if bad:
+            raise SystemExit("torch_past_ram: " + "; ".join(bad))
 
 
 if __name__ == "__main__":
