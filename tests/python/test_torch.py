@@ -466,6 +466,24 @@ class TestModule(Base):
             with self.assertRaisesRegex(ValueError, "the host tier holds"):
                 zt.AdamW(big.parameters())
 
+    def test_a_step_that_fits_only_in_bytes_is_refused_up_front(self):
+        """The host tier places each tensor in whole 4 KiB pages: a 6000-byte parameter's
+        four tensors take 32 KiB, not 24000 bytes, and a 24 KiB tier is refused by AdamW
+        rather than failing with ENOMEM at the step."""
+        m = torch.nn.Linear(1500, 1, bias=False)
+        with zinf.Engine(nvme_path=self.swap, device_bytes=1 << 20, host_bytes=24576,
+                         device="emulated") as e:
+            zt.offload(m, e, home="nvme")
+            with self.assertRaisesRegex(ValueError, "take 32768 bytes; the host tier holds"):
+                zt.AdamW(m.parameters())
+            m.zinf_offload.remove()
+        with zinf.Engine(nvme_path=self.swap, device_bytes=1 << 20, host_bytes=32768,
+                         device="emulated", overwrite=True) as e:
+            zt.offload(m, e, home="nvme")
+            o = zt.AdamW(m.parameters())
+            m(torch.randn(2, 1500)).sum().backward()
+            o.step()
+
     def test_errors_from_the_engine_reach_the_caller(self):
         m = self.model(layers=2)
         with self.engine(m) as e:

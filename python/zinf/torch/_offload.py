@@ -31,6 +31,11 @@ def _numel(shape):
     return n
 
 
+def page_round(nbytes):
+    """nbytes as a tier places them: in whole 4 KiB pages."""
+    return (nbytes + 4095) // 4096 * 4096
+
+
 def shape_of(p):
     """The shape of a parameter, offloaded or not (an offloaded one reads (0,) between
     uses)."""
@@ -188,14 +193,14 @@ class Offload:
         caps = [t["capacity_bytes"] for t in engine.stats()["tier"]]
         room = caps[0 if tier == "device" else 1]
         for mname, m in module.named_modules():
-            need = sum(self._numel(p) * p.element_size()
+            need = sum(page_round(self._numel(p) * p.element_size())
                        for p in dict.fromkeys(m.parameters(recurse=False)))
             if need > room:
                 raise ValueError(f"module {mname or '(the root)'} owns {need} bytes of "
                                  f"parameters; the {tier} tier holds {room}: give it more "
                                  f"bytes, or split the module")
         for name, p in named:
-            if 4 * self._numel(p) > caps[1]:
+            if page_round(4 * self._numel(p)) > caps[1]:
                 raise ValueError(f"parameter {name} takes {4 * self._numel(p)} bytes as float32 "
                                  f"(its gradient); the host tier holds {caps[1]}")
         originals = {}

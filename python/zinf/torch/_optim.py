@@ -5,7 +5,7 @@ import math
 import torch
 
 from .. import Error, adamw_step
-from ._offload import view_as
+from ._offload import _numel, page_round, view_as
 
 __all__ = ["AdamW"]
 
@@ -97,10 +97,11 @@ class AdamW(torch.optim.Optimizer):
         return self.master_dtype in ("auto", torch.float32)
 
     def _step_bytes(self, e, amsgrad):
-        n = 1
-        for d in e.shape:
-            n *= d
-        return n * (e.dtype.itemsize + 4 * (3 + bool(amsgrad) + self._wants_master(e)))
+        """The room a step of e takes in the host tier: each tensor rounded up to the
+        tier's 4 KiB pages, as the tier places it."""
+        n = _numel(e.shape)
+        f32 = 3 + bool(amsgrad) + self._wants_master(e)
+        return page_round(n * e.dtype.itemsize) + f32 * page_round(4 * n)
 
     def _state_tensors(self, e, amsgrad):
         eng, home = e.owner.engine, e.owner.home
