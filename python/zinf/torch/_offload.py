@@ -118,12 +118,13 @@ class _Entry:
     __slots__ = ("owner", "name", "param", "shape", "dtype", "cls", "handle", "grad", "m",
                  "v", "vmax", "master", "pin", "view", "users", "in_backward", "dirty",
                  "hooked", "has_grad", "fresh", "proxy", "gnorm", "gscale", "nonfinite",
-                 "gpin", "zcls")
+                 "gpin", "zcls", "ordered")
 
     def __init__(self, owner, name, param, handle, grad):
         self.owner, self.name, self.param = owner, name, param
         self.shape, self.dtype, self.cls = tuple(param.shape), param.dtype, type(param)
         self.zcls = param_class(self.cls)
+        self.ordered = False    # in the Offload's _order, the order of first use
         self.handle, self.grad = handle, grad
         self.m = self.v = self.vmax = self.master = None
         self.pin = self.view = self.gpin = None
@@ -180,6 +181,7 @@ class Offload:
         self._fetch_kw = {"wait": wait} if wait else {}
         self._dl_cpu = {}         # tier -> whether its DLPack exports are plain CPU memory
         self._empties = {}        # (dtype, device) -> the 0-element tensor of idle parameters
+        self._order = []          # entries in the order the forward (or anyone) first fetched them
         # Fetches by the hook that asked: forward pre-hooks, full backward pre-hooks, saved
         # views whose node came before any hook of their module (unpack), and gathers.
         self.fetches = {"forward": 0, "backward": 0, "unpack": 0, "gather": 0}
@@ -192,6 +194,7 @@ class Offload:
                                 f"{', '.join(str(d) for d in DTYPES)}")
         caps = [t["capacity_bytes"] for t in engine.stats()["tier"]]
         room = caps[0 if tier == "device" else 1]
+        self._tier_room = room
         for mname, m in module.named_modules():
             need = sum(page_round(self._numel(p) * p.element_size())
                        for p in dict.fromkeys(m.parameters(recurse=False)))
@@ -358,6 +361,9 @@ class Offload:
                     pin.release()
                 raise
             for e, pin, view in zip(need, pins, views):
+                if not e.ordered:
+                    e.ordered = True
+                    self._order.append(e)
                 p = e.param
                 if e.has_grad:
                     self._sync_grad(e)
@@ -405,6 +411,18 @@ class Offload:
         if t is None:
             t = self._empties[key] = torch.empty(0, dtype=dtype, device=device)
         return t
+
+    def prefetch_forward(self):
+        """After an update: hint the engine to bring the parameters back into the tier the
+        forward uses, in the order the forward first used them, up to half the tier (the
+        rest would only push the first ones out), so that the next forward's fetches find
+        them copied rather than each waiting for its own copy."""
+        room = self._tier_room // 2
+        for e in self._order:
+            room -= page_round(e.nbytes)
+            if room < 0:
+                break
+            self.engine.prefetch(e.handle, self.tier)
 
     def _put_proxy(self, e):
         if e.has_grad:

@@ -201,6 +201,8 @@ class AdamW(torch.optim.Optimizer):
             raise
         for eng in engines.values():
             eng.step()
+        for off in owners.values():
+            off.prefetch_forward()
         return loss
 
     def _step_one(self, group, p):
