@@ -187,6 +187,32 @@ class Conventions(Base):
             self.assertTrue(torch.equal(off.state_dict()["ln_f.bias"],
                                         torch.full((128,), 0.25)))
 
+    def test_refused_conversions_and_loads_change_nothing(self):
+        """A dtype change after offload and load_state_dict(assign=True) are errors; the values
+        in zinf stay."""
+        ref, off, e = self.pair()
+        with e:
+            before = {k: v.clone() for k, v in off.state_dict().items()}
+            with self.assertRaisesRegex(zt.OffloadedError, "offloaded as torch.float32"):
+                off.double()
+            with self.assertRaisesRegex(zt.OffloadedError, "assign"):
+                off.load_state_dict(before, assign=True)
+            off.to("cpu")                       # a move between devices passes
+            x, y = next(batches())
+            off(x, y).backward()
+            # Any tensor put in place of the proxy (torch lets in only an empty one) forgets
+            # the gradient, as None does: the next step skips the parameter.
+            w = off.ln_f.weight
+            w.grad = torch.empty(0)
+            o = zt.AdamW([w], lr=1e-2)
+            o.step()
+            self.assertFalse(w._zinf.has_grad)
+            after = off.state_dict()
+            for k in before:
+                self.assertTrue(torch.equal(before[k], after[k]), k)
+            for p in off.parameters():
+                self.assertEqual(p.dtype, torch.float32)
+
     # ---- optimizer -------------------------------------------------------------------------
 
     def test_requires_grad_after_offload_and_add_param_group(self):

@@ -142,6 +142,7 @@ def _materialize(root, engine, build, offload_args):
                                  f"device context")
     off = Offload(root, engine, _shapes=shapes, **offload_args)
     owner = _hf_owner(root)
+    metas = {id(q): p for p, q in fresh.values()}   # the new parameter -> the meta one
     done = set()
     try:
         for m in _post_order(root, []):
@@ -153,7 +154,7 @@ def _materialize(root, engine, build, offload_args):
             while True:
                 try:
                     with gathered([e.param for e in extra], modify=True):
-                        _init_module(m, off, entries, owner.get(id(m)), build, fresh)
+                        _init_module(m, off, entries, owner.get(id(m)), build, metas)
                     break
                 except OffloadedError as err:
                     if err.entry is None or err.entry in extra or err.entry.owner is not off:
@@ -167,7 +168,7 @@ def _materialize(root, engine, build, offload_args):
     return off
 
 
-def _init_module(m, off, entries, hf, build, fresh):
+def _init_module(m, off, entries, hf, build, metas):
     """m's own parameters made, initialised and written into zinf (its buffers too, by a
     Hugging Face model's init: rotary frequencies)."""
     with torch.no_grad():
@@ -175,7 +176,6 @@ def _init_module(m, off, entries, hf, build, fresh):
             e.view = torch.empty(e.shape, dtype=e.dtype)
             _set_data(e.param, e.view)
         try:
-            metas = {id(q): p for p, q in fresh.values()}
             if entries and callable(getattr(m, "reset_parameters", None)):
                 m.reset_parameters()
             else:

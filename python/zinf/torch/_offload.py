@@ -44,19 +44,26 @@ def shape_of(p):
 
 
 def torch_view(pin):
-    """A torch tensor over a Pinned's memory, without a copy. Pinned host memory of a CUDA
-    engine (kDLCUDAHost) is taken as CPU memory, which it also is."""
-    dev, _ = pin.__dlpack_device__()
+    """A torch tensor over a Pinned's memory, without a copy. Plain CPU memory (the host
+    tier, the emulated device) is taken straight from the DLPack capsule; pinned host
+    memory of a CUDA engine (kDLCUDAHost) as CPU memory, which it also is; the rest through
+    torch.from_dlpack."""
+    dev = pin.__dlpack_device__()[0]
+    if dev == _KDLCPU:
+        return _from_capsule(pin.__dlpack__())
     if dev == _KDLCUDAHOST:
-        return torch.utils.dlpack.from_dlpack(pin.__dlpack__(dl_device=(_KDLCPU, 0)))
+        return _from_capsule(pin.__dlpack__(dl_device=(_KDLCPU, 0)))
     return torch.from_dlpack(pin)
 
 
 def view_as(pin, shape, dtype):
+    """torch_view(pin) as dtype and shape (a tensor registered with them already is)."""
     v = torch_view(pin)
     if v.dtype != dtype:
         v = v.view(dtype)
-    return v.view(shape)
+    if v.shape != shape:
+        v = v.view(shape)
+    return v
 
 
 def zero(engine, t):
@@ -118,7 +125,7 @@ class _Entry:
     __slots__ = ("owner", "name", "param", "shape", "dtype", "cls", "handle", "grad", "m",
                  "v", "vmax", "master", "pin", "view", "users", "in_backward", "dirty",
                  "hooked", "has_grad", "fresh", "proxy", "gnorm", "gscale", "nonfinite",
-                 "gpin", "zcls", "ordered")
+                 "zcls", "ordered")
 
     def __init__(self, owner, name, param, handle, grad):
         self.owner, self.name, self.param = owner, name, param
@@ -127,7 +134,7 @@ class _Entry:
         self.ordered = False    # in the Offload's _order, the order of first use
         self.handle, self.grad = handle, grad
         self.m = self.v = self.vmax = self.master = None
-        self.pin = self.view = self.gpin = None
+        self.pin = self.view = None
         self.users = 0          # forward calls, one backward hold and gathers
         self.in_backward = False
         self.dirty = False      # a holder writes through the copy: released dirty
@@ -179,7 +186,6 @@ class Offload:
         self._sd_cache = (None, {})
         self._shapes = _shapes or {}   # parameters made under init(): their shapes, no values
         self._fetch_kw = {"wait": wait} if wait else {}
-        self._dl_cpu = {}         # tier -> whether its DLPack exports are plain CPU memory
         self._empties = {}        # (dtype, device) -> the 0-element tensor of idle parameters
         self._order = []          # entries in the order the forward (or anyone) first fetched them
         # Fetches by the hook that asked: forward pre-hooks, full backward pre-hooks, saved
@@ -328,24 +334,6 @@ class Offload:
     def fetch_all(self, handles, tier, dirty=False):
         return self.engine.fetch_all(handles, tier, dirty=dirty, **self._fetch_kw)
 
-    def _view(self, pin, e, dtype=None, shape=None):
-        """A torch tensor over a pinned copy of one of e's tensors (its own dtype and shape
-        unless given), zero-copy. Plain CPU memory (host tier, emulated device) is taken
-        straight from the DLPack capsule; other devices through torch.from_dlpack."""
-        dtype = dtype or e.dtype
-        shape = shape or e.shape
-        if pin.tier not in self._dl_cpu:
-            self._dl_cpu[pin.tier] = pin.__dlpack_device__()[0] == _KDLCPU
-        if self._dl_cpu[pin.tier]:
-            v = _from_capsule(pin.__dlpack__())
-        else:
-            v = torch_view(pin)
-        if v.dtype != dtype:
-            v = v.view(dtype)
-        if v.shape != shape:
-            v = v.view(shape)
-        return v
-
     def _acquire(self, entries, why):
         """One more holder of each entry's fetched copy; the ones not resident yet are
         fetched as one set (zinf_fetch_all: the tier makes room for the whole set)."""
@@ -355,7 +343,7 @@ class Offload:
                                          **self._fetch_kw)
             self.fetches[why] += len(need)
             try:
-                views = [self._view(pin, e) for pin, e in zip(pins, need)]
+                views = [view_as(pin, e.shape, e.dtype) for pin, e in zip(pins, need)]
             except BaseException:
                 for pin in pins:
                     pin.release()
@@ -398,7 +386,7 @@ class Offload:
         try:
             if dirty and e.master is not None:
                 with self.engine.fetch(e.master, "host", dirty=True) as mp:
-                    self._view(mp, e, torch.float32).copy_(view)
+                    view_as(mp, e.shape, torch.float32).copy_(view)
             del view
         finally:
             if e.has_grad:
@@ -537,10 +525,8 @@ class Offload:
         g = _grad_of(e.param)
         if g is e.proxy and g is not None:
             return
-        if g is not None and g.numel():
-            raise OffloadedError(f"zinf.torch: p.grad of {e.name} was replaced by a tensor; "
-                                 f"an offloaded parameter's gradient lies in zinf and can "
-                                 f"only be zeroed or set to None")
+        # None, or another tensor (torch lets only an empty one in while the parameter is
+        # empty): the gradient is gone.
         self.forget_grad(e)
 
     def forget_grad(self, e):
@@ -560,7 +546,7 @@ class Offload:
         with self._lock:
             pin = self.engine.fetch(self.grad_handle(e), "host", dirty=True)
             try:
-                dst = self._view(pin, e, torch.float32)
+                dst = view_as(pin, e.shape, torch.float32)
                 if e.has_grad and not e.fresh:
                     if e.gscale != 1.0:
                         dst.mul_(e.gscale)
