@@ -101,7 +101,7 @@ int parse_handle(PyObject *o, zinf_tensor *out)
 }
 
 /* Byte counts and offsets: non-negative ints. */
-int parse_size(PyObject *o, const char *what, size_t *out)
+int py_parse_size(PyObject *o, const char *what, size_t *out)
 {
     if (!PyLong_Check(o)) {
         PyErr_Format(PyExc_TypeError, "%s is an int, not %s", what, Py_TYPE(o)->tp_name);

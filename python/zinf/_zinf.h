@@ -120,7 +120,7 @@ PyObject *raise_zinf(int r, const char *what, PyObject *filename);
 void warn_unraisable(PyObject *obj, const char *fmt, ...);
 int parse_tier(PyObject *o, int *out);
 int parse_handle(PyObject *o, zinf_tensor *out);
-int parse_size(PyObject *o, const char *what, size_t *out);
+int py_parse_size(PyObject *o, const char *what, size_t *out);
 const struct dtype_info *find_dtype(const char *name);
 const struct dtype_info *parse_dtype(PyObject *o, PyObject **out);
 void atfork_child(void);

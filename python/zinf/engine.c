@@ -323,10 +323,10 @@ int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
             if (!PyUnicode_FSConverter(nvme, &nvme_bytes)) return -1;
             o.nvme_path = PyBytes_AS_STRING(nvme_bytes);
         }
-        if ((dev_bytes && parse_size(dev_bytes, "device_bytes", &o.device_bytes)) ||
-            (host_bytes && parse_size(host_bytes, "host_bytes", &o.host_bytes)) ||
-            (block_o && parse_size(block_o, "block_size", &o.block_size)) ||
-            (qd_o && parse_size(qd_o, "queue_depth", &qd))) {
+        if ((dev_bytes && py_parse_size(dev_bytes, "device_bytes", &o.device_bytes)) ||
+            (host_bytes && py_parse_size(host_bytes, "host_bytes", &o.host_bytes)) ||
+            (block_o && py_parse_size(block_o, "block_size", &o.block_size)) ||
+            (qd_o && py_parse_size(qd_o, "queue_depth", &qd))) {
             Py_XDECREF(nvme_bytes);
             return -1;
         }
@@ -509,7 +509,7 @@ PyObject *Engine_register(EngineObject *self, PyObject *args, PyObject *kw)
         for (Py_ssize_t i = 0; !bad && i < nd; i++) {
             PyObject *dim = PySequence_Fast_GET_ITEM(seq, i);
             size_t v;
-            if (parse_size(dim, "a dimension", &v)) {
+            if (py_parse_size(dim, "a dimension", &v)) {
                 bad = 1;
                 break;
             }
@@ -536,7 +536,7 @@ PyObject *Engine_register(EngineObject *self, PyObject *args, PyObject *kw)
         Py_DECREF(shape);
         Py_DECREF(dtype_name);
         if (!meta) return NULL;
-    } else if (parse_size(size, "nbytes", &nbytes)) {
+    } else if (py_parse_size(size, "nbytes", &nbytes)) {
         return NULL;
     }
     const char *cname = PyUnicode_AsUTF8(name);

@@ -384,8 +384,8 @@ static PyObject *Engine_read(EngineObject *self, PyObject *args, PyObject *kw)
     zinf_tensor h;
     size_t off = 0, n = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OO", kwlist, &t, &off_o, &n_o) ||
-        parse_handle(t, &h) || (off_o && parse_size(off_o, "offset", &off)) ||
-        (n_o != Py_None && parse_size(n_o, "nbytes", &n)))
+        parse_handle(t, &h) || (off_o && py_parse_size(off_o, "offset", &off)) ||
+        (n_o != Py_None && py_parse_size(n_o, "nbytes", &n)))
         return NULL;
     zinf_engine *e = eng_enter(self);
     if (!e) return NULL;
@@ -429,7 +429,7 @@ static PyObject *Engine_read_into(EngineObject *self, PyObject *args, PyObject *
     zinf_tensor h;
     size_t off = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", kwlist, &t, &buf_o, &off_o) ||
-        parse_handle(t, &h) || (off_o && parse_size(off_o, "offset", &off)))
+        parse_handle(t, &h) || (off_o && py_parse_size(off_o, "offset", &off)))
         return NULL;
     Py_buffer buf;
     if (PyObject_GetBuffer(buf_o, &buf, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) {
@@ -463,7 +463,7 @@ static PyObject *Engine_write(EngineObject *self, PyObject *args, PyObject *kw)
     zinf_tensor h;
     size_t off = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|O", kwlist, &t, &buf_o, &off_o) ||
-        parse_handle(t, &h) || (off_o && parse_size(off_o, "offset", &off)))
+        parse_handle(t, &h) || (off_o && py_parse_size(off_o, "offset", &off)))
         return NULL;
     Py_buffer buf;
     if (PyObject_GetBuffer(buf_o, &buf, PyBUF_C_CONTIGUOUS)) return NULL;
