@@ -393,7 +393,8 @@ static int buffer_kind(PyObject *o, const Py_buffer *v)
     return -1;
 }
 
-static int f32_get(PyObject *o, const char *what, int write, struct f32_arg *a)
+static int f32_get(PyObject *o, const char *call, const char *what, int write,
+                   struct f32_arg *a)
 {
     memset(a, 0, sizeof(*a));
     if (PyObject_TypeCheck(o, &PinnedType)) {
@@ -403,22 +404,22 @@ static int f32_get(PyObject *o, const char *what, int write, struct f32_arg *a)
             return -1;
         }
         if (p->state != PIN_HELD) {
-            PyErr_Format(PyExc_ValueError, "adamw_step: %s: its copy was released", what);
+            PyErr_Format(PyExc_ValueError, "%s: %s: its copy was released", call, what);
             return -1;
         }
         if (p->meta && strcmp(PyUnicode_AsUTF8(PyTuple_GET_ITEM(p->meta, 1)), "float32")) {
-            PyErr_Format(PyExc_TypeError, "adamw_step: %s is a pinned %U tensor: the step "
-                         "takes float32 only", what, PyTuple_GET_ITEM(p->meta, 1));
+            PyErr_Format(PyExc_TypeError, "%s: %s is a pinned %U tensor: the step "
+                         "takes float32 only", call, what, PyTuple_GET_ITEM(p->meta, 1));
             return -1;
         }
         if (p->nbytes % sizeof(float)) {
-            PyErr_Format(PyExc_ValueError, "adamw_step: %s holds %zu bytes, not a whole "
-                         "number of float32", what, p->nbytes);
+            PyErr_Format(PyExc_ValueError, "%s: %s holds %zu bytes, not a whole "
+                         "number of float32", call, what, p->nbytes);
             return -1;
         }
         if (p->tier == ZINF_TIER_DEVICE && p->eng->device_is_cuda) {
-            PyErr_Format(PyExc_ValueError, "adamw_step: %s is in GPU memory: the step runs on "
-                         "the host (fetch it to \"host\")", what);
+            PyErr_Format(PyExc_ValueError, "%s: %s is in GPU memory: the step runs on "
+                         "the host (fetch it to \"host\")", call, what);
             return -1;
         }
         a->f = p->ptr;
@@ -431,8 +432,8 @@ static int f32_get(PyObject *o, const char *what, int write, struct f32_arg *a)
     if (PyObject_GetBuffer(o, &a->view, flags) < 0) {
         if (PyErr_ExceptionMatches(PyExc_TypeError) && !PyObject_CheckBuffer(o)) {
             PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "adamw_step: %s is a %s, which exports no buffer: "
-                         "give a float32 array (numpy) or a zinf.Pinned", what,
+            PyErr_Format(PyExc_TypeError, "%s: %s is a %s, which exports no buffer: "
+                         "give a float32 array (numpy) or a zinf.Pinned", call, what,
                          Py_TYPE(o)->tp_name);
         }
         return -1;
@@ -442,8 +443,8 @@ static int f32_get(PyObject *o, const char *what, int write, struct f32_arg *a)
     if (kind < 0) {
         PyObject *name = buffer_type_name(o, &a->view);
         if (name) {
-            PyErr_Format(PyExc_TypeError, "adamw_step: %s is %U, not float32: the step takes "
-                         "float32 only", what, name);
+            PyErr_Format(PyExc_TypeError, "%s: %s is %U, not float32: the step takes "
+                         "float32 only", call, what, name);
             Py_DECREF(name);
         }
         PyBuffer_Release(&a->view);
@@ -451,8 +452,8 @@ static int f32_get(PyObject *o, const char *what, int write, struct f32_arg *a)
         return -1;
     }
     if (a->view.len % (Py_ssize_t)sizeof(float)) {
-        PyErr_Format(PyExc_ValueError, "adamw_step: %s holds %zd bytes, not a whole number of "
-                     "float32", what, a->view.len);
+        PyErr_Format(PyExc_ValueError, "%s: %s holds %zd bytes, not a whole number of "
+                     "float32", call, what, a->view.len);
         PyBuffer_Release(&a->view);
         a->have_view = 0;
         return -1;
@@ -489,7 +490,7 @@ static PyObject *mod_adamw_step(PyObject *m, PyObject *args, PyObject *kw)
     struct f32_arg a[4];
     int got = 0, r = 0;
     for (; got < 4; got++)
-        if (f32_get(o[got], what[got], got != 1, &a[got]) < 0) break;
+        if (f32_get(o[got], "adamw_step", what[got], got != 1, &a[got]) < 0) break;
     if (got == 4) {
         size_t n = a[0].n;
         for (int i = 1; i < 4; i++)
@@ -511,6 +512,87 @@ static PyObject *mod_adamw_step(PyObject *m, PyObject *args, PyObject *kw)
     if (got != 4) return NULL;
     if (r) return raise_zinf(r, "zinf_adamw_step", NULL);
     Py_RETURN_NONE;
+}
+
+/* An IEEE half's value as a float (exact: every half is a float). */
+static float half_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | man << 13; /* inf, nan */
+    } else if (exp) {
+        bits = sign | (exp + 112) << 23 | man << 13;
+    } else if (!man) {
+        bits = sign;
+    } else { /* subnormal: man x 2^-24, normalised */
+        uint32_t e = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            e--;
+        }
+        bits = sign | e << 23 | (man & 0x3ff) << 13;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+/* The gradient's accumulation for zinf.torch, in one call rather than a torch operation
+ * each: dst (float32: a Pinned fetched dirty, or a writable buffer) becomes src (fresh) or
+ * dst * scale + src, element by element in float32 with one rounding each (as torch's
+ * mul_ and add_ round: the extension is built without contraction into fused multiply-
+ * adds), src being count float32 (src_dtype 0), bfloat16 (1) or float16 (2) values at
+ * address src in host memory. Returns the sum of the squares of the result, accumulated
+ * in double in eight lanes (element i in lane i % 8) summed in a fixed order: the same
+ * bits for the same values, whatever the threads. The caller vouches for src (private:
+ * zinf.torch passes a contiguous CPU tensor's data_ptr()). */
+static PyObject *mod_grad_add(PyObject *m, PyObject *args)
+{
+    PyObject *dst_o;
+    unsigned long long src_addr;
+    Py_ssize_t count;
+    int src_dtype, fresh;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OKnidp", &dst_o, &src_addr, &count, &src_dtype, &scale,
+                          &fresh))
+        return NULL;
+    if (count < 0 || src_dtype < 0 || src_dtype > 2 || (count && !src_addr)) {
+        PyErr_Format(PyExc_ValueError, "_grad_add: %zd values of dtype code %d at address %llu",
+                     count, src_dtype, src_addr);
+        return NULL;
+    }
+    struct f32_arg a;
+    if (f32_get(dst_o, "_grad_add", "grad", 1, &a) < 0) return NULL;
+    if (a.n != (size_t)count) {
+        PyErr_Format(PyExc_ValueError, "_grad_add: the gradient holds %zu float32, the "
+                     "source %zd values", a.n, count);
+        f32_put(&a);
+        return NULL;
+    }
+    float *d = a.f, sc = (float)scale;
+    const void *src = (const void *)(uintptr_t)src_addr;
+    double acc[8] = {0};
+    size_t n = a.n;
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n; i++) {
+        float s;
+        if (src_dtype == 0) {
+            s = ((const float *)src)[i];
+        } else if (src_dtype == 1) {
+            uint32_t bits = (uint32_t)((const uint16_t *)src)[i] << 16;
+            memcpy(&s, &bits, sizeof(s));
+        } else {
+            s = half_to_float(((const uint16_t *)src)[i]);
+        }
+        float v = fresh ? s : d[i] * sc + s;
+        d[i] = v;
+        acc[i & 7] += (double)v * v;
+    }
+    Py_END_ALLOW_THREADS
+    f32_put(&a);
+    double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    return PyFloat_FromDouble(sum);
 }
 
 static PyObject *tensor_repr(PyObject *unused, PyObject *self)
@@ -549,6 +631,9 @@ static PyMethodDef module_methods[] = {
      "saved_tensors(dir) -> int or None: the tensors the saved state in dir names (None: "
      "its manifest cannot be read, a saved state all the same); zinf.Error(ENOENT) where "
      "there is none (zinf_saved_tensors)."},
+    {"_grad_add", (PyCFunction)mod_grad_add, METH_VARARGS,
+     "_grad_add(dst, src_address, count, src_dtype, scale, fresh) -> sum of squares: "
+     "zinf.torch's gradient accumulation (private: src_address is trusted)."},
     {"adamw_step", KW mod_adamw_step, METH_VARARGS | METH_KEYWORDS,
      "adamw_step(param, grad, m, v, step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,\n"
      "           weight_decay=0.01, grad_scale=1.0)\n"

@@ -506,3 +506,71 @@ def _numel(shape):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class GradAdd(Base):
+    """zinf._zinf._grad_add, zinf.torch's accumulation of a gradient into its float32 copy
+    in zinf: the bits torch's copy_, mul_ and add_ give, every dtype's values converted
+    exactly, and its sum of squares the same whatever the threads."""
+
+    def pinned(self, e, n):
+        self.k = getattr(self, "k", 0) + 1
+        h = e.register(f"g{self.k}", ((n,), "float32"), home="host")
+        return e.fetch(h, "host", dirty=True)
+
+    def test_the_bits_of_torchs_copy_mul_and_add(self):
+        from zinf._zinf import _grad_add
+        e = zinf.Engine(nvme_path=self.swap, device_bytes=8 << 20, host_bytes=8 << 20)
+        n = 40_000
+        for dtype, code in ((torch.float32, 0), (torch.bfloat16, 1), (torch.float16, 2)):
+            g = (torch.randn(n) * 3).to(dtype)
+            with self.pinned(e, n) as pin:
+                dst = zt._torch_view(pin).view(torch.float32)
+                s = _grad_add(pin, g.data_ptr(), n, code, 1.0, True)
+                want = g.float()
+                self.assertTrue(torch.equal(dst, want), dtype)
+                self.assertAlmostEqual(s, want.double().square().sum().item(),
+                                       delta=1e-9 * s)
+                for scale in (1.0, 0.37):
+                    g2 = (torch.randn(n) * 5).to(dtype)
+                    want = want.clone().mul_(scale).add_(g2)
+                    _grad_add(pin, g2.data_ptr(), n, code, scale, False)
+                    self.assertTrue(torch.equal(dst, want), (dtype, scale))
+                del dst
+        e.close()
+
+    def test_every_half_and_a_nonfinite_sum(self):
+        from zinf._zinf import _grad_add
+        e = zinf.Engine(nvme_path=self.swap, device_bytes=8 << 20, host_bytes=8 << 20)
+        bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+        for dtype, code in ((torch.float16, 2), (torch.bfloat16, 1)):
+            g = bits.view(dtype)
+            with self.pinned(e, 1 << 16) as pin:
+                s = _grad_add(pin, g.data_ptr(), 1 << 16, code, 1.0, True)
+                got = zt._torch_view(pin).view(torch.float32)
+                want = g.float()
+                same = (got == want) | (got.isnan() & want.isnan())
+                self.assertTrue(bool(same.all()), dtype)
+                self.assertTrue(bool((got.isnan() == want.isnan()).all()))
+                del got
+            self.assertFalse(s == s and s != float("inf"), "infs and nans in the sum")
+        e.close()
+
+    def test_refusals(self):
+        from zinf._zinf import _grad_add
+        e = zinf.Engine(nvme_path=self.swap, device_bytes=8 << 20, host_bytes=8 << 20)
+        g = torch.ones(16)
+        with self.pinned(e, 16) as pin:
+            with self.assertRaisesRegex(ValueError, "holds 16 float32, the source 8"):
+                _grad_add(pin, g.data_ptr(), 8, 0, 1.0, True)
+            with self.assertRaisesRegex(ValueError, "dtype code 3"):
+                _grad_add(pin, g.data_ptr(), 16, 3, 1.0, True)
+            with self.assertRaisesRegex(ValueError, "at address 0"):
+                _grad_add(pin, 0, 16, 0, 1.0, True)
+        with self.assertRaisesRegex(ValueError, "_grad_add: grad: its copy was released"):
+            _grad_add(pin, g.data_ptr(), 16, 0, 1.0, True)
+        h = e.register("half", ((16,), "float16"), home="host")
+        with e.fetch(h, "host", dirty=True) as p16:
+            with self.assertRaisesRegex(TypeError, "_grad_add: grad is a pinned float16"):
+                _grad_add(p16, g.data_ptr(), 16, 0, 1.0, True)
+        e.close()

@@ -12,6 +12,7 @@ import weakref
 import torch
 
 from .. import Error
+from .._zinf import _grad_add
 from ._param import GradProxy, OffloadedError, param_class
 
 __all__ = ["Offload", "offload", "gathered", "shape_of", "DTYPES"]
@@ -22,6 +23,8 @@ _from_capsule = torch._C._from_dlpack
 
 # The parameter dtypes zinf.torch offloads, by zinf's name for them.
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Their codes for _grad_add, which adds a gradient of each into the float32 one in zinf.
+_GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _numel(shape):
@@ -543,22 +546,26 @@ class Offload:
         e = p.__dict__["_zinf"]
         g = p.grad
         p.grad = None
+        code = _GRAD_CODES.get(g.dtype)
+        if code is None:
+            raise TypeError(f"zinf.torch: the gradient of {e.name} is {g.dtype}, not a "
+                            "floating dtype zinf.torch accumulates")
+        if not g.is_cpu:
+            g = g.to("cpu")     # waits for the stream: the copy is whole when it returns
+        if not g.is_contiguous():
+            g = g.contiguous()
         with self._lock:
             pin = self.engine.fetch(self.grad_handle(e), "host", dirty=True)
             try:
-                dst = view_as(pin, e.shape, torch.float32)
-                if e.has_grad and not e.fresh:
-                    if e.gscale != 1.0:
-                        dst.mul_(e.gscale)
-                    dst.add_(g.to(dst.device))
-                else:
-                    dst.copy_(g)
-                if g.device.type == "cuda":
-                    torch.cuda.current_stream(g.device).synchronize()
-                self._note_grad(e, dst)
-                del dst
+                fresh = not e.has_grad or e.fresh
+                sumsq = _grad_add(pin, g.data_ptr(), g.numel(), code, e.gscale, fresh)
             finally:
                 pin.release()
+            # The 2-norm, for clip_grad_norm_, and an inf or nan (sum of squares not finite:
+            # no finite float32's square overflows a double), for GradScaler's skip.
+            e.gnorm = math.sqrt(sumsq)
+            e.nonfinite = not math.isfinite(sumsq)
+            e.gscale = 1.0
             e.has_grad, e.fresh = True, False
             if e.in_backward:
                 e.in_backward = False
@@ -566,18 +573,12 @@ class Offload:
             elif e.view is None:
                 self._put_proxy(e)
 
-    def _note_grad(self, e, view):
-        e.gscale = 1.0
-        with _disabled():
-            e.gnorm = torch.linalg.vector_norm(view)
-            e.nonfinite = not math.isfinite(e.gnorm.item())
-
     def grad_norm(self, e, ord):
         with self._lock:
             if not e.has_grad:
                 return torch.zeros((), dtype=torch.float32)
             if ord == 2.0 and e.gnorm is not None:
-                return e.gnorm.clone()
+                return torch.tensor(e.gnorm, dtype=torch.float32)
             with self.engine.fetch(e.grad, "host") as pin:
                 with _disabled():
                     n = torch.linalg.vector_norm(view_as(pin, e.shape, torch.float32), ord)
@@ -587,7 +588,7 @@ class Offload:
         with self._lock:
             e.gscale *= s
             if e.gnorm is not None:
-                e.gnorm = e.gnorm * abs(s)
+                e.gnorm *= abs(s)
 
     def grad_zero(self, e):
         with self._lock:
@@ -595,7 +596,7 @@ class Offload:
                 with self.engine.fetch(e.grad, "host", dirty=True) as pin:
                     torch_view(pin).zero_()
             e.has_grad, e.fresh, e.gscale, e.nonfinite = True, True, 1.0, False
-            e.gnorm = torch.zeros((), dtype=torch.float32)
+            e.gnorm = 0.0
 
     def grad_clamp(self, e, lo, hi):
         with self._lock:
@@ -605,8 +606,14 @@ class Offload:
                     if e.gscale != 1.0:
                         v.mul_(e.gscale)
                     v.clamp_(lo, hi)
-                    self._note_grad(e, v)
                 del v
+                self._note_grad(e, pin)
+
+    def _note_grad(self, e, pin):
+        """The gradient's norm and finiteness taken again from its pinned copy (changed in
+        place), summed as _grad_ready sums it: _grad_add of the copy onto itself."""
+        sumsq = _grad_add(pin, pin.ptr, pin.nbytes // 4, 0, 1.0, True)
+        e.gnorm, e.nonfinite, e.gscale = math.sqrt(sumsq), not math.isfinite(sumsq), 1.0
 
     def grad_nonfinite(self, e):
         return e.nonfinite
@@ -821,8 +828,7 @@ def gathered(params, *, modify=False, grads=False):
         for off, entries, gpins in reversed(held):
             with off._lock:
                 for e, pin in gpins:
-                    with _disabled():
-                        off._note_grad(e, view_as(pin, e.shape, torch.float32))
+                    off._note_grad(e, pin)
                     _set_grad(e.param, None)
                     pin.release(dirty=True)
                 for e in entries:
