@@ -538,6 +538,50 @@ static float half_to_float(uint16_t h)
     return f;
 }
 
+/* d[i] = s or d[i] * sc + s, for the i-th source value s (LOAD(i)), returning the sum of
+ * the squares of the new d[i] in double: element i is added to lane i % 8, and the lanes are
+ * summed in a fixed order at the end, so that the bits are the same whether the compiler
+ * vectorises the lanes or not. */
+#define GRAD_ADD(name, type, LOAD)                                                              \
+    static double name(float *restrict d, const type *restrict src, size_t n, float sc,       \
+                       int fresh)                                                              \
+    {                                                                                          \
+        double acc[8] = {0};                                                                   \
+        size_t i = 0;                                                                          \
+        for (; i + 8 <= n; i += 8) {                                                           \
+            float v[8];                                                                        \
+            if (fresh)                                                                         \
+                for (int j = 0; j < 8; j++) v[j] = LOAD(i + j);                                \
+            else                                                                               \
+                for (int j = 0; j < 8; j++) v[j] = d[i + j] * sc + LOAD(i + j);                \
+            for (int j = 0; j < 8; j++) {                                                      \
+                d[i + j] = v[j];                                                               \
+                acc[j] += (double)v[j] * v[j];                                                 \
+            }                                                                                  \
+        }                                                                                      \
+        for (int j = 0; i < n; i++, j++) {                                                     \
+            float v = fresh ? LOAD(i) : d[i] * sc + LOAD(i);                                   \
+            d[i] = v;                                                                          \
+            acc[j] += (double)v * v;                                                           \
+        }                                                                                      \
+        return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])); \
+    }
+
+static inline float bf16_to_float(uint16_t b)
+{
+    uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+#define LOAD_F32(i) src[i]
+#define LOAD_BF16(i) bf16_to_float(src[i])
+#define LOAD_F16(i) half_to_float(src[i])
+GRAD_ADD(add_f32, float, LOAD_F32)
+GRAD_ADD(add_bf16, uint16_t, LOAD_BF16)
+GRAD_ADD(add_f16, uint16_t, LOAD_F16)
+
 /* The gradient's accumulation for zinf.torch, in one call rather than a torch operation
  * each: dst (float32: a Pinned fetched dirty, or a writable buffer) becomes src (fresh) or
  * dst * scale + src, element by element in float32 with one rounding each (as torch's
@@ -570,28 +614,15 @@ static PyObject *mod_grad_add(PyObject *m, PyObject *args)
         f32_put(&a);
         return NULL;
     }
-    float *d = a.f, sc = (float)scale;
-    const void *src = (const void *)(uintptr_t)src_addr;
-    double acc[8] = {0};
-    size_t n = a.n;
+    double sum;
     Py_BEGIN_ALLOW_THREADS
-    for (size_t i = 0; i < n; i++) {
-        float s;
-        if (src_dtype == 0) {
-            s = ((const float *)src)[i];
-        } else if (src_dtype == 1) {
-            uint32_t bits = (uint32_t)((const uint16_t *)src)[i] << 16;
-            memcpy(&s, &bits, sizeof(s));
-        } else {
-            s = half_to_float(((const uint16_t *)src)[i]);
-        }
-        float v = fresh ? s : d[i] * sc + s;
-        d[i] = v;
-        acc[i & 7] += (double)v * v;
+    switch (src_dtype) {
+    case 0: sum = add_f32(a.f, (const void *)(uintptr_t)src_addr, a.n, (float)scale, fresh); break;
+    case 1: sum = add_bf16(a.f, (const void *)(uintptr_t)src_addr, a.n, (float)scale, fresh); break;
+    default: sum = add_f16(a.f, (const void *)(uintptr_t)src_addr, a.n, (float)scale, fresh); break;
     }
     Py_END_ALLOW_THREADS
     f32_put(&a);
-    double sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     return PyFloat_FromDouble(sum);
 }
 

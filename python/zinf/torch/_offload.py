@@ -128,13 +128,14 @@ class _Entry:
     __slots__ = ("owner", "name", "param", "shape", "dtype", "cls", "handle", "grad", "m",
                  "v", "vmax", "master", "pin", "view", "users", "in_backward", "dirty",
                  "hooked", "has_grad", "fresh", "proxy", "gnorm", "gscale", "nonfinite",
-                 "zcls", "ordered")
+                 "zcls", "ordered", "empty")
 
     def __init__(self, owner, name, param, handle, grad):
         self.owner, self.name, self.param = owner, name, param
         self.shape, self.dtype, self.cls = tuple(param.shape), param.dtype, type(param)
         self.zcls = param_class(self.cls)
         self.ordered = False    # in the Offload's _order, the order of first use
+        self.empty = None       # what p.data is between uses (set at the first fetch)
         self.handle, self.grad = handle, grad
         self.m = self.v = self.vmax = self.master = None
         self.pin = self.view = None
@@ -340,7 +341,7 @@ class Offload:
     def _acquire(self, entries, why):
         """One more holder of each entry's fetched copy; the ones not resident yet are
         fetched as one set (zinf_fetch_all: the tier makes room for the whole set)."""
-        need = [e for e in entries if e.users == 0]
+        need = [e for e in entries if not e.users]
         if need:
             pins = self.engine.fetch_all([e.handle for e in need], self.tier,
                                          **self._fetch_kw)
@@ -351,10 +352,8 @@ class Offload:
                 for pin in pins:
                     pin.release()
                 raise
+            by_storage = self._by_storage
             for e, pin, view in zip(need, pins, views):
-                if not e.ordered:
-                    e.ordered = True
-                    self._order.append(e)
                 p = e.param
                 if e.has_grad:
                     self._sync_grad(e)
@@ -365,13 +364,22 @@ class Offload:
                     p.grad = None
                 p.data = view
                 e.pin, e.view = pin, view
-                self._by_storage[view.data_ptr()] = e
-                if not e.hooked and p.requires_grad:
+                by_storage[pin.ptr] = e
+                if not e.ordered:
+                    self._first_use(e, view)
+                if not e.hooked and p.requires_grad:   # unfrozen since (requires_grad_)
                     self._hook_grad(e)
-            if self._cuda is None:
-                self._cuda = views[0].device if views[0].device.type == "cuda" else False
         for e in entries:
             e.users += 1
+
+    def _first_use(self, e, view):
+        """What the first fetch of an entry learns: its place in the order of first use, the
+        device of its copies and an empty tensor of its kind."""
+        e.ordered = True
+        self._order.append(e)
+        if self._cuda is None:
+            self._cuda = view.device if view.device.type == "cuda" else False
+        e.empty = self._empty(e.dtype, view.device)
 
     def _drop(self, e):
         e.users -= 1
@@ -379,22 +387,29 @@ class Offload:
             return
         if self._cuda:
             torch.cuda.current_stream(self._cuda).synchronize()
-        view, e.view = e.view, None
+        view, pin = e.view, e.pin
+        e.view = e.pin = None
         p = e.param
-        self._by_storage.pop(view.data_ptr(), None)
-        p.data = self._empty(e.dtype, view.device)
+        self._by_storage.pop(pin.ptr, None)
+        p.data = e.empty
+        if e.has_grad:
+            # Before the class changes: a ZinfParameter would take p.grad = through
+            # __torch_function__.
+            if e.proxy is None:
+                e.proxy = GradProxy.make(e, p)
+            p.grad = e.proxy
         p.__class__ = e.zcls
-        pin, e.pin = e.pin, None
-        dirty, e.dirty = e.dirty, False
+        if not e.dirty:
+            pin.release()
+            return
+        e.dirty = False
         try:
-            if dirty and e.master is not None:
+            if e.master is not None:
                 with self.engine.fetch(e.master, "host", dirty=True) as mp:
                     view_as(mp, e.shape, torch.float32).copy_(view)
             del view
         finally:
-            if e.has_grad:
-                self._put_proxy(e)
-            pin.release(dirty=dirty)
+            pin.release(dirty=True)
 
     def _empty(self, dtype, device):
         key = (dtype, device)
