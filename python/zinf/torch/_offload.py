@@ -20,6 +20,14 @@ __all__ = ["Offload", "offload", "gathered", "shape_of", "DTYPES"]
 _KDLCPU, _KDLCUDAHOST = 1, 3
 _disabled = torch._C.DisableTorchFunctionSubclass
 _from_capsule = torch._C._from_dlpack
+_push_saved = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_saved = torch._C._autograd._pop_saved_tensors_default_hooks
+
+
+def _saved_hooks_free():
+    """No saved-tensor hooks are on, and they may be pushed."""
+    a = torch._C._autograd
+    return a._saved_tensors_hooks_is_enabled() and a._top_saved_tensors_default_hooks(False) is None
 
 # The parameter dtypes zinf.torch offloads, by zinf's name for them.
 DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -82,26 +90,6 @@ def zero(engine, t):
         raise
 
 
-def _nodes(result):
-    """The distinct autograd nodes that made the tensors of a module's output (a tensor, or
-    a tuple, list or dict of them: a ModelOutput is a dict)."""
-    if isinstance(result, torch.Tensor):
-        items = (result,)
-    elif isinstance(result, dict):
-        items = result.values()
-    elif isinstance(result, (tuple, list)):
-        items = result
-    else:
-        return ()
-    nodes = {}
-    for t in items:
-        if isinstance(t, torch.Tensor):
-            fn = t.grad_fn
-            if fn is not None:
-                nodes[id(fn)] = fn
-    return nodes.values()
-
-
 def _in_backward():
     return torch._C._current_graph_task_id() != -1
 
@@ -128,7 +116,7 @@ class _Entry:
     __slots__ = ("owner", "name", "param", "shape", "dtype", "cls", "handle", "grad", "m",
                  "v", "vmax", "master", "pin", "view", "users", "in_backward", "dirty",
                  "hooked", "has_grad", "fresh", "proxy", "gnorm", "gscale", "nonfinite",
-                 "zcls", "ordered", "empty")
+                 "zcls", "ordered", "empty", "standin", "standing")
 
     def __init__(self, owner, name, param, handle, grad):
         self.owner, self.name, self.param = owner, name, param
@@ -136,6 +124,11 @@ class _Entry:
         self.zcls = param_class(self.cls)
         self.ordered = False    # in the Offload's _order, the order of first use
         self.empty = None       # what p.data is between uses (set at the first fetch)
+        # In the backward, between the gradient's pre-hook and its post-accumulate hook, p.data
+        # is standin (standing): a tensor of p's shape and no memory (one NaN, broadcast),
+        # enough for AccumulateGrad, which checks the shape and reads no value.
+        self.standin = None
+        self.standing = False
         self.handle, self.grad = handle, grad
         self.m = self.v = self.vmax = self.master = None
         self.pin = self.view = None
@@ -183,7 +176,8 @@ class Offload:
         self._entries = []
         self._by_storage = {}     # data_ptr of a fetched copy -> its entry
         self._hooks = []
-        self._calls = {}          # id(submodule) -> stack of the entries each call acquired
+        self._calls = {}          # id(submodule) -> stack of (entries acquired, hooks pushed)
+        self._tls = threading.local()   # .depth: forwards with zinf's saved-tensor hooks on
         self._loading = []        # entries load_state_dict holds between its two hooks
         self._callback_queued = False
         self._cuda = None         # the torch device of fetched copies, once known
@@ -192,9 +186,9 @@ class Offload:
         self._fetch_kw = {"wait": wait} if wait else {}
         self._empties = {}        # (dtype, device) -> the 0-element tensor of idle parameters
         self._order = []          # entries in the order the forward (or anyone) first fetched them
-        # Fetches by the hook that asked: forward pre-hooks, full backward pre-hooks, saved
-        # views whose node came before any hook of their module (unpack), and gathers.
-        self.fetches = {"forward": 0, "backward": 0, "unpack": 0, "gather": 0}
+        # Fetches by who asked: forward pre-hooks, saved views of parameters that the
+        # backward unpacked (unpack), and gathers.
+        self.fetches = {"forward": 0, "unpack": 0, "gather": 0}
         named = list(module.named_parameters())
         for name, p in named:
             if p.__dict__.get("_zinf") is not None:
@@ -306,8 +300,14 @@ class Offload:
 
         @functools.wraps(forward)   # its signature: HF's Trainer picks the inputs by it
         def forward_with_saved_hooks(*args, **kwargs):
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                return forward(*args, **kwargs)
+            tls = self._tls
+            depth = getattr(tls, "depth", 0)
+            tls.depth = depth + 1
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    return forward(*args, **kwargs)
+            finally:
+                tls.depth = depth
 
         module.forward = forward_with_saved_hooks
         module.__dict__["zinf_offload"] = self
@@ -316,6 +316,7 @@ class Offload:
 
     def _hook_grad(self, e):
         if not e.hooked and e.param.requires_grad:
+            self._hooks.append(e.param.register_hook(functools.partial(self._grad_pre, e)))
             self._hooks.append(e.param.register_post_accumulate_grad_hook(self._grad_ready))
             e.hooked = True
 
@@ -447,6 +448,8 @@ class Offload:
                 if e.in_backward:
                     e.in_backward = False
                     self._drop(e)
+                if e.standing:
+                    self._unstand(e)
             while self._loading:
                 self._drop(self._loading.pop())
 
@@ -462,34 +465,37 @@ class Offload:
             with self._lock:
                 if root and (self._callback_queued or self._loading):
                     self.release_stale()
-                got = []
-                self._calls.setdefault(id(m), []).append(got)
                 self._acquire(own, "forward")
-                got.extend(own)
+                # A module called outside the root's forward (a submodule on its own, a
+                # re-entrant checkpoint's recompute in the backward) saves its views of
+                # parameters through zinf's hooks too: they are pushed for its forward,
+                # unless other hooks are on (a non-re-entrant checkpoint's recompute keeps
+                # what it saves itself, and its views keep their pins).
+                tls = self._tls
+                pushed = not getattr(tls, "depth", 0) and _saved_hooks_free()
+                if pushed:
+                    _push_saved(self._pack, self._unpack)
+                    tls.depth = 1
+                self._calls.setdefault(id(m), []).append((own, pushed))
 
         return pre
 
     def _make_post(self, own):
-        def backward_pre(grad_outputs):
-            with self._lock:
-                self._queue_end_of_backward()
-                self._hold_for_backward(own, "backward")
-
+        # The backward needs no hook of the module's: a parameter autograd saved is fetched
+        # as it is unpacked (_unpack), and a gradient goes into zinf from its own hooks
+        # (_grad_pre, _grad_ready), with nothing fetched.
         @torch.compiler.disable
         def post(m, args, result):
             with self._lock:
                 stack = self._calls.get(id(m))
-                got = stack.pop() if stack else []
-                try:
-                    if torch.is_grad_enabled():
-                        # The backward fetches the module's parameters again before the
-                        # first node of its outputs runs (a node's pre-hook: lighter than a
-                        # full backward pre-hook, which wraps every input and output).
-                        for node in _nodes(result):
-                            node.register_prehook(backward_pre)
-                finally:
-                    for e in got:
-                        self._drop(e)
+                if not stack:
+                    return      # the pre-hook raised before it acquired anything
+                got, pushed = stack.pop()
+                if pushed:
+                    self._tls.depth = 0
+                    _pop_saved()
+                for e in got:
+                    self._drop(e)
 
         return post
 
@@ -511,6 +517,8 @@ class Offload:
                 if e.in_backward:
                     e.in_backward = False
                     self._drop(e)
+                if e.standing:
+                    self._unstand(e)
 
     def _pack(self, t):
         try:
@@ -524,14 +532,29 @@ class Offload:
             return _Saved(e, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
     def _unpack(self, s):
+        """A saved view of a parameter, for the node that unpacks it. Where the parameter is
+        fetched (a forward running again under checkpointing, a gather), a view of that
+        copy; else it is fetched, and the pin released at once: the view keeps it (DLPack)
+        until autograd lets the view go after the node, so nothing is held longer than the
+        node runs. On a GPU the node's kernels may still read the copy once the view goes:
+        there the copy is held until the gradient is in (or the backward ends), and the
+        release waits for the stream."""
         if not isinstance(s, _Saved):
             return s
         e = s.entry
         with self._lock:
-            if e.view is None:
+            if e.view is None and self._cuda:
                 self._queue_end_of_backward()
                 self._hold_for_backward([e], "unpack")
-            return torch.as_strided(e.view, s.size, s.stride, s.offset)
+            if e.view is not None:
+                return torch.as_strided(e.view, s.size, s.stride, s.offset)
+            pin = self.engine.fetch(e.handle, self.tier, **self._fetch_kw)
+            self.fetches["unpack"] += 1
+            try:
+                return torch.as_strided(view_as(pin, e.shape, e.dtype), s.size, s.stride,
+                                        s.offset)
+            finally:
+                pin.release()
 
     # ---- gradients ------------------------------------------------------------------------
 
@@ -557,10 +580,42 @@ class Offload:
         if e.view is None and _grad_of(e.param) is e.proxy:
             _set_grad(e.param, None)
 
+    def _grad_pre(self, e, grad):
+        """Before AccumulateGrad stores the parameter's gradient: an idle parameter gets its
+        shape back (the stand-in) and no p.grad (the proxy would be added to), until
+        _grad_ready has the gradient in zinf."""
+        with self._lock:
+            self._queue_end_of_backward()
+            if e.view is None and not e.standing:
+                st = e.standin
+                if st is None:
+                    st = e.standin = self._nan(e.dtype, grad.device).expand(e.shape)
+                with _disabled():
+                    p = e.param
+                    p.grad = None
+                    p.data = st
+                e.standing = True
+
+    def _unstand(self, e):
+        """The stand-in gone: the parameter empty again, its gradient's proxy back."""
+        e.standing = False
+        with _disabled():
+            e.param.data = e.empty if e.empty is not None else self._empty(e.dtype, e.standin.device)
+        if e.has_grad:
+            self._put_proxy(e)
+
+    def _nan(self, dtype, device):
+        key = ("nan", dtype, device)
+        t = self._empties.get(key)
+        if t is None:
+            t = self._empties[key] = torch.full((), float("nan"), dtype=dtype, device=device)
+        return t
+
     def _grad_ready(self, p):
         e = p.__dict__["_zinf"]
-        g = p.grad
-        p.grad = None
+        with _disabled():
+            g = p.grad
+            p.grad = None
         code = _GRAD_CODES.get(g.dtype)
         if code is None:
             raise TypeError(f"zinf.torch: the gradient of {e.name} is {g.dtype}, not a "
@@ -582,7 +637,9 @@ class Offload:
             e.nonfinite = not math.isfinite(sumsq)
             e.gscale = 1.0
             e.has_grad, e.fresh = True, False
-            if e.in_backward:
+            if e.standing:
+                self._unstand(e)
+            elif e.in_backward:
                 e.in_backward = False
                 self._drop(e)
             elif e.view is None:
