@@ -591,16 +591,9 @@ GRAD_ADD(add_f16, uint16_t, LOAD_F16)
  * in double in eight lanes (element i in lane i % 8) summed in a fixed order: the same
  * bits for the same values, whatever the threads. The caller vouches for src (private:
  * zinf.torch passes a contiguous CPU tensor's data_ptr()). */
-static PyObject *mod_grad_add(PyObject *m, PyObject *args)
+PyObject *grad_add_into(PyObject *dst_o, unsigned long long src_addr, Py_ssize_t count,
+                        int src_dtype, double scale, int fresh)
 {
-    PyObject *dst_o;
-    unsigned long long src_addr;
-    Py_ssize_t count;
-    int src_dtype, fresh;
-    double scale;
-    if (!PyArg_ParseTuple(args, "OKnidp", &dst_o, &src_addr, &count, &src_dtype, &scale,
-                          &fresh))
-        return NULL;
     if (count < 0 || src_dtype < 0 || src_dtype > 2 || (count && !src_addr)) {
         PyErr_Format(PyExc_ValueError, "_grad_add: %zd values of dtype code %d at address %llu",
                      count, src_dtype, src_addr);
@@ -624,6 +617,19 @@ static PyObject *mod_grad_add(PyObject *m, PyObject *args)
     Py_END_ALLOW_THREADS
     f32_put(&a);
     return PyFloat_FromDouble(sum);
+}
+
+static PyObject *mod_grad_add(PyObject *m, PyObject *args)
+{
+    PyObject *dst_o;
+    unsigned long long src_addr;
+    Py_ssize_t count;
+    int src_dtype, fresh;
+    double scale;
+    if (!PyArg_ParseTuple(args, "OKnidp", &dst_o, &src_addr, &count, &src_dtype, &scale,
+                          &fresh))
+        return NULL;
+    return grad_add_into(dst_o, src_addr, count, src_dtype, scale, fresh);
 }
 
 static PyObject *tensor_repr(PyObject *unused, PyObject *self)

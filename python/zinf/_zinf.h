@@ -156,5 +156,7 @@ int eng_release(EngineObject *eng, zinf_tensor h, int tier, unsigned flags,
                 bool may_clean, bool *kept);
 void orphans_settle(EngineObject *self, bool last);
 int pin_drop(PinnedObject *p, unsigned flags, enum drop_mode mode);
+PyObject *grad_add_into(PyObject *dst, unsigned long long src_addr, Py_ssize_t count,
+                        int src_dtype, double scale, int fresh);
 
 #endif

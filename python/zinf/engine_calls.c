@@ -106,17 +106,9 @@ static int fetch_room(EngineObject *self, zinf_engine *e, const zinf_tensor *hs,
     }
 }
 
-static PyObject *Engine_fetch(EngineObject *self, PyObject *args, PyObject *kw)
+/* zinf_fetch of h into tier, as a Pinned (NULL: an exception is set). */
+static PyObject *fetch_one(EngineObject *self, zinf_tensor h, int tier, int dirty, double wait)
 {
-    static char *kwlist[] = {"tensor", "tier", "dirty", "wait", NULL};
-    PyObject *t, *tier_o = NULL, *wait_o = NULL;
-    int dirty = 0, tier = ZINF_TIER_DEVICE;
-    double wait;
-    zinf_tensor h;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpO", kwlist, &t, &tier_o, &dirty, &wait_o) ||
-        parse_handle(t, &h) || (tier_o && parse_tier(tier_o, &tier)) ||
-        parse_wait(wait_o, &wait))
-        return NULL;
     zinf_engine *e = eng_enter(self);
     if (!e) return NULL;
     struct zinf_tensor_info info;
@@ -132,6 +124,52 @@ static PyObject *Engine_fetch(EngineObject *self, PyObject *args, PyObject *kw)
     self->pins++;
     eng_leave(self);
     return make_pinned(self, h, tier, ptr, info.bytes, dirty);
+}
+
+static PyObject *Engine_fetch(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"tensor", "tier", "dirty", "wait", NULL};
+    PyObject *t, *tier_o = NULL, *wait_o = NULL;
+    int dirty = 0, tier = ZINF_TIER_DEVICE;
+    double wait;
+    zinf_tensor h;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|OpO", kwlist, &t, &tier_o, &dirty, &wait_o) ||
+        parse_handle(t, &h) || (tier_o && parse_tier(tier_o, &tier)) ||
+        parse_wait(wait_o, &wait))
+        return NULL;
+    return fetch_one(self, h, tier, dirty, wait);
+}
+
+/* zinf.torch's accumulation of a gradient into its float32 tensor in one call: fetched to
+ * the host tier, _grad_add (see the module's), released dirty where it was written (clean
+ * where _grad_add refused). A refused dirty release raises, and the pin is kept as a
+ * collected Pinned's is (tried again as other pins go, and at close): nothing is lost. */
+static PyObject *Engine_grad_add(EngineObject *self, PyObject *args)
+{
+    PyObject *t;
+    unsigned long long src;
+    Py_ssize_t count;
+    int code, fresh;
+    double scale, wait = -1;
+    PyObject *wait_o = NULL;
+    zinf_tensor h;
+    if (!PyArg_ParseTuple(args, "OKnidp|O", &t, &src, &count, &code, &scale, &fresh,
+                          &wait_o) ||
+        parse_handle(t, &h) || parse_wait(wait_o, &wait))
+        return NULL;
+    if (self->readonly) /* refused before a byte of the cached copy is written */
+        return raise_zinf(-EROFS, "zinf_release", NULL);
+    PyObject *pin = fetch_one(self, h, ZINF_TIER_HOST, 1, wait);
+    if (!pin) return NULL;
+    PyObject *sum = grad_add_into(pin, src, count, code, scale, fresh);
+    PinnedObject *p = (PinnedObject *)pin;
+    int r = pin_drop(p, sum ? ZINF_RELEASE_DIRTY : 0, DROP_ASKED);
+    if (r && sum) {
+        Py_CLEAR(sum);
+        raise_zinf(r, "zinf_release", NULL);
+    }
+    Py_DECREF(pin);
+    return sum;
 }
 
 static PyObject *Engine_fetch_all(EngineObject *self, PyObject *args, PyObject *kw)
@@ -567,6 +605,10 @@ static PyMethodDef Engine_methods[] = {
      "fetch(tensor, tier=\"device\", dirty=False, wait=None) -> Pinned. wait: where the tier "
      "is full of pins (ENOMEM), seconds (or True: no limit) to wait for a pin of this engine "
      "to go and try again; None: fail at once. What never fits fails at once."},
+    {"_grad_add", (PyCFunction)Engine_grad_add, METH_VARARGS,
+     "_grad_add(tensor, src_address, count, src_dtype, scale, fresh, wait=None) -> sum of "
+     "squares: zinf._zinf._grad_add into tensor fetched to the host tier (zinf.torch's; "
+     "src_address is trusted)."},
     {"fetch_all", KW Engine_fetch_all, METH_VARARGS | METH_KEYWORDS,
      "fetch_all(tensors, tier=\"device\", dirty=False, wait=None) -> [Pinned]: all pinned, "
      "or none; wait as fetch's."},

@@ -634,3 +634,37 @@ class GradAdd(Base):
             with self.assertRaisesRegex(TypeError, "_grad_add: grad is a pinned float16"):
                 _grad_add(p16, g.data_ptr(), 16, 0, 1.0, True)
         e.close()
+
+    def test_the_engines_call_fetches_adds_and_releases(self):
+        e = zinf.Engine(nvme_path=self.swap, device_bytes=8 << 20, host_bytes=8 << 20)
+        h = e.register("g", ((1000,), "float32"))           # homed on NVMe
+        g = torch.arange(1000, dtype=torch.float32)
+        s = e._grad_add(h, g.data_ptr(), 1000, 0, 1.0, True)
+        self.assertEqual(s, float(g.double().square().sum()))
+        gb = g.bfloat16()
+        s = e._grad_add(h, gb.data_ptr(), 1000, 1, 0.5, False, 1.0)
+        want = g * 0.5 + gb.float()
+        self.assertEqual(s, float(want.double().square().sum()))
+        with e.fetch(h, "host") as pin:
+            self.assertTrue(torch.equal(zt._torch_view(pin), want))
+        # A refusal writes nothing and keeps no pin.
+        with self.assertRaisesRegex(ValueError, "holds 1000 float32, the source 999"):
+            e._grad_add(h, g.data_ptr(), 999, 0, 1.0, True)
+        with self.assertRaisesRegex(TypeError, "wait is None, True or seconds"):
+            e._grad_add(h, g.data_ptr(), 1000, 0, 1.0, True, "x")
+        for tier in e.stats()["tier"]:
+            self.assertEqual(tier["pinned_bytes"], 0)
+        with e.fetch(h, "host") as pin:
+            self.assertTrue(torch.equal(zt._torch_view(pin), want))
+        e.flush()
+        e.close()
+        ro = zinf.Engine(nvme_path=self.swap, device_bytes=8 << 20, host_bytes=8 << 20,
+                         resume=True, readonly=True)
+        h = ro.lookup("g")
+        with self.assertRaises(zinf.Error):
+            ro._grad_add(h, g.data_ptr(), 1000, 0, 1.0, True)
+        for tier in ro.stats()["tier"]:
+            self.assertEqual(tier["pinned_bytes"], 0)
+        with ro.fetch(h, "host") as pin:
+            self.assertTrue(torch.equal(zt._torch_view(pin).view(torch.float32), want))
+        ro.close()

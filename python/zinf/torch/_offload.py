@@ -521,15 +521,15 @@ class Offload:
                     self._unstand(e)
 
     def _pack(self, t):
+        # A fetched parameter is a plain Parameter (nothing of zinf's __torch_function__ to
+        # step around); a tensor without storage (sparse) is saved as it is.
         try:
-            with _disabled():
-                e = self._by_storage.get(t.untyped_storage().data_ptr())
-        except Exception:  # sparse and other storage-less tensors
+            e = self._by_storage.get(t.untyped_storage().data_ptr())
+        except Exception:
             return t
         if e is None or t.dtype != e.dtype:
             return t
-        with _disabled():
-            return _Saved(e, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        return _Saved(e, t.storage_offset(), t.shape, t.stride())
 
     def _unpack(self, s):
         """A saved view of a parameter, for the node that unpacks it. Where the parameter is
@@ -599,10 +599,13 @@ class Offload:
     def _unstand(self, e):
         """The stand-in gone: the parameter empty again, its gradient's proxy back."""
         e.standing = False
+        p = e.param
         with _disabled():
-            e.param.data = e.empty if e.empty is not None else self._empty(e.dtype, e.standin.device)
-        if e.has_grad:
-            self._put_proxy(e)
+            p.data = e.empty if e.empty is not None else self._empty(e.dtype, e.standin.device)
+            if e.has_grad:
+                if e.proxy is None:
+                    e.proxy = GradProxy.make(e, p)
+                p.grad = e.proxy
 
     def _nan(self, dtype, device):
         key = ("nan", dtype, device)
@@ -625,12 +628,8 @@ class Offload:
         if not g.is_contiguous():
             g = g.contiguous()
         with self._lock:
-            pin = self.engine.fetch(self.grad_handle(e), "host", dirty=True)
-            try:
-                fresh = not e.has_grad or e.fresh
-                sumsq = _grad_add(pin, g.data_ptr(), g.numel(), code, e.gscale, fresh)
-            finally:
-                pin.release()
+            sumsq = self.engine._grad_add(self.grad_handle(e), g.data_ptr(), g.numel(), code,
+                                          e.gscale, not e.has_grad or e.fresh)
             # The 2-norm, for clip_grad_norm_, and an inf or nan (sum of squares not finite:
             # no finite float32's square overflows a double), for GradScaler's skip.
             e.gnorm = math.sqrt(sumsq)
