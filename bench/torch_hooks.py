@@ -19,11 +19,12 @@ forward (model(x) and the loss), backward (loss.backward()), step (opt.step()) a
 (opt.zero_grad()). The per-tensor cost is (offloaded - plain) / tensors, in microseconds,
 per phase; "slope" is the same from the difference between the largest and the smallest
 model, which leaves out what a step costs once whatever its size. Mode "hooks" is the plain
-model with no-op hooks of each kind zinf.torch installs (forward pre and post, full backward
-pre, post-accumulate-grad, saved_tensors_hooks; each under torch.compiler.disable as
-zinf.torch's are): what torch itself takes to call them, a floor for the hooks' cost.
-"hooks-bwd" has the no-op full backward pre-hook alone, and "hooks-gradfn" in its stead a
-no-op prehook on each module's output's grad_fn, set by a forward hook.
+model with no-op hooks of each kind zinf.torch installs (forward pre and post, each
+parameter's gradient pre-hook and post-accumulate-grad hook, saved_tensors_hooks; each under
+torch.compiler.disable as zinf.torch's are): what torch itself takes to call them, a floor
+for the hooks' cost. "hooks-bwd" has a no-op full backward pre-hook alone, and
+"hooks-gradfn" a no-op prehook on each module's output's grad_fn, set by a forward hook
+(kinds zinf.torch's backward used before it fetched on unpacking).
 
 --profile N: then N more steps of the largest model's first offloaded mode with its forward
 and backward under cProfile (the steps between them not), and the 15 functions with the
@@ -96,13 +97,14 @@ class Run:
             if mode == "hooks":
                 m.register_forward_pre_hook(noop)
                 m.register_forward_hook(noop, always_call=True)
-            if mode in ("hooks", "hooks-bwd"):
+            if mode == "hooks-bwd":
                 m.register_full_backward_pre_hook(noop)
             if mode == "hooks-gradfn":
                 m.register_forward_hook(prehook_on_output)
         if mode != "hooks":
             return
         for p in self.model.parameters():
+            p.register_hook(noop)
             p.register_post_accumulate_grad_hook(noop)
         forward = self.model.forward
 

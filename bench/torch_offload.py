@@ -32,7 +32,8 @@ The state (state_bytes) is zinf's layout: per parameter its own bytes, a float32
 two float32 moments and, for bf16, a float32 master (16 bytes fp32, 18 bf16).
 
 Prints one JSON object: mode, model, dtype, params, state_bytes, steps_ms, median_ms
-(steps 2..), losses, max_rss_bytes (ru_maxrss), cpu_s_per_step (the process's user+system
+(steps 2..), phases_ms (the median forward, backward and step with zero_grad, steps 2..)
+and blocked_phases_ms (zinf's: the time its engine blocked in each, medians), losses, max_rss_bytes (ru_maxrss), cpu_s_per_step (the process's user+system
 CPU time a step, steps 2..) and cpu_s_per_step_by_thread (by thread name: "main", torch's
 and zinf's workers), budget_bytes and budget_fraction, and for zinf the tiers'
 peaks, the NVMe bytes moved in all and a step (steps 2..) and the time the engine blocked.
@@ -154,15 +155,33 @@ def main():
     out.update(budget_bytes=budget, budget_fraction=round(budget / state, 4))
     engine = None
 
-    def torch_step(opt):
+    phases = []     # each step's (forward, backward, step) in ms
+    blocks = []     # and zinf's: the time the engine blocked in each, in ms
+
+    def blocked():
+        return engine.stats()["blocked_ns"] / 1e6 if engine is not None else 0.0
+
+    def timed(fwd, bwd, upd):
         def step(x, y):
-            loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            b0, t0 = blocked(), time.perf_counter()
+            loss = fwd(x, y)
+            b1, t1 = blocked(), time.perf_counter()
+            bwd(loss)
+            b2, t2 = blocked(), time.perf_counter()
+            upd()
+            b3, t3 = blocked(), time.perf_counter()
+            phases.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+            blocks.append((b1 - b0, b2 - b1, b3 - b2))
             return loss.item()
 
         return step
+
+    def torch_step(opt):
+        def upd():
+            opt.step()
+            opt.zero_grad()
+
+        return timed(model, lambda loss: loss.backward(), upd)
 
     if a.mode == "plain":
         step = torch_step(torch.optim.AdamW(model.parameters(), **hp))
@@ -209,11 +228,7 @@ def main():
         engine_ds, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                   config=cfg)
 
-        def step(x, y):
-            loss = engine_ds(x, y)
-            engine_ds.backward(loss)
-            engine_ds.step()
-            return loss.item()
+        step = timed(engine_ds, engine_ds.backward, engine_ds.step)
 
     data = ex.batches(a.text, a.batch, a.context)
     times, losses = [], []
@@ -231,6 +246,11 @@ def main():
     later = max(a.steps - 1, 1)
     out.update(steps_ms=[round(t, 1) for t in times],
                median_ms=round(statistics.median(times[1:] or times), 1), losses=losses,
+               phases_ms={k: round(statistics.median(ph[i] for ph in phases[1:] or phases), 1)
+                          for i, k in enumerate(("forward", "backward", "step"))},
+               blocked_phases_ms={k: round(statistics.median(b[i] for b in blocks[1:] or blocks),
+                                           1)
+                                  for i, k in enumerate(("forward", "backward", "step"))},
                cpu_s_per_step=round((marks[-1][0] - marks[0][0]) / later, 3),
                cpu_s_per_step_by_thread={
                    k: round((v - marks[0][3].get(k, 0.0)) / later, 3)

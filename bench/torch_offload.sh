@@ -76,6 +76,13 @@ for m, rs in by.items():
                  f"{z['nvme_written_per_step'] / 2**20:.0f} MiB/step (steps 2..), blocked "
                  f"{z['blocked_ms'] / n:.0f} ms/step")
     print(f"  {m:9s} {med[m]:8.0f} ms   CPU {cpu:6.2f} s/step   max RSS {rss:6.0f} MiB{extra}")
+    ph = [x["phases_ms"] for x in rs if "phases_ms" in x]
+    if ph:
+        bl = [x.get("blocked_phases_ms") for x in rs] if m == "zinf" else []
+        print("            median ms by phase: " + ", ".join(
+            f"{k} {statistics.median(p[k] for p in ph):.0f}" +
+            (f" (blocked {statistics.median(b[k] for b in bl):.0f})" if bl and bl[0] else "")
+            for k in ph[0]))
     th = rs[-1].get("cpu_s_per_step_by_thread")
     if th:
         print("            CPU s/step by thread: " + ", ".join(

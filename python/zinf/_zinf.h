@@ -44,6 +44,9 @@ typedef struct {
      * objects collected meanwhile: [(handle, tier, flags)], each pin still held and counted
      * in pins, tried again whenever a pin of this engine goes and at close. */
     PyObject *orphans;
+    /* Callables (zinf.torch's) run before a flush and before a close that flushes, so that
+     * work they deferred (an optimizer's update) is in what is saved: _add_barrier. */
+    PyObject *barriers;
     /* Fetches waiting for room (wait=): releases of this engine's pins bump room_gen and
      * wake them. room_releasing counts releases in flight (not counted yet). */
     pthread_mutex_t room_lock;
@@ -135,6 +138,7 @@ void room_wait_until(EngineObject *self, uint64_t gen, double until);
 void eng_maybe_close(EngineObject *self);
 void eng_leave(EngineObject *self);
 void eng_learn(EngineObject *self);
+int run_barriers(EngineObject *self);
 EngineObject *eng_alloc(PyTypeObject *type);
 int Engine_init(EngineObject *self, PyObject *args, PyObject *kw);
 PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw);

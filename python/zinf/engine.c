@@ -171,7 +171,8 @@ EngineObject *eng_alloc(PyTypeObject *type)
     self->meta = PyDict_New();
     self->tickets = PyDict_New();
     self->orphans = PyList_New(0);
-    if (!self->meta || !self->tickets || !self->orphans) {
+    self->barriers = PyList_New(0);
+    if (!self->meta || !self->tickets || !self->orphans || !self->barriers) {
         Py_DECREF(self);
         return NULL;
     }
@@ -403,14 +404,45 @@ void Engine_dealloc(EngineObject *self)
     Py_XDECREF(self->meta);
     Py_XDECREF(self->tickets);
     Py_XDECREF(self->orphans);
+    Py_XDECREF(self->barriers);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 /* close() and close_unflushed(): no new calls from now on; the engine closes (with or
  * without its flush) once nothing holds it. In a forked child the parent's engine is only
  * forgotten. */
+/* Runs the barriers (each may fetch and release through this engine): 0, or -1 with the
+ * first one's exception set. GIL held, the engine not entered. */
+int run_barriers(EngineObject *self)
+{
+    if (!self->barriers || !PyList_GET_SIZE(self->barriers) || self->closing || !self->e ||
+        eng_foreign(self))
+        return 0;
+    PyObject *todo = PyList_GetSlice(self->barriers, 0, PyList_GET_SIZE(self->barriers));
+    if (!todo) return -1;
+    int r = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(todo) && !r; i++) {
+        PyObject *out = PyObject_CallNoArgs(PyList_GET_ITEM(todo, i));
+        if (!out) r = -1;
+        Py_XDECREF(out);
+    }
+    Py_DECREF(todo);
+    return r;
+}
+
 static PyObject *eng_close(EngineObject *self, bool unflushed)
 {
+    if (!unflushed && !self->unflushed && run_barriers(self)) {
+        /* What a barrier was to finish failed: nothing torn is saved. */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        self->unflushed = 1;
+        self->closing = 1;
+        if (self->room_ready && !eng_foreign(self)) room_wake(self);
+        eng_maybe_close(self);
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
     if (unflushed) self->unflushed = 1; /* and a close() after it does not flush either */
     self->closing = 1;
     if (self->room_ready && !eng_foreign(self)) room_wake(self);

@@ -366,6 +366,7 @@ static PyObject *Engine_flush(EngineObject *self, PyObject *args, PyObject *kw)
     PyObject *step_o = Py_None;
     int keep = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|Op", kwlist, &step_o, &keep)) return NULL;
+    if (run_barriers(self)) return NULL;
     if (step_o == Py_None && !keep) return engine_call(self, zinf_flush, "zinf_flush");
     long long step = -1;
     if (step_o != Py_None) {
@@ -529,6 +530,24 @@ static int set_u64(PyObject *d, const char *key, uint64_t v)
     return r;
 }
 
+static PyObject *Engine_add_barrier(EngineObject *self, PyObject *fn)
+{
+    if (!PyCallable_Check(fn)) {
+        PyErr_Format(PyExc_TypeError, "a barrier is a callable, not %s", Py_TYPE(fn)->tp_name);
+        return NULL;
+    }
+    if (PyList_Append(self->barriers, fn)) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_remove_barrier(EngineObject *self, PyObject *fn)
+{
+    for (Py_ssize_t i = PyList_GET_SIZE(self->barriers) - 1; i >= 0; i--)
+        if (PyList_GET_ITEM(self->barriers, i) == fn)
+            return PySequence_DelItem(self->barriers, i) ? NULL : Py_NewRef(Py_None);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Engine_stats(EngineObject *self, PyObject *unused)
 {
     zinf_engine *e = eng_enter(self);
@@ -605,6 +624,11 @@ static PyMethodDef Engine_methods[] = {
      "fetch(tensor, tier=\"device\", dirty=False, wait=None) -> Pinned. wait: where the tier "
      "is full of pins (ENOMEM), seconds (or True: no limit) to wait for a pin of this engine "
      "to go and try again; None: fail at once. What never fits fails at once."},
+    {"_add_barrier", (PyCFunction)Engine_add_barrier, METH_O,
+     "_add_barrier(fn): fn() runs before each flush() and before a close() that flushes "
+     "(zinf.torch's deferred updates); an exception from it aborts the flush, or closes "
+     "without the flush."},
+    {"_remove_barrier", (PyCFunction)Engine_remove_barrier, METH_O, "_remove_barrier(fn)"},
     {"_grad_add", (PyCFunction)Engine_grad_add, METH_VARARGS,
      "_grad_add(tensor, src_address, count, src_dtype, scale, fresh, wait=None) -> sum of "
      "squares: zinf._zinf._grad_add into tensor fetched to the host tier (zinf.torch's; "

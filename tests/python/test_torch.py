@@ -165,8 +165,9 @@ class TestTraining(Base):
             zt.offload(off, e, home="nvme")
             zt.offload_module.zero = spy
             try:
-                for set_to_none in (True, False):
-                    o = zt.AdamW(off.parameters(), lr=1e-3)
+                for set_to_none, overlap in ((True, False), (False, False), (True, True),
+                                             (False, True)):
+                    o = zt.AdamW(off.parameters(), lr=1e-3, overlap=overlap)
                     data = ex.batches(TEXT, 4, ref.wpe.num_embeddings)
                     for step in range(3):
                         x, y = next(data)
@@ -175,6 +176,10 @@ class TestTraining(Base):
                         del calls[:]
                         o.zero_grad(set_to_none=set_to_none)
                         n = len(list(off.parameters()))
+                        if overlap:
+                            # Each zero waits for its parameter's deferred update.
+                            self.assertEqual(calls, [])
+                            off.zinf_offload.settle()
                         self.assertEqual(calls, [True] * n, "Engine.zero refused or not called")
                         self.assertIdle(e, off)
                     for p in off.parameters():

@@ -368,41 +368,88 @@ class Conventions(Base):
 
     def test_an_interrupted_step_saves_nothing_of_itself(self):
         """KeyboardInterrupt between two parameters' updates: the engine closes without a
-        flush, and a resumed run finds the last whole step's values."""
+        flush, and a resumed run finds the last whole step's values. Inside step(), or
+        (overlap) in the next forward, which carries out the deferred updates."""
         import zinf.torch._optim as optim
-        ref, off, e = self.pair()
-        o = zt.AdamW(off.parameters(), lr=1e-2)
-        data = batches()
-        x, y = next(data)
-        off(x, y).backward()
-        o.step()
-        o.zero_grad()
-        e.flush()
-        saved = {k: v.clone() for k, v in off.state_dict().items()}
-        off(x, y).backward()
-        real, calls = optim.adamw_step, []
-
-        def interrupted(*args, **kw):
-            calls.append(1)
-            if len(calls) == 3:
-                raise KeyboardInterrupt
-            return real(*args, **kw)
-
-        optim.adamw_step = interrupted
-        try:
-            with self.assertRaises(KeyboardInterrupt):
+        for overlap in (False, True):
+            with self.subTest(overlap=overlap):
+                ref, off, e = self.pair()
+                o = zt.AdamW(off.parameters(), lr=1e-2, overlap=overlap)
+                data = batches()
+                x, y = next(data)
+                off(x, y).backward()
                 o.step()
-        finally:
-            optim.adamw_step = real
-        self.assertTrue(e.closed)
-        with self.assertRaises(Exception):
+                o.zero_grad()
+                e.flush()
+                saved = {k: v.clone() for k, v in off.state_dict().items()}
+                off(x, y).backward()
+                real, calls = optim.adamw_step, []
+
+                def interrupted(*args, **kw):
+                    calls.append(1)
+                    if len(calls) == 3:
+                        raise KeyboardInterrupt
+                    return real(*args, **kw)
+
+                optim.adamw_step = interrupted
+                try:
+                    with self.assertRaises(KeyboardInterrupt):
+                        o.step()
+                        o.zero_grad()
+                        off(x, y)
+                finally:
+                    optim.adamw_step = real
+                self.assertTrue(e.closed)
+                with self.assertRaises(Exception):
+                    e.flush()
+                del o
+                m2 = self.model(layers=2)
+                with self.engine(m2, resume=True) as e2:
+                    zt.offload(m2, e2, resume=True)
+                    for k, v in m2.state_dict().items():
+                        self.assertTrue(torch.equal(v, saved[k]), k)
+
+    def test_a_flush_or_a_read_after_a_deferred_step_sees_it(self):
+        """overlap=True: Engine.flush() right after step() saves the updated state, and
+        state_dict(), the optimizer's state_dict() and gathered see it, as with
+        overlap=False."""
+        states = []
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            ref, off, e = self.pair()
+            o = zt.AdamW(off.parameters(), lr=1e-2, overlap=overlap)
+            x, y = next(batches())
+            for _ in range(2):
+                off(x, y).backward()
+                o.step()
+                o.zero_grad()
             e.flush()
-        del o
-        m2 = self.model(layers=2)
-        with self.engine(m2, resume=True) as e2:
-            zt.offload(m2, e2, resume=True)
-            for k, v in m2.state_dict().items():
-                self.assertTrue(torch.equal(v, saved[k]), k)
+            e.close_unflushed()
+            m2 = self.model(layers=2)
+            with self.engine(m2, resume=True) as e2:
+                zt.offload(m2, e2, resume=True)
+                states.append((m2.state_dict(), None))
+            torch.manual_seed(0)
+            ref, off, e = self.pair()
+            o = zt.AdamW(off.parameters(), lr=1e-2, overlap=overlap)
+            for _ in range(2):
+                off(x, y).backward()
+                o.step()
+                o.zero_grad()
+            with zt.gathered(list(off.blocks[0].parameters())):
+                g = {n: p.detach().clone() for n, p in off.blocks[0].named_parameters()}
+            states.append((off.state_dict(), o.state_dict(), g))
+            e.close()
+        (flushed0, _), (sd0, osd0, g0), (flushed1, _), (sd1, osd1, g1) = states
+        for k in sd0:
+            self.assertTrue(torch.equal(flushed0[k], flushed1[k]), k)
+            self.assertTrue(torch.equal(sd0[k], sd1[k]), k)
+            self.assertTrue(torch.equal(sd0[k], flushed0[k]), k)
+        for k in g0:
+            self.assertTrue(torch.equal(g0[k], g1[k]), k)
+        for i, st in osd0["state"].items():
+            for key, v in st.items():
+                self.assertTrue(torch.equal(v, osd1["state"][i][key]), (i, key))
 
     def test_deepcopy_and_pickle_give_plain_copies(self):
         ref, off, e = self.pair()

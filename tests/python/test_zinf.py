@@ -334,6 +334,44 @@ class TestSavedState(Base):
         # Without an NVMe tier there is nothing to keep.
         zinf.Engine(device="emulated", device_bytes=MIB, host_bytes=MIB).close_unflushed()
 
+    def test_barriers_run_before_a_flush_and_a_close(self):
+        """_add_barrier (zinf.torch's deferred updates): each barrier runs before flush()
+        and before a close() that flushes, and may write; one that raises aborts the flush
+        (the last one stands) or makes the close one without a flush."""
+        e = self.engine()
+        t = e.register("t", 4096)
+        ran = []
+
+        def writes():
+            ran.append(1)
+            e.write(t, bytes([len(ran)]) * 4096)
+
+        e._add_barrier(writes)
+        with self.assertRaises(TypeError):
+            e._add_barrier(3)
+        e.flush()
+        self.assertEqual(ran, [1])
+        e._remove_barrier(writes)
+        e.flush()
+        self.assertEqual(ran, [1])
+
+        def fails():
+            raise KeyError("barrier")
+
+        e._add_barrier(writes)
+        e._add_barrier(fails)
+        with self.assertRaises(KeyError):
+            e.flush()                           # aborted: the last flush stands
+        self.assertEqual(len(ran), 2)
+        self.assertFalse(e.closed)
+        e.write(t, b"\x09" * 4096)
+        with self.assertRaises(KeyError):
+            e.close()                           # closes, without the flush
+        self.assertTrue(e.closed)
+        with self.engine(resume=True) as e:
+            self.assertEqual(e.read(e.lookup("t")), b"\x01" * 4096)
+            self.assertEqual(e.stats()["tensors"], 1)
+
     def test_flush_steps_and_previous_version(self):
         swap = self.swap
         self.assertErrno(errno.ENOENT, zinf.saved_steps, swap)

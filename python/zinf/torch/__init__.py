@@ -22,14 +22,20 @@ What happens:
   emulated) and points each Parameter's .data at the fetched copy, zero-copy over DLPack;
   after the forward (or its exception) they are released and emptied again.
 - Tensors that autograd saves for the backward and that are views of a fetched parameter
-  are saved as (parameter, offset, shape, strides) instead (saved_tensors_hooks), so the
-  graph holds no parameter memory between forward and backward. The module's full backward
-  pre-hook fetches its parameters again; a saved view asked for by a node whose module had
-  no hook fetches its parameter itself. Holds a backward took and did not give back (it
-  raised) are given back at the next forward, step or remove.
-- As autograd accumulates a parameter's gradient, a hook adds it into "<name>.grad" (in
-  float32, fetched to the host tier; the first gradient after zero_grad() overwrites),
-  takes its 2-norm and whether it is finite, frees torch's copy and releases the parameter.
+  are saved as (parameter, offset, shape, strides) instead (saved_tensors_hooks, pushed by
+  the root's forward, or by a submodule's called on its own), so the graph holds no
+  parameter memory between forward and backward. The backward fetches a parameter only as
+  a node unpacks such a view, and its pin goes with the view after the node: a parameter
+  that no node saved (a bias, an embedding) is not fetched at all, and a frozen stack
+  larger than the tier is read a layer at a time. On a CUDA engine the copy is held until
+  the parameter's gradient is in (or the backward ends), as kernels may still read it.
+  Holds a backward took and did not give back (it raised) are given back at the next
+  forward, step or remove.
+- As autograd accumulates a parameter's gradient, the parameter takes its shape again from
+  a stand-in without memory (AccumulateGrad checks the shape only), and a hook adds the
+  gradient into "<name>.grad" in one engine call (in float32, fetched to the host tier; the
+  first gradient after zero_grad() overwrites), taking its 2-norm and whether it is finite
+  in the same pass, then frees torch's copy; nothing of the parameter is fetched for it.
   p.grad is then a GradProxy that stands for it: clip_grad_norm_, clip_grad_value_,
   GradScaler's unscale_, and zero_grad() of the module or of the optimizer (set_to_none or
   not) act on the gradient in zinf, without reading it back for the 2-norm; anything else

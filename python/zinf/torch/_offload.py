@@ -116,7 +116,7 @@ class _Entry:
     __slots__ = ("owner", "name", "param", "shape", "dtype", "cls", "handle", "grad", "m",
                  "v", "vmax", "master", "pin", "view", "users", "in_backward", "dirty",
                  "hooked", "has_grad", "fresh", "proxy", "gnorm", "gscale", "nonfinite",
-                 "zcls", "ordered", "empty", "standin", "standing")
+                 "zcls", "ordered", "empty", "standin", "standing", "pending", "zero_later")
 
     def __init__(self, owner, name, param, handle, grad):
         self.owner, self.name, self.param = owner, name, param
@@ -129,6 +129,11 @@ class _Entry:
         # enough for AccumulateGrad, which checks the shape and reads no value.
         self.standin = None
         self.standing = False
+        # An update AdamW(overlap=True).step() deferred to the parameter's next use:
+        # (optimizer, its arguments); zero_later: a zero_grad() that came after it, done
+        # once the update has read the gradient.
+        self.pending = None
+        self.zero_later = False
         self.handle, self.grad = handle, grad
         self.m = self.v = self.vmax = self.master = None
         self.pin = self.view = None
@@ -344,6 +349,9 @@ class Offload:
         fetched as one set (zinf_fetch_all: the tier makes room for the whole set)."""
         need = [e for e in entries if not e.users]
         if need:
+            for e in need:
+                if e.pending is not None:
+                    self.ensure(e)
             pins = self.engine.fetch_all([e.handle for e in need], self.tier,
                                          **self._fetch_kw)
             self.fetches[why] += len(need)
@@ -418,6 +426,20 @@ class Offload:
         if t is None:
             t = self._empties[key] = torch.empty(0, dtype=dtype, device=device)
         return t
+
+    def ensure(self, e):
+        """e's deferred update (AdamW(overlap=True)) carried out now, before anything reads
+        or overwrites what it reads or writes."""
+        with self._lock:
+            if e.pending is not None:
+                e.pending[0]._run_pending(e)
+
+    def settle(self):
+        """Every deferred update of this module's parameters carried out."""
+        with self._lock:
+            for e in self._entries:
+                if e.pending is not None:
+                    e.pending[0]._run_pending(e)
 
     def prefetch_forward(self):
         """After an update: hint the engine to bring the parameters back into the tier the
@@ -543,6 +565,8 @@ class Offload:
             return s
         e = s.entry
         with self._lock:
+            if e.pending is not None:
+                self.ensure(e)
             if e.view is None and self._cuda:
                 self._queue_end_of_backward()
                 self._hold_for_backward([e], "unpack")
@@ -576,7 +600,10 @@ class Offload:
         was = e.has_grad
         e.has_grad, e.fresh, e.gnorm, e.gscale, e.nonfinite = False, True, None, 1.0, False
         if was and e.grad is not None:
-            zero(self.engine, e.grad)
+            if e.pending is not None:
+                e.zero_later = True     # the deferred update reads it first
+            else:
+                zero(self.engine, e.grad)
         if e.view is None and _grad_of(e.param) is e.proxy:
             _set_grad(e.param, None)
 
@@ -585,6 +612,8 @@ class Offload:
         shape back (the stand-in) and no p.grad (the proxy would be added to), until
         _grad_ready has the gradient in zinf."""
         with self._lock:
+            if e.pending is not None:
+                self.ensure(e)      # the update reads the gradient this one overwrites
             self._queue_end_of_backward()
             if e.view is None and not e.standing:
                 st = e.standin
@@ -628,6 +657,8 @@ class Offload:
         if not g.is_contiguous():
             g = g.contiguous()
         with self._lock:
+            if e.pending is not None:
+                self.ensure(e)
             sumsq = self.engine._grad_add(self.grad_handle(e), g.data_ptr(), g.numel(), code,
                                           e.gscale, not e.has_grad or e.fresh)
             # The 2-norm, for clip_grad_norm_, and an inf or nan (sum of squares not finite:
@@ -663,14 +694,23 @@ class Offload:
 
     def grad_zero(self, e):
         with self._lock:
-            if not zero(self.engine, self.grad_handle(e)):
-                with self.engine.fetch(e.grad, "host", dirty=True) as pin:
-                    torch_view(pin).zero_()
+            if e.pending is not None:
+                e.zero_later = True     # the deferred update reads it first
+            else:
+                self._zero_grad_data(e)
             e.has_grad, e.fresh, e.gscale, e.nonfinite = True, True, 1.0, False
             e.gnorm = 0.0
 
+    def _zero_grad_data(self, e):
+        """Zeros in the gradient in zinf: without a byte moved where zinf takes it."""
+        if not zero(self.engine, self.grad_handle(e)):
+            with self.engine.fetch(e.grad, "host", dirty=True) as pin:
+                torch_view(pin).zero_()
+
     def grad_clamp(self, e, lo, hi):
         with self._lock:
+            if e.pending is not None:
+                self.ensure(e)
             with self.engine.fetch(e.grad, "host", dirty=True) as pin:
                 with _disabled():
                     v = view_as(pin, e.shape, torch.float32)
@@ -694,6 +734,8 @@ class Offload:
     def read(self, e):
         """The parameter's values, a CPU tensor of its dtype (a copy)."""
         with self._lock:
+            if e.pending is not None:
+                self.ensure(e)
             if e.view is not None:
                 with _disabled():
                     return e.view.detach().to("cpu", copy=True)
@@ -707,6 +749,8 @@ class Offload:
             raise ValueError(f"{e.name}: shape {tuple(values.shape)}, the parameter's is "
                              f"{e.shape}")
         with self._lock:
+            if e.pending is not None:
+                self.ensure(e)
             with self.engine.fetch(e.handle, "host", dirty=True) as pin:
                 with _disabled():
                     view_as(pin, e.shape, e.dtype).copy_(values)
@@ -832,6 +876,7 @@ class Offload:
         with self._lock:
             self._unhook()
             for e in self._entries:
+                e.pending = None
                 for t in (e.handle, e.grad, e.m, e.v, e.vmax, e.master):
                     if t is not None:
                         try:

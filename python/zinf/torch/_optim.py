@@ -1,6 +1,7 @@
 """zinf.torch.AdamW: torch.optim.AdamW over parameters whose state lives in zinf."""
 
 import math
+import weakref
 
 import torch
 
@@ -35,14 +36,26 @@ class AdamW(torch.optim.Optimizer):
     fused are taken and change nothing (the update is libzinf's); capturable and
     differentiable are refused.
 
+    overlap=True (the default): step() takes each parameter's update (its arguments as they
+    stand: lr, betas, the gradient's scale) and returns; the update itself runs at the
+    parameter's next use, as the next forward fetches it, with the next ones' state
+    prefetched meanwhile, so that the drive reads and writes the update's state while the
+    forward computes instead of while the trainer waits. Whatever reads or overwrites what
+    an update reads or writes first carries it out: the forward and backward, state_dict()
+    and load_state_dict() of the model or of this optimizer, zinf.torch.gathered, save and
+    load, the next step(), and Engine.flush() and close(). zero_grad() is taken at once and
+    its zeros written once the update has read the gradient. overlap=False updates every
+    parameter inside step().
+
     A step is a unit: where it is interrupted (an exception, KeyboardInterrupt) after some
     parameters took their update and before the rest did, every engine it steps is closed
     without a flush (Engine.close_unflushed), so that what is saved is the last whole
-    step's, never a mix; the exception goes on to the caller."""
+    step's, never a mix; the exception goes on to the caller (with overlap, the caller of
+    whatever carried out the update that failed)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, master_dtype="auto"):
+                 differentiable=False, fused=None, master_dtype="auto", overlap=True):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not _f(lr) >= 0.0:
@@ -63,6 +76,12 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"zinf.torch.AdamW: master_dtype {master_dtype} is not offered: "
                              f"torch.float32, None or \"auto\"")
         self.master_dtype = master_dtype
+        self.overlap = bool(overlap)
+        self._queue = []          # entries whose update step() deferred, in the forward's order
+        self._next = 0            # the first of them that may still be pending
+        self._engines = {}        # the engines the deferred step updates
+        self._applied = 0         # updates of the deferred step carried out
+        self._barriers = {}       # id(engine) -> engine that runs _settle before a flush
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=False, differentiable=False, fused=fused)
@@ -173,7 +192,9 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 owners[id(p._zinf.owner)] = p._zinf.owner
+        self._settle()
         for off in owners.values():
+            off.settle()        # another optimizer's deferred updates of these modules
             off.release_stale()
             with off._lock:
                 for e in off._entries:
@@ -181,14 +202,16 @@ class AdamW(torch.optim.Optimizer):
         work = [(group, p) for group in self.param_groups for p in group["params"]
                 if p._zinf.has_grad]
         engines = {id(off.engine): off.engine for off in owners.values()}
+        if self.overlap:
+            self._defer(work, owners, engines)
+            for eng in engines.values():
+                eng.step()
+            return loss
         done = 0
         try:
             for i, (group, p) in enumerate(work):
                 if i + 1 < len(work):
-                    n = work[i + 1][1]._zinf
-                    for t in (n.handle, n.grad, n.m, n.v, n.master, n.vmax):
-                        if t is not None:
-                            n.owner.engine.prefetch(t, "host")
+                    self._prefetch(work[i + 1][1]._zinf)
                 self._step_one(group, p)
                 done += 1
         except BaseException:
@@ -205,17 +228,127 @@ class AdamW(torch.optim.Optimizer):
             off.prefetch_forward()
         return loss
 
+    @staticmethod
+    def _prefetch(e):
+        for t in (e.handle, e.grad, e.m, e.v, e.master, e.vmax):
+            if t is not None:
+                e.owner.engine.prefetch(t, "host")
+
+    def _args(self, group, e, step):
+        """A parameter's update as it stands at step(): (betas, lr, eps, weight decay, the
+        gradient's scale, amsgrad, step)."""
+        b1, b2 = (_f(b) for b in group["betas"])
+        scale = e.gscale * (-1.0 if group["maximize"] else 1.0)
+        return (b1, b2, _f(group["lr"]), float(group["eps"]), float(group["weight_decay"]),
+                scale, group["amsgrad"], step)
+
     def _step_one(self, group, p):
         e = p._zinf
-        off = e.owner
         st = self.state[p]
         amsgrad = group["amsgrad"]
         if amsgrad and e.vmax is None or e.m is None:
             self._state_tensors(e, amsgrad)
-        b1, b2 = (_f(b) for b in group["betas"])
-        lr, eps, wd = _f(group["lr"]), float(group["eps"]), float(group["weight_decay"])
         step = st.get("step", 0) + 1
-        scale = e.gscale * (-1.0 if group["maximize"] else 1.0)
+        self._apply(e, self._args(group, e, step))
+        st["step"] = step
+
+    # ---- the update deferred to each parameter's next use (overlap=True) --------------------
+
+    def _defer(self, work, owners, engines):
+        for eng in engines.values():
+            self._barrier_on(eng)
+        first_use = {}
+        for off in owners.values():
+            for i, e in enumerate(off._order):
+                first_use.setdefault(id(e), i)
+        queue = []
+        for group, p in work:
+            e = p._zinf
+            amsgrad = group["amsgrad"]
+            if amsgrad and e.vmax is None or e.m is None:
+                self._state_tensors(e, amsgrad)
+            st = self.state[p]
+            step = st.get("step", 0) + 1
+            e.pending = (self, self._args(group, e, step))
+            st["step"] = step
+            queue.append(e)
+        queue.sort(key=lambda e: first_use.get(id(e), len(first_use)))
+        self._queue, self._next, self._engines, self._applied = queue, 0, engines, 0
+        self._room = min(eng.stats()["tier"][1]["capacity_bytes"]
+                         for eng in engines.values()) // 2 if engines else 0
+        self._prefetch_pending()
+
+    def _prefetch_pending(self):
+        """Hints to the engine: the state of the next deferred updates to the host tier, up
+        to half of it (the update at hand takes its own room)."""
+        q, i = self._queue, self._next
+        while i < len(q) and q[i].pending is None:
+            i += 1
+        self._next = i
+        room, ahead = self._room, 0
+        for e in q[i:i + 4]:
+            if e.pending is None:
+                continue
+            room -= self._step_bytes(e, e.pending[1][6])
+            if room < 0 or ahead == 2:
+                break
+            self._prefetch(e)
+            ahead += 1
+
+    def _run_pending(self, e):
+        """e's deferred update, now (the owner's lock held)."""
+        args = e.pending[1]
+        e.pending = None
+        try:
+            with torch.no_grad():
+                self._prefetch_pending()
+                self._apply(e, args)
+                if e.zero_later:
+                    e.zero_later = False
+                    e.owner._zero_grad_data(e)
+        except BaseException:
+            self._abort(e)
+            raise
+        self._applied += 1
+
+    def _abort(self, failed):
+        """A deferred update failed: the rest are dropped with their step counts, and where
+        some were carried out the engines close without a flush (a step is a unit)."""
+        for e in [failed] + self._queue:
+            if e.pending is not None or e is failed:
+                e.pending = None
+                e.zero_later = False
+                st = self.state.get(e.param)
+                if st and st.get("step"):
+                    st["step"] -= 1
+        self._queue = []
+        if self._applied:
+            for eng in self._engines.values():
+                eng.close_unflushed()
+
+    def _settle(self):
+        """Every update the last step() deferred, carried out now."""
+        for e in self._queue:
+            if e.pending is not None and e.pending[0] is self:
+                e.owner.ensure(e)
+        self._queue = []
+
+    def _barrier_on(self, eng):
+        if id(eng) in self._barriers:
+            return
+        ref = weakref.ref(self)
+
+        def barrier():
+            opt = ref()
+            if opt is not None:
+                opt._settle()
+
+        eng._add_barrier(barrier)
+        self._barriers[id(eng)] = eng
+
+    def _apply(self, e, args):
+        b1, b2, lr, eps, wd, scale, amsgrad, step = args
+        off = e.owner
         handles = [e.handle, e.grad, e.m, e.v]
         if e.master is not None:
             handles.append(e.master)
@@ -240,7 +373,6 @@ class AdamW(torch.optim.Optimizer):
                     if work is not pv:
                         pv.copy_(work)
                     del pv, g, m, v, master, vmax, work
-                st["step"] = step
             finally:
                 for pin, h in zip(pins, handles):
                     pin.release(dirty=h is not e.grad)
@@ -258,6 +390,7 @@ class AdamW(torch.optim.Optimizer):
         """torch.optim.AdamW's layout: {"state": {index: {"step", "exp_avg", "exp_avg_sq"
         (, "max_exp_avg_sq")}}, "param_groups": [...]}, the moments read into memory as
         float32 CPU tensors; a 16-bit parameter's master copy under "master"."""
+        self._settle()
         state = {}
         for i, group, p in self._indexed():
             e = p._zinf
@@ -288,6 +421,7 @@ class AdamW(torch.optim.Optimizer):
         """Takes what state_dict() gives, or torch.optim.AdamW's: the moments are written
         into zinf (as float32), the step counts and hyper-parameters taken; a 16-bit
         parameter without a master copy in it gets one from its current values."""
+        self._settle()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"loaded state dict has {len(groups)} parameter groups; this "
