@@ -137,6 +137,8 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--overlap", type=int, default=1,
+                    help="zinf: AdamW(overlap=) (1: updates deferred to the next forward)")
     a = ap.parse_args()
 
     import torch_offload as ex
@@ -193,7 +195,8 @@ def main():
         engine = zinf.Engine(nvme_path=a.nvme, device_bytes=budget, host_bytes=budget,
                              device="emulated", overwrite=True)
         zinf.torch.offload(model, engine, home="nvme")
-        step = torch_step(zinf.torch.AdamW(model.parameters(), **hp))
+        step = torch_step(zinf.torch.AdamW(model.parameters(), overlap=bool(a.overlap), **hp))
+        out["overlap"] = bool(a.overlap)
 
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")

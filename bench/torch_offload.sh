@@ -10,6 +10,7 @@
 # usage: bench/torch_offload.sh DIR [ROUNDS]          (default 2)
 #   MODEL=gpt|hf-gpt2|hf-llama DTYPE=fp32|bf16 VOCAB=4096 (hf-*)
 #   LAYERS=8 DIM=512 HEADS=8 CONTEXT=256 BATCH=4 STEPS=6 BUDGET=0.1 TEXT=/usr/share/common-licenses/GPL-3
+#   OVERLAP=1 (zinf.torch.AdamW(overlap=): 0 updates inside step())
 #   MODES="plain zinf deepspeed"  VENV (bench/ds_env.sh: torch and deepspeed from PyPI;
 #   transformers too for the hf-* models)
 #   FLOOR=1: `zinf bench` on DIR first (ZINF=build/tools/zinf, 2 GiB, block 1M, qd 32), and
@@ -27,7 +28,7 @@ if [ "$model" != gpt ] && ! "$py" -c 'import transformers' >/dev/null 2>&1; then
 fi
 args=(--model "$model" --dtype "${DTYPE:-fp32}" --vocab "${VOCAB:-0}" --text "${TEXT:-/usr/share/common-licenses/GPL-3}" --layers "${LAYERS:-8}" --dim "${DIM:-512}"
       --heads "${HEADS:-8}" --context "${CONTEXT:-256}" --batch "${BATCH:-4}"
-      --steps "${STEPS:-6}" --budget "${BUDGET:-0.1}")
+      --steps "${STEPS:-6}" --budget "${BUDGET:-0.1}" --overlap "${OVERLAP:-1}")
 ls build/python/zinf/_zinf*.so >/dev/null 2>&1 ||
   { echo "torch_offload.sh: build the project first (scripts/setup.sh)" >&2; exit 1; }
 mkdir -p "$dir"
