@@ -46,13 +46,18 @@ What happens:
 - AdamW.zero_grad() zeroes each gradient homed on NVMe where it lies (Engine.zero): no
   byte of it is written, and the backward's first accumulation into it reads nothing from
   the drive.
-- AdamW.step() fetches parameter, gradient and moments ("<name>.exp_avg", ".exp_avg_sq",
-  and the float32 master "<name>.master" of a 16-bit parameter) of each parameter to the
-  host tier, one parameter after another with the next one prefetched, runs libzinf's SIMD
-  AdamW (zinf.adamw_step) on them in place with the gradient's pending scale, rounds the
-  master into the 16-bit parameter, releases them and marks the end of the step
-  (Engine.step), from which the engine learns the order of the next step's fetches for its
-  prefetch and eviction.
+- A parameter's update fetches parameter, gradient and moments ("<name>.exp_avg",
+  ".exp_avg_sq", and the float32 master "<name>.master" of a 16-bit parameter) to the host
+  tier, runs libzinf's SIMD AdamW (zinf.adamw_step) on them in place with the gradient's
+  pending scale, rounds the master into the 16-bit parameter and releases them. AdamW.step()
+  takes every update's arguments, marks the end of the step (Engine.step, from which the
+  engine learns the order of the next step's fetches for its prefetch and eviction) and, by
+  default (overlap=True), leaves each update to the parameter's next use: the next forward
+  carries them out in the order it fetches the parameters, the next ones' state prefetched,
+  so that their reads and writes overlap its compute. Whatever reads the parameters or the
+  moments first carries out what is pending (state dicts, gathered, the next step, and
+  Engine.flush() and close() through a barrier). overlap=False updates them all inside
+  step(), one after another with the next one prefetched.
 
 The engine's tier budgets bound the memory: parameters are resident only while a module
 runs or its backward needs them, gradients and moments only while stepped. Activations
