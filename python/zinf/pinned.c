@@ -271,6 +271,11 @@ static PyObject *Pinned_get_released(PinnedObject *p, void *c)
     return PyBool_FromLong(p->state != PIN_HELD);
 }
 
+static PyObject *Pinned_get_dropped(PinnedObject *p, void *c)
+{
+    return PyBool_FromLong(p->state == PIN_RELEASED);
+}
+
 /* The DLPack device of a pinned copy. */
 static DLDevice pinned_device(PinnedObject *p)
 {
@@ -464,6 +469,8 @@ static PyGetSetDef Pinned_getset[] = {
     {"tier", (getter)Pinned_get_tier, NULL, "\"device\" or \"host\"", NULL},
     {"tensor", (getter)Pinned_get_tensor, NULL, "the tensor's handle", NULL},
     {"released", (getter)Pinned_get_released, NULL, "whether release() was called", NULL},
+    {"dropped", (getter)Pinned_get_dropped, NULL,
+     "whether the pin is gone: released, and no DLPack view of it left", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

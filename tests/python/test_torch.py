@@ -348,6 +348,27 @@ class TestModule(Base):
             loss.backward()
             self.assertIdle(e, m)
 
+    def test_remove_is_refused_while_an_unpacked_view_lives(self):
+        """A parameter the backward unpacked stays pinned as long as the view: remove()
+        refuses meanwhile, changing nothing, and works once the view is gone."""
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+        want = {k: v.clone() for k, v in m.state_dict().items()}
+        with zinf.Engine(nvme_path=self.swap, device="emulated", device_bytes=1 << 20,
+                         host_bytes=1 << 20) as e:
+            zt.offload(m, e)
+            loss = m(torch.randn(2, 64, requires_grad=True)).sum()
+            node = loss.grad_fn.next_functions[0][0]        # the last Linear's addmm
+            w = node._saved_mat2                            # unpacked: a view of its weight
+            self.assertTrue(torch.equal(w.t(), want["1.weight"]))
+            with self.assertRaisesRegex(RuntimeError, "still holds parameters"):
+                m.zinf_offload.remove()
+            self.assertIsInstance(m[1].weight, zt.ZinfParameter)
+            del w, node, loss
+            gc.collect()
+            m.zinf_offload.remove()
+            for k, v in m.state_dict().items():
+                self.assertTrue(torch.equal(v, want[k]), k)
+
     def test_forward_that_raises_releases(self):
         m = self.model(layers=2)
         with self.engine(m) as e:

@@ -907,7 +907,9 @@ class TestDLPack(Base):
             e.write(t, numpy.full(1024, 2.5, dtype=numpy.float32))
             with e.fetch(t, "device") as p:
                 a = numpy.from_dlpack(p)
+                self.assertFalse(p.dropped)
             self.assertTrue(p.released)
+            self.assertFalse(p.dropped)         # the view holds the pin
             # Other tensors come and go through the tier: the view's memory stays the tensor's.
             others = [e.register("o%d" % i, 512 * 1024) for i in range(12)]
             for o in others:
@@ -918,6 +920,7 @@ class TestDLPack(Base):
             self.assertGreater(e.stats()["tier"][zinf.DEVICE]["pinned_bytes"], 0)
             del a
             gc.collect()
+            self.assertTrue(p.dropped)
             e.unregister(t)
             self.assertEqual(e.stats()["tier"][zinf.DEVICE]["pinned_bytes"], 0)
 

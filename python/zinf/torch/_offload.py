@@ -184,6 +184,8 @@ class Offload:
         self._calls = {}          # id(submodule) -> stack of (entries acquired, hooks pushed)
         self._tls = threading.local()   # .depth: forwards with zinf's saved-tensor hooks on
         self._loading = []        # entries load_state_dict holds between its two hooks
+        self._unpacked = []       # pins of saved views the backward unpacked (each goes
+                                  # with its view)
         self._callback_queued = False
         self._cuda = None         # the torch device of fetched copies, once known
         self._sd_cache = (None, {})
@@ -579,6 +581,10 @@ class Offload:
                                         s.offset)
             finally:
                 pin.release()
+                # Held until the view goes (remove() refuses meanwhile).
+                if len(self._unpacked) > 256:
+                    self._unpacked = [q for q in self._unpacked if not q.dropped]
+                self._unpacked.append(pin)
 
     # ---- gradients ------------------------------------------------------------------------
 
@@ -856,7 +862,8 @@ class Offload:
         the zinf tensors are unregistered."""
         with self._lock:
             self.release_stale()
-            if any(e.users for e in self._entries):
+            self._unpacked = [q for q in self._unpacked if not q.dropped]
+            if any(e.users for e in self._entries) or self._unpacked:
                 raise RuntimeError("a forward or backward still holds parameters")
             self._unhook()
             self._unregister_all()
