@@ -27,6 +27,7 @@ try:
     import torch
     import zinf.torch as zt
     import zinf.torch._offload as offload_module
+    import zinf.torch._optim as zt_optim
     zt.offload_module = offload_module
 except ImportError:
     torch = None
@@ -50,6 +51,12 @@ def budget_of(model, fraction=0.1):
                                 "in a venv with torch from PyPI")
 class Base(unittest.TestCase):
     def setUp(self):
+        # Every update of these small models deferred to the next forward (the default
+        # leaves parameters under 64 Ki elements to step()): the tests hold that path to
+        # torch's numbers too. test_small_parameters_are_updated_in_step holds the default.
+        self._overlap_min = zt_optim.OVERLAP_MIN
+        zt_optim.OVERLAP_MIN = 0
+        self.addCleanup(setattr, zt_optim, "OVERLAP_MIN", self._overlap_min)
         base = os.environ.get("ZINF_TEST_TMPDIR") or tempfile.gettempdir()
         os.makedirs(base, exist_ok=True)
         self.dir = tempfile.mkdtemp(prefix="torch-", dir=base)
@@ -347,6 +354,31 @@ class TestModule(Base):
             loss.backward(retain_graph=True)
             loss.backward()
             self.assertIdle(e, m)
+
+    def test_small_parameters_are_updated_in_step(self):
+        """With the default overlap_min only parameters of 64 Ki elements and more wait for
+        the next forward; the rest are updated inside step(). Either way the values equal
+        overlap=False's."""
+        zt_optim.OVERLAP_MIN = self._overlap_min
+        out = []
+        for overlap in (True, False):
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(torch.nn.Linear(512, 256), torch.nn.Linear(256, 8))
+            x = torch.randn(4, 512)
+            with zinf.Engine(nvme_path=os.path.join(self.dir, str(overlap)), device="emulated",
+                             device_bytes=8 << 20, host_bytes=8 << 20) as e:
+                zt.offload(m, e)
+                o = zt.AdamW(m.parameters(), lr=1e-2, overlap=overlap)
+                for _ in range(2):
+                    m(x).square().sum().backward()
+                    o.step()
+                    o.zero_grad()
+                pending = {n: p._zinf.pending is not None for n, p in m.named_parameters()}
+                self.assertEqual(pending, {"0.weight": overlap, "0.bias": False,
+                                           "1.weight": False, "1.bias": False})
+                out.append(m.state_dict())
+        for k in out[0]:
+            self.assertTrue(torch.equal(out[0][k], out[1][k]), k)
 
     def test_remove_is_refused_while_an_unpacked_view_lives(self):
         """A parameter the backward unpacked stays pinned as long as the view: remove()

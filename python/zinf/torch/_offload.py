@@ -450,6 +450,8 @@ class Offload:
         them copied rather than each waiting for its own copy."""
         room = self._tier_room // 2
         for e in self._order:
+            if e.pending is not None:
+                continue        # its update comes first: copied up after it
             room -= page_round(e.nbytes)
             if room < 0:
                 break

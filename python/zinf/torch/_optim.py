@@ -12,6 +12,9 @@ __all__ = ["AdamW"]
 
 _disabled = torch._C.DisableTorchFunctionSubclass
 _SIXTEEN = (torch.bfloat16, torch.float16)
+# AdamW's default overlap_min: with overlap, parameters of fewer elements (a state under
+# 1 MiB) are updated inside step().
+OVERLAP_MIN = 1 << 16
 
 
 def _f(x):
@@ -45,7 +48,9 @@ class AdamW(torch.optim.Optimizer):
     and load_state_dict() of the model or of this optimizer, zinf.torch.gathered, save and
     load, the next step(), and Engine.flush() and close(). zero_grad() is taken at once and
     its zeros written once the update has read the gradient. overlap=False updates every
-    parameter inside step().
+    parameter inside step(). Parameters of fewer than overlap_min elements (default
+    OVERLAP_MIN, 65536: a state under 1 MiB, whose reads hide too little to pay for the hook)
+    are updated inside step() either way.
 
     A step is a unit: where it is interrupted (an exception, KeyboardInterrupt) after some
     parameters took their update and before the rest did, every engine it steps is closed
@@ -55,7 +60,8 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, master_dtype="auto", overlap=True):
+                 differentiable=False, fused=None, master_dtype="auto", overlap=True,
+                 overlap_min=None):
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not _f(lr) >= 0.0:
@@ -77,6 +83,7 @@ class AdamW(torch.optim.Optimizer):
                              f"torch.float32, None or \"auto\"")
         self.master_dtype = master_dtype
         self.overlap = bool(overlap)
+        self.overlap_min = OVERLAP_MIN if overlap_min is None else int(overlap_min)
         self._queue = []          # entries whose update step() deferred, in the forward's order
         self._next = 0            # the first of them that may still be pending
         self._engines = {}        # the engines the deferred step updates
@@ -202,11 +209,12 @@ class AdamW(torch.optim.Optimizer):
         work = [(group, p) for group in self.param_groups for p in group["params"]
                 if p._zinf.has_grad]
         engines = {id(off.engine): off.engine for off in owners.values()}
+        later = []
         if self.overlap:
-            self._defer(work, owners, engines)
-            for eng in engines.values():
-                eng.step()
-            return loss
+            # Small parameters are updated here, where an update costs less than one left
+            # to a forward hook; the rest, whose reads and writes are worth hiding, wait.
+            later = [(g, p) for g, p in work if _numel(p._zinf.shape) >= self.overlap_min]
+            work = [(g, p) for g, p in work if _numel(p._zinf.shape) < self.overlap_min]
         done = 0
         try:
             for i, (group, p) in enumerate(work):
@@ -222,6 +230,9 @@ class AdamW(torch.optim.Optimizer):
                 for eng in engines.values():
                     eng.close_unflushed()
             raise
+        if later:
+            self._defer(later, owners, engines)
+            self._applied = done        # a deferred one that fails tears this step
         for eng in engines.values():
             eng.step()
         for off in owners.values():
