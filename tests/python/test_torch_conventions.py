@@ -310,6 +310,20 @@ class Conventions(Base):
             off.zinf_offload.remove()
             self.assertEqual(e.stats()["tensors"], 0)
 
+    def lockstep(self, e, off, o_ref, o_off, losses, steps=3):
+        """steps of losses() -> (plain loss, offloaded loss), each pair within 1e-6, then
+        both backwards and updates, and nothing left held."""
+        for _ in range(steps):
+            l_ref, l_off = losses()
+            self.assertLessEqual(abs(l_ref.item() - l_off.item()), 1e-6 * l_ref.item())
+            l_ref.backward()
+            l_off.backward()
+            o_ref.step()
+            o_off.step()
+            o_ref.zero_grad()
+            o_off.zero_grad()
+            self.assertIdle(e, off)
+
     def test_a_submodule_called_on_its_own(self):
         """A block called outside the model's forward saves its parameters' views through
         zinf's hooks as well: its backward fetches them, and the update equals torch's."""
@@ -319,17 +333,9 @@ class Conventions(Base):
             o_off = zt.AdamW(off.parameters(), lr=1e-3)
             torch.manual_seed(1)
             h = torch.randn(2, 16, ref.wte.weight.shape[1])
-            for _ in range(3):
-                l_ref = ref.blocks[1](h).square().mean()
-                l_off = off.blocks[1](h).square().mean()
-                self.assertLessEqual(abs(l_ref.item() - l_off.item()), 1e-6 * l_ref.item())
-                l_ref.backward()
-                l_off.backward()
-                o_ref.step()
-                o_off.step()
-                o_ref.zero_grad()
-                o_off.zero_grad()
-                self.assertIdle(e, off)
+            self.lockstep(e, off, o_ref, o_off,
+                          lambda: (ref.blocks[1](h).square().mean(),
+                                   off.blocks[1](h).square().mean()))
             self.assertGreater(off.zinf_offload.fetches["unpack"], 0)
             x, y = next(batches())
             self.assertLessEqual(abs(ref(x, y).item() - off(x, y).item()), 1e-6 * ref(x, y).item())
@@ -352,16 +358,8 @@ class Conventions(Base):
             o_ref = torch.optim.AdamW(ref[0].parameters(), lr=1e-3)
             o_off = zt.AdamW(off[0].parameters(), lr=1e-3)
             x = torch.randn(8, 256)
-            for _ in range(3):
-                l_ref, l_off = ref(x).square().mean(), off(x).square().mean()
-                self.assertLessEqual(abs(l_ref.item() - l_off.item()), 1e-6 * l_ref.item())
-                l_ref.backward()
-                l_off.backward()
-                o_ref.step()
-                o_off.step()
-                o_ref.zero_grad()
-                o_off.zero_grad()
-                self.assertIdle(e, off)
+            self.lockstep(e, off, o_ref, o_off,
+                          lambda: (ref(x).square().mean(), off(x).square().mean()))
             st = e.stats()["tier"][zinf.DEVICE]
             self.assertLessEqual(st["peak_bytes"], tier)
             self.assertEqual(off.zinf_offload.fetches["unpack"], 3 * (layers - 1))
