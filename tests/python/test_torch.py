@@ -87,6 +87,7 @@ class Base(unittest.TestCase):
         for p in model.parameters():
             self.assertEqual(p.numel(), 0)
             self.assertTrue(p.grad is None or isinstance(p.grad, zt.GradProxy), p.grad)
+            self.assertEqual(p._zinf.check(), [])
 
     def assertWithinBudgets(self, engine, budget):
         st = engine.stats()

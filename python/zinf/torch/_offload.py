@@ -111,7 +111,22 @@ def _set_data(p, v):
 
 class _Entry:
     """One offloaded parameter: its zinf tensors, who holds its fetched copy, and the state
-    of its gradient in zinf."""
+    of its gradient in zinf.
+
+    Its states, and what moves it between them (check() holds the invariants):
+    - idle: users 0, no pin, no view; p.data is empty and p a ZinfParameter; p.grad is the
+      GradProxy where has_grad, else None.
+    - fetched (users > 0: forward calls, a gather, a load, and on a GPU one hold of the
+      backward's, in_backward): pin and view set, p.data the view, p a plain Parameter.
+      _acquire: idle -> fetched; _drop of the last user: fetched -> idle.
+    - standing (the backward, between _grad_pre and _grad_ready): idle but p.data the
+      stand-in (p's shape, no memory) and p.grad torch's own; _grad_ready or the backward's
+      end (or release_stale after an exception) -> idle.
+    - pending (any of the above but standing): AdamW(overlap=True).step() left its update
+      to its next use; ensure() carries it out before anything reads or overwrites what it
+      touches -> not pending. zero_later: a zero_grad() came after the step, its zeros
+      written once the update has read the gradient (pending only).
+    A saved view the backward unpacked holds its own pin (Offload._unpacked), not a user."""
 
     __slots__ = ("owner", "name", "param", "shape", "dtype", "cls", "handle", "grad", "m",
                  "v", "vmax", "master", "pin", "view", "users", "in_backward", "dirty",
@@ -150,6 +165,24 @@ class _Entry:
         self.gnorm = None
         self.gscale = 1.0
         self.nonfinite = False
+
+    def check(self):
+        """The invariants of the states above, broken ones as strings (none: [])."""
+        bad = []
+        if (self.users == 0) != (self.pin is None) or (self.pin is None) != (self.view is None):
+            bad.append(f"users {self.users} with pin {self.pin is not None} and view "
+                       f"{self.view is not None}")
+        if self.in_backward and self.users == 0:
+            bad.append("held by the backward without a user")
+        if self.standing and self.users:
+            bad.append("standing while fetched")
+        if self.zero_later and self.pending is None:
+            bad.append("zeros left for an update that is not pending")
+        if self.pending is not None and (self.m is None or self.v is None):
+            bad.append("pending without its moments")
+        if self.users == 0 and not self.standing and type(self.param) is not self.zcls:
+            bad.append(f"idle as {type(self.param).__name__}")
+        return [f"{self.name}: {b}" for b in bad]
 
     @property
     def nbytes(self):
