@@ -261,6 +261,51 @@ class TestTraining(Base):
             self.assertIdle(e, pairs[0][1])
             self.assertIdle(e, pairs[1][1])
 
+    def test_flushes_and_state_reads_from_another_thread(self):
+        """While one thread trains (its deferred updates carried out by its forwards),
+        another flushes and reads the model's state over and over: each flush first carries
+        out what is pending, under the same lock as the hooks, and the training still
+        matches plain PyTorch step by step. The last flush's saved state resumes to the
+        model's values."""
+        import threading
+
+        torch.manual_seed(3)
+        ref = self.model(layers=2)
+        off = copy.deepcopy(ref)
+        budget = budget_of(ref, 0.2)
+        with zinf.Engine(nvme_path=self.swap, device="emulated", device_bytes=budget,
+                         host_bytes=budget) as e:
+            zt.offload(off, e)
+            stop, errors, flushes = threading.Event(), [], [0]
+
+            def side():
+                try:
+                    while not stop.is_set():
+                        e.flush()
+                        off.blocks[0].state_dict()
+                        flushes[0] += 1
+                except BaseException as ex:  # reported by the main thread
+                    errors.append(ex)
+
+            t = threading.Thread(target=side)
+            t.start()
+            try:
+                self.train_side_by_side(ref, off, e, 4, idle_check=False)
+            finally:
+                stop.set()
+                t.join()
+            if errors:
+                raise errors[0]
+            self.assertGreater(flushes[0], 0)
+            e.flush()
+            want = {k: v.clone() for k, v in off.state_dict().items()}
+        m2 = copy.deepcopy(self.model(layers=2))
+        with zinf.Engine(nvme_path=self.swap, device="emulated", device_bytes=budget,
+                         host_bytes=budget, resume=True) as e2:
+            zt.offload(m2, e2, resume=True)
+            for k, v in m2.state_dict().items():
+                self.assertTrue(torch.equal(v, want[k]), k)
+
     def test_host_tier_compute(self):
         ref = self.model(layers=2)
         off = copy.deepcopy(ref)
