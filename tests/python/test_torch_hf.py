@@ -208,7 +208,7 @@ class HF(Base):
             with zt.init(e, home="nvme"):
                 m = llama()
             for n, p in m.named_parameters():
-                self.assertEqual(p.numel(), 0, n)
+                self.assertEqual(p.data.numel(), 0, n)
             sd = m.state_dict()
             # Hugging Face's own init: normal(0.02) weights, ones in the norms, and the rotary
             # frequencies as from_config makes them.
@@ -279,6 +279,15 @@ class HF(Base):
             for n, p in ref.named_parameters():
                 if p.requires_grad:
                     torch.testing.assert_close(sd[n], p.detach(), rtol=1e-2, atol=1e-3)
+            # The counts HF and peft log see the offloaded parameters as the plain ones.
+            from transformers.trainer_pt_utils import get_model_param_count
+            self.assertEqual(off.get_nb_trainable_parameters(),
+                             ref.get_nb_trainable_parameters())
+            for trainable_only in (False, True):
+                self.assertEqual(get_model_param_count(off, trainable_only),
+                                 get_model_param_count(ref, trainable_only))
+            self.assertEqual(off.base_model.model.num_parameters(),
+                             ref.base_model.model.num_parameters())
 
     def test_trainer(self):
         sys.path.insert(0, os.path.join(HERE, "..", "..", "examples"))

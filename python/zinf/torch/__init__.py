@@ -14,9 +14,10 @@
 What happens:
 - offload() registers every parameter as a zinf tensor "<prefix><name>" of its dtype homed
   in `home` (with "<name>.grad" beside it, float32), writes its values there and leaves the
-  Parameter empty (0 elements) between uses: its class becomes a ZinfParameter, which
-  raises OffloadedError when read there rather than computing with nothing. Its shape is
-  `zinf.torch.shape_of(p)`. Buffers stay where they are.
+  Parameter empty (p.data of 0 elements; p.numel() counts its own) between uses: its class
+  becomes a ZinfParameter, which raises OffloadedError when read there rather than
+  computing with nothing. Its shape is `zinf.torch.shape_of(p)`. Buffers stay where they
+  are.
 - Before a submodule's forward, a hook fetches the parameters it owns to `tier` (the device
   tier by default: the GPU's memory on a CUDA engine, host memory when the device is
   emulated) and points each Parameter's .data at the fetched copy, zero-copy over DLPack;

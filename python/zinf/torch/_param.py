@@ -2,10 +2,11 @@
 
 An offloaded Parameter's class becomes a subclass of its own (ZinfParameter): while its
 values are fetched (a forward, a backward, zinf.torch.gathered) it is an ordinary
-Parameter over the fetched copy; between uses it is empty (0 elements), and any torch
-operation that would read or write its values raises OffloadedError, naming the parameter
-and the way to reach it, instead of computing with an empty tensor. What tells about the
-tensor (shape, dtype, device, requires_grad, hooks, hashing) works at any time.
+Parameter over the fetched copy; between uses it is empty (p.data has 0 elements, and
+p.shape is (0,): zinf.torch.shape_of(p) is its own), and any torch operation that would
+read or write its values raises OffloadedError, naming the parameter and the way to reach
+it, instead of computing with an empty tensor. What tells about the tensor (dtype, device,
+requires_grad, hooks, hashing) works at any time, and p.numel() counts its own elements.
 
 Its gradient lies in zinf. Between a backward and the next zero_grad(), p.grad is a
 GradProxy: an empty tensor that stands for the gradient in zinf and carries out the few
@@ -23,6 +24,8 @@ operations that torch's own code applies to gradients without copying them:
 Anything else raises OffloadedError. zinf.torch.gathered(params, grads=True) gives the real
 gradients.
 """
+
+import math
 
 import torch
 
@@ -55,6 +58,10 @@ META = frozenset({
 })
 
 _disabled = torch._C.DisableTorchFunctionSubclass
+
+# What p.numel() answers between uses: the parameter's own count (what HF's num_parameters,
+# Trainer's log and peft's count of trainable parameters add up), though p.data is empty.
+COUNT = frozenset({"numel", "nelement"})
 
 
 # Conversions Module.to(), .cpu(), .cuda() apply: a move between devices changes nothing of
@@ -109,6 +116,9 @@ class ZinfParameter(torch.nn.Parameter):
         if name in CONVERT and args and isinstance(args[0], ZinfParameter) and \
                 _offloaded(args[0]):
             return _convert(args[0], func, args, kwargs)
+        if name in COUNT and len(args) == 1 and isinstance(args[0], ZinfParameter) and \
+                _offloaded(args[0]):
+            return math.prod(args[0].__dict__["_zinf"].shape)
         if name not in META:
             _check(args, kwargs, name)
         with _disabled():
