@@ -325,6 +325,52 @@ class Conventions(Base):
             o_off.zero_grad()
             self.assertIdle(e, off)
 
+    def test_a_gather_between_a_gradients_two_hooks(self):
+        """Another holder (a gather from another thread, here from a hook) fetching a
+        parameter while the backward is between its gradient's pre-hook and its accumulation:
+        the gradient torch is about to store is neither dropped nor forgotten in zinf, a
+        gather that ends first leaves the stand-in for AccumulateGrad, and one still open
+        keeps its copy until it ends. Both ways the training equals torch's."""
+        for still_open in (False, True):
+            with self.subTest(still_open=still_open):
+                ref, off, e = self.pair()
+                with e:
+                    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+                    o_off = zt.AdamW(off.parameters(), lr=1e-3)
+                    w = off.blocks[0].c_fc.weight
+                    held = []
+
+                    def between(grad):     # runs after zinf's pre-hook, before AccumulateGrad
+                        cm = zt.gathered([w])
+                        cm.__enter__()
+                        torch.testing.assert_close(w.detach().sum(), w.detach().sum())
+                        if still_open:
+                            held.append(cm)
+                        else:
+                            cm.__exit__(None, None, None)
+
+                    h = w.register_hook(between)
+                    data = batches()
+                    for _ in range(3):
+                        x, y = next(data)
+                        l_ref, l_off = ref(x, y), off(x, y)
+                        self.assertLessEqual(abs(l_ref.item() - l_off.item()),
+                                             1e-6 * l_ref.item())
+                        l_ref.backward()
+                        l_off.backward()
+                        while held:
+                            held.pop().__exit__(None, None, None)
+                        self.assertIsInstance(w.grad, zt.GradProxy)
+                        torch.testing.assert_close(
+                            torch.linalg.vector_norm(w.grad),
+                            torch.linalg.vector_norm(ref.blocks[0].c_fc.weight.grad))
+                        o_ref.step()
+                        o_off.step()
+                        o_ref.zero_grad()
+                        o_off.zero_grad()
+                        self.assertIdle(e, off)
+                    h.remove()
+
     def test_a_submodule_called_on_its_own(self):
         """A block called outside the model's forward saves its parameters' views through
         zinf's hooks as well: its backward fetches them, and the update equals torch's."""

@@ -121,7 +121,9 @@ class _Entry:
       _acquire: idle -> fetched; _drop of the last user: fetched -> idle.
     - standing (the backward, between _grad_pre and _grad_ready): idle but p.data the
       stand-in (p's shape, no memory) and p.grad torch's own; _grad_ready or the backward's
-      end (or release_stale after an exception) -> idle.
+      end (or release_stale after an exception) -> idle. A fetch meanwhile (a gather from
+      another thread) leaves p.grad alone, and its _drop puts the stand-in back; where
+      _grad_ready finds it fetched, standing ends and the last _drop puts the proxy.
     - pending (any of the above but standing): AdamW(overlap=True).step() left its update
       to its next use; ensure() carries it out before anything reads or overwrites what it
       touches -> not pending. zero_later: a zero_grad() came after the step, its zeros
@@ -174,8 +176,8 @@ class _Entry:
                        f"{self.view is not None}")
         if self.in_backward and self.users == 0:
             bad.append("held by the backward without a user")
-        if self.standing and self.users:
-            bad.append("standing while fetched")
+        if self.standing and not self.hooked:
+            bad.append("standing without its gradient's hooks")
         if self.zero_later and self.pending is None:
             bad.append("zeros left for an update that is not pending")
         if self.pending is not None and (self.m is None or self.v is None):
@@ -399,12 +401,15 @@ class Offload:
             by_storage = self._by_storage
             for e, pin, view in zip(need, pins, views):
                 p = e.param
-                if e.has_grad:
+                # Standing (the backward between its gradient's two hooks), p.grad is
+                # torch's own, or None until AccumulateGrad: left for _grad_ready.
+                grad_idle = e.has_grad and not e.standing
+                if grad_idle:
                     self._sync_grad(e)
                 # While fetched it is a plain Parameter: no check on each operation, and
                 # nothing of zinf for torch.compile to trace.
                 p.__class__ = e.cls
-                if e.has_grad:
+                if grad_idle:
                     p.grad = None
                 p.data = view
                 e.pin, e.view = pin, view
@@ -435,8 +440,8 @@ class Offload:
         e.view = e.pin = None
         p = e.param
         self._by_storage.pop(pin.ptr, None)
-        p.data = e.empty
-        if e.has_grad:
+        p.data = e.standin if e.standing else e.empty   # AccumulateGrad may still come
+        if e.has_grad and not e.standing:
             # Before the class changes: a ZinfParameter would take p.grad = through
             # __torch_function__.
             if e.proxy is None:
@@ -508,7 +513,7 @@ class Offload:
                     e.in_backward = False
                     self._drop(e)
                 if e.standing:
-                    self._unstand(e)
+                    self._end_standing(e)
             while self._loading:
                 self._drop(self._loading.pop())
 
@@ -577,7 +582,7 @@ class Offload:
                     e.in_backward = False
                     self._drop(e)
                 if e.standing:
-                    self._unstand(e)
+                    self._end_standing(e)
 
     def _pack(self, t):
         # A fetched parameter is a plain Parameter (nothing of zinf's __torch_function__ to
@@ -666,6 +671,14 @@ class Offload:
                     p.data = st
                 e.standing = True
 
+    def _end_standing(self, e):
+        """Between the gradient's hooks no more: an idle parameter drops its stand-in; one
+        fetched meanwhile keeps its copy, and its last _drop puts the proxy."""
+        if e.view is None:
+            self._unstand(e)
+        else:
+            e.standing = False
+
     def _unstand(self, e):
         """The stand-in gone: the parameter empty again, its gradient's proxy back."""
         e.standing = False
@@ -709,7 +722,7 @@ class Offload:
             e.gscale = 1.0
             e.has_grad, e.fresh = True, False
             if e.standing:
-                self._unstand(e)
+                self._end_standing(e)
             elif e.in_backward:
                 e.in_backward = False
                 self._drop(e)
