@@ -32,16 +32,23 @@ void raise_foreign(void)
 
 /* Takes the engine for one call: NULL (with ValueError) when it is closed, RuntimeError in a
  * forked child. Every success is paired with eng_leave(). */
-zinf_engine *eng_enter(EngineObject *self)
+/* 0 where the engine takes calls; -1 with the error set where it is closed or foreign. */
+static int eng_open_here(EngineObject *self)
 {
     if (eng_foreign(self)) {
         raise_foreign();
-        return NULL;
+        return -1;
     }
     if (!self->e || self->closing) {
         PyErr_SetString(PyExc_ValueError, "the zinf engine is closed");
-        return NULL;
+        return -1;
     }
+    return 0;
+}
+
+zinf_engine *eng_enter(EngineObject *self)
+{
+    if (eng_open_here(self)) return NULL;
     self->busy++;
     return self->e;
 }
@@ -462,14 +469,7 @@ PyObject *Engine_close_unflushed(EngineObject *self, PyObject *unused)
 
 PyObject *Engine_enter(EngineObject *self, PyObject *unused)
 {
-    if (eng_foreign(self)) {
-        raise_foreign();
-        return NULL;
-    }
-    if (!self->e || self->closing) {
-        PyErr_SetString(PyExc_ValueError, "the zinf engine is closed");
-        return NULL;
-    }
+    if (eng_open_here(self)) return NULL;
     return Py_NewRef(self);
 }
 

@@ -237,15 +237,23 @@ done:
     return out;
 }
 
-static PyObject *Engine_fetch_async(EngineObject *self, PyObject *args, PyObject *kw)
+/* (tensor, tier="device") of fetch_async and prefetch. */
+static int parse_tensor_tier(PyObject *args, PyObject *kw, zinf_tensor *h, int *tier)
 {
     static char *kwlist[] = {"tensor", "tier", NULL};
     PyObject *t, *tier_o = NULL;
-    int tier = ZINF_TIER_DEVICE;
-    zinf_tensor h;
+    *tier = ZINF_TIER_DEVICE;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O", kwlist, &t, &tier_o) ||
-        parse_handle(t, &h) || (tier_o && parse_tier(tier_o, &tier)))
-        return NULL;
+        parse_handle(t, h) || (tier_o && parse_tier(tier_o, tier)))
+        return -1;
+    return 0;
+}
+
+static PyObject *Engine_fetch_async(EngineObject *self, PyObject *args, PyObject *kw)
+{
+    int tier;
+    zinf_tensor h;
+    if (parse_tensor_tier(args, kw, &h, &tier)) return NULL;
     zinf_engine *e = eng_enter(self);
     if (!e) return NULL;
     uint64_t ticket = 0;
@@ -321,13 +329,9 @@ static PyObject *Engine_wait(EngineObject *self, PyObject *args, PyObject *kw)
 
 static PyObject *Engine_prefetch(EngineObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"tensor", "tier", NULL};
-    PyObject *t, *tier_o = NULL;
-    int tier = ZINF_TIER_DEVICE;
+    int tier;
     zinf_tensor h;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O", kwlist, &t, &tier_o) ||
-        parse_handle(t, &h) || (tier_o && parse_tier(tier_o, &tier)))
-        return NULL;
+    if (parse_tensor_tier(args, kw, &h, &tier)) return NULL;
     zinf_engine *e = eng_enter(self);
     if (!e) return NULL;
     int r;
