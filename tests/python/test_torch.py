@@ -26,9 +26,8 @@ import daemon
 try:
     import torch
     import zinf.torch as zt
-    import zinf.torch._offload as offload_module
+    import zinf.torch._grads as grads_module
     import zinf.torch._optim as zt_optim
-    zt.offload_module = offload_module
 except ImportError:
     torch = None
 
@@ -164,7 +163,7 @@ class TestTraining(Base):
         ref = self.model(layers=2)
         off = copy.deepcopy(ref)
         calls = []
-        real = zt.offload_module.zero
+        real = grads_module.zero
 
         def spy(engine, t):
             calls.append(real(engine, t))
@@ -172,7 +171,7 @@ class TestTraining(Base):
 
         with self.engine(ref) as e:
             zt.offload(off, e, home="nvme")
-            zt.offload_module.zero = spy
+            grads_module.zero = spy
             try:
                 for set_to_none, overlap in ((True, False), (False, False), (True, True),
                                              (False, True)):
@@ -197,7 +196,7 @@ class TestTraining(Base):
                     self.assertEqual(all(p._zinf.has_grad for p in off.parameters()),
                                      not set_to_none)
             finally:
-                zt.offload_module.zero = real
+                grads_module.zero = real
 
     def test_through_the_daemon(self):
         ref = self.model(layers=2)

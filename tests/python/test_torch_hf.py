@@ -270,7 +270,7 @@ class HF(Base):
             frozen = [p for p in off.parameters() if not p.requires_grad]
             self.assertTrue(frozen)
             for p in frozen:
-                self.assertEqual(p._zinf.handle.nbytes, 2 * zt._offload._numel(p._zinf.shape))
+                self.assertEqual(p._zinf.handle.nbytes, 2 * zt._views._numel(p._zinf.shape))
                 self.assertIsNone(p._zinf.grad)
                 self.assertIsNone(p._zinf.m)
             self.assertEqual(e.stats()["tensors"],

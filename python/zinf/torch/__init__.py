@@ -70,7 +70,8 @@ compute beyond what the engine prefetches.
 import torch
 
 from ._param import GradProxy, OffloadedError, ZinfParameter
-from ._offload import DTYPES, Offload, gathered, offload, shape_of, torch_view, zero
+from ._offload import Offload, gathered, offload
+from ._views import DTYPES, shape_of, torch_view, zero
 from ._optim import AdamW
 from ._init import init
 from ._io import load, save

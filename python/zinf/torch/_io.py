@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from ._offload import _disabled, _numel
+from ._views import _disabled, _numel
 
 __all__ = ["save", "load"]
 

@@ -3,8 +3,6 @@
 import collections
 import contextlib
 import copy
-import errno
-import math
 import functools
 import threading
 import weakref
@@ -12,14 +10,13 @@ import weakref
 import torch
 
 from .. import Error
-from .._zinf import _grad_add
+from ._grads import GradsMixin
 from ._param import GradProxy, OffloadedError, param_class
+from ._views import (DTYPES, _disabled, _grad_of, _numel, _set_data, _set_grad, page_round,
+                     shape_of, view_as)
 
 __all__ = ["Offload", "offload", "gathered", "shape_of", "DTYPES"]
 
-_KDLCPU, _KDLCUDAHOST = 1, 3
-_disabled = torch._C.DisableTorchFunctionSubclass
-_from_capsule = torch._C._from_dlpack
 _push_saved = torch._C._autograd._push_saved_tensors_default_hooks
 _pop_saved = torch._C._autograd._pop_saved_tensors_default_hooks
 
@@ -29,84 +26,8 @@ def _saved_hooks_free():
     a = torch._C._autograd
     return a._saved_tensors_hooks_is_enabled() and a._top_saved_tensors_default_hooks(False) is None
 
-# The parameter dtypes zinf.torch offloads, by zinf's name for them.
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Their codes for _grad_add, which adds a gradient of each into the float32 one in zinf.
-_GRAD_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def _numel(shape):
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def page_round(nbytes):
-    """nbytes as a tier places them: in whole 4 KiB pages."""
-    return (nbytes + 4095) // 4096 * 4096
-
-
-def shape_of(p):
-    """The shape of a parameter, offloaded or not (an offloaded one reads (0,) between
-    uses)."""
-    e = p.__dict__.get("_zinf")
-    return tuple(p.shape) if e is None else e.shape
-
-
-def torch_view(pin):
-    """A torch tensor over a Pinned's memory, without a copy. Plain CPU memory (the host
-    tier, the emulated device) is taken straight from the DLPack capsule; pinned host
-    memory of a CUDA engine (kDLCUDAHost) as CPU memory, which it also is; the rest through
-    torch.from_dlpack."""
-    dev = pin.__dlpack_device__()[0]
-    if dev == _KDLCPU:
-        return _from_capsule(pin.__dlpack__())
-    if dev == _KDLCUDAHOST:
-        return _from_capsule(pin.__dlpack__(dl_device=(_KDLCPU, 0)))
-    return torch.from_dlpack(pin)
-
-
-def view_as(pin, shape, dtype):
-    """torch_view(pin) as dtype and shape (a tensor registered with them already is)."""
-    v = torch_view(pin)
-    if v.dtype != dtype:
-        v = v.view(dtype)
-    if v.shape != shape:
-        v = v.view(shape)
-    return v
-
-
-def zero(engine, t):
-    """Engine.zero(t) where zinf takes it (homed on NVMe, nobody holding it): True; False
-    where it does not (a home in memory, a pin another thread holds), for the caller to
-    zero it by hand if it must."""
-    try:
-        engine.zero(t)
-        return True
-    except Error as err:
-        if err.errno in (errno.EINVAL, errno.EBUSY):
-            return False
-        raise
-
-
 def _in_backward():
     return torch._C._current_graph_task_id() != -1
-
-
-def _grad_of(p):
-    with _disabled():
-        return p.grad
-
-
-def _set_grad(p, g):
-    with _disabled():
-        p.grad = g
-
-
-def _set_data(p, v):
-    with _disabled():
-        p.data = v
 
 
 class _Entry:
@@ -200,7 +121,7 @@ class _Saved:
         self.entry, self.offset, self.size, self.stride = entry, offset, size, stride
 
 
-class Offload:
+class Offload(GradsMixin):
     """The offload of one module (module.zinf_offload); offload() makes it. remove() puts
     the parameters back."""
 
@@ -625,163 +546,6 @@ class Offload:
                 if len(self._unpacked) > 256:
                     self._unpacked = [q for q in self._unpacked if not q.dropped]
                 self._unpacked.append(pin)
-
-    # ---- gradients ------------------------------------------------------------------------
-
-    def _sync_grad(self, e):
-        """What torch did to p.grad since the proxy went in: set it to None (zero_grad of a
-        module or of another optimizer) forgets the gradient in zinf."""
-        if not e.has_grad:
-            return
-        g = _grad_of(e.param)
-        if g is e.proxy and g is not None:
-            return
-        # None, or another tensor (torch lets only an empty one in while the parameter is
-        # empty): the gradient is gone.
-        self.forget_grad(e)
-
-    def forget_grad(self, e):
-        """The gradient gone (set to None): the next step skips the parameter, and the next
-        accumulation overwrites without reading what zinf holds."""
-        was = e.has_grad
-        e.has_grad, e.fresh, e.gnorm, e.gscale, e.nonfinite = False, True, None, 1.0, False
-        if was and e.grad is not None:
-            if e.pending is not None:
-                e.zero_later = True     # the deferred update reads it first
-            else:
-                zero(self.engine, e.grad)
-        if e.view is None and _grad_of(e.param) is e.proxy:
-            _set_grad(e.param, None)
-
-    def _grad_pre(self, e, grad):
-        """Before AccumulateGrad stores the parameter's gradient: an idle parameter gets its
-        shape back (the stand-in) and no p.grad (the proxy would be added to), until
-        _grad_ready has the gradient in zinf."""
-        with self._lock:
-            if e.pending is not None:
-                self.ensure(e)      # the update reads the gradient this one overwrites
-            self._queue_end_of_backward()
-            if e.view is None and not e.standing:
-                st = e.standin
-                if st is None:
-                    st = e.standin = self._nan(e.dtype, grad.device).expand(e.shape)
-                with _disabled():
-                    p = e.param
-                    p.grad = None
-                    p.data = st
-                e.standing = True
-
-    def _end_standing(self, e):
-        """Between the gradient's hooks no more: an idle parameter drops its stand-in; one
-        fetched meanwhile keeps its copy, and its last _drop puts the proxy."""
-        if e.view is None:
-            self._unstand(e)
-        else:
-            e.standing = False
-
-    def _unstand(self, e):
-        """The stand-in gone: the parameter empty again, its gradient's proxy back."""
-        e.standing = False
-        p = e.param
-        with _disabled():
-            p.data = e.empty if e.empty is not None else self._empty(e.dtype, e.standin.device)
-            if e.has_grad:
-                if e.proxy is None:
-                    e.proxy = GradProxy.make(e, p)
-                p.grad = e.proxy
-
-    def _nan(self, dtype, device):
-        key = ("nan", dtype, device)
-        t = self._empties.get(key)
-        if t is None:
-            t = self._empties[key] = torch.full((), float("nan"), dtype=dtype, device=device)
-        return t
-
-    def _grad_ready(self, p):
-        e = p.__dict__["_zinf"]
-        with _disabled():
-            g = p.grad
-            p.grad = None
-        code = _GRAD_CODES.get(g.dtype)
-        if code is None:
-            raise TypeError(f"zinf.torch: the gradient of {e.name} is {g.dtype}, not a "
-                            "floating dtype zinf.torch accumulates")
-        if not g.is_cpu:
-            g = g.to("cpu")     # waits for the stream: the copy is whole when it returns
-        if not g.is_contiguous():
-            g = g.contiguous()
-        with self._lock:
-            if e.pending is not None:
-                self.ensure(e)
-            sumsq = self.engine._grad_add(self.grad_handle(e), g.data_ptr(), g.numel(), code,
-                                          e.gscale, not e.has_grad or e.fresh)
-            # The 2-norm, for clip_grad_norm_, and an inf or nan (sum of squares not finite:
-            # no finite float32's square overflows a double), for GradScaler's skip.
-            e.gnorm = math.sqrt(sumsq)
-            e.nonfinite = not math.isfinite(sumsq)
-            e.gscale = 1.0
-            e.has_grad, e.fresh = True, False
-            if e.standing:
-                self._end_standing(e)
-            elif e.in_backward:
-                e.in_backward = False
-                self._drop(e)
-            elif e.view is None:
-                self._put_proxy(e)
-
-    def grad_norm(self, e, ord):
-        with self._lock:
-            if not e.has_grad:
-                return torch.zeros((), dtype=torch.float32)
-            if ord == 2.0 and e.gnorm is not None:
-                return torch.tensor(e.gnorm, dtype=torch.float32)
-            with self.engine.fetch(e.grad, "host") as pin:
-                with _disabled():
-                    n = torch.linalg.vector_norm(view_as(pin, e.shape, torch.float32), ord)
-            return n * abs(e.gscale)
-
-    def grad_scale(self, e, s):
-        with self._lock:
-            e.gscale *= s
-            if e.gnorm is not None:
-                e.gnorm *= abs(s)
-
-    def grad_zero(self, e):
-        with self._lock:
-            if e.pending is not None:
-                e.zero_later = True     # the deferred update reads it first
-            else:
-                self._zero_grad_data(e)
-            e.has_grad, e.fresh, e.gscale, e.nonfinite = True, True, 1.0, False
-            e.gnorm = 0.0
-
-    def _zero_grad_data(self, e):
-        """Zeros in the gradient in zinf: without a byte moved where zinf takes it."""
-        if not zero(self.engine, self.grad_handle(e)):
-            with self.engine.fetch(e.grad, "host", dirty=True) as pin:
-                torch_view(pin).zero_()
-
-    def grad_clamp(self, e, lo, hi):
-        with self._lock:
-            if e.pending is not None:
-                self.ensure(e)
-            with self.engine.fetch(e.grad, "host", dirty=True) as pin:
-                with _disabled():
-                    v = view_as(pin, e.shape, torch.float32)
-                    if e.gscale != 1.0:
-                        v.mul_(e.gscale)
-                    v.clamp_(lo, hi)
-                del v
-                self._note_grad(e, pin)
-
-    def _note_grad(self, e, pin):
-        """The gradient's norm and finiteness taken again from its pinned copy (changed in
-        place), summed as _grad_ready sums it: _grad_add of the copy onto itself."""
-        sumsq = _grad_add(pin, pin.ptr, pin.nbytes // 4, 0, 1.0, True)
-        e.gnorm, e.nonfinite, e.gscale = math.sqrt(sumsq), not math.isfinite(sumsq), 1.0
-
-    def grad_nonfinite(self, e):
-        return e.nonfinite
 
     # ---- state dicts, copies --------------------------------------------------------------
 

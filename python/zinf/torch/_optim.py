@@ -6,7 +6,7 @@ import weakref
 import torch
 
 from .. import Error, adamw_step
-from ._offload import _numel, page_round, view_as
+from ._views import _numel, page_round, view_as
 
 __all__ = ["AdamW"]
 
