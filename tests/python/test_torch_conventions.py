@@ -760,3 +760,24 @@ class GradAdd(Base):
         with ro.fetch(h, "host") as pin:
             self.assertTrue(torch.equal(zt._torch_view(pin).view(torch.float32), want))
         ro.close()
+
+    def test_a_refused_release_keeps_what_the_call_wrote(self):
+        """Engine._grad_add's dirty release refused (the device copy is pinned meanwhile):
+        zinf.Error(EBUSY), and the pin is kept as an orphan, released dirty as the other pin
+        goes: the gradient written is not lost."""
+        import errno
+        e = zinf.Engine(nvme_path=self.swap, device="emulated", device_bytes=8 << 20,
+                        host_bytes=8 << 20)
+        h = e.register("g", ((1000,), "float32"))
+        g = torch.arange(1000, dtype=torch.float32)
+        pd = e.fetch(h, "device")
+        with self.assertRaises(zinf.Error) as cm:
+            e._grad_add(h, g.data_ptr(), 1000, 0, 1.0, True)
+        self.assertEqual(cm.exception.errno, errno.EBUSY)
+        self.assertGreater(e.stats()["tier"][zinf.HOST]["pinned_bytes"], 0)
+        pd.release()
+        for tier in e.stats()["tier"]:
+            self.assertEqual(tier["pinned_bytes"], 0)
+        with e.fetch(h, "host") as pin:
+            self.assertTrue(torch.equal(zt._torch_view(pin).view(torch.float32), g))
+        e.close()
