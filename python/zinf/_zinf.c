@@ -582,6 +582,19 @@ GRAD_ADD(add_f32, float, LOAD_F32)
 GRAD_ADD(add_bf16, uint16_t, LOAD_BF16)
 GRAD_ADD(add_f16, uint16_t, LOAD_F16)
 
+/* The sum of squares of d in GRAD_ADD's lanes and order. */
+static double sumsq_f32(const float *d, size_t n)
+{
+    double acc[8] = {0};
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++)
+            acc[j] += (double)d[i + j] * d[i + j];
+    for (int j = 0; i < n; i++, j++)
+        acc[j] += (double)d[i] * d[i];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
 /* The gradient's accumulation for zinf.torch, in one call rather than a torch operation
  * each: dst (float32: a Pinned fetched dirty, or a writable buffer) becomes src (fresh) or
  * dst * scale + src, element by element in float32 with one rounding each (as torch's
@@ -608,11 +621,21 @@ PyObject *grad_add_into(PyObject *dst_o, unsigned long long src_addr, Py_ssize_t
         return NULL;
     }
     double sum;
+    const void *src = (const void *)(uintptr_t)src_addr;
+    bool overlap = count && (const char *)src < (const char *)(a.f + a.n) &&
+                   (const char *)a.f < (const char *)src + (size_t)count * (src_dtype ? 2 : 4);
+    if (overlap && !(src == a.f && src_dtype == 0 && fresh)) {
+        PyErr_SetString(PyExc_ValueError, "_grad_add: the source overlaps the gradient");
+        f32_put(&a);
+        return NULL;
+    }
     Py_BEGIN_ALLOW_THREADS
-    switch (src_dtype) {
-    case 0: sum = add_f32(a.f, (const void *)(uintptr_t)src_addr, a.n, (float)scale, fresh); break;
-    case 1: sum = add_bf16(a.f, (const void *)(uintptr_t)src_addr, a.n, (float)scale, fresh); break;
-    default: sum = add_f16(a.f, (const void *)(uintptr_t)src_addr, a.n, (float)scale, fresh); break;
+    if (overlap) /* the gradient onto itself: its sum of squares, nothing written */
+        sum = sumsq_f32(a.f, a.n);
+    else switch (src_dtype) {
+    case 0: sum = add_f32(a.f, src, a.n, (float)scale, fresh); break;
+    case 1: sum = add_bf16(a.f, src, a.n, (float)scale, fresh); break;
+    default: sum = add_f16(a.f, src, a.n, (float)scale, fresh); break;
     }
     Py_END_ALLOW_THREADS
     f32_put(&a);

@@ -719,6 +719,15 @@ class GradAdd(Base):
                 _grad_add(pin, g.data_ptr(), 16, 3, 1.0, True)
             with self.assertRaisesRegex(ValueError, "at address 0"):
                 _grad_add(pin, 0, 16, 0, 1.0, True)
+            # The gradient onto itself: only its sum of squares (zinf.torch's norm of a
+            # gradient changed in place), as a copy of the same values sums it.
+            s = _grad_add(pin, g.data_ptr(), 16, 0, 1.0, True)
+            self.assertEqual(_grad_add(pin, pin.ptr, 16, 0, 1.0, True), s)
+            for args in ((pin.ptr + 4, 16, 0, 1.0, True), (pin.ptr, 16, 0, 2.0, False),
+                         (pin.ptr, 16, 1, 1.0, True)):
+                with self.assertRaisesRegex(ValueError, "the source overlaps the gradient"):
+                    _grad_add(pin, *args)
+            self.assertTrue(torch.equal(zt._torch_view(pin).view(torch.float32), g))
         with self.assertRaisesRegex(ValueError, "_grad_add: grad: its copy was released"):
             _grad_add(pin, g.data_ptr(), 16, 0, 1.0, True)
         h = e.register("half", ((16,), "float16"), home="host")
