@@ -52,6 +52,12 @@ char *test_tmpdir(const char *tag)
     return make_dir(base && *base ? base : "/tmp", tag);
 }
 
+bool test_soak(void)
+{
+    const char *v = getenv("ZINF_TEST_SOAK");
+    return v && *v && strcmp(v, "0") != 0;
+}
+
 char *test_shmdir(const char *tag)
 {
     struct stat st;

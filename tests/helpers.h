@@ -3,6 +3,7 @@
 #ifndef ZINF_TESTS_HELPERS_H
 #define ZINF_TESTS_HELPERS_H
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -22,6 +23,11 @@ struct cuda_probe_info;
 /* cuda_probe() in a child process: a process that has called CUDA cannot use it in the
  * children it forks (ranks, a daemon). Returns the number of usable devices. */
 int test_cuda_probe_forked(struct cuda_probe_info *pi);
+
+/* Whether the long sweeps run whole (ZINF_TEST_SOAK=1: meson's -Dsoak=true, which
+ * scripts/test-soak.sh sets up). Without it a sweep runs a fixed part of its points that
+ * still reaches each of its kinds (every kill point, every stage, every shape). */
+bool test_soak(void);
 
 /* 4 KiB aligned allocation; free with free(). */
 void *test_aligned_alloc(size_t bytes);
