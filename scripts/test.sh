@@ -2,11 +2,31 @@
 # test.sh - install what is missing, build, and run every test: the normal build, the unit
 # suite of a build that finds no CUDA toolkit, the whole suite under AddressSanitizer +
 # UndefinedBehaviorSanitizer, then the API stress program under ThreadSanitizer. GPU tests
-# skip where no GPU is usable.
+# skip where no GPU is usable. Each leg's time (its build and its tests) is printed at the
+# end. The long sweeps run a part of their points here; scripts/test-soak.sh runs them whole.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 jobs=${TEST_JOBS:-$(nproc)}
+
+# leg NAME: the leg that starts now (and the end of the one before).
+legs=()
+leg_name=
+leg_start=$SECONDS
+leg() {
+  [ -z "$leg_name" ] || legs+=("$(printf '%-34s %4d s' "$leg_name" $((SECONDS - leg_start)))")
+  leg_name=$1
+  leg_start=$SECONDS
+}
+report() {
+  local rc=$?
+  leg ""
+  local how=
+  [ "$rc" = 0 ] || how=" (exit status $rc)"
+  echo "test.sh: each leg's time, its build included$how:"
+  printf '  %s\n' "${legs[@]}"
+  printf '  %-34s %4d s\n' total "$SECONDS"
+}
 
 # PATH with every directory that holds program $1 replaced by one, under $2, of links to
 # all else in it: $1 is not found, everything else is.
@@ -27,14 +47,19 @@ path_without() {
   printf '%s\n' "$out"
 }
 
+trap report EXIT
+leg "plain build"
 BUILD_DIR=build scripts/setup.sh
 meson test -C build --print-errorlogs --num-processes "$jobs"
 
 # No CUDA toolkit: what a machine without one builds, found by autodetection and not by
 # -Dcuda=disabled. cudatoolkit_dir points nowhere and no nvcc is on PATH, so the build
-# must come out with the device tier emulated and no kernels, and the unit suite pass.
+# must come out with the device tier emulated and no kernels, and the unit suite pass but
+# for its slow programs (the CLI's and the trainer's end to end, the daemon's soak), which
+# run no code that differs without the toolkit.
+leg "no CUDA toolkit (unit, not slow)"
 nonvcc=$(mktemp -d)
-trap 'rm -rf "$nonvcc"' EXIT
+trap 'rm -rf "$nonvcc"; report' EXIT
 nocuda_path=$(path_without nvcc "$nonvcc")
 PATH=$nocuda_path BUILD_DIR=build-nocuda env -u CUDA_HOME -u CUDA_PATH scripts/setup.sh \
   -Dcudatoolkit_dir=/nonexistent
@@ -42,10 +67,12 @@ grep -q '^#define ZINF_HAVE_CUDA 0' build-nocuda/zinf_build.h &&
   grep -q '^#define ZINF_HAVE_KERNELS 0' build-nocuda/zinf_build.h ||
   { echo "test.sh: the build without a CUDA toolkit found CUDA" >&2; exit 1; }
 PATH=$nocuda_path env -u CUDA_HOME -u CUDA_PATH \
-  meson test -C build-nocuda --suite unit --print-errorlogs --num-processes "$jobs"
+  meson test -C build-nocuda --suite unit --no-suite slow --print-errorlogs \
+  --num-processes "$jobs"
 
 # Sanitizers. CUDA's runtime maps memory where ASan keeps its shadow gap, hence
 # protect_shadow_gap=0 (set in tests/meson.build's environment).
+leg "ASan+UBSan"
 BUILD_DIR=build-san scripts/setup.sh -Db_sanitize=address,undefined -Db_lundef=false \
   -Dbuildtype=debug
 meson test -C build-san --print-errorlogs --num-processes "$jobs"
@@ -53,6 +80,7 @@ meson test -C build-san --print-errorlogs --num-processes "$jobs"
 # ThreadSanitizer: the API stress program from many threads (a plain program: Criterion's
 # runner cannot start under TSan). Only that target is built. tests/tsan.supp names the one
 # race the contract allows (a caller writing through its pin while a flush reads the copy).
+leg "TSan (stress_api, the daemon)"
 if [ ! -f build-tsan/build.ninja ]; then
   meson setup build-tsan -Db_sanitize=thread -Db_lundef=false -Dcuda=disabled -Dfuzz=disabled
 fi
