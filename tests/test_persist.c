@@ -1297,6 +1297,76 @@ Test(persist, versions_through_the_public_calls)
     zinf_close(e);
 }
 
+/* A rank that resumes a saved step and closes without changing anything keeps that step,
+ * even where a tensor of a memory home was never written (saved as zeros, with no extent):
+ * it resumes as saved, so the close's flush saves the same state and keeps the tag. A resume
+ * that changes something and saves it carries the step it was given. */
+static void register_mixed(zinf_engine *e, size_t n, zinf_tensor *t)
+{
+    t[0] = test_register(e, "nv", n, ZINF_TIER_NVME);
+    t[1] = test_register(e, "nv2", n, ZINF_TIER_NVME);
+    t[2] = test_register(e, "ho", n, ZINF_TIER_HOST);
+    t[3] = test_register(e, "de", n, ZINF_TIER_DEVICE);
+}
+
+static void expect_mixed(zinf_engine *e, size_t n, const unsigned char *a, const unsigned char *b,
+                         const char *what)
+{
+    unsigned char *z = calloc(1, n);
+    expect_everywhere(e, look(e, "nv"), a, n, what);
+    expect_everywhere(e, look(e, "nv2"), b, n, what);
+    expect_everywhere(e, look(e, "ho"), z, n, what);
+    expect_everywhere(e, look(e, "de"), z, n, what);
+    free(z);
+}
+
+Test(persist, a_resume_closed_unchanged_keeps_its_step_with_unwritten_memory_homes)
+{
+    const size_t n = 64 * KiB;
+    unsigned char *a = test_rand_buf(n, 11), *b = test_rand_buf(n, 12), *c = test_rand_buf(n, 13);
+    int64_t steps[2];
+    zinf_tensor t[4];
+    zinf_engine *e = open_eng(0, false);
+    register_mixed(e, n, t);
+    cr_assert_eq(zinf_write(e, t[0], 0, a, n), 0);
+    cr_assert_eq(zinf_write(e, t[1], 0, b, n), 0);
+    cr_assert_eq(zinf_flush_step(e, 7, 0), 0);
+    zinf_close(e);
+    cr_assert_eq(zinf_saved_steps(dir, steps), 0);
+    cr_assert_eq(steps[0], 7, "saved: step %lld", (long long)steps[0]);
+
+    /* Resumed and closed untouched, twice: the step stays. */
+    for (int round = 0; round < 2; round++) {
+        e = open_eng(ZINF_OPEN_RESUME, false);
+        zinf_close(e);
+        cr_assert_eq(zinf_saved_steps(dir, steps), 0);
+        cr_assert_eq(steps[0], 7, "resumed and closed (%d): step %lld, want 7", round,
+                     (long long)steps[0]);
+    }
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    expect_mixed(e, n, a, b, "resumed after closes");
+    cr_assert_eq(zinf_flush(e), 0, "an untagged flush of the same state");
+    cr_assert_eq(zinf_saved_steps(dir, steps), 0);
+    cr_assert_eq(steps[0], 7, "flushed unchanged: step %lld", (long long)steps[0]);
+
+    /* Changed and saved as step 8: the close after it keeps 8. */
+    cr_assert_eq(zinf_write(e, look(e, "nv2"), 0, c, n), 0);
+    cr_assert_eq(zinf_flush_step(e, 8, 0), 0);
+    zinf_close(e);
+    cr_assert_eq(zinf_saved_steps(dir, steps), 0);
+    cr_assert_eq(steps[0], 8, "changed and saved: step %lld, want 8", (long long)steps[0]);
+    e = open_eng(ZINF_OPEN_RESUME, false);
+    expect_mixed(e, n, a, c, "resumed at step 8");
+    /* Changed and closed without a tag: not step 8 any more. */
+    cr_assert_eq(zinf_write(e, look(e, "nv"), 0, b, n), 0);
+    zinf_close(e);
+    cr_assert_eq(zinf_saved_steps(dir, steps), 0);
+    cr_assert_eq(steps[0], -1, "changed by a plain close: step %lld", (long long)steps[0]);
+    free(a);
+    free(b);
+    free(c);
+}
+
 /* A crash between the two renames of a keeping flush leaves the previous manifest alone:
  * it counts as the current one (probe, versions, resume). */
 Test(persist, a_previous_version_alone_is_the_current_one)

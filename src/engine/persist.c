@@ -842,7 +842,7 @@ out:
          * meanwhile, belongs to nobody now. (Once the manifest was renamed into place it
          * is not abandoned: it is the persisted state, durable or not.) */
         if (r < 0 && !renamed && t->flush_off != t->swap_off &&
-            !(t->persisted && t->persisted_off == t->flush_off))
+            !(engine_persisted_extent(t) && t->persisted_off == t->flush_off))
             nvme_free(e->nvme, t->flush_off);
     }
     free(hs);
@@ -934,10 +934,13 @@ static int resume_tensor(struct zinf_engine *e, const char *mpath, size_t idx, j
         t->has_swap = true;
         t->swap_off = off;
         t->swap_version = t->version;
-        t->persisted = true;
-        t->persisted_off = off;
-        t->persisted_version = t->version;
     }
+    /* Every tensor the manifest names is saved, a zero one of a memory home too (without
+     * an extent: engine_persisted_extent), so that a flush of the state resumed is the
+     * same state and keeps the manifest's tag. */
+    t->persisted = true;
+    t->persisted_off = t->has_swap ? off : 0; /* as flush_tensor names a zero one */
+    t->persisted_version = t->version;
     t->persisted_zero = t->zero;
     t->persisted_crc = want;
     if (home != ZINF_TIER_NVME) {
