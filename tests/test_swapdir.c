@@ -5,7 +5,9 @@
  * ZINF_OPEN_OVERWRITE starts over; a missing nvme_path is created; RESUME and READONLY on
  * a directory without a saved run answer -ENOENT and create nothing; READONLY reads a
  * saved state, refuses every change with -EROFS, changes no byte, and works next to an
- * engine that holds the directory open, even one that flushes all the time.
+ * engine that holds the directory open, even one that flushes all the time. Every folder
+ * an open or the daemon (src/service/folders.c) makes has its parent synced after it, so
+ * that a power loss cannot take it away.
  *
  * Each fix has its success and its error twin. "Changes no byte" is checked by digesting
  * every file of the directory before and after. The device tier is emulated.
@@ -22,7 +24,9 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "config.h"
 #include "helpers.h"
+#include "service/folders.h"
 #include "zinf.h"
 
 #define BLOCK (64 * KiB)
@@ -276,6 +280,104 @@ Test(swapdir, missing_nvme_path_is_created_with_its_parents)
     cr_assert_eq(zinf_read(e, look(e, "t"), 0, got, 5), 0);
     cr_assert_eq(memcmp(got, "hello", 5), 0);
     zinf_close(e);
+}
+
+/* ---- every folder made survives a power loss -------------------------------------------- */
+
+/* This program is linked with -Wl,--wrap=fsync: every fsync of the library comes here first.
+ * A folder's entry is durable once its parent is synced after the folder was made; for each
+ * watched folder, that is noted when it happens. */
+int __real_fsync(int fd);
+int __wrap_fsync(int fd);
+
+#define WATCH_MAX 8
+static const char *watched[WATCH_MAX];
+static atomic_bool parent_synced[WATCH_MAX];
+
+int __wrap_fsync(int fd)
+{
+    struct stat st, pst, cst;
+    if (fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)) {
+        for (int i = 0; i < WATCH_MAX && watched[i]; i++) {
+            char parent[4096];
+            snprintf(parent, sizeof(parent), "%s", watched[i]);
+            *strrchr(parent, '/') = '\0';
+            if (stat(parent, &pst) == 0 && pst.st_dev == st.st_dev && pst.st_ino == st.st_ino &&
+                lstat(watched[i], &cst) == 0)
+                atomic_store(&parent_synced[i], true);
+        }
+    }
+    return __real_fsync(fd);
+}
+
+static void watch(const char *const *paths)
+{
+    for (int i = 0; i < WATCH_MAX; i++) {
+        watched[i] = paths[i];
+        atomic_store(&parent_synced[i], false);
+        if (!paths[i]) break;
+        cr_assert(!exists(paths[i]), "%s is there already", paths[i]);
+    }
+}
+
+static void expect_durable(const char *what)
+{
+    for (int i = 0; i < WATCH_MAX && watched[i]; i++) {
+        cr_assert(exists(watched[i]), "%s: %s was not made", what, watched[i]);
+        cr_expect(atomic_load(&parent_synced[i]),
+                  "%s: %s was made but its parent was never synced after: a power loss can take "
+                  "it (and all saved in it) away",
+                  what, watched[i]);
+    }
+    watched[0] = NULL;
+}
+
+/* A missing nvme_path, the folders above it and an extra swap directory were made with
+ * mkdir alone: after a power loss the folder, and the whole run saved in it, could vanish. */
+Test(swapdir, every_folder_an_open_makes_has_its_parent_synced)
+{
+    char a[4096], ab[4200], path[4300], x[4096], extra[4200];
+    snprintf(a, sizeof(a), "%s/a", dir);
+    snprintf(ab, sizeof(ab), "%s/b", a);
+    snprintf(path, sizeof(path), "%s/swap", ab);
+    snprintf(x, sizeof(x), "%s/x", dir);
+    snprintf(extra, sizeof(extra), "%s/extra", x);
+    const char *made[] = {a, ab, path, x, extra, NULL};
+    const char *extras[] = {extra, NULL};
+    struct zinf_options o = {.nvme_path = path,
+                             .nvme_paths_extra = extras,
+                             .device_bytes = 4 * MiB,
+                             .host_bytes = 4 * MiB,
+                             .block_size = BLOCK,
+                             .device_kind = ZINF_DEVICE_EMULATED};
+    zinf_engine *e = NULL;
+    watch(made);
+    int r = zinf_open(&o, &e);
+    cr_assert_eq(r, 0, "%s", zinf_strerror(r));
+    zinf_close(e);
+    expect_durable("zinf_open");
+}
+
+/* The daemon's swap directories (and the folders above them) and a job's folder under each. */
+Test(swapdir, every_folder_the_daemon_makes_has_its_parent_synced)
+{
+    char srv[4096], root[4200], root2[4200], job[4300], job2[4300], err[1024];
+    snprintf(srv, sizeof(srv), "%s/srv", dir);
+    snprintf(root, sizeof(root), "%s/root", srv);
+    snprintf(root2, sizeof(root2), "%s/root2", srv);
+    snprintf(job, sizeof(job), "%s/job1", root);
+    snprintf(job2, sizeof(job2), "%s/job1", root2);
+    const char *roots_made[] = {srv, root, root2, NULL};
+    watch(roots_made);
+    cr_assert_eq(folders_check_root(root, err, sizeof(err)), 0, "%s", err);
+    cr_assert_eq(folders_check_root(root2, err, sizeof(err)), 0, "%s", err);
+    expect_durable("folders_check_root");
+    const char *jobs_made[] = {job, job2, NULL};
+    struct config_paths roots = {.path = {root, root2}, .count = 2};
+    uid_t owner;
+    watch(jobs_made);
+    cr_assert_eq(folders_job(&roots, "job1", geteuid(), &owner), 0);
+    expect_durable("folders_job");
 }
 
 Test(swapdir, nvme_path_that_cannot_be_created_is_refused)

@@ -40,6 +40,7 @@
 #include "cmd.h"
 #include "common.h"
 #include "config.h"
+#include "dirs.h"
 #include "train/trainer.h"
 #include "train_config.h"
 #include "tune_util.h"
@@ -905,8 +906,8 @@ int cmd_tune_train(int argc, char **argv)
         json_decref(base);
         return 2;
     }
-    if (mkdir(dir, 0700) < 0) {
-        fprintf(stderr, "zinf tune: %s: %s\n", dir, strerror(errno));
+    if ((r = dirs_make(dir, 0700)) < 0) {
+        fprintf(stderr, "zinf tune: %s: %s\n", dir, strerror(-r));
         json_decref(base);
         return 1;
     }

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "dirs.h"
 #include "train/ops.h"
 #include "weights_io.h"
 #include "zinf.h"
@@ -801,9 +802,10 @@ int weights_write_hf(const char *dir, const struct gpt_config *gc, int step, wei
         return -ENAMETOOLONG;
     }
     struct stat st;
-    if (mkdir(dir, 0777) < 0 && errno != EEXIST) {
-        snprintf(err, errlen, "%s: %s", dir, strerror(errno));
-        return -errno;
+    int made = dirs_make(dir, 0777); /* durable: the export survives a power loss */
+    if (made < 0 && made != -EEXIST) {
+        snprintf(err, errlen, "%s: %s", dir, strerror(-made));
+        return made;
     }
     int e = stat(dir, &st) < 0 ? errno : !S_ISDIR(st.st_mode) ? ENOTDIR : 0;
     if (e) {

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 
 #include "config.h"
+#include "dirs.h"
 #include "engine/engine.h"
 #include "trace.h"
 #include "tiers/cuda_probe.h"
@@ -696,25 +697,6 @@ static int choose_numa_node(const struct zinf_options *o)
     return ch.numa_node;
 }
 
-/* mkdir -p: path and its missing parents, as DeepSpeed does with nvme_path. */
-static int make_dirs(const char *path)
-{
-    char buf[4096];
-    struct stat st;
-
-    if (strlen(path) >= sizeof(buf)) return -ENAMETOOLONG;
-    strcpy(buf, path);
-    for (char *p = buf + 1; *p; p++) {
-        if (*p != '/') continue;
-        *p = '\0';
-        if (mkdir(buf, 0755) < 0 && errno != EEXIST) return -errno;
-        *p = '/';
-    }
-    if (mkdir(buf, 0755) < 0 && errno != EEXIST) return -errno;
-    if (stat(buf, &st) < 0) return -errno;
-    return S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
-}
-
 /* Before anything is opened: the swap directory is the caller's data. A saved state there
  * is refused without a flag that says what to do with it (zinf.h); RESUME and READONLY
  * need one; the directories of a fresh start are created. *id: the manifest's identity. */
@@ -733,7 +715,8 @@ static int swapdir_check(const struct zinf_options *o, uint32_t *id)
     for (unsigned i = 0; !want; i++) {
         const char *d = i == 0 ? dir : o->nvme_paths_extra ? o->nvme_paths_extra[i - 1] : NULL;
         if (!d) break;
-        if ((r = make_dirs(d)) < 0) {
+        /* mkdir -p, as DeepSpeed does with nvme_path; each folder made is durable. */
+        if ((r = dirs_make_all(d, 0755)) < 0) {
             log_error("engine: cannot create the swap directory %s: %s", d, strerror(-r));
             return r;
         }

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "dirs.h"
 #include "service/folders.h"
 
 bool folders_own(const struct stat *st, mode_t others)
@@ -103,8 +104,7 @@ int folders_job(const struct config_paths *roots, const char *name, uid_t uid, u
             return -ENAMETOOLONG;
         int r = lstat(path, &st) == 0 ? 0 : -errno;
         if (r == -ENOENT) {
-            r = i == 0 ? make_first_folder(root, path, uid)
-                       : mkdir(path, 0700) == 0 ? sync_folder(root) : -errno;
+            r = i == 0 ? make_first_folder(root, path, uid) : dirs_make(path, 0700);
             if (r == 0 && (r = lstat(path, &st) == 0 ? 0 : -errno) == 0 && i == 0) {
                 log_notice("serve: job %s: made its folder %s (owner uid %u)", name, path,
                            (unsigned)uid);
@@ -141,21 +141,12 @@ int folders_check_root(const char *path, char *err, size_t errlen)
 {
     unsigned me = (unsigned)geteuid();
     struct stat st;
-    char mk[PATH_MAX];
-    if (snprintf(mk, sizeof(mk), "%s", path) >= (int)sizeof(mk)) return -ENAMETOOLONG;
-    /* mkdir -p, each folder made 0700 */
-    for (char *p = mk + 1;; p++) {
-        bool end = !*p;
-        if (*p != '/' && !end) continue;
-        *p = 0;
-        if (mkdir(mk, 0700) != 0 && errno != EEXIST) {
-            int r = -errno;
-            snprintf(err, errlen, "serve: swap directory %s: cannot make %s: %s", path, mk,
-                     strerror(-r));
-            return r;
-        }
-        if (end) break;
-        *p = '/';
+    /* mkdir -p, each folder made 0700 and durable */
+    int made = dirs_make_all(path, 0700);
+    if (made < 0 && made != -ENOTDIR) {
+        snprintf(err, errlen, "serve: swap directory %s: cannot make it: %s", path,
+                 strerror(-made));
+        return made;
     }
     char real[PATH_MAX];
     if (!realpath(path, real) || stat(real, &st) != 0) {
