@@ -917,7 +917,12 @@ Test(engine, open_bad_options)
     cr_assert_eq(zinf_open(&o, &e), 0);
     cr_assert_not_null(e);
     zinf_tensor t;
+    test_log_capture_start();
     cr_assert_eq(zinf_register(e, "x", 10, ZINF_TIER_NVME, &t), -EINVAL, "no NVMe tier");
+    cr_assert(strstr(test_log_text(), "'x' is homed on NVMe, but this engine has no NVMe tier") &&
+                  strstr(test_log_text(), "offload_param.nvme_path"),
+              "the log names the missing setting: %s", test_log_text());
+    test_log_capture_stop();
     cr_assert_eq(zinf_register(e, "x", 10, ZINF_TIER_HOST, &t), 0);
     cr_assert_eq(zinf_flush(e), 0, "nothing to be durable on");
     cr_assert_eq(zinf_unregister(e, t), 0);

@@ -22,6 +22,10 @@ flags release() was given: write through a view before releasing it dirty, not a
 Engine.close() refuses new calls at once and closes the engine when no pin or view is
 left.
 
+An NVMe home (register's default) needs an NVMe tier: an Engine opened without nvme_path
+(or from a config without zero_optimization.offload_param.nvme_path) refuses it with
+zinf.Error(EINVAL) naming the setting.
+
 Refused releases. Where zinf refuses a release's flags it keeps the pin, and so does the
 Pinned: release(dirty=True) while the tensor's copy in the other tier is pinned (EBUSY),
 release(dirty=True) or release(spent=True) on a read-only engine (EROFS, raised at once

@@ -20,11 +20,10 @@ PyObject *TensorType;
 
 /* ---- errors ---------------------------------------------------------------------------- */
 
-/* Raises zinf.Error for a negative errno r; filename, when given, is named in it. */
-PyObject *raise_zinf(int r, const char *what, PyObject *filename)
+/* Raises zinf.Error for errno err with msg (a reference taken); filename, when given, is
+ * named in it. */
+static PyObject *raise_msg(int err, PyObject *msg, PyObject *filename)
 {
-    int err = r < 0 ? -r : r;
-    PyObject *msg = PyUnicode_FromFormat("%s: %s", what, zinf_strerror(-err));
     if (!msg) return NULL;
     PyObject *exc = filename ? PyObject_CallFunction(ZinfError, "iOO", err, msg, filename)
                              : PyObject_CallFunction(ZinfError, "iO", err, msg);
@@ -34,6 +33,24 @@ PyObject *raise_zinf(int r, const char *what, PyObject *filename)
         Py_DECREF(exc);
     }
     return NULL;
+}
+
+/* Raises zinf.Error for a negative errno r; filename, when given, is named in it. */
+PyObject *raise_zinf(int r, const char *what, PyObject *filename)
+{
+    int err = r < 0 ? -r : r;
+    return raise_msg(err, PyUnicode_FromFormat("%s: %s", what, zinf_strerror(-err)), filename);
+}
+
+/* As raise_zinf, with a message (PyUnicode_FromFormat's fmt) that says why where the errno's
+ * text would mislead. */
+PyObject *raise_zinf_why(int r, PyObject *filename, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    PyObject *msg = PyUnicode_FromFormatV(fmt, ap);
+    va_end(ap);
+    return raise_msg(r < 0 ? -r : r, msg, filename);
 }
 
 /* A RuntimeWarning where nothing can raise (a deleter, a dealloc); printed as unraisable
@@ -191,6 +208,7 @@ static PyObject *mod_connect(PyObject *m, PyObject *args, PyObject *kw)
         return raise_zinf(r, "zinf_connect", sock_o);
     }
     self->e = e;
+    self->opened = ENG_OPENED_CONNECT;
     eng_learn(self);
     return (PyObject *)self;
 }

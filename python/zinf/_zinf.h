@@ -37,6 +37,10 @@ typedef struct {
     Py_ssize_t busy;      /* calls in flight with the GIL dropped */
     Py_ssize_t pins;      /* pins held through Pinned objects, pending tickets and orphans */
     int device_is_cuda, host_pinned, cuda_device, readonly;
+    /* How it was opened: ENG_OPENED_ARGS (keyword arguments; nvme_tier says whether
+     * nvme_path was given), ENG_OPENED_CONFIG or ENG_OPENED_CONNECT. A refusal whose reason
+     * the errno does not tell (an NVMe home without an NVMe tier) is explained by it. */
+    int opened, nvme_tier;
     unsigned long forks;  /* `forks` when it was opened: another value, a forked child's copy */
     PyObject *meta;       /* {handle: (shape, dtype)} of tensors registered with a shape */
     PyObject *tickets;    /* {ticket: (handle, tier)} of fetch_async calls not waited yet */
@@ -54,6 +58,8 @@ typedef struct {
     uint64_t room_gen;
     int room_releasing, room_ready;
 } EngineObject;
+
+enum { ENG_OPENED_ARGS, ENG_OPENED_CONFIG, ENG_OPENED_CONNECT };
 
 /* A pin's states: HELD (fetched) -> PENDING (release() asked while views remain: the pin is
  * dropped by the last view's deleter) -> RELEASED; or HELD -> RELEASED directly. */
@@ -120,6 +126,7 @@ extern PyTypeObject EngineType;
 extern PyTypeObject PinnedType;
 
 PyObject *raise_zinf(int r, const char *what, PyObject *filename);
+PyObject *raise_zinf_why(int r, PyObject *filename, const char *fmt, ...);
 void warn_unraisable(PyObject *obj, const char *fmt, ...);
 int parse_tier(PyObject *o, int *out);
 int parse_handle(PyObject *o, zinf_tensor *out);

@@ -316,6 +316,7 @@ int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
             return -1;
         }
         Py_XDECREF(named);
+        self->opened = ENG_OPENED_CONFIG;
     } else {
         struct zinf_options o;
         memset(&o, 0, sizeof(o));
@@ -381,6 +382,8 @@ int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
         }
         Py_XDECREF(nvme_bytes);
         self->cuda_device = o.cuda_device;
+        self->opened = ENG_OPENED_ARGS;
+        self->nvme_tier = nvme != Py_None;
     }
     self->e = e;
     self->readonly = readonly;
@@ -577,6 +580,16 @@ PyObject *Engine_register(EngineObject *self, PyObject *args, PyObject *kw)
         Py_XDECREF(meta);
         return NULL;
     }
+    const char *dflt = home ? "" : " (register's default home)";
+    if (tier == ZINF_TIER_NVME && self->opened == ENG_OPENED_ARGS && !self->nvme_tier) {
+        eng_leave(self);
+        Py_XDECREF(meta);
+        return raise_zinf_why(-EINVAL, name,
+                              "zinf_register: %R is homed on NVMe%s, but this Engine has no "
+                              "NVMe tier: open it with nvme_path= (a swap directory), or "
+                              "register it with home=\"host\" or home=\"device\"",
+                              name, dflt);
+    }
     zinf_tensor h = 0;
     int r;
     Py_BEGIN_ALLOW_THREADS
@@ -585,6 +598,18 @@ PyObject *Engine_register(EngineObject *self, PyObject *args, PyObject *kw)
     eng_leave(self);
     if (r) {
         Py_XDECREF(meta);
+        /* zinf answers an NVMe home on an engine without an NVMe tier as it answers a bad
+         * name or size (-EINVAL): with a name and a size it takes (a name of 1 to 1023 bytes,
+         * as engine.c's NAME_MAX_BYTES has it), that is the reason. */
+        if (r == -EINVAL && tier == ZINF_TIER_NVME && self->opened == ENG_OPENED_CONFIG && *cname &&
+            strlen(cname) < 1024 && nbytes > 0)
+            return raise_zinf_why(r, name,
+                                  "zinf_register: %R is homed on NVMe%s, but the engine's "
+                                  "config gives no swap directory: set "
+                                  "zero_optimization.offload_param.nvme_path (or "
+                                  "zinf.nvme_paths), or register it with home=\"host\" or "
+                                  "home=\"device\"",
+                                  name, dflt);
         return raise_zinf(r, "zinf_register", name);
     }
     PyObject *key = PyLong_FromUnsignedLongLong(h);

@@ -279,7 +279,14 @@ int engine_api_register(zinf_engine *e, const char *name, size_t nbytes, enum zi
     if (!e || !name || !*name || strlen(name) >= NAME_MAX_BYTES || nbytes == 0 || !out ||
         (home != ZINF_TIER_DEVICE && home != ZINF_TIER_HOST && home != ZINF_TIER_NVME))
         return -EINVAL;
-    if (home == ZINF_TIER_NVME && !e->nvme) return -EINVAL; /* no NVMe tier was configured */
+    if (home == ZINF_TIER_NVME && !e->nvme) {
+        /* The errno alone reads as a bad argument: say which setting is missing. */
+        log_error("engine: tensor '%s' is homed on NVMe, but this engine has no NVMe tier: give "
+                  "it a swap directory (zero_optimization.offload_param.nvme_path in a config, "
+                  "zinf_options.nvme_path), or home the tensor in host or device memory",
+                  name);
+        return -EINVAL;
+    }
     if (e->opt.flags & ZINF_OPEN_READONLY) return -EROFS;
     if (nbytes > SIZE_MAX - ZINF_ALIGN) return -ENOSPC;
     t = calloc(1, sizeof(*t));

@@ -456,6 +456,44 @@ class TestSavedState(Base):
 
 
 class TestTensors(Base):
+    def test_nvme_home_without_an_nvme_tier_names_the_missing_path(self):
+        # It used to answer "invalid argument (bad handle, unaligned or out-of-range
+        # request)", which points at nothing the caller did.
+        got = []
+        zinf.set_log(lambda level, msg: got.append(msg), "error")
+        try:
+            with zinf.Engine(device="emulated", device_bytes=MIB, host_bytes=MIB) as e:
+                with self.assertRaises(zinf.Error) as cm:
+                    e.register("w", 4096)
+                err = cm.exception
+                self.assertEqual(err.errno, errno.EINVAL)
+                self.assertIn("no NVMe tier", str(err))
+                self.assertIn("nvme_path=", str(err))
+                self.assertIn("default home", str(err))
+                self.assertEqual(err.filename, "w")
+                with self.assertRaises(zinf.Error) as cm:
+                    e.register("w", 4096, home="nvme")
+                self.assertIn("nvme_path=", str(cm.exception))
+                self.assertNotIn("default home", str(cm.exception))
+                e.register("w", 4096, home="host")    # the success twin
+            cfg = {"zinf": {"device": "emulated", "device_bytes": "1M", "host_bytes": "1M"}}
+            with zinf.Engine(cfg) as e:
+                with self.assertRaises(zinf.Error) as cm:
+                    e.register("w", 4096)
+                self.assertEqual(cm.exception.errno, errno.EINVAL)
+                self.assertIn("offload_param.nvme_path", str(cm.exception))
+                # A refusal for another reason keeps its own message.
+                self.assertErrno(errno.EINVAL, e.register, "", 4096)
+                e.register("w", 4096, home="device")
+            # What the library logs names the setting too.
+            self.assertTrue(any("offload_param.nvme_path" in m for m in got), got)
+        finally:
+            zinf.set_log(None, "notice")
+        # With a swap directory the same call works.
+        with zinf.Engine(cfg | {"zero_optimization": {"offload_param": {
+                "device": "nvme", "nvme_path": self.swap}}}) as e:
+            e.register("w", 4096)
+
     def test_register_lookup_unregister(self):
         with self.engine() as e:
             t = e.register("a", 1000, home="host")
