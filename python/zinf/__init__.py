@@ -22,6 +22,14 @@ flags release() was given: write through a view before releasing it dirty, not a
 Engine.close() refuses new calls at once and closes the engine when no pin or view is
 left.
 
+Buffers. A Pinned is also a buffer of its bytes (memoryview(p), numpy.frombuffer(p,
+dtype), bytes(p)): 1-D unsigned bytes, readable always, writable only where it was fetched
+with dirty=True (a writable buffer of a clean pin, or of a read-only engine's, raises
+BufferError saying why). A buffer keeps the Pinned alive, but unlike a DLPack view it is
+never waited for: release() while one is alive raises BufferError and keeps the pin, so
+release the memoryview (or delete the array) first. A copy in GPU memory has no buffer
+(BufferError): take it through DLPack.
+
 An NVMe home (register's default) needs an NVMe tier: an Engine opened without nvme_path
 (or from a config without zero_optimization.offload_param.nvme_path) refuses it with
 zinf.Error(EINVAL) naming the setting.

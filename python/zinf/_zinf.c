@@ -1,17 +1,20 @@
 /*
  * _zinf.c - the CPython extension under the zinf package: an Engine object over a
  * zinf_engine handle (zinf_open, zinf_open_config_flags or zinf_connect), tensor handles,
- * and Pinned objects for fetched copies that export their memory through DLPack without
- * copying. Every call that may block runs with the GIL dropped; the bookkeeping of the
- * objects (pins, exports, a close waiting for them) changes only with the GIL held.
+ * and Pinned objects for fetched copies that export their memory through DLPack and the
+ * buffer protocol without copying. Every call that may block runs with the GIL dropped; the
+ * bookkeeping of the objects (pins, exports, a close waiting for them) changes only with the
+ * GIL held.
  *
  * It is not a tensor library: no arithmetic, no copies beyond read/write, and nothing of
  * torch (a consumer takes the memory with from_dlpack).
  *
  * Lifetimes. A Pinned holds a reference to its Engine, and each DLPack export holds one to
  * its Pinned, so the memory a view points at stays pinned until the consumer's deleter has
- * run, whatever the caller released meanwhile. Engine.close() stops new calls at once, but
- * the engine is closed for real only when no call is in flight and no pin is held.
+ * run, whatever the caller released meanwhile. A buffer (memoryview) holds its Pinned too,
+ * but release() is refused while one is alive rather than waiting for it. Engine.close()
+ * stops new calls at once, but the engine is closed for real only when no call is in flight
+ * and no pin is held.
  */
 #include "_zinf.h"
 

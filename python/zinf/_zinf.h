@@ -78,6 +78,7 @@ typedef struct {
     int refused;        /* zinf refused a release with flags (kept the pin): collecting the
                            object tries those flags again, not a clean release */
     Py_ssize_t exports; /* DLPack views not deleted yet */
+    Py_ssize_t buffers; /* buffer-protocol views (memoryview, numpy) not released yet */
     PyObject *meta;     /* (shape, dtype) or NULL: 1-D uint8 */
 } PinnedObject;
 

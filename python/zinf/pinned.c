@@ -22,6 +22,7 @@ PyObject *make_pinned(EngineObject *eng, zinf_tensor h, int tier, void *ptr,
     p->flags = 0;
     p->refused = 0;
     p->exports = 0;
+    p->buffers = 0;
     p->meta = NULL;
     PyObject *key = PyLong_FromUnsignedLongLong(h);
     PyObject *m = key ? PyDict_GetItemWithError(eng->meta, key) : NULL;
@@ -180,6 +181,18 @@ static PyObject *pin_release(PinnedObject *p, unsigned flags)
     if (flags && p->eng->readonly)
         /* What zinf would answer, now rather than when the last view goes: the pin stays. */
         return raise_zinf(-EROFS, "zinf_release", NULL);
+    if (p->buffers) {
+        /* Unlike a DLPack view's, a buffer's end cannot be waited for: its owner may write
+         * through it for as long as it lives, and after the pin went that memory is another
+         * copy's. So the release is refused, and the pin kept. */
+        PyErr_Format(PyExc_BufferError,
+                     "release: %zd buffer view%s of this pin (a memoryview, a numpy array) %s "
+                     "alive: release %s first (memoryview.release(), del the array), so that "
+                     "nothing writes to the memory once it is not pinned",
+                     p->buffers, p->buffers == 1 ? "" : "s", p->buffers == 1 ? "is" : "are",
+                     p->buffers == 1 ? "it" : "them");
+        return NULL;
+    }
     if (p->exports) {
         /* Views remain: the last one's deleter releases with these flags. */
         p->state = PIN_PENDING;
@@ -444,6 +457,59 @@ static PyObject *Pinned_dlpack(PinnedObject *p, PyObject *args, PyObject *kw)
     return cap;
 }
 
+/* The buffer protocol: the pinned bytes, 1-D unsigned bytes whatever the tensor's dtype
+ * (numpy.frombuffer(pin, dtype) types them). Readable always; writable only where the pin
+ * was fetched dirty (dirty=True), as only then is what is written saved. Each buffer holds
+ * the Pinned (Python's reference), and release() is refused while one is alive. */
+static int Pinned_getbuffer(PinnedObject *p, Py_buffer *view, int flags)
+{
+    view->obj = NULL;
+    if (eng_foreign(p->eng)) {
+        raise_foreign();
+        return -1;
+    }
+    if (p->state != PIN_HELD) {
+        PyErr_SetString(PyExc_BufferError, "this pin was released: fetch the tensor again");
+        return -1;
+    }
+    if (p->tier == ZINF_TIER_DEVICE && p->eng->device_is_cuda) {
+        PyErr_SetString(PyExc_BufferError,
+                        "the copy is in GPU memory, which the buffer protocol cannot reach: "
+                        "take it through DLPack (torch.from_dlpack(pin)), or fetch it to "
+                        "\"host\"");
+        return -1;
+    }
+    int writable = p->dirty && !p->eng->readonly;
+    if ((flags & PyBUF_WRITABLE) && !writable) {
+        PyErr_SetString(PyExc_BufferError,
+                        p->eng->readonly
+                            ? "a writable buffer of a read-only engine's pin: nothing written "
+                              "to it could be saved"
+                            : "a writable buffer of a pin fetched clean: what is written "
+                              "through it would be lost; fetch with dirty=True to write");
+        return -1;
+    }
+    if (p->nbytes > (size_t)PY_SSIZE_T_MAX) {
+        PyErr_SetString(PyExc_BufferError, "the copy is larger than a buffer can be");
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)p, p->ptr, (Py_ssize_t)p->nbytes, !writable, flags) < 0)
+        return -1;
+    p->buffers++;
+    return 0;
+}
+
+static void Pinned_releasebuffer(PinnedObject *p, Py_buffer *view)
+{
+    (void)view;
+    p->buffers--;
+}
+
+static PyBufferProcs Pinned_as_buffer = {
+    .bf_getbuffer = (getbufferproc)Pinned_getbuffer,
+    .bf_releasebuffer = (releasebufferproc)Pinned_releasebuffer,
+};
+
 static PyMethodDef Pinned_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Pinned_release, METH_VARARGS | METH_KEYWORDS,
      "release(dirty=None, spent=False): drop the pin (dirty: the caller wrote through it; "
@@ -452,7 +518,8 @@ static PyMethodDef Pinned_methods[] = {
      "A refusal keeps the pin (release() again; after a refused dirty release the default "
      "is dirty). With DLPack views alive, the pin is dropped when the last one is deleted: "
      "a spent release zinf refuses then goes clean, a dirty one keeps the pin and the "
-     "Pinned is held again (a RuntimeWarning)."},
+     "Pinned is held again (a RuntimeWarning). Refused (BufferError, the pin kept) while a "
+     "buffer of it (memoryview, numpy.frombuffer) is alive."},
     {"__enter__", (PyCFunction)Pinned_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Pinned_exit, METH_VARARGS, NULL},
     {"__dlpack__", (PyCFunction)(void (*)(void))Pinned_dlpack, METH_VARARGS | METH_KEYWORDS,
@@ -481,8 +548,11 @@ PyTypeObject PinnedType = {
     .tp_dealloc = (destructor)Pinned_dealloc,
     .tp_repr = (reprfunc)Pinned_repr,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A pinned copy of a tensor (Engine.fetch): its memory stays put until release.",
+    .tp_doc = "A pinned copy of a tensor (Engine.fetch): its memory stays put until release. "
+              "Its bytes are a buffer (memoryview(pin), numpy.frombuffer(pin)), writable "
+              "where it was fetched with dirty=True; release() is refused while one is alive.",
     .tp_methods = Pinned_methods,
     .tp_getset = Pinned_getset,
+    .tp_as_buffer = &Pinned_as_buffer,
 };
 

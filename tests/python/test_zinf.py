@@ -104,6 +104,34 @@ _capsule_rename.argtypes = [ctypes.py_object, ctypes.c_char_p]
 USED = {b"dltensor": b"used_dltensor", b"dltensor_versioned": b"used_dltensor_versioned"}
 
 
+# A consumer that asks for a writable buffer as C code does (PyObject_GetBuffer with
+# PyBUF_WRITABLE), and sees the exporter's own error: the library's ctypes and memoryview
+# ask for read-only ones and say only "not writable".
+class PyBuffer(ctypes.Structure):
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int),
+                ("ndim", ctypes.c_int), ("format", ctypes.c_char_p),
+                ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+PyBUF_WRITABLE = 0x0001
+_get_buffer = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.POINTER(PyBuffer),
+                                ctypes.c_int)(("PyObject_GetBuffer", ctypes.pythonapi))
+_release_buffer = ctypes.PYFUNCTYPE(None, ctypes.POINTER(PyBuffer))(
+    ("PyBuffer_Release", ctypes.pythonapi))
+
+
+def writable_buffer(obj):
+    """The address and length of a writable buffer of obj, taken and given back at once."""
+    view = PyBuffer()
+    _get_buffer(obj, ctypes.byref(view), PyBUF_WRITABLE)
+    try:
+        return view.buf, view.len, view.readonly
+    finally:
+        _release_buffer(ctypes.byref(view))
+
+
 class View:
     """What a consumer holds after taking a capsule: the managed tensor, until delete()."""
 
@@ -974,6 +1002,154 @@ class TestDLPack(Base):
         self.assertTrue((a == numpy.arange(8)).all())
         del a, e
         gc.collect()
+
+
+class TestBuffer(Base):
+    """zinf.Pinned's buffer protocol: memoryview(pin), numpy.frombuffer(pin)."""
+
+    def pinned_bytes(self, e):
+        return e.stats()["tier"][zinf.HOST]["pinned_bytes"]
+
+    def test_memoryview_reads_the_pinned_bytes(self):
+        data = bytes(range(256)) * 32
+        with self.engine() as e:
+            t = e.register("t", len(data))
+            e.write(t, data)
+            for tier in ("host", "device"):
+                with e.fetch(t, tier) as p:
+                    with memoryview(p) as m:
+                        self.assertEqual((m.nbytes, m.format, m.ndim), (len(data), "B", 1))
+                        self.assertTrue(m.readonly, "fetched clean")
+                        self.assertEqual(bytes(m), data)
+                        with self.assertRaises(TypeError):
+                            m[0] = 1
+            # The buffer keeps the pin (and the Pinned) alive; its end drops both.
+            m = memoryview(e.fetch(t, "host"))
+            gc.collect()
+            self.assertEqual(bytes(m[:256]), data[:256])
+            self.assertEqual(self.pinned_bytes(e), len(data))
+            m.release()
+            gc.collect()
+            self.assertEqual(self.pinned_bytes(e), 0)
+            # A released pin exports nothing.
+            p = e.fetch(t, "host")
+            p.release()
+            with self.assertRaises(BufferError) as cm:
+                memoryview(p)
+            self.assertIn("released", str(cm.exception))
+
+    def test_writes_through_a_dirty_pin_are_saved(self):
+        with self.engine() as e:
+            t = e.register("t", 8192)
+            e.write(t, b"\x01" * 8192)
+            p = e.fetch(t, "host", dirty=True)
+            with memoryview(p) as m:
+                self.assertFalse(m.readonly)
+                m[:4] = b"abcd"
+                m[-2:] = b"yz"
+            p.release()
+            want = b"abcd" + b"\x01" * 8186 + b"yz"
+            self.assertEqual(e.read(t), want)
+            e.flush()
+            with e.fetch(t, "device") as q, memoryview(q) as m:
+                self.assertEqual(bytes(m), want)
+        with self.engine(resume=True) as e:
+            self.assertEqual(e.read(e.lookup("t")), want)
+
+    @needs_numpy
+    def test_numpy_writes_through_a_dirty_pin_are_saved(self):
+        with self.engine() as e:
+            t = e.register("w", ((16,), "float32"))
+            p = e.fetch(t, "host", dirty=True)
+            a = numpy.frombuffer(p, dtype=numpy.float32)
+            self.assertTrue(a.flags.writeable)
+            self.assertEqual(a.__array_interface__["data"][0], p.ptr)
+            a[:] = numpy.arange(16, dtype=numpy.float32) * 2
+            del a
+            p.release()
+            with e.fetch(t, "host") as p:
+                b = numpy.frombuffer(p, dtype=numpy.float32)
+                self.assertFalse(b.flags.writeable, "a clean pin gives a read-only array")
+                self.assertTrue((b == numpy.arange(16) * 2).all())
+                with self.assertRaises(ValueError):
+                    b[0] = 5
+                del b
+            with e.fetch(t, "device", dirty=True) as p:
+                with memoryview(p) as m:
+                    a = numpy.asarray(m).view(numpy.float32)
+                    a += 1
+                    del a
+            out = numpy.frombuffer(e.read(t), dtype=numpy.float32)
+            self.assertTrue((out == numpy.arange(16) * 2 + 1).all())
+
+    def test_writable_buffer_of_a_clean_pin_is_refused(self):
+        with self.engine() as e:
+            t = e.register("t", 4096)
+            with e.fetch(t, "host") as p:
+                with self.assertRaises(BufferError) as cm:
+                    writable_buffer(p)
+                self.assertIn("fetched clean", str(cm.exception))
+                self.assertIn("dirty=True", str(cm.exception))
+                with self.assertRaises(TypeError):
+                    (ctypes.c_char * 4096).from_buffer(p)
+                if numpy is not None:
+                    self.assertFalse(numpy.frombuffer(p, dtype=numpy.uint8).flags.writeable)
+            with e.fetch(t, "host", dirty=True) as p:     # the success twin
+                self.assertEqual(writable_buffer(p), (p.ptr, 4096, 0))
+                c = (ctypes.c_char * 4096).from_buffer(p)
+                c[0] = b"q"
+                del c
+            self.assertEqual(e.read(t, 0, 1), b"q")
+        # A read-only engine's pins give read-only buffers, dirty or not.
+        with self.engine(readonly=True) as e:
+            for dirty in (False, True):
+                p = e.fetch(e.lookup("t"), "host", dirty=dirty)
+                with memoryview(p) as m:
+                    self.assertTrue(m.readonly)
+                    self.assertEqual(bytes(m[:1]), b"q")
+                with self.assertRaises(BufferError) as cm:
+                    writable_buffer(p)
+                self.assertIn("read-only engine", str(cm.exception))
+                p.release(dirty=False)
+
+    def test_release_while_a_buffer_is_alive_is_refused(self):
+        with self.engine() as e:
+            t = e.register("t", 4096)
+            p = e.fetch(t, "host", dirty=True)
+            m = memoryview(p)
+            n = memoryview(p)
+            with self.assertRaises(BufferError) as cm:
+                p.release()
+            self.assertIn("2 buffer views", str(cm.exception))
+            self.assertFalse(p.released)
+            self.assertEqual(self.pinned_bytes(e), 4096)
+            m[:2] = b"ok"
+            m.release()
+            with self.assertRaises(BufferError) as cm:
+                p.release()
+            self.assertIn("1 buffer view of", str(cm.exception))
+            n.release()
+            p.release()
+            self.assertTrue(p.released)
+            self.assertEqual(self.pinned_bytes(e), 0)
+            self.assertEqual(e.read(t, 0, 2), b"ok")
+            if numpy is not None:
+                p = e.fetch(t, "host", dirty=True)
+                a = numpy.frombuffer(p, dtype=numpy.uint8)
+                with self.assertRaises(BufferError):
+                    p.release()
+                a[:2] = (7, 8)
+                del a
+                p.release()
+                self.assertEqual(e.read(t, 0, 2), b"\x07\x08")
+            # A with-block that ends with a buffer alive says so, and keeps the pin.
+            with self.assertRaises(BufferError):
+                with e.fetch(t, "host") as p:
+                    m = memoryview(p)
+            self.assertFalse(p.released)
+            m.release()
+            p.release()
+            self.assertEqual(self.pinned_bytes(e), 0)
 
 
 @unittest.skipIf(numpy is None, "numpy is not importable (Debian: python3-numpy)")
