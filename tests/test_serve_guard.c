@@ -1166,3 +1166,139 @@ Test(serve_guard, stages_misused_are_refused_and_nothing_is_applied)
     zinf_close(e);
     daemon_stop(&d);
 }
+
+/* ---- admission: a limit counts what it admits, under the lock that checks it ------------- */
+
+/* A config with a swap directory and zinf.serve's members given (JSON, without braces). */
+static void write_cfg_serve(const char *serve)
+{
+    FILE *f = fopen(cfg_path, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+            "\"%s/swap\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 8},"
+            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"4M\", \"host_bytes\": "
+            "\"4M\", \"serve\": {%s}}}",
+            dir, serve);
+    fclose(f);
+}
+
+/* A connection to sock from a child: -1 (reported) when there is none. */
+static int child_connect(struct report *rp)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    strcpy(a.sun_path, sock);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof(a)) == 0) return fd;
+    say(rp, "connect: %s", strerror(errno));
+    if (fd >= 0) close(fd);
+    return -1;
+}
+
+static int send_hello(int fd, const char *job)
+{
+    struct proto_request q = {.op = PROTO_HELLO};
+    snprintf(q.name, sizeof(q.name), "%s", job);
+    struct proto_out o;
+    proto_encode_request(&q, 1, &o);
+    int r = proto_send(fd, &o, NULL, 0);
+    proto_out_free(&o);
+    return r;
+}
+
+/* HELLO's reply: its result, and the reason a refusal carries; the regions' fds closed. */
+static int read_hello(int fd, char *why, size_t len)
+{
+    struct proto_header h;
+    uint8_t *p = NULL;
+    int fds[PROTO_MAX_REGIONS], nfds = PROTO_MAX_REGIONS;
+    int r = proto_recv(fd, true, &h, &p, fds, &nfds);
+    for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+    why[0] = 0;
+    if (r == 0) {
+        struct proto_in in;
+        proto_in_init(&in, p, h.len);
+        r = proto_get_i32(&in);
+        if (r < 0 && in.off < in.len) proto_get_str(&in, why, len - 1);
+        if (in.bad) r = -EPROTO;
+    }
+    free(p);
+    return r;
+}
+
+/* sessions_per_uid of the configs below. */
+#define SESSION_LIMIT 4
+#define RUSH 40
+
+/* RUSH HELLOs of one uid for a job not open yet, all sent before a reply is read: they come
+ * while the job opens, when the daemon lets its lock go. At most SESSION_LIMIT are sessions,
+ * the rest are refused with the limit named; once they have gone the uid has its
+ * SESSION_LIMIT sessions again, and no more. */
+static void rushed_hellos(void *arg, struct report *rp)
+{
+    (void)arg;
+    int fd[RUSH], n = 0, ok = 0, refused = 0;
+    for (; n < RUSH; n++)
+        if ((fd[n] = child_connect(rp)) < 0) break;
+    for (int i = 0; i < n; i++)
+        if (send_hello(fd[i], "rush") < 0) say(rp, "HELLO %d not sent", i);
+    for (int i = 0; i < n; i++) {
+        char why[512];
+        int r = read_hello(fd[i], why, sizeof(why));
+        if (r == 0)
+            ok++;
+        else if (r == -EUSERS && strstr(why, "sessions_per_uid"))
+            refused++;
+        else
+            say(rp, "HELLO %d: %s (%s), not a session or -EUSERS naming the limit", i,
+                zinf_strerror(r), why);
+    }
+    if (ok > SESSION_LIMIT || ok == 0)
+        say(rp, "%d of %d HELLOs sent at once made sessions (sessions_per_uid %d)", ok, n,
+            SESSION_LIMIT);
+    if (ok + refused != n) say(rp, "%d sessions and %d refusals of %d HELLOs", ok, refused, n);
+    for (int i = 0; i < n; i++)
+        close(fd[i]);
+
+    /* The sessions are counted out as the daemon sees their connections go. */
+    int again[SESSION_LIMIT + 1], got = 0;
+    for (int tries = 0; tries < 50 && got < SESSION_LIMIT; tries++) {
+        for (int i = 0; i < got; i++)
+            close(again[i]);
+        got = 0;
+        char why[512];
+        for (; got < SESSION_LIMIT; got++) {
+            if ((again[got] = child_connect(rp)) < 0) return;
+            if (send_hello(again[got], "rush") < 0 || read_hello(again[got], why, sizeof(why))) {
+                close(again[got]);
+                break;
+            }
+        }
+        if (got < SESSION_LIMIT) nanosleep(&(struct timespec){0, 100 * 1000 * 1000}, NULL);
+    }
+    if (got < SESSION_LIMIT)
+        say(rp, "after every session closed, only %d of %d new ones were let in (a count "
+                "leaked)", got, SESSION_LIMIT);
+    char why[512];
+    if ((again[got] = child_connect(rp)) >= 0) {
+        int r = send_hello(again[got], "rush");
+        if (r == 0) r = read_hello(again[got], why, sizeof(why));
+        if (r != -EUSERS) say(rp, "a session over the limit: %s", zinf_strerror(r));
+        close(again[got]);
+    }
+    for (int i = 0; i < got; i++)
+        close(again[i]);
+}
+
+Test(serve_guard, sessions_per_uid_holds_for_hellos_sent_at_once, .timeout = 60)
+{
+    if (!as_root()) return;
+    write_cfg_serve("\"sessions_per_uid\": 4, \"connections_per_uid\": 64, "
+                    "\"max_connections\": 128, \"hello_timeout\": 10");
+    cr_assert_eq(chmod(dir, 0711), 0);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    run_as_nobody(rushed_hellos, NULL, "HELLOs sent at once");
+    daemon_stop(&d);
+}

@@ -24,9 +24,10 @@
  *     closed, its folders removed, without the lock) -> out of the list. A HELLO or a job
  *     command for a job that is opening or closing waits on job_cv, then finds it open or
  *     opens it anew. sessions counts its sessions; a job with one is never closing.
- *   a session: in s->sessions while it has connections (conns); its last connection's
- *     leaving takes it out, then drops what it held (session_free), then counts it out of
- *     its job and uid.
+ *   a session: counted against its uid when its HELLO is admitted, before its job opens
+ *     (given back if no session is made) -> in s->sessions while it has connections
+ *     (conns); its last connection's leaving takes it out, then drops what it held
+ *     (session_free), then counts it out of its job and uid.
  *
  * Locks, outermost first: s->lock (the lists of jobs, sessions and connections, the
  * sessions' connection counts, the limits' counts, the workers), then a session's lock (its
@@ -925,9 +926,14 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
         log_notice("serve: %s", k->why + strlen("zinf serve: "));
         r = -EUSERS;
     } else {
+        /* Counted now, under the lock that checked it: job_get() lets the lock go while the
+         * job opens, and every HELLO that came meanwhile would pass the same check. Given
+         * back below when the session is not made. */
+        uc->sessions++;
         struct job *j;
         r = job_get(s, job, uid, &j, k->why, sizeof(k->why));
         if (r == 0 && !(se = calloc(1, sizeof(*se)))) r = -ENOMEM;
+        if (r < 0) uc->sessions--;
         if (r == 0) {
             se->id = ++s->next_session;
             if (getrandom(&se->secret, sizeof(se->secret), 0) != sizeof(se->secret))
@@ -950,7 +956,6 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
             se->next = s->sessions;
             s->sessions = se;
             j->sessions++;
-            uc->sessions++;
         }
     }
     pthread_mutex_unlock(&s->lock);
