@@ -78,16 +78,22 @@ static bool as_root(void)
     return false;
 }
 
-/* In a child: every inherited fd but keep (and stdio) closed, then uid and gid 65534 with
- * no other groups. The daemon runs in this process: a child keeping its swap files' fds
- * would keep their locks, and a job closed meanwhile could not open again. */
-static void become_nobody_keeping(int keep)
+/* In a child: every inherited fd but keep (and stdio) closed, then uid (65534, or another
+ * user's) and gid 65534 with no other groups. The daemon runs in this process: a child
+ * keeping its swap files' fds would keep their locks, and a job closed meanwhile could not
+ * open again. */
+static void become_keeping(uid_t uid, int keep)
 {
     for (int fd = 3; fd < 4096; fd++)
         if (fd != keep) close(fd);
     if (setgroups(0, NULL) != 0 || setresgid(NOBODY, NOBODY, NOBODY) != 0 ||
-        setresuid(NOBODY, NOBODY, NOBODY) != 0)
+        setresuid(uid, uid, uid) != 0)
         _exit(90);
+}
+
+static void become_nobody_keeping(int keep)
+{
+    become_keeping(NOBODY, keep);
 }
 
 
@@ -107,15 +113,15 @@ static void say(struct report *rp, const char *fmt, ...)
     va_end(ap);
 }
 
-/* Runs fn(arg, report) in a child as uid 65534 and fails with what it reported. */
-static void run_as_nobody(void (*fn)(void *, struct report *), void *arg, const char *what)
+/* Runs fn(arg, report) in a child as uid and fails with what it reported. */
+static void run_as(uid_t uid, void (*fn)(void *, struct report *), void *arg, const char *what)
 {
     int p[2];
     cr_assert_eq(pipe(p), 0);
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
     if (pid == 0) {
-        become_nobody_keeping(p[1]);
+        become_keeping(uid, p[1]);
         struct report rp = {p[1], 0};
         fn(arg, &rp);
         _exit(rp.failures ? 1 : 0);
@@ -131,6 +137,12 @@ static void run_as_nobody(void (*fn)(void *, struct report *), void *arg, const 
     int st;
     cr_assert_eq(waitpid(pid, &st, 0), pid);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s (status %#x):\n%s", what, st, text);
+}
+
+/* As uid 65534 (the daemon's --group is its group). */
+static void run_as_nobody(void (*fn)(void *, struct report *), void *arg, const char *what)
+{
+    run_as(NOBODY, fn, arg, what);
 }
 
 /* ---- raw calls --------------------------------------------------------------------------- */
@@ -957,10 +969,20 @@ static void over_the_job_and_session_limits(void *arg, struct report *rp)
         zinf_close(e[i]);
 }
 
-/* Item 7 as the second user: 60 connections that never say HELLO. Its own limit (8) and
- * the daemon's (40, 8 of them kept for root) refuse the rest: those over its limit are
- * told so at their first request, those over what the daemon gives others are closed at
- * once; the silent ones are closed after hello_timeout. */
+/* Whether the daemon keeps fd open: what it sent before it closed it (a refusal) is read. */
+static bool still_open(int fd)
+{
+    char buf[512];
+    for (;;) {
+        ssize_t r = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (r > 0) continue;
+        return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+    }
+}
+
+/* Item 7 as the second user: 60 connections that never say HELLO. Its own limit (8)
+ * refuses the rest at once: each is told so, the limit named, and closed, holding no slot
+ * of max_connections; the silent ones are closed after hello_timeout. */
 static void silent_connections(void *arg, struct report *rp)
 {
     int *ready = arg;
@@ -982,16 +1004,14 @@ static void silent_connections(void *arg, struct report *rp)
     nanosleep(&ts, NULL);
     unsigned open = 0;
     for (int i = 0; i < n; i++) {
-        char c;
-        struct pollfd p = {fd[i], POLLIN, 0};
-        if (poll(&p, 1, 0) == 0 || (recv(fd[i], &c, 1, MSG_DONTWAIT) > 0)) open++;
+        open += still_open(fd[i]);
         close(fd[i]);
     }
     if (open) say(rp, "%u silent connections still open after the HELLO deadline", open);
 }
 
 /* Items 6 and 7: a second user's jobs, sessions and connections are bounded and refused
- * with the limit named; root attaches at once meanwhile (the reserve); silent connections
+ * with the limit named; root attaches at once meanwhile; silent connections
  * go after hello_timeout; jobs without a client are closed after idle_job_close (their
  * memory and fds given back) and come back as they were flushed. */
 Test(serve_guard, limits_bound_a_users_jobs_sessions_and_connections, .timeout = 60)
@@ -1019,7 +1039,7 @@ Test(serve_guard, limits_bound_a_users_jobs_sessions_and_connections, .timeout =
     close(ready[1]);
     char c;
     cr_assert_eq(read(ready[0], &c, 1), 1, "the silent connections were not made");
-    /* Root attaches at once while they hold every connection given to others. */
+    /* Root attaches at once while they are held. */
     uint64_t t0 = now_ns();
     zinf_engine *e = connect_job("root-job");
     cr_assert_lt(now_ns() - t0, 3000000000ull, "root waited for its connection");
@@ -1300,5 +1320,123 @@ Test(serve_guard, sessions_per_uid_holds_for_hellos_sent_at_once, .timeout = 60)
     struct daemon d;
     daemon_start_group(&d, nobody_group());
     run_as_nobody(rushed_hellos, NULL, "HELLOs sent at once");
+    daemon_stop(&d);
+}
+
+/* A third user: a member of the daemon's group too (become_keeping), with no job. */
+#define OTHER 65533
+#define SILENT 60
+
+/* SILENT connections of uid 65534 that never say HELLO, against connections_per_uid 8 of
+ * max_connections 40 (8 of them root's): the 8 it may have stay open, every other one is
+ * refused at once, told so (the limit named) and closed. Holds them until the parent says
+ * (pipes[1] read) that the other user was served, after it said they were made (pipes[0]). */
+static void connections_held(int ready, int go, struct report *rp)
+{
+    int fd[SILENT], n = 0;
+    for (; n < SILENT; n++)
+        if ((fd[n] = child_connect(rp)) < 0) break;
+    /* The refused ones carry their refusal and are closed: read as they come. */
+    bool refused[SILENT] = {0};
+    unsigned nrefused = 0, bad = 0;
+    uint64_t t0 = now_ns();
+    while (nrefused + bad < (unsigned)n - 8 && now_ns() - t0 < 5000000000ull) {
+        for (int i = 0; i < n; i++) {
+            struct pollfd p = {fd[i], POLLIN, 0};
+            if (refused[i] || poll(&p, 1, 0) != 1) continue;
+            char why[512];
+            int r = read_hello(fd[i], why, sizeof(why));
+            refused[i] = true;
+            if (r == -EUSERS && strstr(why, "connections_per_uid")) {
+                nrefused++;
+            } else {
+                say(rp, "a connection over the limit: %s (%s)", zinf_strerror(r), why);
+                bad++;
+            }
+        }
+        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+    }
+    if (nrefused != (unsigned)n - 8)
+        say(rp, "%u of %d connections refused at once, not all but connections_per_uid (8)",
+            nrefused, n);
+    char c = 1;
+    if (write(ready, &c, 1) != 1 || read(go, &c, 1) != 1) say(rp, "the pipes");
+    unsigned open = 0;
+    for (int i = 0; i < n; i++) {
+        struct pollfd p = {fd[i], POLLIN, 0};
+        open += !refused[i] && poll(&p, 1, 0) == 0;
+        close(fd[i]);
+    }
+    if (open != 8) say(rp, "%u connections within the limit stayed open, not 8", open);
+}
+
+/* The other user, while uid 65534 holds all it may: a session and STATUS, at once. */
+static void served_promptly(void *arg, struct report *rp)
+{
+    (void)arg;
+    uint64_t t0 = now_ns();
+    zinf_engine *e;
+    int r = zinf_connect(sock, "others-job", &e);
+    if (r != 0) {
+        say(rp, "HELLO: %s", zinf_strerror(r));
+    } else {
+        zinf_close(e);
+    }
+    struct service_job_status *js;
+    size_t n;
+    if ((r = service_status(sock, &js, &n)) != 0)
+        say(rp, "STATUS: %s", zinf_strerror(r));
+    else
+        free(js);
+    if (now_ns() - t0 > 3000000000ull)
+        say(rp, "served after %.1f s", (double)(now_ns() - t0) / 1e9);
+}
+
+Test(serve_guard, connections_over_a_uids_limit_take_no_slot_of_other_users, .timeout = 60)
+{
+    if (!as_root()) return;
+    write_cfg_serve("\"connections_per_uid\": 8, \"max_connections\": 40, "
+                    "\"reserved_connections\": 8, \"hello_timeout\": 10");
+    cr_assert_eq(chmod(dir, 0711), 0);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    int ready[2], go[2], rep[2];
+    cr_assert_eq(pipe(ready), 0);
+    cr_assert_eq(pipe(go), 0);
+    cr_assert_eq(pipe(rep), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(ready[0]);
+        close(go[1]);
+        close(rep[0]);
+        /* become_keeping keeps one fd: the three pipes are moved below it first. */
+        if (dup2(rep[1], 3) < 0 || dup2(ready[1], 4) < 0 || dup2(go[0], 5) < 0) _exit(91);
+        for (int fd = 6; fd < 4096; fd++)
+            close(fd);
+        if (setgroups(0, NULL) != 0 || setresgid(NOBODY, NOBODY, NOBODY) != 0 ||
+            setresuid(NOBODY, NOBODY, NOBODY) != 0)
+            _exit(90);
+        struct report rp = {3, 0};
+        connections_held(4, 5, &rp);
+        _exit(rp.failures ? 1 : 0);
+    }
+    close(ready[1]);
+    close(go[0]);
+    close(rep[1]);
+    char c;
+    cr_assert_eq(read(ready[0], &c, 1), 1, "the connections were not made");
+    run_as(OTHER, served_promptly, NULL, "another user while uid 65534 holds its connections");
+    cr_assert_eq(write(go[1], &c, 1), 1);
+    char text[8192];
+    ssize_t got = read(rep[0], text, sizeof(text) - 1);
+    text[got > 0 ? got : 0] = 0;
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "connections held (status %#x):\n%s", st,
+              text);
+    close(ready[0]);
+    close(go[1]);
+    close(rep[0]);
     daemon_stop(&d);
 }

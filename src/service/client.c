@@ -115,13 +115,15 @@ static int hello(struct client *c, int fd)
     proto_put_u64(&o, c->secret);
     int r = proto_send(fd, &o, NULL, 0);
     proto_out_free(&o);
-    if (r < 0) return r;
+    /* A connection the daemon refused at accept was closed after its refusal: read it. */
+    if (r < 0 && r != -ECONNRESET) return r;
 
     struct proto_header h;
     uint8_t *payload = NULL;
     int fds[PROTO_MAX_REGIONS], nfds = first ? PROTO_MAX_REGIONS : 0;
-    r = proto_recv(fd, true, &h, &payload, fds, &nfds);
-    if (r < 0) return r;
+    int rr = proto_recv(fd, true, &h, &payload, fds, &nfds);
+    if (rr < 0) return r < 0 ? r : rr;
+    r = 0;
     struct proto_in in;
     proto_in_init(&in, payload, h.len);
     r = proto_get_i32(&in);
@@ -702,6 +704,27 @@ int client_stats(struct client *c, struct zinf_stats *out)
     return r;
 }
 
+/* The reply to a request sent on a new connection (the send's result r): the daemon's
+ * refusal at accept (an unasked HELLO reply, proto.h) is read, even where the send found the
+ * connection closed after it, and answered with its result. */
+static int first_reply(int fd, int r, uint16_t op, struct proto_header *h, uint8_t **payload)
+{
+    *payload = NULL;
+    if (r < 0 && r != -ECONNRESET) return r;
+    int rr = proto_recv(fd, true, h, payload, NULL, NULL);
+    if (rr < 0) return r < 0 ? r : rr;
+    if (h->op == (PROTO_HELLO | PROTO_REPLY) && op != PROTO_HELLO && h->len >= 4) {
+        int32_t res;
+        memcpy(&res, *payload, 4);
+        if (res < 0) {
+            free(*payload);
+            *payload = NULL;
+            return res;
+        }
+    }
+    return 0;
+}
+
 int service_status(const char *socket, struct service_job_status **out, size_t *n)
 {
     int fd, r = dial(socket, &fd);
@@ -713,8 +736,8 @@ int service_status(const char *socket, struct service_job_status **out, size_t *
     r = proto_send(fd, &o, NULL, 0);
     proto_out_free(&o);
     struct proto_header h;
-    uint8_t *payload = NULL;
-    if (r == 0) r = proto_recv(fd, true, &h, &payload, NULL, NULL);
+    uint8_t *payload;
+    r = first_reply(fd, r, PROTO_STATUS, &h, &payload);
     close(fd);
     if (r < 0) return r;
     struct proto_in in;
@@ -762,8 +785,8 @@ int service_manage(const char *socket, int op, const char *job)
     r = proto_send(fd, &o, NULL, 0);
     proto_out_free(&o);
     struct proto_header h;
-    uint8_t *payload = NULL;
-    if (r == 0) r = proto_recv(fd, true, &h, &payload, NULL, NULL);
+    uint8_t *payload;
+    r = first_reply(fd, r, (uint16_t)op, &h, &payload);
     if (r == 0) {
         struct proto_in in;
         proto_in_init(&in, payload, h.len);

@@ -15,10 +15,10 @@
  *
  * States, all under s->lock:
  *   a connection: waiting in the epoll set (!busy) -> handed to a worker (busy) -> back,
- *     or dropped (its peer left, it broke the protocol, it was refused, the service
- *     stops); one without a session and !busy past hello_timeout is dropped by the sweep.
- *     refuse != 0: over a limit at accept; its first request is answered with it, then it
- *     is dropped.
+ *     or dropped (its peer left, it broke the protocol, its HELLO was refused, the
+ *     service stops); one without a session and !busy past hello_timeout is dropped by the
+ *     sweep. One over a limit at accept is never a connection here: it is told why and
+ *     closed there (admit), counted nowhere.
  *   a job: opening (in the list, e NULL; its folders and engine made without the lock)
  *     -> open -> closing (idle for idle_job_close, or JOB_CLOSE/JOB_REMOVE: its engine
  *     closed, its folders removed, without the lock) -> out of the list. A HELLO or a job
@@ -140,7 +140,6 @@ struct conn {
     uid_t uid;      /* the peer's, at accept */
     uint64_t since; /* accepted, now_ns() */
     bool busy;      /* s->lock: a worker has it (it is out of the epoll set) */
-    int refuse;     /* not 0: its first request is answered with this, then it closes */
     char why[256];  /* the reason sent with an error of HELLO (a limit, named) */
     struct session *sess;
     struct conn *next;  /* s->conns */
@@ -1217,11 +1216,6 @@ static bool conn_serve(struct conn *k)
                 reply_error(k->fd, h.op & ~PROTO_REPLY, h.seq, r, NULL);
             return false;
         }
-        if (k->refuse) { /* over a limit: told so, then closed */
-            free(payload);
-            reply_error(k->fd, h.op, h.seq, k->refuse, k->why);
-            return false;
-        }
         struct proto_request q;
         r = proto_decode_request(h.op, payload, h.len, &q);
         if (r == 0 && h.op == PROTO_STATUS) {
@@ -1286,7 +1280,7 @@ static void conn_drop(struct service *s, struct conn *k, bool in_epoll)
             break;
         }
     s->nconns--;
-    struct ucount *u = k->refuse ? NULL : ucount_of(s, k->uid);
+    struct ucount *u = ucount_of(s, k->uid); /* made at accept: found */
     if (u) u->conns--;
     pthread_mutex_unlock(&s->lock);
     if (in_epoll) epoll_ctl(s->ep, EPOLL_CTL_DEL, k->fd, NULL);
@@ -1396,9 +1390,21 @@ static void refused_note(struct service *s, const char *why)
                (unsigned long long)s->refused, why);
 }
 
-/* A new connection: counted against zinf.serve's limits and put in the epoll set. Over
- * max_connections, or into the reserve, it is closed at once; over its uid's limit it is
- * answered -EUSERS, with the limit named, at its first request. */
+/* A connection refused at accept is told why before it is closed: unasked, a HELLO's
+ * refusal (seq 0), which a client reads in place of the reply to its first request. Without
+ * waiting: a peer that reads nothing costs no more than one try. */
+static void refuse_at_accept(int fd, const char *why)
+{
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0 && fcntl(fd, F_SETFL, fl | O_NONBLOCK) == 0)
+        reply_error(fd, PROTO_HELLO, 0, -EUSERS, why);
+    close(fd);
+}
+
+/* A new connection: counted against zinf.serve's limits and put in the epoll set. One over
+ * its uid's connections_per_uid, over max_connections, or into the reserve, is refused at
+ * once (refuse_at_accept) and never counted: it holds no slot of the limits another uid
+ * needs. */
 static void admit(struct service *s, int fd)
 {
     struct ucred cred = {0};
@@ -1407,41 +1413,41 @@ static void admit(struct service *s, int fd)
         close(fd);
         return;
     }
-    /* A message cut short, or replies left unread, end the connection after this long. */
+    /* A message cut short, or replies left unread, end the connection after this long (set
+     * before a worker may read it). */
     struct timeval tv = {.tv_sec = s->lim->hello_timeout};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-    struct conn *k = calloc(1, sizeof(*k));
     pthread_mutex_lock(&s->lock);
     unsigned open_to_all = s->lim->max_connections > s->lim->reserved_connections
                                ? s->lim->max_connections - s->lim->reserved_connections
                                : 0;
     bool priv = privileged(cred.uid);
     struct ucount *u = ucount_of(s, cred.uid);
+    struct conn *k = NULL;
     char why[256] = "";
-    if (!k || !u || s->nconns >= (priv ? s->lim->max_connections : open_to_all)) {
+    if (u && !priv && u->conns >= s->lim->connections_per_uid)
         snprintf(why, sizeof(why),
-                 "uid %u: %u connections open, %s (zinf.serve.max_connections %u, "
-                 "reserved_connections %u): closed at once",
-                 (unsigned)cred.uid, s->nconns, priv ? "all there are" : "all but the reserve",
-                 s->lim->max_connections, s->lim->reserved_connections);
-        refused_note(s, why);
-        pthread_mutex_unlock(&s->lock);
-        free(k);
-        close(fd);
-        return;
-    }
-    *k = (struct conn){.svc = s, .fd = fd, .uid = cred.uid, .since = now_ns()};
-    if (!priv && u->conns >= s->lim->connections_per_uid) {
-        k->refuse = -EUSERS;
-        snprintf(k->why, sizeof(k->why),
                  "zinf serve: connection refused: uid %u has %u connections open, the limit "
                  "(zinf.serve.connections_per_uid)",
                  (unsigned)cred.uid, u->conns);
-        refused_note(s, k->why + strlen("zinf serve: "));
-    } else {
-        u->conns++;
+    else if (u && s->nconns >= (priv ? s->lim->max_connections : open_to_all))
+        snprintf(why, sizeof(why),
+                 "zinf serve: connection refused: uid %u: %u connections open, %s "
+                 "(zinf.serve.max_connections %u, reserved_connections %u)",
+                 (unsigned)cred.uid, s->nconns, priv ? "all there are" : "all but the reserve",
+                 s->lim->max_connections, s->lim->reserved_connections);
+    else if (!u || !(k = calloc(1, sizeof(*k))))
+        snprintf(why, sizeof(why), "zinf serve: connection refused: uid %u: out of memory",
+                 (unsigned)cred.uid);
+    if (!k) {
+        refused_note(s, why + strlen("zinf serve: "));
+        pthread_mutex_unlock(&s->lock);
+        refuse_at_accept(fd, why);
+        return;
     }
+    *k = (struct conn){.svc = s, .fd = fd, .uid = cred.uid, .since = now_ns()};
+    u->conns++;
     s->nconns++;
     k->next = s->conns;
     s->conns = k;
