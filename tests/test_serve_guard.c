@@ -1440,3 +1440,72 @@ Test(serve_guard, connections_over_a_uids_limit_take_no_slot_of_other_users, .ti
     close(rep[0]);
     daemon_stop(&d);
 }
+
+/* The other user's jobs, saved: a tensor in each, written. */
+static void victims_jobs(void *arg, struct report *rp)
+{
+    (void)arg;
+    const char *jobs[] = {"v1", "v2"};
+    for (int i = 0; i < 2; i++) {
+        zinf_engine *e = NULL;
+        zinf_tensor t;
+        int r = zinf_connect(sock, jobs[i], &e);
+        if (r == 0 && ((r = zinf_register(e, "t", 8192, ZINF_TIER_NVME, &t)) == 0))
+            r = zinf_write(e, t, 0, "victim's", 8);
+        if (r) say(rp, "job %s: %s", jobs[i], zinf_strerror(r));
+        if (e) zinf_close(e);
+    }
+}
+
+/* HELLOs for the other user's saved jobs, more of them than max_jobs (2): each -EACCES. */
+static void hellos_for_anothers_jobs(void *arg, struct report *rp)
+{
+    (void)arg;
+    for (int i = 0; i < 6; i++) {
+        const char *job = i % 2 ? "v2" : "v1";
+        zinf_engine *e;
+        int r = zinf_connect(sock, job, &e);
+        if (r != -EACCES)
+            say(rp, "HELLO for another's job %s: %s, not -EACCES", job, zinf_strerror(r));
+        if (r == 0) zinf_close(e);
+    }
+}
+
+/* The other user again: its job as it left it, and a new one (max_jobs 2). */
+static void victim_comes_back(void *arg, struct report *rp)
+{
+    (void)arg;
+    zinf_engine *e = NULL, *f;
+    zinf_tensor t;
+    char got[9] = "";
+    int r = zinf_connect(sock, "v1", &e);
+    if (r == 0 && (r = zinf_lookup(e, "t", &t)) == 0) r = zinf_read(e, t, 0, got, 8);
+    if (r) say(rp, "job v1: %s", zinf_strerror(r));
+    else if (strcmp(got, "victim's")) say(rp, "job v1 reads \"%s\"", got);
+    if (e) zinf_close(e);
+    if ((r = zinf_connect(sock, "v3", &f)) != 0)
+        say(rp, "a new job: %s", zinf_strerror(r));
+    else
+        zinf_close(f);
+}
+
+Test(serve_guard, a_hello_for_anothers_saved_job_opens_nothing, .timeout = 60)
+{
+    if (!as_root()) return;
+    write_cfg_serve("\"max_jobs\": 2, \"jobs_per_uid\": 2, \"idle_job_close\": 600");
+    cr_assert_eq(chmod(dir, 0711), 0);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    run_as(OTHER, victims_jobs, NULL, "the other user's jobs");
+    cr_assert_eq(service_manage(sock, PROTO_JOB_CLOSE, "v1"), 0);
+    cr_assert_eq(service_manage(sock, PROTO_JOB_CLOSE, "v2"), 0);
+    run_as_nobody(hellos_for_anothers_jobs, NULL, "HELLOs for another user's jobs");
+    struct service_job_status *js;
+    size_t n;
+    cr_assert_eq(service_status(sock, &js, &n), 0);
+    for (size_t i = 0; i < n; i++)
+        cr_expect(!js[i].open, "job %s was opened for a HELLO refused -EACCES", js[i].name);
+    free(js);
+    run_as(OTHER, victim_comes_back, NULL, "the other user after the HELLOs");
+    daemon_stop(&d);
+}

@@ -336,10 +336,30 @@ static bool saved(struct service *s, const char *name)
     return persist_probe(d, &n, NULL) == 0 && n > 0;
 }
 
-/* Opens job j (its folders, then its engine, resuming what it saved): file IO, done
- * without s->lock. */
+/* The owner of job name's folder under the first swap directory: 0 and *owner, or -errno
+ * (-ENOENT: it has no folder, a new job). File IO, without s->lock. */
+static int saved_owner(struct service *s, const char *name, uid_t *owner)
+{
+    char path[4096];
+    struct stat st;
+    if (!s->config->nvme_paths.count) return -ENOENT;
+    if (snprintf(path, sizeof(path), "%s/%s", s->config->nvme_paths.path[0], name) >=
+        (int)sizeof(path))
+        return -ENAMETOOLONG;
+    if (lstat(path, &st) != 0) return -errno;
+    int r = folders_read_owner(path, owner);
+    if (r == -ENOENT) *owner = geteuid(); /* a folder without one: the daemon's user's */
+    return r == -ENOENT ? 0 : r;
+}
+
+/* Opens job j for uid (its folders, then its engine, resuming what it saved): file IO, done
+ * without s->lock. Another user's saved job is refused (-EACCES) before anything of it is
+ * opened: its engine would resume its tensors and take its memory for a HELLO answered
+ * -EACCES anyway. */
 static int job_open(struct service *s, struct job *j, uid_t uid, uid_t *owner)
 {
+    uid_t was;
+    if (uid != 0 && saved_owner(s, j->name, &was) == 0 && was != uid) return -EACCES;
     int r = folders_job(&s->config->nvme_paths, j->name, uid, owner);
     if (r < 0) return r;
     /* A job resumes what it saved in its folder; with nothing saved there it is new. */
