@@ -1509,3 +1509,81 @@ Test(serve_guard, a_hello_for_anothers_saved_job_opens_nothing, .timeout = 60)
     run_as(OTHER, victim_comes_back, NULL, "the other user after the HELLOs");
     daemon_stop(&d);
 }
+
+#define FLOOD 3000
+
+/* Refused requests as fast as the daemon answers them: stages over write_stage_bytes on
+ * one connection, then HELLOs over sessions_per_uid (1), each on a connection of its own. */
+static void refusals_flood(void *arg, struct report *rp)
+{
+    (void)arg;
+    struct hello h;
+    uint64_t t;
+    int r = raw_hello("flood", &h);
+    if (r == 0) r = raw_register(h.fd, "t", 2u << 20, ZINF_TIER_NVME, &t);
+    if (r != 0) {
+        say(rp, "a session and a tensor: %s", zinf_strerror(r));
+        return;
+    }
+    struct proto_request q = {.op = PROTO_STAGE_WRITE, .handle = t, .bytes = 2u << 20};
+    for (int i = 0; i < FLOOD; i++)
+        if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) != -EMSGSIZE) {
+            say(rp, "a stage over write_stage_bytes: %s, not -EMSGSIZE", zinf_strerror(r));
+            break;
+        }
+    for (int i = 0; i < FLOOD / 10; i++) {
+        char why[512];
+        int fd = child_connect(rp);
+        if (fd < 0) break;
+        r = send_hello(fd, "flood");
+        if (r == 0) r = read_hello(fd, why, sizeof(why));
+        close(fd);
+        if (r != -EUSERS) {
+            say(rp, "a session over sessions_per_uid: %s, not -EUSERS", zinf_strerror(r));
+            break;
+        }
+    }
+    for (int i = 0; i < h.nfds; i++)
+        close(h.fds[i]);
+    close(h.fd);
+}
+
+/* The lines of text that name uid 65534 and a refusal, and those that say some went
+ * unlogged. */
+static void refusal_lines(const char *text, unsigned *said, unsigned *summed)
+{
+    *said = *summed = 0;
+    for (const char *l = text; *l;) {
+        const char *end = strchr(l, '\n');
+        size_t len = end ? (size_t)(end - l) : strlen(l);
+        char line[1100];
+        snprintf(line, sizeof(line), "%.*s", (int)MIN(len, sizeof(line) - 1), l);
+        if (strstr(line, "65534") && strstr(line, "suppressed"))
+            (*summed)++;
+        else if (strstr(line, "65534") && (strstr(line, "refused") || strstr(line, "EMSGSIZE")))
+            (*said)++;
+        l += len + (end != NULL);
+    }
+}
+
+Test(serve_guard, refusals_of_one_user_are_logged_at_a_bounded_rate, .timeout = 60)
+{
+    if (!as_root()) return;
+    write_cfg_serve("\"sessions_per_uid\": 1, \"write_stage_bytes\": \"1M\", "
+                    "\"hello_timeout\": 10");
+    cr_assert_eq(chmod(dir, 0711), 0);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    test_log_capture_start();
+    run_as_nobody(refusals_flood, NULL, "a flood of refused requests");
+    /* What went unsaid is told once the uid's log has room again (the sweep, each second). */
+    nanosleep(&(struct timespec){2, 200 * 1000 * 1000}, NULL);
+    const char *log = test_log_text();
+    unsigned said, summed;
+    refusal_lines(log, &said, &summed);
+    cr_expect_gt(said, 0, "no refusal was logged");
+    cr_expect_lt(said, 50, "%u refusals logged of %d", said, FLOOD + FLOOD / 10);
+    cr_expect_gt(summed, 0, "no line says that refusals went unlogged:\n%.2000s", log);
+    test_log_capture_stop();
+    daemon_stop(&d);
+}

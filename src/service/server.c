@@ -109,6 +109,7 @@ struct stage {
 };
 
 struct session {
+    struct service *svc;
     uint64_t id, secret;
     struct job *job;
     uid_t uid;
@@ -156,10 +157,18 @@ struct worker {
     struct worker *next; /* s->idle */
 };
 
-/* What one uid has open, for zinf.serve's limits. */
+/* What one uid has open, for zinf.serve's limits, and how its refusals are logged: a
+ * token bucket of REFUSAL_BURST lines, one more earned each REFUSAL_EVERY_NS; a refusal
+ * without a token is counted (hushed), and said in one line before the next one said, or
+ * by the sweep once a token is back. */
+#define REFUSAL_BURST 5
+#define REFUSAL_EVERY_NS 1000000000ull
 struct ucount {
     uid_t uid;
     unsigned conns, sessions;
+    unsigned tokens;     /* lines it may log now */
+    uint64_t earned_ns;  /* now_ns() up to which its tokens are counted in */
+    uint64_t hushed;     /* refusals not logged since the last line */
     struct ucount *next;
 };
 
@@ -203,7 +212,6 @@ struct service {
     pthread_cond_t gone_cv;          /* a worker or a job's closer finished */
     unsigned workers, closers;
     bool stopping;
-    uint64_t refused, refused_said_ns; /* connections refused; when last logged */
     uint64_t next_session;
     _Atomic uint64_t requests; /* requests served after HELLO */
     struct keeper keeper;
@@ -425,16 +433,64 @@ static struct ucount *ucount_of(struct service *s, uid_t uid)
         if (u->uid == uid) return u;
     if ((u = calloc(1, sizeof(*u)))) {
         u->uid = uid;
+        u->tokens = REFUSAL_BURST;
+        u->earned_ns = now_ns();
         u->next = s->ucounts;
         s->ucounts = u;
     }
     return u;
 }
 
+/* Whether u may log a line now (a token of its bucket taken). s->lock held. */
+static bool refusal_token(struct ucount *u, uint64_t now)
+{
+    uint64_t earned = (now - u->earned_ns) / REFUSAL_EVERY_NS;
+    u->tokens = (unsigned)MIN((uint64_t)REFUSAL_BURST, u->tokens + earned);
+    u->earned_ns += earned * REFUSAL_EVERY_NS;
+    if (u->tokens == REFUSAL_BURST) u->earned_ns = now; /* full: nothing saved up */
+    if (!u->tokens) return false;
+    u->tokens--;
+    return true;
+}
+
+/* One refusal of u's counted: whether it is logged, and *hushed, the refusals not logged
+ * before it, to say first. s->lock held; the caller logs (refusal_log) after letting it go. */
+static bool refusal_counted(struct ucount *u, uint64_t *hushed)
+{
+    *hushed = 0;
+    if (!refusal_token(u, now_ns())) {
+        u->hushed++;
+        return false;
+    }
+    *hushed = u->hushed;
+    u->hushed = 0;
+    return true;
+}
+
+static void refusal_log(uid_t uid, uint64_t hushed, const char *why)
+{
+    if (hushed)
+        log_notice("serve: %llu more refusals from uid %u suppressed",
+                   (unsigned long long)hushed, (unsigned)uid);
+    log_notice("serve: uid %u: %s", (unsigned)uid, why);
+}
+
+/* A refusal of uid's (why: what and the limit) logged, or counted where uid's refusals come
+ * faster than the log takes them. Without s->lock. */
+static void refusal(struct service *s, uid_t uid, const char *why)
+{
+    uint64_t hushed;
+    pthread_mutex_lock(&s->lock);
+    struct ucount *u = ucount_of(s, uid);
+    bool say = !u || refusal_counted(u, &hushed);
+    pthread_mutex_unlock(&s->lock);
+    if (say) refusal_log(uid, u ? hushed : 0, why);
+}
+
 /* The job of that name, opened (its saved state resumed) when first asked for. s->lock
  * held; it is let go while the job opens (no file IO under it), and a HELLO for a job
  * another is opening or closing waits for that. A new job counts against zinf.serve's
- * jobs_per_uid and max_jobs (-EUSERS, why says which). */
+ * jobs_per_uid and max_jobs (-EUSERS, why says which; the caller logs it). */
 static int job_get(struct service *s, const char *name, uid_t uid, struct job **out, char *why,
                    size_t whylen)
 {
@@ -459,7 +515,6 @@ static int job_get(struct service *s, const char *name, uid_t uid, struct job **
                      "zinf job close",
                      name, total ? "the daemon has" : "this uid has", total ? all : mine,
                      total ? "max_jobs" : "jobs_per_uid", s->lim->idle_job_close);
-            log_notice("serve: uid %u: %s", (unsigned)uid, why + strlen("zinf serve: "));
             return -EUSERS;
         }
         if (!(j = calloc(1, sizeof(*j)))) return -ENOMEM;
@@ -741,10 +796,13 @@ static int do_stage_open(struct session *se, const struct proto_request *q, stru
     pthread_mutex_unlock(&se->lock);
     if (!room) {
         free(g);
-        log_notice("serve: job %s: a client (uid %u) asked to stage %llu bytes, more than "
-                   "zinf.serve.write_stage_bytes (%llu) leaves it: -EMSGSIZE",
-                   se->job->name, (unsigned)se->uid, (unsigned long long)q->bytes,
-                   (unsigned long long)se->stage_limit);
+        char why[256];
+        snprintf(why, sizeof(why),
+                 "job %s: a stage of %llu bytes refused, more than "
+                 "zinf.serve.write_stage_bytes (%llu) leaves the session: -EMSGSIZE",
+                 se->job->name, (unsigned long long)q->bytes,
+                 (unsigned long long)se->stage_limit);
+        refusal(se->svc, se->uid, why);
         return -EMSGSIZE;
     }
     /* Mapped, not malloc'ed: given back to the system whole when freed (a freed malloc
@@ -939,10 +997,9 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
         r = -ENOMEM;
     } else if (!privileged(uid) && uc->sessions >= s->lim->sessions_per_uid) {
         snprintf(k->why, sizeof(k->why),
-                 "zinf serve: a new session refused: uid %u has %u sessions (client processes "
-                 "attached), the limit (zinf.serve.sessions_per_uid)",
-                 (unsigned)uid, uc->sessions);
-        log_notice("serve: %s", k->why + strlen("zinf serve: "));
+                 "zinf serve: a new session refused: this uid has %u sessions (client "
+                 "processes attached), the limit (zinf.serve.sessions_per_uid)",
+                 uc->sessions);
         r = -EUSERS;
     } else {
         /* Counted now, under the lock that checked it: job_get() lets the lock go while the
@@ -954,6 +1011,7 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
         if (r == 0 && !(se = calloc(1, sizeof(*se)))) r = -ENOMEM;
         if (r < 0) uc->sessions--;
         if (r == 0) {
+            se->svc = s;
             se->id = ++s->next_session;
             if (getrandom(&se->secret, sizeof(se->secret), 0) != sizeof(se->secret))
                 se->secret = se->id * 0x9e3779b97f4a7c15ull ^ (uint64_t)now_ns();
@@ -978,6 +1036,7 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
         }
     }
     pthread_mutex_unlock(&s->lock);
+    if (r == -EUSERS) refusal(s, uid, k->why + strlen("zinf serve: "));
     if (r < 0) return r;
     k->sess = se;
 
@@ -1399,17 +1458,6 @@ static void dispatch(struct service *s, struct conn *k)
     pthread_attr_destroy(&a);
 }
 
-/* Says (at most once a second) that connections were refused. s->lock held. */
-static void refused_note(struct service *s, const char *why)
-{
-    s->refused++;
-    uint64_t now = now_ns();
-    if (now - s->refused_said_ns < 1000000000ull) return;
-    s->refused_said_ns = now;
-    log_notice("serve: %llu connection(s) refused so far; the last: %s",
-               (unsigned long long)s->refused, why);
-}
-
 /* A connection refused at accept is told why before it is closed: unasked, a HELLO's
  * refusal (seq 0), which a client reads in place of the reply to its first request. Without
  * waiting: a peer that reads nothing costs no more than one try. */
@@ -1448,22 +1496,23 @@ static void admit(struct service *s, int fd)
     char why[256] = "";
     if (u && !priv && u->conns >= s->lim->connections_per_uid)
         snprintf(why, sizeof(why),
-                 "zinf serve: connection refused: uid %u has %u connections open, the limit "
+                 "zinf serve: connection refused: this uid has %u connections open, the limit "
                  "(zinf.serve.connections_per_uid)",
-                 (unsigned)cred.uid, u->conns);
+                 u->conns);
     else if (u && s->nconns >= (priv ? s->lim->max_connections : open_to_all))
         snprintf(why, sizeof(why),
-                 "zinf serve: connection refused: uid %u: %u connections open, %s "
+                 "zinf serve: connection refused: %u connections open, %s "
                  "(zinf.serve.max_connections %u, reserved_connections %u)",
-                 (unsigned)cred.uid, s->nconns, priv ? "all there are" : "all but the reserve",
+                 s->nconns, priv ? "all there are" : "all but the reserve",
                  s->lim->max_connections, s->lim->reserved_connections);
     else if (!u || !(k = calloc(1, sizeof(*k))))
-        snprintf(why, sizeof(why), "zinf serve: connection refused: uid %u: out of memory",
-                 (unsigned)cred.uid);
+        snprintf(why, sizeof(why), "zinf serve: connection refused: out of memory");
     if (!k) {
-        refused_note(s, why + strlen("zinf serve: "));
+        uint64_t hushed = 0;
+        bool say = !u || refusal_counted(u, &hushed);
         pthread_mutex_unlock(&s->lock);
         refuse_at_accept(fd, why);
+        if (say) refusal_log(cred.uid, hushed, why + strlen("zinf serve: "));
         return;
     }
     *k = (struct conn){.svc = s, .fd = fd, .uid = cred.uid, .since = now_ns()};
@@ -1613,6 +1662,29 @@ static void *job_closer(void *arg)
     return NULL;
 }
 
+/* The refusals each uid had that were not logged, said in a line once its bucket gives
+ * one: a flood that stopped is still told (a few uids a second at most). */
+static void refusals_said_late(struct service *s)
+{
+    struct {
+        uid_t uid;
+        uint64_t n;
+    } late[16];
+    unsigned n = 0;
+    uint64_t now = now_ns();
+    pthread_mutex_lock(&s->lock);
+    for (struct ucount *u = s->ucounts; u && n < 16; u = u->next)
+        if (u->hushed && refusal_token(u, now)) {
+            late[n].uid = u->uid;
+            late[n++].n = u->hushed;
+            u->hushed = 0;
+        }
+    pthread_mutex_unlock(&s->lock);
+    for (unsigned i = 0; i < n; i++)
+        log_notice("serve: %llu more refusals from uid %u suppressed",
+                   (unsigned long long)late[i].n, (unsigned)late[i].uid);
+}
+
 /* Once a second: connections that did not send HELLO in time are closed, and jobs without
  * a session for zinf.serve.idle_job_close seconds are closed. */
 static void sweep(struct service *s)
@@ -1628,6 +1700,7 @@ static void sweep(struct service *s)
         if (!late) break;
         conn_drop(s, late, true);
     }
+    refusals_said_late(s);
     if (!s->lim->idle_job_close) return;
     uint64_t idle_ns = (uint64_t)s->lim->idle_job_close * 1000000000ull;
     pthread_mutex_lock(&s->lock);
