@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -1586,4 +1587,65 @@ Test(serve_guard, refusals_of_one_user_are_logged_at_a_bounded_rate, .timeout = 
     cr_expect_gt(summed, 0, "no line says that refusals went unlogged:\n%.2000s", log);
     test_log_capture_stop();
     daemon_stop(&d);
+}
+
+/* In a child (the limit is the process's): service_open() under RLIMIT_NOFILE lim, with
+ * max_connections 1000 in the config: its result, err, and the soft limit after it. */
+static void open_under_nofile(struct rlimit lim, int *res, char *err, size_t errlen,
+                              rlim_t *soft)
+{
+    int p[2];
+    cr_assert_eq(pipe(p), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        struct {
+            int res;
+            rlim_t soft;
+            char err[512];
+        } out = {0};
+        struct rlimit now;
+        if (setrlimit(RLIMIT_NOFILE, &lim) != 0) _exit(90);
+        struct zinf_config cfg;
+        struct service *s = NULL;
+        if (config_parse_file(cfg_path, &cfg, out.err, sizeof(out.err)) != 0) _exit(91);
+        struct service_opts o = {.socket_path = sock, .config = &cfg};
+        out.res = service_open(&o, &s, out.err, sizeof(out.err));
+        getrlimit(RLIMIT_NOFILE, &now);
+        out.soft = now.rlim_cur;
+        if (s) service_close(s);
+        config_free(&cfg);
+        _exit(write(p[1], &out, sizeof(out)) == sizeof(out) ? 0 : 92);
+    }
+    close(p[1]);
+    struct {
+        int res;
+        rlim_t soft;
+        char err[512];
+    } got;
+    cr_assert_eq(read(p[0], &got, sizeof(got)), (ssize_t)sizeof(got));
+    close(p[0]);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the child: %#x", st);
+    *res = got.res;
+    *soft = got.soft;
+    snprintf(err, errlen, "%s", got.err);
+}
+
+Test(serve_guard, max_connections_past_the_open_files_limit_is_refused_or_raised)
+{
+    if (!as_root()) return; /* root may lower its hard limit, and raise it again */
+    write_cfg_serve("\"max_connections\": 1000, \"max_jobs\": 8");
+    int r;
+    char err[512];
+    rlim_t soft;
+    /* A hard limit below what 1000 connections need: refused at start, both named. */
+    open_under_nofile((struct rlimit){256, 256}, &r, err, sizeof(err), &soft);
+    cr_assert_eq(r, -EMFILE, "service_open: %s (%s)", zinf_strerror(r), err);
+    cr_assert(strstr(err, "zinf.serve.max_connections") && strstr(err, "256"), "%s", err);
+    /* A low soft limit under a hard one high enough: raised. */
+    open_under_nofile((struct rlimit){256, 8192}, &r, err, sizeof(err), &soft);
+    cr_assert_eq(r, 0, "service_open: %s (%s)", zinf_strerror(r), err);
+    cr_assert_geq(soft, 2000, "the soft limit stayed %llu", (unsigned long long)soft);
 }

@@ -57,6 +57,7 @@
 #include <sys/epoll.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -1528,6 +1529,47 @@ static void admit(struct service *s, int fd)
 
 /* ---- the service --------------------------------------------------------------------- */
 
+/* Open files the limits may need at once: a connection's socket and its session's pin table
+ * (a session has a connection at least), a job's (its arenas, its swap files, its ring),
+ * and the daemon's own (the listener, epoll, stdio, the log). */
+#define FILES_PER_CONNECTION 2
+#define FILES_PER_JOB 16
+#define FILES_OWN 64
+
+/* The soft RLIMIT_NOFILE raised to what zinf.serve's limits need, up to the hard limit; a
+ * hard limit below that refuses the config (-EMFILE, err naming both): past it, accept()
+ * would fail with the daemon's connections still under max_connections. */
+static int files_enough(const struct config_serve *lim, char *err, size_t errlen)
+{
+    rlim_t need = (rlim_t)lim->max_connections * FILES_PER_CONNECTION +
+                  (rlim_t)lim->max_jobs * FILES_PER_JOB + FILES_OWN;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) {
+        snprintf(err, errlen, "serve: getrlimit(RLIMIT_NOFILE): %s", strerror(errno));
+        return -errno;
+    }
+    if (rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= need) return 0;
+    if (rl.rlim_max != RLIM_INFINITY && rl.rlim_max < need) {
+        snprintf(err, errlen,
+                 "serve: zinf.serve.max_connections %u (and max_jobs %u) need %llu open files, "
+                 "more than this process may open (RLIMIT_NOFILE, hard limit %llu): lower "
+                 "zinf.serve.max_connections, or raise the limit (ulimit -n, or LimitNOFILE= "
+                 "of the service's unit)",
+                 lim->max_connections, lim->max_jobs, (unsigned long long)need,
+                 (unsigned long long)rl.rlim_max);
+        return -EMFILE;
+    }
+    rl.rlim_cur = need;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+        int r = -errno;
+        snprintf(err, errlen, "serve: raising RLIMIT_NOFILE to %llu for "
+                 "zinf.serve.max_connections %u: %s", (unsigned long long)need,
+                 lim->max_connections, strerror(-r));
+        return r;
+    }
+    return 0;
+}
+
 int service_open(const struct service_opts *o, struct service **out, char *err, size_t errlen)
 {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
@@ -1555,6 +1597,8 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
         int r = folders_check_root(o->config->nvme_paths.path[i], err, errlen);
         if (r < 0) return r;
     }
+    int fr = files_enough(&o->config->zinf.serve, err, errlen);
+    if (fr < 0) return fr;
 
     struct service *s = calloc(1, sizeof(*s));
     if (!s) return -ENOMEM;

@@ -42,7 +42,8 @@ struct service_opts {
 };
 
 /* Binds and listens (a stale socket file is replaced; one a live daemon answers on is
- * -EADDRINUSE). 0 and *out, or -errno with a line in err. */
+ * -EADDRINUSE), with the soft RLIMIT_NOFILE raised to what zinf.serve's limits need
+ * (-EMFILE where the hard limit is lower). 0 and *out, or -errno with a line in err. */
 int service_open(const struct service_opts *o, struct service **out, char *err, size_t errlen);
 /* Accepts and serves connections until service_stop(); 0, or -errno of the listener. */
 int service_run(struct service *s);
