@@ -97,7 +97,6 @@ static void become_nobody_keeping(int keep)
     become_keeping(NOBODY, keep);
 }
 
-
 /* A child's report: its failures as text, read by the parent through a pipe. */
 struct report {
     int fd;
@@ -1299,8 +1298,10 @@ static void rushed_hellos(void *arg, struct report *rp)
         if (got < SESSION_LIMIT) nanosleep(&(struct timespec){0, 100 * 1000 * 1000}, NULL);
     }
     if (got < SESSION_LIMIT)
-        say(rp, "after every session closed, only %d of %d new ones were let in (a count "
-                "leaked)", got, SESSION_LIMIT);
+        say(rp,
+            "after every session closed, only %d of %d new ones were let in (a count "
+            "leaked)",
+            got, SESSION_LIMIT);
     char why[512];
     if ((again[got] = child_connect(rp)) >= 0) {
         int r = send_hello(again[got], "rush");
@@ -1481,8 +1482,10 @@ static void victim_comes_back(void *arg, struct report *rp)
     char got[9] = "";
     int r = zinf_connect(sock, "v1", &e);
     if (r == 0 && (r = zinf_lookup(e, "t", &t)) == 0) r = zinf_read(e, t, 0, got, 8);
-    if (r) say(rp, "job v1: %s", zinf_strerror(r));
-    else if (strcmp(got, "victim's")) say(rp, "job v1 reads \"%s\"", got);
+    if (r)
+        say(rp, "job v1: %s", zinf_strerror(r));
+    else if (strcmp(got, "victim's"))
+        say(rp, "job v1 reads \"%s\"", got);
     if (e) zinf_close(e);
     if ((r = zinf_connect(sock, "v3", &f)) != 0)
         say(rp, "a new job: %s", zinf_strerror(r));
@@ -1591,8 +1594,7 @@ Test(serve_guard, refusals_of_one_user_are_logged_at_a_bounded_rate, .timeout = 
 
 /* In a child (the limit is the process's): service_open() under RLIMIT_NOFILE lim, with
  * max_connections 1000 in the config: its result, err, and the soft limit after it. */
-static void open_under_nofile(struct rlimit lim, int *res, char *err, size_t errlen,
-                              rlim_t *soft)
+static void open_under_nofile(struct rlimit lim, int *res, char *err, size_t errlen, rlim_t *soft)
 {
     int p[2];
     cr_assert_eq(pipe(p), 0);

@@ -167,9 +167,9 @@ struct worker {
 struct ucount {
     uid_t uid;
     unsigned conns, sessions;
-    unsigned tokens;     /* lines it may log now */
-    uint64_t earned_ns;  /* now_ns() up to which its tokens are counted in */
-    uint64_t hushed;     /* refusals not logged since the last line */
+    unsigned tokens;    /* lines it may log now */
+    uint64_t earned_ns; /* now_ns() up to which its tokens are counted in */
+    uint64_t hushed;    /* refusals not logged since the last line */
     struct ucount *next;
 };
 
@@ -471,8 +471,8 @@ static bool refusal_counted(struct ucount *u, uint64_t *hushed)
 static void refusal_log(uid_t uid, uint64_t hushed, const char *why)
 {
     if (hushed)
-        log_notice("serve: %llu more refusals from uid %u suppressed",
-                   (unsigned long long)hushed, (unsigned)uid);
+        log_notice("serve: %llu more refusals from uid %u suppressed", (unsigned long long)hushed,
+                   (unsigned)uid);
     log_notice("serve: uid %u: %s", (unsigned)uid, why);
 }
 
@@ -801,8 +801,7 @@ static int do_stage_open(struct session *se, const struct proto_request *q, stru
         snprintf(why, sizeof(why),
                  "job %s: a stage of %llu bytes refused, more than "
                  "zinf.serve.write_stage_bytes (%llu) leaves the session: -EMSGSIZE",
-                 se->job->name, (unsigned long long)q->bytes,
-                 (unsigned long long)se->stage_limit);
+                 se->job->name, (unsigned long long)q->bytes, (unsigned long long)se->stage_limit);
         refusal(se->svc, se->uid, why);
         return -EMSGSIZE;
     }
@@ -1504,8 +1503,8 @@ static void admit(struct service *s, int fd)
         snprintf(why, sizeof(why),
                  "zinf serve: connection refused: %u connections open, %s "
                  "(zinf.serve.max_connections %u, reserved_connections %u)",
-                 s->nconns, priv ? "all there are" : "all but the reserve",
-                 s->lim->max_connections, s->lim->reserved_connections);
+                 s->nconns, priv ? "all there are" : "all but the reserve", s->lim->max_connections,
+                 s->lim->reserved_connections);
     else if (!u || !(k = calloc(1, sizeof(*k))))
         snprintf(why, sizeof(why), "zinf serve: connection refused: out of memory");
     if (!k) {
@@ -1562,9 +1561,10 @@ static int files_enough(const struct config_serve *lim, char *err, size_t errlen
     rl.rlim_cur = need;
     if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
         int r = -errno;
-        snprintf(err, errlen, "serve: raising RLIMIT_NOFILE to %llu for "
-                 "zinf.serve.max_connections %u: %s", (unsigned long long)need,
-                 lim->max_connections, strerror(-r));
+        snprintf(err, errlen,
+                 "serve: raising RLIMIT_NOFILE to %llu for "
+                 "zinf.serve.max_connections %u: %s",
+                 (unsigned long long)need, lim->max_connections, strerror(-r));
         return r;
     }
     return 0;
