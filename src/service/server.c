@@ -115,7 +115,7 @@ struct session {
     struct job *job;
     uid_t uid;
     unsigned conns; /* s->lock */
-    struct session *next;
+    struct session *prev, *next; /* s->sessions */
 
     pthread_mutex_t lock; /* pins, ticks */
     struct pin *pins;
@@ -144,7 +144,7 @@ struct conn {
     bool busy;      /* s->lock: a worker has it (it is out of the epoll set) */
     char why[256];  /* the reason sent with an error of HELLO (a limit, named) */
     struct session *sess;
-    struct conn *next;  /* s->conns */
+    struct conn *prev, *next; /* s->conns */
     struct conn *qnext; /* s->ready */
 };
 
@@ -217,6 +217,26 @@ struct service {
     _Atomic uint64_t requests; /* requests served after HELLO */
     struct keeper keeper;
 };
+
+/* The lists of connections and sessions, doubly linked: a connection or a session is
+ * taken out in one step however many there are (a scan for it made N closes cost N^2).
+ * s->lock held. */
+#define list_push(head, x)                                                                         \
+    do {                                                                                           \
+        (x)->prev = NULL;                                                                          \
+        (x)->next = (head);                                                                        \
+        if (head) (head)->prev = (x);                                                              \
+        (head) = (x);                                                                              \
+    } while (0)
+#define list_take(head, x)                                                                         \
+    do {                                                                                           \
+        if ((x)->prev)                                                                             \
+            (x)->prev->next = (x)->next;                                                           \
+        else                                                                                       \
+            (head) = (x)->next;                                                                    \
+        if ((x)->next) (x)->next->prev = (x)->prev;                                                \
+        (x)->prev = (x)->next = NULL;                                                              \
+    } while (0)
 
 /* ---- liveness ---------------------------------------------------------------------- */
 
@@ -1030,8 +1050,7 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
                 se->ps = NULL;
             }
             pthread_mutex_init(&se->lock, NULL);
-            se->next = s->sessions;
-            s->sessions = se;
+            list_push(s->sessions, se);
             j->sessions++;
         }
     }
@@ -1186,11 +1205,7 @@ static void session_leave(struct service *s, struct session *se)
     pthread_mutex_lock(&s->lock);
     if (--se->conns == 0) {
         last = true;
-        for (struct session **pp = &s->sessions; *pp; pp = &(*pp)->next)
-            if (*pp == se) {
-                *pp = se->next;
-                break;
-            }
+        list_take(s->sessions, se);
     }
     pthread_mutex_unlock(&s->lock);
     if (!last) return;
@@ -1353,11 +1368,7 @@ static bool conn_serve(struct conn *k)
 static void conn_drop(struct service *s, struct conn *k, bool in_epoll)
 {
     pthread_mutex_lock(&s->lock);
-    for (struct conn **pp = &s->conns; *pp; pp = &(*pp)->next)
-        if (*pp == k) {
-            *pp = k->next;
-            break;
-        }
+    list_take(s->conns, k);
     s->nconns--;
     struct ucount *u = ucount_of(s, k->uid); /* made at accept: found */
     if (u) u->conns--;
@@ -1518,8 +1529,7 @@ static void admit(struct service *s, int fd)
     *k = (struct conn){.svc = s, .fd = fd, .uid = cred.uid, .since = now_ns()};
     u->conns++;
     s->nconns++;
-    k->next = s->conns;
-    s->conns = k;
+    list_push(s->conns, k);
     struct epoll_event ev = {.events = EPOLLIN | EPOLLONESHOT, .data.ptr = k};
     bool in = epoll_ctl(s->ep, EPOLL_CTL_ADD, fd, &ev) == 0;
     pthread_mutex_unlock(&s->lock);
@@ -1734,15 +1744,20 @@ static void refusals_said_late(struct service *s)
 static void sweep(struct service *s)
 {
     uint64_t now = now_ns(), hello_ns = (uint64_t)s->lim->hello_timeout * 1000000000ull;
-    for (;;) {
-        struct conn *late = NULL;
-        pthread_mutex_lock(&s->lock);
-        for (struct conn *k = s->conns; k && !late; k = k->next)
-            if (!k->busy && !k->sess && now - k->since > hello_ns) late = k;
-        if (late) late->busy = true; /* ours now */
-        pthread_mutex_unlock(&s->lock);
-        if (!late) break;
-        conn_drop(s, late, true);
+    /* One pass: the late ones are made ours (busy: no worker takes them) and chained
+     * through qnext (a connection waiting in the epoll set is in no ready queue). */
+    struct conn *late = NULL;
+    pthread_mutex_lock(&s->lock);
+    for (struct conn *k = s->conns; k; k = k->next)
+        if (!k->busy && !k->sess && now - k->since > hello_ns) {
+            k->busy = true;
+            k->qnext = late;
+            late = k;
+        }
+    pthread_mutex_unlock(&s->lock);
+    for (struct conn *k = late, *n; k; k = n) {
+        n = k->qnext;
+        conn_drop(s, k, true);
     }
     refusals_said_late(s);
     if (!s->lim->idle_job_close) return;
