@@ -1361,6 +1361,20 @@ static void connections_held(int ready, int go, struct report *rp)
     if (nrefused != (unsigned)n - 8)
         say(rp, "%u of %d connections refused at once, not all but connections_per_uid (8)",
             nrefused, n);
+    /* The library reads the refusal as the reply to its first request, and says why. */
+    zinf_engine *e;
+    test_log_capture_start();
+    int r = zinf_connect(sock, "x", &e);
+    if (r != -EUSERS || !strstr(test_log_text(), "connections_per_uid"))
+        say(rp, "zinf_connect over the limit: %s (%s)", zinf_strerror(r), test_log_text());
+    if (r == 0) zinf_close(e);
+    test_log_capture_stop();
+    struct service_job_status *js;
+    size_t njs;
+    if ((r = service_status(sock, &js, &njs)) != -EUSERS) {
+        say(rp, "STATUS over the limit: %s", zinf_strerror(r));
+        if (r == 0) free(js);
+    }
     char c = 1;
     if (write(ready, &c, 1) != 1 || read(go, &c, 1) != 1) say(rp, "the pipes");
     unsigned open = 0;
