@@ -808,11 +808,16 @@ static void hostile_jobs(void)
  * those the daemon took must have been closed by then. The daemon's clock starts when it
  * accepts, which on a loaded machine may come a while after the connect, so one closed in a
  * further SILENT_GRACE_S is counted late, not failed; one still open then is a failure. */
+/* Whether the daemon still holds a connection open. One refused at accept (over
+ * connections_per_uid) gets its refusal first, then the end: what it sent is read past. */
 static bool silent_open(int fd)
 {
-    char c;
-    ssize_t r = recv(fd, &c, 1, MSG_DONTWAIT | MSG_PEEK);
-    return !(r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK));
+    char buf[512];
+    for (;;) {
+        ssize_t r = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+        if (r > 0) continue;
+        return r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
+    }
 }
 
 static void hostile_silent(void)
