@@ -274,6 +274,16 @@ ZINF_API int zinf_saved_at(const char *dir, int64_t *ns);
  * where dir or a manifest in it does not exist, -EINVAL for NULL arguments, another -errno
  * when it cannot tell. Opens no engine. */
 ZINF_API int zinf_saved_tensors(const char *dir, size_t *ntensors);
+/* Remove the saved state of swap directory dir without opening an engine, as
+ * ZINF_OPEN_OVERWRITE would: its manifests (then it is no saved state), then the swap files
+ * of dir and of extra (NULL-terminated, as zinf_options.nvme_paths_extra; NULL: dir alone).
+ * Only those names are removed, each only where it is this user's regular file, reached
+ * without following a link; nothing else in the directories is touched. 0, also where
+ * nothing is saved (or dir does not exist); -EBUSY where an engine holds a swap file
+ * (waited for up to three seconds, as a resume does; nothing removed); -EACCES where one of
+ * those names is something else (nothing removed); -EINVAL for a NULL dir or more than 16
+ * directories; another -errno. */
+ZINF_API int zinf_saved_remove(const char *dir, const char *const *extra);
 ZINF_API int zinf_stats(zinf_engine *e, struct zinf_stats *out);
 
 /* AdamW for trainers that keep their parameters and optimizer states in zinf (fetch them to

@@ -1365,6 +1365,56 @@ Test(persist, a_resume_closed_unchanged_keeps_its_step_with_unwritten_memory_hom
     free(a);
     free(b);
     free(c);
+
+/* zinf_saved_remove: the saved state goes, both versions and every directory's swap file,
+ * as ZINF_OPEN_OVERWRITE would remove it; nothing else in the directories; nothing while an
+ * engine holds the files. */
+Test(persist, saved_remove_removes_the_saved_state_and_nothing_else)
+{
+    zinf_engine *e = open_eng(ZINF_OPEN_NO_PIN, true);
+    zinf_tensor t = test_register(e, "nv", 64 * KiB, ZINF_TIER_NVME);
+    unsigned char *ref = test_rand_buf(64 * KiB, 7);
+    cr_assert_eq(zinf_write(e, t, 0, ref, 64 * KiB), 0);
+    cr_assert_eq(zinf_flush_step(e, 1, ZINF_FLUSH_KEEP_PREVIOUS), 0);
+    cr_assert_eq(zinf_flush_step(e, 2, ZINF_FLUSH_KEEP_PREVIOUS), 0);
+    const char *extra[] = {dir2, NULL};
+    cr_assert_eq(zinf_saved_remove(dir, extra), -EBUSY, "an engine holds the swap files");
+    size_t count;
+    cr_assert_eq(zinf_saved_tensors(dir, &count), 0, "nothing removed");
+    zinf_close(e);
+
+    char *others[2] = {path_in(dir, "notes.txt"), path_in(dir2, "notes.txt")};
+    for (int i = 0; i < 2; i++)
+        spill(others[i], "x", 1);
+    cr_assert_eq(zinf_saved_remove(dir, extra), 0);
+    cr_assert_eq(zinf_saved_tensors(dir, &count), -ENOENT);
+    static const char *const gone[] = {MANIFEST, MANIFEST ".prev", "zinf-swap.0"};
+    for (size_t i = 0; i < sizeof(gone) / sizeof(gone[0]); i++) {
+        char *p = path_in(dir, gone[i]);
+        cr_assert_neq(access(p, F_OK), 0, "%s is left", p);
+        free(p);
+    }
+    char *p = path_in(dir2, "zinf-swap.1");
+    cr_assert_neq(access(p, F_OK), 0, "%s is left", p);
+    free(p);
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(access(others[i], F_OK), 0, "%s was removed", others[i]);
+        free(others[i]);
+    }
+    e = open_eng(0, true); /* nothing saved to refuse over */
+    zinf_close(e);
+    cr_assert_eq(zinf_saved_remove(dir, NULL), 0, "nothing saved");
+    char *none = path_in(dir, "none");
+    cr_assert_eq(zinf_saved_remove(none, NULL), 0, "no such directory");
+    free(none);
+
+    cr_assert_eq(zinf_saved_remove(NULL, NULL), -EINVAL);
+    const char *many[18];
+    for (int i = 0; i < 17; i++)
+        many[i] = dir2;
+    many[17] = NULL;
+    cr_assert_eq(zinf_saved_remove(dir, many), -EINVAL, "18 directories");
+    free(ref);
 }
 
 /* A crash between the two renames of a keeping flush leaves the previous manifest alone:

@@ -31,6 +31,7 @@
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -226,6 +227,73 @@ int persist_saved_at(const char *dir, struct timespec *when)
         return r;
     *when = st.st_mtim;
     return 0;
+}
+
+/* A file of the saved state, named name in dfd: this user's regular file (0), absent
+ * (-ENOENT), or something else, which is not ours to remove (-EACCES). */
+static int saved_file(int dfd, const char *name)
+{
+    struct stat st;
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) return -errno;
+    return S_ISREG(st.st_mode) && st.st_uid == geteuid() ? 0 : -EACCES;
+}
+
+ZINF_API int zinf_saved_remove(const char *dir, const char *const *extra)
+{
+    const char *dirs[NVME_MAX_DIRS];
+    int dfd[NVME_MAX_DIRS], fd[NVME_MAX_DIRS], r = 0;
+    char swap[NVME_MAX_DIRS][32];
+    unsigned n = 0;
+    if (!dir) return -EINVAL;
+    dirs[n++] = dir;
+    while (extra && extra[n - 1]) {
+        if (n == NVME_MAX_DIRS) return -EINVAL; /* more directories than an engine opens */
+        dirs[n] = extra[n - 1];
+        n++;
+    }
+    for (unsigned i = 0; i < n; i++)
+        dfd[i] = fd[i] = -1;
+    /* Every swap file locked first, as an engine holds it (nvme.c): one in use is another
+     * engine's, and nothing is removed. A process just killed keeps its lock until the
+     * kernel has torn down its io_uring: waited for, up to three seconds, as nvme.c does. */
+    for (unsigned i = 0; i < n && r == 0; i++) {
+        snprintf(swap[i], sizeof(swap[i]), "%s.%u", NVME_SWAP_NAME, i);
+        if ((dfd[i] = open_dir(dirs[i])) < 0) {
+            r = dfd[i] == -ENOENT ? 0 : dfd[i];
+            continue;
+        }
+        int k = saved_file(dfd[i], swap[i]);
+        if (k == -ENOENT) continue;
+        if (k < 0 ||
+            (fd[i] = openat(dfd[i], swap[i], O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC)) < 0) {
+            r = k < 0 ? k : errno == ENOENT ? 0 : -errno;
+            continue;
+        }
+        int locked = flock(fd[i], LOCK_EX | LOCK_NB);
+        for (int tries = 0; locked != 0 && errno == EWOULDBLOCK && tries < 300; tries++) {
+            usleep(10000);
+            locked = flock(fd[i], LOCK_EX | LOCK_NB);
+        }
+        if (locked != 0) r = errno == EWOULDBLOCK ? -EBUSY : -errno;
+    }
+    /* The manifests, the previous version's first (as start_over does): once the current
+     * one is gone the folder holds no saved state. Then the swap files, still locked. */
+    static const char *const manifests[] = {MANIFEST_NAME PREV_SUFFIX, MANIFEST_NAME ".tmp",
+                                            MANIFEST_NAME};
+    for (size_t m = 0; m < ARRAY_SIZE(manifests) && r == 0 && dfd[0] >= 0; m++) {
+        int k = saved_file(dfd[0], manifests[m]);
+        if (k < 0 && k != -ENOENT) r = k;
+    }
+    for (size_t m = 0; m < ARRAY_SIZE(manifests) && r == 0 && dfd[0] >= 0; m++)
+        if (unlinkat(dfd[0], manifests[m], 0) != 0 && errno != ENOENT) r = -errno;
+    if (r == 0 && dfd[0] >= 0 && fsync(dfd[0]) != 0) r = -errno;
+    for (unsigned i = 0; i < n && r == 0; i++)
+        if (fd[i] >= 0 && unlinkat(dfd[i], swap[i], 0) != 0 && errno != ENOENT) r = -errno;
+    for (unsigned i = 0; i < n; i++) {
+        if (fd[i] >= 0) close(fd[i]);
+        if (dfd[i] >= 0) close(dfd[i]);
+    }
+    return r;
 }
 
 /* The bytes of the file at path, NUL-terminated (*len without it), or NULL with *err:
