@@ -715,6 +715,8 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
             r = -EEXIST;
             goto fail;
         }
+        if (o->overwrite && t->rank == 0 && (r = train_remove_other_runs(t, err, errlen)) < 0)
+            goto fail;
     }
 
     if (t->remote) {

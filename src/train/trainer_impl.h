@@ -344,6 +344,7 @@ int train_state_check(struct trainer *t, char *err, size_t errlen);
 int train_state_save_step(struct trainer *t, int step_done);
 char *train_rank_dir(const char *base, int world, int rank);
 int train_newest_run(const struct trainer *t, int64_t *step, int64_t *newest_any);
+int train_remove_other_runs(struct trainer *t, char *err, size_t errlen);
 int train_version_flag(const char *dir, int64_t step, unsigned *flag);
 int train_recut_check(struct trainer *t, char *err, size_t errlen);
 int train_recut(struct trainer *t, char *err, size_t errlen);

@@ -10,9 +10,12 @@
  */
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "comm/comm.h"
 #include "common.h"
@@ -208,6 +211,80 @@ int train_newest_run(const struct trainer *t, int64_t *step, int64_t *newest_any
     *step = best;
     *newest_any = any;
     return world;
+}
+
+/* One rank's share (rank q of `world`) of a saved run, removed from every nvme path: its
+ * manifests and swap files (zinf_saved_remove, which touches nothing else), then its
+ * rank-q-of-N folders where that left them empty. *had: whether it held a saved state. */
+static int remove_rank_share(struct trainer *t, int world, int q, bool *had)
+{
+    char *dirs[CONFIG_MAX_NVME_PATHS + 1] = {0}; /* NULL-terminated */
+    int r = 0;
+    size_t n;
+    for (unsigned k = 0; k < t->nbase && r == 0; k++)
+        if (!(dirs[k] = train_rank_dir(t->base[k], world, q))) r = -ENOMEM;
+    if (r == 0) {
+        *had = zinf_saved_tensors(dirs[0], &n) == 0;
+        r = zinf_saved_remove(dirs[0], (const char *const *)dirs + 1);
+    }
+    for (unsigned k = 0; k < t->nbase; k++) {
+        if (r == 0 && world > 1) rmdir(dirs[k]); /* only where nothing else is left */
+        free(dirs[k]);
+    }
+    return r;
+}
+
+/* --overwrite starts over the whole swap path, not only this run's share of it: a run saved
+ * there by another number of ranks would otherwise stay, and a later --resume, going to the
+ * newest step saved, would continue that one instead of the new run. This run's own files
+ * the engines start over; here go one rank's run in the paths themselves (when this run has
+ * several) and every rank-R-of-N with N not this run's number of ranks. Only zinf's files
+ * of those runs are removed, and their folders once empty; rank 0 does it, before the
+ * engines open, each run it removes said. */
+int train_remove_other_runs(struct trainer *t, char *err, size_t errlen)
+{
+    bool removed[COMM_MAX_RANKS + 1] = {false};
+    int r = 0, failed_world = 0;
+    if (!t->nbase) return 0;
+    if (t->world > 1) {
+        r = remove_rank_share(t, 1, 0, &removed[1]);
+        failed_world = r < 0 ? 1 : 0;
+    }
+    DIR *d = r == 0 ? opendir(t->base[0]) : NULL;
+    if (r == 0 && !d && errno != ENOENT) r = -errno;
+    struct dirent *de;
+    while (r == 0 && d && (de = readdir(d))) {
+        int q = 0, n = 0, end = 0;
+        struct stat st;
+        if (sscanf(de->d_name, "rank-%d-of-%d%n", &q, &n, &end) != 2 || de->d_name[end] || n < 2 ||
+            n > COMM_MAX_RANKS || q < 0 || q >= n || n == t->world)
+            continue;
+        /* A folder of that name, not a link to one elsewhere. */
+        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode))
+            continue;
+        bool had = false;
+        r = remove_rank_share(t, n, q, &had);
+        removed[n] |= had;
+        if (r < 0) failed_world = n;
+    }
+    if (d) closedir(d);
+    if (removed[1] && (r == 0 || failed_world != 1))
+        log_notice("--overwrite: removed the run saved by one rank in %s", t->base[0]);
+    for (int n = 2; n <= COMM_MAX_RANKS; n++)
+        if (removed[n] && (r == 0 || n != failed_world))
+            log_notice("--overwrite: removed the run saved by %d ranks in %s/rank-*-of-%d", n,
+                       t->base[0], n);
+    if (r < 0 && failed_world)
+        snprintf(err, errlen, "--overwrite: cannot remove the run saved by %d rank%s in %s: %s",
+                 failed_world, failed_world > 1 ? "s" : "", t->base[0],
+                 r == -EBUSY    ? "its swap files are in use by another engine (one job per "
+                                  "swap directory)"
+                 : r == -EACCES ? "one of its swap files or manifests is not this user's "
+                                  "regular file; remove it by hand"
+                                : zinf_strerror(r));
+    else if (r < 0)
+        snprintf(err, errlen, "--overwrite: %s: %s", t->base[0], zinf_strerror(r));
+    return r;
 }
 
 /* The open flag that reaches step in swap directory dir: its current version, or the
