@@ -7,8 +7,9 @@
  * and the bytes it wrote), the held-out loss and sampled text when asked, a summary with
  * the run's time and each tier's peak next to its budget; the same as JSON lines with --log. The
  * state is checkpointed at the start, every --checkpoint-every steps and at the end, so that a
- * crash loses at most the steps since the last checkpoint. SIGINT/SIGTERM finish the step, flush,
- * and exit with 130/143 (the JSON summary says "interrupted": true): --resume continues exactly
+ * crash loses at most the steps since the last checkpoint. SIGINT/SIGTERM (and SIGHUP, and
+ * SIGPIPE: whoever read the output is gone) finish the step, flush, and exit with 128 + the
+ * signal (the JSON summary says "interrupted": true): --resume continues exactly
  * from there. --init starts from the weights of a safetensors file (checked whole before the
  * run opens), --export and --export-hf write them out at the end (weights_io.c).
  */
@@ -48,6 +49,23 @@ static volatile sig_atomic_t stop_requested;
 static void on_signal(int sig)
 {
     stop_requested = sig;
+}
+
+/* A write to a pipe nobody reads any more (zinf launch was killed, a `| head` has its
+ * lines) would end the run there, losing every step since the last checkpoint: it asks the
+ * loop to stop instead, as SIGTERM does, unless a signal asked first. What is printed from
+ * then on goes nowhere. */
+static void on_sigpipe(int sig)
+{
+    if (!stop_requested) stop_requested = sig;
+}
+
+static const char *stop_name(int sig)
+{
+    return sig == SIGINT    ? "SIGINT"
+           : sig == SIGHUP  ? "SIGHUP"
+           : sig == SIGPIPE ? "SIGPIPE"
+                            : "SIGTERM";
 }
 
 static void stop_trace(void)
@@ -137,7 +155,8 @@ static void usage(FILE *f)
         "FILE.rank-R; a checkpoint commits only once every rank saved it, and --resume\n"
         "goes to the newest step every rank holds, also on another number of ranks.\n"
         "Exit status: 0 done, 1 failed (the last checkpoint is kept), 2 bad input,\n"
-        "130/143 stopped by SIGINT/SIGTERM after flushing. zinf.device picks the\n"
+        "130/143 stopped by SIGINT/SIGTERM after flushing (129 SIGHUP, 141 SIGPIPE:\n"
+        "the output's reader gone, a killed zinf launch). zinf.device picks the\n"
         "compute: a GPU (\"cuda\", or \"auto\" when one is usable) or the CPU (\"emulated\").\n");
 }
 
@@ -1010,11 +1029,16 @@ int cmd_train(int argc, char **argv)
         atexit(stop_trace);
     }
 
-    /* From here a signal only asks the loop to stop: even during set-up. */
-    struct sigaction sa = {.sa_handler = on_signal};
+    /* From here a signal only asks the loop to stop: even during set-up. A SIGHUP that
+     * was ignored when we started (nohup) stays ignored. */
+    struct sigaction sa = {.sa_handler = on_signal}, was;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
+    if (sigaction(SIGHUP, NULL, &was) == 0 && was.sa_handler != SIG_IGN)
+        sigaction(SIGHUP, &sa, NULL);
+    sa.sa_handler = on_sigpipe;
+    sigaction(SIGPIPE, &sa, NULL);
 
     struct ckpt_watch rw;
     pthread_t rth;
@@ -1305,7 +1329,7 @@ int cmd_train(int argc, char **argv)
         status = 1;
     if (status == 0 && stop_requested) {
         printf("# %s: finishing here, the state is flushed (continue with --resume)\n",
-               stop_requested == SIGINT ? "SIGINT" : "SIGTERM");
+               stop_name(stop_requested));
         status = 128 + stop_requested;
     }
     trainer_get_summary(t, &sum);
