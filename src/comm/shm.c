@@ -22,7 +22,8 @@
  * most op_timeout_ms from the operation's start, and a rank that finds it passed fails the
  * communicator naming the ranks that did not come (a stopped or wedged one), and the
  * operation each was in (every rank keeps the operation it is in and how many barriers it
- * has entered in its slot of the header).
+ * has entered in its slot of the header). Time the waiting rank itself did not run is not
+ * waiting: ranks stopped together (the job's Ctrl-Z) and continued do not fail each other.
  *
  * Who may meet there. The segment is the job's uid's alone: rank 0 creates it exclusively,
  * mode 0600, and never removes an object it did not make unless that object's rank 0 is
@@ -57,6 +58,11 @@
 #define SHM_MAGIC 0x7a696e66636f6d6dull /* "zinfcomm" */
 #define WAIT_SLICE_MS 100               /* how often a waiter looks for dead peers */
 #define SPIN_ROUNDS 2000                /* barrier polls before it sleeps */
+/* Two looks at the clock of one wait further apart than this: the rank was not running in
+ * between (stopped), and the deadline moves on by the gap. Waits look every WAIT_SLICE_MS
+ * (NCCL's every few tens of ms); a machine busy enough to keep a waiter off the CPU this
+ * long only lengthens its timeout. */
+#define STOPPED_GAP_NS (1000 * 1000000ull)
 #define WHY_BYTES 200
 #define TAG_HEX 16 /* of the secret's digits, those in the segment's name */
 #define SEG_NAME_BYTES (sizeof("/zinf-comm-") + COMM_NAME_BYTES + 1 + TAG_HEX)
@@ -101,6 +107,7 @@ struct shm {
     const char *job;           /* NAME */
     /* The operation in progress: its number, and when its barriers stop waiting. */
     uint64_t seq, bars, op_deadline;
+    uint64_t op_looked; /* when shm_op_late last read the clock (or the operation began) */
     unsigned op_timeout_ms;
     const volatile sig_atomic_t *stop;
     char *why; /* comm_opts.why */
@@ -249,12 +256,20 @@ void shm_begin_op(struct shm *s, enum comm_op op)
     struct shm_rank *me = &s->h->ranks[s->rank];
     atomic_store_explicit(&me->op, (uint32_t)op, memory_order_relaxed);
     atomic_store_explicit(&me->seq, ++s->seq, memory_order_relaxed);
-    s->op_deadline = now_ns() + (uint64_t)s->op_timeout_ms * 1000000ull;
+    s->op_looked = now_ns();
+    s->op_deadline = s->op_looked + (uint64_t)s->op_timeout_ms * 1000000ull;
 }
 
-bool shm_op_late(const struct shm *s)
+bool shm_op_late(struct shm *s)
 {
-    return now_ns() > s->op_deadline;
+    uint64_t now = now_ns();
+    /* A gap since the last look that no wait slice explains: this rank was stopped. The
+     * deadline counts the time it waited, not the time it was stopped (its peers, stopped
+     * with it, could not come meanwhile). A peer stopped alone still makes it late. */
+    if (s->op_deadline != UINT64_MAX && now - s->op_looked > STOPPED_GAP_NS)
+        s->op_deadline += now - s->op_looked;
+    s->op_looked = now;
+    return now > s->op_deadline;
 }
 
 /* This rank's operation passed its deadline in its barrier number k: the ranks that have

@@ -23,8 +23,10 @@ void shm_rdv_close(struct shm *s);
 /* The rank begins an operation (every barrier until the next one belongs to it): the
  * other ranks can see which, and its barriers wait until comm_opts.op_timeout_ms from now. */
 void shm_begin_op(struct shm *s, enum comm_op op);
-/* Whether the operation begun last has passed its deadline. */
-bool shm_op_late(const struct shm *s);
+/* Whether the operation begun last has passed its deadline. Called as a wait goes on (well
+ * within a second): a longer gap between two calls is time this rank was stopped,
+ * which moves the deadline on. */
+bool shm_op_late(struct shm *s);
 
 /* Wait until every rank has called it as often. -ECONNABORTED once a rank died or failed
  * the communicator (shm_fail); -ETIMEDOUT when the operation's deadline passed with a rank
