@@ -5,8 +5,10 @@
  * src/comm/) in their environment, each bound to the CPUs of the NUMA node nearest its GPU
  * where hwloc knows one, and prefixes every line they print with "[rank] ".
  *
- * It owns their lifetime: SIGINT or SIGTERM is passed on to every rank (a trainer finishes
- * its step, flushes and exits; a second signal kills them); when one rank fails (exits
+ * It owns their lifetime: SIGINT, SIGTERM or SIGHUP is passed on to every rank (a trainer
+ * finishes its step, flushes and exits; a second signal kills them), and so is SIGQUIT; the
+ * job stops and continues as one, as a shell's job does (Ctrl-Z: the ranks get SIGTSTP,
+ * then the launcher stops itself; SIGCONT continues them too); when one rank fails (exits
  * non-zero or dies of a signal) the others get SIGTERM, then SIGKILL after --grace
  * seconds, and the launcher exits non-zero naming the rank and what happened to it. Each
  * rank runs in a process group of its own (what it starts is signalled with it), and gets
@@ -74,8 +76,9 @@ static void usage(FILE *f)
                "  --name NAME     the job's name, which its ranks meet under: 1-%d characters\n"
                "                  of [A-Za-z0-9._-], not starting with '.' (default:\n"
                "                  launch-PID-RANDOM); one live job per name and user\n"
-               "  --grace S       after a rank fails, or after SIGINT/SIGTERM is passed on,\n"
-               "                  how long the others have before SIGKILL (0-%d, default 30)\n"
+               "  --grace S       after a rank fails, or after SIGINT/SIGTERM/SIGHUP is passed\n"
+               "                  on, how long the others have before SIGKILL (0-%d,\n"
+               "                  default 30)\n"
                "  --no-bind       leave every rank on every CPU (default: each rank on the\n"
                "                  CPUs of the NUMA node nearest GPU LOCAL_RANK, where known;\n"
                "                  each binding is said on stderr)\n"
@@ -86,11 +89,12 @@ static void usage(FILE *f)
                "                  rank R of N is the daemon's job JOB-rank-R-of-N\n"
                "With N > 1, OMP_NUM_THREADS (CPUs / N) and OMP_WAIT_POLICY (passive) are set\n"
                "where the environment does not set them.\n"
-               "SIGINT/SIGTERM: passed on to every rank; a second one kills them. If the\n"
-               "launcher dies, its ranks get SIGTERM.\n"
+               "SIGINT/SIGTERM/SIGHUP: passed on to every rank; a second one kills them.\n"
+               "SIGQUIT: passed on. Ctrl-Z (SIGTSTP) stops the ranks, then the launcher;\n"
+               "SIGCONT (fg, bg) continues them. If the launcher dies, its ranks get SIGTERM.\n"
                "Exit status: 0 every rank exited 0; 1 a rank failed (the launcher says which,\n"
                "and how); 2 bad usage, or a live job has the name; 127 COMMAND could not be\n"
-               "run; 130/143 stopped by SIGINT/SIGTERM.\n",
+               "run; 130/143/129 stopped by SIGINT/SIGTERM/SIGHUP.\n",
             COMM_MAX_RANKS, COMM_NAME_BYTES - 1, MAX_GRACE_S);
 }
 
@@ -145,6 +149,34 @@ static void signal_all(struct rank *rk, int n, int sig)
             if (sig != SIGKILL && kill(-rk[r].pid, SIGCONT) != 0) kill(rk[r].pid, SIGCONT);
             if (kill(-rk[r].pid, sig) != 0) kill(rk[r].pid, sig);
         }
+}
+
+/* sig to each rank's process group as it is: no SIGCONT first (SIGTSTP, SIGCONT, SIGQUIT). */
+static void forward(struct rank *rk, int n, int sig)
+{
+    for (int r = 0; r < n; r++)
+        if (!rk[r].done && rk[r].pid > 0 && kill(-rk[r].pid, sig) != 0) kill(rk[r].pid, sig);
+}
+
+/* Ctrl-Z. The terminal's SIGTSTP reaches the launcher's process group, not the ranks', each
+ * of which has its own: the ranks would train on, fill the pipes to a launcher that no
+ * longer reads them and block there, and after zinf.comm_timeout the job would fail. So the
+ * job stops as a shell's job does, every process at once: the ranks get SIGTSTP, then the
+ * launcher stops itself (SIGSTOP: its SIGTSTP is blocked, taken through the signalfd). The
+ * SIGCONT of fg or bg continues the launcher, whose loop passes it on to the ranks. */
+static void stop_job(struct rank *rk, int n)
+{
+    forward(rk, n, SIGTSTP);
+    fflush(NULL);
+    raise(SIGSTOP);
+}
+
+/* Whether sig was ignored when we started (nohup's SIGHUP, a background job's SIGQUIT):
+ * then it is left so, for the launcher and the ranks alike. */
+static bool ignored(int sig)
+{
+    struct sigaction sa;
+    return sigaction(sig, NULL, &sa) == 0 && sa.sa_handler == SIG_IGN;
 }
 
 /* The job's name, held: the lock on /dev/shm/zinf-job-NAME, taken without waiting. 0 and
@@ -252,7 +284,10 @@ static bool parse_range(const char *s, long lo, long hi, long *out)
 
 static const char *sig_name(int sig)
 {
-    return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : "a signal";
+    return sig == SIGINT    ? "SIGINT"
+           : sig == SIGTERM ? "SIGTERM"
+           : sig == SIGHUP  ? "SIGHUP"
+                            : "a signal";
 }
 
 /* The ranks still running when the grace after sig ends, each named with its state (a rank
@@ -414,12 +449,18 @@ int cmd_launch(int argc, char **argv)
         if (xml) nodes[r] = -1; /* nothing of that machine to bind to here */
     }
 
-    /* SIGCHLD, SIGINT and SIGTERM arrive through a signalfd; the ranks get them unblocked. */
+    /* SIGCHLD, the signals that stop the job and those passed on arrive through a signalfd;
+     * the ranks get them unblocked. One ignored when we started is neither taken nor
+     * passed on: the ranks ignore it too. */
     sigset_t mask, old;
     sigemptyset(&mask);
     sigaddset(&mask, SIGCHLD);
     sigaddset(&mask, SIGINT);
     sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGCONT);
+    static const int optional[] = {SIGHUP, SIGQUIT, SIGTSTP};
+    for (size_t i = 0; i < ARRAY_SIZE(optional); i++)
+        if (!ignored(optional[i])) sigaddset(&mask, optional[i]);
     sigprocmask(SIG_BLOCK, &mask, &old);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sfd < 0) {
@@ -549,13 +590,21 @@ int cmd_launch(int argc, char **argv)
         struct signalfd_siginfo si;
         while (read(sfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
             if (si.ssi_signo == SIGCHLD) continue; /* reaped below */
-            if (stop_sig) {                       /* a second one: now */
+            if (si.ssi_signo == SIGTSTP) {
+                stop_job(rk, started);
+                continue;
+            }
+            if (si.ssi_signo == SIGCONT || si.ssi_signo == SIGQUIT) {
+                forward(rk, started, (int)si.ssi_signo);
+                continue;
+            }
+            if (stop_sig) { /* a second one: now */
                 signal_all(rk, started, SIGKILL);
                 continue;
             }
             stop_sig = (int)si.ssi_signo;
             fprintf(stderr, "zinf launch: %s: passed on to the ranks\n", sig_name(stop_sig));
-            signal_all(rk, started, stop_sig); /* SIGINT or SIGTERM, the mask's only two */
+            signal_all(rk, started, stop_sig); /* SIGINT, SIGTERM or SIGHUP */
             if (!kill_at) kill_at = now_ns() + (uint64_t)grace_s * 1000000000ull;
         }
         for (;;) {
