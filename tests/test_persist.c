@@ -1365,6 +1365,7 @@ Test(persist, a_resume_closed_unchanged_keeps_its_step_with_unwritten_memory_hom
     free(a);
     free(b);
     free(c);
+}
 
 /* zinf_saved_remove: the saved state goes, both versions and every directory's swap file,
  * as ZINF_OPEN_OVERWRITE would remove it; nothing else in the directories; nothing while an
