@@ -133,14 +133,24 @@ def cmd(args):  # a ninja variable holding shell words
     return ' '.join(shlex.quote(a) for a in args).replace('$', '$$')
 
 
+meson_dir = os.path.join(root, top, 'meson')
+generated = []  # sources the meson configuration generates (the zinf command's pages)
+
+
 def c_target(name):
     """The C compiler, sources and flags of a meson target, for this build."""
     if name not in targets:
         sys.exit('cuda_emu: %s is not a target of the meson build (tests/meson.build)' % name)
     [ts] = [t for t in targets[name]['target_sources'] if t['language'] == 'c']
+    # Sources the configuration generates (meson lists them apart) are made there first.
+    gen = ts.get('generated_sources', [])
+    for s in gen:
+        if os.path.relpath(s, meson_dir) not in generated:
+            generated.append(os.path.relpath(s, meson_dir))
     # Our zinf_build.h comes before meson's; the toolkit's headers are system headers.
     params = [a for a in ts['parameters'] if not a.startswith('-fdiagnostics-color')]
-    return ts['compiler'][0], ts['sources'], ['-I' + inc] + params + ['-isystem', cuda_inc] + san
+    return (ts['compiler'][0], ts['sources'] + gen,
+            ['-I' + inc] + params + ['-isystem', cuda_inc] + san)
 
 
 lines = [
@@ -213,7 +223,19 @@ for p in progs:
                   '  flags = ' + cmd(san), '  libs = ' + cmd(libs)])
 with open(os.path.join(root, bdir, 'build.ninja'), 'w') as f:
     f.write('\n'.join(lines) + '\n')
+# What the meson configuration must generate first (its custom targets make their headers
+# with their sources), one path a line.
+with open(os.path.join(root, bdir, 'generated.txt'), 'w') as f:
+    f.write(''.join(g + '\n' for g in generated))
 PY
+
+mapfile -t generated < "$bdir/generated.txt"
+if [ ${#generated[@]} -gt 0 ] &&
+  ! ninja -C "$top/meson" "${generated[@]}" > "$top/logs/generated.log" 2>&1; then
+  tail -20 "$top/logs/generated.log" >&2
+  echo "cuda_emu: cannot generate ${generated[*]} (log: $top/logs/generated.log)" >&2
+  exit 1
+fi
 
 echo "== building ${targets[*]} in $bdir"
 if ! ninja -C "$bdir" "${targets[@]}" > "$top/logs/build.log" 2>&1; then
