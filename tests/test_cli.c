@@ -4839,3 +4839,47 @@ Test(cli, plot_says_why_gnuplot_failed_in_one_line, .timeout = 120)
     cr_assert(!strncmp(o, wrote, strlen(wrote)), "%s", o);
     free(o);
 }
+
+/* Budgets zinf train refuses when it opens ("zinf.device_bytes: 700 KiB is too small") are
+ * refused by zinf config check, for the model its options name, and by train --dry-run: in
+ * train's words, exit 2. Budgets that run pass all three; the same config passes check for a
+ * model small enough, so the options are what it judges. */
+Test(cli, config_check_and_dry_run_refuse_the_budgets_train_refuses, .timeout = 180)
+{
+    static const char model[] = "--layers 2 --dim 64 --heads 2 --seq 32 --batch 2";
+    char cfg[4096], data[4096], said[2048], *o;
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    snprintf(cfg, sizeof(cfg), "%s/small.json", dir);
+    write_file(cfg, "{\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"700K\", "
+                    "\"host_bytes\": \"64M\"}}");
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 1", cfg, data, model), 2, "%s",
+                 o);
+    const char *at = strstr(o, "zinf train: zinf.device_bytes: 700 KiB is too small: ");
+    cr_assert_not_null(at, "%s", o);
+    at += strlen("zinf train: ");
+    snprintf(said, sizeof(said), "%.*s", (int)strcspn(at, "\n"), at);
+    free(o);
+    cr_assert_eq(run(&o, "config check %s %s", cfg, model), 2, "%s", o);
+    cr_expect(strstr(o, said), "config check did not say \"%s\":\n%s", said, o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --dry-run", cfg, data, model), 2, "%s",
+                 o);
+    cr_expect(strstr(o, said), "--dry-run did not say \"%s\":\n%s", said, o);
+    free(o);
+    cr_assert_eq(run(&o, "config check %s " TINY, cfg), 0, "%s", o);
+    free(o);
+
+    snprintf(cfg, sizeof(cfg), "%s/enough.json", dir);
+    write_file(cfg, "{\"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"64M\", "
+                    "\"host_bytes\": \"64M\"}}");
+    cr_assert_eq(run(&o, "config check %s %s", cfg, model), 0, "%s", o);
+    cr_expect(strstr(o, "# zinf train would run: 2 layers, dim 64, 2 heads, seq 32, batch 2"),
+              "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --dry-run", cfg, data, model), 0, "%s",
+                 o);
+    free(o);
+    cr_assert_eq(run(&o, "train --config %s --data %s %s --steps 1", cfg, data, model), 0, "%s",
+                 o);
+    free(o);
+}

@@ -174,19 +174,6 @@ static int parse_int(const char *opt, const char *s, long lo, long hi, long *out
     return 0;
 }
 
-static int parse_float(const char *opt, const char *s, float *out)
-{
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || *end || end == s || !(v >= 0)) {
-        fprintf(stderr, "zinf train: %s: expected a number >= 0, got '%s'\n", opt, s);
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
-
 static const char *const tier_names[] = {"device", "host", "nvme"};
 
 /* Make the state durable and say what it cost: one line, and one JSON line with --log. */
@@ -764,51 +751,20 @@ int cmd_train(int argc, char **argv)
     opterr = 0;
     while ((ch = getopt_long(argc, argv, "c:d:h", longopts, NULL)) != -1) {
         int bad = 0;
-        if ((ch >= O_LAYERS && ch <= O_SEED) || ch == O_PRECISION || ch == O_ACCUM)
-            given |= 1u << (ch - O_LAYERS);
+        /* The model's and the run's shape, as zinf config check takes them too. */
+        int shape = train_option_apply(ch, optarg, &o, &given, err, sizeof(err));
+        if (shape < 0) {
+            fprintf(stderr, "zinf train: %s\n", err);
+            usage(stderr);
+            return 2;
+        }
+        if (shape > 0) continue;
         switch (ch) {
         case 'c':
             o.config_path = optarg;
             break;
         case 'd':
             o.data_path = optarg;
-            break;
-        case O_LAYERS:
-            bad = parse_int("--layers", optarg, 1, 1024, &v);
-            o.model.L = (int)v;
-            break;
-        case O_DIM:
-            bad = parse_int("--dim", optarg, 1, 65536, &v);
-            o.model.C = (int)v;
-            break;
-        case O_HEADS:
-            bad = parse_int("--heads", optarg, 1, 1024, &v);
-            o.model.NH = (int)v;
-            break;
-        case O_SEQ:
-            bad = parse_int("--seq", optarg, 1, 65536, &v);
-            o.seq = (int)v;
-            break;
-        case O_BATCH:
-            bad = parse_int("--batch", optarg, 1, 65536, &v);
-            o.batch = (int)v;
-            break;
-        case O_STEPS:
-            bad = parse_int("--steps", optarg, 0, 100000000, &v);
-            o.steps = (int)v;
-            break;
-        case O_SEED:
-            bad = parse_int("--seed", optarg, 0, 0x7fffffffL, &v);
-            o.seed = (uint64_t)v;
-            break;
-        case O_LR:
-            bad = parse_float("--lr", optarg, &o.lr);
-            break;
-        case O_WD:
-            bad = parse_float("--weight-decay", optarg, &o.weight_decay);
-            break;
-        case O_CLIP:
-            bad = parse_float("--clip", optarg, &o.grad_clip);
             break;
         case O_LOG:
             log_path = optarg;
@@ -850,10 +806,6 @@ int cmd_train(int argc, char **argv)
         case O_CKPT:
             bad = parse_int("--checkpoint-every", optarg, 0, 100000000, &ckpt_every);
             break;
-        case O_ACCUM:
-            bad = parse_int("--accumulate", optarg, 1, 65536, &v);
-            o.grad_accum = (int)v;
-            break;
         case O_EVAL:
             bad = parse_int("--eval-every", optarg, 0, 100000000, &eval_every);
             break;
@@ -865,23 +817,6 @@ int cmd_train(int argc, char **argv)
             break;
         case O_SAMPLE_BYTES:
             bad = parse_int("--sample-bytes", optarg, 1, 65535, &sample_bytes);
-            break;
-        case O_PRECISION:
-            if (!strcmp(optarg, "auto"))
-                o.precision = TRAINER_PRECISION_AUTO;
-            else if (!strcmp(optarg, "fp32"))
-                o.precision = TRAINER_PRECISION_FP32;
-            else if (!strcmp(optarg, "bf16"))
-                o.precision = TRAINER_PRECISION_BF16;
-            else if (!strcmp(optarg, "fp16"))
-                o.precision = TRAINER_PRECISION_FP16;
-            else {
-                fprintf(stderr,
-                        "zinf train: --precision: expected auto, fp32, bf16 or fp16, got "
-                        "'%s'\n",
-                        optarg);
-                bad = 1;
-            }
             break;
         case 'h':
             usage(stdout);
@@ -965,7 +900,16 @@ int cmd_train(int argc, char **argv)
         }
     }
     if (dry_run) {
-        /* What would run, decided as config check decides it; nothing is opened. */
+        /* What would run, decided as config check decides it; nothing is opened. The
+         * budgets are judged as trainer_open judges them, a run they would refuse refused
+         * here in its words. */
+        struct trainer_plan pl;
+        if ((r = trainer_plan(&o, &pl, err, sizeof(err))) < 0 ||
+            (r = trainer_plan_check(&pl, err, sizeof(err))) < 0) {
+            fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
+            weights_close(init);
+            return r == -ENOMEM ? 1 : 2;
+        }
         printf("# zinf train --dry-run: %d layers, dim %d, %d heads, seq %d, %d micro-batch%s "
                "of %d per step, %d steps, %s lr %g (%s schedule), betas %g %g, eps %g, "
                "weight decay %g, clip %g, seed %llu\n",

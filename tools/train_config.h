@@ -5,6 +5,7 @@
  */
 #pragma once
 
+#include <getopt.h>
 #include <stddef.h>
 
 #include "config.h"
@@ -42,6 +43,15 @@ enum train_option {
     O_DRY_RUN,
     O_PRINT_LR
 };
+
+/* The options that shape the model and the run (O_LAYERS to O_SEED, O_PRECISION and
+ * O_ACCUM), as zinf train and zinf config check both take them: their names for
+ * getopt_long (ending with a zeroed entry), and the value of one of them (opt, its text arg)
+ * into o, its bit set in *given. 1 where opt is one of them, 0 where it is not, -EINVAL with
+ * "--NAME: what was expected" in err for a bad value. */
+extern const struct option train_shape_options[];
+int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigned *given,
+                       char *err, size_t errlen);
 
 /* What the config's keys did, for the start of the run (and for config check). */
 struct train_config_applied {

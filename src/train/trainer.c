@@ -565,11 +565,17 @@ int trainer_plan(const struct trainer_opts *o, struct trainer_plan *p, char *err
     t->opt_tier = optimizer_tier(t);
     if ((r = train_zero_shape(t, false, err, errlen)) < 0) goto out;
     if ((r = layout(t, err, errlen)) < 0) goto out;
-    uint64_t homes[MEM_TIERS];
-    const char *what[MEM_TIERS];
-    train_min_budgets(t, p->min_budget, homes, what);
+    train_min_budgets(t, p->min_budget, p->homes, p->what);
     p->budget[ZINF_TIER_DEVICE] = t->zc.zinf.device_bytes;
     p->budget[ZINF_TIER_HOST] = t->zc.zinf.host_bytes;
+    /* As the tiers round them when they open (device.c, host.c): the emulated arena in
+     * 4 KiB granules, 1 GiB where no budget is given; the host tier in ZINF_ALIGN units. A
+     * GPU's own budget and a daemon's job are known only once opened. */
+    if (!t->remote) {
+        uint64_t dev = t->zc.zinf.device_bytes, host = t->zc.zinf.host_bytes;
+        if (dev || !cuda) p->capacity[ZINF_TIER_DEVICE] = align_up(dev ? dev : GiB, 4 * KiB);
+        p->capacity[ZINF_TIER_HOST] = align_up(host ? host : GiB, ZINF_ALIGN);
+    }
     p->derived = t->budgets;
     p->cuda = cuda;
     p->stage = t->world > 1 ? t->stage : 0;
@@ -578,6 +584,12 @@ out:
     t->be = NULL;
     trainer_close(t);
     return r;
+}
+
+int trainer_plan_check(const struct trainer_plan *p, char *err, size_t errlen)
+{
+    if (!p || !err || !errlen) return -EINVAL;
+    return train_budget_refusal(p->capacity, p->min_budget, p->homes, p->what, err, errlen);
 }
 
 /* Whether each step's update is deferred to the next forward (trainer_opts.

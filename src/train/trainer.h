@@ -280,9 +280,18 @@ struct trainer_plan {
     uint64_t param_count;
     int stage;               /* ZeRO's (0 with one rank) */
     bool cuda;               /* the device tier is a GPU's */
+    /* What the tiers would hold, as the engine rounds the budgets (0: not known here, a
+     * GPU's free memory at open or a daemon's job); of min_budget, the tensors homed on
+     * each tier for good and the set a step pins there at once (NULL: none). */
+    uint64_t capacity[2], homes[2];
+    const char *what[2];
 };
 /* 0, or -errno with one line in err (what trainer_open would say of the options). */
 int trainer_plan(const struct trainer_opts *o, struct trainer_plan *p, char *err, size_t errlen);
+/* Whether the plan's budgets run every step: 0, or -EINVAL with trainer_open's refusal in err
+ * ("zinf.device_bytes: 700 KiB is too small: ..."), in the same words. A tier whose capacity
+ * is not known here is taken as large enough. */
+int trainer_plan_check(const struct trainer_plan *p, char *err, size_t errlen);
 
 void trainer_opts_defaults(struct trainer_opts *o);
 /* What a config's "auto" becomes for these options, as Hugging Face's Trainer fills it

@@ -265,6 +265,9 @@ uint64_t train_wave_need(const struct trainer *t, const struct wave *w, enum zin
                          unsigned roles);
 void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
                        const char *what[MEM_TIERS]);
+int train_budget_refusal(const uint64_t cap[MEM_TIERS], const uint64_t need[MEM_TIERS],
+                         const uint64_t homes[MEM_TIERS], const char *const what[MEM_TIERS],
+                         char *err, size_t errlen);
 int train_check_budgets(struct trainer *t, char *err, size_t errlen);
 int train_scratch_reset(struct trainer *t);
 uint64_t train_scratch_bytes(struct trainer *t);

@@ -171,26 +171,22 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
         need[k] += homes[k];
 }
 
-/* Refuse, before anything runs, budgets with which a step could not run, naming the
- * smallest ones that would (zinf.device_bytes and zinf.host_bytes take them as they are). */
-int train_check_budgets(struct trainer *t, char *err, size_t errlen)
+/* The refusal of budgets under what a step needs (cap[k] < need[k]; cap[k] 0: not known,
+ * taken as enough), naming the smallest ones that would run (zinf.device_bytes and
+ * zinf.host_bytes take them as they are): -EINVAL with it in err, or 0. trainer_open and
+ * trainer_plan_check say it in the same words. */
+int train_budget_refusal(const uint64_t cap[MEM_TIERS], const uint64_t need[MEM_TIERS],
+                         const uint64_t homes[MEM_TIERS], const char *const what[MEM_TIERS],
+                         char *err, size_t errlen)
 {
     static const char *const key[MEM_TIERS] = {"zinf.device_bytes", "zinf.host_bytes"};
     static const char *const where[MEM_TIERS] = {"the device", "the host tier"};
-    uint64_t need[MEM_TIERS], homes[MEM_TIERS];
-    const char *what[MEM_TIERS];
-    struct zinf_stats st;
     size_t len = 0;
 
-    train_min_budgets(t, need, homes, what);
-    t->min_budget[ZINF_TIER_DEVICE] = need[ZINF_TIER_DEVICE];
-    t->min_budget[ZINF_TIER_HOST] = need[ZINF_TIER_HOST];
-    zinf_stats(t->e, &st);
     err[0] = '\0';
     for (int k = 0; k < MEM_TIERS; k++) {
-        uint64_t cap = st.tier[k].capacity_bytes;
         char a[32], b[32], c[32], d[32];
-        if (cap >= need[k] || len >= errlen) continue;
+        if (!cap[k] || cap[k] >= need[k] || len >= errlen) continue;
         char pins[160] = "", homed[96] = "";
         if (what[k])
             snprintf(pins, sizeof(pins), "%s pins %s on %s at once", what[k],
@@ -200,7 +196,7 @@ int train_check_budgets(struct trainer *t, char *err, size_t errlen)
                      format_size(homes[k], d, sizeof(d)));
         len += (size_t)snprintf(
             err + len, errlen - len, "%s%s: %s is too small: %s%s; %s (%llu bytes) runs",
-            len ? "; " : "", key[k], format_size(cap, a, sizeof(a)), pins, homed,
+            len ? "; " : "", key[k], format_size(cap[k], a, sizeof(a)), pins, homed,
             format_size(need[k], b, sizeof(b)), (unsigned long long)need[k]);
     }
     if (!len) return 0;
@@ -212,6 +208,23 @@ int train_check_budgets(struct trainer *t, char *err, size_t errlen)
                  (unsigned long long)need[ZINF_TIER_DEVICE],
                  (unsigned long long)need[ZINF_TIER_HOST]);
     return -EINVAL;
+}
+
+/* Refuse, before anything runs, budgets with which a step could not run: the engine's
+ * tiers as they opened, against what the steps need. */
+int train_check_budgets(struct trainer *t, char *err, size_t errlen)
+{
+    uint64_t need[MEM_TIERS], homes[MEM_TIERS], cap[MEM_TIERS];
+    const char *what[MEM_TIERS];
+    struct zinf_stats st;
+
+    train_min_budgets(t, need, homes, what);
+    t->min_budget[ZINF_TIER_DEVICE] = need[ZINF_TIER_DEVICE];
+    t->min_budget[ZINF_TIER_HOST] = need[ZINF_TIER_HOST];
+    zinf_stats(t->e, &st);
+    for (int k = 0; k < MEM_TIERS; k++)
+        cap[k] = st.tier[k].capacity_bytes;
+    return train_budget_refusal(cap, need, homes, what, err, errlen);
 }
 
 static int reg(struct trainer *t, const char *prefix, const char *name, size_t bytes,
