@@ -4883,3 +4883,26 @@ Test(cli, config_check_and_dry_run_refuse_the_budgets_train_refuses, .timeout = 
                  o);
     free(o);
 }
+
+/* zinf train --help and its page name every optimizer and scheduler the config parser takes,
+ * say --lr is the optimizer's (not AdamW's alone), that on the CPU 16-bit runs keep their
+ * activations and gradients in fp32, and that an option contradicting an explicit DeepSpeed
+ * value is refused, not taken over it. */
+Test(cli, config_help_names_every_optimizer_and_scheduler)
+{
+    static const char *const says[] = {"Adam", "AdamW", "Lamb", "WarmupLR", "WarmupDecayLR",
+                                       "WarmupCosineLR", "OneCycle", "LRRangeTest",
+                                       "the optimizer's learning rate",
+                                       "activations and gradients stay fp32", "is refused"};
+    static const char *const cmds[] = {"train --help", "help train"};
+    for (size_t c = 0; c < ARRAY_SIZE(cmds); c++) {
+        char *o;
+        cr_assert_eq(run(&o, "%s", cmds[c]), 0, "%s", o);
+        for (size_t k = 0; k < ARRAY_SIZE(says); k++)
+            cr_expect(strstr(o, says[k]), "zinf %s does not say '%s'", cmds[c], says[k]);
+        cr_expect_null(strstr(o, "AdamW learning rate"), "zinf %s: %s", cmds[c], o);
+        cr_expect_null(strstr(o, "The options above take precedence."), "zinf %s: %s", cmds[c],
+                       o);
+        free(o);
+    }
+}
