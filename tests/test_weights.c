@@ -7,12 +7,14 @@
  * $ZINF_BIN (set by meson). What transformers makes of the export: bench/hf_check.py.
  */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <jansson.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -560,4 +562,206 @@ Test(weights, init_takes_a_tied_lm_head_only)
         }
         free(o);
     }
+}
+
+/* The keys of a Hugging Face config.json that change what GPT-2 computes are held to what the
+ * trainer computes: a value it cannot is refused naming the file, the key and the value
+ * (beside a file as in a folder), not trained as another model; the other names of its GELU
+ * are taken, and dropout, which it does not apply, is said. */
+Test(weights, init_refuses_config_json_keys_the_trainer_does_not_compute, .timeout = 240)
+{
+    char cfg[4096], data[4096], hf[4096], cj[4200], m[4200], *o;
+    files("cj", 0, cfg, data);
+    snprintf(hf, sizeof(hf), "%s/hf", dir);
+    snprintf(cj, sizeof(cj), "%s/config.json", hf);
+    snprintf(m, sizeof(m), "%s/model.safetensors", hf);
+    cr_assert_eq(run(&o, "train --config %s --data %s " MODEL " --steps 0 --export-hf %s", cfg,
+                     data, hf),
+                 0, "%s", o);
+    free(o);
+    json_t *orig = json_load_file(cj, 0, NULL);
+    cr_assert_not_null(orig);
+    static const struct {
+        const char *key, *json, *says;
+    } cases[] = {
+        {"activation_function", "\"relu\"", "config.json: activation_function \"relu\": "},
+        {"activation_function", "\"gelu\"", "config.json: activation_function \"gelu\": "},
+        {"layer_norm_epsilon", "1e-6", "config.json: layer_norm_epsilon 1e-06: zinf's LayerNorm "
+                                       "adds 1e-05"},
+        {"scale_attn_weights", "false", "config.json: scale_attn_weights false: "},
+        {"scale_attn_by_inverse_layer_idx", "true",
+         "config.json: scale_attn_by_inverse_layer_idx true: "},
+        {"tie_word_embeddings", "false", "config.json: tie_word_embeddings false: "},
+        {"model_type", "\"gpt_neo\"", "config.json: model_type gpt_neo: "},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        json_t *c = json_deep_copy(orig);
+        json_object_set_new(c, cases[i].key, json_loads(cases[i].json, JSON_DECODE_ANY, NULL));
+        cr_assert_eq(json_dump_file(c, cj, 0), 0);
+        json_decref(c);
+        const char *at[2] = {m, hf};
+        for (int k = 0; k < 2; k++) {
+            cr_assert_eq(run(&o, "train --config %s --data %s " MODEL " --steps 1 --overwrite "
+                                 "--init %s",
+                             cfg, data, at[k]),
+                         2, "%s = %s (--init %s): %s", cases[i].key, cases[i].json, at[k], o);
+            cr_expect(strstr(o, cases[i].says) && strstr(o, cj), "%s = %s (--init %s): %s",
+                      cases[i].key, cases[i].json, at[k], o);
+            free(o);
+        }
+    }
+    /* GELU's tanh approximation under its other name, and dropout: taken, dropout said. */
+    json_t *c = json_deep_copy(orig);
+    json_object_set_new(c, "activation_function", json_string("gelu_pytorch_tanh"));
+    json_object_set_new(c, "resid_pdrop", json_real(0.1));
+    cr_assert_eq(json_dump_file(c, cj, 0), 0);
+    json_decref(c);
+    json_decref(orig);
+    cr_assert_eq(run(&o, "train --config %s --data %s " MODEL " --steps 1 --overwrite --init %s",
+                     cfg, data, hf),
+                 0, "%s", o);
+    cr_expect(strstr(o, "# init: resid_pdrop 0.1 in ") &&
+                  strstr(o, "not applied, zinf trains without dropout"),
+              "%s", o);
+    free(o);
+}
+
+/* A FIFO (or another file that is not a regular one) is refused at once, not waited on. */
+Test(weights, init_refuses_a_fifo_without_waiting, .timeout = 60)
+{
+    char cfg[4096], data[4096], fifo[4096], cmd[16384];
+    files("fifo", 0, cfg, data);
+    snprintf(fifo, sizeof(fifo), "%s/weights.safetensors", dir);
+    cr_assert_eq(mkfifo(fifo, 0600), 0, "%s", strerror(errno));
+    snprintf(cmd, sizeof(cmd),
+             "timeout 20 %s train --config %s --data %s " MODEL " --steps 1 --init %s 2>&1",
+             getenv("ZINF_BIN"), cfg, data, fifo);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    char out[4096] = "";
+    size_t n = fread(out, 1, sizeof(out) - 1, p);
+    out[n] = '\0';
+    int st = pclose(p);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 2, "exit %d (124: it waited on the FIFO): %s",
+              WIFEXITED(st) ? WEXITSTATUS(st) : -1, out);
+    cr_expect(strstr(out, "weights.safetensors: a FIFO: --init reads a safetensors file"), "%s",
+              out);
+}
+
+/* PyTorch's own files (torch.save: a zip of pickles, or a bare pickle) are said to be that,
+ * with how to convert them, not taken for a broken safetensors file. */
+Test(weights, init_says_a_pytorch_pickle_is_not_safetensors)
+{
+    char cfg[4096], data[4096], bin[4096], *o;
+    files("pickle", 0, cfg, data);
+    static const struct {
+        const char *bytes;
+        size_t len;
+        const char *says;
+    } cases[] = {{"PK\x03\x04\x14\x00\x00\x00\x08\x00junk of a zip", 23, "a PyTorch zip archive"},
+                 {"\x80\x02}q\x00(X\x04\x00\x00\x00wte.q", 18, "a PyTorch pickle"},
+                 {"\x80\x04\x95", 3, "a PyTorch pickle"}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        snprintf(bin, sizeof(bin), "%s/pytorch_model%zu.bin", dir, i);
+        FILE *f = fopen(bin, "wb");
+        cr_assert_not_null(f);
+        fwrite(cases[i].bytes, 1, cases[i].len, f);
+        fclose(f);
+        cr_assert_eq(run(&o, "train --config %s --data %s " MODEL " --steps 1 --init %s", cfg,
+                         data, bin),
+                     2, "%s", o);
+        cr_expect(strstr(o, cases[i].says) && strstr(o, "not a safetensors file") &&
+                      strstr(o, "save_pretrained(OUT, safe_serialization=True)"),
+                  "%s", o);
+        cr_expect_null(strstr(o, "header of"), "%s", o);
+        free(o);
+    }
+}
+
+/* Split the safetensors file src into two shards in folder d, with the
+ * model.safetensors.index.json that maps each tensor to its shard (leaving out the tensor
+ * named drop, when not NULL), as save_pretrained writes a large model. */
+static void shard_into(const char *src, const char *d, const char *drop)
+{
+    struct st_file s, part[2];
+    st_load(src, &s);
+    json_t *map = json_object();
+    for (int k = 0; k < 2; k++) {
+        part[k].h = json_object();
+        part[k].data = malloc(s.len);
+        part[k].len = 0;
+    }
+    const char *name;
+    json_t *v;
+    int i = 0;
+    json_object_foreach(s.h, name, v) {
+        if (!strcmp(name, "__metadata__")) continue;
+        int k = i++ % 2;
+        size_t n;
+        const unsigned char *bytes = st_tensor(&s, name, &n);
+        memcpy(part[k].data + part[k].len, bytes, n);
+        json_t *e = json_deep_copy(v);
+        json_object_set_new(e, "data_offsets", json_pack("[I, I]", (json_int_t)part[k].len,
+                                                         (json_int_t)(part[k].len + n)));
+        json_object_set_new(part[k].h, name, e);
+        part[k].len += n;
+        if (!drop || strcmp(drop, name))
+            json_object_set_new(map, name, json_string(k ? "model-00002-of-00002.safetensors"
+                                                          : "model-00001-of-00002.safetensors"));
+    }
+    char p[4200];
+    for (int k = 0; k < 2; k++) {
+        snprintf(p, sizeof(p), "%s/model-0000%d-of-00002.safetensors", d, k + 1);
+        st_save(p, &part[k]);
+        st_free(&part[k]);
+    }
+    snprintf(p, sizeof(p), "%s/model.safetensors.index.json", d);
+    json_t *ix = json_pack("{s:{s:I}, s:o}", "metadata", "total_size", (json_int_t)s.len,
+                           "weight_map", map);
+    cr_assert_eq(json_dump_file(ix, p, JSON_INDENT(2)), 0);
+    json_decref(ix);
+    st_free(&s);
+}
+
+/* A Hugging Face folder is taken as its model.safetensors is, and so are its shards with
+ * their index: the same first step's loss, to the bit. An index that leaves out a tensor a
+ * shard holds is refused, naming it. */
+Test(weights, init_takes_a_hugging_face_folder_as_its_file, .timeout = 240)
+{
+    char cfg[4096], data[4096], hf[4096], sh[4096], m[4200], cj[4200], log[4096], v0[64],
+        v[64], *o;
+    files("folder", 0, cfg, data);
+    snprintf(hf, sizeof(hf), "%s/hf", dir);
+    snprintf(sh, sizeof(sh), "%s/sharded", dir);
+    snprintf(m, sizeof(m), "%s/model.safetensors", hf);
+    cr_assert_eq(run(&o, "train --config %s --data %s " MODEL " --steps 2 --export-hf %s", cfg,
+                     data, hf),
+                 0, "%s", o);
+    free(o);
+    cr_assert_eq(mkdir(sh, 0755), 0);
+    shard_into(m, sh, NULL);
+    char cmd[8400];
+    snprintf(cj, sizeof(cj), "%s/config.json", sh);
+    snprintf(cmd, sizeof(cmd), "cp %s/config.json %s", hf, cj);
+    cr_assert_eq(system(cmd), 0);
+    const char *from[3] = {m, hf, sh};
+    for (int k = 0; k < 3; k++) {
+        snprintf(log, sizeof(log), "%s/from%d.jsonl", dir, k);
+        cr_assert_eq(run(&o, "train --config %s --data %s " MODEL " --steps 1 --overwrite "
+                             "--init %s --log %s",
+                         cfg, data, from[k], log),
+                     0, "--init %s: %s", from[k], o);
+        free(o);
+        log_value(log, "loss", k ? v : v0, sizeof(v));
+        if (k) cr_expect_str_eq(v, v0, "--init %s: step 1's loss %s, the file's %s", from[k], v, v0);
+    }
+    /* A tensor in a shard that the index does not list. */
+    shard_into(m, sh, "transformer.ln_f.bias");
+    cr_assert_eq(run(&o, "train --config %s --data %s " MODEL " --steps 1 --overwrite --init %s",
+                     cfg, data, sh),
+                 2, "%s", o);
+    cr_expect(strstr(o, "tensor 'transformer.ln_f.bias' is in ") &&
+                  strstr(o, "model.safetensors.index.json does not list it"),
+              "%s", o);
+    free(o);
 }

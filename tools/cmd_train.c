@@ -10,8 +10,9 @@
  * crash loses at most the steps since the last checkpoint. SIGINT/SIGTERM (and SIGHUP, and
  * SIGPIPE: whoever read the output is gone) finish the step, flush, and exit with 128 + the
  * signal (the JSON summary says "interrupted": true): --resume continues exactly
- * from there. --init starts from the weights of a safetensors file (checked whole before the
- * run opens), --export and --export-hf write them out at the end (weights_io.c).
+ * from there. --init starts from the weights of a safetensors file or a Hugging Face folder
+ * (checked whole before the run opens), --export and --export-hf write them out at the end
+ * (weights_io.c).
  */
 #include <errno.h>
 #include <jansson.h>
@@ -101,11 +102,13 @@ static void usage(FILE *f)
         "  --export-hf DIR   at the end, write DIR/model.safetensors and DIR/config.json:\n"
         "                    the weights under GPT-2's names and layout, which Hugging\n"
         "                    Face's GPT2LMHeadModel.from_pretrained(DIR) loads as this model\n"
-        "  --init FILE.safetensors\n"
+        "  --init FILE.safetensors | DIR\n"
         "                    start a new run from these weights (an --export or --export-hf\n"
-        "                    file; F32, BF16 or F16) instead of random ones: names, shapes and\n"
-        "                    the model's size are checked first, exit 2 on a mismatch; the\n"
-        "                    Adam states start at zero (not with --resume)\n"
+        "                    file, or a Hugging Face GPT-2 folder: model.safetensors or its\n"
+        "                    shards, and config.json; F32, BF16 or F16) instead of random\n"
+        "                    ones: names, shapes, the model's size and config.json's keys are\n"
+        "                    checked first, exit 2 on a mismatch; the Adam states start at\n"
+        "                    zero (not with --resume)\n"
         "  --trace FILE.json write a timeline of the run (Chrome trace events: open it in\n"
         "                    ui.perfetto.dev or chrome://tracing); ZINF_TRACE=FILE does the\n"
         "                    same for any program using the library\n"
@@ -944,6 +947,8 @@ int cmd_train(int argc, char **argv)
                    4 + GPT_BLOCK_NSLOTS * o.model.L, weights_file_names(init) == WEIGHTS_ZINF
                                                         ? "zinf's names"
                                                         : "GPT-2's names");
+        if (init && weights_file_notes(init)[0])
+            printf("# --init: %s\n", weights_file_notes(init));
         weights_close(init);
         return fflush(stdout) == 0 ? 0 : 1;
     }
@@ -1092,6 +1097,7 @@ int cmd_train(int argc, char **argv)
         printf("# init: %d tensors from %s (%s), saved as step 0\n",
                4 + GPT_BLOCK_NSLOTS * o.model.L, init_path,
                weights_file_names(init) == WEIGHTS_ZINF ? "zinf's names" : "GPT-2's names");
+        if (weights_file_notes(init)[0]) printf("# init: %s\n", weights_file_notes(init));
         weights_close(init);
         init = NULL;
     }

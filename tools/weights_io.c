@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -143,6 +144,7 @@ static const char *shape_text(int ndim, const uint64_t *shape, char *buf, size_t
 
 struct entry {
     const char *name; /* the header's, alive as long as it */
+    int file;         /* the shard that holds it: index into weights_file.files */
     int dtype;        /* index into dtypes[] */
     int ndim;
     uint64_t shape[MAX_DIMS];
@@ -150,14 +152,24 @@ struct entry {
     bool used;
 };
 
-struct weights_file {
+/* One safetensors file: the whole model, or one shard of a Hugging Face folder's. */
+struct shard {
     char *path;
     int fd;
     json_t *header;
-    json_t *index; /* name -> entry, for find() */
     uint64_t data_start; /* 8 + the header's length */
+};
+
+struct weights_file {
+    char *path;  /* as given: a file, or a folder */
+    struct shard *files;
+    int nfiles;
+    json_t *index; /* name -> entry, for find() */
     int n;
     struct entry *e;
+    json_t *config;    /* the config.json that goes with it, or NULL */
+    char *config_path; /* where that is */
+    char notes[512];   /* what the run leaves out of what the files say: weights_file_notes() */
     enum weights_names names;
     int ntensors;
     struct gpt_tensor_desc *desc;
@@ -252,33 +264,76 @@ static void parse_entry(struct problems *p, const char *key, json_t *v, struct e
     }
 }
 
-/* The header and the data's extent: everything but the names. */
-static int read_header(struct weights_file *w, struct problems *p, char *err, size_t errlen)
+/* What a file that is not a regular one is, for the message that refuses it. */
+static const char *kind_of(mode_t m)
 {
+    return S_ISDIR(m)    ? "a folder"
+           : S_ISFIFO(m) ? "a FIFO"
+           : S_ISSOCK(m) ? "a socket"
+           : S_ISCHR(m)  ? "a character device"
+           : S_ISBLK(m)  ? "a block device"
+                         : "not a regular file";
+}
+
+/* name, relative to the folder dfd (AT_FDCWD: as it is), opened for reading without waiting
+ * for a writer (a FIFO would block an open without O_NONBLOCK for good), and its type:
+ * the fd, or -errno. Links are followed: Hugging Face's cache keeps a model's files as
+ * links to its blobs. */
+static int open_file(int dfd, const char *name, struct stat *st)
+{
+    int fd = openat(dfd, name, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+    if (fd < 0) return -errno;
+    if (fstat(fd, st) < 0) {
+        int r = -errno;
+        close(fd);
+        return r;
+    }
+    return fd;
+}
+
+/* Shard k's header and the data's extent: its entries appended to w->e, everything but the
+ * names checked. */
+static int read_header(struct weights_file *w, int k, struct problems *p, char *err,
+                       size_t errlen)
+{
+    struct shard *f = &w->files[k];
     struct stat st;
-    if (fstat(w->fd, &st) < 0) {
-        snprintf(err, errlen, "%s: %s", w->path, strerror(errno));
+    if (fstat(f->fd, &st) < 0) {
+        snprintf(err, errlen, "%s: %s", f->path, strerror(errno));
         return -errno;
     }
     if (!S_ISREG(st.st_mode)) {
-        say(p, "not a regular file");
+        say(p, "%s, not a safetensors file", kind_of(st.st_mode));
         return problems_end(p);
     }
     uint64_t size = (uint64_t)st.st_size;
     unsigned char len8[8];
+    int r = pread_full(f->fd, len8, (size_t)MIN(size, 8), 0);
+    if (r < 0) {
+        snprintf(err, errlen, "%s: %s", f->path, strerror(-r));
+        return r;
+    }
+    /* torch.save's files: a zip archive of pickles (since PyTorch 1.6), or a pickle (its
+     * protocol 2 to 5 opens with 0x80 and the protocol's number). */
+    bool zip = size >= 4 && !memcmp(len8, "PK\x03\x04", 4);
+    if (zip || (size >= 2 && len8[0] == 0x80 && len8[1] >= 2 && len8[1] <= 5)) {
+        say(p,
+            "a PyTorch %s (as torch.save writes, pytorch_model.bin), not a safetensors file: "
+            "convert it in Python, with transformers: "
+            "GPT2LMHeadModel.from_pretrained(DIR).save_pretrained(OUT, safe_serialization=True) "
+            "writes OUT/model.safetensors; or with safetensors: "
+            "safetensors.torch.save_file(torch.load(FILE), \"model.safetensors\")",
+            zip ? "zip archive of pickles" : "pickle");
+        return problems_end(p);
+    }
     if (size < 8) {
         say(p, "not a safetensors file: %llu bytes, fewer than the 8 of the header's length",
             (unsigned long long)size);
         return problems_end(p);
     }
-    int r = pread_full(w->fd, len8, 8, 0);
-    if (r < 0) {
-        snprintf(err, errlen, "%s: %s", w->path, strerror(-r));
-        return r;
-    }
     uint64_t hlen = 0;
-    for (int k = 7; k >= 0; k--)
-        hlen = hlen << 8 | len8[k];
+    for (int b = 7; b >= 0; b--)
+        hlen = hlen << 8 | len8[b];
     if (hlen > size - 8 || hlen > MAX_HEADER_BYTES || hlen < 2) {
         say(p,
             "not a safetensors file, or a truncated one: its first 8 bytes give a header of "
@@ -288,37 +343,39 @@ static int read_header(struct weights_file *w, struct problems *p, char *err, si
     }
     char *text = malloc(hlen);
     if (!text) {
-        snprintf(err, errlen, "%s: a header of %llu bytes: out of memory", w->path,
+        snprintf(err, errlen, "%s: a header of %llu bytes: out of memory", f->path,
                  (unsigned long long)hlen);
         return -ENOMEM;
     }
-    if ((r = pread_full(w->fd, text, hlen, 8)) < 0) {
+    if ((r = pread_full(f->fd, text, hlen, 8)) < 0) {
         free(text);
-        snprintf(err, errlen, "%s: %s", w->path, strerror(-r));
+        snprintf(err, errlen, "%s: %s", f->path, strerror(-r));
         return r;
     }
     json_error_t je;
     bool brace = text[0] == '{';
-    w->header = brace ? json_loadb(text, hlen, JSON_REJECT_DUPLICATES, &je) : NULL;
+    f->header = brace ? json_loadb(text, hlen, JSON_REJECT_DUPLICATES, &je) : NULL;
     free(text);
-    if (!json_is_object(w->header)) {
+    if (!json_is_object(f->header)) {
         say(p, "not a safetensors file: its header is not a JSON object (%s)",
-            !brace ? "it does not start with '{'" : w->header ? "another JSON value" : je.text);
+            !brace ? "it does not start with '{'" : f->header ? "another JSON value" : je.text);
         return problems_end(p);
     }
-    w->data_start = 8 + hlen;
-    size_t cap = json_object_size(w->header);
-    w->e = calloc(cap ? cap : 1, sizeof(*w->e));
-    w->index = json_object();
+    f->data_start = 8 + hlen;
+    size_t cap = json_object_size(f->header);
+    struct entry *grown = realloc(w->e, ((size_t)w->n + cap + 1) * sizeof(*w->e));
+    if (grown) w->e = grown;
+    if (!w->index) w->index = json_object();
     struct entry **by = calloc(cap ? cap : 1, sizeof(*by));
-    if (!w->e || !w->index || !by) {
+    if (!grown || !w->index || !by) {
         free(by);
-        snprintf(err, errlen, "%s: out of memory", w->path);
+        snprintf(err, errlen, "%s: out of memory", f->path);
         return -ENOMEM;
     }
+    int first = w->n;
     const char *key;
     json_t *v;
-    json_object_foreach(w->header, key, v) {
+    json_object_foreach(f->header, key, v) {
         if (!strcmp(key, "__metadata__")) {
             const char *mk;
             json_t *mv;
@@ -327,7 +384,14 @@ static int read_header(struct weights_file *w, struct problems *p, char *err, si
             if (!ok) say(p, "bad header: __metadata__ is not an object of strings");
             continue;
         }
+        json_t *had = json_object_get(w->index, key);
+        if (had) {
+            say(p, "tensor '%s' is in %s too", key,
+                w->files[w->e[json_integer_value(had)].file].path);
+            continue;
+        }
         json_object_set_new(w->index, key, json_integer(w->n));
+        w->e[w->n] = (struct entry){.file = k};
         parse_entry(p, key, v, &w->e[w->n++]);
     }
     if (p->n) {
@@ -335,11 +399,12 @@ static int read_header(struct weights_file *w, struct problems *p, char *err, si
         return problems_end(p);
     }
     /* The ranges cover the data exactly, in some order, without a gap or an overlap. */
-    for (int i = 0; i < w->n; i++)
-        by[i] = &w->e[i];
-    qsort(by, (size_t)w->n, sizeof(*by), entry_cmp);
+    int n = w->n - first;
+    for (int i = 0; i < n; i++)
+        by[i] = &w->e[first + i];
+    qsort(by, (size_t)n, sizeof(*by), entry_cmp);
     uint64_t at = 0;
-    for (int i = 0; i < w->n && !p->n; i++) {
+    for (int i = 0; i < n && !p->n; i++) {
         if (by[i]->begin != at)
             say(p, "bad header: tensor '%s' starts at byte %llu of the data, %s at %llu",
                 by[i]->name, (unsigned long long)by[i]->begin,
@@ -350,7 +415,7 @@ static int read_header(struct weights_file *w, struct problems *p, char *err, si
     }
     free(by);
     if (p->n) return problems_end(p);
-    uint64_t have = size - w->data_start;
+    uint64_t have = size - f->data_start;
     if (have < at)
         say(p, "truncated: the header gives %llu bytes of tensor data, the file holds %llu",
             (unsigned long long)at, (unsigned long long)have);
@@ -358,6 +423,156 @@ static int read_header(struct weights_file *w, struct problems *p, char *err, si
         say(p, "%llu bytes after the last tensor's data (the header gives %llu bytes, the file "
                "holds %llu)",
             (unsigned long long)(have - at), (unsigned long long)at, (unsigned long long)have);
+    return problems_end(p);
+}
+
+/* A file of the model, open as fd, at path: added to w->files. 0 or -ENOMEM (fd closed). */
+static int add_file(struct weights_file *w, const char *path, int fd)
+{
+    struct shard *grown = realloc(w->files, ((size_t)w->nfiles + 1) * sizeof(*grown));
+    char *copy = strdup(path);
+    if (!grown || !copy) {
+        if (grown) w->files = grown;
+        free(copy);
+        close(fd);
+        return -ENOMEM;
+    }
+    w->files = grown;
+    w->files[w->nfiles++] = (struct shard){.path = copy, .fd = fd};
+    return 0;
+}
+
+/* A JSON file of a Hugging Face folder (dfd), opened as open_file opens: its object, or NULL
+ * with a problem said under its path (also kept in *path_out, len bytes); *absent where it
+ * does not exist (nothing said). */
+static json_t *load_json(int dfd, const char *dir, const char *name, struct problems *p,
+                         char *path_out, size_t len, bool *absent)
+{
+    struct stat st;
+    json_error_t je;
+    const char *was = p->path;
+    snprintf(path_out, len, "%s%s%s", dir, dir[0] && dir[strlen(dir) - 1] != '/' ? "/" : "",
+             name);
+    *absent = false;
+    int fd = open_file(dfd, name, &st);
+    if (fd == -ENOENT) {
+        *absent = true;
+        return NULL;
+    }
+    p->path = path_out;
+    json_t *j = NULL;
+    if (fd < 0)
+        say(p, "%s", strerror(-fd));
+    else if (!S_ISREG(st.st_mode))
+        say(p, "%s, not a JSON file", kind_of(st.st_mode));
+    else if (!(j = json_loadfd(fd, JSON_REJECT_DUPLICATES, &je)))
+        say(p, "not JSON: line %d: %s", je.line, je.text);
+    else if (!json_is_object(j)) {
+        say(p, "not a JSON object");
+        json_decref(j);
+        j = NULL;
+    }
+    if (fd >= 0) close(fd);
+    p->path = was;
+    return j;
+}
+
+/* A Hugging Face folder (dfd, at dir): model.safetensors, or the shards that
+ * model.safetensors.index.json's weight_map names, each read and checked, and the map held
+ * to (every tensor in the shard it names, and no other). */
+static int open_folder(struct weights_file *w, int dfd, struct problems *p, char *err,
+                       size_t errlen)
+{
+    struct stat st;
+    char path[4200];
+    bool absent;
+    int r, fd = open_file(dfd, "model.safetensors", &st);
+    snprintf(path, sizeof(path), "%s%smodel.safetensors", w->path,
+             w->path[strlen(w->path) - 1] != '/' ? "/" : "");
+    if (fd >= 0 || fd != -ENOENT) {
+        if (fd < 0) {
+            snprintf(err, errlen, "%s: %s", path, strerror(-fd));
+            return fd;
+        }
+        if ((r = add_file(w, path, fd)) < 0) {
+            snprintf(err, errlen, "%s: out of memory", path);
+            return r;
+        }
+        p->path = w->files[0].path;
+        r = read_header(w, 0, p, err, errlen);
+        p->path = w->path;
+        return r;
+    }
+    json_t *ix = load_json(dfd, w->path, "model.safetensors.index.json", p, path, sizeof(path),
+                           &absent);
+    if (absent) {
+        say(p, "a folder without model.safetensors or model.safetensors.index.json: --init "
+               "reads a safetensors file, or a Hugging Face folder holding one (or its shards)");
+        return problems_end(p);
+    }
+    json_t *map = json_object_get(ix, "weight_map");
+    if (ix && !json_is_object(map)) {
+        const char *was = p->path;
+        p->path = path;
+        say(p, "no \"weight_map\" object (tensor name -> shard file)");
+        p->path = was;
+    }
+    if (p->n) {
+        json_decref(ix);
+        return problems_end(p);
+    }
+    /* Each shard once, in the order the map first names it: a plain name in this folder. */
+    const char *key;
+    json_t *v;
+    json_t *seen = json_object();
+    r = seen ? 0 : -ENOMEM;
+    json_object_foreach(map, key, v) {
+        const char *shard = json_string_value(v);
+        if (r < 0 || p->n) break;
+        if (!shard || !shard[0] || strchr(shard, '/') || !strcmp(shard, "..") ||
+            !strcmp(shard, ".")) {
+            const char *was = p->path;
+            p->path = path;
+            say(p, "weight_map: tensor '%s': the shard is not a file name in this folder", key);
+            p->path = was;
+            break;
+        }
+        if (json_object_get(seen, shard)) continue;
+        json_object_set_new(seen, shard, json_integer(w->nfiles));
+        char sp[4200];
+        snprintf(sp, sizeof(sp), "%s%s%s", w->path,
+                 w->path[strlen(w->path) - 1] != '/' ? "/" : "", shard);
+        fd = open_file(dfd, shard, &st);
+        if (fd < 0) {
+            snprintf(err, errlen, "%s: %s (named by %s)", sp, strerror(-fd), path);
+            r = fd == -ENOENT ? -EINVAL : fd;
+            break;
+        }
+        if ((r = add_file(w, sp, fd)) < 0) {
+            snprintf(err, errlen, "%s: out of memory", sp);
+            break;
+        }
+        p->path = w->files[w->nfiles - 1].path;
+        r = read_header(w, w->nfiles - 1, p, err, errlen);
+        p->path = w->path;
+    }
+    /* The map and the shards agree, both ways. */
+    for (int i = 0; r == 0 && !p->n && i < w->n; i++) {
+        const char *in = json_string_value(json_object_get(map, w->e[i].name));
+        json_t *at = in ? json_object_get(seen, in) : NULL;
+        if (!at || json_integer_value(at) != w->e[i].file)
+            say(p, "tensor '%s' is in %s, but model.safetensors.index.json %s", w->e[i].name,
+                w->files[w->e[i].file].path, in ? "puts it in another shard" : "does not list it");
+    }
+    json_object_foreach(map, key, v) {
+        if (r < 0 || p->n) break;
+        if (!json_object_get(w->index, key))
+            say(p, "model.safetensors.index.json puts tensor '%s' in %s, which does not hold it",
+                key, json_string_value(v));
+    }
+    json_decref(seen);
+    json_decref(ix);
+    if (r < 0) return r;
     return problems_end(p);
 }
 
@@ -384,26 +599,86 @@ static enum weights_names guess_names(const struct weights_file *w)
 }
 
 /* The heads the file's model has, where something says: its metadata (zinf writes "heads"),
- * else under GPT-2's names a config.json beside it (n_head). 0: unknown. */
+ * else the config.json that goes with it (n_head). 0: unknown. */
 static long file_heads(const struct weights_file *w, const char **from)
 {
-    json_t *meta = json_object_get(w->header, "__metadata__");
+    json_t *meta = json_object_get(w->files[0].header, "__metadata__");
     const char *h = json_string_value(json_object_get(meta, "heads"));
     if (h) {
         *from = "its metadata";
         return strtol(h, NULL, 10);
     }
-    if (w->names == WEIGHTS_ZINF) return 0;
-    char cfg[4200];
-    const char *slash = strrchr(w->path, '/');
-    snprintf(cfg, sizeof(cfg), "%.*sconfig.json", slash ? (int)(slash - w->path + 1) : 0,
-             w->path);
-    json_t *c = json_load_file(cfg, 0, NULL);
-    json_t *nh = json_object_get(c, "n_head");
-    long v = json_is_integer(nh) ? (long)json_integer_value(nh) : 0;
-    json_decref(c);
-    *from = "the config.json beside it";
-    return v;
+    json_t *nh = json_object_get(w->config, "n_head");
+    *from = "its config.json";
+    return json_is_integer(nh) ? (long)json_integer_value(nh) : 0;
+}
+
+/* GPT2Config's keys that change the function the model computes, in the config.json that
+ * goes with the file, against what zinf's trainer computes: GELU's tanh approximation,
+ * LayerNorm's epsilon 1e-5, attention scaled by 1/sqrt(head size) alone, a tied head, an MLP
+ * 4 x wide, no cross-attention. A key left out is GPT2Config's default, which is zinf's. A
+ * value the trainer cannot compute is refused, naming it; dropout, which zinf does not apply,
+ * is noted (weights_file_notes). */
+static void check_config(struct weights_file *w, struct problems *p)
+{
+    json_t *c = w->config, *v;
+    const char *was = p->path;
+    p->path = w->config_path;
+    if ((v = json_object_get(c, "model_type")) && !(json_is_string(v) &&
+                                                     !strcmp(json_string_value(v), "gpt2")))
+        say(p, "model_type %s: zinf's model is GPT-2's (\"gpt2\")",
+            json_is_string(v) ? json_string_value(v) : "(not a string)");
+    static const char *const gelus[] = {"gelu_new", "gelu_pytorch_tanh", "gelu_fast"};
+    if ((v = json_object_get(c, "activation_function"))) {
+        bool ok = false;
+        for (size_t k = 0; k < ARRAY_SIZE(gelus); k++)
+            ok |= json_is_string(v) && !strcmp(json_string_value(v), gelus[k]);
+        if (!ok)
+            say(p, "activation_function \"%s\": zinf's MLP computes GELU's tanh approximation, "
+                   "\"gelu_new\" (also named \"gelu_pytorch_tanh\" and \"gelu_fast\"), and no "
+                   "other",
+                json_is_string(v) ? json_string_value(v) : "(not a string)");
+    }
+    if ((v = json_object_get(c, "layer_norm_epsilon")) &&
+        !(json_is_number(v) && (float)json_number_value(v) == OPS_LN_EPS))
+        say(p, "layer_norm_epsilon %.9g: zinf's LayerNorm adds %g, and no other epsilon",
+            json_is_number(v) ? json_number_value(v) : NAN, (double)OPS_LN_EPS);
+    static const struct {
+        const char *key;
+        bool want;
+        const char *why;
+    } flags[] = {
+        {"scale_attn_weights", true, "zinf's attention scales its scores by 1/sqrt(head size)"},
+        {"scale_attn_by_inverse_layer_idx", false,
+         "zinf's attention scales its scores by 1/sqrt(head size) alone, in every layer"},
+        {"tie_word_embeddings", true, "zinf's head is tied to the embedding"},
+        {"add_cross_attention", false, "zinf's blocks have no cross-attention"},
+    };
+    for (size_t k = 0; k < ARRAY_SIZE(flags); k++)
+        if ((v = json_object_get(c, flags[k].key)) && !(json_is_boolean(v) &&
+                                                        json_is_true(v) == flags[k].want))
+            say(p, "%s %s: %s (only %s is taken)", flags[k].key,
+                json_is_boolean(v) ? (json_is_true(v) ? "true" : "false") : "(not a boolean)",
+                flags[k].why, flags[k].want ? "true" : "false");
+    json_t *embd = json_object_get(c, "n_embd");
+    if ((v = json_object_get(c, "n_inner")) && !json_is_null(v) &&
+        !(json_is_integer(v) && json_is_integer(embd) &&
+          json_integer_value(v) == 4 * json_integer_value(embd)))
+        say(p, "n_inner %lld: zinf's MLP is 4 x n_embd wide (n_inner null or %lld)",
+            json_is_integer(v) ? (long long)json_integer_value(v) : -1LL,
+            json_is_integer(embd) ? 4 * (long long)json_integer_value(embd) : -1LL);
+    p->path = was;
+    /* Dropout changes training, not the function: the run goes on without it, and says so. */
+    static const char *const drops[] = {"resid_pdrop", "embd_pdrop", "attn_pdrop"};
+    size_t len = strlen(w->notes);
+    for (size_t k = 0; k < ARRAY_SIZE(drops); k++)
+        if ((v = json_object_get(c, drops[k])) && json_is_number(v) && json_number_value(v) != 0 &&
+            len < sizeof(w->notes))
+            len += (size_t)snprintf(w->notes + len, sizeof(w->notes) - len, "%s%s %g", len ? ", " : "",
+                                    drops[k], json_number_value(v));
+    if (len && len < sizeof(w->notes))
+        snprintf(w->notes + len, sizeof(w->notes) - len,
+                 " in %s: not applied, zinf trains without dropout", w->config_path);
 }
 
 /* The model's size as the file has it, against gc's: one problem when they differ. */
@@ -442,7 +717,8 @@ static void check_size(struct weights_file *w, const struct gpt_config *gc, stru
 static int read_entry(struct weights_file *w, const struct entry *e, float *dst, size_t numel)
 {
     size_t bytes = (size_t)(e->end - e->begin);
-    int r = pread_full(w->fd, w->raw, bytes, w->data_start + e->begin);
+    const struct shard *f = &w->files[e->file];
+    int r = pread_full(f->fd, w->raw, bytes, f->data_start + e->begin);
     if (r < 0) return r;
     if (e->dtype == DT_F32)
         memcpy(dst, w->raw, numel * sizeof(float));
@@ -505,26 +781,67 @@ int weights_open(const char *path, const struct gpt_config *gc, struct weights_f
     *out = NULL;
     struct weights_file *w = calloc(1, sizeof(*w));
     struct problems p = {.path = path, .buf = err, .cap = errlen};
-    int r;
-    if (w) w->fd = -1;
-    if (!w || !(w->path = strdup(path))) {
+    struct stat st;
+    int r, dfd = -1;
+    if (!w || !path[0] || !(w->path = strdup(path))) {
         free(w);
-        snprintf(err, errlen, "%s: out of memory", path);
-        return -ENOMEM;
+        snprintf(err, errlen, "%s: %s", path, path[0] ? "out of memory" : strerror(ENOENT));
+        return path[0] ? -ENOMEM : -ENOENT;
     }
-    w->fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (w->fd < 0) {
-        r = -errno;
-        snprintf(err, errlen, "%s: %s", path, strerror(errno));
+    /* A file, or a Hugging Face folder; anything else (a FIFO, a device) is refused without
+     * waiting on it. */
+    int fd = open_file(AT_FDCWD, path, &st);
+    if (fd < 0) {
+        r = fd;
+        snprintf(err, errlen, "%s: %s", path, strerror(-fd));
         goto fail;
     }
-    if ((r = read_header(w, &p, err, errlen)) < 0) goto fail;
+    if (S_ISDIR(st.st_mode)) {
+        dfd = fd;
+        r = open_folder(w, dfd, &p, err, errlen);
+    } else if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        say(&p, "%s: --init reads a safetensors file, or a Hugging Face folder holding "
+                "model.safetensors (or its shards) and config.json",
+            kind_of(st.st_mode));
+        r = problems_end(&p);
+    } else if ((r = add_file(w, path, fd)) < 0) {
+        snprintf(err, errlen, "%s: out of memory", path);
+    } else {
+        r = read_header(w, 0, &p, err, errlen);
+    }
+    if (r < 0) goto fail;
     if (w->n == 0) {
         say(&p, "holds no tensors");
         r = problems_end(&p);
         goto fail;
     }
     w->names = guess_names(w);
+    /* The config.json that says what GPT-2 model the weights are of: the folder's, or the one
+     * beside a file under GPT-2's names (zinf's names have their metadata). */
+    if (dfd >= 0 || w->names != WEIGHTS_ZINF) {
+        char cp[4200], beside[4200];
+        bool absent;
+        const char *slash = strrchr(path, '/');
+        snprintf(beside, sizeof(beside), "%.*sconfig.json", slash ? (int)(slash - path + 1) : 0,
+                 path);
+        w->config = dfd >= 0 ? load_json(dfd, path, "config.json", &p, cp, sizeof(cp), &absent)
+                             : load_json(AT_FDCWD, "", beside, &p, cp, sizeof(cp), &absent);
+        if (!(w->config_path = strdup(cp))) {
+            r = -ENOMEM;
+            snprintf(err, errlen, "%s: out of memory", path);
+            goto fail;
+        }
+        if (p.n) {
+            r = problems_end(&p);
+            goto fail;
+        }
+        if (w->config) check_config(w, &p);
+        if (p.n) {
+            r = problems_end(&p);
+            goto fail;
+        }
+    }
     if ((r = gpt_layout(gc, NULL, 0)) < 0) {
         snprintf(err, errlen, "%s: the run's model is not valid", path);
         goto fail;
@@ -586,9 +903,11 @@ int weights_open(const char *path, const struct gpt_config *gc, struct weights_f
         snprintf(err, errlen, "%s: out of memory", path);
         goto fail;
     }
+    if (dfd >= 0) close(dfd);
     *out = w;
     return 0;
 fail:
+    if (dfd >= 0) close(dfd);
     weights_close(w);
     return r;
 }
@@ -596,6 +915,11 @@ fail:
 enum weights_names weights_file_names(const struct weights_file *w)
 {
     return w->names;
+}
+
+const char *weights_file_notes(const struct weights_file *w)
+{
+    return w->notes;
 }
 
 int weights_read(struct weights_file *w, int idx, float *dst, char *err, size_t errlen)
@@ -606,7 +930,7 @@ int weights_read(struct weights_file *w, int idx, float *dst, char *err, size_t 
     bool tr = weights_transposed(d, w->names);
     int r = read_entry(w, e, tr ? w->tmp : dst, d->numel);
     if (r < 0) {
-        snprintf(err, errlen, "%s: reading tensor '%s': %s", w->path, e->name,
+        snprintf(err, errlen, "%s: reading tensor '%s': %s", w->files[e->file].path, e->name,
                  r == -EIO ? "the file is shorter than when it was checked" : strerror(-r));
         return r;
     }
@@ -623,8 +947,14 @@ int weights_read(struct weights_file *w, int idx, float *dst, char *err, size_t 
 void weights_close(struct weights_file *w)
 {
     if (!w) return;
-    if (w->fd >= 0) close(w->fd);
-    json_decref(w->header);
+    for (int k = 0; k < w->nfiles; k++) {
+        close(w->files[k].fd);
+        json_decref(w->files[k].header);
+        free(w->files[k].path);
+    }
+    free(w->files);
+    json_decref(w->config);
+    free(w->config_path);
     json_decref(w->index);
     free(w->e);
     free(w->desc);

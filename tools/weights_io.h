@@ -10,7 +10,8 @@
  * over one tensor at a time, as fp32 in zinf's layout, so that no step holds a whole model.
  *
  * Not here: where the values go or come from (the trainer, through the caller's source),
- * other formats (PyTorch's pickles), dtypes other than F32, BF16 and F16.
+ * other formats (PyTorch's pickles are recognised, to say how to convert them), dtypes other
+ * than F32, BF16 and F16.
  */
 #ifndef ZINF_TOOLS_WEIGHTS_IO_H
 #define ZINF_TOOLS_WEIGHTS_IO_H
@@ -35,18 +36,27 @@ bool weights_transposed(const struct gpt_tensor_desc *d, enum weights_names name
 
 struct weights_file;
 
-/* Open path and check it against the model gc (gc->maxT: the run's sequence length): a
- * safetensors header (its length, its JSON, every entry's dtype, shape and byte range, the
- * data the ranges cover exactly, the file neither shorter nor longer), the names (zinf's or
- * GPT-2's, the one most of them follow), the model's size (layers, width, sequence, vocabulary
- * from the shapes, the heads from the metadata or a config.json beside the file), and each
- * tensor of gc's layout: present, of dtype F32, BF16 or F16, of its shape; nothing else there
- * but an lm_head.weight equal to the embedding (GPT-2's head is tied). 0, or -EINVAL with
- * one line per problem in err ("PATH: ...", at most a dozen, then how many more), or -errno
- * with a line when the file cannot be read. */
+/* Open path and check it against the model gc (gc->maxT: the run's sequence length). path is
+ * a safetensors file, or a Hugging Face folder holding model.safetensors, or the shards its
+ * model.safetensors.index.json maps the tensors to (each tensor in the shard the map names),
+ * and config.json; anything else (a FIFO, a device, a PyTorch pickle, said as such) is
+ * refused without waiting on it. Checked: each safetensors header (its length, its JSON, every
+ * entry's dtype, shape and byte range, the data the ranges cover exactly, the file neither
+ * shorter nor longer), the names (zinf's or GPT-2's, the one most of them follow), the
+ * config.json that goes with GPT-2's names (the folder's, or the one beside the file): each
+ * key that changes the function (activation_function, layer_norm_epsilon, scale_attn_*, ...)
+ * one the trainer computes, the model's size (layers, width, sequence, vocabulary from the
+ * shapes, the heads from the metadata or config.json), and each tensor of gc's layout:
+ * present, of dtype F32, BF16 or F16, of its shape; nothing else there but an lm_head.weight
+ * equal to the embedding (GPT-2's head is tied). 0, or -EINVAL with one line per problem in
+ * err ("PATH: ...", at most a dozen, then how many more), or -errno with a line when a file
+ * cannot be read. */
 int weights_open(const char *path, const struct gpt_config *gc, struct weights_file **out,
                  char *err, size_t errlen);
 enum weights_names weights_file_names(const struct weights_file *w);
+/* What the run leaves out of what the files say (the dropout of a config.json: zinf trains
+ * without it), as one sentence; "" where nothing is. */
+const char *weights_file_notes(const struct weights_file *w);
 /* Tensor idx of gc's layout as fp32 in zinf's shape, numel floats into dst: converted from
  * BF16 or F16, transposed back from GPT-2's Conv1D layout. 0, or -errno with a line in err
  * (-EIO where the file changed since weights_open and is now shorter). */
