@@ -668,11 +668,12 @@ static void engine_free(struct zinf_engine *e)
     free(e->names);
     sched_free(&e->sched);
     lease_fini(e);
-    while (e->tickets) {
-        struct ticket *k = e->tickets;
-        e->tickets = k->next;
-        free(k);
-    }
+    for (size_t i = 0; e->tickets && i <= e->tickets_mask; i++)
+        for (struct ticket *k = e->tickets[i], *n; k; k = n) {
+            n = k->next;
+            free(k);
+        }
+    free(e->tickets);
     staging_fini(e);
     nvme_close(e->nvme);
     host_close(e->host);

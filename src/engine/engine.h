@@ -274,8 +274,11 @@ struct zinf_engine {
     unsigned undo; /* tiers (bits) whose pinned copies that hold the only newest content
                       keep undo images: both, when the engine is shared */
 
-    /* async fetch tickets */
-    struct ticket *tickets;
+    /* async fetch tickets, by id: a hash of tickets_mask + 1 chains (ids are consecutive,
+     * so id & tickets_mask spreads them evenly); a wait or a drop finds its ticket in one
+     * step however many are open (a list made N waits cost N^2) */
+    struct ticket **tickets;
+    size_t tickets_mask, ntickets;
     uint64_t next_ticket;
 
     bool closing;
@@ -374,6 +377,10 @@ int engine_api_tensor_info(zinf_engine *e, zinf_tensor t, struct zinf_tensor_inf
 int engine_api_fetch(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, void **ptr);
 int engine_api_fetch_async(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, uint64_t *ticket);
 int engine_api_wait(zinf_engine *e, uint64_t ticket, void **ptr);
+/* Drops a zinf_fetch_async ticket its caller will never wait for (a client of the service
+ * that went away): its pin, or its claim on a load not started, let go without loading
+ * anything. 0, or -EINVAL when no such ticket is open. */
+int engine_ticket_drop(zinf_engine *e, uint64_t ticket);
 int engine_api_fetch_all(zinf_engine *e, const zinf_tensor *ts, size_t n, enum zinf_tier tier,
                          void **ptrs);
 int engine_api_release(zinf_engine *e, zinf_tensor t, enum zinf_tier tier, unsigned flags);

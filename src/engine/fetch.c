@@ -938,6 +938,48 @@ int engine_api_fetch_all_leased(zinf_engine *e, struct engine_pinset *ps, const 
     return fetch_all(e, ps, ts, n, tier, ptrs, leased);
 }
 
+/* The chain of e->tickets where ticket id is, or would be. e->lock held; e->tickets made. */
+static struct ticket **ticket_chain(struct zinf_engine *e, uint64_t id)
+{
+    return &e->tickets[id & e->tickets_mask];
+}
+
+/* Room for one more ticket: the hash doubled when it holds as many as it has chains.
+ * -ENOMEM. e->lock held. */
+static int ticket_room(struct zinf_engine *e)
+{
+    size_t n = e->tickets ? e->tickets_mask + 1 : 0;
+    if (e->tickets && e->ntickets < n) return 0;
+    size_t nn = n ? 2 * n : 64;
+    struct ticket **h = calloc(nn, sizeof(*h));
+    if (!h) return e->tickets ? 0 : -ENOMEM; /* longer chains, still right */
+    for (size_t i = 0; i < n; i++)
+        for (struct ticket *k = e->tickets[i], *next; k; k = next) {
+            next = k->next;
+            k->next = h[k->id & (nn - 1)];
+            h[k->id & (nn - 1)] = k;
+        }
+    free(e->tickets);
+    e->tickets = h;
+    e->tickets_mask = nn - 1;
+    return 0;
+}
+
+/* Takes ticket id out of the hash: NULL when it is not open. e->lock held. */
+static struct ticket *ticket_take(struct zinf_engine *e, uint64_t id)
+{
+    if (!e->tickets) return NULL;
+    struct ticket **pp = ticket_chain(e, id);
+    while (*pp && (*pp)->id != id)
+        pp = &(*pp)->next;
+    struct ticket *k = *pp;
+    if (k) {
+        *pp = k->next;
+        e->ntickets--;
+    }
+    return k;
+}
+
 int engine_api_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, uint64_t *ticket)
 {
     struct tensor *t;
@@ -950,10 +992,10 @@ int engine_api_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, u
     pthread_mutex_lock(&e->lock);
     lease_drain(e);
     t = engine_tensor(e, h);
-    if (!t) {
+    if (!t || ticket_room(e) < 0) {
         pthread_mutex_unlock(&e->lock);
         free(k);
-        return -EINVAL;
+        return t ? -ENOMEM : -EINVAL;
     }
     e->st.tier[tier].fetches++;
     sched_on_fetch(e, t, tier);
@@ -973,8 +1015,9 @@ int engine_api_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, u
         k->id = ++e->next_ticket;
         k->t = h;
         k->tier = tier;
-        k->next = e->tickets;
-        e->tickets = k;
+        k->next = *ticket_chain(e, k->id);
+        *ticket_chain(e, k->id) = k;
+        e->ntickets++;
         *ticket = k->id;
         sched_prefetch(e);
     } else {
@@ -986,20 +1029,17 @@ int engine_api_fetch_async(zinf_engine *e, zinf_tensor h, enum zinf_tier tier, u
 
 int engine_api_wait(zinf_engine *e, uint64_t ticket, void **ptr)
 {
-    struct ticket **pp, *k;
+    struct ticket *k;
     struct tensor *t;
     int r;
 
     if (!e || !ptr) return -EINVAL;
     pthread_mutex_lock(&e->lock);
-    for (pp = &e->tickets; *pp && (*pp)->id != ticket; pp = &(*pp)->next)
-        ;
-    k = *pp;
+    k = ticket_take(e, ticket);
     if (!k) {
         pthread_mutex_unlock(&e->lock);
         return -EINVAL;
     }
-    *pp = k->next;
     t = engine_tensor(e, k->t);
     if (!t) {
         r = -EINVAL;
@@ -1026,6 +1066,34 @@ int engine_api_wait(zinf_engine *e, uint64_t ticket, void **ptr)
         }
     }
     pthread_mutex_unlock(&e->lock);
+    free(k);
+    return r;
+}
+
+int engine_ticket_drop(zinf_engine *e, uint64_t ticket)
+{
+    if (!e) return -EINVAL;
+    pthread_mutex_lock(&e->lock);
+    struct ticket *k = ticket_take(e, ticket);
+    struct tensor *t = k ? engine_tensor(e, k->t) : NULL;
+    if (t && k->deferred) {
+        t->c[k->tier].deferred--; /* its load never started: nothing to undo */
+        pthread_cond_broadcast(&e->changed);
+    } else if (t) {
+        /* The pin taken at zinf_fetch_async(), given back once its load is over (a load
+         * in flight owns the copy until then). Its caller never saw the pointer: nothing
+         * was written through it. */
+        struct copy *c = &t->c[k->tier];
+        if (c->state == COPY_LOADING) engine_wait_loaded(e, c);
+        if ((t = engine_tensor(e, k->t))) {
+            c = &t->c[k->tier];
+            c->pins--;
+            undo_settle(e, t);
+            pthread_cond_broadcast(&e->changed);
+        }
+    }
+    pthread_mutex_unlock(&e->lock);
+    int r = k ? 0 : -EINVAL;
     free(k);
     return r;
 }
