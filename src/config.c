@@ -323,6 +323,14 @@ static const struct field fields[] = {
      NULL},
     {S_SERVE, "write_stage_bytes", NULL, F_SIZE, OFF(zinf.serve.write_stage_bytes), MiB,
      SIZE_MAX, 0, NULL},
+    {S_SERVE, "stages_per_session", NULL, F_UINT, OFF(zinf.serve.stages_per_session), 1, 65536,
+     0, NULL},
+    {S_SERVE, "tickets_per_session", NULL, F_UINT, OFF(zinf.serve.tickets_per_session), 1,
+     1 << 20, 0, NULL},
+    {S_SERVE, "saved_jobs_per_uid", NULL, F_UINT, OFF(zinf.serve.saved_jobs_per_uid), 1, 100000,
+     0, NULL},
+    {S_SERVE, "swap_bytes_per_uid", NULL, F_SIZE, OFF(zinf.serve.swap_bytes_per_uid), MiB,
+     SIZE_MAX, 0, NULL},
     /* DeepSpeed's training keys, which `zinf train` honours. */
     {S_TOP, "train_batch_size", NULL, F_U64, OFF(train.train_batch_size), 1, 0, 0, NULL, FL_AUTO | FL_CMD},
     {S_TOP, "train_micro_batch_size_per_gpu", NULL, F_INT, OFF(train.micro_batch), 1, 65536, 0,
@@ -1161,6 +1169,10 @@ void config_defaults(struct zinf_config *c)
     c->zinf.serve.hello_timeout = 10;
     c->zinf.serve.idle_job_close = 600;
     c->zinf.serve.write_stage_bytes = GiB;
+    c->zinf.serve.stages_per_session = 64;
+    c->zinf.serve.tickets_per_session = 16384;
+    c->zinf.serve.saved_jobs_per_uid = 256;
+    c->zinf.serve.swap_bytes_per_uid = 1024 * GiB;
     /* DeepSpeed's (FusedAdam's, its schedulers', its fp16 loss scaler's) defaults. */
     c->train.optimizer.betas[0] = 0.9;
     c->train.optimizer.betas[1] = 0.999;

@@ -175,6 +175,13 @@ struct zinf_config {
                                          (flushed, its memory given back); 600; 0 never */
             uint64_t write_stage_bytes; /* bytes of zinf_write a session may have staged
                                            in the daemon at once; 1 GiB */
+            unsigned stages_per_session;  /* stages a session may have open at once; 64 */
+            unsigned tickets_per_session; /* zinf_fetch_async tickets a session may have
+                                             unwaited; 16384 */
+            unsigned saved_jobs_per_uid;  /* job folders a uid may have under the swap
+                                             directory, open or saved; 256 */
+            uint64_t swap_bytes_per_uid;  /* bytes of tensors homed on NVMe a uid may have
+                                             registered in its open jobs; 1 TiB */
         } serve;
     } zinf;
 
