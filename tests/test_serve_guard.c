@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -1664,4 +1665,322 @@ Test(serve_guard, max_connections_past_the_open_files_limit_is_refused_or_raised
     open_under_nofile((struct rlimit){256, 8192}, &r, err, sizeof(err), &soft);
     cr_assert_eq(r, 0, "service_open: %s (%s)", zinf_strerror(r), err);
     cr_assert_geq(soft, 2000, "the soft limit stayed %llu", (unsigned long long)soft);
+}
+
+/* ---- the daemon's stop, its closes, and what a session may hold ------------------------- */
+
+/* A config with the swap directory at swap, host and device tiers of those sizes, and
+ * zinf.serve's members given (JSON, without braces). */
+static void write_cfg_tiers(const char *swap, const char *host, const char *device,
+                            const char *serve)
+{
+    FILE *f = fopen(cfg_path, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"zero_optimization\": {\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+            "\"%s\"}}, \"aio\": {\"block_size\": 65536, \"queue_depth\": 8},"
+            " \"zinf\": {\"device\": \"emulated\", \"device_bytes\": \"%s\", \"host_bytes\": "
+            "\"%s\", \"serve\": {%s}}}",
+            swap, device, host, serve);
+    fclose(f);
+}
+
+/* n tensors of bytes each in e's job, homed on NVMe, each filled with its number plus seed
+ * in the host tier and released dirty: data only a flush makes durable. */
+static void dirty_tensors(zinf_engine *e, unsigned n, size_t bytes, int seed)
+{
+    for (unsigned i = 0; i < n; i++) {
+        char name[32];
+        zinf_tensor t;
+        void *p;
+        snprintf(name, sizeof(name), "t%u", i);
+        int r = zinf_lookup(e, name, &t);
+        if (r == -ENOENT) r = zinf_register(e, name, bytes, ZINF_TIER_NVME, &t);
+        cr_assert_eq(r, 0, "register %s: %s", name, zinf_strerror(r));
+        cr_assert_eq(r = zinf_fetch(e, t, ZINF_TIER_HOST, &p), 0, "fetch: %s", zinf_strerror(r));
+        memset(p, (int)(i + (unsigned)seed) & 0xff, bytes);
+        cr_assert_eq(zinf_release(e, t, ZINF_TIER_HOST, ZINF_RELEASE_DIRTY), 0);
+    }
+}
+
+/* Whether job's tensors read as dirty_tensors(n, bytes, seed) left them. */
+static void expect_tensors(zinf_engine *e, unsigned n, size_t bytes, int seed)
+{
+    unsigned char *buf = malloc(bytes);
+    cr_assert_not_null(buf);
+    for (unsigned i = 0; i < n; i++) {
+        char name[32];
+        zinf_tensor t;
+        snprintf(name, sizeof(name), "t%u", i);
+        cr_assert_eq(zinf_lookup(e, name, &t), 0, "tensor %s was not saved", name);
+        cr_assert_eq(zinf_read(e, t, 0, buf, bytes), 0);
+        unsigned char want = (unsigned char)((i + (unsigned)seed) & 0xff);
+        for (size_t k = 0; k < bytes; k++)
+            cr_assert_eq(buf[k], want, "tensor %s byte %zu reads %u, not %u", name, k, buf[k],
+                         want);
+    }
+    free(buf);
+}
+
+static bool exited_now(pid_t pid)
+{
+    int st;
+    return waitpid(pid, &st, WNOHANG) == pid;
+}
+
+Test(serve_guard, serve_stop_returns_once_every_job_is_flushed_and_the_daemon_has_exited,
+     .timeout = 60)
+{
+    char swap[600];
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    write_cfg_tiers(swap, "200M", "4M", "\"idle_job_close\": 600");
+    zinf_engine *e;
+    pid_t pid = fork_daemon("stopjob", &e);
+    dirty_tensors(e, 12, 16u << 20, 1); /* 192 MiB that only the stop's flush saves */
+    int r = service_shutdown(sock);
+    bool gone = exited_now(pid);
+    if (!gone) { /* the failure said below, once the daemon is gone */
+        int st;
+        waitpid(pid, &st, 0);
+    }
+    zinf_close_unflushed(e);
+    cr_assert_eq(r, 0, "serve --stop: %s", zinf_strerror(r));
+    cr_assert(gone, "serve --stop returned while the daemon still ran");
+    struct daemon d;
+    daemon_start(&d);
+    e = connect_job("stopjob");
+    expect_tensors(e, 12, 16u << 20, 1);
+    zinf_close(e);
+    daemon_stop(&d);
+}
+
+/* Whether job is open in the daemon on sock (STATUS). */
+static bool job_is_open(const char *job)
+{
+    struct service_job_status *js;
+    size_t n;
+    bool open = false;
+    cr_assert_eq(service_status(sock, &js, &n), 0);
+    for (size_t i = 0; i < n; i++)
+        open |= !strcmp(js[i].name, job) && js[i].open;
+    free(js);
+    return open;
+}
+
+Test(serve_guard, a_job_whose_flush_fails_at_idle_close_stays_open_until_a_retry_saves_it,
+     .timeout = 60)
+{
+    if (geteuid() != 0) cr_skip_test("needs root to mount a small tmpfs");
+    char swap[600], filler[700];
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    cr_assert_eq(mkdir(swap, 0700), 0);
+    if (mount("zinf-test", swap, "tmpfs", 0, "size=4m,mode=0700") != 0)
+        cr_skip_test("cannot mount a tmpfs: %s", strerror(errno));
+    write_cfg_tiers(swap, "4M", "4M", "\"idle_job_close\": 1");
+    struct daemon d;
+    daemon_start(&d);
+    zinf_engine *e = connect_job("full");
+    dirty_tensors(e, 2, 256u << 10, 1);
+    cr_assert_eq(zinf_flush(e), 0);
+    /* Another user fills the swap filesystem; the job's next version has nowhere to go. */
+    snprintf(filler, sizeof(filler), "%s/filler", swap);
+    int fd = open(filler, O_WRONLY | O_CREAT | O_EXCL, 0600);
+    cr_assert_geq(fd, 0);
+    static char block[65536];
+    while (write(fd, block, sizeof(block)) > 0)
+        ;
+    close(fd);
+    dirty_tensors(e, 2, 256u << 10, 2);
+    zinf_close_unflushed(e);
+    /* Idle for idle_job_close (1 s), then its close: the flush fails, the job stays. */
+    nanosleep(&(struct timespec){3, 0}, NULL);
+    cr_expect(job_is_open("full"), "a job whose flush failed was closed: its writes are lost");
+    /* Room again: the next try saves it and closes it. */
+    cr_assert_eq(unlink(filler), 0);
+    for (int i = 0; i < 150 && job_is_open("full"); i++)
+        nanosleep(&(struct timespec){0, 100 * 1000 * 1000}, NULL);
+    cr_expect(!job_is_open("full"), "the job's close was not tried again once there was room");
+    e = connect_job("full");
+    expect_tensors(e, 2, 256u << 10, 2);
+    zinf_close(e);
+    daemon_stop(&d);
+    umount2(swap, MNT_DETACH);
+}
+
+/* As a user with a bound on swap (1 MiB): a tensor past it is refused -EDQUOT. */
+static void over_the_swap_bound(void *arg, struct report *rp)
+{
+    (void)arg;
+    zinf_engine *e;
+    zinf_tensor t;
+    int r = zinf_connect(sock, "quota", &e);
+    if (r) {
+        say(rp, "connect: %s", zinf_strerror(r));
+        return;
+    }
+    for (int i = 0; i < 2; i++) {
+        char name[8] = {'t', (char)('0' + i), 0};
+        if ((r = zinf_register(e, name, 512u << 10, ZINF_TIER_NVME, &t)) ||
+            (r = zinf_write(e, t, 0, "x", 1)))
+            say(rp, "a tensor within the bound: %s", zinf_strerror(r));
+    }
+    if ((r = zinf_register(e, "t2", 512u << 10, ZINF_TIER_NVME, &t)) != -EDQUOT)
+        say(rp, "a tensor past swap_bytes_per_uid: %s, not -EDQUOT", zinf_strerror(r));
+    if ((r = zinf_register(e, "h", 512u << 10, ZINF_TIER_HOST, &t)) != 0)
+        say(rp, "a tensor in host memory: %s", zinf_strerror(r));
+    zinf_close(e);
+}
+
+Test(serve_guard, swap_past_a_uids_bound_is_refused_edquot_naming_the_key, .timeout = 60)
+{
+    if (!as_root()) return;
+    swap_under_sockdir();
+    write_cfg_tiers(swapdir, "4M", "4M", "\"swap_bytes_per_uid\": \"1M\"");
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    test_log_capture_start();
+    run_as_nobody(over_the_swap_bound, NULL, "a user past its swap bound");
+    cr_expect_not_null(strstr(test_log_text(), "zinf.serve.swap_bytes_per_uid"),
+                       "the refusal does not name the limit");
+    test_log_capture_stop();
+    daemon_stop(&d);
+}
+
+#define TICKETS 20000
+
+Test(serve_guard, unwaited_tickets_are_bounded_and_hold_up_no_other_jobs_flush_at_stop,
+     .timeout = 60)
+{
+    char swap[600], serve[128];
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    snprintf(serve, sizeof(serve), "\"tickets_per_session\": %d", TICKETS);
+    write_cfg_tiers(swap, "16M", "4M", serve);
+    zinf_engine *e, *other;
+    pid_t pid = fork_daemon("tickets", &e);
+    zinf_tensor t;
+    cr_assert_eq(zinf_register(e, "t", 4096, ZINF_TIER_HOST, &t), 0);
+    uint64_t k;
+    int r = 0, n = 0;
+    while (n <= TICKETS && (r = zinf_fetch_async(e, t, ZINF_TIER_HOST, &k)) == 0)
+        n++;
+    cr_expect_eq(n, TICKETS, "%d tickets held, the bound is %d", n, TICKETS);
+    cr_expect_eq(r, -EMFILE, "a ticket past the bound: %s, not -EMFILE", zinf_strerror(r));
+    other = connect_job("other");
+    dirty_tensors(other, 4, 1u << 20, 5);
+    uint64_t t0 = now_ns();
+    cr_assert_eq(kill(pid, SIGTERM), 0);
+    bool gone = false;
+    while (!(gone = exited_now(pid)) && now_ns() - t0 < 5000000000ull)
+        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+    if (!gone) {
+        int st;
+        kill(pid, SIGKILL);
+        waitpid(pid, &st, 0);
+    }
+    zinf_close_unflushed(e);
+    zinf_close_unflushed(other);
+    cr_assert(gone, "the daemon had not exited 5 s after SIGTERM");
+    struct daemon d;
+    daemon_start(&d);
+    other = connect_job("other");
+    expect_tensors(other, 4, 1u << 20, 5);
+    zinf_close(other);
+    daemon_stop(&d);
+}
+
+#define STAGES 100
+
+/* As another user, while the stages are held: a job of its own opens and works. */
+static void a_job_while_stages_are_held(void *arg, struct report *rp)
+{
+    (void)arg;
+    zinf_engine *e;
+    zinf_tensor t;
+    int r = zinf_connect(sock, "another", &e);
+    if (r == 0 && (r = zinf_register(e, "t", 8192, ZINF_TIER_NVME, &t)) == 0)
+        r = zinf_write(e, t, 0, "written", 7);
+    if (r) say(rp, "another user's job: %s", zinf_strerror(r));
+    if (r != -ECONNRESET && e) zinf_close(e);
+}
+
+Test(serve_guard, one_byte_stages_are_bounded_per_session_and_others_still_open_jobs,
+     .timeout = 60)
+{
+    if (!as_root()) return;
+    swap_under_sockdir();
+    char serve[128];
+    snprintf(serve, sizeof(serve), "\"stages_per_session\": %d", STAGES);
+    write_cfg_tiers(swapdir, "4M", "4M", serve);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    struct hello h;
+    cr_assert_eq(raw_hello("stages", &h), 0);
+    uint64_t t;
+    cr_assert_eq(raw_register(h.fd, "t", 4096, ZINF_TIER_HOST, &t), 0);
+    int r = 0, n = 0;
+    while (n <= STAGES + 10) {
+        struct proto_request q = {.op = PROTO_STAGE_WRITE, .handle = t, .offset = 0, .bytes = 1};
+        if ((r = raw_call(h.fd, &q, NULL, NULL, NULL, NULL)) < 0) break;
+        n++;
+    }
+    cr_expect_eq(n, STAGES, "%d one-byte stages held, the bound is %d", n, STAGES);
+    cr_expect_eq(r, -EMFILE, "a stage past the bound: %s, not -EMFILE", zinf_strerror(r));
+    run_as(OTHER, a_job_while_stages_are_held, NULL, "another user while the stages are held");
+    for (int i = 0; i < h.nfds; i++)
+        close(h.fds[i]);
+    close(h.fd);
+    daemon_stop(&d);
+}
+
+/* Bytes the file behind fd holds in memory. */
+static uint64_t held_bytes(int fd)
+{
+    struct stat st;
+    cr_assert_eq(fstat(fd, &st), 0);
+    return (uint64_t)st.st_blocks * 512;
+}
+
+#define CYCLES 3
+
+Test(serve_guard, a_closed_jobs_memory_is_given_back_while_a_client_keeps_its_memfds,
+     .timeout = 60)
+{
+    char swap[600];
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    write_cfg_tiers(swap, "32M", "16M", "\"idle_job_close\": 600");
+    struct daemon d;
+    daemon_start(&d);
+    int kept[CYCLES][8], nkept[CYCLES];
+    void *maps[CYCLES][8];
+    for (int c = 0; c < CYCLES; c++) {
+        struct hello h;
+        cr_assert_eq(raw_hello("mem", &h), 0);
+        /* The client fills the arenas it was given (device, host), and keeps them mapped. */
+        nkept[c] = 0;
+        for (int i = 0; i < h.nfds && i < 2; i++) {
+            void *p = mmap(NULL, h.bytes[i], PROT_READ | PROT_WRITE, MAP_SHARED, h.fds[i], 0);
+            cr_assert_neq(p, MAP_FAILED);
+            memset(p, 0x5a, h.bytes[i]);
+            cr_assert_geq(held_bytes(h.fds[i]), h.bytes[i] / 2);
+            maps[c][nkept[c]] = p;
+            kept[c][nkept[c]++] = h.fds[i];
+        }
+        for (int i = 2; i < h.nfds; i++)
+            close(h.fds[i]);
+        close(h.fd);
+        int r;
+        for (int i = 0; i < 300 && (r = service_manage(sock, PROTO_JOB_CLOSE, "mem")) == -EBUSY; i++)
+            nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+        cr_assert_eq(r, 0, "JOB_CLOSE: %s", zinf_strerror(r));
+        for (int i = 0; i < nkept[c]; i++)
+            cr_expect_lt(held_bytes(kept[c][i]), 1u << 20,
+                         "cycle %d: a closed job's arena still holds %llu bytes for a client", c,
+                         (unsigned long long)held_bytes(kept[c][i]));
+    }
+    for (int c = 0; c < CYCLES; c++)
+        for (int i = 0; i < nkept[c]; i++) {
+            munmap(maps[c][i], (size_t)lseek(kept[c][i], 0, SEEK_END));
+            close(kept[c][i]);
+        }
+    daemon_stop(&d);
 }

@@ -62,38 +62,30 @@ static void usage(FILE *f)
                "  --log FILE      in the background, append the messages to FILE (else they\n"
                "                  are dropped)\n"
                "  --stop          ask the daemon on PATH to stop as on SIGTERM (root or the\n"
-               "                  daemon's user), and wait until it has\n"
+               "                  daemon's user), and wait until every job is flushed and\n"
+               "                  the daemon has exited\n"
                "Limits (zinf.serve in the config): jobs_per_uid 4, max_jobs 64,\n"
                "sessions_per_uid 64, connections_per_uid 256, max_connections 1024 of which\n"
                "reserved_connections 16 for root and the daemon's user (who have no per-uid\n"
-               "limits), hello_timeout 10 s, idle_job_close 600 s, write_stage_bytes 1 GiB.\n"
+               "limits), hello_timeout 10 s, idle_job_close 600 s, write_stage_bytes 1 GiB,\n"
+               "stages_per_session 64, tickets_per_session 16384, swap_bytes_per_uid 1 TiB.\n"
                "SIGTERM or SIGINT: flush every job, remove the socket, exit 0.\n"
                "Exit status: 0 stopped by SIGTERM/SIGINT (or in the background and serving),\n"
                "1 a runtime failure (the socket cannot be made, a daemon already answers on\n"
                "it), 2 bad usage or a bad config.\n");
 }
 
-/* --stop: asks the daemon on sock to stop (root or its own uid), then waits for it to have
- * flushed every job and let go of the socket. */
+/* --stop: asks the daemon on sock to stop (root or its own uid), and returns once it has
+ * flushed every job and exited: `zinf serve --stop && reboot` loses nothing. */
 static int stop_daemon(const char *sock)
 {
-    int r = service_manage(sock, PROTO_SHUTDOWN, NULL);
+    int r = service_shutdown(sock);
     if (r < 0) {
         fprintf(stderr, "zinf: serve --stop: %s: %s\n", sock,
                 r == -ENOENT || r == -ECONNREFUSED ? "no zinf daemon listens there"
                 : r == -EPERM ? "only root or the daemon's own user may stop it"
                               : zinf_strerror(r));
         return 1;
-    }
-    /* It flushes every job before it lets go of the socket: as long as SIGTERM takes. */
-    for (;;) {
-        struct service_job_status *js;
-        size_t n;
-        r = service_status(sock, &js, &n);
-        if (r < 0) break;
-        free(js);
-        struct timespec ts = {0, 100 * 1000 * 1000};
-        nanosleep(&ts, NULL);
     }
     printf("zinf serve: the daemon on %s stopped\n", sock);
     return 0;

@@ -16,14 +16,18 @@
  * Not here: the wire format (proto.c), routing (api.c), anything the daemon decides.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -791,9 +795,68 @@ int service_manage(const char *socket, int op, const char *job)
         struct proto_in in;
         proto_in_init(&in, payload, h.len);
         r = proto_get_i32(&in);
+        if (op == PROTO_SHUTDOWN && r == 0) proto_get_u32(&in); /* the daemon's pid */
         if (h.op != (op | PROTO_REPLY) || proto_done(&in) < 0) r = -EPROTO;
     }
     free(payload);
+    close(fd);
+    return r;
+}
+
+/* Whether process pid is still there (a zombie is not: it has exited). */
+static bool pid_alive(pid_t pid)
+{
+    char path[64], stat[256];
+    if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return true; /* no /proc: kill() said it is there */
+    ssize_t n = read(fd, stat, sizeof(stat) - 1);
+    close(fd);
+    if (n <= 0) return false;
+    stat[n] = 0;
+    const char *p = strrchr(stat, ')'); /* "pid (comm) S ...": comm may hold anything */
+    return !(p && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X'));
+}
+
+/* How long, after the daemon has closed the connection, its process may take to exit: it
+ * has nothing left to do but return. A pid that outlives this is not the daemon's (one of
+ * another pid namespace, say): it is not waited for further. */
+#define STOP_EXIT_WAIT_MS 10000
+
+int service_shutdown(const char *socket)
+{
+    if (!socket) return -EINVAL;
+    int fd, r = dial(socket, &fd);
+    if (r < 0) return r;
+    struct proto_out o;
+    proto_out_init(&o, PROTO_SHUTDOWN, 1);
+    r = proto_send(fd, &o, NULL, 0);
+    proto_out_free(&o);
+    struct proto_header h;
+    uint8_t *payload;
+    uint32_t pid = 0;
+    r = first_reply(fd, r, PROTO_SHUTDOWN, &h, &payload);
+    if (r == 0) {
+        struct proto_in in;
+        proto_in_init(&in, payload, h.len);
+        r = proto_get_i32(&in);
+        if (r == 0) pid = proto_get_u32(&in);
+        if (h.op != (PROTO_SHUTDOWN | PROTO_REPLY) || proto_done(&in) < 0) r = -EPROTO;
+    }
+    free(payload);
+    if (r == 0) {
+        /* The daemon keeps this connection until it has flushed and closed every job. */
+        char c;
+        ssize_t n;
+        while ((n = read(fd, &c, 1)) > 0 || (n < 0 && errno == EINTR))
+            ;
+        /* Then its process exits. */
+        for (int ms = 0; pid && ms < STOP_EXIT_WAIT_MS && pid_alive((pid_t)pid); ms += 10) {
+            struct timespec ts = {0, 10 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+    }
     close(fd);
     return r;
 }

@@ -54,5 +54,9 @@ int service_status(const char *socket, struct service_job_status **out, size_t *
  * saved (PROTO_JOB_REMOVE), or to stop (PROTO_SHUTDOWN, job NULL): the daemon's answer
  * (proto.h), or -errno of the exchange. */
 int service_manage(const char *socket, int op, const char *job);
+/* Asks the daemon on socket to stop (root or its uid) and returns once it has: every job
+ * flushed and closed, the socket gone, the process exited. 0, or -errno (-EPERM: the caller
+ * may not stop it). */
+int service_shutdown(const char *socket);
 
 #endif

@@ -21,7 +21,10 @@
  *     closed there (admit), counted nowhere.
  *   a job: opening (in the list, e NULL; its folders and engine made without the lock)
  *     -> open -> closing (idle for idle_job_close, or JOB_CLOSE/JOB_REMOVE: its engine
- *     closed, its folders removed, without the lock) -> out of the list. A HELLO or a job
+ *     flushed and closed, its folders removed, without the lock) -> out of the list; or,
+ *     where its flush failed (not for JOB_REMOVE), back to open, tried again later
+ *     (job_kept). Once the service stops (stopping), no job opens or closes but by the
+ *     stop's own path, which flushes every job before it tears down a session. A HELLO or a job
  *     command for a job that is opening or closing waits on job_cv, then finds it open or
  *     opens it anew. sessions counts its sessions; a job with one is never closing.
  *   a session: counted against its uid when its HELLO is admitted, before its job opens
@@ -47,6 +50,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <linux/falloc.h>
 #include <malloc.h>
 #include <poll.h>
 #include <pthread.h>
@@ -81,6 +85,7 @@ struct job {
     uid_t owner;       /* while opening: the uid that asked */
     unsigned sessions; /* s->lock: sessions attached */
     uint64_t idle_since; /* s->lock: now_ns() when its last session left */
+    uint64_t retry_at;   /* s->lock: a close whose flush failed is tried again from then */
     zinf_engine *e;
     struct engine_region reg[MEM_TIERS];
     struct job *next;
@@ -119,9 +124,13 @@ struct session {
 
     pthread_mutex_t lock; /* pins, ticks */
     struct pin *pins;
-    struct tick *ticks;
+    /* Its unwaited tickets by id, a hash of ticks_mask + 1 chains; nticks counts them and
+     * those being made (at most zinf.serve.tickets_per_session) */
+    struct tick **ticks;
+    size_t ticks_mask, nticks;
     struct stage *stages; /* not in the list while a call fills or empties it */
     uint64_t staged, stage_limit, next_stage; /* bytes staged; zinf.serve.write_stage_bytes */
+    unsigned nstages; /* stages open or being opened; zinf.serve.stages_per_session */
     /* The session's pin table (lease.c), or NULL when the job's engine serves as many as
      * it can: the pins counted there are not in pins. */
     struct engine_pinset *ps;
@@ -143,6 +152,7 @@ struct conn {
     uint64_t since; /* accepted, now_ns() */
     bool busy;      /* s->lock: a worker has it (it is out of the epoll set) */
     char why[256];  /* the reason sent with an error of HELLO (a limit, named) */
+    bool stopper;   /* s->lock: it asked the daemon to stop, and waits for its end */
     struct session *sess;
     struct conn *prev, *next; /* s->conns */
     struct conn *qnext; /* s->ready */
@@ -167,6 +177,7 @@ struct worker {
 struct ucount {
     uid_t uid;
     unsigned conns, sessions;
+    uint64_t swap_pending; /* bytes of REGISTERs admitted and not done yet */
     unsigned tokens;    /* lines it may log now */
     uint64_t earned_ns; /* now_ns() up to which its tokens are counted in */
     uint64_t hushed;    /* refusals not logged since the last line */
@@ -213,6 +224,10 @@ struct service {
     pthread_cond_t gone_cv;          /* a worker or a job's closer finished */
     unsigned workers, closers;
     bool stopping;
+    /* The connections that asked the daemon to stop (SHUTDOWN), kept open until every job
+     * is flushed and closed: their end tells the client that the daemon is done. */
+    int stop_fds[8];
+    unsigned nstop_fds;
     uint64_t next_session;
     _Atomic uint64_t requests; /* requests served after HELLO */
     struct keeper keeper;
@@ -418,13 +433,58 @@ static void job_unlink(struct service *s, struct job *j)
         }
 }
 
-/* Closes a closing job's engine (it flushes), without s->lock. */
-static void job_shut(struct job *j, const char *why)
+/* Closes a closing job's engine, without s->lock. It is flushed first; a flush that fails
+ * (the swap filesystem full, a drive gone: -errno) leaves the job open with every write
+ * acknowledged, for the caller to keep (job_kept), unless force (the daemon stops, or the
+ * job is removed). Once the engine is closed the pages of its arenas are punched out of
+ * their memfds: a client that kept them (the fds or a mapping) holds no memory of a closed
+ * job, and reads zeros there. The daemon's own mappings went with the engine: nothing
+ * here touches that memory again. */
+static int job_shut(struct job *j, const char *why, bool force)
 {
+    if (!j->e) return 0;
+    /* Forced, the close's own flush serves (its failure is logged by the engine). */
+    int r = force ? 0 : engine_api_flush(j->e);
+    if (r < 0) return r;
+    int fds[MEM_TIERS];
+    for (int i = 0; i < MEM_TIERS; i++)
+        fds[i] = j->reg[i].cuda ? -1 : fcntl(j->reg[i].fd, F_DUPFD_CLOEXEC, 0);
     engine_api_close(j->e);
     j->e = NULL;
+    for (int i = 0; i < MEM_TIERS; i++) {
+        struct stat st;
+        if (fds[i] < 0) continue;
+        if (fstat(fds[i], &st) == 0 && st.st_size > 0 &&
+            fallocate(fds[i], FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, st.st_size) != 0)
+            log_warn("serve: job %s: its %s arena's memory cannot be given back while a client "
+                     "keeps it: %s",
+                     j->name, i ? "host" : "device", strerror(errno));
+        close(fds[i]);
+    }
     malloc_trim(0); /* what the job's buffers left in the heaps goes back too */
     log_notice("serve: job %s closed (%s)", j->name, why);
+    return 0;
+}
+
+/* How long a job whose close could not flush waits before it is tried again. */
+#define CLOSE_RETRY_NS (10 * 1000000000ull)
+
+/* A closing job whose flush failed (err) stays open: its closing undone, and whoever waits
+ * for it told; an idle one is tried again after CLOSE_RETRY_NS (or idle_job_close, if
+ * shorter), one line logged each time. */
+static void job_kept(struct service *s, struct job *j, int err)
+{
+    uint64_t retry_ns = MIN(CLOSE_RETRY_NS, (uint64_t)s->lim->idle_job_close * 1000000000ull);
+    log_error("serve: job %s: not closed, its flush failed: %s; it stays open with what was "
+              "written, and its close is tried again in %llu s",
+              j->name, zinf_strerror(err), (unsigned long long)(retry_ns / 1000000000ull));
+    pthread_mutex_lock(&s->lock);
+    j->closing = false;
+    j->retry_at = now_ns() + retry_ns;
+    s->closers--;
+    pthread_cond_broadcast(&s->job_cv);
+    pthread_cond_broadcast(&s->gone_cv);
+    pthread_mutex_unlock(&s->lock);
 }
 
 /* The end of a job's closing: out of the list, freed, and whoever waits for it told. */
@@ -522,6 +582,10 @@ static int job_get(struct service *s, const char *name, uid_t uid, struct job **
         if (!j || (!j->opening && !j->closing)) break;
         pthread_cond_wait(&s->job_cv, &s->lock);
     }
+    if (!j && s->stopping) {
+        snprintf(why, whylen, "zinf serve: job %.64s refused: the daemon is stopping", name);
+        return -ESHUTDOWN;
+    }
     if (!j) {
         unsigned all = 0, mine = 0;
         for (struct job *o = s->jobs; o; o = o->next) {
@@ -612,9 +676,17 @@ static bool pin_take(struct session *se, zinf_tensor t, uint32_t tier)
     return had;
 }
 
+/* Stages smaller than this come from the heap: each mapped one is a mapping of the daemon's,
+ * and a process has 65530 of them for everything (a client's one-byte stages took them
+ * all, and no job could open its IO engine). */
+#define STAGE_MAPPED_BYTES (1u << 20)
+
 static void stage_free(struct stage *g)
 {
-    if (g->buf) munmap(g->buf, (size_t)g->bytes);
+    if (g->buf && g->bytes >= STAGE_MAPPED_BYTES)
+        munmap(g->buf, (size_t)g->bytes);
+    else
+        free(g->buf);
     free(g);
 }
 
@@ -623,13 +695,15 @@ static void session_free(struct service *s, struct session *se)
 {
     zinf_engine *e = se->job->e;
     unsigned dropped = 0, kept = 0, restored = 0;
-    for (struct tick *k = se->ticks, *n; k; k = n) {
-        void *p;
-        n = k->next;
-        if (engine_api_wait(e, k->id, &p) == 0 && engine_release_abandoned(e, k->t, k->tier) >= 0)
-            dropped++;
-        free(k);
-    }
+    /* Tickets never waited for: their pins go without loading anything (waiting for each
+     * made a client's thousands of tickets hold up the daemon's stop). */
+    for (size_t i = 0; se->ticks && i <= se->ticks_mask; i++)
+        for (struct tick *k = se->ticks[i], *n; k; k = n) {
+            n = k->next;
+            dropped += engine_ticket_drop(e, k->id) == 0;
+            free(k);
+        }
+    free(se->ticks);
     for (struct stage *g = se->stages, *n; g; g = n) { /* a write never ended: never applied */
         n = g->next;
         stage_free(g);
@@ -734,21 +808,83 @@ static int do_fetch_all(struct session *se, const struct proto_request *q, struc
     return r;
 }
 
+/* Room in the session's hash for what nticks counts: doubled when it holds as many as it
+ * has chains (left as it is when that cannot be had: longer chains, still right). se->lock
+ * held. */
+static void tick_room(struct session *se)
+{
+    size_t n = se->ticks ? se->ticks_mask + 1 : 0;
+    if (se->ticks && se->nticks <= n) return;
+    size_t nn = n ? 2 * n : 64;
+    struct tick **h = calloc(nn, sizeof(*h));
+    if (!h) return;
+    for (size_t i = 0; i < n; i++)
+        for (struct tick *k = se->ticks[i], *next; k; k = next) {
+            next = k->next;
+            k->next = h[k->id & (nn - 1)];
+            h[k->id & (nn - 1)] = k;
+        }
+    free(se->ticks);
+    se->ticks = h;
+    se->ticks_mask = nn - 1;
+}
+
+/* Takes the session's ticket id out of its hash (still counted in nticks): NULL when it
+ * has none of that id. se->lock held. */
+static struct tick *tick_take(struct session *se, uint64_t id)
+{
+    if (!se->ticks) return NULL;
+    struct tick **pp = &se->ticks[id & se->ticks_mask];
+    while (*pp && (*pp)->id != id)
+        pp = &(*pp)->next;
+    struct tick *k = *pp;
+    if (k) *pp = k->next;
+    return k;
+}
+
+/* FETCH_ASYNC: a ticket, counted against zinf.serve.tickets_per_session before the engine
+ * is asked (-EMFILE past it). */
 static int do_fetch_async(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
+    unsigned limit = se->svc->lim->tickets_per_session;
+    pthread_mutex_lock(&se->lock);
+    bool room = se->nticks < limit;
+    if (room) {
+        se->nticks++;
+        tick_room(se);
+    }
+    size_t held = se->nticks;
+    pthread_mutex_unlock(&se->lock);
+    if (!room) {
+        char why[256];
+        snprintf(why, sizeof(why),
+                 "job %s: a zinf_fetch_async refused: the session holds %zu tickets not waited "
+                 "for, the limit (zinf.serve.tickets_per_session): -EMFILE",
+                 se->job->name, held);
+        refusal(se->svc, se->uid, why);
+        return -EMFILE;
+    }
     struct tick *k = calloc(1, sizeof(*k));
-    if (!k) return -ENOMEM;
     uint64_t id;
-    int r = engine_api_fetch_async(se->job->e, q->handle, (enum zinf_tier)q->tier, &id);
+    int r = k ? engine_api_fetch_async(se->job->e, q->handle, (enum zinf_tier)q->tier, &id)
+              : -ENOMEM;
+    pthread_mutex_lock(&se->lock);
+    bool kept = r == 0 && se->ticks;
+    if (kept) {
+        *k = (struct tick){id, q->handle, q->tier, se->ticks[id & se->ticks_mask]};
+        se->ticks[id & se->ticks_mask] = k;
+    } else {
+        se->nticks--;
+    }
+    pthread_mutex_unlock(&se->lock);
+    if (r == 0 && !kept) { /* no hash could be had: the ticket goes back */
+        engine_ticket_drop(se->job->e, id);
+        r = -ENOMEM;
+    }
     if (r < 0) {
         free(k);
         return r;
     }
-    *k = (struct tick){id, q->handle, q->tier, NULL};
-    pthread_mutex_lock(&se->lock);
-    k->next = se->ticks;
-    se->ticks = k;
-    pthread_mutex_unlock(&se->lock);
     proto_put_u64(o, id);
     return 0;
 }
@@ -757,11 +893,8 @@ static int do_wait(struct session *se, const struct proto_request *q, struct pro
 {
     /* Only the session's own tickets: another's is as unknown as a made-up one. */
     pthread_mutex_lock(&se->lock);
-    struct tick **pp = &se->ticks;
-    while (*pp && (*pp)->id != q->handle)
-        pp = &(*pp)->next;
-    struct tick *k = *pp;
-    if (k) *pp = k->next;
+    struct tick *k = tick_take(se, q->handle);
+    if (k) se->nticks--;
     pthread_mutex_unlock(&se->lock);
     if (!k) return -EINVAL;
     void *ptr;
@@ -810,28 +943,46 @@ static int do_stage_open(struct session *se, const struct proto_request *q, stru
     if (r < 0) return r;
     struct stage *g = calloc(1, sizeof(*g));
     if (!g) return -ENOMEM;
+    unsigned max_stages = se->svc->lim->stages_per_session;
     pthread_mutex_lock(&se->lock);
-    bool room = q->bytes <= se->stage_limit - se->staged;
-    if (room) se->staged += q->bytes;
+    bool many = se->nstages >= max_stages;
+    bool room = !many && q->bytes <= se->stage_limit - se->staged;
+    if (room) {
+        se->staged += q->bytes;
+        se->nstages++;
+    }
     g->id = ++se->next_stage;
     pthread_mutex_unlock(&se->lock);
     if (!room) {
         free(g);
         char why[256];
-        snprintf(why, sizeof(why),
-                 "job %s: a stage of %llu bytes refused, more than "
-                 "zinf.serve.write_stage_bytes (%llu) leaves the session: -EMSGSIZE",
-                 se->job->name, (unsigned long long)q->bytes, (unsigned long long)se->stage_limit);
+        if (many)
+            snprintf(why, sizeof(why),
+                     "job %s: a stage refused: the session has %u open, the limit "
+                     "(zinf.serve.stages_per_session): -EMFILE",
+                     se->job->name, max_stages);
+        else
+            snprintf(why, sizeof(why),
+                     "job %s: a stage of %llu bytes refused, more than "
+                     "zinf.serve.write_stage_bytes (%llu) leaves the session: -EMSGSIZE",
+                     se->job->name, (unsigned long long)q->bytes,
+                     (unsigned long long)se->stage_limit);
         refusal(se->svc, se->uid, why);
-        return -EMSGSIZE;
+        return many ? -EMFILE : -EMSGSIZE;
     }
-    /* Mapped, not malloc'ed: given back to the system whole when freed (a freed malloc
-     * block this large would raise glibc's mmap threshold, and the daemon's heap would keep
-     * every later one). */
-    void *buf = mmap(NULL, (size_t)q->bytes, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    *g = (struct stage){g->id, q->op == PROTO_STAGE_WRITE, q->handle, q->offset, q->bytes,
-                        buf == MAP_FAILED ? NULL : buf, NULL};
+    /* A large one mapped, not malloc'ed: given back to the system whole when freed (a
+     * freed malloc block this large would raise glibc's mmap threshold, and the daemon's
+     * heap would keep every later one). */
+    void *buf;
+    if (q->bytes >= STAGE_MAPPED_BYTES) {
+        buf = mmap(NULL, (size_t)q->bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (buf == MAP_FAILED) buf = NULL;
+    } else {
+        buf = malloc((size_t)q->bytes);
+    }
+    *g = (struct stage){g->id, q->op == PROTO_STAGE_WRITE, q->handle, q->offset, q->bytes, buf,
+                        NULL};
     r = g->buf ? 0 : -ENOMEM;
     if (r == 0 && !g->write) r = engine_api_read(e, g->t, (size_t)g->off, g->buf, (size_t)g->bytes);
     pthread_mutex_lock(&se->lock);
@@ -840,6 +991,7 @@ static int do_stage_open(struct session *se, const struct proto_request *q, stru
         se->stages = g;
     } else {
         se->staged -= q->bytes;
+        se->nstages--;
     }
     pthread_mutex_unlock(&se->lock);
     if (r < 0) {
@@ -901,8 +1053,55 @@ static int do_stage_end(struct session *se, const struct proto_request *q)
                      : 0;
     pthread_mutex_lock(&se->lock);
     se->staged -= g->bytes;
+    se->nstages--;
     pthread_mutex_unlock(&se->lock);
     stage_free(g);
+    return r;
+}
+
+/* REGISTER. A tensor homed on NVMe is counted first against its uid's
+ * zinf.serve.swap_bytes_per_uid: the swap that uid's open jobs hold, and the registers of
+ * its that are admitted and not done (-EDQUOT past it; root and the daemon's uid are not
+ * counted). One user filling the swap filesystem made every other job's flush fail. */
+static int do_register(struct session *se, const struct proto_request *q, struct proto_out *o)
+{
+    struct service *s = se->svc;
+    if (q->handle > SIZE_MAX) return -EINVAL;
+    uint64_t bytes = q->tier == ZINF_TIER_NVME ? q->handle : 0, used = 0;
+    uint64_t limit = s->lim->swap_bytes_per_uid;
+    struct ucount *u = NULL;
+    if (bytes && !privileged(se->uid)) {
+        /* Lock order: the service, then (in engine_api_stats) an engine. */
+        pthread_mutex_lock(&s->lock);
+        for (struct job *j = s->jobs; j; j = j->next) {
+            struct zinf_stats st;
+            if (j->opening || j->closing || j->owner != se->uid) continue;
+            if (engine_api_stats(j->e, &st) == 0) used += st.tier[ZINF_TIER_NVME].used_bytes;
+        }
+        if ((u = ucount_of(s, se->uid))) used += u->swap_pending;
+        bool room = u && used <= limit && bytes <= limit - used;
+        if (room) u->swap_pending += bytes;
+        pthread_mutex_unlock(&s->lock);
+        if (!room) {
+            char why[256];
+            snprintf(why, sizeof(why),
+                     "job %s: a tensor of %llu bytes on NVMe refused: this uid's jobs hold %llu "
+                     "bytes of swap, and zinf.serve.swap_bytes_per_uid is %llu: -EDQUOT",
+                     se->job->name, (unsigned long long)bytes, (unsigned long long)used,
+                     (unsigned long long)limit);
+            refusal(s, se->uid, why);
+            return u ? -EDQUOT : -ENOMEM;
+        }
+    }
+    zinf_tensor t;
+    int r = engine_api_register(se->job->e, q->name, (size_t)q->handle, (enum zinf_tier)q->tier,
+                                &t);
+    if (u) {
+        pthread_mutex_lock(&s->lock);
+        u->swap_pending -= bytes;
+        pthread_mutex_unlock(&s->lock);
+    }
+    if (r == 0) proto_put_u64(o, t);
     return r;
 }
 
@@ -914,10 +1113,7 @@ static int do_request(struct session *se, const struct proto_request *q, struct 
 
     switch (q->op) {
     case PROTO_REGISTER:
-        if (q->handle > SIZE_MAX) return -EINVAL;
-        r = engine_api_register(e, q->name, (size_t)q->handle, (enum zinf_tier)q->tier, &t);
-        if (r == 0) proto_put_u64(o, t);
-        return r;
+        return do_register(se, q, o);
     case PROTO_LOOKUP:
         r = engine_api_lookup(e, q->name, &t);
         if (r == 0) proto_put_u64(o, t);
@@ -1236,7 +1432,9 @@ static int manage(struct conn *k, const struct proto_request *q)
         if (!j || (!j->opening && !j->closing)) break;
         pthread_cond_wait(&s->job_cv, &s->lock);
     }
-    if (j && k->uid != j->owner && k->uid != 0)
+    if (s->stopping)
+        r = -ESHUTDOWN; /* every job is being flushed and closed */
+    else if (j && k->uid != j->owner && k->uid != 0)
         r = -EACCES;
     else if (j && j->sessions)
         r = -EBUSY;
@@ -1260,7 +1458,12 @@ static int manage(struct conn *k, const struct proto_request *q)
     if (was_open) {
         char why[64];
         snprintf(why, sizeof(why), "asked by uid %u", (unsigned)k->uid);
-        job_shut(j, why);
+        /* A close whose flush fails keeps the job, and says why; a removal needs none. */
+        if ((r = job_shut(j, why, rm)) < 0 && !rm) {
+            job_kept(s, j, r);
+            return r;
+        }
+        r = 0;
     }
     if (rm && !was_open && s->config->nvme_paths.count) {
         /* Not open: its owner is the one its folder names. */
@@ -1280,6 +1483,33 @@ static int manage(struct conn *k, const struct proto_request *q)
         r = -ENOENT; /* in memory only, and not open: nothing of it is left */
     }
     job_gone(s, j);
+    return r;
+}
+
+/* SHUTDOWN, admitted: answered with the daemon's pid, and the connection kept open (a
+ * descriptor of it in s->stop_fds) until every job is flushed and closed. Its end, then
+ * the pid's, tell the client that the daemon is done: `zinf serve --stop && reboot` loses
+ * nothing. */
+static int stop_asked(struct conn *k, uint32_t seq)
+{
+    struct service *s = k->svc;
+    struct proto_out o;
+    proto_out_init(&o, PROTO_SHUTDOWN | PROTO_REPLY, seq);
+    proto_put_i32(&o, 0);
+    proto_put_u32(&o, (uint32_t)getpid());
+    int r = proto_send(k->fd, &o, NULL, 0);
+    proto_out_free(&o);
+    pthread_mutex_lock(&s->lock);
+    if (r == 0 && s->nstop_fds < ARRAY_SIZE(s->stop_fds)) {
+        int fd = fcntl(k->fd, F_DUPFD_CLOEXEC, 0);
+        if (fd >= 0) {
+            s->stop_fds[s->nstop_fds++] = fd;
+            k->stopper = true;
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+    log_notice("serve: asked to stop by uid %u", (unsigned)k->uid);
+    service_stop(s);
     return r;
 }
 
@@ -1321,11 +1551,11 @@ static bool conn_serve(struct conn *k)
                        h.op == PROTO_SHUTDOWN)) {
             free(payload); /* q holds the name */
             r = manage(k, &q);
-            if (reply_error(k->fd, h.op, h.seq, r, NULL) < 0) return false;
             if (h.op == PROTO_SHUTDOWN && r == 0) {
-                log_notice("serve: asked to stop by uid %u", (unsigned)k->uid);
-                service_stop(s);
+                if (stop_asked(k, h.seq) < 0) return false;
+                continue;
             }
+            if (reply_error(k->fd, h.op, h.seq, r, NULL) < 0) return false;
             continue;
         }
         if (r == 0 && !k->sess) r = h.op == PROTO_HELLO ? hello(k, &q, h.seq) : -EPROTO;
@@ -1711,8 +1941,11 @@ static void *job_closer(void *arg)
     free(c);
     char why[64];
     snprintf(why, sizeof(why), "no client for %u s", s->lim->idle_job_close);
-    job_shut(j, why);
-    job_gone(s, j);
+    int r = job_shut(j, why, false);
+    if (r < 0)
+        job_kept(s, j, r);
+    else
+        job_gone(s, j);
     return NULL;
 }
 
@@ -1764,7 +1997,9 @@ static void sweep(struct service *s)
     uint64_t idle_ns = (uint64_t)s->lim->idle_job_close * 1000000000ull;
     pthread_mutex_lock(&s->lock);
     for (struct job *j = s->jobs; j; j = j->next) {
-        if (j->opening || j->closing || j->sessions || now - j->idle_since < idle_ns) continue;
+        if (j->opening || j->closing || j->sessions || now - j->idle_since < idle_ns ||
+            now < j->retry_at)
+            continue;
         struct closing *c = malloc(sizeof(*c));
         pthread_t t;
         pthread_attr_t a;
@@ -1837,17 +2072,40 @@ int service_run(struct service *s)
     return serve(s);
 }
 
+/* Flushes every open job, at the daemon's stop, before anything of it is torn down: its
+ * sessions are still attached and its socket still there (a `zinf serve --stop` waits for
+ * the end of its connection, then of the process). Openings and closings are waited for
+ * first (stopping refuses new ones), so the list holds still without s->lock. */
+static void flush_all(struct service *s)
+{
+    pthread_mutex_lock(&s->lock);
+    for (;;) {
+        bool opening = false;
+        for (struct job *j = s->jobs; j; j = j->next)
+            opening |= j->opening;
+        if (!opening && !s->closers) break;
+        pthread_cond_wait(&s->job_cv, &s->lock);
+    }
+    pthread_mutex_unlock(&s->lock);
+    for (struct job *j = s->jobs; j; j = j->next) {
+        int r = engine_api_flush(j->e);
+        if (r < 0) log_error("serve: job %s: its flush at stop failed: %s", j->name, zinf_strerror(r));
+    }
+}
+
 void service_close(struct service *s)
 {
     if (!s) return;
-    close(s->listen_fd);
-    unlink(s->socket_path);
-    /* Workers see their sockets shut and leave (after the call they may be in); idle
-     * connections are closed here; the last connection of each session drops its pins. */
     pthread_mutex_lock(&s->lock);
-    s->stopping = true;
+    s->stopping = true; /* no job opens or closes from here on */
+    pthread_mutex_unlock(&s->lock);
+    flush_all(s);
+    /* Workers see their sockets shut and leave (after the call they may be in); idle
+     * connections are closed here; the last connection of each session drops its pins. A
+     * connection that asked for the stop stays open (s->stop_fds) until the end. */
+    pthread_mutex_lock(&s->lock);
     for (struct conn *k = s->conns; k; k = k->next)
-        shutdown(k->fd, SHUT_RDWR);
+        if (!k->stopper) shutdown(k->fd, SHUT_RDWR);
     for (struct worker *w = s->idle; w; w = w->next)
         pthread_cond_signal(&w->cv);
     while (s->workers || s->closers)
@@ -1862,14 +2120,17 @@ void service_close(struct service *s)
     }
     for (struct job *j = s->jobs, *n; j; j = n) {
         n = j->next;
-        engine_api_close(j->e); /* flushes */
-        log_notice("serve: job %s closed", j->name);
+        job_shut(j, "the daemon stops", true); /* flushed above: what the sessions left */
         free(j);
     }
     for (struct ucount *u = s->ucounts, *n; u; u = n) {
         n = u->next;
         free(u);
     }
+    close(s->listen_fd);
+    unlink(s->socket_path);
+    for (unsigned i = 0; i < s->nstop_fds; i++)
+        close(s->stop_fds[i]); /* the stopping clients see the end now */
     close(s->wake[0]);
     close(s->wake[1]);
     if (s->ep >= 0) close(s->ep);
