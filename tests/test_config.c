@@ -1050,7 +1050,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         lines += *s == '\n';
     /* settings, zinf.train, zinf.serve, the training keys, DeepSpeed's deprecated
      * cpu_offload and cpu_offload_param, header, engine */
-    cr_expect_eq(lines, 28 + 11 + 9 + 48 + 2 + 1 + 8, "%s", text);
+    cr_expect_eq(lines, 28 + 11 + 13 + 48 + 2 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }
