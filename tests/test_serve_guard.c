@@ -14,6 +14,7 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <linux/falloc.h>
+#include <malloc.h>
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
@@ -1982,5 +1983,183 @@ Test(serve_guard, a_closed_jobs_memory_is_given_back_while_a_client_keeps_its_me
             munmap(maps[c][i], (size_t)lseek(kept[c][i], 0, SEEK_END));
             close(kept[c][i]);
         }
+    daemon_stop(&d);
+}
+
+/* ---- STATUS of many saved jobs ------------------------------------------------------------ */
+
+#define SAVED_COPIES 3000
+
+/* JOB_CLOSE of job, once the session that used it has ended. */
+static void close_job(const char *job)
+{
+    int r;
+    for (int i = 0; i < 500 && (r = service_manage(sock, PROTO_JOB_CLOSE, job)) == -EBUSY; i++)
+        nanosleep(&(struct timespec){0, 10 * 1000 * 1000}, NULL);
+    cr_assert_eq(r, 0, "JOB_CLOSE %s: %s", job, zinf_strerror(r));
+}
+
+/* As uid 65534: job "orig" saved, with ntensors tensors of 64 bytes. */
+static void a_saved_job(void *arg, struct report *rp)
+{
+    unsigned ntensors = *(unsigned *)arg;
+    zinf_engine *e;
+    int r = zinf_connect(sock, "orig", &e);
+    for (unsigned i = 0; r == 0 && i < ntensors; i++) {
+        char name[32];
+        zinf_tensor t;
+        snprintf(name, sizeof(name), "tensor.%u", i);
+        r = zinf_register(e, name, 64, ZINF_TIER_NVME, &t);
+    }
+    if (r) say(rp, "a saved job: %s", zinf_strerror(r));
+    if (e) zinf_close(e);
+}
+
+/* Folder orig copied n times under the swap directory (its small files: the manifest and the
+ * owner; the swap files are not read by STATUS), as job0 ... jobN-1. */
+static void copy_job(unsigned n)
+{
+    char src[900];
+    snprintf(src, sizeof(src), "%s/orig", swapdir);
+    DIR *d = opendir(src);
+    cr_assert_not_null(d);
+    struct {
+        char name[256];
+        char *buf;
+        size_t len;
+    } f[16];
+    unsigned nf = 0;
+    struct dirent *de;
+    while ((de = readdir(d)) && nf < 16) {
+        char p[1200];
+        struct stat st;
+        snprintf(p, sizeof(p), "%s/%s", src, de->d_name);
+        if (lstat(p, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size > (1 << 20)) continue;
+        FILE *in = fopen(p, "r");
+        cr_assert_not_null(in);
+        snprintf(f[nf].name, sizeof(f[nf].name), "%s", de->d_name);
+        f[nf].buf = malloc((size_t)st.st_size + 1);
+        f[nf].len = fread(f[nf].buf, 1, (size_t)st.st_size, in);
+        fclose(in);
+        nf++;
+    }
+    closedir(d);
+    for (unsigned i = 0; i < n; i++) {
+        char dst[900], p[1200];
+        snprintf(dst, sizeof(dst), "%.700s/a-saved-job-%u", swapdir, i);
+        cr_assert_eq(mkdir(dst, 0700), 0);
+        for (unsigned k = 0; k < nf; k++) {
+            snprintf(p, sizeof(p), "%.900s/%.255s", dst, f[k].name);
+            FILE *out = fopen(p, "w");
+            cr_assert_not_null(out);
+            fwrite(f[k].buf, 1, f[k].len, out);
+            fclose(out);
+        }
+    }
+    for (unsigned k = 0; k < nf; k++)
+        free(f[k].buf);
+}
+
+static void a_new_job_past_the_saved_bound(void *arg, struct report *rp)
+{
+    (void)arg;
+    int fd = child_connect(rp);
+    char why[256];
+    if (fd < 0) return;
+    send_hello(fd, "one.more");
+    int r = read_hello(fd, why, sizeof(why));
+    if (r != -EUSERS || !strstr(why, "zinf.serve.saved_jobs_per_uid"))
+        say(rp, "a new job past saved_jobs_per_uid: %s (\"%s\")", zinf_strerror(r), why);
+    close(fd);
+    zinf_engine *e;
+    if ((r = zinf_connect(sock, "orig", &e)) != 0)
+        say(rp, "a saved job of its own, past the bound: %s", zinf_strerror(r));
+    else
+        zinf_close(e);
+}
+
+Test(serve_guard, status_of_thousands_of_saved_jobs_comes_in_pages_and_saved_jobs_are_bounded,
+     .timeout = 60)
+{
+    if (!as_root()) return;
+    swap_under_sockdir();
+    char serve[128];
+    snprintf(serve, sizeof(serve), "\"saved_jobs_per_uid\": %d", SAVED_COPIES + 1);
+    write_cfg_tiers(swapdir, "4M", "4M", serve);
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    unsigned one = 1;
+    run_as_nobody(a_saved_job, &one, "a saved job");
+    close_job("orig");
+    copy_job(SAVED_COPIES);
+    struct service_job_status *js;
+    size_t n;
+    int r = service_status(sock, &js, &n);
+    cr_assert_eq(r, 0, "STATUS of %d saved jobs: %s", SAVED_COPIES + 1, zinf_strerror(r));
+    cr_expect_eq(n, SAVED_COPIES + 1, "STATUS listed %zu jobs of %d", n, SAVED_COPIES + 1);
+    for (size_t i = 1; i < n; i++)
+        cr_assert_lt(strcmp(js[i - 1].name, js[i].name), 0, "listed twice or out of order");
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(js[i].stats.tensors, 1, "job %s: %llu tensors", js[i].name,
+                     (unsigned long long)js[i].stats.tensors);
+    free(js);
+    run_as_nobody(a_new_job_past_the_saved_bound, NULL, "past saved_jobs_per_uid");
+    daemon_stop(&d);
+}
+
+/* The daemon's peak resident memory (this process's: the daemon runs in it). */
+static uint64_t peak_rss(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    unsigned long long kb = 0;
+    cr_assert_not_null(f);
+    while (fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmHWM: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return kb << 10;
+}
+
+static void *status_call(void *arg)
+{
+    struct service_job_status *js;
+    size_t n;
+    *(int *)arg = service_status(sock, &js, &n);
+    if (*(int *)arg == 0) free(js);
+    return NULL;
+}
+
+#define CALLERS 24
+#define MANY_TENSORS 16000
+
+Test(serve_guard, status_calls_at_once_on_a_large_saved_job_parse_its_manifest_once,
+     .timeout = 60)
+{
+    if (!as_root()) return;
+    swap_under_sockdir();
+    write_cfg_tiers(swapdir, "16M", "4M", "\"idle_job_close\": 600");
+    struct daemon d;
+    daemon_start_group(&d, nobody_group());
+    unsigned many = MANY_TENSORS;
+    run_as_nobody(a_saved_job, &many, "a large saved job");
+    close_job("orig");
+    malloc_trim(0);
+    /* 5: the peak (VmHWM) starts again from what is resident now. */
+    int fd = open("/proc/self/clear_refs", O_WRONLY);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(write(fd, "5", 1), 1);
+    close(fd);
+    uint64_t before = peak_rss();
+    pthread_t t[CALLERS];
+    int res[CALLERS];
+    for (int i = 0; i < CALLERS; i++)
+        cr_assert_eq(pthread_create(&t[i], NULL, status_call, &res[i]), 0);
+    for (int i = 0; i < CALLERS; i++) {
+        pthread_join(t[i], NULL);
+        cr_expect_eq(res[i], 0, "STATUS: %s", zinf_strerror(res[i]));
+    }
+    uint64_t grew = peak_rss() - before;
+    cr_expect_lt(grew, 64u << 20, "%d STATUS calls at once raised the peak by %llu MiB", CALLERS,
+                 (unsigned long long)(grew >> 20));
     daemon_stop(&d);
 }

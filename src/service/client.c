@@ -729,51 +729,76 @@ static int first_reply(int fd, int r, uint16_t op, struct proto_header *h, uint8
     return 0;
 }
 
+/* One page of STATUS, the jobs after the name after (""), appended to *js (n of them, cap
+ * room); *more: more follow. */
+static int status_page(int fd, const char *after, struct service_job_status **js, size_t *n,
+                       size_t *cap, bool *more)
+{
+    struct proto_request q = {.op = PROTO_STATUS};
+    snprintf(q.name, sizeof(q.name), "%s", after);
+    struct proto_out o;
+    proto_encode_request(&q, 1, &o);
+    int r = proto_send(fd, &o, NULL, 0);
+    proto_out_free(&o);
+    struct proto_header h;
+    uint8_t *payload;
+    r = first_reply(fd, r, PROTO_STATUS, &h, &payload);
+    if (r < 0) return r;
+    struct proto_in in;
+    proto_in_init(&in, payload, h.len);
+    r = proto_get_i32(&in);
+    uint32_t count = r == 0 ? proto_get_u32(&in) : 0;
+    if (r == 0 && !in.bad && *n + count > *cap) {
+        size_t c = MAX(*cap * 2, *n + count);
+        struct service_job_status *m = realloc(*js, MAX(c, (size_t)1) * sizeof(*m));
+        if (m) {
+            *js = m;
+            *cap = c;
+        } else {
+            r = -ENOMEM;
+        }
+    }
+    for (uint32_t i = 0; r == 0 && i < count && !in.bad; i++) {
+        struct service_job_status *j = &(*js)[*n + i];
+        memset(j, 0, sizeof(*j));
+        proto_get_str(&in, j->name, 64);
+        j->owner_uid = proto_get_u32(&in);
+        j->open = proto_get_u32(&in) != 0;
+        j->sessions = proto_get_u32(&in);
+        j->pins = proto_get_u64(&in);
+        uint32_t bytes = proto_get_u32(&in);
+        const uint8_t *p = proto_get_bytes(&in, bytes);
+        if (p && bytes == sizeof(j->stats))
+            memcpy(&j->stats, p, bytes);
+        else
+            in.bad = true;
+    }
+    *more = r == 0 && proto_get_u32(&in) != 0;
+    if (r == 0 && (in.bad || proto_done(&in) < 0 || (*more && !count))) r = -EPROTO;
+    if (r == 0) *n += count;
+    free(payload);
+    return r;
+}
+
 int service_status(const char *socket, struct service_job_status **out, size_t *n)
 {
     int fd, r = dial(socket, &fd);
     *out = NULL;
     *n = 0;
     if (r < 0) return r;
-    struct proto_out o;
-    proto_out_init(&o, PROTO_STATUS, 1);
-    r = proto_send(fd, &o, NULL, 0);
-    proto_out_free(&o);
-    struct proto_header h;
-    uint8_t *payload;
-    r = first_reply(fd, r, PROTO_STATUS, &h, &payload);
-    close(fd);
-    if (r < 0) return r;
-    struct proto_in in;
-    proto_in_init(&in, payload, h.len);
-    r = proto_get_i32(&in);
-    uint32_t count = r == 0 ? proto_get_u32(&in) : 0;
+    /* Page after page, each after the last name of the one before, on one connection. */
     struct service_job_status *js = NULL;
-    if (r == 0 && !in.bad && count) {
-        js = calloc(count, sizeof(*js));
-        if (!js) r = -ENOMEM;
-    }
-    for (uint32_t i = 0; r == 0 && i < count && !in.bad; i++) {
-        proto_get_str(&in, js[i].name, 64);
-        js[i].owner_uid = proto_get_u32(&in);
-        js[i].open = proto_get_u32(&in) != 0;
-        js[i].sessions = proto_get_u32(&in);
-        js[i].pins = proto_get_u64(&in);
-        uint32_t bytes = proto_get_u32(&in);
-        const uint8_t *p = proto_get_bytes(&in, bytes);
-        if (p && bytes == sizeof(js[i].stats))
-            memcpy(&js[i].stats, p, bytes);
-        else
-            in.bad = true;
-    }
-    if (r == 0 && (in.bad || proto_done(&in) < 0)) r = -EPROTO;
-    free(payload);
+    size_t got = 0, cap = 0;
+    bool more = true;
+    while (r == 0 && more)
+        r = status_page(fd, got ? js[got - 1].name : "", &js, &got, &cap, &more);
+    close(fd);
     if (r < 0) {
         free(js);
         return r;
     }
     *out = js;
-    *n = count;
+    *n = got;
     return 0;
 }
 

@@ -259,10 +259,12 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
         break;
     case PROTO_SHUTDOWN:
         break;
+    case PROTO_STATUS: /* the page after that job's name; none: the first */
+        if (in.off < in.len) proto_get_str(&in, r->name, PROTO_MAX_JOB);
+        break;
     case PROTO_STEP:
     case PROTO_FLUSH:
     case PROTO_STATS:
-    case PROTO_STATUS:
         break;
     default:
         return -EBADMSG;
@@ -330,6 +332,9 @@ void proto_encode_request(const struct proto_request *r, uint32_t seq, struct pr
     case PROTO_JOB_CLOSE:
     case PROTO_JOB_REMOVE:
         proto_put_str(o, r->name);
+        break;
+    case PROTO_STATUS:
+        if (r->name[0]) proto_put_str(o, r->name);
         break;
     default:
         break;

@@ -7,7 +7,8 @@
  * A worker serves that connection's requests while they keep coming (conn_serve: spins,
  * then waits up to CONN_LINGER_MS), calls the job's engine (engine_api_*, thread-safe),
  * and puts the connection back in the epoll set when it goes quiet; idle workers leave
- * after 10 s. The keeper thread holds the sessions' liveness mutexes. Once a second
+ * after 10 s. The keeper thread (keeper.c) holds the sessions' liveness mutexes; STATUS is
+ * answered by status.c; the objects below are in server_int.h. Once a second
  * service_run() closes connections that did not say HELLO in time and starts the closing
  * of jobs idle too long (job_closer, a thread each). A request that cannot be parsed gets
  * an error reply and the connection is closed; a request that fails (whatever its error) is
@@ -74,164 +75,7 @@
 #include "service/folders.h"
 #include "service/proto.h"
 #include "service/server.h"
-
-struct job {
-    char name[PROTO_MAX_JOB + 1];
-    /* s->lock: opening (its folders and engine being made, without the lock; e NULL), then
-     * open. A HELLO for a job being opened waits on s->job_cv. */
-    bool opening;
-    /* s->lock: being closed (idle, or asked to): a HELLO for it waits, then opens it anew */
-    bool closing;
-    uid_t owner;       /* while opening: the uid that asked */
-    unsigned sessions; /* s->lock: sessions attached */
-    uint64_t idle_since; /* s->lock: now_ns() when its last session left */
-    uint64_t retry_at;   /* s->lock: a close whose flush failed is tried again from then */
-    zinf_engine *e;
-    struct engine_region reg[MEM_TIERS];
-    struct job *next;
-};
-
-struct pin {
-    zinf_tensor t;
-    uint32_t tier, count;
-    struct pin *next;
-};
-
-struct tick {
-    uint64_t id;
-    zinf_tensor t;
-    uint32_t tier;
-    struct tick *next;
-};
-
-/* A zinf_write or zinf_read larger than a message, staged whole (proto.h, STAGE_*). */
-struct stage {
-    uint64_t id;
-    bool write;
-    zinf_tensor t;
-    uint64_t off, bytes;
-    char *buf;
-    struct stage *next;
-};
-
-struct session {
-    struct service *svc;
-    uint64_t id, secret;
-    struct job *job;
-    uid_t uid;
-    unsigned conns; /* s->lock */
-    struct session *prev, *next; /* s->sessions */
-
-    pthread_mutex_t lock; /* pins, ticks */
-    struct pin *pins;
-    /* Its unwaited tickets by id, a hash of ticks_mask + 1 chains; nticks counts them and
-     * those being made (at most zinf.serve.tickets_per_session) */
-    struct tick **ticks;
-    size_t ticks_mask, nticks;
-    struct stage *stages; /* not in the list while a call fills or empties it */
-    uint64_t staged, stage_limit, next_stage; /* bytes staged; zinf.serve.write_stage_bytes */
-    unsigned nstages; /* stages open or being opened; zinf.serve.stages_per_session */
-    /* The session's pin table (lease.c), or NULL when the job's engine serves as many as
-     * it can: the pins counted there are not in pins. */
-    struct engine_pinset *ps;
-    int ps_fd;
-    size_t ps_bytes;
-    /* With a table: the session's liveness mutex, in a memfd only this session maps (live_fd
-     * until HELLO has handed it over). The keeper holds it while the session lives. */
-    pthread_mutex_t *live;
-    int live_fd;
-};
-
-/* A connection. Between requests it waits in the epoll set, costing no thread; when a
- * request comes a worker takes it (busy) and serves it, and the next ones while they keep
- * coming, then puts it back. */
-struct conn {
-    struct service *svc;
-    int fd;
-    uid_t uid;      /* the peer's, at accept */
-    uint64_t since; /* accepted, now_ns() */
-    bool busy;      /* s->lock: a worker has it (it is out of the epoll set) */
-    char why[256];  /* the reason sent with an error of HELLO (a limit, named) */
-    bool stopper;   /* s->lock: it asked the daemon to stop, and waits for its end */
-    struct session *sess;
-    struct conn *prev, *next; /* s->conns */
-    struct conn *qnext; /* s->ready */
-};
-
-/* A thread that serves connections' requests. An idle one waits to be handed a connection
- * (k, set by dispatch, which signals cv): each hand-off goes to one thread, so none is
- * lost while a woken thread has not run yet. */
-struct worker {
-    struct service *s;
-    pthread_cond_t cv;
-    struct conn *k;
-    struct worker *next; /* s->idle */
-};
-
-/* What one uid has open, for zinf.serve's limits, and how its refusals are logged: a
- * token bucket of REFUSAL_BURST lines, one more earned each REFUSAL_EVERY_NS; a refusal
- * without a token is counted (hushed), and said in one line before the next one said, or
- * by the sweep once a token is back. */
-#define REFUSAL_BURST 5
-#define REFUSAL_EVERY_NS 1000000000ull
-struct ucount {
-    uid_t uid;
-    unsigned conns, sessions;
-    uint64_t swap_pending; /* bytes of REGISTERs admitted and not done yet */
-    unsigned tokens;    /* lines it may log now */
-    uint64_t earned_ns; /* now_ns() up to which its tokens are counted in */
-    uint64_t hushed;    /* refusals not logged since the last line */
-    struct ucount *next;
-};
-
-/* The thread that holds every session's liveness mutex (a robust, process-shared mutex in
- * memory only that session's client maps, read-only): the client reads it as held while
- * the session lives, and as free once it has ended or the daemon has died (the kernel lets
- * a dead thread's robust mutexes go). The pin table's hit path asks it before trusting a
- * slot. A robust
- * mutex belongs to the thread that locked it and must be unlocked by it, and connection
- * threads come and go: hence one thread that lives as long as the service, and does the
- * locking and unlocking it is asked for, one request at a time. */
-struct keeper {
-    pthread_t thread;
-    bool started;
-    pthread_mutex_t lock;
-    pthread_cond_t cv;
-    pthread_mutex_t *todo; /* the mutex to lock (hold) or unlock; NULL: nothing asked */
-    bool hold, quit;
-    int result;
-};
-
-struct service {
-    const struct zinf_config *config;
-    char *socket_path;
-    int listen_fd;
-    int wake[2];      /* service_stop() writes to wake[1] */
-    uint64_t spin_ns; /* how long a connection polls for its next request before it sleeps */
-
-    const struct config_serve *lim; /* &config->zinf.serve */
-    int ep;                         /* epoll: the listener, the wake pipe, idle connections */
-
-    pthread_mutex_t lock;
-    pthread_cond_t job_cv; /* a job finished opening or closing (or failed to) */
-    struct job *jobs;
-    struct session *sessions;
-    struct conn *conns;
-    unsigned nconns;
-    struct ucount *ucounts;
-    struct worker *idle;             /* workers waiting to be handed a connection */
-    struct conn *ready, *ready_tail; /* requests waiting for a worker that could not start */
-    pthread_cond_t gone_cv;          /* a worker or a job's closer finished */
-    unsigned workers, closers;
-    bool stopping;
-    /* The connections that asked the daemon to stop (SHUTDOWN), kept open until every job
-     * is flushed and closed: their end tells the client that the daemon is done. */
-    int stop_fds[8];
-    unsigned nstop_fds;
-    uint64_t next_session;
-    _Atomic uint64_t requests; /* requests served after HELLO */
-    struct keeper keeper;
-};
+#include "service/server_int.h"
 
 /* The lists of connections and sessions, doubly linked: a connection or a session is
  * taken out in one step however many there are (a scan for it made N closes cost N^2).
@@ -253,113 +97,9 @@ struct service {
         (x)->prev = (x)->next = NULL;                                                              \
     } while (0)
 
-/* ---- liveness ---------------------------------------------------------------------- */
-
-static void *keeper_main(void *arg)
-{
-    struct keeper *kp = arg;
-    pthread_mutex_lock(&kp->lock);
-    for (;;) {
-        while (!kp->todo && !kp->quit)
-            pthread_cond_wait(&kp->cv, &kp->lock);
-        if (!kp->todo) break;
-        /* Taken or let go without kp->lock: the keeper holds liveness mutexes all along, and
-         * takes kp->lock while it does, never the other way round. (kp->todo stays set
-         * meanwhile: the next request waits.) */
-        pthread_mutex_t *m = kp->todo;
-        bool hold = kp->hold;
-        pthread_mutex_unlock(&kp->lock);
-        int r;
-        if (hold) {
-            r = pthread_mutex_lock(m);
-            if (r == EOWNERDEAD) r = pthread_mutex_consistent(m);
-        } else {
-            r = pthread_mutex_unlock(m);
-        }
-        pthread_mutex_lock(&kp->lock);
-        kp->result = -r;
-        kp->todo = NULL;
-        pthread_cond_broadcast(&kp->cv);
-    }
-    pthread_mutex_unlock(&kp->lock);
-    return NULL; /* any mutex still held is let go by the kernel, as if the daemon died */
-}
-
-static int keeper_ask(struct keeper *kp, pthread_mutex_t *m, bool hold)
-{
-    pthread_mutex_lock(&kp->lock);
-    while (kp->todo) /* another request first */
-        pthread_cond_wait(&kp->cv, &kp->lock);
-    kp->todo = m;
-    kp->hold = hold;
-    pthread_cond_broadcast(&kp->cv);
-    while (kp->todo == m)
-        pthread_cond_wait(&kp->cv, &kp->lock);
-    int r = kp->result;
-    pthread_mutex_unlock(&kp->lock);
-    return r;
-}
-
-static int keeper_start(struct keeper *kp)
-{
-    pthread_mutex_init(&kp->lock, NULL);
-    pthread_cond_init(&kp->cv, NULL);
-    int r = -pthread_create(&kp->thread, NULL, keeper_main, kp);
-    kp->started = r == 0;
-    return r;
-}
-
-static void keeper_stop(struct keeper *kp)
-{
-    if (!kp->started) return;
-    pthread_mutex_lock(&kp->lock);
-    kp->quit = true;
-    pthread_cond_broadcast(&kp->cv);
-    pthread_mutex_unlock(&kp->lock);
-    pthread_join(kp->thread, NULL);
-    pthread_cond_destroy(&kp->cv);
-    pthread_mutex_destroy(&kp->lock);
-}
-
-/* A session's liveness mutex: in a memfd the client can only map read-only (the mutex's
- * robust-list links are pointers the keeper's glibc follows: a client must never write
- * them), held by the keeper. */
-static int live_open(struct service *s, struct session *se)
-{
-    void *p;
-    se->live_fd = hugemem_memfd("zinf-live", PROTO_LIVE_BYTES, &p);
-    if (se->live_fd < 0) return se->live_fd;
-    pthread_mutexattr_t a;
-    pthread_mutexattr_init(&a);
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    int r = -pthread_mutex_init(p, &a);
-    pthread_mutexattr_destroy(&a);
-    if (r == 0 && (r = keeper_ask(&s->keeper, p, true)) == 0) {
-        se->live = p;
-        return 0;
-    }
-    munmap(p, PROTO_LIVE_BYTES);
-    close(se->live_fd);
-    se->live_fd = -1;
-    return r;
-}
-
-/* Let go (the client then reads the word as free) and unmapped. */
-static void live_close(struct service *s, struct session *se)
-{
-    if (se->live) {
-        keeper_ask(&s->keeper, se->live, false);
-        munmap(se->live, PROTO_LIVE_BYTES);
-        se->live = NULL;
-    }
-    if (se->live_fd >= 0) close(se->live_fd);
-    se->live_fd = -1;
-}
-
 /* ---- jobs ---------------------------------------------------------------------------- */
 
-static bool job_name_ok(const char *n)
+bool serve_job_name_ok(const char *n)
 {
     if (!n[0] || n[0] == '.' || strlen(n) > PROTO_MAX_JOB) return false;
     for (const char *p = n; *p; p++)
@@ -400,10 +140,23 @@ static int saved_owner(struct service *s, const char *name, uid_t *owner)
  * without s->lock. Another user's saved job is refused (-EACCES) before anything of it is
  * opened: its engine would resume its tensors and take its memory for a HELLO answered
  * -EACCES anyway. */
-static int job_open(struct service *s, struct job *j, uid_t uid, uid_t *owner)
+static int job_open(struct service *s, struct job *j, uid_t uid, uid_t *owner, char *why,
+                    size_t whylen)
 {
     uid_t was;
-    if (uid != 0 && saved_owner(s, j->name, &was) == 0 && was != uid) return -EACCES;
+    int so = saved_owner(s, j->name, &was);
+    if (uid != 0 && so == 0 && was != uid) return -EACCES;
+    /* A new folder counts against zinf.serve.saved_jobs_per_uid: each is a STATUS entry and
+     * a scan's work for every user, long after its job closed. */
+    unsigned folders;
+    if (so == -ENOENT && !serve_privileged(uid) &&
+        (folders = status_saved_count(s, uid)) >= s->lim->saved_jobs_per_uid) {
+        snprintf(why, whylen,
+                 "zinf serve: job %.64s refused: this uid has %u jobs saved, the limit "
+                 "(zinf.serve.saved_jobs_per_uid); zinf job rm removes one",
+                 j->name, folders);
+        return -EUSERS;
+    }
     int r = folders_job(&s->config->nvme_paths, j->name, uid, owner);
     if (r < 0) return r;
     /* A job resumes what it saved in its folder; with nothing saved there it is new. */
@@ -501,7 +254,7 @@ static void job_gone(struct service *s, struct job *j)
 
 /* Whether uid is exempt from the per-uid limits, and may use the reserved connections:
  * root and the daemon's own uid. */
-static bool privileged(uid_t uid)
+bool serve_privileged(uid_t uid)
 {
     return uid == 0 || uid == geteuid();
 }
@@ -592,7 +345,7 @@ static int job_get(struct service *s, const char *name, uid_t uid, struct job **
             all++;
             mine += o->owner == uid;
         }
-        if (all >= s->lim->max_jobs || (!privileged(uid) && mine >= s->lim->jobs_per_uid)) {
+        if (all >= s->lim->max_jobs || (!serve_privileged(uid) && mine >= s->lim->jobs_per_uid)) {
             bool total = all >= s->lim->max_jobs;
             snprintf(why, whylen,
                      "zinf serve: job %.64s refused: %s %u jobs open, the limit "
@@ -610,7 +363,7 @@ static int job_get(struct service *s, const char *name, uid_t uid, struct job **
         s->jobs = j;
         pthread_mutex_unlock(&s->lock);
         uid_t owner;
-        int r = job_open(s, j, uid, &owner);
+        int r = job_open(s, j, uid, &owner, why, whylen);
         pthread_mutex_lock(&s->lock);
         pthread_cond_broadcast(&s->job_cv);
         if (r < 0) {
@@ -722,7 +475,7 @@ static void session_free(struct service *s, struct session *se)
     }
     unsigned d = 0, k = 0, u = 0;
     engine_pinset_close(e, se->ps, &d, &k, &u);
-    live_close(s, se); /* the client's fast path stops here */
+    keeper_live_close(s, se); /* the client's fast path stops here */
     dropped += d;
     kept += k;
     restored += u;
@@ -1070,7 +823,7 @@ static int do_register(struct session *se, const struct proto_request *q, struct
     uint64_t bytes = q->tier == ZINF_TIER_NVME ? q->handle : 0, used = 0;
     uint64_t limit = s->lim->swap_bytes_per_uid;
     struct ucount *u = NULL;
-    if (bytes && !privileged(se->uid)) {
+    if (bytes && !serve_privileged(se->uid)) {
         /* Lock order: the service, then (in engine_api_stats) an engine. */
         pthread_mutex_lock(&s->lock);
         for (struct job *j = s->jobs; j; j = j->next) {
@@ -1193,7 +946,7 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     struct service *s = k->svc;
     const char *job = q->name;
     uint64_t sid = q->handle, secret = q->offset;
-    if (!job_name_ok(job)) return -EINVAL;
+    if (!serve_job_name_ok(job)) return -EINVAL;
     uid_t uid = k->uid;
 
     struct session *se = NULL;
@@ -1211,7 +964,7 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
             se->conns++;
     } else if (!uc) {
         r = -ENOMEM;
-    } else if (!privileged(uid) && uc->sessions >= s->lim->sessions_per_uid) {
+    } else if (!serve_privileged(uid) && uc->sessions >= s->lim->sessions_per_uid) {
         snprintf(k->why, sizeof(k->why),
                  "zinf serve: a new session refused: this uid has %u sessions (client "
                  "processes attached), the limit (zinf.serve.sessions_per_uid)",
@@ -1240,7 +993,7 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
             se->stage_limit = s->config->zinf.serve.write_stage_bytes;
             if (engine_pinset_open(j->e, &se->ps, &se->ps_fd, &se->ps_bytes) < 0) se->ps = NULL;
             /* The table's hit path needs to know the session lives. */
-            if (se->ps && live_open(s, se) < 0) {
+            if (se->ps && keeper_live_open(s, se) < 0) {
                 unsigned d, kept, u;
                 engine_pinset_close(j->e, se->ps, &d, &kept, &u);
                 se->ps = NULL;
@@ -1292,106 +1045,6 @@ static int hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     return r < 0 ? r : 1; /* 1: the reply went out */
 }
 
-/* STATUS entries for the jobs saved under the first swap directory that the daemon has not
- * opened since it started (no client attached yet), which uid may see: stats all zero but
- * the tensors their saved state names. Without s->lock (it reads files): open[0..nopen)
- * are the names of the jobs the daemon has, skipped. */
-static uint32_t status_saved(struct service *s, uid_t uid, char (*open)[PROTO_MAX_JOB + 1],
-                             size_t nopen, struct proto_out *o)
-{
-    if (!s->config->nvme_paths.count) return 0;
-    const char *root = s->config->nvme_paths.path[0];
-    DIR *d = opendir(root);
-    if (!d) return 0;
-    uint32_t n = 0;
-    struct dirent *de;
-    while ((de = readdir(d))) {
-        const char *name = de->d_name;
-        if (!job_name_ok(name)) continue;
-        bool is_open = false;
-        for (size_t i = 0; i < nopen && !is_open; i++)
-            is_open = !strcmp(open[i], name);
-        char path[4096];
-        struct stat st;
-        size_t tensors = 0;
-        uid_t owner;
-        if (is_open || snprintf(path, sizeof(path), "%s/%s", root, name) >= (int)sizeof(path) ||
-            lstat(path, &st) != 0 || !folders_own(&st, 077))
-            continue;
-        int ro = folders_read_owner(path, &owner);
-        if (ro == -ENOENT)
-            owner = geteuid();
-        else if (ro < 0)
-            continue;
-        if ((uid != owner && uid != 0) || persist_probe(path, &tensors, NULL) != 0) continue;
-        struct zinf_stats zs = {0};
-        zs.tensors = tensors == SIZE_MAX ? 0 : tensors;
-        proto_put_str(o, name);
-        proto_put_u32(o, (uint32_t)owner);
-        proto_put_u32(o, 0); /* saved, not open */
-        proto_put_u32(o, 0);
-        proto_put_u64(o, 0);
-        proto_put_u32(o, sizeof(zs));
-        proto_put_bytes(o, &zs, sizeof(zs));
-        n++;
-    }
-    closedir(d);
-    return n;
-}
-
-/* STATUS: the jobs the peer may see, with their sessions, pins and stats. */
-static int status(struct conn *k, uint32_t seq)
-{
-    struct service *s = k->svc;
-    uid_t uid = k->uid; /* the peer's, at accept */
-    struct proto_out o;
-    proto_out_init(&o, PROTO_STATUS | PROTO_REPLY, seq);
-    proto_put_i32(&o, 0);
-    size_t count_at = o.len;
-    proto_put_u32(&o, 0);
-    uint32_t n = 0;
-    /* Lock order: the service, then a session, then (in engine_api_stats) the engine. */
-    pthread_mutex_lock(&s->lock);
-    size_t nopen = 0;
-    for (struct job *j = s->jobs; j; j = j->next)
-        nopen++;
-    char (*names)[PROTO_MAX_JOB + 1] = calloc(nopen ? nopen : 1, sizeof(*names));
-    nopen = 0;
-    for (struct job *j = s->jobs; j && names; j = j->next)
-        strcpy(names[nopen++], j->name);
-    for (struct job *j = s->jobs; j; j = j->next) {
-        if (j->opening || j->closing || (uid != j->owner && uid != 0)) continue;
-        uint32_t sessions = 0;
-        uint64_t pins = 0;
-        for (struct session *se = s->sessions; se; se = se->next) {
-            if (se->job != j) continue;
-            sessions++;
-            pthread_mutex_lock(&se->lock);
-            for (struct pin *p = se->pins; p; p = p->next)
-                pins += p->count;
-            pthread_mutex_unlock(&se->lock);
-            if (se->ps) pins += engine_pinset_pins(j->e, se->ps);
-        }
-        struct zinf_stats st;
-        engine_api_stats(j->e, &st);
-        proto_put_str(&o, j->name);
-        proto_put_u32(&o, (uint32_t)j->owner);
-        proto_put_u32(&o, 1); /* open */
-        proto_put_u32(&o, sessions);
-        proto_put_u64(&o, pins);
-        proto_put_u32(&o, sizeof(st));
-        proto_put_bytes(&o, &st, sizeof(st));
-        n++;
-    }
-    pthread_mutex_unlock(&s->lock);
-    if (names) n += status_saved(s, uid, names, nopen, &o);
-    free(names);
-    if (!o.bad) memcpy(o.buf + count_at, &n, 4);
-    int r = proto_send(k->fd, &o, NULL, 0);
-    proto_out_free(&o);
-    return r;
-}
-
 /* The session loses a connection; the last one takes it out of the lists. */
 static void session_leave(struct service *s, struct session *se)
 {
@@ -1420,8 +1073,8 @@ static void session_leave(struct service *s, struct session *se)
 static int manage(struct conn *k, const struct proto_request *q)
 {
     struct service *s = k->svc;
-    if (q->op == PROTO_SHUTDOWN) return privileged(k->uid) ? 0 : -EPERM;
-    if (!job_name_ok(q->name)) return -EINVAL;
+    if (q->op == PROTO_SHUTDOWN) return serve_privileged(k->uid) ? 0 : -EPERM;
+    if (!serve_job_name_ok(q->name)) return -EINVAL;
     bool rm = q->op == PROTO_JOB_REMOVE, was_open = false;
     struct job *j;
     int r = 0;
@@ -1543,8 +1196,8 @@ static bool conn_serve(struct conn *k)
         struct proto_request q;
         r = proto_decode_request(h.op, payload, h.len, &q);
         if (r == 0 && h.op == PROTO_STATUS) {
-            free(payload);
-            if (status(k, h.seq) < 0) return false;
+            free(payload); /* q holds the name */
+            if (status_reply(k, &q, h.seq) < 0) return false;
             continue;
         }
         if (r == 0 && (h.op == PROTO_JOB_CLOSE || h.op == PROTO_JOB_REMOVE ||
@@ -1731,7 +1384,7 @@ static void admit(struct service *s, int fd)
     unsigned open_to_all = s->lim->max_connections > s->lim->reserved_connections
                                ? s->lim->max_connections - s->lim->reserved_connections
                                : 0;
-    bool priv = privileged(cred.uid);
+    bool priv = serve_privileged(cred.uid);
     struct ucount *u = ucount_of(s, cred.uid);
     struct conn *k = NULL;
     char why[256] = "";
@@ -1851,6 +1504,7 @@ int service_open(const struct service_opts *o, struct service **out, char *err, 
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->job_cv, NULL);
     pthread_cond_init(&s->gone_cv, NULL);
+    status_init(s);
     int r = 0;
     const char *what = "";
     if (!(s->socket_path = strdup(o->socket_path))) {
@@ -1912,6 +1566,7 @@ fail_quiet:
     for (int i = 0; i < 2; i++)
         if (s->wake[i] >= 0) close(s->wake[i]);
     free(s->socket_path);
+    status_fini(s);
     pthread_cond_destroy(&s->job_cv);
     pthread_mutex_destroy(&s->lock);
     free(s);
@@ -2136,6 +1791,7 @@ void service_close(struct service *s)
     if (s->ep >= 0) close(s->ep);
     keeper_stop(&s->keeper);
     free(s->socket_path);
+    status_fini(s);
     pthread_cond_destroy(&s->job_cv);
     pthread_cond_destroy(&s->gone_cv);
     pthread_mutex_destroy(&s->lock);
@@ -2149,6 +1805,7 @@ void service_forget(struct service *s)
     close(s->wake[0]);
     close(s->wake[1]);
     free(s->socket_path);
+    status_fini(s);
     pthread_cond_destroy(&s->job_cv);
     pthread_cond_destroy(&s->gone_cv);
     pthread_mutex_destroy(&s->lock);
