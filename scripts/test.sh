@@ -78,8 +78,10 @@ BUILD_DIR=build-san scripts/setup.sh -Db_sanitize=address,undefined -Db_lundef=f
 meson test -C build-san --print-errorlogs --num-processes "$jobs"
 
 # ThreadSanitizer: the API stress program from many threads (a plain program: Criterion's
-# runner cannot start under TSan). Only that target is built. tests/tsan.supp names the one
-# race the contract allows (a caller writing through its pin while a flush reads the copy).
+# runner cannot start under TSan). Only that target is built. The one race the contract
+# allows (a caller writing through its pin while a load of the other tier or a flush reads
+# the copy) is annotated where the program writes, not suppressed: a suppression matches
+# only a stack the runtime could restore (tests/tsan.supp says more).
 leg "TSan (stress_api, the daemon)"
 if [ ! -f build-tsan/build.ninja ]; then
   meson setup build-tsan -Db_sanitize=thread -Db_lundef=false -Dcuda=disabled -Dfuzz=disabled
