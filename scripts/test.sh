@@ -81,7 +81,9 @@ meson test -C build-san --print-errorlogs --num-processes "$jobs"
 # runner cannot start under TSan). Only that target is built. The one race the contract
 # allows (a caller writing through its pin while a load of the other tier or a flush reads
 # the copy) is annotated where the program writes, not suppressed: a suppression matches
-# only a stack the runtime could restore (tests/tsan.supp says more).
+# only a stack the runtime could restore (tests/tsan.supp says more). The program runs that
+# race in every round of its first phase, so an annotation that stopped working fails here
+# every time, not by luck.
 leg "TSan (stress_api, the daemon)"
 if [ ! -f build-tsan/build.ninja ]; then
   meson setup build-tsan -Db_sanitize=thread -Db_lundef=false -Dcuda=disabled -Dfuzz=disabled

@@ -9,7 +9,9 @@
  * three homes under budgets far below their total; one thread flushes, one unregisters and
  * registers a tensor again and again. Every byte is compared with a reference copy (a
  * per-tensor rwlock orders writers against readers, as a trainer would), and at the end
- * the state is closed, resumed and compared once more.
+ * the state is closed, resumed and compared once more. Before the threads start, the one
+ * race the contract allows is run on purpose, round after round (pin_race(), --pin-race
+ * ROUNDS; 0: none).
  *
  * With --service the same runs through the zinf daemon (src/service/), started in this
  * process from the same settings: every call a client's, every thread a connection of its
@@ -19,12 +21,13 @@
  *
  * Not here: what each call answers to bad input (test_engine.c), crashes (test_persist.c).
  *
- *   stress_api [SECONDS] [--service [--clients N]]
- *   (default 3 s, one client; ZINF_TEST_TMPDIR for the swap directory)
+ *   stress_api [SECONDS] [--service [--clients N]] [--pin-race ROUNDS]
+ *   (default 3 s, one client, 500 rounds; ZINF_TEST_TMPDIR for the swap directory)
  * Exit status 0 when every check passed; 1 with a message otherwise.
  */
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -43,6 +46,7 @@
 #define MiB (1024 * KiB)
 #define NT 12
 #define WORKERS 4
+#define PIN_RACE_ROUNDS 500 /* pin_race()'s rounds, before the threads start */
 
 struct st_tensor {
     char name[32];
@@ -387,14 +391,122 @@ static int open_engine(const char *dir, unsigned flags)
     return zinf_open(&o, &eng);
 }
 
+/* The race the contract allows, on purpose and in every round: one tensor homed on NVMe,
+ * two threads in lock step. The writer pins it in tier A and writes through the pin, over
+ * and over, bytes that are not the round's, until the loader has brought the tensor into
+ * the other tier B, which the engine loads from A: that load reads A while it is written,
+ * every round, so a write through a pin that ThreadSanitizer were not told of fails the run
+ * at once rather than now and then. The writer then writes the round's bytes, releases
+ * DIRTY and checks B, A and zinf_read: the copy of B made from the torn read is stale and
+ * must never be served. In half the rounds the loader only prefetches B, so the DIRTY
+ * release may also overtake a load still in flight (it lands stale and is dropped). A
+ * tier swaps roles every round. */
+struct pin_race {
+    zinf_tensor h;
+    atomic_uint go;     /* the round whose pin the writer holds and writes through */
+    atomic_uint loaded; /* the round whose load of B the loader has finished (or started) */
+    atomic_bool done;
+};
+
+static enum zinf_tier pin_race_tier(unsigned round)
+{
+    return round & 1 ? ZINF_TIER_HOST : ZINF_TIER_DEVICE;
+}
+
+/* A fetch through the budgets that other client processes' threads may fill for a moment. */
+static void *pin_race_fetch(zinf_tensor h, enum zinf_tier tier)
+{
+    void *p;
+    int r;
+    while ((r = zinf_fetch(eng, h, tier, &p)) == -ENOMEM)
+        usleep(100);
+    if (r) fail("pin race: fetch to tier %d: %s", tier, zinf_strerror(r));
+    return p;
+}
+
+static void *pin_race_loader(void *arg)
+{
+    struct pin_race *pr = arg;
+    for (unsigned k = 1;; k++) {
+        while (atomic_load(&pr->go) < k) {
+            if (atomic_load(&pr->done)) return NULL;
+            sched_yield();
+        }
+        enum zinf_tier b = pin_race_tier(k + 1);
+        int r = 0;
+        if (k & 2) {
+            r = zinf_prefetch(eng, pr->h, b);
+        } else {
+            pin_race_fetch(pr->h, b); /* its bytes are torn: only the engine's to judge */
+            r = zinf_release(eng, pr->h, b, 0);
+        }
+        if (r) fail("pin race: the loader's round %u: %s", k, zinf_strerror(r));
+        atomic_store(&pr->loaded, k);
+    }
+}
+
+static void pin_race(unsigned rounds, uint64_t *s)
+{
+    const size_t n = 64 * KiB + 123;
+    struct pin_race pr = {0};
+    struct st_tensor t = {.n = n, .home = ZINF_TIER_NVME};
+    unsigned char *want = malloc(n), *junk = malloc(n), *got = malloc(n);
+    pthread_t th;
+    int r;
+
+    snprintf(t.name, sizeof(t.name), "p%d.pin-race", proc_index);
+    if (!want || !junk || !got) fail("out of memory");
+    if ((r = zinf_register(eng, t.name, n, ZINF_TIER_NVME, &pr.h)) < 0)
+        fail("register '%s': %s", t.name, zinf_strerror(r));
+    fill(want, n, s);
+    if ((r = zinf_write(eng, pr.h, 0, want, n)) < 0)
+        fail("first write of '%s': %s", t.name, zinf_strerror(r));
+    pthread_create(&th, NULL, pin_race_loader, &pr);
+    for (unsigned k = 1; k <= rounds; k++) {
+        enum zinf_tier a = pin_race_tier(k), b = pin_race_tier(k + 1);
+        /* B must not hold the content yet, or the loader would find it there: a DIRTY
+         * release with nothing written makes a new version that only A holds. */
+        pin_race_fetch(pr.h, a);
+        if ((r = zinf_release(eng, pr.h, a, ZINF_RELEASE_DIRTY)))
+            fail("pin race: DIRTY release %u: %s", k, zinf_strerror(r));
+        void *p = pin_race_fetch(pr.h, a);
+        check_bytes(p, want, n, &t, "pin race: the pin");
+        fill(want, n, s);
+        for (size_t i = 0; i < n; i++)
+            junk[i] = (unsigned char)~want[i];
+        atomic_store(&pr.go, k);
+        do
+            write_through_pin(p, junk, n);
+        while (atomic_load(&pr.loaded) < k);
+        write_through_pin(p, want, n);
+        if ((r = zinf_release(eng, pr.h, a, ZINF_RELEASE_DIRTY)))
+            fail("pin race: DIRTY release %u after the load: %s", k, zinf_strerror(r));
+        check_bytes(pin_race_fetch(pr.h, b), want, n, &t, "pin race: the other tier");
+        if ((r = zinf_release(eng, pr.h, b, 0))) fail("pin race: release: %s", zinf_strerror(r));
+        check_bytes(pin_race_fetch(pr.h, a), want, n, &t, "pin race: the tier written");
+        if ((r = zinf_release(eng, pr.h, a, 0))) fail("pin race: release: %s", zinf_strerror(r));
+        if ((r = zinf_read(eng, pr.h, 0, got, n))) fail("pin race: read: %s", zinf_strerror(r));
+        check_bytes(got, want, n, &t, "pin race: read");
+    }
+    atomic_store(&pr.done, true);
+    pthread_join(th, NULL);
+    if ((r = zinf_unregister(eng, pr.h))) fail("pin race: unregister: %s", zinf_strerror(r));
+    free(want);
+    free(junk);
+    free(got);
+}
+
 int main(int argc, char **argv)
 {
     double seconds = 3.0;
+    unsigned pin_rounds = PIN_RACE_ROUNDS;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--service"))
             use_service = true;
         else if (!strcmp(argv[i], "--clients") && i + 1 < argc)
             clients = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--pin-race") && i + 1 < argc)
+            pin_rounds = (unsigned)atoi(argv[++i]);
         else
             seconds = atof(argv[i]);
     }
@@ -442,6 +554,8 @@ int main(int argc, char **argv)
         if ((r = zinf_write(eng, h, 0, t->ref, t->n)) < 0)
             fail("first write of '%s': %s", t->name, zinf_strerror(r));
     }
+
+    pin_race(pin_rounds, &s);
 
     pthread_t th[WORKERS + 2];
     for (uintptr_t i = 0; i < WORKERS; i++)
