@@ -46,7 +46,12 @@
  *    └──────────── copy_drop ◀── (cache copies only, unpinned, unread)
  *
  * Refinements of READY:
- *   pinned (pins > 0): a caller holds the pointer; never dropped, never loaded into.
+ *   pinned (pins > 0): a caller holds the pointer; never dropped, never loaded into. It
+ *     may still be read (a load of the other tier, a write-back, a flush) while its holder
+ *     writes through it: what was read keeps the old version, and the DIRTY release that
+ *     must follow the write makes that stale, so no fetch after the release is served it
+ *     (a load landing stale is dropped or loaded again). Not reading pinned copies would
+ *     make a holder's own fetch of the other tier wait for its own pin.
  *   leased (leases != 0): a session of the service may pin it without a message; each
  *     lease is one of the pins. A lease whose client holds no pin through it is idle and
  *     is closed (copy_pinned) by whoever needs the copy unpinned. Leased implies READY,
