@@ -2,16 +2,16 @@
  * trainer.c - a training run's life (see trainer.h): trainer_open reads the config and the
  * data, connects or opens the engine (resuming, starting over or re-cutting a saved run),
  * registers the model's tensors and checks the budgets; trainer_close ends it, flushed or
- * not. Beside those: the options' defaults, the learning-rate schedule, the batch of a step,
- * the summary, and evaluation and sampling, which reuse the step's forward.
+ * not. Beside those: the options' defaults and checks, the budgets derived from the machine,
+ * the batch of a step and the summary.
  *
  * Not here: the step itself (trainer_step.c), the tensors and budgets (trainer_tensors.c),
  * the ranks' partitions (trainer_shards.c), the optimizer (trainer_optim.c), checkpoints
- * and resuming (trainer_resume.c). What they share is in trainer_impl.h.
+ * and resuming (trainer_resume.c), the learning-rate schedule (trainer_schedule.c),
+ * evaluation and sampling (trainer_sample.c). What they share is in trainer_impl.h.
  */
 #include <errno.h>
 #include <fcntl.h>
-#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,7 +25,6 @@
 #include "tiers/cuda_probe.h"
 #include "train/backend.h"
 #include "train/loss_scale.h"
-#include "train/ops.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
 
@@ -112,116 +111,8 @@ static int load_data(struct trainer *t, char *err, size_t errlen)
     return 0;
 }
 
-/* OneCycle's cycle length in iterations, and where iteration `it` stands in it as a
- * factor from 0 (the cycle's ends) to 1 (its peak): DeepSpeed's _get_scale_factor, operation
- * for operation. */
-static double cycle_second(const struct trainer_lr_schedule *s)
-{
-    return s->cycle_second_size < 0 ? s->cycle_first_size : s->cycle_second_size;
-}
-
-static double cycle_total(const struct trainer_lr_schedule *s)
-{
-    return s->cycle_first_size + cycle_second(s);
-}
-
-static double cycle_scale(const struct trainer_lr_schedule *s, int it)
-{
-    double total = cycle_total(s), ratio = s->cycle_first_size / total;
-    int bi = it + 1;
-    double cycle = floor(1 + bi / total);
-    double x = 1. + bi / total - cycle, scale;
-    int stairs;
-    if (x <= ratio) {
-        scale = x / ratio;
-        stairs = s->cycle_first_stairs;
-    } else {
-        scale = (x - 1) / (ratio - 1);
-        stairs = s->cycle_second_stairs < 0 ? s->cycle_first_stairs : s->cycle_second_stairs;
-    }
-    if (stairs > 0) {
-        double ci = fmod((double)bi, total), pos;
-        if (ci <= s->cycle_first_size)
-            pos = ci * stairs / s->cycle_first_size;
-        else
-            pos = (total - ci) * stairs / cycle_second(s);
-        scale = floor(pos) / stairs;
-    }
-    return scale;
-}
-
-void trainer_betas_at(const struct trainer_lr_schedule *s, double beta1, double beta2, int step,
-                      double *b1, double *b2)
-{
-    int it = step - 2;
-    *b1 = beta1;
-    *b2 = beta2;
-    if (s->type != TRAINER_SCHED_ONE_CYCLE || !s->cycle_momentum) return;
-    /* Its constructor puts (cycle_min_mom, 0.99) in the optimizer; each step after sets
-     * beta1 from the cycle, or past it from cycle_max_mom with its decay. */
-    *b2 = 0.99;
-    if (it < 0)
-        *b1 = s->cycle_min_mom;
-    else if (it < cycle_total(s))
-        *b1 = s->cycle_max_mom - (s->cycle_max_mom - s->cycle_min_mom) * cycle_scale(s, it);
-    else if (s->decay_step_size == 0 || s->decay_mom_rate == 0)
-        *b1 = s->cycle_max_mom;
-    else
-        *b1 = s->cycle_max_mom *
-              (1 + s->decay_mom_rate * ((it - cycle_total(s) + 1) / (double)s->decay_step_size));
-}
-
-double trainer_lr_at(const struct trainer_lr_schedule *s, double lr, int step)
-{
-    int it = step - 2; /* DeepSpeed's last_batch_iteration when step runs */
-    int W = MAX(2, s->warmup_steps);
-    /* DeepSpeed's arithmetic, operation for operation (1 / log W kept and multiplied), so
-     * that the rates are its rates to the last bit. */
-    double warm = it < 0      ? 0
-                  : s->linear ? (double)it / W
-                              : (1.0 / log((double)W)) * log(it + 1.0);
-    if (s->base_lr > 0) lr = s->base_lr;
-    switch (s->type) {
-    case TRAINER_SCHED_WARMUP:
-    case TRAINER_SCHED_WARMUP_DECAY: {
-        if (it < 0) return s->min_lr;
-        double gamma =
-            it < W ? warm
-            : s->type == TRAINER_SCHED_WARMUP
-                ? 1.0
-                : MAX(0.0, (double)(s->total_steps - it) / MAX(1.0, (double)(s->total_steps - W)));
-        return s->min_lr + (s->max_lr - s->min_lr) * gamma;
-    }
-    case TRAINER_SCHED_WARMUP_COSINE: {
-        if (it < 0) return 0;
-        if (it < W) return lr * (s->min_ratio + warm * (1 - s->min_ratio));
-        /* Held at the floor past total_num_steps, as DeepSpeed clamps it. */
-        double progress = MIN(1.0, (double)(it - W + 1) / MAX(1, s->total_steps - W));
-        double ratio = (1 + cos(M_PI * progress)) / 2;
-        return lr * MAX(0.0, s->cos_min_ratio + (1 - s->cos_min_ratio) * ratio);
-    }
-    case TRAINER_SCHED_ONE_CYCLE: {
-        if (it < 0) return s->cycle_min_lr;
-        double total = cycle_total(s);
-        if (it < total)
-            return s->cycle_min_lr + (s->cycle_max_lr - s->cycle_min_lr) * cycle_scale(s, it);
-        if (s->decay_step_size == 0 || s->decay_lr_rate == 0) return s->cycle_min_lr;
-        double interval = (it - total + 1) / (double)s->decay_step_size;
-        return s->cycle_min_lr / (1 + s->decay_lr_rate * interval);
-    }
-    case TRAINER_SCHED_LR_RANGE: {
-        /* DeepSpeed's LRRangeTest: min_lr at the start (its constructor sets it), then
-         * min_lr (1 + rate x interval) with interval (last_batch_iteration + 1) / size. */
-        double interval = (double)(it + 1) / MAX(1, s->range_size);
-        if (s->range_staircase) interval = floor(interval);
-        return s->range_min_lr * (1 + s->range_rate * interval);
-    }
-    default:
-        return lr;
-    }
-}
-
-static uint64_t mix64(uint64_t z)
+/* SplitMix64's finaliser: a batch's window offsets and sampling's draws. */
+uint64_t train_mix64(uint64_t z)
 {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -234,8 +125,8 @@ void train_load_batch(struct trainer *t, int s, int m)
     int B = t->o.batch, T = t->o.seq;
     uint64_t span = t->train_bytes - (size_t)T;
     for (int b = 0; b < B; b++) {
-        uint64_t off = mix64(t->o.seed * 0x9e3779b97f4a7c15ull + (uint64_t)s * 1000003u +
-                             (uint64_t)m * (uint64_t)B + (uint64_t)b) %
+        uint64_t off = train_mix64(t->o.seed * 0x9e3779b97f4a7c15ull + (uint64_t)s * 1000003u +
+                                   (uint64_t)m * (uint64_t)B + (uint64_t)b) %
                        span;
         for (int i = 0; i < T; i++) {
             t->tokens[b * T + i] = t->data[off + (size_t)i];
@@ -976,147 +867,4 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         out->tier[i].budget_bytes = st.tier[i].capacity_bytes;
         out->tier[i].peak_bytes = t->peak[i];
     }
-}
-
-/* ---- validation and sampling ------------------------------------------------------------ */
-
-int trainer_eval(struct trainer *t, int n_batches, float *loss)
-{
-    int B = t->o.batch, T = t->o.seq, r = 0;
-    if (t->torn) return t->torn;
-    if (n_batches < 1 || !loss) return -EINVAL;
-    if (t->train_bytes == t->data_bytes) return -ENODATA;
-    /* Window starts spread evenly over the tail, the last one ending at the data's end. */
-    size_t first = t->train_bytes, span = t->data_bytes - t->train_bytes - (size_t)T - 1;
-    size_t windows = (size_t)n_batches * (size_t)B;
-    double sum = 0;
-    for (int j = 0; j < n_batches && r == 0; j++) {
-        for (int b = 0; b < B; b++) {
-            size_t k = (size_t)j * (size_t)B + (size_t)b;
-            size_t off = first + (windows > 1 ? span * k / (windows - 1) : 0);
-            for (int i = 0; i < T; i++) {
-                t->tokens[b * T + i] = t->data[off + (size_t)i];
-                t->targets[b * T + i] = t->data[off + (size_t)i + 1];
-            }
-        }
-        float l = 0;
-        double ss;
-        if ((r = t->be->ops->set_batch(t->be, t->tokens, t->targets)) == 0 &&
-            (r = train_forward(t)) == 0 && (r = train_head(t, true, false, false)) == 0 &&
-            (r = t->be->ops->collect(t->be, &l, &ss)) == 0)
-            sum += l;
-    }
-    if (r < 0) {
-        float l;
-        double d;
-        t->be->ops->collect(t->be, &l, &d);
-        return r;
-    }
-    *loss = (float)(sum / n_batches);
-    return 0;
-}
-
-/* Sampling's fp32 weights (the final norm's and wte), entries 1-3 of its set: as fetched, or
- * at stage 3 across ranks, where each rank holds a shard of them, gathered from every rank
- * into whole (world x their shards) through the host communicator. */
-static int sample_weights(struct trainer *t, void **p, float *whole, const float *out[3])
-{
-    const int idx[3] = {t->lnfw, t->lnfb, t->wte};
-    for (int k = 0; k < 3 && whole; k++) {
-        if (train_stage_of(t, idx[k]) < 3) continue;
-        size_t sh = train_shard_of(t, idx[k]);
-        int r = comm_allgather(t->hcomm, p[k + 1], whole, sh, COMM_F32);
-        if (r < 0) return r;
-        out[k] = whole;
-        whole += (size_t)t->world * sh;
-    }
-    return 0;
-}
-
-int trainer_sample(struct trainer *t, uint64_t seed, const unsigned char *prompt, size_t plen,
-                   unsigned char *out, size_t n)
-{
-    int B = t->o.batch, T = t->o.seq, C = t->cfg.C, V = t->cfg.V, r = 0;
-    float logits[256], mean, rstd;
-    size_t done = 0;
-
-    if ((r = train_update_finish(t)) < 0) return r;
-    if (!t->o.sample || !prompt || plen < 1 || !out || plen + n > (size_t)T) return -EINVAL;
-    unsigned char *ctx = malloc((size_t)T);
-    float *x = malloc((size_t)C * sizeof(float)), *xn = malloc((size_t)C * sizeof(float));
-    float *whole = NULL;
-    if (t->world > 1 && t->stage >= 3)
-        whole = malloc((size_t)t->world * sizeof(float) *
-                       (train_shard_of(t, t->lnfw) + train_shard_of(t, t->lnfb) +
-                        train_shard_of(t, t->wte)));
-    if (!ctx || !x || !xn || (t->world > 1 && t->stage >= 3 && !whole)) {
-        free(ctx);
-        free(x);
-        free(xn);
-        free(whole);
-        return -ENOMEM;
-    }
-    memcpy(ctx, prompt, plen);
-    for (size_t pos = plen - 1; done < n && r == 0; pos++) {
-        for (int b = 0; b < B; b++)
-            for (int i = 0; i < T; i++) {
-                t->tokens[b * T + i] = i <= (int)pos ? ctx[i] : 0;
-                t->targets[b * T + i] = 0;
-            }
-        if ((r = t->be->ops->set_batch(t->be, t->tokens, t->targets)) < 0 ||
-            (r = train_forward(t)) < 0)
-            break;
-        struct wave w;
-        void *p[WAVE_MAX];
-        train_wave_sample(t, &w);
-        if ((r = train_wave_fetch(t, &w, ZINF_TIER_HOST, p)) < 0) break;
-        /* Row 0's activation at pos, through the final norm, against each byte's embedding. */
-        size_t at = pos * (size_t)C;
-        if (t->be->adt == BACKEND_BF16)
-            ops_cast_bf16_to_f32(x, (const uint16_t *)p[0] + at, (size_t)C);
-        else
-            memcpy(x, (const float *)p[0] + at, (size_t)C * sizeof(float));
-        const float *lnf[3] = {p[1], p[2], p[3]};
-        if ((r = sample_weights(t, p, whole, lnf)) < 0) {
-            train_wave_release(t, &w, ZINF_TIER_HOST, false);
-            break;
-        }
-        ops_layernorm_forward(xn, &mean, &rstd, x, lnf[0], lnf[1], 1, (size_t)C);
-        const float *wte = lnf[2];
-        float mx = -INFINITY;
-        for (int v = 0; v < V; v++) {
-            double dot = 0;
-            for (int c = 0; c < C; c++)
-                dot += (double)wte[(size_t)v * C + c] * xn[c];
-            logits[v] = (float)dot;
-            mx = MAX(mx, logits[v]);
-        }
-        train_wave_release(t, &w, ZINF_TIER_HOST, false);
-        double z = 0;
-        for (int v = 0; v < V; v++)
-            z += exp((double)logits[v] - mx);
-        double u = (double)(mix64(seed * 0x9e3779b97f4a7c15ull + pos) >> 11) * 0x1p-53 * z;
-        int tok = V - 1;
-        for (int v = 0; v < V; v++) {
-            u -= exp((double)logits[v] - mx);
-            if (u <= 0) {
-                tok = v;
-                break;
-            }
-        }
-        ctx[pos + 1] = (unsigned char)tok;
-        out[done++] = (unsigned char)tok;
-        if (pos + 2 >= (size_t)T) break;
-    }
-    free(ctx);
-    free(x);
-    free(xn);
-    free(whole);
-    if (r < 0) {
-        float l;
-        double d;
-        t->be->ops->collect(t->be, &l, &d);
-        return r;
-    }
-    return (int)done;
 }

@@ -4,7 +4,9 @@
  * saves beside the model's tensors, and the functions one file calls in another, named
  * train_* and listed under the file that defines them.
  *
- *   trainer.c         a run opened and closed, its data and batches, summary, eval, sample
+ *   trainer.c         a run opened and closed, its options, data and batches, summary
+ *   trainer_schedule.c the learning-rate and momentum schedules
+ *   trainer_sample.c  evaluation on the held-out data, sampling
  *   trainer_tensors.c the tensors a run registers, their homes and sizes, the budgets
  *   trainer_step.c    the sets a step pins (waves), forward, head, backward, trainer_step
  *   trainer_shards.c  ZeRO across ranks: shards, gathers, reductions, the communicator
@@ -256,6 +258,7 @@ struct wave {
 enum zinf_tier train_home_of(enum config_offload_device d);
 void train_load_batch(struct trainer *t, int s, int m);
 void train_note_peaks(struct trainer *t);
+uint64_t train_mix64(uint64_t z);
 
 /* trainer_tensors.c: the tensors' sizes, their registration, the budgets */
 size_t train_role_bytes(const struct trainer *t, enum role role, int idx);
