@@ -124,6 +124,22 @@ static float rank_order_sum(int world, size_t i)
     return acc;
 }
 
+/* The same chain going on from init: ((init + rank 0's) + rank 1's) + ... (comm_req.acc). */
+static float chain_from(float init, int world, size_t i)
+{
+    for (int r = 0; r < world; r++)
+        init += value(r, i);
+    return init;
+}
+
+/* A reduction that adds onto recv (acc), run synchronously. */
+static int run_acc(struct comm *c, enum comm_op op, const float *send, float *recv, size_t n)
+{
+    struct comm_req q = {.op = op, .dtype = COMM_F32, .send = send, .recv = recv, .count = n,
+                         .acc = true};
+    return comm_run(c, &q);
+}
+
 struct coll_arg {
     size_t count, chunk;
     int pooled; /* -1: no rank's buffers in its pool, W: all of them, r: rank r's only */
@@ -167,6 +183,30 @@ static int collectives(int rank, int world, const char *name, void *argp)
         FAIL(18, "reduce_scatter in place: %s", zinf_strerror(err));
     if (memcmp(mine, recv, n * sizeof(float))) FAIL(19, "reduce_scatter in place differs");
 
+    /* Both reductions adding onto recv: the chain that goes on from it, not recv plus the
+     * ranks' sum (value(99, .) is far from the others' magnitudes, so the two differ). */
+    for (size_t i = 0; i < n * (size_t)world; i++)
+        send[i] = value(rank, i);
+    for (size_t i = 0; i < n; i++)
+        recv[i] = value(99, (size_t)rank * n + i);
+    if ((err = run_acc(c, COMM_REDUCE_SCATTER, send, recv, n)))
+        FAIL(28, "reduce_scatter onto recv: %s", zinf_strerror(err));
+    for (size_t i = 0; i < n; i++) {
+        size_t at = (size_t)rank * n + i;
+        float want = chain_from(value(99, at), world, at);
+        if (memcmp(&recv[i], &want, 4))
+            FAIL(29, "reduce_scatter onto recv: element %zu is %a, the chain %a", i, recv[i], want);
+    }
+    for (size_t i = 0; i < n; i++) {
+        send[i] = value(rank, i);
+        recv[i] = value(99, i); /* the same on every rank */
+    }
+    if ((err = run_acc(c, COMM_ALLREDUCE, send, recv, n)))
+        FAIL(30, "allreduce onto recv: %s", zinf_strerror(err));
+    for (size_t i = 0; i < n; i++)
+        if (memcmp(&recv[i], &(float){chain_from(value(99, i), world, i)}, 4))
+            FAIL(31, "allreduce onto recv: element %zu", i);
+
     /* allgather of bytes, and broadcast from the last rank */
     unsigned char *bs = (unsigned char *)send, *br = (unsigned char *)recv;
     size_t nb = n * 3 + 1;
@@ -188,10 +228,10 @@ static int collectives(int rank, int world, const char *name, void *argp)
         FAIL(24, "empty allreduce or barrier: %s", zinf_strerror(err));
     struct comm_stats st;
     comm_get_stats(c, &st);
-    if (st.ops != 8 || st.rank != rank || st.world != world || st.backend != COMM_SHM)
+    if (st.ops != 10 || st.rank != rank || st.world != world || st.backend != COMM_SHM)
         FAIL(25, "stats: %llu ops", (unsigned long long)st.ops);
-    /* Six of them carry data: in place in the pools only when every rank's buffers are. */
-    if (st.pooled_ops != (a->pooled == world ? 6u : 0u))
+    /* Eight of them carry data: in place in the pools only when every rank's buffers are. */
+    if (st.pooled_ops != (a->pooled == world ? 8u : 0u))
         FAIL(26, "%llu operations went through the pools", (unsigned long long)st.pooled_ops);
     if (mine_pooled) {
         if (comm_free(c, send) || comm_free(c, recv) || comm_free(c, recv) != -EINVAL)
@@ -568,12 +608,27 @@ Test(comm, self_backend_copies_and_checks_its_input)
     cr_assert_eq(comm_submit(c, &q), -EINVAL, "allgather of a part of recv not the rank's");
     q.send = a + 8; /* touching, not overlapping */
     cr_assert_eq(comm_run(c, &q), 0, "allgather from just past recv");
+    q.acc = true;
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "a gather that adds");
+    q = (struct comm_req){.op = COMM_ALLREDUCE, .dtype = COMM_F32, .send = a, .recv = a,
+                          .count = 8, .cb = never_cb, .acc = true};
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "an allreduce in place that adds onto recv");
+    q.op = COMM_REDUCE_SCATTER;
+    cr_assert_eq(comm_submit(c, &q), -EINVAL, "a reduce_scatter in place that adds onto recv");
     cr_assert_eq(never_called, 0);
+    /* One rank adds its send onto recv. */
+    for (int i = 0; i < 100; i++)
+        b[i] = 0.25f;
+    q = (struct comm_req){.op = COMM_ALLREDUCE, .dtype = COMM_F32, .send = a, .recv = b,
+                          .count = 100, .acc = true};
+    cr_assert_eq(comm_run(c, &q), 0);
+    for (int i = 0; i < 100; i++)
+        cr_assert_eq(b[i], a[i] + 0.25f);
     /* Still works after all that. */
     cr_assert_eq(comm_allreduce(c, a, b, 100, COMM_F32), 0);
     struct comm_stats st;
     comm_get_stats(c, &st);
-    cr_assert_eq(st.ops, 7);
+    cr_assert_eq(st.ops, 8);
     cr_assert_eq(st.backend, COMM_SELF);
     comm_close(c);
 }

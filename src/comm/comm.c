@@ -99,7 +99,14 @@ static int self_run(const struct comm_req *q)
     case COMM_ALLGATHER:
     case COMM_REDUCE_SCATTER:
     case COMM_ALLREDUCE:
-        if (q->recv != q->send) memmove(q->recv, q->send, bytes);
+        if (q->acc) {
+            float *r = q->recv;
+            const float *s = q->send;
+            for (size_t j = 0; j < q->count; j++)
+                r[j] += s[j];
+        } else if (q->recv != q->send) {
+            memmove(q->recv, q->send, bytes);
+        }
         return 0;
     case COMM_BROADCAST:
     case COMM_BARRIER:
@@ -300,17 +307,18 @@ static bool apart(const void *a, size_t an, const void *b, size_t bn)
 
 /* send and recv either do not overlap or overlap in the collective's one in-place form
  * (as in NCCL): allreduce send == recv, reduce_scatter recv == send + rank x count,
- * allgather send == recv + rank x count. Any other overlap would have the ranks read data
- * that the collective has already overwritten. */
+ * allgather send == recv + rank x count; a reduction that adds onto recv (acc) has none.
+ * Any other overlap would have the ranks read data that the collective has already
+ * overwritten. */
 static bool overlap_ok(const struct comm *c, const struct comm_req *q, size_t bytes)
 {
     const char *s = q->send, *r = q->recv;
     size_t all = bytes * (size_t)c->o.world, mine = bytes * (size_t)c->o.rank;
     switch (q->op) {
     case COMM_ALLREDUCE:
-        return s == r || apart(s, bytes, r, bytes);
+        return (s == r && !q->acc) || apart(s, bytes, r, bytes);
     case COMM_REDUCE_SCATTER:
-        return r == s + mine || apart(s, all, r, bytes);
+        return (r == s + mine && !q->acc) || apart(s, all, r, bytes);
     case COMM_ALLGATHER:
         return s == r + mine || apart(s, bytes, r, all);
     default:
@@ -325,6 +333,8 @@ static int req_check(const struct comm *c, const struct comm_req *q)
     if (q->count > SIZE_MAX / esz / (size_t)c->o.world) return -EINVAL;
     bool reduce = q->op == COMM_REDUCE_SCATTER || q->op == COMM_ALLREDUCE;
     if (reduce && q->dtype != COMM_F32) return -EINVAL;
+    if (q->acc && !reduce) return -EINVAL;
+    if (q->acc && c->o.backend == COMM_NCCL) return -ENOTSUP; /* NCCL sums in its own order */
     switch (q->op) {
     case COMM_ALLGATHER:
     case COMM_REDUCE_SCATTER:

@@ -13,7 +13,8 @@
  *   - self: one rank; the collectives are copies.
  *   - shm:  processes of one node over a POSIX shared-memory segment. Reductions add in
  *           rank order, ((r0 + r1) + r2) + ..., so results are bitwise reproducible and
- *           equal to one rank accumulating the same contributions in that order.
+ *           equal to one rank accumulating the same contributions in that order; with
+ *           comm_req.acc they add onto what recv holds, (((recv + r0) + r1) + ...).
  *   - nccl: GPU ranks; buffers are device memory; the unique id travels through the same
  *           shared-memory rendezvous.
  * The rendezvous is by name: every rank of a job opens the communicator with the same
@@ -86,6 +87,10 @@ struct comm_req {
     void *recv;
     size_t count; /* elements; see enum comm_op */
     int root;     /* broadcast */
+    /* Reductions: add onto recv's contents, recv = ((recv + rank 0's) + rank 1's) + ...,
+     * the sum a chain that went on from recv would make (send and recv apart; an allreduce's
+     * recv holds the same on every rank). The self and shm backends; nccl refuses it. */
+    bool acc;
     comm_cb cb;
     void *data;
     /* nccl: CUDA events (cudaEvent_t; NULL: none). The collective's stream waits for

@@ -14,7 +14,9 @@
  *
  * Reductions add in rank order, out = ((s0 + s1) + s2) + ..., for every element whichever
  * rank computes it: results are bitwise the same on every rank, from run to run, and equal
- * to one process accumulating the same contributions in that order.
+ * to one process accumulating the same contributions in that order. With comm_req.acc the
+ * chain starts from recv's contents, out = ((recv + s0) + s1) + ..., as that process would
+ * go on from a partial sum it holds.
  *
  * Failure: a rank that fails (or a peer found dead: kill(pid, 0) while waiting) sets the
  * header's failed word with a reason; every wait sees it within WAIT_SLICE_MS and answers
@@ -708,11 +710,12 @@ static inline void store4(float *p, v4f v)
 #define SUM_STREAM_BYTES ((size_t)8 << 20)
 
 /* out[o][i] = src[0][i] + src[1][i] + ... in rank order for each of nout outputs, the one
- * sum of every path. 16 floats at a time, every source read before any out is written: an
- * out may be one of the sources (an in-place reduction in the pools). stream: write with
- * non-temporal stores where the CPU has them and every out is 16-byte aligned. */
-static void sum_rank_order(const float *const *src, int world, float *const *out, int nout,
-                           size_t n, bool stream)
+ * sum of every path; with init, (init[i] + src[0][i]) + src[1][i] + ... 16 floats at a time,
+ * every source read before any out is written: an out may be one of the sources or init (an
+ * in-place reduction in the pools, one that adds onto recv). stream: write with non-temporal
+ * stores where the CPU has them and every out is 16-byte aligned. */
+static void sum_rank_order(const float *init, const float *const *src, int world,
+                           float *const *out, int nout, size_t n, bool stream)
 {
 #if defined(__SSE__)
     for (int o = 0; o < nout; o++)
@@ -727,6 +730,12 @@ static void sum_rank_order(const float *const *src, int world, float *const *out
                 __builtin_prefetch(src[r] + i + SUM_PREFETCH);
         v4f a = load4(src[0] + i), b = load4(src[0] + i + 4), c = load4(src[0] + i + 8),
             d = load4(src[0] + i + 12);
+        if (init) { /* init + s0 is s0 + init: IEEE addition commutes */
+            a += load4(init + i);
+            b += load4(init + i + 4);
+            c += load4(init + i + 8);
+            d += load4(init + i + 12);
+        }
         for (int r = 1; r < world; r++) {
             a += load4(src[r] + i);
             b += load4(src[r] + i + 4);
@@ -754,7 +763,7 @@ static void sum_rank_order(const float *const *src, int world, float *const *out
     if (stream) _mm_sfence(); /* ordered before the barrier that tells the peers */
 #endif
     for (; i < n; i++) {
-        float a = src[0][i];
+        float a = init ? init[i] + src[0][i] : src[0][i];
         for (int r = 1; r < world; r++)
             a += src[r][i];
         for (int o = 0; o < nout; o++)
@@ -811,13 +820,14 @@ static void copy_ahead(char *dst, const char *src, size_t n)
     memcpy(dst + i, src + i, n - i);
 }
 
-/* The sum of element at + i of the areas of set k. */
-static void reduce_f32(struct shm *s, uint64_t k, size_t at, float *out, size_t n)
+/* The sum of element at + i of the areas of set k (after init's, where given). */
+static void reduce_f32(struct shm *s, uint64_t k, size_t at, const float *init, float *out,
+                       size_t n)
 {
     const float *src[COMM_MAX_RANKS];
     for (int r = 0; r < s->world; r++)
         src[r] = (const float *)area(s, k, r) + at;
-    sum_rank_order(src, s->world, &out, 1, n, false);
+    sum_rank_order(init, src, s->world, &out, 1, n, false);
 }
 
 static int allgather(struct shm *s, const char *send, char *recv, size_t bytes)
@@ -850,10 +860,11 @@ static int broadcast(struct shm *s, char *buf, size_t bytes, int root)
     return 0;
 }
 
-/* send holds world x count floats; recv gets the sum of every rank's rank-th count. Each
- * chunk carries chunk / world bytes for every destination. recv may be send + rank x count
- * (in place): the part of send a chunk overwrites was copied out in that chunk. */
-static int reduce_scatter(struct shm *s, const float *send, float *recv, size_t count)
+/* send holds world x count floats; recv gets the sum of every rank's rank-th count (acc:
+ * added onto recv's). Each chunk carries chunk / world bytes for every destination. recv may
+ * be send + rank x count (in place): the part of send a chunk overwrites was copied out in
+ * that chunk. */
+static int reduce_scatter(struct shm *s, const float *send, float *recv, size_t count, bool acc)
 {
     size_t per = s->chunk / (size_t)s->world / sizeof(float);
     for (size_t j = 0; j < count; j += per) {
@@ -864,14 +875,15 @@ static int reduce_scatter(struct shm *s, const float *send, float *recv, size_t 
             memcpy(mine + (size_t)d * per, send + (size_t)d * count + j, m * sizeof(float));
         int r = shm_barrier(s);
         if (r) return r;
-        reduce_f32(s, k, (size_t)s->rank * per, recv + j, m);
+        reduce_f32(s, k, (size_t)s->rank * per, acc ? recv + j : NULL, recv + j, m);
     }
     return 0;
 }
 
 /* Each chunk: contributions in, every rank reduces 1/world of it into the set's result
- * area, barrier, every rank copies the result out. */
-static int allreduce(struct shm *s, const float *send, float *recv, size_t count)
+ * area (acc: onto its own recv's, which every rank holds the same), barrier, every rank
+ * copies the result out. */
+static int allreduce(struct shm *s, const float *send, float *recv, size_t count, bool acc)
 {
     size_t per = s->chunk / sizeof(float);
     for (size_t j = 0; j < count; j += per) {
@@ -882,7 +894,8 @@ static int allreduce(struct shm *s, const float *send, float *recv, size_t count
         if (r) return r;
         size_t lo = m * (size_t)s->rank / (size_t)s->world,
                hi = m * ((size_t)s->rank + 1) / (size_t)s->world;
-        reduce_f32(s, k, lo, (float *)area(s, k, s->world) + lo, hi - lo);
+        reduce_f32(s, k, lo, acc ? recv + j + lo : NULL, (float *)area(s, k, s->world) + lo,
+                   hi - lo);
         if ((r = shm_barrier(s))) return r;
         memcpy(recv + j, area(s, k, s->world), m * sizeof(float));
     }
@@ -909,14 +922,15 @@ static const char *peer(const struct shm *s, int q, uint64_t off)
     return s->pools + (size_t)q * s->pool + off;
 }
 
-/* The sum of element at + i of every rank's send, read in its pool, into out[0..nout). */
-static void reduce_pooled(struct shm *s, size_t at, float *const *out, int nout, size_t n,
-                          bool stream)
+/* The sum of element at + i of every rank's send, read in its pool (after init's, where
+ * given), into out[0..nout). */
+static void reduce_pooled(struct shm *s, size_t at, const float *init, float *const *out,
+                          int nout, size_t n, bool stream)
 {
     const float *src[COMM_MAX_RANKS];
     for (int q = 0; q < s->world; q++)
         src[q] = (const float *)peer(s, q, s->h->ranks[q].off_send) + at;
-    sum_rank_order(src, s->world, out, nout, n, stream);
+    sum_rank_order(init, src, s->world, out, nout, n, stream);
 }
 
 /* The one-copy collectives, once every rank has said its buffers are in its pool (and
@@ -940,8 +954,8 @@ static int run_pooled(struct shm *s, const struct comm_req *q, size_t bytes)
     case COMM_REDUCE_SCATTER: {
         float *out = q->recv;
         bool apart = (const char *)q->send + (size_t)me * bytes != (const char *)q->recv;
-        reduce_pooled(s, (size_t)me * q->count, &out, 1, q->count,
-                      apart && bytes >= SUM_STREAM_BYTES);
+        reduce_pooled(s, (size_t)me * q->count, q->acc ? out : NULL, &out, 1, q->count,
+                      apart && !q->acc && bytes >= SUM_STREAM_BYTES);
         break;
     }
     case COMM_ALLREDUCE: {
@@ -958,7 +972,8 @@ static int run_pooled(struct shm *s, const struct comm_req *q, size_t bytes)
             out[p] = (float *)peer(s, p, s->h->ranks[p].off_recv) + lo;
             apart &= s->h->ranks[p].off_recv != s->h->ranks[p].off_send;
         }
-        reduce_pooled(s, lo, out, s->world, hi - lo,
+        /* acc: onto this rank's recv, which every rank holds the same. */
+        reduce_pooled(s, lo, q->acc ? out[me] : NULL, out, s->world, hi - lo,
                       apart && (hi - lo) * sizeof(float) * (size_t)s->world >= SUM_STREAM_BYTES);
         break;
     }
@@ -1005,10 +1020,10 @@ int shm_run(struct shm *s, const struct comm_req *q, bool *pooled)
         r = broadcast(s, q->recv, bytes, q->root);
         break;
     case COMM_REDUCE_SCATTER:
-        r = reduce_scatter(s, q->send, q->recv, q->count);
+        r = reduce_scatter(s, q->send, q->recv, q->count, q->acc);
         break;
     case COMM_ALLREDUCE:
-        r = allreduce(s, q->send, q->recv, q->count);
+        r = allreduce(s, q->send, q->recv, q->count, q->acc);
         break;
     case COMM_BARRIER:
         r = shm_barrier(s);
