@@ -315,27 +315,50 @@ bool trainer_any_rank(struct trainer *t, bool mine)
     return false;
 }
 
-/* The collective that sums this micro-batch's gradient of tensor i over the ranks, in rank
- * order (l: world x shard floats, on the device tier): from stage 2 a reduce-scatter into
- * this rank's shard, else an allreduce. On the step's first micro-batch it writes g itself;
- * on the others it works in place in l, and fold_grad adds the result (q->recv, q->count
- * floats) to g. */
+/* The order of a step's sum. Every micro-batch of a step has a number, 0 to world x
+ * grad_accum - 1, which alone decides its data (train_load_batch), and the step's gradient
+ * is their chain in that order, ((m0 + m1) + m2) + ..., whatever the split between ranks
+ * and accumulation: so N ranks of A micro-batches give bitwise what one rank of N x A does,
+ * and a run re-cut onto other ranks goes on bitwise as the run that never moved.
+ *
+ * One rank adds its micro-batches in turn (fold_grad). Across ranks, rank r's micro-batch m
+ * is number m x world + r: each round of micro-batches is a run of consecutive numbers, one
+ * per rank in rank order, and the round's collective adds them onto the chain's partial sum
+ * that g holds, in rank order, g = ((g + rank 0's) + rank 1's) + ... (comm_req.acc: the
+ * shm backend's reductions go on from recv's contents); the first round writes g itself.
+ * The other orders were worse: a pairwise tree over the numbers needs log2(A) more gradient
+ * buffers per rank and cross-rank sums that are trees, and fits only where the ranks are a
+ * power of two; summing each rank's own micro-batches first needs whole gradients on every
+ * rank from stage 2. The chain needs nothing more than one rank's accumulation, and is its
+ * order to the bit, so old single-rank runs keep theirs.
+ *
+ * NCCL sums in its own order and cannot add onto recv: GPU ranks reduce each round in
+ * place in l and fold_grad adds the round's sum to g, g + (rank 0's + rank 1's + ...),
+ * bitwise one rank's only with one micro-batch per rank.
+ *
+ * The collective of one round for tensor i (l: world x shard floats, on the device tier):
+ * from stage 2 a reduce-scatter into this rank's shard, else an allreduce; fold_grad then
+ * takes its result (q->recv, q->count floats), which is g itself but on GPU ranks' later
+ * rounds. */
 void train_reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_req *q)
 {
     size_t sh = train_shard_of(t, i);
     bool first = t->micro == 0, scatter = train_stage_of(t, i) >= 2;
+    bool acc = !first && !t->gpu_ranks;
     *q = (struct comm_req){.op = scatter ? COMM_REDUCE_SCATTER : COMM_ALLREDUCE,
                            .dtype = COMM_F32,
                            .send = l,
-                           .recv = first     ? g
-                                   : scatter ? l + (size_t)t->rank * sh
-                                             : l,
-                           .count = scatter ? sh : t->desc[i].numel};
+                           .recv = first || acc ? g
+                                   : scatter    ? l + (size_t)t->rank * sh
+                                                : l,
+                           .count = scatter ? sh : t->desc[i].numel,
+                           .acc = acc};
 }
 
 /* Add this micro-batch's gradient of tensor i (src, count floats, summed over the ranks)
  * into what the step keeps of it (g: the whole tensor, or from stage 2 this rank's shard):
- * copied on the step's first micro-batch and added on the others. On the last, the squares
+ * copied on the step's first micro-batch and added on the others, nothing to do where the
+ * reduction wrote g itself (src == g: train_reduce_req). On the last, the squares
  * of the rank's part are summed by chunks of SHARD_FLOATS for the clipping norm
  * (grad_norm() adds the chunks up in the layout's order). Both are the backend's: on the
  * device where g is. Runs on the comm's thread for a reduction behind the backward when the
@@ -343,7 +366,7 @@ void train_reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_
 static int fold_grad(struct trainer *t, int i, const float *src, float *g, size_t count)
 {
     const struct backend_ops *be = t->be->ops;
-    int r = be->fold(t->be, g, src, count, t->micro == 0);
+    int r = be->fold(t->be, g, src, count, t->micro == 0 || src == g);
     size_t own = train_shard_own(t, i), lo = t->world > 1 ? train_shard_lo(t, i) : 0;
     if (r == 0 && t->micro == t->o.grad_accum - 1 && own) {
         const float *mine = train_stage_of(t, i) >= 2 ? g : g + lo;

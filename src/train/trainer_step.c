@@ -553,7 +553,9 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         bool first = m == 0 || t->exact, last = m == K - 1 && !t->exact;
         float l;
         double ss;
-        train_load_batch(t, step, t->rank * K + m); /* rank r's are the micro-batches after r's */
+        /* Rank r's m-th is the step's micro-batch m x world + r: the order of the step's sum
+         * (train_reduce_req). */
+        train_load_batch(t, step, m * t->world + t->rank);
         t->micro = m;
         t->last_micro = m == K - 1;
         TRY(t->be->ops->set_batch(t->be, t->tokens, t->targets));
@@ -567,12 +569,13 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     }
     if (t->exact) TRY(train_grad_norm(t, &sumsq));
     if (t->world > 1) {
-        /* Every micro-batch's loss, in the order one rank would have run them. */
+        /* Every micro-batch's loss, in the order one rank would have run them: number j is
+         * rank j % world's (j / world)-th. */
         float *all = t->losses + K;
         TRY(comm_allgather(t->hcomm, t->losses, all, (size_t)K, COMM_F32));
         loss_sum = 0;
-        for (int m = 0; m < total; m++)
-            loss_sum += all[m];
+        for (int j = 0; j < total; j++)
+            loss_sum += all[(j % t->world) * K + j / t->world];
     }
     loss = total == 1 ? (float)loss_sum : (float)(loss_sum / total);
     if (fp16 && t->fault_overflow) {
