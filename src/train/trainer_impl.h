@@ -111,10 +111,11 @@ struct trainer {
 
     /* ZeRO across ranks, and exact accumulation. With exact (several ranks, or several
      * micro-batches on the CPU), each micro-batch's gradients are computed afresh into the
-     * local buffers lg and then reduced into g: summed over the ranks in rank order, copied
-     * on the step's first micro-batch and added after, so that N ranks of one micro-batch
-     * each give bitwise what one rank of N micro-batches does. The clipping norm is then
-     * summed by chunks of SHARD_FLOATS in the layout's order, whoever owns them. */
+     * local buffers lg and then reduced into g: a round of one micro-batch per rank is
+     * summed over the ranks in rank order onto what g holds (written by the step's first),
+     * so that the step's sum is the chain of its micro-batches in the order of their number
+     * whatever the split (train_reduce_req). The clipping norm is then summed by chunks of
+     * SHARD_FLOATS in the layout's order, whoever owns them. */
     struct comm *comm;      /* the collectives on buffers of the device tier: NCCL on GPUs */
     struct comm *hcomm;     /* those on host memory: comm itself on the CPU, else shm */
     bool gpu_ranks;         /* comm is NCCL: the device tier is a GPU's */

@@ -1,10 +1,11 @@
 /*
  * trainer_shards.c - ZeRO across ranks: which rank owns which part of each tensor (shards,
  * and stages: what is 1/world per rank), the gathers of stage 3's weights and the
- * reductions of gradients into their owners (in rank order, so that N ranks give bitwise
- * what one rank of N micro-batches does), the asynchronous ones that overlap the compute,
- * the gradient norm summed by fixed chunks, and the communicator's setup and the ranks'
- * agreements (on the run, on an error, on the digest).
+ * reductions of gradients into their owners (in the order of the micro-batches' numbers, so
+ * that N ranks of A give bitwise what one rank of N x A does: see train_reduce_req), the
+ * asynchronous ones that overlap the compute, the gradient norm summed by fixed chunks, and
+ * the communicator's setup and the ranks' agreements (on the run, on an error, on the
+ * digest).
  *
  * Not here: the sets that pin the buffers (trainer_step.c), the update of the rank's own
  * shards (trainer_optim.c), re-cutting a run saved by another number of ranks
