@@ -21,7 +21,8 @@
 # Not part of `meson test` or CI, and not a substitute for tests/gpu/run.sh on a GPU: it
 # cannot check the numerics of real FMAs and tensor cores, real concurrency between
 # kernels and copies, or performance. CRITERION_JOBS=n runs n tests of a program at a time
-# (default 1, so that the logs read in order).
+# (default 1, so that the logs read in order). EMU_TIMEOUT=s: each test's time limit (default
+# 1800, in place of the tests' own).
 set -uo pipefail
 
 usage() {
@@ -249,6 +250,9 @@ export ZINF_TEST_TMPDIR=$root/$top/tmp ZINF_TEST_DATA=$root/tests/data
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:protect_shadow_gap=0
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 export CRITERION_JOBS=${CRITERION_JOBS:-1}
+# Each test's limit, in place of its own: the emulated kernels under ASan run a test many
+# times slower than a build does (a GPU trainer test takes minutes on 2 cores).
+timeout=${EMU_TIMEOUT:-1800}
 ulimit -l unlimited 2> /dev/null || true
 echo "memlock limit: $(ulimit -l) (KiB; the pinned host tier locks its whole arena)"
 
@@ -266,7 +270,7 @@ run_all() { # label, then environment assignments
       grep -E 'rc=[1-9]|FAIL|EMU: |ERROR: |runtime error|failure' "$log" | sed 's/^/   /'
       sed -n '/figures/,$p' "$log" | sed 's/^/   /'
     else
-      env "$@" "$bdir/$p" --verbose > "$log" 2>&1
+      env "$@" "$bdir/$p" --verbose --timeout "$timeout" > "$log" 2>&1
       rc=$?
       grep -E 'largest|\[FAIL\]|EMU: |ERROR: |runtime error|Synthesis' "$log" | sed 's/^/   /'
     fi
