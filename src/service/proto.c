@@ -260,7 +260,12 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
     case PROTO_SHUTDOWN:
         break;
     case PROTO_STATUS: /* the page after that job's name; none: the first */
-        if (in.off < in.len) proto_get_str(&in, r->name, PROTO_MAX_JOB);
+        if (in.off < in.len) {
+            proto_get_str(&in, r->name, PROTO_MAX_JOB);
+            /* The first page is asked with no payload: an empty name is not another way to
+             * say it (a request decodes to one encoding only). */
+            if (!in.bad && !r->name[0]) in.bad = true;
+        }
         break;
     case PROTO_STEP:
     case PROTO_FLUSH:
