@@ -12,6 +12,10 @@ int raw_call(int fd, const struct proto_request *q, uint8_t **payload, size_t *l
              int *nfds)
 {
     static atomic_uint seq;
+    /* *nfds is the room in fds going in and the count received coming out: none where the
+     * call fails, so that a caller closing what it got closes nothing it did not get. */
+    int room = nfds ? *nfds : 0;
+    if (nfds) *nfds = 0;
     struct proto_out o;
     proto_encode_request(q, atomic_fetch_add(&seq, 1) + 1, &o);
     int r = proto_send(fd, &o, NULL, 0);
@@ -19,8 +23,12 @@ int raw_call(int fd, const struct proto_request *q, uint8_t **payload, size_t *l
     if (r < 0) return r;
     struct proto_header h;
     uint8_t *p = NULL;
+    if (nfds) *nfds = room;
     r = proto_recv(fd, true, &h, &p, fds, nfds);
-    if (r < 0) return r;
+    if (r < 0) {
+        if (nfds) *nfds = 0;
+        return r;
+    }
     int32_t res = -EPROTO;
     if (h.len >= 4) memcpy(&res, p, 4);
     if (len) *len = h.len;

@@ -659,7 +659,7 @@ Test(weights, init_says_a_pytorch_pickle_is_not_safetensors)
         size_t len;
         const char *says;
     } cases[] = {{"PK\x03\x04\x14\x00\x00\x00\x08\x00junk of a zip", 23, "a PyTorch zip archive"},
-                 {"\x80\x02}q\x00(X\x04\x00\x00\x00wte.q", 18, "a PyTorch pickle"},
+                 {"\x80\x02}q\x00(X\x04\x00\x00\x00wte.q", 16, "a PyTorch pickle"},
                  {"\x80\x04\x95", 3, "a PyTorch pickle"}};
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         snprintf(bin, sizeof(bin), "%s/pytorch_model%zu.bin", dir, i);

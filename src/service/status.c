@@ -255,7 +255,7 @@ int status_reply(struct conn *k, const struct proto_request *q, uint32_t seq)
     pthread_mutex_unlock(&s->lock);
     if (l.names) scan(s, list_saved, &l);
     free(l.names);
-    qsort(l.e, l.n, sizeof(*l.e), by_name);
+    if (l.n) qsort(l.e, l.n, sizeof(*l.e), by_name); /* l.e is NULL where nothing was listed */
     uint32_t n = (uint32_t)MIN(l.n, (size_t)STATUS_PAGE);
 
     struct proto_out o;
