@@ -57,7 +57,7 @@ cp tests/python/test_torch.py tests/python/test_torch_conventions.py tests/pytho
   tests/python/daemon.py "$scratch/"
 mkdir -p "$scratch/examples" "$scratch/tests" &&
   cp examples/torch_offload.py examples/hf_trainer.py "$scratch/examples/"
-cp README.md "$scratch/"
+mkdir -p "$scratch/tests/data" && cp tests/data/torch_text.md "$scratch/tests/data/"
 (cd "$scratch" && mkdir -p tests/python &&
   mv test_torch.py test_torch_conventions.py test_torch_hf.py daemon.py tests/python/ &&
   cd tests/python &&

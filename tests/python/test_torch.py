@@ -33,7 +33,7 @@ except ImportError:
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "..", "examples")
-TEXT = os.path.join(HERE, "..", "..", "README.md")
+TEXT = os.path.join(HERE, "..", "data", "torch_text.md")   # fixed: tests/data/README.md
 PAGE = 4096
 
 if torch is not None:
