@@ -1,6 +1,6 @@
 /*
  * optim.c - the optimizer step zinf.h offers to trainers built on the library
- * (zinf_adamw_step): a checked front of the AdamW kernels of src/train/adamw.c, which the
+ * (zinf_adamw_step): a checked front of the AdamW kernels of adamw.c, which the
  * library's own trainer uses too.
  *
  * Not here: where the parameters and states live (the caller fetches them), the kernels.
