@@ -1,7 +1,7 @@
 #!/bin/sh
-# readme_example.sh - the README's embedding example, as printed, against the library as
+# readme_example.sh - the embedding example of docs/embedding.md, as printed, against the library as
 # installed: `meson install --destdir` into a scratch root (so zinf.pc must be relocatable),
-# the ```c block under "## Embedding the tier manager" extracted from README.md, compiled
+# the ```c block under "# Embedding the tier manager" extracted from docs/embedding.md, compiled
 # with the flags pkg-config gives for that root, and run. It must exit 0.
 # usage: readme_example.sh SOURCE_ROOT BUILD_ROOT CC [SANITIZE]
 set -eu
@@ -24,9 +24,9 @@ case $(cd "$prefix" && pwd -P) in
    exit 1 ;;
 esac
 
-awk '/^## Embedding the tier manager/ { f = 1 } f && /^```c$/ { p = 1; next }
-     p && /^```$/ { exit } p' "$src/README.md" >"$tmp/app.c"
-[ -s "$tmp/app.c" ] || { echo "readme_example: no C block under the README's heading" >&2; exit 1; }
+awk '/^# Embedding the tier manager/ { f = 1 } f && /^```c$/ { p = 1; next }
+     p && /^```$/ { exit } p' "$src/docs/embedding.md" >"$tmp/app.c"
+[ -s "$tmp/app.c" ] || { echo "readme_example: no C block under the heading of docs/embedding.md" >&2; exit 1; }
 
 flags=
 [ "$sanitize" = none ] || flags="-fsanitize=$sanitize"
