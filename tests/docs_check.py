@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Check the documentation's shape: the README stays short, every relative link of the README
+and of docs/ leads to a file, docs/README.md (the index) has a line for each page of docs/,
+and docs/COMMANDS.md one for each page of docs/commands/.
+
+Usage: docs_check.py SOURCE_ROOT
+Exit 0 when all holds, 1 with a line for each thing that does not.
+"""
+import os
+import re
+import sys
+
+README_WORDS = 1200  # what a newcomer reads in five minutes
+
+
+def links(path):
+    text = open(path, encoding="utf-8").read()
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # code is not prose
+    return [m.group(1) for m in re.finditer(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+            if not re.match(r"[a-z]+:", m.group(1))]
+
+
+def main():
+    root = sys.argv[1]
+    bad = []
+    readme = os.path.join(root, "README.md")
+    words = len(open(readme, encoding="utf-8").read().split())
+    if words > README_WORDS:
+        bad.append(f"README.md has {words} words, over {README_WORDS}: move the detail into docs/")
+    docs = os.path.join(root, "docs")
+    pages = [readme] + [os.path.join(d, f) for d, _, fs in os.walk(docs) for f in fs
+                        if f.endswith(".md")]
+    for p in pages:
+        for target in links(p):
+            if not os.path.exists(os.path.join(os.path.dirname(p), target)):
+                bad.append(f"{os.path.relpath(p, root)}: the link to {target} leads nowhere")
+    for index, folder in (("README.md", docs), ("COMMANDS.md", os.path.join(docs, "commands"))):
+        listed = {os.path.normpath(os.path.join(docs, t)) for t in links(os.path.join(docs, index))}
+        for f in sorted(os.listdir(folder)):
+            page = os.path.normpath(os.path.join(folder, f))
+            if f.endswith(".md") and f != "README.md" and page not in listed:
+                bad.append(f"docs/{index} has no line for {os.path.relpath(page, root)}")
+    for b in bad:
+        print(b)
+    if not bad:
+        print(f"docs_check: README.md {words} words; {len(pages)} pages, every link leads to a file, "
+              "each page indexed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
