@@ -464,12 +464,14 @@ void undo_settle(struct zinf_engine *e, struct tensor *t);
 bool undo_restore(struct zinf_engine *e, struct tensor *t, int tier);
 void undo_free(struct copy *c);
 
-/* engine.c */
+/* registry.c */
 struct tensor *engine_tensor(struct zinf_engine *e, zinf_tensor h);
 /* After any wait that dropped the lock: is h still the tensor t? (Lock held.) A caller
  * without a pin must not touch t when this says no: it may have been freed. */
 bool engine_revalidate(struct zinf_engine *e, zinf_tensor h, const struct tensor *t);
 int engine_add_tensor(struct zinf_engine *e, struct tensor *t);
+/* Frees a tensor that is in no registry (any more), with its undo images; NULL: nothing. */
+void engine_tensor_free(struct tensor *t);
 /* Wait until nothing moves in or out of the tensor, then own it (fetches of it wait); NULL
  * when it was unregistered meanwhile. Lock held. */
 struct tensor *engine_tensor_lock(struct zinf_engine *e, zinf_tensor h);
@@ -485,6 +487,8 @@ void engine_check_tensor(const struct tensor *t);
 /* Does a manifest, committed or being written, name t's swap extent? Then new content
  * must go to another extent (copy on write). */
 bool engine_swap_named(const struct tensor *t);
+/* Does a manifest, committed or being written, name t's extent at off? */
+bool engine_extent_named(const struct tensor *t, uint64_t off);
 /* Whether the last manifest names an extent of t's (persisted_off): not while it saved t as
  * zeros from a memory home. */
 bool engine_persisted_extent(const struct tensor *t);
