@@ -5,7 +5,8 @@
  * state of their own: zinf_read/zinf_write, zinf_step, zinf_flush, zinf_stats.
  *
  * Not here: the registry of tensors (register, lookup, unregister, handles: registry.c),
- * moving copies between tiers (fetch.c) or what a flush and a resume do (persist.c).
+ * moving copies between tiers (fetch.c, residency.c, release.c) or what a flush and a
+ * resume do (persist.c).
  */
 #include <errno.h>
 #include <stdio.h>

@@ -503,30 +503,47 @@ int engine_swap_alloc(struct zinf_engine *e, size_t bytes, uint64_t *off);
  * entry and return): the caller looks at everything again afterwards. */
 int engine_grow_swap(struct zinf_engine *e, size_t bytes);
 
-/* fetch.c */
+/* residency.c */
 enum reserve_mode {
     RESERVE_WAIT,     /* a blocking fetch or a register: may wait for room */
     RESERVE_NOWAIT,   /* an asynchronous fetch: starts what is needed, never waits */
     RESERVE_PREFETCH, /* a hint: never waits, never evicts what is needed sooner */
 };
-int fetch_locked(struct zinf_engine *e, struct tensor *t, int tier, bool prefetch, void **ptr);
-/* engine_api_fetch with the lock held. */
-int fetch_pinned(struct zinf_engine *e, zinf_tensor h, int tier, void **ptr);
-/* What engine_release_abandoned does after the release (lock held): 1 when the copy was
- * kept as it is. */
-int abandon_locked(struct zinf_engine *e, struct tensor *t, int tier);
 void copy_drop(struct zinf_engine *e, struct tensor *t, int tier);
 void copy_link(struct zinf_engine *e, struct copy *c, int tier);
+/* Takes c off its tier's list (if it is on it). */
+void copy_unlink(struct copy *c);
+/* Is t's copy in tier READY with the tensor's newest content? */
+bool copy_valid(const struct tensor *t, int tier);
+/* Must t's copy in tier reach the home before it is dropped? */
+bool writeback_needed(const struct tensor *t, int tier);
 void engine_wait(struct zinf_engine *e);
 /* The same, until deadline (now_ns()'s clock) at the latest. */
 void engine_wait_until(struct zinf_engine *e, uint64_t deadline);
 int writeback_start(struct zinf_engine *e, struct tensor *t, int tier, bool evict);
 /* Allocate in a memory tier, evicting as needed: 0, -EAGAIN (waited; re-check), -EINPROGRESS
- * (RESERVE_NOWAIT: would wait), -ENOSPC (a prefetch), -ENOMEM, -EIO; see fetch.c. */
+ * (RESERVE_NOWAIT: would wait), -ENOSPC (a prefetch), -ENOMEM, -EIO; see residency.c. */
 int tier_reserve(struct zinf_engine *e, int tier, size_t bytes, enum reserve_mode mode,
                  uint64_t need_dist, uint64_t *off, void **ptr);
+/* Empty tier of every copy nobody holds and rewind its allocator (the lock is dropped
+ * meanwhile): 0 or the -errno of a write-back that could not start. */
+int tier_compact(struct zinf_engine *e, int tier);
 void prefetch_consumed(struct zinf_engine *e, struct tensor *t, struct copy *c);
+/* A load started ahead of use, charged to the prefetch budget (once per copy). */
+void prefetch_charge(struct zinf_engine *e, struct tensor *t, struct copy *c);
 void prefetch_wasted(struct zinf_engine *e, struct tensor *t, struct copy *c);
+
+/* fetch.c */
+int fetch_locked(struct zinf_engine *e, struct tensor *t, int tier, bool prefetch, void **ptr);
+/* engine_api_fetch with the lock held. */
+int fetch_pinned(struct zinf_engine *e, zinf_tensor h, int tier, void **ptr);
+/* 0 for a memory tier (ZINF_TIER_DEVICE, ZINF_TIER_HOST), else -EINVAL. */
+int fetch_check_tier(enum zinf_tier tier);
+
+/* release.c */
+/* What engine_release_abandoned does after the release (lock held): 1 when the copy was
+ * kept as it is. */
+int abandon_locked(struct zinf_engine *e, struct tensor *t, int tier);
 
 /* xfer.c */
 int xfer_start(struct xfer *x);

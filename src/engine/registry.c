@@ -9,7 +9,7 @@
  * refused even after its slot is reused.
  *
  * Not here: opening and closing the engine (engine.c), or moving a tensor's content between
- * tiers (fetch.c).
+ * tiers (fetch.c, residency.c).
  */
 #include <errno.h>
 #include <stdlib.h>

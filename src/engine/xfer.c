@@ -10,7 +10,7 @@
  * FIFO order; a full ring makes them wait, never fail.
  *
  * Every function here runs with the engine lock held, callbacks included (they take it).
- * Not here: deciding what to move (fetch.c) or where things are (registry.c).
+ * Not here: deciding what to move (fetch.c, residency.c) or where things are (registry.c).
  */
 #include <errno.h>
 #include <stdlib.h>
