@@ -8,7 +8,7 @@
  *
  * Not here: opening either kind of handle (zinf_open* in engine.c, zinf_connect in
  * client.c), the calls that read a swap directory without an engine (zinf_saved_*, in
- * persist.c), or any work of its own.
+ * manifest.c), or any work of its own.
  */
 #include <errno.h>
 

@@ -1,8 +1,8 @@
 /*
- * test_persist.c - durability (src/engine/persist.c) through the public API: zinf_flush,
- * zinf_close and a reopen with ZINF_OPEN_RESUME bring back every byte of every tensor,
- * whatever its home and wherever its newest copy was; swap space striped over two
- * directories; a flipped byte in a swap file and a corrupt or truncated manifest are
+ * test_persist.c - durability (src/engine/persist.c, resume.c, manifest.c) through the public
+ * API: zinf_flush, zinf_close and a reopen with ZINF_OPEN_RESUME bring back every byte of
+ * every tensor, whatever its home and wherever its newest copy was; swap space striped over
+ * two directories; a flipped byte in a swap file and a corrupt or truncated manifest are
  * refused, never loaded or crashed on; a reopen with OVERWRITE starts empty; and a process
  * killed with SIGKILL at a random moment while it writes and flushes leaves each tensor
  * holding exactly one complete version.

@@ -6,7 +6,7 @@
  *
  * Not here: the registry of tensors (register, lookup, unregister, handles: registry.c),
  * moving copies between tiers (fetch.c, residency.c, release.c) or what a flush and a
- * resume do (persist.c).
+ * resume do (persist.c, resume.c).
  */
 #include <errno.h>
 #include <stdio.h>

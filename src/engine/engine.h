@@ -593,28 +593,13 @@ uint64_t sched_distance(struct zinf_engine *e, uint32_t tidx, int tier);
 bool sched_write_behind(struct zinf_engine *e, const struct tensor *t, int tier);
 void sched_prefetch(struct zinf_engine *e);
 
-/* persist.c */
+/* manifest.c (its internals for persist.c and resume.c: manifest.h) */
 uint32_t crc32c(uint32_t crc, const void *buf, size_t len);
 uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, size_t len2);
-int persist_flush(struct zinf_engine *e);
-/* persist_flush, the manifest tagged (tag >= 0; -1: none) and, with keep, the previous
- * manifest and what it names kept as the previous version (at most one: a version kept
- * before goes). Lock held. */
-int persist_flush_tagged(struct zinf_engine *e, int64_t tag, bool keep);
-/* Forget the previous version: its manifest is removed, its extents freed. Lock held. */
-int persist_drop_previous(struct zinf_engine *e);
-int persist_resume(struct zinf_engine *e);
 /* The tags of dir's current manifest (tags[0]) and of its previous version (tags[1]),
  * without opening anything: -1 where a manifest has no tag or there is none. 0, or -ENOENT
  * where there is no saved state, or -errno. */
 int persist_versions(const char *dir, int64_t tags[2]);
-/* The resume running in this process (the last one to start): the bytes of the tensors its
- * manifest names, and of those read and verified so far. A tool's progress bar reads it
- * from another thread while the engine opens. */
-struct resume_progress {
-    _Atomic uint64_t total, done;
-};
-extern struct resume_progress resume_progress;
 int persist_remove_manifest(struct zinf_engine *e);
 /* Where the manifest of swap directory dir lives. */
 void persist_manifest_path(const char *dir, char *buf, size_t len);
@@ -625,5 +610,24 @@ void persist_manifest_path(const char *dir, char *buf, size_t len);
 int persist_probe(const char *dir, size_t *ntensors, uint32_t *id);
 /* When the saved state in dir was last committed (its manifest's mtime); -ENOENT: none. */
 int persist_saved_at(const char *dir, struct timespec *when);
+
+/* persist.c */
+int persist_flush(struct zinf_engine *e);
+/* persist_flush, the manifest tagged (tag >= 0; -1: none) and, with keep, the previous
+ * manifest and what it names kept as the previous version (at most one: a version kept
+ * before goes). Lock held. */
+int persist_flush_tagged(struct zinf_engine *e, int64_t tag, bool keep);
+/* Forget the previous version: its manifest is removed, its extents freed. Lock held. */
+int persist_drop_previous(struct zinf_engine *e);
+
+/* resume.c */
+int persist_resume(struct zinf_engine *e);
+/* The resume running in this process (the last one to start): the bytes of the tensors its
+ * manifest names, and of those read and verified so far. A tool's progress bar reads it
+ * from another thread while the engine opens. */
+struct resume_progress {
+    _Atomic uint64_t total, done;
+};
+extern struct resume_progress resume_progress;
 
 #endif

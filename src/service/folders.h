@@ -7,7 +7,7 @@
  * reach their data only through the protocol. The job's owner is the uid the first folder's
  * FOLDERS_OWNER_FILE names (a folder without one is the daemon's user's and root's).
  *
- * Not here: what a job's engine keeps in its folder (engine/persist.c, tiers/nvme.c; they
+ * Not here: what a job's engine keeps in its folder (engine/manifest.c, tiers/nvme.c; they
  * open nothing through a link and wait on no FIFO).
  */
 #ifndef ZINF_SERVICE_FOLDERS_H
