@@ -600,7 +600,7 @@ PyObject *Engine_register(EngineObject *self, PyObject *args, PyObject *kw)
         Py_XDECREF(meta);
         /* zinf answers an NVMe home on an engine without an NVMe tier as it answers a bad
          * name or size (-EINVAL): with a name and a size it takes (a name of 1 to 1023 bytes,
-         * as engine.c's NAME_MAX_BYTES has it), that is the reason. */
+         * as the engine's registry.c has it in NAME_MAX_BYTES), that is the reason. */
         if (r == -EINVAL && tier == ZINF_TIER_NVME && self->opened == ENG_OPENED_CONFIG && *cname &&
             strlen(cname) < 1024 && nbytes > 0)
             return raise_zinf_why(r, name,
