@@ -3,7 +3,7 @@
  * session's liveness mutex, and the liveness memfds themselves: what a client's pin table
  * asks before it trusts a slot (see struct keeper for why one thread does all the locking).
  *
- * Not here: when sessions begin and end (server.c).
+ * Not here: when sessions begin and end (session.c).
  */
 #include <errno.h>
 #include <pthread.h>

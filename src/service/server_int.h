@@ -1,7 +1,8 @@
 /*
- * server_int.h - what the daemon's files share (server.c, status.c): its objects, their
- * states and locks (drawn at the top of server.c), and the few functions one calls in the
- * other. Not for anything outside src/service/: server.h is the daemon's interface.
+ * server_int.h - what the daemon's files share (server.c, admission.c, jobs.c, session.c,
+ * requests.c, status.c, keeper.c): its objects, their states and locks (drawn at the top of
+ * server.c), and the functions one calls in another. Not for anything outside src/service/:
+ * server.h is the daemon's interface.
  */
 #ifndef ZINF_SERVICE_SERVER_INT_H
 #define ZINF_SERVICE_SERVER_INT_H
@@ -17,6 +18,26 @@
 #include "service/proto.h"
 
 struct saved_sum;
+
+/* The lists of connections and sessions, doubly linked: a connection or a session is
+ * taken out in one step however many there are (a scan for it made N closes cost N^2).
+ * s->lock held. */
+#define list_push(head, x)                                                                         \
+    do {                                                                                           \
+        (x)->prev = NULL;                                                                          \
+        (x)->next = (head);                                                                        \
+        if (head) (head)->prev = (x);                                                              \
+        (head) = (x);                                                                              \
+    } while (0)
+#define list_take(head, x)                                                                         \
+    do {                                                                                           \
+        if ((x)->prev)                                                                             \
+            (x)->prev->next = (x)->next;                                                           \
+        else                                                                                       \
+            (head) = (x)->next;                                                                    \
+        if ((x)->next) (x)->next->prev = (x)->prev;                                                \
+        (x)->prev = (x)->next = NULL;                                                              \
+    } while (0)
 
 struct job {
     char name[PROTO_MAX_JOB + 1];
@@ -184,9 +205,52 @@ struct service {
 };
 
 /* server.c */
-bool serve_job_name_ok(const char *n);
+/* An error reply: the result alone, or (HELLO) with why after it, which the client logs. */
+int serve_reply_error(int fd, uint16_t op, uint32_t seq, int err, const char *why);
+/* Closes k: out of the lists and counts, its session left. in_epoll: it waits there (not
+ * busy). */
+void serve_conn_drop(struct service *s, struct conn *k, bool in_epoll);
+
+/* admission.c */
 /* Root and the daemon's own uid: exempt from the per-uid limits. */
 bool serve_privileged(uid_t uid);
+/* What uid has open; made when first asked for (NULL when out of memory). s->lock held. */
+struct ucount *serve_ucount_of(struct service *s, uid_t uid);
+/* A refusal of uid's (why: what and the limit) logged, or counted where uid's refusals come
+ * faster than the log takes them. Without s->lock. */
+void serve_refusal(struct service *s, uid_t uid, const char *why);
+/* The refusals each uid had that were not logged, said once its bucket gives a line. */
+void serve_refusals_said_late(struct service *s);
+/* A new connection (fd, accepted): counted and put in the epoll set, or refused and closed. */
+void serve_admit(struct service *s, int fd);
+/* The soft RLIMIT_NOFILE raised to what lim needs: 0, or -errno with err saying why. */
+int serve_files_enough(const struct config_serve *lim, char *err, size_t errlen);
+
+/* jobs.c */
+bool serve_job_name_ok(const char *n);
+/* The job of that name for uid, opened when first asked for. s->lock held (let go while the
+ * job opens); -EUSERS with why where a limit refuses it. */
+int serve_job_get(struct service *s, const char *name, uid_t uid, struct job **out, char *why,
+                  size_t whylen);
+/* Closes a closing job's engine, flushed first unless force; without s->lock. */
+int serve_job_shut(struct job *j, const char *why, bool force);
+/* JOB_CLOSE, JOB_REMOVE and SHUTDOWN, asked on k: 0 or -errno, for the reply. */
+int serve_manage(struct conn *k, const struct proto_request *q);
+/* The sweep's: jobs idle for zinf.serve.idle_job_close start closing. */
+void serve_close_idle_jobs(struct service *s, uint64_t now);
+/* Every open job flushed, at the daemon's stop. */
+void serve_flush_all(struct service *s);
+
+/* session.c */
+/* HELLO on k: 1 once the reply went out, or -errno (k->why may say why). */
+int serve_hello(struct conn *k, const struct proto_request *q, uint32_t seq);
+/* The session loses a connection; the last one ends it. */
+void serve_session_leave(struct service *s, struct session *se);
+
+/* requests.c */
+/* A session's request after HELLO: 0 or a count with o's fields, or -errno. */
+int serve_request(struct session *se, const struct proto_request *q, struct proto_out *o);
+void serve_stage_free(struct stage *g);
 
 /* keeper.c */
 int keeper_start(struct keeper *kp);

@@ -12,7 +12,7 @@
  * holds at most STATUS_PAGE jobs: the whole list of a node with thousands of saved jobs
  * overflowed one message, and the connection was closed without a reply.
  *
- * Not here: the jobs' lives (server.c).
+ * Not here: the jobs' lives (jobs.c).
  */
 #include <dirent.h>
 #include <errno.h>
