@@ -1,7 +1,7 @@
 /*
  * shm.h - the shared-memory segment of a job's ranks on one node (shm.c): the rendezvous
  * every backend but self uses, a process-shared barrier, and the shm backend's
- * collectives. Internal to src/comm/.
+ * collectives (shm_coll.c). Internal to src/comm/.
  */
 #ifndef ZINF_COMM_SHM_H
 #define ZINF_COMM_SHM_H
