@@ -14,7 +14,7 @@
  * prefetched, and has at least one pin per lease.
  *
  * The engine lock guards the leases; slot words are shared with the clients, so they are
- * read and changed with atomics only. Not here: the daemon's sessions (service/server.c),
+ * read and changed with atomics only. Not here: the daemon's sessions (service/session.c),
  * the client's side of a slot (service/client.c).
  */
 #include <errno.h>

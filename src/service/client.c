@@ -57,7 +57,7 @@ struct client {
     unsigned nregions; /* the memory tiers' arenas, by tier */
     struct region region[PROTO_MAX_REGIONS];
     struct pt_header *pt; /* the session's pin table, or NULL: every call is a message */
-    /* The session's liveness mutex (server.c), mapped read-only: held while the session
+    /* The session's liveness mutex (keeper.c), mapped read-only: held while the session
      * lives in a running daemon */
     const pthread_mutex_t *live;
     atomic_bool gone;      /* the daemon was seen stopped or dead: the table is not used */
