@@ -261,5 +261,7 @@ void config_to_options(const struct zinf_config *c, struct zinf_options *o);
 /* Print every effective setting, the derived engine options and the keys that were
  * ignored or unknown, one per line. Returns 0 or -EIO. */
 int config_print(const struct zinf_config *c, FILE *f);
+/* The same without the keys ignored or unknown: the settings and the engine options. */
+int config_print_settings(const struct zinf_config *c, FILE *f);
 
 #endif

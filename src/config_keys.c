@@ -155,9 +155,9 @@ static const char *const warmup_types[] = {"log", "linear", NULL};
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 const struct field config_fields[] = {
-    {S_ZERO, "stage", NULL, F_INT, OFF(zero.stage), 0, 3, 0, NULL, 0,
-     "one rank holds every tensor, whatever the stage (zinf launch -n N partitions by it): "
-     "offload_param and offload_optimizer say where each lives"},
+    /* It acts at any number of ranks: one rank holds its whole partition, and zinf launch -n N
+     * partitions by it. */
+    {S_ZERO, "stage", NULL, F_INT, OFF(zero.stage), 0, 3, 0, NULL},
     {S_ZERO, "overlap_comm", NULL, F_BOOL, OFF(zero.overlap_comm), 0, 0, 0, NULL, FL_CMD,
      "one rank reduces no gradients (zinf launch -n N reduces a block's while the backward "
      "goes on)"},

@@ -1,7 +1,7 @@
 /*
- * config_print.c - config_print(): every effective setting, in the table's order (the
- * ones left at their defaults marked so), the engine options they give, and the keys that
- * were ignored or unknown, one per line.
+ * config_print.c - config_print_settings(): every effective setting, in the table's order
+ * (the ones left at their defaults marked so) and the engine options they give, one per
+ * line; config_print(): those and the keys that were ignored or unknown.
  *
  * Not here: what `zinf config check` says about the run a config makes (tools/), reading
  * the file (config.c).
@@ -48,7 +48,7 @@ static const char *enum_name(const char *const *names, int v)
     return "?";
 }
 
-int config_print(const struct zinf_config *c, FILE *f)
+int config_print_settings(const struct zinf_config *c, FILE *f)
 {
     struct zinf_options o;
 
@@ -58,7 +58,7 @@ int config_print(const struct zinf_config *c, FILE *f)
         bool dflt = !config_bit_get(c->given, fd);
 
         if (fd->ignored)
-            continue; /* not a setting that acts: listed with the ignored keys below */
+            continue; /* not a setting that acts: listed with the ignored keys */
         if (config_sects[fd->sect].path)
             fprintf(f, "%s.%s = ", config_sects[fd->sect].path, fd->key);
         else
@@ -111,7 +111,13 @@ int config_print(const struct zinf_config *c, FILE *f)
     print_bytes(f, o.host_bytes, "engine default: 1 GiB");
     fprintf(f, "\nengine.device_kind = %s\n", enum_name(config_device_kinds, (int)o.device_kind));
     fprintf(f, "engine.cuda_device = %d\n", o.cuda_device);
+    fflush(f);
+    return ferror(f) ? -EIO : 0;
+}
 
+int config_print(const struct zinf_config *c, FILE *f)
+{
+    config_print_settings(c, f);
     if (c->n_ignored) {
         fputs("# ignored by zinf (DeepSpeed keys zinf does not act on):\n", f);
         for (size_t i = 0; i < c->n_ignored; i++)

@@ -215,7 +215,36 @@ Test(cli, config_check)
                      "\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"/local_nvme\"}}, "
                      "\"aio\": {\"block_size\": 4194304, \"queue_depth\": 16}}");
     cr_assert_eq(run(&o, "config check %s", path), 0, "%s", o);
-    cr_assert(strstr(o, "4194304") && strstr(o, "/local_nvme"), "%s", o);
+    cr_assert(strstr(o, "# NVMe: /local_nvme (4 MiB blocks, queue depth 16)"), "%s", o);
+    /* The stage acts for one rank too: said in the summary, not named as ignored. */
+    cr_assert(strstr(o, "# ZeRO stage 3, one rank: it holds its whole partition"), "%s", o);
+    cr_assert_null(strstr(o, "zero_optimization.stage ("), "%s", o);
+    /* Without --all, no table of every setting, no engine options. */
+    cr_assert_null(strstr(o, "# default"), "%s", o);
+    cr_assert_null(strstr(o, "# engine options"), "%s", o);
+    cr_assert_null(strstr(o, "aio.block_size = "), "%s", o);
+    free(o);
+    /* With it, the table follows the summary, whose lines all come before any setting. */
+    cr_assert_eq(run(&o, "config check --all %s", path), 0, "%s", o);
+    const char *table = strstr(o, "# every setting, defaults included (--all):\n");
+    const char *dflt = strstr(o, "  # default\n");
+    cr_assert(table && dflt && table < dflt, "%s", o);
+    static const char *const summary[] = {
+        "# zinf config check ", "# zinf train would run: ", "# ZeRO stage 3", "# precision: ",
+        "# optimizer: AdamW", "# schedule: constant lr", "# parameters: on NVMe",
+        "# optimizer states (Adam's moments", "# NVMe: /local_nvme", "# budgets: device ",
+        "# batch: micro-batch "};
+    for (size_t i = 0; i < ARRAY_SIZE(summary); i++) {
+        const char *at = strstr(o, summary[i]);
+        cr_assert(at && at < table, "'%s' is not in the summary before the settings:\n%s",
+                  summary[i], o);
+    }
+    cr_assert(strstr(table, "\nzero_optimization.stage = 3\n") &&
+                  strstr(table, "\naio.block_size = 4194304\n") &&
+                  strstr(table, "\naio.intra_op_parallelism = 1  # default\n") &&
+                  strstr(table, "\n# engine options\n") &&
+                  strstr(table, "\nengine.block_size = 4194304  # 4 MiB\n"),
+              "%s", o);
     free(o);
 
     write_file(path, "{\"aio\": {\"block_size\": 1000}}");
@@ -703,8 +732,9 @@ Test(cli, tune_writes_a_fragment_that_config_check_and_train_load_as_is)
     snprintf(scratch, sizeof(scratch), "%s/zinf-bench.dat", a);
     cr_assert_neq(access(scratch, F_OK), 0, "the sweep's file is left behind");
 
-    /* As it is: config check (strict: no unknown key), zinf stat and zinf train. */
-    cr_assert_eq(run(&o, "config check --strict %s", frag), 0, "%s", o);
+    /* As it is: config check (strict: no unknown key; --all: every setting), zinf stat and
+     * zinf train. */
+    cr_assert_eq(run(&o, "config check --strict --all %s", frag), 0, "%s", o);
     cr_assert(strstr(o, "zinf.submit_batch") && strstr(o, "zinf.huge_pages"), "%s", o);
     free(o);
     cr_assert_eq(run(&o,
@@ -2106,8 +2136,8 @@ Test(cli, topo_and_version_json_and_zinf_log)
 Test(cli, config_check_of_a_hugging_face_zero3_nvme_config)
 {
     char *o;
-    cr_assert_eq(run(&o, "config check %s/hf_zero3_nvme.json", getenv("ZINF_TEST_DATA")), 0, "%s",
-                 o);
+    cr_assert_eq(run(&o, "config check --all %s/hf_zero3_nvme.json", getenv("ZINF_TEST_DATA")), 0,
+                 "%s", o);
     static const char *const autos[] = {
         "stage3_prefetch_bucket_size = \"auto\"",
         "#   zero_optimization.stage3_prefetch_bucket_"
@@ -2138,6 +2168,36 @@ Test(cli, config_check_of_a_hugging_face_zero3_nvme_config)
         cr_expect_null(strstr(o, setting), "printed as a setting: %s", setting);
     }
     cr_expect_null(strstr(o, "unknown key"), "%s", o);
+    /* The ignored keys come after the summary (the "auto"s last in it) and before the
+     * settings. */
+    const char *autos_at = strstr(o, "# \"auto\" as zinf train resolves it"),
+               *ignored_at = strstr(o, "# ignored by zinf"),
+               *table = strstr(o, "# every setting, defaults included (--all):");
+    cr_expect(autos_at && ignored_at && table && autos_at < ignored_at && ignored_at < table,
+              "%s", o);
+    cr_expect(strstr(o, "# batch: micro-batch 4 x 1 accumulation step x 1 rank = 4 sequences of "
+                        "64 tokens a step (train_batch_size \"auto\")"),
+              "%s", o);
+    free(o);
+}
+
+/* The quick start's config (examples/offload-nvme.json) asks for nothing zinf ignores:
+ * config check names no key as ignored, nor does zinf train at its start. */
+Test(cli, config_of_the_quick_start_asks_for_nothing_ignored)
+{
+    char example[4096], cfg[4096], data[4096], *o;
+    snprintf(example, sizeof(example), "%s/../../examples/offload-nvme.json",
+             getenv("ZINF_TEST_DATA"));
+    cr_assert_eq(run(&o, "config check --strict %s", example), 0, "%s", o);
+    cr_expect_null(strstr(o, "ignored"), "%s", o);
+    cr_expect(strstr(o, "# ZeRO stage 3, one rank"), "%s", o);
+    free(o);
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    /* Its nvme_path is relative, as the quick start runs it: from a directory of its own. */
+    cr_assert_eq(chdir(dir), 0, "%s", strerror(errno));
+    cr_assert_eq(run(&o, "train --config %s --data %s --steps 2", example, data), 0, "%s", o);
+    cr_assert_eq(chdir("/"), 0);
+    cr_expect_null(strstr(o, "# ignored"), "%s", o);
     free(o);
 }
 

@@ -1,7 +1,10 @@
 /*
- * cmd_config.c - `zinf config check FILE [--strict] [--ranks N]`: read a DeepSpeed-style JSON
- * config the way the engine will, and print every effective setting (defaults included), the
- * engine options derived from them and the keys that were ignored or unknown.
+ * cmd_config.c - `zinf config check FILE [--all] [--strict] [--ranks N]`: read a DeepSpeed-style
+ * JSON config the way the engine will, and say first what it makes the run do (the model and
+ * steps, the ZeRO stage, the precision, the optimizer and schedule, where the parameters and
+ * optimizer states live, the budgets, the batch arithmetic, what each "auto" became), then the
+ * keys that were ignored or unknown; with --all, every setting (defaults included) and the
+ * engine options derived from them.
  *
  * It checks the file, not the machine: whether the NVMe directories exist or the GPU is
  * there is left to the commands that use them (the budgets train would derive, from the RAM
@@ -9,7 +12,7 @@
  * decided by train_config_apply(), which train calls too, for the model and run that train's
  * options name (--layers, --dim, ..., taken here as train takes them); its budgets are judged
  * by trainer_plan_check(), as train judges them when it opens: a config train refuses is
- * refused here, with the same message and exit status 2.
+ * refused here, with the same message and exit status 2, before anything else is said.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -26,11 +29,14 @@
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: zinf config check FILE [--strict] [--ranks N] [MODEL OPTIONS]\n"
+    fprintf(f, "usage: zinf config check FILE [--all] [--strict] [--ranks N] [MODEL OPTIONS]\n"
                "\n"
-               "Read a DeepSpeed-style JSON config (FILE, or - for standard input) and print\n"
-               "the effective settings, defaults included, and the engine options they give.\n"
+               "Read a DeepSpeed-style JSON config (FILE, or - for standard input) and say what\n"
+               "it makes zinf train do: the model and steps, the ZeRO stage, the precision, the\n"
+               "optimizer and schedule, where the parameters and optimizer states live, the\n"
+               "budgets, the batch, what each \"auto\" became; then the keys zinf ignores.\n"
                "\n"
+               "  --all      then every setting, defaults included, and the engine options\n"
                "  --strict   treat unknown keys as errors (exit 2)\n"
                "  --ranks N  check it for a job of N ranks (zinf launch -n N), 1-64; default:\n"
                "             WORLD_SIZE where zinf launch set it, else 1\n"
@@ -81,9 +87,11 @@ static int read_all(int fd, char **buf, size_t *len)
 /* The plan's budget check (trainer_plan, trainer_plan_check) of the options o, for the
  * config in text (len bytes) that the file at path holds: 0, 1 where it cannot be made, or
  * -EINVAL with train's refusal in err. Standard input, read once already, is handed over as a
- * memfd holding its bytes. A GPU the machine lacks is left to train (the file is checked). */
+ * memfd holding its bytes. A GPU the machine lacks is left to train (the file is checked).
+ * The plan goes to *pl, *planned saying whether one was made. */
 static int check_budgets(const char *path, bool from_stdin, const char *text, size_t len,
-                         struct trainer_opts *o, char *err, size_t errlen)
+                         struct trainer_opts *o, struct trainer_plan *pl, bool *planned,
+                         char *err, size_t errlen)
 {
     char fdpath[64];
     int fd = -1, r;
@@ -106,11 +114,11 @@ static int check_budgets(const char *path, bool from_stdin, const char *text, si
         snprintf(fdpath, sizeof(fdpath), "/proc/self/fd/%d", fd);
         path = fdpath;
     }
-    struct trainer_plan pl;
     o->config_path = path;
-    r = trainer_plan(o, &pl, err, errlen);
+    r = trainer_plan(o, pl, err, errlen);
+    *planned = r == 0;
     if (r == 0)
-        r = trainer_plan_check(&pl, err, errlen);
+        r = trainer_plan_check(pl, err, errlen);
     else if (r == -ENODEV)
         r = 0; /* no GPU here, or no CUDA in this build: the machine's, not the file's */
     if (r < 0 && !err[0]) snprintf(err, errlen, "%s", strerror(-r));
@@ -120,7 +128,237 @@ static int check_budgets(const char *path, bool from_stdin, const char *text, si
     return r;
 }
 
-static int check(const char *file, bool strict, struct trainer_opts *model, unsigned given)
+/* ---- what the config makes the run do ------------------------------------------------ */
+
+/* What a rank keeps 1/N of, at ZeRO stage `stage` across N ranks (stage 0 runs as 1). */
+static const char *partitioned(int stage)
+{
+    return stage >= 3   ? "the optimizer states, gradients and parameters"
+           : stage == 2 ? "the optimizer states and gradients"
+                        : "the optimizer states";
+}
+
+static void say_stage(const struct zinf_config *c, int ranks)
+{
+    int st = c->zero.stage;
+    const char *given = config_given(c, "zero_optimization.stage") ? "" : " (not given)";
+    if (ranks <= 1) {
+        printf("# ZeRO stage %d%s, one rank: it holds its whole partition, every tensor; "
+               "zinf launch -n N would give each rank 1/N of %s%s\n",
+               st, given, partitioned(st), st == 0 ? " (stage 0 runs as 1 across ranks)" : "");
+        return;
+    }
+    printf("# ZeRO stage %d%s over %d ranks: each keeps 1/%d of %s%s%s\n", st, given, ranks, ranks,
+           partitioned(st),
+           st >= 3   ? " (each block's parameters gathered whole as it computes)"
+           : st == 2 ? ", and the parameters whole"
+                     : ", and the gradients and parameters whole",
+           st == 0 ? " (stage 0 runs as 1 across ranks)" : "");
+}
+
+/* Whether the device computes with 16-bit weights apart from the fp32 master weights. */
+static bool sixteen_bit(const struct trainer_opts *o, bool cuda)
+{
+    return o->precision == TRAINER_PRECISION_BF16 || o->precision == TRAINER_PRECISION_FP16 ||
+           (o->precision == TRAINER_PRECISION_AUTO && cuda);
+}
+
+static void say_precision(const struct trainer_opts *o, bool planned, bool cuda)
+{
+    const char *what = "fp32 weights and activations";
+    char why[128] = "";
+    enum trainer_precision p = o->precision;
+    if (p == TRAINER_PRECISION_AUTO) {
+        /* As the trainer decides it: bf16 where a GPU computes, fp32 on the CPU. */
+        if (!planned) {
+            printf("# precision: bf16 on a GPU, fp32 on the CPU (zinf.train.precision \"auto\"); "
+                   "no loss scaling\n");
+            return;
+        }
+        p = cuda ? TRAINER_PRECISION_BF16 : TRAINER_PRECISION_FP32;
+        snprintf(why, sizeof(why), " (\"auto\": %s)",
+                 cuda ? "bf16 where a GPU computes" : "fp32 on the CPU, bf16 on a GPU");
+    }
+    if (p == TRAINER_PRECISION_BF16)
+        what = "bf16 weights on the device, fp32 master weights";
+    else if (p == TRAINER_PRECISION_FP16)
+        what = "fp16 weights on the device, fp32 master weights";
+    if (p != TRAINER_PRECISION_FP16) {
+        printf("# precision: %s%s; no loss scaling\n", what, why);
+        return;
+    }
+    const struct trainer_fp16 *f = &o->fp16;
+    if (f->loss_scale > 0)
+        printf("# precision: %s%s; a static loss scale of %g (fp16.loss_scale)\n", what, why,
+               f->loss_scale);
+    else
+        printf("# precision: %s%s; DeepSpeed's dynamic loss scaling from 2^%d (window %d, "
+               "hysteresis %d%s, at least %g)\n",
+               what, why, f->initial_scale_power, f->loss_scale_window, f->hysteresis,
+               f->consecutive_hysteresis ? ", consecutive" : "", f->min_loss_scale);
+}
+
+static void say_optimizer(const struct trainer_opts *o, const struct train_config_applied *ds)
+{
+    char clip[48] = "no gradient clipping", extra[96] = "";
+    if (o->grad_clip > 0)
+        snprintf(clip, sizeof(clip), "gradients clipped to norm %g", o->grad_clip);
+    if (o->optimizer == TRAINER_OPT_LAMB)
+        snprintf(extra, sizeof(extra), ", trust ratio in [%g, %g]", o->lamb_min_coeff,
+                 o->lamb_max_coeff);
+    printf("# optimizer: %s, lr %g, betas %g %g, eps %g, weight decay %g%s%s, %s\n", ds->optimizer,
+           o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, extra,
+           o->no_bias_correction ? ", no bias correction" : "", clip);
+
+    const struct trainer_lr_schedule *s = &o->sched;
+    const char *warm = s->linear ? "linearly" : "logarithmically";
+    int W = MAX(2, s->warmup_steps); /* as DeepSpeed takes it */
+    char how[256];
+    switch (s->type) {
+    case TRAINER_SCHED_WARMUP:
+        snprintf(how, sizeof(how), "WarmupLR: from %g up to %g %s over %d steps, then constant",
+                 s->min_lr, s->max_lr, warm, W);
+        break;
+    case TRAINER_SCHED_WARMUP_DECAY:
+        snprintf(how, sizeof(how),
+                 "WarmupDecayLR: from %g up to %g %s over %d steps, then linearly down to %g at "
+                 "step %d",
+                 s->min_lr, s->max_lr, warm, W, s->min_lr, s->total_steps);
+        break;
+    case TRAINER_SCHED_WARMUP_COSINE:
+        snprintf(how, sizeof(how),
+                 "WarmupCosineLR: from %g x lr up to lr %s over %d steps, then a cosine down to "
+                 "%g x lr at step %d",
+                 s->min_ratio, warm, W, s->cos_min_ratio, s->total_steps);
+        break;
+    case TRAINER_SCHED_LR_RANGE:
+        snprintf(how, sizeof(how), "LRRangeTest: from %g, growing by %g x that every %d steps%s",
+                 s->range_min_lr, s->range_rate, s->range_size,
+                 s->range_staircase ? " in stairs" : "");
+        break;
+    case TRAINER_SCHED_ONE_CYCLE:
+        snprintf(how, sizeof(how), "OneCycle: from %g up to %g over %g steps and back over %g%s",
+                 s->cycle_min_lr, s->cycle_max_lr, s->cycle_first_size,
+                 s->cycle_second_size < 0 ? s->cycle_first_size : s->cycle_second_size,
+                 s->cycle_momentum ? ", the momentum the other way" : "");
+        break;
+    default:
+        snprintf(how, sizeof(how), "constant lr");
+    }
+    printf("# schedule: %s; lr %g at step 1, %g at step %d (the last)\n", how,
+           trainer_lr_at(s, o->lr, 1), trainer_lr_at(s, o->lr, MAX(o->steps, 1)), MAX(o->steps, 1));
+}
+
+static const char *where(enum config_offload_device d)
+{
+    return d == CONFIG_OFFLOAD_NVME  ? "on NVMe"
+           : d == CONFIG_OFFLOAD_CPU ? "in host memory"
+                                     : "on the device";
+}
+
+static const char *device_name(enum config_offload_device d)
+{
+    return d == CONFIG_OFFLOAD_NVME ? "nvme" : d == CONFIG_OFFLOAD_CPU ? "cpu" : "none";
+}
+
+static void say_placement(const struct zinf_config *c, const struct trainer_opts *o, bool cuda)
+{
+    const struct config_offload_param *op = &c->zero.offload_param;
+    const struct config_offload_optimizer *oo = &c->zero.offload_optimizer;
+    char persist[128] = "";
+    if (op->device != CONFIG_OFFLOAD_NONE && c->zero.stage3_param_persistence_threshold &&
+        config_given(c, "zero_optimization.stage3_param_persistence_threshold"))
+        snprintf(persist, sizeof(persist),
+                 "; those under %llu elements homed on the device "
+                 "(stage3_param_persistence_threshold)",
+                 (unsigned long long)c->zero.stage3_param_persistence_threshold);
+    printf("# parameters: %s (offload_param.device \"%s\")%s\n", where(op->device),
+           device_name(op->device), persist);
+    printf("# optimizer states (Adam's moments%s): %s (offload_optimizer.device \"%s\"), "
+           "updated %s\n",
+           sixteen_bit(o, cuda) ? " and the fp32 master weights" : "", where(oo->device),
+           device_name(oo->device),
+           oo->device == CONFIG_OFFLOAD_NONE ? "on the device" : "on the host");
+    char a[32];
+    printf("# NVMe: ");
+    for (unsigned i = 0; i < c->nvme_paths.count; i++)
+        printf("%s%s", i ? ", " : "", c->nvme_paths.path[i]);
+    if (c->nvme_paths.count)
+        printf(" (%s blocks, queue depth %u)", format_size(c->aio.block_size, a, sizeof(a)),
+               c->aio.queue_depth);
+    else
+        printf("none%s",
+               c->zinf.connect.count ? " here: the daemon's job keeps the swap files" : "");
+    /* pin_memory is about what is offloaded: with nothing offloaded it says nothing. */
+    if (op->device != CONFIG_OFFLOAD_NONE || oo->device != CONFIG_OFFLOAD_NONE) {
+        bool pin = op->pin_memory || oo->pin_memory;
+        bool said = config_given(c, "zero_optimization.offload_param.pin_memory") ||
+                    config_given(c, "zero_optimization.offload_optimizer.pin_memory");
+        printf("; the host tier %s (pin_memory %s)", pin ? "pinned" : "unpinned",
+               pin ? "true" : said ? "false" : "not given");
+    }
+    printf("\n");
+    if (c->zinf.connect.count)
+        printf("# through the daemon at %s (zinf.connect), job %s: its tiers and budgets\n",
+               c->zinf.connect.path[0], c->zinf.job[0] ? c->zinf.job : "the default");
+}
+
+/* One tier's budget: the config's, derived (said below), or the engine's own (a GPU's). */
+static const char *budget(const struct zinf_config *c, bool device, const struct trainer_budgets *b,
+                          char *buf, size_t len)
+{
+    char a[32];
+    uint64_t given = device ? c->zinf.device_bytes : c->zinf.host_bytes;
+    if (given)
+        snprintf(buf, len, "%s (zinf.%s_bytes)", format_size(given, a, sizeof(a)),
+                 device ? "device" : "host");
+    else if (device ? b->device_how[0] : b->host_how[0])
+        snprintf(buf, len, "%s (derived, below)",
+                 format_size(device ? b->device : b->host, a, sizeof(a)));
+    else
+        snprintf(buf, len, "%s", device ? "the GPU's free memory at open less 1 GiB"
+                                        : "the engine's default, 1 GiB");
+    return buf;
+}
+
+static void say_budgets(const struct zinf_config *c, const struct trainer_budgets *b,
+                        const struct trainer_plan *pl, bool planned)
+{
+    char d[96], h[96], a[32], e[32];
+    printf("# budgets: device %s, host %s", budget(c, true, b, d, sizeof(d)),
+           budget(c, false, b, h, sizeof(h)));
+    if (planned)
+        printf("; the least with which every step runs: %s, %s",
+               format_size(pl->min_budget[0], a, sizeof(a)),
+               format_size(pl->min_budget[1], e, sizeof(e)));
+    printf("\n");
+}
+
+static void say_batch(const struct zinf_config *c, const struct trainer_opts *o, int ranks,
+                      bool batch_auto)
+{
+    uint64_t global = (uint64_t)o->batch * o->grad_accum * ranks;
+    printf("# batch: micro-batch %d x %d accumulation step%s x %d rank%s = %llu sequences of %d "
+           "tokens a step (train_batch_size %s)\n",
+           o->batch, o->grad_accum, o->grad_accum == 1 ? "" : "s", ranks, ranks == 1 ? "" : "s",
+           (unsigned long long)global, o->seq,
+           !config_given(c, "train_batch_size") ? "not given"
+           : batch_auto                          ? "\"auto\""
+                                                 : "given");
+}
+
+/* Each line of text ("a\nb"), after prefix. */
+static void print_lines(const char *prefix, const char *text)
+{
+    for (const char *p = text, *nl; *p; p = nl + 1) {
+        nl = strchr(p, '\n');
+        printf("%s%.*s\n", prefix, nl ? (int)(nl - p) : (int)strlen(p), p);
+        if (!nl) break;
+    }
+}
+
+static int check(const char *file, bool strict, bool all, struct trainer_opts *model,
+                 unsigned given)
 {
     struct zinf_config c;
     char err[2048];
@@ -149,21 +387,28 @@ static int check(const char *file, bool strict, struct trainer_opts *model, unsi
         free(text);
         return 2;
     }
-    /* The settings as the file gives them ("auto" as "auto"), kept until the file is known
-     * to be good. */
+    /* With --all, the settings as the file gives them ("auto" as "auto"), kept until the file
+     * is known to be good. */
     char *settings = NULL;
     size_t settings_len = 0;
-    FILE *mem = open_memstream(&settings, &settings_len);
-    int pr = mem ? config_print(&c, mem) : -ENOMEM;
-    if (mem && fclose(mem) != 0) pr = -ENOMEM;
+    int pr = 0;
+    if (all) {
+        FILE *mem = open_memstream(&settings, &settings_len);
+        pr = mem ? config_print_settings(&c, mem) : -ENOMEM;
+        if (mem && fclose(mem) != 0) pr = -ENOMEM;
+    }
     /* What zinf train makes of it with these options (its defaults where none is given, at
      * that many ranks): refused here for whatever reason it refuses there, in the same
      * words; the budgets too, as train judges them once the engine would open. */
     struct trainer_opts oo = *model, *o = &oo;
     struct train_config_applied ds = {0};
+    struct trainer_plan pl;
+    bool planned = false;
     int ranks = o->world;
+    bool batch_auto = config_is_auto(&c, "train_batch_size"); /* before it is resolved */
     if (train_config_apply(&c, o, given, &ds, err, sizeof(err)) < 0 ||
-        (ret = check_budgets(path, from_stdin, text, text_len, o, err, sizeof(err))) < 0) {
+        (ret = check_budgets(path, from_stdin, text, text_len, o, &pl, &planned, err,
+                             sizeof(err))) < 0) {
         fprintf(stderr, "zinf: %s: %s\n", path, err);
         free(settings);
         free(text);
@@ -177,17 +422,22 @@ static int check(const char *file, bool strict, struct trainer_opts *model, unsi
         config_free(&c);
         return 1;
     }
+
+    /* First what the run does. */
     printf("# zinf config check %s\n", file);
-    if (settings) fwrite(settings, 1, settings_len, stdout);
-    free(settings);
     printf("# zinf train would run: %d layers, dim %d, %d heads, seq %d, batch %d x %d "
            "accumulated%s, %d steps, %s lr %g (%s schedule)\n",
            o->model.L, o->model.C, o->model.NH, o->seq, o->batch, o->grad_accum,
            ranks > 1 ? " on each rank" : "", o->steps, ds.optimizer, o->lr, ds.scheduler);
+    say_stage(&c, ranks);
+    say_precision(o, planned, planned && pl.cuda);
+    say_optimizer(o, &ds);
+    say_placement(&c, o, planned && pl.cuda);
     /* The budgets zinf train derives where the config gives none, from this machine's RAM
      * now (trainer_derive_budgets, which train calls too). */
     struct trainer_budgets bud;
     trainer_derive_budgets(o, &c, false, &bud);
+    say_budgets(&c, &bud, &pl, planned);
     if (bud.device_how[0] || bud.host_how[0]) {
         char a[32];
         printf("# zinf train's budgets where the config gives none (zinf.device_bytes, "
@@ -201,15 +451,30 @@ static int check(const char *file, bool strict, struct trainer_opts *model, unsi
         if (bud.host_how[0])
             printf("#   host %s: %s\n", format_size(bud.host, a, sizeof(a)), bud.host_how);
     }
+    say_batch(&c, o, ranks, batch_auto);
     if (ds.autos[0]) {
         printf("# \"auto\" as zinf train resolves it with these (its options change them):\n");
-        for (char *p = ds.autos, *nl; p; p = nl ? nl + 1 : NULL) {
-            nl = strchr(p, '\n');
-            if (nl)
-                *nl = '\0';
-            printf("#   %s\n", p);
-        }
+        print_lines("#   ", ds.autos);
     }
+
+    /* Then what it asks for that zinf does not do, once each, with why (what ZeRO says across
+     * ranks counts at --ranks N, as in zinf train). */
+    if (ds.ignored[0]) {
+        printf("# ignored by zinf (DeepSpeed keys zinf does not act on):\n");
+        print_lines("#   ", ds.ignored);
+    }
+    if (c.n_unknown) {
+        printf("# unknown keys (ignored):\n");
+        for (size_t i = 0; i < c.n_unknown; i++)
+            printf("#   %s\n", c.unknown[i]);
+    }
+
+    /* Last, with --all, every setting and the engine options. */
+    if (all) {
+        printf("# every setting, defaults included (--all):\n");
+        if (settings) fwrite(settings, 1, settings_len, stdout);
+    }
+    free(settings);
     if (pr < 0 || fflush(stdout) != 0) {
         fprintf(stderr, "zinf: config check: could not write the settings\n");
         config_free(&c);
@@ -244,7 +509,7 @@ static int shape_option(const char *a)
 int cmd_config(int argc, char **argv)
 {
     const char *file = NULL;
-    bool strict = false;
+    bool strict = false, all = false;
     int ranks = 0; /* 0: not given */
     struct trainer_opts o;
     unsigned given = 0; /* as zinf train's: bit (option - O_LAYERS) of each option given */
@@ -287,6 +552,8 @@ int cmd_config(int argc, char **argv)
             o.sample = n > 0;
         } else if (!strcmp(a, "--strict")) {
             strict = true;
+        } else if (!strcmp(a, "--all")) {
+            all = true;
         } else if (!strcmp(a, "--ranks")) {
             const char *v = ++i < argc ? argv[i] : "";
             if ((ranks = ranks_of(v)) == 0) {
@@ -321,5 +588,5 @@ int cmd_config(int argc, char **argv)
         return 2;
     }
     o.world = ranks ? ranks : 1;
-    return check(file, strict, &o, given);
+    return check(file, strict, all, &o, given);
 }

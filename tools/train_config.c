@@ -368,11 +368,11 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
     size_t n = 0;
     ds->ignored[0] = '\0';
     for (size_t i = 0; i < zc->n_ignored && n < sizeof(ds->ignored); i++) {
-        /* Across ranks the stage is what partitions the state, stage 3 gathers ahead
-         * within stage3_max_live_parameters, and gradients are reduced behind the backward
-         * (overlap_comm) when a block's fit in reduce_bucket_size. */
+        /* Across ranks stage 3 gathers ahead within stage3_max_live_parameters, and
+         * gradients are reduced behind the backward (overlap_comm) when a block's fit in
+         * reduce_bucket_size. */
         static const char *const used_by_ranks[] = {
-            "zero_optimization.stage ", "zero_optimization.stage3_max_live",
+            "zero_optimization.stage3_max_live",
             "zero_optimization.overlap_comm ", "zero_optimization.reduce_bucket_size "};
         bool used = false;
         for (size_t u = 0; u < sizeof(used_by_ranks) / sizeof(used_by_ranks[0]); u++)
