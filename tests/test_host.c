@@ -331,13 +331,15 @@ Test(host, mlock_failure_names_rlimit_memlock)
     host_close(h);
 }
 
+/* Unpinned, a tier says so once a process, however many are opened. */
 Test(host, unpinned_says_so_once)
 {
     struct host_stats st;
-    struct host *h;
+    struct host *h, *h2;
 
     test_log_capture_start();
     h = open_host(CAP, 0, false);
+    h2 = open_host(CAP, 0, false);
     cr_assert_eq(count_lines(test_log_text()), 1, "%s", test_log_text());
     cr_assert(strstr(test_log_text(), "unpinned"), "%s", test_log_text());
     test_log_capture_stop();
@@ -345,7 +347,68 @@ Test(host, unpinned_says_so_once)
     cr_assert_not(st.pinned);
     cr_assert_not(st.cuda_registered);
     cr_assert_eq(st.numa_node, -1);
+    host_close(h2);
     host_close(h);
+}
+
+/* Where pinning was not expected, unpinned goes unsaid: pin_memory false given (the user's
+ * choice), or an emulated device tier beside it (its copies are memcpy). Then, where it was
+ * expected, it is still said, once. */
+Test(host, unpinned_by_choice_or_beside_an_emulated_device_says_nothing)
+{
+    struct device_opts dopt = {.kind = ZINF_DEVICE_EMULATED, .capacity_bytes = 4 * MiB};
+    struct device *d = NULL;
+    struct host_opts o = {.capacity_bytes = CAP, .numa_node = -1, .pin_chosen = true};
+    struct host *h = NULL, *h2 = NULL;
+
+    cr_assert_eq(device_open(&dopt, &d), 0);
+    test_log_capture_start();
+    cr_assert_eq(host_open(&o, &h), 0);
+    host_close(h);
+    o.pin_chosen = false;
+    o.dev = d;
+    cr_assert_eq(host_open(&o, &h), 0);
+    cr_assert_str_eq(test_log_text(), "", "nothing said");
+    host_close(h);
+    o.dev = NULL; /* no device tier to tell by: said */
+    cr_assert_eq(host_open(&o, &h), 0);
+    cr_assert_eq(host_open(&o, &h2), 0);
+    cr_assert_eq(count_lines(test_log_text()), 1, "%s", test_log_text());
+    cr_assert(strstr(test_log_text(), "runs unpinned"), "%s", test_log_text());
+    test_log_capture_stop();
+    host_close(h2);
+    host_close(h);
+    device_close(d);
+}
+
+/* Beside a GPU's device tier, an unpinned tier whose pin_memory was left unset says so,
+ * once a process; one whose pin_memory false was given does not. */
+Test(host, unpinned_beside_a_cuda_device_says_so_once)
+{
+    struct cuda_probe_info ci;
+    struct device_opts dopt = {.kind = ZINF_DEVICE_CUDA, .capacity_bytes = 64 * MiB};
+    struct device *d = NULL;
+    struct host_opts o = {.capacity_bytes = CAP, .numa_node = -1, .pin_chosen = true};
+    struct host *h = NULL, *h2 = NULL;
+
+    if (cuda_probe(&ci) <= 0) cr_skip_test("no usable CUDA device: %s", ci.reason);
+    cr_assert_eq(device_open(&dopt, &d), 0);
+    o.dev = d;
+    test_log_capture_start();
+    cr_assert_eq(host_open(&o, &h), 0);
+    cr_assert_str_eq(test_log_text(), "", "pin_memory false given: nothing said");
+    host_close(h);
+    o.pin_chosen = false;
+    cr_assert_eq(host_open(&o, &h), 0);
+    cr_assert_eq(host_open(&o, &h2), 0);
+    cr_assert_eq(count_lines(test_log_text()), 1, "%s", test_log_text());
+    cr_assert(strstr(test_log_text(), "the host tier runs unpinned (pin_memory is false, its "
+                                      "default)"),
+              "%s", test_log_text());
+    test_log_capture_stop();
+    host_close(h2);
+    host_close(h);
+    device_close(d);
 }
 
 static struct uring *open_io(enum uring_backend backend)

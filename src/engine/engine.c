@@ -361,7 +361,10 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
     if ((o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)) && !o.nvme_path) return -EINVAL;
     if ((o.flags & ZINF_OPEN_OVERWRITE) && (o.flags & (ZINF_OPEN_RESUME | ZINF_OPEN_READONLY)))
         return -EINVAL; /* start over and keep: one or the other */
-    if (o.flags & ZINF_OPEN_NO_PIN) params.pin = false;
+    if (o.flags & ZINF_OPEN_NO_PIN) { /* the caller's choice, as pin_memory false is */
+        params.pin = false;
+        params.pin_chosen = true;
+    }
     if (o.host_bytes == 0) o.host_bytes = DEFAULT_HOST_BYTES;
     if (o.host_bytes > SIZE_MAX - ZINF_ALIGN) {
         log_error("engine: host_bytes %zu is larger than any address space", o.host_bytes);
@@ -428,6 +431,7 @@ static int open_once(const struct zinf_options *opt, const struct engine_params 
                             /* a read-only view of a saved run stays unpinned unsaid, as does
                              * a config that offloads nothing to the host */
                             .quiet = (o.flags & ZINF_OPEN_READONLY) != 0 || params.quiet_unpinned,
+                            .pin_chosen = params.pin_chosen,
                             .no_huge_pages = params.no_huge_pages,
                             .numa_node = node,
                             .io = e->io,
@@ -557,6 +561,9 @@ static struct engine_params config_engine_params(const struct zinf_config *c, si
          * default (false) says nothing the user chose, and the notice would not apply. */
         .quiet_unpinned = op->device == CONFIG_OFFLOAD_NONE &&
                           c->zero.offload_optimizer.device == CONFIG_OFFLOAD_NONE,
+        /* "pin_memory": false in either section: the user chose to run unpinned. */
+        .pin_chosen = config_given(c, "zero_optimization.offload_param.pin_memory") ||
+                      config_given(c, "zero_optimization.offload_optimizer.pin_memory"),
         .prefetch_budget_bytes = c->zero.stage3_prefetch_bucket_size * 2,
         .sqpoll = c->zinf.sqpoll,
         .io_backend = c->zinf.io_backend == CONFIG_IO_URING     ? URING_BACKEND_IO_URING

@@ -320,6 +320,8 @@ struct ticket {
 struct engine_params {
     bool pin;                       /* lock the host tier (pin_memory) */
     bool quiet_unpinned;            /* no notice when unpinned: nothing offloads to it */
+    bool pin_chosen;                /* pin_memory given in the config: unpinned is the user's
+                                       choice, unsaid (host_opts.pin_chosen) */
     uint64_t prefetch_budget_bytes; /* 0: default */
     unsigned staging_slots;         /* block_size slots in the staging ring; 0: default */
     bool sqpoll;

@@ -28,6 +28,7 @@
 #include <numa.h>
 #include <numaif.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -196,6 +197,22 @@ static void io_register(struct host *h, struct span *sp)
                    strerror(-r));
 }
 
+/* Whether to say that the tier runs unpinned (host.h): where pinning was expected and
+ * not chosen away, once a process, however many engines it opens (the Python package opens
+ * one per Engine, a resumed run one per saved rank it reads). */
+static bool say_unpinned(const struct host *h, const struct host_opts *o)
+{
+    static atomic_flag said = ATOMIC_FLAG_INIT;
+    struct device_stats ds;
+
+    if (o->pin || o->quiet || o->pin_chosen) return false;
+    if (h->dev) {
+        device_get_stats(h->dev, &ds);
+        if (!ds.cuda) return false; /* emulated: no GPU copies from it */
+    }
+    return !atomic_flag_test_and_set(&said);
+}
+
 int host_open(const struct host_opts *o, struct host **out)
 {
     struct host *h;
@@ -254,9 +271,10 @@ int host_open(const struct host_opts *o, struct host **out)
             if (h->numa_node >= 0) check_placement(h, &h->span[i]);
             if (h->dev) cuda_register(h, &h->span[i]);
         }
-    } else if (!o->quiet) {
-        log_notice("the host tier runs unpinned (pin_memory is false): its memory is not "
-                   "locked, so transfers are slower and pages may be swapped out");
+    } else if (say_unpinned(h, o)) {
+        log_notice("the host tier runs unpinned (pin_memory is false, its default): its memory "
+                   "is not locked, so transfers are slower and pages may be swapped out; "
+                   "pin_memory true pins it, false runs unpinned without this notice");
     }
     for (unsigned i = 0; i < h->nspans && h->io; i++)
         io_register(h, &h->span[i]);

@@ -22,8 +22,10 @@ struct device;
 struct host_opts {
     size_t capacity_bytes;   /* the budget handed out by host_alloc(); 0: 1 GiB */
     size_t staging_bytes;    /* extra, for host_staging(); may be 0 */
-    bool pin;                /* mlock (+ cudaHostRegister); false: unpinned, said once */
+    bool pin;                /* mlock (+ cudaHostRegister); false: unpinned (said as below) */
     bool quiet;              /* unpinned without saying so */
+    bool pin_chosen;         /* pin is the user's choice (pin_memory given in the config,
+                                ZINF_OPEN_NO_PIN): unpinned goes unsaid */
     bool no_huge_pages;      /* 4 KiB pages for the arena (default: transparent huge pages) */
     int numa_node;           /* -1: no placement (the caller's policy) */
     struct uring *io;        /* register the arena as fixed buffers; may be NULL */
@@ -41,7 +43,10 @@ struct host_stats {
 };
 
 /* -EPERM with one error line naming RLIMIT_MEMLOCK (current value and how to raise it)
- * when the arena cannot be locked; with pin=false it runs unpinned and says so. */
+ * when the arena cannot be locked. With pin=false it runs unpinned, and says so once a
+ * process where pinning was expected: not when quiet or pin_chosen, nor beside an emulated
+ * device tier (its copies are memcpy: pinning buys them nothing). A tier opened without a
+ * device tier (dev NULL) cannot tell, and says so. */
 int host_open(const struct host_opts *o, struct host **out);
 void host_close(struct host *h);
 
