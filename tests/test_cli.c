@@ -216,6 +216,9 @@ Test(cli, config_check)
                      "\"aio\": {\"block_size\": 4194304, \"queue_depth\": 16}}");
     cr_assert_eq(run(&o, "config check %s", path), 0, "%s", o);
     cr_assert(strstr(o, "# NVMe: /local_nvme (4 MiB blocks, queue depth 16)"), "%s", o);
+    /* The verdict leads, under the title. */
+    cr_assert(strstr(o, "\n# verdict: valid for zinf train at 1 rank; zinf acts on every key\n# "
+                        "zinf train would run: "), "%s", o);
     /* The stage acts for one rank too: said in the summary, not named as ignored. */
     cr_assert(strstr(o, "# ZeRO stage 3, one rank: it holds its whole partition"), "%s", o);
     cr_assert_null(strstr(o, "zero_optimization.stage ("), "%s", o);
@@ -255,8 +258,11 @@ Test(cli, config_check)
     write_file(path, "{\"aio\": {\"queue_depht\": 8}}");
     cr_assert_eq(run(&o, "config check %s", path), 0, "%s", o);
     cr_assert(strstr(o, "aio.queue_depht"), "an unknown key is named: %s", o);
+    cr_assert(strstr(o, "# verdict: valid for zinf train at 1 rank; 0 keys ignored and 1 unknown, "
+                        "listed below\n"), "%s", o);
     free(o);
     cr_assert_eq(run(&o, "config check --strict %s", path), 2, "%s", o);
+    cr_assert(strstr(o, "# verdict: refused (--strict): 1 unknown key, listed below\n"), "%s", o);
     free(o);
 
     cr_assert_eq(run(&o, "config check %s/missing.json", dir), 2, "%s", o);
@@ -2215,6 +2221,7 @@ Test(cli, config_of_the_quick_start_asks_for_nothing_ignored)
     cr_assert_eq(run(&o, "config check --strict %s", example), 0, "%s", o);
     cr_expect_null(strstr(o, "ignored"), "%s", o);
     cr_expect(strstr(o, "# ZeRO stage 3, one rank"), "%s", o);
+    cr_expect(strstr(o, "# verdict: valid for zinf train at 1 rank; zinf acts on every key\n"), "%s", o);
     free(o);
     train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
     /* Its nvme_path is relative, as the quick start runs it: from a directory of its own. */

@@ -423,8 +423,21 @@ static int check(const char *file, bool strict, bool all, struct trainer_opts *m
         return 1;
     }
 
-    /* First what the run does. */
+    /* First the verdict, then what the run does. */
     printf("# zinf config check %s\n", file);
+    size_t n_ignored = 0;
+    for (const char *p = ds.ignored; *p; p++)
+        n_ignored += *p == '\n' || !p[1];
+    if (strict && c.n_unknown)
+        printf("# verdict: refused (--strict): %zu unknown key%s, listed below\n", c.n_unknown,
+               c.n_unknown == 1 ? "" : "s");
+    else if (n_ignored || c.n_unknown)
+        printf("# verdict: valid for zinf train at %d rank%s; %zu key%s ignored and %zu unknown, "
+               "listed below\n", ranks, ranks == 1 ? "" : "s", n_ignored,
+               n_ignored == 1 ? "" : "s", c.n_unknown);
+    else
+        printf("# verdict: valid for zinf train at %d rank%s; zinf acts on every key\n", ranks,
+               ranks == 1 ? "" : "s");
     printf("# zinf train would run: %d layers, dim %d, %d heads, seq %d, batch %d x %d "
            "accumulated%s, %d steps, %s lr %g (%s schedule)\n",
            o->model.L, o->model.C, o->model.NH, o->seq, o->batch, o->grad_accum,
