@@ -7,11 +7,6 @@
  * read back was right. --baseline adds a row done with plain pread/pwrite; --sweep tries
  * block sizes x queue depths and ends with the best as an `aio` config snippet.
  *
- * Every block carries a pattern derived from its file offset, so each byte read is
- * checked without keeping a copy. Filling and checking run on the main thread while the
- * engine's thread reaps completions, and both are inside the timed region: the figures
- * are what a caller that touches its data gets.
- *
  * Each request's latency (from its submission to the engine until its completion reaches
  * the caller) is kept: every row has IOPS and the p50/p90/p99/p99.9 latencies, as fio's
  * lat. --random reads and writes the blocks in a random order (each once, as fio's
@@ -19,476 +14,31 @@
  * queue_depth requests out (the sequential passes keep twice that, half of them waiting in
  * the engine's queue, which their latencies include).
  *
+ * This file holds the command line, the test file and its buffers, and the order of the
+ * passes. Not here: a pass itself and the pattern that checks every byte
+ * (cmd_bench_run.c), or the table and the JSON (cmd_bench_report.c).
+ *
  * Not a general IO benchmark: one file, one process; fio is the tool for more.
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/sysmacros.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
 #include "cmd.h"
+#include "cmd_bench.h"
 #include "common.h"
 #include "hugemem.h"
 #include "io/uring.h"
 #include "progress.h"
 
-#define PATTERN_SEED 0x7a696e66ull /* "zinf" */
 #define BENCH_FILE "zinf-bench.dat"
-
-struct bench_opts {
-    const char *dir;
-    uint64_t size;
-    size_t block_size;
-    unsigned queue_depth;
-    unsigned submit_batch, rings;
-    bool do_read, do_write, sweep, json, baseline, keep, sqpoll, no_fixed, no_huge;
-    bool random;    /* blocks in a random order, each once */
-    uint64_t seed;  /* of that order */
-    enum uring_backend backend;
-};
-
-struct row {
-    const char *engine; /* "zinf" or "pread" */
-    const char *op;
-    uint64_t bytes;
-    size_t block_size;
-    unsigned queue_depth;
-    double seconds, cpu_seconds;
-    bool verified, huge;
-    unsigned submit_batch, rings; /* in use (uring_stats); 1 and 0 for pread rows */
-    uint64_t bad_blocks;
-    uint64_t requests;
-    double lat_us[4]; /* p50, p90, p99, p99.9 of the requests' latencies */
-    /* What the block device under the file saw during the pass (the whole device: other
-     * IO on it counts too); dev_ok false where there is none (tmpfs) or no stat file. */
-    bool dev_ok;
-    uint64_t dev_requests, dev_merges, dev_bytes;
-};
-
-/* ---- what reached the device -------------------------------------------------------- */
-
-struct devsnap {
-    bool ok;
-    uint64_t reqs[2], merges[2], sectors[2]; /* [0] reads, [1] writes */
-};
-
-/* /sys/dev/block/MAJ:MIN/stat of the device (or partition) that holds path. */
-static struct devsnap dev_snap(const char *path)
-{
-    struct devsnap d = {0};
-    struct stat st;
-    char sys[128];
-    unsigned long long f[7];
-
-    if (stat(path, &st) != 0 || major(st.st_dev) == 0)
-        return d; /* no block device: tmpfs, overlay and the like */
-    snprintf(sys, sizeof(sys), "/sys/dev/block/%u:%u/stat", major(st.st_dev), minor(st.st_dev));
-    FILE *fp = fopen(sys, "r");
-    if (!fp)
-        return d;
-    /* reads completed, reads merged, sectors read, ms reading, writes completed, writes
-     * merged, sectors written, ... */
-    d.ok = fscanf(fp, "%llu %llu %llu %llu %llu %llu %llu", &f[0], &f[1], &f[2], &f[3], &f[4],
-                  &f[5], &f[6]) == 7;
-    fclose(fp);
-    d.reqs[0] = f[0], d.merges[0] = f[1], d.sectors[0] = f[2];
-    d.reqs[1] = f[4], d.merges[1] = f[5], d.sectors[1] = f[6];
-    return d;
-}
-
-static void dev_account(struct row *r, const struct devsnap *a, const struct devsnap *b,
-                        enum uring_op op)
-{
-    int k = op == URING_WRITE;
-    r->dev_ok = a->ok && b->ok;
-    if (!r->dev_ok)
-        return;
-    r->dev_requests = b->reqs[k] - a->reqs[k];
-    r->dev_merges = b->merges[k] - a->merges[k];
-    r->dev_bytes = (b->sectors[k] - a->sectors[k]) * 512;
-}
-
-/* ---- the pattern ------------------------------------------------------------------ */
-
-/* Word j of the 4 KiB page at file offset `off`: a hash of the page's offset, plus j.
- * Cheap enough to fill and check at memory speed, different on every page. */
-static inline uint64_t page_key(uint64_t off)
-{
-    uint64_t z = (off >> 12) * 0x9e3779b97f4a7c15ull ^ PATTERN_SEED;
-    z = (z ^ (z >> 31)) * 0xbf58476d1ce4e5b9ull;
-    return z ^ (z >> 29);
-}
-
-static void pattern_fill(void *buf, size_t len, uint64_t off)
-{
-    uint64_t *w = buf;
-    for (size_t p = 0; p < len; p += ZINF_ALIGN, w += ZINF_ALIGN / 8) {
-        uint64_t k = page_key(off + p);
-        for (unsigned j = 0; j < ZINF_ALIGN / 8; j++)
-            w[j] = k + j;
-    }
-}
-
-static bool pattern_check(const void *buf, size_t len, uint64_t off)
-{
-    const uint64_t *w = buf;
-    uint64_t diff = 0;
-    for (size_t p = 0; p < len; p += ZINF_ALIGN, w += ZINF_ALIGN / 8) {
-        uint64_t k = page_key(off + p);
-        for (unsigned j = 0; j < ZINF_ALIGN / 8; j++)
-            diff |= w[j] ^ (k + j);
-    }
-    return diff == 0;
-}
-
-static double cpu_now(void)
-{
-    struct rusage ru;
-    getrusage(RUSAGE_SELF, &ru);
-    return (double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6 + (double)ru.ru_stime.tv_sec +
-           ru.ru_stime.tv_usec / 1e6;
-}
-
-/* Whether passes draw a progress bar (a terminal, no --json). */
-static bool show_progress;
-
-/* ---- the order of the blocks, and the latencies ------------------------------------ */
-
-/* The blocks of bs in size bytes, each once: in order, or shuffled by seed. */
-static uint64_t *block_order(uint64_t size, size_t bs, bool shuffle, uint64_t seed, uint64_t *n)
-{
-    *n = (size + bs - 1) / bs;
-    uint64_t *o = malloc(*n * sizeof(*o));
-    if (!o) return NULL;
-    for (uint64_t i = 0; i < *n; i++)
-        o[i] = i;
-    uint64_t s = seed ? seed : PATTERN_SEED;
-    for (uint64_t i = *n; shuffle && i > 1; i--) { /* Fisher-Yates, splitmix64 */
-        uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        z ^= z >> 31;
-        uint64_t j = z % i, t = o[i - 1];
-        o[i - 1] = o[j];
-        o[j] = t;
-    }
-    return o;
-}
-
-static int cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* The row's percentiles from n latencies in ns (sorted here). */
-static void latency_percentiles(struct row *r, uint64_t *lat, uint64_t n)
-{
-    static const double q[4] = {0.50, 0.90, 0.99, 0.999};
-    r->requests = n;
-    if (!n) return;
-    qsort(lat, n, sizeof(*lat), cmp_u64);
-    for (int i = 0; i < 4; i++) {
-        uint64_t k = (uint64_t)ceil(q[i] * (double)n); /* the nearest rank, as fio */
-        r->lat_us[i] = (double)lat[(k ? k : 1) - 1] / 1e3;
-    }
-}
-
-/* ---- one run through the engine --------------------------------------------------- */
-
-struct slot_queue {
-    pthread_mutex_t lock;
-    pthread_cond_t cv;
-    unsigned *ring; /* completed slots, FIFO */
-    int *res;
-    uint64_t *done; /* when each completed (now_ns) */
-    unsigned head, count, cap;
-};
-
-static void slot_cb(struct uring_req *req, int res)
-{
-    struct slot_queue *q = req->data;
-    uint64_t t = now_ns();
-    pthread_mutex_lock(&q->lock);
-    unsigned at = (q->head + q->count) % q->cap;
-    q->ring[at] = (unsigned)(uintptr_t)req->map_data;
-    q->res[at] = res;
-    q->done[at] = t;
-    q->count++;
-    pthread_cond_signal(&q->cv);
-    pthread_mutex_unlock(&q->lock);
-}
-
-/* nslots requests are kept outstanding, twice the engine's queue depth where memory
- * allows: the engine keeps queue_depth of them at the device and starts the next one from
- * its own thread as each completes, so filling and checking here never leave the device
- * idle. */
-static int engine_run(struct uring *u, int file, enum uring_op op, uint64_t size, size_t bs,
-                      unsigned nslots, char *mem, const uint64_t *order, struct row *row)
-{
-    unsigned qd = nslots;
-    uint64_t nblocks = (size + bs - 1) / bs;
-    struct uring_req *reqs = calloc(qd, sizeof(*reqs));
-    uint64_t *t_sub = calloc(qd, sizeof(uint64_t)), *lat = malloc(nblocks * sizeof(uint64_t));
-    struct slot_queue q = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-                           calloc(qd, sizeof(unsigned)), calloc(qd, sizeof(int)),
-                           calloc(qd, sizeof(uint64_t)), 0, 0, qd};
-    uint64_t next = 0, finished = 0, nlat = 0; /* next: requests started */
-    unsigned inflight = 0;
-    int err = 0;
-
-    if (!reqs || !q.ring || !q.res || !q.done || !t_sub || !lat) {
-        err = -ENOMEM;
-        goto out;
-    }
-    struct progress pg;
-    progress_start(&pg, show_progress, op == URING_WRITE ? "write" : "read", size);
-    double c0 = cpu_now();
-    uint64_t t0 = now_ns();
-    for (unsigned s = 0; s < qd && next < nblocks; s++) {
-        uint64_t off = (order ? order[next] : next) * bs;
-        size_t n = (size_t)MIN((uint64_t)bs, size - off);
-        char *buf = mem + (size_t)s * bs;
-        if (op == URING_WRITE)
-            pattern_fill(buf, n, off);
-        /* map_data is unused by plain requests: it carries the slot number back. */
-        reqs[s] = (struct uring_req){.op = op, .file = file, .buf = buf, .len = n, .off = off,
-                                     .cb = slot_cb, .data = &q, .map_data = (void *)(uintptr_t)s};
-        t_sub[s] = now_ns();
-        if ((err = uring_submit(u, &reqs[s])) < 0)
-            goto drain;
-        next++;
-        inflight++;
-    }
-    while (inflight) {
-        pthread_mutex_lock(&q.lock);
-        while (q.count == 0)
-            pthread_cond_wait(&q.cv, &q.lock);
-        unsigned s = q.ring[q.head];
-        int res = q.res[q.head];
-        uint64_t done = q.done[q.head];
-        q.head = (q.head + 1) % q.cap;
-        q.count--;
-        pthread_mutex_unlock(&q.lock);
-        inflight--;
-
-        struct uring_req *r = &reqs[s];
-        if (res < 0) {
-            if (!err)
-                err = res;
-            continue;
-        }
-        lat[nlat++] = done - t_sub[s];
-        if (op == URING_READ && !pattern_check(r->buf, r->len, r->off))
-            row->bad_blocks++;
-        finished += r->len;
-        progress_show(&pg, finished);
-        if (err || next >= nblocks)
-            continue;
-        uint64_t off = (order ? order[next] : next) * bs;
-        size_t n = (size_t)MIN((uint64_t)bs, size - off);
-        r->off = off;
-        r->len = n;
-        if (op == URING_WRITE)
-            pattern_fill(r->buf, n, off);
-        t_sub[s] = now_ns();
-        if ((err = uring_submit(u, r)) < 0)
-            continue;
-        next++;
-        inflight++;
-    }
-    if (op == URING_WRITE && !err && fdatasync(uring_file_fd(u, file)) < 0)
-        err = -errno;
-    row->seconds = (double)(now_ns() - t0) / 1e9;
-    row->cpu_seconds = cpu_now() - c0;
-    row->bytes = finished;
-    row->verified = op == URING_READ ? row->bad_blocks == 0 : true;
-    latency_percentiles(row, lat, nlat);
-drain:
-    progress_end(&pg);
-    while (inflight) { /* only after a failed submit: collect what is still out */
-        pthread_mutex_lock(&q.lock);
-        while (q.count == 0)
-            pthread_cond_wait(&q.cv, &q.lock);
-        q.head = (q.head + 1) % q.cap;
-        q.count--;
-        inflight--;
-        pthread_mutex_unlock(&q.lock);
-    }
-out:
-    free(q.ring);
-    free(q.res);
-    free(q.done);
-    free(t_sub);
-    free(lat);
-    free(reqs);
-    return err;
-}
-
-/* ---- the baseline: plain pread/pwrite, one request at a time ------------------------ */
-
-static int baseline_run(const char *path, enum uring_op op, uint64_t size, size_t bs, char *buf,
-                        const uint64_t *order, struct row *row)
-{
-    int fd = open(path, (op == URING_WRITE ? O_WRONLY | O_CREAT : O_RDONLY) | O_DIRECT, 0644);
-    if (fd < 0 && errno == EINVAL)
-        fd = open(path, op == URING_WRITE ? O_WRONLY | O_CREAT : O_RDONLY, 0644);
-    if (fd < 0)
-        return -errno;
-    uint64_t nblocks = (size + bs - 1) / bs, nlat = 0, moved = 0;
-    uint64_t *lat = malloc(nblocks * sizeof(uint64_t));
-    if (!lat) {
-        close(fd);
-        return -ENOMEM;
-    }
-    struct progress pg;
-    progress_start(&pg, show_progress, op == URING_WRITE ? "pwrite" : "pread", size);
-    double c0 = cpu_now();
-    uint64_t t0 = now_ns();
-    int err = 0;
-    for (uint64_t k = 0; k < nblocks && !err; k++) {
-        uint64_t off = (order ? order[k] : k) * bs, end = MIN(off + bs, size);
-        uint64_t s0 = now_ns();
-        while (off < end) { /* a short transfer: the rest, as the engine does */
-            size_t n = (size_t)(end - off);
-            ssize_t r;
-            if (op == URING_WRITE) {
-                pattern_fill(buf, n, off);
-                r = pwrite(fd, buf, n, (off_t)off);
-            } else {
-                r = pread(fd, buf, n, (off_t)off);
-            }
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r <= 0) {
-                err = r < 0 ? -errno : -ENODATA;
-                break;
-            }
-            size_t got = (size_t)r == n ? n : (size_t)align_down((uint64_t)r, ZINF_ALIGN);
-            if (!got) {
-                err = -EIO; /* less than a page moved: O_DIRECT cannot go on from there */
-                break;
-            }
-            if (op == URING_READ && !pattern_check(buf, got, off))
-                row->bad_blocks++;
-            off += got;
-            moved += got;
-        }
-        lat[nlat++] = now_ns() - s0;
-        progress_show(&pg, moved);
-    }
-    progress_end(&pg);
-    if (!err && op == URING_WRITE && fdatasync(fd) < 0)
-        err = -errno;
-    row->seconds = (double)(now_ns() - t0) / 1e9;
-    row->cpu_seconds = cpu_now() - c0;
-    row->bytes = moved;
-    row->verified = op == URING_READ ? row->bad_blocks == 0 : true;
-    latency_percentiles(row, lat, nlat);
-    free(lat);
-    close(fd);
-    return err;
-}
-
-/* ---- output ----------------------------------------------------------------------- */
-
-static double gbps(const struct row *r)
-{
-    return r->seconds > 0 ? (double)r->bytes / r->seconds / 1e9 : 0;
-}
-
-static double iops(const struct row *r)
-{
-    return r->seconds > 0 ? (double)r->requests / r->seconds : 0;
-}
-
-static void print_header(const struct bench_opts *o, const char *path, struct uring_stats *st,
-                         bool direct, bool huge)
-{
-    char sz[32];
-    if (o->json)
-        return;
-    printf("# zinf bench %s: %s, %s\n", zinf_version(), path, format_size(o->size, sz, sizeof(sz)));
-    char rings[32] = "";
-    if (st->rings) /* the threads backend has none */
-        snprintf(rings, sizeof(rings), " (%u ring%s)", st->rings, st->rings == 1 ? "" : "s");
-    printf("# backend %s%s, O_DIRECT %s, fixed buffers %s, fixed files %s, sqpoll %s, "
-           "submit batch %u, huge pages %s\n",
-           uring_backend_name(st->backend), rings, direct ? "yes" : "no (filesystem refused it)",
-           st->fixed_buffers && !o->no_fixed ? "yes" : "no", st->fixed_files ? "yes" : "no",
-           st->sqpoll ? "yes" : "no", st->submit_batch,
-           huge         ? "yes"
-           : o->no_huge ? "no (--no-huge-pages)"
-                        : "no (the kernel refused them)");
-    printf("# GB/s is 10^9 bytes per second; cpu is this process's user+system time per GB\n");
-    printf("# dev_reqs, merges, dev_avg: requests the block device under the path completed in\n"
-           "#   the pass, how many it merged into others, their average size (the whole device:\n"
-           "#   other IO on it counts too; '-' where there is no block device)\n");
-    printf("# iops, p50..p99.9: requests per second, and their latency from submission to\n"
-           "#   completion (fio's lat)%s\n",
-           o->random ? "; --random: the blocks in a random order, each once"
-                     : "; sequential passes keep 2 x qd requests out, so these include the\n"
-                       "#   wait in the engine's queue");
-    printf("#\n");
-    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s %9s %9s %9s %9s %9s %8s %9s %9s\n", "engine",
-           "op", "size", "block", "qd", "time", "GB/s", "iops", "p50", "p90", "p99", "p99.9",
-           "cpu_s/GB", "dev_reqs", "merges", "dev_avg", "verified");
-    printf("# %7s %6s %14s %9s %5s %9s %8s %9s %9s %9s %9s %9s %9s %9s %8s %9s %9s\n", "", "",
-           "(B)", "(B)", "", "(s)", "", "", "(us)", "(us)", "(us)", "(us)", "", "", "", "(B)", "");
-}
-
-static void print_row(const struct bench_opts *o, const struct row *r, int err)
-{
-    double gb = (double)r->bytes / 1e9;
-    const char *v = err ? "error" : r->verified ? "ok" : "FAIL";
-    char reqs[24] = "-", merges[24] = "-", avg[24] = "-";
-    if (r->dev_ok) {
-        snprintf(reqs, sizeof(reqs), "%llu", (unsigned long long)r->dev_requests);
-        snprintf(merges, sizeof(merges), "%llu", (unsigned long long)r->dev_merges);
-        snprintf(avg, sizeof(avg), "%llu",
-                 (unsigned long long)(r->dev_requests ? r->dev_bytes / r->dev_requests : 0));
-    }
-    if (o->json) {
-        char dev[160] = "null";
-        if (r->dev_ok)
-            snprintf(dev, sizeof(dev),
-                     "{\"requests\": %s, \"merges\": %s, \"avg_request_bytes\": %s}", reqs,
-                     merges, avg);
-        printf("{\"engine\": \"%s\", \"op\": \"%s\", \"random\": %s, \"bytes\": %llu, "
-               "\"block_size\": %zu, "
-               "\"queue_depth\": %u, \"submit_batch\": %u, \"rings\": %u, \"huge_pages\": %s, "
-               "\"seconds\": %.6f, \"GBps\": %.4f, \"requests\": %llu, \"iops\": %.1f, "
-               "\"lat_us\": {\"p50\": %.3f, \"p90\": %.3f, \"p99\": %.3f, \"p99.9\": %.3f}, "
-               "\"cpu_s_per_GB\": %.4f, "
-               "\"device\": %s, \"verified\": %s, \"bad_blocks\": %llu, \"error\": %s%s%s}\n",
-               r->engine, r->op, o->random ? "true" : "false", (unsigned long long)r->bytes,
-               r->block_size, r->queue_depth,
-               r->submit_batch, r->rings, r->huge ? "true" : "false", r->seconds, gbps(r),
-               (unsigned long long)r->requests, iops(r), r->lat_us[0], r->lat_us[1], r->lat_us[2],
-               r->lat_us[3], gb > 0 ? r->cpu_seconds / gb : 0, dev,
-               !err && r->verified ? "true" : "false",
-               (unsigned long long)r->bad_blocks, err ? "\"" : "",
-               err ? zinf_strerror(err) : "null", err ? "\"" : "");
-    } else {
-        printf("  %7s %6s %14llu %9zu %5u %9.3f %8.3f %9.0f %9.1f %9.1f %9.1f %9.1f %9.3f %9s %8s "
-               "%9s %9s\n",
-               r->engine, r->op, (unsigned long long)r->bytes, r->block_size, r->queue_depth,
-               r->seconds, gbps(r), iops(r), r->lat_us[0], r->lat_us[1], r->lat_us[2],
-               r->lat_us[3], gb > 0 ? r->cpu_seconds / gb : 0, reqs, merges, avg, v);
-        if (err)
-            printf("# %s %s failed: %s\n", r->engine, r->op, zinf_strerror(err));
-    }
-    fflush(stdout);
-}
 
 /* ---- orchestration ---------------------------------------------------------------- */
 
@@ -526,7 +76,7 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
     /* Random: exactly qd out, so that a latency is the device's and the engine's only. */
     unsigned nslots = (unsigned)MIN((uint64_t)(c->o.random ? 1 : 2) * qd, c->mem_bytes / bs);
     uint64_t nblocks;
-    uint64_t *order = block_order(c->o.size, bs, c->o.random, c->o.seed, &nblocks);
+    uint64_t *order = bench_block_order(c->o.size, bs, c->o.random, c->o.seed, &nblocks);
     if (!order) {
         fprintf(stderr, "zinf bench: no memory for the order of %s's blocks\n", c->path);
         return 1;
@@ -550,15 +100,15 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
                            .huge = c->huge,
                            .submit_batch = ps.submit_batch,
                            .rings = ps.rings};
-        struct devsnap d0 = dev_snap(c->path);
-        err = engine_run(u, file, URING_WRITE, c->o.size, bs, nslots, c->mem, order, &row);
-        struct devsnap d1 = dev_snap(c->path);
-        dev_account(&row, &d0, &d1, URING_WRITE);
+        struct devsnap d0 = bench_dev_snap(c->path);
+        err = bench_engine_run(u, file, URING_WRITE, c->o.size, bs, nslots, c->mem, order, &row);
+        struct devsnap d1 = bench_dev_snap(c->path);
+        bench_dev_account(&row, &d0, &d1, URING_WRITE);
         if (report)
-            print_row(&c->o, &row, err);
+            bench_print_row(&c->o, &row, err);
         fails += err != 0;
         if (wr)
-            *wr = err ? 0 : gbps(&row);
+            *wr = err ? 0 : bench_gbps(&row);
     }
     if (c->o.do_read) {
         drop_cache(uring_file_fd(u, file));
@@ -569,15 +119,15 @@ static int run_pair(struct bench_ctx *c, size_t bs, unsigned qd, bool report, do
                            .huge = c->huge,
                            .submit_batch = ps.submit_batch,
                            .rings = ps.rings};
-        struct devsnap d0 = dev_snap(c->path);
-        err = engine_run(u, file, URING_READ, c->o.size, bs, nslots, c->mem, order, &row);
-        struct devsnap d1 = dev_snap(c->path);
-        dev_account(&row, &d0, &d1, URING_READ);
+        struct devsnap d0 = bench_dev_snap(c->path);
+        err = bench_engine_run(u, file, URING_READ, c->o.size, bs, nslots, c->mem, order, &row);
+        struct devsnap d1 = bench_dev_snap(c->path);
+        bench_dev_account(&row, &d0, &d1, URING_READ);
         if (report)
-            print_row(&c->o, &row, err);
+            bench_print_row(&c->o, &row, err);
         fails += err != 0 || !row.verified;
         if (rd)
-            *rd = err || !row.verified ? 0 : gbps(&row);
+            *rd = err || !row.verified ? 0 : bench_gbps(&row);
     }
     if (region >= 0)
         uring_buf_unregister(u, region);
@@ -596,14 +146,15 @@ static int ensure_file(struct bench_ctx *c)
         /* Check one block at each end: a file from elsewhere fails here, not mid-run. */
         size_t n = ZINF_ALIGN;
         if (uring_rw(c->u, URING_READ, c->file, c->mem, n, 0) == 0 &&
-            pattern_check(c->mem, n, 0) &&
+            bench_pattern_check(c->mem, n, 0) &&
             uring_rw(c->u, URING_READ, c->file, c->mem, n, align_down(c->o.size - 1, n)) == 0 &&
-            pattern_check(c->mem, n, align_down(c->o.size - 1, n)))
+            bench_pattern_check(c->mem, n, align_down(c->o.size - 1, n)))
             return 0;
     }
-    return engine_run(c->u, c->file, URING_WRITE, c->o.size, c->o.block_size,
-                      (unsigned)MIN((uint64_t)c->o.queue_depth, c->mem_bytes / c->o.block_size),
-                      c->mem, NULL, &row);
+    return bench_engine_run(
+        c->u, c->file, URING_WRITE, c->o.size, c->o.block_size,
+        (unsigned)MIN((uint64_t)c->o.queue_depth, c->mem_bytes / c->o.block_size), c->mem, NULL,
+        &row);
 }
 
 static void usage(FILE *f)
@@ -789,7 +340,7 @@ int cmd_bench(int argc, char **argv)
     r = parse_args(argc, argv, &c.o);
     if (r)
         return r > 0 ? 0 : (usage(stderr), 2);
-    show_progress = progress_wanted(c.o.json);
+    bench_show_progress = progress_wanted(c.o.json);
     if (stat(c.o.dir, &sb) < 0 || !S_ISDIR(sb.st_mode)) {
         fprintf(stderr, "zinf bench: --path %s: %s\n", c.o.dir,
                 stat(c.o.dir, &sb) < 0 ? strerror(errno) : "not a directory");
@@ -840,7 +391,7 @@ int cmd_bench(int argc, char **argv)
             goto out;
         }
     }
-    /* Two requests per queue slot (see engine_run), and a slot is used only while its
+    /* Two requests per queue slot (see bench_engine_run), and a slot is used only while its
      * offset is inside the file: never more than size + one block of buffers. */
     c.mem_bytes = (size_t)MIN((uint64_t)max_bs * max_qd * 2, c.o.size + max_bs);
     /* The buffers are what the engine's host arena is: huge pages, so that a request is one
@@ -859,7 +410,7 @@ int cmd_bench(int argc, char **argv)
     uring_get_stats(c.u, &st);
     if (c.region < 0)
         st.fixed_buffers = false;
-    print_header(&c.o, c.path, &st, uring_file_direct(c.u, c.file), c.huge);
+    bench_print_header(&c.o, c.path, &st, uring_file_direct(c.u, c.file), c.huge);
 
     if (!c.o.do_write && (r = ensure_file(&c)) < 0) {
         fprintf(stderr, "zinf bench: writing %s for the read test failed: %s\n", c.path,
@@ -892,31 +443,16 @@ int cmd_bench(int argc, char **argv)
                 }
             }
         }
-        if (best > 0) {
-            if (c.o.json) {
-                printf("{\"best\": {\"block_size\": %zu, \"queue_depth\": %u, \"read_GBps\": %.4f, "
-                       "\"write_GBps\": %.4f}, \"aio\": {\"block_size\": %zu, \"queue_depth\": %u, "
-                       "\"intra_op_parallelism\": 1, \"single_submit\": false, "
-                       "\"overlap_events\": true}}\n",
-                       best_bs, best_qd, best_rd, best_wr, best_bs, best_qd);
-            } else {
-                printf("# best: block %zu, queue depth %u (read %.3f GB/s, write %.3f GB/s)\n",
-                       best_bs, best_qd, best_rd, best_wr);
-                printf("# as a config (zinf config check accepts it; DeepSpeed reads the same "
-                       "keys):\n");
-                printf("{\"aio\": {\"block_size\": %zu, \"queue_depth\": %u, "
-                       "\"intra_op_parallelism\": 1, \"single_submit\": false, "
-                       "\"overlap_events\": true}}\n",
-                       best_bs, best_qd);
-            }
-        }
+        if (best > 0)
+            bench_print_best(&c.o, best_bs, best_qd, best_rd, best_wr);
     }
 
     if (c.o.baseline) {
         struct row row;
         char *buf = c.mem;
         uint64_t nblocks;
-        uint64_t *order = block_order(c.o.size, c.o.block_size, c.o.random, c.o.seed, &nblocks);
+        uint64_t *order =
+            bench_block_order(c.o.size, c.o.block_size, c.o.random, c.o.seed, &nblocks);
         if (!order) {
             fprintf(stderr, "zinf bench: no memory for the order of the blocks\n");
             fails++;
@@ -929,11 +465,11 @@ int cmd_bench(int argc, char **argv)
                                .queue_depth = 1,
                                .huge = c.huge,
                                .submit_batch = 1};
-            struct devsnap d0 = dev_snap(c.path);
-            r = baseline_run(c.path, URING_WRITE, c.o.size, c.o.block_size, buf, order, &row);
-            struct devsnap d1 = dev_snap(c.path);
-            dev_account(&row, &d0, &d1, URING_WRITE);
-            print_row(&c.o, &row, r);
+            struct devsnap d0 = bench_dev_snap(c.path);
+            r = bench_baseline_run(c.path, URING_WRITE, c.o.size, c.o.block_size, buf, order, &row);
+            struct devsnap d1 = bench_dev_snap(c.path);
+            bench_dev_account(&row, &d0, &d1, URING_WRITE);
+            bench_print_row(&c.o, &row, r);
             fails += r != 0;
         }
         if (c.o.do_read) {
@@ -944,11 +480,11 @@ int cmd_bench(int argc, char **argv)
                                .queue_depth = 1,
                                .huge = c.huge,
                                .submit_batch = 1};
-            struct devsnap d0 = dev_snap(c.path);
-            r = baseline_run(c.path, URING_READ, c.o.size, c.o.block_size, buf, order, &row);
-            struct devsnap d1 = dev_snap(c.path);
-            dev_account(&row, &d0, &d1, URING_READ);
-            print_row(&c.o, &row, r);
+            struct devsnap d0 = bench_dev_snap(c.path);
+            r = bench_baseline_run(c.path, URING_READ, c.o.size, c.o.block_size, buf, order, &row);
+            struct devsnap d1 = bench_dev_snap(c.path);
+            bench_dev_account(&row, &d0, &d1, URING_READ);
+            bench_print_row(&c.o, &row, r);
             fails += r != 0 || !row.verified;
         }
         free(order);
