@@ -25,71 +25,35 @@
  * make a slow point tie.
  *
  * Not swept: SQPOLL (a kernel thread spinning on a core per ring).
+ *
+ * This file holds the command line, the grid and the rounds over it. Not here: measuring a
+ * point and the fragment it stands for (cmd_tune_measure.c), the pick and everything said
+ * about the sweep (cmd_tune_report.c), or train mode, which cmd_tune() hands the whole
+ * command line.
  */
 #include <errno.h>
-#include <fcntl.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
-#include <math.h>
 #include <signal.h>
-#include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cmd.h"
+#include "cmd_tune.h"
 #include "common.h"
 #include "config.h"
-#include "engine/engine.h"
-#include "gnuplot.h"
 #include "io/uring.h"
 #include "tune_util.h"
 
-extern char **environ;
-
-#define MAX_AXIS 16
 #define STR_(x) #x
 #define STR(x) STR_(x) /* a number macro as a string */
 #define MAX_POINTS 4096
 #define BENCH_FILE "zinf-bench.dat" /* what `zinf bench` writes in its --path */
-#define SWAP_SUBDIR "zinf-tune.swap" /* swap-in mode's own swap directory in each path */
-
-enum tune_mode { MODE_IO, MODE_SWAPIN };
-
-struct axis {
-    uint64_t v[MAX_AXIS];
-    unsigned n;
-};
-
-struct tune_opts {
-    const char *paths[CONFIG_MAX_NVME_PATHS];
-    unsigned npaths;
-    enum tune_mode mode;
-    uint64_t size, tensor_bytes;
-    unsigned reps;
-    struct axis bs, qd, batch, rings, staging, huge; /* huge: 1 on, 0 off */
-    const char *out;
-    const char *plot; /* --plot: the heatmap's PNG */
-    bool force, json, quick;
-};
-
-struct point {
-    size_t bs;
-    unsigned qd, batch, rings;
-    uint64_t staging; /* swap-in mode only; 0 in io mode */
-    bool huge;
-    double *score, *rd, *wr; /* one per round */
-    unsigned n;
-    int fails;
-    char err[512];
-    double med, lo, hi, med_rd, med_wr;
-    bool tie;
-};
 
 static volatile sig_atomic_t interrupted;
 
@@ -345,30 +309,6 @@ static int parse_args(int argc, char **argv, struct tune_opts *o)
 
 /* ---- the grid ------------------------------------------------------------------------ */
 
-/* Pinned buffer bytes a point costs: the engine's staging ring (2 x queue depth blocks by
- * default; the swap-in point's own size otherwise). */
-static uint64_t point_cost(const struct point *p)
-{
-    uint64_t slots = p->staging ? MAX(4u, p->staging / p->bs) : MAX(4u, 2 * p->qd);
-    return slots * p->bs;
-}
-
-/* Is a cheaper than b (the order ties are broken in)? */
-static bool cheaper(const struct point *a, const struct point *b)
-{
-    if (point_cost(a) != point_cost(b))
-        return point_cost(a) < point_cost(b);
-    if (a->qd != b->qd)
-        return a->qd < b->qd;
-    if (a->rings != b->rings)
-        return a->rings < b->rings;
-    if (a->batch != b->batch)
-        return a->batch < b->batch;
-    if (a->huge != b->huge)
-        return a->huge;
-    return a->bs < b->bs;
-}
-
 static int build_grid(const struct tune_opts *o, struct point **out, unsigned *n)
 {
     unsigned cap = o->bs.n * o->qd.n * o->batch.n * o->rings.n * o->huge.n *
@@ -414,457 +354,6 @@ static int build_grid(const struct tune_opts *o, struct point **out, unsigned *n
     *out = g;
     *n = k;
     return 0;
-}
-
-/* ---- the fragment --------------------------------------------------------------------- */
-
-/* The config a point stands for: what is written out, and (with budgets) what swap-in mode
- * opens the engine from, so that what was measured is what the fragment says. */
-static json_t *fragment(const struct tune_opts *o, const struct point *p, const char *swapdir_of,
-                        uint64_t device_bytes, uint64_t host_bytes)
-{
-    json_t *aio = json_pack("{s:I, s:i, s:i, s:b, s:b}", "block_size", (json_int_t)p->bs,
-                            "queue_depth", (int)p->qd, "intra_op_parallelism", (int)p->rings,
-                            "single_submit", 0, "overlap_events", 1);
-    json_t *paths = json_array();
-    for (unsigned i = 0; i < o->npaths; i++) {
-        char buf[PATH_MAX];
-        snprintf(buf, sizeof(buf), "%s%s%s", o->paths[i], swapdir_of ? "/" : "",
-                 swapdir_of ? swapdir_of : "");
-        json_array_append_new(paths, json_string(buf));
-    }
-    json_t *z = json_pack("{s:o, s:i, s:b}", "nvme_paths", paths, "submit_batch", (int)p->batch,
-                          "huge_pages", p->huge);
-    if (p->staging)
-        json_object_set_new(z, "staging_bytes", json_integer((json_int_t)p->staging));
-    if (device_bytes) {
-        json_object_set_new(z, "device_bytes", json_integer((json_int_t)device_bytes));
-        json_object_set_new(z, "host_bytes", json_integer((json_int_t)host_bytes));
-    }
-    return json_pack("{s:o, s:o}", "aio", aio, "zinf", z);
-}
-
-/* ---- io mode: `zinf bench` on each path ----------------------------------------------- */
-
-static char self_exe[PATH_MAX];
-
-/* Run `zinf bench` for one point on one path; *rd and *wr get its GB/s. */
-static int bench_once(const struct tune_opts *o, const char *dir, const struct point *p,
-                      double *rd, double *wr, char *err, size_t errlen)
-{
-    char size[32], bs[32], qd[16], batch[16], rings[16];
-    snprintf(size, sizeof(size), "%llu", (unsigned long long)o->size);
-    snprintf(bs, sizeof(bs), "%zu", p->bs);
-    snprintf(qd, sizeof(qd), "%u", p->qd);
-    snprintf(batch, sizeof(batch), "%u", p->batch);
-    snprintf(rings, sizeof(rings), "%u", p->rings);
-    char *argv[] = {self_exe, "bench", "--path", (char *)dir, "--size", size, "--block-size", bs,
-                    "--queue-depth", qd, "--submit-batch", batch, "--rings", rings, "--json",
-                    "--keep",
-                    p->huge ? NULL : "--no-huge-pages", NULL};
-    int pfd[2];
-    if (pipe(pfd) < 0)
-        return -errno;
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, pfd[1], STDOUT_FILENO);
-    posix_spawn_file_actions_addclose(&fa, pfd[0]);
-    pid_t pid;
-    int r = posix_spawn(&pid, self_exe, &fa, NULL, argv, environ);
-    posix_spawn_file_actions_destroy(&fa);
-    close(pfd[1]);
-    if (r != 0) {
-        close(pfd[0]);
-        snprintf(err, errlen, "cannot run zinf bench: %s", strerror(r));
-        return -r;
-    }
-    FILE *f = fdopen(pfd[0], "r");
-    char line[2048];
-    bool got_rd = false, got_wr = false, bad = false;
-    while (f && fgets(line, sizeof(line), f)) {
-        json_error_t je;
-        json_t *row = json_loads(line, 0, &je);
-        const char *op = json_string_value(json_object_get(row, "op"));
-        double g = json_real_value(json_object_get(row, "GBps"));
-        if (op && json_is_true(json_object_get(row, "verified"))) {
-            if (!strcmp(op, "read"))
-                *rd = g, got_rd = true;
-            else if (!strcmp(op, "write"))
-                *wr = g, got_wr = true;
-        } else if (op) {
-            const char *e = json_string_value(json_object_get(row, "error"));
-            snprintf(err, errlen, "%s %s: %s", dir, op, e ? e : "bytes read back wrong");
-            bad = true;
-        }
-        json_decref(row);
-    }
-    if (f)
-        fclose(f);
-    else
-        close(pfd[0]);
-    int status;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
-        ;
-    if (bad)
-        return -EIO;
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || !got_rd || !got_wr) {
-        if (!err[0])
-            snprintf(err, errlen, "%s: zinf bench %s", dir,
-                     WIFSIGNALED(status) ? "was killed" : "failed (its message is above)");
-        return -EIO;
-    }
-    return 0;
-}
-
-static int measure_io(const struct tune_opts *o, struct point *p, double *score, double *rd,
-                      double *wr)
-{
-    double worst = INFINITY;
-    for (unsigned i = 0; i < o->npaths; i++) {
-        double r = 0, w = 0;
-        int e = bench_once(o, o->paths[i], p, &r, &w, p->err, sizeof(p->err));
-        if (e < 0)
-            return e;
-        double s = sqrt(r * w);
-        if (s < worst)
-            worst = s, *rd = r, *wr = w;
-    }
-    *score = worst;
-    return 0;
-}
-
-/* ---- swap-in mode: the engine --------------------------------------------------------- */
-
-static uint64_t word_of(unsigned tensor, uint64_t off)
-{
-    uint64_t z = ((uint64_t)tensor << 40 ^ off) * 0x9e3779b97f4a7c15ull;
-    return z ^ (z >> 29);
-}
-
-static void fill(uint64_t *w, size_t bytes, unsigned tensor)
-{
-    for (size_t i = 0; i < bytes / 8; i++)
-        w[i] = word_of(tensor, i * 8);
-}
-
-static bool check_page(const uint64_t *w, unsigned tensor, uint64_t off)
-{
-    for (size_t i = 0; i < ZINF_ALIGN / 8; i++)
-        if (w[i] != word_of(tensor, off + i * 8))
-            return false;
-    return true;
-}
-
-static int measure_swapin(const struct tune_opts *o, struct point *p, double *score)
-{
-    unsigned nt = (unsigned)(o->size / o->tensor_bytes);
-    /* The tensors are four times the device tier and eight times the host tier: every step
-     * reads all of them from NVMe. */
-    uint64_t dev = align_up(MAX(o->size / 4, 2 * o->tensor_bytes), ZINF_ALIGN);
-    uint64_t host = align_up(MAX(o->size / 8, 2 * o->tensor_bytes), ZINF_ALIGN);
-    json_t *frag = fragment(o, p, SWAP_SUBDIR, dev, host);
-    char *text = json_dumps(frag, 0);
-    json_decref(frag);
-    struct zinf_config c;
-    char cerr[480];
-    zinf_engine *e = NULL;
-    zinf_tensor *t = calloc(nt, sizeof(*t));
-    uint64_t *buf = malloc(o->tensor_bytes);
-    int r = -ENOMEM;
-
-    if (!text || !t || !buf)
-        goto out_nocfg;
-    r = config_parse_buffer(text, strlen(text), "tune point", &c, cerr, sizeof(cerr));
-    if (r < 0) {
-        snprintf(p->err, sizeof(p->err), "%s", cerr);
-        config_free(&c);
-        goto out_nocfg;
-    }
-    r = engine_open_config(&c, ZINF_OPEN_OVERWRITE, &e);
-    config_free(&c);
-    if (r < 0) {
-        snprintf(p->err, sizeof(p->err), "opening the engine: %s", zinf_strerror(r));
-        goto out_nocfg;
-    }
-    for (unsigned i = 0; i < nt; i++) {
-        char name[32];
-        snprintf(name, sizeof(name), "tune.%u", i);
-        fill(buf, o->tensor_bytes, i);
-        if ((r = zinf_register(e, name, o->tensor_bytes, ZINF_TIER_NVME, &t[i])) < 0 ||
-            (r = zinf_write(e, t[i], 0, buf, o->tensor_bytes)) < 0) {
-            snprintf(p->err, sizeof(p->err), "tensor %u: %s", i, zinf_strerror(r));
-            goto out;
-        }
-    }
-    /* Step 1 teaches the engine the order; steps 2 and 3 are timed. */
-    uint64_t t0 = 0;
-    for (unsigned step = 0; step < 3; step++) {
-        if (step == 1)
-            t0 = now_ns();
-        for (unsigned i = 0; i < nt; i++) {
-            void *ptr;
-            if ((r = zinf_fetch(e, t[i], ZINF_TIER_DEVICE, &ptr)) < 0 ||
-                (r = zinf_release(e, t[i], ZINF_TIER_DEVICE, ZINF_RELEASE_CLEAN)) < 0) {
-                snprintf(p->err, sizeof(p->err), "step %u, tensor %u: %s", step + 1, i,
-                         zinf_strerror(r));
-                goto out;
-            }
-        }
-        if ((r = zinf_step(e)) < 0) {
-            snprintf(p->err, sizeof(p->err), "zinf_step: %s", zinf_strerror(r));
-            goto out;
-        }
-    }
-    double secs = (double)(now_ns() - t0) / 1e9;
-    r = 0;
-    *score = (double)nt * 2 * (double)o->tensor_bytes / secs / 1e9;
-    /* Checked after the timing: the first and last page of every tensor. */
-    for (unsigned i = 0; i < nt && r == 0; i++) {
-        uint64_t last = o->tensor_bytes - ZINF_ALIGN;
-        if ((r = zinf_read(e, t[i], 0, buf, ZINF_ALIGN)) < 0 ||
-            (r = zinf_read(e, t[i], last, buf + ZINF_ALIGN / 8, ZINF_ALIGN)) < 0) {
-            snprintf(p->err, sizeof(p->err), "reading tensor %u back: %s", i, zinf_strerror(r));
-        } else if (!check_page(buf, i, 0) || !check_page(buf + ZINF_ALIGN / 8, i, last)) {
-            snprintf(p->err, sizeof(p->err), "tensor %u read back wrong", i);
-            r = -EIO;
-        }
-    }
-out:
-    zinf_close(e);
-out_nocfg:
-    free(text);
-    free(t);
-    free(buf);
-    return r;
-}
-
-/* ---- progress --------------------------------------------------------------------------- */
-
-static void describe(const struct point *p, char *buf, size_t len)
-{
-    char bs[32], st[48] = "", sz[32];
-    format_size(p->bs, bs, sizeof(bs));
-    if (p->staging)
-        snprintf(st, sizeof(st), ", staging %s", format_size(p->staging, sz, sizeof(sz)));
-    snprintf(buf, len, "block %s, qd %u, batch %u, %u ring%s, huge pages %s%s", bs, p->qd,
-             p->batch, p->rings, p->rings == 1 ? "" : "s", p->huge ? "on" : "off", st);
-}
-
-/* per_point: the bytes one measurement moves (write and read of --size on each path, or the
- * swap-in's reads): the bar's bytes and rate. */
-static void progress(bool tty, unsigned done, unsigned total, uint64_t t0, const struct point *p,
-                     unsigned round, int err, double score, bool io, uint64_t per_point)
-{
-    double el = (double)(now_ns() - t0) / 1e9;
-    double eta = done ? el / done * (total - done) : 0;
-    if (tty && err) { /* above the bar, which is drawn again */
-        char d[128];
-        describe(p, d, sizeof(d));
-        fprintf(stderr, "\r\033[Ktune: round %u, %s: failed: %s\n", round + 1, d, p->err);
-    }
-    if (tty) {
-        char bar[41];
-        unsigned fill = total ? 40 * done / total : 40;
-        for (unsigned i = 0; i < 40; i++)
-            bar[i] = i < fill ? '#' : '.';
-        bar[40] = '\0';
-        char moved[32];
-        uint64_t bytes = (uint64_t)done * per_point;
-        fprintf(stderr, "\r\033[Ktune [%s] %3u%% %u/%u, %s moved, %.0f MB/s, ETA %um%02us ", bar,
-                total ? 100 * done / total : 100, done, total,
-                format_size(bytes, moved, sizeof(moved)), el > 0 ? (double)bytes / el / 1e6 : 0,
-                (unsigned)eta / 60, (unsigned)eta % 60);
-        if (done == total)
-            fputc('\n', stderr);
-    } else {
-        char d[128];
-        describe(p, d, sizeof(d));
-        if (err)
-            fprintf(stderr, "tune: %u/%u round %u, %s: failed: %s\n", done, total, round + 1, d,
-                    p->err);
-        else
-            fprintf(stderr, "tune: %u/%u round %u, %s: %s %.3f GB/s (ETA %us)\n", done, total,
-                    round + 1, d, io ? "score" : "swap-in", score, (unsigned)eta);
-    }
-}
-
-/* ---- the heatmap ---------------------------------------------------------------------- */
-
-static const char *const heat_names[] = {"heat.dat", "heat.gp", NULL};
-
-/* Block size x queue depth, each cell the best median over the other axes (blank where
- * every point failed), labelled with its GB/s; the picked cell outlined. 0, or 1 said. */
-static int draw_heatmap(const struct tune_opts *o, const struct point *g, unsigned n,
-                        const struct point *win)
-{
-    char tmp[1024], p[1100];
-    int e = gnuplot_tmpdir(tmp, sizeof(tmp));
-    if (e < 0) {
-        fprintf(stderr, "zinf tune: --plot: a temporary directory: %s\n", strerror(-e));
-        return 1;
-    }
-    snprintf(p, sizeof(p), "%s/heat.dat", tmp);
-    FILE *d = fopen(p, "w");
-    double top = 0;
-    for (unsigned i = 0; d && i < o->bs.n; i++) {
-        for (unsigned j = 0; j < o->qd.n; j++) {
-            double best = -1;
-            for (unsigned k = 0; k < n; k++)
-                if (!g[k].fails && g[k].n && g[k].bs == o->bs.v[i] && g[k].qd == o->qd.v[j] &&
-                    g[k].med > best)
-                    best = g[k].med;
-            if (best > top) top = best;
-            if (best >= 0)
-                fprintf(d, "%u %u %.4f\n", i, j, best);
-            else
-                fprintf(d, "%u %u NaN\n", i, j);
-        }
-        fputc('\n', d);
-    }
-    if (!d || fclose(d)) {
-        fprintf(stderr, "zinf tune: --plot: writing %s: %s\n", p, strerror(errno));
-        gnuplot_rmdir(tmp, heat_names);
-        return 1;
-    }
-    snprintf(p, sizeof(p), "%s/heat.gp", tmp);
-    FILE *s = fopen(p, "w");
-    if (!s) {
-        fprintf(stderr, "zinf tune: --plot: writing %s: %s\n", p, strerror(errno));
-        gnuplot_rmdir(tmp, heat_names);
-        return 1;
-    }
-    unsigned W = 140 + 90 * o->bs.n, H = 140 + 60 * o->qd.n;
-    fprintf(s, "set terminal pngcairo size %u,%u noenhanced font 'sans,10'\nset output ",
-            W < 640 ? 640 : W, H < 480 ? 480 : H);
-    gnuplot_quote(s, o->plot);
-    fprintf(s, "\ncd ");
-    gnuplot_quote(s, tmp);
-    fprintf(s, "\nset datafile missing 'NaN'\nset title '%s: median GB/s over %u rounds (the "
-               "best over the other axes)'\n",
-            o->mode == MODE_IO ? "zinf tune (write and read)" : "zinf tune (swap-in)", o->reps);
-    fprintf(s, "set xlabel 'block size'\nset ylabel 'queue depth'\nset xtics (");
-    for (unsigned i = 0; i < o->bs.n; i++) {
-        char b[32];
-        format_size(o->bs.v[i], b, sizeof(b));
-        fprintf(s, "%s'%s' %u", i ? ", " : "", b, i);
-    }
-    fprintf(s, ")\nset ytics (");
-    for (unsigned j = 0; j < o->qd.n; j++)
-        fprintf(s, "%s'%llu' %u", j ? ", " : "", (unsigned long long)o->qd.v[j], j);
-    fprintf(s, ")\nset xrange [-0.5:%u.5]\nset yrange [-0.5:%u.5]\n", o->bs.n - 1, o->qd.n - 1);
-    fprintf(s, "set cbrange [0:%.4f]\nset cblabel 'GB/s'\nset palette rgbformulae 33,13,10\n",
-            top > 0 ? top : 1);
-    if (win) {
-        for (unsigned i = 0; i < o->bs.n; i++)
-            for (unsigned j = 0; j < o->qd.n; j++)
-                if (o->bs.v[i] == win->bs && o->qd.v[j] == win->qd)
-                    fprintf(s, "set object 1 rect from %u-0.5,%u-0.5 to %u+0.5,%u+0.5 front "
-                               "fillstyle empty border lc rgb 'black' lw 3\n",
-                            i, j, i, j);
-    }
-    fprintf(s, "plot 'heat.dat' using 1:2:3 with image notitle, '' using 1:2:(sprintf('%%.2f', "
-               "$3)) with labels notitle\n");
-    fclose(s);
-    e = gnuplot_run("tune", p, o->plot);
-    gnuplot_rmdir(tmp, heat_names);
-    if (!e && !o->json)
-        printf("# heatmap written to %s (block size x queue depth, the picked cell outlined)\n",
-               o->plot);
-    return e;
-}
-
-/* ---- the pick ------------------------------------------------------------------------- */
-
-static void summarise(struct point *p)
-{
-    p->med = tune_median(p->score, p->n);
-    p->med_rd = tune_median(p->rd, p->n);
-    p->med_wr = tune_median(p->wr, p->n);
-    p->lo = p->hi = p->score[0];
-    for (unsigned i = 1; i < p->n; i++) {
-        p->lo = MIN(p->lo, p->score[i]);
-        p->hi = MAX(p->hi, p->score[i]);
-    }
-}
-
-/* The best median, then the cheapest point that ties with it. NULL: every point failed. */
-static struct point *pick(struct point *g, unsigned n, struct point **best_out, unsigned *nties)
-{
-    struct point *best = NULL, *win = NULL;
-    for (unsigned i = 0; i < n; i++)
-        if (!g[i].fails && (!best || g[i].med > best->med))
-            best = &g[i];
-    *best_out = best;
-    *nties = 0;
-    if (!best)
-        return NULL;
-    for (unsigned i = 0; i < n; i++) {
-        g[i].tie = !g[i].fails && g[i].med >= best->lo;
-        if (!g[i].tie)
-            continue;
-        ++*nties;
-        if (!win || cheaper(&g[i], win))
-            win = &g[i];
-    }
-    return win;
-}
-
-/* ---- output --------------------------------------------------------------------------- */
-
-static void print_table(const struct tune_opts *o, struct point *g, unsigned n,
-                        const struct point *best, const struct point *win)
-{
-    bool io = o->mode == MODE_IO;
-    printf("# %7s %4s %5s %5s %4s %8s %8s %8s %8s %8s %8s  %s\n", "block", "qd", "batch", "rings",
-           "huge", "staging", io ? "write" : "", io ? "read" : "", io ? "score" : "swapin", "min",
-           "max", "");
-    for (unsigned i = 0; i < n; i++) {
-        struct point *p = &g[i];
-        char bs[32], st[32] = "-";
-        format_size(p->bs, bs, sizeof(bs));
-        if (p->staging)
-            format_size(p->staging, st, sizeof(st));
-        if (p->fails) {
-            printf("  %7s %4u %5u %5u %4s %8s  failed: %s\n", bs, p->qd, p->batch, p->rings,
-                   p->huge ? "on" : "off", st, p->err);
-            continue;
-        }
-        char w[16] = "", r[16] = "";
-        if (io) {
-            snprintf(w, sizeof(w), "%.3f", p->med_wr);
-            snprintf(r, sizeof(r), "%.3f", p->med_rd);
-        }
-        printf("  %7s %4u %5u %5u %4s %8s %8s %8s %8.3f %8.3f %8.3f  %s\n", bs, p->qd, p->batch,
-               p->rings, p->huge ? "on" : "off", st, w, r, p->med, p->lo, p->hi,
-               p == win ? "<- picked" : p == best ? "best median" : p->tie ? "tie" : "");
-    }
-}
-
-static void json_point(const struct tune_opts *o, const struct point *p, const struct point *win)
-{
-    json_t *j = json_pack("{s:I, s:i, s:i, s:i, s:b}", "block_size", (json_int_t)p->bs,
-                          "queue_depth", (int)p->qd, "submit_batch", (int)p->batch, "rings",
-                          (int)p->rings, "huge_pages", p->huge);
-    if (p->staging)
-        json_object_set_new(j, "staging_bytes", json_integer((json_int_t)p->staging));
-    json_t *rounds = json_array();
-    for (unsigned i = 0; i < p->n; i++)
-        json_array_append_new(rounds, json_real(p->score[i]));
-    json_object_set_new(j, "scores_GBps", rounds);
-    if (p->fails) {
-        json_object_set_new(j, "error", json_string(p->err));
-    } else {
-        json_object_set_new(j, "median_GBps", json_real(p->med));
-        json_object_set_new(j, "min_GBps", json_real(p->lo));
-        json_object_set_new(j, "max_GBps", json_real(p->hi));
-        if (o->mode == MODE_IO) {
-            json_object_set_new(j, "read_GBps", json_real(p->med_rd));
-            json_object_set_new(j, "write_GBps", json_real(p->med_wr));
-        }
-        json_object_set_new(j, "tie", json_boolean(p->tie));
-        json_object_set_new(j, "picked", json_boolean(p == win));
-    }
-    tune_say_json(j);
 }
 
 /* ---- the command ---------------------------------------------------------------------- */
@@ -924,7 +413,7 @@ int cmd_tune(int argc, char **argv)
     }
     /* Said now, not after minutes of sweeping. */
     if (o.out && tune_check_out(o.out, o.force)) return 2;
-    if (tune_self_exe(self_exe)) return 1;
+    if (tune_self_exe(tune_io_exe)) return 1;
     if ((r = build_grid(&o, &g, &n)) < 0) {
         if (r == -ENOMEM)
             fprintf(stderr, "zinf tune: out of memory\n");
@@ -979,7 +468,7 @@ int cmd_tune(int argc, char **argv)
                 done++;
                 continue;
             }
-            r = io ? measure_io(&o, p, &s, &rd, &wr) : measure_swapin(&o, p, &s);
+            r = io ? tune_measure_io(&o, p, &s, &rd, &wr) : tune_measure_swapin(&o, p, &s);
             /* The engine's notices (unpinned host tier, buffered files) are said once, not
              * once per point. */
             if (!io)
@@ -995,8 +484,8 @@ int cmd_tune(int argc, char **argv)
                 p->wr[p->n] = wr;
                 p->n++;
             }
-            progress(tty, done, total, t0, p, round, r < 0, s, io,
-                     io ? 2 * o.size * o.npaths : o.size);
+            tune_progress(tty, done, total, t0, p, round, r < 0, s, io,
+                          io ? 2 * o.size * o.npaths : o.size);
         }
     }
     sigaction(SIGINT, &old_int, NULL);
@@ -1011,25 +500,25 @@ int cmd_tune(int argc, char **argv)
 
     for (unsigned i = 0; i < n; i++)
         if (!g[i].fails)
-            summarise(&g[i]);
+            tune_summarise(&g[i]);
     struct point *best;
     unsigned nties;
-    struct point *win = pick(g, n, &best, &nties);
+    struct point *win = tune_pick(g, n, &best, &nties);
     if (o.json) {
         for (unsigned i = 0; i < n; i++)
-            json_point(&o, &g[i], win);
+            tune_json_point(&o, &g[i], win);
     } else {
-        print_table(&o, g, n, best, win);
+        tune_print_table(&o, g, n, best, win);
     }
-    int plot_failed = o.plot ? draw_heatmap(&o, g, n, win) : 0;
+    int plot_failed = o.plot ? tune_draw_heatmap(&o, g, n, win) : 0;
     if (!win) {
         fprintf(stderr, "zinf tune: every point failed (see the table); no fragment written\n");
         goto out;
     }
     char d[160];
-    describe(win, d, sizeof(d));
+    tune_describe(win, d, sizeof(d));
     /* The swap space is the paths themselves, not the sweep's subdirectory. */
-    json_t *frag = fragment(&o, win, NULL, 0, 0);
+    json_t *frag = tune_fragment(&o, win, NULL, 0, 0);
     if (o.json) {
         json_t *j = json_pack("{s:s, s:f, s:f, s:i, s:O}", "picked", d, "picked_median_GBps",
                               win->med, "best_median_GBps", best->med, "ties", (int)nties,
@@ -1037,7 +526,7 @@ int cmd_tune(int argc, char **argv)
         tune_say_json(j);
     } else {
         char bd[160];
-        describe(best, bd, sizeof(bd));
+        tune_describe(best, bd, sizeof(bd));
         tune_say_pick(bd, best->med, d, win->med, win == best, nties, 3, "GB/s");
     }
     if (o.out) {
