@@ -4,7 +4,7 @@ handle (deepspeed.ops.aio, the engine behind ds_io and ZeRO-Infinity's swapper),
 ds_io drives it: one page-locked buffer from the handle, pread/pwrite of the whole file,
 wait. Writes are followed by os.fdatasync inside the timing, as `zinf bench` times its own.
 
-The bytes are zinf bench's pattern (tools/cmd_bench.c: page_key), so the read of a file
+The bytes are zinf bench's pattern (tools/cmd_bench_run.c: page_key), so the read of a file
 that `zinf bench --keep` wrote is verified word for word, and a written file is read back
 and checked after the timing.
 
