@@ -56,7 +56,8 @@ extern char tune_io_exe[PATH_MAX];
 /* The config a point stands for (see there). */
 json_t *tune_fragment(const struct tune_opts *o, const struct point *p, const char *swapdir_of,
                       uint64_t device_bytes, uint64_t host_bytes);
-/* One round of a point: 0 and its score (GB/s), or -errno with p->err said. */
+/* One round of a point: 0 and its score in GB/s, or -errno; p->err holds the reason when
+ * there is one. */
 int tune_measure_io(const struct tune_opts *o, struct point *p, double *score, double *rd,
                     double *wr);
 int tune_measure_swapin(const struct tune_opts *o, struct point *p, double *score);
