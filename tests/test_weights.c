@@ -1,5 +1,5 @@
 /*
- * test_weights.c - zinf train's weights in and out (tools/weights_io.c, trainer_opts.init_source), as
+ * test_weights.c - zinf train's weights in and out (src/train/weights.h, trainer_opts.init_source), as
  * a user runs them: --export and --export-hf files read back by --init give the same
  * parameters, bit for bit, in every copy the trainer keeps (fp32, bf16, ZeRO shards); a file
  * that does not fit the model is refused, naming the problem, before anything is touched;

@@ -12,7 +12,7 @@
  * signal (the JSON summary says "interrupted": true): --resume continues exactly
  * from there. --init starts from the weights of a safetensors file or a Hugging Face folder
  * (checked whole before the run opens), --export and --export-hf write them out at the end
- * (weights_io.c).
+ * (src/train/weights.h).
  */
 #include <errno.h>
 #include <jansson.h>
@@ -38,8 +38,8 @@
 #include "train/gpt.h"
 #include "comm/comm.h"
 #include "train/trainer.h"
+#include "train/weights.h"
 #include "train_config.h"
-#include "weights_io.h"
 #include "zinf.h"
 
 /* Options of this file alone, past train_config.h's (which may grow). */

@@ -1,5 +1,5 @@
 /*
- * weights_io.h - a model's parameters in and out of safetensors files, for zinf train's
+ * weights.h - a model's parameters in and out of safetensors files, for zinf train's
  * --init, --export and --export-hf: under zinf's names and layout ("wte", "h0.attn.qkv.w",
  * as gpt_layout() has them), or under GPT-2's as transformers' GPT2LMHeadModel has them
  * ("transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", ..., the blocks' matrices
@@ -12,9 +12,12 @@
  * Not here: where the values go or come from (the trainer, through the caller's source),
  * other formats (PyTorch's pickles are recognised, to say how to convert them), dtypes other
  * than F32, BF16 and F16.
+ *
+ * weights_format.c holds the names and one file's header, weights_load.c the checks and the
+ * reading, weights_export.c the writing (weights_int.h is what they share).
  */
-#ifndef ZINF_TOOLS_WEIGHTS_IO_H
-#define ZINF_TOOLS_WEIGHTS_IO_H
+#ifndef ZINF_TRAIN_WEIGHTS_H
+#define ZINF_TRAIN_WEIGHTS_H
 
 #include <stdbool.h>
 #include <stddef.h>
