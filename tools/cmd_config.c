@@ -24,8 +24,8 @@
 #include "common.h"
 #include "config.h"
 #include "cmd.h"
+#include "train/train_config.h"
 #include "train/trainer.h"
-#include "train_config.h"
 
 static void usage(FILE *f)
 {

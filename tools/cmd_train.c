@@ -37,13 +37,31 @@
 #include "trace.h"
 #include "train/gpt.h"
 #include "comm/comm.h"
+#include "train/train_config.h"
 #include "train/trainer.h"
 #include "train/weights.h"
-#include "train_config.h"
 #include "zinf.h"
 
 /* Options of this file alone, past train_config.h's (which may grow). */
-enum { O_INIT = 512, O_EXPORT_HF };
+enum {
+    O_LOG = 512,
+    O_RESUME,
+    O_OVERWRITE,
+    O_CKPT,
+    O_EVAL,
+    O_EVAL_BATCHES,
+    O_SAMPLE,
+    O_SAMPLE_BYTES,
+    O_CONNECT,
+    O_JOB,
+    O_TRACE,
+    O_EXPORT,
+    O_STRICT,
+    O_DRY_RUN,
+    O_PRINT_LR,
+    O_INIT,
+    O_EXPORT_HF
+};
 
 static volatile sig_atomic_t stop_requested;
 
@@ -652,22 +670,11 @@ int cmd_train(int argc, char **argv)
     static const struct option longopts[] = {
         {"config", required_argument, NULL, 'c'},
         {"data", required_argument, NULL, 'd'},
-        {"layers", required_argument, NULL, O_LAYERS},
-        {"dim", required_argument, NULL, O_DIM},
-        {"heads", required_argument, NULL, O_HEADS},
-        {"seq", required_argument, NULL, O_SEQ},
-        {"batch", required_argument, NULL, O_BATCH},
-        {"steps", required_argument, NULL, O_STEPS},
-        {"lr", required_argument, NULL, O_LR},
-        {"weight-decay", required_argument, NULL, O_WD},
-        {"clip", required_argument, NULL, O_CLIP},
-        {"seed", required_argument, NULL, O_SEED},
+        TRAIN_SHAPE_OPTIONS, /* --layers ... --accumulate: train_option_apply() takes them */
         {"log", required_argument, NULL, O_LOG},
         {"resume", no_argument, NULL, O_RESUME},
-        {"precision", required_argument, NULL, O_PRECISION},
         {"overwrite", no_argument, NULL, O_OVERWRITE},
         {"checkpoint-every", required_argument, NULL, O_CKPT},
-        {"accumulate", required_argument, NULL, O_ACCUM},
         {"eval-every", required_argument, NULL, O_EVAL},
         {"eval-batches", required_argument, NULL, O_EVAL_BATCHES},
         {"sample-every", required_argument, NULL, O_SAMPLE},

@@ -41,8 +41,8 @@
 #include "common.h"
 #include "config.h"
 #include "dirs.h"
+#include "train/train_config.h"
 #include "train/trainer.h"
-#include "train_config.h"
 #include "tune_util.h"
 
 extern char **environ;

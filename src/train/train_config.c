@@ -14,26 +14,11 @@
 #include <strings.h>
 
 #include "common.h"
-#include "train_config.h"
+#include "train/train_config.h"
 
 #define GIVEN(opt) (given & (1u << ((opt)-O_LAYERS)))
 
-
-const struct option train_shape_options[] = {
-    {"layers", required_argument, NULL, O_LAYERS},
-    {"dim", required_argument, NULL, O_DIM},
-    {"heads", required_argument, NULL, O_HEADS},
-    {"seq", required_argument, NULL, O_SEQ},
-    {"batch", required_argument, NULL, O_BATCH},
-    {"steps", required_argument, NULL, O_STEPS},
-    {"lr", required_argument, NULL, O_LR},
-    {"weight-decay", required_argument, NULL, O_WD},
-    {"clip", required_argument, NULL, O_CLIP},
-    {"seed", required_argument, NULL, O_SEED},
-    {"precision", required_argument, NULL, O_PRECISION},
-    {"accumulate", required_argument, NULL, O_ACCUM},
-    {0},
-};
+const struct option train_shape_options[] = {TRAIN_SHAPE_OPTIONS, {0}};
 
 static int int_arg(const char *name, const char *s, long lo, long hi, long *out, char *err,
                    size_t errlen)

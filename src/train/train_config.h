@@ -3,7 +3,8 @@
  * place: `zinf train` runs what train_config_apply() makes of it, and `zinf config check`
  * refuses what it refuses, with the same message.
  */
-#pragma once
+#ifndef ZINF_TRAIN_TRAIN_CONFIG_H
+#define ZINF_TRAIN_TRAIN_CONFIG_H
 
 #include <getopt.h>
 #include <stddef.h>
@@ -11,9 +12,9 @@
 #include "config.h"
 #include "train/trainer.h"
 
-/* zinf train's options (getopt_long values). The first ones, up to O_SEED, and
- * O_PRECISION and O_ACCUM, are the options a config may not override: given on the command
- * line, bit (option - O_LAYERS) of `given` is set. */
+/* The options that shape the model and the run (getopt_long values): given on the command
+ * line, bit (option - O_LAYERS) of `given` is set, and a config may not override them.
+ * zinf train's other options are its own. */
 enum train_option {
     O_LAYERS = 256,
     O_DIM,
@@ -25,30 +26,28 @@ enum train_option {
     O_WD,
     O_CLIP,
     O_SEED,
-    O_LOG,
-    O_RESUME,
     O_PRECISION,
-    O_OVERWRITE,
-    O_CKPT,
     O_ACCUM,
-    O_EVAL,
-    O_EVAL_BATCHES,
-    O_SAMPLE,
-    O_SAMPLE_BYTES,
-    O_CONNECT,
-    O_JOB,
-    O_TRACE,
-    O_EXPORT,
-    O_STRICT,
-    O_DRY_RUN,
-    O_PRINT_LR
 };
 
-/* The options that shape the model and the run (O_LAYERS to O_SEED, O_PRECISION and
- * O_ACCUM), as zinf train and zinf config check both take them: their names for
- * getopt_long (ending with a zeroed entry), and the value of one of them (opt, its text arg)
- * into o, its bit set in *given. 1 where opt is one of them, 0 where it is not, -EINVAL with
- * "--NAME: what was expected" in err for a bad value. */
+/* The options that shape the model and the run, as zinf train and zinf config check both
+ * take them: their names for getopt_long (ending with a zeroed entry; TRAIN_SHAPE_OPTIONS
+ * is the same entries, for a command's own table), and the value of one of them (opt, its
+ * text arg) into o, its bit set in *given. 1 where opt is one of them, 0 where it is not,
+ * -EINVAL with "--NAME: what was expected" in err for a bad value. */
+#define TRAIN_SHAPE_OPTIONS                              \
+    {"layers", required_argument, NULL, O_LAYERS},       \
+    {"dim", required_argument, NULL, O_DIM},             \
+    {"heads", required_argument, NULL, O_HEADS},         \
+    {"seq", required_argument, NULL, O_SEQ},             \
+    {"batch", required_argument, NULL, O_BATCH},         \
+    {"steps", required_argument, NULL, O_STEPS},         \
+    {"lr", required_argument, NULL, O_LR},               \
+    {"weight-decay", required_argument, NULL, O_WD},     \
+    {"clip", required_argument, NULL, O_CLIP},           \
+    {"seed", required_argument, NULL, O_SEED},           \
+    {"precision", required_argument, NULL, O_PRECISION}, \
+    {"accumulate", required_argument, NULL, O_ACCUM}
 extern const struct option train_shape_options[];
 int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigned *given,
                        char *err, size_t errlen);
@@ -67,3 +66,5 @@ struct train_config_applied {
  * message in err for a config zinf train would not run. */
 int train_config_apply(struct zinf_config *zc, struct trainer_opts *o, unsigned given,
                        struct train_config_applied *ds, char *err, size_t errlen);
+
+#endif
