@@ -3,31 +3,23 @@
  * global batch on this machine, measured, and written as a config `zinf train --config` takes
  * as it is (what DeepSpeed's autotuner does for ZeRO).
  *
- * A point is a micro-batch (the accumulation follows from the global batch), a number of
- * ranks (`zinf launch -n`), a ZeRO stage (with more than one rank), where the parameters
- * and the optimizer's states live (none: the device tier; cpu: the host tier; nvme) and the
- * budgets, as fractions of those zinf train derives for the point (or the config's own).
+ * The search is the library's (train/tune_search.h): the points (micro-batch, ranks, ZeRO
+ * stage, where the parameters and the optimizer's states live, budgets), each first judged by
+ * trainer_plan() with nothing opened, the order of the runs (every point once, then only the
+ * best quarter, at least three, --reps - 1 times more; --exhaustive runs every point --reps
+ * times) and the pick (the best median, and of the points that tie with it, the cheapest).
  *
- * Each point is first judged by trainer_plan(), the trainer's own budget check with nothing
- * opened: a point whose budgets are under the smallest that run is never started, and the
- * table says why. A point that runs is `zinf train` (under `zinf launch`) on the given data
- * for --warmup + --steps steps in a scratch swap directory; its score is the tokens per
- * second of the steps after the warm-up (step 1 learns the access schedule).
- *
- * The search runs every point once, then only the best quarter (at least three) --reps - 1
- * times more; --exhaustive runs every point --reps times. The pick is `zinf tune`'s rule:
- * the best median, and of the points whose median is within its min..max (and, here, at
- * least 0.9 of it), the cheapest: fewer ranks, then fewer budget bytes, then the lower
- * stage, then the larger micro-batch.
+ * Here: the command line; a run of a point, which is `zinf train` (under `zinf launch`) on
+ * the given data for --warmup + --steps steps in a scratch swap directory, its score the
+ * tokens per second of the steps after the warm-up (step 1 learns the access schedule); and
+ * what is said: the progress, the table, the pick and its config.
  */
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
 #include <jansson.h>
 #include <limits.h>
-#include <math.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,57 +35,22 @@
 #include "dirs.h"
 #include "train/train_config.h"
 #include "train/trainer.h"
+#include "train/tune_search.h"
 #include "tune_util.h"
 
 extern char **environ;
 
-#define MAX_AXIS 16
-#define MAX_REPS 20
-#define MAX_TPOINTS 2048
 #define SCRATCH "zinf-tune.train" /* the sweep's own directory in --path */
-/* A tie is also within this share of the best median: where runs spread widely (ranks
- * sharing few cores), the best's min..max alone would let a much slower point tie. */
-#define TIE_FLOOR 0.9
-
-static const char *const where_name[] = {"none", "cpu", "nvme"};
 
 struct ttopts {
     const char *config, *data, *path, *out;
-    int layers, dim, heads, seq; /* 0: the config's */
-    uint64_t global;             /* 0: the config's train_batch_size, or micro x accum */
-    int micro[MAX_AXIS], nmicro;
-    int ranks[MAX_AXIS], nranks;
-    int stages[4], nstages;
-    int param[9], optim[9], noffload; /* where_name indices */
-    double frac[MAX_AXIS];
-    int nfrac;
+    struct tune_train_space sp; /* the axes, and the model's shape where given */
+    uint64_t global;            /* 0: the config's train_batch_size, or micro x accum */
     int steps, warmup, reps;
     int seq_len; /* the run's sequence length, as zinf train makes it */
     unsigned timeout_s;
     bool exhaustive, force, json;
 };
-
-struct tpoint {
-    int micro, accum, ranks, stage, param, optim;
-    double frac;
-    uint64_t budget[2], min_budget[2];
-    bool pruned;
-    char why[400];
-    double score[MAX_REPS];
-    unsigned n;
-    bool failed;
-    double med, lo, hi, seconds;
-    bool tie;
-};
-
-/* p->why, cut to its size. */
-__attribute__((format(printf, 2, 3))) static void say_why(struct tpoint *p, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(p->why, sizeof(p->why), fmt, ap);
-    va_end(ap);
-}
 
 static volatile sig_atomic_t interrupted;
 static volatile pid_t running = -1;
@@ -137,7 +94,7 @@ static void usage(FILE *f)
             "  --timeout S          a run that takes longer fails (default 600)\n"
             "  --out FILE           write the config there (--force to replace it)\n"
             "  --json               the points and the pick as JSON lines on stdout\n",
-            MAX_REPS);
+            TUNE_TRAIN_MAX_REPS);
 }
 
 /* ---- options ------------------------------------------------------------------------ */
@@ -151,8 +108,8 @@ static int int_list(const char *opt, const char *arg, int *v, int *n, int lo, in
          tok = strtok_r(NULL, ",", &save)) {
         char *end;
         long x = strtol(tok, &end, 10);
-        if (*n == MAX_AXIS) {
-            fprintf(stderr, "zinf tune: %s: at most %d values\n", opt, MAX_AXIS);
+        if (*n == TUNE_TRAIN_MAX_AXIS) {
+            fprintf(stderr, "zinf tune: %s: at most %d values\n", opt, TUNE_TRAIN_MAX_AXIS);
             return -1;
         }
         if (end == tok || *end || x < lo || x > hi) {
@@ -177,7 +134,7 @@ static int int_list(const char *opt, const char *arg, int *v, int *n, int lo, in
 static int where_of(const char *s)
 {
     for (int i = 0; i < 3; i++)
-        if (!strcmp(s, where_name[i])) return i;
+        if (!strcmp(s, tune_train_where[i])) return i;
     return -1;
 }
 
@@ -185,7 +142,7 @@ static int offload_list(const char *arg, struct ttopts *o)
 {
     char buf[512];
     snprintf(buf, sizeof(buf), "%s", arg);
-    o->noffload = 0;
+    o->sp.noffload = 0;
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
          tok = strtok_r(NULL, ",", &save)) {
         char *colon = strchr(tok, ':');
@@ -203,16 +160,16 @@ static int offload_list(const char *arg, struct ttopts *o)
                     tok);
             return -1;
         }
-        for (int i = 0; i < o->noffload; i++)
-            if (o->param[i] == p && o->optim[i] == q) {
+        for (int i = 0; i < o->sp.noffload; i++)
+            if (o->sp.param[i] == p && o->sp.optim[i] == q) {
                 fprintf(stderr, "zinf tune: --offload: %s is given twice\n", tok);
                 return -1;
             }
-        if (o->noffload == 9) return -1; /* cannot happen: 9 distinct pairs at most */
-        o->param[o->noffload] = p;
-        o->optim[o->noffload++] = q;
+        if (o->sp.noffload == 9) return -1; /* cannot happen: 9 distinct pairs at most */
+        o->sp.param[o->sp.noffload] = p;
+        o->sp.optim[o->sp.noffload++] = q;
     }
-    if (!o->noffload) {
+    if (!o->sp.noffload) {
         fprintf(stderr, "zinf tune: --offload: an empty list\n");
         return -1;
     }
@@ -223,7 +180,7 @@ static int frac_list(const char *arg, struct ttopts *o)
 {
     char buf[512];
     snprintf(buf, sizeof(buf), "%s", arg);
-    o->nfrac = 0;
+    o->sp.nfrac = 0;
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok;
          tok = strtok_r(NULL, ",", &save)) {
         char *end;
@@ -232,13 +189,13 @@ static int frac_list(const char *arg, struct ttopts *o)
             fprintf(stderr, "zinf tune: --budgets: '%s' is not a fraction in (0, 1]\n", tok);
             return -1;
         }
-        if (o->nfrac == MAX_AXIS) {
-            fprintf(stderr, "zinf tune: --budgets: at most %d values\n", MAX_AXIS);
+        if (o->sp.nfrac == TUNE_TRAIN_MAX_AXIS) {
+            fprintf(stderr, "zinf tune: --budgets: at most %d values\n", TUNE_TRAIN_MAX_AXIS);
             return -1;
         }
-        o->frac[o->nfrac++] = x;
+        o->sp.frac[o->sp.nfrac++] = x;
     }
-    if (!o->nfrac) {
+    if (!o->sp.nfrac) {
         fprintf(stderr, "zinf tune: --budgets: an empty list\n");
         return -1;
     }
@@ -247,7 +204,7 @@ static int frac_list(const char *arg, struct ttopts *o)
 
 static int one_int(const char *opt, const char *arg, int lo, int hi, int *out)
 {
-    int n = 0, v[MAX_AXIS];
+    int n = 0, v[TUNE_TRAIN_MAX_AXIS];
     if (strchr(arg, ',') || int_list(opt, arg, v, &n, lo, hi) < 0) {
         if (strchr(arg, ','))
             fprintf(stderr, "zinf tune: %s: one whole number in [%d, %d], got '%s'\n", opt, lo,
@@ -293,11 +250,11 @@ static int parse_args(int argc, char **argv, struct ttopts *o)
     static const char *const offload_default = "none:none,none:cpu,cpu:cpu,none:nvme,cpu:nvme,"
                                                "nvme:nvme";
     *o = (struct ttopts){.steps = 3, .warmup = 2, .reps = 3, .timeout_s = 600};
-    o->stages[0] = 1, o->stages[1] = 2, o->stages[2] = 3, o->nstages = 3;
-    o->frac[0] = 1, o->frac[1] = 0.25, o->nfrac = 2;
+    o->sp.stages[0] = 1, o->sp.stages[1] = 2, o->sp.stages[2] = 3, o->sp.nstages = 3;
+    o->sp.frac[0] = 1, o->sp.frac[1] = 0.25, o->sp.nfrac = 2;
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    o->ranks[0] = 1, o->nranks = 1;
-    if (cpus >= 2) o->ranks[o->nranks++] = 2;
+    o->sp.ranks[0] = 1, o->sp.nranks = 1;
+    if (cpus >= 2) o->sp.ranks[o->sp.nranks++] = 2;
     offload_list(offload_default, o);
     /* The options that take one whole number in a range. */
     const struct {
@@ -305,13 +262,13 @@ static int parse_args(int argc, char **argv, struct ttopts *o)
         const char *name;
         int lo, hi;
         int *to;
-    } ints[] = {{T_LAYERS, "--layers", 1, 1024, &o->layers},
-                {T_DIM, "--dim", 1, 65536, &o->dim},
-                {T_HEADS, "--heads", 1, 1024, &o->heads},
-                {T_SEQ, "--seq", 2, 65536, &o->seq},
+    } ints[] = {{T_LAYERS, "--layers", 1, 1024, &o->sp.layers},
+                {T_DIM, "--dim", 1, 65536, &o->sp.dim},
+                {T_HEADS, "--heads", 1, 1024, &o->sp.heads},
+                {T_SEQ, "--seq", 2, 65536, &o->sp.seq},
                 {T_STEPS, "--steps", 1, 1000, &o->steps},
                 {T_WARMUP, "--warmup", 1, 100, &o->warmup},
-                {T_REPS, "--reps", 3, MAX_REPS, &o->reps}};
+                {T_REPS, "--reps", 3, TUNE_TRAIN_MAX_REPS, &o->reps}};
     int c, v = 0;
     optind = 1;
     opterr = 0;
@@ -348,14 +305,14 @@ static int parse_args(int argc, char **argv, struct ttopts *o)
             o->global = (uint64_t)v;
             break;
         case T_MICRO:
-            if (int_list("--micro-batches", optarg, o->micro, &o->nmicro, 1, 65536) < 0)
+            if (int_list("--micro-batches", optarg, o->sp.micro, &o->sp.nmicro, 1, 65536) < 0)
                 return -1;
             break;
         case T_RANKS:
-            if (int_list("--ranks", optarg, o->ranks, &o->nranks, 1, 64) < 0) return -1;
+            if (int_list("--ranks", optarg, o->sp.ranks, &o->sp.nranks, 1, 64) < 0) return -1;
             break;
         case T_STAGES:
-            if (int_list("--stages", optarg, o->stages, &o->nstages, 1, 3) < 0) return -1;
+            if (int_list("--stages", optarg, o->sp.stages, &o->sp.nstages, 1, 3) < 0) return -1;
             break;
         case T_OFFLOAD:
             if (offload_list(optarg, o) < 0) return -1;
@@ -397,113 +354,6 @@ static int parse_args(int argc, char **argv, struct ttopts *o)
     return 0;
 }
 
-/* ---- the points' configs -------------------------------------------------------------- */
-
-static json_t *section(json_t *root, const char *key)
-{
-    json_t *s = json_object_get(root, key);
-    if (!json_is_object(s)) {
-        s = json_object();
-        json_object_set_new(root, key, s);
-    }
-    return s;
-}
-
-/* The base config with the point's keys: its batch split, stage, placement, and the swap
- * directory swapdir; budgets (per rank) when given, else none (zinf train derives them). */
-static json_t *point_config(const json_t *base, const struct ttopts *o, uint64_t global,
-                            const struct tpoint *p, const char *swapdir, bool budgets,
-                            bool keep_steps)
-{
-    json_t *j = json_deep_copy(base);
-    if (!j) return NULL;
-    json_object_set_new(j, "train_batch_size", json_integer((json_int_t)global));
-    json_object_set_new(j, "train_micro_batch_size_per_gpu", json_integer(p->micro));
-    json_object_set_new(j, "gradient_accumulation_steps", json_integer(p->accum));
-    json_t *zero = section(j, "zero_optimization");
-    json_object_set_new(zero, "stage", json_integer(p->ranks > 1 ? p->stage : 0));
-    json_t *op = section(zero, "offload_param"), *oo = section(zero, "offload_optimizer");
-    json_object_set_new(op, "device", json_string(where_name[p->param]));
-    json_object_set_new(oo, "device", json_string(where_name[p->optim]));
-    json_object_del(op, "nvme_path");
-    json_object_del(oo, "nvme_path");
-    json_t *zinf = section(j, "zinf");
-    json_t *paths = json_array();
-    json_array_append_new(paths, json_string(swapdir));
-    json_object_set_new(zinf, "nvme_paths", paths);
-    json_object_del(zinf, "device_bytes");
-    json_object_del(zinf, "host_bytes");
-    if (budgets) {
-        json_object_set_new(zinf, "device_bytes", json_integer((json_int_t)p->budget[0]));
-        json_object_set_new(zinf, "host_bytes", json_integer((json_int_t)p->budget[1]));
-    }
-    json_t *train = section(zinf, "train");
-    json_object_del(train, "batch");
-    if (!keep_steps) json_object_del(train, "steps");
-    if (o->layers) json_object_set_new(train, "layers", json_integer(o->layers));
-    if (o->dim) json_object_set_new(train, "dim", json_integer(o->dim));
-    if (o->heads) json_object_set_new(train, "heads", json_integer(o->heads));
-    if (o->seq) json_object_set_new(train, "seq", json_integer(o->seq));
-    return j;
-}
-
-/* zinf train's options for config file `path` (one rank of `ranks`), as it makes them. */
-static int opts_of(const char *path, int ranks, struct trainer_opts *to, char *err, size_t errlen)
-{
-    struct zinf_config zc;
-    struct train_config_applied ds = {0};
-    char cerr[1024];
-    trainer_opts_defaults(to);
-    to->world = ranks;
-    to->rank = 0;
-    int r = config_parse_file_flags(path, &zc, CONFIG_PARSE_QUIET, cerr, sizeof(cerr));
-    if (r < 0) {
-        snprintf(err, errlen, "%s", cerr);
-        return r;
-    }
-    r = train_config_apply(&zc, to, 0, &ds, cerr, sizeof(cerr));
-    config_free(&zc);
-    if (r < 0) snprintf(err, errlen, "%s", cerr);
-    to->config_path = path;
-    return r;
-}
-
-/* The point's budgets and whether the trainer's check lets it run (p->pruned and why). */
-static int plan_point(const json_t *base, const struct ttopts *o, uint64_t global,
-                      struct tpoint *p, const char *dir)
-{
-    char path[PATH_MAX + 64], err[2048];
-    snprintf(path, sizeof(path), "%s/plan.json", dir);
-    json_t *j = point_config(base, o, global, p, dir, false, false);
-    if (!j) return -ENOMEM;
-    int r = tune_write_json(path, j);
-    json_decref(j);
-    if (r < 0) return r;
-    struct trainer_opts to;
-    struct trainer_plan pl;
-    if ((r = opts_of(path, p->ranks, &to, err, sizeof(err))) < 0 ||
-        (r = trainer_plan(&to, &pl, err, sizeof(err))) < 0) {
-        p->pruned = true;
-        say_why(p, "%s", err);
-        return r == -ENOMEM ? r : 0;
-    }
-    for (int k = 0; k < 2; k++) {
-        /* The fraction, in whole MiB (which every tier takes as it is), at most the whole. */
-        uint64_t b = (uint64_t)ceil(p->frac * (double)pl.budget[k] / (double)MiB) * MiB;
-        p->budget[k] = MIN(MAX(b, MiB), align_up(pl.budget[k], MiB));
-        p->min_budget[k] = pl.min_budget[k];
-    }
-    if (p->budget[0] < p->min_budget[0] || p->budget[1] < p->min_budget[1]) {
-        char a[32], b[32], c[32], d[32];
-        p->pruned = true;
-        say_why(p, "needs device %s, host %s; the budgets are %s, %s",
-                 format_size(p->min_budget[0], a, sizeof(a)),
-                 format_size(p->min_budget[1], b, sizeof(b)),
-                 format_size(p->budget[0], c, sizeof(c)), format_size(p->budget[1], d, sizeof(d)));
-    }
-    return 0;
-}
-
 /* ---- running a point ------------------------------------------------------------------ */
 
 static char self_exe[PATH_MAX];
@@ -531,7 +381,7 @@ static void tail_of(const char *f, char *out, size_t len)
 
 /* One run of point p: its score (tokens/s after the warm-up) in *score. */
 static int run_point(const struct ttopts *o, const json_t *base, uint64_t global,
-                     struct tpoint *p, const char *dir, unsigned seq, double *score)
+                     struct tune_train_point *p, const char *dir, unsigned seq, double *score)
 {
     char cfg[PATH_MAX + 64], log[PATH_MAX + 64], out[PATH_MAX + 64], swap[PATH_MAX + 64];
     snprintf(cfg, sizeof(cfg), "%s/point.json", dir);
@@ -540,11 +390,11 @@ static int run_point(const struct ttopts *o, const json_t *base, uint64_t global
     snprintf(swap, sizeof(swap), "%s/swap", dir);
     tune_remove_tree(swap);
     unlink(log);
-    json_t *j = point_config(base, o, global, p, swap, true, false);
+    json_t *j = tune_train_point_config(base, &o->sp, global, p, swap, true, false);
     int r = j ? tune_write_json(cfg, j) : -ENOMEM;
     json_decref(j);
     if (r < 0) {
-        say_why(p, "writing %s: %s", cfg, strerror(-r));
+        tune_train_say_why(p, "writing %s: %s", cfg, strerror(-r));
         return r;
     }
     char steps[16], n[16], name[64];
@@ -566,7 +416,7 @@ static int run_point(const struct ttopts *o, const json_t *base, uint64_t global
     r = posix_spawn(&pid, self_exe, &fa, NULL, argv, environ);
     posix_spawn_file_actions_destroy(&fa);
     if (r != 0) {
-        say_why(p, "cannot run zinf train: %s", strerror(r));
+        tune_train_say_why(p, "cannot run zinf train: %s", strerror(r));
         return -r;
     }
     running = pid;
@@ -592,11 +442,11 @@ static int run_point(const struct ttopts *o, const json_t *base, uint64_t global
         char t[300];
         tail_of(out, t, sizeof(t));
         if (timed_out)
-            say_why(p, "over --timeout %u s", o->timeout_s);
+            tune_train_say_why(p, "over --timeout %u s", o->timeout_s);
         else
-            say_why(p, "zinf train %s %d: %s",
-                     WIFEXITED(status) ? "exited" : "died of signal",
-                     WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), t);
+            tune_train_say_why(p, "zinf train %s %d: %s",
+                               WIFEXITED(status) ? "exited" : "died of signal",
+                               WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), t);
         return -EIO;
     }
     /* The log's step lines: the steps after the warm-up are timed. */
@@ -615,78 +465,33 @@ static int run_point(const struct ttopts *o, const json_t *base, uint64_t global
     }
     if (f) fclose(f);
     if (timed != o->steps || !(ms > 0)) {
-        say_why(p, "its log holds %d timed steps, not %d", timed,
-                 o->steps);
+        tune_train_say_why(p, "its log holds %d timed steps, not %d", timed, o->steps);
         return -EIO;
     }
     *score = (double)global * o->seq_len * timed / (ms / 1e3);
     return 0;
 }
 
-/* ---- the pick ------------------------------------------------------------------------- */
+/* ---- what is said --------------------------------------------------------------------- */
 
-static void summarise(struct tpoint *p)
-{
-    p->med = tune_median(p->score, p->n);
-    p->lo = p->hi = p->score[0];
-    for (unsigned i = 1; i < p->n; i++) {
-        p->lo = MIN(p->lo, p->score[i]);
-        p->hi = MAX(p->hi, p->score[i]);
-    }
-}
-
-static bool cheaper(const struct tpoint *a, const struct tpoint *b)
-{
-    uint64_t ca = a->budget[0] + a->budget[1], cb = b->budget[0] + b->budget[1];
-    if (a->ranks != b->ranks) return a->ranks < b->ranks;
-    if (ca != cb) return ca < cb;
-    if (a->stage != b->stage) return a->stage < b->stage;
-    return a->micro > b->micro;
-}
-
-static bool measured(const struct tpoint *p, unsigned reps)
-{
-    return !p->pruned && !p->failed && p->n == reps;
-}
-
-/* Among the points measured --reps times: the best median, and the cheapest of its ties. */
-static struct tpoint *pick(struct tpoint *g, unsigned n, unsigned reps, struct tpoint **best_out,
-                           unsigned *nties)
-{
-    struct tpoint *best = NULL, *win = NULL;
-    for (unsigned i = 0; i < n; i++)
-        if (measured(&g[i], reps) && (!best || g[i].med > best->med)) best = &g[i];
-    *best_out = best;
-    *nties = 0;
-    if (!best) return NULL;
-    for (unsigned i = 0; i < n; i++) {
-        g[i].tie = measured(&g[i], reps) && g[i].med >= best->lo &&
-                   g[i].med >= TIE_FLOOR * best->med;
-        if (!g[i].tie) continue;
-        ++*nties;
-        if (!win || cheaper(&g[i], win)) win = &g[i];
-    }
-    return win;
-}
-
-static void describe(const struct tpoint *p, char *buf, size_t len)
+static void describe(const struct tune_train_point *p, char *buf, size_t len)
 {
     char a[32], b[32], stage[16] = "";
     if (p->ranks > 1) snprintf(stage, sizeof(stage), ", stage %d", p->stage);
     snprintf(buf, len, "%d rank%s%s, micro-batch %d x %d, param %s, optimizer %s, budgets %s/%s",
-             p->ranks, p->ranks > 1 ? "s" : "", stage, p->micro, p->accum, where_name[p->param],
-             where_name[p->optim], format_size(p->budget[0], a, sizeof(a)),
-             format_size(p->budget[1], b, sizeof(b)));
+             p->ranks, p->ranks > 1 ? "s" : "", stage, p->micro, p->accum,
+             tune_train_where[p->param], tune_train_where[p->optim],
+             format_size(p->budget[0], a, sizeof(a)), format_size(p->budget[1], b, sizeof(b)));
 }
 
-static void print_row(const struct tpoint *p, const struct tpoint *best, const struct tpoint *win,
-                      unsigned reps)
+static void print_row(const struct tune_train_point *p, const struct tune_train_point *best,
+                      const struct tune_train_point *win, unsigned reps)
 {
     char a[32] = "-", b[32] = "-";
     if (p->budget[0]) format_size(p->budget[0], a, sizeof(a));
     if (p->budget[1]) format_size(p->budget[1], b, sizeof(b));
     printf("  %5d %5d %5d %5d %5s %5s %9s %9s ", p->ranks, p->ranks > 1 ? p->stage : 0, p->micro,
-           p->accum, where_name[p->param], where_name[p->optim], a, b);
+           p->accum, tune_train_where[p->param], tune_train_where[p->optim], a, b);
     if (p->pruned) {
         printf("  pruned: %s\n", p->why);
         return;
@@ -703,16 +508,15 @@ static void print_row(const struct tpoint *p, const struct tpoint *best, const s
            p->tie && p != win && p != best ? "  ties" : "");
 }
 
-static void json_row(const struct tpoint *p, const struct tpoint *win)
+static void json_row(const struct tune_train_point *p, const struct tune_train_point *win)
 {
-    json_t *j = json_pack("{s:i, s:i, s:i, s:i, s:s, s:s, s:f, s:I, s:I, s:I, s:I, s:f}",
-                          "ranks", p->ranks, "stage", p->ranks > 1 ? p->stage : 0, "micro_batch",
-                          p->micro, "accumulation", p->accum, "param", where_name[p->param],
-                          "optimizer", where_name[p->optim], "budget_fraction", p->frac,
-                          "device_bytes", (json_int_t)p->budget[0], "host_bytes",
-                          (json_int_t)p->budget[1], "min_device_bytes",
-                          (json_int_t)p->min_budget[0], "min_host_bytes",
-                          (json_int_t)p->min_budget[1], "seconds", p->seconds);
+    json_t *j = json_pack(
+        "{s:i, s:i, s:i, s:i, s:s, s:s, s:f, s:I, s:I, s:I, s:I, s:f}", "ranks", p->ranks, "stage",
+        p->ranks > 1 ? p->stage : 0, "micro_batch", p->micro, "accumulation", p->accum, "param",
+        tune_train_where[p->param], "optimizer", tune_train_where[p->optim], "budget_fraction",
+        p->frac, "device_bytes", (json_int_t)p->budget[0], "host_bytes", (json_int_t)p->budget[1],
+        "min_device_bytes", (json_int_t)p->min_budget[0], "min_host_bytes",
+        (json_int_t)p->min_budget[1], "seconds", p->seconds);
     if (p->pruned || p->failed) {
         json_object_set_new(j, p->pruned ? "pruned" : "failed", json_string(p->why));
     } else {
@@ -729,66 +533,7 @@ static void json_row(const struct tpoint *p, const struct tpoint *win)
     tune_say_json(j);
 }
 
-/* ---- the grid ------------------------------------------------------------------------- */
-
-static bool same_point(const struct tpoint *a, const struct tpoint *b)
-{
-    return a->micro == b->micro && a->ranks == b->ranks && a->stage == b->stage &&
-           a->param == b->param && a->optim == b->optim && a->budget[0] == b->budget[0] &&
-           a->budget[1] == b->budget[1];
-}
-
-/* Every point of the axes that the global batch splits into, planned; budgets that round to
- * another point's are that point. */
-static int build_grid(const struct ttopts *o, const json_t *base, uint64_t global, const char *dir,
-                      struct tpoint **out, unsigned *n)
-{
-    struct tpoint *g = calloc(MAX_TPOINTS, sizeof(*g));
-    unsigned k = 0;
-    if (!g) return -ENOMEM;
-    for (int ri = 0; ri < o->nranks; ri++)
-        for (int si = 0; si < (o->ranks[ri] > 1 ? o->nstages : 1); si++)
-            for (int mi = 0; mi < o->nmicro; mi++)
-                for (int pi = 0; pi < o->noffload; pi++)
-                    for (int fi = 0; fi < o->nfrac; fi++) {
-                        uint64_t per = (uint64_t)o->micro[mi] * (uint64_t)o->ranks[ri];
-                        if (global % per) continue; /* the batch does not split so */
-                        if (k == MAX_TPOINTS) {
-                            fprintf(stderr, "zinf tune: more than %d points: narrow the lists\n",
-                                    MAX_TPOINTS);
-                            free(g);
-                            return -E2BIG;
-                        }
-                        struct tpoint *p = &g[k];
-                        *p = (struct tpoint){.micro = o->micro[mi],
-                                             .accum = (int)(global / per),
-                                             .ranks = o->ranks[ri],
-                                             .stage = o->ranks[ri] > 1 ? o->stages[si] : 0,
-                                             .param = o->param[pi],
-                                             .optim = o->optim[pi],
-                                             .frac = o->frac[fi]};
-                        int r = plan_point(base, o, global, p, dir);
-                        if (r < 0) {
-                            free(g);
-                            return r;
-                        }
-                        bool dup = false;
-                        for (unsigned q = 0; q < k && !dup; q++)
-                            dup = same_point(&g[q], p) && g[q].pruned == p->pruned;
-                        if (!dup) k++;
-                    }
-    if (!k) {
-        free(g);
-        fprintf(stderr, "zinf tune: the global batch %llu splits into none of the micro-batches "
-                        "x ranks given\n", (unsigned long long)global);
-        return -EINVAL;
-    }
-    *out = g;
-    *n = k;
-    return 0;
-}
-
-static void progress(unsigned done, unsigned total, uint64_t t0, const struct tpoint *p,
+static void progress(unsigned done, unsigned total, uint64_t t0, const struct tune_train_point *p,
                      int r, double s, const char *phase)
 {
     char d[256];
@@ -804,34 +549,31 @@ static void progress(unsigned done, unsigned total, uint64_t t0, const struct tp
 }
 
 /* A sweep under way: what each run needs, and the count of runs for the progress line. */
-struct sweep {
+struct sweep_ctx {
     const struct ttopts *o;
     const json_t *base;
     uint64_t global;
     const char *dir;
-    unsigned seq, done, total;
+    unsigned seq;
     uint64_t t0;
 };
 
-/* One run of p: its score kept (or the point marked failed) and the progress said. A run
- * a signal cut short counts for nothing. */
-static void run_once(struct sweep *w, struct tpoint *p, const char *phase)
+static int sweep_run(void *ctx, struct tune_train_point *p, double *score)
 {
-    double s = 0;
-    int r = run_point(w->o, w->base, w->global, p, w->dir, w->seq++, &s);
-    if (interrupted) return;
-    w->done++;
-    if (r < 0)
-        p->failed = true;
-    else
-        p->score[p->n++] = s;
-    progress(w->done, w->total, w->t0, p, r, s, phase);
+    struct sweep_ctx *c = ctx;
+    return run_point(c->o, c->base, c->global, p, c->dir, c->seq++, score);
 }
 
-static int by_first_score(const void *a, const void *b)
+static bool sweep_stopped(void *ctx)
 {
-    const struct tpoint *x = *(const struct tpoint *const *)a, *y = *(const struct tpoint *const *)b;
-    return (y->score[0] > x->score[0]) - (y->score[0] < x->score[0]);
+    return interrupted != 0;
+}
+
+static void sweep_ran(void *ctx, const struct tune_train_sweep *w, const struct tune_train_point *p,
+                      int r, double score, const char *phase)
+{
+    const struct sweep_ctx *c = ctx;
+    progress(w->done, w->total, c->t0, p, r, score, phase);
 }
 
 int cmd_tune_train(int argc, char **argv)
@@ -882,11 +624,8 @@ int cmd_tune_train(int argc, char **argv)
         return 2;
     }
     uint64_t global = o.global ? o.global : (uint64_t)to.batch * (uint64_t)to.grad_accum;
-    o.seq_len = o.seq ? o.seq : to.seq;
-    if (!o.nmicro) {
-        for (uint64_t d = 1; d <= global && o.nmicro < MAX_AXIS; d++)
-            if (global % d == 0) o.micro[o.nmicro++] = (int)d;
-    }
+    o.seq_len = o.sp.seq ? o.sp.seq : to.seq;
+    tune_train_default_micro(&o.sp, global);
     /* Said now, not after minutes of sweeping. */
     r = o.out ? tune_check_out(o.out, o.force) : 0;
     if (!r) r = tune_self_exe(self_exe);
@@ -916,23 +655,23 @@ int cmd_tune_train(int argc, char **argv)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, &old_int);
     sigaction(SIGTERM, &sa, &old_term);
-    struct tpoint *g = NULL, **order = NULL;
+    struct tune_train_point *g = NULL;
     unsigned n = 0;
     uint64_t t0 = now_ns();
-    if ((r = build_grid(&o, base, global, dir, &g, &n)) < 0) {
+    char gerr[256];
+    if ((r = tune_train_grid(&o.sp, base, global, dir, &g, &n, gerr, sizeof(gerr))) < 0) {
+        if (gerr[0]) fprintf(stderr, "zinf tune: %s\n", gerr);
         if (r == -ENOMEM) fprintf(stderr, "zinf tune: out of memory\n");
         ret = r == -ENOMEM ? 1 : 2;
         goto out;
     }
-    unsigned live = 0;
-    for (unsigned i = 0; i < n; i++)
-        live += !g[i].pruned;
+    unsigned live = tune_train_runnable(g, n);
     if (!o.json) {
         printf("# zinf tune %s: train mode, %d layers, dim %d, %d heads, seq %d, global batch "
                "%llu; %u point(s), %u pruned by the budget check\n",
-               zinf_version(), o.layers ? o.layers : to.model.L, o.dim ? o.dim : to.model.C,
-               o.heads ? o.heads : to.model.NH, o.seq ? o.seq : to.seq,
-               (unsigned long long)global, n, n - live);
+               zinf_version(), o.sp.layers ? o.sp.layers : to.model.L,
+               o.sp.dim ? o.sp.dim : to.model.C, o.sp.heads ? o.sp.heads : to.model.NH,
+               o.sp.seq ? o.sp.seq : to.seq, (unsigned long long)global, n, n - live);
         printf("# each run: zinf train, %d warm-up + %d timed steps; score = tokens/s of the "
                "timed steps\n# %s\n",
                o.warmup, o.steps,
@@ -942,45 +681,31 @@ int cmd_tune_train(int argc, char **argv)
         printf("# rule: best = highest median; a point whose median is within the best's "
                "min..max and at least %.0f%% of it\n#   ties with it; of the ties the cheapest "
                "wins: fewer ranks, then fewer budget bytes, then the lower\n#   stage, then the "
-               "larger micro-batch\n", TIE_FLOOR * 100);
+               "larger micro-batch\n",
+               TUNE_TRAIN_TIE_FLOOR * 100);
         fflush(stdout);
     }
-    /* Round one: every point that can run, once (--exhaustive: --reps times). */
-    struct sweep w = {.o = &o, .base = base, .global = global, .dir = dir, .t0 = t0};
-    w.total = live * (o.exhaustive ? (unsigned)o.reps : 1u);
-    if (!o.exhaustive) {
-        unsigned keep = MAX(3u, (live + 3) / 4);
-        w.total += MIN(keep, live) * (unsigned)(o.reps - 1);
-    }
-    for (int rep = 0; rep < (o.exhaustive ? o.reps : 1) && !interrupted; rep++)
-        for (unsigned i = 0; i < n && !interrupted; i++)
-            if (!g[i].pruned && !g[i].failed)
-                run_once(&w, &g[i], o.exhaustive ? "grid" : "round 1");
-    /* The search: the best quarter of round one, to --reps runs each. */
-    if (!o.exhaustive && !interrupted) {
-        order = calloc(n, sizeof(*order));
-        if (!order) goto out;
-        unsigned m = 0;
-        for (unsigned i = 0; i < n; i++)
-            if (!g[i].pruned && !g[i].failed) order[m++] = &g[i];
-        qsort(order, m, sizeof(*order), by_first_score);
-        unsigned keep = MIN(m, MAX(3u, (live + 3) / 4));
-        w.total = w.done + keep * (unsigned)(o.reps - 1);
-        for (int rep = 1; rep < o.reps && !interrupted; rep++)
-            for (unsigned i = 0; i < keep && !interrupted; i++)
-                if (!order[i]->failed) run_once(&w, order[i], "round 2");
-    }
+    /* Every point that can run, once (--exhaustive: --reps times), then the best quarter
+     * to --reps runs each. */
+    struct sweep_ctx c = {.o = &o, .base = base, .global = global, .dir = dir, .t0 = t0};
+    struct tune_train_sweep w = {.g = g,
+                                 .n = n,
+                                 .reps = (unsigned)o.reps,
+                                 .exhaustive = o.exhaustive,
+                                 .run = sweep_run,
+                                 .stopped = sweep_stopped,
+                                 .ran = sweep_ran,
+                                 .ctx = &c};
+    if (tune_train_sweep_run(&w) < 0) goto out;
     if (interrupted) {
         fprintf(stderr, "zinf tune: interrupted; no config written\n");
         ret = interrupted == SIGINT ? 130 : 143;
         goto out;
     }
     double secs = (double)(now_ns() - t0) / 1e9;
-    for (unsigned i = 0; i < n; i++)
-        if (g[i].n == (unsigned)o.reps) summarise(&g[i]);
-    struct tpoint *best, *win;
+    struct tune_train_point *best, *win;
     unsigned nties;
-    win = pick(g, n, (unsigned)o.reps, &best, &nties);
+    win = tune_train_pick(g, n, (unsigned)o.reps, &best, &nties);
     if (o.json) {
         for (unsigned i = 0; i < n; i++)
             json_row(&g[i], win);
@@ -997,7 +722,7 @@ int cmd_tune_train(int argc, char **argv)
     }
     char d[256];
     describe(win, d, sizeof(d));
-    json_t *cfg = point_config(base, &o, global, win, swapdir, true, true);
+    json_t *cfg = tune_train_point_config(base, &o.sp, global, win, swapdir, true, true);
     if (!cfg) goto out;
     char cmd[PATH_MAX + 128] = "";
     if (win->ranks > 1) snprintf(cmd, sizeof(cmd), "zinf launch -n %d -- ", win->ranks);
@@ -1011,7 +736,7 @@ int cmd_tune_train(int argc, char **argv)
         char bd[256];
         describe(best, bd, sizeof(bd));
         tune_say_pick(bd, best->med, d, win->med, win == best, nties, 0, "tokens/s");
-        printf("# %u runs in %.1f s\n", w.seq, secs);
+        printf("# %u runs in %.1f s\n", c.seq, secs);
     }
     if (o.out) {
         if ((r = tune_write_json(o.out, cfg)) < 0) {
@@ -1035,7 +760,6 @@ out:
     sigaction(SIGINT, &old_int, NULL);
     sigaction(SIGTERM, &old_term, NULL);
     tune_remove_tree(dir);
-    free(order);
     free(g);
     json_decref(base);
     return ret;

@@ -46,42 +46,6 @@ int tune_check_out(const char *out, bool force)
     return 0;
 }
 
-int tune_write_json(const char *path, json_t *j)
-{
-    char tmp[PATH_MAX];
-    if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp)) return -ENAMETOOLONG;
-    if (json_dump_file(j, tmp, JSON_INDENT(2) | JSON_PRESERVE_ORDER) < 0) {
-        int e = errno ? -errno : -EIO;
-        unlink(tmp);
-        return e;
-    }
-    FILE *f = fopen(tmp, "a");
-    if (!f || fputc('\n', f) == EOF || fclose(f) == EOF) {
-        unlink(tmp);
-        return -EIO;
-    }
-    if (rename(tmp, path) < 0) {
-        int e = -errno;
-        unlink(tmp);
-        return e;
-    }
-    return 0;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-double tune_median(const double *v, unsigned n)
-{
-    double s[128];
-    memcpy(s, v, n * sizeof(*v));
-    qsort(s, n, sizeof(*s), cmp_double);
-    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
-}
-
 static int remove_one(const char *path, const struct stat *sb, int type, struct FTW *ftw)
 {
     (void)sb, (void)type, (void)ftw;

@@ -3,7 +3,8 @@
  * the zinf.train section, then DeepSpeed's batch, accumulation, clipping, optimizer,
  * scheduler and precision keys, under the command line's options, and the trainer's own
  * check of the result. `zinf train` and `zinf config check` both call it, so that whatever
- * one refuses for a config reason the other refuses with the same words.
+ * one refuses for a config reason the other refuses with the same words (and the training
+ * tuner's search, tune_search.c, for the point it plans).
  */
 #include <errno.h>
 #include <stdbool.h>
