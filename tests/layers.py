@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Check that layers call only down: every quoted #include of a file under src/, tools/ and
-python/ names a header of the file's own layer or of a layer below it.
+python/ names a header of the file's own layer or of a layer below it. And that each of those
+files can be held in one's head: at most MAX_LINES lines (split a longer one along its seams).
 
 The layers are read from docs/DESIGN.md, section "Layers": the first code block there, one
 layer a line, top to bottom; the path or paths that open a line (up to the first run of two
@@ -20,6 +21,7 @@ import tempfile
 from contextlib import redirect_stdout
 
 SCANNED = ("src", "tools", "python")
+MAX_LINES = 900
 INCLUDE_DIRS = ("include", "src", ".")  # as meson.build's `inc`, after the file's own folder
 # Headers the build writes: they belong to the layer of the folder that writes them.
 GENERATED = {"zinf_build.h": "src/", "cmd_pages.h": "tools/"}
@@ -84,27 +86,31 @@ def check(root, listing=False):
                 if listing:
                     print(f"{rel}: {names[mine]}")
                 with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as fh:
-                    for n, line in enumerate(fh, 1):
-                        m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
-                        if not m:
-                            continue
-                        hdr = resolve(root, rel, m.group(1))
-                        if hdr is None:
-                            print(f"layers: {rel}:{n}: \"{m.group(1)}\" is no header of the tree")
-                            return 2
-                        theirs = layer_of(hdr, layers)
-                        if theirs is None:
-                            print(f"layers: {rel}:{n}: {hdr} is in no layer of docs/DESIGN.md")
-                            return 2
-                        if theirs < mine:
-                            bad.append(f"{rel}:{n}: includes {hdr}, of the layer "
-                                       f"'{names[theirs]}', above its own '{names[mine]}'")
+                    lines = fh.readlines()
+                if len(lines) > MAX_LINES:
+                    bad.append(f"{rel}: {len(lines)} lines, over {MAX_LINES}: split it by concern")
+                for n, line in enumerate(lines, 1):
+                    m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+                    if not m:
+                        continue
+                    hdr = resolve(root, rel, m.group(1))
+                    if hdr is None:
+                        print(f"layers: {rel}:{n}: \"{m.group(1)}\" is no header of the tree")
+                        return 2
+                    theirs = layer_of(hdr, layers)
+                    if theirs is None:
+                        print(f"layers: {rel}:{n}: {hdr} is in no layer of docs/DESIGN.md")
+                        return 2
+                    if theirs < mine:
+                        bad.append(f"{rel}:{n}: includes {hdr}, of the layer "
+                                   f"'{names[theirs]}', above its own '{names[mine]}'")
     for b in bad:
         print(b)
     if bad:
-        print(f"layers: {len(bad)} include(s) go up; docs/DESIGN.md, section Layers, gives the order")
+        print(f"layers: {len(bad)} problem(s); docs/DESIGN.md, section Layers, gives the order")
         return 1
-    print(f"layers: {files} files in {len(layers)} layers, every include goes down or sideways")
+    print(f"layers: {files} files in {len(layers)} layers, every include goes down or sideways, "
+          f"none over {MAX_LINES} lines")
     return 0
 
 
@@ -120,6 +126,7 @@ def selftest():
              ({"src/b.c": '#include "base.h"\n #  include "top/t.h"\n'}, 1,
               "src/b.c:2: includes src/top/t.h, of the layer 'src/top/', above its own 'src/ include/'"),
              ({"src/b.c": '#include "nowhere.h"\n'}, 2, '"nowhere.h" is no header of the tree'),
+             ({"src/b.c": "\n" * (MAX_LINES + 1)}, 1, f"src/b.c: {MAX_LINES + 1} lines, over"),
              ({"tools/x.c": ""}, None, None)]  # tools/ is scanned and in no layer
     for change, want_rc, want_text in cases:
         with tempfile.TemporaryDirectory() as d:
