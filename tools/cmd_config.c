@@ -25,6 +25,7 @@
 #include "config.h"
 #include "cmd.h"
 #include "train/train_config.h"
+#include "train_options.h"
 #include "train/trainer.h"
 
 static void usage(FILE *f)

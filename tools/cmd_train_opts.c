@@ -19,6 +19,7 @@
 #include "common.h"
 #include "config.h"
 #include "train/train_config.h"
+#include "train_options.h"
 #include "train/trainer.h"
 
 /* Options of this file alone, past train_config.h's (which may grow). */

@@ -6,15 +6,14 @@
 #ifndef ZINF_TRAIN_TRAIN_CONFIG_H
 #define ZINF_TRAIN_TRAIN_CONFIG_H
 
-#include <getopt.h>
 #include <stddef.h>
 
 #include "config.h"
 #include "train/trainer.h"
 
-/* The options that shape the model and the run (getopt_long values): given on the command
- * line, bit (option - O_LAYERS) of `given` is set, and a config may not override them.
- * zinf train's other options are its own. */
+/* The settings that shape the model and the run that a command line may give (the values
+ * of their getopt_long options, in tools/train_options.h): bit (option - O_LAYERS) of
+ * `given` says one was given, and a config may not override it. */
 enum train_option {
     O_LAYERS = 256,
     O_DIM,
@@ -29,28 +28,6 @@ enum train_option {
     O_PRECISION,
     O_ACCUM,
 };
-
-/* The options that shape the model and the run, as zinf train and zinf config check both
- * take them: their names for getopt_long (ending with a zeroed entry; TRAIN_SHAPE_OPTIONS
- * is the same entries, for a command's own table), and the value of one of them (opt, its
- * text arg) into o, its bit set in *given. 1 where opt is one of them, 0 where it is not,
- * -EINVAL with "--NAME: what was expected" in err for a bad value. */
-#define TRAIN_SHAPE_OPTIONS                              \
-    {"layers", required_argument, NULL, O_LAYERS},       \
-    {"dim", required_argument, NULL, O_DIM},             \
-    {"heads", required_argument, NULL, O_HEADS},         \
-    {"seq", required_argument, NULL, O_SEQ},             \
-    {"batch", required_argument, NULL, O_BATCH},         \
-    {"steps", required_argument, NULL, O_STEPS},         \
-    {"lr", required_argument, NULL, O_LR},               \
-    {"weight-decay", required_argument, NULL, O_WD},     \
-    {"clip", required_argument, NULL, O_CLIP},           \
-    {"seed", required_argument, NULL, O_SEED},           \
-    {"precision", required_argument, NULL, O_PRECISION}, \
-    {"accumulate", required_argument, NULL, O_ACCUM}
-extern const struct option train_shape_options[];
-int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigned *given,
-                       char *err, size_t errlen);
 
 /* What the config's keys did, for the start of the run (and for config check). */
 struct train_config_applied {
