@@ -12,6 +12,14 @@ from ._views import _GRAD_CODES, _disabled, _grad_of, _set_grad, torch_view, vie
 
 
 class GradsMixin:
+    def reduce_grads(self):
+        """With a group (offload(..., group=)): the gradients made the mean over its ranks,
+        where a backward accumulated into them since the last reduction; whatever reads them
+        calls this first (norms, clamps, GradScaler's check, gathered, AdamW.step)."""
+        if self.dist is not None and self._unreduced:
+            with self._lock:
+                self.dist.reduce(self)
+
     def _sync_grad(self, e):
         """What torch did to p.grad since the proxy went in: set it to None (zero_grad of a
         module or of another optimizer) forgets the gradient in zinf."""
@@ -105,6 +113,7 @@ class GradsMixin:
             e.nonfinite = not math.isfinite(sumsq)
             e.gscale = 1.0
             e.has_grad, e.fresh = True, False
+            self._unreduced = True
             if e.standing:
                 self._end_standing(e)
             elif e.in_backward:
@@ -114,6 +123,7 @@ class GradsMixin:
                 self._put_proxy(e)
 
     def grad_norm(self, e, ord):
+        self.reduce_grads()
         with self._lock:
             if not e.has_grad:
                 return torch.zeros((), dtype=torch.float32)
@@ -146,6 +156,7 @@ class GradsMixin:
                 torch_view(pin).zero_()
 
     def grad_clamp(self, e, lo, hi):
+        self.reduce_grads()
         with self._lock:
             if e.pending is not None:
                 self.ensure(e)
@@ -165,4 +176,5 @@ class GradsMixin:
         e.gnorm, e.nonfinite, e.gscale = math.sqrt(sumsq), not math.isfinite(sumsq), 1.0
 
     def grad_nonfinite(self, e):
+        self.reduce_grads()
         return e.nonfinite

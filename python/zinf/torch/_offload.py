@@ -10,6 +10,7 @@ import weakref
 import torch
 
 from .. import Error
+from ._dist import make_group
 from ._grads import GradsMixin
 from ._param import GradProxy, OffloadedError, param_class
 from ._views import (DTYPES, _disabled, _grad_of, _numel, _set_data, _set_grad, page_round,
@@ -126,9 +127,13 @@ class Offload(GradsMixin):
     the parameters back."""
 
     def __init__(self, module, engine, *, home="nvme", tier="device", prefix="",
-                 resume=False, wait=30.0, _shapes=None):
+                 resume=False, wait=30.0, group=None, stage=None, _shapes=None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError("offload takes a torch.nn.Module")
+        # Across ranks: the group the gradients are averaged over (None: this process
+        # alone); _unreduced, a backward accumulated into them since the last reduction.
+        self.dist = make_group(group, stage)
+        self._unreduced = False
         if tier not in ("device", "host"):
             raise ValueError(f"tier must be \"device\" or \"host\", not {tier!r}")
         self.engine, self.module, self.home, self.tier = engine, module, home, tier
@@ -194,6 +199,12 @@ class Offload(GradsMixin):
             raise
         del originals
         self._install_hooks()
+        if self.dist is not None and not self._shapes:
+            try:
+                self.dist.check_same(self)
+            except BaseException:
+                self.remove()
+                raise
 
     # ---- registration -------------------------------------------------------------------
 
@@ -707,7 +718,8 @@ class Offload(GradsMixin):
             self._entries = []
 
 
-def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=False, wait=30.0):
+def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=False, wait=30.0,
+            group=None, stage=None):
     """Move module's parameters into engine (see zinf.torch's docstring); returns the
     Offload. home: where their permanent copies live ("nvme", "host" or "device"); tier:
     where forward and backward use them ("device" or "host"); prefix: put before each
@@ -716,9 +728,18 @@ def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=Fal
     other threads' pins waits up to this many seconds for room (True: without a limit; 0 or
     None: not at all) before it fails with ENOMEM. A limit, by default: a thread that holds
     pins in the tier itself (an outer module's parameters) may wait for room only it could
-    give back."""
+    give back.
+
+    group: a torch.distributed ProcessGroup (dist.group.WORLD, or one of dist.new_group) for
+    data parallelism: every rank offloads the same model into its own engine, and the
+    gradients become the mean over the group's ranks, reduced once per optimizer step by
+    whatever reads them first (clip_grad_norm_, GradScaler, gathered(grads=True), the step).
+    stage: how much the ranks partition; stage=1 (ZeRO stage 1: zinf.torch.AdamW keeps each
+    parameter's optimizer state on one rank, which updates it and broadcasts the new values)
+    is what runs now; 2, 3 or None raise NotImplementedError. The ranks must start with the
+    same parameters (checked: an error names the first that differs)."""
     return Offload(module, engine, home=home, tier=tier, prefix=prefix, resume=resume,
-                   wait=wait)
+                   wait=wait, group=group, stage=stage)
 
 
 @contextlib.contextmanager
@@ -742,6 +763,8 @@ def gathered(params, *, modify=False, grads=False):
             entries = list(dict.fromkeys(entries))
             with off._lock:
                 off.release_stale()
+                if grads:
+                    off.reduce_grads()
                 off._acquire(entries, "gather")
                 held.append((off, entries, []))
                 for e in entries:

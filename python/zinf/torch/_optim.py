@@ -6,6 +6,7 @@ import weakref
 import torch
 
 from .. import Error, adamw_step
+from ._dist import owner_of
 from ._views import _numel, page_round, view_as
 
 __all__ = ["AdamW"]
@@ -89,6 +90,11 @@ class AdamW(torch.optim.Optimizer):
         self._engines = {}        # the engines the deferred step updates
         self._applied = 0         # updates of the deferred step carried out
         self._barriers = {}       # id(engine) -> engine that runs _settle before a flush
+        # Across ranks (offload(..., group=, stage=1)): the group, each parameter's owner
+        # (id of its entry -> rank in the group) and the elements each rank owns.
+        self._dist = None
+        self._owner = {}
+        self._loads = None
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=False, differentiable=False, fused=fused)
@@ -105,6 +111,7 @@ class AdamW(torch.optim.Optimizer):
             if p.__dict__.get("_zinf") is None:
                 raise ValueError("zinf.torch.AdamW steps offloaded parameters only "
                                  "(zinf.torch.offload the module first)")
+        self._take_group(params)
         for p in params:
             e = p._zinf
             room = e.owner.engine.stats()["tier"][1]["capacity_bytes"]
@@ -115,8 +122,34 @@ class AdamW(torch.optim.Optimizer):
                                  f"needs them at once")
         super().add_param_group(param_group)
         for p in params:
-            self._state_tensors(p._zinf, self.param_groups[-1]["amsgrad"])
+            if self._mine(p._zinf):
+                self._state_tensors(p._zinf, self.param_groups[-1]["amsgrad"])
 
+    def _take_group(self, params):
+        """The group the parameters' offloads average over (one for all, or none), and the
+        owner of each new parameter's update."""
+        for p in params:
+            d = p._zinf.owner.dist
+            if self._dist is None and d is not None and not self._owner and \
+                    not self.param_groups:
+                self._dist, self.overlap = d, False
+                self._loads = [0] * d.size
+            if d is not self._dist and (d is None or self._dist is None or
+                                        d.group is not self._dist.group):
+                raise ValueError(f"zinf.torch.AdamW: {p._zinf.name} is offloaded "
+                                 f"{'without a group' if d is None else 'with another group'}"
+                                 f"; one optimizer steps the parameters of one group")
+        if self._dist is None:
+            return
+        new = list(dict.fromkeys(p._zinf for p in params if id(p._zinf) not in self._owner))
+        for e, r in zip(new, owner_of([_numel(e.shape) for e in new], self._dist.size,
+                                      self._loads)):
+            self._owner[id(e)] = r
+
+    def _mine(self, e):
+        """This rank keeps e's optimizer state and updates it: always, but across ranks
+        where the split gave e to another."""
+        return self._dist is None or self._owner[id(e)] == self._dist.rank
     def _wants_master(self, e):
         if e.dtype not in _SIXTEEN:
             return False
@@ -186,6 +219,12 @@ class AdamW(torch.optim.Optimizer):
                         e.owner.grad_zero(e)
                         if e.view is None:
                             e.owner._put_proxy(e)
+        if self._dist is not None:
+            # Nothing left to average where every gradient is gone or zeros.
+            for off in {id(p._zinf.owner): p._zinf.owner
+                        for g in self.param_groups for p in g["params"]}.values():
+                if not any(e.has_grad and not e.fresh for e in off._entries):
+                    off._unreduced = False
 
     # ---- the update -----------------------------------------------------------------------
 
@@ -206,6 +245,7 @@ class AdamW(torch.optim.Optimizer):
             with off._lock:
                 for e in off._entries:
                     off._sync_grad(e)
+            off.reduce_grads()
         work = [(group, p) for group in self.param_groups for p in group["params"]
                 if p._zinf.has_grad]
         engines = {id(off.engine): off.engine for off in owners.values()}
@@ -217,7 +257,9 @@ class AdamW(torch.optim.Optimizer):
             work = [(g, p) for g, p in work if _numel(p._zinf.shape) < self.overlap_min]
         done = 0
         try:
-            for i, (group, p) in enumerate(work):
+            if self._dist is not None:
+                done = self._step_shared(work)
+            for i, (group, p) in enumerate(work if self._dist is None else ()):
                 if i + 1 < len(work):
                     self._prefetch(work[i + 1][1]._zinf)
                 self._step_one(group, p)
@@ -238,6 +280,22 @@ class AdamW(torch.optim.Optimizer):
         for off in owners.values():
             off.prefetch_forward()
         return loss
+
+    def _step_shared(self, work):
+        """The step across ranks: each parameter updated by its owner and its new values
+        broadcast from there, in the same order on every rank (the broadcasts are
+        collectives); returns how many this rank updated."""
+        mine = [(g, p) for g, p in work if self._mine(p._zinf)]
+        done = 0
+        for group, p in work:
+            e = p._zinf
+            if self._mine(e):
+                done += 1
+                if done < len(mine):
+                    self._prefetch(mine[done][1]._zinf)
+                self._step_one(group, p)
+            self._dist.broadcast(e.owner, e, self._owner[id(e)])
+        return done
 
     @staticmethod
     def _prefetch(e):

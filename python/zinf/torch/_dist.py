@@ -1,0 +1,159 @@
+"""Data parallelism over a torch.distributed process group: each rank's Offload of the whole
+model (offload(..., group=, stage=1)), its gradients made the mean over the group once per
+optimizer step (Group.reduce), and which rank owns each parameter's AdamW update (owner_of).
+
+What this is not: a partition of the parameters or gradients (ZeRO stages 3 and 2), a
+bucketed or overlapped reduction (one collective per parameter, after the backward), or a
+checkpoint that another number of ranks can read. Every collective here is issued in the
+same order on every rank, as the ranks run the same program over the same model: the
+parameters in their registration order."""
+
+import torch
+
+from ._views import _disabled, view_as
+
+__all__ = ["Group", "make_group", "owner_of"]
+
+STAGES = (1,)
+
+
+def make_group(group, stage):
+    """offload()'s group and stage checked: None without a group, else the Group."""
+    if group is None:
+        if stage is not None:
+            raise ValueError(f"zinf.torch.offload: stage={stage} partitions across the "
+                             f"ranks of a group; give group= (a torch.distributed "
+                             f"ProcessGroup) with it")
+        return None
+    if stage not in STAGES:
+        asked = "stage=None (ZeRO stage 3, the default the full design will take)" \
+            if stage is None else f"stage={stage}"
+        raise NotImplementedError(
+            f"zinf.torch.offload: {asked} is not built yet; across ranks zinf.torch runs "
+            f"stage=1 now (the optimizer states partitioned, every rank with the whole "
+            f"model's parameters and gradients): pass stage=1")
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("zinf.torch.offload: group= needs torch.distributed initialised "
+                           "(dist.init_process_group) first")
+    return Group(group, stage)
+
+
+class Group:
+    """The process group an Offload's gradients are averaged over, and its ZeRO stage."""
+
+    def __init__(self, group, stage):
+        import torch.distributed as dist
+        self.dist = dist
+        self.group, self.stage = group, stage
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.reductions = 0     # gradients all-reduced, for the tests and the curious
+
+    def check_same(self, off):
+        """The ranks hold the same parameters (names, shapes, dtypes and values), as data
+        parallelism needs: each parameter's sum and sum of squares (float64) compared by
+        their extremes over the group. A rank that differs is an error on every rank,
+        naming the first parameter found to differ."""
+        dist = self.dist
+        sig = []
+        for e in off._entries:
+            v = off.read(e).double()
+            sig += [v.sum().item(), v.square().sum().item(), float(len(e.shape)),
+                    float(sum(e.shape))]
+        sig = torch.tensor([float(len(off._entries))] + sig, dtype=torch.float64)
+        # The count first: ranks with other models hold vectors of other lengths.
+        n = sig[:1].clone()
+        lo = n.clone()
+        dist.all_reduce(n, dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(lo, dist.ReduceOp.MIN, group=self.group)
+        if n.item() != lo.item():
+            raise ValueError(f"zinf.torch.offload: the ranks offload models of "
+                             f"{int(lo.item())} to {int(n.item())} parameters; data "
+                             f"parallelism needs the same model on every rank")
+        hi, lo = sig.clone(), -sig
+        dist.all_reduce(hi, dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(lo, dist.ReduceOp.MAX, group=self.group)
+        bad = (hi != -lo).nonzero()
+        if len(bad):
+            e = off._entries[(int(bad[0].item()) - 1) // 4]
+            raise ValueError(f"zinf.torch.offload: parameter {e.name} differs across the "
+                             f"ranks of the group; data parallelism starts every rank from "
+                             f"the same values (seed the model's initialisation alike, or "
+                             f"load the same weights before offloading)")
+
+    def reduce(self, off):
+        """Every gradient of off made the mean over the group, where the backward left it
+        unreduced: each in turn, in the parameters' order, summed in place in its host copy
+        (with its pending scale applied first) and divided by the group's size. A parameter
+        with a gradient on some rank and none on another gets zeros on the latter, so that
+        the next step moves it on every rank, as it does where it has one."""
+        if not off._unreduced:
+            return
+        dist = self.dist
+        entries = off._entries
+        # Which gradients to reduce: has one (1) and holds values since zero_grad (2),
+        # taken as the largest over the group.
+        flags = torch.tensor([(e.has_grad and 1) + (e.has_grad and not e.fresh and 1)
+                              for e in entries], dtype=torch.int32)
+        if len(flags):
+            dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
+        for e, f in zip(entries, flags.tolist()):
+            if f == 0:
+                continue
+            if not e.has_grad:
+                off.grad_zero(e)
+            if f < 2:
+                continue        # zeros on every rank
+            if e.pending is not None:
+                off.ensure(e)
+            with off.engine.fetch(off.grad_handle(e), "host", dirty=True) as pin:
+                with _disabled():
+                    g = view_as(pin, e.shape, torch.float32)
+                    if e.fresh:
+                        g.zero_()
+                    elif e.gscale != 1.0:
+                        g.mul_(e.gscale)
+                    # A copy goes to the collective: the backend may keep its tensor
+                    # after the call returns, and a view of the pin would keep the pin.
+                    s = g.clone()
+                    dist.all_reduce(s, dist.ReduceOp.SUM, group=self.group)
+                    torch.div(s, self.size, out=g)
+                    del s
+                del g
+                off._note_grad(e, pin)
+            e.has_grad, e.fresh = True, False
+            off._put_proxy(e)
+            self.reductions += 1
+        off._unreduced = False
+
+    def broadcast(self, off, e, src):
+        """e's values (the parameter in its dtype, as the owner's update left them) from the
+        group's rank src into every other rank's engine."""
+        dist = self.dist
+        with off._lock:
+            mine = self.rank == src
+            with off.engine.fetch(e.handle, "host", dirty=not mine) as pin:
+                with _disabled():
+                    v = view_as(pin, e.shape, e.dtype)
+                    s = v.clone() if mine else torch.empty_like(v)   # as in reduce()
+                    dist.broadcast(s, dist.get_global_rank(self.group, src)
+                                   if self.group is not None else src, group=self.group)
+                    if not mine:
+                        v.copy_(s)
+                del v, s
+
+
+def owner_of(sizes, ranks, loads=None):
+    """Each parameter's owner (its update and optimizer state): greedy by size in the
+    parameters' order, each to the rank that owns the fewest elements so far (the lowest
+    rank on a tie), so that every rank computes the same split. loads: the elements each
+    rank owns already (updated in place)."""
+    loads = [0] * ranks if loads is None else loads
+    out = []
+    for n in sizes:
+        r = min(range(ranks), key=lambda i: (loads[i], i))
+        loads[r] += n
+        out.append(r)
+    return out
+
