@@ -3,12 +3,13 @@
 2 and 3 CPU ranks over gloo (processes spawned here, a file:// rendezvous in a temporary
 folder), each with its own engine (emulated device, NVMe home in its own folder) and the
 example's GPT offloaded with group=WORLD, stage=1, train a few steps with clip_grad_norm_,
-each rank on its micro-batch of a fixed global batch. The reference is one process: the same
-global batch as micro-batches with gradient accumulation (each loss divided by their count),
-zinf.torch on one engine. Each step's loss (the mean over the micro-batches) and the final
-parameters match within 1e-6 relative, and each rank's optimizer state (the moments it
-registered) is about 1/N of the reference's. Also: the stages not built yet raise, naming
-stage=1; ranks whose parameters differ are refused.
+each rank on its part of a fixed global batch, accumulated as micro-batches. The reference
+is one process: the same global batch as micro-batches with gradient accumulation (each loss
+divided by their count), zinf.torch on one engine. Each step's loss (the mean over the
+micro-batches) and the final parameters match within 1e-6 relative, each rank reduces its
+gradients once a step, and each rank's optimizer state (the moments it registered) is about
+1/N of the reference's. Also: the stages not built yet raise, naming stage=1; ranks whose
+parameters differ are refused.
 
 Skips, saying so, where torch is not importable or torch.distributed has no gloo.
 """
@@ -35,7 +36,8 @@ EXAMPLES = os.path.join(HERE, "..", "..", "examples")
 TEXT = os.path.join(HERE, "..", "data", "torch_text.md")
 PAGE = 4096
 STEPS = 5
-BATCH = 6           # the global batch: 3 rows a rank of 2, 2 of 3
+BATCH = 12          # the global batch: 6 rows a rank of 2, 4 of 3
+MICRO = 2           # micro-batches a rank accumulates a step
 LAYERS, DIM, HEADS, CONTEXT = 2, 64, 4, 32
 
 if torch is not None:
@@ -74,7 +76,7 @@ def _params(model):
 
 
 def _reference(world, swap):
-    """One process: each global batch as world micro-batches, accumulated."""
+    """One process: each global batch as world * MICRO micro-batches, accumulated."""
     model = _model()
     with _engine(model, swap) as engine:
         zt.offload(model, engine, home="nvme")
@@ -82,8 +84,8 @@ def _reference(world, swap):
         losses = []
         for x, y in _global_batches():
             total = 0.0
-            for xs, ys in zip(x.chunk(world), y.chunk(world)):
-                loss = model(xs, ys) / world
+            for xs, ys in zip(x.chunk(world * MICRO), y.chunk(world * MICRO)):
+                loss = model(xs, ys) / (world * MICRO)
                 loss.backward()
                 total += loss.item()
             losses.append(total)
@@ -116,9 +118,12 @@ def _train(rank, world, folder):
         opt = zt.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for x, y in _global_batches():
-            loss = model(x.chunk(world)[rank], y.chunk(world)[rank])
-            loss.backward()
-            t = loss.detach().clone()
+            mine = x.chunk(world)[rank], y.chunk(world)[rank]
+            t = torch.zeros(())
+            for xs, ys in zip(mine[0].chunk(MICRO), mine[1].chunk(MICRO)):
+                loss = model(xs, ys) / MICRO
+                loss.backward()
+                t += loss.detach()
             dist.all_reduce(t)
             losses.append(t.item() / world)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)

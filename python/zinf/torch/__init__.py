@@ -59,6 +59,14 @@ What happens:
   moments first carries out what is pending (state dicts, gathered, the next step, and
   Engine.flush() and close() through a barrier). overlap=False updates them all inside
   step(), one after another with the next one prefetched.
+- Across ranks, offload(model, engine, group=dist.group.WORLD, stage=1) (ZeRO stage 1):
+  every rank offloads the whole model into its own engine, the backward marks the gradients
+  unreduced, and the first thing that reads them (a GradProxy's norm, clamp or finiteness
+  check, gathered(grads=True), AdamW.step) all-reduces each one in parameter order to the
+  mean over the group, once per step however many backwards accumulated. AdamW keeps each
+  parameter's moments on the one rank that owns it, which updates it and broadcasts the
+  new values; with a group, step() carries out every update and broadcast itself
+  (collectives come in the same order on every rank). Stages 2 and 3 are not built yet.
 
 The engine's tier budgets bound the memory: parameters are resident only while a module
 runs or its backward needs them, gradients and moments only while stepped. Activations

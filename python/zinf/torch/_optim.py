@@ -57,7 +57,17 @@ class AdamW(torch.optim.Optimizer):
     parameters took their update and before the rest did, every engine it steps is closed
     without a flush (Engine.close_unflushed), so that what is saved is the last whole
     step's, never a mix; the exception goes on to the caller (with overlap, the caller of
-    whatever carried out the update that failed)."""
+    whatever carried out the update that failed).
+
+    Across ranks (parameters offloaded with group= and stage=1): each parameter is owned by
+    one rank of the group, greedily by size in the parameters' order (the same split on every
+    rank); only the owner registers its moments (and master copy) and updates it, then
+    broadcasts its new values to the group, and every rank writes them into its engine.
+    step() first has the gradients averaged over the group where a backward left them
+    unreduced. It carries out every update and broadcast itself, as overlap=False does,
+    whatever overlap says: the broadcasts are collectives, which must come in the same order
+    on every rank, and the next forward's fetches do not promise one. state_dict() holds
+    this rank's parameters' state only."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
