@@ -2,14 +2,16 @@
 
 2 and 3 CPU ranks over gloo (processes spawned here, a file:// rendezvous in a temporary
 folder), each with its own engine (emulated device, NVMe home in its own folder) and the
-example's GPT offloaded with group=WORLD, stage=1, train a few steps with clip_grad_norm_,
-each rank on its part of a fixed global batch, accumulated as micro-batches. The reference
-is one process: the same global batch as micro-batches with gradient accumulation (each loss
-divided by their count), zinf.torch on one engine. Each step's loss (the mean over the
-micro-batches) and the final parameters match within 1e-6 relative, each rank reduces its
-gradients once a step, and each rank's optimizer state (the moments it registered) is about
-1/N of the reference's. Also: the stages not built yet raise, naming stage=1; ranks whose
-parameters differ are refused.
+example's GPT offloaded with group=WORLD, stage=1 or 2, train a few steps with
+clip_grad_norm_, each rank on its part of a fixed global batch, accumulated as
+micro-batches. The reference is one process: the same global batch as micro-batches with
+gradient accumulation (each loss divided by their count), zinf.torch on one engine. Each
+step's loss (the mean over the micro-batches) and the final parameters match within 1e-6
+relative, each rank reduces its gradients once a step, and each rank's optimizer state (the
+moments it registered) is about 1/N of the reference's; with stage 2 its gradients after
+the reduction too, another rank's refused by name. A backward onto gradients a norm read
+reduced already adds to their mean. Also: the stages not built yet raise, naming what is;
+ranks whose parameters differ are refused.
 
 Skips, saying so, where torch is not importable or torch.distributed has no gloo.
 """
@@ -103,7 +105,10 @@ def _rank(rank, world, folder, mode):
         dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "rdv"),
                                 rank=rank, world_size=world)
         try:
-            res = (_train if mode == "train" else _refusals)(rank, world, folder)
+            if mode.startswith("train"):
+                res = _train(rank, world, folder, int(mode[5]), mode.endswith("peek"))
+            else:
+                res = _refusals(rank, world, folder)
         finally:
             dist.destroy_process_group()
         torch.save(res, out)
@@ -111,10 +116,13 @@ def _rank(rank, world, folder, mode):
         torch.save({"error": traceback.format_exc()}, out)
 
 
-def _train(rank, world, folder):
+def _train(rank, world, folder, stage, peek=False):
+    """peek: the norm read (clip_grad_norm_ that clips nothing) after the first micro-batch
+    too, so that the next one accumulates onto reduced gradients."""
     model = _model()
     with _engine(model, os.path.join(folder, f"swap{rank}")) as engine:
-        zt.offload(model, engine, home="nvme", group=dist.group.WORLD, stage=1)
+        zt.offload(model, engine, home="nvme", group=dist.group.WORLD, stage=stage)
+        off = model.zinf_offload
         opt = zt.AdamW(model.parameters(), lr=1e-3)
         losses = []
         for x, y in _global_batches():
@@ -124,24 +132,37 @@ def _train(rank, world, folder):
                 loss = model(xs, ys) / MICRO
                 loss.backward()
                 t += loss.detach()
+                if peek and not len(losses) % 2:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
             dist.all_reduce(t)
             losses.append(t.item() / world)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
+            # The gradients this rank keeps after the step: all (stage 1) or its own.
+            kept = sum(4 * e.nbytes // e.dtype.itemsize for e in off._entries
+                       if e.has_grad and not off.dist.is_remote(e))
+            refused = None
+            for p in model.parameters():
+                try:
+                    with zt.gathered(p, grads=True):
+                        pass
+                except zt.OffloadedError as err:
+                    refused = str(err)
             opt.zero_grad()
-        off = model.zinf_offload
         st = engine.stats()
         pinned = [st["tier"][t]["pinned_bytes"] for t in (zinf.DEVICE, zinf.HOST)]
         return {"losses": losses, "params": _params(model), "state_bytes": _state_bytes(opt),
                 "pinned": pinned, "reductions": off.dist.reductions,
-                "parameters": len(off._entries)}
+                "parameters": len(off._entries), "grad_bytes": kept,
+                "all_grad_bytes": sum(4 * e.nbytes // e.dtype.itemsize for e in off._entries),
+                "refused": refused}
 
 
 def _refusals(rank, world, folder):
     """What offload(group=) refuses: the stages not built, a stage without a group, ranks
     that start from other values."""
     got = {}
-    for stage in (None, 2, 3):
+    for stage in (None, 3):
         model = _model()
         with _engine(model, os.path.join(folder, f"swap{rank}-{stage}")) as engine:
             try:
@@ -195,9 +216,10 @@ class TestAcrossRanks(unittest.TestCase):
             out.append(res)
         return out
 
-    def check_training(self, world):
-        ref_losses, ref_params, ref_bytes = _reference(world, os.path.join(self.dir, "ref"))
-        ranks = self.spawn(world, "train")
+    def check_training(self, world, stage=1, peek=False):
+        ref_losses, ref_params, ref_bytes = _reference(
+            world, os.path.join(tempfile.mkdtemp(prefix="ref-", dir=self.dir), "swap"))
+        ranks = self.spawn(world, f"train{stage}" + ("peek" if peek else ""))
         for r, res in enumerate(ranks):
             for step, (a, b) in enumerate(zip(ref_losses, res["losses"])):
                 self.assertLessEqual(abs(a - b) / abs(a), 1e-6,
@@ -216,12 +238,23 @@ class TestAcrossRanks(unittest.TestCase):
             gap = (diff / total) ** 0.5
             self.assertLessEqual(gap, 1e-6, f"rank {r}: the parameters are {gap} away")
             if os.environ.get("ZINF_TEST_VERBOSE"):
-                print(f"\n{world} ranks, rank {r}: parameters {gap:.3g} away, state "
-                      f"{res['state_bytes']} of {ref_bytes} bytes", file=sys.stderr)
+                print(f"\n{world} ranks, stage {stage}, rank {r}: parameters {gap:.3g} "
+                      f"away, state {res['state_bytes']} of {ref_bytes} bytes, gradients "
+                      f"{res['grad_bytes']} of {res['all_grad_bytes']}", file=sys.stderr)
             self.assertEqual(res["pinned"], [0, 0])
             # One reduction of each gradient a step, though clip_grad_norm_ and the step
-            # both read them.
-            self.assertEqual(res["reductions"], STEPS * res["parameters"])
+            # both read them; a peek's step one more for each micro-batch but the last
+            # (whose reduction the step's clip_grad_norm_ finds done).
+            reads = STEPS + (STEPS + 1) // 2 * (MICRO - 1) if peek else STEPS
+            self.assertEqual(res["reductions"], reads * res["parameters"])
+            grads = res["grad_bytes"] / res["all_grad_bytes"]
+            if stage == 1:
+                self.assertEqual(grads, 1.0)
+                self.assertIsNone(res["refused"])
+            else:
+                # Each gradient on its owner alone; the others' refused by name.
+                self.assertLessEqual(grads, 1.5 / world, f"rank {r} keeps {grads}")
+                self.assertIn("stage=2", res["refused"])
             share = res["state_bytes"] / ref_bytes
             self.assertGreater(res["state_bytes"], 0)
             self.assertLessEqual(share, 1.5 / world, f"rank {r} holds {share} of the state")
@@ -235,10 +268,22 @@ class TestAcrossRanks(unittest.TestCase):
     def test_three_ranks_match_one_process_with_accumulation(self):
         self.check_training(3)
 
+    def test_stage2_two_ranks_match_one_process(self):
+        self.check_training(2, stage=2)
+
+    def test_stage2_three_ranks_match_one_process(self):
+        self.check_training(3, stage=2)
+
+    def test_backward_onto_reduced_gradients(self):
+        """A norm read between micro-batches reduces them; the next backward adds to the
+        mean (stage 1: on every rank; stage 2: on the owner, scaled back to a sum)."""
+        self.check_training(2, stage=1, peek=True)
+        self.check_training(3, stage=2, peek=True)
+
     def test_refusals(self):
         for r, got in enumerate(self.spawn(2, "refuse")):
-            for stage in (None, 2, 3):
-                self.assertIn("stage=1", got[stage], f"rank {r}, stage={stage}")
+            for stage in (None, 3):
+                self.assertIn("stage=1 or stage=2", got[stage], f"rank {r}, stage={stage}")
                 self.assertIn("not built yet", got[stage])
                 self.assertTrue(got[f"{stage} still plain"])
             self.assertIn("give group=", got["no group"])

@@ -66,7 +66,9 @@ What happens:
   mean over the group, once per step however many backwards accumulated. AdamW keeps each
   parameter's moments on the one rank that owns it, which updates it and broadcasts the
   new values; with a group, step() carries out every update and broadcast itself
-  (collectives come in the same order on every rank). Stages 2 and 3 are not built yet.
+  (collectives come in the same order on every rank). stage=2 reduces each gradient to its
+  owner alone: the other ranks zero theirs and keep its 2-norm and finiteness, exchanged in
+  one all-reduce, for clip_grad_norm_ and GradScaler. Stage 3 is not built yet.
 
 The engine's tier budgets bound the memory: parameters are resident only while a module
 runs or its backward needs them, gradients and moments only while stepped. Activations

@@ -1,12 +1,16 @@
 """Data parallelism over a torch.distributed process group: each rank's Offload of the whole
-model (offload(..., group=, stage=1)), its gradients made the mean over the group once per
-optimizer step (Group.reduce), and which rank owns each parameter's AdamW update (owner_of).
+model (offload(..., group=, stage=1 or 2)), its gradients made the mean over the group once
+per optimizer step (Group.reduce), and which rank owns each parameter's AdamW update
+(owner_of). Stage 2 reduces each gradient to its owner alone; the others forget theirs and
+keep its 2-norm (and whether it is finite), exchanged, for clipping and GradScaler.
 
-What this is not: a partition of the parameters or gradients (ZeRO stages 3 and 2), a
-bucketed or overlapped reduction (one collective per parameter, after the backward), or a
-checkpoint that another number of ranks can read. Every collective here is issued in the
-same order on every rank, as the ranks run the same program over the same model: the
-parameters in their registration order."""
+What this is not: a partition of the parameters (ZeRO stage 3), a bucketed or overlapped
+reduction (one collective per parameter, after the backward, each rank holding every
+gradient until then), or a checkpoint that another number of ranks can read. Every
+collective here is issued in the same order on every rank, as the ranks run the same
+program over the same model: the parameters in their registration order."""
+
+import math
 
 import torch
 
@@ -14,7 +18,7 @@ from ._views import _disabled, view_as
 
 __all__ = ["Group", "make_group", "owner_of"]
 
-STAGES = (1,)
+STAGES = (1, 2)
 
 
 def make_group(group, stage):
@@ -30,8 +34,8 @@ def make_group(group, stage):
             if stage is None else f"stage={stage}"
         raise NotImplementedError(
             f"zinf.torch.offload: {asked} is not built yet; across ranks zinf.torch runs "
-            f"stage=1 now (the optimizer states partitioned, every rank with the whole "
-            f"model's parameters and gradients): pass stage=1")
+            f"stage=1 (the optimizer states partitioned) and stage=2 (the gradients too), "
+            f"every rank with the whole model's parameters: pass stage=1 or stage=2")
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zinf.torch.offload: group= needs torch.distributed initialised "
@@ -48,7 +52,35 @@ class Group:
         self.group, self.stage = group, stage
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
-        self.reductions = 0     # gradients all-reduced, for the tests and the curious
+        self.reductions = 0     # gradients reduced, for the tests and the curious
+        # Stage 2: id(entry) -> the rank that owns its update (AdamW's split, which it puts
+        # here); the entries whose gradient lies on their owner only (remote: this rank
+        # keeps its 2-norm and finiteness); and the owned ones that hold the reduced mean,
+        # which a further backward scales by the group's size before it adds its own, so
+        # that the next reduction's mean keeps it whole.
+        self.owners = {}
+        self.remote = set()
+        self.held = set()
+
+    def is_remote(self, e):
+        return id(e) in self.remote
+
+    def forget(self, e):
+        """e's gradient gone or zeros here (zero_grad)."""
+        self.remote.discard(id(e))
+        self.held.discard(id(e))
+
+    def accumulate_scale(self, e):
+        """The factor a backward multiplies what e's gradient holds by, before it adds its
+        own: the group's size where it holds the reduced mean (stage 2's owner)."""
+        self.remote.discard(id(e))
+        if id(e) in self.held:
+            self.held.discard(id(e))
+            return float(self.size)
+        return 1.0
+
+    def _root(self, r):
+        return self.dist.get_global_rank(self.group, r) if self.group is not None else r
 
     def check_same(self, off):
         """The ranks hold the same parameters (names, shapes, dtypes and values), as data
@@ -98,6 +130,7 @@ class Group:
                               for e in entries], dtype=torch.int32)
         if len(flags):
             dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
+        parted = []         # stage 2: the entries reduced to their owner
         for e, f in zip(entries, flags.tolist()):
             if f == 0:
                 continue
@@ -107,6 +140,7 @@ class Group:
                 continue        # zeros on every rank
             if e.pending is not None:
                 off.ensure(e)
+            owner = self.owners.get(id(e)) if self.stage == 2 else None
             with off.engine.fetch(off.grad_handle(e), "host", dirty=True) as pin:
                 with _disabled():
                     g = view_as(pin, e.shape, torch.float32)
@@ -117,15 +151,48 @@ class Group:
                     # A copy goes to the collective: the backend may keep its tensor
                     # after the call returns, and a view of the pin would keep the pin.
                     s = g.clone()
-                    dist.all_reduce(s, dist.ReduceOp.SUM, group=self.group)
-                    torch.div(s, self.size, out=g)
+                    if owner is None:
+                        dist.all_reduce(s, dist.ReduceOp.SUM, group=self.group)
+                    else:
+                        dist.reduce(s, self._root(owner), dist.ReduceOp.SUM,
+                                    group=self.group)
+                    if owner is None or owner == self.rank:
+                        torch.div(s, self.size, out=g)
                     del s
                 del g
                 off._note_grad(e, pin)
             e.has_grad, e.fresh = True, False
+            if owner is not None:
+                parted.append(e)
+                if owner == self.rank:
+                    self.held.add(id(e))
+                else:
+                    # Not this rank's: forgotten here (zeros where it lies, the next
+                    # backward overwrites), its norm and finiteness to come.
+                    off._zero_grad_data(e)
+                    e.fresh = True
+                    self.remote.add(id(e))
             off._put_proxy(e)
             self.reductions += 1
+        if parted:
+            self._exchange_norms(parted)
         off._unreduced = False
+
+    def _exchange_norms(self, parted):
+        """Each owner's 2-norm and finiteness of the gradients reduced to it, to every rank:
+        one all-reduce (sum) of their squares and flags in the parameters' order, each
+        element from its owner alone, so every rank takes the same bits."""
+        dist = self.dist
+        n = len(parted)
+        v = torch.zeros(2 * n, dtype=torch.float64)
+        for i, e in enumerate(parted):
+            if self.owners[id(e)] == self.rank:
+                v[i] = e.gnorm * e.gnorm if e.gnorm is not None else 0.0
+                v[n + i] = float(e.nonfinite)
+        dist.all_reduce(v, dist.ReduceOp.SUM, group=self.group)
+        for i, e in enumerate(parted):
+            e.gnorm = math.sqrt(v[i].item()) if math.isfinite(v[i].item()) else math.inf
+            e.nonfinite = bool(v[n + i].item())
 
     def broadcast(self, off, e, src):
         """e's values (the parameter in its dtype, as the owner's update left them) from the
@@ -137,8 +204,7 @@ class Group:
                 with _disabled():
                     v = view_as(pin, e.shape, e.dtype)
                     s = v.clone() if mine else torch.empty_like(v)   # as in reduce()
-                    dist.broadcast(s, dist.get_global_rank(self.group, src)
-                                   if self.group is not None else src, group=self.group)
+                    dist.broadcast(s, self._root(src), group=self.group)
                     if not mine:
                         v.copy_(s)
                 del v, s

@@ -7,7 +7,7 @@ import math
 import torch
 
 from .._zinf import _grad_add
-from ._param import GradProxy
+from ._param import GradProxy, OffloadedError
 from ._views import _GRAD_CODES, _disabled, _grad_of, _set_grad, torch_view, view_as, zero
 
 
@@ -37,6 +37,8 @@ class GradsMixin:
         accumulation overwrites without reading what zinf holds."""
         was = e.has_grad
         e.has_grad, e.fresh, e.gnorm, e.gscale, e.nonfinite = False, True, None, 1.0, False
+        if self.dist is not None:
+            self.dist.forget(e)
         if was and e.grad is not None:
             if e.pending is not None:
                 e.zero_later = True     # the deferred update reads it first
@@ -105,8 +107,11 @@ class GradsMixin:
         with self._lock:
             if e.pending is not None:
                 self.ensure(e)
+            scale = e.gscale
+            if self.dist is not None:
+                scale *= self.dist.accumulate_scale(e)
             sumsq = self.engine._grad_add(self.grad_handle(e), g.data_ptr(), g.numel(), code,
-                                          e.gscale, not e.has_grad or e.fresh)
+                                          scale, not e.has_grad or e.fresh)
             # The 2-norm, for clip_grad_norm_, and an inf or nan (sum of squares not finite:
             # no finite float32's square overflows a double), for GradScaler's skip.
             e.gnorm = math.sqrt(sumsq)
@@ -129,6 +134,7 @@ class GradsMixin:
                 return torch.zeros((), dtype=torch.float32)
             if ord == 2.0 and e.gnorm is not None:
                 return torch.tensor(e.gnorm, dtype=torch.float32)
+            self._refuse_remote(e, f"its {ord}-norm")
             with self.engine.fetch(e.grad, "host") as pin:
                 with _disabled():
                     n = torch.linalg.vector_norm(view_as(pin, e.shape, torch.float32), ord)
@@ -140,8 +146,18 @@ class GradsMixin:
             if e.gnorm is not None:
                 e.gnorm *= abs(s)
 
+    def _refuse_remote(self, e, what):
+        """Stage 2: a gradient that lies on its owner's rank only is not read here."""
+        if self.dist is not None and self.dist.is_remote(e):
+            raise OffloadedError.about(
+                e, f"{e.name}: its gradient lies on rank {self.dist.owners[id(e)]} of the "
+                   f"group (stage=2 keeps each gradient on its owner, and every rank its "
+                   f"2-norm); {what} is not taken on another rank")
+
     def grad_zero(self, e):
         with self._lock:
+            if self.dist is not None:
+                self.dist.forget(e)
             if e.pending is not None:
                 e.zero_later = True     # the deferred update reads it first
             else:
@@ -158,6 +174,10 @@ class GradsMixin:
     def grad_clamp(self, e, lo, hi):
         self.reduce_grads()
         with self._lock:
+            if self.dist is not None and self.dist.is_remote(e):
+                # Its owner clamps it; the norm this rank kept is no longer its.
+                e.gnorm, e.gscale = None, 1.0
+                return
             if e.pending is not None:
                 self.ensure(e)
             with self.engine.fetch(e.grad, "host", dirty=True) as pin:

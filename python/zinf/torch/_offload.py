@@ -734,10 +734,13 @@ def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=Fal
     data parallelism: every rank offloads the same model into its own engine, and the
     gradients become the mean over the group's ranks, reduced once per optimizer step by
     whatever reads them first (clip_grad_norm_, GradScaler, gathered(grads=True), the step).
-    stage: how much the ranks partition; stage=1 (ZeRO stage 1: zinf.torch.AdamW keeps each
-    parameter's optimizer state on one rank, which updates it and broadcasts the new values)
-    is what runs now; 2, 3 or None raise NotImplementedError. The ranks must start with the
-    same parameters (checked: an error names the first that differs)."""
+    stage: how much the ranks partition. stage=1 (ZeRO stage 1): zinf.torch.AdamW keeps each
+    parameter's optimizer state on one rank, which updates it and broadcasts the new values.
+    stage=2: each gradient is reduced to that rank alone, and the others forget theirs,
+    keeping its 2-norm and finiteness (exchanged) for clip_grad_norm_ and GradScaler; any
+    other read of it there raises OffloadedError. 3 or None raise NotImplementedError. The
+    ranks must start with the same parameters (checked: an error names the first that
+    differs)."""
     return Offload(module, engine, home=home, tier=tier, prefix=prefix, resume=resume,
                    wait=wait, group=group, stage=stage)
 
@@ -771,6 +774,7 @@ def gathered(params, *, modify=False, grads=False):
                     if modify:
                         e.dirty = True
                     if grads and e.has_grad:
+                        off._refuse_remote(e, "gathered(grads=True)")
                         pin = off.engine.fetch(e.grad, "host", dirty=True)
                         held[-1][2].append((e, pin))
                         with _disabled():

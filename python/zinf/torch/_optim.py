@@ -59,15 +59,16 @@ class AdamW(torch.optim.Optimizer):
     step's, never a mix; the exception goes on to the caller (with overlap, the caller of
     whatever carried out the update that failed).
 
-    Across ranks (parameters offloaded with group= and stage=1): each parameter is owned by
-    one rank of the group, greedily by size in the parameters' order (the same split on every
-    rank); only the owner registers its moments (and master copy) and updates it, then
+    Across ranks (parameters offloaded with group= and stage=1 or 2): each parameter is owned
+    by one rank of the group, greedily by size in the parameters' order (the same split on
+    every rank); only the owner registers its moments (and master copy) and updates it, then
     broadcasts its new values to the group, and every rank writes them into its engine.
     step() first has the gradients averaged over the group where a backward left them
     unreduced. It carries out every update and broadcast itself, as overlap=False does,
     whatever overlap says: the broadcasts are collectives, which must come in the same order
     on every rank, and the next forward's fetches do not promise one. state_dict() holds
-    this rank's parameters' state only."""
+    this rank's parameters' state only. With stage=2 the split also says which rank each
+    gradient is reduced to."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
@@ -155,6 +156,7 @@ class AdamW(torch.optim.Optimizer):
         for e, r in zip(new, owner_of([_numel(e.shape) for e in new], self._dist.size,
                                       self._loads)):
             self._owner[id(e)] = r
+            e.owner.dist.owners[id(e)] = r      # stage 2 reduces its gradient to r
 
     def _mine(self, e):
         """This rank keeps e's optimizer state and updates it: always, but across ranks
