@@ -10,8 +10,9 @@ step's loss (the mean over the micro-batches) and the final parameters match wit
 relative, each rank reduces its gradients once a step, and each rank's optimizer state (the
 moments it registered) is about 1/N of the reference's; with stage 2 its gradients after
 the reduction too, another rank's refused by name. A backward onto gradients a norm read
-reduced already adds to their mean. Also: the stages not built yet raise, naming what is;
-ranks whose parameters differ are refused.
+reduced already adds to their mean. Through GradScaler, one rank's overflow has every
+rank skip the step. Also: the stages not built yet raise, naming what is; ranks whose
+parameters differ are refused.
 
 Skips, saying so, where torch is not importable or torch.distributed has no gloo.
 """
@@ -77,22 +78,49 @@ def _params(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _reference(world, swap):
+def _scaler(on):
+    return torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if on else None
+
+
+def _step(model, opt, scaler):
+    """clip_grad_norm_ and the step, through GradScaler where there is one."""
+    if scaler is not None:
+        scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
+def _backward(loss, scaler, overflow=False):
+    """overflow: an inf in every gradient of this backward (GradScaler skips the step)."""
+    if overflow:
+        loss = loss * float("inf")
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+
+
+OVERFLOW_STEP = 2   # with GradScaler: the last micro-batch of this step overflows
+
+
+def _reference(world, swap, scaled=False):
     """One process: each global batch as world * MICRO micro-batches, accumulated."""
     model = _model()
     with _engine(model, swap) as engine:
         zt.offload(model, engine, home="nvme")
         opt = zt.AdamW(model.parameters(), lr=1e-3)
+        scaler = _scaler(scaled)
         losses = []
-        for x, y in _global_batches():
+        for step, (x, y) in enumerate(_global_batches()):
             total = 0.0
-            for xs, ys in zip(x.chunk(world * MICRO), y.chunk(world * MICRO)):
+            for i, (xs, ys) in enumerate(zip(x.chunk(world * MICRO), y.chunk(world * MICRO))):
                 loss = model(xs, ys) / (world * MICRO)
-                loss.backward()
+                _backward(loss, scaler, scaled and step == OVERFLOW_STEP and
+                          i == world * MICRO - 1)
                 total += loss.item()
             losses.append(total)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
+            _step(model, opt, scaler)
             opt.zero_grad()
         return losses, _params(model), _state_bytes(opt)
 
@@ -106,7 +134,8 @@ def _rank(rank, world, folder, mode):
                                 rank=rank, world_size=world)
         try:
             if mode.startswith("train"):
-                res = _train(rank, world, folder, int(mode[5]), mode.endswith("peek"))
+                res = _train(rank, world, folder, int(mode[5]), "peek" in mode,
+                             "scaled" in mode)
             else:
                 res = _refusals(rank, world, folder)
         finally:
@@ -116,28 +145,33 @@ def _rank(rank, world, folder, mode):
         torch.save({"error": traceback.format_exc()}, out)
 
 
-def _train(rank, world, folder, stage, peek=False):
-    """peek: the norm read (clip_grad_norm_ that clips nothing) after the first micro-batch
-    too, so that the next one accumulates onto reduced gradients."""
+def _train(rank, world, folder, stage, peek=False, scaled=False):
+    """peek: the norm read (clip_grad_norm_ that clips nothing) after each micro-batch of
+    every other step too, so that the next one accumulates onto reduced gradients; scaled:
+    through torch.amp.GradScaler."""
     model = _model()
     with _engine(model, os.path.join(folder, f"swap{rank}")) as engine:
         zt.offload(model, engine, home="nvme", group=dist.group.WORLD, stage=stage)
         off = model.zinf_offload
         opt = zt.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for x, y in _global_batches():
+        scaler = _scaler(scaled)
+        losses, scales = [], []
+        for step, (x, y) in enumerate(_global_batches()):
             mine = x.chunk(world)[rank], y.chunk(world)[rank]
             t = torch.zeros(())
-            for xs, ys in zip(mine[0].chunk(MICRO), mine[1].chunk(MICRO)):
+            for i, (xs, ys) in enumerate(zip(mine[0].chunk(MICRO), mine[1].chunk(MICRO))):
                 loss = model(xs, ys) / MICRO
-                loss.backward()
+                # The overflow on the last rank alone: every rank skips the step.
+                _backward(loss, scaler, scaled and step == OVERFLOW_STEP and
+                          rank == world - 1 and i == MICRO - 1)
                 t += loss.detach()
                 if peek and not len(losses) % 2:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
             dist.all_reduce(t)
             losses.append(t.item() / world)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
+            _step(model, opt, scaler)
+            if scaler is not None:
+                scales.append(scaler.get_scale())
             # The gradients this rank keeps after the step: all (stage 1) or its own.
             kept = sum(4 * e.nbytes // e.dtype.itemsize for e in off._entries
                        if e.has_grad and not off.dist.is_remote(e))
@@ -155,7 +189,7 @@ def _train(rank, world, folder, stage, peek=False):
                 "pinned": pinned, "reductions": off.dist.reductions,
                 "parameters": len(off._entries), "grad_bytes": kept,
                 "all_grad_bytes": sum(4 * e.nbytes // e.dtype.itemsize for e in off._entries),
-                "refused": refused}
+                "refused": refused, "scales": scales}
 
 
 def _refusals(rank, world, folder):
@@ -216,10 +250,11 @@ class TestAcrossRanks(unittest.TestCase):
             out.append(res)
         return out
 
-    def check_training(self, world, stage=1, peek=False):
+    def check_training(self, world, stage=1, peek=False, scaled=False):
         ref_losses, ref_params, ref_bytes = _reference(
-            world, os.path.join(tempfile.mkdtemp(prefix="ref-", dir=self.dir), "swap"))
-        ranks = self.spawn(world, f"train{stage}" + ("peek" if peek else ""))
+            world, os.path.join(tempfile.mkdtemp(prefix="ref-", dir=self.dir), "swap"), scaled)
+        ranks = self.spawn(world, f"train{stage}" + ("peek" if peek else "") +
+                           ("scaled" if scaled else ""))
         for r, res in enumerate(ranks):
             for step, (a, b) in enumerate(zip(ref_losses, res["losses"])):
                 self.assertLessEqual(abs(a - b) / abs(a), 1e-6,
@@ -261,6 +296,10 @@ class TestAcrossRanks(unittest.TestCase):
         # Every parameter's state on exactly one rank.
         self.assertEqual(sum(res["state_bytes"] for res in ranks), ref_bytes)
         self.assertLess(ref_losses[-1], ref_losses[0])
+        if scaled:
+            for r, res in enumerate(ranks):
+                want = [2.0 ** 10] * OVERFLOW_STEP + [2.0 ** 9] * (STEPS - OVERFLOW_STEP)
+                self.assertEqual(res["scales"], want, f"rank {r}")
 
     def test_two_ranks_match_one_process_with_accumulation(self):
         self.check_training(2)
@@ -279,6 +318,13 @@ class TestAcrossRanks(unittest.TestCase):
         mean (stage 1: on every rank; stage 2: on the owner, scaled back to a sum)."""
         self.check_training(2, stage=1, peek=True)
         self.check_training(3, stage=2, peek=True)
+
+    def test_grad_scaler(self):
+        """GradScaler's unscale_ reads the gradients first: reduced there, its overflow
+        check on the mean (stage 2: the owner's, exchanged). One rank's overflow has every
+        rank skip the step and halve the scale."""
+        self.check_training(2, stage=1, scaled=True)
+        self.check_training(2, stage=2, scaled=True)
 
     def test_refusals(self):
         for r, got in enumerate(self.spawn(2, "refuse")):
