@@ -101,8 +101,8 @@ class AdamW(torch.optim.Optimizer):
         self._engines = {}        # the engines the deferred step updates
         self._applied = 0         # updates of the deferred step carried out
         self._barriers = {}       # id(engine) -> engine that runs _settle before a flush
-        # Across ranks (offload(..., group=, stage=1)): the group, each parameter's owner
-        # (id of its entry -> rank in the group) and the elements each rank owns.
+        # Across ranks (offload(..., group=, stage=1 or 2)): the group, each parameter's
+        # owner (id of its entry -> rank in the group) and the elements each rank owns.
         self._dist = None
         self._owner = {}
         self._loads = None
@@ -162,6 +162,7 @@ class AdamW(torch.optim.Optimizer):
         """This rank keeps e's optimizer state and updates it: always, but across ranks
         where the split gave e to another."""
         return self._dist is None or self._owner[id(e)] == self._dist.rank
+
     def _wants_master(self, e):
         if e.dtype not in _SIXTEEN:
             return False
@@ -269,13 +270,23 @@ class AdamW(torch.optim.Optimizer):
             work = [(g, p) for g, p in work if _numel(p._zinf.shape) < self.overlap_min]
         done = 0
         try:
-            if self._dist is not None:
-                done = self._step_shared(work)
-            for i, (group, p) in enumerate(work if self._dist is None else ()):
-                if i + 1 < len(work):
-                    self._prefetch(work[i + 1][1]._zinf)
-                self._step_one(group, p)
-                done += 1
+            # Across ranks each parameter is updated by its owner and its new values
+            # broadcast from there, in the same order on every rank (the broadcasts are
+            # collectives); alone, every one is this process's.
+            # done counts the parameters whose values this step changed here.
+            mine = [p for _, p in work if self._mine(p._zinf)]
+            ahead = 0
+            for group, p in work:
+                e = p._zinf
+                if self._mine(e):
+                    ahead += 1
+                    if ahead < len(mine):
+                        self._prefetch(mine[ahead]._zinf)
+                    self._step_one(group, p)
+                    done += 1
+                if self._dist is not None:
+                    self._dist.broadcast(e.owner, e, self._owner[id(e)])
+                    done += not self._mine(e)
         except BaseException:
             if done:
                 # Some parameters hold this step's values and others the last one's: no
@@ -292,22 +303,6 @@ class AdamW(torch.optim.Optimizer):
         for off in owners.values():
             off.prefetch_forward()
         return loss
-
-    def _step_shared(self, work):
-        """The step across ranks: each parameter updated by its owner and its new values
-        broadcast from there, in the same order on every rank (the broadcasts are
-        collectives); returns how many this rank updated."""
-        mine = [(g, p) for g, p in work if self._mine(p._zinf)]
-        done = 0
-        for group, p in work:
-            e = p._zinf
-            if self._mine(e):
-                done += 1
-                if done < len(mine):
-                    self._prefetch(mine[done][1]._zinf)
-                self._step_one(group, p)
-            self._dist.broadcast(e.owner, e, self._owner[id(e)])
-        return done
 
     @staticmethod
     def _prefetch(e):
