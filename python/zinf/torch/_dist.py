@@ -83,10 +83,10 @@ class Group:
         return self.dist.get_global_rank(self.group, r) if self.group is not None else r
 
     def check_same(self, off):
-        """The ranks hold the same parameters (names, shapes, dtypes and values), as data
-        parallelism needs: each parameter's sum and sum of squares (float64) compared by
-        their extremes over the group. A rank that differs is an error on every rank,
-        naming the first parameter found to differ."""
+        """The ranks hold the same parameters (their count, shapes and values), as data
+        parallelism needs: each parameter's sum and sum of squares (float64) and its shape's
+        rank and sum compared by their extremes over the group. A rank that differs is an
+        error on every rank, naming the first parameter found to differ."""
         dist = self.dist
         sig = []
         for e in off._entries:
@@ -117,9 +117,11 @@ class Group:
     def reduce(self, off):
         """Every gradient of off made the mean over the group, where the backward left it
         unreduced: each in turn, in the parameters' order, summed in place in its host copy
-        (with its pending scale applied first) and divided by the group's size. A parameter
-        with a gradient on some rank and none on another gets zeros on the latter, so that
-        the next step moves it on every rank, as it does where it has one."""
+        (with its pending scale applied first) and divided by the group's size; with stage 2
+        reduced to the rank that owns the parameter's update alone (where AdamW gave it
+        one), the others forgetting theirs. A parameter with a gradient on some rank and
+        none on another gets zeros on the latter, so that the next step moves it on every
+        rank, as it does where it has one."""
         if not off._unreduced:
             return
         dist = self.dist
