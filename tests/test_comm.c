@@ -662,6 +662,17 @@ Test(comm, bad_options_are_refused)
     cr_assert_eq(comm_open(NULL, &c), -EINVAL);
     cr_assert_eq(comm_open(&o, NULL), -EINVAL);
     o.name = "n";
+    o.mpi = true;
+    o.backend = COMM_SELF;
+    cr_assert_eq(comm_open(&o, &c), -EINVAL, "self under mpi");
+    o.backend = COMM_SHM;
+    char why[200] = "";
+    o.why = why;
+    o.why_len = sizeof(why);
+    cr_assert_eq(comm_open(&o, &c), -ENOTSUP, "mpi in a build without MPI");
+    cr_assert(strstr(why, "libopenmpi-dev"), "why: %s", why);
+    o.mpi = false;
+    o.why = NULL;
     o.backend = COMM_NCCL;
     struct cuda_probe_info pi;
     if (!ZINF_HAVE_NCCL) {

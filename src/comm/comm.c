@@ -221,6 +221,17 @@ int comm_open(const struct comm_opts *o, struct comm **out)
         log_error("comm: the self backend has one rank, not %d", o->world);
         return -EINVAL;
     }
+    if (o->mpi && o->backend == COMM_SELF) {
+        log_error("comm: the self backend has one rank and no MPI");
+        return -EINVAL;
+    }
+    if (o->mpi) {
+        log_error("comm: this build has no MPI: install libopenmpi-dev and rebuild");
+        if (o->why && o->why_len)
+            snprintf(o->why, o->why_len,
+                     "this build has no MPI: install libopenmpi-dev and rebuild");
+        return -ENOTSUP;
+    }
     if (o->backend != COMM_SELF && !comm_name_ok(o->name)) {
         size_t len = o->name ? strnlen(o->name, COMM_NAME_BYTES) : 0;
         log_error("comm: the rendezvous name '%.*s%s' is not 1-%d characters of [A-Za-z0-9._-]",
@@ -243,6 +254,7 @@ int comm_open(const struct comm_opts *o, struct comm **out)
     c->st.backend = o->backend;
     c->st.rank = o->rank;
     c->st.world = o->world;
+    c->st.nodes = 1;
     pthread_mutex_init(&c->lock, NULL);
     pthread_cond_init(&c->work_cv, NULL);
     pthread_cond_init(&c->idle_cv, NULL);

@@ -17,6 +17,12 @@
  *           comm_req.acc they add onto what recv holds, (((recv + r0) + r1) + ...).
  *   - nccl: GPU ranks; buffers are device memory; the unique id travels through the same
  *           shared-memory rendezvous.
+ * and, with comm_opts.mpi, across nodes: the ranks were started by Open MPI's mpirun and
+ * the ranks of each node meet as above (shm, or nccl's barrier), while one leader per node
+ * (its lowest rank) moves data between nodes over MPI point-to-point messages. The shm
+ * backend's sums then go along a chain of the nodes in rank order, so a result is bitwise
+ * the one of a single node (and of one rank accumulating) with the same ranks; nccl runs
+ * one NCCL communicator over the whole world (its unique id broadcast over MPI).
  * The rendezvous is by name: every rank of a job opens the communicator with the same
  * name, world and backend, its own rank, within timeout_ms of each other. After it, an
  * operation waits for the other ranks as long as they live: a rank that dies (or fails an
@@ -75,6 +81,15 @@ struct comm_opts {
     size_t pool_bytes;   /* shm: memory per rank for comm_alloc, which every rank maps
                             (collectives on it copy once); 0: none */
     int cuda_device;     /* nccl: the rank's GPU ordinal */
+    /* The ranks were started by mpirun (Open MPI) and may span several nodes: rank and world
+     * must be MPI_COMM_WORLD's (else -EPROTO); name and secret may be NULL (world rank 0
+     * makes them and broadcasts them). A node's ranks must have consecutive world ranks
+     * (mpirun's default --map-by slot). Pools (pool_bytes, comm_alloc) are shared within a
+     * node only: a collective across nodes on pooled buffers works, through the node-local
+     * path. Env ZINF_COMM_RANKS_PER_NODE=L (tests, benchmarks) makes nodes of L
+     * consecutive ranks instead of the physical ones (L=1: every rank its own node). A
+     * build without MPI answers -ENOTSUP. */
+    bool mpi;
 };
 
 struct comm_req;
@@ -108,6 +123,12 @@ struct comm_stats {
     int rank, world;
     uint64_t ops, bytes_in, bytes_out; /* finished operations; bytes sent and received */
     uint64_t pooled_ops;               /* of ops, those that read peers' pools in place */
+    /* mpi: bytes this rank sent to and received from ranks on other physical nodes (the
+     * leaders' point-to-point messages, exactly), and of ops those that crossed nodes;
+     * node: this rank's logical node (numbered by their first rank), of nodes. Without
+     * mpi: 0s, node 0 of 1. */
+    uint64_t net_bytes_out, net_bytes_in, net_ops;
+    int node, nodes;
 };
 
 struct comm;
