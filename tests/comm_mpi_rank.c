@@ -242,6 +242,7 @@ int main(int argc, char **argv)
         FAIL("%llu bytes out, %llu in over the network on one machine",
              (unsigned long long)st.net_bytes_out, (unsigned long long)st.net_bytes_in);
     comm_close(c);
-    printf("rank %d ok\n", rank);
+    printf("rank %d ok (%llu of %llu operations through the pools in place)\n", rank,
+           (unsigned long long)st.pooled_ops, (unsigned long long)st.ops);
     return 0;
 }

@@ -229,10 +229,10 @@ int mpi_open(const struct comm_opts *o, char *name, char *secret, struct mpi **o
         r = mpi_err(o, e, "MPI_Comm_dup");
         goto err;
     }
-    MPI_Comm_set_errhandler(m->world, MPI_ERRORS_RETURN);
     int world = 0;
-    MPI_Comm_rank(m->world, &m->rank);
-    MPI_Comm_size(m->world, &world);
+    LOCKED(MPI_Comm_set_errhandler(m->world, MPI_ERRORS_RETURN));
+    LOCKED(MPI_Comm_rank(m->world, &m->rank));
+    LOCKED(MPI_Comm_size(m->world, &world));
     if (world > COMM_MAX_RANKS) {
         say(o, "mpirun started %d ranks; a communicator has at most %d", world, COMM_MAX_RANKS);
         r = -EPROTO;
@@ -246,7 +246,7 @@ int mpi_open(const struct comm_opts *o, char *name, char *secret, struct mpi **o
                                    &here));
     if (e == MPI_SUCCESS) {
         e = LOCKED(MPI_Bcast(&phys, 1, MPI_INT, 0, here));
-        MPI_Comm_free(&here);
+        LOCKED(MPI_Comm_free(&here));
     }
     if (e != MPI_SUCCESS) {
         r = mpi_err(o, e, "MPI_Comm_split_type");
@@ -310,12 +310,13 @@ int mpi_open(const struct comm_opts *o, char *name, char *secret, struct mpi **o
         r = mpi_err(o, e, "MPI_Comm_split");
         goto err;
     }
-    if (m->leaders != MPI_COMM_NULL) MPI_Comm_set_errhandler(m->leaders, MPI_ERRORS_RETURN);
+    if (m->leaders != MPI_COMM_NULL)
+        LOCKED(MPI_Comm_set_errhandler(m->leaders, MPI_ERRORS_RETURN));
     *out = m;
     return 0;
 err:
-    if (m->leaders != MPI_COMM_NULL) MPI_Comm_free(&m->leaders);
-    if (m->world != MPI_COMM_NULL) MPI_Comm_free(&m->world);
+    if (m->leaders != MPI_COMM_NULL) LOCKED(MPI_Comm_free(&m->leaders));
+    if (m->world != MPI_COMM_NULL) LOCKED(MPI_Comm_free(&m->world));
     free(m);
 err_count:
     pthread_mutex_lock(&init_lock);
@@ -328,7 +329,7 @@ void mpi_close(struct mpi *m)
 {
     if (!m) return;
     if (!m->aborted) {
-        if (m->npend) MPI_Waitall((int)m->npend, m->pend, MPI_STATUSES_IGNORE);
+        if (m->npend) LOCKED(MPI_Waitall((int)m->npend, m->pend, MPI_STATUSES_IGNORE));
         if (m->leaders != MPI_COMM_NULL) LOCKED(MPI_Comm_free(&m->leaders));
         LOCKED(MPI_Comm_free(&m->world));
     }
@@ -347,7 +348,7 @@ const struct mpi_layout *mpi_layout(const struct mpi *m)
 int mpi_agree(struct mpi *m, int r, const struct comm_opts *o)
 {
     int all[COMM_MAX_RANKS], world = 0;
-    MPI_Comm_size(m->world, &world);
+    LOCKED(MPI_Comm_size(m->world, &world));
     int e = LOCKED(MPI_Allgather(&r, 1, MPI_INT, all, 1, MPI_INT, m->world));
     if (e != MPI_SUCCESS) return r ? r : mpi_err(o, e, "MPI_Allgather");
     if (r) return r;
