@@ -8,6 +8,9 @@
  *   comm_mpi_rank check       the sequence
  *   comm_mpi_rank die R       rank R kills itself (SIGKILL) after a few operations
  *   comm_mpi_rank exit R      rank R exits (status 3, communicator open) after a few
+ *   comm_mpi_rank stop R      rank R stops itself (SIGSTOP) after a few; the others' operations
+ *                             time out (ZINF_COMM_OP_TIMEOUT_MS) and the job is aborted
+ *   comm_mpi_rank longname    a name that leaves no room for the nodes' suffix (-EINVAL)
  *   comm_mpi_rank world       every rank claims a world one larger than mpirun's (-EPROTO)
  *
  * Not a place for timing: bench/ measures.
@@ -204,9 +207,15 @@ int main(int argc, char **argv)
     int victim = argc > 2 ? atoi(argv[2]) : -1;
     char why[300] = "";
     struct comm_opts o = {.backend = COMM_SHM, .rank = rank, .world = world, .mpi = true,
-                          .timeout_ms = 20000, .op_timeout_ms = 60000, .why = why,
+                          .timeout_ms = 20000, .why = why,
                           .why_len = sizeof(why), .pool_bytes = POOL_BYTES,
                           .chunk_bytes = (size_t)256 << 10};
+    const char *op_ms = getenv("ZINF_COMM_OP_TIMEOUT_MS");
+    o.op_timeout_ms = op_ms ? (unsigned)atoi(op_ms) : 60000;
+    char longname[COMM_NAME_BYTES];
+    memset(longname, 'a', sizeof(longname) - 1);
+    longname[sizeof(longname) - 1] = 0;
+    if (!strcmp(mode, "longname")) o.name = longname;
     if (!strcmp(mode, "world")) o.world = world + 1 > COMM_MAX_RANKS ? world : world + 1;
     struct comm *c;
     int r = comm_open(&o, &c);
@@ -221,7 +230,7 @@ int main(int argc, char **argv)
     if (st.nodes != (world + per - 1) / per || st.node != rank / per)
         FAIL("node %d of %d, not %d of %d", st.node, st.nodes, rank / per,
              (world + per - 1) / per);
-    if (!strcmp(mode, "die") || !strcmp(mode, "exit")) {
+    if (!strcmp(mode, "die") || !strcmp(mode, "exit") || !strcmp(mode, "stop")) {
         float a[1000], b[1000];
         for (int i = 0; i < 1000; i++)
             a[i] = (float)i;
@@ -230,6 +239,7 @@ int main(int argc, char **argv)
         if (rank == victim) {
             fflush(NULL);
             if (!strcmp(mode, "die")) raise(SIGKILL);
+            if (!strcmp(mode, "stop")) raise(SIGSTOP);
             exit(3);
         }
         for (;;) /* until the job ends: these cannot complete */

@@ -3,8 +3,10 @@
  * jobs that mpirun starts on this machine, split into logical nodes by
  * ZINF_COMM_RANKS_PER_NODE, each rank (comm_mpi_rank) running a fixed sequence of every
  * collective and checking each result bitwise against the rank-order chain; and the faults:
- * a rank killed or exiting mid-job ends the job within seconds, a bad layout or a wrong world
- * fails every rank with the reason. Skipped where mpirun is not on PATH or the build has no
+ * a rank killed or exiting mid-job ends the job within seconds, a stopped one within the
+ * operations' deadline, a bad layout, a name too long or a wrong world fails every rank with
+ * the reason. mpirun cannot place a node's ranks apart on one machine, so the refusal of
+ * --map-by node is not tested here. Skipped where mpirun is not on PATH or the build has no
  * MPI. The single-node communicator's own tests are in test_comm.c.
  */
 #include <criterion/criterion.h>
@@ -37,7 +39,8 @@ struct job {
 };
 
 /* mpirun -np np of comm_mpi_rank with args, ZINF_COMM_RANKS_PER_NODE=per (NULL: unset). */
-static void run_job(int np, const char *per, const char *a1, const char *a2, struct job *j)
+static void run_job_env(int np, const char *per, const char *a1, const char *a2, struct job *j,
+                        const char *op_timeout_ms)
 {
     char path[] = "/tmp/zinf-mpi-out-XXXXXX", nps[16];
     int fd = mkstemp(path);
@@ -53,6 +56,7 @@ static void run_job(int np, const char *per, const char *a1, const char *a2, str
         setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
         setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
         setenv("OMPI_MCA_rmaps_base_oversubscribe", "1", 1);
+        if (op_timeout_ms) setenv("ZINF_COMM_OP_TIMEOUT_MS", op_timeout_ms, 1);
         if (per) setenv("ZINF_COMM_RANKS_PER_NODE", per, 1);
         else unsetenv("ZINF_COMM_RANKS_PER_NODE");
         dup2(fd, 1);
@@ -71,6 +75,11 @@ static void run_job(int np, const char *per, const char *a1, const char *a2, str
     j->out[n > 0 ? n : 0] = 0;
     close(fd);
     unlink(path);
+}
+
+static void run_job(int np, const char *per, const char *a1, const char *a2, struct job *j)
+{
+    run_job_env(np, per, a1, a2, j, NULL);
 }
 
 static void expect_ok(int np, const char *per)
@@ -151,6 +160,32 @@ Test(comm_mpi, a_world_other_than_mpiruns_is_eproto_on_every_rank)
     run_job(2, "1", "world", NULL, &j);
     cr_assert_neq(j.status, 0);
     cr_assert(strstr(j.out, "rank and world are MPI_COMM_WORLD's"), "%s", j.out);
+    cr_assert(strstr(j.out, "rank 0: comm_open: ") && strstr(j.out, "rank 1: comm_open: "), "%s",
+              j.out);
+}
+
+/* A leader stopped mid-job: the other node's leader waits for its chain in MPI, finds the
+ * operation's deadline (2 s) passed and aborts the job, naming why. */
+Test(comm_mpi, a_stopped_leader_times_out_the_others_and_ends_the_job)
+{
+    need_mpi();
+    struct job j;
+    run_job_env(4, "2", "stop", "2", &j, "2000");
+    cr_assert_neq(j.status, 0, "%s", j.out);
+    cr_assert_lt(j.secs, 20.0, "the job took %.1f s to fail:\n%s", j.secs, j.out);
+    cr_assert(strstr(j.out, "deadline passed"), "%s", j.out);
+    /* A regression: the node's segment named its job from memory gone after comm_open. */
+    for (const char *p = j.out; (p = strstr(p, "zinf: error: comm ")); p++)
+        cr_assert(!strncmp(p + 18, "mpi-", 4), "a segment's job name is garbled:\n%s", j.out);
+}
+
+Test(comm_mpi, a_name_without_room_for_the_nodes_suffix_is_refused)
+{
+    need_mpi();
+    struct job j;
+    run_job(2, "1", "longname", NULL, &j);
+    cr_assert_neq(j.status, 0);
+    cr_assert(strstr(j.out, "with its node's suffix"), "%s", j.out);
     cr_assert(strstr(j.out, "rank 0: comm_open: ") && strstr(j.out, "rank 1: comm_open: "), "%s",
               j.out);
 }

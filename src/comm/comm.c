@@ -34,6 +34,7 @@ struct comm {
     struct mpi *mpi;   /* mpi: MPI, the nodes; shm is then the node's segment */
     int nodes;         /* mpi: more than one, and the collectives go through hier.c */
     char secret[COMM_SECRET_HEX + 1]; /* mpi: the job's, as rank 0 made or had it */
+    char node_name[COMM_NAME_BYTES + 16]; /* mpi: the node's segment's name, which it keeps */
 
     pthread_mutex_t lock; /* everything below */
     pthread_cond_t work_cv, idle_cv;
@@ -227,12 +228,12 @@ static int mpi_open_node(struct comm *c)
     if (r) return r;
     c->o.name = c->name;
     const struct mpi_layout *l = mpi_layout(c->mpi);
-    char node_name[COMM_NAME_BYTES + 16]; /* mpi_open checked that it fits COMM_NAME_BYTES */
-    snprintf(node_name, sizeof(node_name), "%s.n%d", c->name, l->node);
+    /* mpi_open checked that it fits COMM_NAME_BYTES. */
+    snprintf(c->node_name, sizeof(c->node_name), "%s.n%d", c->name, l->node);
     struct comm_opts lo = c->o;
     lo.rank = l->local;
     lo.world = l->local_world;
-    lo.name = node_name;
+    lo.name = c->node_name;
     lo.secret = c->secret;
     c->o.secret = c->secret;
     c->st.node = l->node;
