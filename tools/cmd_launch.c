@@ -421,7 +421,7 @@ int cmd_launch(int argc, char **argv)
     }
     if ((n == 0 && !hostfile) || optind >= argc) {
         fprintf(stderr, "zinf launch: %s\n",
-                n == 0 && !hostfile ? "-n N (or --hostfile FILE) is required" : "no COMMAND to run");
+                n == 0 && !hostfile ? "-n N is required (or --hostfile FILE)" : "no COMMAND to run");
         usage(stderr);
         return 2;
     }

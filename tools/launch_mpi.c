@@ -383,7 +383,10 @@ int launch_mpi_run(const struct launch_mpi *l)
         fprintf(stderr, "zinf launch: failed: mpirun was killed by signal %d (%s)\n",
                 WTERMSIG(status), strsignal(WTERMSIG(status)));
     }
-    if (stop_sig && rc != 0 && rc < 128) rc = 128 + stop_sig;
+    if (stop_sig) { /* as a job on one node says it */
+        fprintf(stderr, "zinf launch: stopped by %s\n", strsignal(stop_sig));
+        rc = 128 + stop_sig;
+    }
 out:
     for (int s = 0; s < 2; s++)
         for (int e = 0; e < 2; e++)
