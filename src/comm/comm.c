@@ -1,7 +1,7 @@
 /*
  * comm.c - the communicator of comm.h: options and requests checked, a queue of requests
  * run in order by one worker thread per communicator, the self backend, and dispatch to
- * the shm (shm.c) and nccl (nccl.c) backends.
+ * the shm (shm.c) and nccl (nccl.c) backends, and across nodes to hier.c (comm_opts.mpi).
  *
  * One worker per communicator keeps the order every rank must agree on (requests run as
  * submitted) and lets the submitter go on meanwhile; the backends' operations are
@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "comm/comm.h"
+#include "comm/mpi.h"
 #include "comm/nccl.h"
 #include "comm/shm.h"
 #include "common.h"
@@ -30,6 +31,10 @@ struct comm {
     char name[COMM_NAME_BYTES];
     struct shm *shm;   /* shm and nccl: the rendezvous segment */
     struct nccl *nccl; /* nccl */
+    struct mpi *mpi;   /* mpi: MPI, the nodes; shm is then the node's segment */
+    int nodes;         /* mpi: more than one, and the collectives go through hier.c */
+    char secret[COMM_SECRET_HEX + 1]; /* mpi: the job's, as rank 0 made or had it */
+    char node_name[COMM_NAME_BYTES + 16]; /* mpi: the node's segment's name, which it keeps */
 
     pthread_mutex_t lock; /* everything below */
     pthread_cond_t work_cv, idle_cv;
@@ -144,6 +149,7 @@ static void *worker_main(void *arg)
     struct comm *c = arg;
     trace_thread_name("comm");
     if (c->nccl) nccl_bind_thread(c->nccl);
+    size_t chunk_bytes = c->o.chunk_bytes ? c->o.chunk_bytes : COMM_DEFAULT_CHUNK_BYTES;
     pthread_mutex_lock(&c->lock);
     for (;;) {
         while (!c->head && !c->closing)
@@ -164,10 +170,14 @@ static void *worker_main(void *arg)
                 r = self_run(q);
                 break;
             case COMM_SHM:
-                r = shm_run(c->shm, q, &pooled);
+                r = c->nodes > 1 ? hier_run(c->mpi, c->shm, chunk_bytes, q, &pooled)
+                                 : shm_run(c->shm, q, &pooled);
                 break;
             case COMM_NCCL:
-                r = nccl_run(c->nccl, c->shm, q);
+                /* NCCL spans the nodes itself; only the barrier is the segment's. */
+                r = c->nodes > 1 && q->op == COMM_BARRIER
+                        ? hier_run(c->mpi, c->shm, chunk_bytes, q, &pooled)
+                        : nccl_run(c->nccl, c->shm, q);
                 break;
             }
             /* A rank whose operation failed fails the communicator for every rank: the
@@ -180,7 +190,15 @@ static void *worker_main(void *arg)
             }
         }
 
+        uint64_t net_out = 0, net_in = 0;
+        if (c->mpi) {
+            mpi_take_net(c->mpi, &net_out, &net_in);
+            if (r < 0) mpi_note_failed();
+        }
         pthread_mutex_lock(&c->lock);
+        c->st.net_bytes_out += net_out;
+        c->st.net_bytes_in += net_in;
+        c->st.net_ops += (net_out || net_in) && r == 0;
         if (r < 0) {
             c->failed = true;
         } else {
@@ -198,6 +216,47 @@ static void *worker_main(void *arg)
     }
     pthread_mutex_unlock(&c->lock);
     return NULL;
+}
+
+/* Under mpi: MPI and the nodes (mpi.c), then the node's ranks meet in their segment as
+ * ranks local to it, under "<name>.n<node>", and (nccl) one NCCL communicator spans the
+ * world, its id from world rank 0 over MPI. Every rank agrees on the outcome, so that no
+ * node goes on into operations that another will never join. */
+static int mpi_open_node(struct comm *c)
+{
+    int r = mpi_open(&c->o, c->name, c->secret, &c->mpi);
+    if (r) return r;
+    c->o.name = c->name;
+    const struct mpi_layout *l = mpi_layout(c->mpi);
+    /* mpi_open checked that it fits COMM_NAME_BYTES. */
+    snprintf(c->node_name, sizeof(c->node_name), "%s.n%d", c->name, l->node);
+    struct comm_opts lo = c->o;
+    lo.rank = l->local;
+    lo.world = l->local_world;
+    lo.name = c->node_name;
+    lo.secret = c->secret;
+    c->o.secret = c->secret;
+    c->st.node = l->node;
+    c->st.nodes = l->nodes;
+    uint8_t id[SHM_ID_BYTES] = {0};
+    if (c->o.backend == COMM_SHM) {
+        r = shm_rdv_open(&lo, true, NULL, &c->shm);
+        size_t pool_bytes = 0;
+        if (r == 0) shm_pool(c->shm, &c->pool_base, &pool_bytes);
+        if (r == 0 && pool_bytes) r = extent_init(&c->pool, pool_bytes, ZINF_ALIGN);
+    } else {
+        if (c->o.rank == 0) r = nccl_unique_id(id);
+        r = mpi_agree(c->mpi, r, &c->o);
+        if (r == 0) r = mpi_bcast_id(c->mpi, id);
+        if (r == 0) r = shm_rdv_open(&lo, false, NULL, &c->shm);
+        if (r == 0) r = nccl_open(&c->o, id, &c->nccl);
+    }
+    r = mpi_agree(c->mpi, r, &c->o);
+    if (r == 0) {
+        mpi_attach(c->mpi, c->shm, c->o.stop);
+        c->nodes = l->nodes;
+    }
+    return r;
 }
 
 int comm_open(const struct comm_opts *o, struct comm **out)
@@ -225,14 +284,14 @@ int comm_open(const struct comm_opts *o, struct comm **out)
         log_error("comm: the self backend has one rank and no MPI");
         return -EINVAL;
     }
-    if (o->mpi) {
+    if (o->mpi && !mpi_built()) {
         log_error("comm: this build has no MPI: install libopenmpi-dev and rebuild");
         if (o->why && o->why_len)
             snprintf(o->why, o->why_len,
                      "this build has no MPI: install libopenmpi-dev and rebuild");
         return -ENOTSUP;
     }
-    if (o->backend != COMM_SELF && !comm_name_ok(o->name)) {
+    if (o->backend != COMM_SELF && !(o->mpi && !o->name) && !comm_name_ok(o->name)) {
         size_t len = o->name ? strnlen(o->name, COMM_NAME_BYTES) : 0;
         log_error("comm: the rendezvous name '%.*s%s' is not 1-%d characters of [A-Za-z0-9._-]",
                   40, o->name ? o->name : "(null)", len > 40 ? "..." : "", COMM_NAME_BYTES - 1);
@@ -250,7 +309,7 @@ int comm_open(const struct comm_opts *o, struct comm **out)
     if (!c) return -ENOMEM;
     c->o = *o;
     snprintf(c->name, sizeof(c->name), "%s", o->name ? o->name : "");
-    c->o.name = c->name;
+    c->o.name = o->name ? c->name : NULL; /* mpi: NULL until rank 0 names the job */
     c->st.backend = o->backend;
     c->st.rank = o->rank;
     c->st.world = o->world;
@@ -260,7 +319,9 @@ int comm_open(const struct comm_opts *o, struct comm **out)
     pthread_cond_init(&c->idle_cv, NULL);
     pthread_mutex_init(&c->pool_lock, NULL);
     int r = 0;
-    if (o->backend == COMM_SHM) {
+    if (o->mpi) {
+        r = mpi_open_node(c);
+    } else if (o->backend == COMM_SHM) {
         r = shm_rdv_open(&c->o, true, NULL, &c->shm);
         size_t pool_bytes = 0;
         if (r == 0) shm_pool(c->shm, &c->pool_base, &pool_bytes);
@@ -297,6 +358,7 @@ void comm_close(struct comm *c)
     if (c->worker_up) pthread_join(c->worker, NULL);
     nccl_close(c->nccl);
     shm_rdv_close(c->shm);
+    mpi_close(c->mpi);
     extent_fini(&c->pool);
     for (struct self_alloc *a = c->self_allocs, *n; a; a = n) {
         n = a->next;
