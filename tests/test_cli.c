@@ -2964,6 +2964,175 @@ Test(cli, launch_bad_arguments)
     free(o);
 }
 
+/* ---- zinf launch --hostfile: the ranks under mpirun ---------------------------------- */
+
+static bool have_mpirun(void)
+{
+    return system("command -v mpirun >/dev/null 2>&1") == 0;
+}
+
+/* A hostfile of dir's with this text: its path. */
+static const char *hostfile(const char *name, const char *text)
+{
+    static char path[4096];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text, f);
+    fclose(f);
+    return path;
+}
+
+/* The ranks get Open MPI's rank and world and the job's name and secret, their lines come
+ * back "[R] "-prefixed as a job's on one node, -n takes fewer than the slots, a failed rank
+ * fails the job, and the hostfile made for mpirun is removed. */
+Test(cli, launch_hostfile_runs_the_ranks_under_mpirun)
+{
+    if (!have_mpirun()) cr_skip_test("no mpirun (openmpi-bin)");
+    char *o, tmp[4096];
+    snprintf(tmp, sizeof(tmp), "%s/mpitmp", dir);
+    mkdir(tmp, 0700);
+    setenv("TMPDIR", tmp, 1);
+    setenv("ZINF_TEST_PASSED", "yes", 1);
+    const char *hf = hostfile("hosts", "# one node\n\nlocalhost slots=3 # three ranks\n");
+    cr_assert_eq(run(&o, "launch --hostfile %s --name mpitest -- sh -c 'echo out "
+                         "$OMPI_COMM_WORLD_RANK $OMPI_COMM_WORLD_SIZE $ZINF_COMM_NAME "
+                         "${#ZINF_COMM_SECRET} $ZINF_TEST_PASSED; echo err $OMPI_COMM_WORLD_RANK >&2'",
+                     hf),
+                 0, "%s", o);
+    for (int r = 0; r < 3; r++) {
+        char want[128];
+        snprintf(want, sizeof(want), "[%d] out %d 3 mpitest 32 yes\n", r, r);
+        cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+        snprintf(want, sizeof(want), "[%d] err %d\n", r, r);
+        cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+    }
+    cr_assert_null(strstr(o, "<stdout>"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch --hostfile %s -n 2 -- sh -c 'echo rank $OMPI_COMM_WORLD_RANK'", hf),
+                 0, "%s", o);
+    cr_assert(strstr(o, "[1] rank 1") && !strstr(o, "[2] rank 2"), "%s", o);
+    free(o);
+    cr_assert_neq(run(&o, "launch --hostfile %s -- sh -c '[ $OMPI_COMM_WORLD_RANK = 1 ] && exit 3; "
+                          "exit 0'", hf),
+                  0, "%s", o);
+    cr_assert(strstr(o, "zinf launch: failed: mpirun exited with status"), "%s", o);
+    free(o);
+    unsetenv("TMPDIR");
+    unsetenv("ZINF_TEST_PASSED");
+    DIR *d = opendir(tmp);
+    struct dirent *de;
+    while ((de = readdir(d)))
+        cr_assert(de->d_name[0] == '.', "left behind: %s/%s", tmp, de->d_name);
+    closedir(d);
+}
+
+/* SIGTERM reaches mpirun once, which stops the ranks; the launcher says so and exits 143. */
+Test(cli, launch_hostfile_passes_sigterm_to_mpirun)
+{
+    if (!have_mpirun()) cr_skip_test("no mpirun (openmpi-bin)");
+    char out[4096];
+    snprintf(out, sizeof(out), "%s/mpilaunch.out", dir);
+    const char *hf = hostfile("hosts2", "localhost slots=2\n");
+    pid_t pid = spawn(out, "launch --hostfile %s -- sh -c 'echo ready; exec sleep 60'", hf);
+    double t0 = now_s();
+    while (count_lines(out, "[") < 2 && now_s() - t0 < 30) /* "[R] ready" from both */
+        usleep(20000);
+    cr_assert_eq(count_lines(out, "["), 2, "the ranks did not start: %s", read_text(out));
+    t0 = now_s();
+    kill(pid, SIGTERM);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    char *text = read_text(out);
+    cr_assert_lt(now_s() - t0, 15.0, "%s", text);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 143, "status %#x: %s", st, text);
+    cr_assert(strstr(text, "passed on to mpirun"), "%s", text);
+    free(text);
+    cr_assert_eq(system("! pgrep -f 'sh -c echo [r]eady; exec sleep 60' >/dev/null"), 0,
+                 "ranks left running");
+}
+
+/* Each hostfile mistake is named with the file and its line; -n above the slots, --mpi-arg
+ * without --hostfile and a missing mpirun are refused before anything runs. */
+Test(cli, launch_hostfile_bad_files)
+{
+    static const struct {
+        const char *text, *want;
+    } bad[] = {
+        {"a slots=2\nb slots=0\n", ":2: 'slots=0': expected slots=N with N from 1 to 64"},
+        {"a slots=x\n", ":1: 'slots=x': expected slots=N"},
+        {"a slots=65\n", ":1: 'slots=65'"},
+        {"a slot=2\n", ":1: 'slot=2': expected slots=N"},
+        {"a slots=2\n# b\na slots=1\n", ":3: host a is given twice (first on line 1)"},
+        {"a slots=2 extra\n", ":1: 'extra': expected 'HOST' or 'HOST slots=N'"},
+        {"node_1 slots=2\n", ":1: 'node_1' is not a host name"},
+        {"-a\n", ":1: '-a' is not a host name"},
+        {"a..b\n", ":1: 'a..b' is not a host name"},
+        {"# nothing\n\n", ": no hosts"},
+        {"a slots=40\nb slots=30\n", ":2: more than 64 slots in all"},
+    };
+    char *o;
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        const char *hf = hostfile("badhosts", bad[i].text);
+        char want[4300];
+        snprintf(want, sizeof(want), "%s%s", hf, bad[i].want);
+        cr_assert_eq(run(&o, "launch --hostfile %s -- true", hf), 2, "%s", o);
+        cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+        free(o);
+    }
+    cr_assert_eq(run(&o, "launch --hostfile %s/no-such-hostfile -- true", dir), 2, "%s", o);
+    cr_assert(strstr(o, "no-such-hostfile: No such file"), "%s", o);
+    free(o);
+    const char *hf = hostfile("hosts3", "a slots=2\nb\n");
+    cr_assert_eq(run(&o, "launch --hostfile %s -n 4 -- true", hf), 2, "%s", o);
+    cr_assert(strstr(o, "-n 4: more ranks than the 3 slots of"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch -n 2 --mpi-arg --oversubscribe -- true"), 2, "%s", o);
+    cr_assert(strstr(o, "--mpi-arg goes with --hostfile"), "%s", o);
+    free(o);
+    cr_assert_eq(run(&o, "launch --hostfile %s", hf), 2, "%s", o);
+    cr_assert(strstr(o, "no COMMAND to run"), "%s", o);
+    free(o);
+    char *path = strdup(getenv("PATH"));
+    setenv("PATH", dir, 1);
+    int rc = run(&o, "launch --hostfile %s -- true", hf);
+    setenv("PATH", path, 1);
+    free(path);
+    cr_assert_eq(rc, 127, "%s", o);
+    cr_assert(strstr(o, "mpirun, which is not on PATH: install openmpi-bin"), "%s", o);
+    free(o);
+}
+
+/* Under mpirun zinf train takes its place from Open MPI's variables, with their names in
+ * its errors; WORLD_SIZE, where set, wins. */
+Test(cli, train_under_mpirun_reads_open_mpis_rank)
+{
+    char *o, cfg[4096], data[4096];
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    unsetenv("WORLD_SIZE");
+    setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+    setenv("OMPI_COMM_WORLD_RANK", "5", 1);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1", cfg, data), 2, "%s", o);
+    cr_assert(strstr(o, "OMPI_COMM_WORLD_SIZE '2' and OMPI_COMM_WORLD_RANK '5'") &&
+                  strstr(o, "mpirun sets them"), "%s", o);
+    free(o);
+    setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+    setenv("OMPI_COMM_WORLD_LOCAL_RANK", "x", 1);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1", cfg, data), 2, "%s", o);
+    cr_assert(strstr(o, "OMPI_COMM_WORLD_LOCAL_RANK 'x'"), "%s", o);
+    free(o);
+    /* A launcher of its own inside an MPI job: its WORLD_SIZE of one rank wins. */
+    setenv("WORLD_SIZE", "1", 1);
+    setenv("RANK", "0", 1);
+    cr_assert_eq(run(&o, "train --config %s --data %s " TINY " --steps 1", cfg, data), 0, "%s", o);
+    free(o);
+    unsetenv("WORLD_SIZE");
+    unsetenv("RANK");
+    unsetenv("OMPI_COMM_WORLD_SIZE");
+    unsetenv("OMPI_COMM_WORLD_RANK");
+    unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+}
+
 /* ---- ZeRO: zinf train across ranks ----------------------------------------------------- */
 
 #define ZMODEL "--layers 2 --dim 64 --heads 4 --seq 16 --batch 2"

@@ -47,10 +47,12 @@
 #include "cmd.h"
 #include "comm/comm.h"
 #include "common.h"
+#include "launch_mpi.h"
 #include "topo/topo.h"
 
 #define LINE_MAX_BYTES 4096
 #define MAX_GRACE_S 3600 /* --grace, at most */
+#define MAX_MPI_ARGS 64  /* --mpi-arg, at most */
 
 struct out {
     int fd; /* -1 once closed */
@@ -69,6 +71,8 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: zinf launch -n N [--name NAME] [--grace S] [--no-bind] [--xml FILE]\n"
                "                   [--connect SOCKET] [--] COMMAND [ARGS...]\n"
+               "       zinf launch --hostfile FILE [-n N] [--name NAME] [--mpi-arg ARG]...\n"
+               "                   [--] COMMAND [ARGS...]\n"
                "Start N ranks of one job on this node: N copies of COMMAND, each with RANK,\n"
                "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and ZINF_COMM_NAME set, every line\n"
                "they print prefixed with \"[RANK] \" (stdout to stdout, stderr to stderr).\n"
@@ -87,6 +91,16 @@ static void usage(FILE *f)
                "  --connect SOCKET  the ranks keep their state in the zinf daemon on SOCKET\n"
                "                  (zinf serve): ZINF_CONNECT is set, which zinf train takes;\n"
                "                  rank R of N is the daemon's job JOB-rank-R-of-N\n"
+               "  --hostfile FILE the ranks across the hosts of FILE (DeepSpeed's format:\n"
+               "                  'HOST slots=N' a line, '#' comments; no slots=: 1), started\n"
+               "                  by Open MPI's mpirun (on PATH) with --map-by slot; -n\n"
+               "                  defaults to the slots in all. Each rank has\n"
+               "                  OMPI_COMM_WORLD_RANK/_SIZE/_LOCAL_RANK (zinf train takes\n"
+               "                  them), ZINF_COMM_NAME, ZINF_COMM_SECRET and every ZINF_*,\n"
+               "                  OMPI_MCA_* and OMP_* variable of the launcher's; the lines\n"
+               "                  are prefixed \"[RANK] \" as on one node; the exit status is\n"
+               "                  mpirun's; SIGINT/SIGTERM/SIGHUP go to mpirun\n"
+               "  --mpi-arg ARG   with --hostfile: ARG passed to mpirun as it is (repeatable)\n"
                "With N > 1, OMP_NUM_THREADS (CPUs / N) and OMP_WAIT_POLICY (passive) are set\n"
                "where the environment does not set them.\n"
                "SIGINT/SIGTERM/SIGHUP: passed on to every rank; a second one kills them.\n"
@@ -340,12 +354,15 @@ int cmd_launch(int argc, char **argv)
                                          {"no-bind", no_argument, NULL, 'b'},
                                          {"xml", required_argument, NULL, 'x'},
                                          {"connect", required_argument, NULL, 'c'},
+                                         {"hostfile", required_argument, NULL, 'H'},
+                                         {"mpi-arg", required_argument, NULL, 'A'},
                                          {"help", no_argument, NULL, 'h'},
                                          {NULL, 0, NULL, 0}};
     int n = 0, grace_s = 30;
     bool bind = true;
-    const char *name = NULL, *xml = NULL;
-    int c;
+    const char *name = NULL, *xml = NULL, *hostfile = NULL;
+    char *mpi_args[MAX_MPI_ARGS];
+    int n_mpi_args = 0, c;
 
     optind = 1;
     /* "+": options end at COMMAND, whose own options are its own. */
@@ -392,6 +409,16 @@ int cmd_launch(int argc, char **argv)
             setenv("ZINF_CONNECT", optarg, 1);
             break;
         }
+        case 'H':
+            hostfile = optarg;
+            break;
+        case 'A':
+            if (n_mpi_args == MAX_MPI_ARGS) {
+                fprintf(stderr, "zinf launch: --mpi-arg: at most %d of them\n", MAX_MPI_ARGS);
+                return 2;
+            }
+            mpi_args[n_mpi_args++] = optarg;
+            break;
         case 'h':
             usage(stdout);
             return 0;
@@ -400,8 +427,13 @@ int cmd_launch(int argc, char **argv)
             return 2;
         }
     }
-    if (n == 0 || optind >= argc) {
-        fprintf(stderr, "zinf launch: %s\n", n == 0 ? "-n N is required" : "no COMMAND to run");
+    if (n_mpi_args && !hostfile) {
+        fprintf(stderr, "zinf launch: --mpi-arg goes with --hostfile (the ranks under mpirun)\n");
+        return 2;
+    }
+    if ((n == 0 && !hostfile) || optind >= argc) {
+        fprintf(stderr, "zinf launch: %s\n",
+                n == 0 && !hostfile ? "-n N is required (or --hostfile FILE)" : "no COMMAND to run");
         usage(stderr);
         return 2;
     }
@@ -429,7 +461,7 @@ int cmd_launch(int argc, char **argv)
     }
 
     struct topo *t = NULL;
-    if (bind) {
+    if (bind && !hostfile) { /* under mpirun, each node's binding is Open MPI's */
         int te = topo_open(xml, &t);
         if (te < 0 && xml) {
             char why[512];
@@ -475,6 +507,16 @@ int cmd_launch(int argc, char **argv)
         close(sfd);
         sigprocmask(SIG_SETMASK, &old, NULL);
         return he == -EBUSY || he == -EACCES ? 2 : 1;
+    }
+    if (hostfile) { /* the ranks across nodes: mpirun starts them, and is our one child */
+        close(sfd);
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        struct launch_mpi lm = {.hostfile = hostfile, .ranks = n, .name = name,
+                                .secret = secret, .mpi_args = mpi_args,
+                                .n_mpi_args = n_mpi_args, .command = argv + optind};
+        int lr = launch_mpi_run(&lm);
+        release_name(name, name_fd);
+        return lr;
     }
     share_cpus(n);
     struct rank *rk = calloc((size_t)n, sizeof(*rk));

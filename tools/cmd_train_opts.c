@@ -134,6 +134,9 @@ static void usage(FILE *f)
         "own; rank 0 prints the steps; --log FILE is rank 0's, the others write\n"
         "FILE.rank-R; a checkpoint commits only once every rank saved it, and --resume\n"
         "goes to the newest step every rank holds, also on another number of ranks.\n"
+        "Under mpirun (zinf launch --hostfile, or mpirun -np N directly), world, rank and\n"
+        "local rank are OMPI_COMM_WORLD_SIZE, _RANK and _LOCAL_RANK, and the ranks meet\n"
+        "over MPI across nodes (ZINF_COMM_NAME and ZINF_COMM_SECRET optional).\n"
         "Exit status: 0 done, 1 failed (the last checkpoint is kept), 2 bad input,\n"
         "130/143 stopped by SIGINT/SIGTERM after flushing (129 SIGHUP, 141 SIGPIPE:\n"
         "the output's reader gone, a killed zinf launch). zinf.device picks the\n"
@@ -197,27 +200,38 @@ int cmd_train_parse(int argc, char **argv, struct train_args *a)
     trainer_opts_defaults(&o);
     /* Started as one of several ranks (zinf launch -n N): the trainer partitions the state
      * by zero_optimization.stage, and this rank runs its own micro-batches. */
-    const char *ws = getenv("WORLD_SIZE"), *rk = getenv("RANK");
+    /* Started by mpirun (zinf launch --hostfile, or mpirun directly): the rank and world
+     * are Open MPI's, and the communicator meets over MPI across nodes. WORLD_SIZE, where
+     * set, wins: a launcher of its own inside an MPI job. */
+    static const char *const vars[2][3] = {
+        {"WORLD_SIZE", "RANK", "LOCAL_RANK"},
+        {"OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"}};
+    const char *ws = getenv("WORLD_SIZE");
+    o.mpi = !(ws && *ws) && getenv("OMPI_COMM_WORLD_SIZE") && *getenv("OMPI_COMM_WORLD_SIZE");
+    const char *const *var = vars[o.mpi];
+    const char *setter = o.mpi ? "mpirun sets them" : "zinf launch sets them";
+    ws = getenv(var[0]);
+    const char *rk = getenv(var[1]);
     if (ws && *ws) {
         char *e1 = NULL, *e2 = NULL;
         long w = strtol(ws, &e1, 10), k = rk && *rk ? strtol(rk, &e2, 10) : -1;
         if (*e1 || w < 1 || w > 64 || !e2 || *e2 || k < 0 || k >= w) {
             fprintf(stderr,
-                    "zinf train: WORLD_SIZE '%s' and RANK '%s': expected 1 <= WORLD_SIZE <= 64 "
-                    "and 0 <= RANK < WORLD_SIZE (zinf launch sets them)\n",
-                    ws, rk ? rk : "");
+                    "zinf train: %s '%s' and %s '%s': expected 1 <= %s <= 64 and 0 <= %s < %s "
+                    "(%s)\n",
+                    var[0], ws, var[1], rk ? rk : "", var[0], var[1], var[0], setter);
             return 2;
         }
         o.world = (int)w;
         o.rank = (int)k;
-        /* On GPUs each rank takes the GPU of its LOCAL_RANK. */
-        const char *lr = getenv("LOCAL_RANK");
+        /* On GPUs each rank takes the GPU of its local rank (its place on its node). */
+        const char *lr = getenv(var[2]);
         if (lr && *lr) {
             char *e3 = NULL;
             long l = strtol(lr, &e3, 10);
             if (*e3 || l < 0 || l >= 64) {
-                fprintf(stderr, "zinf train: LOCAL_RANK '%s': expected 0 <= LOCAL_RANK < 64 "
-                                "(zinf launch sets it)\n", lr);
+                fprintf(stderr, "zinf train: %s '%s': expected 0 <= %s < 64 (%s)\n", var[2], lr,
+                        var[2], setter);
                 return 2;
             }
             o.local_rank = (int)l;

@@ -562,8 +562,10 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         /* A run saved by another number of ranks, newer than any of this one's: rank 0
          * looks, and every rank goes by what it found. */
         int64_t found[3] = {0, -1, -1}; /* ranks, the step every rank holds, the newest */
-        if (t->rank == 0) found[0] = train_newest_run(t, &found[1], &found[2]);
-        if (t->world > 1 && (r = comm_broadcast(t->hcomm, found, sizeof(found), COMM_BYTE, 0)) < 0) {
+        if ((r = train_gather_saved(t)) == 0 && t->rank == 0)
+            found[0] = train_newest_run(t, &found[1], &found[2]);
+        if (t->world > 1 &&
+            (r < 0 || (r = comm_broadcast(t->hcomm, found, sizeof(found), COMM_BYTE, 0)) < 0)) {
             snprintf(err, errlen, "rank %d: the ranks could not agree on the saved run: %s",
                      t->rank, zinf_strerror(r));
             goto fail;
@@ -787,6 +789,7 @@ void trainer_close(struct trainer *t)
     pthread_cond_destroy(&t->gcv);
     for (unsigned k = 0; k < t->nbase; k++)
         free(t->base[k]);
+    free(t->peer_saved);
     backend_close(t->be);
     free(t->data);
     free(t);

@@ -148,6 +148,8 @@ struct trainer_opts {
     int rank, world;
     int local_rank; /* LOCAL_RANK (zinf launch): on GPUs, the ordinal of this rank's GPU, which
                        its device tier and NCCL use; -1: zinf.cuda_device */
+    bool mpi; /* started by mpirun (OMPI_COMM_WORLD_*): the communicators meet over MPI,
+                 across nodes, and comm_name and comm_secret may be NULL (rank 0 makes them) */
     const char *comm_name;
     const char *comm_secret;  /* the job's secret (zinf launch's ZINF_COMM_SECRET), or NULL */
     unsigned comm_timeout_ms; /* how long the ranks wait for each other to meet; 0: 60 s */

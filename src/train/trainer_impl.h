@@ -213,6 +213,10 @@ struct trainer {
     /* The step a resume goes to: the newest saved whole by every rank of the run it comes
      * from (-1: unknown, a run saved before checkpoints were tagged with their step). */
     int64_t resume_step;
+    /* What each rank of this run's number holds in its own rank-R-of-N folder, gathered from
+     * the ranks (train_gather_saved): {zinf_saved_steps' result, its two steps}. Across
+     * nodes each node's folders are its ranks' only, so rank 0 cannot read the others'. */
+    int64_t (*peer_saved)[3];
     /* ZINF_TEST_KILL_AT=POINT:RANK:N: the tests' crash, at POINT of the N-th checkpoint. */
     char kill_point[32];
     int kill_rank, kill_nth, checkpoint_calls;
@@ -351,6 +355,8 @@ int train_state_check(struct trainer *t, char *err, size_t errlen);
 int train_state_save_step(struct trainer *t, int step_done);
 char *train_rank_dir(const char *base, int world, int rank);
 int train_newest_run(const struct trainer *t, int64_t *step, int64_t *newest_any);
+/* Every rank's saved steps into t->peer_saved, over the host communicator (world > 1). */
+int train_gather_saved(struct trainer *t);
 int train_remove_other_runs(struct trainer *t, char *err, size_t errlen);
 int train_version_flag(const char *dir, int64_t step, unsigned *flag);
 int train_recut_check(struct trainer *t, char *err, size_t errlen);

@@ -130,15 +130,23 @@ char *train_rank_dir(const char *base, int world, int rank)
  * did not); -1 when some rank holds none of the others' (or nothing), -2 for a run saved
  * before checkpoints were tagged with their step (every rank's manifest untagged). *newest
  * receives the newest step any rank holds. */
-static int64_t common_step(const char *base, int world, int64_t *newest)
+static int64_t common_step(const struct trainer *t, const char *base, int world,
+                           int64_t *newest)
 {
     int64_t tags[COMM_MAX_RANKS][2];
     int untagged = 0;
     *newest = -1;
     for (int q = 0; q < world; q++) {
-        char *d = train_rank_dir(base, world, q);
-        int r = d ? zinf_saved_steps(d, tags[q]) : -ENOMEM;
-        free(d);
+        int r;
+        if (world == t->world && t->peer_saved) { /* as each rank sees its own folder */
+            r = (int)t->peer_saved[q][0];
+            tags[q][0] = t->peer_saved[q][1];
+            tags[q][1] = t->peer_saved[q][2];
+        } else {
+            char *d = train_rank_dir(base, world, q);
+            r = d ? zinf_saved_steps(d, tags[q]) : -ENOMEM;
+            free(d);
+        }
         if (r < 0) return -1;
         untagged += tags[q][0] < 0;
         *newest = MAX(*newest, tags[q][0]);
@@ -190,7 +198,7 @@ int train_newest_run(const struct trainer *t, int64_t *step, int64_t *newest_any
         int sr = r0 ? zinf_saved_at(r0, &when) : -ENOMEM;
         free(r0);
         if (sr < 0) continue;
-        int64_t top, c = common_step(t->base[0], n, &top);
+        int64_t top, c = common_step(t, t->base[0], n, &top);
         if (c == -2) { /* untagged: by its time, as before tags */
             if (!legacy || when > legacy_t) {
                 legacy = n;
@@ -211,6 +219,16 @@ int train_newest_run(const struct trainer *t, int64_t *step, int64_t *newest_any
     *step = best;
     *newest_any = any;
     return world;
+}
+
+int train_gather_saved(struct trainer *t)
+{
+    int64_t mine[3] = {-ENOENT, -1, -1};
+    if (t->world <= 1 || t->remote || !t->nbase) return 0;
+    if (!t->peer_saved && !(t->peer_saved = calloc((size_t)t->world, sizeof(*t->peer_saved))))
+        return -ENOMEM;
+    mine[0] = zinf_saved_steps(t->zc.nvme_paths.path[0], mine + 1);
+    return comm_allgather(t->hcomm, mine, t->peer_saved, sizeof(mine), COMM_BYTE);
 }
 
 /* One rank's share (rank q of `world`) of a saved run, removed from every nvme path: its

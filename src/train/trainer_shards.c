@@ -167,9 +167,10 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         return 0;
     }
     const char *why = NULL;
-    if (!o->comm_name || !o->comm_name[0])
+    bool named = o->comm_name && o->comm_name[0]; /* under mpirun, rank 0 may choose one */
+    if (!named && !o->mpi)
         why = "no rendezvous name (ZINF_COMM_NAME): start the ranks with zinf launch";
-    else if (cuda && strlen(o->comm_name) + sizeof(HOST_COMM_SUFFIX) > COMM_NAME_BYTES)
+    else if (named && cuda && strlen(o->comm_name) + sizeof(HOST_COMM_SUFFIX) > COMM_NAME_BYTES)
         why = "the rendezvous name is too long for the ranks' host communicator (name.host): "
               "give zinf launch a shorter --name";
     if (why) {
@@ -188,7 +189,8 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         .backend = COMM_SHM,
         .rank = t->rank,
         .world = t->world,
-        .name = o->comm_name,
+        .name = named ? o->comm_name : NULL,
+        .mpi = o->mpi,
         .secret = o->comm_secret,
         .timeout_ms = o->comm_timeout_ms,
         .op_timeout_ms = o->comm_op_timeout_ms ? o->comm_op_timeout_ms
@@ -206,9 +208,9 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         co.cuda_device = t->zc.zinf.cuda_device;
         what = " (NCCL)";
         if ((r = comm_open(&co, &t->comm)) == 0) {
-            snprintf(hname, sizeof(hname), "%s%s", o->comm_name, HOST_COMM_SUFFIX);
+            snprintf(hname, sizeof(hname), "%s%s", named ? o->comm_name : "", HOST_COMM_SUFFIX);
             co.backend = COMM_SHM;
-            co.name = hname;
+            co.name = named ? hname : NULL; /* unnamed: rank 0 chooses this one's too */
             what = " (their host communicator)";
             r = comm_open(&co, &t->hcomm);
         }
@@ -234,7 +236,7 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     }
     if (r < 0) {
         snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s'%s: %s%s%s", t->rank,
-                 t->world, o->comm_name, what, cwhy[0] ? cwhy : zinf_strerror(r),
+                 t->world, named ? o->comm_name : "(rank 0's choice, over MPI)", what, cwhy[0] ? cwhy : zinf_strerror(r),
                  r == -ETIMEDOUT ? " (a rank did not start, or failed before it met the others)"
                                  : "",
                  co.pool_bytes ? " (their shared memory holds each rank's device tier: "
