@@ -17,6 +17,7 @@ parameters differ are refused.
 Skips, saying so, where torch is not importable or torch.distributed has no gloo.
 """
 
+import math
 import os
 import shutil
 import sys
@@ -69,6 +70,13 @@ def _state_bytes(opt):
     return n
 
 
+def _home_bytes(engine):
+    """The bytes the engine homes on NVMe after a flush: parameters, gradients and
+    optimizer state."""
+    engine.flush()
+    return engine.stats()["tier"][zinf.NVME]["used_bytes"]
+
+
 def _global_batches():
     data = ex.batches(TEXT, BATCH, CONTEXT)
     return [next(data) for _ in range(STEPS)]
@@ -86,12 +94,13 @@ def _step(model, opt, scaler):
     """clip_grad_norm_ and the step, through GradScaler where there is one."""
     if scaler is not None:
         scaler.unscale_(opt)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item()
     if scaler is not None:
         scaler.step(opt)
         scaler.update()
     else:
         opt.step()
+    return norm
 
 
 def _backward(loss, scaler, overflow=False):
@@ -111,7 +120,7 @@ def _reference(world, swap, scaled=False):
         zt.offload(model, engine, home="nvme")
         opt = zt.AdamW(model.parameters(), lr=1e-3)
         scaler = _scaler(scaled)
-        losses = []
+        losses, norms = [], []
         for step, (x, y) in enumerate(_global_batches()):
             total = 0.0
             for i, (xs, ys) in enumerate(zip(x.chunk(world * MICRO), y.chunk(world * MICRO))):
@@ -120,9 +129,9 @@ def _reference(world, swap, scaled=False):
                           i == world * MICRO - 1)
                 total += loss.item()
             losses.append(total)
-            _step(model, opt, scaler)
+            norms.append(_step(model, opt, scaler))
             opt.zero_grad()
-        return losses, _params(model), _state_bytes(opt)
+        return losses, _params(model), _state_bytes(opt), norms, _home_bytes(engine)
 
 
 def _rank(rank, world, folder, mode):
@@ -155,7 +164,7 @@ def _train(rank, world, folder, stage, peek=False, scaled=False):
         off = model.zinf_offload
         opt = zt.AdamW(model.parameters(), lr=1e-3)
         scaler = _scaler(scaled)
-        losses, scales = [], []
+        losses, scales, norms = [], [], []
         for step, (x, y) in enumerate(_global_batches()):
             mine = x.chunk(world)[rank], y.chunk(world)[rank]
             t = torch.zeros(())
@@ -169,11 +178,12 @@ def _train(rank, world, folder, stage, peek=False, scaled=False):
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
             dist.all_reduce(t)
             losses.append(t.item() / world)
-            _step(model, opt, scaler)
+            norms.append(_step(model, opt, scaler))
             if scaler is not None:
                 scales.append(scaler.get_scale())
-            # The gradients this rank keeps after the step: all (stage 1) or its own.
-            kept = sum(4 * e.nbytes // e.dtype.itemsize for e in off._entries
+            # The gradients this rank keeps after the step: all (stage 1), its own
+            # (stage 2) or its slices (stage 3).
+            kept = sum(4 * math.prod(e.sshape) for e in off._entries
                        if e.has_grad and not off.dist.is_remote(e))
             refused = None
             for p in model.parameters():
@@ -186,23 +196,27 @@ def _train(rank, world, folder, stage, peek=False, scaled=False):
         st = engine.stats()
         pinned = [st["tier"][t]["pinned_bytes"] for t in (zinf.DEVICE, zinf.HOST)]
         return {"losses": losses, "params": _params(model), "state_bytes": _state_bytes(opt),
-                "pinned": pinned, "reductions": off.dist.reductions,
+                "pinned": pinned, "norms": norms, "home_bytes": _home_bytes(engine),
+                "tensors": st["tensors"],
+                "reductions": off.z3.reductions if off.z3 else off.dist.reductions,
                 "parameters": len(off._entries), "grad_bytes": kept,
                 "all_grad_bytes": sum(4 * e.nbytes // e.dtype.itemsize for e in off._entries),
                 "refused": refused, "scales": scales}
 
 
 def _refusals(rank, world, folder):
-    """What offload(group=) refuses: the stages not built, a stage without a group, ranks
-    that start from other values."""
+    """What offload(group=) refuses: a stage that is none of ZeRO's, a stage without a
+    group, ranks that start from other values (stage 1, and stage 3, which checks before
+    it slices); stage=None with a group is stage 3."""
     got = {}
-    for stage in (None, 3):
+    for stage in (None, 4):
         model = _model()
         with _engine(model, os.path.join(folder, f"swap{rank}-{stage}")) as engine:
             try:
-                zt.offload(model, engine, group=dist.group.WORLD, stage=stage)
-                got[stage] = "offloaded"
-            except NotImplementedError as err:
+                off = zt.offload(model, engine, group=dist.group.WORLD, stage=stage)
+                got[stage] = f"offloaded, stage {off.dist.stage}"
+                off.remove()
+            except ValueError as err:
                 got[stage] = str(err)
             got[f"{stage} still plain"] = all(p.data.numel() == p.numel()
                                               for p in model.parameters())
@@ -213,18 +227,19 @@ def _refusals(rank, world, folder):
             got["no group"] = "offloaded"
         except ValueError as err:
             got["no group"] = str(err)
-    model = _model()
-    if rank == world - 1:
-        with torch.no_grad():
-            model.blocks[0].c_fc.bias.add_(1.0)
-    with _engine(model, os.path.join(folder, f"swap{rank}-differ")) as engine:
-        try:
-            zt.offload(model, engine, group=dist.group.WORLD, stage=1)
-            got["differ"] = "offloaded"
-        except ValueError as err:
-            got["differ"] = str(err)
-        got["differ still plain"] = all(p.data.numel() == p.numel()
-                                        for p in model.parameters())
+    for stage in (1, 3):
+        model = _model()
+        if rank == world - 1:
+            with torch.no_grad():
+                model.blocks[0].c_fc.bias.add_(1.0)
+        with _engine(model, os.path.join(folder, f"swap{rank}-differ{stage}")) as engine:
+            try:
+                zt.offload(model, engine, group=dist.group.WORLD, stage=stage)
+                got[f"differ{stage}"] = "offloaded"
+            except ValueError as err:
+                got[f"differ{stage}"] = str(err)
+            got[f"differ{stage} still plain"] = all(p.data.numel() == p.numel()
+                                                    for p in model.parameters())
     return got
 
 
@@ -251,7 +266,7 @@ class TestAcrossRanks(unittest.TestCase):
         return out
 
     def check_training(self, world, stage=1, peek=False, scaled=False):
-        ref_losses, ref_params, ref_bytes = _reference(
+        ref_losses, ref_params, ref_bytes, ref_norms, ref_home = _reference(
             world, os.path.join(tempfile.mkdtemp(prefix="ref-", dir=self.dir), "swap"), scaled)
         ranks = self.spawn(world, f"train{stage}" + ("peek" if peek else "") +
                            ("scaled" if scaled else ""))
@@ -259,6 +274,10 @@ class TestAcrossRanks(unittest.TestCase):
             for step, (a, b) in enumerate(zip(ref_losses, res["losses"])):
                 self.assertLessEqual(abs(a - b) / abs(a), 1e-6,
                                      f"rank {r}, step {step}: loss {b}, {a} in one process")
+            for step, (a, b) in enumerate(zip(ref_norms, res["norms"])):
+                if math.isfinite(a) or math.isfinite(b):
+                    self.assertLessEqual(abs(a - b) / abs(a), 1e-5, f"rank {r}, step "
+                                         f"{step}: clip_grad_norm_ {b}, {a} in one process")
             # The parameters: the whole model within 1e-6 relative, each tensor within
             # 1e-5. The ranks sum the micro-batches' gradients in another order than the
             # accumulation does; a gradient that is only rounding (the attention's key bias,
@@ -275,26 +294,45 @@ class TestAcrossRanks(unittest.TestCase):
             if os.environ.get("ZINF_TEST_VERBOSE"):
                 print(f"\n{world} ranks, stage {stage}, rank {r}: parameters {gap:.3g} "
                       f"away, state {res['state_bytes']} of {ref_bytes} bytes, gradients "
-                      f"{res['grad_bytes']} of {res['all_grad_bytes']}", file=sys.stderr)
+                      f"{res['grad_bytes']} of {res['all_grad_bytes']}, homes {res['home_bytes']} of "
+                      f"{ref_home}", file=sys.stderr)
             self.assertEqual(res["pinned"], [0, 0])
             # One reduction of each gradient a step, though clip_grad_norm_ and the step
             # both read them; a peek's step one more for each micro-batch but the last
             # (whose reduction the step's clip_grad_norm_ finds done).
             reads = STEPS + (STEPS + 1) // 2 * (MICRO - 1) if peek else STEPS
-            self.assertEqual(res["reductions"], reads * res["parameters"])
+            if stage == 3:
+                # Stage 3 reduces in each backward, the whole model in one bucket.
+                self.assertEqual(res["reductions"], STEPS * MICRO)
+                # Its engine homes 1/N of what one process's does, give or take a page
+                # for each of its tensors (each takes whole pages, and a slice's padding).
+                most = ref_home / world + PAGE * res["tensors"]
+                self.assertLessEqual(res["home_bytes"], most, f"rank {r}")
+                self.assertLess(res["home_bytes"], 0.6 * ref_home, f"rank {r}")
+            else:
+                self.assertEqual(res["reductions"], reads * res["parameters"])
             grads = res["grad_bytes"] / res["all_grad_bytes"]
             if stage == 1:
                 self.assertEqual(grads, 1.0)
                 self.assertIsNone(res["refused"])
             else:
-                # Each gradient on its owner alone; the others' refused by name.
+                # Each gradient on its owner alone (stage 2; the others' refused by name)
+                # or sliced (stage 3, where gathered() reads them whole).
                 self.assertLessEqual(grads, 1.5 / world, f"rank {r} keeps {grads}")
-                self.assertIn("stage=2", res["refused"])
+                if stage == 2:
+                    self.assertIn("stage=2", res["refused"])
+                else:
+                    self.assertIsNone(res["refused"])
             share = res["state_bytes"] / ref_bytes
             self.assertGreater(res["state_bytes"], 0)
             self.assertLessEqual(share, 1.5 / world, f"rank {r} holds {share} of the state")
-        # Every parameter's state on exactly one rank.
-        self.assertEqual(sum(res["state_bytes"] for res in ranks), ref_bytes)
+        # Every parameter's state on exactly one rank (stage 3: a slice of each on every
+        # rank, padded to equal slices).
+        if stage == 3:
+            pad = sum(res["state_bytes"] for res in ranks) - ref_bytes
+            self.assertTrue(0 <= pad <= 8 * world * res["parameters"], pad)
+        else:
+            self.assertEqual(sum(res["state_bytes"] for res in ranks), ref_bytes)
         self.assertLess(ref_losses[-1], ref_losses[0])
         if scaled:
             for r, res in enumerate(ranks):
@@ -313,6 +351,12 @@ class TestAcrossRanks(unittest.TestCase):
     def test_stage2_three_ranks_match_one_process(self):
         self.check_training(3, stage=2)
 
+    def test_stage3_two_ranks_match_one_process(self):
+        self.check_training(2, stage=3)
+
+    def test_stage3_three_ranks_match_one_process(self):
+        self.check_training(3, stage=3)
+
     def test_backward_onto_reduced_gradients(self):
         """A norm read between micro-batches reduces them; the next backward adds to the
         mean (stage 1: on every rank; stage 2: on the owner, scaled back to a sum)."""
@@ -328,14 +372,16 @@ class TestAcrossRanks(unittest.TestCase):
 
     def test_refusals(self):
         for r, got in enumerate(self.spawn(2, "refuse")):
-            for stage in (None, 3):
-                self.assertIn("stage=1 or stage=2", got[stage], f"rank {r}, stage={stage}")
-                self.assertIn("not built yet", got[stage])
+            self.assertEqual(got[None], "offloaded, stage 3", f"rank {r}")
+            self.assertIn("stage=4", got[4], f"rank {r}")
+            self.assertIn("stage=3", got[4])
+            for stage in (None, 4):
                 self.assertTrue(got[f"{stage} still plain"])
             self.assertIn("give group=", got["no group"])
-            self.assertIn("differs across the ranks", got["differ"])
-            self.assertIn("blocks.0.c_fc.bias", got["differ"])
-            self.assertTrue(got["differ still plain"])
+            for stage in (1, 3):
+                self.assertIn("differs across the ranks", got[f"differ{stage}"])
+                self.assertIn("blocks.0.c_fc.bias", got[f"differ{stage}"])
+                self.assertTrue(got[f"differ{stage} still plain"])
 
 
 if __name__ == "__main__":
