@@ -142,7 +142,9 @@ def _rank(rank, world, folder, mode):
         dist.init_process_group("gloo", init_method="file://" + os.path.join(folder, "rdv"),
                                 rank=rank, world_size=world)
         try:
-            if mode.startswith("train"):
+            if mode == "tiny":
+                res = _tiny_run(rank, world, folder)
+            elif mode.startswith("train"):
                 res = _train(rank, world, folder, int(mode[5]), "peek" in mode,
                              "scaled" in mode)
             else:
@@ -202,6 +204,114 @@ def _train(rank, world, folder, stage, peek=False, scaled=False):
                 "parameters": len(off._entries), "grad_bytes": kept,
                 "all_grad_bytes": sum(4 * e.nbytes // e.dtype.itemsize for e in off._entries),
                 "refused": refused, "scales": scales}
+
+
+class _Tiny(torch.nn.Module if torch is not None else object):
+    """A head tied to the embedding (as GPT-2's), and a parameter of one element, fewer
+    than the ranks: its slices are mostly padding."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = torch.nn.Embedding(11, 5)
+        self.lin = torch.nn.Linear(5, 5)
+        self.head = torch.nn.Linear(5, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.scale = torch.nn.Parameter(torch.full((1,), 1.5))
+
+    def forward(self, idx, y):
+        x = torch.tanh(self.lin(self.emb(idx))) * self.scale
+        return torch.nn.functional.cross_entropy(self.head(x).view(-1, 11), y.view(-1))
+
+
+TINY_BUCKET = 100   # bytes: lin's weight alone fills a bucket
+TINY_STEPS = 3
+
+
+def _tiny_batches():
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randint(0, 11, (12, 6), generator=g),
+             torch.randint(0, 11, (12, 6), generator=g)) for _ in range(TINY_STEPS)]
+
+
+def _tiny(world, swap, rank=None):
+    """The tiny model trained alone (rank None: the global batch as world * MICRO
+    micro-batches) or as a rank of a stage-3 group (its part as MICRO micro-batches).
+    Returns the losses, clip norms, the first step's gradients as p.grad reads them, the
+    parameters and the optimizer's full state."""
+    model = _Tiny()
+    with zinf.Engine(nvme_path=swap, device="emulated", device_bytes=1 << 20,
+                     host_bytes=1 << 20) as engine:
+        if rank is None:
+            zt.offload(model, engine, home="host")
+        else:
+            zt.offload(model, engine, home="host", group=dist.group.WORLD, stage=3,
+                       bucket_bytes=TINY_BUCKET)
+        off = model.zinf_offload
+        opt = zt.AdamW(model.parameters(), lr=1e-2)
+        got = {"losses": [], "norms": [], "grads": {}, "refused": {}}
+        for step, (x, y) in enumerate(_tiny_batches()):
+            parts = world * MICRO if rank is None else MICRO
+            if rank is not None:
+                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            t = torch.zeros(())
+            for xs, ys in zip(x.chunk(parts), y.chunk(parts)):
+                loss = model(xs, ys) / parts
+                loss.backward()
+                t += loss.detach()
+            if rank is not None:
+                dist.all_reduce(t)
+                t /= world
+                got["reductions"] = off.z3.reductions
+            got["losses"].append(t.item())
+            if step == 0:
+                named = dict(model.named_parameters())
+                if rank is None:
+                    with zt.gathered(list(named.values()), grads=True):
+                        got["grads"] = {k: p.grad.clone() for k, p in named.items()}
+                else:
+                    # p.grad itself: the full mean, gathered as it is read.
+                    got["grads"] = {k: p.grad.clone() for k, p in named.items()}
+                    got["grad sum"] = model.lin.weight.grad.sum().item()
+                    try:
+                        model.lin.weight.grad.add_(1.0)
+                    except zt.OffloadedError as err:
+                        got["refused"]["grad write"] = str(err)
+            got["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                               0.5).item())
+            opt.step()
+            opt.zero_grad()
+        got["params"] = _params(model)
+        if rank is None:
+            got["opt"] = opt.state_dict()
+            return got
+        try:
+            opt.state_dict()
+        except zt.OffloadedError as err:
+            got["refused"]["opt state"] = str(err)
+        got["opt"] = full = opt.state_dict(gather=True)
+        mine = opt.state_dict(gather=False)
+        got["sliced"] = (mine["zero3"], [tuple(st["exp_avg"].shape)
+                                         for st in mine["state"].values()],
+                         {e.name: math.prod(e.sshape) for e in off._entries})
+        # A full state loads back as it was; a rank's slices onto its own rank.
+        opt.load_state_dict(full)
+        opt.load_state_dict(mine)
+        got["reloaded"] = opt.state_dict(gather=True)
+        mine["zero3"] = {"rank": (rank + 1) % world, "size": world}
+        try:
+            opt.load_state_dict(mine)
+        except ValueError as err:
+            got["refused"]["other rank"] = str(err)
+        # A write through gathered(modify=True) goes back into the slices.
+        with zt.gathered(model.emb.weight, modify=True), torch.no_grad():
+            model.emb.weight[3].fill_(7.0)
+        got["written"] = model.state_dict()["emb.weight"][3].clone()
+        return got
+
+
+def _tiny_run(rank, world, folder):
+    return _tiny(world, os.path.join(folder, f"swap{rank}"), rank)
 
 
 def _refusals(rank, world, folder):
@@ -356,6 +466,48 @@ class TestAcrossRanks(unittest.TestCase):
 
     def test_stage3_three_ranks_match_one_process(self):
         self.check_training(3, stage=3)
+
+    def test_stage3_tied_tiny_and_bucketed(self):
+        """Stage 3 on a model with a head tied to its embedding and a parameter of one
+        element (fewer than the ranks), home in host memory, gradients in buckets of a few
+        parameters: as one process, p.grad read whole, the optimizer's state gathered or
+        sliced on request and refused without one."""
+        for world in (2, 3):
+            ref = _tiny(world, os.path.join(tempfile.mkdtemp(dir=self.dir), "swap"))
+            for r, got in enumerate(self.spawn(world, "tiny")):
+                where = f"rank {r} of {world}"
+                for a, b in zip(ref["losses"] + ref["norms"], got["losses"] + got["norms"]):
+                    self.assertLessEqual(abs(a - b) / abs(a), 1e-6, where)
+                for name, want in ref["grads"].items():
+                    gap = ((got["grads"][name] - want).norm() / want.norm()).item()
+                    self.assertLessEqual(gap, 1e-6, f"{where}: p.grad of {name}")
+                self.assertAlmostEqual(got["grad sum"], ref["grads"]["lin.weight"].sum().item(),
+                                       places=6)
+                self.assertIn("lin.weight", got["refused"]["grad write"])
+                for name, want in ref["params"].items():
+                    gap = ((got["params"][name] - want).norm() / want.norm()).item()
+                    self.assertLessEqual(gap, 1e-6, f"{where}: {name}")
+                self.assertEqual(set(got["params"]), {"emb.weight", "lin.weight", "lin.bias",
+                                                      "head.weight", "scale"})
+                for i, st in ref["opt"]["state"].items():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        for full in (got["opt"], got["reloaded"]):
+                            self.assertEqual(full["state"][i][key].shape, st[key].shape)
+                            gap = ((full["state"][i][key] - st[key]).norm() /
+                                   st[key].norm()).item()
+                            self.assertLessEqual(gap, 1e-5, f"{where}: {key} of {i}")
+                marker, shapes, slices = got["sliced"]
+                self.assertEqual(marker, {"rank": r, "size": world})
+                self.assertEqual(shapes, [(n,) for n in slices.values()])
+                self.assertEqual(slices["scale"], 1)    # one element on each rank
+                self.assertIn("gather=True", got["refused"]["opt state"])
+                self.assertIn(f"slices of rank {(r + 1) % world}", got["refused"]["other rank"])
+                self.assertTrue(torch.equal(got["written"], torch.full((5,), 7.0)), where)
+                # Each backward's gradients in 2 or 3 buckets: fewer collectives than
+                # the 4 parameters.
+                backwards = TINY_STEPS * MICRO
+                self.assertTrue(2 * backwards <= got["reductions"] <= 3 * backwards,
+                                f"{where}: {got['reductions']} reductions")
 
     def test_backward_onto_reduced_gradients(self):
         """A norm read between micro-batches reduces them; the next backward adds to the
