@@ -514,6 +514,7 @@ class TestAcrossRanks(unittest.TestCase):
         mean (stage 1: on every rank; stage 2: on the owner, scaled back to a sum)."""
         self.check_training(2, stage=1, peek=True)
         self.check_training(3, stage=2, peek=True)
+        self.check_training(2, stage=3, peek=True)
 
     def test_grad_scaler(self):
         """GradScaler's unscale_ reads the gradients first: reduced there, its overflow
@@ -521,6 +522,7 @@ class TestAcrossRanks(unittest.TestCase):
         rank skip the step and halve the scale."""
         self.check_training(2, stage=1, scaled=True)
         self.check_training(2, stage=2, scaled=True)
+        self.check_training(3, stage=3, scaled=True)
 
     def test_refusals(self):
         for r, got in enumerate(self.spawn(2, "refuse")):
