@@ -2,17 +2,24 @@
 
 2 and 3 CPU ranks over gloo (processes spawned here, a file:// rendezvous in a temporary
 folder), each with its own engine (emulated device, NVMe home in its own folder) and the
-example's GPT offloaded with group=WORLD, stage=1 or 2, train a few steps with
-clip_grad_norm_, each rank on its part of a fixed global batch, accumulated as
-micro-batches. The reference is one process: the same global batch as micro-batches with
-gradient accumulation (each loss divided by their count), zinf.torch on one engine. Each
-step's loss (the mean over the micro-batches) and the final parameters match within 1e-6
-relative, each rank reduces its gradients once a step, and each rank's optimizer state (the
-moments it registered) is about 1/N of the reference's; with stage 2 its gradients after
-the reduction too, another rank's refused by name. A backward onto gradients a norm read
-reduced already adds to their mean. Through GradScaler, one rank's overflow has every
-rank skip the step. Also: the stages not built yet raise, naming what is; ranks whose
-parameters differ are refused.
+example's GPT (its head tied to its embedding) offloaded with group=WORLD, stage=1, 2 or 3,
+train a few steps with clip_grad_norm_, each rank on its part of a fixed global batch,
+accumulated as micro-batches. The reference is one process: the same global batch as
+micro-batches with gradient accumulation (each loss divided by their count), zinf.torch on
+one engine. Each step's loss (the mean over the micro-batches), clip_grad_norm_'s norm and
+the final parameters match within 1e-6 relative (the norm 1e-5), each rank reduces its
+gradients once a step (stage 3: once a backward, in one bucket), and each rank's optimizer
+state (the moments it registered) is about 1/N of the reference's; with stage 2 its
+gradients after the reduction too, another rank's refused by name; with stage 3 its
+gradients' slices, and its engine homes about 1/N of the reference's bytes. A backward onto
+gradients a norm read reduced already adds to their mean. Through GradScaler, one rank's
+overflow has every rank skip the step. Stage 3 again on a small model with a tied head, a
+parameter of fewer elements than ranks and buckets of a few parameters: p.grad read whole
+matches the reference's gradients, a write into it is refused, the optimizer's state
+gathered matches and loads back, sliced loads back on its rank only, unasked is refused;
+a write through gathered(modify=True) is kept. Also: a stage that is none of ZeRO's is
+refused, stage=None with a group is 3; ranks whose parameters differ are refused (stages 1
+and 3).
 
 Skips, saying so, where torch is not importable or torch.distributed has no gloo.
 """

@@ -1,13 +1,16 @@
-"""Data parallelism over a torch.distributed process group: each rank's Offload of the whole
-model (offload(..., group=, stage=1 or 2)), its gradients made the mean over the group once
+"""Data parallelism over a torch.distributed process group: each rank's Offload
+(offload(..., group=, stage=1, 2 or 3)), its gradients made the mean over the group once
 per optimizer step (Group.reduce), and which rank owns each parameter's AdamW update
 (owner_of). Stage 2 reduces each gradient to its owner alone; the others forget theirs and
-keep its 2-norm (and whether it is finite), exchanged, for clipping and GradScaler.
+keep its 2-norm (and whether it is finite), exchanged, for clipping and GradScaler. Stage 3
+(the parameters partitioned too) is _zero3.py's: there each rank homes a slice of every
+tensor, the backward reduces the gradients in buckets, and Group only checks the ranks'
+start and holds the group.
 
-What this is not: a partition of the parameters (ZeRO stage 3), a bucketed or overlapped
-reduction (one collective per parameter, after the backward, each rank holding every
-gradient until then), or a checkpoint that another number of ranks can read. Every
-collective here is issued in the same order on every rank, as the ranks run the same
+What this is not: a bucketed or overlapped reduction at stages 1 and 2 (one collective per
+parameter, after the backward, each rank holding every gradient until then), overlap of
+stage 3's collectives with compute, or a checkpoint that another number of ranks can read.
+Every collective here is issued in the same order on every rank, as the ranks run the same
 program over the same model: the parameters in their registration order."""
 
 import math

@@ -69,7 +69,9 @@ class AdamW(torch.optim.Optimizer):
     whatever overlap says: the broadcasts are collectives, which must come in the same order
     on every rank, and the next forward's fetches do not promise one. state_dict() holds
     this rank's parameters' state only. With stage=2 the split also says which rank each
-    gradient is reduced to."""
+    gradient is reduced to. With stage=3 every rank steps its slice of every parameter
+    (moments slice-sized), with no broadcast: the next forward gathers the new values;
+    state_dict() then wants gather= (see it)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,

@@ -21,7 +21,9 @@ operations that torch's own code applies to gradients without copying them:
 - clamp_ (clip_grad_value_), and GradScaler's unscale (the found-inf check against the
   flag taken as the gradient was accumulated);
 - requires_grad_() and detach_(), which gradients get from zero_grad.
-Anything else raises OffloadedError. zinf.torch.gathered(params, grads=True) gives the real
+Anything else raises OffloadedError; at stage 3 (offload(..., stage=3)) any other read gets
+the full gradient, gathered from the ranks' slices (a collective) and cached until it
+changes, and only writes raise. zinf.torch.gathered(params, grads=True) gives the real
 gradients.
 """
 
