@@ -53,6 +53,18 @@ class _Full:
         self.dropped = True
 
 
+def _signature(ids):
+    """Four small numbers that name a bucket's parameters (their indices in order): two
+    hashes h (mod 251 and 241) and their squares. Summed over the ranks, sum(h) = N h and
+    sum(h^2) = N h^2 hold only where every rank's h is this one's (their variance is 0),
+    and every sum stays an integer a float32 holds exactly (up to 2^24, past 250 ranks)."""
+    out = []
+    for m in (251, 241):
+        h = 1 + sum((i + 1) * (j + 1) for j, i in enumerate(ids)) % m
+        out += [float(h), float(h * h)]
+    return out
+
+
 class Zero3:
     """One Offload's stage 3 over a Group (_dist.Group): its rank, size and counts."""
 
@@ -190,11 +202,11 @@ class Zero3:
 
     def flush(self, off):
         """The bucket's gradients summed over the group and divided by its size, each rank
-        adding its slice of each into its gradient in zinf. The bucket is a (size, k + 2)
-        float32 matrix whose row r holds rank r's slices side by side, and two columns that
-        name the bucket's parameters (the sum of their indices plus one, and of their
-        squares): a rank whose backward gave other gradients than another's is an error on
-        every rank, not a sum of unrelated values."""
+        adding its slice of each into its gradient in zinf. The bucket is a (size, k + 4)
+        float32 matrix whose row r holds rank r's slices side by side, and four columns that
+        name the bucket's parameters (_signature): a rank whose backward gave other
+        gradients than another's is an error on every rank, not a sum of unrelated
+        values."""
         items, self.bucket, self.bucket_size = self.bucket, [], 0
         if not items:
             return
@@ -203,7 +215,7 @@ class Zero3:
         k = sum(e.sshape[0] for e, _ in items)
         with _disabled():
             dev = items[0][1].device
-            rows = torch.zeros(n, k + 2, dtype=torch.float32, device=dev)
+            rows = torch.zeros(n, k + 4, dtype=torch.float32, device=dev)
             at = 0
             for e, g in items:
                 s, flat = e.sshape[0], g.reshape(-1)
@@ -212,18 +224,16 @@ class Zero3:
                     if a < b:
                         rows[r, at:at + b - a].copy_(flat[a:b])
                 at += s
-            ids = [index[id(e)] for e, _ in items]
-            sig = (float(sum(ids)), float(sum(i * i for i in ids)))
-            rows[:, k], rows[:, k + 1] = sig[0], sig[1]
+            sig = _signature([index[id(e)] for e, _ in items])
+            rows[:, k:] = torch.tensor(sig, dtype=torch.float32)
             self.reductions += 1
             if self.tensor_forms:
-                mine = torch.empty(k + 2, dtype=torch.float32, device=dev)
+                mine = torch.empty(k + 4, dtype=torch.float32, device=dev)
                 self.dist.reduce_scatter_tensor(mine, rows.view(-1), group=self.g.group)
             else:
                 self.dist.all_reduce(rows, group=self.g.group)
                 mine = rows[self.rank]
-            got = mine[k:].double().tolist()
-            if got[0] != n * sig[0] or got[1] != n * sig[1]:
+            if mine[k:].double().tolist() != [n * x for x in sig]:
                 raise RuntimeError(
                     "zinf.torch: stage 3's gradients: the ranks' backwards gave gradients "
                     "of other parameters (each rank's backward must reach the same "
