@@ -68,7 +68,13 @@ What happens:
   new values; with a group, step() carries out every update and broadcast itself
   (collectives come in the same order on every rank). stage=2 reduces each gradient to its
   owner alone: the other ranks zero theirs and keep its 2-norm and finiteness, exchanged in
-  one all-reduce, for clip_grad_norm_ and GradScaler. Stage 3 is not built yet.
+  one all-reduce, for clip_grad_norm_ and GradScaler. stage=3 (the default with a group)
+  homes each rank's 1/N slice of every parameter, gradient and moment: each module's
+  parameters are gathered for its forward and for what its backward unpacks, the backward's
+  gradients averaged in buckets (bucket_bytes=) and sliced, AdamW steps the slices, and
+  p.grad, state dicts and gathered() gather what they read (collectives: every rank reads
+  alike). AdamW.state_dict() there wants gather=True (the full state) or gather=False (this
+  rank's slices).
 
 The engine's tier budgets bound the memory: parameters are resident only while a module
 runs or its backward needs them, gradients and moments only while stepped. Activations

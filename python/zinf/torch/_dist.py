@@ -1,13 +1,16 @@
-"""Data parallelism over a torch.distributed process group: each rank's Offload of the whole
-model (offload(..., group=, stage=1 or 2)), its gradients made the mean over the group once
+"""Data parallelism over a torch.distributed process group: each rank's Offload
+(offload(..., group=, stage=1, 2 or 3)), its gradients made the mean over the group once
 per optimizer step (Group.reduce), and which rank owns each parameter's AdamW update
 (owner_of). Stage 2 reduces each gradient to its owner alone; the others forget theirs and
-keep its 2-norm (and whether it is finite), exchanged, for clipping and GradScaler.
+keep its 2-norm (and whether it is finite), exchanged, for clipping and GradScaler. Stage 3
+(the parameters partitioned too) is _zero3.py's: there each rank homes a slice of every
+tensor, the backward reduces the gradients in buckets, and Group only checks the ranks'
+start and holds the group.
 
-What this is not: a partition of the parameters (ZeRO stage 3), a bucketed or overlapped
-reduction (one collective per parameter, after the backward, each rank holding every
-gradient until then), or a checkpoint that another number of ranks can read. Every
-collective here is issued in the same order on every rank, as the ranks run the same
+What this is not: a bucketed or overlapped reduction at stages 1 and 2 (one collective per
+parameter, after the backward, each rank holding every gradient until then), overlap of
+stage 3's collectives with compute, or a checkpoint that another number of ranks can read.
+Every collective here is issued in the same order on every rank, as the ranks run the same
 program over the same model: the parameters in their registration order."""
 
 import math
@@ -18,24 +21,23 @@ from ._views import _disabled, view_as
 
 __all__ = ["Group", "make_group", "owner_of"]
 
-STAGES = (1, 2)
+STAGES = (1, 2, 3)
 
 
 def make_group(group, stage):
-    """offload()'s group and stage checked: None without a group, else the Group."""
+    """offload()'s group and stage checked: None without a group, else the Group (stage
+    None with a group is 3, as DeepSpeed's zero_optimization takes it)."""
     if group is None:
         if stage is not None:
             raise ValueError(f"zinf.torch.offload: stage={stage} partitions across the "
                              f"ranks of a group; give group= (a torch.distributed "
                              f"ProcessGroup) with it")
         return None
+    stage = 3 if stage is None else stage
     if stage not in STAGES:
-        asked = "stage=None (ZeRO stage 3, the default the full design will take)" \
-            if stage is None else f"stage={stage}"
-        raise NotImplementedError(
-            f"zinf.torch.offload: {asked} is not built yet; across ranks zinf.torch runs "
-            f"stage=1 (the optimizer states partitioned) and stage=2 (the gradients too), "
-            f"every rank with the whole model's parameters: pass stage=1 or stage=2")
+        raise ValueError(f"zinf.torch.offload: stage={stage!r}; across ranks zinf.torch "
+                         f"runs stage=1 (the optimizer states partitioned), stage=2 (the "
+                         f"gradients too) or stage=3 (the parameters too, the default)")
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zinf.torch.offload: group= needs torch.distributed initialised "
@@ -82,18 +84,20 @@ class Group:
     def _root(self, r):
         return self.dist.get_global_rank(self.group, r) if self.group is not None else r
 
-    def check_same(self, off):
+    def check_same(self, params):
         """The ranks hold the same parameters (their count, shapes and values), as data
-        parallelism needs: each parameter's sum and sum of squares (float64) and its shape's
-        rank and sum compared by their extremes over the group. A rank that differs is an
-        error on every rank, naming the first parameter found to differ."""
+        parallelism needs: params, (name, shape, a function giving its values) in order;
+        each one's sum and sum of squares (float64) and its shape's rank and sum compared
+        by their extremes over the group. A rank that differs is an error on every rank,
+        naming the first parameter found to differ."""
         dist = self.dist
+        params = list(params)
         sig = []
-        for e in off._entries:
-            v = off.read(e).double()
-            sig += [v.sum().item(), v.square().sum().item(), float(len(e.shape)),
-                    float(sum(e.shape))]
-        sig = torch.tensor([float(len(off._entries))] + sig, dtype=torch.float64)
+        for name, shape, values in params:
+            v = values().double()
+            sig += [v.sum().item(), v.square().sum().item(), float(len(shape)),
+                    float(sum(shape))]
+        sig = torch.tensor([float(len(params))] + sig, dtype=torch.float64)
         # The count first: ranks with other models hold vectors of other lengths.
         n = sig[:1].clone()
         lo = n.clone()
@@ -108,8 +112,8 @@ class Group:
         dist.all_reduce(lo, dist.ReduceOp.MAX, group=self.group)
         bad = (hi != -lo).nonzero()
         if len(bad):
-            e = off._entries[(int(bad[0].item()) - 1) // 4]
-            raise ValueError(f"zinf.torch.offload: parameter {e.name} differs across the "
+            name = params[(int(bad[0].item()) - 1) // 4][0]
+            raise ValueError(f"zinf.torch.offload: parameter {name} differs across the "
                              f"ranks of the group; data parallelism starts every rank from "
                              f"the same values (seed the model's initialisation alike, or "
                              f"load the same weights before offloading)")

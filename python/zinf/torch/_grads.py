@@ -15,8 +15,12 @@ class GradsMixin:
     def reduce_grads(self):
         """With a group (offload(..., group=)): the gradients made the mean over its ranks,
         where a backward accumulated into them since the last reduction; whatever reads them
-        calls this first (norms, clamps, GradScaler's check, gathered, AdamW.step)."""
-        if self.dist is not None and self._unreduced:
+        calls this first (norms, clamps, GradScaler's check, gathered, AdamW.step). Stage 3
+        reduced them in the backward: the slices' norms are made the full ones here."""
+        if self.z3 is not None:
+            with self._lock:
+                self.z3.exchange(self)
+        elif self.dist is not None and self._unreduced:
             with self._lock:
                 self.dist.reduce(self)
 
@@ -39,6 +43,8 @@ class GradsMixin:
         e.has_grad, e.fresh, e.gnorm, e.gscale, e.nonfinite = False, True, None, 1.0, False
         if self.dist is not None:
             self.dist.forget(e)
+        if self.z3 is not None:
+            self.z3.changed(e)
         if was and e.grad is not None:
             if e.pending is not None:
                 e.zero_later = True     # the deferred update reads it first
@@ -100,13 +106,24 @@ class GradsMixin:
         if code is None:
             raise TypeError(f"zinf.torch: the gradient of {e.name} is {g.dtype}, not a "
                             "floating dtype zinf.torch accumulates")
-        if not g.is_cpu:
+        z3 = self.z3
+        if not g.is_cpu and not (z3 and z3.tensor_forms):
             g = g.to("cpu")     # waits for the stream: the copy is whole when it returns
         if not g.is_contiguous():
             g = g.contiguous()
         with self._lock:
             if e.pending is not None:
                 self.ensure(e)
+            if z3 is not None:
+                # Stage 3: into the bucket, averaged and kept as this rank's slice when it
+                # is sent (z3.flush: has_grad, the norm and the proxy then).
+                z3.add_grad(self, e, g)
+                if e.standing:
+                    self._end_standing(e)
+                elif e.in_backward:
+                    e.in_backward = False
+                    self._drop(e)
+                return
             scale = e.gscale
             if self.dist is not None:
                 scale *= self.dist.accumulate_scale(e)
@@ -135,6 +152,9 @@ class GradsMixin:
             if ord == 2.0 and e.gnorm is not None:
                 return torch.tensor(e.gnorm, dtype=torch.float32)
             self._refuse_remote(e, f"its {ord}-norm")
+            if self.z3 is not None:     # the full gradient (padding would count)
+                with _disabled():
+                    return torch.linalg.vector_norm(self.z3.full_grad(self, e), ord)
             with self.engine.fetch(e.grad, "host") as pin:
                 with _disabled():
                     n = torch.linalg.vector_norm(view_as(pin, e.shape, torch.float32), ord)
@@ -164,6 +184,8 @@ class GradsMixin:
                 self._zero_grad_data(e)
             e.has_grad, e.fresh, e.gscale, e.nonfinite = True, True, 1.0, False
             e.gnorm = 0.0
+            if self.z3 is not None:
+                self.z3.changed(e)
 
     def _zero_grad_data(self, e):
         """Zeros in the gradient in zinf: without a byte moved where zinf takes it."""
@@ -182,10 +204,12 @@ class GradsMixin:
                 self.ensure(e)
             with self.engine.fetch(e.grad, "host", dirty=True) as pin:
                 with _disabled():
-                    v = view_as(pin, e.shape, torch.float32)
+                    v = view_as(pin, e.sshape, torch.float32)
                     if e.gscale != 1.0:
                         v.mul_(e.gscale)
                     v.clamp_(lo, hi)
+                    if self.z3 is not None:
+                        self.z3.zero_pad(e, v)
                 del v
                 self._note_grad(e, pin)
 
@@ -194,6 +218,8 @@ class GradsMixin:
         place), summed as _grad_ready sums it: _grad_add of the copy onto itself."""
         sumsq = _grad_add(pin, pin.ptr, pin.nbytes // 4, 0, 1.0, True)
         e.gnorm, e.nonfinite, e.gscale = math.sqrt(sumsq), not math.isfinite(sumsq), 1.0
+        if self.z3 is not None:     # this slice's: exchanged at the next read
+            self.z3.changed(e)
 
     def grad_nonfinite(self, e):
         self.reduce_grads()

@@ -13,6 +13,7 @@ from .. import Error
 from ._dist import make_group
 from ._grads import GradsMixin
 from ._param import GradProxy, OffloadedError, param_class
+from ._zero3 import BUCKET_BYTES, Zero3
 from ._views import (DTYPES, _disabled, _grad_of, _numel, _set_data, _set_grad, page_round,
                      shape_of, view_as)
 
@@ -55,11 +56,13 @@ class _Entry:
     __slots__ = ("owner", "name", "param", "shape", "dtype", "cls", "handle", "grad", "m",
                  "v", "vmax", "master", "pin", "view", "users", "in_backward", "dirty",
                  "hooked", "has_grad", "fresh", "proxy", "gnorm", "gscale", "nonfinite",
-                 "zcls", "ordered", "empty", "standin", "standing", "pending", "zero_later")
+                 "zcls", "ordered", "empty", "standin", "standing", "pending", "zero_later",
+                 "sshape")
 
     def __init__(self, owner, name, param, handle, grad):
         self.owner, self.name, self.param = owner, name, param
         self.shape, self.dtype, self.cls = tuple(param.shape), param.dtype, type(param)
+        self.sshape = self.shape    # the shape of its tensors in zinf (stage 3: a slice's)
         self.zcls = param_class(self.cls)
         self.ordered = False    # in the Offload's _order, the order of first use
         self.empty = None       # what p.data is between uses (set at the first fetch)
@@ -127,13 +130,17 @@ class Offload(GradsMixin):
     the parameters back."""
 
     def __init__(self, module, engine, *, home="nvme", tier="device", prefix="",
-                 resume=False, wait=30.0, group=None, stage=None, _shapes=None):
+                 resume=False, wait=30.0, group=None, stage=None,
+                 bucket_bytes=BUCKET_BYTES, _shapes=None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError("offload takes a torch.nn.Module")
         # Across ranks: the group the gradients are averaged over (None: this process
         # alone); _unreduced, a backward accumulated into them since the last reduction.
         self.dist = make_group(group, stage)
         self._unreduced = False
+        # Stage 3: the slices' layout, gathers and the backward's buckets (_zero3.py).
+        self.z3 = Zero3(self.dist, bucket_bytes) if self.dist and self.dist.stage == 3 \
+            else None
         if tier not in ("device", "host"):
             raise ValueError(f"tier must be \"device\" or \"host\", not {tier!r}")
         self.engine, self.module, self.home, self.tier = engine, module, home, tier
@@ -178,6 +185,10 @@ class Offload(GradsMixin):
             if page_round(4 * self._numel(p)) > caps[1]:
                 raise ValueError(f"parameter {name} takes {4 * self._numel(p)} bytes as float32 "
                                  f"(its gradient); the host tier holds {caps[1]}")
+        if self.z3 is not None and not self._shapes and not resume:
+            # Before the slicing: gathered, every rank's values would be the same.
+            self.dist.check_same((prefix + name, tuple(p.shape), lambda p=p: p.data)
+                                 for name, p in named)
         originals = {}
         try:
             for name, p in named:
@@ -199,9 +210,10 @@ class Offload(GradsMixin):
             raise
         del originals
         self._install_hooks()
-        if self.dist is not None and not self._shapes:
+        if self.dist is not None and self.z3 is None and not self._shapes:
             try:
-                self.dist.check_same(self)
+                self.dist.check_same((e.name, e.shape, functools.partial(self.read, e))
+                                     for e in self._entries)
             except BaseException:
                 self.remove()
                 raise
@@ -216,6 +228,9 @@ class Offload(GradsMixin):
         shape, dt = tuple(p.shape), DTYPES[p.dtype]
         shape = self._shapes.get(p, shape)
         n = _numel(shape)
+        sshape = (self.z3.slice_len(shape),) if self.z3 is not None else shape
+        if self.z3 is not None:
+            n = sshape[0]
         if resume:
             h = e.lookup(name)
             try:
@@ -226,14 +241,16 @@ class Offload(GradsMixin):
                 if t is not None and t.nbytes != want:
                     raise ValueError(f"{t.name} holds {t.nbytes} bytes; {name} needs {want}")
         else:
-            h = e.register(name, (shape, dt), home=self.home)
+            h = e.register(name, (sshape, dt), home=self.home)
             g = None      # "<name>.grad" is registered by the first gradient
         entry = _Entry(self, name, p, h, g)
-        entry.shape = shape
+        entry.shape, entry.sshape = shape, sshape
         self._entries.append(entry)
         if not resume and p not in self._shapes:
             with e.fetch(h, "host", dirty=True) as pin:
-                view_as(pin, shape, p.dtype).copy_(p.data)
+                with _disabled():
+                    view_as(pin, sshape, p.dtype).copy_(
+                        self.z3.slice_of(p.data, entry) if self.z3 else p.data)
         p.__dict__["_zinf"] = entry
         p.__class__ = param_class(entry.cls)
         _set_data(p, torch.empty(0, dtype=p.dtype, device=p.device))
@@ -245,7 +262,7 @@ class Offload(GradsMixin):
             try:
                 e.grad = self.engine.lookup(e.name + ".grad")
             except Error:
-                e.grad = self.engine.register(e.name + ".grad", (e.shape, "float32"),
+                e.grad = self.engine.register(e.name + ".grad", (e.sshape, "float32"),
                                               home=self.home)
         return e.grad
 
@@ -321,11 +338,15 @@ class Offload(GradsMixin):
             for e in need:
                 if e.pending is not None:
                     self.ensure(e)
-            pins = self.engine.fetch_all([e.handle for e in need], self.tier,
-                                         **self._fetch_kw)
+            if self.z3 is not None:     # stage 3: gathered, one collective for the set
+                pins = self.z3.gather(self, need, self.tier)
+            else:
+                pins = self.engine.fetch_all([e.handle for e in need], self.tier,
+                                             **self._fetch_kw)
             self.fetches[why] += len(need)
             try:
-                views = [view_as(pin, e.shape, e.dtype) for pin, e in zip(pins, need)]
+                views = [pin.view if self.z3 else view_as(pin, e.shape, e.dtype)
+                         for pin, e in zip(pins, need)]
             except BaseException:
                 for pin in pins:
                     pin.release()
@@ -385,7 +406,9 @@ class Offload(GradsMixin):
             return
         e.dirty = False
         try:
-            if e.master is not None:
+            if self.z3 is not None:     # this rank's slice of what the holder wrote
+                self.z3.write(self, e, view)
+            elif e.master is not None:
                 with self.engine.fetch(e.master, "host", dirty=True) as mp:
                     view_as(mp, e.shape, torch.float32).copy_(view)
             del view
@@ -440,6 +463,8 @@ class Offload(GradsMixin):
             if _in_backward():
                 return
             self._callback_queued = False
+            if self.z3 is not None:
+                self.z3.forget()
             for e in self._entries:
                 if e.in_backward:
                     e.in_backward = False
@@ -509,6 +534,8 @@ class Offload(GradsMixin):
     def _end_of_backward(self):
         with self._lock:
             self._callback_queued = False
+            if self.z3 is not None:
+                self.z3.flush(self)
             for e in self._entries:
                 if e.in_backward:
                     e.in_backward = False
@@ -546,6 +573,10 @@ class Offload(GradsMixin):
                 self._hold_for_backward([e], "unpack")
             if e.view is not None:
                 return torch.as_strided(e.view, s.size, s.stride, s.offset)
+            if self.z3 is not None:     # gathered again; the view keeps the memory
+                self.fetches["unpack"] += 1
+                full = self.z3.gather(self, [e], self.tier)[0]
+                return torch.as_strided(full.view, s.size, s.stride, s.offset)
             pin = self.engine.fetch(e.handle, self.tier, **self._fetch_kw)
             self.fetches["unpack"] += 1
             try:
@@ -568,6 +599,9 @@ class Offload(GradsMixin):
             if e.view is not None:
                 with _disabled():
                     return e.view.detach().to("cpu", copy=True)
+            if self.z3 is not None:     # a collective: every rank reads it
+                with _disabled():
+                    return self.z3.gather(self, [e], "host")[0].view.to("cpu", copy=True)
             with self.engine.fetch(e.handle, "host") as pin:
                 return view_as(pin, e.shape, e.dtype).clone()
 
@@ -580,6 +614,8 @@ class Offload(GradsMixin):
         with self._lock:
             if e.pending is not None:
                 self.ensure(e)
+            if self.z3 is not None:
+                return self.z3.write(self, e, values)
             with self.engine.fetch(e.handle, "host", dirty=True) as pin:
                 with _disabled():
                     view_as(pin, e.shape, e.dtype).copy_(values)
@@ -719,7 +755,7 @@ class Offload(GradsMixin):
 
 
 def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=False, wait=30.0,
-            group=None, stage=None):
+            group=None, stage=None, bucket_bytes=BUCKET_BYTES):
     """Move module's parameters into engine (see zinf.torch's docstring); returns the
     Offload. home: where their permanent copies live ("nvme", "host" or "device"); tier:
     where forward and backward use them ("device" or "host"); prefix: put before each
@@ -738,11 +774,16 @@ def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=Fal
     parameter's optimizer state on one rank, which updates it and broadcasts the new values.
     stage=2: each gradient is reduced to that rank alone, and the others forget theirs,
     keeping its 2-norm and finiteness (exchanged) for clip_grad_norm_ and GradScaler; any
-    other read of it there raises OffloadedError. 3 or None raise NotImplementedError. The
-    ranks must start with the same parameters (checked: an error names the first that
-    differs)."""
+    other read of it there raises OffloadedError. stage=3 (the default with a group): each
+    rank's engine homes its 1/N slice of every parameter, gradient and moment; a module's
+    parameters are gathered (all_gather) for its forward and for the saved views its
+    backward unpacks, and dropped after; the backward's gradients are averaged over the
+    group in buckets of bucket_bytes (float32 bytes, 25 MiB by default) and each rank keeps
+    its slice. p.grad, state_dict(), read parameters and gathered() gather what they read,
+    so every rank must read them alike (collectives). The ranks must start with the same
+    parameters (checked: an error names the first that differs)."""
     return Offload(module, engine, home=home, tier=tier, prefix=prefix, resume=resume,
-                   wait=wait, group=group, stage=stage)
+                   wait=wait, group=group, stage=stage, bucket_bytes=bucket_bytes)
 
 
 @contextlib.contextmanager
@@ -773,7 +814,14 @@ def gathered(params, *, modify=False, grads=False):
                 for e in entries:
                     if modify:
                         e.dirty = True
-                    if grads and e.has_grad:
+                    if grads and e.has_grad and off.z3 is not None:
+                        # Stage 3: the full mean gathered; this rank's slice of what the
+                        # block leaves in it is written back.
+                        g = off.z3.full_grad(off, e).clone()
+                        held[-1][2].append((e, g))
+                        _set_grad(e.param, g.to(dtype=e.dtype, device=e.view.device)
+                                  if e.dtype != g.dtype or g.device != e.view.device else g)
+                    elif grads and e.has_grad:
                         off._refuse_remote(e, "gathered(grads=True)")
                         pin = off.engine.fetch(e.grad, "host", dirty=True)
                         held[-1][2].append((e, pin))
@@ -790,8 +838,11 @@ def gathered(params, *, modify=False, grads=False):
         for off, entries, gpins in reversed(held):
             with off._lock:
                 for e, pin in gpins:
-                    off._note_grad(e, pin)
                     _set_grad(e.param, None)
+                    if off.z3 is not None:
+                        off.z3.put_grad(off, e, pin)
+                        continue
+                    off._note_grad(e, pin)
                     pin.release(dirty=True)
                 for e in entries:
                     off._drop(e)

@@ -7,6 +7,7 @@ import torch
 
 from .. import Error, adamw_step
 from ._dist import owner_of
+from ._param import OffloadedError
 from ._views import _numel, page_round, view_as
 
 __all__ = ["AdamW"]
@@ -68,7 +69,9 @@ class AdamW(torch.optim.Optimizer):
     whatever overlap says: the broadcasts are collectives, which must come in the same order
     on every rank, and the next forward's fetches do not promise one. state_dict() holds
     this rank's parameters' state only. With stage=2 the split also says which rank each
-    gradient is reduced to."""
+    gradient is reduced to. With stage=3 every rank steps its slice of every parameter
+    (moments slice-sized), with no broadcast: the next forward gathers the new values;
+    state_dict() then wants gather= (see it)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
@@ -161,7 +164,8 @@ class AdamW(torch.optim.Optimizer):
     def _mine(self, e):
         """This rank keeps e's optimizer state and updates it: always, but across ranks
         where the split gave e to another."""
-        return self._dist is None or self._owner[id(e)] == self._dist.rank
+        return self._dist is None or self._dist.stage == 3 or \
+            self._owner[id(e)] == self._dist.rank
 
     def _wants_master(self, e):
         if e.dtype not in _SIXTEEN:
@@ -171,7 +175,7 @@ class AdamW(torch.optim.Optimizer):
     def _step_bytes(self, e, amsgrad):
         """The room a step of e takes in the host tier: each tensor rounded up to the
         tier's 4 KiB pages, as the tier places it."""
-        n = _numel(e.shape)
+        n = _numel(e.sshape)
         f32 = 3 + bool(amsgrad) + self._wants_master(e)
         return page_round(n * e.dtype.itemsize) + f32 * page_round(4 * n)
 
@@ -184,7 +188,7 @@ class AdamW(torch.optim.Optimizer):
             try:
                 return eng.lookup(name)
             except Error:
-                t = eng.register(name, (e.shape, dtype), home=home)
+                t = eng.register(name, (e.sshape, dtype), home=home)
                 made.append(t)
                 return t
 
@@ -202,8 +206,8 @@ class AdamW(torch.optim.Optimizer):
                         pins = eng.fetch_all([e.handle, e.master], "host", dirty=True)
                         try:
                             with _disabled():
-                                view_as(pins[1], e.shape, torch.float32).copy_(
-                                    view_as(pins[0], e.shape, e.dtype))
+                                view_as(pins[1], e.sshape, torch.float32).copy_(
+                                    view_as(pins[0], e.sshape, e.dtype))
                         finally:
                             pins[0].release()
                             pins[1].release(dirty=True)
@@ -284,7 +288,7 @@ class AdamW(torch.optim.Optimizer):
                         self._prefetch(mine[ahead]._zinf)
                     self._step_one(group, p)
                     done += 1
-                if self._dist is not None:
+                if self._dist is not None and self._dist.stage != 3:
                     self._dist.broadcast(e.owner, e, self._owner[id(e)])
                     done += not self._mine(e)
         except BaseException:
@@ -434,8 +438,8 @@ class AdamW(torch.optim.Optimizer):
             pins = off.fetch_all(handles, "host", dirty=True)
             try:
                 with _disabled():
-                    f32 = lambda pin: view_as(pin, e.shape, torch.float32)  # noqa: E731
-                    pv = view_as(pins[0], e.shape, e.dtype)
+                    f32 = lambda pin: view_as(pin, e.sshape, torch.float32)  # noqa: E731
+                    pv = view_as(pins[0], e.sshape, e.dtype)
                     g, m, v = f32(pins[1]), f32(pins[2]), f32(pins[3])
                     master = f32(pins[4]) if e.master is not None else None
                     vmax = f32(pins[-1]) if amsgrad else None
@@ -462,11 +466,32 @@ class AdamW(torch.optim.Optimizer):
                 yield i, group, p
                 i += 1
 
-    def state_dict(self):
+    def _where(self):
+        d = self._dist
+        return "alone" if d is None else f"rank {d.rank} of {d.size}, stage {d.stage}"
+
+    def _z3(self):
+        return self._dist is not None and self._dist.stage == 3
+
+    def state_dict(self, gather=None):
         """torch.optim.AdamW's layout: {"state": {index: {"step", "exp_avg", "exp_avg_sq"
         (, "max_exp_avg_sq")}}, "param_groups": [...]}, the moments read into memory as
-        float32 CPU tensors; a 16-bit parameter's master copy under "master"."""
+        float32 CPU tensors; a 16-bit parameter's master copy under "master".
+
+        Stage 3 (offload(..., stage=3)): each rank holds a slice of every moment, so a
+        plain state_dict() raises OffloadedError rather than give a part for the whole.
+        gather=True: the full moments, gathered from every rank (a collective: every rank
+        calls it); gather=False: this rank's slices (flat, padded), marked
+        "zero3": {"rank", "size"}, which load_state_dict() takes back on the same rank of a
+        group of the same size only."""
         self._settle()
+        z3 = self._z3()
+        if z3 and gather is None:
+            raise OffloadedError(
+                "zinf.torch.AdamW: under stage=3 each rank holds a slice of every moment; "
+                "state_dict(gather=True) gathers the full state (on every rank at once), "
+                "state_dict(gather=False) gives this rank's slices")
+        full = z3 and bool(gather)
         state = {}
         for i, group, p in self._indexed():
             e = p._zinf
@@ -477,7 +502,7 @@ class AdamW(torch.optim.Optimizer):
             for key, t in (("exp_avg", e.m), ("exp_avg_sq", e.v),
                            ("max_exp_avg_sq", e.vmax), ("master", e.master)):
                 if t is not None and (key != "max_exp_avg_sq" or group["amsgrad"]):
-                    out[key] = self._read(e, t)
+                    out[key] = self._read(e, t, full)
             state[i] = out
         groups = []
         i = 0
@@ -486,18 +511,30 @@ class AdamW(torch.optim.Optimizer):
             g["params"] = list(range(i, i + len(group["params"])))
             i += len(group["params"])
             groups.append(g)
-        return {"state": state, "param_groups": groups}
+        out = {"state": state, "param_groups": groups}
+        if z3 and not full:
+            out["zero3"] = {"rank": self._dist.rank, "size": self._dist.size}
+        return out
 
-    def _read(self, e, t):
+    def _read(self, e, t, full=False):
         with e.owner._lock:
+            if full:
+                return e.owner.z3.full_of(e.owner, e, t)
             with e.owner.engine.fetch(t, "host") as pin:
-                return view_as(pin, e.shape, torch.float32).clone()
+                return view_as(pin, e.sshape, torch.float32).clone()
 
     def load_state_dict(self, state_dict):
         """Takes what state_dict() gives, or torch.optim.AdamW's: the moments are written
         into zinf (as float32), the step counts and hyper-parameters taken; a 16-bit
         parameter without a master copy in it gets one from its current values."""
         self._settle()
+        sliced = state_dict.get("zero3")
+        if sliced is not None and (not self._z3() or sliced != {
+                "rank": self._dist.rank, "size": self._dist.size}):
+            raise ValueError(f"zinf.torch.AdamW: the state dict holds the slices of rank "
+                             f"{sliced['rank']} of {sliced['size']} (stage 3); this "
+                             f"optimizer is {self._where()}: load a full one "
+                             f"(state_dict(gather=True))")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError(f"loaded state dict has {len(groups)} parameter groups; this "
@@ -514,11 +551,12 @@ class AdamW(torch.optim.Optimizer):
             p = index.get(int(i))
             if p is None:
                 raise ValueError(f"state for parameter {i}: no such parameter")
+            want = p._zinf.sshape if sliced else p._zinf.shape
             for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master"):
-                if key in st and tuple(st[key].shape) != p._zinf.shape:
+                if key in st and tuple(st[key].shape) != want:
                     raise ValueError(f"state {key} of {p._zinf.name}: shape "
                                      f"{tuple(st[key].shape)}, the parameter's is "
-                                     f"{p._zinf.shape}")
+                                     f"{want}")
         for g, mine in zip(groups, self.param_groups):
             for k, v in g.items():
                 if k != "params" and k not in ("capturable", "differentiable"):
@@ -532,8 +570,11 @@ class AdamW(torch.optim.Optimizer):
                            ("max_exp_avg_sq", e.vmax), ("master", e.master)):
                 if key in st and t is not None:
                     with e.owner._lock:
+                        v = st[key]
+                        if self._z3() and not sliced:     # this rank's slice of the whole
+                            v = e.owner.z3.slice_of(v.float(), e)
                         with e.owner.engine.fetch(t, "host", dirty=True) as pin:
-                            view_as(pin, e.shape, torch.float32).copy_(st[key])
+                            view_as(pin, e.sshape, torch.float32).copy_(v)
             self.state[p]["step"] = int(_f(st.get("step", 0)))
 
 

@@ -21,7 +21,9 @@ operations that torch's own code applies to gradients without copying them:
 - clamp_ (clip_grad_value_), and GradScaler's unscale (the found-inf check against the
   flag taken as the gradient was accumulated);
 - requires_grad_() and detach_(), which gradients get from zero_grad.
-Anything else raises OffloadedError. zinf.torch.gathered(params, grads=True) gives the real
+Anything else raises OffloadedError; at stage 3 (offload(..., stage=3)) any other read gets
+the full gradient, gathered from the ranks' slices (a collective) and cached until it
+changes, and only writes raise. zinf.torch.gathered(params, grads=True) gives the real
 gradients.
 """
 
@@ -297,6 +299,29 @@ _GRAD_OPS = {
 }
 
 
+def _reads_only(name, kwargs):
+    """An operation that does not write its arguments (in place, or into out=)."""
+    inplace = (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+    return not inplace and "out" not in kwargs and name not in ("__setitem__", "set_")
+
+
+def _stage3(args):
+    g = next((a for a in args if isinstance(a, GradProxy)), None)
+    return g is not None and g.entry is not None and \
+        getattr(g.entry.owner, "z3", None) is not None
+
+
+def _full_grads(args):
+    out = []
+    for a in args:
+        if isinstance(a, GradProxy) and a.entry is not None:
+            a = a.entry.owner.z3.full_grad(a.entry.owner, a.entry)
+        elif type(a) in (list, tuple):
+            a = type(a)(_full_grads(a))
+        out.append(a)
+    return out
+
+
 class GradProxy(torch.Tensor):
     """p.grad of an offloaded parameter between a backward and zero_grad() (see the
     module's docstring)."""
@@ -327,6 +352,13 @@ class GradProxy(torch.Tensor):
         h = _GRAD_OPS.get(name)
         if h is not None:
             return h(args, kwargs)
+        if _reads_only(name, kwargs) and _stage3(args):
+            # Stage 3: the full gradient gathered from the ranks' slices (a collective,
+            # cached until it changes) stands in for any read.
+            args = _full_grads(args)
+            kwargs = dict(zip(kwargs, _full_grads(tuple(kwargs.values()))))
+            with _disabled():
+                return func(*args, **kwargs)
         who = next((a.entry.name for a in args if isinstance(a, GradProxy)), "?")
         raise OffloadedError(
             f"zinf.torch: {name} reads the gradient of {who}, which lies in zinf (p.grad "
