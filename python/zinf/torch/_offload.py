@@ -136,7 +136,7 @@ class Offload(GradsMixin):
             raise TypeError("offload takes a torch.nn.Module")
         # Across ranks: the group the gradients are averaged over (None: this process
         # alone); _unreduced, a backward accumulated into them since the last reduction.
-        self.dist = make_group(group, stage)
+        self.dist = make_group(group, stage, bucket_bytes)
         self._unreduced = False
         # Stage 3: the slices' layout, gathers and the backward's buckets (_zero3.py).
         self.z3 = Zero3(self.dist, bucket_bytes) if self.dist and self.dist.stage == 3 \
