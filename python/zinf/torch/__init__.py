@@ -91,9 +91,11 @@ from ._views import DTYPES, shape_of, torch_view, zero
 from ._optim import AdamW
 from ._init import init
 from ._io import load, save
+from ._ckpt import load_checkpoint, save_checkpoint
 
 __all__ = ["AdamW", "DTYPES", "GradProxy", "Offload", "OffloadedError", "ZinfParameter",
-           "clip_grad_norm_", "gathered", "init", "load", "offload", "save", "shape_of"]
+           "clip_grad_norm_", "gathered", "init", "load", "load_checkpoint", "offload", "save",
+           "save_checkpoint", "shape_of"]
 
 # The names the package had as one module.
 _zero, _torch_view = zero, torch_view
