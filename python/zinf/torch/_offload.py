@@ -769,7 +769,8 @@ def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=Fal
     group: a torch.distributed ProcessGroup (dist.group.WORLD, or one of dist.new_group) for
     data parallelism: every rank offloads the same model into its own engine, and the
     gradients become the mean over the group's ranks, reduced once per optimizer step by
-    whatever reads them first (clip_grad_norm_, GradScaler, gathered(grads=True), the step).
+    whatever reads them first (clip_grad_norm_, GradScaler, gathered(grads=True), the step),
+    in buckets of bucket_bytes (one all_reduce each).
     stage: how much the ranks partition. stage=1 (ZeRO stage 1): zinf.torch.AdamW keeps each
     parameter's optimizer state on one rank, which updates it and broadcasts the new values.
     stage=2: each gradient is reduced to that rank alone, and the others forget theirs,
