@@ -44,6 +44,8 @@ fi
 # thread a rank: four ranks share two cores.
 export EMU_DEVICES=4 OMP_NUM_THREADS=1 OMP_WAIT_POLICY=passive
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# Under ASan, the leak check leaves out Open MPI's own allocations, as test_comm_mpi's does.
+export LSAN_OPTIONS=${LSAN_OPTIONS:-fast_unwind_on_malloc=0:suppressions=$root/tests/lsan-mpi.supp}
 unset WORLD_SIZE RANK LOCAL_RANK ZINF_COMM_NAME ZINF_COMM_SECRET ZINF_TEST_KILL_AT
 
 mpi() { # ranks ranks-per-node command...
