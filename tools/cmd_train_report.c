@@ -441,8 +441,10 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
         fprintf(log, ",\"staging_bytes\":%llu", (unsigned long long)sum->staging_bytes);
         fprintf(log, ",\"rank\":%d,\"world\":%d,\"zero_stage\":%d,\"comm_bytes\":%llu", sum->rank,
                 sum->world, sum->stage, (unsigned long long)sum->comm_bytes);
-        fprintf(log, ",\"comm_ops\":%llu,\"comm_pooled_ops\":%llu",
-                (unsigned long long)sum->comm_ops, (unsigned long long)sum->comm_pooled_ops);
+        fprintf(log, ",\"comm_ops\":%llu,\"comm_pooled_ops\":%llu,\"comm_node\":%d,"
+                "\"comm_nodes\":%d",
+                (unsigned long long)sum->comm_ops, (unsigned long long)sum->comm_pooled_ops,
+                sum->comm_node, sum->comm_nodes);
         fprintf(log, ",\"overlap_comm\":%s", sum->overlap_comm ? "true" : "false");
         cmd_train_json_num(log, "reduce_seconds", sum->reduce_seconds, false);
         static const char *const blocked_keys[5] = {

@@ -857,6 +857,10 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         out->comm_bytes = cs.bytes_in;
         out->comm_ops = cs.ops;
         out->comm_pooled_ops = cs.pooled_ops;
+        out->comm_node = cs.node;
+        out->comm_nodes = cs.nodes;
+    } else {
+        out->comm_nodes = 1;
     }
     out->budgets = t->budgets;
     out->min_budget[0] = t->min_budget[0];

@@ -254,6 +254,7 @@ struct trainer_summary {
     uint64_t comm_bytes;        /* bytes this rank sent to collectives */
     uint64_t comm_ops, comm_pooled_ops; /* its collectives, and of those the ones that read
                                            the peers' buffers in place (zinf.comm_pool) */
+    int comm_node, comm_nodes;  /* under mpirun: this rank's node, of nodes (0 of 1 else) */
     bool overlap_comm;          /* gradients reduced behind the next block's backward */
     double reduce_seconds;      /* the steps' time waiting for gradient reductions */
     /* The optimizer's pipeline (offload_optimizer.pipeline_read): the sets it asked for
