@@ -203,9 +203,9 @@ for n, per, prec, stage in cases:
     what = '%s, %d GPU ranks under mpirun in nodes of %d, stage %d' % (prec, n, per, stage)
     check(len(g) == 3 and same(g, ref),
           what + ': bitwise the one GPU rank of --accumulate %d (loss and digest)' % n)
-    nodes = [(run(name, r)[1] or {}).get('comm_node') for r in range(n)]
+    nodes = [(run(name, r)[1] or {}).get('node') for r in range(n)]
     want = [r // per for r in range(n)]
-    counts = {(run(name, r)[1] or {}).get('comm_nodes') for r in range(n)}
+    counts = {(run(name, r)[1] or {}).get('nodes') for r in range(n)}
     check(nodes == want and counts == {(n + per - 1) // per},
           what + ': the ranks\' nodes %s of %s, the layout\'s %s of %d'
           % (nodes, sorted(counts, key=str), want, (n + per - 1) // per))
