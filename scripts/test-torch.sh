@@ -5,9 +5,11 @@
 #   1. the project built (scripts/setup.sh) and tests/python run over the build tree by the
 #      venv's Python: zinf.torch against plain PyTorch, torch's own calls on an offloaded
 #      model, transformers' models, Trainer and peft, and the package's tests with torch;
-#   2. the examples: 3 steps of the GPT on NVMe under tenth budgets, and transformers'
+#   2. zinf.torch across nodes under torchrun (tests/multinode/torch.sh: Linux namespaces on
+#      this machine; skipped, saying why, without root or unshare);
+#   3. the examples: 3 steps of the GPT on NVMe under tenth budgets, and transformers'
 #      Trainer fine-tuning a model built straight into zinf;
-#   3. `pip install .` into the venv (meson-python) and the torch tests again on the
+#   4. `pip install .` into the venv (meson-python) and the torch tests again on the
 #      installed package, from outside the source tree; then it is uninstalled.
 #   ZINF_TORCH_VENV=build/torch-venv  the venv (an existing one with torch is reused)
 set -euo pipefail
@@ -45,13 +47,22 @@ echo "== 1. tests/python over the build tree"
 grep -q '^OK$' "$scratch/tree.log" ||
   { echo "test-torch: a test failed or skipped (above)" >&2; exit 1; }
 
-echo "== 2. the example"
+echo "== 2. across nodes"
+rc=0
+ZINF_TORCH_PY=$py ZINF_PYTHONPATH=$root/build/python sh tests/multinode/torch.sh || rc=$?
+if [ "$rc" = 77 ]; then
+  echo "test-torch: across nodes skipped (the reason above)"
+elif [ "$rc" != 0 ]; then
+  echo "test-torch: across nodes failed (above)" >&2; exit 1
+fi
+
+echo "== 3. the example"
 PYTHONPATH=$root/build/python "$py" examples/torch_offload.py --text README.md \
   --nvme "$scratch/example" --steps 3 --device emulated
 PYTHONPATH=$root/build/python "$py" examples/hf_trainer.py --text README.md \
   --nvme "$scratch/hf-swap" --out "$scratch/hf-out" --steps 6
 
-echo "== 3. pip install ."
+echo "== 4. pip install ."
 "$venv/bin/pip" install -q "$root"
 # From a folder outside the tree, with nothing on PYTHONPATH: the installed package.
 cp tests/python/test_torch.py tests/python/test_torch_conventions.py tests/python/test_torch_hf.py \
