@@ -6,8 +6,8 @@
 # stage 3 (the c10d rendezvous: ranks by arrival). Checked: every rank's losses and final
 # parameters within 1e-6 relative of one process accumulating the same global batch; each
 # node's folder holds its own ranks' files and no others'; at stage 3 each engine homes about
-# 1/N of the bytes. Then a rank of node1 dies mid-step (SIGKILL), and another hangs: both
-# nodes' torchrun must exit non-zero within 60 s, and no rank be left.
+# 1/N of the bytes. Then a rank of node1 dies mid-step (SIGKILL, then os._exit), and one
+# hangs: both nodes' torchrun must exit non-zero within 60 s, and no rank be left.
 #
 # Not here: one node's ranks (tests/python/test_torch_dist.py), what the ranks run
 # (tests/python/torch_nodes_train.py), zinf train across nodes (train.sh).
@@ -109,11 +109,13 @@ dies()
 {
     case "$1" in
     kill) what="2 nodes, a rank of node1 killed (timeout $2 s)" ;;
+    exit) what="2 nodes, a rank of node1 exiting (timeout $2 s)" ;;
     *) what="2 nodes, a rank of node1 hung (timeout $2 s)" ;;
     esac
     out=$dir/$1
-    ZINF_TEST_DIE=node1:1:1 ZINF_TEST_DIE_HOW=$1 \
-        across static 2 2 "$out" "$1" --stages 3 --steps 4 --timeout "$2"
+    export ZINF_TEST_DIE=node1:1:1 ZINF_TEST_DIE_HOW="$1"
+    across static 2 2 "$out" "$1" --stages 3 --steps 4 --timeout "$2"
+    unset ZINF_TEST_DIE ZINF_TEST_DIE_HOW
     died=$(sed -n 's/.* '"$1"'s in step .* at \([0-9.]*\)$/\1/p' "$out/node1.txt")
     if [ -z "$died" ]; then
         fail "$what: rank 3 did not $1 where it was told to: $(tail -n 20 "$out/node1.txt")"
@@ -121,10 +123,10 @@ dies()
     fi
     for k in 0 1; do
         rc=$(cat "$out/rc$k")
-        took=$(echo "$(cat "$out/end$k") - $died" | bc)
+        took=$(awk -v a="$(cat "$out/end$k")" -v b="$died" 'BEGIN { printf "%.1f", a - b }')
         echo "$what: node$k's torchrun exited $rc, $took s after"
         [ "$rc" != 0 ] || fail "$what: node$k's torchrun exited 0"
-        [ "$(echo "$took <= $DEADLINE" | bc)" = 1 ] ||
+        awk -v t="$took" -v d="$DEADLINE" 'BEGIN { exit !(t <= d) }' ||
             fail "$what: node$k's torchrun took $took s to end after it"
     done
     if pgrep -f "$train rank --out $out" >/dev/null; then
@@ -132,9 +134,11 @@ dies()
     fi
 }
 
-# Killed, a rank's sockets close and gloo fails its peers' collectives at once, whatever the
-# timeout: the default's 30 minutes here. Hung, only the timeout ends the others' waits.
+# Killed or exiting (os._exit), a rank's sockets close and gloo fails its peers' collectives
+# at once, whatever the timeout: the default's 30 minutes here. Hung, only the timeout ends
+# the others' waits.
 dies kill 1800
+dies exit 1800
 dies hang 10
 
 if [ "$failed" = 0 ]; then
