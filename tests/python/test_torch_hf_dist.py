@@ -20,7 +20,6 @@ Skips, saying so, where torch, gloo or transformers is missing.
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import traceback
 import unittest
