@@ -41,7 +41,7 @@ echo "== 1. tests/python over the build tree"
 (cd tests/python &&
   PYTHONPATH=$root/build/python ZINF_BIN=$root/build/tools/zinf \
     "$py" -m unittest -v test_torch test_torch_conventions test_torch_hf test_torch_dist \
-      test_torch_hf_dist test_zinf 2>&1 |
+      test_torch_ckpt test_torch_hf_dist test_zinf 2>&1 |
     tee "$scratch/tree.log")
 # "OK" alone: unittest writes "OK (skipped=N)" when any test skipped.
 grep -q '^OK$' "$scratch/tree.log" ||
@@ -66,18 +66,19 @@ echo "== 4. pip install ."
 "$venv/bin/pip" install -q "$root"
 # From a folder outside the tree, with nothing on PYTHONPATH: the installed package.
 cp tests/python/test_torch.py tests/python/test_torch_conventions.py tests/python/test_torch_hf.py \
-  tests/python/test_torch_dist.py tests/python/test_torch_hf_dist.py tests/python/daemon.py \
+  tests/python/test_torch_dist.py tests/python/test_torch_ckpt.py \
+  tests/python/test_torch_hf_dist.py tests/python/daemon.py \
   "$scratch/"
 mkdir -p "$scratch/examples" "$scratch/tests" &&
   cp examples/torch_offload.py examples/hf_trainer.py "$scratch/examples/"
 mkdir -p "$scratch/tests/data" && cp tests/data/torch_text.md "$scratch/tests/data/"
 (cd "$scratch" && mkdir -p tests/python &&
   mv test_torch.py test_torch_conventions.py test_torch_hf.py test_torch_dist.py \
-    test_torch_hf_dist.py daemon.py tests/python/ &&
+    test_torch_ckpt.py test_torch_hf_dist.py daemon.py tests/python/ &&
   cd tests/python &&
   "$py" -c 'import zinf, zinf.torch, sys; assert "site-packages" in zinf.__file__, zinf.__file__; print("installed:", zinf.__file__)' &&
   ZINF_BIN=$venv/bin/zinf "$py" -m unittest test_torch test_torch_conventions test_torch_hf \
-    test_torch_dist test_torch_hf_dist 2>&1 |
+    test_torch_dist test_torch_ckpt test_torch_hf_dist 2>&1 |
   tee "$scratch/installed.log")
 grep -q '^OK$' "$scratch/installed.log" ||
   { echo "test-torch: the installed package failed (above)" >&2; exit 1; }

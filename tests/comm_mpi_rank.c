@@ -10,6 +10,8 @@
  *   comm_mpi_rank exit R      rank R exits (status 3, communicator open) after a few
  *   comm_mpi_rank stop R      rank R stops itself (SIGSTOP) after a few; the others' operations
  *                             time out (ZINF_COMM_OP_TIMEOUT_MS) and the job is aborted
+ *   comm_mpi_rank stop-node R as stop, but only the ranks of R's node have that deadline (the
+ *                             others four times it): a peer of R's node times out first
  *   comm_mpi_rank longname    a name that leaves no room for the nodes' suffix (-EINVAL)
  *   comm_mpi_rank world       every rank claims a world one larger than mpirun's (-EPROTO)
  *
@@ -199,7 +201,7 @@ int main(int argc, char **argv)
 {
     const char *rs = getenv("OMPI_COMM_WORLD_RANK"), *ws = getenv("OMPI_COMM_WORLD_SIZE");
     if (!rs || !ws || argc < 2) {
-        fprintf(stderr, "usage: mpirun ... comm_mpi_rank check|die R|exit R|world\n");
+        fprintf(stderr, "usage: mpirun ... comm_mpi_rank check|die R|exit R|stop R|stop-node R|longname|world\n");
         return 2;
     }
     rank = atoi(rs), world = atoi(ws);
@@ -212,6 +214,9 @@ int main(int argc, char **argv)
                           .chunk_bytes = (size_t)256 << 10};
     const char *op_ms = getenv("ZINF_COMM_OP_TIMEOUT_MS");
     o.op_timeout_ms = op_ms ? (unsigned)atoi(op_ms) : 60000;
+    const char *L = getenv("ZINF_COMM_RANKS_PER_NODE");
+    int per = L && *L ? atoi(L) : world; /* the tests run on one machine */
+    if (!strcmp(mode, "stop-node") && per > 0 && rank / per != victim / per) o.op_timeout_ms *= 4;
     char longname[COMM_NAME_BYTES];
     memset(longname, 'a', sizeof(longname) - 1);
     longname[sizeof(longname) - 1] = 0;
@@ -225,12 +230,11 @@ int main(int argc, char **argv)
     }
     struct comm_stats st;
     comm_get_stats(c, &st);
-    const char *L = getenv("ZINF_COMM_RANKS_PER_NODE");
-    int per = L && *L ? atoi(L) : world; /* the tests run on one machine */
     if (st.nodes != (world + per - 1) / per || st.node != rank / per)
         FAIL("node %d of %d, not %d of %d", st.node, st.nodes, rank / per,
              (world + per - 1) / per);
-    if (!strcmp(mode, "die") || !strcmp(mode, "exit") || !strcmp(mode, "stop")) {
+    if (!strcmp(mode, "die") || !strcmp(mode, "exit") || !strcmp(mode, "stop") ||
+        !strcmp(mode, "stop-node")) {
         float a[1000], b[1000];
         for (int i = 0; i < 1000; i++)
             a[i] = (float)i;
@@ -239,7 +243,7 @@ int main(int argc, char **argv)
         if (rank == victim) {
             fflush(NULL);
             if (!strcmp(mode, "die")) raise(SIGKILL);
-            if (!strcmp(mode, "stop")) raise(SIGSTOP);
+            if (!strncmp(mode, "stop", 4)) raise(SIGSTOP);
             exit(3);
         }
         for (;;) /* until the job ends: these cannot complete */

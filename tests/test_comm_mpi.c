@@ -179,6 +179,20 @@ Test(comm_mpi, a_stopped_leader_times_out_the_others_and_ends_the_job)
         cr_assert(!strncmp(p + 18, "mpi-", 4), "a segment's job name is garbled:\n%s", j.out);
 }
 
+/* A regression: a node's segment named its ranks by their place in the node, so that node 1's
+ * leader (world rank 2) said "rank 0: rank 1 (pid ...) did not come" of world rank 3. Only
+ * node 1's ranks have the short deadline, so its leader is the one that times out. */
+Test(comm_mpi, a_node_segment_names_world_ranks_in_its_failures)
+{
+    need_mpi();
+    struct job j;
+    run_job_env(4, "2", "stop-node", "3", &j, "2000");
+    cr_assert_neq(j.status, 0, "%s", j.out);
+    cr_assert_lt(j.secs, 20.0, "the job took %.1f s to fail:\n%s", j.secs, j.out);
+    cr_assert(strstr(j.out, ".n1: rank 2: rank 3 (pid ") && strstr(j.out, ", stopped) did not come"),
+              "node 1's leader does not name world rank 3:\n%s", j.out);
+}
+
 Test(comm_mpi, a_name_without_room_for_the_nodes_suffix_is_refused)
 {
     need_mpi();

@@ -412,6 +412,11 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                sum->reduce_seconds,
                sum->overlap_comm ? "overlap_comm: each behind the next block's backward"
                                 : "each after its block's backward");
+    if (sum->world > 1 && sum->nodes > 1)
+        printf("#   across %d nodes (this rank in node %d): %s out and %s in between machines, "
+               "in %llu of the collectives\n",
+               sum->nodes, sum->node, format_size(sum->net_bytes_out, a, sizeof(a)),
+               format_size(sum->net_bytes_in, b, sizeof(b)), (unsigned long long)sum->net_ops);
     if (log) {
         fprintf(log,
                 "{\"summary\":{\"steps\":%d,\"model_state_bytes\":%llu,\"params\":%llu,"
@@ -443,6 +448,10 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                 sum->world, sum->stage, (unsigned long long)sum->comm_bytes);
         fprintf(log, ",\"comm_ops\":%llu,\"comm_pooled_ops\":%llu",
                 (unsigned long long)sum->comm_ops, (unsigned long long)sum->comm_pooled_ops);
+        fprintf(log, ",\"nodes\":%d,\"node\":%d,\"net_bytes_out\":%llu,\"net_bytes_in\":%llu"
+                ",\"net_ops\":%llu",
+                sum->nodes, sum->node, (unsigned long long)sum->net_bytes_out,
+                (unsigned long long)sum->net_bytes_in, (unsigned long long)sum->net_ops);
         fprintf(log, ",\"overlap_comm\":%s", sum->overlap_comm ? "true" : "false");
         cmd_train_json_num(log, "reduce_seconds", sum->reduce_seconds, false);
         static const char *const blocked_keys[5] = {

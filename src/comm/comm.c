@@ -254,6 +254,8 @@ static int mpi_open_node(struct comm *c)
     r = mpi_agree(c->mpi, r, &c->o);
     if (r == 0) {
         mpi_attach(c->mpi, c->shm, c->o.stop);
+        /* A failure the node's segment reports names world ranks, not the node's. */
+        shm_name_ranks_from(c->shm, l->first[l->node]);
         c->nodes = l->nodes;
     }
     return r;

@@ -101,7 +101,7 @@ __attribute__((format(printf, 2, 3))) static void say(struct shm *s, const char 
     va_start(ap, fmt);
     vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    log_error("comm %s: rank %d: %s", s->job, s->rank, msg);
+    log_error("comm %s: rank %d: %s", s->job, s->first + s->rank, msg);
     if (s->why && s->why_len) snprintf(s->why, s->why_len, "%s", msg);
 }
 
@@ -180,7 +180,7 @@ int shm_check(struct shm *s)
         int32_t pid = atomic_load_explicit(&s->h->ranks[r].pid, memory_order_relaxed);
         if (r == s->rank || alive(pid)) continue;
         char why[WHY_BYTES];
-        snprintf(why, sizeof(why), "rank %d (pid %d) is gone", r, (int)pid);
+        snprintf(why, sizeof(why), "rank %d (pid %d) is gone", s->first + r, (int)pid);
         shm_fail(s, why);
     }
     return shm_failed(s);
@@ -224,16 +224,17 @@ static int late(struct shm *s, uint64_t k, uint32_t gen)
             n = snprintf(why, sizeof(why),
                          "rank %d (pid %d%s) did not come to %s #%llu within %.3g s: it is in %s "
                          "#%llu",
-                         r, (int)pid, st == 'T' || st == 't' ? ", stopped" : "",
+                         s->first + r, (int)pid, st == 'T' || st == 't' ? ", stopped" : "",
                          comm_op_name(atomic_load(&s->h->ranks[s->rank].op)),
                          (unsigned long long)s->seq, s->op_timeout_ms / 1000.0,
                          comm_op_name(atomic_load(&q->op)), (unsigned long long)atomic_load(&q->seq));
         else if (n < (int)sizeof(why))
-            n += snprintf(why + n, sizeof(why) - (size_t)n, "%s rank %d", missing == 2 ? "; so did" : ",", r);
+            n += snprintf(why + n, sizeof(why) - (size_t)n, "%s rank %d", missing == 2 ? "; so did" : ",",
+                          s->first + r);
     }
     if (!missing) return 0;
     shm_fail(s, why);
-    log_error("comm %s: rank %d: %s", s->job, s->rank, why);
+    log_error("comm %s: rank %d: %s", s->job, s->first + s->rank, why);
     return -ETIMEDOUT;
 }
 
@@ -598,6 +599,11 @@ int shm_rdv_open(const struct comm_opts *o, bool data, uint8_t *id, struct shm *
     s->pools = s->pool ? (char *)s->h + hdr_bytes() + 2 * ((size_t)s->world + 1) * s->chunk : NULL;
     *out = s;
     return 0;
+}
+
+void shm_name_ranks_from(struct shm *s, int first)
+{
+    s->first = first;
 }
 
 void shm_rdv_close(struct shm *s)

@@ -19,6 +19,10 @@ struct shm;
  * rank (in on rank 0, out on the others); NULL: none. 0 or -errno, as comm_open. */
 int shm_rdv_open(const struct comm_opts *o, bool data, uint8_t *id, struct shm **out);
 void shm_rdv_close(struct shm *s);
+/* Under mpi, a node's segment holds the world ranks first .. first + local world - 1 as
+ * its ranks 0 ..: from this call on, its messages (and the reasons it fails with, which
+ * every rank of the node logs) name the world ranks. */
+void shm_name_ranks_from(struct shm *s, int first);
 
 /* The rank begins an operation (every barrier until the next one belongs to it): the
  * other ranks can see which, and its barriers wait until comm_opts.op_timeout_ms from now. */

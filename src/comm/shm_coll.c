@@ -393,6 +393,6 @@ int shm_run(struct shm *s, const struct comm_req *q, bool *pooled)
     }
 out:
     if (r == -ECONNABORTED)
-        log_error("comm %s: rank %d: %s", s->job, s->rank, shm_fail_reason(s));
+        log_error("comm %s: rank %d: %s", s->job, s->first + s->rank, shm_fail_reason(s));
     return r;
 }

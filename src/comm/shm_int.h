@@ -54,6 +54,7 @@ struct shm {
     size_t pool;
     uint64_t chunks; /* chunks moved so far (set = chunks % 2) */
     int rank, world;
+    int first;                 /* what messages add to a rank: shm_name_ranks_from */
     char name[SEG_NAME_BYTES]; /* "/zinf-comm-NAME[.TAG]" */
     const char *job;           /* NAME */
     /* The operation in progress: its number, and when its barriers stop waiting. */

@@ -826,7 +826,8 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
                                     .checkpoint_step = t->checkpoint_step,
                                     .checkpoint_seconds = t->checkpoint_seconds,
                                     .checkpoint_bytes = t->checkpoint_bytes,
-                                    .torn = t->torn != 0};
+                                    .torn = t->torn != 0,
+                                    .nodes = 1};
     train_note_peaks(t);
     zinf_stats(t->e, &st);
     for (int i = 0; i < t->ntensors; i++)
@@ -857,6 +858,11 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         out->comm_bytes = cs.bytes_in;
         out->comm_ops = cs.ops;
         out->comm_pooled_ops = cs.pooled_ops;
+        out->net_bytes_out = cs.net_bytes_out;
+        out->net_bytes_in = cs.net_bytes_in;
+        out->net_ops = cs.net_ops;
+        out->node = cs.node;
+        out->nodes = cs.nodes;
     }
     out->budgets = t->budgets;
     out->min_budget[0] = t->min_budget[0];

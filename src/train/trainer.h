@@ -254,6 +254,11 @@ struct trainer_summary {
     uint64_t comm_bytes;        /* bytes this rank sent to collectives */
     uint64_t comm_ops, comm_pooled_ops; /* its collectives, and of those the ones that read
                                            the peers' buffers in place (zinf.comm_pool) */
+    /* Across nodes (zinf launch --hostfile): the bytes this rank sent to and received from
+     * ranks on other machines (only the nodes' leaders send any), and of comm_ops those that
+     * crossed machines; this rank's node of nodes (0 of 1 on one machine). */
+    uint64_t net_bytes_out, net_bytes_in, net_ops;
+    int node, nodes;
     bool overlap_comm;          /* gradients reduced behind the next block's backward */
     double reduce_seconds;      /* the steps' time waiting for gradient reductions */
     /* The optimizer's pipeline (offload_optimizer.pipeline_read): the sets it asked for

@@ -10,7 +10,11 @@
 #
 # PROGRAM is a test program of tests/meson.build (default: test_kernels test_train_gpu
 # test_device test_host test_comm), or `ranks`: ranks.sh, GPU ranks of `zinf launch -n N --
-# zinf train` over the emulated NCCL (emu_nccl.cpp), with the zinf command built here. --stress runs them again with EMU_PROTECT=1 EMU_SHUFFLE=1
+# zinf train` over the emulated NCCL (emu_nccl.cpp), with the zinf command built here; or
+# `ranks-mpi`: ranks_mpi.sh, GPU ranks under `mpirun -np N` split into logical nodes
+# (ZINF_COMM_RANKS_PER_NODE), NCCL's id broadcast over MPI, with the communicator alone
+# (comm_nccl_mpi_rank) first; or `comm-mpi`: that communicator part alone. Both need Open
+# MPI's mpirun. --stress runs them again with EMU_PROTECT=1 EMU_SHUFFLE=1
 # EMU_JITTER_US=300 (see emu_rt.cpp). --no-sanitize builds without ASan and UBSan (faster).
 # Everything goes to build-emu/ at the repository root: meson/ (a CPU-only configuration
 # that provides zinf_build.h and the lists of sources and flags), asan/ or plain/ (the
@@ -28,7 +32,8 @@ set -uo pipefail
 usage() {
   echo "usage: tests/cuda_emu/run.sh [--stress] [--no-sanitize] [PROGRAM...]"
   echo "  (default programs: test_kernels test_train_gpu test_device test_host test_comm;"
-  echo "   ranks: GPU ranks of zinf train over the emulated NCCL)"
+  echo "   ranks: GPU ranks of zinf train over the emulated NCCL;"
+  echo "   ranks-mpi: the same under mpirun, in logical nodes; comm-mpi: its communicator part)"
 }
 
 stress=0
@@ -46,10 +51,15 @@ for a in "$@"; do
   esac
 done
 [ ${#progs[@]} -gt 0 ] || progs=(test_kernels test_train_gpu test_device test_host test_comm)
-# "ranks" is ranks.sh over the zinf command built here.
+# "ranks" is ranks.sh over the zinf command built here; "ranks-mpi" and "comm-mpi" are
+# ranks_mpi.sh over it and comm_nccl_mpi_rank.
 targets=()
 for p in "${progs[@]}"; do
-  [ "$p" = ranks ] && targets+=(zinf) || targets+=("$p")
+  case $p in
+    ranks) targets+=(zinf) ;;
+    ranks-mpi | comm-mpi) targets+=(zinf comm_nccl_mpi_rank) ;;
+    *) targets+=("$p") ;;
+  esac
 done
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -111,7 +121,7 @@ python3 - "$root" "$here" "$top" "$bdir" "$cuda_dir" "$sanitize" "${CXX:-c++}" "
 import glob, json, os, shlex, sys
 
 root, here, top, bdir, cuda, sanitize, cxx = sys.argv[1:8]
-progs = sys.argv[8:]
+progs = list(dict.fromkeys(sys.argv[8:]))  # zinf once, whichever modes ask for it
 info = os.path.join(root, top, 'meson', 'meson-info')
 targets = {}
 for t in json.load(open(os.path.join(info, 'intro-targets.json'))):
@@ -269,6 +279,11 @@ run_all() { # label, then environment assignments
       rc=$?
       grep -E 'rc=[1-9]|FAIL|EMU: |ERROR: |runtime error|failure' "$log" | sed 's/^/   /'
       sed -n '/figures/,$p' "$log" | sed 's/^/   /'
+    elif [ "$p" = ranks-mpi ] || [ "$p" = comm-mpi ]; then
+      env "$@" bash "$here/ranks_mpi.sh" "$root/$bdir/zinf" "$root/$bdir/comm_nccl_mpi_rank" \
+        "$root/$top/tmp/ranks-mpi" ${p%-mpi} > "$log" 2>&1
+      rc=$?
+      grep -E '^   [a-z]|FAIL|EMU: |ERROR: |runtime error' "$log" | sed 's/^/   /'
     else
       env "$@" "$bdir/$p" --verbose --timeout "$timeout" > "$log" 2>&1
       rc=$?

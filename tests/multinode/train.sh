@@ -3,7 +3,9 @@
 # (Linux namespaces on this machine, nodes.sh), each node's ranks swapping to that node's own
 # folder behind the config's one nvme_path. Checked: every step's loss and parameter digest
 # is bitwise one rank's accumulating the same global batch (stages 1 and 3); each node's
-# folder holds its own ranks' shards and no others'; a rank on node1 killed (SIGKILL) in a
+# folder holds its own ranks' shards and no others'; the bytes between the machines (the
+# summaries' net_bytes_*) are the nodes' leaders' alone, more when every rank is its own node
+# (ZINF_COMM_RANKS_PER_NODE=1, bitwise the same run), and none on one machine; a rank on node1 killed (SIGKILL) in a
 # checkpoint fails the whole job, on every node, within seconds; and --resume on the same
 # nodes continues bitwise as the run that never stopped.
 #
@@ -101,6 +103,74 @@ for stage in 1 3; do
         done
     done
 done
+
+# The bytes between nodes (the --log summaries' net_bytes_out and net_bytes_in): only a node's
+# leader (its first rank) sends or receives any, what the ranks sent is what they received,
+# the flat layout (ZINF_COMM_RANKS_PER_NODE=1: every rank its own node) moves more across the
+# machines than the hierarchical one of the same run (stage 3's gathers go to each rank of
+# the other machine, not once to its leader), and ranks on one machine move none.
+# net LOG WORLD -> "OUT0 IN0 OUT1 IN1 ... NODES": each rank's bytes, rank 0's nodes.
+net()
+{
+    r=0
+    while [ "$r" -lt "$2" ]; do
+        f=$1
+        [ "$r" = 0 ] || f=$1.rank-$r
+        sed -n 's/.*"net_bytes_out":\([0-9]*\),"net_bytes_in":\([0-9]*\).*/\1 \2/p' "$f" 2>/dev/null |
+            tr '\n' ' '
+        r=$((r + 1))
+    done
+    sed -n 's/.*"nodes":\([0-9]*\),.*/\1/p' "$1" 2>/dev/null
+}
+
+# leaders LOG: the 2 x 2 ranks' bytes: >0 on ranks 0 and 2, 0 on 1 and 3, 2 nodes, as many
+# received in all as sent; echoes the total sent.
+leaders()
+{
+    set -- $(net "$1" 4)
+    if [ $# != 9 ] || [ "$9" != 2 ] || [ "$1" = 0 ] || [ "$2" = 0 ] || [ "$5" = 0 ] ||
+        [ "$6" = 0 ] || [ "$3$4$7$8" != 0000 ] || [ $(($1 + $5)) != $(($2 + $6)) ]; then
+        echo "bad: $*"
+        return
+    fi
+    echo $(($1 + $5))
+}
+
+t0=$(date +%s)
+hier=$(leaders "$dir/run3-2.jsonl")
+case "$hier" in
+bad*) fail "stage 3, 2 nodes: net bytes (out in, by rank; nodes) are not the leaders' alone: ${hier#bad: }" ;;
+esac
+for stage in 1 3; do
+    got=$(net "$dir/run$stage-2.jsonl" 4)
+    case "$got" in *" 2") ;; *) fail "stage $stage, 2 nodes: the summary says nodes ${got##* }, not 2" ;; esac
+done
+what="stage 3, 2 nodes x 2 ranks, flat"
+log=$dir/flat3.jsonl
+export ZINF_COMM_RANKS_PER_NODE=1
+across "$dir/hostfile2" --config "$(config 3 "$swap/flat3")" --steps 3 --log "$log" ||
+    fail "$what: the job failed (see $dir/out.txt)"
+unset ZINF_COMM_RANKS_PER_NODE
+same "$dir/ref3-2.jsonl" "$log" "$what"
+set -- $(net "$log" 4)
+if [ $# != 9 ] || [ "$9" != 4 ] || [ $(($1 + $3 + $5 + $7)) != $(($2 + $4 + $6 + $8)) ]; then
+    fail "$what: net bytes (out in, by rank; nodes): $*"
+else
+    flat=$(($1 + $3 + $5 + $7))
+    echo "$what: $flat bytes between the machines, hierarchical $hier"
+    case "$hier" in
+    bad*) ;;
+    *) [ "$flat" -gt "$hier" ] || fail "$what: $flat bytes between the machines, not more than $hier" ;;
+    esac
+fi
+what="one node, 2 ranks"
+log=$dir/one.jsonl
+nodes_in 0 "$ZINF" launch -n 2 -- "$ZINF" train --config "$(config 3 "$swap/one")" \
+    --data "$dir/data.txt" $model --steps 1 --log "$log" >>"$dir/out.txt" 2>&1 ||
+    fail "$what: the job failed (see $dir/out.txt)"
+got=$(net "$log" 2)
+[ "$got" = "0 0 0 0 1" ] || fail "$what: net bytes (out in, by rank; nodes) are '$got', not 0s of 1 node"
+echo "the bytes between nodes, flat and on one node: $(($(date +%s) - t0)) s"
 
 # A rank of node1 killed in its checkpoint of step 4 (ZINF_TEST_KILL_AT: before the
 # checkpoint's first barrier), then --resume on the same nodes.

@@ -153,7 +153,7 @@ def _rank(rank, world, folder, mode):
                 res = _tiny_run(rank, world, folder)
             elif mode.startswith("train"):
                 res = _train(rank, world, folder, int(mode[5]), "peek" in mode,
-                             "scaled" in mode)
+                             "scaled" in mode, "buckets" in mode)
             else:
                 res = _refusals(rank, world, folder)
         finally:
@@ -163,13 +163,17 @@ def _rank(rank, world, folder, mode):
         torch.save({"error": traceback.format_exc()}, out)
 
 
-def _train(rank, world, folder, stage, peek=False, scaled=False):
+SMALL_BUCKET = 64 << 10     # bytes: the GPT's gradients in several buckets
+
+
+def _train(rank, world, folder, stage, peek=False, scaled=False, buckets=False):
     """peek: the norm read (clip_grad_norm_ that clips nothing) after each micro-batch of
     every other step too, so that the next one accumulates onto reduced gradients; scaled:
-    through torch.amp.GradScaler."""
+    through torch.amp.GradScaler; buckets: gradients reduced in buckets of SMALL_BUCKET."""
     model = _model()
     with _engine(model, os.path.join(folder, f"swap{rank}")) as engine:
-        zt.offload(model, engine, home="nvme", group=dist.group.WORLD, stage=stage)
+        kw = {"bucket_bytes": SMALL_BUCKET} if buckets else {}
+        zt.offload(model, engine, home="nvme", group=dist.group.WORLD, stage=stage, **kw)
         off = model.zinf_offload
         opt = zt.AdamW(model.parameters(), lr=1e-3)
         scaler = _scaler(scaled)
@@ -208,6 +212,7 @@ def _train(rank, world, folder, stage, peek=False, scaled=False):
                 "pinned": pinned, "norms": norms, "home_bytes": _home_bytes(engine),
                 "tensors": st["tensors"],
                 "reductions": off.z3.reductions if off.z3 else off.dist.reductions,
+                "collectives": None if off.z3 else off.dist.collectives,
                 "parameters": len(off._entries), "grad_bytes": kept,
                 "all_grad_bytes": sum(4 * e.nbytes // e.dtype.itemsize for e in off._entries),
                 "refused": refused, "scales": scales}
@@ -382,11 +387,11 @@ class TestAcrossRanks(unittest.TestCase):
             out.append(res)
         return out
 
-    def check_training(self, world, stage=1, peek=False, scaled=False):
+    def check_training(self, world, stage=1, peek=False, scaled=False, buckets=False):
         ref_losses, ref_params, ref_bytes, ref_norms, ref_home = _reference(
             world, os.path.join(tempfile.mkdtemp(prefix="ref-", dir=self.dir), "swap"), scaled)
         ranks = self.spawn(world, f"train{stage}" + ("peek" if peek else "") +
-                           ("scaled" if scaled else ""))
+                           ("scaled" if scaled else "") + ("buckets" if buckets else ""))
         for r, res in enumerate(ranks):
             for step, (a, b) in enumerate(zip(ref_losses, res["losses"])):
                 self.assertLessEqual(abs(a - b) / abs(a), 1e-6,
@@ -428,6 +433,13 @@ class TestAcrossRanks(unittest.TestCase):
                 self.assertLess(res["home_bytes"], 0.6 * ref_home, f"rank {r}")
             else:
                 self.assertEqual(res["reductions"], reads * res["parameters"])
+                # In buckets: one all_reduce for the whole model (25 MiB), or a few for
+                # SMALL_BUCKET, where one a gradient was.
+                if buckets:
+                    self.assertGreater(res["collectives"], reads)
+                    self.assertLess(res["collectives"], reads * res["parameters"] // 2)
+                else:
+                    self.assertEqual(res["collectives"], reads)
             grads = res["grad_bytes"] / res["all_grad_bytes"]
             if stage == 1:
                 self.assertEqual(grads, 1.0)
@@ -467,6 +479,12 @@ class TestAcrossRanks(unittest.TestCase):
 
     def test_stage2_three_ranks_match_one_process(self):
         self.check_training(3, stage=2)
+
+    def test_stages_1_2_bucketed(self):
+        """Stages 1 and 2 reduce their gradients in buckets of bucket_bytes: a few
+        collectives a step where one a parameter was, the same means."""
+        self.check_training(2, stage=1, buckets=True)
+        self.check_training(3, stage=2, buckets=True)
 
     def test_stage3_two_ranks_match_one_process(self):
         self.check_training(2, stage=3)

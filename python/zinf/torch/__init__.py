@@ -74,7 +74,13 @@ What happens:
   gradients averaged in buckets (bucket_bytes=) and sliced, AdamW steps the slices, and
   p.grad, state dicts and gathered() gather what they read (collectives: every rank reads
   alike). AdamW.state_dict() there wants gather=True (the full state) or gather=False (this
-  rank's slices).
+  rank's slices). At stages 1 and 2 the reduction runs in buckets of bucket_bytes too, one
+  all_reduce each.
+- Checkpoints: save_checkpoint(directory, model, opt, step=, extra=) has every rank write
+  its own shard (its slices at stage 3; at stages 1 and 2 rank 0 the parameters and each
+  rank the optimizer state it owns) and rank 0 a manifest last; load_checkpoint(directory,
+  model, opt) reads on any number of ranks, at any stage, exactly the ranges each rank
+  holds now. save() and load() across ranks: every rank calls them, rank 0 alone writes.
 
 The engine's tier budgets bound the memory: parameters are resident only while a module
 runs or its backward needs them, gradients and moments only while stepped. Activations
@@ -91,9 +97,11 @@ from ._views import DTYPES, shape_of, torch_view, zero
 from ._optim import AdamW
 from ._init import init
 from ._io import load, save
+from ._ckpt import load_checkpoint, save_checkpoint
 
 __all__ = ["AdamW", "DTYPES", "GradProxy", "Offload", "OffloadedError", "ZinfParameter",
-           "clip_grad_norm_", "gathered", "init", "load", "offload", "save", "shape_of"]
+           "clip_grad_norm_", "gathered", "init", "load", "load_checkpoint", "offload", "save",
+           "save_checkpoint", "shape_of"]
 
 # The names the package had as one module.
 _zero, _torch_view = zero, torch_view

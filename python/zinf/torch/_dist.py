@@ -1,32 +1,36 @@
 """Data parallelism over a torch.distributed process group: each rank's Offload
 (offload(..., group=, stage=1, 2 or 3)), its gradients made the mean over the group once
-per optimizer step (Group.reduce), and which rank owns each parameter's AdamW update
-(owner_of). Stage 2 reduces each gradient to its owner alone; the others forget theirs and
-keep its 2-norm (and whether it is finite), exchanged, for clipping and GradScaler. Stage 3
-(the parameters partitioned too) is _zero3.py's: there each rank homes a slice of every
-tensor, the backward reduces the gradients in buckets, and Group only checks the ranks'
-start and holds the group.
+per optimizer step (Group.reduce, in buckets of bucket_bytes: one all_reduce each), and
+which rank owns each parameter's AdamW update (owner_of). Stage 2 keeps each gradient on
+its owner alone; the others forget theirs and keep its 2-norm (and whether it is finite),
+exchanged, for clipping and GradScaler. Stage 3 (the parameters partitioned too) is
+_zero3.py's: there each rank homes a slice of every tensor, the backward reduces the
+gradients in buckets, and Group only checks the ranks' start and holds the group.
 
-What this is not: a bucketed or overlapped reduction at stages 1 and 2 (one collective per
-parameter, after the backward, each rank holding every gradient until then), overlap of
-stage 3's collectives with compute, or a checkpoint that another number of ranks can read.
-Every collective here is issued in the same order on every rank, as the ranks run the same
-program over the same model: the parameters in their registration order."""
+What this is not: a reduction at stages 1 and 2 overlapped with the backward (it runs after
+it, at the first read, each rank holding every gradient until then), overlap of stage 3's
+collectives with compute, or checkpoints (_ckpt.py's). Every collective here is issued in
+the same order on every rank, as the ranks run the same program over the same model: the
+parameters in their registration order, cut into the same buckets."""
 
 import math
 
 import torch
 
-from ._views import _disabled, view_as
+from ._views import _disabled, _numel, view_as
 
 __all__ = ["Group", "make_group", "owner_of"]
 
 STAGES = (1, 2, 3)
 
 
-def make_group(group, stage):
-    """offload()'s group and stage checked: None without a group, else the Group (stage
-    None with a group is 3, as DeepSpeed's zero_optimization takes it)."""
+def make_group(group, stage, bucket_bytes):
+    """offload()'s group, stage and bucket_bytes checked: None without a group, else the
+    Group (stage None with a group is 3, as DeepSpeed's zero_optimization takes it)."""
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or \
+            bucket_bytes <= 0:
+        raise ValueError(f"zinf.torch.offload: bucket_bytes={bucket_bytes!r}; give a "
+                         f"positive count of bytes")
     if group is None:
         if stage is not None:
             raise ValueError(f"zinf.torch.offload: stage={stage} partitions across the "
@@ -42,19 +46,21 @@ def make_group(group, stage):
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("zinf.torch.offload: group= needs torch.distributed initialised "
                            "(dist.init_process_group) first")
-    return Group(group, stage)
+    return Group(group, stage, bucket_bytes)
 
 
 class Group:
     """The process group an Offload's gradients are averaged over, and its ZeRO stage."""
 
-    def __init__(self, group, stage):
+    def __init__(self, group, stage, bucket_bytes):
         import torch.distributed as dist
         self.dist = dist
         self.group, self.stage = group, stage
+        self.bucket_bytes = bucket_bytes
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.reductions = 0     # gradients reduced, for the tests and the curious
+        self.collectives = 0    # buckets reduced at stages 1 and 2 (one all_reduce each)
         # Stage 2: id(entry) -> the rank that owns its update (AdamW's split, which it puts
         # here); the entries whose gradient lies on their owner only (remote: this rank
         # keeps its 2-norm and finiteness); and the owned ones that hold the reduced mean,
@@ -120,23 +126,24 @@ class Group:
 
     def reduce(self, off):
         """Every gradient of off made the mean over the group, where the backward left it
-        unreduced: each in turn, in the parameters' order, summed in place in its host copy
-        (with its pending scale applied first) and divided by the group's size; with stage 2
-        reduced to the rank that owns the parameter's update alone (where AdamW gave it
-        one), the others forgetting theirs. A parameter with a gradient on some rank and
-        none on another gets zeros on the latter, so that the next step moves it on every
-        rank, as it does where it has one."""
+        unreduced: in buckets of bucket_bytes (float32 bytes), each the gradients side by
+        side in the parameters' order (with their pending scales applied), summed over the
+        group in one all_reduce and divided by its size. Stage 1 keeps every mean; stage 2
+        keeps those of the parameters this rank owns (where AdamW gave it them) and forgets
+        the rest. A parameter with a gradient on some rank and none on another gets zeros
+        on the latter, so that the next step moves it on every rank, as it does where it
+        has one."""
         if not off._unreduced:
             return
         dist = self.dist
         entries = off._entries
         # Which gradients to reduce: has one (1) and holds values since zero_grad (2),
-        # taken as the largest over the group.
+        # taken as the largest over the group, so that every rank cuts the same buckets.
         flags = torch.tensor([(e.has_grad and 1) + (e.has_grad and not e.fresh and 1)
                               for e in entries], dtype=torch.int32)
         if len(flags):
             dist.all_reduce(flags, dist.ReduceOp.MAX, group=self.group)
-        parted = []         # stage 2: the entries reduced to their owner
+        work = []
         for e, f in zip(entries, flags.tolist()):
             if f == 0:
                 continue
@@ -146,28 +153,50 @@ class Group:
                 continue        # zeros on every rank
             if e.pending is not None:
                 off.ensure(e)
+            work.append(e)
+        parted = []             # stage 2: the entries reduced to their owner
+        bucket, size = [], 0
+        for i, e in enumerate(work):
+            bucket.append(e)
+            size += 4 * _numel(e.shape)
+            if size >= self.bucket_bytes or i == len(work) - 1:
+                parted += self._reduce_bucket(off, bucket)
+                bucket, size = [], 0
+        if parted:
+            self._exchange_norms(parted)
+        off._unreduced = False
+
+    def _reduce_bucket(self, off, bucket):
+        """One bucket of gradients summed over the group (one all_reduce of their float32
+        values side by side) and divided by its size, each written back where this rank
+        keeps it. Returns the entries stage 2 reduced to their owner."""
+        dist = self.dist
+        flat = torch.empty(sum(_numel(e.shape) for e in bucket), dtype=torch.float32)
+        at = 0
+        for e in bucket:
+            n = _numel(e.shape)
+            if e.fresh:
+                flat[at:at + n].zero_()
+            else:
+                with off.engine.fetch(off.grad_handle(e), "host") as pin:
+                    with _disabled():
+                        torch.mul(view_as(pin, (n,), torch.float32), e.gscale,
+                                  out=flat[at:at + n])
+            at += n
+        self.collectives += 1
+        dist.all_reduce(flat, dist.ReduceOp.SUM, group=self.group)
+        flat.div_(self.size)
+        parted, at = [], 0
+        for e in bucket:
+            n = _numel(e.shape)
             owner = self.owners.get(id(e)) if self.stage == 2 else None
-            with off.engine.fetch(off.grad_handle(e), "host", dirty=True) as pin:
-                with _disabled():
-                    g = view_as(pin, e.shape, torch.float32)
-                    if e.fresh:
-                        g.zero_()
-                    elif e.gscale != 1.0:
-                        g.mul_(e.gscale)
-                    # A copy goes to the collective: the backend may keep its tensor
-                    # after the call returns, and a view of the pin would keep the pin.
-                    s = g.clone()
-                    if owner is None:
-                        dist.all_reduce(s, dist.ReduceOp.SUM, group=self.group)
-                    else:
-                        dist.reduce(s, self._root(owner), dist.ReduceOp.SUM,
-                                    group=self.group)
-                    if owner is None or owner == self.rank:
-                        torch.div(s, self.size, out=g)
-                    del s
-                del g
-                off._note_grad(e, pin)
-            e.has_grad, e.fresh = True, False
+            if owner is None or owner == self.rank:
+                with off.engine.fetch(off.grad_handle(e), "host", dirty=True) as pin:
+                    with _disabled():
+                        view_as(pin, (n,), torch.float32).copy_(flat[at:at + n])
+                    off._note_grad(e, pin)
+            at += n
+            e.has_grad, e.fresh, e.gscale = True, False, 1.0
             if owner is not None:
                 parted.append(e)
                 if owner == self.rank:
@@ -180,9 +209,7 @@ class Group:
                     self.remote.add(id(e))
             off._put_proxy(e)
             self.reductions += 1
-        if parted:
-            self._exchange_norms(parted)
-        off._unreduced = False
+        return parted
 
     def _exchange_norms(self, parted):
         """Each owner's 2-norm and finiteness of the gradients reduced to it, to every rank:

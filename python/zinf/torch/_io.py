@@ -1,4 +1,10 @@
-"""save() and load(): Hugging Face safetensors checkpoints, one tensor in memory at a time."""
+"""save() and load(): Hugging Face safetensors checkpoints, one tensor in memory at a time.
+
+Across ranks (a model offloaded with group=) every rank calls both: save() gathers each
+parameter in turn where the ranks hold slices (stage 3) and rank 0 alone writes the files;
+load() has every rank read what it holds (at stage 3 only the rows around its slice of each
+tensor). What is not here: a training checkpoint with the optimizer's state, written by
+every rank and loaded on another number of ranks (_ckpt.py's)."""
 
 import json
 import os
@@ -8,7 +14,7 @@ import torch
 
 from ._views import _disabled, _numel
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "group_of", "agree", "read_flat"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -50,16 +56,58 @@ def _value(t):
         return t.detach().to("cpu").contiguous()
 
 
+def group_of(model):
+    """The Group (_dist.py) the model's offloaded parameters are partitioned over, or None
+    where they are offloaded without one (or not at all): one for all."""
+    found = None
+    for name, p in model.named_parameters():
+        e = p.__dict__.get("_zinf")
+        d = e.owner.dist if e is not None else None
+        if found is None:
+            found = d
+        elif d is None or d.group is not found.group:
+            raise ValueError(f"zinf.torch: parameter {name} is offloaded "
+                             f"{'without a group' if d is None else 'with another group'} "
+                             f"than the model's others; a checkpoint is of one group")
+    return found
+
+
+def agree(d, err, what):
+    """Every rank learns whether any rank failed (err: this rank's exception or None): an
+    all-reduce that is also the barrier the ranks leave together. Raises on every rank where
+    one failed, this rank's own error where it has one."""
+    if d is None:
+        if err is not None:
+            raise err
+        return
+    flag = torch.tensor([0 if err is None else d.rank + 1], dtype=torch.int64)
+    d.dist.all_reduce(flag, d.dist.ReduceOp.MAX, group=d.group)
+    if err is not None:
+        raise err
+    if flag.item():
+        raise RuntimeError(f"{what}: rank {flag.item() - 1} of the group failed (its "
+                           f"error is raised there)")
+
+
 def save(model, directory, *, max_shard_size="5GB", config=True):
     """Write model's parameters and persistent buffers as Hugging Face safetensors into
     directory: one model.safetensors, or shards model-0000k-of-0000n.safetensors with
     model.safetensors.index.json when they pass max_shard_size. Offloaded parameters are
     read from zinf one at a time, so memory holds one shard at most. A Hugging Face model's
     config (and generation config) goes beside them (config=False: not), so that
-    from_pretrained(directory) loads it. Works on any module, offloaded or not."""
+    from_pretrained(directory) loads it. Works on any module, offloaded or not.
+
+    Across ranks (offload(..., group=)) every rank calls it: at stage 3 each parameter is
+    gathered in turn (a collective), at stages 1 and 2 rank 0 reads its own copy, and rank 0
+    alone writes the files. Every rank returns once they are complete (an error of rank 0's
+    is raised there and named on the others)."""
     from safetensors.torch import save_file
 
     limit = _size(max_shard_size)
+    d = group_of(model)
+    writer = d is None or d.rank == 0
+    # Stage 3's parameters are gathered on every rank (collectives), in the same order.
+    gather = d is not None and d.stage == 3
     items = _items(model)
     shards, cur, cur_bytes = [], [], 0
     for name, t in items:
@@ -72,26 +120,53 @@ def save(model, directory, *, max_shard_size="5GB", config=True):
         cur_bytes += n
     if cur or not shards:
         shards.append(cur)
-    os.makedirs(directory, exist_ok=True)
     names = [_SINGLE] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    err = None
+    if writer:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as x:
+            err = x
     weight_map, total = {}, 0
     for fname, shard in zip(names, shards):
         tensors = {}
         for name, t in shard:
-            tensors[name] = _value(t)
-            total += tensors[name].numel() * tensors[name].element_size()
+            offloaded = isinstance(t, torch.nn.Parameter) and "_zinf" in t.__dict__
+            if writer or gather and offloaded:
+                value = _value(t)
+            if not writer:
+                continue
+            tensors[name] = value
+            total += value.numel() * value.element_size()
             weight_map[name] = fname
-        tmp = os.path.join(directory, fname + ".tmp")
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, os.path.join(directory, fname))
+            del value
+        if writer and err is None:
+            try:
+                tmp = os.path.join(directory, fname + ".tmp")
+                save_file(tensors, tmp, metadata={"format": "pt"})
+                os.replace(tmp, os.path.join(directory, fname))
+            except Exception as x:      # the others go on gathering: told at the end
+                err = x
         del tensors
+    if writer and err is None:
+        try:
+            _finish(model, directory, names, weight_map, total, config)
+        except Exception as x:
+            err = x
+    # Every rank returns once the files are complete, or raises where rank 0 failed.
+    agree(d, err, f"zinf.torch.save({directory!r})")
+
+
+def _finish(model, directory, names, weight_map, total, config):
+    """save()'s last writes: an earlier save's shards that this one did not write removed,
+    the index (or none), the config."""
     # Shards of an earlier save that this one did not write would be read with it.
     for old in os.listdir(directory):
         if old not in names and (old == _SINGLE or re.fullmatch(
                 r"model-\d{5}-of-\d{5}\.safetensors", old)):
             os.remove(os.path.join(directory, old))
-    if len(shards) > 1:
+    if len(names) > 1:
         with open(os.path.join(directory, _INDEX), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f,
                       indent=2, sort_keys=True)
@@ -123,6 +198,18 @@ def _files(path):
         return {k: path for k in f.keys()}
 
 
+def read_flat(sl, shape, a, b):
+    """Elements [a, b) of a tensor of this shape, flat, from its safetensors slice sl: the
+    rows (along the first dimension) that hold them are read, not the whole tensor."""
+    if b <= a:
+        return torch.empty(0)
+    if len(shape) == 0:
+        return sl[...].reshape(-1)[a:b]
+    row = _numel(shape[1:])
+    r0, r1 = a // row, -(-b // row)
+    return sl[r0:r1].reshape(-1)[a - r0 * row:b - r0 * row]
+
+
 def load(model, path, *, strict=True):
     """Read a safetensors checkpoint (a file, or a directory with model.safetensors or a
     sharded model.safetensors.index.json, as save() or save_pretrained() write them) into
@@ -132,7 +219,9 @@ def load(model, path, *, strict=True):
     value is written: a mismatch is an error naming it, and changes nothing. A key the
     model's names lack is tried under its base_model_prefix (a base model's checkpoint).
     strict: every parameter and persistent buffer must be given (a tied alias counts as
-    its twin), and every key taken. Returns (missing, unexpected)."""
+    its twin), and every key taken. Returns (missing, unexpected). Across ranks every rank
+    calls it and reads what it holds: the whole tensors at stages 1 and 2, at stage 3 the
+    rows around its slice of each."""
     from safetensors import safe_open
 
     files = _files(path)
@@ -170,8 +259,18 @@ def load(model, path, *, strict=True):
         with safe_open(fname, "pt") as f:
             for key, name in keys:
                 t = targets[name]
-                value = f.get_tensor(key)
                 e = t.__dict__.get("_zinf") if isinstance(t, torch.nn.Parameter) else None
+                z3 = e.owner.z3 if e is not None else None
+                if z3 is not None:      # this rank's slice alone, read as rows around it
+                    a, b = z3.range_of(e)
+                    part = read_flat(f.get_slice(key), e.shape, a, b)
+                    with e.owner._lock:
+                        if e.pending is not None:
+                            e.owner.ensure(e)
+                        z3.write_slice(e.owner, e, part)
+                    del part
+                    continue
+                value = f.get_tensor(key)
                 if e is not None:
                     e.owner.write(e, value)
                 else:

@@ -137,7 +137,7 @@ class Offload(GradsMixin):
             raise TypeError("offload takes a torch.nn.Module")
         # Across ranks: the group the gradients are averaged over (None: this process
         # alone); _unreduced, a backward accumulated into them since the last reduction.
-        self.dist = make_group(group, stage)
+        self.dist = make_group(group, stage, bucket_bytes)
         self._unreduced = False
         # Stage 3: the slices' layout, gathers and the backward's buckets (_zero3.py).
         self.z3 = Zero3(self.dist, bucket_bytes) if self.dist and self.dist.stage == 3 \
@@ -772,7 +772,8 @@ def offload(module, engine, *, home="nvme", tier="device", prefix="", resume=Fal
     group: a torch.distributed ProcessGroup (dist.group.WORLD, or one of dist.new_group) for
     data parallelism: every rank offloads the same model into its own engine, and the
     gradients become the mean over the group's ranks, reduced once per optimizer step by
-    whatever reads them first (clip_grad_norm_, GradScaler, gathered(grads=True), the step).
+    whatever reads them first (clip_grad_norm_, GradScaler, gathered(grads=True), the step),
+    in buckets of bucket_bytes (one all_reduce each).
     stage: how much the ranks partition. stage=1 (ZeRO stage 1): zinf.torch.AdamW keeps each
     parameter's optimizer state on one rank, which updates it and broadcasts the new values.
     stage=2: each gradient is reduced to that rank alone, and the others forget theirs,

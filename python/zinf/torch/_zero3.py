@@ -12,7 +12,8 @@ exchange of the slices' 2-norms and finiteness that clip_grad_norm_ and GradScal
 What is not: the hooks that call these (Offload's, in _offload.py and _grads.py), the
 update (zinf.torch.AdamW steps the slices as it steps whole tensors), overlap of the
 collectives with compute (each is issued where its data is ready and waited for there),
-and a saved model or optimizer state that another number of ranks can read.
+and checkpoints (_io.py and _ckpt.py read and write the slices through range_of and
+write_slice).
 
 Every function that issues a collective is reached in the same order on every rank, as the
 ranks run the same program over the same model: the forward's modules in their call order,
@@ -168,11 +169,26 @@ class Zero3:
                 return g * e.gscale
         return g
 
+    def range_of(self, e):
+        """The flat range [a, b) of e's full values that this rank's slice holds (empty
+        where the slice is all padding)."""
+        a = min(self.rank * e.sshape[0], _numel(e.shape))
+        return a, a + self.valid(e)
+
     def write(self, off, e, values):
         """This rank's slice of values (e's full shape) into e's parameter in zinf, and into
         its float32 master copy where it has one."""
+        a, b = self.range_of(e)
+        self.write_slice(off, e, values.detach().reshape(-1)[a:b])
+
+    def write_slice(self, off, e, part):
+        """part (e's full values in range_of(e), flat, any dtype) into this rank's slice of
+        e's parameter in zinf, padded with zeros, and into its float32 master copy where it
+        has one."""
         with _disabled():
-            mine = self.slice_of(values, e)
+            # In the values' dtype: the master copy takes them unrounded.
+            mine = torch.zeros(e.sshape[0], dtype=part.dtype)
+            mine[:part.numel()].copy_(part)
             with off.engine.fetch(e.handle, "host", dirty=True) as pin:
                 view_as(pin, e.sshape, e.dtype).copy_(mine)
             if e.master is not None:
