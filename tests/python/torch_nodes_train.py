@@ -47,7 +47,10 @@ BATCH = 24      # the global batch: divides into 2, 3, 4 and 6 ranks of MICRO mi
 PAGE = 4096
 
 
-def _batches(steps):
+def _batches(steps, world):
+    if BATCH % (world * MICRO):
+        raise SystemExit(f"torch_nodes_train: a global batch of {BATCH} rows does not split "
+                         f"into {world} ranks of {MICRO} equal micro-batches")
     data = td.ex.batches(td.TEXT, BATCH, td.CONTEXT)
     return [next(data) for _ in range(steps)]
 
@@ -83,7 +86,7 @@ def reference(args):
         zt.offload(model, engine, home="nvme")
         opt = zt.AdamW(model.parameters(), lr=1e-3)
         losses = []
-        for x, y in _batches(args.steps):
+        for x, y in _batches(args.steps, world):
             total = 0.0
             for xs, ys in zip(x.chunk(world * MICRO), y.chunk(world * MICRO)):
                 loss = model(xs, ys) / (world * MICRO)
@@ -106,7 +109,7 @@ def _train(args, stage, r, world):
         zt.offload(model, engine, home="nvme", group=dist.group.WORLD, stage=stage)
         opt = zt.AdamW(model.parameters(), lr=1e-3)
         losses = []
-        for step, (x, y) in enumerate(_batches(args.steps)):
+        for step, (x, y) in enumerate(_batches(args.steps, world)):
             x, y = x.chunk(world)[r], y.chunk(world)[r]
             t = torch.zeros(())
             for i, (xs, ys) in enumerate(zip(x.chunk(MICRO), y.chunk(MICRO))):
