@@ -5,9 +5,11 @@
 #   1. the project built (scripts/setup.sh) and tests/python run over the build tree by the
 #      venv's Python: zinf.torch against plain PyTorch, torch's own calls on an offloaded
 #      model, transformers' models, Trainer and peft, and the package's tests with torch;
-#   2. the examples: 3 steps of the GPT on NVMe under tenth budgets, and transformers'
+#   2. zinf.torch across nodes under torchrun (tests/multinode/torch.sh: Linux namespaces on
+#      this machine; skipped, saying why, without root or unshare);
+#   3. the examples: 3 steps of the GPT on NVMe under tenth budgets, and transformers'
 #      Trainer fine-tuning a model built straight into zinf;
-#   3. `pip install .` into the venv (meson-python) and the torch tests again on the
+#   4. `pip install .` into the venv (meson-python) and the torch tests again on the
 #      installed package, from outside the source tree; then it is uninstalled.
 #   ZINF_TORCH_VENV=build/torch-venv  the venv (an existing one with torch is reused)
 set -euo pipefail
@@ -39,34 +41,44 @@ echo "== 1. tests/python over the build tree"
 (cd tests/python &&
   PYTHONPATH=$root/build/python ZINF_BIN=$root/build/tools/zinf \
     "$py" -m unittest -v test_torch test_torch_conventions test_torch_hf test_torch_dist \
-      test_torch_ckpt test_zinf 2>&1 |
+      test_torch_ckpt test_torch_hf_dist test_zinf 2>&1 |
     tee "$scratch/tree.log")
 # "OK" alone: unittest writes "OK (skipped=N)" when any test skipped.
 grep -q '^OK$' "$scratch/tree.log" ||
   { echo "test-torch: a test failed or skipped (above)" >&2; exit 1; }
 
-echo "== 2. the example"
+echo "== 2. across nodes"
+rc=0
+ZINF_TORCH_PY=$py ZINF_PYTHONPATH=$root/build/python sh tests/multinode/torch.sh || rc=$?
+if [ "$rc" = 77 ]; then
+  echo "test-torch: across nodes skipped (the reason above)"
+elif [ "$rc" != 0 ]; then
+  echo "test-torch: across nodes failed (above)" >&2; exit 1
+fi
+
+echo "== 3. the example"
 PYTHONPATH=$root/build/python "$py" examples/torch_offload.py --text README.md \
   --nvme "$scratch/example" --steps 3 --device emulated
 PYTHONPATH=$root/build/python "$py" examples/hf_trainer.py --text README.md \
   --nvme "$scratch/hf-swap" --out "$scratch/hf-out" --steps 6
 
-echo "== 3. pip install ."
+echo "== 4. pip install ."
 "$venv/bin/pip" install -q "$root"
 # From a folder outside the tree, with nothing on PYTHONPATH: the installed package.
 cp tests/python/test_torch.py tests/python/test_torch_conventions.py tests/python/test_torch_hf.py \
-  tests/python/test_torch_dist.py tests/python/test_torch_ckpt.py tests/python/daemon.py \
+  tests/python/test_torch_dist.py tests/python/test_torch_ckpt.py \
+  tests/python/test_torch_hf_dist.py tests/python/daemon.py \
   "$scratch/"
 mkdir -p "$scratch/examples" "$scratch/tests" &&
   cp examples/torch_offload.py examples/hf_trainer.py "$scratch/examples/"
 mkdir -p "$scratch/tests/data" && cp tests/data/torch_text.md "$scratch/tests/data/"
 (cd "$scratch" && mkdir -p tests/python &&
   mv test_torch.py test_torch_conventions.py test_torch_hf.py test_torch_dist.py \
-    test_torch_ckpt.py daemon.py tests/python/ &&
+    test_torch_ckpt.py test_torch_hf_dist.py daemon.py tests/python/ &&
   cd tests/python &&
   "$py" -c 'import zinf, zinf.torch, sys; assert "site-packages" in zinf.__file__, zinf.__file__; print("installed:", zinf.__file__)' &&
   ZINF_BIN=$venv/bin/zinf "$py" -m unittest test_torch test_torch_conventions test_torch_hf \
-    test_torch_dist test_torch_ckpt 2>&1 |
+    test_torch_dist test_torch_ckpt test_torch_hf_dist 2>&1 |
   tee "$scratch/installed.log")
 grep -q '^OK$' "$scratch/installed.log" ||
   { echo "test-torch: the installed package failed (above)" >&2; exit 1; }

@@ -10,6 +10,7 @@ import weakref
 import torch
 
 from .. import Error
+from . import _ddp as ddp
 from ._dist import make_group
 from ._grads import GradsMixin
 from ._param import GradProxy, OffloadedError, param_class
@@ -304,6 +305,7 @@ class Offload(GradsMixin):
         module.__dict__["zinf_offload"] = self
         module.__dict__["__deepcopy__"] = self._deepcopy
         module.__dict__["__reduce_ex__"] = self._reduce_ex
+        module.__dict__[ddp.KEY] = ddp.NoDDP(self.dist is not None)
 
     def _hook_grad(self, e):
         if not e.hooked and e.param.requires_grad:
@@ -697,7 +699,8 @@ class Offload(GradsMixin):
                         memo[id(d)] = type(d)((k, copy.deepcopy(v, memo))
                                               for k, v in d.items() if k not in ours[id(d)])
             saved = {k: self.module.__dict__.pop(k)
-                     for k in ("__deepcopy__", "__reduce_ex__", "forward", "zinf_offload")
+                     for k in ("__deepcopy__", "__reduce_ex__", "forward", "zinf_offload",
+                               ddp.KEY)
                      if k in self.module.__dict__}
             try:
                 if self._own_forward is not None:
@@ -731,7 +734,7 @@ class Offload(GradsMixin):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for k in ("forward", "zinf_offload", "__deepcopy__", "__reduce_ex__"):
+        for k in ("forward", "zinf_offload", "__deepcopy__", "__reduce_ex__", ddp.KEY):
             self.module.__dict__.pop(k, None)
         if self._own_forward is not None:
             self.module.forward = self._own_forward
