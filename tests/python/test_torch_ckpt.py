@@ -76,7 +76,8 @@ def _steps(model, opt, rank, world, batches):
 def _opt_state(opt, stage):
     """The optimizer's state as it is: gathered whole at stage 3, this rank's parameters'
     at stages 1 and 2, all of it alone."""
-    sd = opt.state_dict(gather=True) if stage == 3 else opt.state_dict()
+    sd = opt.state_dict(gather=True) if stage == 3 else \
+        opt.state_dict(gather=False if opt._dist is not None else None)
     return {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}, \
         [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
 

@@ -138,7 +138,13 @@ def _reference(world, swap, scaled=False):
             losses.append(total)
             norms.append(_step(model, opt, scaler))
             opt.zero_grad()
-        return losses, _params(model), _state_bytes(opt), norms, _home_bytes(engine)
+        return losses, _params(model), _state_bytes(opt), norms, _home_bytes(engine), \
+            _moments(opt.state_dict())
+
+
+def _moments(sd):
+    """An optimizer state dict's step counts and moments, by parameter index."""
+    return {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
 
 
 def _rank(rank, world, folder, mode):
@@ -206,6 +212,14 @@ def _train(rank, world, folder, stage, peek=False, scaled=False, buckets=False):
                 except zt.OffloadedError as err:
                     refused = str(err)
             opt.zero_grad()
+        # No rank holds the whole optimizer state: a plain state_dict() refuses, naming
+        # the ways that give it; gathered, every rank has all of it.
+        try:
+            opt.state_dict()
+            opt_refused = None
+        except zt.OffloadedError as err:
+            opt_refused = str(err)
+        moments = _moments(opt.state_dict(gather=True))
         st = engine.stats()
         pinned = [st["tier"][t]["pinned_bytes"] for t in (zinf.DEVICE, zinf.HOST)]
         return {"losses": losses, "params": _params(model), "state_bytes": _state_bytes(opt),
@@ -215,7 +229,8 @@ def _train(rank, world, folder, stage, peek=False, scaled=False, buckets=False):
                 "collectives": None if off.z3 else off.dist.collectives,
                 "parameters": len(off._entries), "grad_bytes": kept,
                 "all_grad_bytes": sum(4 * e.nbytes // e.dtype.itemsize for e in off._entries),
-                "refused": refused, "scales": scales}
+                "refused": refused, "scales": scales, "opt refused": opt_refused,
+                "moments": moments}
 
 
 class _Tiny(torch.nn.Module if torch is not None else object):
@@ -388,7 +403,7 @@ class TestAcrossRanks(unittest.TestCase):
         return out
 
     def check_training(self, world, stage=1, peek=False, scaled=False, buckets=False):
-        ref_losses, ref_params, ref_bytes, ref_norms, ref_home = _reference(
+        ref_losses, ref_params, ref_bytes, ref_norms, ref_home, ref_moments = _reference(
             world, os.path.join(tempfile.mkdtemp(prefix="ref-", dir=self.dir), "swap"), scaled)
         ranks = self.spawn(world, f"train{stage}" + ("peek" if peek else "") +
                            ("scaled" if scaled else "") + ("buckets" if buckets else ""))
@@ -419,6 +434,15 @@ class TestAcrossRanks(unittest.TestCase):
                       f"{res['grad_bytes']} of {res['all_grad_bytes']}, homes {res['home_bytes']} of "
                       f"{ref_home}", file=sys.stderr)
             self.assertEqual(res["pinned"], [0, 0])
+            self.assertIn("state_dict(gather=True)", res["opt refused"] or "", f"rank {r}")
+            self.assertEqual(res["moments"].keys(), ref_moments.keys(), f"rank {r}")
+            for i, want in ref_moments.items():
+                got = res["moments"][i]
+                self.assertEqual(got.keys(), want.keys(), f"rank {r}, parameter {i}")
+                self.assertEqual(got["step"].item(), want["step"].item())
+                for k in ("exp_avg", "exp_avg_sq"):
+                    gap = ((got[k] - want[k]).norm() / want[k].norm().clamp_min(1e-30)).item()
+                    self.assertLessEqual(gap, 1e-4, f"rank {r}, parameter {i}: {k} {gap} away")
             # One reduction of each gradient a step, though clip_grad_norm_ and the step
             # both read them; a peek's step one more for each micro-batch but the last
             # (whose reduction the step's clip_grad_norm_ finds done).

@@ -7,9 +7,11 @@ are set on the placeholders zinf swaps tensors into, and the first backward fail
 shape error that named nothing; zinf.torch averages the gradients itself anyway. So DDP
 refuses an offloaded module at the wrap, naming the fix, and with the model marked prepared
 (model._is_accelerate_prepared = True) Trainer trains it unwrapped: GPT-2 tiny (from its
-config, dropout off) on 2 ranks at stages 1 and 3 gives each step's loss and grad norm, and
+config, dropout off) on 2 ranks at stages 1, 2 and 3 gives each step's loss and grad norm, and
 the final parameters, of one process that trains the same global batch (per-device batch
 twice as large) within 1e-6 relative. After remove() DDP wraps the plain module again.
+Trainer's checkpoints, which save the optimizer's state_dict() from rank 0 alone, are
+refused by name there: no rank holds that state whole.
 
 Each rank is a process spawned here, with torchrun's environment (RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so that Trainer sees the run as torchrun's.
@@ -71,13 +73,15 @@ class _Windows(torch.utils.data.Dataset if torch is not None else object):
         return {"input_ids": x, "labels": x}
 
 
-def _train(folder, world, rank, stage=None, prepared=True):
+def _train(folder, world, rank, stage=None, prepared=True, save="no"):
     """Trainer on the offloaded model: each logged step's (loss, grad norm) and the final
-    parameters. world 1: one process, without a group."""
+    parameters. world 1: one process, without a group. save: Trainer's save_strategy (its
+    checkpoints every 2 steps where "steps")."""
     args = TrainingArguments(output_dir=os.path.join(folder, f"out{rank}"), max_steps=STEPS,
                              per_device_train_batch_size=BATCH // world,
                              gradient_accumulation_steps=ACCUMULATE, learning_rate=1e-3,
-                             max_grad_norm=1.0, logging_steps=1, save_strategy="no",
+                             max_grad_norm=1.0, logging_steps=1, save_strategy=save,
+                             save_steps=2,
                              use_cpu=True, report_to=[], seed=0, data_seed=0,
                              disable_tqdm=True)
     model = _model()
@@ -131,6 +135,17 @@ def _rank(rank, folder, port, mode):
         try:
             if mode == "refuse":
                 res = _refusals(folder, rank)
+            elif mode == "checkpoint":
+                # Trainer's checkpoint saves the optimizer's state_dict() on rank 0 alone,
+                # which no rank holds whole: rank 0 refuses it by name (and the other
+                # rank's next collective fails with it).
+                try:
+                    _train(folder, WORLD, rank, 1, save="steps")
+                    res = {"checkpoint": "saved"}
+                except zt.OffloadedError as err:
+                    res = {"checkpoint": str(err)}
+                except RuntimeError as err:
+                    res = {"checkpoint": f"peer: {err}"}
             else:
                 res = _train(folder, WORLD, rank, int(mode[5:]))
         finally:
@@ -173,7 +188,7 @@ class TestTrainerAcrossRanks(unittest.TestCase):
         ref = _train(self.dir, 1, 0)
         self.assertEqual(len(ref["log"]), STEPS)
         self.assertLess(ref["log"][-1][0], ref["log"][0][0])
-        for stage in (1, 2):
+        for stage in (1, 2, 3):
             for r, got in enumerate(self.spawn(f"train{stage}")):
                 where = f"stage {stage}, rank {r}"
                 self.assertEqual(got["wrapped"], "GPT2LMHeadModel", where)
@@ -189,6 +204,12 @@ class TestTrainerAcrossRanks(unittest.TestCase):
                     diff += (have - want).double().square().sum().item()
                     total += want.double().square().sum().item()
                 self.assertLessEqual((diff / total) ** 0.5, 1e-6, f"{where}: parameters")
+
+    def test_trainer_checkpoint_of_a_partitioned_optimizer_is_refused(self):
+        got = self.spawn("checkpoint")
+        self.assertIn("save_only_model=True", got[0]["checkpoint"])
+        self.assertIn("no rank holds the whole optimizer state", got[0]["checkpoint"])
+        self.assertNotEqual(got[1]["checkpoint"], "saved")
 
     def test_ddp_refused_naming_the_fix(self):
         for r, got in enumerate(self.spawn("refuse")):

@@ -109,6 +109,10 @@ class AdamW(torch.optim.Optimizer):
         self._dist = None
         self._owner = {}
         self._loads = None
+        # Whether any rank may hold optimizer state: set by a step or a load, the same on
+        # every rank (they step together). Until then a plain state_dict() across ranks is
+        # whole (no state anywhere) and is given, as accelerate asks for it when it wraps.
+        self._has_state = False
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize, foreach=foreach,
                         capturable=False, differentiable=False, fused=fused)
@@ -265,6 +269,7 @@ class AdamW(torch.optim.Optimizer):
             off.reduce_grads()
         work = [(group, p) for group in self.param_groups for p in group["params"]
                 if p._zinf.has_grad]
+        self._has_state |= bool(work)
         engines = {id(off.engine): off.engine for off in owners.values()}
         later = []
         if self.overlap:
@@ -478,20 +483,30 @@ class AdamW(torch.optim.Optimizer):
         (, "max_exp_avg_sq")}}, "param_groups": [...]}, the moments read into memory as
         float32 CPU tensors; a 16-bit parameter's master copy under "master".
 
-        Stage 3 (offload(..., stage=3)): each rank holds a slice of every moment, so a
-        plain state_dict() raises OffloadedError rather than give a part for the whole.
-        gather=True: the full moments, gathered from every rank (a collective: every rank
-        calls it); gather=False: this rank's slices (flat, padded), marked
-        "zero3": {"rank", "size"}, which load_state_dict() takes back on the same rank of a
-        group of the same size only."""
+        Across ranks (offload(..., group=)) no rank holds the whole state: at stages 1 and
+        2 each parameter's state lives on its owner, at stage 3 every rank holds a slice of
+        every moment. So once a step (or a load) made state, a plain state_dict() raises
+        OffloadedError rather than give a part for the whole (before, there is none, and
+        the empty state is whole). gather=True: the full state on every rank (a
+        collective: every rank calls it); gather=False: this rank's part, marked
+        "zero3": {"rank", "size"} (stage 3: its slices, flat and padded) or
+        "owned": {"rank", "size"} (stages 1 and 2: the parameters it owns), which
+        load_state_dict() takes back on the same rank of a group of the same size only.
+        zinf.torch.save_checkpoint saves every rank's part at once."""
         self._settle()
         z3 = self._z3()
-        if z3 and gather is None:
+        d = self._dist
+        if d is not None and gather is None and self._has_state:
             raise OffloadedError(
-                "zinf.torch.AdamW: under stage=3 each rank holds a slice of every moment; "
-                "state_dict(gather=True) gathers the full state (on every rank at once), "
-                "state_dict(gather=False) gives this rank's slices")
+                f"zinf.torch.AdamW: across ranks (stage {d.stage}) no rank holds the whole "
+                f"optimizer state ({'each a slice of every moment' if z3 else 'each parameter its owner'}"
+                f"'s); state_dict(gather=True) gathers it (on every rank at once), "
+                f"state_dict(gather=False) gives this rank's part, "
+                f"zinf.torch.save_checkpoint saves every rank's; with transformers' Trainer, "
+                f"save_only_model=True and zinf.torch.save_checkpoint")
         full = z3 and bool(gather)
+        if d is not None and not z3 and gather:
+            return self._gathered_owned()
         state = {}
         for i, group, p in self._indexed():
             e = p._zinf
@@ -504,6 +519,14 @@ class AdamW(torch.optim.Optimizer):
                 if t is not None and (key != "max_exp_avg_sq" or group["amsgrad"]):
                     out[key] = self._read(e, t, full)
             state[i] = out
+        out = {"state": state, "param_groups": self._groups_out()}
+        if z3 and not full:
+            out["zero3"] = {"rank": self._dist.rank, "size": self._dist.size}
+        elif d is not None and not z3 and gather is False:
+            out["owned"] = {"rank": d.rank, "size": d.size}
+        return out
+
+    def _groups_out(self):
         groups = []
         i = 0
         for group in self.param_groups:
@@ -511,10 +534,36 @@ class AdamW(torch.optim.Optimizer):
             g["params"] = list(range(i, i + len(group["params"])))
             i += len(group["params"])
             groups.append(g)
-        out = {"state": state, "param_groups": groups}
-        if z3 and not full:
-            out["zero3"] = {"rank": self._dist.rank, "size": self._dist.size}
-        return out
+        return groups
+
+    def _gathered_owned(self):
+        """Stages 1 and 2: every parameter's state broadcast from its owner, in the
+        parameters' order on every rank (the broadcasts are collectives)."""
+        d = self._dist
+        state = {}
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
+        for i, group, p in self._indexed():
+            e = p._zinf
+            src = self._owner[id(e)]
+            mine = src == d.rank
+            st = self.state.get(p, {}) if mine else {}
+            held = (e.m, e.v, e.vmax if group["amsgrad"] else None, e.master) if mine \
+                else (None,) * 4
+            # The step, and which of the tensors the owner holds.
+            head = torch.tensor([float(st.get("step") or 0)] +
+                                [float(t is not None) for t in held], dtype=torch.float64)
+            d.dist.broadcast(head, d._root(src), group=d.group)
+            if head[0].item() == 0:
+                continue
+            out = {"step": torch.tensor(head[0].item())}
+            for k, (key, t) in enumerate(zip(keys, held)):
+                if head[k + 1].item() == 0:
+                    continue
+                v = self._read(e, t) if mine else torch.empty(e.shape, dtype=torch.float32)
+                d.dist.broadcast(v, d._root(src), group=d.group)
+                out[key] = v
+            state[i] = out
+        return {"state": state, "param_groups": self._groups_out()}
 
     def _read(self, e, t, full=False):
         with e.owner._lock:
@@ -533,6 +582,14 @@ class AdamW(torch.optim.Optimizer):
                 "rank": self._dist.rank, "size": self._dist.size}):
             raise ValueError(f"zinf.torch.AdamW: the state dict holds the slices of rank "
                              f"{sliced['rank']} of {sliced['size']} (stage 3); this "
+                             f"optimizer is {self._where()}: load a full one "
+                             f"(state_dict(gather=True))")
+        owned = state_dict.get("owned")
+        d = self._dist
+        if owned is not None and (d is None or self._z3() or owned != {
+                "rank": d.rank, "size": d.size}):
+            raise ValueError(f"zinf.torch.AdamW: the state dict holds the parameters rank "
+                             f"{owned['rank']} of {owned['size']} owns (stage 1 or 2); this "
                              f"optimizer is {self._where()}: load a full one "
                              f"(state_dict(gather=True))")
         groups = state_dict["param_groups"]
@@ -576,6 +633,7 @@ class AdamW(torch.optim.Optimizer):
                         with e.owner.engine.fetch(t, "host", dirty=True) as pin:
                             view_as(pin, e.sshape, torch.float32).copy_(v)
             self.state[p]["step"] = int(_f(st.get("step", 0)))
+        self._has_state |= bool(state_dict["state"]) or owned is not None or sliced is not None
 
 
 def _amsgrad(param, g, m, v, vmax, step, lr, b1, b2, eps, wd, scale):
