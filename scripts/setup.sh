@@ -17,7 +17,7 @@ build_dir=${BUILD_DIR:-build}
 # test checks the installed unit (no running systemd is needed).
 pkgs=(gcc g++ pkg-config meson ninja-build liburing-dev libnuma-dev libhwloc-dev
       libhwloc-plugins libcriterion-dev libjansson-dev libopenblas-dev fio python3 python3-dev python3-numpy
-      gnuplot-nox systemd openmpi-bin libopenmpi-dev)
+      gnuplot-nox systemd openmpi-bin libopenmpi-dev procps)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
