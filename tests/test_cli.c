@@ -1547,7 +1547,7 @@ static double now_s(void)
 static int count_lines(const char *path, const char *prefix)
 {
     FILE *f = fopen(path, "r");
-    char line[1024];
+    char line[16384];
     int n = 0;
     if (!f) return 0;
     while (fgets(line, sizeof(line), f))
@@ -1564,7 +1564,7 @@ static int count_lines(const char *path, const char *prefix)
 static int read_losses(const char *path, char (*loss)[32], int *summary_steps, int *ckpt)
 {
     FILE *f = fopen(path, "r");
-    char line[1024];
+    char line[16384];
     int last = 0;
     if (!f) return 0;
     while (fgets(line, sizeof(line), f)) {
