@@ -7,7 +7,7 @@
 # ssh; all traffic is over 127.0.0.1.
 #
 # Sourced by a test (. nodes.sh), it gives:
-#   nodes_need                 exit 77 ("skip: ...") without root, unshare, nsenter, mpirun
+#   nodes_need                 exit 77 ("skip: ...") without root, unshare, nsenter, mpirun, pgrep
 #   nodes_up K DIR SWAP        K nodes; node k's swap folder is DIR/node<k>, mounted at SWAP
 #                              in that node; DIR/hostfile names them ("nodek slots=S",
 #                              S = NODES_SLOTS, default 2); a trap tears them down at exit
@@ -31,8 +31,8 @@ nodes_skip()
 nodes_need()
 {
     [ "$(id -u)" = 0 ] || nodes_skip "the nodes are Linux namespaces, which need root"
-    for t in unshare nsenter setsid mpirun; do
-        command -v "$t" >/dev/null 2>&1 || nodes_skip "no $t on PATH (util-linux, openmpi-bin)"
+    for t in unshare nsenter setsid mpirun pgrep; do
+        command -v "$t" >/dev/null 2>&1 || nodes_skip "no $t on PATH (util-linux, openmpi-bin, procps)"
     done
     unshare --mount --uts --ipc true 2>/dev/null ||
         nodes_skip "unshare --mount --uts --ipc is refused here (a container without CAP_SYS_ADMIN?)"
