@@ -149,8 +149,10 @@ Test(comm_mpi, a_bad_ranks_per_node_fails_every_rank_with_why)
     run_job(2, "0", "check", NULL, &j);
     cr_assert_neq(j.status, 0);
     cr_assert(strstr(j.out, "ZINF_COMM_RANKS_PER_NODE=0 is not a number of ranks"), "%s", j.out);
-    cr_assert(strstr(j.out, "rank 0: comm_open") && strstr(j.out, "rank 1: comm_open"), "%s",
+    /* mpirun ends the job once the first rank returns: one rank's word, and none went on. */
+    cr_assert(strstr(j.out, "rank 0: comm_open") || strstr(j.out, "rank 1: comm_open"), "%s",
               j.out);
+    cr_assert_null(strstr(j.out, " ok ("), "%s", j.out);
 }
 
 Test(comm_mpi, a_world_other_than_mpiruns_is_eproto_on_every_rank)
@@ -160,8 +162,10 @@ Test(comm_mpi, a_world_other_than_mpiruns_is_eproto_on_every_rank)
     run_job(2, "1", "world", NULL, &j);
     cr_assert_neq(j.status, 0);
     cr_assert(strstr(j.out, "rank and world are MPI_COMM_WORLD's"), "%s", j.out);
-    cr_assert(strstr(j.out, "rank 0: comm_open: ") && strstr(j.out, "rank 1: comm_open: "), "%s",
+    /* mpirun ends the job once the first rank returns: one rank's word, and none went on. */
+    cr_assert(strstr(j.out, "rank 0: comm_open: ") || strstr(j.out, "rank 1: comm_open: "), "%s",
               j.out);
+    cr_assert_null(strstr(j.out, " ok ("), "%s", j.out);
 }
 
 /* A leader stopped mid-job: the other node's leader waits for its chain in MPI, finds the
