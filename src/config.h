@@ -126,6 +126,10 @@ struct zinf_config {
         bool cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory;
     } zero;
     struct {
+        int stages;    /* pipeline stages; 1 (none) */
+        int partition; /* "parameters" 0, "uniform" 1, "best" 2 (as "parameters") */
+    } pipeline;
+    struct {
         uint64_t block_size;           /* bytes; 1 MiB; multiple of 4096, at most 64 MiB */
         unsigned queue_depth;          /* 8; 1..1024 */
         unsigned intra_op_parallelism; /* 1; alias thread_count: io_uring rings, each with
@@ -160,6 +164,7 @@ struct zinf_config {
             bool update_in_forward; /* one rank offloaded to NVMe: each tensor's update runs
                                        just before the next forward's first use; true */
             uint64_t seed;                             /* given when bit set in `given` */
+            char pipeline_cut[32]; /* "3,5": the first block of each stage after the first */
         } train;
         struct config_serve {           /* zinf.serve: `zinf serve`'s limits */
             unsigned jobs_per_uid;        /* jobs a uid may have open; 4 */

@@ -42,7 +42,6 @@ static const struct ignored_key top_ignored[] = {
     {"data_types", "each tensor keeps its own type"},
     {"disable_allgather", "zinf's collectives size their own buffers"},
     {"sparse_attention", "a DeepSpeed feature zinf does not have"},
-    {"pipeline", "a DeepSpeed feature zinf does not have"},
     {"progressive_layer_drop", "a DeepSpeed feature zinf does not have"},
     {"curriculum_learning", "a DeepSpeed feature zinf does not have"},
     {"data_efficiency", "a DeepSpeed feature zinf does not have"},
@@ -126,6 +125,13 @@ static const struct ignored_key bf16_ignored[] = {
     {"check_overflow", "bf16 does not overflow as fp16 does: zinf checks fp16 only"},
     {NULL, NULL}};
 
+static const struct ignored_key pipe_ignored[] = {
+    {"seed_layers", "every layout starts from the weights one rank would (seeded by name)"},
+    {"activation_checkpoint_interval", "zinf train recomputes each block's activations in the backward already"},
+    {"pipe_partitioned", "a stage sends its activations whole"},
+    {"grad_partitioned", "a stage sends its gradients whole"},
+    {NULL, NULL}};
+
 const struct sectdef config_sects[S_COUNT] = {
     [S_TOP] = {NULL, NULL, -1, top_ignored},
     [S_ZERO] = {"zero_optimization", "zero_optimization", S_TOP, zero_ignored},
@@ -142,6 +148,7 @@ const struct sectdef config_sects[S_COUNT] = {
     [S_SCHED_PARAMS] = {"params", "scheduler.params", S_SCHED, sched_params_ignored},
     [S_FP16] = {"fp16", "fp16", S_TOP, fp16_ignored},
     [S_BF16] = {"bf16", "bf16", S_TOP, bf16_ignored},
+    [S_PIPE] = {"pipeline", "pipeline", S_TOP, pipe_ignored},
 };
 
 static const char *const offload_devices[] = {"none", "cpu", "nvme", NULL};
@@ -149,6 +156,10 @@ const char *const config_device_kinds[] = {"auto", "cuda", "emulated", NULL};
 static const char *const io_backends[] = {"auto", "io_uring", "threads", NULL};
 static const char *const precisions[] = {"auto", "fp32", "bf16", "fp16", NULL};
 static const char *const warmup_types[] = {"log", "linear", NULL};
+/* DeepSpeed's partition_method: "parameters" balances the stages' parameter counts; "best"
+ * is its profiling search, here the same balance by parameters; "uniform" the same number
+ * of blocks per stage. */
+static const char *const pipe_partitions[] = {"parameters", "uniform", "best", NULL};
 
 #define OFF(m) offsetof(struct zinf_config, m)
 /* Table order is print order. A row leaves out flags and ignored when they are 0. */
@@ -350,6 +361,14 @@ const struct field config_fields[] = {
      0, NULL},
     {S_FP16, "min_loss_scale", NULL, F_FLOAT, OFF(train.fp16.min_loss_scale), 0, 0, 0, NULL},
     {S_BF16, "enabled", NULL, F_BOOL, OFF(train.bf16.enabled), 0, 0, 0, NULL, FL_AUTO},
+    /* Pipeline parallelism: zinf launch -n N starts N / stages copies of a pipeline of
+     * `stages` ranks, each holding a contiguous run of the blocks. */
+    {S_PIPE, "stages", NULL, F_INT, OFF(pipeline.stages), 1, 64, 0, NULL},
+    {S_PIPE, "partition", "partition_method", F_ENUM, OFF(pipeline.partition), 0, 0, 0,
+     pipe_partitions},
+    /* zinf's own: where each stage after the first begins, as block numbers ("3,5": stages
+     * of blocks 0-2, 3-4, 5-); given, it replaces pipeline.partition. */
+    {S_TRAIN, "pipeline_cut", NULL, F_STR, OFF(zinf.train.pipeline_cut), 0, 0, 0, NULL},
     /* DeepSpeed's deprecated ZeRO-Offload switches, last: finish() maps them. */
     {S_ZERO, "cpu_offload", NULL, F_BOOL, OFF(zero.cpu_offload), 0, 0, 0, NULL},
     {S_ZERO, "cpu_offload_param", "cpu_offload_params", F_BOOL, OFF(zero.cpu_offload_param), 0, 0,
@@ -376,6 +395,7 @@ void config_defaults(struct zinf_config *c)
     /* DeepSpeed's are off; zinf's are on (the optimizer reads ahead and writes behind). */
     c->zero.offload_optimizer.pipeline_read = true;
     c->zero.offload_optimizer.pipeline_write = true;
+    c->pipeline.stages = 1;
     c->zero.stage3_prefetch_bucket_size = 50000000;
     c->zero.reduce_bucket_size = 500000000;
     c->zero.stage3_max_live_parameters = 1000000000;

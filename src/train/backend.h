@@ -92,6 +92,10 @@ struct backend_ops {
      * (k + 1) * chunk) of n (the last may be short): the clipping norm's chunk sums. Waits
      * for what is queued: out is written when it returns. */
     int (*chunk_sumsq)(struct backend *b, const float *g, size_t n, size_t chunk, double *out);
+    /* The gradient flowing back, d (B,T,C) in adt, to host memory (put false) or from it
+     * (put true): what a pipeline stage sends to the one before and receives from the one
+     * after. Waits for what is queued. */
+    int (*grad_io)(struct backend *b, void *host, bool put);
     /* bytes of device memory from src to dst (the two do not overlap). */
     int (*copy)(struct backend *b, void *dst, const void *src, size_t bytes);
     /* dst (n elements of wdt, device memory) = src (n fp32): the copy the device computes

@@ -241,6 +241,17 @@ static int cpu_copy(struct backend *b, void *dst, const void *src, size_t bytes)
     return 0;
 }
 
+static int cpu_grad_io(struct backend *b, void *host, bool put)
+{
+    struct cpu_backend *c = cpu(b);
+    size_t bytes = (size_t)c->B * c->T * c->cfg.C * sizeof(float);
+    if (put)
+        memcpy(c->d, host, bytes);
+    else
+        memcpy(host, c->d, bytes);
+    return 0;
+}
+
 static int cpu_cast(struct backend *b, void *dst, const float *src, size_t n)
 {
     if (b->wdt == BACKEND_BF16)
@@ -303,6 +314,7 @@ static const struct backend_ops cpu_ops = {
     .lamb_moments = cpu_lamb_moments,
     .lamb_apply = cpu_lamb_apply,
     .copy = cpu_copy,
+    .grad_io = cpu_grad_io,
     .cast = cpu_cast,
     .event_new = cpu_event_new,
     .event_free = cpu_event_free,

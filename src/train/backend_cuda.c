@@ -343,6 +343,15 @@ static int cuda_copy(struct backend *b, void *dst, const void *src, size_t bytes
     return cuerr(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cub(b)->s));
 }
 
+static int cuda_grad_io(struct backend *b, void *host, bool put)
+{
+    struct cuda_backend *c = cub(b);
+    size_t bytes = act_bytes(c, (size_t)c->N * c->C);
+    int r = cuerr(put ? cudaMemcpyAsync(c->d, host, bytes, cudaMemcpyHostToDevice, c->s)
+                      : cudaMemcpyAsync(host, c->d, bytes, cudaMemcpyDeviceToHost, c->s));
+    return r < 0 ? r : cuerr(cudaStreamSynchronize(c->s));
+}
+
 static int cuda_cast(struct backend *b, void *dst, const float *src, size_t n)
 {
     struct cuda_backend *c = cub(b);
@@ -418,6 +427,7 @@ static const struct backend_ops cuda_ops = {
     .fold = cuda_fold,
     .chunk_sumsq = cuda_chunk_sumsq,
     .copy = cuda_copy,
+    .grad_io = cuda_grad_io,
     .cast = cuda_cast,
     .event_new = cuda_event_new,
     .event_free = cuda_event_free,

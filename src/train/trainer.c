@@ -393,7 +393,7 @@ static int layout(struct trainer *t, char *err, size_t errlen)
     t->v = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
     t->w = t->be->wdt == BACKEND_F32 ? t->p : calloc((size_t)t->ntensors, sizeof(zinf_tensor));
     t->block_first = calloc((size_t)cfg.L, sizeof(int));
-    t->act = calloc((size_t)cfg.L + 1, sizeof(zinf_tensor));
+    t->act = calloc((size_t)(cfg.L + 1) * (size_t)MAX(1, t->nslots), sizeof(zinf_tensor));
     if (!t->desc || !t->p || !t->g || !t->m || !t->v || !t->w || !t->block_first || !t->act) {
         snprintf(err, errlen, "out of memory");
         return -ENOMEM;
@@ -412,6 +412,10 @@ static int layout(struct trainer *t, char *err, size_t errlen)
             else
                 t->lnfb = i;
         }
+    }
+    if (train_pipe_layout(t) < 0) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
     }
     return 0;
 }
@@ -492,7 +496,7 @@ static bool update_deferrable(const struct trainer *t, bool cuda)
     bool nvme = train_home_of(t->zc.zero.offload_param.device) == ZINF_TIER_NVME ||
                 train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_NVME;
     return t->o.update_in_forward && nvme &&
-           t->world <= 1 && !t->remote && !cuda && t->be->wdt != BACKEND_F16 &&
+           t->world <= 1 && t->pp <= 1 && !t->remote && !cuda && t->be->wdt != BACKEND_F16 &&
            t->opt_tier == ZINF_TIER_HOST && t->zc.zero.offload_optimizer.pipeline_read;
 }
 
@@ -697,8 +701,9 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         r = -ENOMEM;
         goto fail;
     }
-    if ((r = train_zero_alloc(t)) < 0) {
-        snprintf(err, errlen, "out of memory");
+    if ((r = train_zero_alloc(t)) < 0 || (r = train_pipe_alloc(t)) < 0) {
+        snprintf(err, errlen, "%s", r == -ENOMEM ? "out of memory"
+                                                  : "the pipeline's stages could not agree");
         goto fail;
     }
     if ((r = train_check_budgets(t, err, errlen)) < 0) goto fail;
@@ -758,6 +763,7 @@ void trainer_close(struct trainer *t)
         zinf_close_unflushed(t->e);
     else
         zinf_close(t->e);
+    train_pipe_close(t);
     config_free(&t->zc);
     free(t->desc);
     free(t->p);
@@ -864,6 +870,7 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         out->node = cs.node;
         out->nodes = cs.nodes;
     }
+    train_pipe_summary(t, out);
     out->budgets = t->budgets;
     out->min_budget[0] = t->min_budget[0];
     out->min_budget[1] = t->min_budget[1];

@@ -259,6 +259,14 @@ struct trainer_summary {
      * crossed machines; this rank's node of nodes (0 of 1 on one machine). */
     uint64_t net_bytes_out, net_bytes_in, net_ops;
     int node, nodes;
+    /* Pipeline stages (pipeline.stages): this rank's stage of pp (1: none), its blocks
+     * [first_block, first_block + blocks); the share of the steps' micro-batch phase this
+     * stage spent outside its forwards and backwards (the bubble: waiting for its
+     * neighbours), what the 1F1B schedule leaves idle at equal stages, (pp - 1) / (M + pp -
+     * 1), and the bytes it sent to the other stages. */
+    int pp, pp_stage, first_block, blocks;
+    double pipeline_bubble, pipeline_bubble_ideal, pipeline_wait_seconds;
+    uint64_t pipeline_bytes;
     bool overlap_comm;          /* gradients reduced behind the next block's backward */
     double reduce_seconds;      /* the steps' time waiting for gradient reductions */
     /* The optimizer's pipeline (offload_optimizer.pipeline_read): the sets it asked for

@@ -217,6 +217,16 @@ struct trainer {
      * the ranks (train_gather_saved): {zinf_saved_steps' result, its two steps}. Across
      * nodes each node's folders are its ranks' only, so rank 0 cannot read the others'. */
     int64_t (*peer_saved)[3];
+    /* Pipeline parallelism (trainer_pipe.c): this rank is stage ps of pp, holding blocks
+     * [kb, ke) (pp 1: the whole model, kb 0, ke L). A stage's layout has its own tensors
+     * only, in the whole model's order (gidx: the whole layout's index of each), the first
+     * stage's wte and wpe, the last's lnf and a copy of wte (wte_copy, its layout index, else
+     * -1) that the head computes with, updated from the first stage's gradient. Micro-batches
+     * in flight keep their activations in slots: act[slot x (L + 1) + k], act_base the
+     * slot's start. */
+    int pp, ps, kb, ke, wte_copy, nslots, act_base;
+    int *gidx;
+    struct pipe *pipe;
     /* ZINF_TEST_KILL_AT=POINT:RANK:N: the tests' crash, at POINT of the N-th checkpoint. */
     char kill_point[32];
     int kill_rank, kill_nth, checkpoint_calls;
@@ -349,6 +359,27 @@ void train_update_stop(struct trainer *t);
 void train_optimizer_ahead(struct trainer *t, int done, int of);
 /* Drop the sets asked for ahead (a step that fails or skips its update). */
 void train_optimizer_drop(struct trainer *t);
+
+/* trainer_pipe.c: pipeline stages. train_pipe_shape reads the layout of the ranks from the
+ * config (in train_zero_shape: the stage, its blocks; data parallel within a stage is not
+ * built: world = stages); train_pipe_setup meets the other stages (each in a folder of its
+ * own under the nvme paths); train_pipe_layout keeps the stage's tensors; train_pipe_alloc
+ * the buffers once the layout is known. train_pipe_step runs the step's micro-batches on the
+ * 1F1B schedule, leaving each one's loss in t->losses (every stage's the same) and the
+ * gradients summed as one rank's; train_pipe_norm, _digest and _any are the stages'
+ * agreements. */
+int train_pipe_shape(struct trainer *t, char *err, size_t errlen);
+int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen);
+int train_pipe_layout(struct trainer *t);
+int train_pipe_alloc(struct trainer *t);
+int train_pipe_step(struct trainer *t, int step, double *loss_sum);
+int train_pipe_norm(struct trainer *t, double *sumsq);
+int train_pipe_digest(struct trainer *t, uint64_t *d);
+bool train_pipe_any(struct trainer *t, bool mine);
+int train_pipe_wte_in(struct trainer *t);
+int train_pipe_wte_out(struct trainer *t);
+void train_pipe_close(struct trainer *t);
+void train_pipe_summary(struct trainer *t, struct trainer_summary *out);
 
 /* trainer_resume.c: the saved state, the run a resume goes to, the re-cut, the crashes */
 int train_state_check(struct trainer *t, char *err, size_t errlen);

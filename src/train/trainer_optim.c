@@ -165,9 +165,12 @@ static int digest_tensor(struct trainer *t, int i, void **p, uint64_t *digest)
         *digest += digest_floats(mine, own, (uint32_t)i, lo / DIGEST_BLOCK_FLOATS);
         return 0;
     }
-    if (t->opt_tier == ZINF_TIER_DEVICE)
-        return t->be->ops->digest(t->be, p[0], n, (uint32_t)i, 0, digest);
-    *digest += digest_floats(p[0], n, (uint32_t)i, 0);
+    /* A pipeline stage's tensors by their number in the whole model, its copy of wte left
+     * to the first stage's. */
+    if (i == t->wte_copy) return 0;
+    uint32_t g = t->gidx ? (uint32_t)t->gidx[i] : (uint32_t)i;
+    if (t->opt_tier == ZINF_TIER_DEVICE) return t->be->ops->digest(t->be, p[0], n, g, 0, digest);
+    *digest += digest_floats(p[0], n, g, 0);
     return 0;
 }
 

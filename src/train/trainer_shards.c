@@ -131,6 +131,8 @@ size_t train_tmp_bytes(const struct trainer *t)
 int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
+    int r = train_pipe_shape(t, err, errlen);
+    if (r < 0 || t->pp > 1) return r;
     t->world = o->world > 1 ? o->world : 1;
     t->rank = t->world > 1 ? o->rank : 0;
     /* On the GPU too: N ranks then give bitwise what one rank of N micro-batches does. */
@@ -161,6 +163,7 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     const struct trainer_opts *o = &t->o;
     int r = train_zero_shape(t, true, err, errlen);
     if (r < 0) return r;
+    if (t->pp > 1) return train_pipe_setup(t, cuda, err, errlen);
     if (t->world == 1) {
         for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
             if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
@@ -310,6 +313,7 @@ int train_ranks_agree(struct trainer *t, char *err, size_t errlen)
 
 bool trainer_any_rank(struct trainer *t, bool mine)
 {
+    if (t->pp > 1) return train_pipe_any(t, mine);
     if (t->world <= 1) return mine;
     uint8_t me = mine, all[COMM_MAX_RANKS];
     if (comm_allgather(t->hcomm, &me, all, 1, COMM_BYTE) < 0) return true;
@@ -395,6 +399,7 @@ int train_reduce_grad(struct trainer *t, int i, float *l, float *g)
  * the layout's order, so that any number of ranks adds the same numbers in the same order. */
 int train_grad_norm(struct trainer *t, double *sumsq)
 {
+    if (t->pp > 1) return train_pipe_norm(t, sumsq);
     const double *all = t->part;
     size_t np = t->nparts;
     if (t->world > 1) {

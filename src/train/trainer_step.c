@@ -270,7 +270,7 @@ zinf_tensor train_wave_handle(const struct trainer *t, enum role role, int idx)
     case R_W:
         return t->w[idx];
     default:
-        return t->act[idx];
+        return t->act[t->act_base + idx];
     }
 }
 
@@ -404,6 +404,7 @@ int train_forward(struct trainer *t)
     /* The weights gathered in the last step are stale: the optimizer changed the shards. */
     t->gw_holds[0] = t->gw_holds[1] = -1;
     uint64_t s0 = trace_on() ? now_ns() : 0;
+    if (t->ps > 0) goto blocks; /* a later pipeline stage: its input came from the one before */
     train_wave_embed_forward(t, &w);
     /* (The set is fetched with no other pin of the caller's in the device tier, as
      * zinf_fetch_all's guarantee of room asks: the weights the update sent are unpinned
@@ -416,13 +417,14 @@ int train_forward(struct trainer *t)
      * computes: the next block's sets are read and updated during this one's compute. It
      * starts once this block's set is fetched (fetched with no other pin of ours in the
      * device tier) and is joined before the next is. */
-    if (t->cfg.L > 0) train_update_start(t, t->block_first[0] + GPT_BLOCK_NSLOTS);
+    if (t->ke > t->kb) train_update_start(t, t->block_first[t->kb] + GPT_BLOCK_NSLOTS);
     r = train_settle(t, be->embed_forward(t->be, p[0], p[1], p[2]));
     train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (s0) trace_span("train", "embeddings forward", s0, NULL, NULL, -1);
     if (r < 0) goto out;
 
-    for (int k = 0; k < t->cfg.L; k++) {
+blocks:
+    for (int k = t->kb; k < t->ke; k++) {
         s0 = trace_on() ? now_ns() : 0;
         train_wave_block_forward(t, k, &w);
         r = train_update_join(t);
@@ -430,7 +432,7 @@ int train_forward(struct trainer *t)
         train_update_unpin(t);
         TRY(r);
         TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
-        if (k + 1 < t->cfg.L) train_update_start(t, t->block_first[k + 1] + GPT_BLOCK_NSLOTS);
+        if (k + 1 < t->ke) train_update_start(t, t->block_first[k + 1] + GPT_BLOCK_NSLOTS);
         r = train_settle(t, be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
                                               p[GPT_BLOCK_NSLOTS + 1]));
         int x = train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
@@ -484,7 +486,7 @@ int train_backward(struct trainer *t, bool zero, bool norm)
     void *p[WAVE_MAX];
     int r = 0;
 
-    for (int k = t->cfg.L - 1; k >= 0; k--) {
+    for (int k = t->ke - 1; k >= t->kb; k--) {
         uint64_t s0 = trace_on() ? now_ns() : 0;
         train_wave_block_backward(t, k, &w);
         TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
@@ -503,8 +505,11 @@ int train_backward(struct trainer *t, bool zero, bool norm)
         if (s0) trace_span_n("train", "block backward", k, s0);
         if (r < 0) goto out;
         train_note_peaks(t);
-        if (t->last_micro) train_optimizer_ahead(t, t->cfg.L - k, t->cfg.L);
+        if (t->last_micro) train_optimizer_ahead(t, t->ke - k, t->ke - t->kb);
     }
+    if (t->ps > 0) goto out; /* a later pipeline stage: the gradient goes to the one before */
+    /* The first of several stages: wte's local gradient starts as the head's share. */
+    if (t->pp > 1) TRY(train_pipe_wte_in(t));
 
     /* The embeddings: g_wte already holds the head's share. */
     uint64_t s0 = trace_on() ? now_ns() : 0;
@@ -548,7 +553,8 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     double S = fp16 ? t->ls.scale : 1;
     t->be->loss_scale = (float)S;
     int K = t->o.grad_accum, total = K * t->world;
-    for (int m = 0; m < K; m++) {
+    if (t->pp > 1) TRY(train_pipe_step(t, step, &loss_sum));
+    for (int m = 0; m < K && t->pp == 1; m++) {
         /* Exact: every micro-batch's gradients start from zero; the reductions add them. */
         bool first = m == 0 || t->exact, last = m == K - 1 && !t->exact;
         float l;
@@ -617,6 +623,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     if (t->o.digest && !overflow && !defer) {
         /* Every rank's sum over its shards, added: the digest of the whole. */
         if (t->world > 1) TRY(train_digest_across(t, &digest));
+        if (t->pp > 1) TRY(train_pipe_digest(t, &digest));
         t->digest = digest;
         t->have_digest = true;
         t->digest_step = step;

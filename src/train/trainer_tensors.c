@@ -72,7 +72,7 @@ size_t train_role_bytes(const struct trainer *t, enum role role, int idx)
 /* A representative tensor of each local slot (block 0's, or the tensor itself). */
 static int slot_tensor(const struct trainer *t, int s)
 {
-    if (s < GPT_BLOCK_NSLOTS) return t->block_first[0] + s;
+    if (s < GPT_BLOCK_NSLOTS) return t->block_first[t->kb] + s;
     switch (s - GPT_BLOCK_NSLOTS) {
     case GPT_WTE:
         return t->wte;
@@ -119,10 +119,11 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
             enum zinf_tier h = role_home(t, kinds[j], i);
             if (h < MEM_TIERS) homes[h] += align_up(train_role_bytes(t, kinds[j], i), ZINF_ALIGN);
         }
-    homes[ZINF_TIER_HOST] +=
-        (uint64_t)(t->cfg.L + 1) * align_up(train_role_bytes(t, R_ACT, 0), ZINF_ALIGN);
+    homes[ZINF_TIER_HOST] += (uint64_t)(t->ke - t->kb + 1) * (uint64_t)t->nslots *
+                             align_up(train_role_bytes(t, R_ACT, 0), ZINF_ALIGN);
     for (int s = 0; s < NLOCAL; s++) {
         int i = slot_tensor(t, s);
+        if (i < 0) continue;
         if (t->exact)
             homes[ZINF_TIER_DEVICE] += (s < GPT_BLOCK_NSLOTS && train_lg_set(t, 1) ? 2 : 1) *
                                        align_up(train_role_bytes(t, R_L, i), ZINF_ALIGN);
@@ -145,18 +146,25 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
         }                                                                                          \
     } while (0)
     t->budgeting = true;
-    train_wave_embed_forward(t, &w);
-    CONSIDER(ZINF_TIER_DEVICE);
-    for (int k = 0; k < t->cfg.L; k++) {
+    bool first = t->wpe >= 0, last = t->lnfw >= 0; /* the pipeline stage's ends */
+    if (first) {
+        train_wave_embed_forward(t, &w);
+        CONSIDER(ZINF_TIER_DEVICE);
+    }
+    for (int k = t->kb; k < t->ke; k++) {
         train_wave_block_forward(t, k, &w);
         CONSIDER(ZINF_TIER_DEVICE);
         train_wave_block_backward(t, k, &w);
         CONSIDER(ZINF_TIER_DEVICE);
     }
-    train_wave_head(t, &w);
-    CONSIDER(ZINF_TIER_DEVICE);
-    train_wave_embed_backward(t, &w);
-    CONSIDER(ZINF_TIER_DEVICE);
+    if (last) {
+        train_wave_head(t, &w);
+        CONSIDER(ZINF_TIER_DEVICE);
+    }
+    if (first) {
+        train_wave_embed_backward(t, &w);
+        CONSIDER(ZINF_TIER_DEVICE);
+    }
     for (int i = 0; i < t->ntensors; i++) {
         train_wave_optimizer(t, i, &w);
         CONSIDER(t->opt_tier);
@@ -270,6 +278,7 @@ static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size
     static const char *const kind[SCRATCH_KINDS] = {"zero.grad.", "zero.gather.",
                                                     "zero.gather1.", "zero.grad1."};
     int i = slot_tensor(t, s);
+    if (i < 0) return NULL; /* a pipeline stage without this tensor */
     snprintf(name, 64, "%s%s", kind[k],
              s < GPT_BLOCK_NSLOTS ? gpt_block_slot_name(s) : t->desc[i].name);
     bool block = s < GPT_BLOCK_NSLOTS;
@@ -344,16 +353,22 @@ int train_register_all(struct trainer *t, char *err, size_t errlen)
         else if (r < 0)
             snprintf(err, errlen, "tensor '%s' (%zu bytes): %s", n, bytes, zinf_strerror(r));
     }
-    for (int k = 0; k <= t->cfg.L && r == 0; k++) {
-        snprintf(name, sizeof(name), "%d", k);
+    /* A pipeline stage's micro-batches in flight keep theirs in slots of their own. */
+    for (int j = 0; j < t->nslots * (t->cfg.L + 1) && r == 0; j++) {
+        int k = j % (t->cfg.L + 1), slot = j / (t->cfg.L + 1);
+        if (k < t->kb || k > t->ke) continue;
+        if (slot)
+            snprintf(name, sizeof(name), "%d.%d", slot, k);
+        else
+            snprintf(name, sizeof(name), "%d", k);
         /* Activations are rebuilt every step; a resumed run finds the last ones (the flush
          * keeps every tensor) and overwrites them. */
         char full[48];
         snprintf(full, sizeof(full), "act.%s", name);
-        r = t->o.resume ? zinf_lookup(t->e, full, &t->act[k]) : -ENOENT;
+        r = t->o.resume ? zinf_lookup(t->e, full, &t->act[j]) : -ENOENT;
         if (r == -ENOENT)
-            r = t->o.resume ? zinf_register(t->e, full, act, ZINF_TIER_HOST, &t->act[k])
-                            : reg(t, "act.", name, act, ZINF_TIER_HOST, &t->act[k]);
+            r = t->o.resume ? zinf_register(t->e, full, act, ZINF_TIER_HOST, &t->act[j])
+                            : reg(t, "act.", name, act, ZINF_TIER_HOST, &t->act[j]);
         if (r < 0)
             snprintf(err, errlen, "activation checkpoint %d (%zu bytes) in the host tier: %s", k,
                      act, zinf_strerror(r));

@@ -1,0 +1,659 @@
+/*
+ * trainer_pipe.c - pipeline parallelism: the model's blocks cut into stages, one rank each,
+ * the step's micro-batches on the 1F1B schedule, and the activations and their gradients
+ * sent between neighbouring stages.
+ *
+ * The cut: pipeline.stages ranks, each a contiguous run of at least one block; the first
+ * holds the embeddings too, the last the final norm, the head and a copy of wte (the head
+ * is tied to it). pipeline.partition "parameters" balances the stages' parameter counts
+ * (the embeddings and the head counted with their stages), "uniform" their blocks, and
+ * zinf.train.pipeline_cut gives the first block of each stage after the first.
+ *
+ * The schedule (1F1B): stage s of P runs min(P - s - 1, M) forwards, then one forward and
+ * one backward in turn, then the backwards left, for the M micro-batches of the step. A
+ * forward receives its input from stage s - 1 (or embeds the tokens) and sends its output to
+ * stage s + 1; a backward receives the gradient of its output from stage s + 1 (or, on the
+ * last stage, runs the head) and sends the gradient of its input to stage s - 1. The sends
+ * are asynchronous (each link has a communicator of two ranks per direction, a broadcast
+ * from the sender); the receives wait, and that wait is the schedule's bubble.
+ *
+ * Exactness: every micro-batch's arithmetic is one rank's; the gradients fold in the order of
+ * the micro-batches; the tied wte's gradient is the head's share, sent from the last stage
+ * with each micro-batch, plus the embeddings' share, added on the first stage as one rank
+ * adds them, and the step's sum goes to the last stage for its copy's update (the same
+ * AdamW on the same numbers: the same bits); the clipping norm adds every stage's chunk sums
+ * in the whole layout's order. So P stages give bitwise the losses and weights of one rank
+ * running --accumulate M.
+ *
+ * Not here: data-parallel copies of a pipeline (world = stages), ZeRO stages 2 and 3 with a
+ * pipeline (refused, as DeepSpeed does), the re-cut of a saved run onto another cut.
+ */
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "comm/comm.h"
+#include "common.h"
+#include "train/backend.h"
+#include "train/trainer_impl.h"
+#include "trace.h"
+
+/* A message to a neighbour in flight: its buffer is the comm thread's until done. */
+struct pipe_msg {
+    struct comm_req q;
+    struct pipe *pp;
+    void *buf;
+    bool busy;
+};
+
+enum { L_FWD_IN, L_FWD_OUT, L_BWD_IN, L_BWD_OUT, L_WTE, L_ALL, L_COUNT };
+
+struct pipe {
+    struct comm *c[L_COUNT]; /* the links (NULL where the stage has none), then all stages */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int err;                 /* the first failed send */
+    struct pipe_msg *fwd, *bwd, *wte; /* M each: activations, their gradients, wte's share */
+    void *rx;                /* a received activation or gradient */
+    float *wrx;              /* a received wte gradient (V,C) */
+    size_t act_bytes, wte_bytes;
+    int M;
+    /* The norm's chunk sums of every stage, in stage order: counts, and the padded gather. */
+    int32_t counts[COMM_MAX_RANKS];
+    size_t maxn, own_parts;
+    double *mine, *all;
+    /* Time in each stage's forwards and backwards (compute, sends), and the steps' span. */
+    uint64_t busy_ns, span_ns, wait_ns;
+};
+
+#define CHECK(x)                                                                                   \
+    do {                                                                                           \
+        int r_ = (x);                                                                              \
+        if (r_ < 0) return r_;                                                                     \
+    } while (0)
+
+static const char *const link_name[L_COUNT] = {"pf", "pf", "pb", "pb", "pw", "pp"};
+
+/* ---- the cut ----------------------------------------------------------------------- */
+
+/* The parameters of stage [b0, b1) (the first and last stages' extras included). */
+static uint64_t stage_weight(const struct gpt_config *c, int b0, int b1, bool first, bool last)
+{
+    uint64_t w = (uint64_t)(b1 - b0) * gpt_block_num_params(c);
+    if (first) w += (uint64_t)c->V * c->C + (uint64_t)c->maxT * c->C;
+    if (last) w += (uint64_t)c->V * c->C + 2 * (uint64_t)c->C;
+    return w;
+}
+
+/* Stages of contiguous blocks, each at least one, whose heaviest is the lightest possible;
+ * among equals, the one that gives the earlier stages fewer blocks. start[P] = L. */
+static int cut_by_parameters(const struct gpt_config *c, int P, int *start)
+{
+    int L = c->L;
+    uint64_t *best = malloc(sizeof(uint64_t) * (size_t)(P + 1) * (size_t)(L + 1));
+    int *from = malloc(sizeof(int) * (size_t)(P + 1) * (size_t)(L + 1));
+    if (!best || !from) {
+        free(best);
+        free(from);
+        return -ENOMEM;
+    }
+#define B(s, j) best[(size_t)(s) * (size_t)(L + 1) + (size_t)(j)]
+#define F(s, j) from[(size_t)(s) * (size_t)(L + 1) + (size_t)(j)]
+    /* B(s, j): the lightest heaviest stage of the first s stages over blocks [0, j). */
+    for (int s = 0; s <= P; s++)
+        for (int j = 0; j <= L; j++)
+            B(s, j) = UINT64_MAX;
+    B(0, 0) = 0;
+    for (int s = 1; s <= P; s++)
+        for (int j = s; j <= L - (P - s); j++)
+            for (int i = s - 1; i < j; i++) {
+                if (B(s - 1, i) == UINT64_MAX) continue;
+                uint64_t w = stage_weight(c, i, j, s == 1, s == P);
+                uint64_t m = MAX(B(s - 1, i), w);
+                if (m < B(s, j)) {
+                    B(s, j) = m;
+                    F(s, j) = i;
+                }
+            }
+    int j = L;
+    for (int s = P; s >= 1; s--) {
+        start[s] = j;
+        j = F(s, j);
+    }
+    start[0] = 0;
+#undef B
+#undef F
+    free(best);
+    free(from);
+    return 0;
+}
+
+/* zinf.train.pipeline_cut "3,5": P - 1 increasing block numbers in (0, L). */
+static int cut_given(const char *s, int P, int L, int *start, char *err, size_t errlen)
+{
+    const char *p = s;
+    start[0] = 0;
+    for (int k = 1; k < P; k++) {
+        char *end;
+        long v = strtol(p, &end, 10);
+        if (end == p || v <= start[k - 1] || v >= L) {
+            snprintf(err, errlen,
+                     "zinf.train.pipeline_cut \"%s\": stage %d's first block must be a number "
+                     "above %d and below the model's %d blocks (the first block of each of the %d "
+                     "stages after the first, comma-separated, increasing)",
+                     s, k, start[k - 1], L, P - 1);
+            return -EINVAL;
+        }
+        start[k] = (int)v;
+        p = end;
+        if (k < P - 1 && *p++ != ',') {
+            snprintf(err, errlen,
+                     "zinf.train.pipeline_cut \"%s\": %d stages need %d block numbers, "
+                     "comma-separated",
+                     s, P, P - 1);
+            return -EINVAL;
+        }
+    }
+    if (*p) {
+        snprintf(err, errlen,
+                 "zinf.train.pipeline_cut \"%s\": %d stages need %d block numbers, no more", s,
+                 P, P - 1);
+        return -EINVAL;
+    }
+    start[P] = L;
+    return 0;
+}
+
+int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
+{
+    const struct trainer_opts *o = &t->o;
+    int P = t->zc.pipeline.stages > 1 ? t->zc.pipeline.stages : 1;
+    t->pp = P;
+    t->ps = 0;
+    t->kb = 0;
+    t->ke = t->cfg.L;
+    t->wte_copy = -1;
+    t->nslots = 1;
+    if (P == 1) return 0;
+    int world = o->world > 1 ? o->world : 1;
+    if (world != P) {
+        snprintf(err, errlen,
+                 "pipeline.stages %d: start as many ranks as stages (zinf launch -n %d), not %d; "
+                 "data-parallel copies of a pipeline are not built yet",
+                 P, P, world);
+        return -EINVAL;
+    }
+    if (t->zc.zero.stage >= 2) {
+        snprintf(err, errlen,
+                 "zero_optimization.stage %d with pipeline.stages %d: a pipeline keeps its "
+                 "stages' gradients whole (stage 0 or 1, as DeepSpeed's pipeline)",
+                 t->zc.zero.stage, P);
+        return -EINVAL;
+    }
+    if (t->cfg.L < P) {
+        snprintf(err, errlen,
+                 "pipeline.stages %d: the model has %d block%s, and each stage needs one", P,
+                 t->cfg.L, t->cfg.L == 1 ? "" : "s");
+        return -EINVAL;
+    }
+    if (o->mpi) {
+        snprintf(err, errlen, "pipeline.stages %d: pipeline stages across nodes are not built "
+                              "yet (start them on one node)", P);
+        return -ENOTSUP;
+    }
+    int start[COMM_MAX_RANKS + 1];
+    int r;
+    if (t->zc.zinf.train.pipeline_cut[0])
+        r = cut_given(t->zc.zinf.train.pipeline_cut, P, t->cfg.L, start, err, errlen);
+    else if (t->zc.pipeline.partition == 1) { /* uniform: the first L % P stages one more */
+        start[0] = 0;
+        for (int s = 0; s < P; s++)
+            start[s + 1] = start[s] + t->cfg.L / P + (s < t->cfg.L % P);
+        r = 0;
+    } else
+        r = cut_by_parameters(&t->cfg, P, start);
+    if (r < 0) return r;
+    t->ps = o->rank;
+    t->kb = start[t->ps];
+    t->ke = start[t->ps + 1];
+    /* In flight at once on stage s: P - s micro-batches (their activations kept). */
+    t->nslots = MIN(P - t->ps, MAX(1, o->grad_accum));
+    /* The stage is one rank as ZeRO sees it, and its micro-batches are reduced as exact
+     * accumulation reduces them (each from zero, folded in order). */
+    t->world = 1;
+    t->rank = 0;
+    t->exact = true;
+    return 0;
+}
+
+/* ---- the stages meet --------------------------------------------------------------- */
+
+static int open_link(struct trainer *t, int which, int id, int rank, int world, bool cuda,
+                     char *err, size_t errlen)
+{
+    const struct trainer_opts *o = &t->o;
+    char name[COMM_NAME_BYTES], cwhy[300] = "";
+    (void)cuda; /* host buffers on every stage: the shared-memory backend */
+    int n = id < 0 ? snprintf(name, sizeof(name), "%s.%s", o->comm_name, link_name[which])
+                   : snprintf(name, sizeof(name), "%s.%s%d", o->comm_name, link_name[which], id);
+    if (n < 0 || (size_t)n >= sizeof(name)) {
+        snprintf(err, errlen, "the rendezvous name '%s' is too long for the pipeline's links "
+                              "(name.pfN): give zinf launch a shorter --name", o->comm_name);
+        return -EINVAL;
+    }
+    struct comm_opts co = {
+        .backend = COMM_SHM,
+        .rank = rank,
+        .world = world,
+        .name = name,
+        .secret = o->comm_secret,
+        .timeout_ms = o->comm_timeout_ms,
+        .op_timeout_ms = o->comm_op_timeout_ms ? o->comm_op_timeout_ms
+                                               : t->zc.zinf.comm_timeout * 1000u,
+        .stop = o->stop,
+        .why = cwhy,
+        .why_len = sizeof(cwhy)};
+    int r = comm_open(&co, &t->pipe->c[which]);
+    if (r < 0)
+        snprintf(err, errlen, "stage %d of %d: the stages could not meet as '%s': %s%s", t->ps,
+                 t->pp, name, cwhy[0] ? cwhy : zinf_strerror(r),
+                 r == -ETIMEDOUT ? " (a stage did not start, or failed before it met the others)"
+                                 : "");
+    return r;
+}
+
+int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
+{
+    const struct trainer_opts *o = &t->o;
+    if (!o->comm_name || !o->comm_name[0]) {
+        snprintf(err, errlen, "pipeline.stages %d: no rendezvous name (ZINF_COMM_NAME): start "
+                              "the stages with zinf launch", t->pp);
+        return -ENOTSUP;
+    }
+    if (cuda) {
+        snprintf(err, errlen, "pipeline.stages %d: pipeline stages on GPUs are not built yet "
+                              "(zinf.device \"emulated\" runs them on the CPU)", t->pp);
+        return -ENOTSUP;
+    }
+    /* Each stage keeps its tensors in a folder of its own under each nvme path. */
+    for (unsigned k = 0; k < t->zc.nvme_paths.count && !t->remote; k++) {
+        size_t n = strlen(t->zc.nvme_paths.path[k]) + 48;
+        char *mine = malloc(n);
+        if (!mine) return -ENOMEM;
+        snprintf(mine, n, "%s/stage-%d-of-%d", t->zc.nvme_paths.path[k], t->ps, t->pp);
+        t->base[t->nbase++] = t->zc.nvme_paths.path[k];
+        t->zc.nvme_paths.path[k] = mine;
+        if (k) t->zc.nvme_paths_extra[k - 1] = mine;
+    }
+    struct pipe *p = calloc(1, sizeof(*p));
+    if (!p) return -ENOMEM;
+    t->pipe = p;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+    int s = t->ps, P = t->pp, r;
+    /* Every stage, then the links in their order (stage s meets s - 1, then s + 1), then the
+     * first and the last stage: no two stages wait for each other in opposite orders. */
+    if ((r = open_link(t, L_ALL, -1, s, P, cuda, err, errlen)) < 0) return r;
+    if (s > 0 && ((r = open_link(t, L_FWD_IN, s - 1, 1, 2, cuda, err, errlen)) < 0 ||
+                  (r = open_link(t, L_BWD_OUT, s - 1, 1, 2, cuda, err, errlen)) < 0))
+        return r;
+    if (s < P - 1 && ((r = open_link(t, L_FWD_OUT, s, 0, 2, cuda, err, errlen)) < 0 ||
+                      (r = open_link(t, L_BWD_IN, s, 0, 2, cuda, err, errlen)) < 0))
+        return r;
+    if ((s == 0 || s == P - 1) &&
+        (r = open_link(t, L_WTE, -1, s == 0 ? 0 : 1, 2, cuda, err, errlen)) < 0)
+        return r;
+    return 0;
+}
+
+/* ---- the stage's tensors ------------------------------------------------------------ */
+
+int train_pipe_layout(struct trainer *t)
+{
+    int n = t->ntensors;
+    if (!(t->gidx = malloc(sizeof(int) * (size_t)(n + 1)))) return -ENOMEM;
+    if (t->pp == 1) {
+        for (int i = 0; i < n; i++)
+            t->gidx[i] = i;
+        return 0;
+    }
+    bool first = t->ps == 0, last = t->ps == t->pp - 1;
+    struct gpt_tensor_desc wte = {0};
+    int k = 0, wte_g = -1;
+    for (int i = 0; i < n; i++) {
+        const struct gpt_tensor_desc *d = &t->desc[i];
+        bool mine = d->block >= 0 ? d->block >= t->kb && d->block < t->ke
+                    : d->slot == GPT_WTE || d->slot == GPT_WPE ? first
+                                                                : last;
+        if (d->block < 0 && d->slot == GPT_WTE) {
+            wte = *d;
+            wte_g = i;
+        }
+        if (!mine) continue;
+        t->desc[k] = *d;
+        t->gidx[k++] = i;
+    }
+    t->wte_copy = -1;
+    if (last) { /* the head's copy of the tied wte, last in the stage's order */
+        t->desc[k] = wte;
+        t->gidx[k] = wte_g;
+        t->wte_copy = k++;
+    }
+    t->ntensors = k;
+    t->wte = t->wpe = t->lnfw = t->lnfb = -1;
+    for (int i = 0; i < k; i++) {
+        const struct gpt_tensor_desc *d = &t->desc[i];
+        if (d->block >= 0 && d->slot == 0) t->block_first[d->block] = i;
+        if (d->block >= 0) continue;
+        if (d->slot == GPT_WTE)
+            t->wte = i;
+        else if (d->slot == GPT_WPE)
+            t->wpe = i;
+        else if (d->slot == GPT_LNF_W)
+            t->lnfw = i;
+        else
+            t->lnfb = i;
+    }
+    return 0;
+}
+
+static void msg_done(struct comm_req *q, int res)
+{
+    struct pipe_msg *m = q->data;
+    struct pipe *p = m->pp;
+    pthread_mutex_lock(&p->mu);
+    m->busy = false;
+    if (res < 0 && !p->err) p->err = res;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+static int alloc_msgs(struct pipe *p, struct pipe_msg **out, int n, size_t bytes)
+{
+    if (!(*out = calloc((size_t)n, sizeof(**out)))) return -ENOMEM;
+    for (int k = 0; k < n; k++) {
+        (*out)[k].pp = p;
+        if (!((*out)[k].buf = malloc(bytes))) return -ENOMEM;
+    }
+    return 0;
+}
+
+int train_pipe_alloc(struct trainer *t)
+{
+    struct pipe *p = t->pipe;
+    if (!p) return 0;
+    p->M = MAX(1, t->o.grad_accum);
+    p->act_bytes = train_role_bytes(t, R_ACT, 0);
+    p->wte_bytes = (size_t)t->cfg.V * t->cfg.C * sizeof(float);
+    int r;
+    if (!(p->rx = malloc(p->act_bytes))) return -ENOMEM;
+    if (p->c[L_FWD_OUT] && (r = alloc_msgs(p, &p->fwd, p->M, p->act_bytes)) < 0) return r;
+    if (p->c[L_BWD_OUT] && (r = alloc_msgs(p, &p->bwd, p->M, p->act_bytes)) < 0) return r;
+    if (t->wte_copy >= 0 && (r = alloc_msgs(p, &p->wte, p->M, p->wte_bytes)) < 0) return r;
+    if (t->ps == 0 && !(p->wrx = malloc(p->wte_bytes))) return -ENOMEM;
+    /* The chunk sums this stage adds to the norm: all but its copy of wte (the last). */
+    p->own_parts = t->nparts;
+    if (t->wte_copy >= 0) p->own_parts = t->part_first[t->wte_copy];
+    int32_t mine = (int32_t)p->own_parts;
+    if ((r = comm_allgather(p->c[L_ALL], &mine, p->counts, sizeof(mine), COMM_BYTE)) < 0)
+        return r;
+    p->maxn = 1;
+    for (int q = 0; q < t->pp; q++)
+        p->maxn = MAX(p->maxn, (size_t)p->counts[q]);
+    p->mine = calloc(p->maxn, sizeof(double));
+    p->all = calloc(p->maxn * (size_t)t->pp, sizeof(double));
+    return p->mine && p->all ? 0 : -ENOMEM;
+}
+
+void train_pipe_close(struct trainer *t)
+{
+    struct pipe *p = t->pipe;
+    free(t->gidx);
+    t->gidx = NULL;
+    if (!p) return;
+    /* The communicators first: they end (fail) what is in flight before the buffers go. */
+    for (int k = 0; k < L_COUNT; k++)
+        comm_close(p->c[k]);
+    struct pipe_msg *sets[] = {p->fwd, p->bwd, p->wte};
+    for (size_t s = 0; s < ARRAY_SIZE(sets); s++) {
+        for (int k = 0; sets[s] && k < p->M; k++)
+            free(sets[s][k].buf);
+        free(sets[s]);
+    }
+    free(p->rx);
+    free(p->wrx);
+    free(p->mine);
+    free(p->all);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->cv);
+    free(p);
+    t->pipe = NULL;
+}
+
+/* ---- sends and receives -------------------------------------------------------------- */
+
+/* Message m (its buffer filled) goes to the link's other rank, root the sender. */
+static int send_async(struct pipe *p, int link, int root, struct pipe_msg *m, size_t bytes)
+{
+    m->q = (struct comm_req){.op = COMM_BROADCAST, .dtype = COMM_BYTE, .recv = m->buf,
+                             .count = bytes, .root = root, .cb = msg_done, .data = m};
+    pthread_mutex_lock(&p->mu);
+    m->busy = true;
+    pthread_mutex_unlock(&p->mu);
+    int r = comm_submit(p->c[link], &m->q);
+    if (r < 0) {
+        pthread_mutex_lock(&p->mu);
+        m->busy = false;
+        pthread_mutex_unlock(&p->mu);
+    }
+    return r;
+}
+
+/* Waits until no message of the set is in flight; the first failure of any send. */
+static int wait_sent(struct pipe *p, const struct pipe_msg *set, int n)
+{
+    pthread_mutex_lock(&p->mu);
+    for (int k = 0; set && k < n; k++)
+        while (set[k].busy)
+            pthread_cond_wait(&p->cv, &p->mu);
+    int r = p->err;
+    pthread_mutex_unlock(&p->mu);
+    return r;
+}
+
+static int recv_sync(struct trainer *t, int link, int root, void *buf, size_t bytes)
+{
+    uint64_t t0 = now_ns();
+    int r = comm_broadcast(t->pipe->c[link], buf, bytes, COMM_BYTE, root);
+    uint64_t dt = now_ns() - t0;
+    t->pipe->wait_ns += dt;
+    if (trace_on()) trace_span("train", "pipeline wait", t0, NULL, NULL, -1);
+    return r;
+}
+
+/* The head's share of wte's gradient for this micro-batch, to the first stage. */
+static int wte_share_out(struct trainer *t, int m)
+{
+    struct pipe *p = t->pipe;
+    struct pipe_msg *msg = &p->wte[m];
+    int r = zinf_read(t->e, train_wave_handle(t, R_L, t->wte), 0, msg->buf, p->wte_bytes);
+    return r < 0 ? r : send_async(p, L_WTE, 1, msg, p->wte_bytes);
+}
+
+/* The first stage, before its embeddings' backward: the local gradient of wte starts as the
+ * head's share, as one rank's does. */
+int train_pipe_wte_in(struct trainer *t)
+{
+    struct pipe *p = t->pipe;
+    int r = recv_sync(t, L_WTE, 1, p->wrx, p->wte_bytes);
+    return r < 0 ? r : zinf_write(t->e, train_wave_handle(t, R_L, t->wte), 0, p->wrx, p->wte_bytes);
+}
+
+/* The step's gradient of wte, from the first stage to the last's copy. */
+int train_pipe_wte_out(struct trainer *t)
+{
+    struct pipe *p = t->pipe;
+    if (!p || t->pp == 1) return 0;
+    int r;
+    if (t->ps == 0) {
+        if ((r = zinf_read(t->e, t->g[t->wte], 0, p->wrx, p->wte_bytes)) < 0) return r;
+        return comm_broadcast(p->c[L_WTE], p->wrx, p->wte_bytes, COMM_BYTE, 0);
+    }
+    if (t->wte_copy < 0) return 0;
+    float *buf = p->wte[0].buf; /* every share has been sent (the queue is in order) */
+    if ((r = comm_broadcast(p->c[L_WTE], buf, p->wte_bytes, COMM_BYTE, 0)) < 0) return r;
+    return zinf_write(t->e, t->g[t->wte_copy], 0, buf, p->wte_bytes);
+}
+
+/* ---- the schedule ------------------------------------------------------------------- */
+
+static int micro_setup(struct trainer *t, int step, int m)
+{
+    t->act_base = (m % t->nslots) * (t->cfg.L + 1);
+    train_load_batch(t, step, m);
+    return t->be->ops->set_batch(t->be, t->tokens, t->targets);
+}
+
+static int pipe_forward(struct trainer *t, int step, int m)
+{
+    struct pipe *p = t->pipe;
+    CHECK(micro_setup(t, step, m));
+    if (t->ps > 0) {
+        CHECK(recv_sync(t, L_FWD_IN, 0, p->rx, p->act_bytes));
+        CHECK(zinf_write(t->e, t->act[t->act_base + t->kb], 0, p->rx, p->act_bytes));
+    }
+    uint64_t t0 = now_ns();
+    CHECK(train_forward(t));
+    if (t->ps < t->pp - 1) {
+        struct pipe_msg *msg = &p->fwd[m];
+        CHECK(zinf_read(t->e, t->act[t->act_base + t->ke], 0, msg->buf, p->act_bytes));
+        CHECK(send_async(p, L_FWD_OUT, 0, msg, p->act_bytes));
+    }
+    p->busy_ns += now_ns() - t0;
+    trace_span_n("train", "stage forward", m, t0);
+    return 0;
+}
+
+static int pipe_backward(struct trainer *t, int step, int m, float *loss)
+{
+    struct pipe *p = t->pipe;
+    const struct backend_ops *be = t->be->ops;
+    CHECK(micro_setup(t, step, m));
+    t->micro = m;
+    t->last_micro = m == p->M - 1;
+    if (t->ps < t->pp - 1) {
+        CHECK(recv_sync(t, L_BWD_IN, 1, p->rx, p->act_bytes));
+        CHECK(be->grad_io(t->be, p->rx, true));
+    }
+    uint64_t t0 = now_ns();
+    if (t->ps == t->pp - 1) {
+        CHECK(train_head(t, true, false, true));
+        CHECK(wte_share_out(t, m));
+    }
+    CHECK(train_backward(t, true, false));
+    if (t->ps > 0) {
+        struct pipe_msg *msg = &p->bwd[m];
+        CHECK(be->grad_io(t->be, msg->buf, false));
+        CHECK(send_async(p, L_BWD_OUT, 1, msg, p->act_bytes));
+    }
+    double ss;
+    CHECK(be->collect(t->be, loss, &ss));
+    p->busy_ns += now_ns() - t0;
+    trace_span_n("train", "stage backward", m, t0);
+    return 0;
+}
+
+int train_pipe_step(struct trainer *t, int step, double *loss_sum)
+{
+    struct pipe *p = t->pipe;
+    int M = p->M, P = t->pp, s = t->ps, warm = MIN(P - s - 1, M), f = 0, b = 0, r = 0;
+    uint64_t t0 = now_ns();
+    memset(t->losses, 0, sizeof(float) * (size_t)M);
+    while (r == 0 && f < warm)
+        r = pipe_forward(t, step, f++);
+    while (r == 0 && f < M) {
+        if ((r = pipe_forward(t, step, f++)) == 0) r = pipe_backward(t, step, b, &t->losses[b]);
+        b++;
+    }
+    while (r == 0 && b < M) {
+        r = pipe_backward(t, step, b, &t->losses[b]);
+        b++;
+    }
+    /* Every send has landed before the buffers are written again (next step) and before the
+     * step's wte goes to the last stage behind this stage's shares. */
+    int x = wait_sent(p, p->fwd, M);
+    if (r == 0) r = x;
+    x = wait_sent(p, p->bwd, M);
+    if (r == 0) r = x;
+    x = wait_sent(p, p->wte, M);
+    if (r == 0) r = x;
+    p->span_ns += now_ns() - t0;
+    if (r < 0) return r;
+    /* The losses are the last stage's; every stage reports them. */
+    CHECK(comm_broadcast(p->c[L_ALL], t->losses, (size_t)M, COMM_F32, P - 1));
+    *loss_sum = 0;
+    for (int m = 0; m < M; m++)
+        *loss_sum += t->losses[m];
+    return train_pipe_wte_out(t);
+}
+
+/* ---- the stages' agreements ----------------------------------------------------------- */
+
+/* Every stage's chunk sums, added in the whole layout's order (the stages' order). */
+int train_pipe_norm(struct trainer *t, double *sumsq)
+{
+    struct pipe *p = t->pipe;
+    memset(p->mine, 0, p->maxn * sizeof(double));
+    memcpy(p->mine, t->part, p->own_parts * sizeof(double));
+    int r = comm_allgather(p->c[L_ALL], p->mine, p->all, p->maxn * sizeof(double), COMM_BYTE);
+    if (r < 0) return r;
+    double s = 0;
+    for (int q = 0; q < t->pp; q++)
+        for (int c = 0; c < p->counts[q]; c++)
+            s += p->all[(size_t)q * p->maxn + (size_t)c];
+    *sumsq = s;
+    return 0;
+}
+
+int train_pipe_digest(struct trainer *t, uint64_t *d)
+{
+    uint64_t all[COMM_MAX_RANKS];
+    int r = comm_allgather(t->pipe->c[L_ALL], d, all, sizeof(uint64_t), COMM_BYTE);
+    if (r == 0) {
+        *d = 0;
+        for (int k = 0; k < t->pp; k++)
+            *d += all[k];
+    }
+    return r;
+}
+
+bool train_pipe_any(struct trainer *t, bool mine)
+{
+    uint8_t me = mine, all[COMM_MAX_RANKS];
+    if (comm_allgather(t->pipe->c[L_ALL], &me, all, 1, COMM_BYTE) < 0) return true;
+    for (int q = 0; q < t->pp; q++)
+        if (all[q]) return true;
+    return false;
+}
+
+void train_pipe_summary(struct trainer *t, struct trainer_summary *out)
+{
+    out->pp = t->pp;
+    out->pp_stage = t->ps;
+    out->first_block = t->kb;
+    out->blocks = t->ke - t->kb;
+    struct pipe *p = t->pipe;
+    if (!p) return;
+    int M = p->M, P = t->pp;
+    out->pipeline_bubble_ideal = (double)(P - 1) / (double)(M + P - 1);
+    out->pipeline_bubble = p->span_ns ? 1.0 - (double)p->busy_ns / (double)p->span_ns : 0;
+    out->pipeline_wait_seconds = (double)p->wait_ns / 1e9;
+    for (int k = 0; k < L_COUNT; k++) {
+        struct comm_stats cs;
+        if (!p->c[k]) continue;
+        comm_get_stats(p->c[k], &cs);
+        out->pipeline_bytes += cs.bytes_out;
+    }
+}
