@@ -433,9 +433,23 @@ int cmd_train(int argc, char **argv)
         return 2;
     }
     /* --export reads each weight whole: across ranks at stage 3 each holds shards. */
+    struct trainer_summary es;
+    trainer_get_summary(t, &es);
+    /* A pipeline stage holds its blocks only: the whole model is no rank's. */
+    const char *whole = a.export_path ? "--export" : a.export_hf ? "--export-hf"
+                        : a.eval_every > 0 ? "--eval-every" : a.sample_every > 0 ? "--sample-every"
+                                                                             : NULL;
+    if (es.pp > 1 && whole) {
+        fprintf(stderr,
+                "zinf train: %s: each of the %d pipeline stages holds its own blocks, and %s "
+                "across stages is not built yet (run it without pipeline.stages)\n",
+                whole, es.pp, whole[2] == 'e' && whole[3] == 'x' ? "the export" : "the forward");
+        if (log) fclose(log);
+        trainer_close(t);
+        weights_close(init);
+        return 2;
+    }
     if (a.export_path || a.export_hf) {
-        struct trainer_summary es;
-        trainer_get_summary(t, &es);
         if (es.world > 1 && es.stage >= 3) {
             fprintf(stderr,
                     "zinf train: %s: at ZeRO stage 3 each of the %d ranks holds a shard of "

@@ -412,6 +412,13 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                sum->reduce_seconds,
                sum->overlap_comm ? "overlap_comm: each behind the next block's backward"
                                 : "each after its block's backward");
+    if (sum->pp > 1)
+        printf("#   pipeline stage %d of %d: blocks %d-%d; the bubble (time outside its forwards "
+               "and backwards) %.1f%% of the micro-batches' phase, 1F1B's at equal stages "
+               "%.1f%%; %.3f s waiting for a neighbour, %s sent to the other stages\n",
+               sum->pp_stage, sum->pp, sum->first_block, sum->first_block + sum->blocks - 1,
+               100 * sum->pipeline_bubble, 100 * sum->pipeline_bubble_ideal,
+               sum->pipeline_wait_seconds, format_size(sum->pipeline_bytes, a, sizeof(a)));
     if (sum->world > 1 && sum->nodes > 1)
         printf("#   across %d nodes (this rank in node %d): %s out and %s in between machines, "
                "in %llu of the collectives\n",
@@ -453,6 +460,13 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                 sum->nodes, sum->node, (unsigned long long)sum->net_bytes_out,
                 (unsigned long long)sum->net_bytes_in, (unsigned long long)sum->net_ops);
         fprintf(log, ",\"overlap_comm\":%s", sum->overlap_comm ? "true" : "false");
+        fprintf(log, ",\"pp\":%d,\"pp_stage\":%d,\"first_block\":%d,\"blocks\":%d,"
+                "\"pipeline_bytes\":%llu",
+                sum->pp, sum->pp_stage, sum->first_block, sum->blocks,
+                (unsigned long long)sum->pipeline_bytes);
+        cmd_train_json_num(log, "pipeline_bubble", sum->pipeline_bubble, false);
+        cmd_train_json_num(log, "pipeline_bubble_ideal", sum->pipeline_bubble_ideal, false);
+        cmd_train_json_num(log, "pipeline_wait_seconds", sum->pipeline_wait_seconds, false);
         cmd_train_json_num(log, "reduce_seconds", sum->reduce_seconds, false);
         static const char *const blocked_keys[5] = {
             "blocked_seconds", "blocked_nvme_seconds", "blocked_copy_seconds",

@@ -475,7 +475,7 @@ int train_write_params(struct trainer *t, trainer_param_source get, void *ctx)
                 break;
             }
         }
-        if ((r = get(ctx, i, buf)) < 0) break;
+        if ((r = get(ctx, t->gidx ? t->gidx[i] : i, buf)) < 0) break; /* by the whole model's order */
         if (shard) {
             size_t own = train_shard_own(t, i);
             memmove(buf, buf + lo, own * sizeof(float));
@@ -489,11 +489,15 @@ int train_write_params(struct trainer *t, trainer_param_source get, void *ctx)
     return r;
 }
 
-/* GPT-2's initialisation of tensor i (gpt_init_tensor, from the run's seed). */
+/* GPT-2's initialisation of tensor i of the whole model's layout (gpt_init_tensor, from the
+ * run's seed), which a pipeline stage holds under another number. */
 static int init_source(void *ctx, int i, float *dst)
 {
     struct trainer *t = ctx;
-    return gpt_init_tensor(&t->cfg, &t->desc[i], dst, t->o.seed);
+    for (int k = 0; k < t->ntensors; k++)
+        if ((t->gidx ? t->gidx[k] : k) == i)
+            return gpt_init_tensor(&t->cfg, &t->desc[k], dst, t->o.seed);
+    return -EINVAL;
 }
 
 int train_init_params(struct trainer *t)

@@ -1,0 +1,267 @@
+/*
+ * test_pipeline.c - `zinf train` with pipeline stages (pipeline.stages), started by
+ * `zinf launch` as a user would: every cut and schedule gives bitwise the losses, gradient
+ * norms and parameter digests of one rank accumulating the same micro-batches, in fp32,
+ * bf16 and fp16, offloaded to NVMe; a pipeline's saved run resumes where it stopped; the
+ * summary reports the stage and the bubble; wrong layouts are refused naming the key.
+ *
+ * Not here: the communicator's links (test_comm.c), ZeRO ranks (test_cli.c).
+ */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common.h"
+#include "helpers.h"
+
+static char *dir;
+
+static void setup(void)
+{
+    dir = test_tmpdir("pipeline");
+    cr_assert_not_null(dir);
+}
+
+static void teardown(void)
+{
+    test_leak_check();
+    test_rmtree(dir);
+}
+
+TestSuite(pipeline, .init = setup, .fini = teardown, .timeout = 170);
+
+#define run test_run_zinf
+#define DATA "/usr/share/common-licenses/GPL-3"
+#define STEPS 3
+
+/* A config: `extra` inside the top object (the pipeline, ZeRO, offload), the model odd
+ * (5 blocks of width 48, 6 heads), micro-batches of 2 sequences of 13. */
+static void config(char *path, size_t len, const char *name, int accum, const char *extra,
+                   const char *train_extra)
+{
+    snprintf(path, len, "%s/%s.json", dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{\"train_micro_batch_size_per_gpu\": 2, \"gradient_accumulation_steps\": %d, %s"
+            " \"zinf\": {\"device\": \"emulated\", \"train\": {\"layers\": 5, \"dim\": 48, "
+            "\"heads\": 6, \"seq\": 13, \"seed\": 11%s}}}",
+            accum, extra, train_extra);
+    fclose(f);
+}
+
+/* Each step's loss, grad_norm and digest as the log wrote them (text: bits, not values). */
+struct steps {
+    char v[STEPS + 1][96];
+    int n;
+};
+
+static void read_steps(const char *log, struct steps *s)
+{
+    FILE *f = fopen(log, "r");
+    char line[1 << 14];
+    cr_assert_not_null(f, "%s", log);
+    memset(s, 0, sizeof(*s));
+    while (fgets(line, sizeof(line), f)) {
+        json_t *j = json_loads(line, 0, NULL);
+        cr_assert_not_null(j, "%s: %s", log, line);
+        json_t *st = json_object_get(j, "step");
+        if (st && json_integer_value(st) >= 1 && json_integer_value(st) <= STEPS) {
+            int k = (int)json_integer_value(st);
+            char *loss = json_dumps(json_object_get(j, "loss"), JSON_ENCODE_ANY);
+            char *norm = json_dumps(json_object_get(j, "grad_norm"), JSON_ENCODE_ANY);
+            const char *dg = json_string_value(json_object_get(j, "digest"));
+            snprintf(s->v[k], sizeof(s->v[k]), "%s %s %s", loss, norm, dg ? dg : "-");
+            free(loss);
+            free(norm);
+            s->n = MAX(s->n, k);
+        }
+        json_decref(j);
+    }
+    fclose(f);
+}
+
+/* The summary line of a log, parsed (json_decref it). */
+static json_t *summary_of(const char *log)
+{
+    FILE *f = fopen(log, "r");
+    char line[1 << 14];
+    json_t *out = NULL;
+    cr_assert_not_null(f, "%s", log);
+    while (fgets(line, sizeof(line), f))
+        if (!strncmp(line, "{\"summary\"", 10)) {
+            json_decref(out);
+            out = json_loads(line, 0, NULL);
+        }
+    fclose(f);
+    cr_assert_not_null(out, "no summary in %s", log);
+    return out;
+}
+
+/* One rank (n 1) or a launch of n, STEPS steps, its log read. */
+static void train(int n, const char *cfg, const char *name, const char *args, struct steps *s)
+{
+    char log[4096], *o;
+    snprintf(log, sizeof(log), "%s/%s.jsonl", dir, name);
+    int r = n == 1 ? run(&o, "train --config %s --data " DATA " --steps %d --log %s %s", cfg,
+                         STEPS, log, args)
+                   : run(&o, "launch -n %d -- %s train --config %s --data " DATA
+                             " --steps %d --log %s %s",
+                         n, getenv("ZINF_BIN"), cfg, STEPS, log, args);
+    cr_assert_eq(r, 0, "%s: %s", name, o);
+    free(o);
+    read_steps(log, s);
+    cr_assert_eq(s->n, STEPS, "%s", name);
+}
+
+static void same(const struct steps *a, const struct steps *b, const char *what)
+{
+    for (int k = 1; k <= STEPS; k++)
+        cr_assert_str_eq(a->v[k], b->v[k], "%s, step %d", what, k);
+}
+
+/* 2 and 3 stages, balanced by parameters, uniformly and by a given cut, with 1 to 4
+ * micro-batches (fewer than the stages too), against one rank accumulating as many. */
+Test(pipeline, stages_give_one_ranks_bits_for_every_cut_and_schedule)
+{
+    char cfg[4096];
+    struct steps one[5], got;
+    for (int m = 2; m <= 4; m++) {
+        char name[32];
+        snprintf(name, sizeof(name), "one%d", m);
+        config(cfg, sizeof(cfg), name, m, "", "");
+        train(1, cfg, name, "", &one[m]);
+    }
+    static const struct {
+        int P, M;
+        const char *extra, *train;
+    } cases[] = {
+        {2, 4, "\"pipeline\": {\"stages\": 2},", ""},
+        {3, 4, "\"pipeline\": {\"stages\": 3, \"partition\": \"uniform\"},", ""},
+        {3, 2, "\"pipeline\": {\"stages\": 3},", ""},
+        {3, 3, "\"pipeline\": {\"stages\": 3},", ", \"pipeline_cut\": \"1,4\""},
+    };
+    for (size_t c = 0; c < ARRAY_SIZE(cases); c++) {
+        char name[32];
+        snprintf(name, sizeof(name), "pp%zu", c);
+        config(cfg, sizeof(cfg), name, cases[c].M, cases[c].extra, cases[c].train);
+        train(cases[c].P, cfg, name, "", &got);
+        same(&one[cases[c].M], &got, name);
+    }
+    /* The cut as said: stage 1 of "1,4" holds blocks 1-3, and reports its bubble. */
+    char log[4096];
+    snprintf(log, sizeof(log), "%s/pp3.jsonl.rank-1", dir);
+    json_t *j = summary_of(log), *s = json_object_get(j, "summary");
+    cr_assert_eq(json_integer_value(json_object_get(s, "pp")), 3);
+    cr_assert_eq(json_integer_value(json_object_get(s, "pp_stage")), 1);
+    cr_assert_eq(json_integer_value(json_object_get(s, "first_block")), 1);
+    cr_assert_eq(json_integer_value(json_object_get(s, "blocks")), 3);
+    double ideal = json_number_value(json_object_get(s, "pipeline_bubble_ideal"));
+    cr_assert_float_eq(ideal, 2.0 / 5.0, 1e-12);
+    double bubble = json_number_value(json_object_get(s, "pipeline_bubble"));
+    cr_assert(bubble > 0 && bubble < 1, "bubble %g", bubble);
+    cr_assert_gt(json_integer_value(json_object_get(s, "pipeline_bytes")), 0);
+    json_decref(j);
+}
+
+/* Mixed precision and NVMe offload (each stage its own folder), and a resume: a pipeline
+ * run saved at step 2 and resumed to STEPS gives the uninterrupted run's bits. */
+Test(pipeline, bf16_fp16_offloaded_and_resumed_give_one_ranks_bits)
+{
+    char cfg[4096], extra[1024];
+    struct steps one, got;
+    static const char *const prec[] = {"bf16", "fp16"};
+    for (int k = 0; k < 2; k++) {
+        char name[32], tr[64];
+        snprintf(tr, sizeof(tr), ", \"precision\": \"%s\"", prec[k]);
+        snprintf(extra, sizeof(extra),
+                 "\"zero_optimization\": {\"stage\": 1, \"offload_param\": {\"device\": "
+                 "\"nvme\", \"nvme_path\": \"%s/nv1%d\"}, \"offload_optimizer\": {\"device\": "
+                 "\"nvme\", \"nvme_path\": \"%s/nv1%d\"}},",
+                 dir, k, dir, k);
+        snprintf(name, sizeof(name), "one_%s", prec[k]);
+        config(cfg, sizeof(cfg), name, 3, extra, tr);
+        train(1, cfg, name, "", &one);
+        snprintf(extra, sizeof(extra),
+                 "\"pipeline\": {\"stages\": 3}, \"zero_optimization\": {\"stage\": 1, "
+                 "\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"%s/nv3%d\"}, "
+                 "\"offload_optimizer\": {\"device\": \"nvme\", \"nvme_path\": \"%s/nv3%d\"}},",
+                 dir, k, dir, k);
+        snprintf(name, sizeof(name), "pp_%s", prec[k]);
+        config(cfg, sizeof(cfg), name, 3, extra, tr);
+        train(3, cfg, name, "", &got);
+        same(&one, &got, name);
+        if (k) continue;
+        /* Each stage keeps its own folder; a run of 2 steps, resumed to 3. */
+        char path[4096], *o;
+        for (int s = 0; s < 3; s++) {
+            snprintf(path, sizeof(path), "%s/nv30/stage-%d-of-3", dir, s);
+            cr_assert_eq(access(path, F_OK), 0, "%s", path);
+        }
+        struct steps a, b;
+        cr_assert_eq(run(&o, "launch -n 3 -- %s train --config %s --data " DATA
+                             " --steps 2 --overwrite --log %s/r1.jsonl",
+                         getenv("ZINF_BIN"), cfg, dir),
+                     0, "%s", o);
+        free(o);
+        cr_assert_eq(run(&o, "launch -n 3 -- %s train --config %s --data " DATA
+                             " --steps %d --resume --log %s/r2.jsonl",
+                         getenv("ZINF_BIN"), cfg, STEPS, dir),
+                     0, "%s", o);
+        free(o);
+        snprintf(path, sizeof(path), "%s/r1.jsonl", dir);
+        read_steps(path, &a);
+        snprintf(path, sizeof(path), "%s/r2.jsonl", dir);
+        read_steps(path, &b);
+        for (int s = 1; s <= 2; s++)
+            cr_assert_str_eq(a.v[s], got.v[s], "step %d", s);
+        cr_assert_str_eq(b.v[STEPS], got.v[STEPS]);
+    }
+}
+
+/* A layout that cannot be is refused before anything runs, naming what to change. */
+Test(pipeline, wrong_layouts_are_refused_naming_the_key)
+{
+    char cfg[4096], *o;
+    static const struct {
+        int n;
+        const char *extra, *train, *want;
+    } cases[] = {
+        {2, "\"pipeline\": {\"stages\": 3},", "", "start as many ranks as stages"},
+        {2, "\"pipeline\": {\"stages\": 2}, \"zero_optimization\": {\"stage\": 2},", "",
+         "zero_optimization.stage 2 with pipeline.stages 2"},
+        {2, "\"pipeline\": {\"stages\": 2},", ", \"pipeline_cut\": \"5\"",
+         "zinf.train.pipeline_cut \"5\""},
+        {3, "\"pipeline\": {\"stages\": 3},", ", \"pipeline_cut\": \"2\"",
+         "3 stages need 2 block numbers"},
+        {2, "\"pipeline\": {\"stages\": 2, \"partition\": \"type:Block\"},", "",
+         "pipeline.partition"},
+    };
+    for (size_t c = 0; c < ARRAY_SIZE(cases); c++) {
+        config(cfg, sizeof(cfg), "bad", 2, cases[c].extra, cases[c].train);
+        int r = run(&o, "launch -n %d -- %s train --config %s --data " DATA " --steps 1",
+                    cases[c].n, getenv("ZINF_BIN"), cfg);
+        cr_assert_neq(r, 0, "case %zu: %s", c, o);
+        cr_assert(strstr(o, cases[c].want), "case %zu: no '%s' in: %s", c, cases[c].want, o);
+        free(o);
+    }
+    /* More stages than blocks. */
+    config(cfg, sizeof(cfg), "bad", 2, "\"pipeline\": {\"stages\": 6},", "");
+    cr_assert_neq(run(&o, "launch -n 6 -- %s train --config %s --data " DATA " --steps 1",
+                      getenv("ZINF_BIN"), cfg),
+                  0);
+    cr_assert(strstr(o, "the model has 5 blocks, and each stage needs one"), "%s", o);
+    free(o);
+    /* What needs the whole model on one rank says so. */
+    config(cfg, sizeof(cfg), "bad", 2, "\"pipeline\": {\"stages\": 2},", "");
+    cr_assert_neq(run(&o, "launch -n 2 -- %s train --config %s --data " DATA
+                          " --steps 1 --eval-every 1",
+                     getenv("ZINF_BIN"), cfg),
+                 0, "%s", o);
+    cr_assert(strstr(o, "--eval-every: each of the 2 pipeline stages holds its own blocks"), "%s",
+              o);
+    free(o);
+}
