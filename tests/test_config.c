@@ -1015,6 +1015,8 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         "optimizer.params.betas = [0.9, 0.999]  # default\n",
         "scheduler.params.warmup_type = \"log\"  # default\n",
         "bf16.enabled = false  # default\n",
+        "pipeline.stages = 1  # default\n",
+        "pipeline.partition = \"parameters\"  # default\n",
         "zinf.host_bytes = 0  # default\n",
         "zinf.device = \"auto\"  # default\n",
         "zinf.io_backend = \"auto\"  # default\n",
@@ -1050,9 +1052,10 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     size_t lines = 0;
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
-    /* settings, zinf.train, zinf.serve, the training keys, DeepSpeed's deprecated
-     * cpu_offload and cpu_offload_param, header, engine */
-    cr_expect_eq(lines, 29 + 11 + 13 + 48 + 2 + 1 + 8, "%s", text);
+    /* settings, zinf.train, zinf.serve, the training keys, the pipeline's (stages,
+     * partition, zinf.train.pipeline_cut), DeepSpeed's deprecated cpu_offload and
+     * cpu_offload_param, header, engine */
+    cr_expect_eq(lines, 29 + 11 + 13 + 48 + 3 + 2 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }
