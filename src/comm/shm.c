@@ -6,7 +6,8 @@
  * The segment, /dev/shm/zinf-comm-NAME.TAG while the ranks meet and unlinked once they all
  * have (so a crash leaves nothing behind), holds a header and, for the shm backend, two
  * sets of staging areas: per set, one of chunk_bytes per rank and one result area of
- * chunk_bytes (how the collectives use them is drawn at the top of shm_coll.c).
+ * chunk_bytes (how the collectives use them is drawn at the top of shm_coll.c), the ranks'
+ * pools, and a channel for each ordered pair of ranks (shm_p2p.c).
  *
  * Failure: a rank that fails (or a peer found dead: kill(pid, 0) while waiting) sets the
  * header's failed word with a reason; every wait sees it within WAIT_SLICE_MS and answers
@@ -62,7 +63,9 @@ static size_t hdr_bytes(void)
 
 static size_t seg_bytes(int world, size_t chunk, size_t pool)
 {
-    return hdr_bytes() + 2 * ((size_t)world + 1) * chunk + (size_t)world * pool;
+    size_t ring;
+    return hdr_bytes() + 2 * ((size_t)world + 1) * chunk + (size_t)world * pool +
+           shm_chan_bytes(world, chunk, &ring);
 }
 
 bool comm_name_ok(const char *n)
@@ -597,6 +600,10 @@ int shm_rdv_open(const struct comm_opts *o, bool data, uint8_t *id, struct shm *
     s->data = s->chunk ? (char *)s->h + hdr_bytes() : NULL;
     s->pool = s->h->pool_bytes;
     s->pools = s->pool ? (char *)s->h + hdr_bytes() + 2 * ((size_t)s->world + 1) * s->chunk : NULL;
+    s->chans = shm_chan_bytes(s->world, s->chunk, &s->ring)
+                   ? (char *)s->h + hdr_bytes() + 2 * ((size_t)s->world + 1) * s->chunk +
+                         (size_t)s->world * s->pool
+                   : NULL;
     *out = s;
     return 0;
 }
