@@ -183,3 +183,383 @@ Test(comm_a2a, alltoall_of_one_rank_on_the_self_backend)
     struct a2a_arg a = {.count = 1000, .chunk = 0};
     cr_assert_eq(alltoall_ranks(0, 1, NULL, &a), 0);
 }
+
+/* ---- point-to-point ------------------------------------------------------------------ */
+
+#define BIG 1000003 /* floats: many times a channel's ring */
+
+/* Element i of message k from rank `from`. */
+static float msg_value(int from, int k, size_t i)
+{
+    return (float)(from * 1000 + k) * 8192.0f + (float)(i % 8191);
+}
+
+static int check_msg(const float *buf, size_t n, int from, int k)
+{
+    for (size_t i = 0; i < n; i++)
+        if (buf[i] != msg_value(from, k, i)) return (int)(i < INT32_MAX ? i : INT32_MAX) + 1;
+    return 0;
+}
+
+static void fill_msg(float *buf, size_t n, int from, int k)
+{
+    for (size_t i = 0; i < n; i++)
+        buf[i] = msg_value(from, k, i);
+}
+
+/* A ring shift by sendrecv (to rank + 1, from rank - 1), large and small, then plain sends
+ * and receives in opposite orders between pairs (even ranks send first, odd ones receive
+ * first), then a pairwise exchange whose two halves each rank submits without waiting,
+ * then ranks 0 and 1 talk while the others do nothing, and last a barrier of all. */
+static int patterns(int rank, int world, const char *name, void *arg)
+{
+    (void)arg;
+    int err;
+    struct comm *c = open_shm(rank, world, name, 64 * KiB, 0, 0, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float *s = malloc(BIG * sizeof(float)), *r = malloc(BIG * sizeof(float));
+    if (!s || !r) FAIL(11, "out of memory");
+    int next = (rank + 1) % world, prev = (rank + world - 1) % world;
+    static const size_t sizes[] = {0, 1, 7, BIG};
+    for (int k = 0; k < 4; k++) {
+        fill_msg(s, sizes[k], rank, k);
+        if ((err = comm_sendrecv(c, s, next, r, prev, sizes[k], COMM_F32)))
+            FAIL(12, "ring %d: %s", k, zinf_strerror(err));
+        if ((err = check_msg(r, sizes[k], prev, k))) FAIL(13, "ring %d: element %d", k, err - 1);
+    }
+    /* Pairs (0, 1), (2, 3): opposite orders. An odd rank out stays out. */
+    int mate = rank ^ 1;
+    if (mate < world) {
+        fill_msg(s, BIG, rank, 10);
+        if (rank % 2 == 0) {
+            err = comm_send(c, s, BIG, COMM_F32, mate);
+            if (!err) err = comm_recv(c, r, BIG, COMM_F32, mate);
+        } else {
+            err = comm_recv(c, r, BIG, COMM_F32, mate);
+            if (!err) err = comm_send(c, s, BIG, COMM_F32, mate);
+        }
+        if (err) FAIL(14, "send and recv in opposite orders: %s", zinf_strerror(err));
+        if ((err = check_msg(r, BIG, mate, 10))) FAIL(15, "opposite orders: element %d", err - 1);
+        /* The exchange, both halves in one operation, submitted without waiting; then a
+         * second one of bytes behind it. */
+        struct completion w = COMPLETION_INIT;
+        fill_msg(s, BIG, rank, 11);
+        struct comm_req q = {.op = COMM_SENDRECV, .dtype = COMM_F32, .send = s, .recv = r,
+                             .count = BIG, .peer = mate, .recv_peer = mate, .cb = post, .data = &w};
+        unsigned char bs[5] = {(unsigned char)rank, 1, 2, 3, 4}, br[5] = {0};
+        if ((err = comm_submit(c, &q))) FAIL(16, "submit: %s", zinf_strerror(err));
+        if ((err = comm_sendrecv(c, bs, mate, br, mate, 5, COMM_BYTE)))
+            FAIL(17, "exchange of bytes: %s", zinf_strerror(err));
+        if ((err = completion_wait(&w))) FAIL(18, "exchange: %s", zinf_strerror(err));
+        if ((err = check_msg(r, BIG, mate, 11))) FAIL(19, "exchange: element %d", err - 1);
+        if (br[0] != (unsigned char)mate || br[4] != 4) FAIL(20, "exchange of bytes");
+    }
+    /* Ranks 0 and 1 only: twenty messages each way, the others go straight on. */
+    if (rank < 2) {
+        for (int k = 0; k < 20; k++) {
+            fill_msg(s, 1000 + (size_t)k, rank, 20 + k);
+            if ((err = comm_sendrecv(c, s, 1 - rank, r, 1 - rank, 1000 + (size_t)k, COMM_F32)))
+                FAIL(21, "0 and 1 alone, %d: %s", k, zinf_strerror(err));
+            if ((err = check_msg(r, 1000 + (size_t)k, 1 - rank, 20 + k)))
+                FAIL(22, "0 and 1 alone, %d: element %d", k, err - 1);
+        }
+    }
+    if ((err = comm_barrier(c))) FAIL(23, "barrier: %s", zinf_strerror(err));
+    struct comm_stats st;
+    comm_get_stats(c, &st);
+    if (st.bytes_in == 0 || st.bytes_out == 0) FAIL(24, "no bytes in the stats");
+    free(s);
+    free(r);
+    comm_close(c);
+    return 0;
+}
+
+Test(comm_a2a, ring_exchanges_and_bystanders_at_2_3_and_4_ranks)
+{
+    expect_ranks_pass(2, patterns, NULL, "patterns at 2 ranks");
+    expect_ranks_pass(3, patterns, NULL, "patterns at 3 ranks");
+    expect_ranks_pass(4, patterns, NULL, "patterns at 4 ranks");
+}
+
+/* A pipeline of S stages and M micro-batches on the 1F1B schedule (as Megatron-LM runs it):
+ * warm-up forwards, then alternating a forward and a backward, whose send of one and receive
+ * of the other are one sendrecv, then cool-down backwards. Stage s's forward adds s + 1, the
+ * last stage's loss gradient is twice its output, and a backward adds s + 1; every stage
+ * checks each activation and gradient it receives, and stage 0 the gradients it ends with. */
+#define STAGES 3
+#define MICRO 5
+#define ACT 300007
+
+static float x0(int mb, size_t i)
+{
+    return (float)((size_t)(mb * 7) + i % 1009);
+}
+
+static float act_in(int s, int mb, size_t i) /* what stage s receives for mb */
+{
+    float x = x0(mb, i);
+    for (int t = 0; t < s; t++)
+        x += (float)(t + 1);
+    return x;
+}
+
+static float grad_in(int s, int mb, size_t i) /* the gradient stage s receives for mb */
+{
+    float g = 2.0f * act_in(STAGES, mb, i);
+    for (int t = STAGES - 1; t > s; t--)
+        g += (float)(t + 1);
+    return g;
+}
+
+static int pipeline(int rank, int world, const char *name, void *arg)
+{
+    (void)arg;
+    int err, s = rank, S = world;
+    struct comm *c = open_shm(rank, world, name, 64 * KiB, 0, 0, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float *x = malloc(ACT * sizeof(float)), *y = malloc(ACT * sizeof(float)),
+          *g = malloc(ACT * sizeof(float)), *dx = malloc(ACT * sizeof(float));
+    if (!x || !y || !g || !dx) FAIL(11, "out of memory");
+    int fwd = 0, bwd = 0; /* the next micro-batch of each direction */
+    int warm = S - s - 1 < MICRO ? S - s - 1 : MICRO, steady = MICRO - warm;
+#define CHECK(buf, fn, mb, what)                                                                   \
+    for (size_t i = 0; i < ACT; i++)                                                               \
+        if ((buf)[i] != fn(s, mb, i)) FAIL(12, "%s of micro-batch %d: element %zu", what, mb, i);
+    /* forward of the micro-batch in x into y */
+#define FORWARD()                                                                                  \
+    for (size_t i = 0; i < ACT; i++)                                                               \
+        y[i] = x[i] + (float)(s + 1);
+#define BACKWARD()                                                                                 \
+    for (size_t i = 0; i < ACT; i++)                                                               \
+        dx[i] = g[i] + (float)(s + 1);
+#define LOSS()                                                                                     \
+    for (size_t i = 0; i < ACT; i++)                                                               \
+        g[i] = 2.0f * y[i];
+#define INPUT(mb)                                                                                  \
+    for (size_t i = 0; i < ACT; i++)                                                               \
+        x[i] = x0(mb, i);
+    for (int k = 0; k < warm; k++, fwd++) {
+        if (s == 0) {
+            INPUT(fwd);
+        } else {
+            if ((err = comm_recv(c, x, ACT, COMM_F32, s - 1))) FAIL(13, "recv forward: %s", zinf_strerror(err));
+            CHECK(x, act_in, fwd, "activation");
+        }
+        FORWARD();
+        if ((err = comm_send(c, y, ACT, COMM_F32, s + 1))) FAIL(14, "send forward: %s", zinf_strerror(err));
+    }
+    if (steady > 0) {
+        if (s == 0) {
+            INPUT(fwd);
+        } else {
+            if ((err = comm_recv(c, x, ACT, COMM_F32, s - 1))) FAIL(15, "recv forward: %s", zinf_strerror(err));
+            CHECK(x, act_in, fwd, "activation");
+        }
+    }
+    for (int k = 0; k < steady; k++) {
+        FORWARD();
+        fwd++;
+        if (s == S - 1) {
+            LOSS();
+        } else {
+            if ((err = comm_sendrecv(c, y, s + 1, g, s + 1, ACT, COMM_F32)))
+                FAIL(16, "send forward, recv backward: %s", zinf_strerror(err));
+            CHECK(g, grad_in, bwd, "gradient");
+        }
+        BACKWARD();
+        for (size_t i = 0; s == 0 && i < ACT; i++)
+            if (dx[i] != grad_in(0, bwd, i) + 1.0f)
+                FAIL(22, "input gradient of micro-batch %d: element %zu", bwd, i);
+        bwd++;
+        if (k == steady - 1) {
+            if (s > 0 && (err = comm_send(c, dx, ACT, COMM_F32, s - 1)))
+                FAIL(17, "send backward: %s", zinf_strerror(err));
+        } else if (s > 0) {
+            if ((err = comm_sendrecv(c, dx, s - 1, x, s - 1, ACT, COMM_F32)))
+                FAIL(18, "send backward, recv forward: %s", zinf_strerror(err));
+            CHECK(x, act_in, fwd, "activation");
+        } else {
+            INPUT(fwd);
+        }
+    }
+    for (int k = 0; k < warm; k++, bwd++) {
+        if ((err = comm_recv(c, g, ACT, COMM_F32, s + 1))) FAIL(19, "recv backward: %s", zinf_strerror(err));
+        CHECK(g, grad_in, bwd, "gradient");
+        BACKWARD();
+        if (s > 0 && (err = comm_send(c, dx, ACT, COMM_F32, s - 1)))
+            FAIL(20, "send backward: %s", zinf_strerror(err));
+    }
+    if (fwd != MICRO || bwd != MICRO) FAIL(21, "%d forwards and %d backwards", fwd, bwd);
+    free(x);
+    free(y);
+    free(g);
+    free(dx);
+    comm_close(c);
+    return 0;
+}
+
+Test(comm_a2a, a_3_stage_1f1b_pipeline_of_5_micro_batches)
+{
+    expect_ranks_pass(STAGES, pipeline, NULL, "1F1B");
+}
+
+/* ---- faults -------------------------------------------------------------------------- */
+
+static int never_called;
+static void never_cb(struct comm_req *q, int res)
+{
+    (void)q, (void)res;
+    never_called++;
+}
+
+/* Bad peers and sizes are refused at submission, on the self backend and on shm. */
+static int bad_requests(int rank, int world, const char *name, void *arg)
+{
+    (void)arg;
+    int err;
+    struct comm *c = open_shm(rank, world, name, 64 * KiB, 0, 0, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float a[8] = {0}, b[64] = {0};
+    int other = world > 1 ? 1 - rank : 0;
+    struct {
+        struct comm_req q;
+        const char *what;
+    } bad[] = {
+        {{.op = COMM_SEND, .dtype = COMM_F32, .send = a, .count = 1, .peer = rank}, "send to itself"},
+        {{.op = COMM_RECV, .dtype = COMM_F32, .recv = b, .count = 1, .peer = rank}, "recv from itself"},
+        {{.op = COMM_SEND, .dtype = COMM_F32, .send = a, .count = 1, .peer = world}, "peer = world"},
+        {{.op = COMM_RECV, .dtype = COMM_F32, .recv = b, .count = 1, .peer = -1}, "peer -1"},
+        {{.op = COMM_SENDRECV, .dtype = COMM_F32, .send = a, .recv = b, .count = 1, .peer = other,
+          .recv_peer = 64}, "recv_peer out of range"},
+        {{.op = COMM_SENDRECV, .dtype = COMM_F32, .send = a, .recv = a + 1, .count = 2,
+          .peer = other, .recv_peer = other}, "sendrecv overlapping"},
+        {{.op = COMM_SEND, .dtype = COMM_F32, .send = NULL, .count = 1, .peer = other}, "no buffer"},
+        {{.op = COMM_SEND, .dtype = COMM_F32, .send = a, .count = SIZE_MAX / 2, .peer = other},
+         "send count overflow"},
+        {{.op = COMM_ALLTOALL, .dtype = COMM_F32, .send = a, .recv = b, .count = SIZE_MAX / 4 / (size_t)world + 1},
+         "alltoall count overflow"},
+        {{.op = COMM_ALLTOALL, .dtype = COMM_F32, .send = b, .recv = b, .count = 4}, "alltoall in place"},
+        {{.op = COMM_ALLTOALL, .dtype = COMM_F32, .send = b, .recv = b + 1, .count = 4},
+         "alltoall overlapping"},
+        {{.op = COMM_ALLTOALL, .dtype = COMM_F32, .send = a, .recv = b, .count = 1, .acc = true},
+         "alltoall adding"},
+    };
+    for (size_t i = 0; i < ARRAY_SIZE(bad); i++) {
+        if (world == 1 && bad[i].q.op != COMM_ALLTOALL && bad[i].q.peer == 0 && i >= 4) continue;
+        bad[i].q.cb = never_cb;
+        if ((err = comm_submit(c, &bad[i].q)) != -EINVAL)
+            FAIL(11, "%s: %s, not -EINVAL", bad[i].what, zinf_strerror(err));
+    }
+    if (never_called) FAIL(12, "a refused request called back");
+    /* Nothing was queued: the communicator works on. */
+    if ((err = comm_alltoall(c, a, b, 1, COMM_F32))) FAIL(13, "then: %s", zinf_strerror(err));
+    comm_close(c);
+    return 0;
+}
+
+Test(comm_a2a, bad_peers_counts_and_overlaps_are_refused)
+{
+    cr_assert_eq(bad_requests(0, 1, NULL, NULL), 0, "on the self backend");
+    expect_ranks_pass(2, bad_requests, NULL, "on shm");
+}
+
+/* Rank 1 receives 200 floats where rank 0 sends 100: rank 1's receive answers -EPROTO,
+ * naming both, and the communicator has failed for both. Then an alltoall of other sizes. */
+static int mismatch(int rank, int world, const char *name, void *arg)
+{
+    int err, a2a = *(int *)arg;
+    struct comm *c = open_shm(rank, world, name, 64 * KiB, 0, 0, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    static float buf[4 * 200];
+    if (a2a) {
+        err = comm_alltoall(c, buf, buf + 2 * 200, rank ? 200 : 100, COMM_F32);
+        if (err != -EPROTO && err != -ECONNABORTED) FAIL(11, "alltoall of other sizes: %s", zinf_strerror(err));
+    } else if (rank == 0) {
+        err = comm_send(c, buf, 100, COMM_F32, 1);
+        if (err && err != -ECONNABORTED) FAIL(12, "send: %s", zinf_strerror(err));
+    } else {
+        err = comm_recv(c, buf, 200, COMM_F32, 0);
+        if (err != -EPROTO) FAIL(13, "recv of another size: %s, not -EPROTO", zinf_strerror(err));
+    }
+    if ((err = comm_barrier(c)) != -ECONNABORTED) FAIL(14, "then: %s", zinf_strerror(err));
+    comm_close(c);
+    return 0;
+}
+
+Test(comm_a2a, ranks_that_disagree_on_a_size_fail_together)
+{
+    int a2a = 0;
+    expect_ranks_pass(2, mismatch, &a2a, "send and recv of other sizes");
+    a2a = 1;
+    expect_ranks_pass(2, mismatch, &a2a, "alltoall of other sizes");
+}
+
+/* A peer that dies: the rank waiting to receive from it, and the rank whose send fills the
+ * ring while its receiver dies, fail within seconds; a peer that closes its communicator
+ * with a receive still owed to it fails its sender. */
+static int peer_dies(int rank, int world, const char *name, void *arg)
+{
+    int err, how = *(int *)arg;
+    (void)world;
+    struct comm *c = open_shm(rank, world, name, 64 * KiB, 0, 0, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float *buf = calloc(BIG, sizeof(float));
+    if (!buf) FAIL(11, "out of memory");
+    if ((err = comm_sendrecv(c, buf, 1 - rank, buf + BIG / 2, 1 - rank, 1000, COMM_F32)))
+        FAIL(12, "first exchange: %s", zinf_strerror(err));
+    int victim = how == 0 ? 0 : 1;
+    if (rank == victim) {
+        if (how == 2) {
+            comm_close(c);
+            free(buf);
+            return 0;
+        }
+        raise(SIGKILL);
+    }
+    uint64_t t0 = now_ns();
+    err = how == 0 ? comm_recv(c, buf, BIG, COMM_F32, 0) : comm_send(c, buf, BIG, COMM_F32, 1);
+    if (err != -ECONNABORTED) FAIL(13, "with the peer gone: %s", zinf_strerror(err));
+    if (now_ns() - t0 > 5ull * 1000000000) FAIL(14, "seen after %llu ms", (unsigned long long)((now_ns() - t0) / 1000000));
+    if ((err = comm_send(c, buf, 1, COMM_F32, 1 - rank)) != -ECONNABORTED)
+        FAIL(15, "then: %s", zinf_strerror(err));
+    free(buf);
+    comm_close(c);
+    return 0;
+}
+
+Test(comm_a2a, a_dead_or_departed_peer_fails_its_partner)
+{
+    int status[2];
+    for (int how = 0; how < 3; how++) {
+        run_ranks(2, peer_dies, &how, status);
+        int victim = how == 0 ? 0 : 1;
+        cr_expect_eq(status[1 - victim], 0, "case %d: the partner exited %d", how, status[1 - victim]);
+        cr_expect_eq(status[victim], how == 2 ? 0 : 128 + SIGKILL, "case %d", how);
+    }
+}
+
+/* A peer that is alive but never comes: the operation's deadline fails it, naming the
+ * rank and what it is in. */
+static int peer_late(int rank, int world, const char *name, void *arg)
+{
+    (void)arg;
+    int err;
+    struct comm *c = open_shm(rank, world, name, 64 * KiB, 0, 1000, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    if (rank == 1) {
+        sleep(3); /* never receives; its barrier then finds the communicator failed */
+        if ((err = comm_barrier(c)) != -ECONNABORTED) FAIL(11, "late rank: %s", zinf_strerror(err));
+    } else {
+        float *buf = calloc(BIG, sizeof(float));
+        err = comm_send(c, buf, BIG, COMM_F32, 1);
+        free(buf);
+        if (err != -ETIMEDOUT) FAIL(12, "send to a rank that never receives: %s", zinf_strerror(err));
+    }
+    comm_close(c);
+    return 0;
+}
+
+Test(comm_a2a, a_peer_that_never_comes_times_out_the_operation)
+{
+    expect_ranks_pass(2, peer_late, NULL, "late peer");
+}

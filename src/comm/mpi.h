@@ -69,8 +69,8 @@ enum { MPI_TAG_P2P = 100, MPI_TAG_ALLTOALL = 101 };
 int mpi_p2p_post(struct mpi *m, bool send, int rank, void *buf, size_t bytes, int tag);
 int mpi_p2p_test(struct mpi *m, bool *done);
 int mpi_p2p_wait(struct mpi *m);
-/* Between tests in a caller's own wait: the node's segment, the operation's deadline and
- * the stop flag, as the waits here watch them (the job aborted where one says so). */
+/* Between tests in a caller's own wait: the node's segment failed (not its other ranks'
+ * lives: they may take no part), the operation's deadline and the stop flag, as the waits here watch them (the job aborted where one says so). */
 int mpi_p2p_check(struct mpi *m);
 /* Whether transfers of mpi_p2p_post are still posted. */
 bool mpi_p2p_posted(const struct mpi *m);

@@ -73,7 +73,7 @@ static int step(struct shm *s, struct half *h, bool *moved)
 int p2p_run(struct shm *s, struct mpi *m, const struct comm_req *q)
 {
     size_t bytes = q->count * comm_dtype_bytes(q->dtype);
-    int r = shm_check(s);
+    int r = shm_failed(s);
     if (r) return r;
     if (m) mpi_begin_op(m, q->op);
     struct half h[2] = {{0}};
@@ -82,6 +82,7 @@ int p2p_run(struct shm *s, struct mpi *m, const struct comm_req *q)
         r = start(s, m, &h[1], false, q->op == COMM_RECV ? q->peer : q->recv_peer, q->recv, bytes);
     bool remote = h[0].remote || h[1].remote, remote_done = !remote;
     uint64_t checked = now_ns();
+    bool gone = false; /* a local peer was found gone: one more pass takes what it left */
     for (unsigned spin = 0; !r; spin++) {
         bool moved = false;
         r = step(s, &h[0], &moved);
@@ -95,6 +96,16 @@ int p2p_run(struct shm *s, struct mpi *m, const struct comm_req *q)
             spin = 0;
             continue;
         }
+        if (gone) {
+            const struct half *w = h[0].on && !h[0].remote && !h[0].done ? &h[0] : &h[1];
+            char why[160], what[200];
+            shm_peer_check(s, w->msg.peer, why, sizeof(why));
+            snprintf(what, sizeof(what), "%s, its %s rank %d unfinished", why,
+                     w->send ? "send to" : "receive from", w->peer);
+            shm_fail(s, what);
+            r = -ECONNABORTED;
+            break;
+        }
         if (spin < SPIN_ROUNDS) {
             cpu_relax();
             continue;
@@ -103,7 +114,15 @@ int p2p_run(struct shm *s, struct mpi *m, const struct comm_req *q)
         uint64_t now = now_ns();
         if (now - checked >= CHECK_NS) {
             checked = now;
-            if ((r = shm_check(s))) break;
+            /* Only the peers of this operation: the other ranks may be done and gone. */
+            char why[160];
+            for (int i = 0; i < 2 && !r; i++) {
+                if (!h[i].on || h[i].remote || h[i].done) continue;
+                int g = shm_peer_check(s, h[i].msg.peer, why, sizeof(why));
+                if (g < 0) r = g;
+                gone |= g == 1;
+            }
+            if (r) break;
             if (!remote_done && (r = mpi_p2p_check(m))) break;
         }
         if (!local_done && shm_op_late(s)) {

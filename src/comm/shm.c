@@ -189,6 +189,21 @@ int shm_check(struct shm *s)
     return shm_failed(s);
 }
 
+int shm_peer_check(struct shm *s, int peer, char *why, size_t len)
+{
+    int r = shm_failed(s);
+    if (r) return r;
+    struct shm_rank *q = &s->h->ranks[peer];
+    int32_t pid = atomic_load_explicit(&q->pid, memory_order_relaxed);
+    if (atomic_load_explicit(&q->left, memory_order_acquire))
+        snprintf(why, len, "rank %d (pid %d) closed its communicator", s->first + peer, (int)pid);
+    else if (!alive(pid))
+        snprintf(why, len, "rank %d (pid %d) is gone", s->first + peer, (int)pid);
+    else
+        return 0;
+    return 1;
+}
+
 void shm_begin_op(struct shm *s, enum comm_op op)
 {
     struct shm_rank *me = &s->h->ranks[s->rank];
@@ -616,6 +631,10 @@ void shm_name_ranks_from(struct shm *s, int first)
 void shm_rdv_close(struct shm *s)
 {
     if (!s) return;
+    /* After every message it sent is in the channels (release): a peer that sees it gone
+     * still takes them. */
+    if (s->h && s->chans)
+        atomic_store_explicit(&s->h->ranks[s->rank].left, 1, memory_order_release);
     if (s->h) munmap(s->h, s->map_bytes);
     free(s);
 }

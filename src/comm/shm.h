@@ -40,6 +40,12 @@ bool shm_op_late(struct shm *s);
 int shm_barrier(struct shm *s);
 /* -ECONNABORTED if the communicator failed or a peer is gone (then failed), else 0. */
 int shm_check(struct shm *s);
+/* -ECONNABORTED if the communicator has failed (once its reason is written), else 0. */
+int shm_failed(struct shm *s);
+/* For an operation that only some ranks take part in: -ECONNABORTED if the communicator
+ * failed, 1 (and why, without failing it) if local rank peer is gone or closed its
+ * communicator, else 0. */
+int shm_peer_check(struct shm *s, int peer, char *why, size_t len);
 /* Marks the communicator failed for every rank, with why (the first reason wins). */
 void shm_fail(struct shm *s, const char *why);
 

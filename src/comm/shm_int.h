@@ -24,6 +24,7 @@ struct shm_rank {
     _Atomic uint32_t op;   /* the operation it is in (enum comm_op) ... */
     _Atomic uint64_t seq;  /* ... and its number: how many it has begun */
     _Atomic uint64_t bars; /* barriers it has entered */
+    _Atomic uint32_t left; /* it closed its communicator (its operations are over) */
     /* An operation's arguments, written before its first barrier and read after it: whether
      * the rank's buffers are in its pool, and where. */
     uint32_t pooled;
@@ -77,8 +78,6 @@ struct shm {
  * chunk bytes (0: none), and each one's ring (shm_p2p.c). */
 size_t shm_chan_bytes(int world, size_t chunk, size_t *ring);
 
-/* -ECONNABORTED if the communicator has failed (once its reason is written), else 0. */
-int shm_failed(struct shm *s);
 /* Why it failed, as the rank that failed it wrote. */
 const char *shm_fail_reason(struct shm *s);
 
