@@ -147,14 +147,17 @@ int shm_p2p_late(struct shm *s, int peer, const char *what)
     char why[WHY_BYTES];
     struct shm_rank *q = &s->h->ranks[peer];
     int32_t pid = atomic_load_explicit(&q->pid, memory_order_relaxed);
-    char st = comm_proc_state(pid);
+    char st = comm_proc_state(pid), in[64] = "has begun no operation";
+    uint64_t seq = atomic_load(&q->seq);
+    if (seq)
+        snprintf(in, sizeof(in), "is in %s #%llu", comm_op_name(atomic_load(&q->op)),
+                 (unsigned long long)seq);
     snprintf(why, sizeof(why),
              "rank %d (pid %d%s) did not take part in rank %d's %s #%llu (%s) within %.3g s: it "
-             "is in %s #%llu",
+             "%s",
              s->first + peer, (int)pid, st == 'T' || st == 't' ? ", stopped" : "",
              s->first + s->rank, comm_op_name(atomic_load(&s->h->ranks[s->rank].op)),
-             (unsigned long long)s->seq, what, s->op_timeout_ms / 1000.0,
-             comm_op_name(atomic_load(&q->op)), (unsigned long long)atomic_load(&q->seq));
+             (unsigned long long)s->seq, what, s->op_timeout_ms / 1000.0, in);
     shm_fail(s, why);
     log_error("comm %s: rank %d: %s", s->job, s->first + s->rank, why);
     return -ETIMEDOUT;
