@@ -563,3 +563,87 @@ Test(comm_a2a, a_peer_that_never_comes_times_out_the_operation)
 {
     expect_ranks_pass(2, peer_late, NULL, "late peer");
 }
+
+/* ---- the nccl backend (a GPU per rank, or the CPU emulation; skipped elsewhere) -------- */
+
+#if ZINF_HAVE_NCCL
+#include <cuda_runtime_api.h>
+
+/* Whether world NCCL ranks can run here (asked in a child: CUDA does not survive a fork). */
+static bool nccl_ranks_here(int world, int *per_rank_device, char *why, size_t len)
+{
+    struct cuda_probe_info pi;
+    int n = test_cuda_probe_forked(&pi);
+    if (n <= 0) {
+        snprintf(why, len, "no usable GPU: %s", pi.reason);
+        return false;
+    }
+    bool emulated = strncmp(pi.name, "EMU ", 4) == 0;
+    *per_rank_device = emulated ? 0 : 1;
+    snprintf(why, len, "%d GPU(s): NCCL runs one rank per GPU, and this needs %d", n, world);
+    return emulated || n >= world;
+}
+
+static int nccl_p2p(int rank, int world, const char *name, void *argp)
+{
+    int per_rank_device = *(int *)argp, err;
+    struct comm_opts o = {.backend = COMM_NCCL, .rank = rank, .world = world, .name = name,
+                          .timeout_ms = 60000, .cuda_device = per_rank_device ? rank : 0};
+    struct comm *c = NULL;
+    if ((err = comm_open(&o, &c))) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    size_t n = 100003, all = n * (size_t)world, bytes = all * sizeof(float);
+    float *hs = malloc(bytes), *hr = malloc(bytes), *ds = NULL, *dr = NULL;
+    if (!hs || !hr || cudaMalloc((void **)&ds, bytes) != cudaSuccess ||
+        cudaMalloc((void **)&dr, bytes) != cudaSuccess)
+        FAIL(11, "out of memory");
+    for (int d = 0; d < world; d++)
+        for (size_t i = 0; i < n; i++)
+            hs[(size_t)d * n + i] = a2a_value(rank, d, i);
+    if (cudaMemcpy(ds, hs, bytes, cudaMemcpyHostToDevice) != cudaSuccess) FAIL(12, "copy in");
+    if ((err = comm_alltoall(c, ds, dr, n, COMM_F32))) FAIL(13, "alltoall: %s", zinf_strerror(err));
+    if (cudaMemcpy(hr, dr, bytes, cudaMemcpyDeviceToHost) != cudaSuccess) FAIL(14, "copy out");
+    for (int q = 0; q < world; q++)
+        for (size_t i = 0; i < n; i++)
+            if (hr[(size_t)q * n + i] != a2a_value(q, rank, i))
+                FAIL(15, "alltoall: block %d element %zu", q, i);
+    /* A ring shift by sendrecv, then pairs in opposite orders. */
+    int next = (rank + 1) % world, prev = (rank + world - 1) % world, mate = rank ^ 1;
+    fill_msg(hs, n, rank, 1);
+    if (cudaMemcpy(ds, hs, n * sizeof(float), cudaMemcpyHostToDevice) != cudaSuccess) FAIL(16, "copy in");
+    if ((err = comm_sendrecv(c, ds, next, dr, prev, n, COMM_F32))) FAIL(17, "ring: %s", zinf_strerror(err));
+    if (cudaMemcpy(hr, dr, n * sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess) FAIL(18, "copy out");
+    if ((err = check_msg(hr, n, prev, 1))) FAIL(19, "ring: element %d", err - 1);
+    if (mate < world) {
+        if (rank % 2 == 0) {
+            err = comm_send(c, ds, n, COMM_F32, mate);
+            if (!err) err = comm_recv(c, dr, n, COMM_F32, mate);
+        } else {
+            err = comm_recv(c, dr, n, COMM_F32, mate);
+            if (!err) err = comm_send(c, ds, n, COMM_F32, mate);
+        }
+        if (err) FAIL(20, "send and recv: %s", zinf_strerror(err));
+        if (cudaMemcpy(hr, dr, n * sizeof(float), cudaMemcpyDeviceToHost) != cudaSuccess)
+            FAIL(21, "copy out");
+        if ((err = check_msg(hr, n, mate, 1))) FAIL(22, "send and recv: element %d", err - 1);
+    }
+    struct comm_stats st;
+    comm_get_stats(c, &st);
+    if (st.bytes_in < bytes || st.bytes_out < bytes) FAIL(23, "stats");
+    cudaFree(ds);
+    cudaFree(dr);
+    free(hs);
+    free(hr);
+    comm_close(c);
+    return 0;
+}
+
+Test(comm_a2a, nccl_alltoall_and_point_to_point_at_2_and_3_ranks)
+{
+    char why[256];
+    int dev;
+    if (!nccl_ranks_here(2, &dev, why, sizeof(why))) cr_skip_test("%s", why);
+    expect_ranks_pass(2, nccl_p2p, &dev, "nccl at 2 ranks");
+    if (!nccl_ranks_here(3, &dev, why, sizeof(why))) cr_skip_test("%s", why);
+    expect_ranks_pass(3, nccl_p2p, &dev, "nccl at 3 ranks");
+}
+#endif
