@@ -3,7 +3,8 @@
  * communicator with comm_opts.mpi (no name, no secret: rank 0 makes them) and runs a fixed
  * pseudo-random sequence of every collective (odd counts, acc and not, in place and not,
  * buffers from the pool or not, several roots), checking each result bitwise against the
- * rank-order chain computed here, and the node layout in its stats. It says "rank R ok".
+ * rank-order chain computed here, then alltoall, a ring of sendrecv and pairs of sends and
+ * receives (within and across nodes), and the node layout in its stats. It says "rank R ok".
  *
  *   comm_mpi_rank check       the sequence
  *   comm_mpi_rank die R       rank R kills itself (SIGKILL) after a few operations
@@ -189,6 +190,51 @@ static void check(struct comm *c)
         if (recv) put(c, recv, pooled);
         free(want);
     }
+    /* alltoall: rank r's recv block q is rank q's block r, within and across nodes. */
+    static const size_t a2a_counts[] = {1, 7, 65537};
+    for (size_t k = 0; k < ARRAY_SIZE(a2a_counts); k++) {
+        size_t n = a2a_counts[k], all = n * (size_t)world;
+        float *s = malloc(all * sizeof(float)), *r = malloc(all * sizeof(float));
+        if (!s || !r) FAIL("out of memory");
+        for (size_t i = 0; i < all; i++)
+            s[i] = value(rank, 500 + (int)(i / n), i % n);
+        if (comm_alltoall(c, s, r, n, COMM_F32)) FAIL("alltoall of %zu", n);
+        for (size_t i = 0; i < all; i++)
+            if (memcmp(&r[i], &(float){value((int)(i / n), 500 + rank, i % n)}, sizeof(float)))
+                FAIL("alltoall of %zu: block %zu element %zu", n, i / n, i % n);
+        free(s);
+        free(r);
+    }
+    /* Point-to-point: a ring shift by sendrecv (crossing nodes where ranks per node < world),
+     * then pairs (0, 1), (2, 3) in opposite orders, while an odd rank out goes on. */
+    size_t pn = 300007;
+    float *ps = malloc(pn * sizeof(float)), *pr = malloc(pn * sizeof(float));
+    if (!ps || !pr) FAIL("out of memory");
+    int next = (rank + 1) % world, prev = (rank + world - 1) % world;
+    for (size_t i = 0; i < pn; i++)
+        ps[i] = value(rank, 600, i);
+    if (world > 1) {
+        if (comm_sendrecv(c, ps, next, pr, prev, pn, COMM_F32)) FAIL("ring sendrecv");
+        for (size_t i = 0; i < pn; i++)
+            if (memcmp(&pr[i], &(float){value(prev, 600, i)}, sizeof(float)))
+                FAIL("ring sendrecv: element %zu", i);
+    }
+    int mate = rank ^ 1, e = 0;
+    if (mate < world) {
+        if (rank % 2 == 0) {
+            e = comm_send(c, ps, pn, COMM_F32, mate);
+            if (!e) e = comm_recv(c, pr, pn, COMM_F32, mate);
+        } else {
+            e = comm_recv(c, pr, pn, COMM_F32, mate);
+            if (!e) e = comm_send(c, ps, pn, COMM_F32, mate);
+        }
+        if (e) FAIL("send and recv with rank %d: %s", mate, zinf_strerror(e));
+        for (size_t i = 0; i < pn; i++)
+            if (memcmp(&pr[i], &(float){value(mate, 600, i)}, sizeof(float)))
+                FAIL("recv from rank %d: element %zu", mate, i);
+    }
+    free(ps);
+    free(pr);
     /* Bytes too: a count no float divides. */
     char gb[3 * COMM_MAX_RANKS], mb[3] = {(char)rank, 'x', (char)(rank * 7)};
     if (comm_allgather(c, mb, gb, 3, COMM_BYTE)) FAIL("allgather of bytes");

@@ -17,6 +17,7 @@
 #include "comm/comm.h"
 #include "comm/mpi.h"
 #include "comm/nccl.h"
+#include "comm/p2p.h"
 #include "comm/shm.h"
 #include "common.h"
 #include "tiers/extent.h"
@@ -69,6 +70,14 @@ const char *comm_op_name(uint32_t op)
         return "broadcast";
     case COMM_BARRIER:
         return "barrier";
+    case COMM_ALLTOALL:
+        return "alltoall";
+    case COMM_SEND:
+        return "send";
+    case COMM_RECV:
+        return "recv";
+    case COMM_SENDRECV:
+        return "sendrecv";
     }
     return "no operation";
 }
@@ -116,6 +125,13 @@ static int self_run(const struct comm_req *q)
     case COMM_BROADCAST:
     case COMM_BARRIER:
         return 0;
+    case COMM_ALLTOALL: /* one rank: its own block */
+        if (bytes) memcpy(q->recv, q->send, bytes);
+        return 0;
+    case COMM_SEND: /* refused at submission: one rank has no peer */
+    case COMM_RECV:
+    case COMM_SENDRECV:
+        break;
     }
     return -EINVAL;
 }
@@ -140,6 +156,18 @@ static void req_bytes(const struct comm *c, const struct comm_req *q, uint64_t *
         return;
     case COMM_BARRIER:
         *in = *out = 0;
+        return;
+    case COMM_ALLTOALL:
+        *in = *out = b * w;
+        return;
+    case COMM_SEND:
+        *in = b;
+        return;
+    case COMM_RECV:
+        *out = b;
+        return;
+    case COMM_SENDRECV:
+        *in = *out = b;
         return;
     }
 }
@@ -170,8 +198,9 @@ static void *worker_main(void *arg)
                 r = self_run(q);
                 break;
             case COMM_SHM:
-                r = c->nodes > 1 ? hier_run(c->mpi, c->shm, chunk_bytes, q, &pooled)
-                                 : shm_run(c->shm, q, &pooled);
+                r = p2p_op(q->op) ? p2p_run(c->shm, c->nodes > 1 ? c->mpi : NULL, q)
+                    : c->nodes > 1 ? hier_run(c->mpi, c->shm, chunk_bytes, q, &pooled)
+                                   : shm_run(c->shm, q, &pooled);
                 break;
             case COMM_NCCL:
                 /* NCCL spans the nodes itself; only the barrier is the segment's. */
@@ -402,11 +431,29 @@ static bool overlap_ok(const struct comm *c, const struct comm_req *q, size_t by
     }
 }
 
+/* A point-to-point request's peer (which: "peer" or "recv_peer"): a rank of the world other
+ * than this one. */
+static bool peer_ok(const struct comm *c, const struct comm_req *q, int peer, const char *which)
+{
+    if (peer >= 0 && peer < c->o.world && peer != c->o.rank) return true;
+    if (peer == c->o.rank)
+        log_error("comm: rank %d: %s with %s %d: a rank does not send to or receive from itself",
+                  c->o.rank, comm_op_name(q->op), which, peer);
+    else
+        log_error("comm: rank %d: %s with %s %d: not a rank of a world of %d", c->o.rank,
+                  comm_op_name(q->op), which, peer, c->o.world);
+    return false;
+}
+
 static int req_check(const struct comm *c, const struct comm_req *q)
 {
     if (!q->cb || comm_dtype_bytes(q->dtype) == 0) return -EINVAL;
     size_t esz = comm_dtype_bytes(q->dtype);
-    if (q->count > SIZE_MAX / esz / (size_t)c->o.world) return -EINVAL;
+    if (q->count > SIZE_MAX / esz / (size_t)c->o.world) {
+        log_error("comm: %s of %zu elements of %zu bytes at a world of %d: the size overflows",
+                  comm_op_name(q->op), q->count, esz, c->o.world);
+        return -EINVAL;
+    }
     bool reduce = q->op == COMM_REDUCE_SCATTER || q->op == COMM_ALLREDUCE;
     if (reduce && q->dtype != COMM_F32) return -EINVAL;
     if (q->acc && !reduce) return -EINVAL;
@@ -428,6 +475,33 @@ static int req_check(const struct comm *c, const struct comm_req *q)
         if (q->root < 0 || q->root >= c->o.world) return -EINVAL;
         return q->count && !q->recv ? -EINVAL : 0;
     case COMM_BARRIER:
+        return 0;
+    case COMM_ALLTOALL: {
+        size_t all = q->count * esz * (size_t)c->o.world;
+        if (!q->count) return 0;
+        if (!q->send || !q->recv) return -EINVAL;
+        if (!apart(q->send, all, q->recv, all)) {
+            log_error("comm: alltoall of %zu elements: send and recv overlap (it has no in-place "
+                      "form)", q->count);
+            return -EINVAL;
+        }
+        return 0;
+    }
+    case COMM_SEND:
+        if (!peer_ok(c, q, q->peer, "peer")) return -EINVAL;
+        return q->count && !q->send ? -EINVAL : 0;
+    case COMM_RECV:
+        if (!peer_ok(c, q, q->peer, "peer")) return -EINVAL;
+        return q->count && !q->recv ? -EINVAL : 0;
+    case COMM_SENDRECV:
+        if (!peer_ok(c, q, q->peer, "peer") || !peer_ok(c, q, q->recv_peer, "recv_peer"))
+            return -EINVAL;
+        if (!q->count) return 0;
+        if (!q->send || !q->recv) return -EINVAL;
+        if (!apart(q->send, q->count * esz, q->recv, q->count * esz)) {
+            log_error("comm: sendrecv of %zu elements: send and recv overlap", q->count);
+            return -EINVAL;
+        }
         return 0;
     }
     return -EINVAL;
@@ -502,6 +576,33 @@ int comm_broadcast(struct comm *c, void *buf, size_t count, enum comm_dtype dt, 
 int comm_barrier(struct comm *c)
 {
     struct comm_req q = {.op = COMM_BARRIER, .dtype = COMM_BYTE};
+    return comm_run(c, &q);
+}
+
+int comm_alltoall(struct comm *c, const void *send, void *recv, size_t count,
+                  enum comm_dtype dt)
+{
+    struct comm_req q = {.op = COMM_ALLTOALL, .dtype = dt, .send = send, .recv = recv, .count = count};
+    return comm_run(c, &q);
+}
+
+int comm_send(struct comm *c, const void *buf, size_t count, enum comm_dtype dt, int peer)
+{
+    struct comm_req q = {.op = COMM_SEND, .dtype = dt, .send = buf, .count = count, .peer = peer};
+    return comm_run(c, &q);
+}
+
+int comm_recv(struct comm *c, void *buf, size_t count, enum comm_dtype dt, int peer)
+{
+    struct comm_req q = {.op = COMM_RECV, .dtype = dt, .recv = buf, .count = count, .peer = peer};
+    return comm_run(c, &q);
+}
+
+int comm_sendrecv(struct comm *c, const void *send, int to, void *recv, int from, size_t count,
+                  enum comm_dtype dt)
+{
+    struct comm_req q = {.op = COMM_SENDRECV, .dtype = dt, .send = send, .recv = recv,
+                         .count = count, .peer = to, .recv_peer = from};
     return comm_run(c, &q);
 }
 

@@ -1,13 +1,31 @@
 /*
  * comm.h - collectives among the ranks of one job: allgather, reduce_scatter, allreduce,
- * broadcast and barrier, on buffers the caller (the trainer, with memory from the engine)
- * hands in.
+ * broadcast, alltoall and barrier, and point-to-point send and receive between two ranks,
+ * on buffers the caller (the trainer, with memory from the engine) hands in.
  *
  * A communicator is a long-lived handle (comm_open -> comm_close) of one rank. Operations
  * are requests (struct comm_req) queued on it and run in submission order, each finishing
  * with its callback; the synchronous calls submit one and wait. When comm_submit fails,
- * the callback never fires. Every rank must submit the same operations in the same order
+ * the callback never fires. Every rank must submit the same collectives in the same order
  * (as with NCCL and MPI).
+ *
+ * Point-to-point (COMM_SEND, COMM_RECV, COMM_SENDRECV) involves only the ranks named: the
+ * others do not take part. Each ordered pair of ranks is a channel of its own: the k-th send
+ * from rank a to rank b is matched by rank b's k-th receive from rank a, whatever else
+ * either rank does in between, and both must move the same number of bytes (else the
+ * communicator fails, naming both: the receiver's operation answers -EPROTO, as does an
+ * alltoall whose ranks disagree on its size). A send may wait until its receiver takes the data (as
+ * NCCL's does; the shm backend finishes a small one at once, but nothing may rely on that):
+ * a rank's operations run one at a time, in order, so a schedule is safe when every send
+ * and every receive of it can be matched without either rank first waiting for the other.
+ * Safe: one rank sends then receives while its peer receives then sends; a chain of stages
+ * where each receives from the one before and sends to the one after. Not safe: two ranks
+ * that each send to the other before receiving (both sends may wait for ever), or a ring of
+ * plain sends. Those are what COMM_SENDRECV is for: it sends to one rank and receives from
+ * another (or the same) rank in one operation whose halves progress together, so a pairwise
+ * exchange, a ring shift, or a pipeline's steady state (stage s sends activations to s + 1
+ * and receives gradients from it, while s + 1 sends gradients to s and receives
+ * activations from it) never deadlocks, in whatever order the stages reach it.
  *
  * Backends, chosen at open:
  *   - self: one rank; the collectives are copies.
@@ -50,6 +68,12 @@ enum comm_op {
     COMM_ALLREDUCE,      /* send, recv: count; recv the sum (send == recv: in place) */
     COMM_BROADCAST,      /* recv: count, root's (send ignored; root's recv is its data) */
     COMM_BARRIER,        /* nothing moves */
+    COMM_ALLTOALL,       /* send, recv: world x count; rank r's recv block j is rank j's send
+                            block r (not in place: send and recv apart) */
+    COMM_SEND,           /* send: count, to rank peer (only it takes part) */
+    COMM_RECV,           /* recv: count, from rank peer (only it takes part) */
+    COMM_SENDRECV,       /* send: count to rank peer, and recv: count from rank recv_peer,
+                            both halves at once (send and recv apart) */
 };
 
 #define COMM_NAME_BYTES 64
@@ -102,6 +126,9 @@ struct comm_req {
     void *recv;
     size_t count; /* elements; see enum comm_op */
     int root;     /* broadcast */
+    /* send and recv: the other rank (not this one); sendrecv: the rank sent to. */
+    int peer;
+    int recv_peer; /* sendrecv: the rank received from (peer's value is fine) */
     /* Reductions: add onto recv's contents, recv = ((recv + rank 0's) + rank 1's) + ...,
      * the sum a chain that went on from recv would make (send and recv apart; an allreduce's
      * recv holds the same on every rank). The self and shm backends; nccl refuses it. */
@@ -124,7 +151,7 @@ struct comm_stats {
     uint64_t ops, bytes_in, bytes_out; /* finished operations; bytes sent and received */
     uint64_t pooled_ops;               /* of ops, those that read peers' pools in place */
     /* mpi: bytes this rank sent to and received from ranks on other physical nodes (the
-     * leaders' point-to-point messages, exactly), and of ops those that crossed nodes;
+     * leaders' messages, and a rank's own for send, receive and alltoall, exactly), and of ops those that crossed nodes;
      * node: this rank's logical node (numbered by their first rank), of nodes. Without
      * mpi: 0s, node 0 of 1. */
     uint64_t net_bytes_out, net_bytes_in, net_ops;
@@ -145,7 +172,7 @@ void comm_close(struct comm *c);
 
 /* Queue an operation: 0 (the callback fires once, in submission order) or -errno (it never
  * fires): -EINVAL bad request (send and recv overlapping other than in the op's in-place
- * form, logged, among them), -ECONNABORTED the communicator failed before (a rank died
+ * form, a count whose bytes overflow, a peer out of range or this rank, logged, among them), -ECONNABORTED the communicator failed before (a rank died
  * or an operation timed out; every later one fails too), -ESHUTDOWN closing. */
 int comm_submit(struct comm *c, struct comm_req *req);
 /* Submit and wait: the operation's result. */
@@ -159,6 +186,14 @@ int comm_allreduce(struct comm *c, const void *send, void *recv, size_t count,
                    enum comm_dtype dt);
 int comm_broadcast(struct comm *c, void *buf, size_t count, enum comm_dtype dt, int root);
 int comm_barrier(struct comm *c);
+/* send and recv hold world x count elements each, and do not overlap. */
+int comm_alltoall(struct comm *c, const void *send, void *recv, size_t count,
+                  enum comm_dtype dt);
+int comm_send(struct comm *c, const void *buf, size_t count, enum comm_dtype dt, int peer);
+int comm_recv(struct comm *c, void *buf, size_t count, enum comm_dtype dt, int peer);
+/* count elements of send to rank to, and count from rank from into recv, at once. */
+int comm_sendrecv(struct comm *c, const void *send, int to, void *recv, int from, size_t count,
+                  enum comm_dtype dt);
 
 /* Memory of the rank's pool (comm_opts.pool_bytes), 4096-aligned, which every rank of
  * the shm backend maps: a collective whose buffers on every rank come from their pools

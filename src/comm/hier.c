@@ -16,6 +16,11 @@
  * reduce_scatter sends the whole world x count vector along the chain (every shard's chain
  * passes every node), then each node's leader gets its ranks' finished shards. allgather,
  * broadcast and barrier are a node-local step, the leaders' exchange, and a node-local step.
+ * alltoall is the one collective whose ranks talk across nodes themselves: each posts its
+ * blocks for (and from) every rank of another node by MPI, runs the node-local alltoall of
+ * its node's blocks meanwhile (which needs only its node's ranks, none of which waits on
+ * MPI before it), then waits for its transfers. Through the leaders the blocks would cross
+ * twice.
  *
  * Not here: MPI itself and the waits (mpi.c), the node-local data movement (shm_coll.c),
  * the case of one node (comm.c runs shm_run directly).
@@ -208,6 +213,27 @@ static int broadcast(struct hier *h, const struct comm_req *q)
     return r;
 }
 
+static int alltoall(struct hier *h, const struct comm_req *q)
+{
+    const struct mpi_layout *l = h->l;
+    int k = l->node, last = l->nodes - 1, world = l->first[last] + l->size[last], r = 0;
+    size_t bytes = q->count * comm_dtype_bytes(q->dtype);
+    const char *send = q->send;
+    char *recv = q->recv;
+    for (int p = 0; p < world && !r; p++) {
+        if (p >= l->first[k] && p < l->first[k] + l->size[k]) continue;
+        r = mpi_p2p_post(h->m, false, p, recv + (size_t)p * bytes, bytes, MPI_TAG_ALLTOALL);
+        if (!r)
+            r = mpi_p2p_post(h->m, true, p, (void *)(send + (size_t)p * bytes), bytes,
+                             MPI_TAG_ALLTOALL);
+    }
+    if (!r)
+        r = local(h, COMM_ALLTOALL, COMM_BYTE, send + (size_t)l->first[k] * bytes,
+                  recv + (size_t)l->first[k] * bytes, bytes, false, 0);
+    if (!r) r = mpi_p2p_wait(h->m);
+    return r;
+}
+
 /* Every node's ranks in, the leaders through node 0's, every node's ranks out. */
 static int barrier(struct hier *h)
 {
@@ -254,11 +280,17 @@ int hier_run(struct mpi *m, struct shm *s, size_t chunk_bytes, const struct comm
     case COMM_BARRIER:
         r = barrier(&h);
         break;
+    case COMM_ALLTOALL:
+        r = q->count ? alltoall(&h, q) : 0;
+        break;
+    default: /* point-to-point: p2p.c */
+        break;
     }
     /* A leader whose node failed (a local step answered an error) ends the job: the other
-     * nodes' leaders would wait for it until their deadline. The transfers' own failures
-     * have done so already. */
-    if (r < 0 && h.leader) {
+     * nodes' leaders would wait for it until their deadline; so does a rank with its own
+     * transfers posted (MPI cannot take them back). The transfers' own failures have done
+     * so already. */
+    if (r < 0 && (h.leader || mpi_p2p_posted(m))) {
         char why[200];
         snprintf(why, sizeof(why), "node %d (leader rank %d) failed %s: %s", l->node, rank,
                  comm_op_name(q->op), zinf_strerror(r));

@@ -61,6 +61,14 @@ struct mpi {
     const volatile sig_atomic_t *stop;
     MPI_Request *pend; /* posted sends */
     size_t npend, cap;
+    /* mpi_p2p_post's transfers: requests, and per request its peer and, for a receive,
+     * the bytes it must get (SIZE_MAX: a send) */
+    MPI_Request *p2p;
+    struct p2p_want {
+        int rank;
+        size_t bytes;
+    } *want;
+    size_t np2p, p2p_cap;
     uint64_t net_out, net_in;
     uint32_t op; /* the operation in progress (enum comm_op), for the reasons */
     bool aborted;
@@ -330,10 +338,13 @@ void mpi_close(struct mpi *m)
     if (!m) return;
     if (!m->aborted) {
         if (m->npend) LOCKED(MPI_Waitall((int)m->npend, m->pend, MPI_STATUSES_IGNORE));
+        if (m->np2p) LOCKED(MPI_Waitall((int)m->np2p, m->p2p, MPI_STATUSES_IGNORE));
         if (m->leaders != MPI_COMM_NULL) LOCKED(MPI_Comm_free(&m->leaders));
         LOCKED(MPI_Comm_free(&m->world));
     }
     free(m->pend);
+    free(m->p2p);
+    free(m->want);
     free(m);
     pthread_mutex_lock(&init_lock);
     open_comms--;
@@ -485,6 +496,97 @@ void mpi_begin_op(struct mpi *m, enum comm_op op)
     m->op = op;
 }
 
+int mpi_p2p_post(struct mpi *m, bool send, int rank, void *buf, size_t bytes, int tag)
+{
+    const char *what = send ? "a send" : "a receive";
+    for (size_t off = 0; off < bytes || (bytes == 0 && off == 0); off += PIECE_BYTES) {
+        size_t n = MIN(PIECE_BYTES, bytes - off);
+        if (m->np2p == m->p2p_cap) {
+            size_t cap = m->p2p_cap ? 2 * m->p2p_cap : 64;
+            MPI_Request *p = realloc(m->p2p, cap * sizeof(*p));
+            if (p) m->p2p = p;
+            struct p2p_want *w = p ? realloc(m->want, cap * sizeof(*w)) : NULL;
+            if (!w) return give_up(m, -ENOMEM, what, MPI_SUCCESS);
+            m->want = w, m->p2p_cap = cap;
+        }
+        int e = send ? LOCKED(MPI_Isend((char *)buf + off, (int)n, MPI_BYTE, rank, tag, m->world,
+                                        &m->p2p[m->np2p]))
+                     : LOCKED(MPI_Irecv((char *)buf + off, (int)n, MPI_BYTE, rank, tag, m->world,
+                                        &m->p2p[m->np2p]));
+        if (e != MPI_SUCCESS) return give_up(m, -EIO, what, e);
+        m->want[m->np2p++] = (struct p2p_want){rank, send ? SIZE_MAX : n};
+        if (bytes == 0) break;
+    }
+    if (m->phys[rank] != m->phys[m->rank]) {
+        if (send) m->net_out += bytes;
+        else m->net_in += bytes;
+    }
+    return 0;
+}
+
+bool mpi_p2p_posted(const struct mpi *m)
+{
+    return m->np2p != 0;
+}
+
+/* Every receive got the bytes it posted for (a sender of fewer fails the job). */
+static int p2p_sizes(struct mpi *m, MPI_Status *st)
+{
+    for (size_t i = 0; i < m->np2p; i++) {
+        int n = 0;
+        if (m->want[i].bytes == SIZE_MAX) continue;
+        MPI_Get_count(&st[i], MPI_BYTE, &n);
+        if ((size_t)n == m->want[i].bytes) continue;
+        char why[200];
+        snprintf(why, sizeof(why), "rank %d sent %d bytes to rank %d, whose %s from it takes %zu",
+                 m->want[i].rank, n, m->rank, comm_op_name(m->op), m->want[i].bytes);
+        mpi_abort(m, why);
+        return -EPROTO;
+    }
+    m->np2p = 0;
+    return 0;
+}
+
+int mpi_p2p_test(struct mpi *m, bool *done)
+{
+    *done = m->np2p == 0;
+    if (*done) return 0;
+    MPI_Status *st = malloc(m->np2p * sizeof(*st));
+    if (!st) return give_up(m, -ENOMEM, "a transfer", MPI_SUCCESS);
+    int all = 0, e = LOCKED(MPI_Testall((int)m->np2p, m->p2p, &all, st));
+    int r = e != MPI_SUCCESS ? give_up(m, -EIO, "a transfer", e) : all ? p2p_sizes(m, st) : 0;
+    free(st);
+    *done = all && r == 0;
+    return r;
+}
+
+int mpi_p2p_wait(struct mpi *m)
+{
+    for (unsigned us = POLL_MIN_US;; us = us * 2 > POLL_MAX_US ? POLL_MAX_US : us * 2) {
+        bool done;
+        int r = mpi_p2p_test(m, &done);
+        if (r || done) return r;
+        if (m->npend) { /* the leaders' sends progress meanwhile */
+            int all = 0, e = LOCKED(MPI_Testall((int)m->npend, m->pend, &all, MPI_STATUSES_IGNORE));
+            if (e != MPI_SUCCESS) return give_up(m, -EIO, "sending to other nodes", e);
+            if (all) m->npend = 0;
+        }
+        if (m->s && shm_check(m->s)) return give_up(m, -ECONNABORTED, "a transfer", MPI_SUCCESS);
+        if (m->s && shm_op_late(m->s)) return give_up(m, -ETIMEDOUT, "a transfer", MPI_SUCCESS);
+        if (m->stop && *m->stop) return give_up(m, -EINTR, "a transfer", MPI_SUCCESS);
+        usleep(us);
+    }
+}
+
+int mpi_p2p_check(struct mpi *m)
+{
+    /* Not shm_check: ranks of this node that take no part may be done and gone. */
+    if (m->s && shm_failed(m->s)) return give_up(m, -ECONNABORTED, "a transfer", MPI_SUCCESS);
+    if (m->s && shm_op_late(m->s)) return give_up(m, -ETIMEDOUT, "a transfer", MPI_SUCCESS);
+    if (m->stop && *m->stop) return give_up(m, -EINTR, "a transfer", MPI_SUCCESS);
+    return 0;
+}
+
 void mpi_take_net(struct mpi *m, uint64_t *out, uint64_t *in)
 {
     *out = m->net_out, *in = m->net_in;
@@ -570,5 +672,36 @@ void mpi_take_net(struct mpi *m, uint64_t *out, uint64_t *in)
 {
     (void)m;
     *out = *in = 0;
+}
+
+int mpi_p2p_post(struct mpi *m, bool send, int rank, void *buf, size_t bytes, int tag)
+{
+    (void)m, (void)send, (void)rank, (void)buf, (void)bytes, (void)tag;
+    return -ENOTSUP;
+}
+
+int mpi_p2p_test(struct mpi *m, bool *done)
+{
+    (void)m;
+    *done = true;
+    return -ENOTSUP;
+}
+
+int mpi_p2p_wait(struct mpi *m)
+{
+    (void)m;
+    return -ENOTSUP;
+}
+
+int mpi_p2p_check(struct mpi *m)
+{
+    (void)m;
+    return -ENOTSUP;
+}
+
+bool mpi_p2p_posted(const struct mpi *m)
+{
+    (void)m;
+    return false;
 }
 #endif

@@ -58,6 +58,23 @@ int mpi_flush(struct mpi *m);
 /* Fails the node's segment with why and aborts the job (on a leader; a later call does
  * nothing more). */
 void mpi_abort(struct mpi *m, const char *why);
+/* Any rank's own transfers with another world rank (send, receive and alltoall across
+ * nodes), on the world's communicator, not the leaders': posted (mpi_p2p_post, which
+ * counts the bytes that cross physical nodes), then tested or waited for all together. A
+ * message posted with tag t from a to b matches b's next receive from a with tag t. Waits
+ * and failures are as the leaders' (the job is aborted); a receive that got fewer bytes
+ * than it posted fails so, naming both ranks. mpi_p2p_test: *done once every posted
+ * transfer has finished (then none is posted). */
+enum { MPI_TAG_P2P = 100, MPI_TAG_ALLTOALL = 101 };
+int mpi_p2p_post(struct mpi *m, bool send, int rank, void *buf, size_t bytes, int tag);
+int mpi_p2p_test(struct mpi *m, bool *done);
+int mpi_p2p_wait(struct mpi *m);
+/* Between tests in a caller's own wait: the node's segment failed (not its other ranks'
+ * lives: they may take no part), the operation's deadline and the stop flag, as the waits here watch them (the job aborted where one says so). */
+int mpi_p2p_check(struct mpi *m);
+/* Whether transfers of mpi_p2p_post are still posted. */
+bool mpi_p2p_posted(const struct mpi *m);
+
 /* The operation the next transfers belong to (their failures name it). */
 void mpi_begin_op(struct mpi *m, enum comm_op op);
 /* The bytes this rank's leader transfers moved to and from other physical nodes since the

@@ -31,7 +31,7 @@ _Static_assert(sizeof(ncclUniqueId) == SHM_ID_BYTES, "NCCL's unique id travels i
 struct nccl {
     ncclComm_t comm;
     cudaStream_t stream;
-    int device;
+    int device, world;
     bool aborted;
 };
 
@@ -51,6 +51,10 @@ static struct {
     ncclResult_t (*Broadcast)(const void *, void *, size_t, ncclDataType_t, int, ncclComm_t,
                               cudaStream_t);
     ncclResult_t (*GetVersion)(int *);
+    ncclResult_t (*Send)(const void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+    ncclResult_t (*Recv)(void *, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+    ncclResult_t (*GroupStart)(void);
+    ncclResult_t (*GroupEnd)(void);
 } lib;
 static char lib_why[256]; /* why it did not load */
 static pthread_once_t lib_once = PTHREAD_ONCE_INIT;
@@ -71,6 +75,10 @@ static void lib_load(void)
     lib.AllReduce = ncclAllReduce;
     lib.Broadcast = ncclBroadcast;
     lib.GetVersion = ncclGetVersion;
+    lib.Send = ncclSend;
+    lib.Recv = ncclRecv;
+    lib.GroupStart = ncclGroupStart;
+    lib.GroupEnd = ncclGroupEnd;
     return;
 #endif
     void *h = dlopen("libnccl.so.2", RTLD_NOW | RTLD_LOCAL);
@@ -93,7 +101,11 @@ static void lib_load(void)
                 {(void **)&lib.ReduceScatter, "ncclReduceScatter"},
                 {(void **)&lib.AllReduce, "ncclAllReduce"},
                 {(void **)&lib.Broadcast, "ncclBroadcast"},
-                {(void **)&lib.GetVersion, "ncclGetVersion"}};
+                {(void **)&lib.GetVersion, "ncclGetVersion"},
+                {(void **)&lib.Send, "ncclSend"},
+                {(void **)&lib.Recv, "ncclRecv"},
+                {(void **)&lib.GroupStart, "ncclGroupStart"},
+                {(void **)&lib.GroupEnd, "ncclGroupEnd"}};
     for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
         *syms[i].fn = dlsym(h, syms[i].name);
         if (!*syms[i].fn) {
@@ -165,6 +177,7 @@ int nccl_open(const struct comm_opts *o, const uint8_t *id, struct nccl **out)
     struct nccl *n = calloc(1, sizeof(*n));
     if (!n) return -ENOMEM;
     n->device = o->cuda_device;
+    n->world = o->world;
     int r = 0;
     cudaError_t e = cudaSetDevice(n->device);
     if (e != cudaSuccess) {
@@ -233,6 +246,43 @@ static int wait_stream(struct nccl *n, struct shm *rdv)
     }
 }
 
+/* The point-to-point operations as one NCCL group, so that its sends and receives progress
+ * together (a lone ncclSend may wait for its receiver): alltoall is a send and a receive
+ * with every rank (this one too), sendrecv one of each. The group is ended whatever failed
+ * inside it, as NCCL requires. */
+static ncclResult_t p2p(struct nccl *n, const struct comm_req *q, ncclDataType_t t, int world)
+{
+    size_t bytes = q->count * comm_dtype_bytes(q->dtype);
+    const char *send = q->send;
+    char *recv = q->recv;
+    ncclResult_t r = lib.GroupStart(), e;
+    if (r != ncclSuccess) return r;
+    switch (q->op) {
+    case COMM_ALLTOALL:
+        for (int p = 0; p < world && r == ncclSuccess; p++) {
+            r = lib.Send(send + (size_t)p * bytes, q->count, t, p, n->comm, n->stream);
+            if (r == ncclSuccess)
+                r = lib.Recv(recv + (size_t)p * bytes, q->count, t, p, n->comm, n->stream);
+        }
+        break;
+    case COMM_SEND:
+        r = lib.Send(send, q->count, t, q->peer, n->comm, n->stream);
+        break;
+    case COMM_RECV:
+        r = lib.Recv(recv, q->count, t, q->peer, n->comm, n->stream);
+        break;
+    case COMM_SENDRECV:
+        r = lib.Send(send, q->count, t, q->peer, n->comm, n->stream);
+        if (r == ncclSuccess) r = lib.Recv(recv, q->count, t, q->recv_peer, n->comm, n->stream);
+        break;
+    default:
+        r = ncclInvalidArgument;
+        break;
+    }
+    e = lib.GroupEnd();
+    return r != ncclSuccess ? r : e;
+}
+
 int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
 {
     if (n->aborted) return -ECONNABORTED;
@@ -257,6 +307,12 @@ int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
         break;
     case COMM_BARRIER:
         return shm_barrier(rdv);
+    case COMM_ALLTOALL:
+    case COMM_SEND:
+    case COMM_RECV:
+    case COMM_SENDRECV:
+        r = p2p(n, q, t, n->world);
+        break;
     }
     if (r != ncclSuccess) return nccl_errno(r, "an NCCL collective");
     if (q->done_event && (e = cudaEventRecord((cudaEvent_t)q->done_event, n->stream)) != cudaSuccess)
@@ -299,6 +355,43 @@ int nccl_open(const struct comm_opts *o, const uint8_t *id, struct nccl **out)
 void nccl_bind_thread(struct nccl *n)
 {
     (void)n;
+}
+
+/* The point-to-point operations as one NCCL group, so that its sends and receives progress
+ * together (a lone ncclSend may wait for its receiver): alltoall is a send and a receive
+ * with every rank (this one too), sendrecv one of each. The group is ended whatever failed
+ * inside it, as NCCL requires. */
+static ncclResult_t p2p(struct nccl *n, const struct comm_req *q, ncclDataType_t t, int world)
+{
+    size_t bytes = q->count * comm_dtype_bytes(q->dtype);
+    const char *send = q->send;
+    char *recv = q->recv;
+    ncclResult_t r = lib.GroupStart(), e;
+    if (r != ncclSuccess) return r;
+    switch (q->op) {
+    case COMM_ALLTOALL:
+        for (int p = 0; p < world && r == ncclSuccess; p++) {
+            r = lib.Send(send + (size_t)p * bytes, q->count, t, p, n->comm, n->stream);
+            if (r == ncclSuccess)
+                r = lib.Recv(recv + (size_t)p * bytes, q->count, t, p, n->comm, n->stream);
+        }
+        break;
+    case COMM_SEND:
+        r = lib.Send(send, q->count, t, q->peer, n->comm, n->stream);
+        break;
+    case COMM_RECV:
+        r = lib.Recv(recv, q->count, t, q->peer, n->comm, n->stream);
+        break;
+    case COMM_SENDRECV:
+        r = lib.Send(send, q->count, t, q->peer, n->comm, n->stream);
+        if (r == ncclSuccess) r = lib.Recv(recv, q->count, t, q->recv_peer, n->comm, n->stream);
+        break;
+    default:
+        r = ncclInvalidArgument;
+        break;
+    }
+    e = lib.GroupEnd();
+    return r != ncclSuccess ? r : e;
 }
 
 int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)

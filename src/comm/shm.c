@@ -6,7 +6,8 @@
  * The segment, /dev/shm/zinf-comm-NAME.TAG while the ranks meet and unlinked once they all
  * have (so a crash leaves nothing behind), holds a header and, for the shm backend, two
  * sets of staging areas: per set, one of chunk_bytes per rank and one result area of
- * chunk_bytes (how the collectives use them is drawn at the top of shm_coll.c).
+ * chunk_bytes (how the collectives use them is drawn at the top of shm_coll.c), the ranks'
+ * pools, and a channel for each ordered pair of ranks (shm_p2p.c).
  *
  * Failure: a rank that fails (or a peer found dead: kill(pid, 0) while waiting) sets the
  * header's failed word with a reason; every wait sees it within WAIT_SLICE_MS and answers
@@ -62,7 +63,9 @@ static size_t hdr_bytes(void)
 
 static size_t seg_bytes(int world, size_t chunk, size_t pool)
 {
-    return hdr_bytes() + 2 * ((size_t)world + 1) * chunk + (size_t)world * pool;
+    size_t ring;
+    return hdr_bytes() + 2 * ((size_t)world + 1) * chunk + (size_t)world * pool +
+           shm_chan_bytes(world, chunk, &ring);
 }
 
 bool comm_name_ok(const char *n)
@@ -184,6 +187,21 @@ int shm_check(struct shm *s)
         shm_fail(s, why);
     }
     return shm_failed(s);
+}
+
+int shm_peer_check(struct shm *s, int peer, char *why, size_t len)
+{
+    int r = shm_failed(s);
+    if (r) return r;
+    struct shm_rank *q = &s->h->ranks[peer];
+    int32_t pid = atomic_load_explicit(&q->pid, memory_order_relaxed);
+    if (atomic_load_explicit(&q->left, memory_order_acquire))
+        snprintf(why, len, "rank %d (pid %d) closed its communicator", s->first + peer, (int)pid);
+    else if (!alive(pid))
+        snprintf(why, len, "rank %d (pid %d) is gone", s->first + peer, (int)pid);
+    else
+        return 0;
+    return 1;
 }
 
 void shm_begin_op(struct shm *s, enum comm_op op)
@@ -597,6 +615,10 @@ int shm_rdv_open(const struct comm_opts *o, bool data, uint8_t *id, struct shm *
     s->data = s->chunk ? (char *)s->h + hdr_bytes() : NULL;
     s->pool = s->h->pool_bytes;
     s->pools = s->pool ? (char *)s->h + hdr_bytes() + 2 * ((size_t)s->world + 1) * s->chunk : NULL;
+    s->chans = shm_chan_bytes(s->world, s->chunk, &s->ring)
+                   ? (char *)s->h + hdr_bytes() + 2 * ((size_t)s->world + 1) * s->chunk +
+                         (size_t)s->world * s->pool
+                   : NULL;
     *out = s;
     return 0;
 }
@@ -609,6 +631,10 @@ void shm_name_ranks_from(struct shm *s, int first)
 void shm_rdv_close(struct shm *s)
 {
     if (!s) return;
+    /* After every message it sent is in the channels (release): a peer that sees it gone
+     * still takes them. */
+    if (s->h && s->chans)
+        atomic_store_explicit(&s->h->ranks[s->rank].left, 1, memory_order_release);
     if (s->h) munmap(s->h, s->map_bytes);
     free(s);
 }

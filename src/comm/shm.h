@@ -6,6 +6,8 @@
 #ifndef ZINF_COMM_SHM_H
 #define ZINF_COMM_SHM_H
 
+#include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "comm/comm.h"
@@ -38,12 +40,40 @@ bool shm_op_late(struct shm *s);
 int shm_barrier(struct shm *s);
 /* -ECONNABORTED if the communicator failed or a peer is gone (then failed), else 0. */
 int shm_check(struct shm *s);
+/* -ECONNABORTED if the communicator has failed (once its reason is written), else 0. */
+int shm_failed(struct shm *s);
+/* For an operation that only some ranks take part in: -ECONNABORTED if the communicator
+ * failed, 1 (and why, without failing it) if local rank peer is gone or closed its
+ * communicator, else 0. */
+int shm_peer_check(struct shm *s, int peer, char *why, size_t len);
 /* Marks the communicator failed for every rank, with why (the first reason wins). */
 void shm_fail(struct shm *s, const char *why);
 
 /* One operation of the shm backend, synchronous; req checked by the caller. *pooled says
  * whether it went through the pools in place. */
 int shm_run(struct shm *s, const struct comm_req *req, bool *pooled);
+
+/* A message through the channel from one local rank to another (shm_p2p.c): its size (a
+ * header), then its bytes, through a ring in the segment. shm_msg_send and shm_msg_recv
+ * move what they can without waiting, and return 0 with *moved saying whether anything
+ * went; the caller loops (p2p.c) until shm_msg_done. A receive whose sender announced
+ * another size fails the communicator naming both, and answers -EPROTO. */
+struct shm_msg {
+    int peer;      /* the local rank sent to or received from */
+    char *buf;     /* sent from or received into */
+    size_t bytes;
+    uint64_t hdr;  /* the header, as written or read */
+    size_t moved;  /* of the header's and then the message's bytes */
+};
+void shm_msg_init(struct shm_msg *m, int peer, const void *buf, size_t bytes);
+int shm_msg_send(struct shm *s, struct shm_msg *m, bool *moved);
+int shm_msg_recv(struct shm *s, struct shm_msg *m, bool *moved);
+bool shm_msg_done(const struct shm_msg *m);
+/* The operation passed its deadline waiting for local rank peer ("its send to ..." in
+ * what): fails the communicator naming that rank and the operation it is in; -ETIMEDOUT. */
+int shm_p2p_late(struct shm *s, int peer, const char *what);
+/* Logs why the communicator failed, as the rank that failed it said. */
+void shm_log_failed(struct shm *s);
 
 /* The rank's pool (comm_opts.pool_bytes) in the segment: base and size; 0 size: none. */
 void shm_pool(struct shm *s, char **base, size_t *bytes);

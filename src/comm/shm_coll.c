@@ -11,6 +11,12 @@
  * rank's buffers are in its pool, the collective reads them there and copies once
  * (run_pooled).
  *
+ * alltoall is reduce_scatter's movement without the sums: each chunk carries chunk / world
+ * bytes of every destination's block, and each rank copies its part of every area out. Its
+ * ranks say what they run before its first barrier and check one another after it, so a
+ * rank in another operation, or with another size, fails the communicator at once (-EPROTO)
+ * rather than moving the wrong bytes.
+ *
  * Reductions add in rank order, out = ((s0 + s1) + s2) + ..., for every element whichever
  * rank computes it: results are bitwise the same on every rank, from run to run, and equal
  * to one process accumulating the same contributions in that order. With comm_req.acc the
@@ -21,6 +27,7 @@
  */
 #include <errno.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__SSE__)
@@ -264,6 +271,56 @@ static int allreduce(struct shm *s, const float *send, float *recv, size_t count
     return 0;
 }
 
+/* Before the operation's first barrier: what this rank runs. */
+static void say_op(struct shm *s, enum comm_op op, uint64_t bytes)
+{
+    struct shm_rank *me = &s->h->ranks[s->rank];
+    me->says_op[(s->bars + 1) % 2] = (uint32_t)op;
+    me->says_bytes[(s->bars + 1) % 2] = bytes;
+}
+
+/* After it: every rank runs the same (else the communicator fails, naming the first that
+ * does not). */
+static int same_op(struct shm *s)
+{
+    int i = (int)(s->bars % 2);
+    const struct shm_rank *me = &s->h->ranks[s->rank];
+    for (int p = 0; p < s->world; p++) {
+        const struct shm_rank *q = &s->h->ranks[p];
+        if (q->says_op[i] == me->says_op[i] && q->says_bytes[i] == me->says_bytes[i]) continue;
+        char why[WHY_BYTES];
+        snprintf(why, sizeof(why), "rank %d runs %s of %llu bytes where rank %d runs %s of %llu",
+                 s->first + p, comm_op_name(q->says_op[i]), (unsigned long long)q->says_bytes[i],
+                 s->first + s->rank, comm_op_name(me->says_op[i]),
+                 (unsigned long long)me->says_bytes[i]);
+        shm_fail(s, why);
+        log_error("comm %s: rank %d: %s", s->job, s->first + s->rank, why);
+        return -EPROTO;
+    }
+    return 0;
+}
+
+/* send and recv hold world blocks of bytes each; recv's block q is rank q's block `rank`.
+ * check: the ranks check one another after the first chunk's barrier (no barrier came
+ * since they said what they run). */
+static int alltoall(struct shm *s, const char *send, char *recv, size_t bytes, bool check)
+{
+    size_t per = s->chunk / (size_t)s->world;
+    for (size_t j = 0; j < bytes; j += per) {
+        size_t m = MIN(per, bytes - j);
+        uint64_t k = s->chunks++;
+        char *mine = area(s, k, s->rank);
+        for (int d = 0; d < s->world; d++)
+            memcpy(mine + (size_t)d * per, send + (size_t)d * bytes + j, m);
+        int r = shm_barrier(s);
+        if (!r && j == 0 && check) r = same_op(s);
+        if (r) return r;
+        for (int q = 0; q < s->world; q++)
+            memcpy(recv + (size_t)q * bytes + j, area(s, k, q) + (size_t)s->rank * per, m);
+    }
+    return 0;
+}
+
 void shm_pool(struct shm *s, char **base, size_t *bytes)
 {
     *base = s->pools ? s->pools + (size_t)s->rank * s->pool : NULL;
@@ -339,7 +396,12 @@ static int run_pooled(struct shm *s, const struct comm_req *q, size_t bytes)
                       apart && (hi - lo) * sizeof(float) * (size_t)s->world >= SUM_STREAM_BYTES);
         break;
     }
-    case COMM_BARRIER:
+    case COMM_ALLTOALL:
+        for (int p = 0; p < s->world; p++)
+            copy_ahead((char *)q->recv + (size_t)p * bytes,
+                       peer(s, p, s->h->ranks[p].off_send) + (size_t)me * bytes, bytes);
+        break;
+    default:
         break;
     }
     return shm_barrier(s);
@@ -355,9 +417,11 @@ int shm_run(struct shm *s, const struct comm_req *q, bool *pooled)
      * buffers are in their pools; if all are, the collective copies once. Otherwise it
      * goes through the staging areas, whose first chunk's barrier comes after every rank
      * has read what the others said. */
+    if (q->op == COMM_ALLTOALL && bytes) say_op(s, q->op, bytes);
     if (s->pools && bytes > 0 && q->op != COMM_BARRIER) {
-        size_t in = q->op == COMM_REDUCE_SCATTER ? bytes * (size_t)s->world : bytes,
-               out = q->op == COMM_ALLGATHER ? bytes * (size_t)s->world : bytes;
+        bool a2a = q->op == COMM_ALLTOALL;
+        size_t in = q->op == COMM_REDUCE_SCATTER || a2a ? bytes * (size_t)s->world : bytes,
+               out = q->op == COMM_ALLGATHER || a2a ? bytes * (size_t)s->world : bytes;
         int64_t so = q->op == COMM_BROADCAST ? 0 : pool_off(s, q->send, in),
                 ro = pool_off(s, q->recv, out);
         struct shm_rank *mine = &s->h->ranks[s->rank];
@@ -365,6 +429,7 @@ int shm_run(struct shm *s, const struct comm_req *q, bool *pooled)
         mine->off_send = (uint64_t)(so < 0 ? 0 : so);
         mine->off_recv = (uint64_t)(ro < 0 ? 0 : ro);
         if ((r = shm_barrier(s))) goto out;
+        if (a2a && (r = same_op(s))) goto out;
         bool all = true;
         for (int p = 0; p < s->world; p++)
             all &= s->h->ranks[p].pooled != 0;
@@ -389,6 +454,13 @@ int shm_run(struct shm *s, const struct comm_req *q, bool *pooled)
         break;
     case COMM_BARRIER:
         r = shm_barrier(s);
+        break;
+    case COMM_ALLTOALL:
+        /* Where the pools' barrier came first, the ranks have checked one another. */
+        r = alltoall(s, q->send, q->recv, bytes, !s->pools);
+        break;
+    default: /* point-to-point: p2p.c */
+        r = -EINVAL;
         break;
     }
 out:

@@ -24,10 +24,16 @@ struct shm_rank {
     _Atomic uint32_t op;   /* the operation it is in (enum comm_op) ... */
     _Atomic uint64_t seq;  /* ... and its number: how many it has begun */
     _Atomic uint64_t bars; /* barriers it has entered */
+    _Atomic uint32_t left; /* it closed its communicator (its operations are over) */
     /* An operation's arguments, written before its first barrier and read after it: whether
      * the rank's buffers are in its pool, and where. */
     uint32_t pooled;
     uint64_t off_send, off_recv;
+    /* What the rank says it runs (operation, bytes), for its barrier number k in [k % 2]:
+     * written before that barrier and read after it; a rank gone ahead into its next
+     * operation writes the other one. */
+    uint32_t says_op[2];
+    uint64_t says_bytes[2];
 };
 
 struct shm_hdr {
@@ -52,6 +58,8 @@ struct shm {
     size_t chunk;    /* bytes per area */
     char *pools;     /* rank r's pool at pools + r x pool; NULL: none */
     size_t pool;
+    char *chans;     /* the point-to-point channels (shm_p2p.c); NULL: none */
+    size_t ring;     /* bytes of each channel's ring */
     uint64_t chunks; /* chunks moved so far (set = chunks % 2) */
     int rank, world;
     int first;                 /* what messages add to a rank: shm_name_ranks_from */
@@ -66,8 +74,10 @@ struct shm {
     size_t why_len;
 };
 
-/* -ECONNABORTED if the communicator has failed (once its reason is written), else 0. */
-int shm_failed(struct shm *s);
+/* The point-to-point channels' bytes in a segment of world ranks whose staging areas are
+ * chunk bytes (0: none), and each one's ring (shm_p2p.c). */
+size_t shm_chan_bytes(int world, size_t chunk, size_t *ring);
+
 /* Why it failed, as the rank that failed it wrote. */
 const char *shm_fail_reason(struct shm *s);
 

@@ -21,9 +21,14 @@
  *     NCCL's own 16-bit reductions do per step): results are deterministic and the same on
  *     every rank. The data moves through the slots a chunk at a time, with a barrier of
  *     every rank between the phases of each chunk.
- *   - ncclGroupStart/ncclGroupEnd: the operations between them are enqueued as they are
- *     called (every rank calls the same collectives in the same order, so running them one
- *     after the other is one of the orders NCCL may choose).
+ *   - ncclSend and ncclRecv, through a ring per ordered pair of ranks in the segment (a send
+ *     to itself too); the k-th send from a to b matches b's k-th receive from a. Outside a
+ *     group each is enqueued alone, and a send waits until its receiver has taken all but a
+ *     ring of it, as NCCL's may.
+ *   - ncclGroupStart/ncclGroupEnd: collectives between them are enqueued as they are called
+ *     (every rank calls the same collectives in the same order, so running them one after the
+ *     other is one of the orders NCCL may choose); sends and receives are gathered and
+ *     enqueued at the outermost ncclGroupEnd as one operation that progresses them together.
  *   - Faults: ncclCommAbort (or a rank's abort anywhere in the world) makes every rank's
  *     pending and later operations return at their next barrier; their streams go on, and
  *     ncclCommGetAsyncError says ncclRemoteError (a peer aborted) or ncclSystemError (this
@@ -31,7 +36,8 @@
  *     the caller's watchdog (nccl.c polls the rendezvous for dead ranks) aborts them.
  *
  * Not modelled: more than one communicator per segment name, ncclCommSplit and the other
- * calls zinf does not make (absent: a link error), point-to-point, any redop but ncclSum,
+ * calls zinf does not make (absent: a link error), a group's sends on several communicators
+or streams, any redop but ncclSum,
  * timing, and NCCL's refusal of two ranks on one GPU (each emulated process has a device of
  * its own). Environment: EMU_NCCL_SLOT_BYTES sets the staging per rank (default 1 MiB;
  * small values exercise the chunking).
@@ -52,6 +58,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <vector>
 
 namespace
 {
@@ -95,7 +102,26 @@ struct ncclComm {
     {
         return (char *)seg + HDR + (size_t)r * slot;
     }
+    /* The channel from rank a to rank b: its counters (put, got: bytes written and read)
+     * and its ring of slot bytes, after the slots. */
+    std::atomic<uint64_t> *chan(int a, int b) const
+    {
+        return (std::atomic<uint64_t> *)((char *)seg + HDR + (size_t)nranks * slot +
+                                          ((size_t)a * (size_t)nranks + (size_t)b) * 128);
+    }
+    char *ring(int a, int b) const
+    {
+        size_t pairs = (size_t)nranks * (size_t)nranks;
+        return (char *)seg + HDR + (size_t)nranks * slot + pairs * 128 +
+               ((size_t)a * (size_t)nranks + (size_t)b) * slot;
+    }
 };
+
+static size_t seg_bytes(int nranks, size_t slot)
+{
+    size_t pairs = (size_t)nranks * (size_t)nranks;
+    return HDR + (size_t)nranks * slot + pairs * (128 + slot);
+}
 
 static int group_depth;
 
@@ -283,6 +309,91 @@ static bool run(ncclComm *c, const Op &o)
     return false;
 }
 
+/* One send or receive of a group. */
+struct P2p {
+    bool send;
+    int peer;
+    char *buf;
+    size_t bytes, moved;
+};
+
+/* Moves what the channel takes: whether anything went. */
+static bool p2p_step(ncclComm *c, P2p &p)
+{
+    int from = p.send ? c->rank : p.peer, to = p.send ? p.peer : c->rank;
+    std::atomic<uint64_t> *put = c->chan(from, to), *got = put + 8; /* 64 bytes apart */
+    uint64_t w = put->load(p.send ? std::memory_order_relaxed : std::memory_order_acquire);
+    uint64_t r = got->load(p.send ? std::memory_order_acquire : std::memory_order_relaxed);
+    size_t n = std::min(p.bytes - p.moved, p.send ? c->slot - (size_t)(w - r) : (size_t)(w - r));
+    if (!n) return false;
+    char *ring = c->ring(from, to);
+    uint64_t at64 = p.send ? w : r;
+    size_t at = (size_t)(at64 % c->slot), first = std::min(n, c->slot - at);
+    if (p.send) {
+        memcpy(ring + at, p.buf + p.moved, first);
+        memcpy(ring, p.buf + p.moved + first, n - first);
+        put->store(w + n, std::memory_order_release);
+    } else {
+        memcpy(p.buf + p.moved, ring + at, first);
+        memcpy(p.buf + p.moved + first, ring, n - first);
+        got->store(r + n, std::memory_order_release);
+    }
+    p.moved += n;
+    return true;
+}
+
+/* A group's sends and receives, on the stream's worker, together. False once aborted. */
+static bool run_p2p(ncclComm *c, std::vector<P2p> ops)
+{
+    for (unsigned idle = 0;;) {
+        bool all = true, moved = false;
+        for (P2p &p : ops) {
+            if (p.moved < p.bytes) moved |= p2p_step(c, p);
+            all &= p.moved == p.bytes;
+        }
+        if (all) return true;
+        if (c->seg->aborted.load() || c->aborted.load()) return false;
+        idle = moved ? 0 : idle + 1;
+        if (idle > 64) nap();
+    }
+}
+
+static std::vector<P2p> group_ops;
+static ncclComm *group_comm;
+static cudaStream_t group_stream;
+
+static void enqueue_p2p(ncclComm *c, std::vector<P2p> ops, cudaStream_t s)
+{
+    c->pending++;
+    emu_enqueue(s, [c, ops] {
+        if (!c->aborted.load() && !c->seg->aborted.load() && !run_p2p(c, ops)) {
+            int none = ncclSuccess;
+            c->async.compare_exchange_strong(
+                none, c->aborted.load() ? ncclSystemError : ncclRemoteError);
+        }
+        c->pending--;
+    });
+}
+
+static ncclResult_t add_p2p(bool send, const void *buf, size_t count, ncclDataType_t t, int peer,
+                            ncclComm_t c, cudaStream_t s)
+{
+    if (!c || !c->seg || !type_bytes(t) || peer < 0 || peer >= c->nranks) return ncclInvalidArgument;
+    if (c->aborted.load()) return ncclInvalidUsage;
+    size_t bytes = count * type_bytes(t);
+    if (bytes) emu_need_device(buf, bytes, send ? "nccl send buffer" : "nccl receive buffer");
+    P2p p = {send, peer, (char *)buf, bytes, 0};
+    if (group_depth == 0) {
+        enqueue_p2p(c, std::vector<P2p>{p}, s);
+        return ncclSuccess;
+    }
+    if (!group_ops.empty() && (group_comm != c || group_stream != s)) return ncclInvalidUsage;
+    group_comm = c;
+    group_stream = s;
+    group_ops.push_back(p);
+    return ncclSuccess;
+}
+
 static ncclResult_t enqueue(ncclComm *c, const Op &o, cudaStream_t s)
 {
     if (!c || !c->seg) return ncclInvalidArgument;
@@ -367,7 +478,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t *out, int nranks, ncclUniqueId uid, int
     if (memcmp(id.magic, ID_MAGIC, sizeof(ID_MAGIC)) || !memchr(id.name, 0, sizeof(id.name)) ||
         id.slot < 64)
         return ncclInvalidArgument;
-    size_t bytes = HDR + (size_t)nranks * id.slot;
+    size_t bytes = seg_bytes(nranks, id.slot);
     int fd = shm_open(id.name, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
     if (fd < 0) return ncclSystemError;
     struct stat st;
@@ -499,8 +610,23 @@ ncclResult_t ncclGroupStart(void)
 ncclResult_t ncclGroupEnd(void)
 {
     if (group_depth == 0) return ncclInvalidUsage;
-    group_depth--;
+    if (--group_depth == 0 && !group_ops.empty()) {
+        enqueue_p2p(group_comm, group_ops, group_stream);
+        group_ops.clear();
+    }
     return ncclSuccess;
+}
+
+ncclResult_t ncclSend(const void *send, size_t count, ncclDataType_t t, int peer, ncclComm_t c,
+                      cudaStream_t s)
+{
+    return add_p2p(true, send, count, t, peer, c, s);
+}
+
+ncclResult_t ncclRecv(void *recv, size_t count, ncclDataType_t t, int peer, ncclComm_t c,
+                      cudaStream_t s)
+{
+    return add_p2p(false, recv, count, t, peer, c, s);
 }
 
 } /* extern "C" */

@@ -9,7 +9,7 @@
 #   tests/cuda_emu/run.sh [--stress] [--no-sanitize] [PROGRAM...]
 #
 # PROGRAM is a test program of tests/meson.build (default: test_kernels test_train_gpu
-# test_device test_host test_comm), or `ranks`: ranks.sh, GPU ranks of `zinf launch -n N --
+# test_device test_host test_comm test_comm_a2a), or `ranks`: ranks.sh, GPU ranks of `zinf launch -n N --
 # zinf train` over the emulated NCCL (emu_nccl.cpp), with the zinf command built here; or
 # `ranks-mpi`: ranks_mpi.sh, GPU ranks under `mpirun -np N` split into logical nodes
 # (ZINF_COMM_RANKS_PER_NODE), NCCL's id broadcast over MPI, with the communicator alone
@@ -31,7 +31,7 @@ set -uo pipefail
 
 usage() {
   echo "usage: tests/cuda_emu/run.sh [--stress] [--no-sanitize] [PROGRAM...]"
-  echo "  (default programs: test_kernels test_train_gpu test_device test_host test_comm;"
+  echo "  (default programs: test_kernels test_train_gpu test_device test_host test_comm test_comm_a2a;"
   echo "   ranks: GPU ranks of zinf train over the emulated NCCL;"
   echo "   ranks-mpi: the same under mpirun, in logical nodes; comm-mpi: its communicator part)"
 }
@@ -50,7 +50,7 @@ for a in "$@"; do
     *) progs+=("$a") ;;
   esac
 done
-[ ${#progs[@]} -gt 0 ] || progs=(test_kernels test_train_gpu test_device test_host test_comm)
+[ ${#progs[@]} -gt 0 ] || progs=(test_kernels test_train_gpu test_device test_host test_comm test_comm_a2a)
 # "ranks" is ranks.sh over the zinf command built here; "ranks-mpi" and "comm-mpi" are
 # ranks_mpi.sh over it and comm_nccl_mpi_rank.
 targets=()
