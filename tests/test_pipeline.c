@@ -123,8 +123,9 @@ static void same(const struct steps *a, const struct steps *b, const char *what)
         cr_assert_str_eq(a->v[k], b->v[k], "%s, step %d", what, k);
 }
 
-/* 2 and 3 stages, balanced by parameters, uniformly and by a given cut, with 1 to 4
- * micro-batches (fewer than the stages too), against one rank accumulating as many. */
+/* 2 and 3 stages, balanced by parameters, uniformly and by a given cut, with 2 to 4
+ * micro-batches (fewer than the stages too), and two copies of a pipeline, against one rank
+ * accumulating as many. */
 Test(pipeline, stages_give_one_ranks_bits_for_every_cut_and_schedule)
 {
     char cfg[4096];
@@ -136,20 +137,22 @@ Test(pipeline, stages_give_one_ranks_bits_for_every_cut_and_schedule)
         train(1, cfg, name, "", &one[m]);
     }
     static const struct {
-        int P, M;
+        int n, M; /* ranks, micro-batches per copy */
         const char *extra, *train;
     } cases[] = {
         {2, 4, "\"pipeline\": {\"stages\": 2},", ""},
         {3, 4, "\"pipeline\": {\"stages\": 3, \"partition\": \"uniform\"},", ""},
         {3, 2, "\"pipeline\": {\"stages\": 3},", ""},
         {3, 3, "\"pipeline\": {\"stages\": 3},", ", \"pipeline_cut\": \"1,4\""},
+        /* Two copies of a pipeline, ZeRO-1 over each stage's copies: 2 x 2 micro-batches. */
+        {4, 2, "\"pipeline\": {\"stages\": 2}, \"zero_optimization\": {\"stage\": 1},", ""},
     };
     for (size_t c = 0; c < ARRAY_SIZE(cases); c++) {
         char name[32];
         snprintf(name, sizeof(name), "pp%zu", c);
         config(cfg, sizeof(cfg), name, cases[c].M, cases[c].extra, cases[c].train);
-        train(cases[c].P, cfg, name, "", &got);
-        same(&one[cases[c].M], &got, name);
+        train(cases[c].n, cfg, name, "", &got);
+        same(&one[cases[c].n == 4 ? 4 : cases[c].M], &got, name);
     }
     /* The cut as said: stage 1 of "1,4" holds blocks 1-3, and reports its bubble. */
     char log[4096];
@@ -230,7 +233,7 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
         int n;
         const char *extra, *train, *want;
     } cases[] = {
-        {2, "\"pipeline\": {\"stages\": 3},", "", "start as many ranks as stages"},
+        {2, "\"pipeline\": {\"stages\": 3},", "", "start a multiple of 3 ranks"},
         {2, "\"pipeline\": {\"stages\": 2}, \"zero_optimization\": {\"stage\": 2},", "",
          "zero_optimization.stage 2 with pipeline.stages 2"},
         {2, "\"pipeline\": {\"stages\": 2},", ", \"pipeline_cut\": \"5\"",

@@ -154,21 +154,20 @@ static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hp
 static int digest_tensor(struct trainer *t, int i, void **p, uint64_t *digest)
 {
     size_t n = t->desc[i].numel;
+    /* A pipeline stage's tensors by their number in the whole model, its copy of wte left
+     * to the first stage's. */
+    if (i == t->wte_copy) return 0;
+    uint32_t g = t->gidx ? (uint32_t)t->gidx[i] : (uint32_t)i;
     if (t->world > 1) {
         size_t own = train_shard_own(t, i), lo = train_shard_lo(t, i);
         const float *mine =
             train_stage_of(t, i) >= 3 ? (const float *)p[0] : (const float *)p[0] + lo;
         if (!own) return 0;
         if (t->opt_tier == ZINF_TIER_DEVICE)
-            return t->be->ops->digest(t->be, mine, own, (uint32_t)i, lo / DIGEST_BLOCK_FLOATS,
-                                      digest);
-        *digest += digest_floats(mine, own, (uint32_t)i, lo / DIGEST_BLOCK_FLOATS);
+            return t->be->ops->digest(t->be, mine, own, g, lo / DIGEST_BLOCK_FLOATS, digest);
+        *digest += digest_floats(mine, own, g, lo / DIGEST_BLOCK_FLOATS);
         return 0;
     }
-    /* A pipeline stage's tensors by their number in the whole model, its copy of wte left
-     * to the first stage's. */
-    if (i == t->wte_copy) return 0;
-    uint32_t g = t->gidx ? (uint32_t)t->gidx[i] : (uint32_t)i;
     if (t->opt_tier == ZINF_TIER_DEVICE) return t->be->ops->digest(t->be, p[0], n, g, 0, digest);
     *digest += digest_floats(p[0], n, g, 0);
     return 0;

@@ -25,8 +25,13 @@
  * in the whole layout's order. So P stages give bitwise the losses and weights of one rank
  * running --accumulate M.
  *
- * Not here: data-parallel copies of a pipeline (world = stages), ZeRO stages 2 and 3 with a
- * pipeline (refused, as DeepSpeed does), the re-cut of a saved run onto another cut.
+ * Data parallel: N ranks make N / P copies of the pipeline, rank d x P + s being copy d's
+ * stage s; the copies of a stage are ZeRO ranks (stage 0 or 1) of their own communicator,
+ * which reduce each micro-batch's gradients in rank order as ZeRO ranks do, so that copy d's
+ * micro-batch m is the step's m x copies + d, and the whole is one rank of M x copies.
+ *
+ * Not here: ZeRO stages 2 and 3 with a pipeline (refused, as DeepSpeed does), the re-cut of a
+ * saved run onto another cut.
  */
 #include <errno.h>
 #include <pthread.h>
@@ -178,11 +183,11 @@ int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
     t->nslots = 1;
     if (P == 1) return 0;
     int world = o->world > 1 ? o->world : 1;
-    if (world != P) {
+    if (world % P || world > COMM_MAX_RANKS || o->rank < 0 || o->rank >= world) {
         snprintf(err, errlen,
-                 "pipeline.stages %d: start as many ranks as stages (zinf launch -n %d), not %d; "
-                 "data-parallel copies of a pipeline are not built yet",
-                 P, P, world);
+                 "pipeline.stages %d: start a multiple of %d ranks, one per stage of each copy of "
+                 "the pipeline (zinf launch -n %d, %d, ...), not %d (rank %d)",
+                 P, P, P, 2 * P, world, o->rank);
         return -EINVAL;
     }
     if (t->zc.zero.stage >= 2) {
@@ -215,16 +220,15 @@ int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
     } else
         r = cut_by_parameters(&t->cfg, P, start);
     if (r < 0) return r;
-    t->ps = o->rank;
+    t->ps = o->rank % P;
     t->kb = start[t->ps];
     t->ke = start[t->ps + 1];
     /* In flight at once on stage s: P - s micro-batches (their activations kept). */
     t->nslots = MIN(P - t->ps, MAX(1, o->grad_accum));
-    /* The stage is one rank as ZeRO sees it, and its micro-batches are reduced as exact
+    /* ZeRO sees the copies of this stage, and its micro-batches are reduced as exact
      * accumulation reduces them (each from zero, folded in order). */
-    t->world = 1;
-    t->rank = 0;
-    t->exact = true;
+    t->world = world / P;
+    t->rank = o->rank / P;
     return 0;
 }
 
@@ -236,8 +240,11 @@ static int open_link(struct trainer *t, int which, int id, int rank, int world, 
     const struct trainer_opts *o = &t->o;
     char name[COMM_NAME_BYTES], cwhy[300] = "";
     (void)cuda; /* host buffers on every stage: the shared-memory backend */
-    int n = id < 0 ? snprintf(name, sizeof(name), "%s.%s", o->comm_name, link_name[which])
-                   : snprintf(name, sizeof(name), "%s.%s%d", o->comm_name, link_name[which], id);
+    /* Copy d's links: name.pfS.d (S the link's first stage), name.pw.d, name.pp.d. */
+    int n = id < 0 ? snprintf(name, sizeof(name), "%s.%s.%d", o->comm_name, link_name[which],
+                              t->rank)
+                   : snprintf(name, sizeof(name), "%s.%s%d.%d", o->comm_name, link_name[which],
+                              id, t->rank);
     if (n < 0 || (size_t)n >= sizeof(name)) {
         snprintf(err, errlen, "the rendezvous name '%s' is too long for the pipeline's links "
                               "(name.pfN): give zinf launch a shorter --name", o->comm_name);
@@ -277,13 +284,17 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
                               "(zinf.device \"emulated\" runs them on the CPU)", t->pp);
         return -ENOTSUP;
     }
-    /* Each stage keeps its tensors in a folder of its own under each nvme path. */
+    /* Each stage keeps its tensors in a folder of its own under each nvme path (and its
+     * copies, ZeRO ranks, theirs in rank-R-of-N under that). */
     for (unsigned k = 0; k < t->zc.nvme_paths.count && !t->remote; k++) {
         size_t n = strlen(t->zc.nvme_paths.path[k]) + 48;
         char *mine = malloc(n);
         if (!mine) return -ENOMEM;
         snprintf(mine, n, "%s/stage-%d-of-%d", t->zc.nvme_paths.path[k], t->ps, t->pp);
-        t->base[t->nbase++] = t->zc.nvme_paths.path[k];
+        if (t->world == 1)
+            t->base[t->nbase++] = t->zc.nvme_paths.path[k];
+        else
+            free(t->zc.nvme_paths.path[k]);
         t->zc.nvme_paths.path[k] = mine;
         if (k) t->zc.nvme_paths_extra[k - 1] = mine;
     }
@@ -512,7 +523,8 @@ int train_pipe_wte_out(struct trainer *t)
 static int micro_setup(struct trainer *t, int step, int m)
 {
     t->act_base = (m % t->nslots) * (t->cfg.L + 1);
-    train_load_batch(t, step, m);
+    /* Copy d's m-th is the step's micro-batch m x copies + d (as ZeRO ranks number theirs). */
+    train_load_batch(t, step, m * t->world + t->rank);
     return t->be->ops->set_batch(t->be, t->tokens, t->targets);
 }
 
@@ -605,9 +617,26 @@ int train_pipe_step(struct trainer *t, int step, double *loss_sum)
 int train_pipe_norm(struct trainer *t, double *sumsq)
 {
     struct pipe *p = t->pipe;
+    const double *all = t->part;
+    size_t np = t->nparts;
+    int r;
     memset(p->mine, 0, p->maxn * sizeof(double));
-    memcpy(p->mine, t->part, p->own_parts * sizeof(double));
-    int r = comm_allgather(p->c[L_ALL], p->mine, p->all, p->maxn * sizeof(double), COMM_BYTE);
+    if (t->world > 1) { /* each chunk from the copy that owns it, as train_grad_norm */
+        if ((r = comm_allgather(t->hcomm, t->part, t->part_all, np * sizeof(double),
+                                COMM_BYTE)) < 0)
+            return r;
+        all = t->part_all;
+    }
+    for (int i = 0; i < t->ntensors; i++) {
+        if (i == t->wte_copy) continue;
+        size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+        size_t per = train_shard_of(t, i) / SHARD_FLOATS;
+        for (size_t c = 0; c < chunks; c++) {
+            size_t owner = t->world > 1 ? c / per : 0;
+            p->mine[t->part_first[i] + c] = all[owner * np + t->part_first[i] + c];
+        }
+    }
+    r = comm_allgather(p->c[L_ALL], p->mine, p->all, p->maxn * sizeof(double), COMM_BYTE);
     if (r < 0) return r;
     double s = 0;
     for (int q = 0; q < t->pp; q++)

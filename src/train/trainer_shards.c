@@ -131,15 +131,19 @@ size_t train_tmp_bytes(const struct trainer *t)
 int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
+    /* Pipeline stages: world and rank are the copies of the pipeline, over which ZeRO
+     * partitions each stage's state. */
     int r = train_pipe_shape(t, err, errlen);
-    if (r < 0 || t->pp > 1) return r;
-    t->world = o->world > 1 ? o->world : 1;
-    t->rank = t->world > 1 ? o->rank : 0;
+    if (r < 0) return r;
+    if (t->pp == 1) {
+        t->world = o->world > 1 ? o->world : 1;
+        t->rank = t->world > 1 ? o->rank : 0;
+    }
     /* On the GPU too: N ranks then give bitwise what one rank of N micro-batches does. */
-    t->exact = t->world > 1 || o->grad_accum > 1;
+    t->exact = t->world > 1 || o->grad_accum > 1 || t->pp > 1;
     if (t->world == 1) return 0;
     t->stage = MAX(1, t->zc.zero.stage);
-    if (o->rank < 0 || o->rank >= o->world || o->world > COMM_MAX_RANKS) {
+    if (t->pp == 1 && (o->rank < 0 || o->rank >= o->world || o->world > COMM_MAX_RANKS)) {
         snprintf(err, errlen, "RANK %d is not in [0, WORLD_SIZE %d) (or WORLD_SIZE is above %d)",
                  o->rank, o->world, COMM_MAX_RANKS);
         return -EINVAL;
@@ -150,7 +154,8 @@ int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
     bool want = config_given(&t->zc, "zero_optimization.overlap_comm") ? t->zc.zero.overlap_comm
                                                                        : t->stage >= 3;
     uint64_t block = gpt_block_num_params(&t->cfg);
-    t->overlap = want && block <= t->zc.zero.reduce_bucket_size;
+    /* A pipeline stage reduces each block's gradients after its backward. */
+    t->overlap = want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1;
     if (say && want && !t->overlap && t->rank == 0)
         log_notice("zero_optimization.overlap_comm: a block's gradients (%llu elements) exceed "
                    "reduce_bucket_size (%llu): they are reduced after the block's backward",
@@ -163,7 +168,7 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     const struct trainer_opts *o = &t->o;
     int r = train_zero_shape(t, true, err, errlen);
     if (r < 0) return r;
-    if (t->pp > 1) return train_pipe_setup(t, cuda, err, errlen);
+    if (t->pp > 1 && ((r = train_pipe_setup(t, cuda, err, errlen)) < 0 || t->world == 1)) return r;
     if (t->world == 1) {
         for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
             if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
@@ -171,6 +176,18 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     }
     const char *why = NULL;
     bool named = o->comm_name && o->comm_name[0]; /* under mpirun, rank 0 may choose one */
+    /* Pipeline stages: the copies of each stage meet under a name of their own. */
+    char sname[COMM_NAME_BYTES];
+    const char *cname = o->comm_name;
+    if (t->pp > 1 && named) {
+        int n = snprintf(sname, sizeof(sname), "%s.s%d", o->comm_name, t->ps);
+        if (n < 0 || (size_t)n + sizeof(HOST_COMM_SUFFIX) > sizeof(sname)) {
+            snprintf(err, errlen, "the rendezvous name '%s' is too long for the stages' copies "
+                                  "(name.sN): give zinf launch a shorter --name", o->comm_name);
+            return -EINVAL;
+        }
+        cname = sname;
+    }
     if (!named && !o->mpi)
         why = "no rendezvous name (ZINF_COMM_NAME): start the ranks with zinf launch";
     else if (named && cuda && strlen(o->comm_name) + sizeof(HOST_COMM_SUFFIX) > COMM_NAME_BYTES)
@@ -192,7 +209,7 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         .backend = COMM_SHM,
         .rank = t->rank,
         .world = t->world,
-        .name = named ? o->comm_name : NULL,
+        .name = named ? cname : NULL,
         .mpi = o->mpi,
         .secret = o->comm_secret,
         .timeout_ms = o->comm_timeout_ms,
@@ -204,14 +221,14 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     /* GPU ranks: the collectives on device buffers over NCCL, on the rank's GPU, and what
      * lives on the host (losses, the norm's chunks, shards the optimizer updates on the host,
      * the agreements) over a second, shared-memory communicator. On the CPU both are one. */
-    char hname[COMM_NAME_BYTES];
+    char hname[COMM_NAME_BYTES + sizeof(HOST_COMM_SUFFIX)]; /* the length is checked above */
     const char *what = "";
     if (cuda) {
         co.backend = COMM_NCCL;
         co.cuda_device = t->zc.zinf.cuda_device;
         what = " (NCCL)";
         if ((r = comm_open(&co, &t->comm)) == 0) {
-            snprintf(hname, sizeof(hname), "%s%s", named ? o->comm_name : "", HOST_COMM_SUFFIX);
+            snprintf(hname, sizeof(hname), "%s%s", named ? cname : "", HOST_COMM_SUFFIX);
             co.backend = COMM_SHM;
             co.name = named ? hname : NULL; /* unnamed: rank 0 chooses this one's too */
             what = " (their host communicator)";
@@ -239,7 +256,7 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     }
     if (r < 0) {
         snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s'%s: %s%s%s", t->rank,
-                 t->world, named ? o->comm_name : "(rank 0's choice, over MPI)", what, cwhy[0] ? cwhy : zinf_strerror(r),
+                 t->world, named ? cname : "(rank 0's choice, over MPI)", what, cwhy[0] ? cwhy : zinf_strerror(r),
                  r == -ETIMEDOUT ? " (a rank did not start, or failed before it met the others)"
                                  : "",
                  co.pool_bytes ? " (their shared memory holds each rank's device tier: "
@@ -311,9 +328,17 @@ int train_ranks_agree(struct trainer *t, char *err, size_t errlen)
     return 0;
 }
 
+static bool any_copy(struct trainer *t, bool mine);
+
+/* Over a pipeline's stages too: the copies of each stage, then the stages. */
 bool trainer_any_rank(struct trainer *t, bool mine)
 {
-    if (t->pp > 1) return train_pipe_any(t, mine);
+    bool any = any_copy(t, mine);
+    return t->pp > 1 ? train_pipe_any(t, any) : any;
+}
+
+static bool any_copy(struct trainer *t, bool mine)
+{
     if (t->world <= 1) return mine;
     uint8_t me = mine, all[COMM_MAX_RANKS];
     if (comm_allgather(t->hcomm, &me, all, 1, COMM_BYTE) < 0) return true;
