@@ -58,13 +58,21 @@ int gpt_tp_validate(const struct gpt_config *cfg, int tp, int rank, char *msg, s
     return 0;
 }
 
-int gpt_tp_check_call(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T)
+/* 0 when (cfg, tp, rank, B, T) can run, else -EINVAL. */
+static int check_shape(const struct gpt_config *cfg, int tp, int rank, int B, int T)
 {
-    if (!comm) return -EINVAL;
-    int r = gpt_tp_validate(cfg, comm->tp, comm->rank, NULL, 0);
+    int r = gpt_tp_validate(cfg, tp, rank, NULL, 0);
     if (r < 0) return r;
     /* As gpt.c: B*T rows and the widest GEMM dimension go to BLAS as int. */
     if (B < 1 || T < 1 || T > cfg->maxT || (long long)B * T > INT_MAX / 4) return -EINVAL;
+    return 0;
+}
+
+int gpt_tp_check_call(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T)
+{
+    if (!comm) return -EINVAL;
+    int r = check_shape(cfg, comm->tp, comm->rank, B, T);
+    if (r < 0) return r;
     if (comm->tp > 1 && (!comm->allreduce || !comm->allgather)) return -EINVAL;
     return 0;
 }
@@ -98,8 +106,8 @@ struct cut {
 
 static struct cut cut_whole(size_t rows, size_t cols)
 {
-    return (struct cut){.parts = 1, .part_stride = rows, .nrows = rows, .ncols = cols,
-                        .full_cols = cols};
+    return (struct cut){
+        .parts = 1, .part_stride = rows, .nrows = rows, .ncols = cols, .full_cols = cols};
 }
 
 /* The cut of a block slot; cfg, tp and rank already validated. */
@@ -109,20 +117,30 @@ static struct cut block_cut(const struct gpt_config *cfg, int tp, int rank, int 
     switch (slot) {
     case GPT_QKV_W:
     case GPT_QKV_B:
-        return (struct cut){.parts = 3, .part_stride = C, .row0 = r * Cr, .nrows = Cr,
+        return (struct cut){.parts = 3,
+                            .part_stride = C,
+                            .row0 = r * Cr,
+                            .nrows = Cr,
                             .ncols = slot == GPT_QKV_W ? C : 1,
                             .full_cols = slot == GPT_QKV_W ? C : 1};
     case GPT_FC_W:
     case GPT_FC_B:
-        return (struct cut){.parts = 1, .part_stride = 4 * C, .row0 = r * 4 * Cr, .nrows = 4 * Cr,
+        return (struct cut){.parts = 1,
+                            .part_stride = 4 * C,
+                            .row0 = r * 4 * Cr,
+                            .nrows = 4 * Cr,
                             .ncols = slot == GPT_FC_W ? C : 1,
                             .full_cols = slot == GPT_FC_W ? C : 1};
     case GPT_ATTN_PROJ_W:
-        return (struct cut){.parts = 1, .part_stride = C, .nrows = C, .col0 = r * Cr, .ncols = Cr,
-                            .full_cols = C};
+        return (struct cut){
+            .parts = 1, .part_stride = C, .nrows = C, .col0 = r * Cr, .ncols = Cr, .full_cols = C};
     case GPT_MLP_PROJ_W:
-        return (struct cut){.parts = 1, .part_stride = C, .nrows = C, .col0 = r * 4 * Cr,
-                            .ncols = 4 * Cr, .full_cols = 4 * C};
+        return (struct cut){.parts = 1,
+                            .part_stride = C,
+                            .nrows = C,
+                            .col0 = r * 4 * Cr,
+                            .ncols = 4 * Cr,
+                            .full_cols = 4 * C};
     default: /* LayerNorms and the two biases of the row-parallel linears: replicated */
         return cut_whole(C, 1);
     }
@@ -150,8 +168,12 @@ static int tensor_cut(const struct gpt_config *cfg, int tp, int rank,
             gpt_tp_vocab_range(cfg, tp, rank, &lo, &hi);
             full[0] = (size_t)cfg->V;
             full[1] = C;
-            *c = (struct cut){.parts = 1, .part_stride = full[0], .row0 = (size_t)lo,
-                              .nrows = (size_t)(hi - lo), .ncols = C, .full_cols = C};
+            *c = (struct cut){.parts = 1,
+                              .part_stride = full[0],
+                              .row0 = (size_t)lo,
+                              .nrows = (size_t)(hi - lo),
+                              .ncols = C,
+                              .full_cols = C};
             break;
         }
         case GPT_WPE:
@@ -267,8 +289,8 @@ int gpt_tp_slice_out(const struct gpt_config *cfg, int tp, int rank,
     return 0;
 }
 
-int gpt_tp_slice_in(const struct gpt_config *cfg, int tp, int rank,
-                    const struct gpt_tensor_desc *d, const float *slice, float *full)
+int gpt_tp_slice_in(const struct gpt_config *cfg, int tp, int rank, const struct gpt_tensor_desc *d,
+                    const float *slice, float *full)
 {
     struct cut c;
     size_t shape[2];
@@ -363,8 +385,7 @@ static size_t scratch_floats(const struct gpt_config *cfg, int tp, int B, int T)
 
 size_t gpt_tp_scratch_bytes(const struct gpt_config *cfg, int tp, int B, int T)
 {
-    struct gpt_tp_comm c = {.tp = tp, .rank = 0};
-    if (gpt_tp_check_call(cfg, &c, B, T) < 0) return 0;
+    if (check_shape(cfg, tp, 0, B, T) < 0) return 0;
     return scratch_floats(cfg, tp, B, T) * sizeof(float) + GPT_TP_SCRATCH_ALIGN_BYTES;
 }
 
@@ -411,12 +432,11 @@ static int block_forward_acts(const struct tp_dims *d, const struct gpt_tp_comm 
 {
     size_t N = d->N, C = d->C, Cr = d->Cr;
     const float *const *t = p->t;
-    ops_layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x_in, t[GPT_LN1_W], t[GPT_LN1_B], N,
-                          C);
+    ops_layernorm_forward(a->ln1, a->ln1_mean, a->ln1_rstd, x_in, t[GPT_LN1_W], t[GPT_LN1_B], N, C);
     ops_linear_forward(a->qkv, a->ln1, t[GPT_QKV_W], t[GPT_QKV_B], NULL, N, C, 3 * Cr);
     ops_attention_forward(a->atty, a->att, a->qkv, d->B, d->T, Cr, d->NHr);
-    int r = row_parallel_forward(c, a->x2, a->atty, t[GPT_ATTN_PROJ_W], t[GPT_ATTN_PROJ_B], x_in,
-                                 N, Cr, C);
+    int r = row_parallel_forward(c, a->x2, a->atty, t[GPT_ATTN_PROJ_W], t[GPT_ATTN_PROJ_B], x_in, N,
+                                 Cr, C);
     if (r < 0) return r;
     ops_layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->x2, t[GPT_LN2_W], t[GPT_LN2_B], N,
                           C);
@@ -447,8 +467,8 @@ static int block_backward_acts(const struct tp_dims *d, const struct gpt_tp_comm
     ops_linear_backward(da->d_big, gt[GPT_MLP_PROJ_W], gt[GPT_MLP_PROJ_B], d_out, a->fch_gelu,
                         t[GPT_MLP_PROJ_W], N, 4 * Cr, C);
     ops_gelu_backward(da->d_big, a->fch, N * 4 * Cr);
-    ops_linear_backward(da->d_small, gt[GPT_FC_W], gt[GPT_FC_B], da->d_big, a->ln2, t[GPT_FC_W],
-                        N, C, 4 * Cr);
+    ops_linear_backward(da->d_small, gt[GPT_FC_W], gt[GPT_FC_B], da->d_big, a->ln2, t[GPT_FC_W], N,
+                        C, 4 * Cr);
     int r = gpt_tp_allreduce(c, da->d_small, N * C);
     if (r < 0) return r;
     ops_layernorm_backward(da->d_x2, 1, gt[GPT_LN2_W], gt[GPT_LN2_B], da->d_small, a->x2,
@@ -458,13 +478,13 @@ static int block_backward_acts(const struct tp_dims *d, const struct gpt_tp_comm
                         t[GPT_ATTN_PROJ_W], N, Cr, C);
     ops_attention_backward(da->d_big, da->d_row, da->d_small, a->qkv, a->att, d->B, d->T, Cr,
                            d->NHr);
-    ops_linear_backward(da->d_small, gt[GPT_QKV_W], gt[GPT_QKV_B], da->d_big, a->ln1,
-                        t[GPT_QKV_W], N, C, 3 * Cr);
+    ops_linear_backward(da->d_small, gt[GPT_QKV_W], gt[GPT_QKV_B], da->d_big, a->ln1, t[GPT_QKV_W],
+                        N, C, 3 * Cr);
     if ((r = gpt_tp_allreduce(c, da->d_small, N * C)) < 0) return r;
     /* d_in = residual path + ln1's input gradient. */
     memcpy(d_in, da->d_x2, N * C * sizeof(float));
-    ops_layernorm_backward(d_in, 1, gt[GPT_LN1_W], gt[GPT_LN1_B], da->d_small, x_in,
-                           t[GPT_LN1_W], a->ln1_mean, a->ln1_rstd, N, C);
+    ops_layernorm_backward(d_in, 1, gt[GPT_LN1_W], gt[GPT_LN1_B], da->d_small, x_in, t[GPT_LN1_W],
+                           a->ln1_mean, a->ln1_rstd, N, C);
     return 0;
 }
 
@@ -484,8 +504,8 @@ static int check_grads(const struct gpt_block_grads *g)
     return 0;
 }
 
-int gpt_tp_block_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                         int T, const struct gpt_block_params *p, const float *x_in, float *x_out,
+int gpt_tp_block_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T,
+                         const struct gpt_block_params *p, const float *x_in, float *x_out,
                          struct gpt_scratch *s)
 {
     int r = gpt_tp_check_call(cfg, comm, B, T);

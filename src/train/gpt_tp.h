@@ -85,8 +85,8 @@ int gpt_tp_block_grads_at(const struct gpt_config *cfg, int tp, int rank, float 
  * full tensors and slicing those for the new tp. */
 int gpt_tp_slice_out(const struct gpt_config *cfg, int tp, int rank,
                      const struct gpt_tensor_desc *d, const float *full, float *slice);
-int gpt_tp_slice_in(const struct gpt_config *cfg, int tp, int rank,
-                    const struct gpt_tensor_desc *d, const float *slice, float *full);
+int gpt_tp_slice_in(const struct gpt_config *cfg, int tp, int rank, const struct gpt_tensor_desc *d,
+                    const float *slice, float *full);
 
 /* Scratch for every call below on rank (any alignment); 0 where the shape is refused. */
 size_t gpt_tp_scratch_bytes(const struct gpt_config *cfg, int tp, int B, int T);
@@ -96,17 +96,16 @@ size_t gpt_tp_scratch_bytes(const struct gpt_config *cfg, int tp, int B, int T);
 
 /* x (B,T,C) = wte[tokens] + wpe[t] on every rank: wte_r is rank's rows (V_r, C), wpe whole;
  * each rank writes the rows of the tokens in its range and zeros elsewhere, then allreduces. */
-int gpt_tp_embed_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                         int T, const float *wte_r, const float *wpe, const int *tokens, float *x);
+int gpt_tp_embed_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T,
+                         const float *wte_r, const float *wpe, const int *tokens, float *x);
 /* d_wte_r (V_r, C) += d_x's rows of the tokens in rank's range; d_wpe (maxT, C) += the sum
  * over b of d_x, the same on every rank. No collective. */
 int gpt_tp_embed_backward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                          int T, const int *tokens, const float *d_x, float *d_wte_r,
-                          float *d_wpe);
+                          int T, const int *tokens, const float *d_x, float *d_wte_r, float *d_wpe);
 
 /* x_out (B,T,C) = block(x_in), the same on every rank; x_out may be x_in. */
-int gpt_tp_block_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                         int T, const struct gpt_block_params *p, const float *x_in, float *x_out,
+int gpt_tp_block_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T,
+                         const struct gpt_block_params *p, const float *x_in, float *x_out,
                          struct gpt_scratch *s);
 /* Recomputes the block from x_in, then d_in = d_out pulled back (the same on every rank;
  * d_in may be d_out, not x_in) and g += rank's gradient slices. */
@@ -119,15 +118,14 @@ int gpt_tp_block_backward(const struct gpt_config *cfg, const struct gpt_tp_comm
  * may be NULL: rank's columns of the logits. loss may be NULL (then targets may be too). The
  * row maxima go through the allgather, the sums of exponentials and target logits through
  * one allreduce of 2 B T floats. */
-int gpt_tp_head_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                        int T, const float *lnf_w, const float *lnf_b, const float *wte_r,
-                        const float *x, const int *targets, float *loss, float *logits,
-                        struct gpt_scratch *s);
+int gpt_tp_head_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T,
+                        const float *lnf_w, const float *lnf_b, const float *wte_r, const float *x,
+                        const int *targets, float *loss, float *logits, struct gpt_scratch *s);
 /* d_x (B,T,C), d_lnf_w, d_lnf_b (C): the same on every rank (d_x may be x); d_wte_r
  * (V_r, C) += rank's rows. One more allreduce, of lnf's input gradient (B,T,C). */
-int gpt_tp_head_backward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                         int T, const float *lnf_w, const float *lnf_b, const float *wte_r,
-                         const float *x, const int *targets, float *d_x, float *d_lnf_w,
-                         float *d_lnf_b, float *d_wte_r, float *loss, struct gpt_scratch *s);
+int gpt_tp_head_backward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T,
+                         const float *lnf_w, const float *lnf_b, const float *wte_r, const float *x,
+                         const int *targets, float *d_x, float *d_lnf_w, float *d_lnf_b,
+                         float *d_wte_r, float *loss, struct gpt_scratch *s);
 
 #endif

@@ -35,8 +35,8 @@ struct head_acts {
     float *gathered;          /* (tp,B,T): every rank's row maxima */
 };
 
-static void carve_head(struct head_acts *h, float *base, size_t *off, size_t N, size_t C,
-                       size_t Vr, size_t tp)
+static void carve_head(struct head_acts *h, float *base, size_t *off, size_t N, size_t C, size_t Vr,
+                       size_t tp)
 {
     h->lnf = gpt_tp_take(base, off, N * C);
     h->mean = gpt_tp_take(base, off, N);
@@ -66,8 +66,8 @@ size_t gpt_tp_head_scratch_floats(const struct gpt_config *cfg, int tp, int B, i
 
 /* ---- embedding --------------------------------------------------------------------------- */
 
-int gpt_tp_embed_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                         int T, const float *wte_r, const float *wpe, const int *tokens, float *x)
+int gpt_tp_embed_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T,
+                         const float *wte_r, const float *wpe, const int *tokens, float *x)
 {
     int r = gpt_tp_check_call(cfg, comm, B, T);
     if (r < 0) return r;
@@ -95,8 +95,7 @@ int gpt_tp_embed_forward(const struct gpt_config *cfg, const struct gpt_tp_comm 
  * ops_embed_backward sums it: d_wpe is the same on every rank and d_wte_r's rows are the
  * one-rank d_wte's, bit for bit. */
 int gpt_tp_embed_backward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                          int T, const int *tokens, const float *d_x, float *d_wte_r,
-                          float *d_wpe)
+                          int T, const int *tokens, const float *d_x, float *d_wte_r, float *d_wpe)
 {
     int r = gpt_tp_check_call(cfg, comm, B, T);
     if (r < 0) return r;
@@ -136,9 +135,8 @@ static void head_logits(size_t N, size_t C, size_t Vr, const float *lnf_w, const
 /* *loss = the mean over the N rows of -log softmax(row)[target], the rows spread over the
  * ranks by columns [lo, lo + Vr); with want_grad, h->logits becomes dloss/dlogits in
  * place. At tp == 1, ops_crossentropy. */
-static int vp_crossentropy(const struct gpt_tp_comm *c, size_t N, size_t V, size_t lo,
-                           size_t Vr, const int *targets, int want_grad, struct head_acts *h,
-                           float *loss)
+static int vp_crossentropy(const struct gpt_tp_comm *c, size_t N, size_t V, size_t lo, size_t Vr,
+                           const int *targets, int want_grad, struct head_acts *h, float *loss)
 {
     if (c->tp == 1) {
         *loss = ops_crossentropy(h->logits, h->losses, targets, N, V, want_grad);
@@ -205,10 +203,9 @@ static int head_setup(const struct gpt_config *cfg, const struct gpt_tp_comm *co
     return 0;
 }
 
-int gpt_tp_head_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                        int T, const float *lnf_w, const float *lnf_b, const float *wte_r,
-                        const float *x, const int *targets, float *loss, float *logits,
-                        struct gpt_scratch *s)
+int gpt_tp_head_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T,
+                        const float *lnf_w, const float *lnf_b, const float *wte_r, const float *x,
+                        const int *targets, float *loss, float *logits, struct gpt_scratch *s)
 {
     int r = gpt_tp_check_call(cfg, comm, B, T);
     if (r < 0) return r;
@@ -227,10 +224,10 @@ int gpt_tp_head_forward(const struct gpt_config *cfg, const struct gpt_tp_comm *
  * summed by the allreduce; d_wte_r += dlogits^T @ lnf. lnf's own backward then runs on the
  * same values on every rank. d_x may be x: only the last step reads x, and
  * ops_layernorm_backward allows it. */
-int gpt_tp_head_backward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B,
-                         int T, const float *lnf_w, const float *lnf_b, const float *wte_r,
-                         const float *x, const int *targets, float *d_x, float *d_lnf_w,
-                         float *d_lnf_b, float *d_wte_r, float *loss, struct gpt_scratch *s)
+int gpt_tp_head_backward(const struct gpt_config *cfg, const struct gpt_tp_comm *comm, int B, int T,
+                         const float *lnf_w, const float *lnf_b, const float *wte_r, const float *x,
+                         const int *targets, float *d_x, float *d_lnf_w, float *d_lnf_b,
+                         float *d_wte_r, float *loss, struct gpt_scratch *s)
 {
     int r = gpt_tp_check_call(cfg, comm, B, T);
     if (r < 0) return r;
