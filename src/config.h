@@ -126,6 +126,9 @@ struct zinf_config {
         bool cpu_offload, cpu_offload_param, cpu_offload_use_pin_memory;
     } zero;
     struct {
+        int autotp_size; /* tensor-parallel ranks; 1 (none) */
+    } tensor_parallel;
+    struct {
         int stages;    /* pipeline stages; 1 (none) */
         int partition; /* "parameters" 0, "uniform" 1, "best" 2 (as "parameters") */
     } pipeline;

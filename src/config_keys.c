@@ -56,7 +56,6 @@ static const struct ignored_key top_ignored[] = {
     {"graph_harvesting", "a DeepSpeed feature zinf does not have"},
     {"dataloader_drop_last", "zinf train draws its own batches"},
     {"use_data_before_expert_parallelism", "a DeepSpeed feature zinf does not have"},
-    {"tensor_parallel", "a DeepSpeed feature zinf does not have"},
     {NULL, NULL}};
 static const struct ignored_key zero_ignored[] = {
     {"contiguous_gradients", "zinf's gradients are contiguous in their own buffers always"},
@@ -132,6 +131,14 @@ static const struct ignored_key pipe_ignored[] = {
     {"grad_partitioned", "a stage sends its gradients whole"},
     {NULL, NULL}};
 
+static const struct ignored_key tp_ignored[] = {
+    {"tp", "the tensor-parallel ranks are autotp_size"},
+    {"tp_grain_size", "zinf train cuts by heads and hidden units"},
+    {"injection_policy_tuple", "zinf train's model is its own GPT"},
+    {"keep_module_on_host", "each rank keeps its slices where the tiers put them"},
+    {"dtype", "each tensor keeps its own type"},
+    {NULL, NULL}};
+
 const struct sectdef config_sects[S_COUNT] = {
     [S_TOP] = {NULL, NULL, -1, top_ignored},
     [S_ZERO] = {"zero_optimization", "zero_optimization", S_TOP, zero_ignored},
@@ -149,6 +156,7 @@ const struct sectdef config_sects[S_COUNT] = {
     [S_FP16] = {"fp16", "fp16", S_TOP, fp16_ignored},
     [S_BF16] = {"bf16", "bf16", S_TOP, bf16_ignored},
     [S_PIPE] = {"pipeline", "pipeline", S_TOP, pipe_ignored},
+    [S_TP] = {"tensor_parallel", "tensor_parallel", S_TOP, tp_ignored},
 };
 
 static const char *const offload_devices[] = {"none", "cpu", "nvme", NULL};
@@ -369,6 +377,9 @@ const struct field config_fields[] = {
     /* zinf's own: where each stage after the first begins, as block numbers ("3,5": stages
      * of blocks 0-2, 3-4, 5-); given, it replaces pipeline.partition. */
     {S_TRAIN, "pipeline_cut", NULL, F_STR, OFF(zinf.train.pipeline_cut), 0, 0, 0, NULL},
+    /* Tensor parallelism (DeepSpeed's AutoTP size): the heads and hidden units of every
+     * block, and the vocabulary, cut over this many ranks of each stage. */
+    {S_TP, "autotp_size", NULL, F_INT, OFF(tensor_parallel.autotp_size), 1, 64, 0, NULL},
     /* DeepSpeed's deprecated ZeRO-Offload switches, last: finish() maps them. */
     {S_ZERO, "cpu_offload", NULL, F_BOOL, OFF(zero.cpu_offload), 0, 0, 0, NULL},
     {S_ZERO, "cpu_offload_param", "cpu_offload_params", F_BOOL, OFF(zero.cpu_offload_param), 0, 0,
@@ -396,6 +407,7 @@ void config_defaults(struct zinf_config *c)
     c->zero.offload_optimizer.pipeline_read = true;
     c->zero.offload_optimizer.pipeline_write = true;
     c->pipeline.stages = 1;
+    c->tensor_parallel.autotp_size = 1;
     c->zero.stage3_prefetch_bucket_size = 50000000;
     c->zero.reduce_bucket_size = 500000000;
     c->zero.stage3_max_live_parameters = 1000000000;

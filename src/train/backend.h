@@ -29,6 +29,7 @@
 
 #include "train/adamw.h"
 #include "train/gpt.h"
+#include "train/gpt_tp.h"
 
 enum backend_dtype { BACKEND_F32, BACKEND_BF16, BACKEND_F16 };
 
@@ -42,6 +43,10 @@ struct backend_params {
     int B, T;
     enum backend_dtype wdt; /* weights on the device */
     int cuda_device;        /* the ordinal the engine's device tier uses */
+    /* Tensor parallel (NULL, or tp 1: none): this rank's slices, and the collectives of its
+     * tensor-parallel group, which the caller may fill in after the open (ctx, allreduce,
+     * allgather: read at each call). The CPU's only. */
+    const struct gpt_tp_comm *tp;
 };
 
 struct backend;

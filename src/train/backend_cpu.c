@@ -32,6 +32,10 @@ struct cpu_backend {
     /* bf16 only: fp32 widenings of one block's weights and of wte, wpe, lnf.w, lnf.b. */
     float *wblock, *wte, *wpe, *lnfw, *lnfb;
     float *hgrad; /* loss scaling: the head's own parameter gradients, then scaled in */
+    /* Tensor parallel: the rank's slices (gpt_tp.h) and its group's collectives; Vr the rows
+     * of wte it holds (V without). */
+    const struct gpt_tp_comm *tp;
+    int Vr;
     size_t slot_numel[GPT_BLOCK_NSLOTS];
 };
 
@@ -95,7 +99,10 @@ static void block_view(struct cpu_backend *c, const void *const *w, struct gpt_b
             p->t[i] = w[i];
         return;
     }
-    gpt_block_params_at(&c->cfg, c->wblock, p);
+    if (c->tp)
+        gpt_tp_block_params_at(&c->cfg, c->tp->tp, c->tp->rank, c->wblock, p);
+    else
+        gpt_block_params_at(&c->cfg, c->wblock, p);
     for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
         widen_into(c, (float *)p->t[i], w[i], c->slot_numel[i]);
 }
@@ -104,8 +111,10 @@ static int cpu_embed_forward(struct backend *b, const void *wte, const void *wpe
 {
     struct cpu_backend *c = cpu(b);
     size_t C = (size_t)c->cfg.C;
-    return gpt_embed_forward(&c->cfg, c->B, c->T, widen(c, wte, c->wte, (size_t)c->cfg.V * C),
-                             widen(c, wpe, c->wpe, (size_t)c->T * C), c->tokens, x);
+    const float *we = widen(c, wte, c->wte, (size_t)c->Vr * C),
+                *wp = widen(c, wpe, c->wpe, (size_t)c->T * C);
+    if (c->tp) return gpt_tp_embed_forward(&c->cfg, c->tp, c->B, c->T, we, wp, c->tokens, x);
+    return gpt_embed_forward(&c->cfg, c->B, c->T, we, wp, c->tokens, x);
 }
 
 static int cpu_block_forward(struct backend *b, const void *const *w, const void *x_in, void *x_out)
@@ -113,7 +122,19 @@ static int cpu_block_forward(struct backend *b, const void *const *w, const void
     struct cpu_backend *c = cpu(b);
     struct gpt_block_params p;
     block_view(c, w, &p);
+    if (c->tp) return gpt_tp_block_forward(&c->cfg, c->tp, c->B, c->T, &p, x_in, x_out, &c->scratch);
     return gpt_block_forward(&c->cfg, c->B, c->T, &p, x_in, x_out, &c->scratch);
+}
+
+static int head_backward(struct cpu_backend *c, const float *lw, const float *lb,
+                         const float *we, const void *x, float *d_lnf_w, float *d_lnf_b,
+                         float *d_wte)
+{
+    if (c->tp)
+        return gpt_tp_head_backward(&c->cfg, c->tp, c->B, c->T, lw, lb, we, x, c->targets, c->d,
+                                    d_lnf_w, d_lnf_b, d_wte, &c->loss, &c->scratch);
+    return gpt_head_backward(&c->cfg, c->B, c->T, lw, lb, we, x, c->targets, c->d, d_lnf_w,
+                             d_lnf_b, d_wte, &c->loss, &c->scratch);
 }
 
 static int cpu_head_backward(struct backend *b, const void *lnf_w, const void *lnf_b,
@@ -121,19 +142,17 @@ static int cpu_head_backward(struct backend *b, const void *lnf_w, const void *l
                              float *d_wte)
 {
     struct cpu_backend *c = cpu(b);
-    size_t C = (size_t)c->cfg.C, VC = (size_t)c->cfg.V * C;
+    size_t C = (size_t)c->cfg.C, VC = (size_t)c->Vr * C;
     float S = c->b.loss_scale;
     const float *lw = widen(c, lnf_w, c->lnfw, C), *lb = widen(c, lnf_b, c->lnfb, C),
                 *we = widen(c, wte, c->wte, VC);
     if (S == 1.0f)
-        return gpt_head_backward(&c->cfg, c->B, c->T, lw, lb, we, x, c->targets, c->d, d_lnf_w,
-                                 d_lnf_b, d_wte, &c->loss, &c->scratch);
+        return head_backward(c, lw, lb, we, x, d_lnf_w, d_lnf_b, d_wte);
     /* Loss scaling: the head's share of the parameter gradients and the gradient it hands
      * on, times S (what the accumulated gradients held before stays as it was). */
     if (!c->hgrad && !(c->hgrad = malloc((2 * C + VC) * sizeof(float)))) return -ENOMEM;
     memset(c->hgrad, 0, (2 * C + VC) * sizeof(float));
-    int r = gpt_head_backward(&c->cfg, c->B, c->T, lw, lb, we, x, c->targets, c->d, c->hgrad,
-                              c->hgrad + C, c->hgrad + 2 * C, &c->loss, &c->scratch);
+    int r = head_backward(c, lw, lb, we, x, c->hgrad, c->hgrad + C, c->hgrad + 2 * C);
     if (r < 0) return r;
     for (size_t i = 0; i < C; i++) {
         d_lnf_w[i] += S * c->hgrad[i];
@@ -156,12 +175,17 @@ static int cpu_block_backward(struct backend *b, const void *const *w, const voi
     block_view(c, w, &p);
     for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
         gr.t[i] = g[i];
+    if (c->tp)
+        return gpt_tp_block_backward(&c->cfg, c->tp, c->B, c->T, &p, x_in, c->d, c->d, &gr,
+                                     &c->scratch);
     return gpt_block_backward(&c->cfg, c->B, c->T, &p, x_in, c->d, c->d, &gr, &c->scratch);
 }
 
 static int cpu_embed_backward(struct backend *b, float *d_wte, float *d_wpe)
 {
     struct cpu_backend *c = cpu(b);
+    if (c->tp)
+        return gpt_tp_embed_backward(&c->cfg, c->tp, c->B, c->T, c->tokens, c->d, d_wte, d_wpe);
     return gpt_embed_backward(&c->cfg, c->B, c->T, c->tokens, c->d, d_wte, d_wpe);
 }
 
@@ -336,15 +360,28 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
     c->cfg = p->cfg;
     c->B = p->B;
     c->T = p->T;
+    c->Vr = p->cfg.V;
+    if (p->tp && p->tp->tp > 1) {
+        int lo, hi;
+        if ((r = gpt_tp_validate(&p->cfg, p->tp->tp, p->tp->rank, err, errlen)) < 0) {
+            free(c);
+            return r;
+        }
+        gpt_tp_vocab_range(&p->cfg, p->tp->tp, p->tp->rank, &lo, &hi);
+        c->tp = p->tp;
+        c->Vr = hi - lo;
+    }
     size_t N = (size_t)p->B * p->T, C = (size_t)p->cfg.C;
     c->tokens = malloc(N * sizeof(int));
     c->targets = malloc(N * sizeof(int));
     c->d = malloc(N * C * sizeof(float));
-    c->scratch.bytes = gpt_scratch_bytes(&p->cfg, p->B, p->T);
+    c->scratch.bytes = c->tp ? gpt_tp_scratch_bytes(&p->cfg, c->tp->tp, p->B, p->T)
+                             : gpt_scratch_bytes(&p->cfg, p->B, p->T);
     c->scratch.mem = malloc(c->scratch.bytes);
     int ok = c->tokens && c->targets && c->d && c->scratch.mem;
     if (ok && p->wdt != BACKEND_F32) {
-        size_t nb = gpt_block_num_params(&p->cfg);
+        size_t nb = c->tp ? gpt_tp_block_num_params(&p->cfg, c->tp->tp, c->tp->rank)
+                          : gpt_block_num_params(&p->cfg);
         c->wblock = malloc(nb * sizeof(float));
         c->wte = malloc((size_t)p->cfg.V * C * sizeof(float));
         c->wpe = malloc((size_t)p->cfg.maxT * C * sizeof(float));
@@ -355,7 +392,10 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
             /* The slots lie in order in a contiguous block: each one's size is the distance
              * to the next. */
             struct gpt_block_params bp;
-            gpt_block_params_at(&p->cfg, c->wblock, &bp);
+            if (c->tp)
+                gpt_tp_block_params_at(&p->cfg, c->tp->tp, c->tp->rank, c->wblock, &bp);
+            else
+                gpt_block_params_at(&p->cfg, c->wblock, &bp);
             for (int i = 0; i < GPT_BLOCK_NSLOTS; i++)
                 c->slot_numel[i] =
                     (size_t)((i + 1 < GPT_BLOCK_NSLOTS ? bp.t[i + 1] : c->wblock + nb) - bp.t[i]);

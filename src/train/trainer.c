@@ -496,7 +496,7 @@ static bool update_deferrable(const struct trainer *t, bool cuda)
     bool nvme = train_home_of(t->zc.zero.offload_param.device) == ZINF_TIER_NVME ||
                 train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_NVME;
     return t->o.update_in_forward && nvme &&
-           t->world <= 1 && t->pp <= 1 && !t->remote && !cuda && t->be->wdt != BACKEND_F16 &&
+           t->world <= 1 && !t->mp && !t->remote && !cuda && t->be->wdt != BACKEND_F16 &&
            t->opt_tier == ZINF_TIER_HOST && t->zc.zero.offload_optimizer.pipeline_read;
 }
 
@@ -521,12 +521,17 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     if ((r = decide(t, &cuda, err, errlen)) < 0) goto fail;
     /* The backend's working memory is taken before the engine sizes the device tier from
      * what is free. */
+    /* Tensor parallel: the backend computes on this rank's slices, with the collectives of
+     * its group once the ranks meet (train_pipe_setup). */
+    t->tpc.tp = MAX(1, t->zc.tensor_parallel.autotp_size);
+    t->tpc.rank = o->world > 1 ? o->rank % t->tpc.tp : 0;
     struct backend_params bp = {
         .cfg = cfg,
         .B = o->batch,
         .T = o->seq,
         .wdt = weight_dtype(o, cuda),
         .cuda_device = t->zc.zinf.cuda_device,
+        .tp = t->tpc.tp > 1 ? &t->tpc : NULL,
     };
     r = cuda ? backend_cuda_open(&bp, &t->be, err, errlen)
              : backend_cpu_open(&bp, &t->be, err, errlen);

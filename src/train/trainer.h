@@ -265,6 +265,7 @@ struct trainer_summary {
      * neighbours), what the 1F1B schedule leaves idle at equal stages, (pp - 1) / (M + pp -
      * 1), and the bytes it sent to the other stages. */
     int pp, pp_stage, first_block, blocks;
+    int tp, tp_rank; /* tensor_parallel.autotp_size (1: none), and this rank's of them */
     double pipeline_bubble, pipeline_bubble_ideal, pipeline_wait_seconds;
     uint64_t pipeline_bytes;
     bool overlap_comm;          /* gradients reduced behind the next block's backward */

@@ -26,6 +26,7 @@
 #include "comm/comm.h"
 #include "config.h"
 #include "train/gpt.h"
+#include "train/gpt_tp.h"
 #include "train/loss_scale.h"
 #include "train/trainer.h"
 #include "zinf.h"
@@ -226,6 +227,13 @@ struct trainer {
      * slot's start. */
     int pp, ps, kb, ke, wte_copy, nslots, act_base;
     int *gidx;
+    /* Tensor parallel (tensor_parallel.autotp_size): this rank is tr of tp in its stage,
+     * holding its slices of every tensor (gpt_tp.h; gdesc: the whole model's tensors, whose
+     * slices desc describes), the math's collectives in tpc. mp: pp or tp above 1. */
+    int tp, tr;
+    bool mp;
+    struct gpt_tp_comm tpc;
+    struct gpt_tensor_desc *gdesc;
     struct pipe *pipe;
     /* ZINF_TEST_KILL_AT=POINT:RANK:N: the tests' crash, at POINT of the N-th checkpoint. */
     char kill_point[32];
@@ -379,6 +387,8 @@ bool train_pipe_any(struct trainer *t, bool mine);
 int train_pipe_wte_in(struct trainer *t);
 int train_pipe_wte_out(struct trainer *t);
 void train_pipe_close(struct trainer *t);
+/* Whether layout index i is a slice of its tensor (tensor parallel), not the whole. */
+bool train_tp_sliced(const struct trainer *t, int i);
 void train_pipe_summary(struct trainer *t, struct trainer_summary *out);
 
 /* trainer_resume.c: the saved state, the run a resume goes to, the re-cut, the crashes */

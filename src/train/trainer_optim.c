@@ -157,6 +157,8 @@ static int digest_tensor(struct trainer *t, int i, void **p, uint64_t *digest)
     /* A pipeline stage's tensors by their number in the whole model, its copy of wte left
      * to the first stage's. */
     if (i == t->wte_copy) return 0;
+    /* Tensor parallel: a replicated tensor is rank 0's. */
+    if (t->tp > 1 && t->tr && !train_tp_sliced(t, i)) return 0;
     uint32_t g = t->gidx ? (uint32_t)t->gidx[i] : (uint32_t)i;
     if (t->world > 1) {
         size_t own = train_shard_own(t, i), lo = train_shard_lo(t, i);

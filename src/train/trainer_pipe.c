@@ -53,7 +53,7 @@ struct pipe_msg {
     bool busy;
 };
 
-enum { L_FWD_IN, L_FWD_OUT, L_BWD_IN, L_BWD_OUT, L_WTE, L_ALL, L_COUNT };
+enum { L_FWD_IN, L_FWD_OUT, L_BWD_IN, L_BWD_OUT, L_WTE, L_ALL, L_TP, L_COUNT };
 
 struct pipe {
     struct comm *c[L_COUNT]; /* the links (NULL where the stage has none), then all stages */
@@ -67,8 +67,9 @@ struct pipe {
     int M;
     /* The norm's chunk sums of every stage, in stage order: counts, and the padded gather. */
     int32_t counts[COMM_MAX_RANKS];
-    size_t maxn, own_parts;
+    size_t maxn, own_parts, mine_n;
     double *mine, *all;
+    double *tsum; /* tensor parallel: every rank's sum per tensor */
     /* Time in each stage's forwards and backwards (compute, sends), and the steps' span. */
     uint64_t busy_ns, span_ns, wait_ns;
 };
@@ -79,7 +80,7 @@ struct pipe {
         if (r_ < 0) return r_;                                                                     \
     } while (0)
 
-static const char *const link_name[L_COUNT] = {"pf", "pf", "pb", "pb", "pw", "pp"};
+static const char *const link_name[L_COUNT] = {"pf", "pf", "pb", "pb", "pw", "pp", "tp"};
 
 /* ---- the cut ----------------------------------------------------------------------- */
 
@@ -175,42 +176,60 @@ int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
     int P = t->zc.pipeline.stages > 1 ? t->zc.pipeline.stages : 1;
+    int T = t->zc.tensor_parallel.autotp_size > 1 ? t->zc.tensor_parallel.autotp_size : 1;
     t->pp = P;
     t->ps = 0;
+    t->tp = T;
+    t->tr = 0;
+    t->mp = P > 1 || T > 1;
     t->kb = 0;
     t->ke = t->cfg.L;
     t->wte_copy = -1;
     t->nslots = 1;
-    if (P == 1) return 0;
+    if (!t->mp) return 0;
     int world = o->world > 1 ? o->world : 1;
-    if (world % P || world > COMM_MAX_RANKS || o->rank < 0 || o->rank >= world) {
+    if (world % (P * T) || world > COMM_MAX_RANKS || o->rank < 0 || o->rank >= world) {
+        char what[96];
+        snprintf(what, sizeof(what), "%s%s%s", P > 1 ? "pipeline.stages" : "",
+                 P > 1 && T > 1 ? " x " : "", T > 1 ? "tensor_parallel.autotp_size" : "");
         snprintf(err, errlen,
-                 "pipeline.stages %d: start a multiple of %d ranks, one per stage of each copy of "
-                 "the pipeline (zinf launch -n %d, %d, ...), not %d (rank %d)",
-                 P, P, P, 2 * P, world, o->rank);
+                 "%s = %d: start a multiple of %d ranks, one per stage and tensor-parallel rank "
+                 "of each copy of the model (zinf launch -n %d, %d, ...), not %d (rank %d)",
+                 what, P * T, P * T, P * T, 2 * P * T, world, o->rank);
         return -EINVAL;
     }
-    if (t->zc.zero.stage >= 2) {
+    if (T > 1) {
+        char msg[256];
+        if (gpt_tp_validate(&t->cfg, T, 0, msg, sizeof(msg)) < 0) {
+            snprintf(err, errlen, "tensor_parallel.autotp_size %d: %s", T, msg);
+            return -EINVAL;
+        }
+    }
+    if (P > 1 && t->zc.zero.stage >= 2) {
         snprintf(err, errlen,
                  "zero_optimization.stage %d with pipeline.stages %d: a pipeline keeps its "
                  "stages' gradients whole (stage 0 or 1, as DeepSpeed's pipeline)",
                  t->zc.zero.stage, P);
         return -EINVAL;
     }
-    if (t->cfg.L < P) {
+    if (P > 1 && t->cfg.L < P) {
         snprintf(err, errlen,
                  "pipeline.stages %d: the model has %d block%s, and each stage needs one", P,
                  t->cfg.L, t->cfg.L == 1 ? "" : "s");
         return -EINVAL;
     }
     if (o->mpi) {
-        snprintf(err, errlen, "pipeline.stages %d: pipeline stages across nodes are not built "
-                              "yet (start them on one node)", P);
+        snprintf(err, errlen, "pipeline stages and tensor-parallel ranks across nodes are not "
+                              "built yet (start them on one node)");
         return -ENOTSUP;
     }
     int start[COMM_MAX_RANKS + 1];
     int r;
-    if (t->zc.zinf.train.pipeline_cut[0])
+    if (P == 1) {
+        start[0] = 0;
+        start[1] = t->cfg.L;
+        r = 0;
+    } else if (t->zc.zinf.train.pipeline_cut[0])
         r = cut_given(t->zc.zinf.train.pipeline_cut, P, t->cfg.L, start, err, errlen);
     else if (t->zc.pipeline.partition == 1) { /* uniform: the first L % P stages one more */
         start[0] = 0;
@@ -220,15 +239,18 @@ int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
     } else
         r = cut_by_parameters(&t->cfg, P, start);
     if (r < 0) return r;
-    t->ps = o->rank % P;
+    t->tr = o->rank % T;
+    t->ps = o->rank / T % P;
+    t->tpc.tp = T;
+    t->tpc.rank = t->tr;
     t->kb = start[t->ps];
     t->ke = start[t->ps + 1];
     /* In flight at once on stage s: P - s micro-batches (their activations kept). */
     t->nslots = MIN(P - t->ps, MAX(1, o->grad_accum));
     /* ZeRO sees the copies of this stage, and its micro-batches are reduced as exact
      * accumulation reduces them (each from zero, folded in order). */
-    t->world = world / P;
-    t->rank = o->rank / P;
+    t->world = world / (P * T);
+    t->rank = o->rank / (P * T);
     return 0;
 }
 
@@ -240,11 +262,12 @@ static int open_link(struct trainer *t, int which, int id, int rank, int world, 
     const struct trainer_opts *o = &t->o;
     char name[COMM_NAME_BYTES], cwhy[300] = "";
     (void)cuda; /* host buffers on every stage: the shared-memory backend */
-    /* Copy d's links: name.pfS.d (S the link's first stage), name.pw.d, name.pp.d. */
-    int n = id < 0 ? snprintf(name, sizeof(name), "%s.%s.%d", o->comm_name, link_name[which],
-                              t->rank)
-                   : snprintf(name, sizeof(name), "%s.%s%d.%d", o->comm_name, link_name[which],
-                              id, t->rank);
+    /* Copy d's links of tensor-parallel rank R: name.pfS.d.R (S the link's first stage),
+     * name.pw.d.R, name.pp.d.R; its stage's tensor-parallel group: name.tp.d.S. */
+    int n = id < 0 ? snprintf(name, sizeof(name), "%s.%s.%d.%d", o->comm_name, link_name[which],
+                              t->rank, which == L_TP ? t->ps : t->tr)
+                   : snprintf(name, sizeof(name), "%s.%s%d.%d.%d", o->comm_name,
+                              link_name[which], id, t->rank, t->tr);
     if (n < 0 || (size_t)n >= sizeof(name)) {
         snprintf(err, errlen, "the rendezvous name '%s' is too long for the pipeline's links "
                               "(name.pfN): give zinf launch a shorter --name", o->comm_name);
@@ -271,17 +294,27 @@ static int open_link(struct trainer *t, int which, int id, int rank, int world, 
     return r;
 }
 
+static int tp_allreduce(void *ctx, float *buf, size_t count)
+{
+    return comm_allreduce(ctx, buf, buf, count, COMM_F32);
+}
+
+static int tp_allgather(void *ctx, const float *send, float *recv, size_t count)
+{
+    return comm_allgather(ctx, send, recv, count, COMM_F32);
+}
+
 int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
     if (!o->comm_name || !o->comm_name[0]) {
-        snprintf(err, errlen, "pipeline.stages %d: no rendezvous name (ZINF_COMM_NAME): start "
-                              "the stages with zinf launch", t->pp);
+        snprintf(err, errlen, "pipeline stages and tensor-parallel ranks: no rendezvous name "
+                              "(ZINF_COMM_NAME): start them with zinf launch");
         return -ENOTSUP;
     }
     if (cuda) {
-        snprintf(err, errlen, "pipeline.stages %d: pipeline stages on GPUs are not built yet "
-                              "(zinf.device \"emulated\" runs them on the CPU)", t->pp);
+        snprintf(err, errlen, "pipeline stages and tensor-parallel ranks on GPUs are not built "
+                              "yet (zinf.device \"emulated\" runs them on the CPU)");
         return -ENOTSUP;
     }
     /* Each stage keeps its tensors in a folder of its own under each nvme path (and its
@@ -290,7 +323,13 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         size_t n = strlen(t->zc.nvme_paths.path[k]) + 48;
         char *mine = malloc(n);
         if (!mine) return -ENOMEM;
-        snprintf(mine, n, "%s/stage-%d-of-%d", t->zc.nvme_paths.path[k], t->ps, t->pp);
+        if (t->tp == 1)
+            snprintf(mine, n, "%s/stage-%d-of-%d", t->zc.nvme_paths.path[k], t->ps, t->pp);
+        else if (t->pp == 1)
+            snprintf(mine, n, "%s/tp-%d-of-%d", t->zc.nvme_paths.path[k], t->tr, t->tp);
+        else
+            snprintf(mine, n, "%s/stage-%d-of-%d.tp-%d-of-%d", t->zc.nvme_paths.path[k], t->ps,
+                     t->pp, t->tr, t->tp);
         if (t->world == 1)
             t->base[t->nbase++] = t->zc.nvme_paths.path[k];
         else
@@ -304,8 +343,16 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->cv, NULL);
     int s = t->ps, P = t->pp, r;
-    /* Every stage, then the links in their order (stage s meets s - 1, then s + 1), then the
-     * first and the last stage: no two stages wait for each other in opposite orders. */
+    /* The tensor-parallel group, every stage, then the links in their order (stage s meets
+     * s - 1, then s + 1), then the first and the last stage: no two ranks wait for each other
+     * in opposite orders. */
+    if (t->tp > 1) {
+        if ((r = open_link(t, L_TP, -1, t->tr, t->tp, cuda, err, errlen)) < 0) return r;
+        t->tpc.ctx = p->c[L_TP];
+        t->tpc.allreduce = tp_allreduce;
+        t->tpc.allgather = tp_allgather;
+    }
+    if (P == 1) return 0;
     if ((r = open_link(t, L_ALL, -1, s, P, cuda, err, errlen)) < 0) return r;
     if (s > 0 && ((r = open_link(t, L_FWD_IN, s - 1, 1, 2, cuda, err, errlen)) < 0 ||
                   (r = open_link(t, L_BWD_OUT, s - 1, 1, 2, cuda, err, errlen)) < 0))
@@ -321,14 +368,33 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 
 /* ---- the stage's tensors ------------------------------------------------------------ */
 
+/* Tensor parallel: each tensor is this rank's slice of it. */
+static int tp_shapes(struct trainer *t)
+{
+    for (int i = 0; i < t->ntensors && t->tp > 1; i++) {
+        struct gpt_tensor_desc *d = &t->desc[i];
+        if (gpt_tp_tensor_shape(&t->cfg, t->tp, t->tr, &t->gdesc[t->gidx[i]], d->shape) < 0)
+            return -EINVAL;
+        d->numel = d->shape[0] * d->shape[1];
+    }
+    return 0;
+}
+
+bool train_tp_sliced(const struct trainer *t, int i)
+{
+    return t->tp > 1 && t->desc[i].numel != t->gdesc[t->gidx[i]].numel;
+}
+
 int train_pipe_layout(struct trainer *t)
 {
     int n = t->ntensors;
     if (!(t->gidx = malloc(sizeof(int) * (size_t)(n + 1)))) return -ENOMEM;
+    if (!(t->gdesc = malloc(sizeof(*t->gdesc) * (size_t)n))) return -ENOMEM;
+    memcpy(t->gdesc, t->desc, sizeof(*t->gdesc) * (size_t)n);
     if (t->pp == 1) {
         for (int i = 0; i < n; i++)
             t->gidx[i] = i;
-        return 0;
+        return tp_shapes(t);
     }
     bool first = t->ps == 0, last = t->ps == t->pp - 1;
     struct gpt_tensor_desc wte = {0};
@@ -367,7 +433,7 @@ int train_pipe_layout(struct trainer *t)
         else
             t->lnfb = i;
     }
-    return 0;
+    return tp_shapes(t);
 }
 
 static void msg_done(struct comm_req *q, int res)
@@ -397,23 +463,31 @@ int train_pipe_alloc(struct trainer *t)
     if (!p) return 0;
     p->M = MAX(1, t->o.grad_accum);
     p->act_bytes = train_role_bytes(t, R_ACT, 0);
-    p->wte_bytes = (size_t)t->cfg.V * t->cfg.C * sizeof(float);
+    p->wte_bytes = t->wte >= 0 ? t->desc[t->wte].numel * sizeof(float) : 0;
     int r;
     if (!(p->rx = malloc(p->act_bytes))) return -ENOMEM;
     if (p->c[L_FWD_OUT] && (r = alloc_msgs(p, &p->fwd, p->M, p->act_bytes)) < 0) return r;
     if (p->c[L_BWD_OUT] && (r = alloc_msgs(p, &p->bwd, p->M, p->act_bytes)) < 0) return r;
     if (t->wte_copy >= 0 && (r = alloc_msgs(p, &p->wte, p->M, p->wte_bytes)) < 0) return r;
     if (t->ps == 0 && !(p->wrx = malloc(p->wte_bytes))) return -ENOMEM;
-    /* The chunk sums this stage adds to the norm: all but its copy of wte (the last). */
+    /* What this stage adds to the norm: its chunk sums, all but its copy of wte's (the last);
+     * with tensor-parallel ranks, a sum per tensor over the ranks' slices. */
     p->own_parts = t->nparts;
     if (t->wte_copy >= 0) p->own_parts = t->part_first[t->wte_copy];
+    if (t->tp > 1) {
+        p->own_parts = (size_t)(t->wte_copy >= 0 ? t->wte_copy : t->ntensors);
+        if (!(p->tsum = calloc(p->own_parts * (size_t)t->tp, sizeof(double)))) return -ENOMEM;
+    }
     int32_t mine = (int32_t)p->own_parts;
-    if ((r = comm_allgather(p->c[L_ALL], &mine, p->counts, sizeof(mine), COMM_BYTE)) < 0)
+    p->counts[0] = mine;
+    if (t->pp > 1 &&
+        (r = comm_allgather(p->c[L_ALL], &mine, p->counts, sizeof(mine), COMM_BYTE)) < 0)
         return r;
     p->maxn = 1;
     for (int q = 0; q < t->pp; q++)
         p->maxn = MAX(p->maxn, (size_t)p->counts[q]);
-    p->mine = calloc(p->maxn, sizeof(double));
+    p->mine_n = MAX(p->maxn, t->nparts);
+    p->mine = calloc(p->mine_n, sizeof(double));
     p->all = calloc(p->maxn * (size_t)t->pp, sizeof(double));
     return p->mine && p->all ? 0 : -ENOMEM;
 }
@@ -422,7 +496,9 @@ void train_pipe_close(struct trainer *t)
 {
     struct pipe *p = t->pipe;
     free(t->gidx);
+    free(t->gdesc);
     t->gidx = NULL;
+    t->gdesc = NULL;
     if (!p) return;
     /* The communicators first: they end (fail) what is in flight before the buffers go. */
     for (int k = 0; k < L_COUNT; k++)
@@ -437,6 +513,7 @@ void train_pipe_close(struct trainer *t)
     free(p->wrx);
     free(p->mine);
     free(p->all);
+    free(p->tsum);
     pthread_mutex_destroy(&p->mu);
     pthread_cond_destroy(&p->cv);
     free(p);
@@ -620,7 +697,7 @@ int train_pipe_norm(struct trainer *t, double *sumsq)
     const double *all = t->part;
     size_t np = t->nparts;
     int r;
-    memset(p->mine, 0, p->maxn * sizeof(double));
+    memset(p->mine, 0, p->mine_n * sizeof(double));
     if (t->world > 1) { /* each chunk from the copy that owns it, as train_grad_norm */
         if ((r = comm_allgather(t->hcomm, t->part, t->part_all, np * sizeof(double),
                                 COMM_BYTE)) < 0)
@@ -636,6 +713,32 @@ int train_pipe_norm(struct trainer *t, double *sumsq)
             p->mine[t->part_first[i] + c] = all[owner * np + t->part_first[i] + c];
         }
     }
+    if (t->tp > 1) {
+        /* Each tensor's sum over its slices, added over the ranks in their order; a
+         * replicated tensor (the same on every rank) counted once, rank 0's. */
+        size_t n = p->own_parts;
+        double *sums = p->tsum + (size_t)t->tr * n;
+        for (size_t i = 0; i < n; i++) {
+            size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+            double s = 0;
+            for (size_t c = 0; c < chunks; c++)
+                s += p->mine[t->part_first[i] + c];
+            sums[i] = t->tr == 0 || train_tp_sliced(t, (int)i) ? s : 0;
+        }
+        if ((r = comm_allgather(p->c[L_TP], sums, p->tsum, n * sizeof(double), COMM_BYTE)) < 0)
+            return r;
+        memset(p->mine, 0, p->maxn * sizeof(double));
+        for (int q = 0; q < t->tp; q++)
+            for (size_t i = 0; i < n; i++)
+                p->mine[i] += p->tsum[(size_t)q * n + i];
+    }
+    if (t->pp == 1) {
+        double s = 0;
+        for (size_t c = 0; c < p->own_parts; c++)
+            s += p->mine[c];
+        *sumsq = s;
+        return 0;
+    }
     r = comm_allgather(p->c[L_ALL], p->mine, p->all, p->maxn * sizeof(double), COMM_BYTE);
     if (r < 0) return r;
     double s = 0;
@@ -646,31 +749,47 @@ int train_pipe_norm(struct trainer *t, double *sumsq)
     return 0;
 }
 
-int train_pipe_digest(struct trainer *t, uint64_t *d)
+/* *d = the sum of every rank's of the group (none: as it is). */
+static int sum_over(struct comm *c, int n, uint64_t *d)
 {
     uint64_t all[COMM_MAX_RANKS];
-    int r = comm_allgather(t->pipe->c[L_ALL], d, all, sizeof(uint64_t), COMM_BYTE);
+    if (!c) return 0;
+    int r = comm_allgather(c, d, all, sizeof(uint64_t), COMM_BYTE);
     if (r == 0) {
         *d = 0;
-        for (int k = 0; k < t->pp; k++)
+        for (int k = 0; k < n; k++)
             *d += all[k];
     }
     return r;
 }
 
-bool train_pipe_any(struct trainer *t, bool mine)
+int train_pipe_digest(struct trainer *t, uint64_t *d)
+{
+    int r = sum_over(t->pipe->c[L_TP], t->tp, d);
+    return r < 0 ? r : sum_over(t->pipe->c[L_ALL], t->pp, d);
+}
+
+static bool any_over(struct comm *c, int n, bool mine)
 {
     uint8_t me = mine, all[COMM_MAX_RANKS];
-    if (comm_allgather(t->pipe->c[L_ALL], &me, all, 1, COMM_BYTE) < 0) return true;
-    for (int q = 0; q < t->pp; q++)
+    if (!c) return mine;
+    if (comm_allgather(c, &me, all, 1, COMM_BYTE) < 0) return true;
+    for (int q = 0; q < n; q++)
         if (all[q]) return true;
     return false;
+}
+
+bool train_pipe_any(struct trainer *t, bool mine)
+{
+    return any_over(t->pipe->c[L_ALL], t->pp, any_over(t->pipe->c[L_TP], t->tp, mine));
 }
 
 void train_pipe_summary(struct trainer *t, struct trainer_summary *out)
 {
     out->pp = t->pp;
     out->pp_stage = t->ps;
+    out->tp = t->tp;
+    out->tp_rank = t->tr;
     out->first_block = t->kb;
     out->blocks = t->ke - t->kb;
     struct pipe *p = t->pipe;

@@ -135,15 +135,15 @@ int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
      * partitions each stage's state. */
     int r = train_pipe_shape(t, err, errlen);
     if (r < 0) return r;
-    if (t->pp == 1) {
+    if (!t->mp) {
         t->world = o->world > 1 ? o->world : 1;
         t->rank = t->world > 1 ? o->rank : 0;
     }
     /* On the GPU too: N ranks then give bitwise what one rank of N micro-batches does. */
-    t->exact = t->world > 1 || o->grad_accum > 1 || t->pp > 1;
+    t->exact = t->world > 1 || o->grad_accum > 1 || t->mp;
     if (t->world == 1) return 0;
     t->stage = MAX(1, t->zc.zero.stage);
-    if (t->pp == 1 && (o->rank < 0 || o->rank >= o->world || o->world > COMM_MAX_RANKS)) {
+    if (!t->mp && (o->rank < 0 || o->rank >= o->world || o->world > COMM_MAX_RANKS)) {
         snprintf(err, errlen, "RANK %d is not in [0, WORLD_SIZE %d) (or WORLD_SIZE is above %d)",
                  o->rank, o->world, COMM_MAX_RANKS);
         return -EINVAL;
@@ -168,7 +168,7 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     const struct trainer_opts *o = &t->o;
     int r = train_zero_shape(t, true, err, errlen);
     if (r < 0) return r;
-    if (t->pp > 1 && ((r = train_pipe_setup(t, cuda, err, errlen)) < 0 || t->world == 1)) return r;
+    if (t->mp && ((r = train_pipe_setup(t, cuda, err, errlen)) < 0 || t->world == 1)) return r;
     if (t->world == 1) {
         for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
             if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
@@ -176,14 +176,15 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     }
     const char *why = NULL;
     bool named = o->comm_name && o->comm_name[0]; /* under mpirun, rank 0 may choose one */
-    /* Pipeline stages: the copies of each stage meet under a name of their own. */
+    /* Pipeline stages, tensor-parallel ranks: the copies of each stage's rank meet under a
+     * name of their own. */
     char sname[COMM_NAME_BYTES];
     const char *cname = o->comm_name;
-    if (t->pp > 1 && named) {
-        int n = snprintf(sname, sizeof(sname), "%s.s%d", o->comm_name, t->ps);
+    if (t->mp && named) {
+        int n = snprintf(sname, sizeof(sname), "%s.s%d.%d", o->comm_name, t->ps, t->tr);
         if (n < 0 || (size_t)n + sizeof(HOST_COMM_SUFFIX) > sizeof(sname)) {
             snprintf(err, errlen, "the rendezvous name '%s' is too long for the stages' copies "
-                                  "(name.sN): give zinf launch a shorter --name", o->comm_name);
+                                  "(name.sN.R): give zinf launch a shorter --name", o->comm_name);
             return -EINVAL;
         }
         cname = sname;
@@ -334,7 +335,7 @@ static bool any_copy(struct trainer *t, bool mine);
 bool trainer_any_rank(struct trainer *t, bool mine)
 {
     bool any = any_copy(t, mine);
-    return t->pp > 1 ? train_pipe_any(t, any) : any;
+    return t->mp ? train_pipe_any(t, any) : any;
 }
 
 static bool any_copy(struct trainer *t, bool mine)
@@ -424,7 +425,7 @@ int train_reduce_grad(struct trainer *t, int i, float *l, float *g)
  * the layout's order, so that any number of ranks adds the same numbers in the same order. */
 int train_grad_norm(struct trainer *t, double *sumsq)
 {
-    if (t->pp > 1) return train_pipe_norm(t, sumsq);
+    if (t->mp) return train_pipe_norm(t, sumsq);
     const double *all = t->part;
     size_t np = t->nparts;
     if (t->world > 1) {

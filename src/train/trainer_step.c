@@ -467,7 +467,7 @@ int train_head(struct trainer *t, bool zero, bool norm, bool reduce)
     if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
     size_t C = (size_t)c->C * sizeof(float);
     if (zero && (r = be->zero(t->be, p[4], C)) == 0 && (r = be->zero(t->be, p[5], C)) == 0)
-        r = be->zero(t->be, p[6], (size_t)c->V * C);
+        r = be->zero(t->be, p[6], t->desc[t->wte].numel * sizeof(float));
     if (r == 0 && (r = be->head_backward(t->be, p[1], p[2], p[3], p[0], p[4], p[5], p[6])) == 0 &&
         norm && (r = be->sumsq(t->be, p[4], (size_t)c->C)) == 0)
         r = be->sumsq(t->be, p[5], (size_t)c->C);
@@ -623,7 +623,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     if (t->o.digest && !overflow && !defer) {
         /* Every rank's sum over its shards, added: the digest of the whole. */
         if (t->world > 1) TRY(train_digest_across(t, &digest));
-        if (t->pp > 1) TRY(train_pipe_digest(t, &digest));
+        if (t->mp) TRY(train_pipe_digest(t, &digest));
         t->digest = digest;
         t->have_digest = true;
         t->digest_step = step;

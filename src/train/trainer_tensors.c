@@ -475,7 +475,16 @@ int train_write_params(struct trainer *t, trainer_param_source get, void *ctx)
                 break;
             }
         }
-        if ((r = get(ctx, t->gidx ? t->gidx[i] : i, buf)) < 0) break; /* by the whole model's order */
+        /* By the whole model's order, whole: a tensor-parallel rank keeps its slice. */
+        if (train_tp_sliced(t, i)) {
+            const struct gpt_tensor_desc *gd = &t->gdesc[t->gidx[i]];
+            float *whole = malloc(gd->numel * sizeof(float));
+            r = whole ? get(ctx, t->gidx[i], whole) : -ENOMEM;
+            if (r == 0) r = gpt_tp_slice_out(&t->cfg, t->tp, t->tr, gd, whole, buf);
+            free(whole);
+            if (r < 0) break;
+        } else if ((r = get(ctx, t->gidx ? t->gidx[i] : i, buf)) < 0)
+            break;
         if (shard) {
             size_t own = train_shard_own(t, i);
             memmove(buf, buf + lo, own * sizeof(float));
@@ -494,10 +503,8 @@ int train_write_params(struct trainer *t, trainer_param_source get, void *ctx)
 static int init_source(void *ctx, int i, float *dst)
 {
     struct trainer *t = ctx;
-    for (int k = 0; k < t->ntensors; k++)
-        if ((t->gidx ? t->gidx[k] : k) == i)
-            return gpt_init_tensor(&t->cfg, &t->desc[k], dst, t->o.seed);
-    return -EINVAL;
+    if (t->gdesc) return gpt_init_tensor(&t->cfg, &t->gdesc[i], dst, t->o.seed);
+    return gpt_init_tensor(&t->cfg, &t->desc[i], dst, t->o.seed);
 }
 
 int train_init_params(struct trainer *t)
