@@ -711,9 +711,27 @@ Test(gpt_tp, refuses_bad_input)
     cr_assert_eq(gpt_tp_block_params_at(cfg, 1, 0, blk, &p), 0);
     cr_expect_eq(gpt_tp_block_forward(cfg, &one, TB, TT, &p, x, y, &s), -EINVAL);
     cr_expect_eq(gpt_tp_head_forward(cfg, &one, TB, TT, w, w, w, x, tok, NULL, NULL, &s), -EINVAL);
-    p.t[GPT_FC_B] = NULL;
     s.bytes++;
+    struct gpt_block_grads g;
+    cr_assert_eq(gpt_tp_block_grads_at(cfg, 1, 0, blk, &g), 0);
+    cr_expect_eq(gpt_tp_block_backward(cfg, &one, TB, TT, &p, x, y, (float *)x, &g, &s), -EINVAL,
+                 "d_in must not be x_in");
+    cr_expect_eq(gpt_tp_head_backward(cfg, &one, TB, TT, w, w, w, x, tok, NULL, w, w, w, NULL, &s),
+                 -EINVAL);
+    tok[0] = -1;
+    cr_expect_eq(gpt_tp_head_forward(cfg, &one, TB, TT, w, w, w, x, tok, &w[0], NULL, &s), -EINVAL);
+    float *logits = falloc(TN * MAX_V);
+    cr_expect_eq(gpt_tp_head_forward(cfg, &one, TB, TT, w, w, w, x, NULL, NULL, logits, &s), 0,
+                 "logits alone need no targets");
+    free(logits);
+    tok[0] = 0;
+    p.t[GPT_FC_B] = NULL;
     cr_expect_eq(gpt_tp_block_forward(cfg, &one, TB, TT, &p, x, y, &s), -EINVAL);
+    cr_expect_eq(gpt_tp_block_params_at(cfg, 1, 0, NULL, &p), -EINVAL);
+    cr_expect_eq(gpt_tp_block_grads_at(cfg, 4, 0, blk, &g), -EINVAL);
+    int lo, hi;
+    cr_expect_eq(gpt_tp_vocab_range(cfg, 4, 0, &lo, &hi), -EINVAL);
+    cr_expect_eq(gpt_tp_vocab_range(cfg, 2, 0, NULL, &hi), -EINVAL);
     free(blk);
     free(s.mem);
     free(w);

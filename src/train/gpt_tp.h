@@ -29,7 +29,10 @@
  * The collectives are the caller's (the trainer's communicator); each must return the same
  * bits on every rank, and a result that depends only on the values (say, a sum in rank
  * order), so that a run depends only on (shape, tp), never on threads or timing. At
- * tp == 1 they are never called and may be NULL. A callback's negative return is passed up.
+ * tp == 1 they are never called and may be NULL. Every rank makes the same calls, in the
+ * same order, with the same (cfg, tp, B, T). A callback's negative return is the call's
+ * answer, the call stopping there: its outputs and gradients are then partly written, and
+ * the step is to be dropped (on every rank: the others may wait in the collective).
  *
  * Not here: the communicator, where slices live, the optimizer, sequence parallelism, GPU
  * code.
