@@ -525,6 +525,12 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
      * its group once the ranks meet (train_pipe_setup). */
     t->tpc.tp = MAX(1, t->zc.tensor_parallel.autotp_size);
     t->tpc.rank = o->world > 1 ? o->rank % t->tpc.tp : 0;
+    char tmsg[256];
+    if (t->tpc.tp > 1 && gpt_tp_validate(&cfg, t->tpc.tp, t->tpc.rank, tmsg, sizeof(tmsg)) < 0) {
+        snprintf(err, errlen, "tensor_parallel.autotp_size %d: %s", t->tpc.tp, tmsg);
+        r = -EINVAL;
+        goto fail;
+    }
     struct backend_params bp = {
         .cfg = cfg,
         .B = o->batch,
