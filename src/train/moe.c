@@ -368,7 +368,8 @@ int moe_mlp_backward(const struct moe_config *cfg, const struct moe_ep *ep, int 
 
 /* ---- the second half of a MoE block ---------------------------------------------------------- */
 
-/* ln2 of x2: ln (N,C), mean and rstd (N), in one allocation at *mem. */
+/* ln2 of x2 into one allocation at *mem: ln (N,C), then an (N,C) for the caller (at
+ * ln + N*C), then mean and rstd (N). */
 static int ln2_forward(const struct moe_config *cfg, int N, const float *x2, const float *w,
                        const float *b, float **mem, float **ln, float **mean, float **rstd)
 {
@@ -376,7 +377,7 @@ static int ln2_forward(const struct moe_config *cfg, int N, const float *x2, con
     *mem = malloc((2 * NC + 2 * (size_t)N) * sizeof(float));
     if (!*mem) return -ENOMEM;
     *ln = *mem;
-    *mean = *ln + NC;
+    *mean = *ln + 2 * NC;
     *rstd = *mean + N;
     ops_layernorm_forward(*ln, *mean, *rstd, x2, w, b, (size_t)N, (size_t)cfg->C);
     return 0;
