@@ -141,8 +141,8 @@ static int check_rows(const struct moe_config *cfg, int n)
     return 0;
 }
 
-int moe_expert_forward_rows(const struct moe_config *cfg, const struct moe_expert_params *p,
-                            int n, const float *in, float *out, struct moe_scratch *s)
+int moe_expert_forward_rows(const struct moe_config *cfg, const struct moe_expert_params *p, int n,
+                            const float *in, float *out, struct moe_scratch *s)
 {
     int rc = check_rows(cfg, n);
     if (rc < 0) return rc;
@@ -185,8 +185,7 @@ static int check_expert_call(const struct moe_config *cfg, const struct moe_rout
     if (rc < 0) return rc;
     if (!r || r->N < 1) return moe_bad("no route (run moe_gate_forward first)");
     if ((rc = moe_check_route(cfg, r, r->N)) < 0) return rc;
-    if (e < 0 || e >= cfg->E)
-        return moe_bad("expert %d is out of range: there are %d", e, cfg->E);
+    if (e < 0 || e >= cfg->E) return moe_bad("expert %d is out of range: there are %d", e, cfg->E);
     return 0;
 }
 
@@ -408,8 +407,8 @@ err:
 
 int moe_sublock_backward(const struct moe_config *cfg, const struct moe_ep *ep, int N,
                          const float *x2, const float *ln2_w, const float *ln2_b, const float *wg,
-                         const struct moe_expert_params *experts, const float *d_out,
-                         float d_l_aux, float *d_x2, float *d_ln2_w, float *d_ln2_b, float *d_wg,
+                         const struct moe_expert_params *experts, const float *d_out, float d_l_aux,
+                         float *d_x2, float *d_ln2_w, float *d_ln2_b, float *d_wg,
                          const struct moe_expert_grads *grads)
 {
     int rc = check_layer(cfg, ep, N, experts, grads, 1);

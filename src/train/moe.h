@@ -10,7 +10,8 @@
  *     filled in token order; a top-2 token's second choice queues after every first choice
  *     of that expert (DeepSpeed's locations2 += sum(mask1)); choices past the capacity are
  *     dropped (their MoE output is 0: the residual stream carries the token on). Without
- *     drop_tokens the capacity is the largest count, so nothing is dropped.
+ *     drop_tokens the capacity is the largest count of an expert's choices, first and
+ *     second together, so nothing is dropped (DeepSpeed's top-2 counts first choices only).
  *   combine weight: top-1 gates[t,e]; top-2 the two gates normalised over the kept ones,
  *     g_i / max(g_1 + g_2, FLT_EPSILON) with a dropped choice's g counted as 0, as DeepSpeed
  *     masks before it normalises (norm_before_drop normalises over both choices instead,
@@ -50,8 +51,8 @@
 
 #include <stddef.h>
 
-#define MOE_MAX_C (1 << 16)     /* channels */
-#define MOE_MAX_E 4096          /* experts */
+#define MOE_MAX_C (1 << 16)      /* channels */
+#define MOE_MAX_E 4096           /* experts */
 #define MOE_MAX_TOKENS (1 << 24) /* tokens of one call: counts travel as exact floats */
 #define MOE_DENOM_EPS 1.1920928955078125e-07f /* torch.finfo(torch.float32).eps */
 
@@ -100,21 +101,21 @@ struct moe_slot {
  * moe_route_init for up to max_N tokens (its arrays are allocated there), filled by
  * moe_gate_forward, read by everything else; moe_route_release frees it. */
 struct moe_route {
-    int max_N;     /* tokens the arrays hold */
-    int N, E, k;   /* of the last moe_gate_forward */
-    int capacity;  /* slots per expert: min(moe_capacity(), N), or the largest count
-                      without drop_tokens (no expert can take more than N) */
-    float l_aux;   /* the balancing loss */
-    int dropped;   /* (token, choice) pairs dropped, over all experts */
+    int max_N;    /* tokens the arrays hold */
+    int N, E, k;  /* of the last moe_gate_forward */
+    int capacity; /* slots per expert: min(moe_capacity(), N), or the largest count
+                     without drop_tokens (no expert can take more than N) */
+    float l_aux;  /* the balancing loss */
+    int dropped;  /* (token, choice) pairs dropped, over all experts */
     int norm_before_drop;
-    float *logits; /* (N,E) x @ wg^T */
-    float *gates;  /* (N,E) softmax of the logits */
-    float *ce;     /* (E) fraction of tokens whose first choice is e (l_aux's backward) */
-    int *expert;   /* (N,k) the chosen experts, first choice first */
-    int *slot;     /* (N,k) the slot in the expert's capacity, -1 when dropped */
-    float *weight; /* (N,k) the combine weight, 0 when dropped */
-    int *count;    /* (E) kept choices per expert: slots 0..count-1 are used */
-    int *wanted;   /* (E) choices per expert before dropping */
+    float *logits;          /* (N,E) x @ wg^T */
+    float *gates;           /* (N,E) softmax of the logits */
+    float *ce;              /* (E) fraction of tokens whose first choice is e (l_aux's backward) */
+    int *expert;            /* (N,k) the chosen experts, first choice first */
+    int *slot;              /* (N,k) the slot in the expert's capacity, -1 when dropped */
+    float *weight;          /* (N,k) the combine weight, 0 when dropped */
+    int *count;             /* (E) kept choices per expert: slots 0..count-1 are used */
+    int *wanted;            /* (E) choices per expert before dropping */
     struct moe_slot *slots; /* (E,max_N): expert e's slot s at slots[e * max_N + s] */
 };
 
@@ -159,8 +160,8 @@ int moe_expert_backward(const struct moe_config *cfg, const struct moe_route *r,
 /* The same on rows already packed, n of them (the owner of an expert in a parallel group
  * runs these on each source rank's rows): out (n,C) = expert(in (n,C)); and, given
  * d_y (n,C) and the weights w (n): g +=, d_in (n,C) = the gradient of in, d_w (n). */
-int moe_expert_forward_rows(const struct moe_config *cfg, const struct moe_expert_params *p,
-                            int n, const float *in, float *out, struct moe_scratch *s);
+int moe_expert_forward_rows(const struct moe_config *cfg, const struct moe_expert_params *p, int n,
+                            const float *in, float *out, struct moe_scratch *s);
 int moe_expert_backward_rows(const struct moe_config *cfg, const struct moe_expert_params *p,
                              const struct moe_expert_grads *g, int n, const float *in,
                              const float *d_y, const float *w, float *d_in, float *d_w,
@@ -209,14 +210,22 @@ int moe_mlp_backward(const struct moe_config *cfg, const struct moe_ep *ep, int 
 /* The second half of a MoE transformer block, x_out = x2 + moe(ln2(x2)) for the residual
  * stream x2 (N,C) after the attention; ln2_w, ln2_b (C). x_out may be x2. The backward
  * recomputes ln2 and the route from x2, then d_x2 (N,C) = d_out pulled back through the
- * half-block (d_x2 may be d_out), d_ln2_w, d_ln2_b, d_wg and grads +=. l_aux may be NULL. */
+ * half-block (d_x2 may be d_out), d_ln2_w, d_ln2_b, d_wg and grads +=. l_aux may be NULL.
+ *
+ * The first half, x2 = x + attn_proj(attention(qkv(ln1(x)))), is inside gpt.c's block
+ * functions and not exposed alone. A MoE block needs it as a pair like the two halves of
+ * gpt_block_forward/backward: the forward from x to x2 (the same ops in the same order,
+ * so a dense block stays bit-equal), and the backward from d_x2 to d_x with the attention
+ * and ln1 gradients accumulated, recomputing from x. The trainer keeps x per block, as
+ * now, and recomputes x2 in the backward; it adds aux_coef * l_aux of every MoE block to
+ * its loss. */
 int moe_sublock_forward(const struct moe_config *cfg, const struct moe_ep *ep, int N,
                         const float *x2, const float *ln2_w, const float *ln2_b, const float *wg,
                         const struct moe_expert_params *experts, float *x_out, float *l_aux);
 int moe_sublock_backward(const struct moe_config *cfg, const struct moe_ep *ep, int N,
                          const float *x2, const float *ln2_w, const float *ln2_b, const float *wg,
-                         const struct moe_expert_params *experts, const float *d_out,
-                         float d_l_aux, float *d_x2, float *d_ln2_w, float *d_ln2_b, float *d_wg,
+                         const struct moe_expert_params *experts, const float *d_out, float d_l_aux,
+                         float *d_x2, float *d_ln2_w, float *d_ln2_b, float *d_wg,
                          const struct moe_expert_grads *grads);
 
 #endif

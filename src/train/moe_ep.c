@@ -55,8 +55,7 @@ static int check_pack(const struct moe_config *cfg, const struct moe_route *r, i
 }
 
 /* Where local expert j's rows of width floats start in the block for rank d. */
-static size_t block_at(const struct moe_config *cfg, int ep, int block_cap, int width, int d,
-                       int j)
+static size_t block_at(const struct moe_config *cfg, int ep, int block_cap, int width, int d, int j)
 {
     size_t cap = (size_t)block_cap, w = (size_t)width;
     return (size_t)d * moe_ep_block_floats(cfg, ep, block_cap, width) + (size_t)j * cap * w;
@@ -76,8 +75,8 @@ static void pack(const struct moe_config *cfg, const struct moe_route *r, int ep
     }
 }
 
-static void unpack(const struct moe_config *cfg, const struct moe_route *r, int ep,
-                   int block_cap, const float *recv, float *y)
+static void unpack(const struct moe_config *cfg, const struct moe_route *r, int ep, int block_cap,
+                   const float *recv, float *y)
 {
     const size_t C = (size_t)cfg->C, k = (size_t)r->k;
     const int Epr = cfg->E / ep;
@@ -167,9 +166,8 @@ out:
 
 /* ---- forward and backward over the group ---------------------------------------------------- */
 
-int moe_ep_mlp_forward(const struct moe_config *cfg, const struct moe_ep *ep, int N,
-                       const float *x, const struct moe_expert_params *experts, float *y,
-                       const struct moe_route *r)
+int moe_ep_mlp_forward(const struct moe_config *cfg, const struct moe_ep *ep, int N, const float *x,
+                       const struct moe_expert_params *experts, float *y, const struct moe_route *r)
 {
     (void)N; /* the route's */
     const int P = ep->ep, Epr = cfg->E / P;
@@ -253,9 +251,8 @@ int moe_ep_mlp_backward(const struct moe_config *cfg, const struct moe_ep *ep, i
         for (int src = 0; src < P; src++) {
             const float *in = recv + block_at(cfg, P, block_cap, w_out, src, j);
             float *ret = back + block_at(cfg, P, block_cap, w_back, src, j);
-            rc = moe_expert_backward_rows(cfg, &experts[j], &grads[j], in_counts[src * Epr + j],
-                                          in, in + cap * C, in + 2 * cap * C, ret, ret + cap * C,
-                                          &s);
+            rc = moe_expert_backward_rows(cfg, &experts[j], &grads[j], in_counts[src * Epr + j], in,
+                                          in + cap * C, in + 2 * cap * C, ret, ret + cap * C, &s);
             if (rc < 0) goto out;
         }
     if ((rc = ep->alltoall(back, recv, bf_back, ep->ctx)) < 0) goto out;

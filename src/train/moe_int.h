@@ -34,8 +34,8 @@ void moe_row_add(float *y, const float *x, size_t C);
 
 /* moe_mlp_forward/backward over an expert-parallel group (moe_ep.c); the arguments are
  * checked by the callers. */
-int moe_ep_mlp_forward(const struct moe_config *cfg, const struct moe_ep *ep, int N,
-                       const float *x, const struct moe_expert_params *experts, float *y,
+int moe_ep_mlp_forward(const struct moe_config *cfg, const struct moe_ep *ep, int N, const float *x,
+                       const struct moe_expert_params *experts, float *y,
                        const struct moe_route *r);
 int moe_ep_mlp_backward(const struct moe_config *cfg, const struct moe_ep *ep, int N,
                         const float *x, const struct moe_expert_params *experts,

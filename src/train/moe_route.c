@@ -108,8 +108,7 @@ int moe_check_route(const struct moe_config *cfg, const struct moe_route *r, int
     return 0;
 }
 
-int moe_check_expert(const struct moe_expert_params *p, const struct moe_expert_grads *g,
-                     int index)
+int moe_check_expert(const struct moe_expert_params *p, const struct moe_expert_grads *g, int index)
 {
     if (!p || !p->fc_w || !p->fc_b || !p->proj_w || !p->proj_b)
         return moe_bad("expert %d: a parameter pointer is NULL", index);
@@ -219,11 +218,11 @@ float *moe_scratch_base(const struct moe_config *cfg, int rows, struct moe_scrat
         moe_bad("no scratch (size it with moe_scratch_bytes)");
         return NULL;
     }
-    size_t need = scratch_floats(cfg, (size_t)(rows > 0 ? rows : 1)) * sizeof(float) +
-                  SCRATCH_ALIGN_BYTES;
+    size_t need =
+        scratch_floats(cfg, (size_t)(rows > 0 ? rows : 1)) * sizeof(float) + SCRATCH_ALIGN_BYTES;
     if (s->bytes < need) {
-        moe_bad("scratch of %zu bytes is too small: %d rows need %zu (moe_scratch_bytes)",
-                s->bytes, rows, need);
+        moe_bad("scratch of %zu bytes is too small: %d rows need %zu (moe_scratch_bytes)", s->bytes,
+                rows, need);
         return NULL;
     }
     uintptr_t a =
@@ -247,8 +246,7 @@ static int argmax(const float *row, int E, int skip)
 /* The top-2 weights of one token from its two gates and what was kept: each choice's gate
  * counts (s1, s2) when kept, or always with norm_before_drop; the denominator is clamped at
  * MOE_DENOM_EPS as DeepSpeed's is. */
-static void top2_weights(float g1, float g2, int kept1, int kept2, int before, float *w1,
-                         float *w2)
+static void top2_weights(float g1, float g2, int kept1, int kept2, int before, float *w1, float *w2)
 {
     float s1 = before || kept1 ? g1 : 0.0f, s2 = before || kept2 ? g2 : 0.0f;
     float d = s1 + s2;
@@ -413,8 +411,8 @@ int moe_gate_backward(const struct moe_config *cfg, const struct moe_route *r, c
     if ((rc = moe_check_route(cfg, r, r->N)) < 0) return rc;
     if (!x || !wg || !d_weight || !d_x || !d_wg)
         return moe_bad("gate backward: x, wg, d_weight, d_x or d_wg is NULL");
-    if (!isfinite(d_l_aux)) return moe_bad("gate backward: d_l_aux=%g is not finite",
-                                           (double)d_l_aux);
+    if (!isfinite(d_l_aux))
+        return moe_bad("gate backward: d_l_aux=%g is not finite", (double)d_l_aux);
     float *d_logits = moe_scratch_base(cfg, r->N, s);
     if (!d_logits) return -EINVAL;
     const int N = r->N, E = r->E;
