@@ -25,9 +25,9 @@
 #include "train/moe.h"
 #include "train/ops.h"
 
-#define MAXN 32 /* tokens of a test */
-#define MAXE 8  /* experts of a test */
-#define MAXP 8  /* ranks of a test */
+#define MAXN 32   /* tokens of a test */
+#define MAXE 8    /* experts of a test */
+#define MAXP 8    /* ranks of a test */
 #define AUX 0.37f /* d_l_aux of every backward here */
 
 TestSuite(moe, .fini = test_leak_check);
@@ -152,7 +152,8 @@ static void run_single(const struct net *n, struct out *o, struct moe_route *kee
         moe_route_release(&r);
 }
 
-/* ---- the reference, in double ----------------------------------------------------------------- */
+/* ---- the reference, in double -----------------------------------------------------------------
+ */
 
 struct ref_route {
     int capacity, dropped;
@@ -370,8 +371,10 @@ static int check_fd(struct ref_in *in, double *v, size_t n, size_t stride, const
             continue;
         }
         double fd = (lp - lm) / (2 * h);
-        cr_assert(fabs(fd - g[i]) <= 2e-4 + 2e-3 * fabs(fd), "%s[%zu]: finite difference %.8g, "
-                  "backward %.8g", what, i, fd, (double)g[i]);
+        cr_assert(fabs(fd - g[i]) <= 2e-4 + 2e-3 * fabs(fd),
+                  "%s[%zu]: finite difference %.8g, "
+                  "backward %.8g",
+                  what, i, fd, (double)g[i]);
         compared++;
     }
     return compared;
@@ -387,7 +390,7 @@ static const struct {
     {3, 1, 1.0f, 1, 0, 1}, {3, 1, 1.25f, 1, 0, 0}, {3, 1, 1.0f, 0, 0, 0},
 };
 #define NSHAPES (sizeof(shapes) / sizeof(shapes[0]))
-#define TC 24     /* channels */
+#define TC 24      /* channels */
 #define TN (2 * 7) /* tokens: B=2, T=7 */
 
 static struct moe_config shape_config(size_t i)
@@ -468,9 +471,14 @@ Test(moe, route_top2_by_hand)
         cr_assert_eq(r.wanted[2], 3);
         /* Tokens 0 and 1 keep both: g/(g1+g2). Tokens 2 and 3 keep only their first, which
          * DeepSpeed normalises over the kept (1) and fairseq's option over both. */
-        const double w[] = {0.8807970779778825, 0.11920292202211757, 0.7310585786300048,
-                            0.26894142136999516, before ? 0.7310585786300048 : 1.0, 0,
-                            before ? 0.7310585786300048 : 1.0, 0};
+        const double w[] = {0.8807970779778825,
+                            0.11920292202211757,
+                            0.7310585786300048,
+                            0.26894142136999516,
+                            before ? 0.7310585786300048 : 1.0,
+                            0,
+                            before ? 0.7310585786300048 : 1.0,
+                            0};
         for (int i = 0; i < 8; i++)
             cr_assert_float_eq(r.weight[i], w[i], 1e-6, "choice %d (before %d)", i, before);
         cr_assert_float_eq(r.l_aux, 1.095711512715251, 1e-6);
@@ -579,8 +587,8 @@ Test(moe, backward_matches_finite_differences)
         compared += check_fd(&in, in.x, (size_t)TN * TC, 2, o.d_x, "d_x", &skipped);
         compared += check_fd(&in, in.wg, (size_t)cfg.E * TC, 1, o.d_wg, "d_wg", &skipped);
         compared += check_fd(&in, in.ex, (size_t)cfg.E * n.P, 31, o.g, "expert grads", &skipped);
-        cr_assert_lt(skipped, compared / 100 + 1, "shape %zu: %d of the steps changed the route",
-                     i, skipped);
+        cr_assert_lt(skipped, compared / 100 + 1, "shape %zu: %d of the steps changed the route", i,
+                     skipped);
         ref_free(&in);
         out_free(&o);
         net_free(&n);
@@ -702,8 +710,8 @@ Test(moe, pieces_are_the_layer)
             cr_assert_eq(moe_expert_forward(&cfg, &r, used[u], &n.p[used[u]], n.x, o.y, &s), 0);
         float d_weight[MAXN * 2] = {0};
         for (int u = 0; u < nused; u++)
-            cr_assert_eq(moe_expert_backward(&cfg, &r, used[u], &n.p[used[u]], &o.eg[used[u]],
-                                             n.x, n.R, o.d_x, d_weight, &s),
+            cr_assert_eq(moe_expert_backward(&cfg, &r, used[u], &n.p[used[u]], &o.eg[used[u]], n.x,
+                                             n.R, o.d_x, d_weight, &s),
                          0);
         cr_assert_eq(moe_gate_backward(&cfg, &r, n.x, n.wg, d_weight, AUX, o.d_x, o.d_wg, &s), 0);
         cr_assert(out_equal(&o, &whole, &n), "shape %zu: the pieces differ from the layer", i);
@@ -738,7 +746,8 @@ Test(moe, thread_count_does_not_change_bits)
     }
 }
 
-/* ---- expert parallelism ------------------------------------------------------------------------ */
+/* ---- expert parallelism ------------------------------------------------------------------------
+ */
 
 /* An in-memory all-to-all among threads: each rank posts its send buffer, all wait, each
  * copies its block from every rank, all wait again (so no send buffer is reused early). */
@@ -783,23 +792,43 @@ struct rank_job {
     const struct net *n;
     struct out *o;
     struct moe_expert_grads *eg; /* this rank's experts' */
+    const float *ln_w, *ln_b;    /* set: run the half-block instead of the layer */
+    float *d_ln;                 /* (2C): d_ln2_w, d_ln2_b */
     int rc;
 };
+
+/* The half-block on one rank of a group (or alone, ep NULL): x_out into o->y, d_x2 into
+ * o->d_x. */
+static int sublock(const struct moe_config *cfg, const struct moe_ep *ep, const struct net *n,
+                   const struct moe_expert_params *p, struct moe_expert_grads *eg,
+                   const float *ln_w, const float *ln_b, float *d_ln, struct out *o)
+{
+    int rc = moe_sublock_forward(cfg, ep, n->N, n->x, ln_w, ln_b, n->wg, p, o->y, &o->l_aux);
+    if (rc == 0)
+        rc = moe_sublock_backward(cfg, ep, n->N, n->x, ln_w, ln_b, n->wg, p, n->R, AUX, o->d_x,
+                                  d_ln, d_ln + cfg->C, o->d_wg, eg);
+    return rc;
+}
 
 static void *rank_main(void *arg)
 {
     struct rank_job *j = arg;
     const struct net *n = j->n;
     int Epr = j->cfg->E / j->ep.ep;
+    if (j->ln_w) {
+        j->rc = sublock(j->cfg, &j->ep, n, n->p + j->ep.rank * Epr, j->eg, j->ln_w, j->ln_b,
+                        j->d_ln, j->o);
+        return NULL;
+    }
     struct moe_route r;
     j->rc = moe_route_init(&r, j->cfg, n->N);
     if (j->rc == 0)
-        j->rc = moe_mlp_forward(j->cfg, &j->ep, n->N, n->x, n->wg, n->p + j->ep.rank * Epr,
-                                j->o->y, &r);
+        j->rc = moe_mlp_forward(j->cfg, &j->ep, n->N, n->x, n->wg, n->p + j->ep.rank * Epr, j->o->y,
+                                &r);
     j->o->l_aux = r.l_aux;
     if (j->rc == 0)
-        j->rc = moe_mlp_backward(j->cfg, &j->ep, n->N, n->x, n->wg, n->p + j->ep.rank * Epr,
-                                 j->eg, &r, n->R, AUX, j->o->d_x, j->o->d_wg);
+        j->rc = moe_mlp_backward(j->cfg, &j->ep, n->N, n->x, n->wg, n->p + j->ep.rank * Epr, j->eg,
+                                 &r, n->R, AUX, j->o->d_x, j->o->d_wg);
     moe_route_release(&r);
     return NULL;
 }
@@ -807,7 +836,7 @@ static void *rank_main(void *arg)
 /* Runs the layer on P ranks with nets[] as their tokens; the experts' gradients land in
  * o[owner].eg. Returns the first rank's error, or 0. */
 static int run_group(const struct moe_config *cfg, int P, const struct net *nets, struct out *o,
-                     int fail_call, int corrupt)
+                     int fail_call, int corrupt, const float *ln, float *d_ln)
 {
     struct group g = {.P = P};
     struct rank_job jobs[MAXP];
@@ -816,11 +845,16 @@ static int run_group(const struct moe_config *cfg, int P, const struct net *nets
     int Epr = cfg->E / P;
     for (int r = 0; r < P; r++) {
         jobs[r] = (struct rank_job){.cfg = cfg, .n = &nets[r], .o = &o[r]};
-        jobs[r].ctx = (struct rank_ctx){.g = &g, .rank = r, .fail_call = fail_call,
-                                        .corrupt = corrupt};
-        jobs[r].ep = (struct moe_ep){.ep = P, .rank = r, .alltoall = mem_alltoall,
-                                     .ctx = &jobs[r].ctx};
+        jobs[r].ctx =
+            (struct rank_ctx){.g = &g, .rank = r, .fail_call = fail_call, .corrupt = corrupt};
+        jobs[r].ep =
+            (struct moe_ep){.ep = P, .rank = r, .alltoall = mem_alltoall, .ctx = &jobs[r].ctx};
         jobs[r].eg = o[r].eg + r * Epr;
+        if (ln) {
+            jobs[r].ln_w = ln;
+            jobs[r].ln_b = ln + cfg->C;
+            jobs[r].d_ln = d_ln + (size_t)r * 2 * cfg->C;
+        }
         cr_assert_eq(pthread_create(&th[r], NULL, rank_main, &jobs[r]), 0);
     }
     int rc = 0;
@@ -869,11 +903,11 @@ Test(moe, expert_parallel_matches_one_rank)
         for (int r = 1; r < P; r++) /* the owners' gradients, gathered in rank 0's */
             for (int e = 0; e < cfg.E; e++)
                 ep[r].eg[e] = ep[0].eg[e];
-        cr_assert_eq(run_group(&cfg, P, nets, ep, -1, 0), 0, "case %zu", c);
+        cr_assert_eq(run_group(&cfg, P, nets, ep, -1, 0, NULL, NULL), 0, "case %zu", c);
         for (int r = 0; r < P; r++) {
             size_t NC = (size_t)nets[r].N * cfg.C;
-            cr_assert_eq(memcmp(ep[r].y, one[r].y, NC * sizeof(float)), 0, "case %zu rank %d y",
-                         c, r);
+            cr_assert_eq(memcmp(ep[r].y, one[r].y, NC * sizeof(float)), 0, "case %zu rank %d y", c,
+                         r);
             cr_assert_eq(memcmp(ep[r].d_x, one[r].d_x, NC * sizeof(float)), 0,
                          "case %zu rank %d d_x", c, r);
             cr_assert_eq(memcmp(ep[r].d_wg, one[r].d_wg, sizeof(float) * cfg.E * cfg.C), 0,
@@ -890,6 +924,48 @@ Test(moe, expert_parallel_matches_one_rank)
     }
 }
 
+Test(moe, expert_parallel_sublock_matches_one_rank)
+{
+    struct moe_config cfg = shape_config(3); /* no drops, ranks of 14, 11, 8 and 5 tokens */
+    const int P = 4;
+    float ln[2 * TC], d_one[MAXP * 2 * TC] = {0}, d_ep[MAXP * 2 * TC] = {0};
+    uint64_t s = 1200;
+    for (int c = 0; c < TC; c++) {
+        ln[c] = 1.0f + 0.2f * urand(&s);
+        ln[TC + c] = 0.1f * urand(&s);
+    }
+    struct net nets[MAXP];
+    struct out ep[MAXP], one[MAXP];
+    group_nets(nets, &cfg, P, 1, 1201);
+    for (int r = 0; r < P; r++) {
+        out_make(&ep[r], &nets[r]);
+        out_make(&one[r], &nets[r]);
+        if (r)
+            for (int e = 0; e < cfg.E; e++) {
+                one[r].eg[e] = one[0].eg[e];
+                ep[r].eg[e] = ep[0].eg[e];
+            }
+        cr_assert_eq(sublock(&cfg, NULL, &nets[r], nets[r].p, one[r].eg, ln, ln + TC,
+                             d_one + r * 2 * TC, &one[r]),
+                     0);
+    }
+    cr_assert_eq(run_group(&cfg, P, nets, ep, -1, 0, ln, d_ep), 0);
+    for (int r = 0; r < P; r++) {
+        size_t NC = (size_t)nets[r].N * cfg.C;
+        cr_assert_eq(memcmp(ep[r].y, one[r].y, NC * sizeof(float)), 0, "rank %d x_out", r);
+        cr_assert_eq(memcmp(ep[r].d_x, one[r].d_x, NC * sizeof(float)), 0, "rank %d d_x2", r);
+        cr_assert_eq(memcmp(ep[r].d_wg, one[r].d_wg, sizeof(float) * cfg.E * cfg.C), 0);
+        cr_assert_eq(memcmp(&ep[r].l_aux, &one[r].l_aux, sizeof(float)), 0);
+    }
+    cr_assert_eq(memcmp(d_ep, d_one, sizeof(d_ep)), 0, "ln2's gradients differ");
+    cr_assert_eq(memcmp(ep[0].g, one[0].g, sizeof(float) * cfg.E * nets[0].P), 0);
+    for (int r = 0; r < P; r++) {
+        out_free(&ep[r]);
+        out_free(&one[r]);
+        net_free(&nets[r]);
+    }
+}
+
 Test(moe, expert_parallel_failures_are_passed_up)
 {
     struct moe_config cfg = shape_config(0);
@@ -900,7 +976,7 @@ Test(moe, expert_parallel_failures_are_passed_up)
         for (int r = 0; r < 2; r++)
             out_make(&o[r], &nets[r]);
         o[1].eg[0] = o[0].eg[0];
-        cr_assert_eq(run_group(&cfg, 2, nets, o, fail, 0), -EIO, "call %d", fail);
+        cr_assert_eq(run_group(&cfg, 2, nets, o, fail, 0, NULL, NULL), -EIO, "call %d", fail);
         for (int r = 0; r < 2; r++) {
             out_free(&o[r]);
             net_free(&nets[r]);
@@ -912,7 +988,7 @@ Test(moe, expert_parallel_failures_are_passed_up)
     for (int r = 0; r < 2; r++)
         out_make(&o[r], &nets[r]);
     test_log_capture_start();
-    cr_assert_eq(run_group(&cfg, 2, nets, o, -1, 1), -EPROTO);
+    cr_assert_eq(run_group(&cfg, 2, nets, o, -1, 1, NULL, NULL), -EPROTO);
     cr_assert_not_null(strstr(test_log_text(), "not a count"), "log: %s", test_log_text());
     test_log_capture_stop();
     for (int r = 0; r < 2; r++) {
@@ -932,6 +1008,8 @@ Test(moe, pack_and_unpack)
     const int P = 2, Epr = cfg.E / P, cap = r.capacity + 1; /* a group's larger capacity */
     size_t bf = moe_ep_block_floats(&cfg, P, cap, TC);
     cr_assert_eq(bf, (size_t)Epr * cap * TC);
+    cr_assert_eq(moe_ep_block_floats(&cfg, 3, cap, TC), 0); /* 3 does not divide 4 */
+    cr_assert_eq(moe_ep_block_floats(&cfg, P, cap, 0), 0);
     float *buf = falloc(P * bf), *y = falloc(TN * TC);
     for (size_t i = 0; i < P * bf; i++)
         buf[i] = NAN; /* every float is written */
@@ -1042,8 +1120,7 @@ Test(moe, bad_arguments)
     refused(moe_mlp_forward(&cfg, &ep, TN, n.x, n.wg, n.p, o.y, &r), "rank 2");
     ep = (struct moe_ep){.ep = 2, .rank = 0};
     refused(moe_mlp_forward(&cfg, &ep, TN, n.x, n.wg, n.p, o.y, &r), "alltoall");
-    refused(moe_mlp_backward(&cfg, NULL, TN - 1, n.x, n.wg, n.p, o.eg, &r, n.R, AUX, o.d_x,
-                             o.d_wg),
+    refused(moe_mlp_backward(&cfg, NULL, TN - 1, n.x, n.wg, n.p, o.eg, &r, n.R, AUX, o.d_x, o.d_wg),
             "holds 14 tokens");
     refused(moe_mlp_backward(&cfg, NULL, TN, n.x, n.wg, n.p, NULL, &r, n.R, AUX, o.d_x, o.d_wg),
             "no expert gradients");
