@@ -128,6 +128,7 @@ struct zinf_config {
     struct {
         int autotp_size; /* tensor-parallel ranks; 1 (none) */
     } tensor_parallel;
+    int sequence_parallel_size; /* Ulysses sequence-parallel ranks; 1 (none) */
     struct {
         int stages;    /* pipeline stages; 1 (none) */
         int partition; /* "parameters" 0, "uniform" 1, "best" 2 (as "parameters") */

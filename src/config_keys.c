@@ -380,6 +380,9 @@ const struct field config_fields[] = {
     /* Tensor parallelism (DeepSpeed's AutoTP size): the heads and hidden units of every
      * block, and the vocabulary, cut over this many ranks of each stage. */
     {S_TP, "autotp_size", NULL, F_INT, OFF(tensor_parallel.autotp_size), 1, 64, 0, NULL},
+    /* Sequence parallelism (DeepSpeed-Ulysses): each sequence's positions cut over this
+     * many ranks, the attention's heads exchanged by all-to-all. */
+    {S_TOP, "sequence_parallel_size", NULL, F_INT, OFF(sequence_parallel_size), 1, 64, 0, NULL},
     /* DeepSpeed's deprecated ZeRO-Offload switches, last: finish() maps them. */
     {S_ZERO, "cpu_offload", NULL, F_BOOL, OFF(zero.cpu_offload), 0, 0, 0, NULL},
     {S_ZERO, "cpu_offload_param", "cpu_offload_params", F_BOOL, OFF(zero.cpu_offload_param), 0, 0,
@@ -408,6 +411,7 @@ void config_defaults(struct zinf_config *c)
     c->zero.offload_optimizer.pipeline_write = true;
     c->pipeline.stages = 1;
     c->tensor_parallel.autotp_size = 1;
+    c->sequence_parallel_size = 1;
     c->zero.stage3_prefetch_bucket_size = 50000000;
     c->zero.reduce_bucket_size = 500000000;
     c->zero.stage3_max_live_parameters = 1000000000;

@@ -1054,9 +1054,9 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         lines += *s == '\n';
     /* settings, zinf.train, zinf.serve, the training keys, the model-parallel ones
      * (pipeline.stages, pipeline.partition, zinf.train.pipeline_cut,
-     * tensor_parallel.autotp_size), DeepSpeed's deprecated cpu_offload and
-     * cpu_offload_param, header, engine */
-    cr_expect_eq(lines, 29 + 11 + 13 + 48 + 4 + 2 + 1 + 8, "%s", text);
+     * tensor_parallel.autotp_size, sequence_parallel_size), DeepSpeed's deprecated
+     * cpu_offload and cpu_offload_param, header, engine */
+    cr_expect_eq(lines, 29 + 11 + 13 + 48 + 5 + 2 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }

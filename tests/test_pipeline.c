@@ -3,8 +3,8 @@
  * ranks (tensor_parallel.autotp_size), started by `zinf launch` as a user would: every cut
  * and schedule of a pipeline gives bitwise the losses, gradient norms and parameter digests
  * of one rank accumulating the same micro-batches, in fp32, bf16 and fp16, offloaded to NVMe;
- * tensor-parallel ranks (alone, with stages, with ZeRO copies: 2 x 2 x 2 on 8 ranks) give one
- * rank's losses within 1e-6 and the same bits run to run; a saved run resumes where it
+ * tensor- and sequence-parallel ranks (alone, with stages, with ZeRO copies: 2 x 2 x 2 on 8
+ * ranks) give one rank's losses within 1e-6 and the same bits run to run; a saved run resumes where it
  * stopped; the summary reports the stage and the bubble; wrong layouts are refused naming
  * the key.
  *
@@ -42,7 +42,8 @@ TestSuite(pipeline, .init = setup, .fini = teardown, .timeout = 170);
 #define STEPS 3
 
 /* A config: `extra` inside the top object (the pipeline, ZeRO, offload), the model odd
- * (5 blocks of width 48, 6 heads), micro-batches of 2 sequences of 13. */
+ * (5 blocks of width 48, 6 heads), micro-batches of 2 sequences of 13 (unless train_extra,
+ * added to zinf.train, says otherwise). */
 static void config(char *path, size_t len, const char *name, int accum, const char *extra,
                    const char *train_extra)
 {
@@ -52,8 +53,8 @@ static void config(char *path, size_t len, const char *name, int accum, const ch
     fprintf(f,
             "{\"train_micro_batch_size_per_gpu\": 2, \"gradient_accumulation_steps\": %d, %s"
             " \"zinf\": {\"device\": \"emulated\", \"train\": {\"layers\": 5, \"dim\": 48, "
-            "\"heads\": 6, \"seq\": 13, \"seed\": 11%s}}}",
-            accum, extra, train_extra);
+            "\"heads\": 6, %s\"seed\": 11%s}}}",
+            accum, extra, strstr(train_extra, "\"seq\"") ? "" : "\"seq\": 13, ", train_extra);
     fclose(f);
 }
 
@@ -248,13 +249,14 @@ static void losses_of(const char *name, double *loss)
 }
 
 /* Tensor-parallel ranks: 2 and 3 (V = 256 cut unevenly), with 2 stages, and 2 copies x 2
- * stages x 2 ranks (8 ranks, ZeRO-1 over the copies), bf16 too: one rank's losses within
- * 1e-6 (the sums across ranks reassociate), and each layout's own bits run to run. */
-Test(pipeline, tensor_parallel_ranks_give_one_ranks_losses_and_their_own_bits_again)
+ * stages x 2 ranks (8 ranks, ZeRO-1 over the copies), bf16 too; sequence-parallel ranks: 2
+ * and 3, with 2 stages, with 2 ZeRO-2 copies: one rank's losses within 1e-6 (the sums across
+ * ranks reassociate), and each layout's own bits run to run. */
+Test(pipeline, tensor_and_sequence_parallel_ranks_give_one_ranks_losses_and_their_own_bits_again)
 {
     char cfg[4096];
     struct steps a, b;
-    double one[3][STEPS + 1], got[STEPS + 1];
+    double one[5][STEPS + 1], got[STEPS + 1];
     static const char *const prec[] = {"", ", \"precision\": \"bf16\""};
     for (int k = 0; k < 2; k++) {
         char name[32];
@@ -266,6 +268,12 @@ Test(pipeline, tensor_parallel_ranks_give_one_ranks_losses_and_their_own_bits_ag
     config(cfg, sizeof(cfg), "tone4", 4, "", "");
     train(1, cfg, "tone4", "", &a);
     losses_of("tone4", one[2]);
+    config(cfg, sizeof(cfg), "sone2", 2, "", ", \"seq\": 12");
+    train(1, cfg, "sone2", "", &a);
+    losses_of("sone2", one[3]);
+    config(cfg, sizeof(cfg), "sone4", 4, "", ", \"seq\": 12");
+    train(1, cfg, "sone4", "", &a);
+    losses_of("sone4", one[4]);
     static const struct {
         int n, M, ref;
         const char *extra, *train;
@@ -278,6 +286,12 @@ Test(pipeline, tensor_parallel_ranks_give_one_ranks_losses_and_their_own_bits_ag
          "\"tensor_parallel\": {\"autotp_size\": 2}, \"pipeline\": {\"stages\": 2}, "
          "\"zero_optimization\": {\"stage\": 1},",
          ""},
+        /* Sequence-parallel ranks (Ulysses): 13 positions do not split, so 12. */
+        {2, 2, 3, "\"sequence_parallel_size\": 2,", ", \"seq\": 12"},
+        {3, 2, 3, "\"sequence_parallel_size\": 3,", ", \"seq\": 12"},
+        {4, 4, 4, "\"sequence_parallel_size\": 2, \"pipeline\": {\"stages\": 2},", ", \"seq\": 12"},
+        {4, 2, 4, "\"sequence_parallel_size\": 2, \"zero_optimization\": {\"stage\": 2},",
+         ", \"seq\": 12"},
     };
     for (size_t c = 0; c < ARRAY_SIZE(cases); c++) {
         char name[32];
@@ -289,7 +303,7 @@ Test(pipeline, tensor_parallel_ranks_give_one_ranks_losses_and_their_own_bits_ag
             cr_assert(fabs(got[s] - one[cases[c].ref][s]) <= 1e-6 * fabs(one[cases[c].ref][s]),
                       "%s, step %d: %.9g against one rank's %.9g", name, s, got[s],
                       one[cases[c].ref][s]);
-        if (c != 1 && c != 4) continue;
+        if (c != 1 && c != 4 && c != 6) continue;
         snprintf(name, sizeof(name), "tp%zu_again", c);
         train(cases[c].n, cfg, name, "", &b);
         same(&a, &b, name);
@@ -316,6 +330,9 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
         {4, "\"tensor_parallel\": {\"autotp_size\": 4},", "",
          "tensor_parallel.autotp_size 4: "},
         {3, "\"tensor_parallel\": {\"autotp_size\": 2},", "", "start a multiple of 2 ranks"},
+        {2, "\"sequence_parallel_size\": 2,", "", "sequence_parallel_size 2: "},
+        {4, "\"sequence_parallel_size\": 2, \"tensor_parallel\": {\"autotp_size\": 2},", "",
+         "both cut the heads"},
     };
     for (size_t c = 0; c < ARRAY_SIZE(cases); c++) {
         config(cfg, sizeof(cfg), "bad", 2, cases[c].extra, cases[c].train);

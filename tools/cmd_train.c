@@ -439,14 +439,15 @@ int cmd_train(int argc, char **argv)
     const char *whole = a.export_path ? "--export" : a.export_hf ? "--export-hf"
                         : a.eval_every > 0 ? "--eval-every" : a.sample_every > 0 ? "--sample-every"
                                                                              : NULL;
-    if ((es.pp > 1 || es.tp > 1) && whole) {
+    if ((es.pp > 1 || es.tp > 1 || es.sp > 1) && whole) {
         fprintf(stderr,
                 "zinf train: %s: each of the %d %s holds its own part of the model, and %s "
-                "across them is not built yet (run it without pipeline.stages and "
-                "tensor_parallel)\n",
-                whole, es.pp * es.tp,
-                es.tp == 1 ? "pipeline stages" : es.pp == 1 ? "tensor-parallel ranks"
-                                                            : "stages' tensor-parallel ranks",
+                "across them is not built yet (run it without pipeline.stages, "
+                "tensor_parallel and sequence_parallel_size)\n",
+                whole, es.pp * es.tp * es.sp,
+                es.tp * es.sp == 1 ? "pipeline stages"
+                : es.pp == 1       ? (es.tp > 1 ? "tensor-parallel ranks" : "sequence-parallel ranks")
+                                   : "stages' ranks",
                 whole[2] == 'e' && whole[3] == 'x' ? "the export" : "the forward");
         if (log) fclose(log);
         trainer_close(t);

@@ -423,6 +423,11 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
         printf("#   tensor-parallel rank %d of %d: this rank's heads, hidden units and vocabulary "
                "rows of every block (the tiers above hold those slices)\n",
                sum->tp_rank, sum->tp);
+    if (sum->sp > 1)
+        printf("#   sequence-parallel rank %d of %d: positions %d-%d of every sequence, the "
+               "attention's heads exchanged by all-to-all\n",
+               sum->sp_rank, sum->sp, sum->sp_rank * sum->seq_local,
+               (sum->sp_rank + 1) * sum->seq_local - 1);
     if (sum->world > 1 && sum->nodes > 1)
         printf("#   across %d nodes (this rank in node %d): %s out and %s in between machines, "
                "in %llu of the collectives\n",
@@ -465,9 +470,10 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                 (unsigned long long)sum->net_bytes_in, (unsigned long long)sum->net_ops);
         fprintf(log, ",\"overlap_comm\":%s", sum->overlap_comm ? "true" : "false");
         fprintf(log, ",\"pp\":%d,\"pp_stage\":%d,\"first_block\":%d,\"blocks\":%d,"
-                "\"pipeline_bytes\":%llu,\"tp\":%d,\"tp_rank\":%d",
+                "\"pipeline_bytes\":%llu,\"tp\":%d,\"tp_rank\":%d,\"sp\":%d,\"sp_rank\":%d",
                 sum->pp, sum->pp_stage, sum->first_block, sum->blocks,
-                (unsigned long long)sum->pipeline_bytes, sum->tp, sum->tp_rank);
+                (unsigned long long)sum->pipeline_bytes, sum->tp, sum->tp_rank, sum->sp,
+                sum->sp_rank);
         cmd_train_json_num(log, "pipeline_bubble", sum->pipeline_bubble, false);
         cmd_train_json_num(log, "pipeline_bubble_ideal", sum->pipeline_bubble_ideal, false);
         cmd_train_json_num(log, "pipeline_wait_seconds", sum->pipeline_wait_seconds, false);

@@ -29,6 +29,7 @@
 
 #include "train/adamw.h"
 #include "train/gpt.h"
+#include "train/gpt_sp.h"
 #include "train/gpt_tp.h"
 
 enum backend_dtype { BACKEND_F32, BACKEND_BF16, BACKEND_F16 };
@@ -47,6 +48,16 @@ struct backend_params {
      * tensor-parallel group, which the caller may fill in after the open (ctx, allreduce,
      * allgather: read at each call). The CPU's only. */
     const struct gpt_tp_comm *tp;
+    /* Sequence parallel (NULL, or sp 1: none): this rank's positions of every sequence
+     * (gpt_sp.h), B x T / sp rows of activations and gradients, and its group's all-to-all
+     * (filled in as tp's). The CPU's only; not with tp. */
+    const struct backend_sp *sp;
+};
+
+struct backend_sp {
+    int sp, rank;
+    gpt_sp_alltoall_fn alltoall;
+    void *ctx;
 };
 
 struct backend;

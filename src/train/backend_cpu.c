@@ -36,6 +36,10 @@ struct cpu_backend {
      * of wte it holds (V without). */
     const struct gpt_tp_comm *tp;
     int Vr;
+    /* Sequence parallel: the rank's Tl = T / sp positions of each sequence (T is the whole
+     * length the math is told); Tl = T without. */
+    const struct backend_sp *sp;
+    int Tl;
     size_t slot_numel[GPT_BLOCK_NSLOTS];
 };
 
@@ -63,9 +67,12 @@ static void cpu_close(struct backend *b)
 static int cpu_set_batch(struct backend *b, const int *tokens, const int *targets)
 {
     struct cpu_backend *c = cpu(b);
-    size_t n = (size_t)c->B * c->T;
-    memcpy(c->tokens, tokens, n * sizeof(int));
-    memcpy(c->targets, targets, n * sizeof(int));
+    /* Sequence parallel: the rank's positions of each sequence. */
+    size_t Tl = (size_t)c->Tl, off = c->sp ? (size_t)c->sp->rank * Tl : 0;
+    for (size_t r = 0; r < (size_t)c->B; r++) {
+        memcpy(c->tokens + r * Tl, tokens + r * (size_t)c->T + off, Tl * sizeof(int));
+        memcpy(c->targets + r * Tl, targets + r * (size_t)c->T + off, Tl * sizeof(int));
+    }
     return 0;
 }
 
@@ -114,6 +121,9 @@ static int cpu_embed_forward(struct backend *b, const void *wte, const void *wpe
     const float *we = widen(c, wte, c->wte, (size_t)c->Vr * C),
                 *wp = widen(c, wpe, c->wpe, (size_t)c->T * C);
     if (c->tp) return gpt_tp_embed_forward(&c->cfg, c->tp, c->B, c->T, we, wp, c->tokens, x);
+    if (c->sp)
+        return gpt_sp_embed_forward(&c->cfg, c->sp->sp, c->sp->rank, c->B, c->T, we, wp,
+                                    c->tokens, x);
     return gpt_embed_forward(&c->cfg, c->B, c->T, we, wp, c->tokens, x);
 }
 
@@ -123,6 +133,9 @@ static int cpu_block_forward(struct backend *b, const void *const *w, const void
     struct gpt_block_params p;
     block_view(c, w, &p);
     if (c->tp) return gpt_tp_block_forward(&c->cfg, c->tp, c->B, c->T, &p, x_in, x_out, &c->scratch);
+    if (c->sp)
+        return gpt_sp_block_forward(&c->cfg, c->sp->sp, c->sp->rank, c->B, c->T, &p, x_in, x_out,
+                                    &c->scratch, c->sp->alltoall, c->sp->ctx);
     return gpt_block_forward(&c->cfg, c->B, c->T, &p, x_in, x_out, &c->scratch);
 }
 
@@ -133,6 +146,10 @@ static int head_backward(struct cpu_backend *c, const float *lw, const float *lb
     if (c->tp)
         return gpt_tp_head_backward(&c->cfg, c->tp, c->B, c->T, lw, lb, we, x, c->targets, c->d,
                                     d_lnf_w, d_lnf_b, d_wte, &c->loss, &c->scratch);
+    if (c->sp)
+        return gpt_sp_head_backward(&c->cfg, c->sp->sp, c->sp->rank, c->B, c->T, lw, lb, we, x,
+                                    c->targets, c->d, d_lnf_w, d_lnf_b, d_wte, &c->loss,
+                                    &c->scratch);
     return gpt_head_backward(&c->cfg, c->B, c->T, lw, lb, we, x, c->targets, c->d, d_lnf_w,
                              d_lnf_b, d_wte, &c->loss, &c->scratch);
 }
@@ -160,7 +177,7 @@ static int cpu_head_backward(struct backend *b, const void *lnf_w, const void *l
     }
     for (size_t i = 0; i < VC; i++)
         d_wte[i] += S * c->hgrad[2 * C + i];
-    size_t N = (size_t)c->B * c->T * C;
+    size_t N = (size_t)c->B * c->Tl * C;
     for (size_t i = 0; i < N; i++)
         c->d[i] *= S;
     return 0;
@@ -178,6 +195,9 @@ static int cpu_block_backward(struct backend *b, const void *const *w, const voi
     if (c->tp)
         return gpt_tp_block_backward(&c->cfg, c->tp, c->B, c->T, &p, x_in, c->d, c->d, &gr,
                                      &c->scratch);
+    if (c->sp)
+        return gpt_sp_block_backward(&c->cfg, c->sp->sp, c->sp->rank, c->B, c->T, &p, x_in, c->d,
+                                     c->d, &gr, &c->scratch, c->sp->alltoall, c->sp->ctx);
     return gpt_block_backward(&c->cfg, c->B, c->T, &p, x_in, c->d, c->d, &gr, &c->scratch);
 }
 
@@ -186,6 +206,9 @@ static int cpu_embed_backward(struct backend *b, float *d_wte, float *d_wpe)
     struct cpu_backend *c = cpu(b);
     if (c->tp)
         return gpt_tp_embed_backward(&c->cfg, c->tp, c->B, c->T, c->tokens, c->d, d_wte, d_wpe);
+    if (c->sp)
+        return gpt_sp_embed_backward(&c->cfg, c->sp->sp, c->sp->rank, c->B, c->T, c->tokens,
+                                     c->d, d_wte, d_wpe);
     return gpt_embed_backward(&c->cfg, c->B, c->T, c->tokens, c->d, d_wte, d_wpe);
 }
 
@@ -268,7 +291,7 @@ static int cpu_copy(struct backend *b, void *dst, const void *src, size_t bytes)
 static int cpu_grad_io(struct backend *b, void *host, bool put)
 {
     struct cpu_backend *c = cpu(b);
-    size_t bytes = (size_t)c->B * c->T * c->cfg.C * sizeof(float);
+    size_t bytes = (size_t)c->B * c->Tl * c->cfg.C * sizeof(float);
     if (put)
         memcpy(c->d, host, bytes);
     else
@@ -361,6 +384,15 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
     c->B = p->B;
     c->T = p->T;
     c->Vr = p->cfg.V;
+    c->Tl = p->T;
+    if (p->sp && p->sp->sp > 1) {
+        if ((r = gpt_sp_check(&p->cfg, p->sp->sp, p->sp->rank, p->B, p->T, err, errlen)) < 0) {
+            free(c);
+            return r;
+        }
+        c->sp = p->sp;
+        c->Tl = p->T / p->sp->sp;
+    }
     if (p->tp && p->tp->tp > 1) {
         int lo, hi;
         if ((r = gpt_tp_validate(&p->cfg, p->tp->tp, p->tp->rank, err, errlen)) < 0) {
@@ -371,12 +403,13 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
         c->tp = p->tp;
         c->Vr = hi - lo;
     }
-    size_t N = (size_t)p->B * p->T, C = (size_t)p->cfg.C;
+    size_t N = (size_t)p->B * c->Tl, C = (size_t)p->cfg.C;
     c->tokens = malloc(N * sizeof(int));
     c->targets = malloc(N * sizeof(int));
     c->d = malloc(N * C * sizeof(float));
-    c->scratch.bytes = c->tp ? gpt_tp_scratch_bytes(&p->cfg, c->tp->tp, p->B, p->T)
-                             : gpt_scratch_bytes(&p->cfg, p->B, p->T);
+    c->scratch.bytes = c->tp   ? gpt_tp_scratch_bytes(&p->cfg, c->tp->tp, p->B, p->T)
+                       : c->sp ? gpt_sp_scratch_bytes(&p->cfg, c->sp->sp, p->B, p->T)
+                               : gpt_scratch_bytes(&p->cfg, p->B, p->T);
     c->scratch.mem = malloc(c->scratch.bytes);
     int ok = c->tokens && c->targets && c->d && c->scratch.mem;
     if (ok && p->wdt != BACKEND_F32) {

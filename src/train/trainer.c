@@ -531,6 +531,20 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         r = -EINVAL;
         goto fail;
     }
+    t->spc.sp = MAX(1, t->zc.sequence_parallel_size);
+    if (t->spc.sp > 1 && t->tpc.tp > 1) {
+        snprintf(err, errlen, "tensor_parallel.autotp_size %d with sequence_parallel_size %d: "
+                              "both cut the heads; use one of them", t->tpc.tp, t->spc.sp);
+        r = -EINVAL;
+        goto fail;
+    }
+    t->spc.rank = o->world > 1 ? o->rank % t->spc.sp : 0;
+    if (t->spc.sp > 1 &&
+        gpt_sp_check(&cfg, t->spc.sp, t->spc.rank, o->batch, o->seq, tmsg, sizeof(tmsg)) < 0) {
+        snprintf(err, errlen, "sequence_parallel_size %d: %s", t->spc.sp, tmsg);
+        r = -EINVAL;
+        goto fail;
+    }
     struct backend_params bp = {
         .cfg = cfg,
         .B = o->batch,
@@ -538,6 +552,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         .wdt = weight_dtype(o, cuda),
         .cuda_device = t->zc.zinf.cuda_device,
         .tp = t->tpc.tp > 1 ? &t->tpc : NULL,
+        .sp = t->spc.sp > 1 && t->tpc.tp == 1 ? &t->spc : NULL,
     };
     r = cuda ? backend_cuda_open(&bp, &t->be, err, errlen)
              : backend_cpu_open(&bp, &t->be, err, errlen);

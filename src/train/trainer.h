@@ -266,6 +266,8 @@ struct trainer_summary {
      * 1), and the bytes it sent to the other stages. */
     int pp, pp_stage, first_block, blocks;
     int tp, tp_rank; /* tensor_parallel.autotp_size (1: none), and this rank's of them */
+    int sp, sp_rank; /* sequence_parallel_size (1: none), and this rank's of them */
+    int seq_local;   /* the positions of each sequence this rank holds */
     double pipeline_bubble, pipeline_bubble_ideal, pipeline_wait_seconds;
     uint64_t pipeline_bytes;
     bool overlap_comm;          /* gradients reduced behind the next block's backward */

@@ -26,6 +26,7 @@
 #include "comm/comm.h"
 #include "config.h"
 #include "train/gpt.h"
+#include "train/backend.h"
 #include "train/gpt_tp.h"
 #include "train/loss_scale.h"
 #include "train/trainer.h"
@@ -231,6 +232,11 @@ struct trainer {
      * holding its slices of every tensor (gpt_tp.h; gdesc: the whole model's tensors, whose
      * slices desc describes), the math's collectives in tpc. mp: pp or tp above 1. */
     int tp, tr;
+    /* Sequence parallel (sequence_parallel_size, Ulysses): rank sq of sp holds T / sp
+     * positions of every sequence (gpt_sp.h); its gradients are summed over the group
+     * before anything else reduces them. Not with tp. */
+    int sp, sq;
+    struct backend_sp spc;
     bool mp;
     struct gpt_tp_comm tpc;
     struct gpt_tensor_desc *gdesc;
@@ -389,6 +395,9 @@ int train_pipe_wte_out(struct trainer *t);
 void train_pipe_close(struct trainer *t);
 /* Whether layout index i is a slice of its tensor (tensor parallel), not the whole. */
 bool train_tp_sliced(const struct trainer *t, int i);
+/* Sequence parallel: n floats at l (a local gradient, or a loss) summed over the group in
+ * place, the same on every rank of it; 0 without. */
+int train_sp_sum(struct trainer *t, float *l, size_t n);
 void train_pipe_summary(struct trainer *t, struct trainer_summary *out);
 
 /* trainer_resume.c: the saved state, the run a resume goes to, the re-cut, the crashes */

@@ -53,7 +53,7 @@ struct pipe_msg {
     bool busy;
 };
 
-enum { L_FWD_IN, L_FWD_OUT, L_BWD_IN, L_BWD_OUT, L_WTE, L_ALL, L_TP, L_COUNT };
+enum { L_FWD_IN, L_FWD_OUT, L_BWD_IN, L_BWD_OUT, L_WTE, L_ALL, L_TP, L_SP, L_COUNT };
 
 struct pipe {
     struct comm *c[L_COUNT]; /* the links (NULL where the stage has none), then all stages */
@@ -80,7 +80,7 @@ struct pipe {
         if (r_ < 0) return r_;                                                                     \
     } while (0)
 
-static const char *const link_name[L_COUNT] = {"pf", "pf", "pb", "pb", "pw", "pp", "tp"};
+static const char *const link_name[L_COUNT] = {"pf", "pf", "pb", "pb", "pw", "pp", "tp", "sp"};
 
 /* ---- the cut ----------------------------------------------------------------------- */
 
@@ -177,26 +177,44 @@ int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
     const struct trainer_opts *o = &t->o;
     int P = t->zc.pipeline.stages > 1 ? t->zc.pipeline.stages : 1;
     int T = t->zc.tensor_parallel.autotp_size > 1 ? t->zc.tensor_parallel.autotp_size : 1;
+    int S = t->zc.sequence_parallel_size > 1 ? t->zc.sequence_parallel_size : 1;
     t->pp = P;
     t->ps = 0;
     t->tp = T;
     t->tr = 0;
-    t->mp = P > 1 || T > 1;
+    t->sp = S;
+    t->sq = 0;
+    t->mp = P > 1 || T > 1 || S > 1;
     t->kb = 0;
     t->ke = t->cfg.L;
     t->wte_copy = -1;
     t->nslots = 1;
     if (!t->mp) return 0;
     int world = o->world > 1 ? o->world : 1;
-    if (world % (P * T) || world > COMM_MAX_RANKS || o->rank < 0 || o->rank >= world) {
-        char what[96];
-        snprintf(what, sizeof(what), "%s%s%s", P > 1 ? "pipeline.stages" : "",
-                 P > 1 && T > 1 ? " x " : "", T > 1 ? "tensor_parallel.autotp_size" : "");
-        snprintf(err, errlen,
-                 "%s = %d: start a multiple of %d ranks, one per stage and tensor-parallel rank "
-                 "of each copy of the model (zinf launch -n %d, %d, ...), not %d (rank %d)",
-                 what, P * T, P * T, P * T, 2 * P * T, world, o->rank);
+    if (T > 1 && S > 1) {
+        snprintf(err, errlen, "tensor_parallel.autotp_size %d with sequence_parallel_size %d: "
+                              "both cut the heads; use one of them", T, S);
         return -EINVAL;
+    }
+    int I = T * S; /* the ranks of a stage: tensor or sequence parallel */
+    if (world % (P * I) || world > COMM_MAX_RANKS || o->rank < 0 || o->rank >= world) {
+        char what[96];
+        snprintf(what, sizeof(what), "%s%s%s%s", P > 1 ? "pipeline.stages" : "",
+                 P > 1 && I > 1 ? " x " : "", T > 1 ? "tensor_parallel.autotp_size" : "",
+                 S > 1 ? "sequence_parallel_size" : "");
+        snprintf(err, errlen,
+                 "%s = %d: start a multiple of %d ranks, one per stage and tensor- or sequence-"
+                 "parallel rank of each copy of the model (zinf launch -n %d, %d, ...), not %d "
+                 "(rank %d)",
+                 what, P * I, P * I, P * I, 2 * P * I, world, o->rank);
+        return -EINVAL;
+    }
+    if (S > 1) {
+        char msg[256];
+        if (gpt_sp_check(&t->cfg, S, 0, MAX(1, o->batch), o->seq, msg, sizeof(msg)) < 0) {
+            snprintf(err, errlen, "sequence_parallel_size %d: %s", S, msg);
+            return -EINVAL;
+        }
     }
     if (T > 1) {
         char msg[256];
@@ -240,7 +258,8 @@ int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
         r = cut_by_parameters(&t->cfg, P, start);
     if (r < 0) return r;
     t->tr = o->rank % T;
-    t->ps = o->rank / T % P;
+    t->sq = o->rank % S;
+    t->ps = o->rank / I % P;
     t->tpc.tp = T;
     t->tpc.rank = t->tr;
     t->kb = start[t->ps];
@@ -249,8 +268,8 @@ int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
     t->nslots = MIN(P - t->ps, MAX(1, o->grad_accum));
     /* ZeRO sees the copies of this stage, and its micro-batches are reduced as exact
      * accumulation reduces them (each from zero, folded in order). */
-    t->world = world / (P * T);
-    t->rank = o->rank / (P * T);
+    t->world = world / (P * I);
+    t->rank = o->rank / (P * I);
     return 0;
 }
 
@@ -264,10 +283,11 @@ static int open_link(struct trainer *t, int which, int id, int rank, int world, 
     (void)cuda; /* host buffers on every stage: the shared-memory backend */
     /* Copy d's links of tensor-parallel rank R: name.pfS.d.R (S the link's first stage),
      * name.pw.d.R, name.pp.d.R; its stage's tensor-parallel group: name.tp.d.S. */
+    int in = t->tr + t->sq; /* the rank within the stage (one of them is 0) */
     int n = id < 0 ? snprintf(name, sizeof(name), "%s.%s.%d.%d", o->comm_name, link_name[which],
-                              t->rank, which == L_TP ? t->ps : t->tr)
+                              t->rank, which == L_TP || which == L_SP ? t->ps : in)
                    : snprintf(name, sizeof(name), "%s.%s%d.%d.%d", o->comm_name,
-                              link_name[which], id, t->rank, t->tr);
+                              link_name[which], id, t->rank, in);
     if (n < 0 || (size_t)n >= sizeof(name)) {
         snprintf(err, errlen, "the rendezvous name '%s' is too long for the pipeline's links "
                               "(name.pfN): give zinf launch a shorter --name", o->comm_name);
@@ -304,6 +324,17 @@ static int tp_allgather(void *ctx, const float *send, float *recv, size_t count)
     return comm_allgather(ctx, send, recv, count, COMM_F32);
 }
 
+static int sp_alltoall(void *ctx, const float *send, float *recv, size_t count)
+{
+    return comm_alltoall(ctx, send, recv, count, COMM_F32);
+}
+
+int train_sp_sum(struct trainer *t, float *l, size_t n)
+{
+    if (t->sp <= 1) return 0;
+    return comm_allreduce(t->pipe->c[L_SP], l, l, n, COMM_F32);
+}
+
 int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
@@ -323,13 +354,15 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         size_t n = strlen(t->zc.nvme_paths.path[k]) + 48;
         char *mine = malloc(n);
         if (!mine) return -ENOMEM;
-        if (t->tp == 1)
+        const char *kind = t->tp > 1 ? "tp" : "sp";
+        int in = t->tp > 1 ? t->tr : t->sq, of = t->tp * t->sp;
+        if (of == 1)
             snprintf(mine, n, "%s/stage-%d-of-%d", t->zc.nvme_paths.path[k], t->ps, t->pp);
         else if (t->pp == 1)
-            snprintf(mine, n, "%s/tp-%d-of-%d", t->zc.nvme_paths.path[k], t->tr, t->tp);
+            snprintf(mine, n, "%s/%s-%d-of-%d", t->zc.nvme_paths.path[k], kind, in, of);
         else
-            snprintf(mine, n, "%s/stage-%d-of-%d.tp-%d-of-%d", t->zc.nvme_paths.path[k], t->ps,
-                     t->pp, t->tr, t->tp);
+            snprintf(mine, n, "%s/stage-%d-of-%d.%s-%d-of-%d", t->zc.nvme_paths.path[k], t->ps,
+                     t->pp, kind, in, of);
         if (t->world == 1)
             t->base[t->nbase++] = t->zc.nvme_paths.path[k];
         else
@@ -351,6 +384,11 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         t->tpc.ctx = p->c[L_TP];
         t->tpc.allreduce = tp_allreduce;
         t->tpc.allgather = tp_allgather;
+    }
+    if (t->sp > 1) {
+        if ((r = open_link(t, L_SP, -1, t->sq, t->sp, cuda, err, errlen)) < 0) return r;
+        t->spc.ctx = p->c[L_SP];
+        t->spc.alltoall = sp_alltoall;
     }
     if (P == 1) return 0;
     if ((r = open_link(t, L_ALL, -1, s, P, cuda, err, errlen)) < 0) return r;
@@ -649,6 +687,7 @@ static int pipe_backward(struct trainer *t, int step, int m, float *loss)
     }
     double ss;
     CHECK(be->collect(t->be, loss, &ss));
+    CHECK(train_sp_sum(t, loss, 1)); /* each rank's positions' share of the mean */
     p->busy_ns += now_ns() - t0;
     trace_span_n("train", "stage backward", m, t0);
     return 0;
@@ -781,7 +820,8 @@ static bool any_over(struct comm *c, int n, bool mine)
 
 bool train_pipe_any(struct trainer *t, bool mine)
 {
-    return any_over(t->pipe->c[L_ALL], t->pp, any_over(t->pipe->c[L_TP], t->tp, mine));
+    bool any = any_over(t->pipe->c[L_SP], t->sp, any_over(t->pipe->c[L_TP], t->tp, mine));
+    return any_over(t->pipe->c[L_ALL], t->pp, any);
 }
 
 void train_pipe_summary(struct trainer *t, struct trainer_summary *out)
@@ -790,6 +830,9 @@ void train_pipe_summary(struct trainer *t, struct trainer_summary *out)
     out->pp_stage = t->ps;
     out->tp = t->tp;
     out->tp_rank = t->tr;
+    out->sp = t->sp;
+    out->sp_rank = t->sq;
+    out->seq_local = t->o.seq / MAX(1, t->sp);
     out->first_block = t->kb;
     out->blocks = t->ke - t->kb;
     struct pipe *p = t->pipe;

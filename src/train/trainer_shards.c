@@ -155,7 +155,7 @@ int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
                                                                        : t->stage >= 3;
     uint64_t block = gpt_block_num_params(&t->cfg);
     /* A pipeline stage reduces each block's gradients after its backward. */
-    t->overlap = want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1;
+    t->overlap = want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1 && t->sp <= 1;
     if (say && want && !t->overlap && t->rank == 0)
         log_notice("zero_optimization.overlap_comm: a block's gradients (%llu elements) exceed "
                    "reduce_bucket_size (%llu): they are reduced after the block's backward",
@@ -181,7 +181,7 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     char sname[COMM_NAME_BYTES];
     const char *cname = o->comm_name;
     if (t->mp && named) {
-        int n = snprintf(sname, sizeof(sname), "%s.s%d.%d", o->comm_name, t->ps, t->tr);
+        int n = snprintf(sname, sizeof(sname), "%s.s%d.%d", o->comm_name, t->ps, t->tr + t->sq);
         if (n < 0 || (size_t)n + sizeof(HOST_COMM_SUFFIX) > sizeof(sname)) {
             snprintf(err, errlen, "the rendezvous name '%s' is too long for the stages' copies "
                                   "(name.sN.R): give zinf launch a shorter --name", o->comm_name);
@@ -409,9 +409,12 @@ static int fold_grad(struct trainer *t, int i, const float *src, float *g, size_
     return r;
 }
 
-/* Reduce tensor i's local gradient l into g now (fold_grad); one rank: fold it. */
+/* Reduce tensor i's local gradient l into g now (fold_grad); one rank: fold it. Sequence
+ * parallel: l is this rank's positions' share, summed over the group first. */
 int train_reduce_grad(struct trainer *t, int i, float *l, float *g)
 {
+    int rs = train_sp_sum(t, l, t->desc[i].numel);
+    if (rs < 0) return rs;
     if (t->world <= 1) return fold_grad(t, i, l, g, t->desc[i].numel);
     struct comm_req q;
     train_reduce_req(t, i, l, g, &q);

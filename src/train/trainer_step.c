@@ -569,6 +569,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         TRY(train_head(t, first, last, true));
         TRY(train_backward(t, first, last));
         TRY(t->be->ops->collect(t->be, &l, &ss));
+        TRY(train_sp_sum(t, &l, 1)); /* each rank's positions' share of the mean */
         if (t->losses) t->losses[m] = l;
         loss_sum += l;
         sumsq += ss;

@@ -48,8 +48,9 @@ static enum zinf_tier role_home(const struct trainer *t, enum role role, int idx
  * 16-bit copies, which are what is gathered) in stage 3. */
 size_t train_role_bytes(const struct trainer *t, enum role role, int idx)
 {
-    if (role == R_ACT)
-        return (size_t)t->o.batch * t->o.seq * t->cfg.C * backend_dtype_bytes(t->be->adt);
+    if (role == R_ACT) /* sequence parallel: the rank's positions */
+        return (size_t)t->o.batch * (t->o.seq / MAX(1, t->sp)) * t->cfg.C *
+               backend_dtype_bytes(t->be->adt);
     size_t n = t->desc[idx].numel, sh = train_shard_of(t, idx);
     bool parted = t->world > 1;
     switch (role) {
