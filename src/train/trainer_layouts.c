@@ -416,10 +416,11 @@ int train_find_saved(struct trainer *t, char *err, size_t errlen)
         if (theirs)
             snprintf(by, sizeof(by), " (by %s%s)", train_layout_name(P, N, name, sizeof(name)),
                      other ? "" : ", not whole");
-        snprintf(err, errlen,
-                 "%s holds a saved run%s: continue it with --resume, or start over with "
-                 "--overwrite (which deletes it)",
-                 theirs ? root : sd, by);
+        snprintf(err, errlen, "%s holds a saved run%s: %s, or start over with --overwrite "
+                              "(which deletes it)",
+                 theirs ? root : sd, by,
+                 theirs && !other ? "restore its missing folders and continue it with --resume"
+                                  : "continue it with --resume");
         return -EEXIST;
     }
     if (o->overwrite && t->rank == 0 && t->ps == 0 &&

@@ -42,12 +42,14 @@ static int state_validate(struct trainer *t, struct train_state s, int src_world
         s.data_bytes != t->data_bytes || s.wdt != (int32_t)t->be->wdt ||
         (int64_t)accum * src_world != (int64_t)t->o.grad_accum * t->world) {
         int64_t total = (int64_t)accum * src_world;
-        char ranks[256] = "";
+        char ranks[320] = "", by[64], mine[64];
         if (src_world != t->world)
             snprintf(ranks, sizeof(ranks),
-                     " (by %d ranks: %lld micro-batches a step, which %d ranks run as "
-                     "--accumulate %lld%s)",
-                     src_world, (long long)total, t->world, (long long)(total / t->world),
+                     " (by %s: %lld micro-batches a step, which %s run%s as --accumulate "
+                     "%lld%s)",
+                     train_layout_name(t->src_pp ? t->src_pp : 1, src_world, by, sizeof(by)),
+                     (long long)total, train_layout_name(t->pp, t->world, mine, sizeof(mine)),
+                     t->pp <= 1 && t->world <= 1 ? "s" : "", (long long)(total / t->world),
                      total % t->world ? ", not a whole number: choose another number of ranks"
                                       : "");
         snprintf(err, errlen,
