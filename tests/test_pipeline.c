@@ -310,6 +310,7 @@ Test(pipeline, resumed_in_another_layout_gives_the_uninterrupted_runs_bits)
         {4, 2, 1, 1, 1, 2, NULL},   /* 2 stages x 2 copies (ZeRO-1) -> one rank */
         {1, 1, 2, 2, 2, 2, "bf16"}, /* one rank -> 2 stages */
         {4, 2, 1, 3, 3, 2, NULL},   /* 2 stages x 2 copies -> 3 stages */
+        {3, 3, 2, 4, 2, 1, NULL},   /* 3 stages -> 2 stages x 2 copies (into shards) */
     };
     char cfg[4096], swap[4096], log[4096], *o;
     struct steps ref[2], a, b;

@@ -7,7 +7,8 @@
  *
  * Not here: the step itself (trainer_step.c), the tensors and budgets (trainer_tensors.c),
  * the ranks' partitions (trainer_shards.c), the optimizer (trainer_optim.c), checkpoints
- * and resuming (trainer_resume.c), the learning-rate schedule (trainer_schedule.c),
+ * and resuming (trainer_resume.c), the saved runs of every layout and the one a resume goes
+ * to (trainer_layouts.c), the learning-rate schedule (trainer_schedule.c),
  * evaluation and sampling (trainer_sample.c). What they share is in trainer_impl.h.
  */
 #include <errno.h>
@@ -558,10 +559,10 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     /* The swap directory is the user's: a saved run there is continued (--resume) or
      * deleted on request (--overwrite), never by default. The engine refuses the same, in
      * the library's words; this says it in the command's. (The engine creates a missing
-     * directory, with its parents, for a new run.) */
+     * directory, with its parents, for a new run.) A run saved in another layout of stages
+     * and ranks is found too, and re-cut into this one on --resume. */
     if (t->zc.nvme_paths.count && !t->remote && (r = train_find_saved(t, err, errlen)) < 0)
         goto fail;
-
     if (t->remote) {
         /* Through the daemon, each rank is a job of its own, JOB-rank-R-of-N, all of them in
          * the daemon's one pinned pool and swap directories. */
