@@ -2,7 +2,8 @@
  * test_pipeline.c - `zinf train` with pipeline stages (pipeline.stages), started by
  * `zinf launch` as a user would: every cut and schedule gives bitwise the losses, gradient
  * norms and parameter digests of one rank accumulating the same micro-batches, in fp32,
- * bf16 and fp16, offloaded to NVMe; a pipeline's saved run resumes where it stopped; the
+ * bf16 and fp16, offloaded to NVMe; a pipeline's saved run resumes where it stopped, and in
+ * another layout (stages, copies, none) bitwise as the run that never moved; the
  * summary reports the stage and the bubble; wrong layouts are refused naming the key.
  *
  * Not here: the communicator's links (test_comm.c), ZeRO ranks (test_cli.c).
