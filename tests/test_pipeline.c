@@ -1,12 +1,13 @@
 /*
- * test_pipeline.c - `zinf train` with pipeline stages (pipeline.stages) and tensor-parallel
- * ranks (tensor_parallel.autotp_size), started by `zinf launch` as a user would: every cut
- * and schedule of a pipeline gives bitwise the losses, gradient norms and parameter digests
- * of one rank accumulating the same micro-batches, in fp32, bf16 and fp16, offloaded to NVMe;
- * tensor- and sequence-parallel ranks (alone, with stages, with ZeRO copies: 2 x 2 x 2 on 8
- * ranks) give one rank's losses within 1e-6 and the same bits run to run; a saved run resumes where it
- * stopped; the summary reports the stage and the bubble; wrong layouts are refused naming
- * the key.
+ * test_pipeline.c - `zinf train` with pipeline stages (pipeline.stages), tensor-parallel
+ * ranks (tensor_parallel.autotp_size) and sequence-parallel ranks (sequence_parallel_size),
+ * started by `zinf launch` as a user would: every cut and schedule of a pipeline gives
+ * bitwise the losses, gradient norms and parameter digests of one rank accumulating the same
+ * micro-batches, in fp32, bf16 and fp16, offloaded to NVMe; tensor- and sequence-parallel
+ * ranks (alone, with stages, with ZeRO copies: 2 x 2 x 2 on 8 ranks) give one rank's losses
+ * within 1e-6 and the same bits run to run; a pipeline's saved run resumes where it stopped,
+ * and in another layout (stages, copies, none) bitwise as the run that never moved; the
+ * summary reports the stage and the bubble; wrong layouts are refused naming the key.
  *
  * Not here: the communicator's links (test_comm.c), ZeRO ranks (test_cli.c).
  */
@@ -358,4 +359,131 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
     cr_assert(strstr(o, "--eval-every: each of the 2 pipeline stages holds its own part"), "%s",
               o);
     free(o);
+}
+
+/* ---- resuming in another layout ------------------------------------------------------ */
+
+/* A config of `stages` pipeline stages (1: none), ZeRO-1, offloaded to NVMe under swap. */
+static void layout_config(char *cfg, size_t len, const char *name, int stages, int accum,
+                          const char *swap, const char *prec)
+{
+    char extra[9000], pipe[64] = "", tr[64] = "";
+    if (stages > 1) snprintf(pipe, sizeof(pipe), "\"pipeline\": {\"stages\": %d}, ", stages);
+    if (prec) snprintf(tr, sizeof(tr), ", \"precision\": \"%s\"", prec);
+    snprintf(extra, sizeof(extra),
+             "%s\"zero_optimization\": {\"stage\": 1, \"offload_param\": {\"device\": "
+             "\"nvme\", \"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", "
+             "\"nvme_path\": \"%s\"}},",
+             pipe, swap, swap);
+    config(cfg, len, name, accum, extra, tr);
+}
+
+/* n ranks (1: no launch) of cfg to `steps`, args after; its exit status, output in *o. */
+static int leg(char **o, int n, const char *cfg, int steps, const char *log, const char *args)
+{
+    return n == 1 ? run(o, "train --config %s --data " DATA " --steps %d --log %s %s", cfg, steps,
+                        log, args)
+                  : run(o, "launch -n %d -- %s train --config %s --data " DATA
+                           " --steps %d --log %s %s",
+                        n, getenv("ZINF_BIN"), cfg, steps, log, args);
+}
+
+/* A run saved at step 2 in one layout and resumed to step 3 in another re-cuts the saved
+ * tensors (each stage's by its names, each ZeRO rank's shards) and gives the uninterrupted
+ * run's bits: the global batch is 2 micro-batches in every layout. */
+Test(pipeline, resumed_in_another_layout_gives_the_uninterrupted_runs_bits)
+{
+    static const struct {
+        int an, ap, am; /* saved by: ranks, stages, micro-batches per copy */
+        int bn, bp, bm; /* resumed by */
+        const char *prec;
+    } cases[] = {
+        {3, 3, 2, 2, 2, 2, NULL},   /* 3 stages -> 2 */
+        {4, 2, 1, 1, 1, 2, NULL},   /* 2 stages x 2 copies (ZeRO-1) -> one rank */
+        {1, 1, 2, 2, 2, 2, "bf16"}, /* one rank -> 2 stages */
+        {4, 2, 1, 3, 3, 2, NULL},   /* 2 stages x 2 copies -> 3 stages */
+        {3, 3, 2, 4, 2, 1, NULL},   /* 3 stages -> 2 stages x 2 copies (into shards) */
+    };
+    char cfg[4096], swap[4096], log[4096], *o;
+    struct steps ref[2], a, b;
+    for (int k = 0; k < 2; k++) { /* the uninterrupted runs: one rank of 2, fp32 and bf16 */
+        snprintf(swap, sizeof(swap), "%s/ref%d", dir, k);
+        snprintf(log, sizeof(log), "%s/ref%d.jsonl", dir, k);
+        layout_config(cfg, sizeof(cfg), "ref", 1, 2, swap, k ? "bf16" : NULL);
+        cr_assert_eq(leg(&o, 1, cfg, STEPS, log, ""), 0, "%s", o);
+        free(o);
+        read_steps(log, &ref[k]);
+        cr_assert_eq(ref[k].n, STEPS);
+    }
+    for (size_t c = 0; c < ARRAY_SIZE(cases); c++) {
+        const struct steps *want = &ref[cases[c].prec != NULL];
+        snprintf(swap, sizeof(swap), "%s/cut%zu", dir, c);
+        snprintf(log, sizeof(log), "%s/cut%zu-a.jsonl", dir, c);
+        layout_config(cfg, sizeof(cfg), "a", cases[c].ap, cases[c].am, swap, cases[c].prec);
+        cr_assert_eq(leg(&o, cases[c].an, cfg, 2, log, ""), 0, "case %zu: %s", c, o);
+        free(o);
+        read_steps(log, &a);
+        for (int s = 1; s <= 2; s++)
+            cr_assert_str_eq(a.v[s], want->v[s], "case %zu, step %d", c, s);
+        snprintf(log, sizeof(log), "%s/cut%zu-b.jsonl", dir, c);
+        layout_config(cfg, sizeof(cfg), "b", cases[c].bp, cases[c].bm, swap, cases[c].prec);
+        cr_assert_eq(leg(&o, cases[c].bn, cfg, STEPS, log, "--resume"), 0, "case %zu: %s", c, o);
+        free(o);
+        read_steps(log, &b);
+        cr_assert_eq(b.n, STEPS, "case %zu", c);
+        cr_assert_str_eq(b.v[STEPS], want->v[STEPS], "case %zu: %d ranks of %d stages resumed by "
+                         "%d of %d", c, cases[c].an, cases[c].ap, cases[c].bn, cases[c].bp);
+    }
+}
+
+/* A saved pipeline run is a saved run: a new run over it in any layout is refused, naming
+ * it; with a stage's folder gone it is named as not whole; --overwrite clears it. */
+Test(pipeline, a_saved_pipeline_run_is_refused_named_when_partial_and_overwritten)
+{
+    char cfg1[4096], cfg2[4096], swap[4096], log[4096], path[4200], *o;
+    snprintf(swap, sizeof(swap), "%s/saved", dir);
+    snprintf(log, sizeof(log), "%s/saved.jsonl", dir);
+    layout_config(cfg1, sizeof(cfg1), "one", 1, 2, swap, NULL);
+    layout_config(cfg2, sizeof(cfg2), "two", 2, 2, swap, NULL);
+    cr_assert_eq(leg(&o, 2, cfg2, 1, log, ""), 0, "%s", o);
+    free(o);
+    /* A new run of one rank over it. */
+    cr_assert_neq(leg(&o, 1, cfg1, 1, log, ""), 0, "%s", o);
+    cr_assert(strstr(o, "holds a saved run (by 2 pipeline stages)") && strstr(o, swap) &&
+                  strstr(o, "--overwrite"),
+              "%s", o);
+    free(o);
+    /* Stage 1's folder gone: a resume, in any layout, names what is missing. */
+    snprintf(path, sizeof(path), "%s/stage-1-of-2", swap);
+    test_rmtree(strdup(path));
+    char want[9000];
+    snprintf(want, sizeof(want),
+             "the saved run of 2 pipeline stages in %s is not whole: stage 1 (%s) holds no "
+             "saved run",
+             swap, path);
+    for (int n = 1; n <= 2; n++) {
+        cr_assert_neq(leg(&o, n, n == 1 ? cfg1 : cfg2, 2, log, "--resume"), 0, "%s", o);
+        cr_assert(strstr(o, want), "%d rank%s: no '%s' in: %s", n, n > 1 ? "s" : "", want, o);
+        free(o);
+    }
+    cr_assert_neq(leg(&o, 1, cfg1, 1, log, ""), 0, "%s", o);
+    cr_assert(strstr(o, "holds a saved run (by 2 pipeline stages, not whole)"), "%s", o);
+    free(o);
+    /* --overwrite removes it, folders and all, and says so. */
+    cr_assert_eq(leg(&o, 1, cfg1, 1, log, "--overwrite"), 0, "%s", o);
+    snprintf(want, sizeof(want), "--overwrite: removed the run saved by 2 pipeline stages in "
+                                 "%s/stage-*-of-2", swap);
+    cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+    free(o);
+    snprintf(path, sizeof(path), "%s/stage-0-of-2", swap);
+    cr_assert_neq(access(path, F_OK), 0, "--overwrite left %s", path);
+    /* And the other way: 2 stages over one rank's run, refused, then started over. */
+    cr_assert_neq(leg(&o, 2, cfg2, 1, log, ""), 0, "%s", o);
+    cr_assert(strstr(o, "holds a saved run (by one rank)"), "%s", o);
+    free(o);
+    cr_assert_eq(leg(&o, 2, cfg2, 1, log, "--overwrite"), 0, "%s", o);
+    cr_assert(strstr(o, "--overwrite: removed the run saved by one rank in "), "%s", o);
+    free(o);
+    snprintf(path, sizeof(path), "%s/zinf-manifest.json", swap);
+    cr_assert_neq(access(path, F_OK), 0, "--overwrite left %s", path);
 }

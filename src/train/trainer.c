@@ -7,7 +7,8 @@
  *
  * Not here: the step itself (trainer_step.c), the tensors and budgets (trainer_tensors.c),
  * the ranks' partitions (trainer_shards.c), the optimizer (trainer_optim.c), checkpoints
- * and resuming (trainer_resume.c), the learning-rate schedule (trainer_schedule.c),
+ * and resuming (trainer_resume.c), the saved runs of every layout and the one a resume goes
+ * to (trainer_layouts.c), the learning-rate schedule (trainer_schedule.c),
  * evaluation and sampling (trainer_sample.c). What they share is in trainer_impl.h.
  */
 #include <errno.h>
@@ -584,76 +585,10 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     /* The swap directory is the user's: a saved run there is continued (--resume) or
      * deleted on request (--overwrite), never by default. The engine refuses the same, in
      * the library's words; this says it in the command's. (The engine creates a missing
-     * directory, with its parents, for a new run.) */
-    if (t->zc.nvme_paths.count && !t->remote) {
-        const char *sd = t->zc.nvme_paths.path[0];
-        size_t n = 0;
-        int pr = zinf_saved_tensors(sd, &n);
-        /* A run saved by another number of ranks, newer than any of this one's: rank 0
-         * looks, and every rank goes by what it found. */
-        int64_t found[3] = {0, -1, -1}; /* ranks, the step every rank holds, the newest */
-        if ((r = train_gather_saved(t)) == 0 && t->rank == 0)
-            found[0] = train_newest_run(t, &found[1], &found[2]);
-        if (t->world > 1 &&
-            (r < 0 || (r = comm_broadcast(t->hcomm, found, sizeof(found), COMM_BYTE, 0)) < 0)) {
-            snprintf(err, errlen, "rank %d: the ranks could not agree on the saved run: %s",
-                     t->rank, zinf_strerror(r));
-            goto fail;
-        }
-        int32_t nw = (int32_t)found[0];
-        t->resume_step = found[1];
-        bool other = nw && nw != t->world;
-        if (o->resume && nw && t->rank == 0 && found[2] > found[1] && found[1] >= 0)
-            log_notice("--resume: rolling back %lld step%s to step %lld, the newest that every "
-                       "one of the %d rank%s saved: the checkpoint of step %lld was not completed "
-                       "by every rank",
-                       (long long)(found[2] - found[1]), found[2] - found[1] == 1 ? "" : "s",
-                       (long long)found[1], nw, nw > 1 ? "s" : "", (long long)found[2]);
-        if (o->resume && !nw && t->world > 1 && pr == 0 && n > 0) {
-            /* What each rank holds, said by every rank the same. */
-            int k = snprintf(err, errlen, "--resume: no step is saved by every one of the %d "
-                             "ranks under %s:", t->world, t->base[0]);
-            for (int q = 0; q < t->world && k > 0 && (size_t)k < errlen; q++) {
-                int64_t tags[2] = {-1, -1};
-                char *rd = train_rank_dir(t->base[0], t->world, q);
-                if (rd) zinf_saved_steps(rd, tags);
-                free(rd);
-                char held[64] = "no step";
-                if (tags[0] >= 0 && tags[1] >= 0)
-                    snprintf(held, sizeof(held), "steps %lld and %lld", (long long)tags[0],
-                             (long long)tags[1]);
-                else if (tags[0] >= 0)
-                    snprintf(held, sizeof(held), "step %lld", (long long)tags[0]);
-                k += snprintf(err + k, errlen - (size_t)k, "%s rank %d holds %s", q ? "," : "", q,
-                              held);
-            }
-            r = -EINVAL;
-            goto fail;
-        }
-        if (o->resume && other) {
-            t->src_world = nw;
-            t->o.resume = false; /* this rank's tensors are new, filled by recut() */
-            if ((r = train_recut_check(t, err, errlen)) < 0) goto fail;
-        } else if (o->resume && pr == -ENOENT) {
-            snprintf(err, errlen, "--resume: no saved run in %s", sd);
-            r = -ENOENT;
-            goto fail;
-        }
-        if (!o->resume && !o->overwrite && ((pr == 0 && n > 0) || other)) {
-            char by[64] = "";
-            if (other)
-                snprintf(by, sizeof(by), nw > 1 ? " (by %d ranks)" : " (by one rank)", nw);
-            snprintf(err, errlen,
-                     "%s holds a saved run%s: continue it with --resume, or start "
-                     "over with --overwrite (which deletes %s)",
-                     other ? t->base[0] : sd, by, other ? "this run's own" : "it");
-            r = -EEXIST;
-            goto fail;
-        }
-        if (o->overwrite && t->rank == 0 && (r = train_remove_other_runs(t, err, errlen)) < 0)
-            goto fail;
-    }
-
+     * directory, with its parents, for a new run.) A run saved in another layout of stages
+     * and ranks is found too, and re-cut into this one on --resume. */
+    if (t->zc.nvme_paths.count && !t->remote && (r = train_find_saved(t, err, errlen)) < 0)
+        goto fail;
     if (t->remote) {
         /* Through the daemon, each rank is a job of its own, JOB-rank-R-of-N, all of them in
          * the daemon's one pinned pool and swap directories. */

@@ -11,7 +11,8 @@
  *   trainer_step.c    the sets a step pins (waves), forward, head, backward, trainer_step
  *   trainer_shards.c  ZeRO across ranks: shards, gathers, reductions, the communicator
  *   trainer_optim.c   the optimizer phase: AdamW over every tensor, clipping, digests
- *   trainer_resume.c  the saved state, checkpoints, resume and the re-cut across ranks
+ *   trainer_resume.c  the saved state, checkpoints, resume and the re-cut across layouts
+ *   trainer_layouts.c the saved runs' layouts (stages x ranks), the one a resume goes to
  *
  * Not here: the trainer's interface (trainer.h), or what a file keeps to itself.
  */
@@ -207,11 +208,15 @@ struct trainer {
     size_t nparts;
     size_t *part_first; /* the first chunk of tensor i */
     /* The nvme paths as given: rank R of N keeps its swap files in rank-R-of-N under each
-     * (one rank: in the paths themselves). A resume on another number of ranks re-cuts the
-     * newest saved run, of src_world ranks at stage src_stage, into this run's shards. */
+     * (one rank: in the paths themselves); a pipeline's stage S of P in stage-S-of-P, its
+     * copies in rank-R-of-N under that, where base is the stage's folder and root the paths
+     * as given (root is NULL where base is those: train_root). A resume in another layout
+     * re-cuts the newest saved run, of src_pp stages x src_world ranks at ZeRO stage
+     * src_stage, into this run's tensors and shards. */
     char *base[CONFIG_MAX_NVME_PATHS];
+    char *root[CONFIG_MAX_NVME_PATHS];
     unsigned nbase;
-    int src_world, src_stage, src_persist;
+    int src_pp, src_world, src_stage, src_persist;
     /* The step a resume goes to: the newest saved whole by every rank of the run it comes
      * from (-1: unknown, a run saved before checkpoints were tagged with their step). */
     int64_t resume_step;
@@ -398,19 +403,43 @@ bool train_tp_sliced(const struct trainer *t, int i);
 /* Sequence parallel: n floats at l (a local gradient, or a loss) summed over the group in
  * place, the same on every rank of it; 0 without. */
 int train_sp_sum(struct trainer *t, float *l, size_t n);
+/* bytes of buf from stage 0 to every stage of this copy of the pipeline (all call it). */
+int train_pipe_bcast(struct trainer *t, void *buf, size_t bytes);
 void train_pipe_summary(struct trainer *t, struct trainer_summary *out);
 
-/* trainer_resume.c: the saved state, the run a resume goes to, the re-cut, the crashes */
+/* trainer_resume.c: the saved state, the re-cut, checkpoints, the crashes */
 int train_state_check(struct trainer *t, char *err, size_t errlen);
 int train_state_save_step(struct trainer *t, int step_done);
 char *train_rank_dir(const char *base, int world, int rank);
-int train_newest_run(const struct trainer *t, int64_t *step, int64_t *newest_any);
-/* Every rank's saved steps into t->peer_saved, over the host communicator (world > 1). */
-int train_gather_saved(struct trainer *t);
-int train_remove_other_runs(struct trainer *t, char *err, size_t errlen);
 int train_version_flag(const char *dir, int64_t step, unsigned *flag);
 int train_recut_check(struct trainer *t, char *err, size_t errlen);
 int train_recut(struct trainer *t, char *err, size_t errlen);
 void train_kill_point(struct trainer *t, const char *point);
+
+/* trainer_layouts.c: the saved runs of every layout, P stages x N ranks (P 1: no pipeline),
+ * in [stage-S-of-P/][rank-R-of-N] under each nvme path. */
+struct train_saved {
+    int32_t P, N;        /* the run a resume goes to (P 0: none) */
+    int32_t bad_P, bad_N; /* a run passed over (0: none): this run's layout where it is one */
+    int32_t bad_f;       /* its first folder (S x N + R) that holds no saved run; -1: each
+                            holds one, but no step is held by all */
+    int32_t pad;
+    int64_t step;   /* the step every folder of P x N holds (-1: untagged, before steps were) */
+    int64_t newest; /* the newest step any of them holds */
+};
+const char *train_root(const struct trainer *t, unsigned k);
+char *train_layout_dir(const char *root, int P, int N, int s, int q);
+/* "one rank", "4 ranks", "3 pipeline stages", "3 pipeline stages x 2 ranks" */
+const char *train_layout_name(int P, int N, char *buf, size_t len);
+/* "rank R", "stage S", "stage S rank R": folder f = S x N + R of the layout. */
+const char *train_folder_name(int P, int N, int f, char *buf, size_t len);
+int train_newest_run(const struct trainer *t, struct train_saved *out);
+/* Every rank's saved steps into t->peer_saved, over the host communicator (world > 1). */
+int train_gather_saved(struct trainer *t);
+int train_remove_other_runs(struct trainer *t, char *err, size_t errlen);
+/* trainer_open's look at the swap path: the saved run found, agreed by every rank, and
+ * what it means for this run (a resume, a re-cut: src_pp, src_world, checked; a refusal;
+ * the other layouts removed for --overwrite). */
+int train_find_saved(struct trainer *t, char *err, size_t errlen);
 
 #endif

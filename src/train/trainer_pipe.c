@@ -30,8 +30,8 @@
  * which reduce each micro-batch's gradients in rank order as ZeRO ranks do, so that copy d's
  * micro-batch m is the step's m x copies + d, and the whole is one rank of M x copies.
  *
- * Not here: ZeRO stages 2 and 3 with a pipeline (refused, as DeepSpeed does), the re-cut of a
- * saved run onto another cut.
+ * Not here: ZeRO stages 2 and 3 with a pipeline (refused, as DeepSpeed does), the saved runs of
+ * other layouts and their re-cut onto this one (trainer_layouts.c, trainer_resume.c).
  */
 #include <errno.h>
 #include <pthread.h>
@@ -365,8 +365,8 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
                      t->pp, kind, in, of);
         if (t->world == 1)
             t->base[t->nbase++] = t->zc.nvme_paths.path[k];
-        else
-            free(t->zc.nvme_paths.path[k]);
+        else /* the copies' base is the stage's folder: the path as given is the root */
+            t->root[k] = t->zc.nvme_paths.path[k];
         t->zc.nvme_paths.path[k] = mine;
         if (k) t->zc.nvme_paths_extra[k - 1] = mine;
     }
@@ -530,6 +530,11 @@ int train_pipe_alloc(struct trainer *t)
     return p->mine && p->all ? 0 : -ENOMEM;
 }
 
+int train_pipe_bcast(struct trainer *t, void *buf, size_t bytes)
+{
+    return t->pipe ? comm_broadcast(t->pipe->c[L_ALL], buf, bytes, COMM_BYTE, 0) : 0;
+}
+
 void train_pipe_close(struct trainer *t)
 {
     struct pipe *p = t->pipe;
@@ -537,6 +542,10 @@ void train_pipe_close(struct trainer *t)
     free(t->gdesc);
     t->gidx = NULL;
     t->gdesc = NULL;
+    for (unsigned k = 0; k < CONFIG_MAX_NVME_PATHS; k++) {
+        free(t->root[k]);
+        t->root[k] = NULL;
+    }
     if (!p) return;
     /* The communicators first: they end (fail) what is in flight before the buffers go. */
     for (int k = 0; k < L_COUNT; k++)

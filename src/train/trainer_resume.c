@@ -1,20 +1,18 @@
 /*
  * trainer_resume.c - what a run saves and how it comes back: the state tensor (the model,
  * the data and the step) saved and validated, a checkpoint (saved by every rank or by
- * none: each keeps its previous version until all hold the new one), the choice of the
- * run and step a resume goes to, and the re-cut of a run saved by another number of ranks
- * into this run's shards. The tests' crash points are here too.
+ * none: each keeps its previous version until all hold the new one), and the re-cut of a
+ * run saved in another layout (other numbers of pipeline stages and of ranks) into this
+ * run's tensors and shards. The tests' crash points are here too.
  *
- * Not here: opening the engine (trainer.c), registering the tensors (trainer_tensors.c),
- * the shards' geometry (trainer_shards.c).
+ * Not here: opening the engine (trainer.c), the choice of the run and step a resume goes to
+ * (trainer_layouts.c), registering the tensors (trainer_tensors.c), the shards' geometry
+ * (trainer_shards.c).
  */
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "comm/comm.h"
@@ -44,12 +42,14 @@ static int state_validate(struct trainer *t, struct train_state s, int src_world
         s.data_bytes != t->data_bytes || s.wdt != (int32_t)t->be->wdt ||
         (int64_t)accum * src_world != (int64_t)t->o.grad_accum * t->world) {
         int64_t total = (int64_t)accum * src_world;
-        char ranks[256] = "";
+        char ranks[320] = "", by[64], mine[64];
         if (src_world != t->world)
             snprintf(ranks, sizeof(ranks),
-                     " (by %d ranks: %lld micro-batches a step, which %d ranks run as "
-                     "--accumulate %lld%s)",
-                     src_world, (long long)total, t->world, (long long)(total / t->world),
+                     " (by %s: %lld micro-batches a step, which %s run%s as --accumulate "
+                     "%lld%s)",
+                     train_layout_name(t->src_pp ? t->src_pp : 1, src_world, by, sizeof(by)),
+                     (long long)total, train_layout_name(t->pp, t->world, mine, sizeof(mine)),
+                     t->pp <= 1 && t->world <= 1 ? "s" : "", (long long)(total / t->world),
                      total % t->world ? ", not a whole number: choose another number of ranks"
                                       : "");
         snprintf(err, errlen,
@@ -123,187 +123,7 @@ char *train_rank_dir(const char *base, int world, int rank)
     return asprintf(&d, "%s/rank-%d-of-%d", base, rank, world) < 0 ? NULL : d;
 }
 
-/* ---- resuming on another number of ranks ------------------------------------------ */
-
-/* The newest step that every one of the `world` ranks saved under base holds, as its
- * current version or the previous one (a checkpoint that some ranks committed and others
- * did not); -1 when some rank holds none of the others' (or nothing), -2 for a run saved
- * before checkpoints were tagged with their step (every rank's manifest untagged). *newest
- * receives the newest step any rank holds. */
-static int64_t common_step(const struct trainer *t, const char *base, int world,
-                           int64_t *newest)
-{
-    int64_t tags[COMM_MAX_RANKS][2];
-    int untagged = 0;
-    *newest = -1;
-    for (int q = 0; q < world; q++) {
-        int r;
-        if (world == t->world && t->peer_saved) { /* as each rank sees its own folder */
-            r = (int)t->peer_saved[q][0];
-            tags[q][0] = t->peer_saved[q][1];
-            tags[q][1] = t->peer_saved[q][2];
-        } else {
-            char *d = train_rank_dir(base, world, q);
-            r = d ? zinf_saved_steps(d, tags[q]) : -ENOMEM;
-            free(d);
-        }
-        if (r < 0) return -1;
-        untagged += tags[q][0] < 0;
-        *newest = MAX(*newest, tags[q][0]);
-    }
-    if (untagged) return untagged == world ? -2 : -1;
-    int64_t best = -1;
-    for (int q = 0; q < world; q++)
-        for (int k = 0; k < 2; k++) {
-            int64_t c = tags[q][k];
-            if (c <= best) continue;
-            bool all = true;
-            for (int p = 0; p < world && all; p++)
-                all = tags[p][0] == c || tags[p][1] == c;
-            if (all) best = c;
-        }
-    return best;
-}
-
-/* The run to resume from, of those saved under the nvme paths (one rank's in the paths
- * themselves, N ranks' in rank-R-of-N): its number of ranks (0: none) and the step every
- * one of its ranks saved (*step; -1 for a run saved before steps were tagged). A run that
- * some rank saved no step of that the others hold (a re-cut cut short) is passed over.
- * The run with the newest such step wins; on a tie, this run's number of ranks, then the
- * newest. Runs saved before steps were tagged count only where no other run is known, the
- * newest of them winning. *newest_any: the newest step any rank of the winner holds. */
-int train_newest_run(const struct trainer *t, int64_t *step, int64_t *newest_any)
-{
-    int world = 0, legacy = 0;
-    int64_t best = -1, any = -1;
-    int64_t best_t = 0, legacy_t = 0, when; /* ns since the epoch */
-    *step = -1;
-    *newest_any = -1;
-    if (!t->nbase) return 0;
-    /* The candidates: one rank's run in the path itself, and every rank-0-of-N. */
-    int worlds[COMM_MAX_RANKS + 1], nc = 0;
-    worlds[nc++] = 1;
-    DIR *d = opendir(t->base[0]);
-    struct dirent *de;
-    while (d && (de = readdir(d))) {
-        int n = 0, end = 0;
-        if (sscanf(de->d_name, "rank-0-of-%d%n", &n, &end) == 1 && !de->d_name[end] && n >= 2 &&
-            n <= COMM_MAX_RANKS && nc <= COMM_MAX_RANKS)
-            worlds[nc++] = n;
-    }
-    if (d) closedir(d);
-    for (int k = 0; k < nc; k++) {
-        int n = worlds[k];
-        char *r0 = train_rank_dir(t->base[0], n, 0);
-        int sr = r0 ? zinf_saved_at(r0, &when) : -ENOMEM;
-        free(r0);
-        if (sr < 0) continue;
-        int64_t top, c = common_step(t, t->base[0], n, &top);
-        if (c == -2) { /* untagged: by its time, as before tags */
-            if (!legacy || when > legacy_t) {
-                legacy = n;
-                legacy_t = when;
-            }
-            continue;
-        }
-        if (c < 0) continue; /* no step every rank holds */
-        bool newer = when > best_t;
-        if (!world || c > best || (c == best && world != t->world && (n == t->world || newer))) {
-            world = n;
-            best = c;
-            any = top;
-            best_t = when;
-        }
-    }
-    if (!world && legacy) return legacy;
-    *step = best;
-    *newest_any = any;
-    return world;
-}
-
-int train_gather_saved(struct trainer *t)
-{
-    int64_t mine[3] = {-ENOENT, -1, -1};
-    if (t->world <= 1 || t->remote || !t->nbase) return 0;
-    if (!t->peer_saved && !(t->peer_saved = calloc((size_t)t->world, sizeof(*t->peer_saved))))
-        return -ENOMEM;
-    mine[0] = zinf_saved_steps(t->zc.nvme_paths.path[0], mine + 1);
-    return comm_allgather(t->hcomm, mine, t->peer_saved, sizeof(mine), COMM_BYTE);
-}
-
-/* One rank's share (rank q of `world`) of a saved run, removed from every nvme path: its
- * manifests and swap files (zinf_saved_remove, which touches nothing else), then its
- * rank-q-of-N folders where that left them empty. *had: whether it held a saved state. */
-static int remove_rank_share(struct trainer *t, int world, int q, bool *had)
-{
-    char *dirs[CONFIG_MAX_NVME_PATHS + 1] = {0}; /* NULL-terminated */
-    int r = 0;
-    size_t n;
-    for (unsigned k = 0; k < t->nbase && r == 0; k++)
-        if (!(dirs[k] = train_rank_dir(t->base[k], world, q))) r = -ENOMEM;
-    if (r == 0) {
-        *had = zinf_saved_tensors(dirs[0], &n) == 0;
-        r = zinf_saved_remove(dirs[0], (const char *const *)dirs + 1);
-    }
-    for (unsigned k = 0; k < t->nbase; k++) {
-        if (r == 0 && world > 1) rmdir(dirs[k]); /* only where nothing else is left */
-        free(dirs[k]);
-    }
-    return r;
-}
-
-/* --overwrite starts over the whole swap path, not only this run's share of it: a run saved
- * there by another number of ranks would otherwise stay, and a later --resume, going to the
- * newest step saved, would continue that one instead of the new run. This run's own files
- * the engines start over; here go one rank's run in the paths themselves (when this run has
- * several) and every rank-R-of-N with N not this run's number of ranks. Only zinf's files
- * of those runs are removed, and their folders once empty; rank 0 does it, before the
- * engines open, each run it removes said. */
-int train_remove_other_runs(struct trainer *t, char *err, size_t errlen)
-{
-    bool removed[COMM_MAX_RANKS + 1] = {false};
-    int r = 0, failed_world = 0;
-    if (!t->nbase) return 0;
-    if (t->world > 1) {
-        r = remove_rank_share(t, 1, 0, &removed[1]);
-        failed_world = r < 0 ? 1 : 0;
-    }
-    DIR *d = r == 0 ? opendir(t->base[0]) : NULL;
-    if (r == 0 && !d && errno != ENOENT) r = -errno;
-    struct dirent *de;
-    while (r == 0 && d && (de = readdir(d))) {
-        int q = 0, n = 0, end = 0;
-        struct stat st;
-        if (sscanf(de->d_name, "rank-%d-of-%d%n", &q, &n, &end) != 2 || de->d_name[end] || n < 2 ||
-            n > COMM_MAX_RANKS || q < 0 || q >= n || n == t->world)
-            continue;
-        /* A folder of that name, not a link to one elsewhere. */
-        if (fstatat(dirfd(d), de->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode))
-            continue;
-        bool had = false;
-        r = remove_rank_share(t, n, q, &had);
-        removed[n] |= had;
-        if (r < 0) failed_world = n;
-    }
-    if (d) closedir(d);
-    if (removed[1] && (r == 0 || failed_world != 1))
-        log_notice("--overwrite: removed the run saved by one rank in %s", t->base[0]);
-    for (int n = 2; n <= COMM_MAX_RANKS; n++)
-        if (removed[n] && (r == 0 || n != failed_world))
-            log_notice("--overwrite: removed the run saved by %d ranks in %s/rank-*-of-%d", n,
-                       t->base[0], n);
-    if (r < 0 && failed_world)
-        snprintf(err, errlen, "--overwrite: cannot remove the run saved by %d rank%s in %s: %s",
-                 failed_world, failed_world > 1 ? "s" : "", t->base[0],
-                 r == -EBUSY    ? "its swap files are in use by another engine (one job per "
-                                  "swap directory)"
-                 : r == -EACCES ? "one of its swap files or manifests is not this user's "
-                                  "regular file; remove it by hand"
-                                : zinf_strerror(r));
-    else if (r < 0)
-        snprintf(err, errlen, "--overwrite: %s: %s", t->base[0], zinf_strerror(r));
-    return r;
-}
+/* ---- resuming in another layout ---------------------------------------------------- */
 
 /* The open flag that reaches step in swap directory dir: its current version, or the
  * previous one (ZINF_OPEN_PREVIOUS); -ENOENT where it holds neither at that step. */
@@ -323,16 +143,16 @@ int train_version_flag(const char *dir, int64_t step, unsigned *flag)
     return -ENOENT;
 }
 
-/* Open rank q's engine of the saved run of `world` ranks, read-only, at the step a resume
- * goes to. */
-static int open_source(struct trainer *t, int world, int q, zinf_engine **out)
+/* Open folder f (stage f / N, rank f % N) of the saved run of src_pp stages x src_world
+ * ranks, read-only, at the step a resume goes to. */
+static int open_source(struct trainer *t, int f, zinf_engine **out)
 {
     struct zinf_config c = t->zc; /* the same settings; only the directories differ */
     char *dirs[CONFIG_MAX_NVME_PATHS] = {0};
+    int P = t->src_pp, N = t->src_world, r = 0;
     unsigned flag = 0;
-    int r = 0;
     for (unsigned k = 0; k < t->nbase && r == 0; k++) {
-        if (!(dirs[k] = train_rank_dir(t->base[k], world, q))) r = -ENOMEM;
+        if (!(dirs[k] = train_layout_dir(train_root(t, k), P, N, f / N, f % N))) r = -ENOMEM;
         c.nvme_paths.path[k] = dirs[k];
         if (k) c.nvme_paths_extra[k - 1] = dirs[k];
     }
@@ -343,41 +163,46 @@ static int open_source(struct trainer *t, int world, int q, zinf_engine **out)
     return r;
 }
 
-/* Before anything is written: the saved run of src_world ranks must be this model's, data's
- * and global batch's; its stage and step are taken from its rank 0. */
+/* Before anything is written: every folder of the saved run (each stage's, each rank's) must
+ * be this model's, data's and global batch's, hold the step the re-cut goes to, whole, and
+ * be cut at the same ZeRO stage as the first (a re-cut reads every one's tensors). */
 int train_recut_check(struct trainer *t, char *err, size_t errlen)
 {
-    int N = t->src_world, r = 0;
+    int P = t->src_pp, N = t->src_world, r = 0;
     int32_t step0 = 0;
-    /* Every rank of the saved run: each must hold the step the re-cut goes to, whole, with
-     * the same stage as rank 0 (a re-cut reads every rank's shards). */
-    for (int q = 0; q < N && r == 0; q++) {
+    char lay[64], who[48], w0[48];
+    train_layout_name(P, N, lay, sizeof(lay));
+    train_folder_name(P, N, 0, w0, sizeof(w0));
+    for (int f = 0; f < P * N && r == 0; f++) {
         zinf_engine *se = NULL;
         zinf_tensor h;
         struct train_state s;
         struct zero_state z = {.stage = 0};
-        char who[48] = "";
-        if (N > 1) snprintf(who, sizeof(who), " (rank %d)", q);
-        if ((r = open_source(t, N, q, &se)) < 0) {
-            snprintf(err, errlen, "--resume: cannot open the saved run of %d rank%s%s: %s", N,
-                     N > 1 ? "s" : "", who, zinf_strerror(r));
+        char at[64] = "";
+        if (P * N > 1)
+            snprintf(at, sizeof(at), " (%s)", train_folder_name(P, N, f, who, sizeof(who)));
+        if ((r = open_source(t, f, &se)) < 0) {
+            snprintf(err, errlen, "--resume: cannot open the saved run of %s%s: %s", lay, at,
+                     zinf_strerror(r));
             return r;
         }
         if ((r = zinf_lookup(se, STATE_NAME, &h)) < 0 ||
             (r = zinf_read(se, h, 0, &s, sizeof(s))) < 0 ||
             (N > 1 && ((r = zinf_lookup(se, ZERO_NAME, &h)) < 0 ||
                        (r = zinf_read(se, h, 0, &z, sizeof(z))) < 0)))
-            snprintf(err, errlen, "--resume: the saved run of %d rank%s%s has no training state: %s",
-                     N, N > 1 ? "s" : "", who, zinf_strerror(r));
-        else if (q == 0 && (r = state_validate(t, s, N, err, errlen)) == 0) {
+            snprintf(err, errlen, "--resume: the saved run of %s%s has no training state: %s",
+                     lay, at, zinf_strerror(r));
+        else if ((r = state_validate(t, s, N, err, errlen)) < 0)
+            ; /* said */
+        else if (f == 0) {
             t->src_stage = z.stage;
             t->src_persist = z.persist;
             step0 = s.step_done;
-        } else if (q > 0 && (s.step_done != step0 || z.stage != t->src_stage)) {
+        } else if (s.step_done != step0 || z.stage != t->src_stage) {
             snprintf(err, errlen,
-                     "--resume: the saved run of %d ranks is not whole: rank 0 saved step %d at "
-                     "stage %d, rank %d step %d at stage %d",
-                     N, step0, t->src_stage, q, s.step_done, z.stage);
+                     "--resume: the saved run of %s is not whole: %s saved step %d at ZeRO stage "
+                     "%d, %s step %d at stage %d",
+                     lay, w0, step0, t->src_stage, who, s.step_done, z.stage);
             r = -EINVAL;
         }
         zinf_close(se);
@@ -387,6 +212,7 @@ int train_recut_check(struct trainer *t, char *err, size_t errlen)
                  (long long)t->resume_step, step0);
         r = -EINVAL;
     }
+    t->step_done = step0;
     return r;
 }
 
@@ -411,32 +237,59 @@ static int refresh_w(struct trainer *t)
     return r;
 }
 
-/* Re-cut: every rank of the saved run in turn, the part of each parameter and Adam state
- * this rank keeps is read from the shards that hold it and written into this run's tensors;
- * then the saved step goes on. Memory: one tensor's worth of floats at a time. */
+/* Re-cut: every folder of the saved run in turn (stage by stage, rank by rank), the part of
+ * each parameter and Adam state this rank keeps is read from the shards that hold it and
+ * written into this run's tensors; then the saved step goes on. A tensor is taken from the
+ * first stage that holds it by its name (the last stage's copy of wte is the first's, bit
+ * for bit). Memory: one tensor's worth of floats at a time. */
 int train_recut(struct trainer *t, char *err, size_t errlen)
 {
     static const enum role roles[] = {R_P, R_M, R_V};
     static const char *const prefix[] = {"p.", "m.", "v."};
-    int N = t->src_world, r = 0;
+    int P = t->src_pp, N = t->src_world, r = 0;
     size_t most = 0;
+    char lay[64], who[48], where[160];
+    train_layout_name(P, N, lay, sizeof(lay));
     for (int i = 0; i < t->ntensors; i++)
         most = MAX(most, t->desc[i].numel);
     float *buf = malloc(most * sizeof(float));
-    if (!buf) return -ENOMEM;
-    for (int q = 0; q < N && r == 0; q++) {
+    int *from = malloc(sizeof(int) * (size_t)t->ntensors); /* the stage that holds tensor i */
+    if (!buf || !from) {
+        free(buf);
+        free(from);
+        return -ENOMEM;
+    }
+    for (int i = 0; i < t->ntensors; i++)
+        from[i] = -1;
+    for (int f = 0; f < P * N && r == 0; f++) {
+        int s = f / N, q = f % N;
         zinf_engine *se = NULL;
-        char where[64];
-        snprintf(where, sizeof(where), N > 1 ? "rank %d of the saved run's %d" : "the saved run",
-                 q, N);
-        if ((r = open_source(t, N, q, &se)) < 0) {
+        if (P * N > 1)
+            snprintf(where, sizeof(where), "%s of the saved run of %s",
+                     train_folder_name(P, N, f, who, sizeof(who)), lay);
+        else
+            snprintf(where, sizeof(where), "the saved run");
+        if ((r = open_source(t, f, &se)) < 0) {
             snprintf(err, errlen, "--resume: cannot open %s: %s", where, zinf_strerror(r));
             break;
         }
         zinf_tensor h;
         for (int i = 0; i < t->ntensors && r == 0; i++) {
+            char name[96];
             size_t n = t->desc[i].numel;
             size_t ssh = N > 1 ? align_up((n + (size_t)N - 1) / (size_t)N, SHARD_FLOATS) : n;
+            /* Each stage's rank 0 holds every tensor of its stage, whole or its shard. */
+            if (from[i] < 0 && q == 0) {
+                snprintf(name, sizeof(name), "p.%s", t->desc[i].name);
+                if ((r = zinf_lookup(se, name, &h)) == 0)
+                    from[i] = s;
+                else if (r == -ENOENT)
+                    r = 0;
+                else
+                    snprintf(err, errlen, "--resume: '%s' of %s: %s", name, where,
+                             zinf_strerror(r));
+            }
+            if (from[i] != s) continue;
             for (int k = 0; k < 3 && r == 0; k++) {
                 int src_stage = t->src_stage;
                 if (src_stage >= 3 && t->src_persist && n < (size_t)t->src_persist) src_stage = 2;
@@ -449,7 +302,6 @@ int train_recut(struct trainer *t, char *err, size_t errlen)
                 size_t d_hi = to_shard ? d_lo + train_shard_own(t, i) : n;
                 size_t a = MAX(s_lo, d_lo), b = MIN(s_hi, d_hi);
                 if (a >= b) continue;
-                char name[96];
                 snprintf(name, sizeof(name), "%s%s", prefix[k], t->desc[i].name);
                 zinf_tensor dst = train_wave_handle(t, roles[k], i);
                 if ((r = zinf_lookup(se, name, &h)) < 0 ||
@@ -461,9 +313,24 @@ int train_recut(struct trainer *t, char *err, size_t errlen)
                              zinf_strerror(r));
             }
         }
+        /* fp16: the loss scaler goes on where the saved run left it (every folder holds the
+         * same). */
+        if (r == 0 && f == 0 && t->be->wdt == BACKEND_F16 &&
+            ((r = zinf_lookup(se, SCALER_NAME, &h)) < 0 ||
+             (r = zinf_read(se, h, 0, &t->ls, sizeof(t->ls))) < 0 ||
+             (r = zinf_write(t->e, t->scaler, 0, &t->ls, sizeof(t->ls))) < 0))
+            snprintf(err, errlen, "--resume: '%s' of %s: %s", SCALER_NAME, where,
+                     zinf_strerror(r));
         zinf_close(se);
     }
+    for (int i = 0; i < t->ntensors && r == 0; i++)
+        if (from[i] < 0) {
+            snprintf(err, errlen, "--resume: '%s' is in no stage of the saved run of %s",
+                     t->desc[i].name, lay);
+            r = -ENOENT;
+        }
     free(buf);
+    free(from);
     if (r == 0 && t->w != t->p) r = refresh_w(t);
     return r < 0 ? r : train_state_save_step(t, t->step_done);
 }
