@@ -16,6 +16,7 @@
 #include <math.h>
 #include <omp.h>
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +25,7 @@
 #include "helpers.h"
 #include "train/gpt.h"
 #include "train/gpt_sp.h"
+#include "train/ops.h"
 
 #define MAX_SP 8
 #define TOL_REL 1e-5 /* max |sp - one rank| over max |one rank|, for reassociated sums */
@@ -106,6 +108,47 @@ static void slice_int(int *local, const int *full, int B, int T, int sp, int r)
     for (int b = 0; b < B; b++)
         memcpy(local + (size_t)b * Tl, full + (size_t)b * T + (size_t)r * Tl,
                (size_t)Tl * sizeof(int));
+}
+
+/* Whether ops_gemm gives every rank's rows the bits of the same rows in the one-rank call,
+ * for each GEMM whose rows are positions: the forward's (op(B) transposed, W (n,k)) and the
+ * input gradients' (op(B) plain, W (k,n)), at the (n,k) of a block and of the head. Each
+ * output element is one sum over the same k values either way, but the kernel that makes
+ * it may depend on where the row falls in the call: OpenBLAS's Haswell and SkylakeX kernels
+ * (OPENBLAS_CORETYPE=...) give some rows other bits in a call of B*T/sp rows, its Prescott
+ * and Sandybridge ones do not. So this asks the kernels at hand, and the checks below assert
+ * bits only where the GEMMs give them, the tolerance everywhere. */
+static bool gemm_rows_stable(int B, int T, int sp, size_t C, size_t V)
+{
+    const size_t nk[][2] = {{3 * C, C}, {C, C}, {4 * C, C}, {C, 4 * C}, {C, 3 * C}, {V, C}, {C, V}};
+    size_t M = (size_t)B * T, Tl = (size_t)T / sp, m = (size_t)B * Tl;
+    bool stable = true;
+    for (size_t i = 0; i < sizeof(nk) / sizeof(nk[0]) && stable; i++) {
+        size_t n = nk[i][0], k = nk[i][1];
+        float *A = frand(M * k, 1.0f, 31 + i), *W = frand(n * k, 1.0f, 41 + i);
+        float *full = falloc(M * n), *al = falloc(m * k), *part = falloc(m * n),
+              *want = falloc(m * n);
+        for (int tb = 0; tb <= 1 && stable; tb++) {
+            ops_gemm(0, tb, M, n, k, A, k, W, tb ? k : n, 0.0f, full, n);
+            for (int r = 0; r < sp && stable; r++) {
+                slice(al, A, B, T, sp, r, k, 1);
+                slice(want, full, B, T, sp, r, n, 1);
+                ops_gemm(0, tb, m, n, k, al, k, W, tb ? k : n, 0.0f, part, n);
+                stable = memcmp(part, want, m * n * sizeof(float)) == 0;
+            }
+        }
+        free(want);
+        free(part);
+        free(al);
+        free(full);
+        free(W);
+        free(A);
+    }
+    if (!stable)
+        cr_log_info("B=%d T=%d sp=%d: this CPU's GEMM kernels give a row different bits in a "
+                    "call of B*T/sp rows: checked within tolerance only",
+                    B, T, sp);
+    return stable;
 }
 
 /* ---- the ranks: threads and an in-memory all-to-all --------------------------------------- */
@@ -284,15 +327,12 @@ static float *sum_grads(const struct sp_job *j)
 /* ---- the block ---------------------------------------------------------------------------- */
 
 /* Every output of sp ranks against one rank's, within TOL_REL, and bitwise where that
- * holds. The forward and the input gradient are bitwise here: every position's arithmetic
- * is the one-rank arithmetic. The position-wise layers are per-row loops, or GEMMs of
- * B*T/sp rows instead of B*T whose every output element is one sum over the same K values
- * (at these sizes each is one cblas_sgemm call, whose elements OpenBLAS computes the same
- * for any row count on this build; ops.c notes that other cuts may not, which is why the
- * header promises the tolerance only); and a head's attention reads only that head's q, k
- * and v over the whole sequence, which the exchanges move without touching. Parameter
- * gradients are sums over positions, cut into one sum per rank and then added across
- * ranks: equal only up to reassociation. */
+ * holds. The forward and the input gradient are bitwise when the GEMMs give each row the
+ * same bits in a call of B*T/sp rows (gemm_rows_stable): every position's arithmetic is
+ * then the one-rank arithmetic, the other position-wise layers being per-row loops, and a
+ * head's attention reading only that head's q, k and v over the whole sequence, which the
+ * exchanges move without touching. Parameter gradients are sums over positions, cut into
+ * one sum per rank and then added across ranks: equal only up to reassociation. */
 static void check_block(int B, int T, int sp)
 {
     struct problem pb;
@@ -304,10 +344,12 @@ static void check_block(int B, int T, int sp)
     double ey = rel_err(j.y, pb.y_ref, NC), ed = rel_err(j.d_in, pb.d_in_ref, NC);
     cr_expect_leq(ey, TOL_REL, "T=%d sp=%d: forward off by %g", T, sp, ey);
     cr_expect_leq(ed, TOL_REL, "T=%d sp=%d: d_in off by %g", T, sp, ed);
-    cr_expect_eq(memcmp(j.y, pb.y_ref, NC * sizeof(float)), 0,
-                 "T=%d sp=%d: the forward is not bitwise one rank's (off by %g)", T, sp, ey);
-    cr_expect_eq(memcmp(j.d_in, pb.d_in_ref, NC * sizeof(float)), 0,
-                 "T=%d sp=%d: d_in is not bitwise one rank's (off by %g)", T, sp, ed);
+    if (gemm_rows_stable(B, T, sp, (size_t)cfg48.C, (size_t)cfg48.V)) {
+        cr_expect_eq(memcmp(j.y, pb.y_ref, NC * sizeof(float)), 0,
+                     "T=%d sp=%d: the forward is not bitwise one rank's (off by %g)", T, sp, ey);
+        cr_expect_eq(memcmp(j.d_in, pb.d_in_ref, NC * sizeof(float)), 0,
+                     "T=%d sp=%d: d_in is not bitwise one rank's (off by %g)", T, sp, ed);
+    }
     float *g = sum_grads(&j);
     struct gpt_block_grads gs, gr;
     gpt_block_grads_at(&cfg48, g, &gs);
@@ -418,8 +460,13 @@ Test(gpt_sp, block_odd_head_size)
     job_make(&j, &pb, 3, 2);
     run_ranks(&j);
     size_t NC = (size_t)2 * 12 * cfg30.C, nb = gpt_block_num_params(&cfg30);
-    cr_expect_eq(memcmp(j.y, pb.y_ref, NC * sizeof(float)), 0);
-    cr_expect_eq(memcmp(j.d_in, pb.d_in_ref, NC * sizeof(float)), 0);
+    double ey = rel_err(j.y, pb.y_ref, NC), ed = rel_err(j.d_in, pb.d_in_ref, NC);
+    cr_expect_leq(ey, TOL_REL, "forward off by %g", ey);
+    cr_expect_leq(ed, TOL_REL, "d_in off by %g", ed);
+    if (gemm_rows_stable(2, 12, 3, (size_t)cfg30.C, (size_t)cfg30.V)) {
+        cr_expect_eq(memcmp(j.y, pb.y_ref, NC * sizeof(float)), 0);
+        cr_expect_eq(memcmp(j.d_in, pb.d_in_ref, NC * sizeof(float)), 0);
+    }
     float *g = sum_grads(&j);
     double e = rel_err(g, pb.g_ref, nb);
     cr_expect_leq(e, TOL_REL, "gradients off by %g", e);
@@ -519,6 +566,8 @@ static void check_head(int B, int T, int sp)
     float *dx = falloc(NC), *dw = falloc(C), *db = falloc(C), *dte = falloc(nte);
     float *dxl = falloc(Nl * C), *xl = falloc(Nl * C), *gw = falloc(C), *gb = falloc(C);
     float *gte = falloc(nte), *lg_ref = falloc((size_t)B * T * V), *lg = falloc(Nl * V);
+    float *lgr = falloc(Nl * V);
+    bool stable = gemm_rows_stable(B, T, sp, C, V);
     float loss_ref, loss_bw_ref, loss = 0.0f, loss_bw = 0.0f;
     cr_assert_eq(gpt_head_forward(cfg, B, T, lw, lb, wte, x, tgt, &loss_ref, lg_ref, &sr), 0);
     cr_assert_eq(gpt_head_backward(cfg, B, T, lw, lb, wte, x, tgt, dx_ref, dw_ref, db_ref, dte_ref,
@@ -529,12 +578,13 @@ static void check_head(int B, int T, int sp)
         slice(xl, x, B, T, sp, r, C, 1);
         slice_int(tl, tgt, B, T, sp, r);
         cr_assert_eq(gpt_sp_head_forward(cfg, sp, r, B, T, lw, lb, wte, xl, tl, &part, lg, &ss), 0);
-        /* The logits are per position: bitwise the one-rank rows. */
-        for (int b = 0; b < B; b++)
-            cr_expect_eq(memcmp(lg + (size_t)b * (T / sp) * V,
-                                lg_ref + ((size_t)b * T + (size_t)r * (T / sp)) * V,
-                                (size_t)(T / sp) * V * sizeof(float)),
-                         0, "sp=%d rank %d: logits differ", sp, r);
+        /* The logits are per position: the one-rank rows, bitwise where the GEMM gives them. */
+        slice(lgr, lg_ref, B, T, sp, r, V, 1);
+        double el = rel_err(lg, lgr, Nl * V);
+        cr_expect_leq(el, TOL_REL, "sp=%d rank %d: logits off by %g", sp, r, el);
+        if (stable)
+            cr_expect_eq(memcmp(lg, lgr, Nl * V * sizeof(float)), 0, "sp=%d rank %d: logits differ",
+                         sp, r);
         memset(gw, 0, C * sizeof(float));
         memset(gb, 0, C * sizeof(float));
         memset(gte, 0, nte * sizeof(float));
@@ -562,8 +612,8 @@ static void check_head(int B, int T, int sp)
     cr_expect_leq(eb, TOL_REL, "sp=%d: d_lnf_b off by %g", sp, eb);
     cr_expect_leq(et, TOL_REL, "sp=%d: d_wte off by %g", sp, et);
     /* With sp a power of two the gradient's 1/(B*T) is the rank's 1/(B*T/sp) scaled exactly,
-     * so every row's arithmetic is one rank's: d_x is bitwise. */
-    if ((sp & (sp - 1)) == 0)
+     * so every row's arithmetic is one rank's: d_x is bitwise where the GEMMs allow. */
+    if ((sp & (sp - 1)) == 0 && stable)
         cr_expect_eq(memcmp(dx, dx_ref, NC * sizeof(float)), 0, "sp=%d: d_x not bitwise", sp);
     if (sp == 1) {
         cr_expect_eq(memcmp(&loss, &loss_ref, sizeof(float)), 0);
@@ -572,6 +622,7 @@ static void check_head(int B, int T, int sp)
         cr_expect_eq(memcmp(db, db_ref, C * sizeof(float)), 0);
         cr_expect_eq(memcmp(dte, dte_ref, nte * sizeof(float)), 0);
     }
+    free(lgr);
     free(lg);
     free(lg_ref);
     free(gte);

@@ -26,9 +26,9 @@
  * Gradients. The input gradients (d_in of a block, d_x of the head) are this rank's rows of
  * the one-rank gradient, as the forward's outputs are its rows of the one-rank output: each
  * position runs the one-rank arithmetic, so they are bitwise where the GEMMs give an
- * element the same bits for B*T/sp rows as for B*T (as OpenBLAS does on the shapes
- * tests/test_gpt_sp.c runs), and within rounding otherwise (so is the head's d_x for sp not
- * a power of two, whose 1/sp scale rounds; see gpt_sp_head_backward). The parameter
+ * element the same bits for B*T/sp rows as for B*T (some of OpenBLAS's kernels do, others
+ * not: tests/test_gpt_sp.c asks), and within rounding otherwise (so is the head's d_x for
+ * sp not a power of two, whose 1/sp scale rounds; see gpt_sp_head_backward). The parameter
  * gradients are partial: each rank accumulates the sum over its own positions. The caller
  * sums them over the sp ranks (an allreduce in rank order); that sum equals the one-rank
  * gradient up to float reassociation, not bitwise: one rank sums over all B*T rows in one
