@@ -31,6 +31,23 @@ const char *train_root(const struct trainer *t, unsigned k)
     return t->root[k] ? t->root[k] : t->base[k];
 }
 
+/* Whether the path as given holds a tensor- or sequence-parallel rank's folder
+ * (tp-R-of-T, sp-R-of-S, stage-S-of-P.tp-R-of-T...), its name in name. */
+static bool other_parallel(const struct trainer *t, char *name, size_t len)
+{
+    DIR *d = t->nbase ? opendir(train_root(t, 0)) : NULL;
+    struct dirent *de;
+    bool found = false;
+    while (d && !found && (de = readdir(d)))
+        if ((strstr(de->d_name, "tp-") || strstr(de->d_name, "sp-")) &&
+            strstr(de->d_name, "-of-")) {
+            snprintf(name, len, "%s", de->d_name);
+            found = true;
+        }
+    if (d) closedir(d);
+    return found;
+}
+
 char *train_layout_dir(const char *root, int P, int N, int s, int q)
 {
     char *d = NULL;
@@ -405,7 +422,15 @@ int train_find_saved(struct trainer *t, char *err, size_t errlen)
         t->o.resume = false; /* this rank's tensors are new, filled by train_recut() */
         if ((r = train_recut_check(t, err, errlen)) < 0) return r;
     } else if (resume && pr == -ENOENT) {
-        snprintf(err, errlen, "--resume: no saved run in %s", sd);
+        char mp[NAME_MAX + 1];
+        if (other_parallel(t, mp, sizeof(mp)))
+            snprintf(err, errlen,
+                     "--resume: no saved run in %s, but %s holds %s, the folder of a run saved "
+                     "by other tensor- or sequence-parallel ranks: resuming onto another such "
+                     "layout is not built yet (resume with the layout that saved it)",
+                     sd, train_root(t, 0), mp);
+        else
+            snprintf(err, errlen, "--resume: no saved run in %s", sd);
         return -ENOENT;
     }
     /* Another layout's run, whole or in part, is a saved run as this one's own is. */
