@@ -424,6 +424,10 @@ static int read_field(struct parser *p, const struct field *f, const char *path,
     }
     case F_STR: {
         char got[96];
+        if (json_is_null(v) && (f->flags & FL_NULL)) {
+            *(char *)dst = '\0';
+            break;
+        }
         if (!json_is_string(v))
             return fail(p, path, "must be a string, got %s", type_name(v));
         size_t len = json_string_length(v);
@@ -594,6 +598,24 @@ static bool sect_given(const struct zinf_config *c, int s)
     return false;
 }
 
+/* The MoE settings that no run can use: refused here, naming the key. */
+static int finish_moe(struct parser *p)
+{
+    const struct zinf_config *c = p->c;
+    if (c->moe.use_rts)
+        return fail(p, "moe.use_rts",
+                    "true is not built: random token selection makes the route depend on a "
+                    "random draw, and zinf train's steps are deterministic (set it to false)");
+    if (c->moe.noisy_gate_policy[0])
+        return fail(p, "moe.noisy_gate_policy",
+                    "only null is built: a noisy gate (\"%s\") makes the route depend on a "
+                    "random draw, and zinf train's steps are deterministic",
+                    c->moe.noisy_gate_policy);
+    if (!(c->moe.capacity_factor > 0))
+        return fail(p, "moe.capacity_factor", "must be above 0, got %g", c->moe.capacity_factor);
+    return 0;
+}
+
 static int finish(struct parser *p)
 {
     struct zinf_config *c = p->c;
@@ -655,7 +677,7 @@ static int finish(struct parser *p)
         return ret;
     for (unsigned i = 1; i < c->nvme_paths.count; i++)
         c->nvme_paths_extra[i - 1] = c->nvme_paths.path[i];
-    return 0;
+    return finish_moe(p);
 }
 
 /* ---- the interface ------------------------------------------------------------------ */

@@ -133,6 +133,20 @@ struct zinf_config {
         int stages;    /* pipeline stages; 1 (none) */
         int partition; /* "parameters" 0, "uniform" 1, "best" 2 (as "parameters") */
     } pipeline;
+    /* Mixture of experts in zinf train (DeepSpeed's MoE layer arguments; moe.h). */
+    struct {
+        int num_experts;             /* 0: no MoE (the default) */
+        int ep_size;                 /* expert-parallel ranks; 1 */
+        int top_k;                   /* 1 or 2; 1 */
+        double capacity_factor;      /* > 0; 1.0 */
+        double eval_capacity_factor; /* read, named as ignored */
+        int min_capacity;            /* 4 */
+        bool drop_tokens;            /* true */
+        bool use_rts;                /* false; true is refused (not deterministic) */
+        char noisy_gate_policy[32];  /* "" (null); any policy is refused */
+        double loss_coef;            /* the aux loss's coefficient; 0.01 */
+        int moe_every;               /* zinf's: every how many blocks, from block 0; 1 */
+    } moe;
     struct {
         uint64_t block_size;           /* bytes; 1 MiB; multiple of 4096, at most 64 MiB */
         unsigned queue_depth;          /* 8; 1..1024 */
@@ -215,8 +229,8 @@ struct zinf_config {
     char **ignored;
     size_t n_ignored;
 
-    uint64_t given[2]; /* which settings the file set (bit per setting), for config_print */
-    uint64_t autos[2]; /* ... and which of them it set to "auto" */
+    uint64_t given[3]; /* which settings the file set (bit per setting), for config_print */
+    uint64_t autos[3]; /* ... and which of them it set to "auto" */
 };
 
 /* Settings a file may set to "auto" (as Hugging Face's Trainer writes them), resolved

@@ -139,6 +139,12 @@ static const struct ignored_key tp_ignored[] = {
     {"dtype", "each tensor keeps its own type"},
     {NULL, NULL}};
 
+static const struct ignored_key moe_ignored[] = {
+    {"enable_expert_tensor_parallelism", "zinf train cuts no expert across tensor-parallel ranks"},
+    {"use_residual", "zinf train's MoE is DeepSpeed's plain MoE, not the residual MoE"},
+    {"use_tutel", "zinf train runs its own gate and dispatch"},
+    {NULL, NULL}};
+
 const struct sectdef config_sects[S_COUNT] = {
     [S_TOP] = {NULL, NULL, -1, top_ignored},
     [S_ZERO] = {"zero_optimization", "zero_optimization", S_TOP, zero_ignored},
@@ -157,6 +163,7 @@ const struct sectdef config_sects[S_COUNT] = {
     [S_BF16] = {"bf16", "bf16", S_TOP, bf16_ignored},
     [S_PIPE] = {"pipeline", "pipeline", S_TOP, pipe_ignored},
     [S_TP] = {"tensor_parallel", "tensor_parallel", S_TOP, tp_ignored},
+    [S_MOE] = {"moe", "moe", S_TOP, moe_ignored},
 };
 
 static const char *const offload_devices[] = {"none", "cpu", "nvme", NULL};
@@ -383,6 +390,21 @@ const struct field config_fields[] = {
     /* Sequence parallelism (DeepSpeed-Ulysses): each sequence's positions cut over this
      * many ranks, the attention's heads exchanged by all-to-all. */
     {S_TOP, "sequence_parallel_size", NULL, F_INT, OFF(sequence_parallel_size), 1, 64, 0, NULL},
+    /* Mixture of experts (DeepSpeed's deepspeed.moe.layer.MoE arguments): every moe_every-th
+     * block's MLP, from block 0, is num_experts experts behind a top_k gate (moe.h). */
+    {S_MOE, "num_experts", NULL, F_INT, OFF(moe.num_experts), 0, 4096, 0, NULL},
+    {S_MOE, "ep_size", NULL, F_INT, OFF(moe.ep_size), 1, 4096, 0, NULL},
+    {S_MOE, "top_k", "k", F_INT, OFF(moe.top_k), 1, 2, 0, NULL},
+    {S_MOE, "capacity_factor", NULL, F_FLOAT, OFF(moe.capacity_factor), 0, 0, 0, NULL},
+    {S_MOE, "eval_capacity_factor", NULL, F_FLOAT, OFF(moe.eval_capacity_factor), 0, 0, 0, NULL,
+     0, "the held-out loss is taken with capacity_factor"},
+    {S_MOE, "min_capacity", NULL, F_INT, OFF(moe.min_capacity), 0, 0, 0, NULL},
+    {S_MOE, "drop_tokens", NULL, F_BOOL, OFF(moe.drop_tokens), 0, 0, 0, NULL},
+    {S_MOE, "use_rts", NULL, F_BOOL, OFF(moe.use_rts), 0, 0, 0, NULL},
+    {S_MOE, "noisy_gate_policy", NULL, F_STR, OFF(moe.noisy_gate_policy), 0, 0, 0, NULL,
+     FL_NULL},
+    {S_MOE, "loss_coef", NULL, F_FLOAT, OFF(moe.loss_coef), 0, 0, 0, NULL},
+    {S_MOE, "moe_every", NULL, F_INT, OFF(moe.moe_every), 1, 1024, 0, NULL},
     /* DeepSpeed's deprecated ZeRO-Offload switches, last: finish() maps them. */
     {S_ZERO, "cpu_offload", NULL, F_BOOL, OFF(zero.cpu_offload), 0, 0, 0, NULL},
     {S_ZERO, "cpu_offload_param", "cpu_offload_params", F_BOOL, OFF(zero.cpu_offload_param), 0, 0,
@@ -392,7 +414,7 @@ const struct field config_fields[] = {
      "DeepSpeed reads it no more: pin_memory in offload_param or offload_optimizer pins"},
 };
 #pragma GCC diagnostic pop
-_Static_assert(ARRAY_SIZE(config_fields) <= 128, "struct zinf_config.given has one bit per field");
+_Static_assert(ARRAY_SIZE(config_fields) <= 64 * ARRAY_SIZE(((struct zinf_config *)0)->given), "struct zinf_config.given has one bit per field");
 const size_t config_nfields = ARRAY_SIZE(config_fields);
 
 void config_defaults(struct zinf_config *c)
@@ -412,6 +434,14 @@ void config_defaults(struct zinf_config *c)
     c->pipeline.stages = 1;
     c->tensor_parallel.autotp_size = 1;
     c->sequence_parallel_size = 1;
+    c->moe.ep_size = 1;
+    c->moe.top_k = 1;
+    c->moe.capacity_factor = 1.0;
+    c->moe.eval_capacity_factor = 1.0;
+    c->moe.min_capacity = 4;
+    c->moe.drop_tokens = true;
+    c->moe.loss_coef = 0.01;
+    c->moe.moe_every = 1;
     c->zero.stage3_prefetch_bucket_size = 50000000;
     c->zero.reduce_bucket_size = 500000000;
     c->zero.stage3_max_live_parameters = 1000000000;

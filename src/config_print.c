@@ -83,7 +83,12 @@ int config_print_settings(const struct zinf_config *c, FILE *f)
         case F_PAIR:
             fprintf(f, "[%.9g, %.9g]", ((const double *)v)[0], ((const double *)v)[1]);
             break;
-        case F_STR: json_print_string(f, v); break;
+        case F_STR:
+            if ((fd->flags & FL_NULL) && !*(const char *)v)
+                fputs("null", f);
+            else
+                json_print_string(f, v);
+            break;
         }
         fputs(dflt ? "  # default\n" : "\n", f);
     }

@@ -1054,9 +1054,10 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         lines += *s == '\n';
     /* settings, zinf.train, zinf.serve, the training keys, the model-parallel ones
      * (pipeline.stages, pipeline.partition, zinf.train.pipeline_cut,
-     * tensor_parallel.autotp_size, sequence_parallel_size), DeepSpeed's deprecated
-     * cpu_offload and cpu_offload_param, header, engine */
-    cr_expect_eq(lines, 29 + 11 + 13 + 48 + 5 + 2 + 1 + 8, "%s", text);
+     * tensor_parallel.autotp_size, sequence_parallel_size), the moe section (its
+     * eval_capacity_factor is ignored), DeepSpeed's deprecated cpu_offload and
+     * cpu_offload_param, header, engine */
+    cr_expect_eq(lines, 29 + 11 + 13 + 48 + 5 + 10 + 2 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }
@@ -1389,4 +1390,61 @@ Test(config, deprecated_offload_switches_and_misplaced_sections)
                  "%s", err);
     cr_expect_eq(c.zero.reduce_bucket_size, 0);
     config_free(&c);
+}
+
+/* The moe section: DeepSpeed's MoE layer arguments, their defaults, and the refusals of
+ * what would make the route random. */
+Test(config, moe_section_defaults_and_values)
+{
+    struct zinf_config c;
+    expect_ok("{}", &c);
+    cr_expect_eq(c.moe.num_experts, 0);
+    cr_expect_eq(c.moe.ep_size, 1);
+    cr_expect_eq(c.moe.top_k, 1);
+    cr_expect_float_eq(c.moe.capacity_factor, 1.0, 1e-12);
+    cr_expect_eq(c.moe.min_capacity, 4);
+    cr_expect(c.moe.drop_tokens);
+    cr_expect_not(c.moe.use_rts);
+    cr_expect_float_eq(c.moe.loss_coef, 0.01, 1e-12);
+    cr_expect_eq(c.moe.moe_every, 1);
+    config_free(&c);
+    test_log_capture_start();
+    expect_ok("{\"moe\": {\"num_experts\": 8, \"k\": 2, \"capacity_factor\": 1.25, "
+              "\"eval_capacity_factor\": 2.0, \"min_capacity\": 2, \"drop_tokens\": false, "
+              "\"use_rts\": false, \"noisy_gate_policy\": null, \"loss_coef\": 0.1, "
+              "\"moe_every\": 2, \"ep_size\": 2}}",
+              &c);
+    test_log_capture_stop();
+    cr_expect_eq(c.moe.num_experts, 8);
+    cr_expect_eq(c.moe.top_k, 2);
+    cr_expect_float_eq(c.moe.capacity_factor, 1.25, 1e-12);
+    cr_expect_eq(c.moe.min_capacity, 2);
+    cr_expect_not(c.moe.drop_tokens);
+    cr_expect_eq(c.moe.noisy_gate_policy[0], 0);
+    cr_expect_float_eq(c.moe.loss_coef, 0.1, 1e-12);
+    cr_expect_eq(c.moe.moe_every, 2);
+    cr_expect_eq(c.moe.ep_size, 2);
+    char *text = print_to_string(&c);
+    cr_expect(strstr(text, "moe.noisy_gate_policy = null\n"), "%s", text);
+    cr_expect(strstr(text, "moe.num_experts = 8\n"), "%s", text);
+    cr_expect(strstr(text, "#   moe.eval_capacity_factor (the held-out loss is taken with "
+                           "capacity_factor)"),
+              "%s", text);
+    free(text);
+    config_free(&c);
+}
+
+Test(config, moe_random_routes_are_refused)
+{
+    expect_error("{\"moe\": {\"use_rts\": true}}",
+                 "moe.use_rts: true is not built: random token selection makes the route depend "
+                 "on a random draw, and zinf train's steps are deterministic (set it to false)");
+    expect_error("{\"moe\": {\"noisy_gate_policy\": \"RSample\"}}",
+                 "moe.noisy_gate_policy: only null is built: a noisy gate (\"RSample\") makes the "
+                 "route depend on a random draw, and zinf train's steps are deterministic");
+    expect_error("{\"moe\": {\"capacity_factor\": 0}}",
+                 "moe.capacity_factor: must be above 0, got 0");
+    expect_error("{\"moe\": {\"top_k\": 3}}", "moe.top_k: must be between 1 and 2, got 3");
+    expect_error("{\"moe\": {\"noisy_gate_policy\": 1}}",
+                 "moe.noisy_gate_policy: must be a string, got an integer");
 }

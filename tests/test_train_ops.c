@@ -655,6 +655,78 @@ Test(gpt, backward_is_deterministic)
     free(params);
 }
 
+/* The two halves of a block (the attention's and the MLP's, for a block whose MLP is a
+ * mixture of experts) composed give gpt_block_forward's and gpt_block_backward's bits, and
+ * each refuses what is missing of its own half only. */
+Test(gpt, block_halves_compose_to_the_block_bit_for_bit)
+{
+    float *params = tiny_params(51);
+    const size_t N = TB * TT, C = tiny.C, V = tiny.V, nb = gpt_block_num_params(&tiny);
+    const float *block = params + V * C + TT * C;
+    struct gpt_scratch s = scratch_for(&tiny, TB, TT);
+    struct gpt_block_params bp;
+    gpt_block_params_at(&tiny, block, &bp);
+    float *x = falloc(N * C), *y1 = falloc(N * C), *y2 = falloc(N * C), *x2 = falloc(N * C);
+    float *d = falloc(N * C), *d1 = falloc(N * C), *d2 = falloc(N * C);
+    float *g1 = falloc(nb), *g2 = falloc(nb);
+    for (size_t i = 0; i < N * C; i++) {
+        x[i] = (float)sin(0.37 * (double)i);
+        d[i] = (float)cos(0.11 * (double)i) * 0.01f;
+    }
+    cr_assert_eq(gpt_block_forward(&tiny, TB, TT, &bp, x, y1, &s), 0);
+    /* Only its own slots: the other half's may be NULL. */
+    struct gpt_block_params attn = bp, mlp = bp;
+    for (int i = GPT_LN2_W; i < GPT_BLOCK_NSLOTS; i++)
+        attn.t[i] = NULL;
+    for (int i = 0; i < GPT_LN2_W; i++)
+        mlp.t[i] = NULL;
+    cr_assert_eq(gpt_attn_forward(&tiny, TB, TT, &attn, x, x2, &s), 0);
+    cr_assert_eq(gpt_mlp_forward(&tiny, TB, TT, &mlp, x2, y2, &s), 0);
+    cr_expect_eq(memcmp(y1, y2, N * C * sizeof(float)), 0, "the halves' forward differs");
+    struct gpt_block_grads bg1, bg2;
+    gpt_block_grads_at(&tiny, g1, &bg1);
+    gpt_block_grads_at(&tiny, g2, &bg2);
+    cr_assert_eq(gpt_block_backward(&tiny, TB, TT, &bp, x, d, d1, &bg1, &s), 0);
+    float *dx2 = falloc(N * C);
+    cr_assert_eq(gpt_mlp_backward(&tiny, TB, TT, &mlp, x2, d, dx2, &bg2, &s), 0);
+    cr_assert_eq(gpt_attn_backward(&tiny, TB, TT, &attn, x, dx2, d2, &bg2, &s), 0);
+    cr_expect_eq(memcmp(d1, d2, N * C * sizeof(float)), 0, "the halves' input gradient differs");
+    cr_expect_eq(memcmp(g1, g2, nb * sizeof(float)), 0, "the halves' parameter gradients differ");
+    /* In place: d_x2 may be d_out, d_in may be d_x2. */
+    memset(g2, 0, nb * sizeof(float));
+    memcpy(d2, d, N * C * sizeof(float));
+    cr_assert_eq(gpt_mlp_backward(&tiny, TB, TT, &mlp, x2, d2, d2, &bg2, &s), 0);
+    cr_assert_eq(gpt_attn_backward(&tiny, TB, TT, &attn, x, d2, d2, &bg2, &s), 0);
+    cr_expect_eq(memcmp(d1, d2, N * C * sizeof(float)), 0);
+    cr_expect_eq(memcmp(g1, g2, nb * sizeof(float)), 0);
+    /* Bad input: a missing slot of the half, a bad shape, small scratch, aliasing. */
+    struct gpt_block_params hole = attn;
+    hole.t[GPT_QKV_B] = NULL;
+    cr_expect_eq(gpt_attn_forward(&tiny, TB, TT, &hole, x, x2, &s), -EINVAL);
+    hole = mlp;
+    hole.t[GPT_MLP_PROJ_B] = NULL;
+    cr_expect_eq(gpt_mlp_forward(&tiny, TB, TT, &hole, x2, y2, &s), -EINVAL);
+    cr_expect_eq(gpt_mlp_forward(&tiny, TB, 0, &mlp, x2, y2, &s), -EINVAL);
+    struct gpt_scratch small = {.mem = s.mem, .bytes = s.bytes - 1};
+    cr_expect_eq(gpt_attn_forward(&tiny, TB, TT, &attn, x, x2, &small), -EINVAL);
+    cr_expect_eq(gpt_attn_backward(&tiny, TB, TT, &attn, x, dx2, x, &bg2, &s), -EINVAL);
+    cr_expect_eq(gpt_mlp_backward(&tiny, TB, TT, &mlp, x2, d, x2, &bg2, &s), -EINVAL);
+    cr_expect_eq(gpt_mlp_backward(&tiny, TB, TT, &mlp, x2, d, dx2, NULL, &s), -EINVAL);
+    cr_expect_eq(gpt_attn_forward(&tiny, TB, TT, &attn, NULL, x2, &s), -EINVAL);
+    free(s.mem);
+    free(x);
+    free(y1);
+    free(y2);
+    free(x2);
+    free(dx2);
+    free(d);
+    free(d1);
+    free(d2);
+    free(g1);
+    free(g2);
+    free(params);
+}
+
 Test(gpt, bad_arguments_are_einval)
 {
     float *params = tiny_params(41);

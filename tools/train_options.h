@@ -29,7 +29,9 @@
     {"clip", required_argument, NULL, O_CLIP},           \
     {"seed", required_argument, NULL, O_SEED},           \
     {"precision", required_argument, NULL, O_PRECISION}, \
-    {"accumulate", required_argument, NULL, O_ACCUM}
+    {"accumulate", required_argument, NULL, O_ACCUM},    \
+    {"experts", required_argument, NULL, O_EXPERTS},     \
+    {"top-k", required_argument, NULL, O_TOP_K}
 extern const struct option train_shape_options[];
 int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigned *given,
                        char *err, size_t errlen);

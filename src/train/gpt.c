@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -385,6 +386,14 @@ static int check_block_params(const struct gpt_block_params *p)
     return 0;
 }
 
+/* The slots [lo, hi) of one half are all given. */
+static int check_half(const float *const *t, int lo, int hi)
+{
+    for (int i = lo; i < hi; i++)
+        if (!t[i]) return -EINVAL;
+    return 0;
+}
+
 static int check_block_grads(const struct gpt_block_grads *g)
 {
     if (!g) return -EINVAL;
@@ -397,8 +406,9 @@ static int check_block_grads(const struct gpt_block_grads *g)
 
 /* x_out (B,T,C) = block(x_in); x_out NULL: fill a up to the last LayerNorm-MLP input only
  * (what the backward needs). x_out may be x_in: x_in is last read before x_out is written. */
-static void block_forward_acts(const struct dims *d, const struct gpt_block_params *p,
-                               const float *x_in, float *x_out, struct block_acts *a)
+/* The attention half, x2 = x_in + attn_proj(attention(qkv(ln1(x_in)))), into a->x2. */
+static void attn_forward_acts(const struct dims *d, const struct gpt_block_params *p,
+                              const float *x_in, struct block_acts *a)
 {
     size_t N = d->N, C = d->C;
     const float *const *t = p->t;
@@ -406,6 +416,15 @@ static void block_forward_acts(const struct dims *d, const struct gpt_block_para
     ops_linear_forward(a->qkv, a->ln1, t[GPT_QKV_W], t[GPT_QKV_B], NULL, N, C, 3 * C);
     ops_attention_forward(a->atty, a->att, a->qkv, d->B, d->T, C, d->NH);
     ops_linear_forward(a->x2, a->atty, t[GPT_ATTN_PROJ_W], t[GPT_ATTN_PROJ_B], x_in, N, C, C);
+}
+
+/* The MLP half from a->x2: x_out = x2 + mlp_proj(gelu(mlp_fc(ln2(x2)))) (x_out NULL: the
+ * internals only, for a backward). */
+static void mlp_forward_acts(const struct dims *d, const struct gpt_block_params *p,
+                             float *x_out, struct block_acts *a)
+{
+    size_t N = d->N, C = d->C;
+    const float *const *t = p->t;
     ops_layernorm_forward(a->ln2, a->ln2_mean, a->ln2_rstd, a->x2, t[GPT_LN2_W], t[GPT_LN2_B], N, C);
     ops_linear_forward(a->fch, a->ln2, t[GPT_FC_W], t[GPT_FC_B], NULL, N, C, 4 * C);
     ops_gelu_forward(a->fch_gelu, a->fch, N * 4 * C);
@@ -414,13 +433,20 @@ static void block_forward_acts(const struct dims *d, const struct gpt_block_para
                        C);
 }
 
+static void block_forward_acts(const struct dims *d, const struct gpt_block_params *p,
+                               const float *x_in, float *x_out, struct block_acts *a)
+{
+    attn_forward_acts(d, p, x_in, a);
+    mlp_forward_acts(d, p, x_out, a);
+}
+
 /* d_in (B,T,C) = d_out (B,T,C) pulled back through the block whose internals are in a;
  * g += the parameter gradients. d_in may be d_out: d_out is last read (step 2) long before
  * d_in is written (step 9). */
-static void block_backward_acts(const struct dims *d, const struct gpt_block_params *p,
-                                const float *x_in, const struct block_acts *a,
-                                const struct block_dacts *da, const float *d_out, float *d_in,
-                                struct gpt_block_grads *g)
+/* The MLP half's backward: da->d_x2 = d_out + ln2's input gradient through the MLP. */
+static void mlp_backward_acts(const struct dims *d, const struct gpt_block_params *p,
+                              const struct block_acts *a, const struct block_dacts *da,
+                              const float *d_out, struct gpt_block_grads *g)
 {
     size_t N = d->N, C = d->C;
     const float *const *t = p->t;
@@ -436,6 +462,17 @@ static void block_backward_acts(const struct dims *d, const struct gpt_block_par
     /* 5. ln2 adds its input gradient to the residual stream's. */
     ops_layernorm_backward(da->d_x2, 1, gt[GPT_LN2_W], gt[GPT_LN2_B], da->d_small, a->x2, t[GPT_LN2_W],
                        a->ln2_mean, a->ln2_rstd, N, C);
+}
+
+/* The attention half's backward from da->d_x2: d_in = d_x2 + ln1's input gradient. */
+static void attn_backward_acts(const struct dims *d, const struct gpt_block_params *p,
+                               const float *x_in, const struct block_acts *a,
+                               const struct block_dacts *da, float *d_in,
+                               struct gpt_block_grads *g)
+{
+    size_t N = d->N, C = d->C;
+    const float *const *t = p->t;
+    float *const *gt = g->t;
     /* 6-8. Attention: projection, attention itself, qkv. */
     ops_linear_backward(da->d_small, gt[GPT_ATTN_PROJ_W], gt[GPT_ATTN_PROJ_B], da->d_x2, a->atty,
                     t[GPT_ATTN_PROJ_W], N, C, C);
@@ -446,6 +483,18 @@ static void block_backward_acts(const struct dims *d, const struct gpt_block_par
     memcpy(d_in, da->d_x2, N * C * sizeof(float));
     ops_layernorm_backward(d_in, 1, gt[GPT_LN1_W], gt[GPT_LN1_B], da->d_small, x_in, t[GPT_LN1_W],
                        a->ln1_mean, a->ln1_rstd, N, C);
+}
+
+/* d_in (B,T,C) = d_out (B,T,C) pulled back through the block whose internals are in a;
+ * g += the parameter gradients. d_in may be d_out: d_out is last read (step 2) long before
+ * d_in is written (step 9). */
+static void block_backward_acts(const struct dims *d, const struct gpt_block_params *p,
+                                const float *x_in, const struct block_acts *a,
+                                const struct block_dacts *da, const float *d_out, float *d_in,
+                                struct gpt_block_grads *g)
+{
+    mlp_backward_acts(d, p, a, da, d_out, g);
+    attn_backward_acts(d, p, x_in, a, da, d_in, g);
 }
 
 /* lnf and logits of x (B,T,C) into h. */
@@ -532,6 +581,82 @@ int gpt_block_backward(const struct gpt_config *cfg, int B, int T, const struct 
     carve_dacts(&da, base, &off, &d);
     block_forward_acts(&d, p, x_in, NULL, &a);
     block_backward_acts(&d, p, x_in, &a, &da, d_out, d_in, g);
+    return 0;
+}
+
+/* The two halves: the attention's slots [GPT_LN1_W, GPT_LN2_W), the MLP's the rest. */
+static int half_call(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                     const struct gpt_block_grads *g, bool attn, struct gpt_scratch *s,
+                     struct dims *d, struct block_acts *a, struct block_dacts *da)
+{
+    int r = check_bt(cfg, B, T);
+    if (r < 0) return r;
+    int lo = attn ? GPT_LN1_W : GPT_LN2_W, hi = attn ? GPT_LN2_W : GPT_BLOCK_NSLOTS;
+    if (!p || check_half(p->t, lo, hi) < 0 || (g && check_half((const float *const *)g->t, lo, hi) < 0))
+        return -EINVAL;
+    *d = dims_of(cfg, B, T);
+    float *base = scratch_base(d, s);
+    if (!base) return -EINVAL;
+    size_t off = 0;
+    carve_acts(a, base, &off, d);
+    carve_dacts(da, base, &off, d);
+    return 0;
+}
+
+int gpt_attn_forward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                     const float *x_in, float *x2, struct gpt_scratch *s)
+{
+    struct dims d;
+    struct block_acts a;
+    struct block_dacts da;
+    int r = half_call(cfg, B, T, p, NULL, true, s, &d, &a, &da);
+    if (r < 0 || !x_in || !x2) return r < 0 ? r : -EINVAL;
+    attn_forward_acts(&d, p, x_in, &a);
+    memcpy(x2, a.x2, d.N * d.C * sizeof(float));
+    return 0;
+}
+
+int gpt_mlp_forward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                    const float *x2, float *x_out, struct gpt_scratch *s)
+{
+    struct dims d;
+    struct block_acts a;
+    struct block_dacts da;
+    int r = half_call(cfg, B, T, p, NULL, false, s, &d, &a, &da);
+    if (r < 0 || !x2 || !x_out) return r < 0 ? r : -EINVAL;
+    memcpy(a.x2, x2, d.N * d.C * sizeof(float));
+    mlp_forward_acts(&d, p, x_out, &a);
+    return 0;
+}
+
+int gpt_attn_backward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                      const float *x_in, const float *d_x2, float *d_in, struct gpt_block_grads *g,
+                      struct gpt_scratch *s)
+{
+    struct dims d;
+    struct block_acts a;
+    struct block_dacts da;
+    int r = half_call(cfg, B, T, p, g, true, s, &d, &a, &da);
+    if (r < 0 || !g || !x_in || !d_x2 || !d_in || d_in == x_in) return r < 0 ? r : -EINVAL;
+    memcpy(da.d_x2, d_x2, d.N * d.C * sizeof(float));
+    attn_forward_acts(&d, p, x_in, &a);
+    attn_backward_acts(&d, p, x_in, &a, &da, d_in, g);
+    return 0;
+}
+
+int gpt_mlp_backward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                     const float *x2, const float *d_out, float *d_x2, struct gpt_block_grads *g,
+                     struct gpt_scratch *s)
+{
+    struct dims d;
+    struct block_acts a;
+    struct block_dacts da;
+    int r = half_call(cfg, B, T, p, g, false, s, &d, &a, &da);
+    if (r < 0 || !g || !x2 || !d_out || !d_x2 || d_x2 == x2) return r < 0 ? r : -EINVAL;
+    memcpy(a.x2, x2, d.N * d.C * sizeof(float));
+    mlp_forward_acts(&d, p, NULL, &a);
+    mlp_backward_acts(&d, p, &a, &da, d_out, g);
+    memcpy(d_x2, da.d_x2, d.N * d.C * sizeof(float));
     return 0;
 }
 

@@ -130,6 +130,25 @@ int gpt_block_backward(const struct gpt_config *cfg, int B, int T, const struct 
                        const float *x_in, const float *d_out, float *d_in,
                        struct gpt_block_grads *g, struct gpt_scratch *s);
 
+/* The block's two halves, for a block whose MLP is something else (a mixture of experts,
+ * moe.h): the attention half x2 = x_in + attn_proj(attention(qkv(ln1(x_in)))), slots
+ * GPT_LN1_W..GPT_ATTN_PROJ_B of p, and the MLP half x_out = x2 + mlp_proj(gelu(mlp_fc(ln2(
+ * x2)))), slots GPT_LN2_W..GPT_MLP_PROJ_B (the other slots may be NULL). Composed, they give
+ * gpt_block_forward's and gpt_block_backward's bits: the same ops in the same order. The
+ * backwards recompute their half from its input: gpt_mlp_backward writes d_x2 = dloss/dx2
+ * from d_out (d_x2 may be d_out), gpt_attn_backward d_in from d_x2 (d_in may be d_x2);
+ * g += the half's parameter gradients. */
+int gpt_attn_forward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                     const float *x_in, float *x2, struct gpt_scratch *s);
+int gpt_mlp_forward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                    const float *x2, float *x_out, struct gpt_scratch *s);
+int gpt_attn_backward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                      const float *x_in, const float *d_x2, float *d_in, struct gpt_block_grads *g,
+                      struct gpt_scratch *s);
+int gpt_mlp_backward(const struct gpt_config *cfg, int B, int T, const struct gpt_block_params *p,
+                     const float *x2, const float *d_out, float *d_x2, struct gpt_block_grads *g,
+                     struct gpt_scratch *s);
+
 /* loss = mean over (b,t) of -log softmax(lnf(x) @ wte^T)[targets]. x is the last block's
  * output (B,T,C), lnf_w and lnf_b (C), wte (V,C), targets (B,T). logits (B,T,V) may be NULL;
  * when given, the logits are written there. loss may be NULL. */

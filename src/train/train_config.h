@@ -27,6 +27,8 @@ enum train_option {
     O_SEED,
     O_PRECISION,
     O_ACCUM,
+    O_EXPERTS,
+    O_TOP_K,
 };
 
 /* What the config's keys did, for the start of the run (and for config check). */

@@ -2,10 +2,10 @@
  * trainer.c - a training run's life (see trainer.h): trainer_open reads the config and the
  * data, connects or opens the engine (resuming, starting over or re-cutting a saved run),
  * registers the model's tensors and checks the budgets; trainer_close ends it, flushed or
- * not. Beside those: the options' defaults and checks, the budgets derived from the machine,
- * the batch of a step and the summary.
+ * not. Beside those: the options' defaults and checks, the batch of a step and the summary.
  *
  * Not here: the step itself (trainer_step.c), the tensors and budgets (trainer_tensors.c),
+ * the mixture-of-experts blocks (trainer_moe.c),
  * the ranks' partitions (trainer_shards.c), the optimizer (trainer_optim.c), checkpoints
  * and resuming (trainer_resume.c), the saved runs of every layout and the one a resume goes
  * to (trainer_layouts.c), the learning-rate schedule (trainer_schedule.c),
@@ -48,6 +48,8 @@ void trainer_opts_defaults(struct trainer_opts *o)
     o->fp16 = (struct trainer_fp16){
         .min_loss_scale = 1, .initial_scale_power = 16, .loss_scale_window = 1000, .hysteresis = 2};
     o->model = (struct gpt_config){.V = 256, .maxT = 64, .L = 4, .C = 128, .NH = 4};
+    o->moe = (struct trainer_moe){.k = 1, .every = 1, .ep = 1, .min_capacity = 4,
+                                  .drop_tokens = true, .capacity_factor = 1, .loss_coef = 0.01f};
 }
 
 int trainer_next_step(const struct trainer *t)
@@ -221,77 +223,7 @@ int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
     struct gpt_config cfg = o->model;
     cfg.maxT = o->seq;
     if (gpt_config_validate(&cfg, err, errlen) < 0) return -EINVAL;
-    return 0;
-}
-
-/* RAM available now: /proc/meminfo's MemAvailable, else the free pages. */
-static uint64_t ram_available(void)
-{
-    FILE *f = fopen("/proc/meminfo", "re");
-    char line[256];
-    unsigned long long kib = 0;
-    while (f && fgets(line, sizeof(line), f))
-        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
-    if (f) fclose(f);
-    if (kib) return (uint64_t)kib * 1024;
-    long pages = sysconf(_SC_AVPHYS_PAGES), size = sysconf(_SC_PAGESIZE);
-    return pages > 0 && size > 0 ? (uint64_t)pages * (uint64_t)size : 0;
-}
-
-void trainer_derive_budgets(const struct trainer_opts *o, const struct zinf_config *zc, bool cuda,
-                            struct trainer_budgets *b)
-{
-    *b = (struct trainer_budgets){0};
-    struct gpt_config cfg = o->model;
-    cfg.maxT = o->seq;
-    int n = gpt_layout(&cfg, NULL, 0);
-    struct gpt_tensor_desc *d = n > 0 ? calloc((size_t)n, sizeof(*d)) : NULL;
-    if (!d || gpt_layout(&cfg, d, (size_t)n) != n) {
-        free(d);
-        return;
-    }
-    /* Every tensor the trainer registers (trainer_tensors.c), bounded from above: parameters,
-     * gradients, Adam's m and v and the 16-bit copies; the activation checkpoints; the
-     * scratch buffers, up to four per tensor of one block and of the top, each padded to
-     * whole shards of every rank; and each tensor's alignment. */
-    uint64_t world = (uint64_t)MAX(1, o->world), slot_floats = 0;
-    bool mixed = o->precision != TRAINER_PRECISION_FP32;
-    for (int i = 0; i < n; i++)
-        if (d[i].block <= 0) slot_floats += d[i].numel;
-    uint64_t state = (uint64_t)gpt_num_params(&cfg) * (16 + (mixed ? 2 : 0)) +
-                     (uint64_t)(cfg.L + 1) * o->batch * o->seq * cfg.C * sizeof(float) +
-                     4 * (slot_floats * sizeof(float) + NLOCAL * world * SHARD_FLOATS * sizeof(float)) +
-                     ((uint64_t)n * 6 + (uint64_t)cfg.L + 1 + 4 * NLOCAL + 1) * ZINF_ALIGN;
-    free(d);
-    uint64_t most = state + state / 4 + 16 * MiB, avail = ram_available();
-    char a[32], m[32], v[32], w[64] = "";
-    b->state_bytes = state;
-    format_size(most, m, sizeof(m));
-    format_size(avail, a, sizeof(a));
-    if (world > 1) snprintf(w, sizeof(w), ", over %llu ranks", (unsigned long long)world);
-    uint64_t dev = 0;
-    if (!config_given(zc, "zinf.device_bytes")) {
-        if (cuda) {
-            snprintf(b->device_how, sizeof(b->device_how),
-                     "the engine's: the GPU's free memory at open less 1 GiB");
-        } else {
-            dev = MIN(avail / 4 / world, most);
-            b->device = dev = align_up(MAX(dev, 1), ZINF_ALIGN);
-            snprintf(b->device_how, sizeof(b->device_how),
-                     "a quarter of the %s of RAM available%s, at most the run's state and a "
-                     "quarter more plus 16 MiB (%s)",
-                     a, w, m);
-        }
-    }
-    if (!config_given(zc, "zinf.host_bytes")) {
-        uint64_t left = avail > dev * world ? avail - dev * world : 0;
-        b->host = align_up(MAX(MIN(left / 2 / world, most), 1), ZINF_ALIGN);
-        format_size(left, v, sizeof(v));
-        snprintf(b->host_how, sizeof(b->host_how),
-                 "half of the %s of RAM left beside the device's%s, at most the run's state and "
-                 "a quarter more plus 16 MiB (%s)",
-                 v, w, m);
-    }
+    return train_moe_opts_check(o, err, errlen);
 }
 
 /* A trainer with nothing opened yet: its locks and markers, the options, the model. */
@@ -386,7 +318,8 @@ fail:
 static int layout(struct trainer *t, char *err, size_t errlen)
 {
     const struct gpt_config cfg = t->cfg;
-    t->ntensors = gpt_layout(&cfg, NULL, 0);
+    t->ntensors = train_moe_layout(t, NULL, 0, err, errlen);
+    if (t->ntensors < 0) return t->ntensors;
     t->desc = calloc((size_t)t->ntensors, sizeof(*t->desc));
     t->p = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
     t->g = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
@@ -399,7 +332,8 @@ static int layout(struct trainer *t, char *err, size_t errlen)
         snprintf(err, errlen, "out of memory");
         return -ENOMEM;
     }
-    gpt_layout(&cfg, t->desc, (size_t)t->ntensors);
+    int r = train_moe_layout(t, t->desc, (size_t)t->ntensors, err, errlen);
+    if (r < 0) return r;
     for (int i = 0; i < t->ntensors; i++) {
         const struct gpt_tensor_desc *d = &t->desc[i];
         if (d->block >= 0 && d->slot == 0) t->block_first[d->block] = i;

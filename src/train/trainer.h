@@ -92,10 +92,28 @@ void trainer_betas_at(const struct trainer_lr_schedule *s, double beta1, double 
  * (trainer_opts.init_source). */
 typedef int (*trainer_param_source)(void *ctx, int idx, float *dst);
 
+/* Mixture of experts (the config's moe section, --experts, --top-k): every `every`-th
+ * block's MLP, from block 0, is E experts (GPT's MLP each) behind a top-k gate (moe.h).
+ * Each expert's four tensors are fetched only in a step whose route sends it a token, and
+ * the optimizer updates an expert only in a step that gave it a gradient (as torch's
+ * optimizers skip a parameter whose .grad is None; Adam's step count is the run's, not the
+ * expert's). loss_coef x the sum of the MoE blocks' l_aux is added to the loss. */
+struct trainer_moe {
+    int E;                  /* experts; 0: none */
+    int k;                  /* 1 or 2 */
+    int every;              /* 1: every block */
+    int ep;                 /* expert-parallel ranks (ep_size); 1 */
+    int min_capacity;       /* 4 */
+    bool drop_tokens;       /* true */
+    float capacity_factor;  /* 1.0 */
+    float loss_coef;        /* 0.01 */
+};
+
 struct trainer_opts {
     const char *config_path; /* DeepSpeed-style JSON: budgets, offload devices, nvme paths */
     const char *data_path;   /* any file: its bytes are the tokens */
     struct gpt_config model; /* V must be 256 */
+    struct trainer_moe moe;  /* E 0: a dense GPT */
     int batch, seq;          /* B and T */
     int steps;               /* total steps (a resumed run continues up to this) */
     float lr, weight_decay, grad_clip;

@@ -379,6 +379,15 @@ void train_optimizer_ahead(struct trainer *t, int done, int of);
 /* Drop the sets asked for ahead (a step that fails or skips its update). */
 void train_optimizer_drop(struct trainer *t);
 
+/* trainer_moe.c: mixture of experts. train_moe_opts_check (in trainer_opts_check) checks
+ * the settings; train_moe_layout writes the layout of the model with its MoE blocks (as
+ * gpt_layout: the count, the descriptions to out when out is not NULL), or -errno with err
+ * naming what the run cannot do with MoE; train_moe_block: whether block k is one. */
+int train_moe_opts_check(const struct trainer_opts *o, char *err, size_t errlen);
+int train_moe_layout(struct trainer *t, struct gpt_tensor_desc *out, size_t cap, char *err,
+                     size_t errlen);
+bool train_moe_block(const struct trainer *t, int k);
+
 /* trainer_pipe.c: pipeline stages. train_pipe_shape reads the layout of the ranks from the
  * config (in train_zero_shape: the stage, its blocks; data parallel within a stage is not
  * built: world = stages); train_pipe_setup meets the other stages (each in a folder of its

@@ -2,7 +2,8 @@
  * trainer_tensors.c - the tensors a run registers in the engine and where they live: the
  * home of each (the offload devices and the persistence threshold decide), their sizes,
  * the ranks' scratch buffers, the first parameters of a new run, and the smallest device
- * and host budgets with which a step runs, checked before anything runs.
+ * and host budgets with which a step runs, checked before anything runs, and the budgets
+ * derived where the config gives none (trainer_derive_budgets).
  *
  * Not here: the sets a step fetches (trainer_step.c, whose descriptions the budgets walk),
  * the shards' sizes (trainer_shards.c), the saved state (trainer_resume.c).
@@ -11,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common.h"
 #include "train/backend.h"
@@ -512,4 +514,74 @@ int train_init_params(struct trainer *t)
 {
     if (t->o.init_source) return train_write_params(t, t->o.init_source, t->o.init_ctx);
     return train_write_params(t, init_source, t);
+}
+
+/* RAM available now: /proc/meminfo's MemAvailable, else the free pages. */
+static uint64_t ram_available(void)
+{
+    FILE *f = fopen("/proc/meminfo", "re");
+    char line[256];
+    unsigned long long kib = 0;
+    while (f && fgets(line, sizeof(line), f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+    if (f) fclose(f);
+    if (kib) return (uint64_t)kib * 1024;
+    long pages = sysconf(_SC_AVPHYS_PAGES), size = sysconf(_SC_PAGESIZE);
+    return pages > 0 && size > 0 ? (uint64_t)pages * (uint64_t)size : 0;
+}
+
+void trainer_derive_budgets(const struct trainer_opts *o, const struct zinf_config *zc, bool cuda,
+                            struct trainer_budgets *b)
+{
+    *b = (struct trainer_budgets){0};
+    struct gpt_config cfg = o->model;
+    cfg.maxT = o->seq;
+    int n = gpt_layout(&cfg, NULL, 0);
+    struct gpt_tensor_desc *d = n > 0 ? calloc((size_t)n, sizeof(*d)) : NULL;
+    if (!d || gpt_layout(&cfg, d, (size_t)n) != n) {
+        free(d);
+        return;
+    }
+    /* Every tensor the trainer registers (trainer_tensors.c), bounded from above: parameters,
+     * gradients, Adam's m and v and the 16-bit copies; the activation checkpoints; the
+     * scratch buffers, up to four per tensor of one block and of the top, each padded to
+     * whole shards of every rank; and each tensor's alignment. */
+    uint64_t world = (uint64_t)MAX(1, o->world), slot_floats = 0;
+    bool mixed = o->precision != TRAINER_PRECISION_FP32;
+    for (int i = 0; i < n; i++)
+        if (d[i].block <= 0) slot_floats += d[i].numel;
+    uint64_t state = (uint64_t)gpt_num_params(&cfg) * (16 + (mixed ? 2 : 0)) +
+                     (uint64_t)(cfg.L + 1) * o->batch * o->seq * cfg.C * sizeof(float) +
+                     4 * (slot_floats * sizeof(float) + NLOCAL * world * SHARD_FLOATS * sizeof(float)) +
+                     ((uint64_t)n * 6 + (uint64_t)cfg.L + 1 + 4 * NLOCAL + 1) * ZINF_ALIGN;
+    free(d);
+    uint64_t most = state + state / 4 + 16 * MiB, avail = ram_available();
+    char a[32], m[32], v[32], w[64] = "";
+    b->state_bytes = state;
+    format_size(most, m, sizeof(m));
+    format_size(avail, a, sizeof(a));
+    if (world > 1) snprintf(w, sizeof(w), ", over %llu ranks", (unsigned long long)world);
+    uint64_t dev = 0;
+    if (!config_given(zc, "zinf.device_bytes")) {
+        if (cuda) {
+            snprintf(b->device_how, sizeof(b->device_how),
+                     "the engine's: the GPU's free memory at open less 1 GiB");
+        } else {
+            dev = MIN(avail / 4 / world, most);
+            b->device = dev = align_up(MAX(dev, 1), ZINF_ALIGN);
+            snprintf(b->device_how, sizeof(b->device_how),
+                     "a quarter of the %s of RAM available%s, at most the run's state and a "
+                     "quarter more plus 16 MiB (%s)",
+                     a, w, m);
+        }
+    }
+    if (!config_given(zc, "zinf.host_bytes")) {
+        uint64_t left = avail > dev * world ? avail - dev * world : 0;
+        b->host = align_up(MAX(MIN(left / 2 / world, most), 1), ZINF_ALIGN);
+        format_size(left, v, sizeof(v));
+        snprintf(b->host_how, sizeof(b->host_how),
+                 "half of the %s of RAM left beside the device's%s, at most the run's state and "
+                 "a quarter more plus 16 MiB (%s)",
+                 v, w, m);
+    }
 }

@@ -1,0 +1,159 @@
+/*
+ * trainer_moe.c - mixture of experts in zinf train (trainer_opts.moe, the config's moe
+ * section): the checks of its settings against each other and against the run, and the
+ * model's layout with MoE blocks, where block k's MLP (k % every == 0) is a gate
+ * "hK.moe.gate.w" (E,C) and E experts "hK.expertJ.fc.w" ... "hK.expertJ.proj.b" of GPT's
+ * MLP shapes, initialised as GPT's MLP is (gpt_init_tensor by slot: the projection scaled
+ * by 1/sqrt(2L), the gate with std 0.02).
+ *
+ * Not here: the math (moe.h), the dense blocks (trainer_step.c). Training a model with MoE
+ * blocks is not built yet: trainer_open refuses it once the settings are checked.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "train/backend.h"
+#include "train/moe.h"
+#include "train/trainer_impl.h"
+
+int train_moe_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
+{
+    const struct trainer_moe *m = &o->moe;
+    if (m->E == 0) return 0;
+    if (m->E < 1 || m->E > MOE_MAX_E) {
+        snprintf(err, errlen, "moe.num_experts (--experts) %d: expected 0 (none) to %d", m->E,
+                 MOE_MAX_E);
+        return -EINVAL;
+    }
+    if (m->k != 1 && m->k != 2) {
+        snprintf(err, errlen, "moe.top_k (--top-k) %d: expected 1 or 2", m->k);
+        return -EINVAL;
+    }
+    if (m->k > m->E) {
+        snprintf(err, errlen, "moe.top_k (--top-k) %d: more than the %d expert%s", m->k, m->E,
+                 m->E == 1 ? "" : "s");
+        return -EINVAL;
+    }
+    if (m->every < 1 || m->every > MAX(1, o->model.L)) {
+        snprintf(err, errlen, "moe.moe_every %d: expected 1 to the %d blocks", m->every,
+                 o->model.L);
+        return -EINVAL;
+    }
+    if (!(m->capacity_factor > 0) || !isfinite(m->capacity_factor) || m->min_capacity < 0) {
+        snprintf(err, errlen, "moe.capacity_factor %g and moe.min_capacity %d: expected a "
+                              "factor above 0 and a capacity of at least 0",
+                 m->capacity_factor, m->min_capacity);
+        return -EINVAL;
+    }
+    if (!(m->loss_coef >= 0) || !isfinite(m->loss_coef)) {
+        snprintf(err, errlen, "moe.loss_coef %g: expected a finite number of at least 0",
+                 m->loss_coef);
+        return -EINVAL;
+    }
+    int ranks = MAX(1, o->world);
+    if (m->ep != 1 && m->ep != ranks) {
+        snprintf(err, errlen,
+                 "moe.ep_size %d: the expert-parallel group is the data-parallel ranks, %d "
+                 "here (set ep_size to %d)",
+                 m->ep, ranks, ranks);
+        return -EINVAL;
+    }
+    if (ranks > 1) {
+        snprintf(err, errlen,
+                 "moe.num_experts %d across %d ranks: expert parallelism over the data-parallel "
+                 "ranks is not built yet (run MoE on one rank)",
+                 m->E, ranks);
+        return -EINVAL;
+    }
+    return 0;
+}
+
+/* The refusals that need the run's shape (after train_zero_shape and the backend). */
+static int refuse(const struct trainer *t, char *err, size_t errlen)
+{
+    const char *why = NULL;
+    if (t->pp > 1 || t->zc.pipeline.stages > 1)
+        why = "pipeline.stages above 1: pipeline stages with MoE blocks are not built";
+    else if (t->tp > 1 || t->zc.tensor_parallel.autotp_size > 1)
+        why = "tensor_parallel.autotp_size above 1: tensor parallel MoE blocks are not built";
+    else if (t->sp > 1 || t->zc.sequence_parallel_size > 1)
+        why = "sequence_parallel_size above 1: sequence parallel MoE blocks are not built";
+    else if (t->world > 1 && t->stage >= 3)
+        why = "zero_optimization.stage 3: gathering the experts' shards is not built (stages "
+              "0-2 are)";
+    else if (strcmp(t->be->name, "cpu"))
+        why = "the CUDA backend: MoE blocks run on the CPU backend only (zinf.device "
+              "\"emulated\")";
+    else if (t->be->wdt != BACKEND_F32)
+        why = "--precision bf16 or fp16: MoE blocks compute in fp32 only (--precision fp32)";
+    if (!why) return 0;
+    snprintf(err, errlen, "moe.num_experts %d with %s", t->o.moe.E, why);
+    return -EINVAL;
+}
+
+bool train_moe_block(const struct trainer *t, int k)
+{
+    return t->o.moe.E > 0 && k % t->o.moe.every == 0;
+}
+
+int train_moe_layout(struct trainer *t, struct gpt_tensor_desc *out, size_t cap, char *err,
+                     size_t errlen)
+{
+    const struct gpt_config *c = &t->cfg;
+    int n = gpt_layout(c, NULL, 0);
+    if (n < 0 || t->o.moe.E == 0) return out ? gpt_layout(c, out, cap) : n;
+    int r = refuse(t, err, errlen);
+    if (r < 0) return r;
+    /* The step's MoE phases are the next piece. */
+    snprintf(err, errlen, "moe.num_experts %d: training MoE blocks is not built yet", t->o.moe.E);
+    return -EINVAL;
+    int E = t->o.moe.E, nmoe = 0;
+    for (int k = 0; k < c->L; k++)
+        nmoe += train_moe_block(t, k);
+    /* Each MoE block: 4 MLP tensors out, a gate and 4 E in. */
+    int total = n + nmoe * (1 + 4 * (E - 1));
+    if (!out) return total;
+    if ((size_t)total > cap) return -EINVAL;
+    struct gpt_tensor_desc *dense = calloc((size_t)n, sizeof(*dense));
+    if (!dense) {
+        snprintf(err, errlen, "out of memory");
+        return -ENOMEM;
+    }
+    gpt_layout(c, dense, (size_t)n);
+    size_t C = (size_t)c->C, off = 0;
+    int j = 0;
+    for (int i = 0; i < n; i++) {
+        const struct gpt_tensor_desc *d = &dense[i];
+        bool moe = d->block >= 0 && train_moe_block(t, d->block);
+        if (!moe || d->slot < GPT_FC_W) {
+            out[j] = *d;
+            out[j].offset = off;
+            off += out[j++].numel;
+            continue;
+        }
+        if (d->slot != GPT_FC_W) continue; /* the MLP's others: the experts stand in */
+        struct gpt_tensor_desc *g = &out[j++];
+        *g = (struct gpt_tensor_desc){.block = d->block, .slot = GPT_BLOCK_NSLOTS, .ndim = 2,
+                                      .shape = {(size_t)E, C}, .numel = (size_t)E * C,
+                                      .offset = off};
+        snprintf(g->name, sizeof(g->name), "h%d.moe.gate.w", d->block);
+        off += g->numel;
+        for (int e = 0; e < E; e++)
+            for (int s = GPT_FC_W; s <= GPT_MLP_PROJ_B; s++) {
+                const struct gpt_tensor_desc *m = &dense[i + (s - GPT_FC_W)];
+                struct gpt_tensor_desc *x = &out[j++];
+                *x = *m;
+                x->offset = off;
+                off += x->numel;
+                /* "mlp.fc.w" -> "expertJ.fc.w" */
+                snprintf(x->name, sizeof(x->name), "h%d.expert%d.%s", d->block, e,
+                         gpt_block_slot_name(s) + 4);
+            }
+    }
+    free(dense);
+    return j;
+}
