@@ -228,6 +228,29 @@ Test(pipeline, bf16_fp16_offloaded_and_resumed_give_one_ranks_bits)
         for (int s = 1; s <= 2; s++)
             cr_assert_str_eq(a.v[s], got.v[s], "step %d", s);
         cr_assert_str_eq(b.v[STEPS], got.v[STEPS]);
+        /* Stage 1 dies in the checkpoint of step 2, its step saved and the others' not yet
+         * committed: the stages' checkpoints are all or none, and the resume goes to a step
+         * every stage holds, then on with the uninterrupted run's bits. */
+        static const char *const points[] = {"after-rename", "before-barrier"};
+        for (int k2 = 0; k2 < 2; k2++) {
+            char kill[64];
+            snprintf(kill, sizeof(kill), "%s:1:3", points[k2]);
+            setenv("ZINF_TEST_KILL_AT", kill, 1);
+            int rk = run(&o, "launch -n 3 -- %s train --config %s --data " DATA
+                             " --steps %d --overwrite --checkpoint-every 1",
+                         getenv("ZINF_BIN"), cfg, STEPS);
+            unsetenv("ZINF_TEST_KILL_AT");
+            cr_assert_neq(rk, 0, "%s: %s", points[k2], o);
+            free(o);
+            cr_assert_eq(run(&o, "launch -n 3 -- %s train --config %s --data " DATA
+                                 " --steps %d --resume --log %s/k%d.jsonl",
+                             getenv("ZINF_BIN"), cfg, STEPS, dir, k2),
+                         0, "%s: %s", points[k2], o);
+            free(o);
+            snprintf(path, sizeof(path), "%s/k%d.jsonl", dir, k2);
+            read_steps(path, &b);
+            cr_assert_str_eq(b.v[STEPS], got.v[STEPS], "%s", points[k2]);
+        }
     }
 }
 

@@ -564,7 +564,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         unsigned flag = 0;
         /* Resuming, each rank goes to the step every rank holds: its current version, or
          * the previous one where its checkpoint of a later step was not completed by all. */
-        if (t->o.resume && t->world > 1 &&
+        if (t->o.resume && (t->world > 1 || t->mp) &&
             (r = train_version_flag(t->zc.nvme_paths.path[0], t->resume_step, &flag)) < 0) {
             snprintf(err, errlen, "--resume: rank %d holds no step %lld in %s", t->rank,
                      (long long)t->resume_step, t->zc.nvme_paths.path[0]);
@@ -654,7 +654,7 @@ void trainer_close(struct trainer *t)
     }
     /* A torn state is dropped: the last checkpoint stays the saved one, as after a crash.
      * So it does after a failed checkpoint, as the caller was told. */
-    if (t->torn || t->checkpoint_failed || (t->world > 1 && !t->remote))
+    if (t->torn || t->checkpoint_failed || ((t->world > 1 || t->mp) && !t->remote))
         zinf_close_unflushed(t->e);
     else
         zinf_close(t->e);

@@ -412,6 +412,8 @@ bool train_tp_sliced(const struct trainer *t, int i);
 /* Sequence parallel: n floats at l (a local gradient, or a loss) summed over the group in
  * place, the same on every rank of it; 0 without. */
 int train_sp_sum(struct trainer *t, float *l, size_t n);
+/* A barrier over every rank of the run (trainer_checkpoint's meetings). */
+int train_barrier_all(struct trainer *t);
 /* bytes of buf from stage 0 to every stage of this copy of the pipeline (all call it). */
 int train_pipe_bcast(struct trainer *t, void *buf, size_t bytes);
 void train_pipe_summary(struct trainer *t, struct trainer_summary *out);

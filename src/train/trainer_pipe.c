@@ -857,3 +857,15 @@ void train_pipe_summary(struct trainer *t, struct trainer_summary *out)
         out->pipeline_bytes += cs.bytes_out;
     }
 }
+
+/* Every rank of the run has come: the copies of this rank (ZeRO), then its stage's tensor-
+ * or sequence-parallel group, then its copy's stages; each barrier's ranks passed the one
+ * before, so once through the last, every rank of the world has come to the first. */
+int train_barrier_all(struct trainer *t)
+{
+    int r = t->world > 1 ? comm_barrier(t->hcomm) : 0;
+    for (int k = L_TP; k <= L_SP && r == 0 && t->pipe; k++)
+        if (t->pipe->c[k]) r = comm_barrier(t->pipe->c[k]);
+    if (r == 0 && t->pipe && t->pipe->c[L_ALL]) r = comm_barrier(t->pipe->c[L_ALL]);
+    return r;
+}

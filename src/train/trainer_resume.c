@@ -339,7 +339,7 @@ int train_recut(struct trainer *t, char *err, size_t errlen)
  * checkpoint (the first is the one at the start). */
 void train_kill_point(struct trainer *t, const char *point)
 {
-    if (t->kill_point[0] && t->kill_rank == t->rank && t->kill_nth == t->checkpoint_calls &&
+    if (t->kill_point[0] && t->kill_rank == MAX(0, t->o.rank) && t->kill_nth == t->checkpoint_calls &&
         !strcmp(t->kill_point, point))
         raise(SIGKILL);
 }
@@ -357,9 +357,10 @@ int trainer_checkpoint(struct trainer *t)
      * fails the others' meeting; each rank then holds the new step, the previous one or
      * both, and a resume goes to the newest that all hold. The manifests carry the step. */
     t->checkpoint_calls++;
-    bool two = t->world > 1 && !t->remote;
+    bool many = t->world > 1 || t->mp; /* ZeRO ranks, stages, tensor- or sequence-parallel */
+    bool two = many && !t->remote;
     train_kill_point(t, "before-barrier");
-    r = t->world > 1 ? comm_barrier(t->hcomm) : 0;
+    r = many ? train_barrier_all(t) : 0;
     if (r == 0) train_kill_point(t, "after-barrier");
     if (r == 0) r = train_scratch_reset(t);
     if (r == 0) r = state_save(t);
@@ -367,7 +368,7 @@ int trainer_checkpoint(struct trainer *t)
         r = t->remote ? zinf_flush(t->e)
                       : zinf_flush_step(t->e, t->step_done, two ? ZINF_FLUSH_KEEP_PREVIOUS : 0);
     if (r == 0) train_kill_point(t, "after-rename");
-    if (r == 0 && two) r = comm_barrier(t->hcomm);
+    if (r == 0 && two) r = train_barrier_all(t);
     if (r == 0 && two) train_kill_point(t, "after-commit");
     if (r == 0 && two) r = zinf_drop_previous(t->e);
     t->checkpoint_failed = r < 0;
