@@ -357,43 +357,6 @@ void nccl_bind_thread(struct nccl *n)
     (void)n;
 }
 
-/* The point-to-point operations as one NCCL group, so that its sends and receives progress
- * together (a lone ncclSend may wait for its receiver): alltoall is a send and a receive
- * with every rank (this one too), sendrecv one of each. The group is ended whatever failed
- * inside it, as NCCL requires. */
-static ncclResult_t p2p(struct nccl *n, const struct comm_req *q, ncclDataType_t t, int world)
-{
-    size_t bytes = q->count * comm_dtype_bytes(q->dtype);
-    const char *send = q->send;
-    char *recv = q->recv;
-    ncclResult_t r = lib.GroupStart(), e;
-    if (r != ncclSuccess) return r;
-    switch (q->op) {
-    case COMM_ALLTOALL:
-        for (int p = 0; p < world && r == ncclSuccess; p++) {
-            r = lib.Send(send + (size_t)p * bytes, q->count, t, p, n->comm, n->stream);
-            if (r == ncclSuccess)
-                r = lib.Recv(recv + (size_t)p * bytes, q->count, t, p, n->comm, n->stream);
-        }
-        break;
-    case COMM_SEND:
-        r = lib.Send(send, q->count, t, q->peer, n->comm, n->stream);
-        break;
-    case COMM_RECV:
-        r = lib.Recv(recv, q->count, t, q->peer, n->comm, n->stream);
-        break;
-    case COMM_SENDRECV:
-        r = lib.Send(send, q->count, t, q->peer, n->comm, n->stream);
-        if (r == ncclSuccess) r = lib.Recv(recv, q->count, t, q->recv_peer, n->comm, n->stream);
-        break;
-    default:
-        r = ncclInvalidArgument;
-        break;
-    }
-    e = lib.GroupEnd();
-    return r != ncclSuccess ? r : e;
-}
-
 int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
 {
     (void)n, (void)rdv, (void)q;
