@@ -1,8 +1,10 @@
 #!/bin/sh
-# bench/pipeline.sh - zinf train's pipeline stages against ZeRO ranks on this machine's CPU
-# ranks, at one global batch: one rank accumulating M micro-batches, ZeRO-1 and ZeRO-3 over
-# N ranks (M / N each), and N pipeline stages (M micro-batches through them). Prints each
-# layout's tokens/s, its per-rank peaks, and the pipeline's bubble, measured and 1F1B's.
+# bench/pipeline.sh - zinf train's model-parallel layouts against ZeRO ranks on this
+# machine's CPU ranks, at one global batch: one rank accumulating M micro-batches, ZeRO-1 and
+# ZeRO-3 over N ranks (M / N each), N pipeline stages (M micro-batches through them), N
+# tensor-parallel ranks and N sequence-parallel ranks (M each, every rank a share of each).
+# Prints each layout's tokens/s, its per-rank peaks, and the pipeline's bubble, measured and
+# 1F1B's.
 #
 #   bench/pipeline.sh [ZINF_BIN] [N] [M] [STEPS]     (defaults: build/tools/zinf 2 8 4)
 #
@@ -24,6 +26,8 @@ cfg one "$M" ''
 cfg z1 $((M / N)) '"zero_optimization": {"stage": 1},'
 cfg z3 $((M / N)) '"zero_optimization": {"stage": 3},'
 cfg pp "$M" "\"pipeline\": {\"stages\": $N},"
+cfg tp "$M" "\"tensor_parallel\": {\"autotp_size\": $N},"
+cfg sp "$M" "\"sequence_parallel_size\": $N,"
 run() { # name ranks
     if [ "$2" = 1 ]; then
         "$Z" train --config "$W/$1.json" --data $DATA --steps "$STEPS" --log "$W/$1.jsonl" > "$W/$1.out" 2>&1
@@ -36,6 +40,8 @@ run one 1
 run z1 "$N"
 run z3 "$N"
 run pp "$N"
+run tp "$N"
+run sp "$N"
 python3 - "$W" "$N" <<'PY'
 import glob, json, sys
 w, n = sys.argv[1], int(sys.argv[2])
@@ -50,8 +56,10 @@ def rows(name):
         out.append((steps, summ))
     return out
 base = None
-print(f"{'layout':<22}{'tokens/s':>10}{'vs 1 rank':>10}{'host peak/rank':>16}{'dev peak/rank':>15}{'loss':>10}")
-for name, label in (("one", "1 rank"), ("z1", f"ZeRO-1 x{n}"), ("z3", f"ZeRO-3 x{n}"), ("pp", f"pipeline x{n}")):
+print(f"{'layout':<24}{'tokens/s':>10}{'vs 1 rank':>10}{'host peak/rank':>16}{'dev peak/rank':>15}{'loss':>10}")
+for name, label in (("one", "1 rank"), ("z1", f"ZeRO-1 x{n}"), ("z3", f"ZeRO-3 x{n}"),
+                    ("pp", f"pipeline x{n}"), ("tp", f"tensor parallel x{n}"),
+                    ("sp", f"sequence parallel x{n}")):
     r = rows(name)
     steps = r[0][0]
     later = steps[1:] or steps  # the first step warms the tiers
@@ -59,7 +67,7 @@ for name, label in (("one", "1 rank"), ("z1", f"ZeRO-1 x{n}"), ("z3", f"ZeRO-3 x
     host = max(s["host"]["peak_bytes"] for _, s in r) / 2**20
     dev = max(s["device"]["peak_bytes"] for _, s in r) / 2**20
     if base is None: base = tps
-    print(f"{label:<22}{tps:>10.0f}{tps / base:>10.2f}{host:>13.1f} MiB{dev:>12.1f} MiB{steps[-1]['loss']:>10.4f}")
+    print(f"{label:<24}{tps:>10.0f}{tps / base:>10.2f}{host:>13.1f} MiB{dev:>12.1f} MiB{steps[-1]['loss']:>10.4f}")
     if name == "pp":
         for _, s in r:
             print(f"  stage {s['pp_stage']}: blocks {s['first_block']}-{s['first_block'] + s['blocks'] - 1}, "
