@@ -340,7 +340,8 @@ int cmd_train(int argc, char **argv)
         struct trainer_plan pl;
         if ((r = trainer_plan(&o, &pl, err, sizeof(err))) < 0 ||
             (r = trainer_plan_check(&pl, err, sizeof(err))) < 0) {
-            fprintf(stderr, "zinf train: %s\n", err[0] ? err : zinf_strerror(r));
+            /* As zinf config check says it: the file, then what is wrong with it. */
+            fprintf(stderr, "zinf train: %s: %s\n", o.config_path, err[0] ? err : zinf_strerror(r));
             weights_close(init);
             return r == -ENOMEM ? 1 : 2;
         }
