@@ -388,10 +388,11 @@ int train_moe_layout(struct trainer *t, struct gpt_tensor_desc *out, size_t cap,
                      size_t errlen);
 bool train_moe_block(const struct trainer *t, int k);
 
-/* trainer_pipe.c: pipeline stages. train_pipe_shape reads the layout of the ranks from the
- * config (in train_zero_shape: the stage, its blocks; data parallel within a stage is not
- * built: world = stages); train_pipe_setup meets the other stages (each in a folder of its
- * own under the nvme paths); train_pipe_layout keeps the stage's tensors; train_pipe_alloc
+/* trainer_pipe.c: pipeline stages, tensor- and sequence-parallel ranks. train_pipe_shape
+ * reads the layout of the ranks from the config (in train_zero_shape: the stage, its blocks,
+ * the rank within the stage; world and rank become the copies of the model, ZeRO's);
+ * train_pipe_setup meets the other ranks of the copy (each in a folder of its own under the
+ * nvme paths); train_pipe_layout keeps the rank's tensors (slices with tp); train_pipe_alloc
  * the buffers once the layout is known. train_pipe_step runs the step's micro-batches on the
  * 1F1B schedule, leaving each one's loss in t->losses (every stage's the same) and the
  * gradients summed as one rank's; train_pipe_norm, _digest and _any are the stages'
