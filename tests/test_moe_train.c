@@ -3,8 +3,9 @@
  * the settings from the command line and the config's moe section, and the refusals that
  * name the key or option a run cannot have with MoE blocks.
  *
- * The runs: the losses of a model with MoE blocks are the same bits whether its parameters
- * live in memory or on NVMe, and from run to run, and go down; the NVMe bytes its steps
+ * The runs: the losses of a model with MoE blocks are the bits of a reference computed here
+ * from gpt.c, moe.c and adamw.c over tensors in memory, whether the run's parameters live in
+ * memory or on NVMe, and from run to run, and go down; the NVMe bytes its steps
  * read for experts follow the experts a step routes tokens to, not all of them.
  *
  * Not here: the MoE math (test_moe.c), the block halves it rests on (test_train_ops.c), the
@@ -17,6 +18,10 @@
 
 #include "common.h"
 #include "helpers.h"
+#include "train/adamw.h"
+#include "train/gpt.h"
+#include "train/moe.h"
+#include "train/ops.h"
 
 static char *dir;
 static int micro = 2; /* train_micro_batch_size_per_gpu in config() */
@@ -143,7 +148,249 @@ static int train_run(const char *name, const char *swap, const char *args, int s
     return read_log(log, out, steps);
 }
 
-Test(moe_train, the_losses_are_the_same_bits_in_memory_and_on_nvme_and_go_down)
+/* ---- the reference: the model in memory, step by step as the trainer runs it ---------- */
+
+#define RL 2
+#define RC 32
+#define RE 4
+#define RB 2
+#define RT 8
+#define RSEED 1337
+#define RLR 3e-3f
+#define RCOEF 0.01f
+
+struct rt {
+    struct gpt_tensor_desc d;
+    float *p, *g, *m, *v;
+    bool used; /* has a gradient this step */
+};
+
+/* The trainer's layout: the dense one (a MoE block's MLP left out: never used), then each
+ * block's gate and experts. */
+struct ref {
+    struct gpt_config cfg;
+    struct rt wte, wpe, lnfw, lnfb;
+    struct rt blk[RL][8], gate[RL], ex[RL][RE][4];
+};
+
+static void rt_init(const struct gpt_config *cfg, struct rt *x, const struct gpt_tensor_desc *d)
+{
+    x->d = *d;
+    x->p = calloc(d->numel, sizeof(float));
+    x->g = calloc(d->numel, sizeof(float));
+    x->m = calloc(d->numel, sizeof(float));
+    x->v = calloc(d->numel, sizeof(float));
+    cr_assert(x->p && x->g && x->m && x->v);
+    cr_assert_eq(gpt_init_tensor(cfg, d, x->p, RSEED), 0);
+}
+
+static void rt_free(struct rt *x)
+{
+    free(x->p);
+    free(x->g);
+    free(x->m);
+    free(x->v);
+}
+
+static void ref_init(struct ref *R)
+{
+    R->cfg = (struct gpt_config){.V = 256, .maxT = RT, .L = RL, .C = RC, .NH = 2};
+    int n = gpt_layout(&R->cfg, NULL, 0);
+    struct gpt_tensor_desc *d = calloc((size_t)n, sizeof(*d));
+    cr_assert_not_null(d);
+    gpt_layout(&R->cfg, d, (size_t)n);
+    rt_init(&R->cfg, &R->wte, &d[0]);
+    rt_init(&R->cfg, &R->wpe, &d[1]);
+    rt_init(&R->cfg, &R->lnfw, &d[n - 2]);
+    rt_init(&R->cfg, &R->lnfb, &d[n - 1]);
+    for (int k = 0; k < RL; k++) {
+        const struct gpt_tensor_desc *b = &d[2 + k * GPT_BLOCK_NSLOTS];
+        for (int s = 0; s < 8; s++)
+            rt_init(&R->cfg, &R->blk[k][s], &b[s]);
+        struct gpt_tensor_desc g = {.block = k, .slot = GPT_BLOCK_NSLOTS, .ndim = 2,
+                                    .shape = {RE, RC}, .numel = RE * RC};
+        snprintf(g.name, sizeof(g.name), "h%d.moe.gate.w", k);
+        rt_init(&R->cfg, &R->gate[k], &g);
+        for (int e = 0; e < RE; e++)
+            for (int s = 0; s < 4; s++) {
+                struct gpt_tensor_desc x = b[GPT_FC_W + s];
+                snprintf(x.name, sizeof(x.name), "h%d.expert%d.%s", k, e,
+                         gpt_block_slot_name(GPT_FC_W + s) + 4);
+                rt_init(&R->cfg, &R->ex[k][e][s], &x);
+            }
+    }
+    free(d);
+}
+
+/* Every tensor of the reference, for the loops that visit them all. */
+static int ref_all(struct ref *R, struct rt **out)
+{
+    int n = 0;
+    out[n++] = &R->wte;
+    out[n++] = &R->wpe;
+    out[n++] = &R->lnfw;
+    out[n++] = &R->lnfb;
+    for (int k = 0; k < RL; k++) {
+        for (int s = 0; s < 8; s++)
+            out[n++] = &R->blk[k][s];
+        out[n++] = &R->gate[k];
+        for (int e = 0; e < RE; e++)
+            for (int s = 0; s < 4; s++)
+                out[n++] = &R->ex[k][e][s];
+    }
+    return n;
+}
+
+#define REF_N (4 + RL * (9 + 4 * RE))
+
+static uint64_t mix64(uint64_t z) /* the trainer's batch generator (trainer.c) */
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void sumsq(double *acc, const struct rt *x)
+{
+    double s;
+    cr_assert_eq(adamw_sum_squares(x->g, x->d.numel, &s), 0);
+    *acc += s;
+}
+
+/* The reported losses of `steps` steps. */
+static void ref_losses(float *loss, int steps)
+{
+    struct ref R;
+    struct rt *all[REF_N];
+    ref_init(&R);
+    int nall = ref_all(&R, all);
+    cr_assert_eq(nall, REF_N);
+    FILE *f = fopen(DATA, "rb");
+    cr_assert_not_null(f);
+    static unsigned char data[1 << 16];
+    size_t bytes = fread(data, 1, sizeof(data), f);
+    fclose(f);
+    cr_assert(bytes > 0 && bytes < sizeof(data));
+    size_t train_bytes = bytes - bytes / 10; /* the held-out tail */
+    const int N = RB * RT;
+    const size_t NC = (size_t)N * RC;
+    struct moe_config mc;
+    moe_config_defaults(&mc, RC, RE);
+    mc.k = 2;
+    struct moe_route r;
+    cr_assert_eq(moe_route_init(&r, &mc, N), 0);
+    struct gpt_scratch gs = {.bytes = gpt_scratch_bytes(&R.cfg, RB, RT)};
+    gs.mem = malloc(gs.bytes);
+    float *a = malloc((RL + 1) * NC * sizeof(float)), *x2 = malloc(NC * sizeof(float)),
+          *ln = malloc(NC * sizeof(float)), *d = malloc(NC * sizeof(float)),
+          *mean = malloc(N * sizeof(float)), *rstd = malloc(N * sizeof(float));
+    int tokens[RB * RT], targets[RB * RT], used[RE];
+    cr_assert(gs.mem && a && x2 && ln && d && mean && rstd);
+    for (int step = 1; step <= steps; step++) {
+        for (int b = 0; b < RB; b++) {
+            uint64_t off = mix64((uint64_t)RSEED * 0x9e3779b97f4a7c15ull +
+                                 (uint64_t)step * 1000003u + (uint64_t)b) %
+                           (train_bytes - RT);
+            for (int i = 0; i < RT; i++) {
+                tokens[b * RT + i] = data[off + (size_t)i];
+                targets[b * RT + i] = data[off + (size_t)i + 1];
+            }
+        }
+        for (int i = 0; i < nall; i++) {
+            memset(all[i]->g, 0, all[i]->d.numel * sizeof(float));
+            all[i]->used = true;
+        }
+        cr_assert_eq(gpt_embed_forward(&R.cfg, RB, RT, R.wte.p, R.wpe.p, tokens, a), 0);
+        float aux = 0;
+        for (int k = 0; k < RL; k++) {
+            struct gpt_block_params bp = {{0}};
+            struct moe_expert_params ep[RE];
+            for (int s = 0; s < 8; s++)
+                bp.t[s] = R.blk[k][s].p;
+            for (int e = 0; e < RE; e++)
+                ep[e] = (struct moe_expert_params){R.ex[k][e][0].p, R.ex[k][e][1].p,
+                                                   R.ex[k][e][2].p, R.ex[k][e][3].p};
+            cr_assert_eq(gpt_attn_forward(&R.cfg, RB, RT, &bp, a + k * NC, x2, &gs), 0);
+            float l_aux;
+            cr_assert_eq(moe_sublock_forward(&mc, NULL, N, x2, bp.t[GPT_LN2_W], bp.t[GPT_LN2_B],
+                                             R.gate[k].p, ep, a + (k + 1) * NC, &l_aux),
+                         0);
+            aux += l_aux;
+        }
+        double ss = 0;
+        cr_assert_eq(gpt_head_backward(&R.cfg, RB, RT, R.lnfw.p, R.lnfb.p, R.wte.p, a + RL * NC,
+                                       targets, d, R.lnfw.g, R.lnfb.g, R.wte.g, &loss[step - 1],
+                                       &gs),
+                     0);
+        loss[step - 1] += RCOEF * aux;
+        sumsq(&ss, &R.lnfw);
+        sumsq(&ss, &R.lnfb);
+        for (int k = RL - 1; k >= 0; k--) {
+            struct gpt_block_params bp = {{0}};
+            struct gpt_block_grads bg = {{0}};
+            struct moe_expert_params ep[RE];
+            struct moe_expert_grads eg[RE];
+            for (int s = 0; s < 8; s++) {
+                bp.t[s] = R.blk[k][s].p;
+                bg.t[s] = R.blk[k][s].g;
+            }
+            for (int e = 0; e < RE; e++) {
+                ep[e] = (struct moe_expert_params){R.ex[k][e][0].p, R.ex[k][e][1].p,
+                                                   R.ex[k][e][2].p, R.ex[k][e][3].p};
+                eg[e] = (struct moe_expert_grads){R.ex[k][e][0].g, R.ex[k][e][1].g,
+                                                  R.ex[k][e][2].g, R.ex[k][e][3].g};
+            }
+            cr_assert_eq(gpt_attn_forward(&R.cfg, RB, RT, &bp, a + k * NC, x2, &gs), 0);
+            /* The experts the route uses: the others have no gradient. */
+            ops_layernorm_forward(ln, mean, rstd, x2, bp.t[GPT_LN2_W], bp.t[GPT_LN2_B],
+                                  (size_t)N, RC);
+            cr_assert_eq(moe_gate_forward(&mc, N, ln, R.gate[k].p, &r), 0);
+            int nu = moe_route_experts_used(&r, used);
+            for (int e = 0; e < RE; e++)
+                for (int s = 0; s < 4; s++)
+                    R.ex[k][e][s].used = false;
+            cr_assert_eq(moe_sublock_backward(&mc, NULL, N, x2, bp.t[GPT_LN2_W], bp.t[GPT_LN2_B],
+                                              R.gate[k].p, ep, d, RCOEF, d,
+                                              bg.t[GPT_LN2_W], bg.t[GPT_LN2_B], R.gate[k].g, eg),
+                         0);
+            cr_assert_eq(gpt_attn_backward(&R.cfg, RB, RT, &bp, a + k * NC, d, d, &bg, &gs), 0);
+            for (int j = 0; j < nu; j++)
+                for (int s = 0; s < 4; s++) {
+                    R.ex[k][used[j]][s].used = true;
+                    sumsq(&ss, &R.ex[k][used[j]][s]);
+                }
+            for (int s = 0; s < 8; s++)
+                sumsq(&ss, &R.blk[k][s]);
+            sumsq(&ss, &R.gate[k]);
+        }
+        cr_assert_eq(gpt_embed_backward(&R.cfg, RB, RT, tokens, d, R.wte.g, R.wpe.g), 0);
+        sumsq(&ss, &R.wte);
+        sumsq(&ss, &R.wpe);
+        float clip = adamw_clip_scale(0.0 + ss, 1.0f);
+        struct adamw_hparams h;
+        adamw_hparams_defaults(&h);
+        h.lr = RLR;
+        for (int i = 0; i < nall; i++) {
+            if (!all[i]->used) continue;
+            h.weight_decay = 0;
+            cr_assert_eq(adamw_update(all[i]->p, all[i]->g, all[i]->m, all[i]->v,
+                                      all[i]->d.numel, &h, step, clip),
+                         0);
+        }
+    }
+    for (int i = 0; i < nall; i++)
+        rt_free(all[i]);
+    moe_route_release(&r);
+    free(gs.mem);
+    free(a);
+    free(x2);
+    free(ln);
+    free(d);
+    free(mean);
+    free(rstd);
+}
+
+Test(moe_train, the_losses_are_the_reference_bits_in_memory_and_on_nvme_and_go_down)
 {
     struct step_line mem[3], nv[3], again[3];
     char swap[4096];
@@ -152,7 +399,13 @@ Test(moe_train, the_losses_are_the_same_bits_in_memory_and_on_nvme_and_go_down)
     cr_assert_eq(train_run("mem", NULL, args, 3, mem), 3);
     cr_assert_eq(train_run("nvme", swap, args, 3, nv), 3);
     cr_assert_eq(train_run("again", NULL, args, 3, again), 3);
+    float ref[3];
+    ref_losses(ref, 3);
     for (int s = 0; s < 3; s++) {
+        char want[40];
+        snprintf(want, sizeof(want), "%.9g", (double)ref[s]);
+        cr_expect_str_eq(mem[s].loss, want, "step %d: the run's loss %s, the reference's %s",
+                         s + 1, mem[s].loss, want);
         cr_expect_str_eq(mem[s].loss, nv[s].loss, "step %d: in memory %s, on NVMe %s", s + 1,
                          mem[s].loss, nv[s].loss);
         cr_expect_str_eq(mem[s].loss, again[s].loss, "step %d: run to run %s, %s", s + 1,
