@@ -98,6 +98,7 @@ Test(moe_train, what_a_run_cannot_have_is_refused_naming_it)
 /* One step's line of a --log file. */
 struct step_line {
     char loss[40];
+    char digest[40]; /* of the parameters after the step */
     double aux;
     int used, experts;
     unsigned long long read;
@@ -115,9 +116,10 @@ static int read_log(const char *path, struct step_line *out, int max)
         struct step_line *s = &out[n++];
         const char *l = strstr(line, "\"loss\":"), *a = strstr(line, "\"moe_aux_loss\":"),
                    *u = strstr(line, "\"experts_used\":"), *e = strstr(line, "\"experts\":"),
-                   *r = strstr(line, "\"expert_bytes_read\":");
-        cr_assert(l && a && u && e && r, "a step line without the MoE fields: %s", line);
+                   *r = strstr(line, "\"expert_bytes_read\":"), *g = strstr(line, "\"digest\":");
+        cr_assert(l && a && u && e && r && g, "a step line without the MoE fields: %s", line);
         cr_assert_eq(sscanf(l + 7, "%39[^,]", s->loss), 1);
+        cr_assert_eq(sscanf(g + 9, "%39[^,}]", s->digest), 1);
         s->aux = strtod(a + 15, NULL);
         s->used = atoi(u + 15);
         s->experts = atoi(e + 10);
@@ -127,10 +129,10 @@ static int read_log(const char *path, struct step_line *out, int max)
     return n;
 }
 
-/* A run of `steps` with the MoE settings in args, the parameters on NVMe (under swap) or in
- * memory (swap NULL); its step lines into out. */
-static int train_run(const char *name, const char *swap, const char *args, int steps,
-                     struct step_line *out)
+/* A run up to step `steps` with the MoE settings in args (--resume among them goes on from
+ * a saved one), the parameters on NVMe (under swap) or in memory (swap NULL), logged to
+ * name.jsonl in the test's folder. */
+static void train_to(const char *name, const char *swap, const char *args, int steps)
 {
     char cfg[4096], log[4096], *o;
     char extra[2048] = "";
@@ -145,6 +147,15 @@ static int train_run(const char *name, const char *swap, const char *args, int s
                 log, args);
     cr_assert_eq(r, 0, "%s: %s", name, o);
     free(o);
+}
+
+/* The same, and its step lines into out (at most `steps`); their count. */
+static int train_run(const char *name, const char *swap, const char *args, int steps,
+                     struct step_line *out)
+{
+    char log[4096];
+    train_to(name, swap, args, steps);
+    snprintf(log, sizeof(log), "%s/%s.jsonl", dir, name);
     return read_log(log, out, steps);
 }
 
@@ -417,6 +428,24 @@ Test(moe_train, the_losses_are_the_reference_bits_in_memory_and_on_nvme_and_go_d
     }
     cr_expect(strtod(mem[2].loss, NULL) < strtod(mem[0].loss, NULL), "the loss %s -> %s",
               mem[0].loss, mem[2].loss);
+    for (int s = 0; s < 3; s++)
+        cr_expect_str_eq(mem[s].digest, nv[s].digest, "step %d: the parameters' digests", s + 1);
+}
+
+Test(moe_train, a_resumed_run_goes_on_with_the_same_bits)
+{
+    struct step_line whole[3], tail[1];
+    char swap[4096], swap2[4096], args[256];
+    const char *moe = "--experts 4 --top-k 2 --precision fp32";
+    snprintf(swap, sizeof(swap), "%s/swap", dir);
+    snprintf(swap2, sizeof(swap2), "%s/swap2", dir);
+    cr_assert_eq(train_run("whole", swap, moe, 3, whole), 3);
+    train_to("first", swap2, moe, 2);
+    snprintf(args, sizeof(args), "%s --resume", moe);
+    cr_assert_eq(train_run("rest", swap2, args, 3, tail), 1);
+    cr_expect_str_eq(tail[0].loss, whole[2].loss, "step 3 resumed %s, whole %s", tail[0].loss,
+                     whole[2].loss);
+    cr_expect_str_eq(tail[0].digest, whole[2].digest);
 }
 
 Test(moe_train, nvme_reads_follow_the_experts_a_step_routes_to)
