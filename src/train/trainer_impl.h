@@ -410,6 +410,9 @@ void train_moe_step_begin(struct trainer *t);
 float train_moe_aux(const struct trainer *t);
 void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st);
 void train_moe_summary(struct trainer *t, struct trainer_summary *out);
+/* The sets MoE block k's phases fetch, for the budgets: the n-th into w, false past the
+ * last (one expert's stands for all of them: they are alike). */
+bool train_moe_wave(struct trainer *t, int k, int n, struct wave *w);
 
 /* trainer_pipe.c: pipeline stages. train_pipe_shape reads the layout of the ranks from the
  * config (in train_zero_shape: the stage, its blocks; data parallel within a stage is not

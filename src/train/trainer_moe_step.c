@@ -183,6 +183,15 @@ void train_moe_summary(struct trainer *t, struct trainer_summary *out)
 
 /* ---- the sets ---------------------------------------------------------------------- */
 
+/* The layout index of block k's gate (its experts follow it). */
+static int gate_of(const struct trainer *t, int k)
+{
+    if (t->moe) return t->moe->gate[k];
+    for (int i = t->ntensors - 1; i >= 0; i--) /* before train_moe_setup: the budgets' */
+        if (t->desc[i].block == k && t->desc[i].slot == GPT_BLOCK_NSLOTS) return i;
+    return -1;
+}
+
 static void add(struct wave *w, enum role role, int idx, bool dirty)
 {
     w->at[w->ne++] = (int8_t)w->n;
@@ -199,7 +208,7 @@ static void wave_attn(struct trainer *t, int k, bool grads, struct wave *w)
 {
     *w = (struct wave){.what = grads ? "a MoE block's attention and gate backward"
                                      : "a MoE block's attention and gate"};
-    int first = t->block_first[k], g = t->moe->gate[k];
+    int first = t->block_first[k], g = gate_of(t, k);
     for (int s = 0; s < GPT_FC_W; s++)
         add(w, R_W, first + s, false);
     add(w, R_W, g, false);
@@ -215,9 +224,29 @@ static void wave_expert(struct trainer *t, int k, int e, bool grads, struct wave
     *w = (struct wave){.what = grads ? "an expert's backward (its weights and gradients)"
                                      : "an expert's forward (its weights)"};
     for (int s = GPT_FC_W; s <= GPT_MLP_PROJ_B; s++)
-        add(w, R_W, expert_idx(t->moe->gate[k], e, s), false);
+        add(w, R_W, expert_idx(gate_of(t, k), e, s), false);
     for (int s = GPT_FC_W; s <= GPT_MLP_PROJ_B && grads; s++)
-        add(w, R_G, expert_idx(t->moe->gate[k], e, s), true);
+        add(w, R_G, expert_idx(gate_of(t, k), e, s), true);
+}
+
+bool train_moe_wave(struct trainer *t, int k, int n, struct wave *w)
+{
+    switch (n) {
+    case 0:
+    case 1:
+        wave_attn(t, k, n == 1, w);
+        return true;
+    case 2: /* every expert's sets are alike */
+    case 3:
+        wave_expert(t, k, 0, n == 3, w);
+        return true;
+    case 4:
+        *w = (struct wave){.what = "a MoE block's output"};
+        add(w, R_ACT, k + 1, true);
+        return true;
+    default:
+        return false;
+    }
 }
 
 static void block_params(void **p, struct gpt_block_params *bp)
@@ -281,8 +310,7 @@ int train_moe_forward(struct trainer *t, int k)
         if (r < 0) return r;
         train_note_peaks(t);
     }
-    w = (struct wave){.what = "a MoE block's output"};
-    add(&w, R_ACT, k + 1, true);
+    train_moe_wave(t, k, 4, &w);
     if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
     ops_add(p[0], m->x2, m->y, NC);
     r = train_wave_release(t, &w, ZINF_TIER_DEVICE, true);
