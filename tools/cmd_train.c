@@ -323,6 +323,15 @@ int cmd_train(int argc, char **argv)
     struct trainer_opts o = a.o;
     /* --init's file is checked whole against the model before anything opens, so that a
      * mismatch refuses the run having touched nothing (a dry run says it too). */
+    /* Those files hold a dense GPT-2's tensors: a model with MoE blocks has others. */
+    if (o.moe.E && (a.init_path || a.export_hf)) {
+        fprintf(stderr,
+                "zinf train: %s with --experts %d (moe.num_experts): the file holds a dense "
+                "GPT-2, and a model with MoE blocks has a gate and experts in place of their "
+                "MLPs (use --export FILE.safetensors for its own layout)\n",
+                a.init_path ? "--init" : "--export-hf", o.moe.E);
+        return 2;
+    }
     if (a.init_path) {
         struct gpt_config gc = o.model;
         gc.maxT = o.seq;

@@ -349,6 +349,11 @@ void cmd_train_log_step(FILE *ln, const struct trainer_step_stats *st, double et
     cmd_train_json_num(ln, "grad_norm", st->grad_norm, false);
     cmd_train_json_num(ln, "clip_scale", st->clip_scale, true);
     cmd_train_json_num(ln, "lr", st->lr, true);
+    if (st->experts) { /* mixture of experts: the loss's balancing term, the experts read */
+        cmd_train_json_num(ln, "moe_aux_loss", st->moe_aux_loss, true);
+        fprintf(ln, ",\"experts_used\":%d,\"experts\":%d,\"expert_bytes_read\":%llu",
+                st->experts_used, st->experts, (unsigned long long)st->expert_bytes_read);
+    }
     cmd_train_json_num(ln, "cpu_user_s", timeval_diff_s(&ru0->ru_utime, &ru1->ru_utime), false);
     cmd_train_json_num(ln, "cpu_sys_s", timeval_diff_s(&ru0->ru_stime, &ru1->ru_stime), false);
     fprintf(ln, ",\"cpu_by_thread\":{");
@@ -393,6 +398,11 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                "copy %.3f, room %.3f, pin %.3f)\n",
                blocked_s[0], blocked_s[0] / ran_seconds * 100, stall_names[most],
                blocked_s[1 + most], blocked_s[1], blocked_s[2], blocked_s[3], blocked_s[4]);
+    if (sum->experts && ran)
+        printf("#   experts: %.2f of %d had tokens per step on average; fetching them read "
+               "%s from NVMe\n",
+               (double)sum->experts_used / ran, sum->experts,
+               format_size(sum->expert_bytes_read, a, sizeof(a)));
     if (!strcmp(sum->precision, "fp16"))
         printf("#   fp16: %lld steps skipped for overflowed gradients; loss scale now %.9g\n",
                (long long)sum->skipped_steps, sum->loss_scale);
@@ -451,6 +461,10 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                 (unsigned long long)sum->pipeline_ahead,
                 (unsigned long long)sum->pipeline_refetched);
         fprintf(log, ",\"update_in_forward\":%s", sum->update_in_forward ? "true" : "false");
+        if (sum->experts)
+            fprintf(log, ",\"experts\":%d,\"experts_used\":%llu,\"expert_bytes_read\":%llu",
+                    sum->experts, (unsigned long long)sum->experts_used,
+                    (unsigned long long)sum->expert_bytes_read);
         cmd_train_json_num(log, "train_seconds", ran_seconds, false);
         cmd_train_json_num(log, "mean_tokens_per_s", mean_tps, false);
         cmd_train_json_num(log, "loss_scale", sum->loss_scale, false);

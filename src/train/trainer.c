@@ -430,7 +430,7 @@ static bool update_deferrable(const struct trainer *t, bool cuda)
 {
     bool nvme = train_home_of(t->zc.zero.offload_param.device) == ZINF_TIER_NVME ||
                 train_home_of(t->zc.zero.offload_optimizer.device) == ZINF_TIER_NVME;
-    return t->o.update_in_forward && nvme &&
+    return t->o.update_in_forward && nvme && !t->o.moe.E &&
            t->world <= 1 && !t->mp && !t->remote && !cuda && t->be->wdt != BACKEND_F16 &&
            t->opt_tier == ZINF_TIER_HOST && t->zc.zero.offload_optimizer.pipeline_read;
 }
@@ -587,7 +587,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
                      zinf_strerror(r));
         goto fail;
     }
-    if ((r = layout(t, err, errlen)) < 0) goto fail;
+    if ((r = layout(t, err, errlen)) < 0 || (r = train_moe_setup(t, err, errlen)) < 0) goto fail;
     size_t bt = (size_t)o->batch * o->seq;
     t->tokens = malloc(bt * sizeof(int));
     t->targets = malloc(bt * sizeof(int));
@@ -659,6 +659,7 @@ void trainer_close(struct trainer *t)
     else
         zinf_close(t->e);
     train_pipe_close(t);
+    train_moe_free(t);
     config_free(&t->zc);
     free(t->desc);
     free(t->p);
@@ -778,4 +779,5 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         out->tier[i].budget_bytes = st.tier[i].capacity_bytes;
         out->tier[i].peak_bytes = t->peak[i];
     }
+    train_moe_summary(t, out);
 }

@@ -145,7 +145,8 @@ struct trainer_opts {
      * trainer_close finish it first. A failure in it fails the call (a step is not counted)
      * and leaves the trainer usable: the tensors updated stay so, and the next call goes on
      * with the others, whose gradients nothing touched. Only trainer_close, which cannot try
-     * again, leaves the state torn (the last checkpoint stays). Off in trainer_opts_defaults;
+     * again, leaves the state torn (the last checkpoint stays). Not with MoE blocks (moe.E
+     * above 0: their steps update at the end). Off in trainer_opts_defaults;
      * zinf train turns it on unless its config says false (zinf.train.update_in_forward,
      * true by default): on 2 cores with an emulated device, Intel and AMD, its step measured
      * 0.85-0.98x the update at the step's end (bench/RESULTS.md). */
@@ -216,6 +217,13 @@ struct trainer_step_stats {
      * the last step's comes from trainer_summary after trainer_finish_update). */
     int digest_step;
     bool update_pending; /* this step's update runs in the next forward (update_in_forward) */
+    /* Mixture of experts (0 in a dense run): loss holds the cross-entropy plus moe.loss_coef
+     * x moe_aux_loss, the sum of the MoE blocks' balancing losses l_aux; of the `experts`
+     * (E x the MoE blocks), experts_used had a token routed to them (summed over the blocks),
+     * and expert_bytes_read is what fetching them read from NVMe. */
+    float moe_aux_loss;
+    int experts, experts_used;
+    uint64_t expert_bytes_read;
 };
 
 struct trainer_tier_summary {
@@ -238,6 +246,11 @@ void trainer_derive_budgets(const struct trainer_opts *o, const struct zinf_conf
                             struct trainer_budgets *b);
 
 struct trainer_summary {
+    /* Mixture of experts, over the steps this trainer ran: E x the MoE blocks (0: a dense
+     * run), the experts that had tokens summed over steps and blocks, and the NVMe bytes
+     * that fetching them read. */
+    int experts;
+    uint64_t experts_used, expert_bytes_read;
     uint64_t model_state_bytes; /* parameters + gradients + Adam m and v (+ bf16 copies) */
     struct trainer_budgets budgets; /* how the budgets the config did not give were derived */
     uint64_t param_count;

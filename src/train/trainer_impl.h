@@ -13,6 +13,8 @@
  *   trainer_optim.c   the optimizer phase: AdamW over every tensor, clipping, digests
  *   trainer_resume.c  the saved state, checkpoints, resume and the re-cut across layouts
  *   trainer_layouts.c the saved runs' layouts (stages x ranks), the one a resume goes to
+ *   trainer_moe.c     mixture of experts: its settings, the layout with MoE blocks
+ *   trainer_moe_step.c the MoE blocks' forward and backward, experts fetched when routed
  *
  * Not here: the trainer's interface (trainer.h), or what a file keeps to itself.
  */
@@ -246,6 +248,9 @@ struct trainer {
     struct gpt_tp_comm tpc;
     struct gpt_tensor_desc *gdesc;
     struct pipe *pipe;
+    /* Mixture of experts (trainer_moe_step.c): the MoE blocks' working state; NULL in a
+     * dense run. */
+    struct train_moe *moe;
     /* ZINF_TEST_KILL_AT=POINT:RANK:N: the tests' crash, at POINT of the N-th checkpoint. */
     char kill_point[32];
     int kill_rank, kill_nth, checkpoint_calls;
@@ -387,6 +392,27 @@ int train_moe_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
 int train_moe_layout(struct trainer *t, struct gpt_tensor_desc *out, size_t cap, char *err,
                      size_t errlen);
 bool train_moe_block(const struct trainer *t, int k);
+
+/* trainer_moe_step.c: the MoE blocks' phases. A MoE block keeps the 12 tensors of a dense
+ * one at block_first[k] (so every block's are where the dense code looks), but its four MLP
+ * tensors are never fetched nor updated: its gate and experts, appended after the dense
+ * layout, stand in. train_moe_setup makes the working state once the layout is known;
+ * train_moe_forward and train_moe_backward run block k; train_moe_idle says whether the
+ * optimizer leaves tensor i alone this step (a MoE block's dense MLP, or an expert that no
+ * token was routed to: it has no gradient); train_moe_step_begin and _end bracket a step
+ * (the loss's aux term, the step's counts in st). */
+int train_moe_setup(struct trainer *t, char *err, size_t errlen);
+void train_moe_free(struct trainer *t);
+int train_moe_forward(struct trainer *t, int k);
+int train_moe_backward(struct trainer *t, int k, bool zero, bool norm);
+bool train_moe_idle(const struct trainer *t, int i);
+void train_moe_step_begin(struct trainer *t);
+float train_moe_aux(const struct trainer *t);
+void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st);
+void train_moe_summary(struct trainer *t, struct trainer_summary *out);
+/* The sets MoE block k's phases fetch, for the budgets: the n-th into w, false past the
+ * last (one expert's stands for all of them: they are alike). */
+bool train_moe_wave(struct trainer *t, int k, int n, struct wave *w);
 
 /* trainer_pipe.c: pipeline stages, tensor- and sequence-parallel ranks. train_pipe_shape
  * reads the layout of the ranks from the config (in train_zero_shape: the stage, its blocks,

@@ -4,10 +4,12 @@
  * model's layout with MoE blocks, where block k's MLP (k % every == 0) is a gate
  * "hK.moe.gate.w" (E,C) and E experts "hK.expertJ.fc.w" ... "hK.expertJ.proj.b" of GPT's
  * MLP shapes, initialised as GPT's MLP is (gpt_init_tensor by slot: the projection scaled
- * by 1/sqrt(2L), the gate with std 0.02).
+ * by 1/sqrt(2L), the gate with std 0.02). The dense layout stays as it is (every block's 12
+ * tensors from block_first[k], which the dense code indexes); the MoE blocks' gates and
+ * experts follow it, block by block, and a MoE block's own four MLP tensors are left unused.
  *
- * Not here: the math (moe.h), the dense blocks (trainer_step.c). Training a model with MoE
- * blocks is not built yet: trainer_open refuses it once the settings are checked.
+ * Not here: the math (moe.h), the MoE blocks' phases (trainer_moe_step.c), the dense blocks
+ * (trainer_step.c).
  */
 #include <errno.h>
 #include <math.h>
@@ -90,6 +92,9 @@ static int refuse(const struct trainer *t, char *err, size_t errlen)
               "\"emulated\")";
     else if (t->be->wdt != BACKEND_F32)
         why = "--precision bf16 or fp16: MoE blocks compute in fp32 only (--precision fp32)";
+    else if (t->o.grad_accum > 1)
+        why = "--accumulate above 1: an expert's gradient over several micro-batches is not "
+              "built (run --accumulate 1)";
     if (!why) return 0;
     snprintf(err, errlen, "moe.num_experts %d with %s", t->o.moe.E, why);
     return -EINVAL;
@@ -108,52 +113,36 @@ int train_moe_layout(struct trainer *t, struct gpt_tensor_desc *out, size_t cap,
     if (n < 0 || t->o.moe.E == 0) return out ? gpt_layout(c, out, cap) : n;
     int r = refuse(t, err, errlen);
     if (r < 0) return r;
-    /* The step's MoE phases are the next piece. */
-    snprintf(err, errlen, "moe.num_experts %d: training MoE blocks is not built yet", t->o.moe.E);
-    return -EINVAL;
     int E = t->o.moe.E, nmoe = 0;
     for (int k = 0; k < c->L; k++)
         nmoe += train_moe_block(t, k);
-    /* Each MoE block: 4 MLP tensors out, a gate and 4 E in. */
-    int total = n + nmoe * (1 + 4 * (E - 1));
+    /* The dense layout as it is, then each MoE block's gate and 4 E expert tensors. */
+    int total = n + nmoe * (1 + 4 * E);
     if (!out) return total;
     if ((size_t)total > cap) return -EINVAL;
-    struct gpt_tensor_desc *dense = calloc((size_t)n, sizeof(*dense));
-    if (!dense) {
-        snprintf(err, errlen, "out of memory");
-        return -ENOMEM;
-    }
-    gpt_layout(c, dense, (size_t)n);
-    size_t C = (size_t)c->C, off = 0;
-    int j = 0;
-    for (int i = 0; i < n; i++) {
-        const struct gpt_tensor_desc *d = &dense[i];
-        bool moe = d->block >= 0 && train_moe_block(t, d->block);
-        if (!moe || d->slot < GPT_FC_W) {
-            out[j] = *d;
-            out[j].offset = off;
-            off += out[j++].numel;
-            continue;
-        }
-        if (d->slot != GPT_FC_W) continue; /* the MLP's others: the experts stand in */
+    gpt_layout(c, out, (size_t)n);
+    size_t C = (size_t)c->C, off = out[n - 1].offset + out[n - 1].numel;
+    int j = n;
+    for (int k = 0; k < c->L; k++) {
+        if (!train_moe_block(t, k)) continue;
         struct gpt_tensor_desc *g = &out[j++];
-        *g = (struct gpt_tensor_desc){.block = d->block, .slot = GPT_BLOCK_NSLOTS, .ndim = 2,
+        *g = (struct gpt_tensor_desc){.block = k, .slot = GPT_BLOCK_NSLOTS, .ndim = 2,
                                       .shape = {(size_t)E, C}, .numel = (size_t)E * C,
                                       .offset = off};
-        snprintf(g->name, sizeof(g->name), "h%d.moe.gate.w", d->block);
+        snprintf(g->name, sizeof(g->name), "h%d.moe.gate.w", k);
         off += g->numel;
+        /* gpt_layout: wte, wpe, then the blocks' 12 tensors each */
+        const struct gpt_tensor_desc *mlp = &out[2 + k * GPT_BLOCK_NSLOTS];
         for (int e = 0; e < E; e++)
             for (int s = GPT_FC_W; s <= GPT_MLP_PROJ_B; s++) {
-                const struct gpt_tensor_desc *m = &dense[i + (s - GPT_FC_W)];
                 struct gpt_tensor_desc *x = &out[j++];
-                *x = *m;
+                *x = mlp[s];
                 x->offset = off;
                 off += x->numel;
                 /* "mlp.fc.w" -> "expertJ.fc.w" */
-                snprintf(x->name, sizeof(x->name), "h%d.expert%d.%s", d->block, e,
+                snprintf(x->name, sizeof(x->name), "h%d.expert%d.%s", k, e,
                          gpt_block_slot_name(s) + 4);
             }
     }
-    free(dense);
     return j;
 }

@@ -353,6 +353,10 @@ void train_optimizer_ahead(struct trainer *t, int done, int of)
         struct opt_set *s = &t->osets[t->opt_pre];
         int i = opt_index(t, t->opt_pre);
         struct wave w;
+        if (train_moe_idle(t, i)) { /* no gradient (yet): read when its turn comes, if any */
+            t->opt_pre++;
+            continue;
+        }
         train_wave_optimizer(t, i, &w);
         uint64_t b = train_wave_need(t, &w, ZINF_TIER_HOST, PRE_ROLES);
         if (t->opt_pre_bytes + b > goal) break;
@@ -393,6 +397,20 @@ static void opt_ask_ahead(struct trainer *t)
     }
 }
 
+/* A tensor the step leaves alone (train_moe_idle): its digest terms, from its parameters
+ * as they are. */
+static int digest_idle(struct trainer *t, int i, enum zinf_tier tier, uint64_t *digest)
+{
+    zinf_tensor h = train_wave_handle(t, R_P, i);
+    void *p;
+    int r = zinf_fetch(t->e, h, tier, &p);
+    if (r < 0) return r;
+    r = digest_tensor(t, i, &p, digest);
+    r = train_settle(t, r);
+    zinf_release(t->e, h, tier, 0);
+    return r;
+}
+
 /* Set on the update's thread (train_update_start): the trainer's peaks are the forward's to
  * note while it runs. */
 static _Thread_local bool on_update_thread;
@@ -427,12 +445,21 @@ static int opt_run(struct trainer *t, int upto)
         int i = opt_index(t, k);
         void *p[WAVE_MAX];
         uint64_t s0 = trace_on() ? now_ns() : 0;
+        if (train_moe_idle(t, i)) {
+            /* An expert no token was routed to (or a MoE block's unused MLP): no gradient,
+             * no update, as torch's optimizers skip a parameter whose .grad is None. Adam's
+             * count stays the run's step for the others and for its next update. */
+            opt_drop(t, &t->osets[k], tier);
+            if (t->o.digest) r = digest_idle(t, i, tier, &t->upd.digest);
+            if (r == 0) t->upd.next = k + 1;
+            continue;
+        }
         opt_ask(t, i, tier, &t->osets[k], ~0u);
         r = opt_take(t, k, tier, p);
         if (r < 0) break;
         /* The next set is completed only now: while this one was taken, only sets asked
          * for ahead were pinned beside it, and its fallback drops them. */
-        if (ahead && k + 1 < t->ntensors) {
+        if (ahead && k + 1 < t->ntensors && !train_moe_idle(t, opt_index(t, k + 1))) {
             opt_ask(t, opt_index(t, k + 1), tier, &t->osets[k + 1], ~0u);
             t->opt_ahead++;
         }

@@ -425,6 +425,11 @@ int train_forward(struct trainer *t)
 
 blocks:
     for (int k = t->kb; k < t->ke; k++) {
+        if (train_moe_block(t, k)) { /* its own phases (no update is deferred with MoE) */
+            TRY(train_moe_forward(t, k));
+            train_note_peaks(t);
+            continue;
+        }
         s0 = trace_on() ? now_ns() : 0;
         train_wave_block_forward(t, k, &w);
         r = train_update_join(t);
@@ -487,6 +492,11 @@ int train_backward(struct trainer *t, bool zero, bool norm)
     int r = 0;
 
     for (int k = t->ke - 1; k >= t->kb; k--) {
+        if (train_moe_block(t, k)) {
+            TRY(train_moe_backward(t, k, zero, norm));
+            if (t->last_micro) train_optimizer_ahead(t, t->ke - k, t->ke - t->kb);
+            continue;
+        }
         uint64_t s0 = trace_on() ? now_ns() : 0;
         train_wave_block_backward(t, k, &w);
         TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
@@ -553,6 +563,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     double S = fp16 ? t->ls.scale : 1;
     t->be->loss_scale = (float)S;
     int K = t->o.grad_accum, total = K * t->world;
+    train_moe_step_begin(t);
     if (t->pp > 1) TRY(train_pipe_step(t, step, &loss_sum));
     for (int m = 0; m < K && t->pp == 1; m++) {
         /* Exact: every micro-batch's gradients start from zero; the reductions add them. */
@@ -570,6 +581,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         TRY(train_backward(t, first, last));
         TRY(t->be->ops->collect(t->be, &l, &ss));
         TRY(train_sp_sum(t, &l, 1)); /* each rank's positions' share of the mean */
+        if (t->moe) l += train_moe_aux(t); /* the balancing loss of the MoE blocks */
         if (t->losses) t->losses[m] = l;
         loss_sum += l;
         sumsq += ss;
@@ -656,6 +668,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .digest_step = defer ? t->digest_step : step,
         .update_pending = defer,
     };
+    train_moe_step_end(t, st);
 out:
     trace_span_n("train", "step", step, t0);
     t->last_micro = false;

@@ -155,6 +155,11 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
         CONSIDER(ZINF_TIER_DEVICE);
     }
     for (int k = t->kb; k < t->ke; k++) {
+        if (train_moe_block(t, k)) { /* its own sets: never its dense MLP's */
+            for (int n = 0; train_moe_wave(t, k, n, &w); n++)
+                CONSIDER(ZINF_TIER_DEVICE);
+            continue;
+        }
         train_wave_block_forward(t, k, &w);
         CONSIDER(ZINF_TIER_DEVICE);
         train_wave_block_backward(t, k, &w);

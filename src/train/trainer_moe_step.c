@@ -1,0 +1,405 @@
+/*
+ * trainer_moe_step.c - the MoE blocks of a step (trainer_moe.c lays them out), on the CPU
+ * backend in fp32, on one rank. Block k, whose input is a[k]:
+ *   x2 = a[k] + attention(ln1(a[k]))     gpt_attn_forward, the block's own slots 0-5
+ *   ln = ln2(x2); route, l_aux = gate(ln)  moe_gate_forward
+ *   y = the routed experts' outputs      moe_expert_forward, expert by expert in order
+ *   a[k+1] = x2 + y
+ * the ops of gpt_attn_forward and then moe.h's moe_sublock_forward, in the same order.
+ *
+ * Each phase fetches its set and releases it before the next, as the dense blocks' do:
+ * the attention weights, ln2, the gate and a[k]; then each expert a token was routed to
+ * (moe_route_experts_used), its four tensors as one set; then a[k+1]. An expert that no
+ * token chose is not fetched, so its NVMe home is not read. The backward recomputes the
+ * attention half and the route from a[k], runs each used expert's backward (fetched again,
+ * its gradients zeroed on that first touch of the step), then the gate's, ln2's and the
+ * attention half's, the gradient flowing back taken from the backend and handed back to it
+ * through grad_io. The experts a step routed nothing to have no gradient: the optimizer
+ * leaves them alone (train_moe_idle), as torch's skip a parameter whose .grad is None.
+ *
+ * The math runs here on the pointers the device tier hands out, which are host memory on
+ * the CPU backend (trainer_moe.c refuses the others).
+ *
+ * Not here: the layout and the checks of the settings (trainer_moe.c), the dense blocks
+ * (trainer_step.c), the MoE math itself (moe.c), expert parallelism, GPUs, 16-bit weights,
+ * several micro-batches per step.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "train/backend.h"
+#include "train/moe.h"
+#include "train/ops.h"
+#include "train/trainer_impl.h"
+#include "trace.h"
+
+struct train_moe {
+    struct moe_config mc;
+    struct moe_route r;
+    struct moe_scratch ms;
+    struct gpt_scratch gs;
+    int N;           /* tokens of a micro-batch, B x T */
+    float *x2, *ln;  /* (N,C): the attention half's output, ln2 of it */
+    float *mean, *rstd; /* (N): ln2's */
+    float *y, *d, *dln; /* (N,C): the experts' sum; the gradient flowing back; of ln */
+    float *dw;          /* (N,k): the gradient of the combine weights */
+    int *used;          /* (E): the experts a route uses */
+    int *gate;          /* by block: its gate's layout index (its experts follow), or -1 */
+    bool *idle;         /* by layout index: the optimizer leaves it alone this step */
+    float aux;          /* the forward's sum of the MoE blocks' l_aux */
+    int experts, used_step;
+    uint64_t read_step, used_total, read_total;
+};
+
+/* Expert e of the block whose gate is at layout index g: its tensor of slot s. */
+static int expert_idx(int g, int e, int s)
+{
+    return g + 1 + 4 * e + (s - GPT_FC_W);
+}
+
+int train_moe_setup(struct trainer *t, char *err, size_t errlen)
+{
+    if (!t->o.moe.E) return 0;
+    const struct trainer_moe *o = &t->o.moe;
+    struct train_moe *m = calloc(1, sizeof(*m));
+    if (!(t->moe = m)) goto oom;
+    moe_config_defaults(&m->mc, t->cfg.C, o->E);
+    m->mc.k = o->k;
+    m->mc.capacity_factor = o->capacity_factor;
+    m->mc.min_capacity = o->min_capacity;
+    m->mc.drop_tokens = o->drop_tokens;
+    if (moe_config_validate(&m->mc, err, errlen) < 0) return -EINVAL;
+    m->N = t->o.batch * t->o.seq;
+    size_t N = (size_t)m->N, NC = N * (size_t)t->cfg.C;
+    m->x2 = malloc(NC * sizeof(float));
+    m->ln = malloc(NC * sizeof(float));
+    m->y = malloc(NC * sizeof(float));
+    m->d = malloc(NC * sizeof(float));
+    m->dln = malloc(NC * sizeof(float));
+    m->mean = malloc(N * sizeof(float));
+    m->rstd = malloc(N * sizeof(float));
+    m->dw = malloc(N * (size_t)o->k * sizeof(float));
+    m->used = malloc((size_t)o->E * sizeof(int));
+    m->gate = malloc((size_t)t->cfg.L * sizeof(int));
+    m->idle = calloc((size_t)t->ntensors, sizeof(bool));
+    m->ms.bytes = moe_scratch_bytes(&m->mc, m->N);
+    m->ms.mem = malloc(m->ms.bytes);
+    m->gs.bytes = gpt_scratch_bytes(&t->cfg, t->o.batch, t->o.seq);
+    m->gs.mem = malloc(m->gs.bytes);
+    if (!m->x2 || !m->ln || !m->y || !m->d || !m->dln || !m->mean || !m->rstd || !m->dw ||
+        !m->used || !m->gate || !m->idle || !m->ms.mem || !m->gs.mem)
+        goto oom;
+    int r = moe_route_init(&m->r, &m->mc, m->N);
+    if (r < 0) {
+        snprintf(err, errlen, "moe: cannot make the route of %d tokens", m->N);
+        return r;
+    }
+    for (int k = 0; k < t->cfg.L; k++)
+        m->gate[k] = -1;
+    for (int i = 0; i < t->ntensors; i++) {
+        const struct gpt_tensor_desc *d = &t->desc[i];
+        if (d->block < 0 || !train_moe_block(t, d->block)) continue;
+        if (d->slot == GPT_BLOCK_NSLOTS) {
+            m->gate[d->block] = i;
+            m->experts += o->E;
+        }
+        /* The block's own MLP, which the experts stand in for: never trained. */
+        if (i < t->block_first[d->block] + GPT_BLOCK_NSLOTS && d->slot >= GPT_FC_W)
+            m->idle[i] = true;
+    }
+    return 0;
+oom:
+    snprintf(err, errlen, "out of memory");
+    return -ENOMEM;
+}
+
+void train_moe_free(struct trainer *t)
+{
+    struct train_moe *m = t->moe;
+    if (!m) return;
+    moe_route_release(&m->r);
+    free(m->x2);
+    free(m->ln);
+    free(m->y);
+    free(m->d);
+    free(m->dln);
+    free(m->mean);
+    free(m->rstd);
+    free(m->dw);
+    free(m->used);
+    free(m->gate);
+    free(m->idle);
+    free(m->ms.mem);
+    free(m->gs.mem);
+    free(m);
+    t->moe = NULL;
+}
+
+bool train_moe_idle(const struct trainer *t, int i)
+{
+    return t->moe && t->moe->idle[i];
+}
+
+void train_moe_step_begin(struct trainer *t)
+{
+    struct train_moe *m = t->moe;
+    if (!m) return;
+    m->used_step = 0;
+    m->read_step = 0;
+    /* Every expert is idle until a backward routes a token to it. */
+    for (int k = 0; k < t->cfg.L; k++)
+        for (int j = 0; m->gate[k] >= 0 && j < 4 * t->o.moe.E; j++)
+            m->idle[m->gate[k] + 1 + j] = true;
+}
+
+float train_moe_aux(const struct trainer *t)
+{
+    return t->moe ? t->o.moe.loss_coef * t->moe->aux : 0.0f;
+}
+
+void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st)
+{
+    struct train_moe *m = t->moe;
+    if (!m) return;
+    st->moe_aux_loss = m->aux;
+    st->experts = m->experts;
+    st->experts_used = m->used_step;
+    st->expert_bytes_read = m->read_step;
+    m->used_total += (uint64_t)m->used_step;
+    m->read_total += m->read_step;
+}
+
+void train_moe_summary(struct trainer *t, struct trainer_summary *out)
+{
+    struct train_moe *m = t->moe;
+    if (!m) return;
+    out->experts = m->experts;
+    out->experts_used = m->used_total;
+    out->expert_bytes_read = m->read_total;
+}
+
+/* ---- the sets ---------------------------------------------------------------------- */
+
+/* The layout index of block k's gate (its experts follow it). */
+static int gate_of(const struct trainer *t, int k)
+{
+    if (t->moe) return t->moe->gate[k];
+    for (int i = t->ntensors - 1; i >= 0; i--) /* before train_moe_setup: the budgets' */
+        if (t->desc[i].block == k && t->desc[i].slot == GPT_BLOCK_NSLOTS) return i;
+    return -1;
+}
+
+static void add(struct wave *w, enum role role, int idx, bool dirty)
+{
+    w->at[w->ne++] = (int8_t)w->n;
+    w->role[w->n] = (uint8_t)role;
+    w->idx[w->n] = idx;
+    w->dirty[w->n] = dirty;
+    w->from[w->n] = -1;
+    w->n++;
+}
+
+/* The attention half, ln2 and the gate: weights (entries 0-8), then with grads their
+ * gradients (9-17), then a[k]. */
+static void wave_attn(struct trainer *t, int k, bool grads, struct wave *w)
+{
+    *w = (struct wave){.what = grads ? "a MoE block's attention and gate backward"
+                                     : "a MoE block's attention and gate"};
+    int first = t->block_first[k], g = gate_of(t, k);
+    for (int s = 0; s < GPT_FC_W; s++)
+        add(w, R_W, first + s, false);
+    add(w, R_W, g, false);
+    for (int s = 0; s < GPT_FC_W && grads; s++)
+        add(w, R_G, first + s, true);
+    if (grads) add(w, R_G, g, true);
+    add(w, R_ACT, k, false);
+}
+
+/* Expert e: its four weights, and with grads their gradients. */
+static void wave_expert(struct trainer *t, int k, int e, bool grads, struct wave *w)
+{
+    *w = (struct wave){.what = grads ? "an expert's backward (its weights and gradients)"
+                                     : "an expert's forward (its weights)"};
+    for (int s = GPT_FC_W; s <= GPT_MLP_PROJ_B; s++)
+        add(w, R_W, expert_idx(gate_of(t, k), e, s), false);
+    for (int s = GPT_FC_W; s <= GPT_MLP_PROJ_B && grads; s++)
+        add(w, R_G, expert_idx(gate_of(t, k), e, s), true);
+}
+
+bool train_moe_wave(struct trainer *t, int k, int n, struct wave *w)
+{
+    switch (n) {
+    case 0:
+    case 1:
+        wave_attn(t, k, n == 1, w);
+        return true;
+    case 2: /* every expert's sets are alike */
+    case 3:
+        wave_expert(t, k, 0, n == 3, w);
+        return true;
+    case 4:
+        *w = (struct wave){.what = "a MoE block's output"};
+        add(w, R_ACT, k + 1, true);
+        return true;
+    default:
+        return false;
+    }
+}
+
+static void block_params(void **p, struct gpt_block_params *bp)
+{
+    memset(bp, 0, sizeof(*bp));
+    for (int s = 0; s < GPT_FC_W; s++)
+        bp->t[s] = p[s];
+}
+
+/* x2, ln2 and the route of block k from a[k] (the set of wave_attn at p). */
+static int attn_and_route(struct trainer *t, void **p, int a)
+{
+    struct train_moe *m = t->moe;
+    struct gpt_block_params bp;
+    block_params(p, &bp);
+    int r = gpt_attn_forward(&t->cfg, t->o.batch, t->o.seq, &bp, p[a], m->x2, &m->gs);
+    if (r < 0) return r;
+    ops_layernorm_forward(m->ln, m->mean, m->rstd, m->x2, p[GPT_LN2_W], p[GPT_LN2_B],
+                          (size_t)m->N, (size_t)t->cfg.C);
+    return moe_gate_forward(&m->mc, m->N, m->ln, p[GPT_FC_W], &m->r);
+}
+
+/* Fetch the set, counting what the fetch read from NVMe as the experts'. */
+static int fetch_expert(struct trainer *t, const struct wave *w, void **p)
+{
+    struct zinf_stats s0, s1;
+    zinf_stats(t->e, &s0);
+    int r = train_wave_fetch(t, w, ZINF_TIER_DEVICE, p);
+    zinf_stats(t->e, &s1);
+    t->moe->read_step += s1.nvme_bytes_read - s0.nvme_bytes_read;
+    return r;
+}
+
+int train_moe_forward(struct trainer *t, int k)
+{
+    struct train_moe *m = t->moe;
+    const size_t NC = (size_t)m->N * (size_t)t->cfg.C;
+    struct wave w;
+    void *p[WAVE_MAX];
+    uint64_t s0 = trace_on() ? now_ns() : 0;
+
+    if (k == t->kb) m->aux = 0; /* the first block of a forward */
+    wave_attn(t, k, false, &w);
+    int r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p);
+    if (r < 0) return r;
+    r = attn_and_route(t, p, GPT_FC_W + 1);
+    train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    if (r < 0) return r;
+    m->aux += m->r.l_aux;
+    int n = moe_route_experts_used(&m->r, m->used);
+    if (n < 0) return n;
+    m->used_step += n;
+    memset(m->y, 0, NC * sizeof(float));
+    for (int j = 0; j < n; j++) {
+        struct moe_expert_params ep;
+        wave_expert(t, k, m->used[j], false, &w);
+        if ((r = fetch_expert(t, &w, p)) < 0) return r;
+        ep = (struct moe_expert_params){p[0], p[1], p[2], p[3]};
+        r = moe_expert_forward(&m->mc, &m->r, m->used[j], &ep, m->ln, m->y, &m->ms);
+        train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+        if (r < 0) return r;
+        train_note_peaks(t);
+    }
+    train_moe_wave(t, k, 4, &w);
+    if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
+    ops_add(p[0], m->x2, m->y, NC);
+    r = train_wave_release(t, &w, ZINF_TIER_DEVICE, true);
+    if (s0) trace_span_n("train", "MoE block forward", k, s0);
+    return r;
+}
+
+/* Each of n gradients (entries of p from `at`) zeroed when zero, and summed into the norm
+ * when norm. */
+static int grads_begin(struct trainer *t, void **p, int at, const struct wave *w, int n,
+                       bool zero)
+{
+    int r = 0;
+    for (int i = 0; i < n && r == 0 && zero; i++)
+        r = t->be->ops->zero(t->be, p[at + i],
+                             t->desc[w->idx[w->at[at + i]]].numel * sizeof(float));
+    return r;
+}
+
+static int grads_norm(struct trainer *t, void **p, int at, const struct wave *w, int n, bool norm)
+{
+    int r = 0;
+    for (int i = 0; i < n && r == 0 && norm; i++)
+        r = t->be->ops->sumsq(t->be, p[at + i], t->desc[w->idx[w->at[at + i]]].numel);
+    return r;
+}
+
+int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
+{
+    struct train_moe *m = t->moe;
+    const struct backend_ops *be = t->be->ops;
+    const size_t NC = (size_t)m->N * (size_t)t->cfg.C;
+    struct wave w;
+    void *p[WAVE_MAX];
+    uint64_t s0 = trace_on() ? now_ns() : 0;
+
+    /* The route again, from the block's input. */
+    wave_attn(t, k, false, &w);
+    int r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p);
+    if (r < 0) return r;
+    r = attn_and_route(t, p, GPT_FC_W + 1);
+    train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    if (r < 0 || (r = be->grad_io(t->be, m->d, false)) < 0) return r;
+    int n = moe_route_experts_used(&m->r, m->used);
+    if (n < 0) return n;
+    memset(m->dln, 0, NC * sizeof(float));
+    memset(m->dw, 0, (size_t)m->N * (size_t)m->mc.k * sizeof(float));
+    for (int j = 0; j < n; j++) {
+        int e = m->used[j];
+        wave_expert(t, k, e, true, &w);
+        if ((r = fetch_expert(t, &w, p)) < 0) return r;
+        struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
+        struct moe_expert_grads eg = {p[4], p[5], p[6], p[7]};
+        r = grads_begin(t, p, 4, &w, 4, zero);
+        if (r == 0)
+            r = moe_expert_backward(&m->mc, &m->r, e, &ep, &eg, m->ln, m->d, m->dln, m->dw,
+                                    &m->ms);
+        if (r == 0) r = grads_norm(t, p, 4, &w, 4, norm);
+        r = train_settle(t, r);
+        train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+        if (r < 0) return r;
+        for (int s = GPT_FC_W; s <= GPT_MLP_PROJ_B; s++)
+            m->idle[expert_idx(m->gate[k], e, s)] = false;
+        train_note_peaks(t);
+    }
+    /* The gate, ln2 and the attention half: d becomes the gradient of a[k]. */
+    wave_attn(t, k, true, &w);
+    if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
+    const int G = GPT_FC_W + 1; /* the gradients' first entry */
+    struct gpt_block_params bp;
+    struct gpt_block_grads bg = {{0}};
+    block_params(p, &bp);
+    for (int s = 0; s < GPT_FC_W; s++)
+        bg.t[s] = p[G + s];
+    r = grads_begin(t, p, G, &w, G, zero);
+    if (r == 0)
+        r = moe_gate_backward(&m->mc, &m->r, m->ln, p[GPT_FC_W], m->dw,
+                              t->o.moe.loss_coef * t->be->loss_scale, m->dln, p[G + GPT_FC_W],
+                              &m->ms);
+    if (r == 0) {
+        ops_layernorm_backward(m->d, 1, p[G + GPT_LN2_W], p[G + GPT_LN2_B], m->dln, m->x2,
+                               p[GPT_LN2_W], m->mean, m->rstd, (size_t)m->N, (size_t)t->cfg.C);
+        r = gpt_attn_backward(&t->cfg, t->o.batch, t->o.seq, &bp, p[2 * G], m->d, m->d, &bg,
+                              &m->gs);
+    }
+    if (r == 0) r = grads_norm(t, p, G, &w, G, norm);
+    if (r == 0) r = be->grad_io(t->be, m->d, true);
+    r = train_settle(t, r);
+    int x = train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    if (s0) trace_span_n("train", "MoE block backward", k, s0);
+    return r < 0 ? r : x;
+}
