@@ -39,6 +39,14 @@ static void teardown(void)
 TestSuite(pipeline, .init = setup, .fini = teardown, .timeout = 170);
 
 #define run test_run_zinf
+
+/* Under AddressSanitizer (the sanitizers' leg), the tensor- and sequence-parallel test runs
+ * fewer layouts; every one runs in the normal build. */
+#if defined(__SANITIZE_ADDRESS__)
+#define SANITIZED 1
+#else
+#define SANITIZED 0
+#endif
 #define DATA "/usr/share/common-licenses/GPL-3"
 #define STEPS 3
 
@@ -319,6 +327,7 @@ Test(pipeline, tensor_and_sequence_parallel_ranks_give_one_ranks_losses_and_thei
     };
     for (size_t c = 0; c < ARRAY_SIZE(cases); c++) {
         char name[32];
+        if (SANITIZED && c != 0 && c != 4 && c != 5) continue; /* tp 2, 2 x 2 x 2, sp 2 */
         snprintf(name, sizeof(name), "tp%zu", c);
         config(cfg, sizeof(cfg), name, cases[c].M, cases[c].extra, cases[c].train);
         train(cases[c].n, cfg, name, "", &a);
@@ -327,7 +336,7 @@ Test(pipeline, tensor_and_sequence_parallel_ranks_give_one_ranks_losses_and_thei
             cr_assert(fabs(got[s] - one[cases[c].ref][s]) <= 1e-6 * fabs(one[cases[c].ref][s]),
                       "%s, step %d: %.9g against one rank's %.9g", name, s, got[s],
                       one[cases[c].ref][s]);
-        if (c != 1 && c != 4 && c != 6) continue;
+        if ((c != 1 && c != 4 && c != 6) || SANITIZED) continue;
         snprintf(name, sizeof(name), "tp%zu_again", c);
         train(cases[c].n, cfg, name, "", &b);
         same(&a, &b, name);
