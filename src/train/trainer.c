@@ -334,20 +334,7 @@ static int layout(struct trainer *t, char *err, size_t errlen)
     }
     int r = train_moe_layout(t, t->desc, (size_t)t->ntensors, err, errlen);
     if (r < 0) return r;
-    for (int i = 0; i < t->ntensors; i++) {
-        const struct gpt_tensor_desc *d = &t->desc[i];
-        if (d->block >= 0 && d->slot == 0) t->block_first[d->block] = i;
-        if (d->block < 0) {
-            if (d->slot == GPT_WTE)
-                t->wte = i;
-            else if (d->slot == GPT_WPE)
-                t->wpe = i;
-            else if (d->slot == GPT_LNF_W)
-                t->lnfw = i;
-            else
-                t->lnfb = i;
-        }
-    }
+    /* The rank's tensors (a pipeline stage's, a tensor-parallel rank's slices), indexed. */
     if (train_pipe_layout(t) < 0) {
         snprintf(err, errlen, "out of memory");
         return -ENOMEM;

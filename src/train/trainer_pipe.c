@@ -406,6 +406,25 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 
 /* ---- the stage's tensors ------------------------------------------------------------ */
 
+/* Where each block starts and the four tensors outside the blocks are (-1: not here). */
+static void index_layout(struct trainer *t)
+{
+    t->wte = t->wpe = t->lnfw = t->lnfb = -1;
+    for (int i = 0; i < t->ntensors; i++) {
+        const struct gpt_tensor_desc *d = &t->desc[i];
+        if (d->block >= 0 && d->slot == 0) t->block_first[d->block] = i;
+        if (d->block >= 0) continue;
+        if (d->slot == GPT_WTE)
+            t->wte = i;
+        else if (d->slot == GPT_WPE)
+            t->wpe = i;
+        else if (d->slot == GPT_LNF_W)
+            t->lnfw = i;
+        else
+            t->lnfb = i;
+    }
+}
+
 /* Tensor parallel: each tensor is this rank's slice of it. */
 static int tp_shapes(struct trainer *t)
 {
@@ -432,6 +451,7 @@ int train_pipe_layout(struct trainer *t)
     if (t->pp == 1) {
         for (int i = 0; i < n; i++)
             t->gidx[i] = i;
+        index_layout(t);
         return tp_shapes(t);
     }
     bool first = t->ps == 0, last = t->ps == t->pp - 1;
@@ -457,20 +477,7 @@ int train_pipe_layout(struct trainer *t)
         t->wte_copy = k++;
     }
     t->ntensors = k;
-    t->wte = t->wpe = t->lnfw = t->lnfb = -1;
-    for (int i = 0; i < k; i++) {
-        const struct gpt_tensor_desc *d = &t->desc[i];
-        if (d->block >= 0 && d->slot == 0) t->block_first[d->block] = i;
-        if (d->block >= 0) continue;
-        if (d->slot == GPT_WTE)
-            t->wte = i;
-        else if (d->slot == GPT_WPE)
-            t->wpe = i;
-        else if (d->slot == GPT_LNF_W)
-            t->lnfw = i;
-        else
-            t->lnfb = i;
-    }
+    index_layout(t);
     return tp_shapes(t);
 }
 
