@@ -192,6 +192,47 @@ int moe_ep_pack(const struct moe_config *cfg, const struct moe_route *r, int ep,
 int moe_ep_unpack(const struct moe_config *cfg, const struct moe_route *r, int ep, int block_cap,
                   const float *recv, float *y);
 
+/* The exchange in steps, for a caller that fetches each of its experts only when rows came
+ * for it (moe_mlp_forward/backward over a group are these steps with every expert in
+ * memory). Every rank of the group, with its own route r:
+ *   dispatch   the counts, then the rows of its kept choices to their experts' owners
+ *              (the backward's: each row's input, output gradient and weight);
+ *   rows       for local expert j (0 to E/ep - 1) and source rank src, in source order: the
+ *              n rows that came (moe_ep_rows_for: from all sources), and where the expert's
+ *              outputs go (the forward: out (n,C); the backward: out = d_in (n,C), d_w (n));
+ *   combine    the outputs back, summed per token in expert order into y (the backward:
+ *              d_x (N,C) written, d_weight of every kept choice written).
+ * Dispatch allocates the buffers (xf) and combine frees them, as does a failure;
+ * moe_ep_xfer_release frees what a caller gives up on. 0 or -errno (-EPROTO for counts
+ * that came back impossible). */
+struct moe_ep_xfer {
+    int block_cap;            /* the group's largest capacity: rows per expert and block */
+    int w_out, w_back;        /* floats per row of the blocks out and back */
+    int *in_counts;           /* (ep, E/ep): rows from each source for each local expert */
+    float *send, *recv, *back;
+    size_t bf_out, bf_back;   /* floats of one block out, back */
+};
+struct moe_ep_rows {
+    int n;
+    const float *in, *d_y, *w; /* d_y, w: the backward's */
+    float *out, *d_w;          /* d_w: the backward's */
+};
+int moe_ep_dispatch_forward(const struct moe_config *cfg, const struct moe_ep *ep,
+                            const struct moe_route *r, const float *x, struct moe_ep_xfer *xf);
+int moe_ep_dispatch_backward(const struct moe_config *cfg, const struct moe_ep *ep,
+                             const struct moe_route *r, const float *x, const float *d_y,
+                             struct moe_ep_xfer *xf);
+int moe_ep_rows(const struct moe_config *cfg, const struct moe_ep *ep,
+                const struct moe_ep_xfer *xf, int src, int j, struct moe_ep_rows *out);
+int moe_ep_rows_for(const struct moe_config *cfg, const struct moe_ep *ep,
+                    const struct moe_ep_xfer *xf, int j);
+int moe_ep_combine_forward(const struct moe_config *cfg, const struct moe_ep *ep,
+                           const struct moe_route *r, struct moe_ep_xfer *xf, float *y);
+int moe_ep_combine_backward(const struct moe_config *cfg, const struct moe_ep *ep,
+                            const struct moe_route *r, struct moe_ep_xfer *xf, float *d_x,
+                            float *d_weight);
+void moe_ep_xfer_release(struct moe_ep_xfer *xf);
+
 /* The whole layer: the gate into r, then y (N,C) = the MoE output. ep NULL: one rank with
  * all E experts in experts[]; otherwise experts[] holds the E/ep this rank owns, and every
  * rank of the group calls with its own tokens. They allocate their own working memory

@@ -164,6 +164,137 @@ out:
     return rc;
 }
 
+/* ---- the exchange in steps ------------------------------------------------------------------- */
+
+void moe_ep_xfer_release(struct moe_ep_xfer *xf)
+{
+    free(xf->in_counts);
+    free(xf->send);
+    free(xf->recv);
+    free(xf->back);
+    *xf = (struct moe_ep_xfer){0};
+}
+
+/* Counts, then buffers of ep blocks of the widths out (what goes to the owners) and back. */
+static int xfer_begin(const struct moe_config *cfg, const struct moe_ep *ep,
+                      const struct moe_route *r, int w_out, int w_back, struct moe_ep_xfer *xf)
+{
+    const int P = ep->ep, Epr = cfg->E / P;
+    *xf = (struct moe_ep_xfer){0};
+    int rc = check_pack(cfg, r, P, r->capacity);
+    if (rc < 0) return rc;
+    if (!ep->alltoall || ep->rank < 0 || ep->rank >= P)
+        return moe_bad("ep rank %d of %d, or no alltoall", ep->rank, P);
+    if (!(xf->in_counts = malloc((size_t)P * (size_t)Epr * sizeof(int)))) return -ENOMEM;
+    if ((rc = exchange_counts(cfg, ep, r, &xf->block_cap, xf->in_counts)) < 0) goto fail;
+    xf->bf_out = moe_ep_block_floats(cfg, P, xf->block_cap, w_out);
+    xf->bf_back = moe_ep_block_floats(cfg, P, xf->block_cap, w_back);
+    xf->w_out = w_out;
+    xf->w_back = w_back;
+    xf->send = calloc(MAX((size_t)P * xf->bf_out, 1), sizeof(float));
+    xf->recv = malloc(MAX((size_t)P * MAX(xf->bf_out, xf->bf_back), 1) * sizeof(float));
+    xf->back = calloc(MAX((size_t)P * xf->bf_back, 1), sizeof(float));
+    if (xf->send && xf->recv && xf->back) return 0;
+    rc = -ENOMEM;
+fail:
+    moe_ep_xfer_release(xf);
+    return rc;
+}
+
+int moe_ep_dispatch_forward(const struct moe_config *cfg, const struct moe_ep *ep,
+                            const struct moe_route *r, const float *x, struct moe_ep_xfer *xf)
+{
+    int rc = xfer_begin(cfg, ep, r, cfg->C, cfg->C, xf);
+    if (rc < 0) return rc;
+    pack(cfg, r, ep->ep, xf->block_cap, x, xf->send);
+    if ((rc = ep->alltoall(xf->send, xf->recv, xf->bf_out, ep->ctx)) < 0) moe_ep_xfer_release(xf);
+    return rc;
+}
+
+int moe_ep_dispatch_backward(const struct moe_config *cfg, const struct moe_ep *ep,
+                             const struct moe_route *r, const float *x, const float *d_y,
+                             struct moe_ep_xfer *xf)
+{
+    const int C = cfg->C, Epr = cfg->E / MAX(ep->ep, 1), k = r ? r->k : 1;
+    int rc = xfer_begin(cfg, ep, r, 2 * C + 1, C + 1, xf);
+    if (rc < 0) return rc;
+    const size_t cap = (size_t)xf->block_cap, Cz = (size_t)C;
+    for (int e = 0; e < cfg->E; e++) {
+        float *blk = xf->send + block_at(cfg, ep->ep, xf->block_cap, xf->w_out, e / Epr, e % Epr);
+        const struct moe_slot *sl = r->slots + (size_t)e * (size_t)r->max_N;
+        for (int i = 0; i < r->count[e]; i++) {
+            size_t t = (size_t)sl[i].token;
+            memcpy(blk + (size_t)i * Cz, x + t * Cz, Cz * sizeof(float));
+            memcpy(blk + (cap + (size_t)i) * Cz, d_y + t * Cz, Cz * sizeof(float));
+            blk[2 * cap * Cz + (size_t)i] = r->weight[t * (size_t)k + (size_t)sl[i].choice];
+        }
+    }
+    if ((rc = ep->alltoall(xf->send, xf->recv, xf->bf_out, ep->ctx)) < 0) moe_ep_xfer_release(xf);
+    return rc;
+}
+
+int moe_ep_rows(const struct moe_config *cfg, const struct moe_ep *ep,
+                const struct moe_ep_xfer *xf, int src, int j, struct moe_ep_rows *out)
+{
+    const int Epr = cfg->E / ep->ep;
+    const size_t cap = (size_t)xf->block_cap, C = (size_t)cfg->C;
+    const float *in = xf->recv + block_at(cfg, ep->ep, xf->block_cap, xf->w_out, src, j);
+    float *ret = (xf->w_out == cfg->C ? xf->send : xf->back) +
+                 block_at(cfg, ep->ep, xf->block_cap, xf->w_back, src, j);
+    *out = (struct moe_ep_rows){.n = xf->in_counts[src * Epr + j], .in = in, .out = ret};
+    if (xf->w_out != cfg->C) { /* the backward's planes */
+        out->d_y = in + cap * C;
+        out->w = in + 2 * cap * C;
+        out->d_w = ret + cap * C;
+    }
+    return out->n;
+}
+
+int moe_ep_rows_for(const struct moe_config *cfg, const struct moe_ep *ep,
+                    const struct moe_ep_xfer *xf, int j)
+{
+    const int Epr = cfg->E / ep->ep;
+    int n = 0;
+    for (int s = 0; s < ep->ep; s++)
+        n += xf->in_counts[s * Epr + j];
+    return n;
+}
+
+int moe_ep_combine_forward(const struct moe_config *cfg, const struct moe_ep *ep,
+                           const struct moe_route *r, struct moe_ep_xfer *xf, float *y)
+{
+    /* The outputs were written where the inputs came in (moe_ep_rows' out); unused rows are
+     * zero. */
+    int rc = ep->alltoall(xf->send, xf->recv, xf->bf_out, ep->ctx);
+    if (rc == 0) unpack(cfg, r, ep->ep, xf->block_cap, xf->recv, y);
+    moe_ep_xfer_release(xf);
+    return rc;
+}
+
+int moe_ep_combine_backward(const struct moe_config *cfg, const struct moe_ep *ep,
+                            const struct moe_route *r, struct moe_ep_xfer *xf, float *d_x,
+                            float *d_weight)
+{
+    const int Epr = cfg->E / ep->ep;
+    const size_t cap = (size_t)xf->block_cap, C = (size_t)cfg->C, k = (size_t)r->k;
+    int rc = ep->alltoall(xf->back, xf->recv, xf->bf_back, ep->ctx);
+    if (rc < 0) goto out;
+    memset(d_x, 0, (size_t)r->N * C * sizeof(float));
+    for (int e = 0; e < cfg->E; e++) {
+        const float *blk =
+            xf->recv + block_at(cfg, ep->ep, xf->block_cap, xf->w_back, e / Epr, e % Epr);
+        const struct moe_slot *sl = r->slots + (size_t)e * (size_t)r->max_N;
+        for (int i = 0; i < r->count[e]; i++) {
+            size_t t = (size_t)sl[i].token;
+            moe_row_add(d_x + t * C, blk + (size_t)i * C, C);
+            d_weight[t * k + (size_t)sl[i].choice] = blk[cap * C + (size_t)i];
+        }
+    }
+out:
+    moe_ep_xfer_release(xf);
+    return rc;
+}
+
 /* ---- forward and backward over the group ---------------------------------------------------- */
 
 int moe_ep_mlp_forward(const struct moe_config *cfg, const struct moe_ep *ep, int N, const float *x,
@@ -171,40 +302,24 @@ int moe_ep_mlp_forward(const struct moe_config *cfg, const struct moe_ep *ep, in
 {
     (void)N; /* the route's */
     const int P = ep->ep, Epr = cfg->E / P;
-    float *send = NULL, *recv = NULL;
+    struct moe_ep_xfer xf;
     struct moe_scratch s = {0};
-    int block_cap = 0, rc;
-    size_t bf;
-    int *in_counts = malloc((size_t)P * (size_t)Epr * sizeof(int));
-    if (!in_counts) return -ENOMEM;
-    if ((rc = exchange_counts(cfg, ep, r, &block_cap, in_counts)) < 0) goto out;
-    bf = moe_ep_block_floats(cfg, P, block_cap, cfg->C);
-    send = malloc((size_t)P * bf * sizeof(float));
-    recv = malloc((size_t)P * bf * sizeof(float));
-    s.bytes = moe_scratch_bytes(cfg, block_cap);
-    s.mem = malloc(s.bytes);
-    rc = -ENOMEM;
-    if (!send || !recv || !s.mem) goto out;
-
-    pack(cfg, r, P, block_cap, x, send);
-    if ((rc = ep->alltoall(send, recv, bf, ep->ctx)) < 0) goto out;
-    /* The outputs go back in the places the inputs came in; unused rows stay zero. */
-    memset(send, 0, (size_t)P * bf * sizeof(float));
-    for (int j = 0; j < Epr; j++)
-        for (int src = 0; src < P; src++) {
-            size_t at = block_at(cfg, P, block_cap, cfg->C, src, j);
-            rc = moe_expert_forward_rows(cfg, &experts[j], in_counts[src * Epr + j], recv + at,
-                                         send + at, &s);
-            if (rc < 0) goto out;
+    int rc = moe_ep_dispatch_forward(cfg, ep, r, x, &xf);
+    if (rc < 0) return rc;
+    s.bytes = moe_scratch_bytes(cfg, xf.block_cap);
+    if (!(s.mem = malloc(s.bytes))) rc = -ENOMEM;
+    for (int j = 0; j < Epr && rc == 0; j++)
+        for (int src = 0; src < P && rc == 0; src++) {
+            struct moe_ep_rows rw;
+            if (moe_ep_rows(cfg, ep, &xf, src, j, &rw) > 0)
+                rc = moe_expert_forward_rows(cfg, &experts[j], rw.n, rw.in, rw.out, &s);
         }
-    if ((rc = ep->alltoall(send, recv, bf, ep->ctx)) < 0) goto out;
-    unpack(cfg, r, P, block_cap, recv, y);
-out:
     free(s.mem);
-    free(recv);
-    free(send);
-    free(in_counts);
-    return rc;
+    if (rc < 0) {
+        moe_ep_xfer_release(&xf);
+        return rc;
+    }
+    return moe_ep_combine_forward(cfg, ep, r, &xf, y);
 }
 
 /* In the backward, a local expert's part of a block to the owner holds three planes of
@@ -215,62 +330,25 @@ int moe_ep_mlp_backward(const struct moe_config *cfg, const struct moe_ep *ep, i
                         const struct moe_expert_grads *grads, const struct moe_route *r,
                         const float *d_y, float *d_x, float *d_weight)
 {
-    const int P = ep->ep, Epr = cfg->E / P, k = r->k;
-    const int w_out = 2 * cfg->C + 1, w_back = cfg->C + 1;
-    const size_t C = (size_t)cfg->C;
-    float *send = NULL, *recv = NULL, *back = NULL;
+    (void)N;
+    const int P = ep->ep, Epr = cfg->E / P;
+    struct moe_ep_xfer xf;
     struct moe_scratch s = {0};
-    int block_cap = 0, rc;
-    size_t cap, bf_out, bf_back;
-    int *in_counts = malloc((size_t)P * (size_t)Epr * sizeof(int));
-    if (!in_counts) return -ENOMEM;
-    if ((rc = exchange_counts(cfg, ep, r, &block_cap, in_counts)) < 0) goto out;
-    cap = (size_t)block_cap;
-    bf_out = moe_ep_block_floats(cfg, P, block_cap, w_out);
-    bf_back = moe_ep_block_floats(cfg, P, block_cap, w_back);
-    send = calloc((size_t)P * bf_out, sizeof(float));
-    recv = malloc((size_t)P * bf_out * sizeof(float));
-    back = calloc((size_t)P * bf_back, sizeof(float));
-    s.bytes = moe_scratch_bytes(cfg, block_cap);
-    s.mem = malloc(s.bytes);
-    rc = -ENOMEM;
-    if (!send || !recv || !back || !s.mem) goto out;
-
-    for (int e = 0; e < cfg->E; e++) {
-        float *blk = send + block_at(cfg, P, block_cap, w_out, e / Epr, e % Epr);
-        const struct moe_slot *sl = r->slots + (size_t)e * (size_t)r->max_N;
-        for (int i = 0; i < r->count[e]; i++) {
-            size_t t = (size_t)sl[i].token;
-            memcpy(blk + (size_t)i * C, x + t * C, C * sizeof(float));
-            memcpy(blk + (cap + (size_t)i) * C, d_y + t * C, C * sizeof(float));
-            blk[2 * cap * C + (size_t)i] = r->weight[t * (size_t)k + (size_t)sl[i].choice];
+    int rc = moe_ep_dispatch_backward(cfg, ep, r, x, d_y, &xf);
+    if (rc < 0) return rc;
+    s.bytes = moe_scratch_bytes(cfg, xf.block_cap);
+    if (!(s.mem = malloc(s.bytes))) rc = -ENOMEM;
+    for (int j = 0; j < Epr && rc == 0; j++)
+        for (int src = 0; src < P && rc == 0; src++) {
+            struct moe_ep_rows rw;
+            if (moe_ep_rows(cfg, ep, &xf, src, j, &rw) > 0)
+                rc = moe_expert_backward_rows(cfg, &experts[j], &grads[j], rw.n, rw.in, rw.d_y,
+                                              rw.w, rw.out, rw.d_w, &s);
         }
-    }
-    if ((rc = ep->alltoall(send, recv, bf_out, ep->ctx)) < 0) goto out;
-    for (int j = 0; j < Epr; j++)
-        for (int src = 0; src < P; src++) {
-            const float *in = recv + block_at(cfg, P, block_cap, w_out, src, j);
-            float *ret = back + block_at(cfg, P, block_cap, w_back, src, j);
-            rc = moe_expert_backward_rows(cfg, &experts[j], &grads[j], in_counts[src * Epr + j], in,
-                                          in + cap * C, in + 2 * cap * C, ret, ret + cap * C, &s);
-            if (rc < 0) goto out;
-        }
-    if ((rc = ep->alltoall(back, recv, bf_back, ep->ctx)) < 0) goto out;
-    memset(d_x, 0, (size_t)N * C * sizeof(float));
-    for (int e = 0; e < cfg->E; e++) {
-        const float *blk = recv + block_at(cfg, P, block_cap, w_back, e / Epr, e % Epr);
-        const struct moe_slot *sl = r->slots + (size_t)e * (size_t)r->max_N;
-        for (int i = 0; i < r->count[e]; i++) {
-            size_t t = (size_t)sl[i].token;
-            moe_row_add(d_x + t * C, blk + (size_t)i * C, C);
-            d_weight[t * (size_t)k + (size_t)sl[i].choice] = blk[cap * C + (size_t)i];
-        }
-    }
-out:
     free(s.mem);
-    free(back);
-    free(recv);
-    free(send);
-    free(in_counts);
-    return rc;
+    if (rc < 0) {
+        moe_ep_xfer_release(&xf);
+        return rc;
+    }
+    return moe_ep_combine_backward(cfg, ep, r, &xf, d_x, d_weight);
 }
