@@ -73,10 +73,10 @@ Test(moe_train, what_a_run_cannot_have_is_refused_naming_it)
          "moe.ep_size 2: the expert-parallel group is the data-parallel ranks, 1 here"},
         {1, "\"moe\": {\"num_experts\": 4, \"use_rts\": true},", "", "moe.use_rts: true is not built"},
         {1, "", "--experts 4 --precision bf16", "moe.num_experts 4 with --precision bf16 or fp16"},
-        {1, "", "--experts 4 --top-k 2 --accumulate 2",
-         "moe.num_experts 4 with --accumulate above 1"},
-        {2, "\"moe\": {\"num_experts\": 4, \"ep_size\": 2},", "",
-         "expert parallelism over the data-parallel ranks is not built yet"},
+        {2, "\"moe\": {\"num_experts\": 4},", "",
+         "moe.ep_size 1 with 2 ranks: experts replicated on every rank are not built"},
+        {2, "\"moe\": {\"num_experts\": 3, \"ep_size\": 2},", "",
+         "ep_size must divide num_experts"},
     };
     for (size_t c = 0; c < ARRAY_SIZE(cases); c++) {
         config(cfg, sizeof(cfg), cases[c].extra);

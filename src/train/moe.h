@@ -206,11 +206,11 @@ int moe_ep_unpack(const struct moe_config *cfg, const struct moe_route *r, int e
  * moe_ep_xfer_release frees what a caller gives up on. 0 or -errno (-EPROTO for counts
  * that came back impossible). */
 struct moe_ep_xfer {
-    int block_cap;            /* the group's largest capacity: rows per expert and block */
-    int w_out, w_back;        /* floats per row of the blocks out and back */
-    int *in_counts;           /* (ep, E/ep): rows from each source for each local expert */
+    int block_cap;     /* the group's largest capacity: rows per expert and block */
+    int w_out, w_back; /* floats per row of the blocks out and back */
+    int *in_counts;    /* (ep, E/ep): rows from each source for each local expert */
     float *send, *recv, *back;
-    size_t bf_out, bf_back;   /* floats of one block out, back */
+    size_t bf_out, bf_back; /* floats of one block out, back */
 };
 struct moe_ep_rows {
     int n;
@@ -222,8 +222,8 @@ int moe_ep_dispatch_forward(const struct moe_config *cfg, const struct moe_ep *e
 int moe_ep_dispatch_backward(const struct moe_config *cfg, const struct moe_ep *ep,
                              const struct moe_route *r, const float *x, const float *d_y,
                              struct moe_ep_xfer *xf);
-int moe_ep_rows(const struct moe_config *cfg, const struct moe_ep *ep,
-                const struct moe_ep_xfer *xf, int src, int j, struct moe_ep_rows *out);
+int moe_ep_rows(const struct moe_config *cfg, const struct moe_ep *ep, const struct moe_ep_xfer *xf,
+                int src, int j, struct moe_ep_rows *out);
 int moe_ep_rows_for(const struct moe_config *cfg, const struct moe_ep *ep,
                     const struct moe_ep_xfer *xf, int j);
 int moe_ep_combine_forward(const struct moe_config *cfg, const struct moe_ep *ep,

@@ -233,8 +233,8 @@ int moe_ep_dispatch_backward(const struct moe_config *cfg, const struct moe_ep *
     return rc;
 }
 
-int moe_ep_rows(const struct moe_config *cfg, const struct moe_ep *ep,
-                const struct moe_ep_xfer *xf, int src, int j, struct moe_ep_rows *out)
+int moe_ep_rows(const struct moe_config *cfg, const struct moe_ep *ep, const struct moe_ep_xfer *xf,
+                int src, int j, struct moe_ep_rows *out)
 {
     const int Epr = cfg->E / ep->ep;
     const size_t cap = (size_t)xf->block_cap, C = (size_t)cfg->C;

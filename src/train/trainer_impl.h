@@ -42,10 +42,11 @@ struct backend;
 #define STATE_MAGIC 0x7a696e6674726e33ull    /* "zinftrn3": the tail of the data held out */
 #define STATE_MAGIC_V2 0x7a696e6674726e32ull /* "zinftrn2": trained on all of it */
 #define HELD_OUT_DIVISOR 10                  /* the last tenth of the data is for validation */
-#define ZERO_NAME "train.zero"                /* ranks > 1: struct zero_state */
-#define ZERO_MAGIC 0x7a696e667a65726full      /* "zinfzero" */
-#define SHARD_FLOATS 1024 /* shards are multiples of 4 KiB (O_DIRECT), and so are the chunks
-                             the gradient norm is summed by */
+#define ZERO_NAME "train.zero"               /* ranks > 1: struct zero_state */
+#define ZERO_MAGIC 0x7a696e667a65726full     /* "zinfzero" */
+#define SHARD_FLOATS                                                                               \
+    1024 /* shards are multiples of 4 KiB (O_DIRECT), and so are the chunks                        \
+            the gradient norm is summed by */
 #define NLOCAL (GPT_BLOCK_NSLOTS + 4) /* buffers of one block's tensors, then the four others */
 #define HOST_COMM_SUFFIX ".host" /* GPU ranks: the host communicator's name is the job's + this */
 #define MEM_TIERS (ZINF_TIER_HOST + 1) /* the tiers that hold copies in memory: device, host */
@@ -100,12 +101,12 @@ struct trainer {
      * state in memory is half one step, half the next, and must never be flushed. */
     int torn;
     int checkpoints, checkpoint_step;
-    bool checkpoint_failed;      /* the last trainer_checkpoint() failed */
-    int fault_tensor, fault_err; /* trainer_fault_optimizer() */
+    bool checkpoint_failed;                               /* the last trainer_checkpoint() failed */
+    int fault_tensor, fault_err;                          /* trainer_fault_optimizer() */
     void (*fault_begin)(struct trainer *t, unsigned arg); /* trainer_fault_optimizer_begin() */
     unsigned fault_begin_arg;
-    bool fault_overflow;         /* trainer_fault_overflow() */
-    int fault_save_err;          /* trainer_fault_step_save() */
+    bool fault_overflow; /* trainer_fault_overflow() */
+    int fault_save_err;  /* trainer_fault_step_save() */
     double checkpoint_seconds;
     uint64_t checkpoint_bytes;
     uint64_t peak[3];
@@ -165,14 +166,14 @@ struct trainer {
     int uupto, ur;
     pthread_mutex_t umu;
     pthread_cond_t ucv;
-    int micro;              /* the micro-batch being reduced: 0 copies, later ones add */
-    zinf_tensor lg[NLOCAL]; /* this micro-batch's gradients: world x shard floats each */
+    int micro;                         /* the micro-batch being reduced: 0 copies, later ones add */
+    zinf_tensor lg[NLOCAL];            /* this micro-batch's gradients: world x shard floats each */
     zinf_tensor lg1[GPT_BLOCK_NSLOTS]; /* overlap: the odd blocks' (the even ones' are lg) */
     zinf_tensor gw[NLOCAL]; /* stage 3: the gathered weights, world x shard floats each */
     zinf_tensor gw1[GPT_BLOCK_NSLOTS]; /* the odd blocks' (the even ones' are gw) */
-    int gw_holds[2];        /* the block whose weights gw (0) and gw1 (1) hold, or -1 */
-    bool budgeting;         /* min_budgets(): waves as their worst case (every gather) */
-    pthread_mutex_t gmu;    /* the next block's gathers in flight: gpending, gerr */
+    int gw_holds[2];                   /* the block whose weights gw (0) and gw1 (1) hold, or -1 */
+    bool budgeting;                    /* min_budgets(): waves as their worst case (every gather) */
+    pthread_mutex_t gmu;               /* the next block's gathers in flight: gpending, gerr */
     pthread_cond_t gcv;
     int gpending, gerr;
     struct comm_req greq[GPT_BLOCK_NSLOTS];
@@ -189,7 +190,7 @@ struct trainer {
          * past the gradients it reads), and the fold for `done` (the reduction's). */
         void *after, *done;
     } rq[GPT_BLOCK_NSLOTS];
-    uint64_t reduce_ns; /* the time steps waited for gradient reductions */
+    uint64_t reduce_ns;                /* the time steps waited for gradient reductions */
     uint64_t opt_ahead, opt_refetched; /* trainer_summary.pipeline_ahead, _refetched */
     /* The optimizer's sets by the position it takes them in (trainer_optim.c): those asked
      * for ahead, the first `opt_pre` of them during the backward (their parameters and
@@ -198,15 +199,15 @@ struct trainer {
     int opt_pre;
     uint64_t opt_pre_bytes, opt_room;
     bool opt_room_known;
-    bool last_micro; /* the step's last micro-batch runs: its backward asks ahead */
-    zinf_tensor zstate;     /* struct zero_state */
-    float *tmp;             /* (world + 1) x the largest shard: collectives' other side */
-    bool tmp_pooled;        /* tmp is the communicator's (comm_alloc): not freed here */
-    float *losses;          /* world x grad_accum: every micro-batch's loss */
-    double *part, *part_all; /* the norm's chunk sums: this rank's, and every rank's */
+    bool last_micro;                /* the step's last micro-batch runs: its backward asks ahead */
+    zinf_tensor zstate;             /* struct zero_state */
+    float *tmp;                     /* (world + 1) x the largest shard: collectives' other side */
+    bool tmp_pooled;                /* tmp is the communicator's (comm_alloc): not freed here */
+    float *losses;                  /* world x grad_accum: every micro-batch's loss */
+    double *part, *part_all;        /* the norm's chunk sums: this rank's, and every rank's */
     struct trainer_budgets budgets; /* derived where the config gives none */
-    double *lamb_sums, *lamb_all; /* LAMB: one tensor's |w|^2 and |u|^2 chunk sums, this
-                                     rank's and every rank's (trainer_optim.c) */
+    double *lamb_sums, *lamb_all;   /* LAMB: one tensor's |w|^2 and |u|^2 chunk sums, this
+                                       rank's and every rank's (trainer_optim.c) */
     size_t nparts;
     size_t *part_first; /* the first chunk of tensor i */
     /* The nvme paths as given: rank R of N keeps its swap files in rank-R-of-N under each
@@ -251,6 +252,12 @@ struct trainer {
     /* Mixture of experts (trainer_moe_step.c): the MoE blocks' working state; NULL in a
      * dense run. */
     struct train_moe *moe;
+    /* Expert parallel (moe.ep_size, the ZeRO ranks): this rank's layout holds only its E/ep
+     * experts of each MoE block (gidx: their number in the whole model's), whole. priv[i]:
+     * tensor i is such an expert, which no other rank has: ZeRO neither partitions nor
+     * reduces it (train_private). NULL without expert parallelism. */
+    int ep;
+    bool *priv;
     /* ZINF_TEST_KILL_AT=POINT:RANK:N: the tests' crash, at POINT of the N-th checkpoint. */
     char kill_point[32];
     int kill_rank, kill_nth, checkpoint_calls;
@@ -278,11 +285,11 @@ struct wave {
     const char *what; /* for the budget error: what the phase pins at once */
     int n;
     uint8_t role[WAVE_MAX];
-    int idx[WAVE_MAX];    /* layout index (an activation's number for R_ACT) */
-    bool dirty[WAVE_MAX]; /* released dirty when the phase succeeded */
-    bool spent[WAVE_MAX]; /* released as zeros (ZINF_RELEASE_ZERO) when it succeeded: a
-                             gradient its update consumed, which the next backward
-                             overwrites, so that nothing reads or writes it meanwhile */
+    int idx[WAVE_MAX];     /* layout index (an activation's number for R_ACT) */
+    bool dirty[WAVE_MAX];  /* released dirty when the phase succeeded */
+    bool spent[WAVE_MAX];  /* released as zeros (ZINF_RELEASE_ZERO) when it succeeded: a
+                              gradient its update consumed, which the next backward
+                              overwrites, so that nothing reads or writes it meanwhile */
     int8_t from[WAVE_MAX]; /* the member gathered into this one (stage 3), else -1 */
     bool async[WAVE_MAX];  /* that gather is the next block's: it runs while this one computes */
     int ahead;             /* 1 + the block gathered ahead (async); 0: none */
@@ -346,6 +353,7 @@ size_t train_shard_of(const struct trainer *t, int idx);
 size_t train_shard_lo(const struct trainer *t, int idx);
 size_t train_shard_own(const struct trainer *t, int idx);
 int train_stage_of(const struct trainer *t, int idx);
+bool train_private(const struct trainer *t, int idx);
 /* The ranks' shape from the options and config (world, rank, stage, exact, overlap); say:
  * notice what the config asks that cannot be. train_zero_setup takes it and meets the ranks. */
 int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen);
@@ -392,6 +400,10 @@ int train_moe_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
 int train_moe_layout(struct trainer *t, struct gpt_tensor_desc *out, size_t cap, char *err,
                      size_t errlen);
 bool train_moe_block(const struct trainer *t, int k);
+/* Whether this rank holds tensor d of the whole model's layout (expert parallel: an expert
+ * of another rank is not), and whether d is an expert's. */
+bool train_moe_mine(const struct trainer *t, const struct gpt_tensor_desc *d);
+bool train_moe_expert(const struct trainer *t, const struct gpt_tensor_desc *d);
 
 /* trainer_moe_step.c: the MoE blocks' phases. A MoE block keeps the 12 tensors of a dense
  * one at block_first[k] (so every block's are where the dense code looks), but its four MLP
@@ -457,10 +469,10 @@ void train_kill_point(struct trainer *t, const char *point);
 /* trainer_layouts.c: the saved runs of every layout, P stages x N ranks (P 1: no pipeline),
  * in [stage-S-of-P/][rank-R-of-N] under each nvme path. */
 struct train_saved {
-    int32_t P, N;        /* the run a resume goes to (P 0: none) */
+    int32_t P, N;         /* the run a resume goes to (P 0: none) */
     int32_t bad_P, bad_N; /* a run passed over (0: none): this run's layout where it is one */
-    int32_t bad_f;       /* its first folder (S x N + R) that holds no saved run; -1: each
-                            holds one, but no step is held by all */
+    int32_t bad_f;        /* its first folder (S x N + R) that holds no saved run; -1: each
+                             holds one, but no step is held by all */
     int32_t pad;
     int64_t step;   /* the step every folder of P x N holds (-1: untagged, before steps were) */
     int64_t newest; /* the newest step any of them holds */

@@ -46,8 +46,9 @@ int train_moe_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
         return -EINVAL;
     }
     if (!(m->capacity_factor > 0) || !isfinite(m->capacity_factor) || m->min_capacity < 0) {
-        snprintf(err, errlen, "moe.capacity_factor %g and moe.min_capacity %d: expected a "
-                              "factor above 0 and a capacity of at least 0",
+        snprintf(err, errlen,
+                 "moe.capacity_factor %g and moe.min_capacity %d: expected a "
+                 "factor above 0 and a capacity of at least 0",
                  m->capacity_factor, m->min_capacity);
         return -EINVAL;
     }
@@ -64,10 +65,17 @@ int train_moe_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
                  m->ep, ranks, ranks);
         return -EINVAL;
     }
-    if (ranks > 1) {
+    if (ranks > 1 && m->ep != ranks) {
         snprintf(err, errlen,
-                 "moe.num_experts %d across %d ranks: expert parallelism over the data-parallel "
-                 "ranks is not built yet (run MoE on one rank)",
+                 "moe.ep_size %d with %d ranks: experts replicated on every rank are not built; "
+                 "the experts are split across the ranks (set ep_size to %d)",
+                 m->ep, ranks, ranks);
+        return -EINVAL;
+    }
+    if (m->E % ranks) {
+        snprintf(err, errlen,
+                 "moe.num_experts %d across moe.ep_size %d ranks: each rank holds E / ep "
+                 "experts, so ep_size must divide num_experts",
                  m->E, ranks);
         return -EINVAL;
     }
@@ -92,9 +100,6 @@ static int refuse(const struct trainer *t, char *err, size_t errlen)
               "\"emulated\")";
     else if (t->be->wdt != BACKEND_F32)
         why = "--precision bf16 or fp16: MoE blocks compute in fp32 only (--precision fp32)";
-    else if (t->o.grad_accum > 1)
-        why = "--accumulate above 1: an expert's gradient over several micro-batches is not "
-              "built (run --accumulate 1)";
     if (!why) return 0;
     snprintf(err, errlen, "moe.num_experts %d with %s", t->o.moe.E, why);
     return -EINVAL;
@@ -103,6 +108,20 @@ static int refuse(const struct trainer *t, char *err, size_t errlen)
 bool train_moe_block(const struct trainer *t, int k)
 {
     return t->o.moe.E > 0 && k % t->o.moe.every == 0;
+}
+
+bool train_moe_expert(const struct trainer *t, const struct gpt_tensor_desc *d)
+{
+    return t->o.moe.E > 0 && d->block >= 0 && d->slot >= GPT_FC_W && d->slot <= GPT_MLP_PROJ_B &&
+           strstr(d->name, ".expert");
+}
+
+bool train_moe_mine(const struct trainer *t, const struct gpt_tensor_desc *d)
+{
+    int k, e;
+    if (t->ep <= 1 || !train_moe_expert(t, d)) return true;
+    if (sscanf(d->name, "h%d.expert%d.", &k, &e) != 2) return true;
+    return e / (t->o.moe.E / t->ep) == t->rank;
 }
 
 int train_moe_layout(struct trainer *t, struct gpt_tensor_desc *out, size_t cap, char *err,
@@ -126,8 +145,11 @@ int train_moe_layout(struct trainer *t, struct gpt_tensor_desc *out, size_t cap,
     for (int k = 0; k < c->L; k++) {
         if (!train_moe_block(t, k)) continue;
         struct gpt_tensor_desc *g = &out[j++];
-        *g = (struct gpt_tensor_desc){.block = k, .slot = GPT_BLOCK_NSLOTS, .ndim = 2,
-                                      .shape = {(size_t)E, C}, .numel = (size_t)E * C,
+        *g = (struct gpt_tensor_desc){.block = k,
+                                      .slot = GPT_BLOCK_NSLOTS,
+                                      .ndim = 2,
+                                      .shape = {(size_t)E, C},
+                                      .numel = (size_t)E * C,
                                       .offset = off};
         snprintf(g->name, sizeof(g->name), "h%d.moe.gate.w", k);
         off += g->numel;

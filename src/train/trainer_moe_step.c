@@ -1,34 +1,48 @@
 /*
  * trainer_moe_step.c - the MoE blocks of a step (trainer_moe.c lays them out), on the CPU
- * backend in fp32, on one rank. Block k, whose input is a[k]:
+ * backend in fp32, on one rank or on expert-parallel ranks. Block k, whose input is a[k]:
  *   x2 = a[k] + attention(ln1(a[k]))     gpt_attn_forward, the block's own slots 0-5
  *   ln = ln2(x2); route, l_aux = gate(ln)  moe_gate_forward
- *   y = the routed experts' outputs      moe_expert_forward, expert by expert in order
+ *   y = the routed experts' outputs      moe_ep_dispatch_forward .. moe_ep_combine_forward
  *   a[k+1] = x2 + y
  * the ops of gpt_attn_forward and then moe.h's moe_sublock_forward, in the same order.
  *
  * Each phase fetches its set and releases it before the next, as the dense blocks' do:
- * the attention weights, ln2, the gate and a[k]; then each expert a token was routed to
- * (moe_route_experts_used), its four tensors as one set; then a[k+1]. An expert that no
- * token chose is not fetched, so its NVMe home is not read. The backward recomputes the
- * attention half and the route from a[k], runs each used expert's backward (fetched again,
- * its gradients zeroed on that first touch of the step), then the gate's, ln2's and the
- * attention half's, the gradient flowing back taken from the backend and handed back to it
- * through grad_io. The experts a step routed nothing to have no gradient: the optimizer
- * leaves them alone (train_moe_idle), as torch's skip a parameter whose .grad is None.
+ * the attention weights, ln2, the gate and a[k]; then each expert of this rank that rows
+ * came for, its four tensors as one set; then a[k+1]. An expert that no token chose is not
+ * fetched, so its NVMe home is not read. The backward recomputes the attention half and
+ * the route from a[k], runs each used expert's backward (fetched again), then the gate's,
+ * ln2's and the attention half's, the gradient flowing back taken from the backend and
+ * handed back to it through grad_io. The experts a step routed nothing to have no
+ * gradient: the optimizer leaves them alone (train_moe_idle), as torch's skip a parameter
+ * whose .grad is None.
+ *
+ * The tokens always travel as moe_ep.c moves them (on one rank the all-to-all is a copy):
+ * each rank (the ZeRO ranks are the expert-parallel group, moe.ep_size) routes its own
+ * micro-batch, and the owner of an expert runs it on each source rank's rows apart, in
+ * rank order, with the shape that source would have had alone. Each (source, micro-batch)
+ * gives the expert a gradient of its own, computed from zero and added to what the step
+ * holds (copied on the expert's first of the step) in the order of the micro-batches'
+ * numbers, micro-batch m of rank r being m x ranks + r (train_load_batch): the chain of one
+ * rank's accumulation, so ep ranks of K micro-batches give bitwise one rank of ep x K. An
+ * expert whose rows came from no source of a micro-batch adds nothing (one rank does the
+ * same). Its chunk sums for the clipping norm are taken after each addition (the last is
+ * the step's). The attention half, ln2 and the gate are every rank's, reduced as the dense
+ * blocks' tensors are (train_reduce_grad), the gate's local gradient in a buffer of this
+ * file's.
  *
  * The math runs here on the pointers the device tier hands out, which are host memory on
  * the CPU backend (trainer_moe.c refuses the others).
  *
  * Not here: the layout and the checks of the settings (trainer_moe.c), the dense blocks
- * (trainer_step.c), the MoE math itself (moe.c), expert parallelism, GPUs, 16-bit weights,
- * several micro-batches per step.
+ * (trainer_step.c), the MoE math and the exchange (moe.c, moe_ep.c), GPUs, 16-bit weights.
  */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "comm/comm.h"
 #include "common.h"
 #include "train/backend.h"
 #include "train/moe.h"
@@ -41,12 +55,15 @@ struct train_moe {
     struct moe_route r;
     struct moe_scratch ms;
     struct gpt_scratch gs;
-    int N;           /* tokens of a micro-batch, B x T */
-    float *x2, *ln;  /* (N,C): the attention half's output, ln2 of it */
+    int N;              /* tokens of a micro-batch, B x T */
+    float *x2, *ln;     /* (N,C): the attention half's output, ln2 of it */
     float *mean, *rstd; /* (N): ln2's */
     float *y, *d, *dln; /* (N,C): the experts' sum; the gradient flowing back; of ln */
     float *dw;          /* (N,k): the gradient of the combine weights */
-    int *used;          /* (E): the experts a route uses */
+    struct moe_ep ep;   /* the group: the ZeRO ranks (one rank: ep 1) */
+    int Epr;            /* experts of each MoE block this rank holds: E / ep */
+    float *lx;          /* one expert's gradient from one source (its four tensors) */
+    float *lg_gate;     /* exact: a gate's local gradient, reduced as the dense ones */
     int *gate;          /* by block: its gate's layout index (its experts follow), or -1 */
     bool *idle;         /* by layout index: the optimizer leaves it alone this step */
     float aux;          /* the forward's sum of the MoE blocks' l_aux */
@@ -54,10 +71,22 @@ struct train_moe {
     uint64_t read_step, used_total, read_total;
 };
 
-/* Expert e of the block whose gate is at layout index g: its tensor of slot s. */
-static int expert_idx(int g, int e, int s)
+/* Local expert j (this rank's j-th) of the block whose gate is at layout index g: its
+ * tensor of slot s. */
+static int expert_idx(int g, int j, int s)
 {
-    return g + 1 + 4 * e + (s - GPT_FC_W);
+    return g + 1 + 4 * j + (s - GPT_FC_W);
+}
+
+/* The group's all-to-all: the ZeRO ranks' host communicator; one rank's is a copy. */
+static int alltoall(const float *send, float *recv, size_t count, void *ctx)
+{
+    struct trainer *t = ctx;
+    if (t->ep <= 1) {
+        memcpy(recv, send, count * sizeof(float));
+        return 0;
+    }
+    return comm_alltoall(t->hcomm, send, recv, count, COMM_F32);
 }
 
 int train_moe_setup(struct trainer *t, char *err, size_t errlen)
@@ -82,15 +111,18 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
     m->mean = malloc(N * sizeof(float));
     m->rstd = malloc(N * sizeof(float));
     m->dw = malloc(N * (size_t)o->k * sizeof(float));
-    m->used = malloc((size_t)o->E * sizeof(int));
+    m->ep = (struct moe_ep){
+        .ep = MAX(1, t->ep), .rank = t->ep > 1 ? t->rank : 0, .alltoall = alltoall, .ctx = t};
+    m->Epr = o->E / m->ep.ep;
+    m->lx = malloc(moe_expert_num_params(t->cfg.C) * sizeof(float));
     m->gate = malloc((size_t)t->cfg.L * sizeof(int));
     m->idle = calloc((size_t)t->ntensors, sizeof(bool));
     m->ms.bytes = moe_scratch_bytes(&m->mc, m->N);
     m->ms.mem = malloc(m->ms.bytes);
     m->gs.bytes = gpt_scratch_bytes(&t->cfg, t->o.batch, t->o.seq);
     m->gs.mem = malloc(m->gs.bytes);
-    if (!m->x2 || !m->ln || !m->y || !m->d || !m->dln || !m->mean || !m->rstd || !m->dw ||
-        !m->used || !m->gate || !m->idle || !m->ms.mem || !m->gs.mem)
+    if (!m->x2 || !m->ln || !m->y || !m->d || !m->dln || !m->mean || !m->rstd || !m->dw || !m->lx ||
+        !m->gate || !m->idle || !m->ms.mem || !m->gs.mem)
         goto oom;
     int r = moe_route_init(&m->r, &m->mc, m->N);
     if (r < 0) {
@@ -105,6 +137,8 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
         if (d->slot == GPT_BLOCK_NSLOTS) {
             m->gate[d->block] = i;
             m->experts += o->E;
+            size_t lb = train_role_bytes(t, R_L, i); /* world x shard floats */
+            if (t->exact && !m->lg_gate && !(m->lg_gate = calloc(1, lb))) goto oom;
         }
         /* The block's own MLP, which the experts stand in for: never trained. */
         if (i < t->block_first[d->block] + GPT_BLOCK_NSLOTS && d->slot >= GPT_FC_W)
@@ -129,7 +163,8 @@ void train_moe_free(struct trainer *t)
     free(m->mean);
     free(m->rstd);
     free(m->dw);
-    free(m->used);
+    free(m->lx);
+    free(m->lg_gate);
     free(m->gate);
     free(m->idle);
     free(m->ms.mem);
@@ -149,10 +184,16 @@ void train_moe_step_begin(struct trainer *t)
     if (!m) return;
     m->used_step = 0;
     m->read_step = 0;
-    /* Every expert is idle until a backward routes a token to it. */
+    /* Every expert is idle until a backward routes a token to it, and adds nothing to the
+     * clipping norm until then. */
     for (int k = 0; k < t->cfg.L; k++)
-        for (int j = 0; m->gate[k] >= 0 && j < 4 * t->o.moe.E; j++)
-            m->idle[m->gate[k] + 1 + j] = true;
+        for (int j = 0; m->gate[k] >= 0 && j < 4 * m->Epr; j++) {
+            int i = m->gate[k] + 1 + j;
+            m->idle[i] = true;
+            if (t->part)
+                memset(t->part + t->part_first[i], 0,
+                       (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS * sizeof(double));
+        }
 }
 
 float train_moe_aux(const struct trainer *t)
@@ -164,6 +205,21 @@ void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st)
 {
     struct train_moe *m = t->moe;
     if (!m) return;
+    /* The experts the step's tokens went to (not idle: train_moe_backward), and their
+     * bytes read; expert parallel: every rank's, summed. */
+    m->used_step = 0;
+    for (int k = 0; k < t->cfg.L; k++)
+        for (int j = 0; m->gate[k] >= 0 && j < m->Epr; j++)
+            m->used_step += !m->idle[expert_idx(m->gate[k], j, GPT_FC_W)];
+    uint64_t mine[2] = {(uint64_t)m->used_step, m->read_step}, all[2 * COMM_MAX_RANKS];
+    if (t->ep > 1 && comm_allgather(t->hcomm, mine, all, sizeof(mine), COMM_BYTE) == 0) {
+        m->used_step = 0;
+        m->read_step = 0;
+        for (int q = 0; q < t->ep; q++) {
+            m->used_step += (int)all[2 * q];
+            m->read_step += all[2 * q + 1];
+        }
+    }
     st->moe_aux_loss = m->aux;
     st->experts = m->experts;
     st->experts_used = m->used_step;
@@ -203,7 +259,8 @@ static void add(struct wave *w, enum role role, int idx, bool dirty)
 }
 
 /* The attention half, ln2 and the gate: weights (entries 0-8), then with grads their
- * gradients (9-17), then a[k]. */
+ * gradients (9-17; exact: the local ones of the block's, the gate's g), then a[k], then
+ * (exact) the block's g (19-26). */
 static void wave_attn(struct trainer *t, int k, bool grads, struct wave *w)
 {
     *w = (struct wave){.what = grads ? "a MoE block's attention and gate backward"
@@ -213,9 +270,11 @@ static void wave_attn(struct trainer *t, int k, bool grads, struct wave *w)
         add(w, R_W, first + s, false);
     add(w, R_W, g, false);
     for (int s = 0; s < GPT_FC_W && grads; s++)
-        add(w, R_G, first + s, true);
+        add(w, t->exact ? R_L : R_G, first + s, true);
     if (grads) add(w, R_G, g, true);
     add(w, R_ACT, k, false);
+    for (int s = 0; s < GPT_FC_W && grads && t->exact; s++)
+        add(w, R_G, first + s, true);
 }
 
 /* Expert e: its four weights, and with grads their gradients. */
@@ -264,8 +323,8 @@ static int attn_and_route(struct trainer *t, void **p, int a)
     block_params(p, &bp);
     int r = gpt_attn_forward(&t->cfg, t->o.batch, t->o.seq, &bp, p[a], m->x2, &m->gs);
     if (r < 0) return r;
-    ops_layernorm_forward(m->ln, m->mean, m->rstd, m->x2, p[GPT_LN2_W], p[GPT_LN2_B],
-                          (size_t)m->N, (size_t)t->cfg.C);
+    ops_layernorm_forward(m->ln, m->mean, m->rstd, m->x2, p[GPT_LN2_W], p[GPT_LN2_B], (size_t)m->N,
+                          (size_t)t->cfg.C);
     return moe_gate_forward(&m->mc, m->N, m->ln, p[GPT_FC_W], &m->r);
 }
 
@@ -286,6 +345,7 @@ int train_moe_forward(struct trainer *t, int k)
     const size_t NC = (size_t)m->N * (size_t)t->cfg.C;
     struct wave w;
     void *p[WAVE_MAX];
+    struct moe_ep_xfer xf;
     uint64_t s0 = trace_on() ? now_ns() : 0;
 
     if (k == t->kb) m->aux = 0; /* the first block of a forward */
@@ -296,20 +356,25 @@ int train_moe_forward(struct trainer *t, int k)
     train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (r < 0) return r;
     m->aux += m->r.l_aux;
-    int n = moe_route_experts_used(&m->r, m->used);
-    if (n < 0) return n;
-    m->used_step += n;
-    memset(m->y, 0, NC * sizeof(float));
-    for (int j = 0; j < n; j++) {
-        struct moe_expert_params ep;
-        wave_expert(t, k, m->used[j], false, &w);
-        if ((r = fetch_expert(t, &w, p)) < 0) return r;
-        ep = (struct moe_expert_params){p[0], p[1], p[2], p[3]};
-        r = moe_expert_forward(&m->mc, &m->r, m->used[j], &ep, m->ln, m->y, &m->ms);
+    if ((r = moe_ep_dispatch_forward(&m->mc, &m->ep, &m->r, m->ln, &xf)) < 0) return r;
+    for (int j = 0; j < m->Epr && r == 0; j++) {
+        if (!moe_ep_rows_for(&m->mc, &m->ep, &xf, j)) continue;
+        wave_expert(t, k, j, false, &w);
+        if ((r = fetch_expert(t, &w, p)) < 0) break;
+        struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
+        for (int src = 0; src < m->ep.ep && r == 0; src++) {
+            struct moe_ep_rows rw;
+            if (moe_ep_rows(&m->mc, &m->ep, &xf, src, j, &rw) > 0)
+                r = moe_expert_forward_rows(&m->mc, &ep, rw.n, rw.in, rw.out, &m->ms);
+        }
         train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
-        if (r < 0) return r;
         train_note_peaks(t);
     }
+    if (r < 0) {
+        moe_ep_xfer_release(&xf);
+        return r;
+    }
+    if ((r = moe_ep_combine_forward(&m->mc, &m->ep, &m->r, &xf, m->y)) < 0) return r;
     train_moe_wave(t, k, 4, &w);
     if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
     ops_add(p[0], m->x2, m->y, NC);
@@ -320,8 +385,7 @@ int train_moe_forward(struct trainer *t, int k)
 
 /* Each of n gradients (entries of p from `at`) zeroed when zero, and summed into the norm
  * when norm. */
-static int grads_begin(struct trainer *t, void **p, int at, const struct wave *w, int n,
-                       bool zero)
+static int grads_begin(struct trainer *t, void **p, int at, const struct wave *w, int n, bool zero)
 {
     int r = 0;
     for (int i = 0; i < n && r == 0 && zero; i++)
@@ -338,13 +402,46 @@ static int grads_norm(struct trainer *t, void **p, int at, const struct wave *w,
     return r;
 }
 
+/* Local expert j's backward on every source's rows (its set at p: weights, gradients):
+ * each source's gradient from zero into lx, then added to the step's (train_moe_step.c's
+ * head comment). */
+static int expert_backward(struct trainer *t, int k, int j, const struct moe_ep_xfer *xf, void **p,
+                           const struct wave *w, bool norm)
+{
+    struct train_moe *m = t->moe;
+    const struct backend_ops *be = t->be->ops;
+    struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
+    struct moe_expert_grads lg;
+    moe_expert_grads_at(t->cfg.C, m->lx, &lg);
+    float *lgs[4] = {lg.fc_w, lg.fc_b, lg.proj_w, lg.proj_b};
+    int r = 0;
+    for (int src = 0; src < m->ep.ep && r == 0; src++) {
+        struct moe_ep_rows rw;
+        if (moe_ep_rows(&m->mc, &m->ep, xf, src, j, &rw) <= 0) continue;
+        memset(m->lx, 0, moe_expert_num_params(t->cfg.C) * sizeof(float));
+        r = moe_expert_backward_rows(&m->mc, &ep, &lg, rw.n, rw.in, rw.d_y, rw.w, rw.out, rw.d_w,
+                                     &m->ms);
+        for (int s = 0; s < 4 && r == 0; s++) {
+            int i = w->idx[w->at[4 + s]];
+            size_t n = t->desc[i].numel;
+            r = be->fold(t->be, p[4 + s], lgs[s], n, m->idle[i]);
+            m->idle[i] = false;
+            if (r == 0 && t->exact)
+                r = be->chunk_sumsq(t->be, p[4 + s], n, SHARD_FLOATS, t->part + t->part_first[i]);
+        }
+    }
+    if (r == 0) r = grads_norm(t, p, 4, w, 4, norm);
+    (void)k;
+    return train_settle(t, r);
+}
+
 int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
 {
     struct train_moe *m = t->moe;
     const struct backend_ops *be = t->be->ops;
-    const size_t NC = (size_t)m->N * (size_t)t->cfg.C;
     struct wave w;
     void *p[WAVE_MAX];
+    struct moe_ep_xfer xf;
     uint64_t s0 = trace_on() ? now_ns() : 0;
 
     /* The route again, from the block's input. */
@@ -354,42 +451,36 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
     r = attn_and_route(t, p, GPT_FC_W + 1);
     train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (r < 0 || (r = be->grad_io(t->be, m->d, false)) < 0) return r;
-    int n = moe_route_experts_used(&m->r, m->used);
-    if (n < 0) return n;
-    memset(m->dln, 0, NC * sizeof(float));
     memset(m->dw, 0, (size_t)m->N * (size_t)m->mc.k * sizeof(float));
-    for (int j = 0; j < n; j++) {
-        int e = m->used[j];
-        wave_expert(t, k, e, true, &w);
-        if ((r = fetch_expert(t, &w, p)) < 0) return r;
-        struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
-        struct moe_expert_grads eg = {p[4], p[5], p[6], p[7]};
-        r = grads_begin(t, p, 4, &w, 4, zero);
-        if (r == 0)
-            r = moe_expert_backward(&m->mc, &m->r, e, &ep, &eg, m->ln, m->d, m->dln, m->dw,
-                                    &m->ms);
-        if (r == 0) r = grads_norm(t, p, 4, &w, 4, norm);
-        r = train_settle(t, r);
+    if ((r = moe_ep_dispatch_backward(&m->mc, &m->ep, &m->r, m->ln, m->d, &xf)) < 0) return r;
+    for (int j = 0; j < m->Epr && r == 0; j++) {
+        if (!moe_ep_rows_for(&m->mc, &m->ep, &xf, j)) continue;
+        wave_expert(t, k, j, true, &w);
+        if ((r = fetch_expert(t, &w, p)) < 0) break;
+        r = expert_backward(t, k, j, &xf, p, &w, norm);
         train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
-        if (r < 0) return r;
-        for (int s = GPT_FC_W; s <= GPT_MLP_PROJ_B; s++)
-            m->idle[expert_idx(m->gate[k], e, s)] = false;
         train_note_peaks(t);
     }
+    if (r < 0) {
+        moe_ep_xfer_release(&xf);
+        return r;
+    }
+    if ((r = moe_ep_combine_backward(&m->mc, &m->ep, &m->r, &xf, m->dln, m->dw)) < 0) return r;
     /* The gate, ln2 and the attention half: d becomes the gradient of a[k]. */
     wave_attn(t, k, true, &w);
     if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
     const int G = GPT_FC_W + 1; /* the gradients' first entry */
+    float *d_wg = t->exact ? m->lg_gate : p[G + GPT_FC_W];
     struct gpt_block_params bp;
     struct gpt_block_grads bg = {{0}};
     block_params(p, &bp);
     for (int s = 0; s < GPT_FC_W; s++)
         bg.t[s] = p[G + s];
-    r = grads_begin(t, p, G, &w, G, zero);
+    r = grads_begin(t, p, G, &w, t->exact ? GPT_FC_W : G, zero);
+    if (r == 0 && t->exact) memset(m->lg_gate, 0, train_role_bytes(t, R_L, gate_of(t, k)));
     if (r == 0)
         r = moe_gate_backward(&m->mc, &m->r, m->ln, p[GPT_FC_W], m->dw,
-                              t->o.moe.loss_coef * t->be->loss_scale, m->dln, p[G + GPT_FC_W],
-                              &m->ms);
+                              t->o.moe.loss_coef * t->be->loss_scale, m->dln, d_wg, &m->ms);
     if (r == 0) {
         ops_layernorm_backward(m->d, 1, p[G + GPT_LN2_W], p[G + GPT_LN2_B], m->dln, m->x2,
                                p[GPT_LN2_W], m->mean, m->rstd, (size_t)m->N, (size_t)t->cfg.C);
@@ -399,6 +490,11 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
     if (r == 0) r = grads_norm(t, p, G, &w, G, norm);
     if (r == 0) r = be->grad_io(t->be, m->d, true);
     r = train_settle(t, r);
+    /* Exact: the block's and the gate's local gradients reduced into their g. */
+    int first = t->block_first[k];
+    for (int s = 0; s < GPT_FC_W && r == 0 && t->exact; s++)
+        r = train_reduce_grad(t, first + s, p[G + s], p[2 * G + 1 + s]);
+    if (r == 0 && t->exact) r = train_reduce_grad(t, gate_of(t, k), d_wg, p[G + GPT_FC_W]);
     int x = train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (s0) trace_span_n("train", "MoE block backward", k, s0);
     return r < 0 ? r : x;

@@ -36,7 +36,8 @@ static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float
                        void *w16, size_t n, const struct adamw_hparams *h, int step, float scale)
 {
     size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
-    size_t per = t->world > 1 ? train_shard_of(t, i) / SHARD_FLOATS : chunks;
+    size_t per =
+        t->world > 1 && !train_private(t, i) ? train_shard_of(t, i) / SHARD_FLOATS : chunks;
     double *w_sq = t->lamb_sums, *u_sq = t->lamb_sums + per;
     bool f16 = w16 && t->be->wdt == BACKEND_F16, dev = t->opt_tier == ZINF_TIER_DEVICE;
     int eps_in = t->o.lamb_eps_inside_sqrt;
@@ -46,7 +47,7 @@ static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float
                 : lamb_moments(p, g, m, v, n, h, scale, eps_in, SHARD_FLOATS, w_sq, u_sq);
     if (r < 0) return r;
     const double *all = t->lamb_sums;
-    if (t->world > 1) {
+    if (t->world > 1 && !train_private(t, i)) { /* an expert is whole on its rank */
         if ((r = comm_allgather(t->hcomm, t->lamb_sums, t->lamb_all, 2 * per * sizeof(double),
                                 COMM_BYTE)) < 0)
             return r;
@@ -60,8 +61,8 @@ static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float
     }
     float coeff = lamb_coeff(W, U, t->o.lamb_max_coeff, t->o.lamb_min_coeff);
     if (dev)
-        return train_settle(t, t->be->ops->lamb_apply(t->be, p, m, v, w16, n, h, step, eps_in,
-                                                      coeff));
+        return train_settle(t,
+                            t->be->ops->lamb_apply(t->be, p, m, v, w16, n, h, step, eps_in, coeff));
     if ((r = lamb_apply(p, m, v, w16 && !f16 ? w16 : NULL, n, h, step, eps_in, coeff)) == 0 && f16)
         ops_cast_f32_to_f16(w16, p, n);
     return r;
@@ -72,8 +73,8 @@ static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float
  * writes their copy w16 too (released dirty: the engine carries it to the device on its
  * next fetch there). One rank updates whole tensors with it, each of several ranks its own
  * part: the same function on the same elements, so the same bits. LAMB: lamb_tensor. */
-static int update(struct trainer *t, int i, float *p, const float *g, float *m, float *v,
-                  void *w16, size_t n, const struct adamw_hparams *h, int step, float scale)
+static int update(struct trainer *t, int i, float *p, const float *g, float *m, float *v, void *w16,
+                  size_t n, const struct adamw_hparams *h, int step, float scale)
 {
     if (t->o.optimizer == TRAINER_OPT_LAMB)
         return lamb_tensor(t, i, p, g, m, v, w16, n, h, step, scale);
@@ -129,8 +130,8 @@ static int gather_parts(struct trainer *t, int i, void *whole, size_t esz, void 
  * p[4] the 16-bit copy in mixed precision, then the local gradient buffer when the update
  * runs on a GPU below stage 3), then, below stage 3, every rank takes the others' parts of
  * p and of its 16-bit copy (gathered, not cast again: each element as its owner wrote it). */
-static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hparams *h,
-                       int step, float scale)
+static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hparams *h, int step,
+                       float scale)
 {
     size_t n = t->desc[i].numel, own = train_shard_own(t, i);
     size_t lo = MIN(train_shard_lo(t, i), n);
@@ -141,7 +142,7 @@ static int zero_update(struct trainer *t, int i, void **p, const struct adamw_hp
     const float *g = stage >= 2 ? (const float *)p[1] : (const float *)p[1] + lo;
     void *w16 = !mixed ? NULL : stage >= 3 ? p[4] : (char *)p[4] + lo * wb;
     int r = update(t, i, mine, g, p[2], p[3], w16, own, h, step, scale);
-    if (r < 0 || stage >= 3) return r;
+    if (r < 0 || stage >= 3 || train_private(t, i)) return r;
     void *L = t->gpu_ranks && t->opt_tier == ZINF_TIER_DEVICE ? p[mixed ? 5 : 4] : NULL;
     if ((r = gather_parts(t, i, pp, sizeof(float), L)) == 0 && mixed)
         r = gather_parts(t, i, p[4], wb, L);
@@ -245,10 +246,9 @@ static void opt_ask(struct trainer *t, int i, enum zinf_tier tier, struct opt_se
     }
     for (int j = 0; j < s->w.n; j++)
         if (!s->asked[j] && (roles >> s->w.role[j] & 1))
-            s->asked[j] = zinf_fetch_async(t->e,
-                                           train_wave_handle(t, (enum role)s->w.role[j],
-                                                             s->w.idx[j]),
-                                           tier, &s->ticket[j]) == 0;
+            s->asked[j] =
+                zinf_fetch_async(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]),
+                                 tier, &s->ticket[j]) == 0;
 }
 
 /* Drop a set asked for and never taken (the step failed before its turn, or the tier
@@ -258,8 +258,7 @@ static void opt_drop(struct trainer *t, struct opt_set *s, enum zinf_tier tier)
     for (int j = 0; s->i >= 0 && j < s->w.n; j++) {
         void *ptr;
         if (s->asked[j] && zinf_wait(t->e, s->ticket[j], &ptr) == 0)
-            zinf_release(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]), tier,
-                         0);
+            zinf_release(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]), tier, 0);
         s->asked[j] = false;
     }
     s->i = -1;
@@ -309,8 +308,8 @@ static int opt_take(struct trainer *t, int k, enum zinf_tier tier, void **ptrs)
     if (r < 0) {
         for (int j = 0; j < s->w.n; j++)
             if (got[j])
-                zinf_release(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]),
-                             tier, 0);
+                zinf_release(t->e, train_wave_handle(t, (enum role)s->w.role[j], s->w.idx[j]), tier,
+                             0);
         if (r != -ENOMEM) return r;
         for (int j = k + 1; j < t->ntensors; j++)
             opt_drop(t, &t->osets[j], tier);
@@ -473,8 +472,8 @@ static int opt_run(struct trainer *t, int upto)
             if (t->world > 1)
                 r = zero_update(t, i, p, &h, step, scale);
             else
-                r = update(t, i, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL, t->desc[i].numel,
-                           &h, step, scale);
+                r = update(t, i, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL, t->desc[i].numel, &h,
+                           step, scale);
             if (r == 0 && t->o.digest) r = digest_tensor(t, i, p, &t->upd.digest);
         }
         train_wave_release(t, &t->osets[k].w, tier, r == 0);
@@ -517,11 +516,8 @@ int train_optimize(struct trainer *t, int step, float lr, float scale, uint64_t 
 
 void train_update_defer(struct trainer *t, int step, int applied, float lr, float scale)
 {
-    t->upd = (struct train_update){.pending = true,
-                                   .step = step,
-                                   .applied = applied,
-                                   .lr = lr,
-                                   .scale = scale};
+    t->upd = (struct train_update){
+        .pending = true, .step = step, .applied = applied, .lr = lr, .scale = scale};
 }
 
 void train_update_unpin(struct trainer *t)

@@ -59,10 +59,10 @@ struct pipe {
     struct comm *c[L_COUNT]; /* the links (NULL where the stage has none), then all stages */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int err;                 /* the first failed send */
+    int err;                          /* the first failed send */
     struct pipe_msg *fwd, *bwd, *wte; /* M each: activations, their gradients, wte's share */
-    void *rx;                /* a received activation or gradient */
-    float *wrx;              /* a received wte gradient (V,C) */
+    void *rx;                         /* a received activation or gradient */
+    float *wrx;                       /* a received wte gradient (V,C) */
     size_t act_bytes, wte_bytes;
     int M;
     /* The norm's chunk sums of every stage, in stage order: counts, and the padded gather. */
@@ -164,8 +164,8 @@ static int cut_given(const char *s, int P, int L, int *start, char *err, size_t 
     }
     if (*p) {
         snprintf(err, errlen,
-                 "zinf.train.pipeline_cut \"%s\": %d stages need %d block numbers, no more", s,
-                 P, P - 1);
+                 "zinf.train.pipeline_cut \"%s\": %d stages need %d block numbers, no more", s, P,
+                 P - 1);
         return -EINVAL;
     }
     start[P] = L;
@@ -192,8 +192,10 @@ int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
     if (!t->mp) return 0;
     int world = o->world > 1 ? o->world : 1;
     if (T > 1 && S > 1) {
-        snprintf(err, errlen, "tensor_parallel.autotp_size %d with sequence_parallel_size %d: "
-                              "both cut the heads; use one of them", T, S);
+        snprintf(err, errlen,
+                 "tensor_parallel.autotp_size %d with sequence_parallel_size %d: "
+                 "both cut the heads; use one of them",
+                 T, S);
         return -EINVAL;
     }
     int I = T * S; /* the ranks of a stage: tensor or sequence parallel */
@@ -237,8 +239,9 @@ int train_pipe_shape(struct trainer *t, char *err, size_t errlen)
         return -EINVAL;
     }
     if (o->mpi) {
-        snprintf(err, errlen, "pipeline stages and tensor-parallel ranks across nodes are not "
-                              "built yet (start them on one node)");
+        snprintf(err, errlen,
+                 "pipeline stages and tensor-parallel ranks across nodes are not "
+                 "built yet (start them on one node)");
         return -ENOTSUP;
     }
     int start[COMM_MAX_RANKS + 1];
@@ -286,25 +289,26 @@ static int open_link(struct trainer *t, int which, int id, int rank, int world, 
     int in = t->tr + t->sq; /* the rank within the stage (one of them is 0) */
     int n = id < 0 ? snprintf(name, sizeof(name), "%s.%s.%d.%d", o->comm_name, link_name[which],
                               t->rank, which == L_TP || which == L_SP ? t->ps : in)
-                   : snprintf(name, sizeof(name), "%s.%s%d.%d.%d", o->comm_name,
-                              link_name[which], id, t->rank, in);
+                   : snprintf(name, sizeof(name), "%s.%s%d.%d.%d", o->comm_name, link_name[which],
+                              id, t->rank, in);
     if (n < 0 || (size_t)n >= sizeof(name)) {
-        snprintf(err, errlen, "the rendezvous name '%s' is too long for the pipeline's links "
-                              "(name.pfN): give zinf launch a shorter --name", o->comm_name);
+        snprintf(err, errlen,
+                 "the rendezvous name '%s' is too long for the pipeline's links "
+                 "(name.pfN): give zinf launch a shorter --name",
+                 o->comm_name);
         return -EINVAL;
     }
-    struct comm_opts co = {
-        .backend = COMM_SHM,
-        .rank = rank,
-        .world = world,
-        .name = name,
-        .secret = o->comm_secret,
-        .timeout_ms = o->comm_timeout_ms,
-        .op_timeout_ms = o->comm_op_timeout_ms ? o->comm_op_timeout_ms
-                                               : t->zc.zinf.comm_timeout * 1000u,
-        .stop = o->stop,
-        .why = cwhy,
-        .why_len = sizeof(cwhy)};
+    struct comm_opts co = {.backend = COMM_SHM,
+                           .rank = rank,
+                           .world = world,
+                           .name = name,
+                           .secret = o->comm_secret,
+                           .timeout_ms = o->comm_timeout_ms,
+                           .op_timeout_ms = o->comm_op_timeout_ms ? o->comm_op_timeout_ms
+                                                                  : t->zc.zinf.comm_timeout * 1000u,
+                           .stop = o->stop,
+                           .why = cwhy,
+                           .why_len = sizeof(cwhy)};
     int r = comm_open(&co, &t->pipe->c[which]);
     if (r < 0)
         snprintf(err, errlen, "stage %d of %d: the stages could not meet as '%s': %s%s", t->ps,
@@ -339,13 +343,15 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
     if (!o->comm_name || !o->comm_name[0]) {
-        snprintf(err, errlen, "pipeline stages and tensor-parallel ranks: no rendezvous name "
-                              "(ZINF_COMM_NAME): start them with zinf launch");
+        snprintf(err, errlen,
+                 "pipeline stages and tensor-parallel ranks: no rendezvous name "
+                 "(ZINF_COMM_NAME): start them with zinf launch");
         return -ENOTSUP;
     }
     if (cuda) {
-        snprintf(err, errlen, "pipeline stages and tensor-parallel ranks on GPUs are not built "
-                              "yet (zinf.device \"emulated\" runs them on the CPU)");
+        snprintf(err, errlen,
+                 "pipeline stages and tensor-parallel ranks on GPUs are not built "
+                 "yet (zinf.device \"emulated\" runs them on the CPU)");
         return -ENOTSUP;
     }
     /* Each stage keeps its tensors in a folder of its own under each nvme path (and its
@@ -449,8 +455,17 @@ int train_pipe_layout(struct trainer *t)
     if (!(t->gdesc = malloc(sizeof(*t->gdesc) * (size_t)n))) return -ENOMEM;
     memcpy(t->gdesc, t->desc, sizeof(*t->gdesc) * (size_t)n);
     if (t->pp == 1) {
-        for (int i = 0; i < n; i++)
-            t->gidx[i] = i;
+        /* Expert parallel: the rank's own experts only, whole (ZeRO leaves them alone). */
+        t->ep = t->o.moe.E > 0 && t->world > 1 ? t->world : 1;
+        if (t->ep > 1 && !(t->priv = calloc((size_t)n, sizeof(bool)))) return -ENOMEM;
+        int k = 0;
+        for (int i = 0; i < n; i++) {
+            if (!train_moe_mine(t, &t->desc[i])) continue;
+            if (t->priv) t->priv[k] = train_moe_expert(t, &t->desc[i]);
+            t->desc[k] = t->desc[i];
+            t->gidx[k++] = i;
+        }
+        t->ntensors = k;
         index_layout(t);
         return tp_shapes(t);
     }
@@ -461,7 +476,7 @@ int train_pipe_layout(struct trainer *t)
         const struct gpt_tensor_desc *d = &t->desc[i];
         bool mine = d->block >= 0 ? d->block >= t->kb && d->block < t->ke
                     : d->slot == GPT_WTE || d->slot == GPT_WPE ? first
-                                                                : last;
+                                                               : last;
         if (d->block < 0 && d->slot == GPT_WTE) {
             wte = *d;
             wte_g = i;
@@ -547,6 +562,8 @@ void train_pipe_close(struct trainer *t)
     struct pipe *p = t->pipe;
     free(t->gidx);
     free(t->gdesc);
+    free(t->priv);
+    t->priv = NULL;
     t->gidx = NULL;
     t->gdesc = NULL;
     for (unsigned k = 0; k < CONFIG_MAX_NVME_PATHS; k++) {
@@ -579,8 +596,13 @@ void train_pipe_close(struct trainer *t)
 /* Message m (its buffer filled) goes to the link's other rank, root the sender. */
 static int send_async(struct pipe *p, int link, int root, struct pipe_msg *m, size_t bytes)
 {
-    m->q = (struct comm_req){.op = COMM_BROADCAST, .dtype = COMM_BYTE, .recv = m->buf,
-                             .count = bytes, .root = root, .cb = msg_done, .data = m};
+    m->q = (struct comm_req){.op = COMM_BROADCAST,
+                             .dtype = COMM_BYTE,
+                             .recv = m->buf,
+                             .count = bytes,
+                             .root = root,
+                             .cb = msg_done,
+                             .data = m};
     pthread_mutex_lock(&p->mu);
     m->busy = true;
     pthread_mutex_unlock(&p->mu);
@@ -754,8 +776,8 @@ int train_pipe_norm(struct trainer *t, double *sumsq)
     int r;
     memset(p->mine, 0, p->mine_n * sizeof(double));
     if (t->world > 1) { /* each chunk from the copy that owns it, as train_grad_norm */
-        if ((r = comm_allgather(t->hcomm, t->part, t->part_all, np * sizeof(double),
-                                COMM_BYTE)) < 0)
+        if ((r = comm_allgather(t->hcomm, t->part, t->part_all, np * sizeof(double), COMM_BYTE)) <
+            0)
             return r;
         all = t->part_all;
     }

@@ -84,10 +84,15 @@ int train_submit_async(struct trainer *t, struct comm_req *q)
 /* Floats per rank of tensor idx: its elements in world parts, each rounded up to
  * SHARD_FLOATS; rank r holds [r x shard, (r + 1) x shard) of the flattened tensor, padded
  * with zeros past its end (a small tensor lives on the first ranks). One rank: the tensor. */
+bool train_private(const struct trainer *t, int idx)
+{
+    return t->priv && t->priv[idx];
+}
+
 size_t train_shard_of(const struct trainer *t, int idx)
 {
     size_t n = t->desc[idx].numel;
-    if (t->world <= 1) return n;
+    if (t->world <= 1 || train_private(t, idx)) return n;
     return align_up((n + (size_t)t->world - 1) / (size_t)t->world, SHARD_FLOATS);
 }
 
@@ -95,7 +100,7 @@ size_t train_shard_of(const struct trainer *t, int idx)
  * tensor's (the rest is padding). */
 size_t train_shard_lo(const struct trainer *t, int idx)
 {
-    return (size_t)t->rank * train_shard_of(t, idx);
+    return train_private(t, idx) ? 0 : (size_t)t->rank * train_shard_of(t, idx);
 }
 
 size_t train_shard_own(const struct trainer *t, int idx)
@@ -109,6 +114,7 @@ size_t train_shard_own(const struct trainer *t, int idx)
  * parameters: not worth a gather each time), as stage 2 does. */
 int train_stage_of(const struct trainer *t, int idx)
 {
+    if (train_private(t, idx)) return 0; /* whole on its rank */
     if (t->stage >= 3 && t->persist_below && t->desc[idx].numel < (size_t)t->persist_below)
         return 2;
     return t->stage;
@@ -154,8 +160,10 @@ int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
     bool want = config_given(&t->zc, "zero_optimization.overlap_comm") ? t->zc.zero.overlap_comm
                                                                        : t->stage >= 3;
     uint64_t block = gpt_block_num_params(&t->cfg);
-    /* A pipeline stage reduces each block's gradients after its backward. */
-    t->overlap = want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1 && t->sp <= 1;
+    /* A pipeline stage reduces each block's gradients after its backward, and so do MoE
+     * blocks (their experts' exchange shares the communicator). */
+    t->overlap =
+        want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1 && t->sp <= 1 && !o->moe.E;
     if (say && want && !t->overlap && t->rank == 0)
         log_notice("zero_optimization.overlap_comm: a block's gradients (%llu elements) exceed "
                    "reduce_bucket_size (%llu): they are reduced after the block's backward",
@@ -183,8 +191,10 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     if (t->mp && named) {
         int n = snprintf(sname, sizeof(sname), "%s.s%d.%d", o->comm_name, t->ps, t->tr + t->sq);
         if (n < 0 || (size_t)n + sizeof(HOST_COMM_SUFFIX) > sizeof(sname)) {
-            snprintf(err, errlen, "the rendezvous name '%s' is too long for the stages' copies "
-                                  "(name.sN.R): give zinf launch a shorter --name", o->comm_name);
+            snprintf(err, errlen,
+                     "the rendezvous name '%s' is too long for the stages' copies "
+                     "(name.sN.R): give zinf launch a shorter --name",
+                     o->comm_name);
             return -EINVAL;
         }
         cname = sname;
@@ -206,19 +216,18 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         if (k) t->zc.nvme_paths_extra[k - 1] = mine;
     }
     char cwhy[400] = "";
-    struct comm_opts co = {
-        .backend = COMM_SHM,
-        .rank = t->rank,
-        .world = t->world,
-        .name = named ? cname : NULL,
-        .mpi = o->mpi,
-        .secret = o->comm_secret,
-        .timeout_ms = o->comm_timeout_ms,
-        .op_timeout_ms = o->comm_op_timeout_ms ? o->comm_op_timeout_ms
-                                               : t->zc.zinf.comm_timeout * 1000u,
-        .stop = o->stop,
-        .why = cwhy,
-        .why_len = sizeof(cwhy)};
+    struct comm_opts co = {.backend = COMM_SHM,
+                           .rank = t->rank,
+                           .world = t->world,
+                           .name = named ? cname : NULL,
+                           .mpi = o->mpi,
+                           .secret = o->comm_secret,
+                           .timeout_ms = o->comm_timeout_ms,
+                           .op_timeout_ms = o->comm_op_timeout_ms ? o->comm_op_timeout_ms
+                                                                  : t->zc.zinf.comm_timeout * 1000u,
+                           .stop = o->stop,
+                           .why = cwhy,
+                           .why_len = sizeof(cwhy)};
     /* GPU ranks: the collectives on device buffers over NCCL, on the rank's GPU, and what
      * lives on the host (losses, the norm's chunks, shards the optimizer updates on the host,
      * the agreements) over a second, shared-memory communicator. On the CPU both are one. */
@@ -257,7 +266,8 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
     }
     if (r < 0) {
         snprintf(err, errlen, "rank %d of %d: the ranks could not meet as '%s'%s: %s%s%s", t->rank,
-                 t->world, named ? cname : "(rank 0's choice, over MPI)", what, cwhy[0] ? cwhy : zinf_strerror(r),
+                 t->world, named ? cname : "(rank 0's choice, over MPI)", what,
+                 cwhy[0] ? cwhy : zinf_strerror(r),
                  r == -ETIMEDOUT ? " (a rank did not start, or failed before it met the others)"
                                  : "",
                  co.pool_bytes ? " (their shared memory holds each rank's device tier: "
@@ -276,8 +286,9 @@ int train_zero_alloc(struct trainer *t)
         /* The most chunks of one tensor a rank holds, twice (|w|^2 and |u|^2). */
         size_t most = 0;
         for (int i = 0; i < t->ntensors; i++)
-            most = MAX(most, t->world > 1 ? train_shard_of(t, i) / SHARD_FLOATS
-                                          : (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS);
+            most = MAX(most, t->world > 1 && !train_private(t, i)
+                                 ? train_shard_of(t, i) / SHARD_FLOATS
+                                 : (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS);
         t->lamb_sums = calloc(2 * most, sizeof(double));
         t->lamb_all = calloc(2 * most * (size_t)t->world, sizeof(double));
         if (!t->lamb_sums || !t->lamb_all) return -ENOMEM;
@@ -438,12 +449,24 @@ int train_grad_norm(struct trainer *t, double *sumsq)
     }
     double s = 0;
     for (int i = 0; i < t->ntensors; i++) {
+        if (train_private(t, i)) continue; /* after their gate, in the whole model's order */
         size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
         size_t per = train_shard_of(t, i) / SHARD_FLOATS; /* chunks per rank */
         for (size_t c = 0; c < chunks; c++) {
             size_t owner = t->world > 1 ? c / per : 0;
             s += all[owner * np + t->part_first[i] + c];
         }
+        if (t->ep <= 1 || t->desc[i].block < 0 || t->desc[i].slot != GPT_BLOCK_NSLOTS) continue;
+        /* A gate: its E experts follow, expert e whole on rank e / (E/ep), at the place of
+         * its local number there (every rank's layout has the same shape). */
+        int Epr = t->o.moe.E / t->ep;
+        for (int e = 0; e < t->o.moe.E; e++)
+            for (int q = 0; q < 4; q++) {
+                int x = i + 1 + 4 * (e % Epr) + q;
+                size_t n = (t->desc[x].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+                for (size_t c = 0; c < n; c++)
+                    s += all[(size_t)(e / Epr) * np + t->part_first[x] + c];
+            }
     }
     *sumsq = s;
     return 0;

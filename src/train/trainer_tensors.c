@@ -54,7 +54,7 @@ size_t train_role_bytes(const struct trainer *t, enum role role, int idx)
         return (size_t)t->o.batch * (t->o.seq / MAX(1, t->sp)) * t->cfg.C *
                backend_dtype_bytes(t->be->adt);
     size_t n = t->desc[idx].numel, sh = train_shard_of(t, idx);
-    bool parted = t->world > 1;
+    bool parted = t->world > 1 && !train_private(t, idx);
     switch (role) {
     case R_L:
         return (size_t)t->world * sh * sizeof(float);
@@ -283,8 +283,8 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
  * written all the same). */
 static zinf_tensor *scratch(struct trainer *t, int s, int k, char name[64], size_t *bytes)
 {
-    static const char *const kind[SCRATCH_KINDS] = {"zero.grad.", "zero.gather.",
-                                                    "zero.gather1.", "zero.grad1."};
+    static const char *const kind[SCRATCH_KINDS] = {"zero.grad.", "zero.gather.", "zero.gather1.",
+                                                    "zero.grad1."};
     int i = slot_tensor(t, s);
     if (i < 0) return NULL; /* a pipeline stage without this tensor */
     snprintf(name, 64, "%s%s", kind[k],
@@ -555,10 +555,11 @@ void trainer_derive_budgets(const struct trainer_opts *o, const struct zinf_conf
     bool mixed = o->precision != TRAINER_PRECISION_FP32;
     for (int i = 0; i < n; i++)
         if (d[i].block <= 0) slot_floats += d[i].numel;
-    uint64_t state = (uint64_t)gpt_num_params(&cfg) * (16 + (mixed ? 2 : 0)) +
-                     (uint64_t)(cfg.L + 1) * o->batch * o->seq * cfg.C * sizeof(float) +
-                     4 * (slot_floats * sizeof(float) + NLOCAL * world * SHARD_FLOATS * sizeof(float)) +
-                     ((uint64_t)n * 6 + (uint64_t)cfg.L + 1 + 4 * NLOCAL + 1) * ZINF_ALIGN;
+    uint64_t state =
+        (uint64_t)gpt_num_params(&cfg) * (16 + (mixed ? 2 : 0)) +
+        (uint64_t)(cfg.L + 1) * o->batch * o->seq * cfg.C * sizeof(float) +
+        4 * (slot_floats * sizeof(float) + NLOCAL * world * SHARD_FLOATS * sizeof(float)) +
+        ((uint64_t)n * 6 + (uint64_t)cfg.L + 1 + 4 * NLOCAL + 1) * ZINF_ALIGN;
     free(d);
     uint64_t most = state + state / 4 + 16 * MiB, avail = ram_available();
     char a[32], m[32], v[32], w[64] = "";
