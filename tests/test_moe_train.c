@@ -474,3 +474,63 @@ Test(moe_train, nvme_reads_follow_the_experts_a_step_routes_to)
     }
     cr_expect(fewer, "8 tokens over 8 experts in each of 2 blocks: some expert had none");
 }
+
+/* A run of `ranks` expert-parallel ranks (ZeRO stage `stage`, the experts split across the
+ * ranks: moe.ep_size) with 4 experts top-2 on NVMe under swap, up to step `steps`, logged
+ * to name.jsonl; its step lines into out. */
+static int ep_run(const char *name, int ranks, int stage, const char *swap, const char *args,
+                  int steps, struct step_line *out)
+{
+    char cfg[4096], log[4096], extra[2048], *o;
+    snprintf(extra, sizeof(extra),
+             "\"moe\": {\"num_experts\": 4, \"top_k\": 2, \"ep_size\": %d}, "
+             "\"zero_optimization\": {\"stage\": %d, \"offload_param\": {\"device\": "
+             "\"nvme\", \"nvme_path\": \"%s\"}},",
+             ranks, stage, swap);
+    config(cfg, sizeof(cfg), extra);
+    snprintf(log, sizeof(log), "%s/%s.jsonl", dir, name);
+    int r = run(&o,
+                "launch -n %d -- %s train --config %s --data " DATA
+                " --steps %d --precision fp32 --log %s %s",
+                ranks, getenv("ZINF_BIN"), cfg, steps, log, args);
+    cr_assert_eq(r, 0, "%s: %s", name, o);
+    free(o);
+    return read_log(log, out, steps);
+}
+
+/* The experts split across ranks: each rank routes its own micro-batch, the tokens travel
+ * to their experts' owners, and an expert's gradient adds each source's in the
+ * micro-batches' order: the losses and parameters of one rank accumulating them all, to
+ * the bit, whatever the ranks, the ZeRO stage and the micro-batches per rank. A run saved
+ * by 4 ranks goes on under 2 (the experts re-cut from their owners' folders) as the run
+ * that never moved. */
+Test(moe_train, expert_parallel_ranks_give_one_ranks_bits_and_resume_across_layouts)
+{
+    struct step_line one[3], two[3], four[2], rest[1];
+    char s1[4096], s2[4096], s4[4096];
+    micro = 1;
+    snprintf(s1, sizeof(s1), "%s/s1", dir);
+    snprintf(s2, sizeof(s2), "%s/s2", dir);
+    snprintf(s4, sizeof(s4), "%s/s4", dir);
+    cr_assert_eq(ep_run("one", 1, 0, s1, "--accumulate 4", 3, one), 3);
+    cr_assert_eq(ep_run("two", 2, 1, s2, "--accumulate 2", 3, two), 3);
+    cr_assert_eq(ep_run("four", 4, 2, s4, "--checkpoint-every 2", 2, four), 2);
+    cr_assert_eq(ep_run("rest", 2, 2, s4, "--accumulate 2 --resume", 3, rest), 1);
+    for (int s = 0; s < 3; s++) {
+        cr_expect_str_eq(two[s].loss, one[s].loss, "step %d: 2 ranks %s, one rank %s", s + 1,
+                         two[s].loss, one[s].loss);
+        cr_expect_str_eq(two[s].digest, one[s].digest, "step %d: the parameters", s + 1);
+        cr_expect_eq(two[s].used, one[s].used, "step %d: experts used, 2 ranks %d, one %d",
+                     s + 1, two[s].used, one[s].used);
+        cr_expect_eq(two[s].experts, 8);
+        cr_expect(two[s].aux > 0);
+    }
+    for (int s = 0; s < 2; s++) {
+        cr_expect_str_eq(four[s].loss, one[s].loss, "step %d: 4 ranks %s, one rank %s", s + 1,
+                         four[s].loss, one[s].loss);
+        cr_expect_str_eq(four[s].digest, one[s].digest, "step %d: the parameters", s + 1);
+    }
+    cr_expect_str_eq(rest[0].loss, one[2].loss, "step 3 resumed on 2 ranks %s, one rank %s",
+                     rest[0].loss, one[2].loss);
+    cr_expect_str_eq(rest[0].digest, one[2].digest);
+}

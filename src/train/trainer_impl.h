@@ -404,6 +404,9 @@ bool train_moe_block(const struct trainer *t, int k);
  * of another rank is not), and whether d is an expert's. */
 bool train_moe_mine(const struct trainer *t, const struct gpt_tensor_desc *d);
 bool train_moe_expert(const struct trainer *t, const struct gpt_tensor_desc *d);
+/* The rank that holds tensor d whole in a run of `ranks` expert-parallel ranks: its
+ * expert's owner; 0 for every other tensor (which ZeRO cuts or rank 0 holds whole). */
+int train_moe_owner(const struct trainer *t, const struct gpt_tensor_desc *d, int ranks);
 
 /* trainer_moe_step.c: the MoE blocks' phases. A MoE block keeps the 12 tensors of a dense
  * one at block_first[k] (so every block's are where the dense code looks), but its four MLP

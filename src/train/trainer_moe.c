@@ -116,12 +116,17 @@ bool train_moe_expert(const struct trainer *t, const struct gpt_tensor_desc *d)
            strstr(d->name, ".expert");
 }
 
-bool train_moe_mine(const struct trainer *t, const struct gpt_tensor_desc *d)
+int train_moe_owner(const struct trainer *t, const struct gpt_tensor_desc *d, int ranks)
 {
     int k, e;
-    if (t->ep <= 1 || !train_moe_expert(t, d)) return true;
-    if (sscanf(d->name, "h%d.expert%d.", &k, &e) != 2) return true;
-    return e / (t->o.moe.E / t->ep) == t->rank;
+    if (ranks <= 1 || !train_moe_expert(t, d)) return 0;
+    if (sscanf(d->name, "h%d.expert%d.", &k, &e) != 2) return 0;
+    return e / (t->o.moe.E / ranks);
+}
+
+bool train_moe_mine(const struct trainer *t, const struct gpt_tensor_desc *d)
+{
+    return t->ep <= 1 || !train_moe_expert(t, d) || train_moe_owner(t, d, t->ep) == t->rank;
 }
 
 int train_moe_layout(struct trainer *t, struct gpt_tensor_desc *out, size_t cap, char *err,

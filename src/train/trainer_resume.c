@@ -278,8 +278,10 @@ int train_recut(struct trainer *t, char *err, size_t errlen)
             char name[96];
             size_t n = t->desc[i].numel;
             size_t ssh = N > 1 ? align_up((n + (size_t)N - 1) / (size_t)N, SHARD_FLOATS) : n;
-            /* Each stage's rank 0 holds every tensor of its stage, whole or its shard. */
-            if (from[i] < 0 && q == 0) {
+            /* Each stage's rank 0 holds every tensor of its stage, whole or its shard; but an
+             * expert, which its owner alone holds, whole. */
+            int owner = train_moe_owner(t, &t->desc[i], N);
+            if (from[i] < 0 && q == owner) {
                 snprintf(name, sizeof(name), "p.%s", t->desc[i].name);
                 if ((r = zinf_lookup(se, name, &h)) == 0)
                     from[i] = s;
@@ -293,9 +295,10 @@ int train_recut(struct trainer *t, char *err, size_t errlen)
             for (int k = 0; k < 3 && r == 0; k++) {
                 int src_stage = t->src_stage;
                 if (src_stage >= 3 && t->src_persist && n < (size_t)t->src_persist) src_stage = 2;
-                bool from_shard = N > 1 && src_stage >= (roles[k] == R_P ? 3 : 1);
+                bool from_shard = N > 1 && src_stage >= (roles[k] == R_P ? 3 : 1) &&
+                                  !train_moe_expert(t, &t->desc[i]);
                 bool to_shard = train_role_bytes(t, roles[k], i) < n * sizeof(float);
-                if (!from_shard && q != 0) continue; /* whole in every rank: rank 0's */
+                if (!from_shard && q != owner) continue; /* whole in every rank: rank 0's */
                 size_t s_lo = from_shard ? (size_t)q * ssh : 0;
                 size_t s_hi = from_shard ? MIN(n, s_lo + ssh) : n;
                 size_t d_lo = to_shard ? train_shard_lo(t, i) : 0;
