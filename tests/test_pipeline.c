@@ -351,7 +351,8 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
         int n;
         const char *extra, *train, *want;
     } cases[] = {
-        {2, "\"pipeline\": {\"stages\": 3},", "", "start a multiple of 3 ranks"},
+        {2, "\"pipeline\": {\"stages\": 3},", "",
+         "pipeline.stages 3 = 3 ranks per copy of the model; use -n 3, 6, 9..."},
         {2, "\"pipeline\": {\"stages\": 2}, \"zero_optimization\": {\"stage\": 2},", "",
          "zero_optimization.stage 2 with pipeline.stages 2"},
         {2, "\"pipeline\": {\"stages\": 2},", ", \"pipeline_cut\": \"5\"",
@@ -362,7 +363,8 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
          "pipeline.partition"},
         {4, "\"tensor_parallel\": {\"autotp_size\": 4},", "",
          "tensor_parallel.autotp_size 4: "},
-        {3, "\"tensor_parallel\": {\"autotp_size\": 2},", "", "start a multiple of 2 ranks"},
+        {3, "\"tensor_parallel\": {\"autotp_size\": 2},", "",
+         "tensor_parallel.autotp_size 2 = 2 ranks per copy of the model; use -n 2, 4, 6..."},
         {2, "\"sequence_parallel_size\": 2,", "", "sequence_parallel_size 2: "},
         {4, "\"sequence_parallel_size\": 2, \"tensor_parallel\": {\"autotp_size\": 2},", "",
          "both cut the heads"},
@@ -375,6 +377,14 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
         cr_assert(strstr(o, cases[c].want), "case %zu: no '%s' in: %s", c, cases[c].want, o);
         free(o);
     }
+    /* The ranks' own check, where no launcher checked first (zinf train behind a shell). */
+    config(cfg, sizeof(cfg), "bad", 2, "\"pipeline\": {\"stages\": 3},", "");
+    cr_assert_neq(run(&o, "launch -n 2 -- sh -c 'exec \"$0\" \"$@\"' %s train --config %s --data "
+                          DATA " --steps 1",
+                      getenv("ZINF_BIN"), cfg),
+                  0);
+    cr_assert(strstr(o, "start a multiple of 3 ranks") && !strstr(o, "does not fit"), "%s", o);
+    free(o);
     /* More stages than blocks. */
     config(cfg, sizeof(cfg), "bad", 2, "\"pipeline\": {\"stages\": 6},", "");
     cr_assert_neq(run(&o, "launch -n 6 -- %s train --config %s --data " DATA " --steps 1",
