@@ -701,9 +701,13 @@ int cmd_launch(int argc, char **argv)
     close(sfd);
     sigprocmask(SIG_SETMASK, &old, NULL);
     /* A rank 0 killed while the ranks met leaves the rendezvous segment behind: it is this
-     * job's (its name carries the secret), and no rank is left to use it. */
-    char seg[COMM_NAME_BYTES + 64];
-    if (comm_segment_name(name, secret, seg, sizeof(seg)) == 0 && shm_unlink(seg) == 0)
+     * job's (its name carries a tag keyed by the secret), and no rank is left to use it.
+     * Only this user's is removed: what another user made under the name is not ours. */
+    char seg[COMM_NAME_BYTES + 64], seg_path[COMM_NAME_BYTES + 80];
+    struct stat seg_st;
+    if (comm_segment_name(name, secret, seg, sizeof(seg)) == 0 &&
+        snprintf(seg_path, sizeof(seg_path), "/dev/shm%s", seg) > 0 &&
+        lstat(seg_path, &seg_st) == 0 && seg_st.st_uid == geteuid() && shm_unlink(seg) == 0)
         fprintf(stderr, "zinf launch: removed the rendezvous /dev/shm%s its ranks left\n", seg);
     release_name(name, name_fd);
     if (rc == 0 && failed_rank >= 0) {
