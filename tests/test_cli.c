@@ -2964,6 +2964,112 @@ Test(cli, launch_bad_arguments)
     free(o);
 }
 
+#define LAYOUT_MODEL " --layers 2 --dim 64 --heads 4 --seq 16 --batch 2"
+
+/* A config of a parallel layout (keys inside the top object) whose state lives in swap. */
+static void layout_cfg(char *cfg, size_t len, const char *keys, const char *swap)
+{
+    static int n;
+    snprintf(cfg, len, "%s/layout%d.json", dir, n++);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    fprintf(f,
+            "{%s \"zero_optimization\": {\"stage\": 1, \"offload_optimizer\": {\"device\": "
+            "\"nvme\", \"nvme_path\": \"%s\"}}, \"aio\": {\"block_size\": 65536, "
+            "\"queue_depth\": 4}, \"zinf\": {\"device\": \"emulated\", \"device_bytes\": "
+            "\"32M\", \"host_bytes\": \"32M\"}}",
+            keys, swap);
+    fclose(f);
+}
+
+/* zinf launch -n N -- zinf train checks N against the config's layout before any rank
+ * starts: a wrong N is refused in one line naming the file, the keys and the N that fit,
+ * and nothing of the run is made; a right one is said as copies x stages x ranks. */
+Test(cli, launch_checks_ranks_against_the_configs_layout)
+{
+    char cfg[4096], swap[4096], *o;
+    const char *bin = getenv("ZINF_BIN");
+    snprintf(swap, sizeof(swap), "%s/layout-swap", dir);
+    layout_cfg(cfg, sizeof(cfg),
+               "\"pipeline\": {\"stages\": 2}, \"tensor_parallel\": {\"autotp_size\": 2},",
+               swap);
+    char want[8192];
+    snprintf(want, sizeof(want),
+             "zinf launch: -n 6 does not fit %s: pipeline.stages 2 x tensor_parallel.autotp_size "
+             "2 = 4 ranks per copy of the model; use -n 4, 8, 12...\n",
+             cfg);
+    /* Both spellings of --config, and the binary under another name (a link to it). */
+    char link[4096];
+    snprintf(link, sizeof(link), "%s/zinf-renamed", dir);
+    cr_assert_eq(symlink(bin, link), 0);
+    const char *forms[][2] = {{bin, "--config "}, {bin, "--config="}, {link, "--config "}};
+    for (size_t i = 0; i < ARRAY_SIZE(forms); i++) {
+        cr_assert_eq(run(&o, "launch -n 6 -- %s train %s%s --data " TT_DATA LAYOUT_MODEL
+                             " --steps 1",
+                         forms[i][0], forms[i][1], cfg),
+                     2, "%zu: %s", i, o);
+        cr_assert_str_eq(o, want, "%zu", i);
+        free(o);
+        cr_assert_neq(access(swap, F_OK), 0, "a rank started: %s is there", swap);
+    }
+    /* The same N as some other command's: not zinf train's, not checked. */
+    cr_assert_eq(run(&o, "launch -n 3 -- sh -c 'exit 0' train --config %s", cfg), 0, "%s", o);
+    free(o);
+
+    /* -n 4 fits: 1 copy of 2 stages of 2 tensor-parallel ranks, said, and it trains. */
+    cr_assert_eq(run(&o, "launch -n 4 -- %s train --config %s --data " TT_DATA LAYOUT_MODEL
+                         " --steps 1",
+                     bin, cfg),
+                 0, "%s", o);
+    cr_assert(strstr(o, "zinf launch: 4 ranks = 1 copy x 2 stages x 2 tensor-parallel ranks\n"),
+              "%s", o);
+    free(o);
+    cr_assert_eq(access(swap, F_OK), 0);
+
+    /* Stages alone, with the N that fit running past what a job may have. */
+    layout_cfg(cfg, sizeof(cfg), "\"pipeline\": {\"stages\": 24},", swap);
+    cr_assert_eq(run(&o, "launch -n 5 -- %s train --config=%s --data " TT_DATA, bin, cfg), 2,
+                 "%s", o);
+    cr_assert(strstr(o, "-n 5 does not fit") && strstr(o, ": pipeline.stages 24 = 24 ranks per "
+                                                          "copy of the model; use -n 24, 48\n"),
+              "%s", o);
+    free(o);
+    layout_cfg(cfg, sizeof(cfg), "\"sequence_parallel_size\": 64, \"pipeline\": {\"stages\": 2},",
+               swap);
+    cr_assert_eq(run(&o, "launch -n 2 -- %s train --config %s --data " TT_DATA, bin, cfg), 2,
+                 "%s", o);
+    cr_assert(strstr(o, "pipeline.stages 2 x sequence_parallel_size 64 = 128 ranks per copy of "
+                        "the model; no -n fits (a job has at most 64 ranks)"),
+              "%s", o);
+    free(o);
+
+    /* Tensor and sequence parallel together cannot be, whatever N. */
+    layout_cfg(cfg, sizeof(cfg),
+               "\"sequence_parallel_size\": 2, \"tensor_parallel\": {\"autotp_size\": 2},",
+               swap);
+    cr_assert_eq(run(&o, "launch -n 4 -- %s train --config %s --data " TT_DATA, bin, cfg), 2,
+                 "%s", o);
+    snprintf(want, sizeof(want),
+             "zinf launch: %s: tensor_parallel.autotp_size 2 with sequence_parallel_size 2: both "
+             "cut the heads; use one of them\n",
+             cfg);
+    cr_assert_str_eq(o, want);
+    free(o);
+
+    /* A config that does not parse is the ranks' to refuse: the launcher starts them. */
+    snprintf(cfg, sizeof(cfg), "%s/broken.json", dir);
+    FILE *f = fopen(cfg, "w");
+    cr_assert_not_null(f);
+    fputs("{\"pipeline\": {\"stages\": 2}, ", f);
+    fclose(f);
+    cr_assert_eq(run(&o, "launch -n 3 -- %s train --config %s --data " TT_DATA, bin, cfg), 1,
+                 "%s", o);
+    cr_assert(strstr(o, "[0] zinf train: ") && strstr(o, "broken.json") &&
+                  !strstr(o, "does not fit"),
+              "%s", o);
+    free(o);
+}
+
 /* ---- zinf launch --hostfile: the ranks under mpirun ---------------------------------- */
 
 static bool have_mpirun(void)

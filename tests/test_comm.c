@@ -1159,23 +1159,44 @@ Test(comm, a_live_jobs_rendezvous_is_never_taken_and_a_dead_ones_is)
     cr_assert_not(seg_exists(name));
 }
 
-/* With a job's secret: the segment's name carries a tag of it, a rank whose secret differs
- * (the same tag, as two jobs could only have by chance) is refused as another job's, and a
- * secret that is not 32 hex digits is an error. */
+/* With a job's secret: the segment's name carries a tag keyed by it, which neither shows
+ * the secret nor tells one communicator's name from another's (another user who saw one
+ * could create the next first); a rank whose secret differs under the same tag (as two jobs
+ * could only have by chance: made here with a second link to the segment) is refused as
+ * another job's, and a secret that is not 32 hex digits is an error. */
 Test(comm, only_the_jobs_secret_joins)
 {
-    char name[64], obj[160], why[400];
+    char name[64], obj[160], obj2[160], other[160], why[400];
     const char *s1 = "0123456789abcdef0123456789abcdef", *s2 = "0123456789abcdeffedcba9876543210";
     unique_name(name, sizeof(name));
     cr_assert_eq(comm_segment_name(name, s1, obj, sizeof(obj)), 0);
-    cr_assert(strstr(obj, ".0123456789abcdef") && !strstr(obj, "0123456789abcdef0"), "%s", obj);
+    const char *tag = strrchr(obj, '.');
+    cr_assert(tag && strlen(tag + 1) == 16 && strspn(tag + 1, "0123456789abcdef") == 16, "%s",
+              obj);
+    cr_assert(!strstr(obj, "0123456789") && !strstr(obj, "abcdef0123"), "%s", obj);
+    char again[160];
+    cr_assert_eq(comm_segment_name(name, s1, again, sizeof(again)), 0);
+    cr_assert_str_eq(obj, again, "one name and secret, one segment name");
+    /* Another communicator of the job, or the same name under another secret (even one of
+     * the same first digits): another tag. */
+    char name2[80];
+    snprintf(name2, sizeof(name2), "%s.pf0.0.0", name);
+    cr_assert_eq(comm_segment_name(name2, s1, other, sizeof(other)), 0);
+    cr_assert_str_neq(strrchr(other, '.'), tag, "%s and %s", obj, other);
+    cr_assert_eq(comm_segment_name(name, s2, obj2, sizeof(obj2)), 0);
+    cr_assert_str_neq(obj2, obj);
     pid_t a = lone_rank0(name, s1);
     cr_assert(wait_seg(obj), "rank 0 made no %s", obj);
+    char p1[200], p2[200];
+    snprintf(p1, sizeof(p1), "/dev/shm%s", obj);
+    snprintf(p2, sizeof(p2), "/dev/shm%s", obj2);
+    cr_assert_eq(link(p1, p2), 0, "%s", strerror(errno));
     struct comm_opts o = {.backend = COMM_SHM, .rank = 1, .world = 2, .name = name,
                           .secret = s2, .timeout_ms = 2000, .why = why, .why_len = sizeof(why)};
     struct comm *c = NULL;
     cr_assert_eq(comm_open(&o, &c), -EBUSY, "%s", why);
     cr_assert(strstr(why, "another job's rendezvous") && strstr(why, "secret differs"), "%s", why);
+    unlink(p2);
     o.secret = "0123";
     cr_assert_eq(comm_open(&o, &c), -EINVAL);
     cr_assert(strstr(why, "32 lowercase hex digits"), "%s", why);

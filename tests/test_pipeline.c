@@ -12,11 +12,14 @@
  * Not here: the communicator's links (test_comm.c), ZeRO ranks (test_cli.c).
  */
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -351,7 +354,8 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
         int n;
         const char *extra, *train, *want;
     } cases[] = {
-        {2, "\"pipeline\": {\"stages\": 3},", "", "start a multiple of 3 ranks"},
+        {2, "\"pipeline\": {\"stages\": 3},", "",
+         "pipeline.stages 3 = 3 ranks per copy of the model; use -n 3, 6, 9..."},
         {2, "\"pipeline\": {\"stages\": 2}, \"zero_optimization\": {\"stage\": 2},", "",
          "zero_optimization.stage 2 with pipeline.stages 2"},
         {2, "\"pipeline\": {\"stages\": 2},", ", \"pipeline_cut\": \"5\"",
@@ -362,7 +366,8 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
          "pipeline.partition"},
         {4, "\"tensor_parallel\": {\"autotp_size\": 4},", "",
          "tensor_parallel.autotp_size 4: "},
-        {3, "\"tensor_parallel\": {\"autotp_size\": 2},", "", "start a multiple of 2 ranks"},
+        {3, "\"tensor_parallel\": {\"autotp_size\": 2},", "",
+         "tensor_parallel.autotp_size 2 = 2 ranks per copy of the model; use -n 2, 4, 6..."},
         {2, "\"sequence_parallel_size\": 2,", "", "sequence_parallel_size 2: "},
         {4, "\"sequence_parallel_size\": 2, \"tensor_parallel\": {\"autotp_size\": 2},", "",
          "both cut the heads"},
@@ -375,6 +380,14 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
         cr_assert(strstr(o, cases[c].want), "case %zu: no '%s' in: %s", c, cases[c].want, o);
         free(o);
     }
+    /* The ranks' own check, where no launcher checked first (zinf train behind a shell). */
+    config(cfg, sizeof(cfg), "bad", 2, "\"pipeline\": {\"stages\": 3},", "");
+    cr_assert_neq(run(&o, "launch -n 2 -- sh -c 'exec \"$0\" \"$@\"' %s train --config %s --data "
+                          DATA " --steps 1",
+                      getenv("ZINF_BIN"), cfg),
+                  0);
+    cr_assert(strstr(o, "start a multiple of 3 ranks") && !strstr(o, "does not fit"), "%s", o);
+    free(o);
     /* More stages than blocks. */
     config(cfg, sizeof(cfg), "bad", 2, "\"pipeline\": {\"stages\": 6},", "");
     cr_assert_neq(run(&o, "launch -n 6 -- %s train --config %s --data " DATA " --steps 1",
@@ -391,6 +404,119 @@ Test(pipeline, wrong_layouts_are_refused_naming_the_key)
     cr_assert(strstr(o, "--eval-every: each of the 2 pipeline stages holds its own part"), "%s",
               o);
     free(o);
+}
+
+/* ---- another user against a running pipeline ----------------------------------------- */
+
+/* Every step's loss in a log, in order, as text (the bits): how many. */
+static int all_losses(const char *log, char (*loss)[64], int max)
+{
+    FILE *f = fopen(log, "r");
+    char line[1 << 14];
+    int n = 0;
+    cr_assert_not_null(f, "%s", log);
+    while (n < max && fgets(line, sizeof(line), f)) {
+        json_t *j = json_loads(line, 0, NULL);
+        if (j && json_object_get(j, "step") && json_object_get(j, "loss")) {
+            char *v = json_dumps(json_object_get(j, "loss"), JSON_ENCODE_ANY);
+            snprintf(loss[n++], 64, "%s", v);
+            free(v);
+        }
+        json_decref(j);
+    }
+    fclose(f);
+    return n;
+}
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    char *buf = calloc(1, 1 << 16);
+    cr_assert_not_null(buf);
+    if (f) {
+        size_t n = fread(buf, 1, (1 << 16) - 1, f);
+        buf[n] = 0;
+        fclose(f);
+    }
+    return buf;
+}
+
+/* A 2-stage pipeline run as root while uid 65534 (setpriv) watches /dev/shm: it opens
+ * every entry of the job to read and to write, creates the names the job takes next (the
+ * pipeline's links under the tag it saw), reads the ranks' environment (the job's secret),
+ * memory and files through /proc, and connects to any socket naming the job. Each is
+ * refused, and the run ends with the bits of one nobody disturbed. */
+Test(pipeline, second_user_reaches_nothing_of_a_running_pipeline)
+{
+    const char *intruder = getenv("ZINF_SHM_INTRUDER");
+    if (geteuid() != 0) cr_skip_test("needs root, to run a job another user can be kept from");
+    if (system("command -v setpriv >/dev/null 2>&1") != 0) cr_skip_test("no setpriv");
+    cr_assert_not_null(intruder);
+    char cfg[4096], a[4096], b[4096], out[4096], name[64], *o;
+    config(cfg, sizeof(cfg), "guard", 2, "\"pipeline\": {\"stages\": 2},", "");
+    snprintf(a, sizeof(a), "%s/alone.jsonl", dir);
+    snprintf(b, sizeof(b), "%s/watched.jsonl", dir);
+    snprintf(out, sizeof(out), "%s/intruder.out", dir);
+    snprintf(name, sizeof(name), "guard-%d", (int)getpid());
+#define GUARD_STEPS 40
+    cr_assert_eq(run(&o, "launch -n 2 -- %s train --config %s --data " DATA " --steps %d --log %s",
+                     getenv("ZINF_BIN"), cfg, GUARD_STEPS, a),
+                 0, "%s", o);
+    free(o);
+
+    fflush(NULL);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        int fd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0 || dup2(fd, 1) < 0 || dup2(fd, 2) < 0) _exit(127);
+        execlp("setpriv", "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+               intruder, name, "2", "8", (char *)NULL);
+        _exit(127);
+    }
+    char *said = NULL;
+    for (int i = 0; i < 500; i++) { /* until it watches /dev/shm */
+        free(said);
+        said = slurp(out);
+        if (strstr(said, "watching")) break;
+        usleep(10000);
+    }
+    cr_assert(strstr(said, "watching /dev/shm as uid 65534"), "%s", said);
+    free(said);
+    int r = run(&o, "launch -n 2 --name %s -- %s train --config %s --data " DATA
+                    " --steps %d --log %s",
+                name, getenv("ZINF_BIN"), cfg, GUARD_STEPS, b);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    said = slurp(out);
+    cr_assert_eq(r, 0, "the job failed beside another user: %s\nthe other user: %s", o, said);
+    free(o);
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 127)
+        cr_skip_test("uid 65534 cannot run %s (its folders are closed to others)", intruder);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "status %#x: %s", st, said);
+    /* It tried what it says it tried: the job's lock and at least one segment, the ranks. */
+    char want[128];
+    snprintf(want, sizeof(want), "refused read-write /dev/shm/zinf-job-%s: ", name);
+    cr_assert(strstr(said, want), "%s", said);
+    snprintf(want, sizeof(want), "refused read-write /dev/shm/zinf-comm-%s.", name);
+    cr_assert(strstr(said, want), "%s", said);
+    cr_assert(strstr(said, "/environ: Permission denied") && strstr(said, "/mem: ") &&
+                  strstr(said, "list /proc/") && !strstr(said, "OPENED"),
+              "%s", said);
+    free(said);
+
+    static char la[GUARD_STEPS + 1][64], lb[GUARD_STEPS + 1][64];
+    int na = all_losses(a, la, GUARD_STEPS + 1), nb = all_losses(b, lb, GUARD_STEPS + 1);
+    cr_assert_eq(na, GUARD_STEPS);
+    cr_assert_eq(nb, na);
+    for (int k = 0; k < na; k++)
+        cr_assert_str_eq(la[k], lb[k], "step %d", k + 1);
+    /* Nothing of the job's, nor of the other user's, is left in /dev/shm. */
+    DIR *d = opendir("/dev/shm");
+    struct dirent *de;
+    while (d && (de = readdir(d)))
+        cr_assert(!strstr(de->d_name, name), "/dev/shm/%s is left", de->d_name);
+    if (d) closedir(d);
 }
 
 /* ---- resuming in another layout ------------------------------------------------------ */

@@ -21,6 +21,9 @@
  * get a random secret (ZINF_COMM_SECRET) that the rendezvous' name and handshake use: no
  * process without it can meet with them.
  *
+ * Before anything starts, N is checked against the layout of zinf train's config where
+ * COMMAND is zinf train (launch_layout.c).
+ *
  * Not here: the rendezvous itself (comm_open, with the name given here), what the ranks do.
  */
 #include <dirent.h>
@@ -47,6 +50,7 @@
 #include "cmd.h"
 #include "comm/comm.h"
 #include "common.h"
+#include "launch_layout.h"
 #include "launch_mpi.h"
 #include "topo/topo.h"
 
@@ -103,11 +107,15 @@ static void usage(FILE *f)
                "  --mpi-arg ARG   with --hostfile: ARG passed to mpirun as it is (repeatable)\n"
                "With N > 1, OMP_NUM_THREADS (CPUs / N) and OMP_WAIT_POLICY (passive) are set\n"
                "where the environment does not set them.\n"
+               "COMMAND zinf train --config FILE: N is checked, before any rank starts,\n"
+               "against FILE's pipeline.stages x tensor_parallel.autotp_size (or\n"
+               "sequence_parallel_size): a multiple of it, or exit 2 naming the N that fit.\n"
                "SIGINT/SIGTERM/SIGHUP: passed on to every rank; a second one kills them.\n"
                "SIGQUIT: passed on. Ctrl-Z (SIGTSTP) stops the ranks, then the launcher;\n"
                "SIGCONT (fg, bg) continues them. If the launcher dies, its ranks get SIGTERM.\n"
                "Exit status: 0 every rank exited 0; 1 a rank failed (the launcher says which,\n"
-               "and how); 2 bad usage, or a live job has the name; 127 COMMAND could not be\n"
+               "and how); 2 bad usage (an N that does not fit zinf train's config too), or a\n"
+               "live job has the name; 127 COMMAND could not be\n"
                "run; 130/143/129 stopped by SIGINT/SIGTERM/SIGHUP.\n",
             COMM_MAX_RANKS, COMM_NAME_BYTES - 1, MAX_GRACE_S);
 }
@@ -437,6 +445,17 @@ int cmd_launch(int argc, char **argv)
         usage(stderr);
         return 2;
     }
+    /* zinf train's ranks against its config's layout, before anything starts: across
+     * nodes, N is the hostfile's slots where -n is not given (a hostfile that cannot be read
+     * is launch_mpi_run's to say). */
+    int world = n;
+    if (!world && hostfile) {
+        struct hostfile *hf = calloc(1, sizeof(*hf));
+        char herr[512];
+        if (hf && hostfile_read(hostfile, hf, herr, sizeof(herr)) == 0) world = hf->total_slots;
+        free(hf);
+    }
+    if (world && launch_layout_check(argv + optind, world)) return 2;
     /* The job's secret, and its default name: random, so that neither can be guessed, and
      * two launchers of one PID (in containers that share /dev/shm) do not meet. */
     uint8_t rnd[COMM_SECRET_HEX / 2 + 4];
@@ -682,9 +701,13 @@ int cmd_launch(int argc, char **argv)
     close(sfd);
     sigprocmask(SIG_SETMASK, &old, NULL);
     /* A rank 0 killed while the ranks met leaves the rendezvous segment behind: it is this
-     * job's (its name carries the secret), and no rank is left to use it. */
-    char seg[COMM_NAME_BYTES + 64];
-    if (comm_segment_name(name, secret, seg, sizeof(seg)) == 0 && shm_unlink(seg) == 0)
+     * job's (its name carries a tag keyed by the secret), and no rank is left to use it.
+     * Only this user's is removed: what another user made under the name is not ours. */
+    char seg[COMM_NAME_BYTES + 64], seg_path[COMM_NAME_BYTES + 80];
+    struct stat seg_st;
+    if (comm_segment_name(name, secret, seg, sizeof(seg)) == 0 &&
+        snprintf(seg_path, sizeof(seg_path), "/dev/shm%s", seg) > 0 &&
+        lstat(seg_path, &seg_st) == 0 && seg_st.st_uid == geteuid() && shm_unlink(seg) == 0)
         fprintf(stderr, "zinf launch: removed the rendezvous /dev/shm%s its ranks left\n", seg);
     release_name(name, name_fd);
     if (rc == 0 && failed_rank >= 0) {

@@ -22,8 +22,11 @@
  * mode 0600, and never removes an object it did not make unless that object's rank 0 is
  * provably gone (a segment of its own uid whose rank 0 process no longer exists). A rank
  * joins only an object of its own uid with mode 0600 that holds the job's whole secret; the
- * name carries only the first TAG_HEX digits of it, so a name seen in /dev/shm does not let
- * anyone in. Anything else under the name is refused with a message naming it and its owner.
+ * name carries a tag of TAG_HEX digits keyed by the secret and drawn from the communicator's
+ * name (comm_segment_name), so a name seen in /dev/shm neither lets anyone in nor tells the
+ * names of the job's other communicators, which another user could otherwise create first
+ * (/dev/shm is everyone's to create in). Anything else under the name is refused with a
+ * message naming it and its owner.
  *
  * Not here: the collectives (shm_coll.c), the queue of operations (comm.c), GPU buffers
  * (nccl.c).
@@ -88,10 +91,72 @@ bool comm_secret_ok(const char *secret)
     return true;
 }
 
+#define ROTL64(x, b) (((x) << (b)) | ((x) >> (64 - (b))))
+
+static void sip_round(uint64_t v[4])
+{
+    v[0] += v[1];
+    v[1] = ROTL64(v[1], 13) ^ v[0];
+    v[0] = ROTL64(v[0], 32);
+    v[2] += v[3];
+    v[3] = ROTL64(v[3], 16) ^ v[2];
+    v[0] += v[3];
+    v[3] = ROTL64(v[3], 21) ^ v[0];
+    v[2] += v[1];
+    v[1] = ROTL64(v[1], 17) ^ v[2];
+    v[2] = ROTL64(v[2], 32);
+}
+
+/* SipHash-2-4 (Aumasson and Bernstein) of m under the 128-bit key k0, k1: a keyed function
+ * whose outputs for some inputs say nothing of its output for another without the key. */
+static uint64_t siphash24(uint64_t k0, uint64_t k1, const uint8_t *m, size_t len)
+{
+    uint64_t v[4] = {k0 ^ 0x736f6d6570736575ull, k1 ^ 0x646f72616e646f6dull,
+                     k0 ^ 0x6c7967656e657261ull, k1 ^ 0x7465646279746573ull};
+    uint64_t b = (uint64_t)len << 56;
+    size_t whole = len - len % 8;
+    for (size_t i = 0; i < whole; i += 8) {
+        uint64_t w = 0;
+        for (int j = 0; j < 8; j++)
+            w |= (uint64_t)m[i + j] << (8 * j);
+        v[3] ^= w;
+        sip_round(v);
+        sip_round(v);
+        v[0] ^= w;
+    }
+    for (size_t j = 0; j < len % 8; j++)
+        b |= (uint64_t)m[whole + j] << (8 * j);
+    v[3] ^= b;
+    sip_round(v);
+    sip_round(v);
+    v[0] ^= b;
+    v[2] ^= 0xff;
+    for (int r = 0; r < 4; r++)
+        sip_round(v);
+    return v[0] ^ v[1] ^ v[2] ^ v[3];
+}
+
+/* The segment's tag: SipHash of the communicator's name under the job's secret (its 128
+ * bits the key). Each of a job's communicators (a pipeline's links, the tensor-parallel
+ * groups, the ZeRO ranks') meets under a name of its own; were the tag the secret's first
+ * digits, one segment seen in /dev/shm would tell another user the names the job takes
+ * next, which it could create first and so stop the job. */
+static uint64_t segment_tag(const char *name, const char *secret)
+{
+    uint64_t k[2] = {0, 0};
+    for (int i = 0; i < COMM_SECRET_HEX; i++) {
+        char c = secret[i];
+        uint64_t d = (uint64_t)(c <= '9' ? c - '0' : c - 'a' + 10);
+        k[i / 16] = (k[i / 16] << 4) | d;
+    }
+    return siphash24(k[0], k[1], (const uint8_t *)name, strlen(name));
+}
+
 int comm_segment_name(const char *name, const char *secret, char *buf, size_t len)
 {
     if (!comm_name_ok(name) || (secret && !comm_secret_ok(secret))) return -EINVAL;
-    int n = secret ? snprintf(buf, len, "/zinf-comm-%s.%.*s", name, TAG_HEX, secret)
+    int n = secret ? snprintf(buf, len, "/zinf-comm-%s.%016llx", name,
+                              (unsigned long long)segment_tag(name, secret))
                    : snprintf(buf, len, "/zinf-comm-%s", name);
     return n < 0 || (size_t)n >= len ? -EINVAL : 0;
 }

@@ -15,7 +15,7 @@
 #include "comm/shm.h"
 
 #define WHY_BYTES 200
-#define TAG_HEX 16 /* of the secret's digits, those in the segment's name */
+#define TAG_HEX 16 /* the hex digits of the tag in the segment's name (comm_segment_name) */
 #define SEG_NAME_BYTES (sizeof("/zinf-comm-") + COMM_NAME_BYTES + 1 + TAG_HEX)
 
 struct shm_rank {
