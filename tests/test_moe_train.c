@@ -74,7 +74,7 @@ Test(moe_train, what_a_run_cannot_have_is_refused_naming_it)
         {1, "\"moe\": {\"num_experts\": 4, \"use_rts\": true},", "", "moe.use_rts: true is not built"},
         {1, "", "--experts 4 --precision bf16", "moe.num_experts 4 with --precision bf16 or fp16"},
         {2, "\"moe\": {\"num_experts\": 4},", "",
-         "moe.ep_size 1 with 2 ranks: experts replicated on every rank are not built"},
+         "zinf launch: -n 2 does not fit"},
         {2, "\"moe\": {\"num_experts\": 3, \"ep_size\": 2},", "",
          "ep_size must divide num_experts"},
     };

@@ -3,15 +3,17 @@
  * of FILE before any rank starts. Each copy of the model is P pipeline stages
  * (pipeline.stages) of T tensor-parallel (tensor_parallel.autotp_size) or S sequence-
  * parallel (sequence_parallel_size) ranks; N must be a multiple of P x T x S, and T and S
- * are not both above 1. Without this the N ranks start, each reads the config and each
- * refuses on its own; here one line says it, and which -n would fit, and nothing starts.
+ * are not both above 1; with MoE (moe.num_experts) and neither, the experts are split
+ * across all N ranks, so N must be moe.ep_size. Without this the N ranks start, each reads
+ * the config and each refuses on its own; here one line says it, and which -n would fit,
+ * and nothing starts.
  *
  * FILE is read with the parser zinf train reads it with (src/config.c), quietly (its ranks
  * warn of unknown keys). A config that does not parse is left to the ranks, which say
  * what is wrong with it: the launcher never refuses what zinf train would take.
  *
  * Not here: the ranks' own checks of the layout against the model (heads, blocks, ZeRO
- * stages; src/train/trainer_pipe.c), moe.ep_size (the trainer's, against the copies).
+ * stages; src/train/trainer_pipe.c), the MoE settings besides ep_size (trainer_moe.c).
  */
 #include <stdio.h>
 #include <string.h>
@@ -71,8 +73,17 @@ int launch_layout_check(char *const *command, int n)
     int r = config_parse_file_flags(path, &zc, CONFIG_PARSE_QUIET, err, sizeof(err));
     int P = MAX(1, zc.pipeline.stages), T = MAX(1, zc.tensor_parallel.autotp_size),
         S = MAX(1, zc.sequence_parallel_size);
+    int E = zc.moe.num_experts, ep = MAX(1, zc.moe.ep_size);
     config_free(&zc);
     if (r < 0) return 0; /* the ranks say what is wrong with it */
+    /* The experts are split across the ZeRO ranks, all of them. */
+    if (E > 0 && P * T * S == 1 && ep != n) {
+        fprintf(stderr,
+                "zinf launch: -n %d does not fit %s: moe.ep_size %d splits the %d experts "
+                "across that many ranks, all of the job's; use -n %d, or set ep_size to %d\n",
+                n, path, ep, E, ep, n);
+        return 2;
+    }
     if (P * T * S == 1) return 0;
     if (T > 1 && S > 1) {
         fprintf(stderr,
