@@ -101,7 +101,7 @@ struct step_line {
     char digest[40]; /* of the parameters after the step */
     double aux;
     int used, experts;
-    unsigned long long read;
+    unsigned long long read, fetches, hits;
 };
 
 /* The step lines of the log at path into out (at most max); their count. */
@@ -124,6 +124,11 @@ static int read_log(const char *path, struct step_line *out, int max)
         s->used = atoi(u + 15);
         s->experts = atoi(e + 10);
         s->read = strtoull(r + 20, NULL, 10);
+        const char *fe = strstr(line, "\"expert_fetches\":"),
+                   *h = strstr(line, "\"expert_hits\":");
+        cr_assert(fe && h, "a step line without the experts' fetches and hits: %s", line);
+        s->fetches = strtoull(fe + 17, NULL, 10);
+        s->hits = strtoull(h + 14, NULL, 10);
     }
     fclose(f);
     return n;
@@ -473,6 +478,22 @@ Test(moe_train, nvme_reads_follow_the_experts_a_step_routes_to)
         }
     }
     cr_expect(fewer, "8 tokens over 8 experts in each of 2 blocks: some expert had none");
+    /* The experts' fetches, each of a used expert's tensors, and their hits; asking for
+     * them ahead of their turn (or not) changes nothing in the numbers. */
+    struct step_line none[4];
+    snprintf(swap, sizeof(swap), "%s/swap0", dir);
+    cr_assert_eq(train_run("none", swap, "--experts 8 --top-k 1 --precision fp32 "
+                                         "--expert-prefetch 0",
+                           4, none),
+                 4);
+    for (int s = 0; s < n; s++) {
+        cr_expect_geq(st[s].fetches, 8ull * (unsigned)st[s].used, "step %d: %llu fetches",
+                      s + 1, st[s].fetches);
+        cr_expect_leq(st[s].hits, st[s].fetches);
+        cr_expect_str_eq(none[s].loss, st[s].loss, "step %d: without prefetch %s, with %s",
+                         s + 1, none[s].loss, st[s].loss);
+        cr_expect_str_eq(none[s].digest, st[s].digest);
+    }
 }
 
 /* A run of `ranks` expert-parallel ranks (ZeRO stage `stage`, the experts split across the

@@ -351,8 +351,11 @@ void cmd_train_log_step(FILE *ln, const struct trainer_step_stats *st, double et
     cmd_train_json_num(ln, "lr", st->lr, true);
     if (st->experts) { /* mixture of experts: the loss's balancing term, the experts read */
         cmd_train_json_num(ln, "moe_aux_loss", st->moe_aux_loss, true);
-        fprintf(ln, ",\"experts_used\":%d,\"experts\":%d,\"expert_bytes_read\":%llu",
-                st->experts_used, st->experts, (unsigned long long)st->expert_bytes_read);
+        fprintf(ln,
+                ",\"experts_used\":%d,\"experts\":%d,\"expert_bytes_read\":%llu,"
+                "\"expert_fetches\":%llu,\"expert_hits\":%llu",
+                st->experts_used, st->experts, (unsigned long long)st->expert_bytes_read,
+                (unsigned long long)st->expert_fetches, (unsigned long long)st->expert_hits);
     }
     cmd_train_json_num(ln, "cpu_user_s", timeval_diff_s(&ru0->ru_utime, &ru1->ru_utime), false);
     cmd_train_json_num(ln, "cpu_sys_s", timeval_diff_s(&ru0->ru_stime, &ru1->ru_stime), false);
@@ -400,9 +403,13 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                blocked_s[1 + most], blocked_s[1], blocked_s[2], blocked_s[3], blocked_s[4]);
     if (sum->experts && ran)
         printf("#   experts: %.2f of %d had tokens per step on average; fetching them read "
-               "%s from NVMe\n",
+               "%s from NVMe; %.1f%% of their tensors' fetches found them on the device "
+               "(hit rate)\n",
                (double)sum->experts_used / ran, sum->experts,
-               format_size(sum->expert_bytes_read, a, sizeof(a)));
+               format_size(sum->expert_bytes_read, a, sizeof(a)),
+               sum->expert_fetches
+                   ? 100.0 * (double)sum->expert_hits / (double)sum->expert_fetches
+                   : 0.0);
     if (!strcmp(sum->precision, "fp16"))
         printf("#   fp16: %lld steps skipped for overflowed gradients; loss scale now %.9g\n",
                (long long)sum->skipped_steps, sum->loss_scale);
@@ -462,9 +469,13 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                 (unsigned long long)sum->pipeline_refetched);
         fprintf(log, ",\"update_in_forward\":%s", sum->update_in_forward ? "true" : "false");
         if (sum->experts)
-            fprintf(log, ",\"experts\":%d,\"experts_used\":%llu,\"expert_bytes_read\":%llu",
+            fprintf(log,
+                    ",\"experts\":%d,\"experts_used\":%llu,\"expert_bytes_read\":%llu,"
+                    "\"expert_fetches\":%llu,\"expert_hits\":%llu",
                     sum->experts, (unsigned long long)sum->experts_used,
-                    (unsigned long long)sum->expert_bytes_read);
+                    (unsigned long long)sum->expert_bytes_read,
+                    (unsigned long long)sum->expert_fetches,
+                    (unsigned long long)sum->expert_hits);
         cmd_train_json_num(log, "train_seconds", ran_seconds, false);
         cmd_train_json_num(log, "mean_tokens_per_s", mean_tps, false);
         cmd_train_json_num(log, "loss_scale", sum->loss_scale, false);

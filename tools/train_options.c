@@ -51,7 +51,8 @@ int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigne
     } ints[] = {{O_LAYERS, 1, 1024}, {O_DIM, 1, 65536},         {O_HEADS, 1, 1024},
                 {O_SEQ, 1, 65536},   {O_BATCH, 1, 65536},       {O_STEPS, 0, 100000000},
                 {O_SEED, 0, 0x7fffffffL}, {O_ACCUM, 1, 65536},
-                {O_EXPERTS, 0, 4096}, {O_TOP_K, 1, 2}};
+                {O_EXPERTS, 0, 4096}, {O_TOP_K, 1, 2},
+                {O_EXPERT_PREFETCH, 0, 64}};
     const char *name = NULL;
     for (size_t k = 0; train_shape_options[k].name; k++)
         if (train_shape_options[k].val == opt) name = train_shape_options[k].name;
@@ -73,6 +74,7 @@ int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigne
     case O_ACCUM: o->grad_accum = (int)v; break;
     case O_EXPERTS: o->moe.E = (int)v; break;
     case O_TOP_K: o->moe.k = (int)v; break;
+    case O_EXPERT_PREFETCH: o->moe.prefetch = (int)v; break;
     case O_LR: r = float_arg(name, arg, &o->lr, err, errlen); break;
     case O_WD: r = float_arg(name, arg, &o->weight_decay, err, errlen); break;
     case O_CLIP: r = float_arg(name, arg, &o->grad_clip, err, errlen); break;

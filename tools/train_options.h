@@ -31,7 +31,8 @@
     {"precision", required_argument, NULL, O_PRECISION}, \
     {"accumulate", required_argument, NULL, O_ACCUM},    \
     {"experts", required_argument, NULL, O_EXPERTS},     \
-    {"top-k", required_argument, NULL, O_TOP_K}
+    {"top-k", required_argument, NULL, O_TOP_K},         \
+    {"expert-prefetch", required_argument, NULL, O_EXPERT_PREFETCH}
 extern const struct option train_shape_options[];
 int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigned *given,
                        char *err, size_t errlen);

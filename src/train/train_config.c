@@ -304,7 +304,7 @@ int train_config_apply(struct zinf_config *zc, struct trainer_opts *o, unsigned 
     FROM_CONFIG(O_SEED, seed, o->seed)
     FROM_CONFIG(O_PRECISION, precision, o->precision)
 #undef FROM_CONFIG
-    /* The moe section, under --experts and --top-k. */
+    /* The moe section, under --experts, --top-k and --expert-prefetch. */
     struct trainer_moe moe = {.E = GIVEN(O_EXPERTS) ? o->moe.E : zc->moe.num_experts,
                               .k = GIVEN(O_TOP_K) ? o->moe.k : zc->moe.top_k,
                               .every = zc->moe.moe_every,
@@ -312,7 +312,8 @@ int train_config_apply(struct zinf_config *zc, struct trainer_opts *o, unsigned 
                               .min_capacity = zc->moe.min_capacity,
                               .drop_tokens = zc->moe.drop_tokens,
                               .capacity_factor = (float)zc->moe.capacity_factor,
-                              .loss_coef = (float)zc->moe.loss_coef};
+                              .loss_coef = (float)zc->moe.loss_coef,
+                              .prefetch = GIVEN(O_EXPERT_PREFETCH) ? o->moe.prefetch : 1};
     o->moe = moe;
     o->no_start_checkpoint = !zc->zinf.train.checkpoint_start;
     o->update_in_forward = zc->zinf.train.update_in_forward;

@@ -29,6 +29,7 @@ enum train_option {
     O_ACCUM,
     O_EXPERTS,
     O_TOP_K,
+    O_EXPERT_PREFETCH,
 };
 
 /* What the config's keys did, for the start of the run (and for config check). */

@@ -48,7 +48,7 @@ void trainer_opts_defaults(struct trainer_opts *o)
     o->fp16 = (struct trainer_fp16){
         .min_loss_scale = 1, .initial_scale_power = 16, .loss_scale_window = 1000, .hysteresis = 2};
     o->model = (struct gpt_config){.V = 256, .maxT = 64, .L = 4, .C = 128, .NH = 4};
-    o->moe = (struct trainer_moe){.k = 1, .every = 1, .ep = 1, .min_capacity = 4,
+    o->moe = (struct trainer_moe){.k = 1, .every = 1, .ep = 1, .prefetch = 1, .min_capacity = 4,
                                   .drop_tokens = true, .capacity_factor = 1, .loss_coef = 0.01f};
 }
 

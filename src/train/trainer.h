@@ -107,6 +107,7 @@ struct trainer_moe {
     bool drop_tokens;       /* true */
     float capacity_factor;  /* 1.0 */
     float loss_coef;        /* 0.01 */
+    int prefetch;           /* experts asked for ahead, from the gate's choices; 1 */
 };
 
 struct trainer_opts {
@@ -220,10 +221,12 @@ struct trainer_step_stats {
     /* Mixture of experts (0 in a dense run): loss holds the cross-entropy plus moe.loss_coef
      * x moe_aux_loss, the sum of the MoE blocks' balancing losses l_aux; of the `experts`
      * (E x the MoE blocks), experts_used had a token routed to them (summed over the blocks),
-     * and expert_bytes_read is what fetching them read from NVMe. */
+     * and expert_bytes_read is what fetching them read from NVMe; of the expert_fetches of
+     * their tensors to the device tier, expert_hits found a resident copy (asked for ahead
+     * from the gate's choices: trainer_moe.prefetch). */
     float moe_aux_loss;
     int experts, experts_used;
-    uint64_t expert_bytes_read;
+    uint64_t expert_bytes_read, expert_fetches, expert_hits;
 };
 
 struct trainer_tier_summary {
@@ -250,7 +253,7 @@ struct trainer_summary {
      * run), the experts that had tokens summed over steps and blocks, and the NVMe bytes
      * that fetching them read. */
     int experts;
-    uint64_t experts_used, expert_bytes_read;
+    uint64_t experts_used, expert_bytes_read, expert_fetches, expert_hits;
     uint64_t model_state_bytes; /* parameters + gradients + Adam m and v (+ bf16 copies) */
     struct trainer_budgets budgets; /* how the budgets the config did not give were derived */
     uint64_t param_count;

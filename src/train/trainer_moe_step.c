@@ -68,7 +68,9 @@ struct train_moe {
     bool *idle;         /* by layout index: the optimizer leaves it alone this step */
     float aux;          /* the forward's sum of the MoE blocks' l_aux */
     int experts, used_step;
+    int *local; /* (E/ep): this rank's experts that rows came for, in order */
     uint64_t read_step, used_total, read_total;
+    uint64_t fetch_step, hit_step, fetch_total, hit_total; /* the experts' tensors' */
 };
 
 /* Local expert j (this rank's j-th) of the block whose gate is at layout index g: its
@@ -115,6 +117,7 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
         .ep = MAX(1, t->ep), .rank = t->ep > 1 ? t->rank : 0, .alltoall = alltoall, .ctx = t};
     m->Epr = o->E / m->ep.ep;
     m->lx = malloc(moe_expert_num_params(t->cfg.C) * sizeof(float));
+    m->local = malloc((size_t)m->Epr * sizeof(int));
     m->gate = malloc((size_t)t->cfg.L * sizeof(int));
     m->idle = calloc((size_t)t->ntensors, sizeof(bool));
     m->ms.bytes = moe_scratch_bytes(&m->mc, m->N);
@@ -122,7 +125,7 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
     m->gs.bytes = gpt_scratch_bytes(&t->cfg, t->o.batch, t->o.seq);
     m->gs.mem = malloc(m->gs.bytes);
     if (!m->x2 || !m->ln || !m->y || !m->d || !m->dln || !m->mean || !m->rstd || !m->dw || !m->lx ||
-        !m->gate || !m->idle || !m->ms.mem || !m->gs.mem)
+        !m->local || !m->gate || !m->idle || !m->ms.mem || !m->gs.mem)
         goto oom;
     int r = moe_route_init(&m->r, &m->mc, m->N);
     if (r < 0) {
@@ -164,6 +167,7 @@ void train_moe_free(struct trainer *t)
     free(m->rstd);
     free(m->dw);
     free(m->lx);
+    free(m->local);
     free(m->lg_gate);
     free(m->gate);
     free(m->idle);
@@ -183,7 +187,7 @@ void train_moe_step_begin(struct trainer *t)
     struct train_moe *m = t->moe;
     if (!m) return;
     m->used_step = 0;
-    m->read_step = 0;
+    m->read_step = m->fetch_step = m->hit_step = 0;
     /* Every expert is idle until a backward routes a token to it, and adds nothing to the
      * clipping norm until then. */
     for (int k = 0; k < t->cfg.L; k++)
@@ -211,19 +215,26 @@ void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st)
     for (int k = 0; k < t->cfg.L; k++)
         for (int j = 0; m->gate[k] >= 0 && j < m->Epr; j++)
             m->used_step += !m->idle[expert_idx(m->gate[k], j, GPT_FC_W)];
-    uint64_t mine[2] = {(uint64_t)m->used_step, m->read_step}, all[2 * COMM_MAX_RANKS];
+    uint64_t mine[4] = {(uint64_t)m->used_step, m->read_step, m->fetch_step, m->hit_step};
+    uint64_t all[4 * COMM_MAX_RANKS];
     if (t->ep > 1 && comm_allgather(t->hcomm, mine, all, sizeof(mine), COMM_BYTE) == 0) {
         m->used_step = 0;
-        m->read_step = 0;
+        m->read_step = m->fetch_step = m->hit_step = 0;
         for (int q = 0; q < t->ep; q++) {
-            m->used_step += (int)all[2 * q];
-            m->read_step += all[2 * q + 1];
+            m->used_step += (int)all[4 * q];
+            m->read_step += all[4 * q + 1];
+            m->fetch_step += all[4 * q + 2];
+            m->hit_step += all[4 * q + 3];
         }
     }
     st->moe_aux_loss = m->aux;
     st->experts = m->experts;
     st->experts_used = m->used_step;
     st->expert_bytes_read = m->read_step;
+    st->expert_fetches = m->fetch_step;
+    st->expert_hits = m->hit_step;
+    m->fetch_total += m->fetch_step;
+    m->hit_total += m->hit_step;
     m->used_total += (uint64_t)m->used_step;
     m->read_total += m->read_step;
 }
@@ -235,6 +246,8 @@ void train_moe_summary(struct trainer *t, struct trainer_summary *out)
     out->experts = m->experts;
     out->experts_used = m->used_total;
     out->expert_bytes_read = m->read_total;
+    out->expert_fetches = m->fetch_total;
+    out->expert_hits = m->hit_total;
 }
 
 /* ---- the sets ---------------------------------------------------------------------- */
@@ -328,15 +341,40 @@ static int attn_and_route(struct trainer *t, void **p, int a)
     return moe_gate_forward(&m->mc, m->N, m->ln, p[GPT_FC_W], &m->r);
 }
 
-/* Fetch the set, counting what the fetch read from NVMe as the experts'. */
+/* Fetch the set, counting what the fetch read from NVMe as the experts', and how many of
+ * its tensors were resident on the device tier already. */
 static int fetch_expert(struct trainer *t, const struct wave *w, void **p)
 {
     struct zinf_stats s0, s1;
+    const struct zinf_tier_stats *d0 = &s0.tier[ZINF_TIER_DEVICE];
+    const struct zinf_tier_stats *d1 = &s1.tier[ZINF_TIER_DEVICE];
     zinf_stats(t->e, &s0);
     int r = train_wave_fetch(t, w, ZINF_TIER_DEVICE, p);
     zinf_stats(t->e, &s1);
     t->moe->read_step += s1.nvme_bytes_read - s0.nvme_bytes_read;
+    t->moe->fetch_step += d1->fetches - d0->fetches;
+    t->moe->hit_step += d1->hits - d0->hits;
     return r;
+}
+
+/* The experts rows came for (after a dispatch) into m->local; their number. */
+static int local_used(struct train_moe *m, const struct moe_ep_xfer *xf)
+{
+    int n = 0;
+    for (int j = 0; j < m->Epr; j++)
+        if (moe_ep_rows_for(&m->mc, &m->ep, xf, j)) m->local[n++] = j;
+    return n;
+}
+
+/* Ask for the weights of the u-th of block k's n used experts ahead of its turn: a hint,
+ * which the engine drops where it has no room. */
+static void prefetch(struct trainer *t, int k, int u, int n)
+{
+    struct train_moe *m = t->moe;
+    if (u >= n || t->o.moe.prefetch < 1) return;
+    for (int s = GPT_FC_W; s <= GPT_MLP_PROJ_B; s++)
+        zinf_prefetch(t->e, train_wave_handle(t, R_W, expert_idx(gate_of(t, k), m->local[u], s)),
+                      ZINF_TIER_DEVICE);
 }
 
 int train_moe_forward(struct trainer *t, int k)
@@ -357,8 +395,12 @@ int train_moe_forward(struct trainer *t, int k)
     if (r < 0) return r;
     m->aux += m->r.l_aux;
     if ((r = moe_ep_dispatch_forward(&m->mc, &m->ep, &m->r, m->ln, &xf)) < 0) return r;
-    for (int j = 0; j < m->Epr && r == 0; j++) {
-        if (!moe_ep_rows_for(&m->mc, &m->ep, &xf, j)) continue;
+    int n = local_used(m, &xf), ahead = t->o.moe.prefetch;
+    for (int u = 0; u < ahead; u++)
+        prefetch(t, k, u, n);
+    for (int u = 0; u < n && r == 0; u++) {
+        int j = m->local[u];
+        prefetch(t, k, u + ahead, n);
         wave_expert(t, k, j, false, &w);
         if ((r = fetch_expert(t, &w, p)) < 0) break;
         struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
@@ -453,8 +495,12 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
     if (r < 0 || (r = be->grad_io(t->be, m->d, false)) < 0) return r;
     memset(m->dw, 0, (size_t)m->N * (size_t)m->mc.k * sizeof(float));
     if ((r = moe_ep_dispatch_backward(&m->mc, &m->ep, &m->r, m->ln, m->d, &xf)) < 0) return r;
-    for (int j = 0; j < m->Epr && r == 0; j++) {
-        if (!moe_ep_rows_for(&m->mc, &m->ep, &xf, j)) continue;
+    int n = local_used(m, &xf), ahead = t->o.moe.prefetch;
+    for (int u = 0; u < ahead; u++)
+        prefetch(t, k, u, n);
+    for (int u = 0; u < n && r == 0; u++) {
+        int j = m->local[u];
+        prefetch(t, k, u + ahead, n);
         wave_expert(t, k, j, true, &w);
         if ((r = fetch_expert(t, &w, p)) < 0) break;
         r = expert_backward(t, k, j, &xf, p, &w, norm);
