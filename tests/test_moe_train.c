@@ -77,6 +77,10 @@ Test(moe_train, what_a_run_cannot_have_is_refused_naming_it)
          "zinf launch: -n 2 does not fit"},
         {2, "\"moe\": {\"num_experts\": 3, \"ep_size\": 2},", "",
          "ep_size must divide num_experts"},
+        {1, "", "--experts 4 --eval-every 1",
+         "--eval-every with --experts 4 (moe.num_experts): the forward"},
+        {2, "\"moe\": {\"num_experts\": 4, \"ep_size\": 2},", "--export never.safetensors",
+         "--export with --experts 4 (moe.num_experts): each of the ranks holds its own"},
     };
     for (size_t c = 0; c < ARRAY_SIZE(cases); c++) {
         config(cfg, sizeof(cfg), cases[c].extra);

@@ -464,6 +464,26 @@ int cmd_train(int argc, char **argv)
         weights_close(init);
         return 2;
     }
+    /* MoE blocks: the held-out loss and the samples run the dense forward, and each expert-
+     * parallel rank holds its own experts only. */
+    const char *moe_no = a.eval_every > 0                        ? "--eval-every"
+                         : a.sample_every > 0                    ? "--sample-every"
+                         : a.export_path && es.world > 1 ? "--export"
+                                                                 : NULL;
+    if (o.moe.E && moe_no) {
+        fprintf(stderr,
+                "zinf train: %s with --experts %d (moe.num_experts): %s\n", moe_no, o.moe.E,
+                moe_no[3] == 'x' ? "each of the ranks holds its own experts, and the export "
+                                   "across them is not built yet (export on one rank: zinf "
+                                   "train --resume --steps N --export FILE re-cuts the saved "
+                                   "run for it)"
+                                 : "the forward of the held-out loss and of the samples is "
+                                   "not built for MoE blocks yet");
+        if (log) fclose(log);
+        trainer_close(t);
+        weights_close(init);
+        return 2;
+    }
     if (a.export_path || a.export_hf) {
         if (es.world > 1 && es.stage >= 3) {
             fprintf(stderr,
