@@ -559,3 +559,35 @@ Test(moe_train, expert_parallel_ranks_give_one_ranks_bits_and_resume_across_layo
                      rest[0].loss, one[2].loss);
     cr_expect_str_eq(rest[0].digest, one[2].digest);
 }
+
+/* Rank 1 of 2 dies in the checkpoint of step 2, after its folder's rename: the ranks'
+ * checkpoints are all or none, and --resume goes on from a step both hold, with the bits of
+ * the run that was never killed. */
+Test(moe_train, an_expert_parallel_rank_killed_in_a_checkpoint_resumes_with_the_same_bits)
+{
+    struct step_line whole[3], rest[3];
+    char sw[4096], sk[4096], cfg[4096], extra[8192], *o;
+    micro = 1;
+    snprintf(sw, sizeof(sw), "%s/whole", dir);
+    snprintf(sk, sizeof(sk), "%s/killed", dir);
+    cr_assert_eq(ep_run("whole", 2, 1, sw, "", 3, whole), 3);
+    snprintf(extra, sizeof(extra),
+             "\"moe\": {\"num_experts\": 4, \"top_k\": 2, \"ep_size\": 2}, "
+             "\"zero_optimization\": {\"stage\": 1, \"offload_param\": {\"device\": "
+             "\"nvme\", \"nvme_path\": \"%s\"}},",
+             sk);
+    config(cfg, sizeof(cfg), extra);
+    setenv("ZINF_TEST_KILL_AT", "after-rename:1:3", 1);
+    int rk = run(&o,
+                 "launch -n 2 -- %s train --config %s --data " DATA
+                 " --steps 3 --precision fp32 --checkpoint-every 1",
+                 getenv("ZINF_BIN"), cfg);
+    unsetenv("ZINF_TEST_KILL_AT");
+    cr_assert_neq(rk, 0, "the killed run: %s", o);
+    free(o);
+    int n = ep_run("rest", 2, 1, sk, "--resume", 3, rest);
+    cr_assert(n >= 1 && n <= 2, "%d steps after the resume", n);
+    cr_expect_str_eq(rest[n - 1].loss, whole[2].loss, "step 3 resumed %s, whole %s",
+                     rest[n - 1].loss, whole[2].loss);
+    cr_expect_str_eq(rest[n - 1].digest, whole[2].digest);
+}
