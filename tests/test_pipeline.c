@@ -645,3 +645,42 @@ Test(pipeline, a_saved_pipeline_run_is_refused_named_when_partial_and_overwritte
     snprintf(path, sizeof(path), "%s/zinf-manifest.json", swap);
     cr_assert_neq(access(path, F_OK), 0, "--overwrite left %s", path);
 }
+
+/* Each tensor-parallel rank's engine holds its slices only: with budgets (no NVMe) below
+ * what one rank's model needs, one rank is refused naming the budget, and 2 tensor-parallel
+ * ranks with the same budgets each train it. */
+Test(pipeline, tensor_parallel_ranks_train_a_model_one_ranks_budgets_cannot_hold)
+{
+    char one[4096], two[4096], log[4096], *o;
+    const char *body = "\"train_micro_batch_size_per_gpu\": 2, \"zinf\": {\"device\": "
+                       "\"emulated\", \"device_bytes\": \"4600K\", \"host_bytes\": \"4600K\", "
+                       "\"train\": {\"layers\": 2, \"dim\": 128, \"heads\": 4, \"seq\": 16}}}";
+    snprintf(one, sizeof(one), "%s/budget1.json", dir);
+    snprintf(two, sizeof(two), "%s/budget2.json", dir);
+    FILE *f = fopen(one, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{%s", body);
+    fclose(f);
+    f = fopen(two, "w");
+    cr_assert_not_null(f);
+    fprintf(f, "{\"tensor_parallel\": {\"autotp_size\": 2}, %s", body);
+    fclose(f);
+    int r = run(&o, "train --config %s --data " DATA " --steps 1 --precision fp32", one);
+    cr_expect_eq(r, 2, "%s", o);
+    cr_expect(strstr(o, "zinf.device_bytes: 4.49 MiB is too small"), "%s", o);
+    free(o);
+    snprintf(log, sizeof(log), "%s/budget2.jsonl", dir);
+    r = run(&o, "launch -n 2 -- %s train --config %s --data " DATA
+                " --steps 2 --precision fp32 --log %s",
+            getenv("ZINF_BIN"), two, log);
+    cr_assert_eq(r, 0, "%s", o);
+    free(o);
+    json_t *all = summary_of(log), *s = json_object_get(all, "summary");
+    cr_assert_not_null(s);
+    json_int_t need = json_integer_value(json_object_get(s, "min_device_bytes"));
+    json_int_t peak = json_integer_value(json_object_get(json_object_get(s, "device"),
+                                                        "peak_bytes"));
+    cr_expect(need > 0 && need <= 4600 * 1024, "a rank needs %lld bytes", (long long)need);
+    cr_expect(peak > 0 && peak <= 4600 * 1024, "a rank's device peak %lld", (long long)peak);
+    json_decref(all);
+}
