@@ -15,7 +15,9 @@
  * ln2's and the attention half's, the gradient flowing back taken from the backend and
  * handed back to it through grad_io. The experts a step routed nothing to have no
  * gradient: the optimizer leaves them alone (train_moe_idle), as torch's skip a parameter
- * whose .grad is None.
+ * whose .grad is None. Once the experts to run are known, the next trainer_moe.prefetch of
+ * them are asked for ahead of their turn (zinf_prefetch: a hint), and each fetch counts
+ * how many of its tensors it found on the device (the hit rate the summary gives).
  *
  * The tokens always travel as moe_ep.c moves them (on one rank the all-to-all is a copy):
  * each rank (the ZeRO ranks are the expert-parallel group, moe.ep_size) routes its own
@@ -447,7 +449,7 @@ static int grads_norm(struct trainer *t, void **p, int at, const struct wave *w,
 /* Local expert j's backward on every source's rows (its set at p: weights, gradients):
  * each source's gradient from zero into lx, then added to the step's (train_moe_step.c's
  * head comment). */
-static int expert_backward(struct trainer *t, int k, int j, const struct moe_ep_xfer *xf, void **p,
+static int expert_backward(struct trainer *t, int j, const struct moe_ep_xfer *xf, void **p,
                            const struct wave *w, bool norm)
 {
     struct train_moe *m = t->moe;
@@ -473,7 +475,6 @@ static int expert_backward(struct trainer *t, int k, int j, const struct moe_ep_
         }
     }
     if (r == 0) r = grads_norm(t, p, 4, w, 4, norm);
-    (void)k;
     return train_settle(t, r);
 }
 
@@ -503,7 +504,7 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
         prefetch(t, k, u + ahead, n);
         wave_expert(t, k, j, true, &w);
         if ((r = fetch_expert(t, &w, p)) < 0) break;
-        r = expert_backward(t, k, j, &xf, p, &w, norm);
+        r = expert_backward(t, j, &xf, p, &w, norm);
         train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
         train_note_peaks(t);
     }
