@@ -164,7 +164,16 @@ int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
      * blocks (their experts' exchange shares the communicator). */
     t->overlap =
         want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1 && t->sp <= 1 && !o->moe.E;
-    if (say && want && !t->overlap && t->rank == 0)
+    const char *not_with = o->moe.E   ? "MoE blocks (their experts' exchange shares the "
+                                        "communicator)"
+                           : t->pp > 1 ? "pipeline stages"
+                           : t->sp > 1 ? "sequence-parallel ranks"
+                                       : NULL;
+    if (say && want && not_with && t->rank == 0)
+        log_notice("zero_optimization.overlap_comm: not with %s: the gradients are reduced "
+                   "after each block's backward",
+                   not_with);
+    else if (say && want && !t->overlap && t->rank == 0)
         log_notice("zero_optimization.overlap_comm: a block's gradients (%llu elements) exceed "
                    "reduce_bucket_size (%llu): they are reduced after the block's backward",
                    (unsigned long long)block, (unsigned long long)t->zc.zero.reduce_bucket_size);
