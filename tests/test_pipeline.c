@@ -6,8 +6,9 @@
  * micro-batches, in fp32, bf16 and fp16, offloaded to NVMe; tensor- and sequence-parallel
  * ranks (alone, with stages, with ZeRO copies: 2 x 2 x 2 on 8 ranks) give one rank's losses
  * within 1e-6 and the same bits run to run; a pipeline's saved run resumes where it stopped,
- * and in another layout (stages, copies, none) bitwise as the run that never moved; the
- * summary reports the stage and the bubble; wrong layouts are refused naming the key.
+ * and in another layout (stages, copies, none) bitwise as the run that never moved; runs of
+ * tensor- and sequence-parallel ranks re-cut into other such layouts, their tensors exactly;
+ * the summary reports the stage and the bubble; wrong layouts are refused naming the key.
  *
  * Not here: the communicator's links (test_comm.c), ZeRO ranks (test_cli.c).
  */
