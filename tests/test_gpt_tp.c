@@ -591,6 +591,44 @@ Test(gpt_tp, slices_round_trip)
     free(d);
 }
 
+/* A checkpoint's re-cut: every tensor cut over tp A, put back whole from A's slices (each
+ * rank's slice_in in turn, the replicated tensors' copies identical) and cut over tp B,
+ * gives B's slices of the tensor bitwise, for every A, B of all_tps. */
+Test(gpt_tp, slices_recut_from_one_tp_to_another)
+{
+    const struct gpt_config *cfg = &cfg61;
+    int n;
+    struct gpt_tensor_desc *d = layout(cfg, &n);
+    for (int i = 0; i < n; i++) {
+        float *full = falloc(d[i].numel), *back = falloc(d[i].numel);
+        float *slice = falloc(d[i].numel), *want = falloc(d[i].numel);
+        fill(full, d[i].numel, 1.0f, (uint64_t)i + 7);
+        for (int a = 0; a < 4; a++)
+            for (int b = 0; b < 4; b++) {
+                int ta = all_tps[a], tb = all_tps[b];
+                for (size_t k = 0; k < d[i].numel; k++)
+                    back[k] = NAN;
+                for (int r = 0; r < ta; r++) {
+                    cr_assert_eq(gpt_tp_slice_out(cfg, ta, r, &d[i], full, slice), 0);
+                    cr_assert_eq(gpt_tp_slice_in(cfg, ta, r, &d[i], slice, back), 0);
+                }
+                for (int r = 0; r < tb; r++) {
+                    size_t shape[2];
+                    cr_assert_eq(gpt_tp_tensor_shape(cfg, tb, r, &d[i], shape), 0);
+                    cr_assert_eq(gpt_tp_slice_out(cfg, tb, r, &d[i], back, slice), 0);
+                    cr_assert_eq(gpt_tp_slice_out(cfg, tb, r, &d[i], full, want), 0);
+                    cr_expect_eq(memcmp(slice, want, shape[0] * shape[1] * sizeof(float)), 0,
+                                 "%s: tp %d -> tp %d, rank %d", d[i].name, ta, tb, r);
+                }
+            }
+        free(want);
+        free(slice);
+        free(back);
+        free(full);
+    }
+    free(d);
+}
+
 /* Which rows and columns a rank holds, for the tensors whose cut is not one range. */
 Test(gpt_tp, slices_hold_the_ranks_heads)
 {
@@ -688,6 +726,9 @@ Test(gpt_tp, refuses_bad_input)
     wrong.block = cfg->L;
     cr_expect_eq(gpt_tp_slice_in(cfg, 2, 0, &wrong, buf, buf), -EINVAL);
     cr_expect_eq(gpt_tp_slice_out(cfg, 2, 0, &d[2], NULL, buf), -EINVAL);
+    cr_expect_eq(gpt_tp_slice_in(cfg, 2, 0, &d[2], NULL, buf), -EINVAL);
+    cr_expect_eq(gpt_tp_slice_in(cfg, 2, 0, &d[2], buf, NULL), -EINVAL);
+    cr_expect_eq(gpt_tp_slice_in(cfg, 4, 0, &d[2], buf, buf), -EINVAL); /* NH 6 over 4 */
     cr_expect_eq(gpt_tp_block_slot_shape(cfg, 2, 0, GPT_BLOCK_NSLOTS, shape), -EINVAL);
     free(d);
 

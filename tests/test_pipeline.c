@@ -6,8 +6,9 @@
  * micro-batches, in fp32, bf16 and fp16, offloaded to NVMe; tensor- and sequence-parallel
  * ranks (alone, with stages, with ZeRO copies: 2 x 2 x 2 on 8 ranks) give one rank's losses
  * within 1e-6 and the same bits run to run; a pipeline's saved run resumes where it stopped,
- * and in another layout (stages, copies, none) bitwise as the run that never moved; the
- * summary reports the stage and the bubble; wrong layouts are refused naming the key.
+ * and in another layout (stages, copies, none) bitwise as the run that never moved; runs of
+ * tensor- and sequence-parallel ranks re-cut into other such layouts, their tensors exactly;
+ * the summary reports the stage and the bubble; wrong layouts are refused naming the key.
  *
  * Not here: the communicator's links (test_comm.c), ZeRO ranks (test_cli.c).
  */
@@ -683,4 +684,106 @@ Test(pipeline, tensor_parallel_ranks_train_a_model_one_ranks_budgets_cannot_hold
     cr_expect(need > 0 && need <= 4600 * 1024, "a rank needs %lld bytes", (long long)need);
     cr_expect(peak > 0 && peak <= 4600 * 1024, "a rank's device peak %lld", (long long)peak);
     json_decref(all);
+}
+
+/* ---- resuming across tensor- and sequence-parallel layouts -------------------------- */
+
+/* A config of layout `par` (the keys, "" for none), ZeRO-1 offloaded to NVMe under swap,
+ * sequences of 12 (sequence parallel splits them). */
+static void par_config(char *cfg, size_t len, const char *name, const char *par, int accum,
+                       const char *swap)
+{
+    char extra[9000];
+    snprintf(extra, sizeof(extra),
+             "%s\"zero_optimization\": {\"stage\": 1, \"offload_param\": {\"device\": "
+             "\"nvme\", \"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": \"nvme\", "
+             "\"nvme_path\": \"%s\"}},",
+             par, swap, swap);
+    config(cfg, len, name, accum, extra, ", \"seq\": 12");
+}
+
+#define TP2 "\"tensor_parallel\": {\"autotp_size\": 2}, "
+#define SP2 "\"sequence_parallel_size\": 2, "
+#define PP2 "\"pipeline\": {\"stages\": 2}, "
+
+/* leg() of layout par under dir/swap, its log dir/name.jsonl read into s; must succeed, its
+ * last step `steps` (a resume to the step it re-cuts at runs none). */
+static void par_leg(const char *name, int n, const char *par, int accum, const char *swap,
+                    int steps, const char *args, struct steps *s)
+{
+    char cfg[4096], sw[4096], log[4096], *o;
+    snprintf(sw, sizeof(sw), "%s/%s", dir, swap);
+    snprintf(log, sizeof(log), "%s/%s.jsonl", dir, name);
+    par_config(cfg, sizeof(cfg), name, par, accum, sw);
+    cr_assert_eq(leg(&o, n, cfg, steps, log, args), 0, "%s: %s", name, o);
+    free(o);
+    read_steps(log, s);
+    cr_assert(s->n == steps || (s->n == 0 && strstr(args, "--resume")), "%s: %d steps", name,
+              s->n);
+}
+
+/* Step STEPS's loss of log `name` within 1e-6 of ref's (read_steps' text: loss first). */
+static void near(const struct steps *got, const struct steps *ref, const char *what)
+{
+    double a = strtod(got->v[STEPS], NULL), b = strtod(ref->v[STEPS], NULL);
+    cr_assert(b > 0 && fabs(a - b) <= 1e-6 * fabs(b), "%s: loss %.9g against %.9g", what, a, b);
+}
+
+/* Runs saved at step 2 by tensor- or sequence-parallel ranks resume in another layout. A
+ * re-cut alone (a resume to the step it re-cuts at) is checkpointed, so chains of them run
+ * few steps: tp 2 -> sp 2 -> one rank (the newest of the runs saved at step 2) -> tp 2 again
+ * gives the bits of the tp 2 run that never moved (every parameter, m and v put back whole
+ * and cut again exactly); tp 2 -> one rank and 2 stages x tp 2 -> 2 copies x 2 stages (into
+ * ZeRO-1 shards) give the loss of the run that kept tp 2 within 1e-6 (the sums across ranks
+ * reassociate). The global batch is 2 micro-batches throughout. Then the refusals: a layout
+ * that cannot cut the model (6 heads over 4 tp ranks) is refused naming the key, a tp run
+ * missing a tp rank's folder is named as not whole, and neither deletes anything saved. */
+Test(pipeline, recut_across_tensor_and_sequence_parallel_layouts_and_its_refusals)
+{
+    struct steps tp, a, b;
+    char cfg[4096], sw[4096], log[4096], path[4200], want[9000], *o;
+    par_leg("ref_tp", 2, TP2, 2, "ref_tp", STEPS, "", &tp);
+    par_leg("x_tp", 2, TP2, 2, "x", 2, "", &a);
+    for (int s = 1; s <= 2; s++)
+        cr_assert_str_eq(a.v[s], tp.v[s], "step %d", s);
+    par_leg("x_sp", 2, SP2, 2, "x", 2, "--resume", &a);
+    par_leg("x_one", 1, "", 2, "x", 2, "--resume", &a);
+    for (int r = 0; r < 2; r++) {
+        snprintf(path, sizeof(path), "%s/x/tp-%d-of-2", dir, r);
+        test_rmtree(strdup(path));
+        snprintf(path, sizeof(path), "%s/x/sp-%d-of-2", dir, r);
+        test_rmtree(strdup(path));
+    }
+    par_leg("x_tp_again", 2, TP2, 2, "x", STEPS, "--resume", &b);
+    cr_assert_str_eq(b.v[STEPS], tp.v[STEPS], "tp 2 -> sp 2 -> one rank -> tp 2");
+    par_leg("y_tp", 2, TP2, 2, "y", 2, "", &a);
+    par_leg("y_one", 1, "", 2, "y", STEPS, "--resume", &b);
+    near(&b, &tp, "tp 2 -> one rank");
+    /* The issue's 1 copy x 2 stages x tp 2 -> 2 copies x 2 stages, 4 ranks each. Stages
+     * give the bits of the ranks without them: tp 2's run is the one that kept the layout. */
+    par_leg("w_pt", 4, TP2 PP2, 2, "w", 2, "", &a);
+    for (int s = 1; s <= 2; s++)
+        cr_assert_str_eq(a.v[s], tp.v[s], "2 stages x tp 2, step %d", s);
+    par_leg("w_pp", 4, PP2, 1, "w", STEPS, "--resume", &b);
+    near(&b, &tp, "2 stages x tp 2 -> 2 copies x 2 stages");
+    /* The refusals, on a tp 2 run of one step. */
+    par_leg("z_tp", 2, TP2, 2, "z", 1, "", &a);
+    snprintf(sw, sizeof(sw), "%s/z", dir);
+    snprintf(log, sizeof(log), "%s/bad.jsonl", dir);
+    par_config(cfg, sizeof(cfg), "tp4", "\"tensor_parallel\": {\"autotp_size\": 4}, ", 2, sw);
+    cr_assert_neq(leg(&o, 4, cfg, STEPS, log, "--resume"), 0, "%s", o);
+    cr_assert(strstr(o, "tensor_parallel.autotp_size 4: "), "%s", o);
+    free(o);
+    snprintf(path, sizeof(path), "%s/z/tp-1-of-2", dir);
+    test_rmtree(strdup(path));
+    snprintf(want, sizeof(want),
+             "the saved run of 2 tensor-parallel ranks in %s is not whole: tp rank 1 (%s) "
+             "holds no saved run",
+             sw, path);
+    par_config(cfg, sizeof(cfg), "one", "", 2, sw);
+    cr_assert_neq(leg(&o, 1, cfg, STEPS, log, "--resume"), 0, "%s", o);
+    cr_assert(strstr(o, want), "no '%s' in: %s", want, o);
+    free(o);
+    snprintf(path, sizeof(path), "%s/z/tp-0-of-2/zinf-manifest.json", dir);
+    cr_assert_eq(access(path, F_OK), 0, "the refusals removed %s", path);
 }

@@ -559,7 +559,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         }
         r = zinf_open_parsed(&t->zc,
                              t->o.resume                      ? ZINF_OPEN_RESUME | flag
-                             : o->overwrite || t->src_world ? ZINF_OPEN_OVERWRITE
+                             : o->overwrite || t->src.N ? ZINF_OPEN_OVERWRITE
                                                               : 0,
                              &t->e);
     }
@@ -605,7 +605,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
             goto fail;
         }
     }
-    if (t->src_world &&
+    if (t->src.N &&
         ((r = train_recut(t, err, errlen)) < 0 || (r = trainer_checkpoint(t)) < 0)) {
         if (!err[0])
             snprintf(err, errlen, "--resume: re-cutting the saved run: %s", zinf_strerror(r));
@@ -621,7 +621,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         goto fail;
     }
     if (t->world > 1 && o->resume && (r = train_ranks_agree(t, err, errlen)) < 0) goto fail;
-    t->checkpoint_step = !o->resume && o->no_start_checkpoint && !t->src_world ? -1 : t->step_done;
+    t->checkpoint_step = !o->resume && o->no_start_checkpoint && !t->src.N ? -1 : t->step_done;
     *out = t;
     return 0;
 fail:

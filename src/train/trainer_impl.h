@@ -11,8 +11,10 @@
  *   trainer_step.c    the sets a step pins (waves), forward, head, backward, trainer_step
  *   trainer_shards.c  ZeRO across ranks: shards, gathers, reductions, the communicator
  *   trainer_optim.c   the optimizer phase: AdamW over every tensor, clipping, digests
- *   trainer_resume.c  the saved state, checkpoints, resume and the re-cut across layouts
- *   trainer_layouts.c the saved runs' layouts (stages x ranks), the one a resume goes to
+ *   trainer_resume.c  the saved state, checkpoints, resume
+ *   trainer_recut.c   the re-cut of a run saved in another layout into this one
+ *   trainer_layouts.c the saved runs' layouts (stages x tp or sp x ranks), the one a resume
+ *                     goes to
  *   trainer_moe.c     mixture of experts: its settings, the layout with MoE blocks
  *   trainer_moe_step.c the MoE blocks' forward and backward, experts fetched when routed
  *
@@ -68,6 +70,13 @@ struct train_state {
     int32_t held_out; /* 1: the last tenth of the data is held out for validation (v3) */
     uint64_t seed;
     uint64_t data_bytes;
+};
+
+/* A layout of a run's folders: P pipeline stages x T tensor- or S sequence-parallel ranks
+ * (one of T and S is 1) x N ZeRO ranks (the copies), each 1 where unused. Its folders are
+ * numbered f = (s I + j) N + q (stage s, tp or sp rank j of I = T S, copy q). */
+struct train_lay {
+    int32_t P, T, S, N;
 };
 
 struct trainer {
@@ -213,13 +222,15 @@ struct trainer {
     /* The nvme paths as given: rank R of N keeps its swap files in rank-R-of-N under each
      * (one rank: in the paths themselves); a pipeline's stage S of P in stage-S-of-P, its
      * copies in rank-R-of-N under that, where base is the stage's folder and root the paths
-     * as given (root is NULL where base is those: train_root). A resume in another layout
-     * re-cuts the newest saved run, of src_pp stages x src_world ranks at ZeRO stage
-     * src_stage, into this run's tensors and shards. */
+     * as given (root is NULL where base is those: train_root); a tensor- or sequence-
+     * parallel rank's folder is tp-R-of-T (sp-R-of-S), stage-S-of-P.tp-R-of-T with stages.
+     * A resume in another layout re-cuts the newest saved run, of layout src (src.N 0: no
+     * re-cut) at ZeRO stage src_stage, into this run's tensors and shards. */
     char *base[CONFIG_MAX_NVME_PATHS];
     char *root[CONFIG_MAX_NVME_PATHS];
     unsigned nbase;
-    int src_pp, src_world, src_stage, src_persist;
+    struct train_lay src;
+    int src_stage, src_persist;
     /* The step a resume goes to: the newest saved whole by every rank of the run it comes
      * from (-1: unknown, a run saved before checkpoints were tagged with their step). */
     int64_t resume_step;
@@ -458,40 +469,51 @@ int train_sp_sum(struct trainer *t, float *l, size_t n);
 int train_barrier_all(struct trainer *t);
 /* bytes of buf from stage 0 to every stage of this copy of the pipeline (all call it). */
 int train_pipe_bcast(struct trainer *t, void *buf, size_t bytes);
+/* bytes of buf from tp (sp) rank 0 to every tp (sp) rank of this stage (all call it). */
+int train_group_bcast(struct trainer *t, void *buf, size_t bytes);
 void train_pipe_summary(struct trainer *t, struct trainer_summary *out);
 
-/* trainer_resume.c: the saved state, the re-cut, checkpoints, the crashes */
+/* trainer_resume.c: the saved state, checkpoints, the crashes */
 int train_state_check(struct trainer *t, char *err, size_t errlen);
+/* The saved state s, of a run of src_world copies, against this run: 0, or -EINVAL and why. */
+int train_state_validate(struct trainer *t, struct train_state s, int src_world, char *err,
+                         size_t errlen);
 int train_state_save_step(struct trainer *t, int step_done);
 char *train_rank_dir(const char *base, int world, int rank);
 int train_version_flag(const char *dir, int64_t step, unsigned *flag);
-int train_recut_check(struct trainer *t, char *err, size_t errlen);
-int train_recut(struct trainer *t, char *err, size_t errlen);
 void train_kill_point(struct trainer *t, const char *point);
 
-/* trainer_layouts.c: the saved runs of every layout, P stages x N ranks (P 1: no pipeline),
- * in [stage-S-of-P/][rank-R-of-N] under each nvme path. */
+/* trainer_recut.c: a run saved in another layout re-cut into this one's tensors */
+int train_recut_check(struct trainer *t, char *err, size_t errlen);
+int train_recut(struct trainer *t, char *err, size_t errlen);
+
+/* trainer_layouts.c: the saved runs of every layout (struct train_lay), in
+ * [stage-S-of-P][.|/][tp-J-of-T|sp-J-of-S][/rank-R-of-N] under each nvme path. */
 struct train_saved {
-    int32_t P, N;         /* the run a resume goes to (P 0: none) */
-    int32_t bad_P, bad_N; /* a run passed over (0: none): this run's layout where it is one */
-    int32_t bad_f;        /* its first folder (S x N + R) that holds no saved run; -1: each
-                             holds one, but no step is held by all */
+    struct train_lay lay; /* the run a resume goes to (lay.P 0: none) */
+    struct train_lay bad; /* a run passed over (P 0: none): this run's layout where it is one */
+    int32_t bad_f;        /* its first folder (train_lay's f) that holds no saved run; -1:
+                             each holds one, but no step is held by all */
     int32_t pad;
-    int64_t step;   /* the step every folder of P x N holds (-1: untagged, before steps were) */
+    int64_t step;   /* the step every folder of lay holds (-1: untagged, before steps were) */
     int64_t newest; /* the newest step any of them holds */
 };
 const char *train_root(const struct trainer *t, unsigned k);
-char *train_layout_dir(const char *root, int P, int N, int s, int q);
-/* "one rank", "4 ranks", "3 pipeline stages", "3 pipeline stages x 2 ranks" */
-const char *train_layout_name(int P, int N, char *buf, size_t len);
-/* "rank R", "stage S", "stage S rank R": folder f = S x N + R of the layout. */
-const char *train_folder_name(int P, int N, int f, char *buf, size_t len);
+/* This run's layout: stages, tp, sp, copies. */
+struct train_lay train_own_layout(const struct trainer *t);
+bool train_lay_same(const struct train_lay *a, const struct train_lay *b);
+/* Folder f of layout l under root (malloc'd; NULL: no memory). */
+char *train_layout_dir(const char *root, const struct train_lay *l, int f);
+/* "one rank", "4 ranks", "3 pipeline stages x 2 ranks", "2 tensor-parallel ranks x 2 copies" */
+const char *train_layout_name(const struct train_lay *l, char *buf, size_t len);
+/* "rank R", "stage S", "stage S rank R", "stage S tp rank J copy R": folder f of l. */
+const char *train_folder_name(const struct train_lay *l, int f, char *buf, size_t len);
 int train_newest_run(const struct trainer *t, struct train_saved *out);
 /* Every rank's saved steps into t->peer_saved, over the host communicator (world > 1). */
 int train_gather_saved(struct trainer *t);
 int train_remove_other_runs(struct trainer *t, char *err, size_t errlen);
 /* trainer_open's look at the swap path: the saved run found, agreed by every rank, and
- * what it means for this run (a resume, a re-cut: src_pp, src_world, checked; a refusal;
+ * what it means for this run (a resume, a re-cut: src, checked; a refusal;
  * the other layouts removed for --overwrite). */
 int train_find_saved(struct trainer *t, char *err, size_t errlen);
 

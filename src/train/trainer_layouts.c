@@ -1,14 +1,16 @@
 /*
- * trainer_layouts.c - the saved runs a swap path holds, in every layout a run can have: P
- * pipeline stages of N ranks each (P 1: no pipeline; N 1: no ZeRO ranks), stage S's rank R
- * keeping its swap files under each nvme path in [stage-S-of-P/][rank-R-of-N]. Here: those
- * folders and their names, the choice of the run a resume goes to (the newest step saved
- * whole by every folder of its layout), what trainer_open makes of it (resume, re-cut,
+ * trainer_layouts.c - the saved runs a swap path holds, in every layout a run can have
+ * (struct train_lay): P pipeline stages x T tensor- or S sequence-parallel ranks x N ranks
+ * (copies) each (1 where unused), each rank keeping its swap files under each nvme path in
+ * [stage-S-of-P][.|/][tp-J-of-T|sp-J-of-S][/rank-R-of-N] (one rank: the path itself). Here:
+ * those folders and their names, the choice of the run a resume goes to (the newest step
+ * saved whole by every folder of its layout), what trainer_open makes of it (resume, re-cut,
  * refuse a new run over it), and the removal of the other layouts' runs that --overwrite
  * asks for.
  *
- * Not here: the saved state's checks and the re-cut itself (trainer_resume.c), the folders
- * of this run's own stage and rank (trainer_pipe.c, trainer_shards.c).
+ * Not here: the saved state's checks (trainer_resume.c), the re-cut itself
+ * (trainer_recut.c), the folders of this run's own stage and rank (trainer_pipe.c,
+ * trainer_shards.c).
  */
 #include <dirent.h>
 #include <errno.h>
@@ -31,109 +33,141 @@ const char *train_root(const struct trainer *t, unsigned k)
     return t->root[k] ? t->root[k] : t->base[k];
 }
 
-/* Whether the path as given holds a tensor- or sequence-parallel rank's folder
- * (tp-R-of-T, sp-R-of-S, stage-S-of-P.tp-R-of-T...), its name in name. */
-static bool other_parallel(const struct trainer *t, char *name, size_t len)
+struct train_lay train_own_layout(const struct trainer *t)
 {
-    DIR *d = t->nbase ? opendir(train_root(t, 0)) : NULL;
-    struct dirent *de;
-    bool found = false;
-    while (d && !found && (de = readdir(d)))
-        if ((strstr(de->d_name, "tp-") || strstr(de->d_name, "sp-")) &&
-            strstr(de->d_name, "-of-")) {
-            snprintf(name, len, "%s", de->d_name);
-            found = true;
-        }
-    if (d) closedir(d);
-    return found;
+    return (struct train_lay){MAX(1, t->pp), MAX(1, t->tp), MAX(1, t->sp), MAX(1, t->world)};
 }
 
-char *train_layout_dir(const char *root, int P, int N, int s, int q)
+bool train_lay_same(const struct train_lay *a, const struct train_lay *b)
 {
-    char *d = NULL;
-    int n;
-    if (P <= 1 && N <= 1) return strdup(root);
-    if (P <= 1)
-        n = asprintf(&d, "%s/rank-%d-of-%d", root, q, N);
-    else if (N <= 1)
-        n = asprintf(&d, "%s/stage-%d-of-%d", root, s, P);
-    else
-        n = asprintf(&d, "%s/stage-%d-of-%d/rank-%d-of-%d", root, s, P, q, N);
+    return a->P == b->P && a->T == b->T && a->S == b->S && a->N == b->N;
+}
+
+/* The folders a layout has: stages x tp or sp ranks x copies. */
+static int folders(const struct train_lay *l)
+{
+    return l->P * l->T * l->S * l->N;
+}
+
+char *train_layout_dir(const char *root, const struct train_lay *l, int f)
+{
+    int I = l->T * l->S, s = f / (I * l->N), j = f / l->N % I, q = f % l->N, n;
+    const char *kind = l->T > 1 ? "tp" : "sp";
+    char grp[96] = "", rk[48] = "", *d = NULL;
+    if (l->P > 1 && I > 1)
+        snprintf(grp, sizeof(grp), "/stage-%d-of-%d.%s-%d-of-%d", s, l->P, kind, j, I);
+    else if (l->P > 1)
+        snprintf(grp, sizeof(grp), "/stage-%d-of-%d", s, l->P);
+    else if (I > 1)
+        snprintf(grp, sizeof(grp), "/%s-%d-of-%d", kind, j, I);
+    if (l->N > 1) snprintf(rk, sizeof(rk), "/rank-%d-of-%d", q, l->N);
+    n = asprintf(&d, "%s%s%s", root, grp, rk);
     return n < 0 ? NULL : d;
 }
 
-const char *train_layout_name(int P, int N, char *buf, size_t len)
+const char *train_layout_name(const struct train_lay *l, char *buf, size_t len)
 {
-    if (P <= 1 && N <= 1)
-        snprintf(buf, len, "one rank");
-    else if (P <= 1)
-        snprintf(buf, len, "%d ranks", N);
-    else if (N <= 1)
-        snprintf(buf, len, "%d pipeline stages", P);
-    else
-        snprintf(buf, len, "%d pipeline stages x %d ranks", P, N);
+    int I = l->T * l->S, k = 0;
+    buf[0] = '\0';
+    if (l->P > 1) k += snprintf(buf + k, len - (size_t)k, "%d pipeline stages", l->P);
+    if (I > 1 && (size_t)k < len)
+        k += snprintf(buf + k, len - (size_t)k, "%s%d %s-parallel ranks", k ? " x " : "", I,
+                      l->T > 1 ? "tensor" : "sequence");
+    if (l->N > 1 && (size_t)k < len)
+        k += snprintf(buf + k, len - (size_t)k, "%s%d %s", k ? " x " : "", l->N,
+                      I > 1 ? "copies" : "ranks");
+    if (!k) snprintf(buf, len, "one rank");
     return buf;
 }
 
-const char *train_folder_name(int P, int N, int f, char *buf, size_t len)
+const char *train_folder_name(const struct train_lay *l, int f, char *buf, size_t len)
 {
-    if (P <= 1)
-        snprintf(buf, len, "rank %d", f);
-    else if (N <= 1)
-        snprintf(buf, len, "stage %d", f);
-    else
-        snprintf(buf, len, "stage %d rank %d", f / N, f % N);
+    int I = l->T * l->S, k = 0;
+    buf[0] = '\0';
+    if (l->P > 1) k += snprintf(buf + k, len - (size_t)k, "stage %d", f / (I * l->N));
+    if (I > 1 && (size_t)k < len)
+        k += snprintf(buf + k, len - (size_t)k, "%s%s rank %d", k ? " " : "",
+                      l->T > 1 ? "tp" : "sp", f / l->N % I);
+    if ((l->N > 1 || !k) && (size_t)k < len)
+        snprintf(buf + k, len - (size_t)k, "%s%s %d", k ? " " : "", I > 1 ? "copy" : "rank",
+                 f % l->N);
     return buf;
 }
 
 /* ---- the layouts under a path ------------------------------------------------------- */
 
-struct layout {
-    int P, N;
-};
-
-/* Whether entry `name` of d is a folder (not a link to one) named WHAT-A-of-B, B in
- * [2, COMM_MAX_RANKS] and A below it. */
-static bool folder_named(DIR *d, const char *name, const char *what, int *a, int *b)
+/* Whether s begins WHAT-A-of-B, B in [2, COMM_MAX_RANKS] and A below it; *n: its length. */
+static bool part(const char *s, const char *what, int *b, int *n)
 {
     char fmt[32];
-    int end = 0;
-    struct stat st;
+    int a;
+    *n = 0;
     snprintf(fmt, sizeof(fmt), "%s-%%d-of-%%d%%n", what);
-    if (sscanf(name, fmt, a, b, &end) != 2 || name[end] || *b < 2 || *b > COMM_MAX_RANKS ||
-        *a < 0 || *a >= *b)
-        return false;
+    return sscanf(s, fmt, &a, b, n) == 2 && *n > 0 && *b >= 2 && *b <= COMM_MAX_RANKS && a >= 0 &&
+           a < *b;
+}
+
+/* Whether entry `name` of d is a folder, not a link to one. */
+static bool is_folder(DIR *d, const char *name)
+{
+    struct stat st;
     return fstatat(dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
 }
 
-static void add_layout(struct layout *l, int *n, int P, int N)
+/* Whether entry `name` of d is the folder of a layout's stage or tp or sp rank:
+ * stage-S-of-P, tp-J-of-T, sp-J-of-S, stage-S-of-P.tp-J-of-T, stage-S-of-P.sp-J-of-S; g
+ * its P, T and S (N 1). */
+static bool group_named(DIR *d, const char *name, struct train_lay *g)
+{
+    const char *p = name;
+    int b, n;
+    *g = (struct train_lay){1, 1, 1, 1};
+    if (part(p, "stage", &b, &n)) {
+        g->P = b;
+        p += n;
+        if (!*p) return is_folder(d, name);
+        if (*p++ != '.') return false;
+    }
+    if (part(p, "tp", &b, &n))
+        g->T = b;
+    else if (part(p, "sp", &b, &n))
+        g->S = b;
+    else
+        return false;
+    return !p[n] && is_folder(d, name);
+}
+
+static void add_layout(struct train_lay *l, int *n, struct train_lay x)
 {
     for (int k = 0; k < *n; k++)
-        if (l[k].P == P && l[k].N == N) return;
-    if (*n < MAX_LAYOUTS) l[(*n)++] = (struct layout){P, N};
+        if (train_lay_same(&l[k], &x)) return;
+    if (*n < MAX_LAYOUTS) l[(*n)++] = x;
 }
 
 /* Every layout whose folders appear under root (one rank's is the path itself): rank-R-of-N,
- * stage-S-of-P, stage-S-of-P/rank-R-of-N. Whether they hold a run is not looked at. */
-static int layouts_under(const char *root, struct layout *l)
+ * the stage, tp and sp folders (group_named) and the rank-R-of-N in those. Whether they hold
+ * a run is not looked at. */
+static int layouts_under(const char *root, struct train_lay *l)
 {
-    int n = 0, a, b, x, y;
-    add_layout(l, &n, 1, 1);
+    int n = 0, b, y, m;
+    struct train_lay g;
+    add_layout(l, &n, (struct train_lay){1, 1, 1, 1});
     DIR *d = opendir(root);
     struct dirent *de;
     while (d && (de = readdir(d))) {
-        if (folder_named(d, de->d_name, "rank", &a, &b)) {
-            add_layout(l, &n, 1, b);
+        if (part(de->d_name, "rank", &b, &m) && !de->d_name[m] && is_folder(d, de->d_name)) {
+            add_layout(l, &n, (struct train_lay){1, 1, 1, b});
             continue;
         }
-        if (!folder_named(d, de->d_name, "stage", &a, &b)) continue;
-        add_layout(l, &n, b, 1);
+        if (!group_named(d, de->d_name, &g)) continue;
+        add_layout(l, &n, g);
         int fd = openat(dirfd(d), de->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
         DIR *sd = fd >= 0 ? fdopendir(fd) : NULL;
         if (!sd && fd >= 0) close(fd);
         struct dirent *se;
         while (sd && (se = readdir(sd)))
-            if (folder_named(sd, se->d_name, "rank", &x, &y)) add_layout(l, &n, b, y);
+            if (part(se->d_name, "rank", &y, &m) && !se->d_name[m] && is_folder(sd, se->d_name))
+                add_layout(l, &n, (struct train_lay){g.P, g.T, g.S, y});
         if (sd) closedir(sd);
     }
     if (d) closedir(d);
@@ -142,19 +176,21 @@ static int layouts_under(const char *root, struct layout *l)
 
 /* ---- the run a resume goes to -------------------------------------------------------- */
 
-/* The newest step that every folder of layout P x N under the first path holds, as its
+/* The newest step that every folder of layout l under the first path holds, as its
  * current version or the previous one (a checkpoint that some ranks committed and others
  * did not); -1 when some folder holds none of the others' (or nothing), -2 for a run saved
  * before checkpoints were tagged with their step (every folder's manifest untagged).
  * *newest: the newest step any folder holds; *held: how many hold a saved run; *miss: the
- * first that holds none (-1: none). This run's own layout without a pipeline takes what
- * each rank saw in its own folder (peer_saved: across nodes, rank 0 cannot read them). */
-static int64_t common_step(const struct trainer *t, int P, int N, int64_t *newest, int *held,
-                           int *miss)
+ * first that holds none (-1: none). This run's own layout of ranks alone (no stages, no tp
+ * or sp) takes what each rank saw in its own folder (peer_saved: across nodes, rank 0
+ * cannot read them). */
+static int64_t common_step(const struct trainer *t, const struct train_lay *l, int64_t *newest,
+                           int *held, int *miss)
 {
     int64_t tags[COMM_MAX_RANKS][2];
-    int untagged = 0, F = P * N;
-    bool peers = P == 1 && t->pp == 1 && N == t->world && t->peer_saved;
+    int untagged = 0, F = folders(l);
+    struct train_lay mine = train_own_layout(t);
+    bool peers = l->P == 1 && l->T * l->S == 1 && train_lay_same(l, &mine) && t->peer_saved;
     *newest = -1;
     *held = 0;
     *miss = -1;
@@ -165,7 +201,7 @@ static int64_t common_step(const struct trainer *t, int P, int N, int64_t *newes
             tags[f][0] = t->peer_saved[f][1];
             tags[f][1] = t->peer_saved[f][2];
         } else {
-            char *d = train_layout_dir(train_root(t, 0), P, N, f / N, f % N);
+            char *d = train_layout_dir(train_root(t, 0), l, f);
             r = d ? zinf_saved_steps(d, tags[f]) : -ENOMEM;
             free(d);
         }
@@ -196,31 +232,30 @@ static int64_t common_step(const struct trainer *t, int P, int N, int64_t *newes
  * (P 0: none) and the step every one of its folders saved (-1 for a run saved before steps
  * were tagged). A layout that some folder holds nothing of (a stage's folder removed), or
  * whose folders hold no step in common (a re-cut cut short), is passed over, and said in
- * bad_* (this run's own layout first). The run with the newest such step wins; on a tie,
+ * bad* (this run's own layout first). The run with the newest such step wins; on a tie,
  * this run's layout, then the newest. Runs saved before steps were tagged count only where
  * no other run is known, the newest of them winning. */
 int train_newest_run(const struct trainer *t, struct train_saved *out)
 {
-    struct layout l[MAX_LAYOUTS], legacy = {0, 0};
+    struct train_lay l[MAX_LAYOUTS], legacy = {0}, mine = train_own_layout(t);
     int64_t best_t = 0, legacy_t = 0, when; /* ns since the epoch */
     *out = (struct train_saved){.step = -1, .newest = -1, .bad_f = -1};
     if (!t->nbase) return 0;
     int nl = layouts_under(train_root(t, 0), l);
     for (int k = 0; k < nl; k++) {
-        int P = l[k].P, N = l[k].N, held, miss;
-        bool own = P == t->pp && N == t->world;
-        if (P * N > COMM_MAX_RANKS) continue; /* no launch makes it */
-        int64_t top, c = common_step(t, P, N, &top, &held, &miss);
+        int held, miss;
+        bool own = train_lay_same(&l[k], &mine);
+        if (folders(&l[k]) > COMM_MAX_RANKS) continue; /* no launch makes it */
+        int64_t top, c = common_step(t, &l[k], &top, &held, &miss);
         if (!held) continue;
         if (c == -1) { /* held in part, or with no step in common */
-            if (!out->bad_P || own) {
-                out->bad_P = P;
-                out->bad_N = N;
+            if (!out->bad.P || own) {
+                out->bad = l[k];
                 out->bad_f = miss;
             }
             continue;
         }
-        char *r0 = train_layout_dir(train_root(t, 0), P, N, 0, 0);
+        char *r0 = train_layout_dir(train_root(t, 0), &l[k], 0);
         int sr = r0 ? zinf_saved_at(r0, &when) : -ENOMEM;
         free(r0);
         if (sr < 0) continue;
@@ -231,21 +266,20 @@ int train_newest_run(const struct trainer *t, struct train_saved *out)
             }
             continue;
         }
-        bool best_own = out->P == t->pp && out->N == t->world;
-        if (!out->P || c > out->step || (c == out->step && !best_own && (own || when > best_t))) {
-            out->P = P;
-            out->N = N;
+        bool best_own = train_lay_same(&out->lay, &mine);
+        if (!out->lay.P || c > out->step ||
+            (c == out->step && !best_own && (own || when > best_t))) {
+            out->lay = l[k];
             out->step = c;
             out->newest = top;
             best_t = when;
         }
     }
-    if (!out->P && legacy.P) {
-        out->P = legacy.P;
-        out->N = legacy.N;
+    if (!out->lay.P && legacy.P) {
+        out->lay = legacy;
         out->step = out->newest = -1;
     }
-    return out->P;
+    return out->lay.P;
 }
 
 int train_gather_saved(struct trainer *t)
@@ -260,80 +294,88 @@ int train_gather_saved(struct trainer *t)
 
 /* ---- --overwrite ---------------------------------------------------------------------- */
 
-/* Folder f of layout P x N's share of a saved run, removed from every nvme path: its
- * manifests and swap files (zinf_saved_remove, which touches nothing else), then its
- * rank-R-of-N folders where that left them empty. *had: whether it held a saved state. */
-static int remove_share(struct trainer *t, int P, int N, int f, bool *had)
+/* Folder f of layout l's share of a saved run, removed from every nvme path: its manifests
+ * and swap files (zinf_saved_remove, which touches nothing else), then its rank-R-of-N
+ * folders where that left them empty. *had: whether it held a saved state. */
+static int remove_share(struct trainer *t, const struct train_lay *l, int f, bool *had)
 {
     char *dirs[CONFIG_MAX_NVME_PATHS + 1] = {0}; /* NULL-terminated */
     int r = 0;
     size_t n;
     for (unsigned k = 0; k < t->nbase && r == 0; k++)
-        if (!(dirs[k] = train_layout_dir(train_root(t, k), P, N, f / N, f % N))) r = -ENOMEM;
+        if (!(dirs[k] = train_layout_dir(train_root(t, k), l, f))) r = -ENOMEM;
     if (r == 0) {
         *had = zinf_saved_tensors(dirs[0], &n) == 0;
         r = zinf_saved_remove(dirs[0], (const char *const *)dirs + 1);
     }
     for (unsigned k = 0; k < t->nbase; k++) {
-        if (r == 0 && N > 1) rmdir(dirs[k]); /* only where nothing else is left */
+        if (r == 0 && l->N > 1) rmdir(dirs[k]); /* only where nothing else is left */
         free(dirs[k]);
     }
     return r;
 }
 
-/* Where a layout's folders are under root, for the notices: "", "/rank-*-of-N"... */
-static void layout_glob(int P, int N, char *buf, size_t len)
+/* Where a layout's folders are under root, for the notices: "", "/rank-*-of-N",
+ * "/stage-*-of-P.tp-*-of-T"... */
+static void layout_glob(const struct train_lay *l, char *buf, size_t len)
 {
-    char st[32] = "", rk[32] = "";
-    if (P > 1) snprintf(st, sizeof(st), "/stage-*-of-%d", P);
-    if (N > 1) snprintf(rk, sizeof(rk), "/rank-*-of-%d", N);
-    snprintf(buf, len, "%s%s", st, rk);
+    char st[32] = "", in[32] = "", rk[32] = "";
+    int I = l->T * l->S;
+    if (l->P > 1) snprintf(st, sizeof(st), "/stage-*-of-%d", l->P);
+    if (I > 1)
+        snprintf(in, sizeof(in), "%s%s-*-of-%d", l->P > 1 ? "." : "/", l->T > 1 ? "tp" : "sp",
+                 I);
+    if (l->N > 1) snprintf(rk, sizeof(rk), "/rank-*-of-%d", l->N);
+    snprintf(buf, len, "%s%s%s", st, in, rk);
 }
 
 /* --overwrite starts over the whole swap path, not only this run's share of it: a run saved
  * there in another layout would otherwise stay, and a later --resume, going to the newest
  * step saved, would continue that one instead of the new run. This run's own folders the
  * engines start over; here go the folders of every other layout (the paths themselves,
- * rank-R-of-N, stage-S-of-P and the rank folders in those). Only zinf's files of those runs
- * are removed, and their folders once empty (never this run's stages' folders, which its
- * other stages are opening); one rank does it, before its engine opens, each run it removes
- * said. */
+ * rank-R-of-N, the stage, tp and sp folders and the rank folders in those). Only zinf's
+ * files of those runs are removed, and their folders once empty (never the folders this
+ * run's stages and tp or sp ranks are opening); one rank does it, before its engine opens,
+ * each run it removes said. */
 int train_remove_other_runs(struct trainer *t, char *err, size_t errlen)
 {
-    struct layout l[MAX_LAYOUTS];
+    struct train_lay l[MAX_LAYOUTS], mine = train_own_layout(t);
     int r = 0, failed = -1;
     if (!t->nbase) return 0;
     int nl = layouts_under(train_root(t, 0), l);
     for (int k = 0; k < nl && r == 0; k++) {
-        int P = l[k].P, N = l[k].N;
         bool had = false, one;
-        if (P == t->pp && N == t->world) continue;
-        for (int f = 0; f < P * N && r == 0; f++) {
+        if (train_lay_same(&l[k], &mine) || folders(&l[k]) > COMM_MAX_RANKS) continue;
+        for (int f = 0; f < folders(&l[k]) && r == 0; f++) {
             one = false;
-            r = remove_share(t, P, N, f, &one);
+            r = remove_share(t, &l[k], f, &one);
             had |= one;
         }
         if (r < 0) failed = k;
-        char name[64], glob[64];
+        char name[96], glob[96];
         if (had && r == 0) {
-            layout_glob(P, N, glob, sizeof(glob));
+            layout_glob(&l[k], glob, sizeof(glob));
             log_notice("--overwrite: removed the run saved by %s in %s%s",
-                       train_layout_name(P, N, name, sizeof(name)), train_root(t, 0), glob);
+                       train_layout_name(&l[k], name, sizeof(name)), train_root(t, 0), glob);
         }
     }
-    /* The stage folders of other numbers of stages, where that left them empty. */
-    for (int k = 0; k < nl && r == 0; k++)
-        for (int s = 0; s < l[k].P && l[k].P > 1 && l[k].P != t->pp; s++)
+    /* The stage, tp and sp folders of other layouts than this run's, where that left them
+     * empty. */
+    for (int k = 0; k < nl && r == 0; k++) {
+        struct train_lay g = {l[k].P, l[k].T, l[k].S, 1};
+        int G = folders(&g);
+        if (G == 1 || (g.P == mine.P && g.T == mine.T && g.S == mine.S)) continue;
+        for (int f = 0; f < G; f++)
             for (unsigned j = 0; j < t->nbase; j++) {
-                char *d = train_layout_dir(train_root(t, j), l[k].P, 1, s, 0);
+                char *d = train_layout_dir(train_root(t, j), &g, f);
                 if (d) rmdir(d);
                 free(d);
             }
-    char name[64];
+    }
+    char name[96];
     if (r < 0 && failed >= 0)
         snprintf(err, errlen, "--overwrite: cannot remove the run saved by %s in %s: %s",
-                 train_layout_name(l[failed].P, l[failed].N, name, sizeof(name)),
-                 train_root(t, 0),
+                 train_layout_name(&l[failed], name, sizeof(name)), train_root(t, 0),
                  r == -EBUSY    ? "its swap files are in use by another engine (one job per "
                                   "swap directory)"
                  : r == -EACCES ? "one of its swap files or manifests is not this user's "
@@ -346,14 +388,15 @@ int train_remove_other_runs(struct trainer *t, char *err, size_t errlen)
 
 /* "--resume: no step is saved by every one of the 2 ranks under DIR: rank 0 holds step 4,
  * rank 1 holds step 2", as each folder's manifests say. */
-static void say_split(const struct trainer *t, int P, int N, char *err, size_t errlen)
+static void say_split(const struct trainer *t, const struct train_lay *l, char *err,
+                      size_t errlen)
 {
-    char name[64], who[48];
+    char name[96], who[64];
     int k = snprintf(err, errlen, "--resume: no step is saved by every one of the %s under %s:",
-                     train_layout_name(P, N, name, sizeof(name)), train_root(t, 0));
-    for (int f = 0; f < P * N && k > 0 && (size_t)k < errlen; f++) {
+                     train_layout_name(l, name, sizeof(name)), train_root(t, 0));
+    for (int f = 0; f < folders(l) && k > 0 && (size_t)k < errlen; f++) {
         int64_t tags[2] = {-1, -1};
-        char *rd = train_layout_dir(train_root(t, 0), P, N, f / N, f % N);
+        char *rd = train_layout_dir(train_root(t, 0), l, f);
         if (rd) zinf_saved_steps(rd, tags);
         free(rd);
         char held[64] = "no step";
@@ -363,17 +406,25 @@ static void say_split(const struct trainer *t, int P, int N, char *err, size_t e
         else if (tags[0] >= 0)
             snprintf(held, sizeof(held), "step %lld", (long long)tags[0]);
         k += snprintf(err + k, errlen - (size_t)k, "%s %s holds %s", f ? "," : "",
-                      train_folder_name(P, N, f, who, sizeof(who)), held);
+                      train_folder_name(l, f, who, sizeof(who)), held);
     }
 }
 
-/* The saved run found by the first rank of the first stage, for every rank: over the stages
- * of each copy of a pipeline, then over each stage's copies (or the ranks). */
+/* Whether this rank is the first of the run: copy 0, stage 0, tp or sp rank 0. */
+static bool first_rank(const struct trainer *t)
+{
+    return t->rank == 0 && t->ps == 0 && t->tr == 0 && t->sq == 0;
+}
+
+/* The saved run found by the first rank, for every rank: over the stages of each copy of a
+ * pipeline (each tp or sp rank's stages), then over each stage's tp or sp ranks, then over
+ * each stage's copies (or the ranks). */
 static int agree(struct trainer *t, struct train_saved *f)
 {
     int r = t->pp == 1 ? train_gather_saved(t) : 0;
-    if (r == 0 && t->rank == 0 && t->ps == 0) train_newest_run(t, f);
+    if (r == 0 && first_rank(t)) train_newest_run(t, f);
     if (r == 0 && t->pp > 1) r = train_pipe_bcast(t, f, sizeof(*f));
+    if (r == 0 && t->tp * t->sp > 1) r = train_group_bcast(t, f, sizeof(*f));
     if (r == 0 && t->world > 1) r = comm_broadcast(t->hcomm, f, sizeof(*f), COMM_BYTE, 0);
     return r;
 }
@@ -384,62 +435,53 @@ int train_find_saved(struct trainer *t, char *err, size_t errlen)
     bool resume = o->resume; /* a re-cut clears o->resume: its tensors are new */
     const char *sd = t->zc.nvme_paths.path[0], *root = train_root(t, 0);
     struct train_saved f = {.step = -1, .newest = -1, .bad_f = -1};
-    char name[64], where[64];
+    struct train_lay mine = train_own_layout(t);
+    char name[96], where[64];
     size_t n = 0;
     int pr = zinf_saved_tensors(sd, &n), r;
     if ((r = agree(t, &f)) < 0) {
         snprintf(err, errlen, "rank %d: the ranks could not agree on the saved run: %s",
-                 t->pp > 1 ? o->rank : t->rank, zinf_strerror(r));
+                 t->mp ? o->rank : t->rank, zinf_strerror(r));
         return r;
     }
     t->resume_step = f.step;
-    bool other = f.P && (f.P != t->pp || f.N != t->world);
-    if (resume && f.P && t->rank == 0 && t->ps == 0 && f.newest > f.step && f.step >= 0)
+    bool other = f.lay.P && !train_lay_same(&f.lay, &mine);
+    if (resume && f.lay.P && first_rank(t) && f.newest > f.step && f.step >= 0)
         log_notice("--resume: rolling back %lld step%s to step %lld, the newest that every "
                    "one of the %s saved: the checkpoint of step %lld was not completed by "
                    "every one",
                    (long long)(f.newest - f.step), f.newest - f.step == 1 ? "" : "s",
-                   (long long)f.step, train_layout_name(f.P, f.N, name, sizeof(name)),
+                   (long long)f.step, train_layout_name(&f.lay, name, sizeof(name)),
                    (long long)f.newest);
-    if (resume && !f.P && f.bad_P && f.bad_f < 0) {
-        say_split(t, f.bad_P, f.bad_N, err, errlen);
+    if (resume && !f.lay.P && f.bad.P && f.bad_f < 0) {
+        say_split(t, &f.bad, err, errlen);
         return -EINVAL;
     }
-    if (resume && !f.P && f.bad_P) {
-        char *d = train_layout_dir(root, f.bad_P, f.bad_N, f.bad_f / f.bad_N, f.bad_f % f.bad_N);
+    if (resume && !f.lay.P && f.bad.P) {
+        char *d = train_layout_dir(root, &f.bad, f.bad_f);
         snprintf(err, errlen,
                  "--resume: the saved run of %s in %s is not whole: %s (%s) holds no saved "
                  "run; restore it, or start over with --overwrite",
-                 train_layout_name(f.bad_P, f.bad_N, name, sizeof(name)), root,
-                 train_folder_name(f.bad_P, f.bad_N, f.bad_f, where, sizeof(where)),
-                 d ? d : "?");
+                 train_layout_name(&f.bad, name, sizeof(name)), root,
+                 train_folder_name(&f.bad, f.bad_f, where, sizeof(where)), d ? d : "?");
         free(d);
         return -ENOENT;
     }
     if (resume && other) {
-        t->src_pp = f.P;
-        t->src_world = f.N;
+        t->src = f.lay;
         t->o.resume = false; /* this rank's tensors are new, filled by train_recut() */
         if ((r = train_recut_check(t, err, errlen)) < 0) return r;
     } else if (resume && pr == -ENOENT) {
-        char mp[NAME_MAX + 1];
-        if (other_parallel(t, mp, sizeof(mp)))
-            snprintf(err, errlen,
-                     "--resume: no saved run in %s, but %s holds %s, the folder of a run saved "
-                     "by other tensor- or sequence-parallel ranks: resuming onto another such "
-                     "layout is not built yet (resume with the layout that saved it)",
-                     sd, train_root(t, 0), mp);
-        else
-            snprintf(err, errlen, "--resume: no saved run in %s", sd);
+        snprintf(err, errlen, "--resume: no saved run in %s", sd);
         return -ENOENT;
     }
     /* Another layout's run, whole or in part, is a saved run as this one's own is. */
-    int P = other ? f.P : f.bad_P, N = other ? f.N : f.bad_N;
-    bool theirs = P && (P != t->pp || N != t->world);
+    struct train_lay *L = other ? &f.lay : &f.bad;
+    bool theirs = L->P && !train_lay_same(L, &mine);
     if (!resume && !o->overwrite && ((pr == 0 && n > 0) || theirs)) {
-        char by[96] = "";
+        char by[128] = "";
         if (theirs)
-            snprintf(by, sizeof(by), " (by %s%s)", train_layout_name(P, N, name, sizeof(name)),
+            snprintf(by, sizeof(by), " (by %s%s)", train_layout_name(L, name, sizeof(name)),
                      other ? "" : ", not whole");
         snprintf(err, errlen, "%s holds a saved run%s: %s, or start over with --overwrite "
                               "(which deletes it)",
@@ -448,8 +490,7 @@ int train_find_saved(struct trainer *t, char *err, size_t errlen)
                                   : "continue it with --resume");
         return -EEXIST;
     }
-    if (o->overwrite && t->rank == 0 && t->ps == 0 &&
-        (r = train_remove_other_runs(t, err, errlen)) < 0)
+    if (o->overwrite && first_rank(t) && (r = train_remove_other_runs(t, err, errlen)) < 0)
         return r;
     return 0;
 }

@@ -557,6 +557,12 @@ int train_pipe_bcast(struct trainer *t, void *buf, size_t bytes)
     return t->pipe ? comm_broadcast(t->pipe->c[L_ALL], buf, bytes, COMM_BYTE, 0) : 0;
 }
 
+int train_group_bcast(struct trainer *t, void *buf, size_t bytes)
+{
+    struct comm *c = t->pipe ? t->pipe->c[t->tp > 1 ? L_TP : L_SP] : NULL;
+    return c ? comm_broadcast(c, buf, bytes, COMM_BYTE, 0) : 0;
+}
+
 void train_pipe_close(struct trainer *t)
 {
     struct pipe *p = t->pipe;
