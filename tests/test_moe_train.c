@@ -77,6 +77,8 @@ Test(moe_train, what_a_run_cannot_have_is_refused_naming_it)
          "zinf launch: -n 2 does not fit"},
         {2, "\"moe\": {\"num_experts\": 3, \"ep_size\": 2},", "",
          "ep_size must divide num_experts"},
+        {4, "\"moe\": {\"num_experts\": 4, \"ep_size\": 2}, \"pipeline\": {\"stages\": 2},",
+         "", "expert parallelism within pipeline stages is not built"},
         {1, "", "--experts 4 --eval-every 1",
          "--eval-every with --experts 4 (moe.num_experts): the forward"},
         {2, "\"moe\": {\"num_experts\": 4, \"ep_size\": 2},", "--export never.safetensors",
@@ -590,4 +592,40 @@ Test(moe_train, an_expert_parallel_rank_killed_in_a_checkpoint_resumes_with_the_
     cr_expect_str_eq(rest[n - 1].loss, whole[2].loss, "step 3 resumed %s, whole %s",
                      rest[n - 1].loss, whole[2].loss);
     cr_expect_str_eq(rest[n - 1].digest, whole[2].digest);
+}
+
+/* MoE blocks in pipeline stages: 3 stages over 5 blocks, every other one MoE, 4
+ * micro-batches on the 1F1B schedule, the parameters on NVMe: the losses (their balancing
+ * term summed over every stage's blocks in block order), the parameters and the experts used
+ * of one rank accumulating the 4, to the bit. */
+Test(moe_train, pipeline_stages_with_moe_blocks_give_one_ranks_bits)
+{
+    struct step_line one[3], three[3];
+    char cfg[4096], log[4096], extra[8192], *o;
+    for (int P = 1; P <= 3; P += 2) {
+        snprintf(extra, sizeof(extra),
+                 "\"gradient_accumulation_steps\": 4, \"moe\": {\"num_experts\": 4, "
+                 "\"top_k\": 2, \"moe_every\": 2}, %s\"zero_optimization\": "
+                 "{\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"%s/pp%d\"}},",
+                 P > 1 ? "\"pipeline\": {\"stages\": 3}, " : "", dir, P);
+        micro = 1;
+        config(cfg, sizeof(cfg), extra);
+        snprintf(log, sizeof(log), "%s/pp%d.jsonl", dir, P);
+        int r = run(&o,
+                    "launch -n %d -- %s train --config %s --data " DATA
+                    " --steps 3 --layers 5 --precision fp32 --log %s",
+                    P, getenv("ZINF_BIN"), cfg, log);
+        cr_assert_eq(r, 0, "%d stages: %s", P, o);
+        free(o);
+        cr_assert_eq(read_log(log, P > 1 ? three : one, 3), 3);
+    }
+    for (int s = 0; s < 3; s++) {
+        cr_expect_str_eq(three[s].loss, one[s].loss, "step %d: 3 stages %s, one rank %s", s + 1,
+                         three[s].loss, one[s].loss);
+        cr_expect_str_eq(three[s].digest, one[s].digest, "step %d: the parameters", s + 1);
+        cr_expect_eq(three[s].aux, one[s].aux, "step %d: l_aux %g, one rank's %g", s + 1,
+                     three[s].aux, one[s].aux);
+        cr_expect_eq(three[s].used, one[s].used);
+        cr_expect_eq(three[s].experts, 12, "3 MoE blocks of 4 experts, not %d", three[s].experts);
+    }
 }

@@ -176,6 +176,7 @@ struct trainer {
     pthread_mutex_t umu;
     pthread_cond_t ucv;
     int micro;                         /* the micro-batch being reduced: 0 copies, later ones add */
+    int fmicro;                        /* the micro-batch the forward runs (1F1B: not micro) */
     zinf_tensor lg[NLOCAL];            /* this micro-batch's gradients: world x shard floats each */
     zinf_tensor lg1[GPT_BLOCK_NSLOTS]; /* overlap: the odd blocks' (the even ones' are lg) */
     zinf_tensor gw[NLOCAL]; /* stage 3: the gathered weights, world x shard floats each */
@@ -439,6 +440,14 @@ void train_moe_summary(struct trainer *t, struct trainer_summary *out);
 /* The sets MoE block k's phases fetch, for the budgets: the n-th into w, false past the
  * last (one expert's stands for all of them: they are alike). */
 bool train_moe_wave(struct trainer *t, int k, int n, struct wave *w);
+/* Pipeline stages: the l_aux of each MoE block of this stage in each micro-batch's forward,
+ * (M, L) floats, 0 for the others' blocks (NULL without MoE); the step's micro-batch m's sum
+ * over every stage's blocks (aux, (M) floats, in block order) becomes the one the step
+ * reports (train_moe_pipe_aux). */
+float *train_moe_aux_blocks(struct trainer *t);
+void train_moe_pipe_aux(struct trainer *t, const float *aux, int M);
+/* trainer_pipe.c: v (n values) summed over the stages, on every stage. */
+int train_pipe_sum_u64(struct trainer *t, uint64_t *v, int n);
 
 /* trainer_pipe.c: pipeline stages, tensor- and sequence-parallel ranks. train_pipe_shape
  * reads the layout of the ranks from the config (in train_zero_shape: the stage, its blocks,

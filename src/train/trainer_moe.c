@@ -57,28 +57,6 @@ int train_moe_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
                  m->loss_coef);
         return -EINVAL;
     }
-    int ranks = MAX(1, o->world);
-    if (m->ep != 1 && m->ep != ranks) {
-        snprintf(err, errlen,
-                 "moe.ep_size %d: the expert-parallel group is the data-parallel ranks, %d "
-                 "here (set ep_size to %d)",
-                 m->ep, ranks, ranks);
-        return -EINVAL;
-    }
-    if (ranks > 1 && m->ep != ranks) {
-        snprintf(err, errlen,
-                 "moe.ep_size %d with %d ranks: experts replicated on every rank are not built; "
-                 "the experts are split across the ranks (set ep_size to %d)",
-                 m->ep, ranks, ranks);
-        return -EINVAL;
-    }
-    if (m->E % ranks) {
-        snprintf(err, errlen,
-                 "moe.num_experts %d across moe.ep_size %d ranks: each rank holds E / ep "
-                 "experts, so ep_size must divide num_experts",
-                 m->E, ranks);
-        return -EINVAL;
-    }
     return 0;
 }
 
@@ -86,8 +64,9 @@ int train_moe_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
 static int refuse(const struct trainer *t, char *err, size_t errlen)
 {
     const char *why = NULL;
-    if (t->pp > 1 || t->zc.pipeline.stages > 1)
-        why = "pipeline.stages above 1: pipeline stages with MoE blocks are not built";
+    if (t->pp > 1 && t->world > 1)
+        why = "pipeline.stages above 1 and several copies of the model: expert parallelism "
+              "within pipeline stages is not built (one copy of the pipeline is)";
     else if (t->tp > 1 || t->zc.tensor_parallel.autotp_size > 1)
         why = "tensor_parallel.autotp_size above 1: tensor parallel MoE blocks are not built";
     else if (t->sp > 1 || t->zc.sequence_parallel_size > 1)
@@ -100,9 +79,36 @@ static int refuse(const struct trainer *t, char *err, size_t errlen)
               "\"emulated\")";
     else if (t->be->wdt != BACKEND_F32)
         why = "--precision bf16 or fp16: MoE blocks compute in fp32 only (--precision fp32)";
-    if (!why) return 0;
-    snprintf(err, errlen, "moe.num_experts %d with %s", t->o.moe.E, why);
-    return -EINVAL;
+    if (why) {
+        snprintf(err, errlen, "moe.num_experts %d with %s", t->o.moe.E, why);
+        return -EINVAL;
+    }
+    /* The expert-parallel group: the ZeRO ranks (of each pipeline stage, its copies). */
+    const struct trainer_moe *m = &t->o.moe;
+    int ranks = MAX(1, t->world);
+    const char *who = t->pp > 1 ? "copies of each pipeline stage" : "ranks";
+    if (ranks == 1 && m->ep != 1) {
+        snprintf(err, errlen,
+                 "moe.ep_size %d: the expert-parallel group is the data-parallel %s, 1 here "
+                 "(set ep_size to 1)",
+                 m->ep, who);
+        return -EINVAL;
+    }
+    if (ranks > 1 && m->ep != ranks) {
+        snprintf(err, errlen,
+                 "moe.ep_size %d with %d data-parallel %s: experts replicated on every rank "
+                 "are not built; the experts are split across them (set ep_size to %d)",
+                 m->ep, ranks, who, ranks);
+        return -EINVAL;
+    }
+    if (m->E % ranks) {
+        snprintf(err, errlen,
+                 "moe.num_experts %d across moe.ep_size %d ranks: each rank holds E / ep "
+                 "experts, so ep_size must divide num_experts",
+                 m->E, ranks);
+        return -EINVAL;
+    }
+    return 0;
 }
 
 bool train_moe_block(const struct trainer *t, int k)

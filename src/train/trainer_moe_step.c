@@ -57,20 +57,22 @@ struct train_moe {
     struct moe_route r;
     struct moe_scratch ms;
     struct gpt_scratch gs;
-    int N;              /* tokens of a micro-batch, B x T */
-    float *x2, *ln;     /* (N,C): the attention half's output, ln2 of it */
-    float *mean, *rstd; /* (N): ln2's */
-    float *y, *d, *dln; /* (N,C): the experts' sum; the gradient flowing back; of ln */
-    float *dw;          /* (N,k): the gradient of the combine weights */
-    struct moe_ep ep;   /* the group: the ZeRO ranks (one rank: ep 1) */
-    int Epr;            /* experts of each MoE block this rank holds: E / ep */
-    float *lx;          /* one expert's gradient from one source (its four tensors) */
-    float *lg_gate;     /* exact: a gate's local gradient, reduced as the dense ones */
-    int *gate;          /* by block: its gate's layout index (its experts follow), or -1 */
-    bool *idle;         /* by layout index: the optimizer leaves it alone this step */
-    float aux;          /* the forward's sum of the MoE blocks' l_aux */
-    int experts, used_step;
-    int *local; /* (E/ep): this rank's experts that rows came for, in order */
+    int N;                  /* tokens of a micro-batch, B x T */
+    float *x2, *ln;         /* (N,C): the attention half's output, ln2 of it */
+    float *mean, *rstd;     /* (N): ln2's */
+    float *y, *d, *dln;     /* (N,C): the experts' sum; the gradient flowing back; of ln */
+    float *dw;              /* (N,k): the gradient of the combine weights */
+    struct moe_ep ep;       /* the group: the ZeRO ranks (one rank: ep 1) */
+    int Epr;                /* experts of each MoE block this rank holds: E / ep */
+    float *lx;              /* one expert's gradient from one source (its four tensors) */
+    float *lg_gate;         /* exact: a gate's local gradient, reduced as the dense ones */
+    int *gate;              /* by block: its gate's layout index (its experts follow), or -1 */
+    bool *idle;             /* by layout index: the optimizer leaves it alone this step */
+    float aux;              /* the forward's sum of the MoE blocks' l_aux */
+    int experts, used_step; /* experts: this rank's MoE blocks' E each */
+    int experts_all;        /* every stage's (after a step) */
+    int *local;             /* (E/ep): this rank's experts that rows came for, in order */
+    float *aux_blk;         /* pipeline stages: (M, L) each MoE block's l_aux by micro-batch */
     uint64_t read_step, used_total, read_total;
     uint64_t fetch_step, hit_step, fetch_total, hit_total; /* the experts' tensors' */
 };
@@ -120,6 +122,9 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
     m->Epr = o->E / m->ep.ep;
     m->lx = malloc(moe_expert_num_params(t->cfg.C) * sizeof(float));
     m->local = malloc((size_t)m->Epr * sizeof(int));
+    if (t->pp > 1 &&
+        !(m->aux_blk = calloc((size_t)t->o.grad_accum * (size_t)t->cfg.L, sizeof(float))))
+        goto oom;
     m->gate = malloc((size_t)t->cfg.L * sizeof(int));
     m->idle = calloc((size_t)t->ntensors, sizeof(bool));
     m->ms.bytes = moe_scratch_bytes(&m->mc, m->N);
@@ -170,6 +175,7 @@ void train_moe_free(struct trainer *t)
     free(m->dw);
     free(m->lx);
     free(m->local);
+    free(m->aux_blk);
     free(m->lg_gate);
     free(m->gate);
     free(m->idle);
@@ -190,6 +196,8 @@ void train_moe_step_begin(struct trainer *t)
     if (!m) return;
     m->used_step = 0;
     m->read_step = m->fetch_step = m->hit_step = 0;
+    if (m->aux_blk)
+        memset(m->aux_blk, 0, (size_t)t->o.grad_accum * (size_t)t->cfg.L * sizeof(float));
     /* Every expert is idle until a backward routes a token to it, and adds nothing to the
      * clipping norm until then. */
     for (int k = 0; k < t->cfg.L; k++)
@@ -200,6 +208,18 @@ void train_moe_step_begin(struct trainer *t)
                 memset(t->part + t->part_first[i], 0,
                        (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS * sizeof(double));
         }
+}
+
+float *train_moe_aux_blocks(struct trainer *t)
+{
+    return t->moe ? t->moe->aux_blk : NULL;
+}
+
+void train_moe_pipe_aux(struct trainer *t, const float *aux, int M)
+{
+    for (int m = 0; m < M; m++)
+        t->losses[m] += t->o.moe.loss_coef * aux[m];
+    t->moe->aux = aux[M - 1]; /* the step's last micro-batch's, as one rank reports it */
 }
 
 float train_moe_aux(const struct trainer *t)
@@ -219,7 +239,15 @@ void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st)
             m->used_step += !m->idle[expert_idx(m->gate[k], j, GPT_FC_W)];
     uint64_t mine[4] = {(uint64_t)m->used_step, m->read_step, m->fetch_step, m->hit_step};
     uint64_t all[4 * COMM_MAX_RANKS];
-    if (t->ep > 1 && comm_allgather(t->hcomm, mine, all, sizeof(mine), COMM_BYTE) == 0) {
+    uint64_t ex[5] = {mine[0], mine[1], mine[2], mine[3], (uint64_t)m->experts};
+    if (t->pp > 1 && train_pipe_sum_u64(t, ex, 5) == 0) { /* every stage's blocks' */
+        memcpy(mine, ex, sizeof(mine));
+        m->experts_all = (int)ex[4];
+        m->used_step = (int)mine[0];
+        m->read_step = mine[1];
+        m->fetch_step = mine[2];
+        m->hit_step = mine[3];
+    } else if (t->ep > 1 && comm_allgather(t->hcomm, mine, all, sizeof(mine), COMM_BYTE) == 0) {
         m->used_step = 0;
         m->read_step = m->fetch_step = m->hit_step = 0;
         for (int q = 0; q < t->ep; q++) {
@@ -230,7 +258,8 @@ void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st)
         }
     }
     st->moe_aux_loss = m->aux;
-    st->experts = m->experts;
+    if (!m->experts_all) m->experts_all = m->experts;
+    st->experts = m->experts_all;
     st->experts_used = m->used_step;
     st->expert_bytes_read = m->read_step;
     st->expert_fetches = m->fetch_step;
@@ -245,7 +274,7 @@ void train_moe_summary(struct trainer *t, struct trainer_summary *out)
 {
     struct train_moe *m = t->moe;
     if (!m) return;
-    out->experts = m->experts;
+    out->experts = m->experts_all ? m->experts_all : m->experts;
     out->experts_used = m->used_total;
     out->expert_bytes_read = m->read_total;
     out->expert_fetches = m->fetch_total;
@@ -396,6 +425,7 @@ int train_moe_forward(struct trainer *t, int k)
     train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (r < 0) return r;
     m->aux += m->r.l_aux;
+    if (m->aux_blk) m->aux_blk[(size_t)t->fmicro * (size_t)t->cfg.L + (size_t)k] = m->r.l_aux;
     if ((r = moe_ep_dispatch_forward(&m->mc, &m->ep, &m->r, m->ln, &xf)) < 0) return r;
     int n = local_used(m, &xf), ahead = t->o.moe.prefetch;
     for (int u = 0; u < ahead; u++)

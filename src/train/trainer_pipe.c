@@ -454,10 +454,10 @@ int train_pipe_layout(struct trainer *t)
     if (!(t->gidx = malloc(sizeof(int) * (size_t)(n + 1)))) return -ENOMEM;
     if (!(t->gdesc = malloc(sizeof(*t->gdesc) * (size_t)n))) return -ENOMEM;
     memcpy(t->gdesc, t->desc, sizeof(*t->gdesc) * (size_t)n);
+    /* Expert parallel: the rank's own experts only, whole (ZeRO leaves them alone). */
+    t->ep = t->o.moe.E > 0 && t->world > 1 ? t->world : 1;
+    if (t->ep > 1 && !(t->priv = calloc((size_t)n + 1, sizeof(bool)))) return -ENOMEM;
     if (t->pp == 1) {
-        /* Expert parallel: the rank's own experts only, whole (ZeRO leaves them alone). */
-        t->ep = t->o.moe.E > 0 && t->world > 1 ? t->world : 1;
-        if (t->ep > 1 && !(t->priv = calloc((size_t)n, sizeof(bool)))) return -ENOMEM;
         int k = 0;
         for (int i = 0; i < n; i++) {
             if (!train_moe_mine(t, &t->desc[i])) continue;
@@ -481,7 +481,8 @@ int train_pipe_layout(struct trainer *t)
             wte = *d;
             wte_g = i;
         }
-        if (!mine) continue;
+        if (!mine || !train_moe_mine(t, d)) continue;
+        if (t->priv) t->priv[k] = train_moe_expert(t, d);
         t->desc[k] = *d;
         t->gidx[k++] = i;
     }
@@ -691,6 +692,7 @@ static int pipe_forward(struct trainer *t, int step, int m)
 {
     struct pipe *p = t->pipe;
     CHECK(micro_setup(t, step, m));
+    t->fmicro = m;
     if (t->ps > 0) {
         CHECK(recv_sync(t, L_FWD_IN, 0, p->rx, p->act_bytes));
         CHECK(zinf_write(t->e, t->act[t->act_base + t->kb], 0, p->rx, p->act_bytes));
@@ -737,6 +739,47 @@ static int pipe_backward(struct trainer *t, int step, int m, float *loss)
     return 0;
 }
 
+/* MoE blocks: each micro-batch's loss adds loss_coef x its l_aux summed over every stage's
+ * blocks in block order (the others' entries are zeros, which add nothing), as one rank adds
+ * them in its forward. */
+static int moe_aux(struct trainer *t, int M)
+{
+    struct pipe *p = t->pipe;
+    const size_t ML = (size_t)M * (size_t)t->cfg.L;
+    float *all = malloc(ML * (size_t)t->pp * sizeof(float)), *aux = malloc((size_t)M * sizeof(float));
+    int r = all && aux ? comm_allgather(p->c[L_ALL], train_moe_aux_blocks(t), all,
+                                        ML * sizeof(float), COMM_BYTE)
+                       : -ENOMEM;
+    for (int m = 0; m < M && r == 0; m++) {
+        aux[m] = 0;
+        for (int k = 0; k < t->cfg.L; k++) {
+            float v = 0;
+            for (int s = 0; s < t->pp; s++)
+                v += all[(size_t)s * ML + (size_t)m * (size_t)t->cfg.L + (size_t)k];
+            aux[m] += v;
+        }
+    }
+    if (r == 0) train_moe_pipe_aux(t, aux, M);
+    free(all);
+    free(aux);
+    return r;
+}
+
+int train_pipe_sum_u64(struct trainer *t, uint64_t *v, int n)
+{
+    if (!t->pipe || t->pp <= 1) return 0;
+    uint64_t *all = malloc(sizeof(uint64_t) * (size_t)n * (size_t)t->pp);
+    if (!all) return -ENOMEM;
+    int r = comm_allgather(t->pipe->c[L_ALL], v, all, sizeof(uint64_t) * (size_t)n, COMM_BYTE);
+    for (int j = 0; j < n && r == 0; j++) {
+        v[j] = 0;
+        for (int s = 0; s < t->pp; s++)
+            v[j] += all[(size_t)s * (size_t)n + (size_t)j];
+    }
+    free(all);
+    return r;
+}
+
 int train_pipe_step(struct trainer *t, int step, double *loss_sum)
 {
     struct pipe *p = t->pipe;
@@ -765,6 +808,7 @@ int train_pipe_step(struct trainer *t, int step, double *loss_sum)
     if (r < 0) return r;
     /* The losses are the last stage's; every stage reports them. */
     CHECK(comm_broadcast(p->c[L_ALL], t->losses, (size_t)M, COMM_F32, P - 1));
+    if (t->moe) CHECK(moe_aux(t, M));
     *loss_sum = 0;
     for (int m = 0; m < M; m++)
         *loss_sum += t->losses[m];

@@ -573,7 +573,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         /* Rank r's m-th is the step's micro-batch m x world + r: the order of the step's sum
          * (train_reduce_req). */
         train_load_batch(t, step, m * t->world + t->rank);
-        t->micro = m;
+        t->micro = t->fmicro = m;
         t->last_micro = m == K - 1;
         TRY(t->be->ops->set_batch(t->be, t->tokens, t->targets));
         TRY(train_forward(t));
