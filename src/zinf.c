@@ -30,7 +30,8 @@ ZINF_API const char *zinf_strerror(int err)
     case -EROFS: return "the engine was opened read-only";
     case -ENOENT: return "no such tensor or file";
     case -EBUSY: return "busy: the tensor is pinned or writable in another tier, or (opening "
-                        "an engine) the swap directory is in use by another one";
+                        "an engine) the swap directory or the device arena lent to it is in "
+                        "use by another one";
     case -EIO: return "input/output error on the swap device";
     case -EBADMSG: return "corrupted data: checksum mismatch in a swap file";
     case -EUSERS: return "refused: a limit of the daemon (zinf.serve: jobs, sessions or "

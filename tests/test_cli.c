@@ -3780,6 +3780,49 @@ Test(cli, zero_recut_is_bitwise_across_ranks_and_accumulation, .timeout = 300)
         cr_assert_str_eq(got[step], ref[step], "step %d", step);
 }
 
+/* A re-cut from sharded ranks onto another number of sharded ranks, 4 -> 2 -> 4, with the
+ * Adam states homed on the device tier, whose arena CPU ranks take from their shared pool:
+ * the losses and digests of one rank accumulating 4 (which 2 x 2 and 4 x 1 are, bitwise),
+ * the two steps after each resume too. (The saved ranks' engines that a re-cut reads shared this rank's arena: they
+ * loaded their states over the ones it had re-cut, and read its writes back as their own;
+ * the step after the resume had the wrong digest, the next a NaN loss.) */
+Test(cli, zero_recut_between_sharded_rank_counts_keeps_device_homed_states, .timeout = 120)
+{
+    static const struct {
+        int ranks, steps;
+    } legs[] = {{0, 6}, {4, 2}, {2, 4}, {4, 6}}; /* the first: one rank, that never moved */
+    char cfg[4200], data[4096], swap[4096], log[4200], args[8192], *o;
+    static char ref[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    for (size_t l = 0; l < ARRAY_SIZE(legs); l++) {
+        snprintf(swap, sizeof(swap), "%s/devstates-%s", dir, l ? "moved" : "whole");
+        snprintf(log, sizeof(log), "%s.jsonl", swap);
+        snprintf(cfg, sizeof(cfg), "%s.json", swap);
+        FILE *f = fopen(cfg, "w");
+        cr_assert_not_null(f);
+        fprintf(f,
+                "{\"zero_optimization\": {\"stage\": 1, \"offload_param\": {\"device\": "
+                "\"nvme\", \"nvme_path\": \"%s\"}}, \"aio\": {\"block_size\": 65536, "
+                "\"queue_depth\": 4}, \"zinf\": {\"device\": \"emulated\", \"device_bytes\": "
+                "\"8M\", \"host_bytes\": \"8M\"}}",
+                swap);
+        fclose(f);
+        snprintf(args, sizeof(args),
+                 "--layers 2 --dim 32 --heads 2 --seq 8 --batch 1 --steps %d --accumulate %d "
+                 "--checkpoint-every 2 --log %s%s",
+                 legs[l].steps, 4 / MAX(1, legs[l].ranks), log, l > 1 ? " --resume" : "");
+        cr_assert_eq(train_ranks(&o, legs[l].ranks, cfg, data, args), 0, "leg %zu: %s", l, o);
+        free(o);
+    }
+    memset(got, 0, sizeof(got));
+    cr_assert_eq(read_losses(log, got, NULL, NULL), 6, "%s", log);
+    snprintf(log, sizeof(log), "%s/devstates-whole.jsonl", dir);
+    memset(ref, 0, sizeof(ref));
+    cr_assert_eq(read_losses(log, ref, NULL, NULL), 6, "%s", log);
+    for (int step = 1; step <= 6; step++)
+        cr_assert_str_eq(got[step], ref[step], "step %d (4 ranks to 2, 2 to 4, 4 to 6)", step);
+}
+
 /* The children of pid (the launcher's ranks). */
 static int children_of(pid_t pid, pid_t *out, int cap)
 {

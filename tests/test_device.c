@@ -2,7 +2,8 @@
  * test_device.c - the device tier (src/tiers/device.c): arena allocation and statistics,
  * pointers, asynchronous copies checked byte for byte with hundreds in flight, completion
  * order, chaining from a callback, synchronous copies, zeroing, bad input, injected
- * faults, close with copies in flight, and which backend AUTO and CUDA give.
+ * faults, close with copies in flight, an arena lent by the caller (one tier at a time),
+ * and which backend AUTO and CUDA give.
  *
  * The device suite runs on the emulated backend everywhere. The device_gpu suite runs the
  * same paths on CUDA and skips where no GPU is usable.
@@ -267,6 +268,91 @@ Test(device, alloc_free_stats)
     cr_assert_eq(c, 0);
     cr_assert_eq(device_free(d, c), 0);
     device_close(d);
+}
+
+/* A lent arena (the trainer's CPU ranks lend their communicator's pool) is the tier's
+ * memory: what a copy puts at an offset is in the caller's bytes there. */
+static struct device *open_lent(char *arena, size_t arena_bytes, size_t capacity_bytes, int *r)
+{
+    struct device_opts o = {.kind = ZINF_DEVICE_EMULATED,
+                            .capacity_bytes = capacity_bytes,
+                            .arena = arena,
+                            .arena_bytes = arena_bytes};
+    struct device *d = NULL;
+    *r = device_open(&o, &d);
+    cr_assert((*r == 0) == (d != NULL), "device_open: %d and %p", *r, (void *)d);
+    return d;
+}
+
+Test(device, a_lent_arena_is_the_tiers_memory)
+{
+    char *arena = NULL, bytes[100];
+    uint64_t off;
+    int r;
+    cr_assert_eq(posix_memalign((void **)&arena, 4 * KiB, MiB), 0);
+    memset(arena, 0x55, MiB);
+    struct device *d = open_lent(arena, MiB, MiB, &r);
+    cr_assert_eq(r, 0, "%s", strerror(-r));
+    cr_assert_eq(device_alloc(d, 8 * KiB, &off), 0);
+    cr_assert_eq(device_alloc(d, 8 * KiB, &off), 0);
+    cr_assert_eq(device_ptr(d, off), arena + off);
+    memset(bytes, 0xa7, sizeof(bytes));
+    cr_assert_eq(device_copy_sync(d, DEVICE_H2D, off + 10, bytes, sizeof(bytes)), 0);
+    cr_assert_eq(memcmp(arena + off + 10, bytes, sizeof(bytes)), 0);
+    cr_assert_eq((unsigned char)arena[off + 9], 0x55, "the byte before is the caller's still");
+    device_close(d);
+    cr_assert_eq((unsigned char)arena[off + 10], 0xa7, "closing leaves the lender's memory");
+    free(arena);
+}
+
+/* An arena backs one tier at a time: a second tier on any of its bytes (the same arena,
+ * or one overlapping it) is refused, as two engines would load their tensors over each
+ * other's from its start; the bytes next to it are another arena, and once the first tier
+ * closes its arena can be lent again. */
+Test(device, a_lent_arena_backs_one_tier_at_a_time)
+{
+    char *arena = NULL;
+    int r;
+    cr_assert_eq(posix_memalign((void **)&arena, 4 * KiB, 2 * MiB), 0);
+    struct device *a = open_lent(arena, MiB, MiB, &r);
+    cr_assert_eq(r, 0, "%s", strerror(-r));
+    cr_assert_null(open_lent(arena, MiB, MiB, &r));
+    cr_assert_eq(r, -EBUSY, "the same arena twice: %d", r);
+    cr_assert_null(open_lent(arena + MiB / 2, MiB, MiB, &r));
+    cr_assert_eq(r, -EBUSY, "an arena over the second half of the first: %d", r);
+    cr_assert_null(open_lent(arena + MiB - 4 * KiB, MiB, MiB, &r));
+    cr_assert_eq(r, -EBUSY, "an arena over the first's last page: %d", r);
+    struct device *b = open_lent(arena + MiB, MiB, MiB, &r);
+    cr_assert_eq(r, 0, "the next MiB: %s", strerror(-r));
+    device_close(a);
+    a = open_lent(arena + 4 * KiB, MiB - 4 * KiB, MiB - 4 * KiB, &r);
+    cr_assert_eq(r, 0, "lent again after the close: %s", strerror(-r));
+    device_close(a);
+    device_close(b);
+    free(arena);
+}
+
+/* What cannot be an arena: smaller than the tier, not on a 4 KiB boundary, or asked to be
+ * shared with another process (a memfd of the tier's own). */
+Test(device, a_lent_arena_bad_input)
+{
+    char *arena = NULL;
+    int r;
+    cr_assert_eq(posix_memalign((void **)&arena, 4 * KiB, MiB), 0);
+    cr_assert_null(open_lent(arena, MiB / 2, MiB, &r));
+    cr_assert_eq(r, -EINVAL, "smaller than the tier: %d", r);
+    cr_assert_null(open_lent(arena + 512, MiB - 4 * KiB, 512 * KiB, &r));
+    cr_assert_eq(r, -EINVAL, "unaligned: %d", r);
+    struct device_opts o = {.kind = ZINF_DEVICE_EMULATED, .capacity_bytes = MiB, .shared = true,
+                            .arena = arena, .arena_bytes = MiB};
+    struct device *d = NULL;
+    cr_assert_eq(device_open(&o, &d), -EINVAL);
+    cr_assert_null(d);
+    /* None of these holds the arena: it can be lent now. */
+    d = open_lent(arena, MiB, MiB, &r);
+    cr_assert_eq(r, 0, "%s", strerror(-r));
+    device_close(d);
+    free(arena);
 }
 
 Test(device, alloc_free_bad_input)

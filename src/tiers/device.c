@@ -79,6 +79,50 @@ void device_run_callback(struct device *d, struct device_copy *c, int res)
     pthread_mutex_unlock(&d->lock);
 }
 
+/* ---- lent arenas ------------------------------------------------------------------ */
+
+/* The tiers of this process that run on a lent arena. An arena backs one tier at a time:
+ * two would each allocate from its start and load their tensors over each other's, the
+ * second reading the first's writes as its own, with nothing said. */
+static pthread_mutex_t lent_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct device *lent_head; /* linked by lent_next */
+
+/* Take [base, base + bytes) for d, or -EBUSY where another open tier runs on any of it. */
+static int lent_take(struct device *d, char *base, size_t bytes)
+{
+    int r = 0;
+    pthread_mutex_lock(&lent_lock);
+    for (struct device *o = lent_head; o && r == 0; o = o->lent_next)
+        if (base < o->base + o->capacity_bytes && o->base < base + bytes) {
+            log_error("device: the lent arena at %p (%zu bytes) overlaps the one at %p (%zu "
+                      "bytes) that another open engine's device tier runs on: an arena is lent "
+                      "to one engine at a time",
+                      (void *)base, bytes, (void *)o->base, o->capacity_bytes);
+            r = -EBUSY;
+        }
+    if (r == 0) {
+        d->base = base;
+        d->capacity_bytes = bytes;
+        d->lent = true;
+        d->lent_next = lent_head;
+        lent_head = d;
+    }
+    pthread_mutex_unlock(&lent_lock);
+    return r;
+}
+
+static void lent_give_back(struct device *d)
+{
+    pthread_mutex_lock(&lent_lock);
+    for (struct device **at = &lent_head; *at; at = &(*at)->lent_next)
+        if (*at == d) {
+            *at = d->lent_next;
+            break;
+        }
+    pthread_mutex_unlock(&lent_lock);
+    d->lent = false;
+}
+
 /* ---- emulated backend ------------------------------------------------------------- */
 
 static void emu_zero(struct device *d, uint64_t off, size_t len);
@@ -133,11 +177,9 @@ static int emu_open(struct device *d, const struct device_opts *o)
                       "bytes, unaligned or asked shared", o->arena_bytes, cap);
             return -EINVAL;
         }
-        d->base = o->arena;
-        d->lent = true;
-        d->capacity_bytes = cap;
-        snprintf(d->name, sizeof(d->name), "emulated");
-        return 0;
+        int r = lent_take(d, o->arena, cap);
+        if (r == 0) snprintf(d->name, sizeof(d->name), "emulated");
+        return r;
     }
     /* An anonymous private mapping reads as zeros and costs nothing until written; so does
      * a memfd, which the service shares with its clients. */
@@ -322,6 +364,7 @@ void device_close(struct device *d)
     if (d->cuda) device_cuda_teardown(d);
 #endif
     if (!d->cuda && d->base && !d->lent) munmap(d->base, d->capacity_bytes);
+    if (d->lent) lent_give_back(d);
     if (d->fd >= 0) close(d->fd);
     extent_fini(&d->ext);
     if (d->sync_up) {

@@ -39,6 +39,7 @@ struct device {
     size_t capacity_bytes;
     char *base; /* device memory (CUDA) or an anonymous mapping */
     bool lent;  /* emulated: base is the caller's (device_opts.arena): never unmapped */
+    struct device *lent_next; /* lent: the process's other tiers on lent arenas (device.c) */
     int fd;     /* emulated and shared: the arena's memfd, else -1 */
 
     pthread_mutex_t lock;   /* everything below */

@@ -29,6 +29,11 @@
 static int open_source(struct trainer *t, int f, zinf_engine **out)
 {
     struct zinf_config c = t->zc; /* the same settings; only the directories differ */
+    /* ... and the device tier's memory: this run's engine keeps its tensors in the arena
+     * the ranks' pool lends it, and a source given the same one would load its own over
+     * them (and read this rank's writes back as its own). A source maps its own. */
+    c.device_arena = NULL;
+    c.device_arena_bytes = 0;
     char *dirs[CONFIG_MAX_NVME_PATHS] = {0};
     int r = 0;
     unsigned flag = 0;
