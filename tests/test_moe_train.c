@@ -529,7 +529,7 @@ static int ep_run(const char *name, int ranks, int stage, const char *swap, cons
  * to their experts' owners, and an expert's gradient adds each source's in the
  * micro-batches' order: the losses and parameters of one rank accumulating them all, to
  * the bit, whatever the ranks, the ZeRO stage and the micro-batches per rank. A run saved
- * by 4 ranks goes on under one (the experts re-cut from their owners' folders) as the run
+ * by 4 ranks goes on under 2 (the experts re-cut from their owners' folders) as the run
  * that never moved. */
 Test(moe_train, expert_parallel_ranks_give_one_ranks_bits_and_resume_across_layouts)
 {
@@ -542,7 +542,7 @@ Test(moe_train, expert_parallel_ranks_give_one_ranks_bits_and_resume_across_layo
     cr_assert_eq(ep_run("one", 1, 0, s1, "--accumulate 4", 3, one), 3);
     cr_assert_eq(ep_run("two", 2, 1, s2, "--accumulate 2", 3, two), 3);
     cr_assert_eq(ep_run("four", 4, 2, s4, "--checkpoint-every 2", 2, four), 2);
-    cr_assert_eq(ep_run("rest", 1, 0, s4, "--accumulate 4 --resume", 3, rest), 1);
+    cr_assert_eq(ep_run("rest", 2, 2, s4, "--accumulate 2 --resume", 3, rest), 1);
     for (int s = 0; s < 3; s++) {
         cr_expect_str_eq(two[s].loss, one[s].loss, "step %d: 2 ranks %s, one rank %s", s + 1,
                          two[s].loss, one[s].loss);
@@ -557,7 +557,7 @@ Test(moe_train, expert_parallel_ranks_give_one_ranks_bits_and_resume_across_layo
                          four[s].loss, one[s].loss);
         cr_expect_str_eq(four[s].digest, one[s].digest, "step %d: the parameters", s + 1);
     }
-    cr_expect_str_eq(rest[0].loss, one[2].loss, "step 3 resumed on one rank %s, one rank %s",
+    cr_expect_str_eq(rest[0].loss, one[2].loss, "step 3 resumed on 2 ranks %s, one rank %s",
                      rest[0].loss, one[2].loss);
     cr_expect_str_eq(rest[0].digest, one[2].digest);
 }
