@@ -105,6 +105,7 @@ Test(moe_train, what_a_run_cannot_have_is_refused_naming_it)
 struct step_line {
     char loss[40];
     char digest[40]; /* of the parameters after the step */
+    char norm[40];   /* the gradient norm */
     double aux;
     int used, experts;
     unsigned long long read, fetches, hits;
@@ -126,6 +127,9 @@ static int read_log(const char *path, struct step_line *out, int max)
         cr_assert(l && a && u && e && r && g, "a step line without the MoE fields: %s", line);
         cr_assert_eq(sscanf(l + 7, "%39[^,]", s->loss), 1);
         cr_assert_eq(sscanf(g + 9, "%39[^,}]", s->digest), 1);
+        const char *gn = strstr(line, "\"grad_norm\":");
+        cr_assert(gn, "a step line without grad_norm: %s", line);
+        cr_assert_eq(sscanf(gn + 12, "%39[^,}]", s->norm), 1);
         s->aux = strtod(a + 15, NULL);
         s->used = atoi(u + 15);
         s->experts = atoi(e + 10);
@@ -547,6 +551,7 @@ Test(moe_train, expert_parallel_ranks_give_one_ranks_bits_and_resume_across_layo
         cr_expect_str_eq(two[s].loss, one[s].loss, "step %d: 2 ranks %s, one rank %s", s + 1,
                          two[s].loss, one[s].loss);
         cr_expect_str_eq(two[s].digest, one[s].digest, "step %d: the parameters", s + 1);
+        cr_expect_str_eq(two[s].norm, one[s].norm, "step %d: the gradient norm", s + 1);
         cr_expect_eq(two[s].used, one[s].used, "step %d: experts used, 2 ranks %d, one %d",
                      s + 1, two[s].used, one[s].used);
         cr_expect_eq(two[s].experts, 8);
@@ -556,6 +561,7 @@ Test(moe_train, expert_parallel_ranks_give_one_ranks_bits_and_resume_across_layo
         cr_expect_str_eq(four[s].loss, one[s].loss, "step %d: 4 ranks %s, one rank %s", s + 1,
                          four[s].loss, one[s].loss);
         cr_expect_str_eq(four[s].digest, one[s].digest, "step %d: the parameters", s + 1);
+        cr_expect_str_eq(four[s].norm, one[s].norm, "step %d: the gradient norm", s + 1);
     }
     cr_expect_str_eq(rest[0].loss, one[2].loss, "step 3 resumed on 2 ranks %s, one rank %s",
                      rest[0].loss, one[2].loss);
@@ -623,6 +629,8 @@ Test(moe_train, pipeline_stages_with_moe_blocks_give_one_ranks_bits)
         cr_expect_str_eq(three[s].loss, one[s].loss, "step %d: 3 stages %s, one rank %s", s + 1,
                          three[s].loss, one[s].loss);
         cr_expect_str_eq(three[s].digest, one[s].digest, "step %d: the parameters", s + 1);
+        cr_expect_str_eq(three[s].norm, one[s].norm, "step %d: the gradient norm %s, one rank's %s",
+                         s + 1, three[s].norm, one[s].norm);
         cr_expect_eq(three[s].aux, one[s].aux, "step %d: l_aux %g, one rank's %g", s + 1,
                      three[s].aux, one[s].aux);
         cr_expect_eq(three[s].used, one[s].used);

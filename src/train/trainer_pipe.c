@@ -65,8 +65,10 @@ struct pipe {
     float *wrx;                       /* a received wte gradient (V,C) */
     size_t act_bytes, wte_bytes;
     int M;
-    /* The norm's chunk sums of every stage, in stage order: counts, and the padded gather. */
-    int32_t counts[COMM_MAX_RANKS];
+    /* The norm's chunk sums of every stage, in stage order: counts, and the padded gather;
+     * of each stage's count, the first dense[q] are its dense tensors', the rest its MoE
+     * blocks' gates' and experts' (which the whole layout puts after every dense one). */
+    int32_t counts[COMM_MAX_RANKS], dense[COMM_MAX_RANKS];
     size_t maxn, own_parts, mine_n;
     double *mine, *all;
     double *tsum; /* tensor parallel: every rank's sum per tensor */
@@ -539,11 +541,20 @@ int train_pipe_alloc(struct trainer *t)
         p->own_parts = (size_t)(t->wte_copy >= 0 ? t->wte_copy : t->ntensors);
         if (!(p->tsum = calloc(p->own_parts * (size_t)t->tp, sizeof(double)))) return -ENOMEM;
     }
-    int32_t mine = (int32_t)p->own_parts;
-    p->counts[0] = mine;
-    if (t->pp > 1 &&
-        (r = comm_allgather(p->c[L_ALL], &mine, p->counts, sizeof(mine), COMM_BYTE)) < 0)
+    int32_t mine[2] = {(int32_t)p->own_parts, (int32_t)p->own_parts}, both[2 * COMM_MAX_RANKS];
+    for (int i = 0; i < t->ntensors && t->tp == 1; i++)
+        if (t->desc[i].block >= 0 && t->desc[i].slot == GPT_BLOCK_NSLOTS) { /* a MoE gate */
+            mine[1] = (int32_t)t->part_first[i];
+            break;
+        }
+    p->counts[0] = mine[0];
+    p->dense[0] = mine[1];
+    if (t->pp > 1 && (r = comm_allgather(p->c[L_ALL], mine, both, sizeof(mine), COMM_BYTE)) < 0)
         return r;
+    for (int q = 0; q < t->pp && t->pp > 1; q++) {
+        p->counts[q] = both[2 * q];
+        p->dense[q] = both[2 * q + 1];
+    }
     p->maxn = 1;
     for (int q = 0; q < t->pp; q++)
         p->maxn = MAX(p->maxn, (size_t)p->counts[q]);
@@ -746,7 +757,8 @@ static int moe_aux(struct trainer *t, int M)
 {
     struct pipe *p = t->pipe;
     const size_t ML = (size_t)M * (size_t)t->cfg.L;
-    float *all = malloc(ML * (size_t)t->pp * sizeof(float)), *aux = malloc((size_t)M * sizeof(float));
+    float *all = malloc(ML * (size_t)t->pp * sizeof(float)),
+          *aux = malloc((size_t)M * sizeof(float));
     int r = all && aux ? comm_allgather(p->c[L_ALL], train_moe_aux_blocks(t), all,
                                         ML * sizeof(float), COMM_BYTE)
                        : -ENOMEM;
@@ -868,9 +880,14 @@ int train_pipe_norm(struct trainer *t, double *sumsq)
     }
     r = comm_allgather(p->c[L_ALL], p->mine, p->all, p->maxn * sizeof(double), COMM_BYTE);
     if (r < 0) return r;
+    /* In the whole layout's order: every stage's dense tensors, then every stage's MoE
+     * blocks' tensors. */
     double s = 0;
     for (int q = 0; q < t->pp; q++)
-        for (int c = 0; c < p->counts[q]; c++)
+        for (int c = 0; c < p->dense[q]; c++)
+            s += p->all[(size_t)q * p->maxn + (size_t)c];
+    for (int q = 0; q < t->pp; q++)
+        for (int c = p->dense[q]; c < p->counts[q]; c++)
             s += p->all[(size_t)q * p->maxn + (size_t)c];
     *sumsq = s;
     return 0;
