@@ -58,6 +58,12 @@ bool test_soak(void)
     return v && *v && strcmp(v, "0") != 0;
 }
 
+bool test_sanitized(void)
+{
+    const char *v = getenv("ZINF_TEST_SANITIZED");
+    return v && *v && strcmp(v, "none") != 0 && !test_soak();
+}
+
 char *test_shmdir(const char *tag)
 {
     struct stat st;

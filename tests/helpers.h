@@ -29,6 +29,13 @@ int test_cuda_probe_forked(struct cuda_probe_info *pi);
  * still reaches each of its kinds (every kill point, every stage, every shape). */
 bool test_soak(void);
 
+/* Whether the build runs under the sanitizers (ZINF_TEST_SANITIZED, which tests/meson.build
+ * sets there), and the long sweeps are not run whole (test_soak()): then a sweep may run a
+ * smaller fixed part of its points, each kind still reached, the normal build running the
+ * rest. The sanitizers find a misuse of memory on a path once; they need not see every
+ * budget or shape that takes it. */
+bool test_sanitized(void);
+
 /* 4 KiB aligned allocation; free with free(). */
 void *test_aligned_alloc(size_t bytes);
 /* Deterministic pseudo-random bytes from a seed. */

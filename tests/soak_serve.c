@@ -44,8 +44,8 @@
  * Runs as root (it acts as a second user); otherwise it says why and exits 77 (skipped).
  * ZINF_BIN names the zinf program; the scratch folder goes under ZINF_TEST_TMPDIR (default
  * /tmp), the socket in a folder of its own under /tmp. Exit status 0 when everything held;
- * 1 with what failed (the daemon's log's last lines too). meson runs 25 s with --limits
- * and --atomic-write, about 40 s in all.
+ * 1 with what failed (the daemon's log's last lines too). meson runs 12 s with --limits
+ * and --atomic-write, about 25 s in all (600 s with -Dsoak=true).
  */
 #include <dirent.h>
 #include <errno.h>
