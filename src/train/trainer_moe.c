@@ -7,6 +7,9 @@
  * by 1/sqrt(2L), the gate with std 0.02). The dense layout stays as it is (every block's 12
  * tensors from block_first[k], which the dense code indexes); the MoE blocks' gates and
  * experts follow it, block by block, and a MoE block's own four MLP tensors are left unused.
+ * Expert parallel (moe.ep_size = the ZeRO ranks, or a pipeline's copies of each stage): rank
+ * r holds experts [r x E/ep, (r+1) x E/ep) of each block (train_moe_mine, train_moe_owner;
+ * trainer_pipe_cut.c drops the others from its layout).
  *
  * Not here: the math (moe.h), the MoE blocks' phases (trainer_moe_step.c), the dense blocks
  * (trainer_step.c).
