@@ -77,8 +77,8 @@ Test(moe_train, what_a_run_cannot_have_is_refused_naming_it)
          "zinf launch: -n 2 does not fit"},
         {2, "\"moe\": {\"num_experts\": 3, \"ep_size\": 2},", "",
          "ep_size must divide num_experts"},
-        {4, "\"moe\": {\"num_experts\": 4, \"ep_size\": 2}, \"pipeline\": {\"stages\": 2},",
-         "", "expert parallelism within pipeline stages is not built"},
+        {4, "\"moe\": {\"num_experts\": 4, \"ep_size\": 4}, \"pipeline\": {\"stages\": 2},",
+         "", "moe.ep_size 4 with 2 data-parallel copies of each pipeline stage"},
         {1, "", "--experts 4 --eval-every 1",
          "--eval-every with --experts 4 (moe.num_experts): the forward"},
         {2, "\"moe\": {\"num_experts\": 4, \"ep_size\": 2},", "--export never.safetensors",
@@ -556,6 +556,8 @@ Test(moe_train, expert_parallel_ranks_give_one_ranks_bits_and_resume_across_layo
                      s + 1, two[s].used, one[s].used);
         cr_expect_eq(two[s].experts, 8);
         cr_expect(two[s].aux > 0);
+        cr_expect_eq(two[s].aux, one[s].aux, "step %d: l_aux %g, one rank's %g", s + 1,
+                     two[s].aux, one[s].aux);
     }
     for (int s = 0; s < 2; s++) {
         cr_expect_str_eq(four[s].loss, one[s].loss, "step %d: 4 ranks %s, one rank %s", s + 1,
@@ -601,29 +603,45 @@ Test(moe_train, an_expert_parallel_rank_killed_in_a_checkpoint_resumes_with_the_
 }
 
 /* MoE blocks in pipeline stages: 3 stages over 5 blocks, every other one MoE, 4
- * micro-batches on the 1F1B schedule, the parameters on NVMe: the losses (their balancing
- * term summed over every stage's blocks in block order), the parameters and the experts used
- * of one rank accumulating the 4, to the bit. */
+ * micro-batches on the 1F1B schedule, the parameters on NVMe; and 2 copies of 2 stages, the
+ * experts split across the copies (ZeRO-1), 2 micro-batches each: the losses (their
+ * balancing term summed over every stage's blocks in block order), the gradient norms, the
+ * parameters and the experts used of one rank accumulating the 4, to the bit. */
 Test(moe_train, pipeline_stages_with_moe_blocks_give_one_ranks_bits)
 {
-    struct step_line one[3], three[3];
+    struct step_line one[3], three[3], four[3];
     char cfg[4096], log[4096], extra[8192], *o;
-    for (int P = 1; P <= 3; P += 2) {
+    static const struct {
+        int ranks, accum;
+        const char *layout;
+    } runs[] = {{1, 4, ""},
+                {3, 4, "\"pipeline\": {\"stages\": 3}, "},
+                {4, 2, "\"pipeline\": {\"stages\": 2}, "}};
+    for (int k = 0; k < 3; k++) {
         snprintf(extra, sizeof(extra),
-                 "\"gradient_accumulation_steps\": 4, \"moe\": {\"num_experts\": 4, "
-                 "\"top_k\": 2, \"moe_every\": 2}, %s\"zero_optimization\": "
-                 "{\"offload_param\": {\"device\": \"nvme\", \"nvme_path\": \"%s/pp%d\"}},",
-                 P > 1 ? "\"pipeline\": {\"stages\": 3}, " : "", dir, P);
+                 "\"gradient_accumulation_steps\": %d, \"moe\": {\"num_experts\": 4, "
+                 "\"top_k\": 2, \"moe_every\": 2, \"ep_size\": %d}, %s\"zero_optimization\": "
+                 "{\"stage\": 1, \"offload_param\": {\"device\": \"nvme\", \"nvme_path\": "
+                 "\"%s/pp%d\"}},",
+                 runs[k].accum, k == 2 ? 2 : 1, runs[k].layout, dir, k);
         micro = 1;
         config(cfg, sizeof(cfg), extra);
-        snprintf(log, sizeof(log), "%s/pp%d.jsonl", dir, P);
+        snprintf(log, sizeof(log), "%s/pp%d.jsonl", dir, k);
         int r = run(&o,
                     "launch -n %d -- %s train --config %s --data " DATA
                     " --steps 3 --layers 5 --precision fp32 --log %s",
-                    P, getenv("ZINF_BIN"), cfg, log);
-        cr_assert_eq(r, 0, "%d stages: %s", P, o);
+                    runs[k].ranks, getenv("ZINF_BIN"), cfg, log);
+        cr_assert_eq(r, 0, "%d ranks: %s", runs[k].ranks, o);
         free(o);
-        cr_assert_eq(read_log(log, P > 1 ? three : one, 3), 3);
+        cr_assert_eq(read_log(log, k == 0 ? one : k == 1 ? three : four, 3), 3);
+    }
+    for (int s = 0; s < 3; s++) {
+        cr_expect_str_eq(four[s].loss, one[s].loss, "step %d: 2 x 2 stages %s, one rank %s",
+                         s + 1, four[s].loss, one[s].loss);
+        cr_expect_str_eq(four[s].norm, one[s].norm, "step %d: the gradient norm", s + 1);
+        cr_expect_str_eq(four[s].digest, one[s].digest, "step %d: the parameters", s + 1);
+        cr_expect_eq(four[s].aux, one[s].aux);
+        cr_expect_eq(four[s].used, one[s].used);
     }
     for (int s = 0; s < 3; s++) {
         cr_expect_str_eq(three[s].loss, one[s].loss, "step %d: 3 stages %s, one rank %s", s + 1,

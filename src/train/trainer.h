@@ -219,7 +219,8 @@ struct trainer_step_stats {
     int digest_step;
     bool update_pending; /* this step's update runs in the next forward (update_in_forward) */
     /* Mixture of experts (0 in a dense run): loss holds the cross-entropy plus moe.loss_coef
-     * x moe_aux_loss, the sum of the MoE blocks' balancing losses l_aux; of the `experts`
+     * x moe_aux_loss, the sum of the MoE blocks' balancing losses l_aux (its mean over the
+     * step's micro-batches, every rank's); of the `experts`
      * (E x the MoE blocks), experts_used had a token routed to them (summed over the blocks),
      * and expert_bytes_read is what fetching them read from NVMe; of the expert_fetches of
      * their tensors to the device tier, expert_hits found a resident copy (asked for ahead

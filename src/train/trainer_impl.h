@@ -434,7 +434,7 @@ int train_moe_forward(struct trainer *t, int k);
 int train_moe_backward(struct trainer *t, int k, bool zero, bool norm);
 bool train_moe_idle(const struct trainer *t, int i);
 void train_moe_step_begin(struct trainer *t);
-float train_moe_aux(const struct trainer *t);
+float train_moe_aux(struct trainer *t);
 void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st);
 void train_moe_summary(struct trainer *t, struct trainer_summary *out);
 /* The sets MoE block k's phases fetch, for the budgets: the n-th into w, false past the

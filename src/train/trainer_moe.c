@@ -67,10 +67,7 @@ int train_moe_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
 static int refuse(const struct trainer *t, char *err, size_t errlen)
 {
     const char *why = NULL;
-    if (t->pp > 1 && t->world > 1)
-        why = "pipeline.stages above 1 and several copies of the model: expert parallelism "
-              "within pipeline stages is not built (one copy of the pipeline is)";
-    else if (t->tp > 1 || t->zc.tensor_parallel.autotp_size > 1)
+    if (t->tp > 1 || t->zc.tensor_parallel.autotp_size > 1)
         why = "tensor_parallel.autotp_size above 1: tensor parallel MoE blocks are not built";
     else if (t->sp > 1 || t->zc.sequence_parallel_size > 1)
         why = "sequence_parallel_size above 1: sequence parallel MoE blocks are not built";

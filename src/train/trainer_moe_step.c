@@ -40,6 +40,7 @@
  * (trainer_step.c), the MoE math and the exchange (moe.c, moe_ep.c), GPUs, 16-bit weights.
  */
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,6 +70,8 @@ struct train_moe {
     int *gate;              /* by block: its gate's layout index (its experts follow), or -1 */
     bool *idle;             /* by layout index: the optimizer leaves it alone this step */
     float aux;              /* the forward's sum of the MoE blocks' l_aux */
+    float *aux_micro;       /* (grad_accum x (ranks + 1)): that sum by micro-batch, then the
+                               copies' gathered */
     int experts, used_step; /* experts: this rank's MoE blocks' E each */
     int experts_all;        /* every stage's (after a step) */
     int *local;             /* (E/ep): this rank's experts that rows came for, in order */
@@ -122,6 +125,8 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
     m->Epr = o->E / m->ep.ep;
     m->lx = malloc(moe_expert_num_params(t->cfg.C) * sizeof(float));
     m->local = malloc((size_t)m->Epr * sizeof(int));
+    m->aux_micro = calloc((size_t)t->o.grad_accum * (size_t)(MAX(1, t->world) + 1), sizeof(float));
+    if (!m->aux_micro) goto oom;
     if (t->pp > 1 &&
         !(m->aux_blk = calloc((size_t)t->o.grad_accum * (size_t)t->cfg.L, sizeof(float))))
         goto oom;
@@ -176,6 +181,7 @@ void train_moe_free(struct trainer *t)
     free(m->lx);
     free(m->local);
     free(m->aux_blk);
+    free(m->aux_micro);
     free(m->lg_gate);
     free(m->gate);
     free(m->idle);
@@ -219,12 +225,34 @@ void train_moe_pipe_aux(struct trainer *t, const float *aux, int M)
 {
     for (int m = 0; m < M; m++)
         t->losses[m] += t->o.moe.loss_coef * aux[m];
-    t->moe->aux = aux[M - 1]; /* the step's last micro-batch's, as one rank reports it */
+    for (int m = 0; m < M; m++)
+        t->moe->aux_micro[m] = aux[m];
 }
 
-float train_moe_aux(const struct trainer *t)
+float train_moe_aux(struct trainer *t)
 {
-    return t->moe ? t->o.moe.loss_coef * t->moe->aux : 0.0f;
+    if (!t->moe) return 0.0f;
+    t->moe->aux_micro[t->fmicro] = t->moe->aux;
+    return t->o.moe.loss_coef * t->moe->aux;
+}
+
+/* The mean over the step's micro-batches (every copy's) of their MoE blocks' l_aux sums,
+ * added in the order of the micro-batches' numbers, as the loss is. */
+static float aux_mean(struct trainer *t)
+{
+    struct train_moe *m = t->moe;
+    int K = t->o.grad_accum, W = MAX(1, t->world);
+    const float *all = m->aux_micro;
+    if (W > 1) {
+        if (comm_allgather(t->hcomm, m->aux_micro, m->aux_micro + K, (size_t)K * sizeof(float),
+                           COMM_BYTE) < 0)
+            return NAN;
+        all = m->aux_micro + K;
+    }
+    double s = 0;
+    for (int j = 0; j < K * W; j++)
+        s += all[(j % W) * K + j / W];
+    return (float)(s / (K * W));
 }
 
 void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st)
@@ -239,25 +267,24 @@ void train_moe_step_end(struct trainer *t, struct trainer_step_stats *st)
             m->used_step += !m->idle[expert_idx(m->gate[k], j, GPT_FC_W)];
     uint64_t mine[4] = {(uint64_t)m->used_step, m->read_step, m->fetch_step, m->hit_step};
     uint64_t all[4 * COMM_MAX_RANKS];
+    /* Expert parallel: every copy's experts (of this stage's blocks), summed. */
+    if (t->ep > 1 && comm_allgather(t->hcomm, mine, all, sizeof(mine), COMM_BYTE) == 0) {
+        memset(mine, 0, sizeof(mine));
+        for (int q = 0; q < t->ep; q++)
+            for (int v = 0; v < 4; v++)
+                mine[v] += all[4 * q + v];
+    }
+    /* Pipeline stages: every stage's blocks', summed. */
     uint64_t ex[5] = {mine[0], mine[1], mine[2], mine[3], (uint64_t)m->experts};
-    if (t->pp > 1 && train_pipe_sum_u64(t, ex, 5) == 0) { /* every stage's blocks' */
+    if (t->pp > 1 && train_pipe_sum_u64(t, ex, 5) == 0) {
         memcpy(mine, ex, sizeof(mine));
         m->experts_all = (int)ex[4];
-        m->used_step = (int)mine[0];
-        m->read_step = mine[1];
-        m->fetch_step = mine[2];
-        m->hit_step = mine[3];
-    } else if (t->ep > 1 && comm_allgather(t->hcomm, mine, all, sizeof(mine), COMM_BYTE) == 0) {
-        m->used_step = 0;
-        m->read_step = m->fetch_step = m->hit_step = 0;
-        for (int q = 0; q < t->ep; q++) {
-            m->used_step += (int)all[4 * q];
-            m->read_step += all[4 * q + 1];
-            m->fetch_step += all[4 * q + 2];
-            m->hit_step += all[4 * q + 3];
-        }
     }
-    st->moe_aux_loss = m->aux;
+    m->used_step = (int)mine[0];
+    m->read_step = mine[1];
+    m->fetch_step = mine[2];
+    m->hit_step = mine[3];
+    st->moe_aux_loss = aux_mean(t);
     if (!m->experts_all) m->experts_all = m->experts;
     st->experts = m->experts_all;
     st->experts_used = m->used_step;

@@ -67,7 +67,7 @@ struct pipe {
     /* The norm's chunk sums of every stage, in stage order: counts, and the padded gather;
      * of each stage's count, the first dense[q] are its dense tensors', the rest its MoE
      * blocks' gates' and experts' (which the whole layout puts after every dense one). */
-    int32_t counts[COMM_MAX_RANKS], dense[COMM_MAX_RANKS];
+    int32_t counts[COMM_MAX_RANKS], dense[COMM_MAX_RANKS], own_dense;
     size_t maxn, own_parts, mine_n;
     double *mine, *all;
     double *tsum; /* tensor parallel: every rank's sum per tensor */
@@ -238,6 +238,33 @@ static int alloc_msgs(struct pipe *p, struct pipe_msg **out, int n, size_t bytes
     return 0;
 }
 
+/* Expert parallel (the copies hold E / ep experts of each MoE block each): into out, the
+ * MoE blocks' chunk sums in the whole layout's order, each gate's (from mine, where its
+ * owners' shards put them) then its E experts', expert e's from copy e / (E/ep), which holds
+ * it at the place of its local number (every copy's layout has the same shape; all: the
+ * copies' gathered chunk sums, np a copy's); their number (out NULL: only counted). */
+static size_t moe_norm(struct trainer *t, double *out, const double *all, size_t np)
+{
+    int Epr = t->o.moe.E / MAX(1, t->ep);
+    size_t n = 0;
+    for (int i = 0; i < t->ntensors; i++) {
+        const struct gpt_tensor_desc *d = &t->desc[i];
+        if (d->block < 0 || d->slot != GPT_BLOCK_NSLOTS) continue; /* gates only */
+        size_t gc = (d->numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+        size_t per = train_shard_of(t, i) / SHARD_FLOATS;
+        for (size_t c = 0; c < gc; c++, n++)
+            if (out) out[n] = all[(c / per) * np + t->part_first[i] + c];
+        for (int e = 0; e < t->o.moe.E; e++)
+            for (int q = 0; q < 4; q++) {
+                int x = i + 1 + 4 * (e % Epr) + q;
+                size_t xc = (t->desc[x].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
+                for (size_t c = 0; c < xc; c++, n++)
+                    if (out) out[n] = all[(size_t)(e / Epr) * np + t->part_first[x] + c];
+            }
+    }
+    return n;
+}
+
 int train_pipe_alloc(struct trainer *t)
 {
     struct pipe *p = t->pipe;
@@ -265,8 +292,10 @@ int train_pipe_alloc(struct trainer *t)
             mine[1] = (int32_t)t->part_first[i];
             break;
         }
+    /* Expert parallel: the MoE blocks' part holds every expert's chunks, each copy's own. */
+    if (t->ep > 1) mine[0] = mine[1] + (int32_t)moe_norm(t, NULL, NULL, 0);
     p->counts[0] = mine[0];
-    p->dense[0] = mine[1];
+    p->dense[0] = p->own_dense = mine[1];
     if (t->pp > 1 && (r = comm_allgather(p->c[L_ALL], mine, both, sizeof(mine), COMM_BYTE)) < 0)
         return r;
     for (int q = 0; q < t->pp && t->pp > 1; q++) {
@@ -276,7 +305,7 @@ int train_pipe_alloc(struct trainer *t)
     p->maxn = 1;
     for (int q = 0; q < t->pp; q++)
         p->maxn = MAX(p->maxn, (size_t)p->counts[q]);
-    p->mine_n = MAX(p->maxn, t->nparts);
+    p->mine_n = MAX(MAX(p->maxn, t->nparts), (size_t)mine[0]);
     p->mine = calloc(p->mine_n, sizeof(double));
     p->all = calloc(p->maxn * (size_t)t->pp, sizeof(double));
     return p->mine && p->all ? 0 : -ENOMEM;
@@ -562,7 +591,7 @@ int train_pipe_norm(struct trainer *t, double *sumsq)
         all = t->part_all;
     }
     for (int i = 0; i < t->ntensors; i++) {
-        if (i == t->wte_copy) continue;
+        if (i == t->wte_copy || train_private(t, i)) continue;
         size_t chunks = (t->desc[i].numel + SHARD_FLOATS - 1) / SHARD_FLOATS;
         size_t per = train_shard_of(t, i) / SHARD_FLOATS;
         for (size_t c = 0; c < chunks; c++) {
@@ -570,6 +599,8 @@ int train_pipe_norm(struct trainer *t, double *sumsq)
             p->mine[t->part_first[i] + c] = all[owner * np + t->part_first[i] + c];
         }
     }
+    /* Expert parallel: the MoE blocks' part, every expert's from its owner, in order. */
+    if (t->ep > 1) moe_norm(t, p->mine + p->own_dense, all, np);
     if (t->tp > 1) {
         /* Each tensor's sum over its slices, added over the ranks in their order; a
          * replicated tensor (the same on every rank) counted once, rank 0's. */
