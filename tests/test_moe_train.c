@@ -78,7 +78,7 @@ Test(moe_train, what_a_run_cannot_have_is_refused_naming_it)
         {2, "\"moe\": {\"num_experts\": 3, \"ep_size\": 2},", "",
          "ep_size must divide num_experts"},
         {4, "\"moe\": {\"num_experts\": 4, \"ep_size\": 4}, \"pipeline\": {\"stages\": 2},",
-         "", "moe.ep_size 4 with 2 data-parallel copies of each pipeline stage"},
+         "", "moe.ep_size 4 splits the 4 experts across the copies of each stage, 2 here"},
         {1, "", "--experts 4 --eval-every 1",
          "--eval-every with --experts 4 (moe.num_experts): the forward"},
         {2, "\"moe\": {\"num_experts\": 4, \"ep_size\": 2},", "--export never.safetensors",

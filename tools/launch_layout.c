@@ -3,8 +3,8 @@
  * of FILE before any rank starts. Each copy of the model is P pipeline stages
  * (pipeline.stages) of T tensor-parallel (tensor_parallel.autotp_size) or S sequence-
  * parallel (sequence_parallel_size) ranks; N must be a multiple of P x T x S, and T and S
- * are not both above 1; with MoE (moe.num_experts) and neither, the experts are split
- * across all N ranks, so N must be moe.ep_size. Without this the N ranks start, each reads
+ * are not both above 1; with MoE (moe.num_experts) the experts are split across the copies
+ * (all N ranks without those layouts), so moe.ep_size must be N / (P x T x S). Without this the N ranks start, each reads
  * the config and each refuses on its own; here one line says it, and which -n would fit,
  * and nothing starts.
  *
@@ -108,6 +108,13 @@ int launch_layout_check(char *const *command, int n)
             fprintf(stderr, "use -n %s\n", fit);
         else
             fprintf(stderr, "no -n fits (a job has at most %d ranks)\n", COMM_MAX_RANKS);
+        return 2;
+    }
+    if (E > 0 && ep != n / per) {
+        fprintf(stderr,
+                "zinf launch: -n %d does not fit %s: moe.ep_size %d splits the %d experts "
+                "across the copies of each stage, %d here; set ep_size to %d\n",
+                n, path, ep, E, n / per, n / per);
         return 2;
     }
     char layout[160];
