@@ -17,7 +17,7 @@
 #     its fixed buffers (the gather and local-gradient buffers, which hold whole tensors:
 #     the summary's device_scratch_bytes) is at most 1/N of what one rank keeps there, plus
 #     10% for the shards' rounding and 512 KiB of transients.
-#   - pipeline: 2 and 3 GPU stages of --accumulate 4 micro-batches (fp32 and bf16, 3 blocks)
+#   - pipeline: 2 and 3 GPU stages of --accumulate 4 micro-batches (fp32, bf16, fp16; 3 blocks)
 #     log bitwise the losses and digests of one GPU rank of --accumulate 4; 2 copies x 2
 #     stages on 4 GPU ranks, one micro-batch each, bitwise one GPU rank of --accumulate 2, and
 #     with 4 micro-batches each, bitwise 2 GPU ZeRO-1 ranks of --accumulate 4 (NCCL sums each
@@ -101,7 +101,7 @@ done
 # GPU ranks without stages of the same micro-batches.
 pipe=(--layers 3)
 if want pipeline; then
-  for prec in fp32 bf16; do
+  for prec in fp32 bf16 fp16; do
     run "pipe-ref-$prec-acc4" 1 cuda 1 "$prec" "${pipe[@]}" --accumulate 4
     run "pipe-ref-$prec-acc2" 1 cuda 1 "$prec" "${pipe[@]}" --accumulate 2
     run "pipe-dp2-$prec-acc4" 2 cuda 1 "$prec" "${pipe[@]}" --accumulate 4
@@ -252,7 +252,7 @@ def bitwise(a, b, n):
         x['loss'] == y['loss'] and x.get('digest') is not None and x.get('digest') == y.get('digest')
         for x, y in zip(a, b))
 
-for prec in ('fp32', 'bf16') if want('pipeline') else ():
+for prec in ('fp32', 'bf16', 'fp16') if want('pipeline') else ():
     pipes = (('p2-' + prec, 2, 2, 'ref-%s-acc4', 'one GPU rank of --accumulate 4'),
              ('p3-' + prec, 3, 3, 'ref-%s-acc4', 'one GPU rank of --accumulate 4'),
              ('2x2-%s-acc1' % prec, 4, 2, 'ref-%s-acc2', 'one GPU rank of --accumulate 2'),
