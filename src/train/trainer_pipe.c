@@ -7,6 +7,22 @@
  * block; the first holds the embeddings too, the last the final norm, the head and a copy of
  * wte (the head is tied to it).
  *
+ * GPU stages: each stage is an ordinary trainer of its blocks on its own GPU (the CUDA
+ * backend), and what crosses between stages lives in its device tier: the activations (R_ACT
+ * tensors), the gradient flowing back (the backend's d), wte's local gradient and the norm's
+ * chunk sums. It crosses through host memory, on the same shared-memory links as between CPU
+ * stages: zinf_read and zinf_write copy an activation or wte's share out of and into the
+ * device tier (the engine copies from or to wherever the newest copy is, and the backend has
+ * finished with it: every phase ends with its sync), grad_io copies the gradient flowing
+ * back (and waits for it), and the chunk sums come to the host from chunk_sumsq. That is the
+ * simplest correct choice: the schedule, the messages and their order are the CPU stages'
+ * unchanged, so GPU stages are bitwise one GPU rank as CPU stages are one CPU rank, and no
+ * NCCL communicator per link (nor ordering of its stream with the compute stream) is needed.
+ * NCCL's send and receive between the GPUs (comm/nccl.c has them) would save the two copies
+ * over PCIe per message, which matters once the activations are large next to a stage's
+ * compute; that is left for later. Tensor- and sequence-parallel ranks are the CPU's only
+ * (their math is gpt_tp.c's and gpt_sp.c's), and are refused on GPUs.
+ *
  * The schedule (1F1B): stage s of P runs min(P - s - 1, M) forwards, then one forward and
  * one backward in turn, then the backwards left, for the M micro-batches of the step. A
  * forward receives its input from stage s - 1 (or embeds the tokens) and sends its output to
@@ -26,7 +42,10 @@
  * Data parallel: N ranks make N / P copies of the pipeline, rank d x P + s being copy d's
  * stage s; the copies of a stage are ZeRO ranks (stage 0 or 1) of their own communicator,
  * which reduce each micro-batch's gradients in rank order as ZeRO ranks do, so that copy d's
- * micro-batch m is the step's m x copies + d, and the whole is one rank of M x copies.
+ * micro-batch m is the step's m x copies + d, and the whole is one rank of M x copies. On GPU
+ * copies each round's sum is NCCL's, added to the step's (as GPU ZeRO ranks add theirs): the
+ * bits of as many GPU ZeRO ranks of M micro-batches each, and of one GPU rank of M x copies
+ * where M is 1.
  *
  * Not here: the cut and each rank's tensors (trainer_pipe_cut.c), ZeRO stages 2 and 3 with a
  * pipeline (refused, as DeepSpeed does), the saved runs of other layouts and their re-cut
@@ -90,7 +109,7 @@ static int open_link(struct trainer *t, int which, int id, int rank, int world, 
 {
     const struct trainer_opts *o = &t->o;
     char name[COMM_NAME_BYTES], cwhy[300] = "";
-    (void)cuda; /* host buffers on every stage: the shared-memory backend */
+    (void)cuda; /* host buffers on every stage, GPU or not: the shared-memory backend */
     /* Copy d's links of tensor-parallel rank R: name.pfS.d.R (S the link's first stage),
      * name.pw.d.R, name.pp.d.R; its stage's tensor-parallel group: name.tp.d.S. */
     int in = t->tr + t->sq; /* the rank within the stage (one of them is 0) */
@@ -155,10 +174,14 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
                  "(ZINF_COMM_NAME): start them with zinf launch");
         return -ENOTSUP;
     }
-    if (cuda) {
+    if (cuda && (t->tp > 1 || t->sp > 1)) {
+        /* Their math (gpt_tp.c, gpt_sp.c) is the CPU backend's only; pipeline stages are
+         * ordinary GPU trainers of their blocks. */
         snprintf(err, errlen,
-                 "pipeline stages and tensor-parallel ranks on GPUs are not built "
-                 "yet (zinf.device \"emulated\" runs them on the CPU)");
+                 "%s %d on GPUs: %s ranks are not built for the CUDA backend yet (zinf.device "
+                 "\"emulated\" runs them on the CPU; pipeline.stages alone runs on GPUs)",
+                 t->tp > 1 ? "tensor_parallel.autotp_size" : "sequence_parallel_size",
+                 t->tp > 1 ? t->tp : t->sp, t->tp > 1 ? "tensor-parallel" : "sequence-parallel");
         return -ENOTSUP;
     }
     /* Each stage keeps its tensors in a folder of its own under each nvme path (and its

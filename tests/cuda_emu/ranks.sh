@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # ranks.sh - GPU ranks without a GPU: `zinf launch -n N -- zinf train` on the emulated CUDA
 # device tier, the ranks' collectives over the emulated NCCL (emu_nccl.cpp), at ZeRO stages
-# 1, 2 and 3, in fp32, bf16 and fp16, on 2 and 4 ranks. run.sh calls it with the zinf it
-# built (`tests/cuda_emu/run.sh ranks`):
+# 1, 2 and 3, in fp32, bf16 and fp16, on 2 and 4 ranks, and pipeline stages on GPU ranks.
+# run.sh calls it with the zinf it built (`tests/cuda_emu/run.sh ranks`):
 #
-#   tests/cuda_emu/ranks.sh ZINF WORKDIR [faults]
+#   tests/cuda_emu/ranks.sh ZINF WORKDIR [zero|pipeline|faults]
 #
-# (faults: the fault runs alone.)
+# (zero, pipeline, faults: those runs alone; EMU_RANKS=PART gives the same through run.sh.)
 # Checks, for every precision, stage and number of ranks N:
 #   - N emulated GPU ranks log bitwise the losses and parameter digests of one emulated GPU
 #     rank that accumulates N micro-batches (--accumulate N): the emulated NCCL sums in rank
@@ -17,6 +17,11 @@
 #     its fixed buffers (the gather and local-gradient buffers, which hold whole tensors:
 #     the summary's device_scratch_bytes) is at most 1/N of what one rank keeps there, plus
 #     10% for the shards' rounding and 512 KiB of transients.
+#   - pipeline: 2 and 3 GPU stages of --accumulate 4 micro-batches (fp32, bf16, fp16; 3 blocks)
+#     log bitwise the losses and digests of one GPU rank of --accumulate 4; 2 copies x 2
+#     stages on 4 GPU ranks, one micro-batch each, bitwise one GPU rank of --accumulate 2, and
+#     with 4 micro-batches each, bitwise 2 GPU ZeRO-1 ranks of --accumulate 4 (NCCL sums each
+#     round, as without stages); tensor-parallel ranks on GPUs are refused, naming the key.
 #   - faults: a GPU rank killed at the start of a checkpoint, or after its rename, fails the
 #     job, and --resume goes on bitwise as a run that was never killed; a LOCAL_RANK past
 #     the GPUs is refused.
@@ -24,7 +29,12 @@
 set -uo pipefail
 zinf=$1
 work=$2
-only=${3:-}
+only=${3:-${EMU_RANKS:-}}
+case $only in
+  "" | zero | pipeline | faults) ;;
+  *) echo "ranks.sh: unknown part '$only' (zero, pipeline or faults)" >&2; exit 2 ;;
+esac
+want() { [ -z "$only" ] || [ "$only" = "$1" ]; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 mkdir -p "$work"
@@ -36,20 +46,20 @@ fails=0
 # Each rank takes the GPU of its LOCAL_RANK: the emulation shows four.
 export EMU_DEVICES=4
 
-config() { # file device stage
+config() { # file device stage [extra: more of the top object, with its trailing comma]
   cat > "$1" <<JSON
-{"zero_optimization": {"stage": $3,
+{${4:-}"zero_optimization": {"stage": $3,
   "offload_param": {"device": "none"}, "offload_optimizer": {"device": "none"}},
  "zinf": {"device": "$2", "device_bytes": "512M", "host_bytes": "256M"}}
 JSON
 }
 
-run() { # name ranks device stage precision extra...
+run() { # name ranks device stage precision extra... (cfg_extra: config's 4th argument)
   local name=$1 n=$2 dev=$3 stage=$4 prec=$5
   shift 5
   local d=$work/run-$name
   mkdir -p "$d"
-  config "$d/cfg.json" "$dev" "$stage"
+  config "$d/cfg.json" "$dev" "$stage" "${cfg_extra:-}"
   local t0=$SECONDS rc
   if [ "$n" = 1 ]; then
     "$zinf" train --config "$d/cfg.json" --data "$work/data.txt" $model --precision "$prec" \
@@ -67,7 +77,7 @@ run() { # name ranks device stage precision extra...
   fi
 }
 
-[ "$only" = faults ] ||
+want zero &&
 for prec in fp32 bf16 fp16; do
   for n in 2 4; do
     run "gpu1-$prec-acc$n" 1 cuda 3 "$prec" --accumulate "$n"
@@ -79,13 +89,46 @@ for prec in fp32 bf16 fp16; do
 done
 # The device's peaks, on a model whose tensors are large next to a shard's rounding.
 big="--dim 256 --heads 4 --steps 1"
-[ "$only" = faults ] ||
+want zero &&
 for prec in fp32 bf16; do
   run "peak1-$prec" 1 cuda 3 "$prec" $big
   for n in 2 4; do
     run "peak$n-$prec" "$n" cuda 3 "$prec" $big
   done
 done
+
+# Pipeline stages on GPU ranks: 3 blocks, so that 3 stages have one each. The references are
+# GPU ranks without stages of the same micro-batches.
+pipe=(--layers 3)
+if want pipeline; then
+  for prec in fp32 bf16 fp16; do
+    run "pipe-ref-$prec-acc4" 1 cuda 1 "$prec" "${pipe[@]}" --accumulate 4
+    run "pipe-ref-$prec-acc2" 1 cuda 1 "$prec" "${pipe[@]}" --accumulate 2
+    run "pipe-dp2-$prec-acc4" 2 cuda 1 "$prec" "${pipe[@]}" --accumulate 4
+    cfg_extra='"pipeline": {"stages": 2}, ' run "pipe-p2-$prec" 2 cuda 1 "$prec" "${pipe[@]}" \
+      --accumulate 4
+    cfg_extra='"pipeline": {"stages": 3}, ' run "pipe-p3-$prec" 3 cuda 1 "$prec" "${pipe[@]}" \
+      --accumulate 4
+    cfg_extra='"pipeline": {"stages": 2}, ' run "pipe-2x2-$prec-acc1" 4 cuda 1 "$prec" \
+      "${pipe[@]}" --accumulate 1
+    cfg_extra='"pipeline": {"stages": 2}, ' run "pipe-2x2-$prec-acc4" 4 cuda 1 "$prec" \
+      "${pipe[@]}" --accumulate 4
+  done
+  # Tensor-parallel ranks compute on the CPU only: on GPUs they are refused, naming the key.
+  d=$work/run-pipe-tp-refused
+  mkdir -p "$d"
+  config "$d/cfg.json" cuda 1 '"tensor_parallel": {"autotp_size": 2}, '
+  "$zinf" launch -n 2 --no-bind --name "emu-tp-$$" -- "$zinf" train --config "$d/cfg.json" \
+    --data "$work/data.txt" $model > "$d/out.txt" 2>&1
+  rc=$?
+  if [ $rc != 0 ] && grep -q "tensor_parallel.autotp_size 2 on GPUs" "$d/out.txt"; then
+    echo "   ok   tensor-parallel ranks on GPUs are refused (rc=$rc)"
+  else
+    echo "   FAIL tensor-parallel ranks on GPUs: rc=$rc"
+    tail -5 "$d/out.txt" | sed 's/^/   | /'
+    fails=$((fails + 1))
+  fi
+fi
 
 # Faults: 2 bf16 GPU ranks at stage 3 with checkpoints every 2 steps, rank 1 killed at the
 # start of the step-2 checkpoint (a dead rank fails the job) and after its rename (the
@@ -124,6 +167,7 @@ fault() { # name kill-point (empty: the run that is never killed)
   echo "   fault-$1 resumed: rc=$rc"
   [ $rc = 0 ] || { tail -15 "$d/b.out" | sed 's/^/   | /'; fails=$((fails + 1)); }
 }
+if want faults; then
 fault ref ""
 fault barrier before-barrier
 fault rename after-rename
@@ -141,6 +185,7 @@ else
   echo "   FAIL LOCAL_RANK 5 of 4 GPUs: rc=$rc"
   tail -5 "$d/out.txt" | sed 's/^/   | /'
   fails=$((fails + 1))
+fi
 fi
 
 python3 - "$work" "$only" <<'PY' || fails=$((fails + 1))
@@ -166,9 +211,12 @@ def check(ok, what):
     print('   %s %s' % ('ok  ' if ok else 'FAIL', what))
     bad += not ok
 
+def want(part):
+    return only in ('', part)
+
 tol = {'fp32': 1e-3, 'bf16': 3e-2, 'fp16': 3e-2}
 rows = []
-for prec in () if only == 'faults' else ('fp32', 'bf16', 'fp16'):
+for prec in ('fp32', 'bf16', 'fp16') if want('zero') else ():
     for n in (2, 4):
         ref, rsum = log('gpu1-%s-acc%d' % (prec, n))
         for stage in (1, 2, 3):
@@ -184,7 +232,7 @@ for prec in () if only == 'faults' else ('fp32', 'bf16', 'fp16'):
                   what + ': within %g of %d CPU ranks (largest %s)' % (tol[prec], n, worst))
             rows.append((prec, n, stage, g[-1]['loss'] if g else None,
                          c[-1]['loss'] if c else None))
-for prec in () if only == 'faults' else ('fp32', 'bf16'):
+for prec in ('fp32', 'bf16') if want('zero') else ():
     _, one = log('peak1-' + prec)
     for n in (2, 4):
         peaks = []
@@ -198,11 +246,37 @@ for prec in () if only == 'faults' else ('fp32', 'bf16'):
         check(ok, '%s, %d GPU ranks at stage 3: device peak beyond the fixed buffers %s per rank; '
               'one rank %d, 1/%d of it %d' % (prec, n, peaks, base, n, base // n))
         rows.append((prec, n, 'peak beyond fixed buffers', base, max(peaks) if peaks else None))
+def bitwise(a, b, n):
+    """Runs a and b logged the same n steps, each with a digest, bitwise."""
+    return len(a) == n and len(b) == n and all(
+        x['loss'] == y['loss'] and x.get('digest') is not None and x.get('digest') == y.get('digest')
+        for x, y in zip(a, b))
+
+for prec in ('fp32', 'bf16', 'fp16') if want('pipeline') else ():
+    pipes = (('p2-' + prec, 2, 2, 'ref-%s-acc4', 'one GPU rank of --accumulate 4'),
+             ('p3-' + prec, 3, 3, 'ref-%s-acc4', 'one GPU rank of --accumulate 4'),
+             ('2x2-%s-acc1' % prec, 4, 2, 'ref-%s-acc2', 'one GPU rank of --accumulate 2'),
+             ('2x2-%s-acc4' % prec, 4, 2, 'dp2-%s-acc4', '2 GPU ZeRO-1 ranks of --accumulate 4'))
+    for name, n, P, ref, what in pipes:
+        g, _ = log('pipe-' + name)
+        r, _ = log('pipe-' + ref % prec)
+        check(bitwise(g, r, 3), '%s, %d GPU ranks, %d stages: bitwise %s (loss and digest)'
+              % (prec, n, P, what))
+        # Every rank ran its stage on its GPU, and the stages sent what crossed.
+        ok = True
+        for k in range(n):
+            _, s = log('pipe-' + name, k)
+            ok = ok and bool(s) and s.get('pp') == P and s.get('pp_stage') == k % P and \
+                s.get('pipeline_bytes', 0) > 0 and s.get('backend') == 'cuda'
+        check(ok, '%s, %d GPU ranks, %d stages: each rank\'s summary names its stage, the CUDA '
+              'backend and bytes sent' % (prec, n, P))
+        rows.append((prec, n, 'stages %d' % P, g[-1]['loss'] if g else None,
+                     r[-1]['loss'] if r else None))
 def steps_of(path):
     return {r['step']: r for r in (json.loads(l) for l in open(path)) if 'step' in r} \
         if os.path.exists(path) else {}
 ref = steps_of(os.path.join(work, 'run-fault-ref', 'a.jsonl'))
-for name in ('barrier', 'rename'):
+for name in ('barrier', 'rename') if want('faults') else ():
     d = os.path.join(work, 'run-fault-' + name)
     before, after = steps_of(os.path.join(d, 'a.jsonl')), steps_of(os.path.join(d, 'b.jsonl'))
     same = len(ref) == 4 and set(before) >= {1, 2} and max(after, default=0) == 4 and all(
@@ -210,8 +284,9 @@ for name in ('barrier', 'rename'):
         for k, r in list(before.items()) + list(after.items()))
     check(same, 'fault at %s: steps %s before and %s after the resume are bitwise the '
           'never-killed run\'s' % (name, sorted(before), sorted(after)))
-print('   figures (precision, ranks, stage, GPU ranks\' last loss, CPU ranks\' last loss; and '
-      'at stage 3 the device peaks beyond fixed buffers of one rank and of the largest rank):')
+print('   figures (precision, ranks, stage, GPU ranks\' last loss, CPU ranks\' last loss; '
+      'at stage 3 the device peaks beyond fixed buffers of one rank and of the largest rank; '
+      'for stages, their last loss and the reference\'s):')
 for r in rows:
     print('    ', r)
 sys.exit(1 if bad else 0)
