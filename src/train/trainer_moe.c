@@ -77,8 +77,6 @@ static int refuse(const struct trainer *t, char *err, size_t errlen)
     else if (strcmp(t->be->name, "cpu"))
         why = "the CUDA backend: MoE blocks run on the CPU backend only (zinf.device "
               "\"emulated\")";
-    else if (t->be->wdt != BACKEND_F32)
-        why = "--precision bf16 or fp16: MoE blocks compute in fp32 only (--precision fp32)";
     if (why) {
         snprintf(err, errlen, "moe.num_experts %d with %s", t->o.moe.E, why);
         return -EINVAL;

@@ -36,8 +36,11 @@
  * The math runs here on the pointers the device tier hands out, which are host memory on
  * the CPU backend (trainer_moe.c refuses the others).
  *
+ * With 16-bit weights (bf16, fp16) each set's weights are widened to fp32 before use, as the
+ * CPU backend does for the dense blocks (activations and gradients are fp32 there).
+ *
  * Not here: the layout and the checks of the settings (trainer_moe.c), the dense blocks
- * (trainer_step.c), the MoE math and the exchange (moe.c, moe_ep.c), GPUs, 16-bit weights.
+ * (trainer_step.c), the MoE math and the exchange (moe.c, moe_ep.c), GPUs.
  */
 #include <errno.h>
 #include <math.h>
@@ -67,6 +70,8 @@ struct train_moe {
     int Epr;                /* experts of each MoE block this rank holds: E / ep */
     float *lx;              /* one expert's gradient from one source (its four tensors) */
     float *lg_gate;         /* exact: a gate's local gradient, reduced as the dense ones */
+    float *wbuf;            /* 16-bit weights: a set's weights widened to fp32 */
+    size_t wfloats;         /* its size */
     int *gate;              /* by block: its gate's layout index (its experts follow), or -1 */
     bool *idle;             /* by layout index: the optimizer leaves it alone this step */
     float aux;              /* the forward's sum of the MoE blocks' l_aux */
@@ -151,6 +156,10 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
         if (d->block < 0 || !train_moe_block(t, d->block)) continue;
         if (d->slot == GPT_BLOCK_NSLOTS) {
             m->gate[d->block] = i;
+            size_t wn = d->numel; /* the attention half's, ln2's and the gate's weights */
+            for (int s = 0; s < GPT_FC_W; s++)
+                wn += t->desc[t->block_first[d->block] + s].numel;
+            m->wfloats = MAX(m->wfloats, MAX(wn, moe_expert_num_params(t->cfg.C)));
             m->experts += o->E;
             size_t lb = train_role_bytes(t, R_L, i); /* world x shard floats */
             if (t->exact && !m->lg_gate && !(m->lg_gate = calloc(1, lb))) goto oom;
@@ -159,6 +168,7 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
         if (i < t->block_first[d->block] + GPT_BLOCK_NSLOTS && d->slot >= GPT_FC_W)
             m->idle[i] = true;
     }
+    if (t->be->wdt != BACKEND_F32 && !(m->wbuf = malloc(m->wfloats * sizeof(float)))) goto oom;
     return 0;
 oom:
     snprintf(err, errlen, "out of memory");
@@ -179,6 +189,7 @@ void train_moe_free(struct trainer *t)
     free(m->rstd);
     free(m->dw);
     free(m->lx);
+    free(m->wbuf);
     free(m->local);
     free(m->aux_blk);
     free(m->aux_micro);
@@ -386,6 +397,25 @@ static void block_params(void **p, struct gpt_block_params *bp)
         bp->t[s] = p[s];
 }
 
+/* 16-bit weights (bf16, fp16): the set's first n entries, weights, widened to fp32 into
+ * wbuf and p pointed at the widenings, so that the math is the fp32 reference's on the
+ * rounded weights, as the CPU backend's dense blocks compute. */
+static void widen(struct trainer *t, const struct wave *w, void **p, int n)
+{
+    struct train_moe *m = t->moe;
+    size_t at = 0;
+    for (int i = 0; i < n && t->be->wdt != BACKEND_F32; i++) {
+        size_t numel = t->desc[w->idx[w->at[i]]].numel;
+        float *dst = m->wbuf + at;
+        if (t->be->wdt == BACKEND_F16)
+            ops_cast_f16_to_f32(dst, p[i], numel);
+        else
+            ops_cast_bf16_to_f32(dst, p[i], numel);
+        p[i] = dst;
+        at += numel;
+    }
+}
+
 /* x2, ln2 and the route of block k from a[k] (the set of wave_attn at p). */
 static int attn_and_route(struct trainer *t, void **p, int a)
 {
@@ -448,6 +478,7 @@ int train_moe_forward(struct trainer *t, int k)
     wave_attn(t, k, false, &w);
     int r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p);
     if (r < 0) return r;
+    widen(t, &w, p, GPT_FC_W + 1);
     r = attn_and_route(t, p, GPT_FC_W + 1);
     train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (r < 0) return r;
@@ -462,6 +493,7 @@ int train_moe_forward(struct trainer *t, int k)
         prefetch(t, k, u + ahead, n);
         wave_expert(t, k, j, false, &w);
         if ((r = fetch_expert(t, &w, p)) < 0) break;
+        widen(t, &w, p, 4);
         struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
         for (int src = 0; src < m->ep.ep && r == 0; src++) {
             struct moe_ep_rows rw;
@@ -548,6 +580,7 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
     wave_attn(t, k, false, &w);
     int r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p);
     if (r < 0) return r;
+    widen(t, &w, p, GPT_FC_W + 1);
     r = attn_and_route(t, p, GPT_FC_W + 1);
     train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (r < 0 || (r = be->grad_io(t->be, m->d, false)) < 0) return r;
@@ -561,6 +594,7 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
         prefetch(t, k, u + ahead, n);
         wave_expert(t, k, j, true, &w);
         if ((r = fetch_expert(t, &w, p)) < 0) break;
+        widen(t, &w, p, 4);
         r = expert_backward(t, j, &xf, p, &w, norm);
         train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
         train_note_peaks(t);
@@ -573,6 +607,7 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
     /* The gate, ln2 and the attention half: d becomes the gradient of a[k]. */
     wave_attn(t, k, true, &w);
     if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
+    widen(t, &w, p, GPT_FC_W + 1);
     const int G = GPT_FC_W + 1; /* the gradients' first entry */
     float *d_wg = t->exact ? m->lg_gate : p[G + GPT_FC_W];
     struct gpt_block_params bp;
