@@ -429,8 +429,18 @@ static int attn_and_route(struct trainer *t, void **p, int a)
     return moe_gate_forward(&m->mc, m->N, m->ln, p[GPT_FC_W], &m->r);
 }
 
-/* Fetch the set, counting what the fetch read from NVMe as the experts', and how many of
- * its tensors were resident on the device tier already. */
+/* The engine's NVMe bytes read so far: what the experts' phase reads, from their first
+ * prefetch to the last one's fetch, is counted as theirs (a prefetch reads outside the
+ * fetch that takes it). */
+static uint64_t nvme_read(struct trainer *t)
+{
+    struct zinf_stats s;
+    zinf_stats(t->e, &s);
+    return s.nvme_bytes_read;
+}
+
+/* Fetch the set, counting how many of its tensors were resident on the device tier
+ * already. */
 static int fetch_expert(struct trainer *t, const struct wave *w, void **p)
 {
     struct zinf_stats s0, s1;
@@ -439,7 +449,6 @@ static int fetch_expert(struct trainer *t, const struct wave *w, void **p)
     zinf_stats(t->e, &s0);
     int r = train_wave_fetch(t, w, ZINF_TIER_DEVICE, p);
     zinf_stats(t->e, &s1);
-    t->moe->read_step += s1.nvme_bytes_read - s0.nvme_bytes_read;
     t->moe->fetch_step += d1->fetches - d0->fetches;
     t->moe->hit_step += d1->hits - d0->hits;
     return r;
@@ -486,6 +495,7 @@ int train_moe_forward(struct trainer *t, int k)
     if (m->aux_blk) m->aux_blk[(size_t)t->fmicro * (size_t)t->cfg.L + (size_t)k] = m->r.l_aux;
     if ((r = moe_ep_dispatch_forward(&m->mc, &m->ep, &m->r, m->ln, &xf)) < 0) return r;
     int n = local_used(m, &xf), ahead = t->o.moe.prefetch;
+    uint64_t rd0 = nvme_read(t);
     for (int u = 0; u < ahead; u++)
         prefetch(t, k, u, n);
     for (int u = 0; u < n && r == 0; u++) {
@@ -507,6 +517,7 @@ int train_moe_forward(struct trainer *t, int k)
         moe_ep_xfer_release(&xf);
         return r;
     }
+    m->read_step += nvme_read(t) - rd0;
     if ((r = moe_ep_combine_forward(&m->mc, &m->ep, &m->r, &xf, m->y)) < 0) return r;
     train_moe_wave(t, k, 4, &w);
     if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
@@ -587,6 +598,7 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
     memset(m->dw, 0, (size_t)m->N * (size_t)m->mc.k * sizeof(float));
     if ((r = moe_ep_dispatch_backward(&m->mc, &m->ep, &m->r, m->ln, m->d, &xf)) < 0) return r;
     int n = local_used(m, &xf), ahead = t->o.moe.prefetch;
+    uint64_t rd0 = nvme_read(t);
     for (int u = 0; u < ahead; u++)
         prefetch(t, k, u, n);
     for (int u = 0; u < n && r == 0; u++) {
@@ -603,6 +615,7 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
         moe_ep_xfer_release(&xf);
         return r;
     }
+    m->read_step += nvme_read(t) - rd0;
     if ((r = moe_ep_combine_backward(&m->mc, &m->ep, &m->r, &xf, m->dln, m->dw)) < 0) return r;
     /* The gate, ln2 and the attention half: d becomes the gradient of a[k]. */
     wave_attn(t, k, true, &w);
