@@ -177,7 +177,10 @@ Test(comm_mpi, a_stopped_leader_times_out_the_others_and_ends_the_job)
     run_job_env(4, "2", "stop", "2", &j, "2000");
     cr_assert_neq(j.status, 0, "%s", j.out);
     cr_assert_lt(j.secs, 20.0, "the job took %.1f s to fail:\n%s", j.secs, j.out);
-    cr_assert(strstr(j.out, "deadline passed"), "%s", j.out);
+    /* The deadline is named by whichever rank finds it first: a leader waiting in MPI, or a
+     * rank of the stopped leader's node waiting for it in shared memory. */
+    cr_assert(strstr(j.out, "deadline passed") || strstr(j.out, "did not come to allreduce"),
+              "%s", j.out);
     /* A regression: the node's segment named its job from memory gone after comm_open. */
     for (const char *p = j.out; (p = strstr(p, "zinf: error: comm ")); p++)
         cr_assert(!strncmp(p + 18, "mpi-", 4), "a segment's job name is garbled:\n%s", j.out);
