@@ -685,3 +685,32 @@ Test(moe_train, bf16_and_fp16_weights_train_moe_blocks_with_one_ranks_bits)
         }
     }
 }
+
+/* LAMB, whose trust ratio sums each tensor's chunks: an expert's are its owner's alone, so
+ * 2 expert-parallel ranks give one rank's bits with it too. */
+Test(moe_train, lamb_on_expert_parallel_ranks_gives_one_ranks_bits)
+{
+    struct step_line one[3], two[3];
+    char cfg[4096], log[4096], extra[1024], *o;
+    micro = 1;
+    for (int n = 1; n <= 2; n++) {
+        snprintf(extra, sizeof(extra),
+                 "\"optimizer\": {\"type\": \"Lamb\", \"params\": {\"lr\": 0.003}}, "
+                 "\"moe\": {\"num_experts\": 4, \"top_k\": 2, \"ep_size\": %d}, "
+                 "\"zero_optimization\": {\"stage\": 1},",
+                 n);
+        config(cfg, sizeof(cfg), extra);
+        snprintf(log, sizeof(log), "%s/lamb%d.jsonl", dir, n);
+        int r = run(&o,
+                    "launch -n %d -- %s train --config %s --data " DATA
+                    " --steps 3 --accumulate %d --precision fp32 --log %s",
+                    n, getenv("ZINF_BIN"), cfg, 3 - n, log);
+        cr_assert_eq(r, 0, "%d ranks: %s", n, o);
+        free(o);
+        cr_assert_eq(read_log(log, n == 1 ? one : two, 3), 3);
+    }
+    for (int s = 0; s < 3; s++) {
+        cr_expect_str_eq(two[s].loss, one[s].loss, "step %d", s + 1);
+        cr_expect_str_eq(two[s].digest, one[s].digest, "step %d: the parameters", s + 1);
+    }
+}

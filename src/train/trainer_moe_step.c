@@ -474,61 +474,7 @@ static void prefetch(struct trainer *t, int k, int u, int n)
                       ZINF_TIER_DEVICE);
 }
 
-int train_moe_forward(struct trainer *t, int k)
-{
-    struct train_moe *m = t->moe;
-    const size_t NC = (size_t)m->N * (size_t)t->cfg.C;
-    struct wave w;
-    void *p[WAVE_MAX];
-    struct moe_ep_xfer xf;
-    uint64_t s0 = trace_on() ? now_ns() : 0;
-
-    if (k == t->kb) m->aux = 0; /* the first block of a forward */
-    wave_attn(t, k, false, &w);
-    int r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p);
-    if (r < 0) return r;
-    widen(t, &w, p, GPT_FC_W + 1);
-    r = attn_and_route(t, p, GPT_FC_W + 1);
-    train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
-    if (r < 0) return r;
-    m->aux += m->r.l_aux;
-    if (m->aux_blk) m->aux_blk[(size_t)t->fmicro * (size_t)t->cfg.L + (size_t)k] = m->r.l_aux;
-    if ((r = moe_ep_dispatch_forward(&m->mc, &m->ep, &m->r, m->ln, &xf)) < 0) return r;
-    int n = local_used(m, &xf), ahead = t->o.moe.prefetch;
-    uint64_t rd0 = nvme_read(t);
-    for (int u = 0; u < ahead; u++)
-        prefetch(t, k, u, n);
-    for (int u = 0; u < n && r == 0; u++) {
-        int j = m->local[u];
-        prefetch(t, k, u + ahead, n);
-        wave_expert(t, k, j, false, &w);
-        if ((r = fetch_expert(t, &w, p)) < 0) break;
-        widen(t, &w, p, 4);
-        struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
-        for (int src = 0; src < m->ep.ep && r == 0; src++) {
-            struct moe_ep_rows rw;
-            if (moe_ep_rows(&m->mc, &m->ep, &xf, src, j, &rw) > 0)
-                r = moe_expert_forward_rows(&m->mc, &ep, rw.n, rw.in, rw.out, &m->ms);
-        }
-        train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
-        train_note_peaks(t);
-    }
-    if (r < 0) {
-        moe_ep_xfer_release(&xf);
-        return r;
-    }
-    m->read_step += nvme_read(t) - rd0;
-    if ((r = moe_ep_combine_forward(&m->mc, &m->ep, &m->r, &xf, m->y)) < 0) return r;
-    train_moe_wave(t, k, 4, &w);
-    if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
-    ops_add(p[0], m->x2, m->y, NC);
-    r = train_wave_release(t, &w, ZINF_TIER_DEVICE, true);
-    if (s0) trace_span_n("train", "MoE block forward", k, s0);
-    return r;
-}
-
-/* Each of n gradients (entries of p from `at`) zeroed when zero, and summed into the norm
- * when norm. */
+/* Each of n gradients (entries of p from `at`) zeroed when zero. */
 static int grads_begin(struct trainer *t, void **p, int at, const struct wave *w, int n, bool zero)
 {
     int r = 0;
@@ -538,6 +484,7 @@ static int grads_begin(struct trainer *t, void **p, int at, const struct wave *w
     return r;
 }
 
+/* Each of n gradients summed into the norm when norm (one rank, one micro-batch). */
 static int grads_norm(struct trainer *t, void **p, int at, const struct wave *w, int n, bool norm)
 {
     int r = 0;
@@ -578,6 +525,89 @@ static int expert_backward(struct trainer *t, int j, const struct moe_ep_xfer *x
     return train_settle(t, r);
 }
 
+/* x2, ln2 and the route of block k from a[k], its weights fetched for it. */
+static int route(struct trainer *t, int k)
+{
+    struct wave w;
+    void *p[WAVE_MAX];
+    wave_attn(t, k, false, &w);
+    int r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p);
+    if (r < 0) return r;
+    widen(t, &w, p, GPT_FC_W + 1);
+    r = attn_and_route(t, p, GPT_FC_W + 1);
+    train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    return r;
+}
+
+/* Local expert j's forward on every source's rows (its weights at p). */
+static int expert_forward(struct trainer *t, int j, const struct moe_ep_xfer *xf, void **p)
+{
+    struct train_moe *m = t->moe;
+    struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
+    int r = 0;
+    for (int src = 0; src < m->ep.ep && r == 0; src++) {
+        struct moe_ep_rows rw;
+        if (moe_ep_rows(&m->mc, &m->ep, xf, src, j, &rw) > 0)
+            r = moe_expert_forward_rows(&m->mc, &ep, rw.n, rw.in, rw.out, &m->ms);
+    }
+    return r;
+}
+
+/* Block k's experts of this rank that rows came for (after a dispatch into xf), in order:
+ * each fetched (the next ones asked for ahead), run forward or backward, released; what the
+ * phase reads from NVMe counted as the experts'. A failure releases xf. */
+static int run_experts(struct trainer *t, int k, struct moe_ep_xfer *xf, bool backward, bool norm)
+{
+    struct train_moe *m = t->moe;
+    struct wave w;
+    void *p[WAVE_MAX];
+    int n = local_used(m, xf), ahead = t->o.moe.prefetch, r = 0;
+    uint64_t rd0 = nvme_read(t);
+    for (int u = 0; u < ahead; u++)
+        prefetch(t, k, u, n);
+    for (int u = 0; u < n && r == 0; u++) {
+        int j = m->local[u];
+        prefetch(t, k, u + ahead, n);
+        wave_expert(t, k, j, backward, &w);
+        if ((r = fetch_expert(t, &w, p)) < 0) break;
+        widen(t, &w, p, 4);
+        r = backward ? expert_backward(t, j, xf, p, &w, norm) : expert_forward(t, j, xf, p);
+        train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+        train_note_peaks(t);
+    }
+    if (r < 0) {
+        moe_ep_xfer_release(xf);
+        return r;
+    }
+    m->read_step += nvme_read(t) - rd0;
+    return 0;
+}
+
+int train_moe_forward(struct trainer *t, int k)
+{
+    struct train_moe *m = t->moe;
+    const size_t NC = (size_t)m->N * (size_t)t->cfg.C;
+    struct wave w;
+    void *p[WAVE_MAX];
+    struct moe_ep_xfer xf;
+    uint64_t s0 = trace_on() ? now_ns() : 0;
+
+    if (k == t->kb) m->aux = 0; /* the first block of a forward */
+    int r = route(t, k);
+    if (r < 0) return r;
+    m->aux += m->r.l_aux;
+    if (m->aux_blk) m->aux_blk[(size_t)t->fmicro * (size_t)t->cfg.L + (size_t)k] = m->r.l_aux;
+    if ((r = moe_ep_dispatch_forward(&m->mc, &m->ep, &m->r, m->ln, &xf)) < 0) return r;
+    if ((r = run_experts(t, k, &xf, false, false)) < 0) return r;
+    if ((r = moe_ep_combine_forward(&m->mc, &m->ep, &m->r, &xf, m->y)) < 0) return r;
+    train_moe_wave(t, k, 4, &w);
+    if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
+    ops_add(p[0], m->x2, m->y, NC);
+    r = train_wave_release(t, &w, ZINF_TIER_DEVICE, true);
+    if (s0) trace_span_n("train", "MoE block forward", k, s0);
+    return r;
+}
+
 int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
 {
     struct train_moe *m = t->moe;
@@ -588,34 +618,11 @@ int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
     uint64_t s0 = trace_on() ? now_ns() : 0;
 
     /* The route again, from the block's input. */
-    wave_attn(t, k, false, &w);
-    int r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p);
-    if (r < 0) return r;
-    widen(t, &w, p, GPT_FC_W + 1);
-    r = attn_and_route(t, p, GPT_FC_W + 1);
-    train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    int r = route(t, k);
     if (r < 0 || (r = be->grad_io(t->be, m->d, false)) < 0) return r;
     memset(m->dw, 0, (size_t)m->N * (size_t)m->mc.k * sizeof(float));
     if ((r = moe_ep_dispatch_backward(&m->mc, &m->ep, &m->r, m->ln, m->d, &xf)) < 0) return r;
-    int n = local_used(m, &xf), ahead = t->o.moe.prefetch;
-    uint64_t rd0 = nvme_read(t);
-    for (int u = 0; u < ahead; u++)
-        prefetch(t, k, u, n);
-    for (int u = 0; u < n && r == 0; u++) {
-        int j = m->local[u];
-        prefetch(t, k, u + ahead, n);
-        wave_expert(t, k, j, true, &w);
-        if ((r = fetch_expert(t, &w, p)) < 0) break;
-        widen(t, &w, p, 4);
-        r = expert_backward(t, j, &xf, p, &w, norm);
-        train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
-        train_note_peaks(t);
-    }
-    if (r < 0) {
-        moe_ep_xfer_release(&xf);
-        return r;
-    }
-    m->read_step += nvme_read(t) - rd0;
+    if ((r = run_experts(t, k, &xf, true, norm)) < 0) return r;
     if ((r = moe_ep_combine_backward(&m->mc, &m->ep, &m->r, &xf, m->dln, m->dw)) < 0) return r;
     /* The gate, ln2 and the attention half: d becomes the gradient of a[k]. */
     wave_attn(t, k, true, &w);
