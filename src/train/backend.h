@@ -141,6 +141,11 @@ struct backend {
                                loss scaling), so every gradient after it is scaled; 1 */
     int any_thread;         /* 1: fold and chunk_sumsq may run on another thread than the
                                compute's, beside it (the CPU's); 0: the caller's thread only */
+    /* Where the math calls a collective of tp's or sp's (backend_params), the event its
+     * stream recorded just before, after the work that wrote the collective's input: the
+     * collective's own stream waits for it (comm_req.wait_event). NULL: no streams (the
+     * CPU's), the input is in place when the call is made. */
+    void *coll_wait;
 };
 
 /* The activation checkpoints' type: the CPU keeps them in fp32, the GPU in the weights'. */

@@ -71,7 +71,10 @@ struct pipe_msg {
     bool busy;
 };
 
-enum { L_FWD_IN, L_FWD_OUT, L_BWD_IN, L_BWD_OUT, L_WTE, L_ALL, L_TP, L_SP, L_COUNT };
+/* The links; L_TPD and L_SPD are the tensor- and sequence-parallel groups again, over NCCL
+ * on GPU ranks, for the math's collectives on device memory (L_TP and L_SP, shared memory,
+ * carry the host's: the norm's sums, broadcasts, barriers). */
+enum { L_FWD_IN, L_FWD_OUT, L_BWD_IN, L_BWD_OUT, L_WTE, L_ALL, L_TP, L_SP, L_TPD, L_SPD, L_COUNT };
 
 struct pipe {
     struct comm *c[L_COUNT]; /* the links (NULL where the stage has none), then all stages */
@@ -100,7 +103,8 @@ struct pipe {
         if (r_ < 0) return r_;                                                                     \
     } while (0)
 
-static const char *const link_name[L_COUNT] = {"pf", "pf", "pb", "pb", "pw", "pp", "tp", "sp"};
+static const char *const link_name[L_COUNT] = {"pf", "pf", "pb", "pb", "pw",
+                                                "pp", "tp", "sp", "tpd", "spd"};
 
 /* ---- the stages meet --------------------------------------------------------------- */
 
@@ -109,12 +113,13 @@ static int open_link(struct trainer *t, int which, int id, int rank, int world, 
 {
     const struct trainer_opts *o = &t->o;
     char name[COMM_NAME_BYTES], cwhy[300] = "";
-    (void)cuda; /* host buffers on every stage, GPU or not: the shared-memory backend */
+    /* Host buffers on every link, GPU or not (the shared-memory backend), but the math's
+     * own on GPU ranks (cuda: L_TPD, L_SPD), which hold device memory: NCCL. */
     /* Copy d's links of tensor-parallel rank R: name.pfS.d.R (S the link's first stage),
      * name.pw.d.R, name.pp.d.R; its stage's tensor-parallel group: name.tp.d.S. */
     int in = t->tr + t->sq; /* the rank within the stage (one of them is 0) */
     int n = id < 0 ? snprintf(name, sizeof(name), "%s.%s.%d.%d", o->comm_name, link_name[which],
-                              t->rank, which == L_TP || which == L_SP ? t->ps : in)
+                              t->rank, which >= L_TP ? t->ps : in)
                    : snprintf(name, sizeof(name), "%s.%s%d.%d.%d", o->comm_name, link_name[which],
                               id, t->rank, in);
     if (n < 0 || (size_t)n >= sizeof(name)) {
@@ -124,7 +129,8 @@ static int open_link(struct trainer *t, int which, int id, int rank, int world, 
                  o->comm_name);
         return -EINVAL;
     }
-    struct comm_opts co = {.backend = COMM_SHM,
+    struct comm_opts co = {.backend = cuda ? COMM_NCCL : COMM_SHM,
+                           .cuda_device = t->zc.zinf.cuda_device,
                            .rank = rank,
                            .world = world,
                            .name = name,
@@ -144,19 +150,37 @@ static int open_link(struct trainer *t, int which, int id, int rank, int world, 
     return r;
 }
 
+/* The math's collectives (gpt_tp.h, gpt_sp.h; ctx: the trainer), on the backend's memory:
+ * host memory over L_TP or L_SP on the CPU, device memory over L_TPD or L_SPD on GPU ranks,
+ * where the collective's stream first waits for the backend's coll_wait (its compute stream
+ * up to the call). Each returns once the result is in place. */
+static int math_coll(void *ctx, int which, enum comm_op op, const float *send, float *recv,
+                     size_t count)
+{
+    struct trainer *t = ctx;
+    struct comm *c = t->pipe->c[which + (L_TPD - L_TP)];
+    struct comm_req q = {.op = op,
+                         .dtype = COMM_F32,
+                         .send = send,
+                         .recv = recv,
+                         .count = count,
+                         .wait_event = c && t->be ? t->be->coll_wait : NULL};
+    return comm_run(c ? c : t->pipe->c[which], &q);
+}
+
 static int tp_allreduce(void *ctx, float *buf, size_t count)
 {
-    return comm_allreduce(ctx, buf, buf, count, COMM_F32);
+    return math_coll(ctx, L_TP, COMM_ALLREDUCE, buf, buf, count);
 }
 
 static int tp_allgather(void *ctx, const float *send, float *recv, size_t count)
 {
-    return comm_allgather(ctx, send, recv, count, COMM_F32);
+    return math_coll(ctx, L_TP, COMM_ALLGATHER, send, recv, count);
 }
 
 static int sp_alltoall(void *ctx, const float *send, float *recv, size_t count)
 {
-    return comm_alltoall(ctx, send, recv, count, COMM_F32);
+    return math_coll(ctx, L_SP, COMM_ALLTOALL, send, recv, count);
 }
 
 int train_sp_sum(struct trainer *t, float *l, size_t n)
@@ -216,26 +240,30 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
      * s - 1, then s + 1), then the first and the last stage: no two ranks wait for each other
      * in opposite orders. */
     if (t->tp > 1) {
-        if ((r = open_link(t, L_TP, -1, t->tr, t->tp, cuda, err, errlen)) < 0) return r;
-        t->tpc.ctx = p->c[L_TP];
+        if ((r = open_link(t, L_TP, -1, t->tr, t->tp, false, err, errlen)) < 0 ||
+            (cuda && (r = open_link(t, L_TPD, -1, t->tr, t->tp, true, err, errlen)) < 0))
+            return r;
+        t->tpc.ctx = t;
         t->tpc.allreduce = tp_allreduce;
         t->tpc.allgather = tp_allgather;
     }
     if (t->sp > 1) {
-        if ((r = open_link(t, L_SP, -1, t->sq, t->sp, cuda, err, errlen)) < 0) return r;
-        t->spc.ctx = p->c[L_SP];
+        if ((r = open_link(t, L_SP, -1, t->sq, t->sp, false, err, errlen)) < 0 ||
+            (cuda && (r = open_link(t, L_SPD, -1, t->sq, t->sp, true, err, errlen)) < 0))
+            return r;
+        t->spc.ctx = t;
         t->spc.alltoall = sp_alltoall;
     }
     if (P == 1) return 0;
-    if ((r = open_link(t, L_ALL, -1, s, P, cuda, err, errlen)) < 0) return r;
-    if (s > 0 && ((r = open_link(t, L_FWD_IN, s - 1, 1, 2, cuda, err, errlen)) < 0 ||
-                  (r = open_link(t, L_BWD_OUT, s - 1, 1, 2, cuda, err, errlen)) < 0))
+    if ((r = open_link(t, L_ALL, -1, s, P, false, err, errlen)) < 0) return r;
+    if (s > 0 && ((r = open_link(t, L_FWD_IN, s - 1, 1, 2, false, err, errlen)) < 0 ||
+                  (r = open_link(t, L_BWD_OUT, s - 1, 1, 2, false, err, errlen)) < 0))
         return r;
-    if (s < P - 1 && ((r = open_link(t, L_FWD_OUT, s, 0, 2, cuda, err, errlen)) < 0 ||
-                      (r = open_link(t, L_BWD_IN, s, 0, 2, cuda, err, errlen)) < 0))
+    if (s < P - 1 && ((r = open_link(t, L_FWD_OUT, s, 0, 2, false, err, errlen)) < 0 ||
+                      (r = open_link(t, L_BWD_IN, s, 0, 2, false, err, errlen)) < 0))
         return r;
     if ((s == 0 || s == P - 1) &&
-        (r = open_link(t, L_WTE, -1, s == 0 ? 0 : 1, 2, cuda, err, errlen)) < 0)
+        (r = open_link(t, L_WTE, -1, s == 0 ? 0 : 1, 2, false, err, errlen)) < 0)
         return r;
     return 0;
 }
