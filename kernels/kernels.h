@@ -108,6 +108,31 @@ int kernel_attention_backward(void *d_qkv, float *d_att, const void *d_y, const 
 int kernel_crossentropy(float *losses, void *dlogits, const float *logits, const int *targets,
                         int N, int V, float scale, enum kdtype dt, cudaStream_t s);
 
+/* Tensor parallelism's vocab-parallel embedding and cross-entropy (vocab.cu), a rank holding
+ * the rows [lo, hi) of wte; the sums across the ranks are the caller's, between the calls.
+ * Twins: gpt_tp_embed_forward, gpt_tp_embed_backward and gpt_tp_vocab.c's vp_crossentropy.
+ *   x (B,T,C) fp32 = wte_r[tok - lo] (hi-lo,C) + wpe[t] (T,C) for the tokens in [lo, hi), 0
+ *   for the others; wte_r and wpe in dt. */
+int kernel_vp_embed_forward(float *x, const void *wte_r, const void *wpe, const int *tokens,
+                            int B, int T, int C, int lo, int hi, enum kdtype dt, cudaStream_t s);
+/*   d_wte_r (hi-lo,C) += the rows of d_x (B,T,C, in dt) whose token is in [lo, hi);
+ *   d_wpe (T,C) += d_x summed over b. */
+int kernel_vp_embed_backward(float *d_wte_r, float *d_wpe, const void *d_x, const int *tokens,
+                             int B, int T, int C, int lo, int hi, enum kdtype dt, cudaStream_t s);
+/*   maxes (N) = the row maxima of this rank's logits (N,Vr) fp32. */
+int kernel_vp_rowmax(float *maxes, const float *logits, int N, int Vr, cudaStream_t s);
+/*   From gathered (tp,N), every rank's maxes: maxes (N) = the whole rows' maxima; stats
+ *   (2,N) = this rank's sums of exp(l - max) (in double, handed on as float), then the
+ *   target logits minus the maxima where the target is in [lo, lo + Vr) (0 for another
+ *   rank's, NaN outside [0, V)). targets (N) int. */
+int kernel_vp_stats(float *stats, float *maxes, const float *gathered, int tp, const float *logits,
+                    const int *targets, int N, int Vr, int lo, int V, cudaStream_t s);
+/*   With stats summed over the ranks: losses (N) = log(sum) - target logit; dlogits (N,Vr)
+ *   in dt, when not NULL (and not logits), = (softmax - onehot) * scale / N. */
+int kernel_vp_crossentropy(float *losses, void *dlogits, const float *logits, const float *maxes,
+                           const float *stats, const int *targets, int N, int Vr, int lo,
+                           float scale, enum kdtype dt, cudaStream_t s);
+
 /* AdamW over n fp32 elements in place, fused with the cast of the new parameter into
  * param16 (n elements of dt16, bf16 or fp16; may be NULL, and then dt16 is not read).
  * Twins: adamw_update_isa(ADAMW_ISA_SCALAR), adamw_update_bf16(), and for fp16

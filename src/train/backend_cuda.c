@@ -15,7 +15,8 @@
  * A block's internals are recomputed in the backward from its input, as on the CPU, into
  * working buffers the backend allocates once (work_bytes, outside the engine's budget).
  *
- * Not here: where tensors live, the optimizer on the host (adamw.c).
+ * Not here: where tensors live, the optimizer on the host (adamw.c), the ops of a
+ * tensor-parallel rank (backend_cuda_tp.c), which the ops below hand over to.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -32,6 +33,7 @@ static void cuda_close(struct backend *b)
     struct cuda_backend *c = cub(b);
     if (c->s) cudaStreamSynchronize(c->s);
     if (c->blas) cublasDestroy(c->blas);
+    cuda_tp_close(c);
     cudaFree(c->mem);
     cudaFreeHost(c->tokens_h);
     cudaFreeHost(c->losses_h);
@@ -64,6 +66,7 @@ static int cuda_zero(struct backend *b, void *p, size_t bytes)
 static int cuda_embed_forward(struct backend *b, const void *wte, const void *wpe, void *x)
 {
     struct cuda_backend *c = cub(b);
+    if (c->tp) return cuda_tp_embed_forward(c, wte, wpe, x);
     return kernel_embed_forward(x, wte, wpe, c->tokens, c->B, c->T, c->C, c->dt, c->s);
 }
 
@@ -96,7 +99,9 @@ static int block_acts(struct cuda_backend *c, const void *const *w, const void *
 static int cuda_block_forward(struct backend *b, const void *const *w, const void *x_in,
                               void *x_out)
 {
-    return block_acts(cub(b), w, x_in, x_out);
+    struct cuda_backend *c = cub(b);
+    if (c->tp) return cuda_tp_block_forward(c, w, x_in, x_out);
+    return block_acts(c, w, x_in, x_out);
 }
 
 static size_t act_bytes(const struct cuda_backend *c, size_t n)
@@ -109,6 +114,7 @@ static int cuda_head_backward(struct backend *b, const void *lnf_w, const void *
                               float *d_wte)
 {
     struct cuda_backend *c = cub(b);
+    if (c->tp) return cuda_tp_head_backward(c, lnf_w, lnf_b, wte, x, d_lnf_w, d_lnf_b, d_wte);
     int N = c->N, C = c->C, V = c->V, r;
     enum kdtype dt = c->dt;
     /* logits (N,V) fp32 = lnf(x) @ wte^T; the loss; dlogits in dt, times the loss scale;
@@ -136,6 +142,7 @@ static int cuda_block_backward(struct backend *b, const void *const *w, const vo
                                float *const *g)
 {
     struct cuda_backend *c = cub(b);
+    if (c->tp) return cuda_tp_block_backward(c, w, x_in, g);
     int N = c->N, C = c->C, r;
     enum kdtype dt = c->dt;
     size_t NC = (size_t)N * C;
@@ -169,6 +176,7 @@ static int cuda_block_backward(struct backend *b, const void *const *w, const vo
 static int cuda_embed_backward(struct backend *b, float *d_wte, float *d_wpe)
 {
     struct cuda_backend *c = cub(b);
+    if (c->tp) return cuda_tp_embed_backward(c, d_wte, d_wpe);
     return kernel_embed_backward(d_wte, d_wpe, c->d, c->tokens, c->B, c->T, c->C, c->V, c->dt,
                                  c->scratch, c->s);
 }
@@ -392,11 +400,12 @@ static const struct backend_ops cuda_ops = {
 };
 
 /* Lays the working buffers out in one allocation (base NULL: sizing only), each 256-byte
- * aligned. */
+ * aligned. Those of the heads, of the MLP's 4C and of the logits are sized for a
+ * tensor-parallel rank's share (Cr, NHr, Vr: C, NH, V without). */
 static size_t carve(struct cuda_backend *c, char *base, size_t max_tensor)
 {
-    size_t off = 0, N = (size_t)c->N, C = (size_t)c->C, V = (size_t)c->V;
-    size_t att = (size_t)c->B * c->NH * c->T * c->T, a = backend_dtype_bytes(c->b.adt);
+    size_t off = 0, N = (size_t)c->N, C = (size_t)c->C, V = (size_t)c->Vr, Cr = (size_t)c->Cr;
+    size_t att = (size_t)c->B * c->NHr * c->T * c->T, a = backend_dtype_bytes(c->b.adt);
 #define TAKE(ptr, bytes)                                                                           \
     do {                                                                                           \
         *(void **)&(ptr) = base ? base + off : NULL;                                               \
@@ -406,12 +415,12 @@ static size_t carve(struct cuda_backend *c, char *base, size_t max_tensor)
     c->targets = base ? c->tokens + N : NULL;
     TAKE(c->d, N * C * a);
     TAKE(c->ln1, N * C * a);
-    TAKE(c->qkv, 3 * N * C * a);
-    TAKE(c->atty, N * C * a);
+    TAKE(c->qkv, 3 * N * Cr * a);
+    TAKE(c->atty, N * Cr * a);
     TAKE(c->x2, N * C * a);
     TAKE(c->ln2, N * C * a);
-    TAKE(c->fch, 4 * N * C * a);
-    TAKE(c->fch_gelu, 4 * N * C * a);
+    TAKE(c->fch, 4 * N * Cr * a);
+    TAKE(c->fch_gelu, 4 * N * Cr * a);
     TAKE(c->ln1_mean, N * 4);
     TAKE(c->ln1_rstd, N * 4);
     TAKE(c->ln2_mean, N * 4);
@@ -419,7 +428,7 @@ static size_t carve(struct cuda_backend *c, char *base, size_t max_tensor)
     TAKE(c->att, att * 4);
     TAKE(c->d_att, att * 4);
     TAKE(c->d_x2, N * C * a);
-    TAKE(c->d_big, 4 * N * C * a);
+    TAKE(c->d_big, 4 * N * Cr * a);
     TAKE(c->d_small, N * C * a);
     TAKE(c->lnf, N * C * a);
     TAKE(c->d_lnf, N * C * a);
@@ -457,6 +466,13 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     c->NH = p->cfg.NH;
     c->V = p->cfg.V;
     c->dt = p->wdt == BACKEND_BF16 ? KDT_BF16 : p->wdt == BACKEND_F16 ? KDT_F16 : KDT_F32;
+    c->Cr = c->C;
+    c->NHr = c->NH;
+    c->Vr = c->V;
+    if ((r = cuda_tp_setup(c, p, err, errlen)) < 0) {
+        free(c);
+        return r;
+    }
 
     size_t C = (size_t)p->cfg.C;
     size_t max_tensor = (size_t)p->cfg.V * C;
@@ -484,6 +500,8 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     what = "cudaMemsetAsync";
     if ((r = cuerr(cudaMemsetAsync(c->sumsq, 0, sizeof(double), c->s))) < 0) goto fail;
     c->b.work_bytes = bytes;
+    what = "cudaMalloc of the tensor-parallel buffers";
+    if ((r = cuda_tp_alloc(c)) < 0) goto fail;
     *out = &c->b;
     return 0;
 fail:

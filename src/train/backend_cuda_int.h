@@ -17,6 +17,12 @@ struct cuda_backend {
     struct backend b;
     struct gpt_config cfg;
     int B, T, N, C, NH, V;
+    /* Tensor parallel (backend_cuda_tp.c; NULL without): the rank's group, its channels Cr,
+     * heads NHr and rows [vlo, vlo + Vr) of wte, which size the working buffers below (C, NH,
+     * V and 0 without), and the buffers of its own. */
+    const struct gpt_tp_comm *tp;
+    int Cr, NHr, Vr, vlo;
+    struct cuda_tp *tpx;
     enum kdtype dt;
     cudaStream_t s;
     cublasHandle_t blas;
@@ -43,6 +49,24 @@ struct cuda_backend {
     double *chunks, *chunks_h;
     size_t chunks_cap;
 };
+
+/* The tensor-parallel parts (backend_cuda_tp.c). cuda_tp_setup (before the working buffers
+ * are sized) checks the cut and sets tp, Cr, NHr, Vr and vlo; cuda_tp_alloc (on the device,
+ * after them) makes the buffers of its own and adds them to work_bytes; cuda_tp_close frees
+ * them. The ops are backend_ops' on the rank's slices (gpt_tp.h). */
+int cuda_tp_setup(struct cuda_backend *c, const struct backend_params *p, char *err,
+                  size_t errlen);
+int cuda_tp_alloc(struct cuda_backend *c);
+void cuda_tp_close(struct cuda_backend *c);
+int cuda_tp_embed_forward(struct cuda_backend *c, const void *wte, const void *wpe, void *x);
+int cuda_tp_block_forward(struct cuda_backend *c, const void *const *w, const void *x_in,
+                          void *x_out);
+int cuda_tp_head_backward(struct cuda_backend *c, const void *lnf_w, const void *lnf_b,
+                          const void *wte, const void *x, float *d_lnf_w, float *d_lnf_b,
+                          float *d_wte);
+int cuda_tp_block_backward(struct cuda_backend *c, const void *const *w, const void *x_in,
+                           float *const *g);
+int cuda_tp_embed_backward(struct cuda_backend *c, float *d_wte, float *d_wpe);
 
 static inline struct cuda_backend *cub(struct backend *b)
 {

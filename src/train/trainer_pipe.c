@@ -198,14 +198,14 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
                  "(ZINF_COMM_NAME): start them with zinf launch");
         return -ENOTSUP;
     }
-    if (cuda && (t->tp > 1 || t->sp > 1)) {
-        /* Their math (gpt_tp.c, gpt_sp.c) is the CPU backend's only; pipeline stages are
-         * ordinary GPU trainers of their blocks. */
+    if (cuda && t->sp > 1) {
+        /* The sequence-parallel math (gpt_sp.c) is the CPU backend's only; tensor-parallel
+         * ranks (backend_cuda_tp.c) and pipeline stages run on GPUs. */
         snprintf(err, errlen,
-                 "%s %d on GPUs: %s ranks are not built for the CUDA backend yet (zinf.device "
-                 "\"emulated\" runs them on the CPU; pipeline.stages alone runs on GPUs)",
-                 t->tp > 1 ? "tensor_parallel.autotp_size" : "sequence_parallel_size",
-                 t->tp > 1 ? t->tp : t->sp, t->tp > 1 ? "tensor-parallel" : "sequence-parallel");
+                 "sequence_parallel_size %d on GPUs: sequence-parallel ranks are not built for "
+                 "the CUDA backend yet (zinf.device \"emulated\" runs them on the CPU; "
+                 "pipeline.stages and tensor_parallel run on GPUs)",
+                 t->sp);
         return -ENOTSUP;
     }
     /* Each stage keeps its tensors in a folder of its own under each nvme path (and its
