@@ -46,7 +46,8 @@ struct backend_params {
     int cuda_device;        /* the ordinal the engine's device tier uses */
     /* Tensor parallel (NULL, or tp 1: none): this rank's slices, and the collectives of its
      * tensor-parallel group, which the caller may fill in after the open (ctx, allreduce,
-     * allgather: read at each call). The CPU's only. */
+     * allgather: read at each call). The CPU's (gpt_tp.c) and the GPU's
+     * (backend_cuda_tp.c), the GPU's over device memory. */
     const struct gpt_tp_comm *tp;
     /* Sequence parallel (NULL, or sp 1: none): this rank's positions of every sequence
      * (gpt_sp.h), B x T / sp rows of activations and gradients, and its group's all-to-all

@@ -25,7 +25,8 @@
 #     round, as without stages).
 #   - tp: 2 tensor-parallel GPU ranks (tensor_parallel.autotp_size 2; 4 heads, 2 each; the
 #     vocabulary is bytes, V 256, which 2 divides) in fp32, bf16 and fp16: their losses within
-#     a relative 2e-6 (fp32) or 3e-2 (bf16, fp16) of one GPU rank's (the row-parallel sums
+#     a relative 1e-6 (fp32, as the CPU tp tests) or 1e-3 (bf16, fp16: the partial sums and
+#     input gradients are rounded at other places) of one GPU rank's (the row-parallel sums
 #     and the vocab-parallel softmax add in another order: not bitwise), the same bits (loss
 #     and digest) when run again, and within the CPU-against-GPU tolerance of 2 CPU
 #     tensor-parallel ranks (zinf.device "emulated"); 2 stages x tp 2 on 4 GPU ranks
@@ -285,7 +286,7 @@ for prec in ('fp32', 'bf16', 'fp16') if want('pipeline') else ():
                      r[-1]['loss'] if r else None))
 # Tensor-parallel GPU ranks: not bitwise one rank (the sums run in another order), within a
 # relative tp_tol of its losses; bitwise themselves run again.
-tp_tol = {'fp32': 2e-6, 'bf16': 3e-2, 'fp16': 3e-2}
+tp_tol = {'fp32': 1e-6, 'bf16': 1e-3, 'fp16': 1e-3}
 def rel(a, b):
     worst = max((abs(x['loss'] - y['loss']) / abs(y['loss']) for x, y in zip(a, b)
                  if x['loss'] is not None and y['loss'] is not None), default=None)

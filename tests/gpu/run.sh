@@ -12,6 +12,7 @@
 #     loss curve printed, in bf16 (the default) and again in fp16 with loss scaling;
 #   - `zinf launch -n 1 -- zinf train` with --accumulate 2: a rank on LOCAL_RANK's GPU with
 #     exact accumulation (the GPU ranks' folds and chunked norm);
+#   - on a machine of 2 GPUs or more, `zinf launch -n 2` of 2 tensor-parallel GPU ranks;
 #   - the step time with weights streamed from host memory against resident weights;
 #   - bench/offload_step.sh on the GPU: the step with everything homed on NVMe against the
 #     same step in memory and the IO floor.
@@ -120,6 +121,18 @@ step train16 45 "$bin/zinf" train --config "$swap/train.json" --data "$swap/data
 step train_launch1 60 "$bin/zinf" launch -n 1 -- "$bin/zinf" train --config "$swap/train.json" \
   --data "$swap/data.txt" --layers 4 --dim 256 --heads 4 --seq 128 --batch 4 --steps 6 \
   --accumulate 2 --lr 5e-4 --overwrite --log "$logs/train_launch1.jsonl"
+# Two tensor-parallel ranks, one GPU each, their sums over NCCL on device memory: only where
+# the machine has 2 GPUs (NCCL refuses two ranks on one).
+ngpu=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU')
+if [ "$device" = cuda ] && [ "$ngpu" -ge 2 ]; then
+  cat > "$swap/tp2.json" <<JSON
+{"tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1},
+ "zinf": {"device": "cuda", "device_bytes": "2G", "host_bytes": "1G"}}
+JSON
+  step train_tp2 60 "$bin/zinf" launch -n 2 -- "$bin/zinf" train --config "$swap/tp2.json" \
+    --data "$swap/data.txt" --layers 4 --dim 256 --heads 4 --seq 128 --batch 4 --steps 6 \
+    --lr 5e-4 --log "$logs/train_tp2.jsonl"
+fi
 # Weights streamed from host memory against resident ones (the optimizer on the host in both).
 step stream 90 env ZINF="$bin/zinf" MODE=host DEVICE="$device" LAYERS=6 DIM=1024 HEADS=16 SEQ=512 \
   BATCH=8 STEPS=4 DEVICE_BYTES=256M HOST_BYTES=4G RES_DEVICE_BYTES=4G RES_HOST_BYTES=4G \
@@ -153,6 +166,8 @@ fig["train16_losses"] = [r["loss"] for r in curve16 if "step" in r]
 fig["train16_summary"] = next((r["summary"] for r in curve16 if "summary" in r), None)
 curve_l = [json.loads(l) for l in lines("train_launch1.jsonl") if l.startswith("{")]
 fig["train_launch1_losses"] = [r["loss"] for r in curve_l if "step" in r]
+curve_tp = [json.loads(l) for l in lines("train_tp2.jsonl") if l.startswith("{")]
+fig["train_tp2_losses"] = [r["loss"] for r in curve_tp if "step" in r]
 for l in lines("stream.log"):
     m = re.search(r"median step-time ratio offloaded / resident: ([0-9.]+)", l)
     if m:
