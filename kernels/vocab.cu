@@ -114,9 +114,9 @@ __global__ static void vp_stats_kernel(float *__restrict__ stats, float *__restr
             int tgt = targets[n];
             maxes[n] = mx;
             stats[n] = (float)sum;
-            stats[N + n] = tgt < 0 || tgt >= V                     ? NAN
+            stats[N + n] = tgt < 0 || tgt >= V                    ? NAN
                            : tgt >= lo && (size_t)(tgt - lo) < Vr ? l[tgt - lo] - mx
-                                                                   : 0.0f;
+                                                                  : 0.0f;
         }
     }
 }
@@ -124,12 +124,11 @@ __global__ static void vp_stats_kernel(float *__restrict__ stats, float *__restr
 /* losses[n] = log(sum) - (l_tgt - mx) from the summed stats; dlogits (N,Vr) in E, when not
  * NULL, = (exp(l - mx) / sum - onehot) * factor. One block per row. */
 template <typename E>
-__global__ static void vp_crossentropy_kernel(float *__restrict__ losses, E *__restrict__ dlogits,
-                                              const float *__restrict__ logits,
-                                              const float *__restrict__ maxes,
-                                              const float *__restrict__ stats,
-                                              const int *__restrict__ targets, size_t N, size_t Vr,
-                                              int lo, float factor)
+__global__ static void
+vp_crossentropy_kernel(float *__restrict__ losses, E *__restrict__ dlogits,
+                       const float *__restrict__ logits, const float *__restrict__ maxes,
+                       const float *__restrict__ stats, const int *__restrict__ targets, size_t N,
+                       size_t Vr, int lo, float factor)
 {
     for (size_t n = blockIdx.x; n < N; n += gridDim.x) {
         float sum = stats[n], mx = maxes[n];
@@ -167,16 +166,16 @@ extern "C" int kernel_vp_embed_backward(float *d_wte_r, float *d_wpe, const void
                                         const int *tokens, int B, int T, int C, int lo, int hi,
                                         enum kdtype dt, cudaStream_t s)
 {
-    if (!d_wte_r || !d_wpe || !d_x || !tokens || B <= 0 || T <= 0 || C <= 0 || lo < 0 ||
-        hi <= lo || !dt_ok(dt))
+    if (!d_wte_r || !d_wpe || !d_x || !tokens || B <= 0 || T <= 0 || C <= 0 || lo < 0 || hi <= lo ||
+        !dt_ok(dt))
         return -EINVAL;
     size_t N = (size_t)B * T;
     dim3 wte_grid((unsigned)((C + 31) / 32), VP_WTE_GROUPS);
     unsigned wpe_grid = grid_for((size_t)T * C, KTHREADS);
     return with_elem(dt, [&](auto t) {
         using E = ELEM(t);
-        vp_embed_backward_wpe<E><<<wpe_grid, KTHREADS, 0, s>>>(d_wpe, (const E *)d_x, (size_t)B,
-                                                              (size_t)T, (size_t)C);
+        vp_embed_backward_wpe<E>
+            <<<wpe_grid, KTHREADS, 0, s>>>(d_wpe, (const E *)d_x, (size_t)B, (size_t)T, (size_t)C);
         int r = launch_result();
         if (r < 0) return r;
         vp_embed_backward_wte<E>
@@ -220,8 +219,7 @@ extern "C" int kernel_vp_crossentropy(float *losses, void *dlogits, const float 
     return with_elem(dt, [&](auto t) {
         using E = ELEM(t);
         vp_crossentropy_kernel<E><<<grid_rows((size_t)N), VP_THREADS, 0, s>>>(
-            losses, (E *)dlogits, logits, maxes, stats, targets, (size_t)N, (size_t)Vr, lo,
-            factor);
+            losses, (E *)dlogits, logits, maxes, stats, targets, (size_t)N, (size_t)Vr, lo, factor);
         return launch_result();
     });
 }

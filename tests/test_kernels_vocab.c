@@ -151,8 +151,8 @@ static void check_vp_embed_forward(enum kdtype dt)
         cudaFree(d_wte);
     }
     ops_embed_forward(want, wte, wpe, tok, VB, VT, VC);
-    vclose(dt == KDT_F32 ? "vp embed forward (fp32)" : "vp embed forward (bf16)", sum, want, NC,
-           0, 0, 0);
+    vclose(dt == KDT_F32 ? "vp embed forward (fp32)" : "vp embed forward (bf16)", sum, want, NC, 0,
+           0, 0);
     cudaFree(d_x);
     cudaFree(d_wpe);
     cudaFree(d_tok);
@@ -193,8 +193,8 @@ static void check_vp_embed_backward(enum kdtype dt)
         float *d_wte = vup(init + (size_t)lo * VC, (size_t)(hi - lo) * VC, KDT_F32);
         float *zeros = calloc(TC, 4);
         float *d_wpe = vup(zeros, TC, KDT_F32);
-        cr_assert_eq(
-            kernel_vp_embed_backward(d_wte, d_wpe, dd_x, d_tok, VB, VT, VC, lo, hi, dt, 0), 0);
+        cr_assert_eq(kernel_vp_embed_backward(d_wte, d_wpe, dd_x, d_tok, VB, VT, VC, lo, hi, dt, 0),
+                     0);
         vdown(got, d_wte, (size_t)(hi - lo) * VC, KDT_F32);
         vclose("vp embed backward d_wte rows", got, want_wte + (size_t)lo * VC,
                (size_t)(hi - lo) * VC, 0, 0, 0);
@@ -268,8 +268,8 @@ static void check_vp_crossentropy(enum kdtype dt, float scale)
         memset(stats, 0, 2 * (size_t)N * 4);
         for (int r = 0; r < VTP; r++) {
             int lo = range_lo(r), Vr = range_lo(r + 1) - lo;
-            cr_assert_eq(
-                kernel_vp_stats(d_st, d_max[r], d_g, VTP, d_l[r], d_tgt, N, Vr, lo, VV, 0), 0);
+            cr_assert_eq(kernel_vp_stats(d_st, d_max[r], d_g, VTP, d_l[r], d_tgt, N, Vr, lo, VV, 0),
+                         0);
             vdown(part, d_st, 2 * (size_t)N, KDT_F32);
             for (int i = 0; i < 2 * N; i++)
                 stats[i] += part[i];

@@ -54,8 +54,7 @@ struct cuda_backend {
  * are sized) checks the cut and sets tp, Cr, NHr, Vr and vlo; cuda_tp_alloc (on the device,
  * after them) makes the buffers of its own and adds them to work_bytes; cuda_tp_close frees
  * them. The ops are backend_ops' on the rank's slices (gpt_tp.h). */
-int cuda_tp_setup(struct cuda_backend *c, const struct backend_params *p, char *err,
-                  size_t errlen);
+int cuda_tp_setup(struct cuda_backend *c, const struct backend_params *p, char *err, size_t errlen);
 int cuda_tp_alloc(struct cuda_backend *c);
 void cuda_tp_close(struct cuda_backend *c);
 int cuda_tp_embed_forward(struct cuda_backend *c, const void *wte, const void *wpe, void *x);

@@ -45,8 +45,7 @@ struct cuda_tp {
     cudaEvent_t ev;  /* the compute stream up to a collective's call: its coll_wait */
 };
 
-int cuda_tp_setup(struct cuda_backend *c, const struct backend_params *p, char *err,
-                  size_t errlen)
+int cuda_tp_setup(struct cuda_backend *c, const struct backend_params *p, char *err, size_t errlen)
 {
     c->tp = NULL;
     if (!p->tp || p->tp->tp <= 1) return 0;
