@@ -30,7 +30,7 @@
 #     and the vocab-parallel softmax add in another order: not bitwise), the same bits (loss
 #     and digest) when run again, and within the CPU-against-GPU tolerance of 2 CPU
 #     tensor-parallel ranks (zinf.device "emulated"); 2 stages x tp 2 on 4 GPU ranks
-#     (--accumulate 2) within the same tolerances of one GPU rank of --accumulate 2.
+#     (fp32, bf16; --accumulate 2) within the same tolerances of one GPU rank of --accumulate 2.
 #   - faults: a GPU rank killed at the start of a checkpoint, or after its rename, fails the
 #     job, and --resume goes on bitwise as a run that was never killed; a LOCAL_RANK past
 #     the GPUs is refused.
