@@ -13,9 +13,13 @@
 #if ZINF_HAVE_KERNELS
 #include "kernels/kernels.h"
 
+struct cuda_sp;
+
 struct cuda_backend {
     struct backend b;
     struct gpt_config cfg;
+    /* N = B*T rows; sequence parallel (sp): this rank's B*T/sp, NH its NH/sp heads, T the
+     * whole sequence's length. */
     int B, T, N, C, NH, V;
     enum kdtype dt;
     cudaStream_t s;
@@ -42,6 +46,7 @@ struct cuda_backend {
      * the most chunks asked for at once. */
     double *chunks, *chunks_h;
     size_t chunks_cap;
+    struct cuda_sp *sp; /* sequence parallel (backend_cuda_sp.c), or NULL */
 };
 
 static inline struct cuda_backend *cub(struct backend *b)

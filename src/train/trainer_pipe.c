@@ -20,8 +20,10 @@
  * NCCL communicator per link (nor ordering of its stream with the compute stream) is needed.
  * NCCL's send and receive between the GPUs (comm/nccl.c has them) would save the two copies
  * over PCIe per message, which matters once the activations are large next to a stage's
- * compute; that is left for later. Tensor- and sequence-parallel ranks are the CPU's only
- * (their math is gpt_tp.c's and gpt_sp.c's), and are refused on GPUs.
+ * compute; that is left for later. Tensor-parallel ranks are the CPU's only (their math is
+ * gpt_tp.c's), and are refused on GPUs; sequence-parallel ranks run on either (gpt_sp.c's
+ * math, and backend_cuda_sp.c's on GPUs, whose gradients are summed over the group's NCCL
+ * link).
  *
  * The schedule (1F1B): stage s of P runs min(P - s - 1, M) forwards, then one forward and
  * one backward in turn, then the backwards left, for the M micro-batches of the step. A
@@ -189,6 +191,13 @@ int train_sp_sum(struct trainer *t, float *l, size_t n)
     return comm_allreduce(t->pipe->c[L_SP], l, l, n, COMM_F32);
 }
 
+int train_sp_grad_sum(struct trainer *t, float *l, size_t n)
+{
+    if (t->sp <= 1) return 0;
+    struct comm *c = t->pipe->c[L_SPD];
+    return comm_allreduce(c ? c : t->pipe->c[L_SP], l, l, n, COMM_F32);
+}
+
 int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
@@ -198,14 +207,14 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
                  "(ZINF_COMM_NAME): start them with zinf launch");
         return -ENOTSUP;
     }
-    if (cuda && (t->tp > 1 || t->sp > 1)) {
-        /* Their math (gpt_tp.c, gpt_sp.c) is the CPU backend's only; pipeline stages are
-         * ordinary GPU trainers of their blocks. */
+    if (cuda && t->tp > 1) {
+        /* Its math (gpt_tp.c) is the CPU backend's only; pipeline stages and
+         * sequence-parallel ranks (backend_cuda_sp.c) run on GPUs. */
         snprintf(err, errlen,
-                 "%s %d on GPUs: %s ranks are not built for the CUDA backend yet (zinf.device "
-                 "\"emulated\" runs them on the CPU; pipeline.stages alone runs on GPUs)",
-                 t->tp > 1 ? "tensor_parallel.autotp_size" : "sequence_parallel_size",
-                 t->tp > 1 ? t->tp : t->sp, t->tp > 1 ? "tensor-parallel" : "sequence-parallel");
+                 "tensor_parallel.autotp_size %d on GPUs: tensor-parallel ranks are not built for "
+                 "the CUDA backend yet (zinf.device \"emulated\" runs them on the CPU; "
+                 "pipeline.stages and sequence_parallel_size run on GPUs)",
+                 t->tp);
         return -ENOTSUP;
     }
     /* Each stage keeps its tensors in a folder of its own under each nvme path (and its
