@@ -1767,9 +1767,8 @@ static void check_sp_attention(enum kdtype dt, int sp)
         cr_assert_eq(kernel_sp_xchg(d_y, 0, d_buf, 0, B, T, C, sp, 1, ystride, dt, 0), 0);
         sync_ok();
         for (size_t b = 0; b < (size_t)B; b++)
-            cr_assert_eq(cudaMemcpy(out + (b * T + r * Tl) * C * es,
-                                    (char *)d_y + b * Tl * C * es, Tl * C * es,
-                                    cudaMemcpyDeviceToHost),
+            cr_assert_eq(cudaMemcpy(out + (b * T + r * Tl) * C * es, (char *)d_y + b * Tl * C * es,
+                                    Tl * C * es, cudaMemcpyDeviceToHost),
                          cudaSuccess);
     }
     /* The rows put together, as a twin of the whole y, against the CPU's. */
@@ -1801,7 +1800,7 @@ Test(kernels_gpu, sp_attention_through_the_exchanges_matches_the_cpus_whole_f32)
     check_sp_attention(KDT_F32, 3);
 }
 
-Test(kernels_gpu, sp_attention_through_the_exchanges_matches_the_cpus_whole_bf16)
+Test(kernels_gpu, sp_attention_through_the_exchanges_matches_the_cpus_whole_16)
 {
     check_sp_attention(KDT_BF16, 2);
     check_sp_attention(KDT_F16, 3);

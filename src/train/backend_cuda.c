@@ -167,8 +167,8 @@ static int cuda_block_backward(struct backend *b, const void *const *w, const vo
                                     c->d_x2, c->atty, w[GPT_ATTN_PROJ_W], N, C, C, dt, c->scratch,
                                     c->s)) < 0 ||
         (r = c->sp ? cuda_sp_attention_backward(c)
-                   : kernel_attention_backward(c->d_big, c->d_att, c->d_small, c->qkv, c->att,
-                                               c->B, c->T, C, c->NH, dt, c->s)) < 0 ||
+                   : kernel_attention_backward(c->d_big, c->d_att, c->d_small, c->qkv, c->att, c->B,
+                                               c->T, C, c->NH, dt, c->s)) < 0 ||
         (r = kernel_matmul_backward(c->blas, c->d_small, g[GPT_QKV_W], g[GPT_QKV_B], c->d_big,
                                     c->ln1, w[GPT_QKV_W], N, C, 3 * C, dt, c->scratch, c->s)) < 0 ||
         (r = cuerr(

@@ -41,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common.h"
 #include "train/backend_cuda_sp.h"
 
 #if ZINF_HAVE_KERNELS
@@ -53,8 +54,7 @@ struct cuda_sp {
     cudaEvent_t ev;             /* the compute stream up to an exchange's input */
 };
 
-int cuda_sp_open(struct cuda_backend *c, const struct backend_params *p, char *err,
-                 size_t errlen)
+int cuda_sp_open(struct cuda_backend *c, const struct backend_params *p, char *err, size_t errlen)
 {
     if (!p->sp || p->sp->sp <= 1) return 0;
     int r = gpt_sp_check(&p->cfg, p->sp->sp, p->sp->rank, p->B, p->T, err, errlen);
@@ -148,7 +148,12 @@ static int exchange(struct cuda_backend *c, void *from, int heads, void *to, int
     size_t es = backend_dtype_bytes(c->b.adt), per = 4 / es;
     size_t n = (size_t)c->N * G * (size_t)(c->C / s->sp);
     size_t stride = (n + per - 1) / per * per; /* whole floats */
-    if (!s->p->alltoall) return -EINVAL; /* the group has not met */
+    if (!s->p->alltoall) {
+        log_error("the CUDA backend: sequence-parallel rank %d of %d has no all-to-all (its "
+                  "group has not met)",
+                  s->rank, s->sp);
+        return -EINVAL;
+    }
     int r;
     if ((r = kernel_sp_xchg(from, heads, s->send, 1, c->B, c->T, c->C, s->sp, G, stride, c->dt,
                             c->s)) < 0 ||

@@ -13,8 +13,7 @@
 /* With p->sp of sp > 1: checks the shape (gpt_sp_check, the reason in err), makes c->sp and
  * sets c's rows and heads to this rank's (c->N = B*T/sp, c->NH = NH/sp), before the working
  * buffers are sized. 0 without sp. */
-int cuda_sp_open(struct cuda_backend *c, const struct backend_params *p, char *err,
-                 size_t errlen);
+int cuda_sp_open(struct cuda_backend *c, const struct backend_params *p, char *err, size_t errlen);
 /* The exchange buffers and the stream event, on the backend's device (after its
  * cudaSetDevice); their bytes are added to work_bytes. */
 int cuda_sp_alloc(struct cuda_backend *c);
