@@ -133,6 +133,15 @@ int kernel_vp_crossentropy(float *losses, void *dlogits, const float *logits, co
                            const float *stats, const int *targets, int N, int Vr, int lo,
                            float scale, enum kdtype dt, cudaStream_t s);
 
+/* Ulysses sequence parallelism's all-to-all blocks (gpt_sp.h): buf holds sp blocks of
+ * B*(T/sp)*G*(C/sp) elements of dt, block j at element j*stride (stride >= that count); lay
+ * is the local layout (B,T/sp,G*C), every head at this rank's positions (heads 0), or the
+ * heads layout (B,T,G*C/sp), this rank's heads at every position (heads 1). to_buf 1 packs
+ * lay into buf, 0 unpacks buf into lay; G is 3 (q, k, v) or 1. Moves bits only: exact.
+ * Twins: gpt_sp.c's local_xchg and heads_xchg. */
+int kernel_sp_xchg(void *lay, int heads, void *buf, int to_buf, int B, int T, int C, int sp, int G,
+                   size_t stride, enum kdtype dt, cudaStream_t s);
+
 /* AdamW over n fp32 elements in place, fused with the cast of the new parameter into
  * param16 (n elements of dt16, bf16 or fp16; may be NULL, and then dt16 is not read).
  * Twins: adamw_update_isa(ADAMW_ISA_SCALAR), adamw_update_bf16(), and for fp16

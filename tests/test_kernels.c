@@ -1608,6 +1608,218 @@ Test(kernels_gpu, reductions_are_deterministic)
     }
 }
 
+/* ---- Ulysses sequence parallelism's exchange blocks ---------------------------------------- */
+
+/* The all-to-all of sp ranks on the host: recv[r] block j = send[j] block r, blocks of
+ * stride elements of es bytes. */
+static void host_alltoall(unsigned char *const *send, unsigned char *const *recv, int sp,
+                          size_t stride, size_t es)
+{
+    for (int r = 0; r < sp; r++)
+        for (int j = 0; j < sp; j++)
+            memcpy(recv[r] + (size_t)j * stride * es, send[j] + (size_t)r * stride * es,
+                   stride * es);
+}
+
+/* sp ranks' local layouts (B,Tl,G*C) of random bits go through kernel_sp_xchg's packing, a
+ * host all-to-all and its unpacking into the heads layout (B,T,G*Cl): each rank's must be,
+ * bit for bit, gpt_sp.h's "all positions, this rank's heads" (row (b,t) from rank t/Tl, the
+ * columns [g*C + r*Cl, g*C + (r+1)*Cl) of each group g); and back the same way, each rank's
+ * own local layout again. Blocks are strided past their content (stride > count), as the
+ * backend rounds them to whole floats. */
+static void check_sp_xchg(enum kdtype dt, int sp, int G)
+{
+    need_gpu();
+    const int B = 2, T = 12, C = 72;
+    size_t es = dt_size(dt), Tl = (size_t)T / sp, Cl = (size_t)C / sp, w = (size_t)G * Cl;
+    size_t nl = (size_t)B * Tl * G * C, count = (size_t)B * Tl * w, stride = count + 3;
+    unsigned char *loc[4], *heads[4], *send[4], *recv[4], *back[4];
+    void *d_lay = dev_alloc(nl * es), *d_buf = dev_alloc(sp * stride * es);
+    for (int r = 0; r < sp; r++) {
+        loc[r] = test_rand_buf(nl * es, 900 + (uint64_t)r);
+        heads[r] = malloc(nl * es);
+        back[r] = malloc(nl * es);
+        send[r] = calloc(sp * stride, es);
+        recv[r] = calloc(sp * stride, es);
+        cr_assert(heads[r] && back[r] && send[r] && recv[r]);
+    }
+    /* local -> heads */
+    for (int r = 0; r < sp; r++) {
+        cr_assert_eq(cudaMemcpy(d_lay, loc[r], nl * es, cudaMemcpyHostToDevice), cudaSuccess);
+        cr_assert_eq(kernel_sp_xchg(d_lay, 0, d_buf, 1, B, T, C, sp, G, stride, dt, 0), 0);
+        sync_ok();
+        cr_assert_eq(cudaMemcpy(send[r], d_buf, sp * stride * es, cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+    }
+    host_alltoall(send, recv, sp, stride, es);
+    size_t bad = 0;
+    for (int r = 0; r < sp; r++) {
+        cr_assert_eq(cudaMemcpy(d_buf, recv[r], sp * stride * es, cudaMemcpyHostToDevice),
+                     cudaSuccess);
+        cr_assert_eq(kernel_sp_xchg(d_lay, 1, d_buf, 0, B, T, C, sp, G, stride, dt, 0), 0);
+        sync_ok();
+        cr_assert_eq(cudaMemcpy(heads[r], d_lay, nl * es, cudaMemcpyDeviceToHost), cudaSuccess);
+        for (size_t b = 0; b < (size_t)B; b++)
+            for (size_t t = 0; t < (size_t)T; t++)
+                for (size_t k = 0; k < w; k++) {
+                    size_t g = k / Cl, c = k % Cl, from = t / Tl, tl = t % Tl;
+                    const unsigned char *want =
+                        loc[from] + ((b * Tl + tl) * G * C + g * C + r * Cl + c) * es;
+                    bad += memcmp(heads[r] + ((b * T + t) * w + k) * es, want, es) != 0;
+                }
+    }
+    /* heads -> local: each rank's own rows again */
+    for (int r = 0; r < sp; r++) {
+        cr_assert_eq(cudaMemcpy(d_lay, heads[r], nl * es, cudaMemcpyHostToDevice), cudaSuccess);
+        cr_assert_eq(kernel_sp_xchg(d_lay, 1, d_buf, 1, B, T, C, sp, G, stride, dt, 0), 0);
+        sync_ok();
+        cr_assert_eq(cudaMemcpy(send[r], d_buf, sp * stride * es, cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+    }
+    host_alltoall(send, recv, sp, stride, es);
+    for (int r = 0; r < sp; r++) {
+        cr_assert_eq(cudaMemcpy(d_buf, recv[r], sp * stride * es, cudaMemcpyHostToDevice),
+                     cudaSuccess);
+        cr_assert_eq(kernel_sp_xchg(d_lay, 0, d_buf, 0, B, T, C, sp, G, stride, dt, 0), 0);
+        sync_ok();
+        cr_assert_eq(cudaMemcpy(back[r], d_lay, nl * es, cudaMemcpyDeviceToHost), cudaSuccess);
+        bad += memcmp(back[r], loc[r], nl * es) != 0;
+    }
+    cr_log_info("sp exchange (%s, sp %d, G %d): %zu elements or layouts differ; tolerance exact",
+                dt_name(dt), sp, G, bad);
+    cr_assert_eq(bad, 0, "sp exchange (%s, sp %d, G %d): %zu differ", dt_name(dt), sp, G, bad);
+    for (int r = 0; r < sp; r++) {
+        free(loc[r]);
+        free(heads[r]);
+        free(back[r]);
+        free(send[r]);
+        free(recv[r]);
+    }
+    cudaFree(d_lay);
+    cudaFree(d_buf);
+}
+
+Test(kernels_gpu, sp_exchange_moves_the_bits_of_gpt_sp_layouts_f32)
+{
+    for (int sp = 2; sp <= 4; sp++)
+        for (int G = 1; G <= 3; G += 2)
+            check_sp_xchg(KDT_F32, sp, G);
+}
+
+Test(kernels_gpu, sp_exchange_moves_the_bits_of_gpt_sp_layouts_16)
+{
+    check_sp_xchg(KDT_BF16, 2, 3);
+    check_sp_xchg(KDT_BF16, 3, 1);
+    check_sp_xchg(KDT_F16, 4, 3);
+}
+
+/* The attention of sp ranks, as the CUDA backend runs it: each rank's qkv rows (B,T/sp,3C)
+ * of a whole qkv (B,T,3C) packed, exchanged (on the host), unpacked into its heads, the
+ * attention kernel over C/sp channels and NH/sp heads of the whole sequence, its output
+ * packed, exchanged and unpacked into the rank's rows (B,T/sp,C): the rows put together are
+ * the CPU's one-rank attention (ops_attention_forward) of the whole qkv. */
+static void check_sp_attention(enum kdtype dt, int sp)
+{
+    need_gpu();
+    const int B = 2, T = 12, C = 72, NH = 6;
+    size_t es = dt_size(dt), Tl = (size_t)T / sp, N = (size_t)B * T, Nl = (size_t)B * Tl;
+    size_t stride = Nl * 3 * ((size_t)C / sp);
+    struct twin qkv = twin_rand(N * 3 * C, dt, 910 + (uint64_t)sp, -1, 1);
+    float *y = falloc(N * C), *att = falloc((size_t)B * NH * T * T);
+    ops_attention_forward(y, att, qkv.h, B, T, C, NH);
+    unsigned char *all = dev_bytes(qkv.d, N * 3 * C * es), *send[4], *recv[4];
+    unsigned char *out = malloc(N * C * es);
+    void *d_qkv = dev_alloc(Nl * 3 * C * es), *d_y = dev_alloc(Nl * C * es);
+    void *d_buf = dev_alloc(sp * stride * es);
+    float *d_att = dev_alloc((size_t)B * (NH / sp) * T * T * 4);
+    cr_assert_not_null(out);
+    for (int r = 0; r < sp; r++) {
+        send[r] = calloc(sp * stride, es);
+        recv[r] = calloc(sp * stride, es);
+        cr_assert(send[r] && recv[r]);
+        /* rank r's rows of the whole qkv, packed */
+        for (size_t b = 0; b < (size_t)B; b++)
+            cr_assert_eq(cudaMemcpy((char *)d_qkv + b * Tl * 3 * C * es,
+                                    all + (b * T + r * Tl) * 3 * C * es, Tl * 3 * C * es,
+                                    cudaMemcpyHostToDevice),
+                         cudaSuccess);
+        cr_assert_eq(kernel_sp_xchg(d_qkv, 0, d_buf, 1, B, T, C, sp, 3, stride, dt, 0), 0);
+        sync_ok();
+        cr_assert_eq(cudaMemcpy(send[r], d_buf, sp * stride * es, cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+    }
+    host_alltoall(send, recv, sp, stride, es);
+    size_t ystride = Nl * ((size_t)C / sp);
+    for (int r = 0; r < sp; r++) {
+        cr_assert_eq(cudaMemcpy(d_buf, recv[r], sp * stride * es, cudaMemcpyHostToDevice),
+                     cudaSuccess);
+        cr_assert_eq(kernel_sp_xchg(d_qkv, 1, d_buf, 0, B, T, C, sp, 3, stride, dt, 0), 0);
+        cr_assert_eq(kernel_attention_forward(d_y, d_att, d_qkv, B, T, C / sp, NH / sp, dt, 0), 0);
+        cr_assert_eq(kernel_sp_xchg(d_y, 1, d_buf, 1, B, T, C, sp, 1, ystride, dt, 0), 0);
+        sync_ok();
+        cr_assert_eq(cudaMemcpy(send[r], d_buf, sp * ystride * es, cudaMemcpyDeviceToHost),
+                     cudaSuccess);
+    }
+    host_alltoall(send, recv, sp, ystride, es);
+    for (int r = 0; r < sp; r++) {
+        cr_assert_eq(cudaMemcpy(d_buf, recv[r], sp * ystride * es, cudaMemcpyHostToDevice),
+                     cudaSuccess);
+        cr_assert_eq(kernel_sp_xchg(d_y, 0, d_buf, 0, B, T, C, sp, 1, ystride, dt, 0), 0);
+        sync_ok();
+        for (size_t b = 0; b < (size_t)B; b++)
+            cr_assert_eq(cudaMemcpy(out + (b * T + r * Tl) * C * es, (char *)d_y + b * Tl * C * es,
+                                    Tl * C * es, cudaMemcpyDeviceToHost),
+                         cudaSuccess);
+    }
+    /* The rows put together, as a twin of the whole y, against the CPU's. */
+    struct twin yt = twin_zeros(N * C, dt);
+    memcpy(yt.h, y, N * C * sizeof(float));
+    cr_assert_eq(cudaMemcpy(yt.d, out, N * C * es, cudaMemcpyHostToDevice), cudaSuccess);
+    char what[64];
+    snprintf(what, sizeof(what), "sp %d attention through the exchanges", sp);
+    twin_check(what, dt, &yt, tol_for(dt, TOL_F32_SUM));
+    for (int r = 0; r < sp; r++) {
+        free(send[r]);
+        free(recv[r]);
+    }
+    twin_free(&yt);
+    twin_free(&qkv);
+    free(y);
+    free(att);
+    free(all);
+    free(out);
+    cudaFree(d_qkv);
+    cudaFree(d_y);
+    cudaFree(d_buf);
+    cudaFree(d_att);
+}
+
+Test(kernels_gpu, sp_attention_through_the_exchanges_matches_the_cpus_whole_f32)
+{
+    check_sp_attention(KDT_F32, 2);
+    check_sp_attention(KDT_F32, 3);
+}
+
+Test(kernels_gpu, sp_attention_through_the_exchanges_matches_the_cpus_whole_16)
+{
+    check_sp_attention(KDT_BF16, 2);
+    check_sp_attention(KDT_F16, 3);
+}
+
+Test(kernels_gpu, sp_exchange_refuses_bad_input)
+{
+    cr_assert_eq(kernel_sp_xchg(NULL, 0, FAKE, 1, 2, 12, 72, 2, 3, 1000, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_sp_xchg(FAKE, 0, NULL, 1, 2, 12, 72, 2, 3, 1000, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_sp_xchg(FAKE, 0, FAKE, 1, 2, 12, 72, 2, 3, 1000, KDT_F32, 0), -EINVAL);
+    void *other = (char *)FAKE + 4096;
+    /* T, C not multiples of sp; a stride shorter than a block; a bad type. */
+    cr_assert_eq(kernel_sp_xchg(FAKE, 0, other, 1, 2, 13, 72, 2, 3, 1000, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_sp_xchg(FAKE, 0, other, 1, 2, 12, 70, 4, 3, 1000, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_sp_xchg(FAKE, 0, other, 1, 2, 12, 72, 2, 3, 647, KDT_F32, 0), -EINVAL);
+    cr_assert_eq(kernel_sp_xchg(FAKE, 0, other, 1, 2, 12, 72, 2, 3, 1000, BAD_DT, 0), -EINVAL);
+    cr_assert_eq(kernel_sp_xchg(FAKE, 0, other, 1, 0, 12, 72, 2, 3, 1000, KDT_F32, 0), -EINVAL);
+}
+
 #else
 Test(kernels_gpu, kernels_match_the_cpu)
 {

@@ -51,7 +51,7 @@ struct backend_params {
     const struct gpt_tp_comm *tp;
     /* Sequence parallel (NULL, or sp 1: none): this rank's positions of every sequence
      * (gpt_sp.h), B x T / sp rows of activations and gradients, and its group's all-to-all
-     * (filled in as tp's). The CPU's only; not with tp. */
+     * (filled in as tp's; on the CPU's memory or the GPU's, with coll_wait). Not with tp. */
     const struct backend_sp *sp;
 };
 

@@ -15,6 +15,9 @@
  * A block's internals are recomputed in the backward from its input, as on the CPU, into
  * working buffers the backend allocates once (work_bytes, outside the engine's budget).
  *
+ * Sequence-parallel ranks (backend_cuda_sp.c) run the same code on their B*T/sp rows, with
+ * their batch, embedding and attention (between two all-to-alls) of their own.
+ *
  * Not here: where tensors live, the optimizer on the host (adamw.c), the ops of a
  * tensor-parallel rank (backend_cuda_tp.c), which the ops below hand over to.
  */
@@ -24,6 +27,7 @@
 #include <string.h>
 
 #include "train/backend_cuda_int.h"
+#include "train/backend_cuda_sp.h"
 #include "train/digest.h"
 
 #if ZINF_HAVE_KERNELS
@@ -34,6 +38,7 @@ static void cuda_close(struct backend *b)
     if (c->s) cudaStreamSynchronize(c->s);
     if (c->blas) cublasDestroy(c->blas);
     cuda_tp_close(c);
+    cuda_sp_close(c);
     cudaFree(c->mem);
     cudaFreeHost(c->tokens_h);
     cudaFreeHost(c->losses_h);
@@ -47,6 +52,7 @@ static void cuda_close(struct backend *b)
 static int cuda_set_batch(struct backend *b, const int *tokens, const int *targets)
 {
     struct cuda_backend *c = cub(b);
+    if (c->sp) return cuda_sp_set_batch(c, tokens, targets);
     size_t n = (size_t)c->N;
     /* The staging copy of the last batch may still be on its way. */
     int r = cuerr(cudaStreamSynchronize(c->s));
@@ -67,6 +73,7 @@ static int cuda_embed_forward(struct backend *b, const void *wte, const void *wp
 {
     struct cuda_backend *c = cub(b);
     if (c->tp) return cuda_tp_embed_forward(c, wte, wpe, x);
+    if (c->sp) return cuda_sp_embed_forward(c, wte, wpe, x);
     return kernel_embed_forward(x, wte, wpe, c->tokens, c->B, c->T, c->C, c->dt, c->s);
 }
 
@@ -80,8 +87,9 @@ static int block_acts(struct cuda_backend *c, const void *const *w, const void *
                                       w[GPT_LN1_B], N, C, dt, c->s)) < 0 ||
         (r = kernel_matmul_forward(c->blas, c->qkv, dt, c->ln1, w[GPT_QKV_W], w[GPT_QKV_B], NULL, N,
                                    C, 3 * C, dt, c->scratch, c->s)) < 0 ||
-        (r = kernel_attention_forward(c->atty, c->att, c->qkv, c->B, c->T, C, c->NH, dt, c->s)) <
-            0 ||
+        (r = c->sp ? cuda_sp_attention_forward(c)
+                   : kernel_attention_forward(c->atty, c->att, c->qkv, c->B, c->T, C, c->NH, dt,
+                                              c->s)) < 0 ||
         (r = kernel_matmul_forward(c->blas, c->x2, dt, c->atty, w[GPT_ATTN_PROJ_W],
                                    w[GPT_ATTN_PROJ_B], x_in, N, C, C, dt, c->scratch, c->s)) < 0 ||
         (r = kernel_layernorm_forward(c->ln2, c->ln2_mean, c->ln2_rstd, c->x2, w[GPT_LN2_W],
@@ -117,14 +125,18 @@ static int cuda_head_backward(struct backend *b, const void *lnf_w, const void *
     if (c->tp) return cuda_tp_head_backward(c, lnf_w, lnf_b, wte, x, d_lnf_w, d_lnf_b, d_wte);
     int N = c->N, C = c->C, V = c->V, r;
     enum kdtype dt = c->dt;
+    /* The kernel's gradient is 1/N per row; the loss is the mean over the batch's B*T rows,
+     * of which a sequence-parallel rank holds N: their share (1 without, 1/sp exactly for sp
+     * a power of two). */
+    float scale = b->loss_scale * ((float)N / ((float)c->B * (float)c->T));
     /* logits (N,V) fp32 = lnf(x) @ wte^T; the loss; dlogits in dt, times the loss scale;
      * then back through the tied head (d_wte +=) and lnf into d. */
     if ((r = kernel_layernorm_forward(c->lnf, c->lnf_mean, c->lnf_rstd, x, lnf_w, lnf_b, N, C, dt,
                                       c->s)) < 0 ||
         (r = kernel_matmul_forward(c->blas, c->logits, KDT_F32, c->lnf, wte, NULL, NULL, N, C, V,
                                    dt, c->scratch, c->s)) < 0 ||
-        (r = kernel_crossentropy(c->losses, c->dlogits, c->logits, c->targets, N, V, b->loss_scale,
-                                 dt, c->s)) < 0 ||
+        (r = kernel_crossentropy(c->losses, c->dlogits, c->logits, c->targets, N, V, scale, dt,
+                                 c->s)) < 0 ||
         (r = kernel_matmul_backward(c->blas, c->d_lnf, d_wte, NULL, c->dlogits, c->lnf, wte, N, C,
                                     V, dt, c->scratch, c->s)) < 0 ||
         (r = kernel_layernorm_backward(c->d, 0, d_lnf_w, d_lnf_b, c->d_lnf, x, lnf_w, c->lnf_mean,
@@ -161,8 +173,9 @@ static int cuda_block_backward(struct backend *b, const void *const *w, const vo
         (r = kernel_matmul_backward(c->blas, c->d_small, g[GPT_ATTN_PROJ_W], g[GPT_ATTN_PROJ_B],
                                     c->d_x2, c->atty, w[GPT_ATTN_PROJ_W], N, C, C, dt, c->scratch,
                                     c->s)) < 0 ||
-        (r = kernel_attention_backward(c->d_big, c->d_att, c->d_small, c->qkv, c->att, c->B, c->T,
-                                       C, c->NH, dt, c->s)) < 0 ||
+        (r = c->sp ? cuda_sp_attention_backward(c)
+                   : kernel_attention_backward(c->d_big, c->d_att, c->d_small, c->qkv, c->att, c->B,
+                                               c->T, C, c->NH, dt, c->s)) < 0 ||
         (r = kernel_matmul_backward(c->blas, c->d_small, g[GPT_QKV_W], g[GPT_QKV_B], c->d_big,
                                     c->ln1, w[GPT_QKV_W], N, C, 3 * C, dt, c->scratch, c->s)) < 0 ||
         (r = cuerr(
@@ -177,6 +190,7 @@ static int cuda_embed_backward(struct backend *b, float *d_wte, float *d_wpe)
 {
     struct cuda_backend *c = cub(b);
     if (c->tp) return cuda_tp_embed_backward(c, d_wte, d_wpe);
+    if (c->sp) return cuda_sp_embed_backward(c, d_wte, d_wpe);
     return kernel_embed_backward(d_wte, d_wpe, c->d, c->tokens, c->B, c->T, c->C, c->V, c->dt,
                                  c->scratch, c->s);
 }
@@ -360,11 +374,12 @@ static int cuda_collect(struct backend *b, float *loss, double *sumsq)
     if (r == 0) r = cuerr(cudaStreamSynchronize(c->s));
     if (r < 0) return r;
     if (c->have_loss) {
-        /* The mean over rows in double and in order, as ops_crossentropy sums it. */
+        /* The mean over rows in double and in order, as ops_crossentropy sums it, over the
+         * batch's B*T rows (a sequence-parallel rank's N of them: its share of the mean). */
         double total = 0.0;
         for (int i = 0; i < c->N; i++)
             total += c->losses_h[i];
-        c->loss = (float)(total / (double)c->N);
+        c->loss = (float)(total / ((double)c->B * c->T));
         c->have_loss = 0;
     }
     *loss = c->loss;
@@ -466,10 +481,17 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     c->NH = p->cfg.NH;
     c->V = p->cfg.V;
     c->dt = p->wdt == BACKEND_BF16 ? KDT_BF16 : p->wdt == BACKEND_F16 ? KDT_F16 : KDT_F32;
+    /* A sequence-parallel rank's rows and heads first (N, NH), then the tensor-parallel
+     * share of the channels, heads and vocabulary (the two are not used together). */
+    if ((r = cuda_sp_open(c, p, err, errlen)) < 0) {
+        free(c);
+        return r;
+    }
     c->Cr = c->C;
     c->NHr = c->NH;
     c->Vr = c->V;
     if ((r = cuda_tp_setup(c, p, err, errlen)) < 0) {
+        cuda_sp_close(c);
         free(c);
         return r;
     }
@@ -492,6 +514,8 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     what = "cudaMalloc of the working buffers";
     if ((r = cuerr(cudaMalloc(&c->mem, bytes))) < 0) goto fail;
     carve(c, c->mem, max_tensor);
+    what = "cudaMalloc of the sequence-parallel exchange buffers";
+    if (c->sp && (r = cuda_sp_alloc(c)) < 0) goto fail;
     what = "cudaMallocHost";
     if ((r = cuerr(cudaMallocHost((void **)&c->tokens_h, 2 * (size_t)c->N * sizeof(int)))) < 0 ||
         (r = cuerr(cudaMallocHost((void **)&c->losses_h, (size_t)c->N * sizeof(float)))) < 0 ||
@@ -499,7 +523,7 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
         goto fail;
     what = "cudaMemsetAsync";
     if ((r = cuerr(cudaMemsetAsync(c->sumsq, 0, sizeof(double), c->s))) < 0) goto fail;
-    c->b.work_bytes = bytes;
+    c->b.work_bytes += bytes;
     what = "cudaMalloc of the tensor-parallel buffers";
     if ((r = cuda_tp_alloc(c)) < 0) goto fail;
     *out = &c->b;

@@ -13,9 +13,13 @@
 #if ZINF_HAVE_KERNELS
 #include "kernels/kernels.h"
 
+struct cuda_sp;
+
 struct cuda_backend {
     struct backend b;
     struct gpt_config cfg;
+    /* N = B*T rows; sequence parallel (sp): this rank's B*T/sp, NH its NH/sp heads, T the
+     * whole sequence's length. */
     int B, T, N, C, NH, V;
     /* Tensor parallel (backend_cuda_tp.c; NULL without): the rank's group, its channels Cr,
      * heads NHr and rows [vlo, vlo + Vr) of wte, which size the working buffers below (C, NH,
@@ -48,6 +52,7 @@ struct cuda_backend {
      * the most chunks asked for at once. */
     double *chunks, *chunks_h;
     size_t chunks_cap;
+    struct cuda_sp *sp; /* sequence parallel (backend_cuda_sp.c), or NULL */
 };
 
 /* The tensor-parallel parts (backend_cuda_tp.c). cuda_tp_setup (before the working buffers

@@ -471,9 +471,12 @@ int train_pipe_wte_out(struct trainer *t);
 void train_pipe_close(struct trainer *t);
 /* Whether layout index i is a slice of its tensor (tensor parallel), not the whole. */
 bool train_tp_sliced(const struct trainer *t, int i);
-/* Sequence parallel: n floats at l (a local gradient, or a loss) summed over the group in
- * place, the same on every rank of it; 0 without. */
+/* Sequence parallel: n floats at l summed over the group in place, the same on every rank
+ * of it; 0 without. train_sp_sum: host memory (a loss); train_sp_grad_sum: a local gradient
+ * in the backend's memory (device memory on GPU ranks, over their NCCL link), the work that
+ * wrote it done. */
 int train_sp_sum(struct trainer *t, float *l, size_t n);
+int train_sp_grad_sum(struct trainer *t, float *l, size_t n);
 /* A barrier over every rank of the run (trainer_checkpoint's meetings). */
 int train_barrier_all(struct trainer *t);
 /* bytes of buf from stage 0 to every stage of this copy of the pipeline (all call it). */

@@ -20,8 +20,10 @@
  * NCCL communicator per link (nor ordering of its stream with the compute stream) is needed.
  * NCCL's send and receive between the GPUs (comm/nccl.c has them) would save the two copies
  * over PCIe per message, which matters once the activations are large next to a stage's
- * compute; that is left for later. Tensor- and sequence-parallel ranks are the CPU's only
- * (their math is gpt_tp.c's and gpt_sp.c's), and are refused on GPUs.
+ * compute; that is left for later. Tensor-parallel ranks are the CPU's only (their math is
+ * gpt_tp.c's), and are refused on GPUs; sequence-parallel ranks run on either (gpt_sp.c's
+ * math, and backend_cuda_sp.c's on GPUs, whose gradients are summed over the group's NCCL
+ * link).
  *
  * The schedule (1F1B): stage s of P runs min(P - s - 1, M) forwards, then one forward and
  * one backward in turn, then the backwards left, for the M micro-batches of the step. A
@@ -189,6 +191,13 @@ int train_sp_sum(struct trainer *t, float *l, size_t n)
     return comm_allreduce(t->pipe->c[L_SP], l, l, n, COMM_F32);
 }
 
+int train_sp_grad_sum(struct trainer *t, float *l, size_t n)
+{
+    if (t->sp <= 1) return 0;
+    struct comm *c = t->pipe->c[L_SPD];
+    return comm_allreduce(c ? c : t->pipe->c[L_SP], l, l, n, COMM_F32);
+}
+
 int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
@@ -196,16 +205,6 @@ int train_pipe_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
         snprintf(err, errlen,
                  "pipeline stages and tensor-parallel ranks: no rendezvous name "
                  "(ZINF_COMM_NAME): start them with zinf launch");
-        return -ENOTSUP;
-    }
-    if (cuda && t->sp > 1) {
-        /* The sequence-parallel math (gpt_sp.c) is the CPU backend's only; tensor-parallel
-         * ranks (backend_cuda_tp.c) and pipeline stages run on GPUs. */
-        snprintf(err, errlen,
-                 "sequence_parallel_size %d on GPUs: sequence-parallel ranks are not built for "
-                 "the CUDA backend yet (zinf.device \"emulated\" runs them on the CPU; "
-                 "pipeline.stages and tensor_parallel run on GPUs)",
-                 t->sp);
         return -ENOTSUP;
     }
     /* Each stage keeps its tensors in a folder of its own under each nvme path (and its

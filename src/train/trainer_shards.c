@@ -433,7 +433,7 @@ static int fold_grad(struct trainer *t, int i, const float *src, float *g, size_
  * parallel: l is this rank's positions' share, summed over the group first. */
 int train_reduce_grad(struct trainer *t, int i, float *l, float *g)
 {
-    int rs = train_sp_sum(t, l, t->desc[i].numel);
+    int rs = train_sp_grad_sum(t, l, t->desc[i].numel);
     if (rs < 0) return rs;
     if (t->world <= 1) return fold_grad(t, i, l, g, t->desc[i].numel);
     struct comm_req q;

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # ranks.sh - GPU ranks without a GPU: `zinf launch -n N -- zinf train` on the emulated CUDA
 # device tier, the ranks' collectives over the emulated NCCL (emu_nccl.cpp), at ZeRO stages
-# 1, 2 and 3, in fp32, bf16 and fp16, on 2 and 4 ranks, pipeline stages and tensor-parallel
-# ranks on GPU ranks.
-# run.sh calls it with the zinf it built (`tests/cuda_emu/run.sh ranks`):
+# 1, 2 and 3, in fp32, bf16 and fp16, on 2 and 4 ranks, pipeline stages, tensor-parallel and
+# sequence-parallel ranks on GPU ranks. run.sh calls it with the zinf it built
+# (`tests/cuda_emu/run.sh ranks`):
 #
-#   tests/cuda_emu/ranks.sh ZINF WORKDIR [zero|pipeline|tp|faults]
+#   tests/cuda_emu/ranks.sh ZINF WORKDIR [zero|pipeline|tp|sp|faults]
 #
-# (zero, pipeline, tp, faults: those runs alone; EMU_RANKS=PART gives the same through run.sh.)
+# (zero, pipeline, tp, sp, faults: those runs alone; EMU_RANKS=PART gives the same through
+# run.sh.)
 # Checks, for every precision, stage and number of ranks N:
 #   - N emulated GPU ranks log bitwise the losses and parameter digests of one emulated GPU
 #     rank that accumulates N micro-batches (--accumulate N): the emulated NCCL sums in rank
@@ -31,6 +32,18 @@
 #     and digest) when run again, and within the CPU-against-GPU tolerance of 2 CPU
 #     tensor-parallel ranks (zinf.device "emulated"); 2 stages x tp 2 on 4 GPU ranks
 #     (fp32, bf16; --accumulate 2) within the same tolerances of one GPU rank of --accumulate 2.
+#   - sp: sequence-parallel (Ulysses) GPU ranks, sequence_parallel_size 2 (fp32, bf16, fp16)
+#     and 4 (fp32, bf16; the model's 4 heads and 32 positions split 4 ways): their losses are
+#     within SP_TOL (fp32 1e-5, 16-bit 1e-3, relative) of one GPU rank's (not bitwise: the
+#     loss and the parameter gradients are summed over the ranks' positions, which
+#     reassociates the sums, and in bf16 and fp16 a weight a rounding apart narrows to
+#     another 16-bit value); a second run logs bitwise the same losses and digests (the
+#     exchanges copy bits, the kernels and NCCL's sums are deterministic); 2 GPU ranks are
+#     within the CPU-against-GPU tolerance of 2 CPU sequence-parallel ranks; 2 sequence-
+#     parallel ranks x 2 pipeline stages on 4 GPU ranks (3 blocks, --accumulate 4, fp32 and
+#     bf16) log bitwise the losses and digests of 2 sequence-parallel GPU ranks without
+#     stages, and are within SP_TOL of one GPU rank; every rank's summary names the CUDA
+#     backend and its sp.
 #   - faults: a GPU rank killed at the start of a checkpoint, or after its rename, fails the
 #     job, and --resume goes on bitwise as a run that was never killed; a LOCAL_RANK past
 #     the GPUs is refused.
@@ -40,8 +53,8 @@ zinf=$1
 work=$2
 only=${3:-${EMU_RANKS:-}}
 case $only in
-  "" | zero | pipeline | tp | faults) ;;
-  *) echo "ranks.sh: unknown part '$only' (zero, pipeline, tp or faults)" >&2; exit 2 ;;
+  "" | zero | pipeline | tp | sp | faults) ;;
+  *) echo "ranks.sh: unknown part '$only' (zero, pipeline, tp, sp or faults)" >&2; exit 2 ;;
 esac
 want() { [ -z "$only" ] || [ "$only" = "$1" ]; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -139,6 +152,28 @@ if want tp; then
     run "tp-ref-$prec-acc2" 1 cuda 1 "$prec" --accumulate 2
     cfg_extra="$tp2"'"pipeline": {"stages": 2}, ' run "tp-p2x2-$prec" 4 cuda 1 "$prec" \
       --accumulate 2
+  done
+fi
+
+# Sequence-parallel ranks on GPUs, against one GPU rank, themselves, CPU ranks, and with
+# pipeline stages (3 blocks, as above).
+SP2='"sequence_parallel_size": 2, '
+SP4='"sequence_parallel_size": 4, '
+if want sp; then
+  for prec in fp32 bf16 fp16; do
+    run "sp-ref-$prec" 1 cuda 1 "$prec"
+    cfg_extra=$SP2 run "sp2-$prec" 2 cuda 1 "$prec"
+    cfg_extra=$SP2 run "sp2-$prec-again" 2 cuda 1 "$prec"
+    cfg_extra=$SP2 run "sp2-cpu-$prec" 2 emulated 1 "$prec"
+    [ $prec = fp16 ] && continue
+    cfg_extra=$SP4 run "sp4-$prec" 4 cuda 1 "$prec"
+    cfg_extra=$SP4 run "sp4-$prec-again" 4 cuda 1 "$prec"
+  done
+  for prec in fp32 bf16; do
+    run "sp-ref-$prec-acc4" 1 cuda 1 "$prec" "${pipe[@]}" --accumulate 4
+    cfg_extra=$SP2 run "sp2-$prec-acc4" 2 cuda 1 "$prec" "${pipe[@]}" --accumulate 4
+    cfg_extra="$SP2"'"pipeline": {"stages": 2}, ' run "sp2xp2-$prec" 4 cuda 1 "$prec" \
+      "${pipe[@]}" --accumulate 4
   done
 fi
 
@@ -325,6 +360,57 @@ for prec in ('fp32', 'bf16') if want('tp') else ():
           'CUDA backend' % prec)
     rows.append((prec, 4, '2 stages x tp 2', g[-1]['loss'] if g else None,
                  ref[-1]['loss'] if ref else None))
+sp_tol = {'fp32': 1e-5, 'bf16': 1e-3, 'fp16': 1e-3}
+
+def worst_rel(a, b, n):
+    """The largest relative difference of a's losses from b's, both n steps long."""
+    if len(a) != n or len(b) != n or any(x['loss'] is None or y['loss'] is None
+                                         for x, y in zip(a, b)):
+        return None
+    return max(abs(x['loss'] - y['loss']) / abs(y['loss']) for x, y in zip(a, b))
+
+def on_gpus(name, n, sp):
+    """Every rank of run name summarised the CUDA backend and its sequence-parallel size."""
+    ok = True
+    for k in range(n):
+        _, s = log(name, k)
+        ok = ok and bool(s) and s.get('backend') == 'cuda' and s.get('sp') == sp
+    return ok
+
+for prec in ('fp32', 'bf16', 'fp16') if want('sp') else ():
+    ref, _ = log('sp-ref-' + prec)
+    for n in (2, 4) if prec != 'fp16' else (2,):
+        g, _ = log('sp%d-%s' % (n, prec))
+        again, _ = log('sp%d-%s-again' % (n, prec))
+        what = '%s, sequence_parallel_size %d on %d GPU ranks' % (prec, n, n)
+        w = worst_rel(g, ref, 3)
+        check(w is not None and w <= sp_tol[prec],
+              what + ': within %g of one GPU rank (largest %s)' % (sp_tol[prec], w))
+        check(bitwise(g, again, 3), what + ': bitwise its own run again (loss and digest)')
+        check(on_gpus('sp%d-%s' % (n, prec), n, n),
+              what + ': each rank\'s summary names the CUDA backend and sp %d' % n)
+        rows.append((prec, n, 'sp %d' % n, g[-1]['loss'] if g else None,
+                     ref[-1]['loss'] if ref else None, w))
+    g, _ = log('sp2-' + prec)
+    c, _ = log('sp2-cpu-' + prec)
+    w = worst_rel(g, c, 3)
+    check(w is not None and w <= tol[prec], '%s, sequence_parallel_size 2: GPU ranks within %g of '
+          'CPU ranks (largest %s)' % (prec, tol[prec], w))
+    rows.append((prec, 2, 'sp 2 against CPUs', g[-1]['loss'] if g else None,
+                 c[-1]['loss'] if c else None, w))
+for prec in ('fp32', 'bf16') if want('sp') else ():
+    g, _ = log('sp2xp2-' + prec)
+    r, _ = log('sp2-%s-acc4' % prec)
+    one, _ = log('sp-ref-%s-acc4' % prec)
+    what = '%s, sp 2 x 2 pipeline stages on 4 GPU ranks' % prec
+    check(bitwise(g, r, 3), what + ': bitwise 2 sequence-parallel GPU ranks (loss and digest)')
+    w = worst_rel(g, one, 3)
+    check(w is not None and w <= sp_tol[prec],
+          what + ': within %g of one GPU rank (largest %s)' % (sp_tol[prec], w))
+    check(on_gpus('sp2xp2-' + prec, 4, 2), what + ': each rank\'s summary names the CUDA '
+          'backend and sp 2')
+    rows.append((prec, 4, 'sp 2 x stages 2', g[-1]['loss'] if g else None,
+                 one[-1]['loss'] if one else None, w))
 def steps_of(path):
     return {r['step']: r for r in (json.loads(l) for l in open(path)) if 'step' in r} \
         if os.path.exists(path) else {}
@@ -340,7 +426,8 @@ for name in ('barrier', 'rename') if want('faults') else ():
 print('   figures (precision, ranks, stage, GPU ranks\' last loss, CPU ranks\' last loss; '
       'at stage 3 the device peaks beyond fixed buffers of one rank and of the largest rank; '
       'for stages, their last loss and the reference\'s; for tp, the GPU ranks\', the CPU '
-      'ranks\' and one GPU rank\'s last loss):')
+      'ranks\' and one GPU rank\'s last loss; for sp, the GPU ranks\' last loss, one GPU '
+      'rank\'s (or the CPU ranks\') and the largest relative difference):')
 for r in rows:
     print('    ', r)
 sys.exit(1 if bad else 0)
