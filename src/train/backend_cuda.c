@@ -23,6 +23,7 @@
 #include <string.h>
 
 #include "train/backend_cuda_int.h"
+#include "train/backend_moe.h"
 #include "train/digest.h"
 
 #if ZINF_HAVE_KERNELS
@@ -31,6 +32,7 @@ static void cuda_close(struct backend *b)
 {
     struct cuda_backend *c = cub(b);
     if (c->s) cudaStreamSynchronize(c->s);
+    backend_cuda_moe_close(c);
     if (c->blas) cublasDestroy(c->blas);
     cudaFree(c->mem);
     cudaFreeHost(c->tokens_h);
@@ -484,6 +486,7 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     what = "cudaMemsetAsync";
     if ((r = cuerr(cudaMemsetAsync(c->sumsq, 0, sizeof(double), c->s))) < 0) goto fail;
     c->b.work_bytes = bytes;
+    c->b.moe = &backend_cuda_moe_ops;
     *out = &c->b;
     return 0;
 fail:

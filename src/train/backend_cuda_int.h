@@ -42,7 +42,11 @@ struct cuda_backend {
      * the most chunks asked for at once. */
     double *chunks, *chunks_h;
     size_t chunks_cap;
+    struct cuda_moe *moe; /* the MoE ops' buffers (backend_cuda_moe.c), made on first use */
 };
+
+/* Frees the MoE ops' buffers (backend_cuda_moe.c). */
+void backend_cuda_moe_close(struct cuda_backend *c);
 
 static inline struct cuda_backend *cub(struct backend *b)
 {
