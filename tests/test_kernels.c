@@ -1659,13 +1659,13 @@ Test(kernels_gpu, moe_gather_matches_the_cpu)
         memcpy(dst.h + off[i], x.h + (size_t)tok[i] * C, C * sizeof(float));
     int64_t *d_off = dev_copy(off, sizeof(off));
     int *d_tok = dev_ints(tok, (size_t)n);
-    cr_assert_eq(kernel_moe_gather(dst.d, x.d, d_off, d_tok, n, C, 0), 0);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, KDT_F32, d_off, d_tok, n, C, 0), 0);
     sync_ok();
     twin_check("moe gather", KDT_F32, &dst, TOL_EXACT);
-    cr_assert_eq(kernel_moe_gather(dst.d, x.d, d_off, d_tok, 0, C, 0), 0); /* nothing */
-    cr_assert_eq(kernel_moe_gather(NULL, x.d, d_off, d_tok, n, C, 0), -EINVAL);
-    cr_assert_eq(kernel_moe_gather(dst.d, x.d, d_off, d_tok, -1, C, 0), -EINVAL);
-    cr_assert_eq(kernel_moe_gather(dst.d, x.d, d_off, d_tok, n, 0, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, KDT_F32, d_off, d_tok, 0, C, 0), 0); /* nothing */
+    cr_assert_eq(kernel_moe_gather(NULL, x.d, KDT_F32, d_off, d_tok, n, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, KDT_F32, d_off, d_tok, -1, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, KDT_F32, d_off, d_tok, n, 0, 0), -EINVAL);
     twin_free(&x);
     twin_free(&dst);
     free(tok);
@@ -1699,7 +1699,7 @@ Test(kernels_gpu, moe_combine_matches_the_cpu)
             }
         void *first = NULL;
         for (int run = 0; run < 2; run++) {
-            cr_assert_eq(kernel_moe_combine(y.d, rows.d, d_off, weighted ? d_w : NULL, N, k, C, 0),
+            cr_assert_eq(kernel_moe_combine(y.d, KDT_F32, rows.d, d_off, weighted ? d_w : NULL, N, k, C, 0),
                          0);
             sync_ok();
             if (run == 0) first = dev_bytes(y.d, (size_t)N * C * sizeof(float));
@@ -1714,9 +1714,9 @@ Test(kernels_gpu, moe_combine_matches_the_cpu)
                    weighted ? TOL_F32 : TOL_EXACT);
         twin_free(&y);
     }
-    cr_assert_eq(kernel_moe_combine(NULL, rows.d, d_off, d_w, N, k, C, 0), -EINVAL);
-    cr_assert_eq(kernel_moe_combine(rows.d, rows.d, d_off, d_w, 0, k, C, 0), -EINVAL);
-    cr_assert_eq(kernel_moe_combine(rows.d, rows.d, NULL, d_w, N, k, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_combine(NULL, KDT_F32, rows.d, d_off, d_w, N, k, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_combine(rows.d, KDT_F32, rows.d, d_off, d_w, 0, k, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_combine(rows.d, KDT_F32, rows.d, NULL, d_w, N, k, C, 0), -EINVAL);
     twin_free(&rows);
     free(off);
     free(w);
@@ -1743,19 +1743,95 @@ Test(kernels_gpu, moe_weight_grad_matches_the_cpu)
         }
         d_w.h[i] = (float)dot;
     }
-    cr_assert_eq(kernel_moe_weight_grad(d_o.d, d_w.d, d_y.d, out.d, w.d, n, C, 0), 0);
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, KDT_F32, d_w.d, d_y.d, out.d, w.d, n, C, 0), 0);
     sync_ok();
     twin_check("moe weight grad d_o", KDT_F32, &d_o, TOL_EXACT);
     /* A double sum in another order, rounded to fp32. */
     twin_check("moe weight grad d_w", KDT_F32, &d_w, TOL_F32);
-    cr_assert_eq(kernel_moe_weight_grad(d_o.d, d_w.d, d_y.d, NULL, w.d, n, C, 0), -EINVAL);
-    cr_assert_eq(kernel_moe_weight_grad(d_o.d, d_w.d, d_y.d, out.d, w.d, n, 0, 0), -EINVAL);
-    cr_assert_eq(kernel_moe_weight_grad(d_o.d, d_w.d, d_y.d, out.d, w.d, 0, C, 0), 0);
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, KDT_F32, d_w.d, d_y.d, NULL, w.d, n, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, KDT_F32, d_w.d, d_y.d, out.d, w.d, n, 0, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, KDT_F32, d_w.d, d_y.d, out.d, w.d, 0, C, 0), 0);
     twin_free(&d_y);
     twin_free(&out);
     twin_free(&w);
     twin_free(&d_o);
     twin_free(&d_w);
+}
+
+/* The 16-bit activations' side of the three: the gather widens its source rows (exact),
+ * the combine rounds its fp32 sum once at the end, the weight gradient's d_o is rounded. */
+static void check_moe_16(enum kdtype dt)
+{
+    const int N = 29, E = 4, cap = 20, C = 72, k = 2;
+    /* Gather: rows of a 16-bit source into fp32. */
+    struct twin x = twin_rand((size_t)N * C, dt, 331, -1, 1);
+    struct twin dst = twin_zeros((size_t)N * C, KDT_F32);
+    int64_t off[29];
+    int *tok = random_ints((size_t)N, 332, N);
+    for (int i = 0; i < N; i++)
+        off[i] = (int64_t)((N - 1 - i) * C);
+    for (int i = 0; i < N; i++)
+        memcpy(dst.h + off[i], x.h + (size_t)tok[i] * C, C * sizeof(float));
+    int64_t *d_off = dev_copy(off, sizeof(off));
+    int *d_tok = dev_ints(tok, (size_t)N);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, dt, d_off, d_tok, N, C, 0), 0);
+    sync_ok();
+    twin_check("moe gather from 16 bits", dt, &dst, TOL_EXACT);
+    /* Combine into 16 bits. */
+    struct twin rows = twin_rand((size_t)E * cap * C, KDT_F32, 333, -2, 2);
+    int64_t *coff = malloc((size_t)N * k * sizeof(int64_t));
+    float *w = falloc((size_t)N * k);
+    cr_assert_not_null(coff);
+    moe_maps(N, E, cap, C, coff, w, 334);
+    int64_t *d_coff = dev_copy(coff, (size_t)N * k * sizeof(int64_t));
+    float *d_w = dev_copy(w, (size_t)N * k * sizeof(float));
+    struct twin y = twin_zeros((size_t)N * C, dt);
+    for (int t = 0; t < N; t++)
+        for (int j = 0; j < k && coff[t * k + j] >= 0; j++)
+            moe_row_axpy(y.h + (size_t)t * C, w[t * k + j], rows.h + coff[t * k + j], (size_t)C);
+    cr_assert_eq(kernel_moe_combine(y.d, dt, rows.d, d_coff, d_w, N, k, C, 0), 0);
+    sync_ok();
+    twin_check("moe combine into 16 bits", dt, &y, tol_for(dt, TOL_F32));
+    /* The weight gradient with a 16-bit d_o. */
+    struct twin d_y = twin_rand((size_t)N * C, KDT_F32, 335, -1, 1);
+    struct twin out = twin_rand((size_t)N * C, KDT_F32, 336, -1, 1);
+    struct twin d_o = twin_zeros((size_t)N * C, dt);
+    struct twin d_wt = twin_zeros((size_t)N, KDT_F32);
+    for (int i = 0; i < N; i++) {
+        double dot = 0.0;
+        for (int c = 0; c < C; c++) {
+            size_t at = (size_t)i * C + (size_t)c;
+            dot += (double)d_y.h[at] * out.h[at];
+            d_o.h[at] = w[i] * d_y.h[at];
+        }
+        d_wt.h[i] = (float)dot;
+    }
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, dt, d_wt.d, d_y.d, out.d, d_w, N, C, 0), 0);
+    sync_ok();
+    twin_check("moe weight grad d_o in 16 bits", dt, &d_o, tol_for(dt, TOL_F32));
+    twin_check("moe weight grad d_w", KDT_F32, &d_wt, TOL_F32);
+    struct twin *all[] = {&x, &dst, &rows, &y, &d_y, &out, &d_o, &d_wt};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        twin_free(all[i]);
+    free(tok);
+    free(coff);
+    free(w);
+    cudaFree(d_off);
+    cudaFree(d_tok);
+    cudaFree(d_coff);
+    cudaFree(d_w);
+}
+
+Test(kernels_gpu, moe_rows_match_the_cpu_bf16)
+{
+    need_gpu();
+    check_moe_16(KDT_BF16);
+}
+
+Test(kernels_gpu, moe_rows_match_the_cpu_f16)
+{
+    need_gpu();
+    check_moe_16(KDT_F16);
 }
 
 #else

@@ -3,7 +3,8 @@
  * half, ops.c's layer norm and GEMM, moe.c's experts on packed rows, and the combine with
  * moe.c's row operations in the order moe_ep.c sums, so that a MoE block computes the bits
  * it computed when the trainer called those functions itself. The backend's memory is host
- * memory: alloc is malloc and the copies are memcpy.
+ * memory: alloc is malloc and the copies are memcpy. Everything is fp32 (16-bit weights come
+ * widened by the trainer, as the dense blocks' are widened by backend_cpu.c).
  *
  * Not here: the dense blocks (backend_cpu.c), the route (moe_route.c).
  */
@@ -38,7 +39,7 @@ static int cm_copy(struct backend *b, void *dst, const void *src, size_t bytes)
     return 0;
 }
 
-static float *cm_grad(struct backend *b)
+static void *cm_grad(struct backend *b)
 {
     return backend_cpu_view(b)->d;
 }
@@ -50,8 +51,8 @@ static void block_params(const void *const *w, struct gpt_block_params *bp)
         bp->t[s] = w[s];
 }
 
-static int cm_attn_forward(struct backend *b, const void *const *w, const float *x_in, float *x2,
-                           float *ln, float *mean, float *rstd)
+static int cm_attn_forward(struct backend *b, const void *const *w, const void *x_in, void *x2,
+                           void *ln, float *mean, float *rstd)
 {
     struct backend_cpu_view *v = backend_cpu_view(b);
     struct gpt_block_params bp;
@@ -63,7 +64,7 @@ static int cm_attn_forward(struct backend *b, const void *const *w, const float 
     return 0;
 }
 
-static int cm_gate_logits(struct backend *b, const float *ln, const float *wg, int E, float *logits)
+static int cm_gate_logits(struct backend *b, const void *ln, const void *wg, int E, float *logits)
 {
     struct backend_cpu_view *v = backend_cpu_view(b);
     size_t C = (size_t)v->cfg->C;
@@ -73,10 +74,11 @@ static int cm_gate_logits(struct backend *b, const float *ln, const float *wg, i
     return 0;
 }
 
-static int cm_gather(struct backend *b, float *dst, const float *src, const int64_t *off,
+static int cm_gather(struct backend *b, float *dst, const void *from, const int64_t *off,
                      const int *tok, int n)
 {
     size_t C = (size_t)backend_cpu_view(b)->cfg->C;
+    const float *src = from;
     for (int i = 0; i < n; i++)
         memcpy(dst + off[i], src + (size_t)tok[i] * C, C * sizeof(float));
     return 0;
@@ -123,9 +125,10 @@ static int cm_expert_backward(struct backend *b, const void *const *w, float *co
 
 /* Token by token, its rows in the order given: moe_ep.c's unpack and combine_backward add
  * in expert order with the same row operations. */
-static int cm_combine(struct backend *b, float *y, const float *rows, const int64_t *off,
+static int cm_combine(struct backend *b, void *out, const float *rows, const int64_t *off,
                       const float *wt, int k)
 {
+    float *y = out;
     struct backend_cpu_view *v = backend_cpu_view(b);
     size_t N = (size_t)v->B * (size_t)v->T, C = (size_t)v->cfg->C;
     memset(y, 0, N * C * sizeof(float));
@@ -139,15 +142,15 @@ static int cm_combine(struct backend *b, float *y, const float *rows, const int6
     return 0;
 }
 
-static int cm_add(struct backend *b, float *out, const float *a, const float *c, size_t n)
+static int cm_add(struct backend *b, void *out, const void *a, const void *c, size_t n)
 {
     (void)b;
     ops_add(out, a, c, n);
     return 0;
 }
 
-static int cm_gate_backward(struct backend *b, const float *d_logits, const float *ln,
-                            const float *wg, int E, float *d_wg, float *d_ln)
+static int cm_gate_backward(struct backend *b, const float *d_logits, const void *ln,
+                            const void *wg, int E, float *d_wg, void *d_ln)
 {
     struct backend_cpu_view *v = backend_cpu_view(b);
     size_t N = (size_t)v->B * (size_t)v->T, C = (size_t)v->cfg->C, Ez = (size_t)E;
@@ -158,7 +161,7 @@ static int cm_gate_backward(struct backend *b, const float *d_logits, const floa
 }
 
 static int cm_attn_backward(struct backend *b, const void *const *w, float *const *g,
-                            const float *x_in, const float *x2, const float *d_ln,
+                            const void *x_in, const void *x2, const void *d_ln,
                             const float *mean, const float *rstd)
 {
     struct backend_cpu_view *v = backend_cpu_view(b);
@@ -173,6 +176,7 @@ static int cm_attn_backward(struct backend *b, const void *const *w, float *cons
 }
 
 const struct backend_moe_ops backend_cpu_moe_ops = {
+    .widened = 1,
     .alloc = cm_alloc,
     .free = cm_free,
     .to_host = cm_copy,

@@ -5,9 +5,11 @@
  * cuBLAS. A backend hands them out as b->moe (NULL: it has none).
  *
  * Pointers are in the backend's memory (the device tier's, or what alloc gave) unless a
- * comment says host; every buffer is fp32 and so are the weights (16-bit weights reach the
- * CPU's ops widened by the trainer; the GPU's refuse them). Calls are queued in order on the
- * backend's stream as backend.h's are; those that hand something to the host wait for it.
+ * comment says host. The activations (x_in, x2, ln, y, d_ln, the gradient) are in the
+ * backend's adt, the weights in wdt unless widened says the caller widens them to fp32 (the
+ * CPU's), and the rows that travel between ranks, the statistics and every gradient of a
+ * parameter are fp32. Calls are queued in order on the backend's stream as backend.h's are;
+ * those that hand something to the host wait for it.
  *
  * The route stays on the host (moe_route.c): the gate's logits (N,E) come to the host, the
  * decisions (top-k, capacity, drops), the balancing loss and the gate's gradient through
@@ -31,6 +33,9 @@
 struct backend;
 
 struct backend_moe_ops {
+    /* 1: the weights handed in are fp32, 16-bit ones widened by the caller (the CPU's, whose
+     * adt is fp32 too); 0: they are in wdt as the device tier holds them. */
+    int widened;
     /* Working memory of the backend's kind: *p (bytes) or -ENOMEM; free takes NULL. Counted
      * in work_bytes. free waits for what is queued. */
     int (*alloc)(struct backend *b, void **p, size_t bytes);
@@ -40,16 +45,16 @@ struct backend_moe_ops {
     int (*from_host)(struct backend *b, void *dst, const void *host, size_t bytes);
     /* The gradient flowing back (backend.h's d, (B,T,C)), where the MoE block reads and
      * writes it in place. */
-    float *(*grad)(struct backend *b);
+    void *(*grad)(struct backend *b);
     /* The attention half and ln2 from x_in (N,C): x2 = x_in + attention(ln1(x_in)) and
      * ln = ln2(x2) with its mean and rstd (N); w: slots 0-7 of the block (gpt.h). */
-    int (*attn_forward)(struct backend *b, const void *const *w, const float *x_in, float *x2,
-                        float *ln, float *mean, float *rstd);
+    int (*attn_forward)(struct backend *b, const void *const *w, const void *x_in, void *x2,
+                        void *ln, float *mean, float *rstd);
     /* logits (N,E, host) = ln (N,C) @ wg^T, wg (E,C). */
-    int (*gate_logits)(struct backend *b, const float *ln, const float *wg, int E, float *logits);
+    int (*gate_logits)(struct backend *b, const void *ln, const void *wg, int E, float *logits);
     /* dst[off[i] .. + C) = src row tok[i] (C floats) for i < n; off and tok in host memory,
      * n >= 0; dst outside those rows untouched. */
-    int (*gather)(struct backend *b, float *dst, const float *src, const int64_t *off,
+    int (*gather)(struct backend *b, float *dst, const void *src, const int64_t *off,
                   const int *tok, int n);
     /* One expert (w: fc_w, fc_b, proj_w, proj_b) on n packed rows: out (n,C) =
      * proj(gelu(fc(in))); the backward recomputes it and, given d_y (n,C) and the rows'
@@ -63,18 +68,18 @@ struct backend_moe_ops {
     /* y (N,C) = for each token t the sum, j = 0 .. k-1 in order while off[t*k + j] >= 0, of
      * wt[t*k + j] (1 when wt is NULL) times the row at rows + off[t*k + j]; 0 for a token
      * with none. off and wt in host memory. */
-    int (*combine)(struct backend *b, float *y, const float *rows, const int64_t *off,
+    int (*combine)(struct backend *b, void *y, const float *rows, const int64_t *off,
                    const float *wt, int k);
     /* out (n) = a + c, element by element; out may be a or c. */
-    int (*add)(struct backend *b, float *out, const float *a, const float *c, size_t n);
+    int (*add)(struct backend *b, void *out, const void *a, const void *c, size_t n);
     /* From d_logits (N,E, host): d_wg (E,C) += d_logits^T @ ln and d_ln (N,C) += d_logits @
      * wg. */
-    int (*gate_backward)(struct backend *b, const float *d_logits, const float *ln,
-                         const float *wg, int E, float *d_wg, float *d_ln);
+    int (*gate_backward)(struct backend *b, const float *d_logits, const void *ln,
+                         const void *wg, int E, float *d_wg, void *d_ln);
     /* The gradient d (grad) += ln2's backward of d_ln, then d pulled back through the
      * attention half recomputed from x_in: g (slots 0-7, fp32) +=. */
     int (*attn_backward)(struct backend *b, const void *const *w, float *const *g,
-                         const float *x_in, const float *x2, const float *d_ln, const float *mean,
+                         const void *x_in, const void *x2, const void *d_ln, const float *mean,
                          const float *rstd);
 };
 

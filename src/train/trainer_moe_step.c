@@ -46,7 +46,8 @@
  *
  * With 16-bit weights (bf16, fp16) on the CPU backend each set's weights are widened to fp32
  * before use, as that backend does for the dense blocks (activations and gradients are fp32
- * there); the CUDA backend's MoE blocks are fp32 only (trainer_moe.c refuses the others).
+ * there); the CUDA backend takes them as they are, its activations in the weights' type and
+ * the rows that travel in fp32 (backend_moe.h).
  *
  * Not here: the layout and the checks of the settings (trainer_moe.c), the dense blocks
  * (trainer_step.c), the MoE math and the exchange (moe.c, moe_ep.c), GPUs.
@@ -216,7 +217,9 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
         if (i < t->block_first[d->block] + GPT_BLOCK_NSLOTS && d->slot >= GPT_FC_W)
             m->idle[i] = true;
     }
-    if (t->be->wdt != BACKEND_F32 && !(m->wbuf = malloc(m->wfloats * sizeof(float)))) goto oom;
+    if (t->be->wdt != BACKEND_F32 && t->be->moe->widened &&
+        !(m->wbuf = malloc(m->wfloats * sizeof(float))))
+        goto oom;
     return 0;
 oom:
     snprintf(err, errlen, "out of memory");
@@ -442,7 +445,7 @@ static void widen(struct trainer *t, const struct wave *w, void **p, int n)
 {
     struct train_moe *m = t->moe;
     size_t at = 0;
-    for (int i = 0; i < n && t->be->wdt != BACKEND_F32; i++) {
+    for (int i = 0; i < n && t->be->wdt != BACKEND_F32 && t->be->moe->widened; i++) {
         size_t numel = t->desc[w->idx[w->at[i]]].numel;
         float *dst = m->wbuf + at;
         if (t->be->wdt == BACKEND_F16)

@@ -24,10 +24,10 @@
 #     stages on 4 GPU ranks, one micro-batch each, bitwise one GPU rank of --accumulate 2, and
 #     with 4 micro-batches each, bitwise 2 GPU ZeRO-1 ranks of --accumulate 4 (NCCL sums each
 #     round, as without stages); tensor-parallel ranks on GPUs are refused, naming the key.
-#   - moe: MoE blocks (4 experts, top-2, fp32) on one GPU rank within the CPU-against-GPU
-#     tolerance of the CPU backend's run, and bitwise the same run again; 2 expert-parallel
-#     GPU ranks (moe.ep_size 2) bitwise one GPU rank of --accumulate 2; bf16 on GPUs refused,
-#     naming the key.
+#   - moe: MoE blocks (4 experts, top-2) on one GPU rank within the CPU-against-GPU
+#     tolerance of the CPU backend's run, and (fp32) bitwise the same run again; 2
+#     expert-parallel GPU ranks (moe.ep_size 2) bitwise one GPU rank of --accumulate 2; in
+#     fp32, bf16 and fp16; MoE blocks in pipeline stages on GPUs refused, naming the key.
 #   - faults: a GPU rank killed at the start of a checkpoint, or after its rename, fails the
 #     job, and --resume goes on bitwise as a run that was never killed; a LOCAL_RANK past
 #     the GPUs is refused.
@@ -140,21 +140,23 @@ fi
 # reference within tolerance; expert-parallel GPU ranks are held bitwise to one GPU rank.
 moe=(--experts 4 --top-k 2)
 if want moe; then
-  run moe-gpu1 1 cuda 1 fp32 "${moe[@]}"
   run moe-gpu1-again 1 cuda 1 fp32 "${moe[@]}"
-  run moe-cpu1 1 emulated 1 fp32 "${moe[@]}"
-  run moe-gpu1-acc2 1 cuda 1 fp32 "${moe[@]}" --accumulate 2
-  cfg_extra='"moe": {"ep_size": 2}, ' run moe-gpu2-ep2 2 cuda 1 fp32 "${moe[@]}"
-  d=$work/run-moe-bf16-refused
+  for prec in fp32 bf16 fp16; do
+    run "moe-gpu1-$prec" 1 cuda 1 "$prec" "${moe[@]}"
+    run "moe-cpu1-$prec" 1 emulated 1 "$prec" "${moe[@]}"
+    run "moe-gpu1-$prec-acc2" 1 cuda 1 "$prec" "${moe[@]}" --accumulate 2
+    cfg_extra='"moe": {"ep_size": 2}, ' run "moe-gpu2-$prec-ep2" 2 cuda 1 "$prec" "${moe[@]}"
+  done
+  d=$work/run-moe-pipe-refused
   mkdir -p "$d"
-  config "$d/cfg.json" cuda 1
-  "$zinf" train --config "$d/cfg.json" --data "$work/data.txt" $model "${moe[@]}" \
-    --precision bf16 > "$d/out.txt" 2>&1
+  config "$d/cfg.json" cuda 1 '"pipeline": {"stages": 2}, '
+  "$zinf" launch -n 2 --no-bind --name "emu-moepp-$$" -- "$zinf" train --config "$d/cfg.json" \
+    --data "$work/data.txt" $model "${moe[@]}" > "$d/out.txt" 2>&1
   rc=$?
-  if [ $rc != 0 ] && grep -q "precision bf16 or fp16 on the CUDA backend" "$d/out.txt"; then
-    echo "   ok   bf16 MoE blocks on a GPU are refused (rc=$rc)"
+  if [ $rc != 0 ] && grep -q "pipeline stages on the CUDA backend" "$d/out.txt"; then
+    echo "   ok   MoE blocks in pipeline stages on GPUs are refused (rc=$rc)"
   else
-    echo "   FAIL bf16 MoE blocks on a GPU: rc=$rc"
+    echo "   FAIL MoE blocks in pipeline stages on GPUs: rc=$rc"
     tail -5 "$d/out.txt" | sed 's/^/   | /'
     fails=$((fails + 1))
   fi
@@ -302,24 +304,26 @@ for prec in ('fp32', 'bf16', 'fp16') if want('pipeline') else ():
               'backend and bytes sent' % (prec, n, P))
         rows.append((prec, n, 'stages %d' % P, g[-1]['loss'] if g else None,
                      r[-1]['loss'] if r else None))
-if want('moe'):
-    g, gsum = log('moe-gpu1')
-    again, _ = log('moe-gpu1-again')
-    c, _ = log('moe-cpu1')
-    check(bitwise(g, again, 3), 'MoE fp32, one GPU rank: the same run twice, bitwise')
+for prec in ('fp32', 'bf16', 'fp16') if want('moe') else ():
+    g, gsum = log('moe-gpu1-' + prec)
+    c, _ = log('moe-cpu1-' + prec)
+    if prec == 'fp32':
+        again, _ = log('moe-gpu1-again')
+        check(bitwise(g, again, 3), 'MoE fp32, one GPU rank: the same run twice, bitwise')
     worst = max((abs(a['loss'] - b['loss']) / abs(b['loss']) for a, b in zip(g, c)
                  if a['loss'] is not None and b['loss'] is not None), default=None)
-    check(worst is not None and len(g) == 3 and len(c) == 3 and worst <= tol['fp32'],
-          'MoE fp32, one GPU rank: within %g of the CPU backend (largest %s)'
-          % (tol['fp32'], worst))
+    check(worst is not None and len(g) == 3 and len(c) == 3 and worst <= tol[prec],
+          'MoE %s, one GPU rank: within %g of the CPU backend (largest %s)'
+          % (prec, tol[prec], worst))
     check(bool(gsum) and gsum.get('backend') == 'cuda' and gsum.get('experts', 0) > 0,
-          'MoE fp32, one GPU rank: the summary names the CUDA backend and its experts')
-    e, _ = log('moe-gpu2-ep2')
-    r, _ = log('moe-gpu1-acc2')
-    check(bitwise(e, r, 3), 'MoE fp32, 2 expert-parallel GPU ranks: bitwise one GPU rank of '
-          '--accumulate 2 (loss and digest)')
-    rows.append(('fp32 MoE', 1, '-', g[-1]['loss'] if g else None, c[-1]['loss'] if c else None))
-    rows.append(('fp32 MoE ep', 2, '-', e[-1]['loss'] if e else None,
+          'MoE %s, one GPU rank: the summary names the CUDA backend and its experts' % prec)
+    e, _ = log('moe-gpu2-%s-ep2' % prec)
+    r, _ = log('moe-gpu1-%s-acc2' % prec)
+    check(bitwise(e, r, 3), 'MoE %s, 2 expert-parallel GPU ranks: bitwise one GPU rank of '
+          '--accumulate 2 (loss and digest)' % prec)
+    rows.append((prec + ' MoE', 1, '-', g[-1]['loss'] if g else None,
+                 c[-1]['loss'] if c else None))
+    rows.append((prec + ' MoE ep', 2, '-', e[-1]['loss'] if e else None,
                  r[-1]['loss'] if r else None))
 def steps_of(path):
     return {r['step']: r for r in (json.loads(l) for l in open(path)) if 'step' in r} \
