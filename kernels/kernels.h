@@ -175,6 +175,22 @@ int kernel_chunk_sumsq(double *out, const float *x, size_t n, size_t chunk, cuda
 int kernel_cast(void *dst, enum kdtype dst_dt, const void *src, enum kdtype src_dt, size_t n,
                 cudaStream_t s);
 
+/* Mixture of experts (maps in device memory; twins in moe_ep.c and moe.c); the rows that
+ * travel between ranks (dst, rows) and the weights' gradients are fp32, the activations in
+ * the named type. kernel_moe_gather: dst[off[i] + c] = src[tok[i] * C + c] for i < n (the
+ * rows of a route into the exchange's blocks; dst elsewhere untouched).
+ * kernel_moe_combine: y (N,C) = for token t, from 0, += wt[t*k + j] * rows[off[t*k + j] + c]
+ * (+= the row when wt is NULL) for j = 0, 1, .. in order while off[t*k + j] >= 0
+ * (moe_row_axpy, moe_row_add in expert order), rounded to y_dt at the end.
+ * kernel_moe_weight_grad: for each of n rows, d_w[i] = d_y[i] . out[i] (in double) and
+ * d_o[i] = w[i] * d_y[i] (n,C) (moe.c's rows_backward). */
+int kernel_moe_gather(float *dst, const void *src, enum kdtype src_dt, const int64_t *off,
+                      const int *tok, int n, int C, cudaStream_t s);
+int kernel_moe_combine(void *y, enum kdtype y_dt, const float *rows, const int64_t *off,
+                       const float *wt, int N, int k, int C, cudaStream_t s);
+int kernel_moe_weight_grad(void *d_o, enum kdtype d_o_dt, float *d_w, const float *d_y,
+                           const float *out, const float *w, int n, int C, cudaStream_t s);
+
 #ifdef __cplusplus
 }
 #endif

@@ -31,6 +31,7 @@
 #include "helpers.h"
 #include "tiers/cuda_probe.h"
 #include "train/adamw.h"
+#include "train/moe_int.h"
 #include "train/ops.h"
 
 #if ZINF_HAVE_KERNELS
@@ -1818,6 +1819,231 @@ Test(kernels_gpu, sp_exchange_refuses_bad_input)
     cr_assert_eq(kernel_sp_xchg(FAKE, 0, other, 1, 2, 12, 72, 2, 3, 647, KDT_F32, 0), -EINVAL);
     cr_assert_eq(kernel_sp_xchg(FAKE, 0, other, 1, 2, 12, 72, 2, 3, 1000, BAD_DT, 0), -EINVAL);
     cr_assert_eq(kernel_sp_xchg(FAKE, 0, other, 1, 0, 12, 72, 2, 3, 1000, KDT_F32, 0), -EINVAL);
+}
+
+/* ---- mixture of experts: gather, combine, combine-weight gradient ------------------------ */
+
+/* A route's maps of N tokens, k = 2, into E blocks of cap rows of C: token t's choices go
+ * to rows of two distinct experts (lower first, as moe_ep_combine_map lists them), some
+ * dropped (-1 from there on). */
+static void moe_maps(int N, int E, int cap, int C, int64_t *off, float *w, uint64_t seed)
+{
+    uint64_t s = seed;
+    int used[64] = {0};
+    for (int t = 0; t < N; t++) {
+        int e1 = (int)(test_rand(&s) % (uint64_t)E), e2 = (e1 + 1 + (int)(test_rand(&s) %
+                                                                     (uint64_t)(E - 1))) % E;
+        int a = e1 < e2 ? e1 : e2, b = e1 < e2 ? e2 : e1, j = 0;
+        int ex[2] = {a, b};
+        for (int q = 0; q < 2; q++) {
+            int e = ex[q];
+            if (used[e] >= cap || test_rand(&s) % 7 == 0) continue; /* dropped */
+            off[(size_t)t * 2 + (size_t)j] = ((int64_t)e * cap + used[e]++) * C;
+            w[(size_t)t * 2 + (size_t)j] = (float)((double)(test_rand(&s) >> 11) / 9007199254740992.0);
+            j++;
+        }
+        for (; j < 2; j++) {
+            off[(size_t)t * 2 + (size_t)j] = -1;
+            w[(size_t)t * 2 + (size_t)j] = 0.0f;
+        }
+    }
+}
+
+static void *dev_copy(const void *h, size_t bytes)
+{
+    void *d = dev_alloc(bytes);
+    cr_assert_eq(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    return d;
+}
+
+Test(kernels_gpu, moe_gather_matches_the_cpu)
+{
+    need_gpu();
+    const int N = 37, C = 72, n = 29;
+    const size_t rows = 40;
+    struct twin x = twin_rand((size_t)N * C, KDT_F32, 301, -1, 1);
+    struct twin dst = twin_rand(rows * C, KDT_F32, 302, -1, 1);
+    int64_t off[29];
+    int *tok = random_ints((size_t)n, 303, N);
+    for (int i = 0; i < n; i++) /* distinct rows, not in order */
+        off[i] = (int64_t)((i * 11) % (int)rows) * C;
+    for (int i = 0; i < n; i++)
+        memcpy(dst.h + off[i], x.h + (size_t)tok[i] * C, C * sizeof(float));
+    int64_t *d_off = dev_copy(off, sizeof(off));
+    int *d_tok = dev_ints(tok, (size_t)n);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, KDT_F32, d_off, d_tok, n, C, 0), 0);
+    sync_ok();
+    twin_check("moe gather", KDT_F32, &dst, TOL_EXACT);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, KDT_F32, d_off, d_tok, 0, C, 0), 0); /* nothing */
+    cr_assert_eq(kernel_moe_gather(NULL, x.d, KDT_F32, d_off, d_tok, n, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, KDT_F32, d_off, d_tok, -1, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, KDT_F32, d_off, d_tok, n, 0, 0), -EINVAL);
+    twin_free(&x);
+    twin_free(&dst);
+    free(tok);
+    cudaFree(d_off);
+    cudaFree(d_tok);
+}
+
+/* The combine against moe_ep.c's sum (moe_row_axpy, moe_row_add in expert order), with and
+ * without weights, twice for the same bits. */
+Test(kernels_gpu, moe_combine_matches_the_cpu)
+{
+    need_gpu();
+    const int N = 53, E = 5, cap = 24, C = 96, k = 2;
+    struct twin rows = twin_rand((size_t)E * cap * C, KDT_F32, 311, -2, 2);
+    int64_t *off = malloc((size_t)N * k * sizeof(int64_t));
+    float *w = falloc((size_t)N * k);
+    cr_assert_not_null(off);
+    moe_maps(N, E, cap, C, off, w, 312);
+    int64_t *d_off = dev_copy(off, (size_t)N * k * sizeof(int64_t));
+    float *d_w = dev_copy(w, (size_t)N * k * sizeof(float));
+    for (int weighted = 0; weighted < 2; weighted++) {
+        struct twin y = twin_rand((size_t)N * C, KDT_F32, 313, -1, 1); /* overwritten */
+        memset(y.h, 0, (size_t)N * C * sizeof(float));
+        for (int t = 0; t < N; t++)
+            for (int j = 0; j < k && off[t * k + j] >= 0; j++) {
+                if (weighted)
+                    moe_row_axpy(y.h + (size_t)t * C, w[t * k + j], rows.h + off[t * k + j],
+                                 (size_t)C);
+                else
+                    moe_row_add(y.h + (size_t)t * C, rows.h + off[t * k + j], (size_t)C);
+            }
+        void *first = NULL;
+        for (int run = 0; run < 2; run++) {
+            cr_assert_eq(kernel_moe_combine(y.d, KDT_F32, rows.d, d_off, weighted ? d_w : NULL, N, k, C, 0),
+                         0);
+            sync_ok();
+            if (run == 0) first = dev_bytes(y.d, (size_t)N * C * sizeof(float));
+        }
+        void *second = dev_bytes(y.d, (size_t)N * C * sizeof(float));
+        cr_assert_eq(memcmp(first, second, (size_t)N * C * sizeof(float)), 0,
+                     "moe combine: two runs differ");
+        free(first);
+        free(second);
+        /* One rounding per term: fp32 1e-6 + 1e-5 |x| (an FMA against a multiply-add). */
+        twin_check(weighted ? "moe combine (weighted)" : "moe combine (sum)", KDT_F32, &y,
+                   weighted ? TOL_F32 : TOL_EXACT);
+        twin_free(&y);
+    }
+    cr_assert_eq(kernel_moe_combine(NULL, KDT_F32, rows.d, d_off, d_w, N, k, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_combine(rows.d, KDT_F32, rows.d, d_off, d_w, 0, k, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_combine(rows.d, KDT_F32, rows.d, NULL, d_w, N, k, C, 0), -EINVAL);
+    twin_free(&rows);
+    free(off);
+    free(w);
+    cudaFree(d_off);
+    cudaFree(d_w);
+}
+
+/* d_w[i] = d_y[i] . out[i] in double and d_o = w * d_y: moe.c's rows_backward loop. */
+Test(kernels_gpu, moe_weight_grad_matches_the_cpu)
+{
+    need_gpu();
+    const int n = 41, C = 300; /* more columns than a block has threads */
+    struct twin d_y = twin_rand((size_t)n * C, KDT_F32, 321, -1, 1);
+    struct twin out = twin_rand((size_t)n * C, KDT_F32, 322, -1, 1);
+    struct twin w = twin_rand((size_t)n, KDT_F32, 323, 0, 1);
+    struct twin d_o = twin_zeros((size_t)n * C, KDT_F32);
+    struct twin d_w = twin_zeros((size_t)n, KDT_F32);
+    for (int i = 0; i < n; i++) {
+        double dot = 0.0;
+        for (int c = 0; c < C; c++) {
+            size_t at = (size_t)i * C + (size_t)c;
+            dot += (double)d_y.h[at] * out.h[at];
+            d_o.h[at] = w.h[i] * d_y.h[at];
+        }
+        d_w.h[i] = (float)dot;
+    }
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, KDT_F32, d_w.d, d_y.d, out.d, w.d, n, C, 0), 0);
+    sync_ok();
+    twin_check("moe weight grad d_o", KDT_F32, &d_o, TOL_EXACT);
+    /* A double sum in another order, rounded to fp32. */
+    twin_check("moe weight grad d_w", KDT_F32, &d_w, TOL_F32);
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, KDT_F32, d_w.d, d_y.d, NULL, w.d, n, C, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, KDT_F32, d_w.d, d_y.d, out.d, w.d, n, 0, 0), -EINVAL);
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, KDT_F32, d_w.d, d_y.d, out.d, w.d, 0, C, 0), 0);
+    twin_free(&d_y);
+    twin_free(&out);
+    twin_free(&w);
+    twin_free(&d_o);
+    twin_free(&d_w);
+}
+
+/* The 16-bit activations' side of the three: the gather widens its source rows (exact),
+ * the combine rounds its fp32 sum once at the end, the weight gradient's d_o is rounded. */
+static void check_moe_16(enum kdtype dt)
+{
+    const int N = 29, E = 4, cap = 20, C = 72, k = 2;
+    /* Gather: rows of a 16-bit source into fp32. */
+    struct twin x = twin_rand((size_t)N * C, dt, 331, -1, 1);
+    struct twin dst = twin_zeros((size_t)N * C, KDT_F32);
+    int64_t off[29];
+    int *tok = random_ints((size_t)N, 332, N);
+    for (int i = 0; i < N; i++)
+        off[i] = (int64_t)((N - 1 - i) * C);
+    for (int i = 0; i < N; i++)
+        memcpy(dst.h + off[i], x.h + (size_t)tok[i] * C, C * sizeof(float));
+    int64_t *d_off = dev_copy(off, sizeof(off));
+    int *d_tok = dev_ints(tok, (size_t)N);
+    cr_assert_eq(kernel_moe_gather(dst.d, x.d, dt, d_off, d_tok, N, C, 0), 0);
+    sync_ok();
+    twin_check("moe gather from 16 bits", dt, &dst, TOL_EXACT);
+    /* Combine into 16 bits. */
+    struct twin rows = twin_rand((size_t)E * cap * C, KDT_F32, 333, -2, 2);
+    int64_t *coff = malloc((size_t)N * k * sizeof(int64_t));
+    float *w = falloc((size_t)N * k);
+    cr_assert_not_null(coff);
+    moe_maps(N, E, cap, C, coff, w, 334);
+    int64_t *d_coff = dev_copy(coff, (size_t)N * k * sizeof(int64_t));
+    float *d_w = dev_copy(w, (size_t)N * k * sizeof(float));
+    struct twin y = twin_zeros((size_t)N * C, dt);
+    for (int t = 0; t < N; t++)
+        for (int j = 0; j < k && coff[t * k + j] >= 0; j++)
+            moe_row_axpy(y.h + (size_t)t * C, w[t * k + j], rows.h + coff[t * k + j], (size_t)C);
+    cr_assert_eq(kernel_moe_combine(y.d, dt, rows.d, d_coff, d_w, N, k, C, 0), 0);
+    sync_ok();
+    twin_check("moe combine into 16 bits", dt, &y, tol_for(dt, TOL_F32));
+    /* The weight gradient with a 16-bit d_o. */
+    struct twin d_y = twin_rand((size_t)N * C, KDT_F32, 335, -1, 1);
+    struct twin out = twin_rand((size_t)N * C, KDT_F32, 336, -1, 1);
+    struct twin d_o = twin_zeros((size_t)N * C, dt);
+    struct twin d_wt = twin_zeros((size_t)N, KDT_F32);
+    for (int i = 0; i < N; i++) {
+        double dot = 0.0;
+        for (int c = 0; c < C; c++) {
+            size_t at = (size_t)i * C + (size_t)c;
+            dot += (double)d_y.h[at] * out.h[at];
+            d_o.h[at] = w[i] * d_y.h[at];
+        }
+        d_wt.h[i] = (float)dot;
+    }
+    cr_assert_eq(kernel_moe_weight_grad(d_o.d, dt, d_wt.d, d_y.d, out.d, d_w, N, C, 0), 0);
+    sync_ok();
+    twin_check("moe weight grad d_o in 16 bits", dt, &d_o, tol_for(dt, TOL_F32));
+    twin_check("moe weight grad d_w", KDT_F32, &d_wt, TOL_F32);
+    struct twin *all[] = {&x, &dst, &rows, &y, &d_y, &out, &d_o, &d_wt};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        twin_free(all[i]);
+    free(tok);
+    free(coff);
+    free(w);
+    cudaFree(d_off);
+    cudaFree(d_tok);
+    cudaFree(d_coff);
+    cudaFree(d_w);
+}
+
+Test(kernels_gpu, moe_rows_match_the_cpu_bf16)
+{
+    need_gpu();
+    check_moe_16(KDT_BF16);
+}
+
+Test(kernels_gpu, moe_rows_match_the_cpu_f16)
+{
+    need_gpu();
+    check_moe_16(KDT_F16);
 }
 
 #else

@@ -147,6 +147,8 @@ struct backend {
      * collective's own stream waits for it (comm_req.wait_event). NULL: no streams (the
      * CPU's), the input is in place when the call is made. */
     void *coll_wait;
+    /* The MoE block's ops (backend_moe.h); NULL where the backend has none. */
+    const struct backend_moe_ops *moe;
 };
 
 /* The activation checkpoints' type: the CPU keeps them in fp32, the GPU in the weights'. */

@@ -17,6 +17,7 @@
 
 #include "common.h"
 #include "train/backend.h"
+#include "train/backend_moe.h"
 #include "train/digest.h"
 #include "train/ops.h"
 
@@ -41,6 +42,7 @@ struct cpu_backend {
     const struct backend_sp *sp;
     int Tl;
     size_t slot_numel[GPT_BLOCK_NSLOTS];
+    struct backend_cpu_view moe; /* what backend_cpu_moe.c's ops use */
 };
 
 static struct cpu_backend *cpu(struct backend *b)
@@ -61,7 +63,13 @@ static void cpu_close(struct backend *b)
     free(c->lnfw);
     free(c->lnfb);
     free(c->hgrad);
+    free(c->moe.ms.mem);
     free(c);
+}
+
+struct backend_cpu_view *backend_cpu_view(struct backend *b)
+{
+    return &cpu(b)->moe;
 }
 
 static int cpu_set_batch(struct backend *b, const int *tokens, const int *targets)
@@ -439,6 +447,9 @@ int backend_cpu_open(const struct backend_params *p, struct backend **out, char 
         cpu_close(&c->b);
         return -ENOMEM;
     }
+    c->moe = (struct backend_cpu_view){.cfg = &c->cfg, .B = c->B, .T = c->T, .d = c->d,
+                                       .gs = &c->scratch};
+    if (!c->tp && !c->sp) c->b.moe = &backend_cpu_moe_ops;
     *out = &c->b;
     return 0;
 }

@@ -28,6 +28,7 @@
 
 #include "train/backend_cuda_int.h"
 #include "train/backend_cuda_sp.h"
+#include "train/backend_moe.h"
 #include "train/digest.h"
 
 #if ZINF_HAVE_KERNELS
@@ -36,6 +37,7 @@ static void cuda_close(struct backend *b)
 {
     struct cuda_backend *c = cub(b);
     if (c->s) cudaStreamSynchronize(c->s);
+    backend_cuda_moe_close(c);
     if (c->blas) cublasDestroy(c->blas);
     cuda_tp_close(c);
     cuda_sp_close(c);
@@ -524,6 +526,7 @@ int backend_cuda_open(const struct backend_params *p, struct backend **out, char
     what = "cudaMemsetAsync";
     if ((r = cuerr(cudaMemsetAsync(c->sumsq, 0, sizeof(double), c->s))) < 0) goto fail;
     c->b.work_bytes += bytes;
+    c->b.moe = &backend_cuda_moe_ops;
     what = "cudaMalloc of the tensor-parallel buffers";
     if ((r = cuda_tp_alloc(c)) < 0) goto fail;
     *out = &c->b;

@@ -53,7 +53,11 @@ struct cuda_backend {
     double *chunks, *chunks_h;
     size_t chunks_cap;
     struct cuda_sp *sp; /* sequence parallel (backend_cuda_sp.c), or NULL */
+    struct cuda_moe *moe; /* the MoE ops' buffers (backend_cuda_moe.c), made on first use */
 };
+
+/* Frees the MoE ops' buffers (backend_cuda_moe.c). */
+void backend_cuda_moe_close(struct cuda_backend *c);
 
 /* The tensor-parallel parts (backend_cuda_tp.c). cuda_tp_setup (before the working buffers
  * are sized) checks the cut and sets tp, Cr, NHr, Vr and vlo; cuda_tp_alloc (on the device,

@@ -50,6 +50,7 @@
 #define ZINF_TRAIN_MOE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #define MOE_MAX_C (1 << 16)      /* channels */
 #define MOE_MAX_E 4096           /* experts */
@@ -143,6 +144,16 @@ int moe_gate_forward(const struct moe_config *cfg, int N, const float *x, const 
 int moe_gate_backward(const struct moe_config *cfg, const struct moe_route *r, const float *x,
                       const float *wg, const float *d_weight, float d_l_aux, float *d_x,
                       float *d_wg, struct moe_scratch *s);
+/* The two halves of each, for a caller that computes the GEMMs elsewhere (a GPU): the
+ * gate's decisions are taken on the host from logits that came from anywhere, so that every
+ * backend routes alike. moe_route_logits: moe_gate_forward after its GEMM, from the logits
+ * (N,E) already in r->logits (moe_route_check_logits: its checks, 0 or logged -EINVAL);
+ * moe_gate_dlogits: moe_gate_backward before its GEMMs, d_logits (N,E) = dloss/dlogits
+ * (written), after which d_wg += d_logits^T @ x and d_x += d_logits @ wg. */
+int moe_route_check_logits(const struct moe_config *cfg, int N, const struct moe_route *r);
+int moe_route_logits(const struct moe_config *cfg, int N, struct moe_route *r);
+int moe_gate_dlogits(const struct moe_config *cfg, const struct moe_route *r,
+                     const float *d_weight, float d_l_aux, float *d_logits);
 
 /* Expert e of the route: y (N,C) += weight * expert(x[token]) for each token it kept; does
  * nothing when it kept none. */
@@ -232,6 +243,35 @@ int moe_ep_combine_backward(const struct moe_config *cfg, const struct moe_ep *e
                             const struct moe_route *r, struct moe_ep_xfer *xf, float *d_x,
                             float *d_weight);
 void moe_ep_xfer_release(struct moe_ep_xfer *xf);
+
+/* The same exchange for a caller that moves the rows itself (a GPU gathers and sums them
+ * in its own memory, and the host buffers of xf are the staging of the all-to-all):
+ *   begin      the counts and the buffers, as dispatch (backward: the three planes);
+ *   send_map   where each kept choice's row of plane (0: x, 1: d_y) goes in send: for the
+ *              i-th of them, in expert then slot order, off[i] (floats into send) and tok[i]
+ *              (the row of x or d_y); their number returned (off, tok: N x k room);
+ *   send_weights  the backward's weight plane of send, from the route;
+ *   exchange   the all-to-all of send (out) or of what goes back (back: the forward's
+ *              send, the backward's back) into recv (a failure releases xf);
+ *   combine_map   for token t, off[t*k + j] (floats into recv after the exchange back) of
+ *              its j-th row in expert order, -1 past its last, and w (may be NULL) its
+ *              weight: y[t] = sum over j in order of w * row, as combine_forward sums;
+ *   combine_weights  the backward's d_weight of every kept choice, from recv.
+ * moe_ep_rows and moe_ep_rows_for read the blocks of recv, send and back as before. */
+int moe_ep_begin(const struct moe_config *cfg, const struct moe_ep *ep, const struct moe_route *r,
+                 int backward, struct moe_ep_xfer *xf);
+int moe_ep_send_map(const struct moe_config *cfg, const struct moe_ep *ep,
+                    const struct moe_route *r, const struct moe_ep_xfer *xf, int plane,
+                    int64_t *off, int *tok);
+void moe_ep_send_weights(const struct moe_config *cfg, const struct moe_ep *ep,
+                         const struct moe_route *r, struct moe_ep_xfer *xf);
+int moe_ep_exchange(const struct moe_ep *ep, struct moe_ep_xfer *xf, int back);
+void moe_ep_combine_map(const struct moe_config *cfg, const struct moe_ep *ep,
+                        const struct moe_route *r, const struct moe_ep_xfer *xf, int64_t *off,
+                        float *w);
+void moe_ep_combine_weights(const struct moe_config *cfg, const struct moe_ep *ep,
+                            const struct moe_route *r, const struct moe_ep_xfer *xf,
+                            float *d_weight);
 
 /* The whole layer: the gate into r, then y (N,C) = the MoE output. ep NULL: one rank with
  * all E experts in experts[]; otherwise experts[] holds the E/ep this rank owns, and every

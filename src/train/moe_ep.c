@@ -22,6 +22,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -293,6 +294,95 @@ int moe_ep_combine_backward(const struct moe_config *cfg, const struct moe_ep *e
 out:
     moe_ep_xfer_release(xf);
     return rc;
+}
+
+/* ---- the exchange with the rows moved by the caller ------------------------------------------ */
+
+int moe_ep_begin(const struct moe_config *cfg, const struct moe_ep *ep, const struct moe_route *r,
+                 int backward, struct moe_ep_xfer *xf)
+{
+    const int C = cfg->C;
+    return backward ? xfer_begin(cfg, ep, r, 2 * C + 1, C + 1, xf) : xfer_begin(cfg, ep, r, C, C, xf);
+}
+
+int moe_ep_send_map(const struct moe_config *cfg, const struct moe_ep *ep,
+                    const struct moe_route *r, const struct moe_ep_xfer *xf, int plane,
+                    int64_t *off, int *tok)
+{
+    const int Epr = cfg->E / ep->ep;
+    const size_t cap = (size_t)xf->block_cap, C = (size_t)cfg->C;
+    int n = 0;
+    for (int e = 0; e < cfg->E; e++) {
+        size_t at = block_at(cfg, ep->ep, xf->block_cap, xf->w_out, e / Epr, e % Epr);
+        const struct moe_slot *sl = r->slots + (size_t)e * (size_t)r->max_N;
+        for (int i = 0; i < r->count[e]; i++, n++) {
+            off[n] = (int64_t)(at + ((size_t)plane * cap + (size_t)i) * C);
+            tok[n] = sl[i].token;
+        }
+    }
+    return n;
+}
+
+void moe_ep_send_weights(const struct moe_config *cfg, const struct moe_ep *ep,
+                         const struct moe_route *r, struct moe_ep_xfer *xf)
+{
+    const int Epr = cfg->E / ep->ep;
+    const size_t cap = (size_t)xf->block_cap, C = (size_t)cfg->C, k = (size_t)r->k;
+    for (int e = 0; e < cfg->E; e++) {
+        float *blk = xf->send + block_at(cfg, ep->ep, xf->block_cap, xf->w_out, e / Epr, e % Epr);
+        const struct moe_slot *sl = r->slots + (size_t)e * (size_t)r->max_N;
+        for (int i = 0; i < r->count[e]; i++)
+            blk[2 * cap * C + (size_t)i] =
+                r->weight[(size_t)sl[i].token * k + (size_t)sl[i].choice];
+    }
+}
+
+int moe_ep_exchange(const struct moe_ep *ep, struct moe_ep_xfer *xf, int back)
+{
+    const float *send = back && xf->w_out != xf->w_back ? xf->back : xf->send;
+    size_t n = back ? xf->bf_back : xf->bf_out;
+    int rc = ep->alltoall(send, xf->recv, n, ep->ctx);
+    if (rc < 0) moe_ep_xfer_release(xf);
+    return rc;
+}
+
+void moe_ep_combine_map(const struct moe_config *cfg, const struct moe_ep *ep,
+                        const struct moe_route *r, const struct moe_ep_xfer *xf, int64_t *off,
+                        float *w)
+{
+    const int Epr = cfg->E / ep->ep, k = r->k;
+    const size_t C = (size_t)cfg->C;
+    for (size_t i = 0; i < (size_t)r->N * (size_t)k; i++) {
+        off[i] = -1;
+        if (w) w[i] = 0.0f;
+    }
+    /* Expert order: each token's entries come in the order moe_ep_unpack adds them. */
+    for (int e = 0; e < cfg->E; e++) {
+        size_t at = block_at(cfg, ep->ep, xf->block_cap, xf->w_back, e / Epr, e % Epr);
+        const struct moe_slot *sl = r->slots + (size_t)e * (size_t)r->max_N;
+        for (int i = 0; i < r->count[e]; i++) {
+            size_t t = (size_t)sl[i].token, j = t * (size_t)k;
+            while (off[j] >= 0)
+                j++;
+            off[j] = (int64_t)(at + (size_t)i * C);
+            if (w) w[j] = r->weight[t * (size_t)k + (size_t)sl[i].choice];
+        }
+    }
+}
+
+void moe_ep_combine_weights(const struct moe_config *cfg, const struct moe_ep *ep,
+                            const struct moe_route *r, const struct moe_ep_xfer *xf,
+                            float *d_weight)
+{
+    const int Epr = cfg->E / ep->ep;
+    const size_t cap = (size_t)xf->block_cap, C = (size_t)cfg->C, k = (size_t)r->k;
+    for (int e = 0; e < cfg->E; e++) {
+        const float *blk =
+            xf->recv + block_at(cfg, ep->ep, xf->block_cap, xf->w_back, e / Epr, e % Epr);
+        const struct moe_slot *sl = r->slots + (size_t)e * (size_t)r->max_N;
+        for (int i = 0; i < r->count[e]; i++)
+            d_weight[(size_t)sl[i].token * k + (size_t)sl[i].choice] = blk[cap * C + (size_t)i];
+    }
 }
 
 /* ---- forward and backward over the group ---------------------------------------------------- */

@@ -258,22 +258,38 @@ static void top2_weights(float g1, float g2, int kept1, int kept2, int before, f
 int moe_gate_forward(const struct moe_config *cfg, int N, const float *x, const float *wg,
                      struct moe_route *r)
 {
+    if (!x || !wg) return moe_bad("gate forward: x or wg is NULL");
+    int rc = moe_route_check_logits(cfg, N, r);
+    if (rc < 0) return rc;
+    /* logits (N,E) = x (N,C) @ wg^T, in fp32. */
+    ops_gemm(0, 1, (size_t)N, (size_t)cfg->E, (size_t)cfg->C, x, (size_t)cfg->C, wg,
+             (size_t)cfg->C, 0.0f, r->logits, (size_t)cfg->E);
+    return moe_route_logits(cfg, N, r);
+}
+
+int moe_route_check_logits(const struct moe_config *cfg, int N, const struct moe_route *r)
+{
     int rc = moe_check_config(cfg);
     if (rc < 0) return rc;
-    if (!x || !wg) return moe_bad("gate forward: x or wg is NULL");
     if (!r || !r->gates) return moe_bad("no route (make one with moe_route_init)");
     if (r->E != cfg->E || r->k != cfg->k)
         return moe_bad("the route was made for E=%d top-%d, not for this config's E=%d top-%d",
                        r->E, r->k, cfg->E, cfg->k);
     if (N < 1 || N > r->max_N)
         return moe_bad("N=%d tokens is out of range: the route holds [1, %d]", N, r->max_N);
+    return 0;
+}
+
+int moe_route_logits(const struct moe_config *cfg, int N, struct moe_route *r)
+{
+    int rc = moe_route_check_logits(cfg, N, r);
+    if (rc < 0) return rc;
     const int E = cfg->E, k = cfg->k;
-    const size_t C = (size_t)cfg->C, Ez = (size_t)E;
+    const size_t Ez = (size_t)E;
     r->N = N;
     r->norm_before_drop = cfg->norm_before_drop;
 
-    /* logits (N,E) = x (N,C) @ wg^T; gates = the row-wise softmax, in fp32. */
-    ops_gemm(0, 1, (size_t)N, Ez, C, x, C, wg, C, 0.0f, r->logits, Ez);
+    /* gates = the row-wise softmax of the logits, in fp32. */
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < N; t++) {
         const float *l = r->logits + (size_t)t * Ez;
@@ -415,8 +431,26 @@ int moe_gate_backward(const struct moe_config *cfg, const struct moe_route *r, c
         return moe_bad("gate backward: d_l_aux=%g is not finite", (double)d_l_aux);
     float *d_logits = moe_scratch_base(cfg, r->N, s);
     if (!d_logits) return -EINVAL;
+    if ((rc = moe_gate_dlogits(cfg, r, d_weight, d_l_aux, d_logits)) < 0) return rc;
+    const size_t N = (size_t)r->N, C = (size_t)cfg->C, Ez = (size_t)r->E;
+    /* d_wg (E,C) += d_logits^T (E,N) @ x (N,C); d_x (N,C) += d_logits (N,E) @ wg (E,C). */
+    ops_gemm(1, 0, Ez, C, N, d_logits, Ez, x, C, 1.0f, d_wg, C);
+    ops_gemm(0, 0, N, C, Ez, d_logits, Ez, wg, C, 1.0f, d_x, C);
+    return 0;
+}
+
+int moe_gate_dlogits(const struct moe_config *cfg, const struct moe_route *r,
+                     const float *d_weight, float d_l_aux, float *d_logits)
+{
+    int rc = moe_check_config(cfg);
+    if (rc < 0) return rc;
+    if (!r || r->N < 1) return moe_bad("gate backward: no route (run moe_gate_forward first)");
+    if ((rc = moe_check_route(cfg, r, r->N)) < 0) return rc;
+    if (!d_weight || !d_logits) return moe_bad("gate backward: d_weight or d_logits is NULL");
+    if (!isfinite(d_l_aux))
+        return moe_bad("gate backward: d_l_aux=%g is not finite", (double)d_l_aux);
     const int N = r->N, E = r->E;
-    const size_t C = (size_t)cfg->C, Ez = (size_t)E;
+    const size_t Ez = (size_t)E;
     /* dl_aux/dgates[t,e] = E * ce[e] / N. */
     const double aux_scale = (double)d_l_aux * E / N;
 #pragma omp parallel for schedule(static)
@@ -433,8 +467,5 @@ int moe_gate_backward(const struct moe_config *cfg, const struct moe_route *r, c
         for (int e = 0; e < E; e++)
             dg[e] = g[e] * (dg[e] - dot);
     }
-    /* d_wg (E,C) += d_logits^T (E,N) @ x (N,C); d_x (N,C) += d_logits (N,E) @ wg (E,C). */
-    ops_gemm(1, 0, Ez, C, (size_t)N, d_logits, Ez, x, C, 1.0f, d_wg, C);
-    ops_gemm(0, 0, (size_t)N, C, Ez, d_logits, Ez, wg, C, 1.0f, d_x, C);
     return 0;
 }

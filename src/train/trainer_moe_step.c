@@ -33,11 +33,21 @@
  * blocks' tensors are (train_reduce_grad), the gate's local gradient in a buffer of this
  * file's.
  *
- * The math runs here on the pointers the device tier hands out, which are host memory on
- * the CPU backend (trainer_moe.c refuses the others).
+ * The math runs in the backend (its MoE ops, backend_moe.h) on the pointers the device tier
+ * hands out and on buffers of the backend's memory (x2, ln2 and its statistics, the experts'
+ * sum, the gradient of ln2's output, the rows on their way): GPU memory on the CUDA backend,
+ * host memory on the CPU's. The route is taken on the host: the gate's logits come over, the
+ * decisions, l_aux and the gate's gradient through the softmax are moe_route.c's, and the
+ * maps of the rows go back (small: N x E and N x k), so that every backend routes alike.
+ * The rows are gathered into the backend's copy of moe_ep.c's send blocks, and the
+ * exchange stages through moe_ep.c's host buffers (backend -> host, the all-to-all, host ->
+ * backend; on the CPU these are copies); each token's rows are summed in expert order by
+ * the backend's combine, the order moe_ep.c sums in.
  *
- * With 16-bit weights (bf16, fp16) each set's weights are widened to fp32 before use, as the
- * CPU backend does for the dense blocks (activations and gradients are fp32 there).
+ * With 16-bit weights (bf16, fp16) on the CPU backend each set's weights are widened to fp32
+ * before use, as that backend does for the dense blocks (activations and gradients are fp32
+ * there); the CUDA backend takes them as they are, its activations in the weights' type and
+ * the rows that travel in fp32 (backend_moe.h).
  *
  * Not here: the layout and the checks of the settings (trainer_moe.c), the dense blocks
  * (trainer_step.c), the MoE math and the exchange (moe.c, moe_ep.c), GPUs.
@@ -51,25 +61,37 @@
 #include "comm/comm.h"
 #include "common.h"
 #include "train/backend.h"
+#include "train/backend_moe.h"
 #include "train/moe.h"
 #include "train/ops.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
 
+/* A buffer of the backend's memory, grown on demand. */
+struct dbuf {
+    float *p;
+    size_t cap; /* floats */
+};
+
 struct train_moe {
     struct moe_config mc;
     struct moe_route r;
-    struct moe_scratch ms;
-    struct gpt_scratch gs;
     int N;                  /* tokens of a micro-batch, B x T */
-    float *x2, *ln;         /* (N,C): the attention half's output, ln2 of it */
-    float *mean, *rstd;     /* (N): ln2's */
-    float *y, *d, *dln;     /* (N,C): the experts' sum; the gradient flowing back; of ln */
+    /* In the backend's memory: */
+    struct dbuf x2, ln;     /* (N,C): the attention half's output, ln2 of it */
+    struct dbuf mean, rstd; /* (N): ln2's */
+    struct dbuf y, dln;     /* (N,C): the experts' sum; the gradient of ln */
+    struct dbuf send, recv, back; /* moe_ep_xfer's blocks, the backend's copies */
+    struct dbuf lx;         /* one expert's gradient from one source (its four tensors) */
+    struct dbuf lg_gate;    /* exact: a gate's local gradient, reduced as the dense ones */
+    /* In host memory: */
     float *dw;              /* (N,k): the gradient of the combine weights */
+    float *dlogits;         /* (N,E): the gate's gradient through the softmax */
+    int64_t *off;           /* (N,k): the rows' maps (backend_moe.h's gather, combine) */
+    int *tok;               /* (N,k) */
+    float *cw;              /* (N,k): the combine's weights, in its order */
     struct moe_ep ep;       /* the group: the ZeRO ranks (one rank: ep 1) */
     int Epr;                /* experts of each MoE block this rank holds: E / ep */
-    float *lx;              /* one expert's gradient from one source (its four tensors) */
-    float *lg_gate;         /* exact: a gate's local gradient, reduced as the dense ones */
     float *wbuf;            /* 16-bit weights: a set's weights widened to fp32 */
     size_t wfloats;         /* its size */
     int *gate;              /* by block: its gate's layout index (its experts follow), or -1 */
@@ -90,6 +112,24 @@ struct train_moe {
 static int expert_idx(int g, int j, int s)
 {
     return g + 1 + 4 * j + (s - GPT_FC_W);
+}
+
+/* buf holds at least floats (its content is lost when it grows). */
+static int room(struct trainer *t, struct dbuf *buf, size_t floats)
+{
+    const struct backend_moe_ops *mo = t->be->moe;
+    if (floats <= buf->cap) return 0;
+    mo->free(t->be, buf->p, buf->cap * sizeof(float));
+    *buf = (struct dbuf){0};
+    int r = mo->alloc(t->be, (void **)&buf->p, MAX(floats, 1) * sizeof(float));
+    if (r == 0) buf->cap = floats;
+    return r;
+}
+
+static void dfree(struct trainer *t, struct dbuf *buf)
+{
+    if (buf->p) t->be->moe->free(t->be, buf->p, buf->cap * sizeof(float));
+    *buf = (struct dbuf){0};
 }
 
 /* The group's all-to-all: the ZeRO ranks' host communicator; one rank's is a copy. */
@@ -116,19 +156,32 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
     m->mc.drop_tokens = o->drop_tokens;
     if (moe_config_validate(&m->mc, err, errlen) < 0) return -EINVAL;
     m->N = t->o.batch * t->o.seq;
-    size_t N = (size_t)m->N, NC = N * (size_t)t->cfg.C;
-    m->x2 = malloc(NC * sizeof(float));
-    m->ln = malloc(NC * sizeof(float));
-    m->y = malloc(NC * sizeof(float));
-    m->d = malloc(NC * sizeof(float));
-    m->dln = malloc(NC * sizeof(float));
-    m->mean = malloc(N * sizeof(float));
-    m->rstd = malloc(N * sizeof(float));
-    m->dw = malloc(N * (size_t)o->k * sizeof(float));
+    size_t N = (size_t)m->N, NC = N * (size_t)t->cfg.C, Nk = N * (size_t)o->k;
+    if (!t->be->moe) {
+        snprintf(err, errlen, "moe: the %s backend has no MoE ops", t->be->name);
+        return -EINVAL;
+    }
+    int r = 0;
+    struct dbuf *nc[] = {&m->x2, &m->ln, &m->y, &m->dln};
+    for (size_t i = 0; i < sizeof(nc) / sizeof(nc[0]) && r == 0; i++)
+        r = room(t, nc[i], NC);
+    if (r == 0) r = room(t, &m->mean, N);
+    if (r == 0) r = room(t, &m->rstd, N);
+    if (r == 0) r = room(t, &m->lx, moe_expert_num_params(t->cfg.C));
+    if (r < 0) {
+        snprintf(err, errlen, "moe: no room for the MoE blocks' working buffers in the %s "
+                              "backend's memory",
+                 t->be->name);
+        return r;
+    }
+    m->dw = malloc(Nk * sizeof(float));
+    m->dlogits = malloc(N * (size_t)o->E * sizeof(float));
+    m->off = malloc(Nk * sizeof(int64_t));
+    m->tok = malloc(Nk * sizeof(int));
+    m->cw = malloc(Nk * sizeof(float));
     m->ep = (struct moe_ep){
         .ep = MAX(1, t->ep), .rank = t->ep > 1 ? t->rank : 0, .alltoall = alltoall, .ctx = t};
     m->Epr = o->E / m->ep.ep;
-    m->lx = malloc(moe_expert_num_params(t->cfg.C) * sizeof(float));
     m->local = malloc((size_t)m->Epr * sizeof(int));
     m->aux_micro = calloc((size_t)t->o.grad_accum * (size_t)(MAX(1, t->world) + 1), sizeof(float));
     if (!m->aux_micro) goto oom;
@@ -137,14 +190,10 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
         goto oom;
     m->gate = malloc((size_t)t->cfg.L * sizeof(int));
     m->idle = calloc((size_t)t->ntensors, sizeof(bool));
-    m->ms.bytes = moe_scratch_bytes(&m->mc, m->N);
-    m->ms.mem = malloc(m->ms.bytes);
-    m->gs.bytes = gpt_scratch_bytes(&t->cfg, t->o.batch, t->o.seq);
-    m->gs.mem = malloc(m->gs.bytes);
-    if (!m->x2 || !m->ln || !m->y || !m->d || !m->dln || !m->mean || !m->rstd || !m->dw || !m->lx ||
-        !m->local || !m->gate || !m->idle || !m->ms.mem || !m->gs.mem)
+    if (!m->dw || !m->dlogits || !m->off || !m->tok || !m->cw || !m->local || !m->gate ||
+        !m->idle)
         goto oom;
-    int r = moe_route_init(&m->r, &m->mc, m->N);
+    r = moe_route_init(&m->r, &m->mc, m->N);
     if (r < 0) {
         snprintf(err, errlen, "moe: cannot make the route of %d tokens", m->N);
         return r;
@@ -162,13 +211,15 @@ int train_moe_setup(struct trainer *t, char *err, size_t errlen)
             m->wfloats = MAX(m->wfloats, MAX(wn, moe_expert_num_params(t->cfg.C)));
             m->experts += o->E;
             size_t lb = train_role_bytes(t, R_L, i); /* world x shard floats */
-            if (t->exact && !m->lg_gate && !(m->lg_gate = calloc(1, lb))) goto oom;
+            if (t->exact && room(t, &m->lg_gate, lb / sizeof(float)) < 0) goto oom;
         }
         /* The block's own MLP, which the experts stand in for: never trained. */
         if (i < t->block_first[d->block] + GPT_BLOCK_NSLOTS && d->slot >= GPT_FC_W)
             m->idle[i] = true;
     }
-    if (t->be->wdt != BACKEND_F32 && !(m->wbuf = malloc(m->wfloats * sizeof(float)))) goto oom;
+    if (t->be->wdt != BACKEND_F32 && t->be->moe->widened &&
+        !(m->wbuf = malloc(m->wfloats * sizeof(float))))
+        goto oom;
     return 0;
 oom:
     snprintf(err, errlen, "out of memory");
@@ -180,24 +231,21 @@ void train_moe_free(struct trainer *t)
     struct train_moe *m = t->moe;
     if (!m) return;
     moe_route_release(&m->r);
-    free(m->x2);
-    free(m->ln);
-    free(m->y);
-    free(m->d);
-    free(m->dln);
-    free(m->mean);
-    free(m->rstd);
+    struct dbuf *bufs[] = {&m->x2,   &m->ln,   &m->mean, &m->rstd, &m->y,  &m->dln,
+                           &m->send, &m->recv, &m->back, &m->lx,   &m->lg_gate};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]) && t->be && t->be->moe; i++)
+        dfree(t, bufs[i]);
     free(m->dw);
-    free(m->lx);
+    free(m->dlogits);
+    free(m->off);
+    free(m->tok);
+    free(m->cw);
     free(m->wbuf);
     free(m->local);
     free(m->aux_blk);
     free(m->aux_micro);
-    free(m->lg_gate);
     free(m->gate);
     free(m->idle);
-    free(m->ms.mem);
-    free(m->gs.mem);
     free(m);
     t->moe = NULL;
 }
@@ -390,13 +438,6 @@ bool train_moe_wave(struct trainer *t, int k, int n, struct wave *w)
     }
 }
 
-static void block_params(void **p, struct gpt_block_params *bp)
-{
-    memset(bp, 0, sizeof(*bp));
-    for (int s = 0; s < GPT_FC_W; s++)
-        bp->t[s] = p[s];
-}
-
 /* 16-bit weights (bf16, fp16): the set's first n entries, weights, widened to fp32 into
  * wbuf and p pointed at the widenings, so that the math is the fp32 reference's on the
  * rounded weights, as the CPU backend's dense blocks compute. */
@@ -404,7 +445,7 @@ static void widen(struct trainer *t, const struct wave *w, void **p, int n)
 {
     struct train_moe *m = t->moe;
     size_t at = 0;
-    for (int i = 0; i < n && t->be->wdt != BACKEND_F32; i++) {
+    for (int i = 0; i < n && t->be->wdt != BACKEND_F32 && t->be->moe->widened; i++) {
         size_t numel = t->desc[w->idx[w->at[i]]].numel;
         float *dst = m->wbuf + at;
         if (t->be->wdt == BACKEND_F16)
@@ -416,17 +457,71 @@ static void widen(struct trainer *t, const struct wave *w, void **p, int n)
     }
 }
 
-/* x2, ln2 and the route of block k from a[k] (the set of wave_attn at p). */
+/* x2, ln2 and the route of block k from a[k] (the set of wave_attn at p): the logits come
+ * to the host, and the route is taken there (backend_moe.h). */
 static int attn_and_route(struct trainer *t, void **p, int a)
 {
     struct train_moe *m = t->moe;
-    struct gpt_block_params bp;
-    block_params(p, &bp);
-    int r = gpt_attn_forward(&t->cfg, t->o.batch, t->o.seq, &bp, p[a], m->x2, &m->gs);
+    const struct backend_moe_ops *mo = t->be->moe;
+    int r = mo->attn_forward(t->be, (const void *const *)p, p[a], m->x2.p, m->ln.p, m->mean.p,
+                             m->rstd.p);
+    if (r == 0) r = mo->gate_logits(t->be, m->ln.p, p[GPT_FC_W], m->mc.E, m->r.logits);
+    return r < 0 ? r : moe_route_logits(&m->mc, m->N, &m->r);
+}
+
+/* Where the backend's copy of a host buffer of xf holds what the host one holds at hp. */
+static float *dev_at(const struct dbuf *d, const float *hbase, const float *hp)
+{
+    return d->p + (hp - hbase);
+}
+
+/* The dispatch of block k's rows (backward: with their output gradients, from the backend's
+ * gradient, and their weights) to their experts' owners: gathered in the backend into its
+ * copy of the send blocks, staged through the host's for the all-to-all, and what came
+ * copied into the backend's recv. A failure releases xf. */
+static int dispatch(struct trainer *t, struct moe_ep_xfer *xf, bool backward)
+{
+    struct train_moe *m = t->moe;
+    const struct backend_moe_ops *mo = t->be->moe;
+    int r = moe_ep_begin(&m->mc, &m->ep, &m->r, backward, xf);
     if (r < 0) return r;
-    ops_layernorm_forward(m->ln, m->mean, m->rstd, m->x2, p[GPT_LN2_W], p[GPT_LN2_B], (size_t)m->N,
-                          (size_t)t->cfg.C);
-    return moe_gate_forward(&m->mc, m->N, m->ln, p[GPT_FC_W], &m->r);
+    size_t P = (size_t)m->ep.ep, out = P * xf->bf_out, back = P * xf->bf_back;
+    if ((r = room(t, &m->send, out)) == 0 && (r = room(t, &m->recv, MAX(out, back))) == 0)
+        r = room(t, &m->back, back);
+    if (r == 0) r = t->be->ops->zero(t->be, m->send.p, out * sizeof(float));
+    if (r == 0) r = t->be->ops->zero(t->be, m->back.p, back * sizeof(float));
+    for (int plane = 0; plane < (backward ? 2 : 1) && r == 0; plane++) {
+        int n = moe_ep_send_map(&m->mc, &m->ep, &m->r, xf, plane, m->off, m->tok);
+        r = mo->gather(t->be, m->send.p, plane ? mo->grad(t->be) : m->ln.p, m->off, m->tok, n);
+    }
+    if (r == 0) r = mo->to_host(t->be, xf->send, m->send.p, out * sizeof(float));
+    if (r == 0 && backward) moe_ep_send_weights(&m->mc, &m->ep, &m->r, xf);
+    if (r == 0 && (r = moe_ep_exchange(&m->ep, xf, 0)) < 0) return r;
+    if (r == 0) r = mo->from_host(t->be, m->recv.p, xf->recv, out * sizeof(float));
+    if (r < 0) moe_ep_xfer_release(xf);
+    return r;
+}
+
+/* The experts' outputs back to their tokens' ranks (the forward's from the send blocks,
+ * the backward's from the back blocks), and each token's rows summed in expert order into
+ * y (the forward: weighted; the backward: the gradient of ln, and d_weight on the host).
+ * Releases xf. */
+static int combine(struct trainer *t, struct moe_ep_xfer *xf, bool backward, float *y)
+{
+    struct train_moe *m = t->moe;
+    const struct backend_moe_ops *mo = t->be->moe;
+    size_t P = (size_t)m->ep.ep, n = P * xf->bf_back;
+    int r = backward ? mo->to_host(t->be, xf->back, m->back.p, n * sizeof(float))
+                     : mo->to_host(t->be, xf->send, m->send.p, n * sizeof(float));
+    if (r == 0 && (r = moe_ep_exchange(&m->ep, xf, 1)) < 0) return r;
+    if (r == 0 && backward) moe_ep_combine_weights(&m->mc, &m->ep, &m->r, xf, m->dw);
+    if (r == 0) r = mo->from_host(t->be, m->recv.p, xf->recv, n * sizeof(float));
+    if (r == 0) {
+        moe_ep_combine_map(&m->mc, &m->ep, &m->r, xf, m->off, backward ? NULL : m->cw);
+        r = mo->combine(t->be, y, m->recv.p, m->off, backward ? NULL : m->cw, m->mc.k);
+    }
+    moe_ep_xfer_release(xf);
+    return r;
 }
 
 /* The engine's NVMe bytes read so far: what the experts' phase reads, from their first
@@ -501,17 +596,19 @@ static int expert_backward(struct trainer *t, int j, const struct moe_ep_xfer *x
 {
     struct train_moe *m = t->moe;
     const struct backend_ops *be = t->be->ops;
-    struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
     struct moe_expert_grads lg;
-    moe_expert_grads_at(t->cfg.C, m->lx, &lg);
+    moe_expert_grads_at(t->cfg.C, m->lx.p, &lg);
     float *lgs[4] = {lg.fc_w, lg.fc_b, lg.proj_w, lg.proj_b};
     int r = 0;
     for (int src = 0; src < m->ep.ep && r == 0; src++) {
         struct moe_ep_rows rw;
         if (moe_ep_rows(&m->mc, &m->ep, xf, src, j, &rw) <= 0) continue;
-        memset(m->lx, 0, moe_expert_num_params(t->cfg.C) * sizeof(float));
-        r = moe_expert_backward_rows(&m->mc, &ep, &lg, rw.n, rw.in, rw.d_y, rw.w, rw.out, rw.d_w,
-                                     &m->ms);
+        r = be->zero(t->be, m->lx.p, moe_expert_num_params(t->cfg.C) * sizeof(float));
+        if (r == 0)
+            r = t->be->moe->expert_backward(
+                t->be, (const void *const *)p, lgs, rw.n, dev_at(&m->recv, xf->recv, rw.in),
+                dev_at(&m->recv, xf->recv, rw.d_y), dev_at(&m->recv, xf->recv, rw.w),
+                dev_at(&m->back, xf->back, rw.out), dev_at(&m->back, xf->back, rw.d_w));
         for (int s = 0; s < 4 && r == 0; s++) {
             int i = w->idx[w->at[4 + s]];
             size_t n = t->desc[i].numel;
@@ -534,23 +631,24 @@ static int route(struct trainer *t, int k)
     int r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p);
     if (r < 0) return r;
     widen(t, &w, p, GPT_FC_W + 1);
-    r = attn_and_route(t, p, GPT_FC_W + 1);
-    train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
-    return r;
+    r = train_settle(t, attn_and_route(t, p, GPT_FC_W + 1));
+    int x = train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+    return r < 0 ? r : x;
 }
 
 /* Local expert j's forward on every source's rows (its weights at p). */
 static int expert_forward(struct trainer *t, int j, const struct moe_ep_xfer *xf, void **p)
 {
     struct train_moe *m = t->moe;
-    struct moe_expert_params ep = {p[0], p[1], p[2], p[3]};
     int r = 0;
     for (int src = 0; src < m->ep.ep && r == 0; src++) {
         struct moe_ep_rows rw;
         if (moe_ep_rows(&m->mc, &m->ep, xf, src, j, &rw) > 0)
-            r = moe_expert_forward_rows(&m->mc, &ep, rw.n, rw.in, rw.out, &m->ms);
+            r = t->be->moe->expert_forward(t->be, (const void *const *)p, rw.n,
+                                           dev_at(&m->recv, xf->recv, rw.in),
+                                           dev_at(&m->send, xf->send, rw.out));
     }
-    return r;
+    return train_settle(t, r);
 }
 
 /* Block k's experts of this rank that rows came for (after a dispatch into xf), in order:
@@ -597,57 +695,53 @@ int train_moe_forward(struct trainer *t, int k)
     if (r < 0) return r;
     m->aux += m->r.l_aux;
     if (m->aux_blk) m->aux_blk[(size_t)t->fmicro * (size_t)t->cfg.L + (size_t)k] = m->r.l_aux;
-    if ((r = moe_ep_dispatch_forward(&m->mc, &m->ep, &m->r, m->ln, &xf)) < 0) return r;
+    if ((r = dispatch(t, &xf, false)) < 0) return r;
     if ((r = run_experts(t, k, &xf, false, false)) < 0) return r;
-    if ((r = moe_ep_combine_forward(&m->mc, &m->ep, &m->r, &xf, m->y)) < 0) return r;
+    if ((r = combine(t, &xf, false, m->y.p)) < 0) return r;
     train_moe_wave(t, k, 4, &w);
     if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
-    ops_add(p[0], m->x2, m->y, NC);
-    r = train_wave_release(t, &w, ZINF_TIER_DEVICE, true);
+    r = train_settle(t, t->be->moe->add(t->be, p[0], m->x2.p, m->y.p, NC));
+    int x = train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
     if (s0) trace_span_n("train", "MoE block forward", k, s0);
-    return r;
+    return r < 0 ? r : x;
 }
 
 int train_moe_backward(struct trainer *t, int k, bool zero, bool norm)
 {
     struct train_moe *m = t->moe;
     const struct backend_ops *be = t->be->ops;
+    const struct backend_moe_ops *mo = t->be->moe;
     struct wave w;
     void *p[WAVE_MAX];
     struct moe_ep_xfer xf;
     uint64_t s0 = trace_on() ? now_ns() : 0;
 
-    /* The route again, from the block's input. */
+    /* The route again, from the block's input; the gradient flowing back stays in the
+     * backend (its grad), read by the dispatch and pulled back in place below. */
     int r = route(t, k);
-    if (r < 0 || (r = be->grad_io(t->be, m->d, false)) < 0) return r;
+    if (r < 0) return r;
     memset(m->dw, 0, (size_t)m->N * (size_t)m->mc.k * sizeof(float));
-    if ((r = moe_ep_dispatch_backward(&m->mc, &m->ep, &m->r, m->ln, m->d, &xf)) < 0) return r;
+    if ((r = dispatch(t, &xf, true)) < 0) return r;
     if ((r = run_experts(t, k, &xf, true, norm)) < 0) return r;
-    if ((r = moe_ep_combine_backward(&m->mc, &m->ep, &m->r, &xf, m->dln, m->dw)) < 0) return r;
+    if ((r = combine(t, &xf, true, m->dln.p)) < 0) return r;
     /* The gate, ln2 and the attention half: d becomes the gradient of a[k]. */
     wave_attn(t, k, true, &w);
     if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
     widen(t, &w, p, GPT_FC_W + 1);
     const int G = GPT_FC_W + 1; /* the gradients' first entry */
-    float *d_wg = t->exact ? m->lg_gate : p[G + GPT_FC_W];
-    struct gpt_block_params bp;
-    struct gpt_block_grads bg = {{0}};
-    block_params(p, &bp);
-    for (int s = 0; s < GPT_FC_W; s++)
-        bg.t[s] = p[G + s];
+    float *d_wg = t->exact ? m->lg_gate.p : p[G + GPT_FC_W];
     r = grads_begin(t, p, G, &w, t->exact ? GPT_FC_W : G, zero);
-    if (r == 0 && t->exact) memset(m->lg_gate, 0, train_role_bytes(t, R_L, gate_of(t, k)));
+    if (r == 0 && t->exact)
+        r = be->zero(t->be, m->lg_gate.p, train_role_bytes(t, R_L, gate_of(t, k)));
     if (r == 0)
-        r = moe_gate_backward(&m->mc, &m->r, m->ln, p[GPT_FC_W], m->dw,
-                              t->o.moe.loss_coef * t->be->loss_scale, m->dln, d_wg, &m->ms);
-    if (r == 0) {
-        ops_layernorm_backward(m->d, 1, p[G + GPT_LN2_W], p[G + GPT_LN2_B], m->dln, m->x2,
-                               p[GPT_LN2_W], m->mean, m->rstd, (size_t)m->N, (size_t)t->cfg.C);
-        r = gpt_attn_backward(&t->cfg, t->o.batch, t->o.seq, &bp, p[2 * G], m->d, m->d, &bg,
-                              &m->gs);
-    }
+        r = moe_gate_dlogits(&m->mc, &m->r, m->dw, t->o.moe.loss_coef * t->be->loss_scale,
+                             m->dlogits);
+    if (r == 0)
+        r = mo->gate_backward(t->be, m->dlogits, m->ln.p, p[GPT_FC_W], m->mc.E, d_wg, m->dln.p);
+    if (r == 0)
+        r = mo->attn_backward(t->be, (const void *const *)p, (float *const *)(p + G), p[2 * G],
+                              m->x2.p, m->dln.p, m->mean.p, m->rstd.p);
     if (r == 0) r = grads_norm(t, p, G, &w, G, norm);
-    if (r == 0) r = be->grad_io(t->be, m->d, true);
     r = train_settle(t, r);
     /* Exact: the block's and the gate's local gradients reduced into their g. */
     int first = t->block_first[k];

@@ -2,12 +2,12 @@
 # ranks.sh - GPU ranks without a GPU: `zinf launch -n N -- zinf train` on the emulated CUDA
 # device tier, the ranks' collectives over the emulated NCCL (emu_nccl.cpp), at ZeRO stages
 # 1, 2 and 3, in fp32, bf16 and fp16, on 2 and 4 ranks, pipeline stages, tensor-parallel and
-# sequence-parallel ranks on GPU ranks. run.sh calls it with the zinf it built
-# (`tests/cuda_emu/run.sh ranks`):
+# sequence-parallel ranks, and mixture-of-experts blocks, on GPU ranks. run.sh calls it with
+# the zinf it built (`tests/cuda_emu/run.sh ranks`):
 #
-#   tests/cuda_emu/ranks.sh ZINF WORKDIR [zero|pipeline|tp|sp|faults]
+#   tests/cuda_emu/ranks.sh ZINF WORKDIR [zero|pipeline|tp|sp|moe|faults]
 #
-# (zero, pipeline, tp, sp, faults: those runs alone; EMU_RANKS=PART gives the same through
+# (zero, pipeline, tp, sp, moe, faults: those runs alone; EMU_RANKS=PART gives the same through
 # run.sh.)
 # Checks, for every precision, stage and number of ranks N:
 #   - N emulated GPU ranks log bitwise the losses and parameter digests of one emulated GPU
@@ -44,6 +44,10 @@
 #     bf16) log bitwise the losses and digests of 2 sequence-parallel GPU ranks without
 #     stages, and are within SP_TOL of one GPU rank; every rank's summary names the CUDA
 #     backend and its sp.
+#   - moe: MoE blocks (4 experts, top-2) on one GPU rank within the CPU-against-GPU
+#     tolerance of the CPU backend's run, and (fp32) bitwise the same run again; 2
+#     expert-parallel GPU ranks (moe.ep_size 2) bitwise one GPU rank of --accumulate 2; in
+#     fp32, bf16 and fp16; MoE blocks in pipeline stages on GPUs refused, naming the key.
 #   - faults: a GPU rank killed at the start of a checkpoint, or after its rename, fails the
 #     job, and --resume goes on bitwise as a run that was never killed; a LOCAL_RANK past
 #     the GPUs is refused.
@@ -53,8 +57,8 @@ zinf=$1
 work=$2
 only=${3:-${EMU_RANKS:-}}
 case $only in
-  "" | zero | pipeline | tp | sp | faults) ;;
-  *) echo "ranks.sh: unknown part '$only' (zero, pipeline, tp, sp or faults)" >&2; exit 2 ;;
+  "" | zero | pipeline | tp | sp | moe | faults) ;;
+  *) echo "ranks.sh: unknown part '$only' (zero, pipeline, tp, sp, moe or faults)" >&2; exit 2 ;;
 esac
 want() { [ -z "$only" ] || [ "$only" = "$1" ]; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -175,6 +179,32 @@ if want sp; then
     cfg_extra="$SP2"'"pipeline": {"stages": 2}, ' run "sp2xp2-$prec" 4 cuda 1 "$prec" \
       "${pipe[@]}" --accumulate 4
   done
+fi
+
+# MoE blocks on GPU ranks: 4 experts, top-2, every block, fp32. The CPU backend's run is the
+# reference within tolerance; expert-parallel GPU ranks are held bitwise to one GPU rank.
+moe=(--experts 4 --top-k 2)
+if want moe; then
+  run moe-gpu1-again 1 cuda 1 fp32 "${moe[@]}"
+  for prec in fp32 bf16 fp16; do
+    run "moe-gpu1-$prec" 1 cuda 1 "$prec" "${moe[@]}"
+    run "moe-cpu1-$prec" 1 emulated 1 "$prec" "${moe[@]}"
+    run "moe-gpu1-$prec-acc2" 1 cuda 1 "$prec" "${moe[@]}" --accumulate 2
+    cfg_extra='"moe": {"ep_size": 2}, ' run "moe-gpu2-$prec-ep2" 2 cuda 1 "$prec" "${moe[@]}"
+  done
+  d=$work/run-moe-pipe-refused
+  mkdir -p "$d"
+  config "$d/cfg.json" cuda 1 '"pipeline": {"stages": 2}, '
+  "$zinf" launch -n 2 --no-bind --name "emu-moepp-$$" -- "$zinf" train --config "$d/cfg.json" \
+    --data "$work/data.txt" $model "${moe[@]}" > "$d/out.txt" 2>&1
+  rc=$?
+  if [ $rc != 0 ] && grep -q "pipeline stages on the CUDA backend" "$d/out.txt"; then
+    echo "   ok   MoE blocks in pipeline stages on GPUs are refused (rc=$rc)"
+  else
+    echo "   FAIL MoE blocks in pipeline stages on GPUs: rc=$rc"
+    tail -5 "$d/out.txt" | sed 's/^/   | /'
+    fails=$((fails + 1))
+  fi
 fi
 
 # Faults: 2 bf16 GPU ranks at stage 3 with checkpoints every 2 steps, rank 1 killed at the
@@ -411,6 +441,27 @@ for prec in ('fp32', 'bf16') if want('sp') else ():
           'backend and sp 2')
     rows.append((prec, 4, 'sp 2 x stages 2', g[-1]['loss'] if g else None,
                  one[-1]['loss'] if one else None, w))
+for prec in ('fp32', 'bf16', 'fp16') if want('moe') else ():
+    g, gsum = log('moe-gpu1-' + prec)
+    c, _ = log('moe-cpu1-' + prec)
+    if prec == 'fp32':
+        again, _ = log('moe-gpu1-again')
+        check(bitwise(g, again, 3), 'MoE fp32, one GPU rank: the same run twice, bitwise')
+    worst = max((abs(a['loss'] - b['loss']) / abs(b['loss']) for a, b in zip(g, c)
+                 if a['loss'] is not None and b['loss'] is not None), default=None)
+    check(worst is not None and len(g) == 3 and len(c) == 3 and worst <= tol[prec],
+          'MoE %s, one GPU rank: within %g of the CPU backend (largest %s)'
+          % (prec, tol[prec], worst))
+    check(bool(gsum) and gsum.get('backend') == 'cuda' and gsum.get('experts', 0) > 0,
+          'MoE %s, one GPU rank: the summary names the CUDA backend and its experts' % prec)
+    e, _ = log('moe-gpu2-%s-ep2' % prec)
+    r, _ = log('moe-gpu1-%s-acc2' % prec)
+    check(bitwise(e, r, 3), 'MoE %s, 2 expert-parallel GPU ranks: bitwise one GPU rank of '
+          '--accumulate 2 (loss and digest)' % prec)
+    rows.append((prec + ' MoE', 1, '-', g[-1]['loss'] if g else None,
+                 c[-1]['loss'] if c else None))
+    rows.append((prec + ' MoE ep', 2, '-', e[-1]['loss'] if e else None,
+                 r[-1]['loss'] if r else None))
 def steps_of(path):
     return {r['step']: r for r in (json.loads(l) for l in open(path)) if 'step' in r} \
         if os.path.exists(path) else {}
