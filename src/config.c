@@ -353,6 +353,11 @@ static int read_field(struct parser *p, const struct field *f, const char *path,
     }
     switch (f->type) {
     case F_INT:
+        if (json_is_null(v) && (f->flags & FL_NULL)) { /* DeepSpeed's "none given" */
+            *(int *)dst = 0;
+            break;
+        }
+        /* fall through */
     case F_UINT:
     case F_U64:
     case F_SIZE:

@@ -147,6 +147,15 @@ struct zinf_config {
         double loss_coef;            /* the aux loss's coefficient; 0.01 */
         int moe_every;               /* zinf's: every how many blocks, from block 0; 1 */
     } moe;
+    /* DeepSpeed's activation checkpoints: zinf train keeps every block's input (and recomputes
+     * the block in the backward) always; where those inputs live is cpu_checkpointing's and
+     * zinf.train.activation_offload's. The rest is read and named as ignored. */
+    struct {
+        bool cpu_checkpointing;    /* false (given: true "auto", false "device" homes) */
+        bool partition_activations, contiguous_memory_optimization;
+        bool synchronize_checkpoint_boundary, profile;
+        int number_checkpoints;    /* 0 (null) */
+    } activation_checkpointing;
     struct {
         uint64_t block_size;           /* bytes; 1 MiB; multiple of 4096, at most 64 MiB */
         unsigned queue_depth;          /* 8; 1..1024 */
@@ -183,6 +192,9 @@ struct zinf_config {
                                        just before the next forward's first use; true */
             uint64_t seed;                             /* given when bit set in `given` */
             char pipeline_cut[32]; /* "3,5": the first block of each stage after the first */
+            /* Where the activation checkpoints are homed: "auto" 0 (the host tier, on NVMe
+             * where the host budget cannot hold them), "device" 1, "host" 2, "nvme" 3 */
+            int activation_offload;
         } train;
         struct config_serve {           /* zinf.serve: `zinf serve`'s limits */
             unsigned jobs_per_uid;        /* jobs a uid may have open; 4 */

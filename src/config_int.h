@@ -17,7 +17,8 @@
 #include "config.h"
 
 enum sect { S_TOP, S_ZERO, S_PARAM, S_OPTIM, S_AIO, S_ZINF, S_TRAIN, S_SERVE, S_OPT, S_OPT_PARAMS,
-            S_SCHED, S_SCHED_PARAMS, S_FP16, S_BF16, S_PIPE, S_TP, S_MOE, S_COUNT };
+            S_SCHED, S_SCHED_PARAMS, S_FP16, S_BF16, S_PIPE, S_TP, S_MOE, S_ACT,
+            S_COUNT };
 
 /* A DeepSpeed key zinf has no use for, with why (config_keys.c lists them per section). */
 struct ignored_key {
@@ -48,7 +49,8 @@ enum ftype {
 /* field.flags */
 #define FL_AUTO 1u /* "auto" is accepted, as Hugging Face's Trainer writes it */
 #define FL_CMD 2u  /* not given: the command's own default applies (no DeepSpeed default) */
-#define FL_NULL 4u /* F_STR: null is accepted, as the empty string (printed as null) */
+#define FL_NULL 4u /* F_STR, F_INT: null is accepted, as the empty string or 0 (printed as
+                    * null) */
 
 struct field {
     int sect;

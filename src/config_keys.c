@@ -30,7 +30,6 @@ static const struct ignored_key top_ignored[] = {
     {"dump_state", "DeepSpeed's own debug output"},
     {"zero_allow_untested_optimizer", "zinf's optimizer is its own AdamW kernel"},
     {"zero_force_ds_cpu_optimizer", "zinf's optimizer is its own AdamW kernel"},
-    {"activation_checkpointing", "zinf train recomputes each block's activations in the backward already"},
     {"tensorboard", "monitoring: zinf train --log writes every step as a JSON line"},
     {"wandb", "monitoring: zinf train --log writes every step as a JSON line"},
     {"csv_monitor", "monitoring: zinf train --log writes every step as a JSON line"},
@@ -164,6 +163,7 @@ const struct sectdef config_sects[S_COUNT] = {
     [S_PIPE] = {"pipeline", "pipeline", S_TOP, pipe_ignored},
     [S_TP] = {"tensor_parallel", "tensor_parallel", S_TOP, tp_ignored},
     [S_MOE] = {"moe", "moe", S_TOP, moe_ignored},
+    [S_ACT] = {"activation_checkpointing", "activation_checkpointing", S_TOP, NULL},
 };
 
 static const char *const offload_devices[] = {"none", "cpu", "nvme", NULL};
@@ -175,6 +175,8 @@ static const char *const warmup_types[] = {"log", "linear", NULL};
  * is its profiling search, here the same balance by parameters; "uniform" the same number
  * of blocks per stage. */
 static const char *const pipe_partitions[] = {"parameters", "uniform", "best", NULL};
+/* Where zinf train homes its activation checkpoints (zinf.train.activation_offload). */
+static const char *const act_homes[] = {"auto", "device", "host", "nvme", NULL};
 
 #define OFF(m) offsetof(struct zinf_config, m)
 /* Table order is print order. A row leaves out flags and ignored when they are 0. */
@@ -405,6 +407,32 @@ const struct field config_fields[] = {
      FL_NULL},
     {S_MOE, "loss_coef", NULL, F_FLOAT, OFF(moe.loss_coef), 0, 0, 0, NULL},
     {S_MOE, "moe_every", NULL, F_INT, OFF(moe.moe_every), 1, 1024, 0, NULL},
+    /* Activation checkpoints (DeepSpeed's activation_checkpointing): zinf train keeps every
+     * block's input between the forward and the backward, which recomputes the block, always.
+     * cpu_checkpointing homes them off the device (true: as zinf.train.activation_offload
+     * "auto"; false: "device"); where the two disagree, zinf train refuses. */
+    {S_ACT, "cpu_checkpointing", NULL, F_BOOL, OFF(activation_checkpointing.cpu_checkpointing),
+     0, 0, 0, NULL},
+    {S_ACT, "partition_activations", NULL, F_BOOL,
+     OFF(activation_checkpointing.partition_activations), 0, 0, 0, NULL, 0,
+     "each rank keeps its own batch's checkpoints (a sequence-parallel rank its positions'); "
+     "tensor-parallel ranks each keep them whole"},
+    {S_ACT, "contiguous_memory_optimization", NULL, F_BOOL,
+     OFF(activation_checkpointing.contiguous_memory_optimization), 0, 0, 0, NULL, 0,
+     "each checkpoint is one contiguous zinf tensor already"},
+    {S_ACT, "number_checkpoints", NULL, F_INT, OFF(activation_checkpointing.number_checkpoints),
+     0, 0, 0, NULL, FL_NULL,
+     "zinf train keeps one checkpoint per block, and the last block's output"},
+    {S_ACT, "synchronize_checkpoint_boundary", NULL, F_BOOL,
+     OFF(activation_checkpointing.synchronize_checkpoint_boundary), 0, 0, 0, NULL, 0,
+     "zinf train waits for each block's kernels before its checkpoints are released always"},
+    {S_ACT, "profile", NULL, F_BOOL, OFF(activation_checkpointing.profile), 0, 0, 0, NULL, 0,
+     "profiling: zinf train's step lines, --log and --trace give the times"},
+    /* zinf's own: where the checkpoints are homed. "auto": the host tier, or NVMe (the
+     * engine's swap directory) where the host budget cannot hold them beside the rest;
+     * "device", "host", "nvme": there always. */
+    {S_TRAIN, "activation_offload", NULL, F_ENUM, OFF(zinf.train.activation_offload), 0, 0, 0,
+     act_homes},
     /* DeepSpeed's deprecated ZeRO-Offload switches, last: finish() maps them. */
     {S_ZERO, "cpu_offload", NULL, F_BOOL, OFF(zero.cpu_offload), 0, 0, 0, NULL},
     {S_ZERO, "cpu_offload_param", "cpu_offload_params", F_BOOL, OFF(zero.cpu_offload_param), 0, 0,

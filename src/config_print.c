@@ -72,7 +72,12 @@ int config_print_settings(const struct zinf_config *c, FILE *f)
             continue;
         }
         switch (fd->type) {
-        case F_INT: fprintf(f, "%d", *(const int *)v); break;
+        case F_INT:
+            if ((fd->flags & FL_NULL) && !*(const int *)v)
+                fputs("null", f);
+            else
+                fprintf(f, "%d", *(const int *)v);
+            break;
         case F_UINT: fprintf(f, "%u", *(const unsigned *)v); break;
         case F_U64: fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)v); break;
         case F_SIZE: fprintf(f, "%llu", (unsigned long long)*(const uint64_t *)v); break;

@@ -381,8 +381,7 @@ int trainer_plan(const struct trainer_opts *o, struct trainer_plan *p, char *err
     t->be = &dtypes;
     t->opt_tier = optimizer_tier(t);
     if ((r = train_zero_shape(t, false, err, errlen)) < 0) goto out;
-    if ((r = layout(t, err, errlen)) < 0) goto out;
-    train_min_budgets(t, p->min_budget, p->homes, p->what);
+    if ((r = layout(t, err, errlen)) < 0 || (r = train_act_mode(t, err, errlen)) < 0) goto out;
     p->budget[ZINF_TIER_DEVICE] = t->zc.zinf.device_bytes;
     p->budget[ZINF_TIER_HOST] = t->zc.zinf.host_bytes;
     /* As the tiers round them when they open (device.c, host.c): the emulated arena in
@@ -393,6 +392,11 @@ int trainer_plan(const struct trainer_opts *o, struct trainer_plan *p, char *err
         if (dev || !cuda) p->capacity[ZINF_TIER_DEVICE] = align_up(dev ? dev : GiB, 4 * KiB);
         p->capacity[ZINF_TIER_HOST] = align_up(host ? host : GiB, ZINF_ALIGN);
     }
+    /* Where the activation checkpoints go, as trainer_open decides it for these tiers. */
+    train_act_decide(t, p->capacity);
+    train_min_budgets(t, p->min_budget, p->homes, p->what);
+    p->act_tier = (int)t->act_tier;
+    p->act_host = train_act_host_bytes(t);
     p->derived = t->budgets;
     p->cuda = cuda;
     p->stage = t->world > 1 ? t->stage : 0;
@@ -406,7 +410,8 @@ out:
 int trainer_plan_check(const struct trainer_plan *p, char *err, size_t errlen)
 {
     if (!p || !err || !errlen) return -EINVAL;
-    return train_budget_refusal(p->capacity, p->min_budget, p->homes, p->what, err, errlen);
+    return train_budget_refusal(p->capacity, p->min_budget, p->homes, p->what, p->act_host, err,
+                                errlen);
 }
 
 /* Whether each step's update is deferred to the next forward (trainer_opts.
@@ -497,6 +502,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
         r = -EINVAL;
         goto fail;
     }
+    if ((r = train_act_mode(t, err, errlen)) < 0) goto fail;
     if ((r = load_data(t, err, errlen)) < 0) goto fail;
     /* The last tenth is held out for validation when it holds a whole sequence, and the
      * rest too: batches never come from it, whether or not anything evaluates on it. */

@@ -338,6 +338,11 @@ struct trainer_plan {
      * each tier for good and the set a step pins there at once (NULL: none). */
     uint64_t capacity[2], homes[2];
     const char *what[2];
+    /* Where the activation checkpoints are homed (0 device, 1 host, 2 NVMe), and of the
+     * host tier's homes, the checkpoints' bytes that an NVMe swap directory would take
+     * (zinf.train.activation_offload "auto"; 0: none, or the run has one). */
+    int act_tier;
+    uint64_t act_host;
 };
 /* 0, or -errno with one line in err (what trainer_open would say of the options). */
 int trainer_plan(const struct trainer_opts *o, struct trainer_plan *p, char *err, size_t errlen);

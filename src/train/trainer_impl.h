@@ -95,6 +95,10 @@ struct trainer {
     int *block_first;           /* layout index of block k's first tensor */
     int wte, wpe, lnfw, lnfb;   /* layout indices */
     zinf_tensor *act;           /* a[0..L], (B,T,C) each */
+    /* Where the activation checkpoints are homed (zinf.train.activation_offload, decided by
+     * train_act_decide before they are registered), and the setting as given: ACT_*. */
+    enum zinf_tier act_tier;
+    int act_mode;
     zinf_tensor state;
     zinf_tensor scaler; /* fp16: the loss scaler's state, saved with each step */
     struct loss_scale ls;
@@ -328,8 +332,21 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
                        const char *what[MEM_TIERS]);
 int train_budget_refusal(const uint64_t cap[MEM_TIERS], const uint64_t need[MEM_TIERS],
                          const uint64_t homes[MEM_TIERS], const char *const what[MEM_TIERS],
-                         char *err, size_t errlen);
+                         uint64_t act_host, char *err, size_t errlen);
 int train_check_budgets(struct trainer *t, char *err, size_t errlen);
+/* zinf.train.activation_offload's values (and cpu_checkpointing's: true ACT_AUTO, false
+ * ACT_DEVICE). */
+enum { ACT_AUTO, ACT_DEVICE, ACT_HOST, ACT_NVME };
+/* The run's setting of where the checkpoints go, checked: -EINVAL with err naming the keys
+ * where cpu_checkpointing and activation_offload disagree or "nvme" has no swap directory. */
+int train_act_mode(struct trainer *t, char *err, size_t errlen);
+/* Where the checkpoints are homed, for tiers of capacity cap (0: not known): "auto" homes
+ * them on NVMe where the host tier cannot hold them beside the rest and the run has a swap
+ * directory of its own, else in the host tier. */
+void train_act_decide(struct trainer *t, const uint64_t cap[MEM_TIERS]);
+/* Bytes of checkpoints homed in the host tier that "auto" would move to NVMe given a swap
+ * directory (0: none, or the run has one): what a refusal names as the way out. */
+uint64_t train_act_host_bytes(const struct trainer *t);
 int train_scratch_reset(struct trainer *t);
 uint64_t train_scratch_bytes(struct trainer *t);
 int train_register_all(struct trainer *t, char *err, size_t errlen);

@@ -11,7 +11,10 @@
  *             live (HOST, or DEVICE when they are homed there), AdamW, all but g released
  *             dirty; the engine carries a refreshed w to the device on its next fetch.
  * Only the block inputs a[0..L] are kept between forward and backward (activation
- * checkpointing); they are zinf tensors whose home is the host tier. Gradient norms are
+ * checkpointing); they are zinf tensors homed in the host tier, or on NVMe where it cannot
+ * hold them (zinf.train.activation_offload): the forward releases each one dirty (the
+ * engine writes it back as eviction asks), the backward prefetches them in reverse order
+ * ahead of the recompute and drops each unwritten once read. Gradient norms are
  * summed as each gradient is finished, so clipping needs no extra pass. The math runs in a
  * backend (backend.h): every call goes through it, whatever it computes on.
  *
@@ -191,6 +194,9 @@ void train_wave_block_backward(struct trainer *t, int k, struct wave *w)
     wave_add_block(t, w, R_W, k, false);
     wave_add_block(t, w, t->exact ? R_L : R_G, k, true);
     wave_add(w, R_ACT, k, false);
+    /* Read for the last time this step: homed on NVMe, the checkpoint is dropped unwritten
+     * (the next forward overwrites it before reading it). */
+    w->spent[w->n - 1] = t->act_tier == ZINF_TIER_NVME;
     if (t->exact && !t->overlap) wave_add_block(t, w, R_G, k, true);
     wave_prefetch_block(t, w, k - 1);
     wave_reduce_behind(t, w, k + 1);
@@ -484,6 +490,15 @@ int train_head(struct trainer *t, bool zero, bool norm, bool reduce)
     return r;
 }
 
+/* Homed on NVMe, the checkpoints the next two blocks' backwards read start coming back to
+ * the device while block k recomputes (hints: the engine drops one that finds no room). */
+static void act_ahead(struct trainer *t, int k)
+{
+    if (t->act_tier != ZINF_TIER_NVME) return;
+    for (int j = k - 1; j >= MAX(t->kb, k - 2); j--)
+        zinf_prefetch(t->e, train_wave_handle(t, R_ACT, j), ZINF_TIER_DEVICE);
+}
+
 int train_backward(struct trainer *t, bool zero, bool norm)
 {
     const struct backend_ops *be = t->be->ops;
@@ -500,6 +515,7 @@ int train_backward(struct trainer *t, bool zero, bool norm)
         uint64_t s0 = trace_on() ? now_ns() : 0;
         train_wave_block_backward(t, k, &w);
         TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
+        act_ahead(t, k);
         void **gw = p + GPT_BLOCK_NSLOTS, *a = p[2 * GPT_BLOCK_NSLOTS];
         size_t first = (size_t)t->block_first[k];
         for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && zero; i++)

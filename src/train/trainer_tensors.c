@@ -36,7 +36,7 @@ static enum zinf_tier role_home(const struct trainer *t, enum role role, int idx
     case R_W:
         return persist ? ZINF_TIER_DEVICE : ph;
     case R_ACT:
-        return ZINF_TIER_HOST;
+        return t->act_tier;
     case R_L:
     case R_GW:
         return ZINF_TIER_DEVICE; /* working memory of every step */
@@ -105,6 +105,67 @@ uint64_t train_wave_need(const struct trainer *t, const struct wave *w, enum zin
     return need;
 }
 
+/* Bytes of every activation checkpoint the rank registers: its blocks' inputs and the last
+ * one's output, in each slot of micro-batches in flight. */
+static uint64_t act_all_bytes(const struct trainer *t)
+{
+    return (uint64_t)(t->ke - t->kb + 1) * (uint64_t)MAX(1, t->nslots) *
+           align_up(train_role_bytes(t, R_ACT, 0), ZINF_ALIGN);
+}
+
+/* Whether this run has a swap directory of its own (a daemon's job has the daemon's). */
+static bool own_nvme(const struct trainer *t)
+{
+    return t->zc.nvme_paths.count > 0 && !t->remote;
+}
+
+int train_act_mode(struct trainer *t, char *err, size_t errlen)
+{
+    static const char *const names[] = {"auto", "device", "host", "nvme"};
+    bool given = config_given(&t->zc, "zinf.train.activation_offload");
+    bool cpu_given = config_given(&t->zc, "activation_checkpointing.cpu_checkpointing");
+    bool cpu = t->zc.activation_checkpointing.cpu_checkpointing;
+    int mode = given ? t->zc.zinf.train.activation_offload : ACT_AUTO;
+    if (!given && cpu_given) mode = cpu ? ACT_AUTO : ACT_DEVICE;
+    if (given && cpu_given && cpu == (mode == ACT_DEVICE)) {
+        snprintf(err, errlen,
+                 "activation_checkpointing.cpu_checkpointing %s and "
+                 "zinf.train.activation_offload \"%s\" disagree: give one",
+                 cpu ? "true" : "false", names[mode]);
+        return -EINVAL;
+    }
+    if (mode == ACT_NVME && !own_nvme(t) && !t->remote) {
+        snprintf(err, errlen,
+                 "zinf.train.activation_offload is \"nvme\" but no nvme_path is given "
+                 "(zinf.nvme_paths or an offload section's nvme_path)");
+        return -EINVAL;
+    }
+    t->act_mode = mode;
+    t->act_tier = mode == ACT_DEVICE ? ZINF_TIER_DEVICE
+                  : mode == ACT_NVME ? ZINF_TIER_NVME
+                                     : ZINF_TIER_HOST;
+    return 0;
+}
+
+void train_act_decide(struct trainer *t, const uint64_t cap[MEM_TIERS])
+{
+    uint64_t need[MEM_TIERS], homes[MEM_TIERS];
+    const char *what[MEM_TIERS];
+    if (t->act_mode != ACT_AUTO) return;
+    t->act_tier = ZINF_TIER_HOST;
+    if (!own_nvme(t) || !cap[ZINF_TIER_HOST]) return;
+    train_min_budgets(t, need, homes, what);
+    if (cap[ZINF_TIER_HOST] < need[ZINF_TIER_HOST]) t->act_tier = ZINF_TIER_NVME;
+}
+
+uint64_t train_act_host_bytes(const struct trainer *t)
+{
+    return t->act_mode == ACT_AUTO && t->act_tier == ZINF_TIER_HOST && !own_nvme(t) &&
+                   !t->remote
+               ? act_all_bytes(t)
+               : 0;
+}
+
 /* The smallest capacity of each memory tier with which every step runs: the homes it
  * keeps for good plus the largest set a step fetches to it; *what[tier] names that set. */
 void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
@@ -122,8 +183,8 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
             enum zinf_tier h = role_home(t, kinds[j], i);
             if (h < MEM_TIERS) homes[h] += align_up(train_role_bytes(t, kinds[j], i), ZINF_ALIGN);
         }
-    homes[ZINF_TIER_HOST] += (uint64_t)(t->ke - t->kb + 1) * (uint64_t)t->nslots *
-                             align_up(train_role_bytes(t, R_ACT, 0), ZINF_ALIGN);
+    if (t->act_tier < MEM_TIERS)
+        homes[t->act_tier] += act_all_bytes(t);
     for (int s = 0; s < NLOCAL; s++) {
         int i = slot_tensor(t, s);
         if (i < 0) continue;
@@ -193,7 +254,7 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
  * trainer_plan_check say it in the same words. */
 int train_budget_refusal(const uint64_t cap[MEM_TIERS], const uint64_t need[MEM_TIERS],
                          const uint64_t homes[MEM_TIERS], const char *const what[MEM_TIERS],
-                         char *err, size_t errlen)
+                         uint64_t act_host, char *err, size_t errlen)
 {
     static const char *const key[MEM_TIERS] = {"zinf.device_bytes", "zinf.host_bytes"};
     static const char *const where[MEM_TIERS] = {"the device", "the host tier"};
@@ -223,6 +284,18 @@ int train_budget_refusal(const uint64_t cap[MEM_TIERS], const uint64_t need[MEM_
                  "--seq)",
                  (unsigned long long)need[ZINF_TIER_DEVICE],
                  (unsigned long long)need[ZINF_TIER_HOST]);
+    len = strlen(err);
+    /* The activation checkpoints, when they are what the host tier lacks room for, go to
+     * NVMe given a swap directory. */
+    if (act_host && cap[ZINF_TIER_HOST] && cap[ZINF_TIER_HOST] < need[ZINF_TIER_HOST] &&
+        len < errlen) {
+        char a[32];
+        snprintf(err + len, errlen - len,
+                 "; the activation checkpoints take %s of the host tier: with an NVMe swap "
+                 "directory (zinf.nvme_paths), zinf.train.activation_offload \"auto\" homes "
+                 "them there when the host budget cannot hold them",
+                 format_size(act_host, a, sizeof(a)));
+    }
     return -EINVAL;
 }
 
@@ -234,13 +307,14 @@ int train_check_budgets(struct trainer *t, char *err, size_t errlen)
     const char *what[MEM_TIERS];
     struct zinf_stats st;
 
-    train_min_budgets(t, need, homes, what);
-    t->min_budget[ZINF_TIER_DEVICE] = need[ZINF_TIER_DEVICE];
-    t->min_budget[ZINF_TIER_HOST] = need[ZINF_TIER_HOST];
     zinf_stats(t->e, &st);
     for (int k = 0; k < MEM_TIERS; k++)
         cap[k] = st.tier[k].capacity_bytes;
-    return train_budget_refusal(cap, need, homes, what, err, errlen);
+    train_act_decide(t, cap);
+    train_min_budgets(t, need, homes, what);
+    t->min_budget[ZINF_TIER_DEVICE] = need[ZINF_TIER_DEVICE];
+    t->min_budget[ZINF_TIER_HOST] = need[ZINF_TIER_HOST];
+    return train_budget_refusal(cap, need, homes, what, train_act_host_bytes(t), err, errlen);
 }
 
 static int reg(struct trainer *t, const char *prefix, const char *name, size_t bytes,
@@ -311,12 +385,15 @@ uint64_t train_scratch_bytes(struct trainer *t)
     return sum;
 }
 
-/* Before a checkpoint, the scratch buffers are registered afresh (reading as zeros), so that
- * the swap files never hold what a step rebuilds. */
+/* Before a checkpoint, the scratch buffers are registered afresh (reading as zeros), and the
+ * activation checkpoints homed on NVMe are zeroed (no byte moves), so that the swap files
+ * never hold what a step rebuilds. */
 int train_scratch_reset(struct trainer *t)
 {
     int r = 0;
     t->gw_holds[0] = t->gw_holds[1] = -1;
+    for (int j = 0; j < MAX(1, t->nslots) * (t->cfg.L + 1) && r == 0; j++)
+        if (t->act_tier == ZINF_TIER_NVME && t->act[j]) r = zinf_zero(t->e, t->act[j]);
     for (int s = 0; s < NLOCAL && r == 0; s++)
         for (int k = 0; k < SCRATCH_KINDS && r == 0; k++) {
             char name[64];
@@ -370,16 +447,24 @@ int train_register_all(struct trainer *t, char *err, size_t errlen)
         else
             snprintf(name, sizeof(name), "%d", k);
         /* Activations are rebuilt every step; a resumed run finds the last ones (the flush
-         * keeps every tensor) and overwrites them. */
+         * keeps every tensor) and overwrites them, or registers them afresh where this run
+         * homes them elsewhere (other budgets, or zinf.train.activation_offload). */
         char full[48];
+        struct zinf_tensor_info ti;
         snprintf(full, sizeof(full), "act.%s", name);
         r = t->o.resume ? zinf_lookup(t->e, full, &t->act[j]) : -ENOENT;
+        if (r == 0 && !t->remote && zinf_tensor_info(t->e, t->act[j], &ti) == 0 &&
+            ti.home != t->act_tier && (r = zinf_unregister(t->e, t->act[j])) == 0)
+            r = -ENOENT;
         if (r == -ENOENT)
-            r = t->o.resume ? zinf_register(t->e, full, act, ZINF_TIER_HOST, &t->act[j])
-                            : reg(t, "act.", name, act, ZINF_TIER_HOST, &t->act[j]);
+            r = t->o.resume ? zinf_register(t->e, full, act, t->act_tier, &t->act[j])
+                            : reg(t, "act.", name, act, t->act_tier, &t->act[j]);
         if (r < 0)
-            snprintf(err, errlen, "activation checkpoint %d (%zu bytes) in the host tier: %s", k,
-                     act, zinf_strerror(r));
+            snprintf(err, errlen, "activation checkpoint %d (%zu bytes) %s: %s", k, act,
+                     t->act_tier == ZINF_TIER_DEVICE ? "on the device tier"
+                     : t->act_tier == ZINF_TIER_HOST ? "in the host tier"
+                                                     : "on NVMe",
+                     zinf_strerror(r));
     }
     /* The local gradients and gathered weights: working memory on the device tier, found
      * again on a resume like the activations. */
