@@ -412,7 +412,7 @@ const struct field config_fields[] = {
      * cpu_checkpointing homes them off the device (true: as zinf.train.activation_offload
      * "auto"; false: "device"); where the two disagree, zinf train refuses. */
     {S_ACT, "cpu_checkpointing", NULL, F_BOOL, OFF(activation_checkpointing.cpu_checkpointing),
-     0, 0, 0, NULL},
+     0, 0, 0, NULL, FL_CMD},
     {S_ACT, "partition_activations", NULL, F_BOOL,
      OFF(activation_checkpointing.partition_activations), 0, 0, 0, NULL, 0,
      "each rank keeps its own batch's checkpoints (a sequence-parallel rank its positions'); "

@@ -1030,6 +1030,9 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         "zinf.train.checkpoint_every = 0  # default\n",
         "zinf.train.checkpoint_start = true  # default\n",
         "zinf.train.update_in_forward = true  # default\n",
+        "zinf.train.activation_offload = \"auto\"  # default\n",
+        "activation_checkpointing.cpu_checkpointing = none  # not set: the command's own "
+        "default\n",
         "engine.nvme_path = none  # no NVMe tier\n",
         "engine.nvme_paths_extra = []\n",
         "engine.block_size = 1048576  # 1 MiB\n",
@@ -1056,9 +1059,10 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     /* settings, zinf.train, zinf.serve, the training keys, the model-parallel ones
      * (pipeline.stages, pipeline.partition, zinf.train.pipeline_cut,
      * tensor_parallel.autotp_size, sequence_parallel_size), the moe section (its
-     * eval_capacity_factor is ignored), DeepSpeed's deprecated cpu_offload and
-     * cpu_offload_param, header, engine */
-    cr_expect_eq(lines, 29 + 11 + 13 + 48 + 5 + 10 + 2 + 1 + 8, "%s", text);
+     * eval_capacity_factor is ignored), activation_checkpointing.cpu_checkpointing and
+     * zinf.train.activation_offload (the section's others are ignored), DeepSpeed's
+     * deprecated cpu_offload and cpu_offload_param, header, engine */
+    cr_expect_eq(lines, 29 + 11 + 13 + 48 + 5 + 10 + 2 + 2 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }
