@@ -394,7 +394,7 @@ int trainer_plan(const struct trainer_opts *o, struct trainer_plan *p, char *err
     }
     /* Where the activation checkpoints go, as trainer_open decides it for these tiers. */
     train_act_decide(t, p->capacity);
-    train_min_budgets(t, p->min_budget, p->homes, p->what);
+    train_least_budgets(t, p->min_budget, p->homes, p->what);
     p->act_tier = (int)t->act_tier;
     p->act_host = train_act_host_bytes(t);
     p->derived = t->budgets;

@@ -330,6 +330,10 @@ uint64_t train_wave_need(const struct trainer *t, const struct wave *w, enum zin
                          unsigned roles);
 void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
                        const char *what[MEM_TIERS]);
+/* train_min_budgets with the activation checkpoints where "auto" puts them at the least
+ * budgets (trainer_tensors.c): the figures a refusal and the summary's min_budget name. */
+void train_least_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
+                         const char *what[MEM_TIERS]);
 int train_budget_refusal(const uint64_t cap[MEM_TIERS], const uint64_t need[MEM_TIERS],
                          const uint64_t homes[MEM_TIERS], const char *const what[MEM_TIERS],
                          uint64_t act_host, char *err, size_t errlen);

@@ -166,6 +166,20 @@ uint64_t train_act_host_bytes(const struct trainer *t)
                : 0;
 }
 
+/* train_min_budgets for the homes "auto" picks at the smallest budgets: with a swap
+ * directory, the activation checkpoints on NVMe, where this run's tiers may have had room for
+ * them in the host tier. Budgets at or above these run (train_act_decide moves the checkpoints
+ * to NVMe where the host tier lacks room for them), and the refusal names these. */
+void train_least_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
+                         const char *what[MEM_TIERS])
+{
+    enum zinf_tier was = t->act_tier;
+    if (t->act_mode == ACT_AUTO && was == ZINF_TIER_HOST && own_nvme(t))
+        t->act_tier = ZINF_TIER_NVME;
+    train_min_budgets(t, need, homes, what);
+    t->act_tier = was;
+}
+
 /* The smallest capacity of each memory tier with which every step runs: the homes it
  * keeps for good plus the largest set a step fetches to it; *what[tier] names that set. */
 void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t homes[MEM_TIERS],
@@ -311,7 +325,7 @@ int train_check_budgets(struct trainer *t, char *err, size_t errlen)
     for (int k = 0; k < MEM_TIERS; k++)
         cap[k] = st.tier[k].capacity_bytes;
     train_act_decide(t, cap);
-    train_min_budgets(t, need, homes, what);
+    train_least_budgets(t, need, homes, what);
     t->min_budget[ZINF_TIER_DEVICE] = need[ZINF_TIER_DEVICE];
     t->min_budget[ZINF_TIER_HOST] = need[ZINF_TIER_HOST];
     return train_budget_refusal(cap, need, homes, what, train_act_host_bytes(t), err, errlen);
