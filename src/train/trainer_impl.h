@@ -270,6 +270,8 @@ struct trainer {
      * reduces it (train_private). NULL without expert parallelism. */
     int ep;
     bool *priv;
+    /* LoRA (trainer_lora.c): the layout's first adapter; those before it are frozen. */
+    int lora_first;
     /* ZINF_TEST_KILL_AT=POINT:RANK:N: the tests' crash, at POINT of the N-th checkpoint. */
     char kill_point[32];
     int kill_rank, kill_nth, checkpoint_calls;
@@ -419,6 +421,24 @@ bool train_moe_expert(const struct trainer *t, const struct gpt_tensor_desc *d);
 /* The rank that holds tensor d whole in a run of `ranks` expert-parallel ranks: its
  * expert's owner; 0 for every other tensor (which ZeRO cuts or rank 0 holds whole). */
 int train_moe_owner(const struct trainer *t, const struct gpt_tensor_desc *d, int ranks);
+
+/* trainer_lora.c: LoRA. train_lora_opts_check (in trainer_opts_check) checks the settings;
+ * train_lora_count is how many adapter tensors the layout appends, train_lora_layout writes
+ * them after the model's (t->ntensors counting them) or refuses what the run cannot do with
+ * them (-EINVAL, err naming it); train_frozen: tensor i gets no gradient and no optimizer
+ * state; train_idle: the optimizer leaves tensor i alone this step (frozen, or an idle
+ * expert's); train_lora_index: the tensor of block k's adapter of target j, A (ab 0) or B
+ * (ab 1), -1 where none; train_lora_adapter: tensor i is an adapter; train_lora_init: a new
+ * run's values of adapter i; train_lora_scale: alpha / r. */
+int train_lora_opts_check(const struct trainer_opts *o, char *err, size_t errlen);
+int train_lora_count(const struct trainer *t);
+int train_lora_layout(struct trainer *t, char *err, size_t errlen);
+bool train_frozen(const struct trainer *t, int i);
+bool train_idle(const struct trainer *t, int i);
+int train_lora_index(const struct trainer *t, int k, int j, int ab);
+bool train_lora_adapter(const struct trainer *t, int i);
+int train_lora_init(const struct trainer *t, int i, float *dst);
+float train_lora_scale(const struct trainer *t);
 
 /* trainer_moe_step.c: the MoE blocks' phases. A MoE block keeps the 12 tensors of a dense
  * one at block_first[k] (so every block's are where the dense code looks), but its four MLP
