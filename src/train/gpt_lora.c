@@ -52,6 +52,13 @@ const char *gpt_lora_hf_module(int j)
     return j >= 0 && j < GPT_LORA_NTARGETS ? targets[j].hf : NULL;
 }
 
+void gpt_lora_name(int k, int j, int ab, char *buf, size_t len)
+{
+    const char *base = gpt_block_slot_name(gpt_lora_slot(j)); /* "attn.qkv.w" */
+    snprintf(buf, len, "h%d.%.*s.lora_%c", k, base ? (int)strlen(base) - 2 : 0, base ? base : "",
+             ab ? 'b' : 'a');
+}
+
 int gpt_lora_parse_targets(const char *list)
 {
     unsigned mask = 0;

@@ -36,6 +36,9 @@ int gpt_lora_slot(int j);
 void gpt_lora_dims(const struct gpt_config *cfg, int j, size_t *out, size_t *in);
 /* HF's module of target j under a block ("attn.c_attn", "mlp.c_proj"); NULL out of range. */
 const char *gpt_lora_hf_module(int j);
+/* The name of block k's adapter A (ab 0) or B (ab 1) of target j as the trainer registers
+ * it: "h3.attn.qkv.lora_a". */
+void gpt_lora_name(int k, int j, int ab, char *buf, size_t len);
 /* The targets named by a comma-separated list of PEFT's names ("c_attn,c_proj"): a mask of
  * 1 << enum gpt_lora_target, or -EINVAL (an unknown or empty name). */
 int gpt_lora_parse_targets(const char *list);

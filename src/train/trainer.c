@@ -723,9 +723,17 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
                                     .nodes = 1};
     train_note_peaks(t);
     zinf_stats(t->e, &st);
-    for (int i = 0; i < t->ntensors; i++)
-        out->param_count += t->desc[i].numel;
-    out->model_state_bytes = out->param_count * (sizeof(float) * 4 + (t->w != t->p ? 2 : 0));
+    /* A frozen weight (LoRA) keeps its fp32 and 16-bit copies only. */
+    size_t w16 = t->w != t->p ? 2 : 0;
+    for (int i = 0; i < t->ntensors; i++) {
+        size_t n = t->desc[i].numel;
+        out->param_count += n;
+        if (train_frozen(t, i))
+            out->model_state_bytes += n * (sizeof(float) + w16);
+        else
+            out->model_state_bytes += n * (sizeof(float) * 4 + w16);
+        if (!train_frozen(t, i)) out->trainable_count += n;
+    }
     out->backend = t->be->name;
     out->precision = t->be->wdt == BACKEND_BF16  ? "bf16"
                      : t->be->wdt == BACKEND_F16 ? "fp16"

@@ -269,9 +269,11 @@ struct trainer_summary {
      * that fetching them read. */
     int experts;
     uint64_t experts_used, expert_bytes_read, expert_fetches, expert_hits;
-    uint64_t model_state_bytes; /* parameters + gradients + Adam m and v (+ bf16 copies) */
+    uint64_t model_state_bytes; /* parameters + gradients + Adam m and v (+ bf16 copies); a
+                                   frozen weight's (LoRA) without gradient, m and v */
     struct trainer_budgets budgets; /* how the budgets the config did not give were derived */
     uint64_t param_count;
+    uint64_t trainable_count; /* those that train: param_count but with LoRA (the adapters') */
     struct trainer_tier_summary tier[3];
     int steps_done;
     /* Checkpoints (trainer_checkpoint, and trainer_open's of step 0): how many this

@@ -97,7 +97,6 @@ int train_lora_layout(struct trainer *t, char *err, size_t errlen)
             if (!(l->targets & (1u << j))) continue;
             size_t out, in;
             gpt_lora_dims(&t->cfg, j, &out, &in);
-            const char *base = gpt_block_slot_name(gpt_lora_slot(j)); /* "attn.qkv.w" */
             for (int ab = 0; ab < 2; ab++) {
                 struct gpt_tensor_desc *d = &t->desc[n++];
                 *d = (struct gpt_tensor_desc){.block = k,
@@ -106,8 +105,7 @@ int train_lora_layout(struct trainer *t, char *err, size_t errlen)
                                               .shape = {ab ? out : r, ab ? r : in},
                                               .numel = r * (ab ? out : in),
                                               .offset = off};
-                snprintf(d->name, sizeof(d->name), "h%d.%.*s.lora_%c", k,
-                         (int)strlen(base) - 2, base, ab ? 'b' : 'a');
+                gpt_lora_name(k, j, ab, d->name, sizeof(d->name));
                 off += d->numel;
             }
         }
