@@ -3,8 +3,8 @@
  * the block with adapters at B = 0 is the frozen block to the bit, forward and backward; the
  * adapters' gradients match finite differences; a run registers no gradient nor Adam state
  * for the frozen weights, leaves them bit for bit as they were, starts at the base model's
- * loss to the bit and lowers it; bad settings are refused naming the flag; --export-lora
- * writes PEFT's names and config. What PEFT and transformers make of the export:
+ * loss to the bit and lowers it; bad settings are refused naming the flag, and a resume
+ * with other adapters than the saved run's; --export-lora writes PEFT's names and config. What PEFT and transformers make of the export:
  * tests/python/test_lora_peft.py.
  */
 #include <criterion/criterion.h>
@@ -369,6 +369,20 @@ Test(lora, cli_flags_and_export)
     cr_assert_eq(rc, 0, "%s", out);
     cr_expect(strstr(out, "# lora: rank 2, alpha 4, targets c_proj"), "%s", out);
     cr_expect(strstr(out, "# export-lora: step 2, 4 adapter tensors"), "%s", out);
+    free(out);
+    /* A resume trains the saved run's adapters, the same way as they were. */
+    rc = test_run_zinf(&out, "train --config %s --data %s " MODEL " --steps 3 --resume", cfg,
+                       data_path);
+    cr_expect_eq(rc, 2, "%s", out);
+    cr_expect(strstr(out, "the saved run trains LoRA adapters (--lora-rank 2 --lora-alpha 4 "
+                          "--lora-targets c_proj); this run trains none"),
+              "%s", out);
+    free(out);
+    rc = test_run_zinf(&out,
+                       "train --config %s --data %s " MODEL " --steps 3 --resume --lora-rank 2 "
+                       "--lora-targets c_proj --lora-alpha 4",
+                       cfg, data_path);
+    cr_expect_eq(rc, 0, "%s", out);
     free(out);
     char path[4200];
     snprintf(path, sizeof(path), "%s/ad/adapter_config.json", dir);

@@ -45,6 +45,8 @@ struct backend;
 #define STATE_MAGIC_V2 0x7a696e6674726e32ull /* "zinftrn2": trained on all of it */
 #define HELD_OUT_DIVISOR 10                  /* the last tenth of the data is for validation */
 #define ZERO_NAME "train.zero"               /* ranks > 1: struct zero_state */
+#define LORA_NAME "train.lora"               /* LoRA: struct lora_state */
+#define LORA_MAGIC 0x7a696e666c6f7261ull     /* "zinflora" */
 #define ZERO_MAGIC 0x7a696e667a65726full     /* "zinfzero" */
 #define SHARD_FLOATS                                                                               \
     1024 /* shards are multiples of 4 KiB (O_DIRECT), and so are the chunks                        \
@@ -58,6 +60,15 @@ struct zero_state {
     uint64_t magic;
     int32_t world, stage, rank;
     int32_t persist; /* stage 3: stage3_param_persistence_threshold (0: none) */
+};
+
+/* The adapters a LoRA run trains: a resume must train the same. */
+struct lora_state {
+    uint64_t magic;
+    int32_t r;
+    uint32_t targets;
+    float alpha; /* as given: 0 is r */
+    int32_t pad;
 };
 
 /* What the state tensor holds: enough to refuse a resume with another model or data. */
@@ -438,6 +449,9 @@ bool train_idle(const struct trainer *t, int i);
 int train_lora_index(const struct trainer *t, int k, int j, int ab);
 bool train_lora_adapter(const struct trainer *t, int i);
 int train_lora_init(const struct trainer *t, int i, float *dst);
+/* The run's adapters saved beside the state (LORA_NAME; a new LoRA run's), or on a resume
+ * checked against the saved run's: -EINVAL with err saying what to give. */
+int train_lora_state(struct trainer *t, char *err, size_t errlen);
 float train_lora_scale(const struct trainer *t);
 
 /* trainer_moe_step.c: the MoE blocks' phases. A MoE block keeps the 12 tensors of a dense

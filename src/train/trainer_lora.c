@@ -146,6 +146,61 @@ int train_lora_init(const struct trainer *t, int i, float *dst)
     return 0;
 }
 
+/* "rank 4, alpha 8, targets c_attn" */
+static const char *lora_said(const struct lora_state *s, char *buf, size_t len)
+{
+    char tg[32];
+    snprintf(buf, len, "--lora-rank %d --lora-alpha %g --lora-targets %s", s->r,
+             (double)(s->alpha > 0 ? s->alpha : (float)s->r),
+             gpt_lora_targets_name(s->targets, tg, sizeof(tg)));
+    return buf;
+}
+
+int train_lora_state(struct trainer *t, char *err, size_t errlen)
+{
+    const struct trainer_lora *l = &t->o.lora;
+    struct lora_state want = {.magic = LORA_MAGIC, .r = l->r, .targets = l->targets,
+                              .alpha = l->alpha},
+                      saved;
+    enum zinf_tier home = train_home_of(t->zc.zero.offload_param.device);
+    zinf_tensor h;
+    char a[96], b[96];
+    int r;
+    if (!t->o.resume) {
+        if (!l->r) return 0;
+        if ((r = zinf_register(t->e, LORA_NAME, sizeof(want), home, &h)) == 0)
+            r = zinf_write(t->e, h, 0, &want, sizeof(want));
+        if (r < 0) snprintf(err, errlen, "%s: %s", LORA_NAME, zinf_strerror(r));
+        return r;
+    }
+    r = zinf_lookup(t->e, LORA_NAME, &h);
+    if (r == -ENOENT && !l->r) return 0;
+    if (r == -ENOENT) {
+        snprintf(err, errlen, "--resume with --lora-rank: the saved run trains no adapters "
+                 "(resume it without --lora-rank, or start a LoRA run from its export with "
+                 "--init)");
+        return -EINVAL;
+    }
+    if (r == 0) r = zinf_read(t->e, h, 0, &saved, sizeof(saved));
+    if (r < 0) {
+        snprintf(err, errlen, "%s: %s", LORA_NAME, zinf_strerror(r));
+        return r;
+    }
+    if (saved.magic != LORA_MAGIC) {
+        snprintf(err, errlen, "--resume: %s is not a LoRA run's settings", LORA_NAME);
+        return -EINVAL;
+    }
+    if (!l->r || saved.r != want.r || saved.targets != want.targets ||
+        (saved.alpha > 0 ? saved.alpha : (float)saved.r) != trainer_lora_alpha(&t->o)) {
+        snprintf(err, errlen, "--resume: the saved run trains LoRA adapters (%s); this run %s%s: "
+                 "give the saved run's",
+                 lora_said(&saved, a, sizeof(a)), l->r ? "asks for " : "trains none",
+                 l->r ? lora_said(&want, b, sizeof(b)) : "");
+        return -EINVAL;
+    }
+    return 0;
+}
+
 float train_lora_scale(const struct trainer *t)
 {
     return trainer_lora_alpha(&t->o) / (float)t->o.lora.r;

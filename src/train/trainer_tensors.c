@@ -139,7 +139,8 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
     if (sh < MEM_TIERS)
         homes[sh] +=
             align_up(sizeof(struct train_state), ZINF_ALIGN) +
-            (t->be->wdt == BACKEND_F16 ? align_up(sizeof(struct loss_scale), ZINF_ALIGN) : 0);
+            (t->be->wdt == BACKEND_F16 ? align_up(sizeof(struct loss_scale), ZINF_ALIGN) : 0) +
+            (t->o.lora.r ? align_up(sizeof(struct lora_state), ZINF_ALIGN) : 0);
 
 #define CONSIDER(tier)                                                                             \
     do {                                                                                           \
@@ -341,6 +342,8 @@ int train_register_all(struct trainer *t, char *err, size_t errlen)
      * the parameters; in bf16 the bf16 copies are, and the fp32 masters are optimizer state. */
     static const enum role kinds[] = {R_P, R_G, R_M, R_V, R_W};
     static const char *const prefix[] = {"p.", "g.", "m.", "v.", "w."};
+    /* A resume trains the saved run's adapters, or none where it trained none. */
+    if ((r = train_lora_state(t, err, errlen)) < 0) return r;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
         const char *n = t->desc[i].name;
         zinf_tensor *out[] = {&t->p[i], &t->g[i], &t->m[i], &t->v[i], &t->w[i]};
