@@ -140,6 +140,45 @@ Test(lora, zero_b_is_the_frozen_block)
     fixture_free(&f);
 }
 
+Test(lora, bad_input)
+{
+    struct fixture f;
+    fixture_make(&f, false);
+    size_t NC = (size_t)f.B * f.T * 16;
+    float *y = malloc(NC * sizeof(float));
+    const float *keep = f.l.b[1];
+    f.l.b[1] = NULL; /* an A without its B */
+    cr_expect_eq(gpt_lora_block_forward(&f.cfg, f.B, f.T, &f.p, &f.l, f.x, y, &f.s), -EINVAL);
+    f.l.b[1] = keep;
+    struct gpt_scratch small = {.mem = f.s.mem, .bytes = f.s.bytes - 128};
+    cr_expect_eq(gpt_lora_block_forward(&f.cfg, f.B, f.T, &f.p, &f.l, f.x, y, &small), -EINVAL);
+    cr_expect_eq(gpt_lora_block_forward(&f.cfg, f.B, 9, &f.p, &f.l, f.x, y, &f.s), -EINVAL);
+    cr_expect_eq(gpt_lora_block_backward(&f.cfg, f.B, f.T, &f.p, &f.l, f.x, f.dout, f.x, &f.g,
+                                         &f.s),
+                 -EINVAL, "d_in may not be x_in");
+    f.g.a[2] = NULL;
+    cr_expect_eq(gpt_lora_block_backward(&f.cfg, f.B, f.T, &f.p, &f.l, f.x, f.dout, y, &f.g, &f.s),
+                 -EINVAL, "a target without its gradient");
+    f.l.r = 0;
+    cr_expect_eq(gpt_lora_block_forward(&f.cfg, f.B, f.T, &f.p, &f.l, f.x, y, &f.s), -EINVAL);
+    cr_expect_eq(gpt_lora_scratch_bytes(&f.cfg, f.B, f.T, 0), 0);
+    /* PEFT's names of GPT-2's linears. */
+    char buf[32];
+    cr_expect_eq(gpt_lora_parse_targets("c_attn"), 1 << GPT_LORA_QKV);
+    cr_expect_eq(gpt_lora_parse_targets("c_proj"),
+                 (1 << GPT_LORA_ATTN_PROJ) | (1 << GPT_LORA_MLP_PROJ));
+    cr_expect_eq(gpt_lora_parse_targets("c_fc,c_attn,c_proj"), GPT_LORA_ALL);
+    cr_expect_str_eq(gpt_lora_targets_name(GPT_LORA_ALL, buf, sizeof(buf)), "c_attn,c_proj,c_fc");
+    static const char *const bad[] = {"", ",", "c_attn,", ",c_fc", "c_attn,,c_fc", "q_proj",
+                                      "c_att", "c_attn "};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++)
+        cr_expect_eq(gpt_lora_parse_targets(bad[i]), -EINVAL, "'%s'", bad[i]);
+    gpt_lora_name(11, GPT_LORA_MLP_PROJ, 1, buf, sizeof(buf));
+    cr_expect_str_eq(buf, "h11.mlp.proj.lora_b");
+    free(y);
+    fixture_free(&f);
+}
+
 /* sum(y * dout) of the block with adapters, in double. */
 static double objective(struct fixture *f, float *y)
 {

@@ -240,7 +240,7 @@ static int lora_view(struct cpu_backend *c, const void *const *aw, int r, float 
         void *mem = bytes ? realloc(c->lscratch.mem, bytes) : NULL;
         float *wide = c->b.wdt == BACKEND_F32
                           ? NULL
-                          : realloc(c->lwide, (size_t)r * 2 * 12 * C * sizeof(float));
+                          : realloc(c->lwide, (size_t)r * 16 * C * sizeof(float));
         if (mem) c->lscratch = (struct gpt_scratch){.mem = mem, .bytes = bytes};
         if (wide) c->lwide = wide;
         if (!mem || (c->b.wdt != BACKEND_F32 && !wide)) return -ENOMEM;
@@ -248,7 +248,7 @@ static int lora_view(struct cpu_backend *c, const void *const *aw, int r, float 
     }
     *lp = (struct gpt_lora_params){.r = r, .scale = scale};
     /* In 16 bits: A (r,in) and B (out,r) of target j widened one after the other; the four
-     * targets' in + out add up to 12 C. */
+     * targets' in + out add up to 16 C (4 C, 2 C, 5 C, 5 C). */
     float *at = c->lwide;
     for (int j = 0; j < GPT_LORA_NTARGETS; j++) {
         if (!aw[2 * j]) continue;

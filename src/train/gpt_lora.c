@@ -267,6 +267,7 @@ int gpt_lora_block_backward(const struct gpt_config *cfg, int B, int T,
     size_t N = (size_t)B * T, C = (size_t)cfg->C;
     const float *const *t = p->t;
     forward_acts(cfg, (size_t)B, (size_t)T, p, l, x_in, NULL, &a);
+    memset(a.dln, 0, 2 * C * sizeof(float)); /* accumulated into, never read */
     /* The MLP half, as gpt.c's: the residual carries d_out to the middle of the block. */
     memcpy(a.d_x2, d_out, N * C * sizeof(float));
     linear_backward(cfg, l, g, GPT_LORA_MLP_PROJ, a.d_big, d_out, a.fch_gelu, t[GPT_MLP_PROJ_W], N,
