@@ -51,7 +51,7 @@ int train_lora_opts_check(const struct trainer_opts *o, char *err, size_t errlen
         return -EINVAL;
     }
     const char *no = o->moe.E            ? "--experts (moe.num_experts)"
-                     : o->grad_accum > 1 ? "gradient_accumulation_steps above 1"
+                     : o->grad_accum > 1 ? "--accumulate above 1 (gradient_accumulation_steps)"
                      : o->world > 1      ? "several ranks (ZeRO over the adapters)"
                                          : NULL;
     if (no) {
