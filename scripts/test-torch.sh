@@ -4,7 +4,8 @@
 # GB with torch's CUDA libraries), then
 #   1. the project built (scripts/setup.sh) and tests/python run over the build tree by the
 #      venv's Python: zinf.torch against plain PyTorch, torch's own calls on an offloaded
-#      model, transformers' models, Trainer and peft, and the package's tests with torch;
+#      model, transformers' models, Trainer and peft, zinf train's LoRA export loaded by
+#      peft, and the package's tests with torch;
 #   2. zinf.torch across nodes under torchrun (tests/multinode/torch.sh: Linux namespaces on
 #      this machine; skipped, saying why, without root or unshare);
 #   3. the examples: 3 steps of the GPT on NVMe under tenth budgets, and transformers'
@@ -41,7 +42,7 @@ echo "== 1. tests/python over the build tree"
 (cd tests/python &&
   PYTHONPATH=$root/build/python ZINF_BIN=$root/build/tools/zinf \
     "$py" -m unittest -v test_torch test_torch_conventions test_torch_hf test_torch_dist \
-      test_torch_ckpt test_torch_hf_dist test_zinf 2>&1 |
+      test_torch_ckpt test_torch_hf_dist test_lora_peft test_zinf 2>&1 |
     tee "$scratch/tree.log")
 # "OK" alone: unittest writes "OK (skipped=N)" when any test skipped.
 grep -q '^OK$' "$scratch/tree.log" ||

@@ -146,6 +146,7 @@ static void watch_stop(struct ckpt_watch *w, pthread_t th, bool watching)
  * through the engine (the masters; whole on every rank but at ZeRO stage 3). */
 struct param_reader {
     struct trainer *t;
+    const struct trainer_opts *o; /* LoRA: the adapters are merged in */
     const struct gpt_tensor_desc *d;
 };
 
@@ -157,7 +158,8 @@ static int read_param(void *ctx, int idx, float *dst)
     zinf_tensor h;
     snprintf(name, sizeof(name), "p.%s", pr->d[idx].name);
     int r = zinf_lookup(e, name, &h);
-    return r < 0 ? r : zinf_read(e, h, 0, dst, pr->d[idx].numel * sizeof(float));
+    if (r == 0) r = zinf_read(e, h, 0, dst, pr->d[idx].numel * sizeof(float));
+    return r < 0 ? r : cmd_train_lora_merge(pr->t, pr->o, &pr->d[idx], dst);
 }
 
 /* --export: the fp32 parameters as a safetensors file (an 8-byte little-endian header length,
@@ -174,7 +176,7 @@ static int export_params(struct trainer *t, const struct trainer_opts *o, int st
     gc.maxT = o->seq;
     int n = gpt_layout(&gc, NULL, 0), r;
     struct gpt_tensor_desc *d = n > 0 ? calloc((size_t)n, sizeof(*d)) : NULL;
-    struct param_reader pr = {.t = t, .d = d};
+    struct param_reader pr = {.t = t, .o = o, .d = d};
     char err[1024];
     if (!d || gpt_layout(&gc, d, (size_t)n) != n) {
         r = -ENOMEM;
@@ -658,6 +660,9 @@ int cmd_train(int argc, char **argv)
         export_params(t, &o, sum.steps_done, a.export_path, false) < 0)
         status = 1;
     if (exporting && a.export_hf && export_params(t, &o, sum.steps_done, a.export_hf, true) < 0)
+        status = 1;
+    if (exporting && a.export_lora &&
+        cmd_train_export_lora(t, &o, sum.steps_done, a.export_lora, a.init_path) < 0)
         status = 1;
     if (status == 0 && stop_requested) {
         printf("# %s: finishing here, the state is flushed (continue with --resume)\n",

@@ -23,6 +23,7 @@ struct train_args {
     struct train_config_applied ds; /* what the config's keys did */
     const char *log_path, *trace_path, *export_path;
     const char *export_hf, *init_path; /* --export-hf DIR, --init FILE */
+    const char *export_lora;           /* --export-lora DIR: a LoRA run's adapters */
     long eval_every, eval_batches, sample_every, sample_bytes;
     long ckpt_every;     /* --checkpoint-every, else zinf.train.checkpoint_every */
     long print_lr;       /* --print-lr N: with --dry-run, the first N steps' learning rates */
@@ -30,6 +31,18 @@ struct train_args {
     bool dry_run;        /* --dry-run: decide what would run, run nothing */
     bool nvme_offload;   /* the config offloads the parameters or the optimizer to NVMe */
 };
+
+/* ---- a LoRA run's exports (cmd_train_lora.c) -------------------------------------------- */
+
+/* The weights of tensor d (zinf's layout, fp32 in w) merged with the run's adapter where d
+ * is a targeted linear's: w += (alpha / r) B A (0; -errno where an adapter cannot be read). */
+int cmd_train_lora_merge(struct trainer *t, const struct trainer_opts *o,
+                         const struct gpt_tensor_desc *d, float *w);
+/* --export-lora: the adapters as PEFT saves them, dir/adapter_model.safetensors and
+ * dir/adapter_config.json (base: base_model_name_or_path, may be NULL); 0 or -errno, said
+ * on stderr. */
+int cmd_train_export_lora(struct trainer *t, const struct trainer_opts *o, int step,
+                          const char *dir, const char *base);
 
 /* argv into a, the config read and applied: -1 to go on, else the exit status (0 after
  * --help, 2 for bad input, said on stderr with the usage where it helps). */

@@ -40,7 +40,8 @@ enum {
     O_DRY_RUN,
     O_PRINT_LR,
     O_INIT,
-    O_EXPORT_HF
+    O_EXPORT_HF,
+    O_EXPORT_LORA
 };
 
 static void usage(FILE *f)
@@ -73,6 +74,18 @@ static void usage(FILE *f)
         "  --expert-prefetch N\n"
         "                    experts asked for ahead of their turn, from the gate's choices\n"
         "                    (0-64, default 1; 0: each fetched when its turn comes)\n"
+        "  --lora-rank R     LoRA: train rank-R adapters on the targeted linears of every\n"
+        "                    block while the model's own weights stay frozen (no gradient,\n"
+        "                    no optimizer state); usually with --init. One rank, one\n"
+        "                    micro-batch a step, the CPU backend\n"
+        "  --lora-alpha A    the adapters' scale is A / R, as PEFT's (default R: a scale of 1)\n"
+        "  --lora-targets L  comma-separated, PEFT's names of GPT-2's linears: c_attn, c_proj\n"
+        "                    (the attention's and the MLP's), c_fc (default c_attn)\n"
+        "  --lora-dropout X  only 0\n"
+        "  --export-lora DIR at the end, write the adapters as PEFT saves them:\n"
+        "                    DIR/adapter_model.safetensors and DIR/adapter_config.json\n"
+        "                    (PeftModel.from_pretrained on --init's GPT-2 loads them); with\n"
+        "                    LoRA, --export and --export-hf write the merged weights\n"
         "  --seed N          initialisation and batch order (default 1337)\n"
         "  --log FILE.jsonl  also write every step and the summary as JSON lines\n"
         "  --export FILE.safetensors\n"
@@ -195,6 +208,7 @@ int cmd_train_parse(int argc, char **argv, struct train_args *a)
         {"trace", required_argument, NULL, O_TRACE},
         {"export", required_argument, NULL, O_EXPORT},
         {"export-hf", required_argument, NULL, O_EXPORT_HF},
+        {"export-lora", required_argument, NULL, O_EXPORT_LORA},
         {"init", required_argument, NULL, O_INIT},
         {"strict", no_argument, NULL, O_STRICT},
         {"dry-run", no_argument, NULL, O_DRY_RUN},
@@ -207,6 +221,7 @@ int cmd_train_parse(int argc, char **argv, struct train_args *a)
     long eval_every = 0, eval_batches = 8, sample_every = 0, sample_bytes = 0;
     const char *log_path = NULL, *trace_path = NULL, *export_path = NULL;
     const char *export_hf = NULL, *init_path = NULL; /* --export-hf DIR, --init FILE */
+    const char *export_lora = NULL;                  /* --export-lora DIR */
     char err[512];
     long v = 0;
     int ch;
@@ -323,6 +338,9 @@ int cmd_train_parse(int argc, char **argv, struct train_args *a)
         case O_EXPORT_HF:
             export_hf = optarg;
             break;
+        case O_EXPORT_LORA:
+            export_lora = optarg;
+            break;
         case O_INIT:
             init_path = optarg;
             break;
@@ -414,6 +432,11 @@ int cmd_train_parse(int argc, char **argv, struct train_args *a)
     bool nvme_offload = zc.zero.offload_param.device == CONFIG_OFFLOAD_NVME ||
                         zc.zero.offload_optimizer.device == CONFIG_OFFLOAD_NVME;
     config_free(&zc);
+    if (export_lora && !o.lora.r) {
+        fprintf(stderr, "zinf train: --export-lora %s: the run trains no adapters (give "
+                "--lora-rank)\n", export_lora);
+        return 2;
+    }
     o.sample = sample_every > 0;
     if (sample_bytes == 0) sample_bytes = MIN(64, o.seq - 1);
     if (o.sample && sample_bytes > o.seq - 1) {
@@ -429,6 +452,7 @@ int cmd_train_parse(int argc, char **argv, struct train_args *a)
                              .trace_path = trace_path,
                              .export_path = export_path,
                              .export_hf = export_hf,
+                             .export_lora = export_lora,
                              .init_path = init_path,
                              .eval_every = eval_every,
                              .eval_batches = eval_batches,

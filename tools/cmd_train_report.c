@@ -19,6 +19,7 @@
 #include "cmd_train.h"
 #include "common.h"
 #include "train/gpt.h"
+#include "train/gpt_lora.h"
 #include "train/trainer.h"
 #include "train/weights.h"
 
@@ -270,6 +271,14 @@ void cmd_train_print_start(const struct trainer_opts *o, const struct trainer_su
            "model state %s\n",
            o->model.L, o->model.C, o->model.NH, o->seq, o->batch,
            (unsigned long long)sum->param_count, format_size(sum->model_state_bytes, a, sizeof(a)));
+    if (o->lora.r) {
+        char tg[32];
+        printf("# lora: rank %d, alpha %g, targets %s: %llu of the parameters train, the model's "
+               "own are frozen (no gradient, no optimizer state)\n",
+               o->lora.r, (double)trainer_lora_alpha(o),
+               gpt_lora_targets_name(o->lora.targets, tg, sizeof(tg)),
+               (unsigned long long)sum->trainable_count);
+    }
     char d[32], f[32], g[32];
     printf("# budgets: device %s, host %s (the least that runs: %s, %s); beside the host "
            "budget, %s of staging buffers%s%s\n",

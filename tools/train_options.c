@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "train/gpt_lora.h"
 #include "train_options.h"
 
 const struct option train_shape_options[] = {TRAIN_SHAPE_OPTIONS, {0}};
@@ -52,7 +53,7 @@ int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigne
                 {O_SEQ, 1, 65536},   {O_BATCH, 1, 65536},       {O_STEPS, 0, 100000000},
                 {O_SEED, 0, 0x7fffffffL}, {O_ACCUM, 1, 65536},
                 {O_EXPERTS, 0, 4096}, {O_TOP_K, 1, 2},
-                {O_EXPERT_PREFETCH, 0, 64}};
+                {O_EXPERT_PREFETCH, 0, 64}, {O_LORA_RANK, 1, 65536}};
     const char *name = NULL;
     for (size_t k = 0; train_shape_options[k].name; k++)
         if (train_shape_options[k].val == opt) name = train_shape_options[k].name;
@@ -75,6 +76,16 @@ int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigne
     case O_EXPERTS: o->moe.E = (int)v; break;
     case O_TOP_K: o->moe.k = (int)v; break;
     case O_EXPERT_PREFETCH: o->moe.prefetch = (int)v; break;
+    case O_LORA_RANK: o->lora.r = (int)v; break;
+    case O_LORA_ALPHA: r = float_arg(name, arg, &o->lora.alpha, err, errlen); break;
+    case O_LORA_DROPOUT: r = float_arg(name, arg, &o->lora.dropout, err, errlen); break;
+    case O_LORA_TARGETS:
+        if ((r = gpt_lora_parse_targets(arg)) < 0)
+            snprintf(err, errlen, "--lora-targets: expected a comma-separated list of c_attn, "
+                     "c_proj and c_fc (PEFT's names of GPT-2's linears), got '%s'", arg);
+        else
+            o->lora.targets = (unsigned)r;
+        break;
     case O_LR: r = float_arg(name, arg, &o->lr, err, errlen); break;
     case O_WD: r = float_arg(name, arg, &o->weight_decay, err, errlen); break;
     case O_CLIP: r = float_arg(name, arg, &o->grad_clip, err, errlen); break;

@@ -32,7 +32,11 @@
     {"accumulate", required_argument, NULL, O_ACCUM},    \
     {"experts", required_argument, NULL, O_EXPERTS},     \
     {"top-k", required_argument, NULL, O_TOP_K},         \
-    {"expert-prefetch", required_argument, NULL, O_EXPERT_PREFETCH}
+    {"expert-prefetch", required_argument, NULL, O_EXPERT_PREFETCH}, \
+    {"lora-rank", required_argument, NULL, O_LORA_RANK},             \
+    {"lora-alpha", required_argument, NULL, O_LORA_ALPHA},           \
+    {"lora-targets", required_argument, NULL, O_LORA_TARGETS},       \
+    {"lora-dropout", required_argument, NULL, O_LORA_DROPOUT}
 extern const struct option train_shape_options[];
 int train_option_apply(int opt, const char *arg, struct trainer_opts *o, unsigned *given,
                        char *err, size_t errlen);

@@ -74,12 +74,21 @@ struct backend_ops {
     /* x_out = block(x_in), both (B,T,C) in adt; w: the block's 12 weights in wdt. */
     int (*block_forward)(struct backend *b, const void *const *w, const void *x_in, void *x_out);
     /* The loss of x (B,T,C), the last block's output, and the first gradient: sets the
-     * backend's gradient d (B,T,C); d_lnf_w, d_lnf_b (C) and d_wte (V,C) fp32 +=. */
+     * backend's gradient d (B,T,C); d_lnf_w, d_lnf_b (C) and d_wte (V,C) fp32 +=. All three
+     * NULL: a frozen head (LoRA), d only (the CPU backend's; others refuse LoRA). */
     int (*head_backward)(struct backend *b, const void *lnf_w, const void *lnf_b, const void *wte,
                          const void *x, float *d_lnf_w, float *d_lnf_b, float *d_wte);
     /* d = d pulled back through the block whose input was x_in; g (12, fp32) +=. */
     int (*block_backward)(struct backend *b, const void *const *w, const void *x_in,
                           float *const *g);
+    /* LoRA (gpt_lora.h): block_forward and block_backward with low-rank adapters on a frozen
+     * block. aw: each target's A then B (2 GPT_LORA_NTARGETS, in wdt; NULL where the target
+     * has none), of rank r, scaled by scale; the base weights get no gradient, ag (fp32,
+     * as aw) += the adapters'. NULL on a backend without them (the trainer refuses LoRA). */
+    int (*lora_block_forward)(struct backend *b, const void *const *w, const void *const *aw,
+                              int r, float scale, const void *x_in, void *x_out);
+    int (*lora_block_backward)(struct backend *b, const void *const *w, const void *const *aw,
+                               int r, float scale, const void *x_in, float *const *ag);
     /* d_wte (V,C) and d_wpe (T,C) fp32 += the embedding's share of d. */
     int (*embed_backward)(struct backend *b, float *d_wte, float *d_wpe);
     /* The step's sum of squared gradients += sum of g[i]^2 (n fp32). */

@@ -19,6 +19,7 @@
 #include "train/backend.h"
 #include "train/backend_moe.h"
 #include "train/digest.h"
+#include "train/gpt_lora.h"
 #include "train/ops.h"
 
 struct cpu_backend {
@@ -33,6 +34,12 @@ struct cpu_backend {
     /* bf16 only: fp32 widenings of one block's weights and of wte, wpe, lnf.w, lnf.b. */
     float *wblock, *wte, *wpe, *lnfw, *lnfb;
     float *hgrad; /* loss scaling: the head's own parameter gradients, then scaled in */
+    /* LoRA: the block's scratch with its adapters (gpt_lora.h), of rank lrank; in 16 bits,
+     * the adapters' fp32 widenings (lwide); a frozen head's LayerNorm gradients (hdummy,
+     * thrown away). */
+    struct gpt_scratch lscratch;
+    int lrank;
+    float *lwide, *hdummy;
     /* Tensor parallel: the rank's slices (gpt_tp.h) and its group's collectives; Vr the rows
      * of wte it holds (V without). */
     const struct gpt_tp_comm *tp;
@@ -63,6 +70,9 @@ static void cpu_close(struct backend *b)
     free(c->lnfw);
     free(c->lnfb);
     free(c->hgrad);
+    free(c->lscratch.mem);
+    free(c->lwide);
+    free(c->hdummy);
     free(c->moe.ms.mem);
     free(c);
 }
@@ -171,6 +181,16 @@ static int cpu_head_backward(struct backend *b, const void *lnf_w, const void *l
     float S = c->b.loss_scale;
     const float *lw = widen(c, lnf_w, c->lnfw, C), *lb = widen(c, lnf_b, c->lnfb, C),
                 *we = widen(c, wte, c->wte, VC);
+    if (!d_lnf_w && !d_lnf_b && !d_wte) { /* a frozen head: the gradient d only */
+        if (c->tp || c->sp) return -EOPNOTSUPP;
+        if (!c->hdummy && !(c->hdummy = malloc(2 * C * sizeof(float)))) return -ENOMEM;
+        int r = gpt_head_backward(&c->cfg, c->B, c->T, lw, lb, we, x, c->targets, c->d, c->hdummy,
+                                  c->hdummy + C, NULL, &c->loss, &c->scratch);
+        for (size_t i = 0, N = (size_t)c->B * c->Tl * C; r == 0 && S != 1.0f && i < N; i++)
+            c->d[i] *= S;
+        return r;
+    }
+    if (!d_lnf_w || !d_lnf_b || !d_wte) return -EINVAL;
     if (S == 1.0f)
         return head_backward(c, lw, lb, we, x, d_lnf_w, d_lnf_b, d_wte);
     /* Loss scaling: the head's share of the parameter gradients and the gradient it hands
@@ -207,6 +227,69 @@ static int cpu_block_backward(struct backend *b, const void *const *w, const voi
         return gpt_sp_block_backward(&c->cfg, c->sp->sp, c->sp->rank, c->B, c->T, &p, x_in, c->d,
                                      c->d, &gr, &c->scratch, c->sp->alltoall, c->sp->ctx);
     return gpt_block_backward(&c->cfg, c->B, c->T, &p, x_in, c->d, c->d, &gr, &c->scratch);
+}
+
+/* The fp32 view of one block's adapters (lp), and the scratch of the LoRA block for rank r. */
+static int lora_view(struct cpu_backend *c, const void *const *aw, int r, float scale,
+                     struct gpt_lora_params *lp)
+{
+    size_t C = (size_t)c->cfg.C;
+    if (c->tp || c->sp) return -EOPNOTSUPP;
+    if (c->lrank != r) {
+        size_t bytes = gpt_lora_scratch_bytes(&c->cfg, c->B, c->T, r);
+        void *mem = bytes ? realloc(c->lscratch.mem, bytes) : NULL;
+        float *wide = c->b.wdt == BACKEND_F32
+                          ? NULL
+                          : realloc(c->lwide, (size_t)r * 16 * C * sizeof(float));
+        if (mem) c->lscratch = (struct gpt_scratch){.mem = mem, .bytes = bytes};
+        if (wide) c->lwide = wide;
+        if (!mem || (c->b.wdt != BACKEND_F32 && !wide)) return -ENOMEM;
+        c->lrank = r;
+    }
+    *lp = (struct gpt_lora_params){.r = r, .scale = scale};
+    /* In 16 bits: A (r,in) and B (out,r) of target j widened one after the other; the four
+     * targets' in + out add up to 16 C (4 C, 2 C, 5 C, 5 C). */
+    float *at = c->lwide;
+    for (int j = 0; j < GPT_LORA_NTARGETS; j++) {
+        if (!aw[2 * j]) continue;
+        size_t out, in;
+        gpt_lora_dims(&c->cfg, j, &out, &in);
+        lp->a[j] = widen(c, aw[2 * j], at, (size_t)r * in);
+        if (at) at += (size_t)r * in;
+        lp->b[j] = widen(c, aw[2 * j + 1], at, out * (size_t)r);
+        if (at) at += out * (size_t)r;
+    }
+    return 0;
+}
+
+static int cpu_lora_block_forward(struct backend *b, const void *const *w, const void *const *aw,
+                                  int r, float scale, const void *x_in, void *x_out)
+{
+    struct cpu_backend *c = cpu(b);
+    struct gpt_block_params p;
+    struct gpt_lora_params lp;
+    int x = lora_view(c, aw, r, scale, &lp);
+    if (x < 0) return x;
+    block_view(c, w, &p);
+    return gpt_lora_block_forward(&c->cfg, c->B, c->T, &p, &lp, x_in, x_out, &c->lscratch);
+}
+
+static int cpu_lora_block_backward(struct backend *b, const void *const *w, const void *const *aw,
+                                   int r, float scale, const void *x_in, float *const *ag)
+{
+    struct cpu_backend *c = cpu(b);
+    struct gpt_block_params p;
+    struct gpt_lora_params lp;
+    struct gpt_lora_grads lg;
+    int x = lora_view(c, aw, r, scale, &lp);
+    if (x < 0) return x;
+    block_view(c, w, &p);
+    for (int j = 0; j < GPT_LORA_NTARGETS; j++) {
+        lg.a[j] = ag[2 * j];
+        lg.b[j] = ag[2 * j + 1];
+    }
+    return gpt_lora_block_backward(&c->cfg, c->B, c->T, &p, &lp, x_in, c->d, c->d, &lg,
+                                   &c->lscratch);
 }
 
 static int cpu_embed_backward(struct backend *b, float *d_wte, float *d_wpe)
@@ -360,6 +443,8 @@ static const struct backend_ops cpu_ops = {
     .block_forward = cpu_block_forward,
     .head_backward = cpu_head_backward,
     .block_backward = cpu_block_backward,
+    .lora_block_forward = cpu_lora_block_forward,
+    .lora_block_backward = cpu_lora_block_backward,
     .embed_backward = cpu_embed_backward,
     .sumsq = cpu_sumsq,
     .adamw = cpu_adamw,

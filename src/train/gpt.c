@@ -515,7 +515,7 @@ static float head_backward(const struct dims *d, const float *lnf_w, const float
     float loss = ops_crossentropy(h->logits, h->losses, targets, d->N, d->V, 1);
     /* d_lnf (N,C) = dlogits (N,V) @ wte (V,C); d_wte (V,C) += dlogits^T @ lnf (N,C). */
     ops_gemm(0, 0, N, C, V, h->logits, V, wte, C, 0.0f, h->d_lnf, C);
-    ops_gemm(1, 0, V, C, N, h->logits, V, h->lnf, C, 1.0f, d_wte, C);
+    if (d_wte) ops_gemm(1, 0, V, C, N, h->logits, V, h->lnf, C, 1.0f, d_wte, C);
     ops_layernorm_backward(d_x, 0, d_lnf_w, d_lnf_b, h->d_lnf, x, lnf_w, h->mean, h->rstd, N, C);
     return loss;
 }
@@ -687,7 +687,7 @@ int gpt_head_backward(const struct gpt_config *cfg, int B, int T, const float *l
 {
     int r = check_bt(cfg, B, T);
     if (r < 0) return r;
-    if (!lnf_w || !lnf_b || !wte || !x || !d_x || !d_lnf_w || !d_lnf_b || !d_wte) return -EINVAL;
+    if (!lnf_w || !lnf_b || !wte || !x || !d_x || !d_lnf_w || !d_lnf_b) return -EINVAL;
     struct dims d = dims_of(cfg, B, T);
     if ((r = check_tokens(targets, d.N, cfg->V)) < 0) return r;
     float *base = scratch_base(&d, s);

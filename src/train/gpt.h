@@ -156,7 +156,8 @@ int gpt_head_forward(const struct gpt_config *cfg, int B, int T, const float *ln
                      const float *lnf_b, const float *wte, const float *x, const int *targets,
                      float *loss, float *logits, struct gpt_scratch *s);
 /* Recomputes the head from x, writes d_x (B,T,C) = dloss/dx (d_x may be x) and accumulates
- * d_lnf_w, d_lnf_b (C) and d_wte (V,C). loss (may be NULL) receives the forward's value. */
+ * d_lnf_w, d_lnf_b (C) and d_wte (V,C); d_wte may be NULL (a frozen wte: no gradient of
+ * it is computed). loss (may be NULL) receives the forward's value. */
 int gpt_head_backward(const struct gpt_config *cfg, int B, int T, const float *lnf_w,
                       const float *lnf_b, const float *wte, const float *x, const int *targets,
                       float *d_x, float *d_lnf_w, float *d_lnf_b, float *d_wte, float *loss,

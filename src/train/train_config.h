@@ -30,6 +30,10 @@ enum train_option {
     O_EXPERTS,
     O_TOP_K,
     O_EXPERT_PREFETCH,
+    O_LORA_RANK,
+    O_LORA_ALPHA,
+    O_LORA_TARGETS,
+    O_LORA_DROPOUT,
 };
 
 /* What the config's keys did, for the start of the run (and for config check). */

@@ -25,6 +25,7 @@
 #include "config.h"
 #include "tiers/cuda_probe.h"
 #include "train/backend.h"
+#include "train/gpt_lora.h"
 #include "train/loss_scale.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
@@ -48,6 +49,7 @@ void trainer_opts_defaults(struct trainer_opts *o)
     o->fp16 = (struct trainer_fp16){
         .min_loss_scale = 1, .initial_scale_power = 16, .loss_scale_window = 1000, .hysteresis = 2};
     o->model = (struct gpt_config){.V = 256, .maxT = 64, .L = 4, .C = 128, .NH = 4};
+    o->lora = (struct trainer_lora){.targets = 1u << GPT_LORA_QKV};
     o->moe = (struct trainer_moe){.k = 1, .every = 1, .ep = 1, .prefetch = 1, .min_capacity = 4,
                                   .drop_tokens = true, .capacity_factor = 1, .loss_coef = 0.01f};
 }
@@ -223,7 +225,8 @@ int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
     struct gpt_config cfg = o->model;
     cfg.maxT = o->seq;
     if (gpt_config_validate(&cfg, err, errlen) < 0) return -EINVAL;
-    return train_moe_opts_check(o, err, errlen);
+    int r = train_moe_opts_check(o, err, errlen);
+    return r < 0 ? r : train_lora_opts_check(o, err, errlen);
 }
 
 /* A trainer with nothing opened yet: its locks and markers, the options, the model. */
@@ -320,6 +323,7 @@ static int layout(struct trainer *t, char *err, size_t errlen)
     const struct gpt_config cfg = t->cfg;
     t->ntensors = train_moe_layout(t, NULL, 0, err, errlen);
     if (t->ntensors < 0) return t->ntensors;
+    t->ntensors += train_lora_count(t); /* appended after the model's */
     t->desc = calloc((size_t)t->ntensors, sizeof(*t->desc));
     t->p = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
     t->g = calloc((size_t)t->ntensors, sizeof(zinf_tensor));
@@ -332,8 +336,8 @@ static int layout(struct trainer *t, char *err, size_t errlen)
         snprintf(err, errlen, "out of memory");
         return -ENOMEM;
     }
-    int r = train_moe_layout(t, t->desc, (size_t)t->ntensors, err, errlen);
-    if (r < 0) return r;
+    int r = train_moe_layout(t, t->desc, (size_t)(t->ntensors - train_lora_count(t)), err, errlen);
+    if (r < 0 || (r = train_lora_layout(t, err, errlen)) < 0) return r;
     /* The rank's tensors (a pipeline stage's, a tensor-parallel rank's slices), indexed. */
     if (train_pipe_layout(t) < 0) {
         snprintf(err, errlen, "out of memory");
@@ -487,7 +491,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     t->opt_tier = optimizer_tier(t);
 
     if ((r = train_zero_setup(t, cuda, err, errlen)) < 0) goto fail;
-    t->defer_ok = update_deferrable(t, cuda);
+    t->defer_ok = update_deferrable(t, cuda) && !o->lora.r; /* adapters follow their blocks */
     if (o->resume && !t->zc.nvme_paths.count && !t->remote) {
         snprintf(err, errlen,
                  "--resume needs an NVMe swap directory in the config "
@@ -725,9 +729,17 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
                                     .nodes = 1};
     train_note_peaks(t);
     zinf_stats(t->e, &st);
-    for (int i = 0; i < t->ntensors; i++)
-        out->param_count += t->desc[i].numel;
-    out->model_state_bytes = out->param_count * (sizeof(float) * 4 + (t->w != t->p ? 2 : 0));
+    /* A frozen weight (LoRA) keeps its fp32 and 16-bit copies only. */
+    size_t w16 = t->w != t->p ? 2 : 0;
+    for (int i = 0; i < t->ntensors; i++) {
+        size_t n = t->desc[i].numel;
+        out->param_count += n;
+        if (train_frozen(t, i))
+            out->model_state_bytes += n * (sizeof(float) + w16);
+        else
+            out->model_state_bytes += n * (sizeof(float) * 4 + w16);
+        if (!train_frozen(t, i)) out->trainable_count += n;
+    }
     out->backend = t->be->name;
     out->precision = t->be->wdt == BACKEND_BF16  ? "bf16"
                      : t->be->wdt == BACKEND_F16 ? "fp16"

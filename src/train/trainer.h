@@ -110,11 +110,22 @@ struct trainer_moe {
     int prefetch;           /* experts asked for ahead, from the gate's choices; 1 */
 };
 
+/* LoRA fine-tuning (--lora-rank, the config's zinf.train.lora): rank-r adapters (gpt_lora.h)
+ * on the targeted linears of every block, scaled by alpha / r as PEFT's, trained while the
+ * model's own weights stay frozen: no gradient, no optimizer state for them. r 0: none. */
+struct trainer_lora {
+    int r;
+    float alpha;      /* 0: r (a scale of 1) */
+    unsigned targets; /* 1 << enum gpt_lora_target; c_attn where not given, as PEFT's */
+    float dropout;    /* 0 only */
+};
+
 struct trainer_opts {
     const char *config_path; /* DeepSpeed-style JSON: budgets, offload devices, nvme paths */
     const char *data_path;   /* any file: its bytes are the tokens */
     struct gpt_config model; /* V must be 256 */
     struct trainer_moe moe;  /* E 0: a dense GPT */
+    struct trainer_lora lora; /* r 0: every weight trains */
     int batch, seq;          /* B and T */
     int steps;               /* total steps (a resumed run continues up to this) */
     float lr, weight_decay, grad_clip;
@@ -189,6 +200,9 @@ struct trainer_opts {
     void *init_ctx;
 };
 
+/* The alpha a run's adapters are scaled by (alpha / r): o->lora.alpha, or r where it is 0. */
+float trainer_lora_alpha(const struct trainer_opts *o);
+
 struct trainer_step_stats {
     int step;                /* 1-based */
     float loss;
@@ -255,9 +269,11 @@ struct trainer_summary {
      * that fetching them read. */
     int experts;
     uint64_t experts_used, expert_bytes_read, expert_fetches, expert_hits;
-    uint64_t model_state_bytes; /* parameters + gradients + Adam m and v (+ bf16 copies) */
+    uint64_t model_state_bytes; /* parameters + gradients + Adam m and v (+ bf16 copies); a
+                                   frozen weight's (LoRA) without gradient, m and v */
     struct trainer_budgets budgets; /* how the budgets the config did not give were derived */
     uint64_t param_count;
+    uint64_t trainable_count; /* those that train: param_count but with LoRA (the adapters') */
     struct trainer_tier_summary tier[3];
     int steps_done;
     /* Checkpoints (trainer_checkpoint, and trainer_open's of step 0): how many this

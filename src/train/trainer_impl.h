@@ -45,6 +45,8 @@ struct backend;
 #define STATE_MAGIC_V2 0x7a696e6674726e32ull /* "zinftrn2": trained on all of it */
 #define HELD_OUT_DIVISOR 10                  /* the last tenth of the data is for validation */
 #define ZERO_NAME "train.zero"               /* ranks > 1: struct zero_state */
+#define LORA_NAME "train.lora"               /* LoRA: struct lora_state */
+#define LORA_MAGIC 0x7a696e666c6f7261ull     /* "zinflora" */
 #define ZERO_MAGIC 0x7a696e667a65726full     /* "zinfzero" */
 #define SHARD_FLOATS                                                                               \
     1024 /* shards are multiples of 4 KiB (O_DIRECT), and so are the chunks                        \
@@ -58,6 +60,15 @@ struct zero_state {
     uint64_t magic;
     int32_t world, stage, rank;
     int32_t persist; /* stage 3: stage3_param_persistence_threshold (0: none) */
+};
+
+/* The adapters a LoRA run trains: a resume must train the same. */
+struct lora_state {
+    uint64_t magic;
+    int32_t r;
+    uint32_t targets;
+    float alpha; /* as given: 0 is r */
+    int32_t pad;
 };
 
 /* What the state tensor holds: enough to refuse a resume with another model or data. */
@@ -274,6 +285,8 @@ struct trainer {
      * reduces it (train_private). NULL without expert parallelism. */
     int ep;
     bool *priv;
+    /* LoRA (trainer_lora.c): the layout's first adapter; those before it are frozen. */
+    int lora_first;
     /* ZINF_TEST_KILL_AT=POINT:RANK:N: the tests' crash, at POINT of the N-th checkpoint. */
     char kill_point[32];
     int kill_rank, kill_nth, checkpoint_calls;
@@ -440,6 +453,27 @@ bool train_moe_expert(const struct trainer *t, const struct gpt_tensor_desc *d);
 /* The rank that holds tensor d whole in a run of `ranks` expert-parallel ranks: its
  * expert's owner; 0 for every other tensor (which ZeRO cuts or rank 0 holds whole). */
 int train_moe_owner(const struct trainer *t, const struct gpt_tensor_desc *d, int ranks);
+
+/* trainer_lora.c: LoRA. train_lora_opts_check (in trainer_opts_check) checks the settings;
+ * train_lora_count is how many adapter tensors the layout appends, train_lora_layout writes
+ * them after the model's (t->ntensors counting them) or refuses what the run cannot do with
+ * them (-EINVAL, err naming it); train_frozen: tensor i gets no gradient and no optimizer
+ * state; train_idle: the optimizer leaves tensor i alone this step (frozen, or an idle
+ * expert's); train_lora_index: the tensor of block k's adapter of target j, A (ab 0) or B
+ * (ab 1), -1 where none; train_lora_adapter: tensor i is an adapter; train_lora_init: a new
+ * run's values of adapter i; train_lora_scale: alpha / r. */
+int train_lora_opts_check(const struct trainer_opts *o, char *err, size_t errlen);
+int train_lora_count(const struct trainer *t);
+int train_lora_layout(struct trainer *t, char *err, size_t errlen);
+bool train_frozen(const struct trainer *t, int i);
+bool train_idle(const struct trainer *t, int i);
+int train_lora_index(const struct trainer *t, int k, int j, int ab);
+bool train_lora_adapter(const struct trainer *t, int i);
+int train_lora_init(const struct trainer *t, int i, float *dst);
+/* The run's adapters saved beside the state (LORA_NAME; a new LoRA run's), or on a resume
+ * checked against the saved run's: -EINVAL with err saying what to give. */
+int train_lora_state(struct trainer *t, char *err, size_t errlen);
+float train_lora_scale(const struct trainer *t);
 
 /* trainer_moe_step.c: the MoE blocks' phases. A MoE block keeps the 12 tensors of a dense
  * one at block_first[k] (so every block's are where the dense code looks), but its four MLP

@@ -352,7 +352,7 @@ void train_optimizer_ahead(struct trainer *t, int done, int of)
         struct opt_set *s = &t->osets[t->opt_pre];
         int i = opt_index(t, t->opt_pre);
         struct wave w;
-        if (train_moe_idle(t, i)) { /* no gradient (yet): read when its turn comes, if any */
+        if (train_idle(t, i)) { /* no gradient (yet): read when its turn comes, if any */
             t->opt_pre++;
             continue;
         }
@@ -396,7 +396,7 @@ static void opt_ask_ahead(struct trainer *t)
     }
 }
 
-/* A tensor the step leaves alone (train_moe_idle): its digest terms, from its parameters
+/* A tensor the step leaves alone (train_idle): its digest terms, from its parameters
  * as they are. */
 static int digest_idle(struct trainer *t, int i, enum zinf_tier tier, uint64_t *digest)
 {
@@ -444,9 +444,10 @@ static int opt_run(struct trainer *t, int upto)
         int i = opt_index(t, k);
         void *p[WAVE_MAX];
         uint64_t s0 = trace_on() ? now_ns() : 0;
-        if (train_moe_idle(t, i)) {
-            /* An expert no token was routed to (or a MoE block's unused MLP): no gradient,
-             * no update, as torch's optimizers skip a parameter whose .grad is None. Adam's
+        if (train_idle(t, i)) {
+            /* An expert no token was routed to (or a MoE block's unused MLP, or a frozen
+             * weight under LoRA): no gradient, no update, as torch's optimizers skip a
+             * parameter whose .grad is None. Adam's
              * count stays the run's step for the others and for its next update. */
             opt_drop(t, &t->osets[k], tier);
             if (t->o.digest) r = digest_idle(t, i, tier, &t->upd.digest);
@@ -458,7 +459,7 @@ static int opt_run(struct trainer *t, int upto)
         if (r < 0) break;
         /* The next set is completed only now: while this one was taken, only sets asked
          * for ahead were pinned beside it, and its fallback drops them. */
-        if (ahead && k + 1 < t->ntensors && !train_moe_idle(t, opt_index(t, k + 1))) {
+        if (ahead && k + 1 < t->ntensors && !train_idle(t, opt_index(t, k + 1))) {
             opt_ask(t, opt_index(t, k + 1), tier, &t->osets[k + 1], ~0u);
             t->opt_ahead++;
         }

@@ -34,6 +34,7 @@
 #include "comm/comm.h"
 #include "common.h"
 #include "train/backend.h"
+#include "train/gpt_lora.h"
 #include "train/loss_scale.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
@@ -140,13 +141,35 @@ void train_wave_embed_forward(struct trainer *t, struct wave *w)
     wave_add(w, R_ACT, 0, true);
 }
 
-/* Block k's forward: its 12 weights, a[k] -> a[k+1]. */
+/* LoRA: block k's adapters of the given role, each target's A then B (entries in that
+ * order, the targets without one left out). */
+static void wave_add_adapters(struct trainer *t, struct wave *w, enum role role, int k, bool dirty)
+{
+    for (int j = 0; j < GPT_LORA_NTARGETS; j++)
+        for (int ab = 0; ab < 2; ab++) {
+            int idx = train_lora_index(t, k, j, ab);
+            if (idx >= 0) wave_add(w, role, idx, dirty);
+        }
+}
+
+/* The pointers of the adapters that wave_add_adapters() put at p, 2 per target (NULL where
+ * the target has none), into aw. */
+static void adapter_ptrs(const struct trainer *t, void *const *p, void **aw)
+{
+    int n = 0;
+    for (int j = 0; j < GPT_LORA_NTARGETS; j++)
+        for (int ab = 0; ab < 2; ab++)
+            aw[2 * j + ab] = train_lora_index(t, 0, j, ab) >= 0 ? p[n++] : NULL;
+}
+
+/* Block k's forward: its 12 weights, a[k] -> a[k+1] (LoRA: its adapters' weights after). */
 void train_wave_block_forward(struct trainer *t, int k, struct wave *w)
 {
     *w = (struct wave){.what = "a block's forward (its weights, input and output)"};
     wave_add_block(t, w, R_W, k, false);
     wave_add(w, R_ACT, k, false);
     wave_add(w, R_ACT, k + 1, true);
+    wave_add_adapters(t, w, R_W, k, false);
     wave_prefetch_block(t, w, k + 1);
 }
 
@@ -162,6 +185,7 @@ void train_wave_head(struct trainer *t, struct wave *w)
     wave_add_weight(t, w, t->lnfw);
     wave_add_weight(t, w, t->lnfb);
     wave_add_weight(t, w, t->wte);
+    if (t->o.lora.r) return; /* frozen: no gradients */
     wave_add(w, g, t->lnfw, true);
     wave_add(w, g, t->lnfb, true);
     wave_add(w, g, t->wte, true);
@@ -192,6 +216,12 @@ void train_wave_block_backward(struct trainer *t, int k, struct wave *w)
 {
     *w = (struct wave){.what = "a block's backward (its weights, gradients and input)"};
     wave_add_block(t, w, R_W, k, false);
+    if (t->o.lora.r) { /* LoRA: the input, the adapters' weights and gradients */
+        wave_add(w, R_ACT, k, false);
+        wave_add_adapters(t, w, R_W, k, false);
+        wave_add_adapters(t, w, R_G, k, true);
+        return;
+    }
     wave_add_block(t, w, t->exact ? R_L : R_G, k, true);
     wave_add(w, R_ACT, k, false);
     /* Read for the last time this step: homed on NVMe, the checkpoint is dropped unwritten
@@ -444,8 +474,17 @@ blocks:
         TRY(r);
         TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
         if (k + 1 < t->ke) train_update_start(t, t->block_first[k + 1] + GPT_BLOCK_NSLOTS);
-        r = train_settle(t, be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
-                                              p[GPT_BLOCK_NSLOTS + 1]));
+        if (t->o.lora.r) {
+            void *aw[2 * GPT_LORA_NTARGETS];
+            adapter_ptrs(t, p + GPT_BLOCK_NSLOTS + 2, aw);
+            r = be->lora_block_forward(t->be, (const void *const *)p, (const void *const *)aw,
+                                       t->o.lora.r, train_lora_scale(t), p[GPT_BLOCK_NSLOTS],
+                                       p[GPT_BLOCK_NSLOTS + 1]);
+        } else {
+            r = be->block_forward(t->be, (const void *const *)p, p[GPT_BLOCK_NSLOTS],
+                                  p[GPT_BLOCK_NSLOTS + 1]);
+        }
+        r = train_settle(t, r);
         int x = train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
         if (r == 0) r = x; /* the next block's gather failed */
         if (s0) trace_span_n("train", "block forward", k, s0);
@@ -477,6 +516,11 @@ int train_head(struct trainer *t, bool zero, bool norm, bool reduce)
     train_wave_head(t, &w);
     if ((r = train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p)) < 0) return r;
     size_t C = (size_t)c->C * sizeof(float);
+    if (t->o.lora.r) { /* a frozen head: the loss and the gradient it hands on */
+        r = train_settle(t, be->head_backward(t->be, p[1], p[2], p[3], p[0], NULL, NULL, NULL));
+        train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+        return r;
+    }
     if (zero && (r = be->zero(t->be, p[4], C)) == 0 && (r = be->zero(t->be, p[5], C)) == 0)
         r = be->zero(t->be, p[6], t->desc[t->wte].numel * sizeof(float));
     if (r == 0 && (r = be->head_backward(t->be, p[1], p[2], p[3], p[0], p[4], p[5], p[6])) == 0 &&
@@ -499,6 +543,28 @@ static void act_ahead(struct trainer *t, int k)
         zinf_prefetch(t->e, train_wave_handle(t, R_ACT, j), ZINF_TIER_DEVICE);
 }
 
+/* LoRA: block k's backward from its set p (train_wave_block_backward's): the gradient
+ * pulled through the frozen block, the adapters' gradients zeroed on the step's first touch,
+ * accumulated, and their squares summed on its last. */
+static int lora_backward(struct trainer *t, int k, void *const *p, bool zero, bool norm)
+{
+    const struct backend_ops *be = t->be->ops;
+    void *aw[2 * GPT_LORA_NTARGETS], *ag[2 * GPT_LORA_NTARGETS];
+    int na = 2 * __builtin_popcount(t->o.lora.targets), r = 0;
+    void *const *pa = p + GPT_BLOCK_NSLOTS + 1;
+    adapter_ptrs(t, pa, aw);
+    adapter_ptrs(t, pa + na, ag);
+    for (int n = 0; n < na && r == 0 && zero; n++)
+        r = be->zero(t->be, pa[na + n], t->desc[t->lora_first + n].numel * sizeof(float));
+    if (r == 0)
+        r = be->lora_block_backward(t->be, (const void *const *)p, (const void *const *)aw,
+                                    t->o.lora.r, train_lora_scale(t), p[GPT_BLOCK_NSLOTS],
+                                    (float *const *)ag);
+    for (int n = 0; n < na && r == 0 && norm; n++)
+        r = be->sumsq(t->be, pa[na + n], t->desc[t->lora_first + n].numel);
+    return train_settle(t, r);
+}
+
 int train_backward(struct trainer *t, bool zero, bool norm)
 {
     const struct backend_ops *be = t->be->ops;
@@ -516,6 +582,14 @@ int train_backward(struct trainer *t, bool zero, bool norm)
         train_wave_block_backward(t, k, &w);
         TRY(train_wave_fetch(t, &w, ZINF_TIER_DEVICE, p));
         act_ahead(t, k);
+        if (t->o.lora.r) {
+            r = lora_backward(t, k, p, zero, norm);
+            train_wave_release(t, &w, ZINF_TIER_DEVICE, r == 0);
+            if (s0) trace_span_n("train", "block backward", k, s0);
+            if (r < 0) goto out;
+            train_note_peaks(t);
+            continue;
+        }
         void **gw = p + GPT_BLOCK_NSLOTS, *a = p[2 * GPT_BLOCK_NSLOTS];
         size_t first = (size_t)t->block_first[k];
         for (int i = 0; i < GPT_BLOCK_NSLOTS && r == 0 && zero; i++)
@@ -534,6 +608,7 @@ int train_backward(struct trainer *t, bool zero, bool norm)
         if (t->last_micro) train_optimizer_ahead(t, t->ke - k, t->ke - t->kb);
     }
     if (t->ps > 0) goto out; /* a later pipeline stage: the gradient goes to the one before */
+    if (t->o.lora.r) goto out; /* frozen embeddings */
     /* The first of several stages: wte's local gradient starts as the head's share. */
     if (t->pp > 1) TRY(train_pipe_wte_in(t));
 

@@ -194,6 +194,7 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
     for (int i = 0; i < t->ntensors; i++)
         for (size_t j = 0; j < sizeof(kinds) / sizeof(kinds[0]); j++) {
             if (kinds[j] == R_W && t->w == t->p) continue;
+            if (train_frozen(t, i) && kinds[j] != R_P && kinds[j] != R_W) continue;
             enum zinf_tier h = role_home(t, kinds[j], i);
             if (h < MEM_TIERS) homes[h] += align_up(train_role_bytes(t, kinds[j], i), ZINF_ALIGN);
         }
@@ -213,7 +214,8 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
     if (sh < MEM_TIERS)
         homes[sh] +=
             align_up(sizeof(struct train_state), ZINF_ALIGN) +
-            (t->be->wdt == BACKEND_F16 ? align_up(sizeof(struct loss_scale), ZINF_ALIGN) : 0);
+            (t->be->wdt == BACKEND_F16 ? align_up(sizeof(struct loss_scale), ZINF_ALIGN) : 0) +
+            (t->o.lora.r ? align_up(sizeof(struct lora_state), ZINF_ALIGN) : 0);
 
 #define CONSIDER(tier)                                                                             \
     do {                                                                                           \
@@ -249,6 +251,7 @@ void train_min_budgets(struct trainer *t, uint64_t need[MEM_TIERS], uint64_t hom
         CONSIDER(ZINF_TIER_DEVICE);
     }
     for (int i = 0; i < t->ntensors; i++) {
+        if (train_frozen(t, i)) continue; /* never updated */
         train_wave_optimizer(t, i, &w);
         CONSIDER(t->opt_tier);
     }
@@ -430,11 +433,15 @@ int train_register_all(struct trainer *t, char *err, size_t errlen)
      * the parameters; in bf16 the bf16 copies are, and the fp32 masters are optimizer state. */
     static const enum role kinds[] = {R_P, R_G, R_M, R_V, R_W};
     static const char *const prefix[] = {"p.", "g.", "m.", "v.", "w."};
+    /* A resume trains the saved run's adapters, or none where it trained none. */
+    if ((r = train_lora_state(t, err, errlen)) < 0) return r;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
         const char *n = t->desc[i].name;
         zinf_tensor *out[] = {&t->p[i], &t->g[i], &t->m[i], &t->v[i], &t->w[i]};
         size_t bytes = 0;
         for (int k = 0; k < (mixed ? 5 : 4) && r == 0; k++) {
+            /* A frozen weight (LoRA) has neither gradient nor optimizer state. */
+            if (train_frozen(t, i) && kinds[k] != R_P && kinds[k] != R_W) continue;
             enum zinf_tier home = role_home(t, kinds[k], i);
             bytes = train_role_bytes(t, kinds[k], i);
             r = reg(t, prefix[k], n, bytes, home, out[k]);
@@ -582,8 +589,11 @@ int train_write_params(struct trainer *t, trainer_param_source get, void *ctx)
                 break;
             }
         }
-        /* By the whole model's order, whole: a tensor-parallel rank keeps its slice. */
-        if (train_tp_sliced(t, i)) {
+        /* An adapter starts as PEFT's; the model's tensors come by the whole model's order,
+         * whole: a tensor-parallel rank keeps its slice. */
+        if (train_lora_adapter(t, i)) {
+            r = train_lora_init(t, i, buf);
+        } else if (train_tp_sliced(t, i)) {
             const struct gpt_tensor_desc *gd = &t->gdesc[t->gidx[i]];
             float *whole = malloc(gd->numel * sizeof(float));
             r = whole ? get(ctx, t->gidx[i], whole) : -ENOMEM;
