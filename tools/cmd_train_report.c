@@ -266,11 +266,12 @@ void cmd_train_print_start(const struct trainer_opts *o, const struct trainer_su
                            bool nvme_offload)
 {
     char a[32], b[32], c[32];
-    printf("# zinf train: %d layers, dim %d, %d heads, seq %d, batch %d: %llu parameters, "
-           "model state %s\n",
-           o->model.L, o->model.C, o->model.NH, o->seq, o->batch,
-           (unsigned long long)sum->param_count, format_size(sum->model_state_bytes, a, sizeof(a)));
     char d[32], f[32], g[32];
+    printf("# zinf train: %d layers, dim %d, %d heads, seq %d, batch %d: %llu parameters, "
+           "model state %s (Adam's m and v %s in %s)\n",
+           o->model.L, o->model.C, o->model.NH, o->seq, o->batch,
+           (unsigned long long)sum->param_count, format_size(sum->model_state_bytes, a, sizeof(a)),
+           format_size(sum->optimizer_state_bytes, d, sizeof(d)), sum->optimizer_state_dtype);
     printf("# budgets: device %s, host %s (the least that runs: %s, %s); beside the host "
            "budget, %s of staging buffers%s%s\n",
            format_size(sum->tier[0].budget_bytes, b, sizeof(b)),
@@ -336,6 +337,8 @@ void cmd_train_log_step(FILE *ln, const struct trainer_step_stats *st, double et
     cmd_train_json_num(ln, "ms", st->seconds * 1e3, false);
     cmd_train_json_num(ln, "nvme_read_GBps", st->nvme_read_GBps, false);
     cmd_train_json_num(ln, "nvme_write_GBps", st->nvme_write_GBps, false);
+    fprintf(ln, ",\"nvme_read_bytes\":%llu,\"nvme_write_bytes\":%llu",
+            (unsigned long long)st->nvme_read_bytes, (unsigned long long)st->nvme_write_bytes);
     cmd_train_json_num(ln, "blocked", st->blocked_fraction, false);
     cmd_train_json_num(ln, "blocked_nvme", st->blocked_nvme, false);
     cmd_train_json_num(ln, "blocked_copy", st->blocked_copy, false);
@@ -468,6 +471,8 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                 (unsigned long long)sum->pipeline_ahead,
                 (unsigned long long)sum->pipeline_refetched);
         fprintf(log, ",\"update_in_forward\":%s", sum->update_in_forward ? "true" : "false");
+        fprintf(log, ",\"optimizer_state_bytes\":%llu,\"optimizer_state_dtype\":\"%s\"",
+                (unsigned long long)sum->optimizer_state_bytes, sum->optimizer_state_dtype);
         if (sum->experts)
             fprintf(log,
                     ",\"experts\":%d,\"experts_used\":%llu,\"expert_bytes_read\":%llu,"

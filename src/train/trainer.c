@@ -24,6 +24,7 @@
 #include "common.h"
 #include "config.h"
 #include "tiers/cuda_probe.h"
+#include "train/adamw_states.h"
 #include "train/backend.h"
 #include "train/loss_scale.h"
 #include "train/trainer_impl.h"
@@ -218,6 +219,18 @@ int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
         snprintf(err, errlen,
                  "Lamb's min_coeff %g and max_coeff %g: need 0 <= min_coeff <= max_coeff",
                  o->lamb_min_coeff, o->lamb_max_coeff);
+        return -EINVAL;
+    }
+    if (!adamw_state_dtype_name((enum adamw_state_dtype)o->state_dtype)) {
+        snprintf(err, errlen, "zinf.optimizer_state_dtype %d: must be fp32, bf16 or int8",
+                 o->state_dtype);
+        return -EINVAL;
+    }
+    if (o->state_dtype != ADAMW_STATE_FP32 && o->optimizer == TRAINER_OPT_LAMB) {
+        snprintf(err, errlen,
+                 "zinf.optimizer_state_dtype \"%s\": Lamb keeps its states in fp32; give "
+                 "\"fp32\" with optimizer.type Lamb",
+                 adamw_state_dtype_name((enum adamw_state_dtype)o->state_dtype));
         return -EINVAL;
     }
     struct gpt_config cfg = o->model;
@@ -441,6 +454,15 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     if (ka && sscanf(ka, "%31[a-z-]:%d:%d", t->kill_point, &t->kill_rank, &t->kill_nth) != 3)
         t->kill_point[0] = 0;
     if ((r = decide(t, &cuda, err, errlen)) < 0) goto fail;
+    if (cuda && o->state_dtype != ADAMW_STATE_FP32) {
+        /* The GPU's AdamW kernels read and write fp32 states only. */
+        snprintf(err, errlen,
+                 "zinf.optimizer_state_dtype \"%s\": compressed Adam states are updated on "
+                 "the CPU backend only; give \"fp32\" on the CUDA backend",
+                 adamw_state_dtype_name((enum adamw_state_dtype)o->state_dtype));
+        r = -ENOTSUP;
+        goto fail;
+    }
     /* The backend's working memory is taken before the engine sizes the device tier from
      * what is free. */
     /* Tensor parallel: the backend computes on this rank's slices, with the collectives of
@@ -719,9 +741,14 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
                                     .nodes = 1};
     train_note_peaks(t);
     zinf_stats(t->e, &st);
-    for (int i = 0; i < t->ntensors; i++)
+    enum adamw_state_dtype sdt = (enum adamw_state_dtype)t->o.state_dtype;
+    for (int i = 0; i < t->ntensors; i++) {
         out->param_count += t->desc[i].numel;
-    out->model_state_bytes = out->param_count * (sizeof(float) * 4 + (t->w != t->p ? 2 : 0));
+        out->optimizer_state_bytes += 2 * adamw_state_bytes(sdt, t->desc[i].numel);
+    }
+    out->optimizer_state_dtype = adamw_state_dtype_name(sdt);
+    out->model_state_bytes = out->param_count * (sizeof(float) * 2 + (t->w != t->p ? 2 : 0)) +
+                             out->optimizer_state_bytes;
     out->backend = t->be->name;
     out->precision = t->be->wdt == BACKEND_BF16  ? "bf16"
                      : t->be->wdt == BACKEND_F16 ? "fp16"
