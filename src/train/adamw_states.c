@@ -119,15 +119,12 @@ const float *adamw_q8_map(int is_signed)
 
 uint8_t adamw_q8_nearest(const float *map, float x)
 {
-    /* The first code >= x, then whichever of it and the one below is nearer. */
-    int lo = 0, hi = 256;
-    while (lo < hi) {
-        int mid = (lo + hi) / 2;
-        if (map[mid] < x)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
+    /* lo = how many codes are below x, by halving without branches (a conditional move a
+     * step), then whichever of the codes on either side is nearer. */
+    unsigned lo = 0;
+    for (unsigned half = 128; half; half >>= 1)
+        lo += map[lo + half - 1] < x ? half : 0;
+    lo += map[lo] < x; /* 255 -> 256 when every code is below x */
     if (lo == 256) return 255;
     if (lo == 0) return 0;
     return x - map[lo - 1] <= map[lo] - x ? (uint8_t)(lo - 1) : (uint8_t)lo;
