@@ -144,13 +144,15 @@ static void print_settings(const struct trainer_opts *o, const struct train_conf
             "\"weight_decay\":%.9g,\"clip\":%.9g,\"seed\":%llu,\"precision\":\"%s\","
             "\"backend\":\"%s\",\"checkpoint_every\":%ld,\"steps_per_print\":%d,"
             "\"device_bytes\":%llu,\"host_bytes\":%llu,\"min_device_bytes\":%llu,"
-            "\"min_host_bytes\":%llu,\"staging_bytes\":%llu,\"auto\":",
+            "\"min_host_bytes\":%llu,\"staging_bytes\":%llu,\"optimizer_state_dtype\":\"%s\","
+            "\"auto\":",
             o->sched.warmup_steps, o->sched.total_steps,
             o->sched.linear ? "linear" : "log", o->beta1, o->beta2, o->eps, o->weight_decay,
             o->grad_clip, (unsigned long long)o->seed, sum->precision, sum->backend, ckpt_every,
             every, (unsigned long long)sum->tier[0].budget_bytes,
             (unsigned long long)sum->tier[1].budget_bytes, (unsigned long long)sum->min_budget[0],
-            (unsigned long long)sum->min_budget[1], (unsigned long long)sum->staging_bytes);
+            (unsigned long long)sum->min_budget[1], (unsigned long long)sum->staging_bytes,
+            sum->optimizer_state_dtype);
     json_lines(log, ds->autos, true);
     fprintf(log, ",\"ignored\":");
     json_lines(log, ds->ignored, false);
