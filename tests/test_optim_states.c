@@ -66,8 +66,8 @@ Test(optim_states, dynamic_map_is_bitsandbytes)
         map_double(s, ref);
         for (int i = 0; i < 256; i++) {
             cr_expect(fabs(map[i] - ref[i]) <= 4 * FLT_EPSILON * fabs(ref[i]),
-                      "%s map[%d] = %.9g, create_dynamic_map's %.12g", s ? "signed" : "unsigned",
-                      i, map[i], ref[i]);
+                      "%s map[%d] = %.9g, create_dynamic_map's %.12g", s ? "signed" : "unsigned", i,
+                      map[i], ref[i]);
             if (i) cr_expect(map[i] > map[i - 1], "the map is not increasing at %d", i);
         }
         cr_expect_eq(map[255], 1.0f);
@@ -162,11 +162,10 @@ Test(optim_states, bf16_stochastic_rounding)
     for (int i = 0; i < 100000; i++) {
         float v = fabsf(urand(&s)) * powf(10.0f, -30.0f * fabsf(urand(&s)));
         float r = ops_bf16_to_f32(adamw_bf16_stochastic(v, (uint32_t)test_rand(&s)));
-        cr_assert(r >= 0 && r >= v * (1 - 1.0f / 128) && r <= v * (1 + 1.0f / 128), "%g -> %g",
-                  v, r);
+        cr_assert(r >= 0 && r >= v * (1 - 1.0f / 128) && r <= v * (1 + 1.0f / 128), "%g -> %g", v,
+                  r);
     }
-    cr_expect_eq(ops_bf16_to_f32(adamw_bf16_stochastic(FLT_MAX, 0xffff)),
-                 ops_bf16_to_f32(0x7f7f));
+    cr_expect_eq(ops_bf16_to_f32(adamw_bf16_stochastic(FLT_MAX, 0xffff)), ops_bf16_to_f32(0x7f7f));
     cr_expect_eq(adamw_bf16_stochastic(0.0f, 0xffff), 0);
     cr_expect_eq(adamw_bf16_stochastic(-2.0f, 0xffff), ops_f32_to_bf16(-2.0f));
     cr_expect(isnan(ops_bf16_to_f32(adamw_bf16_stochastic(NAN, 0x1234))));
@@ -181,7 +180,9 @@ struct run {
 
 static struct run run_new(size_t n, enum adamw_state_dtype dt, uint64_t seed)
 {
-    struct run r = {.n = n, .p = malloc(n * sizeof(float)), .g = malloc(n * sizeof(float)),
+    struct run r = {.n = n,
+                    .p = malloc(n * sizeof(float)),
+                    .g = malloc(n * sizeof(float)),
                     .m = calloc(1, adamw_state_bytes(dt, n)),
                     .v = calloc(1, adamw_state_bytes(dt, n))};
     for (size_t i = 0; i < n; i++)
@@ -211,8 +212,8 @@ static int steps(struct run *r, enum adamw_state_dtype dt, int k, size_t from, s
                  size_t cap)
 {
     struct adamw_state_at at = {.seed = 42, .tensor = 7, .first = from, .cap = cap};
-    return adamw_update_states(dt, r->p + from, r->g + from, r->m, r->v, NULL, to - from, &at,
-                               &hp, k, 0.5f);
+    return adamw_update_states(dt, r->p + from, r->g + from, r->m, r->v, NULL, to - from, &at, &hp,
+                               k, 0.5f);
 }
 
 Test(optim_states, fp32_is_adamw_update)
@@ -254,8 +255,8 @@ Test(optim_states, compressed_bits_do_not_depend_on_threads_or_cut)
                                   a1 = {.seed = 42, .tensor = 7, .first = cut, .cap = n - cut};
             cr_assert_eq(adamw_update_states(dt, pw, gw, lo.m, lo.v, NULL, cut, &a0, &hp, k, 0.5f),
                          0);
-            cr_assert_eq(adamw_update_states(dt, pw + cut, gw + cut, hi.m, hi.v, NULL, n - cut,
-                                             &a1, &hp, k, 0.5f),
+            cr_assert_eq(adamw_update_states(dt, pw + cut, gw + cut, hi.m, hi.v, NULL, n - cut, &a1,
+                                             &hp, k, 0.5f),
                          0);
         }
         cr_expect(!memcmp(one.p, two.p, n * 4), "%s: 1 and 2 threads differ",
@@ -331,27 +332,26 @@ Test(optim_states, errors)
     struct adamw_state_at at = {.seed = 1, .tensor = 0, .first = 100, .cap = 600};
     grads(&r, 1);
     /* a q8 part off a block boundary, more elements than the buffers hold, an unknown type */
-    cr_expect_eq(adamw_update_states(ADAMW_STATE_Q8, r.p, r.g, r.m, r.v, NULL, 600, &at, &hp, 1,
-                                     1.0f),
-                 -EINVAL);
+    cr_expect_eq(
+        adamw_update_states(ADAMW_STATE_Q8, r.p, r.g, r.m, r.v, NULL, 600, &at, &hp, 1, 1.0f),
+        -EINVAL);
     at.first = 256;
     at.cap = 500;
-    cr_expect_eq(adamw_update_states(ADAMW_STATE_Q8, r.p, r.g, r.m, r.v, NULL, 600, &at, &hp, 1,
-                                     1.0f),
-                 -EINVAL);
+    cr_expect_eq(
+        adamw_update_states(ADAMW_STATE_Q8, r.p, r.g, r.m, r.v, NULL, 600, &at, &hp, 1, 1.0f),
+        -EINVAL);
     at.cap = 600;
-    cr_expect_eq(adamw_update_states((enum adamw_state_dtype)7, r.p, r.g, r.m, r.v, NULL, 600,
-                                     &at, &hp, 1, 1.0f),
+    cr_expect_eq(adamw_update_states((enum adamw_state_dtype)7, r.p, r.g, r.m, r.v, NULL, 600, &at,
+                                     &hp, 1, 1.0f),
                  -EINVAL);
-    cr_expect_eq(adamw_update_states(ADAMW_STATE_BF16, r.p, r.g, r.m, r.v, NULL, 600, NULL, &hp,
-                                     1, 1.0f),
-                 -EINVAL);
-    cr_expect_eq(adamw_update_states(ADAMW_STATE_Q8, r.p, r.g, r.m, r.v, NULL, 600, &at, &hp, 0,
-                                     1.0f),
-                 -EINVAL);
-    cr_expect_eq(adamw_update_states(ADAMW_STATE_Q8, r.p, r.g, r.m, r.v, NULL, 600, &at, &hp, 1,
-                                     1.0f),
-                 0);
+    cr_expect_eq(
+        adamw_update_states(ADAMW_STATE_BF16, r.p, r.g, r.m, r.v, NULL, 600, NULL, &hp, 1, 1.0f),
+        -EINVAL);
+    cr_expect_eq(
+        adamw_update_states(ADAMW_STATE_Q8, r.p, r.g, r.m, r.v, NULL, 600, &at, &hp, 0, 1.0f),
+        -EINVAL);
+    cr_expect_eq(
+        adamw_update_states(ADAMW_STATE_Q8, r.p, r.g, r.m, r.v, NULL, 600, &at, &hp, 1, 1.0f), 0);
     cr_expect_str_eq(adamw_state_dtype_name(ADAMW_STATE_Q8), "int8");
     cr_expect_null(adamw_state_dtype_name((enum adamw_state_dtype)3));
     cr_expect_eq(adamw_state_bytes(ADAMW_STATE_Q8, 600), 600 + 3 * 4);

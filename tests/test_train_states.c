@@ -109,8 +109,8 @@ static void run(struct trainer_opts *o, int from, int to, struct result *res)
 static void expect_same(const struct result *a, const struct result *b, const char *what)
 {
     for (int s = 0; s < STEPS; s++)
-        cr_expect(!memcmp(&a->loss[s], &b->loss[s], sizeof(float)), "%s, step %d: %.9g, %.9g",
-                  what, s + 1, a->loss[s], b->loss[s]);
+        cr_expect(!memcmp(&a->loss[s], &b->loss[s], sizeof(float)), "%s, step %d: %.9g, %.9g", what,
+                  s + 1, a->loss[s], b->loss[s]);
 }
 
 /* Each dtype: finite losses within 2% of fp32's at every step (what 20 steps of this model

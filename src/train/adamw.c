@@ -11,8 +11,8 @@
  * count. The sum of squares splits the buffer into SUMSQ_SLICES fixed slices, each summed
  * in double by one thread, and adds the slices in order.
  *
- * Not here: compressed states (adamw_states.c, through adamw_int.h), fused clipping (the caller sums squares over all its buffers
- * first, then passes the scale), anything that allocates.
+ * Not here: compressed states (adamw_states.c, through adamw_int.h), fused clipping (the caller
+ * sums squares over all its buffers first, then passes the scale), anything that allocates.
  */
 #include <errno.h>
 #include <immintrin.h>
@@ -117,8 +117,8 @@ update_avx2_as(float *p, const float *g, float *m, float *v, size_t n, const str
     } while (0)
 
 __attribute__((target("avx512f"), always_inline)) static inline void
-update_avx512_as(float *p, const float *g, float *m, float *v, size_t n, const struct adamw_coeffs *c,
-                 const int L2)
+update_avx512_as(float *p, const float *g, float *m, float *v, size_t n,
+                 const struct adamw_coeffs *c, const int L2)
 {
     const __m512 gs = _mm512_set1_ps(c->gs), b1 = _mm512_set1_ps(c->b1),
                  omb1 = _mm512_set1_ps(c->omb1), b2 = _mm512_set1_ps(c->b2),
