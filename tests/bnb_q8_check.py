@@ -54,15 +54,17 @@ def main():
     for signed in (1, 0):
         ours = np.ctypeslib.as_array(lib.adamw_q8_map(signed), shape=(256,)).copy()
         theirs = F.create_dynamic_map(signed=bool(signed)).numpy().astype(np.float32)
-        ulps = np.abs(ours.view(np.int32).astype(np.int64) - theirs.view(np.int32).astype(np.int64))
+        ulps = np.abs(ours.view(np.int32).astype(np.int64) -
+                      theirs.view(np.int32).astype(np.int64))
         same = int((ours == theirs).sum())
-        print(f"map signed={signed}: {same}/256 values bitwise equal, most {int(ulps.max())} ulps apart,"
-              f" max |diff| {np.abs(ours - theirs).max():.3g}")
+        print(f"map signed={signed}: {same}/256 values bitwise equal, most "
+              f"{int(ulps.max())} ulps apart, max |diff| {np.abs(ours - theirs).max():.3g}")
         ok &= int(ulps.max()) <= 2
 
         rng = np.random.default_rng(7 + signed)
         n = 256 * 64 + 100
-        x = rng.standard_normal(n).astype(np.float32) * (10.0 ** rng.uniform(-8, 0, n)).astype(np.float32)
+        mag = (10.0 ** rng.uniform(-8, 0, n)).astype(np.float32)
+        x = rng.standard_normal(n).astype(np.float32) * mag
         if not signed:
             x = np.abs(x)
         code = torch.from_numpy(theirs)
