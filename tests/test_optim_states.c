@@ -5,7 +5,8 @@
  * The 8-bit map against a transcription of create_dynamic_map in double (the float32 one
  * must be within a few float ulps of it), the quantizer against a plain transcription of
  * bitsandbytes' blockwise quantization written here (absmax per block of 256, value / absmax,
- * the nearest code by a linear scan), the round trip within half the gap between the codes
+ * the nearest code by a linear scan), its table against the search over the map at every
+ * 16-bit prefix of a float, the round trip within half the gap between the codes
  * around each value; bf16's stochastic rounding between the two neighbours, unbiased, never
  * negative for a non-negative value, never infinite; and the update: fp32 states as
  * adamw_update's bits, the compressed ones the same bits for 1 and 2 threads and for a
@@ -357,4 +358,40 @@ Test(optim_states, errors)
     cr_expect_eq(adamw_state_bytes(ADAMW_STATE_Q8, 600), 600 + 3 * 4);
     cr_expect_eq(adamw_state_bytes(ADAMW_STATE_BF16, 600), 1200);
     run_free(&r);
+}
+
+/* The quantizer's table (by a float's top 16 bits) against the search over the map, at both
+ * ends of every 16-bit prefix in [-1, 1] (each block led by 1, so absmax is 1 and a value
+ * is its own x / absmax). */
+Test(optim_states, q8_table_is_the_nearest_code_everywhere)
+{
+    const size_t per = ADAMW_Q8_BLOCK - 1,
+                 n = 2 * 65536 / per * ADAMW_Q8_BLOCK + 2 * ADAMW_Q8_BLOCK;
+    float *x = malloc(n * sizeof(float));
+    uint8_t *c = malloc(n);
+    float *s = malloc((n / ADAMW_Q8_BLOCK + 1) * sizeof(float));
+    for (int is_signed = 0; is_signed < 2; is_signed++) {
+        size_t k = 0;
+        for (uint32_t key = 0; key < 65536; key++)
+            for (uint32_t low = 0; low <= 0xffff; low += 0xffff) {
+                uint32_t u = key << 16 | low;
+                float y;
+                memcpy(&y, &u, sizeof(y));
+                if (!(fabsf(y) <= 1.0f) || (!is_signed && y < 0)) continue;
+                if (k % ADAMW_Q8_BLOCK == 0) x[k++] = 1.0f;
+                x[k++] = y;
+            }
+        cr_assert_leq(k, n);
+        adamw_q8_quantize(x, k, is_signed, c, s);
+        const float *map = adamw_q8_map(is_signed);
+        for (size_t i = 0; i < k; i++) {
+            cr_assert_eq(s[i / ADAMW_Q8_BLOCK], 1.0f);
+            cr_assert_eq(c[i], adamw_q8_nearest(map, x[i]), "%s %.9g: code %d, the search's %d",
+                         is_signed ? "signed" : "unsigned", x[i], c[i],
+                         adamw_q8_nearest(map, x[i]));
+        }
+    }
+    free(x);
+    free(c);
+    free(s);
 }

@@ -10,6 +10,11 @@
  * tensor, and q8 blocks are counted from the tensor's first element, so a ZeRO shard that
  * starts on a block boundary computes what the whole tensor's update does on its part.
  *
+ * The nearest code is found through a table by the value's top 16 bits (the codes below
+ * the least float with them), then one comparison with the next code and one between the
+ * two neighbours, without branches: about 10 ns an element for both moments on one core,
+ * where a search over the map took 29.
+ *
  * The dynamic map is bitsandbytes' create_dynamic_map (signed, 7 exponent bits, 8 bits)
  * computed in float32 as its torch code does: torch.linspace(0.1, 1, k) (start + i step
  * for the first half, end - (k - 1 - i) step for the rest), the midpoints of neighbours
@@ -103,12 +108,34 @@ static void build_map(int is_signed, float *out)
 }
 
 static float maps[2][256];
+/* By the top 16 bits of a float y: how many codes are below the least float with those bits
+ * (at most 255). Codes are at least 1.4% apart (64 in the top decade) and floats that share
+ * their top 16 bits within 0.8% of each other, so at most one code lies among them: the
+ * codes below y are the table's count, or one more. */
+static uint8_t below[2][65536];
 static pthread_once_t maps_once = PTHREAD_ONCE_INIT;
+
+static unsigned count_below(const float *map, float x)
+{
+    unsigned lo = 0;
+    for (unsigned half = 128; half; half >>= 1)
+        lo += map[lo + half - 1] < x ? half : 0;
+    return lo + (map[lo] < x);
+}
 
 static void build_maps(void)
 {
-    build_map(0, maps[0]);
-    build_map(1, maps[1]);
+    for (int s = 0; s < 2; s++) {
+        build_map(s, maps[s]);
+        for (uint32_t key = 0; key < 65536; key++) {
+            /* the least float with these top bits: the largest magnitude of a negative */
+            uint32_t u = key << 16 | (key & 0x8000 ? 0xffffu : 0);
+            float least;
+            memcpy(&least, &u, sizeof(least));
+            unsigned c = isnan(least) ? 0 : count_below(maps[s], least);
+            below[s][key] = (uint8_t)(c > 255 ? 255 : c);
+        }
+    }
 }
 
 const float *adamw_q8_map(int is_signed)
@@ -117,43 +144,55 @@ const float *adamw_q8_map(int is_signed)
     return maps[is_signed != 0];
 }
 
-uint8_t adamw_q8_nearest(const float *map, float x)
+/* lo codes are below x: the nearer of codes lo - 1 and lo. */
+static inline uint8_t nearer(const float *map, unsigned lo, float x)
 {
-    /* lo = how many codes are below x, by halving without branches (a conditional move a
-     * step), then whichever of the codes on either side is nearer. */
-    unsigned lo = 0;
-    for (unsigned half = 128; half; half >>= 1)
-        lo += map[lo + half - 1] < x ? half : 0;
-    lo += map[lo] < x; /* 255 -> 256 when every code is below x */
     if (lo == 256) return 255;
     if (lo == 0) return 0;
-    return x - map[lo - 1] <= map[lo] - x ? (uint8_t)(lo - 1) : (uint8_t)lo;
+    /* a coin toss a value: without a branch */
+    return (uint8_t)(lo - (x - map[lo - 1] <= map[lo] - x));
+}
+
+uint8_t adamw_q8_nearest(const float *map, float x)
+{
+    /* By halving without branches (a conditional move a step). */
+    return nearer(map, count_below(map, x), x);
+}
+
+/* The same through the table of its map (s: signed). */
+static inline uint8_t nearest_fast(int s, float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof(u));
+    unsigned lo = below[s][u >> 16]; /* at most 255 */
+    lo += maps[s][lo] < x;
+    return nearer(maps[s], lo, x);
 }
 
 /* One block: its absmax (of |x|), then each value's code. A block of zeros (or one whose
  * absmax is not a positive number) stores zeros' code under absmax 0. */
-static void q8_block(const float *map, const float *x, size_t n, uint8_t *codes, float *absmax)
+static void q8_block(int s, const float *x, size_t n, uint8_t *codes, float *absmax)
 {
     float mx = 0.0f;
     for (size_t i = 0; i < n; i++)
         mx = fmaxf(mx, fabsf(x[i]));
     if (!(mx > 0.0f)) {
-        uint8_t zero = adamw_q8_nearest(map, 0.0f);
+        uint8_t zero = adamw_q8_nearest(maps[s], 0.0f);
         memset(codes, zero, n);
         *absmax = 0.0f;
         return;
     }
     for (size_t i = 0; i < n; i++)
-        codes[i] = adamw_q8_nearest(map, x[i] / mx);
+        codes[i] = nearest_fast(s, x[i] / mx);
     *absmax = mx;
 }
 
 void adamw_q8_quantize(const float *x, size_t n, int is_signed, uint8_t *codes, float *absmax)
 {
-    const float *map = adamw_q8_map(is_signed);
+    (void)adamw_q8_map(0); /* the maps and tables built */
     for (size_t b = 0; b * B < n; b++) {
         size_t len = n - b * B < B ? n - b * B : B;
-        q8_block(map, x + b * B, len, codes + b * B, &absmax[b]);
+        q8_block(is_signed != 0, x + b * B, len, codes + b * B, &absmax[b]);
     }
 }
 
@@ -250,8 +289,8 @@ static void update_block(const struct job *j, size_t i0, size_t n)
     } else {
         float *ms = (float *)((char *)j->m + q8_scales_at(j->at->cap)),
               *vs = (float *)((char *)j->v + q8_scales_at(j->at->cap));
-        q8_block(adamw_q8_map(1), m, n, (uint8_t *)j->m + i0, &ms[i0 / B]);
-        q8_block(adamw_q8_map(0), v, n, (uint8_t *)j->v + i0, &vs[i0 / B]);
+        q8_block(1, m, n, (uint8_t *)j->m + i0, &ms[i0 / B]);
+        q8_block(0, v, n, (uint8_t *)j->v + i0, &vs[i0 / B]);
     }
 }
 
