@@ -277,3 +277,18 @@ Test(train_gpu, fp16_offloaded_equals_resident_and_copies_are_the_rounded_master
 {
     offloaded_equals_resident(TRAINER_PRECISION_FP16, "fp16", ops_f32_to_f16);
 }
+
+/* Compressed Adam states (zinf.optimizer_state_dtype) are updated on the CPU backend only:
+ * the CUDA backend refuses them at open, naming the key. */
+Test(train_gpu, compressed_optimizer_states_are_refused_naming_the_key)
+{
+    need_gpu();
+    char cg[4096], err[512];
+    struct trainer *t = NULL;
+    write_config(mkpath("gpu.json", cg, sizeof(cg)), "cuda", "none", "none", NULL, "256M", "64M");
+    struct trainer_opts o = model(cg, TRAINER_PRECISION_FP32);
+    o.state_dtype = 2; /* int8 */
+    cr_assert_eq(trainer_open(&o, &t, err, sizeof(err)), -ENOTSUP, "%s", err);
+    cr_assert(strstr(err, "zinf.optimizer_state_dtype"), "%s", err);
+    cr_assert_null(t);
+}
