@@ -23,7 +23,8 @@
  * ceil(cap / ADAMW_Q8_BLOCK) fp32 scales. A part of a tensor (a ZeRO shard) must start on
  * a block boundary, so that its blocks are the whole tensor's.
  *
- * Not here: where the buffers live, LAMB (its states stay fp32), the GPU.
+ * Not here: where the buffers live, LAMB (its states stay fp32), the GPU's twin
+ * (kernels/adamw_states.cu, the same bits).
  */
 #ifndef ZINF_TRAIN_ADAMW_STATES_H
 #define ZINF_TRAIN_ADAMW_STATES_H

@@ -454,15 +454,6 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
     if (ka && sscanf(ka, "%31[a-z-]:%d:%d", t->kill_point, &t->kill_rank, &t->kill_nth) != 3)
         t->kill_point[0] = 0;
     if ((r = decide(t, &cuda, err, errlen)) < 0) goto fail;
-    if (cuda && o->state_dtype != ADAMW_STATE_FP32) {
-        /* The GPU's AdamW kernels read and write fp32 states only. */
-        snprintf(err, errlen,
-                 "zinf.optimizer_state_dtype \"%s\": compressed Adam states are updated on "
-                 "the CPU backend only; give \"fp32\" on the CUDA backend",
-                 adamw_state_dtype_name((enum adamw_state_dtype)o->state_dtype));
-        r = -ENOTSUP;
-        goto fail;
-    }
     /* The backend's working memory is taken before the engine sizes the device tier from
      * what is free. */
     /* Tensor parallel: the backend computes on this rank's slices, with the collectives of

@@ -125,8 +125,9 @@ struct trainer_opts {
     bool lamb_eps_inside_sqrt;        /* LAMB: m / sqrt(v + eps) rather than sqrt(v) + eps */
     /* zinf.optimizer_state_dtype: how Adam's m and v are stored (enum adamw_state_dtype:
      * fp32 0, bf16 1 with stochastic rounding, int8 2 blockwise as bitsandbytes' 8-bit
-     * Adam), the update itself in fp32 (adamw_states.h). Not with LAMB, nor on the CUDA
-     * backend; a run resumes only with the dtype it was saved with. */
+     * Adam), the update itself in fp32 (adamw_states.h; on a GPU where the states are
+     * homed on the device, kernels/adamw_states.cu). Not with LAMB; a run resumes only
+     * with the dtype it was saved with. */
     int state_dtype;
     int grad_accum;                   /* micro-batches of `batch` per optimizer step: 1 */
     bool sample;                      /* trainer_sample() will be called: its host-tier set

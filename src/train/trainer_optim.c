@@ -81,9 +81,9 @@ static int update(struct trainer *t, int i, float *p, const float *g, void *m, v
         return lamb_tensor(t, i, p, g, m, v, w16, n, h, step, scale);
     if (!n) return 0;
     if (t->o.state_dtype != ADAMW_STATE_FP32) {
-        /* Compressed states (the CPU backend's alone: trainer_open refuses the others'): the
-         * random bits and the blocks by the element's place in the whole tensor, so a
-         * rank's part computes what one rank's whole tensor does there. */
+        /* Compressed states: the random bits and the blocks by the element's place in the
+         * whole tensor, so a rank's part computes what one rank's whole tensor does there;
+         * on the device with the backend's kernels where the states are homed there. */
         size_t sh = train_shard_of(t, i);
         bool parted = t->world > 1 && !train_private(t, i) && t->stage >= 1;
         struct adamw_state_at at = {
@@ -92,9 +92,13 @@ static int update(struct trainer *t, int i, float *p, const float *g, void *m, v
             .first = parted ? MIN(train_shard_lo(t, i), t->desc[i].numel) : 0,
             .cap = parted ? sh : t->desc[i].numel,
         };
+        enum adamw_state_dtype dt = (enum adamw_state_dtype)t->o.state_dtype;
+        if (t->opt_tier == ZINF_TIER_DEVICE)
+            return train_settle(
+                t, t->be->ops->adamw_states(t->be, p, g, m, v, w16, n, dt, &at, h, step, scale));
         bool f16 = w16 && t->be->wdt == BACKEND_F16;
-        int r = adamw_update_states((enum adamw_state_dtype)t->o.state_dtype, p, g, m, v,
-                                    w16 && !f16 ? w16 : NULL, n, &at, h, step, scale);
+        int r = adamw_update_states(dt, p, g, m, v, w16 && !f16 ? w16 : NULL, n, &at, h, step,
+                                    scale);
         if (r == 0 && f16) ops_cast_f32_to_f16(w16, p, n);
         return r;
     }
