@@ -83,8 +83,8 @@ __device__ __forceinline__ uint16_t bf16_stochastic(float x, uint32_t r16)
 template <typename E, bool L2>
 __global__ static void adamw_bf16_kernel(float *__restrict__ p, const float *__restrict__ g,
                                          uint16_t *__restrict__ m, uint16_t *__restrict__ v,
-                                         E *__restrict__ pc, size_t n, uint64_t first,
-                                         uint64_t key, struct coeffs c)
+                                         E *__restrict__ pc, size_t n, uint64_t first, uint64_t key,
+                                         struct coeffs c)
 {
     size_t stride = (size_t)gridDim.x * blockDim.x;
     for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -111,11 +111,10 @@ __device__ __forceinline__ unsigned char nearest(const float *map, float x)
 }
 
 template <typename E, bool L2>
-__global__ static void adamw_q8_kernel(float *__restrict__ p, const float *__restrict__ g,
-                                       unsigned char *__restrict__ mc,
-                                       unsigned char *__restrict__ vc, float *__restrict__ ms,
-                                       float *__restrict__ vs, E *__restrict__ pc, size_t n,
-                                       struct qmaps q, struct coeffs c)
+__global__ static void
+adamw_q8_kernel(float *__restrict__ p, const float *__restrict__ g, unsigned char *__restrict__ mc,
+                unsigned char *__restrict__ vc, float *__restrict__ ms, float *__restrict__ vs,
+                E *__restrict__ pc, size_t n, struct qmaps q, struct coeffs c)
 {
     __shared__ float map_m[256], map_v[256], red_m[QB], red_v[QB];
     unsigned t = threadIdx.x;
@@ -156,11 +155,11 @@ __global__ static void adamw_q8_kernel(float *__restrict__ p, const float *__res
     }
 }
 
-extern "C" int kernel_adamw_states(float *param, const float *grad, void *m, void *v,
-                                   void *param16, enum kdtype dt16, size_t n, int state_dt,
-                                   uint64_t first, size_t cap, uint64_t seed, uint32_t tensor,
-                                   const float *maps, const struct adamw_hparams *h, int step,
-                                   float grad_scale, cudaStream_t stream)
+extern "C" int kernel_adamw_states(float *param, const float *grad, void *m, void *v, void *param16,
+                                   enum kdtype dt16, size_t n, int state_dt, uint64_t first,
+                                   size_t cap, uint64_t seed, uint32_t tensor, const float *maps,
+                                   const struct adamw_hparams *h, int step, float grad_scale,
+                                   cudaStream_t stream)
 {
     if (!adamw_hparams_ok(h, step, grad_scale) || (n && (!param || !grad || !m || !v)))
         return -EINVAL;
@@ -168,15 +167,20 @@ extern "C" int kernel_adamw_states(float *param, const float *grad, void *m, voi
     if ((state_dt != 1 && state_dt != 2) || n > cap || (state_dt == 2 && (first % QB || !maps)))
         return -EINVAL;
     if (n == 0) return 0;
-    struct coeffs c = {
-        grad_scale, h->beta1, 1.0f - h->beta1, h->beta2, 1.0f - h->beta2,
-        h->no_bias_correction ? 1.0f : (float)(1.0 / (1.0 - pow(h->beta1, step))),
-        h->no_bias_correction ? 1.0f : (float)(1.0 / (1.0 - pow(h->beta2, step))),
-        h->eps, h->weight_decay, h->lr};
+    struct coeffs c = {grad_scale,
+                       h->beta1,
+                       1.0f - h->beta1,
+                       h->beta2,
+                       1.0f - h->beta2,
+                       h->no_bias_correction ? 1.0f : (float)(1.0 / (1.0 - pow(h->beta1, step))),
+                       h->no_bias_correction ? 1.0f : (float)(1.0 / (1.0 - pow(h->beta2, step))),
+                       h->eps,
+                       h->weight_decay,
+                       h->lr};
     if (state_dt == 1) {
         /* adamw_states.c's key of the tensor's step */
-        uint64_t key = mix64(mix64(seed * 0x9e3779b97f4a7c15ull + tensor) +
-                             (uint64_t)(uint32_t)step);
+        uint64_t key =
+            mix64(mix64(seed * 0x9e3779b97f4a7c15ull + tensor) + (uint64_t)(uint32_t)step);
         return with_elem(param16 ? dt16 : KDT_BF16, [&](auto t) {
             using E = ELEM(t);
             if (h->l2)
@@ -198,12 +202,10 @@ extern "C" int kernel_adamw_states(float *param, const float *grad, void *m, voi
         using E = ELEM(t);
         if (h->l2)
             adamw_q8_kernel<E, true><<<blocks, QB, 0, stream>>>(
-                param, grad, (unsigned char *)m, (unsigned char *)v, ms, vs, (E *)param16, n, q,
-                c);
+                param, grad, (unsigned char *)m, (unsigned char *)v, ms, vs, (E *)param16, n, q, c);
         else
             adamw_q8_kernel<E, false><<<blocks, QB, 0, stream>>>(
-                param, grad, (unsigned char *)m, (unsigned char *)v, ms, vs, (E *)param16, n, q,
-                c);
+                param, grad, (unsigned char *)m, (unsigned char *)v, ms, vs, (E *)param16, n, q, c);
         return launch_result();
     });
 }
