@@ -149,6 +149,16 @@ int kernel_sp_xchg(void *lay, int heads, void *buf, int to_buf, int B, int T, in
 int kernel_adamw(float *param, const float *grad, float *m, float *v, void *param16,
                  enum kdtype dt16, size_t n, const struct adamw_hparams *h, int step,
                  float grad_scale, cudaStream_t s);
+/* AdamW with Adam's moments stored as bf16 (state_dt 1, stochastic rounding) or 8 bits
+ * blockwise (2: cap codes, then the blocks' fp32 absmax at cap rounded up to 4 bytes):
+ * the twin of adamw_update_states (src/train/adamw_states.h), first and cap as its
+ * adamw_state_at's, seed and tensor what the random bits hang on, maps the two dynamic
+ * maps (signed then unsigned, 512 floats in host memory) for state_dt 2. */
+int kernel_adamw_states(float *param, const float *grad, void *m, void *v, void *param16,
+                        enum kdtype dt16, size_t n, int state_dt, uint64_t first, size_t cap,
+                        uint64_t seed, uint32_t tensor, const float *maps,
+                        const struct adamw_hparams *h, int step, float grad_scale,
+                        cudaStream_t s);
 /* LAMB over n fp32 elements in two launches, the host making the trust ratio between them:
  * kernel_lamb_moments updates m and v and writes sums[k] = sum of param^2 and
  * sums[nchunks + k] = sum of u^2 over chunk k (nchunks = ceil(n / chunk) doubles each, in

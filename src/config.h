@@ -183,6 +183,8 @@ struct zinf_config {
                                   the others; 1800 (COMM_DEFAULT_OP_TIMEOUT_MS) */
         bool comm_pool; /* CPU ranks: the device tier's arena in the communicator's pool (one
                            copy a collective); true */
+        int optimizer_state_dtype; /* Adam's m and v: "fp32" 0, "bf16" 1, "int8" 2 (8-bit
+                                      blockwise); "fp32" */
         struct {                           /* zinf.train: `zinf train`'s model and run */
             int layers, dim, heads, seq, batch, steps; /* 0: the command's default */
             int precision; /* "auto" 0, "fp32" 1, "bf16" 2: as enum trainer_precision */

@@ -170,6 +170,8 @@ static const char *const offload_devices[] = {"none", "cpu", "nvme", NULL};
 const char *const config_device_kinds[] = {"auto", "cuda", "emulated", NULL};
 static const char *const io_backends[] = {"auto", "io_uring", "threads", NULL};
 static const char *const precisions[] = {"auto", "fp32", "bf16", "fp16", NULL};
+/* As enum adamw_state_dtype. */
+static const char *const state_dtypes[] = {"fp32", "bf16", "int8", NULL};
 static const char *const warmup_types[] = {"log", "linear", NULL};
 /* DeepSpeed's partition_method: "parameters" balances the stages' parameter counts; "best"
  * is its profiling search, here the same balance by parameters; "uniform" the same number
@@ -256,6 +258,8 @@ const struct field config_fields[] = {
     /* zinf train's CPU ranks: the emulated device arena in the ranks' shared pool, so that
      * their collectives copy once (false: through the staging areas, twice). */
     {S_ZINF, "comm_pool", NULL, F_BOOL, OFF(zinf.comm_pool), 0, 0, 0, NULL},
+    {S_ZINF, "optimizer_state_dtype", NULL, F_ENUM, OFF(zinf.optimizer_state_dtype), 0, 0, 0,
+     state_dtypes},
     /* `zinf train`'s model and run; its command-line options take precedence. */
     {S_TRAIN, "layers", NULL, F_INT, OFF(zinf.train.layers), 1, 1024, 0, NULL},
     {S_TRAIN, "dim", NULL, F_INT, OFF(zinf.train.dim), 1, 65536, 0, NULL},

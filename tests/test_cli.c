@@ -3655,6 +3655,52 @@ Test(cli, zero_ranks_each_hold_a_share_of_the_state, .timeout = 300)
     }
 }
 
+/* Adam's moments in bf16 and in 8 bits (zinf.optimizer_state_dtype): 2 ZeRO ranks log
+ * bitwise the losses of one rank accumulating their 2 micro-batches, at stages 1 and 3 (the
+ * random bits and the 8-bit blocks hang on each element's place in the whole tensor, and
+ * the shards start on block boundaries). Resuming the 2 ranks' run on one is refused,
+ * naming the key: a re-cut copies fp32 states only. */
+Test(cli, zero_ranks_compressed_states_give_the_bits_of_one_rank, .timeout = 300)
+{
+    char cfg[4200], data[4096], swap[4096], log[4200], args[8192], *o;
+    static char ref[MAX_STEPS + 1][32], got[MAX_STEPS + 1][32];
+    const char *dts[] = {"bf16", "int8"};
+    train_files(dir, cfg, sizeof(cfg), data, sizeof(data));
+    for (int d = 0; d < 2; d++)
+        for (int stage = 1; stage <= 3; stage += 2)
+            for (int n = 0; n <= 2; n += 2) {
+                snprintf(swap, sizeof(swap), "%s/st%s%d%d", dir, dts[d], stage, n);
+                snprintf(log, sizeof(log), "%s.jsonl", swap);
+                snprintf(cfg, sizeof(cfg), "%s.json", swap);
+                FILE *f = fopen(cfg, "w");
+                cr_assert_not_null(f);
+                fprintf(f,
+                        "{\"zero_optimization\": {\"stage\": %d, \"offload_param\": {\"device\": "
+                        "\"nvme\", \"nvme_path\": \"%s\"}, \"offload_optimizer\": {\"device\": "
+                        "\"nvme\", \"nvme_path\": \"%s\"}}, \"zinf\": {\"device\": \"emulated\", "
+                        "\"device_bytes\": \"32M\", \"host_bytes\": \"32M\", "
+                        "\"optimizer_state_dtype\": \"%s\"}}",
+                        stage, swap, swap, dts[d]);
+                fclose(f);
+                snprintf(args, sizeof(args), ZMODEL " --steps 4 --log %s%s", log,
+                         n ? "" : " --accumulate 2");
+                cr_assert_eq(train_ranks(&o, n, cfg, data, args), 0, "%s", o);
+                free(o);
+                memset(got, 0, sizeof(got));
+                cr_assert_eq(read_losses(log, got, NULL, NULL), 4);
+                for (int step = 1; step <= 4; step++) {
+                    if (!n && stage == 1) snprintf(ref[step], sizeof(ref[step]), "%s", got[step]);
+                    cr_assert_str_eq(got[step], ref[step], "%s, stage %d, %d ranks, step %d",
+                                     dts[d], stage, n, step);
+                }
+                if (n != 2 || stage != 3) continue;
+                snprintf(args, sizeof(args), ZMODEL " --steps 6 --resume --accumulate 2");
+                cr_assert_eq(train_ranks(&o, 0, cfg, data, args), 2, "%s", o);
+                cr_assert(strstr(o, "zinf.optimizer_state_dtype"), "%s", o);
+                free(o);
+            }
+}
+
 /* Resumes on another number of ranks re-cut the newest saved run: 4 ranks, then one (which
  * accumulates 4 micro-batches, bitwise as 4 ranks), then 4, then 2 of 2, then one again.
  * Every loss and parameter digest is the uninterrupted run's. */

@@ -31,6 +31,7 @@
 #include "helpers.h"
 #include "tiers/cuda_probe.h"
 #include "train/adamw.h"
+#include "train/adamw_states.h"
 #include "train/moe_int.h"
 #include "train/ops.h"
 
@@ -1228,6 +1229,74 @@ Test(kernels_gpu, adamw_matches_the_cpu_reference)
     twin_check("adamw m", KDT_F32, &s.m, TOL_EXACT);
     twin_check("adamw v", KDT_F32, &s.v, TOL_EXACT);
     adam_state_free(&s);
+}
+
+/* Compressed moments (adamw_states.h) against adamw_update_states, bit for bit: bf16 with
+ * stochastic rounding and 8-bit blockwise, a part of a tensor that starts at element 1024
+ * with buffers laid out for more than it updates (a ZeRO shard), a ragged last block, three
+ * steps from zero states, decoupled decay and L2, with the bf16 copy of the parameters. */
+Test(kernels_gpu, adamw_compressed_states_match_the_cpu)
+{
+    need_gpu();
+    const size_t n = ((size_t)1 << 18) + 77, cap = n + 100;
+    float maps[512];
+    memcpy(maps, adamw_q8_map(1), sizeof(float) * 256);
+    memcpy(maps + 256, adamw_q8_map(0), sizeof(float) * 256);
+    for (int dt = ADAMW_STATE_BF16; dt <= ADAMW_STATE_Q8; dt++)
+        for (int l2 = 0; l2 < 2; l2++) {
+            struct adamw_hparams h = adam_hparams();
+            h.l2 = l2;
+            struct adam_state s = adam_state_new(n);
+            size_t sb = adamw_state_bytes((enum adamw_state_dtype)dt, cap);
+            unsigned char *hm = calloc(1, sb), *hv = calloc(1, sb), *gm = malloc(sb),
+                          *gv = malloc(sb);
+            uint16_t *h16 = malloc(n * 2), *g16 = malloc(n * 2);
+            void *dm, *dv, *d16;
+            cr_assert(hm && hv && gm && gv && h16 && g16);
+            cr_assert_eq(cudaMalloc(&dm, sb), cudaSuccess);
+            cr_assert_eq(cudaMalloc(&dv, sb), cudaSuccess);
+            cr_assert_eq(cudaMalloc(&d16, n * 2), cudaSuccess);
+            cr_assert_eq(cudaMemset(dm, 0, sb), cudaSuccess);
+            cr_assert_eq(cudaMemset(dv, 0, sb), cudaSuccess);
+            struct adamw_state_at at = {.seed = 5, .tensor = 3, .first = 1024, .cap = cap};
+            for (int step = 1; step <= 3; step++) {
+                cr_assert_eq(kernel_adamw_states(s.p.d, s.g.d, dm, dv, d16, KDT_BF16, n, dt,
+                                                 at.first, at.cap, at.seed, at.tensor, maps, &h,
+                                                 step, 0.5f, 0),
+                             0);
+                cr_assert_eq(adamw_update_states((enum adamw_state_dtype)dt, s.p.h, s.g.h, hm,
+                                                 hv, h16, n, &at, &h, step, 0.5f),
+                             0);
+            }
+            sync_ok();
+            const char *name = adamw_state_dtype_name((enum adamw_state_dtype)dt);
+            twin_check(name, KDT_F32, &s.p, TOL_EXACT);
+            cr_assert_eq(cudaMemcpy(gm, dm, sb, cudaMemcpyDeviceToHost), cudaSuccess);
+            cr_assert_eq(cudaMemcpy(gv, dv, sb, cudaMemcpyDeviceToHost), cudaSuccess);
+            cr_assert_eq(cudaMemcpy(g16, d16, n * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+            cr_expect(!memcmp(gm, hm, sb), "%s%s: m is not the CPU's", name, l2 ? " (L2)" : "");
+            cr_expect(!memcmp(gv, hv, sb), "%s%s: v is not the CPU's", name, l2 ? " (L2)" : "");
+            cr_expect(!memcmp(g16, h16, n * 2), "%s: the bf16 copy is not the CPU's", name);
+            cudaFree(dm);
+            cudaFree(dv);
+            cudaFree(d16);
+            free(hm);
+            free(hv);
+            free(gm);
+            free(gv);
+            free(h16);
+            free(g16);
+            adam_state_free(&s);
+        }
+    /* What the CPU refuses: a q8 part off a block boundary, more than the buffers hold. */
+    struct adamw_hparams h = adam_hparams();
+    float *p = maps; /* never launched on */
+    cr_expect_eq(kernel_adamw_states(p, p, p, p, NULL, KDT_BF16, 8, 2, 100, 8, 0, 0, maps, &h, 1,
+                                     1.0f, 0),
+                 -EINVAL);
+    cr_expect_eq(kernel_adamw_states(p, p, p, p, NULL, KDT_BF16, 8, 1, 0, 4, 0, 0, maps, &h, 1,
+                                     1.0f, 0),
+                 -EINVAL);
 }
 
 /* The CPU's AdamW with a 16-bit copy: adamw_update_bf16 for bf16, adamw_update then the

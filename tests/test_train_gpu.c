@@ -277,3 +277,36 @@ Test(train_gpu, fp16_offloaded_equals_resident_and_copies_are_the_rounded_master
 {
     offloaded_equals_resident(TRAINER_PRECISION_FP16, "fp16", ops_f32_to_f16);
 }
+
+/* Compressed Adam states (zinf.optimizer_state_dtype) homed on the device, updated by
+ * kernels/adamw_states.cu: each dtype's losses on the GPU track the CPU's with the same
+ * dtype as fp32's do (the gradients differ in their last bits, and so then do the states). */
+Test(train_gpu, compressed_optimizer_states_on_the_gpu_track_the_cpu)
+{
+    need_gpu();
+    char cc[4096], cg[4096];
+    float cpu[STEPS], gpu[STEPS];
+    struct trainer_summary sc, sg;
+    write_config(mkpath("cpu.json", cc, sizeof(cc)), "emulated", "none", "none", NULL, "256M",
+                 "64M");
+    write_config(mkpath("gpu.json", cg, sizeof(cg)), "cuda", "none", "none", NULL, "256M", "64M");
+    for (int dt = 1; dt <= 2; dt++) {
+        struct trainer_opts o = model(cc, TRAINER_PRECISION_FP32);
+        o.state_dtype = dt;
+        run(&o, cpu, &sc);
+        o = model(cg, TRAINER_PRECISION_FP32);
+        o.state_dtype = dt;
+        run(&o, gpu, &sg);
+        cr_assert_str_eq(sg.backend, "cuda");
+        cr_assert_str_eq(sg.optimizer_state_dtype, dt == 1 ? "bf16" : "int8");
+        double worst = 0;
+        for (int i = 0; i < STEPS; i++) {
+            cr_assert(isfinite(gpu[i]));
+            worst = fmax(worst, fabs((double)gpu[i] - cpu[i]) / cpu[i]);
+        }
+        cr_log_info("%s states: largest relative loss difference %.3g", sg.optimizer_state_dtype,
+                    worst);
+        cr_assert_leq(worst, 1e-3, "%s: largest relative loss difference %.3g",
+                      sg.optimizer_state_dtype, worst);
+    }
+}

@@ -201,12 +201,18 @@ static void say_precision(const struct trainer_opts *o, bool planned, bool cuda)
 
 static void say_optimizer(const struct trainer_opts *o, const struct train_config_applied *ds)
 {
-    char clip[48] = "no gradient clipping", extra[96] = "";
+    char clip[48] = "no gradient clipping", extra[160] = "";
     if (o->grad_clip > 0)
         snprintf(clip, sizeof(clip), "gradients clipped to norm %g", o->grad_clip);
     if (o->optimizer == TRAINER_OPT_LAMB)
         snprintf(extra, sizeof(extra), ", trust ratio in [%g, %g]", o->lamb_min_coeff,
                  o->lamb_max_coeff);
+    if (o->state_dtype == 1)
+        snprintf(extra + strlen(extra), sizeof(extra) - strlen(extra),
+                 ", Adam's m and v in bf16 (stochastic rounding)");
+    else if (o->state_dtype == 2)
+        snprintf(extra + strlen(extra), sizeof(extra) - strlen(extra),
+                 ", Adam's m and v in 8 bits (blockwise, as bitsandbytes' 8-bit Adam)");
     printf("# optimizer: %s, lr %g, betas %g %g, eps %g, weight decay %g%s%s, %s\n", ds->optimizer,
            o->lr, o->beta1, o->beta2, o->eps, o->weight_decay, extra,
            o->no_bias_correction ? ", no bias correction" : "", clip);

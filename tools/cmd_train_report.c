@@ -145,13 +145,15 @@ static void print_settings(const struct trainer_opts *o, const struct train_conf
             "\"weight_decay\":%.9g,\"clip\":%.9g,\"seed\":%llu,\"precision\":\"%s\","
             "\"backend\":\"%s\",\"checkpoint_every\":%ld,\"steps_per_print\":%d,"
             "\"device_bytes\":%llu,\"host_bytes\":%llu,\"min_device_bytes\":%llu,"
-            "\"min_host_bytes\":%llu,\"staging_bytes\":%llu,\"auto\":",
+            "\"min_host_bytes\":%llu,\"staging_bytes\":%llu,\"optimizer_state_dtype\":\"%s\","
+            "\"auto\":",
             o->sched.warmup_steps, o->sched.total_steps,
             o->sched.linear ? "linear" : "log", o->beta1, o->beta2, o->eps, o->weight_decay,
             o->grad_clip, (unsigned long long)o->seed, sum->precision, sum->backend, ckpt_every,
             every, (unsigned long long)sum->tier[0].budget_bytes,
             (unsigned long long)sum->tier[1].budget_bytes, (unsigned long long)sum->min_budget[0],
-            (unsigned long long)sum->min_budget[1], (unsigned long long)sum->staging_bytes);
+            (unsigned long long)sum->min_budget[1], (unsigned long long)sum->staging_bytes,
+            sum->optimizer_state_dtype);
     json_lines(log, ds->autos, true);
     fprintf(log, ",\"ignored\":");
     json_lines(log, ds->ignored, false);
@@ -267,10 +269,12 @@ void cmd_train_print_start(const struct trainer_opts *o, const struct trainer_su
                            bool nvme_offload)
 {
     char a[32], b[32], c[32];
+    char d[32], f[32], g[32];
     printf("# zinf train: %d layers, dim %d, %d heads, seq %d, batch %d: %llu parameters, "
-           "model state %s\n",
+           "model state %s (Adam's m and v %s in %s)\n",
            o->model.L, o->model.C, o->model.NH, o->seq, o->batch,
-           (unsigned long long)sum->param_count, format_size(sum->model_state_bytes, a, sizeof(a)));
+           (unsigned long long)sum->param_count, format_size(sum->model_state_bytes, a, sizeof(a)),
+           format_size(sum->optimizer_state_bytes, d, sizeof(d)), sum->optimizer_state_dtype);
     if (o->lora.r) {
         char tg[32];
         printf("# lora: rank %d, alpha %g, targets %s: %llu of the parameters train, the model's "
@@ -279,7 +283,6 @@ void cmd_train_print_start(const struct trainer_opts *o, const struct trainer_su
                gpt_lora_targets_name(o->lora.targets, tg, sizeof(tg)),
                (unsigned long long)sum->trainable_count);
     }
-    char d[32], f[32], g[32];
     printf("# budgets: device %s, host %s (the least that runs: %s, %s); beside the host "
            "budget, %s of staging buffers%s%s\n",
            format_size(sum->tier[0].budget_bytes, b, sizeof(b)),
@@ -345,6 +348,8 @@ void cmd_train_log_step(FILE *ln, const struct trainer_step_stats *st, double et
     cmd_train_json_num(ln, "ms", st->seconds * 1e3, false);
     cmd_train_json_num(ln, "nvme_read_GBps", st->nvme_read_GBps, false);
     cmd_train_json_num(ln, "nvme_write_GBps", st->nvme_write_GBps, false);
+    fprintf(ln, ",\"nvme_read_bytes\":%llu,\"nvme_write_bytes\":%llu",
+            (unsigned long long)st->nvme_read_bytes, (unsigned long long)st->nvme_write_bytes);
     cmd_train_json_num(ln, "blocked", st->blocked_fraction, false);
     cmd_train_json_num(ln, "blocked_nvme", st->blocked_nvme, false);
     cmd_train_json_num(ln, "blocked_copy", st->blocked_copy, false);
@@ -477,6 +482,8 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                 (unsigned long long)sum->pipeline_ahead,
                 (unsigned long long)sum->pipeline_refetched);
         fprintf(log, ",\"update_in_forward\":%s", sum->update_in_forward ? "true" : "false");
+        fprintf(log, ",\"optimizer_state_bytes\":%llu,\"optimizer_state_dtype\":\"%s\"",
+                (unsigned long long)sum->optimizer_state_bytes, sum->optimizer_state_dtype);
         if (sum->experts)
             fprintf(log,
                     ",\"experts\":%d,\"experts_used\":%llu,\"expert_bytes_read\":%llu,"

@@ -11,8 +11,8 @@
  * count. The sum of squares splits the buffer into SUMSQ_SLICES fixed slices, each summed
  * in double by one thread, and adds the slices in order.
  *
- * Not here: fp16/bf16 states, fused clipping (the caller sums squares over all its buffers
- * first, then passes the scale), anything that allocates.
+ * Not here: compressed states (adamw_states.c, through adamw_int.h), fused clipping (the caller
+ * sums squares over all its buffers first, then passes the scale), anything that allocates.
  */
 #include <errno.h>
 #include <immintrin.h>
@@ -21,24 +21,12 @@
 #include <stdint.h>
 
 #include "train/adamw.h"
+#include "train/adamw_int.h"
 #include "train/ops.h"
 
 #define CHUNK_ELEMS ((size_t)1 << 16)        /* elements per thread task: 256 KiB of each array */
 #define PARALLEL_MIN_ELEMS ((size_t)1 << 17) /* below this, threads cost more than they save */
 #define SUMSQ_SLICES 64                      /* fixed, so the order of the sum is too */
-
-/* The per-step constants, in the form every kernel uses them. */
-struct coeffs {
-    float gs;       /* grad_scale */
-    float b1, omb1; /* beta1, 1 - beta1 */
-    float b2, omb2; /* beta2, 1 - beta2 */
-    float bc1, bc2; /* 1 / (1 - beta^step), the bias corrections */
-    float eps, wd, lr;
-    int l2; /* wd is L2 in the gradient, not a decoupled decay */
-};
-
-typedef void (*kernel_fn)(float *p, const float *g, float *m, float *v, size_t n,
-                          const struct coeffs *c);
 
 void adamw_hparams_defaults(struct adamw_hparams *h)
 {
@@ -49,7 +37,7 @@ void adamw_hparams_defaults(struct adamw_hparams *h)
 /* ---- kernels ------------------------------------------------------------------------------ */
 
 static void update_scalar(float *p, const float *g, float *m, float *v, size_t n,
-                          const struct coeffs *c)
+                          const struct adamw_coeffs *c)
 {
     /* fmaf where the vector kernels fuse, and nowhere else: the same bits as they give. */
     for (size_t i = 0; i < n; i++) {
@@ -84,7 +72,7 @@ static void update_scalar(float *p, const float *g, float *m, float *v, size_t n
 
 /* L2 is a constant in each of the two instances, so the branches on it compile away. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-update_avx2_as(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c,
+update_avx2_as(float *p, const float *g, float *m, float *v, size_t n, const struct adamw_coeffs *c,
                const int L2)
 {
     const __m256 gs = _mm256_set1_ps(c->gs), b1 = _mm256_set1_ps(c->b1),
@@ -129,8 +117,8 @@ update_avx2_as(float *p, const float *g, float *m, float *v, size_t n, const str
     } while (0)
 
 __attribute__((target("avx512f"), always_inline)) static inline void
-update_avx512_as(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c,
-                 const int L2)
+update_avx512_as(float *p, const float *g, float *m, float *v, size_t n,
+                 const struct adamw_coeffs *c, const int L2)
 {
     const __m512 gs = _mm512_set1_ps(c->gs), b1 = _mm512_set1_ps(c->b1),
                  omb1 = _mm512_set1_ps(c->omb1), b2 = _mm512_set1_ps(c->b2),
@@ -159,7 +147,7 @@ update_avx512_as(float *p, const float *g, float *m, float *v, size_t n, const s
 }
 
 __attribute__((target("avx2,fma"))) static void
-update_avx2(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c)
+update_avx2(float *p, const float *g, float *m, float *v, size_t n, const struct adamw_coeffs *c)
 {
     if (c->l2)
         update_avx2_as(p, g, m, v, n, c, 1);
@@ -168,7 +156,7 @@ update_avx2(float *p, const float *g, float *m, float *v, size_t n, const struct
 }
 
 __attribute__((target("avx512f"))) static void
-update_avx512(float *p, const float *g, float *m, float *v, size_t n, const struct coeffs *c)
+update_avx512(float *p, const float *g, float *m, float *v, size_t n, const struct adamw_coeffs *c)
 {
     if (c->l2)
         update_avx512_as(p, g, m, v, n, c, 1);
@@ -238,8 +226,8 @@ static int check_hparams(const struct adamw_hparams *h, int step, float grad_sca
 }
 
 /* The update over one chunk, then the bf16 cast of the chunk while it is still in cache. */
-static void update_chunk(kernel_fn fn, float *p, const float *g, float *m, float *v,
-                         uint16_t *p16, size_t n, const struct coeffs *c)
+static void update_chunk(adamw_kernel_fn fn, float *p, const float *g, float *m, float *v,
+                         uint16_t *p16, size_t n, const struct adamw_coeffs *c)
 {
     fn(p, g, m, v, n, c);
     if (p16)
@@ -247,19 +235,15 @@ static void update_chunk(kernel_fn fn, float *p, const float *g, float *m, float
             p16[i] = ops_f32_to_bf16(p[i]);
 }
 
-static int update(enum adamw_isa isa, float *param, const float *grad, float *m, float *v,
-                  uint16_t *param_bf16, size_t n, const struct adamw_hparams *h, int step,
-                  float grad_scale)
+int adamw_prepare(enum adamw_isa isa, const struct adamw_hparams *h, int step, float grad_scale,
+                  struct adamw_kernel *k)
 {
     int r = check_hparams(h, step, grad_scale);
     if (r < 0) return r;
     if ((unsigned)isa > ADAMW_ISA_BEST) return -EINVAL;
-    if (n && (!param || !grad || !m || !v)) return -EINVAL;
     if (!supported(isa)) return -ENOTSUP;
     if (isa == ADAMW_ISA_BEST) isa = adamw_best_isa();
-    if (!n) return 0;
-
-    struct coeffs c = {
+    k->c = (struct adamw_coeffs){
         .gs = grad_scale,
         .b1 = h->beta1,
         .omb1 = 1.0f - h->beta1,
@@ -272,17 +256,32 @@ static int update(enum adamw_isa isa, float *param, const float *grad, float *m,
         .lr = h->lr,
         .l2 = h->l2 != 0,
     };
-    if (isa == ADAMW_ISA_SCALAR) {
-        update_chunk(update_scalar, param, grad, m, v, param_bf16, n, &c);
+    k->fn = isa == ADAMW_ISA_AVX512 ? update_avx512
+            : isa == ADAMW_ISA_AVX2 ? update_avx2
+                                    : update_scalar;
+    k->isa = isa;
+    return 0;
+}
+
+static int update(enum adamw_isa isa, float *param, const float *grad, float *m, float *v,
+                  uint16_t *param_bf16, size_t n, const struct adamw_hparams *h, int step,
+                  float grad_scale)
+{
+    struct adamw_kernel k;
+    int r = adamw_prepare(isa, h, step, grad_scale, &k);
+    if (r < 0) return r;
+    if (n && (!param || !grad || !m || !v)) return -EINVAL;
+    if (!n) return 0;
+    if (k.isa == ADAMW_ISA_SCALAR) {
+        update_chunk(k.fn, param, grad, m, v, param_bf16, n, &k.c);
         return 0;
     }
-    kernel_fn fn = isa == ADAMW_ISA_AVX512 ? update_avx512 : update_avx2;
     size_t nchunks = (n + CHUNK_ELEMS - 1) / CHUNK_ELEMS;
 #pragma omp parallel for schedule(static) if (n >= PARALLEL_MIN_ELEMS)
-    for (size_t k = 0; k < nchunks; k++) {
-        size_t i0 = k * CHUNK_ELEMS, len = n - i0 < CHUNK_ELEMS ? n - i0 : CHUNK_ELEMS;
-        update_chunk(fn, param + i0, grad + i0, m + i0, v + i0, param_bf16 ? param_bf16 + i0 : NULL,
-                     len, &c);
+    for (size_t c = 0; c < nchunks; c++) {
+        size_t i0 = c * CHUNK_ELEMS, len = n - i0 < CHUNK_ELEMS ? n - i0 : CHUNK_ELEMS;
+        update_chunk(k.fn, param + i0, grad + i0, m + i0, v + i0,
+                     param_bf16 ? param_bf16 + i0 : NULL, len, &k.c);
     }
     return 0;
 }

@@ -28,6 +28,7 @@
 #include <stdint.h>
 
 #include "train/adamw.h"
+#include "train/adamw_states.h"
 #include "train/gpt.h"
 #include "train/gpt_sp.h"
 #include "train/gpt_tp.h"
@@ -97,6 +98,12 @@ struct backend_ops {
      * NULL, receives the cast of the new parameter to wdt (bf16 or fp16). */
     int (*adamw)(struct backend *b, float *p, const float *g, float *m, float *v, uint16_t *w16,
                  size_t n, const struct adamw_hparams *h, int step, float grad_scale);
+    /* The same with m and v stored as dt (adamw_states.h: bf16 or 8-bit blockwise), at in
+     * the whole tensor as adamw_update_states takes it. */
+    int (*adamw_states)(struct backend *b, float *p, const float *g, void *m, void *v,
+                        uint16_t *w16, size_t n, enum adamw_state_dtype dt,
+                        const struct adamw_state_at *at, const struct adamw_hparams *h, int step,
+                        float grad_scale);
     /* LAMB in the tier where the states are (adamw.h's lamb_moments and lamb_apply):
      * lamb_moments updates m and v and leaves the chunk sums of p^2 and u^2 in w_sq and u_sq
      * (host memory, one double per chunk; written when it returns); lamb_apply updates p by

@@ -325,6 +325,17 @@ static int cpu_adamw(struct backend *b, float *p, const float *g, float *m, floa
     return adamw_update(p, g, m, v, n, h, step, grad_scale);
 }
 
+static int cpu_adamw_states(struct backend *b, float *p, const float *g, void *m, void *v,
+                            uint16_t *w16, size_t n, enum adamw_state_dtype dt,
+                            const struct adamw_state_at *at, const struct adamw_hparams *h,
+                            int step, float grad_scale)
+{
+    bool f16 = w16 && b->wdt == BACKEND_F16;
+    int r = adamw_update_states(dt, p, g, m, v, f16 ? NULL : w16, n, at, h, step, grad_scale);
+    if (r == 0 && f16) ops_cast_f32_to_f16(w16, p, n);
+    return r;
+}
+
 static int cpu_lamb_moments(struct backend *b, const float *p, const float *g, float *m, float *v,
                             size_t n, const struct adamw_hparams *h, float grad_scale,
                             int eps_inside_sqrt, size_t chunk, double *w_sq, double *u_sq)
@@ -448,6 +459,7 @@ static const struct backend_ops cpu_ops = {
     .embed_backward = cpu_embed_backward,
     .sumsq = cpu_sumsq,
     .adamw = cpu_adamw,
+    .adamw_states = cpu_adamw_states,
     .digest = cpu_digest,
     .fold = cpu_fold,
     .chunk_sumsq = cpu_chunk_sumsq,

@@ -211,6 +211,19 @@ static int cuda_adamw(struct backend *b, float *p, const float *g, float *m, flo
     return kernel_adamw(p, g, m, v, w16, c->dt, n, h, step, grad_scale, c->s);
 }
 
+static int cuda_adamw_states(struct backend *b, float *p, const float *g, void *m, void *v,
+                             uint16_t *w16, size_t n, enum adamw_state_dtype dt,
+                             const struct adamw_state_at *at, const struct adamw_hparams *h,
+                             int step, float grad_scale)
+{
+    struct cuda_backend *c = cub(b);
+    float maps[512];
+    memcpy(maps, adamw_q8_map(1), 256 * sizeof(float));
+    memcpy(maps + 256, adamw_q8_map(0), 256 * sizeof(float));
+    return kernel_adamw_states(p, g, m, v, w16, c->dt, n, (int)dt, at->first, at->cap, at->seed,
+                               at->tensor, maps, h, step, grad_scale, c->s);
+}
+
 /* The parameters come to the host a MiB at a time and are hashed there: the log's digest
  * costs a read of the weights over PCIe per step, paid only when it is asked for. */
 static int cuda_digest(struct backend *b, const float *p, size_t n, uint32_t tensor,
@@ -400,6 +413,7 @@ static const struct backend_ops cuda_ops = {
     .embed_backward = cuda_embed_backward,
     .sumsq = cuda_sumsq,
     .adamw = cuda_adamw,
+    .adamw_states = cuda_adamw_states,
     .lamb_moments = cuda_lamb_moments,
     .lamb_apply = cuda_lamb_apply,
     .digest = cuda_digest,

@@ -317,6 +317,7 @@ int train_config_apply(struct zinf_config *zc, struct trainer_opts *o, unsigned 
     o->moe = moe;
     o->no_start_checkpoint = !zc->zinf.train.checkpoint_start;
     o->update_in_forward = zc->zinf.train.update_in_forward;
+    o->state_dtype = zc->zinf.optimizer_state_dtype;
     int r = apply_deepspeed(zc, o, given, ds, err, errlen);
     if (r < 0) return r;
     if (o->model.NH > 0 && o->model.C % o->model.NH) {

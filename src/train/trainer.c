@@ -24,6 +24,7 @@
 #include "common.h"
 #include "config.h"
 #include "tiers/cuda_probe.h"
+#include "train/adamw_states.h"
 #include "train/backend.h"
 #include "train/gpt_lora.h"
 #include "train/loss_scale.h"
@@ -220,6 +221,18 @@ int trainer_opts_check(const struct trainer_opts *o, char *err, size_t errlen)
         snprintf(err, errlen,
                  "Lamb's min_coeff %g and max_coeff %g: need 0 <= min_coeff <= max_coeff",
                  o->lamb_min_coeff, o->lamb_max_coeff);
+        return -EINVAL;
+    }
+    if (!adamw_state_dtype_name((enum adamw_state_dtype)o->state_dtype)) {
+        snprintf(err, errlen, "zinf.optimizer_state_dtype %d: must be fp32, bf16 or int8",
+                 o->state_dtype);
+        return -EINVAL;
+    }
+    if (o->state_dtype != ADAMW_STATE_FP32 && o->optimizer == TRAINER_OPT_LAMB) {
+        snprintf(err, errlen,
+                 "zinf.optimizer_state_dtype \"%s\": Lamb keeps its states in fp32; give "
+                 "\"fp32\" with optimizer.type Lamb",
+                 adamw_state_dtype_name((enum adamw_state_dtype)o->state_dtype));
         return -EINVAL;
     }
     struct gpt_config cfg = o->model;
@@ -729,17 +742,23 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
                                     .nodes = 1};
     train_note_peaks(t);
     zinf_stats(t->e, &st);
-    /* A frozen weight (LoRA) keeps its fp32 and 16-bit copies only. */
+    /* A frozen weight (LoRA) keeps its fp32 and 16-bit copies only; a trained one its gradient
+     * and Adam's m and v as zinf.optimizer_state_dtype stores them too. */
+    enum adamw_state_dtype sdt = (enum adamw_state_dtype)t->o.state_dtype;
     size_t w16 = t->w != t->p ? 2 : 0;
     for (int i = 0; i < t->ntensors; i++) {
         size_t n = t->desc[i].numel;
         out->param_count += n;
-        if (train_frozen(t, i))
+        if (train_frozen(t, i)) {
             out->model_state_bytes += n * (sizeof(float) + w16);
-        else
-            out->model_state_bytes += n * (sizeof(float) * 4 + w16);
-        if (!train_frozen(t, i)) out->trainable_count += n;
+            continue;
+        }
+        uint64_t ms = 2 * adamw_state_bytes(sdt, n);
+        out->optimizer_state_bytes += ms;
+        out->model_state_bytes += n * (sizeof(float) * 2 + w16) + ms;
+        out->trainable_count += n;
     }
+    out->optimizer_state_dtype = adamw_state_dtype_name(sdt);
     out->backend = t->be->name;
     out->precision = t->be->wdt == BACKEND_BF16  ? "bf16"
                      : t->be->wdt == BACKEND_F16 ? "fp16"

@@ -134,6 +134,12 @@ struct trainer_opts {
     bool no_bias_correction;          /* bias_correction false: Adam's m and v used as they are */
     float lamb_max_coeff, lamb_min_coeff; /* LAMB's trust-ratio bounds: 10, 0.01 */
     bool lamb_eps_inside_sqrt;        /* LAMB: m / sqrt(v + eps) rather than sqrt(v) + eps */
+    /* zinf.optimizer_state_dtype: how Adam's m and v are stored (enum adamw_state_dtype:
+     * fp32 0, bf16 1 with stochastic rounding, int8 2 blockwise as bitsandbytes' 8-bit
+     * Adam), the update itself in fp32 (adamw_states.h; on a GPU where the states are
+     * homed on the device, kernels/adamw_states.cu). Not with LAMB; a run resumes only
+     * with the dtype it was saved with. */
+    int state_dtype;
     int grad_accum;                   /* micro-batches of `batch` per optimizer step: 1 */
     bool sample;                      /* trainer_sample() will be called: its host-tier set
                                          counts in the budget check */
@@ -209,6 +215,7 @@ struct trainer_step_stats {
     double seconds;
     double tokens_per_s;
     double nvme_read_GBps, nvme_write_GBps;
+    uint64_t nvme_read_bytes, nvme_write_bytes; /* what the step moved from and to NVMe */
     double blocked_fraction; /* of the step's time spent blocked in fetch */
     /* ... of it waiting for: NVMe reads, host<->device copies, room (write-backs), pins
      * (zinf_stats' blocked_*_ns; the rest is the work between waits) */
@@ -271,6 +278,10 @@ struct trainer_summary {
     uint64_t experts_used, expert_bytes_read, expert_fetches, expert_hits;
     uint64_t model_state_bytes; /* parameters + gradients + Adam m and v (+ bf16 copies); a
                                    frozen weight's (LoRA) without gradient, m and v */
+    /* Of it, Adam's m and v of the whole model as zinf.optimizer_state_dtype stores them
+     * (named by optimizer_state_dtype: "fp32", "bf16", "int8"). */
+    uint64_t optimizer_state_bytes;
+    const char *optimizer_state_dtype;
     struct trainer_budgets budgets; /* how the budgets the config did not give were derived */
     uint64_t param_count;
     uint64_t trainable_count; /* those that train: param_count but with LoRA (the adapters') */

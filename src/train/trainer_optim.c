@@ -19,6 +19,7 @@
 #include "comm/comm.h"
 #include "common.h"
 #include "train/adamw.h"
+#include "train/adamw_states.h"
 #include "train/backend.h"
 #include "train/digest.h"
 #include "train/ops.h"
@@ -73,12 +74,34 @@ static int lamb_tensor(struct trainer *t, int i, float *p, const float *g, float
  * writes their copy w16 too (released dirty: the engine carries it to the device on its
  * next fetch there). One rank updates whole tensors with it, each of several ranks its own
  * part: the same function on the same elements, so the same bits. LAMB: lamb_tensor. */
-static int update(struct trainer *t, int i, float *p, const float *g, float *m, float *v, void *w16,
+static int update(struct trainer *t, int i, float *p, const float *g, void *m, void *v, void *w16,
                   size_t n, const struct adamw_hparams *h, int step, float scale)
 {
     if (t->o.optimizer == TRAINER_OPT_LAMB)
         return lamb_tensor(t, i, p, g, m, v, w16, n, h, step, scale);
     if (!n) return 0;
+    if (t->o.state_dtype != ADAMW_STATE_FP32) {
+        /* Compressed states: the random bits and the blocks by the element's place in the
+         * whole tensor, so a rank's part computes what one rank's whole tensor does there;
+         * on the device with the backend's kernels where the states are homed there. */
+        size_t sh = train_shard_of(t, i);
+        bool parted = t->world > 1 && !train_private(t, i) && t->stage >= 1;
+        struct adamw_state_at at = {
+            .seed = t->o.seed,
+            .tensor = t->gidx ? (uint32_t)t->gidx[i] : (uint32_t)i,
+            .first = parted ? MIN(train_shard_lo(t, i), t->desc[i].numel) : 0,
+            .cap = parted ? sh : t->desc[i].numel,
+        };
+        enum adamw_state_dtype dt = (enum adamw_state_dtype)t->o.state_dtype;
+        if (t->opt_tier == ZINF_TIER_DEVICE)
+            return train_settle(
+                t, t->be->ops->adamw_states(t->be, p, g, m, v, w16, n, dt, &at, h, step, scale));
+        bool f16 = w16 && t->be->wdt == BACKEND_F16;
+        int r = adamw_update_states(dt, p, g, m, v, w16 && !f16 ? w16 : NULL, n, &at, h, step,
+                                    scale);
+        if (r == 0 && f16) ops_cast_f32_to_f16(w16, p, n);
+        return r;
+    }
     if (t->opt_tier == ZINF_TIER_DEVICE)
         return train_settle(t, t->be->ops->adamw(t->be, p, g, m, v, w16, n, h, step, scale));
     if (w16 && t->be->wdt == BACKEND_F16) {

@@ -21,6 +21,7 @@
 
 #include "common.h"
 #include "config.h"
+#include "train/adamw_states.h"
 #include "train/backend.h"
 #include "train/gpt_tp.h"
 #include "train/trainer_impl.h"
@@ -62,6 +63,16 @@ int train_recut_check(struct trainer *t, char *err, size_t errlen)
     char lay[96], who[64], w0[64], msg[256];
     train_layout_name(l, lay, sizeof(lay));
     train_folder_name(l, 0, w0, sizeof(w0));
+    /* The pieces are cut and joined as floats; a compressed state's blocks and scales are
+     * not cut here. */
+    if (t->o.state_dtype != 0) {
+        snprintf(err, errlen,
+                 "--resume: the run saved as %s is re-cut into another layout with Adam's "
+                 "states in fp32 only, and zinf.optimizer_state_dtype is \"%s\": resume it in "
+                 "its own layout",
+                 lay, adamw_state_dtype_name((enum adamw_state_dtype)t->o.state_dtype));
+        return -ENOTSUP;
+    }
     if (l->T > 1 && gpt_tp_validate(&t->cfg, l->T, 0, msg, sizeof(msg)) < 0) {
         snprintf(err, errlen,
                  "--resume: the saved run of %s in %s cannot be cut again for this model: "

@@ -742,6 +742,8 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .tokens_per_s = (double)t->o.batch * t->o.seq * total / sec,
         .nvme_read_GBps = (double)(s1.nvme_bytes_read - s0.nvme_bytes_read) / sec / 1e9,
         .nvme_write_GBps = (double)(s1.nvme_bytes_written - s0.nvme_bytes_written) / sec / 1e9,
+        .nvme_read_bytes = s1.nvme_bytes_read - s0.nvme_bytes_read,
+        .nvme_write_bytes = s1.nvme_bytes_written - s0.nvme_bytes_written,
         .blocked_fraction = (double)(s1.blocked_ns - s0.blocked_ns) / 1e9 / sec,
         .blocked_nvme = (double)(s1.blocked_nvme_ns - s0.blocked_nvme_ns) / 1e9 / sec,
         .blocked_copy = (double)(s1.blocked_copy_ns - s0.blocked_copy_ns) / 1e9 / sec,

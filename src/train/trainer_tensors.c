@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "common.h"
+#include "train/adamw_states.h"
 #include "train/backend.h"
 #include "train/ops.h"
 #include "train/trainer_impl.h"
@@ -61,8 +62,9 @@ size_t train_role_bytes(const struct trainer *t, enum role role, int idx)
     case R_GW:
         return (size_t)t->world * sh * backend_dtype_bytes(t->be->wdt);
     case R_M:
-    case R_V:
-        return (parted && t->stage >= 1 ? sh : n) * sizeof(float);
+    case R_V: /* as zinf.optimizer_state_dtype stores them */
+        return adamw_state_bytes((enum adamw_state_dtype)t->o.state_dtype,
+                                 parted && t->stage >= 1 ? sh : n);
     case R_G:
         return (parted && t->stage >= 2 ? sh : n) * sizeof(float);
     case R_P:
@@ -366,6 +368,23 @@ static int check_home(struct trainer *t, zinf_tensor h, enum zinf_tier want, con
     return -EINVAL;
 }
 
+/* A resumed Adam state's size is that of the dtype it was saved in: another
+ * zinf.optimizer_state_dtype would read its bytes as another type. (Its shard's size
+ * follows the partition, which the zero state checks.) */
+static int check_state_bytes(struct trainer *t, zinf_tensor h, size_t want, const char *name,
+                             char *err, size_t errlen)
+{
+    struct zinf_tensor_info ti;
+    if (t->remote || zinf_tensor_info(t->e, h, &ti) < 0 || ti.bytes == want) return 0;
+    snprintf(err, errlen,
+             "--resume: the saved run keeps '%s' in %llu bytes, and zinf.optimizer_state_dtype "
+             "\"%s\" needs %zu: give the saved run's zinf.optimizer_state_dtype (its states "
+             "are not converted)",
+             name, (unsigned long long)ti.bytes,
+             adamw_state_dtype_name((enum adamw_state_dtype)t->o.state_dtype), want);
+    return -EINVAL;
+}
+
 #define SCRATCH_KINDS 4
 
 /* Local slot s's buffer of kind k (0: local gradients when exact, 1: gathered weights in
@@ -448,7 +467,10 @@ int train_register_all(struct trainer *t, char *err, size_t errlen)
             if (r == 0 && t->o.resume) {
                 char full[96];
                 snprintf(full, sizeof(full), "%s%s", prefix[k], n);
-                if ((r = check_home(t, *out[k], home, full, err, errlen)) < 0) return r;
+                if ((r = check_home(t, *out[k], home, full, err, errlen)) < 0 ||
+                    ((kinds[k] == R_M || kinds[k] == R_V) &&
+                     (r = check_state_bytes(t, *out[k], bytes, full, err, errlen)) < 0))
+                    return r;
             }
         }
         if (r < 0 && t->o.resume)
