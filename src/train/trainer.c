@@ -745,6 +745,7 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         struct comm_stats cs;
         comm_get_stats(t->comm, &cs);
         out->comm_bytes = cs.bytes_in;
+        out->grad_comm_bytes = t->grad_bytes;
         out->comm_ops = cs.ops;
         out->comm_pooled_ops = cs.pooled_ops;
         out->net_bytes_out = cs.net_bytes_out;

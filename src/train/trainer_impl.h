@@ -201,6 +201,8 @@ struct trainer {
         void *after, *done;
     } rq[GPT_BLOCK_NSLOTS];
     uint64_t reduce_ns;                /* the time steps waited for gradient reductions */
+    uint64_t grad_bytes; /* what this rank contributed to the gradients' reductions (and 1-bit
+                            Adam's exchanges), in bytes on the wire: trainer_step_stats */
     uint64_t opt_ahead, opt_refetched; /* trainer_summary.pipeline_ahead, _refetched */
     /* The optimizer's sets by the position it takes them in (trainer_optim.c): those asked
      * for ahead, the first `opt_pre` of them during the backward (their parameters and

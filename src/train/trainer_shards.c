@@ -191,6 +191,14 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
             if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
         return 0;
     }
+    /* 16-bit contributions go through the shm backend's staging areas, within one node. */
+    if (o->comm_wire && (cuda || o->mpi)) {
+        snprintf(err, errlen,
+                 "communication_data_type \"%s\": 16-bit gradient reductions run on CPU ranks "
+                 "of one node; not %s",
+                 t->zc.train.comm_dtype, cuda ? "on GPU ranks (NCCL)" : "across nodes (MPI)");
+        return -EINVAL;
+    }
     const char *why = NULL;
     bool named = o->comm_name && o->comm_name[0]; /* under mpirun, rank 0 may choose one */
     /* Pipeline stages, tensor-parallel ranks: the copies of each stage's rank meet under a
@@ -392,7 +400,10 @@ static bool any_copy(struct trainer *t, bool mine)
  * The collective of one round for tensor i (l: world x shard floats, on the device tier):
  * from stage 2 a reduce-scatter into this rank's shard, else an allreduce; fold_grad then
  * takes its result (q->recv, q->count floats), which is g itself but on GPU ranks' later
- * rounds. */
+ * rounds. With communication_data_type fp16 or bf16 (comm_req.wire), each rank's
+ * contribution is rounded to 16 bits and the sums stay fp32 in rank order (an allreduce's
+ * result rounded once more as it travels back: comm.h): the chain above holds with every
+ * micro-batch's gradient so rounded. */
 void train_reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_req *q)
 {
     size_t sh = train_shard_of(t, i);
@@ -405,7 +416,10 @@ void train_reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_
                                    : scatter    ? l + (size_t)t->rank * sh
                                                 : l,
                            .count = scatter ? sh : t->desc[i].numel,
-                           .acc = acc};
+                           .acc = acc,
+                           .wire = (enum comm_wire)t->o.comm_wire};
+    /* What this rank contributes: its whole buffer, world shards when scattered. */
+    t->grad_bytes += (uint64_t)q->count * comm_wire_bytes(q) * (scatter ? (size_t)t->world : 1);
 }
 
 /* Add this micro-batch's gradient of tensor i (src, count floats, summed over the ranks)
