@@ -39,6 +39,25 @@ int train_config_onebit(const struct zinf_config *zc, struct trainer_opts *o, bo
             return -EINVAL;
         }
     if (!onebit) return 0;
-    snprintf(err, errlen, "optimizer.type \"OneBitAdam\": 1-bit Adam is not built yet");
-    return -EINVAL;
+    /* DeepSpeed's OnebitAdam takes neither (its constructor refuses the keyword). */
+    static const char *const not_onebit[] = {"optimizer.params.adam_w_mode",
+                                             "optimizer.params.max_coeff",
+                                             "optimizer.params.min_coeff"};
+    for (size_t q = 0; q < sizeof(not_onebit) / sizeof(not_onebit[0]); q++)
+        if (config_given(zc, not_onebit[q])) {
+            snprintf(err, errlen, "%s is not OneBitAdam's", not_onebit[q]);
+            return -EINVAL;
+        }
+    /* The backend DeepSpeed moves the compressed momentum with; zinf's own communicator
+     * does it for either. */
+    const char *be = k->optimizer.comm_backend_name;
+    if (be[0] && strcasecmp(be, "nccl") != 0 && strcasecmp(be, "mpi") != 0) {
+        snprintf(err, errlen,
+                 "optimizer.params.comm_backend_name \"%s\": \"nccl\" or \"mpi\" (zinf's own "
+                 "communicator moves the compressed momentum for either)",
+                 be);
+        return -EINVAL;
+    }
+    o->freeze_step = k->optimizer.freeze_step;
+    return 0;
 }

@@ -25,6 +25,7 @@
 #include "config.h"
 #include "tiers/cuda_probe.h"
 #include "train/backend.h"
+#include "train/onebit.h"
 #include "train/loss_scale.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
@@ -661,6 +662,7 @@ void trainer_close(struct trainer *t)
     free(t->part_first);
     free(t->part);
     free(t->part_all);
+    train_onebit_free(t);
     free(t->lamb_sums);
     free(t->osets);
     free(t->lamb_all);

@@ -218,6 +218,7 @@ struct trainer {
     float *losses;                  /* world x grad_accum: every micro-batch's loss */
     double *part, *part_all;        /* the norm's chunk sums: this rank's, and every rank's */
     struct trainer_budgets budgets; /* derived where the config gives none */
+    struct onebit *onebit; /* 1-bit Adam's state past freeze_step (onebit.c) */
     double *lamb_sums, *lamb_all;   /* LAMB: one tensor's |w|^2 and |u|^2 chunk sums, this
                                        rank's and every rank's (trainer_optim.c) */
     size_t nparts;

@@ -22,6 +22,7 @@
 #include "config.h"
 #include "train/adamw.h"
 #include "train/backend.h"
+#include "train/onebit.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
 
@@ -162,8 +163,9 @@ int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
     uint64_t block = gpt_block_num_params(&t->cfg);
     /* A pipeline stage reduces each block's gradients after its backward, and so do MoE
      * blocks (their experts' exchange shares the communicator). */
-    t->overlap =
-        want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1 && t->sp <= 1 && !o->moe.E;
+    /* 1-bit Adam skips the reductions past freeze_step: they run after each block. */
+    t->overlap = want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1 && t->sp <= 1 &&
+                 !o->moe.E && o->optimizer != TRAINER_OPT_ONEBIT;
     const char *not_with = o->moe.E   ? "MoE blocks (their experts' exchange shares the "
                                         "communicator)"
                            : t->pp > 1 ? "pipeline stages"
@@ -184,7 +186,7 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
     int r = train_zero_shape(t, true, err, errlen);
-    if (r < 0) return r;
+    if (r < 0 || (r = train_onebit_check(t, cuda, err, errlen)) < 0) return r;
     if (t->mp && ((r = train_pipe_setup(t, cuda, err, errlen)) < 0 || t->world == 1)) return r;
     if (t->world == 1) {
         for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
@@ -449,7 +451,8 @@ int train_reduce_grad(struct trainer *t, int i, float *l, float *g)
 {
     int rs = train_sp_grad_sum(t, l, t->desc[i].numel);
     if (rs < 0) return rs;
-    if (t->world <= 1) return fold_grad(t, i, l, g, t->desc[i].numel);
+    /* 1-bit Adam past freeze_step: the rank's own gradient (onebit.h). */
+    if (t->world <= 1 || train_onebit_local(t)) return fold_grad(t, i, l, g, t->desc[i].numel);
     struct comm_req q;
     train_reduce_req(t, i, l, g, &q);
     uint64_t t0 = now_ns();

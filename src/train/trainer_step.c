@@ -625,6 +625,13 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     uint64_t digest = 0;
     double grad_norm;
     float grad_scale, clip = train_clip_of(t, sumsq, S, &grad_norm, &grad_scale);
+    if (t->o.optimizer == TRAINER_OPT_ONEBIT && applied > t->o.freeze_step) {
+        /* 1-bit Adam's compressed phase: the rank's own gradient, its micro-batches' mean,
+         * not clipped (no rank holds the whole gradient: grad_norm adds the ranks' parts of
+         * their own). */
+        clip = 1;
+        grad_scale = (float)(1.0 / ((double)K * S));
+    }
     /* A skipped step's rate is that of the update it would have made. */
     float lr = (float)trainer_lr_at(&t->o.sched, t->o.lr, overflow ? applied + 1 : applied);
     bool defer = t->defer_ok && !overflow;
