@@ -157,3 +157,49 @@ Test(grad_comm, wrong_values_are_refused_naming_the_key)
     refused("\"optimizer\": {\"type\": \"ZeroOneAdam\", \"params\": {\"var_freeze_step\": 3}},",
             "0/1 Adam is not built");
 }
+
+/* 1-bit Adam on 2 ranks: its warm-up is Adam without bias correction to the bit; past
+ * freeze_step the momentum travels as signs (a thirtieth of the gradients' bytes and less),
+ * the losses finite and near Adam's, the same bits run to run. */
+Test(grad_comm, onebit_adam_warm_up_bitwise_then_compressed)
+{
+    char cfg[4096];
+    struct steps adam, ob[2];
+    config(cfg, sizeof(cfg), "adam",
+           "\"optimizer\": {\"type\": \"Adam\", \"params\": {\"bias_correction\": false, "
+           "\"betas\": [0.9, 0.99]}},");
+    train(2, cfg, "adam", &adam);
+    config(cfg, sizeof(cfg), "onebit",
+           "\"optimizer\": {\"type\": \"OneBitAdam\", \"params\": {\"freeze_step\": 3, "
+           "\"betas\": [0.9, 0.99], \"comm_backend_name\": \"nccl\", \"cuda_aware\": false}},");
+    train(2, cfg, "onebit", &ob[0]);
+    train(2, cfg, "onebit-again", &ob[1]);
+    for (int k = 1; k <= STEPS; k++) {
+        cr_assert_str_eq(ob[0].bits[k], ob[1].bits[k], "run twice, step %d", k);
+        if (k <= 3) {
+            cr_assert_str_eq(ob[0].bits[k], adam.bits[k], "warm-up step %d", k);
+            cr_assert_eq(ob[0].grad[k], adam.grad[k], "warm-up step %d", k);
+            continue;
+        }
+        cr_assert_str_neq(ob[0].bits[k], adam.bits[k], "compressed step %d", k);
+        cr_assert(isfinite(ob[0].loss[k]), "step %d", k);
+        cr_assert(fabs(ob[0].loss[k] - adam.loss[k]) <= 0.2 * adam.loss[k],
+                  "step %d: loss %.9g against Adam's %.9g", k, ob[0].loss[k], adam.loss[k]);
+        cr_assert_gt(ob[0].grad[k], 0);
+        cr_assert_lt(ob[0].grad[k] * 16, adam.grad[k], "step %d: %llu bytes against %llu", k,
+                     ob[0].grad[k], adam.grad[k]);
+    }
+}
+
+Test(grad_comm, onebit_adam_refusals_name_the_key)
+{
+    refused("\"zero_optimization\": {\"stage\": 2}, \"optimizer\": {\"type\": \"OneBitAdam\"},",
+            "zero_optimization.stage");
+    refused("\"optimizer\": {\"type\": \"OneBitAdam\", \"params\": {\"comm_backend_name\": "
+            "\"hccl\"}},",
+            "optimizer.params.comm_backend_name \"hccl\"");
+    refused("\"optimizer\": {\"type\": \"OneBitAdam\", \"params\": {\"adam_w_mode\": true}},",
+            "optimizer.params.adam_w_mode is not OneBitAdam's");
+    refused("\"optimizer\": {\"type\": \"OneBitAdam\", \"params\": {\"freeze_step\": 0}},",
+            "freeze_step");
+}
