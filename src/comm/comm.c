@@ -20,8 +20,8 @@
 #include "comm/p2p.h"
 #include "comm/shm.h"
 #include "common.h"
+#include "half.h"
 #include "tiers/extent.h"
-#include "train/ops.h"
 #include "trace.h"
 
 /* A communicator is open (requests run), failed (an operation failed here or on another
@@ -116,9 +116,9 @@ float comm_wire_round(enum comm_wire w, float x)
 {
     switch (w) {
     case COMM_WIRE_F16:
-        return ops_f16_to_f32(ops_f32_to_f16(x));
+        return half_to_f32(half_from_f32(x));
     case COMM_WIRE_BF16:
-        return ops_bf16_to_f32(ops_f32_to_bf16(x));
+        return bf16_to_f32(bf16_from_f32(x));
     case COMM_WIRE_F32:
         break;
     }

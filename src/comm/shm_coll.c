@@ -43,7 +43,7 @@
 #include "comm/shm.h"
 #include "comm/shm_int.h"
 #include "common.h"
-#include "train/ops.h"
+#include "half.h"
 
 /* Rank r's area in set k % 2; r == world: the set's result area. */
 static char *area(struct shm *s, uint64_t k, int r)
@@ -211,15 +211,15 @@ static void to_wire(enum comm_wire w, uint16_t *dst, const float *src, size_t n)
 {
     if (w == COMM_WIRE_F16)
         for (size_t i = 0; i < n; i++)
-            dst[i] = ops_f32_to_f16(src[i]);
+            dst[i] = half_from_f32(src[i]);
     else
         for (size_t i = 0; i < n; i++)
-            dst[i] = ops_f32_to_bf16(src[i]);
+            dst[i] = bf16_from_f32(src[i]);
 }
 
 static float from_wire(enum comm_wire w, uint16_t h)
 {
-    return w == COMM_WIRE_F16 ? ops_f16_to_f32(h) : ops_bf16_to_f32(h);
+    return w == COMM_WIRE_F16 ? half_to_f32(h) : bf16_to_f32(h);
 }
 
 /* out[i] = ((init[i] + h0[i]) + h1[i]) + ... (without init: h0[i] + h1[i] + ...), the
