@@ -486,9 +486,9 @@ static int req_check(const struct comm *c, const struct comm_req *q)
     if (reduce && q->dtype != COMM_F32) return -EINVAL;
     if (q->wire != COMM_WIRE_F32) {
         if (!reduce || q->wire > COMM_WIRE_BF16) return -EINVAL;
-        if (c->o.backend == COMM_NCCL || c->nodes > 1) {
-            log_error("comm: rank %d: %s with 16-bit contributions: the self and shm backends "
-                      "within one node only",
+        if (c->o.backend == COMM_SHM && c->nodes > 1) {
+            log_error("comm: rank %d: %s with 16-bit contributions: the shm backend within "
+                      "one node only",
                       c->o.rank, comm_op_name(q->op));
             return -ENOTSUP;
         }

@@ -66,8 +66,10 @@ enum comm_dtype { COMM_BYTE, COMM_F32 };
  * rank order, bitwise reproducible), ((recv + h(s0)) + h(s1)) + ... with acc. A
  * reduce-scatter's result is that fp32 sum (it does not travel again); an allreduce's result
  * travels to every rank as 16 bits too, so it is the sum rounded once more. Buffers stay fp32
- * (count floats). The self and shm backends (within one node); nccl and ranks across nodes
- * answer -ENOTSUP. */
+ * (count floats). The self and shm backends (within one node: the shm backend across nodes
+ * answers -ENOTSUP), and nccl, where the sums are NCCL's own, in 16 bits (the contributions
+ * cast on the device, reduced as ncclFloat16 or ncclBfloat16, the result widened): its
+ * reduce-scatter's result is rounded to 16 bits too. */
 enum comm_wire { COMM_WIRE_F32, COMM_WIRE_F16, COMM_WIRE_BF16 };
 
 enum comm_op {

@@ -193,12 +193,13 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
             if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
         return 0;
     }
-    /* 16-bit contributions go through the shm backend's staging areas, within one node. */
-    if (o->comm_wire && (cuda || o->mpi)) {
+    /* 16-bit contributions go through the shm backend's staging areas, within one node (NCCL
+     * spans the nodes itself). */
+    if (o->comm_wire && !cuda && o->mpi) {
         snprintf(err, errlen,
-                 "communication_data_type \"%s\": 16-bit gradient reductions run on CPU ranks "
-                 "of one node; not %s",
-                 t->zc.train.comm_dtype, cuda ? "on GPU ranks (NCCL)" : "across nodes (MPI)");
+                 "communication_data_type \"%s\": 16-bit gradient reductions of CPU ranks run "
+                 "within one node; not across nodes (MPI)",
+                 t->zc.train.comm_dtype);
         return -EINVAL;
     }
     const char *why = NULL;
