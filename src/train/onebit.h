@@ -20,8 +20,8 @@
  * zinf's differences, said where they matter: DeepSpeed's first optimizer call only sets up
  * its buffers (it discards that step's gradient and counts the step), so zinf's update s is
  * DeepSpeed's call s + 1; the full m and v, and the two errors, live in host memory outside
- * the tiers' budgets (4 floats a parameter, and a quarter of that per rank for the server
- * error) and are not in checkpoints: a resumed run gathers m and v from its shards and
+ * the tiers' budgets (3 floats a parameter, and 1/world of one for the server error; on
+ * one rank the registered m and v serve) and are not in checkpoints: a resumed run gathers m and v from its shards and
  * starts the errors from zero, as DeepSpeed's load_state_dict drops them.
  *
  * Not here: the reductions (trainer_shards.c), the collectives (comm/).
