@@ -51,66 +51,85 @@ size_t onebit_padded(size_t n, int world)
     return (n + unit - 1) / unit * unit;
 }
 
-/* +1 where the bit is set, else -1. */
-static float sign_of(const uint8_t *bits, size_t j)
-{
-    return bits[j / 8] >> (7 - j % 8) & 1 ? 1.0f : -1.0f;
-}
+/* The elementwise loops, also compiled for AVX2 and FMA (chosen when the library loads):
+ * fmaf, sqrtf and the divisions are correctly rounded either way, so both give the same
+ * bits; the vector one is several times faster than the baseline's calls of fmaf. A sign
+ * times a scale is +-scale exactly, which is how they are written. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ELEMENTWISE __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define ELEMENTWISE
+#endif
 
 /* x's scale |x| / sqrt(N), its signs into bits, and err = x - scale x sign. */
-static float compress(float *x, size_t N, uint8_t *bits)
+ELEMENTWISE static float compress(float *x, size_t N, uint8_t *bits)
 {
     double ss = 0;
     for (size_t j = 0; j < N; j++)
         ss += (double)x[j] * x[j];
     float scale = (float)(sqrt(ss) / sqrt((double)N));
-    memset(bits, 0, N / 8);
-    for (size_t j = 0; j < N; j++) {
-        bool pos = !(x[j] < 0); /* DeepSpeed's sign().add_(1).bool(): 0 is +1 */
-        if (pos) bits[j / 8] |= (uint8_t)(0x80u >> (j % 8));
-        x[j] -= scale * (pos ? 1.0f : -1.0f);
+    for (size_t b = 0; b < N / 8; b++) {
+        unsigned byte = 0;
+        for (unsigned k = 0; k < 8; k++) {
+            float v = x[8 * b + k];
+            bool pos = !(v < 0); /* DeepSpeed's sign().add_(1).bool(): 0 is +1 */
+            byte |= (unsigned)pos << (7 - k);
+            x[8 * b + k] = v - (pos ? scale : -scale);
+        }
+        bits[b] = (uint8_t)byte;
     }
     return scale;
 }
 
-float onebit_compress(const float *m, size_t n, float *werr, size_t N, uint8_t *bits)
+ELEMENTWISE float onebit_compress(const float *m, size_t n, float *werr, size_t N,
+                                  uint8_t *bits)
 {
     for (size_t j = 0; j < N; j++)
         werr[j] += j < n ? m[j] : 0.0f;
     return compress(werr, N, bits);
 }
 
-float onebit_server(const uint8_t *const *bits, const float *scales, int world, float *serr,
-                    size_t chunk, uint8_t *out)
+ELEMENTWISE float onebit_server(const uint8_t *const *bits, const float *scales, int world,
+                                float *serr, size_t chunk, uint8_t *out)
 {
     float per[COMM_MAX_RANKS];
     for (int w = 0; w < world; w++)
         per[w] = scales[w] * (1.0f / (float)world);
-    for (size_t j = 0; j < chunk; j++) {
-        float c = sign_of(bits[0], j) * per[0];
+    /* Eight elements at a time, each summed over the ranks in rank order. */
+    for (size_t b = 0; b < chunk / 8; b++) {
+        float c[8];
+        for (unsigned k = 0; k < 8; k++)
+            c[k] = bits[0][b] >> (7 - k) & 1 ? per[0] : -per[0];
         for (int w = 1; w < world; w++)
-            c += sign_of(bits[w], j) * per[w];
-        serr[j] += c;
+            for (unsigned k = 0; k < 8; k++)
+                c[k] += bits[w][b] >> (7 - k) & 1 ? per[w] : -per[w];
+        for (unsigned k = 0; k < 8; k++)
+            serr[8 * b + k] += c[k];
     }
     return compress(serr, chunk, out);
 }
 
-void onebit_expand(const uint8_t *bits, const float *scales, int world, size_t chunk, float *m,
-                   size_t n)
+ELEMENTWISE void onebit_expand(const uint8_t *bits, const float *scales, int world,
+                               size_t chunk, float *m, size_t n)
 {
-    for (size_t j = 0; j < n && j < (size_t)world * chunk; j++)
-        m[j] = sign_of(bits, j) * scales[j / chunk];
+    /* chunk is a multiple of 8: a byte's elements share their server's scale. */
+    for (size_t b = 0; b < (n + 7) / 8; b++) {
+        float s = scales[b * 8 / chunk], e[8];
+        for (unsigned k = 0; k < 8; k++)
+            e[k] = bits[b] >> (7 - k) & 1 ? s : -s;
+        memcpy(m + 8 * b, e, MIN(8, n - 8 * b) * sizeof(float));
+    }
 }
 
-void onebit_momentum(float *m, const float *g, size_t n, float b1, float gs)
+ELEMENTWISE void onebit_momentum(float *m, const float *g, size_t n, float b1, float gs)
 {
     float omb1 = 1.0f - b1;
     for (size_t j = 0; j < n; j++)
         m[j] = fmaf(b1, m[j], omb1 * (g[j] * gs));
 }
 
-void onebit_apply(float *p, const float *m, const float *v, size_t n, float lr, float eps,
-                  float wd)
+ELEMENTWISE void onebit_apply(float *p, const float *m, const float *v, size_t n, float lr,
+                              float eps, float wd)
 {
     for (size_t j = 0; j < n; j++) {
         float u = m[j] / (sqrtf(v[j]) + eps);
