@@ -30,7 +30,7 @@ struct onebit_tensor {
 /* The rank's exchange buffers, sized for the largest tensor. */
 struct onebit {
     struct onebit_tensor *ts;
-    uint8_t *bits, *recv, *sbits;
+    uint8_t *bits, *send, *recv, *sbits; /* send, recv: world blocks of signs and a scale */
     float scales[COMM_MAX_RANKS], sscales[COMM_MAX_RANKS];
     float *gathered; /* world x shard floats: m's and v's shards gathered */
 };
@@ -180,6 +180,7 @@ void train_onebit_free(struct trainer *t)
     }
     free(ob->ts);
     free(ob->bits);
+    free(ob->send);
     free(ob->recv);
     free(ob->sbits);
     free(ob->gathered);
@@ -200,11 +201,14 @@ static int onebit_alloc(struct trainer *t)
     if (!ob) return -ENOMEM;
     t->onebit = ob;
     ob->ts = calloc((size_t)t->ntensors, sizeof(*ob->ts));
+    size_t blocks = most / 8 + (size_t)t->world * sizeof(float);
     ob->bits = malloc(most / 8);
-    ob->recv = malloc(most / 8);
-    ob->sbits = malloc(most / 8 / (size_t)t->world);
+    ob->send = malloc(blocks);
+    ob->recv = malloc(blocks);
+    ob->sbits = malloc(most / 8 / (size_t)t->world + sizeof(float));
     ob->gathered = t->world > 1 ? malloc((size_t)t->world * shard * sizeof(float)) : NULL;
-    if (!ob->ts || !ob->bits || !ob->recv || !ob->sbits || (t->world > 1 && !ob->gathered)) {
+    if (!ob->ts || !ob->bits || !ob->send || !ob->recv || !ob->sbits ||
+        (t->world > 1 && !ob->gathered)) {
         log_error("train: 1-bit Adam's exchange buffers (%zu bytes a rank): out of memory",
                   2 * most / 8 + (size_t)t->world * shard * sizeof(float));
         return -ENOMEM;
@@ -250,26 +254,39 @@ oom:
     return -ENOMEM;
 }
 
-/* DeepSpeed's compressed_allreduce of m (n floats) over the ranks: the bytes this rank sent
- * are added to t->grad_bytes. */
+/* DeepSpeed's compressed_allreduce of m (n floats) over the ranks, in two collectives: an
+ * alltoall of each server's chunk of signs with the worker's scale behind it, and an
+ * allgather of each server's signs with its scale behind them (blocks of chunk / 8 + 4
+ * bytes). The bytes this rank sent are added to t->grad_bytes. */
 static int exchange(struct trainer *t, struct onebit_tensor *x, float *m, size_t n)
 {
     struct onebit *ob = t->onebit;
     int W = t->world;
-    size_t N = onebit_padded(n, W), chunk = N / (size_t)W, cb = chunk / 8;
+    size_t N = onebit_padded(n, W), chunk = N / (size_t)W, cb = chunk / 8,
+           blk = cb + sizeof(float);
     float ws = onebit_compress(m, n, x->werr, N, ob->bits);
-    int r = comm_alltoall(t->hcomm, ob->bits, ob->recv, cb, COMM_BYTE);
-    if (r == 0) r = comm_allgather(t->hcomm, &ws, ob->scales, 1, COMM_F32);
+    for (int w = 0; w < W; w++) {
+        memcpy(ob->send + (size_t)w * blk, ob->bits + (size_t)w * cb, cb);
+        memcpy(ob->send + (size_t)w * blk + cb, &ws, sizeof(ws));
+    }
+    int r = comm_alltoall(t->hcomm, ob->send, ob->recv, blk, COMM_BYTE);
     if (r < 0) return r;
     const uint8_t *from[COMM_MAX_RANKS];
-    for (int w = 0; w < W; w++)
-        from[w] = ob->recv + (size_t)w * cb;
+    for (int w = 0; w < W; w++) {
+        from[w] = ob->recv + (size_t)w * blk;
+        memcpy(&ob->scales[w], from[w] + cb, sizeof(float));
+    }
     float ss = onebit_server(from, ob->scales, W, x->serr, chunk, ob->sbits);
-    if ((r = comm_allgather(t->hcomm, ob->sbits, ob->bits, cb, COMM_BYTE)) == 0 &&
-        (r = comm_allgather(t->hcomm, &ss, ob->sscales, 1, COMM_F32)) == 0)
-        onebit_expand(ob->bits, ob->sscales, W, chunk, m, n);
-    /* The signs to every server and the scale; the served chunk's signs and scale. */
-    t->grad_bytes += N / 8 + cb + 2 * sizeof(float);
+    memcpy(ob->sbits + cb, &ss, sizeof(ss));
+    if ((r = comm_allgather(t->hcomm, ob->sbits, ob->recv, blk, COMM_BYTE)) == 0)
+        for (int w = 0; w < W && (size_t)w * chunk < n; w++) {
+            const uint8_t *b = ob->recv + (size_t)w * blk;
+            memcpy(&ob->sscales[w], b + cb, sizeof(float));
+            onebit_expand(b, &ob->sscales[w], 1, chunk, m + (size_t)w * chunk,
+                          MIN(chunk, n - (size_t)w * chunk));
+        }
+    /* The signs and scale to every server; the served chunk's signs and scale. */
+    t->grad_bytes += (uint64_t)W * blk + blk;
     return r;
 }
 
