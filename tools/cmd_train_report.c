@@ -440,8 +440,11 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                sum->overlap_comm ? "overlap_comm: each behind the next block's backward"
                                 : "each after its block's backward");
     if (sum->world > 1 && ran > 0)
-        printf("#   gradients: %s sent to their reductions in %s, %s a step\n",
+        printf("#   gradients: %s sent to their reductions in %s%s, %s a step\n",
                format_size(sum->grad_comm_bytes, a, sizeof(a)), comm_wire_name(o->comm_wire),
+               o->optimizer == TRAINER_OPT_ONEBIT
+                   ? " and, past freeze_step, to 1-bit Adam's compressed exchange"
+                   : "",
                format_size(sum->grad_comm_bytes / (uint64_t)ran, b, sizeof(b)));
     if (sum->pp > 1)
         printf("#   pipeline stage %d of %d: blocks %d-%d; the bubble (time outside its forwards "
