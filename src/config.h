@@ -66,6 +66,7 @@ struct config_train_keys {
     int grad_accum;                /* gradient_accumulation_steps */
     double grad_clip;              /* gradient_clipping (0: off) */
     int steps_per_print;           /* print a step line every this many steps */
+    char comm_dtype[16];           /* communication_data_type: "fp32", "fp16", "bf16" or "" */
     struct {
         char type[32];             /* "Adam" or "AdamW" (any case); others are refused by
                                       zinf train */
@@ -74,6 +75,10 @@ struct config_train_keys {
         bool bias_correction;      /* true (DeepSpeed's default) */
         double max_coeff, min_coeff; /* Lamb's trust-ratio bounds: 10, 0.01 */
         bool eps_inside_sqrt;      /* Lamb's: false */
+        int freeze_step;           /* OneBitAdam's: plain Adam steps before compression
+                                      (DeepSpeed's default 100000) */
+        bool cuda_aware;           /* OneBitAdam's (MPI's): accepted, moves nothing */
+        char comm_backend_name[16]; /* OneBitAdam's: "nccl" (default) or "mpi" */
     } optimizer;
     struct {
         char type[32];             /* "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",

@@ -36,7 +36,6 @@ static const struct ignored_key top_ignored[] = {
     {"comet", "monitoring: zinf train --log writes every step as a JSON line"},
     {"autotuning", "zinf tune measures the IO settings instead"},
     {"elasticity", "the ranks are fixed by zinf launch -n"},
-    {"communication_data_type", "collectives move each tensor in its own type"},
     {"seq_parallel_communication_data_type", "a DeepSpeed feature zinf does not have"},
     {"data_types", "each tensor keeps its own type"},
     {"disable_allgather", "zinf's collectives size their own buffers"},
@@ -100,9 +99,10 @@ static const struct ignored_key opt_params_ignored[] = {
     {"torch_adam", "zinf's optimizer is its own AdamW kernel"},
     {"amsgrad", "zinf's Adam has no AMSGrad variant"},
     {"fused", "zinf's optimizer is its own AdamW kernel"},
-    {"freeze_step", "1-bit Adam's; zinf's Adam is not compressed"},
-    {"cuda_aware", "1-bit Adam's; zinf's Adam is not compressed"},
-    {"comm_backend_name", "1-bit Adam's; zinf's Adam is not compressed"},
+    {"var_freeze_step", "0/1 Adam's (ZeroOneAdam), which zinf train does not run"},
+    {"var_update_scaler", "0/1 Adam's (ZeroOneAdam), which zinf train does not run"},
+    {"local_step_scaler", "0/1 Adam's (ZeroOneAdam), which zinf train does not run"},
+    {"local_step_clipper", "0/1 Adam's (ZeroOneAdam), which zinf train does not run"},
     {"max_grad_norm", "Lamb's own clipping: zinf clips by gradient_clipping"},
     {"momentum", "SGD's; zinf train runs Adam"},
     {"nesterov", "SGD's; zinf train runs Adam"},
@@ -312,6 +312,7 @@ const struct field config_fields[] = {
      FL_AUTO | FL_CMD},
     {S_TOP, "gradient_clipping", NULL, F_FLOAT, OFF(train.grad_clip), 0, 0, 0, NULL, FL_AUTO | FL_CMD},
     {S_TOP, "steps_per_print", NULL, F_INT, OFF(train.steps_per_print), 1, 0, 0, NULL, FL_CMD},
+    {S_TOP, "communication_data_type", NULL, F_STR, OFF(train.comm_dtype), 0, 0, 0, NULL},
     {S_OPT, "type", NULL, F_STR, OFF(train.optimizer.type), 0, 0, 0, NULL, FL_CMD},
     {S_OPT_PARAMS, "lr", NULL, F_FLOAT, OFF(train.optimizer.lr), 0, 0, 0, NULL, FL_AUTO | FL_CMD},
     {S_OPT_PARAMS, "betas", NULL, F_PAIR, OFF(train.optimizer.betas), 0, 0, 0, NULL, FL_AUTO},
@@ -325,6 +326,10 @@ const struct field config_fields[] = {
     {S_OPT_PARAMS, "min_coeff", NULL, F_FLOAT, OFF(train.optimizer.min_coeff), 0, 0, 0, NULL},
     {S_OPT_PARAMS, "eps_inside_sqrt", NULL, F_BOOL, OFF(train.optimizer.eps_inside_sqrt), 0, 0, 0,
      NULL},
+    {S_OPT_PARAMS, "freeze_step", NULL, F_INT, OFF(train.optimizer.freeze_step), 1, 0, 0, NULL},
+    {S_OPT_PARAMS, "cuda_aware", NULL, F_BOOL, OFF(train.optimizer.cuda_aware), 0, 0, 0, NULL},
+    {S_OPT_PARAMS, "comm_backend_name", NULL, F_STR, OFF(train.optimizer.comm_backend_name), 0, 0,
+     0, NULL},
     {S_SCHED, "type", NULL, F_STR, OFF(train.scheduler.type), 0, 0, 0, NULL, FL_CMD},
     {S_SCHED_PARAMS, "warmup_min_lr", NULL, F_FLOAT, OFF(train.scheduler.warmup_min_lr), 0, 0, 0,
      NULL, FL_AUTO},
@@ -510,6 +515,7 @@ void config_defaults(struct zinf_config *c)
     c->train.optimizer.betas[1] = 0.999;
     c->train.optimizer.eps = 1e-8;
     c->train.optimizer.adam_w_mode = true;
+    c->train.optimizer.freeze_step = 100000; /* OneBitAdam's */
     c->train.optimizer.bias_correction = true;
     c->train.optimizer.max_coeff = 10.0;
     c->train.optimizer.min_coeff = 0.01;

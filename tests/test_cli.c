@@ -4302,8 +4302,8 @@ static bool png_size(const char *path, unsigned *w, unsigned *h)
     return true;
 }
 
-/* zinf plot draws a training log as a PNG of the size asked (the default beside the log);
- * a missing log, a line that is not JSON and a log without steps are refused by name. */
+/* zinf plot draws a training log as a PNG of the size asked (the default beside the log),
+ * with other logs' losses beside its own; a missing log, a line that is not JSON and a log without steps are refused by name. */
 Test(cli, plot_draws_a_training_log_as_a_png, .timeout = 120)
 {
     char cfg[4096], data[4096], swap[4096], log[4096], png[4200], *o;
@@ -4334,6 +4334,12 @@ Test(cli, plot_draws_a_training_log_as_a_png, .timeout = 120)
     cr_assert(png_size(png, &w, &h), "%s is not a PNG", png);
     cr_expect_eq(w, 640);
     cr_expect_eq(h, 480);
+    /* Several logs: the others' loss and tokens/s beside the first's. */
+    snprintf(png, sizeof(png), "%s/both.png", dir);
+    cr_assert_eq(run(&o, "plot %s %s -o %s", log, log, png), 0, "%s", o);
+    cr_assert(strstr(o, "the loss and tokens/s of 1 more log beside"), "%s", o);
+    free(o);
+    cr_assert(png_size(png, &w, &h), "%s is not a PNG", png);
 
     /* Refused, by name. */
     cr_assert_eq(run(&o, "plot %s/none.jsonl", dir), 2, "%s", o);

@@ -356,6 +356,78 @@ Test(comm, shm_collectives_are_the_rank_order_sum_on_4_ranks)
     collectives_across(4, 77777, 0); /* the default chunk */
 }
 
+/* A 16-bit wire (comm_req.wire): each contribution rounded, the sums fp32 in rank order
+ * (onto recv with acc), an allreduce's result rounded once more; half the bytes counted;
+ * through the staging areas also where every rank's buffers are in its pool. */
+static int wire_ranks(int rank, int world, const char *name, void *argp)
+{
+    const struct coll_arg *a = argp;
+    size_t n = a->count;
+    int err;
+    size_t buf_bytes = (n * (size_t)world + 1) * sizeof(float);
+    struct comm *c = open_pool(rank, world, name, a->chunk, 2 * buf_bytes + 8192, &err);
+    if (!c) FAIL(10, "comm_open: %s", zinf_strerror(err));
+    float *send = comm_alloc(c, buf_bytes, &err), *recv = comm_alloc(c, buf_bytes, &err);
+    if (!send || !recv) FAIL(11, "out of memory");
+    for (int w = COMM_WIRE_F16; w <= COMM_WIRE_BF16; w++) {
+        for (int acc = 0; acc < 2; acc++) {
+            for (size_t i = 0; i < n * (size_t)world; i++)
+                send[i] = value(rank, i) / 4096.0f; /* within fp16's range */
+            for (size_t i = 0; i < n; i++)
+                recv[i] = value(99, (size_t)rank * n + i) / 4096.0f;
+            struct comm_req q = {.op = COMM_REDUCE_SCATTER, .dtype = COMM_F32, .send = send,
+                                 .recv = recv, .count = n, .acc = acc, .wire = w};
+            if ((err = comm_run(c, &q))) FAIL(40, "reduce_scatter: %s", zinf_strerror(err));
+            for (size_t i = 0; i < n; i++) {
+                size_t at = (size_t)rank * n + i;
+                float want = acc ? value(99, at) / 4096.0f : 0.0f;
+                for (int r = 0; r < world; r++)
+                    want = (acc || r ? want : 0.0f) +
+                           comm_wire_round(w, value(r, at) / 4096.0f);
+                if (memcmp(&recv[i], &want, 4))
+                    FAIL(41, "wire %d reduce_scatter (acc %d): element %zu is %a, not %a", w, acc,
+                         i, recv[i], want);
+            }
+            for (size_t i = 0; i < n; i++) {
+                send[i] = value(rank, i) / 4096.0f;
+                recv[i] = value(99, i) / 4096.0f;
+            }
+            q = (struct comm_req){.op = COMM_ALLREDUCE, .dtype = COMM_F32, .send = send,
+                                  .recv = recv, .count = n, .acc = acc, .wire = w};
+            if ((err = comm_run(c, &q))) FAIL(42, "allreduce: %s", zinf_strerror(err));
+            for (size_t i = 0; i < n; i++) {
+                float want = acc ? value(99, i) / 4096.0f : 0.0f;
+                for (int r = 0; r < world; r++)
+                    want = (acc || r ? want : 0.0f) + comm_wire_round(w, value(r, i) / 4096.0f);
+                want = comm_wire_round(w, want);
+                if (memcmp(&recv[i], &want, 4))
+                    FAIL(43, "wire %d allreduce (acc %d): element %zu is %a, not %a", w, acc, i,
+                         recv[i], want);
+            }
+        }
+    }
+    struct comm_stats st;
+    comm_get_stats(c, &st);
+    /* 8 reductions: 4 reduce-scatters of world x n and 4 allreduces of n, 2 bytes each. */
+    uint64_t want_in = 4 * (uint64_t)n * 2 * (uint64_t)world + 4 * (uint64_t)n * 2;
+    if (st.ops != 8 || st.pooled_ops != 0 || st.bytes_in != want_in)
+        FAIL(44, "stats: %llu ops, %llu pooled, %llu bytes in (want %llu)",
+             (unsigned long long)st.ops, (unsigned long long)st.pooled_ops,
+             (unsigned long long)st.bytes_in, (unsigned long long)want_in);
+    comm_free(c, send);
+    comm_free(c, recv);
+    comm_close(c);
+    return 0;
+}
+
+Test(comm, sixteen_bit_wire_rounds_each_contribution_and_sums_in_rank_order)
+{
+    struct coll_arg a = {20011, 24 * KiB, 3};
+    expect_ranks_pass(3, wire_ranks, &a, "16-bit wire, 3 ranks");
+    struct coll_arg b = {33333, 0, 2};
+    expect_ranks_pass(2, wire_ranks, &b, "16-bit wire, 2 ranks");
+}
+
 static void order_cb(struct comm_req *q, int res)
 {
     int *log = q->data;

@@ -1043,6 +1043,8 @@ Test(config, print_lists_every_setting_and_the_engine_options)
         "engine.device_kind = auto\n",
         "engine.cuda_device = 0\n",
         "zinf.optimizer_state_dtype = \"fp32\"  # default\n",
+        "communication_data_type = \"\"  # default\n",
+        "optimizer.params.freeze_step = 100000  # default\n",
     };
     for (size_t i = 0; i < ARRAY_SIZE(want); i++)
         cr_expect(strstr(text, want[i]), "missing %s in:\n%s", want[i], text);
@@ -1063,7 +1065,7 @@ Test(config, print_lists_every_setting_and_the_engine_options)
      * eval_capacity_factor is ignored), activation_checkpointing.cpu_checkpointing and
      * zinf.train.activation_offload (the section's others are ignored), DeepSpeed's
      * deprecated cpu_offload and cpu_offload_param, zinf.optimizer_state_dtype, header, engine */
-    cr_expect_eq(lines, 29 + 11 + 13 + 48 + 5 + 10 + 2 + 2 + 1 + 1 + 8, "%s", text);
+    cr_expect_eq(lines, 29 + 11 + 13 + 52 + 5 + 10 + 2 + 2 + 1 + 1 + 8, "%s", text);
     free(text);
     config_free(&c);
 }

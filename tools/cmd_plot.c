@@ -4,6 +4,10 @@
  * GB/s per step, and the device and host tiers' bytes in use against their budgets, as one
  * PNG of four panels drawn by gnuplot (Debian's gnuplot-nox; scripts/setup.sh installs it).
  *
+ * Several logs (runs to compare: another optimizer, another communication_data_type) share
+ * the loss and throughput panels, one line each named by its file; the NVMe and tier panels
+ * are the first log's.
+ *
  * The log is read with a JSON parser, line by line; a resumed run appends to it, and a step
  * logged twice (run again after a crash) counts as its last line says. The data and the
  * gnuplot script go to a temporary directory, removed afterwards.
@@ -37,16 +41,30 @@ struct run {
     char title[160];
 };
 
+#define MAX_MORE 7 /* logs beside the first */
+
+/* A log's name in a legend: its file's name without the directory and .jsonl. */
+static void legend_name(const char *path, char *buf, size_t len)
+{
+    const char *b = strrchr(path, '/');
+    b = b ? b + 1 : path;
+    size_t n = strlen(b);
+    if (n > 6 && !strcmp(b + n - 6, ".jsonl")) n -= 6;
+    snprintf(buf, len, "%.*s", (int)n, b);
+}
+
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: zinf plot FILE.jsonl [-o OUT.png] [--size WxH] [--title TEXT]\n"
+    fprintf(f, "usage: zinf plot FILE.jsonl [MORE.jsonl...] [-o OUT.png] [--size WxH] [--title TEXT]\n"
                "Draws a `zinf train --log` file as one PNG (default: FILE.png): the loss (train,\n"
                "and validation where --eval-every ran), tokens/s, NVMe read and write GB/s per\n"
                "step, and the device and host tiers' bytes in use against their budgets.\n"
+               "MORE logs (up to %d) add their loss and tokens/s to the first's panels.\n"
                "--size: the picture in pixels (default 1200x900). Needs gnuplot (Debian's\n"
                "gnuplot-nox, which scripts/setup.sh installs).\n"
                "Exit status: 0 drawn, 1 gnuplot missing or failed (its message in one line),\n"
-               "2 bad usage, a log it cannot read or an OUT.png in no directory.\n");
+               "2 bad usage, a log it cannot read or an OUT.png in no directory.\n",
+            MAX_MORE);
 }
 
 static double num(json_t *o, const char *k)
@@ -144,8 +162,33 @@ static int check_out_dir(const char *out)
     return 2;
 }
 
+/* The other logs' loss and tokens/s, moreK.dat (K from 1). */
+static int write_more(const char *tmp, const struct run *more, int nmore)
+{
+    char p[4096];
+    for (int i = 0; i < nmore; i++) {
+        snprintf(p, sizeof(p), "%s/more%d.dat", tmp, i + 1);
+        FILE *d = fopen(p, "w");
+        if (!d) return -errno;
+        for (int k = 0; k <= more[i].last; k++)
+            if (more[i].p[k].set)
+                fprintf(d, "%d %.9g %.3f\n", k, more[i].p[k].loss, more[i].p[k].tps);
+        if (fclose(d)) return -errno;
+    }
+    return 0;
+}
+
+/* Each more log's line after the first's, column col of its file. */
+static void plot_more(FILE *g, int col, char (*names)[128], int nmore)
+{
+    for (int i = 0; i < nmore; i++) {
+        fprintf(g, ", 'more%d.dat' using 1:%d with lines lw 2 title ", i + 1, col);
+        gnuplot_quote(g, names[i + 1]);
+    }
+}
+
 static int write_files(const char *tmp, const struct run *r, const char *out, int w, int h,
-                       const char *title)
+                       const char *title, char (*names)[128], int nmore)
 {
     char p[4096];
     snprintf(p, sizeof(p), "%s/steps.dat", tmp);
@@ -172,10 +215,15 @@ static int write_files(const char *tmp, const struct run *r, const char *out, in
     fprintf(g, "\nset multiplot layout 2,2 title ");
     gnuplot_quote(g, title);
     fprintf(g, "\nset grid\nset key top right\nset xlabel 'step'\n");
-    fprintf(g, "set title 'loss'\nplot 'steps.dat' using 1:2 with lines lw 2 title 'train'");
+    fprintf(g, "set title 'loss'\nplot 'steps.dat' using 1:2 with lines lw 2 title ");
+    gnuplot_quote(g, nmore ? names[0] : "train");
     if (r->evals) fprintf(g, ", 'evals.dat' using 1:2 with linespoints lw 2 title 'validation'");
+    plot_more(g, 2, names, nmore);
     fprintf(g, "\nset title 'throughput'\nset ylabel 'tokens/s'\nset yrange [0:*]\n"
-               "plot 'steps.dat' using 1:3 with lines lw 2 title 'tokens/s'\n");
+               "plot 'steps.dat' using 1:3 with lines lw 2 title ");
+    gnuplot_quote(g, nmore ? names[0] : "tokens/s");
+    plot_more(g, 3, names, nmore);
+    fputc('\n', g);
     fprintf(g, "set title 'NVMe'\nset ylabel 'GB/s'\nplot 'steps.dat' using 1:4 with lines lw 2 "
                "title 'read', 'steps.dat' using 1:5 with lines lw 2 title 'write'\n");
     fprintf(g, "set title 'memory tiers (at the end of each step)'\nset ylabel 'MiB'\n");
@@ -199,7 +247,9 @@ static int write_files(const char *tmp, const struct run *r, const char *out, in
     return 0;
 }
 
-static const char *const tmp_names[] = {"steps.dat", "evals.dat", "plot.gp", NULL};
+static const char *const tmp_names[] = {"steps.dat", "evals.dat", "plot.gp",   "more1.dat",
+                                        "more2.dat", "more3.dat", "more4.dat", "more5.dat",
+                                        "more6.dat", "more7.dat", NULL};
 
 int cmd_plot(int argc, char **argv)
 {
@@ -237,7 +287,8 @@ int cmd_plot(int argc, char **argv)
             return 2;
         }
     }
-    if (optind != argc - 1) {
+    int nmore = argc - optind - 1;
+    if (nmore < 0 || nmore > MAX_MORE) {
         usage(stderr);
         return 2;
     }
@@ -249,11 +300,19 @@ int cmd_plot(int argc, char **argv)
         snprintf(outbuf, sizeof(outbuf), "%.*s.png", (int)n, in);
         out = outbuf;
     }
-    struct run r = {0};
+    struct run r = {0}, more[MAX_MORE] = {0};
+    char names[MAX_MORE + 1][128];
+    legend_name(in, names[0], sizeof(names[0]));
     int rc = read_log(in, &r);
+    for (int i = 0; i < nmore && !rc; i++) {
+        legend_name(argv[optind + 1 + i], names[i + 1], sizeof(names[i + 1]));
+        rc = read_log(argv[optind + 1 + i], &more[i]);
+    }
     if (!rc) rc = check_out_dir(out);
     if (rc) {
         free(r.p);
+        for (int i = 0; i < nmore; i++)
+            free(more[i].p);
         return rc;
     }
     char ttl[512];
@@ -264,10 +323,15 @@ int cmd_plot(int argc, char **argv)
     if (e < 0) {
         fprintf(stderr, "zinf plot: a temporary directory: %s\n", strerror(-e));
         free(r.p);
+        for (int i = 0; i < nmore; i++)
+            free(more[i].p);
         return 1;
     }
-    e = write_files(tmp, &r, out, w, h, ttl);
+    e = write_files(tmp, &r, out, w, h, ttl, names, nmore);
+    if (e == 0) e = write_more(tmp, more, nmore);
     free(r.p);
+    for (int i = 0; i < nmore; i++)
+        free(more[i].p);
     if (e < 0) {
         fprintf(stderr, "zinf plot: writing gnuplot's input in %s: %s\n", tmp, strerror(-e));
         gnuplot_rmdir(tmp, tmp_names);
@@ -278,8 +342,10 @@ int cmd_plot(int argc, char **argv)
     e = gnuplot_run("plot", script, out);
     gnuplot_rmdir(tmp, tmp_names);
     if (e) return e;
-    printf("zinf plot: wrote %s (%d x %d): loss%s, tokens/s, NVMe GB/s%s over %d steps\n", out, w,
+    printf("zinf plot: wrote %s (%d x %d): loss%s, tokens/s, NVMe GB/s%s over %d steps", out, w,
            h, r.evals ? " (train and validation)" : "", r.tiers ? ", tier occupancy" : "",
            r.steps);
+    if (nmore) printf("; the loss and tokens/s of %d more log%s beside", nmore, nmore > 1 ? "s" : "");
+    printf("\n");
     return 0;
 }

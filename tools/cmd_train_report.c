@@ -23,6 +23,12 @@
 #include "train/trainer.h"
 #include "train/weights.h"
 
+/* communication_data_type as DeepSpeed spells it. */
+static const char *comm_wire_name(int w)
+{
+    return w == 1 ? "fp16" : w == 2 ? "bf16" : "fp32";
+}
+
 static const char *const tier_names[] = {"device", "host", "nvme"};
 
 /* Each line of an error text (weights_open's "PATH: what" lines), said after prefix. */
@@ -135,6 +141,8 @@ static void print_settings(const struct trainer_opts *o, const struct train_conf
             "\"batch\":%d,\"grad_accum\":%d,\"steps\":%d,\"optimizer\":",
             o->model.L, o->model.C, o->model.NH, o->seq, o->batch, o->grad_accum, o->steps);
     json_print_string(log, ds->optimizer);
+    fprintf(log, ",\"communication_data_type\":\"%s\"", comm_wire_name(o->comm_wire));
+    if (o->optimizer == TRAINER_OPT_ONEBIT) fprintf(log, ",\"freeze_step\":%d", o->freeze_step);
     fprintf(log, ",\"lr\":%.9g,\"scheduler\":", o->lr);
     json_print_string(log, ds->scheduler);
     cmd_train_json_num(log, "warmup_min_lr", o->sched.min_lr, false);
@@ -363,6 +371,8 @@ void cmd_train_log_step(FILE *ln, const struct trainer_step_stats *st, double et
     cmd_train_json_num(ln, "grad_norm", st->grad_norm, false);
     cmd_train_json_num(ln, "clip_scale", st->clip_scale, true);
     cmd_train_json_num(ln, "lr", st->lr, true);
+    fprintf(ln, ",\"comm_bytes\":%llu,\"grad_comm_bytes\":%llu",
+            (unsigned long long)st->comm_bytes, (unsigned long long)st->grad_comm_bytes);
     if (st->experts) { /* mixture of experts: the loss's balancing term, the experts read */
         cmd_train_json_num(ln, "moe_aux_loss", st->moe_aux_loss, true);
         fprintf(ln,
@@ -443,6 +453,13 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
                sum->reduce_seconds,
                sum->overlap_comm ? "overlap_comm: each behind the next block's backward"
                                 : "each after its block's backward");
+    if (sum->world > 1 && ran > 0)
+        printf("#   gradients: %s sent to their reductions in %s%s, %s a step\n",
+               format_size(sum->grad_comm_bytes, a, sizeof(a)), comm_wire_name(o->comm_wire),
+               o->optimizer == TRAINER_OPT_ONEBIT
+                   ? " and, past freeze_step, to 1-bit Adam's compressed exchange"
+                   : "",
+               format_size(sum->grad_comm_bytes / (uint64_t)ran, b, sizeof(b)));
     if (sum->pp > 1)
         printf("#   pipeline stage %d of %d: blocks %d-%d; the bubble (time outside its forwards "
                "and backwards) %.1f%% of the micro-batches' phase, 1F1B's at equal stages "
@@ -503,6 +520,8 @@ void cmd_train_print_summary(const struct trainer_opts *o, const struct trainer_
         fprintf(log, ",\"staging_bytes\":%llu", (unsigned long long)sum->staging_bytes);
         fprintf(log, ",\"rank\":%d,\"world\":%d,\"zero_stage\":%d,\"comm_bytes\":%llu", sum->rank,
                 sum->world, sum->stage, (unsigned long long)sum->comm_bytes);
+        fprintf(log, ",\"grad_comm_bytes\":%llu,\"communication_data_type\":\"%s\"",
+                (unsigned long long)sum->grad_comm_bytes, comm_wire_name(o->comm_wire));
         fprintf(log, ",\"comm_ops\":%llu,\"comm_pooled_ops\":%llu",
                 (unsigned long long)sum->comm_ops, (unsigned long long)sum->comm_pooled_ops);
         fprintf(log, ",\"nodes\":%d,\"node\":%d,\"net_bytes_out\":%llu,\"net_bytes_in\":%llu"

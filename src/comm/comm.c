@@ -20,6 +20,7 @@
 #include "comm/p2p.h"
 #include "comm/shm.h"
 #include "common.h"
+#include "half.h"
 #include "tiers/extent.h"
 #include "trace.h"
 
@@ -106,6 +107,24 @@ size_t comm_dtype_bytes(enum comm_dtype dt)
     return 0;
 }
 
+size_t comm_wire_bytes(const struct comm_req *q)
+{
+    return q->wire != COMM_WIRE_F32 ? 2 : comm_dtype_bytes(q->dtype);
+}
+
+float comm_wire_round(enum comm_wire w, float x)
+{
+    switch (w) {
+    case COMM_WIRE_F16:
+        return half_to_f32(half_from_f32(x));
+    case COMM_WIRE_BF16:
+        return bf16_to_f32(bf16_from_f32(x));
+    case COMM_WIRE_F32:
+        break;
+    }
+    return x;
+}
+
 static int self_run(const struct comm_req *q)
 {
     size_t bytes = q->count * comm_dtype_bytes(q->dtype);
@@ -113,7 +132,16 @@ static int self_run(const struct comm_req *q)
     case COMM_ALLGATHER:
     case COMM_REDUCE_SCATTER:
     case COMM_ALLREDUCE:
-        if (q->acc) {
+        if (q->wire != COMM_WIRE_F32) { /* one rank's contribution, as it would travel */
+            float *r = q->recv;
+            const float *s = q->send;
+            bool again = q->op == COMM_ALLREDUCE;
+            for (size_t j = 0; j < q->count; j++) {
+                float v = comm_wire_round(q->wire, s[j]);
+                if (q->acc) v += r[j];
+                r[j] = again ? comm_wire_round(q->wire, v) : v;
+            }
+        } else if (q->acc) {
             float *r = q->recv;
             const float *s = q->send;
             for (size_t j = 0; j < q->count; j++)
@@ -139,7 +167,7 @@ static int self_run(const struct comm_req *q)
 /* What each rank sends and receives of a request, in bytes. */
 static void req_bytes(const struct comm *c, const struct comm_req *q, uint64_t *in, uint64_t *out)
 {
-    uint64_t b = (uint64_t)q->count * comm_dtype_bytes(q->dtype), w = (uint64_t)c->o.world;
+    uint64_t b = (uint64_t)q->count * comm_wire_bytes(q), w = (uint64_t)c->o.world;
     *in = *out = 0;
     switch (q->op) {
     case COMM_ALLGATHER:
@@ -456,6 +484,15 @@ static int req_check(const struct comm *c, const struct comm_req *q)
     }
     bool reduce = q->op == COMM_REDUCE_SCATTER || q->op == COMM_ALLREDUCE;
     if (reduce && q->dtype != COMM_F32) return -EINVAL;
+    if (q->wire != COMM_WIRE_F32) {
+        if (!reduce || q->wire > COMM_WIRE_BF16) return -EINVAL;
+        if (c->o.backend == COMM_SHM && c->nodes > 1) {
+            log_error("comm: rank %d: %s with 16-bit contributions: the shm backend within "
+                      "one node only",
+                      c->o.rank, comm_op_name(q->op));
+            return -ENOTSUP;
+        }
+    }
     if (q->acc && !reduce) return -EINVAL;
     if (q->acc && c->o.backend == COMM_NCCL) return -ENOTSUP; /* NCCL sums in its own order */
     switch (q->op) {

@@ -60,6 +60,18 @@ enum comm_backend { COMM_SELF, COMM_SHM, COMM_NCCL };
 
 enum comm_dtype { COMM_BYTE, COMM_F32 };
 
+/* How a reduction's fp32 contributions travel (comm_req.wire). COMM_WIRE_F32: as they are.
+ * COMM_WIRE_F16, COMM_WIRE_BF16: each rank's contribution is rounded to 16 bits (to nearest
+ * even) and moves as such, half the bytes; the sums are fp32, in the backend's order (shm:
+ * rank order, bitwise reproducible), ((recv + h(s0)) + h(s1)) + ... with acc. A
+ * reduce-scatter's result is that fp32 sum (it does not travel again); an allreduce's result
+ * travels to every rank as 16 bits too, so it is the sum rounded once more. Buffers stay fp32
+ * (count floats). The self and shm backends (within one node: the shm backend across nodes
+ * answers -ENOTSUP), and nccl, where the sums are NCCL's own, in 16 bits (the contributions
+ * cast on the device, reduced as ncclFloat16 or ncclBfloat16, the result widened): its
+ * reduce-scatter's result is rounded to 16 bits too. */
+enum comm_wire { COMM_WIRE_F32, COMM_WIRE_F16, COMM_WIRE_BF16 };
+
 enum comm_op {
     COMM_ALLGATHER,      /* send: count; recv: world x count, rank r's at r x count (in
                             place: send == recv + rank x count) */
@@ -133,6 +145,7 @@ struct comm_req {
      * the sum a chain that went on from recv would make (send and recv apart; an allreduce's
      * recv holds the same on every rank). The self and shm backends; nccl refuses it. */
     bool acc;
+    enum comm_wire wire; /* reductions of COMM_F32: how the contributions travel */
     comm_cb cb;
     void *data;
     /* nccl: CUDA events (cudaEvent_t; NULL: none). The collective's stream waits for
@@ -222,5 +235,9 @@ int comm_segment_name(const char *name, const char *secret, char *buf, size_t le
 /* The state letter of process pid in /proc (R, S, D, T, t, Z...), or '?'. */
 char comm_proc_state(int32_t pid);
 size_t comm_dtype_bytes(enum comm_dtype dt);
+/* What one element of q occupies on the wire: comm_dtype_bytes but 2 for a 16-bit wire. */
+size_t comm_wire_bytes(const struct comm_req *q);
+/* x rounded to the wire's 16 bits and back (COMM_WIRE_F32: x). */
+float comm_wire_round(enum comm_wire w, float x);
 
 #endif

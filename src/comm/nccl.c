@@ -6,6 +6,11 @@
  * segment) or an asynchronous NCCL error aborts the communicator instead of hanging in a
  * collective that will never complete.
  *
+ * A reduction over a 16-bit wire (comm_req.wire) casts send to 16 bits into the rank's wire
+ * buffer on its stream (kernel_cast, to nearest even), reduces that in place in NCCL's
+ * ncclFloat16 or ncclBfloat16 (NCCL's sums: in 16 bits, in its own order), and widens the
+ * result into recv: half the bytes on the links, the result rounded to 16 bits.
+ *
  * Not here: the order of operations and the callbacks (comm.c).
  */
 #include <errno.h>
@@ -26,13 +31,17 @@
 #include <nccl.h>
 #include <pthread.h>
 
+#include "kernels/kernels.h"
+
 _Static_assert(sizeof(ncclUniqueId) == SHM_ID_BYTES, "NCCL's unique id travels in the segment");
 
 struct nccl {
     ncclComm_t comm;
     cudaStream_t stream;
-    int device, world;
+    int device, world, rank;
     bool aborted;
+    void *wire;        /* device memory for a 16-bit wire's elements (wire_bytes), or NULL */
+    size_t wire_bytes;
 };
 
 /* The NCCL functions used, from libnccl.so.2. */
@@ -178,6 +187,7 @@ int nccl_open(const struct comm_opts *o, const uint8_t *id, struct nccl **out)
     if (!n) return -ENOMEM;
     n->device = o->cuda_device;
     n->world = o->world;
+    n->rank = o->rank;
     int r = 0;
     cudaError_t e = cudaSetDevice(n->device);
     if (e != cudaSuccess) {
@@ -283,6 +293,32 @@ static ncclResult_t p2p(struct nccl *n, const struct comm_req *q, ncclDataType_t
     return r != ncclSuccess ? r : e;
 }
 
+/* A reduction over a 16-bit wire: send cast into the wire buffer, reduced there in place,
+ * widened into recv, all on the rank's stream (after wait_event, which the caller waited
+ * for). */
+static int run_wire(struct nccl *n, const struct comm_req *q)
+{
+    bool scatter = q->op == COMM_REDUCE_SCATTER;
+    size_t in = scatter ? q->count * (size_t)n->world : q->count, bytes = in * 2;
+    if (bytes > n->wire_bytes) {
+        if (n->wire) cudaFree(n->wire);
+        n->wire = NULL;
+        n->wire_bytes = 0;
+        cudaError_t e = cudaMalloc(&n->wire, bytes);
+        if (e != cudaSuccess) return cuda_err(e, "cudaMalloc of the 16-bit wire's buffer");
+        n->wire_bytes = bytes;
+    }
+    enum kdtype kt = q->wire == COMM_WIRE_F16 ? KDT_F16 : KDT_BF16;
+    ncclDataType_t t = q->wire == COMM_WIRE_F16 ? ncclFloat16 : ncclBfloat16;
+    char *w = n->wire, *out = scatter ? w + (size_t)n->rank * q->count * 2 : w;
+    int r = kernel_cast(w, kt, q->send, KDT_F32, in, n->stream);
+    if (r < 0) return r;
+    ncclResult_t x = scatter ? lib.ReduceScatter(w, out, q->count, t, ncclSum, n->comm, n->stream)
+                             : lib.AllReduce(w, w, q->count, t, ncclSum, n->comm, n->stream);
+    if (x != ncclSuccess) return nccl_errno(x, "an NCCL collective");
+    return kernel_cast(q->recv, KDT_F32, out, kt, q->count, n->stream);
+}
+
 int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
 {
     if (n->aborted) return -ECONNABORTED;
@@ -292,6 +328,11 @@ int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
     if (q->wait_event && q->op != COMM_BARRIER &&
         (e = cudaStreamWaitEvent(n->stream, (cudaEvent_t)q->wait_event, 0)) != cudaSuccess)
         return cuda_err(e, "cudaStreamWaitEvent");
+    if (q->wire != COMM_WIRE_F32) {
+        int x = run_wire(n, q);
+        if (x < 0) return x;
+        goto done;
+    }
     switch (q->op) {
     case COMM_ALLGATHER:
         r = lib.AllGather(q->send, q->recv, q->count, t, n->comm, n->stream);
@@ -315,6 +356,7 @@ int nccl_run(struct nccl *n, struct shm *rdv, const struct comm_req *q)
         break;
     }
     if (r != ncclSuccess) return nccl_errno(r, "an NCCL collective");
+done:
     if (q->done_event && (e = cudaEventRecord((cudaEvent_t)q->done_event, n->stream)) != cudaSuccess)
         return cuda_err(e, "cudaEventRecord");
     return wait_stream(n, rdv);
@@ -325,6 +367,7 @@ void nccl_close(struct nccl *n)
     if (!n) return;
     if (n->comm) lib.CommDestroy(n->comm);
     if (n->stream) cudaStreamDestroy(n->stream);
+    if (n->wire) cudaFree(n->wire);
     free(n);
 }
 #else

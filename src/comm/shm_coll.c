@@ -23,6 +23,12 @@
  * chain starts from recv's contents, out = ((recv + s0) + s1) + ..., as that process would
  * go on from a partial sum it holds.
  *
+ * A 16-bit wire (comm_req.wire) goes through the staging areas only, never the pools (which
+ * would read the fp32 contributions in place): each rank writes its contribution rounded to
+ * 16 bits, half the bytes, and the readers widen each to fp32 and add in the same rank
+ * order. An allreduce's result area holds each part's sum rounded to 16 bits, which every
+ * rank widens into recv.
+ *
  * Not here: the segment, the rendezvous, the barrier and how a communicator fails (shm.c).
  */
 #include <errno.h>
@@ -30,13 +36,17 @@
 #include <stdio.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__SSE__)
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_F16C_PATH 1
+#elif defined(__SSE__)
 #include <xmmintrin.h>
 #endif
 
 #include "comm/shm.h"
 #include "comm/shm_int.h"
 #include "common.h"
+#include "half.h"
 
 /* Rank r's area in set k % 2; r == world: the set's result area. */
 static char *area(struct shm *s, uint64_t k, int r)
@@ -197,6 +207,144 @@ static void reduce_f32(struct shm *s, uint64_t k, size_t at, const float *init, 
     for (int r = 0; r < s->world; r++)
         src[r] = (const float *)area(s, k, r) + at;
     sum_rank_order(init, src, s->world, &out, 1, n, false);
+}
+
+#if defined(HAVE_F16C_PATH)
+/* fp16 eight at a time with F16C: vcvtps2ph rounds to nearest even, overflows to infinity,
+ * keeps subnormals and quiets a NaN keeping its payload's top bits, as half_from_f32; and
+ * vcvtph2ps is exact, as half_to_f32 (for the quiet NaNs that travel): the same bits. */
+__attribute__((target("avx,f16c"))) static void to_f16_f16c(uint16_t *dst, const float *src,
+                                                             size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(void *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        dst[i] = half_from_f32(src[i]);
+}
+
+/* reduce_wire's fp16 sums, eight lanes at a time, each lane in rank order. */
+__attribute__((target("avx,f16c"))) static void sum_f16_f16c(const uint16_t *const *src,
+                                                             int world, const float *init,
+                                                             float *out, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 a = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(src[0] + i)));
+        if (init) a = _mm256_add_ps(_mm256_loadu_ps(init + i), a);
+        for (int r = 1; r < world; r++)
+            a = _mm256_add_ps(
+                a, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(src[r] + i))));
+        _mm256_storeu_ps(out + i, a);
+    }
+    for (; i < n; i++) {
+        float a = init ? init[i] + half_to_f32(src[0][i]) : half_to_f32(src[0][i]);
+        for (int r = 1; r < world; r++)
+            a += half_to_f32(src[r][i]);
+        out[i] = a;
+    }
+}
+
+static bool f16c(void)
+{
+    static int has = -1; /* racy but idempotent */
+    if (has < 0) has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+    return has;
+}
+#endif
+
+/* The wire's 16 bits of n floats, and back. */
+static void to_wire(enum comm_wire w, uint16_t *dst, const float *src, size_t n)
+{
+#if defined(HAVE_F16C_PATH)
+    if (w == COMM_WIRE_F16 && f16c()) {
+        to_f16_f16c(dst, src, n);
+        return;
+    }
+#endif
+    if (w == COMM_WIRE_F16)
+        for (size_t i = 0; i < n; i++)
+            dst[i] = half_from_f32(src[i]);
+    else
+        for (size_t i = 0; i < n; i++)
+            dst[i] = bf16_from_f32(src[i]);
+}
+
+static float from_wire(enum comm_wire w, uint16_t h)
+{
+    return w == COMM_WIRE_F16 ? half_to_f32(h) : bf16_to_f32(h);
+}
+
+/* out[i] = ((init[i] + h0[i]) + h1[i]) + ... (without init: h0[i] + h1[i] + ...), the
+ * 16-bit contributions at element at + i of set k's areas widened to fp32, in rank order. */
+static void reduce_wire(struct shm *s, enum comm_wire w, uint64_t k, size_t at,
+                        const float *init, float *out, size_t n)
+{
+    const uint16_t *src[COMM_MAX_RANKS];
+    for (int r = 0; r < s->world; r++)
+        src[r] = (const uint16_t *)(const void *)area(s, k, r) + at;
+#if defined(HAVE_F16C_PATH)
+    if (w == COMM_WIRE_F16 && f16c()) {
+        sum_f16_f16c(src, s->world, init, out, n);
+        return;
+    }
+#endif
+    for (size_t i = 0; i < n; i++) {
+        float a = init ? init[i] + from_wire(w, src[0][i]) : from_wire(w, src[0][i]);
+        for (int r = 1; r < s->world; r++)
+            a += from_wire(w, src[r][i]);
+        out[i] = a;
+    }
+}
+
+/* reduce_scatter over a 16-bit wire: each chunk carries chunk / world bytes of 16-bit
+ * elements for every destination; the result is the fp32 sum. */
+static int reduce_scatter_wire(struct shm *s, enum comm_wire w, const float *send, float *recv,
+                               size_t count, bool acc)
+{
+    size_t per = s->chunk / (size_t)s->world / sizeof(uint16_t);
+    for (size_t j = 0; j < count; j += per) {
+        size_t m = MIN(per, count - j);
+        uint64_t k = s->chunks++;
+        uint16_t *mine = (uint16_t *)(void *)area(s, k, s->rank);
+        for (int d = 0; d < s->world; d++)
+            to_wire(w, mine + (size_t)d * per, send + (size_t)d * count + j, m);
+        int r = shm_barrier(s);
+        if (r) return r;
+        reduce_wire(s, w, k, (size_t)s->rank * per, acc ? recv + j : NULL, recv + j, m);
+    }
+    return 0;
+}
+
+/* allreduce over a 16-bit wire: as allreduce, each rank's part of the sum rounded to 16 bits
+ * in the result area, which every rank widens into recv. */
+static int allreduce_wire(struct shm *s, enum comm_wire w, const float *send, float *recv,
+                          size_t count, bool acc, float *tmp, size_t tmp_n)
+{
+    size_t per = MIN(s->chunk / sizeof(uint16_t), tmp_n * (size_t)s->world);
+    for (size_t j = 0; j < count; j += per) {
+        size_t m = MIN(per, count - j);
+        uint64_t k = s->chunks++;
+        to_wire(w, (uint16_t *)(void *)area(s, k, s->rank), send + j, m);
+        int r = shm_barrier(s);
+        if (r) return r;
+        size_t lo = m * (size_t)s->rank / (size_t)s->world,
+               hi = m * ((size_t)s->rank + 1) / (size_t)s->world;
+        reduce_wire(s, w, k, lo, acc ? recv + j + lo : NULL, tmp, hi - lo);
+        to_wire(w, (uint16_t *)(void *)area(s, k, s->world) + lo, tmp, hi - lo);
+        if ((r = shm_barrier(s))) return r;
+        const uint16_t *res = (const uint16_t *)(const void *)area(s, k, s->world);
+#if defined(HAVE_F16C_PATH)
+        if (w == COMM_WIRE_F16 && f16c()) { /* a sum of one source: its widening */
+            sum_f16_f16c(&res, 1, NULL, recv + j, m);
+            continue;
+        }
+#endif
+        for (size_t i = 0; i < m; i++)
+            recv[j + i] = from_wire(w, res[i]);
+    }
+    return 0;
 }
 
 static int allgather(struct shm *s, const char *send, char *recv, size_t bytes)
@@ -418,7 +566,7 @@ int shm_run(struct shm *s, const struct comm_req *q, bool *pooled)
      * goes through the staging areas, whose first chunk's barrier comes after every rank
      * has read what the others said. */
     if (q->op == COMM_ALLTOALL && bytes) say_op(s, q->op, bytes);
-    if (s->pools && bytes > 0 && q->op != COMM_BARRIER) {
+    if (s->pools && bytes > 0 && q->op != COMM_BARRIER && q->wire == COMM_WIRE_F32) {
         bool a2a = q->op == COMM_ALLTOALL;
         size_t in = q->op == COMM_REDUCE_SCATTER || a2a ? bytes * (size_t)s->world : bytes,
                out = q->op == COMM_ALLGATHER || a2a ? bytes * (size_t)s->world : bytes;
@@ -447,10 +595,18 @@ int shm_run(struct shm *s, const struct comm_req *q, bool *pooled)
         r = broadcast(s, q->recv, bytes, q->root);
         break;
     case COMM_REDUCE_SCATTER:
-        r = reduce_scatter(s, q->send, q->recv, q->count, q->acc);
+        r = q->wire ? reduce_scatter_wire(s, q->wire, q->send, q->recv, q->count, q->acc)
+                    : reduce_scatter(s, q->send, q->recv, q->count, q->acc);
         break;
     case COMM_ALLREDUCE:
-        r = allreduce(s, q->send, q->recv, q->count, q->acc);
+        if (q->wire) {
+            /* A part's fp32 sum, before it is rounded into the result area. */
+            float part[8192];
+            r = allreduce_wire(s, q->wire, q->send, q->recv, q->count, q->acc, part,
+                               ARRAY_SIZE(part));
+        } else {
+            r = allreduce(s, q->send, q->recv, q->count, q->acc);
+        }
         break;
     case COMM_BARRIER:
         r = shm_barrier(s);

@@ -16,6 +16,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "half.h"
+
 #define OPS_LN_EPS 1e-5f
 
 /* x (B,T,C) = wte[tokens] (V,C) + wpe[t] (maxT,C); tokens (B,T). */
@@ -102,21 +104,11 @@ float ops_crossentropy(float *logits, float *losses, const int *targets, size_t 
 /* bf16 is the top half of an fp32; the cast rounds to nearest even (NaN stays NaN). */
 static inline uint16_t ops_f32_to_bf16(float f)
 {
-    union {
-        float f;
-        uint32_t u;
-    } x = {.f = f};
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40u);
-    x.u += 0x7fffu + ((x.u >> 16) & 1u);
-    return (uint16_t)(x.u >> 16);
+    return bf16_from_f32(f);
 }
 static inline float ops_bf16_to_f32(uint16_t h)
 {
-    union {
-        uint32_t u;
-        float f;
-    } x = {.u = (uint32_t)h << 16};
-    return x.f;
+    return bf16_to_f32(h);
 }
 void ops_cast_f32_to_bf16(uint16_t *dst, const float *src, size_t n);
 void ops_cast_bf16_to_f32(float *dst, const uint16_t *src, size_t n);

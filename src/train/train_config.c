@@ -15,6 +15,7 @@
 #include <strings.h>
 
 #include "common.h"
+#include "train/onebit.h"
 #include "train/train_config.h"
 
 #define GIVEN(opt) (given & (1u << ((opt)-O_LAYERS)))
@@ -124,18 +125,23 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
     }
 
     snprintf(ds->optimizer, sizeof(ds->optimizer), "AdamW");
-    bool lamb = false;
+    bool lamb = false, onebit = false;
     if (k->optimizer.type[0]) {
         lamb = same_name(k->optimizer.type, "Lamb");
+        onebit = same_name(k->optimizer.type, "OneBitAdam");
         if (!same_name(k->optimizer.type, "AdamW") && !same_name(k->optimizer.type, "Adam") &&
-            !lamb) {
+            !lamb && !onebit) {
             snprintf(err, errlen,
-                     "optimizer.type \"%s\": zinf train runs \"Adam\", \"AdamW\" and \"Lamb\"",
-                     k->optimizer.type);
+                     "optimizer.type \"%s\": %szinf train runs \"Adam\", \"AdamW\", \"Lamb\" "
+                     "and \"OneBitAdam\"",
+                     k->optimizer.type,
+                     same_name(k->optimizer.type, "ZeroOneAdam") ? "0/1 Adam is not built; " : "");
             return -EINVAL;
         }
         snprintf(ds->optimizer, sizeof(ds->optimizer), "%s", k->optimizer.type);
     }
+    int ro = train_config_onebit(zc, o, onebit, err, errlen);
+    if (ro < 0) return ro;
     /* What DeepSpeed's optimizers take: a parameter of one given to another is refused, as
      * their constructors refuse an unexpected keyword. */
     static const char *const lamb_only[] = {"optimizer.params.max_coeff",
@@ -153,13 +159,15 @@ static int apply_deepspeed(struct zinf_config *zc, struct trainer_opts *o, unsig
         return -EINVAL;
     }
     /* DeepSpeed's rule: "Adam" is AdamW unless adam_w_mode is false; "AdamW" is AdamW. */
-    o->optimizer = lamb ? TRAINER_OPT_LAMB
+    o->optimizer = lamb     ? TRAINER_OPT_LAMB
+                   : onebit ? TRAINER_OPT_ONEBIT
                    : same_name(ds->optimizer, "Adam") && !k->optimizer.adam_w_mode
                        ? TRAINER_OPT_ADAM_L2
                        : TRAINER_OPT_ADAMW;
     if (o->optimizer == TRAINER_OPT_ADAM_L2)
         snprintf(ds->optimizer, sizeof(ds->optimizer), "Adam (L2, adam_w_mode false)");
-    o->no_bias_correction = !k->optimizer.bias_correction;
+    /* DeepSpeed's OneBitAdam takes bias_correction and applies none. */
+    o->no_bias_correction = onebit || !k->optimizer.bias_correction;
     o->lamb_max_coeff = (float)k->optimizer.max_coeff;
     o->lamb_min_coeff = (float)k->optimizer.min_coeff;
     o->lamb_eps_inside_sqrt = k->optimizer.eps_inside_sqrt;

@@ -27,6 +27,7 @@
 #include "train/adamw_states.h"
 #include "train/backend.h"
 #include "train/gpt_lora.h"
+#include "train/onebit.h"
 #include "train/loss_scale.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
@@ -684,6 +685,7 @@ void trainer_close(struct trainer *t)
     free(t->part_first);
     free(t->part);
     free(t->part_all);
+    train_onebit_free(t);
     free(t->lamb_sums);
     free(t->osets);
     free(t->lamb_all);
@@ -782,6 +784,7 @@ void trainer_get_summary(struct trainer *t, struct trainer_summary *out)
         struct comm_stats cs;
         comm_get_stats(t->comm, &cs);
         out->comm_bytes = cs.bytes_in;
+        out->grad_comm_bytes = t->grad_bytes;
         out->comm_ops = cs.ops;
         out->comm_pooled_ops = cs.pooled_ops;
         out->net_bytes_out = cs.net_bytes_out;

@@ -74,8 +74,11 @@ struct trainer_lr_schedule {
 
 /* Adam as DeepSpeed names its variants: AdamW (decoupled weight decay, the default), Adam
  * with adam_w_mode false (the decay is L2 regularisation in the gradient), and LAMB (Adam's
- * moments, each tensor's step scaled by its trust ratio |w| / |update|, as FusedLamb). */
-enum trainer_optimizer { TRAINER_OPT_ADAMW, TRAINER_OPT_ADAM_L2, TRAINER_OPT_LAMB };
+ * moments, each tensor's step scaled by its trust ratio |w| / |update|, as FusedLamb), and
+ * 1-bit Adam (OneBitAdam: freeze_step steps of Adam without bias correction, then the
+ * variance frozen and the momentum exchanged compressed to signs, onebit.h). */
+enum trainer_optimizer { TRAINER_OPT_ADAMW, TRAINER_OPT_ADAM_L2, TRAINER_OPT_LAMB,
+                         TRAINER_OPT_ONEBIT };
 
 /* The learning rate of optimizer step `step` (1-based), as DeepSpeed's scheduler gives it:
  * the scheduler starts at iteration -1 and steps after each optimizer step, so step s
@@ -140,6 +143,10 @@ struct trainer_opts {
      * homed on the device, kernels/adamw_states.cu). Not with LAMB; a run resumes only
      * with the dtype it was saved with. */
     int state_dtype;
+    int freeze_step;                  /* OneBitAdam: the steps of plain Adam before compression */
+    /* communication_data_type: how the gradients' reductions across ranks carry each rank's
+     * contribution (enum comm_wire: 0 fp32, 1 fp16, 2 bf16; comm.h says what is rounded). */
+    int comm_wire;
     int grad_accum;                   /* micro-batches of `batch` per optimizer step: 1 */
     bool sample;                      /* trainer_sample() will be called: its host-tier set
                                          counts in the budget check */
@@ -229,6 +236,10 @@ struct trainer_step_stats {
     float clip_scale; /* what clipping multiplied that gradient by (1: not clipped) */
     float lr;         /* the learning rate of the update (the schedule's, as a float; on a
                          skipped step, of the update it would have made) */
+    /* Across ranks: the bytes this rank sent to the step's collectives (every one: the
+     * gradients', the gathers', the losses'), and of them the gradients' reductions (in
+     * communication_data_type: 2 bytes an element in fp16 and bf16). 0 on one rank. */
+    uint64_t comm_bytes, grad_comm_bytes;
     /* With trainer_opts.digest: the digest (digest.h) of every fp32 parameter after the
      * step, the same on every rank and for any number of ranks; have_digest is false where
      * it is not known (a skipped first step after a resume, or digest off). */
@@ -314,6 +325,7 @@ struct trainer_summary {
     double loss_scale;          /* fp16: the scale the next step runs with */
     int rank, world, stage;     /* ZeRO: this rank of world; the stage (0 with one rank) */
     uint64_t comm_bytes;        /* bytes this rank sent to collectives */
+    uint64_t grad_comm_bytes;   /* of them, to the gradients' reductions (trainer_step_stats) */
     uint64_t comm_ops, comm_pooled_ops; /* its collectives, and of those the ones that read
                                            the peers' buffers in place (zinf.comm_pool) */
     /* Across nodes (zinf launch --hostfile): the bytes this rank sent to and received from

@@ -216,6 +216,8 @@ struct trainer {
         void *after, *done;
     } rq[GPT_BLOCK_NSLOTS];
     uint64_t reduce_ns;                /* the time steps waited for gradient reductions */
+    uint64_t grad_bytes; /* what this rank contributed to the gradients' reductions (and 1-bit
+                            Adam's exchanges), in bytes on the wire: trainer_step_stats */
     uint64_t opt_ahead, opt_refetched; /* trainer_summary.pipeline_ahead, _refetched */
     /* The optimizer's sets by the position it takes them in (trainer_optim.c): those asked
      * for ahead, the first `opt_pre` of them during the backward (their parameters and
@@ -231,6 +233,7 @@ struct trainer {
     float *losses;                  /* world x grad_accum: every micro-batch's loss */
     double *part, *part_all;        /* the norm's chunk sums: this rank's, and every rank's */
     struct trainer_budgets budgets; /* derived where the config gives none */
+    struct onebit *onebit; /* 1-bit Adam's state past freeze_step (onebit.c) */
     double *lamb_sums, *lamb_all;   /* LAMB: one tensor's |w|^2 and |u|^2 chunk sums, this
                                        rank's and every rank's (trainer_optim.c) */
     size_t nparts;

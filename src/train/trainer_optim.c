@@ -21,6 +21,7 @@
 #include "train/adamw.h"
 #include "train/adamw_states.h"
 #include "train/backend.h"
+#include "train/onebit.h"
 #include "train/digest.h"
 #include "train/ops.h"
 #include "train/trainer_impl.h"
@@ -493,7 +494,9 @@ static int opt_run(struct trainer *t, int upto)
         if (r == 0) {
             /* Decay the matrices only, as GPT-2 trainers do (not biases, norms). */
             h.weight_decay = t->desc[i].ndim == 2 ? t->o.weight_decay : 0.0f;
-            if (t->world > 1)
+            if (t->o.optimizer == TRAINER_OPT_ONEBIT && step > t->o.freeze_step)
+                r = train_onebit_update(t, i, p, &h, scale);
+            else if (t->world > 1)
                 r = zero_update(t, i, p, &h, step, scale);
             else
                 r = update(t, i, p[0], p[1], p[2], p[3], mixed ? p[4] : NULL, t->desc[i].numel, &h,

@@ -22,6 +22,7 @@
 #include "config.h"
 #include "train/adamw.h"
 #include "train/backend.h"
+#include "train/onebit.h"
 #include "train/trainer_impl.h"
 #include "trace.h"
 
@@ -162,8 +163,9 @@ int train_zero_shape(struct trainer *t, bool say, char *err, size_t errlen)
     uint64_t block = gpt_block_num_params(&t->cfg);
     /* A pipeline stage reduces each block's gradients after its backward, and so do MoE
      * blocks (their experts' exchange shares the communicator). */
-    t->overlap =
-        want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1 && t->sp <= 1 && !o->moe.E;
+    /* 1-bit Adam skips the reductions past freeze_step: they run after each block. */
+    t->overlap = want && block <= t->zc.zero.reduce_bucket_size && t->pp == 1 && t->sp <= 1 &&
+                 !o->moe.E && o->optimizer != TRAINER_OPT_ONEBIT;
     const char *not_with = o->moe.E   ? "MoE blocks (their experts' exchange shares the "
                                         "communicator)"
                            : t->pp > 1 ? "pipeline stages"
@@ -184,12 +186,21 @@ int train_zero_setup(struct trainer *t, bool cuda, char *err, size_t errlen)
 {
     const struct trainer_opts *o = &t->o;
     int r = train_zero_shape(t, true, err, errlen);
-    if (r < 0) return r;
+    if (r < 0 || (r = train_onebit_check(t, cuda, err, errlen)) < 0) return r;
     if (t->mp && ((r = train_pipe_setup(t, cuda, err, errlen)) < 0 || t->world == 1)) return r;
     if (t->world == 1) {
         for (unsigned k = 0; k < t->zc.nvme_paths.count; k++)
             if (!(t->base[t->nbase++] = strdup(t->zc.nvme_paths.path[k]))) return -ENOMEM;
         return 0;
+    }
+    /* 16-bit contributions go through the shm backend's staging areas, within one node (NCCL
+     * spans the nodes itself). */
+    if (o->comm_wire && !cuda && o->mpi) {
+        snprintf(err, errlen,
+                 "communication_data_type \"%s\": 16-bit gradient reductions of CPU ranks run "
+                 "within one node; not across nodes (MPI)",
+                 t->zc.train.comm_dtype);
+        return -EINVAL;
     }
     const char *why = NULL;
     bool named = o->comm_name && o->comm_name[0]; /* under mpirun, rank 0 may choose one */
@@ -392,7 +403,10 @@ static bool any_copy(struct trainer *t, bool mine)
  * The collective of one round for tensor i (l: world x shard floats, on the device tier):
  * from stage 2 a reduce-scatter into this rank's shard, else an allreduce; fold_grad then
  * takes its result (q->recv, q->count floats), which is g itself but on GPU ranks' later
- * rounds. */
+ * rounds. With communication_data_type fp16 or bf16 (comm_req.wire), each rank's
+ * contribution is rounded to 16 bits and the sums stay fp32 in rank order (an allreduce's
+ * result rounded once more as it travels back: comm.h): the chain above holds with every
+ * micro-batch's gradient so rounded. */
 void train_reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_req *q)
 {
     size_t sh = train_shard_of(t, i);
@@ -405,7 +419,10 @@ void train_reduce_req(struct trainer *t, int i, float *l, float *g, struct comm_
                                    : scatter    ? l + (size_t)t->rank * sh
                                                 : l,
                            .count = scatter ? sh : t->desc[i].numel,
-                           .acc = acc};
+                           .acc = acc,
+                           .wire = (enum comm_wire)t->o.comm_wire};
+    /* What this rank contributes: its whole buffer, world shards when scattered. */
+    t->grad_bytes += (uint64_t)q->count * comm_wire_bytes(q) * (scatter ? (size_t)t->world : 1);
 }
 
 /* Add this micro-batch's gradient of tensor i (src, count floats, summed over the ranks)
@@ -435,7 +452,8 @@ int train_reduce_grad(struct trainer *t, int i, float *l, float *g)
 {
     int rs = train_sp_grad_sum(t, l, t->desc[i].numel);
     if (rs < 0) return rs;
-    if (t->world <= 1) return fold_grad(t, i, l, g, t->desc[i].numel);
+    /* 1-bit Adam past freeze_step: the rank's own gradient (onebit.h). */
+    if (t->world <= 1 || train_onebit_local(t)) return fold_grad(t, i, l, g, t->desc[i].numel);
     struct comm_req q;
     train_reduce_req(t, i, l, g, &q);
     uint64_t t0 = now_ns();

@@ -639,6 +639,16 @@ static int save_count(struct trainer *t, int step)
     return err ? -err : train_state_save_step(t, step);
 }
 
+/* The bytes this rank has sent to collectives (both communicators where there are two). */
+static uint64_t comm_sent(struct trainer *t)
+{
+    struct comm_stats cs;
+    uint64_t b = 0;
+    if (t->comm) comm_get_stats(t->comm, &cs), b += cs.bytes_in;
+    if (t->hcomm && t->hcomm != t->comm) comm_get_stats(t->hcomm, &cs), b += cs.bytes_in;
+    return b;
+}
+
 int trainer_step(struct trainer *t, struct trainer_step_stats *st)
 {
     struct zinf_stats s0, s1;
@@ -648,7 +658,7 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
 
     if (t->torn) return t->torn;
     zinf_stats(t->e, &s0);
-    uint64_t t0 = now_ns();
+    uint64_t t0 = now_ns(), c0 = comm_sent(t), g0 = t->grad_bytes;
     double loss_sum = 0;
     bool fp16 = t->be->wdt == BACKEND_F16;
     double S = fp16 ? t->ls.scale : 1;
@@ -706,6 +716,13 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
     uint64_t digest = 0;
     double grad_norm;
     float grad_scale, clip = train_clip_of(t, sumsq, S, &grad_norm, &grad_scale);
+    if (t->o.optimizer == TRAINER_OPT_ONEBIT && applied > t->o.freeze_step) {
+        /* 1-bit Adam's compressed phase: the rank's own gradient, its micro-batches' mean,
+         * not clipped (no rank holds the whole gradient: grad_norm adds the ranks' parts of
+         * their own). */
+        clip = 1;
+        grad_scale = (float)(1.0 / ((double)K * S));
+    }
     /* A skipped step's rate is that of the update it would have made. */
     float lr = (float)trainer_lr_at(&t->o.sched, t->o.lr, overflow ? applied + 1 : applied);
     bool defer = t->defer_ok && !overflow;
@@ -760,6 +777,8 @@ int trainer_step(struct trainer *t, struct trainer_step_stats *st)
         .digest = t->digest,
         .digest_step = defer ? t->digest_step : step,
         .update_pending = defer,
+        .comm_bytes = comm_sent(t) - c0,
+        .grad_comm_bytes = t->grad_bytes - g0,
     };
     train_moe_step_end(t, st);
 out:

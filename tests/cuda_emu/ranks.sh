@@ -5,10 +5,13 @@
 # sequence-parallel ranks, and mixture-of-experts blocks, on GPU ranks. run.sh calls it with
 # the zinf it built (`tests/cuda_emu/run.sh ranks`):
 #
-#   tests/cuda_emu/ranks.sh ZINF WORKDIR [zero|pipeline|tp|sp|moe|faults]
+#   tests/cuda_emu/ranks.sh ZINF WORKDIR [zero|pipeline|tp|sp|moe|faults|wire]
 #
-# (zero, pipeline, tp, sp, moe, faults: those runs alone; EMU_RANKS=PART gives the same through
-# run.sh.)
+# (zero, pipeline, tp, sp, moe, faults, wire: those runs alone; EMU_RANKS=PART gives the same
+# through run.sh.)
+# wire: 2 GPU ranks with communication_data_type fp16 and bf16 at stages 1 and 2 (fp32
+# weights): the same bits run twice, the losses within the 16-bit rounding (3e-2) of the fp32
+# reduction's, half its gradient bytes a step, and within 3e-2 of 2 CPU ranks' 16-bit runs.
 # Checks, for every precision, stage and number of ranks N:
 #   - N emulated GPU ranks log bitwise the losses and parameter digests of one emulated GPU
 #     rank that accumulates N micro-batches (--accumulate N): the emulated NCCL sums in rank
@@ -57,8 +60,9 @@ zinf=$1
 work=$2
 only=${3:-${EMU_RANKS:-}}
 case $only in
-  "" | zero | pipeline | tp | sp | moe | faults) ;;
-  *) echo "ranks.sh: unknown part '$only' (zero, pipeline, tp, sp, moe or faults)" >&2; exit 2 ;;
+  "" | zero | pipeline | tp | sp | moe | faults | wire) ;;
+  *) echo "ranks.sh: unknown part '$only' (zero, pipeline, tp, sp, moe, faults or wire)" >&2
+     exit 2 ;;
 esac
 want() { [ -z "$only" ] || [ "$only" = "$1" ]; }
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -205,6 +209,20 @@ if want moe; then
     tail -5 "$d/out.txt" | sed 's/^/   | /'
     fails=$((fails + 1))
   fi
+fi
+
+# 16-bit gradient reductions over the emulated NCCL (ncclFloat16, ncclBfloat16).
+if want wire; then
+  for stage in 1 2; do
+    run "wire-f32-s$stage" 2 cuda "$stage" fp32
+    for dt in fp16 bf16; do
+      cfg_extra='"communication_data_type": "'$dt'", ' run "wire-$dt-s$stage" 2 cuda "$stage" fp32
+      cfg_extra='"communication_data_type": "'$dt'", ' run "wire-$dt-s$stage-again" 2 cuda \
+        "$stage" fp32
+      cfg_extra='"communication_data_type": "'$dt'", ' run "wire-$dt-s$stage-cpu" 2 emulated \
+        "$stage" fp32
+    done
+  done
 fi
 
 # Faults: 2 bf16 GPU ranks at stage 3 with checkpoints every 2 steps, rank 1 killed at the
@@ -462,6 +480,28 @@ for prec in ('fp32', 'bf16', 'fp16') if want('moe') else ():
                  c[-1]['loss'] if c else None))
     rows.append((prec + ' MoE ep', 2, '-', e[-1]['loss'] if e else None,
                  r[-1]['loss'] if r else None))
+for stage in (1, 2) if want('wire') else ():
+    f32, _ = log('wire-f32-s%d' % stage)
+    for dt in ('fp16', 'bf16'):
+        g, gsum = log('wire-%s-s%d' % (dt, stage))
+        again, _ = log('wire-%s-s%d-again' % (dt, stage))
+        c, _ = log('wire-%s-s%d-cpu' % (dt, stage))
+        what = 'communication_data_type %s, 2 GPU ranks, stage %d' % (dt, stage)
+        check(bitwise(g, again, 3), what + ': the same run twice, bitwise')
+        worst = max((abs(a['loss'] - b['loss']) / abs(b['loss']) for a, b in zip(g, f32)),
+                    default=None)
+        check(worst is not None and len(f32) == 3 and worst <= 3e-2,
+              what + ': within 3e-2 of the fp32 reduction (largest %s)' % worst)
+        half = len(g) == 3 and all(a['grad_comm_bytes'] * 2 == b['grad_comm_bytes'] > 0
+                                   for a, b in zip(g, f32))
+        check(half, what + ': half the fp32 reduction\'s gradient bytes (%s against %s)'
+              % (g[0]['grad_comm_bytes'] if g else None, f32[0]['grad_comm_bytes'] if f32 else None))
+        worst = max((abs(a['loss'] - b['loss']) / abs(b['loss']) for a, b in zip(g, c)),
+                    default=None)
+        check(worst is not None and len(c) == 3 and worst <= 3e-2,
+              what + ': within 3e-2 of 2 CPU ranks in %s (largest %s)' % (dt, worst))
+        rows.append((dt + ' wire', 2, stage, g[-1]['loss'] if g else None,
+                     c[-1]['loss'] if c else None))
 def steps_of(path):
     return {r['step']: r for r in (json.loads(l) for l in open(path)) if 'step' in r} \
         if os.path.exists(path) else {}

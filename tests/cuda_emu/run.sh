@@ -11,7 +11,7 @@
 # PROGRAM is a test program of tests/meson.build (default: test_kernels test_train_gpu
 # test_device test_host test_comm test_comm_a2a), or `ranks`: ranks.sh, GPU ranks of `zinf launch -n N --
 # zinf train` over the emulated NCCL (emu_nccl.cpp), with the zinf command built here
-# (EMU_RANKS=zero, pipeline, tp, sp, faults or moe: that part of it alone); or
+# (EMU_RANKS=zero, pipeline, tp, sp, faults, moe or wire: that part of it alone); or
 # `ranks-mpi`: ranks_mpi.sh, GPU ranks under `mpirun -np N` split into logical nodes
 # (ZINF_COMM_RANKS_PER_NODE), NCCL's id broadcast over MPI, with the communicator alone
 # (comm_nccl_mpi_rank) first; or `comm-mpi`: that communicator part alone. Both need Open
