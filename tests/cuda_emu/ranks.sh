@@ -47,10 +47,11 @@
 #   - moe: MoE blocks (4 experts, top-2) on one GPU rank within the CPU-against-GPU
 #     tolerance of the CPU backend's run, and (fp32) bitwise the same run again; 2
 #     expert-parallel GPU ranks (moe.ep_size 2) bitwise one GPU rank of --accumulate 2; in
-#     fp32, bf16 and fp16; MoE blocks in 2 GPU pipeline stages (3 blocks, every other one MoE,
-#     --accumulate 4; fp32 and bf16) bitwise one GPU rank of --accumulate 4, and 2 copies x 2
-#     stages on 4 GPU ranks (moe.ep_size 2: the experts split across the copies; one
-#     micro-batch each) bitwise one GPU rank of --accumulate 2.
+#     fp32, bf16 and fp16; MoE blocks in 2 GPU pipeline stages (3 blocks, every other one MoE:
+#     one in each stage; --accumulate 4) bitwise one GPU rank of --accumulate 4, and 2 copies
+#     x 2 stages on 4 GPU ranks (moe.ep_size 2: the experts split across the copies; one
+#     micro-batch each) bitwise one GPU rank of --accumulate 2 (losses, digests, gradient
+#     norms, balancing losses, experts used), in fp32, bf16 and fp16.
 #   - faults: a GPU rank killed at the start of a checkpoint, or after its rename, fails the
 #     job, and --resume goes on bitwise as a run that was never killed; a LOCAL_RANK past
 #     the GPUs is refused.
@@ -199,7 +200,7 @@ if want moe; then
   # in each stage), against one GPU rank of the same micro-batches; 2 copies x 2 stages with
   # the experts split across the copies, one micro-batch each, against one GPU rank of 2.
   every='"moe": {"moe_every": 2}, '
-  for prec in fp32 bf16; do
+  for prec in fp32 bf16 fp16; do
     cfg_extra=$every run "moe-pipe-ref-$prec-acc4" 1 cuda 1 "$prec" "${pipe[@]}" "${moe[@]}" \
       --accumulate 4
     cfg_extra=$every run "moe-pipe-ref-$prec-acc2" 1 cuda 1 "$prec" "${pipe[@]}" "${moe[@]}" \
@@ -466,14 +467,18 @@ for prec in ('fp32', 'bf16', 'fp16') if want('moe') else ():
                  c[-1]['loss'] if c else None))
     rows.append((prec + ' MoE ep', 2, '-', e[-1]['loss'] if e else None,
                  r[-1]['loss'] if r else None))
-for prec in ('fp32', 'bf16') if want('moe') else ():
+for prec in ('fp32', 'bf16', 'fp16') if want('moe') else ():
     for name, n, ref, what in (('p2', 2, 'acc4', 'one GPU rank of --accumulate 4'),
                                ('2x2', 4, 'acc2', 'one GPU rank of --accumulate 2')):
         g, _ = log('moe-pipe-%s-%s' % (name, prec))
         r, _ = log('moe-pipe-ref-%s-%s' % (prec, ref))
         what_n = 'MoE %s, %d GPU ranks, 2 stages%s' % (
             prec, n, ', 2 copies, moe.ep_size 2' if n == 4 else '')
-        check(bitwise(g, r, 3), '%s: bitwise %s (loss and digest)' % (what_n, what))
+        same = bitwise(g, r, 3) and all(
+            x.get(k) == y.get(k) for x, y in zip(g, r)
+            for k in ('grad_norm', 'moe_aux_loss', 'experts_used', 'experts'))
+        check(same, '%s: bitwise %s (loss, digest, gradient norm, balancing loss, experts '
+              'used)' % (what_n, what))
         ok = True
         for k in range(n):
             _, s = log('moe-pipe-%s-%s' % (name, prec), k)
