@@ -74,9 +74,6 @@ static int refuse(const struct trainer *t, char *err, size_t errlen)
     else if (t->world > 1 && t->stage >= 3)
         why = "zero_optimization.stage 3: gathering the experts' shards is not built (stages "
               "0-2 are)";
-    else if (strcmp(t->be->name, "cpu") && t->pp > 1)
-        why = "pipeline stages on the CUDA backend: its MoE blocks are not built for them "
-              "(zinf.device \"emulated\")";
     if (why) {
         snprintf(err, errlen, "moe.num_experts %d with %s", t->o.moe.E, why);
         return -EINVAL;

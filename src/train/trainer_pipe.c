@@ -23,7 +23,10 @@
  * compute; that is left for later. Tensor-parallel ranks are the CPU's only (their math is
  * gpt_tp.c's), and are refused on GPUs; sequence-parallel ranks run on either (gpt_sp.c's
  * math, and backend_cuda_sp.c's on GPUs, whose gradients are summed over the group's NCCL
- * link).
+ * link). MoE blocks run in GPU stages as in CPU ones: their balancing losses are the host
+ * route's (moe_aux gathers them), the gradient they pull back is the backend's d that
+ * grad_io fills and empties, and the experts' exchange between a stage's copies stages
+ * through host buffers over the copies' host communicator.
  *
  * The schedule (1F1B): stage s of P runs min(P - s - 1, M) forwards, then one forward and
  * one backward in turn, then the backwards left, for the M micro-batches of the step. A

@@ -50,7 +50,11 @@
 #   - moe: MoE blocks (4 experts, top-2) on one GPU rank within the CPU-against-GPU
 #     tolerance of the CPU backend's run, and (fp32) bitwise the same run again; 2
 #     expert-parallel GPU ranks (moe.ep_size 2) bitwise one GPU rank of --accumulate 2; in
-#     fp32, bf16 and fp16; MoE blocks in pipeline stages on GPUs refused, naming the key.
+#     fp32, bf16 and fp16; MoE blocks in 2 GPU pipeline stages (3 blocks, every other one MoE:
+#     one in each stage; --accumulate 4) bitwise one GPU rank of --accumulate 4, and 2 copies
+#     x 2 stages on 4 GPU ranks (moe.ep_size 2: the experts split across the copies; one
+#     micro-batch each) bitwise one GPU rank of --accumulate 2 (losses, digests, gradient
+#     norms, balancing losses, experts used), in fp32, bf16 and fp16.
 #   - faults: a GPU rank killed at the start of a checkpoint, or after its rename, fails the
 #     job, and --resume goes on bitwise as a run that was never killed; a LOCAL_RANK past
 #     the GPUs is refused.
@@ -196,19 +200,20 @@ if want moe; then
     run "moe-gpu1-$prec-acc2" 1 cuda 1 "$prec" "${moe[@]}" --accumulate 2
     cfg_extra='"moe": {"ep_size": 2}, ' run "moe-gpu2-$prec-ep2" 2 cuda 1 "$prec" "${moe[@]}"
   done
-  d=$work/run-moe-pipe-refused
-  mkdir -p "$d"
-  config "$d/cfg.json" cuda 1 '"pipeline": {"stages": 2}, '
-  "$zinf" launch -n 2 --no-bind --name "emu-moepp-$$" -- "$zinf" train --config "$d/cfg.json" \
-    --data "$work/data.txt" $model "${moe[@]}" > "$d/out.txt" 2>&1
-  rc=$?
-  if [ $rc != 0 ] && grep -q "pipeline stages on the CUDA backend" "$d/out.txt"; then
-    echo "   ok   MoE blocks in pipeline stages on GPUs are refused (rc=$rc)"
-  else
-    echo "   FAIL MoE blocks in pipeline stages on GPUs: rc=$rc"
-    tail -5 "$d/out.txt" | sed 's/^/   | /'
-    fails=$((fails + 1))
-  fi
+  # MoE blocks in pipeline stages on GPUs: 3 blocks, every other one MoE (blocks 0 and 2, one
+  # in each stage), against one GPU rank of the same micro-batches; 2 copies x 2 stages with
+  # the experts split across the copies, one micro-batch each, against one GPU rank of 2.
+  every='"moe": {"moe_every": 2}, '
+  for prec in fp32 bf16 fp16; do
+    cfg_extra=$every run "moe-pipe-ref-$prec-acc4" 1 cuda 1 "$prec" "${pipe[@]}" "${moe[@]}" \
+      --accumulate 4
+    cfg_extra=$every run "moe-pipe-ref-$prec-acc2" 1 cuda 1 "$prec" "${pipe[@]}" "${moe[@]}" \
+      --accumulate 2
+    cfg_extra="$every"'"pipeline": {"stages": 2}, ' run "moe-pipe-p2-$prec" 2 cuda 1 "$prec" \
+      "${pipe[@]}" "${moe[@]}" --accumulate 4
+    cfg_extra='"moe": {"moe_every": 2, "ep_size": 2}, "pipeline": {"stages": 2}, ' \
+      run "moe-pipe-2x2-$prec" 4 cuda 1 "$prec" "${pipe[@]}" "${moe[@]}" --accumulate 1
+  done
 fi
 
 # 16-bit gradient reductions over the emulated NCCL (ncclFloat16, ncclBfloat16).
@@ -502,6 +507,27 @@ for stage in (1, 2) if want('wire') else ():
               what + ': within 3e-2 of 2 CPU ranks in %s (largest %s)' % (dt, worst))
         rows.append((dt + ' wire', 2, stage, g[-1]['loss'] if g else None,
                      c[-1]['loss'] if c else None))
+for prec in ('fp32', 'bf16', 'fp16') if want('moe') else ():
+    for name, n, ref, what in (('p2', 2, 'acc4', 'one GPU rank of --accumulate 4'),
+                               ('2x2', 4, 'acc2', 'one GPU rank of --accumulate 2')):
+        g, _ = log('moe-pipe-%s-%s' % (name, prec))
+        r, _ = log('moe-pipe-ref-%s-%s' % (prec, ref))
+        what_n = 'MoE %s, %d GPU ranks, 2 stages%s' % (
+            prec, n, ', 2 copies, moe.ep_size 2' if n == 4 else '')
+        same = bitwise(g, r, 3) and all(
+            x.get(k) == y.get(k) for x, y in zip(g, r)
+            for k in ('grad_norm', 'moe_aux_loss', 'experts_used', 'experts'))
+        check(same, '%s: bitwise %s (loss, digest, gradient norm, balancing loss, experts '
+              'used)' % (what_n, what))
+        ok = True
+        for k in range(n):
+            _, s = log('moe-pipe-%s-%s' % (name, prec), k)
+            ok = ok and bool(s) and s.get('pp') == 2 and s.get('pp_stage') == k % 2 and \
+                s.get('backend') == 'cuda' and s.get('experts', 0) > 0
+        check(ok, '%s: each rank\'s summary names its stage, the CUDA backend and the experts'
+              % what_n)
+        rows.append((prec + ' MoE stages', n, '-', g[-1]['loss'] if g else None,
+                     r[-1]['loss'] if r else None))
 def steps_of(path):
     return {r['step']: r for r in (json.loads(l) for l in open(path)) if 'step' in r} \
         if os.path.exists(path) else {}
