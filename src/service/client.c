@@ -53,6 +53,7 @@ struct client {
     struct handle h; /* HANDLE_CLIENT: first, for src/api.c */
     char *socket_path;
     char job[PROTO_MAX_JOB + 1];
+    bool readonly; /* zinf_connect_readonly: the arenas mapped read-only, nothing flushed */
     uint64_t session, secret;
     unsigned nregions; /* the memory tiers' arenas, by tier */
     struct region region[PROTO_MAX_REGIONS];
@@ -117,6 +118,7 @@ static int hello(struct client *c, int fd)
     proto_put_str(&o, c->job);
     proto_put_u64(&o, c->session);
     proto_put_u64(&o, c->secret);
+    if (c->readonly) proto_put_u32(&o, PROTO_HELLO_READONLY);
     int r = proto_send(fd, &o, NULL, 0);
     proto_out_free(&o);
     /* A connection the daemon refused at accept was closed after its refusal: read it. */
@@ -168,7 +170,8 @@ static int hello(struct client *c, int fd)
                     log_error("zinf_connect: the daemon's device tier is a GPU, and this "
                               "library was built without CUDA");
             } else if ((p = mmap(NULL, reg[i].bytes,
-                                 reg[i].tier == (enum zinf_tier)PROTO_REGION_LIVE
+                                 reg[i].tier == (enum zinf_tier)PROTO_REGION_LIVE ||
+                                         (c->readonly && reg[i].tier <= ZINF_TIER_NVME)
                                      ? PROT_READ /* the daemon's alone to write */
                                      : PROT_READ | PROT_WRITE,
                                  MAP_SHARED, fds[f++], 0)) == MAP_FAILED) {
@@ -300,7 +303,8 @@ static int pointer_of(struct client *c, struct proto_in *in, void **ptr)
     return 0;
 }
 
-ZINF_API int zinf_connect(const char *socket_path, const char *job, zinf_engine **out)
+static int connect_as(const char *socket_path, const char *job, bool readonly,
+                      zinf_engine **out)
 {
     if (!out) return -EINVAL;
     *out = NULL;
@@ -311,6 +315,7 @@ ZINF_API int zinf_connect(const char *socket_path, const char *job, zinf_engine 
     c->spin_ns = proto_spin_ns();
     pthread_mutex_init(&c->lock, NULL);
     strcpy(c->job, job);
+    c->readonly = readonly;
     c->socket_path = strdup(socket_path);
     if (!c->socket_path) {
         client_close(c);
@@ -335,9 +340,20 @@ ZINF_API int zinf_connect(const char *socket_path, const char *job, zinf_engine 
     return 0;
 }
 
+ZINF_API int zinf_connect(const char *socket_path, const char *job, zinf_engine **out)
+{
+    return connect_as(socket_path, job, false, out);
+}
+
+ZINF_API int zinf_connect_readonly(const char *socket_path, const char *job, zinf_engine **out)
+{
+    return connect_as(socket_path, job, true, out);
+}
+
 static void close_client(struct client *c, bool flush)
 {
     if (!c) return;
+    flush &= !c->readonly; /* the job is its owner's to flush */
     /* As an embedded engine does at close: what was written becomes durable. */
     if (c->session && flush) client_flush(c);
     struct conn *k = c->idle;
@@ -804,14 +820,20 @@ int service_status(const char *socket, struct service_job_status **out, size_t *
 
 int service_manage(const char *socket, int op, const char *job)
 {
+    return op == PROTO_JOB_SHARE ? -EINVAL : service_manage_flags(socket, op, job, 0);
+}
+
+int service_manage_flags(const char *socket, int op, const char *job, uint32_t flags)
+{
     if (!socket || (op != PROTO_SHUTDOWN && (!job || !job[0] || strlen(job) > PROTO_MAX_JOB)))
         return -EINVAL;
-    int fd, r = dial(socket, &fd);
-    if (r < 0) return r;
+    int fd, d = dial(socket, &fd);
+    if (d < 0) return d;
     struct proto_out o;
     proto_out_init(&o, (uint16_t)op, 1);
     if (op != PROTO_SHUTDOWN) proto_put_str(&o, job);
-    r = proto_send(fd, &o, NULL, 0);
+    if (op == PROTO_JOB_SHARE) proto_put_u32(&o, flags);
+    int r = proto_send(fd, &o, NULL, 0);
     proto_out_free(&o);
     struct proto_header h;
     uint8_t *payload;

@@ -54,6 +54,8 @@ int service_status(const char *socket, struct service_job_status **out, size_t *
  * saved (PROTO_JOB_REMOVE), or to stop (PROTO_SHUTDOWN, job NULL): the daemon's answer
  * (proto.h), or -errno of the exchange. */
 int service_manage(const char *socket, int op, const char *job);
+/* The same with the request's u32 flags: JOB_SHARE's (1 share, 0 take back). */
+int service_manage_flags(const char *socket, int op, const char *job, uint32_t flags);
 /* Asks the daemon on socket to stop (root or its uid) and returns once it has: every job
  * flushed and closed, the socket gone, the process exited. 0, or -errno (-EPERM: the caller
  * may not stop it). */
