@@ -21,8 +21,13 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
+#include "common.h"
 #include "train/trainer_impl.h"
+
+/* How long a set of the base waits for the other jobs' sets to leave it room. */
+#define BASE_WAIT_NS (120ull * 1000000000ull)
 
 int train_base_open(struct trainer *t, char *err, size_t errlen)
 {
@@ -93,6 +98,14 @@ int train_base_lookup(struct trainer *t, const char *prefix, int i, size_t bytes
     return 0;
 }
 
+/* Whether other jobs hold pins in the base's tier: a set that does not fit while nothing
+ * is pinned never will. */
+static bool others_hold(struct trainer *t, enum zinf_tier tier)
+{
+    struct zinf_stats st;
+    return zinf_stats(t->base_e, &st) == 0 && st.tier[tier].pinned_bytes > 0;
+}
+
 int train_fetch_set(struct trainer *t, const struct wave *w, const zinf_tensor *hs,
                     enum zinf_tier tier, void **m)
 {
@@ -106,8 +119,15 @@ int train_fetch_set(struct trainer *t, const struct wave *w, const zinf_tensor *
         h[k][n[k]++] = hs[i];
     }
     /* Each engine's part whole or not at all, the base's first: nothing is left pinned by a
-     * set that failed. */
-    int r = n[1] ? zinf_fetch_all(t->base_e, h[1], (size_t)n[1], tier, p[1]) : 0;
+     * set that failed. The base's tier is shared with the other jobs on it, whose sets may
+     * hold it full for a while: with none of ours pinned there, -ENOMEM means theirs, and
+     * the set is asked again once they released some (each holds one set at a time, so one
+     * of them always can go on), for up to BASE_WAIT_NS. */
+    int r = 0;
+    uint64_t t0 = now_ns();
+    while (n[1] && (r = zinf_fetch_all(t->base_e, h[1], (size_t)n[1], tier, p[1])) == -ENOMEM &&
+           now_ns() - t0 < BASE_WAIT_NS && others_hold(t, tier))
+        nanosleep(&(struct timespec){0, 200000}, NULL);
     if (r == 0 && n[0] && (r = zinf_fetch_all(t->e, h[0], (size_t)n[0], tier, p[0])) < 0)
         for (int j = 0; j < n[1]; j++)
             zinf_release(t->base_e, h[1][j], tier, 0);
