@@ -29,8 +29,9 @@
 #include "zinf.h"
 
 #define NOBODY 65534
-/* A model whose base (238 KiB of fp32 weights) is more than the small daemon's device tier
- * keeps beside the sets pinned in it: its blocks are read from NVMe every step. */
+/* A model whose base (238 KiB of fp32 weights) the small daemon's device tier holds beside the
+ * sets the three jobs pin: one copy read from NVMe for all, against a copy each (bench/
+ * lora_base.sh measures a base that does not fit). */
 #define MODEL "--layers 4 --dim 32 --heads 2 --seq 16 --batch 4"
 #define LORA "--lora-rank 4 --lora-alpha 8 --lora-targets c_attn,c_proj,c_fc --lr 1e-2"
 #define STEPS 20
@@ -235,7 +236,7 @@ Test(serve_base, three_fine_tunes_of_two_users_on_one_read_only_base)
     put("data.txt", text);
     /* The bases are pretrained with room for their optimizer; the fine-tunes run in less. */
     serve_cfg("big.json", "1M", "1M");
-    serve_cfg("small.json", "320K", "64K");
+    serve_cfg("small.json", "512K", "64K");
     train_cfg("plain.json", "");
     train_cfg("shared.json", "base");
     train_cfg("own1.json", "base1");
@@ -307,7 +308,7 @@ Test(serve_base, three_fine_tunes_of_two_users_on_one_read_only_base)
     uint64_t one = r1 - r0, sep = r2 - r1;
     cr_log_info("NVMe bytes read per step: %.0f from the shared base, %.0f from three bases",
                 (double)one / STEPS, (double)sep / STEPS);
-    cr_expect(sep > 0 && one * 10 < sep * 9,
+    cr_expect(sep > 0 && one * 2 < sep,
               "NVMe reads of the bases: %llu shared, %llu separate",
               (unsigned long long)one, (unsigned long long)sep);
 

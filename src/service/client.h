@@ -47,6 +47,8 @@ struct service_job_status {
     uint64_t pins;
     struct zinf_stats stats;
 };
+/* A connection to the daemon on path (client.c; manage.c's too): 0 and *out, or -errno. */
+int service_dial(const char *path, int *out);
 /* Asks the daemon on socket for the jobs the caller may see: 0 and *out (n of them, freed
  * with free()), or -errno (-ENOENT, -ECONNREFUSED: nobody listens). */
 int service_status(const char *socket, struct service_job_status **out, size_t *n);
