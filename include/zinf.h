@@ -179,6 +179,14 @@ ZINF_API int zinf_open_parsed(const struct zinf_config *cfg, unsigned flags, zin
  * embedded (the daemon stages a large one and applies it at once); one of more bytes than
  * the daemon stages for a session (zinf.serve.write_stage_bytes, 1 GiB) is -EMSGSIZE. */
 ZINF_API int zinf_connect(const char *socket, const char *job, zinf_engine **out);
+/* The same, read-only, to a job that exists: the caller's own, or another uid's that its
+ * owner shared (`zinf job share`; -EACCES otherwise, -ENOENT for no such job). Its arenas
+ * are mapped PROT_READ (a fetched pointer is read, never written), and every call that
+ * would change the job answers -EROFS: zinf_register, zinf_unregister, zinf_zero,
+ * zinf_write, zinf_flush and a release with flags. zinf_close flushes nothing. Several
+ * jobs fine-tuning one base each attach to it so: the daemon holds one copy of it for all,
+ * and reads it from NVMe once for all when they fetch it together. */
+ZINF_API int zinf_connect_readonly(const char *socket, const char *job, zinf_engine **out);
 /* Flush (when there is an NVMe tier), wait for everything in flight, free. NULL: no-op. */
 ZINF_API void zinf_close(zinf_engine *e);
 /* The same without the flush, for a caller that knows its tensors in memory are

@@ -184,6 +184,7 @@ struct zinf_config {
         bool huge_pages;         /* transparent huge pages for the host arena; true */
         struct config_paths connect; /* zinf train through the daemon on this socket; none */
         char job[32];                /* ... as this job; "" (zinf train's default) */
+        char base_job[32]; /* ... its LoRA base read-only from this job (shared); "": none */
         unsigned comm_timeout; /* seconds each barrier and collective across ranks waits for
                                   the others; 1800 (COMM_DEFAULT_OP_TIMEOUT_MS) */
         bool comm_pool; /* CPU ranks: the device tier's arena in the communicator's pool (one

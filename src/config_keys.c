@@ -254,6 +254,9 @@ const struct field config_fields[] = {
     {S_ZINF, "huge_pages", NULL, F_BOOL, OFF(zinf.huge_pages), 0, 0, 0, NULL},
     {S_ZINF, "connect", NULL, F_PATHS, OFF(zinf.connect), 0, 0, 0, NULL},
     {S_ZINF, "job", NULL, F_STR, OFF(zinf.job), 0, 0, 0, NULL},
+    /* zinf train --lora-rank through the daemon: the frozen base read, read-only, from this
+     * job of the daemon's (one copy for every job that names it) */
+    {S_ZINF, "base_job", NULL, F_STR, OFF(zinf.base_job), 0, 0, 0, NULL},
     {S_ZINF, "comm_timeout", NULL, F_UINT, OFF(zinf.comm_timeout), 1, 86400, 0, NULL},
     /* zinf train's CPU ranks: the emulated device arena in the ranks' shared pool, so that
      * their collectives copy once (false: through the staging areas, twice). */

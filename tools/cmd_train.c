@@ -153,7 +153,7 @@ struct param_reader {
 static int read_param(void *ctx, int idx, float *dst)
 {
     const struct param_reader *pr = ctx;
-    zinf_engine *e = trainer_engine(pr->t);
+    zinf_engine *e = trainer_param_engine(pr->t, idx);
     char name[64];
     zinf_tensor h;
     snprintf(name, sizeof(name), "p.%s", pr->d[idx].name);

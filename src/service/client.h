@@ -47,6 +47,8 @@ struct service_job_status {
     uint64_t pins;
     struct zinf_stats stats;
 };
+/* A connection to the daemon on path (client.c; manage.c's too): 0 and *out, or -errno. */
+int service_dial(const char *path, int *out);
 /* Asks the daemon on socket for the jobs the caller may see: 0 and *out (n of them, freed
  * with free()), or -errno (-ENOENT, -ECONNREFUSED: nobody listens). */
 int service_status(const char *socket, struct service_job_status **out, size_t *n);
@@ -54,6 +56,8 @@ int service_status(const char *socket, struct service_job_status **out, size_t *
  * saved (PROTO_JOB_REMOVE), or to stop (PROTO_SHUTDOWN, job NULL): the daemon's answer
  * (proto.h), or -errno of the exchange. */
 int service_manage(const char *socket, int op, const char *job);
+/* The same with the request's u32 flags: JOB_SHARE's (1 share, 0 take back). */
+int service_manage_flags(const char *socket, int op, const char *job, uint32_t flags);
 /* Asks the daemon on socket to stop (root or its uid) and returns once it has: every job
  * flushed and closed, the socket gone, the process exited. 0, or -errno (-EPERM: the caller
  * may not stop it). */

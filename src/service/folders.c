@@ -70,6 +70,36 @@ static int sync_folder(const char *path)
     return r;
 }
 
+int folders_read_shared(const char *path)
+{
+    struct stat st;
+    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dfd < 0) return -errno;
+    int r = fstatat(dfd, FOLDERS_SHARED_FILE, &st, AT_SYMLINK_NOFOLLOW) == 0 ? 0 : -errno;
+    close(dfd);
+    if (r == -ENOENT) return 0;
+    /* Only a plain file the daemon made grants anything. */
+    return r < 0 ? r : S_ISREG(st.st_mode) && st.st_uid == geteuid();
+}
+
+int folders_set_shared(const char *path, bool on)
+{
+    int dfd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dfd < 0) return -errno;
+    int r = 0;
+    if (on) {
+        int fd = openat(dfd, FOLDERS_SHARED_FILE,
+                        O_WRONLY | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0600);
+        if (fd < 0 || fsync(fd) != 0) r = -errno;
+        if (fd >= 0) close(fd);
+    } else if (unlinkat(dfd, FOLDERS_SHARED_FILE, 0) != 0 && errno != ENOENT) {
+        r = -errno;
+    }
+    if (r == 0 && fsync(dfd) != 0) r = -errno;
+    close(dfd);
+    return r;
+}
+
 /* Makes the first folder of a new job, whole or not at all: a hidden folder (no job's name
  * starts with a dot) with the owner file in it, renamed into place. */
 static int make_first_folder(const char *root, const char *path, uid_t uid)

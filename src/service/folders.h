@@ -21,6 +21,9 @@
 #include "config.h"
 
 #define FOLDERS_OWNER_FILE "zinf-owner"
+/* Present (empty, the daemon's) in the first folder of a job its owner shared read-only
+ * (zinf job share): a base that every uid may attach to read-only. */
+#define FOLDERS_SHARED_FILE "zinf-shared"
 
 /* Whether st is a folder of the daemon's (its effective uid) that no one else may write
  * (mode & others == 0). */
@@ -38,6 +41,14 @@ int folders_job(const struct config_paths *roots, const char *name, uid_t uid, u
 /* The uid the owner file of the job folder at path names: 0, -ENOENT where it has none,
  * -EBADMSG where it is not a uid, -errno. Never through a link, never waiting on a FIFO. */
 int folders_read_owner(const char *path, uid_t *owner);
+
+/* Whether the job folder at path holds FOLDERS_SHARED_FILE: 1, 0, or -errno of the folder
+ * (-ENOENT: none). Never through a link. */
+int folders_read_shared(const char *path);
+
+/* Puts FOLDERS_SHARED_FILE in the job folder at path (on) or takes it out, durably: 0 or
+ * -errno. */
+int folders_set_shared(const char *path, bool on);
 
 /* Removes job name's folder under each of roots and what is in it (files only; a folder
  * found inside is left, and -ENOTEMPTY returned), without following a link. The folders

@@ -66,12 +66,27 @@ static int saved_owner(struct service *s, const char *name, uid_t *owner)
  * without s->lock. Another user's saved job is refused (-EACCES) before anything of it is
  * opened: its engine would resume its tensors and take its memory for a HELLO answered
  * -EACCES anyway. */
-static int job_open(struct service *s, struct job *j, uid_t uid, uid_t *owner, char *why,
-                    size_t whylen)
+static int job_open(struct service *s, struct job *j, uid_t uid, bool ro, uid_t *owner,
+                    bool *shared, char *why, size_t whylen)
 {
     uid_t was;
+    char path[4200];
     int so = saved_owner(s, j->name, &was);
-    if (uid != 0 && so == 0 && was != uid) return -EACCES;
+    /* A read-only session is for a base that exists: it never makes a job. */
+    if (ro && so == -ENOENT) {
+        snprintf(why, whylen, "zinf serve: job %.64s refused: there is no such job to attach "
+                 "to read-only", j->name);
+        return -ENOENT;
+    }
+    if (so == 0)
+        snprintf(path, sizeof(path), "%s/%s", s->config->nvme_paths.path[0], j->name);
+    int sh = so == 0 ? folders_read_shared(path) : 0;
+    if (uid != 0 && so == 0 && was != uid && !(ro && sh > 0)) {
+        snprintf(why, whylen, "zinf serve: job %.64s refused: it is uid %u's%s", j->name,
+                 (unsigned)was, ro ? ", not shared (its owner shares it: zinf job share)" : "");
+        return -EACCES;
+    }
+    *shared = sh > 0;
     /* A new folder counts against zinf.serve.saved_jobs_per_uid: each is a STATUS entry and
      * a scan's work for every user, long after its job closed. */
     unsigned folders;
@@ -182,8 +197,8 @@ static void job_gone(struct service *s, struct job *j)
  * held; it is let go while the job opens (no file IO under it), and a HELLO for a job
  * another is opening or closing waits for that. A new job counts against zinf.serve's
  * jobs_per_uid and max_jobs (-EUSERS, why says which; the caller logs it). */
-int serve_job_get(struct service *s, const char *name, uid_t uid, struct job **out, char *why,
-                   size_t whylen)
+int serve_job_get(struct service *s, const char *name, uid_t uid, bool ro, struct job **out,
+                  char *why, size_t whylen)
 {
     struct job *j;
     for (;;) {
@@ -191,6 +206,11 @@ int serve_job_get(struct service *s, const char *name, uid_t uid, struct job **o
             if (!strcmp(j->name, name)) break;
         if (!j || (!j->opening && !j->closing)) break;
         pthread_cond_wait(&s->job_cv, &s->lock);
+    }
+    if (!j && ro && !s->config->nvme_paths.count) {
+        snprintf(why, whylen, "zinf serve: job %.64s refused: it is not open, and a read-only "
+                 "session never makes a job", name);
+        return -ENOENT;
     }
     if (!j && s->stopping) {
         snprintf(why, whylen, "zinf serve: job %.64s refused: the daemon is stopping", name);
@@ -220,7 +240,8 @@ int serve_job_get(struct service *s, const char *name, uid_t uid, struct job **o
         s->jobs = j;
         pthread_mutex_unlock(&s->lock);
         uid_t owner;
-        int r = job_open(s, j, uid, &owner, why, whylen);
+        bool shared = false;
+        int r = job_open(s, j, uid, ro, &owner, &shared, why, whylen);
         pthread_mutex_lock(&s->lock);
         pthread_cond_broadcast(&s->job_cv);
         if (r < 0) {
@@ -230,11 +251,60 @@ int serve_job_get(struct service *s, const char *name, uid_t uid, struct job **o
         }
         j->opening = false;
         j->owner = owner;
+        j->shared = shared;
         j->idle_since = now_ns();
     }
-    if (uid != j->owner && uid != 0) return -EACCES;
+    if (uid != j->owner && uid != 0 && !(ro && j->shared)) {
+        snprintf(why, whylen, "zinf serve: job %.64s refused: it is uid %u's%s", name,
+                 (unsigned)j->owner,
+                 ro ? ", not shared (its owner shares it: zinf job share)" : "");
+        return -EACCES;
+    }
     *out = j;
     return 0;
+}
+
+/* JOB_SHARE (proto.h): the job's owner or root grants (or takes back) read-only sessions
+ * to every uid, kept in the job's first folder; a job in memory only (no swap directory)
+ * must be open, and keeps the grant while it is. A session already attached keeps what it
+ * was given. */
+static int job_share(struct conn *k, const struct proto_request *q)
+{
+    struct service *s = k->svc;
+    bool on = q->flags != 0;
+    struct job *j;
+    int r = 0;
+    pthread_mutex_lock(&s->lock);
+    for (;;) {
+        for (j = s->jobs; j; j = j->next)
+            if (!strcmp(j->name, q->name)) break;
+        if (!j || (!j->opening && !j->closing)) break;
+        pthread_cond_wait(&s->job_cv, &s->lock);
+    }
+    if (j && k->uid != j->owner && k->uid != 0) r = -EACCES;
+    else if (!j && !s->config->nvme_paths.count) r = -ENOENT;
+    /* The file first, then the flag: a grant said done outlives a restart. The lock is held
+     * across the file's few calls so that two requests end in the order they took it. */
+    if (r == 0 && s->config->nvme_paths.count) {
+        char path[4200];
+        uid_t owner = 0;
+        snprintf(path, sizeof(path), "%s/%s", s->config->nvme_paths.path[0], q->name);
+        int o = j ? 0 : folders_read_owner(path, &owner);
+        if (o == -ENOENT && !j) {
+            owner = geteuid();
+            if (access(path, F_OK) != 0) r = -ENOENT;
+        } else if (o < 0) {
+            r = o == -ENOTDIR || o == -ELOOP ? -EACCES : o;
+        }
+        if (r == 0 && !j && k->uid != owner && k->uid != 0) r = -EACCES;
+        if (r == 0) r = folders_set_shared(path, on);
+    }
+    if (r == 0 && j) j->shared = on;
+    pthread_mutex_unlock(&s->lock);
+    if (r == 0)
+        log_notice("serve: job %s %s read-only (asked by uid %u)", q->name,
+                   on ? "shared" : "no longer shared", (unsigned)k->uid);
+    return r;
 }
 
 /* JOB_CLOSE, JOB_REMOVE and SHUTDOWN (proto.h): the job closed (and its folders removed)
@@ -245,6 +315,7 @@ int serve_manage(struct conn *k, const struct proto_request *q)
     struct service *s = k->svc;
     if (q->op == PROTO_SHUTDOWN) return serve_privileged(k->uid) ? 0 : -EPERM;
     if (!serve_job_name_ok(q->name)) return -EINVAL;
+    if (q->op == PROTO_JOB_SHARE) return job_share(k, q);
     bool rm = q->op == PROTO_JOB_REMOVE, was_open = false;
     struct job *j;
     int r = 0;

@@ -201,6 +201,11 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
         proto_get_str(&in, r->name, PROTO_MAX_JOB);
         r->handle = proto_get_u64(&in);
         r->offset = proto_get_u64(&in);
+        /* The flags are sent only when there are some: one encoding per request. */
+        if (in.off < in.len) {
+            r->flags = proto_get_u32(&in);
+            if (!in.bad && (!r->flags || (r->flags & ~PROTO_HELLO_READONLY))) in.bad = true;
+        }
         break;
     case PROTO_REGISTER:
         proto_get_str(&in, r->name, PROTO_MAX_NAME);
@@ -257,6 +262,11 @@ int proto_decode_request(uint16_t op, const uint8_t *p, size_t len, struct proto
     case PROTO_JOB_REMOVE:
         proto_get_str(&in, r->name, PROTO_MAX_JOB);
         break;
+    case PROTO_JOB_SHARE:
+        proto_get_str(&in, r->name, PROTO_MAX_JOB);
+        r->flags = proto_get_u32(&in);
+        if (!in.bad && r->flags > 1) in.bad = true;
+        break;
     case PROTO_SHUTDOWN:
         break;
     case PROTO_STATUS: /* the page after that job's name; none: the first */
@@ -285,6 +295,7 @@ void proto_encode_request(const struct proto_request *r, uint32_t seq, struct pr
         proto_put_str(o, r->name);
         proto_put_u64(o, r->handle);
         proto_put_u64(o, r->offset);
+        if (r->flags) proto_put_u32(o, r->flags);
         break;
     case PROTO_REGISTER:
         proto_put_str(o, r->name);
@@ -337,6 +348,10 @@ void proto_encode_request(const struct proto_request *r, uint32_t seq, struct pr
     case PROTO_JOB_CLOSE:
     case PROTO_JOB_REMOVE:
         proto_put_str(o, r->name);
+        break;
+    case PROTO_JOB_SHARE:
+        proto_put_str(o, r->name);
+        proto_put_u32(o, r->flags);
         break;
     case PROTO_STATUS:
         if (r->name[0]) proto_put_str(o, r->name);

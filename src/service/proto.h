@@ -54,9 +54,13 @@
 #define PROTO_REGION_CUDA 0x102u
 #define PROTO_LIVE_BYTES 4096u
 #define PROTO_REPLY 0x8000u
+/* HELLO's flags: a read-only session (the job's arenas mapped read-only, no pin table,
+ * every call that writes answered -EROFS). */
+#define PROTO_HELLO_READONLY 1u
 
 enum proto_op {
-    /* str job, u64 session, u64 secret (0, 0: a new session; else join that one)
+    /* str job, u64 session, u64 secret (0, 0: a new session; else join that one)[, u32
+     * flags: PROTO_HELLO_READONLY, never 0 when sent]
      * -> u64 session, u64 secret, u32 nregions, nregions x {u32 tier, u64 bytes}; on a
      *    new session the regions' fds ride along with the reply (SCM_RIGHTS), in order */
     PROTO_HELLO = 1,
@@ -102,7 +106,11 @@ enum proto_op {
     PROTO_SHUTDOWN = 24,
     PROTO_TENSOR_INFO = 25, /* u64 handle -> u32 home, u64 bytes (zinf_tensor_info) */
     PROTO_ZERO = 26,        /* u64 handle (zinf_zero) */
-    PROTO_OP_MAX = 26,
+    /* Like JOB_CLOSE, before or instead of HELLO; the job's owner or root. Grants (flags 1)
+     * or takes back (0) read-only HELLOs of every uid to the job: a base that others
+     * fine-tune on. Kept in the job's folder. str job, u32 flags */
+    PROTO_JOB_SHARE = 27,
+    PROTO_OP_MAX = 27,
 };
 
 struct proto_header {
@@ -161,7 +169,7 @@ struct proto_request {
                                       STAGE_PUT/GET/END: the stage */
     uint64_t offset;               /* READ, WRITE, STAGE_*: where; HELLO: the secret */
     uint32_t tier;                 /* FETCH*, RELEASE, PREFETCH; REGISTER: home */
-    uint32_t flags;                /* RELEASE */
+    uint32_t flags;                /* RELEASE, HELLO, JOB_SHARE */
     uint32_t n;                    /* READ, WRITE, STAGE_PUT/GET: bytes; FETCH_ALL: handles */
     uint64_t bytes;                /* STAGE_WRITE, STAGE_READ: the whole range's bytes */
     const uint8_t *data;           /* WRITE: n bytes; FETCH_ALL: n u64 handles (read with memcpy);

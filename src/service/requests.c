@@ -455,11 +455,43 @@ static int do_register(struct session *se, const struct proto_request *q, struct
     return r;
 }
 
+/* Whether request q would change what job j holds (or when it is durable): a read-only
+ * session's is refused. A fetch, a clean release, a prefetch and a step change no byte. */
+static bool writes(const struct proto_request *q)
+{
+    switch (q->op) {
+    case PROTO_REGISTER:
+    case PROTO_UNREGISTER:
+    case PROTO_ZERO:
+    case PROTO_WRITE:
+    case PROTO_STAGE_WRITE:
+    case PROTO_FLUSH:
+        return true;
+    case PROTO_RELEASE:
+        return q->flags != 0;
+    default:
+        return false;
+    }
+}
+
 int serve_request(struct session *se, const struct proto_request *q, struct proto_out *o)
 {
     zinf_engine *e = se->job->e;
     zinf_tensor t;
     int r;
+
+    if (se->readonly && writes(q)) {
+        static const char *const what[] = {
+            [PROTO_REGISTER] = "REGISTER", [PROTO_UNREGISTER] = "UNREGISTER",
+            [PROTO_ZERO] = "ZERO",         [PROTO_WRITE] = "WRITE",
+            [PROTO_STAGE_WRITE] = "WRITE", [PROTO_FLUSH] = "FLUSH",
+            [PROTO_RELEASE] = "dirty RELEASE"};
+        char why[200];
+        snprintf(why, sizeof(why), "job %s: %s refused (-EROFS): the session is read-only, "
+                 "the job its owner's to change", se->job->name, what[q->op]);
+        serve_refusal(se->svc, se->uid, why);
+        return -EROFS;
+    }
 
     switch (q->op) {
     case PROTO_REGISTER:

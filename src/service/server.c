@@ -145,7 +145,7 @@ static bool conn_serve(struct conn *k)
             continue;
         }
         if (r == 0 && (h.op == PROTO_JOB_CLOSE || h.op == PROTO_JOB_REMOVE ||
-                       h.op == PROTO_SHUTDOWN)) {
+                       h.op == PROTO_JOB_SHARE || h.op == PROTO_SHUTDOWN)) {
             free(payload); /* q holds the name */
             r = serve_manage(k, &q);
             if (h.op == PROTO_SHUTDOWN && r == 0) {

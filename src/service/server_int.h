@@ -47,6 +47,9 @@ struct job {
     /* s->lock: being closed (idle, or asked to): a HELLO for it waits, then opens it anew */
     bool closing;
     uid_t owner;       /* while opening: the uid that asked */
+    /* s->lock: its owner lets every uid attach read-only (JOB_SHARE; kept in its folder as
+     * FOLDERS_SHARED_FILE): a base that others fine-tune on */
+    bool shared;
     unsigned sessions; /* s->lock: sessions attached */
     uint64_t idle_since; /* s->lock: now_ns() when its last session left */
     uint64_t retry_at;   /* s->lock: a close whose flush failed is tried again from then */
@@ -83,6 +86,9 @@ struct session {
     uint64_t id, secret;
     struct job *job;
     uid_t uid;
+    /* HELLO's PROTO_HELLO_READONLY: the arenas were handed over read-only, there is no pin
+     * table, and every request that writes the job is refused (-EROFS) */
+    bool readonly;
     unsigned conns; /* s->lock */
     struct session *prev, *next; /* s->sessions */
 
@@ -229,12 +235,14 @@ int serve_files_enough(const struct config_serve *lim, char *err, size_t errlen)
 /* jobs.c */
 bool serve_job_name_ok(const char *n);
 /* The job of that name for uid, opened when first asked for. s->lock held (let go while the
- * job opens); -EUSERS with why where a limit refuses it. */
-int serve_job_get(struct service *s, const char *name, uid_t uid, struct job **out, char *why,
-                  size_t whylen);
+ * job opens); -EUSERS with why where a limit refuses it. Another uid's job is -EACCES (why
+ * says whose), unless ro (a read-only session) and its owner shared it; ro never makes a job
+ * (-ENOENT). */
+int serve_job_get(struct service *s, const char *name, uid_t uid, bool ro, struct job **out,
+                  char *why, size_t whylen);
 /* Closes a closing job's engine, flushed first unless force; without s->lock. */
 int serve_job_shut(struct job *j, const char *why, bool force);
-/* JOB_CLOSE, JOB_REMOVE and SHUTDOWN, asked on k: 0 or -errno, for the reply. */
+/* JOB_CLOSE, JOB_REMOVE, JOB_SHARE and SHUTDOWN, asked on k: 0 or -errno, for the reply. */
 int serve_manage(struct conn *k, const struct proto_request *q);
 /* The sweep's: jobs idle for zinf.serve.idle_job_close start closing. */
 void serve_close_idle_jobs(struct service *s, uint64_t now);

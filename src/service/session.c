@@ -9,11 +9,13 @@
  * connections that carry it (server.c).
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -66,6 +68,28 @@ static void session_free(struct service *s, struct session *se)
     free(se);
 }
 
+/* Read-only descriptions of job j's arenas, for a read-only session: opened O_RDONLY anew
+ * through /proc, so that the client can map them only PROT_READ. The memfds are made the
+ * daemon's alone first (0600): one reopened for writing through the client's own
+ * /proc/self/fd would otherwise be writable by any uid. 0, or -errno with none left open. */
+static int readonly_fds(const struct job *j, int fds[MEM_TIERS])
+{
+    for (int i = 0; i < MEM_TIERS; i++) {
+        char path[64];
+        if (j->reg[i].cuda) continue;
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", j->reg[i].fd);
+        if (fchmod(j->reg[i].fd, 0600) != 0 ||
+            (fds[i] = open(path, O_RDONLY | O_CLOEXEC)) < 0) {
+            int r = -errno;
+            for (int k = 0; k < i; k++)
+                if (fds[k] >= 0) close(fds[k]);
+            fds[i] = -1;
+            return r;
+        }
+    }
+    return 0;
+}
+
 /* The first message of a connection: it starts or joins a session. */
 int serve_hello(struct conn *k, const struct proto_request *q, uint32_t seq)
 {
@@ -102,7 +126,14 @@ int serve_hello(struct conn *k, const struct proto_request *q, uint32_t seq)
          * back below when the session is not made. */
         uc->sessions++;
         struct job *j;
-        r = serve_job_get(s, job, uid, &j, k->why, sizeof(k->why));
+        bool ro = q->flags & PROTO_HELLO_READONLY;
+        r = serve_job_get(s, job, uid, ro, &j, k->why, sizeof(k->why));
+        /* CUDA IPC hands out a GPU arena writable: no read-only session can be had on it. */
+        if (r == 0 && ro && j->reg[0].cuda) {
+            snprintf(k->why, sizeof(k->why), "zinf serve: job %.64s refused: its device tier "
+                     "is a GPU, whose arena cannot be handed over read-only", job);
+            r = -ENOTSUP;
+        }
         if (r == 0 && !(se = calloc(1, sizeof(*se)))) r = -ENOMEM;
         if (r < 0) uc->sessions--;
         if (r == 0) {
@@ -112,12 +143,16 @@ int serve_hello(struct conn *k, const struct proto_request *q, uint32_t seq)
                 se->secret = se->id * 0x9e3779b97f4a7c15ull ^ (uint64_t)now_ns();
             se->job = j;
             se->uid = uid;
+            se->readonly = ro;
             se->conns = 1;
             /* Without a table (the engine serves as many as it can) every call is a
              * message: slower, the same answers. */
             se->live_fd = -1;
             se->stage_limit = s->config->zinf.serve.write_stage_bytes;
-            if (engine_pinset_open(j->e, &se->ps, &se->ps_fd, &se->ps_bytes) < 0) se->ps = NULL;
+            /* A read-only session has none: a table's slots are pins the client writes
+             * itself, and the job's other sessions would wait on whatever it wrote there. */
+            if (ro || engine_pinset_open(j->e, &se->ps, &se->ps_fd, &se->ps_bytes) < 0)
+                se->ps = NULL;
             /* The table's hit path needs to know the session lives. */
             if (se->ps && keeper_live_open(s, se) < 0) {
                 unsigned d, kept, u;
@@ -132,6 +167,15 @@ int serve_hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     pthread_mutex_unlock(&s->lock);
     if (r == -EUSERS) serve_refusal(s, uid, k->why + strlen("zinf serve: "));
     if (r < 0) return r;
+    int rofd[MEM_TIERS];
+    for (int i = 0; i < MEM_TIERS; i++)
+        rofd[i] = -1;
+    if (se->readonly && !sid && (r = readonly_fds(se->job, rofd)) < 0) {
+        log_error("serve: job %s: cannot hand its arenas over read-only: %s", job,
+                  zinf_strerror(r));
+        k->sess = se;
+        return r; /* the caller's end of the connection ends the session */
+    }
     k->sess = se;
 
     struct proto_out o;
@@ -147,7 +191,7 @@ int serve_hello(struct conn *k, const struct proto_request *q, uint32_t seq)
         /* A CUDA arena has no fd: the client opens it with the handle that follows. */
         proto_put_u32(&o, reg[i].cuda ? PROTO_REGION_CUDA : (uint32_t)reg[i].tier);
         proto_put_u64(&o, reg[i].bytes);
-        if (!reg[i].cuda) fds[nfds++] = reg[i].fd;
+        if (!reg[i].cuda) fds[nfds++] = rofd[i] >= 0 ? rofd[i] : reg[i].fd;
     }
     if (se->ps) {
         proto_put_u32(&o, PROTO_REGION_PINS);
@@ -164,6 +208,8 @@ int serve_hello(struct conn *k, const struct proto_request *q, uint32_t seq)
     }
     r = proto_send(k->fd, &o, fds, sid ? 0 : nfds);
     proto_out_free(&o);
+    for (int i = 0; i < MEM_TIERS; i++)
+        if (rofd[i] >= 0) close(rofd[i]);
     if (!sid && se->live_fd >= 0) { /* the mapping holds the memory; an fd less to keep */
         close(se->live_fd);
         se->live_fd = -1;

@@ -534,6 +534,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
      * and ranks is found too, and re-cut into this one on --resume. */
     if (t->zc.nvme_paths.count && !t->remote && (r = train_find_saved(t, err, errlen)) < 0)
         goto fail;
+    if (!t->remote && (r = train_base_open(t, err, errlen)) < 0) goto fail; /* refused */
     if (t->remote) {
         /* Through the daemon, each rank is a job of its own, JOB-rank-R-of-N, all of them in
          * the daemon's one pinned pool and swap directories. */
@@ -550,6 +551,7 @@ int trainer_open(const struct trainer_opts *o, struct trainer **out, char *err, 
             if (r == -ENOENT) r = -ECONNREFUSED; /* a daemon not running is no bad input */
             goto fail;
         }
+        if ((r = train_base_open(t, err, errlen)) < 0) goto fail;
         /* As with a swap directory: a saved run is continued or started over on request,
          * never by accident. */
         zinf_tensor st;
@@ -669,6 +671,7 @@ void trainer_close(struct trainer *t)
         zinf_close_unflushed(t->e);
     else
         zinf_close(t->e);
+    train_base_close(t);
     train_pipe_close(t);
     train_moe_free(t);
     config_free(&t->zc);

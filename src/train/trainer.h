@@ -456,6 +456,9 @@ void trainer_fault_overflow(struct trainer *t);
 /* The trainer's engine, as it is: with an update pending (trainer_step_stats.
  * update_pending), its parameters are the step's before until trainer_finish_update. */
 zinf_engine *trainer_engine(struct trainer *t);
+/* The engine that holds tensor idx's fp32 parameters ("p." + its name): trainer_engine's, or
+ * a LoRA run's base job's (zinf.base_job) for a frozen tensor of the base. */
+zinf_engine *trainer_param_engine(struct trainer *t, int idx);
 /* Across ranks, whether any rank asks to stop (mine: this one does), so that all stop after
  * the same step; with one rank, mine. A failed exchange (a rank died) says stop. */
 bool trainer_any_rank(struct trainer *t, bool mine);

@@ -95,6 +95,9 @@ struct trainer {
     struct gpt_config cfg;
     zinf_engine *e;
     bool remote;      /* e is a client of the daemon on o.connect, attached to o.job */
+    /* zinf.base_job: a read-only client of that job of the daemon's, which holds the frozen
+     * base (LoRA) that every job naming it reads; NULL: the base is in e */
+    zinf_engine *base_e;
     char job[64 + 1]; /* that job's name */
     struct zinf_config zc;
 
@@ -466,6 +469,19 @@ int train_moe_owner(const struct trainer *t, const struct gpt_tensor_desc *d, in
  * (ab 1), -1 where none; train_lora_adapter: tensor i is an adapter; train_lora_init: a new
  * run's values of adapter i; train_lora_scale: alpha / r. */
 int train_lora_opts_check(const struct trainer_opts *o, char *err, size_t errlen);
+/* trainer_base.c: zinf.base_job. train_base_open connects t->base read-only to the base job
+ * (0 without one; refused, naming the key, where the run cannot have one), train_base_close
+ * ends it; train_engine_of: the engine a role's handle of tensor idx is in; train_base_lookup:
+ * the base's tensor prefix + tensor i's name, checked to hold bytes; train_fetch_set:
+ * zinf_fetch_all of set w's handles hs, the base's part from the base. */
+int train_base_open(struct trainer *t, char *err, size_t errlen);
+void train_base_close(struct trainer *t);
+zinf_engine *train_engine_of(const struct trainer *t, int role, int idx);
+int train_base_lookup(struct trainer *t, const char *prefix, int i, size_t bytes,
+                      zinf_tensor *out, char *err, size_t errlen);
+struct wave;
+int train_fetch_set(struct trainer *t, const struct wave *w, const zinf_tensor *hs,
+                    enum zinf_tier tier, void **m);
 int train_lora_count(const struct trainer *t);
 int train_lora_layout(struct trainer *t, char *err, size_t errlen);
 bool train_frozen(const struct trainer *t, int i);

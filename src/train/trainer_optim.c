@@ -425,12 +425,13 @@ static void opt_ask_ahead(struct trainer *t)
 static int digest_idle(struct trainer *t, int i, enum zinf_tier tier, uint64_t *digest)
 {
     zinf_tensor h = train_wave_handle(t, R_P, i);
+    zinf_engine *e = train_engine_of(t, R_P, i); /* a LoRA base may be another job's */
     void *p;
-    int r = zinf_fetch(t->e, h, tier, &p);
+    int r = zinf_fetch(e, h, tier, &p);
     if (r < 0) return r;
     r = digest_tensor(t, i, &p, digest);
     r = train_settle(t, r);
-    zinf_release(t->e, h, tier, 0);
+    zinf_release(e, h, tier, 0);
     return r;
 }
 

@@ -20,11 +20,11 @@
  * NCCL communicator per link (nor ordering of its stream with the compute stream) is needed.
  * NCCL's send and receive between the GPUs (comm/nccl.c has them) would save the two copies
  * over PCIe per message, which matters once the activations are large next to a stage's
- * compute; that is left for later. Tensor-parallel ranks are the CPU's only (their math is
- * gpt_tp.c's), and are refused on GPUs; sequence-parallel ranks run on either (gpt_sp.c's
- * math, and backend_cuda_sp.c's on GPUs, whose gradients are summed over the group's NCCL
- * link). MoE blocks run in GPU stages as in CPU ones: their balancing losses are the host
- * route's (moe_aux gathers them), the gradient they pull back is the backend's d that
+ * compute; that is left for later. Tensor- and sequence-parallel ranks run on either: the
+ * CPU's math (gpt_tp.c, gpt_sp.c) or the CUDA backend's (backend_cuda_tp.c,
+ * backend_cuda_sp.c), whose collectives go over the group's NCCL link (L_TPD, L_SPD) on
+ * device memory. MoE blocks run in GPU stages as in CPU ones: their balancing losses are
+ * the host route's (moe_aux gathers them), the gradient they pull back is the backend's d that
  * grad_io fills and empties, and the experts' exchange between a stage's copies stages
  * through host buffers over the copies' host communicator.
  *

@@ -324,7 +324,7 @@ int train_wave_fetch(struct trainer *t, const struct wave *w, enum zinf_tier tie
     void *m[WAVE_MAX];
     for (int i = 0; i < w->n; i++)
         hs[i] = train_wave_handle(t, (enum role)w->role[i], w->idx[i]);
-    int r = zinf_fetch_all(t->e, hs, (size_t)w->n, tier, m);
+    int r = train_fetch_set(t, w, hs, tier, m);
     if (r < 0) return r; /* nothing is pinned */
     int blk = -1;
     for (int i = 0; i < w->n && r == 0; i++)
@@ -404,12 +404,13 @@ int train_wave_release(struct trainer *t, const struct wave *w, enum zinf_tier t
     }
     for (int i = 0; i < w->n; i++) {
         zinf_tensor h = train_wave_handle(t, (enum role)w->role[i], w->idx[i]);
+        zinf_engine *e = train_engine_of(t, w->role[i], w->idx[i]);
         bool spent = ok && w->spent[i];
-        int x = spent ? zinf_release(t->e, h, tier, ZINF_RELEASE_ZERO) : 0;
+        int x = spent ? zinf_release(e, h, tier, ZINF_RELEASE_ZERO) : 0;
         /* A spent member that another caller still holds (or that is homed elsewhere after
          * all) keeps its content: released clean, as before. */
         if (!spent || x == -EINVAL || x == -EBUSY)
-            x = zinf_release(t->e, h, tier, ok && w->dirty[i] ? ZINF_RELEASE_DIRTY : 0);
+            x = zinf_release(e, h, tier, ok && w->dirty[i] ? ZINF_RELEASE_DIRTY : 0);
         if (x < 0 && r == 0) r = x;
     }
     return r;

@@ -463,6 +463,12 @@ int train_register_all(struct trainer *t, char *err, size_t errlen)
             if (train_frozen(t, i) && kinds[k] != R_P && kinds[k] != R_W) continue;
             enum zinf_tier home = role_home(t, kinds[k], i);
             bytes = train_role_bytes(t, kinds[k], i);
+            /* A base of another job's (zinf.base_job) is looked up there, never made. */
+            if (train_engine_of(t, kinds[k], i) != t->e) {
+                if ((r = train_base_lookup(t, prefix[k], i, bytes, out[k], err, errlen)) < 0)
+                    return r;
+                continue;
+            }
             r = reg(t, prefix[k], n, bytes, home, out[k]);
             if (r == 0 && t->o.resume) {
                 char full[96];
@@ -596,6 +602,7 @@ int train_write_params(struct trainer *t, trainer_param_source get, void *ctx)
     size_t cap = 0;
     int r = 0;
     for (int i = 0; i < t->ntensors && r == 0; i++) {
+        if (train_engine_of(t, R_P, i) != t->e) continue; /* the base job's, as it is */
         size_t n = t->desc[i].numel;
         bool shard = train_stage_of(t, i) >= 3;
         size_t lo = shard ? train_shard_lo(t, i) : 0, sh = shard ? train_shard_of(t, i) : n;
