@@ -1059,13 +1059,14 @@ Test(config, print_lists_every_setting_and_the_engine_options)
     size_t lines = 0;
     for (const char *s = text; *s; s++)
         lines += *s == '\n';
-    /* settings, zinf.train, zinf.serve, the training keys, the model-parallel ones
-     * (pipeline.stages, pipeline.partition, zinf.train.pipeline_cut,
+    /* settings (zinf.base_job among them), zinf.train, zinf.serve, the training keys, the
+     * model-parallel ones (pipeline.stages, pipeline.partition, zinf.train.pipeline_cut,
      * tensor_parallel.autotp_size, sequence_parallel_size), the moe section (its
      * eval_capacity_factor is ignored), activation_checkpointing.cpu_checkpointing and
      * zinf.train.activation_offload (the section's others are ignored), DeepSpeed's
      * deprecated cpu_offload and cpu_offload_param, zinf.optimizer_state_dtype, header, engine */
-    cr_expect_eq(lines, 29 + 11 + 13 + 52 + 5 + 10 + 2 + 2 + 1 + 1 + 8, "%s", text);
+    cr_expect_eq(lines, 30 + 11 + 13 + 52 + 5 + 10 + 2 + 2 + 1 + 1 + 8, "%zu lines: %s", lines,
+                 text);
     free(text);
     config_free(&c);
 }
