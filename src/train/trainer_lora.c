@@ -167,6 +167,13 @@ int train_lora_state(struct trainer *t, char *err, size_t errlen)
     char a[96], b[96];
     int r;
     if (!t->o.resume) {
+        /* Through the daemon, --overwrite starts the job over: a LoRA run's settings left in
+         * it would be taken again (or make a run without adapters look like one). */
+        if (t->remote && t->o.overwrite && zinf_lookup(t->e, LORA_NAME, &h) == 0 &&
+            (r = zinf_unregister(t->e, h)) < 0) {
+            snprintf(err, errlen, "%s: %s", LORA_NAME, zinf_strerror(r));
+            return r;
+        }
         if (!l->r) return 0;
         if ((r = zinf_register(t->e, LORA_NAME, sizeof(want), home, &h)) == 0)
             r = zinf_write(t->e, h, 0, &want, sizeof(want));
