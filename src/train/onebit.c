@@ -55,7 +55,10 @@ size_t onebit_padded(size_t n, int world)
  * fmaf, sqrtf and the divisions are correctly rounded either way, so both give the same
  * bits; the vector one is several times faster than the baseline's calls of fmaf. A sign
  * times a scale is +-scale exactly, which is how they are written. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) &&                         \
+    !defined(__SANITIZE_THREAD__) && !defined(__SANITIZE_ADDRESS__)
+/* (Not under the sanitizers: the clones' resolvers run while the program is relocated,
+ * before a sanitizer's runtime is up, and an instrumented one crashes there.) */
 #define ELEMENTWISE __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
 #define ELEMENTWISE
